@@ -1,0 +1,402 @@
+//! The block directory: which worker holds which KV block, in which tier and codec.
+//!
+//! This is the replicated state machine that the kvstore serves (DESIGN §6). It owns two maps: block hash →
+//! residencies, and worker id → worker record. Workers send batches of block events stamped with their epoch and a
+//! per-worker monotonic sequence number; the directory applies each event at most once, ignores replays, and reports a
+//! gap (so the kvstore can ask that worker for a full snapshot) instead of guessing. It is a plain struct with one
+//! owner: replication (raft) and transport live elsewhere and only call [`BlockDirectory::apply`].
+
+use std::collections::{BTreeMap, HashMap};
+
+use thiserror::Error;
+
+/// A chain hash of one full block of tokens (DESIGN §2).
+pub type BlockHash = u64;
+
+/// A worker's identity in the directory.
+pub type WorkerId = String;
+
+/// Where a block copy lives on a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    Device,
+    Host,
+    Disk,
+}
+
+/// One copy of a block on one worker.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Residency {
+    pub worker: WorkerId,
+    pub tier: Tier,
+    /// Codec name (`f32`, `f16`, `int8`, ...); part of the identity: two codecs are two copies.
+    pub codec: String,
+    pub bytes: u64,
+}
+
+/// What happened to one block on a worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BlockEvent {
+    Stored {
+        hash: BlockHash,
+        tier: Tier,
+        codec: String,
+        bytes: u64,
+    },
+    Removed {
+        hash: BlockHash,
+        tier: Tier,
+        codec: String,
+    },
+    /// The worker dropped everything (restart without a durable tier, or an explicit clear).
+    Cleared,
+}
+
+/// A batch of events from one worker: events carry sequence numbers `first_seq, first_seq + 1, ...`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventBatch {
+    pub worker: WorkerId,
+    pub epoch: u64,
+    pub first_seq: u64,
+    pub events: Vec<BlockEvent>,
+}
+
+/// The directory's record of a worker.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerRecord {
+    pub address: String,
+    pub epoch: u64,
+    /// The last sequence number applied in `epoch` (0 = none yet; sequences start at 1).
+    pub applied_seq: u64,
+    pub blocks: u64,
+}
+
+/// What applying a batch did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApplyOutcome {
+    /// `applied` new events; `skipped` were replays of already-applied sequence numbers.
+    Applied { applied: usize, skipped: usize },
+    /// The batch starts after the next expected sequence number: events were lost in between. Nothing was applied;
+    /// the worker must send a snapshot.
+    Gap { expected: u64, got: u64 },
+}
+
+/// Errors from directory operations.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum DirectoryError {
+    #[error("worker {0:?} is not registered")]
+    UnknownWorker(WorkerId),
+    #[error("batch from worker {worker:?} has stale epoch {got} (current {current})")]
+    StaleEpoch { worker: WorkerId, got: u64, current: u64 },
+    #[error("sequence numbers start at 1; got first_seq 0 from worker {0:?}")]
+    ZeroSequence(WorkerId),
+}
+
+/// Hash → residencies, plus the worker table.
+#[derive(Debug, Default)]
+pub struct BlockDirectory {
+    blocks: HashMap<BlockHash, Vec<Residency>>,
+    workers: BTreeMap<WorkerId, WorkerRecord>,
+}
+
+impl BlockDirectory {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a worker, or re-registers it with a new epoch. A new epoch means the worker restarted: its device
+    /// and host copies are gone (disk copies are re-announced by the worker's snapshot), so all its residencies are
+    /// dropped and sequence numbering restarts.
+    pub fn register_worker(&mut self, worker: &str, address: &str, epoch: u64) -> Result<(), DirectoryError> {
+        if let Some(record) = self.workers.get(worker) {
+            if epoch < record.epoch {
+                return Err(DirectoryError::StaleEpoch {
+                    worker: worker.to_string(),
+                    got: epoch,
+                    current: record.epoch,
+                });
+            }
+            if epoch == record.epoch {
+                if let Some(record) = self.workers.get_mut(worker) {
+                    record.address = address.to_string();
+                }
+                return Ok(());
+            }
+        }
+        self.drop_worker_residency(worker);
+        self.workers.insert(
+            worker.to_string(),
+            WorkerRecord { address: address.to_string(), epoch, applied_seq: 0, blocks: 0 },
+        );
+        Ok(())
+    }
+
+    /// Removes a worker and every block copy it held (lease loss, DESIGN §6).
+    pub fn remove_worker(&mut self, worker: &str) -> bool {
+        self.drop_worker_residency(worker);
+        self.workers.remove(worker).is_some()
+    }
+
+    /// Applies a batch idempotently: replayed sequence numbers are skipped, a gap applies nothing.
+    pub fn apply(&mut self, batch: &EventBatch) -> Result<ApplyOutcome, DirectoryError> {
+        let record =
+            self.workers.get(&batch.worker).ok_or_else(|| DirectoryError::UnknownWorker(batch.worker.clone()))?;
+        if batch.epoch != record.epoch {
+            return Err(DirectoryError::StaleEpoch {
+                worker: batch.worker.clone(),
+                got: batch.epoch,
+                current: record.epoch,
+            });
+        }
+        if batch.first_seq == 0 {
+            return Err(DirectoryError::ZeroSequence(batch.worker.clone()));
+        }
+        let expected = record.applied_seq + 1;
+        if batch.first_seq > expected {
+            return Ok(ApplyOutcome::Gap { expected, got: batch.first_seq });
+        }
+        let already = (expected - batch.first_seq) as usize;
+        let skipped = already.min(batch.events.len());
+        let fresh = &batch.events[skipped..];
+        for event in fresh {
+            self.apply_one(&batch.worker, event);
+        }
+        if let Some(record) = self.workers.get_mut(&batch.worker) {
+            record.applied_seq += fresh.len() as u64;
+        }
+        Ok(ApplyOutcome::Applied { applied: fresh.len(), skipped })
+    }
+
+    /// Replaces everything known about a worker with a full snapshot taken at `seq` (after a gap).
+    pub fn apply_snapshot(
+        &mut self,
+        worker: &str,
+        epoch: u64,
+        seq: u64,
+        residency: &[(BlockHash, Tier, String, u64)],
+    ) -> Result<(), DirectoryError> {
+        let current = self.workers.get(worker).ok_or_else(|| DirectoryError::UnknownWorker(worker.to_string()))?.epoch;
+        if epoch != current {
+            return Err(DirectoryError::StaleEpoch { worker: worker.to_string(), got: epoch, current });
+        }
+        self.drop_worker_residency(worker);
+        for (hash, tier, codec, bytes) in residency {
+            self.apply_one(
+                worker,
+                &BlockEvent::Stored { hash: *hash, tier: *tier, codec: codec.clone(), bytes: *bytes },
+            );
+        }
+        if let Some(record) = self.workers.get_mut(worker) {
+            record.applied_seq = seq;
+        }
+        Ok(())
+    }
+
+    /// Every copy of a block, in a stable order.
+    pub fn residency(&self, hash: BlockHash) -> &[Residency] {
+        self.blocks.get(&hash).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// How many leading blocks of `chain` each worker holds in any tier: the prefix-match length per worker.
+    pub fn prefix_matches(&self, chain: &[BlockHash]) -> BTreeMap<WorkerId, usize> {
+        let mut matched: BTreeMap<WorkerId, usize> = BTreeMap::new();
+        for (i, hash) in chain.iter().enumerate() {
+            let mut any = false;
+            for r in self.residency(*hash) {
+                let entry = matched.entry(r.worker.clone()).or_insert(0);
+                // A worker only extends its match if it held every earlier block too.
+                if *entry == i {
+                    *entry = i + 1;
+                    any = true;
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+        matched.retain(|_, n| *n > 0);
+        matched
+    }
+
+    pub fn worker(&self, worker: &str) -> Option<&WorkerRecord> {
+        self.workers.get(worker)
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = (&WorkerId, &WorkerRecord)> {
+        self.workers.iter()
+    }
+
+    /// Number of distinct block hashes with at least one copy.
+    pub fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn apply_one(&mut self, worker: &str, event: &BlockEvent) {
+        match event {
+            BlockEvent::Stored { hash, tier, codec, bytes } => {
+                let copies = self.blocks.entry(*hash).or_default();
+                let exists = copies.iter().any(|r| r.worker == worker && r.tier == *tier && &r.codec == codec);
+                if !exists {
+                    copies.push(Residency {
+                        worker: worker.to_string(),
+                        tier: *tier,
+                        codec: codec.clone(),
+                        bytes: *bytes,
+                    });
+                    copies.sort();
+                    self.adjust_block_count(worker, 1);
+                }
+            }
+            BlockEvent::Removed { hash, tier, codec } => {
+                let mut removed = false;
+                if let Some(copies) = self.blocks.get_mut(hash) {
+                    let before = copies.len();
+                    copies.retain(|r| !(r.worker == worker && r.tier == *tier && &r.codec == codec));
+                    removed = copies.len() != before;
+                    if copies.is_empty() {
+                        self.blocks.remove(hash);
+                    }
+                }
+                if removed {
+                    self.adjust_block_count(worker, -1);
+                }
+            }
+            BlockEvent::Cleared => self.drop_worker_residency(worker),
+        }
+    }
+
+    fn adjust_block_count(&mut self, worker: &str, delta: i64) {
+        if let Some(record) = self.workers.get_mut(worker) {
+            record.blocks = record.blocks.saturating_add_signed(delta);
+        }
+    }
+
+    fn drop_worker_residency(&mut self, worker: &str) {
+        self.blocks.retain(|_, copies| {
+            copies.retain(|r| r.worker != worker);
+            !copies.is_empty()
+        });
+        if let Some(record) = self.workers.get_mut(worker) {
+            record.blocks = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hash: BlockHash, tier: Tier) -> BlockEvent {
+        BlockEvent::Stored { hash, tier, codec: "f32".into(), bytes: 8192 }
+    }
+
+    fn batch(worker: &str, epoch: u64, first_seq: u64, events: Vec<BlockEvent>) -> EventBatch {
+        EventBatch { worker: worker.into(), epoch, first_seq, events }
+    }
+
+    #[test]
+    fn replayed_events_apply_once() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w1", "127.0.0.1:1", 1).unwrap();
+        let b = batch("w1", 1, 1, vec![stored(10, Tier::Device), stored(11, Tier::Device)]);
+        assert_eq!(dir.apply(&b).unwrap(), ApplyOutcome::Applied { applied: 2, skipped: 0 });
+        assert_eq!(dir.apply(&b).unwrap(), ApplyOutcome::Applied { applied: 0, skipped: 2 });
+        // Overlapping batch: seq 2 is a replay, seq 3 is new.
+        let overlap = batch(
+            "w1",
+            1,
+            2,
+            vec![stored(11, Tier::Device), BlockEvent::Removed { hash: 10, tier: Tier::Device, codec: "f32".into() }],
+        );
+        assert_eq!(dir.apply(&overlap).unwrap(), ApplyOutcome::Applied { applied: 1, skipped: 1 });
+        assert!(dir.residency(10).is_empty());
+        assert_eq!(dir.residency(11).len(), 1);
+        assert_eq!(dir.worker("w1").unwrap().blocks, 1);
+        assert_eq!(dir.worker("w1").unwrap().applied_seq, 3);
+    }
+
+    #[test]
+    fn a_gap_applies_nothing_and_a_snapshot_heals_it() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w1", "a", 1).unwrap();
+        dir.apply(&batch("w1", 1, 1, vec![stored(1, Tier::Device)])).unwrap();
+        let out = dir.apply(&batch("w1", 1, 5, vec![stored(2, Tier::Device)])).unwrap();
+        assert_eq!(out, ApplyOutcome::Gap { expected: 2, got: 5 });
+        assert!(dir.residency(2).is_empty());
+        dir.apply_snapshot("w1", 1, 5, &[(2, Tier::Host, "int8".into(), 100)]).unwrap();
+        assert!(dir.residency(1).is_empty());
+        assert_eq!(dir.residency(2)[0].tier, Tier::Host);
+        assert_eq!(
+            dir.apply(&batch("w1", 1, 6, vec![stored(3, Tier::Device)])).unwrap(),
+            ApplyOutcome::Applied { applied: 1, skipped: 0 }
+        );
+    }
+
+    #[test]
+    fn new_epoch_drops_residency_and_stale_epochs_are_rejected() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w1", "a", 1).unwrap();
+        dir.apply(&batch("w1", 1, 1, vec![stored(1, Tier::Device)])).unwrap();
+        dir.register_worker("w1", "a", 2).unwrap();
+        assert!(dir.residency(1).is_empty());
+        assert_eq!(dir.worker("w1").unwrap().applied_seq, 0);
+        let err = dir.apply(&batch("w1", 1, 2, vec![stored(1, Tier::Device)])).unwrap_err();
+        assert!(matches!(err, DirectoryError::StaleEpoch { got: 1, current: 2, .. }));
+        assert!(dir.register_worker("w1", "a", 1).is_err());
+        assert_eq!(
+            dir.apply(&batch("nobody", 1, 1, vec![])).unwrap_err(),
+            DirectoryError::UnknownWorker("nobody".into())
+        );
+        assert_eq!(dir.apply(&batch("w1", 2, 0, vec![])).unwrap_err(), DirectoryError::ZeroSequence("w1".into()));
+    }
+
+    #[test]
+    fn prefix_matches_require_contiguous_blocks() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("a", "a", 1).unwrap();
+        dir.register_worker("b", "b", 1).unwrap();
+        dir.apply(&batch("a", 1, 1, vec![stored(1, Tier::Device), stored(2, Tier::Host), stored(3, Tier::Disk)]))
+            .unwrap();
+        // b holds blocks 1 and 3 but not 2: its match stops at 1.
+        dir.apply(&batch("b", 1, 1, vec![stored(1, Tier::Device), stored(3, Tier::Device)])).unwrap();
+        let m = dir.prefix_matches(&[1, 2, 3, 4]);
+        assert_eq!(m.get("a"), Some(&3));
+        assert_eq!(m.get("b"), Some(&1));
+        assert!(dir.prefix_matches(&[9, 1]).is_empty());
+    }
+
+    #[test]
+    fn removing_a_worker_removes_its_copies_only() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("a", "a", 1).unwrap();
+        dir.register_worker("b", "b", 1).unwrap();
+        dir.apply(&batch("a", 1, 1, vec![stored(1, Tier::Device), stored(2, Tier::Device)])).unwrap();
+        dir.apply(&batch("b", 1, 1, vec![stored(1, Tier::Host)])).unwrap();
+        assert!(dir.remove_worker("a"));
+        assert_eq!(dir.block_count(), 1);
+        assert_eq!(dir.residency(1)[0].worker, "b");
+        dir.apply(&batch("b", 1, 2, vec![BlockEvent::Cleared])).unwrap();
+        assert_eq!(dir.block_count(), 0);
+        assert_eq!(dir.worker("b").unwrap().blocks, 0);
+    }
+
+    #[test]
+    fn duplicate_stores_and_unknown_removes_do_not_skew_counts() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("a", "a", 1).unwrap();
+        dir.apply(&batch(
+            "a",
+            1,
+            1,
+            vec![
+                stored(1, Tier::Device),
+                stored(1, Tier::Device),
+                BlockEvent::Removed { hash: 99, tier: Tier::Device, codec: "f32".into() },
+                stored(1, Tier::Host),
+            ],
+        ))
+        .unwrap();
+        assert_eq!(dir.worker("a").unwrap().blocks, 2);
+        assert_eq!(dir.residency(1).len(), 2);
+    }
+}
