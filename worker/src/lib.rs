@@ -1,0 +1,4 @@
+//! Pagoda worker.
+pub mod model;
+pub mod cache;
+pub mod sampling;
