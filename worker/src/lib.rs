@@ -2,3 +2,4 @@
 pub mod model;
 pub mod cache;
 pub mod sampling;
+pub mod scheduler;

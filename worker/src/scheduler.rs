@@ -1,0 +1,492 @@
+//! Continuous batching with a per-step token budget and chunked prefill (vLLM v1 style), independent of the
+//! model: it decides *which tokens of which sequences* the next forward step computes and keeps the KV block
+//! bookkeeping ([`BlockPool`], [`SeqBlocks`]) in step.
+//!
+//! One step ([`Scheduler::schedule`]):
+//! 1. running sequences that are decoding (one uncomputed token) go first, oldest first;
+//! 2. running sequences still in (chunked) prefill take chunks from what is left of the budget;
+//! 3. waiting sequences are admitted in FIFO order while budget and `max_running` allow: the prefix index is
+//!    consulted, matched block groups are adopted and their tokens are not computed.
+//!
+//! When a running sequence cannot get blocks, the youngest running sequence is preempted by recompute: its
+//! blocks are freed (full groups stay in the prefix cache, so resuming is usually cheap) and it goes back to
+//! the front of the waiting queue with prompt + generated tokens; it resumes without losing or duplicating
+//! tokens. A request whose worst case cannot fit the pool is refused at [`Scheduler::add`], so the oldest
+//! sequence always fits on its own and scheduling never deadlocks.
+//!
+//! The caller runs the forward step for the returned [`StepPlan`], calls [`Scheduler::complete_step`], then
+//! for every entry with `wants_logits` samples a token and calls [`Scheduler::append_token`].
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::cache::{BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
+
+pub type SeqId = u64;
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// A stop token (eos or a request stop id) was generated.
+    Stop,
+    /// `max_tokens` or the model context length was reached.
+    Length,
+    /// The client cancelled (or went away).
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Tokens computed per step, over all sequences.
+    pub max_step_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+    pub enable_prefix_cache: bool,
+    /// The model context length: a sequence never holds more tokens.
+    pub max_model_len: usize,
+    /// Salts the prefix chain hash.
+    pub model_id: String,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> SchedulerConfig {
+        SchedulerConfig {
+            max_step_tokens: 512,
+            max_running: 64,
+            enable_prefix_cache: true,
+            max_model_len: 8192,
+            model_id: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens; the model context length is {max_model_len}")]
+    PromptTooLong { prompt: usize, max_model_len: usize },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("the request needs up to {needed} KV blocks but the pool has {capacity}")]
+    TooLargeForPool { needed: usize, capacity: usize },
+    #[error("unknown sequence {0}")]
+    UnknownSeq(SeqId),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
+
+/// What to add.
+#[derive(Debug, Clone)]
+pub struct SeqRequest<P> {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub namespace: String,
+    pub payload: P,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+}
+
+/// A request being served: its tokens, its cache, and the caller's payload.
+#[derive(Debug)]
+pub struct Sequence<P> {
+    id: SeqId,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    namespace: String,
+    /// Tokens whose K/V are in the cache (= RoPE position of the next token to compute).
+    num_computed: usize,
+    blocks: SeqBlocks,
+    hashes: Vec<u64>,
+    /// Prompt tokens served from the prefix cache at first admission.
+    cached_tokens: usize,
+    admitted: bool,
+    preemptions: u32,
+    status: SeqStatus,
+    pub payload: P,
+}
+
+impl<P> Sequence<P> {
+    pub fn id(&self) -> SeqId {
+        self.id
+    }
+    /// Prompt followed by generated tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+    pub fn num_computed(&self) -> usize {
+        self.num_computed
+    }
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+    pub fn preemptions(&self) -> u32 {
+        self.preemptions
+    }
+    pub fn status(&self) -> SeqStatus {
+        self.status
+    }
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    pub fn blocks(&self) -> &SeqBlocks {
+        &self.blocks
+    }
+    /// Block tables per (layer, kv-head).
+    pub fn tables(&self) -> &[Vec<u32>] {
+        self.blocks.tables()
+    }
+    /// Cache lengths per (layer, kv-head) before the current step.
+    pub fn lens(&self) -> &[usize] {
+        self.blocks.lens()
+    }
+}
+
+/// One sequence's share of a step: compute `tokens[start..start + n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub seq: SeqId,
+    pub start: usize,
+    pub n: usize,
+    /// The chunk reaches the last token: sample the next one from its logits.
+    pub wants_logits: bool,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct StepPlan {
+    pub seqs: Vec<ScheduledSeq>,
+    /// Sequences preempted while planning this step.
+    pub preempted: Vec<SeqId>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.n).sum()
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SchedStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub computed_tokens_total: u64,
+    pub cached_tokens_total: u64,
+    pub preemptions_total: u64,
+    pub steps_total: u64,
+}
+
+pub struct Scheduler<P> {
+    cfg: SchedulerConfig,
+    layout: CacheLayout,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, Sequence<P>>,
+    waiting: VecDeque<SeqId>,
+    /// Admission order: oldest first, so the youngest is last.
+    running: Vec<SeqId>,
+    next_id: SeqId,
+    stats: SchedStats,
+}
+
+impl<P> Scheduler<P> {
+    pub fn new(cfg: SchedulerConfig, layout: CacheLayout, num_blocks: usize) -> Scheduler<P> {
+        Scheduler {
+            cfg,
+            layout,
+            pool: BlockPool::new(num_blocks),
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            stats: SchedStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+    pub fn layout(&self) -> CacheLayout {
+        self.layout
+    }
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+    pub fn stats(&self) -> SchedStats {
+        SchedStats { running: self.running.len(), waiting: self.waiting.len(), ..self.stats }
+    }
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+    pub fn get(&self, id: SeqId) -> Option<&Sequence<P>> {
+        self.seqs.get(&id)
+    }
+    pub fn get_mut(&mut self, id: SeqId) -> Option<&mut Sequence<P>> {
+        self.seqs.get_mut(&id)
+    }
+    pub fn running_ids(&self) -> &[SeqId] {
+        &self.running
+    }
+    pub fn waiting_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.waiting.iter().copied()
+    }
+    /// Every sequence (waiting or running), in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = &Sequence<P>> {
+        self.seqs.values()
+    }
+
+    /// Checks that a request with this prompt length and `max_tokens` can ever run on this pool.
+    pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<(), SchedError> {
+        check_fits(&self.cfg, self.layout, self.pool.num_blocks(), prompt_len, max_tokens)
+    }
+
+    /// Queues a request (FIFO). Fails cleanly when it could never fit.
+    pub fn add(&mut self, req: SeqRequest<P>) -> Result<SeqId, SchedError> {
+        self.check_fits(req.prompt.len(), req.max_tokens)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = Sequence {
+            id,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            max_tokens: req.max_tokens,
+            stop_token_ids: req.stop_token_ids,
+            namespace: req.namespace,
+            num_computed: 0,
+            blocks: SeqBlocks::new(self.layout),
+            hashes: Vec::new(),
+            cached_tokens: 0,
+            admitted: false,
+            preemptions: 0,
+            status: SeqStatus::Waiting,
+            payload: req.payload,
+        };
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Plans the next step. An empty plan means there is nothing to do.
+    pub fn schedule(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_step_tokens.max(1);
+
+        // 1. decodes, 2. prefill chunks of running sequences.
+        for decode_pass in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let id = self.running[i];
+                let Some(seq) = self.seqs.get(&id) else {
+                    self.running.remove(i);
+                    continue;
+                };
+                let remaining = seq.tokens.len() - seq.num_computed;
+                if remaining == 0 || (remaining == 1) != decode_pass || plan.seqs.iter().any(|s| s.seq == id) {
+                    i += 1;
+                    continue;
+                }
+                let n = remaining.min(budget);
+                if self.reserve_or_preempt(id, n, &mut plan, &mut budget) {
+                    let seq = &self.seqs[&id];
+                    plan.seqs.push(ScheduledSeq {
+                        seq: id,
+                        start: seq.num_computed,
+                        n,
+                        wants_logits: seq.num_computed + n == seq.tokens.len(),
+                    });
+                    budget -= n;
+                    i += 1;
+                }
+                // Otherwise `id` preempted itself and left `running`; index i now names the next one.
+            }
+        }
+
+        // 3. admit waiting sequences (not in a step that had to preempt).
+        while plan.preempted.is_empty() && budget > 0 && self.running.len() < self.cfg.max_running.max(1) {
+            let Some(&id) = self.waiting.front() else { break };
+            let Some(n) = self.try_admit(id, budget) else { break };
+            self.waiting.pop_front();
+            self.running.push(id);
+            let seq = &self.seqs[&id];
+            plan.seqs.push(ScheduledSeq {
+                seq: id,
+                start: seq.num_computed,
+                n,
+                wants_logits: seq.num_computed + n == seq.tokens.len(),
+            });
+            budget -= n;
+        }
+        plan
+    }
+
+    /// Reserves room for `n` tokens of running sequence `id`, preempting the youngest running sequences while
+    /// blocks are short. Returns false when `id` itself had to be preempted.
+    fn reserve_or_preempt(&mut self, id: SeqId, n: usize, plan: &mut StepPlan, budget: &mut usize) -> bool {
+        loop {
+            let Some(seq) = self.seqs.get_mut(&id) else { return false };
+            match seq.blocks.reserve(&mut self.pool, n) {
+                Ok(()) => return true,
+                Err(_) => {
+                    let Some(&victim) = self.running.last() else { return false };
+                    if let Some(pos) = plan.seqs.iter().position(|s| s.seq == victim) {
+                        *budget += plan.seqs[pos].n;
+                        plan.seqs.remove(pos);
+                    }
+                    self.preempt(victim);
+                    plan.preempted.push(victim);
+                    if victim == id {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Frees a running sequence's blocks and puts it at the front of the waiting queue.
+    fn preempt(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            Self::release_blocks(&self.cfg, &mut self.pool, seq);
+            seq.num_computed = 0;
+            seq.preemptions += 1;
+            seq.status = SeqStatus::Waiting;
+            self.stats.preemptions_total += 1;
+        }
+        self.waiting.push_front(id);
+    }
+
+    /// Prefix lookup + first chunk reservation for waiting sequence `id`. Returns the chunk length, or None
+    /// (with nothing held) when the pool cannot take it now.
+    fn try_admit(&mut self, id: SeqId, budget: usize) -> Option<usize> {
+        let seq = self.seqs.get_mut(&id)?;
+        debug_assert!(seq.blocks.is_empty());
+        let bs = self.layout.block_size;
+        let mut matched_tokens = 0;
+        if self.cfg.enable_prefix_cache {
+            extend_block_hashes(&self.cfg.model_id, &seq.namespace, &seq.tokens, bs, &mut seq.hashes);
+            // Leave at least one token to compute: its logits give the next token.
+            let max_groups = ((seq.tokens.len() - 1) / bs).min(seq.hashes.len());
+            let matched = seq.blocks.adopt(&mut self.pool, &seq.hashes[..max_groups]).ok()?;
+            matched_tokens = matched * bs;
+        }
+        seq.num_computed = matched_tokens;
+        let n = (seq.tokens.len() - matched_tokens).min(budget);
+        if seq.blocks.reserve(&mut self.pool, n).is_err() {
+            // Keep its cached prefix evictable by others; it will match again when it fits.
+            let _ = seq.blocks.free(&mut self.pool);
+            seq.num_computed = 0;
+            return None;
+        }
+        if !seq.admitted {
+            seq.admitted = true;
+            seq.cached_tokens = matched_tokens;
+        }
+        seq.status = SeqStatus::Running;
+        self.stats.cached_tokens_total += matched_tokens as u64;
+        Some(n)
+    }
+
+    /// Records that the plan's tokens were computed: advances cache lengths and publishes newly full groups.
+    pub fn complete_step(&mut self, plan: &StepPlan) {
+        self.stats.steps_total += 1;
+        for s in &plan.seqs {
+            let Some(seq) = self.seqs.get_mut(&s.seq) else { continue };
+            if seq.num_computed != s.start {
+                continue;
+            }
+            seq.num_computed += s.n;
+            seq.blocks.advance(s.n);
+            self.stats.computed_tokens_total += s.n as u64;
+            if self.cfg.enable_prefix_cache {
+                let done = &seq.tokens[..seq.num_computed];
+                extend_block_hashes(&self.cfg.model_id, &seq.namespace, done, self.layout.block_size, &mut seq.hashes);
+                seq.blocks.register_full(&mut self.pool, &seq.hashes);
+            }
+        }
+    }
+
+    /// Appends a sampled token and reports whether the sequence is now finished. The caller then calls
+    /// [`Scheduler::finish`] for a finished sequence.
+    pub fn append_token(&mut self, id: SeqId, token: u32) -> Result<Option<FinishReason>, SchedError> {
+        let seq = self.seqs.get_mut(&id).ok_or(SchedError::UnknownSeq(id))?;
+        seq.tokens.push(token);
+        if seq.stop_token_ids.contains(&token) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        if seq.num_generated() >= seq.max_tokens || seq.tokens.len() >= self.cfg.max_model_len {
+            return Ok(Some(FinishReason::Length));
+        }
+        Ok(None)
+    }
+
+    /// Removes a sequence (finished, cancelled or failed), publishing its full groups and freeing its blocks.
+    pub fn finish(&mut self, id: SeqId) -> Option<Sequence<P>> {
+        let mut seq = self.seqs.remove(&id)?;
+        match seq.status {
+            SeqStatus::Running => self.running.retain(|&r| r != id),
+            SeqStatus::Waiting => self.waiting.retain(|&w| w != id),
+        }
+        Self::release_blocks(&self.cfg, &mut self.pool, &mut seq);
+        Some(seq)
+    }
+
+    /// Cancels a sequence wherever it is. Same as [`Scheduler::finish`].
+    pub fn cancel(&mut self, id: SeqId) -> Option<Sequence<P>> {
+        self.finish(id)
+    }
+
+    fn release_blocks(cfg: &SchedulerConfig, pool: &mut BlockPool, seq: &mut Sequence<P>) {
+        if cfg.enable_prefix_cache {
+            let done = &seq.tokens[..seq.num_computed.min(seq.tokens.len())];
+            let bs = seq.blocks.layout().block_size;
+            extend_block_hashes(&cfg.model_id, &seq.namespace, done, bs, &mut seq.hashes);
+            seq.blocks.register_full(pool, &seq.hashes);
+        }
+        // Releasing blocks the sequence holds cannot fail; an error would be a bookkeeping bug.
+        if let Err(e) = seq.blocks.free(pool) {
+            tracing::error!(seq = seq.id, error = %e, "releasing KV blocks failed");
+        }
+    }
+}
+
+/// Whether a request can ever run: prompt within the context, and its worst-case KV (prompt + max_tokens, capped
+/// at the context length) within the pool.
+pub fn check_fits(
+    cfg: &SchedulerConfig,
+    layout: CacheLayout,
+    num_blocks: usize,
+    prompt_len: usize,
+    max_tokens: usize,
+) -> Result<(), SchedError> {
+    if prompt_len == 0 {
+        return Err(SchedError::EmptyPrompt);
+    }
+    if max_tokens == 0 {
+        return Err(SchedError::ZeroMaxTokens);
+    }
+    if prompt_len >= cfg.max_model_len {
+        return Err(SchedError::PromptTooLong { prompt: prompt_len, max_model_len: cfg.max_model_len });
+    }
+    let worst = prompt_len.saturating_add(max_tokens).min(cfg.max_model_len);
+    let needed = layout.blocks_for_tokens(worst);
+    if needed > num_blocks {
+        return Err(SchedError::TooLargeForPool { needed, capacity: num_blocks });
+    }
+    Ok(())
+}

@@ -1,0 +1,315 @@
+//! Scheduler logic without the model: a stand-in forward writes each computed token into a fake KV arena through
+//! the sequence's block tables, reads the whole cache back through the tables when logits are wanted (so wrong
+//! block bookkeeping changes the output), and returns one-hot logits of a deterministic function of that cache.
+
+use std::collections::HashMap;
+
+use pagoda_worker::cache::CacheLayout;
+use pagoda_worker::sampling::argmax;
+use pagoda_worker::scheduler::{FinishReason, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use xxhash_rust::xxh3::xxh3_64;
+
+const LAYOUT: CacheLayout = CacheLayout { n_layers: 2, n_kv_heads: 2, block_size: 4 };
+const GS: usize = 4;
+const VOCAB: usize = 50;
+
+struct FakeModel {
+    arena: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl FakeModel {
+    fn new(num_blocks: usize) -> FakeModel {
+        FakeModel { arena: vec![u32::MAX; num_blocks * LAYOUT.block_size], logits: vec![0.0; VOCAB] }
+    }
+}
+
+#[derive(Default)]
+struct Outcome {
+    tokens: HashMap<SeqId, Vec<u32>>,
+    finished: HashMap<SeqId, FinishReason>,
+    steps: usize,
+}
+
+fn cfg(max_step_tokens: usize, max_running: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_step_tokens,
+        max_running,
+        enable_prefix_cache: true,
+        max_model_len: 1000,
+        model_id: "fake".into(),
+    }
+}
+
+fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
+    SeqRequest { prompt, max_tokens, stop_token_ids: Vec::new(), namespace: String::new(), payload: () }
+}
+
+/// Runs one step: schedule, fake forward, complete, sample, append, finish.
+fn step(s: &mut Scheduler<()>, m: &mut FakeModel, out: &mut Outcome) -> StepPlan {
+    let plan = s.schedule();
+    let bs = LAYOUT.block_size;
+    let mut sampled = Vec::new();
+    for e in &plan.seqs {
+        let seq = s.get(e.seq).expect("scheduled sequence exists");
+        assert_eq!(seq.lens()[0], e.start, "cache length must equal computed tokens");
+        assert!(e.start + e.n <= seq.tokens().len());
+        for (t, table) in seq.tables().iter().enumerate() {
+            assert!(table.len() * bs >= seq.lens()[t] + e.n, "reserved capacity");
+            for j in 0..e.n {
+                let slot = seq.lens()[t] + j;
+                m.arena[table[slot / bs] as usize * bs + slot % bs] = seq.tokens()[e.start + j];
+            }
+        }
+        if e.wants_logits {
+            let end = e.start + e.n;
+            let mut bytes = Vec::new();
+            for table in seq.tables() {
+                let read: Vec<u32> = (0..end).map(|slot| m.arena[table[slot / bs] as usize * bs + slot % bs]).collect();
+                assert_eq!(&read[..], &seq.tokens()[..end], "KV read through the tables must be the tokens");
+            }
+            for t in &seq.tokens()[..end] {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            m.logits.iter_mut().for_each(|l| *l = 0.0);
+            m.logits[(xxh3_64(&bytes) % VOCAB as u64) as usize] = 1.0;
+            sampled.push((e.seq, argmax(&m.logits)));
+        }
+    }
+    s.complete_step(&plan);
+    for (id, tok) in sampled {
+        out.tokens.entry(id).or_default().push(tok);
+        if let Some(reason) = s.append_token(id, tok).unwrap() {
+            s.finish(id);
+            out.finished.insert(id, reason);
+        }
+    }
+    out.steps += 1;
+    plan
+}
+
+fn run_to_end(s: &mut Scheduler<()>, m: &mut FakeModel, max_steps: usize) -> Outcome {
+    let mut out = Outcome::default();
+    while s.has_work() {
+        assert!(out.steps < max_steps, "no progress after {max_steps} steps: deadlock?");
+        let plan = step(s, m, &mut out);
+        assert!(!plan.is_empty(), "a scheduler with work must schedule something");
+    }
+    out
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (seed * 7 + i * 3) % VOCAB as u32).collect()
+}
+
+/// Generates each request alone on a big pool: the reference outputs.
+fn reference(reqs: &[(Vec<u32>, usize)]) -> Vec<Vec<u32>> {
+    reqs.iter()
+        .map(|(p, n)| {
+            let mut s = Scheduler::new(cfg(512, 64), LAYOUT, 1000 * GS);
+            let mut m = FakeModel::new(1000 * GS);
+            let id = s.add(req(p.clone(), *n)).unwrap();
+            let out = run_to_end(&mut s, &mut m, 10_000);
+            out.tokens[&id].clone()
+        })
+        .collect()
+}
+
+#[test]
+fn budget_and_chunked_prefill() {
+    let mut s = Scheduler::new(cfg(32, 8), LAYOUT, 200 * GS);
+    let mut m = FakeModel::new(200 * GS);
+    let mut out = Outcome::default();
+    let id = s.add(req(prompt(1, 100), 3)).unwrap();
+    let chunks: Vec<(usize, usize, bool)> = (0..4)
+        .map(|_| {
+            let p = step(&mut s, &mut m, &mut out);
+            assert_eq!(p.seqs.len(), 1);
+            (p.seqs[0].start, p.seqs[0].n, p.seqs[0].wants_logits)
+        })
+        .collect();
+    assert_eq!(chunks, vec![(0, 32, false), (32, 32, false), (64, 32, false), (96, 4, true)]);
+    assert_eq!(out.tokens[&id].len(), 1);
+    // Decode: one token per step.
+    let p = step(&mut s, &mut m, &mut out);
+    assert_eq!((p.seqs[0].start, p.seqs[0].n, p.seqs[0].wants_logits), (100, 1, true));
+    assert_eq!(s.stats().computed_tokens_total, 101);
+}
+
+#[test]
+fn decodes_first_then_prefill_fills_the_budget() {
+    let mut s = Scheduler::new(cfg(16, 8), LAYOUT, 200 * GS);
+    let mut m = FakeModel::new(200 * GS);
+    let mut out = Outcome::default();
+    let a = s.add(req(prompt(1, 5), 50)).unwrap();
+    let b = s.add(req(prompt(2, 6), 50)).unwrap();
+    step(&mut s, &mut m, &mut out); // both prompts (11 tokens) in one step
+    let c = s.add(req(prompt(3, 40), 5)).unwrap();
+    let p = step(&mut s, &mut m, &mut out);
+    // a and b decode (1 each), c gets the remaining 14 tokens as a prefill chunk.
+    let got: Vec<(SeqId, usize)> = p.seqs.iter().map(|e| (e.seq, e.n)).collect();
+    assert_eq!(got, vec![(a, 1), (b, 1), (c, 14)]);
+    let p = step(&mut s, &mut m, &mut out);
+    let got: Vec<(SeqId, usize)> = p.seqs.iter().map(|e| (e.seq, e.n)).collect();
+    assert_eq!(got, vec![(a, 1), (b, 1), (c, 14)]);
+    for _ in 0..20 {
+        let p = step(&mut s, &mut m, &mut out);
+        assert!(p.num_tokens() <= 16);
+    }
+}
+
+#[test]
+fn fairness_fifo_admission_and_every_runner_decodes_each_step() {
+    let mut s = Scheduler::new(cfg(64, 3), LAYOUT, 400 * GS);
+    let mut m = FakeModel::new(400 * GS);
+    let mut out = Outcome::default();
+    let ids: Vec<SeqId> = (0..6).map(|i| s.add(req(prompt(i, 8), 4)).unwrap()).collect();
+    let p = step(&mut s, &mut m, &mut out);
+    // max_running = 3: the first three, in arrival order.
+    assert_eq!(p.seqs.iter().map(|e| e.seq).collect::<Vec<_>>(), ids[..3]);
+    // Each following step decodes all three runners until they finish.
+    for _ in 0..3 {
+        let p = step(&mut s, &mut m, &mut out);
+        assert_eq!(p.seqs.iter().map(|e| e.seq).collect::<Vec<_>>(), ids[..3]);
+    }
+    // They finished (4 tokens); the next three are admitted in order.
+    assert!(ids[..3].iter().all(|id| out.finished[id] == FinishReason::Length));
+    let p = step(&mut s, &mut m, &mut out);
+    assert_eq!(p.seqs.iter().map(|e| e.seq).collect::<Vec<_>>(), ids[3..]);
+    run_to_end(&mut s, &mut m, 100);
+    assert!(ids.iter().all(|id| out.tokens.get(id).is_some_and(|t| !t.is_empty())));
+}
+
+#[test]
+fn preemption_resumes_without_losing_or_duplicating_tokens() {
+    let reqs: Vec<(Vec<u32>, usize)> = (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30)).collect();
+    let want = reference(&reqs);
+    // 16 groups = 64 tokens of KV for 6 sequences that each grow to ~50 tokens.
+    let blocks = 16 * GS;
+    let mut s = Scheduler::new(cfg(64, 8), LAYOUT, blocks);
+    let mut m = FakeModel::new(blocks);
+    let ids: Vec<SeqId> = reqs.iter().map(|(p, n)| s.add(req(p.clone(), *n)).unwrap()).collect();
+    let out = run_to_end(&mut s, &mut m, 5_000);
+    assert!(s.stats().preemptions_total > 0, "the tiny pool must force preemption");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(out.tokens[id], want[i], "request {i}");
+        assert_eq!(out.finished[id], FinishReason::Length);
+    }
+    assert_eq!(s.pool().num_used(), 0);
+    s.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn no_deadlock_under_a_tiny_pool_random_workloads() {
+    let mut rng = StdRng::seed_from_u64(99);
+    for round in 0..30 {
+        let groups = rng.random_range(4..12usize);
+        let blocks = groups * GS;
+        let budget = rng.random_range(1..40usize);
+        let mut s = Scheduler::new(cfg(budget, rng.random_range(1..10)), LAYOUT, blocks);
+        let mut m = FakeModel::new(blocks);
+        let mut reqs = Vec::new();
+        for i in 0..rng.random_range(1..12u32) {
+            let cap = groups * LAYOUT.block_size;
+            let len = rng.random_range(1..cap);
+            let max_tokens = rng.random_range(1..=cap - len);
+            let p = prompt(round * 100 + i, len);
+            s.add(req(p.clone(), max_tokens)).unwrap();
+            reqs.push((p, max_tokens));
+        }
+        let out = run_to_end(&mut s, &mut m, 20_000);
+        assert_eq!(out.finished.len(), reqs.len());
+        // Outputs are the unpressured ones (ids are 1.. in order).
+        let want = reference(&reqs);
+        for (i, w) in want.iter().enumerate() {
+            assert_eq!(&out.tokens[&(i as u64 + 1)], w, "round {round} request {i}");
+        }
+        assert_eq!(s.pool().num_used(), 0);
+        s.pool().check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_request_that_can_never_fit_is_refused_at_submit() {
+    let mut s: Scheduler<()> = Scheduler::new(cfg(64, 8), LAYOUT, 10 * GS);
+    // 10 groups = 40 tokens.
+    assert!(s.add(req(prompt(0, 20), 20)).is_ok());
+    assert!(matches!(s.add(req(prompt(0, 20), 21)), Err(SchedError::TooLargeForPool { .. })));
+    assert!(matches!(s.add(req(Vec::new(), 1)), Err(SchedError::EmptyPrompt)));
+    assert!(matches!(s.add(req(prompt(0, 3), 0)), Err(SchedError::ZeroMaxTokens)));
+    assert!(matches!(s.add(req(prompt(0, 1000), 1)), Err(SchedError::PromptTooLong { .. })));
+    // max_tokens beyond the context is capped by the context, not refused.
+    let mut big: Scheduler<()> = Scheduler::new(cfg(64, 8), LAYOUT, 1000 * GS);
+    assert!(big.add(req(prompt(0, 10), 1_000_000)).is_ok());
+}
+
+#[test]
+fn stops_at_context_length_and_stop_tokens() {
+    let mut c = cfg(64, 8);
+    c.max_model_len = 20;
+    let mut s = Scheduler::new(c, LAYOUT, 100 * GS);
+    let mut m = FakeModel::new(100 * GS);
+    let id = s.add(req(prompt(5, 15), 100)).unwrap();
+    let out = run_to_end(&mut s, &mut m, 100);
+    assert_eq!(out.tokens[&id].len(), 5);
+    assert_eq!(out.finished[&id], FinishReason::Length);
+    // Stop on the first token the fake model produces.
+    let first = reference(&[(prompt(6, 9), 5)])[0][0];
+    let mut s = Scheduler::new(cfg(64, 8), LAYOUT, 100 * GS);
+    let mut r = req(prompt(6, 9), 5);
+    r.stop_token_ids = vec![first];
+    let id = s.add(r).unwrap();
+    let out = run_to_end(&mut s, &mut m, 100);
+    assert_eq!(out.tokens[&id], vec![first]);
+    assert_eq!(out.finished[&id], FinishReason::Stop);
+}
+
+#[test]
+fn cancellation_frees_blocks() {
+    let mut s = Scheduler::new(cfg(20, 2), LAYOUT, 100 * GS);
+    let mut m = FakeModel::new(100 * GS);
+    let mut out = Outcome::default();
+    let a = s.add(req(prompt(1, 30), 10)).unwrap();
+    let b = s.add(req(prompt(2, 30), 10)).unwrap();
+    let c = s.add(req(prompt(3, 30), 10)).unwrap();
+    step(&mut s, &mut m, &mut out); // a: 20
+    step(&mut s, &mut m, &mut out); // a: 10 (prefill done), b: 10
+    assert_eq!(s.get(b).unwrap().num_computed(), 10);
+    assert_eq!(s.stats().waiting, 1);
+    // b is mid-prefill, c is waiting.
+    assert!(s.cancel(b).is_some());
+    assert!(s.cancel(c).is_some());
+    assert!(s.cancel(c).is_none());
+    assert_eq!((s.stats().running, s.stats().waiting), (1, 0));
+    let held_a = s.get(a).unwrap().blocks().num_blocks();
+    assert_eq!(s.pool().num_used(), held_a);
+    s.cancel(a);
+    assert_eq!(s.pool().num_used(), 0);
+    assert!(!s.has_work());
+    s.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn prefix_hit_skips_matched_tokens() {
+    let mut s = Scheduler::new(cfg(512, 8), LAYOUT, 100 * GS);
+    let mut m = FakeModel::new(100 * GS);
+    let p = prompt(4, 22); // 5 full blocks + 2
+    let a = s.add(req(p.clone(), 3)).unwrap();
+    let out_a = run_to_end(&mut s, &mut m, 100);
+    let computed_a = s.stats().computed_tokens_total;
+    assert_eq!(computed_a, 22 + 2);
+    let b = s.add(req(p.clone(), 3)).unwrap();
+    let out_b = run_to_end(&mut s, &mut m, 100);
+    // 5 blocks = 20 tokens adopted; 2 prompt tokens + 2 decodes computed.
+    assert_eq!(s.stats().computed_tokens_total - computed_a, 4);
+    assert_eq!(s.stats().cached_tokens_total, 20);
+    assert_eq!(out_a.tokens[&a], out_b.tokens[&b]);
+    // Another namespace gets nothing.
+    let mut r = req(p, 3);
+    r.namespace = "other".into();
+    s.add(r).unwrap();
+    run_to_end(&mut s, &mut m, 100);
+    assert_eq!(s.stats().cached_tokens_total, 20);
+}
