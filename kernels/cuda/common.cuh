@@ -1,0 +1,51 @@
+// Shared device helpers for every Pagoda CUDA module. NVRTC compiles each module as `common.cuh` + `<module>.cu`
+// (the Rust side concatenates them), so no include paths or CUDA headers are needed: f16 conversion is inline PTX.
+// f16 values travel as raw `unsigned short` bits.
+
+#define PAGODA_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Eight f16 values packed in a uint4 -> eight floats.
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = h2f((unsigned short)(w[i] & 0xffffu));
+        f[2 * i + 1] = h2f((unsigned short)(w[i] >> 16));
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole thread block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floats */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; ++i) t += scratch[i];
+    return t;
+}

@@ -1,0 +1,100 @@
+// Row-wise and element-wise model math in f32 with f32 accumulation: RMSNorm, llama "normal" RoPE (adjacent pairs),
+// SiLU·mul, f16 embedding gather, GGUF Q4_1 / Q8_0 dequantisation to f16, and f32 <-> f16 conversion.
+// Each kernel mirrors a CPU twin in pagoda_kernels (see kernels/src/cuda/ops.rs for the mapping).
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w. One block per row.
+extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float eps, int dim,
+                                       float* __restrict__ out) {
+    __shared__ float scratch[33];
+    const size_t base = (size_t)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = x[base + i];
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, scratch);
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = __fmul_rn(__fmul_rn(x[base + i], r), w[i]);
+}
+
+// x: [n][n_heads*head_dim]; rotates pairs (2i, 2i+1) of every head by pos * theta^(-2i/head_dim).
+// Angles are computed in double, like the CPU twin, then applied in f32 without contraction.
+extern "C" __global__ void rope_f32(float* __restrict__ x, const unsigned int* __restrict__ pos, int n, int n_heads,
+                                    int head_dim, float theta) {
+    const int half = head_dim >> 1;
+    const long long total = (long long)n * n_heads * half;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(t % half);
+        const long long rh = t / half;  // row * n_heads + head
+        const long long row = rh / n_heads;
+        const double inv = pow((double)theta, -2.0 * (double)i / (double)head_dim);
+        double s, c;
+        sincos((double)pos[row] * inv, &s, &c);
+        const float cf = (float)c, sf = (float)s;
+        float* p = x + rh * head_dim + 2 * i;
+        const float a = p[0], b = p[1];
+        p[0] = __fsub_rn(__fmul_rn(a, cf), __fmul_rn(b, sf));
+        p[1] = __fadd_rn(__fmul_rn(a, sf), __fmul_rn(b, cf));
+    }
+}
+
+// gate[i] = silu(gate[i]) * up[i]
+extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* __restrict__ up, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        gate[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    }
+}
+
+// out[i][:] = table[ids[i]][:] (f16 table, f32 out); an id >= vocab yields a zero row, as on the CPU.
+extern "C" __global__ void embedding_f16(const unsigned short* __restrict__ table, const unsigned int* __restrict__ ids,
+                                         int vocab, int dim, float* __restrict__ out) {
+    const unsigned int id = ids[blockIdx.x];
+    float* o = out + (size_t)blockIdx.x * dim;
+    if (id >= (unsigned int)vocab) {
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = 0.0f;
+        return;
+    }
+    const unsigned short* row = table + (size_t)id * dim;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = h2f(row[d]);
+}
+
+__device__ __forceinline__ float ld_f16_le(const unsigned char* b) {
+    return h2f((unsigned short)(b[0] | (b[1] << 8)));
+}
+
+// GGUF Q4_1 blocks (20 bytes: f16 d, f16 m, 16 bytes of nibbles; value j<16 = low nibble of byte j, j>=16 = high
+// nibble of byte j-16) -> f16, one thread per value. n = number of values.
+extern "C" __global__ void dequant_q4_1_f16(const unsigned char* __restrict__ src, long long n,
+                                            unsigned short* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const unsigned char* blk = src + (i >> 5) * 20;
+        const int j = (int)(i & 31);
+        const float d = ld_f16_le(blk), m = ld_f16_le(blk + 2);
+        const unsigned char q = blk[4 + (j & 15)];
+        const int nib = j < 16 ? (q & 0x0F) : (q >> 4);
+        out[i] = f2h(__fadd_rn(__fmul_rn(d, (float)nib), m));
+    }
+}
+
+// GGUF Q8_0 blocks (34 bytes: f16 d, 32 x i8) -> f16.
+extern "C" __global__ void dequant_q8_0_f16(const unsigned char* __restrict__ src, long long n,
+                                            unsigned short* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const unsigned char* blk = src + (i >> 5) * 34;
+        const float d = ld_f16_le(blk);
+        const signed char q = (signed char)blk[2 + (i & 31)];
+        out[i] = f2h(__fmul_rn(d, (float)q));
+    }
+}
+
+extern "C" __global__ void f32_to_f16(const float* __restrict__ x, long long n, unsigned short* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = f2h(x[i]);
+}
+
+extern "C" __global__ void f16_to_f32(const unsigned short* __restrict__ x, long long n, float* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = h2f(x[i]);
+}

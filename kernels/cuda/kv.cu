@@ -1,0 +1,93 @@
+// Head-paged KV cache maintenance: kv_write (this step's K and V rows into their slots), block copy/compaction
+// (gather a list of (src, dst) block pairs), and the eviction-policy score kernels (per-slot ||K||2, ||V||2/||K||2,
+// and the cosine of each key to a per-(sequence, kv-head) anchor vector).
+//
+// Arenas: K and V are separate f16 arenas; block b, slot s starts at (b * block_size + s) * head_dim. A block holds
+// block_size consecutive slots of ONE (layer, kv-head).
+
+// Writes token t's head h (src rows k/v [rows][n_kv*head_dim], f32) into arena slot dst[t*n_kv + h] (f16).
+// Grid: (tokens, n_kv).
+extern "C" __global__ void kv_write_f16(const float* __restrict__ k, const float* __restrict__ v,
+                                        const int* __restrict__ tok_row, const unsigned int* __restrict__ dst, int n_kv,
+                                        int head_dim, unsigned short* __restrict__ kc, unsigned short* __restrict__ vc) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const size_t src = ((size_t)tok_row[t] * n_kv + h) * head_dim;
+    const size_t d0 = (size_t)dst[(size_t)t * n_kv + h] * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        kc[d0 + d] = f2h(k[src + d]);
+        vc[d0 + d] = f2h(v[src + d]);
+    }
+}
+
+// For pair p: block pairs[2p+1] <- block pairs[2p] in K (blockIdx.y == 0) or V (blockIdx.y == 1).
+// block_len = block_size * head_dim halves. Destinations are distinct and no destination is also a source.
+extern "C" __global__ void copy_blocks_f16(unsigned short* __restrict__ kc, unsigned short* __restrict__ vc,
+                                           const unsigned int* __restrict__ pairs, int block_len) {
+    unsigned short* a = blockIdx.y == 0 ? kc : vc;
+    const size_t s = (size_t)pairs[2 * blockIdx.x] * block_len, d = (size_t)pairs[2 * blockIdx.x + 1] * block_len;
+    if ((block_len & 7) == 0) {
+        const uint4* src = reinterpret_cast<const uint4*>(a + s);
+        uint4* dstp = reinterpret_cast<uint4*>(a + d);
+        for (int i = threadIdx.x; i < (block_len >> 3); i += blockDim.x) dstp[i] = src[i];
+    } else {
+        for (int i = threadIdx.x; i < block_len; i += blockDim.x) a[d + i] = a[s + i];
+    }
+}
+
+__device__ __forceinline__ size_t slot_addr(const unsigned int* tab, int t, int block_size, int head_dim) {
+    return ((size_t)tab[t / block_size] * block_size + (t % block_size)) * head_dim;
+}
+
+// Per slot of entry e (one sequence's table for one kv-head, len[e] slots): knorm = ||K||2 and
+// ratio = ||V||2 / ||K||2 (0 when both are 0, +inf when only ||K|| is 0). Outputs at out_off[e] + slot.
+// One warp per slot; grid (ceil(max_len / warps), entries).
+extern "C" __global__ void slot_norms_f16(const unsigned short* __restrict__ kc, const unsigned short* __restrict__ vc,
+                                          const unsigned int* __restrict__ tables, const int* __restrict__ len,
+                                          const int* __restrict__ tab_off, const int* __restrict__ out_off,
+                                          int block_size, int head_dim, float* __restrict__ knorm,
+                                          float* __restrict__ ratio) {
+    const int e = blockIdx.y, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * warps + (threadIdx.x >> 5);
+    if (t >= len[e]) return;
+    const size_t a = slot_addr(tables + tab_off[e], t, block_size, head_dim);
+    float sk = 0.0f, sv = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) {
+        const float kv = h2f(kc[a + d]), vv = h2f(vc[a + d]);
+        sk = fmaf(kv, kv, sk);
+        sv = fmaf(vv, vv, sv);
+    }
+    sk = warp_sum(sk);
+    sv = warp_sum(sv);
+    if (lane == 0) {
+        const float nk = sqrtf(sk), nv = sqrtf(sv);
+        knorm[out_off[e] + t] = nk;
+        ratio[out_off[e] + t] = nk > 0.0f ? nv / nk : (nv > 0.0f ? PAGODA_INF : 0.0f);
+    }
+}
+
+// Per slot of entry e: cos(K[slot], anchor[e]) (0 when either norm is 0). anchors: [entries][head_dim] f32.
+extern "C" __global__ void anchor_cosine_f16(const unsigned short* __restrict__ kc,
+                                             const unsigned int* __restrict__ tables, const int* __restrict__ len,
+                                             const int* __restrict__ tab_off, const int* __restrict__ out_off,
+                                             const float* __restrict__ anchors, int block_size, int head_dim,
+                                             float* __restrict__ out) {
+    const int e = blockIdx.y, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * warps + (threadIdx.x >> 5);
+    if (t >= len[e]) return;
+    const size_t a = slot_addr(tables + tab_off[e], t, block_size, head_dim);
+    const float* an = anchors + (size_t)e * head_dim;
+    float dot = 0.0f, sk = 0.0f, sa = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) {
+        const float kv = h2f(kc[a + d]), av = an[d];
+        dot = fmaf(kv, av, dot);
+        sk = fmaf(kv, kv, sk);
+        sa = fmaf(av, av, sa);
+    }
+    dot = warp_sum(dot);
+    sk = warp_sum(sk);
+    sa = warp_sum(sa);
+    if (lane == 0) {
+        const float den = sqrtf(sk) * sqrtf(sa);
+        out[out_off[e] + t] = den > 0.0f ? dot / den : 0.0f;
+    }
+}

@@ -1,0 +1,35 @@
+//! The [`Backend`] trait: every piece of model math the forward pass needs, implemented per device.
+
+use crate::paged::{AttnSeq, KvStorage};
+use crate::quant::QMatrix;
+
+/// Model math on one device. All methods take `&self`; implementations parallelise internally.
+pub trait Backend: Send + Sync {
+    /// Short name for logs ("cpu-avx2", "cpu-scalar", ...).
+    fn name(&self) -> &'static str;
+    /// `out[n][w.rows()] = x[n][w.cols()] · wᵀ`
+    fn matmul(&self, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]);
+    /// `out[i] = table.row(ids[i])`; out: `[ids.len()][table.cols()]`.
+    fn embedding(&self, table: &QMatrix, ids: &[u32], out: &mut [f32]);
+    /// x, out: `[n][weight.len()]`
+    fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+    /// x: `[n][n_heads * head_dim]`; llama "normal" RoPE: rotates adjacent pairs (2i, 2i+1) with theta^(-2i/head_dim).
+    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, theta: f32);
+    /// `gate[i] = silu(gate[i]) * up[i]`
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+    /// Writes this step's K and V (rows `[q_row, q_row+n_new)` of k, v: `[rows][n_kv_heads*head_dim]`)
+    /// into slots `prior_lens[h] .. prior_lens[h]+n_new` of each kv-head.
+    fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize);
+    /// q, out: `[rows][n_heads*head_dim]`; GQA: query head qh reads kv-head qh / (n_heads / n_kv_heads).
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention(
+        &self,
+        q: &[f32],
+        kv: &KvStorage,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut [f32],
+    );
+}

@@ -1,0 +1,116 @@
+//! KV write into head-paged blocks and paged attention (prefill + decode, GQA) with online softmax,
+//! parallelised over (sequence, query head, token chunk).
+
+use super::{CpuBackend, Simd, SyncPtr, scalar};
+use crate::paged::{AttnSeq, KvStorage};
+use rayon::prelude::*;
+
+/// New tokens per attention task during prefill.
+const TOKEN_CHUNK: usize = 32;
+
+/// Writes rows `[q_row, q_row + n_new)` of `k`, `v` (`[rows][n_kv_heads*head_dim]`) into the cache slots
+/// `prior_lens[h] ..` of each kv-head's table.
+pub fn kv_write(kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
+    let hd = kv.head_dim();
+    let bs = kv.block_size();
+    let w = n_kv_heads * hd;
+    assert_eq!(k.len(), v.len(), "kv_write: k and v differ in length");
+    assert!(w > 0 && k.len().is_multiple_of(w), "kv_write: k must be [rows][n_kv_heads*head_dim]");
+    for s in seqs {
+        check_seq(s, n_kv_heads, k.len() / w);
+        for h in 0..n_kv_heads {
+            let table = &s.tables[h];
+            for j in 0..s.n_new {
+                let slot = s.prior_lens[h] + j;
+                let b = table[slot / bs];
+                let off = (slot % bs) * hd;
+                let src = (s.q_row + j) * w + h * hd;
+                kv.block_k_mut(b)[off..off + hd].copy_from_slice(&k[src..src + hd]);
+                kv.block_v_mut(b)[off..off + hd].copy_from_slice(&v[src..src + hd]);
+            }
+        }
+    }
+}
+
+fn check_seq(s: &AttnSeq<'_>, n_kv_heads: usize, rows: usize) {
+    assert!(s.tables.len() >= n_kv_heads, "AttnSeq: tables must have one entry per kv-head");
+    assert!(s.prior_lens.len() >= n_kv_heads, "AttnSeq: prior_lens must have one entry per kv-head");
+    assert!(s.q_row + s.n_new <= rows, "AttnSeq: rows [q_row, q_row+n_new) exceed the batch");
+}
+
+/// Paged attention for every sequence of the batch; see [`crate::Backend::paged_attention`].
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    be: &CpuBackend,
+    q: &[f32],
+    kv: &KvStorage,
+    seqs: &[AttnSeq<'_>],
+    n_heads: usize,
+    n_kv_heads: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim();
+    let w = n_heads * hd;
+    assert!(n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads), "n_heads must be a multiple of n_kv_heads");
+    assert_eq!(q.len(), out.len(), "paged_attention: q and out differ in length");
+    assert!(w > 0 && q.len().is_multiple_of(w), "paged_attention: q must be [rows][n_heads*head_dim]");
+    let rows = q.len() / w;
+    let bs = kv.block_size();
+    for s in seqs {
+        check_seq(s, n_kv_heads, rows);
+        for h in 0..n_kv_heads {
+            let need = (s.prior_lens[h] + s.n_new).div_ceil(bs);
+            assert!(s.tables[h].len() >= need, "AttnSeq: block table too short for prior_len + n_new");
+        }
+    }
+    let o = SyncPtr::new(out);
+    let simd = be.simd();
+    let group = n_heads / n_kv_heads;
+    let task = |s: &AttnSeq<'_>, t: usize| {
+        let chunks = s.n_new.div_ceil(TOKEN_CHUNK);
+        let qh = t / chunks;
+        let c = t % chunks;
+        let kvh = qh / group;
+        let j0 = c * TOKEN_CHUNK;
+        let j1 = (j0 + TOKEN_CHUNK).min(s.n_new);
+        for j in j0..j1 {
+            let row = s.q_row + j;
+            let qv = &q[row * w + qh * hd..row * w + (qh + 1) * hd];
+            // SAFETY: each (row, head) output slice is written by exactly one task; rows are checked above
+            // and the caller's seqs do not overlap in rows (each row belongs to one sequence).
+            let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
+            attend_one(simd, qv, kv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, scale, acc);
+        }
+    };
+    let total: usize = seqs.iter().map(|s| s.n_new.div_ceil(TOKEN_CHUNK) * n_heads).sum();
+    if be.threads() <= 1 || total <= 1 {
+        for s in seqs {
+            for t in 0..s.n_new.div_ceil(TOKEN_CHUNK) * n_heads {
+                task(s, t);
+            }
+        }
+    } else {
+        be.pool().install(|| {
+            seqs.par_iter().for_each(|s| {
+                (0..s.n_new.div_ceil(TOKEN_CHUNK) * n_heads).into_par_iter().for_each(|t| task(s, t));
+            })
+        });
+    }
+}
+
+/// Attention of one query vector over the first `len` slots of `table`; writes the result into `out`.
+fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, scale: f32, out: &mut [f32]) {
+    let bs = kv.block_size();
+    out.fill(0.0);
+    let mut st = scalar::OnlineSoftmax { m: f32::NEG_INFINITY, l: 0.0, acc: out };
+    let _ = simd;
+    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n, scale, &mut st);
+    }
+    let inv = if st.l > 0.0 { 1.0 / st.l } else { 0.0 };
+    for a in st.acc.iter_mut() {
+        *a *= inv;
+    }
+}

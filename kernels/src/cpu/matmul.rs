@@ -1,0 +1,117 @@
+//! Matmul driver: quantises the activations once per call into Q8_1 (reusing a thread-local scratch), splits the
+//! output rows across the pool in large chunks, and runs the per-ISA row kernels.
+
+use super::{CpuBackend, Simd, SyncPtr, scalar};
+use crate::quant::{BlockQ8_1, QData, QK, QMatrix, quantize_row_q8_1};
+use rayon::prelude::*;
+use std::cell::Cell;
+
+thread_local! {
+    /// Quantised activations of the current call, kept between calls to avoid reallocating.
+    static XQ: Cell<Vec<BlockQ8_1>> = const { Cell::new(Vec::new()) };
+}
+
+/// Below this many multiply-adds a call runs on the calling thread only.
+const PAR_MIN_WORK: usize = 1 << 16;
+
+/// `out[n][w.rows()] = x[n][w.cols()] · wᵀ`.
+pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert_eq!(x.len(), n * cols, "matmul: x must be [n][cols]");
+    assert_eq!(out.len(), n * rows, "matmul: out must be [n][rows]");
+    if n == 0 || rows == 0 {
+        return;
+    }
+    let simd = be.simd();
+    match &w.data {
+        QData::Q4_1(_) | QData::Q8_0(_) => {
+            let nb = cols / QK;
+            let mut xq = XQ.take();
+            xq.clear();
+            xq.resize(n * nb, BlockQ8_1::default());
+            quantize_rows(simd, x, &mut xq);
+            run_rows(be, rows, n * cols, out, &|r0, r1, o| quant_rows(simd, w, &xq, n, r0, r1, o));
+            XQ.set(xq);
+        }
+        QData::F32(_) | QData::F16(_) => {
+            run_rows(be, rows, n * cols, out, &|r0, r1, o| float_rows(simd, w, x, n, r0, r1, o));
+        }
+    }
+}
+
+/// Splits `0..rows` into large chunks and runs `f(r0, r1, out)` for each, on the pool when the work is big enough.
+fn run_rows(be: &CpuBackend, rows: usize, per_row: usize, out: &mut [f32], f: &(dyn Fn(usize, usize, SyncPtr) + Sync)) {
+    let o = SyncPtr::new(out);
+    let work = rows.saturating_mul(per_row);
+    let threads = be.threads();
+    if threads <= 1 || work < PAR_MIN_WORK || rows < 8 {
+        f(0, rows, o);
+        return;
+    }
+    // A few chunks per thread so a busy core does not stall the call; rounded to 4 rows for the tile kernels.
+    let chunks = (threads * 4).min(rows / 4).max(threads);
+    let step = rows.div_ceil(chunks).next_multiple_of(4);
+    let chunks = rows.div_ceil(step);
+    be.pool().install(|| {
+        (0..chunks).into_par_iter().for_each(|c| {
+            let r0 = c * step;
+            let r1 = (r0 + step).min(rows);
+            f(r0, r1, o);
+        })
+    });
+}
+
+/// Quantises every 32-value block of `x` into `xq`.
+pub(crate) fn quantize_rows(simd: Simd, x: &[f32], xq: &mut [BlockQ8_1]) {
+    match simd {
+        Simd::Scalar | Simd::Avx2 => quantize_row_q8_1(x, xq),
+    }
+}
+
+/// Rows `r0..r1` of a quantised matmul. `out` points at the whole `[n][rows]` output.
+fn quant_rows(simd: Simd, w: &QMatrix, xq: &[BlockQ8_1], n: usize, r0: usize, r1: usize, out: SyncPtr) {
+    let rows = w.rows();
+    let nb = w.cols() / QK;
+    let rb = w.row_bytes();
+    match (&w.data, simd) {
+        (QData::Q4_1(b), Simd::Scalar | Simd::Avx2) => {
+            for r in r0..r1 {
+                let wr = &b[r * rb..(r + 1) * rb];
+                for i in 0..n {
+                    let v = scalar::dot_q4_1_q8_1(wr, &xq[i * nb..(i + 1) * nb]);
+                    // SAFETY: (i, r) lies in [n][rows] and row range r0..r1 belongs to this task only.
+                    unsafe { *out.get().add(i * rows + r) = v };
+                }
+            }
+        }
+        (QData::Q8_0(b), Simd::Scalar | Simd::Avx2) => {
+            for r in r0..r1 {
+                let wr = &b[r * rb..(r + 1) * rb];
+                for i in 0..n {
+                    let v = scalar::dot_q8_0_q8_1(wr, &xq[i * nb..(i + 1) * nb]);
+                    // SAFETY: as above.
+                    unsafe { *out.get().add(i * rows + r) = v };
+                }
+            }
+        }
+        _ => unreachable!("quant_rows called on a float matrix"),
+    }
+}
+
+/// Rows `r0..r1` of an F32 / F16 matmul.
+fn float_rows(simd: Simd, w: &QMatrix, x: &[f32], n: usize, r0: usize, r1: usize, out: SyncPtr) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let _ = simd;
+    for r in r0..r1 {
+        for i in 0..n {
+            let xr = &x[i * cols..(i + 1) * cols];
+            let v = match &w.data {
+                QData::F32(d) => scalar::dot_f32(&d[r * cols..(r + 1) * cols], xr),
+                QData::F16(d) => scalar::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr),
+                _ => unreachable!("float_rows called on a quantised matrix"),
+            };
+            // SAFETY: as in quant_rows.
+            unsafe { *out.get().add(i * rows + r) = v };
+        }
+    }
+}

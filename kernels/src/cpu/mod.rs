@@ -1,0 +1,180 @@
+//! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private rayon pool, picking AVX2/FMA/F16C kernels
+//! at run time and falling back to the portable scalar kernels in [`scalar`].
+
+pub mod attention;
+pub mod matmul;
+pub mod scalar;
+
+use crate::backend::Backend;
+use crate::paged::{AttnSeq, KvStorage};
+use crate::quant::QMatrix;
+
+/// Instruction set the CPU backend runs its kernels with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    /// Portable scalar code (the reference).
+    Scalar,
+    /// AVX2 + FMA + F16C (x86-64, detected at run time).
+    Avx2,
+}
+
+impl Simd {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Simd {
+        if avx2_available() { Simd::Avx2 } else { Simd::Scalar }
+    }
+}
+
+/// True if AVX2, FMA and F16C are all available at run time.
+pub fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// CPU implementation of [`Backend`]: owns a rayon pool of `threads` workers.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    threads: usize,
+    simd: Simd,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend").field("threads", &self.threads).field("simd", &self.simd).finish()
+    }
+}
+
+impl CpuBackend {
+    /// A backend with `threads` worker threads (0 = number of logical CPUs) and the best detected SIMD level.
+    pub fn new(threads: usize) -> CpuBackend {
+        CpuBackend::with_simd(threads, Simd::detect())
+    }
+
+    /// A backend forced to `simd`; a level the CPU lacks falls back to [`Simd::Scalar`].
+    pub fn with_simd(threads: usize, simd: Simd) -> CpuBackend {
+        let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
+        let simd = if simd == Simd::Avx2 && !avx2_available() { Simd::Scalar } else { simd };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("pagoda-kernels-{i}"))
+            .build()
+            .unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"));
+        CpuBackend { pool, threads, simd }
+    }
+
+    /// Worker threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The instruction set in use.
+    pub fn simd(&self) -> Simd {
+        self.simd
+    }
+
+    pub(crate) fn pool(&self) -> &rayon::ThreadPool {
+        &self.pool
+    }
+}
+
+/// A raw pointer that may cross threads; users guarantee disjoint writes.
+#[derive(Clone, Copy)]
+pub(crate) struct SyncPtr(*mut f32);
+// SAFETY: only used to hand disjoint output ranges to pool workers while the owner is blocked in the call.
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    pub(crate) fn new(p: &mut [f32]) -> SyncPtr {
+        SyncPtr(p.as_mut_ptr())
+    }
+    #[inline]
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        match self.simd {
+            Simd::Scalar => "cpu-scalar",
+            Simd::Avx2 => "cpu-avx2",
+        }
+    }
+
+    fn matmul(&self, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]) {
+        matmul::matmul(self, w, x, n, out);
+    }
+
+    fn embedding(&self, table: &QMatrix, ids: &[u32], out: &mut [f32]) {
+        let c = table.cols();
+        assert_eq!(out.len(), ids.len() * c, "embedding: out must be [ids.len()][cols]");
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(c)) {
+            if (id as usize) < table.rows() {
+                table.dequantize_row(id as usize, o);
+            } else {
+                // Token ids come from outside; an invalid one yields a zero row rather than a panic.
+                o.fill(0.0);
+            }
+        }
+    }
+
+    fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        let d = weight.len();
+        assert!(
+            d > 0 && x.len() == out.len() && x.len().is_multiple_of(d),
+            "rmsnorm: x, out must be [n][weight.len()]"
+        );
+        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            scalar::rmsnorm_row(xr, weight, eps, or);
+        }
+    }
+
+    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, theta: f32) {
+        let w = n_heads * head_dim;
+        assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
+        assert_eq!(x.len(), positions.len() * w, "rope: x must be [positions.len()][n_heads*head_dim]");
+        let half = head_dim / 2;
+        let inv: Vec<f64> = (0..half).map(|i| f64::from(theta).powf(-2.0 * i as f64 / head_dim as f64)).collect();
+        let mut cos = vec![0.0f32; half];
+        let mut sin = vec![0.0f32; half];
+        for (row, &p) in x.chunks_exact_mut(w).zip(positions) {
+            for i in 0..half {
+                let (s, c) = (f64::from(p) * inv[i]).sin_cos();
+                cos[i] = c as f32;
+                sin[i] = s as f32;
+            }
+            for h in row.chunks_exact_mut(head_dim) {
+                scalar::rope_head(h, &cos, &sin);
+            }
+        }
+    }
+
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
+        assert_eq!(gate.len(), up.len(), "silu_mul: gate and up differ in length");
+        scalar::silu_mul(gate, up);
+    }
+
+    fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
+        attention::kv_write(kv, k, v, seqs, n_kv_heads);
+    }
+
+    fn paged_attention(
+        &self,
+        q: &[f32],
+        kv: &KvStorage,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        attention::paged_attention(self, q, kv, seqs, n_heads, n_kv_heads, scale, out);
+    }
+}

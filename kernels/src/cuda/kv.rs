@@ -1,0 +1,372 @@
+//! The device KV arenas ([`CudaKv`]: head-paged, **f16** K and V arenas, same block layout as [`KvStorage`]) and
+//! the kernels that maintain them (`kv.cu`): KV write, block copy/compaction, and the eviction-policy scores.
+//!
+//! CPU twins: [`CudaContext::kv_write`] ↔ `Backend::kv_write`, [`CudaContext::copy_blocks`] ↔
+//! `KvStorage::copy_block`; the score kernels' reference lives in the parity tests until the policy crate's CPU
+//! scorers land.
+
+use super::context::CudaContext;
+use super::error::CudaError;
+use super::ops::{grid_dim, to_i32};
+use crate::paged::{AttnSeq, KvStorage};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Head-paged K and V arenas in device memory, f16: block `b`, slot `s` starts at `(b * block_size + s) * head_dim`.
+/// A block holds `block_size` consecutive slots of ONE (layer, kv-head). K and V share block indices.
+pub struct CudaKv {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    num_blocks: usize,
+    block_size: usize,
+    head_dim: usize,
+}
+
+impl std::fmt::Debug for CudaKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaKv")
+            .field("num_blocks", &self.num_blocks)
+            .field("block_size", &self.block_size)
+            .field("head_dim", &self.head_dim)
+            .finish()
+    }
+}
+
+fn arena_len(num_blocks: usize, block_size: usize, head_dim: usize) -> Result<usize, CudaError> {
+    if block_size == 0 || head_dim == 0 {
+        return Err(CudaError::invalid("CudaKv", "block_size and head_dim must be non-zero"));
+    }
+    let len = num_blocks
+        .checked_mul(block_size)
+        .and_then(|x| x.checked_mul(head_dim))
+        .ok_or_else(|| CudaError::invalid("CudaKv", "arena size overflows"))?;
+    // Slot indices travel as u32.
+    if num_blocks.saturating_mul(block_size) > u32::MAX as usize {
+        return Err(CudaError::invalid("CudaKv", "num_blocks * block_size must fit in u32"));
+    }
+    Ok(len)
+}
+
+impl CudaKv {
+    /// Zeroed arenas.
+    pub fn new(cx: &CudaContext, num_blocks: usize, block_size: usize, head_dim: usize) -> Result<CudaKv, CudaError> {
+        let len = arena_len(num_blocks, block_size, head_dim)?;
+        Ok(CudaKv { k: cx.zeros(len)?, v: cx.zeros(len)?, num_blocks, block_size, head_dim })
+    }
+
+    /// Uploads a host cache, rounding to f16.
+    pub fn from_host(cx: &CudaContext, kv: &KvStorage) -> Result<CudaKv, CudaError> {
+        arena_len(kv.num_blocks(), kv.block_size(), kv.head_dim())?;
+        let (k, v) = kv.arenas();
+        let h = |a: &[f32]| a.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+        Ok(CudaKv {
+            k: cx.upload(&h(k))?,
+            v: cx.upload(&h(v))?,
+            num_blocks: kv.num_blocks(),
+            block_size: kv.block_size(),
+            head_dim: kv.head_dim(),
+        })
+    }
+
+    /// Downloads into a host cache (f16 widened to f32).
+    pub fn to_host(&self, cx: &CudaContext) -> Result<KvStorage, CudaError> {
+        let mut out = KvStorage::new(self.num_blocks, self.block_size, self.head_dim);
+        let (k, v) = (cx.download(&self.k)?, cx.download(&self.v)?);
+        let (hk, hv) = out.arenas_mut();
+        for (o, &b) in hk.iter_mut().zip(&k) {
+            *o = half::f16::from_bits(b).to_f32();
+        }
+        for (o, &b) in hv.iter_mut().zip(&v) {
+            *o = half::f16::from_bits(b).to_f32();
+        }
+        Ok(out)
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Slots per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Values per slot.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Bytes of one arena.
+    pub fn arena_bytes(&self) -> usize {
+        self.k.len() * 2
+    }
+
+    /// The K and V arenas (f16 bits).
+    pub fn arenas(&self) -> (&CudaSlice<u16>, &CudaSlice<u16>) {
+        (&self.k, &self.v)
+    }
+
+    /// The K and V arenas, mutable.
+    pub fn arenas_mut(&mut self) -> (&mut CudaSlice<u16>, &mut CudaSlice<u16>) {
+        (&mut self.k, &mut self.v)
+    }
+
+    pub(crate) fn check_table(&self, op: &'static str, table: &[u32], slots: usize) -> Result<(), CudaError> {
+        let need = slots.div_ceil(self.block_size);
+        if table.len() < need {
+            return Err(CudaError::invalid(op, format!("block table has {} blocks, {need} needed", table.len())));
+        }
+        if let Some(&b) = table[..need].iter().find(|&&b| b as usize >= self.num_blocks) {
+            return Err(CudaError::invalid(op, format!("block {b} out of range ({} blocks)", self.num_blocks)));
+        }
+        Ok(())
+    }
+}
+
+/// One (sequence, kv-head) table to score: its first `len` slots.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreEntry<'a> {
+    /// Block table of one (sequence, layer, kv-head).
+    pub table: &'a [u32],
+    /// Slots in use.
+    pub len: usize,
+}
+
+/// Per-slot scores of several [`ScoreEntry`]s, concatenated: entry `e` owns `offsets[e]..offsets[e + 1]`.
+#[derive(Debug, Clone, Default)]
+pub struct SlotScores {
+    /// Start of each entry, plus the total at the end.
+    pub offsets: Vec<usize>,
+    /// `‖K‖₂` per slot (only for [`CudaContext::slot_norms`]).
+    pub knorm: Vec<f32>,
+    /// `‖V‖₂ / ‖K‖₂` per slot ([`CudaContext::slot_norms`]) or `cos(K, anchor)` ([`CudaContext::anchor_cosine`]).
+    pub score: Vec<f32>,
+}
+
+struct ScoreMeta {
+    meta: CudaSlice<u32>,
+    n_tab: usize,
+    n: usize,
+    offsets: Vec<usize>,
+    max_len: usize,
+}
+
+const SCORE_WARPS: usize = 4;
+
+impl CudaContext {
+    /// Writes this step's K and V rows (`k`, `v`: `[rows][n_kv_heads * head_dim]` f32) into slots
+    /// `prior_lens[h] .. prior_lens[h] + n_new` of each kv-head, rounding to f16.
+    pub fn kv_write(
+        &self,
+        kv: &mut CudaKv,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        seqs: &[AttnSeq<'_>],
+        n_kv_heads: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_write";
+        let (hd, bs) = (kv.head_dim, kv.block_size);
+        let w = n_kv_heads * hd;
+        if w == 0 || k.len() != v.len() || !k.len().is_multiple_of(w) {
+            return Err(CudaError::invalid(OP, "k and v must both be [rows][n_kv_heads*head_dim]"));
+        }
+        let rows = k.len() / w;
+        let mut tok_row = Vec::new();
+        let mut dst = Vec::new();
+        for s in seqs {
+            check_seq(OP, s, n_kv_heads, rows)?;
+            for h in 0..n_kv_heads {
+                kv.check_table(OP, &s.tables[h], s.prior_lens[h] + s.n_new)?;
+            }
+            for j in 0..s.n_new {
+                tok_row.push((s.q_row + j) as u32);
+                for h in 0..n_kv_heads {
+                    let slot = s.prior_lens[h] + j;
+                    dst.push(s.tables[h][slot / bs] * bs as u32 + (slot % bs) as u32);
+                }
+            }
+        }
+        if tok_row.is_empty() {
+            return Ok(());
+        }
+        let tok = self.upload(&tok_row)?;
+        let dst = self.upload(&dst)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_dim(OP, "tokens", tok_row.len(), i32::MAX as usize)?,
+                grid_dim(OP, "n_kv_heads", n_kv_heads, 65535)?,
+                1,
+            ),
+            block_dim: (hd.next_multiple_of(32).min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (nkv, hd) = (to_i32(OP, "n_kv_heads", n_kv_heads)?, to_i32(OP, "head_dim", hd)?);
+        let (kc, vc) = (&mut kv.k, &mut kv.v);
+        // SAFETY: rows and destination slots were validated against the batch and the arena above.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("kv_write_f16")?)
+                .arg(k)
+                .arg(v)
+                .arg(&tok)
+                .arg(&dst)
+                .arg(&nkv)
+                .arg(&hd)
+                .arg(kc)
+                .arg(vc)
+                .launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    /// Copies K and V of block `src` into block `dst` for every pair (MoveCache compaction / block gather).
+    /// Destinations must be distinct and no destination may also be a source, so the pairs are order-free.
+    pub fn copy_blocks(&self, kv: &mut CudaKv, pairs: &[(u32, u32)]) -> Result<(), CudaError> {
+        const OP: &str = "copy_blocks";
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let mut dsts: Vec<u32> = pairs.iter().map(|p| p.1).collect();
+        dsts.sort_unstable();
+        if dsts.windows(2).any(|w| w[0] == w[1]) {
+            return Err(CudaError::invalid(OP, "destination blocks must be distinct"));
+        }
+        let mut flat = Vec::with_capacity(pairs.len() * 2);
+        for &(s, d) in pairs {
+            if s as usize >= kv.num_blocks || d as usize >= kv.num_blocks {
+                return Err(CudaError::invalid(OP, format!("pair ({s}, {d}) out of range ({} blocks)", kv.num_blocks)));
+            }
+            if s != d && dsts.binary_search(&s).is_ok() {
+                return Err(CudaError::invalid(OP, format!("block {s} is both a source and a destination")));
+            }
+            flat.extend_from_slice(&[s, d]);
+        }
+        let dev = self.upload(&flat)?;
+        let block_len = to_i32(OP, "block_size*head_dim", kv.block_size * kv.head_dim)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_dim(OP, "pairs", pairs.len(), i32::MAX as usize)?, 2, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (kc, vc) = (&mut kv.k, &mut kv.v);
+        // SAFETY: every block index is < num_blocks (checked); destinations do not alias sources.
+        unsafe {
+            self.stream().launch_builder(self.func("copy_blocks_f16")?).arg(kc).arg(vc).arg(&dev).arg(&block_len).launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    fn score_meta(&self, op: &'static str, kv: &CudaKv, entries: &[ScoreEntry<'_>]) -> Result<ScoreMeta, CudaError> {
+        let mut tables = Vec::new();
+        let (mut len, mut tab_off, mut out_off) = (Vec::new(), Vec::new(), Vec::new());
+        let mut offsets = vec![0usize];
+        for e in entries {
+            kv.check_table(op, e.table, e.len)?;
+            len.push(to_i32(op, "len", e.len)? as u32);
+            tab_off.push(to_i32(op, "table offset", tables.len())? as u32);
+            out_off.push(to_i32(op, "output offset", offsets[offsets.len() - 1])? as u32);
+            tables.extend_from_slice(&e.table[..e.len.div_ceil(kv.block_size)]);
+            offsets.push(offsets[offsets.len() - 1] + e.len);
+        }
+        let n_tab = tables.len();
+        let n = entries.len();
+        tables.extend(len);
+        tables.extend(tab_off);
+        tables.extend(out_off);
+        let max_len = entries.iter().map(|e| e.len).max().unwrap_or(0);
+        Ok(ScoreMeta { meta: self.upload(&tables)?, n_tab, n, offsets, max_len })
+    }
+
+    /// Per slot of each entry: `‖K‖₂` and `‖V‖₂ / ‖K‖₂` (0 when both norms are 0, +inf when only ‖K‖ is 0).
+    /// Synchronous: returns host vectors for the policy code.
+    pub fn slot_norms(&self, kv: &CudaKv, entries: &[ScoreEntry<'_>]) -> Result<SlotScores, CudaError> {
+        const OP: &str = "slot_norms";
+        let m = self.score_meta(OP, kv, entries)?;
+        let total = m.offsets[m.offsets.len() - 1];
+        if total == 0 {
+            return Ok(SlotScores { offsets: m.offsets, ..Default::default() });
+        }
+        let mut knorm = self.zeros::<f32>(total)?;
+        let mut score = self.zeros::<f32>(total)?;
+        let cfg = score_cfg(OP, m.max_len, m.n)?;
+        let (bs, hd) = (to_i32(OP, "block_size", kv.block_size)?, to_i32(OP, "head_dim", kv.head_dim)?);
+        let (t, n) = (m.n_tab, m.n);
+        let (tab, len, toff, ooff) =
+            (m.meta.slice(..t), m.meta.slice(t..t + n), m.meta.slice(t + n..t + 2 * n), m.meta.slice(t + 2 * n..));
+        // SAFETY: tables were validated against the arena; outputs hold `total` floats at the prefix offsets.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("slot_norms_f16")?)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(&tab)
+                .arg(&len)
+                .arg(&toff)
+                .arg(&ooff)
+                .arg(&bs)
+                .arg(&hd)
+                .arg(&mut knorm)
+                .arg(&mut score)
+                .launch(cfg)
+        }?;
+        Ok(SlotScores { offsets: m.offsets, knorm: self.download(&knorm)?, score: self.download(&score)? })
+    }
+
+    /// Per slot of each entry: `cos(K, anchors[e])` (0 when a norm is 0). anchors: `[entries][head_dim]` f32.
+    pub fn anchor_cosine(&self, kv: &CudaKv, entries: &[ScoreEntry<'_>], anchors: &[f32]) -> Result<SlotScores, CudaError> {
+        const OP: &str = "anchor_cosine";
+        if anchors.len() != entries.len() * kv.head_dim {
+            return Err(CudaError::invalid(OP, "anchors must be [entries][head_dim]"));
+        }
+        let m = self.score_meta(OP, kv, entries)?;
+        let total = m.offsets[m.offsets.len() - 1];
+        if total == 0 {
+            return Ok(SlotScores { offsets: m.offsets, ..Default::default() });
+        }
+        let an = self.upload(anchors)?;
+        let mut score = self.zeros::<f32>(total)?;
+        let cfg = score_cfg(OP, m.max_len, m.n)?;
+        let (bs, hd) = (to_i32(OP, "block_size", kv.block_size)?, to_i32(OP, "head_dim", kv.head_dim)?);
+        let (t, n) = (m.n_tab, m.n);
+        let (tab, len, toff, ooff) =
+            (m.meta.slice(..t), m.meta.slice(t..t + n), m.meta.slice(t + n..t + 2 * n), m.meta.slice(t + 2 * n..));
+        // SAFETY: as in slot_norms; anchors hold entries * head_dim floats (checked).
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("anchor_cosine_f16")?)
+                .arg(&kv.k)
+                .arg(&tab)
+                .arg(&len)
+                .arg(&toff)
+                .arg(&ooff)
+                .arg(&an)
+                .arg(&bs)
+                .arg(&hd)
+                .arg(&mut score)
+                .launch(cfg)
+        }?;
+        Ok(SlotScores { offsets: m.offsets, knorm: Vec::new(), score: self.download(&score)? })
+    }
+}
+
+fn score_cfg(op: &'static str, max_len: usize, entries: usize) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (
+            grid_dim(op, "slot groups", max_len.div_ceil(SCORE_WARPS).max(1), i32::MAX as usize)?,
+            grid_dim(op, "entries", entries, 65535)?,
+            1,
+        ),
+        block_dim: (32 * SCORE_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+pub(crate) fn check_seq(op: &'static str, s: &AttnSeq<'_>, n_kv_heads: usize, rows: usize) -> Result<(), CudaError> {
+    if s.tables.len() < n_kv_heads || s.prior_lens.len() < n_kv_heads {
+        return Err(CudaError::invalid(op, "AttnSeq needs one table and one prior_len per kv-head"));
+    }
+    if s.q_row.checked_add(s.n_new).is_none_or(|end| end > rows) {
+        return Err(CudaError::invalid(op, format!("rows [{}, +{}) exceed the batch of {rows}", s.q_row, s.n_new)));
+    }
+    Ok(())
+}

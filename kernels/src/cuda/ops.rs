@@ -1,0 +1,287 @@
+//! Launch wrappers for the row-wise and element-wise kernels (`elementwise.cu`), weights on the device
+//! ([`CudaWeight`]: GGUF weights dequantised to f16 on load) and the cuBLAS GEMM `y = x·Wᵀ` (f16 inputs, f32
+//! accumulation and output).
+//!
+//! CPU twins: [`CudaContext::rmsnorm`] ↔ `Backend::rmsnorm`, [`CudaContext::rope`] ↔ `Backend::rope`,
+//! [`CudaContext::silu_mul`] ↔ `Backend::silu_mul`, [`CudaContext::embedding`] ↔ `Backend::embedding`,
+//! [`CudaWeight::from_qmatrix`] ↔ `QMatrix::dequantize_row`, [`CudaContext::matmul`] ↔ `Backend::matmul`.
+//! All launches are asynchronous on the context's stream.
+
+use super::context::CudaContext;
+use super::error::CudaError;
+use crate::quant::{QData, QMatrix};
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+const THREADS: u32 = 256;
+
+/// A 1-D grid-stride launch over `n` elements.
+pub(crate) fn grid_1d(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::invalid(op, format!("{what} = {v} does not fit in i32")))
+}
+
+pub(crate) fn grid_dim(op: &'static str, what: &str, v: usize, max: usize) -> Result<u32, CudaError> {
+    if v == 0 || v > max {
+        return Err(CudaError::invalid(op, format!("{what} = {v} is outside 1..={max}")));
+    }
+    Ok(v as u32)
+}
+
+/// A weight matrix on the device as row-major f16 (`rows` = output features, `cols` = input features).
+pub struct CudaWeight {
+    data: CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl std::fmt::Debug for CudaWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaWeight").field("rows", &self.rows).field("cols", &self.cols).finish()
+    }
+}
+
+impl CudaWeight {
+    /// Uploads `w`; Q4_1 and Q8_0 are dequantised to f16 on the device, F32 is rounded to f16 on the host.
+    pub fn from_qmatrix(cx: &CudaContext, w: &QMatrix) -> Result<CudaWeight, CudaError> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let n = rows
+            .checked_mul(cols)
+            .ok_or_else(|| CudaError::invalid("CudaWeight::from_qmatrix", "rows * cols overflows"))?;
+        let data = match &w.data {
+            QData::F32(v) => cx.upload(&v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>())?,
+            QData::F16(v) => cx.upload(v)?,
+            QData::Q4_1(b) => dequant(cx, "dequant_q4_1_f16", b, n)?,
+            QData::Q8_0(b) => dequant(cx, "dequant_q8_0_f16", b, n)?,
+        };
+        Ok(CudaWeight { data, rows, cols })
+    }
+
+    /// Wraps f16 values already on the device (`data.len() == rows * cols`).
+    pub fn from_f16(data: CudaSlice<u16>, rows: usize, cols: usize) -> Result<CudaWeight, CudaError> {
+        if rows.checked_mul(cols) != Some(data.len()) {
+            return Err(CudaError::invalid("CudaWeight::from_f16", format!("{} values for {rows}x{cols}", data.len())));
+        }
+        Ok(CudaWeight { data, rows, cols })
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The f16 values (raw bits), row-major.
+    pub fn data(&self) -> &CudaSlice<u16> {
+        &self.data
+    }
+}
+
+fn dequant(cx: &CudaContext, kernel: &'static str, bytes: &[u8], n: usize) -> Result<CudaSlice<u16>, CudaError> {
+    let src = cx.upload(bytes)?;
+    let mut out = cx.zeros::<u16>(n)?;
+    if n > 0 {
+        let n64 = n as i64;
+        // SAFETY: the kernel reads n/32 whole blocks of `src` (its length was checked by QMatrix) and writes n values.
+        unsafe { cx.stream().launch_builder(cx.func(kernel)?).arg(&src).arg(&n64).arg(&mut out).launch(grid_1d(n)) }?;
+    }
+    Ok(out)
+}
+
+impl CudaContext {
+    /// `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * weight`; x, out: `[n][weight.len()]`.
+    pub fn rmsnorm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let d = weight.len();
+        if d == 0 || x.len() != out.len() || !x.len().is_multiple_of(d) {
+            return Err(CudaError::invalid("rmsnorm", "x and out must be [n][weight.len()]"));
+        }
+        let rows = x.len() / d;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid_dim("rmsnorm", "rows", rows, i32::MAX as usize)?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let d = to_i32("rmsnorm", "dim", d)?;
+        // SAFETY: rows * d elements of x and out, d of weight, all checked above.
+        unsafe { self.stream().launch_builder(self.func("rmsnorm_f32")?).arg(x).arg(weight).arg(&eps).arg(&d).arg(out).launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Llama "normal" RoPE in place on x: `[positions.len()][n_heads * head_dim]`.
+    pub fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<u32>,
+        n_heads: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<(), CudaError> {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || x.len() != positions.len() * n_heads * head_dim {
+            return Err(CudaError::invalid("rope", "x must be [positions][n_heads*head_dim] with an even head_dim"));
+        }
+        let pairs = x.len() / 2;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let (n, nh, hd) =
+            (to_i32("rope", "n", positions.len())?, to_i32("rope", "n_heads", n_heads)?, to_i32("rope", "head_dim", head_dim)?);
+        // SAFETY: the kernel touches n * n_heads * head_dim floats of x and n positions, as checked.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("rope_f32")?)
+                .arg(x)
+                .arg(positions)
+                .arg(&n)
+                .arg(&nh)
+                .arg(&hd)
+                .arg(&theta)
+                .launch(grid_1d(pairs))
+        }?;
+        Ok(())
+    }
+
+    /// `gate[i] = silu(gate[i]) * up[i]`.
+    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<(), CudaError> {
+        if gate.len() != up.len() {
+            return Err(CudaError::invalid("silu_mul", "gate and up differ in length"));
+        }
+        if gate.is_empty() {
+            return Ok(());
+        }
+        let n = gate.len() as i64;
+        let cfg = grid_1d(gate.len());
+        // SAFETY: n elements of each, checked equal.
+        unsafe { self.stream().launch_builder(self.func("silu_mul_f32")?).arg(gate).arg(up).arg(&n).launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `out[i] = table.row(ids[i])` in f32; an id outside the table gives a zero row. out: `[ids.len()][cols]`.
+    pub fn embedding(
+        &self,
+        table: &CudaWeight,
+        ids: &CudaSlice<u32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if out.len() != ids.len() * table.cols {
+            return Err(CudaError::invalid("embedding", "out must be [ids.len()][table.cols()]"));
+        }
+        if ids.is_empty() || table.cols == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid_dim("embedding", "ids", ids.len(), i32::MAX as usize)?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (vocab, dim) = (to_i32("embedding", "rows", table.rows)?, to_i32("embedding", "cols", table.cols)?);
+        // SAFETY: ids are bounds-checked in the kernel; out holds ids * cols floats.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("embedding_f16")?)
+                .arg(&table.data)
+                .arg(ids)
+                .arg(&vocab)
+                .arg(&dim)
+                .arg(out)
+                .launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    /// Rounds f32 values to f16 (raw bits).
+    pub fn f32_to_f16(&self, x: &CudaSlice<f32>, out: &mut CudaSlice<u16>) -> Result<(), CudaError> {
+        if x.len() != out.len() {
+            return Err(CudaError::invalid("f32_to_f16", "lengths differ"));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let n = x.len() as i64;
+        // SAFETY: n elements each.
+        unsafe { self.stream().launch_builder(self.func("f32_to_f16")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len())) }?;
+        Ok(())
+    }
+
+    /// Widens f16 values (raw bits) to f32.
+    pub fn f16_to_f32(&self, x: &CudaSlice<u16>, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        if x.len() != out.len() {
+            return Err(CudaError::invalid("f16_to_f32", "lengths differ"));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let n = x.len() as i64;
+        // SAFETY: n elements each.
+        unsafe { self.stream().launch_builder(self.func("f16_to_f32")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len())) }?;
+        Ok(())
+    }
+
+    /// cuBLAS GEMM: `out[n][w.rows()] = x[n][w.cols()] · wᵀ` with f16 x and w, f32 accumulation and output.
+    pub fn gemm_f16(&self, w: &CudaWeight, x: &CudaSlice<u16>, n: usize, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        if x.len() != n * w.cols || out.len() != n * w.rows {
+            return Err(CudaError::invalid("gemm_f16", "x must be [n][cols] and out [n][rows]"));
+        }
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let (m, nn, k) = (to_i32("gemm_f16", "rows", w.rows)?, to_i32("gemm_f16", "n", n)?, to_i32("gemm_f16", "cols", w.cols)?);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stream = self.stream();
+        let (wp, _gw) = w.data.device_ptr(stream);
+        let (xp, _gx) = x.device_ptr(stream);
+        let (op, _go) = out.device_ptr_mut(stream);
+        // Column-major view: outᵀ (rows x n) = W (k x rows, transposed) · xᵀ (k x n).
+        // SAFETY: the pointers cover rows*cols, n*cols and n*rows elements (checked); cuBLAS runs on our stream.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas().handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m,
+                nn,
+                k,
+                (&alpha as *const f32).cast(),
+                wp as *const _,
+                cudaDataType::CUDA_R_16F,
+                k,
+                xp as *const _,
+                cudaDataType::CUDA_R_16F,
+                k,
+                (&beta as *const f32).cast(),
+                op as *mut _,
+                cudaDataType::CUDA_R_32F,
+                m,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// `out[n][w.rows()] = x[n][w.cols()] · wᵀ` for f32 x: rounds x to f16, then [`CudaContext::gemm_f16`].
+    pub fn matmul(&self, w: &CudaWeight, x: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        if x.len() != n * w.cols {
+            return Err(CudaError::invalid("matmul", "x must be [n][cols]"));
+        }
+        let mut xh = self.zeros::<u16>(x.len())?;
+        self.f32_to_f16(x, &mut xh)?;
+        self.gemm_f16(w, &xh, n, out)
+    }
+}

@@ -1,0 +1,31 @@
+//! Pagoda numeric kernels.
+//!
+//! This crate owns every piece of model math the serving engine runs:
+//!
+//! - [`quant`]: weight matrices as they come from GGUF ([`WeightType`]: F32, F16, Q4_1, Q8_0) in a [`QMatrix`],
+//!   row dequantisation, and the Q8_1 activation format used by the quantised matmul;
+//! - [`paged`]: the head-paged KV arenas ([`KvStorage`]) and the per-sequence attention view ([`AttnSeq`]);
+//! - [`backend`]: the [`Backend`] trait (matmul, embedding, RMSNorm, RoPE, SiLU·mul, KV write, paged attention);
+//! - [`cpu`]: [`CpuBackend`], the always-available implementation, with AVX2/FMA/F16C kernels selected at run time
+//!   and portable scalar kernels that double as the test reference.
+//!
+//! ```
+//! use pagoda_kernels::{Backend, CpuBackend, QMatrix, WeightType};
+//! let w = QMatrix::quantize(WeightType::Q8_0, 2, 32, &[0.5; 64]).unwrap();
+//! let be = CpuBackend::new(1);
+//! let mut out = [0.0f32; 2];
+//! be.matmul(&w, &[1.0; 32], 1, &mut out);
+//! assert!((out[0] - 16.0).abs() < 0.1);
+//! ```
+
+pub mod backend;
+pub mod cpu;
+pub mod error;
+pub mod paged;
+pub mod quant;
+
+pub use backend::Backend;
+pub use cpu::{CpuBackend, Simd};
+pub use error::KernelError;
+pub use paged::{AttnSeq, KvStorage};
+pub use quant::{QMatrix, WeightType};

@@ -1,0 +1,290 @@
+//! Weight storage and quantisation formats: [`WeightType`], [`QMatrix`] (GGML F32, F16, Q4_1, Q8_0 weights as
+//! they come from GGUF), row dequantisation, and the Q8_1 activation blocks the CPU matmul quantises `x` into.
+
+use crate::error::KernelError;
+use half::f16;
+
+/// Weights per quantisation block (Q4_1, Q8_0, Q8_1).
+pub const QK: usize = 32;
+/// Bytes per Q4_1 block: f16 d, f16 m, 16 bytes of nibbles.
+pub const Q4_1_BLOCK_BYTES: usize = 20;
+/// Bytes per Q8_0 block: f16 d, 32 i8.
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// Element type of a weight matrix, as GGML names it.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightType {
+    /// 32-bit float, little endian.
+    F32,
+    /// IEEE half, little endian.
+    F16,
+    /// Blocks of 32: f16 scale d, f16 min m, 32 nibbles; value = d*q + m.
+    Q4_1,
+    /// Blocks of 32: f16 scale d, 32 i8; value = d*q.
+    Q8_0,
+}
+
+impl WeightType {
+    /// Maps a GGML type id (as stored in GGUF tensor infos) to a [`WeightType`].
+    pub fn from_ggml(id: u32) -> Result<WeightType, KernelError> {
+        match id {
+            0 => Ok(WeightType::F32),
+            1 => Ok(WeightType::F16),
+            3 => Ok(WeightType::Q4_1),
+            8 => Ok(WeightType::Q8_0),
+            other => Err(KernelError::UnsupportedType(other)),
+        }
+    }
+
+    /// The GGML type id.
+    pub fn ggml_id(self) -> u32 {
+        match self {
+            WeightType::F32 => 0,
+            WeightType::F16 => 1,
+            WeightType::Q4_1 => 3,
+            WeightType::Q8_0 => 8,
+        }
+    }
+
+    /// Weights per block (1 for float types).
+    pub fn block_len(self) -> usize {
+        match self {
+            WeightType::F32 | WeightType::F16 => 1,
+            WeightType::Q4_1 | WeightType::Q8_0 => QK,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            WeightType::F32 => 4,
+            WeightType::F16 => 2,
+            WeightType::Q4_1 => Q4_1_BLOCK_BYTES,
+            WeightType::Q8_0 => Q8_0_BLOCK_BYTES,
+        }
+    }
+
+    /// Bytes a `rows x cols` matrix of this type occupies, or `None` on overflow / bad `cols`.
+    pub fn byte_len(self, rows: usize, cols: usize) -> Option<usize> {
+        if !cols.is_multiple_of(self.block_len()) {
+            return None;
+        }
+        rows.checked_mul(cols / self.block_len())?.checked_mul(self.block_bytes())
+    }
+}
+
+/// Storage of a [`QMatrix`]: the GGUF bytes, decoded into a typed vector for float types.
+#[derive(Clone)]
+pub(crate) enum QData {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+    /// Raw GGUF Q4_1 blocks, row-major.
+    Q4_1(Vec<u8>),
+    /// Raw GGUF Q8_0 blocks, row-major.
+    Q8_0(Vec<u8>),
+}
+
+/// A weight matrix: `rows` = output features, `cols` = input features; row r is contiguous.
+#[derive(Clone)]
+pub struct QMatrix {
+    ty: WeightType,
+    rows: usize,
+    cols: usize,
+    pub(crate) data: QData,
+}
+
+impl std::fmt::Debug for QMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QMatrix").field("ty", &self.ty).field("rows", &self.rows).field("cols", &self.cols).finish()
+    }
+}
+
+impl QMatrix {
+    /// Builds a matrix from GGUF tensor bytes (little endian, row-major, rows of whole blocks).
+    ///
+    /// A GGUF tensor with dims `[ne0, ne1]` has `cols = ne0`, `rows = ne1`.
+    pub fn from_gguf(ty: WeightType, rows: usize, cols: usize, bytes: &[u8]) -> Result<QMatrix, KernelError> {
+        if !cols.is_multiple_of(ty.block_len()) {
+            return Err(KernelError::BadCols { ty, cols, block: ty.block_len() });
+        }
+        let expected = ty.byte_len(rows, cols).ok_or(KernelError::TooLarge { rows, cols })?;
+        if bytes.len() != expected {
+            return Err(KernelError::BadLength { ty, rows, cols, expected, got: bytes.len() });
+        }
+        let data = match ty {
+            WeightType::F32 => {
+                QData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
+            WeightType::F16 => QData::F16(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
+            WeightType::Q4_1 => QData::Q4_1(bytes.to_vec()),
+            WeightType::Q8_0 => QData::Q8_0(bytes.to_vec()),
+        };
+        Ok(QMatrix { ty, rows, cols, data })
+    }
+
+    /// Builds an F32 matrix from row-major values (`values.len() == rows * cols`).
+    pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Result<QMatrix, KernelError> {
+        let expected = rows.checked_mul(cols).ok_or(KernelError::TooLarge { rows, cols })?;
+        if values.len() != expected {
+            return Err(KernelError::BadLength {
+                ty: WeightType::F32,
+                rows,
+                cols,
+                expected: expected * 4,
+                got: values.len() * 4,
+            });
+        }
+        Ok(QMatrix { ty: WeightType::F32, rows, cols, data: QData::F32(values.to_vec()) })
+    }
+
+    /// Quantises row-major f32 values into `ty` the way GGML does (used by tests, benches and synthetic models).
+    pub fn quantize(ty: WeightType, rows: usize, cols: usize, values: &[f32]) -> Result<QMatrix, KernelError> {
+        if !cols.is_multiple_of(ty.block_len()) {
+            return Err(KernelError::BadCols { ty, cols, block: ty.block_len() });
+        }
+        let n = rows.checked_mul(cols).ok_or(KernelError::TooLarge { rows, cols })?;
+        if values.len() != n {
+            return Err(KernelError::BadLength { ty, rows, cols, expected: n * 4, got: values.len() * 4 });
+        }
+        let mut bytes = Vec::with_capacity(ty.byte_len(rows, cols).ok_or(KernelError::TooLarge { rows, cols })?);
+        match ty {
+            WeightType::F32 => return QMatrix::from_f32(rows, cols, values),
+            WeightType::F16 => {
+                for &v in values {
+                    bytes.extend_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            WeightType::Q4_1 => {
+                for blk in values.chunks_exact(QK) {
+                    let min = blk.iter().copied().fold(f32::INFINITY, f32::min);
+                    let max = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let d = (max - min) / 15.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                    bytes.extend_from_slice(&f16::from_f32(min).to_bits().to_le_bytes());
+                    for j in 0..QK / 2 {
+                        let lo = (((blk[j] - min) * id + 0.5) as u8).min(15);
+                        let hi = (((blk[j + QK / 2] - min) * id + 0.5) as u8).min(15);
+                        bytes.push(lo | (hi << 4));
+                    }
+                }
+            }
+            WeightType::Q8_0 => {
+                for blk in values.chunks_exact(QK) {
+                    let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    let d = amax / 127.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    bytes.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+                    for &v in blk {
+                        bytes.push(((v * id).round() as i8) as u8);
+                    }
+                }
+            }
+        }
+        QMatrix::from_gguf(ty, rows, cols, &bytes)
+    }
+
+    /// Element type.
+    pub fn weight_type(&self) -> WeightType {
+        self.ty
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of one row in its stored form.
+    pub(crate) fn row_bytes(&self) -> usize {
+        self.cols / self.ty.block_len() * self.ty.block_bytes()
+    }
+
+    /// Decodes row `row` into `out` (`out.len() == cols`). Panics if `row >= rows` or the length is wrong.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows, "row {row} out of range ({} rows)", self.rows);
+        assert_eq!(out.len(), self.cols, "dequantize_row: out.len() must equal cols");
+        let c = self.cols;
+        match &self.data {
+            QData::F32(v) => out.copy_from_slice(&v[row * c..(row + 1) * c]),
+            QData::F16(v) => {
+                for (o, &h) in out.iter_mut().zip(&v[row * c..(row + 1) * c]) {
+                    *o = f16::from_bits(h).to_f32();
+                }
+            }
+            QData::Q4_1(b) => {
+                let rb = self.row_bytes();
+                for (blk, o) in b[row * rb..(row + 1) * rb].chunks_exact(Q4_1_BLOCK_BYTES).zip(out.chunks_exact_mut(QK))
+                {
+                    dequantize_block_q4_1(blk, o);
+                }
+            }
+            QData::Q8_0(b) => {
+                let rb = self.row_bytes();
+                for (blk, o) in b[row * rb..(row + 1) * rb].chunks_exact(Q8_0_BLOCK_BYTES).zip(out.chunks_exact_mut(QK))
+                {
+                    dequantize_block_q8_0(blk, o);
+                }
+            }
+        }
+    }
+}
+
+#[inline]
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// One Q4_1 block (20 bytes) into 32 floats.
+pub(crate) fn dequantize_block_q4_1(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let m = f16_at(blk, 2);
+    for j in 0..QK / 2 {
+        let q = blk[4 + j];
+        out[j] = d * f32::from(q & 0x0F) + m;
+        out[j + QK / 2] = d * f32::from(q >> 4) + m;
+    }
+}
+
+/// One Q8_0 block (34 bytes) into 32 floats.
+pub(crate) fn dequantize_block_q8_0(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for j in 0..QK {
+        out[j] = d * f32::from(blk[2 + j] as i8);
+    }
+}
+
+/// A Q8_1 activation block: 32 i8 values, scale `d` and `s = d * Σq` (used by Q4_1 · Q8_1 to fold in the min).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(8))]
+pub struct BlockQ8_1 {
+    /// Scale: value ≈ d * q.
+    pub d: f32,
+    /// d * Σ qs.
+    pub s: f32,
+    /// Quantised values.
+    pub qs: [i8; QK],
+}
+
+/// Scalar reference quantisation of `x` (len multiple of 32) into Q8_1 blocks (round to nearest).
+pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    assert_eq!(x.len(), out.len() * QK);
+    for (blk, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        o.d = d;
+        o.s = d * sum as f32;
+    }
+}

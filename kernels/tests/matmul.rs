@@ -1,0 +1,200 @@
+//! Matmul, dequantisation and GGUF-loading tests against an f32 reference.
+
+#![allow(clippy::needless_range_loop)]
+
+use pagoda_kernels::{Backend, CpuBackend, KernelError, QMatrix, Simd, WeightType};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TYPES: [WeightType; 4] = [WeightType::F32, WeightType::F16, WeightType::Q4_1, WeightType::Q8_0];
+
+fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
+}
+
+fn backends() -> Vec<CpuBackend> {
+    vec![
+        CpuBackend::with_simd(1, Simd::Scalar),
+        CpuBackend::with_simd(2, Simd::Scalar),
+        CpuBackend::with_simd(1, Simd::Avx2),
+        CpuBackend::with_simd(2, Simd::Avx2),
+        CpuBackend::with_simd(3, Simd::Avx2),
+    ]
+}
+
+/// Reference: dequantise every row and take f32 dot products; also returns an error bound per output from the
+/// Q8_1 quantisation of x (|Δx| <= amax/254 per block) for quantised types.
+fn reference(w: &QMatrix, x: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let mut out = vec![0.0; n * rows];
+    let mut tol = vec![0.0; n * rows];
+    let mut wr = vec![0.0; cols];
+    let quant = matches!(w.weight_type(), WeightType::Q4_1 | WeightType::Q8_0);
+    for r in 0..rows {
+        w.dequantize_row(r, &mut wr);
+        for i in 0..n {
+            let xr = &x[i * cols..(i + 1) * cols];
+            let mut s = 0.0f64;
+            let mut bound = 0.0f64;
+            let mut mag = 0.0f64;
+            for b in 0..cols.div_ceil(32) {
+                let lo = b * 32;
+                let hi = (lo + 32).min(cols);
+                let amax = xr[lo..hi].iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                for j in lo..hi {
+                    s += wr[j] as f64 * xr[j] as f64;
+                    mag += (wr[j] as f64 * xr[j] as f64).abs();
+                    if quant {
+                        bound += (wr[j] as f64).abs() * amax / 254.0;
+                    }
+                }
+            }
+            out[i * rows + r] = s as f32;
+            tol[i * rows + r] = (1.01 * bound + 1e-5 * mag + 1e-5) as f32;
+        }
+    }
+    (out, tol)
+}
+
+#[test]
+fn matmul_matches_dequantised_reference() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let shapes = [(1, 32), (5, 64), (13, 96), (37, 576), (64, 160), (130, 320)];
+    for ty in TYPES {
+        for &(rows, cols) in &shapes {
+            let wv = rand_vec(&mut rng, rows * cols, 1.0);
+            let w = QMatrix::quantize(ty, rows, cols, &wv).expect("quantize");
+            for n in [1usize, 2, 3, 4, 5, 7, 8, 9, 17] {
+                let mut x = rand_vec(&mut rng, n * cols, 2.0);
+                // Some rows with a wide dynamic range and an all-zero block.
+                if n > 2 {
+                    x[cols] = 50.0;
+                    x[..32].fill(0.0);
+                }
+                let (want, tol) = reference(&w, &x, n);
+                for be in backends() {
+                    let mut got = vec![f32::NAN; n * rows];
+                    be.matmul(&w, &x, n, &mut got);
+                    for k in 0..n * rows {
+                        assert!(
+                            (got[k] - want[k]).abs() <= tol[k],
+                            "{ty:?} {rows}x{cols} n={n} {be:?}: out[{k}] = {} want {} (tol {})",
+                            got[k],
+                            want[k],
+                            tol[k]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fast_path_matches_scalar_path() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let scalar = CpuBackend::with_simd(1, Simd::Scalar);
+    let fast = CpuBackend::new(2);
+    for ty in TYPES {
+        for &(rows, cols, n) in &[(576, 576, 1), (203, 1536, 6), (96, 576, 33), (1000, 64, 64)] {
+            let wv = rand_vec(&mut rng, rows * cols, 0.5);
+            let w = QMatrix::quantize(ty, rows, cols, &wv).expect("quantize");
+            let x = rand_vec(&mut rng, n * cols, 3.0);
+            let mut a = vec![0.0; n * rows];
+            let mut b = vec![0.0; n * rows];
+            scalar.matmul(&w, &x, n, &mut a);
+            fast.matmul(&w, &x, n, &mut b);
+            for k in 0..n * rows {
+                let tol = 1e-4 * (1.0 + a[k].abs()) + 2e-3;
+                assert!((a[k] - b[k]).abs() <= tol, "{ty:?} {rows}x{cols} n={n}: {} vs {}", a[k], b[k]);
+            }
+        }
+    }
+}
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+#[test]
+fn dequantize_hand_built_blocks() {
+    // Q4_1: d = 0.5, m = -1, nibble j = j % 16 in low half, 15 - j%16 in high half.
+    let mut b = Vec::new();
+    b.extend_from_slice(&f16_bytes(0.5));
+    b.extend_from_slice(&f16_bytes(-1.0));
+    for j in 0..16u8 {
+        b.push(j | ((15 - j) << 4));
+    }
+    let w = QMatrix::from_gguf(WeightType::Q4_1, 1, 32, &b).expect("q4_1");
+    let mut out = vec![0.0; 32];
+    w.dequantize_row(0, &mut out);
+    for j in 0..16 {
+        assert_eq!(out[j], 0.5 * j as f32 - 1.0);
+        assert_eq!(out[j + 16], 0.5 * (15 - j) as f32 - 1.0);
+    }
+    // Q8_0: d = 0.25, q = j - 16.
+    let mut b = Vec::new();
+    for row in 0..2 {
+        b.extend_from_slice(&f16_bytes(0.25 * (row + 1) as f32));
+        for j in 0..32i8 {
+            b.push((j - 16) as u8);
+        }
+    }
+    let w = QMatrix::from_gguf(WeightType::Q8_0, 2, 32, &b).expect("q8_0");
+    w.dequantize_row(1, &mut out);
+    for (j, &o) in out.iter().enumerate() {
+        assert_eq!(o, 0.5 * (j as f32 - 16.0));
+    }
+    // F16 and F32.
+    let vals = [1.5f32, -2.0, 0.125, 3.0];
+    let b16: Vec<u8> = vals.iter().flat_map(|&v| f16_bytes(v)).collect();
+    let w = QMatrix::from_gguf(WeightType::F16, 2, 2, &b16).expect("f16");
+    let mut o2 = [0.0; 2];
+    w.dequantize_row(1, &mut o2);
+    assert_eq!(o2, [0.125, 3.0]);
+    let b32: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let w = QMatrix::from_gguf(WeightType::F32, 2, 2, &b32).expect("f32");
+    w.dequantize_row(0, &mut o2);
+    assert_eq!(o2, [1.5, -2.0]);
+    assert_eq!((w.rows(), w.cols()), (2, 2));
+}
+
+#[test]
+fn from_gguf_rejects_bad_shapes() {
+    assert!(matches!(
+        QMatrix::from_gguf(WeightType::Q4_1, 1, 48, &[0; 30]),
+        Err(KernelError::BadCols { cols: 48, block: 32, .. })
+    ));
+    assert!(matches!(
+        QMatrix::from_gguf(WeightType::Q8_0, 2, 32, &[0; 67]),
+        Err(KernelError::BadLength { expected: 68, got: 67, .. })
+    ));
+    assert!(matches!(QMatrix::from_gguf(WeightType::F32, 2, 3, &[0; 23]), Err(KernelError::BadLength { .. })));
+    assert!(matches!(QMatrix::from_gguf(WeightType::F16, usize::MAX, 4, &[]), Err(KernelError::TooLarge { .. })));
+    assert!(matches!(WeightType::from_ggml(2), Err(KernelError::UnsupportedType(2))));
+    assert_eq!(WeightType::from_ggml(3), Ok(WeightType::Q4_1));
+    assert!(QMatrix::from_gguf(WeightType::Q4_1, 0, 32, &[]).is_ok());
+}
+
+#[test]
+fn embedding_reads_rows() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for ty in TYPES {
+        let (rows, cols) = (50, 64);
+        let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("quantize");
+        let ids = [3u32, 49, 0, 3, 1000];
+        let mut out = vec![1.0; ids.len() * cols];
+        for be in backends() {
+            be.embedding(&w, &ids, &mut out);
+            let mut want = vec![0.0; cols];
+            for (i, &id) in ids.iter().enumerate() {
+                if (id as usize) < rows {
+                    w.dequantize_row(id as usize, &mut want);
+                } else {
+                    want.fill(0.0);
+                }
+                assert_eq!(&out[i * cols..(i + 1) * cols], &want[..]);
+            }
+        }
+    }
+}
