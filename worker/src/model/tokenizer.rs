@@ -48,8 +48,9 @@ pub struct Tokenizer {
     /// Raw bytes each token stands for (byte-level alphabet undone; special tokens: their text).
     token_bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
-    /// Token id of each single byte, used as an always-valid fallback encoding.
-    byte_tokens: [u32; 256],
+    /// Token id of each single byte where the vocabulary has one (byte-level vocabularies may lack a few control
+    /// bytes; BPE drops those too), used as a fallback encoding.
+    byte_tokens: [Option<u32>; 256],
     bos: Option<u32>,
     eos: Option<u32>,
     pad: Option<u32>,
@@ -213,12 +214,9 @@ impl Tokenizer {
             })
             .collect();
 
-        let mut byte_tokens = [0u32; 256];
+        let mut byte_tokens = [None; 256];
         for (b, c) in unicode.iter().enumerate() {
-            let id = inner
-                .token_to_id(&c.to_string())
-                .ok_or_else(|| ModelError::Tokenizer(format!("byte {b:#04x} has no token")))?;
-            byte_tokens[b] = id;
+            byte_tokens[b] = inner.token_to_id(&c.to_string());
         }
 
         let mut eos_ids = Vec::new();
@@ -255,10 +253,10 @@ impl Tokenizer {
         match self.inner.encode_fast(text, false) {
             Ok(enc) => ids.extend_from_slice(enc.get_ids()),
             Err(e) => {
-                // Byte-level BPE covers every byte, so this is not expected; fall back to one token per byte,
-                // which still decodes to exactly `text`.
+                // Byte-level BPE has no failure mode on plain text, so this is not expected; fall back to one
+                // token per byte (bytes without a token are dropped, as BPE itself does).
                 tracing::warn!("tokenizer encode failed ({e}); falling back to byte tokens");
-                ids.extend(text.bytes().map(|b| self.byte_tokens[b as usize]));
+                ids.extend(text.bytes().filter_map(|b| self.byte_tokens[b as usize]));
             }
         }
         if add_special
