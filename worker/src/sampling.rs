@@ -12,16 +12,16 @@ pub const GREEDY_EPSILON: f32 = 1e-5;
 
 /// How one request samples. `top_k == 0` and `top_p >= 1` disable those filters.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SamplingConfig {
+pub struct SamplingParams {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: u32,
     pub seed: Option<u64>,
 }
 
-impl SamplingConfig {
-    pub fn greedy() -> SamplingConfig {
-        SamplingConfig { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None }
+impl SamplingParams {
+    pub fn greedy() -> SamplingParams {
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -48,13 +48,13 @@ impl SampleBuffer {
 /// One request's sampler: its parameters and its RNG.
 #[derive(Debug, Clone)]
 pub struct Sampler {
-    cfg: SamplingConfig,
+    cfg: SamplingParams,
     rng: StdRng,
 }
 
 impl Sampler {
     /// A sampler seeded from `cfg.seed`, or from the OS when the request gives no seed.
-    pub fn new(cfg: SamplingConfig) -> Sampler {
+    pub fn new(cfg: SamplingParams) -> Sampler {
         let rng = match cfg.seed {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
@@ -62,7 +62,7 @@ impl Sampler {
         Sampler { cfg, rng }
     }
 
-    pub fn config(&self) -> &SamplingConfig {
+    pub fn config(&self) -> &SamplingParams {
         &self.cfg
     }
 
@@ -154,8 +154,8 @@ fn desc(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
 mod tests {
     use super::*;
 
-    fn cfg(temperature: f32, top_p: f32, top_k: u32, seed: u64) -> SamplingConfig {
-        SamplingConfig { temperature, top_p, top_k, seed: Some(seed) }
+    fn cfg(temperature: f32, top_p: f32, top_k: u32, seed: u64) -> SamplingParams {
+        SamplingParams { temperature, top_p, top_k, seed: Some(seed) }
     }
 
     fn logits_from_probs(p: &[f32]) -> Vec<f32> {
@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn greedy_picks_argmax_and_first_on_ties() {
-        let mut s = Sampler::new(SamplingConfig::greedy());
+        let mut s = Sampler::new(SamplingParams::greedy());
         let mut buf = SampleBuffer::new();
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0], &mut buf), 1);
         assert_eq!(s.sample(&[f32::NAN, -5.0], &mut buf), 1);
