@@ -6,9 +6,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_protos(&protos, &["."])?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_protos(&protos, &["."])?;
     Ok(())
 }

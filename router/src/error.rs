@@ -1,0 +1,196 @@
+//! OpenAI-style API errors: every failure the router returns is `{"error": {"message", "type", "param", "code"}}`
+//! with a matching HTTP status, never axum's plain-text rejections.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// An error as the client sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorObject<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorObject<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    /// 400 `invalid_request_error`.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 400 `invalid_request_error` about one request field.
+    pub fn invalid_param(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError { param: Some(param.into()), ..ApiError::invalid(message) }
+    }
+
+    /// 404 for a model this router does not serve.
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 404 for an unknown path.
+    pub fn route_not_found(method: &str, path: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("Unknown request URL: {method} {path}."),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("unknown_url"),
+        }
+    }
+
+    /// 405 for a known path with the wrong method.
+    pub fn method_not_allowed() -> ApiError {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: "Method not allowed for this URL.".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("method_not_allowed"),
+        }
+    }
+
+    /// 413 for a body over the configured limit.
+    pub fn payload_too_large(limit: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("Request body is larger than the limit of {limit} bytes."),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+        }
+    }
+
+    /// 503 when no worker can take the request.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("unavailable"),
+        }
+    }
+
+    /// 429 when the worker cannot hold the request now.
+    pub fn overloaded(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("resource_exhausted"),
+        }
+    }
+
+    /// 500.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// Maps a worker's gRPC status to the client-facing error.
+    pub fn from_status(status: &tonic::Status) -> ApiError {
+        use tonic::Code;
+        let msg = status.message().to_string();
+        match status.code() {
+            Code::InvalidArgument | Code::OutOfRange => ApiError::invalid(msg),
+            Code::ResourceExhausted => ApiError::overloaded(msg),
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+                ApiError::unavailable(format!("worker unavailable: {msg}"))
+            }
+            _ => ApiError::internal(format!("worker error: {msg}")),
+        }
+    }
+
+    /// The JSON body, as bytes (also used inside SSE streams).
+    pub fn body_json(&self) -> String {
+        let body = ErrorBody {
+            error: ErrorObject {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        };
+        serde_json::to_string(&body).unwrap_or_else(|_| String::from("{\"error\":{\"message\":\"error\"}}"))
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status.as_u16(), self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let headers = [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))];
+        (self.status, headers, self.body_json()).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_openai_shape() {
+        let e = ApiError::invalid_param("messages", "empty");
+        let v: serde_json::Value = serde_json::from_str(&e.body_json()).unwrap();
+        assert_eq!(v["error"]["message"], "empty");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "messages");
+        assert!(v["error"]["code"].is_null());
+        let e = ApiError::model_not_found("x");
+        assert_eq!(e.status, StatusCode::NOT_FOUND);
+        assert_eq!(e.code, Some("model_not_found"));
+    }
+
+    #[test]
+    fn grpc_status_mapping() {
+        assert_eq!(ApiError::from_status(&tonic::Status::invalid_argument("x")).status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            ApiError::from_status(&tonic::Status::resource_exhausted("x")).status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(ApiError::from_status(&tonic::Status::unavailable("x")).status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(ApiError::from_status(&tonic::Status::internal("x")).status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}

@@ -1,0 +1,24 @@
+//! Pagoda router: the OpenAI-compatible HTTP API in front of the workers.
+//!
+//! - [`server`]: axum routes and handlers, shared state, [`serve`].
+//! - [`openai`]: request/response wire types and input validation (every input bounded).
+//! - [`extract`] / [`error`]: JSON body extraction and OpenAI-style error bodies.
+//! - [`codec`]: chat template + tokenizer ([`codec::TextCodec`]).
+//! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
+//! - [`generate`]: one generation over a worker's gRPC `Generate` stream.
+//! - [`workers`]: the static worker list, health probes, round-robin.
+//! - [`metrics`]: Prometheus metrics.
+
+pub mod codec;
+pub mod detok;
+pub mod error;
+pub mod extract;
+pub mod generate;
+pub mod metrics;
+pub mod openai;
+pub mod server;
+pub mod workers;
+
+pub use codec::TextCodec;
+pub use error::ApiError;
+pub use server::{AppState, DEFAULT_BODY_LIMIT, RouterConfig, app, serve};

@@ -1,0 +1,173 @@
+//! Router metrics in Prometheus/OpenMetrics text (prometheus-client), named `pagoda_router_<what>_<unit>`:
+//! requests by endpoint and status, TTFT and inter-token latency, prompt/completion tokens, and worker occupancy
+//! scraped from each worker's `Stats` at scrape time.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::workers::WorkerPool;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub endpoint: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub worker: String,
+}
+
+/// All router metrics and their registry.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub ttft: Histogram,
+    pub inter_token: Histogram,
+    pub prompt_tokens: Counter,
+    pub completion_tokens: Counter,
+    pub worker_ready: Family<WorkerLabels, Gauge>,
+    pub worker_used_blocks: Family<WorkerLabels, Gauge>,
+    pub worker_capacity_blocks: Family<WorkerLabels, Gauge>,
+    pub worker_running: Family<WorkerLabels, Gauge>,
+    pub worker_waiting: Family<WorkerLabels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("pagoda_router");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register("requests", "HTTP requests by endpoint and status code", requests.clone());
+        // 1 ms .. ~33 s
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        registry.register_with_unit(
+            "ttft",
+            "Time from request arrival to the first token",
+            Unit::Seconds,
+            ttft.clone(),
+        );
+        // 0.5 ms .. ~8 s
+        let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 15));
+        registry.register_with_unit(
+            "inter_token_latency",
+            "Time between consecutive tokens of one stream",
+            Unit::Seconds,
+            inter_token.clone(),
+        );
+        let prompt_tokens = Counter::default();
+        registry.register("prompt_tokens", "Prompt tokens sent to workers", prompt_tokens.clone());
+        let completion_tokens = Counter::default();
+        registry.register("completion_tokens", "Completion tokens received from workers", completion_tokens.clone());
+        let worker_ready = Family::<WorkerLabels, Gauge>::default();
+        registry.register("worker_ready", "1 when the worker's last health probe said ready", worker_ready.clone());
+        let blocks = || Unit::Other("blocks".into());
+        let worker_used_blocks = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_used",
+            "KV blocks in use on the worker",
+            blocks(),
+            worker_used_blocks.clone(),
+        );
+        let worker_capacity_blocks = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_capacity",
+            "KV blocks in the worker's pool",
+            blocks(),
+            worker_capacity_blocks.clone(),
+        );
+        let seqs = || Unit::Other("sequences".into());
+        let worker_running = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_running",
+            "Sequences running on the worker",
+            seqs(),
+            worker_running.clone(),
+        );
+        let worker_waiting = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_waiting",
+            "Sequences waiting on the worker",
+            seqs(),
+            worker_waiting.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            ttft,
+            inter_token,
+            prompt_tokens,
+            completion_tokens,
+            worker_ready,
+            worker_used_blocks,
+            worker_capacity_blocks,
+            worker_running,
+            worker_waiting,
+        }
+    }
+
+    pub fn count_request(&self, endpoint: &str, status: u16) {
+        self.requests.get_or_create(&RequestLabels { endpoint: endpoint.to_string(), status }).inc();
+    }
+
+    /// Scrapes every worker's `Stats` and updates the worker gauges.
+    pub async fn scrape_workers(&self, pool: &WorkerPool) {
+        let stats = futures::future::join_all(pool.workers().iter().map(|w| w.stats())).await;
+        for (w, s) in pool.workers().iter().zip(stats) {
+            let l = WorkerLabels { worker: w.addr.clone() };
+            self.worker_ready.get_or_create(&l).set(i64::from(w.status().ready));
+            if let Some(s) = s {
+                self.worker_used_blocks.get_or_create(&l).set(s.blocks_used as i64);
+                self.worker_capacity_blocks.get_or_create(&l).set(s.blocks_total as i64);
+                self.worker_running.get_or_create(&l).set(s.running as i64);
+                self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
+            }
+        }
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_convention() {
+        let m = Metrics::new();
+        m.count_request("/v1/chat/completions", 200);
+        m.ttft.observe(0.05);
+        m.inter_token.observe(0.01);
+        m.prompt_tokens.inc_by(3);
+        m.completion_tokens.inc_by(4);
+        m.worker_used_blocks.get_or_create(&WorkerLabels { worker: "w".into() }).set(5);
+        let text = m.encode();
+        for name in [
+            "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
+            "pagoda_router_ttft_seconds_bucket",
+            "pagoda_router_inter_token_latency_seconds_count 1",
+            "pagoda_router_prompt_tokens_total 3",
+            "pagoda_router_completion_tokens_total 4",
+            "pagoda_router_worker_used_blocks{worker=\"w\"} 5",
+        ] {
+            assert!(text.contains(name), "missing {name} in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

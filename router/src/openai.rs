@@ -1,0 +1,879 @@
+//! OpenAI wire types: the request bodies of `/v1/chat/completions` and `/v1/completions` with their validation
+//! (every input bounded), and the response and streaming-chunk bodies.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// At most this many chat messages per request.
+pub const MAX_MESSAGES: usize = 1024;
+/// At most this many stop strings.
+pub const MAX_STOP: usize = 8;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+/// Longest message content or prompt string, in bytes.
+pub const MAX_TEXT_BYTES: usize = 1 << 20;
+/// Longest short string field (model, name, user), in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+/// At most this many content parts in one message.
+pub const MAX_PARTS: usize = 256;
+
+/// The `kv` request extension (DESIGN §8): per-request KV-cache policy.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct KvOptions {
+    pub policy: Option<String>,
+    pub budget_tokens: Option<i64>,
+    pub codec: Option<String>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// One chat message as sent by the client.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: Role,
+    #[serde(default)]
+    pub content: Value,
+    pub name: Option<String>,
+}
+
+/// Chat roles we accept; anything else is rejected by deserialisation with the list of valid roles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+}
+
+impl Role {
+    /// The role name the chat template sees (`developer` is rendered as `system`).
+    pub fn template_name(self) -> &'static str {
+        match self {
+            Role::System | Role::Developer => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessageIn>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<serde_json::Number>,
+    pub stop: Option<Value>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Vec<Value>>,
+    pub response_format: Option<Value>,
+    pub user: Option<String>,
+    pub kv: Option<KvOptions>,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Value,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<serde_json::Number>,
+    pub stop: Option<Value>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub user: Option<String>,
+    pub kv: Option<KvOptions>,
+}
+
+/// Sampling settings after validation (0 temperature = greedy, 0 top_k = off, 1.0 top_p = off).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub seed: Option<u64>,
+}
+
+/// Validated generation parameters shared by both endpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenParams {
+    pub model: String,
+    /// `None`: as many as the context allows.
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub sampling: Sampling,
+}
+
+/// A chat turn ready for the template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Turn {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// What a completion prompt turned out to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+struct CommonIn<'a> {
+    model: &'a str,
+    max_tokens: Option<i64>,
+    max_tokens_param: &'static str,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<&'a serde_json::Number>,
+    stop: Option<&'a Value>,
+    stream: Option<bool>,
+    stream_options: Option<&'a StreamOptions>,
+    n: Option<i64>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    user: Option<&'a str>,
+    kv: Option<&'a KvOptions>,
+}
+
+fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
+    if c.model.is_empty() {
+        return Err(ApiError::invalid_param("model", "`model` must not be empty."));
+    }
+    if c.model.len() > MAX_NAME_BYTES {
+        return Err(ApiError::invalid_param("model", format!("`model` is longer than {MAX_NAME_BYTES} bytes.")));
+    }
+    if let Some(u) = c.user
+        && u.len() > MAX_NAME_BYTES
+    {
+        return Err(ApiError::invalid_param("user", format!("`user` is longer than {MAX_NAME_BYTES} bytes.")));
+    }
+    let max_tokens = match c.max_tokens {
+        None => None,
+        Some(m) if m <= 0 => {
+            return Err(ApiError::invalid_param(
+                c.max_tokens_param,
+                format!("`{}` must be at least 1, got {m}.", c.max_tokens_param),
+            ));
+        }
+        Some(m) => Some(u32::try_from(m).map_err(|_| {
+            ApiError::invalid_param(c.max_tokens_param, format!("`{}` is too large: {m}.", c.max_tokens_param))
+        })?),
+    };
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid_param(
+            "temperature",
+            format!("`temperature` must be between 0 and 2, got {temperature}."),
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid_param("top_p", format!("`top_p` must be in (0, 1], got {top_p}.")));
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k < 0 => {
+            return Err(ApiError::invalid_param("top_k", format!("`top_k` must be -1, 0 or positive, got {k}.")));
+        }
+        Some(k) => {
+            u32::try_from(k).map_err(|_| ApiError::invalid_param("top_k", format!("`top_k` is too large: {k}.")))?
+        }
+    };
+    let seed = match c.seed {
+        None => None,
+        Some(n) => Some(if let Some(u) = n.as_u64() {
+            u
+        } else if let Some(i) = n.as_i64() {
+            i as u64
+        } else {
+            return Err(ApiError::invalid_param("seed", format!("`seed` must be an integer, got {n}.")));
+        }),
+    };
+    let stop = parse_stop(c.stop)?;
+    match c.n {
+        None | Some(1) => {}
+        Some(n) => {
+            return Err(ApiError::invalid_param("n", format!("Only `n` = 1 is supported, got {n}.")));
+        }
+    }
+    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+        if let Some(v) = v
+            && v != 0.0
+        {
+            return Err(ApiError::invalid_param(name, format!("`{name}` is not supported (only 0), got {v}.")));
+        }
+    }
+    if let Some(kv) = c.kv {
+        validate_kv(kv)?;
+    }
+    let stream = c.stream.unwrap_or(false);
+    let include_usage = c.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    if c.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid_param(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true.",
+        ));
+    }
+    Ok(GenParams {
+        model: c.model.to_string(),
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+        sampling: Sampling { temperature: temperature as f32, top_p: top_p as f32, top_k, seed },
+    })
+}
+
+/// `stop`: null, a string, or an array of strings; bounded count and length, no empty strings.
+pub fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list: Vec<String> = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP {
+                return Err(ApiError::invalid_param(
+                    "stop",
+                    format!("`stop` has {} strings; at most {MAX_STOP} are allowed.", items.len()),
+                ));
+            }
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s) => out.push(s.clone()),
+                    other => {
+                        return Err(ApiError::invalid_param(
+                            format!("stop[{i}]"),
+                            format!("`stop[{i}]` must be a string, got {}.", type_name(other)),
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!("`stop` must be a string or an array of strings, got {}.", type_name(other)),
+            ));
+        }
+    };
+    for s in &list {
+        if s.is_empty() {
+            return Err(ApiError::invalid_param("stop", "Stop strings must not be empty."));
+        }
+        if s.len() > MAX_STOP_BYTES {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!("A stop string is {} bytes long; the limit is {MAX_STOP_BYTES}.", s.len()),
+            ));
+        }
+    }
+    Ok(list)
+}
+
+/// The `kv` extension: only the `full` policy exists for now.
+pub fn validate_kv(kv: &KvOptions) -> Result<(), ApiError> {
+    if let Some(p) = &kv.policy
+        && p != "full"
+    {
+        let shown: String = p.chars().take(64).collect();
+        return Err(ApiError::invalid_param(
+            "kv.policy",
+            format!("Unknown or unsupported kv.policy `{shown}`; supported policies: full."),
+        ));
+    }
+    if let Some(b) = kv.budget_tokens
+        && b <= 0
+    {
+        return Err(ApiError::invalid_param(
+            "kv.budget_tokens",
+            format!("`kv.budget_tokens` must be a positive integer, got {b}."),
+        ));
+    }
+    if let Some(c) = &kv.codec
+        && c != "native"
+    {
+        let shown: String = c.chars().take(64).collect();
+        return Err(ApiError::invalid_param(
+            "kv.codec",
+            format!("Unknown or unsupported kv.codec `{shown}`; supported codecs: native."),
+        ));
+    }
+    Ok(())
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Message content: a string, or an array of `{"type": "text", "text": ...}` parts (joined).
+fn message_text(i: usize, content: &Value) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    let text = match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => {
+            if parts.len() > MAX_PARTS {
+                return Err(ApiError::invalid_param(param, format!("At most {MAX_PARTS} content parts are allowed.")));
+            }
+            let mut out = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let ty = part.get("type").and_then(Value::as_str);
+                match (ty, part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    (Some("text"), None) => {
+                        return Err(ApiError::invalid_param(
+                            format!("{param}[{j}].text"),
+                            "A text content part needs a string `text`.",
+                        ));
+                    }
+                    (Some(other), _) => {
+                        let shown: String = other.chars().take(32).collect();
+                        return Err(ApiError::invalid_param(
+                            format!("{param}[{j}].type"),
+                            format!("Content part type `{shown}` is not supported; only `text` is."),
+                        ));
+                    }
+                    (None, _) => {
+                        return Err(ApiError::invalid_param(
+                            format!("{param}[{j}]"),
+                            "A content part must be an object with a string `type`.",
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        Value::Null => {
+            return Err(ApiError::invalid_param(param, format!("`messages[{i}].content` is required.")));
+        }
+        other => {
+            return Err(ApiError::invalid_param(
+                param,
+                format!(
+                    "`messages[{i}].content` must be a string or an array of text parts, got {}.",
+                    type_name(other)
+                ),
+            ));
+        }
+    };
+    if text.len() > MAX_TEXT_BYTES {
+        return Err(ApiError::invalid_param(
+            format!("messages[{i}].content"),
+            format!("Message content is {} bytes; the limit is {MAX_TEXT_BYTES}.", text.len()),
+        ));
+    }
+    Ok(text)
+}
+
+impl ChatCompletionRequest {
+    /// Validates everything that does not need the tokenizer.
+    pub fn validate(&self) -> Result<(Vec<Turn>, GenParams), ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message."));
+        }
+        if self.messages.len() > MAX_MESSAGES {
+            return Err(ApiError::invalid_param(
+                "messages",
+                format!("`messages` has {} messages; at most {MAX_MESSAGES} are allowed.", self.messages.len()),
+            ));
+        }
+        let mut turns = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            if let Some(name) = &m.name
+                && name.len() > MAX_NAME_BYTES
+            {
+                return Err(ApiError::invalid_param(
+                    format!("messages[{i}].name"),
+                    format!("`name` is longer than {MAX_NAME_BYTES} bytes."),
+                ));
+            }
+            turns.push(Turn { role: m.role.template_name(), content: message_text(i, &m.content)? });
+        }
+        if let (Some(a), Some(b)) = (self.max_tokens, self.max_completion_tokens)
+            && a != b
+        {
+            return Err(ApiError::invalid_param(
+                "max_completion_tokens",
+                "`max_tokens` and `max_completion_tokens` disagree; send only one.",
+            ));
+        }
+        let (max_tokens, max_tokens_param) = match self.max_completion_tokens {
+            Some(m) => (Some(m), "max_completion_tokens"),
+            None => (self.max_tokens, "max_tokens"),
+        };
+        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid_param("logprobs", "`logprobs` is not supported."));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid_param("tools", "Tool calling is not supported."));
+        }
+        if let Some(rf) = &self.response_format {
+            let ty = rf.get("type").and_then(Value::as_str);
+            if !(rf.is_null() || ty == Some("text")) {
+                return Err(ApiError::invalid_param(
+                    "response_format",
+                    "Only `response_format` {\"type\": \"text\"} is supported.",
+                ));
+            }
+        }
+        let params = validate_common(CommonIn {
+            model: &self.model,
+            max_tokens,
+            max_tokens_param,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed.as_ref(),
+            stop: self.stop.as_ref(),
+            stream: self.stream,
+            stream_options: self.stream_options.as_ref(),
+            n: self.n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            user: self.user.as_deref(),
+            kv: self.kv.as_ref(),
+        })?;
+        Ok((turns, params))
+    }
+}
+
+impl CompletionRequest {
+    /// Validates everything that does not need the tokenizer; token-id prompts are checked against `vocab_size`.
+    pub fn validate(&self, vocab_size: usize) -> Result<(PromptInput, GenParams), ApiError> {
+        let prompt = match &self.prompt {
+            Value::String(s) => PromptInput::Text(s.clone()),
+            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+                PromptInput::Text(items[0].as_str().unwrap_or_default().to_string())
+            }
+            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
+                let mut ids = Vec::with_capacity(items.len());
+                for (i, v) in items.iter().enumerate() {
+                    match v.as_u64() {
+                        Some(id) if (id as usize) < vocab_size => ids.push(id as u32),
+                        _ => {
+                            return Err(ApiError::invalid_param(
+                                format!("prompt[{i}]"),
+                                format!("Token id {v} is not in the vocabulary (size {vocab_size})."),
+                            ));
+                        }
+                    }
+                }
+                PromptInput::Tokens(ids)
+            }
+            Value::Array(items) if items.is_empty() => {
+                return Err(ApiError::invalid_param("prompt", "`prompt` must not be empty."));
+            }
+            Value::Array(_) => {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    "`prompt` must be a string, an array with one string, or an array of token ids (batches are not supported).",
+                ));
+            }
+            Value::Null => return Err(ApiError::invalid_param("prompt", "`prompt` is required.")),
+            other => {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!("`prompt` must be a string or an array of token ids, got {}.", type_name(other)),
+                ));
+            }
+        };
+        if let PromptInput::Text(t) = &prompt {
+            if t.is_empty() {
+                return Err(ApiError::invalid_param("prompt", "`prompt` must not be empty."));
+            }
+            if t.len() > MAX_TEXT_BYTES {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!("`prompt` is {} bytes; the limit is {MAX_TEXT_BYTES}.", t.len()),
+                ));
+            }
+        }
+        if self.echo == Some(true) {
+            return Err(ApiError::invalid_param("echo", "`echo` is not supported."));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid_param("suffix", "`suffix` is not supported."));
+        }
+        if self.logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid_param("logprobs", "`logprobs` is not supported."));
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid_param("best_of", "Only `best_of` = 1 is supported."));
+        }
+        let params = validate_common(CommonIn {
+            model: &self.model,
+            max_tokens: self.max_tokens,
+            max_tokens_param: "max_tokens",
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed.as_ref(),
+            stop: self.stop.as_ref(),
+            stream: self.stream,
+            stream_options: self.stream_options.as_ref(),
+            n: self.n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            user: self.user.as_deref(),
+            kv: self.kv.as_ref(),
+        })?;
+        Ok((prompt, params))
+    }
+}
+
+/// Checks the prompt and completion lengths against the context and returns the completion budget.
+pub fn check_lengths(prompt_tokens: usize, max_tokens: Option<u32>, context: usize) -> Result<u32, ApiError> {
+    if prompt_tokens == 0 {
+        return Err(ApiError::invalid_param("messages", "The prompt is empty after tokenization."));
+    }
+    if prompt_tokens >= context {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::invalid_param(
+                "messages",
+                format!(
+                    "This model's maximum context length is {context} tokens. However, your prompt is \
+                     {prompt_tokens} tokens, which leaves no room for a completion."
+                ),
+            )
+        });
+    }
+    match max_tokens {
+        None => Ok((context - prompt_tokens) as u32),
+        Some(m) if m as usize > context => Err(ApiError::invalid_param(
+            "max_tokens",
+            format!("`max_tokens` is {m}, more than the model's maximum context length of {context} tokens."),
+        )),
+        Some(m) if prompt_tokens + m as usize > context => Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::invalid_param(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {context} tokens. However, you requested {} tokens \
+                     ({prompt_tokens} in the prompt, {m} in the completion). Please reduce the prompt or the \
+                     completion length.",
+                    prompt_tokens + m as usize
+                ),
+            )
+        }),
+        Some(m) => Ok(m),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Responses.
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> Usage {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    pub logprobs: Option<()>,
+    pub finish_reason: &'static str,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChunkChoice {
+    pub index: u32,
+    pub delta: Delta,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// One `chat.completion.chunk`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    /// Present (as null until the last chunk) only when `stream_options.include_usage` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `text_completion` (also the streaming chunk object of `/v1/completions`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extract::parse_json;
+    use axum::http::StatusCode;
+
+    fn chat(body: &str) -> Result<(Vec<Turn>, GenParams), ApiError> {
+        parse_json::<ChatCompletionRequest>(body.as_bytes())?.validate()
+    }
+
+    #[test]
+    fn minimal_chat_is_valid() {
+        let (turns, p) = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert_eq!(turns, vec![Turn { role: "user", content: "hi".into() }]);
+        assert_eq!(p.max_tokens, None);
+        assert!(!p.stream);
+        assert_eq!(p.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn content_parts_and_roles() {
+        let (turns, _) = chat(
+            r#"{"model":"m","messages":[{"role":"developer","content":"be brief"},
+               {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(turns[0].role, "system");
+        assert_eq!(turns[1].content, "ab");
+        let e = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[0].type"));
+    }
+
+    #[test]
+    fn bad_chats_are_400_with_param() {
+        let cases = [
+            (r#"{"model":"m","messages":[]}"#, "messages"),
+            (r#"{"model":"m","messages":[{"role":"robot","content":"x"}]}"#, "messages[0].role"),
+            (r#"{"model":"m","messages":[{"role":"user","content":5}]}"#, "messages[0].content"),
+            (r#"{"model":"m","messages":[{"role":"user"}]}"#, "messages[0].content"),
+            (r#"{"model":"m","messages":"hi"}"#, "messages"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#, "max_tokens"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-5}"#, "max_tokens"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":"ten"}"#, "max_tokens"),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}"#,
+                "max_completion_tokens",
+            ),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}"#, "top_p"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_k":-2}"#, "top_k"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[""]}"#, "stop"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[1]}"#, "stop[0]"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":{}}"#, "stop"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}"#, "stream"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"snapkv"}}"#, "kv.policy"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"codec":"int4"}}"#, "kv.codec"),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"budget_tokens":0}}"#,
+                "kv.budget_tokens",
+            ),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"polcy":"full"}}"#, "kv.polcy"),
+            (r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#, "model"),
+            (r#"{"model":7,"messages":[{"role":"user","content":"x"}]}"#, "model"),
+        ];
+        for (body, param) in cases {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn bounds_are_enforced() {
+        let stops: Vec<String> = (0..MAX_STOP + 1).map(|i| format!("s{i}")).collect();
+        let body = serde_json::json!({"model":"m","messages":[{"role":"user","content":"x"}],"stop":stops});
+        assert_eq!(chat(&body.to_string()).unwrap_err().param.as_deref(), Some("stop"));
+        let body = serde_json::json!({"model":"m","messages":[{"role":"user","content":"x"}],
+            "stop":"x".repeat(MAX_STOP_BYTES + 1)});
+        assert_eq!(chat(&body.to_string()).unwrap_err().param.as_deref(), Some("stop"));
+        let msgs: Vec<_> = (0..MAX_MESSAGES + 1).map(|_| serde_json::json!({"role":"user","content":"x"})).collect();
+        let body = serde_json::json!({"model":"m","messages":msgs});
+        assert_eq!(chat(&body.to_string()).unwrap_err().param.as_deref(), Some("messages"));
+        let body =
+            serde_json::json!({"model":"m","messages":[{"role":"user","content":"x".repeat(MAX_TEXT_BYTES + 1)}]});
+        assert_eq!(chat(&body.to_string()).unwrap_err().param.as_deref(), Some("messages[0].content"));
+    }
+
+    #[test]
+    fn kv_full_is_accepted() {
+        chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"full","budget_tokens":512,"codec":"native"}}"#)
+            .unwrap();
+    }
+
+    #[test]
+    fn sampling_fields() {
+        let (_, p) = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0,"top_p":0.9,"top_k":40,
+               "seed":18446744073709551615,"stop":"\n","max_completion_tokens":7,"stream":true,
+               "stream_options":{"include_usage":true}}"#,
+        )
+        .unwrap();
+        assert_eq!(p.sampling, Sampling { temperature: 0.0, top_p: 0.9, top_k: 40, seed: Some(u64::MAX) });
+        assert_eq!(p.stop, vec!["\n".to_string()]);
+        assert_eq!(p.max_tokens, Some(7));
+        assert!(p.stream && p.include_usage);
+        let (_, p) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"seed":-1}"#).unwrap();
+        assert_eq!(p.sampling.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let req = |s: &str| parse_json::<CompletionRequest>(s.as_bytes()).unwrap().validate(100);
+        assert_eq!(req(r#"{"model":"m","prompt":"hi"}"#).unwrap().0, PromptInput::Text("hi".into()));
+        assert_eq!(req(r#"{"model":"m","prompt":["hi"]}"#).unwrap().0, PromptInput::Text("hi".into()));
+        assert_eq!(req(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().0, PromptInput::Tokens(vec![1, 2, 3]));
+        assert_eq!(req(r#"{"model":"m","prompt":[1,200]}"#).unwrap_err().param.as_deref(), Some("prompt[1]"));
+        assert_eq!(req(r#"{"model":"m","prompt":["a","b"]}"#).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(req(r#"{"model":"m","prompt":""}"#).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(req(r#"{"model":"m","prompt":{}}"#).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(req(r#"{"model":"m","prompt":"x","echo":true}"#).unwrap_err().param.as_deref(), Some("echo"));
+    }
+
+    #[test]
+    fn lengths() {
+        assert_eq!(check_lengths(10, None, 100).unwrap(), 90);
+        assert_eq!(check_lengths(10, Some(5), 100).unwrap(), 5);
+        let e = check_lengths(100, None, 100).unwrap_err();
+        assert!(e.message.contains("100") && e.message.contains("maximum context length"), "{}", e.message);
+        let e = check_lengths(150, Some(5), 100).unwrap_err();
+        assert!(e.message.contains("150") && e.message.contains("100"), "{}", e.message);
+        let e = check_lengths(10, Some(101), 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let e = check_lengths(10, Some(95), 100).unwrap_err();
+        assert!(e.message.contains("105"), "{}", e.message);
+    }
+
+    #[test]
+    fn chunk_serialisation_shape() {
+        let c = ChatChunk {
+            id: "chatcmpl-1".into(),
+            object: "chat.completion.chunk",
+            created: 1,
+            model: "m".into(),
+            choices: vec![ChunkChoice {
+                index: 0,
+                delta: Delta { role: Some("assistant"), content: Some(String::new()) },
+                logprobs: None,
+                finish_reason: None,
+            }],
+            usage: Some(None),
+        };
+        let v: serde_json::Value = serde_json::to_value(&c).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",
+                "choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],
+                "usage":null})
+        );
+        let c = ChatChunk { usage: None, ..c };
+        let v: serde_json::Value = serde_json::to_value(&c).unwrap();
+        assert!(v.get("usage").is_none());
+    }
+}

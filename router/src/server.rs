@@ -1,0 +1,394 @@
+//! The axum application: routes, shared state, request accounting, and the handlers of the OpenAI endpoints
+//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) plus `/healthz`, `/readyz` and `/metrics`.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::Stream;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::codec::TextCodec;
+use crate::error::ApiError;
+use crate::extract::ApiJson;
+use crate::generate::{self, Job, Piece};
+use crate::metrics::Metrics;
+use crate::openai::{
+    AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChunkChoice, Completion,
+    CompletionChoice, CompletionRequest, Delta, GenParams, ModelCard, ModelList, PromptInput, Usage, check_lengths,
+};
+use crate::workers::WorkerPool;
+
+/// Default request body limit: 4 MiB.
+pub const DEFAULT_BODY_LIMIT: usize = 4 << 20;
+
+/// Router settings.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Worker gRPC addresses (`host:port`), used round-robin.
+    pub workers: Vec<String>,
+    /// Largest accepted request body, in bytes.
+    pub body_limit: usize,
+    /// How often workers are health-probed.
+    pub health_interval: Duration,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig { workers: Vec::new(), body_limit: DEFAULT_BODY_LIMIT, health_interval: Duration::from_secs(2) }
+    }
+}
+
+struct Inner {
+    codec: Arc<dyn TextCodec>,
+    pool: Arc<WorkerPool>,
+    metrics: Arc<Metrics>,
+    body_limit: usize,
+    created: u64,
+}
+
+/// Shared handler state.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+impl AppState {
+    pub fn new(codec: Arc<dyn TextCodec>, pool: Arc<WorkerPool>, body_limit: usize) -> AppState {
+        AppState(Arc::new(Inner { codec, pool, metrics: Arc::new(Metrics::new()), body_limit, created: unix_now() }))
+    }
+
+    pub fn body_limit(&self) -> usize {
+        self.0.body_limit
+    }
+
+    pub fn pool(&self) -> &Arc<WorkerPool> {
+        &self.0.pool
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.0.metrics
+    }
+
+    fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model == self.0.codec.model_id() { Ok(()) } else { Err(ApiError::model_not_found(model)) }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+/// Builds the application for `state`.
+pub fn app(state: AppState) -> axum::Router {
+    let limit = state.body_limit();
+    axum::Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Starts health probing and serves `app` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    codec: Arc<dyn TextCodec>,
+    config: RouterConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let pool = Arc::new(WorkerPool::new(&config.workers).map_err(std::io::Error::other)?);
+    let health = pool.spawn_health_loop(config.health_interval);
+    let state = AppState::new(codec, pool, config.body_limit);
+    let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
+    health.abort();
+    res
+}
+
+async fn count_requests(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let endpoint = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string());
+    let resp = next.run(req).await;
+    st.metrics().count_request(endpoint.as_deref().unwrap_or("unmatched"), resp.status().as_u16());
+    resp
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::route_not_found(method.as_str(), uri.path())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn readyz(State(st): State<AppState>) -> Response {
+    let workers: Vec<serde_json::Value> = st
+        .pool()
+        .workers()
+        .iter()
+        .map(|w| {
+            let s = w.status();
+            serde_json::json!({"address": w.addr, "ready": s.ready, "model": s.model, "error": s.last_error})
+        })
+        .collect();
+    let ready = st.pool().any_ready();
+    let body = serde_json::json!({
+        "status": if ready { "ready" } else { "not ready" },
+        "model": st.0.codec.model_id(),
+        "workers": workers,
+    });
+    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(body)).into_response()
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    st.metrics().scrape_workers(st.pool()).await;
+    let mut resp = st.metrics().encode().into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    resp
+}
+
+async fn models(State(st): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: st.0.codec.model_id().to_string(),
+            object: "model",
+            created: st.0.created,
+            owned_by: "pagoda",
+            max_model_len: st.0.codec.context_length(),
+        }],
+    })
+}
+
+/// Runs CPU-bound tokenizer work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+async fn chat_completions(
+    State(st): State<AppState>,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let (turns, params) = req.validate()?;
+    st.check_model(&params.model)?;
+    let codec = st.0.codec.clone();
+    let prompt = blocking(move || {
+        let text = codec
+            .render_chat(&turns)
+            .map_err(|e| ApiError::invalid_param("messages", format!("Could not apply the chat template: {e}")))?;
+        codec.encode(&text, true).map_err(|e| ApiError::invalid_param("messages", format!("Could not tokenize: {e}")))
+    })
+    .await?;
+    let id = new_id("chatcmpl");
+    let rx = start_job(&st, &id, prompt, params.clone(), arrived).await?;
+    let created = unix_now();
+    if params.stream {
+        Ok(sse(chat_events(rx, id, created, params)).into_response())
+    } else {
+        let (text, finish_reason, usage) = collect(rx).await?;
+        Ok(Json(ChatCompletion {
+            id,
+            object: "chat.completion",
+            created,
+            model: params.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage { role: "assistant", content: text },
+                logprobs: None,
+                finish_reason,
+            }],
+            usage,
+        })
+        .into_response())
+    }
+}
+
+async fn completions(
+    State(st): State<AppState>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let (prompt, params) = req.validate(st.0.codec.vocab_size())?;
+    st.check_model(&params.model)?;
+    let prompt = match prompt {
+        PromptInput::Tokens(t) => t,
+        PromptInput::Text(text) => {
+            let codec = st.0.codec.clone();
+            blocking(move || {
+                codec
+                    .encode(&text, true)
+                    .map_err(|e| ApiError::invalid_param("prompt", format!("Could not tokenize: {e}")))
+            })
+            .await?
+        }
+    };
+    let id = new_id("cmpl");
+    let rx = start_job(&st, &id, prompt, params.clone(), arrived).await.map_err(|mut e| {
+        if e.param.as_deref() == Some("messages") {
+            e.param = Some("prompt".into());
+        }
+        e
+    })?;
+    let created = unix_now();
+    if params.stream {
+        Ok(sse(completion_events(rx, id, created, params)).into_response())
+    } else {
+        let (text, finish_reason, usage) = collect(rx).await?;
+        Ok(Json(Completion {
+            id,
+            object: "text_completion",
+            created,
+            model: params.model,
+            choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason: Some(finish_reason) }],
+            usage: Some(Some(usage)),
+        })
+        .into_response())
+    }
+}
+
+async fn start_job(
+    st: &AppState,
+    id: &str,
+    prompt: Vec<u32>,
+    params: GenParams,
+    arrived: Instant,
+) -> Result<mpsc::Receiver<Piece>, ApiError> {
+    let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
+    let job = Job { request_id: id.to_string(), prompt, max_tokens, params, namespace: "default".to_string(), arrived };
+    generate::start(st.pool(), st.0.codec.clone(), st.metrics().clone(), job).await
+}
+
+async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<(String, &'static str, Usage), ApiError> {
+    let mut text = String::new();
+    while let Some(p) = rx.recv().await {
+        match p {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Done { finish_reason, usage } => return Ok((text, finish_reason, usage)),
+            Piece::Error(e) => return Err(e),
+        }
+    }
+    Err(ApiError::internal("The generation ended unexpectedly."))
+}
+
+fn sse(events: impl Stream<Item = String> + Send + 'static) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    use futures::StreamExt;
+    Sse::new(events.map(|data| Ok(Event::default().data(data))))
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| ApiError::internal(format!("serialisation failed: {e}")).body_json())
+}
+
+/// The `data:` payloads of a chat stream: role delta, content deltas, finish chunk, optional usage chunk, `[DONE]`.
+pub fn chat_events(
+    rx: mpsc::Receiver<Piece>,
+    id: String,
+    created: u64,
+    params: GenParams,
+) -> impl Stream<Item = String> + Send + 'static {
+    let include_usage = params.include_usage;
+    let model = params.model;
+    let chunk = move |delta: Delta, finish_reason: Option<&'static str>| ChatChunk {
+        id: id.clone(),
+        object: "chat.completion.chunk",
+        created,
+        model: model.clone(),
+        choices: vec![ChunkChoice { index: 0, delta, logprobs: None, finish_reason }],
+        usage: if include_usage { Some(None) } else { None },
+    };
+    let first = to_json(&chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None));
+    let body = pieces_to_events(rx, move |p| match p {
+        Piece::Text(t) => vec![to_json(&chunk(Delta { role: None, content: Some(t) }, None))],
+        Piece::Done { finish_reason, usage } => {
+            let mut out = vec![to_json(&chunk(Delta::default(), Some(finish_reason)))];
+            if include_usage {
+                let mut last = chunk(Delta::default(), None);
+                last.choices.clear();
+                last.usage = Some(Some(usage));
+                out.push(to_json(&last));
+            }
+            out
+        }
+        Piece::Error(e) => vec![e.body_json()],
+    });
+    futures::StreamExt::chain(futures::stream::once(async move { first }), body)
+}
+
+/// The `data:` payloads of a `/v1/completions` stream.
+pub fn completion_events(
+    rx: mpsc::Receiver<Piece>,
+    id: String,
+    created: u64,
+    params: GenParams,
+) -> impl Stream<Item = String> + Send + 'static {
+    let include_usage = params.include_usage;
+    let model = params.model;
+    let chunk = move |text: String, finish_reason: Option<&'static str>| Completion {
+        id: id.clone(),
+        object: "text_completion",
+        created,
+        model: model.clone(),
+        choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason }],
+        usage: if include_usage { Some(None) } else { None },
+    };
+    pieces_to_events(rx, move |p| match p {
+        Piece::Text(t) => vec![to_json(&chunk(t, None))],
+        Piece::Done { finish_reason, usage } => {
+            let mut out = vec![to_json(&chunk(String::new(), Some(finish_reason)))];
+            if include_usage {
+                let mut last = chunk(String::new(), None);
+                last.choices.clear();
+                last.usage = Some(Some(usage));
+                out.push(to_json(&last));
+            }
+            out
+        }
+        Piece::Error(e) => vec![e.body_json()],
+    })
+}
+
+/// Maps pieces to payloads and appends `[DONE]` once the generation has ended (not when the client left).
+fn pieces_to_events<R>(rx: mpsc::Receiver<Piece>, render: R) -> impl Stream<Item = String> + Send + 'static
+where
+    R: FnMut(Piece) -> Vec<String> + Send + 'static,
+{
+    use futures::StreamExt;
+    futures::stream::unfold(Some((rx, render)), |state| async move {
+        let (mut rx, mut render) = state?;
+        let piece = rx.recv().await?;
+        let terminal = !matches!(piece, Piece::Text(_));
+        let mut out = render(piece);
+        if terminal {
+            out.push("[DONE]".to_string());
+            Some((out, None))
+        } else {
+            Some((out, Some((rx, render))))
+        }
+    })
+    .flat_map(futures::stream::iter)
+}

@@ -1,0 +1,190 @@
+//! Worker selection: a static list of worker gRPC addresses, health-polled, chosen round-robin. The router talks
+//! to workers only through the `Worker` gRPC service.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use pagoda_proto::worker::worker_client::WorkerClient;
+use pagoda_proto::worker::{HealthRequest, StatsRequest, StatsResponse};
+use tonic::transport::{Channel, Endpoint};
+
+const RPC_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the last health probe said about a worker.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerStatus {
+    pub ready: bool,
+    pub model: String,
+    pub context_length: u32,
+    pub block_size: u32,
+    pub last_error: Option<String>,
+}
+
+/// One worker endpoint.
+pub struct Worker {
+    pub addr: String,
+    client: WorkerClient<Channel>,
+    // std Mutex: only held for short, synchronous reads and writes, never across an await.
+    status: Mutex<WorkerStatus>,
+}
+
+impl Worker {
+    pub fn client(&self) -> WorkerClient<Channel> {
+        self.client.clone()
+    }
+
+    pub fn status(&self) -> WorkerStatus {
+        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn set_status(&self, st: WorkerStatus) {
+        if let Ok(mut s) = self.status.lock() {
+            *s = st;
+        }
+    }
+
+    /// Marks the worker unreachable until the next successful probe.
+    pub fn mark_down(&self, why: String) {
+        if let Ok(mut s) = self.status.lock() {
+            s.ready = false;
+            s.last_error = Some(why);
+        }
+    }
+
+    /// Probes `Health` once and records the answer.
+    pub async fn probe(&self) -> bool {
+        let mut client = self.client();
+        let res = tokio::time::timeout(RPC_TIMEOUT, client.health(HealthRequest {})).await;
+        let st = match res {
+            Ok(Ok(resp)) => {
+                let h = resp.into_inner();
+                WorkerStatus {
+                    ready: h.ready,
+                    model: h.model,
+                    context_length: h.context_length,
+                    block_size: h.block_size,
+                    last_error: None,
+                }
+            }
+            Ok(Err(status)) => WorkerStatus { last_error: Some(status.message().to_string()), ..Default::default() },
+            Err(_) => WorkerStatus { last_error: Some("health check timed out".into()), ..Default::default() },
+        };
+        let ready = st.ready;
+        self.set_status(st);
+        ready
+    }
+
+    /// Current occupancy, or `None` when the worker does not answer in time.
+    pub async fn stats(&self) -> Option<StatsResponse> {
+        let mut client = self.client();
+        match tokio::time::timeout(RPC_TIMEOUT, client.stats(StatsRequest {})).await {
+            Ok(Ok(resp)) => Some(resp.into_inner()),
+            _ => None,
+        }
+    }
+}
+
+/// The static worker list.
+pub struct WorkerPool {
+    workers: Vec<Worker>,
+    next: AtomicUsize,
+}
+
+impl WorkerPool {
+    /// `addrs` are `host:port` or `http://host:port`. Connections are made lazily.
+    pub fn new(addrs: &[String]) -> Result<WorkerPool, String> {
+        if addrs.is_empty() {
+            return Err("at least one worker address is required".into());
+        }
+        let mut workers = Vec::with_capacity(addrs.len());
+        for a in addrs {
+            let uri =
+                if a.starts_with("http://") || a.starts_with("https://") { a.clone() } else { format!("http://{a}") };
+            let endpoint = Endpoint::from_shared(uri.clone())
+                .map_err(|e| format!("invalid worker address `{a}`: {e}"))?
+                .connect_timeout(RPC_TIMEOUT)
+                .tcp_nodelay(true);
+            let channel = endpoint.connect_lazy();
+            workers.push(Worker {
+                addr: a.clone(),
+                client: WorkerClient::new(channel),
+                status: Mutex::new(WorkerStatus::default()),
+            });
+        }
+        Ok(WorkerPool { workers, next: AtomicUsize::new(0) })
+    }
+
+    pub fn workers(&self) -> &[Worker] {
+        &self.workers
+    }
+
+    /// True when at least one worker answered its last health probe as ready.
+    pub fn any_ready(&self) -> bool {
+        self.workers.iter().any(|w| w.status().ready)
+    }
+
+    /// Round-robin over ready workers: the candidates in the order to try them.
+    pub fn candidates(&self) -> Vec<&Worker> {
+        let mut ready: Vec<&Worker> = self.workers.iter().filter(|w| w.status().ready).collect();
+        if !ready.is_empty() {
+            let start = self.next.fetch_add(1, Ordering::Relaxed) % ready.len();
+            ready.rotate_left(start);
+        }
+        ready
+    }
+
+    /// Probes every worker once.
+    pub async fn refresh(&self) {
+        futures::future::join_all(self.workers.iter().map(|w| w.probe())).await;
+    }
+
+    /// Re-probes the workers every `interval` for as long as the pool lives.
+    pub fn spawn_health_loop(self: &std::sync::Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
+        let weak = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(pool) = weak.upgrade() else { break };
+                pool.refresh().await;
+                // Probe quickly until the first worker is ready, then at the normal pace.
+                let wait = if pool.any_ready() { interval } else { interval.min(Duration::from_millis(200)) };
+                drop(pool);
+                tokio::time::sleep(wait).await;
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn round_robin_over_ready_workers() {
+        let pool = WorkerPool::new(&["127.0.0.1:1".into(), "http://127.0.0.1:2".into(), "127.0.0.1:3".into()]).unwrap();
+        assert!(pool.candidates().is_empty());
+        assert!(!pool.any_ready());
+        for w in pool.workers() {
+            w.set_status(WorkerStatus { ready: true, ..Default::default() });
+        }
+        pool.workers()[1].mark_down("gone".into());
+        let firsts: Vec<String> = (0..4).map(|_| pool.candidates()[0].addr.clone()).collect();
+        assert_eq!(firsts, vec!["127.0.0.1:1", "127.0.0.1:3", "127.0.0.1:1", "127.0.0.1:3"]);
+        assert_eq!(pool.candidates().len(), 2);
+    }
+
+    #[test]
+    fn rejects_bad_addresses() {
+        assert!(WorkerPool::new(&[]).is_err());
+        assert!(WorkerPool::new(&["http://exa mple:1".into()]).is_err());
+    }
+
+    #[tokio::test]
+    async fn unreachable_worker_is_not_ready() {
+        // Port 9 on loopback: nothing listens there.
+        let pool = WorkerPool::new(&["127.0.0.1:9".into()]).unwrap();
+        pool.refresh().await;
+        assert!(!pool.any_ready());
+        assert!(pool.workers()[0].status().last_error.is_some());
+    }
+}

@@ -1,0 +1,566 @@
+//! Router HTTP tests against an in-process fake worker that speaks the real `Worker` gRPC service, with a
+//! byte-level codec (token id = byte). They cover the OpenAI wire format (JSON and exact SSE), validation errors,
+//! stop strings, readiness, metrics, and cancellation of the worker stream when the client leaves.
+
+use std::borrow::Cow;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::Stream;
+use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
+use pagoda_proto::worker::{
+    FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, StatsRequest,
+    StatsResponse, Usage,
+};
+use pagoda_router::openai::Turn;
+use pagoda_router::{RouterConfig, TextCodec};
+use serde_json::{Value, json};
+use tonic::{Request, Response, Status};
+
+const MODEL: &str = "fake-model";
+const CONTEXT: usize = 256;
+const EOS: u32 = 256;
+/// The fake model's answer, one byte per token (so multi-byte characters are split across tokens).
+const REPLY: &str = "Paris is the capital of France. ünïcødé 🦀 END of answer.";
+
+struct ByteCodec;
+
+impl TextCodec for ByteCodec {
+    fn model_id(&self) -> &str {
+        MODEL
+    }
+    fn context_length(&self) -> usize {
+        CONTEXT
+    }
+    fn vocab_size(&self) -> usize {
+        257
+    }
+    fn render_chat(&self, turns: &[Turn]) -> Result<String, String> {
+        let mut s: String = turns.iter().map(|t| format!("{}: {}\n", t.role, t.content)).collect();
+        s.push_str("assistant:");
+        Ok(s)
+    }
+    fn encode(&self, text: &str, _add_special: bool) -> Result<Vec<u32>, String> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+    fn token_bytes(&self, id: u32) -> Cow<'_, [u8]> {
+        match u8::try_from(id) {
+            Ok(b) => Cow::Owned(vec![b]),
+            Err(_) => Cow::Borrowed(&[]),
+        }
+    }
+    fn stop_token_ids(&self) -> Vec<u32> {
+        vec![EOS]
+    }
+}
+
+/// Counts open Generate streams; decremented when tonic drops a stream (client cancelled or finished).
+#[derive(Default)]
+struct Fake {
+    open: Arc<AtomicUsize>,
+    started: Arc<AtomicUsize>,
+}
+
+struct OpenGuard(Arc<AtomicUsize>);
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Worker for Fake {
+    type GenerateStream = GenStream;
+
+    async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
+        let req = req.into_inner();
+        if req.prompt_token_ids.is_empty() {
+            return Err(Status::invalid_argument("empty prompt"));
+        }
+        let prompt =
+            String::from_utf8_lossy(&req.prompt_token_ids.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned();
+        // "forever" in the prompt: an endless slow stream, for the disconnect test.
+        let forever = prompt.contains("forever");
+        let prompt_tokens = req.prompt_token_ids.len() as u32;
+        let max = req.max_tokens as usize;
+        self.open.fetch_add(1, Ordering::SeqCst);
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let guard = OpenGuard(self.open.clone());
+        let reply: Vec<u32> = REPLY.bytes().map(u32::from).collect();
+        let s = futures::stream::unfold((0usize, Some(guard)), move |(i, guard)| {
+            let reply = reply.clone();
+            async move {
+                let guard = guard?;
+                if forever {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    return Some((
+                        Ok(GenerateResponse { token_ids: vec![u32::from(b'a')], finished: None }),
+                        (i + 1, Some(guard)),
+                    ));
+                }
+                let finish = |reason: FinishReason, n: usize| GenerateResponse {
+                    token_ids: vec![],
+                    finished: Some(Finished {
+                        reason: reason as i32,
+                        usage: Some(Usage { prompt_tokens, completion_tokens: n as u32, cached_tokens: 0 }),
+                    }),
+                };
+                if i == max {
+                    return Some((Ok(finish(FinishReason::Length, i)), (i, None)));
+                }
+                if i == reply.len() {
+                    return Some((Ok(finish(FinishReason::Stop, i)), (i, None)));
+                }
+                Some((Ok(GenerateResponse { token_ids: vec![reply[i]], finished: None }), (i + 1, Some(guard))))
+            }
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        Ok(Response::new(HealthResponse {
+            ready: true,
+            model: MODEL.into(),
+            context_length: CONTEXT as u32,
+            block_size: 16,
+        }))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let open = self.open.load(Ordering::SeqCst) as u64;
+        Ok(Response::new(StatsResponse {
+            blocks_total: 100,
+            blocks_used: open * 3,
+            blocks_free: 100 - open * 3,
+            running: open,
+            ..Default::default()
+        }))
+    }
+}
+
+struct Cluster {
+    http: String,
+    open: Arc<AtomicUsize>,
+    started: Arc<AtomicUsize>,
+    client: reqwest::Client,
+}
+
+async fn spawn_worker(fake: Fake) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tokio::spawn(async move {
+        tonic::transport::Server::builder().add_service(WorkerServer::new(fake)).serve_with_incoming(incoming).await
+    });
+    addr
+}
+
+async fn spawn_router(workers: Vec<String>, body_limit: usize) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = RouterConfig { workers, body_limit, health_interval: Duration::from_millis(100) };
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    format!("http://{addr}")
+}
+
+async fn cluster_with_limit(body_limit: usize) -> Cluster {
+    let fake = Fake::default();
+    let (open, started) = (fake.open.clone(), fake.started.clone());
+    let waddr = spawn_worker(fake).await;
+    let http = spawn_router(vec![waddr.to_string()], body_limit).await;
+    let client = reqwest::Client::new();
+    for _ in 0..100 {
+        if let Ok(r) = client.get(format!("{http}/readyz")).send().await
+            && r.status() == 200
+        {
+            return Cluster { http, open, started, client };
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("router never became ready");
+}
+
+async fn cluster() -> Cluster {
+    cluster_with_limit(pagoda_router::DEFAULT_BODY_LIMIT).await
+}
+
+impl Cluster {
+    async fn post(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, String) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.http))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.text().await.unwrap())
+    }
+
+    async fn chat(&self, body: Value) -> (u16, Value) {
+        let (s, text) = self.post("/v1/chat/completions", body.to_string()).await;
+        (s, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
+    }
+
+    /// Checks the server still answers a normal request.
+    async fn still_serves(&self) {
+        let (s, v) = self.chat(json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})).await;
+        assert_eq!(s, 200, "{v}");
+    }
+}
+
+fn assert_error(status: u16, body: &str, want: u16) -> Value {
+    assert_eq!(status, want, "{body}");
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("error body is not JSON ({e}): {body}"));
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    v
+}
+
+#[tokio::test]
+async fn chat_non_streaming() {
+    let c = cluster().await;
+    let (s, v) = c.chat(json!({"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}]})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["model"], MODEL);
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], REPLY);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let prompt_len = "user: Capital of France?\nassistant:".len() as u64;
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_len);
+    assert_eq!(v["usage"]["completion_tokens"], REPLY.len() as u64);
+    assert_eq!(v["usage"]["total_tokens"], prompt_len + REPLY.len() as u64);
+}
+
+#[tokio::test]
+async fn max_tokens_gives_length() {
+    let c = cluster().await;
+    let (s, v) = c.chat(json!({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "Paris");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+}
+
+#[tokio::test]
+async fn stop_string_truncates_and_cancels() {
+    let c = cluster().await;
+    let (s, v) =
+        c.chat(json!({"model": MODEL, "stop": ["END", "zzz"], "messages": [{"role": "user", "content": "x"}]})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "Paris is the capital of France. ünïcødé 🦀 ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // The worker stream was dropped at the stop string.
+    for _ in 0..100 {
+        if c.open.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("worker stream still open after a stop string");
+}
+
+/// Parses an SSE body strictly: every event is exactly `data: <payload>\n\n`.
+fn sse_payloads(body: &str) -> Vec<String> {
+    assert!(body.ends_with("\n\n"), "{body:?}");
+    body.trim_end_matches("\n\n")
+        .split("\n\n")
+        .map(|ev| {
+            assert!(!ev.contains('\n'), "multi-line event {ev:?}");
+            ev.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data line: {ev:?}")).to_string()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_streaming_exact_format() {
+    let c = cluster().await;
+    let r = c
+        .client
+        .post(format!("{}/v1/chat/completions", c.http))
+        .json(&json!({"model": MODEL, "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let body = r.text().await.unwrap();
+    let payloads = sse_payloads(&body);
+    assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1].iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+    let id = chunks[0]["id"].as_str().unwrap();
+    for ch in &chunks {
+        assert_eq!(ch["object"], "chat.completion.chunk");
+        assert_eq!(ch["id"], id);
+        assert_eq!(ch["model"], MODEL);
+        assert!(ch["created"].is_u64());
+        assert!(ch.get("usage").is_some(), "include_usage puts usage on every chunk: {ch}");
+    }
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    assert!(chunks[0]["choices"][0]["finish_reason"].is_null());
+    let n = chunks.len();
+    let text: String =
+        chunks[1..n - 2].iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap().to_string()).collect();
+    assert_eq!(text, REPLY);
+    for c in &chunks[1..n - 2] {
+        assert!(c["choices"][0]["delta"].get("role").is_none());
+        assert!(c["usage"].is_null());
+    }
+    assert_eq!(chunks[n - 2]["choices"][0]["delta"], json!({}));
+    assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert_eq!(chunks[n - 1]["usage"]["completion_tokens"], REPLY.len() as u64);
+    assert_eq!(
+        chunks[n - 1]["usage"]["total_tokens"].as_u64().unwrap(),
+        chunks[n - 1]["usage"]["prompt_tokens"].as_u64().unwrap() + REPLY.len() as u64
+    );
+}
+
+#[tokio::test]
+async fn streaming_without_usage_and_completions_endpoint() {
+    let c = cluster().await;
+    let (s, body) = c
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "stream": true, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+                .to_string(),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let p = sse_payloads(&body);
+    assert_eq!(p.last().unwrap(), "[DONE]");
+    let last: Value = serde_json::from_str(&p[p.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(p.iter().all(|x| !x.contains("\"usage\"")));
+
+    let (s, body) =
+        c.post("/v1/completions", json!({"model": MODEL, "prompt": "Once", "max_tokens": 5}).to_string()).await;
+    assert_eq!(s, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], "Paris");
+    assert_eq!(v["usage"]["prompt_tokens"], 4);
+
+    let (s, body) = c
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": [80, 81], "max_tokens": 2, "stream": true}).to_string(),
+        )
+        .await;
+    assert_eq!(s, 200, "{body}");
+    let p = sse_payloads(&body);
+    assert_eq!(p.last().unwrap(), "[DONE]");
+    let first: Value = serde_json::from_str(&p[0]).unwrap();
+    assert_eq!(first["object"], "text_completion");
+    let text: String = p[..p.len() - 1]
+        .iter()
+        .map(|x| serde_json::from_str::<Value>(x).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, "Pa");
+}
+
+#[tokio::test]
+async fn bad_inputs_get_openai_errors_and_server_keeps_serving() {
+    let c = cluster_with_limit(64 * 1024).await;
+    let user = json!([{"role": "user", "content": "x"}]);
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("malformed json", b"{\"model\": ".to_vec(), 400),
+        ("not an object", b"[1,2]".to_vec(), 400),
+        ("empty body", Vec::new(), 400),
+        ("wrong type", json!({"model": MODEL, "messages": "hello"}).to_string().into_bytes(), 400),
+        ("empty messages", json!({"model": MODEL, "messages": []}).to_string().into_bytes(), 400),
+        (
+            "unknown role",
+            json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).to_string().into_bytes(),
+            400,
+        ),
+        ("max_tokens 0", json!({"model": MODEL, "messages": user, "max_tokens": 0}).to_string().into_bytes(), 400),
+        (
+            "max_tokens negative",
+            json!({"model": MODEL, "messages": user, "max_tokens": -1}).to_string().into_bytes(),
+            400,
+        ),
+        (
+            "max_tokens over context",
+            json!({"model": MODEL, "messages": user, "max_tokens": CONTEXT + 1}).to_string().into_bytes(),
+            400,
+        ),
+        ("unknown model", json!({"model": "gpt-9", "messages": user}).to_string().into_bytes(), 404),
+        ("kv policy", json!({"model": MODEL, "messages": user, "kv": {"policy": "h2o"}}).to_string().into_bytes(), 400),
+        ("n=2", json!({"model": MODEL, "messages": user, "n": 2}).to_string().into_bytes(), 400),
+        (
+            "invalid utf-8",
+            b"{\"model\": \"fake-model\", \"messages\": [{\"role\": \"user\", \"content\": \"\xc3\x28\"}]}".to_vec(),
+            400,
+        ),
+        (
+            "too large",
+            format!(
+                "{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}",
+                "a".repeat(70 * 1024)
+            )
+            .into_bytes(),
+            413,
+        ),
+    ];
+    for (name, body, want) in cases {
+        let (s, text) = c.post("/v1/chat/completions", body).await;
+        let v = assert_error(s, &text, want);
+        eprintln!("{name}: {v}");
+        c.still_serves().await;
+    }
+    // Prompt longer than the context: both lengths in the message.
+    let long = "y".repeat(CONTEXT * 2);
+    let (s, text) = c
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": long}]}).to_string(),
+        )
+        .await;
+    let v = assert_error(s, &text, 400);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&CONTEXT.to_string()) && msg.contains(&format!("user: {long}\nassistant:").len().to_string()),
+        "{msg}"
+    );
+    // Unknown route and wrong method are JSON too.
+    let r = c.client.get(format!("{}/v1/nope", c.http)).send().await.unwrap();
+    let s = r.status().as_u16();
+    assert_error(s, &r.text().await.unwrap(), 404);
+    let r = c.client.get(format!("{}/v1/chat/completions", c.http)).send().await.unwrap();
+    let s = r.status().as_u16();
+    assert_error(s, &r.text().await.unwrap(), 405);
+    // Nothing reached the worker except the successful requests.
+    c.still_serves().await;
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_worker_stream() {
+    let c = cluster().await;
+    let mut r = c
+        .client
+        .post(format!("{}/v1/chat/completions", c.http))
+        .json(&json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "talk forever"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Read a few chunks, then hang up.
+    for _ in 0..3 {
+        r.chunk().await.unwrap().unwrap();
+    }
+    assert_eq!(c.open.load(Ordering::SeqCst), 1);
+    let metrics = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("pagoda_router_worker_running_sequences{worker="), "{metrics}");
+    drop(r);
+    for _ in 0..200 {
+        if c.open.load(Ordering::SeqCst) == 0 {
+            assert_eq!(c.started.load(Ordering::SeqCst), 1);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("worker stream still open after the client disconnected");
+}
+
+#[tokio::test]
+async fn models_health_ready_metrics() {
+    let c = cluster().await;
+    let v: Value = c.client.get(format!("{}/v1/models", c.http)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], MODEL);
+    let r = c.client.get(format!("{}/healthz", c.http)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    c.still_serves().await;
+    let r = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    for name in [
+        "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}",
+        "pagoda_router_ttft_seconds_count 1",
+        "pagoda_router_inter_token_latency_seconds_count",
+        "pagoda_router_prompt_tokens_total",
+        "pagoda_router_completion_tokens_total",
+        "pagoda_router_worker_used_blocks{worker=",
+        "pagoda_router_worker_capacity_blocks{worker=",
+    ] {
+        assert!(text.contains(name), "missing {name}:\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn not_ready_without_worker_then_ready() {
+    // Reserve a port, start the router pointing at it, then start the worker there.
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let waddr = probe.local_addr().unwrap();
+    drop(probe);
+    let http = spawn_router(vec![waddr.to_string()], 1024).await;
+    let client = reqwest::Client::new();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = client.get(format!("{http}/readyz")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(client.get(format!("{http}/healthz")).send().await.unwrap().status(), 200);
+    let r = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    assert_error(s, &r.text().await.unwrap(), 503);
+
+    let listener = tokio::net::TcpListener::bind(waddr).await.unwrap();
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(WorkerServer::new(Fake::default()))
+            .serve_with_incoming(incoming)
+            .await
+    });
+    for _ in 0..100 {
+        if client.get(format!("{http}/readyz")).send().await.unwrap().status() == 200 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("router never became ready after the worker started");
+}
+
+#[tokio::test]
+async fn round_robin_over_two_workers() {
+    let (a, b) = (Fake::default(), Fake::default());
+    let (sa, sb) = (a.started.clone(), b.started.clone());
+    let wa = spawn_worker(a).await;
+    let wb = spawn_worker(b).await;
+    let http = spawn_router(vec![wa.to_string(), wb.to_string()], 1 << 20).await;
+    let client = reqwest::Client::new();
+    for _ in 0..100 {
+        let v: Value = client.get(format!("{http}/readyz")).send().await.unwrap().json().await.unwrap();
+        if v["workers"].as_array().unwrap().iter().all(|w| w["ready"] == true) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..4 {
+        let r = client
+            .post(format!("{http}/v1/chat/completions"))
+            .json(&json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(sa.load(Ordering::SeqCst), 2);
+    assert_eq!(sb.load(Ordering::SeqCst), 2);
+}
