@@ -1,0 +1,1 @@
+//! Pagoda end-to-end harness.
