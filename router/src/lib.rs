@@ -3,7 +3,7 @@
 //! - [`server`]: axum routes and handlers, shared state, [`serve`].
 //! - [`openai`]: request/response wire types and input validation (every input bounded).
 //! - [`extract`] / [`error`]: JSON body extraction and OpenAI-style error bodies.
-//! - [`codec`]: chat template + tokenizer ([`codec::TextCodec`]).
+//! - [`codec`]: chat template + tokenizer ([`codec::TextCodec`], [`gguf_codec::GgufCodec`]).
 //! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
 //! - [`generate`]: one generation over a worker's gRPC `Generate` stream.
 //! - [`workers`]: the static worker list, health probes, round-robin.
@@ -14,6 +14,7 @@ pub mod detok;
 pub mod error;
 pub mod extract;
 pub mod generate;
+pub mod gguf_codec;
 pub mod metrics;
 pub mod openai;
 pub mod server;
@@ -21,4 +22,5 @@ pub mod workers;
 
 pub use codec::TextCodec;
 pub use error::ApiError;
+pub use gguf_codec::{GgufCodec, model_id_for};
 pub use server::{AppState, DEFAULT_BODY_LIMIT, RouterConfig, app, serve};

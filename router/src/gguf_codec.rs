@@ -1,0 +1,123 @@
+//! [`GgufCodec`]: the [`TextCodec`] of a GGUF model, built from its metadata with `pagoda_worker::model`
+//! (byte-level BPE tokenizer, minijinja chat template, context length).
+
+use std::borrow::Cow;
+use std::path::Path;
+
+use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, ModelConfig, Tokenizer};
+
+use crate::codec::TextCodec;
+use crate::openai::Turn;
+
+/// The model id a GGUF is served under: its file stem (the worker's engine uses the same).
+pub fn model_id_for(path: &Path) -> String {
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".to_string())
+}
+
+/// Tokenizer + chat template + context length of one GGUF model.
+pub struct GgufCodec {
+    model_id: String,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    context_length: usize,
+    stop_ids: Vec<u32>,
+}
+
+impl GgufCodec {
+    /// Reads the metadata of the GGUF at `path` (tensor data is not touched).
+    pub fn load(path: &Path) -> Result<GgufCodec, String> {
+        let err = |what: &str, e: &dyn std::fmt::Display| format!("{}: {what}: {e}", path.display());
+        let g = Gguf::open(path).map_err(|e| err("cannot open GGUF", &e))?;
+        let config = ModelConfig::from_gguf(&g).map_err(|e| err("model config", &e))?;
+        let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| err("tokenizer", &e))?;
+        let template = ChatTemplate::from_gguf(&g).map_err(|e| err("chat template", &e))?;
+        let stop_ids = tokenizer.eos_token_ids().to_vec();
+        Ok(GgufCodec { model_id: model_id_for(path), tokenizer, template, context_length: config.ctx_len, stop_ids })
+    }
+
+    /// Serves the model under another id.
+    pub fn with_model_id(mut self, id: impl Into<String>) -> GgufCodec {
+        self.model_id = id.into();
+        self
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+}
+
+impl TextCodec for GgufCodec {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.tokenizer.vocab_size()
+    }
+
+    fn render_chat(&self, turns: &[Turn]) -> Result<String, String> {
+        let messages: Vec<ChatMessage> = turns.iter().map(|t| ChatMessage::new(t.role, t.content.clone())).collect();
+        self.template.render(&messages, true).map_err(|e| e.to_string())
+    }
+
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, String> {
+        // A template that writes BOS itself must not get a second one from the tokenizer.
+        let bos = self.template.bos_token();
+        let template_wrote_bos = !bos.is_empty() && text.starts_with(bos);
+        let add = add_special && !template_wrote_bos;
+        Ok(self.tokenizer.encode(text, add))
+    }
+
+    fn token_bytes(&self, id: u32) -> Cow<'_, [u8]> {
+        if self.tokenizer.is_special(id) {
+            return Cow::Borrowed(&[]);
+        }
+        Cow::Borrowed(self.tokenizer.token_bytes(id).unwrap_or_default())
+    }
+
+    fn stop_token_ids(&self) -> Vec<u32> {
+        self.stop_ids.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model_path() -> Option<std::path::PathBuf> {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        p.exists().then_some(p)
+    }
+
+    #[test]
+    fn smollm2_chat_round_trip() {
+        let Some(path) = model_path() else {
+            eprintln!("skipping: model not fetched (scripts/fetch-model.sh)");
+            return;
+        };
+        let c = GgufCodec::load(&path).unwrap();
+        assert_eq!(c.model_id(), "SmolLM2-135M-Instruct.Q4_1");
+        assert_eq!(c.context_length(), 8192);
+        assert_eq!(c.vocab_size(), 49152);
+        let text = c.render_chat(&[Turn { role: "user", content: "What is the capital of France?".into() }]).unwrap();
+        assert!(text.contains("<|im_start|>user\nWhat is the capital of France?<|im_end|>"), "{text}");
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text:?}");
+        let ids = c.encode(&text, true).unwrap();
+        // Special tokens are single ids and decode to nothing; the rest decodes back to the text.
+        let im_start = c.tokenizer().token_to_id("<|im_start|>").unwrap();
+        assert!(ids.contains(&im_start));
+        assert!(c.token_bytes(im_start).is_empty());
+        assert!(!c.stop_token_ids().is_empty());
+        let mut d = crate::detok::Utf8Decoder::new();
+        let mut out = String::new();
+        for &id in &c.encode("héllo 🦀 wörld", false).unwrap() {
+            out.push_str(&d.push(&c.token_bytes(id)));
+        }
+        out.push_str(&d.finish());
+        assert_eq!(out, "héllo 🦀 wörld");
+    }
+}
