@@ -1,5 +1,11 @@
-//! Pagoda worker.
-pub mod model;
+//! Pagoda worker: the engine that owns a model and its KV cache.
+//!
+//! - [`model`]: GGUF reader, tokenizer and chat template from GGUF metadata, the llama forward pass.
+//! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
+//! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
+//! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
+
 pub mod cache;
+pub mod model;
 pub mod sampling;
 pub mod scheduler;
