@@ -5,7 +5,9 @@
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
 
+pub mod bench;
 pub mod cache;
+pub mod engine;
 pub mod model;
 pub mod sampling;
 pub mod scheduler;

@@ -1,0 +1,340 @@
+//! Engine micro-benchmark (`pagoda bench engine`): prefill and decode throughput of the real model through the
+//! engine's own pieces (scheduler, block tables, [`LlamaRunner`], greedy sampling), driven inline on the calling
+//! thread so that phases can be timed separately.
+//!
+//! - **prefill**: one prompt of `prefill_tokens` (default 1,024) tokens, chunked by `max_step_tokens` exactly as
+//!   the engine chunks it; tokens/s = prompt tokens / prefill time.
+//! - **decode**: for each concurrency `c` (default 1, 8, 32), `c` sequences with `decode_prompt_tokens` (512)
+//!   prompt tokens each generate `decode_new_tokens` (128) tokens. The step budget is raised so that all prompts
+//!   prefill in the first step(s), which are not timed; only pure decode steps count.
+//! - **peak RSS**: `VmHWM` from `/proc/self/status` at the end.
+//!
+//! Prompts are deterministic pseudo-random token ids; the prefix cache is off so nothing is reused.
+
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq};
+use crate::sampling::argmax;
+use crate::scheduler::{Scheduler, SchedulerConfig, SeqRequest};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchOptions {
+    /// CPU threads for the backend (0 = all cores).
+    pub threads: usize,
+    pub block_size: usize,
+    /// Engine step budget used for the prefill measurement.
+    pub max_step_tokens: usize,
+    pub prefill_tokens: usize,
+    pub decode_prompt_tokens: usize,
+    pub decode_new_tokens: usize,
+    pub concurrency: Vec<usize>,
+    pub seed: u64,
+}
+
+impl Default for BenchOptions {
+    fn default() -> BenchOptions {
+        BenchOptions {
+            threads: 0,
+            block_size: 16,
+            max_step_tokens: 512,
+            prefill_tokens: 1024,
+            decode_prompt_tokens: 512,
+            decode_new_tokens: 128,
+            concurrency: vec![1, 8, 32],
+            seed: 1234,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillResult {
+    pub prompt_tokens: usize,
+    pub chunk_tokens: usize,
+    pub seconds: f64,
+    pub tokens_per_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeResult {
+    pub concurrency: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    /// Tokens produced by pure decode steps (each sequence's first token comes from its prefill step).
+    pub decode_tokens: usize,
+    pub decode_steps: usize,
+    pub seconds: f64,
+    pub tokens_per_s: f64,
+    /// Mean time per decode step (one token for each sequence).
+    pub ms_per_step: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub model_path: String,
+    pub backend: String,
+    pub threads: usize,
+    pub kv_blocks: usize,
+    pub prefill: PrefillResult,
+    pub decode: Vec<DecodeResult>,
+    /// `VmHWM` of this process, bytes (0 where /proc is unavailable).
+    pub peak_rss_bytes: u64,
+    pub options: BenchOptions,
+}
+
+impl BenchReport {
+    /// A markdown table (plus a header line with the setup).
+    pub fn to_markdown(&self) -> String {
+        let mut s = format!(
+            "Engine bench: `{}` on {} ({} threads), block size {}, {} KV blocks\n\n",
+            self.model, self.backend, self.threads, self.options.block_size, self.kv_blocks
+        );
+        s.push_str("| phase | concurrency | prompt tokens | new tokens | seconds | tokens/s | ms/step |\n");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        let p = &self.prefill;
+        s.push_str(&format!(
+            "| prefill (chunk {}) | 1 | {} | — | {:.3} | {:.1} | — |\n",
+            p.chunk_tokens, p.prompt_tokens, p.seconds, p.tokens_per_s
+        ));
+        for d in &self.decode {
+            s.push_str(&format!(
+                "| decode | {} | {} | {} | {:.3} | {:.1} | {:.1} |\n",
+                d.concurrency, d.prompt_tokens, d.new_tokens, d.seconds, d.tokens_per_s, d.ms_per_step
+            ));
+        }
+        s.push_str(&format!("\nPeak RSS (VmHWM): {:.1} MiB\n", self.peak_rss_bytes as f64 / (1024.0 * 1024.0)));
+        s
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+    }
+
+    pub fn to_json_string(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Runs the benchmark on the GGUF at `model_path`.
+pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions) -> Result<BenchReport, EngineError> {
+    let model_path = model_path.as_ref();
+    let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
+    let bs = opts.block_size.max(1);
+    // Blocks for the largest phase, with one spare group per sequence.
+    let decode_tokens = opts.decode_prompt_tokens + opts.decode_new_tokens + bs;
+    let per_seq_groups = decode_tokens.div_ceil(bs).max((opts.prefill_tokens + 1 + bs).div_ceil(bs));
+    let cfg = EngineConfig {
+        model_path: model_path.to_path_buf(),
+        num_blocks: 0,
+        block_size: bs,
+        max_step_tokens: opts.max_step_tokens,
+        max_running: max_c,
+        enable_prefix_cache: false,
+        threads: opts.threads,
+    };
+    // Load once to learn the layout, then size the arena.
+    let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;
+    let group = probe.info().layout().group_size();
+    drop(probe);
+    let num_blocks = per_seq_groups * max_c * group;
+    let mut runner = LlamaRunner::load(&EngineConfig { num_blocks, ..cfg })?;
+    let info = runner.info().clone();
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let vocab = info.vocab_size as u32;
+    let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(100..vocab.max(101))).collect() };
+
+    // Warm-up (page in weights, grow scratch buffers).
+    run_batch(&mut runner, vec![prompt(64)], 4, opts.max_step_tokens)?;
+
+    let p = run_batch(&mut runner, vec![prompt(opts.prefill_tokens)], 1, opts.max_step_tokens)?;
+    let prefill = PrefillResult {
+        prompt_tokens: opts.prefill_tokens,
+        chunk_tokens: opts.max_step_tokens,
+        seconds: p.prefill.as_secs_f64(),
+        tokens_per_s: rate(p.prefill_tokens, p.prefill),
+    };
+
+    let mut decode = Vec::new();
+    for &c in &opts.concurrency {
+        let c = c.max(1);
+        let prompts = (0..c).map(|_| prompt(opts.decode_prompt_tokens)).collect();
+        // One step prefills every prompt; all later steps are pure decode.
+        let budget = (c * opts.decode_prompt_tokens).max(opts.max_step_tokens);
+        let r = run_batch(&mut runner, prompts, opts.decode_new_tokens, budget)?;
+        decode.push(DecodeResult {
+            concurrency: c,
+            prompt_tokens: opts.decode_prompt_tokens,
+            new_tokens: opts.decode_new_tokens,
+            decode_tokens: r.decode_tokens,
+            decode_steps: r.decode_steps,
+            seconds: r.decode.as_secs_f64(),
+            tokens_per_s: rate(r.decode_tokens, r.decode),
+            ms_per_step: if r.decode_steps > 0 { r.decode.as_secs_f64() * 1e3 / r.decode_steps as f64 } else { 0.0 },
+        });
+    }
+
+    Ok(BenchReport {
+        model: info.name.clone(),
+        model_path: model_path.display().to_string(),
+        backend: "cpu".into(),
+        threads: if opts.threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            opts.threads
+        },
+        kv_blocks: num_blocks,
+        prefill,
+        decode,
+        peak_rss_bytes: peak_rss_bytes(),
+        options: opts.clone(),
+    })
+}
+
+fn rate(tokens: usize, d: Duration) -> f64 {
+    let s = d.as_secs_f64();
+    if s > 0.0 { tokens as f64 / s } else { 0.0 }
+}
+
+#[derive(Debug, Default)]
+struct BatchTimes {
+    prefill: Duration,
+    prefill_tokens: usize,
+    decode: Duration,
+    decode_tokens: usize,
+    decode_steps: usize,
+}
+
+/// Generates `new_tokens` greedy tokens for every prompt, timing prefill-carrying steps and pure decode steps
+/// apart.
+fn run_batch(
+    runner: &mut LlamaRunner,
+    prompts: Vec<Vec<u32>>,
+    new_tokens: usize,
+    max_step_tokens: usize,
+) -> Result<BatchTimes, EngineError> {
+    let info = runner.info().clone();
+    let cfg = SchedulerConfig {
+        max_step_tokens,
+        max_running: prompts.len().max(1),
+        enable_prefix_cache: false,
+        max_model_len: info.context_length,
+        model_id: info.model_id.clone(),
+    };
+    let mut sched: Scheduler<()> = Scheduler::new(cfg, info.layout(), info.num_blocks);
+    for p in prompts {
+        sched.add(SeqRequest {
+            prompt: p,
+            max_tokens: new_tokens.max(1),
+            stop_token_ids: Vec::new(),
+            namespace: String::new(),
+            payload: (),
+        })?;
+    }
+    let mut times = BatchTimes::default();
+    let mut logits = Vec::new();
+    let mut sampled = Vec::new();
+    while sched.has_work() {
+        let plan = sched.schedule();
+        if plan.is_empty() {
+            return Err(EngineError::Forward("the bench batch does not fit the KV pool".into()));
+        }
+        let t0 = Instant::now();
+        let mut pure_decode = true;
+        {
+            let mut batch = Vec::with_capacity(plan.seqs.len());
+            for e in &plan.seqs {
+                let Some(seq) = sched.get(e.seq) else { continue };
+                pure_decode &= e.n == 1 && e.start >= seq.prompt_len();
+                batch.push(StepSeq {
+                    tokens: &seq.tokens()[e.start..e.start + e.n],
+                    start_pos: e.start as u32,
+                    tables: seq.tables(),
+                    prior_lens: seq.lens(),
+                    want_logits: e.wants_logits,
+                });
+            }
+            logits.clear();
+            runner.forward(&batch, &mut logits)?;
+        }
+        sched.complete_step(&plan);
+        sampled.clear();
+        let v = info.vocab_size;
+        for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
+            let l = logits.get(row * v..(row + 1) * v).ok_or_else(|| EngineError::Forward("short logits".into()))?;
+            sampled.push((e.seq, argmax(l)));
+        }
+        for &(id, tok) in &sampled {
+            if sched.append_token(id, tok)?.is_some() {
+                sched.finish(id);
+            }
+        }
+        let dt = t0.elapsed();
+        if pure_decode {
+            times.decode += dt;
+            times.decode_tokens += plan.seqs.len();
+            times.decode_steps += 1;
+        } else {
+            times.prefill += dt;
+            times.prefill_tokens += plan.num_tokens();
+        }
+    }
+    Ok(times)
+}
+
+/// Peak resident set size (`VmHWM`) in bytes; 0 when unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_rss_is_read() {
+        if std::path::Path::new("/proc/self/status").exists() {
+            assert!(peak_rss_bytes() > 0);
+        }
+    }
+
+    #[test]
+    fn report_renders_markdown_and_json() {
+        let r = BenchReport {
+            model: "m".into(),
+            model_path: "m.gguf".into(),
+            backend: "cpu".into(),
+            threads: 2,
+            kv_blocks: 90,
+            prefill: PrefillResult { prompt_tokens: 1024, chunk_tokens: 512, seconds: 2.0, tokens_per_s: 512.0 },
+            decode: vec![DecodeResult {
+                concurrency: 8,
+                prompt_tokens: 512,
+                new_tokens: 128,
+                decode_tokens: 1016,
+                decode_steps: 127,
+                seconds: 4.0,
+                tokens_per_s: 254.0,
+                ms_per_step: 31.5,
+            }],
+            peak_rss_bytes: 1 << 30,
+            options: BenchOptions::default(),
+        };
+        let md = r.to_markdown();
+        assert!(md.contains("| prefill (chunk 512) | 1 | 1024 |"), "{md}");
+        assert!(md.contains("| decode | 8 | 512 | 128 | 4.000 | 254.0 | 31.5 |"), "{md}");
+        assert!(md.contains("1024.0 MiB"));
+        let j = r.to_json();
+        assert_eq!(j["decode"][0]["concurrency"], 8);
+        assert_eq!(j["prefill"]["tokens_per_s"], 512.0);
+    }
+}

@@ -1,0 +1,806 @@
+//! The engine: one dedicated OS thread that owns the model, the KV storage, the block pool, the prefix index
+//! and the scheduler, and an [`EngineHandle`] (cheap to clone, usable from async code) that talks to it.
+//!
+//! Commands (submit, cancel, shutdown) arrive on a std channel; the thread blocks on it while idle and
+//! drains it between steps, so new requests join between steps. Each step runs one batched forward over the
+//! scheduler's plan, samples with each request's own seeded [`Sampler`], and streams [`GenerateEvent`]s on the
+//! request's tokio unbounded channel. A closed channel means the client went away: the request is cancelled
+//! and its blocks are freed. Statistics are published after every step into a snapshot that
+//! [`EngineHandle::stats`] reads without a round trip (the lock is never held across an `.await`).
+//!
+//! The model sits behind [`ModelRunner`] so the thread, batching and streaming can be exercised with a stand-in;
+//! [`LlamaRunner`] is the real one (GGUF → `LlamaModel::forward` on a `CpuBackend` over a `KvStorage`).
+
+use std::path::PathBuf;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use pagoda_kernels::{CpuBackend, KvStorage};
+
+use crate::cache::CacheLayout;
+use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
+use crate::sampling::{SampleBuffer, Sampler};
+use crate::scheduler::{SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, check_fits};
+
+pub use crate::sampling::SamplingParams;
+pub use crate::scheduler::FinishReason;
+
+/// How to run the engine. `num_blocks == 0` sizes the pool for two full contexts.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model_path: PathBuf,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_step_tokens: usize,
+    pub max_running: usize,
+    pub enable_prefix_cache: bool,
+    /// Compute threads for the CPU backend (0 = all cores).
+    pub threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> EngineConfig {
+        EngineConfig {
+            model_path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            num_blocks: 0,
+            block_size: 16,
+            max_step_tokens: 512,
+            max_running: 64,
+            enable_prefix_cache: true,
+            threads: 0,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn new(model_path: impl Into<PathBuf>) -> EngineConfig {
+        EngineConfig { model_path: model_path.into(), ..EngineConfig::default() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub sampling: SamplingParams,
+    pub stop_token_ids: Vec<u32>,
+    pub namespace: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GenerateEvent {
+    /// One generated token. Stop tokens (eos or a request stop id) end the stream and are not sent.
+    Token(u32),
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        cached_tokens: u32,
+    },
+    Failed(String),
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub blocks_total: u64,
+    pub blocks_used: u64,
+    pub blocks_cached_free: u64,
+    pub running: u64,
+    pub waiting: u64,
+    pub computed_tokens_total: u64,
+    pub cached_tokens_total: u64,
+}
+
+/// What the loaded model is, as clients need it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// Salts the prefix-cache chain hash; routers must use the same value.
+    pub model_id: String,
+    pub name: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl ModelInfo {
+    pub fn layout(&self) -> CacheLayout {
+        CacheLayout { n_layers: self.n_layers, n_kv_heads: self.n_kv_heads, block_size: self.block_size }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    #[error("model: {0}")]
+    Model(String),
+    #[error("engine config: {0}")]
+    Config(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("request rejected: {0}")]
+    Rejected(#[from] SchedError),
+    #[error("forward step failed: {0}")]
+    Forward(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// One sequence's slice of a forward step, in the model's terms.
+#[derive(Debug, Clone, Copy)]
+pub struct StepSeq<'a> {
+    /// Tokens computed this step.
+    pub tokens: &'a [u32],
+    /// RoPE position of `tokens[0]` (tokens already processed).
+    pub start_pos: u32,
+    /// `n_layers * n_kv_heads` block tables, index `layer * n_kv_heads + head`.
+    pub tables: &'a [Vec<u32>],
+    /// Cache lengths before this step, same indexing.
+    pub prior_lens: &'a [usize],
+    /// Append the last token's logits (vocab floats) to the output.
+    pub want_logits: bool,
+}
+
+/// The model as the engine thread drives it. Owns the KV storage.
+pub trait ModelRunner {
+    fn info(&self) -> &ModelInfo;
+    /// Computes one batched step; for each sequence with `want_logits`, in order, appends one row of
+    /// `vocab_size` logits to `logits` (which the caller cleared).
+    fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError>;
+}
+
+/// Pool size for `num_blocks == 0`: two full contexts.
+pub fn auto_num_blocks(layout: CacheLayout, context_length: usize) -> usize {
+    layout.blocks_for_tokens(context_length.max(1)) * 2
+}
+
+enum Command {
+    Submit { req: GenerateRequest, events: UnboundedSender<GenerateEvent> },
+    Cancel(String),
+    Shutdown,
+}
+
+struct HandleInner {
+    tx: Mutex<Sender<Command>>,
+    info: ModelInfo,
+    sched_cfg: SchedulerConfig,
+    stats: Arc<Mutex<EngineStats>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Command::Shutdown);
+        }
+    }
+}
+
+/// The client side of the engine. Clone freely; the engine stops when the last clone is dropped.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<HandleInner>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle").field("model", &self.inner.info.model_id).finish()
+    }
+}
+
+impl EngineHandle {
+    pub fn model_info(&self) -> &ModelInfo {
+        &self.inner.info
+    }
+
+    /// Validates and queues a request. Events arrive on the returned receiver; dropping it cancels the
+    /// request and frees its blocks.
+    pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<GenerateEvent>, EngineError> {
+        self.validate(&req)?;
+        let (events, rx) = unbounded_channel();
+        self.send(Command::Submit { req, events })?;
+        Ok(rx)
+    }
+
+    /// Cancels every queued or running request with this id (no-op when none).
+    pub fn cancel(&self, request_id: &str) -> Result<(), EngineError> {
+        self.send(Command::Cancel(request_id.to_owned()))
+    }
+
+    /// The latest statistics snapshot (published after every engine step and command).
+    pub fn stats(&self) -> EngineStats {
+        self.inner.stats.lock().map(|s| *s).unwrap_or_default()
+    }
+
+    /// Stops the engine thread: in-flight requests get `Failed`. Blocks until the thread has exited.
+    pub fn shutdown(&self) {
+        let _ = self.send(Command::Shutdown);
+        let handle = self.inner.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        let tx = self.inner.tx.lock().map_err(|_| EngineError::Stopped)?;
+        tx.send(cmd).map_err(|_| EngineError::Stopped)
+    }
+
+    fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        let info = &self.inner.info;
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt token id {bad} is outside the vocabulary ({})",
+                info.vocab_size
+            )));
+        }
+        let s = &req.sampling;
+        if !s.temperature.is_finite() || s.temperature < 0.0 {
+            return Err(EngineError::InvalidRequest(format!("temperature must be >= 0, got {}", s.temperature)));
+        }
+        if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
+            return Err(EngineError::InvalidRequest(format!("top_p must be in (0, 1], got {}", s.top_p)));
+        }
+        check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
+        Ok(())
+    }
+}
+
+pub struct Engine;
+
+impl Engine {
+    /// Loads the GGUF at `config.model_path` and starts the engine thread.
+    pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
+        Engine::start_with(config, LlamaRunner::load)
+    }
+
+    /// Starts the engine thread with a runner built on that thread by `make`.
+    pub fn start_with<R, F>(config: EngineConfig, make: F) -> Result<EngineHandle, EngineError>
+    where
+        R: ModelRunner + 'static,
+        F: FnOnce(&EngineConfig) -> Result<R, EngineError> + Send + 'static,
+    {
+        if config.block_size == 0 {
+            return Err(EngineError::Config("block_size must be at least 1".into()));
+        }
+        let (tx, rx) = mpsc::channel::<Command>();
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<ModelInfo, EngineError>>(1);
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let thread_stats = Arc::clone(&stats);
+        let thread_cfg = config.clone();
+        let thread = std::thread::Builder::new()
+            .name("pagoda-engine".into())
+            .spawn(move || {
+                let runner = match make(&thread_cfg) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let info = runner.info().clone();
+                let mut core = EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_stats);
+                core.publish_stats();
+                if ready_tx.send(Ok(info)).is_err() {
+                    return;
+                }
+                core.run(rx);
+            })
+            .map_err(|e| EngineError::Config(format!("cannot spawn the engine thread: {e}")))?;
+        let info = match ready_rx.recv() {
+            Ok(Ok(info)) => info,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(EngineError::Stopped);
+            }
+        };
+        let sched_cfg = sched_config(&config, &info);
+        Ok(EngineHandle {
+            inner: Arc::new(HandleInner {
+                tx: Mutex::new(tx),
+                info,
+                sched_cfg,
+                stats,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+}
+
+fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
+    SchedulerConfig {
+        max_step_tokens: cfg.max_step_tokens.max(1),
+        max_running: cfg.max_running.max(1),
+        enable_prefix_cache: cfg.enable_prefix_cache,
+        max_model_len: info.context_length,
+        model_id: info.model_id.clone(),
+    }
+}
+
+/// Per-request state the scheduler carries for the engine.
+struct ReqState {
+    request_id: String,
+    events: UnboundedSender<GenerateEvent>,
+    sampler: Sampler,
+}
+
+struct EngineLoop<R> {
+    runner: R,
+    sched: Scheduler<ReqState>,
+    eos: Vec<u32>,
+    vocab: usize,
+    logits: Vec<f32>,
+    sample_buf: SampleBuffer,
+    closed: Vec<SeqId>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+enum Flow {
+    Continue,
+    Stop,
+}
+
+impl<R: ModelRunner> EngineLoop<R> {
+    fn new(runner: R, cfg: SchedulerConfig, stats: Arc<Mutex<EngineStats>>) -> EngineLoop<R> {
+        let info = runner.info();
+        let sched = Scheduler::new(cfg, info.layout(), info.num_blocks);
+        let eos = info.eos_token_ids.clone();
+        let vocab = info.vocab_size;
+        EngineLoop {
+            runner,
+            sched,
+            eos,
+            vocab,
+            logits: Vec::new(),
+            sample_buf: SampleBuffer::with_capacity(vocab),
+            closed: Vec::new(),
+            stats,
+        }
+    }
+
+    fn run(&mut self, rx: Receiver<Command>) {
+        loop {
+            // Idle: block for the next command. Busy: take what has arrived, then step.
+            if !self.sched.has_work() {
+                match rx.recv() {
+                    Ok(cmd) => {
+                        if let Flow::Stop = self.handle(cmd) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            let mut stop = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        if let Flow::Stop = self.handle(cmd) {
+                            stop = true;
+                            break;
+                        }
+                    }
+                    // Every handle is gone: finish the work in flight, then exit.
+                    Err(TryRecvError::Disconnected) => {
+                        if !self.sched.has_work() {
+                            stop = true;
+                        }
+                        break;
+                    }
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            if stop {
+                break;
+            }
+            self.drop_closed();
+            let progressed = self.sched.has_work() && self.step();
+            self.publish_stats();
+            if self.sched.has_work() && !progressed {
+                // Nothing schedulable (admission checks prevent this); wait instead of spinning.
+                match rx.recv_timeout(Duration::from_millis(10)) {
+                    Ok(cmd) => {
+                        if let Flow::Stop = self.handle(cmd) {
+                            break;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => {}
+                }
+            }
+        }
+        self.fail_all("the engine has stopped");
+        self.publish_stats();
+    }
+
+    fn handle(&mut self, cmd: Command) -> Flow {
+        match cmd {
+            Command::Submit { req, events } => {
+                let mut stop = req.stop_token_ids;
+                for &e in &self.eos {
+                    if !stop.contains(&e) {
+                        stop.push(e);
+                    }
+                }
+                let state = ReqState { request_id: req.request_id, events, sampler: Sampler::new(req.sampling) };
+                let r = SeqRequest {
+                    prompt: req.prompt,
+                    max_tokens: req.max_tokens as usize,
+                    stop_token_ids: stop,
+                    namespace: req.namespace,
+                    payload: state,
+                };
+                // The handle validated already; a rejection here still reaches the client.
+                let events = r.payload.events.clone();
+                if let Err(e) = self.sched.add(r) {
+                    let _ = events.send(GenerateEvent::Failed(e.to_string()));
+                }
+                Flow::Continue
+            }
+            Command::Cancel(id) => {
+                self.closed.clear();
+                self.closed.extend(self.sched.iter().filter(|s| s.payload.request_id == id).map(|s| s.id()));
+                for i in 0..self.closed.len() {
+                    let sid = self.closed[i];
+                    if let Some(seq) = self.sched.cancel(sid) {
+                        let _ = seq.payload.events.send(finished(&seq, FinishReason::Cancelled));
+                    }
+                }
+                Flow::Continue
+            }
+            Command::Shutdown => Flow::Stop,
+        }
+    }
+
+    /// Cancels sequences whose client dropped the receiver.
+    fn drop_closed(&mut self) {
+        self.closed.clear();
+        self.closed.extend(self.sched.iter().filter(|s| s.payload.events.is_closed()).map(|s| s.id()));
+        for i in 0..self.closed.len() {
+            self.sched.cancel(self.closed[i]);
+        }
+    }
+
+    /// Runs one step. Returns false when nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        let plan = self.sched.schedule();
+        if plan.is_empty() {
+            return false;
+        }
+        self.logits.clear();
+        let result = {
+            let mut batch = Vec::with_capacity(plan.seqs.len());
+            for e in &plan.seqs {
+                let Some(seq) = self.sched.get(e.seq) else { continue };
+                batch.push(StepSeq {
+                    tokens: &seq.tokens()[e.start..e.start + e.n],
+                    start_pos: e.start as u32,
+                    tables: seq.tables(),
+                    prior_lens: seq.lens(),
+                    want_logits: e.wants_logits,
+                });
+            }
+            self.runner.forward(&batch, &mut self.logits)
+        };
+        if let Err(e) = result {
+            tracing::error!(error = %e, "forward step failed; failing the step's requests");
+            let msg = e.to_string();
+            for e in &plan.seqs {
+                if let Some(seq) = self.sched.finish(e.seq) {
+                    let _ = seq.payload.events.send(GenerateEvent::Failed(msg.clone()));
+                }
+            }
+            return true;
+        }
+        self.sched.complete_step(&plan);
+        let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
+        if self.logits.len() < rows * self.vocab {
+            let msg = format!("model returned {} logits for {rows} rows", self.logits.len());
+            for e in &plan.seqs {
+                if let Some(seq) = self.sched.finish(e.seq) {
+                    let _ = seq.payload.events.send(GenerateEvent::Failed(msg.clone()));
+                }
+            }
+            return true;
+        }
+        for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
+            let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
+            let Some(seq) = self.sched.get_mut(e.seq) else { continue };
+            let token = seq.payload.sampler.sample(logits, &mut self.sample_buf);
+            let reason = match self.sched.append_token(e.seq, token) {
+                Ok(r) => r,
+                Err(_) => continue,
+            };
+            let Some(seq) = self.sched.get(e.seq) else { continue };
+            if reason != Some(FinishReason::Stop) && seq.payload.events.send(GenerateEvent::Token(token)).is_err() {
+                self.sched.cancel(e.seq);
+                continue;
+            }
+            if let Some(reason) = reason
+                && let Some(seq) = self.sched.finish(e.seq)
+            {
+                let _ = seq.payload.events.send(finished(&seq, reason));
+            }
+        }
+        true
+    }
+
+    fn fail_all(&mut self, msg: &str) {
+        let ids: Vec<SeqId> = self.sched.iter().map(|s| s.id()).collect();
+        for id in ids {
+            if let Some(seq) = self.sched.finish(id) {
+                let _ = seq.payload.events.send(GenerateEvent::Failed(msg.to_owned()));
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        let s = self.sched.stats();
+        let pool = self.sched.pool();
+        let snapshot = EngineStats {
+            blocks_total: pool.num_blocks() as u64,
+            blocks_used: pool.num_used() as u64,
+            blocks_cached_free: pool.num_cached_free() as u64,
+            running: s.running as u64,
+            waiting: s.waiting as u64,
+            computed_tokens_total: s.computed_tokens_total,
+            cached_tokens_total: s.cached_tokens_total,
+        };
+        if let Ok(mut g) = self.stats.lock() {
+            *g = snapshot;
+        }
+    }
+}
+
+fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) -> GenerateEvent {
+    let mut completion = seq.num_generated();
+    if reason == FinishReason::Stop {
+        // The stop token ended the stream and was not sent.
+        completion = completion.saturating_sub(1);
+    }
+    GenerateEvent::Finished {
+        reason,
+        prompt_tokens: seq.prompt_len() as u32,
+        completion_tokens: completion as u32,
+        cached_tokens: seq.cached_tokens() as u32,
+    }
+}
+
+/// The real model: a GGUF llama on the CPU backend, with the device-tier KV arena.
+pub struct LlamaRunner {
+    model: LlamaModel,
+    backend: CpuBackend,
+    kv: KvStorage,
+    scratch: Scratch,
+    info: ModelInfo,
+}
+
+impl LlamaRunner {
+    /// Loads `cfg.model_path` and allocates `cfg.num_blocks` KV blocks (0 = two full contexts).
+    pub fn load(cfg: &EngineConfig) -> Result<LlamaRunner, EngineError> {
+        let model_err = |e: ModelError| EngineError::Model(e.to_string());
+        let gguf = Gguf::open(&cfg.model_path).map_err(model_err)?;
+        let tokenizer = Tokenizer::from_gguf(&gguf).map_err(model_err)?;
+        let model = LlamaModel::load(&gguf).map_err(model_err)?;
+        let mc = model.config().clone();
+        let layout = CacheLayout { n_layers: mc.n_layers, n_kv_heads: mc.n_kv_heads, block_size: cfg.block_size };
+        let num_blocks = if cfg.num_blocks == 0 { auto_num_blocks(layout, mc.ctx_len) } else { cfg.num_blocks };
+        if num_blocks < layout.group_size() {
+            return Err(EngineError::Config(format!(
+                "num_blocks {num_blocks} cannot hold one token group ({} blocks)",
+                layout.group_size()
+            )));
+        }
+        let file_stem = cfg.model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name =
+            gguf.get_str_opt("general.name").ok().flatten().map(str::to_owned).unwrap_or_else(|| file_stem.clone());
+        let info = ModelInfo {
+            model_id: file_stem,
+            name,
+            context_length: mc.ctx_len,
+            vocab_size: mc.vocab,
+            eos_token_ids: tokenizer.eos_token_ids().to_vec(),
+            bos_token_id: tokenizer.bos_id(),
+            n_layers: mc.n_layers,
+            n_kv_heads: mc.n_kv_heads,
+            head_dim: mc.head_dim,
+            block_size: cfg.block_size,
+            num_blocks,
+        };
+        let threads = if cfg.threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            cfg.threads
+        };
+        Ok(LlamaRunner {
+            kv: KvStorage::new(num_blocks, cfg.block_size, mc.head_dim),
+            scratch: Scratch::new(),
+            backend: CpuBackend::new(threads),
+            model,
+            info,
+        })
+    }
+}
+
+impl ModelRunner for LlamaRunner {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+        let batch: Vec<ForwardSeq<'_>> = seqs
+            .iter()
+            .map(|s| ForwardSeq {
+                tokens: s.tokens,
+                start_pos: s.start_pos,
+                tables: s.tables,
+                prior_lens: s.prior_lens,
+                logits: if s.want_logits { LogitsWanted::Last } else { LogitsWanted::None },
+            })
+            .collect();
+        self.model
+            .forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits)
+            .map_err(|e| EngineError::Forward(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in model: next token = (position + last token) % vocab, one-hot logits.
+    struct FakeRunner {
+        info: ModelInfo,
+        delay: Duration,
+    }
+
+    impl ModelRunner for FakeRunner {
+        fn info(&self) -> &ModelInfo {
+            &self.info
+        }
+        fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+            std::thread::sleep(self.delay);
+            let v = self.info.vocab_size;
+            for s in seqs.iter().filter(|s| s.want_logits) {
+                let pos = s.start_pos as usize + s.tokens.len();
+                let last = *s.tokens.last().ok_or_else(|| EngineError::Forward("empty".into()))? as usize;
+                let start = logits.len();
+                logits.resize(start + v, 0.0);
+                logits[start + (pos + last) % v] = 1.0;
+            }
+            Ok(())
+        }
+    }
+
+    fn fake(num_blocks: usize, delay_ms: u64) -> EngineHandle {
+        let info = ModelInfo {
+            model_id: "fake".into(),
+            name: "fake".into(),
+            context_length: 64,
+            vocab_size: 32,
+            eos_token_ids: vec![31],
+            bos_token_id: None,
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            block_size: 4,
+            num_blocks,
+        };
+        let cfg = EngineConfig { block_size: 4, ..EngineConfig::default() };
+        Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) })).unwrap()
+    }
+
+    fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+        GenerateRequest {
+            request_id: id.into(),
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_token_ids: vec![],
+            namespace: String::new(),
+        }
+    }
+
+    fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {
+        let mut toks = Vec::new();
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                GenerateEvent::Token(t) => toks.push(t),
+                other => return (toks, other),
+            }
+        }
+        (toks, GenerateEvent::Failed("channel closed".into()))
+    }
+
+    fn wait_for(h: &EngineHandle, f: impl Fn(&EngineStats) -> bool) -> EngineStats {
+        for _ in 0..500 {
+            let s = h.stats();
+            if f(&s) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        h.stats()
+    }
+
+    #[test]
+    fn streams_tokens_and_finishes_with_usage() {
+        let h = fake(64, 0);
+        let (toks, fin) = collect(h.submit(req("a", vec![1, 2, 3], 5)).unwrap());
+        // pos 3 + last 3 = 6, then pos 4 + 6 = 10, 5 + 10 = 15, 6 + 15 = 21, 7 + 21 = 28.
+        assert_eq!(toks, vec![6, 10, 15, 21, 28]);
+        assert_eq!(
+            fin,
+            GenerateEvent::Finished {
+                reason: FinishReason::Length,
+                prompt_tokens: 3,
+                completion_tokens: 5,
+                cached_tokens: 0
+            }
+        );
+        // eos (31) stops: prompt [0, 28] → 2 + 28 = 30, 3 + 30 = 33 % 32 = 1, ...
+        let (toks, fin) = collect(h.submit(req("b", vec![0, 29], 10)).unwrap());
+        // 2 + 29 = 31 = eos straight away: no token streamed.
+        assert!(toks.is_empty());
+        assert!(matches!(fin, GenerateEvent::Finished { reason: FinishReason::Stop, completion_tokens: 0, .. }));
+        let s = wait_for(&h, |s| s.running == 0);
+        assert_eq!(s.blocks_used, 0);
+        h.shutdown();
+        assert_eq!(h.submit(req("c", vec![1], 1)).unwrap_err(), EngineError::Stopped);
+    }
+
+    #[test]
+    fn rejects_requests_that_cannot_run() {
+        let h = fake(16, 0);
+        // 16 blocks = 4 groups = 16 tokens.
+        assert!(matches!(h.submit(req("x", vec![1; 10], 7)), Err(EngineError::Rejected(_))));
+        assert!(matches!(h.submit(req("x", vec![99], 1)), Err(EngineError::InvalidRequest(_))));
+        let mut r = req("x", vec![1], 1);
+        r.sampling.top_p = 0.0;
+        assert!(matches!(h.submit(r), Err(EngineError::InvalidRequest(_))));
+        assert!(h.submit(req("ok", vec![1; 10], 6)).is_ok());
+    }
+
+    #[test]
+    fn dropped_receiver_and_cancel_free_blocks() {
+        let h = fake(64, 5);
+        let rx = h.submit(req("a", vec![1, 2, 3, 4, 5], 40)).unwrap();
+        let s = wait_for(&h, |s| s.running == 1 && s.blocks_used > 0);
+        assert!(s.blocks_used > 0);
+        drop(rx);
+        let s = wait_for(&h, |s| s.running == 0 && s.blocks_used == 0);
+        assert_eq!((s.running, s.blocks_used), (0, 0));
+
+        let rx = h.submit(req("b", vec![1, 2, 3, 4, 5], 40)).unwrap();
+        wait_for(&h, |s| s.running == 1);
+        h.cancel("b").unwrap();
+        let (_, fin) = collect(rx);
+        assert!(matches!(fin, GenerateEvent::Finished { reason: FinishReason::Cancelled, .. }));
+        let s = wait_for(&h, |s| s.blocks_used == 0);
+        assert_eq!(s.blocks_used, 0);
+    }
+
+    #[test]
+    fn concurrent_requests_match_solo_runs() {
+        let h = fake(64, 1);
+        let prompts: Vec<Vec<u32>> = (0..8u32).map(|i| (0..3 + i).collect()).collect();
+        let solo: Vec<Vec<u32>> =
+            prompts.iter().map(|p| collect(h.submit(req("s", p.clone(), 12)).unwrap()).0).collect();
+        let rxs: Vec<_> = prompts.iter().map(|p| h.submit(req("c", p.clone(), 12)).unwrap()).collect();
+        let together: Vec<Vec<u32>> = rxs.into_iter().map(|rx| collect(rx).0).collect();
+        assert_eq!(solo, together);
+    }
+}

@@ -1,0 +1,216 @@
+//! The engine with the REAL model (SmolLM2-135M-Instruct Q4_1): prefix caching, concurrent batching,
+//! preemption under a tiny pool, cancellation by dropping the receiver, and seeded sampling.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use pagoda_worker::engine::{
+    Engine, EngineConfig, EngineHandle, EngineStats, FinishReason, GenerateEvent, GenerateRequest, SamplingParams,
+};
+use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+fn model_path() -> PathBuf {
+    let p = std::env::var_os("PAGODA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.exists(), "model not found at {} (run scripts/fetch-model or set PAGODA_MODEL)", p.display());
+    p
+}
+
+/// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
+const GROUP: usize = 90;
+
+fn engine(num_groups: usize, prefix_cache: bool) -> EngineHandle {
+    let cfg = EngineConfig {
+        num_blocks: num_groups * GROUP,
+        enable_prefix_cache: prefix_cache,
+        threads: 2,
+        ..EngineConfig::new(model_path())
+    };
+    Engine::start(cfg).expect("engine starts")
+}
+
+fn tokenize(texts: &[&str]) -> Vec<Vec<u32>> {
+    let g = Gguf::open(model_path()).expect("gguf");
+    let t = Tokenizer::from_gguf(&g).expect("tokenizer");
+    texts.iter().map(|s| t.encode(s, false)).collect()
+}
+
+/// A chat prompt (rendered with the model's template, generation prompt added), tokenized.
+fn chat(user: &str) -> Vec<u32> {
+    let g = Gguf::open(model_path()).expect("gguf");
+    let t = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let tpl = ChatTemplate::from_gguf(&g).expect("chat template");
+    let text = tpl.render(&[ChatMessage { role: "user".into(), content: user.into() }], true).expect("render");
+    t.encode(&text, false)
+}
+
+fn greedy(id: &str, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.into(),
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
+        stop_token_ids: vec![],
+        namespace: String::new(),
+    }
+}
+
+struct Done {
+    tokens: Vec<u32>,
+    /// Tokens sampled, including a stop token that ended the stream (not streamed).
+    sampled: usize,
+    reason: FinishReason,
+    completion: u32,
+    cached: u32,
+}
+
+fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenerateEvent::Token(t) => tokens.push(t),
+            GenerateEvent::Finished { reason, completion_tokens, cached_tokens, .. } => {
+                let sampled = tokens.len() + usize::from(reason == FinishReason::Stop);
+                return Done { tokens, sampled, reason, completion: completion_tokens, cached: cached_tokens };
+            }
+            GenerateEvent::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+    panic!("stream ended without Finished");
+}
+
+fn wait_stats(h: &EngineHandle, what: &str, f: impl Fn(&EngineStats) -> bool) -> EngineStats {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = h.stats();
+        if f(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+const DOC: &str = "The library on the hill keeps three kinds of books: maps of rivers that no longer flow, \
+    recipes written by sailors, and letters that were never sent. Every morning the librarian opens the \
+    windows, counts the books, and writes the number on a slate by the door.";
+
+#[test]
+fn prefix_cache_hit_skips_matched_tokens_with_identical_output() {
+    let h = engine(64, true);
+    let p = &tokenize(&[&format!("{DOC} Question: what does the librarian count?")])[0];
+    assert!(p.len() > 40, "prompt long enough to span several blocks: {}", p.len());
+    let first = collect(h.submit(greedy("a", p, 12)).unwrap());
+    let s1 = h.stats();
+    assert_eq!(first.cached, 0);
+    assert_eq!(s1.computed_tokens_total, (p.len() + first.sampled - 1) as u64);
+
+    let second = collect(h.submit(greedy("b", p, 12)).unwrap());
+    let s2 = h.stats();
+    let matched = (p.len() - 1) / 16 * 16;
+    assert_eq!(second.cached as usize, matched);
+    assert_eq!(s2.cached_tokens_total - s1.cached_tokens_total, matched as u64);
+    assert_eq!(
+        s2.computed_tokens_total - s1.computed_tokens_total,
+        (p.len() - matched + second.sampled - 1) as u64,
+        "computed tokens drop by the matched count"
+    );
+    assert_eq!(first.tokens, second.tokens, "cached KV gives the same greedy output");
+
+    // A different namespace shares nothing.
+    let mut r = greedy("c", p, 4);
+    r.namespace = "tenant-2".into();
+    assert_eq!(collect(h.submit(r).unwrap()).cached, 0);
+}
+
+#[test]
+fn eight_concurrent_requests_match_solo_runs() {
+    let h = engine(256, false);
+    let texts: Vec<String> = (0..8).map(|i| format!("Story {i}: once upon a time, a fox number {i} found")).collect();
+    let prompts = tokenize(&texts.iter().map(String::as_str).collect::<Vec<_>>());
+    let solo: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| collect(h.submit(greedy(&i.to_string(), p, 10)).unwrap()).tokens)
+        .collect();
+    let rxs: Vec<_> =
+        prompts.iter().enumerate().map(|(i, p)| h.submit(greedy(&format!("c{i}"), p, 10)).unwrap()).collect();
+    let together: Vec<Done> = rxs.into_iter().map(collect).collect();
+    for (i, d) in together.iter().enumerate() {
+        assert_eq!(d.reason, FinishReason::Length);
+        assert_eq!(d.completion, 10);
+        assert_eq!(d.tokens, solo[i], "request {i}");
+    }
+}
+
+#[test]
+fn tiny_pool_preempts_and_outputs_match_unpressured_run() {
+    let prompts: Vec<Vec<u32>> = [
+        "Count from 1 to 60, separated by commas.",
+        "List the names of twenty animals, one per line.",
+        "Write a long poem about the sea.",
+        "Explain in detail how a bicycle works.",
+    ]
+    .iter()
+    .map(|u| chat(u))
+    .collect();
+    let new = 40u32;
+    // Unpressured reference.
+    let big = engine(128, false);
+    let want: Vec<Vec<u32>> =
+        prompts.iter().map(|p| collect(big.submit(greedy("r", p, new)).unwrap()).tokens).collect();
+    drop(big);
+    // Each request needs ~5 groups (≈40 prompt + 40 new tokens); 4 running need ~20; the pool has 7.
+    let h = engine(7, false);
+    let rxs: Vec<_> = prompts.iter().map(|p| h.submit(greedy("t", p, new)).unwrap()).collect();
+    let got: Vec<Done> = rxs.into_iter().map(collect).collect();
+    let mut minimal = 0u64;
+    for (i, d) in got.iter().enumerate() {
+        assert_eq!(d.tokens, want[i], "request {i}");
+        minimal += (prompts[i].len() + d.sampled - 1) as u64;
+    }
+    let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
+    assert!(s.computed_tokens_total > minimal, "recompute after preemption: {} vs {minimal}", s.computed_tokens_total);
+    assert_eq!(s.blocks_used, 0);
+    // A request that can never fit is refused at submit.
+    assert!(h.submit(greedy("huge", &prompts[0], 200)).is_err());
+}
+
+#[test]
+fn dropping_the_receiver_frees_blocks() {
+    let h = engine(64, true);
+    let base = h.stats();
+    assert_eq!(base.blocks_used, 0);
+    let p = &tokenize(&[DOC])[0];
+    let mut rx = h.submit(greedy("gone", p, 500)).unwrap();
+    // Wait for a couple of tokens, then walk away.
+    for _ in 0..2 {
+        assert!(matches!(rx.blocking_recv(), Some(GenerateEvent::Token(_))));
+    }
+    assert!(h.stats().blocks_used > 0);
+    drop(rx);
+    let s = wait_stats(&h, "blocks back to baseline", |s| s.running == 0 && s.blocks_used == base.blocks_used);
+    assert_eq!(s.waiting, 0);
+    // The cancelled request's full groups stay cached (reusable), not used.
+    assert!(s.blocks_cached_free > 0);
+    assert!(s.blocks_used + s.blocks_cached_free <= s.blocks_total);
+}
+
+#[test]
+fn seeded_sampling_is_deterministic() {
+    let h = engine(64, true);
+    let p = &chat("Tell me a short story about a lighthouse keeper and a storm.");
+    let run = |seed: u64| {
+        let mut r = greedy("s", p, 16);
+        r.sampling = SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 50, seed: Some(seed) };
+        collect(h.submit(r).unwrap()).tokens
+    };
+    let a = run(7);
+    let b = run(7);
+    assert_eq!(a, b);
+    assert!(!a.is_empty());
+    let others: Vec<Vec<u32>> = (8..11).map(run).collect();
+    assert!(others.iter().any(|o| *o != a), "different seeds should (almost surely) differ");
+}
