@@ -1,1 +1,422 @@
-fn main() {}
+//! The `pagoda` CLI: one binary for every role.
+//!
+//! - `pagoda up`: the embedded single-machine cluster: engine, worker gRPC service on a loopback port, and the
+//!   router on `--listen`, in one process; the router still talks to the worker over gRPC.
+//! - `pagoda worker`: the engine behind the `Worker` gRPC service.
+//! - `pagoda router`: the OpenAI HTTP API in front of one or more workers.
+//! - `pagoda bench engine`: the engine micro-benchmark.
+//!
+//! Without `--model`, the default model `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used and fetched with
+//! `scripts/fetch-model.sh` when missing.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use pagoda_router::{GgufCodec, RouterConfig, TextCodec};
+use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
+use pagoda_worker::service::WorkerService;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// How long in-flight requests get to finish after a shutdown signal.
+const DRAIN: Duration = Duration::from_secs(5);
+
+#[derive(Parser)]
+#[command(name = "pagoda", version, about = "Pagoda: KV-cache-aware LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run engine, worker and router in one process (the embedded single-machine cluster).
+    Up(UpArgs),
+    /// Run a worker: the engine behind the Worker gRPC service.
+    Worker(WorkerArgs),
+    /// Run a router: the OpenAI-compatible HTTP API over workers.
+    Router(RouterArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Args, Clone)]
+struct ModelArgs {
+    /// GGUF model file (llama family). Default: models/SmolLM2-135M-Instruct.Q4_1.gguf, fetched when missing.
+    #[arg(long, env = "PAGODA_MODEL")]
+    model: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+struct EngineArgs {
+    /// KV blocks in the pool (0 = room for two full contexts).
+    #[arg(long, default_value_t = 0)]
+    num_blocks: usize,
+    /// Token slots per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Token budget of one engine step (chunked prefill + decode).
+    #[arg(long, default_value_t = 512)]
+    max_step_tokens: usize,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 64)]
+    max_running: usize,
+    /// Compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    no_prefix_cache: bool,
+}
+
+#[derive(Args, Clone)]
+struct HttpArgs {
+    /// Largest accepted request body, in bytes.
+    #[arg(long, default_value_t = pagoda_router::DEFAULT_BODY_LIMIT)]
+    body_limit: usize,
+    /// Serve the model under this id instead of the GGUF file stem.
+    #[arg(long)]
+    model_id: Option<String>,
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// HTTP address of the router.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// gRPC address of the embedded worker (port 0 = any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    worker_listen: SocketAddr,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    http: HttpArgs,
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    /// gRPC address to serve the Worker service on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+#[derive(Args)]
+struct RouterArgs {
+    /// HTTP address to serve the OpenAI API on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Worker gRPC address (host:port); repeat for several workers, used round-robin.
+    #[arg(long = "worker", required = true)]
+    workers: Vec<String>,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    http: HttpArgs,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput of the engine on the real model.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Args)]
+struct BenchEngineArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Token slots per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Engine step budget for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    max_step_tokens: usize,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 1024)]
+    prefill_tokens: usize,
+    /// Prompt length of each decode sequence.
+    #[arg(long, default_value_t = 512)]
+    decode_prompt_tokens: usize,
+    /// New tokens per decode sequence.
+    #[arg(long, default_value_t = 128)]
+    decode_new_tokens: usize,
+    /// Decode concurrencies, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    concurrency: Vec<usize>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Up(a) => run_async(up(a)),
+        Command::Worker(a) => run_async(worker(a)),
+        Command::Router(a) => run_async(router(a)),
+    }
+}
+
+fn run_async(fut: impl std::future::Future<Output = Result<()>>) -> Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?
+        .block_on(fut)
+}
+
+/// Where the repository (scripts/, models/) is: the current directory when it has scripts/fetch-model.sh,
+/// else the source tree this binary was built from.
+fn repo_root() -> PathBuf {
+    if Path::new("scripts/fetch-model.sh").exists() {
+        return PathBuf::from(".");
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The model file to use: `--model` as given (it must exist), or the default, fetched when missing.
+fn resolve_model(args: &ModelArgs) -> Result<PathBuf> {
+    if let Some(p) = &args.model {
+        if !p.is_file() {
+            bail!("model file {} does not exist", p.display());
+        }
+        return Ok(p.clone());
+    }
+    let cwd_default = PathBuf::from(DEFAULT_MODEL);
+    if cwd_default.is_file() {
+        return Ok(cwd_default);
+    }
+    let root = repo_root();
+    let path = root.join(DEFAULT_MODEL);
+    if path.is_file() {
+        return Ok(path);
+    }
+    let script = root.join("scripts/fetch-model.sh");
+    eprintln!("model {} is missing; fetching it with {} ...", path.display(), script.display());
+    let status = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(root.join("models"))
+        .status()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    if !status.success() {
+        bail!("{} failed ({status}); fetch the model by hand or pass --model PATH", script.display());
+    }
+    if !path.is_file() {
+        bail!("{} finished but {} is still missing", script.display(), path.display());
+    }
+    Ok(path)
+}
+
+fn engine_config(model: &Path, e: &EngineArgs) -> EngineConfig {
+    EngineConfig {
+        model_path: model.to_path_buf(),
+        num_blocks: e.num_blocks,
+        block_size: e.block_size,
+        max_step_tokens: e.max_step_tokens,
+        max_running: e.max_running,
+        enable_prefix_cache: !e.no_prefix_cache,
+        threads: e.threads,
+    }
+}
+
+async fn start_engine(model: &Path, e: &EngineArgs) -> Result<EngineHandle> {
+    let cfg = engine_config(model, e);
+    let shown = model.display().to_string();
+    tracing::info!(model = %shown, "loading model");
+    let engine = tokio::task::spawn_blocking(move || Engine::start(cfg))
+        .await
+        .context("engine start panicked")?
+        .with_context(|| format!("cannot start the engine on {shown}"))?;
+    let info = engine.model_info();
+    tracing::info!(
+        model = %info.model_id,
+        context = info.context_length,
+        kv_blocks = info.num_blocks,
+        block_size = info.block_size,
+        "engine ready"
+    );
+    Ok(engine)
+}
+
+async fn load_codec(model: &Path, http: &HttpArgs) -> Result<Arc<dyn TextCodec>> {
+    let path = model.to_path_buf();
+    let mut codec = tokio::task::spawn_blocking(move || GgufCodec::load(&path))
+        .await
+        .context("tokenizer load panicked")?
+        .map_err(anyhow::Error::msg)
+        .context("cannot load the tokenizer and chat template")?;
+    if let Some(id) = &http.model_id {
+        codec = codec.with_model_id(id.clone());
+    }
+    Ok(Arc::new(codec))
+}
+
+/// A watch channel that flips to `true` on Ctrl-C or SIGTERM.
+fn shutdown_signal() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("cannot listen for SIGTERM: {e}");
+                    let _ = ctrl_c.await;
+                    let _ = tx.send(true);
+                    return;
+                }
+            };
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = ctrl_c.await;
+        }
+        tracing::info!("shutting down");
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+async fn wait_for(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn serve_worker(
+    listener: TcpListener,
+    engine: EngineHandle,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .add_service(WorkerService::new(engine).into_server())
+        .serve_with_incoming_shutdown(incoming, wait_for(shutdown))
+        .await
+}
+
+/// Runs `fut` until it ends, or until `DRAIN` after the shutdown signal (streams may keep a server busy).
+async fn until_drained<T>(fut: impl std::future::Future<Output = T>, shutdown: watch::Receiver<bool>) -> Option<T> {
+    tokio::select! {
+        r = fut => Some(r),
+        _ = async { wait_for(shutdown).await; tokio::time::sleep(DRAIN).await } => None,
+    }
+}
+
+async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} for the {what}"))
+}
+
+async fn up(args: UpArgs) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let shutdown = shutdown_signal();
+    let engine = start_engine(&model, &args.engine).await?;
+    let worker_listener = bind(args.worker_listen, "worker").await?;
+    let worker_addr = worker_listener.local_addr().context("worker address")?;
+    let router_listener = bind(args.listen, "router").await?;
+    let router_addr = router_listener.local_addr().context("router address")?;
+    let codec = load_codec(&model, &args.http).await?;
+    let model_id = codec.model_id().to_string();
+    let config = RouterConfig {
+        workers: vec![worker_addr.to_string()],
+        body_limit: args.http.body_limit,
+        ..RouterConfig::default()
+    };
+    println!("pagoda worker listening on {worker_addr}");
+    println!("pagoda router listening on http://{router_addr}");
+    println!(
+        "serving {model_id}: try  curl http://{router_addr}/v1/chat/completions -H 'content-type: application/json' \
+              -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), shutdown.clone()));
+    let router_shutdown = wait_for(shutdown.clone());
+    let router_fut = pagoda_router::serve(router_listener, codec, config, router_shutdown);
+    let res = until_drained(router_fut, shutdown.clone()).await;
+    let _ = until_drained(worker_task, shutdown).await;
+    tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    match res {
+        Some(r) => r.context("router failed"),
+        None => Ok(()),
+    }
+}
+
+async fn worker(args: WorkerArgs) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let shutdown = shutdown_signal();
+    let engine = start_engine(&model, &args.engine).await?;
+    let listener = bind(args.listen, "worker").await?;
+    let addr = listener.local_addr().context("worker address")?;
+    println!("pagoda worker listening on {addr}");
+    let res = until_drained(serve_worker(listener, engine.clone(), shutdown.clone()), shutdown).await;
+    tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    match res {
+        Some(r) => r.context("worker gRPC server failed"),
+        None => Ok(()),
+    }
+}
+
+async fn router(args: RouterArgs) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let shutdown = shutdown_signal();
+    let codec = load_codec(&model, &args.http).await?;
+    let listener = bind(args.listen, "router").await?;
+    let addr = listener.local_addr().context("router address")?;
+    let config = RouterConfig { workers: args.workers, body_limit: args.http.body_limit, ..RouterConfig::default() };
+    println!("pagoda router listening on http://{addr}");
+    let fut = pagoda_router::serve(listener, codec, config, wait_for(shutdown.clone()));
+    match until_drained(fut, shutdown).await {
+        Some(r) => r.context("router failed"),
+        None => Ok(()),
+    }
+}
+
+fn bench_engine(args: BenchEngineArgs) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let opts = pagoda_worker::bench::BenchOptions {
+        threads: args.threads,
+        block_size: args.block_size,
+        max_step_tokens: args.max_step_tokens,
+        prefill_tokens: args.prefill_tokens,
+        decode_prompt_tokens: args.decode_prompt_tokens,
+        decode_new_tokens: args.decode_new_tokens,
+        concurrency: args.concurrency,
+        ..Default::default()
+    };
+    let report = pagoda_worker::bench::engine_bench(&model, &opts)
+        .with_context(|| format!("engine bench on {} failed", model.display()))?;
+    println!("{}", report.to_markdown());
+    if let Some(path) = args.json {
+        std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,404 @@
+//! The tonic `Worker` gRPC service over the engine: validates requests and maps failures to gRPC status codes
+//! (`invalid_argument`, `resource_exhausted`, `unavailable`), turns engine events into the `Generate` response
+//! stream, and cancels the engine request when the client drops the stream.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures::Stream;
+use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
+use pagoda_proto::worker::{
+    self as pb, Finished, GenerateResponse, HealthRequest, HealthResponse, StatsRequest, StatsResponse,
+};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tonic::{Request, Response, Status};
+
+use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
+use crate::scheduler::SchedError;
+
+/// Longest `request_id` / `namespace`, in bytes.
+pub const MAX_ID_BYTES: usize = 256;
+/// Most stop token ids per request.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+/// Largest accepted temperature.
+pub const MAX_TEMPERATURE: f32 = 100.0;
+/// Most tokens sent in one stream message (tokens already waiting are coalesced).
+const MAX_TOKENS_PER_MESSAGE: usize = 64;
+
+/// The gRPC service. Cheap to clone.
+#[derive(Clone)]
+pub struct WorkerService {
+    engine: EngineHandle,
+    next_id: std::sync::Arc<AtomicU64>,
+}
+
+impl WorkerService {
+    pub fn new(engine: EngineHandle) -> WorkerService {
+        WorkerService { engine, next_id: std::sync::Arc::new(AtomicU64::new(1)) }
+    }
+
+    /// The tonic server wrapper, ready for `Server::add_service`.
+    pub fn into_server(self) -> WorkerServer<WorkerService> {
+        WorkerServer::new(self)
+    }
+
+    /// Checks a request against the model and the bounds, and converts it to the engine's type. The engine's
+    /// request id is made unique (`<client id>#<n>`) so that cancelling it cannot touch another client's request.
+    pub fn to_engine_request(&self, req: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+        let info = self.engine.model_info();
+        if req.request_id.len() > MAX_ID_BYTES {
+            return Err(Status::invalid_argument(format!("request_id is longer than {MAX_ID_BYTES} bytes")));
+        }
+        if req.namespace.len() > MAX_ID_BYTES {
+            return Err(Status::invalid_argument(format!("namespace is longer than {MAX_ID_BYTES} bytes")));
+        }
+        if req.prompt_token_ids.is_empty() {
+            return Err(Status::invalid_argument("prompt_token_ids is empty"));
+        }
+        if req.prompt_token_ids.len() >= info.context_length {
+            return Err(Status::invalid_argument(format!(
+                "the prompt has {} tokens; the model context length is {}",
+                req.prompt_token_ids.len(),
+                info.context_length
+            )));
+        }
+        if let Some(bad) = req.prompt_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(Status::invalid_argument(format!(
+                "prompt token id {bad} is outside the vocabulary ({})",
+                info.vocab_size
+            )));
+        }
+        if req.max_tokens == 0 {
+            return Err(Status::invalid_argument("max_tokens must be at least 1"));
+        }
+        if req.prompt_token_ids.len() + req.max_tokens as usize > info.context_length {
+            return Err(Status::invalid_argument(format!(
+                "prompt ({}) + max_tokens ({}) exceeds the model context length {}",
+                req.prompt_token_ids.len(),
+                req.max_tokens,
+                info.context_length
+            )));
+        }
+        if req.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(Status::invalid_argument(format!("at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed")));
+        }
+        if let Some(bad) = req.stop_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(Status::invalid_argument(format!("stop token id {bad} is outside the vocabulary")));
+        }
+        let sampling = match req.sampling {
+            None => SamplingParams::greedy(),
+            Some(s) => {
+                if !s.temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&s.temperature) {
+                    return Err(Status::invalid_argument(format!(
+                        "temperature must be in [0, {MAX_TEMPERATURE}], got {}",
+                        s.temperature
+                    )));
+                }
+                // proto3 default 0 means "not set": no nucleus filtering.
+                let top_p = if s.top_p == 0.0 { 1.0 } else { s.top_p };
+                if !top_p.is_finite() || !(top_p > 0.0 && top_p <= 1.0) {
+                    return Err(Status::invalid_argument(format!("top_p must be in (0, 1], got {}", s.top_p)));
+                }
+                if s.top_k as usize > info.vocab_size {
+                    return Err(Status::invalid_argument(format!(
+                        "top_k {} is larger than the vocabulary ({})",
+                        s.top_k, info.vocab_size
+                    )));
+                }
+                SamplingParams { temperature: s.temperature, top_p, top_k: s.top_k, seed: s.seed }
+            }
+        };
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Ok(GenerateRequest {
+            request_id: format!("{}#{n}", req.request_id),
+            prompt: req.prompt_token_ids,
+            max_tokens: req.max_tokens,
+            sampling,
+            stop_token_ids: req.stop_token_ids,
+            namespace: req.namespace,
+        })
+    }
+}
+
+/// Maps an engine refusal to the gRPC status a router understands.
+pub fn status_from_engine(e: &EngineError) -> Status {
+    match e {
+        EngineError::InvalidRequest(m) => Status::invalid_argument(m.clone()),
+        EngineError::Rejected(
+            SchedError::EmptyPrompt | SchedError::PromptTooLong { .. } | SchedError::ZeroMaxTokens,
+        ) => Status::invalid_argument(e.to_string()),
+        EngineError::Rejected(_) => Status::resource_exhausted(e.to_string()),
+        EngineError::Stopped => Status::unavailable(e.to_string()),
+        EngineError::Model(_) | EngineError::Config(_) | EngineError::Forward(_) => Status::internal(e.to_string()),
+    }
+}
+
+fn finish_reason(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+    }
+}
+
+/// Owns the engine receiver for one stream. Dropping it (tonic drops the stream when the client goes away)
+/// closes the receiver and tells the engine to cancel, which frees the request's blocks.
+struct EventStream {
+    rx: UnboundedReceiver<GenerateEvent>,
+    engine: EngineHandle,
+    request_id: String,
+    /// An event taken from the channel but not yet sent.
+    pending: Option<GenerateEvent>,
+    done: bool,
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        if !self.done {
+            tracing::debug!(request_id = %self.request_id, "generate stream dropped; cancelling");
+            let _ = self.engine.cancel(&self.request_id);
+        }
+    }
+}
+
+/// Converts one engine event (plus any tokens already queued behind it) into a stream message.
+fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateResponse, Status> {
+    let mut msg = GenerateResponse::default();
+    let mut ev = Some(first);
+    while let Some(e) = ev.take() {
+        match e {
+            GenerateEvent::Token(t) => {
+                msg.token_ids.push(t);
+                if msg.token_ids.len() < MAX_TOKENS_PER_MESSAGE {
+                    ev = s.rx.try_recv().ok();
+                }
+            }
+            GenerateEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+                s.done = true;
+                msg.finished = Some(Finished {
+                    reason: finish_reason(reason) as i32,
+                    usage: Some(pb::Usage { prompt_tokens, completion_tokens, cached_tokens }),
+                });
+            }
+            GenerateEvent::Failed(m) if msg.token_ids.is_empty() => {
+                s.done = true;
+                return Err(Status::internal(format!("generation failed: {m}")));
+            }
+            failed @ GenerateEvent::Failed(_) => {
+                // Deliver the tokens first; the failure goes out as the next item.
+                s.pending = Some(failed);
+            }
+        }
+    }
+    Ok(msg)
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let req = self.to_engine_request(request.into_inner())?;
+        let request_id = req.request_id.clone();
+        let rx = self.engine.submit(req).map_err(|e| status_from_engine(&e))?;
+        let state = EventStream { rx, engine: self.engine.clone(), request_id, pending: None, done: false };
+        let stream = futures::stream::unfold(state, |mut s| async move {
+            if s.done {
+                return None;
+            }
+            let ev = match s.pending.take() {
+                Some(ev) => Some(ev),
+                None => s.rx.recv().await,
+            };
+            let item = match ev {
+                Some(ev) => next_message(&mut s, ev),
+                None => {
+                    s.done = true;
+                    Err(Status::internal("the engine dropped the request"))
+                }
+            };
+            Some((item, s))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn health(&self, _request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        let info = self.engine.model_info();
+        Ok(Response::new(HealthResponse {
+            ready: true,
+            model: info.model_id.clone(),
+            context_length: u32::try_from(info.context_length).unwrap_or(u32::MAX),
+            block_size: u32::try_from(info.block_size).unwrap_or(u32::MAX),
+        }))
+    }
+
+    async fn stats(&self, _request: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let s = self.engine.stats();
+        Ok(Response::new(StatsResponse {
+            blocks_total: s.blocks_total,
+            blocks_used: s.blocks_used,
+            blocks_free: s.blocks_total.saturating_sub(s.blocks_used),
+            blocks_cached: s.blocks_cached_free,
+            running: s.running,
+            waiting: s.waiting,
+            computed_tokens_total: s.computed_tokens_total,
+            cached_tokens_total: s.cached_tokens_total,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use futures::StreamExt;
+    use pagoda_proto::worker::SamplingParams as PbSampling;
+
+    use super::*;
+    use crate::engine::{Engine, EngineConfig, ModelInfo, ModelRunner, StepSeq};
+
+    /// Stand-in model: next token = (position + last token) % vocab, as one-hot logits.
+    struct FakeRunner {
+        info: ModelInfo,
+        delay: Duration,
+    }
+
+    impl ModelRunner for FakeRunner {
+        fn info(&self) -> &ModelInfo {
+            &self.info
+        }
+        fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+            std::thread::sleep(self.delay);
+            let v = self.info.vocab_size;
+            for s in seqs.iter().filter(|s| s.want_logits) {
+                let pos = s.start_pos as usize + s.tokens.len();
+                let last = *s.tokens.last().ok_or_else(|| EngineError::Forward("empty step".into()))? as usize;
+                let start = logits.len();
+                logits.resize(start + v, 0.0);
+                logits[start + (pos + last) % v] = 1.0;
+            }
+            Ok(())
+        }
+    }
+
+    fn service(num_blocks: usize, delay_ms: u64) -> WorkerService {
+        let info = ModelInfo {
+            model_id: "fake".into(),
+            name: "fake".into(),
+            context_length: 64,
+            vocab_size: 1000,
+            eos_token_ids: vec![999],
+            bos_token_id: None,
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            block_size: 4,
+            num_blocks,
+        };
+        let cfg = EngineConfig { block_size: 4, num_blocks, ..EngineConfig::default() };
+        let engine = Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) }))
+            .expect("fake engine starts");
+        WorkerService::new(engine)
+    }
+
+    fn request(prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            request_id: "r".into(),
+            prompt_token_ids: prompt,
+            max_tokens,
+            sampling: Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None }),
+            stop_token_ids: vec![],
+            namespace: "ns".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn generate_streams_tokens_then_finish_with_usage() {
+        let svc = service(256, 0);
+        let mut stream = svc.generate(Request::new(request(vec![1, 2, 3], 5))).await.unwrap().into_inner();
+        let mut tokens = Vec::new();
+        let mut finished = None;
+        while let Some(msg) = stream.next().await {
+            let msg = msg.unwrap();
+            assert!(finished.is_none(), "nothing may follow the finish message");
+            tokens.extend(msg.token_ids);
+            finished = msg.finished;
+        }
+        let f = finished.expect("a finish message");
+        assert_eq!(f.reason, pb::FinishReason::Length as i32);
+        let u = f.usage.unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (3, 5));
+        assert_eq!(tokens.len(), 5);
+        // The fake model's greedy continuation: token = (position + last) % vocab.
+        assert_eq!(tokens[0], (3 + 3) % 1000);
+    }
+
+    #[tokio::test]
+    async fn invalid_requests_are_invalid_argument() {
+        let svc = service(256, 0);
+        let too_long = vec![1; 64];
+        let mut bad_temp = request(vec![1], 1);
+        bad_temp.sampling = Some(PbSampling { temperature: f32::NAN, top_p: 1.0, top_k: 0, seed: None });
+        let mut bad_top_p = request(vec![1], 1);
+        bad_top_p.sampling = Some(PbSampling { temperature: 1.0, top_p: 1.5, top_k: 0, seed: None });
+        let mut bad_stop = request(vec![1], 1);
+        bad_stop.stop_token_ids = vec![5000];
+        let mut long_id = request(vec![1], 1);
+        long_id.request_id = "x".repeat(MAX_ID_BYTES + 1);
+        for (name, req) in [
+            ("empty prompt", request(vec![], 4)),
+            ("prompt at context", request(too_long, 1)),
+            ("token outside vocab", request(vec![1, 5000], 4)),
+            ("max_tokens 0", request(vec![1], 0)),
+            ("prompt + max_tokens over context", request(vec![1; 10], 60)),
+            ("temperature NaN", bad_temp),
+            ("top_p > 1", bad_top_p),
+            ("stop id outside vocab", bad_stop),
+            ("request id too long", long_id),
+        ] {
+            let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn request_larger_than_pool_is_resource_exhausted() {
+        // 8 blocks of 4 slots over 2 layers x 2 kv-heads: room for 8 tokens in all.
+        let svc = service(8, 0);
+        let err = svc.generate(Request::new(request(vec![1; 10], 10))).await.err().expect("rejected");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_stream_cancels_and_frees_blocks() {
+        let svc = service(256, 10);
+        let mut stream = svc.generate(Request::new(request(vec![1, 2, 3, 4, 5], 50))).await.unwrap().into_inner();
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(!first.token_ids.is_empty());
+        let stats = svc.stats(Request::new(StatsRequest {})).await.unwrap().into_inner();
+        assert_eq!(stats.running, 1);
+        assert!(stats.blocks_used > 0);
+        drop(stream);
+        for _ in 0..200 {
+            let s = svc.stats(Request::new(StatsRequest {})).await.unwrap().into_inner();
+            if s.running == 0 && s.waiting == 0 && s.blocks_used == 0 {
+                assert_eq!(s.blocks_free, s.blocks_total);
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("request still holds blocks after its stream was dropped");
+    }
+
+    #[tokio::test]
+    async fn health_reports_the_model() {
+        let svc = service(256, 0);
+        let h = svc.health(Request::new(HealthRequest {})).await.unwrap().into_inner();
+        assert!(h.ready);
+        assert_eq!(h.model, "fake");
+        assert_eq!(h.context_length, 64);
+        assert_eq!(h.block_size, 4);
+    }
+}
