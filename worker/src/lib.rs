@@ -11,3 +11,4 @@ pub mod engine;
 pub mod model;
 pub mod sampling;
 pub mod scheduler;
+pub mod service;
