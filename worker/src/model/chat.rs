@@ -71,7 +71,17 @@ fn strftime_now(fmt: &str) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
         "December",
     ];
     let name = MONTHS[(month - 1).clamp(0, 11) as usize];
@@ -129,7 +139,11 @@ fn python_methods(_state: &State, value: &Value, method: &str, args: &[Value]) -
                 let mut out = String::with_capacity(s.len());
                 let mut prev_alpha = false;
                 for c in s.chars() {
-                    if prev_alpha { out.extend(c.to_lowercase()) } else { out.extend(c.to_uppercase()) }
+                    if prev_alpha {
+                        out.extend(c.to_lowercase())
+                    } else {
+                        out.extend(c.to_uppercase())
+                    }
                     prev_alpha = c.is_alphabetic();
                 }
                 Value::from(out)
@@ -148,7 +162,8 @@ fn python_methods(_state: &State, value: &Value, method: &str, args: &[Value]) -
                     }
                     _ => arg_str(0)?.into_iter().collect(),
                 };
-                let hit = needles.iter().any(|n| if method == "startswith" { s.starts_with(n) } else { s.ends_with(n) });
+                let hit =
+                    needles.iter().any(|n| if method == "startswith" { s.starts_with(n) } else { s.ends_with(n) });
                 Value::from(hit)
             }
             "split" => {

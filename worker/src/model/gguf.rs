@@ -155,6 +155,32 @@ impl GgmlType {
         })
     }
 
+    /// The on-disk type id.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q8_1 => 9,
+            GgmlType::Q2_K => 10,
+            GgmlType::Q3_K => 11,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q5_K => 13,
+            GgmlType::Q6_K => 14,
+            GgmlType::Q8_K => 15,
+            GgmlType::I8 => 24,
+            GgmlType::I16 => 25,
+            GgmlType::I32 => 26,
+            GgmlType::I64 => 27,
+            GgmlType::F64 => 28,
+            GgmlType::BF16 => 30,
+        }
+    }
+
     /// (elements per block, bytes per block).
     pub fn block_layout(self) -> (u64, u64) {
         match self {
@@ -702,6 +728,15 @@ mod tests {
         assert_eq!(g.tensor_info("t0").unwrap().dims, vec![4, 2]);
         assert_eq!(g.tensor_bytes("t1").unwrap(), &[7u8; 34][..]);
         assert!(matches!(g.tensor_bytes("t9"), Err(ModelError::MissingTensor(_))));
+    }
+
+    #[test]
+    fn type_ids_round_trip() {
+        for id in 0..64 {
+            if let Some(t) = GgmlType::from_id(id) {
+                assert_eq!(t.id(), id);
+            }
+        }
     }
 
     #[test]

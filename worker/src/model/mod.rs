@@ -3,11 +3,15 @@
 //! ([`llama`]). All numeric work goes through `pagoda_kernels::Backend`.
 
 pub mod chat;
+pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod llama;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
+pub use config::ModelConfig;
 pub use error::ModelError;
 pub use gguf::{GgmlType, Gguf, MetaValue, TensorInfo};
+pub use llama::{ForwardSeq, LlamaModel, LogitsWanted, Scratch};
 pub use tokenizer::Tokenizer;

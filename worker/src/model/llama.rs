@@ -1,0 +1,398 @@
+//! The llama forward pass over head-paged KV blocks: [`LlamaModel`] (weights loaded from a [`Gguf`] into
+//! `pagoda_kernels::QMatrix`), [`ForwardSeq`] (one sequence's share of a batched step), [`LogitsWanted`] and
+//! [`Scratch`] (reusable activation buffers).
+//!
+//! One step batches every sequence's tokens into a single activation matrix, so each weight matmul runs once with
+//! `n` = total tokens. Per layer: RMSNorm → q/k/v → RoPE (llama.cpp "normal" adjacent pairs; the GGUF converter
+//! permuted Wq/Wk for it) at positions `start_pos + i` → KV write into each sequence's block tables → paged
+//! attention (scale 1/√head_dim, GQA) → o-projection + residual → RMSNorm → SiLU(gate)·up → down + residual.
+//! Then the final norm and the LM head run only for the rows whose logits were asked for.
+
+use pagoda_kernels::{AttnSeq, Backend, KvStorage, QMatrix, WeightType};
+
+use super::config::ModelConfig;
+use super::error::ModelError;
+use super::gguf::{GgmlType, Gguf};
+
+/// Which logits rows a sequence wants from a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// The last token's row (decode, or the final chunk of a prefill).
+    Last,
+    /// One row per token of the step.
+    All,
+    /// No logits (a non-final prefill chunk).
+    None,
+}
+
+/// One sequence's share of a batched forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardSeq<'a> {
+    /// Tokens to compute this step (non-empty).
+    pub tokens: &'a [u32],
+    /// RoPE position of `tokens[0]` (= tokens already processed, NOT cache length).
+    pub start_pos: u32,
+    /// `n_layers * n_kv_heads` block tables, index `layer * n_kv_heads + head`.
+    pub tables: &'a [Vec<u32>],
+    /// `n_layers * n_kv_heads` cache lengths before this step.
+    pub prior_lens: &'a [usize],
+    /// Which logits rows to append to the output.
+    pub logits: LogitsWanted,
+}
+
+/// Reusable activation buffers for [`LlamaModel::forward`]. Buffers grow to the largest step seen and are then
+/// reused, so steady-state decoding does not allocate.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    /// Rows (into the batch) whose logits are wanted, in output order.
+    out_rows: Vec<usize>,
+    head_in: Vec<f32>,
+    head_norm: Vec<f32>,
+}
+
+impl Scratch {
+    /// Empty scratch; grows on first use.
+    pub fn new() -> Scratch {
+        Scratch::default()
+    }
+
+    /// Scratch pre-sized for steps of up to `max_tokens` tokens.
+    pub fn with_capacity(cfg: &ModelConfig, max_tokens: usize) -> Scratch {
+        let mut s = Scratch::default();
+        s.ensure(cfg, max_tokens);
+        s
+    }
+
+    fn ensure(&mut self, cfg: &ModelConfig, n: usize) {
+        fn fit<T: Default + Clone>(v: &mut Vec<T>, len: usize) {
+            if v.len() != len {
+                v.resize(len, T::default());
+            }
+        }
+        fit(&mut self.x, n * cfg.hidden);
+        fit(&mut self.xn, n * cfg.hidden);
+        fit(&mut self.q, n * cfg.q_dim());
+        fit(&mut self.k, n * cfg.kv_dim());
+        fit(&mut self.v, n * cfg.kv_dim());
+        fit(&mut self.attn, n * cfg.q_dim());
+        fit(&mut self.proj, n * cfg.hidden);
+        fit(&mut self.gate, n * cfg.ffn);
+        fit(&mut self.up, n * cfg.ffn);
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: QMatrix,
+    wk: QMatrix,
+    wv: QMatrix,
+    wo: QMatrix,
+    ffn_norm: Vec<f32>,
+    w_gate: QMatrix,
+    w_up: QMatrix,
+    w_down: QMatrix,
+}
+
+/// A llama-family model's weights.
+pub struct LlamaModel {
+    config: ModelConfig,
+    embed: QMatrix,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `output.weight`; `None` when the embeddings are tied (the LM head is `token_embd`).
+    output: Option<QMatrix>,
+}
+
+impl std::fmt::Debug for LlamaModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaModel")
+            .field("config", &self.config)
+            .field("tied_embeddings", &self.output.is_none())
+            .finish()
+    }
+}
+
+fn load_matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<QMatrix, ModelError> {
+    let info = g.tensor_info(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let bad = |reason: String| ModelError::BadTensor { name: name.to_string(), reason };
+    if info.dims != [cols as u64, rows as u64] {
+        return Err(bad(format!("dims {:?}, expected [{cols}, {rows}]", info.dims)));
+    }
+    let ty = WeightType::from_ggml(info.ggml_type.id()).map_err(|e| bad(e.to_string()))?;
+    let bytes = g.info_bytes(info)?;
+    QMatrix::from_gguf(ty, rows, cols, bytes).map_err(|e| ModelError::Kernel(format!("{name}: {e}")))
+}
+
+fn load_vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let info = g.tensor_info(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let bad = |reason: String| ModelError::BadTensor { name: name.to_string(), reason };
+    if info.n_elements() != len as u64 || info.dims.first().copied() != Some(len as u64) {
+        return Err(bad(format!("dims {:?}, expected [{len}]", info.dims)));
+    }
+    let bytes = g.info_bytes(info)?;
+    let v: Vec<f32> = match info.ggml_type {
+        GgmlType::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        GgmlType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        GgmlType::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(bad(format!("type {other:?}, expected F32/F16/BF16"))),
+    };
+    if v.len() != len {
+        return Err(bad(format!("{} values, expected {len}", v.len())));
+    }
+    Ok(v)
+}
+
+fn invalid(msg: String) -> ModelError {
+    ModelError::InvalidInput(msg)
+}
+
+impl LlamaModel {
+    /// Loads the weights named by llama.cpp's GGUF conventions (`token_embd`, `blk.N.attn_q`, ..., `output_norm`,
+    /// optional `output`). Shapes and types are checked against the metadata.
+    pub fn load(g: &Gguf) -> Result<LlamaModel, ModelError> {
+        let config = ModelConfig::from_gguf(g)?;
+        let c = &config;
+        let embed = load_matrix(g, "token_embd.weight", c.vocab, c.hidden)?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: load_vector(g, &n("attn_norm"), c.hidden)?,
+                wq: load_matrix(g, &n("attn_q"), c.q_dim(), c.hidden)?,
+                wk: load_matrix(g, &n("attn_k"), c.kv_dim(), c.hidden)?,
+                wv: load_matrix(g, &n("attn_v"), c.kv_dim(), c.hidden)?,
+                wo: load_matrix(g, &n("attn_output"), c.hidden, c.q_dim())?,
+                ffn_norm: load_vector(g, &n("ffn_norm"), c.hidden)?,
+                w_gate: load_matrix(g, &n("ffn_gate"), c.ffn, c.hidden)?,
+                w_up: load_matrix(g, &n("ffn_up"), c.ffn, c.hidden)?,
+                w_down: load_matrix(g, &n("ffn_down"), c.hidden, c.ffn)?,
+            });
+        }
+        let norm = load_vector(g, "output_norm.weight", c.hidden)?;
+        let output = if g.tensor_info("output.weight").is_some() {
+            Some(load_matrix(g, "output.weight", c.vocab, c.hidden)?)
+        } else {
+            None
+        };
+        Ok(LlamaModel { config, embed, layers, norm, output })
+    }
+
+    /// A copy with every weight matrix dequantised to F32 (about 4 bytes per parameter). The F32 matmul does not
+    /// quantise activations, so this isolates the forward pass from quantisation error (reference tests).
+    pub fn to_f32_weights(&self) -> Result<LlamaModel, ModelError> {
+        fn deq(m: &QMatrix) -> Result<QMatrix, ModelError> {
+            let (rows, cols) = (m.rows(), m.cols());
+            let mut values = vec![0.0f32; rows * cols];
+            for (r, out) in values.chunks_exact_mut(cols).enumerate() {
+                m.dequantize_row(r, out);
+            }
+            QMatrix::from_f32(rows, cols, &values).map_err(|e| ModelError::Kernel(e.to_string()))
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    attn_norm: l.attn_norm.clone(),
+                    wq: deq(&l.wq)?,
+                    wk: deq(&l.wk)?,
+                    wv: deq(&l.wv)?,
+                    wo: deq(&l.wo)?,
+                    ffn_norm: l.ffn_norm.clone(),
+                    w_gate: deq(&l.w_gate)?,
+                    w_up: deq(&l.w_up)?,
+                    w_down: deq(&l.w_down)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(LlamaModel {
+            config: self.config.clone(),
+            embed: deq(&self.embed)?,
+            layers,
+            norm: self.norm.clone(),
+            output: self.output.as_ref().map(deq).transpose()?,
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Vocabulary size (width of each logits row).
+    pub fn vocab_size(&self) -> usize {
+        self.config.vocab
+    }
+
+    /// Whether the LM head shares the token embedding matrix.
+    pub fn tied_embeddings(&self) -> bool {
+        self.output.is_none()
+    }
+
+    fn validate(&self, kv: &KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<usize, ModelError> {
+        let c = &self.config;
+        if kv.head_dim() != c.head_dim {
+            return Err(invalid(format!("KV storage head_dim {} != model head_dim {}", kv.head_dim(), c.head_dim)));
+        }
+        let n_tables = c.n_kv_tables();
+        let mut total = 0usize;
+        for (si, s) in seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            if n == 0 {
+                return Err(invalid(format!("sequence {si} has no tokens")));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+                return Err(invalid(format!("sequence {si}: token id {bad} >= vocabulary size {}", c.vocab)));
+            }
+            let end = (s.start_pos as usize).checked_add(n).filter(|&e| e <= c.ctx_len).ok_or_else(|| {
+                invalid(format!(
+                    "sequence {si}: positions {}..{} exceed the context length {}",
+                    s.start_pos,
+                    s.start_pos as usize + n,
+                    c.ctx_len
+                ))
+            })?;
+            debug_assert!(end <= u32::MAX as usize);
+            if s.tables.len() != n_tables || s.prior_lens.len() != n_tables {
+                return Err(invalid(format!(
+                    "sequence {si}: {} tables and {} lengths, expected n_layers * n_kv_heads = {n_tables}",
+                    s.tables.len(),
+                    s.prior_lens.len()
+                )));
+            }
+            for (ti, (table, &prior)) in s.tables.iter().zip(s.prior_lens).enumerate() {
+                let need =
+                    prior.checked_add(n).ok_or_else(|| invalid(format!("sequence {si}: cache length overflows")))?;
+                let cap = table.len().saturating_mul(kv.block_size());
+                if cap < need {
+                    return Err(invalid(format!(
+                        "sequence {si}, table {ti} (layer {}, kv-head {}): {} blocks hold {cap} slots, need {need}",
+                        ti / c.n_kv_heads,
+                        ti % c.n_kv_heads,
+                        table.len()
+                    )));
+                }
+                if let Some(&b) = table.iter().find(|&&b| b as usize >= kv.num_blocks()) {
+                    return Err(invalid(format!(
+                        "sequence {si}, table {ti}: block {b} >= {} blocks in KV storage",
+                        kv.num_blocks()
+                    )));
+                }
+            }
+            total = total.checked_add(n).ok_or_else(|| invalid("too many tokens".into()))?;
+        }
+        Ok(total)
+    }
+
+    /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`.
+    ///
+    /// The caller reserves blocks so every table has room for `prior_lens + tokens.len()` slots, and advances the
+    /// lengths afterwards. Inputs are validated first (token ids, context length, table count and capacity, block
+    /// ids); on error nothing is written.
+    pub fn forward(
+        &self,
+        backend: &dyn Backend,
+        kv: &mut KvStorage,
+        seqs: &[ForwardSeq<'_>],
+        scratch: &mut Scratch,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        let total = self.validate(kv, seqs)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let c = &self.config;
+        let (hidden, qd, kvd, nkv) = (c.hidden, c.q_dim(), c.kv_dim(), c.n_kv_heads);
+        scratch.ensure(c, total);
+
+        scratch.ids.clear();
+        scratch.positions.clear();
+        scratch.out_rows.clear();
+        let mut row = 0usize;
+        for s in seqs {
+            scratch.ids.extend_from_slice(s.tokens);
+            scratch.positions.extend((0..s.tokens.len() as u32).map(|i| s.start_pos + i));
+            match s.logits {
+                LogitsWanted::Last => scratch.out_rows.push(row + s.tokens.len() - 1),
+                LogitsWanted::All => scratch.out_rows.extend(row..row + s.tokens.len()),
+                LogitsWanted::None => {}
+            }
+            row += s.tokens.len();
+        }
+
+        let Scratch { x, xn, q, k, v, attn, proj, gate, up, ids, positions, out_rows, head_in, head_norm } = scratch;
+        backend.embedding(&self.embed, ids, x);
+
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
+        for (li, layer) in self.layers.iter().enumerate() {
+            backend.rmsnorm(x, &layer.attn_norm, c.rms_eps, xn);
+            backend.matmul(&layer.wq, xn, total, q);
+            backend.matmul(&layer.wk, xn, total, k);
+            backend.matmul(&layer.wv, xn, total, v);
+            backend.rope(q, positions, c.n_heads, c.head_dim, c.rope_theta);
+            backend.rope(k, positions, nkv, c.head_dim, c.rope_theta);
+
+            attn_seqs.clear();
+            let mut q_row = 0usize;
+            for s in seqs {
+                let r = li * nkv..(li + 1) * nkv;
+                attn_seqs.push(AttnSeq {
+                    q_row,
+                    n_new: s.tokens.len(),
+                    tables: &s.tables[r.clone()],
+                    prior_lens: &s.prior_lens[r],
+                });
+                q_row += s.tokens.len();
+            }
+            backend.kv_write(kv, k, v, &attn_seqs, nkv);
+            backend.paged_attention(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn);
+
+            backend.matmul(&layer.wo, attn, total, proj);
+            add_assign(x, proj);
+
+            backend.rmsnorm(x, &layer.ffn_norm, c.rms_eps, xn);
+            backend.matmul(&layer.w_gate, xn, total, gate);
+            backend.matmul(&layer.w_up, xn, total, up);
+            backend.silu_mul(gate, up);
+            backend.matmul(&layer.w_down, gate, total, proj);
+            add_assign(x, proj);
+        }
+        debug_assert_eq!(x.len(), total * hidden);
+        debug_assert_eq!(q.len(), total * qd);
+        debug_assert_eq!(k.len(), total * kvd);
+
+        let m = out_rows.len();
+        if m == 0 {
+            return Ok(());
+        }
+        head_in.clear();
+        for &r in out_rows.iter() {
+            head_in.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+        head_norm.resize(m * hidden, 0.0);
+        backend.rmsnorm(head_in, &self.norm, c.rms_eps, head_norm);
+        let lm_head = self.output.as_ref().unwrap_or(&self.embed);
+        let start = out.len();
+        out.resize(start + m * c.vocab, 0.0);
+        backend.matmul(lm_head, head_norm, m, &mut out[start..]);
+        Ok(())
+    }
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
