@@ -124,9 +124,10 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
     let model_path = model_path.as_ref();
     let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let bs = opts.block_size.max(1);
-    // Blocks for the largest phase, with one spare group per sequence.
-    let decode_tokens = opts.decode_prompt_tokens + opts.decode_new_tokens + bs;
-    let per_seq_groups = decode_tokens.div_ceil(bs).max((opts.prefill_tokens + 1 + bs).div_ceil(bs));
+    // Blocks for the largest phase (one spare group per sequence): the long prefill alone, or the widest decode.
+    let decode_groups = (opts.decode_prompt_tokens + opts.decode_new_tokens + bs).div_ceil(bs) * max_c;
+    let prefill_groups = (opts.prefill_tokens + 1 + bs).div_ceil(bs);
+    let needed_groups = decode_groups.max(prefill_groups).max((64 + 4 + bs).div_ceil(bs));
     let cfg = EngineConfig {
         model_path: model_path.to_path_buf(),
         num_blocks: 0,
@@ -140,7 +141,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;
     let group = probe.info().layout().group_size();
     drop(probe);
-    let num_blocks = per_seq_groups * max_c * group;
+    let num_blocks = needed_groups * group;
     let mut runner = LlamaRunner::load(&EngineConfig { num_blocks, ..cfg })?;
     let info = runner.info().clone();
     let mut rng = StdRng::seed_from_u64(opts.seed);
