@@ -184,11 +184,13 @@ PAGODA_DECODE(256, 2)
 PAGODA_DECODE(256, 4)
 PAGODA_DECODE(256, 8)
 
-// Merges the splits of (item = blockIdx.x, query head = blockIdx.y) into out.
+// Merges the splits of (item = blockIdx.x, query head = blockIdx.y) into out. Dynamic shared memory: max_splits
+// floats (the per-split weights exp(m_i - m)).
 extern "C" __global__ void paged_decode_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                const int* __restrict__ item_row, const int* __restrict__ ent_len,
                                                int n_heads, int n_kv, int head_dim, int chunk, int max_splits,
                                                float* __restrict__ out) {
+    extern __shared__ float wts[];
     const int item = blockIdx.x, qh = blockIdx.y;
     const int group = n_heads / n_kv;
     const int L = ent_len[item * n_kv + qh / group];
@@ -196,13 +198,15 @@ extern "C" __global__ void paged_decode_reduce(const float* __restrict__ part_o,
     const size_t base = ((size_t)item * n_heads + qh) * max_splits;
     float m = -PAGODA_INF;
     for (int i = 0; i < ns; ++i) m = fmaxf(m, part_ml[2 * (base + i)]);
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) wts[i] = expf(part_ml[2 * (base + i)] - m);
+    __syncthreads();
     float l = 0.0f;
-    for (int i = 0; i < ns; ++i) l += part_ml[2 * (base + i) + 1] * expf(part_ml[2 * (base + i)] - m);
+    for (int i = 0; i < ns; ++i) l += part_ml[2 * (base + i) + 1] * wts[i];
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     float* o = out + (size_t)item_row[item] * n_heads * head_dim + (size_t)qh * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float a = 0.0f;
-        for (int i = 0; i < ns; ++i) a += part_o[(base + i) * head_dim + d] * expf(part_ml[2 * (base + i)] - m);
+        for (int i = 0; i < ns; ++i) a = fmaf(part_o[(base + i) * head_dim + d], wts[i], a);
         o[d] = a * inv;
     }
 }

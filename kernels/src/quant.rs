@@ -259,32 +259,59 @@ pub(crate) fn dequantize_block_q8_0(blk: &[u8], out: &mut [f32]) {
     }
 }
 
-/// A Q8_1 activation block: 32 i8 values, scale `d` and `s = d * Σq` (used by Q4_1 · Q8_1 to fold in the min).
+/// Q8_1 activation blocks of four interleaved rows: for rows `4g..4g+4` and block `b`, lane `c` holds row `4g+c`'s
+/// 32 i8 values, its scale `d` (value ≈ d * q) and `s = d * Σq` (used by Q4_1 · Q8_1 to fold in the min).
+/// Interleaving lets the matmul load four rows' scales as one vector and decode a weight block once for all four.
 #[derive(Clone, Copy, Debug, Default)]
-#[repr(C, align(8))]
-pub struct BlockQ8_1 {
-    /// Scale: value ≈ d * q.
-    pub d: f32,
-    /// d * Σ qs.
-    pub s: f32,
-    /// Quantised values.
-    pub qs: [i8; QK],
+#[repr(C, align(32))]
+pub struct BlockQ8_1x4 {
+    /// Scales per lane.
+    pub d: [f32; 4],
+    /// d * Σ qs per lane.
+    pub s: [f32; 4],
+    /// Quantised values per lane.
+    pub qs: [[i8; QK]; 4],
 }
 
-/// Scalar reference quantisation of `x` (len multiple of 32) into Q8_1 blocks (round to nearest).
-pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
-    assert_eq!(x.len(), out.len() * QK);
-    for (blk, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in o.qs.iter_mut().zip(blk) {
-            let r = (v * id).round_ties_even() as i32;
-            *q = r as i8;
-            sum += r;
+/// Quantises one block of 32 values the way GGML's `quantize_row_q8_1` does: `d = amax / 127`, round to nearest
+/// (ties to even, as the AVX2 conversion does). Returns `(d, d * Σq)`.
+pub fn quantize_block_q8_1(x: &[f32], qs: &mut [i8; QK]) -> (f32, f32) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, &v) in qs.iter_mut().zip(x) {
+        let r = (v * id).round_ties_even() as i32;
+        *q = r as i8;
+        sum += r;
+    }
+    (d, d * sum as f32)
+}
+
+/// Number of [`BlockQ8_1x4`] needed for `n` rows of `cols` values.
+pub fn q8_1x4_len(n: usize, cols: usize) -> usize {
+    n.div_ceil(4) * (cols / QK)
+}
+
+/// Scalar reference quantisation of `x` (`[n][cols]`, cols a multiple of 32) into interleaved Q8_1 blocks;
+/// `out[g * nb + b]` holds block `b` of rows `4g..4g+4` (lanes past `n` are zero).
+pub fn quantize_rows_q8_1x4(x: &[f32], n: usize, cols: usize, out: &mut [BlockQ8_1x4]) {
+    let nb = cols / QK;
+    assert!(cols.is_multiple_of(QK) && x.len() == n * cols && out.len() == q8_1x4_len(n, cols));
+    for (g, grp) in out.chunks_exact_mut(nb.max(1)).enumerate() {
+        for c in 0..4 {
+            let i = 4 * g + c;
+            for (b, o) in grp.iter_mut().enumerate() {
+                if i < n {
+                    let (d, s) = quantize_block_q8_1(&x[i * cols + b * QK..i * cols + (b + 1) * QK], &mut o.qs[c]);
+                    o.d[c] = d;
+                    o.s[c] = s;
+                } else {
+                    o.d[c] = 0.0;
+                    o.s[c] = 0.0;
+                    o.qs[c] = [0; QK];
+                }
+            }
         }
-        o.d = d;
-        o.s = d * sum as f32;
     }
 }

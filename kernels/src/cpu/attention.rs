@@ -1,6 +1,8 @@
 //! KV write into head-paged blocks and paged attention (prefill + decode, GQA) with online softmax,
 //! parallelised over (sequence, query head, token chunk).
 
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 use crate::paged::{AttnSeq, KvStorage};
 use rayon::prelude::*;
@@ -102,9 +104,25 @@ pub fn paged_attention(
 /// Attention of one query vector over the first `len` slots of `table`; writes the result into `out`.
 fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, scale: f32, out: &mut [f32]) {
     let bs = kv.block_size();
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Avx2 && bs <= 64 {
+        let (k, v) = kv.arenas();
+        // SAFETY: block ids come from tables whose length was checked; `KvStorage::block_k` bounds-checks each id
+        // below before the kernel reads it; CPU features detected.
+        let ids = &table[..len.div_ceil(bs)];
+        for &b in ids {
+            assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
+        }
+        match q.len() {
+            32 => return unsafe { avx2::attend_one::<4>(q, k, v, bs, table, len, scale, out) },
+            64 => return unsafe { avx2::attend_one::<8>(q, k, v, bs, table, len, scale, out) },
+            96 => return unsafe { avx2::attend_one::<12>(q, k, v, bs, table, len, scale, out) },
+            128 => return unsafe { avx2::attend_one::<16>(q, k, v, bs, table, len, scale, out) },
+            _ => {}
+        }
+    }
     out.fill(0.0);
     let mut st = scalar::OnlineSoftmax { m: f32::NEG_INFINITY, l: 0.0, acc: out };
-    let _ = simd;
     for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
         scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n, scale, &mut st);

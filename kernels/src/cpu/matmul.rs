@@ -1,14 +1,16 @@
 //! Matmul driver: quantises the activations once per call into Q8_1 (reusing a thread-local scratch), splits the
 //! output rows across the pool in large chunks, and runs the per-ISA row kernels.
 
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
-use crate::quant::{BlockQ8_1, QData, QK, QMatrix, quantize_row_q8_1};
+use crate::quant::{BlockQ8_1x4, QData, QK, QMatrix, q8_1x4_len, quantize_rows_q8_1x4};
 use rayon::prelude::*;
 use std::cell::Cell;
 
 thread_local! {
     /// Quantised activations of the current call, kept between calls to avoid reallocating.
-    static XQ: Cell<Vec<BlockQ8_1>> = const { Cell::new(Vec::new()) };
+    static XQ: Cell<Vec<BlockQ8_1x4>> = const { Cell::new(Vec::new()) };
 }
 
 /// Below this many multiply-adds a call runs on the calling thread only.
@@ -25,11 +27,10 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
     let simd = be.simd();
     match &w.data {
         QData::Q4_1(_) | QData::Q8_0(_) => {
-            let nb = cols / QK;
             let mut xq = XQ.take();
             xq.clear();
-            xq.resize(n * nb, BlockQ8_1::default());
-            quantize_rows(simd, x, &mut xq);
+            xq.resize(q8_1x4_len(n, cols), BlockQ8_1x4::default());
+            quantize_rows(simd, x, n, cols, &mut xq);
             run_rows(be, rows, n * cols, out, &|r0, r1, o| quant_rows(simd, w, &xq, n, r0, r1, o));
             XQ.set(xq);
         }
@@ -62,33 +63,48 @@ fn run_rows(be: &CpuBackend, rows: usize, per_row: usize, out: &mut [f32], f: &(
 }
 
 /// Quantises every 32-value block of `x` into `xq`.
-pub(crate) fn quantize_rows(simd: Simd, x: &[f32], xq: &mut [BlockQ8_1]) {
+pub(crate) fn quantize_rows(simd: Simd, x: &[f32], n: usize, cols: usize, xq: &mut [BlockQ8_1x4]) {
     match simd {
-        Simd::Scalar | Simd::Avx2 => quantize_row_q8_1(x, xq),
+        Simd::Scalar => quantize_rows_q8_1x4(x, n, cols, xq),
+        // SAFETY: Simd::Avx2 is only selected after run-time detection of AVX2/FMA/F16C.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { avx2::quantize_rows_q8_1x4(x, n, cols, xq) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Simd::Avx2 => quantize_rows_q8_1x4(x, n, cols, xq),
     }
 }
 
 /// Rows `r0..r1` of a quantised matmul. `out` points at the whole `[n][rows]` output.
-fn quant_rows(simd: Simd, w: &QMatrix, xq: &[BlockQ8_1], n: usize, r0: usize, r1: usize, out: SyncPtr) {
+fn quant_rows(simd: Simd, w: &QMatrix, xq: &[BlockQ8_1x4], n: usize, r0: usize, r1: usize, out: SyncPtr) {
     let rows = w.rows();
     let nb = w.cols() / QK;
     let rb = w.row_bytes();
     match (&w.data, simd) {
-        (QData::Q4_1(b), Simd::Scalar | Simd::Avx2) => {
+        #[cfg(target_arch = "x86_64")]
+        (QData::Q4_1(b), Simd::Avx2) => {
+            // SAFETY: shapes checked by `matmul`; rows r0..r1 belong to this task; CPU features detected.
+            unsafe { avx2::quant_rows(avx2::QKind::Q4_1, b, rb, xq, n, nb, r0, r1, out.get(), rows) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (QData::Q8_0(b), Simd::Avx2) => {
+            // SAFETY: as above.
+            unsafe { avx2::quant_rows(avx2::QKind::Q8_0, b, rb, xq, n, nb, r0, r1, out.get(), rows) }
+        }
+        (QData::Q4_1(b), _) => {
             for r in r0..r1 {
                 let wr = &b[r * rb..(r + 1) * rb];
                 for i in 0..n {
-                    let v = scalar::dot_q4_1_q8_1(wr, &xq[i * nb..(i + 1) * nb]);
+                    let v = scalar::dot_q4_1_q8_1(wr, &xq[i / 4 * nb..(i / 4 + 1) * nb], i % 4);
                     // SAFETY: (i, r) lies in [n][rows] and row range r0..r1 belongs to this task only.
                     unsafe { *out.get().add(i * rows + r) = v };
                 }
             }
         }
-        (QData::Q8_0(b), Simd::Scalar | Simd::Avx2) => {
+        (QData::Q8_0(b), _) => {
             for r in r0..r1 {
                 let wr = &b[r * rb..(r + 1) * rb];
                 for i in 0..n {
-                    let v = scalar::dot_q8_0_q8_1(wr, &xq[i * nb..(i + 1) * nb]);
+                    let v = scalar::dot_q8_0_q8_1(wr, &xq[i / 4 * nb..(i / 4 + 1) * nb], i % 4);
                     // SAFETY: as above.
                     unsafe { *out.get().add(i * rows + r) = v };
                 }
@@ -101,13 +117,18 @@ fn quant_rows(simd: Simd, w: &QMatrix, xq: &[BlockQ8_1], n: usize, r0: usize, r1
 /// Rows `r0..r1` of an F32 / F16 matmul.
 fn float_rows(simd: Simd, w: &QMatrix, x: &[f32], n: usize, r0: usize, r1: usize, out: SyncPtr) {
     let (rows, cols) = (w.rows(), w.cols());
-    let _ = simd;
     for r in r0..r1 {
         for i in 0..n {
             let xr = &x[i * cols..(i + 1) * cols];
-            let v = match &w.data {
-                QData::F32(d) => scalar::dot_f32(&d[r * cols..(r + 1) * cols], xr),
-                QData::F16(d) => scalar::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr),
+            let v = match (&w.data, simd) {
+                // SAFETY: CPU features detected before Simd::Avx2 is selected.
+                #[cfg(target_arch = "x86_64")]
+                (QData::F32(d), Simd::Avx2) => unsafe { avx2::dot_f32(&d[r * cols..(r + 1) * cols], xr) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                (QData::F16(d), Simd::Avx2) => unsafe { avx2::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr) },
+                (QData::F32(d), _) => scalar::dot_f32(&d[r * cols..(r + 1) * cols], xr),
+                (QData::F16(d), _) => scalar::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr),
                 _ => unreachable!("float_rows called on a quantised matrix"),
             };
             // SAFETY: as in quant_rows.

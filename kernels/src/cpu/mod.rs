@@ -2,6 +2,8 @@
 //! at run time and falling back to the portable scalar kernels in [`scalar`].
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
 pub mod matmul;
 pub mod scalar;
 
@@ -132,7 +134,12 @@ impl Backend for CpuBackend {
             "rmsnorm: x, out must be [n][weight.len()]"
         );
         for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            scalar::rmsnorm_row(xr, weight, eps, or);
+            match self.simd {
+                // SAFETY: CPU features detected before Simd::Avx2 is selected.
+                #[cfg(target_arch = "x86_64")]
+                Simd::Avx2 => unsafe { avx2::rmsnorm_row(xr, weight, eps, or) },
+                _ => scalar::rmsnorm_row(xr, weight, eps, or),
+            }
         }
     }
 
@@ -144,21 +151,48 @@ impl Backend for CpuBackend {
         let inv: Vec<f64> = (0..half).map(|i| f64::from(theta).powf(-2.0 * i as f64 / head_dim as f64)).collect();
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
+        let wide = self.simd == Simd::Avx2 && head_dim.is_multiple_of(8);
+        // Per-element tables for the AVX2 path: cc = [c0,c0,c1,c1,..], ss = [-s0,s0,-s1,s1,..].
+        let mut cc = vec![0.0f32; if wide { head_dim } else { 0 }];
+        let mut ss = vec![0.0f32; if wide { head_dim } else { 0 }];
         for (row, &p) in x.chunks_exact_mut(w).zip(positions) {
             for i in 0..half {
                 let (s, c) = (f64::from(p) * inv[i]).sin_cos();
                 cos[i] = c as f32;
                 sin[i] = s as f32;
             }
-            for h in row.chunks_exact_mut(head_dim) {
-                scalar::rope_head(h, &cos, &sin);
+            if wide {
+                for i in 0..half {
+                    cc[2 * i] = cos[i];
+                    cc[2 * i + 1] = cos[i];
+                    ss[2 * i] = -sin[i];
+                    ss[2 * i + 1] = sin[i];
+                }
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: CPU features detected; head_dim is a multiple of 8 and row is whole heads.
+                unsafe {
+                    avx2::rope_row(row, &cc, &ss)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                for h in row.chunks_exact_mut(head_dim) {
+                    scalar::rope_head(h, &cos, &sin);
+                }
+            } else {
+                for h in row.chunks_exact_mut(head_dim) {
+                    scalar::rope_head(h, &cos, &sin);
+                }
             }
         }
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         assert_eq!(gate.len(), up.len(), "silu_mul: gate and up differ in length");
-        scalar::silu_mul(gate, up);
+        match self.simd {
+            // SAFETY: CPU features detected before Simd::Avx2 is selected.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { avx2::silu_mul(gate, up) },
+            _ => scalar::silu_mul(gate, up),
+        }
     }
 
     fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {

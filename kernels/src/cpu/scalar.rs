@@ -1,11 +1,11 @@
 //! Portable scalar kernels. They are the fallback on CPUs without AVX2/FMA/F16C and the reference every SIMD
 //! kernel is tested against.
 
-use crate::quant::{BlockQ8_1, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, f16_at};
+use crate::quant::{BlockQ8_1x4, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, f16_at};
 use half::f16;
 
-/// Q4_1 weight row (raw blocks) · Q8_1 activation row: Σ_b d_w d_x Σ(q_w q_x) + m_w s_x.
-pub fn dot_q4_1_q8_1(w: &[u8], x: &[BlockQ8_1]) -> f32 {
+/// Q4_1 weight row (raw blocks) · lane `c` of interleaved Q8_1 blocks: Σ_b d_w d_x Σ(q_w q_x) + m_w s_x.
+pub fn dot_q4_1_q8_1(w: &[u8], x: &[BlockQ8_1x4], c: usize) -> f32 {
     let mut acc = 0.0f32;
     for (blk, xb) in w.chunks_exact(Q4_1_BLOCK_BYTES).zip(x) {
         let d = f16_at(blk, 0);
@@ -13,24 +13,24 @@ pub fn dot_q4_1_q8_1(w: &[u8], x: &[BlockQ8_1]) -> f32 {
         let mut sumi = 0i32;
         for j in 0..QK / 2 {
             let q = blk[4 + j];
-            sumi += i32::from(q & 0x0F) * i32::from(xb.qs[j]);
-            sumi += i32::from(q >> 4) * i32::from(xb.qs[j + QK / 2]);
+            sumi += i32::from(q & 0x0F) * i32::from(xb.qs[c][j]);
+            sumi += i32::from(q >> 4) * i32::from(xb.qs[c][j + QK / 2]);
         }
-        acc += d * xb.d * sumi as f32 + m * xb.s;
+        acc += d * xb.d[c] * sumi as f32 + m * xb.s[c];
     }
     acc
 }
 
-/// Q8_0 weight row (raw blocks) · Q8_1 activation row: Σ_b d_w d_x Σ(q_w q_x).
-pub fn dot_q8_0_q8_1(w: &[u8], x: &[BlockQ8_1]) -> f32 {
+/// Q8_0 weight row (raw blocks) · lane `c` of interleaved Q8_1 blocks: Σ_b d_w d_x Σ(q_w q_x).
+pub fn dot_q8_0_q8_1(w: &[u8], x: &[BlockQ8_1x4], c: usize) -> f32 {
     let mut acc = 0.0f32;
     for (blk, xb) in w.chunks_exact(Q8_0_BLOCK_BYTES).zip(x) {
         let d = f16_at(blk, 0);
         let mut sumi = 0i32;
         for j in 0..QK {
-            sumi += i32::from(blk[2 + j] as i8) * i32::from(xb.qs[j]);
+            sumi += i32::from(blk[2 + j] as i8) * i32::from(xb.qs[c][j]);
         }
-        acc += d * xb.d * sumi as f32;
+        acc += d * xb.d[c] * sumi as f32;
     }
     acc
 }

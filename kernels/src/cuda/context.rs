@@ -89,9 +89,8 @@ impl CudaContext {
         let stream = ctx.default_stream();
         let (major, minor) = ctx.compute_capability()?;
         let arch = compile::arch_for(major, minor);
-        let sm_count = ctx.attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )? as usize;
+        let sm_count =
+            ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let info = DeviceInfo {
             ordinal,
             name: ctx.name()?,

@@ -251,7 +251,13 @@ impl CudaContext {
         let (kc, vc) = (&mut kv.k, &mut kv.v);
         // SAFETY: every block index is < num_blocks (checked); destinations do not alias sources.
         unsafe {
-            self.stream().launch_builder(self.func("copy_blocks_f16")?).arg(kc).arg(vc).arg(&dev).arg(&block_len).launch(cfg)
+            self.stream()
+                .launch_builder(self.func("copy_blocks_f16")?)
+                .arg(kc)
+                .arg(vc)
+                .arg(&dev)
+                .arg(&block_len)
+                .launch(cfg)
         }?;
         Ok(())
     }
@@ -313,7 +319,12 @@ impl CudaContext {
     }
 
     /// Per slot of each entry: `cos(K, anchors[e])` (0 when a norm is 0). anchors: `[entries][head_dim]` f32.
-    pub fn anchor_cosine(&self, kv: &CudaKv, entries: &[ScoreEntry<'_>], anchors: &[f32]) -> Result<SlotScores, CudaError> {
+    pub fn anchor_cosine(
+        &self,
+        kv: &CudaKv,
+        entries: &[ScoreEntry<'_>],
+        anchors: &[f32],
+    ) -> Result<SlotScores, CudaError> {
         const OP: &str = "anchor_cosine";
         if anchors.len() != entries.len() * kv.head_dim {
             return Err(CudaError::invalid(OP, "anchors must be [entries][head_dim]"));

@@ -120,7 +120,16 @@ impl CudaContext {
         };
         let d = to_i32("rmsnorm", "dim", d)?;
         // SAFETY: rows * d elements of x and out, d of weight, all checked above.
-        unsafe { self.stream().launch_builder(self.func("rmsnorm_f32")?).arg(x).arg(weight).arg(&eps).arg(&d).arg(out).launch(cfg) }?;
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("rmsnorm_f32")?)
+                .arg(x)
+                .arg(weight)
+                .arg(&eps)
+                .arg(&d)
+                .arg(out)
+                .launch(cfg)
+        }?;
         Ok(())
     }
 
@@ -140,8 +149,11 @@ impl CudaContext {
         if pairs == 0 {
             return Ok(());
         }
-        let (n, nh, hd) =
-            (to_i32("rope", "n", positions.len())?, to_i32("rope", "n_heads", n_heads)?, to_i32("rope", "head_dim", head_dim)?);
+        let (n, nh, hd) = (
+            to_i32("rope", "n", positions.len())?,
+            to_i32("rope", "n_heads", n_heads)?,
+            to_i32("rope", "head_dim", head_dim)?,
+        );
         // SAFETY: the kernel touches n * n_heads * head_dim floats of x and n positions, as checked.
         unsafe {
             self.stream()
@@ -215,7 +227,9 @@ impl CudaContext {
         }
         let n = x.len() as i64;
         // SAFETY: n elements each.
-        unsafe { self.stream().launch_builder(self.func("f32_to_f16")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len())) }?;
+        unsafe {
+            self.stream().launch_builder(self.func("f32_to_f16")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len()))
+        }?;
         Ok(())
     }
 
@@ -229,19 +243,28 @@ impl CudaContext {
         }
         let n = x.len() as i64;
         // SAFETY: n elements each.
-        unsafe { self.stream().launch_builder(self.func("f16_to_f32")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len())) }?;
+        unsafe {
+            self.stream().launch_builder(self.func("f16_to_f32")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len()))
+        }?;
         Ok(())
     }
 
     /// cuBLAS GEMM: `out[n][w.rows()] = x[n][w.cols()] · wᵀ` with f16 x and w, f32 accumulation and output.
-    pub fn gemm_f16(&self, w: &CudaWeight, x: &CudaSlice<u16>, n: usize, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+    pub fn gemm_f16(
+        &self,
+        w: &CudaWeight,
+        x: &CudaSlice<u16>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         if x.len() != n * w.cols || out.len() != n * w.rows {
             return Err(CudaError::invalid("gemm_f16", "x must be [n][cols] and out [n][rows]"));
         }
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (m, nn, k) = (to_i32("gemm_f16", "rows", w.rows)?, to_i32("gemm_f16", "n", n)?, to_i32("gemm_f16", "cols", w.cols)?);
+        let (m, nn, k) =
+            (to_i32("gemm_f16", "rows", w.rows)?, to_i32("gemm_f16", "n", n)?, to_i32("gemm_f16", "cols", w.cols)?);
         let (alpha, beta) = (1.0f32, 0.0f32);
         let stream = self.stream();
         let (wp, _gw) = w.data.device_ptr(stream);
@@ -276,7 +299,13 @@ impl CudaContext {
     }
 
     /// `out[n][w.rows()] = x[n][w.cols()] · wᵀ` for f32 x: rounds x to f16, then [`CudaContext::gemm_f16`].
-    pub fn matmul(&self, w: &CudaWeight, x: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+    pub fn matmul(
+        &self,
+        w: &CudaWeight,
+        x: &CudaSlice<f32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         if x.len() != n * w.cols {
             return Err(CudaError::invalid("matmul", "x must be [n][cols]"));
         }

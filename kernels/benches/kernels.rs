@@ -1,0 +1,149 @@
+//! Criterion benches for the CPU kernels at SmolLM2-135M shapes, scalar vs AVX2 (both on 2 threads).
+//!
+//! Filter with e.g. `cargo bench -p pagoda-kernels -- matmul/q4_1_1536x576`.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, Simd, WeightType};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::hint::black_box;
+use std::time::Duration;
+
+fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+}
+
+fn backends() -> [(&'static str, CpuBackend); 2] {
+    [("scalar", CpuBackend::with_simd(2, Simd::Scalar)), ("avx2", CpuBackend::with_simd(2, Simd::Avx2))]
+}
+
+/// Scalar runs above this many multiply-adds per iteration are skipped (they take seconds).
+const SCALAR_MAX_MACS: usize = 400_000_000;
+
+fn matmul(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(1);
+    let shapes = [
+        (WeightType::Q4_1, 576, 576),
+        (WeightType::Q4_1, 1536, 576),
+        (WeightType::Q4_1, 576, 1536),
+        (WeightType::Q8_0, 49152, 576),
+        (WeightType::Q4_1, 49152, 576),
+    ];
+    let bes = backends();
+    for (ty, rows, cols) in shapes {
+        let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut rng, rows * cols)).expect("quantize");
+        let name = format!("matmul/{}_{rows}x{cols}", format!("{ty:?}").to_lowercase());
+        let mut g = c.benchmark_group(name);
+        g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(20);
+        for n in [1usize, 8, 32, 512] {
+            let x = rand_vec(&mut rng, n * cols);
+            let mut out = vec![0.0; n * rows];
+            g.throughput(Throughput::Elements((n * rows * cols) as u64));
+            for (label, be) in &bes {
+                if *label == "scalar" && n * rows * cols > SCALAR_MAX_MACS {
+                    continue;
+                }
+                g.bench_function(BenchmarkId::new(*label, n), |b| {
+                    b.iter(|| be.matmul(black_box(&w), black_box(&x), n, black_box(&mut out)))
+                });
+            }
+        }
+        g.finish();
+    }
+}
+
+fn attention(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(2);
+    let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+    let bes = backends();
+    for (ctx, batch) in [(512usize, 1usize), (4096, 1), (512, 32)] {
+        let per_head = (ctx + 1).div_ceil(bs);
+        let num_blocks = per_head * n_kv * batch;
+        let mut kv = KvStorage::new(num_blocks, bs, hd);
+        {
+            let (k, v) = kv.arenas_mut();
+            for x in k.iter_mut().chain(v.iter_mut()) {
+                *x = rng.random_range(-1.0..1.0);
+            }
+        }
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        ids.shuffle(&mut rng);
+        let tables: Vec<Vec<Vec<u32>>> = (0..batch)
+            .map(|s| {
+                (0..n_kv).map(|h| ids[(s * n_kv + h) * per_head..(s * n_kv + h + 1) * per_head].to_vec()).collect()
+            })
+            .collect();
+        let prior = vec![ctx; n_kv];
+        let seqs: Vec<AttnSeq<'_>> = tables
+            .iter()
+            .enumerate()
+            .map(|(s, t)| AttnSeq { q_row: s, n_new: 1, tables: t, prior_lens: &prior })
+            .collect();
+        let q = rand_vec(&mut rng, batch * n_heads * hd);
+        let mut out = vec![0.0; q.len()];
+        let mut g = c.benchmark_group(format!("attention/decode_ctx{ctx}_batch{batch}"));
+        g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(20);
+        for (label, be) in &bes {
+            g.bench_function(*label, |b| {
+                b.iter(|| be.paged_attention(black_box(&q), &kv, &seqs, n_heads, n_kv, 0.125, black_box(&mut out)))
+            });
+        }
+        g.finish();
+    }
+    // Prefill: one 512-token chunk from scratch.
+    let n_new: usize = 512;
+    let per_head = n_new.div_ceil(bs);
+    let mut kv = KvStorage::new(per_head * n_kv, bs, hd);
+    {
+        let (k, v) = kv.arenas_mut();
+        for x in k.iter_mut().chain(v.iter_mut()) {
+            *x = rng.random_range(-1.0..1.0);
+        }
+    }
+    let tables: Vec<Vec<u32>> =
+        (0..n_kv).map(|h| ((h * per_head) as u32..((h + 1) * per_head) as u32).collect()).collect();
+    let prior = vec![0; n_kv];
+    let seqs = [AttnSeq { q_row: 0, n_new, tables: &tables, prior_lens: &prior }];
+    let q = rand_vec(&mut rng, n_new * n_heads * hd);
+    let mut out = vec![0.0; q.len()];
+    let mut g = c.benchmark_group("attention/prefill_512");
+    g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(10);
+    for (label, be) in &bes {
+        g.bench_function(*label, |b| {
+            b.iter(|| be.paged_attention(black_box(&q), &kv, &seqs, n_heads, n_kv, 0.125, black_box(&mut out)))
+        });
+    }
+    g.finish();
+}
+
+fn elementwise(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(3);
+    let bes = backends();
+    for n in [1usize, 512] {
+        let mut g = c.benchmark_group(format!("elementwise/n{n}"));
+        g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1)).sample_size(20);
+        let x = rand_vec(&mut rng, n * 576);
+        let wt = rand_vec(&mut rng, 576);
+        let mut out = vec![0.0; n * 576];
+        let mut qx = rand_vec(&mut rng, n * 576);
+        let pos: Vec<u32> = (0..n as u32).map(|p| p + 100).collect();
+        let mut gate = rand_vec(&mut rng, n * 1536);
+        let up = rand_vec(&mut rng, n * 1536);
+        for (label, be) in &bes {
+            g.bench_function(BenchmarkId::new("rmsnorm_576", label), |b| {
+                b.iter(|| be.rmsnorm(black_box(&x), &wt, 1e-5, black_box(&mut out)))
+            });
+            g.bench_function(BenchmarkId::new("rope_9x64", label), |b| {
+                b.iter(|| be.rope(black_box(&mut qx), &pos, 9, 64, 100000.0))
+            });
+            g.bench_function(BenchmarkId::new("silu_mul_1536", label), |b| {
+                b.iter(|| be.silu_mul(black_box(&mut gate), &up))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, matmul, attention, elementwise);
+criterion_main!(benches);

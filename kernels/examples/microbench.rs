@@ -1,0 +1,109 @@
+//! Min-of-N timings of the CPU kernels (robust on a shared machine): `cargo run --release -p pagoda-kernels
+//! --example microbench [threads] [filter]`.
+
+use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, Simd, WeightType};
+use std::time::{Duration, Instant};
+
+fn rand_vec(seed: &mut u64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Minimum wall time of `f` over repeated runs within ~`budget`.
+fn min_time(budget: Duration, mut f: impl FnMut()) -> Duration {
+    f();
+    let start = Instant::now();
+    let mut best = Duration::MAX;
+    let mut runs = 0;
+    while runs < 3 || (start.elapsed() < budget && runs < 100_000) {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed());
+        runs += 1;
+    }
+    best
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
+    let filter = args.get(2).cloned().unwrap_or_default();
+    let mut seed = 1u64;
+    let bes = [
+        ("scalar", CpuBackend::with_simd(threads, Simd::Scalar)),
+        ("avx2", CpuBackend::with_simd(threads, Simd::Avx2)),
+    ];
+    let budget = Duration::from_millis(600);
+    for (ty, rows, cols) in [
+        (WeightType::Q4_1, 576, 576),
+        (WeightType::Q4_1, 1536, 576),
+        (WeightType::Q4_1, 576, 1536),
+        (WeightType::Q8_0, 49152, 576),
+    ] {
+        let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut seed, rows * cols)).expect("quantize");
+        for n in [1usize, 8, 32, 512] {
+            let name = format!("matmul {ty:?} {rows}x{cols} n={n}");
+            if !name.contains(&filter) {
+                continue;
+            }
+            let x = rand_vec(&mut seed, n * cols);
+            let mut out = vec![0.0; n * rows];
+            let mut line = format!("{name:<34}");
+            let mut times = vec![];
+            for (label, be) in &bes {
+                if *label == "scalar" && n * rows * cols > 100_000_000 {
+                    continue;
+                }
+                let t = min_time(budget, || be.matmul(&w, &x, n, &mut out));
+                let gmacs = (n * rows * cols) as f64 / t.as_secs_f64() / 1e9;
+                line += &format!("  {label} {:>10.1?} ({gmacs:5.1} GMAC/s)", t);
+                times.push(t);
+            }
+            if times.len() == 2 {
+                line += &format!("  x{:.1}", times[0].as_secs_f64() / times[1].as_secs_f64());
+            }
+            println!("{line}");
+        }
+    }
+    let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+    for (ctx, batch) in [(512usize, 1usize), (4096, 1), (512, 32)] {
+        let name = format!("attn decode ctx={ctx} batch={batch}");
+        if !name.contains(&filter) {
+            continue;
+        }
+        let per_head = (ctx + 1).div_ceil(bs);
+        let num_blocks = per_head * n_kv * batch;
+        let mut kv = KvStorage::new(num_blocks, bs, hd);
+        let r = rand_vec(&mut seed, num_blocks * bs * hd);
+        kv.arenas_mut().0.copy_from_slice(&r);
+        kv.arenas_mut().1.copy_from_slice(&r);
+        let tables: Vec<Vec<Vec<u32>>> = (0..batch)
+            .map(|s| {
+                (0..n_kv)
+                    .map(|h| (0..per_head).map(|i| ((i * n_kv * batch + s * n_kv + h) % num_blocks) as u32).collect())
+                    .collect()
+            })
+            .collect();
+        let prior = vec![ctx; n_kv];
+        let seqs: Vec<AttnSeq<'_>> = tables
+            .iter()
+            .enumerate()
+            .map(|(s, t)| AttnSeq { q_row: s, n_new: 1, tables: t, prior_lens: &prior })
+            .collect();
+        let q = rand_vec(&mut seed, batch * n_heads * hd);
+        let mut out = vec![0.0; q.len()];
+        let mut line = format!("{name:<34}");
+        let mut times = vec![];
+        for (label, be) in &bes {
+            let t = min_time(budget, || be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, 0.125, &mut out));
+            line += &format!("  {label} {:>10.1?}", t);
+            times.push(t);
+        }
+        line += &format!("  x{:.1}", times[0].as_secs_f64() / times[1].as_secs_f64());
+        println!("{line}");
+    }
+}

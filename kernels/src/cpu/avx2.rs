@@ -1,0 +1,580 @@
+//! AVX2 + FMA + F16C kernels (x86-64): Q8_1 activation quantisation, Q4_1·Q8_1 and Q8_0·Q8_1 tile kernels that
+//! decode each weight block once for several activation rows, float dot products, a vectorised `exp`, RMSNorm,
+//! RoPE, SiLU·mul and the per-query paged-attention loop.
+//!
+//! Every function here is `unsafe` only because it requires those CPU features; [`super::CpuBackend`] calls them
+//! only after `is_x86_feature_detected!` confirmed them.
+
+#![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
+
+use crate::quant::{BlockQ8_1x4, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK, q8_1x4_len};
+use core::arch::x86_64::*;
+
+/// Horizontal sum of 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Quantises one block of 32 floats at `p` into `qs`; returns `(d, d * Σq)`. Bit-identical to
+/// [`crate::quant::quantize_block_q8_1`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn quantize_block(p: *const f32, qs: *mut i8) -> (f32, f32) {
+    let sign = _mm256_set1_ps(-0.0);
+    let v0 = _mm256_loadu_ps(p);
+    let v1 = _mm256_loadu_ps(p.add(8));
+    let v2 = _mm256_loadu_ps(p.add(16));
+    let v3 = _mm256_loadu_ps(p.add(24));
+    let m = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)),
+    );
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    let amax = _mm_cvtss_f32(m4);
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let idv = _mm256_set1_ps(id);
+    let i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv));
+    let i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv));
+    let i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv));
+    let i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
+    let s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
+    let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b10_11_00_01));
+    let sum = _mm_cvtsi128_si32(s4);
+    // Pack 32 x i32 -> 32 x i8 and undo the lane interleaving of the packs.
+    let a = _mm256_packs_epi32(i0, i1);
+    let c = _mm256_packs_epi32(i2, i3);
+    let q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, c), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(qs as *mut __m256i, q);
+    (d, d * sum as f32)
+}
+
+/// Quantises `x` (`[n][cols]`) into interleaved Q8_1 blocks; bit-identical to
+/// [`crate::quant::quantize_rows_q8_1x4`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_rows_q8_1x4(x: &[f32], n: usize, cols: usize, out: &mut [BlockQ8_1x4]) {
+    let nb = cols / QK;
+    assert!(cols.is_multiple_of(QK) && x.len() == n * cols && out.len() == q8_1x4_len(n, cols));
+    for (g, grp) in out.chunks_exact_mut(nb.max(1)).enumerate() {
+        for c in 0..4 {
+            let i = 4 * g + c;
+            for (b, o) in grp.iter_mut().enumerate() {
+                if i < n {
+                    let (d, s) = quantize_block(x.as_ptr().add(i * cols + b * QK), o.qs[c].as_mut_ptr());
+                    o.d[c] = d;
+                    o.s[c] = s;
+                } else {
+                    o.d[c] = 0.0;
+                    o.s[c] = 0.0;
+                    o.qs[c] = [0; QK];
+                }
+            }
+        }
+    }
+}
+
+/// Broadcasts lane `C` of a 4-lane vector to all 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn lane<const C: usize>(v: __m128) -> __m256 {
+    match C {
+        0 => _mm256_broadcastss_ps(v),
+        1 => _mm256_broadcastss_ps(_mm_movehdup_ps(v)),
+        2 => _mm256_broadcastss_ps(_mm_movehl_ps(v, v)),
+        _ => _mm256_broadcastss_ps(_mm_shuffle_ps(v, v, 0b11_11_11_11)),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn lane_dyn(v: __m128, c: usize) -> __m256 {
+    match c {
+        0 => lane::<0>(v),
+        1 => lane::<1>(v),
+        2 => lane::<2>(v),
+        _ => lane::<3>(v),
+    }
+}
+
+/// `R` Q4_1 weight rows × the first `C` lanes of one interleaved activation group over `nb` blocks.
+/// Returns `out[r][c]`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_q4_1<const R: usize, const C: usize>(
+    w: [*const u8; R],
+    x: *const BlockQ8_1x4,
+    nb: usize,
+) -> [[f32; C]; R] {
+    let ones = _mm256_set1_epi16(1);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let shift = _mm256_setr_epi64x(0, 0, 4, 4);
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let mut summ = [_mm_setzero_ps(); R];
+    for b in 0..nb {
+        let xb = x.add(b);
+        let xd = _mm_load_ps((*xb).d.as_ptr());
+        let xs = _mm_load_ps((*xb).s.as_ptr());
+        for r in 0..R {
+            let p = w[r].add(b * Q4_1_BLOCK_BYTES);
+            // [d, m] of the weight block.
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(core::ptr::read_unaligned(p as *const i32)));
+            let dd = _mm_mul_ps(_mm_broadcastss_ps(dm), xd);
+            summ[r] = _mm_fmadd_ps(_mm_permute_ps(dm, 0b01_01_01_01), xs, summ[r]);
+            // Nibbles: low lane = weights 0..15 (low nibbles), high lane = 16..31 (high nibbles).
+            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(4) as *const __m128i));
+            let wv = _mm256_and_si256(_mm256_srlv_epi64(q, shift), m4);
+            for c in 0..C {
+                let xv = _mm256_load_si256((*xb).qs[c].as_ptr() as *const __m256i);
+                let pi = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+                acc[r][c] = _mm256_fmadd_ps(pi, lane_dyn(dd, c), acc[r][c]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; C]; R];
+    for r in 0..R {
+        let mut sm = [0.0f32; 4];
+        _mm_storeu_ps(sm.as_mut_ptr(), summ[r]);
+        for c in 0..C {
+            out[r][c] = hsum(acc[r][c]) + sm[c];
+        }
+    }
+    out
+}
+
+/// `R` Q8_0 weight rows × the first `C` lanes of one interleaved activation group over `nb` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_q8_0<const R: usize, const C: usize>(
+    w: [*const u8; R],
+    x: *const BlockQ8_1x4,
+    nb: usize,
+) -> [[f32; C]; R] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    for b in 0..nb {
+        let xb = x.add(b);
+        let xd = _mm_load_ps((*xb).d.as_ptr());
+        for r in 0..R {
+            let p = w[r].add(b * Q8_0_BLOCK_BYTES);
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(core::ptr::read_unaligned(p as *const u16))));
+            let dd = _mm_mul_ps(_mm_broadcastss_ps(d), xd);
+            let wv = _mm256_loadu_si256(p.add(2) as *const __m256i);
+            let aw = _mm256_sign_epi8(wv, wv);
+            for c in 0..C {
+                let xv = _mm256_load_si256((*xb).qs[c].as_ptr() as *const __m256i);
+                let sx = _mm256_sign_epi8(xv, wv);
+                let pi = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+                acc[r][c] = _mm256_fmadd_ps(pi, lane_dyn(dd, c), acc[r][c]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = hsum(acc[r][c]);
+        }
+    }
+    out
+}
+
+/// Which quantised weight format a row kernel reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum QKind {
+    Q4_1,
+    Q8_0,
+}
+
+/// Runs an `R`-row weight tile against activation groups `g0..g1`, writing `out[i - 4*g0][r - c0 .. r - c0 + R]`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn rows_tile<const R: usize>(
+    kind: QKind,
+    w: [*const u8; R],
+    r: usize,
+    xq: *const BlockQ8_1x4,
+    nb: usize,
+    n: usize,
+    g0: usize,
+    g1: usize,
+    out: *mut f32,
+    ld: usize,
+    c0: usize,
+) {
+    macro_rules! emit {
+        ($g:expr, $c:literal) => {{
+            let xg = xq.add($g * nb);
+            let o = match kind {
+                QKind::Q4_1 => tile_q4_1::<R, $c>(w, xg, nb),
+                QKind::Q8_0 => tile_q8_0::<R, $c>(w, xg, nb),
+            };
+            for rr in 0..R {
+                for k in 0..$c {
+                    *out.add((4 * ($g - g0) + k) * ld + r - c0 + rr) = o[rr][k];
+                }
+            }
+        }};
+    }
+    for g in g0..g1 {
+        match (n - 4 * g).min(4) {
+            4 => emit!(g, 4),
+            3 => emit!(g, 3),
+            2 => emit!(g, 2),
+            _ => emit!(g, 1),
+        }
+    }
+}
+
+/// Output rows `r0..r1` of a quantised matmul: `out[i][r] = w[r] · x[i]` for all `n` activation rows.
+///
+/// # Safety
+/// `w` holds `rows * nb` blocks of `kind`, `xq` holds `q8_1x4_len(n, nb * 32)` blocks, `out` points at `[n][ld]`
+/// floats and the CPU supports AVX2, FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quant_rows(
+    kind: QKind,
+    w: &[u8],
+    row_bytes: usize,
+    xq: &[BlockQ8_1x4],
+    n: usize,
+    nb: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    debug_assert!(xq.len() >= n.div_ceil(4) * nb && w.len() >= r1 * row_bytes);
+    let wp = w.as_ptr();
+    let xp = xq.as_ptr();
+    let groups = n.div_ceil(4);
+    // Activation groups per cache tile: keep the tile of quantised x within ~12 KiB of L1.
+    let gt = ((12 * 1024) / (nb * std::mem::size_of::<BlockQ8_1x4>())).clamp(1, TILE_GROUPS);
+    // Results go to a small row-major buffer first: writing `out` directly would touch up to 16 rows `ld` floats
+    // apart, which alias in L1/L2 when `ld` is a multiple of 1024 (e.g. the 49152-row output head).
+    let mut buf = [0.0f32; TILE_ROWS * TILE_GROUPS * 4];
+    let mut rt0 = r0;
+    while rt0 < r1 {
+        let rt1 = (rt0 + TILE_ROWS).min(r1);
+        let mut g0 = 0;
+        while g0 < groups {
+            let g1 = (g0 + gt).min(groups);
+            let bp = buf.as_mut_ptr();
+            let mut r = rt0;
+            if n < 4 {
+                while r + 4 <= rt1 {
+                    let ws = core::array::from_fn(|k| wp.add((r + k) * row_bytes));
+                    rows_tile::<4>(kind, ws, r, xp, nb, n, g0, g1, bp, TILE_ROWS, rt0);
+                    r += 4;
+                }
+            } else {
+                while r + 2 <= rt1 {
+                    let ws = core::array::from_fn(|k| wp.add((r + k) * row_bytes));
+                    rows_tile::<2>(kind, ws, r, xp, nb, n, g0, g1, bp, TILE_ROWS, rt0);
+                    r += 2;
+                }
+            }
+            while r < rt1 {
+                rows_tile::<1>(kind, [wp.add(r * row_bytes)], r, xp, nb, n, g0, g1, bp, TILE_ROWS, rt0);
+                r += 1;
+            }
+            for i in 4 * g0..(4 * g1).min(n) {
+                let src = bp.add((i - 4 * g0) * TILE_ROWS);
+                core::ptr::copy_nonoverlapping(src, out.add(i * ld + rt0), rt1 - rt0);
+            }
+            g0 = g1;
+        }
+        rt0 = rt1;
+    }
+}
+
+/// Weight rows per output tile of [`quant_rows`].
+const TILE_ROWS: usize = 64;
+/// Most activation groups (of 4 rows) per output tile of [`quant_rows`].
+const TILE_GROUPS: usize = 4;
+
+/// f32 · f32 (any length).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        i += 16;
+    }
+    if i + 8 <= n {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        i += 8;
+    }
+    let mut s = hsum(_mm256_add_ps(acc0, acc1));
+    while i < n {
+        s += a[i] * b[i];
+        i += 1;
+    }
+    s
+}
+
+/// f16 · f32 (any length).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        let w0 = _mm256_cvtph_ps(_mm_loadu_si128(pa.add(i) as *const __m128i));
+        let w1 = _mm256_cvtph_ps(_mm_loadu_si128(pa.add(i + 8) as *const __m128i));
+        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        i += 16;
+    }
+    let mut s = hsum(_mm256_add_ps(acc0, acc1));
+    while i < n {
+        s += half::f16::from_bits(a[i]).to_f32() * b[i];
+        i += 1;
+    }
+    s
+}
+
+/// Vectorised `exp` (Cephes polynomial, ~1 ulp over the clamped range [-88.38, 88.38]).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub unsafe fn exp256(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.336_54)), _mm256_set1_ps(88.376_26));
+    let fx = _mm256_round_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC,
+    );
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.398_199_9e-3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.333_452e-3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.166_579_6e-2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.666_666_5e-1));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(0.5));
+    let x2 = _mm256_mul_ps(x, x);
+    y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0)));
+    let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+}
+
+/// `gate = silu(gate) * up`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let (pg, pu) = (gate.as_mut_ptr(), up.as_ptr());
+    let one = _mm256_set1_ps(1.0);
+    let sign = _mm256_set1_ps(-0.0);
+    let mut i = 0;
+    while i + 8 <= n {
+        let g = _mm256_loadu_ps(pg.add(i));
+        let e = exp256(_mm256_xor_ps(g, sign));
+        let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(pg.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(pu.add(i))));
+        i += 8;
+    }
+    super::scalar::silu_mul(&mut gate[i..n], &up[i..n]);
+}
+
+/// `out = x / sqrt(mean(x²) + eps) * w` for one row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rmsnorm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = x.len();
+    let ss = dot_f32(x, x);
+    let r = 1.0 / (ss / n as f32 + eps).sqrt();
+    let rv = _mm256_set1_ps(r);
+    let (px, pw, po) = (x.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(px.add(i)), rv), _mm256_loadu_ps(pw.add(i)));
+        _mm256_storeu_ps(po.add(i), v);
+        i += 8;
+    }
+    while i < n {
+        out[i] = x[i] * r * w[i];
+        i += 1;
+    }
+}
+
+/// Rotates adjacent pairs of every head in `row` given the per-element tables `cc = [c0,c0,c1,c1,..]` and
+/// `ss = [-s0,s0,-s1,s1,..]` (len = head_dim, a multiple of 8).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rope_row(row: &mut [f32], cc: &[f32], ss: &[f32]) {
+    let hd = cc.len();
+    debug_assert!(hd.is_multiple_of(8) && row.len().is_multiple_of(hd));
+    let p = row.as_mut_ptr();
+    for h in 0..row.len() / hd {
+        for d in (0..hd).step_by(8) {
+            let x = _mm256_loadu_ps(p.add(h * hd + d));
+            let sw = _mm256_permute_ps(x, 0b10_11_00_01);
+            let y = _mm256_fmadd_ps(
+                x,
+                _mm256_loadu_ps(cc.as_ptr().add(d)),
+                _mm256_mul_ps(sw, _mm256_loadu_ps(ss.as_ptr().add(d))),
+            );
+            _mm256_storeu_ps(p.add(h * hd + d), y);
+        }
+    }
+}
+
+/// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
+/// `k`, `v` are the whole arenas; writes the normalised result into `out`.
+///
+/// # Safety
+/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA present.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attend_one<const NV: usize>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    bs: usize,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    const MAXB: usize = 64;
+    let hd = NV * 8;
+    debug_assert!(q.len() == hd && out.len() == hd && bs <= MAXB);
+    let mut qv = [_mm256_setzero_ps(); NV];
+    let sv = _mm256_set1_ps(scale);
+    for (j, r) in qv.iter_mut().enumerate() {
+        *r = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(j * 8)), sv);
+    }
+    let mut acc = [_mm256_setzero_ps(); NV];
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0.0f32;
+    let mut sc = [f32::NEG_INFINITY; MAXB];
+    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        let kb = k.as_ptr().add(b as usize * bs * hd);
+        let vb = v.as_ptr().add(b as usize * bs * hd);
+        // Scores, two slots at a time.
+        let mut bmax = m;
+        let mut i = 0;
+        while i + 2 <= n {
+            let k0 = kb.add(i * hd);
+            let k1 = kb.add((i + 1) * hd);
+            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+            let mut a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+            for j in 1..NV {
+                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
+                a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1.add(j * 8)), a1);
+            }
+            sc[i] = hsum(a0);
+            sc[i + 1] = hsum(a1);
+            bmax = bmax.max(sc[i]).max(sc[i + 1]);
+            i += 2;
+        }
+        if i < n {
+            let k0 = kb.add(i * hd);
+            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+            for j in 1..NV {
+                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
+            }
+            sc[i] = hsum(a0);
+            bmax = bmax.max(sc[i]);
+        }
+        // Probabilities (vectorised exp over the block's scores).
+        let mv = _mm256_set1_ps(bmax);
+        let mut i = 0;
+        while i < n {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+            i += 8;
+        }
+        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
+        m = bmax;
+        let cv = _mm256_set1_ps(corr);
+        for a in acc.iter_mut() {
+            *a = _mm256_mul_ps(*a, cv);
+        }
+        let mut bl = 0.0f32;
+        for (i, &p) in sc[..n].iter().enumerate() {
+            bl += p;
+            let pv = _mm256_set1_ps(p);
+            let vr = vb.add(i * hd);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(j * 8)), *a);
+            }
+        }
+        l = l * corr + bl;
+    }
+    let inv = _mm256_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
+    for (j, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::quantize_rows_q8_1x4 as scalar_quantize;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn quantize_is_bit_identical_to_scalar() {
+        if !crate::cpu::avx2_available() {
+            return;
+        }
+        let mut seed = 7;
+        let mut x: Vec<f32> = (0..32 * 40).map(|_| lcg(&mut seed) * 5.0).collect();
+        x[..32].fill(0.0);
+        x[40] = 1e6;
+        x[70] = -3.5;
+        for (i, v) in x.iter_mut().enumerate().skip(96).take(32) {
+            *v = (i as f32 - 110.0) * 0.5; // exact .5 ties
+        }
+        // 5 rows of 256: two groups, the second with one live lane.
+        let (n, cols) = (5, 256);
+        let mut a = vec![BlockQ8_1x4::default(); q8_1x4_len(n, cols)];
+        let mut b = vec![BlockQ8_1x4::default(); q8_1x4_len(n, cols)];
+        scalar_quantize(&x, n, cols, &mut a);
+        // SAFETY: features checked above.
+        unsafe { quantize_rows_q8_1x4(&x, n, cols, &mut b) };
+        for (p, q) in a.iter().zip(&b) {
+            assert_eq!(p.qs, q.qs);
+            assert_eq!(p.d.map(f32::to_bits), q.d.map(f32::to_bits));
+            assert_eq!(p.s.map(f32::to_bits), q.s.map(f32::to_bits));
+        }
+    }
+
+    #[test]
+    fn exp256_is_accurate() {
+        if !crate::cpu::avx2_available() {
+            return;
+        }
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let v: [f32; 8] = core::array::from_fn(|i| x + i as f32 * 0.013);
+            let mut o = [0.0f32; 8];
+            // SAFETY: features checked above.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), exp256(_mm256_loadu_ps(v.as_ptr()))) };
+            for i in 0..8 {
+                let want = (v[i] as f64).exp();
+                assert!(((o[i] as f64 - want) / want).abs() < 2e-7, "exp({}) = {} want {}", v[i], o[i], want);
+            }
+            x += 0.37;
+        }
+    }
+}

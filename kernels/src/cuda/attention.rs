@@ -1,0 +1,445 @@
+//! Paged attention on the GPU (`attention.cu`): decode (split-K over long contexts, GQA group per CTA, then a
+//! reduction kernel) and prefill (tiled flash attention, causal in slot space).
+//!
+//! CPU twin: `Backend::paged_attention`. [`CudaContext::plan_attention`] turns a batch's [`AttnSeq`]s into device
+//! metadata once ([`AttnPlan`]); [`CudaContext::run_attention`] launches it, so a layer loop or a benchmark can
+//! replay a plan. Sequences with at most [`DECODE_MAX_NEW`] new tokens take the decode path (one work item per
+//! token), longer ones the prefill path.
+
+use super::context::CudaContext;
+use super::error::CudaError;
+use super::kv::{CudaKv, check_seq};
+use super::ops::{grid_dim, to_i32};
+use crate::paged::AttnSeq;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Sequences with at most this many new tokens use the decode kernel.
+pub const DECODE_MAX_NEW: usize = 4;
+/// Head dims the kernels are instantiated for.
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+const THREADS: u32 = 128;
+const WARPS: usize = 4;
+const SMEM_LIMIT: usize = 48 * 1024;
+/// Split lengths are multiples of this many slots.
+const CHUNK_STEP: usize = 32;
+/// Fixed cost of one decode CTA, in slots' worth of time, for the split-length model.
+const CTA_OVERHEAD_SLOTS: usize = 128;
+/// Shortest split.
+const MIN_CHUNK: usize = 64;
+/// Most splits per context (the reduction keeps one weight per split in shared memory).
+const MAX_SPLITS: usize = 8192;
+
+/// Query heads handled per decode CTA for a GQA group size.
+fn heads_per_cta(group: usize) -> usize {
+    match group {
+        0..=1 => 1,
+        2 => 2,
+        3..=4 => 4,
+        _ => 8,
+    }
+}
+
+/// Largest power-of-two split length whose shared memory fits.
+fn max_chunk(hd: usize, g: usize) -> usize {
+    let floats = SMEM_LIMIT / 4 - WARPS * g * hd - 2 * g;
+    let mut c = 1024;
+    while c > 32 && c * g > floats {
+        c /= 2;
+    }
+    c
+}
+
+fn prefill_tile_q(hd: usize) -> usize {
+    if hd >= 256 { 8 } else { 16 }
+}
+
+/// A batch's attention metadata on the device, plus the split-K workspace.
+pub struct AttnPlan {
+    meta: CudaSlice<u32>,
+    // Offsets into `meta`.
+    tables: (usize, usize),
+    item_row: (usize, usize),
+    ent_len: (usize, usize),
+    ent_tab: (usize, usize),
+    tile_seq: (usize, usize),
+    tile_j0: (usize, usize),
+    seq_qrow: (usize, usize),
+    seq_nnew: (usize, usize),
+    pre_prior: (usize, usize),
+    pre_tab: (usize, usize),
+    n_items: usize,
+    n_tiles: usize,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+    block_size: usize,
+    rows: usize,
+    chunk: usize,
+    max_splits: usize,
+    g: usize,
+    part_o: Option<CudaSlice<f32>>,
+    part_ml: Option<CudaSlice<f32>>,
+    kv_bytes: usize,
+}
+
+impl std::fmt::Debug for AttnPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttnPlan")
+            .field("decode_items", &self.n_items)
+            .field("prefill_tiles", &self.n_tiles)
+            .field("chunk", &self.chunk)
+            .field("max_splits", &self.max_splits)
+            .field("heads_per_cta", &self.g)
+            .finish()
+    }
+}
+
+impl AttnPlan {
+    /// Bytes of K and V the decode items read (each visible slot's K and V once per kv-head).
+    pub fn decode_kv_bytes(&self) -> usize {
+        self.kv_bytes
+    }
+
+    /// Slots per decode split.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Decode work items (query tokens) and prefill tiles.
+    pub fn work(&self) -> (usize, usize) {
+        (self.n_items, self.n_tiles)
+    }
+}
+
+struct MetaBuilder(Vec<u32>);
+
+impl MetaBuilder {
+    fn push(&mut self, v: &[u32]) -> (usize, usize) {
+        let start = self.0.len();
+        self.0.extend_from_slice(v);
+        // Never hand out an empty range: a kernel may still receive the pointer.
+        if v.is_empty() {
+            self.0.push(0);
+        }
+        (start, self.0.len())
+    }
+}
+
+impl CudaContext {
+    /// Builds the device metadata for one layer's attention over `seqs` (see `Backend::paged_attention`).
+    pub fn plan_attention(
+        &self,
+        kv: &CudaKv,
+        seqs: &[AttnSeq<'_>],
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+    ) -> Result<AttnPlan, CudaError> {
+        const OP: &str = "paged_attention";
+        let (hd, bs) = (kv.head_dim(), kv.block_size());
+        if !HEAD_DIMS.contains(&hd) {
+            return Err(CudaError::Unsupported(format!("head_dim {hd} (kernels exist for {HEAD_DIMS:?})")));
+        }
+        if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(CudaError::invalid(OP, "n_heads must be a non-zero multiple of n_kv_heads"));
+        }
+        let group = n_heads / n_kv_heads;
+        let u = |what: &str, v: usize| to_i32(OP, what, v).map(|x| x as u32);
+        let mut tables: Vec<u32> = Vec::new();
+        let (mut item_row, mut ent_len, mut ent_tab) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut tile_seq, mut tile_j0, mut seq_qrow, mut seq_nnew, mut pre_prior, mut pre_tab) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let tq = prefill_tile_q(hd);
+        let mut max_len = 0usize;
+        let mut kv_bytes = 0usize;
+        for s in seqs {
+            check_seq(OP, s, n_kv_heads, rows)?;
+            if s.n_new == 0 {
+                continue;
+            }
+            let mut offs = Vec::with_capacity(n_kv_heads);
+            for h in 0..n_kv_heads {
+                let len = s.prior_lens[h] + s.n_new;
+                kv.check_table(OP, &s.tables[h], len)?;
+                offs.push(u("table offset", tables.len())?);
+                tables.extend_from_slice(&s.tables[h][..len.div_ceil(bs)]);
+            }
+            if s.n_new <= DECODE_MAX_NEW {
+                for j in 0..s.n_new {
+                    item_row.push(u("row", s.q_row + j)?);
+                    for (&prior, &off) in s.prior_lens[..n_kv_heads].iter().zip(&offs) {
+                        let l = prior + j + 1;
+                        max_len = max_len.max(l);
+                        kv_bytes += 2 * l * hd * 2;
+                        ent_len.push(u("context length", l)?);
+                        ent_tab.push(off);
+                    }
+                }
+            } else {
+                let p = u("prefill sequences", seq_qrow.len())?;
+                seq_qrow.push(u("row", s.q_row)?);
+                seq_nnew.push(u("n_new", s.n_new)?);
+                for (&prior, &off) in s.prior_lens[..n_kv_heads].iter().zip(&offs) {
+                    u("prior_len + n_new", prior + s.n_new)?;
+                    pre_prior.push(prior as u32);
+                    pre_tab.push(off);
+                }
+                for j0 in (0..s.n_new).step_by(tq) {
+                    tile_seq.push(p);
+                    tile_j0.push(j0 as u32);
+                }
+            }
+        }
+        let g = heads_per_cta(group);
+        let entries = item_row.len() * n_kv_heads;
+        let subs = group.div_ceil(g);
+        let chunk = self.pick_chunk(hd, g, entries * subs, max_len)?;
+        let max_splits = max_len.div_ceil(chunk).max(1);
+        if max_splits > MAX_SPLITS {
+            return Err(CudaError::invalid(OP, format!("context of {max_len} slots needs too many splits")));
+        }
+        let n_items = item_row.len();
+        let (part_o, part_ml) = if n_items > 0 {
+            let parts = n_items * n_heads * max_splits;
+            (Some(self.zeros::<f32>(parts * hd)?), Some(self.zeros::<f32>(parts * 2)?))
+        } else {
+            (None, None)
+        };
+        let mut mb = MetaBuilder(Vec::new());
+        let tables_r = mb.push(&tables);
+        let item_row_r = mb.push(&item_row);
+        let ent_len_r = mb.push(&ent_len);
+        let ent_tab_r = mb.push(&ent_tab);
+        let tile_seq_r = mb.push(&tile_seq);
+        let tile_j0_r = mb.push(&tile_j0);
+        let seq_qrow_r = mb.push(&seq_qrow);
+        let seq_nnew_r = mb.push(&seq_nnew);
+        let pre_prior_r = mb.push(&pre_prior);
+        let pre_tab_r = mb.push(&pre_tab);
+        Ok(AttnPlan {
+            meta: self.upload(&mb.0)?,
+            tables: tables_r,
+            item_row: item_row_r,
+            ent_len: ent_len_r,
+            ent_tab: ent_tab_r,
+            tile_seq: tile_seq_r,
+            tile_j0: tile_j0_r,
+            seq_qrow: seq_qrow_r,
+            seq_nnew: seq_nnew_r,
+            pre_prior: pre_prior_r,
+            pre_tab: pre_tab_r,
+            n_items,
+            n_tiles: tile_seq.len(),
+            n_heads,
+            n_kv: n_kv_heads,
+            head_dim: hd,
+            block_size: bs,
+            rows,
+            chunk,
+            max_splits,
+            g,
+            part_o,
+            part_ml,
+            kv_bytes,
+        })
+    }
+
+    /// Split length for `ctas_per_split` CTAs per split over contexts of up to `max_len` slots: minimises
+    /// (waves of resident CTAs) × (slots per CTA + a fixed per-CTA cost), so the last wave is not left mostly empty.
+    fn pick_chunk(&self, hd: usize, g: usize, ctas_per_split: usize, max_len: usize) -> Result<usize, CudaError> {
+        let maxc = max_chunk(hd, g);
+        if ctas_per_split == 0 || max_len == 0 {
+            return Ok(maxc);
+        }
+        let smem = 4 * (g * maxc + WARPS * g * hd + 2 * g);
+        let per_sm =
+            self.func(decode_kernel(hd, g)?)?.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?;
+        let resident = (per_sm.max(1) as usize) * self.info().sm_count.max(1);
+        let mut best = (usize::MAX, maxc);
+        let min_splits = max_len.div_ceil(maxc);
+        for splits in min_splits..=max_len.div_ceil(MIN_CHUNK).max(min_splits) {
+            let chunk = max_len.div_ceil(splits).next_multiple_of(CHUNK_STEP).clamp(MIN_CHUNK.min(maxc), maxc);
+            let waves = (ctas_per_split * max_len.div_ceil(chunk)).div_ceil(resident);
+            let cost = waves * (chunk + CTA_OVERHEAD_SLOTS);
+            if cost < best.0 {
+                best = (cost, chunk);
+            }
+        }
+        Ok(best.1)
+    }
+
+    /// Launches a plan: `out` rows of the plan's sequences are overwritten; other rows are left as they are.
+    /// q, out: `[rows][n_heads * head_dim]` f32.
+    pub fn run_attention(
+        &self,
+        plan: &mut AttnPlan,
+        q: &CudaSlice<f32>,
+        kv: &CudaKv,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "paged_attention";
+        let w = plan.n_heads * plan.head_dim;
+        if q.len() != plan.rows * w || out.len() != q.len() {
+            return Err(CudaError::invalid(OP, "q and out must be [rows][n_heads*head_dim] of the plan"));
+        }
+        if kv.head_dim() != plan.head_dim || kv.block_size() != plan.block_size {
+            return Err(CudaError::invalid(OP, "the plan was built for another cache shape"));
+        }
+        let m = &plan.meta;
+        let r = |x: (usize, usize)| m.slice(x.0..x.1);
+        let (kc, vc) = kv.arenas();
+        let (nh, nkv) = (to_i32(OP, "n_heads", plan.n_heads)?, to_i32(OP, "n_kv_heads", plan.n_kv)?);
+        let (bs, hd) = (to_i32(OP, "block_size", plan.block_size)?, to_i32(OP, "head_dim", plan.head_dim)?);
+        let tables = r(plan.tables);
+        if let (Some(po), Some(pml)) = (plan.part_o.as_mut(), plan.part_ml.as_mut()) {
+            let name = decode_kernel(plan.head_dim, plan.g)?;
+            let entries = plan.n_items * plan.n_kv;
+            let subs = (plan.n_heads / plan.n_kv).div_ceil(plan.g);
+            let smem = 4 * (plan.g * plan.chunk + WARPS * plan.g * plan.head_dim + 2 * plan.g);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    grid_dim(OP, "decode entries", entries, i32::MAX as usize)?,
+                    grid_dim(OP, "splits", plan.max_splits, 65535)?,
+                    grid_dim(OP, "head groups", subs, 65535)?,
+                ),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let (chunk, ms) = (to_i32(OP, "chunk", plan.chunk)?, to_i32(OP, "splits", plan.max_splits)?);
+            let (item_row, ent_len, ent_tab) = (r(plan.item_row), r(plan.ent_len), r(plan.ent_tab));
+            // SAFETY: every table, row and length was validated in plan_attention against this cache shape and q;
+            // the workspace holds n_items * n_heads * max_splits partials.
+            unsafe {
+                self.stream()
+                    .launch_builder(self.func(name)?)
+                    .arg(q)
+                    .arg(kc)
+                    .arg(vc)
+                    .arg(&tables)
+                    .arg(&item_row)
+                    .arg(&ent_len)
+                    .arg(&ent_tab)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&bs)
+                    .arg(&chunk)
+                    .arg(&ms)
+                    .arg(&scale)
+                    .arg(&mut *po)
+                    .arg(&mut *pml)
+                    .launch(cfg)
+            }?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    grid_dim(OP, "decode items", plan.n_items, i32::MAX as usize)?,
+                    grid_dim(OP, "n_heads", plan.n_heads, 65535)?,
+                    1,
+                ),
+                block_dim: (plan.head_dim.min(256) as u32, 1, 1),
+                shared_mem_bytes: (4 * plan.max_splits) as u32,
+            };
+            // SAFETY: reads the partials written above; writes n_items rows of out.
+            unsafe {
+                self.stream()
+                    .launch_builder(self.func("paged_decode_reduce")?)
+                    .arg(&*po)
+                    .arg(&*pml)
+                    .arg(&item_row)
+                    .arg(&ent_len)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&hd)
+                    .arg(&chunk)
+                    .arg(&ms)
+                    .arg(&mut *out)
+                    .launch(cfg)
+            }?;
+        }
+        if plan.n_tiles > 0 {
+            let name = match plan.head_dim {
+                64 => "paged_prefill_hd64",
+                128 => "paged_prefill_hd128",
+                256 => "paged_prefill_hd256",
+                other => return Err(CudaError::Unsupported(format!("head_dim {other}"))),
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    grid_dim(OP, "prefill tiles", plan.n_tiles, i32::MAX as usize)?,
+                    grid_dim(OP, "n_heads", plan.n_heads, 65535)?,
+                    1,
+                ),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (ts, tj, sq, sn, pp, pt) = (
+                r(plan.tile_seq),
+                r(plan.tile_j0),
+                r(plan.seq_qrow),
+                r(plan.seq_nnew),
+                r(plan.pre_prior),
+                r(plan.pre_tab),
+            );
+            // SAFETY: as for decode; each tile writes its own rows and head.
+            unsafe {
+                self.stream()
+                    .launch_builder(self.func(name)?)
+                    .arg(q)
+                    .arg(kc)
+                    .arg(vc)
+                    .arg(&tables)
+                    .arg(&ts)
+                    .arg(&tj)
+                    .arg(&sq)
+                    .arg(&sn)
+                    .arg(&pp)
+                    .arg(&pt)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&bs)
+                    .arg(&scale)
+                    .arg(&mut *out)
+                    .launch(cfg)
+            }?;
+        }
+        Ok(())
+    }
+
+    /// One-shot paged attention (plan + run); see `Backend::paged_attention` for the contract.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaKv,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let w = n_heads * kv.head_dim();
+        if w == 0 || !q.len().is_multiple_of(w) {
+            return Err(CudaError::invalid("paged_attention", "q must be [rows][n_heads*head_dim]"));
+        }
+        let mut plan = self.plan_attention(kv, seqs, q.len() / w, n_heads, n_kv_heads)?;
+        self.run_attention(&mut plan, q, kv, scale, out)
+    }
+}
+
+fn decode_kernel(hd: usize, g: usize) -> Result<&'static str, CudaError> {
+    Ok(match (hd, g) {
+        (64, 1) => "paged_decode_hd64_g1",
+        (64, 2) => "paged_decode_hd64_g2",
+        (64, 4) => "paged_decode_hd64_g4",
+        (64, 8) => "paged_decode_hd64_g8",
+        (128, 1) => "paged_decode_hd128_g1",
+        (128, 2) => "paged_decode_hd128_g2",
+        (128, 4) => "paged_decode_hd128_g4",
+        (128, 8) => "paged_decode_hd128_g8",
+        (256, 1) => "paged_decode_hd256_g1",
+        (256, 2) => "paged_decode_hd256_g2",
+        (256, 4) => "paged_decode_hd256_g4",
+        (256, 8) => "paged_decode_hd256_g8",
+        _ => return Err(CudaError::Unsupported(format!("decode head_dim {hd} with {g} heads per CTA"))),
+    })
+}

@@ -1,0 +1,26 @@
+//! The CUDA backend (feature `cuda`): GPU twins of the CPU kernels, launched through cudarc with the driver,
+//! NVRTC and cuBLAS loaded at run time (so building needs no CUDA installation).
+//!
+//! - [`compile`]: the embedded `kernels/cuda/*.cu` sources, NVRTC compilation for the device's `sm_XY`, and the
+//!   on-disk PTX cache (xxh3 of sources + arch + NVRTC version);
+//! - [`context`]: [`CudaContext`], one device with its stream, loaded kernels and cuBLAS handle;
+//! - [`ops`]: RMSNorm, RoPE, SiLU·mul, embedding, f16 weights ([`CudaWeight`], GGUF Q4_1/Q8_0 dequantised on load)
+//!   and the cuBLAS GEMM;
+//! - [`kv`]: the f16 head-paged arenas ([`CudaKv`]), KV write, block copy/compaction, policy scores;
+//! - [`attention`]: paged decode (split-K + reduce) and prefill (tiled, causal) attention with GQA;
+//! - [`error`]: the error type, [`CudaError`].
+//!
+//! Every kernel has a CPU twin in this crate; `kernels/tests/cuda_parity.rs` compares them.
+
+pub mod attention;
+pub mod compile;
+pub mod context;
+pub mod error;
+pub mod kv;
+pub mod ops;
+
+pub use attention::AttnPlan;
+pub use context::{CudaContext, DeviceInfo, device_available};
+pub use error::CudaError;
+pub use kv::{CudaKv, ScoreEntry, SlotScores};
+pub use ops::CudaWeight;

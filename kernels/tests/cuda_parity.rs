@@ -1,0 +1,440 @@
+//! GPU ↔ CPU parity: every CUDA kernel against its CPU twin in pagoda_kernels on random inputs, across shapes and
+//! edge lengths (non-multiples of the block size, contexts 1..4096, GQA ratios 1, 3, 4 and 16).
+//!
+//! K and V values are rounded to f16 before the CPU sees them, because the GPU arenas are f16: the comparison then
+//! measures the kernels, not the storage format. Without a CUDA driver or device every test prints
+//! "skipped: no CUDA device" and returns. Each test prints its max error (`parity <name>: max err ...`).
+#![cfg(feature = "cuda")]
+
+use half::f16;
+use pagoda_kernels::cuda::{CudaContext, CudaKv, CudaWeight, ScoreEntry};
+use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, WeightType};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+static CX: OnceLock<Option<Mutex<CudaContext>>> = OnceLock::new();
+
+/// The shared GPU context, or None (after printing why) when this machine has no usable CUDA device.
+fn gpu(test: &str) -> Option<MutexGuard<'static, CudaContext>> {
+    let cx = CX.get_or_init(|| match CudaContext::new(0) {
+        Ok(cx) => {
+            eprintln!("device: {:?}; PTX cache: {:?}", cx.info(), cx.cache_status());
+            Some(Mutex::new(cx))
+        }
+        Err(e) if e.is_no_device() => {
+            eprintln!("({e})");
+            None
+        }
+        Err(e) => panic!("a CUDA device is present but the backend failed to start: {e}"),
+    });
+    match cx {
+        Some(m) => Some(m.lock().unwrap_or_else(|p| p.into_inner())),
+        None => {
+            eprintln!("{test}: skipped: no CUDA device");
+            None
+        }
+    }
+}
+
+fn rvec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
+}
+
+fn round16(v: &mut [f32]) {
+    for x in v {
+        *x = f16::from_f32(*x).to_f32();
+    }
+}
+
+/// max |a - b| / (1 + |b|): absolute near zero, relative for large values.
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() / (1.0 + y.abs()) }).fold(0.0, f32::max)
+}
+
+fn report(name: &str, err: f32, tol: f32) {
+    eprintln!("parity {name}: max err {err:.3e} (tol {tol:.0e})");
+    assert!(err <= tol, "{name}: max err {err} exceeds {tol}");
+}
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    let Some(cx) = gpu("rmsnorm") else { return };
+    let cpu = CpuBackend::new(0);
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut worst = 0.0f32;
+    for &(rows, dim) in &[(1, 1), (3, 7), (17, 64), (5, 576), (2, 4099), (64, 2048)] {
+        let x = rvec(&mut rng, rows * dim, 3.0);
+        let w = rvec(&mut rng, dim, 1.5);
+        let mut want = vec![0.0; x.len()];
+        cpu.rmsnorm(&x, &w, 1e-5, &mut want);
+        let (dx, dw) = (cx.upload(&x).unwrap(), cx.upload(&w).unwrap());
+        let mut dout = cx.zeros::<f32>(x.len()).unwrap();
+        cx.rmsnorm(&dx, &dw, 1e-5, &mut dout).unwrap();
+        worst = worst.max(max_err(&cx.download(&dout).unwrap(), &want));
+    }
+    report("rmsnorm", worst, 1e-5);
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(cx) = gpu("rope") else { return };
+    let cpu = CpuBackend::new(0);
+    let mut rng = StdRng::seed_from_u64(2);
+    let mut worst = 0.0f32;
+    for &(n, heads, hd, theta) in &[(1, 1, 2, 10000.0), (5, 3, 64, 10000.0), (9, 8, 128, 500000.0), (3, 2, 256, 1e6)] {
+        let mut x = rvec(&mut rng, n * heads * hd, 2.0);
+        let pos: Vec<u32> = (0..n).map(|i| if i == 0 { 0 } else { rng.random_range(0..131072) }).collect();
+        let dpos = cx.upload(&pos).unwrap();
+        let mut dx = cx.upload(&x).unwrap();
+        cpu.rope(&mut x, &pos, heads, hd, theta);
+        cx.rope(&mut dx, &dpos, heads, hd, theta).unwrap();
+        worst = worst.max(max_err(&cx.download(&dx).unwrap(), &x));
+    }
+    report("rope", worst, 1e-5);
+}
+
+#[test]
+fn silu_mul_matches_cpu() {
+    let Some(cx) = gpu("silu_mul") else { return };
+    let cpu = CpuBackend::new(0);
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut worst = 0.0f32;
+    for n in [1usize, 31, 1536, 100_003] {
+        let mut g = rvec(&mut rng, n, 12.0);
+        let u = rvec(&mut rng, n, 3.0);
+        let mut dg = cx.upload(&g).unwrap();
+        let du = cx.upload(&u).unwrap();
+        cpu.silu_mul(&mut g, &u);
+        cx.silu_mul(&mut dg, &du).unwrap();
+        worst = worst.max(max_err(&cx.download(&dg).unwrap(), &g));
+    }
+    report("silu_mul", worst, 1e-6);
+}
+
+/// Q4_1 / Q8_0 / F16 / F32 weights: device dequantisation to f16 equals the CPU's rows rounded to f16.
+#[test]
+fn dequant_and_embedding_match_cpu() {
+    let Some(cx) = gpu("dequant/embedding") else { return };
+    let cpu = CpuBackend::new(0);
+    let mut rng = StdRng::seed_from_u64(4);
+    let mut worst = 0.0f32;
+    for ty in [WeightType::F32, WeightType::F16, WeightType::Q4_1, WeightType::Q8_0] {
+        for &(rows, cols) in &[(1, 32), (37, 96), (300, 576)] {
+            let vals = rvec(&mut rng, rows * cols, 2.0);
+            let w = QMatrix::quantize(ty, rows, cols, &vals).unwrap();
+            let dw = CudaWeight::from_qmatrix(&cx, &w).unwrap();
+            let got: Vec<f32> =
+                cx.download(dw.data()).unwrap().into_iter().map(|b| f16::from_bits(b).to_f32()).collect();
+            let mut want = vec![0.0; rows * cols];
+            for (r, o) in want.chunks_exact_mut(cols).enumerate() {
+                w.dequantize_row(r, o);
+            }
+            round16(&mut want);
+            worst = worst.max(max_err(&got, &want));
+            // Embedding: ids include out-of-range ones (zero rows on both sides).
+            let ids: Vec<u32> =
+                (0..11).map(|i| if i == 5 { rows as u32 + 3 } else { rng.random_range(0..rows as u32) }).collect();
+            let mut want_e = vec![0.0; ids.len() * cols];
+            cpu.embedding(&w, &ids, &mut want_e);
+            round16(&mut want_e);
+            let dids = cx.upload(&ids).unwrap();
+            let mut de = cx.zeros::<f32>(ids.len() * cols).unwrap();
+            cx.embedding(&dw, &dids, &mut de).unwrap();
+            worst = worst.max(max_err(&cx.download(&de).unwrap(), &want_e));
+        }
+    }
+    report("dequant+embedding", worst, 0.0);
+}
+
+/// cuBLAS GEMM against an f64 reference over the same f16-rounded inputs, and against the CPU twin.
+#[test]
+fn gemm_matches_reference_and_cpu() {
+    let Some(cx) = gpu("gemm") else { return };
+    let cpu = CpuBackend::new(0);
+    let mut rng = StdRng::seed_from_u64(5);
+    let (mut worst_ref, mut worst_cpu) = (0.0f32, 0.0f32);
+    for &(n, rows, cols) in &[(1, 1, 32), (1, 64, 64), (7, 300, 576), (33, 1000, 1536), (64, 2048, 2048)] {
+        let mut x = rvec(&mut rng, n * cols, 1.0);
+        let vals = rvec(&mut rng, rows * cols, 1.0);
+        let w = QMatrix::quantize(WeightType::F16, rows, cols, &vals).unwrap();
+        let dw = CudaWeight::from_qmatrix(&cx, &w).unwrap();
+        let dx = cx.upload(&x).unwrap();
+        let mut dy = cx.zeros::<f32>(n * rows).unwrap();
+        cx.matmul(&dw, &dx, n, &mut dy).unwrap();
+        let got = cx.download(&dy).unwrap();
+        let mut want_cpu = vec![0.0; n * rows];
+        cpu.matmul(&w, &x, n, &mut want_cpu);
+        round16(&mut x);
+        let mut wr = vec![0.0; cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut wr);
+            for i in 0..n {
+                let xr = &x[i * cols..(i + 1) * cols];
+                let (dot, mag) = xr.iter().zip(&wr).fold((0.0f64, 0.0f64), |(d, m), (&a, &b)| {
+                    (d + f64::from(a) * f64::from(b), m + f64::from((a * b).abs()))
+                });
+                let g = f64::from(got[i * rows + r]);
+                worst_ref = worst_ref.max(((g - dot).abs() / (mag + 1e-6)) as f32);
+                let c = f64::from(want_cpu[i * rows + r]);
+                worst_cpu = worst_cpu.max(((g - c).abs() / (mag + 1e-6)) as f32);
+            }
+        }
+    }
+    // Relative to Σ|x·w|: f32 accumulation vs f64 (tight), and x rounded to f16 vs f32 x on the CPU (looser).
+    report("gemm vs f64 reference (rel. to sum|xw|)", worst_ref, 1e-5);
+    report("gemm vs CPU matmul (rel. to sum|xw|)", worst_cpu, 2e-3);
+}
+
+/// A batch of sequences with per-kv-head tables drawn from a shuffled block pool.
+struct Batch {
+    tables: Vec<Vec<Vec<u32>>>,
+    prior: Vec<Vec<usize>>,
+    n_new: Vec<usize>,
+    q_row: Vec<usize>,
+    rows: usize,
+    num_blocks: usize,
+}
+
+impl Batch {
+    /// `specs`: (n_new, prior lens per kv-head).
+    fn new(rng: &mut StdRng, specs: &[(usize, Vec<usize>)], bs: usize) -> Batch {
+        let need: usize = specs.iter().map(|(n, p)| p.iter().map(|l| (l + n).div_ceil(bs) + 1).sum::<usize>()).sum();
+        let num_blocks = need + 5;
+        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+        pool.shuffle(rng);
+        let mut it = pool.into_iter();
+        let (mut tables, mut prior, mut n_new, mut q_row) = (vec![], vec![], vec![], vec![]);
+        let mut rows = 0;
+        for (n, p) in specs {
+            // One spare block per table: capacity beyond what is used must not matter.
+            tables
+                .push(p.iter().map(|l| (0..(l + n).div_ceil(bs) + 1).map(|_| it.next().unwrap()).collect()).collect());
+            prior.push(p.clone());
+            n_new.push(*n);
+            q_row.push(rows);
+            rows += n;
+        }
+        Batch { tables, prior, n_new, q_row, rows, num_blocks }
+    }
+
+    fn seqs(&self) -> Vec<AttnSeq<'_>> {
+        (0..self.n_new.len())
+            .map(|i| AttnSeq {
+                q_row: self.q_row[i],
+                n_new: self.n_new[i],
+                tables: &self.tables[i],
+                prior_lens: &self.prior[i],
+            })
+            .collect()
+    }
+}
+
+fn random_cache(rng: &mut StdRng, num_blocks: usize, bs: usize, hd: usize) -> KvStorage {
+    let mut kv = KvStorage::new(num_blocks, bs, hd);
+    let (k, v) = kv.arenas_mut();
+    for x in k.iter_mut().chain(v.iter_mut()) {
+        *x = f16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32();
+    }
+    kv
+}
+
+/// Runs GPU and CPU attention on the same batch; returns the max error over the batch's rows.
+fn attention_case(cx: &CudaContext, rng: &mut StdRng, b: &Batch, kv: &KvStorage, n_heads: usize, n_kv: usize) -> f32 {
+    let hd = kv.head_dim();
+    let q = rvec(rng, b.rows * n_heads * hd, 1.0);
+    let scale = 1.0 / (hd as f32).sqrt() * 2.0;
+    let seqs = b.seqs();
+    let mut want = vec![0.0; q.len()];
+    CpuBackend::new(0).paged_attention(&q, kv, &seqs, n_heads, n_kv, scale, &mut want);
+    let dkv = CudaKv::from_host(cx, kv).unwrap();
+    let dq = cx.upload(&q).unwrap();
+    let mut dout = cx.zeros::<f32>(q.len()).unwrap();
+    cx.paged_attention(&dq, &dkv, &seqs, n_heads, n_kv, scale, &mut dout).unwrap();
+    max_err(&cx.download(&dout).unwrap(), &want)
+}
+
+#[test]
+fn decode_attention_matches_cpu() {
+    let Some(cx) = gpu("decode attention") else { return };
+    let mut rng = StdRng::seed_from_u64(6);
+    let mut worst = 0.0f32;
+    // (head_dim, n_heads, n_kv): GQA ratios 1, 3, 4 and 16 (two head groups per CTA).
+    for &(hd, nh, nkv) in &[(64, 4, 4), (64, 9, 3), (128, 16, 4), (128, 12, 4), (256, 4, 1), (128, 32, 2)] {
+        for &bs in &[16usize, 5] {
+            let lens = [0usize, 1, 4, 15, 16, 17, 100, 1000, 4095];
+            let specs: Vec<(usize, Vec<usize>)> = lens
+                .iter()
+                .map(|&l| (1, (0..nkv).map(|h| if h % 2 == 1 { l / 2 } else { l }).collect()))
+                .chain(std::iter::once((1, vec![4095; nkv])))
+                .chain(std::iter::once((3, vec![33; nkv])))
+                .collect();
+            let b = Batch::new(&mut rng, &specs, bs);
+            let kv = random_cache(&mut rng, b.num_blocks, bs, hd);
+            let e = attention_case(&cx, &mut rng, &b, &kv, nh, nkv);
+            eprintln!("  decode hd={hd} heads={nh}/{nkv} bs={bs}: {e:.3e}");
+            worst = worst.max(e);
+        }
+    }
+    report("decode attention", worst, 2e-5);
+}
+
+#[test]
+fn prefill_attention_matches_cpu() {
+    let Some(cx) = gpu("prefill attention") else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut worst = 0.0f32;
+    for &(hd, nh, nkv) in &[(64, 9, 3), (128, 8, 8), (128, 16, 4), (256, 8, 2)] {
+        for &bs in &[16usize, 7] {
+            // Prefill chunks (n_new > 4) with and without prior context, one long, plus decode rows in the batch.
+            let specs = vec![
+                (5, vec![0; nkv]),
+                (17, (0..nkv).map(|h| 3 * h).collect()),
+                (64, vec![50; nkv]),
+                (100, (0..nkv).map(|h| 1000 + h).collect()),
+                (1, vec![200; nkv]),
+                (300, vec![0; nkv]),
+            ];
+            let b = Batch::new(&mut rng, &specs, bs);
+            let kv = random_cache(&mut rng, b.num_blocks, bs, hd);
+            let e = attention_case(&cx, &mut rng, &b, &kv, nh, nkv);
+            eprintln!("  prefill hd={hd} heads={nh}/{nkv} bs={bs}: {e:.3e}");
+            worst = worst.max(e);
+        }
+    }
+    report("prefill attention", worst, 2e-5);
+}
+
+/// kv_write, then attention over what was written, on both sides (one layer step).
+#[test]
+fn kv_write_then_attention_matches_cpu() {
+    let Some(cx) = gpu("kv_write") else { return };
+    let cpu = CpuBackend::new(0);
+    let mut rng = StdRng::seed_from_u64(8);
+    let (mut worst_kv, mut worst_attn) = (0.0f32, 0.0f32);
+    for &(hd, nh, nkv, bs) in &[(64, 9, 3, 16), (128, 32, 8, 16), (128, 12, 4, 3)] {
+        let specs =
+            vec![(1, vec![37; nkv]), (20, vec![0; nkv]), (1, (0..nkv).map(|h| 5 * h).collect()), (6, vec![16; nkv])];
+        let b = Batch::new(&mut rng, &specs, bs);
+        let mut kv = random_cache(&mut rng, b.num_blocks, bs, hd);
+        let mut k = rvec(&mut rng, b.rows * nkv * hd, 1.0);
+        let mut v = rvec(&mut rng, b.rows * nkv * hd, 1.0);
+        round16(&mut k);
+        round16(&mut v);
+        let seqs = b.seqs();
+        let mut dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        let (dk, dv) = (cx.upload(&k).unwrap(), cx.upload(&v).unwrap());
+        cpu.kv_write(&mut kv, &k, &v, &seqs, nkv);
+        cx.kv_write(&mut dkv, &dk, &dv, &seqs, nkv).unwrap();
+        let back = dkv.to_host(&cx).unwrap();
+        worst_kv = worst_kv.max(max_err(back.arenas().0, kv.arenas().0)).max(max_err(back.arenas().1, kv.arenas().1));
+        let q = rvec(&mut rng, b.rows * nh * hd, 1.0);
+        let mut want = vec![0.0; q.len()];
+        let scale = 1.0 / (hd as f32).sqrt();
+        cpu.paged_attention(&q, &kv, &seqs, nh, nkv, scale, &mut want);
+        let dq = cx.upload(&q).unwrap();
+        let mut dout = cx.zeros::<f32>(q.len()).unwrap();
+        cx.paged_attention(&dq, &dkv, &seqs, nh, nkv, scale, &mut dout).unwrap();
+        worst_attn = worst_attn.max(max_err(&cx.download(&dout).unwrap(), &want));
+    }
+    report("kv_write", worst_kv, 0.0);
+    report("kv_write+attention", worst_attn, 2e-5);
+}
+
+#[test]
+fn copy_blocks_matches_cpu() {
+    let Some(cx) = gpu("copy_blocks") else { return };
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut worst = 0.0f32;
+    for &(nb, bs, hd) in &[(64, 16, 128), (40, 5, 64), (10, 3, 3)] {
+        let mut kv = random_cache(&mut rng, nb, bs, hd);
+        let mut ids: Vec<u32> = (0..nb as u32).collect();
+        ids.shuffle(&mut rng);
+        let pairs: Vec<(u32, u32)> = (0..nb / 3).map(|i| (ids[2 * i], ids[2 * i + 1])).collect();
+        let mut dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        for &(s, d) in &pairs {
+            kv.copy_block(s, d);
+        }
+        cx.copy_blocks(&mut dkv, &pairs).unwrap();
+        let back = dkv.to_host(&cx).unwrap();
+        worst = worst.max(max_err(back.arenas().0, kv.arenas().0)).max(max_err(back.arenas().1, kv.arenas().1));
+        // A chain (a destination that is also a source) is refused rather than applied in a racy order.
+        assert!(cx.copy_blocks(&mut dkv, &[(0, 1), (1, 2)]).is_err());
+        assert!(cx.copy_blocks(&mut dkv, &[(0, nb as u32)]).is_err());
+    }
+    report("copy_blocks", worst, 0.0);
+}
+
+#[test]
+fn policy_scores_match_reference() {
+    let Some(cx) = gpu("policy scores") else { return };
+    let mut rng = StdRng::seed_from_u64(10);
+    let (mut worst_n, mut worst_c) = (0.0f32, 0.0f32);
+    for &(bs, hd) in &[(16usize, 128usize), (5, 64), (16, 40)] {
+        let specs = vec![(0, vec![1, 0, 17]), (0, vec![300, 4096, 16])];
+        let b = Batch::new(&mut rng, &specs, bs);
+        let mut kv = random_cache(&mut rng, b.num_blocks, bs, hd);
+        // One all-zero key slot: its ratio must follow the documented rule.
+        let z = b.tables[0][0][0];
+        kv.block_k_mut(z)[..hd].fill(0.0);
+        let entries: Vec<ScoreEntry<'_>> = (0..2)
+            .flat_map(|s| (0..3).map(move |h| (s, h)))
+            .map(|(s, h)| ScoreEntry { table: &b.tables[s][h], len: b.prior[s][h] })
+            .collect();
+        let anchors = rvec(&mut rng, entries.len() * hd, 1.0);
+        let dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        let norms = cx.slot_norms(&dkv, &entries).unwrap();
+        let cos = cx.anchor_cosine(&dkv, &entries, &anchors).unwrap();
+        assert_eq!(norms.offsets, cos.offsets);
+        for (e, ent) in entries.iter().enumerate() {
+            let an = &anchors[e * hd..(e + 1) * hd];
+            let na = an.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            for t in 0..ent.len {
+                let blk = ent.table[t / bs];
+                let off = (t % bs) * hd;
+                let k = &kv.block_k(blk)[off..off + hd];
+                let v = &kv.block_v(blk)[off..off + hd];
+                let nk = k.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+                let nv = v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+                let ratio = if nk > 0.0 { nv / nk } else { f64::INFINITY };
+                let dot: f64 = k.iter().zip(an).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+                let c = if nk > 0.0 && na > 0.0 { dot / (nk * na) } else { 0.0 };
+                let i = norms.offsets[e] + t;
+                worst_n = worst_n.max(((f64::from(norms.knorm[i]) - nk).abs() / (1.0 + nk)) as f32);
+                if ratio.is_finite() {
+                    worst_n = worst_n.max(((f64::from(norms.score[i]) - ratio).abs() / (1.0 + ratio)) as f32);
+                } else {
+                    assert!(norms.score[i].is_infinite(), "zero key: ratio must be +inf");
+                }
+                worst_c = worst_c.max((f64::from(cos.score[i]) - c).abs() as f32);
+            }
+        }
+    }
+    report("slot norms (||K||, ||V||/||K||)", worst_n, 1e-5);
+    report("anchor cosine", worst_c, 1e-5);
+}
+
+#[test]
+fn invalid_inputs_are_errors() {
+    let Some(cx) = gpu("invalid inputs") else { return };
+    let kv = CudaKv::new(&cx, 4, 16, 96).unwrap();
+    let tables = vec![vec![0u32]];
+    let seqs = [AttnSeq { q_row: 0, n_new: 1, tables: &tables, prior_lens: &[3] }];
+    let q = cx.zeros::<f32>(96).unwrap();
+    let mut out = cx.zeros::<f32>(96).unwrap();
+    // head_dim 96 has no kernel instantiation.
+    assert!(cx.paged_attention(&q, &kv, &seqs, 1, 1, 1.0, &mut out).is_err());
+    let kv = CudaKv::new(&cx, 4, 16, 64).unwrap();
+    let q = cx.zeros::<f32>(64).unwrap();
+    let mut out = cx.zeros::<f32>(64).unwrap();
+    // The table is too short for prior_len + n_new = 20 slots.
+    let seqs = [AttnSeq { q_row: 0, n_new: 1, tables: &tables, prior_lens: &[19] }];
+    assert!(cx.paged_attention(&q, &kv, &seqs, 1, 1, 1.0, &mut out).is_err());
+    // Block index out of range.
+    let bad = vec![vec![9u32]];
+    let seqs = [AttnSeq { q_row: 0, n_new: 1, tables: &bad, prior_lens: &[0] }];
+    assert!(cx.paged_attention(&q, &kv, &seqs, 1, 1, 1.0, &mut out).is_err());
+    eprintln!("parity invalid inputs: rejected as errors");
+}
