@@ -15,7 +15,8 @@ llama.cpp's "smollm" pre-tokenizer) split every digit first: Sequence[Digits(ind
 ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]. transformers' GGUF converter has no
 entry for "smollm" and uses plain ByteLevel. This script therefore also tokenizes every text with the SmolLM2
 pre-tokenizer and records both; the expected ids (`ids`) are the SmolLM2 ones, and `ids_transformers_gguf`
-appears only where the two differ (it did not for any text in this set when the fixture was made).
+appears only where the two differ. In this text set that is one text: " ½" (a space before a non-ASCII number)
+stays one pre-token under plain ByteLevel but is split by Digits.
 """
 
 import json
