@@ -1,1 +1,212 @@
-//! Pagoda end-to-end harness.
+//! Pagoda end-to-end harness: starts the real `pagoda` binary as child processes on ephemeral loopback ports,
+//! waits for readiness, and offers HTTP/SSE/gRPC helpers. Every child is killed by a drop guard, so a failing
+//! test never leaves processes behind; on failure the child's log tail is printed.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use pagoda_proto::worker::worker_client::WorkerClient;
+use pagoda_proto::worker::{StatsRequest, StatsResponse};
+
+pub use futures;
+pub use reqwest;
+pub use serde_json;
+
+/// The model the tests serve (fetched by scripts/fetch-model.sh, which CI runs first).
+pub fn model_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// The id the model is served under (its file stem).
+pub const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+/// A running `pagoda` child process. Dropping it kills the process.
+pub struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    /// Starts `bin args...`; stdout lines are collected, stderr goes to a log file.
+    pub fn spawn(bin: &Path, name: &str, args: &[&str]) -> Result<Proc> {
+        let log = std::env::temp_dir().join(format!("pagoda-e2e-{name}-{}.log", std::process::id()));
+        let err = File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let mut child = Command::new(bin)
+            .args(args)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(err))
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Proc { name: name.to_string(), child, log, lines })
+    }
+
+    /// Waits for a stdout line starting with `prefix` and returns the rest of it.
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("{} exited ({status}) before printing {prefix:?}\n{}", self.name, self.log_tail());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("{} did not print {prefix:?} within {timeout:?}\n{}", self.name, self.log_tail());
+            }
+            match self.lines.recv_timeout(left.min(Duration::from_millis(200))) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix(prefix) {
+                        return Ok(rest.trim().to_string());
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Kills the process now and waits for it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The last 4 KiB of the process's stderr log.
+    pub fn log_tail(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = File::open(&self.log) {
+            let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+            let _ = f.seek(SeekFrom::Start(len.saturating_sub(4096)));
+            let _ = f.read_to_string(&mut s);
+        }
+        format!("--- {} log ({}) ---\n{s}", self.name, self.log.display())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("{}", self.log_tail());
+        }
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Checks that the model is there, with a helpful message otherwise.
+pub fn require_model() -> Result<PathBuf> {
+    let p = model_path();
+    if !p.is_file() {
+        bail!("{} is missing: run scripts/fetch-model.sh first", p.display());
+    }
+    Ok(p)
+}
+
+/// An address on loopback that was free a moment ago.
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// HTTP helpers against one router.
+#[derive(Clone)]
+pub struct Http {
+    pub base: String,
+    pub client: reqwest::Client,
+}
+
+impl Http {
+    pub fn new(base: impl Into<String>) -> Http {
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap_or_default();
+        Http { base: base.into(), client }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// GET, returning status and body text.
+    pub async fn get(&self, path: &str) -> Result<(u16, String)> {
+        let r = self.client.get(self.url(path)).send().await?;
+        let s = r.status().as_u16();
+        Ok((s, r.text().await?))
+    }
+
+    /// POST raw bytes as JSON, returning status and body text.
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> Result<(u16, String)> {
+        let r = self.client.post(self.url(path)).header("content-type", "application/json").body(body).send().await?;
+        let s = r.status().as_u16();
+        Ok((s, r.text().await?))
+    }
+
+    /// POST a JSON value, returning status and parsed JSON body.
+    pub async fn post_json(&self, path: &str, body: &serde_json::Value) -> Result<(u16, serde_json::Value)> {
+        let (s, text) = self.post_raw(path, body.to_string().into_bytes()).await?;
+        let v = serde_json::from_str(&text).with_context(|| format!("response is not JSON: {text}"))?;
+        Ok((s, v))
+    }
+
+    /// Polls `/readyz` until it answers 200.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok((200, _)) = self.get("/readyz").await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{} not ready within {timeout:?}", self.base);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Parses an SSE body strictly: each event is exactly one `data: <payload>` line followed by a blank line.
+pub fn sse_payloads(body: &str) -> Result<Vec<String>> {
+    if !body.ends_with("\n\n") {
+        bail!("SSE body does not end with a blank line: {body:?}");
+    }
+    body.trim_end_matches("\n\n")
+        .split("\n\n")
+        .map(|ev| {
+            if ev.contains('\n') {
+                bail!("event spans several lines: {ev:?}");
+            }
+            ev.strip_prefix("data: ").map(str::to_string).ok_or_else(|| anyhow!("not a data line: {ev:?}"))
+        })
+        .collect()
+}
+
+/// The worker's `Stats` over gRPC.
+pub async fn worker_stats(addr: &str) -> Result<StatsResponse> {
+    let mut c = WorkerClient::connect(format!("http://{addr}")).await.with_context(|| format!("connect {addr}"))?;
+    Ok(c.stats(StatsRequest {}).await?.into_inner())
+}

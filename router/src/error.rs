@@ -161,8 +161,14 @@ impl std::error::Error for ApiError {}
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let headers = [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))];
-        (self.status, headers, self.body_json()).into_response()
+        let mut resp = (self.status, self.body_json()).into_response();
+        let headers = resp.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of the body is not read: tell the client not to reuse this connection.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
     }
 }
 

@@ -96,7 +96,7 @@ impl WorkerService {
                 }
                 // proto3 default 0 means "not set": no nucleus filtering.
                 let top_p = if s.top_p == 0.0 { 1.0 } else { s.top_p };
-                if !top_p.is_finite() || !(top_p > 0.0 && top_p <= 1.0) {
+                if !top_p.is_finite() || top_p <= 0.0 || top_p > 1.0 {
                     return Err(Status::invalid_argument(format!("top_p must be in (0, 1], got {}", s.top_p)));
                 }
                 if s.top_k as usize > info.vocab_size {
@@ -332,7 +332,7 @@ mod tests {
         assert_eq!((u.prompt_tokens, u.completion_tokens), (3, 5));
         assert_eq!(tokens.len(), 5);
         // The fake model's greedy continuation: token = (position + last) % vocab.
-        assert_eq!(tokens[0], (3 + 3) % 1000);
+        assert_eq!(tokens[0], 6);
     }
 
     #[tokio::test]

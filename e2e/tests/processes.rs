@@ -1,0 +1,77 @@
+//! End-to-end test of the multi-process topology: `pagoda router` and `pagoda worker` as separate processes on
+//! loopback, the router talking to the worker over gRPC. Covers readiness before/after the worker exists, a
+//! real chat answer, the body-size limit, and what clients see when the worker dies.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{BIN, assert_error, chat, still_serves};
+use pagoda_e2e::serde_json::json;
+use pagoda_e2e::{Http, Proc, free_port, require_model, worker_stats};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn separate_router_and_worker_processes() {
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let wport = free_port().unwrap();
+    let worker_addr = format!("127.0.0.1:{wport}");
+
+    // Router first: alive but not ready while its worker does not exist.
+    let mut router = Proc::spawn(
+        BIN.as_ref(),
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--worker", &worker_addr, "--model", &model, "--body-limit", "65536"],
+    )
+    .unwrap();
+    let base = router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap();
+    let http = Http::new(base);
+    assert_eq!(http.get("/healthz").await.unwrap().0, 200);
+    let (s, body) = http.get("/readyz").await.unwrap();
+    assert_eq!(s, 503, "{body}");
+    let (s, text) =
+        http.post_raw("/v1/chat/completions", chat("hi", json!({})).to_string().into_bytes()).await.unwrap();
+    assert_error("no worker yet", s, &text, 503);
+
+    let mut worker =
+        Proc::spawn(BIN.as_ref(), "worker", &["worker", "--listen", &worker_addr, "--model", &model, "--threads", "1"])
+            .unwrap();
+    worker.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
+    http.wait_ready(Duration::from_secs(30)).await.unwrap();
+
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &chat("What is the capital of France?", json!({"temperature": 0, "max_tokens": 32})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!answer.trim().is_empty(), "{v}");
+    let stats = worker_stats(&worker_addr).await.unwrap();
+    assert!(stats.computed_tokens_total > 0, "{stats:?}");
+    assert_eq!(stats.running, 0);
+
+    // The configured body limit applies.
+    let big = chat(&"a".repeat(100 * 1024), json!({})).to_string().into_bytes();
+    let (s, text) = http.post_raw("/v1/chat/completions", big).await.unwrap();
+    assert_error("body over --body-limit", s, &text, 413);
+    still_serves(&http, "413").await;
+
+    // The worker dies: the router stays up, says not ready, and answers 503 in OpenAI format.
+    worker.kill();
+    let t0 = Instant::now();
+    loop {
+        let (s, _) = http.get("/readyz").await.unwrap();
+        if s == 503 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "router still ready after its worker died");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (s, text) =
+        http.post_raw("/v1/chat/completions", chat("hi", json!({})).to_string().into_bytes()).await.unwrap();
+    assert_error("worker gone", s, &text, 503);
+    assert_eq!(http.get("/healthz").await.unwrap().0, 200);
+    assert!(router.alive());
+}

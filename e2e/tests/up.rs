@@ -1,0 +1,275 @@
+//! End-to-end tests of `pagoda up` (engine + worker gRPC + router in one process) on the real SmolLM2 model:
+//! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, every bad-input case,
+//! and block release when a client disconnects mid-stream (checked through the worker's gRPC Stats).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_error, chat, start_up, still_serves};
+use pagoda_e2e::serde_json::{Value, json};
+use pagoda_e2e::{MODEL_ID, sse_payloads, worker_stats};
+
+const QUESTION: &str = "What is the capital of France?";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_answers_chat_streaming_and_not() {
+    let up = start_up("up-chat", &[]).await.unwrap();
+    let http = &up.http;
+
+    // Non-streaming, greedy.
+    let (s, v) = http
+        .post_json("/v1/chat/completions", &chat(QUESTION, json!({"temperature": 0, "max_tokens": 48})))
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], MODEL_ID);
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &v["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    let answer = choice["message"]["content"].as_str().unwrap().to_string();
+    eprintln!("answer: {answer:?}");
+    assert!(!answer.trim().is_empty());
+    assert!(answer.contains("Paris"), "greedy answer should name Paris: {answer:?}");
+    let finish = choice["finish_reason"].as_str().unwrap().to_string();
+    assert!(finish == "stop" || finish == "length", "{v}");
+    let usage = &v["usage"];
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    let completion_tokens = usage["completion_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 8);
+    assert!((1..=48).contains(&completion_tokens), "{usage}");
+    if finish == "length" {
+        assert_eq!(completion_tokens, 48);
+    }
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt_tokens + completion_tokens);
+
+    // Streaming, greedy, with usage: exact SSE framing and chunk objects.
+    let body = chat(
+        QUESTION,
+        json!({"temperature": 0, "max_tokens": 48, "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let r = http.client.post(http.url("/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let ctype = r.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+    let text = r.text().await.unwrap();
+    let payloads = sse_payloads(&text).unwrap();
+    assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1]
+        .iter()
+        .map(|p| pagoda_e2e::serde_json::from_str(p).unwrap_or_else(|e| panic!("bad chunk {p}: {e}")))
+        .collect();
+    assert!(chunks.len() >= 3, "{text}");
+    let id = chunks[0]["id"].as_str().unwrap();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk", "{c}");
+        assert_eq!(c["id"], id);
+        assert_eq!(c["model"], MODEL_ID);
+    }
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let n = chunks.len();
+    let fin = &chunks[n - 2]["choices"][0];
+    assert_eq!(fin["delta"], json!({}));
+    let s_finish = fin["finish_reason"].as_str().unwrap();
+    let streamed: String = chunks[1..n - 2]
+        .iter()
+        .map(|c| {
+            assert!(c["choices"][0]["finish_reason"].is_null());
+            c["choices"][0]["delta"]["content"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(streamed, answer, "greedy streaming and non-streaming answers differ");
+    assert_eq!(s_finish, finish);
+    let su = &chunks[n - 1]["usage"];
+    assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert_eq!(su["prompt_tokens"].as_u64().unwrap(), prompt_tokens);
+    assert_eq!(su["completion_tokens"].as_u64().unwrap(), completion_tokens);
+    assert_eq!(su["total_tokens"].as_u64().unwrap(), prompt_tokens + completion_tokens);
+    // The same prompt again: its full blocks come from the prefix cache.
+    assert!(su["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{su}");
+
+    // A stop string from the middle of the answer truncates it there.
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    if words.len() >= 3 {
+        let stop = format!(" {}", words[words.len() / 2]);
+        let expected = &answer[..answer.find(&stop).unwrap()];
+        let (s, v) = http
+            .post_json(
+                "/v1/chat/completions",
+                &chat(QUESTION, json!({"temperature": 0, "max_tokens": 48, "stop": [stop.clone(), "\u{1F980}"]})),
+            )
+            .await
+            .unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["message"]["content"], expected, "stop {stop:?}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < completion_tokens);
+    }
+
+    // max_tokens gives "length" with exactly that many tokens.
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &chat("Tell me a long story about a dragon.", json!({"max_tokens": 5, "seed": 7})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+
+    // Seeded sampling is reproducible.
+    let sampled = chat(
+        "Write one sentence about the sea.",
+        json!({"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 42, "max_tokens": 16}),
+    );
+    let (_, a) = http.post_json("/v1/chat/completions", &sampled).await.unwrap();
+    let (_, b) = http.post_json("/v1/chat/completions", &sampled).await.unwrap();
+    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+
+    // Legacy completions, streaming and not.
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty(), "{v}");
+    let r = http
+        .client
+        .post(http.url("/v1/completions"))
+        .json(&json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 6, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let payloads = sse_payloads(&r.text().await.unwrap()).unwrap();
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let last: Value = pagoda_e2e::serde_json::from_str(&payloads[payloads.len() - 2]).unwrap();
+    assert_eq!(last["object"], "text_completion");
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+
+    // Models, health, metrics.
+    let (s, body) = http.get("/v1/models").await.unwrap();
+    assert_eq!(s, 200);
+    let models: Value = pagoda_e2e::serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], MODEL_ID);
+    assert_eq!(http.get("/healthz").await.unwrap().0, 200);
+    let (s, metrics) = http.get("/metrics").await.unwrap();
+    assert_eq!(s, 200);
+    for name in [
+        "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}",
+        "pagoda_router_ttft_seconds_bucket",
+        "pagoda_router_inter_token_latency_seconds_bucket",
+        "pagoda_router_prompt_tokens_total",
+        "pagoda_router_completion_tokens_total",
+        "pagoda_router_worker_used_blocks",
+        "pagoda_router_worker_capacity_blocks",
+    ] {
+        assert!(metrics.contains(name), "metrics lack {name}:\n{metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_bad_inputs_get_openai_errors_and_server_keeps_serving() {
+    let up = start_up("up-bad", &[]).await.unwrap();
+    let http = &up.http;
+    let user = json!([{"role": "user", "content": "hello"}]);
+    let j = |v: Value| v.to_string().into_bytes();
+    let long_prompt = "hello ".repeat(9000);
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("malformed JSON", b"{\"model\": \"x\", \"messages\": [".to_vec(), 400),
+        ("not JSON at all", b"hello".to_vec(), 400),
+        ("messages of wrong type", j(json!({"model": MODEL_ID, "messages": "hello"})), 400),
+        ("temperature of wrong type", j(json!({"model": MODEL_ID, "messages": user, "temperature": "hot"})), 400),
+        ("empty messages", j(json!({"model": MODEL_ID, "messages": []})), 400),
+        ("unknown role", j(json!({"model": MODEL_ID, "messages": [{"role": "oracle", "content": "x"}]})), 400),
+        ("max_tokens 0", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": 0})), 400),
+        ("max_tokens negative", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": -3})), 400),
+        ("max_tokens above context", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": 9000})), 400),
+        ("unknown model", j(json!({"model": "gpt-5", "messages": user})), 404),
+        ("unsupported kv policy", j(json!({"model": MODEL_ID, "messages": user, "kv": {"policy": "snapkv"}})), 400),
+        ("n > 1", j(json!({"model": MODEL_ID, "messages": user, "n": 3})), 400),
+        ("too many stop strings", j(json!({"model": MODEL_ID, "messages": user, "stop": ["a","b","c","d","e","f","g","h","i"]})), 400),
+        (
+            "invalid UTF-8",
+            b"{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"messages\": [{\"role\": \"user\", \"content\": \"caf\xe9\"}]}".to_vec(),
+            400,
+        ),
+        ("body over 4 MiB", j(json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "a".repeat(5 << 20)}]})), 413),
+    ];
+    for (name, body, want) in cases {
+        let (s, text) = http.post_raw("/v1/chat/completions", body).await.unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        let v = assert_error(name, s, &text, want);
+        eprintln!("{name}: {s} {}", v["error"]["message"]);
+        still_serves(http, name).await;
+    }
+    // A prompt longer than the context: 400 naming both lengths.
+    let (s, text) = http
+        .post_raw(
+            "/v1/chat/completions",
+            j(json!({"model": MODEL_ID, "messages": [{"role": "user", "content": long_prompt}]})),
+        )
+        .await
+        .unwrap();
+    let v = assert_error("prompt longer than context", s, &text, 400);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("8192"), "{msg}");
+    assert!(msg.split(|c: char| !c.is_ascii_digit()).filter_map(|d| d.parse::<u64>().ok()).any(|n| n > 8192), "{msg}");
+    still_serves(http, "prompt longer than context").await;
+    // Prompt + max_tokens over the context.
+    let (s, text) = http
+        .post_raw("/v1/chat/completions", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": 8190})))
+        .await
+        .unwrap();
+    assert_error("prompt + max_tokens over context", s, &text, 400);
+    // Unknown routes and methods are JSON errors as well.
+    let (s, text) = http.get("/v1/unknown").await.unwrap();
+    assert_error("unknown route", s, &text, 404);
+    let (s, text) = http.get("/v1/chat/completions").await.unwrap();
+    assert_error("wrong method", s, &text, 405);
+    still_serves(http, "everything").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_client_disconnect_cancels_and_frees_blocks() {
+    let up = start_up("up-cancel", &[]).await.unwrap();
+    let http = &up.http;
+    let before = worker_stats(&up.worker).await.unwrap();
+    assert_eq!(before.running, 0);
+    let mut r = http
+        .client
+        .post(http.url("/v1/completions"))
+        .json(&json!({"model": MODEL_ID, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 2000,
+                      "temperature": 0, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut got = String::new();
+    while got.matches("data: ").count() < 4 {
+        let chunk = r.chunk().await.unwrap().expect("stream ended early");
+        got.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let during = worker_stats(&up.worker).await.unwrap();
+    assert_eq!(during.running + during.waiting, 1, "{during:?}");
+    assert!(during.blocks_used > before.blocks_used, "{during:?}");
+    drop(r);
+    let t0 = Instant::now();
+    loop {
+        let s = worker_stats(&up.worker).await.unwrap();
+        if s.running == 0 && s.waiting == 0 && s.blocks_used == before.blocks_used {
+            eprintln!("freed after {:?}: {s:?}", t0.elapsed());
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "blocks not freed after disconnect: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Far fewer tokens were computed than the 2000 requested.
+    let after = worker_stats(&up.worker).await.unwrap();
+    assert!(after.computed_tokens_total - before.computed_tokens_total < 1000, "{after:?}");
+    still_serves(http, "disconnect").await;
+}
