@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs system packages and Python tools it needs, fetches the model,
-# then checks formatting and lints and runs every test.
+# The whole test suite on a fresh machine (README's test command; .ci/run runs it): installs the system packages
+# it needs, fetches the model, then checks formatting and lints, runs every test (unit, reference, end-to-end
+# against the real binary), and compile-checks the CUDA kernels through NVRTC (no GPU needed).
+#
+# No Python packages are needed beyond pip itself: the model reference fixtures are committed
+# (scripts/reference/*.py regenerate them and document their own requirements).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
+command -v python3 >/dev/null || missing+=(python3)
+if command -v python3 >/dev/null && ! python3 -m pip --version >/dev/null 2>&1; then missing+=(python3-pip); fi
 if [ ${#missing[@]} -gt 0 ]; then
+  echo "test.sh: installing ${missing[*]}"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
@@ -15,3 +22,4 @@ scripts/fetch-model.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+bash scripts/check-cuda.sh
