@@ -43,6 +43,8 @@ fn main() {
         (WeightType::Q4_1, 1536, 576),
         (WeightType::Q4_1, 576, 1536),
         (WeightType::Q8_0, 49152, 576),
+        (WeightType::Q8_0, 1536, 576),
+        (WeightType::Q4_1, 49152, 576),
     ] {
         let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut seed, rows * cols)).expect("quantize");
         for n in [1usize, 8, 32, 512] {
@@ -68,6 +70,42 @@ fn main() {
             }
             println!("{line}");
         }
+    }
+    if "bandwidth".contains(&filter) || filter == "bw" {
+        let v: Vec<u64> = (0..(96usize << 20) / 8).map(|i| i as u64).collect();
+        let t = min_time(Duration::from_secs(2), || {
+            let s: u64 = v.chunks(8).map(|c| c.iter().fold(0u64, |a, b| a ^ b)).fold(0, |a, b| a.wrapping_add(b));
+            std::hint::black_box(s);
+        });
+        println!("read 96 MiB single thread: {:?} = {:.1} GB/s", t, 96.0 * 1.048576e6 / t.as_secs_f64() / 1e9);
+    }
+    // A whole SmolLM2-135M decode step's kernels (30 layers + Q8_0 output head), batch of `n` sequences.
+    for n in [1usize, 32] {
+        let name = format!("model step n={n}");
+        if !name.contains(&filter) {
+            continue;
+        }
+        let layers: Vec<[QMatrix; 7]> = (0..30)
+            .map(|_| {
+                [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)].map(|(r, c)| {
+                    QMatrix::quantize(WeightType::Q4_1, r, c, &rand_vec(&mut seed, r * c)).expect("quantize")
+                })
+            })
+            .collect();
+        let head =
+            QMatrix::quantize(WeightType::Q8_0, 49152, 576, &rand_vec(&mut seed, 49152 * 576)).expect("quantize");
+        let x = rand_vec(&mut seed, n * 1536);
+        let mut out = vec![0.0; n * 49152];
+        let be = &bes[1].1;
+        let t = min_time(Duration::from_secs(3), || {
+            for l in &layers {
+                for w in l {
+                    be.matmul(w, &x[..n * w.cols()], n, &mut out[..n * w.rows()]);
+                }
+            }
+            be.matmul(&head, &x[..n * 576], n, &mut out);
+        });
+        println!("{name:<34}  avx2 {t:>10.1?}  => {:.0} tok/s (matmuls only)", n as f64 / t.as_secs_f64());
     }
     let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
     for (ctx, batch) in [(512usize, 1usize), (4096, 1), (512, 32)] {

@@ -5,7 +5,6 @@
 use super::avx2;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 use crate::paged::{AttnSeq, KvStorage};
-use rayon::prelude::*;
 
 /// New tokens per attention task during prefill.
 const TOKEN_CHUNK: usize = 32;
@@ -66,6 +65,7 @@ pub fn paged_attention(
             assert!(s.tables[h].len() >= need, "AttnSeq: block table too short for prior_len + n_new");
         }
     }
+    check_disjoint(seqs);
     let o = SyncPtr::new(out);
     let simd = be.simd();
     let group = n_heads / n_kv_heads;
@@ -79,25 +79,34 @@ pub fn paged_attention(
         for j in j0..j1 {
             let row = s.q_row + j;
             let qv = &q[row * w + qh * hd..row * w + (qh + 1) * hd];
-            // SAFETY: each (row, head) output slice is written by exactly one task; rows are checked above
-            // and the caller's seqs do not overlap in rows (each row belongs to one sequence).
+            // SAFETY: each (row, head) output slice is written by exactly one task: rows are in bounds and the
+            // sequences' row ranges are disjoint (both checked above).
             let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
             attend_one(simd, qv, kv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, scale, acc);
         }
     };
-    let total: usize = seqs.iter().map(|s| s.n_new.div_ceil(TOKEN_CHUNK) * n_heads).sum();
-    if be.threads() <= 1 || total <= 1 {
-        for s in seqs {
-            for t in 0..s.n_new.div_ceil(TOKEN_CHUNK) * n_heads {
-                task(s, t);
-            }
-        }
-    } else {
-        be.pool().install(|| {
-            seqs.par_iter().for_each(|s| {
-                (0..s.n_new.div_ceil(TOKEN_CHUNK) * n_heads).into_par_iter().for_each(|t| task(s, t));
-            })
-        });
+    // Flatten (sequence, head, token chunk) into task indices: starts[i] = first task of sequence i.
+    let mut starts = Vec::with_capacity(seqs.len() + 1);
+    let mut total = 0usize;
+    for s in seqs {
+        starts.push(total);
+        total += s.n_new.div_ceil(TOKEN_CHUNK) * n_heads;
+    }
+    starts.push(total);
+    be.par_for(total, &|t| {
+        let i = starts.partition_point(|&st| st <= t) - 1;
+        task(&seqs[i], t - starts[i]);
+    });
+}
+
+/// Panics unless the sequences' row ranges `[q_row, q_row + n_new)` are pairwise disjoint (each output row
+/// must be written by one task only).
+fn check_disjoint(seqs: &[AttnSeq<'_>]) {
+    let mut ranges: Vec<(usize, usize)> =
+        seqs.iter().filter(|s| s.n_new > 0).map(|s| (s.q_row, s.q_row + s.n_new)).collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        assert!(w[0].1 <= w[1].0, "AttnSeq row ranges overlap: {:?} and {:?}", w[0], w[1]);
     }
 }
 

@@ -262,6 +262,7 @@ pub unsafe fn quant_rows(
     // Results go to a small row-major buffer first: writing `out` directly would touch up to 16 rows `ld` floats
     // apart, which alias in L1/L2 when `ld` is a multiple of 1024 (e.g. the 49152-row output head).
     let mut buf = [0.0f32; TILE_ROWS * TILE_GROUPS * 4];
+    let wend = r1 * row_bytes;
     let mut rt0 = r0;
     while rt0 < r1 {
         let rt1 = (rt0 + TILE_ROWS).min(r1);
@@ -272,6 +273,14 @@ pub unsafe fn quant_rows(
             let mut r = rt0;
             if n < 4 {
                 while r + 4 <= rt1 {
+                    // Decode streams weights from DRAM: prefetch the rows a few tiles ahead.
+                    let pf0 = ((r + PREFETCH_ROWS) * row_bytes).min(wend);
+                    let pf1 = ((r + PREFETCH_ROWS + 4) * row_bytes).min(wend);
+                    let mut off = pf0;
+                    while off < pf1 {
+                        _mm_prefetch::<_MM_HINT_T0>(wp.add(off) as *const i8);
+                        off += 64;
+                    }
                     let ws = core::array::from_fn(|k| wp.add((r + k) * row_bytes));
                     rows_tile::<4>(kind, ws, r, xp, nb, n, g0, g1, bp, TILE_ROWS, rt0);
                     r += 4;
@@ -297,6 +306,8 @@ pub unsafe fn quant_rows(
     }
 }
 
+/// How far ahead (in weight rows) the single-row decode path prefetches.
+const PREFETCH_ROWS: usize = 32;
 /// Weight rows per output tile of [`quant_rows`].
 const TILE_ROWS: usize = 64;
 /// Most activation groups (of 4 rows) per output tile of [`quant_rows`].

@@ -5,7 +5,6 @@
 use super::avx2;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 use crate::quant::{BlockQ8_1x4, QData, QK, QMatrix, q8_1x4_len, quantize_rows_q8_1x4};
-use rayon::prelude::*;
 use std::cell::Cell;
 
 thread_local! {
@@ -53,12 +52,10 @@ fn run_rows(be: &CpuBackend, rows: usize, per_row: usize, out: &mut [f32], f: &(
     let chunks = (threads * 4).min(rows / 4).max(threads);
     let step = rows.div_ceil(chunks).next_multiple_of(4);
     let chunks = rows.div_ceil(step);
-    be.pool().install(|| {
-        (0..chunks).into_par_iter().for_each(|c| {
-            let r0 = c * step;
-            let r1 = (r0 + step).min(rows);
-            f(r0, r1, o);
-        })
+    be.par_for(chunks, &|c| {
+        let r0 = c * step;
+        let r1 = (r0 + step).min(rows);
+        f(r0, r1, o);
     });
 }
 

@@ -10,6 +10,7 @@ pub mod scalar;
 use crate::backend::Backend;
 use crate::paged::{AttnSeq, KvStorage};
 use crate::quant::QMatrix;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Instruction set the CPU backend runs its kernels with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,9 +40,10 @@ pub fn avx2_available() -> bool {
     }
 }
 
-/// CPU implementation of [`Backend`]: owns a rayon pool of `threads` workers.
+/// CPU implementation of [`Backend`]: the calling thread plus a rayon pool of `threads - 1` helpers.
 pub struct CpuBackend {
-    pool: rayon::ThreadPool,
+    /// Helpers; `None` when `threads == 1`.
+    pool: Option<rayon::ThreadPool>,
     threads: usize,
     simd: Simd,
 }
@@ -62,11 +64,13 @@ impl CpuBackend {
     pub fn with_simd(threads: usize, simd: Simd) -> CpuBackend {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let simd = if simd == Simd::Avx2 && !avx2_available() { Simd::Scalar } else { simd };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("pagoda-kernels-{i}"))
-            .build()
-            .unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"));
+        let pool = (threads > 1).then(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads - 1)
+                .thread_name(|i| format!("pagoda-kernels-{i}"))
+                .build()
+                .unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
+        });
         CpuBackend { pool, threads, simd }
     }
 
@@ -80,8 +84,33 @@ impl CpuBackend {
         self.simd
     }
 
-    pub(crate) fn pool(&self) -> &rayon::ThreadPool {
-        &self.pool
+    /// Runs `f(t)` for every `t in 0..tasks` on the calling thread and up to `threads - 1` helpers, which pull
+    /// task indices from a shared counter (so a descheduled core does not hold a fixed share of the work).
+    pub(crate) fn par_for(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        let helpers = self.threads.saturating_sub(1).min(tasks.saturating_sub(1));
+        let pool = match &self.pool {
+            Some(p) if helpers > 0 => p,
+            _ => {
+                (0..tasks).for_each(f);
+                return;
+            }
+        };
+        let next = AtomicUsize::new(0);
+        let work = || {
+            loop {
+                let t = next.fetch_add(1, Ordering::Relaxed);
+                if t >= tasks {
+                    break;
+                }
+                f(t);
+            }
+        };
+        pool.in_place_scope(|s| {
+            for _ in 0..helpers {
+                s.spawn(|_| work());
+            }
+            work();
+        });
     }
 }
 
