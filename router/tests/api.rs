@@ -84,8 +84,13 @@ impl Worker for Fake {
         }
         let prompt =
             String::from_utf8_lossy(&req.prompt_token_ids.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned();
+        if prompt.contains("overload") {
+            return Err(Status::resource_exhausted("the request needs more KV blocks than the pool has"));
+        }
         // "forever" in the prompt: an endless slow stream, for the disconnect test.
         let forever = prompt.contains("forever");
+        // "fail" in the prompt: the stream breaks after three tokens.
+        let fail = prompt.contains("fail");
         let prompt_tokens = req.prompt_token_ids.len() as u32;
         let max = req.max_tokens as usize;
         self.open.fetch_add(1, Ordering::SeqCst);
@@ -110,6 +115,9 @@ impl Worker for Fake {
                         usage: Some(Usage { prompt_tokens, completion_tokens: n as u32, cached_tokens: 0 }),
                     }),
                 };
+                if fail && i == 3 {
+                    return Some((Err(Status::internal("forward step failed")), (i, None)));
+                }
                 if i == max {
                     return Some((Ok(finish(FinishReason::Length, i)), (i, None)));
                 }
@@ -563,4 +571,39 @@ async fn round_robin_over_two_workers() {
     }
     assert_eq!(sa.load(Ordering::SeqCst), 2);
     assert_eq!(sb.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn worker_errors_map_to_http_errors() {
+    let c = cluster().await;
+    // Refused before streaming: a proper status code.
+    let (s, text) = c
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "overload"}]}).to_string(),
+        )
+        .await;
+    let v = assert_error(s, &text, 429);
+    assert_eq!(v["error"]["code"], "resource_exhausted");
+    // Failing mid-stream: non-streaming gets a 500 error body ...
+    let (s, text) = c
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "fail"}]}).to_string(),
+        )
+        .await;
+    assert_error(s, &text, 500);
+    // ... and streaming gets an error event, then [DONE].
+    let (s, body) = c
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "fail"}]}).to_string(),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let p = sse_payloads(&body);
+    assert_eq!(p.last().unwrap(), "[DONE]");
+    let err: Value = serde_json::from_str(&p[p.len() - 2]).unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("forward step failed"), "{err}");
+    c.still_serves().await;
 }

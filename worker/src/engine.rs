@@ -24,7 +24,7 @@ use pagoda_kernels::{CpuBackend, KvStorage};
 use crate::cache::CacheLayout;
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
 use crate::sampling::{SampleBuffer, Sampler};
-use crate::scheduler::{SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, check_fits};
+use crate::scheduler::{SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -345,6 +345,8 @@ struct EngineLoop<R> {
     logits: Vec<f32>,
     sample_buf: SampleBuffer,
     closed: Vec<SeqId>,
+    plan: StepPlan,
+    batch: Vec<StepSeq<'static>>,
     stats: Arc<Mutex<EngineStats>>,
 }
 
@@ -367,6 +369,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             logits: Vec::new(),
             sample_buf: SampleBuffer::with_capacity(vocab),
             closed: Vec::new(),
+            plan: StepPlan::default(),
+            batch: Vec::new(),
             stats,
         }
     }
@@ -476,13 +480,17 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     /// Runs one step. Returns false when nothing could be scheduled.
     fn step(&mut self) -> bool {
-        let plan = self.sched.schedule();
-        if plan.is_empty() {
-            return false;
-        }
+        let mut plan = std::mem::take(&mut self.plan);
+        self.sched.schedule_into(&mut plan);
+        let progressed = !plan.is_empty() && self.run_plan(&plan);
+        self.plan = plan;
+        progressed
+    }
+
+    fn run_plan(&mut self, plan: &StepPlan) -> bool {
         self.logits.clear();
         let result = {
-            let mut batch = Vec::with_capacity(plan.seqs.len());
+            let mut batch = recycle_steps(std::mem::take(&mut self.batch));
             for e in &plan.seqs {
                 let Some(seq) = self.sched.get(e.seq) else { continue };
                 batch.push(StepSeq {
@@ -493,7 +501,9 @@ impl<R: ModelRunner> EngineLoop<R> {
                     want_logits: e.wants_logits,
                 });
             }
-            self.runner.forward(&batch, &mut self.logits)
+            let r = self.runner.forward(&batch, &mut self.logits);
+            self.batch = recycle_steps(batch);
+            r
         };
         if let Err(e) = result {
             tracing::error!(error = %e, "forward step failed; failing the step's requests");
@@ -505,7 +515,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             return true;
         }
-        self.sched.complete_step(&plan);
+        self.sched.complete_step(plan);
         let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
         if self.logits.len() < rows * self.vocab {
             let msg = format!("model returned {} logits for {rows} rows", self.logits.len());
@@ -565,6 +575,18 @@ impl<R: ModelRunner> EngineLoop<R> {
     }
 }
 
+/// Empties a batch vector and hands its allocation to a new lifetime: the in-place `collect` specialisation keeps
+/// the buffer because the element layout does not change, so per-step batches do not allocate.
+fn recycle_steps<'b>(mut v: Vec<StepSeq<'_>>) -> Vec<StepSeq<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+fn recycle_forward<'b>(mut v: Vec<ForwardSeq<'_>>) -> Vec<ForwardSeq<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
 fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) -> GenerateEvent {
     let mut completion = seq.num_generated();
     if reason == FinishReason::Stop {
@@ -586,6 +608,7 @@ pub struct LlamaRunner {
     kv: KvStorage,
     scratch: Scratch,
     info: ModelInfo,
+    batch: Vec<ForwardSeq<'static>>,
 }
 
 impl LlamaRunner {
@@ -631,6 +654,7 @@ impl LlamaRunner {
             backend: CpuBackend::new(threads),
             model,
             info,
+            batch: Vec::new(),
         })
     }
 }
@@ -641,19 +665,17 @@ impl ModelRunner for LlamaRunner {
     }
 
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
-        let batch: Vec<ForwardSeq<'_>> = seqs
-            .iter()
-            .map(|s| ForwardSeq {
-                tokens: s.tokens,
-                start_pos: s.start_pos,
-                tables: s.tables,
-                prior_lens: s.prior_lens,
-                logits: if s.want_logits { LogitsWanted::Last } else { LogitsWanted::None },
-            })
-            .collect();
-        self.model
-            .forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits)
-            .map_err(|e| EngineError::Forward(e.to_string()))
+        let mut batch = recycle_forward(std::mem::take(&mut self.batch));
+        batch.extend(seqs.iter().map(|s| ForwardSeq {
+            tokens: s.tokens,
+            start_pos: s.start_pos,
+            tables: s.tables,
+            prior_lens: s.prior_lens,
+            logits: if s.want_logits { LogitsWanted::Last } else { LogitsWanted::None },
+        }));
+        let r = self.model.forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits);
+        self.batch = recycle_forward(batch);
+        r.map_err(|e| EngineError::Forward(e.to_string()))
     }
 }
 

@@ -285,6 +285,14 @@ impl<P> Scheduler<P> {
     /// Plans the next step. An empty plan means there is nothing to do.
     pub fn schedule(&mut self) -> StepPlan {
         let mut plan = StepPlan::default();
+        self.schedule_into(&mut plan);
+        plan
+    }
+
+    /// [`Scheduler::schedule`] into a reused plan (no allocation once its vectors have grown).
+    pub fn schedule_into(&mut self, plan: &mut StepPlan) {
+        plan.seqs.clear();
+        plan.preempted.clear();
         let mut budget = self.cfg.max_step_tokens.max(1);
 
         // 1. decodes, 2. prefill chunks of running sequences.
@@ -302,7 +310,7 @@ impl<P> Scheduler<P> {
                     continue;
                 }
                 let n = remaining.min(budget);
-                if self.reserve_or_preempt(id, n, &mut plan, &mut budget) {
+                if self.reserve_or_preempt(id, n, plan, &mut budget) {
                     let seq = &self.seqs[&id];
                     plan.seqs.push(ScheduledSeq {
                         seq: id,
@@ -332,7 +340,6 @@ impl<P> Scheduler<P> {
             });
             budget -= n;
         }
-        plan
     }
 
     /// Reserves room for `n` tokens of running sequence `id`, preempting the youngest running sequences while

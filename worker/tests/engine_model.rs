@@ -145,8 +145,7 @@ fn eight_concurrent_requests_match_solo_runs() {
     }
 }
 
-#[test]
-fn tiny_pool_preempts_and_outputs_match_unpressured_run() {
+fn tiny_pool_run(prefix_cache: bool) {
     let prompts: Vec<Vec<u32>> = [
         "Count from 1 to 60, separated by commas.",
         "List the names of twenty animals, one per line.",
@@ -163,7 +162,7 @@ fn tiny_pool_preempts_and_outputs_match_unpressured_run() {
         prompts.iter().map(|p| collect(big.submit(greedy("r", p, new)).unwrap()).tokens).collect();
     drop(big);
     // Each request needs ~5 groups (≈40 prompt + 40 new tokens); 4 running need ~20; the pool has 7.
-    let h = engine(7, false);
+    let h = engine(7, prefix_cache);
     let rxs: Vec<_> = prompts.iter().map(|p| h.submit(greedy("t", p, new)).unwrap()).collect();
     let got: Vec<Done> = rxs.into_iter().map(collect).collect();
     let mut minimal = 0u64;
@@ -172,10 +171,29 @@ fn tiny_pool_preempts_and_outputs_match_unpressured_run() {
         minimal += (prompts[i].len() + d.sampled - 1) as u64;
     }
     let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
-    assert!(s.computed_tokens_total > minimal, "recompute after preemption: {} vs {minimal}", s.computed_tokens_total);
+    if prefix_cache {
+        // Resumed sequences re-adopt their own cached groups when nothing evicted them.
+        assert!(s.cached_tokens_total > 0 || s.computed_tokens_total > minimal, "{s:?}");
+    } else {
+        assert!(
+            s.computed_tokens_total > minimal,
+            "recompute after preemption: {} vs {minimal}",
+            s.computed_tokens_total
+        );
+    }
     assert_eq!(s.blocks_used, 0);
     // A request that can never fit is refused at submit.
     assert!(h.submit(greedy("huge", &prompts[0], 200)).is_err());
+}
+
+#[test]
+fn tiny_pool_preempts_and_outputs_match_unpressured_run() {
+    tiny_pool_run(false);
+}
+
+#[test]
+fn tiny_pool_with_prefix_cache_resumes_from_cached_blocks() {
+    tiny_pool_run(true);
 }
 
 #[test]
