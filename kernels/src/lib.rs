@@ -7,7 +7,9 @@
 //! - [`paged`]: the head-paged KV arenas ([`KvStorage`]) and the per-sequence attention view ([`AttnSeq`]);
 //! - [`backend`]: the [`Backend`] trait (matmul, embedding, RMSNorm, RoPE, SiLU·mul, KV write, paged attention);
 //! - [`cpu`]: [`CpuBackend`], the always-available implementation, with AVX2/FMA/F16C kernels selected at run time
-//!   and portable scalar kernels that double as the test reference.
+//!   and portable scalar kernels that double as the test reference;
+//! - [`scores`]: the KV-cache eviction score kernels (key norms, PagedEviction's value/key ratio, KeyDiff, windowed
+//!   attention for SnapKV/H2O/KV-Compress, pooling, block means, top-k) that eviction policies rank slots with.
 //!
 //! ```
 //! use pagoda_kernels::{Backend, CpuBackend, QMatrix, WeightType};
@@ -27,6 +29,7 @@ pub mod paged;
 pub mod quant;
 
 pub use backend::Backend;
+pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};
 pub use error::KernelError;
 pub use paged::{AttnSeq, KvStorage};

@@ -84,6 +84,45 @@ impl KvStorage {
         self.v.copy_within(s, d.start);
     }
 
+    /// Copies K and V of slot `src_slot` of block `src` over slot `dst_slot` of block `dst`: the per-KV move of the
+    /// KV-Compress paper's MoveCache (Alg. 1 lines 12–13), used to pack surviving slots after eviction so whole
+    /// blocks can be freed. `src == dst` with `src_slot == dst_slot` is a no-op. Panics if a block or slot is out
+    /// of range.
+    pub fn move_slot(&mut self, src: u32, src_slot: usize, dst: u32, dst_slot: usize) {
+        assert!(src_slot < self.block_size && dst_slot < self.block_size, "move_slot: slot out of range");
+        let (s, d) = (self.range(src).start, self.range(dst).start);
+        if s == d && src_slot == dst_slot {
+            return;
+        }
+        let hd = self.head_dim;
+        let (s, d) = (s + src_slot * hd, d + dst_slot * hd);
+        self.k.copy_within(s..s + hd, d);
+        self.v.copy_within(s..s + hd, d);
+    }
+
+    /// Compacts one (layer, kv-head) cache in place after eviction: slot `keep[j]` moves to slot `j`, so the
+    /// survivors occupy `0..keep.len()` and blocks from `keep.len().div_ceil(block_size)` on can be freed by the
+    /// caller. Returns `keep.len()`, the new length.
+    ///
+    /// Unlike KV-Compress's MoveCache, which fills holes with KVs taken from the tail (fewer moves, order lost),
+    /// this preserves slot order: attention is causal in slot space ([`AttnSeq`]), so reordering would change
+    /// which cached tokens later chunk tokens may see. `keep` must be strictly ascending with every entry `< len`
+    /// (checked in debug builds); then each destination `j <= keep[j]` is never the source of a later move. Slots
+    /// past the new length keep stale data.
+    pub fn compact_table(&mut self, table: &[u32], len: usize, keep: &[u32]) -> usize {
+        debug_assert!(keep.windows(2).all(|w| w[0] < w[1]), "compact_table: keep is not strictly ascending");
+        debug_assert!(keep.last().is_none_or(|&l| (l as usize) < len), "compact_table: keep has a slot >= len");
+        debug_assert!(table.len() >= len.div_ceil(self.block_size), "compact_table: table too short for len");
+        let bs = self.block_size;
+        for (j, &src) in keep.iter().enumerate() {
+            let src = src as usize;
+            if src != j {
+                self.move_slot(table[src / bs], src % bs, table[j / bs], j % bs);
+            }
+        }
+        keep.len()
+    }
+
     /// Both arenas, whole (`num_blocks * block_size * head_dim` each).
     pub fn arenas(&self) -> (&[f32], &[f32]) {
         (&self.k, &self.v)

@@ -6,6 +6,7 @@ pub mod attention;
 pub(crate) mod avx2;
 pub mod matmul;
 pub mod scalar;
+pub mod scores;
 
 use crate::backend::Backend;
 use crate::paged::{AttnSeq, KvStorage};

@@ -1,0 +1,263 @@
+//! KV-cache eviction score kernels: every number an eviction policy ranks slots or blocks by is computed here,
+//! so that policy code only decides *which* scores to ask for and what to do with the ranking.
+//!
+//! All kernels read one (layer, kv-head) cache of a [`KvStorage`], addressed by its block `table` and the number
+//! of slots in use `len`: slot `i` lives in block `table[i / block_size]` at offset `i % block_size`.
+//!
+//! | kernel | rule | policy keeps |
+//! |---|---|---|
+//! | [`key_norms`] | ‖K_i‖₂ (Inverse Key L2-Norm, Devoto et al. 2024, as described in PagedEviction §5.2) | lowest |
+//! | [`value_key_ratio`] | ‖V_i‖₂ / ‖K_i‖₂ (PagedEviction §4.1, Alg. 1 line 3) | highest |
+//! | [`block_means`] | mean of a per-slot score over each block (PagedEviction Alg. 1 lines 6–9, Alg. 3) | highest |
+//! | [`keydiff_cosine`] | cos(µ(K̂), k_i) (KeyDiff Eq. 8, App. A.2.1) | lowest |
+//! | [`window_attention_scores`] | Σ attention (SnapKV, H2O, SAGE-KV) or Σ attention² (KV-Compress Eq. 19/20) | highest |
+//! | [`max_pool1d`] | SnapKV pooling (KV-Compress Eq. 8) | — |
+//! | [`select_k`] | deterministic top/bottom-k (the `topk` of KeyDiff Eq. 5/8) | — |
+//!
+//! Slot compaction after eviction lives with the storage: [`KvStorage::move_slot`] and
+//! [`KvStorage::compact_table`].
+//!
+//! None of the kernels allocate per slot: scratch vectors are passed in and only grow, so a caller that keeps them
+//! across steps allocates once.
+
+use super::scalar::dot_f32;
+use crate::paged::KvStorage;
+use std::cmp::Ordering;
+
+/// Lower bound on ‖K_i‖₂ in [`value_key_ratio`]. The paper's ratio is undefined for a zero key. Its premise
+/// (Devoto et al., PagedEviction §4.1) is that smaller key norms draw more attention, so a zero key is the limiting
+/// case and a very large but finite score is the faithful reading; finiteness matters because an `inf` would make
+/// every block mean containing it `inf` (or `NaN` with a zero value). 1e-6 is far below real key norms (≈1–100).
+pub const RATIO_EPS: f32 = 1e-6;
+
+/// Lower bound on norms in [`keydiff_cosine`]: the ϵ of KeyDiff App. A.2.1, `max(‖µ(K̂)‖·‖k_i‖, ϵ)`, also used
+/// when normalising keys for the anchor (so a zero key contributes a zero vector instead of NaN). The paper gives
+/// no value; 1e-8 is PyTorch's `cosine_similarity` default, which its reference implementation inherits.
+pub const COSINE_EPS: f32 = 1e-8;
+
+/// Calls `f(i, k_i, v_i)` for slots `0..len` of one cache, walking the block table once.
+#[inline]
+fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(usize, &[f32], &[f32])) {
+    let bs = kv.block_size();
+    let hd = kv.head_dim();
+    let blocks = len.div_ceil(bs);
+    debug_assert!(table.len() >= blocks, "score kernels: table has {} blocks, len {len} needs {blocks}", table.len());
+    for (bi, &b) in table[..blocks].iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        let kb = &kv.block_k(b)[..n * hd];
+        let vb = &kv.block_v(b)[..n * hd];
+        for (s, (k, v)) in kb.chunks_exact(hd).zip(vb.chunks_exact(hd)).enumerate() {
+            f(bi * bs + s, k, v);
+        }
+    }
+}
+
+/// ‖K_i‖₂ for slots `0..len`, written to `out[..len]`.
+///
+/// This is the score of the Inverse Key L2-Norm policy (knorm): keys with a LOW norm attract the most attention
+/// (Devoto et al. 2024, via PagedEviction §4.1), so that policy evicts the HIGHEST values. (EvicPress §6.1 words it
+/// the other way round, "drops those with low L2 norm"; the original paper and PagedEviction §5.2 agree on
+/// evicting high norms.)
+pub fn key_norms(kv: &KvStorage, table: &[u32], len: usize, out: &mut [f32]) {
+    debug_assert!(out.len() >= len, "key_norms: out has {} entries, len is {len}", out.len());
+    for_each_slot(kv, table, len, |i, k, _| out[i] = dot_f32(k, k).sqrt());
+}
+
+/// PagedEviction token importance `S_i = ‖V_i‖₂ / ‖K_i‖₂` (PagedEviction §4.1, Alg. 1 line 3, Alg. 2 line 8) for
+/// slots `0..len`, written to `out[..len]`. The policy keeps the HIGHEST.
+///
+/// The denominator is clamped to [`RATIO_EPS`] so that an all-zero key (never produced by a real projection, but
+/// possible in a zeroed slot) yields a large finite score rather than `inf`/`NaN`, which would poison block means.
+pub fn value_key_ratio(kv: &KvStorage, table: &[u32], len: usize, out: &mut [f32]) {
+    debug_assert!(out.len() >= len, "value_key_ratio: out has {} entries, len is {len}", out.len());
+    for_each_slot(kv, table, len, |i, k, v| {
+        out[i] = dot_f32(v, v).sqrt() / dot_f32(k, k).sqrt().max(RATIO_EPS);
+    });
+}
+
+/// KeyDiff eviction score: the cosine similarity of every key with the anchor `µ(K̂) = (1/n) Σ_i k_i/‖k_i‖` over
+/// slots `0..len` (KeyDiff Eq. 8 and App. A.2.1: `s_i = µ(K̂)·k_i / max(‖µ(K̂)‖·‖k_i‖, ϵ)`), written to
+/// `out[..len]`. The policy evicts the HIGHEST similarity (Eq. 8 keeps `topk(−s)`): keys that point where most keys
+/// point are redundant.
+///
+/// The anchor is the mean of the *normalised* keys, as in Eq. 8, not the plain mean `µ(K)` the paper's Table 2
+/// found equally good; the two rank differently when key norms vary. On return `anchor[..head_dim]` holds
+/// `µ(K̂)` (all zeros when `len == 0`). Zero keys are normalised with the [`COSINE_EPS`] clamp, i.e. they add a
+/// zero vector to the mean but still count in `n`, and score 0.
+pub fn keydiff_cosine(kv: &KvStorage, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]) {
+    let hd = kv.head_dim();
+    debug_assert!(out.len() >= len, "keydiff_cosine: out has {} entries, len is {len}", out.len());
+    anchor.clear();
+    anchor.resize(hd, 0.0);
+    if len == 0 {
+        return;
+    }
+    // Pass 1: accumulate k̂_i, keeping ‖k_i‖ in out[i] so pass 2 need not recompute it.
+    for_each_slot(kv, table, len, |i, k, _| {
+        let n = dot_f32(k, k).sqrt();
+        out[i] = n;
+        let inv = 1.0 / n.max(COSINE_EPS);
+        for (a, &x) in anchor.iter_mut().zip(k) {
+            *a += x * inv;
+        }
+    });
+    let inv_len = 1.0 / len as f32;
+    for a in anchor.iter_mut() {
+        *a *= inv_len;
+    }
+    let anchor_norm = dot_f32(anchor, anchor).sqrt();
+    let anchor = &anchor[..];
+    // Pass 2: cosine with the anchor.
+    for_each_slot(kv, table, len, |i, k, _| {
+        out[i] = dot_f32(anchor, k) / (anchor_norm * out[i]).max(COSINE_EPS);
+    });
+}
+
+/// Attention of observation-window queries over slots `0..len`, accumulated per slot:
+/// `out[s] += Σ_{i<n_q} Σ_{g<group} p_{i,g}(s)^power`.
+///
+/// This is the aggregated-attention metric of KV-Compress Eq. 7/10 (SnapKV's observation window; the sum over the
+/// query group `H_k` of Eq. 10 is the GQA aggregation), with `power = 2` giving KV-Compress's squared attention
+/// (§4.3, "KVC-w", Eq. 19/20) and `power = 1` the plain sum used by SnapKV, H2O and SAGE-KV (§2 step 2; SAGE-KV
+/// selects top-k per *query head*, which a caller gets by calling with `group = 1` and that head's query).
+/// `power = 0` counts the queries that see each slot.
+///
+/// `q` is `[n_q][group][head_dim]`: the query heads sharing this kv-head for `n_q` consecutive query tokens,
+/// already RoPE'd. Query `i` sees slots `[0, first_q_slot + i]` (causal in slot space, as in [`crate::AttnSeq`]);
+/// later slots get nothing from it. Each (query, head) row is a softmax with logits `scale · q·k_s` over the slots
+/// it sees, exactly the probabilities the attention kernel used. `out` is NOT zeroed, so decode steps can be added
+/// to prefill metrics (H2O's running sum, KV-Compress Eq. 20). `probs` is scratch, grown to `len`.
+///
+/// KVC-full's exclusion of the `v` queries nearest each key (Eq. 19) is not applied here.
+#[allow(clippy::too_many_arguments)]
+pub fn window_attention_scores(
+    kv: &KvStorage,
+    table: &[u32],
+    len: usize,
+    q: &[f32],
+    n_q: usize,
+    group: usize,
+    scale: f32,
+    first_q_slot: usize,
+    power: u32,
+    probs: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim();
+    let bs = kv.block_size();
+    debug_assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
+    debug_assert!(out.len() >= len, "window_attention_scores: out has {} entries, len is {len}", out.len());
+    debug_assert!(table.len() >= len.div_ceil(bs), "window_attention_scores: table too short for len {len}");
+    if probs.len() < len {
+        probs.resize(len, 0.0);
+    }
+    for (i, qi) in q.chunks_exact(group * hd).take(n_q).enumerate() {
+        let visible = first_q_slot.saturating_add(i).saturating_add(1).min(len);
+        if visible == 0 {
+            continue;
+        }
+        for qv in qi.chunks_exact(hd) {
+            let p = &mut probs[..visible];
+            let mut max = f32::NEG_INFINITY;
+            for (bi, &b) in table[..visible.div_ceil(bs)].iter().enumerate() {
+                let n = (visible - bi * bs).min(bs);
+                let kb = &kv.block_k(b)[..n * hd];
+                for (pv, k) in p[bi * bs..bi * bs + n].iter_mut().zip(kb.chunks_exact(hd)) {
+                    let l = dot_f32(qv, k) * scale;
+                    *pv = l;
+                    max = max.max(l);
+                }
+            }
+            let mut sum = 0.0f32;
+            for pv in p.iter_mut() {
+                *pv = (*pv - max).exp();
+                sum += *pv;
+            }
+            // sum >= 1 (the max logit contributes exp(0)) unless a logit is NaN or infinite; such a row carries no
+            // usable ranking, so it is skipped rather than spreading NaN into every slot's score.
+            if sum.is_nan() || sum <= 0.0 {
+                continue;
+            }
+            let inv = 1.0 / sum;
+            for (o, &pv) in out[..visible].iter_mut().zip(p.iter()) {
+                *o += pow_u32(pv * inv, power);
+            }
+        }
+    }
+}
+
+#[inline]
+fn pow_u32(p: f32, power: u32) -> f32 {
+    match power {
+        0 => 1.0,
+        1 => p,
+        2 => p * p,
+        _ => p.powi(i32::try_from(power).unwrap_or(i32::MAX)),
+    }
+}
+
+/// Same-length 1-D max pooling with a centred window of `kernel` slots: `out[j] = max x[j−p/2 ..= j+p/2]`
+/// (KV-Compress Eq. 8, SnapKV's pooling, p = 7 in both papers), so a slot next to a heavily attended one survives
+/// with it. Near the edges the window is cut to `0..x.len()` rather than padded, so padding values never win.
+/// `kernel` should be odd (an even one is treated as `kernel + 1`); `kernel <= 1` copies.
+pub fn max_pool1d(x: &[f32], kernel: usize, out: &mut [f32]) {
+    debug_assert_eq!(out.len(), x.len(), "max_pool1d: out and x differ in length");
+    debug_assert!(kernel == 0 || kernel % 2 == 1, "max_pool1d: kernel {kernel} is not odd");
+    let half = kernel / 2;
+    let n = x.len();
+    for (j, o) in out.iter_mut().enumerate().take(n) {
+        let lo = j.saturating_sub(half);
+        let hi = j.saturating_add(half).min(n - 1);
+        *o = x[lo..=hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    }
+}
+
+/// Mean of `x[..len]` over each block of `block_size` slots, written to `out[..len.div_ceil(block_size)]`:
+/// PagedEviction's block score (Alg. 1 lines 6–9, Alg. 3 line 5), the policy evicting the LOWEST block.
+///
+/// Alg. 1 divides by `B`; for the last, partially filled block this divides by its filled slot count instead, so a
+/// block is not ranked low merely for being young. Alg. 3 only scores when `L % B == 0`, where the two agree.
+pub fn block_means(x: &[f32], len: usize, block_size: usize, out: &mut [f32]) {
+    debug_assert!(block_size > 0, "block_means: block_size is 0");
+    debug_assert!(x.len() >= len, "block_means: x has {} entries, len is {len}", x.len());
+    debug_assert!(out.len() >= len.div_ceil(block_size), "block_means: out too short");
+    for (o, c) in out.iter_mut().zip(x[..len].chunks(block_size)) {
+        *o = c.iter().sum::<f32>() / c.len() as f32;
+    }
+}
+
+/// A total order on f32 where −0 equals +0 (so they tie and fall back to the index) and NaNs sort
+/// deterministically (positive NaN above +∞, negative NaN below −∞, as [`f32::total_cmp`]).
+#[inline]
+fn cmp_f32(a: f32, b: f32) -> Ordering {
+    // Adding +0 maps −0 to +0 and leaves every other value (NaN included) unchanged.
+    (a + 0.0).total_cmp(&(b + 0.0))
+}
+
+/// Indices of the `k` smallest (`largest == false`) or largest values of `x`, written to `out` (cleared first) in
+/// ascending index order; `k > x.len()` selects everything. This is the `topk` of KeyDiff Eq. 5/8: average O(n)
+/// by quickselect instead of a full sort.
+///
+/// Equal values are ranked by lower index first, so the result is deterministic and, for example, an eviction policy
+/// that keeps the largest scores prefers older slots on ties. `idx` is scratch (grown to `x.len()`).
+pub fn select_k(x: &[f32], k: usize, largest: bool, idx: &mut Vec<u32>, out: &mut Vec<u32>) {
+    debug_assert!(u32::try_from(x.len()).is_ok(), "select_k: more than u32::MAX values");
+    out.clear();
+    let n = x.len();
+    let k = k.min(n);
+    if k == 0 {
+        return;
+    }
+    idx.clear();
+    idx.extend(0..n as u32);
+    if k < n {
+        let rank = |a: &u32, b: &u32| {
+            let (va, vb) = (x[*a as usize], x[*b as usize]);
+            let by_value = if largest { cmp_f32(vb, va) } else { cmp_f32(va, vb) };
+            by_value.then(a.cmp(b))
+        };
+        idx.select_nth_unstable_by(k, rank);
+    }
+    out.extend_from_slice(&idx[..k]);
+    out.sort_unstable();
+}
