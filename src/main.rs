@@ -18,6 +18,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use pagoda_router::{GgufCodec, RouterConfig, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
+use pagoda_worker::policy::PolicySpec;
 use pagoda_worker::service::WorkerService;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -73,6 +74,13 @@ struct EngineArgs {
     /// Turn the prefix cache off.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Default KV eviction policy for requests that name none: full, streaming, knorm, keydiff, paged_eviction,
+    /// sage, snapkv, h2o, kv_compress.
+    #[arg(long, default_value = "full")]
+    kv_policy: String,
+    /// Default KV budget in tokens per (layer, kv-head) for that policy.
+    #[arg(long, default_value_t = pagoda_worker::policy::defaults::BUDGET_TOKENS)]
+    kv_budget: usize,
 }
 
 #[derive(Args, Clone)]
@@ -229,8 +237,10 @@ fn resolve_model(args: &ModelArgs) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn engine_config(model: &Path, e: &EngineArgs) -> EngineConfig {
-    EngineConfig {
+fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
+    let default_policy = PolicySpec::parse(Some(&e.kv_policy), Some(e.kv_budget), PolicySpec::full(), usize::MAX)
+        .context("--kv-policy / --kv-budget")?;
+    Ok(EngineConfig {
         model_path: model.to_path_buf(),
         num_blocks: e.num_blocks,
         block_size: e.block_size,
@@ -238,11 +248,12 @@ fn engine_config(model: &Path, e: &EngineArgs) -> EngineConfig {
         max_running: e.max_running,
         enable_prefix_cache: !e.no_prefix_cache,
         threads: e.threads,
-    }
+        default_policy,
+    })
 }
 
 async fn start_engine(model: &Path, e: &EngineArgs) -> Result<EngineHandle> {
-    let cfg = engine_config(model, e);
+    let cfg = engine_config(model, e)?;
     let shown = model.display().to_string();
     tracing::info!(model = %shown, "loading model");
     let engine = tokio::task::spawn_blocking(move || Engine::start(cfg))

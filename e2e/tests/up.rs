@@ -273,3 +273,41 @@ async fn up_client_disconnect_cancels_and_frees_blocks() {
     assert!(after.computed_tokens_total - before.computed_tokens_total < 1000, "{after:?}");
     still_serves(http, "disconnect").await;
 }
+
+/// Every eviction policy serves chat through the real binary: the request's `kv` extension reaches the worker,
+/// the answer comes back, the worker's eviction counters move for that policy, and `/metrics` shows them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_serves_chat_under_every_eviction_policy() {
+    let up = start_up("up-policies", &[]).await.unwrap();
+    let http = &up.http;
+    let context = "Pagoda is a serving system. ".repeat(30);
+    let question = format!("{context}\nQuestion: what is the capital of France? Answer in one word.");
+    let policies = ["streaming", "knorm", "keydiff", "paged_eviction", "sage", "snapkv", "h2o", "kv_compress", "full"];
+    for policy in policies {
+        let body =
+            chat(&question, json!({"temperature": 0, "max_tokens": 24, "kv": {"policy": policy, "budget_tokens": 64}}));
+        let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(s, 200, "{policy}: {v}");
+        let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+        eprintln!("{policy}: {answer:?}");
+        assert!(!answer.trim().is_empty(), "{policy}");
+        let stats = worker_stats(&up.worker).await.unwrap();
+        let ev = stats.evictions.iter().find(|e| e.policy == policy);
+        if policy == "full" {
+            assert!(ev.is_none(), "full never evicts: {stats:?}");
+        } else {
+            let ev = ev.unwrap_or_else(|| panic!("{policy}: no evictions reported: {stats:?}"));
+            assert!(ev.evicted_slots > 0 && ev.freed_blocks > 0, "{policy}: {ev:?}");
+        }
+    }
+    let (s, text) = http.get("/metrics").await.unwrap();
+    assert_eq!(s, 200);
+    assert!(text.contains("pagoda_router_worker_evicted_blocks{") && text.contains("policy=\"kv_compress\""), "{text}");
+    // An unknown policy and a budget below the minimum are 400s naming the field.
+    for (kv, param) in [(json!({"policy": "lru"}), "kv.policy"), (json!({"budget_tokens": 4}), "kv.budget_tokens")] {
+        let (s, v) = http.post_json("/v1/chat/completions", &chat(QUESTION, json!({"kv": kv}))).await.unwrap();
+        assert_eq!(s, 400, "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    still_serves(http, "policies").await;
+}

@@ -55,6 +55,8 @@ pub async fn start(
         }),
         stop_token_ids: codec.stop_token_ids(),
         namespace: job.namespace.clone(),
+        kv_policy: job.params.kv_policy.clone(),
+        kv_budget_tokens: job.params.kv_budget_tokens,
     };
     let candidates = pool.candidates();
     if candidates.is_empty() {

@@ -22,6 +22,12 @@ pub struct WorkerLabels {
     pub worker: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    pub worker: String,
+    pub policy: String,
+}
+
 /// All router metrics and their registry.
 pub struct Metrics {
     registry: Registry,
@@ -35,6 +41,10 @@ pub struct Metrics {
     pub worker_capacity_blocks: Family<WorkerLabels, Gauge>,
     pub worker_running: Family<WorkerLabels, Gauge>,
     pub worker_waiting: Family<WorkerLabels, Gauge>,
+    /// The worker's cumulative eviction counters, by policy (gauges: the router mirrors the worker's totals).
+    pub worker_evicted_tokens: Family<PolicyLabels, Gauge>,
+    pub worker_evicted_blocks: Family<PolicyLabels, Gauge>,
+    pub worker_preemptions: Family<WorkerLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -100,8 +110,32 @@ impl Metrics {
             seqs(),
             worker_waiting.clone(),
         );
+        let worker_evicted_tokens = Family::<PolicyLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_evicted",
+            "KV token slots evicted on the worker since it started, by eviction policy",
+            Unit::Other("tokens".into()),
+            worker_evicted_tokens.clone(),
+        );
+        let worker_evicted_blocks = Family::<PolicyLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_evicted",
+            "KV blocks evictions returned to the worker's pool since it started, by eviction policy",
+            Unit::Other("blocks".into()),
+            worker_evicted_blocks.clone(),
+        );
+        let worker_preemptions = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_preemptions",
+            "Sequences the worker preempted (recompute) since it started",
+            Unit::Other("sequences".into()),
+            worker_preemptions.clone(),
+        );
         Metrics {
             registry,
+            worker_evicted_tokens,
+            worker_evicted_blocks,
+            worker_preemptions,
             requests,
             ttft,
             inter_token,
@@ -130,6 +164,12 @@ impl Metrics {
                 self.worker_capacity_blocks.get_or_create(&l).set(s.blocks_total as i64);
                 self.worker_running.get_or_create(&l).set(s.running as i64);
                 self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
+                self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
+                for e in &s.evictions {
+                    let pl = PolicyLabels { worker: w.addr.clone(), policy: e.policy.clone() };
+                    self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
+                    self.worker_evicted_blocks.get_or_create(&pl).set(e.freed_blocks as i64);
+                }
             }
         }
     }
@@ -157,6 +197,9 @@ mod tests {
         m.prompt_tokens.inc_by(3);
         m.completion_tokens.inc_by(4);
         m.worker_used_blocks.get_or_create(&WorkerLabels { worker: "w".into() }).set(5);
+        let pl = PolicyLabels { worker: "w".into(), policy: "snapkv".into() };
+        m.worker_evicted_tokens.get_or_create(&pl).set(7);
+        m.worker_evicted_blocks.get_or_create(&pl).set(2);
         let text = m.encode();
         for name in [
             "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
@@ -165,6 +208,8 @@ mod tests {
             "pagoda_router_prompt_tokens_total 3",
             "pagoda_router_completion_tokens_total 4",
             "pagoda_router_worker_used_blocks{worker=\"w\"} 5",
+            "pagoda_router_worker_evicted_tokens{worker=\"w\",policy=\"snapkv\"} 7",
+            "pagoda_router_worker_evicted_blocks{worker=\"w\",policy=\"snapkv\"} 2",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -132,6 +132,9 @@ pub struct GenParams {
     pub stream: bool,
     pub include_usage: bool,
     pub sampling: Sampling,
+    /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
+    pub kv_policy: String,
+    pub kv_budget_tokens: u32,
 }
 
 /// A chat turn ready for the template.
@@ -234,9 +237,10 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
             return Err(ApiError::invalid_param(name, format!("`{name}` is not supported (only 0), got {v}.")));
         }
     }
-    if let Some(kv) = c.kv {
-        validate_kv(kv)?;
-    }
+    let (kv_policy, kv_budget_tokens) = match c.kv {
+        Some(kv) => validate_kv(kv)?,
+        None => (String::new(), 0),
+    };
     let stream = c.stream.unwrap_or(false);
     let include_usage = c.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     if c.stream_options.is_some() && !stream {
@@ -252,6 +256,8 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         stream,
         include_usage,
         sampling: Sampling { temperature: temperature as f32, top_p: top_p as f32, top_k, seed },
+        kv_policy,
+        kv_budget_tokens,
     })
 }
 
@@ -302,25 +308,33 @@ pub fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-/// The `kv` extension: only the `full` policy exists for now.
-pub fn validate_kv(kv: &KvOptions) -> Result<(), ApiError> {
-    if let Some(p) = &kv.policy
-        && p != "full"
-    {
-        let shown: String = p.chars().take(64).collect();
-        return Err(ApiError::invalid_param(
-            "kv.policy",
-            format!("Unknown or unsupported kv.policy `{shown}`; supported policies: full."),
-        ));
-    }
-    if let Some(b) = kv.budget_tokens
-        && b <= 0
-    {
-        return Err(ApiError::invalid_param(
-            "kv.budget_tokens",
-            format!("`kv.budget_tokens` must be a positive integer, got {b}."),
-        ));
-    }
+/// The `kv` extension: a known eviction policy, a budget within bounds, and the native codec. Returns the policy
+/// name (empty when absent) and budget (0 when absent) to forward to the worker.
+pub fn validate_kv(kv: &KvOptions) -> Result<(String, u32), ApiError> {
+    use pagoda_worker::policy::{PolicyKind, defaults, policy_names};
+    let policy = match &kv.policy {
+        None => String::new(),
+        Some(p) => match PolicyKind::parse(p) {
+            Some(k) => k.name().to_owned(),
+            None => {
+                let shown: String = p.chars().take(64).collect();
+                return Err(ApiError::invalid_param(
+                    "kv.policy",
+                    format!("Unknown kv.policy `{shown}`; supported policies: {}.", policy_names()),
+                ));
+            }
+        },
+    };
+    let budget = match kv.budget_tokens {
+        None => 0,
+        Some(b) if b >= defaults::MIN_BUDGET_TOKENS as i64 && b <= u32::MAX as i64 => b as u32,
+        Some(b) => {
+            return Err(ApiError::invalid_param(
+                "kv.budget_tokens",
+                format!("`kv.budget_tokens` must be an integer of at least {}, got {b}.", defaults::MIN_BUDGET_TOKENS),
+            ));
+        }
+    };
     if let Some(c) = &kv.codec
         && c != "native"
     {
@@ -330,7 +344,7 @@ pub fn validate_kv(kv: &KvOptions) -> Result<(), ApiError> {
             format!("Unknown or unsupported kv.codec `{shown}`; supported codecs: native."),
         ));
     }
-    Ok(())
+    Ok((policy, budget))
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -768,7 +782,7 @@ mod tests {
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[1]}"#, "stop[0]"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":{}}"#, "stop"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}"#, "stream"),
-            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"snapkv"}}"#, "kv.policy"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"lru"}}"#, "kv.policy"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"codec":"int4"}}"#, "kv.codec"),
             (
                 r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"budget_tokens":0}}"#,

@@ -136,6 +136,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         max_running: max_c,
         enable_prefix_cache: false,
         threads: opts.threads,
+        default_policy: crate::policy::PolicySpec::full(),
     };
     // Load once to learn the layout, then size the arena.
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;
@@ -224,6 +225,7 @@ fn run_batch(
         enable_prefix_cache: false,
         max_model_len: info.context_length,
         model_id: info.model_id.clone(),
+        attn: info.attn_dims(),
     };
     let mut sched: Scheduler<()> = Scheduler::new(cfg, info.layout(), info.num_blocks);
     for p in prompts {
@@ -232,6 +234,7 @@ fn run_batch(
             max_tokens: new_tokens.max(1),
             stop_token_ids: Vec::new(),
             namespace: String::new(),
+            policy: crate::policy::PolicySpec::full(),
             payload: (),
         })?;
     }
@@ -256,6 +259,7 @@ fn run_batch(
                     tables: seq.tables(),
                     prior_lens: seq.lens(),
                     want_logits: e.wants_logits,
+                    capture_q: 0,
                 });
             }
             logits.clear();

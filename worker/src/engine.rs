@@ -23,6 +23,7 @@ use pagoda_kernels::{CpuBackend, KvStorage};
 
 use crate::cache::CacheLayout;
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
+use crate::policy::{AttnDims, PolicyKind, PolicySpec};
 use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits};
 
@@ -40,6 +41,8 @@ pub struct EngineConfig {
     pub enable_prefix_cache: bool,
     /// Compute threads for the CPU backend (0 = all cores).
     pub threads: usize,
+    /// Eviction policy for requests that name none.
+    pub default_policy: PolicySpec,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +55,7 @@ impl Default for EngineConfig {
             max_running: 64,
             enable_prefix_cache: true,
             threads: 0,
+            default_policy: PolicySpec::full(),
         }
     }
 }
@@ -70,6 +74,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     pub stop_token_ids: Vec<u32>,
     pub namespace: String,
+    /// The request's eviction policy; `None` takes the engine's default.
+    pub policy: Option<PolicySpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +100,11 @@ pub struct EngineStats {
     pub waiting: u64,
     pub computed_tokens_total: u64,
     pub cached_tokens_total: u64,
+    pub preemptions_total: u64,
+    /// Slots evicted by each policy ([`PolicyKind::index`]).
+    pub evicted_slots: [u64; PolicyKind::ALL.len()],
+    /// Blocks each policy's evictions returned to the pool.
+    pub evicted_blocks: [u64; PolicyKind::ALL.len()],
 }
 
 /// What the loaded model is, as clients need it.
@@ -107,6 +118,8 @@ pub struct ModelInfo {
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
     pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
@@ -116,6 +129,15 @@ pub struct ModelInfo {
 impl ModelInfo {
     pub fn layout(&self) -> CacheLayout {
         CacheLayout { n_layers: self.n_layers, n_kv_heads: self.n_kv_heads, block_size: self.block_size }
+    }
+
+    pub fn attn_dims(&self) -> AttnDims {
+        AttnDims {
+            n_layers: self.n_layers,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        }
     }
 }
 
@@ -148,6 +170,8 @@ pub struct StepSeq<'a> {
     pub prior_lens: &'a [usize],
     /// Append the last token's logits (vocab floats) to the output.
     pub want_logits: bool,
+    /// Trailing tokens whose queries the eviction policy needs captured.
+    pub capture_q: usize,
 }
 
 /// The model as the engine thread drives it. Owns the KV storage.
@@ -156,6 +180,12 @@ pub trait ModelRunner {
     /// Computes one batched step; for each sequence with `want_logits`, in order, appends one row of
     /// `vocab_size` logits to `logits` (which the caller cleared).
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError>;
+    /// The KV storage and the queries the last step captured for batch entry `i`, for eviction policies. A
+    /// runner without host-side KV returns `None`, and requests then keep their full cache.
+    fn policy_io(&mut self, i: usize) -> Option<(&mut KvStorage, &[f32])> {
+        let _ = i;
+        None
+    }
 }
 
 /// Pool size for `num_blocks == 0`: two full contexts.
@@ -173,6 +203,7 @@ struct HandleInner {
     tx: Mutex<Sender<Command>>,
     info: ModelInfo,
     sched_cfg: SchedulerConfig,
+    default_policy: PolicySpec,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -200,6 +231,11 @@ impl std::fmt::Debug for EngineHandle {
 impl EngineHandle {
     pub fn model_info(&self) -> &ModelInfo {
         &self.inner.info
+    }
+
+    /// The policy requests get when they name none.
+    pub fn default_policy(&self) -> PolicySpec {
+        self.inner.default_policy
     }
 
     /// Validates and queues a request. Events arrive on the returned receiver; dropping it cancels the
@@ -250,6 +286,17 @@ impl EngineHandle {
         if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
             return Err(EngineError::InvalidRequest(format!("top_p must be in (0, 1], got {}", s.top_p)));
         }
+        if let Some(p) = &req.policy
+            && !p.is_full()
+            && !(crate::policy::defaults::MIN_BUDGET_TOKENS..=info.context_length).contains(&p.budget_tokens)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV budget must be in {}..={} tokens, got {}",
+                crate::policy::defaults::MIN_BUDGET_TOKENS,
+                info.context_length,
+                p.budget_tokens
+            )));
+        }
         check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
         Ok(())
     }
@@ -288,7 +335,8 @@ impl Engine {
                     }
                 };
                 let info = runner.info().clone();
-                let mut core = EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_stats);
+                let mut core =
+                    EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_cfg.default_policy, thread_stats);
                 core.publish_stats();
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
@@ -313,6 +361,7 @@ impl Engine {
                 tx: Mutex::new(tx),
                 info,
                 sched_cfg,
+                default_policy: config.default_policy,
                 stats,
                 thread: Mutex::new(Some(thread)),
             }),
@@ -327,6 +376,7 @@ fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
         enable_prefix_cache: cfg.enable_prefix_cache,
         max_model_len: info.context_length,
         model_id: info.model_id.clone(),
+        attn: info.attn_dims(),
     }
 }
 
@@ -347,6 +397,7 @@ struct EngineLoop<R> {
     closed: Vec<SeqId>,
     plan: StepPlan,
     batch: Vec<StepSeq<'static>>,
+    default_policy: PolicySpec,
     stats: Arc<Mutex<EngineStats>>,
 }
 
@@ -356,7 +407,12 @@ enum Flow {
 }
 
 impl<R: ModelRunner> EngineLoop<R> {
-    fn new(runner: R, cfg: SchedulerConfig, stats: Arc<Mutex<EngineStats>>) -> EngineLoop<R> {
+    fn new(
+        runner: R,
+        cfg: SchedulerConfig,
+        default_policy: PolicySpec,
+        stats: Arc<Mutex<EngineStats>>,
+    ) -> EngineLoop<R> {
         let info = runner.info();
         let sched = Scheduler::new(cfg, info.layout(), info.num_blocks);
         let eos = info.eos_token_ids.clone();
@@ -371,6 +427,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             closed: Vec::new(),
             plan: StepPlan::default(),
             batch: Vec::new(),
+            default_policy,
             stats,
         }
     }
@@ -445,6 +502,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     max_tokens: req.max_tokens as usize,
                     stop_token_ids: stop,
                     namespace: req.namespace,
+                    policy: req.policy.unwrap_or(self.default_policy),
                     payload: state,
                 };
                 // The handle validated already; a rejection here still reaches the client.
@@ -480,6 +538,14 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     /// Runs one step. Returns false when nothing could be scheduled.
     fn step(&mut self) -> bool {
+        // KV-Compress compresses instead of letting the scheduler preempt: a decode step may need one block per
+        // table for every running sequence.
+        let needed = self.sched.running_ids().len() * self.sched.layout().group_size();
+        if self.sched.pool().num_available() < needed
+            && let Some((kv, _)) = self.runner.policy_io(0)
+        {
+            self.sched.relieve_pressure(needed, kv);
+        }
         let mut plan = std::mem::take(&mut self.plan);
         self.sched.schedule_into(&mut plan);
         let progressed = !plan.is_empty() && self.run_plan(&plan);
@@ -499,6 +565,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     tables: seq.tables(),
                     prior_lens: seq.lens(),
                     want_logits: e.wants_logits,
+                    capture_q: seq.capture_for(e.start, e.n),
                 });
             }
             let r = self.runner.forward(&batch, &mut self.logits);
@@ -516,6 +583,18 @@ impl<R: ModelRunner> EngineLoop<R> {
             return true;
         }
         self.sched.complete_step(plan);
+        for (i, e) in plan.seqs.iter().enumerate() {
+            let Some(seq) = self.sched.get(e.seq) else { continue };
+            if seq.policy().is_full() {
+                continue;
+            }
+            let Some((kv, captured)) = self.runner.policy_io(i) else { continue };
+            if let Err(err) = self.sched.apply_policy(e.seq, e.start, e.n, captured, kv) {
+                // The cache is unchanged on error (compaction is all or nothing); the request keeps running
+                // with more KV than its budget.
+                tracing::warn!(seq = e.seq, error = %err, "eviction skipped");
+            }
+        }
         let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
         if self.logits.len() < rows * self.vocab {
             let msg = format!("model returned {} logits for {rows} rows", self.logits.len());
@@ -568,6 +647,9 @@ impl<R: ModelRunner> EngineLoop<R> {
             waiting: s.waiting as u64,
             computed_tokens_total: s.computed_tokens_total,
             cached_tokens_total: s.cached_tokens_total,
+            preemptions_total: s.preemptions_total,
+            evicted_slots: s.evicted_slots,
+            evicted_blocks: s.evicted_blocks,
         };
         if let Ok(mut g) = self.stats.lock() {
             *g = snapshot;
@@ -577,11 +659,13 @@ impl<R: ModelRunner> EngineLoop<R> {
 
 /// Empties a batch vector and hands its allocation to a new lifetime: the in-place `collect` specialisation keeps
 /// the buffer because the element layout does not change, so per-step batches do not allocate.
+#[allow(clippy::unnecessary_filter_map)] // `filter` cannot change the element lifetime; `filter_map` can.
 fn recycle_steps<'b>(mut v: Vec<StepSeq<'_>>) -> Vec<StepSeq<'b>> {
     v.clear();
     v.into_iter().filter_map(|_| None).collect()
 }
 
+#[allow(clippy::unnecessary_filter_map)]
 fn recycle_forward<'b>(mut v: Vec<ForwardSeq<'_>>) -> Vec<ForwardSeq<'b>> {
     v.clear();
     v.into_iter().filter_map(|_| None).collect()
@@ -638,6 +722,7 @@ impl LlamaRunner {
             eos_token_ids: tokenizer.eos_token_ids().to_vec(),
             bos_token_id: tokenizer.bos_id(),
             n_layers: mc.n_layers,
+            n_heads: mc.n_heads,
             n_kv_heads: mc.n_kv_heads,
             head_dim: mc.head_dim,
             block_size: cfg.block_size,
@@ -672,10 +757,15 @@ impl ModelRunner for LlamaRunner {
             tables: s.tables,
             prior_lens: s.prior_lens,
             logits: if s.want_logits { LogitsWanted::Last } else { LogitsWanted::None },
+            capture_q: s.capture_q,
         }));
         let r = self.model.forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits);
         self.batch = recycle_forward(batch);
         r.map_err(|e| EngineError::Forward(e.to_string()))
+    }
+
+    fn policy_io(&mut self, i: usize) -> Option<(&mut KvStorage, &[f32])> {
+        Some((&mut self.kv, self.scratch.captured_q(i)))
     }
 }
 
@@ -716,6 +806,7 @@ mod tests {
             eos_token_ids: vec![31],
             bos_token_id: None,
             n_layers: 2,
+            n_heads: 2,
             n_kv_heads: 2,
             head_dim: 4,
             block_size: 4,
@@ -733,6 +824,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             stop_token_ids: vec![],
             namespace: String::new(),
+            policy: None,
         }
     }
 

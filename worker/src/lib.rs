@@ -9,6 +9,7 @@ pub mod bench;
 pub mod cache;
 pub mod engine;
 pub mod model;
+pub mod policy;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;

@@ -19,7 +19,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use pagoda_kernels::KvStorage;
+
 use crate::cache::{BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
+use crate::policy::{AttnDims, CacheView, Eviction, PolicyKind, PolicySpec, PolicyState, StepView};
 
 pub type SeqId = u64;
 
@@ -45,6 +48,8 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// Salts the prefix chain hash.
     pub model_id: String,
+    /// Attention shape, for policies that read captured queries.
+    pub attn: AttnDims,
 }
 
 impl Default for SchedulerConfig {
@@ -55,6 +60,7 @@ impl Default for SchedulerConfig {
             enable_prefix_cache: true,
             max_model_len: 8192,
             model_id: String::new(),
+            attn: AttnDims { n_layers: 0, n_heads: 0, n_kv_heads: 0, head_dim: 0 },
         }
     }
 }
@@ -82,6 +88,8 @@ pub struct SeqRequest<P> {
     pub max_tokens: usize,
     pub stop_token_ids: Vec<u32>,
     pub namespace: String,
+    /// Eviction policy and budget ([`PolicySpec::full`] keeps everything).
+    pub policy: PolicySpec,
     pub payload: P,
 }
 
@@ -109,6 +117,7 @@ pub struct Sequence<P> {
     admitted: bool,
     preemptions: u32,
     status: SeqStatus,
+    policy: PolicyState,
     pub payload: P,
 }
 
@@ -146,6 +155,13 @@ impl<P> Sequence<P> {
     }
     pub fn blocks(&self) -> &SeqBlocks {
         &self.blocks
+    }
+    pub fn policy(&self) -> &PolicyState {
+        &self.policy
+    }
+    /// Queries the next step of `n` tokens from `start` must capture for the policy.
+    pub fn capture_for(&self, start: usize, n: usize) -> usize {
+        self.policy.capture_for(start, n, self.tokens.len())
     }
     /// Block tables per (layer, kv-head).
     pub fn tables(&self) -> &[Vec<u32>] {
@@ -191,6 +207,10 @@ pub struct SchedStats {
     pub cached_tokens_total: u64,
     pub preemptions_total: u64,
     pub steps_total: u64,
+    /// Slots evicted, per policy ([`PolicyKind::index`]).
+    pub evicted_slots: [u64; PolicyKind::ALL.len()],
+    /// Blocks returned to the pool by evictions, per policy.
+    pub evicted_blocks: [u64; PolicyKind::ALL.len()],
 }
 
 pub struct Scheduler<P> {
@@ -275,6 +295,7 @@ impl<P> Scheduler<P> {
             admitted: false,
             preemptions: 0,
             status: SeqStatus::Waiting,
+            policy: PolicyState::new(req.policy, self.cfg.attn, self.layout.block_size),
             payload: req.payload,
         };
         self.seqs.insert(id, seq);
@@ -309,7 +330,7 @@ impl<P> Scheduler<P> {
                     i += 1;
                     continue;
                 }
-                let n = remaining.min(budget);
+                let n = remaining.min(budget).min(seq.policy.spec().max_prefill_chunk());
                 if self.reserve_or_preempt(id, n, plan, &mut budget) {
                     let seq = &self.seqs[&id];
                     plan.seqs.push(ScheduledSeq {
@@ -371,6 +392,7 @@ impl<P> Scheduler<P> {
         if let Some(seq) = self.seqs.get_mut(&id) {
             Self::release_blocks(&self.cfg, &mut self.pool, seq);
             seq.num_computed = 0;
+            seq.policy.reset();
             seq.preemptions += 1;
             seq.status = SeqStatus::Waiting;
             self.stats.preemptions_total += 1;
@@ -387,13 +409,20 @@ impl<P> Scheduler<P> {
         let mut matched_tokens = 0;
         if self.cfg.enable_prefix_cache {
             extend_block_hashes(&self.cfg.model_id, &seq.namespace, &seq.tokens, bs, &mut seq.hashes);
-            // Leave at least one token to compute: its logits give the next token.
-            let max_groups = ((seq.tokens.len() - 1) / bs).min(seq.hashes.len());
+            // Leave at least one token to compute (its logits give the next token), more when the policy
+            // observes the queries of the prompt's tail.
+            let len = seq.tokens.len();
+            let tail = seq.policy.spec().min_computed_tail(len).clamp(1, len);
+            let max_groups = ((len - tail) / bs).min(seq.hashes.len());
             let matched = seq.blocks.adopt(&mut self.pool, &seq.hashes[..max_groups]).ok()?;
             matched_tokens = matched * bs;
         }
+        if !seq.policy.is_full() {
+            // Its blocks will be pruned: never publish them as a full prefix.
+            seq.blocks.mark_pruned();
+        }
         seq.num_computed = matched_tokens;
-        let n = (seq.tokens.len() - matched_tokens).min(budget);
+        let n = (seq.tokens.len() - matched_tokens).min(budget).min(seq.policy.spec().max_prefill_chunk());
         if seq.blocks.reserve(&mut self.pool, n).is_err() {
             // Keep its cached prefix evictable by others; it will match again when it fits.
             let _ = seq.blocks.free(&mut self.pool);
@@ -426,6 +455,60 @@ impl<P> Scheduler<P> {
                 seq.blocks.register_full(&mut self.pool, &seq.hashes);
             }
         }
+    }
+
+    /// Runs sequence `id`'s eviction hooks for its part of the step just completed (after
+    /// [`Scheduler::complete_step`]); `captured_q` holds the queries the step captured for it.
+    pub fn apply_policy(
+        &mut self,
+        id: SeqId,
+        start: usize,
+        n: usize,
+        captured_q: &[f32],
+        kv: &mut KvStorage,
+    ) -> Result<Eviction, CacheError> {
+        let Some(seq) = self.seqs.get_mut(&id) else { return Ok(Eviction::default()) };
+        if seq.policy.is_full() || seq.num_computed != start + n {
+            return Ok(Eviction::default());
+        }
+        let step = StepView { start, n, total: seq.tokens.len(), captured_q };
+        let mut cache = CacheView { blocks: &mut seq.blocks, pool: &mut self.pool, kv };
+        let ev = seq.policy.on_step(&mut cache, step)?;
+        let k = seq.policy.spec().kind.index();
+        self.stats.evicted_slots[k] += ev.slots;
+        self.stats.evicted_blocks[k] += ev.blocks;
+        Ok(ev)
+    }
+
+    /// KV-Compress under memory pressure (the paper's "compress when we would otherwise preempt"): when fewer
+    /// than `needed` blocks are available, compresses running KV-Compress sequences that grew past their budget
+    /// back to it, oldest first. Returns what was freed.
+    pub fn relieve_pressure(&mut self, needed: usize, kv: &mut KvStorage) -> Eviction {
+        let mut total = Eviction::default();
+        for i in 0..self.running.len() {
+            if self.pool.num_available() >= needed {
+                break;
+            }
+            let id = self.running[i];
+            let Some(seq) = self.seqs.get_mut(&id) else { continue };
+            if seq.policy.spec().kind != PolicyKind::KvCompress || seq.num_computed < seq.tokens.len().saturating_sub(1)
+            {
+                continue;
+            }
+            let target = seq.policy.budget_blocks(&seq.blocks);
+            let mut cache = CacheView { blocks: &mut seq.blocks, pool: &mut self.pool, kv };
+            match seq.policy.compress_to(&mut cache, target) {
+                Ok(ev) => {
+                    let k = PolicyKind::KvCompress.index();
+                    self.stats.evicted_slots[k] += ev.slots;
+                    self.stats.evicted_blocks[k] += ev.blocks;
+                    total.slots += ev.slots;
+                    total.blocks += ev.blocks;
+                }
+                Err(e) => tracing::warn!(seq = id, error = %e, "KV-Compress under pressure failed"),
+            }
+        }
+        total
     }
 
     /// Appends a sampled token and reports whether the sequence is now finished. The caller then calls

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures::Stream;
 use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
 use pagoda_proto::worker::{
-    self as pb, Finished, GenerateResponse, HealthRequest, HealthResponse, StatsRequest, StatsResponse,
+    self as pb, Finished, GenerateResponse, HealthRequest, HealthResponse, PolicyEvictions, StatsRequest, StatsResponse,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 use tonic::{Request, Response, Status};
 
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
+use crate::policy::{PolicyKind, PolicySpec};
 use crate::scheduler::SchedError;
 
 /// Longest `request_id` / `namespace`, in bytes.
@@ -108,6 +109,16 @@ impl WorkerService {
                 SamplingParams { temperature: s.temperature, top_p, top_k: s.top_k, seed: s.seed }
             }
         };
+        let policy = if req.kv_policy.is_empty() && req.kv_budget_tokens == 0 {
+            None
+        } else {
+            let name = (!req.kv_policy.is_empty()).then_some(req.kv_policy.as_str());
+            let budget = (req.kv_budget_tokens > 0).then_some(req.kv_budget_tokens as usize);
+            Some(
+                PolicySpec::parse(name, budget, self.engine.default_policy(), info.context_length)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
+            )
+        };
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         Ok(GenerateRequest {
             request_id: format!("{}#{n}", req.request_id),
@@ -116,6 +127,7 @@ impl WorkerService {
             sampling,
             stop_token_ids: req.stop_token_ids,
             namespace: req.namespace,
+            policy,
         })
     }
 }
@@ -245,6 +257,16 @@ impl Worker for WorkerService {
             waiting: s.waiting,
             computed_tokens_total: s.computed_tokens_total,
             cached_tokens_total: s.cached_tokens_total,
+            evictions: PolicyKind::ALL
+                .iter()
+                .filter(|k| s.evicted_slots[k.index()] > 0 || s.evicted_blocks[k.index()] > 0)
+                .map(|k| PolicyEvictions {
+                    policy: k.name().to_owned(),
+                    evicted_slots: s.evicted_slots[k.index()],
+                    freed_blocks: s.evicted_blocks[k.index()],
+                })
+                .collect(),
+            preemptions_total: s.preemptions_total,
         }))
     }
 }
@@ -292,6 +314,7 @@ mod tests {
             eos_token_ids: vec![999],
             bos_token_id: None,
             n_layers: 2,
+            n_heads: 2,
             n_kv_heads: 2,
             head_dim: 4,
             block_size: 4,
@@ -311,6 +334,7 @@ mod tests {
             sampling: Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None }),
             stop_token_ids: vec![],
             namespace: "ns".into(),
+            ..Default::default()
         }
     }
 

@@ -54,6 +54,7 @@ fn greedy(id: &str, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
         stop_token_ids: vec![],
         namespace: String::new(),
+        policy: None,
     }
 }
 
@@ -103,12 +104,14 @@ fn prefix_cache_hit_skips_matched_tokens_with_identical_output() {
     let p = &tokenize(&[&format!("{DOC} Question: what does the librarian count?")])[0];
     assert!(p.len() > 40, "prompt long enough to span several blocks: {}", p.len());
     let first = collect(h.submit(greedy("a", p, 12)).unwrap());
-    let s1 = h.stats();
+    // Stats are published after the step that sent Finished: wait for that snapshot.
+    let s1 = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
     assert_eq!(first.cached, 0);
     assert_eq!(s1.computed_tokens_total, (p.len() + first.sampled - 1) as u64);
 
     let second = collect(h.submit(greedy("b", p, 12)).unwrap());
-    let s2 = h.stats();
+    let s2 =
+        wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0 && s.cached_tokens_total > s1.cached_tokens_total);
     let matched = (p.len() - 1) / 16 * 16;
     assert_eq!(second.cached as usize, matched);
     assert_eq!(s2.cached_tokens_total - s1.cached_tokens_total, matched as u64);
@@ -231,4 +234,42 @@ fn seeded_sampling_is_deterministic() {
     assert!(!a.is_empty());
     let others: Vec<Vec<u32>> = (8..11).map(run).collect();
     assert!(others.iter().any(|o| *o != a), "different seeds should (almost surely) differ");
+}
+
+/// Every eviction policy through the real engine: with a budget above the sequence length it changes nothing
+/// (same greedy tokens as the full cache); with a tight budget it evicts, returns blocks to the pool, and the
+/// request still completes.
+#[test]
+fn every_policy_evicts_frees_blocks_and_matches_full_cache_when_the_budget_fits() {
+    use pagoda_worker::policy::{PolicyKind, PolicySpec};
+    let h = engine(128, false);
+    let long = format!("{DOC} {DOC} {DOC} {DOC} {DOC} Question: what does the librarian write on the slate?");
+    let p = chat(&long);
+    assert!(p.len() > 200, "prompt long enough to evict from: {}", p.len());
+    let new = 24u32;
+    let full = collect(h.submit(greedy("full", &p, new)).unwrap()).tokens;
+    for kind in PolicyKind::ALL.into_iter().filter(|k| *k != PolicyKind::Full) {
+        let before = h.stats();
+        let mut roomy = greedy(kind.name(), &p, new);
+        roomy.policy = Some(PolicySpec { kind, budget_tokens: 1024 });
+        let got = collect(h.submit(roomy).unwrap());
+        assert_eq!(got.tokens, full, "{}: a budget larger than the sequence keeps the full-cache output", kind.name());
+        let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
+        assert_eq!(s.evicted_slots[kind.index()], before.evicted_slots[kind.index()], "{}", kind.name());
+
+        let mut tight = greedy(kind.name(), &p, new);
+        tight.policy = Some(PolicySpec { kind, budget_tokens: 64 });
+        let got = collect(h.submit(tight).unwrap());
+        // A tight budget may change the answer (even end it early), never break it.
+        assert!(
+            got.completion >= 1 && (got.reason == FinishReason::Length) == (got.completion == new),
+            "{}",
+            kind.name()
+        );
+        let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
+        let k = kind.index();
+        assert!(s.evicted_slots[k] > before.evicted_slots[k], "{} evicted nothing: {s:?}", kind.name());
+        assert!(s.evicted_blocks[k] > before.evicted_blocks[k], "{} freed no block: {s:?}", kind.name());
+        assert_eq!(s.blocks_used, 0, "{}: every block back in the pool", kind.name());
+    }
 }

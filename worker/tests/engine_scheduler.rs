@@ -40,11 +40,19 @@ fn cfg(max_step_tokens: usize, max_running: usize) -> SchedulerConfig {
         enable_prefix_cache: true,
         max_model_len: 1000,
         model_id: "fake".into(),
+        ..SchedulerConfig::default()
     }
 }
 
 fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
-    SeqRequest { prompt, max_tokens, stop_token_ids: Vec::new(), namespace: String::new(), payload: () }
+    SeqRequest {
+        prompt,
+        max_tokens,
+        stop_token_ids: Vec::new(),
+        namespace: String::new(),
+        policy: Default::default(),
+        payload: (),
+    }
 }
 
 /// Runs one step: schedule, fake forward, complete, sample, append, finish.

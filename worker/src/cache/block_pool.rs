@@ -78,6 +78,12 @@ impl BlockPool {
         self.refs.get(b as usize).copied().unwrap_or(0)
     }
 
+    /// True when only one holder references `b` and no cached group owns it, so writing it affects no one else.
+    pub fn is_exclusive(&self, b: BlockId) -> bool {
+        let i = b as usize;
+        i < self.refs.len() && self.refs[i] == 1 && self.group_of[i].is_none()
+    }
+
     pub fn index(&self) -> &PrefixIndex {
         &self.index
     }

@@ -52,4 +52,6 @@ pub enum CacheError {
     InvalidBlock(BlockId),
     #[error("block {0} is free; it cannot be shared or released")]
     NotAllocated(BlockId),
+    #[error("invalid eviction for table {table} of length {len}")]
+    BadKeep { table: usize, len: usize },
 }

@@ -1,11 +1,17 @@
 //! One sequence's KV block tables: a table and a cache length per (layer, kv-head), index
 //! `layer * n_kv_heads + head` (the layout `ForwardSeq::tables` expects).
 //!
-//! Uniform policies keep all tables the same length, so block `j` of every table forms the sequence's `j`-th
-//! block group. [`SeqBlocks::reserve`] grows every table by whole groups, [`SeqBlocks::adopt`] takes matched
-//! prefix groups by reference, [`SeqBlocks::register_full`] publishes fully computed groups in the prefix
-//! index, and [`SeqBlocks::free`] drops the sequence's references (tail groups first, so the LRU evicts the
-//! ends of prefix chains before their beginnings).
+//! While the cache is unpruned every table has the same length, so block `j` of every table forms the sequence's
+//! `j`-th block group: [`SeqBlocks::adopt`] takes matched prefix groups by reference and
+//! [`SeqBlocks::register_full`] publishes fully computed groups in the prefix index. Eviction policies then make
+//! the tables differ: [`SeqBlocks::compact`] keeps a subset of one table's slots (the KV-Compress paper's
+//! MoveCache), [`SeqBlocks::remove_block`] drops one whole block (PagedEviction), and both return emptied blocks
+//! to the pool at once. A pruned cache no longer equals the full KV of its tokens, so it is never registered, and
+//! blocks it shares (adopted prefix groups) are copied before they are written (copy-on-write).
+//! [`SeqBlocks::reserve`] grows each table to fit its own length; [`SeqBlocks::free`] drops every reference,
+//! tail blocks first, so the LRU evicts the ends of prefix chains before their beginnings.
+
+use pagoda_kernels::KvStorage;
 
 use super::{BlockId, BlockPool, CacheError, CacheLayout};
 
@@ -14,13 +20,12 @@ pub struct SeqBlocks {
     layout: CacheLayout,
     tables: Vec<Vec<BlockId>>,
     lens: Vec<usize>,
-    /// Blocks per table (the same for every table).
-    n_groups: usize,
     /// Leading groups already in the prefix index (adopted or registered by this sequence).
     registered: usize,
-    /// Groups whose contents no longer equal the full, unpruned KV of their tokens; never registered.
+    /// The tables no longer hold the full, unpruned KV of their tokens; nothing more is registered.
     pruned: bool,
     scratch: Vec<BlockId>,
+    old_table: Vec<BlockId>,
 }
 
 impl SeqBlocks {
@@ -30,10 +35,10 @@ impl SeqBlocks {
             layout,
             tables: vec![Vec::new(); n],
             lens: vec![0; n],
-            n_groups: 0,
             registered: 0,
             pruned: false,
             scratch: Vec::with_capacity(n),
+            old_table: Vec::new(),
         }
     }
 
@@ -51,30 +56,41 @@ impl SeqBlocks {
         &self.lens
     }
 
-    /// Cache length of the first table (all tables under uniform policies).
+    /// Cache length of the first table (of every table while unpruned).
     pub fn len(&self) -> usize {
         self.lens.first().copied().unwrap_or(0)
     }
 
+    /// Longest cache length over all tables.
+    pub fn max_len(&self) -> usize {
+        self.lens.iter().copied().max().unwrap_or(0)
+    }
+
     pub fn is_empty(&self) -> bool {
-        self.n_groups == 0
+        self.tables.iter().all(Vec::is_empty)
     }
 
+    /// Blocks of the longest table (the number of block groups while unpruned).
     pub fn num_groups(&self) -> usize {
-        self.n_groups
+        self.tables.iter().map(Vec::len).max().unwrap_or(0)
     }
 
+    /// Blocks held over all tables.
     pub fn num_blocks(&self) -> usize {
-        self.n_groups * self.layout.group_size()
+        self.tables.iter().map(Vec::len).sum()
     }
 
     pub fn num_registered(&self) -> usize {
         self.registered
     }
 
-    /// Slots every table can hold without allocating.
+    pub fn is_pruned(&self) -> bool {
+        self.pruned
+    }
+
+    /// Slots the first table can hold without allocating.
     pub fn capacity(&self) -> usize {
-        self.n_groups * self.layout.block_size
+        self.tables.first().map_or(0, Vec::len) * self.layout.block_size
     }
 
     /// Marks the cache as pruned: from now on nothing more is registered in the prefix index.
@@ -82,10 +98,10 @@ impl SeqBlocks {
         self.pruned = true;
     }
 
-    /// Blocks that reserving room for `n_new` more tokens would allocate.
+    /// Blocks that reserving room for `n_new` more slots in every table would allocate.
     pub fn blocks_needed(&self, n_new: usize) -> usize {
-        let groups = self.layout.groups_for_tokens(self.len() + n_new);
-        groups.saturating_sub(self.n_groups) * self.layout.group_size()
+        let bs = self.layout.block_size;
+        self.tables.iter().zip(&self.lens).map(|(t, &l)| (l + n_new).div_ceil(bs).saturating_sub(t.len())).sum()
     }
 
     /// Adopts the longest cached prefix among `hashes` (the sequence's chain hashes, in order), taking a
@@ -111,14 +127,13 @@ impl SeqBlocks {
             }
             matched += 1;
         }
-        self.n_groups = matched;
         self.registered = matched;
         let len = matched * self.layout.block_size;
         self.lens.iter_mut().for_each(|l| *l = len);
         Ok(matched)
     }
 
-    /// Ensures every table has room for `n_new` more slots, allocating whole groups. All or nothing.
+    /// Ensures every table has room for `n_new` more slots. All or nothing.
     pub fn reserve(&mut self, pool: &mut BlockPool, n_new: usize) -> Result<(), CacheError> {
         let needed = self.blocks_needed(n_new);
         if needed == 0 {
@@ -126,21 +141,23 @@ impl SeqBlocks {
         }
         self.scratch.clear();
         pool.allocate(needed, &mut self.scratch)?;
-        let gs = self.layout.group_size();
-        for group in self.scratch.chunks_exact(gs) {
-            for (t, &b) in self.tables.iter_mut().zip(group) {
+        let bs = self.layout.block_size;
+        let mut fresh = self.scratch.iter();
+        for (t, &l) in self.tables.iter_mut().zip(&self.lens) {
+            while t.len() < (l + n_new).div_ceil(bs) {
+                // `needed` counted exactly these pushes.
+                let Some(&b) = fresh.next() else { break };
                 t.push(b);
             }
         }
-        self.n_groups += needed / gs;
         Ok(())
     }
 
     /// Records that `n` more slots were written in every table (after a forward step).
     pub fn advance(&mut self, n: usize) {
-        let cap = self.capacity();
-        for l in &mut self.lens {
-            *l = (*l + n).min(cap);
+        let bs = self.layout.block_size;
+        for (l, t) in self.lens.iter_mut().zip(&self.tables) {
+            *l = (*l + n).min(t.len() * bs);
         }
     }
 
@@ -151,7 +168,8 @@ impl SeqBlocks {
         if self.pruned {
             return;
         }
-        let full = (self.len() / self.layout.block_size).min(hashes.len()).min(self.n_groups);
+        let groups = self.tables.first().map_or(0, Vec::len);
+        let full = (self.len() / self.layout.block_size).min(hashes.len()).min(groups);
         while self.registered < full {
             let j = self.registered;
             self.scratch.clear();
@@ -161,19 +179,139 @@ impl SeqBlocks {
         }
     }
 
-    /// Drops this sequence's references, tail groups first, and empties the tables.
+    /// Keeps only the slots `keep` (strictly ascending, each below the table's length) of table `t`, moved in
+    /// order to slots `0..keep.len()`, and releases the blocks that empties. Destination blocks this sequence
+    /// shares (adopted prefix groups) are replaced by fresh copies first, so other holders never see the
+    /// change; if the pool cannot supply them, nothing changes. Returns the number of blocks released.
+    pub fn compact(
+        &mut self,
+        pool: &mut BlockPool,
+        kv: &mut KvStorage,
+        t: usize,
+        keep: &[u32],
+    ) -> Result<usize, CacheError> {
+        let bs = self.layout.block_size;
+        let len = self.lens[t];
+        if keep.len() > len || keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&s| s as usize >= len)
+        {
+            return Err(CacheError::BadKeep { table: t, len });
+        }
+        if keep.len() == len {
+            return Ok(0);
+        }
+        let new_blocks = keep.len().div_ceil(bs);
+        let shared = self.tables[t][..new_blocks].iter().filter(|&&b| !pool.is_exclusive(b)).count();
+        self.scratch.clear();
+        pool.allocate(shared, &mut self.scratch)?;
+        self.pruned = true;
+        self.old_table.clear();
+        self.old_table.extend_from_slice(&self.tables[t]);
+        let mut fresh = self.scratch.iter();
+        for b in self.tables[t][..new_blocks].iter_mut() {
+            if !pool.is_exclusive(*b)
+                && let Some(&f) = fresh.next()
+            {
+                *b = f;
+            }
+        }
+        let hd = kv.head_dim();
+        let (k, v) = kv.arenas_mut();
+        for (i, &src) in keep.iter().enumerate() {
+            let src = src as usize;
+            let from = (self.old_table[src / bs] as usize * bs + src % bs) * hd;
+            let to = (self.tables[t][i / bs] as usize * bs + i % bs) * hd;
+            if from != to {
+                k.copy_within(from..from + hd, to);
+                v.copy_within(from..from + hd, to);
+            }
+        }
+        // Release what the table no longer references: the tail, and shared blocks that were replaced.
+        self.scratch.clear();
+        for (j, &b) in self.old_table.iter().enumerate() {
+            if j >= new_blocks || self.tables[t][j] != b {
+                self.scratch.push(b);
+            }
+        }
+        self.tables[t].truncate(new_blocks);
+        self.lens[t] = keep.len();
+        let released = self.scratch.len();
+        pool.release(&self.scratch)?;
+        Ok(released - shared)
+    }
+
+    /// Drops block `j` of table `t` from the table (no data moves: later blocks shift down one entry) and
+    /// releases it. Every block but the last is full, so the table stays dense. Returns the slots removed.
+    pub fn remove_block(&mut self, pool: &mut BlockPool, t: usize, j: usize) -> Result<usize, CacheError> {
+        let bs = self.layout.block_size;
+        let len = self.lens[t];
+        if j >= self.tables[t].len() || j * bs >= len {
+            return Err(CacheError::BadKeep { table: t, len });
+        }
+        let slots = (len - j * bs).min(bs);
+        let b = self.tables[t].remove(j);
+        self.pruned = true;
+        self.lens[t] -= slots;
+        // A partially filled last block that moved left stays valid: its slots keep their offsets.
+        pool.release(&[b])?;
+        Ok(slots)
+    }
+
+    /// Removes slot `s` of table `t` by moving the table's last slot into it (order is not kept: attention
+    /// does not depend on slot order, RoPE is already applied), releasing the last block if it empties. Mirrors
+    /// `Vec::swap_remove`, so callers keep per-slot metadata in step with the same call.
+    pub fn swap_remove_slot(
+        &mut self,
+        pool: &mut BlockPool,
+        kv: &mut KvStorage,
+        t: usize,
+        s: usize,
+    ) -> Result<(), CacheError> {
+        let bs = self.layout.block_size;
+        let len = self.lens[t];
+        if s >= len {
+            return Err(CacheError::BadKeep { table: t, len });
+        }
+        let last = len - 1;
+        if s != last {
+            let j = s / bs;
+            let b = self.tables[t][j];
+            if !pool.is_exclusive(b) {
+                self.scratch.clear();
+                pool.allocate(1, &mut self.scratch)?;
+                let f = self.scratch[0];
+                kv.copy_block(b, f);
+                self.tables[t][j] = f;
+                pool.release(&[b])?;
+            }
+            let hd = kv.head_dim();
+            let (k, v) = kv.arenas_mut();
+            let from = (self.tables[t][last / bs] as usize * bs + last % bs) * hd;
+            let to = (self.tables[t][j] as usize * bs + s % bs) * hd;
+            k.copy_within(from..from + hd, to);
+            v.copy_within(from..from + hd, to);
+        }
+        self.pruned = true;
+        self.lens[t] = last;
+        if self.tables[t].len() > last.div_ceil(bs)
+            && let Some(b) = self.tables[t].pop()
+        {
+            pool.release(&[b])?;
+        }
+        Ok(())
+    }
+
+    /// Drops this sequence's references, tail blocks first, and empties the tables.
     pub fn free(&mut self, pool: &mut BlockPool) -> Result<(), CacheError> {
         let mut result = Ok(());
-        for j in (0..self.n_groups).rev() {
+        for j in (0..self.num_groups()).rev() {
             self.scratch.clear();
-            self.scratch.extend(self.tables.iter().map(|t| t[j]));
+            self.scratch.extend(self.tables.iter().filter_map(|t| t.get(j).copied()));
             if let Err(e) = pool.release(&self.scratch) {
                 result = Err(e);
             }
         }
         self.tables.iter_mut().for_each(Vec::clear);
         self.lens.iter_mut().for_each(|l| *l = 0);
-        self.n_groups = 0;
         self.registered = 0;
         self.pruned = false;
         result

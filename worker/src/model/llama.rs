@@ -38,6 +38,9 @@ pub struct ForwardSeq<'a> {
     pub prior_lens: &'a [usize],
     /// Which logits rows to append to the output.
     pub logits: LogitsWanted,
+    /// How many trailing tokens of this step have their post-RoPE queries copied to [`Scratch::captured_q`]
+    /// (eviction policies score the cache with them; 0 for none).
+    pub capture_q: usize,
 }
 
 /// Reusable activation buffers for [`LlamaModel::forward`]. Buffers grow to the largest step seen and are then
@@ -58,6 +61,10 @@ pub struct Scratch {
     /// Rows (into the batch) whose logits are wanted, in output order.
     out_rows: Vec<usize>,
     head_in: Vec<f32>,
+    /// Captured queries: for each sequence with `capture_q > 0`, in batch order, `[layer][capture_q][q_dim]`.
+    captured_q: Vec<f32>,
+    /// Each batch sequence's `(start, len)` in `captured_q`.
+    captured_at: Vec<(usize, usize)>,
     head_norm: Vec<f32>,
 }
 
@@ -72,6 +79,13 @@ impl Scratch {
         let mut s = Scratch::default();
         s.ensure(cfg, max_tokens);
         s
+    }
+
+    /// Queries captured by the last [`LlamaModel::forward`] for batch sequence `seq` (its index in the step):
+    /// `[layer][capture_q][q_dim]`, post-RoPE. Empty when that sequence captured nothing.
+    pub fn captured_q(&self, seq: usize) -> &[f32] {
+        let (at, n) = self.captured_at.get(seq).copied().unwrap_or((0, 0));
+        self.captured_q.get(at..at + n).unwrap_or(&[])
     }
 
     fn ensure(&mut self, cfg: &ModelConfig, n: usize) {
@@ -319,8 +333,13 @@ impl LlamaModel {
         scratch.ids.clear();
         scratch.positions.clear();
         scratch.out_rows.clear();
+        scratch.captured_at.clear();
+        let mut captured = 0usize;
         let mut row = 0usize;
         for s in seqs {
+            let n_captured = s.capture_q.min(s.tokens.len()) * c.n_layers * qd;
+            scratch.captured_at.push((captured, n_captured));
+            captured += n_captured;
             scratch.ids.extend_from_slice(s.tokens);
             scratch.positions.extend((0..s.tokens.len() as u32).map(|i| s.start_pos + i));
             match s.logits {
@@ -331,7 +350,25 @@ impl LlamaModel {
             row += s.tokens.len();
         }
 
-        let Scratch { x, xn, q, k, v, attn, proj, gate, up, ids, positions, out_rows, head_in, head_norm } = scratch;
+        scratch.captured_q.resize(captured, 0.0);
+        let Scratch {
+            x,
+            xn,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate,
+            up,
+            ids,
+            positions,
+            out_rows,
+            head_in,
+            head_norm,
+            captured_q,
+            captured_at,
+        } = scratch;
         backend.embedding(&self.embed, ids, x);
 
         let scale = 1.0 / (c.head_dim as f32).sqrt();
@@ -343,6 +380,19 @@ impl LlamaModel {
             backend.matmul(&layer.wv, xn, total, v);
             backend.rope(q, positions, c.n_heads, c.head_dim, c.rope_theta);
             backend.rope(k, positions, nkv, c.head_dim, c.rope_theta);
+            if captured > 0 {
+                let mut row = 0usize;
+                for (s, &(at, _)) in seqs.iter().zip(captured_at.iter()) {
+                    let n = s.tokens.len();
+                    let cap = s.capture_q.min(n);
+                    if cap > 0 {
+                        let dst = at + li * cap * qd;
+                        let src = (row + n - cap) * qd;
+                        captured_q[dst..dst + cap * qd].copy_from_slice(&q[src..src + cap * qd]);
+                    }
+                    row += n;
+                }
+            }
 
             attn_seqs.clear();
             let mut q_row = 0usize;

@@ -1,0 +1,760 @@
+//! KV-cache eviction policies (DESIGN §4): which slots of a sequence's head-paged cache to drop, and when.
+//!
+//! - [`spec`]: the policies, their names and the papers' defaults ([`PolicyKind`], [`PolicySpec`]).
+//! - [`PolicyState`]: one sequence's policy state — the position of every slot, accumulated attention metrics,
+//!   the observation window of queries — and the hooks the engine calls after each forward step:
+//!   [`PolicyState::after_prefill_chunk`], [`PolicyState::after_prefill`], [`PolicyState::after_decode_step`]
+//!   and [`PolicyState::at_block_boundary`] (all reached through [`PolicyState::on_step`]), plus
+//!   [`PolicyState::compress_to`] for KV-Compress under memory pressure.
+//!
+//! A policy answers with the slots to keep (or drop) per (layer, kv-head); [`SeqBlocks`] then compacts the
+//! survivors into whole blocks and returns the emptied blocks to the pool, so evictions free real memory.
+//! Every score comes from `pagoda_kernels::scores`; this module only decides.
+
+pub mod spec;
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use pagoda_kernels::KvStorage;
+use pagoda_kernels::scores;
+
+use crate::cache::{BlockPool, CacheError, SeqBlocks};
+pub use spec::{PolicyError, PolicyKind, PolicySpec, defaults, policy_names};
+
+/// Attention shape the policies need to read captured queries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnDims {
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnDims {
+    pub fn group(&self) -> usize {
+        (self.n_heads / self.n_kv_heads.max(1)).max(1)
+    }
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
+/// What one hook did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    /// Slots dropped over all tables.
+    pub slots: u64,
+    /// Blocks returned to the pool.
+    pub blocks: u64,
+}
+
+impl Eviction {
+    fn add(&mut self, o: Eviction) {
+        self.slots += o.slots;
+        self.blocks += o.blocks;
+    }
+}
+
+/// The cache a hook works on: the sequence's tables, the pool they come from and the KV data.
+pub struct CacheView<'a> {
+    pub blocks: &'a mut SeqBlocks,
+    pub pool: &'a mut BlockPool,
+    pub kv: &'a mut KvStorage,
+}
+
+/// One forward step of the sequence, as the hooks see it.
+#[derive(Debug, Clone, Copy)]
+pub struct StepView<'a> {
+    /// Position of the first token computed this step.
+    pub start: usize,
+    /// Tokens computed this step.
+    pub n: usize,
+    /// The sequence's tokens so far (prompt, or prompt + generated after a resume); prefill ends when
+    /// `start + n` reaches it.
+    pub total: usize,
+    /// Queries captured for the last [`PolicyState::capture_for`] tokens: `[layer][tokens][q_dim]`.
+    pub captured_q: &'a [f32],
+}
+
+/// Reusable buffers, so hooks allocate nothing once warmed up.
+#[derive(Debug, Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    pooled: Vec<f32>,
+    probs: Vec<f32>,
+    anchor: Vec<f32>,
+    idx: Vec<u32>,
+    keep: Vec<u32>,
+    picked: Vec<u32>,
+    q: Vec<f32>,
+    sorted: Vec<f32>,
+}
+
+/// One sequence's policy state.
+#[derive(Debug)]
+pub struct PolicyState {
+    spec: PolicySpec,
+    dims: AttnDims,
+    block_size: usize,
+    /// Token position of every slot, per table (slots move when the cache is compacted).
+    positions: Vec<Vec<u32>>,
+    /// Accumulated attention per slot, per table (H2O, KV-Compress).
+    metrics: Vec<Vec<f32>>,
+    /// Observation window: the last prompt queries, `[layer][window][q_dim]` (SnapKV, KV-Compress, SAGE).
+    obs: Vec<f32>,
+    obs_tokens: usize,
+    /// Sliding-window policies (StreamingLLM, SAGE decode): slots at or past this position slide.
+    slide_floor: u32,
+    prefilled: bool,
+    scratch: Scratch,
+}
+
+impl PolicyState {
+    pub fn new(spec: PolicySpec, dims: AttnDims, block_size: usize) -> PolicyState {
+        let tables = dims.n_layers * dims.n_kv_heads;
+        let tracks_metrics = matches!(spec.kind, PolicyKind::H2o | PolicyKind::KvCompress);
+        PolicyState {
+            spec,
+            dims,
+            block_size,
+            positions: if spec.is_full() { Vec::new() } else { vec![Vec::new(); tables] },
+            metrics: if tracks_metrics { vec![Vec::new(); tables] } else { Vec::new() },
+            obs: Vec::new(),
+            obs_tokens: 0,
+            slide_floor: 0,
+            prefilled: false,
+            scratch: Scratch::default(),
+        }
+    }
+
+    pub fn spec(&self) -> PolicySpec {
+        self.spec
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.spec.is_full()
+    }
+
+    /// Forgets everything (the sequence was preempted and will recompute from scratch).
+    pub fn reset(&mut self) {
+        self.positions.iter_mut().for_each(Vec::clear);
+        self.metrics.iter_mut().for_each(Vec::clear);
+        self.obs.clear();
+        self.obs_tokens = 0;
+        self.slide_floor = 0;
+        self.prefilled = false;
+    }
+
+    /// Position of every slot of table `t` (for tests and diagnostics).
+    pub fn positions(&self, t: usize) -> &[u32] {
+        self.positions.get(t).map_or(&[], Vec::as_slice)
+    }
+
+    /// How many trailing tokens of a step computing `start..start + n` (of `total`) need their queries
+    /// captured.
+    pub fn capture_for(&self, start: usize, n: usize, total: usize) -> usize {
+        let end = start + n;
+        let prefill = !self.prefilled;
+        match self.spec.kind {
+            PolicyKind::H2o => n,
+            PolicyKind::KvCompress if !prefill => n,
+            PolicyKind::Snapkv | PolicyKind::KvCompress => {
+                let window_start = total.saturating_sub(defaults::WINDOW).max(start);
+                end.saturating_sub(window_start).min(n)
+            }
+            PolicyKind::Sage if prefill && end >= total => 1,
+            _ => 0,
+        }
+    }
+
+    /// Runs the hooks for one completed forward step of this sequence. The cache lengths already include the
+    /// step's tokens.
+    pub fn on_step(&mut self, cache: &mut CacheView<'_>, step: StepView<'_>) -> Result<Eviction, CacheError> {
+        if self.is_full() {
+            return Ok(Eviction::default());
+        }
+        self.record_step(cache, &step);
+        if !self.prefilled {
+            if step.start + step.n < step.total {
+                return self.after_prefill_chunk(cache);
+            }
+            self.prefilled = true;
+            return self.after_prefill(cache);
+        }
+        let mut ev = self.after_decode_step(cache)?;
+        if cache.blocks.len().is_multiple_of(self.block_size) {
+            ev.add(self.at_block_boundary(cache)?);
+        }
+        Ok(ev)
+    }
+
+    /// Tracks slot positions and metrics for the new slots and takes in the captured queries.
+    fn record_step(&mut self, cache: &CacheView<'_>, step: &StepView<'_>) {
+        let lens = cache.blocks.lens();
+        for (t, pos) in self.positions.iter_mut().enumerate() {
+            // Adopted prefix slots (never computed here) hold positions 0.. in order.
+            let before = lens[t].saturating_sub(step.n);
+            if pos.len() < before {
+                let from = pos.len() as u32;
+                pos.extend(from..before as u32);
+            }
+            pos.extend((step.start..step.start + step.n).map(|p| p as u32));
+        }
+        for (t, m) in self.metrics.iter_mut().enumerate() {
+            m.resize(lens[t], 0.0);
+        }
+        let n_q =
+            if self.dims.n_layers == 0 { 0 } else { step.captured_q.len() / (self.dims.n_layers * self.dims.q_dim()) };
+        if n_q == 0 {
+            return;
+        }
+        match self.spec.kind {
+            PolicyKind::H2o => self.accumulate(cache, step.captured_q, n_q, 1),
+            PolicyKind::KvCompress if self.prefilled => self.accumulate(cache, step.captured_q, n_q, 2),
+            PolicyKind::Snapkv | PolicyKind::KvCompress | PolicyKind::Sage => {
+                self.push_observation(step.captured_q, n_q)
+            }
+            _ => {}
+        }
+    }
+
+    /// Appends captured queries to the observation window, keeping the last `WINDOW` per layer.
+    fn push_observation(&mut self, captured: &[f32], n_q: usize) {
+        let (layers, qd) = (self.dims.n_layers, self.dims.q_dim());
+        let w = defaults::WINDOW;
+        let old = self.obs_tokens;
+        let total = (old + n_q).min(w);
+        let drop_old = (old + n_q).saturating_sub(w).min(old);
+        let mut next = vec![0.0f32; layers * total * qd];
+        for l in 0..layers {
+            let dst = &mut next[l * total * qd..(l + 1) * total * qd];
+            let keep_old = old - drop_old;
+            if keep_old > 0 {
+                let src = &self.obs[(l * old + drop_old) * qd..(l * old + old) * qd];
+                dst[..keep_old * qd].copy_from_slice(src);
+            }
+            let take = total - keep_old;
+            let src = &captured[(l * n_q + n_q - take) * qd..(l * n_q + n_q) * qd];
+            dst[keep_old * qd..].copy_from_slice(src);
+        }
+        self.obs = next;
+        self.obs_tokens = total;
+    }
+
+    /// Gathers the `n_q` queries of layer `l`'s query group for kv-head `h` into `[n_q][group][head_dim]`.
+    fn gather_group(q: &mut Vec<f32>, src: &[f32], n_q: usize, l: usize, h: usize, dims: AttnDims) {
+        let (qd, hd, g) = (dims.q_dim(), dims.head_dim, dims.group());
+        q.clear();
+        for i in 0..n_q {
+            let row = &src[(l * n_q + i) * qd..(l * n_q + i + 1) * qd];
+            q.extend_from_slice(&row[h * g * hd..(h + 1) * g * hd]);
+        }
+    }
+
+    /// Adds the attention (raised to `power`) of `n_q` captured queries — the last `n_q` slots of each table —
+    /// to every slot's metric (H2O's running sum, KV-Compress's continual compression).
+    fn accumulate(&mut self, cache: &CacheView<'_>, captured: &[f32], n_q: usize, power: u32) {
+        let d = self.dims;
+        for t in 0..self.metrics.len() {
+            let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
+            let len = cache.blocks.lens()[t];
+            Self::gather_group(&mut self.scratch.q, captured, n_q, l, h, d);
+            let table = &cache.blocks.tables()[t];
+            scores::window_attention_scores(
+                cache.kv,
+                table,
+                len,
+                &self.scratch.q,
+                n_q,
+                d.group(),
+                d.scale(),
+                len.saturating_sub(n_q),
+                power,
+                &mut self.scratch.probs,
+                &mut self.metrics[t][..len],
+            );
+        }
+    }
+
+    /// After a prefill chunk that did not finish the prompt: KeyDiff's block prompt processing evicts down to
+    /// the budget so the cache never holds more than budget + one prompt block.
+    pub fn after_prefill_chunk(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        match self.spec.kind {
+            PolicyKind::Keydiff => self.keep_lowest(cache, Score::KeydiffCosine),
+            _ => Ok(Eviction::default()),
+        }
+    }
+
+    /// Once, when the prompt is fully in the cache.
+    pub fn after_prefill(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let ev = match self.spec.kind {
+            PolicyKind::Full => Ok(Eviction::default()),
+            PolicyKind::Streaming => {
+                self.slide_floor = defaults::SINK_TOKENS as u32;
+                self.keep_sinks_and_recent(cache, defaults::SINK_TOKENS, c.saturating_sub(defaults::SINK_TOKENS))
+            }
+            PolicyKind::Knorm => self.keep_lowest(cache, Score::KeyNorm),
+            PolicyKind::Keydiff => self.keep_lowest(cache, Score::KeydiffCosine),
+            PolicyKind::PagedEviction => self.keep_highest_ratio(cache),
+            PolicyKind::Sage => self.sage_select(cache),
+            PolicyKind::Snapkv => self.snapkv_select(cache),
+            PolicyKind::H2o => self.h2o_select(cache),
+            PolicyKind::KvCompress => {
+                self.kv_compress_metrics(cache);
+                self.compress_to(cache, self.budget_blocks(cache.blocks))
+            }
+        };
+        self.obs = Vec::new();
+        self.obs_tokens = 0;
+        ev
+    }
+
+    /// After each decode step: the per-token policies hold the cache at the budget.
+    pub fn after_decode_step(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            if cache.blocks.lens()[t] <= c {
+                continue;
+            }
+            let victim = match self.spec.kind {
+                PolicyKind::Streaming | PolicyKind::Sage => self.oldest_sliding(t),
+                PolicyKind::Knorm => self.argmax_score(cache, t, Score::KeyNorm),
+                PolicyKind::Keydiff => self.argmax_score(cache, t, Score::KeydiffCosine),
+                PolicyKind::H2o => self.h2o_victim(t),
+                _ => None,
+            };
+            if let Some(s) = victim {
+                ev.add(self.swap_remove(cache, t, s)?);
+            }
+        }
+        Ok(ev)
+    }
+
+    /// When the last block of the cache has just filled: PagedEviction drops the whole block with the lowest
+    /// mean ‖V‖/‖K‖ from every table whose cache exceeds the budget.
+    pub fn at_block_boundary(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        if self.spec.kind != PolicyKind::PagedEviction {
+            return Ok(Eviction::default());
+        }
+        let bs = self.block_size;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= self.spec.budget_tokens || !len.is_multiple_of(bs) {
+                continue;
+            }
+            let sc = &mut self.scratch;
+            sc.scores.resize(len, 0.0);
+            scores::value_key_ratio(cache.kv, &cache.blocks.tables()[t], len, &mut sc.scores);
+            let nb = len / bs;
+            sc.pooled.resize(nb, 0.0);
+            scores::block_means(&sc.scores, len, bs, &mut sc.pooled);
+            scores::select_k(&sc.pooled[..nb], 1, false, &mut sc.idx, &mut sc.picked);
+            let Some(&j) = sc.picked.first() else { continue };
+            let j = j as usize;
+            let removed = cache.blocks.remove_block(cache.pool, t, j)?;
+            self.positions[t].drain(j * bs..j * bs + removed);
+            ev.add(Eviction { slots: removed as u64, blocks: 1 });
+        }
+        Ok(ev)
+    }
+
+    /// Total blocks a KV-Compress sequence may keep: the budget's blocks in every table, spent unevenly.
+    pub fn budget_blocks(&self, blocks: &SeqBlocks) -> usize {
+        blocks.tables().len() * self.spec.budget_tokens.div_ceil(self.block_size)
+    }
+
+    /// KV-Compress (§4.2.2): evicts whole blocks until the sequence holds at most `target_blocks`, choosing
+    /// across all (layer, kv-head) tables the block evictions with the lowest largest metric. A table's `e`-th
+    /// candidate is its `e·B` lowest metrics, counting the empty slots of its last block as zeros, and a table
+    /// always keeps at least one block. The last `WINDOW` slots are never evicted.
+    pub fn compress_to(&mut self, cache: &mut CacheView<'_>, target_blocks: usize) -> Result<Eviction, CacheError> {
+        if self.spec.kind != PolicyKind::KvCompress {
+            return Ok(Eviction::default());
+        }
+        let held = cache.blocks.num_blocks();
+        if held <= target_blocks {
+            return Ok(Eviction::default());
+        }
+        let to_evict = held - target_blocks;
+        let bs = self.block_size;
+        let n_tables = self.metrics.len();
+        // Sorted metrics per table (empties first as zeros) flattened, and each table's offset into them.
+        let sc = &mut self.scratch;
+        sc.sorted.clear();
+        let mut offsets = Vec::with_capacity(n_tables + 1);
+        for t in 0..n_tables {
+            offsets.push(sc.sorted.len());
+            let len = cache.blocks.lens()[t];
+            let cap = cache.blocks.tables()[t].len() * bs;
+            sc.sorted.extend(std::iter::repeat_n(0.0, cap - len));
+            let protected = len.saturating_sub(defaults::WINDOW);
+            sc.sorted.extend(
+                self.metrics[t][..len].iter().enumerate().map(|(i, &m)| if i >= protected { f32::INFINITY } else { m }),
+            );
+            let s = offsets[t];
+            sc.sorted[s..].sort_unstable_by(f32::total_cmp);
+        }
+        offsets.push(sc.sorted.len());
+        // Merge the per-table candidate sequences (each non-decreasing) by their largest metric.
+        let mut evict = vec![0usize; n_tables];
+        let mut heap = BinaryHeap::with_capacity(n_tables);
+        let key = |t: usize, e: usize, sorted: &[f32], offsets: &[usize]| -> Option<OrdF32> {
+            let blocks = (offsets[t + 1] - offsets[t]) / bs;
+            if e >= blocks {
+                return None;
+            }
+            let m = sorted[offsets[t] + e * bs - 1];
+            m.is_finite().then_some(OrdF32(m))
+        };
+        for t in 0..n_tables {
+            if let Some(k) = key(t, 1, &sc.sorted, &offsets) {
+                heap.push(Reverse((k, t)));
+            }
+        }
+        let mut done = 0;
+        while done < to_evict {
+            let Some(Reverse((_, t))) = heap.pop() else { break };
+            evict[t] += 1;
+            done += 1;
+            if let Some(k) = key(t, evict[t] + 1, &sc.sorted, &offsets) {
+                heap.push(Reverse((k, t)));
+            }
+        }
+        let mut ev = Eviction::default();
+        for (t, &e) in evict.iter().enumerate() {
+            if e == 0 {
+                continue;
+            }
+            let len = cache.blocks.lens()[t];
+            let cap = cache.blocks.tables()[t].len() * bs;
+            let drop = (e * bs).saturating_sub(cap - len).min(len);
+            let sc = &mut self.scratch;
+            sc.scores.clear();
+            let protected = len.saturating_sub(defaults::WINDOW);
+            sc.scores.extend(
+                self.metrics[t][..len].iter().enumerate().map(|(i, &m)| if i >= protected { f32::INFINITY } else { m }),
+            );
+            scores::select_k(&sc.scores, len - drop, true, &mut sc.idx, &mut sc.keep);
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    // --- selections -------------------------------------------------------------------------------------------
+
+    /// Keeps the `budget` slots with the lowest `score` in every table over budget.
+    fn keep_lowest(&mut self, cache: &mut CacheView<'_>, score: Score) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= c {
+                continue;
+            }
+            self.score_table(cache, t, score);
+            let sc = &mut self.scratch;
+            scores::select_k(&sc.scores[..len], c, false, &mut sc.idx, &mut sc.keep);
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    /// PagedEviction prefill (Algorithm 2): keep the `budget` tokens with the highest ‖V‖/‖K‖.
+    fn keep_highest_ratio(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= c {
+                continue;
+            }
+            self.score_table(cache, t, Score::ValueKeyRatio);
+            let sc = &mut self.scratch;
+            scores::select_k(&sc.scores[..len], c, true, &mut sc.idx, &mut sc.keep);
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    /// Keeps the slots of the first `sinks` positions and the last `recent` slots (slots are in position order
+    /// until a per-token policy starts swapping them).
+    fn keep_sinks_and_recent(
+        &mut self,
+        cache: &mut CacheView<'_>,
+        sinks: usize,
+        recent: usize,
+    ) -> Result<Eviction, CacheError> {
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= sinks + recent {
+                continue;
+            }
+            let sc = &mut self.scratch;
+            sc.keep.clear();
+            sc.keep.extend(0..sinks as u32);
+            sc.keep.extend((len - recent) as u32..len as u32);
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    /// SAGE-KV (§3, Steps 1–3): sinks, then for each query head of the group its top-k slots by the last
+    /// token's attention, then the recent window and the last token. Decode slides the recent window.
+    fn sage_select(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let d = self.dims;
+        let g = d.group();
+        let (sink, k, recent) = self.spec.sage_split(g);
+        let mut ev = Eviction::default();
+        if self.obs_tokens == 0 {
+            return Ok(ev);
+        }
+        let n_obs = self.obs_tokens;
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= self.spec.budget_tokens {
+                continue;
+            }
+            let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
+            // Candidates lie between the sinks and the recent window (which includes the last token).
+            let tail = (recent + 1).min(len - sink);
+            let cand_end = len - tail;
+            let sc = &mut self.scratch;
+            sc.picked.clear();
+            for qh in 0..g {
+                // The last observed query, head `qh` of the group.
+                let row = (l * n_obs + n_obs - 1) * d.q_dim() + (h * g + qh) * d.head_dim;
+                sc.q.clear();
+                sc.q.extend_from_slice(&self.obs[row..row + d.head_dim]);
+                sc.scores.clear();
+                sc.scores.resize(len, 0.0);
+                scores::window_attention_scores(
+                    cache.kv,
+                    &cache.blocks.tables()[t],
+                    len,
+                    &sc.q,
+                    1,
+                    1,
+                    d.scale(),
+                    len - 1,
+                    1,
+                    &mut sc.probs,
+                    &mut sc.scores,
+                );
+                if cand_end > sink {
+                    scores::select_k(&sc.scores[sink..cand_end], k, true, &mut sc.idx, &mut sc.keep);
+                    sc.picked.extend(sc.keep.iter().map(|&i| i + sink as u32));
+                }
+            }
+            sc.keep.clear();
+            sc.keep.extend(0..sink as u32);
+            sc.keep.extend_from_slice(&sc.picked);
+            sc.keep.extend(cand_end as u32..len as u32);
+            sc.keep.sort_unstable();
+            sc.keep.dedup();
+            if t == 0 {
+                self.slide_floor = self.positions[t].get(cand_end).copied().unwrap_or(0);
+            }
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    /// SnapKV: window attention summed over the last w queries and the query group, max-pooled (p = 7) over
+    /// the prefix; keep the top budget − w prefix slots plus the window.
+    fn snapkv_select(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= c || self.obs_tokens == 0 {
+                continue;
+            }
+            let w = self.obs_tokens.min(len);
+            self.window_scores(cache, t, 1);
+            let prefix = len - w;
+            let sc = &mut self.scratch;
+            sc.pooled.resize(prefix, 0.0);
+            scores::max_pool1d(&sc.scores[..prefix], defaults::POOL, &mut sc.pooled[..prefix]);
+            scores::select_k(&sc.pooled[..prefix], c.saturating_sub(w), true, &mut sc.idx, &mut sc.keep);
+            sc.keep.extend(prefix as u32..len as u32);
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    /// KV-Compress metrics after prefill (eq. 8 with squared attention, eq. 10 query-group sum).
+    fn kv_compress_metrics(&mut self, cache: &mut CacheView<'_>) {
+        for t in 0..self.metrics.len() {
+            let len = cache.blocks.lens()[t];
+            if self.obs_tokens == 0 {
+                continue;
+            }
+            self.window_scores(cache, t, 2);
+            let sc = &mut self.scratch;
+            let m = &mut self.metrics[t];
+            m.resize(len, 0.0);
+            scores::max_pool1d(&sc.scores[..len], defaults::POOL, &mut m[..len]);
+        }
+    }
+
+    /// H2O after prefill: half the budget for the heavy hitters by accumulated attention, half for the most
+    /// recent tokens.
+    fn h2o_select(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let recent = c / 2;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= c {
+                continue;
+            }
+            let prefix = len - recent;
+            let sc = &mut self.scratch;
+            scores::select_k(&self.metrics[t][..prefix], c - recent, true, &mut sc.idx, &mut sc.keep);
+            sc.keep.extend(prefix as u32..len as u32);
+            ev.add(self.apply_keep(cache, t)?);
+        }
+        Ok(ev)
+    }
+
+    /// Accumulated window attention of the observation queries into `scratch.scores[..len]` for table `t`.
+    fn window_scores(&mut self, cache: &CacheView<'_>, t: usize, power: u32) {
+        let d = self.dims;
+        let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
+        let len = cache.blocks.lens()[t];
+        let n_q = self.obs_tokens.min(len);
+        let sc = &mut self.scratch;
+        // The window holds the last obs_tokens queries; if the cache is shorter (tiny prompts) use its tail.
+        let skip = self.obs_tokens - n_q;
+        sc.q.clear();
+        for i in skip..self.obs_tokens {
+            let row = (l * self.obs_tokens + i) * d.q_dim();
+            sc.q.extend_from_slice(&self.obs[row + h * d.group() * d.head_dim..row + (h + 1) * d.group() * d.head_dim]);
+        }
+        sc.scores.clear();
+        sc.scores.resize(len, 0.0);
+        scores::window_attention_scores(
+            cache.kv,
+            &cache.blocks.tables()[t],
+            len,
+            &sc.q,
+            n_q,
+            d.group(),
+            d.scale(),
+            len - n_q,
+            power,
+            &mut sc.probs,
+            &mut sc.scores,
+        );
+    }
+
+    /// The slot with the highest static `score` in table `t`.
+    fn argmax_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score) -> Option<usize> {
+        let len = cache.blocks.lens()[t];
+        self.score_table(cache, t, score);
+        let sc = &mut self.scratch;
+        scores::select_k(&sc.scores[..len], 1, true, &mut sc.idx, &mut sc.picked);
+        sc.picked.first().map(|&s| s as usize)
+    }
+
+    /// The oldest slot of the sliding window (position at or past `slide_floor`).
+    fn oldest_sliding(&self, t: usize) -> Option<usize> {
+        let floor = self.slide_floor;
+        self.positions[t].iter().enumerate().filter(|&(_, &p)| p >= floor).min_by_key(|&(_, &p)| p).map(|(i, _)| i)
+    }
+
+    /// H2O decode: the lowest accumulated attention outside the recent half of the budget.
+    fn h2o_victim(&mut self, t: usize) -> Option<usize> {
+        let pos = &self.positions[t];
+        let newest = pos.iter().copied().max().unwrap_or(0);
+        let recent_from = newest.saturating_sub((self.spec.budget_tokens / 2) as u32 - 1);
+        let sc = &mut self.scratch;
+        sc.scores.clear();
+        sc.scores
+            .extend(self.metrics[t].iter().zip(pos).map(|(&m, &p)| if p >= recent_from { f32::INFINITY } else { m }));
+        scores::select_k(&sc.scores, 1, false, &mut sc.idx, &mut sc.picked);
+        sc.picked.first().map(|&s| s as usize).filter(|&s| sc.scores[s].is_finite())
+    }
+
+    /// Static per-slot scores of table `t` into `scratch.scores[..len]`.
+    fn score_table(&mut self, cache: &CacheView<'_>, t: usize, score: Score) {
+        let len = cache.blocks.lens()[t];
+        let table = &cache.blocks.tables()[t];
+        let sc = &mut self.scratch;
+        sc.scores.resize(len.max(sc.scores.len()), 0.0);
+        match score {
+            Score::KeyNorm => scores::key_norms(cache.kv, table, len, &mut sc.scores),
+            Score::ValueKeyRatio => scores::value_key_ratio(cache.kv, table, len, &mut sc.scores),
+            Score::KeydiffCosine => scores::keydiff_cosine(cache.kv, table, len, &mut sc.anchor, &mut sc.scores),
+        }
+    }
+
+    // --- applying ---------------------------------------------------------------------------------------------
+
+    /// Compacts table `t` to `scratch.keep` (ascending) and keeps positions and metrics in step.
+    fn apply_keep(&mut self, cache: &mut CacheView<'_>, t: usize) -> Result<Eviction, CacheError> {
+        let len = cache.blocks.lens()[t];
+        let keep = &self.scratch.keep;
+        if keep.len() >= len {
+            return Ok(Eviction::default());
+        }
+        let freed = cache.blocks.compact(cache.pool, cache.kv, t, keep)?;
+        retain_by_index(&mut self.positions[t], keep);
+        if let Some(m) = self.metrics.get_mut(t) {
+            m.truncate(len);
+            retain_by_index(m, keep);
+        }
+        Ok(Eviction { slots: (len - keep.len()) as u64, blocks: freed as u64 })
+    }
+
+    fn swap_remove(&mut self, cache: &mut CacheView<'_>, t: usize, s: usize) -> Result<Eviction, CacheError> {
+        let blocks_before = cache.blocks.tables()[t].len();
+        cache.blocks.swap_remove_slot(cache.pool, cache.kv, t, s)?;
+        self.positions[t].swap_remove(s);
+        if let Some(m) = self.metrics.get_mut(t)
+            && s < m.len()
+        {
+            m.swap_remove(s);
+        }
+        let freed = blocks_before - cache.blocks.tables()[t].len();
+        Ok(Eviction { slots: 1, blocks: freed as u64 })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Score {
+    KeyNorm,
+    ValueKeyRatio,
+    KeydiffCosine,
+}
+
+/// Keeps `v[keep[i]]` in order (keep ascending).
+fn retain_by_index<T: Copy>(v: &mut Vec<T>, keep: &[u32]) {
+    for (i, &k) in keep.iter().enumerate() {
+        v[i] = v[k as usize];
+    }
+    v.truncate(keep.len());
+}
+
+/// Total order on f32 for the eviction heap.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct OrdF32(f32);
+impl Eq for OrdF32 {}
+impl PartialOrd for OrdF32 {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for OrdF32 {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}

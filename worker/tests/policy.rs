@@ -1,0 +1,336 @@
+//! Eviction policies on hand-made caches: each policy's scoring rule picks the slots its paper says it should,
+//! and every eviction returns whole blocks to the pool (no model involved).
+
+use pagoda_kernels::KvStorage;
+use pagoda_worker::cache::{BlockPool, CacheLayout, SeqBlocks, block_hashes};
+use pagoda_worker::policy::{AttnDims, CacheView, PolicyKind, PolicySpec, PolicyState, StepView};
+
+const BS: usize = 4;
+const HD: usize = 4;
+
+struct Cache {
+    pool: BlockPool,
+    kv: KvStorage,
+    blocks: SeqBlocks,
+    policy: PolicyState,
+    dims: AttnDims,
+    /// Next token position.
+    pos: usize,
+}
+
+impl Cache {
+    fn new(kind: PolicyKind, budget: usize, n_kv_heads: usize, n_heads: usize) -> Cache {
+        let layout = CacheLayout { n_layers: 1, n_kv_heads, block_size: BS };
+        let dims = AttnDims { n_layers: 1, n_heads, n_kv_heads, head_dim: HD };
+        Cache {
+            pool: BlockPool::new(64),
+            kv: KvStorage::new(64, BS, HD),
+            blocks: SeqBlocks::new(layout),
+            policy: PolicyState::new(PolicySpec { kind, budget_tokens: budget }, dims, BS),
+            dims,
+            pos: 0,
+        }
+    }
+
+    /// Writes tokens with keys/values from `kv(table, position)` and runs the policy hooks for that step.
+    /// `q(position)` gives each token's query row (all heads), captured as the policy asks.
+    fn step(
+        &mut self,
+        n: usize,
+        total: usize,
+        kv: impl Fn(usize, usize) -> ([f32; HD], [f32; HD]),
+        q: impl Fn(usize) -> Vec<f32>,
+    ) -> pagoda_worker::policy::Eviction {
+        self.blocks.reserve(&mut self.pool, n).unwrap();
+        for t in 0..self.blocks.tables().len() {
+            let len = self.blocks.lens()[t];
+            for i in 0..n {
+                let slot = len + i;
+                let b = self.blocks.tables()[t][slot / BS];
+                let (k, v) = kv(t, self.pos + i);
+                self.kv.block_k_mut(b)[(slot % BS) * HD..][..HD].copy_from_slice(&k);
+                self.kv.block_v_mut(b)[(slot % BS) * HD..][..HD].copy_from_slice(&v);
+            }
+        }
+        self.blocks.advance(n);
+        let cap = self.policy.capture_for(self.pos, n, total);
+        let mut captured = Vec::new();
+        for p in self.pos + n - cap..self.pos + n {
+            let row = q(p);
+            assert_eq!(row.len(), self.dims.q_dim());
+            captured.extend(row);
+        }
+        let start = self.pos;
+        self.pos += n;
+        let mut view = CacheView { blocks: &mut self.blocks, pool: &mut self.pool, kv: &mut self.kv };
+        self.policy.on_step(&mut view, StepView { start, n, total, captured_q: &captured }).unwrap()
+    }
+
+    fn kept(&self, t: usize) -> Vec<u32> {
+        let mut p = self.policy.positions(t).to_vec();
+        p.sort();
+        p
+    }
+
+    /// The key stored in slot `s` of table `t`.
+    fn key(&self, t: usize, s: usize) -> Vec<f32> {
+        let b = self.blocks.tables()[t][s / BS];
+        self.kv.block_k(b)[(s % BS) * HD..][..HD].to_vec()
+    }
+
+    fn check_blocks(&self) {
+        for t in 0..self.blocks.tables().len() {
+            let len = self.blocks.lens()[t];
+            assert_eq!(self.blocks.tables()[t].len(), len.div_ceil(BS), "table {t}: blocks match length {len}");
+            assert_eq!(self.policy.positions(t).len(), len, "table {t}: one position per slot");
+        }
+        assert_eq!(self.pool.num_used(), self.blocks.num_blocks(), "pool holds exactly the tables' blocks");
+        self.pool.check_invariants().unwrap();
+    }
+}
+
+fn no_q(_: usize) -> Vec<f32> {
+    Vec::new()
+}
+
+fn scaled(x: f32) -> [f32; HD] {
+    [x, 0.5 * x, 0.25 * x, 0.0]
+}
+
+#[test]
+fn knorm_keeps_the_lowest_key_norms_and_frees_blocks() {
+    let mut c = Cache::new(PolicyKind::Knorm, 8, 1, 1);
+    // Key norm grows with position, except positions 10..14 which are tiny.
+    let kv = |_: usize, p: usize| (scaled(if (10..14).contains(&p) { 0.01 } else { 1.0 + p as f32 }), [1.0; HD]);
+    let ev = c.step(16, 16, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 10, 11, 12, 13]);
+    assert_eq!((ev.slots, ev.blocks), (8, 2));
+    c.check_blocks();
+    // Decode: each new token over budget evicts the largest-norm key (the new one here: 1 + 16).
+    c.step(1, 17, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 10, 11, 12, 13]);
+    c.check_blocks();
+}
+
+#[test]
+fn paged_eviction_keeps_high_value_key_ratio_then_evicts_whole_blocks() {
+    let mut c = Cache::new(PolicyKind::PagedEviction, 8, 1, 1);
+    // ‖V‖/‖K‖ = ratio(p): high for even positions below 8 and for 12..16.
+    let ratio = |p: usize| if (p < 8 && p.is_multiple_of(2)) || (12..16).contains(&p) { 10.0 } else { 1.0 };
+    let kv = move |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [ratio(p), 0.0, 0.0, 0.0]);
+    let ev = c.step(16, 16, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 2, 4, 6, 12, 13, 14, 15], "token eviction keeps the top-C ratios");
+    assert_eq!(ev.blocks, 2);
+    c.check_blocks();
+    // Decode: nothing until the last block fills; then the block with the lowest mean ratio goes, whole.
+    let low_from_16 =
+        |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [if p >= 16 { 0.1 } else { ratio(p) }, 0.0, 0.0, 0.0]);
+    for i in 0..3 {
+        let ev = c.step(1, 17 + i, low_from_16, no_q);
+        assert_eq!(ev.slots, 0);
+    }
+    let blocks_before = c.pool.num_used();
+    let ev = c.step(1, 20, low_from_16, no_q);
+    assert_eq!((ev.slots, ev.blocks), (4, 1), "one whole block evicted when the last block fills");
+    assert_eq!(c.kept(0), vec![0, 2, 4, 6, 12, 13, 14, 15]);
+    assert_eq!(c.pool.num_used(), blocks_before - 1);
+    c.check_blocks();
+}
+
+#[test]
+fn streaming_keeps_sinks_and_a_sliding_recent_window() {
+    let mut c = Cache::new(PolicyKind::Streaming, 8, 1, 1);
+    let kv = |_: usize, p: usize| (scaled(p as f32), [p as f32; HD]);
+    c.step(20, 20, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 16, 17, 18, 19]);
+    c.step(1, 21, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 17, 18, 19, 20], "the oldest non-sink token slides out");
+    c.step(1, 22, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 18, 19, 20, 21]);
+    // Slot data moved with the positions: every slot's key still matches its position.
+    for s in 0..8 {
+        let p = c.policy.positions(0)[s];
+        assert_eq!(c.key(0, s), scaled(p as f32).to_vec());
+    }
+    c.check_blocks();
+}
+
+#[test]
+fn keydiff_keeps_the_most_distinctive_keys_during_chunked_prefill() {
+    let mut c = Cache::new(PolicyKind::Keydiff, 8, 1, 1);
+    // Most keys point one way; positions 3, 9, 21 and 30 point elsewhere (low cosine with the anchor).
+    let odd = [3usize, 9, 21, 30];
+    let kv = move |_: usize, p: usize| {
+        let k = if odd.contains(&p) { [0.0, 1.0, (p % 3) as f32, -1.0] } else { [1.0, 0.1 * (p % 5) as f32, 0.0, 0.0] };
+        (k, [1.0; HD])
+    };
+    // Block prompt processing: after each chunk the cache is cut back to the budget.
+    let ev = c.step(16, 32, kv, no_q);
+    assert_eq!(c.blocks.len(), 8, "evicted down to the budget after the first prompt block");
+    assert!(ev.blocks >= 2);
+    c.step(16, 32, kv, no_q);
+    assert_eq!(c.blocks.len(), 8);
+    let kept = c.kept(0);
+    for p in odd {
+        assert!(kept.contains(&(p as u32)), "distinctive key {p} kept: {kept:?}");
+    }
+    c.check_blocks();
+}
+
+/// One-hot-ish keys: position p points along axis p % HD, scaled so a query on that axis singles it out.
+fn axis_key(p: usize, special: &[usize]) -> [f32; HD] {
+    let mut k = [0.05; HD];
+    if special.contains(&p) {
+        k[0] = 4.0;
+    } else {
+        k[1 + p % 3] = 1.0;
+    }
+    k
+}
+
+#[test]
+fn snapkv_keeps_what_the_observation_window_attends_to() {
+    let special = [5usize, 11];
+    let mut c = Cache::new(PolicyKind::Snapkv, 22, 1, 2);
+    let kv = move |_: usize, p: usize| (axis_key(p, &special), [1.0; HD]);
+    // The window queries (both heads of the group) look along axis 0.
+    let q = |_: usize| vec![4.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0];
+    c.step(40, 40, kv, q);
+    let kept = c.kept(0);
+    assert_eq!(kept.len(), 22);
+    // The last 8 (window) are always kept; the 14 prefix slots left go to the attended keys and, by max-pooling
+    // (p = 7), their neighbours within 3 slots.
+    assert!((32..40).all(|p| kept.contains(&p)), "{kept:?}");
+    assert!((2..15).all(|p| kept.contains(&p)), "{kept:?}");
+    c.check_blocks();
+}
+
+#[test]
+fn sage_keeps_sinks_top_k_per_query_head_and_recent_then_slides() {
+    // C = 32, G = 2 → sink 8, k = 8, recent 32 - 8 - 16 = 8.
+    let mut c = Cache::new(PolicyKind::Sage, 32, 1, 2);
+    let special = [20usize, 30, 40];
+    let kv = move |_: usize, p: usize| (axis_key(p, &special), [1.0; HD]);
+    let q = |_: usize| vec![4.0, 0.0, 0.0, 0.0, 0.0, 4.0, 0.0, 0.0];
+    c.step(64, 64, kv, q);
+    let kept = c.kept(0);
+    assert!((0..8).all(|p| kept.contains(&p)), "sinks: {kept:?}");
+    assert!((55..64).all(|p| kept.contains(&p)), "recent + last: {kept:?}");
+    assert!(special.iter().all(|&p| kept.contains(&(p as u32))), "head 0's top-k: {kept:?}");
+    assert!(kept.len() <= 32 + 1);
+    c.check_blocks();
+    // Decode: the recent window slides once the cache is over budget; sinks and selected tokens stay.
+    c.step(1, 65, kv, q);
+    c.step(1, 66, kv, q);
+    let after = c.kept(0);
+    assert!(after.len() <= 32, "{after:?}");
+    assert!(after.contains(&64) && after.contains(&65) && !after.contains(&55), "{after:?}");
+    assert!(special.iter().all(|&p| after.contains(&(p as u32))));
+    c.check_blocks();
+}
+
+#[test]
+fn h2o_keeps_heavy_hitters_by_accumulated_attention() {
+    let special = [6usize, 14];
+    let mut c = Cache::new(PolicyKind::H2o, 16, 1, 1);
+    let kv = move |_: usize, p: usize| (axis_key(p, &special), [1.0; HD]);
+    let q = |_: usize| vec![4.0, 0.0, 0.0, 0.0];
+    c.step(20, 40, kv, q);
+    c.step(20, 40, kv, q);
+    let kept = c.kept(0);
+    assert_eq!(kept.len(), 16);
+    assert!((32..40).all(|p| kept.contains(&p)), "recent half: {kept:?}");
+    assert!(kept.contains(&6) && kept.contains(&14), "heavy hitters: {kept:?}");
+    // Decode keeps the size at the budget and keeps the heavy hitters.
+    for i in 0..6 {
+        c.step(1, 41 + i, kv, q);
+    }
+    let kept = c.kept(0);
+    assert_eq!(kept.len(), 16);
+    assert!(kept.contains(&6) && kept.contains(&14), "{kept:?}");
+    c.check_blocks();
+}
+
+#[test]
+fn kv_compress_evicts_variable_blocks_per_head_within_the_total_budget() {
+    // Two kv-heads. Head 0's window attends to a handful of keys; head 1 attends uniformly (all keys equal). With
+    // squared attention a diffuse head's keys each carry little (48 keys at 1/48 → 1/48² each), so the global
+    // ranking takes more blocks from head 1 and keeps head 0's heavy hitters (and their pooled neighbours).
+    let special = [3usize, 17, 29];
+    let mut c = Cache::new(PolicyKind::KvCompress, 12, 2, 2);
+    let kv = move |t: usize, p: usize| (if t == 0 { axis_key(p, &special) } else { [0.3; HD] }, [1.0; HD]);
+    let q = |_: usize| vec![4.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+    let used_before = 2 * 48usize.div_ceil(BS);
+    let ev = c.step(48, 48, kv, q);
+    let budget_blocks = 2 * 12usize.div_ceil(BS);
+    assert!(c.blocks.num_blocks() <= budget_blocks, "{} blocks > budget {budget_blocks}", c.blocks.num_blocks());
+    assert_eq!(ev.blocks as usize, used_before - c.blocks.num_blocks());
+    let (l0, l1) = (c.blocks.lens()[0], c.blocks.lens()[1]);
+    assert!(l1 < l0, "head 1 (diffuse) compressed harder than head 0 (concentrated): {l1} vs {l0}");
+    let kept0 = c.kept(0);
+    // Every non-window survivor of head 0 is a heavy hitter or within the pooling radius (3) of one.
+    let near = |p: u32| special.iter().any(|&s| (s as i64 - p as i64).abs() <= 3);
+    assert!(kept0.iter().filter(|&&p| p < 40).all(|&p| near(p)), "{kept0:?}");
+    assert!(kept0.contains(&3), "{kept0:?}");
+    assert!((40..48).all(|p| kept0.contains(&p)), "window protected: {kept0:?}");
+    c.check_blocks();
+    // Decode grows the cache; compression under pressure brings it back to the budget.
+    for i in 0..8 {
+        c.step(1, 49 + i, kv, q);
+    }
+    assert!(c.blocks.num_blocks() > budget_blocks);
+    let target = c.policy.budget_blocks(&c.blocks);
+    let mut view = CacheView { blocks: &mut c.blocks, pool: &mut c.pool, kv: &mut c.kv };
+    let ev = c.policy.compress_to(&mut view, target).unwrap();
+    assert!(ev.blocks > 0);
+    assert!(c.blocks.num_blocks() <= budget_blocks);
+    c.check_blocks();
+}
+
+#[test]
+fn full_policy_never_evicts() {
+    let mut c = Cache::new(PolicyKind::Full, 0, 1, 1);
+    let kv = |_: usize, p: usize| (scaled(p as f32), [1.0; HD]);
+    let ev = c.step(30, 30, kv, no_q);
+    assert_eq!((ev.slots, ev.blocks), (0, 0));
+    assert_eq!(c.blocks.len(), 30);
+}
+
+#[test]
+fn compaction_copies_shared_prefix_blocks_instead_of_writing_them() {
+    let layout = CacheLayout { n_layers: 1, n_kv_heads: 1, block_size: BS };
+    let mut pool = BlockPool::new(16);
+    let mut kv = KvStorage::new(16, BS, HD);
+    // A finished full-cache sequence leaves a registered 2-block prefix.
+    let tokens: Vec<u32> = (0..9).collect();
+    let hashes = block_hashes("m", "", &tokens, BS);
+    let mut a = SeqBlocks::new(layout);
+    a.reserve(&mut pool, 8).unwrap();
+    for s in 0..8 {
+        let b = a.tables()[0][s / BS];
+        kv.block_k_mut(b)[(s % BS) * HD..][..HD].copy_from_slice(&[s as f32; HD]);
+    }
+    a.advance(8);
+    a.finish(&mut pool, &hashes).unwrap();
+    let shared: Vec<u32> = hashes[..2].iter().map(|&h| pool.lookup(h).unwrap()[0]).collect();
+    // A pruning sequence adopts it and drops slots 0..3: its destination block must be a fresh copy.
+    let mut b = SeqBlocks::new(layout);
+    assert_eq!(b.adopt(&mut pool, &hashes[..2]).unwrap(), 2);
+    b.mark_pruned();
+    b.compact(&mut pool, &mut kv, 0, &[3, 4, 5, 6, 7]).unwrap();
+    assert_ne!(b.tables()[0][0], shared[0], "written block was replaced");
+    for (s, want) in [3.0f32, 4.0, 5.0, 6.0, 7.0].iter().enumerate() {
+        let blk = b.tables()[0][s / BS];
+        assert_eq!(kv.block_k(blk)[(s % BS) * HD], *want);
+    }
+    // The cached prefix is untouched and still matches.
+    for (j, &blk) in shared.iter().enumerate() {
+        for s in 0..BS {
+            assert_eq!(kv.block_k(blk)[s * HD], (j * BS + s) as f32);
+        }
+    }
+    b.free(&mut pool).unwrap();
+    pool.check_invariants().unwrap();
+    assert_eq!(pool.num_used(), 0);
+    assert!(pool.lookup(hashes[0]).is_some() && pool.lookup(hashes[1]).is_some());
+}
