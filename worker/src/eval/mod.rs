@@ -4,10 +4,13 @@
 //! - [`tasks`]: deterministic synthetic long-context tasks after RULER (Hsieh et al., 2024): passkey, multi-key
 //!   needle-in-a-haystack, key-value retrieval, variable tracking and common-word extraction, each grown to a token
 //!   target and scored by RULER's string match.
+//! - [`prose`]: real English prose (fetched by `scripts/fetch-prose.sh` into `data/prose/`) split into documents of
+//!   a token range, for teacher-forced scoring.
 //!
 //! Everything here takes a `count_tokens` callback instead of a tokenizer so that the data layer does not depend on
 //! which model the runner loads, and can be tested with a stand-in counter.
 
+pub mod prose;
 pub mod tasks;
 mod words;
 
@@ -15,6 +18,7 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
+pub use prose::{Document, load_documents};
 pub use tasks::{EvalItem, TaskKind, generate, score};
 
 /// Failures of the eval data layer: reading and bounding the prose files, and bad arguments.
