@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod cache;
 pub mod engine;
+pub mod eval;
 pub mod model;
 pub mod policy;
 pub mod sampling;
