@@ -45,6 +45,58 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Quality of the KV eviction policies against the full cache: synthetic long-context tasks and
+    /// teacher-forced prose, per policy × budget.
+    Eval(EvalArgs),
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Policies to compare with the full cache (comma-separated; "all" = every eviction policy).
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policies: Vec<String>,
+    /// Budgets in tokens per (layer, kv-head).
+    #[arg(long, value_delimiter = ',', default_value = "128,256,512,1024,2048")]
+    budgets: Vec<usize>,
+    /// Synthetic tasks (comma-separated; "all" = passkey, multikey_niah, kv_retrieval, variable_tracking,
+    /// common_words; "none" = skip them).
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    tasks: Vec<String>,
+    /// Context sizes of the synthetic items, in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,6144")]
+    contexts: Vec<usize>,
+    /// Items per task and context.
+    #[arg(long, default_value_t = 2)]
+    items: usize,
+    /// Seed of the synthetic items.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Prose documents scored by teacher forcing (0 = none). Fetched with scripts/fetch-prose.sh when missing.
+    #[arg(long, default_value_t = 4)]
+    prose_docs: usize,
+    /// Prose context before the scored continuation, in tokens.
+    #[arg(long, default_value_t = 2048)]
+    prose_context: usize,
+    /// Prose continuation scored per document, in tokens.
+    #[arg(long, default_value_t = 64)]
+    prose_continuation: usize,
+    /// Directory of prose text files.
+    #[arg(long, default_value = "data/prose")]
+    prose_dir: PathBuf,
+    /// Compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// KV pool size in GiB (past it the scheduler preempts and recomputes).
+    #[arg(long, default_value_t = 4.0)]
+    pool_gib: f64,
+    /// Write the full report (every item and cell) as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write the markdown tables.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -181,6 +233,7 @@ fn main() -> Result<()> {
         .init();
     match cli.command {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Eval(args) => eval(args),
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
@@ -408,6 +461,83 @@ async fn router(args: RouterArgs) -> Result<()> {
         Some(r) => r.context("router failed"),
         None => Ok(()),
     }
+}
+
+fn eval(args: EvalArgs) -> Result<()> {
+    use pagoda_worker::eval::{TaskKind, runner};
+    use pagoda_worker::policy::PolicyKind;
+    let model = resolve_model(&args.model)?;
+    let mut policies = Vec::new();
+    for p in &args.policies {
+        if p == "all" {
+            policies.extend(PolicyKind::ALL.into_iter().filter(|k| *k != PolicyKind::Full));
+        } else {
+            let k = PolicyKind::parse(p).with_context(|| format!("unknown policy {p:?}"))?;
+            if k != PolicyKind::Full && !policies.contains(&k) {
+                policies.push(k);
+            }
+        }
+    }
+    let mut tasks = Vec::new();
+    for t in &args.tasks {
+        match t.as_str() {
+            "all" => tasks.extend(TaskKind::ALL),
+            "none" => {}
+            _ => tasks.push(TaskKind::parse(t).with_context(|| format!("unknown task {t:?}"))?),
+        }
+    }
+    if args.budgets.iter().any(|&b| b < pagoda_worker::policy::defaults::MIN_BUDGET_TOKENS) {
+        bail!("budgets must be at least {} tokens", pagoda_worker::policy::defaults::MIN_BUDGET_TOKENS);
+    }
+    if !(0.01..=64.0).contains(&args.pool_gib) {
+        bail!("--pool-gib must be in 0.01..=64");
+    }
+    let opts = runner::EvalOptions {
+        threads: args.threads,
+        policies,
+        budgets: args.budgets,
+        tasks,
+        contexts: args.contexts,
+        items_per_task: args.items,
+        seed: args.seed,
+        prose_docs: args.prose_docs,
+        prose_context: args.prose_context,
+        prose_continuation: args.prose_continuation,
+        pool_bytes: (args.pool_gib * (1u64 << 30) as f64) as usize,
+    };
+    let prose = if opts.prose_docs > 0 {
+        if !args.prose_dir.is_dir() {
+            let script = repo_root().join("scripts/fetch-prose.sh");
+            let status = std::process::Command::new("bash")
+                .arg(&script)
+                .arg(&args.prose_dir)
+                .status()
+                .with_context(|| format!("cannot run {}", script.display()))?;
+            if !status.success() {
+                bail!("{} failed ({status})", script.display());
+            }
+        }
+        let gguf = pagoda_worker::model::Gguf::open(&model).context("cannot open the model")?;
+        let tok = pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")?;
+        let need = opts.prose_context + opts.prose_continuation;
+        pagoda_worker::eval::load_documents(&args.prose_dir, need, &|s: &str| tok.encode(s, false).len())
+            .with_context(|| format!("cannot load prose from {}", args.prose_dir.display()))?
+    } else {
+        Vec::new()
+    };
+    let report = runner::run(&model, &opts, &prose).context("eval failed")?;
+    let md = runner::render_markdown(&report);
+    println!("{md}");
+    eprintln!("eval took {:.1} s", report.seconds);
+    if let Some(path) = args.markdown {
+        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = args.json {
+        let json = serde_json::to_string_pretty(&report).context("cannot serialise the report")?;
+        std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {

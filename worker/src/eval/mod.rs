@@ -11,6 +11,7 @@
 //! which model the runner loads, and can be tested with a stand-in counter.
 
 pub mod prose;
+pub mod runner;
 pub mod tasks;
 mod words;
 

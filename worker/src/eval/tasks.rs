@@ -14,11 +14,13 @@
 use super::words::{ADJECTIVES, NOUNS, VERBS};
 
 /// The synthetic task families.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TaskKind {
     /// One pass key in repeated filler (Mohtashami & Jaggi, 2023), RULER's simplest needle.
     Passkey,
     /// Four `adjective-noun` → 7-digit needles in essay-like text; one is asked for (RULER `niah_multikey_1`).
+    #[serde(rename = "multikey_niah")]
     MultiKeyNiah,
     /// A JSON object of UUID keys → UUID values; one key is asked for (Liu et al., 2023, "Lost in the Middle").
     KvRetrieval,

@@ -337,7 +337,7 @@ impl PolicyState {
     }
 
     /// When the last block of the cache has just filled: PagedEviction drops the whole block with the lowest
-    /// mean ‖V‖/‖K‖ from every table whose cache exceeds the budget.
+    /// mean ‖V‖/‖K‖, among the blocks before that recent one, from every table whose cache exceeds the budget.
     pub fn at_block_boundary(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
         if self.spec.kind != PolicyKind::PagedEviction {
             return Ok(Eviction::default());
@@ -346,7 +346,7 @@ impl PolicyState {
         let mut ev = Eviction::default();
         for t in 0..self.positions.len() {
             let len = cache.blocks.lens()[t];
-            if len <= self.spec.budget_tokens || !len.is_multiple_of(bs) {
+            if len <= self.spec.budget_tokens || !len.is_multiple_of(bs) || len < 2 * bs {
                 continue;
             }
             let sc = &mut self.scratch;
@@ -355,7 +355,9 @@ impl PolicyState {
             let nb = len / bs;
             sc.pooled.resize(nb, 0.0);
             scores::block_means(&sc.scores, len, bs, &mut sc.pooled);
-            scores::select_k(&sc.pooled[..nb], 1, false, &mut sc.idx, &mut sc.picked);
+            // The block that just filled is the "recent block" whose filling triggers the eviction (Figure 1);
+            // the victim is chosen among the blocks before it.
+            scores::select_k(&sc.pooled[..nb - 1], 1, false, &mut sc.idx, &mut sc.picked);
             let Some(&j) = sc.picked.first() else { continue };
             let j = j as usize;
             let removed = cache.blocks.remove_block(cache.pool, t, j)?;

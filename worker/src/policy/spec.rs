@@ -3,7 +3,8 @@
 
 /// The eviction policies (DESIGN §4). Budgets are tokens per (layer, kv-head); `KvCompress` spends the same
 /// total (budget × tables) unevenly across heads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
     /// Keep everything.
     Full,
@@ -156,8 +157,9 @@ impl PolicySpec {
     pub fn min_computed_tail(&self, prompt_len: usize) -> usize {
         match self.kind {
             PolicyKind::Snapkv | PolicyKind::KvCompress => defaults::WINDOW,
-            // H2O accumulates the attention of every prompt query.
-            PolicyKind::H2o => prompt_len,
+            // H2O accumulates the attention of every prompt query; KeyDiff's block prompt processing evicts from
+            // the first prompt block on, so a full-cache prefix is not its cache.
+            PolicyKind::H2o | PolicyKind::Keydiff => prompt_len,
             _ => 1,
         }
     }

@@ -1,0 +1,69 @@
+//! `pagoda eval` at CI size through the real binary and the real model: every eviction policy runs on a
+//! synthetic task and on teacher-forced prose, and every cell sits next to the full cache on the same items.
+
+use std::process::Command;
+
+use pagoda_e2e::serde_json::{self, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_pagoda");
+
+#[test]
+fn eval_reports_every_policy_next_to_full_cache() {
+    let model = pagoda_e2e::require_model().unwrap();
+    let out = std::env::temp_dir().join(format!("pagoda-eval-{}.json", std::process::id()));
+    let status = Command::new(BIN)
+        .args(["eval", "--model"])
+        .arg(&model)
+        .args([
+            "--contexts",
+            "512",
+            "--tasks",
+            "passkey",
+            "--items",
+            "1",
+            "--policies",
+            "all",
+            "--budgets",
+            "64,128",
+            "--prose-docs",
+            "1",
+            "--prose-context",
+            "512",
+            "--prose-continuation",
+            "24",
+            "--pool-gib",
+            "0.5",
+            "--json",
+        ])
+        .arg(&out)
+        .status()
+        .expect("pagoda eval runs");
+    assert!(status.success(), "pagoda eval failed: {status}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let cells = report["cells"].as_array().unwrap();
+    let policies = ["streaming", "knorm", "keydiff", "paged_eviction", "sage", "snapkv", "h2o", "kv_compress"];
+    for task in ["passkey", "prose"] {
+        let full = cells.iter().find(|c| c["task"] == task && c["policy"] == "full").expect("full-cache cell");
+        if task == "prose" {
+            assert_eq!(full["score"], 1.0, "the full cache agrees with itself");
+        }
+        for p in policies {
+            for b in [64, 128] {
+                let c = cells
+                    .iter()
+                    .find(|c| c["task"] == task && c["policy"] == p && c["budget"] == b)
+                    .unwrap_or_else(|| panic!("missing cell {task}/{p}/{b}"));
+                let score = c["score"].as_f64().unwrap();
+                assert!((0.0..=1.0).contains(&score), "{c}");
+                assert_eq!(c["full_score"], full["score"], "{c}");
+                if task == "prose" {
+                    assert!(c["kl"].as_f64().unwrap() >= 0.0, "{c}");
+                }
+            }
+        }
+    }
+    // Evicting down to 64 of ~512 tokens changes the next-token distributions: some KL is measured.
+    let kl_sum: f64 = cells.iter().filter(|c| c["task"] == "prose").filter_map(|c| c["kl"].as_f64()).sum();
+    assert!(kl_sum > 0.01, "{kl_sum}");
+}
