@@ -191,7 +191,7 @@ async fn up_bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ("max_tokens negative", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": -3})), 400),
         ("max_tokens above context", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": 9000})), 400),
         ("unknown model", j(json!({"model": "gpt-5", "messages": user})), 404),
-        ("unsupported kv policy", j(json!({"model": MODEL_ID, "messages": user, "kv": {"policy": "snapkv"}})), 400),
+        ("unknown kv policy", j(json!({"model": MODEL_ID, "messages": user, "kv": {"policy": "lru"}})), 400),
         ("n > 1", j(json!({"model": MODEL_ID, "messages": user, "n": 3})), 400),
         ("too many stop strings", j(json!({"model": MODEL_ID, "messages": user, "stop": ["a","b","c","d","e","f","g","h","i"]})), 400),
         (

@@ -443,27 +443,6 @@ pub unsafe fn rope_row(row: &mut [f32], cc: &[f32], ss: &[f32]) {
     }
 }
 
-/// Dot products of `q` with 8 consecutive key rows at `k` (row stride `NV * 8`), as one vector.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn scores8<const NV: usize>(q: &[__m256; NV], k: *const f32) -> __m256 {
-    let hd = NV * 8;
-    let mut a = [_mm256_setzero_ps(); 8];
-    for j in 0..NV {
-        let qj = q[j];
-        for (t, at) in a.iter_mut().enumerate() {
-            *at = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k.add(t * hd + j * 8)), *at);
-        }
-    }
-    let t0 = _mm256_hadd_ps(a[0], a[1]);
-    let t1 = _mm256_hadd_ps(a[2], a[3]);
-    let t2 = _mm256_hadd_ps(a[4], a[5]);
-    let t3 = _mm256_hadd_ps(a[6], a[7]);
-    let u0 = _mm256_hadd_ps(t0, t1);
-    let u1 = _mm256_hadd_ps(t2, t3);
-    _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))
-}
-
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
 /// `k`, `v` are the whole arenas; writes the normalised result into `out`.
 ///
@@ -497,25 +476,31 @@ pub unsafe fn attend_one<const NV: usize>(
         let n = (len - bi * bs).min(bs);
         let kb = k.as_ptr().add(b as usize * bs * hd);
         let vb = v.as_ptr().add(b as usize * bs * hd);
-        // Scores: eight slots at a time (slots past `n` but inside the block are computed and then ignored).
+        // Scores, two slots at a time.
         let mut bmax = m;
         let mut i = 0;
-        while i < n && i + 8 <= bs {
-            let s8 = scores8::<NV>(&qv, kb.add(i * hd));
-            _mm256_storeu_ps(sc.as_mut_ptr().add(i), s8);
-            i += 8;
+        while i + 2 <= n {
+            let k0 = kb.add(i * hd);
+            let k1 = kb.add((i + 1) * hd);
+            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+            let mut a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+            for j in 1..NV {
+                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
+                a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1.add(j * 8)), a1);
+            }
+            sc[i] = hsum(a0);
+            sc[i + 1] = hsum(a1);
+            bmax = bmax.max(sc[i]).max(sc[i + 1]);
+            i += 2;
         }
-        while i < n {
+        if i < n {
             let k0 = kb.add(i * hd);
             let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
             for j in 1..NV {
                 a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
             }
             sc[i] = hsum(a0);
-            i += 1;
-        }
-        for &v in &sc[..n] {
-            bmax = bmax.max(v);
+            bmax = bmax.max(sc[i]);
         }
         // Probabilities (vectorised exp over the block's scores).
         let mv = _mm256_set1_ps(bmax);
