@@ -48,9 +48,17 @@ async fn separate_router_and_worker_processes() {
     assert_eq!(s, 200, "{v}");
     let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(!answer.trim().is_empty(), "{v}");
-    let stats = worker_stats(&worker_addr).await.unwrap();
+    // The worker publishes its stats after the step that finished the request, a moment after the answer.
+    let t0 = std::time::Instant::now();
+    let stats = loop {
+        let stats = worker_stats(&worker_addr).await.unwrap();
+        if stats.running == 0 || t0.elapsed() > Duration::from_secs(10) {
+            break stats;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(stats.computed_tokens_total > 0, "{stats:?}");
-    assert_eq!(stats.running, 0);
+    assert_eq!(stats.running, 0, "{stats:?}");
 
     // The configured body limit applies.
     let big = chat(&"a".repeat(100 * 1024), json!({})).to_string().into_bytes();

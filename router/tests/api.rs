@@ -405,7 +405,7 @@ async fn bad_inputs_get_openai_errors_and_server_keeps_serving() {
             400,
         ),
         ("unknown model", json!({"model": "gpt-9", "messages": user}).to_string().into_bytes(), 404),
-        ("kv policy", json!({"model": MODEL, "messages": user, "kv": {"policy": "h2o"}}).to_string().into_bytes(), 400),
+        ("kv policy", json!({"model": MODEL, "messages": user, "kv": {"policy": "lru"}}).to_string().into_bytes(), 400),
         ("n=2", json!({"model": MODEL, "messages": user, "n": 2}).to_string().into_bytes(), 400),
         (
             "invalid utf-8",
