@@ -90,12 +90,18 @@ pub fn paged_attention(
             attend_one(simd, qv, kv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, scale, acc);
         }
     };
-    // Flatten (sequence, head, token chunk) into task indices: starts[i] = first task of sequence i.
+    run_tasks(be, seqs, n_heads, &task);
+}
+
+/// Runs `task(seq, t)` for every (sequence, head, token chunk), flattened into task indices `t` per sequence
+/// (`heads` per chunk), in parallel.
+fn run_tasks(be: &CpuBackend, seqs: &[AttnSeq<'_>], heads: usize, task: &(dyn Fn(&AttnSeq<'_>, usize) + Sync)) {
+    // starts[i] = first task of sequence i.
     let mut starts = Vec::with_capacity(seqs.len() + 1);
     let mut total = 0usize;
     for s in seqs {
         starts.push(total);
-        total += s.n_new.div_ceil(TOKEN_CHUNK) * n_heads;
+        total += s.n_new.div_ceil(TOKEN_CHUNK) * heads;
     }
     starts.push(total);
     be.par_for(total, &|t| {
@@ -156,17 +162,7 @@ fn grouped_attention(
             }
         }
     };
-    let mut starts = Vec::with_capacity(seqs.len() + 1);
-    let mut total = 0usize;
-    for s in seqs {
-        starts.push(total);
-        total += s.n_new.div_ceil(TOKEN_CHUNK) * n_kv_heads;
-    }
-    starts.push(total);
-    be.par_for(total, &|t| {
-        let i = starts.partition_point(|&st| st <= t) - 1;
-        task(&seqs[i], t - starts[i]);
-    });
+    run_tasks(be, seqs, n_kv_heads, &task);
 }
 
 /// Panics unless the sequences' row ranges `[q_row, q_row + n_new)` are pairwise disjoint (each output row

@@ -443,11 +443,11 @@ pub unsafe fn rope_row(row: &mut [f32], cc: &[f32], ss: &[f32]) {
     }
 }
 
-/// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
-/// `k`, `v` are the whole arenas; writes the normalised result into `out`.
+/// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8: the group
+/// kernel with a group of one.
 ///
 /// # Safety
-/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA present.
+/// As [`attend_group`].
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn attend_one<const NV: usize>(
@@ -460,77 +460,7 @@ pub unsafe fn attend_one<const NV: usize>(
     scale: f32,
     out: &mut [f32],
 ) {
-    const MAXB: usize = 64;
-    let hd = NV * 8;
-    debug_assert!(q.len() == hd && out.len() == hd && bs <= MAXB);
-    let mut qv = [_mm256_setzero_ps(); NV];
-    let sv = _mm256_set1_ps(scale);
-    for (j, r) in qv.iter_mut().enumerate() {
-        *r = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(j * 8)), sv);
-    }
-    let mut acc = [_mm256_setzero_ps(); NV];
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0.0f32;
-    let mut sc = [f32::NEG_INFINITY; MAXB];
-    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
-        let n = (len - bi * bs).min(bs);
-        let kb = k.as_ptr().add(b as usize * bs * hd);
-        let vb = v.as_ptr().add(b as usize * bs * hd);
-        // Scores, two slots at a time.
-        let mut bmax = m;
-        let mut i = 0;
-        while i + 2 <= n {
-            let k0 = kb.add(i * hd);
-            let k1 = kb.add((i + 1) * hd);
-            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-            let mut a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
-            for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
-                a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1.add(j * 8)), a1);
-            }
-            sc[i] = hsum(a0);
-            sc[i + 1] = hsum(a1);
-            bmax = bmax.max(sc[i]).max(sc[i + 1]);
-            i += 2;
-        }
-        if i < n {
-            let k0 = kb.add(i * hd);
-            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-            for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
-            }
-            sc[i] = hsum(a0);
-            bmax = bmax.max(sc[i]);
-        }
-        // Probabilities (vectorised exp over the block's scores).
-        let mv = _mm256_set1_ps(bmax);
-        let mut i = 0;
-        while i < n {
-            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-            i += 8;
-        }
-        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
-        m = bmax;
-        let cv = _mm256_set1_ps(corr);
-        for a in acc.iter_mut() {
-            *a = _mm256_mul_ps(*a, cv);
-        }
-        let mut bl = 0.0f32;
-        for (i, &p) in sc[..n].iter().enumerate() {
-            bl += p;
-            let pv = _mm256_set1_ps(p);
-            let vr = vb.add(i * hd);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(j * 8)), *a);
-            }
-        }
-        l = l * corr + bl;
-    }
-    let inv = _mm256_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
-    for (j, a) in acc.iter().enumerate() {
-        _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
-    }
+    attend_group::<NV>(q, 1, k, v, bs, table, len, scale, out)
 }
 
 /// Attention of the `g` query heads that share one kv-head (GQA), for one query token, over the first `len`

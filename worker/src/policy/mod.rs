@@ -284,7 +284,7 @@ impl PolicyState {
     /// the budget so the cache never holds more than budget + one prompt block.
     pub fn after_prefill_chunk(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
         match self.spec.kind {
-            PolicyKind::Keydiff => self.keep_lowest(cache, Score::KeydiffCosine),
+            PolicyKind::Keydiff => self.keep_by_score(cache, Score::KeydiffCosine, false),
             _ => Ok(Eviction::default()),
         }
     }
@@ -298,9 +298,9 @@ impl PolicyState {
                 self.slide_floor = defaults::SINK_TOKENS as u32;
                 self.keep_sinks_and_recent(cache, defaults::SINK_TOKENS, c.saturating_sub(defaults::SINK_TOKENS))
             }
-            PolicyKind::Knorm => self.keep_lowest(cache, Score::KeyNorm),
-            PolicyKind::Keydiff => self.keep_lowest(cache, Score::KeydiffCosine),
-            PolicyKind::PagedEviction => self.keep_highest_ratio(cache),
+            PolicyKind::Knorm => self.keep_by_score(cache, Score::KeyNorm, false),
+            PolicyKind::Keydiff => self.keep_by_score(cache, Score::KeydiffCosine, false),
+            PolicyKind::PagedEviction => self.keep_by_score(cache, Score::ValueKeyRatio, true),
             PolicyKind::Sage => self.sage_select(cache),
             PolicyKind::Snapkv => self.snapkv_select(cache),
             PolicyKind::H2o => self.h2o_select(cache),
@@ -451,8 +451,14 @@ impl PolicyState {
 
     // --- selections -------------------------------------------------------------------------------------------
 
-    /// Keeps the `budget` slots with the lowest `score` in every table over budget.
-    fn keep_lowest(&mut self, cache: &mut CacheView<'_>, score: Score) -> Result<Eviction, CacheError> {
+    /// Keeps the `budget` slots with the lowest (or, `largest`, the highest) `score` in every table over budget:
+    /// knorm and KeyDiff keep the lowest, PagedEviction's prefill (Algorithm 2) the highest ‖V‖/‖K‖.
+    fn keep_by_score(
+        &mut self,
+        cache: &mut CacheView<'_>,
+        score: Score,
+        largest: bool,
+    ) -> Result<Eviction, CacheError> {
         let c = self.spec.budget_tokens;
         let mut ev = Eviction::default();
         for t in 0..self.positions.len() {
@@ -462,24 +468,7 @@ impl PolicyState {
             }
             self.score_table(cache, t, score);
             let sc = &mut self.scratch;
-            scores::select_k(&sc.scores[..len], c, false, &mut sc.idx, &mut sc.keep);
-            ev.add(self.apply_keep(cache, t)?);
-        }
-        Ok(ev)
-    }
-
-    /// PagedEviction prefill (Algorithm 2): keep the `budget` tokens with the highest ‖V‖/‖K‖.
-    fn keep_highest_ratio(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
-        let c = self.spec.budget_tokens;
-        let mut ev = Eviction::default();
-        for t in 0..self.positions.len() {
-            let len = cache.blocks.lens()[t];
-            if len <= c {
-                continue;
-            }
-            self.score_table(cache, t, Score::ValueKeyRatio);
-            let sc = &mut self.scratch;
-            scores::select_k(&sc.scores[..len], c, true, &mut sc.idx, &mut sc.keep);
+            scores::select_k(&sc.scores[..len], c, largest, &mut sc.idx, &mut sc.keep);
             ev.add(self.apply_keep(cache, t)?);
         }
         Ok(ev)
