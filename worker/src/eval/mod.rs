@@ -12,7 +12,7 @@
 
 pub mod prose;
 pub mod tasks;
-mod words;
+pub(crate) mod words;
 
 use std::path::PathBuf;
 
