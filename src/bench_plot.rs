@@ -175,6 +175,8 @@ mod tests {
             generated_tokens: 64,
             seconds: 1.0,
             tokens_per_s: tps,
+            tokens_per_s_runs: vec![tps],
+            computed_tokens: 1,
             peak_running: peak,
             ttft_ms_p50: 1.0,
             ttft_ms_p99: 2.0,

@@ -194,6 +194,10 @@ struct BenchEvictionArgs {
     /// Seed of the prompts.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
+    /// Runs of every configuration, round-robin; the report keeps each one's median run by tokens/s (more than one
+    /// evens out a shared or noisy machine).
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
 }
 
 #[derive(Args)]
@@ -513,6 +517,7 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
         policies,
         budgets: args.budgets,
         seed: args.seed,
+        repeats: args.repeats,
     };
     let report = pagoda_worker::bench_eviction::eviction_bench(&model, &opts)
         .with_context(|| format!("eviction bench on {} failed", model.display()))?;

@@ -16,8 +16,10 @@
 //!
 //! Per configuration: generated tokens/s (all generated tokens over the wall time from the first submit to the
 //! last finish), the largest running batch and the peak pool usage (high-water marks kept by the engine itself,
-//! see [`EngineStats::peak_running`]), TTFT and TPOT medians and p99 (nearest rank), preemptions and evicted
-//! blocks, plus tokens/s and largest batch relative to full cache.
+//! see [`EngineStats::peak_running`]), TTFT and TPOT medians and p99 (nearest rank), preemptions, tokens computed
+//! (recomputation after preemption shows here) and evicted blocks, plus tokens/s and largest batch relative to
+//! full cache. With `repeats > 1` every configuration runs that many times, round-robin, and the report keeps its
+//! median run: on a shared machine a single run can be off by a third.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -71,6 +73,8 @@ pub struct EvictionBenchOptions {
     /// KV budgets in tokens per (layer, kv-head).
     pub budgets: Vec<usize>,
     pub seed: u64,
+    /// Runs of every configuration; the report keeps each one's median run by tokens/s.
+    pub repeats: usize,
 }
 
 impl Default for EvictionBenchOptions {
@@ -87,6 +91,7 @@ impl Default for EvictionBenchOptions {
             policies: PolicyKind::ALL.to_vec(),
             budgets: vec![256, 512, 1024],
             seed: 1234,
+            repeats: 1,
         }
     }
 }
@@ -111,7 +116,13 @@ pub struct ConfigResult {
     pub generated_tokens: u64,
     /// First submit to last finish.
     pub seconds: f64,
+    /// Of the median run when repeated.
     pub tokens_per_s: f64,
+    /// Every repeat's tokens/s, in run order.
+    pub tokens_per_s_runs: Vec<f64>,
+    /// Tokens the engine computed (prompts, generated tokens, and recomputation after preemption): above
+    /// `requests * (prompt_tokens + new_tokens - 1)` only by what preemption made it redo.
+    pub computed_tokens: u64,
     /// Largest running batch the engine scheduled.
     pub peak_running: u64,
     pub ttft_ms_p50: f64,
@@ -180,18 +191,32 @@ impl EvictionReport {
             o.max_step_tokens,
             o.max_running,
         );
+        if o.repeats > 1 {
+            s.push_str(&format!(
+                "Each configuration ran {} times, round-robin; each row is its median run by tokens/s, and \
+                 `tokens/s range` spans all its runs.\n\n",
+                o.repeats
+            ));
+        }
         s.push_str(
-            "| policy | budget | tokens/s | × full | largest batch | × full | TTFT p50 (s) | TTFT p99 (s) | \
-             TPOT p50 (ms) | TPOT p99 (ms) | peak pool | preemptions | evicted blocks | generated |\n",
+            "| policy | budget | tokens/s | tokens/s range | × full | largest batch | × full | TTFT p50 (s) | \
+             TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | peak pool | preemptions | computed tokens | \
+             evicted blocks | generated |\n",
         );
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        let range = |v: &[f64]| {
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            if v.is_empty() { "—".to_owned() } else { format!("{lo:.1}–{hi:.1}") }
+        };
         let ratio = |r: Option<f64>| r.map_or_else(|| "—".to_owned(), |v| format!("{v:.2}"));
         for r in &self.results {
             s.push_str(&format!(
-                "| {} | {} | {:.1} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {} | {} | {}/{} |\n",
+                "| {} | {} | {:.1} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {} | {} | {} | {}/{} |\n",
                 r.policy,
                 r.budget_tokens.map_or_else(|| "—".to_owned(), |b| b.to_string()),
                 r.tokens_per_s,
+                range(&r.tokens_per_s_runs),
                 ratio(r.tokens_per_s_vs_full),
                 r.peak_running,
                 ratio(r.concurrency_vs_full),
@@ -201,6 +226,7 @@ impl EvictionReport {
                 r.tpot_ms_p99,
                 r.peak_pool_frac * 100.0,
                 r.preemptions,
+                r.computed_tokens,
                 r.evicted_blocks,
                 r.generated_tokens,
                 r.requests * o.new_tokens,
@@ -263,36 +289,19 @@ pub fn eviction_bench(
     let prompts = make_prompts(&tokenizer, opts.requests, opts.prompt_tokens, opts.seed)?;
     let rt = tokio::runtime::Builder::new_current_thread().build().map_err(EvictionBenchError::Runtime)?;
 
-    let mut results: Vec<ConfigResult> = Vec::new();
+    let configs = configurations(opts);
+    // runs[c] holds configuration c's repeats. Rounds go over every configuration in turn so that a slow spell
+    // of a shared machine lands on all of them rather than on one.
+    let mut runs: Vec<Vec<ConfigResult>> = vec![Vec::new(); configs.len()];
     let mut model_name = String::new();
-    for spec in configurations(opts) {
-        let cfg = EngineConfig {
-            model_path: model_path.to_path_buf(),
-            num_blocks: kv_blocks,
-            block_size: opts.block_size,
-            max_step_tokens: opts.max_step_tokens,
-            max_running: opts.max_running,
-            enable_prefix_cache: false,
-            threads: opts.threads,
-            default_policy: PolicySpec::full(),
-        };
-        let engine = Engine::start(cfg)?;
-        model_name.clone_from(&engine.model_info().name);
-        let label =
-            if spec.is_full() { "full".to_owned() } else { format!("{}@{}", spec.kind.name(), spec.budget_tokens) };
-        tracing::info!(config = %label, requests = opts.requests, "eviction bench: running");
-        let r = run_config(&engine, &rt, spec, &prompts, opts, &label);
-        engine.shutdown();
-        let r = r?;
-        tracing::info!(
-            config = %label,
-            tokens_per_s = format!("{:.1}", r.tokens_per_s),
-            peak_running = r.peak_running,
-            seconds = format!("{:.1}", r.seconds),
-            "eviction bench: done"
-        );
-        results.push(r);
+    for round in 0..opts.repeats {
+        for (c, &spec) in configs.iter().enumerate() {
+            let r = run_fresh(model_path, kv_blocks, &rt, spec, &prompts, opts, round)?;
+            model_name.clone_from(&r.0);
+            runs[c].push(r.1);
+        }
     }
+    let mut results: Vec<ConfigResult> = runs.into_iter().filter_map(median_run).collect();
     let (full_tps, full_peak) = results
         .iter()
         .find(|r| r.budget_tokens.is_none())
@@ -319,8 +328,60 @@ pub fn eviction_bench(
     })
 }
 
+/// One run of one configuration on a fresh engine. Returns the model's name and the measurements.
+fn run_fresh(
+    model_path: &Path,
+    kv_blocks: usize,
+    rt: &tokio::runtime::Runtime,
+    spec: PolicySpec,
+    prompts: &[Vec<u32>],
+    opts: &EvictionBenchOptions,
+    round: usize,
+) -> Result<(String, ConfigResult), EvictionBenchError> {
+    let cfg = EngineConfig {
+        model_path: model_path.to_path_buf(),
+        num_blocks: kv_blocks,
+        block_size: opts.block_size,
+        max_step_tokens: opts.max_step_tokens,
+        max_running: opts.max_running,
+        enable_prefix_cache: false,
+        threads: opts.threads,
+        default_policy: PolicySpec::full(),
+    };
+    let engine = Engine::start(cfg)?;
+    let name = engine.model_info().name.clone();
+    let label = if spec.is_full() { "full".to_owned() } else { format!("{}@{}", spec.kind.name(), spec.budget_tokens) };
+    tracing::info!(config = %label, round, requests = opts.requests, "eviction bench: running");
+    let r = run_config(&engine, rt, spec, prompts, opts, &label);
+    engine.shutdown();
+    let r = r?;
+    tracing::info!(
+        config = %label,
+        round,
+        tokens_per_s = format!("{:.1}", r.tokens_per_s),
+        peak_running = r.peak_running,
+        seconds = format!("{:.1}", r.seconds),
+        "eviction bench: done"
+    );
+    Ok((name, r))
+}
+
+/// The repeat with the median tokens/s (the lower middle one for an even count), whole, so that its columns
+/// come from one run; every repeat's tokens/s is kept beside it.
+fn median_run(mut runs: Vec<ConfigResult>) -> Option<ConfigResult> {
+    let all: Vec<f64> = runs.iter().map(|r| r.tokens_per_s).collect();
+    runs.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+    let mid = runs.len().checked_sub(1)? / 2;
+    let mut r = runs.swap_remove(mid);
+    r.tokens_per_s_runs = all;
+    Some(r)
+}
+
 fn validate(o: &EvictionBenchOptions) -> Result<(), EvictionBenchError> {
     let bad = |m: &str| Err(EvictionBenchError::Options(m.to_owned()));
+    if o.repeats == 0 {
+        return bad("repeats must be at least 1");
+    }
     if o.requests == 0 || o.prompt_tokens == 0 || o.new_tokens == 0 || o.pool_seqs == 0 || o.block_size == 0 {
         return bad("requests, prompt_tokens, new_tokens, pool_seqs and block_size must be at least 1");
     }
@@ -423,6 +484,8 @@ fn run_config(
         generated_tokens: generated,
         seconds,
         tokens_per_s: if seconds > 0.0 { generated as f64 / seconds } else { 0.0 },
+        tokens_per_s_runs: Vec::new(),
+        computed_tokens: stats.computed_tokens_total - before.computed_tokens_total,
         peak_running: stats.peak_running,
         ttft_ms_p50: percentile(&ttft, 50.0),
         ttft_ms_p99: percentile(&ttft, 99.0),
@@ -566,10 +629,51 @@ mod tests {
     }
 
     #[test]
+    fn median_run_keeps_the_middle_run_whole() {
+        let run = |tps: f64, peak: u64| ConfigResult { tokens_per_s: tps, peak_running: peak, ..sample_row() };
+        let m = median_run(vec![run(30.0, 3), run(10.0, 1), run(20.0, 2)]).unwrap();
+        assert_eq!((m.tokens_per_s, m.peak_running), (20.0, 2));
+        assert_eq!(m.tokens_per_s_runs, vec![30.0, 10.0, 20.0]);
+        // Even count: the lower middle.
+        let m = median_run(vec![run(40.0, 4), run(10.0, 1)]).unwrap();
+        assert_eq!(m.tokens_per_s, 10.0);
+        assert!(median_run(Vec::new()).is_none());
+    }
+
+    fn sample_row() -> ConfigResult {
+        ConfigResult {
+            policy: "full".into(),
+            budget_tokens: None,
+            requests: 1,
+            completed: 1,
+            short_requests: 0,
+            generated_tokens: 1,
+            seconds: 1.0,
+            tokens_per_s: 1.0,
+            tokens_per_s_runs: Vec::new(),
+            computed_tokens: 1,
+            peak_running: 1,
+            ttft_ms_p50: 1.0,
+            ttft_ms_p99: 1.0,
+            tpot_ms_p50: 1.0,
+            tpot_ms_p99: 1.0,
+            blocks_total: 1,
+            peak_blocks_used: 1,
+            peak_pool_frac: 1.0,
+            preemptions: 0,
+            evicted_blocks: 0,
+            evicted_slots: 0,
+            tokens_per_s_vs_full: None,
+            concurrency_vs_full: None,
+        }
+    }
+
+    #[test]
     fn options_are_validated() {
         let d = EvictionBenchOptions::default();
         assert!(validate(&d).is_ok());
         assert!(validate(&EvictionBenchOptions { requests: 0, ..d.clone() }).is_err());
+        assert!(validate(&EvictionBenchOptions { repeats: 0, ..d.clone() }).is_err());
         assert!(validate(&EvictionBenchOptions { budgets: vec![], ..d.clone() }).is_err());
         let only_full = EvictionBenchOptions { policies: vec![PolicyKind::Full], budgets: vec![], ..d };
         assert!(validate(&only_full).is_ok());
@@ -586,6 +690,8 @@ mod tests {
             generated_tokens: 64,
             seconds: 2.0,
             tokens_per_s: tps,
+            tokens_per_s_runs: vec![tps],
+            computed_tokens: 100,
             peak_running: peak,
             ttft_ms_p50: 1500.0,
             ttft_ms_p99: 2500.0,
@@ -619,13 +725,16 @@ mod tests {
         assert_eq!(r.results[1].label(), "snapkv@64");
         let md = r.to_markdown();
         assert!(
-            md.contains("| full | — | 32.0 | 1.00 | 2 | 1.00 | 1.5 | 2.5 | 20.0 | 30.0 | 100% | 3 | 0 | 64/64 |"),
+            md.contains(
+                "| full | — | 32.0 | 32.0–32.0 | 1.00 | 2 | 1.00 | 1.5 | 2.5 | 20.0 | 30.0 | 100% | 3 | 100 | 0 | 64/64 |"
+            ),
             "{md}"
         );
-        assert!(md.contains("| snapkv | 64 | 48.0 | 1.50 | 4 | 2.00 |"), "{md}");
+        assert!(md.contains("| snapkv | 64 | 48.0 | 48.0–48.0 | 1.50 | 4 | 2.00 |"), "{md}");
         let j: serde_json::Value = serde_json::from_str(&r.to_json_string()).unwrap();
         assert_eq!(j["results"][1]["budget_tokens"], 64);
         assert_eq!(j["results"][0]["budget_tokens"], serde_json::Value::Null);
         assert_eq!(j["options"]["policies"][0], "full");
+        assert_eq!(j["results"][0]["tokens_per_s_runs"][0], 32.0);
     }
 }

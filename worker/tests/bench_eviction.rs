@@ -40,6 +40,10 @@ fn evicting_policies_run_larger_batches_on_the_same_pool() {
         assert_eq!((r.requests, r.completed, r.short_requests), (8, 8, 0), "{label}");
         assert_eq!(r.generated_tokens, 8 * 32, "{label}: exactly new_tokens per request");
         assert!(r.tokens_per_s > 0.0 && r.seconds > 0.0, "{label}");
+        assert_eq!(r.tokens_per_s_runs, vec![r.tokens_per_s], "{label}: one repeat");
+        // Every prompt token and every generated token but the last is computed, plus any recompute.
+        assert!(r.computed_tokens >= 8 * (128 + 31), "{label}: computed {}", r.computed_tokens);
+        assert_eq!(r.preemptions == 0, r.computed_tokens == 8 * (128 + 31), "{label}: {r:?}");
         assert_eq!(r.blocks_total, report.kv_blocks as u64, "{label}");
         assert!(r.peak_blocks_used <= r.blocks_total, "{label}: pool overrun {r:?}");
         assert!(r.peak_blocks_used > 0 && r.peak_running >= 1, "{label}");
