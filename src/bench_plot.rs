@@ -15,6 +15,19 @@ use plotters::prelude::*;
 
 const FONT: &str = "sans-serif";
 
+/// Tableau 10 without its grey: distinct on white, unlike the pale yellows a generic palette hands out.
+const COLORS: [RGBColor; 9] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
 fn register_font() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut res = Ok(());
@@ -122,7 +135,7 @@ where
         chart
             .draw_series(DashedLineSeries::new([(x_min, f), (x_max, f)], 10, 6, BLACK.stroke_width(2)))
             .map_err(err)?
-            .label(format!("full cache ({f:.1})"))
+            .label(format!("full cache ({f:.*})", panel.y_decimals))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLACK.stroke_width(2)));
     }
     let mut kinds: Vec<&str> = Vec::new();
@@ -133,7 +146,7 @@ where
     }
     let mid = (kinds.len() as f64 - 1.0) / 2.0;
     for (i, kind) in kinds.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        let color = COLORS[i % COLORS.len()];
         let dodge = (1.0 + DODGE).powf(i as f64 - mid);
         let mut points: Vec<(f64, f64)> = report
             .results

@@ -433,7 +433,8 @@ fn run_config(
             return Err(EvictionBenchError::RequestsFailed { config: label.into(), failed: 1, requests: 1, first: e });
         }
     }
-    let before = engine.stats();
+    // Settled, not the latest snapshot: the warm-up's last step publishes its counters just after its Finished.
+    let before = settled_stats(engine);
 
     let start = Instant::now();
     let mut rxs = Vec::with_capacity(prompts.len());
