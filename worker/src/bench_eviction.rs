@@ -486,7 +486,7 @@ fn run_config(
         seconds,
         tokens_per_s: if seconds > 0.0 { generated as f64 / seconds } else { 0.0 },
         tokens_per_s_runs: Vec::new(),
-        computed_tokens: stats.computed_tokens_total - before.computed_tokens_total,
+        computed_tokens: stats.computed_tokens_total.saturating_sub(before.computed_tokens_total),
         peak_running: stats.peak_running,
         ttft_ms_p50: percentile(&ttft, 50.0),
         ttft_ms_p99: percentile(&ttft, 99.0),
@@ -499,9 +499,9 @@ fn run_config(
         } else {
             0.0
         },
-        preemptions: stats.preemptions_total - before.preemptions_total,
-        evicted_blocks: stats.evicted_blocks[k] - before.evicted_blocks[k],
-        evicted_slots: stats.evicted_slots[k] - before.evicted_slots[k],
+        preemptions: stats.preemptions_total.saturating_sub(before.preemptions_total),
+        evicted_blocks: stats.evicted_blocks[k].saturating_sub(before.evicted_blocks[k]),
+        evicted_slots: stats.evicted_slots[k].saturating_sub(before.evicted_slots[k]),
         tokens_per_s_vs_full: None,
         concurrency_vs_full: None,
     })
