@@ -5,9 +5,14 @@
 //! - `pagoda worker`: the engine behind the `Worker` gRPC service.
 //! - `pagoda router`: the OpenAI HTTP API in front of one or more workers.
 //! - `pagoda bench engine`: the engine micro-benchmark.
+//! - `pagoda bench eviction`: throughput of each KV eviction policy against full cache on a pool too small for
+//!   the load (markdown table, JSON, PNG chart).
 //!
 //! Without `--model`, the default model `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used and fetched with
 //! `scripts/fetch-model.sh` when missing.
+
+mod bench_plot;
+mod eval_plot;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,7 +23,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use pagoda_router::{GgufCodec, RouterConfig, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
-use pagoda_worker::policy::PolicySpec;
+use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::service::WorkerService;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -97,6 +102,12 @@ struct EvalArgs {
     /// Write the markdown tables.
     #[arg(long)]
     markdown: Option<PathBuf>,
+    /// Draw score against budget per policy (PNG).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Do not run: re-render the tables and the plot from a JSON report written by `--json`.
+    #[arg(long)]
+    from_json: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -190,6 +201,62 @@ struct RouterArgs {
 enum BenchCommand {
     /// Prefill and decode throughput of the engine on the real model.
     Engine(BenchEngineArgs),
+    /// Throughput under KV memory pressure: full cache against each eviction policy and budget, same load, same
+    /// pool, one fresh engine per configuration.
+    Eviction(BenchEvictionArgs),
+}
+
+#[derive(Args)]
+struct BenchEvictionArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw tokens/s and the largest running batch against budget into this PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Requests submitted at once.
+    #[arg(long, default_value_t = 64)]
+    requests: usize,
+    /// Prompt length of every request.
+    #[arg(long, default_value_t = 1024)]
+    prompt_tokens: usize,
+    /// Tokens every request generates (EOS is ignored).
+    #[arg(long, default_value_t = 512)]
+    new_tokens: usize,
+    /// The KV pool holds exactly this many full-cache sequences of prompt + new tokens.
+    #[arg(long, default_value_t = 8)]
+    pool_seqs: usize,
+    /// Policies, comma-separated; `full` is the baseline and runs once. Default: every policy.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,streaming,knorm,keydiff,paged_eviction,sage,snapkv,h2o,kv_compress"
+    )]
+    policies: Vec<String>,
+    /// KV budgets in tokens per (layer, kv-head), comma-separated; every non-full policy runs at each.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    budgets: Vec<usize>,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 512)]
+    max_step_tokens: usize,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 64)]
+    max_running: usize,
+    /// Token slots per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Seed of the prompts.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// Runs of every configuration, round-robin; the report keeps each one's median run by tokens/s (more than one
+    /// evens out a shared or noisy machine).
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
 }
 
 #[derive(Args)]
@@ -234,6 +301,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Eval(args) => eval(args),
+        Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
@@ -466,6 +534,12 @@ async fn router(args: RouterArgs) -> Result<()> {
 fn eval(args: EvalArgs) -> Result<()> {
     use pagoda_worker::eval::{TaskKind, runner};
     use pagoda_worker::policy::PolicyKind;
+    if let Some(src) = &args.from_json {
+        let text = std::fs::read_to_string(src).with_context(|| format!("cannot read {}", src.display()))?;
+        let report: runner::EvalReport =
+            serde_json::from_str(&text).with_context(|| format!("{} is not an eval report", src.display()))?;
+        return write_eval_outputs(&report, &args);
+    }
     let model = resolve_model(&args.model)?;
     let mut policies = Vec::new();
     for p in &args.policies {
@@ -495,9 +569,9 @@ fn eval(args: EvalArgs) -> Result<()> {
     let opts = runner::EvalOptions {
         threads: args.threads,
         policies,
-        budgets: args.budgets,
+        budgets: args.budgets.clone(),
         tasks,
-        contexts: args.contexts,
+        contexts: args.contexts.clone(),
         items_per_task: args.items,
         seed: args.seed,
         prose_docs: args.prose_docs,
@@ -526,14 +600,24 @@ fn eval(args: EvalArgs) -> Result<()> {
         Vec::new()
     };
     let report = runner::run(&model, &opts, &prose).context("eval failed")?;
-    let md = runner::render_markdown(&report);
-    println!("{md}");
     eprintln!("eval took {:.1} s", report.seconds);
-    if let Some(path) = args.markdown {
+    write_eval_outputs(&report, &args)
+}
+
+fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &EvalArgs) -> Result<()> {
+    let md = pagoda_worker::eval::runner::render_markdown(report);
+    println!("{md}");
+    if let Some(path) = &args.markdown {
         std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
     }
-    if let Some(path) = args.json {
-        let json = serde_json::to_string_pretty(&report).context("cannot serialise the report")?;
+    if let Some(path) = &args.plot {
+        eval_plot::draw_eval(report, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.json
+        && args.from_json.is_none()
+    {
+        let json = serde_json::to_string_pretty(report).context("cannot serialise the report")?;
         std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
@@ -557,6 +641,46 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
     println!("{}", report.to_markdown());
     if let Some(path) = args.json {
         std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let mut policies = Vec::with_capacity(args.policies.len());
+    for name in &args.policies {
+        let name = name.trim();
+        let Some(kind) = PolicyKind::parse(name) else {
+            bail!("--policies: unknown policy `{name}`; known: {}", policy_names());
+        };
+        if !policies.contains(&kind) {
+            policies.push(kind);
+        }
+    }
+    let opts = pagoda_worker::bench_eviction::EvictionBenchOptions {
+        threads: args.threads,
+        block_size: args.block_size,
+        max_step_tokens: args.max_step_tokens,
+        max_running: args.max_running,
+        requests: args.requests,
+        prompt_tokens: args.prompt_tokens,
+        new_tokens: args.new_tokens,
+        pool_seqs: args.pool_seqs,
+        policies,
+        budgets: args.budgets,
+        seed: args.seed,
+        repeats: args.repeats,
+    };
+    let report = pagoda_worker::bench_eviction::eviction_bench(&model, &opts)
+        .with_context(|| format!("eviction bench on {} failed", model.display()))?;
+    println!("{}", report.to_markdown());
+    if let Some(path) = args.json {
+        std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = args.plot {
+        bench_plot::draw_eviction(&report, &path).with_context(|| format!("cannot draw {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())

@@ -76,6 +76,10 @@ pub struct GenerateRequest {
     pub namespace: String,
     /// The request's eviction policy; `None` takes the engine's default.
     pub policy: Option<PolicySpec>,
+    /// Do not stop at the model's EOS tokens (they are streamed like any other token); `stop_token_ids` still
+    /// stop. For benchmarks, where every request must generate exactly `max_tokens` so that configurations do
+    /// the same work.
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,6 +105,11 @@ pub struct EngineStats {
     pub computed_tokens_total: u64,
     pub cached_tokens_total: u64,
     pub preemptions_total: u64,
+    /// The largest running batch since the engine started (the scheduler's count after admission).
+    pub peak_running: u64,
+    /// The most KV blocks held at once since the engine started, as tracked by the pool on every allocation;
+    /// it includes the transient peak inside a step that `blocks_used` snapshots miss.
+    pub peak_blocks_used: u64,
     /// Slots evicted by each policy ([`PolicyKind::index`]).
     pub evicted_slots: [u64; PolicyKind::ALL.len()],
     /// Blocks each policy's evictions returned to the pool.
@@ -491,9 +500,11 @@ impl<R: ModelRunner> EngineLoop<R> {
         match cmd {
             Command::Submit { req, events } => {
                 let mut stop = req.stop_token_ids;
-                for &e in &self.eos {
-                    if !stop.contains(&e) {
-                        stop.push(e);
+                if !req.ignore_eos {
+                    for &e in &self.eos {
+                        if !stop.contains(&e) {
+                            stop.push(e);
+                        }
                     }
                 }
                 let state = ReqState { request_id: req.request_id, events, sampler: Sampler::new(req.sampling) };
@@ -648,6 +659,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             computed_tokens_total: s.computed_tokens_total,
             cached_tokens_total: s.cached_tokens_total,
             preemptions_total: s.preemptions_total,
+            peak_running: s.peak_running as u64,
+            peak_blocks_used: pool.peak_used() as u64,
             evicted_slots: s.evicted_slots,
             evicted_blocks: s.evicted_blocks,
         };
@@ -825,6 +838,7 @@ mod tests {
             stop_token_ids: vec![],
             namespace: String::new(),
             policy: None,
+            ignore_eos: false,
         }
     }
 
@@ -874,6 +888,29 @@ mod tests {
         assert_eq!(s.blocks_used, 0);
         h.shutdown();
         assert_eq!(h.submit(req("c", vec![1], 1)).unwrap_err(), EngineError::Stopped);
+    }
+
+    #[test]
+    fn ignore_eos_generates_max_tokens_and_streams_eos() {
+        let h = fake(64, 0);
+        // 2 + 29 = 31 = eos on the first token: without the flag the stream ends at once (see above).
+        let mut r = req("e", vec![0, 29], 4);
+        r.ignore_eos = true;
+        let (toks, fin) = collect(h.submit(r).unwrap());
+        // Then 3 + 31 = 34 % 32 = 2, 4 + 2 = 6, 5 + 6 = 11.
+        assert_eq!(toks, vec![31, 2, 6, 11]);
+        assert!(matches!(fin, GenerateEvent::Finished { reason: FinishReason::Length, completion_tokens: 4, .. }));
+        // An explicit stop id still stops.
+        let mut r = req("s", vec![0, 29], 4);
+        r.ignore_eos = true;
+        r.stop_token_ids = vec![6];
+        let (toks, fin) = collect(h.submit(r).unwrap());
+        assert_eq!(toks, vec![31, 2]);
+        assert!(matches!(fin, GenerateEvent::Finished { reason: FinishReason::Stop, completion_tokens: 2, .. }));
+        let s = wait_for(&h, |s| s.running == 0);
+        assert_eq!(s.peak_running, 1);
+        assert!(s.peak_blocks_used > 0 && s.peak_blocks_used <= s.blocks_total);
+        assert_eq!(s.blocks_used, 0);
     }
 
     #[test]

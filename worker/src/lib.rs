@@ -4,8 +4,10 @@
 //! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
+//! - [`bench`], [`bench_eviction`]: the engine micro-benchmark and throughput under KV memory pressure.
 
 pub mod bench;
+pub mod bench_eviction;
 pub mod cache;
 pub mod engine;
 pub mod eval;

@@ -207,6 +207,8 @@ pub struct SchedStats {
     pub cached_tokens_total: u64,
     pub preemptions_total: u64,
     pub steps_total: u64,
+    /// The most sequences running at once since creation, counted after admission (the batch a step computes).
+    pub peak_running: usize,
     /// Slots evicted, per policy ([`PolicyKind::index`]).
     pub evicted_slots: [u64; PolicyKind::ALL.len()],
     /// Blocks returned to the pool by evictions, per policy.
@@ -361,6 +363,7 @@ impl<P> Scheduler<P> {
             });
             budget -= n;
         }
+        self.stats.peak_running = self.stats.peak_running.max(self.running.len());
     }
 
     /// Reserves room for `n` tokens of running sequence `id`, preempting the youngest running sequences while

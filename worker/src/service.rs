@@ -128,6 +128,7 @@ impl WorkerService {
             stop_token_ids: req.stop_token_ids,
             namespace: req.namespace,
             policy,
+            ignore_eos: false,
         })
     }
 }

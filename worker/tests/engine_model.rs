@@ -55,6 +55,7 @@ fn greedy(id: &str, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
         stop_token_ids: vec![],
         namespace: String::new(),
         policy: None,
+        ignore_eos: false,
     }
 }
 

@@ -443,11 +443,11 @@ pub unsafe fn rope_row(row: &mut [f32], cc: &[f32], ss: &[f32]) {
     }
 }
 
-/// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8: the group
-/// kernel with a group of one.
+/// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
+/// `k`, `v` are the whole arenas; writes the normalised result into `out`.
 ///
 /// # Safety
-/// As [`attend_group`].
+/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA present.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn attend_one<const NV: usize>(
@@ -460,111 +460,78 @@ pub unsafe fn attend_one<const NV: usize>(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_group::<NV>(q, 1, k, v, bs, table, len, scale, out)
-}
-
-/// Attention of the `g` query heads that share one kv-head (GQA), for one query token, over the first `len`
-/// slots reachable through `table`. `qs` and `out` hold the `g` heads contiguously (`[g][NV * 8]`), as they sit in
-/// a q row. Each block's K and V are read from memory once and reused for every head of the group while they are
-/// in L1; with per-head calls they stream from L2/L3 once per head, which made decode attention memory-bound.
-///
-/// # Safety
-/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA present;
-/// `g <= MAX_GROUP`.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attend_group<const NV: usize>(
-    qs: &[f32],
-    g: usize,
-    k: &[f32],
-    v: &[f32],
-    bs: usize,
-    table: &[u32],
-    len: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
     const MAXB: usize = 64;
     let hd = NV * 8;
-    debug_assert!(qs.len() == g * hd && out.len() == g * hd && bs <= MAXB && g <= MAX_GROUP);
+    debug_assert!(q.len() == hd && out.len() == hd && bs <= MAXB);
+    let mut qv = [_mm256_setzero_ps(); NV];
     let sv = _mm256_set1_ps(scale);
-    let mut acc = [[_mm256_setzero_ps(); NV]; MAX_GROUP];
-    let mut m = [f32::NEG_INFINITY; MAX_GROUP];
-    let mut l = [0.0f32; MAX_GROUP];
-    let mut sc = [0.0f32; MAXB];
+    for (j, r) in qv.iter_mut().enumerate() {
+        *r = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(j * 8)), sv);
+    }
+    let mut acc = [_mm256_setzero_ps(); NV];
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0.0f32;
+    let mut sc = [f32::NEG_INFINITY; MAXB];
     for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
         let kb = k.as_ptr().add(b as usize * bs * hd);
         let vb = v.as_ptr().add(b as usize * bs * hd);
-        for h in 0..g {
-            let mut qv = [_mm256_setzero_ps(); NV];
-            for (j, r) in qv.iter_mut().enumerate() {
-                *r = _mm256_mul_ps(_mm256_loadu_ps(qs.as_ptr().add(h * hd + j * 8)), sv);
+        // Scores, two slots at a time.
+        let mut bmax = m;
+        let mut i = 0;
+        while i + 2 <= n {
+            let k0 = kb.add(i * hd);
+            let k1 = kb.add((i + 1) * hd);
+            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+            let mut a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+            for j in 1..NV {
+                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
+                a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1.add(j * 8)), a1);
             }
-            let mut bmax = m[h];
-            let mut i = 0;
-            while i + 2 <= n {
-                let k0 = kb.add(i * hd);
-                let k1 = kb.add((i + 1) * hd);
-                let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-                let mut a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
-                for j in 1..NV {
-                    a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
-                    a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1.add(j * 8)), a1);
-                }
-                sc[i] = hsum(a0);
-                sc[i + 1] = hsum(a1);
-                bmax = bmax.max(sc[i]).max(sc[i + 1]);
-                i += 2;
-            }
-            if i < n {
-                let k0 = kb.add(i * hd);
-                let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-                for j in 1..NV {
-                    a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
-                }
-                sc[i] = hsum(a0);
-                bmax = bmax.max(sc[i]);
-            }
-            let mv = _mm256_set1_ps(bmax);
-            let mut i = 0;
-            while i + 8 <= n {
-                let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-                _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-                i += 8;
-            }
-            for x in &mut sc[i..n] {
-                *x = (*x - bmax).exp();
-            }
-            let corr = if m[h] == f32::NEG_INFINITY { 0.0 } else { (m[h] - bmax).exp() };
-            m[h] = bmax;
-            let cv = _mm256_set1_ps(corr);
-            let a = &mut acc[h];
-            for x in a.iter_mut() {
-                *x = _mm256_mul_ps(*x, cv);
-            }
-            let mut bl = 0.0f32;
-            for (i, &p) in sc[..n].iter().enumerate() {
-                bl += p;
-                let pv = _mm256_set1_ps(p);
-                let vr = vb.add(i * hd);
-                for (j, x) in a.iter_mut().enumerate() {
-                    *x = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(j * 8)), *x);
-                }
-            }
-            l[h] = l[h] * corr + bl;
+            sc[i] = hsum(a0);
+            sc[i + 1] = hsum(a1);
+            bmax = bmax.max(sc[i]).max(sc[i + 1]);
+            i += 2;
         }
+        if i < n {
+            let k0 = kb.add(i * hd);
+            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+            for j in 1..NV {
+                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
+            }
+            sc[i] = hsum(a0);
+            bmax = bmax.max(sc[i]);
+        }
+        // Probabilities (vectorised exp over the block's scores).
+        let mv = _mm256_set1_ps(bmax);
+        let mut i = 0;
+        while i < n {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+            i += 8;
+        }
+        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
+        m = bmax;
+        let cv = _mm256_set1_ps(corr);
+        for a in acc.iter_mut() {
+            *a = _mm256_mul_ps(*a, cv);
+        }
+        let mut bl = 0.0f32;
+        for (i, &p) in sc[..n].iter().enumerate() {
+            bl += p;
+            let pv = _mm256_set1_ps(p);
+            let vr = vb.add(i * hd);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(j * 8)), *a);
+            }
+        }
+        l = l * corr + bl;
     }
-    for h in 0..g {
-        let inv = _mm256_set1_ps(if l[h] > 0.0 { 1.0 / l[h] } else { 0.0 });
-        for (j, x) in acc[h].iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + j * 8), _mm256_mul_ps(*x, inv));
-        }
+    let inv = _mm256_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
+    for (j, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
     }
 }
-
-/// Largest GQA group [`attend_group`] handles in one call.
-pub const MAX_GROUP: usize = 8;
 
 #[cfg(test)]
 mod tests {

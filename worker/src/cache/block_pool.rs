@@ -27,6 +27,9 @@ pub struct BlockPool {
     tick: u64,
     cached_free_blocks: usize,
     evicted_groups: u64,
+    /// High-water mark of [`BlockPool::num_used`]: a snapshot taken between engine steps misses the peak, which
+    /// sits inside a step (after the scheduler reserves, before evictions free).
+    peak_used: usize,
 }
 
 impl BlockPool {
@@ -42,6 +45,7 @@ impl BlockPool {
             tick: 0,
             cached_free_blocks: 0,
             evicted_groups: 0,
+            peak_used: 0,
         }
     }
 
@@ -67,6 +71,11 @@ impl BlockPool {
     /// Blocks held by at least one sequence.
     pub fn num_used(&self) -> usize {
         self.num_blocks() - self.num_available()
+    }
+
+    /// The most blocks ever held at once since creation.
+    pub fn peak_used(&self) -> usize {
+        self.peak_used
     }
 
     /// Groups evicted from the LRU queue since creation.
@@ -109,6 +118,7 @@ impl BlockPool {
             out.push(b);
         }
         self.free.truncate(start);
+        self.peak_used = self.peak_used.max(self.num_used());
         Ok(())
     }
 
@@ -137,6 +147,7 @@ impl BlockPool {
             }
             self.refs[i] += 1;
         }
+        self.peak_used = self.peak_used.max(self.num_used());
         Ok(())
     }
 
@@ -282,10 +293,12 @@ mod tests {
         assert_eq!(p.num_used(), 5, "failed allocation must not leak");
         p.release(&a).unwrap();
         assert_eq!((p.num_used(), p.num_free()), (0, 8));
+        assert_eq!(p.peak_used(), 5, "the high-water mark survives the release");
         let mut b = Vec::new();
         p.allocate(8, &mut b).unwrap();
         b.sort();
         assert_eq!(b, (0..8).collect::<Vec<_>>());
+        assert_eq!(p.peak_used(), 8);
         assert_eq!(p.release(&[9]), Err(CacheError::InvalidBlock(9)));
         p.release(&b).unwrap();
         assert_eq!(p.release(&[0]), Err(CacheError::NotAllocated(0)));

@@ -13,7 +13,7 @@
 pub mod prose;
 pub mod runner;
 pub mod tasks;
-mod words;
+pub(crate) mod words;
 
 use std::path::PathBuf;
 

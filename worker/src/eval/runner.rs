@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq};
 use crate::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
@@ -25,7 +25,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqRequest};
 use super::{Document, EvalItem, TaskKind};
 
 /// What to evaluate.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EvalOptions {
     pub threads: usize,
     pub policies: Vec<PolicyKind>,
@@ -64,7 +64,7 @@ impl Default for EvalOptions {
 }
 
 /// One lane's result on one item.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ItemResult {
     /// Which item (task, context and seed, or the prose document): lanes of one item share it.
     pub item: String,
@@ -83,7 +83,7 @@ pub struct ItemResult {
 }
 
 /// A policy × budget cell, averaged over items, next to the full cache on the same items.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Cell {
     pub task: String,
     pub policy: String,
@@ -94,7 +94,7 @@ pub struct Cell {
     pub kl: Option<f64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EvalReport {
     pub options: EvalOptions,
     pub items: Vec<ItemResult>,

@@ -14,7 +14,7 @@
 use super::words::{ADJECTIVES, NOUNS, VERBS};
 
 /// The synthetic task families.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskKind {
     /// One pass key in repeated filler (Mohtashami & Jaggi, 2023), RULER's simplest needle.

@@ -3,7 +3,7 @@
 
 /// The eviction policies (DESIGN §4). Budgets are tokens per (layer, kv-head); `KvCompress` spends the same
 /// total (budget × tables) unevenly across heads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
     /// Keep everything.
