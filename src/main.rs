@@ -608,7 +608,7 @@ fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &E
     let md = pagoda_worker::eval::runner::render_markdown(report);
     println!("{md}");
     if let Some(path) = &args.markdown {
-        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(path, &md).with_context(|| format!("cannot write {}", path.display()))?;
     }
     if let Some(path) = &args.plot {
         eval_plot::draw_eval(report, path)?;
@@ -618,7 +618,7 @@ fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &E
         && args.from_json.is_none()
     {
         let json = serde_json::to_string_pretty(report).context("cannot serialise the report")?;
-        std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())
