@@ -559,6 +559,9 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let mut plan = std::mem::take(&mut self.plan);
         self.sched.schedule_into(&mut plan);
+        // Publish what was just admitted before the step streams its first tokens, so a client that reads the
+        // stats after a token sees its request counted.
+        self.publish_stats();
         let progressed = !plan.is_empty() && self.run_plan(&plan);
         self.plan = plan;
         progressed
