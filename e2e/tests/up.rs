@@ -10,8 +10,8 @@ use common::{assert_error, chat, start_up, still_serves};
 use pagoda_e2e::serde_json::{Value, json};
 use pagoda_e2e::{MODEL_ID, sse_payloads, worker_stats};
 
-/// A question whose greedy answer has a clear margin: "What is the capital of France?" puts "The" and "L" within
-/// 0.03 logits of each other, so any change of float summation order flips the answer.
+/// A question whose greedy answer has a clear margin. "What is the capital of France?" nearly ties "The" and "L" for
+/// the first token, so a mere change of float summation order in a kernel flips the answer.
 const QUESTION: &str = "What is the capital city of France? Answer in one word.";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

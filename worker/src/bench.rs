@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq};
+use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step};
 use crate::sampling::argmax;
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqRequest};
 
@@ -183,11 +183,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         model: info.name.clone(),
         model_path: model_path.display().to_string(),
         backend: "cpu".into(),
-        threads: if opts.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            opts.threads
-        },
+        threads: crate::engine::resolve_threads(opts.threads),
         kv_blocks: num_blocks,
         prefill,
         decode,
@@ -240,6 +236,7 @@ fn run_batch(
     }
     let mut times = BatchTimes::default();
     let mut logits = Vec::new();
+    let mut batch = Vec::new();
     let mut sampled = Vec::new();
     while sched.has_work() {
         let plan = sched.schedule();
@@ -247,25 +244,9 @@ fn run_batch(
             return Err(EngineError::Forward("the bench batch does not fit the KV pool".into()));
         }
         let t0 = Instant::now();
-        let mut pure_decode = true;
-        {
-            let mut batch = Vec::with_capacity(plan.seqs.len());
-            for e in &plan.seqs {
-                let Some(seq) = sched.get(e.seq) else { continue };
-                pure_decode &= e.n == 1 && e.start >= seq.prompt_len();
-                batch.push(StepSeq {
-                    tokens: &seq.tokens()[e.start..e.start + e.n],
-                    start_pos: e.start as u32,
-                    tables: seq.tables(),
-                    prior_lens: seq.lens(),
-                    want_logits: e.wants_logits,
-                    capture_q: 0,
-                });
-            }
-            logits.clear();
-            runner.forward(&batch, &mut logits)?;
-        }
-        sched.complete_step(&plan);
+        let pure_decode =
+            plan.seqs.iter().all(|e| e.n == 1 && sched.get(e.seq).is_some_and(|s| e.start >= s.prompt_len()));
+        forward_step(&mut sched, runner, &plan, &mut batch, &mut logits)?;
         sampled.clear();
         let v = info.vocab_size;
         for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {

@@ -314,11 +314,7 @@ pub fn eviction_bench(
         model: model_name,
         model_path: model_path.display().to_string(),
         backend: "cpu".into(),
-        threads: if opts.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            opts.threads
-        },
+        threads: crate::engine::resolve_threads(opts.threads),
         group_blocks: layout.group_size(),
         kv_blocks,
         prompt_source: "seeded English sentences over the eval word lists, tokenized, cut to prompt_tokens".into(),

@@ -189,12 +189,67 @@ pub trait ModelRunner {
     /// Computes one batched step; for each sequence with `want_logits`, in order, appends one row of
     /// `vocab_size` logits to `logits` (which the caller cleared).
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError>;
-    /// The KV storage and the queries the last step captured for batch entry `i`, for eviction policies. A
-    /// runner without host-side KV returns `None`, and requests then keep their full cache.
-    fn policy_io(&mut self, i: usize) -> Option<(&mut KvStorage, &[f32])> {
-        let _ = i;
+    /// The KV storage and the queries the last step captured, for eviction policies. A runner without host-side
+    /// KV returns `None`, and requests then keep their full cache.
+    fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
         None
     }
+}
+
+/// What the eviction hooks need from a runner after a step.
+pub struct PolicyIo<'a> {
+    pub kv: &'a mut KvStorage,
+    /// The last step's activations; [`Scratch::captured_q`] gives each batch entry's captured queries.
+    pub captured: &'a Scratch,
+}
+
+/// One forward step over `plan`, shared by the engine thread and the inline drivers (`pagoda bench engine`,
+/// `pagoda eval`): builds the batch from the scheduler's sequences (capturing the queries their policies
+/// observe), runs it, records it in the scheduler and runs each sequence's eviction hooks. Logits rows of the
+/// `wants_logits` entries land in `logits` in plan order. `batch` is a reused buffer. An eviction that cannot run
+/// (the pool cannot supply a copy-on-write block) is skipped with a warning: compaction is all or nothing, so the
+/// cache is unchanged and the sequence keeps more KV than its budget.
+pub fn forward_step<P, R: ModelRunner>(
+    sched: &mut Scheduler<P>,
+    runner: &mut R,
+    plan: &StepPlan,
+    batch: &mut Vec<StepSeq<'static>>,
+    logits: &mut Vec<f32>,
+) -> Result<(), EngineError> {
+    logits.clear();
+    let mut b = recycle_steps(std::mem::take(batch));
+    for e in &plan.seqs {
+        let Some(seq) = sched.get(e.seq) else { continue };
+        b.push(StepSeq {
+            tokens: &seq.tokens()[e.start..e.start + e.n],
+            start_pos: e.start as u32,
+            tables: seq.tables(),
+            prior_lens: seq.lens(),
+            want_logits: e.wants_logits,
+            capture_q: seq.capture_for(e.start, e.n),
+        });
+    }
+    let result = runner.forward(&b, logits);
+    *batch = recycle_steps(b);
+    result?;
+    sched.complete_step(plan);
+    let Some(io) = runner.policy_io() else { return Ok(()) };
+    // Batch index: the plan entries whose sequence was found above, in order.
+    let mut i = 0;
+    for e in &plan.seqs {
+        let Some(seq) = sched.get(e.seq) else { continue };
+        let full = seq.policy().is_full();
+        if !full && let Err(err) = sched.apply_policy(e.seq, e.start, e.n, io.captured.captured_q(i), io.kv) {
+            tracing::warn!(seq = e.seq, error = %err, "eviction skipped");
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Compute threads for a requested count: 0 means every core.
+pub fn resolve_threads(threads: usize) -> usize {
+    if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads }
 }
 
 /// Pool size for `num_blocks == 0`: two full contexts.
@@ -553,9 +608,9 @@ impl<R: ModelRunner> EngineLoop<R> {
         // table for every running sequence.
         let needed = self.sched.running_ids().len() * self.sched.layout().group_size();
         if self.sched.pool().num_available() < needed
-            && let Some((kv, _)) = self.runner.policy_io(0)
+            && let Some(io) = self.runner.policy_io()
         {
-            self.sched.relieve_pressure(needed, kv);
+            self.sched.relieve_pressure(needed, io.kv);
         }
         let mut plan = std::mem::take(&mut self.plan);
         self.sched.schedule_into(&mut plan);
@@ -568,25 +623,7 @@ impl<R: ModelRunner> EngineLoop<R> {
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> bool {
-        self.logits.clear();
-        let result = {
-            let mut batch = recycle_steps(std::mem::take(&mut self.batch));
-            for e in &plan.seqs {
-                let Some(seq) = self.sched.get(e.seq) else { continue };
-                batch.push(StepSeq {
-                    tokens: &seq.tokens()[e.start..e.start + e.n],
-                    start_pos: e.start as u32,
-                    tables: seq.tables(),
-                    prior_lens: seq.lens(),
-                    want_logits: e.wants_logits,
-                    capture_q: seq.capture_for(e.start, e.n),
-                });
-            }
-            let r = self.runner.forward(&batch, &mut self.logits);
-            self.batch = recycle_steps(batch);
-            r
-        };
-        if let Err(e) = result {
+        if let Err(e) = forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits) {
             tracing::error!(error = %e, "forward step failed; failing the step's requests");
             let msg = e.to_string();
             for e in &plan.seqs {
@@ -595,19 +632,6 @@ impl<R: ModelRunner> EngineLoop<R> {
                 }
             }
             return true;
-        }
-        self.sched.complete_step(plan);
-        for (i, e) in plan.seqs.iter().enumerate() {
-            let Some(seq) = self.sched.get(e.seq) else { continue };
-            if seq.policy().is_full() {
-                continue;
-            }
-            let Some((kv, captured)) = self.runner.policy_io(i) else { continue };
-            if let Err(err) = self.sched.apply_policy(e.seq, e.start, e.n, captured, kv) {
-                // The cache is unchanged on error (compaction is all or nothing); the request keeps running
-                // with more KV than its budget.
-                tracing::warn!(seq = e.seq, error = %err, "eviction skipped");
-            }
         }
         let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
         if self.logits.len() < rows * self.vocab {
@@ -744,11 +768,7 @@ impl LlamaRunner {
             block_size: cfg.block_size,
             num_blocks,
         };
-        let threads = if cfg.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            cfg.threads
-        };
+        let threads = resolve_threads(cfg.threads);
         Ok(LlamaRunner {
             kv: KvStorage::new(num_blocks, cfg.block_size, mc.head_dim),
             scratch: Scratch::new(),
@@ -780,8 +800,8 @@ impl ModelRunner for LlamaRunner {
         r.map_err(|e| EngineError::Forward(e.to_string()))
     }
 
-    fn policy_io(&mut self, i: usize) -> Option<(&mut KvStorage, &[f32])> {
-        Some((&mut self.kv, self.scratch.captured_q(i)))
+    fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
+        Some(PolicyIo { kv: &mut self.kv, captured: &self.scratch })
     }
 }
 

@@ -25,7 +25,8 @@ pub struct SeqBlocks {
     /// The tables no longer hold the full, unpruned KV of their tokens; nothing more is registered.
     pruned: bool,
     scratch: Vec<BlockId>,
-    old_table: Vec<BlockId>,
+    /// Blocks a compaction lets go of (reused buffer).
+    released: Vec<BlockId>,
 }
 
 impl SeqBlocks {
@@ -38,7 +39,7 @@ impl SeqBlocks {
             registered: 0,
             pruned: false,
             scratch: Vec::with_capacity(n),
-            old_table: Vec::new(),
+            released: Vec::new(),
         }
     }
 
@@ -61,11 +62,6 @@ impl SeqBlocks {
         self.lens.first().copied().unwrap_or(0)
     }
 
-    /// Longest cache length over all tables.
-    pub fn max_len(&self) -> usize {
-        self.lens.iter().copied().max().unwrap_or(0)
-    }
-
     pub fn is_empty(&self) -> bool {
         self.tables.iter().all(Vec::is_empty)
     }
@@ -82,10 +78,6 @@ impl SeqBlocks {
 
     pub fn num_registered(&self) -> usize {
         self.registered
-    }
-
-    pub fn is_pruned(&self) -> bool {
-        self.pruned
     }
 
     /// Slots the first table can hold without allocating.
@@ -204,39 +196,25 @@ impl SeqBlocks {
         self.scratch.clear();
         pool.allocate(shared, &mut self.scratch)?;
         self.pruned = true;
-        self.old_table.clear();
-        self.old_table.extend_from_slice(&self.tables[t]);
+        // Copy-on-write: a destination block someone else holds becomes a private copy before anything moves.
+        self.released.clear();
         let mut fresh = self.scratch.iter();
         for b in self.tables[t][..new_blocks].iter_mut() {
             if !pool.is_exclusive(*b)
                 && let Some(&f) = fresh.next()
             {
+                kv.copy_block(*b, f);
+                self.released.push(*b);
                 *b = f;
             }
         }
-        let hd = kv.head_dim();
-        let (k, v) = kv.arenas_mut();
-        for (i, &src) in keep.iter().enumerate() {
-            let src = src as usize;
-            let from = (self.old_table[src / bs] as usize * bs + src % bs) * hd;
-            let to = (self.tables[t][i / bs] as usize * bs + i % bs) * hd;
-            if from != to {
-                k.copy_within(from..from + hd, to);
-                v.copy_within(from..from + hd, to);
-            }
-        }
-        // Release what the table no longer references: the tail, and shared blocks that were replaced.
-        self.scratch.clear();
-        for (j, &b) in self.old_table.iter().enumerate() {
-            if j >= new_blocks || self.tables[t][j] != b {
-                self.scratch.push(b);
-            }
-        }
-        self.tables[t].truncate(new_blocks);
+        kv.compact_table(&self.tables[t], len, keep);
+        // The table no longer references its tail, nor the shared blocks it replaced.
+        let tail = self.tables[t].len() - new_blocks;
+        self.released.extend(self.tables[t].drain(new_blocks..));
         self.lens[t] = keep.len();
-        let released = self.scratch.len();
-        pool.release(&self.scratch)?;
-        Ok(released - shared)
+        pool.release(&self.released)?;
+        Ok(tail)
     }
 
     /// Drops block `j` of table `t` from the table (no data moves: later blocks shift down one entry) and
@@ -283,12 +261,7 @@ impl SeqBlocks {
                 self.tables[t][j] = f;
                 pool.release(&[b])?;
             }
-            let hd = kv.head_dim();
-            let (k, v) = kv.arenas_mut();
-            let from = (self.tables[t][last / bs] as usize * bs + last % bs) * hd;
-            let to = (self.tables[t][j] as usize * bs + s % bs) * hd;
-            k.copy_within(from..from + hd, to);
-            v.copy_within(from..from + hd, to);
+            kv.move_slot(self.tables[t][last / bs], last % bs, self.tables[t][j], s % bs);
         }
         self.pruned = true;
         self.lens[t] = last;

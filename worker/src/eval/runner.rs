@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq};
+use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq, forward_step};
 use crate::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::sampling::argmax;
@@ -124,6 +124,7 @@ pub struct Evaluator {
     num_blocks: usize,
     eos: Vec<u32>,
     logits: Vec<f32>,
+    batch: Vec<StepSeq<'static>>,
     /// Log-softmax rows of the full cache's forced continuation (reference for prose).
     reference: Vec<f32>,
     logp: Vec<f32>,
@@ -167,6 +168,7 @@ impl Evaluator {
             sched_cfg,
             num_blocks,
             logits: Vec::new(),
+            batch: Vec::new(),
             reference: Vec::new(),
             logp: Vec::new(),
         })
@@ -308,29 +310,7 @@ impl Evaluator {
             if plan.is_empty() {
                 return Err(EngineError::Forward("the eval batch does not fit the KV pool".into()));
             }
-            self.logits.clear();
-            {
-                let mut batch = Vec::with_capacity(plan.seqs.len());
-                for e in &plan.seqs {
-                    let Some(seq) = sched.get(e.seq) else { continue };
-                    batch.push(StepSeq {
-                        tokens: &seq.tokens()[e.start..e.start + e.n],
-                        start_pos: e.start as u32,
-                        tables: seq.tables(),
-                        prior_lens: seq.lens(),
-                        want_logits: e.wants_logits,
-                        capture_q: seq.capture_for(e.start, e.n),
-                    });
-                }
-                self.runner.forward(&batch, &mut self.logits)?;
-            }
-            sched.complete_step(&plan);
-            for (i, e) in plan.seqs.iter().enumerate() {
-                let Some((kv, captured)) = self.runner.policy_io(i) else { continue };
-                sched
-                    .apply_policy(e.seq, e.start, e.n, captured, kv)
-                    .map_err(|err| EngineError::Forward(err.to_string()))?;
-            }
+            forward_step(sched, &mut self.runner, &plan, &mut self.batch, &mut self.logits)?;
             for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
                 let logits = &self.logits[row * vocab..(row + 1) * vocab];
                 let Some(&li) = index.get(&e.seq) else { continue };

@@ -15,6 +15,7 @@ pub mod spec;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::ops::Range;
 
 use pagoda_kernels::KvStorage;
 use pagoda_kernels::scores;
@@ -245,13 +246,25 @@ impl PolicyState {
         self.obs_tokens = total;
     }
 
-    /// Gathers the `n_q` queries of layer `l`'s query group for kv-head `h` into `[n_q][group][head_dim]`.
-    fn gather_group(q: &mut Vec<f32>, src: &[f32], n_q: usize, l: usize, h: usize, dims: AttnDims) {
-        let (qd, hd, g) = (dims.q_dim(), dims.head_dim, dims.group());
-        q.clear();
-        for i in 0..n_q {
-            let row = &src[(l * n_q + i) * qd..(l * n_q + i + 1) * qd];
-            q.extend_from_slice(&row[h * g * hd..(h + 1) * g * hd]);
+    /// Copies queries `from..n_tokens` of layer `l` from `src` (`[layer][n_tokens][q_dim]`), for the query heads
+    /// `heads` (indices within kv-head `h`'s group), into `dst` as `[token][head][head_dim]`: the layout
+    /// `scores::window_attention_scores` reads.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_queries(
+        dst: &mut Vec<f32>,
+        src: &[f32],
+        n_tokens: usize,
+        from: usize,
+        l: usize,
+        h: usize,
+        heads: Range<usize>,
+        d: AttnDims,
+    ) {
+        let (hd, g) = (d.head_dim, d.group());
+        dst.clear();
+        for i in from..n_tokens {
+            let row = (l * n_tokens + i) * d.q_dim() + h * g * hd;
+            dst.extend_from_slice(&src[row + heads.start * hd..row + heads.end * hd]);
         }
     }
 
@@ -262,7 +275,7 @@ impl PolicyState {
         for t in 0..self.metrics.len() {
             let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
             let len = cache.blocks.lens()[t];
-            Self::gather_group(&mut self.scratch.q, captured, n_q, l, h, d);
+            Self::gather_queries(&mut self.scratch.q, captured, n_q, 0, l, h, 0..d.group(), d);
             let table = &cache.blocks.tables()[t];
             scores::window_attention_scores(
                 cache.kv,
@@ -507,43 +520,25 @@ impl PolicyState {
         if self.obs_tokens == 0 {
             return Ok(ev);
         }
-        let n_obs = self.obs_tokens;
         for t in 0..self.positions.len() {
             let len = cache.blocks.lens()[t];
             if len <= self.spec.budget_tokens {
                 continue;
             }
-            let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
             // Candidates lie between the sinks and the recent window (which includes the last token).
             let tail = (recent + 1).min(len - sink);
             let cand_end = len - tail;
-            let sc = &mut self.scratch;
-            sc.picked.clear();
+            self.scratch.picked.clear();
             for qh in 0..g {
-                // The last observed query, head `qh` of the group.
-                let row = (l * n_obs + n_obs - 1) * d.q_dim() + (h * g + qh) * d.head_dim;
-                sc.q.clear();
-                sc.q.extend_from_slice(&self.obs[row..row + d.head_dim]);
-                sc.scores.clear();
-                sc.scores.resize(len, 0.0);
-                scores::window_attention_scores(
-                    cache.kv,
-                    &cache.blocks.tables()[t],
-                    len,
-                    &sc.q,
-                    1,
-                    1,
-                    d.scale(),
-                    len - 1,
-                    1,
-                    &mut sc.probs,
-                    &mut sc.scores,
-                );
+                // The last observed query, head `qh` of the group alone.
+                self.window_scores(cache, t, 1, qh..qh + 1, 1);
+                let sc = &mut self.scratch;
                 if cand_end > sink {
                     scores::select_k(&sc.scores[sink..cand_end], k, true, &mut sc.idx, &mut sc.keep);
                     sc.picked.extend(sc.keep.iter().map(|&i| i + sink as u32));
                 }
             }
+            let sc = &mut self.scratch;
             sc.keep.clear();
             sc.keep.extend(0..sink as u32);
             sc.keep.extend_from_slice(&sc.picked);
@@ -569,7 +564,7 @@ impl PolicyState {
                 continue;
             }
             let w = self.obs_tokens.min(len);
-            self.window_scores(cache, t, 1);
+            self.window_scores(cache, t, defaults::WINDOW, 0..self.dims.group(), 1);
             let prefix = len - w;
             let sc = &mut self.scratch;
             sc.pooled.resize(prefix, 0.0);
@@ -588,7 +583,7 @@ impl PolicyState {
             if self.obs_tokens == 0 {
                 continue;
             }
-            self.window_scores(cache, t, 2);
+            self.window_scores(cache, t, defaults::WINDOW, 0..self.dims.group(), 2);
             let sc = &mut self.scratch;
             let m = &mut self.metrics[t];
             m.resize(len, 0.0);
@@ -616,20 +611,17 @@ impl PolicyState {
         Ok(ev)
     }
 
-    /// Accumulated window attention of the observation queries into `scratch.scores[..len]` for table `t`.
-    fn window_scores(&mut self, cache: &CacheView<'_>, t: usize, power: u32) {
+    /// Attention (raised to `power`) of the last `last_n` observed queries, query heads `heads` of table `t`'s
+    /// group, summed into `scratch.scores[..len]`.
+    fn window_scores(&mut self, cache: &CacheView<'_>, t: usize, last_n: usize, heads: Range<usize>, power: u32) {
         let d = self.dims;
         let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
         let len = cache.blocks.lens()[t];
-        let n_q = self.obs_tokens.min(len);
-        let sc = &mut self.scratch;
         // The window holds the last obs_tokens queries; if the cache is shorter (tiny prompts) use its tail.
-        let skip = self.obs_tokens - n_q;
-        sc.q.clear();
-        for i in skip..self.obs_tokens {
-            let row = (l * self.obs_tokens + i) * d.q_dim();
-            sc.q.extend_from_slice(&self.obs[row + h * d.group() * d.head_dim..row + (h + 1) * d.group() * d.head_dim]);
-        }
+        let n_q = last_n.min(self.obs_tokens).min(len);
+        let n_heads = heads.len();
+        let sc = &mut self.scratch;
+        Self::gather_queries(&mut sc.q, &self.obs, self.obs_tokens, self.obs_tokens - n_q, l, h, heads, d);
         sc.scores.clear();
         sc.scores.resize(len, 0.0);
         scores::window_attention_scores(
@@ -638,7 +630,7 @@ impl PolicyState {
             len,
             &sc.q,
             n_q,
-            d.group(),
+            n_heads,
             d.scale(),
             len - n_q,
             power,

@@ -64,11 +64,6 @@ impl PolicyKind {
     pub fn index(self) -> usize {
         self as usize
     }
-
-    /// Policies that need attention weights of observed queries (captured from the forward pass).
-    pub fn uses_attention(self) -> bool {
-        matches!(self, PolicyKind::Sage | PolicyKind::Snapkv | PolicyKind::H2o | PolicyKind::KvCompress)
-    }
 }
 
 /// Names accepted by [`PolicyKind::parse`], for error messages.
