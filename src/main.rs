@@ -24,6 +24,7 @@ use clap::{Args, Parser, Subcommand};
 use pagoda_router::{GgufCodec, RouterConfig, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
+use pagoda_worker::scheduler::ReserveConfig;
 use pagoda_worker::service::WorkerService;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -144,6 +145,10 @@ struct EngineArgs {
     /// Default KV budget in tokens per (layer, kv-head) for that policy.
     #[arg(long, default_value_t = pagoda_worker::policy::defaults::BUDGET_TOKENS)]
     kv_budget: usize,
+    /// Admission: `reserve` keeps room for the running sequences' expected growth (SGLang's new-token ratio);
+    /// `greedy` admits whatever fits now and preempts later.
+    #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
+    admission: String,
 }
 
 #[derive(Args, Clone)]
@@ -257,6 +262,9 @@ struct BenchEvictionArgs {
     /// evens out a shared or noisy machine).
     #[arg(long, default_value_t = 1)]
     repeats: usize,
+    /// Admission: `reserve` (the engine default) or `greedy`.
+    #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
+    admission: String,
 }
 
 #[derive(Args)]
@@ -370,6 +378,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         enable_prefix_cache: !e.no_prefix_cache,
         threads: e.threads,
         default_policy,
+        reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
     })
 }
 
@@ -671,6 +680,7 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
         budgets: args.budgets,
         seed: args.seed,
         repeats: args.repeats,
+        admission_reserve: args.admission == "reserve",
     };
     let report = pagoda_worker::bench_eviction::eviction_bench(&model, &opts)
         .with_context(|| format!("eviction bench on {} failed", model.display()))?;

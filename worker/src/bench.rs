@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step};
 use crate::sampling::argmax;
-use crate::scheduler::{Scheduler, SchedulerConfig, SeqRequest};
+use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqRequest};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchOptions {
@@ -137,6 +137,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         enable_prefix_cache: false,
         threads: opts.threads,
         default_policy: crate::policy::PolicySpec::full(),
+        reserve: ReserveConfig::off(),
     };
     // Load once to learn the layout, then size the arena.
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;
@@ -222,6 +223,8 @@ fn run_batch(
         max_model_len: info.context_length,
         model_id: info.model_id.clone(),
         attn: info.attn_dims(),
+        // The batch under test runs whole: the pool is sized for it.
+        reserve: ReserveConfig::off(),
     };
     let mut sched: Scheduler<()> = Scheduler::new(cfg, info.layout(), info.num_blocks);
     for p in prompts {

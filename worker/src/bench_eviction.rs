@@ -37,6 +37,7 @@ use crate::engine::{
 use crate::eval::words::{ADJECTIVES, NOUNS, VERBS};
 use crate::model::{Gguf, ModelConfig, Tokenizer};
 use crate::policy::{PolicyKind, PolicySpec, defaults};
+use crate::scheduler::ReserveConfig;
 
 /// Why the benchmark could not produce a report.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,8 @@ pub struct EvictionBenchOptions {
     pub seed: u64,
     /// Runs of every configuration; the report keeps each one's median run by tokens/s.
     pub repeats: usize,
+    /// Admit with the scheduler's growth reserve (`true`, the engine default) or greedily.
+    pub admission_reserve: bool,
 }
 
 impl Default for EvictionBenchOptions {
@@ -92,6 +95,7 @@ impl Default for EvictionBenchOptions {
             budgets: vec![256, 512, 1024],
             seed: 1234,
             repeats: 1,
+            admission_reserve: true,
         }
     }
 }
@@ -343,6 +347,7 @@ fn run_fresh(
         enable_prefix_cache: false,
         threads: opts.threads,
         default_policy: PolicySpec::full(),
+        reserve: if opts.admission_reserve { ReserveConfig::default() } else { ReserveConfig::off() },
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

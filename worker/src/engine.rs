@@ -25,7 +25,9 @@ use crate::cache::CacheLayout;
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
 use crate::policy::{AttnDims, PolicyKind, PolicySpec};
 use crate::sampling::{SampleBuffer, Sampler};
-use crate::scheduler::{SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits};
+use crate::scheduler::{
+    ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
+};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -43,6 +45,8 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Eviction policy for requests that name none.
     pub default_policy: PolicySpec,
+    /// Admission growth reserve of the scheduler.
+    pub reserve: ReserveConfig,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +60,7 @@ impl Default for EngineConfig {
             enable_prefix_cache: true,
             threads: 0,
             default_policy: PolicySpec::full(),
+            reserve: ReserveConfig::default(),
         }
     }
 }
@@ -441,6 +446,7 @@ fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
         max_model_len: info.context_length,
         model_id: info.model_id.clone(),
         attn: info.attn_dims(),
+        reserve: cfg.reserve,
     }
 }
 

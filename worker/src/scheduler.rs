@@ -8,6 +8,14 @@
 //! 3. waiting sequences are admitted in FIFO order while budget and `max_running` allow: the prefix index is
 //!    consulted, matched block groups are adopted and their tokens are not computed.
 //!
+//! Admission keeps a growth reserve (SGLang's "new token ratio"): a waiting sequence is admitted only while the
+//! blocks the running sequences may still grow into fit next to it. Growth is what each sequence's policy lets it
+//! reach: prompt plus expected decode for full cache and SnapKV, at most budget + one block per table for the
+//! policies that hold their budget while decoding. Expected decode is the remaining `max_tokens` (clipped) times a
+//! ratio that starts at 0.7, decays each step towards 0.1, and rises again to the observed decode fraction when a
+//! step has to preempt: so pruned sequences stop being admitted into room they will need a few steps later, and
+//! recomputing their prompts (the cost of a preemption) becomes rare.
+//!
 //! When a running sequence cannot get blocks, the youngest running sequence is preempted by recompute: its
 //! blocks are freed (full groups stay in the prefix cache, so resuming is usually cheap) and it goes back to
 //! the front of the waiting queue with prompt + generated tokens; it resumes without losing or duplicating
@@ -50,7 +58,47 @@ pub struct SchedulerConfig {
     pub model_id: String,
     /// Attention shape, for policies that read captured queries.
     pub attn: AttnDims,
+    /// The admission growth reserve ([`ReserveConfig::off`] admits greedily).
+    pub reserve: ReserveConfig,
 }
+
+/// The decode-growth estimate behind admission (SGLang's `new_token_ratio` and its defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReserveConfig {
+    /// Fraction of the remaining `max_tokens` a new scheduler expects each sequence to still decode.
+    pub init_ratio: f64,
+    /// The floor the fraction decays to while no step preempts.
+    pub min_ratio: f64,
+    /// Decay of the fraction per step.
+    pub decay_per_step: f64,
+    /// Remaining `max_tokens` beyond this count as this many (a default `max_tokens` is the whole context).
+    pub clip_tokens: usize,
+}
+
+impl ReserveConfig {
+    /// No reserve: admit whatever fits now (vLLM's greedy admission), preempt later.
+    pub const fn off() -> ReserveConfig {
+        ReserveConfig { init_ratio: 0.0, min_ratio: 0.0, decay_per_step: 0.0, clip_tokens: 0 }
+    }
+
+    /// The admission modes by name: `reserve` (the default) or `greedy` ([`ReserveConfig::off`]).
+    pub fn from_name(name: &str) -> Option<ReserveConfig> {
+        match name {
+            "reserve" => Some(ReserveConfig::default()),
+            "greedy" => Some(ReserveConfig::off()),
+            _ => None,
+        }
+    }
+}
+
+impl Default for ReserveConfig {
+    fn default() -> ReserveConfig {
+        ReserveConfig { init_ratio: 0.7, min_ratio: 0.1, decay_per_step: (0.7 - 0.1) / 600.0, clip_tokens: 4096 }
+    }
+}
+
+/// Decode steps SGLang adds per running sequence when it re-estimates the ratio after a preemption.
+const RESERVE_RETRACT_STEPS: usize = 20;
 
 impl Default for SchedulerConfig {
     fn default() -> SchedulerConfig {
@@ -61,6 +109,7 @@ impl Default for SchedulerConfig {
             max_model_len: 8192,
             model_id: String::new(),
             attn: AttnDims { n_layers: 0, n_heads: 0, n_kv_heads: 0, head_dim: 0 },
+            reserve: ReserveConfig::default(),
         }
     }
 }
@@ -225,12 +274,13 @@ pub struct Scheduler<P> {
     running: Vec<SeqId>,
     next_id: SeqId,
     stats: SchedStats,
+    /// The current decode-growth ratio of [`ReserveConfig`].
+    reserve_ratio: f64,
 }
 
 impl<P> Scheduler<P> {
     pub fn new(cfg: SchedulerConfig, layout: CacheLayout, num_blocks: usize) -> Scheduler<P> {
         Scheduler {
-            cfg,
             layout,
             pool: BlockPool::new(num_blocks),
             seqs: HashMap::new(),
@@ -238,6 +288,8 @@ impl<P> Scheduler<P> {
             running: Vec::new(),
             next_id: 1,
             stats: SchedStats::default(),
+            reserve_ratio: cfg.reserve.init_ratio,
+            cfg,
         }
     }
 
@@ -317,6 +369,8 @@ impl<P> Scheduler<P> {
         plan.seqs.clear();
         plan.preempted.clear();
         let mut budget = self.cfg.max_step_tokens.max(1);
+        let r = self.cfg.reserve;
+        self.reserve_ratio = (self.reserve_ratio - r.decay_per_step).max(r.min_ratio);
 
         // 1. decodes, 2. prefill chunks of running sequences.
         for decode_pass in [true, false] {
@@ -346,6 +400,10 @@ impl<P> Scheduler<P> {
                 }
                 // Otherwise `id` preempted itself and left `running`; index i now names the next one.
             }
+        }
+
+        if !plan.preempted.is_empty() {
+            self.raise_reserve_ratio();
         }
 
         // 3. admit waiting sequences (not in a step that had to preempt).
@@ -389,6 +447,75 @@ impl<P> Scheduler<P> {
         }
     }
 
+    /// After a preemption: the decode fraction the running sequences actually show (plus SGLang's allowance of a
+    /// few more steps each), if that is above the current estimate.
+    fn raise_reserve_ratio(&mut self) {
+        let clip = self.cfg.reserve.clip_tokens;
+        if clip == 0 {
+            return;
+        }
+        let (mut decoded, mut allowed) = (0usize, 0usize);
+        for seq in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            decoded += seq.num_generated().min(clip) + RESERVE_RETRACT_STEPS;
+            allowed += seq.max_tokens.min(clip);
+        }
+        if allowed > 0 {
+            self.reserve_ratio = self.reserve_ratio.max((decoded as f64 / allowed as f64).min(1.0));
+        }
+    }
+
+    /// The blocks `seq` is expected to hold at its peak: `(near, last)`. `near` covers the next few steps (the
+    /// whole prompt before a one-shot policy prunes it, else one more block per table), `last` the rest of its
+    /// life under its policy and the current decode estimate.
+    fn peak_blocks(&self, seq: &Sequence<P>) -> (usize, usize) {
+        let layout = self.layout;
+        let bs = layout.block_size;
+        let clip = self.cfg.reserve.clip_tokens;
+        let decode_left = seq.max_tokens.saturating_sub(seq.num_generated()).min(clip);
+        let expected_decode = (decode_left as f64 * self.reserve_ratio).ceil() as usize;
+        let held = seq.blocks.num_blocks();
+        let now = seq.blocks.lens().iter().copied().max().unwrap_or(0);
+        let uncomputed = seq.tokens.len() - seq.num_computed.min(seq.tokens.len());
+        let prefilling = seq.num_computed < seq.prompt_len;
+        let grown = now + uncomputed + expected_decode;
+        let spec = seq.policy.spec();
+        let c = spec.budget_tokens;
+        let (transient, last) = match spec.kind {
+            PolicyKind::Full => (now + uncomputed, grown),
+            // SnapKV compresses the prompt once; decoded tokens then accumulate.
+            PolicyKind::Snapkv if prefilling => (seq.prompt_len, seq.prompt_len.min(c) + expected_decode),
+            PolicyKind::Snapkv => (now + uncomputed, grown),
+            // The rest hold the budget while decoding (KV-Compress by compressing under pressure). Until the
+            // prompt is in, KeyDiff holds budget + one prompt block and the one-shot policies the whole prompt.
+            PolicyKind::Keydiff if prefilling => {
+                ((c + spec.max_prefill_chunk()).min(seq.prompt_len), grown.min(c + bs))
+            }
+            _ if prefilling => (seq.prompt_len, grown.min(c + bs)),
+            _ => (now + uncomputed, grown.min(c + bs)),
+        };
+        let last = layout.blocks_for_tokens(last);
+        let near = if prefilling {
+            layout.blocks_for_tokens(transient).max(held)
+        } else {
+            (held + layout.group_size()).min(last.max(held))
+        };
+        (near, last)
+    }
+
+    /// Whether admitting `cand` keeps every running sequence's expected peak, and its own, within the blocks they
+    /// hold plus what the pool has left, both over the next few steps and over their whole lives.
+    fn reserve_admits(&self, cand: &Sequence<P>) -> bool {
+        let (mut near, mut last, mut held) = (0, 0, 0);
+        for seq in self.running.iter().filter_map(|id| self.seqs.get(id)).chain(std::iter::once(cand)) {
+            let (n, l) = self.peak_blocks(seq);
+            near += n;
+            last += l;
+            held += seq.blocks.num_blocks();
+        }
+        let room = held + self.pool.num_available();
+        near <= room && last <= room
+    }
+
     /// Frees a running sequence's blocks and puts it at the front of the waiting queue.
     fn preempt(&mut self, id: SeqId) {
         self.running.retain(|&r| r != id);
@@ -426,7 +553,9 @@ impl<P> Scheduler<P> {
         }
         seq.num_computed = matched_tokens;
         let n = (seq.tokens.len() - matched_tokens).min(budget).min(seq.policy.spec().max_prefill_chunk());
-        if seq.blocks.reserve(&mut self.pool, n).is_err() {
+        let fits_reserve = self.reserve_ratio <= 0.0 || self.running.is_empty() || self.reserve_admits(&self.seqs[&id]);
+        let seq = self.seqs.get_mut(&id)?;
+        if !fits_reserve || seq.blocks.reserve(&mut self.pool, n).is_err() {
             // Keep its cached prefix evictable by others; it will match again when it fits.
             let _ = seq.blocks.free(&mut self.pool);
             seq.num_computed = 0;

@@ -6,7 +6,9 @@ use std::collections::HashMap;
 
 use pagoda_worker::cache::CacheLayout;
 use pagoda_worker::sampling::argmax;
-use pagoda_worker::scheduler::{FinishReason, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan};
+use pagoda_worker::scheduler::{
+    FinishReason, ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
@@ -194,9 +196,9 @@ fn fairness_fifo_admission_and_every_runner_decodes_each_step() {
 fn preemption_resumes_without_losing_or_duplicating_tokens() {
     let reqs: Vec<(Vec<u32>, usize)> = (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30)).collect();
     let want = reference(&reqs);
-    // 16 groups = 64 tokens of KV for 6 sequences that each grow to ~50 tokens.
+    // 16 groups = 64 tokens of KV for 6 sequences that each grow to ~50 tokens; greedy admission.
     let blocks = 16 * GS;
-    let mut s = Scheduler::new(cfg(64, 8), LAYOUT, blocks);
+    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..cfg(64, 8) }, LAYOUT, blocks);
     let mut m = FakeModel::new(blocks);
     let ids: Vec<SeqId> = reqs.iter().map(|(p, n)| s.add(req(p.clone(), *n)).unwrap()).collect();
     let out = run_to_end(&mut s, &mut m, 5_000);
@@ -207,6 +209,34 @@ fn preemption_resumes_without_losing_or_duplicating_tokens() {
     }
     assert_eq!(s.pool().num_used(), 0);
     s.pool().check_invariants().unwrap();
+}
+
+#[test]
+fn an_exact_growth_reserve_admits_only_what_can_finish_so_nothing_is_preempted() {
+    let reqs: Vec<(Vec<u32>, usize)> = (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30)).collect();
+    let want = reference(&reqs);
+    let blocks = 16 * GS;
+    let run = |reserve: ReserveConfig| {
+        let mut s = Scheduler::new(SchedulerConfig { reserve, ..cfg(64, 8) }, LAYOUT, blocks);
+        let mut m = FakeModel::new(blocks);
+        let ids: Vec<SeqId> = reqs.iter().map(|(p, n)| s.add(req(p.clone(), *n)).unwrap()).collect();
+        let out = run_to_end(&mut s, &mut m, 5_000);
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(out.tokens[id], want[i], "request {i}");
+        }
+        s.pool().check_invariants().unwrap();
+        (s.stats().preemptions_total, s.stats().computed_tokens_total)
+    };
+    // Every sequence decodes its whole max_tokens here, so a ratio of 1 is the exact worst case.
+    let exact = ReserveConfig { init_ratio: 1.0, min_ratio: 1.0, decay_per_step: 0.0, clip_tokens: 4096 };
+    let (greedy_preempt, greedy_work) = run(ReserveConfig::off());
+    let (reserved_preempt, reserved_work) = run(exact);
+    assert!(greedy_preempt > 0, "the tiny pool preempts greedy admission");
+    assert_eq!(reserved_preempt, 0, "the exact reserve never admits into room a runner will need");
+    assert!(reserved_work < greedy_work, "no prompt is recomputed: {reserved_work} vs {greedy_work} tokens");
+    // The default (SGLang's decaying estimate) sits in between and still finishes everything correctly.
+    let (default_preempt, _) = run(ReserveConfig::default());
+    assert!(default_preempt <= greedy_preempt, "{default_preempt} > {greedy_preempt}");
 }
 
 #[test]

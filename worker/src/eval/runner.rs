@@ -20,7 +20,7 @@ use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq
 use crate::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::sampling::argmax;
-use crate::scheduler::{Scheduler, SchedulerConfig, SeqId, SeqRequest};
+use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqId, SeqRequest};
 
 use super::{Document, EvalItem, TaskKind};
 
@@ -159,6 +159,8 @@ impl Evaluator {
             max_model_len: info.context_length,
             model_id: info.model_id.clone(),
             attn: info.attn_dims(),
+            // Every item is admitted at once: the pool is sized for them (quality, not admission, is measured).
+            reserve: ReserveConfig::off(),
         };
         Ok(Evaluator {
             eos: info.eos_token_ids.clone(),
