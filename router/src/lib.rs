@@ -7,6 +7,8 @@
 //! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
 //! - [`generate`]: one generation over a worker's gRPC `Generate` stream.
 //! - [`workers`]: the static worker list, health probes, round-robin.
+//! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
+//! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
 //! - [`metrics`]: Prometheus metrics.
 
 pub mod codec;
@@ -17,6 +19,8 @@ pub mod generate;
 pub mod gguf_codec;
 pub mod metrics;
 pub mod openai;
+pub mod placement;
+pub mod residency;
 pub mod server;
 pub mod workers;
 
