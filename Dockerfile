@@ -7,7 +7,7 @@
 #   docker run --rm -p 8080:8080 -v "$PWD/models:/models:ro" pagoda:0.1.0 \
 #       up --listen 0.0.0.0:8080 --model /models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-FROM rust:1.95-slim-bookworm AS builder
+FROM rust:1.95-slim-trixie AS builder
 RUN apt-get update \
     && apt-get install -y --no-install-recommends protobuf-compiler \
     && rm -rf /var/lib/apt/lists/*
@@ -16,7 +16,7 @@ COPY . .
 RUN cargo build --release --locked --bin pagoda \
     && install -D -m 0755 target/release/pagoda /out/pagoda
 
-FROM debian:bookworm-slim
+FROM debian:trixie-slim
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates python3 python3-pip \
     && rm -rf /var/lib/apt/lists/* \
