@@ -34,9 +34,14 @@ else
   pagoda="${CARGO_TARGET_DIR:-$root/target}/debug/pagoda"
 fi
 
+status=0
 echo "check-helm: chart, schemas, bad values, dashboard, CLI drift"
-"$venv/bin/python" scripts/helm/check_chart.py --pagoda "$pagoda"
+"$venv/bin/python" scripts/helm/check_chart.py --pagoda "$pagoda" || status=1
 
 echo "check-helm: hadolint Dockerfile"
-"$venv/bin/hadolint" --config .hadolint.yaml Dockerfile
+"$venv/bin/hadolint" --config .hadolint.yaml Dockerfile || status=1
+if [ "$status" -ne 0 ]; then
+  echo "check-helm: FAILED" >&2
+  exit 1
+fi
 echo "check-helm: ok"

@@ -53,6 +53,18 @@ enum Command {
     /// Quality of the KV eviction policies against the full cache: synthetic long-context tasks and
     /// teacher-forced prose, per policy × budget.
     Eval(EvalArgs),
+    /// Parses a pagoda command line without running it: exits 0 when it is valid, prints the error and exits
+    /// non-zero otherwise (the Helm chart's CLI-drift check, scripts/check-helm.sh, runs every rendered
+    /// invocation through it). The first word after `--` is the program name.
+    #[command(hide = true)]
+    CheckArgs(CheckArgsArgs),
+}
+
+#[derive(Args)]
+struct CheckArgsArgs {
+    /// The command line to check, program name first.
+    #[arg(last = true, required = true, allow_hyphen_values = true)]
+    argv: Vec<String>,
 }
 
 #[derive(Args)]
@@ -305,7 +317,29 @@ fn main() -> Result<()> {
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
+        Command::CheckArgs(a) => check_args(&a.argv),
     }
+}
+
+/// `pagoda check-args -- ARGV...`: the clap parse of ARGV plus the start-up checks that need no files or network
+/// (the default KV policy and budget), so a deployment's command line fails here rather than in a crash loop.
+fn check_args(argv: &[String]) -> Result<()> {
+    let cli = Cli::try_parse_from(argv).map_err(|e| {
+        let text = e.render().to_string();
+        anyhow::anyhow!("{}", text.trim_start_matches("error: ").trim_end())
+    })?;
+    let engine = match &cli.command {
+        Command::Up(a) => Some(&a.engine),
+        Command::Worker(a) => Some(&a.engine),
+        Command::CheckArgs(_) => bail!("check-args does not check itself"),
+        _ => None,
+    };
+    if let Some(e) = engine {
+        PolicySpec::parse(Some(&e.kv_policy), Some(e.kv_budget), PolicySpec::full(), usize::MAX)
+            .context("--kv-policy / --kv-budget")?;
+    }
+    println!("ok: {}", argv.join(" "));
+    Ok(())
 }
 
 fn run_async(fut: impl std::future::Future<Output = Result<()>>) -> Result<()> {
