@@ -719,3 +719,39 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::check_args;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn check_args_accepts_valid_command_lines() {
+        for line in [
+            "/app/pagoda worker --listen=0.0.0.0:50051 --model=/m.gguf --kv-policy=snapkv --kv-budget=256",
+            "/app/pagoda router --listen=0.0.0.0:8080 --worker=w-0.w.ns.svc:50051 --worker=w-1.w.ns.svc:50051",
+            "pagoda up --listen 127.0.0.1:0",
+        ] {
+            check_args(&argv(line)).unwrap_or_else(|e| panic!("{line}: {e:#}"));
+        }
+    }
+
+    #[test]
+    fn check_args_rejects_what_the_binary_would_reject() {
+        for (line, why) in [
+            ("pagoda worker --no-such-flag", "unexpected argument"),
+            ("pagoda worker --listen=worker-0:50051", "invalid value"),
+            ("pagoda router --listen=0.0.0.0:8080", "--worker"),
+            ("pagoda worker --kv-policy=lru", "unknown KV policy"),
+            ("pagoda worker --kv-policy=snapkv --kv-budget=1", "below the minimum"),
+            ("pagoda no-such-subcommand", "unrecognized subcommand"),
+            ("pagoda check-args -- pagoda up", "does not check itself"),
+        ] {
+            let err = format!("{:#}", check_args(&argv(line)).expect_err(line));
+            assert!(err.contains(why), "{line}: {err}");
+        }
+    }
+}
