@@ -308,8 +308,11 @@ def check_minimal(objs):
     models = next(v for v in spec["volumes"] if v["name"] == "models")
     expect(models["persistentVolumeClaim"] == {"claimName": "pagoda-models", "readOnly": True}, "minimal: model PVC")
     r, ro = container(objs, "Deployment", "router", "router")
-    expect(next(v for v in pod_spec(ro)["volumes"] if v["name"] == "auth")["secret"]["secretName"] == "pagoda-api-keys",
-           "minimal: router does not mount auth.existingSecret")
+    auth = next(v for v in pod_spec(ro)["volumes"] if v["name"] == "auth")["secret"]
+    expect(auth["secretName"] == "pagoda-api-keys", "minimal: router does not mount auth.existingSecret")
+    expect([i["key"] for i in auth["items"]] == ["api-keys"], f"minimal: auth items {auth['items']} (admin is off)")
+    expect("--api-keys-file=/etc/pagoda/auth/api-keys" in r["command"], "minimal: router lacks --api-keys-file")
+    expect(not any(a.startswith("--admin-key-file") for a in r["command"]), "minimal: --admin-key-file, admin is off")
 
 
 def check_no_kvstore(objs):

@@ -82,10 +82,13 @@ schema = obj({
                 "then": {"properties": {"pvc": {"properties": {"claimName": {"minLength": 1}}, "required": ["claimName"]}},
                          "required": ["pvc"]}}]),
     "auth": obj({
-        "enabled": BOOL, "existingSecret": STR, "apiKeys": STR, "adminKey": STR,
+        "enabled": BOOL, "existingSecret": STR, "apiKeys": STR, "admin": BOOL, "adminKey": STR,
     }, allOf=[{"if": {"properties": {"enabled": {"const": True}, "existingSecret": {"maxLength": 0}}},
-               "then": {"properties": {"apiKeys": {"minLength": 1}, "adminKey": {"minLength": 16}},
-                        "required": ["apiKeys", "adminKey"]}}]),
+               "then": {"properties": {"apiKeys": {"minLength": 1}}, "required": ["apiKeys"]}},
+              {"if": {"properties": {"enabled": {"const": True}, "existingSecret": {"maxLength": 0},
+                                     "admin": {"const": True}}},
+               # The router's own minimum key length.
+               "then": {"properties": {"adminKey": {"minLength": 16}}, "required": ["adminKey"]}}]),
     "podSecurityContext": FREE_MAP,
     "securityContext": FREE_MAP,
     "router": obj({
