@@ -243,6 +243,9 @@ def check_default(objs):
     w, wo = container(objs, "StatefulSet", "worker", "worker")
     expect("nvidia.com/gpu" not in w["resources"].get("limits", {}), "default: worker asks for a GPU")
     expect([t["metadata"]["name"] for t in wo["spec"]["volumeClaimTemplates"]] == ["data"], "default: no data PVC")
+    cm = find(objs, "ConfigMap", "rel-pagoda-dashboard")
+    expect(json.loads(cm["data"]["pagoda.json"] or "null") == json.loads((CHART / "dashboards/pagoda.json").read_text()),
+           "default: the dashboard ConfigMap does not hold dashboards/pagoda.json (.helmignore?)")
     np = find(objs, "NetworkPolicy", "rel-pagoda-worker")
     comps = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in np["spec"]["ingress"][0]["from"])
     expect(comps == ["router", "worker"], f"default: worker NetworkPolicy admits {comps}")
@@ -516,6 +519,17 @@ def main() -> int:
                 fail(f"bad values {os.path.basename(f)}: error lacks {m.group(1)!r}: {e}")
             else:
                 print(f"ok   rejects {os.path.basename(f)}: {m.group(1)}")
+
+    # The packaged chart (what `helm package` ships, .helmignore applied) renders the same as the folder.
+    with tempfile.TemporaryDirectory() as d:
+        archive = helm.Chart.load(str(CHART)).save(d)
+        packaged = helm.Chart.load_archive(Path(archive).read_bytes())
+        got = packaged.render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        want = helm.Chart.load(str(CHART)).render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        if got != want:
+            fail(f"packaged chart {os.path.basename(archive)} renders differently from helm/pagoda")
+        else:
+            print(f"ok   package {os.path.basename(archive)} renders like the folder")
 
     check_dashboard()
     pending = drift(args.pagoda, rendered)
