@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine (README's test command; .ci/run runs it): installs the system packages
 # it needs, fetches the model, then checks formatting and lints, runs every test (unit, reference, end-to-end
-# against the real binary), and compile-checks the CUDA kernels through NVRTC (no GPU needed).
+# against the real binary), compile-checks the CUDA kernels through NVRTC (no GPU needed), and checks the Helm
+# chart and Dockerfile offline (scripts/check-helm.sh).
 #
-# No Python packages are needed beyond pip itself: the model reference fixtures are committed
-# (scripts/reference/*.py regenerate them and document their own requirements).
+# Python packages go into venvs under target/ (check-cuda.sh: NVRTC; check-helm.sh: the Helm SDK, Kubernetes
+# schemas, hadolint); the model reference fixtures are committed (scripts/reference/*.py regenerate them and
+# document their own requirements).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,3 +26,4 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
 bash scripts/check-cuda.sh
+bash scripts/check-helm.sh

@@ -54,6 +54,18 @@ enum Command {
     /// Quality of the KV eviction policies against the full cache: synthetic long-context tasks and
     /// teacher-forced prose, per policy × budget.
     Eval(EvalArgs),
+    /// Parses a pagoda command line without running it: exits 0 when it is valid, prints the error and exits
+    /// non-zero otherwise (the Helm chart's CLI-drift check, scripts/check-helm.sh, runs every rendered
+    /// invocation through it). The first word after `--` is the program name.
+    #[command(hide = true)]
+    CheckArgs(CheckArgsArgs),
+}
+
+#[derive(Args)]
+struct CheckArgsArgs {
+    /// The command line to check, program name first.
+    #[arg(last = true, required = true, allow_hyphen_values = true)]
+    argv: Vec<String>,
 }
 
 #[derive(Args)]
@@ -313,7 +325,29 @@ fn main() -> Result<()> {
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
+        Command::CheckArgs(a) => check_args(&a.argv),
     }
+}
+
+/// `pagoda check-args -- ARGV...`: the clap parse of ARGV plus the start-up checks that need no files or network
+/// (the default KV policy and budget), so a deployment's command line fails here rather than in a crash loop.
+fn check_args(argv: &[String]) -> Result<()> {
+    let cli = Cli::try_parse_from(argv).map_err(|e| {
+        let text = e.render().to_string();
+        anyhow::anyhow!("{}", text.trim_start_matches("error: ").trim_end())
+    })?;
+    let engine = match &cli.command {
+        Command::Up(a) => Some(&a.engine),
+        Command::Worker(a) => Some(&a.engine),
+        Command::CheckArgs(_) => bail!("check-args does not check itself"),
+        _ => None,
+    };
+    if let Some(e) = engine {
+        PolicySpec::parse(Some(&e.kv_policy), Some(e.kv_budget), PolicySpec::full(), usize::MAX)
+            .context("--kv-policy / --kv-budget")?;
+    }
+    println!("ok: {}", argv.join(" "));
+    Ok(())
 }
 
 fn run_async(fut: impl std::future::Future<Output = Result<()>>) -> Result<()> {
@@ -694,4 +728,40 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
         eprintln!("wrote {}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_args;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn check_args_accepts_valid_command_lines() {
+        for line in [
+            "/app/pagoda worker --listen=0.0.0.0:50051 --model=/m.gguf --kv-policy=snapkv --kv-budget=256",
+            "/app/pagoda router --listen=0.0.0.0:8080 --worker=w-0.w.ns.svc:50051 --worker=w-1.w.ns.svc:50051",
+            "pagoda up --listen 127.0.0.1:0",
+        ] {
+            check_args(&argv(line)).unwrap_or_else(|e| panic!("{line}: {e:#}"));
+        }
+    }
+
+    #[test]
+    fn check_args_rejects_what_the_binary_would_reject() {
+        for (line, why) in [
+            ("pagoda worker --no-such-flag", "unexpected argument"),
+            ("pagoda worker --listen=worker-0:50051", "invalid value"),
+            ("pagoda router --listen=0.0.0.0:8080", "--worker"),
+            ("pagoda worker --kv-policy=lru", "unknown KV policy"),
+            ("pagoda worker --kv-policy=snapkv --kv-budget=1", "below the minimum"),
+            ("pagoda no-such-subcommand", "unrecognized subcommand"),
+            ("pagoda check-args -- pagoda up", "does not check itself"),
+        ] {
+            let err = format!("{:#}", check_args(&argv(line)).expect_err(line));
+            assert!(err.contains(why), "{line}: {err}");
+        }
+    }
 }
