@@ -4,6 +4,7 @@
 //! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
+//! - [`evicpress`]: EvicPress's utility and greedy multi-choice knapsack over (tier, codec, keep ratio).
 //! - [`bench`], [`bench_eviction`]: the engine micro-benchmark and throughput under KV memory pressure.
 
 pub mod bench;
@@ -11,6 +12,7 @@ pub mod bench_eviction;
 pub mod cache;
 pub mod engine;
 pub mod eval;
+pub mod evicpress;
 pub mod model;
 pub mod policy;
 pub mod sampling;

@@ -1,0 +1,485 @@
+//! EvicPress placement (DESIGN §5; `shared/papers/evicpress.txt` §4.2–4.4 and Algorithm 1), as a pure planner.
+//!
+//! It owns the per-context profiles (measured quality of every compression configuration, access frequency) and
+//! the occupancy of each tier, and decides where each context's KV lives and in which configuration:
+//!
+//! - a **configuration** is (tier, codec, keep ratio): where the KV sits, how it is quantised, and what fraction of
+//!   its tokens an eviction policy keeps;
+//! - its **utility** is the paper's `U = (α · quality − load_time) · frequency`, with `quality` from the profiler
+//!   (token agreement with the full-cache answer, in [0, 1]) and `load_time` the measured time to bring the
+//!   compressed KV to the device (0 on device);
+//! - a new context is inserted in its best-quality configuration on the top tier (Algorithm 1, lines 1–4); while a
+//!   tier is over capacity, the planner applies the single operation with the **smallest utility drop** over all
+//!   contexts on that tier — compress further in place, or move down a tier in any configuration — and repeats
+//!   (lines 5–14); what moved down may in turn overflow the lower tier, which is resolved the same way. Below the
+//!   last tier a context is dropped (it will be recomputed), which costs its whole utility.
+//!
+//! The planner does no I/O: it returns the operations, and the tier stores carry them out. Profiles are bounded:
+//! past `max_contexts` the least recently used context that holds no space is forgotten.
+
+use std::collections::HashMap;
+
+use thiserror::Error;
+
+/// A storage tier, fastest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    Device,
+    Host,
+    Disk,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn below(self) -> Option<Tier> {
+        match self {
+            Tier::Device => Some(Tier::Host),
+            Tier::Host => Some(Tier::Disk),
+            Tier::Disk => None,
+        }
+    }
+}
+
+/// A compression variant the profiler measured: a codec (by name) and the fraction of tokens kept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Variant {
+    pub codec: String,
+    /// Bytes per token of KV (all layers and kv-heads) in this codec.
+    pub bytes_per_token: f64,
+    /// Fraction of the context's tokens an eviction policy keeps, in (0, 1].
+    pub keep_ratio: f64,
+}
+
+/// Where and how one context's KV is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub tier: Tier,
+    /// Index into the planner's variants.
+    pub variant: usize,
+}
+
+/// One planned change, for the tier stores to carry out in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Operation {
+    /// A new context stored in this placement.
+    Insert { context: u64, to: Placement },
+    /// Re-encode in place (same tier, smaller variant) or move down a tier.
+    Change { context: u64, from: Placement, to: Placement },
+    /// Evicted from the last tier: recompute on the next request.
+    Drop { context: u64, from: Placement },
+}
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum PlanError {
+    #[error("variant {0} has no measured quality for this context")]
+    NoQuality(usize),
+    #[error("invalid planner setting: {0}")]
+    Invalid(&'static str),
+    #[error("unknown context {0:#x}")]
+    UnknownContext(u64),
+}
+
+/// The planner's fixed inputs.
+#[derive(Debug, Clone)]
+pub struct PlannerConfig {
+    /// EvicPress's trade-off α (quality per second of load time).
+    pub alpha: f64,
+    /// Tier capacities in bytes, in [`Tier`] order.
+    pub capacity: [u64; 3],
+    /// Measured load bandwidth of each tier to the device, bytes/s ([`Tier::Device`]'s is unused).
+    pub bandwidth: [f64; 3],
+    /// The measured compression variants; index 0 should be the lossless one.
+    pub variants: Vec<Variant>,
+    /// Profiles kept at most.
+    pub max_contexts: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Context {
+    tokens: u64,
+    frequency: f64,
+    /// Measured quality per variant (None = not profiled: never chosen).
+    quality: Vec<Option<f64>>,
+    placement: Option<Placement>,
+    last_use: u64,
+    /// Online quality observations since the last profile.
+    observed_n: u32,
+    observed_sum: f64,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Planner {
+    cfg: PlannerConfig,
+    contexts: HashMap<u64, Context>,
+    used: [u64; 3],
+    clock: u64,
+}
+
+impl Planner {
+    pub fn new(cfg: PlannerConfig) -> Result<Planner, PlanError> {
+        if !(cfg.alpha.is_finite() && cfg.alpha >= 0.0) {
+            return Err(PlanError::Invalid("alpha must be finite and non-negative"));
+        }
+        if cfg.variants.is_empty() {
+            return Err(PlanError::Invalid("at least one variant"));
+        }
+        for v in &cfg.variants {
+            if !(v.bytes_per_token.is_finite() && v.bytes_per_token > 0.0 && v.keep_ratio > 0.0 && v.keep_ratio <= 1.0)
+            {
+                return Err(PlanError::Invalid("variant sizes must be positive and keep ratios in (0, 1]"));
+            }
+        }
+        if cfg.bandwidth[1..].iter().any(|b| !(b.is_finite() && *b > 0.0)) {
+            return Err(PlanError::Invalid("host and disk bandwidths must be positive"));
+        }
+        Ok(Planner { cfg, contexts: HashMap::new(), used: [0; 3], clock: 0 })
+    }
+
+    /// Bytes in use per tier.
+    pub fn used(&self) -> [u64; 3] {
+        self.used
+    }
+
+    pub fn placement(&self, context: u64) -> Option<Placement> {
+        self.contexts.get(&context).and_then(|c| c.placement)
+    }
+
+    /// Bytes of `tokens` tokens in variant `v`.
+    pub fn bytes(&self, tokens: u64, v: usize) -> u64 {
+        let var = &self.cfg.variants[v];
+        (tokens as f64 * var.keep_ratio * var.bytes_per_token).ceil() as u64
+    }
+
+    /// Seconds to bring the context to the device from `p`.
+    pub fn load_time(&self, tokens: u64, p: Placement) -> f64 {
+        match p.tier {
+            Tier::Device => 0.0,
+            t => self.bytes(tokens, p.variant) as f64 / self.cfg.bandwidth[t.index()],
+        }
+    }
+
+    fn utility_of(&self, c: &Context, p: Option<Placement>) -> f64 {
+        match p {
+            // Dropped: the context is recomputed, no stored quality or load benefit remains.
+            None => 0.0,
+            Some(p) => match c.quality[p.variant] {
+                Some(q) => (self.cfg.alpha * q - self.load_time(c.tokens, p)) * c.frequency,
+                None => f64::NEG_INFINITY,
+            },
+        }
+    }
+
+    /// `U` of `context` in placement `p` (None = dropped).
+    pub fn utility(&self, context: u64, p: Option<Placement>) -> Result<f64, PlanError> {
+        let c = self.contexts.get(&context).ok_or(PlanError::UnknownContext(context))?;
+        Ok(self.utility_of(c, p))
+    }
+
+    /// Records (or replaces) the profiler's measured quality of each variant for `context`.
+    pub fn set_profile(&mut self, context: u64, tokens: u64, quality: Vec<Option<f64>>) -> Result<(), PlanError> {
+        if quality.len() != self.cfg.variants.len() {
+            return Err(PlanError::Invalid("one quality entry per variant"));
+        }
+        if quality.iter().flatten().any(|q| !(q.is_finite() && (0.0..=1.0).contains(q))) {
+            return Err(PlanError::Invalid("quality must be in [0, 1]"));
+        }
+        self.clock += 1;
+        let clock = self.clock;
+        let c = self.contexts.entry(context).or_insert(Context {
+            tokens,
+            frequency: 0.0,
+            quality: Vec::new(),
+            placement: None,
+            last_use: clock,
+            observed_n: 0,
+            observed_sum: 0.0,
+        });
+        c.tokens = tokens;
+        c.quality = quality;
+        c.observed_n = 0;
+        c.observed_sum = 0.0;
+        self.forget_excess();
+        Ok(())
+    }
+
+    /// Counts one access of `context` (the utility's frequency term).
+    pub fn record_access(&mut self, context: u64) -> Result<(), PlanError> {
+        self.clock += 1;
+        let clock = self.clock;
+        let c = self.contexts.get_mut(&context).ok_or(PlanError::UnknownContext(context))?;
+        c.frequency += 1.0;
+        c.last_use = clock;
+        Ok(())
+    }
+
+    fn forget_excess(&mut self) {
+        while self.contexts.len() > self.cfg.max_contexts.max(1) {
+            let victim = self.contexts.iter().filter(|(_, c)| c.placement.is_none()).min_by_key(|(_, c)| c.last_use);
+            let Some((&id, _)) = victim else { break };
+            self.contexts.remove(&id);
+        }
+    }
+
+    fn set_placement(&mut self, context: u64, to: Option<Placement>) {
+        let Some(c) = self.contexts.get(&context) else { return };
+        let (tokens, from) = (c.tokens, c.placement);
+        if let Some(p) = from {
+            self.used[p.tier.index()] -= self.bytes(tokens, p.variant);
+        }
+        if let Some(p) = to {
+            self.used[p.tier.index()] += self.bytes(tokens, p.variant);
+        }
+        if let Some(c) = self.contexts.get_mut(&context) {
+            c.placement = to;
+        }
+    }
+
+    /// Algorithm 1: stores a new (profiled) context in its best-quality variant on the device tier, then relieves
+    /// every tier that overflowed. Returns the operations in the order to apply them.
+    pub fn insert(&mut self, context: u64) -> Result<Vec<Operation>, PlanError> {
+        let c = self.contexts.get(&context).ok_or(PlanError::UnknownContext(context))?;
+        // Line 1: r_i = argmax_r Q_i(r); ties go to the smaller variant.
+        let mut best: Option<(usize, f64, u64)> = None;
+        for (v, q) in c.quality.iter().enumerate() {
+            let Some(q) = *q else { continue };
+            let size = self.bytes(c.tokens, v);
+            if best.is_none_or(|(_, bq, bs)| q > bq || (q == bq && size < bs)) {
+                best = Some((v, q, size));
+            }
+        }
+        let Some((variant, _, _)) = best else { return Err(PlanError::NoQuality(0)) };
+        let mut ops = Vec::new();
+        if let Some(from) = c.placement {
+            self.set_placement(context, None);
+            ops.push(Operation::Drop { context, from });
+        }
+        let to = Placement { tier: Tier::Device, variant };
+        self.set_placement(context, Some(to));
+        ops.push(Operation::Insert { context, to });
+        for tier in Tier::ALL {
+            self.relieve(tier, &mut ops);
+        }
+        Ok(ops)
+    }
+
+    /// Lines 5–14 for one tier: while it is over capacity, apply the operation with the least utility drop.
+    fn relieve(&mut self, tier: Tier, ops: &mut Vec<Operation>) {
+        while self.used[tier.index()] > self.cfg.capacity[tier.index()] {
+            let Some((context, from, to)) = self.cheapest_step(tier) else { break };
+            self.set_placement(context, to);
+            ops.push(match to {
+                Some(to) => Operation::Change { context, from, to },
+                None => Operation::Drop { context, from },
+            });
+        }
+    }
+
+    /// Over all contexts on `tier`, the change that frees space on it with the smallest utility drop (ties: the
+    /// one that frees more bytes, then the lower context id, so plans are deterministic).
+    fn cheapest_step(&self, tier: Tier) -> Option<(u64, Placement, Option<Placement>)> {
+        let mut best: Option<(f64, u64, u64, Placement, Option<Placement>)> = None;
+        for (&id, c) in &self.contexts {
+            let Some(from) = c.placement.filter(|p| p.tier == tier) else { continue };
+            let here = self.utility_of(c, Some(from));
+            let size = self.bytes(c.tokens, from.variant);
+            let mut consider = |to: Option<Placement>, freed: u64| {
+                let drop = here - self.utility_of(c, to);
+                if !drop.is_finite() {
+                    return;
+                }
+                let better = match best {
+                    None => true,
+                    Some((bd, bf, bid, _, _)) => drop < bd || (drop == bd && (freed > bf || (freed == bf && id < bid))),
+                };
+                if better {
+                    best = Some((drop, freed, id, from, to));
+                }
+            };
+            for v in 0..self.cfg.variants.len() {
+                if c.quality[v].is_none() {
+                    continue;
+                }
+                // Compress in place: only variants that actually save space on this tier.
+                let smaller = self.bytes(c.tokens, v);
+                if smaller < size {
+                    consider(Some(Placement { tier, variant: v }), size - smaller);
+                }
+                if let Some(lower) = tier.below() {
+                    consider(Some(Placement { tier: lower, variant: v }), size);
+                }
+            }
+            if tier.below().is_none() {
+                consider(None, size);
+            }
+        }
+        best.map(|(_, _, id, from, to)| (id, from, to))
+    }
+
+    /// Records the quality one served request actually got from `context`'s stored variant (token agreement with a
+    /// full-cache answer, sampled by the profiler when the worker is idle). Returns true when the running mean has
+    /// drifted below the profiled quality of that variant by more than `threshold` (relative): the paper's trigger
+    /// to re-profile the context.
+    pub fn observe_quality(&mut self, context: u64, quality: f64, threshold: f64) -> Result<bool, PlanError> {
+        if !(quality.is_finite() && (0.0..=1.0).contains(&quality)) {
+            return Err(PlanError::Invalid("quality must be in [0, 1]"));
+        }
+        let c = self.contexts.get_mut(&context).ok_or(PlanError::UnknownContext(context))?;
+        let Some(p) = c.placement else { return Ok(false) };
+        let Some(profiled) = c.quality[p.variant] else { return Ok(false) };
+        c.observed_n += 1;
+        c.observed_sum += quality;
+        let mean = c.observed_sum / c.observed_n as f64;
+        Ok(mean < profiled * (1.0 - threshold))
+    }
+
+    /// Removes a context's placement (its KV was lost or invalidated) without planning anything else.
+    pub fn forget(&mut self, context: u64) {
+        self.set_placement(context, None);
+        self.contexts.remove(&context);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes per token: f32 K+V for SmolLM2 (30 layers × 3 kv-heads × 64 × 2 × 4) and two codecs.
+    const F32: f64 = 46_080.0;
+
+    fn planner(capacity: [u64; 3], alpha: f64) -> Planner {
+        Planner::new(PlannerConfig {
+            alpha,
+            capacity,
+            bandwidth: [0.0, 10e9, 1e9],
+            variants: vec![
+                Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0 },
+                Variant { codec: "int8".into(), bytes_per_token: F32 / 4.0, keep_ratio: 1.0 },
+                Variant { codec: "int4_kivi".into(), bytes_per_token: F32 / 8.0, keep_ratio: 0.5 },
+            ],
+            max_contexts: 1000,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn utility_is_the_papers_formula() {
+        let mut p = planner([u64::MAX; 3], 1.0);
+        p.set_profile(1, 1000, vec![Some(1.0), Some(0.99), Some(0.9)]).unwrap();
+        p.record_access(1).unwrap();
+        p.record_access(1).unwrap();
+        let host_int8 = Placement { tier: Tier::Host, variant: 1 };
+        // (1 · 0.99 − 1000 · 11520 B / 10 GB/s) · 2
+        let want = (0.99 - 1000.0 * 11_520.0 / 10e9) * 2.0;
+        assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12);
+        assert_eq!(p.utility(1, None).unwrap(), 0.0);
+    }
+
+    #[test]
+    fn insert_takes_the_best_quality_variant_on_device() {
+        let mut p = planner([u64::MAX; 3], 1.0);
+        p.set_profile(7, 100, vec![Some(1.0), Some(1.0), Some(0.8)]).unwrap();
+        let ops = p.insert(7).unwrap();
+        // Lossless and int8 tie on quality: the smaller one wins the tie.
+        assert_eq!(ops, vec![Operation::Insert { context: 7, to: Placement { tier: Tier::Device, variant: 1 } }]);
+        assert_eq!(p.used()[0], 100 * 11_520);
+    }
+
+    #[test]
+    fn a_full_tier_compresses_the_insensitive_context_and_keeps_the_sensitive_one() {
+        // Room for one lossless 1000-token context and a bit.
+        let cap = (1000.0 * F32 * 1.3) as u64;
+        let mut p = planner([cap, u64::MAX, u64::MAX], 1.0);
+        // Context 1 tolerates int4 (quality 0.97); context 2 does not (0.4).
+        p.set_profile(1, 1000, vec![Some(1.0), Some(0.999), Some(0.97)]).unwrap();
+        p.set_profile(2, 1000, vec![Some(1.0), Some(0.99), Some(0.4)]).unwrap();
+        for id in [1, 2] {
+            p.record_access(id).unwrap();
+        }
+        p.insert(1).unwrap();
+        let ops = p.insert(2).unwrap();
+        assert!(p.used()[0] <= cap, "{:?}", p.used());
+        // The cheapest way to make room: compress the insensitive context rather than move anyone down.
+        assert_eq!(p.placement(2).unwrap().tier, Tier::Device);
+        assert_eq!(p.placement(1).unwrap().tier, Tier::Device);
+        assert!(ops.iter().all(|o| !matches!(o, Operation::Drop { .. })), "{ops:?}");
+        assert_ne!(p.placement(2).unwrap().variant, 2, "the sensitive context is never taken to int4");
+    }
+
+    #[test]
+    fn overflow_cascades_down_the_tiers_and_drops_only_below_the_last() {
+        let ctx = (1000.0 * F32) as u64;
+        let mut p = planner([ctx, ctx, ctx], 1.0);
+        for id in 0..8u64 {
+            // Only lossless is allowed, so every relief is a move down.
+            p.set_profile(id, 1000, vec![Some(1.0), None, None]).unwrap();
+            for _ in 0..=id {
+                p.record_access(id).unwrap();
+            }
+            p.insert(id).unwrap();
+            for t in Tier::ALL {
+                assert!(p.used()[t.index()] <= ctx, "tier {t:?} over capacity after inserting {id}");
+            }
+        }
+        // The most frequently used context (7) sits on device; the least used were dropped.
+        assert_eq!(p.placement(7).unwrap().tier, Tier::Device);
+        let kept: Vec<u64> = (0..8).filter(|id| p.placement(*id).is_some()).collect();
+        assert_eq!(kept.len(), 3, "one per tier: {kept:?}");
+        assert!(kept.iter().all(|&id| id >= 5), "the frequent ones stay: {kept:?}");
+    }
+
+    #[test]
+    fn alpha_trades_quality_for_load_time() {
+        // Device fits nothing; host is fast for int4, lossless on disk is slow but perfect.
+        let ctx = (4000.0 * F32) as u64;
+        let run = |alpha: f64| {
+            let mut p = planner([0, ctx / 8, u64::MAX], alpha);
+            p.set_profile(1, 4000, vec![Some(1.0), Some(0.99), Some(0.85)]).unwrap();
+            p.record_access(1).unwrap();
+            p.insert(1).unwrap();
+            p.placement(1).unwrap()
+        };
+        // α = 0.01: load time dominates, so the context is squeezed to int4 and kept on the fast host tier.
+        assert_eq!(run(0.01), Placement { tier: Tier::Host, variant: 2 });
+        // α = 100: quality dominates; lossless on disk (0.18 s to load) beats int4 on host (quality 0.85).
+        assert_eq!(run(100.0), Placement { tier: Tier::Disk, variant: 0 });
+    }
+
+    #[test]
+    fn quality_drift_below_the_threshold_asks_for_a_reprofile() {
+        let mut p = planner([u64::MAX; 3], 1.0);
+        p.set_profile(3, 100, vec![Some(1.0), Some(0.98), None]).unwrap();
+        p.insert(3).unwrap();
+        assert!(!p.observe_quality(3, 0.99, 0.05).unwrap());
+        assert!(!p.observe_quality(3, 0.95, 0.05).unwrap(), "mean 0.97 is within 5% of 1.0");
+        assert!(p.observe_quality(3, 0.5, 0.05).unwrap(), "mean 0.81 drifted");
+        // A fresh profile starts a fresh mean.
+        p.set_profile(3, 100, vec![Some(0.8), Some(0.8), None]).unwrap();
+        assert!(!p.observe_quality(3, 0.79, 0.05).unwrap());
+        assert!(p.observe_quality(3, f64::NAN, 0.05).is_err());
+    }
+
+    #[test]
+    fn bad_settings_and_profiles_are_rejected_and_profiles_are_bounded() {
+        let mut cfg = planner([1; 3], 1.0).cfg.clone();
+        cfg.alpha = f64::NAN;
+        assert!(Planner::new(cfg.clone()).is_err());
+        cfg.alpha = 1.0;
+        cfg.bandwidth[2] = 0.0;
+        assert!(Planner::new(cfg).is_err());
+        let mut p = planner([u64::MAX; 3], 1.0);
+        assert!(p.set_profile(1, 10, vec![Some(1.0)]).is_err(), "one entry per variant");
+        assert!(p.set_profile(1, 10, vec![Some(1.5), None, None]).is_err(), "quality in [0, 1]");
+        assert_eq!(p.insert(99), Err(PlanError::UnknownContext(99)));
+        let mut p = Planner::new(PlannerConfig { max_contexts: 10, ..planner([u64::MAX; 3], 1.0).cfg }).unwrap();
+        for id in 0..100 {
+            p.set_profile(id, 10, vec![Some(1.0), None, None]).unwrap();
+        }
+        assert!(p.contexts.len() <= 10);
+    }
+}
