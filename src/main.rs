@@ -205,9 +205,17 @@ struct RouterArgs {
     /// HTTP address to serve the OpenAI API on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Worker gRPC address (host:port); repeat for several workers, used round-robin.
+    /// Worker gRPC address (host:port); repeat for several workers.
     #[arg(long = "worker", required = true)]
     workers: Vec<String>,
+    /// How requests are placed: `kv` (prefix hits, prefill, load and queue cost), `prefix_overlap` (Dynamo's
+    /// cost), `least_loaded` or `round_robin`.
+    #[arg(long, default_value = "kv", value_parser = ["kv", "prefix_overlap", "least_loaded", "round_robin"])]
+    placement: String,
+    /// Sample placements with this temperature in seconds of cost instead of always taking the cheapest (spreads
+    /// near-ties across router replicas).
+    #[arg(long)]
+    placement_temperature: Option<f64>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -565,7 +573,13 @@ async fn router(args: RouterArgs) -> Result<()> {
     let codec = load_codec(&model, &args.http).await?;
     let listener = bind(args.listen, "router").await?;
     let addr = listener.local_addr().context("router address")?;
-    let config = RouterConfig { workers: args.workers, body_limit: args.http.body_limit, ..RouterConfig::default() };
+    let placement = pagoda_router::placer::PlacerConfig {
+        strategy: args.placement.parse().map_err(anyhow::Error::msg).context("--placement")?,
+        temperature: args.placement_temperature.filter(|t| t.is_finite() && *t > 0.0),
+        ..Default::default()
+    };
+    let config =
+        RouterConfig { workers: args.workers, body_limit: args.http.body_limit, placement, ..RouterConfig::default() };
     println!("pagoda router listening on http://{addr}");
     let fut = pagoda_router::serve(listener, codec, config, wait_for(shutdown.clone()));
     match until_drained(fut, shutdown).await {

@@ -1,4 +1,5 @@
-//! One generation as the router runs it: pick a worker (round-robin), open its `Generate` stream, detokenize
+//! One generation as the router runs it: place it (hash the prompt's blocks, [`WorkerPool::place`]), open the
+//! chosen worker's `Generate` stream (the next candidates if it is unavailable), detokenize
 //! incrementally, apply stop strings, record latency metrics, and hand text pieces to the HTTP layer. Dropping the
 //! receiver (the client went away) or matching a stop string drops the gRPC stream, which cancels the request
 //! on the worker and frees its blocks.
@@ -15,7 +16,9 @@ use crate::detok::{StopMatcher, StopOutcome, Utf8Decoder};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::{GenParams, Usage};
-use crate::workers::WorkerPool;
+use crate::placement::{PlacementError, RequestView};
+use crate::placer::PlaceRequest;
+use crate::workers::{InFlight, WorkerPool};
 
 /// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,17 +61,41 @@ pub async fn start(
         kv_policy: job.params.kv_policy.clone(),
         kv_budget_tokens: job.params.kv_budget_tokens,
     };
-    let candidates = pool.candidates();
-    if candidates.is_empty() {
-        return Err(ApiError::unavailable("No worker is ready to serve this request; try again shortly."));
-    }
+    let no_worker = || ApiError::unavailable("No worker is ready to serve this request; try again shortly.");
+    let (block_size, model_id) = pool.hashing().ok_or_else(no_worker)?;
+    let hashes = if block_size > 0 {
+        pagoda_worker::cache::block_hashes(&model_id, &job.namespace, &job.prompt, block_size as usize)
+    } else {
+        Vec::new()
+    };
+    // Only full-cache sequences publish their blocks as a reusable prefix.
+    let full_cache = job.params.kv_policy.is_empty() || job.params.kv_policy == "full";
+    let place = PlaceRequest {
+        request_id: &job.request_id,
+        hashes: &hashes,
+        view: RequestView {
+            prompt_tokens: u32::try_from(job.prompt.len()).unwrap_or(u32::MAX),
+            max_tokens: job.max_tokens,
+            block_size,
+            budget_tokens: (!full_cache).then_some(match job.params.kv_budget_tokens {
+                0 => pagoda_worker::policy::defaults::BUDGET_TOKENS as u32,
+                b => b,
+            }),
+        },
+        publishes_prefix: full_cache,
+    };
+    let candidates = match pool.place(&place) {
+        Ok(c) => c,
+        Err(PlacementError::NoReadyWorker) => return Err(no_worker()),
+        Err(e) => return Err(ApiError::internal(format!("placement failed: {e}"))),
+    };
     let mut last_err = None;
     let mut opened = None;
     for w in candidates {
         let mut client = w.client();
         match client.generate(req.clone()).await {
             Ok(resp) => {
-                opened = Some(resp.into_inner());
+                opened = Some((resp.into_inner(), InFlight::new(w.load().clone(), job.prompt.len() as u64)));
                 break;
             }
             Err(status) if status.code() == tonic::Code::Unavailable => {
@@ -79,12 +106,12 @@ pub async fn start(
             Err(status) => return Err(ApiError::from_status(&status)),
         }
     }
-    let Some(stream) = opened else {
+    let Some((stream, in_flight)) = opened else {
         return Err(last_err.unwrap_or_else(|| ApiError::unavailable("No worker could take the request.")));
     };
     metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(stream, tx, codec, metrics, job));
+    tokio::spawn(pump(stream, in_flight, tx, codec, metrics, job));
     Ok(rx)
 }
 
@@ -98,6 +125,7 @@ fn reason_str(r: i32) -> Option<&'static str> {
 
 async fn pump(
     mut stream: Streaming<GenerateResponse>,
+    mut in_flight: InFlight,
     tx: mpsc::Sender<Piece>,
     codec: Arc<dyn TextCodec>,
     metrics: Arc<Metrics>,
@@ -123,7 +151,10 @@ async fn pump(
                     completion += 1;
                     let now = Instant::now();
                     match last_token {
-                        None => metrics.ttft.observe(now.duration_since(job.arrived).as_secs_f64()),
+                        None => {
+                            in_flight.first_token();
+                            metrics.ttft.observe(now.duration_since(job.arrived).as_secs_f64())
+                        }
                         Some(t) => metrics.inter_token.observe(now.duration_since(t).as_secs_f64()),
                     }
                     last_token = Some(now);

@@ -8,6 +8,7 @@
 //! - [`generate`]: one generation over a worker's gRPC `Generate` stream.
 //! - [`workers`]: the static worker list, health probes, round-robin.
 //! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
+//! - [`placer`]: the router's placement state: residency predictions, strategy, recent decisions.
 //! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
 //! - [`metrics`]: Prometheus metrics.
 
@@ -20,6 +21,7 @@ pub mod gguf_codec;
 pub mod metrics;
 pub mod openai;
 pub mod placement;
+pub mod placer;
 pub mod residency;
 pub mod server;
 pub mod workers;

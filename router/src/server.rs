@@ -26,6 +26,7 @@ use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChunkChoice, Completion,
     CompletionChoice, CompletionRequest, Delta, GenParams, ModelCard, ModelList, PromptInput, Usage, check_lengths,
 };
+use crate::placer::PlacerConfig;
 use crate::workers::WorkerPool;
 
 /// Default request body limit: 4 MiB.
@@ -40,11 +41,18 @@ pub struct RouterConfig {
     pub body_limit: usize,
     /// How often workers are health-probed.
     pub health_interval: Duration,
+    /// How requests are placed on workers.
+    pub placement: PlacerConfig,
 }
 
 impl Default for RouterConfig {
     fn default() -> Self {
-        RouterConfig { workers: Vec::new(), body_limit: DEFAULT_BODY_LIMIT, health_interval: Duration::from_secs(2) }
+        RouterConfig {
+            workers: Vec::new(),
+            body_limit: DEFAULT_BODY_LIMIT,
+            health_interval: Duration::from_secs(2),
+            placement: PlacerConfig::default(),
+        }
     }
 }
 
@@ -114,7 +122,7 @@ pub async fn serve(
     config: RouterConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let pool = Arc::new(WorkerPool::new(&config.workers).map_err(std::io::Error::other)?);
+    let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
     let health = pool.spawn_health_loop(config.health_interval);
     let state = AppState::new(codec, pool, config.body_limit);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;

@@ -1,13 +1,17 @@
-//! Worker selection: a static list of worker gRPC addresses, health-polled, chosen round-robin. The router talks
-//! to workers only through the `Worker` gRPC service.
+//! The worker list: a static list of worker gRPC addresses, health-polled (with their free KV blocks), each with
+//! the router's own in-flight load accounting, and placement through [`Placer`]. The router talks to workers only
+//! through the `Worker` gRPC service.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pagoda_proto::worker::worker_client::WorkerClient;
 use pagoda_proto::worker::{HealthRequest, StatsRequest, StatsResponse};
 use tonic::transport::{Channel, Endpoint};
+
+use crate::placement::PlacementError;
+use crate::placer::{DecisionRecord, PlaceRequest, Placer, PlacerConfig, WorkerSnapshot};
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -18,7 +22,53 @@ pub struct WorkerStatus {
     pub model: String,
     pub context_length: u32,
     pub block_size: u32,
+    /// Blocks per block group (layers × kv-heads).
+    pub kv_group_size: u32,
+    /// Free + reclaimable device blocks at the last probe.
+    pub free_blocks: u64,
     pub last_error: Option<String>,
+}
+
+/// The router's own count of what it has sent a worker: prompt tokens still waiting for their first token, and
+/// streams decoding. Exact for this router and immediate, unlike polled stats.
+#[derive(Debug, Default)]
+pub struct WorkerLoad {
+    prefill_tokens: AtomicU64,
+    decoding: AtomicU32,
+}
+
+/// One request in flight on a worker; updates [`WorkerLoad`] as it moves from prefill to decode, and on drop.
+#[derive(Debug)]
+pub struct InFlight {
+    load: Arc<WorkerLoad>,
+    prompt_tokens: u64,
+    decoding: bool,
+}
+
+impl InFlight {
+    pub fn new(load: Arc<WorkerLoad>, prompt_tokens: u64) -> InFlight {
+        load.prefill_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        InFlight { load, prompt_tokens, decoding: false }
+    }
+
+    /// The first token arrived: the prompt is no longer queued work.
+    pub fn first_token(&mut self) {
+        if !self.decoding {
+            self.decoding = true;
+            self.load.prefill_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+            self.load.decoding.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.decoding {
+            self.load.decoding.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.load.prefill_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        }
+    }
 }
 
 /// One worker endpoint.
@@ -27,11 +77,16 @@ pub struct Worker {
     client: WorkerClient<Channel>,
     // std Mutex: only held for short, synchronous reads and writes, never across an await.
     status: Mutex<WorkerStatus>,
+    load: Arc<WorkerLoad>,
 }
 
 impl Worker {
     pub fn client(&self) -> WorkerClient<Channel> {
         self.client.clone()
+    }
+
+    pub fn load(&self) -> &Arc<WorkerLoad> {
+        &self.load
     }
 
     pub fn status(&self) -> WorkerStatus {
@@ -64,12 +119,20 @@ impl Worker {
                     model: h.model,
                     context_length: h.context_length,
                     block_size: h.block_size,
+                    kv_group_size: h.kv_group_size,
+                    free_blocks: 0,
                     last_error: None,
                 }
             }
             Ok(Err(status)) => WorkerStatus { last_error: Some(status.message().to_string()), ..Default::default() },
             Err(_) => WorkerStatus { last_error: Some("health check timed out".into()), ..Default::default() },
         };
+        let mut st = st;
+        if st.ready
+            && let Some(stats) = self.stats().await
+        {
+            st.free_blocks = stats.blocks_free + stats.blocks_cached;
+        }
         let ready = st.ready;
         self.set_status(st);
         ready
@@ -89,11 +152,18 @@ impl Worker {
 pub struct WorkerPool {
     workers: Vec<Worker>,
     next: AtomicUsize,
+    // std Mutex: placement is synchronous and short (tens of microseconds); never held across an await.
+    placer: Mutex<Placer>,
 }
 
 impl WorkerPool {
     /// `addrs` are `host:port` or `http://host:port`. Connections are made lazily.
     pub fn new(addrs: &[String]) -> Result<WorkerPool, String> {
+        WorkerPool::with_placement(addrs, PlacerConfig::default())
+    }
+
+    /// [`WorkerPool::new`] with placement settings.
+    pub fn with_placement(addrs: &[String], placement: PlacerConfig) -> Result<WorkerPool, String> {
         if addrs.is_empty() {
             return Err("at least one worker address is required".into());
         }
@@ -110,9 +180,42 @@ impl WorkerPool {
                 addr: a.clone(),
                 client: WorkerClient::new(channel),
                 status: Mutex::new(WorkerStatus::default()),
+                load: Arc::new(WorkerLoad::default()),
             });
         }
-        Ok(WorkerPool { workers, next: AtomicUsize::new(0) })
+        Ok(WorkerPool { workers, next: AtomicUsize::new(0), placer: Mutex::new(Placer::new(placement)) })
+    }
+
+    /// The workers to try for `req`, best first (see [`Placer::order`]).
+    pub fn place(&self, req: &PlaceRequest<'_>) -> Result<Vec<&Worker>, PlacementError> {
+        let snaps: Vec<WorkerSnapshot> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let st = w.status();
+                WorkerSnapshot {
+                    ready: st.ready,
+                    queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
+                    decoding: w.load.decoding.load(Ordering::Relaxed),
+                    free_blocks: st.free_blocks,
+                    group_size: st.kv_group_size,
+                }
+            })
+            .collect();
+        let names: Vec<&str> = self.workers.iter().map(|w| w.addr.as_str()).collect();
+        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
+        let order = placer.order(req, &snaps, &names)?;
+        Ok(order.into_iter().map(|i| &self.workers[i]).collect())
+    }
+
+    /// The most recent placement decisions, newest first.
+    pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
+        self.placer.lock().map(|p| p.recent().cloned().collect()).unwrap_or_default()
+    }
+
+    /// The block size and model id the ready workers hash prefixes with (the first ready worker's).
+    pub fn hashing(&self) -> Option<(u32, String)> {
+        self.workers.iter().map(|w| w.status()).find(|s| s.ready).map(|s| (s.block_size, s.model))
     }
 
     pub fn workers(&self) -> &[Worker] {

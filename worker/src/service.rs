@@ -244,6 +244,7 @@ impl Worker for WorkerService {
             model: info.model_id.clone(),
             context_length: u32::try_from(info.context_length).unwrap_or(u32::MAX),
             block_size: u32::try_from(info.block_size).unwrap_or(u32::MAX),
+            kv_group_size: u32::try_from(info.layout().group_size()).unwrap_or(u32::MAX),
         }))
     }
 

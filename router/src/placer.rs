@@ -1,0 +1,360 @@
+//! The router's placement state: it owns the residency index, the round-robin cursor and the ring of recent
+//! decisions, and turns one request into an ordered list of workers to try (DESIGN §6).
+//!
+//! Until the kvstore feeds the index with the workers' block events, the index holds the router's own predictions
+//! (Dynamo's "approximate" mode): after placing a full-cache request on a worker, the request's prefix blocks are
+//! expected there for `prediction_ttl`. Load comes from the router's own in-flight accounting
+//! ([`crate::workers::WorkerLoad`]): prompt tokens sent but not yet answered, and streams decoding. Free device
+//! blocks come from the workers' `Stats`, polled with their health.
+//!
+//! The cost model itself is [`crate::placement`]; this module only gathers its inputs and keeps the record.
+
+use std::collections::VecDeque;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::placement::{
+    CostBreakdown, HitTier, PlacementError, RequestView, TierHits, WorkerView, least_loaded, place, prefix_overlap,
+    round_robin,
+};
+use crate::residency::{ResidencyIndex, WorkerIdx};
+
+/// Which selector places requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Pagoda's cost model ([`crate::placement::place`]).
+    Kv,
+    /// Dynamo's `prefill_blocks − overlap + decode_blocks`.
+    PrefixOverlap,
+    LeastLoaded,
+    RoundRobin,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Kv => "kv",
+            Strategy::PrefixOverlap => "prefix_overlap",
+            Strategy::LeastLoaded => "least_loaded",
+            Strategy::RoundRobin => "round_robin",
+        }
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Strategy, String> {
+        match s {
+            "kv" => Ok(Strategy::Kv),
+            "prefix_overlap" => Ok(Strategy::PrefixOverlap),
+            "least_loaded" => Ok(Strategy::LeastLoaded),
+            "round_robin" => Ok(Strategy::RoundRobin),
+            _ => Err(format!("unknown placement `{s}`; known: kv, prefix_overlap, least_loaded, round_robin")),
+        }
+    }
+}
+
+/// Placement settings.
+#[derive(Debug, Clone)]
+pub struct PlacerConfig {
+    pub strategy: Strategy,
+    /// Prefill speed assumed for every worker (tokens/s) until workers report measured speeds.
+    pub prefill_tokens_per_s: f64,
+    /// Decode time one running sequence adds to a step (seconds).
+    pub decode_s_per_seq: f64,
+    /// How long a predicted residency counts without a report.
+    pub prediction_ttl: Duration,
+    /// Sampling temperature over costs (seconds); `None` = always the cheapest.
+    pub temperature: Option<f64>,
+    /// Blocks the residency index holds at most.
+    pub max_index_blocks: usize,
+}
+
+impl Default for PlacerConfig {
+    fn default() -> PlacerConfig {
+        PlacerConfig {
+            strategy: Strategy::Kv,
+            prefill_tokens_per_s: 400.0,
+            decode_s_per_seq: 0.004,
+            prediction_ttl: Duration::from_secs(120),
+            temperature: None,
+            max_index_blocks: 1 << 20,
+        }
+    }
+}
+
+/// What the router knows about one worker right now, for placement.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WorkerSnapshot {
+    pub ready: bool,
+    pub queued_tokens: u64,
+    pub decoding: u32,
+    pub free_blocks: u64,
+    pub group_size: u32,
+}
+
+/// One candidate's part of a recorded decision.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateRecord {
+    pub worker: String,
+    pub hits_device: u32,
+    pub hits_host: u32,
+    pub hits_disk: u32,
+    pub hits_peer: u32,
+    pub prefill_s: f64,
+    pub load_s: f64,
+    pub queue_s: f64,
+    pub total_s: f64,
+    pub feasible: bool,
+}
+
+/// A recorded decision, for `/debug/placements` and the dashboard.
+#[derive(Debug, Clone, Serialize)]
+pub struct DecisionRecord {
+    pub request_id: String,
+    pub strategy: Strategy,
+    pub chosen: String,
+    pub reason: String,
+    pub prompt_tokens: u32,
+    pub prompt_blocks: usize,
+    pub decision_us: f64,
+    pub candidates: Vec<CandidateRecord>,
+}
+
+/// One request as the placer sees it.
+pub struct PlaceRequest<'a> {
+    pub request_id: &'a str,
+    pub hashes: &'a [u64],
+    pub view: RequestView,
+    /// Whether the request's blocks will be published as a prefix (full cache): only then is residency predicted.
+    pub publishes_prefix: bool,
+}
+
+const RECENT_DECISIONS: usize = 64;
+
+/// See the module docs.
+pub struct Placer {
+    cfg: PlacerConfig,
+    index: ResidencyIndex,
+    cursor: usize,
+    rng: StdRng,
+    recent: VecDeque<DecisionRecord>,
+    hits: Vec<TierHits>,
+    views: Vec<WorkerView>,
+}
+
+impl Placer {
+    pub fn new(cfg: PlacerConfig) -> Placer {
+        Placer {
+            index: ResidencyIndex::new(cfg.max_index_blocks),
+            cfg,
+            cursor: 0,
+            rng: StdRng::from_os_rng(),
+            recent: VecDeque::with_capacity(RECENT_DECISIONS),
+            hits: Vec::new(),
+            views: Vec::new(),
+        }
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.cfg.strategy
+    }
+
+    pub fn recent(&self) -> impl Iterator<Item = &DecisionRecord> {
+        self.recent.iter().rev()
+    }
+
+    pub fn index_mut(&mut self) -> &mut ResidencyIndex {
+        &mut self.index
+    }
+
+    /// Orders the workers to try for `req`: the chosen one first, then the rest of the ready ones, cheapest first.
+    pub fn order(
+        &mut self,
+        req: &PlaceRequest<'_>,
+        workers: &[WorkerSnapshot],
+        names: &[&str],
+    ) -> Result<Vec<usize>, PlacementError> {
+        let t0 = Instant::now();
+        self.index.match_prefix(req.hashes, workers.len(), t0, &mut self.hits);
+        self.views.clear();
+        for (w, h) in workers.iter().zip(&self.hits) {
+            self.views.push(WorkerView {
+                ready: w.ready,
+                hits: *h,
+                prefill_tokens_per_s: self.cfg.prefill_tokens_per_s,
+                // Lower tiers are not reported yet; device hits cost nothing to load.
+                load_bytes_per_s: [0.0, 1.0, 1.0, 1.0],
+                group_bytes: 0,
+                queued_tokens: w.queued_tokens,
+                running: w.decoding,
+                step_s: self.cfg.decode_s_per_seq,
+                free_blocks: w.free_blocks,
+                group_size: w.group_size.max(1),
+            });
+        }
+        let mut reason = String::new();
+        let mut costs: Vec<Option<CostBreakdown>> =
+            self.views.iter().map(|v| v.ready.then(|| crate::placement::cost(&req.view, v))).collect();
+        let chosen = match self.cfg.strategy {
+            Strategy::Kv => {
+                let temp = self.cfg.temperature.map(|t| (t, self.rng.random::<f64>()));
+                match place(&req.view, &self.views, temp) {
+                    Ok(d) => {
+                        costs = d.costs;
+                        reason.push_str("lowest cost");
+                        d.worker
+                    }
+                    Err(PlacementError::NoRoom { needed, most_free }) => {
+                        reason = format!(
+                            "no worker has room now (needs {needed} blocks, most free {most_free}); least loaded"
+                        );
+                        least_loaded(&self.views)?
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Strategy::PrefixOverlap => {
+                reason.push_str("prefill_blocks - overlap + decode_blocks");
+                prefix_overlap(&req.view, &self.views)?
+            }
+            Strategy::LeastLoaded => {
+                reason.push_str("fewest queued tokens, then running");
+                least_loaded(&self.views)?
+            }
+            Strategy::RoundRobin => {
+                reason.push_str("next in turn");
+                self.cursor = self.cursor.wrapping_add(1);
+                round_robin(&self.views, self.cursor)?
+            }
+        };
+        let mut order: Vec<usize> = (0..workers.len()).filter(|&i| i != chosen && workers[i].ready).collect();
+        order.sort_by(|&a, &b| {
+            let c = |i: usize| costs[i].map_or(f64::INFINITY, |c| c.total_s);
+            c(a).total_cmp(&c(b))
+        });
+        order.insert(0, chosen);
+        if req.publishes_prefix
+            && let Ok(w) = WorkerIdx::try_from(chosen)
+        {
+            self.index.predict(w, req.hashes, t0 + self.cfg.prediction_ttl);
+        }
+        let record = DecisionRecord {
+            request_id: req.request_id.to_owned(),
+            strategy: self.cfg.strategy,
+            chosen: names.get(chosen).copied().unwrap_or_default().to_owned(),
+            reason,
+            prompt_tokens: req.view.prompt_tokens,
+            prompt_blocks: req.hashes.len(),
+            decision_us: t0.elapsed().as_secs_f64() * 1e6,
+            candidates: costs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| {
+                    let c = (*c)?;
+                    Some(CandidateRecord {
+                        worker: names.get(i).copied().unwrap_or_default().to_owned(),
+                        hits_device: c.hits.get(HitTier::Device),
+                        hits_host: c.hits.get(HitTier::Host),
+                        hits_disk: c.hits.get(HitTier::Disk),
+                        hits_peer: c.hits.get(HitTier::Peer),
+                        prefill_s: c.prefill_s,
+                        load_s: c.load_s,
+                        queue_s: c.queue_s,
+                        total_s: c.total_s,
+                        feasible: c.feasible,
+                    })
+                })
+                .collect(),
+        };
+        if self.recent.len() == RECENT_DECISIONS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(record);
+        Ok(order)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(queued: u64) -> WorkerSnapshot {
+        WorkerSnapshot { ready: true, queued_tokens: queued, decoding: 0, free_blocks: 1_000_000, group_size: 90 }
+    }
+
+    fn req<'a>(id: &'a str, hashes: &'a [u64]) -> PlaceRequest<'a> {
+        PlaceRequest {
+            request_id: id,
+            hashes,
+            view: RequestView {
+                prompt_tokens: hashes.len() as u32 * 16 + 5,
+                max_tokens: 32,
+                block_size: 16,
+                budget_tokens: None,
+            },
+            publishes_prefix: true,
+        }
+    }
+
+    #[test]
+    fn kv_placement_follows_its_own_predictions_and_records_why() {
+        let mut p = Placer::new(PlacerConfig::default());
+        let names = ["a", "b", "c"];
+        let shared: Vec<u64> = (0..32).collect();
+        let first = p.order(&req("r1", &shared), &[snap(0), snap(0), snap(0)], &names).unwrap();
+        assert_eq!(first.len(), 3);
+        // A second request with the same prefix goes where the first went, even though that worker is now busier.
+        let mut load = [snap(0), snap(0), snap(0)];
+        load[first[0]].queued_tokens = 500;
+        let second = p.order(&req("r2", &shared), &load, &names).unwrap();
+        assert_eq!(second[0], first[0]);
+        let rec = p.recent().next().unwrap();
+        assert_eq!(rec.request_id, "r2");
+        assert_eq!(rec.candidates.iter().find(|c| c.worker == names[first[0]]).unwrap().hits_device, 32);
+        // An unrelated prompt avoids the busy worker.
+        let other: Vec<u64> = (100..132).collect();
+        assert_ne!(p.order(&req("r3", &other), &load, &names).unwrap()[0], first[0]);
+    }
+
+    #[test]
+    fn baselines_ignore_the_prefix() {
+        let mut p = Placer::new(PlacerConfig { strategy: Strategy::RoundRobin, ..PlacerConfig::default() });
+        let names = ["a", "b"];
+        let h: Vec<u64> = (0..8).collect();
+        let a = p.order(&req("1", &h), &[snap(0), snap(0)], &names).unwrap()[0];
+        let b = p.order(&req("2", &h), &[snap(0), snap(0)], &names).unwrap()[0];
+        assert_ne!(a, b, "round robin alternates");
+        let mut p = Placer::new(PlacerConfig { strategy: Strategy::LeastLoaded, ..PlacerConfig::default() });
+        assert_eq!(p.order(&req("3", &h), &[snap(9), snap(1)], &names).unwrap()[0], 1);
+        let mut down = snap(0);
+        down.ready = false;
+        assert_eq!(p.order(&req("4", &h), &[down, snap(5)], &names).unwrap(), vec![1]);
+        assert!(p.order(&req("5", &h), &[down, down], &names).is_err());
+    }
+
+    #[test]
+    fn no_room_anywhere_falls_back_to_least_loaded_with_a_reason() {
+        let mut p = Placer::new(PlacerConfig::default());
+        let mut a = snap(50);
+        let mut b = snap(10);
+        a.free_blocks = 0;
+        b.free_blocks = 0;
+        let h: Vec<u64> = (0..8).collect();
+        assert_eq!(p.order(&req("1", &h), &[a, b], &["a", "b"]).unwrap()[0], 1);
+        assert!(p.recent().next().unwrap().reason.starts_with("no worker has room"));
+    }
+
+    #[test]
+    fn strategies_parse_by_name() {
+        for s in [Strategy::Kv, Strategy::PrefixOverlap, Strategy::LeastLoaded, Strategy::RoundRobin] {
+            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+        }
+        assert!("random".parse::<Strategy>().is_err());
+    }
+}
