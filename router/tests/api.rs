@@ -171,7 +171,8 @@ async fn spawn_worker(fake: Fake) -> SocketAddr {
 async fn spawn_router(workers: Vec<String>, body_limit: usize) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig { workers, body_limit, health_interval: Duration::from_millis(100) };
+    let cfg =
+        RouterConfig { workers, body_limit, health_interval: Duration::from_millis(100), ..RouterConfig::default() };
     tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
     format!("http://{addr}")
 }
