@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use pagoda_router::{GgufCodec, RouterConfig, TextCodec};
+use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
@@ -171,6 +171,13 @@ struct HttpArgs {
     /// Serve the model under this id instead of the GGUF file stem.
     #[arg(long)]
     model_id: Option<String>,
+    /// API keys file: one `<key> <tenant> [rps=N] [burst=N] [concurrency=N]` per line, `#` comments (README,
+    /// "API keys and tenants"). Every /v1 request then needs `Authorization: Bearer <key>`; without it auth is off.
+    #[arg(long, env = "PAGODA_API_KEYS_FILE")]
+    api_keys_file: Option<PathBuf>,
+    /// File whose first non-comment line is the admin key, which opens the admin endpoints (/debug/*).
+    #[arg(long, env = "PAGODA_ADMIN_KEY_FILE")]
+    admin_key_file: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -443,6 +450,12 @@ async fn start_engine(model: &Path, e: &EngineArgs) -> Result<EngineHandle> {
     Ok(engine)
 }
 
+/// Loads the keys file and admin key file, failing at start on any malformed line.
+fn load_security(http: &HttpArgs) -> Result<Security> {
+    Security::load(http.api_keys_file.as_deref(), http.admin_key_file.as_deref())
+        .context("cannot load the API keys (--api-keys-file / --admin-key-file)")
+}
+
 async fn load_codec(model: &Path, http: &HttpArgs) -> Result<Arc<dyn TextCodec>> {
     let path = model.to_path_buf();
     let mut codec = tokio::task::spawn_blocking(move || GgufCodec::load(&path))
@@ -520,6 +533,7 @@ async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener> {
 }
 
 async fn up(args: UpArgs) -> Result<()> {
+    let security = load_security(&args.http)?;
     let model = resolve_model(&args.model)?;
     let shutdown = shutdown_signal();
     let engine = start_engine(&model, &args.engine).await?;
@@ -532,6 +546,7 @@ async fn up(args: UpArgs) -> Result<()> {
     let config = RouterConfig {
         workers: vec![worker_addr.to_string()],
         body_limit: args.http.body_limit,
+        security,
         ..RouterConfig::default()
     };
     println!("pagoda worker listening on {worker_addr}");
@@ -568,6 +583,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
 }
 
 async fn router(args: RouterArgs) -> Result<()> {
+    let security = load_security(&args.http)?;
     let model = resolve_model(&args.model)?;
     let shutdown = shutdown_signal();
     let codec = load_codec(&model, &args.http).await?;
@@ -578,8 +594,13 @@ async fn router(args: RouterArgs) -> Result<()> {
         temperature: args.placement_temperature.filter(|t| t.is_finite() && *t > 0.0),
         ..Default::default()
     };
-    let config =
-        RouterConfig { workers: args.workers, body_limit: args.http.body_limit, placement, ..RouterConfig::default() };
+    let config = RouterConfig {
+        workers: args.workers,
+        body_limit: args.http.body_limit,
+        placement,
+        security,
+        ..RouterConfig::default()
+    };
     println!("pagoda router listening on http://{addr}");
     let fut = pagoda_router::serve(listener, codec, config, wait_for(shutdown.clone()));
     match until_drained(fut, shutdown).await {

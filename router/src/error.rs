@@ -112,6 +112,39 @@ impl ApiError {
         }
     }
 
+    /// 401 for a missing, malformed or unknown API key.
+    pub fn invalid_api_key(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    /// 403 for a valid key that may not use this endpoint.
+    pub fn permission_denied(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::FORBIDDEN,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("permission_denied"),
+        }
+    }
+
+    /// 429 when a key is over its request rate or concurrency limit.
+    pub fn rate_limited(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "requests",
+            param: None,
+            code: Some("rate_limit_exceeded"),
+        }
+    }
+
     /// 500.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {

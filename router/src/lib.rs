@@ -11,13 +11,19 @@
 //! - [`placer`]: the router's placement state: residency predictions, strategy, recent decisions.
 //! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`auth`]: API keys file, tenants, admin key, bearer parsing and constant-time key lookup.
+//! - [`limits`]: per-key token bucket and in-flight cap ([`limits::Limiter`]).
+//! - [`access`]: the middlewares that apply [`auth`] and [`limits`] to `/v1/*` and the admin endpoints.
 
+pub mod access;
+pub mod auth;
 pub mod codec;
 pub mod detok;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod gguf_codec;
+pub mod limits;
 pub mod metrics;
 pub mod openai;
 pub mod placement;
@@ -26,6 +32,7 @@ pub mod residency;
 pub mod server;
 pub mod workers;
 
+pub use auth::{KeysFileError, Security};
 pub use codec::TextCodec;
 pub use error::ApiError;
 pub use gguf_codec::{GgufCodec, model_id_for};

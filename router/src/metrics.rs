@@ -23,6 +23,13 @@ pub struct WorkerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RateLimitLabels {
+    pub tenant: String,
+    /// `rate` or `concurrency`.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabels {
     pub worker: String,
     pub policy: String,
@@ -45,6 +52,8 @@ pub struct Metrics {
     pub worker_evicted_tokens: Family<PolicyLabels, Gauge>,
     pub worker_evicted_blocks: Family<PolicyLabels, Gauge>,
     pub worker_preemptions: Family<WorkerLabels, Gauge>,
+    /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
+    pub rate_limited: Family<RateLimitLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -131,8 +140,15 @@ impl Metrics {
             Unit::Other("sequences".into()),
             worker_preemptions.clone(),
         );
+        let rate_limited = Family::<RateLimitLabels, Counter>::default();
+        registry.register(
+            "rate_limited_requests",
+            "Requests refused with 429 by their API key's rate or concurrency limit",
+            rate_limited.clone(),
+        );
         Metrics {
             registry,
+            rate_limited,
             worker_evicted_tokens,
             worker_evicted_blocks,
             worker_preemptions,
@@ -151,6 +167,14 @@ impl Metrics {
 
     pub fn count_request(&self, endpoint: &str, status: u16) {
         self.requests.get_or_create(&RequestLabels { endpoint: endpoint.to_string(), status }).inc();
+    }
+
+    pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
+        let reason = match denied {
+            crate::limits::Denied::Rate { .. } => "rate",
+            crate::limits::Denied::Concurrency { .. } => "concurrency",
+        };
+        self.rate_limited.get_or_create(&RateLimitLabels { tenant: tenant.to_string(), reason }).inc();
     }
 
     /// Scrapes every worker's `Stats` and updates the worker gauges.

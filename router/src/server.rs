@@ -6,21 +6,24 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::Json;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Json};
 use futures::Stream;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
+use crate::access::{self, DEFAULT_TENANT};
+use crate::auth::{Security, Tenant};
 use crate::codec::TextCodec;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, Job, Piece};
+use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChunkChoice, Completion,
@@ -43,6 +46,8 @@ pub struct RouterConfig {
     pub health_interval: Duration,
     /// How requests are placed on workers.
     pub placement: PlacerConfig,
+    /// API keys, tenants and the admin key; the default is auth off (dev mode).
+    pub security: Security,
 }
 
 impl Default for RouterConfig {
@@ -52,6 +57,7 @@ impl Default for RouterConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             health_interval: Duration::from_secs(2),
             placement: PlacerConfig::default(),
+            security: Security::default(),
         }
     }
 }
@@ -62,6 +68,9 @@ struct Inner {
     metrics: Arc<Metrics>,
     body_limit: usize,
     created: u64,
+    security: Security,
+    /// Present when there is a keys file.
+    limiter: Option<Arc<Limiter>>,
 }
 
 /// Shared handler state.
@@ -69,8 +78,35 @@ struct Inner {
 pub struct AppState(Arc<Inner>);
 
 impl AppState {
+    /// State without auth (dev mode).
     pub fn new(codec: Arc<dyn TextCodec>, pool: Arc<WorkerPool>, body_limit: usize) -> AppState {
-        AppState(Arc::new(Inner { codec, pool, metrics: Arc::new(Metrics::new()), body_limit, created: unix_now() }))
+        AppState::with_security(codec, pool, body_limit, Security::default())
+    }
+
+    pub fn with_security(
+        codec: Arc<dyn TextCodec>,
+        pool: Arc<WorkerPool>,
+        body_limit: usize,
+        security: Security,
+    ) -> AppState {
+        let limiter = security.keys.as_deref().map(Limiter::new);
+        AppState(Arc::new(Inner {
+            codec,
+            pool,
+            metrics: Arc::new(Metrics::new()),
+            body_limit,
+            created: unix_now(),
+            security,
+            limiter,
+        }))
+    }
+
+    pub fn security(&self) -> &Security {
+        &self.0.security
+    }
+
+    pub fn limiter(&self) -> Option<&Arc<Limiter>> {
+        self.0.limiter.as_ref()
     }
 
     pub fn body_limit(&self) -> usize {
@@ -101,10 +137,19 @@ fn new_id(prefix: &str) -> String {
 /// Builds the application for `state`.
 pub fn app(state: AppState) -> axum::Router {
     let limit = state.body_limit();
-    axum::Router::new()
+    // Auth runs before any body is read, so an unauthenticated client cannot make the router parse a large body.
+    let v1 = axum::Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), access::require_key));
+    let admin = axum::Router::new()
+        .route("/debug/keys", get(debug_keys))
+        .route("/debug/placements", get(debug_placements))
+        .route_layer(middleware::from_fn_with_state(state.clone(), access::require_admin));
+    axum::Router::new()
+        .merge(v1)
+        .merge(admin)
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -124,10 +169,25 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
     let health = pool.spawn_health_loop(config.health_interval);
-    let state = AppState::new(codec, pool, config.body_limit);
+    log_security(&config.security);
+    let state = AppState::with_security(codec, pool, config.body_limit, config.security);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
     res
+}
+
+fn log_security(sec: &Security) {
+    match &sec.keys {
+        None => tracing::warn!(
+            "API keys are off (no --api-keys-file): every /v1 request is served, as tenant `{DEFAULT_TENANT}`"
+        ),
+        Some(k) => tracing::info!(keys = k.entries().len(), tenants = k.tenant_count(), "API keys on"),
+    }
+    match (&sec.admin, &sec.keys) {
+        (Some(_), _) => tracing::info!("admin endpoints (/debug/*) need the admin key"),
+        (None, None) => tracing::warn!("admin endpoints (/debug/*) are open: no --admin-key-file and no API keys"),
+        (None, Some(_)) => tracing::info!("admin endpoints (/debug/*) are disabled: no --admin-key-file"),
+    }
 }
 
 async fn count_requests(State(st): State<AppState>, req: Request, next: Next) -> Response {
@@ -179,6 +239,40 @@ async fn metrics(State(st): State<AppState>) -> Response {
     resp
 }
 
+/// `GET /debug/placements` (admin): the most recent placement decisions, newest first, each with every
+/// candidate's cost breakdown.
+async fn debug_placements(State(st): State<AppState>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "decisions": st.pool().recent_decisions() }))
+}
+
+/// `GET /debug/keys` (admin): every key's tenant, fingerprint, limits and current usage; never the keys.
+async fn debug_keys(State(st): State<AppState>) -> Json<serde_json::Value> {
+    let Some(keys) = st.security().keys.as_ref() else {
+        return Json(serde_json::json!({"auth": false, "keys": []}));
+    };
+    let usage = st.limiter().map(|l| l.usage()).unwrap_or_default();
+    let list: Vec<serde_json::Value> = keys
+        .entries()
+        .iter()
+        .zip(usage)
+        .map(|(e, u)| {
+            serde_json::json!({
+                "tenant": &*e.tenant,
+                "fingerprint": e.fingerprint(),
+                "limits": {"rps": u.rps, "burst": u.burst, "concurrency": u.concurrency},
+                "usage": {
+                    "in_flight": u.in_flight,
+                    "tokens_available": u.tokens_available,
+                    "admitted_total": u.admitted_total,
+                    "rejected_rate_total": u.rejected_rate_total,
+                    "rejected_concurrency_total": u.rejected_concurrency_total,
+                },
+            })
+        })
+        .collect();
+    Json(serde_json::json!({"auth": true, "tenants": keys.tenant_count(), "keys": list}))
+}
+
 async fn models(State(st): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
@@ -199,6 +293,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + S
 
 async fn chat_completions(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -213,7 +308,7 @@ async fn chat_completions(
     })
     .await?;
     let id = new_id("chatcmpl");
-    let rx = start_job(&st, &id, prompt, params.clone(), arrived).await?;
+    let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await?;
     let created = unix_now();
     if params.stream {
         Ok(sse(chat_events(rx, id, created, params)).into_response())
@@ -238,6 +333,7 @@ async fn chat_completions(
 
 async fn completions(
     State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -256,7 +352,7 @@ async fn completions(
         }
     };
     let id = new_id("cmpl");
-    let rx = start_job(&st, &id, prompt, params.clone(), arrived).await.map_err(|mut e| {
+    let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await.map_err(|mut e| {
         if e.param.as_deref() == Some("messages") {
             e.param = Some("prompt".into());
         }
@@ -281,13 +377,15 @@ async fn completions(
 
 async fn start_job(
     st: &AppState,
+    tenant: &Tenant,
     id: &str,
     prompt: Vec<u32>,
     params: GenParams,
     arrived: Instant,
 ) -> Result<mpsc::Receiver<Piece>, ApiError> {
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
-    let job = Job { request_id: id.to_string(), prompt, max_tokens, params, namespace: "default".to_string(), arrived };
+    let job =
+        Job { request_id: id.to_string(), prompt, max_tokens, params, namespace: tenant.name.to_string(), arrived };
     generate::start(st.pool(), st.0.codec.clone(), st.metrics().clone(), job).await
 }
 

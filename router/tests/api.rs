@@ -15,9 +15,10 @@ use pagoda_proto::worker::{
     FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, StatsRequest,
     StatsResponse, Usage,
 };
+use pagoda_router::auth::{AdminKey, KeyTable};
 use pagoda_router::openai::Turn;
 use pagoda_router::placer::{PlacerConfig, Strategy};
-use pagoda_router::{RouterConfig, TextCodec};
+use pagoda_router::{RouterConfig, Security, TextCodec};
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
@@ -63,6 +64,8 @@ impl TextCodec for ByteCodec {
 struct Fake {
     open: Arc<AtomicUsize>,
     started: Arc<AtomicUsize>,
+    /// The `namespace` of every Generate call, in order.
+    namespaces: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 struct OpenGuard(Arc<AtomicUsize>);
@@ -80,6 +83,7 @@ impl Worker for Fake {
 
     async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
         let req = req.into_inner();
+        self.namespaces.lock().unwrap().push(req.namespace.clone());
         if req.prompt_token_ids.is_empty() {
             return Err(Status::invalid_argument("empty prompt"));
         }
@@ -171,10 +175,14 @@ async fn spawn_worker(fake: Fake) -> SocketAddr {
 }
 
 async fn spawn_router(workers: Vec<String>, body_limit: usize) -> String {
-    spawn_router_placing(workers, body_limit, Strategy::Kv).await
+    spawn_router_with(workers, body_limit, Security::default(), Strategy::Kv).await
 }
 
 async fn spawn_router_placing(workers: Vec<String>, body_limit: usize, strategy: Strategy) -> String {
+    spawn_router_with(workers, body_limit, Security::default(), strategy).await
+}
+
+async fn spawn_router_with(workers: Vec<String>, body_limit: usize, security: Security, strategy: Strategy) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let cfg = RouterConfig {
@@ -182,7 +190,7 @@ async fn spawn_router_placing(workers: Vec<String>, body_limit: usize, strategy:
         body_limit,
         health_interval: Duration::from_millis(100),
         placement: PlacerConfig { strategy, ..PlacerConfig::default() },
-        ..RouterConfig::default()
+        security,
     };
     tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
     format!("http://{addr}")
@@ -602,6 +610,15 @@ async fn kv_placement_sends_a_repeated_prefix_to_the_worker_that_has_it() {
     let on_holder = holder.load(Ordering::SeqCst) - 1 - busy_on_holder as usize;
     assert_eq!(on_holder, 3, "every repeat goes to the worker with the prefix (busy there: {busy_on_holder})");
     drop(busy);
+    // The decisions are exported with their cost breakdown (admin endpoint; open without a keys file).
+    let d: Value = client.get(format!("{http}/debug/placements")).send().await.unwrap().json().await.unwrap();
+    let last = &d["decisions"][0];
+    assert_eq!(last["strategy"], "kv");
+    assert_eq!(last["prompt_blocks"], 6, "{last}");
+    let cands = last["candidates"].as_array().unwrap();
+    assert_eq!(cands.len(), 2);
+    assert!(cands.iter().any(|c| c["hits_device"] == 6 && c["worker"] == last["chosen"]), "{last}");
+    assert!(cands.iter().all(|c| c["total_s"].as_f64().unwrap() > 0.0));
 }
 
 #[tokio::test]
@@ -654,4 +671,98 @@ async fn worker_errors_map_to_http_errors() {
     let err: Value = serde_json::from_str(&p[p.len() - 2]).unwrap();
     assert!(err["error"]["message"].as_str().unwrap().contains("forward step failed"), "{err}");
     c.still_serves().await;
+}
+
+const KEY_A: &str = "sk-test-a-0123456789";
+const KEY_B: &str = "sk-test-b-0123456789";
+const ADMIN: &str = "sk-test-admin-0123456789";
+
+/// Auth, limits and tenants over HTTP against the real router: keys map to tenants that reach the worker as the
+/// cache namespace, the in-flight cap holds while a stream runs and frees on disconnect, the bucket refuses past
+/// its burst with `Retry-After`, and `/debug/keys` needs the admin key. (The same against the real model is in
+/// e2e/tests/security.rs.)
+#[tokio::test]
+async fn api_keys_tenants_limits_and_admin() {
+    let keys = KeyTable::parse(
+        &format!("{KEY_A} acme concurrency=1\n{KEY_B} globex rps=0.2 burst=2\n"),
+        std::path::Path::new("keys"),
+    )
+    .unwrap();
+    let admin = AdminKey::parse(ADMIN, std::path::Path::new("admin")).unwrap();
+    let fake = Fake::default();
+    let (open, namespaces) = (fake.open.clone(), fake.namespaces.clone());
+    let waddr = spawn_worker(fake).await;
+    let security = Security { keys: Some(Arc::new(keys)), admin: Some(admin) };
+    let http =
+        spawn_router_with(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT, security, Strategy::Kv).await;
+    let client = reqwest::Client::new();
+    let hi = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let post = |key: Option<&str>, body: &Value| {
+        let mut r = client.post(format!("{http}/v1/chat/completions")).json(body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    for _ in 0..100 {
+        if client.get(format!("{http}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let r = post(None, &hi).await.unwrap();
+    let s = r.status().as_u16();
+    let v = assert_error(s, &r.text().await.unwrap(), 401);
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let r = post(Some("sk-test-c-0123456789"), &hi).await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = post(Some(KEY_A), &hi).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = post(Some(KEY_B), &hi).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(*namespaces.lock().unwrap(), ["acme", "globex"], "the tenant is the worker's cache namespace");
+
+    // Concurrency: acme's endless stream holds its only slot; globex is unaffected.
+    let forever = json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "talk forever"}]});
+    let mut stream = post(Some(KEY_A), &forever).await.unwrap();
+    assert_eq!(stream.status(), 200);
+    stream.chunk().await.unwrap().unwrap();
+    let r = post(Some(KEY_A), &hi).await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v = assert_error(429, &r.text().await.unwrap(), 429);
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    let admin_view = |key: Option<&'static str>| {
+        let mut r = client.get(format!("{http}/debug/keys"));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    let v: Value = admin_view(Some(ADMIN)).await.unwrap().json().await.unwrap();
+    assert_eq!(v["keys"][0]["tenant"], "acme", "{v}");
+    assert_eq!(v["keys"][0]["usage"]["in_flight"], 1, "{v}");
+    assert_eq!(v["keys"][0]["usage"]["rejected_concurrency_total"], 1, "{v}");
+    assert!(!v.to_string().contains(KEY_A) && !v.to_string().contains(ADMIN));
+    assert_eq!(admin_view(None).await.unwrap().status(), 401);
+    assert_eq!(admin_view(Some(KEY_A)).await.unwrap().status(), 403);
+    drop(stream);
+    let mut released = false;
+    for _ in 0..200 {
+        if post(Some(KEY_A), &hi).await.unwrap().status() == 200 {
+            released = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(released, "the slot was not released after the client disconnected");
+    assert_eq!(open.load(Ordering::SeqCst), 0);
+
+    // Rate: globex used one of its two tokens above; one more, then 429 with the wait until the next token.
+    assert_eq!(post(Some(KEY_B), &hi).await.unwrap().status(), 200);
+    let r = post(Some(KEY_B), &hi).await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=5).contains(&retry), "{retry}");
 }

@@ -1,0 +1,137 @@
+//! Request admission: the axum middlewares that authenticate `/v1/*` callers (API key → [`Tenant`]) and apply
+//! their key's limits, and that guard the admin endpoints (`/debug/*`, later `/dashboard`) with the admin key.
+//!
+//! A `/v1` request's [`Permit`] travels inside the response body ([`ReleaseOnEnd`]), so its concurrency slot is
+//! held for exactly as long as the response: until the last byte of a stream has been produced, or until the
+//! server drops the body because the client disconnected.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body::{Frame, SizeHint};
+
+use crate::auth::{Tenant, bearer};
+use crate::error::ApiError;
+use crate::limits::{Denied, Permit};
+use crate::server::AppState;
+
+/// The namespace of every request when auth is off (the embedded dev mode).
+pub const DEFAULT_TENANT: &str = "default";
+
+fn unauthorized(e: ApiError) -> Response {
+    let mut resp = e.into_response();
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp
+}
+
+fn too_many(d: Denied, tenant: &str) -> Response {
+    let message = match d {
+        Denied::Rate { .. } => {
+            format!("Rate limit reached for this API key (tenant `{tenant}`): too many requests per second.")
+        }
+        Denied::Concurrency { limit } => {
+            format!("Rate limit reached for this API key (tenant `{tenant}`): {limit} requests already in flight.")
+        }
+    };
+    let mut resp = ApiError::rate_limited(message).into_response();
+    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(d.retry_after_secs()));
+    resp
+}
+
+/// Middleware of `/v1/*`: without a keys file every request is tenant [`DEFAULT_TENANT`]; with one, the bearer
+/// key must be listed (401 otherwise) and within its limits (429 with `Retry-After` otherwise).
+pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    let Some(keys) = st.security().keys.as_ref() else {
+        req.extensions_mut().insert(Tenant { name: DEFAULT_TENANT.into(), key: None });
+        return next.run(req).await;
+    };
+    let presented = match bearer(req.headers().get(header::AUTHORIZATION)) {
+        Ok(k) => k,
+        Err(e) => return unauthorized(e),
+    };
+    let Some(entry) = keys.find(presented) else {
+        return unauthorized(ApiError::invalid_api_key("Incorrect API key provided."));
+    };
+    let tenant = Tenant { name: entry.tenant.clone(), key: Some(entry.index) };
+    let permit = match st.limiter().map(|l| l.acquire(entry.index)) {
+        Some(Ok(p)) => Some(p),
+        Some(Err(d)) => {
+            st.metrics().count_rate_limited(&entry.tenant, d);
+            return too_many(d, &entry.tenant);
+        }
+        None => None,
+    };
+    req.extensions_mut().insert(tenant);
+    let resp = next.run(req).await;
+    match permit {
+        Some(p) => resp.map(|body| Body::new(ReleaseOnEnd { inner: body, permit: Some(p) })),
+        None => resp,
+    }
+}
+
+/// Middleware of the admin endpoints: the admin key opens them (401 for no or an unknown key, 403 for a tenant's
+/// key). With neither keys file nor admin key (dev mode) they are open; with a keys file but no admin key they
+/// stay closed, since tenants must not see each other's usage.
+pub async fn require_admin(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let sec = st.security();
+    let Some(admin) = sec.admin.as_ref() else {
+        if sec.keys.is_none() {
+            return next.run(req).await;
+        }
+        return ApiError::permission_denied(
+            "Admin endpoints are disabled: the router has no admin key (--admin-key-file).",
+        )
+        .into_response();
+    };
+    let presented = match bearer(req.headers().get(header::AUTHORIZATION)) {
+        Ok(k) => k,
+        Err(e) => return unauthorized(e),
+    };
+    if admin.matches(presented) {
+        return next.run(req).await;
+    }
+    if sec.keys.as_ref().is_some_and(|k| k.find(presented).is_some()) {
+        return ApiError::permission_denied("This endpoint needs the admin key; an API key is not enough.")
+            .into_response();
+    }
+    unauthorized(ApiError::invalid_api_key("Incorrect admin key provided."))
+}
+
+/// A response body that drops its [`Permit`] as soon as the body has produced its last frame (so a client that
+/// has read the whole response can send its next request at once), or when the body itself is dropped.
+pub struct ReleaseOnEnd<B> {
+    inner: B,
+    permit: Option<Permit>,
+}
+
+impl<B> http_body::Body for ReleaseOnEnd<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.permit = None,
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.permit = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
