@@ -121,6 +121,15 @@ struct EvalArgs {
     /// Do not run: re-render the tables and the plot from a JSON report written by `--json`.
     #[arg(long)]
     from_json: Option<PathBuf>,
+    /// Compare KV codecs with the full cache instead of eviction policies (comma-separated: f16, bf16, int8,
+    /// fp8_e4m3, int4_kivi, int2_kivi, or "all"): every filled block is encoded and decoded back in place, and
+    /// each codec's next-token argmax is compared with the full cache's on the synthetic items (greedy
+    /// continuation of --codec-tokens) and the prose documents (forced continuation). Writes --json/--markdown.
+    #[arg(long, value_delimiter = ',')]
+    codecs: Vec<String>,
+    /// Greedy tokens per synthetic item in the --codecs comparison.
+    #[arg(long, default_value_t = 64)]
+    codec_tokens: usize,
 }
 
 #[derive(Args, Clone)]
@@ -619,6 +628,9 @@ fn eval(args: EvalArgs) -> Result<()> {
         return write_eval_outputs(&report, &args);
     }
     let model = resolve_model(&args.model)?;
+    if !args.codecs.is_empty() {
+        return eval_codecs(&model, &args);
+    }
     let mut policies = Vec::new();
     for p in &args.policies {
         if p == "all" {
@@ -680,6 +692,86 @@ fn eval(args: EvalArgs) -> Result<()> {
     let report = runner::run(&model, &opts, &prose).context("eval failed")?;
     eprintln!("eval took {:.1} s", report.seconds);
     write_eval_outputs(&report, &args)
+}
+
+/// `pagoda eval --codecs`: next-token agreement of each codec with the full cache.
+fn eval_codecs(model: &Path, args: &EvalArgs) -> Result<()> {
+    use pagoda_kernels::Codec;
+    use pagoda_worker::eval::codecs::{self, CodecItem, Continuation};
+    use pagoda_worker::eval::{TaskKind, generate};
+    let mut list = Vec::new();
+    for c in &args.codecs {
+        if c == "all" {
+            list.extend(Codec::ALL.into_iter().filter(|c| *c != Codec::F32));
+        } else {
+            let c: Codec = c.parse().with_context(|| format!("bad --codecs entry {c:?}"))?;
+            if !list.contains(&c) {
+                list.push(c);
+            }
+        }
+    }
+    if !(2..=4096).contains(&args.codec_tokens) {
+        bail!("--codec-tokens must be in 2..=4096");
+    }
+    let mut tasks = Vec::new();
+    for t in &args.tasks {
+        match t.as_str() {
+            "all" => tasks.extend(TaskKind::ALL),
+            "none" => {}
+            _ => tasks.push(TaskKind::parse(t).with_context(|| format!("unknown task {t:?}"))?),
+        }
+    }
+    let prose = if args.prose_docs > 0 {
+        let gguf = pagoda_worker::model::Gguf::open(model).context("cannot open the model")?;
+        let tok = pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")?;
+        let need = args.prose_context + args.prose_continuation;
+        pagoda_worker::eval::load_documents(&args.prose_dir, need, &|s: &str| tok.encode(s, false).len())
+            .with_context(|| format!("cannot load prose from {} (scripts/fetch-prose.sh)", args.prose_dir.display()))?
+    } else {
+        Vec::new()
+    };
+    let make_items = |ev: &codecs::CodecEvaluator| {
+        let mut items = Vec::new();
+        for &ctx in &args.contexts {
+            for &task in &tasks {
+                for i in 0..args.items {
+                    let seed = args.seed.wrapping_add(i as u64 * 7919);
+                    let tok = ev.tokenizer();
+                    let item = generate(task, seed, ctx, &|s: &str| tok.encode(s, false).len());
+                    items.push(CodecItem {
+                        name: format!("{}/{ctx}/{seed}", task.name()),
+                        prompt: ev.chat_tokens(&item.prompt)?,
+                        continuation: Continuation::Greedy(args.codec_tokens),
+                    });
+                }
+            }
+        }
+        for doc in prose.iter().take(args.prose_docs) {
+            let ids = ev.tokenizer().encode(&doc.text, false);
+            let (c, n) = (args.prose_context, args.prose_continuation);
+            if ids.len() >= c + n {
+                items.push(CodecItem {
+                    name: doc.name.clone(),
+                    prompt: ids[..c].to_vec(),
+                    continuation: Continuation::Forced(ids[c..c + n].to_vec()),
+                });
+            }
+        }
+        Ok(items)
+    };
+    let report = codecs::run(model, args.threads, &list, &make_items).context("codec eval failed")?;
+    eprintln!("codec eval took {:.1} s", report.seconds);
+    let md = codecs::render_markdown(&report);
+    println!("{md}");
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report).context("cannot serialise the report")?;
+        std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &EvalArgs) -> Result<()> {

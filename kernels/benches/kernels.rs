@@ -1,9 +1,12 @@
 //! Criterion benches for the CPU kernels at SmolLM2-135M shapes, scalar vs AVX2 (both on 2 threads).
 //!
 //! Filter with e.g. `cargo bench -p pagoda-kernels -- matmul/q4_1_1536x576`.
+//!
+//! `attention_codec/*` runs decode attention over the same KV stored as f32 (the f32 kernel) and encoded with each
+//! codec (the dequantise-on-load kernel), one thread, AVX2, with throughput in KV bytes read per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, Simd, WeightType};
+use pagoda_kernels::{AttnSeq, Backend, Codec, CpuBackend, EncodedKv, KvStorage, QMatrix, Simd, WeightType};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -117,6 +120,51 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
+/// Decode attention per codec at SmolLM2 shapes (9 heads, 3 kv-heads, head_dim 64, 16-slot blocks), 8 sequences
+/// of 4096 cached tokens (one layer: 48 MiB of f32 KV, beyond the last-level cache), one thread.
+fn attention_codec(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (n_heads, n_kv, hd, bs, ctx, batch) = (9usize, 3usize, 64usize, 16usize, 4096usize, 8usize);
+    let per_head = (ctx + 1).div_ceil(bs);
+    let num_blocks = per_head * n_kv * batch;
+    let mut kv = KvStorage::new(num_blocks, bs, hd);
+    {
+        let (k, v) = kv.arenas_mut();
+        for x in k.iter_mut().chain(v.iter_mut()) {
+            *x = rng.random_range(-1.0..1.0);
+        }
+    }
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    ids.shuffle(&mut rng);
+    let tables: Vec<Vec<Vec<u32>>> = (0..batch)
+        .map(|s| (0..n_kv).map(|h| ids[(s * n_kv + h) * per_head..(s * n_kv + h + 1) * per_head].to_vec()).collect())
+        .collect();
+    let prior = vec![ctx; n_kv];
+    let seqs: Vec<AttnSeq<'_>> =
+        tables.iter().enumerate().map(|(s, t)| AttnSeq { q_row: s, n_new: 1, tables: t, prior_lens: &prior }).collect();
+    let q = rand_vec(&mut rng, batch * n_heads * hd);
+    let mut out = vec![0.0; q.len()];
+    let be = CpuBackend::with_simd(1, Simd::Avx2);
+    let mut g = c.benchmark_group(format!("attention_codec/decode_ctx{ctx}_batch{batch}"));
+    g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(10);
+    g.throughput(Throughput::Bytes((num_blocks * 2 * bs * hd * 4) as u64));
+    g.bench_function("f32_kernel", |b| {
+        b.iter(|| be.paged_attention(black_box(&q), &kv, &seqs, n_heads, n_kv, 0.125, black_box(&mut out)))
+    });
+    for codec in Codec::ALL {
+        let mut enc = EncodedKv::new(codec, num_blocks, bs, hd).expect("arena");
+        for b in 0..num_blocks as u32 {
+            enc.store(b as usize, kv.block_k(b), kv.block_v(b)).expect("encode");
+        }
+        // Every sequence reads all of its blocks (ctx + 1 slots fill them but the last).
+        g.throughput(Throughput::Bytes((num_blocks * enc.block_len()) as u64));
+        g.bench_function(codec.name(), |b| {
+            b.iter(|| be.paged_attention_encoded(black_box(&q), &enc, &seqs, n_heads, n_kv, 0.125, black_box(&mut out)))
+        });
+    }
+    g.finish();
+}
+
 fn elementwise(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(3);
     let bes = backends();
@@ -145,5 +193,5 @@ fn elementwise(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, matmul, attention, elementwise);
+criterion_group!(benches, matmul, attention, attention_codec, elementwise);
 criterion_main!(benches);

@@ -9,7 +9,9 @@
 //! - [`cpu`]: [`CpuBackend`], the always-available implementation, with AVX2/FMA/F16C kernels selected at run time
 //!   and portable scalar kernels that double as the test reference;
 //! - [`scores`]: the KV-cache eviction score kernels (key norms, PagedEviction's value/key ratio, KeyDiff, windowed
-//!   attention for SnapKV/H2O/KV-Compress, pooling, block means, top-k) that eviction policies rank slots with.
+//!   attention for SnapKV/H2O/KV-Compress, pooling, block means, top-k) that eviction policies rank slots with;
+//! - [`codec`]: KV block codecs (f16, bf16, int8, fp8 e4m3, KIVI int4/int2) with a versioned byte format, and
+//!   [`EncodedKv`], the compressed arena that [`cpu::codecs`] runs dequantise-on-load attention over.
 //!
 //! ```
 //! use pagoda_kernels::{Backend, CpuBackend, QMatrix, WeightType};
@@ -21,6 +23,7 @@
 //! ```
 
 pub mod backend;
+pub mod codec;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -29,6 +32,7 @@ pub mod paged;
 pub mod quant;
 
 pub use backend::Backend;
+pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block};
 pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};
 pub use error::KernelError;

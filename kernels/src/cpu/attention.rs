@@ -33,7 +33,7 @@ pub fn kv_write(kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], 
     }
 }
 
-fn check_seq(s: &AttnSeq<'_>, n_kv_heads: usize, rows: usize) {
+pub(crate) fn check_seq(s: &AttnSeq<'_>, n_kv_heads: usize, rows: usize) {
     assert!(s.tables.len() >= n_kv_heads, "AttnSeq: tables must have one entry per kv-head");
     assert!(s.prior_lens.len() >= n_kv_heads, "AttnSeq: prior_lens must have one entry per kv-head");
     assert!(s.q_row + s.n_new <= rows, "AttnSeq: rows [q_row, q_row+n_new) exceed the batch");
@@ -101,7 +101,7 @@ pub fn paged_attention(
 
 /// Panics unless the sequences' row ranges `[q_row, q_row + n_new)` are pairwise disjoint (each output row
 /// must be written by one task only).
-fn check_disjoint(seqs: &[AttnSeq<'_>]) {
+pub(crate) fn check_disjoint(seqs: &[AttnSeq<'_>]) {
     let mut ranges: Vec<(usize, usize)> =
         seqs.iter().filter(|s| s.n_new > 0).map(|s| (s.q_row, s.q_row + s.n_new)).collect();
     ranges.sort_unstable();

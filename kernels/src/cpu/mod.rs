@@ -4,6 +4,9 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+pub mod codecs;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod codecs_avx2;
 pub mod matmul;
 pub mod scalar;
 pub mod scores;

@@ -7,9 +7,13 @@
 //! - [`prose`]: real English prose (fetched by `scripts/fetch-prose.sh` into `data/prose/`) split into documents of
 //!   a token range, for teacher-forced scoring.
 //!
+//! - [`codecs`]: `pagoda eval --codecs`, next-token agreement with the full cache when every filled KV block goes
+//!   through a codec (runs the model itself, unlike the data modules above).
+//!
 //! Everything here takes a `count_tokens` callback instead of a tokenizer so that the data layer does not depend on
 //! which model the runner loads, and can be tested with a stand-in counter.
 
+pub mod codecs;
 pub mod prose;
 pub mod runner;
 pub mod tasks;

@@ -1,0 +1,786 @@
+//! KV block codecs: the [`Codec`] names, the self-describing byte format of one encoded block, the scalar encoder
+//! and decoder, and [`EncodedKv`], an arena of encoded blocks that the dequantise-on-load attention kernel
+//! ([`crate::cpu::codecs`]) reads directly.
+//!
+//! A block is `block_size` slots of ONE (layer, kv-head), `head_dim` floats each, for K and for V; `filled <=
+//! block_size` of them hold data (a partial block is the tail of a sequence). One encoded block is
+//!
+//! ```text
+//! header (16 bytes)  "PGKV" | version u8 = 1 | codec id u8 | block_size u16 | head_dim u16 | filled u16 | 0u32
+//! K half             codec-specific, fixed length for (codec, block_size, head_dim)
+//! V half             same length as the K half except for the KIVI codecs
+//! ```
+//!
+//! All integers and floats are little-endian; the length depends only on (codec, block_size, head_dim), so a
+//! tier can store encoded blocks in fixed-size slots. Halves, with B = block_size, D = head_dim, G = ⌈D/32⌉:
+//!
+//! | codec | K half | V half | error bound per element (see `tests/codecs.rs`) |
+//! |---|---|---|---|
+//! | `f32` | `f32[B][D]` | same | exact |
+//! | `f16` | `f16[B][D]` | same | RNE: ≤ 2⁻¹¹·\|x\| (normal range), \|x\| ≤ 65504 else rejected |
+//! | `bf16` | `bf16[B][D]` | same | RNE: ≤ 2⁻⁸·\|x\| |
+//! | `int8` | `f32 scale[B]`, `i8[B][D]` | same | symmetric per slot: scale = absmax/127, ≤ scale/2 |
+//! | `fp8_e4m3` | `f32 scale`, `e4m3[B][D]` | same | per block (= per head): scale = absmax/448; ≤ 2⁻⁴·\|x\| for normals, ≤ 2⁻¹⁰·scale below |
+//! | `int4_kivi` | `f16 scale[D]`, `f16 min[D]`, `u4[B][D]` | `f16 scale[B][G]`, `f16 min[B][G]`, `u4[B][D]` | asymmetric: ≤ scale/2 (+ f16 rounding of min) |
+//! | `int2_kivi` | as int4 with `u2` codes | as int4 with `u2` codes | as int4 with 3 levels instead of 15 |
+//!
+//! KIVI (Liu et al., 2024) quantises keys per channel and values per token. Values: each slot's channels are cut
+//! into groups of [`KIVI_GROUP`] (32) consecutive channels, each with its own fp16 scale and min, as in the paper.
+//! Keys: the paper groups G tokens of one channel; here the group is the block's filled slots (16 by default), so
+//! every block stays independently decodable: eviction, compaction and the tiers move single blocks, and a 32-token
+//! group would tie two blocks together. That is a finer grouping than the paper's (more scale bytes, lower error).
+//! The paper also keeps the most recent tokens in full precision; here the block being filled stays f32 and is only
+//! encoded once full, which plays the same role.
+//!
+//! Packed codes: `u4` row byte `j` holds channel `j` in its low nibble and channel `j + D/2` in its high nibble;
+//! `u2` row byte `j` holds channel `j + t·D/4` in bits `2t..2t+2`. This keeps 8 consecutive channels in 8
+//! consecutive bytes, which is what the AVX2 kernels load.
+//!
+//! Non-finite inputs are rejected ([`CodecError::NonFinite`]) by every codec: a NaN or infinity in the KV cache
+//! means the forward pass already failed, and refusing it keeps every scale, and so every decoded block, finite.
+//! Values a format cannot hold (beyond f16's 65504 for `f16` and the KIVI scale/min) are rejected too
+//! ([`CodecError::OutOfRange`]). Decoding validates the header, the length, every scale and min, and (for the float
+//! formats and fp8) every payload element, so corrupt bytes from disk or a peer give an error, never NaN KV.
+
+use std::fmt;
+use std::str::FromStr;
+
+use half::{bf16, f16};
+use thiserror::Error;
+
+/// Bytes of the block header.
+pub const HEADER_LEN: usize = 16;
+/// First four bytes of every encoded block.
+pub const MAGIC: [u8; 4] = *b"PGKV";
+/// The byte format version this crate writes and reads.
+pub const FORMAT_VERSION: u8 = 1;
+/// Largest block size a codec accepts (bounds the kernels' stack buffers).
+pub const MAX_BLOCK_SIZE: usize = 256;
+/// Largest head dimension a codec accepts (bounds the kernels' stack buffers).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Channels per KIVI value group.
+pub const KIVI_GROUP: usize = 32;
+/// Largest magnitude e4m3 (fn variant: no infinities) represents.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// How one KV block is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codec {
+    /// Uncompressed native f32 (the device arena's format).
+    F32,
+    F16,
+    Bf16,
+    /// Symmetric int8, one f32 scale per slot.
+    Int8,
+    /// FP8 E4M3 (fn: no infinities, max 448), one f32 scale per block.
+    Fp8E4m3,
+    /// KIVI 4-bit: keys per channel, values per token in groups of 32, fp16 scale and min.
+    Int4Kivi,
+    /// KIVI 2-bit, same layout as [`Codec::Int4Kivi`].
+    Int2Kivi,
+}
+
+/// Which half of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    K,
+    V,
+}
+
+impl fmt::Display for Half {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Half::K => "K",
+            Half::V => "V",
+        })
+    }
+}
+
+/// Errors of encoding, decoding and storing KV blocks.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum CodecError {
+    #[error("unknown codec {0:?} (expected one of f32, f16, bf16, int8, fp8_e4m3, int4_kivi, int2_kivi)")]
+    UnknownCodec(String),
+    #[error("{codec} cannot encode blocks of {block_size} slots x head_dim {head_dim}: {reason}")]
+    BadShape { codec: Codec, block_size: usize, head_dim: usize, reason: &'static str },
+    #[error("{what}: expected {expected} floats, got {got}")]
+    BadInputLength { what: &'static str, expected: usize, got: usize },
+    #[error("encoded block buffer: expected {expected} bytes, got {got}")]
+    BadOutputLength { expected: usize, got: usize },
+    #[error("{half} element {index} is not finite ({value})")]
+    NonFinite { half: Half, index: usize, value: f32 },
+    #[error("{codec} cannot represent {half} element {index} = {value}")]
+    OutOfRange { codec: Codec, half: Half, index: usize, value: f32 },
+    #[error("encoded block: {0}")]
+    BadHeader(&'static str),
+    #[error("encoded block has format version {0}, this build reads version 1")]
+    UnsupportedVersion(u8),
+    #[error("encoded block has unknown codec id {0}")]
+    UnknownCodecId(u8),
+    #[error("encoded block: expected {expected} bytes for its header's codec and shape, got {got}")]
+    BadBlockLength { expected: usize, got: usize },
+    #[error("encoded {codec} block, {half} half: {reason}")]
+    Corrupt { codec: Codec, half: Half, reason: &'static str },
+    #[error("encoded block is {got}, the arena holds {expected}")]
+    WrongCodec { expected: Codec, got: Codec },
+    #[error("block {block} out of range ({num_blocks} blocks)")]
+    BlockOutOfRange { block: usize, num_blocks: usize },
+    #[error("arena of {num_blocks} blocks x {block_len} bytes is too large")]
+    TooLarge { num_blocks: usize, block_len: usize },
+}
+
+impl Codec {
+    /// Every codec, uncompressed first.
+    pub const ALL: [Codec; 7] =
+        [Codec::F32, Codec::F16, Codec::Bf16, Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
+
+    /// The codec's name (what [`FromStr`] accepts).
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::F32 => "f32",
+            Codec::F16 => "f16",
+            Codec::Bf16 => "bf16",
+            Codec::Int8 => "int8",
+            Codec::Fp8E4m3 => "fp8_e4m3",
+            Codec::Int4Kivi => "int4_kivi",
+            Codec::Int2Kivi => "int2_kivi",
+        }
+    }
+
+    /// The id stored in the header byte 5. Stable: part of the on-disk format.
+    pub fn id(self) -> u8 {
+        match self {
+            Codec::F32 => 0,
+            Codec::F16 => 1,
+            Codec::Bf16 => 2,
+            Codec::Int8 => 3,
+            Codec::Fp8E4m3 => 4,
+            Codec::Int4Kivi => 5,
+            Codec::Int2Kivi => 6,
+        }
+    }
+
+    /// The codec with header id `id`.
+    pub fn from_id(id: u8) -> Option<Codec> {
+        Codec::ALL.into_iter().find(|c| c.id() == id)
+    }
+
+    /// Checks that this codec can encode `[block_size][head_dim]` blocks.
+    pub fn check_shape(self, block_size: usize, head_dim: usize) -> Result<(), CodecError> {
+        let bad = |reason| Err(CodecError::BadShape { codec: self, block_size, head_dim, reason });
+        if block_size == 0 || head_dim == 0 {
+            return bad("block_size and head_dim must be non-zero");
+        }
+        if block_size > MAX_BLOCK_SIZE || head_dim > MAX_HEAD_DIM {
+            return bad("block_size and head_dim are at most 256");
+        }
+        match self {
+            Codec::Int4Kivi if !head_dim.is_multiple_of(2) => {
+                bad("int4_kivi packs two channels per byte: head_dim must be even")
+            }
+            Codec::Int2Kivi if !head_dim.is_multiple_of(4) => {
+                bad("int2_kivi packs four channels per byte: head_dim must be a multiple of 4")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Bytes of one half (K or V) of an encoded block. The shape must have passed [`Codec::check_shape`].
+    pub(crate) fn half_len(self, half: Half, bs: usize, hd: usize) -> usize {
+        let groups = hd.div_ceil(KIVI_GROUP);
+        let n = bs * hd;
+        match (self, half) {
+            (Codec::F32, _) => 4 * n,
+            (Codec::F16 | Codec::Bf16, _) => 2 * n,
+            (Codec::Int8, _) => 4 * bs + n,
+            (Codec::Fp8E4m3, _) => 4 + n,
+            (Codec::Int4Kivi, Half::K) => 4 * hd + n / 2,
+            (Codec::Int4Kivi, Half::V) => 4 * bs * groups + n / 2,
+            (Codec::Int2Kivi, Half::K) => 4 * hd + n / 4,
+            (Codec::Int2Kivi, Half::V) => 4 * bs * groups + n / 4,
+        }
+    }
+
+    /// Bytes of one encoded block (header included) of `block_size` slots × `head_dim`.
+    pub fn encoded_len(self, block_size: usize, head_dim: usize) -> Result<usize, CodecError> {
+        self.check_shape(block_size, head_dim)?;
+        Ok(HEADER_LEN + self.half_len(Half::K, block_size, head_dim) + self.half_len(Half::V, block_size, head_dim))
+    }
+
+    /// Encodes one block into `out` (exactly [`Codec::encoded_len`] bytes). `k` and `v` hold the block's filled
+    /// slots, `[filled][head_dim]` with `filled <= block_size`; the slots past `filled` are stored as zeros.
+    /// Returns the header written.
+    pub fn encode_block(
+        self,
+        block_size: usize,
+        head_dim: usize,
+        k: &[f32],
+        v: &[f32],
+        out: &mut [u8],
+    ) -> Result<BlockHeader, CodecError> {
+        let expected = self.encoded_len(block_size, head_dim)?;
+        if out.len() != expected {
+            return Err(CodecError::BadOutputLength { expected, got: out.len() });
+        }
+        if !k.len().is_multiple_of(head_dim) || k.len() > block_size * head_dim {
+            let expected = (k.len() / head_dim).min(block_size) * head_dim;
+            return Err(CodecError::BadInputLength { what: "K ([filled][head_dim])", expected, got: k.len() });
+        }
+        if v.len() != k.len() {
+            return Err(CodecError::BadInputLength { what: "V (same length as K)", expected: k.len(), got: v.len() });
+        }
+        for (half, x) in [(Half::K, k), (Half::V, v)] {
+            if let Some((index, &value)) = x.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                return Err(CodecError::NonFinite { half, index, value });
+            }
+        }
+        let header = BlockHeader { codec: self, block_size, head_dim, filled: k.len() / head_dim };
+        header.write(&mut out[..HEADER_LEN]);
+        let (kb, vb) = out[HEADER_LEN..].split_at_mut(self.half_len(Half::K, block_size, head_dim));
+        encode_half(self, Half::K, block_size, head_dim, k, kb)?;
+        encode_half(self, Half::V, block_size, head_dim, v, vb)?;
+        Ok(header)
+    }
+
+    /// Bits per KV element including scales, for a `[block_size][head_dim]` block (header included).
+    pub fn bits_per_element(self, block_size: usize, head_dim: usize) -> Result<f64, CodecError> {
+        Ok(self.encoded_len(block_size, head_dim)? as f64 * 8.0 / (2 * block_size * head_dim) as f64)
+    }
+}
+
+impl fmt::Display for Codec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Codec {
+    type Err = CodecError;
+
+    fn from_str(s: &str) -> Result<Codec, CodecError> {
+        Codec::ALL.into_iter().find(|c| c.name() == s).ok_or_else(|| {
+            // Bound what an error message echoes back from outside.
+            CodecError::UnknownCodec(s.chars().take(64).collect())
+        })
+    }
+}
+
+/// The parsed 16-byte header of an encoded block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHeader {
+    pub codec: Codec,
+    pub block_size: usize,
+    pub head_dim: usize,
+    /// Slots holding data; the rest decode as zeros.
+    pub filled: usize,
+}
+
+impl BlockHeader {
+    fn write(&self, out: &mut [u8]) {
+        out[..4].copy_from_slice(&MAGIC);
+        out[4] = FORMAT_VERSION;
+        out[5] = self.codec.id();
+        // check_shape bounds both dimensions by 256, so they fit u16.
+        out[6..8].copy_from_slice(&(self.block_size as u16).to_le_bytes());
+        out[8..10].copy_from_slice(&(self.head_dim as u16).to_le_bytes());
+        out[10..12].copy_from_slice(&(self.filled as u16).to_le_bytes());
+        out[12..16].fill(0);
+    }
+
+    /// Parses and validates the header of `bytes` (the whole encoded block), including that `bytes` has the
+    /// length the header implies.
+    pub fn parse(bytes: &[u8]) -> Result<BlockHeader, CodecError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(CodecError::BadHeader("shorter than the 16-byte header"));
+        }
+        if bytes[..4] != MAGIC {
+            return Err(CodecError::BadHeader("bad magic (not a Pagoda KV block)"));
+        }
+        if bytes[4] != FORMAT_VERSION {
+            return Err(CodecError::UnsupportedVersion(bytes[4]));
+        }
+        let codec = Codec::from_id(bytes[5]).ok_or(CodecError::UnknownCodecId(bytes[5]))?;
+        let u16_at = |i: usize| usize::from(u16::from_le_bytes([bytes[i], bytes[i + 1]]));
+        let (block_size, head_dim, filled) = (u16_at(6), u16_at(8), u16_at(10));
+        if bytes[12..16] != [0; 4] {
+            return Err(CodecError::BadHeader("reserved bytes are not zero"));
+        }
+        let expected = codec.encoded_len(block_size, head_dim)?;
+        if filled > block_size {
+            return Err(CodecError::BadHeader("more filled slots than the block size"));
+        }
+        if bytes.len() != expected {
+            return Err(CodecError::BadBlockLength { expected, got: bytes.len() });
+        }
+        Ok(BlockHeader { codec, block_size, head_dim, filled })
+    }
+}
+
+/// Decodes one encoded block (self-describing: codec and shape come from its header) into `k_out` and `v_out`,
+/// each exactly `block_size * head_dim` floats; slots past `filled` are set to zero. Validates everything (see the
+/// module docs), so it is safe on bytes from disk or the network.
+pub fn decode_block(bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) -> Result<BlockHeader, CodecError> {
+    let h = BlockHeader::parse(bytes)?;
+    let n = h.block_size * h.head_dim;
+    for (what, got) in [("K output ([block_size][head_dim])", k_out.len()), ("V output", v_out.len())] {
+        if got != n {
+            return Err(CodecError::BadInputLength { what, expected: n, got });
+        }
+    }
+    validate_payload(&h, bytes)?;
+    let (kb, vb) = halves(&h, bytes);
+    let filled = h.filled * h.head_dim;
+    for slot in 0..h.filled {
+        let r = slot * h.head_dim..(slot + 1) * h.head_dim;
+        decode_row(h.codec, Half::K, h.block_size, h.head_dim, kb, slot, &mut k_out[r.clone()]);
+        decode_row(h.codec, Half::V, h.block_size, h.head_dim, vb, slot, &mut v_out[r]);
+    }
+    k_out[filled..].fill(0.0);
+    v_out[filled..].fill(0.0);
+    Ok(h)
+}
+
+/// The K and V halves of a block whose header `h` was parsed from `bytes`.
+fn halves<'a>(h: &BlockHeader, bytes: &'a [u8]) -> (&'a [u8], &'a [u8]) {
+    bytes[HEADER_LEN..].split_at(h.codec.half_len(Half::K, h.block_size, h.head_dim))
+}
+
+/// Checks every scale and min of a block, and every payload element where a bit pattern can be non-finite, so
+/// that decoding and the attention kernels only ever see finite values.
+fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
+    let (bs, hd, codec) = (h.block_size, h.head_dim, h.codec);
+    let (kb, vb) = halves(h, bytes);
+    for (half, b) in [(Half::K, kb), (Half::V, vb)] {
+        let corrupt = |reason| Err(CodecError::Corrupt { codec, half, reason });
+        match codec {
+            Codec::F32 => {
+                if b.chunks_exact(4).any(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()) {
+                    return corrupt("non-finite element");
+                }
+            }
+            Codec::F16 => {
+                if b.chunks_exact(2).any(|c| !f16::from_le_bytes([c[0], c[1]]).is_finite()) {
+                    return corrupt("non-finite element");
+                }
+            }
+            Codec::Bf16 => {
+                if b.chunks_exact(2).any(|c| !bf16::from_le_bytes([c[0], c[1]]).is_finite()) {
+                    return corrupt("non-finite element");
+                }
+            }
+            Codec::Int8 => {
+                if (0..bs).any(|i| !valid_scale(f32_at(b, 4 * i))) {
+                    return corrupt("negative or non-finite scale");
+                }
+            }
+            Codec::Fp8E4m3 => {
+                if !valid_scale(f32_at(b, 0)) {
+                    return corrupt("negative or non-finite scale");
+                }
+                if b[4..].iter().any(|&q| q & 0x7F == 0x7F) {
+                    return corrupt("e4m3 NaN code");
+                }
+            }
+            Codec::Int4Kivi | Codec::Int2Kivi => {
+                let params = match half {
+                    Half::K => 2 * hd,
+                    Half::V => 2 * bs * hd.div_ceil(KIVI_GROUP),
+                };
+                let scales = params / 2;
+                for i in 0..params {
+                    let x = f16_at(b, 2 * i);
+                    if !x.is_finite() || (i < scales && x < 0.0) {
+                        return corrupt("negative or non-finite scale, or non-finite min");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn valid_scale(s: f32) -> bool {
+    s.is_finite() && s >= 0.0
+}
+
+#[inline]
+pub(crate) fn f32_at(b: &[u8], i: usize) -> f32 {
+    f32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
+}
+
+#[inline]
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// 2^120: moves an e4m3 exponent placed in an f32's exponent field to its true value (see [`e4m3_to_f32`]).
+pub(crate) const E4M3_RESCALE: f32 = f32::from_bits((120 + 127) << 23);
+
+/// Decodes one e4m3 byte. Placing the 7 magnitude bits at f32 bits 20..27 makes an f32 whose exponent is the e4m3
+/// exponent biased by 127 instead of 7 (subnormals included: both become f32 subnormals or normals consistently),
+/// so one multiplication by 2^120 gives the exact value. The AVX2 kernel does the same in registers.
+#[inline]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let mag = f32::from_bits(u32::from(b & 0x7F) << 20) * E4M3_RESCALE;
+    if b & 0x80 != 0 { -mag } else { mag }
+}
+
+/// Encodes `y` (finite) as e4m3 with round-to-nearest-even, saturating at ±448 (e4m3fn has no infinity).
+#[inline]
+pub fn e4m3_from_f32(y: f32) -> u8 {
+    let sign = if y.is_sign_negative() { 0x80 } else { 0 };
+    let a = y.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7E;
+    }
+    if a < 2f32.powi(-6) {
+        // Subnormal range, step 2^-9; the result 8 is the smallest normal, whose code is also 8.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let bits = a.to_bits();
+    let e = (bits >> 23) as i32 - 127;
+    let man = bits & 0x7F_FFFF;
+    let mut q = (((e + 7) as u32) << 3) | (man >> 20);
+    let rem = man & 0xF_FFFF;
+    // A carry out of the mantissa correctly bumps the exponent.
+    if rem > 0x8_0000 || (rem == 0x8_0000 && q & 1 == 1) {
+        q += 1;
+    }
+    sign | q.min(0x7E) as u8
+}
+
+/// Quantisation levels of the KIVI codecs (2^bits - 1).
+#[inline]
+pub(crate) fn kivi_levels(codec: Codec) -> u8 {
+    if codec == Codec::Int2Kivi { 3 } else { 15 }
+}
+
+/// fp16 scale and min of a KIVI group with extremes `mn`, `mx`. The min is rounded to nearest and the scale is
+/// computed from that rounded min, so the codes 0..=levels cover [min_h, max] up to one f16 rounding of the scale.
+fn kivi_params(codec: Codec, half: Half, index: usize, mn: f32, mx: f32) -> Result<(f16, f16), CodecError> {
+    let min_h = f16::from_f32(mn);
+    if !min_h.is_finite() {
+        return Err(CodecError::OutOfRange { codec, half, index, value: mn });
+    }
+    let range = (mx - min_h.to_f32()).max(0.0);
+    let scale_h = f16::from_f32(range / f32::from(kivi_levels(codec)));
+    if !scale_h.is_finite() {
+        return Err(CodecError::OutOfRange { codec, half, index, value: mx });
+    }
+    Ok((scale_h, min_h))
+}
+
+#[inline]
+fn kivi_code(x: f32, min: f32, scale: f32, levels: u8) -> u8 {
+    if scale > 0.0 { ((x - min) / scale).round().clamp(0.0, f32::from(levels)) as u8 } else { 0 }
+}
+
+/// Packs `codes[c]` (one per channel) into a row of `u4` or `u2` codes (layout in the module docs).
+fn pack_row(codec: Codec, codes: &[u8], row: &mut [u8]) {
+    let hd = codes.len();
+    if codec == Codec::Int4Kivi {
+        let h = hd / 2;
+        for (j, b) in row.iter_mut().enumerate() {
+            *b = codes[j] | (codes[j + h] << 4);
+        }
+    } else {
+        let q = hd / 4;
+        for (j, b) in row.iter_mut().enumerate() {
+            *b = codes[j] | (codes[j + q] << 2) | (codes[j + 2 * q] << 4) | (codes[j + 3 * q] << 6);
+        }
+    }
+}
+
+/// Code of channel `c` in a packed row.
+#[inline]
+fn unpack(codec: Codec, row: &[u8], hd: usize, c: usize) -> u8 {
+    if codec == Codec::Int4Kivi {
+        let h = hd / 2;
+        if c < h { row[c] & 0x0F } else { row[c - h] >> 4 }
+    } else {
+        let q = hd / 4;
+        (row[c % q] >> (2 * (c / q))) & 0x03
+    }
+}
+
+/// Bytes of one packed row.
+#[inline]
+pub(crate) fn packed_row_len(codec: Codec, hd: usize) -> usize {
+    if codec == Codec::Int4Kivi { hd / 2 } else { hd / 4 }
+}
+
+/// Encodes `x` (`[filled][hd]`, finite) into one half `out`; slots past `filled` become zeros.
+fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &mut [u8]) -> Result<(), CodecError> {
+    let filled = x.len() / hd;
+    let range = |codec, index, value| CodecError::OutOfRange { codec, half, index, value };
+    match codec {
+        Codec::F32 => {
+            for (o, &v) in out.chunks_exact_mut(4).zip(x) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+            out[4 * x.len()..].fill(0);
+        }
+        Codec::F16 => {
+            for (i, (o, &v)) in out.chunks_exact_mut(2).zip(x).enumerate() {
+                let h = f16::from_f32(v);
+                if !h.is_finite() {
+                    return Err(range(codec, i, v));
+                }
+                o.copy_from_slice(&h.to_le_bytes());
+            }
+            out[2 * x.len()..].fill(0);
+        }
+        Codec::Bf16 => {
+            for (i, (o, &v)) in out.chunks_exact_mut(2).zip(x).enumerate() {
+                let h = bf16::from_f32(v);
+                if !h.is_finite() {
+                    return Err(range(codec, i, v));
+                }
+                o.copy_from_slice(&h.to_le_bytes());
+            }
+            out[2 * x.len()..].fill(0);
+        }
+        Codec::Int8 => {
+            let (scales, qs) = out.split_at_mut(4 * bs);
+            scales.fill(0);
+            qs.fill(0);
+            for (i, row) in x.chunks_exact(hd).enumerate() {
+                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let s = amax / 127.0;
+                scales[4 * i..4 * i + 4].copy_from_slice(&s.to_le_bytes());
+                if s > 0.0 {
+                    for (q, &v) in qs[i * hd..(i + 1) * hd].iter_mut().zip(row) {
+                        *q = (v / s).round().clamp(-127.0, 127.0) as i8 as u8;
+                    }
+                }
+            }
+        }
+        Codec::Fp8E4m3 => {
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let s = amax / E4M3_MAX;
+            out[..4].copy_from_slice(&s.to_le_bytes());
+            let qs = &mut out[4..];
+            qs.fill(0);
+            if s > 0.0 {
+                for (q, &v) in qs.iter_mut().zip(x) {
+                    *q = e4m3_from_f32(v / s);
+                }
+            }
+        }
+        Codec::Int4Kivi | Codec::Int2Kivi => {
+            let levels = kivi_levels(codec);
+            let rl = packed_row_len(codec, hd);
+            let mut codes = [0u8; MAX_HEAD_DIM];
+            let codes = &mut codes[..hd];
+            match half {
+                Half::K => {
+                    let (params, qs) = out.split_at_mut(4 * hd);
+                    qs.fill(0);
+                    let mut scale = [0.0f32; MAX_HEAD_DIM];
+                    let mut min = [0.0f32; MAX_HEAD_DIM];
+                    for c in 0..hd {
+                        let (mut mn, mut mx) = (f32::INFINITY, f32::NEG_INFINITY);
+                        for row in x.chunks_exact(hd) {
+                            mn = mn.min(row[c]);
+                            mx = mx.max(row[c]);
+                        }
+                        let (s, m) =
+                            if filled == 0 { (f16::ZERO, f16::ZERO) } else { kivi_params(codec, half, c, mn, mx)? };
+                        params[2 * c..2 * c + 2].copy_from_slice(&s.to_le_bytes());
+                        params[2 * (hd + c)..2 * (hd + c) + 2].copy_from_slice(&m.to_le_bytes());
+                        scale[c] = s.to_f32();
+                        min[c] = m.to_f32();
+                    }
+                    for (row, out_row) in x.chunks_exact(hd).zip(qs.chunks_exact_mut(rl)) {
+                        for c in 0..hd {
+                            codes[c] = kivi_code(row[c], min[c], scale[c], levels);
+                        }
+                        pack_row(codec, codes, out_row);
+                    }
+                }
+                Half::V => {
+                    let groups = hd.div_ceil(KIVI_GROUP);
+                    let (params, qs) = out.split_at_mut(4 * bs * groups);
+                    params.fill(0);
+                    qs.fill(0);
+                    let mins = 2 * bs * groups;
+                    for (i, (row, out_row)) in x.chunks_exact(hd).zip(qs.chunks_exact_mut(rl)).enumerate() {
+                        for g in 0..groups {
+                            let ch = g * KIVI_GROUP..((g + 1) * KIVI_GROUP).min(hd);
+                            let (mn, mx) = row[ch.clone()]
+                                .iter()
+                                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+                            let (s, m) = kivi_params(codec, half, i * hd + ch.start, mn, mx)?;
+                            let p = 2 * (i * groups + g);
+                            params[p..p + 2].copy_from_slice(&s.to_le_bytes());
+                            params[mins + p..mins + p + 2].copy_from_slice(&m.to_le_bytes());
+                            let (s, m) = (s.to_f32(), m.to_f32());
+                            for c in ch {
+                                codes[c] = kivi_code(row[c], m, s, levels);
+                            }
+                        }
+                        pack_row(codec, codes, out_row);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decodes slot `slot` of one half `b` (a validated block) into `out` (`head_dim` floats). Shared by
+/// [`decode_block`] and the scalar attention kernel, so both produce identical values.
+#[inline]
+pub(crate) fn decode_row(codec: Codec, half: Half, bs: usize, hd: usize, b: &[u8], slot: usize, out: &mut [f32]) {
+    match codec {
+        Codec::F32 => {
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = f32_at(b, 4 * (slot * hd + c));
+            }
+        }
+        Codec::F16 => {
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = f16_at(b, 2 * (slot * hd + c));
+            }
+        }
+        Codec::Bf16 => {
+            for (c, o) in out.iter_mut().enumerate() {
+                let i = 2 * (slot * hd + c);
+                *o = bf16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+            }
+        }
+        Codec::Int8 => {
+            let s = f32_at(b, 4 * slot);
+            let row = &b[4 * bs + slot * hd..4 * bs + (slot + 1) * hd];
+            for (o, &q) in out.iter_mut().zip(row) {
+                *o = f32::from(q as i8) * s;
+            }
+        }
+        Codec::Fp8E4m3 => {
+            let s = f32_at(b, 0);
+            for (o, &q) in out.iter_mut().zip(&b[4 + slot * hd..4 + (slot + 1) * hd]) {
+                *o = e4m3_to_f32(q) * s;
+            }
+        }
+        Codec::Int4Kivi | Codec::Int2Kivi => {
+            let rl = packed_row_len(codec, hd);
+            match half {
+                Half::K => {
+                    let row = &b[4 * hd + slot * rl..4 * hd + (slot + 1) * rl];
+                    for (c, o) in out.iter_mut().enumerate() {
+                        let (s, m) = (f16_at(b, 2 * c), f16_at(b, 2 * (hd + c)));
+                        *o = m + f32::from(unpack(codec, row, hd, c)) * s;
+                    }
+                }
+                Half::V => {
+                    let groups = hd.div_ceil(KIVI_GROUP);
+                    let params = 4 * bs * groups;
+                    let row = &b[params + slot * rl..params + (slot + 1) * rl];
+                    for (c, o) in out.iter_mut().enumerate() {
+                        let p = 2 * (slot * groups + c / KIVI_GROUP);
+                        let (s, m) = (f16_at(b, p), f16_at(b, 2 * bs * groups + p));
+                        *o = m + f32::from(unpack(codec, row, hd, c)) * s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An arena of `num_blocks` encoded blocks of one codec and shape: the compressed twin of
+/// [`crate::KvStorage`]. Blocks enter only through the encoder or a fully validated load, so the attention kernels
+/// read it without re-validating payloads.
+#[derive(Clone, Debug)]
+pub struct EncodedKv {
+    codec: Codec,
+    num_blocks: usize,
+    block_size: usize,
+    head_dim: usize,
+    block_len: usize,
+    bytes: Vec<u8>,
+}
+
+impl EncodedKv {
+    /// An arena of empty blocks (each a valid encoding of zero filled slots).
+    pub fn new(codec: Codec, num_blocks: usize, block_size: usize, head_dim: usize) -> Result<EncodedKv, CodecError> {
+        let block_len = codec.encoded_len(block_size, head_dim)?;
+        let total = num_blocks.checked_mul(block_len).ok_or(CodecError::TooLarge { num_blocks, block_len })?;
+        let mut bytes = vec![0u8; total];
+        for blk in bytes.chunks_exact_mut(block_len) {
+            codec.encode_block(block_size, head_dim, &[], &[], blk)?;
+        }
+        Ok(EncodedKv { codec, num_blocks, block_size, head_dim, block_len, bytes })
+    }
+
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Bytes of one encoded block.
+    pub fn block_len(&self) -> usize {
+        self.block_len
+    }
+
+    fn range(&self, b: usize) -> Result<std::ops::Range<usize>, CodecError> {
+        if b >= self.num_blocks {
+            return Err(CodecError::BlockOutOfRange { block: b, num_blocks: self.num_blocks });
+        }
+        Ok(b * self.block_len..(b + 1) * self.block_len)
+    }
+
+    /// Encodes `k`, `v` (`[filled][head_dim]`) into block `b`.
+    pub fn store(&mut self, b: usize, k: &[f32], v: &[f32]) -> Result<(), CodecError> {
+        let r = self.range(b)?;
+        self.codec.encode_block(self.block_size, self.head_dim, k, v, &mut self.bytes[r])?;
+        Ok(())
+    }
+
+    /// Copies an encoded block (from a tier, a peer) into block `b` after validating it completely; it must have
+    /// this arena's codec and shape.
+    pub fn load(&mut self, b: usize, bytes: &[u8]) -> Result<(), CodecError> {
+        let r = self.range(b)?;
+        let h = BlockHeader::parse(bytes)?;
+        if h.codec != self.codec {
+            return Err(CodecError::WrongCodec { expected: self.codec, got: h.codec });
+        }
+        if (h.block_size, h.head_dim) != (self.block_size, self.head_dim) {
+            return Err(CodecError::BadHeader("block shape differs from the arena's"));
+        }
+        validate_payload(&h, bytes)?;
+        self.bytes[r].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// The encoded bytes of block `b` (header included), ready for a tier or a peer.
+    pub fn block_bytes(&self, b: usize) -> Result<&[u8], CodecError> {
+        Ok(&self.bytes[self.range(b)?])
+    }
+
+    /// Filled slots of block `b` (from its header).
+    pub fn filled(&self, b: usize) -> Result<usize, CodecError> {
+        let r = self.range(b)?;
+        Ok(usize::from(u16::from_le_bytes([self.bytes[r.start + 10], self.bytes[r.start + 11]])))
+    }
+
+    /// Decodes block `b` into `k_out`, `v_out` (`block_size * head_dim` each).
+    pub fn decode(&self, b: usize, k_out: &mut [f32], v_out: &mut [f32]) -> Result<BlockHeader, CodecError> {
+        decode_block(self.block_bytes(b)?, k_out, v_out)
+    }
+
+    /// The whole arena and the length of one block: what the attention kernels walk.
+    pub(crate) fn raw(&self) -> (&[u8], usize) {
+        (&self.bytes, self.block_len)
+    }
+}

@@ -1,0 +1,326 @@
+//! AVX2 + FMA + F16C dequantise-on-load attention over encoded KV blocks (x86-64). Codes are widened to f32 in
+//! registers, and each codec's scales are folded into the query (keys) or the probability (values) instead of
+//! being applied per element:
+//!
+//! - int8: `score_i = s_i · Σ q_c k_ic`, `acc += (p_i s_i) · v_i`;
+//! - fp8 e4m3: the 7 magnitude bits go to f32 bits 20..27 (see [`crate::codec::e4m3_to_f32`]); the block scale and
+//!   the 2^120 rebias are folded into the query and the probability;
+//! - KIVI keys (per channel): `score_i = Σ q_c m_c + Σ (q_c s_c) u_ic`, with both per-block terms precomputed;
+//! - KIVI values (per token, groups of 32): `acc_c += (p_i s_ig) u_ic`, and `Σ_i p_i m_ig` added once per block.
+//!
+//! Every function is `unsafe` because it requires those CPU features; callers check them first.
+
+#![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop, clippy::too_many_arguments)]
+
+use super::avx2::exp256;
+use crate::codec::{Codec, E4M3_RESCALE, HEADER_LEN, Half, KIVI_GROUP, MAX_BLOCK_SIZE};
+use core::arch::x86_64::*;
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_f32(p: *const u8) -> __m256 {
+    _mm256_loadu_ps(p as *const f32)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_f16(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_bf16(p: *const u8) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_i8(p: *const u8) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+}
+
+/// Eight bytes widened to 32-bit lanes (still integers).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_u8x8(p: *const u8) -> __m256i {
+    _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
+}
+
+/// Eight e4m3 codes as f32, still to be multiplied by 2^120 (folded into the caller's factor).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_e4m3_unscaled(p: *const u8) -> __m256 {
+    let x = load_u8x8(p);
+    let mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
+    let sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    _mm256_castsi256_ps(_mm256_or_si256(mag, sign))
+}
+
+/// Code `t` (of 8 / bits per byte) of eight packed bytes, as f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn codes(x: __m256i, shift: i32, mask: i32) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(x, _mm256_set1_epi32(shift)), _mm256_set1_epi32(mask)))
+}
+
+/// `Σ_j qv[j] · row chunk j` for rows whose chunk `j` is `load(p + j * step)`.
+macro_rules! dot_rows {
+    ($qv:expr, $nv:expr, $load:ident, $p:expr, $step:expr) => {{
+        let mut a0 = _mm256_mul_ps($qv[0], $load($p));
+        let mut a1 = _mm256_setzero_ps();
+        let mut j = 1;
+        while j + 1 < $nv {
+            a1 = _mm256_fmadd_ps($qv[j], $load($p.add(j * $step)), a1);
+            a0 = _mm256_fmadd_ps($qv[j + 1], $load($p.add((j + 1) * $step)), a0);
+            j += 2;
+        }
+        if j < $nv {
+            a1 = _mm256_fmadd_ps($qv[j], $load($p.add(j * $step)), a1);
+        }
+        hsum(_mm256_add_ps(a0, a1))
+    }};
+}
+
+/// KIVI rows: packed codes of `8 / bits` channel quarters/halves; returns `Σ_c w_c u_ic` for one row.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn kivi_dot<const NV: usize>(w: &[__m256; NV], row: *const u8, bits: i32) -> f32 {
+    let parts = (8 / bits) as usize;
+    let per = NV / parts;
+    let mask = (1 << bits) - 1;
+    let mut a0 = _mm256_setzero_ps();
+    let mut a1 = _mm256_setzero_ps();
+    for m in 0..per {
+        let x = load_u8x8(row.add(8 * m));
+        for t in 0..parts {
+            let c = codes(x, bits * t as i32, mask);
+            if t % 2 == 0 {
+                a0 = _mm256_fmadd_ps(w[t * per + m], c, a0);
+            } else {
+                a1 = _mm256_fmadd_ps(w[t * per + m], c, a1);
+            }
+        }
+    }
+    hsum(_mm256_add_ps(a0, a1))
+}
+
+/// KIVI rows: `acc[j] += a[group of j] · u_j` for one row.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn kivi_axpy<const NV: usize>(a: &[__m256; 8], row: *const u8, bits: i32, acc: &mut [__m256; NV]) {
+    let parts = (8 / bits) as usize;
+    let per = NV / parts;
+    let mask = (1 << bits) - 1;
+    for m in 0..per {
+        let x = load_u8x8(row.add(8 * m));
+        for t in 0..parts {
+            let j = t * per + m;
+            acc[j] = _mm256_fmadd_ps(a[j * 8 / KIVI_GROUP], codes(x, bits * t as i32, mask), acc[j]);
+        }
+    }
+}
+
+#[inline]
+fn f32_at(p: *const u8, i: usize) -> f32 {
+    // SAFETY: callers pass offsets inside a block they hold a reference to.
+    unsafe { f32::from_le_bytes(*(p.add(i) as *const [u8; 4])) }
+}
+
+#[inline]
+fn f16_at(p: *const u8, i: usize) -> f32 {
+    // SAFETY: as above.
+    unsafe { half::f16::from_le_bytes(*(p.add(i) as *const [u8; 2])).to_f32() }
+}
+
+/// Scaled scores `sc[i] = q·k_i · scale` (the scale is already in `qv`) for the `n` first slots of a K half.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores<const NV: usize>(codec: Codec, qv: &[__m256; NV], kb: *const u8, bs: usize, n: usize, sc: &mut [f32]) {
+    let hd = NV * 8;
+    match codec {
+        Codec::F32 => {
+            for i in 0..n {
+                sc[i] = dot_rows!(qv, NV, load_f32, kb.add(4 * i * hd), 32);
+            }
+        }
+        Codec::F16 => {
+            for i in 0..n {
+                sc[i] = dot_rows!(qv, NV, load_f16, kb.add(2 * i * hd), 16);
+            }
+        }
+        Codec::Bf16 => {
+            for i in 0..n {
+                sc[i] = dot_rows!(qv, NV, load_bf16, kb.add(2 * i * hd), 16);
+            }
+        }
+        Codec::Int8 => {
+            let qs = kb.add(4 * bs);
+            for i in 0..n {
+                sc[i] = f32_at(kb, 4 * i) * dot_rows!(qv, NV, load_i8, qs.add(i * hd), 8);
+            }
+        }
+        Codec::Fp8E4m3 => {
+            let f = _mm256_set1_ps(f32_at(kb, 0) * E4M3_RESCALE);
+            let mut w = [_mm256_setzero_ps(); NV];
+            for j in 0..NV {
+                w[j] = _mm256_mul_ps(qv[j], f);
+            }
+            for i in 0..n {
+                sc[i] = dot_rows!(w, NV, load_e4m3_unscaled, kb.add(4 + i * hd), 8);
+            }
+        }
+        Codec::Int4Kivi | Codec::Int2Kivi => {
+            let bits = if codec == Codec::Int4Kivi { 4 } else { 2 };
+            let mut w = [_mm256_setzero_ps(); NV];
+            let mut qm = _mm256_setzero_ps();
+            for j in 0..NV {
+                w[j] = _mm256_mul_ps(qv[j], load_f16(kb.add(16 * j)));
+                qm = _mm256_fmadd_ps(qv[j], load_f16(kb.add(2 * hd + 16 * j)), qm);
+            }
+            let qm = hsum(qm);
+            let rl = hd * bits as usize / 8;
+            let rows = kb.add(4 * hd);
+            for i in 0..n {
+                sc[i] = qm + kivi_dot::<NV>(&w, rows.add(i * rl), bits);
+            }
+        }
+    }
+}
+
+/// `acc += Σ_i p[i] · v_i` over the `n = p.len()` first slots of a V half.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate<const NV: usize>(codec: Codec, p: &[f32], vb: *const u8, bs: usize, acc: &mut [__m256; NV]) {
+    let hd = NV * 8;
+    macro_rules! axpy {
+        ($w:expr, $load:ident, $row:expr, $step:expr) => {{
+            let w = _mm256_set1_ps($w);
+            for j in 0..NV {
+                acc[j] = _mm256_fmadd_ps(w, $load($row.add(j * $step)), acc[j]);
+            }
+        }};
+    }
+    match codec {
+        Codec::F32 => {
+            for (i, &pi) in p.iter().enumerate() {
+                axpy!(pi, load_f32, vb.add(4 * i * hd), 32);
+            }
+        }
+        Codec::F16 => {
+            for (i, &pi) in p.iter().enumerate() {
+                axpy!(pi, load_f16, vb.add(2 * i * hd), 16);
+            }
+        }
+        Codec::Bf16 => {
+            for (i, &pi) in p.iter().enumerate() {
+                axpy!(pi, load_bf16, vb.add(2 * i * hd), 16);
+            }
+        }
+        Codec::Int8 => {
+            let qs = vb.add(4 * bs);
+            for (i, &pi) in p.iter().enumerate() {
+                axpy!(pi * f32_at(vb, 4 * i), load_i8, qs.add(i * hd), 8);
+            }
+        }
+        Codec::Fp8E4m3 => {
+            let f = f32_at(vb, 0) * E4M3_RESCALE;
+            for (i, &pi) in p.iter().enumerate() {
+                axpy!(pi * f, load_e4m3_unscaled, vb.add(4 + i * hd), 8);
+            }
+        }
+        Codec::Int4Kivi | Codec::Int2Kivi => {
+            let bits = if codec == Codec::Int4Kivi { 4 } else { 2 };
+            let groups = hd.div_ceil(KIVI_GROUP);
+            let mins = 2 * bs * groups;
+            let rows = vb.add(4 * bs * groups);
+            let rl = hd * bits as usize / 8;
+            let mut a = [_mm256_setzero_ps(); 8];
+            let mut msum = [0.0f32; 8];
+            for (i, &pi) in p.iter().enumerate() {
+                for g in 0..groups {
+                    let at = 2 * (i * groups + g);
+                    a[g] = _mm256_set1_ps(pi * f16_at(vb, at));
+                    msum[g] += pi * f16_at(vb, mins + at);
+                }
+                kivi_axpy::<NV>(&a, rows.add(i * rl), bits, acc);
+            }
+            for j in 0..NV {
+                acc[j] = _mm256_add_ps(acc[j], _mm256_set1_ps(msum[j * 8 / KIVI_GROUP]));
+            }
+        }
+    }
+}
+
+/// Attention of one query over the first `len` slots of the blocks `ids`, `NV` = head_dim / 8; writes the
+/// normalised result into `out`. Returns false (and writes nothing) for a shape this kernel does not cover.
+///
+/// # Safety
+/// Every id addresses a block of `arena` (`block_len` bytes each) that the encoder wrote or that was validated on
+/// load, with codec `codec`, `bs` slots and head_dim `NV * 8`; AVX2/FMA/F16C present.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attend_one<const NV: usize>(
+    codec: Codec,
+    q: &[f32],
+    arena: &[u8],
+    block_len: usize,
+    bs: usize,
+    ids: &[u32],
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> bool {
+    let hd = NV * 8;
+    // The KIVI kernels split rows into 2 or 4 channel parts of whole 8-lane chunks.
+    if bs > MAX_BLOCK_SIZE
+        || q.len() != hd
+        || out.len() != hd
+        || (matches!(codec, Codec::Int2Kivi) && !NV.is_multiple_of(4))
+    {
+        return false;
+    }
+    let khl = codec.half_len(Half::K, bs, hd);
+    let mut qv = [_mm256_setzero_ps(); NV];
+    let sv = _mm256_set1_ps(scale);
+    for (j, r) in qv.iter_mut().enumerate() {
+        *r = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(j * 8)), sv);
+    }
+    let mut acc = [_mm256_setzero_ps(); NV];
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0.0f32;
+    // Eight spare lanes: the vectorised exp below runs over whole 8-lane chunks.
+    let mut sc = [f32::NEG_INFINITY; MAX_BLOCK_SIZE + 8];
+    for (bi, &b) in ids.iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        let kb = arena.as_ptr().add(b as usize * block_len + HEADER_LEN);
+        scores::<NV>(codec, &qv, kb, bs, n, &mut sc);
+        let bmax = sc[..n].iter().fold(m, |a, &s| a.max(s));
+        let mv = _mm256_set1_ps(bmax);
+        let mut i = 0;
+        while i < n {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+            i += 8;
+        }
+        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
+        m = bmax;
+        let cv = _mm256_set1_ps(corr);
+        for a in acc.iter_mut() {
+            *a = _mm256_mul_ps(*a, cv);
+        }
+        l = l * corr + sc[..n].iter().sum::<f32>();
+        accumulate::<NV>(codec, &sc[..n], kb.add(khl), bs, &mut acc);
+    }
+    let inv = _mm256_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
+    for (j, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
+    }
+    true
+}

@@ -1,0 +1,358 @@
+//! `pagoda eval --codecs`: next-token agreement of the real model when its KV cache goes through a codec, against
+//! the full f32 cache on the same items.
+//!
+//! What it simulates: the device arena stays f32 in this step. Every time a block fills, it is encoded with the
+//! codec and decoded back in place (quantise → dequantise into the f32 arena), which is numerically what the
+//! dequantise-on-load kernel computes over the encoded block (`tests/codecs.rs` in the kernels crate checks that
+//! equivalence). The block being filled stays f32 until it is full, like KIVI's full-precision residual.
+//!
+//! Method, per item: the full cache prefills the prompt once and produces the reference continuation (the item's
+//! own forced tokens, or its greedy output) with its log-probabilities. Each codec lane then starts from a copy of
+//! that prompt KV (one-shot prefill attends over f32 in both cases, so the copy is exact), round-trips its full
+//! blocks, and is teacher-forced through the same continuation in one batch with the other lanes. A position
+//! agrees when the lane's argmax equals the full cache's; the first prediction, made by the prefill itself, is the
+//! same for every lane and is not scored.
+
+use std::time::Instant;
+
+use pagoda_kernels::{Codec, CpuBackend, KvStorage};
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{EngineError, resolve_threads};
+use crate::model::{ChatMessage, ChatTemplate, ForwardSeq, Gguf, LlamaModel, LogitsWanted, Scratch, Tokenizer};
+use crate::sampling::argmax;
+
+/// Slots per block, as the engine's default.
+const BLOCK_SIZE: usize = 16;
+/// Most tokens of one item (prompt + continuation): bounds the KV arena this harness allocates per lane.
+pub const MAX_ITEM_TOKENS: usize = 8192;
+
+/// One item: a prompt and either the continuation to force or how many greedy tokens the full cache generates.
+#[derive(Debug, Clone)]
+pub struct CodecItem {
+    pub name: String,
+    pub prompt: Vec<u32>,
+    pub continuation: Continuation,
+}
+
+#[derive(Debug, Clone)]
+pub enum Continuation {
+    /// Force these tokens (prose).
+    Forced(Vec<u32>),
+    /// The full cache's greedy output, at most this many tokens (stops at EOS).
+    Greedy(usize),
+}
+
+/// One codec on one item.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CodecResult {
+    pub item: String,
+    pub codec: String,
+    /// Scored positions.
+    pub positions: usize,
+    /// Positions whose argmax equals the full cache's.
+    pub agree: usize,
+    /// Mean KL(full ‖ codec) over the scored positions, nats.
+    pub kl: f64,
+}
+
+/// One codec over every item.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CodecCell {
+    pub codec: String,
+    pub bits_per_element: f64,
+    pub items: usize,
+    pub positions: usize,
+    /// Agreeing positions / scored positions (pooled over items).
+    pub agreement: f64,
+    pub kl: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CodecReport {
+    pub items: Vec<CodecResult>,
+    pub cells: Vec<CodecCell>,
+    pub seconds: f64,
+}
+
+/// The model on the CPU backend, driven directly (no scheduler: every lane owns fixed block tables).
+pub struct CodecEvaluator {
+    model: LlamaModel,
+    backend: CpuBackend,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    eos: Vec<u32>,
+    scratch: Scratch,
+    logits: Vec<f32>,
+    logp: Vec<f32>,
+}
+
+impl CodecEvaluator {
+    pub fn load(model_path: &std::path::Path, threads: usize) -> Result<CodecEvaluator, EngineError> {
+        let err = |e: crate::model::ModelError| EngineError::Model(e.to_string());
+        let g = Gguf::open(model_path).map_err(err)?;
+        let tokenizer = Tokenizer::from_gguf(&g).map_err(err)?;
+        let template = ChatTemplate::from_gguf(&g).map_err(err)?;
+        let model = LlamaModel::load(&g).map_err(err)?;
+        Ok(CodecEvaluator {
+            eos: tokenizer.eos_token_ids().to_vec(),
+            model,
+            backend: CpuBackend::new(resolve_threads(threads)),
+            tokenizer,
+            template,
+            scratch: Scratch::default(),
+            logits: Vec::new(),
+            logp: Vec::new(),
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The chat prompt for a user message, tokenized.
+    pub fn chat_tokens(&self, user: &str) -> Result<Vec<u32>, EngineError> {
+        let text = self
+            .template
+            .render(&[ChatMessage::new("user", user)], true)
+            .map_err(|e| EngineError::Model(e.to_string()))?;
+        Ok(self.tokenizer.encode(&text, false))
+    }
+
+    /// Runs one item under the full cache and every codec in `codecs`; one result per codec.
+    pub fn run_item(&mut self, item: &CodecItem, codecs: &[Codec]) -> Result<Vec<CodecResult>, EngineError> {
+        let c = self.model.config().clone();
+        let vocab = c.vocab;
+        let n_cont = match &item.continuation {
+            Continuation::Forced(t) => t.len(),
+            Continuation::Greedy(n) => *n,
+        };
+        let total = item.prompt.len() + n_cont;
+        if item.prompt.is_empty() || n_cont < 2 || total > MAX_ITEM_TOKENS.min(c.ctx_len) {
+            return Err(EngineError::InvalidRequest(format!(
+                "item {}: needs a prompt, at least 2 continuation tokens and at most {} tokens in all, got {} + {}",
+                item.name,
+                MAX_ITEM_TOKENS.min(c.ctx_len),
+                item.prompt.len(),
+                n_cont
+            )));
+        }
+        let n_tables = c.n_layers * c.n_kv_heads;
+        let per_table = total.div_ceil(BLOCK_SIZE);
+        let lane_blocks = n_tables * per_table;
+        let lanes = 1 + codecs.len();
+        let mut kv = KvStorage::new(lane_blocks * lanes, BLOCK_SIZE, c.head_dim);
+        let tables: Vec<Vec<Vec<u32>>> = (0..lanes)
+            .map(|l| {
+                (0..n_tables)
+                    .map(|t| {
+                        let first = (l * lane_blocks + t * per_table) as u32;
+                        (first..first + per_table as u32).collect()
+                    })
+                    .collect()
+            })
+            .collect();
+
+        // Reference: prefill, then the continuation one token at a time, recording log-probabilities of the
+        // predictions after the first.
+        let mut cont: Vec<u32> = match &item.continuation {
+            Continuation::Forced(t) => t.clone(),
+            Continuation::Greedy(_) => Vec::new(),
+        };
+        let mut reference: Vec<f32> = Vec::new();
+        let mut lens = vec![0usize; n_tables];
+        self.step(&mut kv, &[(&item.prompt[..], 0, &tables[0][..], &lens[..])])?;
+        lens.fill(item.prompt.len());
+        let mut next = argmax(&self.logits[..vocab]);
+        for j in 0..n_cont {
+            let tok = match &item.continuation {
+                Continuation::Forced(t) => t[j],
+                Continuation::Greedy(_) => {
+                    if self.eos.contains(&next) {
+                        break;
+                    }
+                    cont.push(next);
+                    next
+                }
+            };
+            if j + 1 == n_cont {
+                break;
+            }
+            let pos = (item.prompt.len() + j) as u32;
+            self.step(&mut kv, &[(&[tok][..], pos, &tables[0][..], &lens[..])])?;
+            lens.iter_mut().for_each(|l| *l += 1);
+            log_softmax(&self.logits[..vocab], &mut self.logp);
+            reference.extend_from_slice(&self.logp);
+            next = argmax(&self.logits[..vocab]);
+        }
+        let scored = reference.len() / vocab;
+        let cont = &cont[..(scored + 1).min(cont.len())];
+
+        // Codec lanes: copy the prompt KV, then teacher-force the continuation in one batch.
+        let block_len = BLOCK_SIZE * c.head_dim;
+        let mut bytes = Vec::new();
+        let (mut dk, mut dv) = (vec![0.0f32; block_len], vec![0.0f32; block_len]);
+        let prompt_blocks = item.prompt.len().div_ceil(BLOCK_SIZE);
+        for lane in &tables[1..] {
+            for (src, dst) in tables[0].iter().zip(lane) {
+                for (&s, &d) in src[..prompt_blocks].iter().zip(&dst[..prompt_blocks]) {
+                    kv.copy_block(s, d);
+                }
+            }
+        }
+        let mut coded = vec![0usize; lanes];
+        let mut agree = vec![0usize; codecs.len()];
+        let mut kl = vec![0.0f64; codecs.len()];
+        for j in 0..=scored {
+            let len = item.prompt.len() + j;
+            // Encode and decode back every block that is full now (the prompt's, then one per BLOCK_SIZE steps).
+            for (li, &codec) in codecs.iter().enumerate() {
+                let l = li + 1;
+                for table in &tables[l] {
+                    for &b in &table[coded[l]..len / BLOCK_SIZE] {
+                        round_trip(codec, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
+                    }
+                }
+                coded[l] = len / BLOCK_SIZE;
+            }
+            if j == scored {
+                break;
+            }
+            let lens = vec![len; n_tables];
+            let tok = [cont[j]];
+            let batch: Vec<Lane<'_>> = (1..lanes).map(|l| (&tok[..], len as u32, &tables[l][..], &lens[..])).collect();
+            self.step(&mut kv, &batch)?;
+            let r = &reference[j * vocab..(j + 1) * vocab];
+            let r_top = argmax(r);
+            for li in 0..codecs.len() {
+                let row = &self.logits[li * vocab..(li + 1) * vocab];
+                agree[li] += usize::from(argmax(row) == r_top);
+                log_softmax(row, &mut self.logp);
+                kl[li] += kl_div(r, &self.logp);
+            }
+        }
+        Ok(codecs
+            .iter()
+            .enumerate()
+            .map(|(li, codec)| CodecResult {
+                item: item.name.clone(),
+                codec: codec.name().to_owned(),
+                positions: scored,
+                agree: agree[li],
+                kl: kl[li] / scored.max(1) as f64,
+            })
+            .collect())
+    }
+
+    /// One forward step over `(tokens, start_pos, tables, prior_lens)` per lane, last-token logits each.
+    fn step(&mut self, kv: &mut KvStorage, lanes: &[Lane<'_>]) -> Result<(), EngineError> {
+        let seqs: Vec<ForwardSeq<'_>> = lanes
+            .iter()
+            .map(|&(tokens, start_pos, tables, prior_lens)| ForwardSeq {
+                tokens,
+                start_pos,
+                tables,
+                prior_lens,
+                logits: LogitsWanted::Last,
+                capture_q: 0,
+            })
+            .collect();
+        self.logits.clear();
+        self.model
+            .forward(&self.backend, kv, &seqs, &mut self.scratch, &mut self.logits)
+            .map_err(|e| EngineError::Forward(e.to_string()))
+    }
+}
+
+/// One lane of a step: tokens, RoPE position of the first, block tables, cache lengths before the step.
+type Lane<'a> = (&'a [u32], u32, &'a [Vec<u32>], &'a [usize]);
+
+/// Encodes block `b` with `codec` and decodes it back into the arena.
+fn round_trip(
+    codec: Codec,
+    kv: &mut KvStorage,
+    b: u32,
+    bytes: &mut Vec<u8>,
+    dk: &mut [f32],
+    dv: &mut [f32],
+) -> Result<(), EngineError> {
+    let fail = |e: pagoda_kernels::CodecError| EngineError::Forward(format!("{codec} on block {b}: {e}"));
+    bytes.resize(codec.encoded_len(kv.block_size(), kv.head_dim()).map_err(fail)?, 0);
+    codec.encode_block(kv.block_size(), kv.head_dim(), kv.block_k(b), kv.block_v(b), bytes).map_err(fail)?;
+    pagoda_kernels::decode_block(bytes, dk, dv).map_err(fail)?;
+    kv.block_k_mut(b).copy_from_slice(dk);
+    kv.block_v_mut(b).copy_from_slice(dv);
+    Ok(())
+}
+
+/// `out = log softmax(x)`.
+fn log_softmax(x: &[f32], out: &mut Vec<f32>) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = x.iter().map(|&v| f64::from((v - max).exp())).sum();
+    let lse = max + sum.ln() as f32;
+    out.clear();
+    out.extend(x.iter().map(|&v| v - lse));
+}
+
+/// KL(p ‖ q) from log-probabilities.
+fn kl_div(logp: &[f32], logq: &[f32]) -> f64 {
+    logp.iter().zip(logq).map(|(&a, &b)| f64::from(a.exp()) * f64::from(a - b)).sum::<f64>().max(0.0)
+}
+
+/// Pools item results per codec (in the order of `codecs`).
+pub fn summarize(items: &[CodecResult], codecs: &[Codec]) -> Vec<CodecCell> {
+    codecs
+        .iter()
+        .map(|c| {
+            let rs: Vec<&CodecResult> = items.iter().filter(|r| r.codec == c.name()).collect();
+            let positions: usize = rs.iter().map(|r| r.positions).sum();
+            let agree: usize = rs.iter().map(|r| r.agree).sum();
+            let kl = rs.iter().map(|r| r.kl * r.positions as f64).sum::<f64>() / positions.max(1) as f64;
+            CodecCell {
+                codec: c.name().to_owned(),
+                bits_per_element: c.bits_per_element(BLOCK_SIZE, 64).unwrap_or(f64::NAN),
+                items: rs.len(),
+                positions,
+                agreement: agree as f64 / positions.max(1) as f64,
+                kl,
+            }
+        })
+        .collect()
+}
+
+/// Runs every item under every codec.
+pub fn run(
+    model_path: &std::path::Path,
+    threads: usize,
+    codecs: &[Codec],
+    make_items: &dyn Fn(&CodecEvaluator) -> Result<Vec<CodecItem>, EngineError>,
+) -> Result<CodecReport, EngineError> {
+    let t0 = Instant::now();
+    let mut ev = CodecEvaluator::load(model_path, threads)?;
+    let items = make_items(&ev)?;
+    let mut results = Vec::new();
+    for item in &items {
+        let rs = ev.run_item(item, codecs)?;
+        tracing::info!(item = %item.name, "codec eval item done");
+        results.extend(rs);
+    }
+    let cells = summarize(&results, codecs);
+    Ok(CodecReport { items: results, cells, seconds: t0.elapsed().as_secs_f64() })
+}
+
+/// Markdown table: one row per codec.
+pub fn render_markdown(report: &CodecReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::from(
+        "| codec | bits/element (16x64 block) | items | scored positions | top-1 agreement with full cache | mean KL (nats) |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for c in &report.cells {
+        let _ = writeln!(
+            s,
+            "| {} | {:.2} | {} | {} | {:.4} | {:.5} |",
+            c.codec, c.bits_per_element, c.items, c.positions, c.agreement, c.kl
+        );
+    }
+    s
+}
