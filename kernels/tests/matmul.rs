@@ -262,7 +262,7 @@ fn avx512_vs_avx2_speed() {
         v[v.len() / 2]
     };
     println!("{:>12} {:>3} {:>11} {:>11} {:>7}", "shape", "n", "avx2 us", "avx512 us", "ratio");
-    for &(rows, cols) in &[(1536, 576), (49152, 576)] {
+    for &(rows, cols) in &[(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)] {
         let w = QMatrix::quantize(WeightType::Q4_1, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
         for n in [1usize, 8, 32] {
             let x = rand_vec(&mut rng, n * cols, 1.0);
