@@ -93,8 +93,9 @@ pub struct QMatrix {
     rows: usize,
     cols: usize,
     pub(crate) data: QData,
-    /// Q4_1 only: the same weights repacked by [`repack_q4_1x16`], built on first use by a kernel that reads that
-    /// layout (the AVX-512 VNNI matmul), so CPUs and backends that never use it pay no memory for it.
+    /// Q4_1 / Q8_0 only: the same weights repacked by [`repack_q4_1x16`] / [`repack_q8_0x16`], built on first use
+    /// by a kernel that reads that layout (the AVX-512 VNNI matmul), so CPUs and backends that never use it pay no
+    /// memory for it.
     pub(crate) packed: OnceLock<Vec<u8>>,
 }
 
@@ -204,12 +205,16 @@ impl QMatrix {
         self.cols
     }
 
-    /// The Q4_1 weights in the [`repack_q4_1x16`] layout when `simd` has a kernel for it (built on the first such
-    /// call, then cached); `None` for other types and instruction sets.
-    pub(crate) fn q4_1x16_for(&self, simd: crate::cpu::Simd) -> Option<&[u8]> {
+    /// The weights in the 16-row layout of their type ([`repack_q4_1x16`], [`repack_q8_0x16`]) when `simd` has a
+    /// kernel for it (built on the first such call, then cached); `None` for other types and instruction sets.
+    pub(crate) fn x16_for(&self, simd: crate::cpu::Simd) -> Option<&[u8]> {
+        let nb = self.cols / QK;
         match (&self.data, simd) {
             (QData::Q4_1(b), crate::cpu::Simd::Avx512) => {
-                Some(self.packed.get_or_init(|| repack_q4_1x16(b, self.rows, self.cols / QK)))
+                Some(self.packed.get_or_init(|| repack_q4_1x16(b, self.rows, nb)))
+            }
+            (QData::Q8_0(b), crate::cpu::Simd::Avx512) => {
+                Some(self.packed.get_or_init(|| repack_q8_0x16(b, self.rows, nb)))
             }
             _ => None,
         }
@@ -302,6 +307,36 @@ pub fn repack_q4_1x16(raw: &[u8], rows: usize, nb: usize) -> Vec<u8> {
             for t in 0..4 {
                 let o = 64 + 64 * t + 4 * j;
                 dst[o..o + 4].copy_from_slice(&src[4 + 4 * t..8 + 4 * t]);
+            }
+        }
+    }
+    out
+}
+
+/// Bytes per block of a [`repack_q8_0x16`] row group: 16 f16 d, 16 i16 Σq, 16 x 32 i8.
+pub const Q8_0X16_BLOCK_BYTES: usize = 32 + 32 + Q4_1X16_ROWS * QK;
+
+/// Repacks row-major GGUF Q8_0 blocks (`rows` rows of `nb` blocks) into groups of 16 rows, like
+/// [`repack_q4_1x16`]: group `g`, block `b` lives at byte `(g * nb + b) * 576`: the 16 rows' f16 `d`, their 16
+/// i16 sums of quants (`vpdpbusd` multiplies unsigned by signed bytes, so the kernel feeds activations offset by
+/// +128 and subtracts 128 Σq), then 8 chunks of 64 bytes; chunk `k` holds row `j`'s quants `4k..4k+4` at
+/// `64k + 4j`. Rows past `rows` in the last group are zero.
+pub fn repack_q8_0x16(raw: &[u8], rows: usize, nb: usize) -> Vec<u8> {
+    let rb = nb * Q8_0_BLOCK_BYTES;
+    assert_eq!(raw.len(), rows * rb, "repack_q8_0x16: raw must hold rows * nb blocks");
+    let groups = rows.div_ceil(Q4_1X16_ROWS);
+    let mut out = vec![0u8; groups * nb * Q8_0X16_BLOCK_BYTES];
+    for r in 0..rows {
+        let (g, j) = (r / Q4_1X16_ROWS, r % Q4_1X16_ROWS);
+        for b in 0..nb {
+            let src = &raw[r * rb + b * Q8_0_BLOCK_BYTES..r * rb + (b + 1) * Q8_0_BLOCK_BYTES];
+            let dst = &mut out[(g * nb + b) * Q8_0X16_BLOCK_BYTES..(g * nb + b + 1) * Q8_0X16_BLOCK_BYTES];
+            dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
+            let sum: i16 = src[2..].iter().map(|&q| i16::from(q as i8)).sum();
+            dst[32 + 2 * j..32 + 2 * j + 2].copy_from_slice(&sum.to_le_bytes());
+            for k in 0..8 {
+                let o = 64 + 64 * k + 4 * j;
+                dst[o..o + 4].copy_from_slice(&src[2 + 4 * k..6 + 4 * k]);
             }
         }
     }

@@ -116,10 +116,11 @@ fn fast_path_matches_scalar_path() {
     }
 }
 
-/// The AVX-512 VNNI Q4_1 kernel (16-row groups, token tiles of up to 8, 4/2/1 groups per tile) against the scalar
-/// path, over row counts that leave partial 16-row groups and token counts hitting every tile width and remainder.
+/// The AVX-512 VNNI Q4_1 and Q8_0 kernels (16-row groups, token tiles of up to 8, 4/2/1 groups per tile) against
+/// the scalar path, over row counts that leave partial 16-row groups and token counts hitting every tile width and
+/// remainder.
 #[test]
-fn avx512_q4_1_matches_scalar_on_ragged_shapes() {
+fn avx512_matches_scalar_on_ragged_shapes() {
     let fast = CpuBackend::with_simd(1, Simd::Avx512);
     let fast2 = CpuBackend::with_simd(2, Simd::Avx512);
     if fast.simd() != Simd::Avx512 {
@@ -130,9 +131,12 @@ fn avx512_q4_1_matches_scalar_on_ragged_shapes() {
     }
     let scalar = CpuBackend::with_simd(1, Simd::Scalar);
     let mut rng = StdRng::seed_from_u64(4);
-    for &(rows, cols) in &[(1, 32), (15, 64), (16, 32), (17, 96), (47, 160), (64, 576), (100, 1536), (333, 576)] {
+    let shapes = [(1, 32), (15, 64), (16, 32), (17, 96), (47, 160), (64, 576), (100, 1536), (333, 576)];
+    for (ty, &(rows, cols)) in
+        [WeightType::Q4_1, WeightType::Q8_0].into_iter().flat_map(|t| shapes.iter().map(move |s| (t, s)))
+    {
         let wv = rand_vec(&mut rng, rows * cols, 0.7);
-        let w = QMatrix::quantize(WeightType::Q4_1, rows, cols, &wv).expect("quantize");
+        let w = QMatrix::quantize(ty, rows, cols, &wv).expect("quantize");
         for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 31, 32, 35] {
             let mut x = rand_vec(&mut rng, n * cols, 2.5);
             x[..16].fill(0.0);
@@ -146,7 +150,7 @@ fn avx512_q4_1_matches_scalar_on_ragged_shapes() {
                     let tol = 2e-5 * (1.0 + want[k].abs()) + 1e-4;
                     assert!(
                         (got[k] - want[k]).abs() <= tol,
-                        "{rows}x{cols} n={n} {be:?}: out[{k}] = {} want {}",
+                        "{ty:?} {rows}x{cols} n={n} {be:?}: out[{k}] = {} want {}",
                         got[k],
                         want[k]
                     );
@@ -243,8 +247,8 @@ fn embedding_reads_rows() {
     }
 }
 
-/// Side-by-side timing of the Q4_1 matmul, AVX2 tiles vs AVX-512 VNNI over repacked weights, at SmolLM2-135M
-/// shapes, 2 threads. Repetitions alternate between the two so machine noise hits both alike; prints medians and
+/// Side-by-side timing of the Q4_1 (and the tied Q8_0 LM head's) matmul, AVX2 tiles vs AVX-512 VNNI over
+/// repacked weights, at SmolLM2-135M shapes, 2 threads. Repetitions alternate between the two so machine noise hits both alike; prints medians and
 /// the ratio. `cargo test --release -p pagoda-kernels --test matmul avx512_vs_avx2_speed -- --ignored --nocapture`
 #[test]
 #[ignore = "timing, not a check; run by hand"]
@@ -261,9 +265,11 @@ fn avx512_vs_avx2_speed() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!("{:>12} {:>3} {:>11} {:>11} {:>7}", "shape", "n", "avx2 us", "avx512 us", "ratio");
-    for &(rows, cols) in &[(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)] {
-        let w = QMatrix::quantize(WeightType::Q4_1, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
+    println!("{:>17} {:>3} {:>11} {:>11} {:>7}", "shape", "n", "avx2 us", "avx512 us", "ratio");
+    let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)];
+    let cases = shapes.iter().map(|&s| (WeightType::Q4_1, s)).chain([(WeightType::Q8_0, (49152, 576))]);
+    for (ty, (rows, cols)) in cases {
+        let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
         for n in [1usize, 8, 32] {
             let x = rand_vec(&mut rng, n * cols, 1.0);
             let mut out = vec![0.0; n * rows];
@@ -281,7 +287,7 @@ fn avx512_vs_avx2_speed() {
                 }
             }
             let (a, b) = (median(&mut ta), median(&mut tb));
-            println!("{:>12} {n:>3} {a:>11.1} {b:>11.1} {:>7.2}", format!("{rows}x{cols}"), a / b);
+            println!("{:>17} {n:>3} {a:>11.1} {b:>11.1} {:>7.2}", format!("{ty:?} {rows}x{cols}"), a / b);
         }
     }
 }

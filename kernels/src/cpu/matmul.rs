@@ -1,11 +1,13 @@
 //! Matmul driver: quantises the activations once per call into Q8_1 (reusing a thread-local scratch), splits the
-//! output rows across the pool in large chunks, and runs the per-ISA row kernels (for Q4_1 on AVX-512 VNNI, over
-//! the weights repacked into 16-row groups).
+//! output rows across the pool in large chunks, and runs the per-ISA row kernels (for Q4_1 and Q8_0 on AVX-512
+//! VNNI, over the weights repacked into 16-row groups).
 
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use crate::quant::{BlockQ8_1x4, Q4_1X16_ROWS, QData, QK, QMatrix, q8_1x4_len, quantize_rows_q8_1x4};
+#[cfg(target_arch = "x86_64")]
+use avx512::Packed;
 use std::cell::Cell;
 
 thread_local! {
@@ -31,14 +33,15 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
             xq.clear();
             xq.resize(q8_1x4_len(n, cols), BlockQ8_1x4::default());
             quantize_rows(simd, x, n, cols, &mut xq);
-            match (simd, w.q4_1x16_for(simd)) {
+            match (simd, w.x16_for(simd)) {
                 #[cfg(target_arch = "x86_64")]
                 (Simd::Avx512, Some(packed)) => {
                     let nb = cols / QK;
+                    let kind = if matches!(w.data, QData::Q8_0(_)) { Packed::Q8_0 } else { Packed::Q4_1 };
                     run_rows(be, rows, n * cols, Q4_1X16_ROWS, out, &|r0, r1, o| {
-                        // SAFETY: `packed` is the repacked `w`; xq holds n rows of nb blocks; rows r0..r1 (r0 a
-                        // multiple of 16) belong to this task; Simd::Avx512 is only selected after detection.
-                        unsafe { avx512::quant_rows_q4_1x16(packed, rows, nb, &xq, n, r0, r1, o.get(), rows) }
+                        // SAFETY: `packed` is `w` repacked for `kind`; xq holds n rows of nb blocks; rows r0..r1
+                        // (r0 a multiple of 16) belong to this task; Simd::Avx512 is only selected after detection.
+                        unsafe { avx512::quant_rows_x16(kind, packed, rows, nb, &xq, n, r0, r1, o.get(), rows) }
                     });
                 }
                 _ => run_rows(be, rows, n * cols, 4, out, &|r0, r1, o| quant_rows(simd, w, &xq, n, r0, r1, o)),
