@@ -57,6 +57,7 @@ unsafe fn tile<const Q8: bool, const G: usize, const C: usize>(
 ) -> [[__m512; C]; G] {
     let bb = block_bytes(Q8);
     let m4 = _mm512_set1_epi8(0x0F);
+    let k80 = _mm512_set1_epi8(-128);
     let mut facc = [[_mm512_setzero_ps(); C]; G];
     let gstride = nb * bb;
     for b in 0..nb {
@@ -70,8 +71,7 @@ unsafe fn tile<const Q8: bool, const G: usize, const C: usize>(
                 for c in 0..C {
                     let xq = x[c].base.add(b * XB + XQ + 32 * x[c].lane + 4 * k);
                     // vpdpbusd wants one unsigned operand: activations + 128 (the weights' Σq corrects it below).
-                    let v = core::ptr::read_unaligned(xq as *const i32) ^ 0x8080_8080u32 as i32;
-                    let xv = _mm512_set1_epi32(v);
+                    let xv = _mm512_xor_si512(_mm512_set1_epi32(core::ptr::read_unaligned(xq as *const i32)), k80);
                     for g in 0..G {
                         iacc[g][c] = _mm512_dpbusd_epi32(iacc[g][c], xv, wk[g]);
                     }
