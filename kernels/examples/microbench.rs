@@ -36,6 +36,7 @@ fn main() {
     let bes = [
         ("scalar", CpuBackend::with_simd(threads, Simd::Scalar)),
         ("avx2", CpuBackend::with_simd(threads, Simd::Avx2)),
+        ("avx512", CpuBackend::with_simd(threads, Simd::Avx512)),
     ];
     let budget = Duration::from_millis(600);
     for (ty, rows, cols) in [
@@ -65,8 +66,8 @@ fn main() {
                 line += &format!("  {label} {:>10.1?} ({gmacs:5.1} GMAC/s)", t);
                 times.push(t);
             }
-            if times.len() == 2 {
-                line += &format!("  x{:.1}", times[0].as_secs_f64() / times[1].as_secs_f64());
+            if let [.., a, b] = times[..] {
+                line += &format!("  x{:.2}", a.as_secs_f64() / b.as_secs_f64());
             }
             println!("{line}");
         }

@@ -3,6 +3,7 @@
 
 use crate::error::KernelError;
 use half::f16;
+use std::sync::OnceLock;
 
 /// Weights per quantisation block (Q4_1, Q8_0, Q8_1).
 pub const QK: usize = 32;
@@ -92,6 +93,10 @@ pub struct QMatrix {
     rows: usize,
     cols: usize,
     pub(crate) data: QData,
+    /// Q4_1 / Q8_0 only: the same weights repacked by [`repack_q4_1x16`] / [`repack_q8_0x16`], built on first use
+    /// by a kernel that reads that layout (the AVX-512 VNNI matmul), so CPUs and backends that never use it pay no
+    /// memory for it.
+    pub(crate) packed: OnceLock<Vec<u8>>,
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -120,7 +125,7 @@ impl QMatrix {
             WeightType::Q4_1 => QData::Q4_1(bytes.to_vec()),
             WeightType::Q8_0 => QData::Q8_0(bytes.to_vec()),
         };
-        Ok(QMatrix { ty, rows, cols, data })
+        Ok(QMatrix { ty, rows, cols, data, packed: OnceLock::new() })
     }
 
     /// Builds an F32 matrix from row-major values (`values.len() == rows * cols`).
@@ -135,7 +140,7 @@ impl QMatrix {
                 got: values.len() * 4,
             });
         }
-        Ok(QMatrix { ty: WeightType::F32, rows, cols, data: QData::F32(values.to_vec()) })
+        Ok(QMatrix { ty: WeightType::F32, rows, cols, data: QData::F32(values.to_vec()), packed: OnceLock::new() })
     }
 
     /// Quantises row-major f32 values into `ty` the way GGML does (used by tests, benches and synthetic models).
@@ -200,6 +205,21 @@ impl QMatrix {
         self.cols
     }
 
+    /// The weights in the 16-row layout of their type ([`repack_q4_1x16`], [`repack_q8_0x16`]) when `simd` has a
+    /// kernel for it (built on the first such call, then cached); `None` for other types and instruction sets.
+    pub(crate) fn x16_for(&self, simd: crate::cpu::Simd) -> Option<&[u8]> {
+        let nb = self.cols / QK;
+        match (&self.data, simd) {
+            (QData::Q4_1(b), crate::cpu::Simd::Avx512) => {
+                Some(self.packed.get_or_init(|| repack_q4_1x16(b, self.rows, nb)))
+            }
+            (QData::Q8_0(b), crate::cpu::Simd::Avx512) => {
+                Some(self.packed.get_or_init(|| repack_q8_0x16(b, self.rows, nb)))
+            }
+            _ => None,
+        }
+    }
+
     /// Bytes of one row in its stored form.
     pub(crate) fn row_bytes(&self) -> usize {
         self.cols / self.ty.block_len() * self.ty.block_bytes()
@@ -257,6 +277,70 @@ pub(crate) fn dequantize_block_q8_0(blk: &[u8], out: &mut [f32]) {
     for j in 0..QK {
         out[j] = d * f32::from(blk[2 + j] as i8);
     }
+}
+
+/// Rows per group of the [`repack_q4_1x16`] layout.
+pub const Q4_1X16_ROWS: usize = 16;
+/// Bytes per block of a [`repack_q4_1x16`] row group: 16 f16 d, 16 f16 m, 16 x 16 bytes of nibbles.
+pub const Q4_1X16_BLOCK_BYTES: usize = Q4_1X16_ROWS * Q4_1_BLOCK_BYTES;
+
+/// Repacks row-major GGUF Q4_1 blocks (`rows` rows of `nb` blocks) into groups of 16 rows, so that one 64-byte
+/// vector holds the same four columns of 16 rows and an int8 dot-product instruction (`vpdpbusd`) computes 16
+/// rows against one broadcast group of four activations.
+///
+/// Group `g` (rows `16g..16g+16`), block `b` lives at byte `(g * nb + b) * 320`: the 16 rows' f16 `d`, then their
+/// 16 f16 `m`, then 4 chunks of 64 bytes; chunk `t` holds, for row `j`, bytes `4t..4t+4` of that row's GGUF nibbles
+/// at `64t + 4j` (low nibbles = columns `4t..4t+4`, high nibbles = columns `16+4t..16+4t+4`). Rows past `rows` in
+/// the last group are zero (d = m = 0), so they compute 0 and are never stored.
+pub fn repack_q4_1x16(raw: &[u8], rows: usize, nb: usize) -> Vec<u8> {
+    let rb = nb * Q4_1_BLOCK_BYTES;
+    assert_eq!(raw.len(), rows * rb, "repack_q4_1x16: raw must hold rows * nb blocks");
+    let groups = rows.div_ceil(Q4_1X16_ROWS);
+    let mut out = vec![0u8; groups * nb * Q4_1X16_BLOCK_BYTES];
+    for r in 0..rows {
+        let (g, j) = (r / Q4_1X16_ROWS, r % Q4_1X16_ROWS);
+        for b in 0..nb {
+            let src = &raw[r * rb + b * Q4_1_BLOCK_BYTES..r * rb + (b + 1) * Q4_1_BLOCK_BYTES];
+            let dst = &mut out[(g * nb + b) * Q4_1X16_BLOCK_BYTES..(g * nb + b + 1) * Q4_1X16_BLOCK_BYTES];
+            dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
+            dst[32 + 2 * j..32 + 2 * j + 2].copy_from_slice(&src[2..4]);
+            for t in 0..4 {
+                let o = 64 + 64 * t + 4 * j;
+                dst[o..o + 4].copy_from_slice(&src[4 + 4 * t..8 + 4 * t]);
+            }
+        }
+    }
+    out
+}
+
+/// Bytes per block of a [`repack_q8_0x16`] row group: 16 f16 d, 16 i16 Σq, 16 x 32 i8.
+pub const Q8_0X16_BLOCK_BYTES: usize = 32 + 32 + Q4_1X16_ROWS * QK;
+
+/// Repacks row-major GGUF Q8_0 blocks (`rows` rows of `nb` blocks) into groups of 16 rows, like
+/// [`repack_q4_1x16`]: group `g`, block `b` lives at byte `(g * nb + b) * 576`: the 16 rows' f16 `d`, their 16
+/// i16 sums of quants (`vpdpbusd` multiplies unsigned by signed bytes, so the kernel feeds activations offset by
+/// +128 and subtracts 128 Σq), then 8 chunks of 64 bytes; chunk `k` holds row `j`'s quants `4k..4k+4` at
+/// `64k + 4j`. Rows past `rows` in the last group are zero.
+pub fn repack_q8_0x16(raw: &[u8], rows: usize, nb: usize) -> Vec<u8> {
+    let rb = nb * Q8_0_BLOCK_BYTES;
+    assert_eq!(raw.len(), rows * rb, "repack_q8_0x16: raw must hold rows * nb blocks");
+    let groups = rows.div_ceil(Q4_1X16_ROWS);
+    let mut out = vec![0u8; groups * nb * Q8_0X16_BLOCK_BYTES];
+    for r in 0..rows {
+        let (g, j) = (r / Q4_1X16_ROWS, r % Q4_1X16_ROWS);
+        for b in 0..nb {
+            let src = &raw[r * rb + b * Q8_0_BLOCK_BYTES..r * rb + (b + 1) * Q8_0_BLOCK_BYTES];
+            let dst = &mut out[(g * nb + b) * Q8_0X16_BLOCK_BYTES..(g * nb + b + 1) * Q8_0X16_BLOCK_BYTES];
+            dst[2 * j..2 * j + 2].copy_from_slice(&src[0..2]);
+            let sum: i16 = src[2..].iter().map(|&q| i16::from(q as i8)).sum();
+            dst[32 + 2 * j..32 + 2 * j + 2].copy_from_slice(&sum.to_le_bytes());
+            for k in 0..8 {
+                let o = 64 + 64 * k + 4 * j;
+                dst[o..o + 4].copy_from_slice(&src[2 + 4 * k..6 + 4 * k]);
+            }
+        }
+    }
+    out
 }
 
 /// Q8_1 activation blocks of four interleaved rows: for rows `4g..4g+4` and block `b`, lane `c` holds row `4g+c`'s

@@ -19,6 +19,10 @@ fn backends() -> Vec<CpuBackend> {
         CpuBackend::with_simd(1, Simd::Avx2),
         CpuBackend::with_simd(2, Simd::Avx2),
         CpuBackend::with_simd(3, Simd::Avx2),
+        // Falls back to Avx2 (then Scalar) where the CPU lacks AVX-512 VNNI.
+        CpuBackend::with_simd(1, Simd::Avx512),
+        CpuBackend::with_simd(2, Simd::Avx512),
+        CpuBackend::with_simd(3, Simd::Avx512),
     ]
 }
 
@@ -112,6 +116,50 @@ fn fast_path_matches_scalar_path() {
     }
 }
 
+/// The AVX-512 VNNI Q4_1 and Q8_0 kernels (16-row groups, token tiles of up to 8, 4/2/1 groups per tile) against
+/// the scalar path, over row counts that leave partial 16-row groups and token counts hitting every tile width and
+/// remainder.
+#[test]
+fn avx512_matches_scalar_on_ragged_shapes() {
+    let fast = CpuBackend::with_simd(1, Simd::Avx512);
+    let fast2 = CpuBackend::with_simd(2, Simd::Avx512);
+    if fast.simd() != Simd::Avx512 {
+        eprintln!(
+            "CPU lacks AVX-512 VNNI: the Avx512 backend fell back to {:?}, which this compares instead",
+            fast.simd()
+        );
+    }
+    let scalar = CpuBackend::with_simd(1, Simd::Scalar);
+    let mut rng = StdRng::seed_from_u64(4);
+    let shapes = [(1, 32), (15, 64), (16, 32), (17, 96), (47, 160), (64, 576), (100, 1536), (333, 576)];
+    for (ty, &(rows, cols)) in
+        [WeightType::Q4_1, WeightType::Q8_0].into_iter().flat_map(|t| shapes.iter().map(move |s| (t, s)))
+    {
+        let wv = rand_vec(&mut rng, rows * cols, 0.7);
+        let w = QMatrix::quantize(ty, rows, cols, &wv).expect("quantize");
+        for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 31, 32, 35] {
+            let mut x = rand_vec(&mut rng, n * cols, 2.5);
+            x[..16].fill(0.0);
+            let mut want = vec![0.0; n * rows];
+            scalar.matmul(&w, &x, n, &mut want);
+            for be in [&fast, &fast2] {
+                let mut got = vec![f32::NAN; n * rows];
+                be.matmul(&w, &x, n, &mut got);
+                for k in 0..n * rows {
+                    // Same integer dot products; only the f32 scale-and-accumulate order differs.
+                    let tol = 2e-5 * (1.0 + want[k].abs()) + 1e-4;
+                    assert!(
+                        (got[k] - want[k]).abs() <= tol,
+                        "{ty:?} {rows}x{cols} n={n} {be:?}: out[{k}] = {} want {}",
+                        got[k],
+                        want[k]
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn f16_bytes(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
 }
@@ -195,6 +243,51 @@ fn embedding_reads_rows() {
                 }
                 assert_eq!(&out[i * cols..(i + 1) * cols], &want[..]);
             }
+        }
+    }
+}
+
+/// Side-by-side timing of the Q4_1 (and the tied Q8_0 LM head's) matmul, AVX2 tiles vs AVX-512 VNNI over
+/// repacked weights, at SmolLM2-135M shapes, 2 threads. Repetitions alternate between the two so machine noise hits both alike; prints medians and
+/// the ratio. `cargo test --release -p pagoda-kernels --test matmul avx512_vs_avx2_speed -- --ignored --nocapture`
+#[test]
+#[ignore = "timing, not a check; run by hand"]
+fn avx512_vs_avx2_speed() {
+    use std::time::Instant;
+    let old = CpuBackend::with_simd(2, Simd::Avx2);
+    let new = CpuBackend::with_simd(2, Simd::Avx512);
+    if new.simd() != Simd::Avx512 {
+        eprintln!("CPU lacks AVX-512 VNNI; nothing to compare");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(5);
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("{:>17} {:>3} {:>11} {:>11} {:>7}", "shape", "n", "avx2 us", "avx512 us", "ratio");
+    let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)];
+    let cases = shapes.iter().map(|&s| (WeightType::Q4_1, s)).chain([(WeightType::Q8_0, (49152, 576))]);
+    for (ty, (rows, cols)) in cases {
+        let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
+        for n in [1usize, 8, 32] {
+            let x = rand_vec(&mut rng, n * cols, 1.0);
+            let mut out = vec![0.0; n * rows];
+            // Enough calls per sample for ~2 ms of work at the old speed.
+            let reps = (4_000_000_000 / (rows * cols * n * 60).max(1)).clamp(1, 2000);
+            let (mut ta, mut tb) = (Vec::new(), Vec::new());
+            new.matmul(&w, &x, n, &mut out);
+            for _ in 0..15 {
+                for (be, t) in [(&old, &mut ta), (&new, &mut tb)] {
+                    let s = Instant::now();
+                    for _ in 0..reps {
+                        be.matmul(&w, std::hint::black_box(&x), n, &mut out);
+                    }
+                    t.push(s.elapsed().as_secs_f64() * 1e6 / reps as f64);
+                }
+            }
+            let (a, b) = (median(&mut ta), median(&mut tb));
+            println!("{:>17} {n:>3} {a:>11.1} {b:>11.1} {:>7.2}", format!("{ty:?} {rows}x{cols}"), a / b);
         }
     }
 }

@@ -114,7 +114,7 @@ pub(crate) fn check_disjoint(seqs: &[AttnSeq<'_>]) {
 fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, scale: f32, out: &mut [f32]) {
     let bs = kv.block_size();
     #[cfg(target_arch = "x86_64")]
-    if simd == Simd::Avx2 && bs <= 64 {
+    if simd.has_avx2() && bs <= 64 {
         let (k, v) = kv.arenas();
         // SAFETY: block ids come from tables whose length was checked; `KvStorage::block_k` bounds-checks each id
         // below before the kernel reads it; CPU features detected.

@@ -84,7 +84,7 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
     let bs = kv.block_size();
     let ids = &table[..len.div_ceil(bs)];
     #[cfg(target_arch = "x86_64")]
-    if simd == Simd::Avx2 {
+    if simd.has_avx2() {
         // SAFETY: block ids were checked against the arena by `filled` in the caller, every block in the arena
         // was written by the encoder or validated on load, the shape passed `check_shape` (bs <= 256) and the
         // CPU features were detected before Simd::Avx2 was selected.

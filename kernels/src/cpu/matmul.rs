@@ -1,10 +1,13 @@
 //! Matmul driver: quantises the activations once per call into Q8_1 (reusing a thread-local scratch), splits the
-//! output rows across the pool in large chunks, and runs the per-ISA row kernels.
+//! output rows across the pool in large chunks, and runs the per-ISA row kernels (for Q4_1 and Q8_0 on AVX-512
+//! VNNI, over the weights repacked into 16-row groups).
 
-#[cfg(target_arch = "x86_64")]
-use super::avx2;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
-use crate::quant::{BlockQ8_1x4, QData, QK, QMatrix, q8_1x4_len, quantize_rows_q8_1x4};
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
+use crate::quant::{BlockQ8_1x4, Q4_1X16_ROWS, QData, QK, QMatrix, q8_1x4_len, quantize_rows_q8_1x4};
+#[cfg(target_arch = "x86_64")]
+use avx512::Packed;
 use std::cell::Cell;
 
 thread_local! {
@@ -30,17 +33,37 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
             xq.clear();
             xq.resize(q8_1x4_len(n, cols), BlockQ8_1x4::default());
             quantize_rows(simd, x, n, cols, &mut xq);
-            run_rows(be, rows, n * cols, out, &|r0, r1, o| quant_rows(simd, w, &xq, n, r0, r1, o));
+            match (simd, w.x16_for(simd)) {
+                #[cfg(target_arch = "x86_64")]
+                (Simd::Avx512, Some(packed)) => {
+                    let nb = cols / QK;
+                    let kind = if matches!(w.data, QData::Q8_0(_)) { Packed::Q8_0 } else { Packed::Q4_1 };
+                    run_rows(be, rows, n * cols, Q4_1X16_ROWS, out, &|r0, r1, o| {
+                        // SAFETY: `packed` is `w` repacked for `kind`; xq holds n rows of nb blocks; rows r0..r1
+                        // (r0 a multiple of 16) belong to this task; Simd::Avx512 is only selected after detection.
+                        unsafe { avx512::quant_rows_x16(kind, packed, rows, nb, &xq, n, r0, r1, o.get(), rows) }
+                    });
+                }
+                _ => run_rows(be, rows, n * cols, 4, out, &|r0, r1, o| quant_rows(simd, w, &xq, n, r0, r1, o)),
+            }
             XQ.set(xq);
         }
         QData::F32(_) | QData::F16(_) => {
-            run_rows(be, rows, n * cols, out, &|r0, r1, o| float_rows(simd, w, x, n, r0, r1, o));
+            run_rows(be, rows, n * cols, 4, out, &|r0, r1, o| float_rows(simd, w, x, n, r0, r1, o));
         }
     }
 }
 
-/// Splits `0..rows` into large chunks and runs `f(r0, r1, out)` for each, on the pool when the work is big enough.
-fn run_rows(be: &CpuBackend, rows: usize, per_row: usize, out: &mut [f32], f: &(dyn Fn(usize, usize, SyncPtr) + Sync)) {
+/// Splits `0..rows` into large chunks starting at multiples of `align` and runs `f(r0, r1, out)` for each, on the
+/// pool when the work is big enough.
+fn run_rows(
+    be: &CpuBackend,
+    rows: usize,
+    per_row: usize,
+    align: usize,
+    out: &mut [f32],
+    f: &(dyn Fn(usize, usize, SyncPtr) + Sync),
+) {
     let o = SyncPtr::new(out);
     let work = rows.saturating_mul(per_row);
     let threads = be.threads();
@@ -48,9 +71,9 @@ fn run_rows(be: &CpuBackend, rows: usize, per_row: usize, out: &mut [f32], f: &(
         f(0, rows, o);
         return;
     }
-    // A few chunks per thread so a busy core does not stall the call; rounded to 4 rows for the tile kernels.
-    let chunks = (threads * 4).min(rows / 4).max(threads);
-    let step = rows.div_ceil(chunks).next_multiple_of(4);
+    // A few chunks per thread so a busy core does not stall the call; rounded to `align` rows for the tile kernels.
+    let chunks = (threads * 4).min(rows / align).max(threads);
+    let step = rows.div_ceil(chunks).next_multiple_of(align);
     let chunks = rows.div_ceil(step);
     be.par_for(chunks, &|c| {
         let r0 = c * step;
@@ -65,9 +88,9 @@ pub(crate) fn quantize_rows(simd: Simd, x: &[f32], n: usize, cols: usize, xq: &m
         Simd::Scalar => quantize_rows_q8_1x4(x, n, cols, xq),
         // SAFETY: Simd::Avx2 is only selected after run-time detection of AVX2/FMA/F16C.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { avx2::quantize_rows_q8_1x4(x, n, cols, xq) },
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::quantize_rows_q8_1x4(x, n, cols, xq) },
         #[cfg(not(target_arch = "x86_64"))]
-        Simd::Avx2 => quantize_rows_q8_1x4(x, n, cols, xq),
+        Simd::Avx2 | Simd::Avx512 => quantize_rows_q8_1x4(x, n, cols, xq),
     }
 }
 
@@ -78,12 +101,12 @@ fn quant_rows(simd: Simd, w: &QMatrix, xq: &[BlockQ8_1x4], n: usize, r0: usize, 
     let rb = w.row_bytes();
     match (&w.data, simd) {
         #[cfg(target_arch = "x86_64")]
-        (QData::Q4_1(b), Simd::Avx2) => {
+        (QData::Q4_1(b), Simd::Avx2 | Simd::Avx512) => {
             // SAFETY: shapes checked by `matmul`; rows r0..r1 belong to this task; CPU features detected.
             unsafe { avx2::quant_rows(avx2::QKind::Q4_1, b, rb, xq, n, nb, r0, r1, out.get(), rows) }
         }
         #[cfg(target_arch = "x86_64")]
-        (QData::Q8_0(b), Simd::Avx2) => {
+        (QData::Q8_0(b), Simd::Avx2 | Simd::Avx512) => {
             // SAFETY: as above.
             unsafe { avx2::quant_rows(avx2::QKind::Q8_0, b, rb, xq, n, nb, r0, r1, out.get(), rows) }
         }
@@ -120,10 +143,14 @@ fn float_rows(simd: Simd, w: &QMatrix, x: &[f32], n: usize, r0: usize, r1: usize
             let v = match (&w.data, simd) {
                 // SAFETY: CPU features detected before Simd::Avx2 is selected.
                 #[cfg(target_arch = "x86_64")]
-                (QData::F32(d), Simd::Avx2) => unsafe { avx2::dot_f32(&d[r * cols..(r + 1) * cols], xr) },
+                (QData::F32(d), Simd::Avx2 | Simd::Avx512) => unsafe {
+                    avx2::dot_f32(&d[r * cols..(r + 1) * cols], xr)
+                },
                 // SAFETY: as above.
                 #[cfg(target_arch = "x86_64")]
-                (QData::F16(d), Simd::Avx2) => unsafe { avx2::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr) },
+                (QData::F16(d), Simd::Avx2 | Simd::Avx512) => unsafe {
+                    avx2::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr)
+                },
                 (QData::F32(d), _) => scalar::dot_f32(&d[r * cols..(r + 1) * cols], xr),
                 (QData::F16(d), _) => scalar::dot_f16_f32(&d[r * cols..(r + 1) * cols], xr),
                 _ => unreachable!("float_rows called on a quantised matrix"),

@@ -1,9 +1,12 @@
 //! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private rayon pool, picking AVX2/FMA/F16C kernels
-//! at run time and falling back to the portable scalar kernels in [`scalar`].
+//! (plus an AVX-512 VNNI quantised matmul where the CPU has it) at run time and falling back to the portable scalar
+//! kernels in [`scalar`].
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub mod codecs;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod codecs_avx2;
@@ -23,12 +26,41 @@ pub enum Simd {
     Scalar,
     /// AVX2 + FMA + F16C (x86-64, detected at run time).
     Avx2,
+    /// [`Simd::Avx2`] plus AVX-512 F/BW/VL/VNNI, used by the Q4_1 matmul; every other kernel runs its AVX2 form.
+    Avx512,
 }
 
 impl Simd {
     /// The best instruction set this CPU supports.
     pub fn detect() -> Simd {
-        if avx2_available() { Simd::Avx2 } else { Simd::Scalar }
+        if avx512_available() {
+            Simd::Avx512
+        } else if avx2_available() {
+            Simd::Avx2
+        } else {
+            Simd::Scalar
+        }
+    }
+
+    /// True for levels that include AVX2/FMA/F16C.
+    pub fn has_avx2(self) -> bool {
+        matches!(self, Simd::Avx2 | Simd::Avx512)
+    }
+}
+
+/// True if [`Simd::Avx512`] can run: AVX2/FMA/F16C and AVX-512 F, BW, VL and VNNI.
+pub fn avx512_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2_available()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -67,7 +99,11 @@ impl CpuBackend {
     /// A backend forced to `simd`; a level the CPU lacks falls back to [`Simd::Scalar`].
     pub fn with_simd(threads: usize, simd: Simd) -> CpuBackend {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-        let simd = if simd == Simd::Avx2 && !avx2_available() { Simd::Scalar } else { simd };
+        let simd = match simd {
+            Simd::Avx512 if !avx512_available() => Simd::Avx2,
+            s => s,
+        };
+        let simd = if simd.has_avx2() && !avx2_available() { Simd::Scalar } else { simd };
         let pool = (threads > 1).then(|| {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(threads - 1)
@@ -140,6 +176,7 @@ impl Backend for CpuBackend {
         match self.simd {
             Simd::Scalar => "cpu-scalar",
             Simd::Avx2 => "cpu-avx2",
+            Simd::Avx512 => "cpu-avx512",
         }
     }
 
@@ -168,9 +205,9 @@ impl Backend for CpuBackend {
         );
         for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
             match self.simd {
-                // SAFETY: CPU features detected before Simd::Avx2 is selected.
+                // SAFETY: CPU features detected before Simd::Avx2 / Avx512 is selected.
                 #[cfg(target_arch = "x86_64")]
-                Simd::Avx2 => unsafe { avx2::rmsnorm_row(xr, weight, eps, or) },
+                Simd::Avx2 | Simd::Avx512 => unsafe { avx2::rmsnorm_row(xr, weight, eps, or) },
                 _ => scalar::rmsnorm_row(xr, weight, eps, or),
             }
         }
@@ -184,7 +221,7 @@ impl Backend for CpuBackend {
         let inv: Vec<f64> = (0..half).map(|i| f64::from(theta).powf(-2.0 * i as f64 / head_dim as f64)).collect();
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
-        let wide = self.simd == Simd::Avx2 && head_dim.is_multiple_of(8);
+        let wide = self.simd.has_avx2() && head_dim.is_multiple_of(8);
         // Per-element tables for the AVX2 path: cc = [c0,c0,c1,c1,..], ss = [-s0,s0,-s1,s1,..].
         let mut cc = vec![0.0f32; if wide { head_dim } else { 0 }];
         let mut ss = vec![0.0f32; if wide { head_dim } else { 0 }];
@@ -221,9 +258,9 @@ impl Backend for CpuBackend {
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         assert_eq!(gate.len(), up.len(), "silu_mul: gate and up differ in length");
         match self.simd {
-            // SAFETY: CPU features detected before Simd::Avx2 is selected.
+            // SAFETY: CPU features detected before Simd::Avx2 / Avx512 is selected.
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { avx2::silu_mul(gate, up) },
+            Simd::Avx2 | Simd::Avx512 => unsafe { avx2::silu_mul(gate, up) },
             _ => scalar::silu_mul(gate, up),
         }
     }
