@@ -4,6 +4,8 @@
 //!   router on `--listen`, in one process; the router still talks to the worker over gRPC.
 //! - `pagoda worker`: the engine behind the `Worker` gRPC service.
 //! - `pagoda router`: the OpenAI HTTP API in front of one or more workers.
+//! - `pagoda kvstore`: one node of the raft-replicated block directory (`--peer` lists the initial voters).
+//! - `pagoda bench kvstore`: publish throughput and watch latency of an in-process 3-node kvstore cluster.
 //! - `pagoda bench engine`: the engine micro-benchmark.
 //! - `pagoda bench eviction`: throughput of each KV eviction policy against full cache on a pool too small for
 //!   the load (markdown table, JSON, PNG chart).
@@ -48,6 +50,8 @@ enum Command {
     Worker(WorkerArgs),
     /// Run a router: the OpenAI-compatible HTTP API over workers.
     Router(RouterArgs),
+    /// Run a kvstore node: one voter of the raft-replicated block directory and worker table.
+    Kvstore(KvstoreArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -238,8 +242,67 @@ struct RouterArgs {
     http: HttpArgs,
 }
 
+#[derive(Args)]
+struct KvstoreArgs {
+    /// This node's raft id (> 0, unique in the cluster).
+    #[arg(long)]
+    node_id: u64,
+    /// Address to serve the KvStore and Raft gRPC services on.
+    #[arg(long, default_value = "0.0.0.0:7400")]
+    listen: SocketAddr,
+    /// The address other nodes and clients reach this node at (default: this node's --peer entry, else --listen).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// An initial voter as `<id>=<host:port>`; repeat for every voter (this node may be listed or not).
+    #[arg(long = "peer", value_parser = parse_peer)]
+    peers: Vec<(u64, String)>,
+    /// Where the raft log, hard state and snapshots live (created when missing).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Join a running cluster (a leader adds this node with AddNode) instead of bootstrapping from --peer.
+    #[arg(long)]
+    join: bool,
+    /// Snapshot and compact the raft log every this many applied entries.
+    #[arg(long, default_value_t = 10_000)]
+    snapshot_every: u64,
+}
+
+fn parse_peer(s: &str) -> Result<(u64, String), String> {
+    let (id, addr) = s.split_once('=').ok_or_else(|| format!("{s:?} is not <id>=<host:port>"))?;
+    let id: u64 = id.trim().parse().map_err(|e| format!("peer id {id:?}: {e}"))?;
+    if id == 0 {
+        return Err("peer id 0 is reserved".into());
+    }
+    if addr.trim().is_empty() {
+        return Err(format!("peer {id} has no address"));
+    }
+    Ok((id, addr.trim().to_string()))
+}
+
+#[derive(Args)]
+struct BenchKvstoreArgs {
+    /// Seconds of sustained load.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Concurrent publishers (each one a worker with its own sequence numbers).
+    #[arg(long, default_value_t = 8)]
+    publishers: usize,
+    /// Block events per Publish (one raft entry).
+    #[arg(long, default_value_t = 1000)]
+    batch: usize,
+    /// Where the nodes keep their data (default: a fresh directory under the system temp dir, removed after).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Block events/s a 3-node kvstore cluster (in process, loopback gRPC, redb on disk) sustains, and the
+    /// event-to-visible latency a watcher on a follower sees.
+    Kvstore(BenchKvstoreArgs),
     /// Prefill and decode throughput of the engine on the real model.
     Engine(BenchEngineArgs),
     /// Throughput under KV memory pressure: full cache against each eviction policy and budget, same load, same
@@ -350,6 +413,8 @@ fn main() -> Result<()> {
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
         Command::CheckArgs(a) => check_args(&a.argv),
+        Command::Kvstore(a) => run_async(kvstore(a)),
+        Command::Bench(BenchCommand::Kvstore(a)) => run_async(bench_kvstore(a)),
     }
 }
 
@@ -853,6 +918,54 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
     if let Some(path) = args.plot {
         bench_plot::draw_eviction(&report, &path).with_context(|| format!("cannot draw {}", path.display()))?;
         eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+async fn kvstore(args: KvstoreArgs) -> Result<()> {
+    let mut cfg = pagoda_kvstore::NodeConfig::new(args.node_id, args.listen, args.data_dir);
+    for (id, addr) in args.peers {
+        if let Some(prev) = cfg.peers.insert(id, addr.clone())
+            && prev != addr
+        {
+            bail!("--peer {id} given twice with different addresses ({prev}, {addr})");
+        }
+    }
+    if let Some(a) = args.advertise {
+        cfg.advertise = a;
+    }
+    if !args.join
+        && cfg.peers.keys().any(|id| *id != args.node_id)
+        && !cfg.peers.contains_key(&args.node_id)
+        && cfg.advertise.is_empty()
+    {
+        bail!("--advertise is required when this node is not among the --peer entries");
+    }
+    cfg.join = args.join;
+    cfg.snapshot_every = args.snapshot_every.max(1);
+    let shutdown = shutdown_signal();
+    let mut node = pagoda_kvstore::start(cfg).await.context("cannot start the kvstore node")?;
+    println!("pagoda kvstore listening on {}", node.addr);
+    tokio::select! {
+        r = node.wait() => return r.context("kvstore node stopped"),
+        _ = wait_for(shutdown) => {}
+    }
+    node.stop().await.context("stopping the kvstore node")
+}
+
+async fn bench_kvstore(args: BenchKvstoreArgs) -> Result<()> {
+    let report = pagoda_kvstore::bench::run(pagoda_kvstore::bench::BenchConfig {
+        seconds: args.seconds,
+        publishers: args.publishers,
+        batch: args.batch,
+        data_dir: args.data_dir,
+    })
+    .await
+    .context("kvstore benchmark")?;
+    println!("{}", report.markdown());
+    if let Some(p) = args.json {
+        std::fs::write(&p, serde_json::to_string_pretty(&report.fields())?)
+            .with_context(|| format!("write {}", p.display()))?;
     }
     Ok(())
 }

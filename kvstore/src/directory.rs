@@ -226,6 +226,31 @@ impl BlockDirectory {
         self.workers.iter()
     }
 
+    /// Every block with its copies, in no particular order (for snapshots).
+    pub fn blocks(&self) -> impl Iterator<Item = (&BlockHash, &[Residency])> {
+        self.blocks.iter().map(|(h, copies)| (h, copies.as_slice()))
+    }
+
+    /// Rebuilds a directory from what [`Self::workers`] and [`Self::blocks`] exported. Copies are re-sorted and
+    /// de-duplicated, and copies of unknown workers dropped, so that the rebuilt directory upholds the same invariants
+    /// as one built by events.
+    pub fn from_parts(
+        workers: impl IntoIterator<Item = (WorkerId, WorkerRecord)>,
+        blocks: impl IntoIterator<Item = (BlockHash, Vec<Residency>)>,
+    ) -> Self {
+        let workers: BTreeMap<WorkerId, WorkerRecord> = workers.into_iter().collect();
+        let mut map: HashMap<BlockHash, Vec<Residency>> = HashMap::new();
+        for (hash, mut copies) in blocks {
+            copies.retain(|r| workers.contains_key(&r.worker));
+            copies.sort();
+            copies.dedup_by(|a, b| a.worker == b.worker && a.tier == b.tier && a.codec == b.codec);
+            if !copies.is_empty() {
+                map.entry(hash).or_default().extend(copies);
+            }
+        }
+        Self { blocks: map, workers }
+    }
+
     /// Number of distinct block hashes with at least one copy.
     pub fn block_count(&self) -> usize {
         self.blocks.len()

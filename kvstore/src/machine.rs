@@ -1,0 +1,278 @@
+//! The replicated commands and their wire form: validation of client requests into directory types, applying a
+//! [`Command`] to a [`BlockDirectory`], and the directory's snapshot encoding.
+//!
+//! The node applies committed raft entries through [`apply_command`]; a watcher (the router's in-memory index) applies
+//! the same commands from `Watch` through the same function, so both sides stay identical by construction.
+
+use pagoda_proto::kvstore as pb;
+use pb::command::Op;
+
+use crate::directory::{ApplyOutcome, BlockDirectory, BlockEvent, EventBatch, Residency, Tier, WorkerRecord};
+
+/// Most events in one Publish (one raft entry).
+pub const MAX_EVENTS_PER_BATCH: usize = 65_536;
+/// Most block copies in one PublishSnapshot.
+pub const MAX_SNAPSHOT_BLOCKS: usize = 1 << 20;
+/// Longest worker id, address and codec name.
+pub const MAX_NAME_LEN: usize = 256;
+pub const MAX_CODEC_LEN: usize = 32;
+/// Most hashes (or prefix-chain entries) one Read may ask about.
+pub const MAX_READ_HASHES: usize = 65_536;
+
+/// What applying one command did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Published(ApplyOutcome),
+    Registered,
+    WorkerRemoved(bool),
+    SnapshotApplied,
+    /// The directory refused the command (unknown worker, stale epoch, ...); nothing changed.
+    Rejected(String),
+}
+
+fn tier_from(v: i32) -> Result<Tier, String> {
+    match pb::Tier::try_from(v) {
+        Ok(pb::Tier::Device) => Ok(Tier::Device),
+        Ok(pb::Tier::Host) => Ok(Tier::Host),
+        Ok(pb::Tier::Disk) => Ok(Tier::Disk),
+        Err(_) => Err(format!("unknown tier {v}")),
+    }
+}
+
+pub fn tier_to(t: Tier) -> i32 {
+    match t {
+        Tier::Device => pb::Tier::Device as i32,
+        Tier::Host => pb::Tier::Host as i32,
+        Tier::Disk => pb::Tier::Disk as i32,
+    }
+}
+
+fn check_name(what: &str, s: &str, max: usize) -> Result<(), String> {
+    if s.is_empty() {
+        return Err(format!("{what} is empty"));
+    }
+    if s.len() > max {
+        return Err(format!("{what} is {} bytes (at most {max})", s.len()));
+    }
+    Ok(())
+}
+
+fn check_codec(codec: &str) -> Result<(), String> {
+    check_name("codec", codec, MAX_CODEC_LEN)
+}
+
+/// A client's Publish as a directory batch, or why it is invalid.
+pub fn batch_from(req: &pb::PublishRequest) -> Result<EventBatch, String> {
+    check_name("worker", &req.worker, MAX_NAME_LEN)?;
+    if req.first_seq == 0 {
+        return Err("sequence numbers start at 1".into());
+    }
+    if req.events.len() > MAX_EVENTS_PER_BATCH {
+        return Err(format!("{} events in one batch (at most {MAX_EVENTS_PER_BATCH})", req.events.len()));
+    }
+    if req.first_seq.checked_add(req.events.len() as u64).is_none() {
+        return Err("sequence range overflows".into());
+    }
+    let mut events = Vec::with_capacity(req.events.len());
+    for (i, e) in req.events.iter().enumerate() {
+        let event = match &e.kind {
+            Some(pb::block_event::Kind::Stored(s)) => {
+                check_codec(&s.codec)?;
+                BlockEvent::Stored { hash: s.hash, tier: tier_from(s.tier)?, codec: s.codec.clone(), bytes: s.bytes }
+            }
+            Some(pb::block_event::Kind::Removed(r)) => {
+                check_codec(&r.codec)?;
+                BlockEvent::Removed { hash: r.hash, tier: tier_from(r.tier)?, codec: r.codec.clone() }
+            }
+            Some(pb::block_event::Kind::Cleared(_)) => BlockEvent::Cleared,
+            None => return Err(format!("event {i} has no kind")),
+        };
+        events.push(event);
+    }
+    Ok(EventBatch { worker: req.worker.clone(), epoch: req.epoch, first_seq: req.first_seq, events })
+}
+
+/// Validates any command before it is proposed, so that only well-formed commands reach the log.
+pub fn validate(cmd: &pb::Command) -> Result<(), String> {
+    match &cmd.op {
+        Some(Op::Publish(p)) => batch_from(p).map(|_| ()),
+        Some(Op::Register(r)) => {
+            check_name("worker", &r.worker, MAX_NAME_LEN)?;
+            if r.address.len() > MAX_NAME_LEN {
+                return Err(format!("address is {} bytes (at most {MAX_NAME_LEN})", r.address.len()));
+            }
+            Ok(())
+        }
+        Some(Op::RemoveWorker(r)) => check_name("worker", &r.worker, MAX_NAME_LEN),
+        Some(Op::WorkerSnapshot(s)) => {
+            check_name("worker", &s.worker, MAX_NAME_LEN)?;
+            if s.blocks.len() > MAX_SNAPSHOT_BLOCKS {
+                return Err(format!("{} blocks in one snapshot (at most {MAX_SNAPSHOT_BLOCKS})", s.blocks.len()));
+            }
+            for b in &s.blocks {
+                tier_from(b.tier)?;
+                check_codec(&b.codec)?;
+            }
+            Ok(())
+        }
+        None => Err("command has no op".into()),
+    }
+}
+
+/// Applies one command. Deterministic: every replica (and every watcher) gets the same outcome.
+pub fn apply_command(dir: &mut BlockDirectory, cmd: &pb::Command) -> Outcome {
+    let rejected = |e: &dyn std::fmt::Display| Outcome::Rejected(e.to_string());
+    match &cmd.op {
+        Some(Op::Publish(p)) => match batch_from(p) {
+            Ok(batch) => match dir.apply(&batch) {
+                Ok(o) => Outcome::Published(o),
+                Err(e) => rejected(&e),
+            },
+            Err(e) => Outcome::Rejected(e),
+        },
+        Some(Op::Register(r)) => match dir.register_worker(&r.worker, &r.address, r.epoch) {
+            Ok(()) => Outcome::Registered,
+            Err(e) => rejected(&e),
+        },
+        Some(Op::RemoveWorker(r)) => Outcome::WorkerRemoved(dir.remove_worker(&r.worker)),
+        Some(Op::WorkerSnapshot(s)) => {
+            let mut copies = Vec::with_capacity(s.blocks.len());
+            for b in &s.blocks {
+                match tier_from(b.tier) {
+                    Ok(t) => copies.push((b.hash, t, b.codec.clone(), b.bytes)),
+                    Err(e) => return Outcome::Rejected(e),
+                }
+            }
+            match dir.apply_snapshot(&s.worker, s.epoch, s.seq, &copies) {
+                Ok(()) => Outcome::SnapshotApplied,
+                Err(e) => rejected(&e),
+            }
+        }
+        None => Outcome::Rejected("command has no op".into()),
+    }
+}
+
+pub fn worker_info(id: &str, r: &WorkerRecord) -> pb::WorkerInfo {
+    pb::WorkerInfo {
+        worker: id.to_string(),
+        address: r.address.clone(),
+        epoch: r.epoch,
+        applied_seq: r.applied_seq,
+        blocks: r.blocks,
+    }
+}
+
+pub fn block_entry(hash: u64, copies: &[Residency]) -> pb::BlockEntry {
+    pb::BlockEntry {
+        hash,
+        copies: copies
+            .iter()
+            .map(|r| pb::Residency {
+                worker: r.worker.clone(),
+                tier: tier_to(r.tier),
+                codec: r.codec.clone(),
+                bytes: r.bytes,
+            })
+            .collect(),
+    }
+}
+
+/// The whole directory as a message (snapshots and Watch catch-up).
+pub fn directory_to_proto(dir: &BlockDirectory) -> pb::DirectorySnapshot {
+    pb::DirectorySnapshot {
+        workers: dir.workers().map(|(id, r)| worker_info(id, r)).collect(),
+        blocks: dir.blocks().map(|(h, copies)| block_entry(*h, copies)).collect(),
+    }
+}
+
+/// Rebuilds a directory from its message; an unknown tier is an error (the snapshot is corrupt or from a newer
+/// version).
+pub fn directory_from_proto(snap: &pb::DirectorySnapshot) -> Result<BlockDirectory, String> {
+    let workers = snap.workers.iter().map(|w| {
+        (
+            w.worker.clone(),
+            WorkerRecord { address: w.address.clone(), epoch: w.epoch, applied_seq: w.applied_seq, blocks: w.blocks },
+        )
+    });
+    let mut blocks = Vec::with_capacity(snap.blocks.len());
+    for b in &snap.blocks {
+        let mut copies = Vec::with_capacity(b.copies.len());
+        for c in &b.copies {
+            copies.push(Residency {
+                worker: c.worker.clone(),
+                tier: tier_from(c.tier)?,
+                codec: c.codec.clone(),
+                bytes: c.bytes,
+            });
+        }
+        blocks.push((b.hash, copies));
+    }
+    Ok(BlockDirectory::from_parts(workers, blocks))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hash: u64) -> pb::BlockEvent {
+        pb::BlockEvent {
+            kind: Some(pb::block_event::Kind::Stored(pb::Stored {
+                hash,
+                tier: pb::Tier::Host as i32,
+                codec: "int8".into(),
+                bytes: 64,
+            })),
+        }
+    }
+
+    fn publish(first_seq: u64, events: Vec<pb::BlockEvent>) -> pb::Command {
+        pb::Command { op: Some(Op::Publish(pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq, events })) }
+    }
+
+    #[test]
+    fn commands_apply_and_the_directory_round_trips_through_its_snapshot() {
+        let mut dir = BlockDirectory::new();
+        let reg = pb::Command {
+            op: Some(Op::Register(pb::RegisterRequest { worker: "w".into(), address: "a:1".into(), epoch: 1 })),
+        };
+        assert_eq!(apply_command(&mut dir, &reg), Outcome::Registered);
+        assert_eq!(
+            apply_command(&mut dir, &publish(1, vec![stored(1), stored(2)])),
+            Outcome::Published(ApplyOutcome::Applied { applied: 2, skipped: 0 })
+        );
+        assert_eq!(
+            apply_command(&mut dir, &publish(5, vec![stored(3)])),
+            Outcome::Published(ApplyOutcome::Gap { expected: 3, got: 5 })
+        );
+        let back = directory_from_proto(&directory_to_proto(&dir)).unwrap();
+        assert_eq!(back.residency(1), dir.residency(1));
+        assert_eq!(back.residency(2)[0].tier, Tier::Host);
+        assert_eq!(back.worker("w"), dir.worker("w"));
+        assert_eq!(back.block_count(), 2);
+    }
+
+    #[test]
+    fn invalid_requests_are_refused_before_the_log() {
+        let bad_tier = pb::BlockEvent {
+            kind: Some(pb::block_event::Kind::Stored(pb::Stored { hash: 1, tier: 7, codec: "f32".into(), bytes: 1 })),
+        };
+        assert!(validate(&publish(1, vec![bad_tier])).unwrap_err().contains("tier"));
+        assert!(validate(&publish(0, vec![stored(1)])).unwrap_err().contains("start at 1"));
+        assert!(validate(&publish(1, vec![pb::BlockEvent { kind: None }])).is_err());
+        assert!(validate(&publish(u64::MAX, vec![stored(1)])).is_err());
+        assert!(validate(&pb::Command { op: None }).is_err());
+        let long = pb::Command {
+            op: Some(Op::RemoveWorker(pb::RemoveWorkerRequest { worker: "x".repeat(MAX_NAME_LEN + 1) })),
+        };
+        assert!(validate(&long).is_err());
+        let unknown = pb::Command {
+            op: Some(Op::Publish(pb::PublishRequest {
+                worker: "nobody".into(),
+                epoch: 1,
+                first_seq: 1,
+                events: vec![],
+            })),
+        };
+        assert!(matches!(apply_command(&mut BlockDirectory::new(), &unknown), Outcome::Rejected(_)));
+    }
+}

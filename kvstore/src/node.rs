@@ -1,0 +1,706 @@
+//! The kvstore node actor: one task owns the raft `RawNode` (with its [`RaftStore`]), the [`BlockDirectory`] it
+//! replicates, the cluster membership, the pending proposals and reads, and the watchers.
+//!
+//! Everything reaches it through a bounded channel ([`NodeHandle`]): raft messages from peers, proposals, ReadIndex
+//! reads, watch subscriptions, status. It ticks raft every `tick`, persists each `Ready` in one redb transaction,
+//! sends messages through the [`Transport`], applies committed entries to the directory, answers the proposers, and
+//! snapshots and compacts the log every `snapshot_every` applied entries.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pagoda_proto::kvstore as pb;
+use prost::Message as _;
+use protobuf::Message as _;
+use raft::eraftpb::{ConfChange, ConfChangeType, Entry, EntryType, Message, Snapshot};
+use raft::{RawNode, StateRole};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::directory::BlockDirectory;
+use crate::machine::{self, Outcome};
+use crate::storage::{RaftStore, StoreError};
+use crate::transport::Transport;
+
+/// Requests waiting for the actor before callers wait for room.
+const REQUEST_QUEUE: usize = 8192;
+/// Requests handled between two `Ready`s: many proposals land in one durable write.
+const DRAIN_PER_ROUND: usize = 4096;
+/// Events buffered for one watcher; a watcher further behind is dropped and must Watch again.
+pub const WATCH_BUFFER: usize = 4096;
+/// A Watch further behind than this many log entries starts from a snapshot instead of replaying the log.
+const MAX_CATCHUP_ENTRIES: u64 = 4096;
+/// How long a caller waits for a commit or a read before giving up.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Errors a caller of the node sees.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum NodeError {
+    #[error("not the leader (leader: {})", leader.as_ref().map(|(id, a)| format!("node {id} at {a}")).unwrap_or_else(|| "unknown".into()))]
+    NotLeader { leader: Option<(u64, String)> },
+    #[error("proposal dropped ({0}); retry")]
+    Dropped(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("rejected: {0}")]
+    Rejected(String),
+    #[error("timed out waiting for the cluster")]
+    Timeout,
+    #[error("node stopped")]
+    Stopped,
+}
+
+/// Static configuration of one node.
+#[derive(Clone, Debug)]
+pub struct RaftConfig {
+    pub id: u64,
+    pub advertise: String,
+    /// Every initial voter's address (may include this node). Empty with `join` for a node added later.
+    pub peers: BTreeMap<u64, String>,
+    /// Start empty and wait for the leader's snapshot instead of bootstrapping a cluster.
+    pub join: bool,
+    pub tick: Duration,
+    pub snapshot_every: u64,
+}
+
+/// What a new watcher gets: the catch-up events (a snapshot or replayed log entries), then live ones.
+pub struct WatchStart {
+    pub catch_up: Vec<Arc<pb::WatchEvent>>,
+    pub live: mpsc::Receiver<Arc<pb::WatchEvent>>,
+}
+
+pub struct Committed {
+    pub index: u64,
+    pub outcome: Outcome,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, NodeError>>;
+
+enum Request {
+    Step(Vec<Message>),
+    Propose { cmd: pb::Command, reply: Reply<Committed> },
+    ConfChange { change: ConfChange, reply: Reply<pb::MembershipResponse> },
+    Read { req: pb::ReadRequest, reply: Reply<pb::ReadResponse> },
+    Watch { from_index: u64, reply: Reply<WatchStart> },
+    Status { reply: Reply<pb::StatusResponse> },
+}
+
+/// A cheap, cloneable way to talk to the node actor.
+#[derive(Clone)]
+pub struct NodeHandle {
+    tx: mpsc::Sender<Request>,
+}
+
+impl NodeHandle {
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Request) -> Result<T, NodeError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(make(reply)).await.map_err(|_| NodeError::Stopped)?;
+        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(NodeError::Stopped),
+            Err(_) => Err(NodeError::Timeout),
+        }
+    }
+
+    pub async fn step(&self, msgs: Vec<Message>) -> Result<(), NodeError> {
+        self.tx.send(Request::Step(msgs)).await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// Proposes a command and waits until it is committed and applied here.
+    pub async fn propose(&self, cmd: pb::Command) -> Result<Committed, NodeError> {
+        machine::validate(&cmd).map_err(NodeError::Invalid)?;
+        self.call(|reply| Request::Propose { cmd, reply }).await
+    }
+
+    pub async fn add_node(&self, id: u64, address: String) -> Result<pb::MembershipResponse, NodeError> {
+        if id == 0 || address.is_empty() || address.len() > machine::MAX_NAME_LEN {
+            return Err(NodeError::Invalid("node id must be > 0 and the address non-empty (<= 256 bytes)".into()));
+        }
+        let mut change = ConfChange::default();
+        change.set_change_type(ConfChangeType::AddNode);
+        change.node_id = id;
+        change.context = address.into_bytes();
+        self.call(|reply| Request::ConfChange { change, reply }).await
+    }
+
+    pub async fn remove_node(&self, id: u64) -> Result<pb::MembershipResponse, NodeError> {
+        let mut change = ConfChange::default();
+        change.set_change_type(ConfChangeType::RemoveNode);
+        change.node_id = id;
+        self.call(|reply| Request::ConfChange { change, reply }).await
+    }
+
+    /// A linearizable read: served once this node has applied the leader's commit index as of the request.
+    pub async fn read(&self, req: pb::ReadRequest) -> Result<pb::ReadResponse, NodeError> {
+        if req.hashes.len() > machine::MAX_READ_HASHES || req.prefix_chain.len() > machine::MAX_READ_HASHES {
+            return Err(NodeError::Invalid(format!("at most {} hashes per read", machine::MAX_READ_HASHES)));
+        }
+        self.call(|reply| Request::Read { req, reply }).await
+    }
+
+    pub async fn watch(&self, from_index: u64) -> Result<WatchStart, NodeError> {
+        self.call(|reply| Request::Watch { from_index, reply }).await
+    }
+
+    pub async fn status(&self) -> Result<pb::StatusResponse, NodeError> {
+        self.call(|reply| Request::Status { reply }).await
+    }
+}
+
+struct Pending<T> {
+    term: u64,
+    reply: Reply<T>,
+}
+
+struct Watcher {
+    from: u64,
+    tx: mpsc::Sender<Arc<pb::WatchEvent>>,
+}
+
+/// Errors that stop the node.
+#[derive(Debug, Error)]
+pub enum FatalError {
+    #[error(transparent)]
+    Store(Box<StoreError>),
+    #[error("raft: {0}")]
+    Raft(Box<raft::Error>),
+    #[error("corrupt snapshot: {0}")]
+    Snapshot(String),
+}
+
+impl From<StoreError> for FatalError {
+    fn from(e: StoreError) -> Self {
+        Self::Store(Box::new(e))
+    }
+}
+
+impl From<raft::Error> for FatalError {
+    fn from(e: raft::Error) -> Self {
+        Self::Raft(Box::new(e))
+    }
+}
+
+/// The actor's state. Built by [`Node::open`], consumed by [`Node::run`].
+pub struct Node {
+    id: u64,
+    raw: RawNode<RaftStore>,
+    dir: BlockDirectory,
+    members: BTreeMap<u64, String>,
+    transport: Transport,
+    applied: u64,
+    snapshot_every: u64,
+    tick: Duration,
+    proposals: HashMap<u64, Pending<Committed>>,
+    conf_changes: HashMap<u64, Pending<pb::MembershipResponse>>,
+    next_read: u64,
+    reads: HashMap<u64, (pb::ReadRequest, Reply<pb::ReadResponse>)>,
+    ready_reads: Vec<(u64, pb::ReadRequest, Reply<pb::ReadResponse>)>,
+    watchers: Vec<Watcher>,
+    leader: u64,
+    role: StateRole,
+    /// Take a snapshot at the next chance even if `snapshot_every` entries have not passed.
+    force_snapshot: bool,
+}
+
+fn snapshot_data(dir: &BlockDirectory, members: &BTreeMap<u64, String>) -> Vec<u8> {
+    pb::SnapshotData {
+        directory: Some(machine::directory_to_proto(dir)),
+        members: members.iter().map(|(id, a)| pb::Member { node_id: *id, address: a.clone() }).collect(),
+    }
+    .encode_to_vec()
+}
+
+fn restore(data: &[u8]) -> Result<(BlockDirectory, BTreeMap<u64, String>), FatalError> {
+    let snap = pb::SnapshotData::decode(data).map_err(|e| FatalError::Snapshot(e.to_string()))?;
+    let dir = match &snap.directory {
+        Some(d) => machine::directory_from_proto(d).map_err(FatalError::Snapshot)?,
+        None => BlockDirectory::new(),
+    };
+    Ok((dir, snap.members.into_iter().map(|m| (m.node_id, m.address)).collect()))
+}
+
+/// Forwards raft-rs's slog records to `tracing`.
+struct TracingDrain;
+
+impl slog::Drain for TracingDrain {
+    type Ok = ();
+    type Err = slog::Never;
+    fn log(&self, record: &slog::Record, _: &slog::OwnedKVList) -> Result<(), slog::Never> {
+        match record.level() {
+            slog::Level::Critical | slog::Level::Error => tracing::error!(target: "raft", "{}", record.msg()),
+            slog::Level::Warning => tracing::warn!(target: "raft", "{}", record.msg()),
+            slog::Level::Info => tracing::info!(target: "raft", "{}", record.msg()),
+            _ => tracing::debug!(target: "raft", "{}", record.msg()),
+        }
+        Ok(())
+    }
+}
+
+impl Node {
+    /// Opens (or bootstraps) the node's storage and builds the raft node; restarting from an existing store restores
+    /// the directory from its snapshot and lets raft re-apply the committed log after it.
+    pub fn open(cfg: &RaftConfig, mut store: RaftStore) -> Result<Self, FatalError> {
+        if !store.is_initialized() && !cfg.join {
+            let mut members = cfg.peers.clone();
+            members.insert(cfg.id, cfg.advertise.clone());
+            let voters: Vec<u64> = members.keys().copied().collect();
+            store.bootstrap(&voters, snapshot_data(&BlockDirectory::new(), &members))?;
+        }
+        let (dir, mut members) = if store.snapshot_metadata().index > 0 {
+            restore(&store.snapshot_data()?)?
+        } else {
+            (BlockDirectory::new(), BTreeMap::new())
+        };
+        // A joining node knows its peers only from the command line until the leader's snapshot arrives.
+        for (id, addr) in &cfg.peers {
+            members.entry(*id).or_insert_with(|| addr.clone());
+        }
+        members.insert(cfg.id, cfg.advertise.clone());
+        let applied = store.snapshot_metadata().index;
+        let config = raft::Config {
+            id: cfg.id,
+            election_tick: 10,
+            heartbeat_tick: 2,
+            applied,
+            max_size_per_msg: 4 << 20,
+            max_inflight_msgs: 256,
+            check_quorum: true,
+            pre_vote: true,
+            ..Default::default()
+        };
+        config.validate()?;
+        let logger = slog::Logger::root(TracingDrain, slog::o!("raft_id" => cfg.id));
+        let sole_voter = store.conf_state().voters == [cfg.id];
+        let mut raw = RawNode::new(&config, store, &logger)?;
+        if sole_voter {
+            // A one-voter cluster (the embedded mode) need not wait an election timeout.
+            raw.campaign()?;
+        }
+        let mut transport = Transport::new(cfg.id);
+        for (id, addr) in &members {
+            transport.set_peer(*id, addr);
+        }
+        Ok(Self {
+            id: cfg.id,
+            raw,
+            dir,
+            members,
+            transport,
+            applied,
+            snapshot_every: cfg.snapshot_every.max(1),
+            tick: cfg.tick,
+            proposals: HashMap::new(),
+            conf_changes: HashMap::new(),
+            next_read: 1,
+            reads: HashMap::new(),
+            ready_reads: Vec::new(),
+            watchers: Vec::new(),
+            leader: 0,
+            role: StateRole::Follower,
+            force_snapshot: false,
+        })
+    }
+
+    /// Starts the actor. It runs until every handle is dropped (or a storage error stops it).
+    pub fn spawn(self) -> (NodeHandle, tokio::task::JoinHandle<Result<(), FatalError>>) {
+        let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
+        let task = tokio::spawn(self.run(rx));
+        (NodeHandle { tx }, task)
+    }
+
+    async fn run(mut self, mut rx: mpsc::Receiver<Request>) -> Result<(), FatalError> {
+        let mut ticker = tokio::time::interval(self.tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {
+                    self.raw.tick();
+                    self.reads.retain(|_, (_, reply)| !reply.is_closed());
+                    self.watchers.retain(|w| !w.tx.is_closed());
+                }
+                req = rx.recv() => {
+                    let Some(req) = req else { break };
+                    self.handle(req)?;
+                    for _ in 0..DRAIN_PER_ROUND {
+                        match rx.try_recv() {
+                            Ok(req) => self.handle(req)?,
+                            Err(_) => break,
+                        }
+                    }
+                }
+            }
+            if let Err(e) = self.on_ready() {
+                tracing::error!(node = self.id, "kvstore node stops: {e}");
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn not_leader(&self) -> NodeError {
+        let leader = self.raw.raft.leader_id;
+        NodeError::NotLeader {
+            leader: (leader != 0 && leader != self.id)
+                .then(|| self.members.get(&leader).map(|a| (leader, a.clone())))
+                .flatten(),
+        }
+    }
+
+    fn handle(&mut self, req: Request) -> Result<(), FatalError> {
+        match req {
+            Request::Step(msgs) => {
+                for m in msgs {
+                    if let Err(e) = self.raw.step(m) {
+                        tracing::debug!(node = self.id, "raft step: {e}");
+                    }
+                }
+            }
+            Request::Propose { cmd, reply } => {
+                if self.raw.raft.state != StateRole::Leader {
+                    let _ = reply.send(Err(self.not_leader()));
+                    return Ok(());
+                }
+                match self.raw.propose(Vec::new(), cmd.encode_to_vec()) {
+                    Ok(()) => {
+                        let index = self.raw.raft.raft_log.last_index();
+                        self.proposals.insert(index, Pending { term: self.raw.raft.term, reply });
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NodeError::Dropped(e.to_string())));
+                    }
+                }
+            }
+            Request::ConfChange { change, reply } => {
+                if self.raw.raft.state != StateRole::Leader {
+                    let _ = reply.send(Err(self.not_leader()));
+                    return Ok(());
+                }
+                if self.raw.raft.has_pending_conf() {
+                    let _ = reply.send(Err(NodeError::Dropped("another membership change is in progress".into())));
+                    return Ok(());
+                }
+                let context = change.context.to_vec();
+                match self.raw.propose_conf_change(context, change) {
+                    Ok(()) => {
+                        let index = self.raw.raft.raft_log.last_index();
+                        self.conf_changes.insert(index, Pending { term: self.raw.raft.term, reply });
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(NodeError::Dropped(e.to_string())));
+                    }
+                }
+            }
+            Request::Read { req, reply } => {
+                let ctx = self.next_read;
+                self.next_read += 1;
+                self.raw.read_index(ctx.to_le_bytes().to_vec());
+                self.reads.insert(ctx, (req, reply));
+            }
+            Request::Watch { from_index, reply } => {
+                let _ = reply.send(self.watch(from_index));
+            }
+            Request::Status { reply } => {
+                let _ = reply.send(Ok(self.status()));
+            }
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> pb::StatusResponse {
+        let raft = &self.raw.raft;
+        let leader = raft.leader_id;
+        pb::StatusResponse {
+            node_id: self.id,
+            leader_id: leader,
+            leader_address: self.members.get(&leader).cloned().unwrap_or_default(),
+            role: format!("{:?}", raft.state),
+            term: raft.term,
+            commit_index: raft.raft_log.committed,
+            applied_index: self.applied,
+            first_index: self.raw.store().first(),
+            members: self.member_list(),
+            blocks: self.dir.block_count() as u64,
+        }
+    }
+
+    fn member_list(&self) -> Vec<pb::Member> {
+        let voters = &self.raw.store().conf_state().voters;
+        self.members
+            .iter()
+            .filter(|(id, _)| voters.contains(id))
+            .map(|(id, a)| pb::Member { node_id: *id, address: a.clone() })
+            .collect()
+    }
+
+    fn watch(&mut self, from_index: u64) -> Result<WatchStart, NodeError> {
+        let store = self.raw.store();
+        let mut catch_up = Vec::new();
+        let replay = from_index > 0
+            && from_index >= store.first()
+            && self.applied.saturating_sub(from_index) < MAX_CATCHUP_ENTRIES;
+        if !replay {
+            catch_up.push(Arc::new(pb::WatchEvent {
+                index: self.applied,
+                body: Some(pb::watch_event::Body::Snapshot(machine::directory_to_proto(&self.dir))),
+            }));
+        } else if from_index <= self.applied {
+            let entries = store
+                .read_entries(from_index, self.applied + 1, None)
+                .map_err(|e| NodeError::Rejected(format!("log read: {e}")))?;
+            for e in entries {
+                if let Some(ev) = command_event(&e) {
+                    catch_up.push(Arc::new(ev));
+                }
+            }
+        }
+        let (tx, live) = mpsc::channel(WATCH_BUFFER);
+        let from = if replay { from_index.max(self.applied + 1) } else { self.applied + 1 };
+        self.watchers.push(Watcher { from, tx });
+        Ok(WatchStart { catch_up, live })
+    }
+
+    fn publish(&mut self, ev: pb::WatchEvent) {
+        if self.watchers.is_empty() {
+            return;
+        }
+        let ev = Arc::new(ev);
+        self.watchers.retain(|w| {
+            if ev.index < w.from {
+                return true;
+            }
+            // A full buffer drops the watcher: its stream ends and it re-watches from its last index.
+            w.tx.try_send(ev.clone()).is_ok()
+        });
+    }
+
+    fn on_ready(&mut self) -> Result<(), FatalError> {
+        if !self.raw.has_ready() {
+            self.serve_reads();
+            return Ok(());
+        }
+        let mut ready = self.raw.ready();
+        if !ready.messages().is_empty() {
+            self.transport.send(ready.take_messages());
+        }
+        if !ready.snapshot().is_empty() {
+            let snap = ready.snapshot().clone();
+            self.install_snapshot(&snap)?;
+        }
+        self.apply(ready.take_committed_entries())?;
+        if let Some(ss) = ready.ss() {
+            let (leader, role) = (ss.leader_id, ss.raft_state);
+            self.on_role(leader, role);
+        }
+        for rs in ready.take_read_states() {
+            self.on_read_state(&rs.request_ctx, rs.index);
+        }
+        let hs = ready.hs().cloned();
+        self.raw.mut_store().append(ready.entries(), hs.as_ref())?;
+        if !ready.persisted_messages().is_empty() {
+            self.transport.send(ready.take_persisted_messages());
+        }
+        let mut light = self.raw.advance(ready);
+        if let Some(commit) = light.commit_index() {
+            self.raw.mut_store().set_commit(commit);
+        }
+        self.transport.send(light.take_messages());
+        self.apply(light.take_committed_entries())?;
+        self.raw.advance_apply();
+        self.serve_reads();
+        self.maybe_compact()?;
+        Ok(())
+    }
+
+    fn on_role(&mut self, leader: u64, role: StateRole) {
+        if role != self.role || leader != self.leader {
+            tracing::info!(node = self.id, ?role, leader, term = self.raw.raft.term, "kvstore raft role");
+        }
+        if self.role == StateRole::Leader && role != StateRole::Leader {
+            // Entries proposed by this leader may still commit under the next one; the callers retry, and every
+            // command is idempotent.
+            for (_, p) in self.proposals.drain() {
+                let _ = p.reply.send(Err(NodeError::Dropped("leadership lost".into())));
+            }
+            for (_, p) in self.conf_changes.drain() {
+                let _ = p.reply.send(Err(NodeError::Dropped("leadership lost".into())));
+            }
+        }
+        self.role = role;
+        self.leader = leader;
+    }
+
+    fn on_read_state(&mut self, ctx: &[u8], index: u64) {
+        let Ok(bytes) = <[u8; 8]>::try_from(ctx) else { return };
+        if let Some((req, reply)) = self.reads.remove(&u64::from_le_bytes(bytes)) {
+            self.ready_reads.push((index, req, reply));
+        }
+    }
+
+    fn serve_reads(&mut self) {
+        if self.ready_reads.is_empty() {
+            return;
+        }
+        let applied = self.applied;
+        let (now, later): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.ready_reads).into_iter().partition(|r| r.0 <= applied);
+        self.ready_reads = later;
+        for (_, req, reply) in now {
+            let _ = reply.send(Ok(self.answer(&req)));
+        }
+    }
+
+    fn answer(&self, req: &pb::ReadRequest) -> pb::ReadResponse {
+        pb::ReadResponse {
+            blocks: req.hashes.iter().map(|h| machine::block_entry(*h, self.dir.residency(*h))).collect(),
+            prefix: if req.prefix_chain.is_empty() {
+                Vec::new()
+            } else {
+                self.dir
+                    .prefix_matches(&req.prefix_chain)
+                    .into_iter()
+                    .map(|(worker, n)| pb::PrefixMatch { worker, blocks: n as u64 })
+                    .collect()
+            },
+            workers: if req.workers {
+                self.dir.workers().map(|(id, r)| machine::worker_info(id, r)).collect()
+            } else {
+                Vec::new()
+            },
+            index: self.applied,
+        }
+    }
+
+    fn install_snapshot(&mut self, snap: &Snapshot) -> Result<(), FatalError> {
+        let index = snap.get_metadata().index;
+        let (dir, members) = restore(&snap.data)?;
+        self.raw.mut_store().apply_snapshot(snap)?;
+        self.dir = dir;
+        for (id, addr) in &members {
+            self.transport.set_peer(*id, addr);
+        }
+        self.members = members;
+        self.members.entry(self.id).or_default();
+        self.applied = index;
+        tracing::info!(node = self.id, index, "installed a raft snapshot from the leader");
+        self.publish(pb::WatchEvent {
+            index,
+            body: Some(pb::watch_event::Body::Snapshot(machine::directory_to_proto(&self.dir))),
+        });
+        Ok(())
+    }
+
+    fn apply(&mut self, entries: Vec<Entry>) -> Result<(), FatalError> {
+        for e in entries {
+            if e.index <= self.applied {
+                continue;
+            }
+            self.applied = e.index;
+            match e.get_entry_type() {
+                EntryType::EntryNormal => self.apply_normal(&e),
+                EntryType::EntryConfChange => self.apply_conf_change(&e)?,
+                EntryType::EntryConfChangeV2 => {
+                    tracing::error!(node = self.id, index = e.index, "unexpected ConfChangeV2 entry ignored")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_normal(&mut self, e: &Entry) {
+        let pending = self.proposals.remove(&e.index);
+        if e.data.is_empty() {
+            // The no-op a new leader appends; a proposal waiting on this index was overwritten.
+            if let Some(p) = pending {
+                let _ = p.reply.send(Err(NodeError::Dropped("entry overwritten by a new leader".into())));
+            }
+            return;
+        }
+        let cmd = match pb::Command::decode(&e.data[..]) {
+            Ok(c) => c,
+            Err(err) => {
+                tracing::error!(node = self.id, index = e.index, "undecodable command skipped: {err}");
+                return;
+            }
+        };
+        let outcome = machine::apply_command(&mut self.dir, &cmd);
+        if let Some(p) = pending {
+            let r = if p.term == e.term {
+                Ok(Committed { index: e.index, outcome })
+            } else {
+                Err(NodeError::Dropped("entry overwritten by a new leader".into()))
+            };
+            let _ = p.reply.send(r);
+        }
+        self.publish(pb::WatchEvent { index: e.index, body: Some(pb::watch_event::Body::Command(cmd)) });
+    }
+
+    fn apply_conf_change(&mut self, e: &Entry) -> Result<(), FatalError> {
+        let pending = self.conf_changes.remove(&e.index);
+        let mut cc = ConfChange::default();
+        if let Err(err) = cc.merge_from_bytes(&e.data) {
+            tracing::error!(node = self.id, index = e.index, "undecodable conf change skipped: {err}");
+            return Ok(());
+        }
+        match self.raw.apply_conf_change(&cc) {
+            Ok(cs) => {
+                self.raw.mut_store().set_conf_state(cs)?;
+                match cc.get_change_type() {
+                    ConfChangeType::AddNode | ConfChangeType::AddLearnerNode => {
+                        let addr = String::from_utf8_lossy(&cc.context).into_owned();
+                        self.transport.set_peer(cc.node_id, &addr);
+                        self.members.insert(cc.node_id, addr);
+                        // A new node catches up by snapshot, and raft refuses one whose membership lacks it.
+                        self.force_snapshot = true;
+                    }
+                    ConfChangeType::RemoveNode => {
+                        self.transport.remove_peer(cc.node_id);
+                        if cc.node_id != self.id {
+                            self.members.remove(&cc.node_id);
+                        }
+                    }
+                }
+                tracing::info!(node = self.id, index = e.index, change = ?cc.get_change_type(), target = cc.node_id, "membership changed");
+                if let Some(p) = pending {
+                    let r = if p.term == e.term {
+                        Ok(pb::MembershipResponse { members: self.member_list(), index: e.index })
+                    } else {
+                        Err(NodeError::Dropped("entry overwritten by a new leader".into()))
+                    };
+                    let _ = p.reply.send(r);
+                }
+            }
+            Err(err) => {
+                tracing::warn!(node = self.id, index = e.index, "conf change refused: {err}");
+                if let Some(p) = pending {
+                    let _ = p.reply.send(Err(NodeError::Rejected(err.to_string())));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn maybe_compact(&mut self) -> Result<(), FatalError> {
+        let store = self.raw.store();
+        let due = self.force_snapshot || self.applied >= store.snapshot_metadata().index + self.snapshot_every;
+        if !due || self.applied > store.hard_state().commit {
+            return Ok(());
+        }
+        self.force_snapshot = false;
+        let data = snapshot_data(&self.dir, &self.members);
+        let cs = store.conf_state().clone();
+        let index = self.applied;
+        self.raw.mut_store().compact(index, cs, data)?;
+        tracing::debug!(node = self.id, index, "snapshot taken, log compacted");
+        Ok(())
+    }
+}
+
+/// The watch event for a log entry, if it carries a command.
+fn command_event(e: &Entry) -> Option<pb::WatchEvent> {
+    if e.get_entry_type() != EntryType::EntryNormal || e.data.is_empty() {
+        return None;
+    }
+    let cmd = pb::Command::decode(&e.data[..]).ok()?;
+    Some(pb::WatchEvent { index: e.index, body: Some(pb::watch_event::Body::Command(cmd)) })
+}

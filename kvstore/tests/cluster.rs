@@ -1,0 +1,280 @@
+//! An in-process kvstore cluster on loopback (real tonic transport, real redb files): leader election, replicated
+//! Publish, linearizable reads on followers, Watch, losing the leader, restarting a node from its data dir,
+//! membership change, gaps and bad input.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use pagoda_kvstore::proto as pb;
+use pagoda_kvstore::server::start_on;
+use pagoda_kvstore::{Client, NodeConfig, RunningNode};
+use tokio::net::TcpListener;
+use tonic::Code;
+
+fn stored(hash: u64) -> pb::BlockEvent {
+    pb::BlockEvent {
+        kind: Some(pb::block_event::Kind::Stored(pb::Stored {
+            hash,
+            tier: pb::Tier::Device as i32,
+            codec: "f16".into(),
+            bytes: 4096,
+        })),
+    }
+}
+
+fn config(id: u64, addr: SocketAddr, peers: &BTreeMap<u64, String>, dir: &std::path::Path) -> NodeConfig {
+    let mut cfg = NodeConfig::new(id, addr, dir.join(format!("node{id}")));
+    cfg.peers = peers.clone();
+    cfg.tick = Duration::from_millis(20);
+    // Small, so that compaction and snapshot installs happen within the test.
+    cfg.snapshot_every = 40;
+    cfg
+}
+
+async fn start_node(cfg: NodeConfig) -> RunningNode {
+    let listener = TcpListener::bind(cfg.listen).await.unwrap();
+    start_on(cfg, listener).await.unwrap()
+}
+
+/// Waits until every listed node agrees on one leader among them; returns its id.
+async fn wait_leader(addrs: &[String]) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        let mut leaders = BTreeSet::new();
+        let mut ok = true;
+        for a in addrs {
+            match Client::status_of(a).await {
+                // A leader outside the set is a stopped one the others have not given up on yet.
+                Ok(s) if s.leader_id != 0 && addrs.contains(&s.leader_address) => {
+                    leaders.insert(s.leader_id);
+                }
+                _ => ok = false,
+            }
+        }
+        if ok && leaders.len() == 1 {
+            return *leaders.iter().next().unwrap();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no agreed leader among {addrs:?}: {leaders:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Reads the residency of `hashes` and the worker table from one node only (linearizable through ReadIndex).
+async fn read_at(addr: &str, hashes: &[u64]) -> pb::ReadResponse {
+    let mut c = Client::new(vec![addr.to_string()]).unwrap().with_deadline(Duration::from_secs(15));
+    c.read(pb::ReadRequest { hashes: hashes.to_vec(), prefix_chain: vec![], workers: true }).await.unwrap()
+}
+
+async fn wait_applied(addr: &str, index: u64) {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(s) = Client::status_of(addr).await
+            && s.applied_index >= index
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{addr} did not apply {index}: {:?}",
+            Client::status_of(addr).await
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+}
+
+struct Publisher {
+    client: Client,
+    seq: u64,
+    next_hash: u64,
+    acked: Vec<u64>,
+}
+
+impl Publisher {
+    /// Publishes `n` batches of `per` new blocks; every acknowledged block is remembered.
+    async fn publish(&mut self, n: usize, per: u64) -> u64 {
+        let mut last_index = 0;
+        for _ in 0..n {
+            let hashes: Vec<u64> = (self.next_hash..self.next_hash + per).collect();
+            let req = pb::PublishRequest {
+                worker: "w1".into(),
+                epoch: 1,
+                first_seq: self.seq,
+                events: hashes.iter().map(|h| stored(*h)).collect(),
+            };
+            let r = self.client.publish(req).await.unwrap();
+            assert!(!r.snapshot_required, "{r:?}");
+            // A retry after a lost answer may find its events already applied: applied + skipped covers the batch.
+            assert_eq!(r.applied + r.skipped, per, "{r:?}");
+            self.seq += per;
+            self.next_hash += per;
+            self.acked.extend(hashes);
+            last_index = r.index;
+        }
+        last_index
+    }
+}
+
+fn held(resp: &pb::ReadResponse) -> Vec<u64> {
+    resp.blocks.iter().filter(|b| !b.copies.is_empty()).map(|b| b.hash).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_replicate_fail_over_restart_and_change_membership() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut listeners = Vec::new();
+    for _ in 0..3 {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let peers: BTreeMap<u64, String> = (1..=3).map(|i| (i, addrs[i as usize - 1].to_string())).collect();
+    let endpoints: Vec<String> = peers.values().cloned().collect();
+    let mut nodes: BTreeMap<u64, RunningNode> = BTreeMap::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let id = i as u64 + 1;
+        nodes.insert(id, start_on(config(id, addrs[i], &peers, tmp.path()), l).await.unwrap());
+    }
+    let leader = wait_leader(&endpoints).await;
+
+    // A write sent to a follower is redirected to the leader.
+    let follower = (1..=3).find(|i| *i != leader).unwrap();
+    let mut raw = pb::kv_store_client::KvStoreClient::connect(format!("http://{}", peers[&follower])).await.unwrap();
+    let err = raw
+        .register(pb::RegisterRequest { worker: "w1".into(), address: "10.0.0.1:7000".into(), epoch: 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(err.metadata().get("pagoda-leader-addr").unwrap().to_str().unwrap(), peers[&leader]);
+    assert_eq!(err.metadata().get("pagoda-leader-id").unwrap().to_str().unwrap(), leader.to_string());
+
+    // The client follows the redirect (it starts at a follower on purpose).
+    let mut client = Client::new(vec![peers[&follower].clone()]).unwrap();
+    client.register("w1", "10.0.0.1:7000", 1).await.unwrap();
+
+    // A watcher on a follower from the start: snapshot, then every command.
+    let mut watch = Client::watch(&peers[&follower], 0).await.unwrap();
+
+    let mut p = Publisher { client, seq: 1, next_hash: 1000, acked: Vec::new() };
+    let index = p.publish(60, 10).await;
+
+    // Linearizable read on a follower sees every acknowledged event.
+    let r = read_at(&peers[&follower], &p.acked).await;
+    assert!(r.index >= index);
+    assert_eq!(held(&r), p.acked);
+    assert_eq!(r.workers[0].applied_seq, 600);
+
+    // The watcher replays the same commands into its own directory and converges.
+    let mut mirror = pagoda_kvstore::BlockDirectory::new();
+    let t0 = Instant::now();
+    while mirror.block_count() < p.acked.len() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "watcher stuck at {} blocks", mirror.block_count());
+        let ev = tokio::time::timeout(Duration::from_secs(5), watch.message()).await.unwrap().unwrap().unwrap();
+        match ev.body.unwrap() {
+            pb::watch_event::Body::Snapshot(s) => mirror = pagoda_kvstore::machine::directory_from_proto(&s).unwrap(),
+            pb::watch_event::Body::Command(c) => {
+                pagoda_kvstore::machine::apply_command(&mut mirror, &c);
+            }
+        }
+    }
+    assert_eq!(mirror.worker("w1").unwrap().applied_seq, 600);
+
+    // Replays are idempotent; a gap asks for a snapshot, which heals it.
+    let replay =
+        pb::PublishRequest { worker: "w1".into(), epoch: 1, first_seq: 1, events: vec![stored(1000), stored(1001)] };
+    let r = p.client.publish(replay).await.unwrap();
+    assert_eq!((r.applied, r.skipped), (0, 2));
+    let gap = pb::PublishRequest { worker: "w1".into(), epoch: 1, first_seq: 700, events: vec![stored(1)] };
+    let r = p.client.publish(gap).await.unwrap();
+    assert!(r.snapshot_required);
+    assert_eq!(r.expected_seq, 601);
+    // Bad input gets a status, not a panic.
+    let bad = pb::PublishRequest {
+        worker: "w1".into(),
+        epoch: 1,
+        first_seq: 601,
+        events: vec![pb::BlockEvent {
+            kind: Some(pb::block_event::Kind::Stored(pb::Stored { hash: 1, tier: 9, codec: "f16".into(), bytes: 1 })),
+        }],
+    };
+    assert_eq!(p.client.publish(bad).await.unwrap_err().code(), Code::InvalidArgument);
+    let unknown = pb::PublishRequest { worker: "nobody".into(), epoch: 1, first_seq: 1, events: vec![stored(1)] };
+    assert_eq!(p.client.publish(unknown).await.unwrap_err().code(), Code::FailedPrecondition);
+
+    // Stop the leader: the others elect a new one, and publishing goes on through the same client.
+    let old_leader = leader;
+    nodes.remove(&old_leader).unwrap().stop().await.unwrap();
+    let rest: Vec<String> = (1..=3).filter(|i| *i != old_leader).map(|i| peers[&i].clone()).collect();
+    p.client = Client::new(endpoints.clone()).unwrap();
+    let leader = wait_leader(&rest).await;
+    assert_ne!(leader, old_leader);
+    let index = p.publish(60, 10).await;
+    for a in &rest {
+        assert_eq!(held(&read_at(a, &p.acked).await), p.acked, "node at {a} lost acknowledged events");
+    }
+
+    // Restart the old leader from its data dir: it catches up (by snapshot: the log was compacted meanwhile).
+    let restarted = start_node(config(old_leader, addrs[old_leader as usize - 1], &peers, tmp.path())).await;
+    nodes.insert(old_leader, restarted);
+    wait_applied(&peers[&old_leader], index).await;
+    let reference = read_at(&peers[&leader], &p.acked).await;
+    for a in &endpoints {
+        let r = read_at(a, &p.acked).await;
+        assert_eq!(r.blocks, reference.blocks, "directory differs on {a}");
+        assert_eq!(r.workers, reference.workers, "worker table differs on {a}");
+    }
+    let status = Client::status_of(&peers[&leader]).await.unwrap();
+    assert!(status.first_index > 2, "the log was never compacted: {status:?}");
+
+    // Membership: node 4 joins empty, gets the state by snapshot, then leaves.
+    let l4 = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a4 = l4.local_addr().unwrap();
+    let mut cfg4 = config(4, a4, &peers, tmp.path());
+    cfg4.join = true;
+    cfg4.advertise = a4.to_string();
+    let n4 = start_on(cfg4, l4).await.unwrap();
+    let m = p.client.add_node(4, &a4.to_string()).await.unwrap();
+    assert_eq!(m.members.iter().map(|m| m.node_id).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    let index = p.publish(5, 10).await;
+    wait_applied(&a4.to_string(), index).await;
+    assert_eq!(held(&read_at(&a4.to_string(), &p.acked).await), p.acked);
+    let m = p.client.remove_node(4).await.unwrap();
+    assert_eq!(m.members.iter().map(|m| m.node_id).collect::<Vec<_>>(), vec![1, 2, 3]);
+    n4.stop().await.unwrap();
+    // The three remaining voters still commit.
+    p.publish(5, 10).await;
+    assert_eq!(held(&read_at(&peers[&leader], &p.acked).await), p.acked);
+
+    for (_, n) in nodes {
+        n.stop().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_single_voter_commits_alone_and_restarts_from_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = node.addr.to_string();
+    let mut c = Client::new(vec![addr.clone()]).unwrap();
+    c.register("w", "x:1", 3).await.unwrap();
+    let r = c
+        .publish(pb::PublishRequest {
+            worker: "w".into(),
+            epoch: 3,
+            first_seq: 1,
+            events: (0..100).map(stored).collect(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(r.applied, 100);
+    node.stop().await.unwrap();
+
+    let node = pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let r = read_at(&node.addr.to_string(), &(0..100).collect::<Vec<_>>()).await;
+    assert_eq!(held(&r), (0..100).collect::<Vec<_>>());
+    assert_eq!(r.workers[0].applied_seq, 100);
+    node.stop().await.unwrap();
+}
