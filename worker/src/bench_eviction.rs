@@ -343,6 +343,7 @@ fn run_fresh(
         enable_prefix_cache: false,
         threads: opts.threads,
         default_policy: PolicySpec::full(),
+        tiers: crate::tiers::TierConfig::default(),
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

@@ -4,10 +4,13 @@
 //! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
-//! - [`bench`], [`bench_eviction`]: the engine micro-benchmark and throughput under KV memory pressure.
+//! - [`tiers`]: the host and disk KV tiers below the device pool, offload/onboard and their cost model.
+//! - [`bench`], [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
+//!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it.
 
 pub mod bench;
 pub mod bench_eviction;
+pub mod bench_tiers;
 pub mod cache;
 pub mod engine;
 pub mod eval;
@@ -16,3 +19,4 @@ pub mod policy;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;
+pub mod tiers;
