@@ -694,50 +694,66 @@ impl<R: ModelRunner> EngineLoop<R> {
     /// steps. Room is left for one decode block per table of every running sequence plus one group.
     fn onboard(&mut self) {
         let Some(tiers) = &mut self.tiers else { return };
-        if !self.sched.next_admission_misses(&mut self.hashes) || self.hashes.is_empty() {
+        let Some(on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
+        if on_device == self.hashes.len() || tiers.locate(self.hashes[on_device]).is_none() {
             return;
         }
         let layout = self.sched.layout();
         let gs = layout.group_size();
+        // Pin the device-resident part of the prefix while allocating: it may be older in the LRU than anything
+        // else, and evicting it would make the onboarded continuation unreachable.
+        let mut pinned = Vec::with_capacity(on_device * gs);
+        for &h in &self.hashes[..on_device] {
+            if let Some(g) = self.sched.pool().lookup(h) {
+                pinned.extend_from_slice(g);
+            }
+        }
+        if self.sched.pool_mut().acquire(&pinned).is_err() {
+            return;
+        }
         let reserve = (self.sched.running_ids().len() + 1) * gs;
         let room = self.sched.pool().num_available().saturating_sub(reserve) / gs;
         let mut plan: Vec<(Tier, u64)> = Vec::new();
-        for &h in self.hashes.iter().take(room) {
+        for &h in self.hashes[on_device..].iter().take(room) {
             match tiers.locate(h) {
                 Some(loc) => plan.push(loc),
                 None => break,
             }
         }
         let k = tiers.cost().plan(&plan, layout.block_size);
-        let Some(io) = self.runner.policy_io() else { return };
-        for (i, &(tier, bytes)) in plan[..k].iter().enumerate() {
-            let h = self.hashes[i];
-            self.blocks.clear();
-            if self.sched.pool_mut().allocate(gs, &mut self.blocks).is_err() {
-                break;
-            }
-            let t0 = Instant::now();
-            let decoded = tiers.with_group(h, tier, |g| native::decode(g, io.kv, &self.blocks));
-            let secs = t0.elapsed().as_secs_f64();
-            let pool = self.sched.pool_mut();
-            let ok = match decoded {
-                Some(Ok(())) => pool.register(h, &self.blocks),
-                Some(Err(e)) => {
-                    tracing::warn!(tier = tier.name(), error = %e, "KV group cannot be onboarded; recomputing");
-                    false
+        if let Some(io) = self.runner.policy_io() {
+            for (i, &(tier, bytes)) in plan[..k].iter().enumerate() {
+                let h = self.hashes[on_device + i];
+                self.blocks.clear();
+                if self.sched.pool_mut().allocate(gs, &mut self.blocks).is_err() {
+                    break;
                 }
-                None => false,
-            };
-            // Registered blocks become an idle cached group (on the LRU queue, newest); others go back free.
-            if let Err(e) = pool.release(&self.blocks) {
-                tracing::error!(error = %e, "releasing onboarding blocks failed");
+                let t0 = Instant::now();
+                let decoded = tiers.with_group(h, tier, |g| native::decode(g, io.kv, &self.blocks));
+                let secs = t0.elapsed().as_secs_f64();
+                let pool = self.sched.pool_mut();
+                let ok = match decoded {
+                    Some(Ok(())) => pool.register(h, &self.blocks),
+                    Some(Err(e)) => {
+                        tracing::warn!(tier = tier.name(), error = %e, "KV group cannot be onboarded; recomputing");
+                        false
+                    }
+                    None => false,
+                };
+                // Registered blocks become an idle cached group (on the LRU queue, newest); others go back free.
+                if let Err(e) = pool.release(&self.blocks) {
+                    tracing::error!(error = %e, "releasing onboarding blocks failed");
+                }
+                if !ok {
+                    break;
+                }
+                tiers.cost_mut().record_load(tier, bytes, secs);
+                tiers.count_onboard(tier);
+                self.onboarded_tokens[tier.index()] += layout.block_size as u64;
             }
-            if !ok {
-                break;
-            }
-            tiers.cost_mut().record_load(tier, bytes, secs);
-            tiers.count_onboard(tier);
-            self.onboarded_tokens[tier.index()] += layout.block_size as u64;
+        }
+        if let Err(e) = self.sched.pool_mut().release(&pinned) {
+            tracing::error!(error = %e, "unpinning the device prefix failed");
         }
     }
 

@@ -68,7 +68,7 @@ fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, Eng
     let mut delta = after.clone();
     delta.computed_tokens_total -= before.computed_tokens_total;
     for t in 0..3 {
-        delta.prefix_hit_tokens[t] -= before.prefix_hit_tokens[t];
+        delta.prefix_hit_tokens[t] = delta.prefix_hit_tokens[t].wrapping_sub(before.prefix_hit_tokens[t]);
     }
     (tokens, cached, delta)
 }
@@ -123,6 +123,16 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     let host = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage reported");
     assert!(host.used_bytes > 0 && host.capacity_bytes == 64 << 20 && host.codec == "native", "{host:?}");
     assert!(s.offloaded_groups > 0);
+    // One filler only: the prompt's first group stays on the device, older in the LRU than the filler's groups.
+    // Onboarding the rest must not evict it (it is pinned while onboarding allocates).
+    let filler: Vec<u32> = (5000..5000 + 7 * BS as u32 - 4).collect();
+    run(&h, &filler, 2);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold);
+    assert_eq!(cached as usize, matched, "device head + host continuation: {s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Device.index()], BS as u64, "{s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], (matched - BS) as u64, "{s:?}");
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm));
     h.shutdown();
 
     // Disk tier only (idle groups are written straight to disk).

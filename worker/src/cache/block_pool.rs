@@ -386,6 +386,29 @@ mod tests {
     }
 
     #[test]
+    fn newly_idle_groups_are_reported_once_when_tracking() {
+        let mut p = BlockPool::new(4);
+        let mut g = Vec::new();
+        p.allocate(2, &mut g).unwrap();
+        assert!(p.register(5, &g));
+        p.release(&g).unwrap();
+        let mut out = Vec::new();
+        p.take_newly_idle(&mut out);
+        assert!(out.is_empty(), "off until track_idle");
+        p.track_idle();
+        p.acquire(&g).unwrap();
+        p.release(&g).unwrap();
+        let mut h = Vec::new();
+        p.allocate(1, &mut h).unwrap();
+        p.release(&h).unwrap();
+        p.take_newly_idle(&mut out);
+        assert_eq!(out, vec![5], "only registered groups, once per idle transition");
+        out.clear();
+        p.take_newly_idle(&mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
     fn shared_refcounts() {
         let mut p = BlockPool::new(4);
         let mut g = Vec::new();
