@@ -7,6 +7,7 @@
 //! - `pagoda kvstore`: one node of the raft-replicated block directory (`--peer` lists the initial voters).
 //! - `pagoda bench kvstore`: publish throughput and watch latency of an in-process 3-node kvstore cluster.
 //! - `pagoda bench engine`: the engine micro-benchmark.
+//! - `pagoda bench tiers`: onboarding a 2K-token prefix from the host/disk KV tier against recomputing it.
 //! - `pagoda bench eviction`: throughput of each KV eviction policy against full cache on a pool too small for
 //!   the load (markdown table, JSON, PNG chart).
 //!
@@ -28,6 +29,7 @@ use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
 use pagoda_worker::service::WorkerService;
+use pagoda_worker::tiers::TierConfig;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -174,6 +176,15 @@ struct EngineArgs {
     /// `greedy` admits whatever fits now and preempts later.
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
     admission: String,
+    /// Directory for the worker's persistent state; the disk KV tier lives in <data-dir>/kv/.
+    #[arg(long, env = "PAGODA_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Host-RAM KV tier size in MiB: idle prefix blocks evicted from the device pool are kept here (0 disables).
+    #[arg(long, default_value_t = 1024)]
+    host_tier_mib: u64,
+    /// Disk KV tier size in MiB under --data-dir: host-tier victims and, on shutdown, the host tier (0 disables).
+    #[arg(long, default_value_t = 0)]
+    disk_tier_mib: u64,
 }
 
 #[derive(Args, Clone)]
@@ -308,6 +319,32 @@ enum BenchCommand {
     /// Throughput under KV memory pressure: full cache against each eviction policy and budget, same load, same
     /// pool, one fresh engine per configuration.
     Eviction(BenchEvictionArgs),
+    /// Serving a long context's prefix from the host (and disk) KV tier against recomputing it.
+    Tiers(BenchTiersArgs),
+}
+
+#[derive(Args)]
+struct BenchTiersArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Compute threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Prompt length.
+    #[arg(long, default_value_t = 2048)]
+    context_tokens: usize,
+    /// Repeats (fresh prompts); the report keeps medians.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Host tier size in MiB (also the disk tier's).
+    #[arg(long, default_value_t = 1024)]
+    host_tier_mib: u64,
+    /// Also measure the disk tier with files under this directory (removed afterwards).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -409,6 +446,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Eval(args) => eval(args),
         Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
+        Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
@@ -502,7 +540,21 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         threads: e.threads,
         default_policy,
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
+        tiers: tier_config(e)?,
     })
+}
+
+fn tier_config(e: &EngineArgs) -> Result<TierConfig> {
+    let mib = |n: u64, flag: &str| n.checked_mul(1 << 20).with_context(|| format!("{flag} {n} is too large"));
+    let cfg = TierConfig {
+        data_dir: e.data_dir.clone(),
+        host_bytes: mib(e.host_tier_mib, "--host-tier-mib")?,
+        disk_bytes: mib(e.disk_tier_mib, "--disk-tier-mib")?,
+    };
+    if cfg.disk_bytes > 0 && cfg.data_dir.is_none() {
+        bail!("--disk-tier-mib needs --data-dir");
+    }
+    Ok(cfg)
 }
 
 async fn start_engine(model: &Path, e: &EngineArgs) -> Result<EngineHandle> {
@@ -873,6 +925,26 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
     };
     let report = pagoda_worker::bench::engine_bench(&model, &opts)
         .with_context(|| format!("engine bench on {} failed", model.display()))?;
+    println!("{}", report.to_markdown());
+    if let Some(path) = args.json {
+        std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_tiers(args: BenchTiersArgs) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let opts = pagoda_worker::bench_tiers::TiersBenchOptions {
+        threads: args.threads,
+        context_tokens: args.context_tokens,
+        repeats: args.repeats,
+        host_mib: args.host_tier_mib,
+        data_dir: args.data_dir,
+        ..Default::default()
+    };
+    let report = pagoda_worker::bench_tiers::tiers_bench(&model, &opts)
+        .with_context(|| format!("tiers bench on {} failed", model.display()))?;
     println!("{}", report.to_markdown());
     if let Some(path) = args.json {
         std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;

@@ -10,8 +10,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use pagoda_proto::worker::StatsRequest;
+pub use pagoda_proto::worker::StatsResponse;
 use pagoda_proto::worker::worker_client::WorkerClient;
-use pagoda_proto::worker::{StatsRequest, StatsResponse};
 
 pub use futures;
 pub use reqwest;

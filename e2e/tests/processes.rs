@@ -83,3 +83,61 @@ async fn separate_router_and_worker_processes() {
     assert_eq!(http.get("/healthz").await.unwrap().0, 200);
     assert!(router.alive());
 }
+
+/// The disk KV tier survives a crash: `pagoda up` killed with SIGKILL and restarted on the same data dir serves the
+/// prompt's prefix from disk (the index is rebuilt from the files) and gives the same greedy answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_worker_serves_prefix_from_disk() {
+    let dir = std::env::temp_dir().join(format!("pagoda-e2e-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    // Host tier off: idle prefix groups go straight to disk. 8 groups of 16 tokens on the device.
+    let args = ["--data-dir", d.as_str(), "--host-tier-mib", "0", "--disk-tier-mib", "64", "--num-blocks", "720"];
+    let body = chat(
+        "The library on the hill keeps three kinds of books: maps of rivers that no longer flow, recipes written by \
+         sailors, and letters that were never sent. Question: what does the librarian keep?",
+        json!({"temperature": 0, "max_tokens": 8}),
+    );
+    let disk_used = |s: &pagoda_e2e::StatsResponse| -> u64 {
+        s.tiers.iter().filter(|t| t.tier == "disk").map(|t| t.used_bytes).sum()
+    };
+
+    let mut up = common::start_up("up-tiers-1", &args).await.unwrap();
+    let (s, first) = up.http.post_json("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{first}");
+    // The finished request's groups are written (and fsynced) right after its last step.
+    let t0 = Instant::now();
+    loop {
+        let stats = worker_stats(&up.worker).await.unwrap();
+        if stats.offloaded_groups_total > 0 && disk_used(&stats) > 0 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "nothing reached disk: {stats:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    up.proc.kill();
+
+    let up = common::start_up("up-tiers-2", &args).await.unwrap();
+    let before = worker_stats(&up.worker).await.unwrap();
+    assert!(disk_used(&before) > 0, "index rebuilt from the files: {before:?}");
+    assert_eq!(before.computed_tokens_total, 0);
+    let (s, second) = up.http.post_json("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{second}");
+    assert_eq!(second["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"]);
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached >= 16, "the prefix came from disk: {second}");
+    let t0 = Instant::now();
+    let after = loop {
+        let stats = worker_stats(&up.worker).await.unwrap();
+        if stats.running == 0 || t0.elapsed() > Duration::from_secs(10) {
+            break stats;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let disk_hits: u64 = after.prefix_hits.iter().filter(|h| h.tier == "disk").map(|h| h.tokens).sum();
+    assert_eq!(disk_hits, cached, "{after:?}");
+    assert_eq!(after.disk_corrupted_total, 0);
+    drop(up);
+    let _ = std::fs::remove_dir_all(&dir);
+}

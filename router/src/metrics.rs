@@ -35,6 +35,19 @@ pub struct PolicyLabels {
     pub policy: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierLabels {
+    pub worker: String,
+    pub tier: String,
+    pub codec: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierHitLabels {
+    pub worker: String,
+    pub tier: String,
+}
+
 /// All router metrics and their registry.
 pub struct Metrics {
     registry: Registry,
@@ -54,6 +67,11 @@ pub struct Metrics {
     pub worker_preemptions: Family<WorkerLabels, Gauge>,
     /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
     pub rate_limited: Family<RateLimitLabels, Counter>,
+    /// KV bytes per tier (device, host, disk) and codec on the worker.
+    pub worker_tier_used_bytes: Family<TierLabels, Gauge>,
+    pub worker_tier_capacity_bytes: Family<TierLabels, Gauge>,
+    /// The worker's cumulative prompt tokens served from a cached prefix, by the tier it came from.
+    pub worker_prefix_hit_tokens: Family<TierHitLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -146,9 +164,33 @@ impl Metrics {
             "Requests refused with 429 by their API key's rate or concurrency limit",
             rate_limited.clone(),
         );
+        let worker_tier_used_bytes = Family::<TierLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_tier_used",
+            "KV bytes held on the worker, by tier (device, host, disk) and codec",
+            Unit::Bytes,
+            worker_tier_used_bytes.clone(),
+        );
+        let worker_tier_capacity_bytes = Family::<TierLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_tier_capacity",
+            "KV capacity of each of the worker's tiers, by tier and codec",
+            Unit::Bytes,
+            worker_tier_capacity_bytes.clone(),
+        );
+        let worker_prefix_hit_tokens = Family::<TierHitLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_prefix_hit",
+            "Prompt tokens the worker served from a cached prefix since it started, by the tier it was found in",
+            Unit::Other("tokens".into()),
+            worker_prefix_hit_tokens.clone(),
+        );
         Metrics {
             registry,
             rate_limited,
+            worker_tier_used_bytes,
+            worker_tier_capacity_bytes,
+            worker_prefix_hit_tokens,
             worker_evicted_tokens,
             worker_evicted_blocks,
             worker_preemptions,
@@ -189,6 +231,15 @@ impl Metrics {
                 self.worker_running.get_or_create(&l).set(s.running as i64);
                 self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
                 self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
+                for t in &s.tiers {
+                    let tl = TierLabels { worker: w.addr.clone(), tier: t.tier.clone(), codec: t.codec.clone() };
+                    self.worker_tier_used_bytes.get_or_create(&tl).set(t.used_bytes as i64);
+                    self.worker_tier_capacity_bytes.get_or_create(&tl).set(t.capacity_bytes as i64);
+                }
+                for h in &s.prefix_hits {
+                    let hl = TierHitLabels { worker: w.addr.clone(), tier: h.tier.clone() };
+                    self.worker_prefix_hit_tokens.get_or_create(&hl).set(h.tokens as i64);
+                }
                 for e in &s.evictions {
                     let pl = PolicyLabels { worker: w.addr.clone(), policy: e.policy.clone() };
                     self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
@@ -224,6 +275,10 @@ mod tests {
         let pl = PolicyLabels { worker: "w".into(), policy: "snapkv".into() };
         m.worker_evicted_tokens.get_or_create(&pl).set(7);
         m.worker_evicted_blocks.get_or_create(&pl).set(2);
+        let tl = TierLabels { worker: "w".into(), tier: "host".into(), codec: "native".into() };
+        m.worker_tier_used_bytes.get_or_create(&tl).set(1024);
+        m.worker_tier_capacity_bytes.get_or_create(&tl).set(4096);
+        m.worker_prefix_hit_tokens.get_or_create(&TierHitLabels { worker: "w".into(), tier: "disk".into() }).set(32);
         let text = m.encode();
         for name in [
             "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
@@ -234,6 +289,9 @@ mod tests {
             "pagoda_router_worker_used_blocks{worker=\"w\"} 5",
             "pagoda_router_worker_evicted_tokens{worker=\"w\",policy=\"snapkv\"} 7",
             "pagoda_router_worker_evicted_blocks{worker=\"w\",policy=\"snapkv\"} 2",
+            "pagoda_router_worker_tier_used_bytes{worker=\"w\",tier=\"host\",codec=\"native\"} 1024",
+            "pagoda_router_worker_tier_capacity_bytes{worker=\"w\",tier=\"host\",codec=\"native\"} 4096",
+            "pagoda_router_worker_prefix_hit_tokens{worker=\"w\",tier=\"disk\"} 32",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -138,6 +138,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         threads: opts.threads,
         default_policy: crate::policy::PolicySpec::full(),
         reserve: ReserveConfig::off(),
+        tiers: crate::tiers::TierConfig::default(),
     };
     // Load once to learn the layout, then size the arena.
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;

@@ -348,6 +348,7 @@ fn run_fresh(
         threads: opts.threads,
         default_policy: PolicySpec::full(),
         reserve: if opts.admission_reserve { ReserveConfig::default() } else { ReserveConfig::off() },
+        tiers: crate::tiers::TierConfig::default(),
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
@@ -28,6 +28,7 @@ use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
 };
+use crate::tiers::{Tier, TierConfig, TierStore, TierUsage, native};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -47,6 +48,8 @@ pub struct EngineConfig {
     pub default_policy: PolicySpec,
     /// Admission growth reserve of the scheduler.
     pub reserve: ReserveConfig,
+    /// Host and disk KV tiers below the device pool (off by default).
+    pub tiers: TierConfig,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +64,7 @@ impl Default for EngineConfig {
             threads: 0,
             default_policy: PolicySpec::full(),
             reserve: ReserveConfig::default(),
+            tiers: TierConfig::default(),
         }
     }
 }
@@ -100,7 +104,7 @@ pub enum GenerateEvent {
     Failed(String),
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EngineStats {
     pub blocks_total: u64,
     pub blocks_used: u64,
@@ -119,6 +123,15 @@ pub struct EngineStats {
     pub evicted_slots: [u64; PolicyKind::ALL.len()],
     /// Blocks each policy's evictions returned to the pool.
     pub evicted_blocks: [u64; PolicyKind::ALL.len()],
+    /// Used and capacity bytes per tier and codec (the device tier first).
+    pub tier_usage: Vec<TierUsage>,
+    /// Prompt tokens served from a cached prefix, by the tier the prefix came from ([`Tier::index`]); they sum to
+    /// `cached_tokens_total`, except that onboarded groups evicted again before admission count for their tier.
+    pub prefix_hit_tokens: [u64; 3],
+    /// Idle device groups copied down to the lower tiers.
+    pub offloaded_groups: u64,
+    /// Corrupt or truncated disk-tier files found (and discarded) since start.
+    pub disk_corrupted: u64,
 }
 
 /// What the loaded model is, as clients need it.
@@ -323,7 +336,7 @@ impl EngineHandle {
 
     /// The latest statistics snapshot (published after every engine step and command).
     pub fn stats(&self) -> EngineStats {
-        self.inner.stats.lock().map(|s| *s).unwrap_or_default()
+        self.inner.stats.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
     /// Stops the engine thread: in-flight requests get `Failed`. Blocks until the thread has exited.
@@ -404,8 +417,19 @@ impl Engine {
                     }
                 };
                 let info = runner.info().clone();
+                let tiers = match open_tiers(&thread_cfg, &info) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let mut core =
                     EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_cfg.default_policy, thread_stats);
+                if let Some(t) = tiers {
+                    core.sched.pool_mut().track_idle();
+                    core.tiers = Some(t);
+                }
                 core.publish_stats();
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
@@ -436,6 +460,12 @@ impl Engine {
             }),
         })
     }
+}
+
+/// Opens the configured lower tiers. A disk read is bounded by the encoded size of one group of this model.
+fn open_tiers(cfg: &EngineConfig, info: &ModelInfo) -> Result<Option<TierStore>, EngineError> {
+    let group = native::group_bytes(info.layout().group_size(), info.block_size * info.head_dim) as u64;
+    TierStore::open(&cfg.tiers, group).map_err(|e| EngineError::Config(e.to_string()))
 }
 
 fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
@@ -469,6 +499,13 @@ struct EngineLoop<R> {
     batch: Vec<StepSeq<'static>>,
     default_policy: PolicySpec,
     stats: Arc<Mutex<EngineStats>>,
+    /// Host and disk tiers, when configured.
+    tiers: Option<TierStore>,
+    /// Reused buffers for tier traffic.
+    hashes: Vec<u64>,
+    blocks: Vec<u32>,
+    /// Prompt tokens onboarded from host and from disk ([`Tier::index`]).
+    onboarded_tokens: [u64; 3],
 }
 
 enum Flow {
@@ -499,6 +536,10 @@ impl<R: ModelRunner> EngineLoop<R> {
             batch: Vec::new(),
             default_policy,
             stats,
+            tiers: None,
+            hashes: Vec::new(),
+            blocks: Vec::new(),
+            onboarded_tokens: [0; 3],
         }
     }
 
@@ -539,6 +580,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             self.drop_closed();
             let progressed = self.sched.has_work() && self.step();
+            self.offload_idle();
             self.publish_stats();
             if self.sched.has_work() && !progressed {
                 // Nothing schedulable (admission checks prevent this); wait instead of spinning.
@@ -554,6 +596,11 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
         }
         self.fail_all("the engine has stopped");
+        self.offload_idle();
+        if let Some(t) = &mut self.tiers {
+            // Host RAM does not survive the process; what fits on disk does.
+            t.spill_host();
+        }
         self.publish_stats();
     }
 
@@ -618,6 +665,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         {
             self.sched.relieve_pressure(needed, io.kv);
         }
+        self.onboard();
         let mut plan = std::mem::take(&mut self.plan);
         self.sched.schedule_into(&mut plan);
         // Publish what was just admitted before the step streams its first tokens, so a client that reads the
@@ -628,8 +676,105 @@ impl<R: ModelRunner> EngineLoop<R> {
         progressed
     }
 
+    /// Copies the device groups that became idle since the last call into the lower tiers, while their blocks are
+    /// still owned by the prefix index (so unchanged): a later device eviction then loses nothing. Groups already
+    /// held below are only marked recently used.
+    fn offload_idle(&mut self) {
+        let Some(tiers) = &mut self.tiers else { return };
+        self.hashes.clear();
+        self.sched.pool_mut().take_newly_idle(&mut self.hashes);
+        let Some(io) = self.runner.policy_io() else { return };
+        for &h in &self.hashes {
+            if tiers.touch(h) {
+                continue;
+            }
+            let pool = self.sched.pool();
+            let Some(g) = pool.index().get(h) else { continue };
+            tiers.offload(h, native::encode(io.kv, g.blocks()));
+        }
+    }
+
+    /// Before scheduling: for the next sequence to be admitted, loads the lower-tier groups that continue its
+    /// device-resident prefix into fresh device blocks and registers them, so admission adopts them like any
+    /// cached prefix — when the cost model expects that to beat recomputing. Disk reads happen here, between
+    /// steps. Room is left for one decode block per table of every running sequence plus one group.
+    fn onboard(&mut self) {
+        let Some(tiers) = &mut self.tiers else { return };
+        let Some(on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
+        if on_device == self.hashes.len() || tiers.locate(self.hashes[on_device]).is_none() {
+            return;
+        }
+        let layout = self.sched.layout();
+        let gs = layout.group_size();
+        // Pin the device-resident part of the prefix while allocating: it may be older in the LRU than anything
+        // else, and evicting it would make the onboarded continuation unreachable.
+        let mut pinned = Vec::with_capacity(on_device * gs);
+        for &h in &self.hashes[..on_device] {
+            if let Some(g) = self.sched.pool().lookup(h) {
+                pinned.extend_from_slice(g);
+            }
+        }
+        if self.sched.pool_mut().acquire(&pinned).is_err() {
+            return;
+        }
+        let reserve = (self.sched.running_ids().len() + 1) * gs;
+        let room = self.sched.pool().num_available().saturating_sub(reserve) / gs;
+        let mut plan: Vec<(Tier, u64)> = Vec::new();
+        for &h in self.hashes[on_device..].iter().take(room) {
+            match tiers.locate(h) {
+                Some(loc) => plan.push(loc),
+                None => break,
+            }
+        }
+        let k = tiers.cost().plan(&plan, layout.block_size);
+        if let Some(io) = self.runner.policy_io() {
+            for (i, &(tier, bytes)) in plan[..k].iter().enumerate() {
+                let h = self.hashes[on_device + i];
+                self.blocks.clear();
+                if self.sched.pool_mut().allocate(gs, &mut self.blocks).is_err() {
+                    break;
+                }
+                let t0 = Instant::now();
+                let decoded = tiers.with_group(h, tier, |g| native::decode(g, io.kv, &self.blocks));
+                let secs = t0.elapsed().as_secs_f64();
+                let pool = self.sched.pool_mut();
+                let ok = match decoded {
+                    Some(Ok(())) => pool.register(h, &self.blocks),
+                    Some(Err(e)) => {
+                        tracing::warn!(tier = tier.name(), error = %e, "KV group cannot be onboarded; recomputing");
+                        false
+                    }
+                    None => false,
+                };
+                // Registered blocks become an idle cached group (on the LRU queue, newest); others go back free.
+                if let Err(e) = pool.release(&self.blocks) {
+                    tracing::error!(error = %e, "releasing onboarding blocks failed");
+                }
+                if !ok {
+                    break;
+                }
+                tiers.cost_mut().record_load(tier, bytes, secs);
+                tiers.count_onboard(tier);
+                self.onboarded_tokens[tier.index()] += layout.block_size as u64;
+            }
+        }
+        if let Err(e) = self.sched.pool_mut().release(&pinned) {
+            tracing::error!(error = %e, "unpinning the device prefix failed");
+        }
+    }
+
     fn run_plan(&mut self, plan: &StepPlan) -> bool {
-        if let Err(e) = forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits) {
+        let t0 = Instant::now();
+        let result = forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits);
+        let tokens = plan.num_tokens();
+        // Steps dominated by prefill measure prefill speed; single-token decode steps would not.
+        if let Some(t) = &mut self.tiers
+            && result.is_ok()
+            && tokens >= 2 * plan.seqs.len().max(1) * self.sched.layout().block_size
+        {
+            t.cost_mut().record_prefill(tokens, t0.elapsed().as_secs_f64());
+        }
+        if let Err(e) = result {
             tracing::error!(error = %e, "forward step failed; failing the step's requests");
             let msg = e.to_string();
             for e in &plan.seqs {
@@ -683,6 +828,23 @@ impl<R: ModelRunner> EngineLoop<R> {
     fn publish_stats(&self) {
         let s = self.sched.stats();
         let pool = self.sched.pool();
+        let info = self.runner.info();
+        let block_bytes = (2 * info.block_size * info.head_dim * std::mem::size_of::<f32>()) as u64;
+        let mut tier_usage = vec![TierUsage {
+            tier: Tier::Device,
+            codec: native::NAME.to_owned(),
+            used_bytes: (pool.num_used() + pool.num_cached_free()) as u64 * block_bytes,
+            capacity_bytes: pool.num_blocks() as u64 * block_bytes,
+        }];
+        let mut prefix_hit_tokens = self.onboarded_tokens;
+        prefix_hit_tokens[Tier::Device.index()] =
+            s.cached_tokens_total.saturating_sub(self.onboarded_tokens.iter().sum::<u64>());
+        let (mut offloaded_groups, mut disk_corrupted) = (0, 0);
+        if let Some(t) = &self.tiers {
+            tier_usage.extend(t.usage());
+            offloaded_groups = t.counters().offloaded_groups;
+            disk_corrupted = t.disk_corrupted();
+        }
         let snapshot = EngineStats {
             blocks_total: pool.num_blocks() as u64,
             blocks_used: pool.num_used() as u64,
@@ -696,6 +858,10 @@ impl<R: ModelRunner> EngineLoop<R> {
             peak_blocks_used: pool.peak_used() as u64,
             evicted_slots: s.evicted_slots,
             evicted_blocks: s.evicted_blocks,
+            tier_usage,
+            prefix_hit_tokens,
+            offloaded_groups,
+            disk_corrupted,
         };
         if let Ok(mut g) = self.stats.lock() {
             *g = snapshot;

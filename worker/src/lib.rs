@@ -5,10 +5,13 @@
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`evicpress`]: EvicPress's utility and greedy multi-choice knapsack over (tier, codec, keep ratio).
-//! - [`bench`], [`bench_eviction`]: the engine micro-benchmark and throughput under KV memory pressure.
+//! - [`tiers`]: the host and disk KV tiers below the device pool, offload/onboard and their cost model.
+//! - [`bench`], [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
+//!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it.
 
 pub mod bench;
 pub mod bench_eviction;
+pub mod bench_tiers;
 pub mod cache;
 pub mod engine;
 pub mod eval;
@@ -18,3 +21,4 @@ pub mod policy;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;
+pub mod tiers;

@@ -302,6 +302,11 @@ impl<P> Scheduler<P> {
     pub fn pool(&self) -> &BlockPool {
         &self.pool
     }
+    /// The pool, for the engine's tier traffic (tracking idle groups, registering onboarded ones). Blocks held by
+    /// sequences must not be touched through it.
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
     pub fn stats(&self) -> SchedStats {
         SchedStats { running: self.running.len(), waiting: self.waiting.len(), ..self.stats }
     }
@@ -528,6 +533,26 @@ impl<P> Scheduler<P> {
             self.stats.preemptions_total += 1;
         }
         self.waiting.push_front(id);
+    }
+
+    /// For the waiting sequence next in line for admission: the chain hashes of its prompt groups up to what
+    /// admission could adopt (the same cap as [`Scheduler::try_admit`]), into `out`, and how many leading ones are
+    /// device-resident. `None` (and `out` empty) when nothing is waiting, admission is closed this step, or the
+    /// prefix cache is off. The engine onboards lower-tier groups for the rest before scheduling.
+    pub fn next_admission_prefix(&mut self, out: &mut Vec<u64>) -> Option<usize> {
+        out.clear();
+        if !self.cfg.enable_prefix_cache || self.running.len() >= self.cfg.max_running.max(1) {
+            return None;
+        }
+        let id = *self.waiting.front()?;
+        let seq = self.seqs.get_mut(&id)?;
+        let bs = self.layout.block_size;
+        extend_block_hashes(&self.cfg.model_id, &seq.namespace, &seq.tokens, bs, &mut seq.hashes);
+        let len = seq.tokens.len();
+        let tail = seq.policy.spec().min_computed_tail(len).clamp(1, len);
+        let max_groups = ((len - tail) / bs).min(seq.hashes.len());
+        out.extend_from_slice(&seq.hashes[..max_groups]);
+        Some(self.pool.index().match_len(out))
     }
 
     /// Prefix lookup + first chunk reservation for waiting sequence `id`. Returns the chunk length, or None

@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status};
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::scheduler::SchedError;
+use crate::tiers::Tier;
 
 /// Longest `request_id` / `namespace`, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
@@ -269,6 +270,22 @@ impl Worker for WorkerService {
                 })
                 .collect(),
             preemptions_total: s.preemptions_total,
+            tiers: s
+                .tier_usage
+                .iter()
+                .map(|u| pb::TierUsage {
+                    tier: u.tier.name().to_owned(),
+                    codec: u.codec.clone(),
+                    used_bytes: u.used_bytes,
+                    capacity_bytes: u.capacity_bytes,
+                })
+                .collect(),
+            prefix_hits: Tier::ALL
+                .iter()
+                .map(|t| pb::TierHits { tier: t.name().to_owned(), tokens: s.prefix_hit_tokens[t.index()] })
+                .collect(),
+            offloaded_groups_total: s.offloaded_groups,
+            disk_corrupted_total: s.disk_corrupted,
         }))
     }
 }

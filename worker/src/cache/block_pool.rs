@@ -30,6 +30,9 @@ pub struct BlockPool {
     /// High-water mark of [`BlockPool::num_used`]: a snapshot taken between engine steps misses the peak, which
     /// sits inside a step (after the scheduler reserves, before evictions free).
     peak_used: usize,
+    /// Groups that joined the LRU queue since the last [`BlockPool::take_newly_idle`], when tracking is on (the
+    /// engine copies them to the lower tiers between steps).
+    newly_idle: Option<Vec<u64>>,
 }
 
 impl BlockPool {
@@ -46,6 +49,20 @@ impl BlockPool {
             cached_free_blocks: 0,
             evicted_groups: 0,
             peak_used: 0,
+            newly_idle: None,
+        }
+    }
+
+    /// Starts recording which groups become idle (see [`BlockPool::take_newly_idle`]).
+    pub fn track_idle(&mut self) {
+        self.newly_idle.get_or_insert_with(Vec::new);
+    }
+
+    /// Hashes of the groups that became idle since the last call (some may have been evicted or re-acquired
+    /// since), moved into `out`.
+    pub fn take_newly_idle(&mut self, out: &mut Vec<u64>) {
+        if let Some(v) = &mut self.newly_idle {
+            out.append(v);
         }
     }
 
@@ -178,6 +195,9 @@ impl BlockPool {
                         g.lru_tick = Some(self.tick);
                         self.lru.insert(self.tick, h);
                         self.cached_free_blocks += g.blocks.len();
+                        if let Some(v) = &mut self.newly_idle {
+                            v.push(h);
+                        }
                     }
                 }
                 None => self.free.push(b),
@@ -363,6 +383,29 @@ mod tests {
             assert!(p.lookup(expect_gone).is_none());
         }
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn newly_idle_groups_are_reported_once_when_tracking() {
+        let mut p = BlockPool::new(4);
+        let mut g = Vec::new();
+        p.allocate(2, &mut g).unwrap();
+        assert!(p.register(5, &g));
+        p.release(&g).unwrap();
+        let mut out = Vec::new();
+        p.take_newly_idle(&mut out);
+        assert!(out.is_empty(), "off until track_idle");
+        p.track_idle();
+        p.acquire(&g).unwrap();
+        p.release(&g).unwrap();
+        let mut h = Vec::new();
+        p.allocate(1, &mut h).unwrap();
+        p.release(&h).unwrap();
+        p.take_newly_idle(&mut out);
+        assert_eq!(out, vec![5], "only registered groups, once per idle transition");
+        out.clear();
+        p.take_newly_idle(&mut out);
+        assert!(out.is_empty());
     }
 
     #[test]

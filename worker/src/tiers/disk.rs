@@ -1,0 +1,482 @@
+//! The disk tier: one file per block group under `<data-dir>/kv/`, LRU by last use, capacity in bytes.
+//!
+//! File `<hash as 16 hex digits>.kv`, all integers little-endian:
+//! `"PGKV"` ‖ version u32 ‖ hash u64 ‖ codec length u16 ‖ codec UTF-8 ‖ payload length u64 ‖ payload ‖
+//! xxh3_64 of everything before it.
+//!
+//! Writes are atomic: a `.tmp` file is written, fsynced and renamed over the final name, so a crash leaves either
+//! the old state or the complete new file (stray `.tmp` files are deleted on open). The index is rebuilt on open by
+//! reading every file's header: a bad header or a size that disagrees with it (truncation) is deleted and counted
+//! there. The checksum covers the payload too, so it is checked on every read; a mismatch deletes the file, counts
+//! it and reports a miss, and the caller recomputes the prefix. A plain struct with one owner
+//! ([`TierStore`](super::TierStore)).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
+
+use super::{EncodedGroup, TierError};
+
+const MAGIC: &[u8; 4] = b"PGKV";
+const VERSION: u32 = 1;
+/// Codec names are short identifiers; anything longer is a corrupt header.
+const MAX_CODEC_LEN: usize = 64;
+const FIXED_HEADER: usize = 4 + 4 + 8 + 2;
+
+#[derive(Debug)]
+struct Entry {
+    /// Whole file size (header + payload + checksum).
+    file_bytes: u64,
+    codec: String,
+    tick: u64,
+}
+
+#[derive(Debug)]
+pub struct DiskStore {
+    dir: PathBuf,
+    capacity: u64,
+    /// Largest payload accepted: bounds what a corrupt length field can make a read allocate.
+    max_payload: u64,
+    used: u64,
+    index: HashMap<u64, Entry>,
+    lru: BTreeMap<u64, u64>,
+    tick: u64,
+    corrupted: u64,
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TierError + 'a {
+    move |source| TierError::Io { op, path: path.to_path_buf(), source }
+}
+
+fn file_name(hash: u64) -> String {
+    format!("{hash:016x}.kv")
+}
+
+/// The parsed fixed part of a file.
+struct Header {
+    hash: u64,
+    codec: String,
+    payload_len: u64,
+    header_len: usize,
+}
+
+fn parse_header(buf: &[u8], max_payload: u64) -> Result<Header, String> {
+    if buf.len() < FIXED_HEADER {
+        return Err("shorter than the header".into());
+    }
+    if &buf[0..4] != MAGIC {
+        return Err("bad magic".into());
+    }
+    let version = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]);
+    if version != VERSION {
+        return Err(format!("version {version}, expected {VERSION}"));
+    }
+    let mut h = [0u8; 8];
+    h.copy_from_slice(&buf[8..16]);
+    let hash = u64::from_le_bytes(h);
+    let codec_len = u16::from_le_bytes([buf[16], buf[17]]) as usize;
+    if codec_len == 0 || codec_len > MAX_CODEC_LEN {
+        return Err(format!("codec name length {codec_len}"));
+    }
+    let header_len = FIXED_HEADER + codec_len + 8;
+    if buf.len() < header_len {
+        return Err("shorter than the header".into());
+    }
+    let codec = std::str::from_utf8(&buf[FIXED_HEADER..FIXED_HEADER + codec_len])
+        .map_err(|_| "codec name is not UTF-8".to_string())?
+        .to_owned();
+    h.copy_from_slice(&buf[FIXED_HEADER + codec_len..header_len]);
+    let payload_len = u64::from_le_bytes(h);
+    if payload_len > max_payload {
+        return Err(format!("payload length {payload_len} over the limit {max_payload}"));
+    }
+    Ok(Header { hash, codec, payload_len, header_len })
+}
+
+impl DiskStore {
+    /// Opens (creating) `dir` and rebuilds the index from the files there, oldest modification first in the LRU.
+    /// Files over `capacity_bytes` in total are evicted, oldest first.
+    pub fn open(dir: impl Into<PathBuf>, capacity_bytes: u64, max_payload: u64) -> Result<DiskStore, TierError> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        let mut store = DiskStore {
+            dir,
+            capacity: capacity_bytes,
+            max_payload,
+            used: 0,
+            index: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            corrupted: 0,
+        };
+        let mut found = Vec::new();
+        let entries = fs::read_dir(&store.dir).map_err(io_err("list", &store.dir))?;
+        for entry in entries {
+            let entry = entry.map_err(io_err("list", &store.dir))?;
+            let path = entry.path();
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+            if name.ends_with(".kv.tmp") {
+                // An interrupted write: never renamed, so never valid.
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            let Some(stem) = name.strip_suffix(".kv") else { continue };
+            let Ok(hash) = u64::from_str_radix(stem, 16) else { continue };
+            match store.check_file(&path, hash) {
+                Ok((file_bytes, codec)) => {
+                    let mtime = entry.metadata().and_then(|m| m.modified()).ok();
+                    found.push((mtime, hash, file_bytes, codec));
+                }
+                Err(reason) => store.discard(&path, &reason),
+            }
+        }
+        found.sort_by_key(|f| (f.0, f.1));
+        for (_, hash, file_bytes, codec) in found {
+            store.insert(hash, file_bytes, codec);
+        }
+        store.evict_until(0)?;
+        Ok(store)
+    }
+
+    /// Reads the header of `path` and checks it against the file name and the file size.
+    fn check_file(&self, path: &Path, hash: u64) -> Result<(u64, String), String> {
+        let mut f = File::open(path).map_err(|e| e.to_string())?;
+        let size = f.metadata().map_err(|e| e.to_string())?.len();
+        let mut buf = [0u8; FIXED_HEADER + MAX_CODEC_LEN + 8];
+        let mut n = 0;
+        while n < buf.len() {
+            match f.read(&mut buf[n..]) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        let h = parse_header(&buf[..n], self.max_payload)?;
+        if h.hash != hash {
+            return Err(format!("header hash {:016x} does not match the file name", h.hash));
+        }
+        let expected = h.header_len as u64 + h.payload_len + 8;
+        if size != expected {
+            return Err(format!("{size} bytes, header says {expected} (truncated?)"));
+        }
+        Ok((size, h.codec))
+    }
+
+    fn discard(&mut self, path: &Path, reason: &str) {
+        tracing::warn!(path = %path.display(), reason, "discarding corrupt KV file");
+        let _ = fs::remove_file(path);
+        self.corrupted += 1;
+    }
+
+    fn insert(&mut self, hash: u64, file_bytes: u64, codec: String) {
+        self.tick += 1;
+        self.lru.insert(self.tick, hash);
+        self.used += file_bytes;
+        self.index.insert(hash, Entry { file_bytes, codec, tick: self.tick });
+    }
+
+    fn forget(&mut self, hash: u64) -> Option<Entry> {
+        let e = self.index.remove(&hash)?;
+        self.lru.remove(&e.tick);
+        self.used -= e.file_bytes;
+        Some(e)
+    }
+
+    /// Deletes least recently used files until `extra` more bytes fit.
+    fn evict_until(&mut self, extra: u64) -> Result<(), TierError> {
+        while self.used + extra > self.capacity {
+            let Some((_, victim)) = self.lru.first_key_value().map(|(t, h)| (*t, *h)) else { break };
+            self.forget(victim);
+            let path = self.path(victim);
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(TierError::Io { op: "remove", path, source: e }),
+            }
+        }
+        Ok(())
+    }
+
+    fn path(&self, hash: u64) -> PathBuf {
+        self.dir.join(file_name(hash))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Corrupt or truncated files found (and deleted) since open, including during open.
+    pub fn corrupted(&self) -> u64 {
+        self.corrupted
+    }
+
+    pub fn contains(&self, hash: u64) -> bool {
+        self.index.contains_key(&hash)
+    }
+
+    /// Payload size of the file under `hash` (what a read transfers, roughly).
+    pub fn size_of(&self, hash: u64) -> Option<u64> {
+        self.index.get(&hash).map(|e| e.file_bytes)
+    }
+
+    /// Bytes held per codec (codecs holding nothing are left out).
+    pub fn used_by_codec(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for e in self.index.values() {
+            *out.entry(e.codec.clone()).or_default() += e.file_bytes;
+        }
+        out
+    }
+
+    /// Writes `group` under `hash` atomically as most recently used, evicting older files to make room. A group
+    /// that cannot fit the whole tier is not written (returns false). An existing file is only touched.
+    pub fn put(&mut self, hash: u64, group: &EncodedGroup) -> Result<bool, TierError> {
+        if self.contains(hash) {
+            self.touch(hash);
+            return Ok(true);
+        }
+        if group.codec.is_empty() || group.codec.len() > MAX_CODEC_LEN {
+            return Err(TierError::UnknownCodec(group.codec.clone()));
+        }
+        let mut buf = Vec::with_capacity(FIXED_HEADER + group.codec.len() + 16 + group.bytes.len());
+        buf.extend_from_slice(MAGIC);
+        buf.extend_from_slice(&VERSION.to_le_bytes());
+        buf.extend_from_slice(&hash.to_le_bytes());
+        buf.extend_from_slice(&(group.codec.len() as u16).to_le_bytes());
+        buf.extend_from_slice(group.codec.as_bytes());
+        buf.extend_from_slice(&group.len().to_le_bytes());
+        buf.extend_from_slice(&group.bytes);
+        let sum = xxh3_64(&buf);
+        buf.extend_from_slice(&sum.to_le_bytes());
+        let size = buf.len() as u64;
+        if size > self.capacity || group.len() > self.max_payload {
+            return Ok(false);
+        }
+        self.evict_until(size)?;
+        let path = self.path(hash);
+        let tmp = self.dir.join(format!("{}.tmp", file_name(hash)));
+        let write = || -> std::io::Result<()> {
+            let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+            f.write_all(&buf)?;
+            f.sync_all()
+        };
+        if let Err(e) = write() {
+            let _ = fs::remove_file(&tmp);
+            return Err(TierError::Io { op: "write", path: tmp, source: e });
+        }
+        fs::rename(&tmp, &path).map_err(io_err("rename", &path))?;
+        self.insert(hash, size, group.codec.clone());
+        Ok(true)
+    }
+
+    /// Marks `hash` most recently used. Returns false when absent.
+    pub fn touch(&mut self, hash: u64) -> bool {
+        let Some(e) = self.index.get_mut(&hash) else { return false };
+        self.lru.remove(&e.tick);
+        self.tick += 1;
+        e.tick = self.tick;
+        self.lru.insert(self.tick, hash);
+        true
+    }
+
+    /// Reads and verifies the group under `hash`. A missing, truncated or corrupt file is deleted, counted and
+    /// reported as `Ok(None)`: the caller recomputes. `Err` is left for I/O failures other than a vanished file.
+    pub fn get(&mut self, hash: u64) -> Result<Option<EncodedGroup>, TierError> {
+        let Some(expected_size) = self.index.get(&hash).map(|e| e.file_bytes) else { return Ok(None) };
+        let path = self.path(hash);
+        let buf = match read_bounded(&path, expected_size) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.forget(hash);
+                return Ok(None);
+            }
+            Err(e) => return Err(TierError::Io { op: "read", path, source: e }),
+        };
+        match self.verify(&buf, hash) {
+            Ok(group) => {
+                self.touch(hash);
+                Ok(Some(group))
+            }
+            Err(reason) => {
+                self.forget(hash);
+                self.discard(&path, &reason);
+                Ok(None)
+            }
+        }
+    }
+
+    fn verify(&self, buf: &[u8], hash: u64) -> Result<EncodedGroup, String> {
+        let h = parse_header(buf, self.max_payload)?;
+        if h.hash != hash {
+            return Err("header hash does not match".into());
+        }
+        let end = h.header_len + h.payload_len as usize;
+        if buf.len() != end + 8 {
+            return Err(format!("{} bytes, header says {} (truncated?)", buf.len(), end + 8));
+        }
+        let mut s = [0u8; 8];
+        s.copy_from_slice(&buf[end..]);
+        let mut x = Xxh3Default::new();
+        x.update(&buf[..end]);
+        if x.digest() != u64::from_le_bytes(s) {
+            return Err("checksum mismatch".into());
+        }
+        Ok(EncodedGroup { codec: h.codec, bytes: buf[h.header_len..end].to_vec() })
+    }
+
+    /// Deletes the file under `hash`.
+    pub fn remove(&mut self, hash: u64) -> Result<bool, TierError> {
+        if self.forget(hash).is_none() {
+            return Ok(false);
+        }
+        let path = self.path(hash);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+            Err(e) => Err(TierError::Io { op: "remove", path, source: e }),
+        }
+    }
+}
+
+/// Reads `path` whole, refusing to read more than `limit + 1` bytes (a file that grew behind our back fails the
+/// size check in verification rather than allocating without bound).
+fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let f = File::open(path)?;
+    let mut buf = Vec::with_capacity(limit as usize);
+    f.take(limit + 1).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g(n: usize, seed: u8) -> EncodedGroup {
+        EncodedGroup { codec: "native".into(), bytes: (0..n).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect() }
+    }
+
+    fn tmpdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("pagoda-disk-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    /// Size of the file `put` writes for `g(n, _)`.
+    fn file_size(n: usize) -> u64 {
+        (FIXED_HEADER + "native".len() + 8 + n + 8) as u64
+    }
+
+    #[test]
+    fn round_trip_capacity_and_lru() {
+        let dir = tmpdir("lru");
+        let cap = file_size(100) * 2;
+        let mut d = DiskStore::open(&dir, cap, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap());
+        assert!(d.put(2, &g(100, 2)).unwrap());
+        assert_eq!(d.used_bytes(), cap);
+        assert_eq!(d.get(1).unwrap(), Some(g(100, 1)));
+        // 1 was read last: 2 goes.
+        assert!(d.put(3, &g(100, 3)).unwrap());
+        assert!(d.contains(1) && !d.contains(2) && d.contains(3));
+        assert!(!dir.join(file_name(2)).exists());
+        assert_eq!(d.get(2).unwrap(), None);
+        // Bigger than the tier: not written, nothing evicted.
+        assert!(!d.put(4, &g(300, 4)).unwrap());
+        assert_eq!(d.len(), 2);
+        assert_eq!(d.used_by_codec().get("native"), Some(&cap));
+        assert!(d.remove(3).unwrap());
+        assert!(!d.remove(3).unwrap());
+        assert_eq!(d.used_bytes(), file_size(100));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn restart_rebuilds_the_index_and_drops_temp_files() {
+        let dir = tmpdir("restart");
+        {
+            let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+            d.put(0xabc, &g(64, 7)).unwrap();
+            d.put(0xdef, &g(32, 8)).unwrap();
+        }
+        fs::write(dir.join("0000000000000123.kv.tmp"), b"half a write").unwrap();
+        fs::write(dir.join("notes.txt"), b"not ours").unwrap();
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d.used_bytes(), file_size(64) + file_size(32));
+        assert_eq!(d.get(0xabc).unwrap(), Some(g(64, 7)));
+        assert_eq!(d.get(0xdef).unwrap(), Some(g(32, 8)));
+        assert_eq!(d.corrupted(), 0);
+        assert!(!dir.join("0000000000000123.kv.tmp").exists());
+        assert!(dir.join("notes.txt").exists(), "files that are not ours are left alone");
+        // Reopening with a smaller capacity evicts down to it.
+        drop(d);
+        let d = DiskStore::open(&dir, file_size(64), 1 << 20).unwrap();
+        assert_eq!(d.len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn corruption_is_detected_deleted_and_counted() {
+        let dir = tmpdir("corrupt");
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        for h in 1..=4u64 {
+            d.put(h, &g(256, h as u8)).unwrap();
+        }
+        // A flipped payload byte: only the checksum sees it, on read.
+        let p1 = dir.join(file_name(1));
+        let mut bytes = fs::read(&p1).unwrap();
+        bytes[100] ^= 0x40;
+        fs::write(&p1, &bytes).unwrap();
+        assert_eq!(d.get(1).unwrap(), None);
+        assert_eq!(d.corrupted(), 1);
+        assert!(!p1.exists() && !d.contains(1));
+        // A truncated file, found on read...
+        let p2 = dir.join(file_name(2));
+        let bytes = fs::read(&p2).unwrap();
+        fs::write(&p2, &bytes[..bytes.len() - 10]).unwrap();
+        assert_eq!(d.get(2).unwrap(), None);
+        assert_eq!(d.corrupted(), 2);
+        assert!(!p2.exists());
+        // ... and on reopen, with a bad magic and a file renamed to another hash.
+        let p3 = dir.join(file_name(3));
+        let bytes = fs::read(&p3).unwrap();
+        fs::write(&p3, &bytes[..bytes.len() / 2]).unwrap();
+        let p4 = dir.join(file_name(4));
+        let mut bytes = fs::read(&p4).unwrap();
+        bytes[0] = b'X';
+        fs::write(&p4, &bytes).unwrap();
+        fs::copy(dir.join(file_name(4)), dir.join(file_name(5))).unwrap();
+        let mut bytes = fs::read(&p4).unwrap();
+        bytes[0] = b'P';
+        fs::write(dir.join(file_name(6)), &bytes).unwrap();
+        drop(d);
+        let d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        assert_eq!(d.corrupted(), 4, "truncated 3, bad magic 4 and its copy 5, 6 names another hash");
+        assert!(d.is_empty());
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        // A corrupt length field cannot make a read allocate past the limit.
+        let mut small = DiskStore::open(&dir, 1 << 20, 128).unwrap();
+        assert!(!small.put(9, &g(256, 9)).unwrap());
+        assert_eq!(small.get(9).unwrap(), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,93 @@
+//! The KV tiers below the device pool (DESIGN §5): `host` (a bounded RAM pool) and `disk` (checksummed block
+//! files under the data dir), the measured cost model that decides between onboarding and recomputing, and
+//! [`TierStore`], which owns both stores on the engine thread and moves groups between them.
+//!
+//! The unit of storage is a block *group* (every (layer, kv-head) block of one 16-token chunk), keyed by its
+//! prefix chain hash and stored as opaque encoded bytes tagged with a codec name. Until the KV codecs land the
+//! only codec is [`native`]: the device blocks' f32 values, little-endian.
+//!
+//! Groups reach the lower tiers write-back: when a device group becomes idle (joins the pool's LRU queue) the
+//! engine copies it into the host tier between steps, while its blocks are still immutable and owned by the
+//! prefix index. A later device eviction therefore loses nothing, and never has to race the forward step that
+//! reuses the blocks. Host LRU victims are demoted to disk.
+
+pub mod cost;
+pub mod disk;
+pub mod host;
+pub mod native;
+pub mod store;
+
+pub use cost::CostModel;
+pub use disk::DiskStore;
+pub use host::HostStore;
+pub use store::{TierConfig, TierStore};
+
+/// Where a group lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    Device,
+    Host,
+    Disk,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+
+    /// Position in per-tier arrays ([`Tier::ALL`] order).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One block group in some codec's byte format.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedGroup {
+    pub codec: String,
+    pub bytes: Vec<u8>,
+}
+
+impl EncodedGroup {
+    pub fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+/// Bytes held in one tier under one codec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierUsage {
+    pub tier: Tier,
+    pub codec: String,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("corrupt KV file {path}: {reason}")]
+    Corrupt { path: std::path::PathBuf, reason: String },
+    #[error("codec {codec}: expected {expected} bytes, got {got}")]
+    BadLength { codec: String, expected: usize, got: usize },
+    #[error("unknown KV codec {0:?}")]
+    UnknownCodec(String),
+    #[error("tier config: {0}")]
+    Config(String),
+}

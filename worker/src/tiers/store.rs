@@ -1,0 +1,240 @@
+//! [`TierStore`]: the host and disk stores plus the cost model, owned by the engine thread. It moves groups down
+//! (device → host → disk) and answers where a hash lives and what loading it would cost.
+
+use std::path::PathBuf;
+
+use super::{CostModel, DiskStore, EncodedGroup, HostStore, Tier, TierError, TierUsage};
+
+/// Which lower tiers to run. A capacity of 0 disables that tier.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierConfig {
+    /// Root of the worker's persistent state; disk-tier files live under `<data_dir>/kv/`.
+    pub data_dir: Option<PathBuf>,
+    pub host_bytes: u64,
+    pub disk_bytes: u64,
+}
+
+impl TierConfig {
+    pub fn is_enabled(&self) -> bool {
+        self.host_bytes > 0 || self.disk_bytes > 0
+    }
+}
+
+/// Monotonic counters since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// Idle device groups copied down into host (or disk when there is no host tier).
+    pub offloaded_groups: u64,
+    /// Host LRU victims written to disk.
+    pub demoted_groups: u64,
+    /// Groups brought back into device blocks, per source tier ([`Tier::index`]; the device slot stays 0).
+    pub onboarded_groups: [u64; 3],
+    /// Disk writes or reads that failed with an I/O error (the group is then simply not kept).
+    pub disk_errors: u64,
+}
+
+#[derive(Debug)]
+pub struct TierStore {
+    host: Option<HostStore>,
+    disk: Option<DiskStore>,
+    cost: CostModel,
+    counters: TierCounters,
+}
+
+impl TierStore {
+    /// Opens the configured tiers (rebuilding the disk index). `max_group_bytes` bounds a disk read. Returns
+    /// `None` when no lower tier is configured.
+    pub fn open(cfg: &TierConfig, max_group_bytes: u64) -> Result<Option<TierStore>, TierError> {
+        if !cfg.is_enabled() {
+            return Ok(None);
+        }
+        let host = (cfg.host_bytes > 0).then(|| HostStore::new(cfg.host_bytes));
+        let disk = if cfg.disk_bytes > 0 {
+            let Some(root) = &cfg.data_dir else {
+                return Err(TierError::Config("the disk tier needs a data dir (--data-dir)".into()));
+            };
+            Some(DiskStore::open(root.join("kv"), cfg.disk_bytes, max_group_bytes)?)
+        } else {
+            None
+        };
+        if let Some(d) = &disk {
+            tracing::info!(dir = %d.dir().display(), groups = d.len(), bytes = d.used_bytes(),
+                corrupted = d.corrupted(), "disk KV tier opened");
+        }
+        Ok(Some(TierStore { host, disk, cost: CostModel::default(), counters: TierCounters::default() }))
+    }
+
+    pub fn host(&self) -> Option<&HostStore> {
+        self.host.as_ref()
+    }
+
+    pub fn disk(&self) -> Option<&DiskStore> {
+        self.disk.as_ref()
+    }
+
+    pub fn cost(&self) -> &CostModel {
+        &self.cost
+    }
+
+    pub fn cost_mut(&mut self) -> &mut CostModel {
+        &mut self.cost
+    }
+
+    pub fn counters(&self) -> TierCounters {
+        self.counters
+    }
+
+    /// Corrupt disk files found since start.
+    pub fn disk_corrupted(&self) -> u64 {
+        self.disk.as_ref().map_or(0, DiskStore::corrupted)
+    }
+
+    /// The fastest lower tier holding `hash`, and the bytes a load would move.
+    pub fn locate(&self, hash: u64) -> Option<(Tier, u64)> {
+        if let Some(n) = self.host.as_ref().and_then(|h| h.size_of(hash)) {
+            return Some((Tier::Host, n));
+        }
+        self.disk.as_ref().and_then(|d| d.size_of(hash)).map(|n| (Tier::Disk, n))
+    }
+
+    /// True when some lower tier holds `hash`; marks it recently used there.
+    pub fn touch(&mut self, hash: u64) -> bool {
+        self.host.as_mut().is_some_and(|h| h.touch(hash)) || self.disk.as_mut().is_some_and(|d| d.touch(hash))
+    }
+
+    /// Stores a group that is leaving (or may leave) the device: into host, whose LRU victims go to disk; straight
+    /// to disk without a host tier.
+    pub fn offload(&mut self, hash: u64, group: EncodedGroup) {
+        self.counters.offloaded_groups += 1;
+        let victims = match &mut self.host {
+            Some(h) => h.put(hash, group),
+            None => vec![(hash, group)],
+        };
+        for (h, g) in victims {
+            self.demote(h, &g);
+        }
+    }
+
+    fn demote(&mut self, hash: u64, group: &EncodedGroup) {
+        let Some(d) = &mut self.disk else { return };
+        match d.put(hash, group) {
+            Ok(true) => self.counters.demoted_groups += 1,
+            Ok(false) => {}
+            Err(e) => {
+                self.counters.disk_errors += 1;
+                tracing::warn!(error = %e, "writing a KV group to disk failed; it is dropped");
+            }
+        }
+    }
+
+    /// Runs `f` on the group under `hash` in `tier` (host: borrowed in place; disk: read and verified). `None`
+    /// when it is not there (any more) or the file was corrupt: the caller recomputes.
+    pub fn with_group<R>(&mut self, hash: u64, tier: Tier, f: impl FnOnce(&EncodedGroup) -> R) -> Option<R> {
+        match tier {
+            Tier::Device => None,
+            Tier::Host => self.host.as_mut()?.get(hash).map(f),
+            Tier::Disk => match self.disk.as_mut()?.get(hash) {
+                Ok(g) => g.as_ref().map(f),
+                Err(e) => {
+                    self.counters.disk_errors += 1;
+                    tracing::warn!(error = %e, "reading a KV group from disk failed");
+                    None
+                }
+            },
+        }
+    }
+
+    /// Records that a group from `tier` was onboarded.
+    pub fn count_onboard(&mut self, tier: Tier) {
+        self.counters.onboarded_groups[tier.index()] += 1;
+    }
+
+    /// Moves everything in host down to disk (graceful shutdown: host RAM does not survive a restart).
+    pub fn spill_host(&mut self) {
+        let Some(h) = &mut self.host else { return };
+        for (hash, g) in h.drain_lru() {
+            self.demote(hash, &g);
+        }
+    }
+
+    /// Used and capacity bytes per lower tier and codec. A tier that holds nothing reports one row with an empty
+    /// codec so its capacity is still visible.
+    pub fn usage(&self) -> Vec<TierUsage> {
+        let mut out = Vec::new();
+        if let Some(h) = &self.host {
+            let before = out.len();
+            for (codec, used) in h.used_by_codec() {
+                out.push(TierUsage {
+                    tier: Tier::Host,
+                    codec: codec.to_owned(),
+                    used_bytes: used,
+                    capacity_bytes: h.capacity_bytes(),
+                });
+            }
+            if out.len() == before {
+                out.push(TierUsage {
+                    tier: Tier::Host,
+                    codec: String::new(),
+                    used_bytes: 0,
+                    capacity_bytes: h.capacity_bytes(),
+                });
+            }
+        }
+        if let Some(d) = &self.disk {
+            let by = d.used_by_codec();
+            if by.is_empty() {
+                out.push(TierUsage {
+                    tier: Tier::Disk,
+                    codec: String::new(),
+                    used_bytes: 0,
+                    capacity_bytes: d.capacity_bytes(),
+                });
+            }
+            for (codec, used) in by {
+                out.push(TierUsage { tier: Tier::Disk, codec, used_bytes: used, capacity_bytes: d.capacity_bytes() });
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn g(n: usize, seed: u8) -> EncodedGroup {
+        EncodedGroup { codec: "native".into(), bytes: vec![seed; n] }
+    }
+
+    #[test]
+    fn groups_flow_down_and_are_found_where_they_are() {
+        let dir = std::env::temp_dir().join(format!("pagoda-tierstore-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = TierConfig { data_dir: Some(dir.clone()), host_bytes: 250, disk_bytes: 1 << 20 };
+        let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        for h in 1..=3u64 {
+            t.offload(h, g(100, h as u8));
+        }
+        // Host holds 2 groups of 100 bytes; the oldest went to disk.
+        assert_eq!(t.locate(1).map(|l| l.0), Some(Tier::Disk));
+        assert_eq!(t.locate(3), Some((Tier::Host, 100)));
+        assert_eq!(t.with_group(1, Tier::Disk, |g| g.bytes[0]), Some(1));
+        assert_eq!(t.with_group(3, Tier::Host, |g| g.bytes[0]), Some(3));
+        assert_eq!(t.with_group(3, Tier::Disk, |_| ()), None);
+        assert_eq!(t.counters().demoted_groups, 1);
+        let usage = t.usage();
+        assert_eq!(usage.len(), 2);
+        assert_eq!((usage[0].tier, usage[0].used_bytes, usage[0].capacity_bytes), (Tier::Host, 200, 250));
+        assert_eq!(usage[1].tier, Tier::Disk);
+        // Shutdown spills host: everything is on disk for the next start.
+        t.spill_host();
+        drop(t);
+        let t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        assert!((1..=3).all(|h| t.locate(h).map(|l| l.0) == Some(Tier::Disk)));
+        // The disk tier without a data dir is a config error; no tiers at all is None.
+        let bad = TierConfig { data_dir: None, host_bytes: 0, disk_bytes: 10 };
+        assert!(matches!(TierStore::open(&bad, 1), Err(TierError::Config(_))));
+        assert!(TierStore::open(&TierConfig::default(), 1).unwrap().is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

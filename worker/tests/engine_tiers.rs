@@ -1,0 +1,178 @@
+//! The host and disk KV tiers with the REAL model (SmolLM2-135M-Instruct Q4_1): a prompt's prefix is pushed out
+//! of a tiny device pool, comes back from host and from disk (also after an engine restart on the same data
+//! dir, and past a corrupted file), and the greedy output always equals the cold run's while the onboarded
+//! tokens are not recomputed.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use pagoda_worker::cache::block_hashes;
+use pagoda_worker::engine::{
+    Engine, EngineConfig, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
+};
+use pagoda_worker::model::{Gguf, Tokenizer};
+use pagoda_worker::tiers::{Tier, TierConfig};
+
+/// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
+const GROUP: usize = 90;
+const BS: usize = 16;
+
+fn model_path() -> PathBuf {
+    let p = std::env::var_os("PAGODA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.exists(), "model not found at {} (run scripts/fetch-model or set PAGODA_MODEL)", p.display());
+    p
+}
+
+fn engine(num_groups: usize, tiers: TierConfig) -> EngineHandle {
+    let cfg = EngineConfig { num_blocks: num_groups * GROUP, threads: 2, tiers, ..EngineConfig::new(model_path()) };
+    Engine::start(cfg).expect("engine starts")
+}
+
+fn greedy(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: "r".into(),
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
+        stop_token_ids: vec![],
+        namespace: String::new(),
+        policy: None,
+        ignore_eos: true,
+    }
+}
+
+/// Runs one request to the end and waits for the engine to go idle. Returns the tokens and the stats delta
+/// (computed tokens, prefix hits per tier).
+fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, EngineStats) {
+    let before = h.stats();
+    let mut rx = h.submit(greedy(prompt, max_tokens)).unwrap();
+    let mut tokens = Vec::new();
+    let cached = loop {
+        match rx.blocking_recv() {
+            Some(GenerateEvent::Token(t)) => tokens.push(t),
+            Some(GenerateEvent::Finished { cached_tokens, .. }) => break cached_tokens,
+            other => panic!("unexpected event {other:?}"),
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let after = loop {
+        let s = h.stats();
+        if s.running == 0 && s.waiting == 0 && s.computed_tokens_total > before.computed_tokens_total {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut delta = after.clone();
+    delta.computed_tokens_total -= before.computed_tokens_total;
+    for t in 0..3 {
+        delta.prefix_hit_tokens[t] = delta.prefix_hit_tokens[t].wrapping_sub(before.prefix_hit_tokens[t]);
+    }
+    (tokens, cached, delta)
+}
+
+fn prompt() -> Vec<u32> {
+    let g = Gguf::open(model_path()).expect("gguf");
+    let t = Tokenizer::from_gguf(&g).expect("tokenizer");
+    t.encode(
+        "The library on the hill keeps three kinds of books: maps of rivers that no longer flow, recipes written \
+         by sailors, and letters that were never sent. Every morning the librarian opens the windows, counts the \
+         books, and writes the number on a slate by the door. Question: what does the librarian count?",
+        false,
+    )
+}
+
+/// Fills a pool of 8 groups with other tokens twice, so every idle group of earlier prompts is evicted.
+fn push_out(h: &EngineHandle) {
+    for start in [1000u32, 3000] {
+        let filler: Vec<u32> = (start..start + 7 * BS as u32 - 4).collect();
+        run(h, &filler, 2);
+    }
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pagoda-engine-tiers-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn disk_only(dir: &Path) -> TierConfig {
+    TierConfig { data_dir: Some(dir.to_path_buf()), host_bytes: 0, disk_bytes: 256 << 20 }
+}
+
+#[test]
+fn prefix_comes_back_from_host_and_disk_with_identical_output() {
+    let p = prompt();
+    let matched = (p.len() - 1) / BS * BS;
+    assert!(matched >= 3 * BS, "prompt spans several groups: {}", p.len());
+    let expect_computed = |out: &[u32]| (p.len() - matched + out.len() - 1) as u64;
+
+    // Host tier only.
+    let h = engine(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 });
+    let (cold, cached, s) = run(&h, &p, 8);
+    assert_eq!(cached, 0);
+    assert_eq!(s.computed_tokens_total, (p.len() + cold.len() - 1) as u64);
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "KV onboarded from host gives the same greedy output");
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64, "every group came from host: {s:?}");
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm), "onboarded tokens are not recomputed");
+    let host = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage reported");
+    assert!(host.used_bytes > 0 && host.capacity_bytes == 64 << 20 && host.codec == "native", "{host:?}");
+    assert!(s.offloaded_groups > 0);
+    // One filler only: the prompt's first group stays on the device, older in the LRU than the filler's groups.
+    // Onboarding the rest must not evict it (it is pinned while onboarding allocates).
+    let filler: Vec<u32> = (5000..5000 + 7 * BS as u32 - 4).collect();
+    run(&h, &filler, 2);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold);
+    assert_eq!(cached as usize, matched, "device head + host continuation: {s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Device.index()], BS as u64, "{s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], (matched - BS) as u64, "{s:?}");
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm));
+    h.shutdown();
+
+    // Disk tier only (idle groups are written straight to disk).
+    let dir = tmp("disk");
+    let h = engine(8, disk_only(&dir));
+    let (cold_d, _, _) = run(&h, &p, 8);
+    assert_eq!(cold_d, cold);
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "KV onboarded from disk gives the same greedy output");
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], matched as u64, "every group came from disk: {s:?}");
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm));
+    h.shutdown();
+
+    // Restart on the same data dir: the very first request is served from disk.
+    let h = engine(8, disk_only(&dir));
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "after a restart");
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], matched as u64);
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm));
+    let model_id = h.model_info().model_id.clone();
+    h.shutdown();
+
+    // Corrupt the second group's file: the first group still comes from disk, the rest is recomputed, the
+    // output does not change, and the bad file is counted and gone.
+    let hashes = block_hashes(&model_id, "", &p, BS);
+    let second = dir.join("kv").join(format!("{:016x}.kv", hashes[1]));
+    let mut bytes = std::fs::read(&second).expect("the second group is on disk");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&second, &bytes).unwrap();
+    let h = engine(8, disk_only(&dir));
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "a corrupt file is never used");
+    assert_eq!(cached as usize, BS, "only the group before the corrupt one is onboarded");
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], BS as u64);
+    assert_eq!(s.disk_corrupted, 1);
+    assert_eq!(s.computed_tokens_total, (p.len() - BS + warm.len() - 1) as u64);
+    h.shutdown();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
