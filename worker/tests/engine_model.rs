@@ -8,6 +8,7 @@ use pagoda_worker::engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, FinishReason, GenerateEvent, GenerateRequest, SamplingParams,
 };
 use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
+use pagoda_worker::scheduler::ReserveConfig;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 fn model_path() -> PathBuf {
@@ -22,10 +23,15 @@ fn model_path() -> PathBuf {
 const GROUP: usize = 90;
 
 fn engine(num_groups: usize, prefix_cache: bool) -> EngineHandle {
+    engine_admitting(num_groups, prefix_cache, ReserveConfig::default())
+}
+
+fn engine_admitting(num_groups: usize, prefix_cache: bool, reserve: ReserveConfig) -> EngineHandle {
     let cfg = EngineConfig {
         num_blocks: num_groups * GROUP,
         enable_prefix_cache: prefix_cache,
         threads: 2,
+        reserve,
         ..EngineConfig::new(model_path())
     };
     Engine::start(cfg).expect("engine starts")
@@ -166,7 +172,8 @@ fn tiny_pool_run(prefix_cache: bool) {
         prompts.iter().map(|p| collect(big.submit(greedy("r", p, new)).unwrap()).tokens).collect();
     drop(big);
     // Each request needs ~5 groups (≈40 prompt + 40 new tokens); 4 running need ~20; the pool has 7.
-    let h = engine(7, prefix_cache);
+    // Greedy admission, so that the tiny pool really preempts (the default reserve would avoid it).
+    let h = engine_admitting(7, prefix_cache, ReserveConfig::off());
     let rxs: Vec<_> = prompts.iter().map(|p| h.submit(greedy("t", p, new)).unwrap()).collect();
     let got: Vec<Done> = rxs.into_iter().map(collect).collect();
     let mut minimal = 0u64;
