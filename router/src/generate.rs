@@ -6,15 +6,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use pagoda_proto::trace_context;
 use pagoda_proto::worker::{FinishReason, GenerateRequest, GenerateResponse, SamplingParams};
 use tokio::sync::mpsc;
 use tonic::Streaming;
+use tracing::{Instrument as _, Span};
 
 use crate::codec::TextCodec;
 use crate::detok::{StopMatcher, StopOutcome, Utf8Decoder};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::{GenParams, Usage};
+use crate::spans;
 use crate::workers::WorkerPool;
 
 /// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
@@ -43,6 +46,7 @@ pub async fn start(
     metrics: Arc<Metrics>,
     job: Job,
 ) -> Result<mpsc::Receiver<Piece>, ApiError> {
+    spans::record_request(&job.params.model, &job.request_id);
     let req = GenerateRequest {
         request_id: job.request_id.clone(),
         prompt_token_ids: job.prompt.clone(),
@@ -58,7 +62,15 @@ pub async fn start(
         kv_policy: job.params.kv_policy.clone(),
         kv_budget_tokens: job.params.kv_budget_tokens,
     };
-    let candidates = pool.candidates();
+    let candidates = {
+        let place = spans::place_span("round_robin", pool.workers().len());
+        let candidates = pool.candidates();
+        match candidates.first() {
+            Some(w) => spans::placed(&place, &w.addr, &format!("round-robin over {} ready", candidates.len())),
+            None => spans::placed(&place, "", "no ready worker"),
+        }
+        candidates
+    };
     if candidates.is_empty() {
         return Err(ApiError::unavailable("No worker is ready to serve this request; try again shortly."));
     }
@@ -66,25 +78,32 @@ pub async fn start(
     let mut opened = None;
     for w in candidates {
         let mut client = w.client();
-        match client.generate(req.clone()).await {
+        let call = spans::generate_call_span(&w.addr);
+        let mut request = tonic::Request::new(req.clone());
+        trace_context::inject_into_metadata(&call, request.metadata_mut());
+        match client.generate(request).instrument(call.clone()).await {
             Ok(resp) => {
-                opened = Some(resp.into_inner());
+                opened = Some((resp.into_inner(), call));
                 break;
             }
             Err(status) if status.code() == tonic::Code::Unavailable => {
+                spans::call_failed(&call, &status);
                 tracing::warn!(worker = %w.addr, error = %status.message(), "worker unavailable; trying the next");
                 w.mark_down(status.message().to_string());
                 last_err = Some(ApiError::from_status(&status));
             }
-            Err(status) => return Err(ApiError::from_status(&status)),
+            Err(status) => {
+                spans::call_failed(&call, &status);
+                return Err(ApiError::from_status(&status));
+            }
         }
     }
-    let Some(stream) = opened else {
+    let Some((stream, call)) = opened else {
         return Err(last_err.unwrap_or_else(|| ApiError::unavailable("No worker could take the request.")));
     };
     metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(stream, tx, codec, metrics, job));
+    tokio::spawn(pump(stream, tx, codec, metrics, job, call));
     Ok(rx)
 }
 
@@ -102,6 +121,7 @@ async fn pump(
     codec: Arc<dyn TextCodec>,
     metrics: Arc<Metrics>,
     job: Job,
+    call: Span,
 ) {
     let mut decoder = Utf8Decoder::new();
     let mut stops = StopMatcher::new(job.params.stop.clone());
@@ -171,6 +191,8 @@ async fn pump(
                         u.cached_tokens,
                     );
                     let finish_reason = if stopped { "stop" } else { reason };
+                    call.record("completion_tokens", usage.completion_tokens);
+                    call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);
                     let _ = tx.send(Piece::Done { finish_reason, usage }).await;
                     return;
                 }
@@ -181,6 +203,7 @@ async fn pump(
                 return;
             }
             Err(status) => {
+                spans::call_failed(&call, &status);
                 let _ = tx.send(Piece::Error(ApiError::from_status(&status))).await;
                 return;
             }

@@ -10,6 +10,7 @@
 //! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
 //! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`spans`]: the trace spans (`router.request`, `router.place`, the worker call) and context propagation.
 
 pub mod codec;
 pub mod detok;
@@ -22,6 +23,7 @@ pub mod openai;
 pub mod placement;
 pub mod residency;
 pub mod server;
+pub mod spans;
 pub mod workers;
 
 pub use codec::TextCodec;
