@@ -13,6 +13,7 @@
 
 mod bench_plot;
 mod eval_plot;
+mod telemetry;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -311,14 +312,8 @@ struct BenchEngineArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match cli.command {
+    let telemetry = telemetry::init(service_name(&cli.command))?;
+    let res = match cli.command {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Eval(args) => eval(args),
         Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
@@ -326,6 +321,21 @@ fn main() -> Result<()> {
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
         Command::CheckArgs(a) => check_args(&a.argv),
+    };
+    // After the servers drained (SIGTERM included): the last spans reach the collector before the process ends.
+    telemetry.shutdown();
+    res
+}
+
+/// The process's name in its traces when `OTEL_SERVICE_NAME` is not set.
+fn service_name(command: &Command) -> &'static str {
+    match command {
+        Command::Up(_) => "pagoda",
+        Command::Worker(_) => "pagoda-worker",
+        Command::Router(_) => "pagoda-router",
+        Command::Bench(_) => "pagoda-bench",
+        Command::Eval(_) => "pagoda-eval",
+        Command::CheckArgs(_) => "pagoda-check-args",
     }
 }
 
