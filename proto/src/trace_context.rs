@@ -64,7 +64,8 @@ impl TransferDirection {
 /// The `transfer` span for one movement of KV blocks between tiers or workers, a child of the current span (for a
 /// request's onboarding, the `worker.generate` span). `from`/`to` name the tiers or peers (`"host"`, `"disk"`,
 /// `"device"`, a peer address). Record the outcome on it before it closes: `span.record("bytes", n)` and, on
-/// failure, `span.record("otel.status_code", "ERROR")`. For a transfer over gRPC, pass the span to
+/// failure, `span.record("otel.status_code", "ERROR")`. Record numbers as `i64`: the OpenTelemetry layer exports
+/// unsigned values as strings. For a transfer over gRPC, pass the span to
 /// [`inject_into_metadata`] on the sender and [`continue_from_metadata`] on the receiver so both sides share the
 /// trace.
 pub fn transfer_span(direction: TransferDirection, from: &str, to: &str, blocks: usize) -> Span {
@@ -73,7 +74,7 @@ pub fn transfer_span(direction: TransferDirection, from: &str, to: &str, blocks:
         direction = direction.as_str(),
         from = from,
         to = to,
-        blocks = blocks as u64,
+        blocks = blocks as i64,
         bytes = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
     )

@@ -191,7 +191,7 @@ async fn pump(
                         u.cached_tokens,
                     );
                     let finish_reason = if stopped { "stop" } else { reason };
-                    call.record("completion_tokens", usage.completion_tokens);
+                    call.record("completion_tokens", i64::from(usage.completion_tokens));
                     call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);
                     let _ = tx.send(Piece::Done { finish_reason, usage }).await;
                     return;

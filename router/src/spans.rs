@@ -26,7 +26,7 @@ pub async fn trace_request(req: Request, next: Next) -> Response {
     trace_context::continue_from_headers(&span, req.headers());
     let resp = next.run(req).instrument(span.clone()).await;
     let status = resp.status();
-    span.record("http.response.status_code", status.as_u16());
+    span.record("http.response.status_code", i64::from(status.as_u16()));
     // Client errors are the client's; a server span is in error only for the server's own failures.
     if status.is_server_error() {
         span.record("otel.status_code", "ERROR");
@@ -44,7 +44,7 @@ pub fn record_request(model: &str, request_id: &str) {
 /// `router.place`: one placement decision. `strategy` names the selector; the chosen worker and the reason are
 /// recorded with [`placed`].
 pub fn place_span(strategy: &'static str, candidates: usize) -> Span {
-    tracing::info_span!("router.place", strategy, candidates = candidates as u64, worker = Empty, reason = Empty)
+    tracing::info_span!("router.place", strategy, candidates = candidates as i64, worker = Empty, reason = Empty)
 }
 
 /// Records the outcome of a placement.

@@ -185,8 +185,8 @@ impl EventStream {
 
     fn on_finished(&self, reason: FinishReason, completion_tokens: u32, cached_tokens: u32, evicted: (u64, u64)) {
         let span = &self.span;
-        span.record("completion_tokens", completion_tokens);
-        span.record("cached_tokens", cached_tokens);
+        span.record("completion_tokens", i64::from(completion_tokens));
+        span.record("cached_tokens", i64::from(cached_tokens));
         let reason = match reason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
@@ -300,10 +300,10 @@ impl Worker for WorkerService {
         let request_id = req.request_id.clone();
         let policy = req.policy.unwrap_or_else(|| self.engine.default_policy());
         span.record("request_id", request_id.as_str());
-        span.record("prompt_tokens", req.prompt.len() as u64);
-        span.record("max_tokens", req.max_tokens);
+        span.record("prompt_tokens", req.prompt.len() as i64);
+        span.record("max_tokens", i64::from(req.max_tokens));
         span.record("policy", policy.kind.name());
-        span.record("budget_tokens", policy.budget_tokens as u64);
+        span.record("budget_tokens", policy.budget_tokens as i64);
         let rx = self.engine.submit(req).map_err(|e| refused(status_from_engine(&e)))?;
         let state = EventStream {
             rx,
