@@ -16,6 +16,7 @@
 
 mod bench_plot;
 mod eval_plot;
+mod telemetry;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -435,14 +436,8 @@ struct BenchEngineArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match cli.command {
+    let telemetry = telemetry::init(service_name(&cli.command))?;
+    let res = match cli.command {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
         Command::Eval(args) => eval(args),
         Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
@@ -453,6 +448,22 @@ fn main() -> Result<()> {
         Command::CheckArgs(a) => check_args(&a.argv),
         Command::Kvstore(a) => run_async(kvstore(a)),
         Command::Bench(BenchCommand::Kvstore(a)) => run_async(bench_kvstore(a)),
+    };
+    // After the servers drained (SIGTERM included): the last spans reach the collector before the process ends.
+    telemetry.shutdown();
+    res
+}
+
+/// The process's name in its traces when `OTEL_SERVICE_NAME` is not set.
+fn service_name(command: &Command) -> &'static str {
+    match command {
+        Command::Up(_) => "pagoda",
+        Command::Worker(_) => "pagoda-worker",
+        Command::Router(_) => "pagoda-router",
+        Command::Bench(_) => "pagoda-bench",
+        Command::Eval(_) => "pagoda-eval",
+        Command::CheckArgs(_) => "pagoda-check-args",
+        Command::Kvstore(_) => "pagoda-kvstore",
     }
 }
 

@@ -37,9 +37,16 @@ pub struct Proc {
 impl Proc {
     /// Starts `bin args...`; stdout lines are collected, stderr goes to a log file.
     pub fn spawn(bin: &Path, name: &str, args: &[&str]) -> Result<Proc> {
+        Proc::spawn_with(bin, name, args, |_| {})
+    }
+
+    /// Like [`Proc::spawn`], with `configure` adjusting the command first (environment variables).
+    pub fn spawn_with(bin: &Path, name: &str, args: &[&str], configure: impl FnOnce(&mut Command)) -> Result<Proc> {
         let log = std::env::temp_dir().join(format!("pagoda-e2e-{name}-{}.log", std::process::id()));
         let err = File::create(&log).with_context(|| format!("create {}", log.display()))?;
-        let mut child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        configure(&mut cmd);
+        let mut child = cmd
             .args(args)
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
@@ -92,6 +99,24 @@ impl Proc {
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Sends SIGTERM (a graceful shutdown) and waits up to `timeout` for the process to exit; returns whether it
+    /// did.
+    pub fn terminate(&mut self, timeout: Duration) -> Result<bool> {
+        let status =
+            Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().context("run kill -TERM")?;
+        if !status.success() {
+            bail!("kill -TERM {} failed: {status}", self.child.id());
+        }
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.child.try_wait()?.is_some() {
+                return Ok(true);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(false)
     }
 
     /// Kills the process now and waits for it.

@@ -2,6 +2,9 @@
 //!
 //! - [`worker`]: the `Worker` service (Generate, Health, Stats) a router uses to drive a worker.
 //! - [`kvstore`]: the `KvStore` service (Publish, Watch, Read, membership) and the `Raft` peer transport.
+//! - [`trace_context`]: W3C trace context through HTTP headers and gRPC metadata, and shared span shapes.
+
+pub mod trace_context;
 
 /// `pagoda.worker.v1`: token ids in, token ids out.
 pub mod worker {

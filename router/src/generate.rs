@@ -7,9 +7,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use pagoda_proto::trace_context;
 use pagoda_proto::worker::{FinishReason, GenerateRequest, GenerateResponse, SamplingParams};
 use tokio::sync::mpsc;
 use tonic::Streaming;
+use tracing::{Instrument as _, Span};
 
 use crate::codec::TextCodec;
 use crate::detok::{StopMatcher, StopOutcome, Utf8Decoder};
@@ -18,6 +20,7 @@ use crate::metrics::Metrics;
 use crate::openai::{GenParams, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
+use crate::spans;
 use crate::workers::{InFlight, WorkerPool};
 
 /// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
@@ -46,6 +49,7 @@ pub async fn start(
     metrics: Arc<Metrics>,
     job: Job,
 ) -> Result<mpsc::Receiver<Piece>, ApiError> {
+    spans::record_request(&job.params.model, &job.request_id);
     let req = GenerateRequest {
         request_id: job.request_id.clone(),
         prompt_token_ids: job.prompt.clone(),
@@ -84,34 +88,49 @@ pub async fn start(
         },
         publishes_prefix: full_cache,
     };
-    let candidates = match pool.place(&place) {
-        Ok(c) => c,
-        Err(PlacementError::NoReadyWorker) => return Err(no_worker()),
-        Err(e) => return Err(ApiError::internal(format!("placement failed: {e}"))),
+    let candidates = {
+        let span = spans::place_span(pool.strategy_name(), pool.workers().len());
+        let placed = pool.place(&place);
+        match &placed {
+            Ok(c) => spans::placed(&span, c.first().map_or("", |w| w.addr.as_str()), &pool.last_reason()),
+            Err(e) => spans::placed(&span, "", &e.to_string()),
+        }
+        match placed {
+            Ok(c) => c,
+            Err(PlacementError::NoReadyWorker) => return Err(no_worker()),
+            Err(e) => return Err(ApiError::internal(format!("placement failed: {e}"))),
+        }
     };
     let mut last_err = None;
     let mut opened = None;
     for w in candidates {
         let mut client = w.client();
-        match client.generate(req.clone()).await {
+        let call = spans::generate_call_span(&w.addr);
+        let mut request = tonic::Request::new(req.clone());
+        trace_context::inject_into_metadata(&call, request.metadata_mut());
+        match client.generate(request).instrument(call.clone()).await {
             Ok(resp) => {
-                opened = Some((resp.into_inner(), InFlight::new(w.load().clone(), job.prompt.len() as u64)));
+                opened = Some((resp.into_inner(), call, InFlight::new(w.load().clone(), job.prompt.len() as u64)));
                 break;
             }
             Err(status) if status.code() == tonic::Code::Unavailable => {
+                spans::call_failed(&call, &status);
                 tracing::warn!(worker = %w.addr, error = %status.message(), "worker unavailable; trying the next");
                 w.mark_down(status.message().to_string());
                 last_err = Some(ApiError::from_status(&status));
             }
-            Err(status) => return Err(ApiError::from_status(&status)),
+            Err(status) => {
+                spans::call_failed(&call, &status);
+                return Err(ApiError::from_status(&status));
+            }
         }
     }
-    let Some((stream, in_flight)) = opened else {
+    let Some((stream, call, in_flight)) = opened else {
         return Err(last_err.unwrap_or_else(|| ApiError::unavailable("No worker could take the request.")));
     };
     metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(stream, in_flight, tx, codec, metrics, job));
+    tokio::spawn(pump(stream, in_flight, tx, codec, metrics, job, call));
     Ok(rx)
 }
 
@@ -130,6 +149,7 @@ async fn pump(
     codec: Arc<dyn TextCodec>,
     metrics: Arc<Metrics>,
     job: Job,
+    call: Span,
 ) {
     let mut decoder = Utf8Decoder::new();
     let mut stops = StopMatcher::new(job.params.stop.clone());
@@ -202,6 +222,8 @@ async fn pump(
                         u.cached_tokens,
                     );
                     let finish_reason = if stopped { "stop" } else { reason };
+                    call.record("completion_tokens", i64::from(usage.completion_tokens));
+                    call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);
                     let _ = tx.send(Piece::Done { finish_reason, usage }).await;
                     return;
                 }
@@ -212,6 +234,7 @@ async fn pump(
                 return;
             }
             Err(status) => {
+                spans::call_failed(&call, &status);
                 let _ = tx.send(Piece::Error(ApiError::from_status(&status))).await;
                 return;
             }

@@ -14,6 +14,7 @@
 //! - [`auth`]: API keys file, tenants, admin key, bearer parsing and constant-time key lookup.
 //! - [`limits`]: per-key token bucket and in-flight cap ([`limits::Limiter`]).
 //! - [`access`]: the middlewares that apply [`auth`] and [`limits`] to `/v1/*` and the admin endpoints.
+//! - [`spans`]: the trace spans (`router.request`, `router.place`, the worker call) and context propagation.
 
 pub mod access;
 pub mod auth;
@@ -30,6 +31,7 @@ pub mod placement;
 pub mod placer;
 pub mod residency;
 pub mod server;
+pub mod spans;
 pub mod workers;
 
 pub use auth::{KeysFileError, Security};

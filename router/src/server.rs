@@ -156,6 +156,7 @@ pub fn app(state: AppState) -> axum::Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(middleware::from_fn(crate::spans::trace_request))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }

@@ -208,6 +208,16 @@ impl WorkerPool {
         Ok(order.into_iter().map(|i| &self.workers[i]).collect())
     }
 
+    /// The placement strategy's name.
+    pub fn strategy_name(&self) -> &'static str {
+        self.placer.lock().map(|p| p.strategy().name()).unwrap_or("unknown")
+    }
+
+    /// Why the latest decision was made (for its trace span).
+    pub fn last_reason(&self) -> String {
+        self.placer.lock().ok().and_then(|p| p.recent().next().map(|r| r.reason.clone())).unwrap_or_default()
+    }
+
     /// The most recent placement decisions, newest first.
     pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
         self.placer.lock().map(|p| p.recent().cloned().collect()).unwrap_or_default()

@@ -100,6 +100,9 @@ pub enum GenerateEvent {
         prompt_tokens: u32,
         completion_tokens: u32,
         cached_tokens: u32,
+        /// KV slots the request's eviction policy dropped, and the blocks that returned to the pool.
+        evicted_slots: u64,
+        evicted_blocks: u64,
     },
     Failed(String),
 }
@@ -894,6 +897,8 @@ fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) ->
         prompt_tokens: seq.prompt_len() as u32,
         completion_tokens: completion as u32,
         cached_tokens: seq.cached_tokens() as u32,
+        evicted_slots: seq.evicted().slots,
+        evicted_blocks: seq.evicted().blocks,
     }
 }
 
@@ -1071,7 +1076,9 @@ mod tests {
                 reason: FinishReason::Length,
                 prompt_tokens: 3,
                 completion_tokens: 5,
-                cached_tokens: 0
+                cached_tokens: 0,
+                evicted_slots: 0,
+                evicted_blocks: 0
             }
         );
         // eos (31) stops: prompt [0, 28] → 2 + 28 = 30, 3 + 30 = 33 % 32 = 1, ...

@@ -167,6 +167,8 @@ pub struct Sequence<P> {
     preemptions: u32,
     status: SeqStatus,
     policy: PolicyState,
+    /// What this sequence's policy evicted over its life (its `evict` trace event).
+    evicted: Eviction,
     pub payload: P,
 }
 
@@ -195,6 +197,10 @@ impl<P> Sequence<P> {
     }
     pub fn preemptions(&self) -> u32 {
         self.preemptions
+    }
+    /// Slots evicted from this sequence's cache and blocks that freed, so far.
+    pub fn evicted(&self) -> Eviction {
+        self.evicted
     }
     pub fn status(&self) -> SeqStatus {
         self.status
@@ -355,6 +361,7 @@ impl<P> Scheduler<P> {
             preemptions: 0,
             status: SeqStatus::Waiting,
             policy: PolicyState::new(req.policy, self.cfg.attn, self.layout.block_size),
+            evicted: Eviction::default(),
             payload: req.payload,
         };
         self.seqs.insert(id, seq);
@@ -631,6 +638,8 @@ impl<P> Scheduler<P> {
         let step = StepView { start, n, total: seq.tokens.len(), captured_q };
         let mut cache = CacheView { blocks: &mut seq.blocks, pool: &mut self.pool, kv };
         let ev = seq.policy.on_step(&mut cache, step)?;
+        seq.evicted.slots += ev.slots;
+        seq.evicted.blocks += ev.blocks;
         let k = seq.policy.spec().kind.index();
         self.stats.evicted_slots[k] += ev.slots;
         self.stats.evicted_blocks[k] += ev.blocks;
@@ -656,6 +665,8 @@ impl<P> Scheduler<P> {
             let mut cache = CacheView { blocks: &mut seq.blocks, pool: &mut self.pool, kv };
             match seq.policy.compress_to(&mut cache, target) {
                 Ok(ev) => {
+                    seq.evicted.slots += ev.slots;
+                    seq.evicted.blocks += ev.blocks;
                     let k = PolicyKind::KvCompress.index();
                     self.stats.evicted_slots[k] += ev.slots;
                     self.stats.evicted_blocks[k] += ev.blocks;

@@ -1,17 +1,22 @@
 //! The tonic `Worker` gRPC service over the engine: validates requests and maps failures to gRPC status codes
 //! (`invalid_argument`, `resource_exhausted`, `unavailable`), turns engine events into the `Generate` response
-//! stream, and cancels the engine request when the client drops the stream.
+//! stream, and cancels the engine request when the client drops the stream. Each stream carries a
+//! `worker.generate` span, continued from the caller's trace context in the request metadata, with span events at
+//! the request's milestones (`prefill`, `decode` first token and finish, `evict`), never per token.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use futures::Stream;
+use pagoda_proto::trace_context::{self, KeyValue};
 use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
 use pagoda_proto::worker::{
     self as pb, Finished, GenerateResponse, HealthRequest, HealthResponse, PolicyEvictions, StatsRequest, StatsResponse,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 use tonic::{Request, Response, Status};
+use tracing::Span;
 
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::policy::{PolicyKind, PolicySpec};
@@ -164,12 +169,56 @@ struct EventStream {
     /// An event taken from the channel but not yet sent.
     pending: Option<GenerateEvent>,
     done: bool,
+    /// `worker.generate`: open for as long as the stream lives.
+    span: Span,
+    submitted: Instant,
+    first_token: bool,
+}
+
+impl EventStream {
+    /// The first token ends prefill (queueing included) and starts decode.
+    fn on_first_token(&mut self) {
+        self.first_token = true;
+        let ms = self.submitted.elapsed().as_secs_f64() * 1e3;
+        trace_context::span_event(&self.span, "prefill", vec![KeyValue::new("queue_and_prefill_ms", ms)]);
+        trace_context::span_event(&self.span, "decode", vec![KeyValue::new("phase", "first_token")]);
+    }
+
+    fn on_finished(&self, reason: FinishReason, completion_tokens: u32, cached_tokens: u32, evicted: (u64, u64)) {
+        let span = &self.span;
+        span.record("completion_tokens", i64::from(completion_tokens));
+        span.record("cached_tokens", i64::from(cached_tokens));
+        let reason = match reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        };
+        span.record("finish_reason", reason);
+        if evicted.0 > 0 {
+            trace_context::span_event(
+                span,
+                "evict",
+                vec![KeyValue::new("evicted_slots", evicted.0 as i64), KeyValue::new("freed_blocks", evicted.1 as i64)],
+            );
+        }
+        trace_context::span_event(
+            span,
+            "decode",
+            vec![KeyValue::new("phase", "finish"), KeyValue::new("completion_tokens", i64::from(completion_tokens))],
+        );
+    }
+
+    fn on_failed(&self, message: &str) {
+        self.span.record("otel.status_code", "ERROR");
+        self.span.record("otel.status_description", message);
+    }
 }
 
 impl Drop for EventStream {
     fn drop(&mut self) {
         if !self.done {
             tracing::debug!(request_id = %self.request_id, "generate stream dropped; cancelling");
+            self.span.record("finish_reason", "cancelled");
             let _ = self.engine.cancel(&self.request_id);
         }
     }
@@ -182,13 +231,24 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
     while let Some(e) = ev.take() {
         match e {
             GenerateEvent::Token(t) => {
+                if !s.first_token {
+                    s.on_first_token();
+                }
                 msg.token_ids.push(t);
                 if msg.token_ids.len() < MAX_TOKENS_PER_MESSAGE {
                     ev = s.rx.try_recv().ok();
                 }
             }
-            GenerateEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens } => {
+            GenerateEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+                evicted_slots,
+                evicted_blocks,
+            } => {
                 s.done = true;
+                s.on_finished(reason, completion_tokens, cached_tokens, (evicted_slots, evicted_blocks));
                 msg.finished = Some(Finished {
                     reason: finish_reason(reason) as i32,
                     usage: Some(pb::Usage { prompt_tokens, completion_tokens, cached_tokens }),
@@ -196,6 +256,7 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
             }
             GenerateEvent::Failed(m) if msg.token_ids.is_empty() => {
                 s.done = true;
+                s.on_failed(&m);
                 return Err(Status::internal(format!("generation failed: {m}")));
             }
             failed @ GenerateEvent::Failed(_) => {
@@ -214,10 +275,47 @@ impl Worker for WorkerService {
     type GenerateStream = GenerateStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let req = self.to_engine_request(request.into_inner())?;
+        let span = tracing::info_span!(
+            "worker.generate",
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.method = "pagoda.worker.v1.Worker/Generate",
+            request_id = tracing::field::Empty,
+            prompt_tokens = tracing::field::Empty,
+            max_tokens = tracing::field::Empty,
+            policy = tracing::field::Empty,
+            budget_tokens = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+            cached_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+        );
+        trace_context::continue_from_metadata(&span, request.metadata());
+        let refused = |st: Status| {
+            span.record("otel.status_code", "ERROR");
+            span.record("otel.status_description", st.message());
+            st
+        };
+        let req = self.to_engine_request(request.into_inner()).map_err(refused)?;
         let request_id = req.request_id.clone();
-        let rx = self.engine.submit(req).map_err(|e| status_from_engine(&e))?;
-        let state = EventStream { rx, engine: self.engine.clone(), request_id, pending: None, done: false };
+        let policy = req.policy.unwrap_or_else(|| self.engine.default_policy());
+        span.record("request_id", request_id.as_str());
+        span.record("prompt_tokens", req.prompt.len() as i64);
+        span.record("max_tokens", i64::from(req.max_tokens));
+        span.record("policy", policy.kind.name());
+        span.record("budget_tokens", policy.budget_tokens as i64);
+        let rx = self.engine.submit(req).map_err(|e| refused(status_from_engine(&e)))?;
+        let state = EventStream {
+            rx,
+            engine: self.engine.clone(),
+            request_id,
+            pending: None,
+            done: false,
+            span,
+            submitted: Instant::now(),
+            first_token: false,
+        };
         let stream = futures::stream::unfold(state, |mut s| async move {
             if s.done {
                 return None;

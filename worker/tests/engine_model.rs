@@ -72,6 +72,8 @@ struct Done {
     reason: FinishReason,
     completion: u32,
     cached: u32,
+    /// Slots the request's policy evicted and the blocks that freed.
+    evicted: (u64, u64),
 }
 
 fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
@@ -79,9 +81,12 @@ fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             GenerateEvent::Token(t) => tokens.push(t),
-            GenerateEvent::Finished { reason, completion_tokens, cached_tokens, .. } => {
+            GenerateEvent::Finished {
+                reason, completion_tokens, cached_tokens, evicted_slots, evicted_blocks, ..
+            } => {
                 let sampled = tokens.len() + usize::from(reason == FinishReason::Stop);
-                return Done { tokens, sampled, reason, completion: completion_tokens, cached: cached_tokens };
+                let evicted = (evicted_slots, evicted_blocks);
+                return Done { tokens, sampled, reason, completion: completion_tokens, cached: cached_tokens, evicted };
             }
             GenerateEvent::Failed(e) => panic!("request failed: {e}"),
         }
@@ -262,6 +267,7 @@ fn every_policy_evicts_frees_blocks_and_matches_full_cache_when_the_budget_fits(
         roomy.policy = Some(PolicySpec { kind, budget_tokens: 1024 });
         let got = collect(h.submit(roomy).unwrap());
         assert_eq!(got.tokens, full, "{}: a budget larger than the sequence keeps the full-cache output", kind.name());
+        assert_eq!(got.evicted, (0, 0), "{}", kind.name());
         let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
         assert_eq!(s.evicted_slots[kind.index()], before.evicted_slots[kind.index()], "{}", kind.name());
 
@@ -278,6 +284,9 @@ fn every_policy_evicts_frees_blocks_and_matches_full_cache_when_the_budget_fits(
         let k = kind.index();
         assert!(s.evicted_slots[k] > before.evicted_slots[k], "{} evicted nothing: {s:?}", kind.name());
         assert!(s.evicted_blocks[k] > before.evicted_blocks[k], "{} freed no block: {s:?}", kind.name());
+        // The only request running: its own eviction totals are the engine's increase.
+        let delta = (s.evicted_slots[k] - before.evicted_slots[k], s.evicted_blocks[k] - before.evicted_blocks[k]);
+        assert_eq!(got.evicted, delta, "{}: per-request eviction totals", kind.name());
         assert_eq!(s.blocks_used, 0, "{}: every block back in the pool", kind.name());
     }
 }
