@@ -186,9 +186,9 @@ async fn one_trace_spans_router_and_worker_processes() {
     let place = get("router.place");
     assert_eq!(place.service, "e2e-router");
     assert_eq!(place.span.parent_span_id, request.span.span_id, "router.place is a child of router.request");
-    assert_eq!(str_attr(&place.span, "strategy").as_deref(), Some("round_robin"));
+    assert_eq!(str_attr(&place.span, "strategy").as_deref(), Some("kv"));
     assert_eq!(str_attr(&place.span, "worker").as_deref(), Some(worker_addr.as_str()));
-    assert!(str_attr(&place.span, "reason").is_some_and(|r| r.contains("round-robin")), "{:?}", place.span.attributes);
+    assert!(str_attr(&place.span, "reason").is_some_and(|r| r.contains("lowest cost")), "{:?}", place.span.attributes);
 
     let call = get("pagoda.worker.v1.Worker/Generate");
     assert_eq!(call.service, "e2e-router");
