@@ -66,8 +66,30 @@ pub fn paged_attention(
         }
     }
     check_disjoint(seqs);
-    let o = SyncPtr::new(out);
     let simd = be.simd();
+    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &|qv, table, len, acc| {
+        attend_one(simd, qv, kv, table, len, scale, acc)
+    });
+}
+
+/// Runs `attend(query, kv-head table, visible length, output)` for every (sequence, query head, new token) of the
+/// batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. The caller has checked the
+/// sequences (`check_seq`, `check_disjoint`): each output slice is then written by exactly one task.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn par_queries<F>(
+    be: &CpuBackend,
+    q: &[f32],
+    seqs: &[AttnSeq<'_>],
+    n_heads: usize,
+    n_kv_heads: usize,
+    hd: usize,
+    out: &mut [f32],
+    attend: &F,
+) where
+    F: Fn(&[f32], &[u32], usize, &mut [f32]) + Sync,
+{
+    let w = n_heads * hd;
+    let o = SyncPtr::new(out);
     let group = n_heads / n_kv_heads;
     let task = |s: &AttnSeq<'_>, t: usize| {
         let chunks = s.n_new.div_ceil(TOKEN_CHUNK);
@@ -80,9 +102,9 @@ pub fn paged_attention(
             let row = s.q_row + j;
             let qv = &q[row * w + qh * hd..row * w + (qh + 1) * hd];
             // SAFETY: each (row, head) output slice is written by exactly one task: rows are in bounds and the
-            // sequences' row ranges are disjoint (both checked above).
+            // sequences' row ranges are disjoint (both checked by the caller).
             let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
-            attend_one(simd, qv, kv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, scale, acc);
+            attend(qv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, acc);
         }
     };
     // Flatten (sequence, head, token chunk) into task indices: starts[i] = first task of sequence i.

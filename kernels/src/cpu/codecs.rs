@@ -2,15 +2,12 @@
 //! straight from an [`EncodedKv`] arena instead of f32 blocks. Each block is decoded in registers (AVX2) or one row
 //! at a time into a stack buffer (scalar) as the kernel reaches it, so the memory traffic is the encoded size.
 
-use super::{CpuBackend, Simd, SyncPtr, attention};
+use super::{CpuBackend, Simd, attention};
 use crate::codec::{Codec, EncodedKv, HEADER_LEN, Half, MAX_BLOCK_SIZE, MAX_HEAD_DIM, decode_row};
 use crate::paged::AttnSeq;
 
 #[cfg(target_arch = "x86_64")]
 use super::codecs_avx2;
-
-/// New tokens per attention task (as in [`super::attention`]).
-const TOKEN_CHUNK: usize = 32;
 
 /// Paged attention over an encoded arena; the contract is [`crate::Backend::paged_attention`]'s with `kv` an
 /// [`EncodedKv`]. Every block a sequence reads must hold at least the slots read from it (its header's `filled`);
@@ -46,35 +43,9 @@ pub fn paged_attention_encoded(
         }
     }
     attention::check_disjoint(seqs);
-    let o = SyncPtr::new(out);
     let simd = be.simd();
-    let group = n_heads / n_kv_heads;
-    let task = |s: &AttnSeq<'_>, t: usize| {
-        let chunks = s.n_new.div_ceil(TOKEN_CHUNK);
-        let qh = t / chunks;
-        let c = t % chunks;
-        let kvh = qh / group;
-        let j0 = c * TOKEN_CHUNK;
-        let j1 = (j0 + TOKEN_CHUNK).min(s.n_new);
-        for j in j0..j1 {
-            let row = s.q_row + j;
-            let qv = &q[row * w + qh * hd..row * w + (qh + 1) * hd];
-            // SAFETY: each (row, head) output slice is written by exactly one task: rows are in bounds and the
-            // sequences' row ranges are disjoint (both checked above).
-            let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
-            attend_one(simd, qv, kv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, scale, acc);
-        }
-    };
-    let mut starts = Vec::with_capacity(seqs.len() + 1);
-    let mut total = 0usize;
-    for s in seqs {
-        starts.push(total);
-        total += s.n_new.div_ceil(TOKEN_CHUNK) * n_heads;
-    }
-    starts.push(total);
-    be.par_for(total, &|t| {
-        let i = starts.partition_point(|&st| st <= t) - 1;
-        task(&seqs[i], t - starts[i]);
+    attention::par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &|qv, table, len, acc| {
+        attend_one(simd, qv, kv, table, len, scale, acc)
     });
 }
 
