@@ -19,7 +19,7 @@ use pagoda_kernels::{Codec, CpuBackend, KvStorage};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineError, resolve_threads};
-use crate::model::{ChatMessage, ChatTemplate, ForwardSeq, Gguf, LlamaModel, LogitsWanted, Scratch, Tokenizer};
+use crate::model::{ChatTemplate, ForwardSeq, Gguf, LlamaModel, LogitsWanted, Scratch, Tokenizer};
 use crate::sampling::argmax;
 
 /// Slots per block, as the engine's default.
@@ -112,11 +112,7 @@ impl CodecEvaluator {
 
     /// The chat prompt for a user message, tokenized.
     pub fn chat_tokens(&self, user: &str) -> Result<Vec<u32>, EngineError> {
-        let text = self
-            .template
-            .render(&[ChatMessage::new("user", user)], true)
-            .map_err(|e| EngineError::Model(e.to_string()))?;
-        Ok(self.tokenizer.encode(&text, false))
+        super::chat_tokens(&self.template, &self.tokenizer, user)
     }
 
     /// Runs one item under the full cache and every codec in `codecs`; one result per codec.

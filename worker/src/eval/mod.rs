@@ -24,6 +24,17 @@ use std::path::PathBuf;
 use thiserror::Error;
 
 pub use prose::{Document, load_documents};
+
+use crate::engine::EngineError;
+use crate::model::{ChatMessage, ChatTemplate, Tokenizer};
+
+/// The chat prompt for one user message, rendered with the model's template and tokenized (both eval runners ask
+/// the model the same way the API does).
+pub fn chat_tokens(template: &ChatTemplate, tokenizer: &Tokenizer, user: &str) -> Result<Vec<u32>, EngineError> {
+    let text =
+        template.render(&[ChatMessage::new("user", user)], true).map_err(|e| EngineError::Model(e.to_string()))?;
+    Ok(tokenizer.encode(&text, false))
+}
 pub use tasks::{EvalItem, TaskKind, generate, score};
 
 /// Failures of the eval data layer: reading and bounding the prose files, and bad arguments.

@@ -17,7 +17,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, StepSeq, forward_step};
-use crate::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
+use crate::model::{ChatTemplate, Gguf, Tokenizer};
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::sampling::argmax;
 use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqId, SeqRequest};
@@ -182,11 +182,7 @@ impl Evaluator {
 
     /// The chat prompt for a user message, tokenized.
     pub fn chat_tokens(&self, user: &str) -> Result<Vec<u32>, EngineError> {
-        let text = self
-            .template
-            .render(&[ChatMessage::new("user", user)], true)
-            .map_err(|e| EngineError::Model(e.to_string()))?;
-        Ok(self.tokenizer.encode(&text, false))
+        super::chat_tokens(&self.template, &self.tokenizer, user)
     }
 
     fn lanes_for(opts: &EvalOptions, context: usize) -> Vec<PolicySpec> {
