@@ -922,6 +922,16 @@ fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &E
     Ok(())
 }
 
+/// Prints a bench report as Markdown and, when asked, writes its JSON to `json`.
+fn print_report(markdown: &str, json_text: &str, json: Option<&Path>) -> Result<()> {
+    println!("{markdown}");
+    if let Some(path) = json {
+        std::fs::write(path, json_text).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {
     let model = resolve_model(&args.model)?;
     let opts = pagoda_worker::bench::BenchOptions {
@@ -936,11 +946,7 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
     };
     let report = pagoda_worker::bench::engine_bench(&model, &opts)
         .with_context(|| format!("engine bench on {} failed", model.display()))?;
-    println!("{}", report.to_markdown());
-    if let Some(path) = args.json {
-        std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
     Ok(())
 }
 
@@ -956,11 +962,7 @@ fn bench_tiers(args: BenchTiersArgs) -> Result<()> {
     };
     let report = pagoda_worker::bench_tiers::tiers_bench(&model, &opts)
         .with_context(|| format!("tiers bench on {} failed", model.display()))?;
-    println!("{}", report.to_markdown());
-    if let Some(path) = args.json {
-        std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
     Ok(())
 }
 
@@ -993,11 +995,7 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
     };
     let report = pagoda_worker::bench_eviction::eviction_bench(&model, &opts)
         .with_context(|| format!("eviction bench on {} failed", model.display()))?;
-    println!("{}", report.to_markdown());
-    if let Some(path) = args.json {
-        std::fs::write(&path, report.to_json_string()).with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
     if let Some(path) = args.plot {
         bench_plot::draw_eviction(&report, &path).with_context(|| format!("cannot draw {}", path.display()))?;
         eprintln!("wrote {}", path.display());
