@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use pagoda_kernels::KvDtype;
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
@@ -186,6 +187,14 @@ struct EngineArgs {
     /// Disk KV tier size in MiB under --data-dir: host-tier victims and, on shutdown, the host tier (0 disables).
     #[arg(long, default_value_t = 0)]
     disk_tier_mib: u64,
+    /// Element type of the device KV cache: f16 (half the memory and bandwidth) or f32 (bit-exact with an f32
+    /// reference).
+    #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
+    kv_dtype: KvDtype,
+}
+
+fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
+    s.parse()
 }
 
 #[derive(Args, Clone)]
@@ -432,6 +441,9 @@ struct BenchEngineArgs {
     /// Decode concurrencies, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     concurrency: Vec<usize>,
+    /// Element type of the KV cache: f16 or f32.
+    #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
+    kv_dtype: KvDtype,
 }
 
 fn main() -> Result<()> {
@@ -552,6 +564,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         default_policy,
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
         tiers: tier_config(e)?,
+        kv_dtype: e.kv_dtype,
     })
 }
 
@@ -942,6 +955,7 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         decode_prompt_tokens: args.decode_prompt_tokens,
         decode_new_tokens: args.decode_new_tokens,
         concurrency: args.concurrency,
+        kv_dtype: args.kv_dtype,
         ..Default::default()
     };
     let report = pagoda_worker::bench::engine_bench(&model, &opts)

@@ -1,7 +1,7 @@
 //! Min-of-N timings of the CPU kernels (robust on a shared machine): `cargo run --release -p pagoda-kernels
 //! --example microbench [threads] [filter]`.
 
-use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, Simd, WeightType};
+use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, QMatrix, Simd, WeightType};
 use std::time::{Duration, Instant};
 
 fn rand_vec(seed: &mut u64, n: usize) -> Vec<f32> {
@@ -55,7 +55,7 @@ fn main() {
             }
             let x = rand_vec(&mut seed, n * cols);
             let mut out = vec![0.0; n * rows];
-            let mut line = format!("{name:<34}");
+            let mut line = format!("{name:<48}");
             let mut times = vec![];
             for (label, be) in &bes {
                 if *label == "scalar" && n * rows * cols > 100_000_000 {
@@ -97,7 +97,7 @@ fn main() {
             QMatrix::quantize(WeightType::Q8_0, 49152, 576, &rand_vec(&mut seed, 49152 * 576)).expect("quantize");
         let x = rand_vec(&mut seed, n * 1536);
         let mut out = vec![0.0; n * 49152];
-        let be = &bes[1].1;
+        let (label, be) = bes.last().expect("the scalar backend is always there");
         let t = min_time(Duration::from_secs(3), || {
             for l in &layers {
                 for w in l {
@@ -106,26 +106,31 @@ fn main() {
             }
             be.matmul(&head, &x[..n * 576], n, &mut out);
         });
-        println!("{name:<34}  avx2 {t:>10.1?}  => {:.0} tok/s (matmuls only)", n as f64 / t.as_secs_f64());
+        println!("{name:<34}  {label} {t:>10.1?}  => {:.0} tok/s (matmuls only)", n as f64 / t.as_secs_f64());
     }
     let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
-    for (ctx, batch) in [(512usize, 1usize), (4096, 1), (512, 32)] {
-        let name = format!("attn decode ctx={ctx} batch={batch}");
+    // Block layouts: "interleaved" gives consecutive blocks of one table pages far apart (the worst case for the
+    // hardware prefetcher); "contiguous" puts each table's blocks side by side, as a pool hands out a long prefill.
+    let cases = [(512usize, 1usize, false), (4096, 1, false), (512, 32, false), (512, 32, true)];
+    for ((ctx, batch, contiguous), dtype) in cases.into_iter().flat_map(|c| [(c, KvDtype::F32), (c, KvDtype::F16)]) {
+        let layout = if contiguous { "contiguous" } else { "interleaved" };
+        let name = format!("attn decode ctx={ctx} batch={batch} {layout} {dtype}");
         if !name.contains(&filter) {
             continue;
         }
         let per_head = (ctx + 1).div_ceil(bs);
         let num_blocks = per_head * n_kv * batch;
-        let mut kv = KvStorage::new(num_blocks, bs, hd);
-        let r = rand_vec(&mut seed, num_blocks * bs * hd);
-        kv.arenas_mut().0.copy_from_slice(&r);
-        kv.arenas_mut().1.copy_from_slice(&r);
+        let mut kv = KvStorage::with_dtype(num_blocks, bs, hd, dtype);
+        let r = rand_vec(&mut seed, bs * hd);
+        for b in 0..num_blocks as u32 {
+            kv.write_block(b, &r, &r);
+        }
+        let block_id = |s: usize, h: usize, i: usize| -> u32 {
+            let id = if contiguous { (s * n_kv + h) * per_head + i } else { i * n_kv * batch + s * n_kv + h };
+            (id % num_blocks) as u32
+        };
         let tables: Vec<Vec<Vec<u32>>> = (0..batch)
-            .map(|s| {
-                (0..n_kv)
-                    .map(|h| (0..per_head).map(|i| ((i * n_kv * batch + s * n_kv + h) % num_blocks) as u32).collect())
-                    .collect()
-            })
+            .map(|s| (0..n_kv).map(|h| (0..per_head).map(|i| block_id(s, h, i)).collect()).collect())
             .collect();
         let prior = vec![ctx; n_kv];
         let seqs: Vec<AttnSeq<'_>> = tables
@@ -135,7 +140,7 @@ fn main() {
             .collect();
         let q = rand_vec(&mut seed, batch * n_heads * hd);
         let mut out = vec![0.0; q.len()];
-        let mut line = format!("{name:<34}");
+        let mut line = format!("{name:<48}");
         let mut times = vec![];
         for (label, be) in &bes {
             let t = min_time(budget, || be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, 0.125, &mut out));

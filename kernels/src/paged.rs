@@ -1,28 +1,158 @@
-//! Device-tier KV storage ([`KvStorage`]: one f32 arena for K, one for V, addressed by block index) and the
-//! per-sequence attention view ([`AttnSeq`]) that `kv_write` and `paged_attention` read through.
+//! Device-tier KV storage ([`KvStorage`]: one arena for K, one for V, addressed by block index, holding f16 or
+//! f32 elements) and the per-sequence attention view ([`AttnSeq`]) that `kv_write` and `paged_attention` read
+//! through.
 //!
 //! Block `b`, slot `s` starts at `(b * block_size + s) * head_dim` in each arena. A block holds `block_size`
 //! consecutive slots of ONE (layer, kv-head).
+//!
+//! f16 is the serving default (DESIGN §5 names it the native codec; llama.cpp's default cache type too): decode
+//! attention over many sequences streams the whole cache from memory every step, so halving its bytes is what
+//! batched decode gains most from. f32 stays for exact comparisons against an f32 reference.
 
-/// K and V arenas of `num_blocks` blocks, each `[block_size][head_dim]` f32.
+use std::fmt;
+use std::str::FromStr;
+
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+/// Element type of a [`KvStorage`]'s arenas.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// IEEE half precision (rounded to nearest on write, exact on read).
+    #[default]
+    F16,
+    /// Single precision: the values the model computed, unrounded.
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+}
+
+impl fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<KvDtype, String> {
+        match s {
+            "f16" => Ok(KvDtype::F16),
+            "f32" => Ok(KvDtype::F32),
+            other => Err(format!("unknown KV cache dtype `{other}` (expected f16 or f32)")),
+        }
+    }
+}
+
+/// One arena's elements.
+#[derive(Clone, Debug)]
+enum Arena {
+    F32(Vec<f32>),
+    /// f16 bit patterns.
+    F16(Vec<u16>),
+}
+
+impl Arena {
+    fn zeroed(dtype: KvDtype, len: usize) -> Arena {
+        match dtype {
+            KvDtype::F32 => Arena::F32(vec![0.0; len]),
+            KvDtype::F16 => Arena::F16(vec![0; len]),
+        }
+    }
+
+    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
+        match self {
+            Arena::F32(a) => a.copy_within(src, dst),
+            Arena::F16(a) => a.copy_within(src, dst),
+        }
+    }
+
+    fn write(&mut self, at: usize, x: &[f32]) {
+        match self {
+            Arena::F32(a) => a[at..at + x.len()].copy_from_slice(x),
+            // The slice conversions use F16C where the CPU has it (a scalar loop is ~10x slower).
+            Arena::F16(a) => a[at..at + x.len()].reinterpret_cast_mut::<f16>().convert_from_f32_slice(x),
+        }
+    }
+
+    fn read(&self, at: usize, out: &mut [f32]) {
+        match self {
+            Arena::F32(a) => out.copy_from_slice(&a[at..at + out.len()]),
+            Arena::F16(a) => {
+                let n = out.len();
+                a[at..at + n].reinterpret_cast::<f16>().convert_to_f32_slice(out)
+            }
+        }
+    }
+}
+
+/// Both arenas, whole, in their stored element type: what attention kernels dispatch on.
+#[derive(Clone, Copy, Debug)]
+pub enum KvArenas<'a> {
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+    },
+    /// f16 bit patterns.
+    F16 {
+        k: &'a [u16],
+        v: &'a [u16],
+    },
+}
+
+/// K and V arenas of `num_blocks` blocks, each `[block_size][head_dim]` elements of [`KvDtype`].
 #[derive(Clone, Debug)]
 pub struct KvStorage {
     num_blocks: usize,
     block_size: usize,
     head_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    dtype: KvDtype,
+    k: Arena,
+    v: Arena,
 }
 
 impl KvStorage {
-    /// Allocates zeroed K and V arenas. Panics if the size overflows or a dimension is zero.
+    /// Allocates zeroed f32 K and V arenas. Panics if the size overflows or a dimension is zero.
     pub fn new(num_blocks: usize, block_size: usize, head_dim: usize) -> KvStorage {
+        KvStorage::with_dtype(num_blocks, block_size, head_dim, KvDtype::F32)
+    }
+
+    /// Allocates zeroed K and V arenas of `dtype`. Panics if the size overflows or a dimension is zero.
+    pub fn with_dtype(num_blocks: usize, block_size: usize, head_dim: usize, dtype: KvDtype) -> KvStorage {
         assert!(block_size > 0 && head_dim > 0, "block_size and head_dim must be non-zero");
         let len = num_blocks
             .checked_mul(block_size)
             .and_then(|x| x.checked_mul(head_dim))
             .expect("KvStorage size overflows usize");
-        KvStorage { num_blocks, block_size, head_dim, k: vec![0.0; len], v: vec![0.0; len] }
+        KvStorage {
+            num_blocks,
+            block_size,
+            head_dim,
+            dtype,
+            k: Arena::zeroed(dtype, len),
+            v: Arena::zeroed(dtype, len),
+        }
+    }
+
+    /// Element type of the arenas.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Number of blocks in each arena.
@@ -35,15 +165,20 @@ impl KvStorage {
         self.block_size
     }
 
-    /// Floats per slot.
+    /// Elements per slot.
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
 
-    /// Floats per block.
+    /// Elements per block.
     #[inline]
     pub fn block_len(&self) -> usize {
         self.block_size * self.head_dim
+    }
+
+    /// Bytes of K plus V of one block.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.block_len() * self.dtype.bytes()
     }
 
     #[inline]
@@ -54,26 +189,73 @@ impl KvStorage {
         b * l..(b + 1) * l
     }
 
-    /// K of block `b`: `[block_size][head_dim]`.
+    fn f32_arenas(&self) -> (&Vec<f32>, &Vec<f32>) {
+        match (&self.k, &self.v) {
+            (Arena::F32(k), Arena::F32(v)) => (k, v),
+            _ => panic!("f32 view of an {} KV cache: use read_block/write_block/arenas_any", self.dtype),
+        }
+    }
+
+    fn f32_arenas_mut(&mut self) -> (&mut Vec<f32>, &mut Vec<f32>) {
+        match (&mut self.k, &mut self.v) {
+            (Arena::F32(k), Arena::F32(v)) => (k, v),
+            _ => panic!("f32 view of an {} KV cache: use read_block/write_block/arenas_any", self.dtype),
+        }
+    }
+
+    /// K of block `b`: `[block_size][head_dim]`. f32 caches only (panics on f16; [`KvStorage::read_block`]
+    /// works for both).
     pub fn block_k(&self, b: u32) -> &[f32] {
-        &self.k[self.range(b)]
+        &self.f32_arenas().0[self.range(b)]
     }
 
-    /// V of block `b`: `[block_size][head_dim]`.
+    /// V of block `b`: `[block_size][head_dim]`. f32 caches only.
     pub fn block_v(&self, b: u32) -> &[f32] {
-        &self.v[self.range(b)]
+        &self.f32_arenas().1[self.range(b)]
     }
 
-    /// Mutable K of block `b`.
+    /// Mutable K of block `b`. f32 caches only.
     pub fn block_k_mut(&mut self, b: u32) -> &mut [f32] {
         let r = self.range(b);
-        &mut self.k[r]
+        &mut self.f32_arenas_mut().0[r]
     }
 
-    /// Mutable V of block `b`.
+    /// Mutable V of block `b`. f32 caches only.
     pub fn block_v_mut(&mut self, b: u32) -> &mut [f32] {
         let r = self.range(b);
-        &mut self.v[r]
+        &mut self.f32_arenas_mut().1[r]
+    }
+
+    /// Reads the first `k_out.len()` (= `v_out.len()`) elements of block `b`'s K and V as f32, whatever the dtype.
+    pub fn read_block(&self, b: u32, k_out: &mut [f32], v_out: &mut [f32]) {
+        let r = self.range(b);
+        assert!(k_out.len() == v_out.len() && k_out.len() <= r.len(), "read_block: bad output lengths");
+        self.k.read(r.start, k_out);
+        self.v.read(r.start, v_out);
+    }
+
+    /// Reads the first `k_out.len()` elements of block `b`'s K as f32.
+    pub fn read_block_k(&self, b: u32, k_out: &mut [f32]) {
+        let r = self.range(b);
+        assert!(k_out.len() <= r.len(), "read_block_k: output longer than a block");
+        self.k.read(r.start, k_out);
+    }
+
+    /// Writes `k` and `v` (equal lengths, at most a block) over the start of block `b`, rounding to the dtype.
+    pub fn write_block(&mut self, b: u32, k: &[f32], v: &[f32]) {
+        let r = self.range(b);
+        assert!(k.len() == v.len() && k.len() <= r.len(), "write_block: bad input lengths");
+        self.k.write(r.start, k);
+        self.v.write(r.start, v);
+    }
+
+    /// Writes one slot's K and V rows (`head_dim` each), rounding to the dtype.
+    pub fn write_slot(&mut self, b: u32, slot: usize, k: &[f32], v: &[f32]) {
+        let hd = self.head_dim;
+        assert!(slot < self.block_size && k.len() == hd && v.len() == hd, "write_slot: bad slot or row length");
+        let at = self.range(b).start + slot * hd;
+        self.k.write(at, k);
+        self.v.write(at, v);
     }
 
     /// Copies K and V of block `src` into block `dst`.
@@ -123,14 +305,25 @@ impl KvStorage {
         keep.len()
     }
 
-    /// Both arenas, whole (`num_blocks * block_size * head_dim` each).
+    /// Both arenas, whole (`num_blocks * block_size * head_dim` each). f32 caches only.
     pub fn arenas(&self) -> (&[f32], &[f32]) {
-        (&self.k, &self.v)
+        let (k, v) = self.f32_arenas();
+        (k, v)
     }
 
-    /// Both arenas, mutable.
+    /// Both arenas, mutable. f32 caches only.
     pub fn arenas_mut(&mut self) -> (&mut [f32], &mut [f32]) {
-        (&mut self.k, &mut self.v)
+        let (k, v) = self.f32_arenas_mut();
+        (k, v)
+    }
+
+    /// Both arenas in their stored element type.
+    pub fn arenas_any(&self) -> KvArenas<'_> {
+        match (&self.k, &self.v) {
+            (Arena::F32(k), Arena::F32(v)) => KvArenas::F32 { k, v },
+            (Arena::F16(k), Arena::F16(v)) => KvArenas::F16 { k, v },
+            _ => unreachable!("K and V arenas are created with one dtype"),
+        }
     }
 }
 

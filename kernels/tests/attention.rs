@@ -1,9 +1,10 @@
 //! Paged attention and KV-write tests against a plain dense causal attention on random data, with shuffled
-//! (non-contiguous) block tables, per-head cache lengths and mixed prefill/decode batches.
+//! (non-contiguous) block tables, per-head cache lengths and mixed prefill/decode batches, over f32 and f16 caches
+//! (for f16 the dense reference attends over the same f16-rounded keys and values) and every instruction set.
 
 #![allow(clippy::needless_range_loop)]
 
-use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, Simd};
+use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -14,7 +15,18 @@ fn backends() -> Vec<CpuBackend> {
         CpuBackend::with_simd(2, Simd::Scalar),
         CpuBackend::with_simd(1, Simd::Avx2),
         CpuBackend::with_simd(2, Simd::Avx2),
+        // Falls back to AVX2 on CPUs without AVX-512 (then it repeats the case above).
+        CpuBackend::with_simd(1, Simd::Avx512),
+        CpuBackend::with_simd(2, Simd::Avx512),
     ]
+}
+
+/// The value a cache of `dtype` stores for `x`.
+fn stored(dtype: KvDtype, x: f32) -> f32 {
+    match dtype {
+        KvDtype::F32 => x,
+        KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+    }
 }
 
 fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
@@ -68,20 +80,21 @@ fn dense(sh: &Shape, s: &Seq, q: &[f32], scale: f32, out: &mut [f32]) {
 
 /// Builds a batch: random lengths, shuffled block ids, prior slots written straight into blocks; returns the
 /// storage, the sequences and this step's k / v matrices (`[rows][n_kv*hd]`).
-fn build(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)]) -> (KvStorage, Vec<Seq>, Vec<f32>, Vec<f32>) {
+fn build(
+    rng: &mut StdRng,
+    sh: &Shape,
+    specs: &[(Vec<usize>, usize)],
+    dtype: KvDtype,
+) -> (KvStorage, Vec<Seq>, Vec<f32>, Vec<f32>) {
     let need: usize = specs.iter().map(|(p, n)| p.iter().map(|&pl| (pl + n).div_ceil(sh.bs) + 1).sum::<usize>()).sum();
     let num_blocks = need + 7;
     let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
     ids.shuffle(rng);
-    let mut kv = KvStorage::new(num_blocks, sh.bs, sh.hd);
+    let mut kv = KvStorage::with_dtype(num_blocks, sh.bs, sh.hd, dtype);
     // Fill all blocks with garbage so reads past the causal limit would show.
+    let (garbage_k, garbage_v) = (vec![1e3; kv.block_len()], vec![-1e3; kv.block_len()]);
     for b in 0..num_blocks as u32 {
-        for x in kv.block_k_mut(b) {
-            *x = 1e3;
-        }
-        for x in kv.block_v_mut(b) {
-            *x = -1e3;
-        }
+        kv.write_block(b, &garbage_k, &garbage_v);
     }
     let rows: usize = specs.iter().map(|(_, n)| n).sum();
     let kw = sh.n_kv * sh.hd;
@@ -94,17 +107,15 @@ fn build(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)]) -> (KvStor
         let mut s = Seq { prior: prior.clone(), n_new: *n_new, k: vec![], v: vec![], tables: vec![], q_row };
         for h in 0..sh.n_kv {
             let total = prior[h] + n_new;
-            let k = rand_vec(rng, total * sh.hd, 1.0);
-            let v = rand_vec(rng, total * sh.hd, 1.0);
+            let k: Vec<f32> = rand_vec(rng, total * sh.hd, 1.0).into_iter().map(|x| stored(dtype, x)).collect();
+            let v: Vec<f32> = rand_vec(rng, total * sh.hd, 1.0).into_iter().map(|x| stored(dtype, x)).collect();
             // Capacity: enough blocks, sometimes one spare.
             let nb = total.div_ceil(sh.bs) + usize::from(rng.random_bool(0.5));
             let table: Vec<u32> = ids[next..next + nb].to_vec();
             next += nb;
             for t in 0..prior[h] {
-                let b = table[t / sh.bs];
-                let off = (t % sh.bs) * sh.hd;
-                kv.block_k_mut(b)[off..off + sh.hd].copy_from_slice(&k[t * sh.hd..(t + 1) * sh.hd]);
-                kv.block_v_mut(b)[off..off + sh.hd].copy_from_slice(&v[t * sh.hd..(t + 1) * sh.hd]);
+                let row = t * sh.hd..(t + 1) * sh.hd;
+                kv.write_slot(table[t / sh.bs], t % sh.bs, &k[row.clone()], &v[row]);
             }
             for j in 0..*n_new {
                 let t = prior[h] + j;
@@ -123,7 +134,13 @@ fn build(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)]) -> (KvStor
 }
 
 fn run_case(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)]) {
-    let (kv0, seqs, kmat, vmat) = build(rng, sh, specs);
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        run_case_dtype(rng, sh, specs, dtype);
+    }
+}
+
+fn run_case_dtype(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)], dtype: KvDtype) {
+    let (kv0, seqs, kmat, vmat) = build(rng, sh, specs, dtype);
     let rows: usize = specs.iter().map(|(_, n)| n).sum();
     let w = sh.n_heads * sh.hd;
     let q = rand_vec(rng, rows * w, 1.5);
@@ -144,7 +161,7 @@ fn run_case(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)]) {
         for i in 0..rows * w {
             assert!(
                 (got[i] - want[i]).abs() <= 2e-5 + 2e-5 * want[i].abs(),
-                "{be:?} heads {}/{} hd {} bs {} specs {specs:?}: out[{i}] (row {}, col {}) = {} want {}",
+                "{be:?} {dtype} heads {}/{} hd {} bs {} specs {specs:?}: out[{i}] (row {}, col {}) = {} want {}",
                 sh.n_heads,
                 sh.n_kv,
                 sh.hd,
@@ -207,7 +224,7 @@ fn kv_write_then_read_back() {
     let mut rng = StdRng::seed_from_u64(12);
     let sh = Shape { n_heads: 9, n_kv: 3, hd: 64, bs: 16 };
     let specs = [(vec![0usize, 0, 0], 37usize), (vec![15, 16, 17], 3), (vec![31, 2, 90], 1)];
-    let (mut kv, seqs, kmat, vmat) = build(&mut rng, &sh, &specs);
+    let (mut kv, seqs, kmat, vmat) = build(&mut rng, &sh, &specs, KvDtype::F32);
     let be = CpuBackend::new(2);
     let views: Vec<AttnSeq<'_>> = seqs
         .iter()
@@ -237,4 +254,37 @@ fn kv_write_then_read_back() {
     assert_eq!(kv.block_v(a), kv.block_v(b));
     assert_eq!((kv.block_size(), kv.head_dim()), (16, 64));
     assert_eq!(kv.block_k(0).len(), 16 * 64);
+}
+
+#[test]
+fn f16_cache_rounds_on_write_and_reads_back_widened() {
+    let mut rng = StdRng::seed_from_u64(13);
+    let sh = Shape { n_heads: 9, n_kv: 3, hd: 64, bs: 16 };
+    let specs = [(vec![0usize, 0, 0], 21usize), (vec![5, 16, 40], 1)];
+    let (mut kv, seqs, kmat, vmat) = build(&mut rng, &sh, &specs, KvDtype::F16);
+    assert_eq!(kv.dtype(), KvDtype::F16);
+    assert_eq!(kv.block_bytes(), 2 * 16 * 64 * 2);
+    // Rows that are not f16 values: the cache must hold their rounding.
+    let kmat: Vec<f32> = kmat.iter().map(|x| x + 1e-4).collect();
+    let views: Vec<AttnSeq<'_>> = seqs
+        .iter()
+        .map(|s| AttnSeq { q_row: s.q_row, n_new: s.n_new, tables: &s.tables, prior_lens: &s.prior })
+        .collect();
+    CpuBackend::new(2).kv_write(&mut kv, &kmat, &vmat, &views, sh.n_kv);
+    let (mut k, mut v) = (vec![0.0; kv.block_len()], vec![0.0; kv.block_len()]);
+    let kw = sh.n_kv * sh.hd;
+    for s in &seqs {
+        for h in 0..sh.n_kv {
+            for j in 0..s.n_new {
+                let t = s.prior[h] + j;
+                kv.read_block(s.tables[h][t / sh.bs], &mut k, &mut v);
+                let off = (t % sh.bs) * sh.hd;
+                let src = (s.q_row + j) * kw + h * sh.hd;
+                for d in 0..sh.hd {
+                    assert_eq!(k[off + d], stored(KvDtype::F16, kmat[src + d]));
+                    assert_eq!(v[off + d], vmat[src + d], "v rows were f16 values already");
+                }
+            }
+        }
+    }
 }

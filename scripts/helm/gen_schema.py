@@ -139,6 +139,8 @@ schema = obj({
         "kv": obj({
             "policy": {"enum": POLICIES},
             "budgetTokens": {"anyOf": [{"type": "null"}, integer(1)]},
+            # `pagoda worker --kv-dtype` (pagoda_kernels::KvDtype).
+            "dtype": {"enum": ["f16", "f32"]},
         }, required=["policy"]),
         "tiers": obj({"hostMiB": integer(0), "diskMiB": integer(0)}, required=["hostMiB", "diskMiB"]),
         "persistence": obj({

@@ -20,6 +20,7 @@ use serde::Serialize;
 use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step};
 use crate::sampling::argmax;
 use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqRequest};
+use pagoda_kernels::KvDtype;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchOptions {
@@ -33,6 +34,13 @@ pub struct BenchOptions {
     pub decode_new_tokens: usize,
     pub concurrency: Vec<usize>,
     pub seed: u64,
+    /// Element type of the KV arena.
+    #[serde(serialize_with = "serialize_dtype")]
+    pub kv_dtype: KvDtype,
+}
+
+fn serialize_dtype<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
 }
 
 impl Default for BenchOptions {
@@ -46,6 +54,7 @@ impl Default for BenchOptions {
             decode_new_tokens: 128,
             concurrency: vec![1, 8, 32],
             seed: 1234,
+            kv_dtype: KvDtype::default(),
         }
     }
 }
@@ -90,8 +99,8 @@ impl BenchReport {
     /// A markdown table (plus a header line with the setup).
     pub fn to_markdown(&self) -> String {
         let mut s = format!(
-            "Engine bench: `{}` on {} ({} threads), block size {}, {} KV blocks\n\n",
-            self.model, self.backend, self.threads, self.options.block_size, self.kv_blocks
+            "Engine bench: `{}` on {} ({} threads), block size {}, {} KV blocks of {}\n\n",
+            self.model, self.backend, self.threads, self.options.block_size, self.kv_blocks, self.options.kv_dtype
         );
         s.push_str("| phase | concurrency | prompt tokens | new tokens | seconds | tokens/s | ms/step |\n");
         s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
@@ -139,6 +148,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         default_policy: crate::policy::PolicySpec::full(),
         reserve: ReserveConfig::off(),
         tiers: crate::tiers::TierConfig::default(),
+        kv_dtype: opts.kv_dtype,
     };
     // Load once to learn the layout, then size the arena.
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;

@@ -38,6 +38,7 @@ use crate::eval::words::{ADJECTIVES, NOUNS, VERBS};
 use crate::model::{Gguf, ModelConfig, Tokenizer};
 use crate::policy::{PolicyKind, PolicySpec, defaults};
 use crate::scheduler::ReserveConfig;
+use pagoda_kernels::KvDtype;
 
 /// Why the benchmark could not produce a report.
 #[derive(Debug, thiserror::Error)]
@@ -349,6 +350,7 @@ fn run_fresh(
         default_policy: PolicySpec::full(),
         reserve: if opts.admission_reserve { ReserveConfig::default() } else { ReserveConfig::off() },
         tiers: crate::tiers::TierConfig::default(),
+        kv_dtype: KvDtype::default(),
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use pagoda_kernels::{CpuBackend, KvStorage};
+use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
 
 use crate::cache::CacheLayout;
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
@@ -50,6 +50,8 @@ pub struct EngineConfig {
     pub reserve: ReserveConfig,
     /// Host and disk KV tiers below the device pool (off by default).
     pub tiers: TierConfig,
+    /// Element type of the device KV arena (f16 by default; f32 for exact comparisons with an f32 reference).
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +67,7 @@ impl Default for EngineConfig {
             default_policy: PolicySpec::full(),
             reserve: ReserveConfig::default(),
             tiers: TierConfig::default(),
+            kv_dtype: KvDtype::default(),
         }
     }
 }
@@ -154,6 +157,8 @@ pub struct ModelInfo {
     pub head_dim: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// Element type of the device KV arena.
+    pub kv_dtype: KvDtype,
 }
 
 impl ModelInfo {
@@ -467,7 +472,8 @@ impl Engine {
 
 /// Opens the configured lower tiers. A disk read is bounded by the encoded size of one group of this model.
 fn open_tiers(cfg: &EngineConfig, info: &ModelInfo) -> Result<Option<TierStore>, EngineError> {
-    let group = native::group_bytes(info.layout().group_size(), info.block_size * info.head_dim) as u64;
+    // The widest native codec bounds what a disk read may return: groups written under either dtype load.
+    let group = native::group_bytes(info.layout().group_size(), info.block_size * info.head_dim, KvDtype::F32) as u64;
     TierStore::open(&cfg.tiers, group).map_err(|e| EngineError::Config(e.to_string()))
 }
 
@@ -832,10 +838,10 @@ impl<R: ModelRunner> EngineLoop<R> {
         let s = self.sched.stats();
         let pool = self.sched.pool();
         let info = self.runner.info();
-        let block_bytes = (2 * info.block_size * info.head_dim * std::mem::size_of::<f32>()) as u64;
+        let block_bytes = (2 * info.block_size * info.head_dim * info.kv_dtype.bytes()) as u64;
         let mut tier_usage = vec![TierUsage {
             tier: Tier::Device,
-            codec: native::NAME.to_owned(),
+            codec: native::codec_name(info.kv_dtype).to_owned(),
             used_bytes: (pool.num_used() + pool.num_cached_free()) as u64 * block_bytes,
             capacity_bytes: pool.num_blocks() as u64 * block_bytes,
         }];
@@ -944,10 +950,11 @@ impl LlamaRunner {
             head_dim: mc.head_dim,
             block_size: cfg.block_size,
             num_blocks,
+            kv_dtype: cfg.kv_dtype,
         };
         let threads = resolve_threads(cfg.threads);
         Ok(LlamaRunner {
-            kv: KvStorage::new(num_blocks, cfg.block_size, mc.head_dim),
+            kv: KvStorage::with_dtype(num_blocks, cfg.block_size, mc.head_dim, cfg.kv_dtype),
             scratch: Scratch::new(),
             backend: CpuBackend::new(threads),
             model,
@@ -1024,6 +1031,7 @@ mod tests {
             head_dim: 4,
             block_size: 4,
             num_blocks,
+            kv_dtype: pagoda_kernels::KvDtype::F32,
         };
         let cfg = EngineConfig { block_size: 4, ..EngineConfig::default() };
         Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) })).unwrap()

@@ -436,6 +436,7 @@ mod tests {
             head_dim: 4,
             block_size: 4,
             num_blocks,
+            kv_dtype: pagoda_kernels::KvDtype::F32,
         };
         let cfg = EngineConfig { block_size: 4, num_blocks, ..EngineConfig::default() };
         let engine = Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) }))

@@ -121,7 +121,7 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64, "every group came from host: {s:?}");
     assert_eq!(s.computed_tokens_total, expect_computed(&warm), "onboarded tokens are not recomputed");
     let host = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage reported");
-    assert!(host.used_bytes > 0 && host.capacity_bytes == 64 << 20 && host.codec == "native", "{host:?}");
+    assert!(host.used_bytes > 0 && host.capacity_bytes == 64 << 20 && host.codec == "f16", "{host:?}");
     assert!(s.offloaded_groups > 0);
     // One filler only: the prompt's first group stays on the device, older in the LRU than the filler's groups.
     // Onboarding the rest must not evict it (it is pinned while onboarding allocates).

@@ -2,7 +2,7 @@
 //! reference in `fixtures/llama_reference.json` (written by `scripts/reference/llama_reference.py`), plus
 //! self-consistency: chunked prefill vs one-shot, batched vs one-by-one, and input validation.
 
-use pagoda_kernels::{Backend, CpuBackend, KvStorage};
+use pagoda_kernels::{Backend, CpuBackend, KvDtype, KvStorage};
 use pagoda_worker::model::{
     ChatMessage, ChatTemplate, ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer,
 };
@@ -79,8 +79,12 @@ impl Seq {
 }
 
 fn kv_for(model: &LlamaModel, n_seqs: usize, max_tokens: usize) -> KvStorage {
+    kv_of(model, n_seqs, max_tokens, KvDtype::F32)
+}
+
+fn kv_of(model: &LlamaModel, n_seqs: usize, max_tokens: usize, dtype: KvDtype) -> KvStorage {
     let blocks = n_seqs * model.config().n_kv_tables() * max_tokens.div_ceil(BLOCK);
-    KvStorage::new(blocks, BLOCK, model.config().head_dim)
+    KvStorage::with_dtype(blocks, BLOCK, model.config().head_dim, dtype)
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -99,8 +103,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Prefill `prompt` in one shot then greedy-decode `n` tokens; returns (first-step logits, greedy tokens).
-fn greedy(model: &LlamaModel, be: &dyn Backend, prompt: &[u32], n: usize) -> (Vec<f32>, Vec<u32>, f64) {
-    let mut kv = kv_for(model, 1, prompt.len() + n);
+fn greedy(model: &LlamaModel, be: &dyn Backend, prompt: &[u32], n: usize, dtype: KvDtype) -> (Vec<f32>, Vec<u32>, f64) {
+    let mut kv = kv_of(model, 1, prompt.len() + n, dtype);
     let mut seq = Seq::new(model, 0, prompt.len() + n);
     let mut scratch = Scratch::new();
     let mut logits = Vec::new();
@@ -122,7 +126,13 @@ fn greedy(model: &LlamaModel, be: &dyn Backend, prompt: &[u32], n: usize) -> (Ve
 
 /// Greedy tokens and first-step logits of `model` for every fixture prompt. Returns per prompt:
 /// (max |logit diff| over the reference's top 20, tokens, decode tok/s).
-fn run_prompts(model: &LlamaModel, be: &dyn Backend, fx: &Value, check_prompt_text: bool) -> Vec<(f32, Vec<u32>, f64)> {
+fn run_prompts(
+    model: &LlamaModel,
+    be: &dyn Backend,
+    fx: &Value,
+    check_prompt_text: bool,
+    dtype: KvDtype,
+) -> Vec<(f32, Vec<u32>, f64)> {
     let s = if check_prompt_text { Some(setup()) } else { None };
     let text = s.as_ref().map(|s| (Tokenizer::from_gguf(&s.gguf).unwrap(), ChatTemplate::from_gguf(&s.gguf).unwrap()));
     let n_greedy = fx["n_greedy"].as_u64().unwrap() as usize;
@@ -138,7 +148,7 @@ fn run_prompts(model: &LlamaModel, be: &dyn Backend, fx: &Value, check_prompt_te
                 let messages: Vec<ChatMessage> = serde_json::from_value(p["messages"].clone()).unwrap();
                 assert_eq!(tok.encode(&tmpl.render(&messages, true).unwrap(), false), prompt, "prompt {pi} ids");
             }
-            let (first, tokens, tps) = greedy(model, be, &prompt, n_greedy);
+            let (first, tokens, tps) = greedy(model, be, &prompt, n_greedy, dtype);
             let ids = u32s(&p["first_step_top_ids"]);
             let vals = f32s(&p["first_step_top_logits"]);
             let diff = ids.iter().zip(&vals).map(|(&i, &v)| (first[i as usize] - v).abs()).fold(0.0, f32::max);
@@ -157,7 +167,7 @@ fn f32_weights_match_reference_exactly() {
     drop(s);
     let be = backend();
     let fx = fixture();
-    let results = run_prompts(&m, &be, &fx, true);
+    let results = run_prompts(&m, &be, &fx, true, KvDtype::F32);
     let mut worst = 0.0f32;
     for (pi, ((diff, tokens, _), p)) in results.iter().zip(fx["prompts"].as_array().unwrap()).enumerate() {
         println!("F32 weights, prompt {pi}: first-step top-20 max |diff| {diff:.6}");
@@ -166,6 +176,40 @@ fn f32_weights_match_reference_exactly() {
     }
     println!("F32 weights: max |logit diff| {worst:.6}");
     assert!(worst < 1e-3, "F32-weight logits differ from the float32 reference by {worst}");
+}
+
+/// The serving default caches K and V in f16. With F32 weights (no activation rounding), that rounding alone moves
+/// first-step logits by at most F16_KV_TOL, and greedy decoding follows the float32 reference except at a near-tie
+/// of the reference (top-2 gap below the same bound).
+const F16_KV_TOL: f32 = 0.05;
+
+#[test]
+fn f16_cache_tracks_reference() {
+    let s = setup();
+    let m = s.model.to_f32_weights().unwrap();
+    drop(s);
+    let be = backend();
+    let fx = fixture();
+    let results = run_prompts(&m, &be, &fx, false, KvDtype::F16);
+    let mut worst = 0.0f32;
+    for (pi, ((diff, tokens, _), p)) in results.iter().zip(fx["prompts"].as_array().unwrap()).enumerate() {
+        let want = u32s(&p["greedy"]);
+        let gaps = f32s(&p["top2_gaps"]);
+        let agree = tokens.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        println!(
+            "f16 cache, prompt {pi}: first-step top-20 max |diff| {diff:.5}; greedy agrees for {agree}/{}",
+            want.len()
+        );
+        worst = worst.max(*diff);
+        if agree < want.len() {
+            assert!(
+                gaps[agree] < F16_KV_TOL,
+                "prompt {pi}: f16 cache diverges at step {agree}, reference gap {}\n want {want:?}\n got  {tokens:?}",
+                gaps[agree]
+            );
+        }
+    }
+    assert!(worst < F16_KV_TOL, "f16-cache logits differ from the float32 reference by {worst}");
 }
 
 /// Logit tolerance for the quantised path. Q4_1/Q8_0 matmuls round their input activations to 8 bits per block
@@ -182,7 +226,7 @@ fn quantised_model_tracks_reference() {
     let s = setup();
     let be = backend();
     let fx = fixture();
-    let results = run_prompts(&s.model, &be, &fx, true);
+    let results = run_prompts(&s.model, &be, &fx, true, KvDtype::F32);
     let mut worst = 0.0f32;
     let mut report = Vec::new();
     for (pi, ((diff, tokens, tps), p)) in results.iter().zip(fx["prompts"].as_array().unwrap()).enumerate() {
@@ -238,7 +282,7 @@ fn chunked_prefill_then_decode_matches_one_shot() {
     let fx = fixture();
     let prompt = u32s(&fx["prompts"][2]["prompt_ids"]);
     let n_decode = 4;
-    let (one_shot, tokens, _) = greedy(&s.model, &be, &prompt, n_decode);
+    let (one_shot, tokens, _) = greedy(&s.model, &be, &prompt, n_decode, KvDtype::F32);
 
     let max = prompt.len() + n_decode;
     let mut kv = kv_for(&s.model, 1, max);
@@ -294,7 +338,7 @@ fn batch_of_three_matches_one_by_one() {
     let singles: Vec<(Vec<f32>, Vec<u32>)> = prompts
         .iter()
         .map(|p| {
-            let (l, t, _) = greedy(&s.model, &be, p, n_decode);
+            let (l, t, _) = greedy(&s.model, &be, p, n_decode, KvDtype::F32);
             (l, t)
         })
         .collect();

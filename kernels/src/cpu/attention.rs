@@ -1,10 +1,10 @@
 //! KV write into head-paged blocks and paged attention (prefill + decode, GQA) with online softmax,
 //! parallelised over (sequence, query head, token chunk).
 
-#[cfg(target_arch = "x86_64")]
-use super::avx2;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
-use crate::paged::{AttnSeq, KvStorage};
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512_attention};
+use crate::paged::{AttnSeq, KvArenas, KvDtype, KvStorage};
 
 /// New tokens per attention task during prefill.
 const TOKEN_CHUNK: usize = 32;
@@ -23,11 +23,8 @@ pub fn kv_write(kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], 
             let table = &s.tables[h];
             for j in 0..s.n_new {
                 let slot = s.prior_lens[h] + j;
-                let b = table[slot / bs];
-                let off = (slot % bs) * hd;
                 let src = (s.q_row + j) * w + h * hd;
-                kv.block_k_mut(b)[off..off + hd].copy_from_slice(&k[src..src + hd]);
-                kv.block_v_mut(b)[off..off + hd].copy_from_slice(&v[src..src + hd]);
+                kv.write_slot(table[slot / bs], slot % bs, &k[src..src + hd], &v[src..src + hd]);
             }
         }
     }
@@ -135,28 +132,67 @@ pub(crate) fn check_disjoint(seqs: &[AttnSeq<'_>]) {
 /// Attention of one query vector over the first `len` slots of `table`; writes the result into `out`.
 fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, scale: f32, out: &mut [f32]) {
     let bs = kv.block_size();
+    let ids = &table[..len.div_ceil(bs)];
     #[cfg(target_arch = "x86_64")]
     if simd.has_avx2() && bs <= 64 {
-        let (k, v) = kv.arenas();
-        // SAFETY: block ids come from tables whose length was checked; `KvStorage::block_k` bounds-checks each id
-        // below before the kernel reads it; CPU features detected.
-        let ids = &table[..len.div_ceil(bs)];
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
+        let (k, v, f16) = match kv.arenas_any() {
+            KvArenas::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false),
+            KvArenas::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true),
+        };
+        macro_rules! go {
+            ($module:ident, $nv:literal) => {
+                // SAFETY: every block id read was checked against the arenas above, which hold `num_blocks`
+                // blocks of the element type `f16` selects; the CPU features of `simd` were detected at run time.
+                return unsafe {
+                    if f16 {
+                        $module::attend_one::<$nv, true>(q, k, v, bs, table, len, scale, out)
+                    } else {
+                        $module::attend_one::<$nv, false>(q, k, v, bs, table, len, scale, out)
+                    }
+                }
+            };
+        }
+        if simd == Simd::Avx512 {
+            match q.len() {
+                32 => go!(avx512_attention, 2),
+                64 => go!(avx512_attention, 4),
+                128 => go!(avx512_attention, 8),
+                _ => {}
+            }
+        }
         match q.len() {
-            32 => return unsafe { avx2::attend_one::<4>(q, k, v, bs, table, len, scale, out) },
-            64 => return unsafe { avx2::attend_one::<8>(q, k, v, bs, table, len, scale, out) },
-            96 => return unsafe { avx2::attend_one::<12>(q, k, v, bs, table, len, scale, out) },
-            128 => return unsafe { avx2::attend_one::<16>(q, k, v, bs, table, len, scale, out) },
+            32 => go!(avx2, 4),
+            64 => go!(avx2, 8),
+            96 => go!(avx2, 12),
+            128 => go!(avx2, 16),
             _ => {}
         }
     }
     out.fill(0.0);
+    let hd = kv.head_dim();
     let mut st = scalar::OnlineSoftmax { m: f32::NEG_INFINITY, l: 0.0, acc: out };
-    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+    // f16 blocks are widened into these, a block at a time (no allocation per query for blocks up to 4096 floats).
+    const STACK: usize = 4096;
+    let (mut ks, mut vs) = ([0.0f32; STACK], [0.0f32; STACK]);
+    let (mut kh, mut vh) = (Vec::new(), Vec::new());
+    for (bi, &b) in ids.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n, scale, &mut st);
+        if kv.dtype() == KvDtype::F32 {
+            scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n, scale, &mut st);
+            continue;
+        }
+        let (kb, vb) = if n * hd <= STACK {
+            (&mut ks[..n * hd], &mut vs[..n * hd])
+        } else {
+            kh.resize(n * hd, 0.0);
+            vh.resize(n * hd, 0.0);
+            (&mut kh[..], &mut vh[..])
+        };
+        kv.read_block(b, kb, vb);
+        scalar::attend_block(q, kb, vb, n, scale, &mut st);
     }
     let inv = if st.l > 0.0 { 1.0 / st.l } else { 0.0 };
     for a in st.acc.iter_mut() {

@@ -443,17 +443,29 @@ pub unsafe fn rope_row(row: &mut [f32], cc: &[f32], ss: &[f32]) {
     }
 }
 
+/// Eight elements of an arena at element index `i`, widened to f32: f16 bit patterns when `H`, f32 otherwise.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn ld8<const H: bool>(base: *const u8, i: usize) -> __m256 {
+    if H {
+        _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * i) as *const __m128i))
+    } else {
+        _mm256_loadu_ps((base as *const f32).add(i))
+    }
+}
+
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
-/// `k`, `v` are the whole arenas; writes the normalised result into `out`.
+/// `k`, `v` point at the whole arenas, of f16 bit patterns when `H` and of f32 otherwise; writes the normalised
+/// result into `out`.
 ///
 /// # Safety
-/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA present.
+/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA/F16C present.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attend_one<const NV: usize>(
+pub unsafe fn attend_one<const NV: usize, const H: bool>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: *const u8,
+    v: *const u8,
     bs: usize,
     table: &[u32],
     len: usize,
@@ -474,19 +486,19 @@ pub unsafe fn attend_one<const NV: usize>(
     let mut sc = [f32::NEG_INFINITY; MAXB];
     for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        let kb = k.as_ptr().add(b as usize * bs * hd);
-        let vb = v.as_ptr().add(b as usize * bs * hd);
+        // Element offset of the block in both arenas.
+        let base = b as usize * bs * hd;
         // Scores, two slots at a time.
         let mut bmax = m;
         let mut i = 0;
         while i + 2 <= n {
-            let k0 = kb.add(i * hd);
-            let k1 = kb.add((i + 1) * hd);
-            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
-            let mut a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+            let k0 = base + i * hd;
+            let k1 = base + (i + 1) * hd;
+            let mut a0 = _mm256_mul_ps(qv[0], ld8::<H>(k, k0));
+            let mut a1 = _mm256_mul_ps(qv[0], ld8::<H>(k, k1));
             for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
-                a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1.add(j * 8)), a1);
+                a0 = _mm256_fmadd_ps(qv[j], ld8::<H>(k, k0 + j * 8), a0);
+                a1 = _mm256_fmadd_ps(qv[j], ld8::<H>(k, k1 + j * 8), a1);
             }
             sc[i] = hsum(a0);
             sc[i + 1] = hsum(a1);
@@ -494,10 +506,10 @@ pub unsafe fn attend_one<const NV: usize>(
             i += 2;
         }
         if i < n {
-            let k0 = kb.add(i * hd);
-            let mut a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+            let k0 = base + i * hd;
+            let mut a0 = _mm256_mul_ps(qv[0], ld8::<H>(k, k0));
             for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0.add(j * 8)), a0);
+                a0 = _mm256_fmadd_ps(qv[j], ld8::<H>(k, k0 + j * 8), a0);
             }
             sc[i] = hsum(a0);
             bmax = bmax.max(sc[i]);
@@ -520,9 +532,9 @@ pub unsafe fn attend_one<const NV: usize>(
         for (i, &p) in sc[..n].iter().enumerate() {
             bl += p;
             let pv = _mm256_set1_ps(p);
-            let vr = vb.add(i * hd);
+            let vr = base + i * hd;
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(j * 8)), *a);
+                *a = _mm256_fmadd_ps(pv, ld8::<H>(v, vr + j * 8), *a);
             }
         }
         l = l * corr + bl;

@@ -138,10 +138,12 @@ unsafe fn run<const Q8: bool, const G: usize, const C: usize>(
     out: *mut f32,
     ld: usize,
 ) {
-    let x: [Tok; C] = core::array::from_fn(|c| {
+    // A plain loop: `array::from_fn` was not inlined here and cost ~4% of a batch-32 decode step (perf).
+    let mut x = [Tok { base: xq as *const u8, lane: 0 }; C];
+    for (c, t) in x.iter_mut().enumerate() {
         let i = i0 + c;
-        Tok { base: xq.add(i / 4 * nb) as *const u8, lane: i % 4 }
-    });
+        *t = Tok { base: xq.add(i / 4 * nb) as *const u8, lane: i % 4 };
+    }
     let res = tile::<Q8, G, C>(packed.add(g * nb * block_bytes(Q8)), nb, x);
     for gg in 0..G {
         let r = (g + gg) * Q4_1X16_ROWS;

@@ -1,12 +1,14 @@
 //! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private rayon pool, picking AVX2/FMA/F16C kernels
-//! (plus an AVX-512 VNNI quantised matmul where the CPU has it) at run time and falling back to the portable scalar
-//! kernels in [`scalar`].
+//! (plus an AVX-512 VNNI quantised matmul and AVX-512 paged attention where the CPU has them) at run time and
+//! falling back to the portable scalar kernels in [`scalar`].
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_attention;
 pub mod codecs;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod codecs_avx2;
@@ -26,7 +28,8 @@ pub enum Simd {
     Scalar,
     /// AVX2 + FMA + F16C (x86-64, detected at run time).
     Avx2,
-    /// [`Simd::Avx2`] plus AVX-512 F/BW/VL/VNNI, used by the Q4_1 matmul; every other kernel runs its AVX2 form.
+    /// [`Simd::Avx2`] plus AVX-512 F/BW/VL/VNNI, used by the quantised matmul and paged attention; every other
+    /// kernel runs its AVX2 form.
     Avx512,
 }
 

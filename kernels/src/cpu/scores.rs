@@ -21,7 +21,7 @@
 //! across steps allocates once.
 
 use super::scalar::dot_f32;
-use crate::paged::KvStorage;
+use crate::paged::{KvDtype, KvStorage};
 use std::cmp::Ordering;
 
 /// Lower bound on ‖K_i‖₂ in [`value_key_ratio`]. The paper's ratio is undefined for a zero key. Its premise
@@ -35,6 +35,40 @@ pub const RATIO_EPS: f32 = 1e-6;
 /// no value; 1e-8 is PyTorch's `cosine_similarity` default, which its reference implementation inherits.
 pub const COSINE_EPS: f32 = 1e-8;
 
+/// The first slots of a block as f32: borrowed from an f32 cache, widened into owned buffers from an f16 one (sized
+/// once per scoring call, not per block).
+struct BlockScratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl BlockScratch {
+    fn new(kv: &KvStorage) -> BlockScratch {
+        let len = if kv.dtype() == KvDtype::F32 { 0 } else { kv.block_len() };
+        BlockScratch { k: vec![0.0; len], v: vec![0.0; len] }
+    }
+
+    /// K and V of slots `0..n` of block `b`.
+    fn block<'a>(&'a mut self, kv: &'a KvStorage, b: u32, n: usize) -> (&'a [f32], &'a [f32]) {
+        let e = n * kv.head_dim();
+        if kv.dtype() == KvDtype::F32 {
+            return (&kv.block_k(b)[..e], &kv.block_v(b)[..e]);
+        }
+        kv.read_block(b, &mut self.k[..e], &mut self.v[..e]);
+        (&self.k[..e], &self.v[..e])
+    }
+
+    /// K of slots `0..n` of block `b`.
+    fn keys<'a>(&'a mut self, kv: &'a KvStorage, b: u32, n: usize) -> &'a [f32] {
+        let e = n * kv.head_dim();
+        if kv.dtype() == KvDtype::F32 {
+            return &kv.block_k(b)[..e];
+        }
+        kv.read_block_k(b, &mut self.k[..e]);
+        &self.k[..e]
+    }
+}
+
 /// Calls `f(i, k_i, v_i)` for slots `0..len` of one cache, walking the block table once.
 #[inline]
 fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(usize, &[f32], &[f32])) {
@@ -42,10 +76,10 @@ fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(us
     let hd = kv.head_dim();
     let blocks = len.div_ceil(bs);
     debug_assert!(table.len() >= blocks, "score kernels: table has {} blocks, len {len} needs {blocks}", table.len());
+    let mut widened = BlockScratch::new(kv);
     for (bi, &b) in table[..blocks].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        let kb = &kv.block_k(b)[..n * hd];
-        let vb = &kv.block_v(b)[..n * hd];
+        let (kb, vb) = widened.block(kv, b, n);
         for (s, (k, v)) in kb.chunks_exact(hd).zip(vb.chunks_exact(hd)).enumerate() {
             f(bi * bs + s, k, v);
         }
@@ -148,6 +182,7 @@ pub fn window_attention_scores(
     debug_assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
     debug_assert!(out.len() >= len, "window_attention_scores: out has {} entries, len is {len}", out.len());
     debug_assert!(table.len() >= len.div_ceil(bs), "window_attention_scores: table too short for len {len}");
+    let mut widened = BlockScratch::new(kv);
     if probs.len() < len {
         probs.resize(len, 0.0);
     }
@@ -161,7 +196,7 @@ pub fn window_attention_scores(
             let mut max = f32::NEG_INFINITY;
             for (bi, &b) in table[..visible.div_ceil(bs)].iter().enumerate() {
                 let n = (visible - bi * bs).min(bs);
-                let kb = &kv.block_k(b)[..n * hd];
+                let kb = widened.keys(kv, b, n);
                 for (pv, k) in p[bi * bs..bi * bs + n].iter_mut().zip(kb.chunks_exact(hd)) {
                     let l = dot_f32(qv, k) * scale;
                     *pv = l;

@@ -8,7 +8,7 @@
 use super::context::CudaContext;
 use super::error::CudaError;
 use super::ops::{grid_dim, to_i32};
-use crate::paged::{AttnSeq, KvStorage};
+use crate::paged::{AttnSeq, KvArenas, KvStorage};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Head-paged K and V arenas in device memory, f16: block `b`, slot `s` starts at `(b * block_size + s) * head_dim`.
@@ -53,18 +53,15 @@ impl CudaKv {
         Ok(CudaKv { k: cx.zeros(len)?, v: cx.zeros(len)?, num_blocks, block_size, head_dim })
     }
 
-    /// Uploads a host cache, rounding to f16.
+    /// Uploads a host cache: an f16 one as it is, an f32 one rounded to f16.
     pub fn from_host(cx: &CudaContext, kv: &KvStorage) -> Result<CudaKv, CudaError> {
         arena_len(kv.num_blocks(), kv.block_size(), kv.head_dim())?;
-        let (k, v) = kv.arenas();
         let h = |a: &[f32]| a.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>();
-        Ok(CudaKv {
-            k: cx.upload(&h(k))?,
-            v: cx.upload(&h(v))?,
-            num_blocks: kv.num_blocks(),
-            block_size: kv.block_size(),
-            head_dim: kv.head_dim(),
-        })
+        let (k, v) = match kv.arenas_any() {
+            KvArenas::F32 { k, v } => (cx.upload(&h(k))?, cx.upload(&h(v))?),
+            KvArenas::F16 { k, v } => (cx.upload(k)?, cx.upload(v)?),
+        };
+        Ok(CudaKv { k, v, num_blocks: kv.num_blocks(), block_size: kv.block_size(), head_dim: kv.head_dim() })
     }
 
     /// Downloads into a host cache (f16 widened to f32).

@@ -1,0 +1,185 @@
+//! AVX-512 paged attention of one query over a head-paged block table (online softmax): the
+//! [`super::Simd::Avx512`] form of [`super::avx2::attend_one`], with the same contract.
+//!
+//! Why a second form: at head_dim 64 the AVX2 kernel needs 8 ymm registers for the query and 8 for the
+//! accumulators, so the compiler spills accumulators inside the value loop and every FMA waits on a store-forward.
+//! With 32 zmm registers of 16 lanes the query takes 4, two interleaved accumulator sets take 8, and eight
+//! independent score chains fit beside them, with half the instructions. Scores for eight slots are reduced by one
+//! transpose-add, not eight horizontal sums; the block's probabilities and their sum stay in vectors.
+
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use super::avx2::exp256;
+use core::arch::x86_64::*;
+
+/// Adds the two 256-bit halves of `a`.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn fold256(a: __m512) -> __m256 {
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    _mm256_add_ps(_mm512_castps512_ps256(a), hi)
+}
+
+/// Sum of 8 lanes.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum8(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// Max of 8 lanes.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn hmax8(v: __m256) -> f32 {
+    let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// Sixteen elements of an arena at element index `i`, widened to f32: f16 bit patterns when `H`, f32 otherwise.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn ld16<const H: bool>(base: *const u8, i: usize) -> __m512 {
+    if H {
+        _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * i) as *const __m256i))
+    } else {
+        _mm512_loadu_ps((base as *const f32).add(i))
+    }
+}
+
+/// Dot products of `q` (`NV` vectors of 16) with the 8 consecutive key rows from element `at` of the arena `k` (row
+/// stride `NV * 16`), as one vector of 8 scores: eight independent FMA chains, then a transpose-add.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn scores8<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8, at: usize) -> __m256 {
+    let hd = NV * 16;
+    let mut a = [_mm512_setzero_ps(); 8];
+    for (t, acc) in a.iter_mut().enumerate() {
+        *acc = _mm512_mul_ps(q[0], ld16::<H>(k, at + t * hd));
+    }
+    for (j, qj) in q.iter().enumerate().skip(1) {
+        for (t, acc) in a.iter_mut().enumerate() {
+            *acc = _mm512_fmadd_ps(*qj, ld16::<H>(k, at + t * hd + j * 16), *acc);
+        }
+    }
+    let f = a.map(|x| fold256(x));
+    // Lane t of the result is the sum of the 8 lanes of f[t].
+    let h01 = _mm256_hadd_ps(f[0], f[1]);
+    let h23 = _mm256_hadd_ps(f[2], f[3]);
+    let h45 = _mm256_hadd_ps(f[4], f[5]);
+    let h67 = _mm256_hadd_ps(f[6], f[7]);
+    let h0123 = _mm256_hadd_ps(h01, h23);
+    let h4567 = _mm256_hadd_ps(h45, h67);
+    let lo = _mm256_permute2f128_ps(h0123, h4567, 0x20);
+    let hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+    _mm256_add_ps(lo, hi)
+}
+
+/// Dot product of `q` with the one key row from element `at` of the arena `k`.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn score1<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8, at: usize) -> f32 {
+    let mut a = _mm512_mul_ps(q[0], ld16::<H>(k, at));
+    for (j, qj) in q.iter().enumerate().skip(1) {
+        a = _mm512_fmadd_ps(*qj, ld16::<H>(k, at + j * 16), a);
+    }
+    hsum8(fold256(a))
+}
+
+/// Attention of one query `q` (`head_dim = NV * 16`) over the first `len` slots of `table` in the arenas at `k`,
+/// `v` (blocks of `bs <= 64` slots × head_dim; f16 bit patterns when `H`, f32 otherwise); writes the result into
+/// `out`.
+///
+/// # Safety
+/// Requires AVX-512 F/VL, AVX2, FMA and F16C. Every block id in `table[..len.div_ceil(bs)]` must be in range of
+/// both arenas, and `q`, `out` must hold head_dim floats.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_one<const NV: usize, const H: bool>(
+    q: &[f32],
+    k: *const u8,
+    v: *const u8,
+    bs: usize,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    const MAXB: usize = 64;
+    let hd = NV * 16;
+    debug_assert!(q.len() == hd && out.len() == hd && bs <= MAXB);
+    let sv = _mm512_set1_ps(scale);
+    let mut qv = [_mm512_setzero_ps(); NV];
+    for (j, r) in qv.iter_mut().enumerate() {
+        *r = _mm512_mul_ps(_mm512_loadu_ps(q.as_ptr().add(j * 16)), sv);
+    }
+    // Even and odd slots accumulate into separate sets: two independent FMA chains per output vector.
+    let mut acc_even = [_mm512_setzero_ps(); NV];
+    let mut acc_odd = [_mm512_setzero_ps(); NV];
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0.0f32;
+    let mut sc = [f32::NEG_INFINITY; MAXB];
+    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        // Element offset of the block in both arenas.
+        let base = b as usize * bs * hd;
+        let mut bmaxv = _mm256_set1_ps(m);
+        let mut i = 0;
+        while i + 8 <= n {
+            let s8 = scores8::<NV, H>(&qv, k, base + i * hd);
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), s8);
+            bmaxv = _mm256_max_ps(bmaxv, s8);
+            i += 8;
+        }
+        let mut bmax = hmax8(bmaxv);
+        while i < n {
+            sc[i] = score1::<NV, H>(&qv, k, base + i * hd);
+            bmax = bmax.max(sc[i]);
+            i += 1;
+        }
+        // Probabilities, and their sum over the block's `n` live slots (lanes past `n` are masked out).
+        let mv = _mm256_set1_ps(bmax);
+        let mut lsum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+            let live = (n - i).min(8);
+            lsum = _mm256_add_ps(lsum, _mm256_maskz_mov_ps(((1u32 << live) - 1) as u8, e));
+            i += 8;
+        }
+        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
+        m = bmax;
+        let cv = _mm512_set1_ps(corr);
+        for (e, o) in acc_even.iter_mut().zip(acc_odd.iter_mut()) {
+            *e = _mm512_mul_ps(*e, cv);
+            *o = _mm512_mul_ps(*o, cv);
+        }
+        let mut i = 0;
+        while i + 2 <= n {
+            let p0 = _mm512_set1_ps(sc[i]);
+            let p1 = _mm512_set1_ps(sc[i + 1]);
+            let v0 = base + i * hd;
+            let v1 = v0 + hd;
+            for j in 0..NV {
+                acc_even[j] = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), acc_even[j]);
+                acc_odd[j] = _mm512_fmadd_ps(p1, ld16::<H>(v, v1 + j * 16), acc_odd[j]);
+            }
+            i += 2;
+        }
+        if i < n {
+            let p0 = _mm512_set1_ps(sc[i]);
+            let v0 = base + i * hd;
+            for (j, e) in acc_even.iter_mut().enumerate() {
+                *e = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), *e);
+            }
+        }
+        l = l * corr + hsum8(lsum);
+    }
+    let inv = _mm512_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
+    for (j, (e, o)) in acc_even.iter().zip(acc_odd.iter()).enumerate() {
+        _mm512_storeu_ps(out.as_mut_ptr().add(j * 16), _mm512_mul_ps(_mm512_add_ps(*e, *o), inv));
+    }
+}
