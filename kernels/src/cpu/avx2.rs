@@ -13,11 +13,24 @@ use core::arch::x86_64::*;
 /// Horizontal sum of 8 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
+    hreduce(v, |a, b| _mm_add_ps(a, b))
+}
+
+/// Horizontal max of 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn hmax(v: __m256) -> f32 {
+    hreduce(v, |a, b| _mm_max_ps(a, b))
+}
+
+/// Folds the 8 lanes of `v` with the lane-wise `op` (halves, then pairs, then neighbours).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn hreduce(v: __m256, op: impl Fn(__m128, __m128) -> __m128) -> f32 {
+    let s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = op(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(op(s, _mm_movehdup_ps(s)))
 }
 
 /// Quantises one block of 32 floats at `p` into `qs`; returns `(d, d * Σq)`. Bit-identical to

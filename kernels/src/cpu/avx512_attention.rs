@@ -9,7 +9,7 @@
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
-use super::avx2::exp256;
+use super::avx2::{exp256, hmax, hsum};
 use core::arch::x86_64::*;
 
 /// Adds the two 256-bit halves of `a`.
@@ -18,24 +18,6 @@ use core::arch::x86_64::*;
 unsafe fn fold256(a: __m512) -> __m256 {
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     _mm256_add_ps(_mm512_castps512_ps256(a), hi)
-}
-
-/// Sum of 8 lanes.
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-#[inline]
-unsafe fn hsum8(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-}
-
-/// Max of 8 lanes.
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-#[inline]
-unsafe fn hmax8(v: __m256) -> f32 {
-    let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)))
 }
 
 /// Sixteen elements of an arena at element index `i`, widened to f32: f16 bit patterns when `H`, f32 otherwise.
@@ -85,7 +67,7 @@ unsafe fn score1<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8,
     for (j, qj) in q.iter().enumerate().skip(1) {
         a = _mm512_fmadd_ps(*qj, ld16::<H>(k, at + j * 16), a);
     }
-    hsum8(fold256(a))
+    hsum(fold256(a))
 }
 
 /// Attention of one query `q` (`head_dim = NV * 16`) over the first `len` slots of `table` in the arenas at `k`,
@@ -133,7 +115,7 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
             bmaxv = _mm256_max_ps(bmaxv, s8);
             i += 8;
         }
-        let mut bmax = hmax8(bmaxv);
+        let mut bmax = hmax(bmaxv);
         while i < n {
             sc[i] = score1::<NV, H>(&qv, k, base + i * hd);
             bmax = bmax.max(sc[i]);
@@ -176,7 +158,7 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
                 *e = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), *e);
             }
         }
-        l = l * corr + hsum8(lsum);
+        l = l * corr + hsum(lsum);
     }
     let inv = _mm512_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
     for (j, (e, o)) in acc_even.iter().zip(acc_odd.iter()).enumerate() {
