@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine (README's test command; .ci/run runs it): installs the system packages
-# it needs, fetches the model, then checks formatting and lints, runs every test (unit, reference, end-to-end
-# against the real binary), compile-checks the CUDA kernels through NVRTC (no GPU needed), and checks the Helm
-# chart and Dockerfile offline (scripts/check-helm.sh).
+# it needs (protoc, pip, headless Chromium and chromedriver), fetches the model, then checks formatting and lints,
+# runs every test (unit, reference, end-to-end against the real binary, the dashboard in Chromium), compile-checks
+# the CUDA kernels through NVRTC (no GPU needed), and checks the Helm chart and Dockerfile offline
+# (scripts/check-helm.sh).
 #
 # Python packages go into venvs under target/ (check-cuda.sh: NVRTC; check-helm.sh: the Helm SDK, Kubernetes
 # schemas, hadolint); the model reference fixtures are committed (scripts/reference/*.py regenerate them and
@@ -14,6 +15,9 @@ missing=()
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
 command -v python3 >/dev/null || missing+=(python3)
 if command -v python3 >/dev/null && ! python3 -m pip --version >/dev/null 2>&1; then missing+=(python3-pip); fi
+# The dashboard browser test (e2e/tests/dashboard.rs) drives Debian's headless Chromium through chromedriver.
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test.sh: installing ${missing[*]}"
   apt-get update -qq

@@ -209,7 +209,7 @@ struct HttpArgs {
     /// "API keys and tenants"). Every /v1 request then needs `Authorization: Bearer <key>`; without it auth is off.
     #[arg(long, env = "PAGODA_API_KEYS_FILE")]
     api_keys_file: Option<PathBuf>,
-    /// File whose first non-comment line is the admin key, which opens the admin endpoints (/debug/*).
+    /// File whose first non-comment line is the admin key, which opens the admin endpoints (/debug/*, /dashboard).
     #[arg(long, env = "PAGODA_ADMIN_KEY_FILE")]
     admin_key_file: Option<PathBuf>,
 }
@@ -257,6 +257,10 @@ struct RouterArgs {
     /// near-ties across router replicas).
     #[arg(long)]
     placement_temperature: Option<f64>,
+    /// kvstore node address (host:port) whose raft leader, term and apply lag the dashboard shows; repeat for each
+    /// node. Without it the dashboard shows the kvstore as not configured.
+    #[arg(long = "kvstore", value_name = "ADDR")]
+    kvstore: Vec<String>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -749,6 +753,7 @@ async fn router(args: RouterArgs) -> Result<()> {
         body_limit: args.http.body_limit,
         placement,
         security,
+        kvstore: args.kvstore,
         ..RouterConfig::default()
     };
     println!("pagoda router listening on http://{addr}");

@@ -1,6 +1,9 @@
 //! Pagoda end-to-end harness: starts the real `pagoda` binary as child processes on ephemeral loopback ports,
 //! waits for readiness, and offers HTTP/SSE/gRPC helpers. Every child is killed by a drop guard, so a failing
-//! test never leaves processes behind; on failure the child's log tail is printed.
+//! test never leaves processes behind; on failure the child's log tail is printed. [`webdriver`] drives headless
+//! Chromium for the browser tests.
+
+pub mod webdriver;
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};

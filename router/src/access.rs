@@ -1,5 +1,6 @@
 //! Request admission: the axum middlewares that authenticate `/v1/*` callers (API key → [`Tenant`]) and apply
-//! their key's limits, and that guard the admin endpoints (`/debug/*`, later `/dashboard`) with the admin key.
+//! their key's limits, and that guard the admin endpoints (`/debug/*`, and `/dashboard` with its session cookie) with
+//! the admin key.
 //!
 //! A `/v1` request's [`Permit`] travels inside the response body ([`ReleaseOnEnd`]), so its concurrency slot is
 //! held for exactly as long as the response: until the last byte of a stream has been produced, or until the
@@ -74,32 +75,40 @@ pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Nex
     }
 }
 
-/// Middleware of the admin endpoints: the admin key opens them (401 for no or an unknown key, 403 for a tenant's
-/// key). With neither keys file nor admin key (dev mode) they are open; with a keys file but no admin key they
-/// stay closed, since tenants must not see each other's usage.
+/// Middleware of the admin endpoints: the admin key opens them (see [`admin_access`]).
 pub async fn require_admin(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    match admin_access(&st, req.headers().get(header::AUTHORIZATION)) {
+        Ok(()) => next.run(req).await,
+        Err(refused) => *refused,
+    }
+}
+
+/// Whether a request with this `Authorization` header may use the admin endpoints: the admin key opens them (401
+/// for no or an unknown key, 403 for a tenant's key). With neither keys file nor admin key (dev mode) they are
+/// open; with a keys file but no admin key they stay closed (403), since tenants must not see each other's usage.
+pub fn admin_access(st: &AppState, authorization: Option<&HeaderValue>) -> Result<(), Box<Response>> {
     let sec = st.security();
     let Some(admin) = sec.admin.as_ref() else {
         if sec.keys.is_none() {
-            return next.run(req).await;
+            return Ok(());
         }
-        return ApiError::permission_denied(
-            "Admin endpoints are disabled: the router has no admin key (--admin-key-file).",
-        )
-        .into_response();
+        return Err(Box::new(
+            ApiError::permission_denied(
+                "Admin endpoints are disabled: the router has no admin key (--admin-key-file).",
+            )
+            .into_response(),
+        ));
     };
-    let presented = match bearer(req.headers().get(header::AUTHORIZATION)) {
-        Ok(k) => k,
-        Err(e) => return unauthorized(e),
-    };
+    let presented = bearer(authorization).map_err(|e| Box::new(unauthorized(e)))?;
     if admin.matches(presented) {
-        return next.run(req).await;
+        return Ok(());
     }
     if sec.keys.as_ref().is_some_and(|k| k.find(presented).is_some()) {
-        return ApiError::permission_denied("This endpoint needs the admin key; an API key is not enough.")
-            .into_response();
+        return Err(Box::new(
+            ApiError::permission_denied("This endpoint needs the admin key; an API key is not enough.").into_response(),
+        ));
     }
-    unauthorized(ApiError::invalid_api_key("Incorrect admin key provided."))
+    Err(Box::new(unauthorized(ApiError::invalid_api_key("Incorrect admin key provided."))))
 }
 
 /// A response body that drops its [`Permit`] as soon as the body has produced its last frame (so a client that

@@ -20,7 +20,15 @@
 //!
 //! ## Admin key file (`--admin-key-file`)
 //!
-//! The first non-blank, non-comment line is the admin key (same two forms as above). It opens `/debug/*`.
+//! The first non-blank, non-comment line is the admin key (same two forms as above). It opens `/debug/*` and the
+//! dashboard.
+//!
+//! ## Dashboard sessions
+//!
+//! A browser cannot send a bearer header when it navigates, so the dashboard's login trades the admin key for a
+//! session cookie: `<expiry unix seconds>.<HMAC-SHA256(admin key digest, expiry) in hex>`. The cookie never holds
+//! the key, any router replica with the same admin key accepts it, it expires after [`ADMIN_SESSION`], and
+//! changing the admin key ends every session.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -43,6 +51,10 @@ pub const MAX_KEYS: usize = 10_000;
 pub const MAX_FILE_BYTES: u64 = 4 << 20;
 /// Largest accepted `rps`, `burst` and `concurrency`.
 pub const MAX_LIMIT: f64 = 1e6;
+/// How long a dashboard session lasts.
+pub const ADMIN_SESSION: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+/// Label of the MAC input, so a session token is no MAC of anything else.
+const SESSION_LABEL: &[u8] = b"pagoda-dashboard-session:";
 
 /// Why a keys file or admin key file was rejected.
 #[derive(Debug, thiserror::Error)]
@@ -131,14 +143,7 @@ fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
 /// Parses a key field: the key itself, or `sha256:<hex>`.
 fn parse_key(field: &str) -> Result<[u8; 32], String> {
     if let Some(hex) = field.strip_prefix("sha256:") {
-        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err("a `sha256:` key needs exactly 64 hex digits".into());
-        }
-        let mut out = [0u8; 32];
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| format!("bad hex digit: {e}"))?;
-        }
-        return Ok(out);
+        return parse_hex32(hex).ok_or_else(|| "a `sha256:` key needs exactly 64 hex digits".into());
     }
     if !(MIN_KEY_BYTES..=MAX_KEY_BYTES).contains(&field.len()) {
         return Err(format!(
@@ -315,6 +320,54 @@ impl AdminKey {
     pub fn matches(&self, presented: &[u8]) -> bool {
         ct_eq(&self.digest, &digest(presented))
     }
+
+    fn session_mac(&self, expires_unix: u64) -> [u8; 32] {
+        let mut msg = SESSION_LABEL.to_vec();
+        msg.extend_from_slice(expires_unix.to_string().as_bytes());
+        hmac_sha256(&self.digest, &msg)
+    }
+
+    /// A dashboard session token that expires at `expires_unix` (see the module docs).
+    pub fn session_token(&self, expires_unix: u64) -> String {
+        let mac: String = self.session_mac(expires_unix).iter().map(|b| format!("{b:02x}")).collect();
+        format!("{expires_unix}.{mac}")
+    }
+
+    /// Whether `token` is a session token of this key that is still valid at `now_unix`. Tokens that expire
+    /// further ahead than [`ADMIN_SESSION`] are refused too (they were not made by this router's clock).
+    pub fn session_valid(&self, token: &str, now_unix: u64) -> bool {
+        let Some((expires, mac_hex)) = token.split_once('.') else { return false };
+        if expires.is_empty() || expires.len() > 20 || !expires.bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+        let Ok(expires_unix) = expires.parse::<u64>() else { return false };
+        if expires_unix <= now_unix || expires_unix > now_unix.saturating_add(ADMIN_SESSION.as_secs() + 60) {
+            return false;
+        }
+        let Some(mac) = parse_hex32(mac_hex) else { return false };
+        ct_eq(&mac, &self.session_mac(expires_unix))
+    }
+}
+
+fn parse_hex32(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// HMAC-SHA256 (RFC 2104) with a key of at most one block (64 bytes).
+fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
+    let mut block = [0u8; 64];
+    let n = key.len().min(64);
+    block[..n].copy_from_slice(&key[..n]);
+    let pad = |byte: u8| block.map(|k| k ^ byte);
+    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(msg).finalize();
+    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
 }
 
 /// The router's authentication settings. The default (no keys file, no admin key) is the embedded dev mode:
@@ -436,6 +489,43 @@ mod tests {
         assert!(!a.matches(b"sk-admin-0123456789abcdeF"));
         assert!(matches!(AdminKey::parse("#\n", Path::new("admin")), Err(KeysFileError::Empty { .. })));
         assert!(matches!(AdminKey::parse("short\n", Path::new("admin")), Err(KeysFileError::Line { line: 1, .. })));
+    }
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        let hex = |b: [u8; 32]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        // Test case 2.
+        assert_eq!(
+            hex(hmac_sha256(b"Jefe", b"what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        // Test case 1: key 0x0b * 20, "Hi There".
+        assert_eq!(
+            hex(hmac_sha256(&[0x0b; 20], b"Hi There")),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+        );
+    }
+
+    #[test]
+    fn session_tokens_expire_and_belong_to_their_key() {
+        let a = AdminKey::parse("sk-admin-0123456789abcdef\n", Path::new("a")).unwrap();
+        let b = AdminKey::parse("sk-admin-0123456789abcdeF\n", Path::new("b")).unwrap();
+        let now = 1_800_000_000;
+        let t = a.session_token(now + 3600);
+        assert!(a.session_valid(&t, now));
+        assert!(!b.session_valid(&t, now), "another admin key");
+        assert!(!a.session_valid(&t, now + 3600), "expired");
+        let far = a.session_token(now + ADMIN_SESSION.as_secs() + 3600);
+        assert!(!a.session_valid(&far, now), "expiry beyond the session length");
+        let (exp, mac) = t.split_once('.').unwrap();
+        let later = format!("{}.{mac}", now + 7200);
+        assert!(!a.session_valid(&later, now), "expiry changed without the MAC");
+        let flipped = format!("{exp}.{}{}", &mac[..63], if mac.ends_with('0') { '1' } else { '0' });
+        assert!(!a.session_valid(&flipped, now));
+        for bad in ["", ".", "abc", &format!("{exp}."), &format!(".{mac}"), &format!("+{exp}.{mac}"), &t[..t.len() - 1]]
+        {
+            assert!(!a.session_valid(bad, now), "{bad:?}");
+        }
     }
 
     #[test]

@@ -90,9 +90,15 @@ pub async fn start(
     };
     let candidates = {
         let span = spans::place_span(pool.strategy_name(), pool.workers().len());
+        let started = Instant::now();
         let placed = pool.place(&place);
+        let took = started.elapsed();
         match &placed {
-            Ok(c) => spans::placed(&span, c.first().map_or("", |w| w.addr.as_str()), &pool.last_reason()),
+            Ok(c) => {
+                let chosen = c.first().map_or("", |w| w.addr.as_str());
+                metrics.count_placement(chosen, pool.strategy_name(), took);
+                spans::placed(&span, chosen, &pool.last_reason())
+            }
             Err(e) => spans::placed(&span, "", &e.to_string()),
         }
         match placed {
@@ -173,9 +179,9 @@ async fn pump(
                     match last_token {
                         None => {
                             in_flight.first_token();
-                            metrics.ttft.observe(now.duration_since(job.arrived).as_secs_f64())
+                            metrics.observe_ttft(now.duration_since(job.arrived).as_secs_f64(), now)
                         }
-                        Some(t) => metrics.inter_token.observe(now.duration_since(t).as_secs_f64()),
+                        Some(t) => metrics.observe_inter_token(now.duration_since(t).as_secs_f64(), now),
                     }
                     last_token = Some(now);
                     metrics.completion_tokens.inc();

@@ -14,11 +14,14 @@
 //! - [`auth`]: API keys file, tenants, admin key, bearer parsing and constant-time key lookup.
 //! - [`limits`]: per-key token bucket and in-flight cap ([`limits::Limiter`]).
 //! - [`access`]: the middlewares that apply [`auth`] and [`limits`] to `/v1/*` and the admin endpoints.
+//! - [`timeline`]: the last 10 minutes of request counts and TTFT/ITL percentiles in 5 s windows.
+//! - [`dashboard`]: the operator dashboard (`/dashboard`): embedded page, login, state JSON, kvstore status.
 //! - [`spans`]: the trace spans (`router.request`, `router.place`, the worker call) and context propagation.
 
 pub mod access;
 pub mod auth;
 pub mod codec;
+pub mod dashboard;
 pub mod detok;
 pub mod error;
 pub mod extract;
@@ -32,6 +35,7 @@ pub mod placer;
 pub mod residency;
 pub mod server;
 pub mod spans;
+pub mod timeline;
 pub mod workers;
 
 pub use auth::{KeysFileError, Security};

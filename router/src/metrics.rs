@@ -1,6 +1,10 @@
 //! Router metrics in Prometheus/OpenMetrics text (prometheus-client), named `pagoda_router_<what>_<unit>`:
-//! requests by endpoint and status, TTFT and inter-token latency, prompt/completion tokens, and worker occupancy
-//! scraped from each worker's `Stats` at scrape time.
+//! requests by endpoint and status, TTFT and inter-token latency, prompt/completion tokens, placements, and worker
+//! occupancy scraped from each worker's `Stats` at scrape time. The `/v1` requests and latencies also feed the
+//! dashboard's [`Timeline`] of recent windows.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -9,6 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::timeline::Timeline;
 use crate::workers::WorkerPool;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -33,6 +38,12 @@ pub struct RateLimitLabels {
 pub struct PolicyLabels {
     pub worker: String,
     pub policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PlacementLabels {
+    pub worker: String,
+    pub strategy: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -72,6 +83,14 @@ pub struct Metrics {
     pub worker_tier_capacity_bytes: Family<TierLabels, Gauge>,
     /// The worker's cumulative prompt tokens served from a cached prefix, by the tier it came from.
     pub worker_prefix_hit_tokens: Family<TierHitLabels, Gauge>,
+    /// Requests placed, by the worker chosen first and the strategy.
+    pub placements: Family<PlacementLabels, Counter>,
+    /// Time to choose a worker (gathering the workers' state and running the cost model).
+    pub placement_decision: Histogram,
+    /// Recent `/v1` requests and latencies in 5 s windows, for the dashboard.
+    pub timeline: Timeline,
+    /// Requests placed since start, over all workers and strategies (for the dashboard).
+    placed: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -185,8 +204,22 @@ impl Metrics {
             Unit::Other("tokens".into()),
             worker_prefix_hit_tokens.clone(),
         );
+        let placements = Family::<PlacementLabels, Counter>::default();
+        registry.register("placements", "Requests placed, by the worker chosen and the strategy", placements.clone());
+        // 1 µs .. ~16 ms
+        let placement_decision = Histogram::new(exponential_buckets(1e-6, 2.0, 15));
+        registry.register_with_unit(
+            "placement_decision",
+            "Time to choose a worker for a request",
+            Unit::Seconds,
+            placement_decision.clone(),
+        );
         Metrics {
             registry,
+            placements,
+            placement_decision,
+            timeline: Timeline::new(),
+            placed: AtomicU64::new(0),
             rate_limited,
             worker_tier_used_bytes,
             worker_tier_capacity_bytes,
@@ -209,6 +242,33 @@ impl Metrics {
 
     pub fn count_request(&self, endpoint: &str, status: u16) {
         self.requests.get_or_create(&RequestLabels { endpoint: endpoint.to_string(), status }).inc();
+        if endpoint.starts_with("/v1/") {
+            self.timeline.record_request(status, Instant::now());
+        }
+    }
+
+    /// The first token of a stream arrived `seconds` after its request.
+    pub fn observe_ttft(&self, seconds: f64, at: Instant) {
+        self.ttft.observe(seconds);
+        self.timeline.record_ttft(seconds, at);
+    }
+
+    /// A token arrived `seconds` after the previous one of its stream.
+    pub fn observe_inter_token(&self, seconds: f64, at: Instant) {
+        self.inter_token.observe(seconds);
+        self.timeline.record_inter_token(seconds, at);
+    }
+
+    /// A request was placed on `worker` (first choice) by `strategy`, which took `took`.
+    pub fn count_placement(&self, worker: &str, strategy: &'static str, took: Duration) {
+        self.placements.get_or_create(&PlacementLabels { worker: worker.to_string(), strategy }).inc();
+        self.placement_decision.observe(took.as_secs_f64());
+        self.placed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests placed since start.
+    pub fn placements_total(&self) -> u64 {
+        self.placed.load(Ordering::Relaxed)
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
@@ -279,6 +339,7 @@ mod tests {
         m.worker_tier_used_bytes.get_or_create(&tl).set(1024);
         m.worker_tier_capacity_bytes.get_or_create(&tl).set(4096);
         m.worker_prefix_hit_tokens.get_or_create(&TierHitLabels { worker: "w".into(), tier: "disk".into() }).set(32);
+        m.count_placement("w", "kv", Duration::from_micros(20));
         let text = m.encode();
         for name in [
             "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
@@ -292,6 +353,8 @@ mod tests {
             "pagoda_router_worker_tier_used_bytes{worker=\"w\",tier=\"host\",codec=\"native\"} 1024",
             "pagoda_router_worker_tier_capacity_bytes{worker=\"w\",tier=\"host\",codec=\"native\"} 4096",
             "pagoda_router_worker_prefix_hit_tokens{worker=\"w\",tier=\"disk\"} 32",
+            "pagoda_router_placements_total{worker=\"w\",strategy=\"kv\"} 1",
+            "pagoda_router_placement_decision_seconds_count 1",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use crate::access::{self, DEFAULT_TENANT};
 use crate::auth::{Security, Tenant};
 use crate::codec::TextCodec;
+use crate::dashboard::{self, Dashboard};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, Job, Piece};
@@ -48,6 +49,8 @@ pub struct RouterConfig {
     pub placement: PlacerConfig,
     /// API keys, tenants and the admin key; the default is auth off (dev mode).
     pub security: Security,
+    /// kvstore node addresses (`host:port`) whose raft status the dashboard shows; empty: "not configured".
+    pub kvstore: Vec<String>,
 }
 
 impl Default for RouterConfig {
@@ -58,6 +61,7 @@ impl Default for RouterConfig {
             health_interval: Duration::from_secs(2),
             placement: PlacerConfig::default(),
             security: Security::default(),
+            kvstore: Vec::new(),
         }
     }
 }
@@ -71,6 +75,8 @@ struct Inner {
     security: Security,
     /// Present when there is a keys file.
     limiter: Option<Arc<Limiter>>,
+    dashboard: Dashboard,
+    started: Instant,
 }
 
 /// Shared handler state.
@@ -89,6 +95,17 @@ impl AppState {
         body_limit: usize,
         security: Security,
     ) -> AppState {
+        AppState::with_dashboard(codec, pool, body_limit, security, Dashboard::default())
+    }
+
+    /// State with auth settings and a dashboard (which polls its kvstore nodes).
+    pub fn with_dashboard(
+        codec: Arc<dyn TextCodec>,
+        pool: Arc<WorkerPool>,
+        body_limit: usize,
+        security: Security,
+        dashboard: Dashboard,
+    ) -> AppState {
         let limiter = security.keys.as_deref().map(Limiter::new);
         AppState(Arc::new(Inner {
             codec,
@@ -98,7 +115,18 @@ impl AppState {
             created: unix_now(),
             security,
             limiter,
+            dashboard,
+            started: Instant::now(),
         }))
+    }
+
+    pub fn dashboard(&self) -> &Dashboard {
+        &self.0.dashboard
+    }
+
+    /// When this state (the router) was created.
+    pub fn started(&self) -> Instant {
+        self.0.started
     }
 
     pub fn security(&self) -> &Security {
@@ -150,6 +178,7 @@ pub fn app(state: AppState) -> axum::Router {
     axum::Router::new()
         .merge(v1)
         .merge(admin)
+        .merge(dashboard::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -169,9 +198,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
+    let dashboard = Dashboard::new(&config.kvstore).map_err(std::io::Error::other)?;
     let health = pool.spawn_health_loop(config.health_interval);
     log_security(&config.security);
-    let state = AppState::with_security(codec, pool, config.body_limit, config.security);
+    let state = AppState::with_dashboard(codec, pool, config.body_limit, config.security, dashboard);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
     res
@@ -185,9 +215,11 @@ fn log_security(sec: &Security) {
         Some(k) => tracing::info!(keys = k.entries().len(), tenants = k.tenant_count(), "API keys on"),
     }
     match (&sec.admin, &sec.keys) {
-        (Some(_), _) => tracing::info!("admin endpoints (/debug/*) need the admin key"),
-        (None, None) => tracing::warn!("admin endpoints (/debug/*) are open: no --admin-key-file and no API keys"),
-        (None, Some(_)) => tracing::info!("admin endpoints (/debug/*) are disabled: no --admin-key-file"),
+        (Some(_), _) => tracing::info!("admin endpoints (/debug/*, /dashboard) need the admin key"),
+        (None, None) => {
+            tracing::warn!("admin endpoints (/debug/*, /dashboard) are open: no --admin-key-file and no API keys")
+        }
+        (None, Some(_)) => tracing::info!("admin endpoints (/debug/*, /dashboard) are disabled: no --admin-key-file"),
     }
 }
 

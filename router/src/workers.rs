@@ -45,6 +45,18 @@ pub struct InFlight {
     decoding: bool,
 }
 
+impl WorkerLoad {
+    /// Prompt tokens sent and still waiting for their first token.
+    pub fn queued_tokens(&self) -> u64 {
+        self.prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Streams decoding.
+    pub fn decoding(&self) -> u32 {
+        self.decoding.load(Ordering::Relaxed)
+    }
+}
+
 impl InFlight {
     pub fn new(load: Arc<WorkerLoad>, prompt_tokens: u64) -> InFlight {
         load.prefill_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);

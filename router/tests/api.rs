@@ -1,6 +1,7 @@
 //! Router HTTP tests against an in-process fake worker that speaks the real `Worker` gRPC service, with a
 //! byte-level codec (token id = byte). They cover the OpenAI wire format (JSON and exact SSE), validation errors,
-//! stop strings, readiness, metrics, and cancellation of the worker stream when the client leaves.
+//! stop strings, readiness, metrics, cancellation of the worker stream when the client leaves, and the dashboard's
+//! state, cache and access rules.
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -66,6 +67,8 @@ struct Fake {
     started: Arc<AtomicUsize>,
     /// The `namespace` of every Generate call, in order.
     namespaces: Arc<std::sync::Mutex<Vec<String>>>,
+    /// `Stats` calls answered.
+    stats_calls: Arc<AtomicUsize>,
 }
 
 struct OpenGuard(Arc<AtomicUsize>);
@@ -146,6 +149,7 @@ impl Worker for Fake {
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        self.stats_calls.fetch_add(1, Ordering::SeqCst);
         let open = self.open.load(Ordering::SeqCst) as u64;
         Ok(Response::new(StatsResponse {
             blocks_total: 100,
@@ -191,6 +195,7 @@ async fn spawn_router_with(workers: Vec<String>, body_limit: usize, security: Se
         health_interval: Duration::from_millis(100),
         placement: PlacerConfig { strategy, ..PlacerConfig::default() },
         security,
+        ..RouterConfig::default()
     };
     tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
     format!("http://{addr}")
@@ -767,4 +772,131 @@ async fn api_keys_tenants_limits_and_admin() {
     assert_eq!(r.status(), 429);
     let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
     assert!((1..=5).contains(&retry), "{retry}");
+}
+
+async fn wait_ready(client: &reqwest::Client, http: &str) {
+    for _ in 0..100 {
+        if client.get(format!("{http}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("router never became ready");
+}
+
+/// In dev mode the dashboard is open; its state follows the traffic, and however many polls arrive at once the
+/// workers see about one `Stats` call a second from it (the health probes add theirs, every 100 ms here).
+#[tokio::test]
+async fn dashboard_state_follows_traffic_and_caches_worker_stats() {
+    let fake = Fake::default();
+    let stats_calls = fake.stats_calls.clone();
+    let waddr = spawn_worker(fake).await;
+    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    let page = client.get(format!("{http}/dashboard")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.text().await.unwrap().contains("id=\"requests-total\""));
+    let state = || async {
+        let r = client.get(format!("{http}/dashboard/api/state")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()
+    };
+    let v = state().await;
+    assert_eq!(v["workers"][0]["address"], waddr.to_string(), "{v}");
+    assert_eq!(v["workers"][0]["stats"]["blocks_total"], 100, "{v}");
+    assert_eq!(v["kvstore"]["configured"], false, "{v}");
+    assert_eq!(v["router"]["placements_total"], 0, "{v}");
+    assert_eq!(v["timeline"]["requests_total"], 0, "{v}");
+
+    let r = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let id = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    let v = state().await;
+    assert_eq!(v["timeline"]["requests_total"], 1, "{v}");
+    assert_eq!(v["router"]["placements_total"], 1, "{v}");
+    assert_eq!(v["placements"][0]["request_id"], id.as_str(), "{v}");
+    assert_eq!(v["placements"][0]["chosen"], waddr.to_string(), "{v}");
+    let last = v["timeline"]["windows"].as_array().unwrap().iter().rev().find(|w| w["requests"] == 1).cloned();
+    let last = last.unwrap_or_else(|| panic!("no window counts the request: {v}"));
+    assert!(last["ttft"]["p50_s"].as_f64().unwrap() > 0.0, "{last}");
+    assert!(last["inter_token"]["count"].as_u64().unwrap() > 10, "{last}");
+
+    // 20 bursts of 50 concurrent polls over ~2 s: without the cache that is 1000 Stats calls.
+    let before = stats_calls.load(Ordering::SeqCst);
+    let t0 = std::time::Instant::now();
+    for _ in 0..20 {
+        let burst = (0..50).map(|_| client.get(format!("{http}/dashboard/api/state")).send());
+        for r in futures::future::join_all(burst).await {
+            assert_eq!(r.unwrap().status(), 200);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let calls = stats_calls.load(Ordering::SeqCst) - before;
+    let secs = t0.elapsed().as_secs_f64();
+    eprintln!("{calls} Stats calls in {secs:.1} s for 1000 dashboard polls");
+    // Health probes: 10 a second; the dashboard: about 1 a second.
+    assert!((calls as f64) < 14.0 * secs + 4.0, "{calls} Stats calls in {secs:.1} s for 1000 dashboard polls");
+}
+
+/// The dashboard's access rules are the admin endpoints': 403 with keys but no admin key; with an admin key, 401
+/// without it, 403 for a tenant key, and the login's session cookie opens the page and the state.
+#[tokio::test]
+async fn dashboard_access_follows_the_admin_endpoints() {
+    let waddr = spawn_worker(Fake::default()).await;
+    let keys = || Arc::new(KeyTable::parse(&format!("{KEY_A} acme\n"), std::path::Path::new("keys")).unwrap());
+    let no_redirects = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let limit = pagoda_router::DEFAULT_BODY_LIMIT;
+
+    let closed = Security { keys: Some(keys()), admin: None };
+    let http = spawn_router_with(vec![waddr.to_string()], limit, closed, Strategy::Kv).await;
+    wait_ready(&no_redirects, &http).await;
+    for path in ["/dashboard", "/dashboard/api/state"] {
+        let r = no_redirects.get(format!("{http}{path}")).bearer_auth(KEY_A).send().await.unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+    }
+    let r = no_redirects.post(format!("{http}/dashboard/login")).form(&[("key", KEY_A)]).send().await.unwrap();
+    assert_eq!(r.status(), 403);
+
+    let admin = AdminKey::parse(ADMIN, std::path::Path::new("admin")).unwrap();
+    let guarded = Security { keys: Some(keys()), admin: Some(admin) };
+    let http = spawn_router_with(vec![waddr.to_string()], limit, guarded, Strategy::Kv).await;
+    wait_ready(&no_redirects, &http).await;
+    let get = |path: &str, auth: Option<(&'static str, String)>| {
+        let mut r = no_redirects.get(format!("{http}{path}"));
+        if let Some((name, value)) = auth {
+            r = r.header(name, value);
+        }
+        r.send()
+    };
+    let page = get("/dashboard", None).await.unwrap();
+    assert_eq!(page.status(), 401);
+    assert!(page.text().await.unwrap().contains("login-form"));
+    assert_eq!(get("/dashboard/api/state", None).await.unwrap().status(), 401);
+    let tenant = Some(("authorization", format!("Bearer {KEY_A}")));
+    assert_eq!(get("/dashboard/api/state", tenant).await.unwrap().status(), 403);
+    let admin_bearer = Some(("authorization", format!("Bearer {ADMIN}")));
+    assert_eq!(get("/dashboard/api/state", admin_bearer).await.unwrap().status(), 200);
+    // Assets carry no data and are public (the login page needs the style sheet).
+    assert_eq!(get("/dashboard/dashboard.css", None).await.unwrap().status(), 200);
+
+    let login = |key: &'static str| no_redirects.post(format!("{http}/dashboard/login")).form(&[("key", key)]).send();
+    let r = login(KEY_A).await.unwrap();
+    assert_eq!(r.status(), 401, "a tenant key is no admin key");
+    assert!(r.headers().get("set-cookie").is_none());
+    let r = login(ADMIN).await.unwrap();
+    assert_eq!(r.status(), 303);
+    let cookie = r.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
+    assert_eq!(get("/dashboard/api/state", Some(("cookie", cookie.clone()))).await.unwrap().status(), 200);
+    assert_eq!(get("/dashboard", Some(("cookie", cookie.clone()))).await.unwrap().status(), 200);
+    let tampered = format!("{}0", &cookie[..cookie.len() - 1]);
+    let tampered = if tampered == cookie { format!("{}1", &cookie[..cookie.len() - 1]) } else { tampered };
+    assert_eq!(get("/dashboard/api/state", Some(("cookie", tampered))).await.unwrap().status(), 401);
+    let r = no_redirects.post(format!("{http}/dashboard/logout")).send().await.unwrap();
+    assert_eq!(r.status(), 303);
+    assert!(r.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
 }

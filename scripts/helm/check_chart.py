@@ -443,7 +443,7 @@ def registered_metrics() -> set[str]:
 def check_dashboard() -> None:
     dash = json.loads((CHART / "dashboards/pagoda.json").read_text())
     known = registered_metrics()
-    suffixes = ("_total", "_bucket", "_sum", "_count", "_seconds", "_blocks", "_sequences", "_tokens")
+    suffixes = ("_total", "_bucket", "_sum", "_count", "_seconds", "_blocks", "_sequences", "_tokens", "_bytes")
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     if not exprs:
         fail("dashboard: no queries")
