@@ -30,6 +30,12 @@ pub struct RateLimitLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MigrationLabels {
+    /// `stall`, `first_token_timeout`, `stream_error`, `stream_ended`, `unavailable`, `cancelled`, `worker_error`.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabels {
     pub worker: String,
     pub policy: String,
@@ -72,6 +78,8 @@ pub struct Metrics {
     pub worker_tier_capacity_bytes: Family<TierLabels, Gauge>,
     /// The worker's cumulative prompt tokens served from a cached prefix, by the tier it came from.
     pub worker_prefix_hit_tokens: Family<TierHitLabels, Gauge>,
+    /// Requests re-issued to another worker after theirs failed, by why.
+    pub migrations: Family<MigrationLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -185,8 +193,15 @@ impl Metrics {
             Unit::Other("tokens".into()),
             worker_prefix_hit_tokens.clone(),
         );
+        let migrations = Family::<MigrationLabels, Counter>::default();
+        registry.register(
+            "migrations",
+            "Requests re-issued (prompt + tokens so far) to another worker after theirs failed or stalled, by reason",
+            migrations.clone(),
+        );
         Metrics {
             registry,
+            migrations,
             rate_limited,
             worker_tier_used_bytes,
             worker_tier_capacity_bytes,
@@ -209,6 +224,10 @@ impl Metrics {
 
     pub fn count_request(&self, endpoint: &str, status: u16) {
         self.requests.get_or_create(&RequestLabels { endpoint: endpoint.to_string(), status }).inc();
+    }
+
+    pub fn count_migration(&self, reason: &'static str) {
+        self.migrations.get_or_create(&MigrationLabels { reason }).inc();
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
@@ -267,6 +286,7 @@ mod tests {
     fn names_follow_the_convention() {
         let m = Metrics::new();
         m.count_request("/v1/chat/completions", 200);
+        m.count_migration("stall");
         m.ttft.observe(0.05);
         m.inter_token.observe(0.01);
         m.prompt_tokens.inc_by(3);
@@ -285,6 +305,7 @@ mod tests {
             "pagoda_router_ttft_seconds_bucket",
             "pagoda_router_inter_token_latency_seconds_count 1",
             "pagoda_router_prompt_tokens_total 3",
+            "pagoda_router_migrations_total{reason=\"stall\"} 1",
             "pagoda_router_completion_tokens_total 4",
             "pagoda_router_worker_used_blocks{worker=\"w\"} 5",
             "pagoda_router_worker_evicted_tokens{worker=\"w\",policy=\"snapkv\"} 7",

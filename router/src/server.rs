@@ -22,7 +22,7 @@ use crate::auth::{Security, Tenant};
 use crate::codec::TextCodec;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generate::{self, Job, Piece};
+use crate::generate::{self, GenerateContext, Job, MigrationConfig, Piece};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::openai::{
@@ -48,6 +48,8 @@ pub struct RouterConfig {
     pub placement: PlacerConfig,
     /// API keys, tenants and the admin key; the default is auth off (dev mode).
     pub security: Security,
+    /// Stall timeouts and the retry limit of request migration.
+    pub migration: MigrationConfig,
 }
 
 impl Default for RouterConfig {
@@ -58,6 +60,7 @@ impl Default for RouterConfig {
             health_interval: Duration::from_secs(2),
             placement: PlacerConfig::default(),
             security: Security::default(),
+            migration: MigrationConfig::default(),
         }
     }
 }
@@ -71,6 +74,7 @@ struct Inner {
     security: Security,
     /// Present when there is a keys file.
     limiter: Option<Arc<Limiter>>,
+    migration: MigrationConfig,
 }
 
 /// Shared handler state.
@@ -89,6 +93,17 @@ impl AppState {
         body_limit: usize,
         security: Security,
     ) -> AppState {
+        AppState::with_migration(codec, pool, body_limit, security, MigrationConfig::default())
+    }
+
+    /// [`AppState::with_security`] with request-migration settings.
+    pub fn with_migration(
+        codec: Arc<dyn TextCodec>,
+        pool: Arc<WorkerPool>,
+        body_limit: usize,
+        security: Security,
+        migration: MigrationConfig,
+    ) -> AppState {
         let limiter = security.keys.as_deref().map(Limiter::new);
         AppState(Arc::new(Inner {
             codec,
@@ -98,6 +113,7 @@ impl AppState {
             created: unix_now(),
             security,
             limiter,
+            migration,
         }))
     }
 
@@ -171,7 +187,7 @@ pub async fn serve(
     let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
     let health = pool.spawn_health_loop(config.health_interval);
     log_security(&config.security);
-    let state = AppState::with_security(codec, pool, config.body_limit, config.security);
+    let state = AppState::with_migration(codec, pool, config.body_limit, config.security, config.migration);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
     res
@@ -387,7 +403,13 @@ async fn start_job(
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
     let job =
         Job { request_id: id.to_string(), prompt, max_tokens, params, namespace: tenant.name.to_string(), arrived };
-    generate::start(st.pool(), st.0.codec.clone(), st.metrics().clone(), job).await
+    let ctx = GenerateContext {
+        pool: st.pool().clone(),
+        codec: st.0.codec.clone(),
+        metrics: st.metrics().clone(),
+        migration: st.0.migration,
+    };
+    generate::start(ctx, job).await
 }
 
 async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<(String, &'static str, Usage), ApiError> {
