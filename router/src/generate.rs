@@ -3,7 +3,8 @@
 //! hand text pieces to the HTTP layer.
 //!
 //! It also owns request migration: when the serving worker fails (the stream errors, resets or ends without
-//! finishing) or stalls (no token for [`MigrationConfig::stall_timeout`]), the generation is re-issued to another
+//! finishing) or stalls (no token for [`MigrationConfig::stall_timeout`] and no answer to a health check, or no token
+//! for [`MigrationConfig::first_token_timeout`]), the generation is re-issued to another
 //! worker as prompt + the tokens produced so far, with `max_tokens` reduced by those and the same sampling
 //! settings. The detokenizer and stop matcher carry on over the switch, so the client sees one uninterrupted,
 //! duplicate-free stream. At most [`MigrationConfig::max_retries`] re-issues happen; beyond that the client gets a
@@ -52,9 +53,11 @@ pub struct Job {
 /// When a worker counts as failed under a request, and how often the request moves on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MigrationConfig {
-    /// Longest wait between two tokens of one stream before the worker counts as stalled.
+    /// Longest wait between two tokens of one stream before the worker counts as stalled, unless it still answers
+    /// its health check (then it is only slow, and the wait goes on up to `first_token_timeout`).
     pub stall_timeout: Duration,
-    /// Longest wait from opening a stream to its first token (queueing and prefill included).
+    /// Longest wait from opening a stream to its first token (queueing and prefill included), and the hard bound
+    /// on any silence of a stream.
     pub first_token_timeout: Duration,
     /// Re-issues after a worker failure, per request; the failure after the last one reaches the client.
     pub max_retries: u32,
@@ -358,6 +361,7 @@ impl Generation {
         let before = self.generated.len() as u32;
         let cfg = self.ctx.migration;
         let mut got_token = false;
+        let mut last_progress = Instant::now();
         loop {
             let (wait, stalled_reason) = if got_token {
                 (cfg.stall_timeout, "stall")
@@ -375,17 +379,22 @@ impl Generation {
             let msg = match msg {
                 Ok(m) => m,
                 Err(_) => {
+                    let silent = last_progress.elapsed();
+                    // Slow is not stalled: a worker that still answers its health check is overloaded, not stuck,
+                    // and moving its requests would only add prefill work. Wait on, up to the hard bound.
+                    if silent < cfg.first_token_timeout && self.worker_answers(&addr).await {
+                        tracing::debug!(request_id = %self.job.request_id, worker = %addr, "slow stream; the worker is alive");
+                        continue;
+                    }
                     return AttemptEnd::WorkerFailed(WorkerFailure {
                         worker: addr,
                         reason: stalled_reason,
-                        error: ApiError::unavailable(format!(
-                            "The worker sent nothing for {} ms.",
-                            wait.as_millis().max(cfg.stall_timeout.as_millis())
-                        )),
+                        error: ApiError::unavailable(format!("The worker sent nothing for {} ms.", silent.as_millis())),
                         mark_down: true,
                     });
                 }
             };
+            last_progress = Instant::now();
             match msg {
                 Ok(Some(resp)) => {
                     for id in resp.token_ids {
@@ -428,6 +437,12 @@ impl Generation {
                 }
             }
         }
+    }
+
+    /// Whether the worker at `addr` answers its health check as ready within the stall timeout.
+    async fn worker_answers(&self, addr: &str) -> bool {
+        let Some(w) = self.ctx.pool.workers().iter().find(|w| w.addr == addr) else { return false };
+        tokio::time::timeout(self.ctx.migration.stall_timeout, w.probe()).await.unwrap_or(false)
     }
 
     /// Feeds one token through the text pipeline; returns true when the request is over (a stop string matched,
