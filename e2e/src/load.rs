@@ -337,7 +337,8 @@ pub async fn run(http: &Http, cfg: &LoadConfig) -> Result<Vec<Record>> {
                 bail!("arrival rate must be positive, got {per_second}");
             }
             let gap = Duration::from_secs_f64(1.0 / per_second);
-            while issuing(next) {
+            // Arrivals follow the schedule: one due after `duration` is never sent, however early the loop asks.
+            while next < cfg.max_requests && gap.mul_f64(next as f64) < cfg.duration {
                 let due = t0 + gap.mul_f64(next as f64);
                 tokio::select! {
                     r = tasks.join_next(), if !tasks.is_empty() => {

@@ -242,3 +242,31 @@ async fn rolling_restart_of_all_workers() {
     })
     .await;
 }
+
+/// The open-loop mode of the load generator on a healthy cluster (no fault): arrivals at a fixed rate, mixed
+/// streaming, every answer equal to the greedy reference, nothing lost or shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_load_matches_the_reference() {
+    let cluster = ClusterBuilder::new(BIN, "chaos-open").workers(2).router_args(ROUTER_ARGS).start().await.unwrap();
+    let http = cluster.http(0).clone();
+    let prompts = load::prompt_mix(2, 2);
+    let reference = load::reference(&http, &prompts, 12).await.unwrap();
+    let cfg = LoadConfig {
+        mode: Mode::Open { per_second: 3.0, max_in_flight: 64 },
+        prompts,
+        max_tokens: 12,
+        streaming: Streaming::Mixed,
+        deadline: Duration::from_secs(60),
+        duration: Duration::from_secs(5),
+        max_requests: 1000,
+    };
+    let records = load::run(&http, &cfg).await.unwrap();
+    let report = Report::new(&records, &reference);
+    assert!((14..=16).contains(&report.sent), "about 3/s for 5 s: {report:?}");
+    assert_eq!((report.lost, report.shed, report.completed), (0, 0, report.sent), "{report:?}");
+    assert!(report.mismatches.is_empty(), "{report:?}");
+    assert!(records.iter().any(|r| r.stream) && records.iter().any(|r| !r.stream));
+    // Arrivals follow the clock, not completions: the n-th request is sent about n/3 s in.
+    let last = records.iter().map(|r| r.sent_at).max().unwrap();
+    assert!(last >= Duration::from_millis(4300) && last < Duration::from_millis(5200), "{last:?}");
+}
