@@ -265,6 +265,34 @@ struct RouterArgs {
     model: ModelArgs,
     #[command(flatten)]
     http: HttpArgs,
+    #[command(flatten)]
+    migration: MigrationArgs,
+}
+
+/// Request migration: when a worker counts as failed under a request, and how often the request moves on.
+#[derive(Args)]
+struct MigrationArgs {
+    /// A stream that sends no token for this long (between tokens) moves to another worker, unless its worker still
+    /// answers a health check (overloaded, not stuck: the wait goes on up to --first-token-timeout-ms).
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    stall_timeout_ms: u64,
+    /// Longest wait from opening a worker stream to its first token (queueing and prefill), and the longest silence
+    /// of any stream, before it moves.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    first_token_timeout_ms: u64,
+    /// Re-issues to another worker per request after failures; the failure after the last one reaches the client.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=16))]
+    max_retries: u32,
+}
+
+impl MigrationArgs {
+    fn config(&self) -> pagoda_router::MigrationConfig {
+        pagoda_router::MigrationConfig {
+            stall_timeout: Duration::from_millis(self.stall_timeout_ms),
+            first_token_timeout: Duration::from_millis(self.first_token_timeout_ms),
+            max_retries: self.max_retries,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -754,6 +782,7 @@ async fn router(args: RouterArgs) -> Result<()> {
         placement,
         security,
         kvstore: args.kvstore,
+        migration: args.migration.config(),
         ..RouterConfig::default()
     };
     println!("pagoda router listening on http://{addr}");

@@ -1,8 +1,14 @@
 //! Pagoda end-to-end harness: starts the real `pagoda` binary as child processes on ephemeral loopback ports,
 //! waits for readiness, and offers HTTP/SSE/gRPC helpers. Every child is killed by a drop guard, so a failing
-//! test never leaves processes behind; on failure the child's log tail is printed. [`webdriver`] drives headless
-//! Chromium for the browser tests.
+//! test never leaves processes behind; on failure the child's log tail is printed.
+//!
+//! - [`cluster`]: N workers and routers as separate processes, with fault injection (SIGKILL, SIGSTOP/SIGCONT,
+//!   restart) for the chaos tests.
+//! - [`load`]: the load generator and the checks of its records against a greedy reference.
+//! - [`webdriver`]: drives headless Chromium for the browser tests.
 
+pub mod cluster;
+pub mod load;
 pub mod webdriver;
 
 use std::fs::File;

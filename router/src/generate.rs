@@ -1,15 +1,24 @@
 //! One generation as the router runs it: place it (hash the prompt's blocks, [`WorkerPool::place`]), open the
-//! chosen worker's `Generate` stream (the next candidates if it is unavailable), detokenize
-//! incrementally, apply stop strings, record latency metrics, and hand text pieces to the HTTP layer. Dropping the
-//! receiver (the client went away) or matching a stop string drops the gRPC stream, which cancels the request
-//! on the worker and frees its blocks.
+//! chosen worker's `Generate` stream, detokenize incrementally, apply stop strings, record latency metrics, and
+//! hand text pieces to the HTTP layer.
+//!
+//! It also owns request migration: when the serving worker fails (the stream errors, resets or ends without
+//! finishing) or stalls (no token for [`MigrationConfig::stall_timeout`] and no answer to a health check, or no token
+//! for [`MigrationConfig::first_token_timeout`]), the generation is re-issued to another
+//! worker as prompt + the tokens produced so far, with `max_tokens` reduced by those and the same sampling
+//! settings. The detokenizer and stop matcher carry on over the switch, so the client sees one uninterrupted,
+//! duplicate-free stream. At most [`MigrationConfig::max_retries`] re-issues happen; beyond that the client gets a
+//! clean error: an HTTP status before the first token, an error event mid-stream.
+//!
+//! Dropping the receiver (the client went away) or matching a stop string drops the gRPC stream, which cancels the
+//! request on the worker and frees its blocks.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pagoda_proto::trace_context;
 use pagoda_proto::worker::{FinishReason, GenerateRequest, GenerateResponse, SamplingParams};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
 use tracing::{Instrument as _, Span};
 
@@ -21,7 +30,7 @@ use crate::openai::{GenParams, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
 use crate::spans;
-use crate::workers::{InFlight, WorkerPool};
+use crate::workers::{InFlight, Worker, WorkerPool};
 
 /// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,54 +50,208 @@ pub struct Job {
     pub arrived: Instant,
 }
 
-/// Opens a worker stream for `job`. Errors the worker reports before streaming (invalid, exhausted, no worker)
-/// come back here so the client gets a proper status code; later ones arrive as [`Piece::Error`].
-pub async fn start(
-    pool: &WorkerPool,
-    codec: Arc<dyn TextCodec>,
-    metrics: Arc<Metrics>,
-    job: Job,
-) -> Result<mpsc::Receiver<Piece>, ApiError> {
+/// When a worker counts as failed under a request, and how often the request moves on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationConfig {
+    /// Longest wait between two tokens of one stream before the worker counts as stalled, unless it still answers
+    /// its health check (then it is only slow, and the wait goes on up to `first_token_timeout`).
+    pub stall_timeout: Duration,
+    /// Longest wait from opening a stream to its first token (queueing and prefill included), and the hard bound
+    /// on any silence of a stream.
+    pub first_token_timeout: Duration,
+    /// Re-issues after a worker failure, per request; the failure after the last one reaches the client.
+    pub max_retries: u32,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        MigrationConfig {
+            stall_timeout: Duration::from_secs(5),
+            first_token_timeout: Duration::from_secs(30),
+            max_retries: 2,
+        }
+    }
+}
+
+/// Everything a generation needs from the router.
+#[derive(Clone)]
+pub struct GenerateContext {
+    pub pool: Arc<WorkerPool>,
+    pub codec: Arc<dyn TextCodec>,
+    pub metrics: Arc<Metrics>,
+    pub migration: MigrationConfig,
+}
+
+/// Runs `job` and returns its pieces. Errors before the first token (invalid, exhausted, no worker, every attempt
+/// failed) come back here, so the client gets a proper status code; later ones arrive as [`Piece::Error`].
+pub async fn start(ctx: GenerateContext, job: Job) -> Result<mpsc::Receiver<Piece>, ApiError> {
     spans::record_request(&job.params.model, &job.request_id);
-    let req = GenerateRequest {
-        request_id: job.request_id.clone(),
-        prompt_token_ids: job.prompt.clone(),
-        max_tokens: job.max_tokens,
-        sampling: Some(SamplingParams {
-            temperature: job.params.sampling.temperature,
-            top_p: job.params.sampling.top_p,
-            top_k: job.params.sampling.top_k,
-            seed: job.params.sampling.seed,
-        }),
-        stop_token_ids: codec.stop_token_ids(),
-        namespace: job.namespace.clone(),
-        kv_policy: job.params.kv_policy.clone(),
-        kv_budget_tokens: job.params.kv_budget_tokens,
-    };
-    let no_worker = || ApiError::unavailable("No worker is ready to serve this request; try again shortly.");
-    let (block_size, model_id) = pool.hashing().ok_or_else(no_worker)?;
-    let hashes = if block_size > 0 {
-        pagoda_worker::cache::block_hashes(&model_id, &job.namespace, &job.prompt, block_size as usize)
-    } else {
-        Vec::new()
-    };
-    // Only full-cache sequences publish their blocks as a reusable prefix.
-    let full_cache = job.params.kv_policy.is_empty() || job.params.kv_policy == "full";
-    let place = PlaceRequest {
-        request_id: &job.request_id,
-        hashes: &hashes,
-        view: RequestView {
-            prompt_tokens: u32::try_from(job.prompt.len()).unwrap_or(u32::MAX),
-            max_tokens: job.max_tokens,
-            block_size,
-            budget_tokens: (!full_cache).then_some(match job.params.kv_budget_tokens {
-                0 => pagoda_worker::policy::defaults::BUDGET_TOKENS as u32,
-                b => b,
-            }),
-        },
-        publishes_prefix: full_cache,
-    };
-    let candidates = {
+    let (tx, rx) = mpsc::channel(64);
+    let (first_tx, first_rx) = oneshot::channel();
+    let request_span = Span::current();
+    tokio::spawn(Generation::new(ctx, job, tx, first_tx).run().instrument(request_span));
+    match first_rx.await {
+        Ok(Ok(())) => Ok(rx),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(ApiError::internal("The generation ended before it started.")),
+    }
+}
+
+/// Why an attempt on one worker ended.
+enum AttemptEnd {
+    /// The client has everything (or left); nothing more to do.
+    Over,
+    /// The request itself is at fault or cannot run anywhere: no retry.
+    Fatal(ApiError),
+    /// The worker failed under the request: try another one.
+    WorkerFailed(WorkerFailure),
+    /// After a failure, no other worker is there to continue: the failure reaches the client.
+    NoOtherWorker,
+}
+
+struct WorkerFailure {
+    worker: String,
+    /// The `reason` label of `pagoda_router_migrations_total`.
+    reason: &'static str,
+    /// What the client sees if no retry is left.
+    error: ApiError,
+    /// Transport-level failures take the worker out of placement until its health check passes again; a worker
+    /// that answered with an error of its own is only skipped for this request.
+    mark_down: bool,
+}
+
+/// One request's progress across its attempts: the tokens produced so far and the text pipeline they feed.
+struct Generation {
+    ctx: GenerateContext,
+    job: Job,
+    tx: mpsc::Sender<Piece>,
+    /// Present until the HTTP layer has been told whether the request started.
+    first: Option<oneshot::Sender<Result<(), ApiError>>>,
+    generated: Vec<u32>,
+    decoder: Utf8Decoder,
+    stops: StopMatcher,
+    last_token: Option<Instant>,
+    /// Workers that failed under this request; never tried again for it.
+    excluded: Vec<String>,
+    /// The prompt is counted in the metrics once, when the first stream opens.
+    prompt_counted: bool,
+    /// Set after a worker failed; the next attempt that finds a worker is a migration.
+    pending_migration: Option<PendingMigration>,
+}
+
+struct PendingMigration {
+    from: String,
+    reason: &'static str,
+    attempt: u32,
+}
+
+impl Generation {
+    fn new(
+        ctx: GenerateContext,
+        job: Job,
+        tx: mpsc::Sender<Piece>,
+        first: oneshot::Sender<Result<(), ApiError>>,
+    ) -> Generation {
+        let stops = StopMatcher::new(job.params.stop.clone());
+        Generation {
+            ctx,
+            job,
+            tx,
+            first: Some(first),
+            generated: Vec::new(),
+            decoder: Utf8Decoder::new(),
+            stops,
+            last_token: None,
+            excluded: Vec::new(),
+            prompt_counted: false,
+            pending_migration: None,
+        }
+    }
+
+    async fn run(mut self) {
+        let mut retries = 0u32;
+        let mut last_failure = None;
+        loop {
+            match self.attempt().await {
+                AttemptEnd::Over => return,
+                AttemptEnd::Fatal(e) => return self.fail(e).await,
+                AttemptEnd::NoOtherWorker => {
+                    let e = last_failure.unwrap_or_else(|| ApiError::unavailable("No worker could take the request."));
+                    return self.fail(e).await;
+                }
+                AttemptEnd::WorkerFailed(f) => {
+                    if f.mark_down
+                        && let Some(w) = self.ctx.pool.workers().iter().find(|w| w.addr == f.worker)
+                    {
+                        w.mark_down(f.error.message.clone());
+                    }
+                    self.excluded.push(f.worker.clone());
+                    if retries >= self.ctx.migration.max_retries {
+                        tracing::warn!(
+                            request_id = %self.job.request_id, worker = %f.worker, reason = f.reason, retries,
+                            "worker failed and no retry is left; failing the request"
+                        );
+                        return self.fail(f.error).await;
+                    }
+                    retries += 1;
+                    tracing::debug!(
+                        request_id = %self.job.request_id, worker = %f.worker, reason = f.reason,
+                        error = %f.error.message, "worker failed under the request"
+                    );
+                    self.pending_migration =
+                        Some(PendingMigration { from: f.worker, reason: f.reason, attempt: retries });
+                    last_failure = Some(f.error);
+                }
+            }
+        }
+    }
+
+    /// Tells the client about `e`: as the HTTP status before the first token, as an error piece after it.
+    async fn fail(&mut self, e: ApiError) {
+        match self.first.take() {
+            Some(first) => {
+                let _ = first.send(Err(e));
+            }
+            None => {
+                let _ = self.tx.send(Piece::Error(e)).await;
+            }
+        }
+    }
+
+    /// Lets the HTTP layer start answering (once).
+    fn started(&mut self) {
+        if let Some(first) = self.first.take() {
+            let _ = first.send(Ok(()));
+        }
+    }
+
+    /// The candidates for the next attempt, best first, without the workers that failed this request.
+    fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<Vec<&Worker>, ApiError> {
+        let no_worker = || ApiError::unavailable("No worker is ready to serve this request; try again shortly.");
+        let pool = &self.ctx.pool;
+        let (block_size, model_id) = pool.hashing().ok_or_else(no_worker)?;
+        let params = &self.job.params;
+        let hashes = if block_size > 0 {
+            pagoda_worker::cache::block_hashes(&model_id, &self.job.namespace, prompt, block_size as usize)
+        } else {
+            Vec::new()
+        };
+        // Only full-cache sequences publish their blocks as a reusable prefix.
+        let full_cache = params.kv_policy.is_empty() || params.kv_policy == "full";
+        let place = PlaceRequest {
+            request_id: &self.job.request_id,
+            hashes: &hashes,
+            view: RequestView {
+                prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+                max_tokens,
+                block_size,
+                budget_tokens: (!full_cache).then_some(match params.kv_budget_tokens {
+                    0 => pagoda_worker::policy::defaults::BUDGET_TOKENS as u32,
+                    b => b,
+                }),
+            },
+            publishes_prefix: full_cache,
+        };
         let span = spans::place_span(pool.strategy_name(), pool.workers().len());
         let started = Instant::now();
         let placed = pool.place(&place);
@@ -96,48 +259,282 @@ pub async fn start(
         match &placed {
             Ok(c) => {
                 let chosen = c.first().map_or("", |w| w.addr.as_str());
-                metrics.count_placement(chosen, pool.strategy_name(), took);
+                self.ctx.metrics.count_placement(chosen, pool.strategy_name(), took);
                 spans::placed(&span, chosen, &pool.last_reason())
             }
             Err(e) => spans::placed(&span, "", &e.to_string()),
         }
         match placed {
-            Ok(c) => c,
-            Err(PlacementError::NoReadyWorker) => return Err(no_worker()),
-            Err(e) => return Err(ApiError::internal(format!("placement failed: {e}"))),
+            Ok(c) => Ok(c.into_iter().filter(|w| !self.excluded.contains(&w.addr)).collect()),
+            Err(PlacementError::NoReadyWorker) => Err(no_worker()),
+            Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
         }
-    };
-    let mut last_err = None;
-    let mut opened = None;
-    for w in candidates {
-        let mut client = w.client();
-        let call = spans::generate_call_span(&w.addr);
-        let mut request = tonic::Request::new(req.clone());
+    }
+
+    /// One attempt: place prompt + what was generated so far, open the stream on the best candidate, and pump it
+    /// until the request is over or the worker fails.
+    async fn attempt(&mut self) -> AttemptEnd {
+        let remaining = self.job.max_tokens.saturating_sub(self.generated.len() as u32);
+        if remaining == 0 {
+            // Every token arrived but the finish message was lost with the worker.
+            return self.finish("length", 0).await;
+        }
+        let mut prompt = self.job.prompt.clone();
+        prompt.extend_from_slice(&self.generated);
+        let candidates = match self.place(&prompt, remaining) {
+            Ok(c) => c,
+            Err(_) if !self.excluded.is_empty() => return AttemptEnd::NoOtherWorker,
+            Err(e) => return AttemptEnd::Fatal(e),
+        };
+        let Some(worker) = candidates.first() else {
+            return AttemptEnd::NoOtherWorker;
+        };
+        let (addr, mut client) = (worker.addr.clone(), worker.client());
+        let in_flight = InFlight::new(worker.load().clone(), prompt.len() as u64);
+        drop(candidates);
+        if let Some(m) = self.pending_migration.take() {
+            self.ctx.metrics.count_migration(m.reason);
+            tracing::warn!(
+                request_id = %self.job.request_id,
+                from = %m.from,
+                to = %addr,
+                reason = m.reason,
+                generated = self.generated.len() as i64,
+                attempt = i64::from(m.attempt),
+                "migrate"
+            );
+        }
+        let params = &self.job.params;
+        let req = GenerateRequest {
+            request_id: self.job.request_id.clone(),
+            prompt_token_ids: prompt,
+            max_tokens: remaining,
+            sampling: Some(SamplingParams {
+                temperature: params.sampling.temperature,
+                top_p: params.sampling.top_p,
+                top_k: params.sampling.top_k,
+                seed: params.sampling.seed,
+            }),
+            stop_token_ids: self.ctx.codec.stop_token_ids(),
+            namespace: self.job.namespace.clone(),
+            kv_policy: params.kv_policy.clone(),
+            kv_budget_tokens: params.kv_budget_tokens,
+        };
+        let prompt_tokens = req.prompt_token_ids.len() as u64;
+        let call = spans::generate_call_span(&addr);
+        let mut request = tonic::Request::new(req);
         trace_context::inject_into_metadata(&call, request.metadata_mut());
-        match client.generate(request).instrument(call.clone()).await {
-            Ok(resp) => {
-                opened = Some((resp.into_inner(), call, InFlight::new(w.load().clone(), job.prompt.len() as u64)));
-                break;
-            }
-            Err(status) if status.code() == tonic::Code::Unavailable => {
+        let opened_at = Instant::now();
+        let first_token_timeout = self.ctx.migration.first_token_timeout;
+        let opened = tokio::select! {
+            biased;
+            _ = self.tx.closed() => return AttemptEnd::Over,
+            r = tokio::time::timeout(first_token_timeout, client.generate(request).instrument(call.clone())) => r,
+        };
+        let stream = match opened {
+            Ok(Ok(resp)) => resp.into_inner(),
+            Ok(Err(status)) => {
                 spans::call_failed(&call, &status);
-                tracing::warn!(worker = %w.addr, error = %status.message(), "worker unavailable; trying the next");
-                w.mark_down(status.message().to_string());
-                last_err = Some(ApiError::from_status(&status));
+                return classify_status(&addr, &status, "unavailable");
             }
-            Err(status) => {
-                spans::call_failed(&call, &status);
-                return Err(ApiError::from_status(&status));
+            Err(_) => {
+                return AttemptEnd::WorkerFailed(WorkerFailure {
+                    worker: addr,
+                    reason: "first_token_timeout",
+                    error: ApiError::unavailable(format!(
+                        "The worker did not answer within {} ms.",
+                        first_token_timeout.as_millis()
+                    )),
+                    mark_down: true,
+                });
+            }
+        };
+        if !self.prompt_counted {
+            self.prompt_counted = true;
+            self.ctx.metrics.prompt_tokens.inc_by(prompt_tokens);
+        }
+        self.pump(stream, in_flight, call, addr, opened_at).await
+    }
+
+    async fn pump(
+        &mut self,
+        mut stream: Streaming<GenerateResponse>,
+        mut in_flight: InFlight,
+        call: Span,
+        addr: String,
+        opened_at: Instant,
+    ) -> AttemptEnd {
+        let before = self.generated.len() as u32;
+        let cfg = self.ctx.migration;
+        let mut got_token = false;
+        let mut last_progress = Instant::now();
+        loop {
+            let (wait, stalled_reason) = if got_token {
+                (cfg.stall_timeout, "stall")
+            } else {
+                (cfg.first_token_timeout.saturating_sub(opened_at.elapsed()), "first_token_timeout")
+            };
+            let msg = tokio::select! {
+                biased;
+                _ = self.tx.closed() => {
+                    tracing::debug!(request_id = %self.job.request_id, "client went away; cancelling");
+                    return AttemptEnd::Over; // drops `stream`: the worker cancels the request
+                }
+                m = tokio::time::timeout(wait, stream.message()) => m,
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(_) => {
+                    let silent = last_progress.elapsed();
+                    // Slow is not stalled: a worker that still answers its health check is overloaded, not stuck,
+                    // and moving its requests would only add prefill work. Wait on, up to the hard bound.
+                    if silent < cfg.first_token_timeout && self.worker_answers(&addr).await {
+                        tracing::debug!(request_id = %self.job.request_id, worker = %addr, "slow stream; the worker is alive");
+                        continue;
+                    }
+                    return AttemptEnd::WorkerFailed(WorkerFailure {
+                        worker: addr,
+                        reason: stalled_reason,
+                        error: ApiError::unavailable(format!("The worker sent nothing for {} ms.", silent.as_millis())),
+                        mark_down: true,
+                    });
+                }
+            };
+            last_progress = Instant::now();
+            match msg {
+                Ok(Some(resp)) => {
+                    for id in resp.token_ids {
+                        if !got_token {
+                            got_token = true;
+                            in_flight.first_token();
+                        }
+                        if self.push_token(id).await {
+                            return AttemptEnd::Over;
+                        }
+                    }
+                    let Some(fin) = resp.finished else { continue };
+                    let Some(reason) = reason_str(fin.reason) else {
+                        // The worker cancelled the request itself (it is shutting down): continue elsewhere.
+                        return AttemptEnd::WorkerFailed(WorkerFailure {
+                            worker: addr,
+                            reason: "cancelled",
+                            error: ApiError::unavailable("The worker cancelled the request."),
+                            mark_down: true,
+                        });
+                    };
+                    let u = fin.usage.unwrap_or_default();
+                    let this_attempt = (self.generated.len() as u32 - before).max(u.completion_tokens);
+                    call.record("completion_tokens", i64::from(this_attempt));
+                    call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);
+                    let completion = before + this_attempt;
+                    return self.finish_with(reason, completion, u.cached_tokens).await;
+                }
+                Ok(None) => {
+                    return AttemptEnd::WorkerFailed(WorkerFailure {
+                        worker: addr,
+                        reason: "stream_ended",
+                        error: ApiError::unavailable("The worker ended the stream without finishing."),
+                        mark_down: true,
+                    });
+                }
+                Err(status) => {
+                    spans::call_failed(&call, &status);
+                    return classify_status(&addr, &status, "stream_error");
+                }
             }
         }
     }
-    let Some((stream, call, in_flight)) = opened else {
-        return Err(last_err.unwrap_or_else(|| ApiError::unavailable("No worker could take the request.")));
-    };
-    metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(pump(stream, in_flight, tx, codec, metrics, job, call));
-    Ok(rx)
+
+    /// Whether the worker at `addr` answers its health check as ready within the stall timeout.
+    async fn worker_answers(&self, addr: &str) -> bool {
+        let Some(w) = self.ctx.pool.workers().iter().find(|w| w.addr == addr) else { return false };
+        tokio::time::timeout(self.ctx.migration.stall_timeout, w.probe()).await.unwrap_or(false)
+    }
+
+    /// Feeds one token through the text pipeline; returns true when the request is over (a stop string matched,
+    /// or the client left).
+    async fn push_token(&mut self, id: u32) -> bool {
+        self.started();
+        self.generated.push(id);
+        let now = Instant::now();
+        match self.last_token {
+            None => self.ctx.metrics.observe_ttft(now.duration_since(self.job.arrived).as_secs_f64(), now),
+            Some(t) => self.ctx.metrics.observe_inter_token(now.duration_since(t).as_secs_f64(), now),
+        }
+        self.last_token = Some(now);
+        self.ctx.metrics.completion_tokens.inc();
+        let text = self.decoder.push(&self.ctx.codec.token_bytes(id));
+        if text.is_empty() {
+            return false;
+        }
+        match self.stops.push(&text) {
+            StopOutcome::Continue(t) => !t.is_empty() && self.tx.send(Piece::Text(t)).await.is_err(),
+            StopOutcome::Stopped(t) => {
+                if !t.is_empty() && self.tx.send(Piece::Text(t)).await.is_err() {
+                    return true;
+                }
+                let usage = Usage::new(self.job.prompt.len() as u32, self.generated.len() as u32, 0);
+                let _ = self.tx.send(Piece::Done { finish_reason: "stop", usage }).await;
+                true // drops the stream: cancels the rest of the generation
+            }
+        }
+    }
+
+    async fn finish(&mut self, reason: &'static str, cached_tokens: u32) -> AttemptEnd {
+        let completion = self.generated.len() as u32;
+        self.finish_with(reason, completion, cached_tokens).await
+    }
+
+    /// Flushes the held-back text and sends `Done`.
+    async fn finish_with(&mut self, reason: &'static str, completion: u32, cached_tokens: u32) -> AttemptEnd {
+        self.started();
+        let tail = self.decoder.finish();
+        let (mut text, stopped) = match self.stops.push(&tail) {
+            StopOutcome::Continue(t) => (t, false),
+            StopOutcome::Stopped(t) => (t, true),
+        };
+        if !stopped {
+            text.push_str(&self.stops.finish());
+        }
+        if !text.is_empty() && self.tx.send(Piece::Text(text)).await.is_err() {
+            return AttemptEnd::Over;
+        }
+        let prompt_tokens = self.job.prompt.len() as u32;
+        // After a migration the last worker's prompt included the earlier completion: cap what it calls cached.
+        let usage = Usage::new(prompt_tokens, completion, cached_tokens.min(prompt_tokens));
+        let finish_reason = if stopped { "stop" } else { reason };
+        let _ = self.tx.send(Piece::Done { finish_reason, usage }).await;
+        AttemptEnd::Over
+    }
+}
+
+/// Sorts a worker's gRPC error: the request's own fault ends it; anything else is the worker's and moves it on.
+fn classify_status(addr: &str, status: &tonic::Status, transport_reason: &'static str) -> AttemptEnd {
+    use tonic::Code;
+    // A status with a source was made on this side from a transport error (connection refused or reset, the
+    // process died); one without was sent by the worker itself.
+    let transport = std::error::Error::source(status).is_some()
+        || matches!(status.code(), Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded);
+    if transport {
+        return AttemptEnd::WorkerFailed(WorkerFailure {
+            worker: addr.to_string(),
+            reason: transport_reason,
+            error: ApiError::unavailable(format!("worker unavailable: {}", status.message())),
+            mark_down: true,
+        });
+    }
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::ResourceExhausted | Code::FailedPrecondition => {
+            AttemptEnd::Fatal(ApiError::from_status(status))
+        }
+        // The worker answered with an error of its own: it is alive, only this request moves.
+        _ => AttemptEnd::WorkerFailed(WorkerFailure {
+            worker: addr.to_string(),
+            reason: "worker_error",
+            error: ApiError::from_status(status),
+            mark_down: false,
+        }),
+    }
 }
 
 fn reason_str(r: i32) -> Option<&'static str> {
@@ -145,105 +542,5 @@ fn reason_str(r: i32) -> Option<&'static str> {
         Ok(FinishReason::Stop) => Some("stop"),
         Ok(FinishReason::Length) => Some("length"),
         _ => None,
-    }
-}
-
-async fn pump(
-    mut stream: Streaming<GenerateResponse>,
-    mut in_flight: InFlight,
-    tx: mpsc::Sender<Piece>,
-    codec: Arc<dyn TextCodec>,
-    metrics: Arc<Metrics>,
-    job: Job,
-    call: Span,
-) {
-    let mut decoder = Utf8Decoder::new();
-    let mut stops = StopMatcher::new(job.params.stop.clone());
-    let prompt_tokens = job.prompt.len() as u32;
-    let mut completion: u32 = 0;
-    let mut last_token: Option<Instant> = None;
-    loop {
-        let msg = tokio::select! {
-            biased;
-            _ = tx.closed() => {
-                tracing::debug!(request_id = %job.request_id, "client went away; cancelling");
-                return; // drops `stream`: the worker cancels the request
-            }
-            m = stream.message() => m,
-        };
-        match msg {
-            Ok(Some(resp)) => {
-                for id in resp.token_ids {
-                    completion += 1;
-                    let now = Instant::now();
-                    match last_token {
-                        None => {
-                            in_flight.first_token();
-                            metrics.observe_ttft(now.duration_since(job.arrived).as_secs_f64(), now)
-                        }
-                        Some(t) => metrics.observe_inter_token(now.duration_since(t).as_secs_f64(), now),
-                    }
-                    last_token = Some(now);
-                    metrics.completion_tokens.inc();
-                    let text = decoder.push(&codec.token_bytes(id));
-                    if text.is_empty() {
-                        continue;
-                    }
-                    match stops.push(&text) {
-                        StopOutcome::Continue(t) => {
-                            if !t.is_empty() && tx.send(Piece::Text(t)).await.is_err() {
-                                return;
-                            }
-                        }
-                        StopOutcome::Stopped(t) => {
-                            if !t.is_empty() && tx.send(Piece::Text(t)).await.is_err() {
-                                return;
-                            }
-                            let usage = Usage::new(prompt_tokens, completion, 0);
-                            let _ = tx.send(Piece::Done { finish_reason: "stop", usage }).await;
-                            return; // drops `stream`: cancels the rest of the generation
-                        }
-                    }
-                }
-                if let Some(fin) = resp.finished {
-                    let Some(reason) = reason_str(fin.reason) else {
-                        let _ = tx.send(Piece::Error(ApiError::internal("The worker cancelled the request."))).await;
-                        return;
-                    };
-                    let tail = decoder.finish();
-                    let (mut text, stopped) = match stops.push(&tail) {
-                        StopOutcome::Continue(t) => (t, false),
-                        StopOutcome::Stopped(t) => (t, true),
-                    };
-                    if !stopped {
-                        text.push_str(&stops.finish());
-                    }
-                    if !text.is_empty() && tx.send(Piece::Text(text)).await.is_err() {
-                        return;
-                    }
-                    let u = fin.usage.unwrap_or_default();
-                    let usage = Usage::new(
-                        if u.prompt_tokens > 0 { u.prompt_tokens } else { prompt_tokens },
-                        completion.max(u.completion_tokens),
-                        u.cached_tokens,
-                    );
-                    let finish_reason = if stopped { "stop" } else { reason };
-                    call.record("completion_tokens", i64::from(usage.completion_tokens));
-                    call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);
-                    let _ = tx.send(Piece::Done { finish_reason, usage }).await;
-                    return;
-                }
-            }
-            Ok(None) => {
-                let _ =
-                    tx.send(Piece::Error(ApiError::internal("The worker ended the stream without finishing."))).await;
-                return;
-            }
-            Err(status) => {
-                spans::call_failed(&call, &status);
-                let _ = tx.send(Piece::Error(ApiError::from_status(&status))).await;
-                return;
-            }
-        }
     }
 }

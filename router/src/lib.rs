@@ -5,7 +5,8 @@
 //! - [`extract`] / [`error`]: JSON body extraction and OpenAI-style error bodies.
 //! - [`codec`]: chat template + tokenizer ([`codec::TextCodec`], [`gguf_codec::GgufCodec`]).
 //! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
-//! - [`generate`]: one generation over a worker's gRPC `Generate` stream.
+//! - [`generate`]: one generation over a worker's gRPC `Generate` stream, migrated to another worker when its own
+//!   fails or stalls.
 //! - [`workers`]: the static worker list, health probes, round-robin.
 //! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
 //! - [`placer`]: the router's placement state: residency predictions, strategy, recent decisions.
@@ -41,5 +42,6 @@ pub mod workers;
 pub use auth::{KeysFileError, Security};
 pub use codec::TextCodec;
 pub use error::ApiError;
+pub use generate::MigrationConfig;
 pub use gguf_codec::{GgufCodec, model_id_for};
 pub use server::{AppState, DEFAULT_BODY_LIMIT, RouterConfig, app, serve};

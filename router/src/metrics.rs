@@ -35,6 +35,12 @@ pub struct RateLimitLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MigrationLabels {
+    /// `stall`, `first_token_timeout`, `stream_error`, `stream_ended`, `unavailable`, `cancelled`, `worker_error`.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabels {
     pub worker: String,
     pub policy: String,
@@ -91,6 +97,8 @@ pub struct Metrics {
     pub timeline: Timeline,
     /// Requests placed since start, over all workers and strategies (for the dashboard).
     placed: AtomicU64,
+    /// Requests re-issued to another worker after theirs failed, by why.
+    pub migrations: Family<MigrationLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -214,12 +222,19 @@ impl Metrics {
             Unit::Seconds,
             placement_decision.clone(),
         );
+        let migrations = Family::<MigrationLabels, Counter>::default();
+        registry.register(
+            "migrations",
+            "Requests re-issued (prompt + tokens so far) to another worker after theirs failed or stalled, by reason",
+            migrations.clone(),
+        );
         Metrics {
             registry,
             placements,
             placement_decision,
             timeline: Timeline::new(),
             placed: AtomicU64::new(0),
+            migrations,
             rate_limited,
             worker_tier_used_bytes,
             worker_tier_capacity_bytes,
@@ -269,6 +284,10 @@ impl Metrics {
     /// Requests placed since start.
     pub fn placements_total(&self) -> u64 {
         self.placed.load(Ordering::Relaxed)
+    }
+
+    pub fn count_migration(&self, reason: &'static str) {
+        self.migrations.get_or_create(&MigrationLabels { reason }).inc();
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
@@ -327,6 +346,7 @@ mod tests {
     fn names_follow_the_convention() {
         let m = Metrics::new();
         m.count_request("/v1/chat/completions", 200);
+        m.count_migration("stall");
         m.ttft.observe(0.05);
         m.inter_token.observe(0.01);
         m.prompt_tokens.inc_by(3);
@@ -346,6 +366,7 @@ mod tests {
             "pagoda_router_ttft_seconds_bucket",
             "pagoda_router_inter_token_latency_seconds_count 1",
             "pagoda_router_prompt_tokens_total 3",
+            "pagoda_router_migrations_total{reason=\"stall\"} 1",
             "pagoda_router_completion_tokens_total 4",
             "pagoda_router_worker_used_blocks{worker=\"w\"} 5",
             "pagoda_router_worker_evicted_tokens{worker=\"w\",policy=\"snapkv\"} 7",

@@ -23,7 +23,7 @@ use crate::codec::TextCodec;
 use crate::dashboard::{self, Dashboard};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generate::{self, Job, Piece};
+use crate::generate::{self, GenerateContext, Job, MigrationConfig, Piece};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::openai::{
@@ -51,6 +51,8 @@ pub struct RouterConfig {
     pub security: Security,
     /// kvstore node addresses (`host:port`) whose raft status the dashboard shows; empty: "not configured".
     pub kvstore: Vec<String>,
+    /// Stall timeouts and the retry limit of request migration.
+    pub migration: MigrationConfig,
 }
 
 impl Default for RouterConfig {
@@ -62,6 +64,7 @@ impl Default for RouterConfig {
             placement: PlacerConfig::default(),
             security: Security::default(),
             kvstore: Vec::new(),
+            migration: MigrationConfig::default(),
         }
     }
 }
@@ -77,6 +80,7 @@ struct Inner {
     limiter: Option<Arc<Limiter>>,
     dashboard: Dashboard,
     started: Instant,
+    migration: MigrationConfig,
 }
 
 /// Shared handler state.
@@ -95,16 +99,17 @@ impl AppState {
         body_limit: usize,
         security: Security,
     ) -> AppState {
-        AppState::with_dashboard(codec, pool, body_limit, security, Dashboard::default())
+        AppState::with_parts(codec, pool, body_limit, security, Dashboard::default(), MigrationConfig::default())
     }
 
-    /// State with auth settings and a dashboard (which polls its kvstore nodes).
-    pub fn with_dashboard(
+    /// State with auth settings, a dashboard (which polls its kvstore nodes) and request-migration settings.
+    pub fn with_parts(
         codec: Arc<dyn TextCodec>,
         pool: Arc<WorkerPool>,
         body_limit: usize,
         security: Security,
         dashboard: Dashboard,
+        migration: MigrationConfig,
     ) -> AppState {
         let limiter = security.keys.as_deref().map(Limiter::new);
         AppState(Arc::new(Inner {
@@ -117,6 +122,7 @@ impl AppState {
             limiter,
             dashboard,
             started: Instant::now(),
+            migration,
         }))
     }
 
@@ -201,7 +207,8 @@ pub async fn serve(
     let dashboard = Dashboard::new(&config.kvstore).map_err(std::io::Error::other)?;
     let health = pool.spawn_health_loop(config.health_interval);
     log_security(&config.security);
-    let state = AppState::with_dashboard(codec, pool, config.body_limit, config.security, dashboard);
+    let state =
+        AppState::with_parts(codec, pool, config.body_limit, config.security, dashboard, config.migration);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
     res
@@ -419,7 +426,13 @@ async fn start_job(
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
     let job =
         Job { request_id: id.to_string(), prompt, max_tokens, params, namespace: tenant.name.to_string(), arrived };
-    generate::start(st.pool(), st.0.codec.clone(), st.metrics().clone(), job).await
+    let ctx = GenerateContext {
+        pool: st.pool().clone(),
+        codec: st.0.codec.clone(),
+        metrics: st.metrics().clone(),
+        migration: st.0.migration,
+    };
+    generate::start(ctx, job).await
 }
 
 async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<(String, &'static str, Usage), ApiError> {

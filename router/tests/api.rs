@@ -19,7 +19,7 @@ use pagoda_proto::worker::{
 use pagoda_router::auth::{AdminKey, KeyTable};
 use pagoda_router::openai::Turn;
 use pagoda_router::placer::{PlacerConfig, Strategy};
-use pagoda_router::{RouterConfig, Security, TextCodec};
+use pagoda_router::{MigrationConfig, RouterConfig, Security, TextCodec};
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
@@ -69,6 +69,12 @@ struct Fake {
     namespaces: Arc<std::sync::Mutex<Vec<String>>>,
     /// `Stats` calls answered.
     stats_calls: Arc<AtomicUsize>,
+    /// Every stream breaks (as a dying worker's would) after this many tokens.
+    die_after: Option<usize>,
+    /// Every stream goes silent (as a stopped worker's would) after this many tokens.
+    stall_after: Option<usize>,
+    /// The `max_tokens` of every Generate call, in order.
+    max_tokens_seen: Arc<std::sync::Mutex<Vec<u32>>>,
 }
 
 struct OpenGuard(Arc<AtomicUsize>);
@@ -101,14 +107,26 @@ impl Worker for Fake {
         let fail = prompt.contains("fail");
         let prompt_tokens = req.prompt_token_ids.len() as u32;
         let max = req.max_tokens as usize;
+        self.max_tokens_seen.lock().unwrap().push(req.max_tokens);
+        // Like a deterministic model, continue the reply from whatever part of it already ends the prompt (a
+        // migrated request carries the tokens produced so far).
+        let answer = prompt.rsplit_once("assistant:").map_or("", |(_, a)| a);
+        let resumed = if REPLY.as_bytes().starts_with(answer.as_bytes()) { answer.len() } else { 0 };
+        let (die_after, stall_after) = (self.die_after, self.stall_after);
         self.open.fetch_add(1, Ordering::SeqCst);
         self.started.fetch_add(1, Ordering::SeqCst);
         let guard = OpenGuard(self.open.clone());
         let reply: Vec<u32> = REPLY.bytes().map(u32::from).collect();
         let s = futures::stream::unfold((0usize, Some(guard)), move |(i, guard)| {
-            let reply = reply.clone();
+            let reply = reply[resumed..].to_vec();
             async move {
                 let guard = guard?;
+                if die_after == Some(i) {
+                    return Some((Err(Status::unavailable("connection reset")), (i, None)));
+                }
+                if stall_after == Some(i) {
+                    std::future::pending::<()>().await;
+                }
                 if forever {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                     return Some((
@@ -899,4 +917,178 @@ async fn dashboard_access_follows_the_admin_endpoints() {
     let r = no_redirects.post(format!("{http}/dashboard/logout")).send().await.unwrap();
     assert_eq!(r.status(), 303);
     assert!(r.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
+}
+
+/// A router over `fakes` (round-robin, so every worker gets requests) with `migration`, once every worker is ready.
+async fn migrating_cluster(fakes: Vec<Fake>, migration: MigrationConfig) -> String {
+    let mut addrs = Vec::new();
+    for f in fakes {
+        addrs.push(spawn_worker(f).await.to_string());
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = RouterConfig {
+        workers: addrs,
+        health_interval: Duration::from_millis(100),
+        placement: PlacerConfig { strategy: Strategy::RoundRobin, ..PlacerConfig::default() },
+        migration,
+        ..RouterConfig::default()
+    };
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    let http = format!("http://{addr}");
+    let client = reqwest::Client::new();
+    for _ in 0..100 {
+        if let Ok(r) = client.get(format!("{http}/readyz")).send().await
+            && let Ok(v) = r.json::<Value>().await
+            && v["workers"].as_array().is_some_and(|ws| ws.iter().all(|w| w["ready"] == true))
+        {
+            return http;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("router never saw every worker ready");
+}
+
+fn migration(stall_ms: u64, max_retries: u32) -> MigrationConfig {
+    MigrationConfig {
+        stall_timeout: Duration::from_millis(stall_ms),
+        first_token_timeout: Duration::from_millis(stall_ms * 4),
+        max_retries,
+    }
+}
+
+/// The streamed text and the final usage of an SSE chat body; panics on an error event.
+fn streamed_text(body: &str) -> (String, Value) {
+    let mut text = String::new();
+    let mut usage = Value::Null;
+    for p in sse_payloads(body) {
+        if p == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&p).unwrap();
+        assert!(v.get("error").is_none(), "error event: {v}");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(c);
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    (text, usage)
+}
+
+async fn migrations_counted(http: &str, reason: &str) -> u64 {
+    let text = reqwest::get(format!("{http}/metrics")).await.unwrap().text().await.unwrap();
+    let key = format!("pagoda_router_migrations_total{{reason=\"{reason}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// A worker whose streams break after 5 tokens: every request placed there continues on the healthy one, and the
+/// client sees exactly the reply (no duplicate, no gap, the multi-byte characters intact), with the full usage.
+#[tokio::test]
+async fn a_dying_worker_migrates_the_stream_without_duplicates() {
+    let healthy = Fake::default();
+    let seen = healthy.max_tokens_seen.clone();
+    let http =
+        migrating_cluster(vec![Fake { die_after: Some(5), ..Fake::default() }, healthy], migration(2000, 2)).await;
+    let client = reqwest::Client::new();
+    let body = |stream: bool| {
+        json!({"model": MODEL, "stream": stream, "stream_options": if stream { json!({"include_usage": true}) }
+            else { Value::Null }, "messages": [{"role": "user", "content": "Capital of France?"}]})
+    };
+    for _ in 0..2 {
+        let v: Value = client
+            .post(format!("{http}/v1/chat/completions"))
+            .json(&body(false))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], REPLY, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], REPLY.len(), "{v}");
+        let r = client.post(format!("{http}/v1/chat/completions")).json(&body(true)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let (text, usage) = streamed_text(&r.text().await.unwrap());
+        assert_eq!(text, REPLY);
+        assert_eq!(usage["completion_tokens"], REPLY.len(), "{usage}");
+    }
+    assert!(migrations_counted(&http, "stream_error").await >= 1);
+    // A continued request asks only for what is left.
+    let prompt_len = "user: Capital of France?\nassistant:".len();
+    let continued = (CONTEXT - prompt_len - 5) as u32;
+    assert!(seen.lock().unwrap().contains(&continued), "{continued} not in {:?}", seen.lock().unwrap());
+}
+
+/// A worker that goes silent mid-stream: after the stall timeout the request continues elsewhere.
+#[tokio::test]
+async fn a_stalled_worker_migrates_after_the_stall_timeout() {
+    let http =
+        migrating_cluster(vec![Fake { stall_after: Some(7), ..Fake::default() }, Fake::default()], migration(300, 2))
+            .await;
+    let client = reqwest::Client::new();
+    for _ in 0..2 {
+        let r = client
+            .post(format!("{http}/v1/chat/completions"))
+            .json(&json!({"model": MODEL, "stream": true, "max_tokens": 20,
+                "messages": [{"role": "user", "content": "Capital of France?"}]}))
+            .send()
+            .await
+            .unwrap();
+        let (text, _) = streamed_text(&r.text().await.unwrap());
+        assert_eq!(text, &REPLY[..20]);
+    }
+    assert!(migrations_counted(&http, "stall").await >= 1);
+}
+
+/// Every worker fails: past the retry limit the client gets a clean error, never a hang: 503 JSON before the first
+/// token, an error event then the end of the stream after it.
+#[tokio::test]
+async fn past_the_retry_limit_the_client_gets_a_clean_error() {
+    let http = migrating_cluster(
+        vec![Fake { die_after: Some(0), ..Fake::default() }, Fake { die_after: Some(0), ..Fake::default() }],
+        migration(300, 1),
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let r = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    assert_error(s, &r.text().await.unwrap(), 503);
+
+    let http = migrating_cluster(
+        vec![Fake { die_after: Some(3), ..Fake::default() }, Fake { stall_after: Some(3), ..Fake::default() }],
+        migration(300, 1),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let r = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let p = sse_payloads(&r.text().await.unwrap());
+    assert_eq!(p.last().unwrap(), "[DONE]");
+    let err: Value = serde_json::from_str(&p[p.len() - 2]).unwrap();
+    assert_eq!(err["error"]["code"], "unavailable", "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // Non-streaming: the same failure is a 503.
+    let (s, text) = {
+        let r = client
+            .post(format!("{http}/v1/chat/completions"))
+            .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    assert_error(s, &text, 503);
 }

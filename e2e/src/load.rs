@@ -1,0 +1,546 @@
+//! A load generator for fault tests against a router's OpenAI API, and the checks of what it saw.
+//!
+//! - [`run`] drives chat requests in a closed loop (a fixed number in flight) or an open loop (a fixed arrival
+//!   rate), streaming and non-streaming, over a mix of shared-prefix and unique prompts ([`prompt_mix`]). Every
+//!   request has a deadline; the number of requests and the time spent issuing them are bounded.
+//! - Each request leaves a [`Record`]: accepted or rejected, time to first token, the full streamed text, finish
+//!   reason, usage and error.
+//! - [`reference`] computes the greedy answer of every prompt on a healthy cluster; [`Report::new`] checks every
+//!   completed request against it (duplicates, gaps and any other divergence all show as a mismatch), counts the
+//!   lost ones (accepted but never completed, or no clean answer at all), and measures throughput and the time to
+//!   recover after a fault.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::{Http, MODEL_ID};
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy)]
+pub enum Mode {
+    /// `concurrency` requests in flight at all times: each one that ends is replaced at once.
+    Closed { concurrency: usize },
+    /// One request every `1 / per_second` seconds, whatever is in flight, up to `max_in_flight` (arrivals beyond
+    /// it are recorded as shed, not sent).
+    Open { per_second: f64, max_in_flight: usize },
+}
+
+/// Which requests stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streaming {
+    All,
+    None,
+    /// Three of every four stream; the fourth is non-streaming.
+    Mixed,
+}
+
+/// A load run.
+#[derive(Debug, Clone)]
+pub struct LoadConfig {
+    pub mode: Mode,
+    /// Chat user messages, used in turn.
+    pub prompts: Vec<String>,
+    pub max_tokens: u32,
+    pub streaming: Streaming,
+    /// Each request must end (completed or failed) within this.
+    pub deadline: Duration,
+    /// No request is issued after this much time.
+    pub duration: Duration,
+    /// No more requests than this are issued.
+    pub max_requests: usize,
+}
+
+/// How one request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// HTTP 200 and a finished answer.
+    Completed,
+    /// A clean OpenAI error status before any token (the client may retry).
+    Rejected,
+    /// Accepted, then an error or a cut-off after tokens were delivered: a lost request.
+    Broken,
+    /// No answer within the deadline: a lost request.
+    TimedOut,
+    /// The connection failed or the answer was not the API's: a lost request.
+    Transport,
+    /// Open loop only: not sent because too many were in flight.
+    Shed,
+}
+
+/// What one request saw.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub index: usize,
+    /// Index into [`LoadConfig::prompts`].
+    pub prompt: usize,
+    pub stream: bool,
+    /// When it was sent and when it ended, from the start of the run.
+    pub sent_at: Duration,
+    pub ended_at: Duration,
+    pub status: Option<u16>,
+    pub ttft: Option<Duration>,
+    /// The answer as the client assembled it (all deltas in order).
+    pub text: String,
+    pub finish_reason: Option<String>,
+    pub completion_tokens: Option<u64>,
+    pub error: Option<String>,
+    pub outcome: Outcome,
+}
+
+impl Record {
+    pub fn accepted(&self) -> bool {
+        self.status == Some(200)
+    }
+
+    pub fn latency(&self) -> Duration {
+        self.ended_at.saturating_sub(self.sent_at)
+    }
+}
+
+/// `n_shared` prompts that share a long common prefix (a system-like preamble, so prefix caching matters) and
+/// `n_unique` prompts that share nothing; deterministic.
+pub fn prompt_mix(n_shared: usize, n_unique: usize) -> Vec<String> {
+    const PREAMBLE: &str = "You are reading the logbook of a lighthouse keeper on a cold northern island. The keeper \
+        writes down the weather every morning, the ships that pass in the afternoon, and the birds that nest on the \
+        rocks in the evening. The logbook is old and some pages are stained with salt.";
+    const TOPICS: [&str; 8] =
+        ["the weather", "the ships", "the birds", "the keeper", "the island", "the lamp", "the salt", "the pages"];
+    const SUBJECTS: [&str; 12] = [
+        "a baker",
+        "a river",
+        "a clockmaker",
+        "a violin",
+        "a mountain goat",
+        "a library",
+        "a comet",
+        "a gardener",
+        "a train station",
+        "an old map",
+        "a fox",
+        "a teapot",
+    ];
+    const ASKS: [&str; 4] =
+        ["Write one sentence about", "Describe in a few words", "Tell a short story about", "List three facts about"];
+    let mut out = Vec::with_capacity(n_shared + n_unique);
+    for i in 0..n_shared {
+        out.push(format!(
+            "{PREAMBLE} Question {}: what does the logbook say about {}?",
+            i + 1,
+            TOPICS[i % TOPICS.len()]
+        ));
+    }
+    for i in 0..n_unique {
+        out.push(format!(
+            "{} {} (number {}).",
+            ASKS[i % ASKS.len()],
+            SUBJECTS[(i / ASKS.len() + i) % SUBJECTS.len()],
+            i + 1
+        ));
+    }
+    out
+}
+
+fn body(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    let mut b = json!({
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    });
+    if stream {
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    b
+}
+
+/// The greedy answer of every prompt, from a healthy cluster (non-streaming, a few at a time).
+pub async fn reference(http: &Http, prompts: &[String], max_tokens: u32) -> Result<Vec<String>> {
+    let answers = futures::stream::iter(prompts.iter().enumerate())
+        .map(|(i, p)| async move {
+            let (s, v) = http.post_json("/v1/chat/completions", &body(p, max_tokens, false)).await?;
+            if s != 200 {
+                bail!("reference for prompt {i} failed: {s} {v}");
+            }
+            v["choices"][0]["message"]["content"].as_str().map(str::to_string).context("no content in the answer")
+        })
+        .buffered(4)
+        .collect::<Vec<_>>()
+        .await;
+    answers.into_iter().collect()
+}
+
+/// Sends one request and records what happened.
+async fn one(
+    http: &Http,
+    index: usize,
+    prompt: usize,
+    text: &str,
+    cfg: &LoadConfig,
+    stream: bool,
+    t0: Instant,
+) -> Record {
+    let sent = Instant::now();
+    let mut rec = Record {
+        index,
+        prompt,
+        stream,
+        sent_at: sent - t0,
+        ended_at: Duration::ZERO,
+        status: None,
+        ttft: None,
+        text: String::new(),
+        finish_reason: None,
+        completion_tokens: None,
+        error: None,
+        outcome: Outcome::Transport,
+    };
+    let fut = drive(http, &mut rec, text, cfg.max_tokens, stream, sent);
+    if tokio::time::timeout(cfg.deadline, fut).await.is_err() {
+        rec.outcome = Outcome::TimedOut;
+        rec.error = Some(format!("no end within {:?}", cfg.deadline));
+    }
+    rec.ended_at = t0.elapsed();
+    rec
+}
+
+async fn drive(http: &Http, rec: &mut Record, prompt: &str, max_tokens: u32, stream: bool, sent: Instant) {
+    let resp =
+        match http.client.post(http.url("/v1/chat/completions")).json(&body(prompt, max_tokens, stream)).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                rec.error = Some(format!("send: {e}"));
+                return;
+            }
+        };
+    let status = resp.status().as_u16();
+    rec.status = Some(status);
+    if status != 200 {
+        let text = resp.text().await.unwrap_or_default();
+        let clean = serde_json::from_str::<Value>(&text).is_ok_and(|v| v["error"]["message"].is_string());
+        rec.outcome = if clean { Outcome::Rejected } else { Outcome::Transport };
+        rec.error = Some(format!("{status}: {text}"));
+        return;
+    }
+    if !stream {
+        let v: Value = match resp.json().await {
+            Ok(v) => v,
+            Err(e) => {
+                rec.outcome = Outcome::Broken;
+                rec.error = Some(format!("body: {e}"));
+                return;
+            }
+        };
+        rec.ttft = Some(sent.elapsed());
+        rec.text = v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+        rec.finish_reason = v["choices"][0]["finish_reason"].as_str().map(str::to_string);
+        rec.completion_tokens = v["usage"]["completion_tokens"].as_u64();
+        rec.outcome = if rec.finish_reason.is_some() { Outcome::Completed } else { Outcome::Broken };
+        return;
+    }
+    let mut bytes = resp.bytes_stream();
+    let mut buf = String::new();
+    let mut done = false;
+    while let Some(chunk) = bytes.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                rec.outcome = Outcome::Broken;
+                rec.error = Some(format!("stream: {e}"));
+                return;
+            }
+        };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim_end().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = match serde_json::from_str(data) {
+                Ok(v) => v,
+                Err(e) => {
+                    rec.outcome = Outcome::Broken;
+                    rec.error = Some(format!("bad event {data:?}: {e}"));
+                    return;
+                }
+            };
+            if v.get("error").is_some() {
+                rec.outcome = Outcome::Broken;
+                rec.error = Some(format!("error event after {} bytes: {v}", rec.text.len()));
+                return;
+            }
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str()
+                && !c.is_empty()
+            {
+                rec.ttft.get_or_insert_with(|| sent.elapsed());
+                rec.text.push_str(c);
+            }
+            if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                rec.finish_reason = Some(f.to_string());
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                rec.completion_tokens = Some(n);
+            }
+        }
+    }
+    rec.outcome = if done && rec.finish_reason.is_some() { Outcome::Completed } else { Outcome::Broken };
+    if rec.outcome == Outcome::Broken {
+        rec.error = Some(format!("stream ended without [DONE] after {} bytes", rec.text.len()));
+    }
+}
+
+fn is_streaming(mix: Streaming, index: usize) -> bool {
+    match mix {
+        Streaming::All => true,
+        Streaming::None => false,
+        Streaming::Mixed => index % 4 != 3,
+    }
+}
+
+/// Runs the load against `http` until `duration` or `max_requests`, then waits for every request to end (each is
+/// bounded by its deadline). `on_start` is handed the run's start instant (to time faults against).
+pub async fn run(http: &Http, cfg: &LoadConfig) -> Result<Vec<Record>> {
+    if cfg.prompts.is_empty() {
+        bail!("no prompts");
+    }
+    let t0 = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut records = Vec::new();
+    let mut next = 0usize;
+    let spawn = |tasks: &mut tokio::task::JoinSet<Record>, i: usize| {
+        let (http, cfg) = (http.clone(), cfg.clone());
+        let p = i % cfg.prompts.len();
+        tasks.spawn(async move { one(&http, i, p, &cfg.prompts[p], &cfg, is_streaming(cfg.streaming, i), t0).await });
+    };
+    let issuing = |next: usize| next < cfg.max_requests && t0.elapsed() < cfg.duration;
+    match cfg.mode {
+        Mode::Closed { concurrency } => {
+            while next < concurrency.max(1) && issuing(next) {
+                spawn(&mut tasks, next);
+                next += 1;
+            }
+            while let Some(r) = tasks.join_next().await {
+                records.push(r.context("load task panicked")?);
+                if issuing(next) {
+                    spawn(&mut tasks, next);
+                    next += 1;
+                }
+            }
+        }
+        Mode::Open { per_second, max_in_flight } => {
+            if !(per_second.is_finite() && per_second > 0.0) {
+                bail!("arrival rate must be positive, got {per_second}");
+            }
+            let gap = Duration::from_secs_f64(1.0 / per_second);
+            // Arrivals follow the schedule: one due after `duration` is never sent, however early the loop asks.
+            while next < cfg.max_requests && gap.mul_f64(next as f64) < cfg.duration {
+                let due = t0 + gap.mul_f64(next as f64);
+                tokio::select! {
+                    r = tasks.join_next(), if !tasks.is_empty() => {
+                        if let Some(r) = r { records.push(r.context("load task panicked")?); }
+                        continue;
+                    }
+                    _ = tokio::time::sleep_until(due.into()) => {}
+                }
+                if tasks.len() >= max_in_flight {
+                    let at = t0.elapsed();
+                    records.push(Record {
+                        index: next,
+                        prompt: next % cfg.prompts.len(),
+                        stream: is_streaming(cfg.streaming, next),
+                        sent_at: at,
+                        ended_at: at,
+                        status: None,
+                        ttft: None,
+                        text: String::new(),
+                        finish_reason: None,
+                        completion_tokens: None,
+                        error: Some("shed: too many in flight".into()),
+                        outcome: Outcome::Shed,
+                    });
+                } else {
+                    spawn(&mut tasks, next);
+                }
+                next += 1;
+            }
+            while let Some(r) = tasks.join_next().await {
+                records.push(r.context("load task panicked")?);
+            }
+        }
+    }
+    records.sort_by_key(|r| r.index);
+    Ok(records)
+}
+
+/// A completed request whose answer is not the greedy reference.
+#[derive(Debug, Clone)]
+pub struct Mismatch {
+    pub index: usize,
+    pub prompt: usize,
+    /// Byte offset of the first difference.
+    pub at: usize,
+    pub got: String,
+    pub want: String,
+}
+
+/// Counts and latencies of a run, checked against the reference.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub sent: usize,
+    pub accepted: usize,
+    pub completed: usize,
+    /// Rejected with a clean error before any token.
+    pub failed_clean: usize,
+    /// Accepted but broken, timed out, or no clean answer at all.
+    pub lost: usize,
+    pub timed_out: usize,
+    pub shed: usize,
+    pub mismatches: Vec<Mismatch>,
+    /// Lost requests, with their errors (at most 10).
+    pub lost_examples: Vec<String>,
+    pub p50_latency: Duration,
+    pub p99_latency: Duration,
+    pub p99_ttft: Duration,
+    pub max_latency: Duration,
+}
+
+fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.sort();
+    let i = ((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
+}
+
+impl Report {
+    pub fn new(records: &[Record], reference: &[String]) -> Report {
+        let mut r = Report {
+            sent: 0,
+            accepted: 0,
+            completed: 0,
+            failed_clean: 0,
+            lost: 0,
+            timed_out: 0,
+            shed: 0,
+            mismatches: Vec::new(),
+            lost_examples: Vec::new(),
+            p50_latency: Duration::ZERO,
+            p99_latency: Duration::ZERO,
+            p99_ttft: Duration::ZERO,
+            max_latency: Duration::ZERO,
+        };
+        for rec in records {
+            if rec.outcome == Outcome::Shed {
+                r.shed += 1;
+                continue;
+            }
+            r.sent += 1;
+            r.accepted += usize::from(rec.accepted());
+            match rec.outcome {
+                Outcome::Completed => {
+                    r.completed += 1;
+                    let want = reference.get(rec.prompt).map(String::as_str).unwrap_or("");
+                    if rec.text != want {
+                        let at = rec.text.bytes().zip(want.bytes()).take_while(|(a, b)| a == b).count();
+                        r.mismatches.push(Mismatch {
+                            index: rec.index,
+                            prompt: rec.prompt,
+                            at,
+                            got: rec.text.clone(),
+                            want: want.to_string(),
+                        });
+                    }
+                }
+                Outcome::Rejected => r.failed_clean += 1,
+                Outcome::Broken | Outcome::TimedOut | Outcome::Transport => {
+                    r.lost += 1;
+                    r.timed_out += usize::from(rec.outcome == Outcome::TimedOut);
+                    if r.lost_examples.len() < 10 {
+                        r.lost_examples.push(format!(
+                            "#{} ({:?}, stream {}, after {:?}): {}",
+                            rec.index,
+                            rec.outcome,
+                            rec.stream,
+                            rec.latency(),
+                            rec.error.as_deref().unwrap_or("")
+                        ));
+                    }
+                }
+                Outcome::Shed => {}
+            }
+        }
+        let done: Vec<&Record> = records.iter().filter(|r| r.outcome == Outcome::Completed).collect();
+        r.p50_latency = percentile(done.iter().map(|r| r.latency()).collect(), 0.50);
+        r.p99_latency = percentile(done.iter().map(|r| r.latency()).collect(), 0.99);
+        r.p99_ttft = percentile(done.iter().filter_map(|r| r.ttft).collect(), 0.99);
+        r.max_latency = records.iter().map(Record::latency).max().unwrap_or_default();
+        r
+    }
+}
+
+/// Completed requests per second among those that ended in `[from, to)`.
+pub fn throughput(records: &[Record], from: Duration, to: Duration) -> f64 {
+    if to <= from {
+        return 0.0;
+    }
+    let n = records.iter().filter(|r| r.outcome == Outcome::Completed && r.ended_at >= from && r.ended_at < to).count();
+    n as f64 / (to - from).as_secs_f64()
+}
+
+/// The p99 latency of the completed requests that were in flight at some point of `[from, to)`.
+pub fn p99_latency_between(records: &[Record], from: Duration, to: Duration) -> Duration {
+    percentile(
+        records
+            .iter()
+            .filter(|r| r.outcome == Outcome::Completed && r.sent_at < to && r.ended_at >= from)
+            .map(Record::latency)
+            .collect(),
+        0.99,
+    )
+}
+
+/// Throughput before a fault and how long after it the cluster was back to `fraction` of it for good.
+#[derive(Debug, Clone, Copy)]
+pub struct Recovery {
+    /// Completed requests per second over `[warmup, fault)`.
+    pub baseline: f64,
+    /// From the fault to the start of the first window from which on every window's throughput is at least
+    /// `fraction × baseline`; `None` if the last window before `until` is still below.
+    pub recovered_after: Option<Duration>,
+    /// The lowest throughput of any window after the fault.
+    pub worst: f64,
+}
+
+/// Measures recovery over windows of `window` starting every 250 ms from the fault and ending no later than
+/// `until` (the end of steady load).
+pub fn recovery(
+    records: &[Record],
+    warmup: Duration,
+    fault: Duration,
+    until: Duration,
+    window: Duration,
+    fraction: f64,
+) -> Recovery {
+    const STEP: Duration = Duration::from_millis(250);
+    let baseline = throughput(records, warmup, fault);
+    let mut worst = f64::INFINITY;
+    let mut recovered_from = Some(fault);
+    let mut start = fault;
+    while start + window <= until {
+        let t = throughput(records, start, start + window);
+        worst = worst.min(t);
+        recovered_from = if t >= fraction * baseline { recovered_from.or(Some(start)) } else { None };
+        start += STEP;
+    }
+    Recovery {
+        baseline,
+        recovered_after: recovered_from.map(|s| s - fault),
+        worst: if worst.is_finite() { worst } else { 0.0 },
+    }
+}
