@@ -142,6 +142,7 @@ impl Worker for Fake {
             context_length: CONTEXT as u32,
             block_size: 16,
             kv_group_size: 2,
+            worker_id: String::new(),
         }))
     }
 
@@ -191,6 +192,7 @@ async fn spawn_router_with(workers: Vec<String>, body_limit: usize, security: Se
         health_interval: Duration::from_millis(100),
         placement: PlacerConfig { strategy, ..PlacerConfig::default() },
         security,
+        ..RouterConfig::default()
     };
     tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
     format!("http://{addr}")
