@@ -48,6 +48,10 @@ pub struct RouterConfig {
     pub placement: PlacerConfig,
     /// API keys, tenants and the admin key; the default is auth off (dev mode).
     pub security: Security,
+    /// kvstore nodes to watch for the workers' block events (empty: placement knows only its own predictions).
+    pub kvstore: Vec<String>,
+    /// A registered worker with no report for this long raises the stale-reports alarm.
+    pub stale_reports_after: Duration,
 }
 
 impl Default for RouterConfig {
@@ -58,6 +62,8 @@ impl Default for RouterConfig {
             health_interval: Duration::from_secs(2),
             placement: PlacerConfig::default(),
             security: Security::default(),
+            kvstore: Vec::new(),
+            stale_reports_after: Duration::from_secs(3),
         }
     }
 }
@@ -170,10 +176,18 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
     let health = pool.spawn_health_loop(config.health_interval);
+    let feed = (!config.kvstore.is_empty()).then(|| {
+        let mut cfg = crate::feed::FeedConfig::new(config.kvstore.clone());
+        cfg.stale_after = config.stale_reports_after;
+        crate::feed::spawn(pool.clone(), cfg)
+    });
     log_security(&config.security);
     let state = AppState::with_security(codec, pool, config.body_limit, config.security);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
+    if let Some(f) = feed {
+        f.abort();
+    }
     res
 }
 
@@ -232,6 +246,7 @@ async fn readyz(State(st): State<AppState>) -> Response {
 
 async fn metrics(State(st): State<AppState>) -> Response {
     st.metrics().scrape_workers(st.pool()).await;
+    st.metrics().scrape_directory(&st.pool().feed_status());
     let mut resp = st.metrics().encode().into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -241,9 +256,13 @@ async fn metrics(State(st): State<AppState>) -> Response {
 }
 
 /// `GET /debug/placements` (admin): the most recent placement decisions, newest first, each with every
-/// candidate's cost breakdown.
+/// candidate's cost breakdown; and the directory feed (kvstore node, applied index, each registered worker's
+/// report age and whether it is stale).
 async fn debug_placements(State(st): State<AppState>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "decisions": st.pool().recent_decisions() }))
+    Json(serde_json::json!({
+        "decisions": st.pool().recent_decisions(),
+        "directory": st.pool().feed_status(),
+    }))
 }
 
 /// `GET /debug/keys` (admin): every key's tenant, fingerprint, limits and current usage; never the keys.
