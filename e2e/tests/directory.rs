@@ -74,14 +74,14 @@ async fn directory_workers(kvstore: &str) -> Vec<pb::WorkerInfo> {
     c.read(pb::ReadRequest { workers: true, ..Default::default() }).await.unwrap().workers
 }
 
-async fn wait_directory_blocks(kvstore: &str, worker: &str, timeout: Duration) -> pb::WorkerInfo {
+async fn wait_directory_blocks(kvstore: &str, worker: &str, min_blocks: u64, timeout: Duration) -> pb::WorkerInfo {
     let t0 = Instant::now();
     loop {
         let workers = directory_workers(kvstore).await;
-        if let Some(w) = workers.iter().find(|w| w.worker == worker && w.blocks > 0) {
+        if let Some(w) = workers.iter().find(|w| w.worker == worker && w.blocks >= min_blocks) {
             return w.clone();
         }
-        assert!(t0.elapsed() < timeout, "{worker} has no blocks in the directory: {workers:?}");
+        assert!(t0.elapsed() < timeout, "{worker} has < {min_blocks} blocks in the directory: {workers:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -139,7 +139,7 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
     assert!(prompt_blocks >= 20, "the prefix spans many blocks: {first:#}");
 
     // The kvstore's directory lists b's blocks (device, and host once idle), and none of a's.
-    let info = wait_directory_blocks(&kv, "wb", Duration::from_secs(10)).await;
+    let info = wait_directory_blocks(&kv, "wb", prompt_blocks, Duration::from_secs(10)).await;
     assert!(info.blocks >= prompt_blocks, "{info:?}");
     assert_eq!(info.address, b);
     assert!(info.load.as_ref().is_some_and(|l| l.total_blocks > 0 && !l.occupancy.is_empty()), "{info:?}");
