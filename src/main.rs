@@ -1,7 +1,8 @@
 //! The `pagoda` CLI: one binary for every role.
 //!
-//! - `pagoda up`: the embedded single-machine cluster: engine, worker gRPC service on a loopback port, and the
-//!   router on `--listen`, in one process; the router still talks to the worker over gRPC.
+//! - `pagoda up`: the embedded single-machine cluster: engine, worker gRPC service on a loopback port, a one-voter
+//!   kvstore (the block directory) on a loopback port, and the router on `--listen`, in one process; the router still
+//!   talks to the worker over gRPC and learns its blocks through the kvstore, as in a cluster.
 //! - `pagoda worker`: the engine behind the `Worker` gRPC service.
 //! - `pagoda router`: the OpenAI HTTP API in front of one or more workers.
 //! - `pagoda kvstore`: one node of the raft-replicated block directory (`--peer` lists the initial voters).
@@ -222,6 +223,10 @@ struct UpArgs {
     /// gRPC address of the embedded worker (port 0 = any free port).
     #[arg(long, default_value = "127.0.0.1:0")]
     worker_listen: SocketAddr,
+    /// gRPC address of the embedded one-voter kvstore (port 0 = any free port). Its raft log lives under
+    /// <data-dir>/kvstore, or in a temporary directory removed at exit without --data-dir.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    kvstore_listen: SocketAddr,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -235,6 +240,17 @@ struct WorkerArgs {
     /// gRPC address to serve the Worker service on.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
+    /// kvstore node (host:port) to report block events, occupancy and heartbeats to; repeat or comma-separate for
+    /// a cluster. Without it the worker reports nothing.
+    #[arg(long, value_delimiter = ',')]
+    kvstore: Vec<String>,
+    /// This worker's id in the kvstore directory; keep it stable across restarts (default: <hostname>:<port>).
+    #[arg(long, env = "PAGODA_WORKER_ID")]
+    worker_id: Option<String>,
+    /// The gRPC address routers reach this worker at, registered in the kvstore (default: the bound --listen
+    /// address, or <hostname>:<port> when it listens on all interfaces).
+    #[arg(long)]
+    advertise: Option<String>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -257,10 +273,15 @@ struct RouterArgs {
     /// near-ties across router replicas).
     #[arg(long)]
     placement_temperature: Option<f64>,
-    /// kvstore node address (host:port) whose raft leader, term and apply lag the dashboard shows; repeat for each
-    /// node. Without it the dashboard shows the kvstore as not configured.
-    #[arg(long = "kvstore", value_name = "ADDR")]
+    /// kvstore node (host:port): the router watches it for the workers' block events (failing over between nodes)
+    /// and the dashboard shows its raft leader, term and apply lag; repeat or comma-separate for a cluster. Without
+    /// it placement knows only its own predictions and the dashboard shows the kvstore as not configured.
+    #[arg(long, value_name = "ADDR", value_delimiter = ',')]
     kvstore: Vec<String>,
+    /// Seconds without a report (block events or heartbeat) from a registered worker before the router raises the
+    /// stale-reports alarm and leaves the worker out of placement.
+    #[arg(long, default_value_t = 3.0)]
+    stale_reports_secs: f64,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -693,11 +714,12 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
 async fn serve_worker(
     listener: TcpListener,
     engine: EngineHandle,
+    worker_id: String,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .add_service(WorkerService::new(engine).into_server())
+        .add_service(WorkerService::new(engine).with_worker_id(worker_id).into_server())
         .serve_with_incoming_shutdown(incoming, wait_for(shutdown))
         .await
 }
@@ -723,30 +745,64 @@ async fn up(args: UpArgs) -> Result<()> {
     let worker_addr = worker_listener.local_addr().context("worker address")?;
     let router_listener = bind(args.listen, "router").await?;
     let router_addr = router_listener.local_addr().context("router address")?;
+    // The embedded directory: a one-voter raft that elects itself at once.
+    let (kv_dir, kv_dir_is_temp) = match &args.engine.data_dir {
+        Some(d) => (d.join("kvstore"), false),
+        None => (std::env::temp_dir().join(format!("pagoda-up-kvstore-{}", std::process::id())), true),
+    };
+    let kvstore = pagoda_kvstore::start_embedded(kv_dir.clone(), args.kvstore_listen)
+        .await
+        .with_context(|| format!("cannot start the embedded kvstore in {}", kv_dir.display()))?;
+    let kv_addr = kvstore.addr.to_string();
+    let worker_id = format!("{}:{}", hostname(), worker_addr.port());
+    let reporter = pagoda_worker::reporter::spawn(
+        engine.clone(),
+        pagoda_worker::reporter::ReporterConfig::new(worker_id.clone(), worker_addr.to_string(), vec![kv_addr.clone()]),
+    )
+    .context("cannot start block-event reporting")?;
     let codec = load_codec(&model, &args.http).await?;
     let model_id = codec.model_id().to_string();
     let config = RouterConfig {
         workers: vec![worker_addr.to_string()],
         body_limit: args.http.body_limit,
         security,
+        kvstore: vec![kv_addr.clone()],
         ..RouterConfig::default()
     };
+    println!("pagoda kvstore listening on {kv_addr}");
     println!("pagoda worker listening on {worker_addr}");
     println!("pagoda router listening on http://{router_addr}");
     println!(
         "serving {model_id}: try  curl http://{router_addr}/v1/chat/completions -H 'content-type: application/json' \
               -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
     );
-    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), shutdown.clone()));
+    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), worker_id, shutdown.clone()));
     let router_shutdown = wait_for(shutdown.clone());
     let router_fut = pagoda_router::serve(router_listener, codec, config, router_shutdown);
     let res = until_drained(router_fut, shutdown.clone()).await;
     let _ = until_drained(worker_task, shutdown).await;
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    reporter.abort();
+    if let Err(e) = kvstore.stop().await {
+        tracing::warn!(error = %e, "stopping the embedded kvstore");
+    }
+    if kv_dir_is_temp {
+        let _ = std::fs::remove_dir_all(&kv_dir);
+    }
     match res {
         Some(r) => r.context("router failed"),
         None => Ok(()),
     }
+}
+
+/// This machine's host name (the default worker id's first half): `$HOSTNAME`, else the kernel's, else localhost.
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
 }
 
 async fn worker(args: WorkerArgs) -> Result<()> {
@@ -755,9 +811,24 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     let engine = start_engine(&model, &args.engine).await?;
     let listener = bind(args.listen, "worker").await?;
     let addr = listener.local_addr().context("worker address")?;
+    let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("{}:{}", hostname(), addr.port()));
+    let reporter = if args.kvstore.is_empty() {
+        None
+    } else {
+        let advertise = args.advertise.clone().unwrap_or_else(|| {
+            if addr.ip().is_unspecified() { format!("{}:{}", hostname(), addr.port()) } else { addr.to_string() }
+        });
+        let cfg = pagoda_worker::reporter::ReporterConfig::new(worker_id.clone(), advertise, args.kvstore.clone());
+        let task = pagoda_worker::reporter::spawn(engine.clone(), cfg).context("cannot start block-event reporting")?;
+        tracing::info!(worker = %worker_id, kvstore = ?args.kvstore, "reporting block events to the kvstore");
+        Some(task)
+    };
     println!("pagoda worker listening on {addr}");
-    let res = until_drained(serve_worker(listener, engine.clone(), shutdown.clone()), shutdown).await;
+    let res = until_drained(serve_worker(listener, engine.clone(), worker_id, shutdown.clone()), shutdown).await;
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    if let Some(r) = reporter {
+        r.abort();
+    }
     match res {
         Some(r) => r.context("worker gRPC server failed"),
         None => Ok(()),
@@ -776,6 +847,9 @@ async fn router(args: RouterArgs) -> Result<()> {
         temperature: args.placement_temperature.filter(|t| t.is_finite() && *t > 0.0),
         ..Default::default()
     };
+    if !(args.stale_reports_secs.is_finite() && (0.1..=3600.0).contains(&args.stale_reports_secs)) {
+        bail!("--stale-reports-secs must be between 0.1 and 3600");
+    }
     let config = RouterConfig {
         workers: args.workers,
         body_limit: args.http.body_limit,
@@ -783,6 +857,10 @@ async fn router(args: RouterArgs) -> Result<()> {
         security,
         kvstore: args.kvstore,
         migration: args.migration.config(),
+        stale_reports_after: Duration::try_from_secs_f64(args.stale_reports_secs)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .with_context(|| format!("--stale-reports-secs {} must be a positive number", args.stale_reports_secs))?,
         ..RouterConfig::default()
     };
     println!("pagoda router listening on http://{addr}");

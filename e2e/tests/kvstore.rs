@@ -95,6 +95,7 @@ async fn sigkill_the_leader_under_load_loses_no_acknowledged_event() {
                     epoch: 1,
                     first_seq: seq,
                     events: hashes.iter().map(|h| stored(*h)).collect(),
+                    load: None,
                 };
                 let r = c.publish(req).await.unwrap();
                 assert_eq!(r.applied + r.skipped, 50, "{r:?}");

@@ -170,7 +170,7 @@ async fn drive(cfg: &BenchConfig, endpoints: &[String]) -> Result<BenchReport, B
                         })),
                     })
                     .collect();
-                let req = pb::PublishRequest { worker: worker.clone(), epoch: 1, first_seq: seq, events };
+                let req = pb::PublishRequest { worker: worker.clone(), epoch: 1, first_seq: seq, events, load: None };
                 let t0 = Instant::now();
                 if let Ok(mut m) = times.lock() {
                     m.insert((worker.clone(), seq), t0);

@@ -1,10 +1,15 @@
 //! The block directory: which worker holds which KV block, in which tier and codec.
 //!
 //! This is the replicated state machine that the kvstore serves (DESIGN §6). It owns two maps: block hash →
-//! residencies, and worker id → worker record. Workers send batches of block events stamped with their epoch and a
-//! per-worker monotonic sequence number; the directory applies each event at most once, ignores replays, and reports a
-//! gap (so the kvstore can ask that worker for a full snapshot) instead of guessing. It is a plain struct with one
-//! owner: replication (raft) and transport live elsewhere and only call [`BlockDirectory::apply`].
+//! residencies, and the [`WorkerTable`] (worker id → worker record). Workers send batches of block events stamped
+//! with their epoch and a per-worker monotonic sequence number; the directory applies each event at most once,
+//! ignores replays, and reports a gap (so the kvstore can ask that worker for a full snapshot) instead of guessing.
+//! It is a plain struct with one owner: replication (raft) and transport live elsewhere and only call
+//! [`BlockDirectory::apply`].
+//!
+//! The [`WorkerTable`] alone decides which events of a batch are fresh. A watcher that keeps its own bounded view of
+//! the blocks (the router's residency index) runs the same table over the same commands, so it applies exactly the
+//! events the directory applied.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -59,6 +64,29 @@ pub struct EventBatch {
     pub epoch: u64,
     pub first_seq: u64,
     pub events: Vec<BlockEvent>,
+    /// The worker's occupancy when it sent the batch (a batch without events is a heartbeat).
+    pub load: Option<WorkerLoad>,
+}
+
+/// Bytes a worker holds in one tier under one codec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierOccupancy {
+    pub tier: Tier,
+    pub codec: String,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
+/// A worker's occupancy report: bytes per tier and codec, its scheduler's queues, its free device blocks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerLoad {
+    pub occupancy: Vec<TierOccupancy>,
+    pub running: u32,
+    pub waiting: u32,
+    pub free_blocks: u64,
+    pub total_blocks: u64,
+    /// The worker's wall clock at the report (unix ms), as the worker stamped it.
+    pub reported_at_ms: u64,
 }
 
 /// The directory's record of a worker.
@@ -69,6 +97,147 @@ pub struct WorkerRecord {
     /// The last sequence number applied in `epoch` (0 = none yet; sequences start at 1).
     pub applied_seq: u64,
     pub blocks: u64,
+    /// The latest occupancy report.
+    pub load: Option<WorkerLoad>,
+}
+
+/// Which events of a batch are new: `batch.events[skipped..]`, or none because of a gap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Admitted {
+    pub outcome: ApplyOutcome,
+    /// Events at the front of the batch that were replays (all of them on a gap: nothing is applied).
+    pub skipped: usize,
+}
+
+/// What registering did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registration {
+    /// A new worker, or a new epoch of a known one: every residency it had is gone.
+    NewEpoch,
+    /// The same epoch again (a retried Register): only the address may change.
+    SameEpoch,
+}
+
+/// Worker id → record: epochs, sequence numbers and occupancy. The one place that decides what a batch applies.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerTable {
+    workers: BTreeMap<WorkerId, WorkerRecord>,
+}
+
+impl WorkerTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a worker or a new epoch of it (sequence numbering restarts); refuses an older epoch.
+    pub fn register(&mut self, worker: &str, address: &str, epoch: u64) -> Result<Registration, DirectoryError> {
+        if let Some(record) = self.workers.get_mut(worker) {
+            if epoch < record.epoch {
+                return Err(DirectoryError::StaleEpoch {
+                    worker: worker.to_string(),
+                    got: epoch,
+                    current: record.epoch,
+                });
+            }
+            if epoch == record.epoch {
+                record.address = address.to_string();
+                return Ok(Registration::SameEpoch);
+            }
+        }
+        self.workers.insert(
+            worker.to_string(),
+            WorkerRecord { address: address.to_string(), epoch, applied_seq: 0, blocks: 0, load: None },
+        );
+        Ok(Registration::NewEpoch)
+    }
+
+    pub fn remove(&mut self, worker: &str) -> bool {
+        self.workers.remove(worker).is_some()
+    }
+
+    /// Decides which events of `batch` are fresh and advances the worker's sequence past them. The batch's load
+    /// report is taken unless the whole batch is a replay (a retried send must not roll the report back).
+    pub fn admit(&mut self, batch: &EventBatch) -> Result<Admitted, DirectoryError> {
+        let record =
+            self.workers.get_mut(&batch.worker).ok_or_else(|| DirectoryError::UnknownWorker(batch.worker.clone()))?;
+        if batch.epoch != record.epoch {
+            return Err(DirectoryError::StaleEpoch {
+                worker: batch.worker.clone(),
+                got: batch.epoch,
+                current: record.epoch,
+            });
+        }
+        if batch.first_seq == 0 {
+            return Err(DirectoryError::ZeroSequence(batch.worker.clone()));
+        }
+        let expected = record.applied_seq + 1;
+        if batch.first_seq > expected {
+            return Ok(Admitted {
+                outcome: ApplyOutcome::Gap { expected, got: batch.first_seq },
+                skipped: batch.events.len(),
+            });
+        }
+        let already = (expected - batch.first_seq) as usize;
+        let skipped = already.min(batch.events.len());
+        let applied = batch.events.len() - skipped;
+        record.applied_seq += applied as u64;
+        // The batch is at the worker's frontier when it brings new events, or is a heartbeat at the next number;
+        // a batch of replays only is an old send retried.
+        let at_frontier = applied > 0 || (batch.events.is_empty() && batch.first_seq == expected);
+        if at_frontier && let Some(load) = &batch.load {
+            record.load = Some(load.clone());
+        }
+        Ok(Admitted { outcome: ApplyOutcome::Applied { applied, skipped }, skipped })
+    }
+
+    /// A full snapshot of the worker at `seq` replaces its sequence position (and its load, when reported).
+    pub fn snapshot(
+        &mut self,
+        worker: &str,
+        epoch: u64,
+        seq: u64,
+        load: Option<&WorkerLoad>,
+    ) -> Result<(), DirectoryError> {
+        let record = self.workers.get_mut(worker).ok_or_else(|| DirectoryError::UnknownWorker(worker.to_string()))?;
+        if epoch != record.epoch {
+            return Err(DirectoryError::StaleEpoch { worker: worker.to_string(), got: epoch, current: record.epoch });
+        }
+        record.applied_seq = seq;
+        if let Some(load) = load {
+            record.load = Some(load.clone());
+        }
+        Ok(())
+    }
+
+    pub fn get(&self, worker: &str) -> Option<&WorkerRecord> {
+        self.workers.get(worker)
+    }
+
+    pub fn contains(&self, worker: &str) -> bool {
+        self.workers.contains_key(worker)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&WorkerId, &WorkerRecord)> {
+        self.workers.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    fn get_mut(&mut self, worker: &str) -> Option<&mut WorkerRecord> {
+        self.workers.get_mut(worker)
+    }
+}
+
+impl FromIterator<(WorkerId, WorkerRecord)> for WorkerTable {
+    fn from_iter<I: IntoIterator<Item = (WorkerId, WorkerRecord)>>(iter: I) -> Self {
+        Self { workers: iter.into_iter().collect() }
+    }
 }
 
 /// What applying a batch did.
@@ -96,7 +265,7 @@ pub enum DirectoryError {
 #[derive(Debug, Default)]
 pub struct BlockDirectory {
     blocks: HashMap<BlockHash, Vec<Residency>>,
-    workers: BTreeMap<WorkerId, WorkerRecord>,
+    workers: WorkerTable,
 }
 
 impl BlockDirectory {
@@ -108,63 +277,25 @@ impl BlockDirectory {
     /// and host copies are gone (disk copies are re-announced by the worker's snapshot), so all its residencies are
     /// dropped and sequence numbering restarts.
     pub fn register_worker(&mut self, worker: &str, address: &str, epoch: u64) -> Result<(), DirectoryError> {
-        if let Some(record) = self.workers.get(worker) {
-            if epoch < record.epoch {
-                return Err(DirectoryError::StaleEpoch {
-                    worker: worker.to_string(),
-                    got: epoch,
-                    current: record.epoch,
-                });
-            }
-            if epoch == record.epoch {
-                if let Some(record) = self.workers.get_mut(worker) {
-                    record.address = address.to_string();
-                }
-                return Ok(());
-            }
+        if self.workers.register(worker, address, epoch)? == Registration::NewEpoch {
+            self.drop_worker_residency(worker);
         }
-        self.drop_worker_residency(worker);
-        self.workers.insert(
-            worker.to_string(),
-            WorkerRecord { address: address.to_string(), epoch, applied_seq: 0, blocks: 0 },
-        );
         Ok(())
     }
 
     /// Removes a worker and every block copy it held (lease loss, DESIGN §6).
     pub fn remove_worker(&mut self, worker: &str) -> bool {
         self.drop_worker_residency(worker);
-        self.workers.remove(worker).is_some()
+        self.workers.remove(worker)
     }
 
     /// Applies a batch idempotently: replayed sequence numbers are skipped, a gap applies nothing.
     pub fn apply(&mut self, batch: &EventBatch) -> Result<ApplyOutcome, DirectoryError> {
-        let record =
-            self.workers.get(&batch.worker).ok_or_else(|| DirectoryError::UnknownWorker(batch.worker.clone()))?;
-        if batch.epoch != record.epoch {
-            return Err(DirectoryError::StaleEpoch {
-                worker: batch.worker.clone(),
-                got: batch.epoch,
-                current: record.epoch,
-            });
-        }
-        if batch.first_seq == 0 {
-            return Err(DirectoryError::ZeroSequence(batch.worker.clone()));
-        }
-        let expected = record.applied_seq + 1;
-        if batch.first_seq > expected {
-            return Ok(ApplyOutcome::Gap { expected, got: batch.first_seq });
-        }
-        let already = (expected - batch.first_seq) as usize;
-        let skipped = already.min(batch.events.len());
-        let fresh = &batch.events[skipped..];
-        for event in fresh {
+        let admitted = self.workers.admit(batch)?;
+        for event in &batch.events[admitted.skipped..] {
             self.apply_one(&batch.worker, event);
         }
-        if let Some(record) = self.workers.get_mut(&batch.worker) {
-            record.applied_seq += fresh.len() as u64;
-        }
-        Ok(ApplyOutcome::Applied { applied: fresh.len(), skipped })
+        Ok(admitted.outcome)
     }
 
     /// Replaces everything known about a worker with a full snapshot taken at `seq` (after a gap).
@@ -174,20 +305,15 @@ impl BlockDirectory {
         epoch: u64,
         seq: u64,
         residency: &[(BlockHash, Tier, String, u64)],
+        load: Option<&WorkerLoad>,
     ) -> Result<(), DirectoryError> {
-        let current = self.workers.get(worker).ok_or_else(|| DirectoryError::UnknownWorker(worker.to_string()))?.epoch;
-        if epoch != current {
-            return Err(DirectoryError::StaleEpoch { worker: worker.to_string(), got: epoch, current });
-        }
+        self.workers.snapshot(worker, epoch, seq, load)?;
         self.drop_worker_residency(worker);
         for (hash, tier, codec, bytes) in residency {
             self.apply_one(
                 worker,
                 &BlockEvent::Stored { hash: *hash, tier: *tier, codec: codec.clone(), bytes: *bytes },
             );
-        }
-        if let Some(record) = self.workers.get_mut(worker) {
-            record.applied_seq = seq;
         }
         Ok(())
     }
@@ -226,6 +352,10 @@ impl BlockDirectory {
         self.workers.iter()
     }
 
+    pub fn worker_table(&self) -> &WorkerTable {
+        &self.workers
+    }
+
     /// Every block with its copies, in no particular order (for snapshots).
     pub fn blocks(&self) -> impl Iterator<Item = (&BlockHash, &[Residency])> {
         self.blocks.iter().map(|(h, copies)| (h, copies.as_slice()))
@@ -238,10 +368,10 @@ impl BlockDirectory {
         workers: impl IntoIterator<Item = (WorkerId, WorkerRecord)>,
         blocks: impl IntoIterator<Item = (BlockHash, Vec<Residency>)>,
     ) -> Self {
-        let workers: BTreeMap<WorkerId, WorkerRecord> = workers.into_iter().collect();
+        let workers: WorkerTable = workers.into_iter().collect();
         let mut map: HashMap<BlockHash, Vec<Residency>> = HashMap::new();
         for (hash, mut copies) in blocks {
-            copies.retain(|r| workers.contains_key(&r.worker));
+            copies.retain(|r| workers.contains(&r.worker));
             copies.sort();
             copies.dedup_by(|a, b| a.worker == b.worker && a.tier == b.tier && a.codec == b.codec);
             if !copies.is_empty() {
@@ -316,7 +446,7 @@ mod tests {
     }
 
     fn batch(worker: &str, epoch: u64, first_seq: u64, events: Vec<BlockEvent>) -> EventBatch {
-        EventBatch { worker: worker.into(), epoch, first_seq, events }
+        EventBatch { worker: worker.into(), epoch, first_seq, events, load: None }
     }
 
     #[test]
@@ -348,7 +478,7 @@ mod tests {
         let out = dir.apply(&batch("w1", 1, 5, vec![stored(2, Tier::Device)])).unwrap();
         assert_eq!(out, ApplyOutcome::Gap { expected: 2, got: 5 });
         assert!(dir.residency(2).is_empty());
-        dir.apply_snapshot("w1", 1, 5, &[(2, Tier::Host, "int8".into(), 100)]).unwrap();
+        dir.apply_snapshot("w1", 1, 5, &[(2, Tier::Host, "int8".into(), 100)], None).unwrap();
         assert!(dir.residency(1).is_empty());
         assert_eq!(dir.residency(2)[0].tier, Tier::Host);
         assert_eq!(
@@ -403,6 +533,27 @@ mod tests {
         dir.apply(&batch("b", 1, 2, vec![BlockEvent::Cleared])).unwrap();
         assert_eq!(dir.block_count(), 0);
         assert_eq!(dir.worker("b").unwrap().blocks, 0);
+    }
+
+    #[test]
+    fn load_reports_follow_the_frontier_and_replays_do_not_roll_them_back() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("a", "a", 1).unwrap();
+        let load = |running| WorkerLoad { running, ..WorkerLoad::default() };
+        let mut b = batch("a", 1, 1, vec![stored(1, Tier::Device), stored(2, Tier::Device)]);
+        b.load = Some(load(1));
+        dir.apply(&b).unwrap();
+        // A heartbeat at the frontier (seq 3, no events) carries a newer report.
+        let mut heartbeat = batch("a", 1, 3, vec![]);
+        heartbeat.load = Some(load(2));
+        assert_eq!(dir.apply(&heartbeat).unwrap(), ApplyOutcome::Applied { applied: 0, skipped: 0 });
+        assert_eq!(dir.worker("a").unwrap().load.as_ref().unwrap().running, 2);
+        // The first batch again (a retry after a lost answer): a replay, its older report is ignored.
+        assert_eq!(dir.apply(&b).unwrap(), ApplyOutcome::Applied { applied: 0, skipped: 2 });
+        assert_eq!(dir.worker("a").unwrap().load.as_ref().unwrap().running, 2);
+        // A new epoch starts without a report.
+        dir.register_worker("a", "a", 2).unwrap();
+        assert!(dir.worker("a").unwrap().load.is_none());
     }
 
     #[test]

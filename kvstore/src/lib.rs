@@ -22,7 +22,8 @@ pub mod transport;
 
 pub use client::Client;
 pub use directory::{
-    ApplyOutcome, BlockDirectory, BlockEvent, BlockHash, DirectoryError, EventBatch, Residency, Tier, WorkerRecord,
+    Admitted, ApplyOutcome, BlockDirectory, BlockEvent, BlockHash, DirectoryError, EventBatch, Registration, Residency,
+    Tier, TierOccupancy, WorkerLoad, WorkerRecord, WorkerTable,
 };
 pub use pagoda_proto::kvstore as proto;
 pub use server::{NodeConfig, RunningNode, ServerError, start, start_embedded};

@@ -7,7 +7,9 @@
 use pagoda_proto::kvstore as pb;
 use pb::command::Op;
 
-use crate::directory::{ApplyOutcome, BlockDirectory, BlockEvent, EventBatch, Residency, Tier, WorkerRecord};
+use crate::directory::{
+    ApplyOutcome, BlockDirectory, BlockEvent, EventBatch, Residency, Tier, TierOccupancy, WorkerLoad, WorkerRecord,
+};
 
 /// Most events in one Publish (one raft entry).
 pub const MAX_EVENTS_PER_BATCH: usize = 65_536;
@@ -89,7 +91,58 @@ pub fn batch_from(req: &pb::PublishRequest) -> Result<EventBatch, String> {
         };
         events.push(event);
     }
-    Ok(EventBatch { worker: req.worker.clone(), epoch: req.epoch, first_seq: req.first_seq, events })
+    let load = req.load.as_ref().map(load_from).transpose()?;
+    Ok(EventBatch { worker: req.worker.clone(), epoch: req.epoch, first_seq: req.first_seq, events, load })
+}
+
+/// Most (tier, codec) rows in one occupancy report.
+pub const MAX_OCCUPANCY_ROWS: usize = 64;
+
+/// A load report as the directory's type, or why it is invalid.
+pub fn load_from(load: &pb::WorkerLoad) -> Result<WorkerLoad, String> {
+    if load.occupancy.len() > MAX_OCCUPANCY_ROWS {
+        return Err(format!("{} occupancy rows (at most {MAX_OCCUPANCY_ROWS})", load.occupancy.len()));
+    }
+    let mut occupancy = Vec::with_capacity(load.occupancy.len());
+    for o in &load.occupancy {
+        if o.codec.len() > MAX_CODEC_LEN {
+            return Err(format!("codec is {} bytes (at most {MAX_CODEC_LEN})", o.codec.len()));
+        }
+        occupancy.push(TierOccupancy {
+            tier: tier_from(o.tier)?,
+            codec: o.codec.clone(),
+            used_bytes: o.used_bytes,
+            capacity_bytes: o.capacity_bytes,
+        });
+    }
+    Ok(WorkerLoad {
+        occupancy,
+        running: load.running,
+        waiting: load.waiting,
+        free_blocks: load.free_blocks,
+        total_blocks: load.total_blocks,
+        reported_at_ms: load.reported_at_ms,
+    })
+}
+
+pub fn load_to(load: &WorkerLoad) -> pb::WorkerLoad {
+    pb::WorkerLoad {
+        occupancy: load
+            .occupancy
+            .iter()
+            .map(|o| pb::TierOccupancy {
+                tier: tier_to(o.tier),
+                codec: o.codec.clone(),
+                used_bytes: o.used_bytes,
+                capacity_bytes: o.capacity_bytes,
+            })
+            .collect(),
+        running: load.running,
+        waiting: load.waiting,
+        free_blocks: load.free_blocks,
+        total_blocks: load.total_blocks,
+        reported_at_ms: load.reported_at_ms,
+    }
 }
 
 /// Validates any command before it is proposed, so that only well-formed commands reach the log.
@@ -113,6 +166,7 @@ pub fn validate(cmd: &pb::Command) -> Result<(), String> {
                 tier_from(b.tier)?;
                 check_codec(&b.codec)?;
             }
+            s.load.as_ref().map(load_from).transpose()?;
             Ok(())
         }
         None => Err("command has no op".into()),
@@ -143,7 +197,11 @@ pub fn apply_command(dir: &mut BlockDirectory, cmd: &pb::Command) -> Outcome {
                     Err(e) => return Outcome::Rejected(e),
                 }
             }
-            match dir.apply_snapshot(&s.worker, s.epoch, s.seq, &copies) {
+            let load = match s.load.as_ref().map(load_from).transpose() {
+                Ok(l) => l,
+                Err(e) => return Outcome::Rejected(e),
+            };
+            match dir.apply_snapshot(&s.worker, s.epoch, s.seq, &copies, load.as_ref()) {
                 Ok(()) => Outcome::SnapshotApplied,
                 Err(e) => rejected(&e),
             }
@@ -159,6 +217,7 @@ pub fn worker_info(id: &str, r: &WorkerRecord) -> pb::WorkerInfo {
         epoch: r.epoch,
         applied_seq: r.applied_seq,
         blocks: r.blocks,
+        load: r.load.as_ref().map(load_to),
     }
 }
 
@@ -188,12 +247,17 @@ pub fn directory_to_proto(dir: &BlockDirectory) -> pb::DirectorySnapshot {
 /// Rebuilds a directory from its message; an unknown tier is an error (the snapshot is corrupt or from a newer
 /// version).
 pub fn directory_from_proto(snap: &pb::DirectorySnapshot) -> Result<BlockDirectory, String> {
-    let workers = snap.workers.iter().map(|w| {
-        (
-            w.worker.clone(),
-            WorkerRecord { address: w.address.clone(), epoch: w.epoch, applied_seq: w.applied_seq, blocks: w.blocks },
-        )
-    });
+    let mut workers = Vec::with_capacity(snap.workers.len());
+    for w in &snap.workers {
+        let record = WorkerRecord {
+            address: w.address.clone(),
+            epoch: w.epoch,
+            applied_seq: w.applied_seq,
+            blocks: w.blocks,
+            load: w.load.as_ref().map(load_from).transpose()?,
+        };
+        workers.push((w.worker.clone(), record));
+    }
     let mut blocks = Vec::with_capacity(snap.blocks.len());
     for b in &snap.blocks {
         let mut copies = Vec::with_capacity(b.copies.len());
@@ -226,7 +290,9 @@ mod tests {
     }
 
     fn publish(first_seq: u64, events: Vec<pb::BlockEvent>) -> pb::Command {
-        pb::Command { op: Some(Op::Publish(pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq, events })) }
+        pb::Command {
+            op: Some(Op::Publish(pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq, events, load: None })),
+        }
     }
 
     #[test]
@@ -271,6 +337,7 @@ mod tests {
                 epoch: 1,
                 first_seq: 1,
                 events: vec![],
+                load: None,
             })),
         };
         assert!(matches!(apply_command(&mut BlockDirectory::new(), &unknown), Outcome::Rejected(_)));

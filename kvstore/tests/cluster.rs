@@ -101,6 +101,7 @@ impl Publisher {
                 epoch: 1,
                 first_seq: self.seq,
                 events: hashes.iter().map(|h| stored(*h)).collect(),
+                load: None,
             };
             let r = self.client.publish(req).await.unwrap();
             assert!(!r.snapshot_required, "{r:?}");
@@ -183,11 +184,16 @@ async fn three_nodes_replicate_fail_over_restart_and_change_membership() {
     assert_eq!(mirror.worker("w1").unwrap().applied_seq, 600);
 
     // Replays are idempotent; a gap asks for a snapshot, which heals it.
-    let replay =
-        pb::PublishRequest { worker: "w1".into(), epoch: 1, first_seq: 1, events: vec![stored(1000), stored(1001)] };
+    let replay = pb::PublishRequest {
+        worker: "w1".into(),
+        epoch: 1,
+        first_seq: 1,
+        events: vec![stored(1000), stored(1001)],
+        load: None,
+    };
     let r = p.client.publish(replay).await.unwrap();
     assert_eq!((r.applied, r.skipped), (0, 2));
-    let gap = pb::PublishRequest { worker: "w1".into(), epoch: 1, first_seq: 700, events: vec![stored(1)] };
+    let gap = pb::PublishRequest { worker: "w1".into(), epoch: 1, first_seq: 700, events: vec![stored(1)], load: None };
     let r = p.client.publish(gap).await.unwrap();
     assert!(r.snapshot_required);
     assert_eq!(r.expected_seq, 601);
@@ -199,9 +205,11 @@ async fn three_nodes_replicate_fail_over_restart_and_change_membership() {
         events: vec![pb::BlockEvent {
             kind: Some(pb::block_event::Kind::Stored(pb::Stored { hash: 1, tier: 9, codec: "f16".into(), bytes: 1 })),
         }],
+        load: None,
     };
     assert_eq!(p.client.publish(bad).await.unwrap_err().code(), Code::InvalidArgument);
-    let unknown = pb::PublishRequest { worker: "nobody".into(), epoch: 1, first_seq: 1, events: vec![stored(1)] };
+    let unknown =
+        pb::PublishRequest { worker: "nobody".into(), epoch: 1, first_seq: 1, events: vec![stored(1)], load: None };
     assert_eq!(p.client.publish(unknown).await.unwrap_err().code(), Code::FailedPrecondition);
 
     // Stop the leader: the others elect a new one, and publishing goes on through the same client.
@@ -266,6 +274,7 @@ async fn embedded_single_voter_commits_alone_and_restarts_from_disk() {
             epoch: 3,
             first_seq: 1,
             events: (0..100).map(stored).collect(),
+            load: None,
         })
         .await
         .unwrap();

@@ -11,6 +11,7 @@
 //! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
 //! - [`placer`]: the router's placement state: residency predictions, strategy, recent decisions.
 //! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
+//! - [`feed`]: the kvstore `Watch` task that feeds the residency index and raises the stale-reports alarm.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`auth`]: API keys file, tenants, admin key, bearer parsing and constant-time key lookup.
 //! - [`limits`]: per-key token bucket and in-flight cap ([`limits::Limiter`]).
@@ -26,6 +27,7 @@ pub mod dashboard;
 pub mod detok;
 pub mod error;
 pub mod extract;
+pub mod feed;
 pub mod generate;
 pub mod gguf_codec;
 pub mod limits;

@@ -99,6 +99,16 @@ pub struct Metrics {
     placed: AtomicU64,
     /// Requests re-issued to another worker after theirs failed, by why.
     pub migrations: Family<MigrationLabels, Counter>,
+    /// 1 while a registered worker's block events and heartbeats have stopped reaching this router (the alarm).
+    pub worker_reports_stale: Family<WorkerLabels, Gauge>,
+    /// Seconds since each registered worker's last report reached this router.
+    pub worker_report_age: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// 1 while the kvstore watch stream is up.
+    pub kvstore_watch_connected: Gauge,
+    /// The last raft index this router applied from the kvstore.
+    pub kvstore_applied_index: Gauge,
+    /// Distinct block hashes in the router's residency index (reported and predicted).
+    pub residency_index_blocks: Gauge,
 }
 
 impl Default for Metrics {
@@ -228,6 +238,38 @@ impl Metrics {
             "Requests re-issued (prompt + tokens so far) to another worker after theirs failed or stalled, by reason",
             migrations.clone(),
         );
+        let worker_reports_stale = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_reports_stale",
+            "1 when a worker registered in the kvstore sent no block events or heartbeat for longer than the threshold",
+            worker_reports_stale.clone(),
+        );
+        let worker_report_age = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register_with_unit(
+            "worker_report_age",
+            "Time since a registered worker's last report reached this router through the kvstore",
+            Unit::Seconds,
+            worker_report_age.clone(),
+        );
+        let kvstore_watch_connected = Gauge::default();
+        registry.register(
+            "kvstore_watch_connected",
+            "1 while this router's kvstore watch stream is up (only with --kvstore)",
+            kvstore_watch_connected.clone(),
+        );
+        let kvstore_applied_index = Gauge::default();
+        registry.register(
+            "kvstore_applied_index",
+            "The last kvstore raft index this router applied",
+            kvstore_applied_index.clone(),
+        );
+        let residency_index_blocks = Gauge::default();
+        registry.register_with_unit(
+            "residency_index",
+            "Distinct block hashes in the router's residency index",
+            Unit::Other("blocks".into()),
+            residency_index_blocks.clone(),
+        );
         Metrics {
             registry,
             placements,
@@ -235,6 +277,11 @@ impl Metrics {
             timeline: Timeline::new(),
             placed: AtomicU64::new(0),
             migrations,
+            worker_reports_stale,
+            worker_report_age,
+            kvstore_watch_connected,
+            kvstore_applied_index,
+            residency_index_blocks,
             rate_limited,
             worker_tier_used_bytes,
             worker_tier_capacity_bytes,
@@ -325,6 +372,21 @@ impl Metrics {
                     self.worker_evicted_blocks.get_or_create(&pl).set(e.freed_blocks as i64);
                 }
             }
+        }
+    }
+
+    /// Updates the directory-feed gauges from the feed's published state (nothing without `--kvstore`).
+    pub fn scrape_directory(&self, feed: &crate::feed::FeedStatus) {
+        if !feed.enabled {
+            return;
+        }
+        self.kvstore_watch_connected.set(i64::from(feed.connected));
+        self.kvstore_applied_index.set(i64::try_from(feed.applied_index).unwrap_or(i64::MAX));
+        self.residency_index_blocks.set(i64::try_from(feed.index_blocks).unwrap_or(i64::MAX));
+        for w in &feed.workers {
+            let l = WorkerLabels { worker: w.worker.clone() };
+            self.worker_reports_stale.get_or_create(&l).set(i64::from(w.stale));
+            self.worker_report_age.get_or_create(&l).set(w.report_age_s);
         }
     }
 

@@ -114,6 +114,22 @@ impl ResidencyIndex {
         });
     }
 
+    /// Drops what `worker` reported, keeping this router's predictions for it (a snapshot of the worker follows).
+    pub fn remove_reported(&mut self, worker: WorkerIdx) {
+        self.entries.retain(|_, e| {
+            e.holders.retain(|h| h.worker != worker || h.predicted_until.is_some());
+            !e.holders.is_empty()
+        });
+    }
+
+    /// Drops every reported holder, keeping predictions (a full directory snapshot follows).
+    pub fn clear_reported(&mut self) {
+        self.entries.retain(|_, e| {
+            e.holders.retain(|h| h.predicted_until.is_some());
+            !e.holders.is_empty()
+        });
+    }
+
     /// Records that `worker` is about to hold `hashes` on device, until `until` unless a report confirms it.
     pub fn predict(&mut self, worker: WorkerIdx, hashes: &[u64], until: Instant) {
         for &hash in hashes {
@@ -218,6 +234,27 @@ mod tests {
         assert_eq!(out[0].total(), 0, "the oldest went first");
         idx.remove_worker(0);
         assert!(idx.entries.values().all(|e| e.holders.iter().all(|h| h.worker != 0)));
+    }
+
+    #[test]
+    fn dropping_reports_keeps_this_routers_predictions() {
+        let mut idx = ResidencyIndex::new(100);
+        let until = Instant::now() + Duration::from_secs(60);
+        idx.apply(stored(1, 0, HitTier::Device));
+        idx.apply(stored(2, 1, HitTier::Host));
+        idx.predict(0, &[3], until);
+        idx.remove_reported(0);
+        let mut out = Vec::new();
+        idx.match_prefix(&[1], 2, Instant::now(), &mut out);
+        assert_eq!(out[0].total(), 0, "the report is gone");
+        idx.match_prefix(&[3], 2, Instant::now(), &mut out);
+        assert_eq!(out[0].total(), 1, "the prediction stays");
+        idx.match_prefix(&[2], 2, Instant::now(), &mut out);
+        assert_eq!(out[1].total(), 1, "other workers are untouched");
+        idx.clear_reported();
+        idx.match_prefix(&[2], 2, Instant::now(), &mut out);
+        assert_eq!(out[1].total(), 0);
+        assert_eq!(idx.len(), 1, "only the prediction is left");
     }
 }
 

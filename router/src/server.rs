@@ -49,8 +49,11 @@ pub struct RouterConfig {
     pub placement: PlacerConfig,
     /// API keys, tenants and the admin key; the default is auth off (dev mode).
     pub security: Security,
-    /// kvstore node addresses (`host:port`) whose raft status the dashboard shows; empty: "not configured".
+    /// kvstore nodes (`host:port`): the router watches them for the workers' block events and the dashboard shows
+    /// their raft status (empty: placement knows only its own predictions; the dashboard says "not configured").
     pub kvstore: Vec<String>,
+    /// A registered worker with no report for this long raises the stale-reports alarm.
+    pub stale_reports_after: Duration,
     /// Stall timeouts and the retry limit of request migration.
     pub migration: MigrationConfig,
 }
@@ -65,6 +68,7 @@ impl Default for RouterConfig {
             security: Security::default(),
             kvstore: Vec::new(),
             migration: MigrationConfig::default(),
+            stale_reports_after: Duration::from_secs(3),
         }
     }
 }
@@ -206,11 +210,18 @@ pub async fn serve(
     let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
     let dashboard = Dashboard::new(&config.kvstore).map_err(std::io::Error::other)?;
     let health = pool.spawn_health_loop(config.health_interval);
+    let feed = (!config.kvstore.is_empty()).then(|| {
+        let mut cfg = crate::feed::FeedConfig::new(config.kvstore.clone());
+        cfg.stale_after = config.stale_reports_after;
+        crate::feed::spawn(pool.clone(), cfg)
+    });
     log_security(&config.security);
-    let state =
-        AppState::with_parts(codec, pool, config.body_limit, config.security, dashboard, config.migration);
+    let state = AppState::with_parts(codec, pool, config.body_limit, config.security, dashboard, config.migration);
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
+    if let Some(f) = feed {
+        f.abort();
+    }
     res
 }
 
@@ -271,6 +282,7 @@ async fn readyz(State(st): State<AppState>) -> Response {
 
 async fn metrics(State(st): State<AppState>) -> Response {
     st.metrics().scrape_workers(st.pool()).await;
+    st.metrics().scrape_directory(&st.pool().feed_status());
     let mut resp = st.metrics().encode().into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -280,9 +292,13 @@ async fn metrics(State(st): State<AppState>) -> Response {
 }
 
 /// `GET /debug/placements` (admin): the most recent placement decisions, newest first, each with every
-/// candidate's cost breakdown.
+/// candidate's cost breakdown; and the directory feed (kvstore node, applied index, each registered worker's
+/// report age and whether it is stale).
 async fn debug_placements(State(st): State<AppState>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "decisions": st.pool().recent_decisions() }))
+    Json(serde_json::json!({
+        "decisions": st.pool().recent_decisions(),
+        "directory": st.pool().feed_status(),
+    }))
 }
 
 /// `GET /debug/keys` (admin): every key's tenant, fingerprint, limits and current usage; never the keys.

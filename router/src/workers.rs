@@ -10,8 +10,10 @@ use pagoda_proto::worker::worker_client::WorkerClient;
 use pagoda_proto::worker::{HealthRequest, StatsRequest, StatsResponse};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::feed::FeedStatus;
 use crate::placement::PlacementError;
 use crate::placer::{DecisionRecord, PlaceRequest, Placer, PlacerConfig, WorkerSnapshot};
+use crate::residency::ResidencyIndex;
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -26,6 +28,8 @@ pub struct WorkerStatus {
     pub kv_group_size: u32,
     /// Free + reclaimable device blocks at the last probe.
     pub free_blocks: u64,
+    /// The id the worker reports its blocks under in the kvstore (empty when it does not say).
+    pub worker_id: String,
     pub last_error: Option<String>,
 }
 
@@ -90,6 +94,8 @@ pub struct Worker {
     // std Mutex: only held for short, synchronous reads and writes, never across an await.
     status: Mutex<WorkerStatus>,
     load: Arc<WorkerLoad>,
+    /// Set by a probe that learned a new worker id; the pool turns it into a new id generation.
+    id_changed: std::sync::atomic::AtomicBool,
 }
 
 impl Worker {
@@ -133,6 +139,7 @@ impl Worker {
                     block_size: h.block_size,
                     kv_group_size: h.kv_group_size,
                     free_blocks: 0,
+                    worker_id: h.worker_id,
                     last_error: None,
                 }
             }
@@ -146,7 +153,15 @@ impl Worker {
             st.free_blocks = stats.blocks_free + stats.blocks_cached;
         }
         let ready = st.ready;
+        // A probe that fails keeps the id learned before: it still names the worker's blocks in the directory.
+        if st.worker_id.is_empty() {
+            st.worker_id = self.status().worker_id;
+        }
+        let new_id = st.worker_id != self.status().worker_id;
         self.set_status(st);
+        if new_id {
+            self.id_changed.store(true, Ordering::Relaxed);
+        }
         ready
     }
 
@@ -166,6 +181,13 @@ pub struct WorkerPool {
     next: AtomicUsize,
     // std Mutex: placement is synchronous and short (tens of microseconds); never held across an await.
     placer: Mutex<Placer>,
+    /// Written by the directory feed task only ([`crate::feed`]); read by placement, metrics and the debug page.
+    feed: Mutex<FeedStatus>,
+    id_generation: AtomicU64,
+}
+
+fn strip_scheme(a: &str) -> &str {
+    a.strip_prefix("http://").or_else(|| a.strip_prefix("https://")).unwrap_or(a)
 }
 
 impl WorkerPool {
@@ -193,14 +215,58 @@ impl WorkerPool {
                 client: WorkerClient::new(channel),
                 status: Mutex::new(WorkerStatus::default()),
                 load: Arc::new(WorkerLoad::default()),
+                id_changed: std::sync::atomic::AtomicBool::new(false),
             });
         }
-        Ok(WorkerPool { workers, next: AtomicUsize::new(0), placer: Mutex::new(Placer::new(placement)) })
+        Ok(WorkerPool {
+            workers,
+            next: AtomicUsize::new(0),
+            placer: Mutex::new(Placer::new(placement)),
+            feed: Mutex::new(FeedStatus::default()),
+            id_generation: AtomicU64::new(0),
+        })
+    }
+
+    /// Which worker of this pool the kvstore's `worker` (registered at `address`) is: the one that announced that
+    /// id in `Health`, else the one configured at that address.
+    pub fn resolve(&self, worker: &str, address: &str) -> Option<usize> {
+        let by_id = self.workers.iter().position(|w| !worker.is_empty() && w.status().worker_id == worker);
+        by_id.or_else(|| {
+            let address = strip_scheme(address);
+            self.workers.iter().position(|w| !address.is_empty() && strip_scheme(&w.addr) == address)
+        })
+    }
+
+    /// Bumped whenever a probe learns a worker id it did not know (the feed then re-reads the directory).
+    pub fn id_generation(&self) -> u64 {
+        self.id_generation.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on the residency index (briefly: placement waits for it).
+    pub fn with_index<T>(&self, f: impl FnOnce(&mut ResidencyIndex) -> T) -> Option<T> {
+        self.placer.lock().ok().map(|mut p| f(p.index_mut()))
+    }
+
+    /// Distinct block hashes in the residency index.
+    pub fn index_blocks(&self) -> usize {
+        self.with_index(|i| i.len()).unwrap_or(0)
+    }
+
+    /// The directory feed's latest published state (disabled without `--kvstore`).
+    pub fn feed_status(&self) -> FeedStatus {
+        self.feed.lock().map(|f| f.clone()).unwrap_or_default()
+    }
+
+    pub fn set_feed_status(&self, status: FeedStatus) {
+        if let Ok(mut f) = self.feed.lock() {
+            *f = status;
+        }
     }
 
     /// The workers to try for `req`, best first (see [`Placer::order`]).
     pub fn place(&self, req: &PlaceRequest<'_>) -> Result<Vec<&Worker>, PlacementError> {
-        let snaps: Vec<WorkerSnapshot> = self
+        let names: Vec<&str> = self.workers.iter().map(|w| w.addr.as_str()).collect();
+        let mut snaps: Vec<WorkerSnapshot> = self
             .workers
             .iter()
             .map(|w| {
@@ -214,7 +280,17 @@ impl WorkerPool {
                 }
             })
             .collect();
-        let names: Vec<&str> = self.workers.iter().map(|w| w.addr.as_str()).collect();
+        // A worker whose reports stopped is left out while a fresh one is ready: its residency cannot be trusted.
+        // With every ready worker stale the alarm is already up (metrics, logs); serving beats refusing then.
+        let feed = self.feed_status();
+        if feed.enabled {
+            let stale: Vec<bool> = (0..snaps.len()).map(|i| feed.is_stale(i, &names)).collect();
+            if snaps.iter().zip(&stale).any(|(s, st)| s.ready && !st) {
+                for (s, st) in snaps.iter_mut().zip(&stale) {
+                    s.ready &= !st;
+                }
+            }
+        }
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let order = placer.order(req, &snaps, &names)?;
         Ok(order.into_iter().map(|i| &self.workers[i]).collect())
@@ -262,6 +338,9 @@ impl WorkerPool {
     /// Probes every worker once.
     pub async fn refresh(&self) {
         futures::future::join_all(self.workers.iter().map(|w| w.probe())).await;
+        if self.workers.iter().any(|w| w.id_changed.swap(false, Ordering::Relaxed)) {
+            self.id_generation.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Re-probes the workers every `interval` for as long as the pool lives.

@@ -163,6 +163,7 @@ impl Worker for Fake {
             context_length: CONTEXT as u32,
             block_size: 16,
             kv_group_size: 2,
+            worker_id: String::new(),
         }))
     }
 

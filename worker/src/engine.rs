@@ -21,7 +21,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
 
-use crate::cache::CacheLayout;
+use crate::cache::{CacheLayout, IndexChange};
+use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
 use crate::policy::{AttnDims, PolicyKind, PolicySpec};
 use crate::sampling::{SampleBuffer, Sampler};
@@ -284,8 +285,15 @@ pub fn auto_num_blocks(layout: CacheLayout, context_length: usize) -> usize {
 }
 
 enum Command {
-    Submit { req: GenerateRequest, events: UnboundedSender<GenerateEvent> },
+    Submit {
+        req: GenerateRequest,
+        events: UnboundedSender<GenerateEvent>,
+    },
     Cancel(String),
+    /// Start reporting block changes into this log.
+    Subscribe(EventLog),
+    /// Answer with every block held now and the sequence number that covers.
+    Snapshot(tokio::sync::oneshot::Sender<ResidencySnapshot>),
     Shutdown,
 }
 
@@ -340,6 +348,23 @@ impl EngineHandle {
     /// Cancels every queued or running request with this id (no-op when none).
     pub fn cancel(&self, request_id: &str) -> Result<(), EngineError> {
         self.send(Command::Cancel(request_id.to_owned()))
+    }
+
+    /// Starts reporting every block the engine stores in or drops from a tier (see [`crate::events`]): batches of
+    /// sequence-numbered changes arrive on the returned receiver, at most `capacity` waiting; beyond that the
+    /// engine drops them (leaving a hole in the numbering) rather than wait. A second call replaces the first.
+    pub fn report_events(&self, capacity: usize) -> Result<tokio::sync::mpsc::Receiver<SeqBatch>, EngineError> {
+        let (log, rx) = EventLog::channel(capacity);
+        self.send(Command::Subscribe(log))?;
+        Ok(rx)
+    }
+
+    /// Every block held now in every tier, and the last sequence number of the reported changes it covers. The
+    /// engine answers between steps.
+    pub async fn residency_snapshot(&self) -> Result<ResidencySnapshot, EngineError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::Snapshot(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped)
     }
 
     /// The latest statistics snapshot (published after every engine step and command).
@@ -515,6 +540,11 @@ struct EngineLoop<R> {
     blocks: Vec<u32>,
     /// Prompt tokens onboarded from host and from disk ([`Tier::index`]).
     onboarded_tokens: [u64; 3],
+    /// Where block changes go once a reporter subscribed.
+    events: Option<EventLog>,
+    /// Reused buffers for block changes.
+    index_changes: Vec<IndexChange>,
+    changes: Vec<BlockChange>,
 }
 
 enum Flow {
@@ -549,6 +579,9 @@ impl<R: ModelRunner> EngineLoop<R> {
             hashes: Vec::new(),
             blocks: Vec::new(),
             onboarded_tokens: [0; 3],
+            events: None,
+            index_changes: Vec::new(),
+            changes: Vec::new(),
         }
     }
 
@@ -590,6 +623,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             self.drop_closed();
             let progressed = self.sched.has_work() && self.step();
             self.offload_idle();
+            self.report_changes();
             self.publish_stats();
             if self.sched.has_work() && !progressed {
                 // Nothing schedulable (admission checks prevent this); wait instead of spinning.
@@ -610,7 +644,66 @@ impl<R: ModelRunner> EngineLoop<R> {
             // Host RAM does not survive the process; what fits on disk does.
             t.spill_host();
         }
+        self.report_changes();
         self.publish_stats();
+    }
+
+    /// Bytes of one device block group (every (layer, kv-head) block of one token block, K and V, f32).
+    fn device_group_bytes(&self) -> u64 {
+        let info = self.runner.info();
+        (2 * info.block_size * info.head_dim * info.kv_dtype.bytes() * info.layout().group_size()) as u64
+    }
+
+    /// Hands the block changes since the last call to the reporter (when one subscribed). Never blocks.
+    fn report_changes(&mut self) {
+        if self.events.is_none() {
+            return;
+        }
+        let group_bytes = self.device_group_bytes();
+        self.index_changes.clear();
+        self.sched.pool_mut().take_index_changes(&mut self.index_changes);
+        let device_codec = native::codec_name(self.runner.info().kv_dtype);
+        for c in &self.index_changes {
+            let codec = device_codec.to_owned();
+            self.changes.push(match *c {
+                IndexChange::Registered(hash) => {
+                    BlockChange::Stored { hash, tier: Tier::Device, codec, bytes: group_bytes }
+                }
+                IndexChange::Evicted(hash) => BlockChange::Removed { hash, tier: Tier::Device, codec },
+            });
+        }
+        if let Some(t) = &mut self.tiers {
+            t.take_changes(&mut self.changes);
+        }
+        let Some(log) = &mut self.events else { return };
+        let first_drop = log.dropped() == 0;
+        if !log.push(&mut self.changes) && first_drop {
+            tracing::warn!("block-event queue full: changes dropped; the reporter will send a snapshot");
+        }
+        self.changes.clear();
+    }
+
+    /// Every block held now, at the last reported sequence number.
+    fn residency_snapshot(&mut self) -> ResidencySnapshot {
+        // Changes not yet handed over are part of what the snapshot covers.
+        self.report_changes();
+        let group_bytes = self.device_group_bytes();
+        let mut blocks: Vec<BlockChange> = self
+            .sched
+            .pool()
+            .index()
+            .iter()
+            .map(|(hash, _)| BlockChange::Stored {
+                hash,
+                tier: Tier::Device,
+                codec: native::codec_name(self.runner.info().kv_dtype).to_owned(),
+                bytes: group_bytes,
+            })
+            .collect();
+        if let Some(t) = &self.tiers {
+            t.residency(&mut blocks);
+        }
+        ResidencySnapshot { seq: self.events.as_ref().map_or(0, EventLog::last_seq), blocks }
     }
 
     fn handle(&mut self, cmd: Command) -> Flow {
@@ -649,6 +742,18 @@ impl<R: ModelRunner> EngineLoop<R> {
                         let _ = seq.payload.events.send(finished(&seq, FinishReason::Cancelled));
                     }
                 }
+                Flow::Continue
+            }
+            Command::Subscribe(log) => {
+                self.sched.pool_mut().track_index_changes();
+                if let Some(t) = &mut self.tiers {
+                    t.track_changes();
+                }
+                self.events = Some(log);
+                Flow::Continue
+            }
+            Command::Snapshot(reply) => {
+                let _ = reply.send(self.residency_snapshot());
                 Flow::Continue
             }
             Command::Shutdown => Flow::Stop,
@@ -1070,6 +1175,72 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         h.stats()
+    }
+
+    /// Block changes reported so far, waiting up to a second for `done` to hold.
+    fn drain_until(
+        rx: &mut tokio::sync::mpsc::Receiver<SeqBatch>,
+        seen: &mut Vec<SeqBatch>,
+        done: impl Fn(&[SeqBatch]) -> bool,
+    ) {
+        for _ in 0..200 {
+            while let Ok(b) = rx.try_recv() {
+                seen.push(b);
+            }
+            if done(seen) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn device_hashes(batches: &[SeqBatch], stored: bool) -> Vec<u64> {
+        batches
+            .iter()
+            .flat_map(|b| &b.changes)
+            .filter_map(|c| match c {
+                BlockChange::Stored { hash, tier: Tier::Device, .. } if stored => Some(*hash),
+                BlockChange::Removed { hash, tier: Tier::Device, .. } if !stored => Some(*hash),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn prefix_registrations_and_evictions_are_reported_with_the_routers_chain_hash() {
+        // 16 blocks of 4 slots, 4 blocks per group: room for 4 token blocks.
+        let h = fake(16, 0);
+        let mut rx = h.report_events(64).unwrap();
+        let prompt: Vec<u32> = (1..10).collect();
+        let expected = crate::cache::block_hashes("fake", "", &prompt, 4);
+        assert_eq!(expected.len(), 2);
+        collect(h.submit(req("a", prompt, 1)).unwrap());
+        let mut seen = Vec::new();
+        drain_until(&mut rx, &mut seen, |b| expected.iter().all(|e| device_hashes(b, true).contains(e)));
+        let stored = device_hashes(&seen, true);
+        assert!(expected.iter().all(|e| stored.contains(e)), "{seen:?}");
+        // Sequence numbers run from 1 without holes across batches.
+        let mut next = 1;
+        for b in &seen {
+            assert_eq!(b.first_seq, next, "{seen:?}");
+            next = b.end_seq();
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let snap = rt.block_on(h.residency_snapshot()).unwrap();
+        assert_eq!(snap.seq, next - 1, "the snapshot covers every change handed out");
+        let group_bytes = 2 * 4 * 4 * 4 * 4; // K+V × block size × head dim × f32 × group size
+        for e in &expected {
+            let held = BlockChange::Stored { hash: *e, tier: Tier::Device, codec: "f32".into(), bytes: group_bytes };
+            assert!(snap.blocks.contains(&held), "{snap:?}");
+        }
+        // A prompt that needs the whole pool evicts the idle cached prefix: each eviction is reported.
+        collect(h.submit(req("b", (11..25).collect(), 1)).unwrap());
+        drain_until(&mut rx, &mut seen, |b| expected.iter().all(|e| device_hashes(b, false).contains(e)));
+        let removed = device_hashes(&seen, false);
+        assert!(expected.iter().all(|e| removed.contains(e)), "{seen:?}");
+        let snap = rt.block_on(h.residency_snapshot()).unwrap();
+        assert!(snap.blocks.iter().all(|c| !matches!(c, BlockChange::Stored { hash, .. } if expected.contains(hash))));
+        h.shutdown();
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`evicpress`]: EvicPress's utility and greedy multi-choice knapsack over (tier, codec, keep ratio).
 //! - [`tiers`]: the host and disk KV tiers below the device pool, offload/onboard and their cost model.
+//! - [`events`]: the block-event log (engine side) and outbox (reporter side), sequence numbers, snapshots.
+//! - [`reporter`]: the task that publishes block events, occupancy and heartbeats to the kvstore.
 //! - [`bench`], [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
 //!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it.
 
@@ -15,9 +17,11 @@ pub mod bench_tiers;
 pub mod cache;
 pub mod engine;
 pub mod eval;
+pub mod events;
 pub mod evicpress;
 pub mod model;
 pub mod policy;
+pub mod reporter;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;

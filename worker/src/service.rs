@@ -37,11 +37,18 @@ const MAX_TOKENS_PER_MESSAGE: usize = 64;
 pub struct WorkerService {
     engine: EngineHandle,
     next_id: std::sync::Arc<AtomicU64>,
+    worker_id: String,
 }
 
 impl WorkerService {
     pub fn new(engine: EngineHandle) -> WorkerService {
-        WorkerService { engine, next_id: std::sync::Arc::new(AtomicU64::new(1)) }
+        WorkerService { engine, next_id: std::sync::Arc::new(AtomicU64::new(1)), worker_id: String::new() }
+    }
+
+    /// Announces `id` in `Health`: the id this worker reports its blocks under in the kvstore.
+    pub fn with_worker_id(mut self, id: String) -> WorkerService {
+        self.worker_id = id;
+        self
     }
 
     /// The tonic server wrapper, ready for `Server::add_service`.
@@ -344,6 +351,7 @@ impl Worker for WorkerService {
             context_length: u32::try_from(info.context_length).unwrap_or(u32::MAX),
             block_size: u32::try_from(info.block_size).unwrap_or(u32::MAX),
             kv_group_size: u32::try_from(info.layout().group_size()).unwrap_or(u32::MAX),
+            worker_id: self.worker_id.clone(),
         }))
     }
 

@@ -33,6 +33,16 @@ pub struct BlockPool {
     /// Groups that joined the LRU queue since the last [`BlockPool::take_newly_idle`], when tracking is on (the
     /// engine copies them to the lower tiers between steps).
     newly_idle: Option<Vec<u64>>,
+    /// Prefix-index changes since the last [`BlockPool::take_index_changes`], in order, when tracking is on (the
+    /// engine reports them to the kvstore).
+    index_changes: Option<Vec<IndexChange>>,
+}
+
+/// A change to the prefix index: a block group registered under a chain hash, or evicted from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexChange {
+    Registered(u64),
+    Evicted(u64),
 }
 
 impl BlockPool {
@@ -50,6 +60,19 @@ impl BlockPool {
             evicted_groups: 0,
             peak_used: 0,
             newly_idle: None,
+            index_changes: None,
+        }
+    }
+
+    /// Starts recording prefix-index changes (see [`BlockPool::take_index_changes`]).
+    pub fn track_index_changes(&mut self) {
+        self.index_changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The prefix-index changes since the last call, in the order they happened, moved into `out`.
+    pub fn take_index_changes(&mut self, out: &mut Vec<IndexChange>) {
+        if let Some(v) = &mut self.index_changes {
+            out.append(v);
         }
     }
 
@@ -224,6 +247,9 @@ impl BlockPool {
             self.group_of[b as usize] = Some(hash);
         }
         self.index.insert(hash, CachedGroup { blocks: group.into(), idle: 0, lru_tick: None });
+        if let Some(v) = &mut self.index_changes {
+            v.push(IndexChange::Registered(hash));
+        }
         true
     }
 
@@ -237,6 +263,9 @@ impl BlockPool {
                 self.free.push(b);
             }
             self.evicted_groups += 1;
+            if let Some(v) = &mut self.index_changes {
+                v.push(IndexChange::Evicted(hash));
+            }
         }
         true
     }
@@ -406,6 +435,31 @@ mod tests {
         out.clear();
         p.take_newly_idle(&mut out);
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn prefix_registrations_and_evictions_are_journaled_in_order() {
+        let mut p = BlockPool::new(4);
+        let mut g = Vec::new();
+        p.allocate(2, &mut g).unwrap();
+        assert!(p.register(1, &g));
+        let mut out = Vec::new();
+        p.take_index_changes(&mut out);
+        assert!(out.is_empty(), "off until track_index_changes");
+        p.track_index_changes();
+        let mut h = Vec::new();
+        p.allocate(2, &mut h).unwrap();
+        assert!(p.register(2, &h));
+        assert!(!p.register(2, &h), "a refused registration is no change");
+        p.release(&g).unwrap();
+        p.release(&h).unwrap();
+        // Allocating the whole pool evicts both idle groups, least recently freed first.
+        p.allocate(4, &mut Vec::new()).unwrap();
+        p.take_index_changes(&mut out);
+        assert_eq!(out, vec![IndexChange::Registered(2), IndexChange::Evicted(1), IndexChange::Evicted(2)]);
+        out.clear();
+        p.take_index_changes(&mut out);
+        assert!(out.is_empty(), "taken once");
     }
 
     #[test]

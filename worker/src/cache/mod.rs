@@ -12,7 +12,7 @@ pub mod block_pool;
 pub mod prefix;
 pub mod sequence;
 
-pub use block_pool::BlockPool;
+pub use block_pool::{BlockPool, IndexChange};
 pub use prefix::{PrefixIndex, block_hashes, chain_hash, extend_block_hashes};
 pub use sequence::SeqBlocks;
 

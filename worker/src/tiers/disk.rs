@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
-use super::{EncodedGroup, TierError};
+use super::{EncodedGroup, Tier, TierError};
+use crate::events::BlockChange;
 
 const MAGIC: &[u8; 4] = b"PGKV";
 const VERSION: u32 = 1;
@@ -45,6 +46,8 @@ pub struct DiskStore {
     lru: BTreeMap<u64, u64>,
     tick: u64,
     corrupted: u64,
+    /// Stores and removals since the last [`DiskStore::take_changes`], when tracking is on.
+    changes: Option<Vec<BlockChange>>,
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TierError + 'a {
@@ -111,6 +114,7 @@ impl DiskStore {
             lru: BTreeMap::new(),
             tick: 0,
             corrupted: 0,
+            changes: None,
         };
         let mut found = Vec::new();
         let entries = fs::read_dir(&store.dir).map_err(io_err("list", &store.dir))?;
@@ -175,6 +179,9 @@ impl DiskStore {
         self.tick += 1;
         self.lru.insert(self.tick, hash);
         self.used += file_bytes;
+        if let Some(v) = &mut self.changes {
+            v.push(BlockChange::Stored { hash, tier: Tier::Disk, codec: codec.clone(), bytes: file_bytes });
+        }
         self.index.insert(hash, Entry { file_bytes, codec, tick: self.tick });
     }
 
@@ -182,7 +189,27 @@ impl DiskStore {
         let e = self.index.remove(&hash)?;
         self.lru.remove(&e.tick);
         self.used -= e.file_bytes;
+        if let Some(v) = &mut self.changes {
+            v.push(BlockChange::Removed { hash, tier: Tier::Disk, codec: e.codec.clone() });
+        }
         Some(e)
+    }
+
+    /// Starts recording stores and removals (see [`DiskStore::take_changes`]); files found at open are not changes.
+    pub fn track_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The stores and removals since the last call, in order, moved into `out`.
+    pub fn take_changes(&mut self, out: &mut Vec<BlockChange>) {
+        if let Some(v) = &mut self.changes {
+            out.append(v);
+        }
+    }
+
+    /// Every file held: hash, codec, file bytes.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &str, u64)> {
+        self.index.iter().map(|(h, e)| (*h, e.codec.as_str(), e.file_bytes))
     }
 
     /// Deletes least recently used files until `extra` more bytes fit.

@@ -4,7 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::EncodedGroup;
+use super::{EncodedGroup, Tier};
+use crate::events::BlockChange;
 
 #[derive(Debug)]
 struct Entry {
@@ -21,6 +22,8 @@ pub struct HostStore {
     lru: BTreeMap<u64, u64>,
     tick: u64,
     used_by_codec: BTreeMap<String, u64>,
+    /// Stores and removals since the last [`HostStore::take_changes`], when tracking is on.
+    changes: Option<Vec<BlockChange>>,
 }
 
 impl HostStore {
@@ -32,7 +35,25 @@ impl HostStore {
             lru: BTreeMap::new(),
             tick: 0,
             used_by_codec: BTreeMap::new(),
+            changes: None,
         }
+    }
+
+    /// Starts recording stores and removals (see [`HostStore::take_changes`]).
+    pub fn track_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The stores and removals since the last call, in order, moved into `out`.
+    pub fn take_changes(&mut self, out: &mut Vec<BlockChange>) {
+        if let Some(v) = &mut self.changes {
+            out.append(v);
+        }
+    }
+
+    /// Every group held: hash, codec, encoded bytes.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &str, u64)> {
+        self.map.iter().map(|(h, e)| (*h, e.group.codec.as_str(), e.group.len()))
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -101,6 +122,9 @@ impl HostStore {
         *self.used_by_codec.entry(group.codec.clone()).or_default() += group.len();
         self.tick += 1;
         self.lru.insert(self.tick, hash);
+        if let Some(v) = &mut self.changes {
+            v.push(BlockChange::Stored { hash, tier: Tier::Host, codec: group.codec.clone(), bytes: group.len() });
+        }
         self.map.insert(hash, Entry { group, tick: self.tick });
         evicted
     }
@@ -124,6 +148,9 @@ impl HostStore {
         self.used -= e.group.len();
         if let Some(c) = self.used_by_codec.get_mut(&e.group.codec) {
             *c -= e.group.len();
+        }
+        if let Some(v) = &mut self.changes {
+            v.push(BlockChange::Removed { hash, tier: Tier::Host, codec: e.group.codec.clone() });
         }
         Some(e.group)
     }

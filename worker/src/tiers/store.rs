@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use super::{CostModel, DiskStore, EncodedGroup, HostStore, Tier, TierError, TierUsage};
+use crate::events::BlockChange;
 
 /// Which lower tiers to run. A capacity of 0 disables that tier.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -82,6 +83,40 @@ impl TierStore {
 
     pub fn counters(&self) -> TierCounters {
         self.counters
+    }
+
+    /// Starts recording what enters and leaves the host and disk tiers (see [`TierStore::take_changes`]).
+    pub fn track_changes(&mut self) {
+        if let Some(h) = &mut self.host {
+            h.track_changes();
+        }
+        if let Some(d) = &mut self.disk {
+            d.track_changes();
+        }
+    }
+
+    /// The host then the disk tier's changes since the last call (each tier in order; the two never share a key,
+    /// which includes the tier), moved into `out`.
+    pub fn take_changes(&mut self, out: &mut Vec<BlockChange>) {
+        if let Some(h) = &mut self.host {
+            h.take_changes(out);
+        }
+        if let Some(d) = &mut self.disk {
+            d.take_changes(out);
+        }
+    }
+
+    /// Every group held below the device, as `Stored` changes (a snapshot's lower-tier part).
+    pub fn residency(&self, out: &mut Vec<BlockChange>) {
+        let tiers = [
+            (Tier::Host, self.host.as_ref().map(|h| h.iter().collect::<Vec<_>>())),
+            (Tier::Disk, self.disk.as_ref().map(|d| d.iter().collect::<Vec<_>>())),
+        ];
+        for (tier, groups) in tiers {
+            for (hash, codec, bytes) in groups.into_iter().flatten() {
+                out.push(BlockChange::Stored { hash, tier, codec: codec.to_owned(), bytes });
+            }
+        }
     }
 
     /// Corrupt disk files found since start.
@@ -231,6 +266,29 @@ mod tests {
         drop(t);
         let t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
         assert!((1..=3).all(|h| t.locate(h).map(|l| l.0) == Some(Tier::Disk)));
+        // Tracked changes: a store into host and the demotion of its victim to disk.
+        let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        t.track_changes();
+        t.offload(10, g(200, 10));
+        let mut changes = Vec::new();
+        t.take_changes(&mut changes);
+        let removed_from_host = BlockChange::Removed { hash: 10, tier: Tier::Host, codec: "native".into() };
+        assert!(!changes.contains(&removed_from_host), "nothing left host yet: {changes:?}");
+        assert!(changes.contains(&BlockChange::Stored {
+            hash: 10,
+            tier: Tier::Host,
+            codec: "native".into(),
+            bytes: 200
+        }));
+        t.offload(11, g(200, 11));
+        changes.clear();
+        t.take_changes(&mut changes);
+        assert!(changes.contains(&removed_from_host), "{changes:?}");
+        assert!(changes.iter().any(|c| matches!(c, BlockChange::Stored { hash: 10, tier: Tier::Disk, .. })));
+        let mut all = Vec::new();
+        t.residency(&mut all);
+        assert!(all.iter().any(|c| matches!(c, BlockChange::Stored { hash: 11, tier: Tier::Host, .. })));
+        drop(t);
         // The disk tier without a data dir is a config error; no tiers at all is None.
         let bad = TierConfig { data_dir: None, host_bytes: 0, disk_bytes: 10 };
         assert!(matches!(TierStore::open(&bad, 1), Err(TierError::Config(_))));
