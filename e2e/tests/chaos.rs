@@ -42,6 +42,10 @@ struct Scenario {
     warmup: Duration,
     fault_at: Duration,
     deadline: Duration,
+    /// Fail unless throughput is back to 90% of its pre-fault level before the load ends. Off where the fault
+    /// removes capacity for good (a SIGKILLed worker is not restarted here, and on 2 shared cores the remaining
+    /// workers may or may not absorb its share): the recovery time is still measured and printed.
+    require_recovery: bool,
 }
 
 /// The sum of `pagoda_router_migrations_total` over its reasons, with the per-reason lines.
@@ -171,7 +175,7 @@ async fn run(s: Scenario) {
     if matches!(s.fault, Fault::Kill | Fault::Stop(_)) && running_at_fault > 0 && after == before {
         fail("the victim had streams running but nothing migrated");
     }
-    if rec.recovered_after.is_none() {
+    if s.require_recovery && rec.recovered_after.is_none() {
         fail("throughput did not come back to 90% of its pre-fault level before the load ended");
     }
 }
@@ -187,6 +191,7 @@ async fn sigkill_worker_mid_stream() {
         duration: Duration::from_secs(30),
         warmup: Duration::from_secs(3),
         fault_at: Duration::from_secs(8),
+        require_recovery: false,
         deadline: Duration::from_secs(60),
     })
     .await;
@@ -204,6 +209,7 @@ async fn sigstop_worker_longer_than_the_stall_timeout() {
         duration: Duration::from_secs(32),
         warmup: Duration::from_secs(3),
         fault_at: Duration::from_secs(8),
+        require_recovery: true,
         deadline: Duration::from_secs(60),
     })
     .await;
@@ -221,6 +227,7 @@ async fn sigkill_worker_mid_stream_100_streams() {
         duration: Duration::from_secs(60),
         warmup: Duration::from_secs(8),
         fault_at: Duration::from_secs(25),
+        require_recovery: false,
         deadline: Duration::from_secs(120),
     })
     .await;
@@ -238,6 +245,7 @@ async fn rolling_restart_of_all_workers() {
         duration: Duration::from_secs(60),
         warmup: Duration::from_secs(3),
         fault_at: Duration::from_secs(8),
+        require_recovery: true,
         deadline: Duration::from_secs(90),
     })
     .await;
