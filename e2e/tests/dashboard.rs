@@ -205,7 +205,12 @@ async fn dashboard_in_chromium_follows_live_traffic() {
     assert_eq!(b.execute("return document.cookie").await.unwrap(), json!(""), "the session cookie is HttpOnly");
     assert_eq!(b.text("#workers-ready").await.unwrap(), "1 / 1");
     assert!(b.text("#workers").await.unwrap().contains(&up.worker), "the worker's address is listed");
-    assert!(b.text("#kvstore").await.unwrap().contains("not configured"));
+    // `pagoda up` embeds a one-voter kvstore: the panel shows it as its own leader.
+    b.wait_for("the embedded kvstore's leader", Duration::from_secs(20), || async {
+        Ok(b.text("#kvstore").await?.contains("leader node").then_some(()))
+    })
+    .await
+    .unwrap();
     assert_eq!(b.text("#strategy").await.unwrap(), "kv");
 
     let requests_before = number(b, "#requests-total").await.unwrap();
