@@ -237,6 +237,12 @@ pub fn block_entry(hash: u64, copies: &[Residency]) -> pb::BlockEntry {
 }
 
 /// The whole directory as a message (snapshots and Watch catch-up).
+/// The record a [`pb::WorkerInfo`] describes, with its load report already decoded (callers differ in what an
+/// undecodable one means: a corrupt snapshot, or just no load).
+pub fn worker_record_from(w: &pb::WorkerInfo, load: Option<WorkerLoad>) -> WorkerRecord {
+    WorkerRecord { address: w.address.clone(), epoch: w.epoch, applied_seq: w.applied_seq, blocks: w.blocks, load }
+}
+
 pub fn directory_to_proto(dir: &BlockDirectory) -> pb::DirectorySnapshot {
     pb::DirectorySnapshot {
         workers: dir.workers().map(|(id, r)| worker_info(id, r)).collect(),
@@ -249,14 +255,8 @@ pub fn directory_to_proto(dir: &BlockDirectory) -> pb::DirectorySnapshot {
 pub fn directory_from_proto(snap: &pb::DirectorySnapshot) -> Result<BlockDirectory, String> {
     let mut workers = Vec::with_capacity(snap.workers.len());
     for w in &snap.workers {
-        let record = WorkerRecord {
-            address: w.address.clone(),
-            epoch: w.epoch,
-            applied_seq: w.applied_seq,
-            blocks: w.blocks,
-            load: w.load.as_ref().map(load_from).transpose()?,
-        };
-        workers.push((w.worker.clone(), record));
+        let load = w.load.as_ref().map(load_from).transpose()?;
+        workers.push((w.worker.clone(), worker_record_from(w, load)));
     }
     let mut blocks = Vec::with_capacity(snap.blocks.len());
     for b in &snap.blocks {

@@ -16,9 +16,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pagoda_kvstore::machine::{batch_from, load_from};
+use pagoda_kvstore::machine::{batch_from, load_from, worker_record_from};
 use pagoda_kvstore::proto as pb;
-use pagoda_kvstore::{BlockEvent, Client, Registration, Tier, WorkerLoad, WorkerRecord, WorkerTable};
+use pagoda_kvstore::{BlockEvent, Client, Registration, Tier, WorkerLoad, WorkerTable};
 use pb::command::Op;
 use serde::Serialize;
 
@@ -236,14 +236,8 @@ impl Feed {
     fn apply_snapshot(&mut self, snap: &pb::DirectorySnapshot) {
         let mut table = Vec::with_capacity(snap.workers.len());
         for w in &snap.workers {
-            let record = WorkerRecord {
-                address: w.address.clone(),
-                epoch: w.epoch,
-                applied_seq: w.applied_seq,
-                blocks: w.blocks,
-                load: w.load.as_ref().and_then(|l| load_from(l).ok()),
-            };
-            table.push((w.worker.clone(), record));
+            let load = w.load.as_ref().and_then(|l| load_from(l).ok());
+            table.push((w.worker.clone(), worker_record_from(w, load)));
         }
         self.table = table.into_iter().collect();
         self.seen.retain(|w, _| self.table.contains(w));

@@ -226,15 +226,8 @@ async fn cluster_with_limit(body_limit: usize) -> Cluster {
     let waddr = spawn_worker(fake).await;
     let http = spawn_router(vec![waddr.to_string()], body_limit).await;
     let client = reqwest::Client::new();
-    for _ in 0..100 {
-        if let Ok(r) = client.get(format!("{http}/readyz")).send().await
-            && r.status() == 200
-        {
-            return Cluster { http, open, started, client };
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("router never became ready");
+    wait_ready(&client, &http).await;
+    Cluster { http, open, started, client }
 }
 
 async fn cluster() -> Cluster {
@@ -730,12 +723,7 @@ async fn api_keys_tenants_limits_and_admin() {
         }
         r.send()
     };
-    for _ in 0..100 {
-        if client.get(format!("{http}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_ready(&client, &http).await;
 
     let r = post(None, &hi).await.unwrap();
     let s = r.status().as_u16();

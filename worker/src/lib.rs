@@ -19,6 +19,7 @@ pub mod engine;
 pub mod eval;
 pub mod events;
 pub mod evicpress;
+pub mod journal;
 pub mod model;
 pub mod policy;
 pub mod reporter;

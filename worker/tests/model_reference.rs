@@ -157,14 +157,33 @@ fn run_prompts(
         .collect()
 }
 
+/// The model with every weight dequantised to F32 (no activation rounding in the matmuls).
+fn f32_weight_model() -> LlamaModel {
+    setup().model.to_f32_weights().unwrap()
+}
+
+/// How many greedy tokens of prompt `pi` agree with the reference `p`; panics if they part where the reference is
+/// not a near-tie (its top-2 gap at that step is `tol` or more).
+fn greedy_agreement(pi: usize, tokens: &[u32], p: &Value, tol: f32) -> usize {
+    let want = u32s(&p["greedy"]);
+    let gaps = f32s(&p["top2_gaps"]);
+    let agree = tokens.iter().zip(&want).take_while(|(a, b)| a == b).count();
+    if agree < want.len() {
+        assert!(
+            gaps[agree] < tol,
+            "prompt {pi}: greedy diverges at step {agree} where the reference is not a near-tie (gap {}, bound {tol})\n want {want:?}\n got  {tokens:?}",
+            gaps[agree]
+        );
+    }
+    agree
+}
+
 /// With every weight dequantised to F32, matmuls do not quantise activations, so the forward pass itself (norms,
 /// RoPE convention, GQA paged attention, tied LM head, KV through block tables) must reproduce the float32
 /// reference: all 32 greedy tokens of every prompt exactly, and logits to float rounding.
 #[test]
 fn f32_weights_match_reference_exactly() {
-    let s = setup();
-    let m = s.model.to_f32_weights().unwrap();
-    drop(s);
+    let m = f32_weight_model();
     let be = backend();
     let fx = fixture();
     let results = run_prompts(&m, &be, &fx, true, KvDtype::F32);
@@ -185,29 +204,18 @@ const F16_KV_TOL: f32 = 0.05;
 
 #[test]
 fn f16_cache_tracks_reference() {
-    let s = setup();
-    let m = s.model.to_f32_weights().unwrap();
-    drop(s);
+    let m = f32_weight_model();
     let be = backend();
     let fx = fixture();
     let results = run_prompts(&m, &be, &fx, false, KvDtype::F16);
     let mut worst = 0.0f32;
     for (pi, ((diff, tokens, _), p)) in results.iter().zip(fx["prompts"].as_array().unwrap()).enumerate() {
-        let want = u32s(&p["greedy"]);
-        let gaps = f32s(&p["top2_gaps"]);
-        let agree = tokens.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        let agree = greedy_agreement(pi, tokens, p, F16_KV_TOL);
         println!(
             "f16 cache, prompt {pi}: first-step top-20 max |diff| {diff:.5}; greedy agrees for {agree}/{}",
-            want.len()
+            tokens.len()
         );
         worst = worst.max(*diff);
-        if agree < want.len() {
-            assert!(
-                gaps[agree] < F16_KV_TOL,
-                "prompt {pi}: f16 cache diverges at step {agree}, reference gap {}\n want {want:?}\n got  {tokens:?}",
-                gaps[agree]
-            );
-        }
     }
     assert!(worst < F16_KV_TOL, "f16-cache logits differ from the float32 reference by {worst}");
 }
@@ -233,19 +241,12 @@ fn quantised_model_tracks_reference() {
         worst = worst.max(*diff);
         let want = u32s(&p["greedy"]);
         let gaps = f32s(&p["top2_gaps"]);
-        let agree = tokens.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        let agree = greedy_agreement(pi, tokens, p, QUANT_TOL);
         report.push(format!(
             "prompt {pi}: first-step top-20 max |diff| {diff:.4}; greedy agrees for {agree}/{} tokens{}; decode {tps:.1} tok/s",
             want.len(),
             if agree < want.len() { format!(" (reference top-2 gap at the divergence: {:.4})", gaps[agree]) } else { String::new() }
         ));
-        if agree < want.len() {
-            assert!(
-                gaps[agree] < QUANT_TOL,
-                "prompt {pi}: greedy diverges at step {agree} where the reference is not a near-tie (gap {})\n want {want:?}\n got  {tokens:?}",
-                gaps[agree]
-            );
-        }
         // Teacher-forced: feed the reference tokens; every step must pick the reference token unless that step
         // is a near-tie in the reference.
         let prompt = u32s(&p["prompt_ids"]);

@@ -155,8 +155,8 @@ fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, 
                 }
             };
         }
-        // AVX-512 only for f16: over f32 blocks at batch 32 (memory-bound) it measured ~25% slower than the AVX2
-        // kernel (`microbench 2 attn`, contiguous), over f16 equal there and 15% faster at 4K single-stream.
+        // AVX-512 only for f16: over f32 blocks it was slower than the AVX2 kernel once memory-bound (batch 32; see
+        // docs/BENCHMARKS.md, measured at 0f1611d); over f16 it is as fast there and ~14% faster at 4K single-stream.
         if simd == Simd::Avx512 && f16 {
             match q.len() {
                 32 => go!(avx512_attention, 2),
@@ -176,25 +176,28 @@ fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, 
     out.fill(0.0);
     let hd = kv.head_dim();
     let mut st = scalar::OnlineSoftmax { m: f32::NEG_INFINITY, l: 0.0, acc: out };
-    // f16 blocks are widened into these, a block at a time (no allocation per query for blocks up to 4096 floats).
-    const STACK: usize = 4096;
-    let (mut ks, mut vs) = ([0.0f32; STACK], [0.0f32; STACK]);
-    let (mut kh, mut vh) = (Vec::new(), Vec::new());
-    for (bi, &b) in ids.iter().enumerate() {
-        let n = (len - bi * bs).min(bs);
-        if kv.dtype() == KvDtype::F32 {
-            scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n, scale, &mut st);
-            continue;
+    let n_of = |bi: usize| (len - bi * bs).min(bs);
+    if kv.dtype() == KvDtype::F32 {
+        for (bi, &b) in ids.iter().enumerate() {
+            scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n_of(bi), scale, &mut st);
         }
-        let (kb, vb) = if n * hd <= STACK {
-            (&mut ks[..n * hd], &mut vs[..n * hd])
+    } else {
+        // f16 blocks are widened a block at a time: on the stack up to 4096 floats, else into one buffer per call.
+        const STACK: usize = 4096;
+        let (mut ks, mut vs) = ([0.0f32; STACK], [0.0f32; STACK]);
+        let (mut kh, mut vh) = (Vec::new(), Vec::new());
+        let (kb, vb): (&mut [f32], &mut [f32]) = if kv.block_len() <= STACK {
+            (&mut ks, &mut vs)
         } else {
-            kh.resize(n * hd, 0.0);
-            vh.resize(n * hd, 0.0);
-            (&mut kh[..], &mut vh[..])
+            kh.resize(kv.block_len(), 0.0);
+            vh.resize(kv.block_len(), 0.0);
+            (&mut kh, &mut vh)
         };
-        kv.read_block(b, kb, vb);
-        scalar::attend_block(q, kb, vb, n, scale, &mut st);
+        for (bi, &b) in ids.iter().enumerate() {
+            let e = n_of(bi) * hd;
+            kv.read_block(b, &mut kb[..e], &mut vb[..e]);
+            scalar::attend_block(q, &kb[..e], &vb[..e], n_of(bi), scale, &mut st);
+        }
     }
     let inv = if st.l > 0.0 { 1.0 / st.l } else { 0.0 };
     for a in st.acc.iter_mut() {

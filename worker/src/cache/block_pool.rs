@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 
 use super::prefix::{CachedGroup, PrefixIndex};
 use super::{BlockId, CacheError};
+use crate::journal::Journal;
 
 #[derive(Debug)]
 pub struct BlockPool {
@@ -32,10 +33,10 @@ pub struct BlockPool {
     peak_used: usize,
     /// Groups that joined the LRU queue since the last [`BlockPool::take_newly_idle`], when tracking is on (the
     /// engine copies them to the lower tiers between steps).
-    newly_idle: Option<Vec<u64>>,
+    newly_idle: Journal<u64>,
     /// Prefix-index changes since the last [`BlockPool::take_index_changes`], in order, when tracking is on (the
     /// engine reports them to the kvstore).
-    index_changes: Option<Vec<IndexChange>>,
+    index_changes: Journal<IndexChange>,
 }
 
 /// A change to the prefix index: a block group registered under a chain hash, or evicted from it.
@@ -59,34 +60,30 @@ impl BlockPool {
             cached_free_blocks: 0,
             evicted_groups: 0,
             peak_used: 0,
-            newly_idle: None,
-            index_changes: None,
+            newly_idle: Journal::default(),
+            index_changes: Journal::default(),
         }
     }
 
     /// Starts recording prefix-index changes (see [`BlockPool::take_index_changes`]).
     pub fn track_index_changes(&mut self) {
-        self.index_changes.get_or_insert_with(Vec::new);
+        self.index_changes.start();
     }
 
     /// The prefix-index changes since the last call, in the order they happened, moved into `out`.
     pub fn take_index_changes(&mut self, out: &mut Vec<IndexChange>) {
-        if let Some(v) = &mut self.index_changes {
-            out.append(v);
-        }
+        self.index_changes.drain_into(out);
     }
 
     /// Starts recording which groups become idle (see [`BlockPool::take_newly_idle`]).
     pub fn track_idle(&mut self) {
-        self.newly_idle.get_or_insert_with(Vec::new);
+        self.newly_idle.start();
     }
 
     /// Hashes of the groups that became idle since the last call (some may have been evicted or re-acquired
     /// since), moved into `out`.
     pub fn take_newly_idle(&mut self, out: &mut Vec<u64>) {
-        if let Some(v) = &mut self.newly_idle {
-            out.append(v);
-        }
+        self.newly_idle.drain_into(out);
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -218,9 +215,7 @@ impl BlockPool {
                         g.lru_tick = Some(self.tick);
                         self.lru.insert(self.tick, h);
                         self.cached_free_blocks += g.blocks.len();
-                        if let Some(v) = &mut self.newly_idle {
-                            v.push(h);
-                        }
+                        self.newly_idle.record_with(|| h);
                     }
                 }
                 None => self.free.push(b),
@@ -247,9 +242,7 @@ impl BlockPool {
             self.group_of[b as usize] = Some(hash);
         }
         self.index.insert(hash, CachedGroup { blocks: group.into(), idle: 0, lru_tick: None });
-        if let Some(v) = &mut self.index_changes {
-            v.push(IndexChange::Registered(hash));
-        }
+        self.index_changes.record_with(|| IndexChange::Registered(hash));
         true
     }
 
@@ -263,9 +256,7 @@ impl BlockPool {
                 self.free.push(b);
             }
             self.evicted_groups += 1;
-            if let Some(v) = &mut self.index_changes {
-                v.push(IndexChange::Evicted(hash));
-            }
+            self.index_changes.record_with(|| IndexChange::Evicted(hash));
         }
         true
     }

@@ -20,6 +20,7 @@ use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
 use super::{EncodedGroup, Tier, TierError};
 use crate::events::BlockChange;
+use crate::journal::Journal;
 
 const MAGIC: &[u8; 4] = b"PGKV";
 const VERSION: u32 = 1;
@@ -47,7 +48,7 @@ pub struct DiskStore {
     tick: u64,
     corrupted: u64,
     /// Stores and removals since the last [`DiskStore::take_changes`], when tracking is on.
-    changes: Option<Vec<BlockChange>>,
+    changes: Journal<BlockChange>,
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TierError + 'a {
@@ -114,7 +115,7 @@ impl DiskStore {
             lru: BTreeMap::new(),
             tick: 0,
             corrupted: 0,
-            changes: None,
+            changes: Journal::default(),
         };
         let mut found = Vec::new();
         let entries = fs::read_dir(&store.dir).map_err(io_err("list", &store.dir))?;
@@ -179,9 +180,12 @@ impl DiskStore {
         self.tick += 1;
         self.lru.insert(self.tick, hash);
         self.used += file_bytes;
-        if let Some(v) = &mut self.changes {
-            v.push(BlockChange::Stored { hash, tier: Tier::Disk, codec: codec.clone(), bytes: file_bytes });
-        }
+        self.changes.record_with(|| BlockChange::Stored {
+            hash,
+            tier: Tier::Disk,
+            codec: codec.clone(),
+            bytes: file_bytes,
+        });
         self.index.insert(hash, Entry { file_bytes, codec, tick: self.tick });
     }
 
@@ -189,22 +193,18 @@ impl DiskStore {
         let e = self.index.remove(&hash)?;
         self.lru.remove(&e.tick);
         self.used -= e.file_bytes;
-        if let Some(v) = &mut self.changes {
-            v.push(BlockChange::Removed { hash, tier: Tier::Disk, codec: e.codec.clone() });
-        }
+        self.changes.record_with(|| BlockChange::Removed { hash, tier: Tier::Disk, codec: e.codec.clone() });
         Some(e)
     }
 
     /// Starts recording stores and removals (see [`DiskStore::take_changes`]); files found at open are not changes.
     pub fn track_changes(&mut self) {
-        self.changes.get_or_insert_with(Vec::new);
+        self.changes.start();
     }
 
     /// The stores and removals since the last call, in order, moved into `out`.
     pub fn take_changes(&mut self, out: &mut Vec<BlockChange>) {
-        if let Some(v) = &mut self.changes {
-            out.append(v);
-        }
+        self.changes.drain_into(out);
     }
 
     /// Every file held: hash, codec, file bytes.

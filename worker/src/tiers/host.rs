@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::{EncodedGroup, Tier};
 use crate::events::BlockChange;
+use crate::journal::Journal;
 
 #[derive(Debug)]
 struct Entry {
@@ -23,7 +24,7 @@ pub struct HostStore {
     tick: u64,
     used_by_codec: BTreeMap<String, u64>,
     /// Stores and removals since the last [`HostStore::take_changes`], when tracking is on.
-    changes: Option<Vec<BlockChange>>,
+    changes: Journal<BlockChange>,
 }
 
 impl HostStore {
@@ -35,20 +36,18 @@ impl HostStore {
             lru: BTreeMap::new(),
             tick: 0,
             used_by_codec: BTreeMap::new(),
-            changes: None,
+            changes: Journal::default(),
         }
     }
 
     /// Starts recording stores and removals (see [`HostStore::take_changes`]).
     pub fn track_changes(&mut self) {
-        self.changes.get_or_insert_with(Vec::new);
+        self.changes.start();
     }
 
     /// The stores and removals since the last call, in order, moved into `out`.
     pub fn take_changes(&mut self, out: &mut Vec<BlockChange>) {
-        if let Some(v) = &mut self.changes {
-            out.append(v);
-        }
+        self.changes.drain_into(out);
     }
 
     /// Every group held: hash, codec, encoded bytes.
@@ -122,9 +121,12 @@ impl HostStore {
         *self.used_by_codec.entry(group.codec.clone()).or_default() += group.len();
         self.tick += 1;
         self.lru.insert(self.tick, hash);
-        if let Some(v) = &mut self.changes {
-            v.push(BlockChange::Stored { hash, tier: Tier::Host, codec: group.codec.clone(), bytes: group.len() });
-        }
+        self.changes.record_with(|| BlockChange::Stored {
+            hash,
+            tier: Tier::Host,
+            codec: group.codec.clone(),
+            bytes: group.len(),
+        });
         self.map.insert(hash, Entry { group, tick: self.tick });
         evicted
     }
@@ -149,9 +151,7 @@ impl HostStore {
         if let Some(c) = self.used_by_codec.get_mut(&e.group.codec) {
             *c -= e.group.len();
         }
-        if let Some(v) = &mut self.changes {
-            v.push(BlockChange::Removed { hash, tier: Tier::Host, codec: e.group.codec.clone() });
-        }
+        self.changes.record_with(|| BlockChange::Removed { hash, tier: Tier::Host, codec: e.group.codec.clone() });
         Some(e.group)
     }
 }
