@@ -1,8 +1,7 @@
 //! Generates the tonic/prost code for every `.proto` under `pagoda/`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // Later services (transfer.proto) join this list.
-    let protos = ["pagoda/worker.proto", "pagoda/kvstore.proto"];
+    let protos = ["pagoda/worker.proto", "pagoda/kvstore.proto", "pagoda/transfer.proto"];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -18,6 +18,7 @@ if command -v python3 >/dev/null && ! python3 -m pip --version >/dev/null 2>&1; 
 # The dashboard browser test (e2e/tests/dashboard.rs) drives Debian's headless Chromium through chromedriver.
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
+[ -x /usr/bin/etcd ] || missing+=(etcd-server)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "test.sh: installing ${missing[*]}"
   apt-get update -qq

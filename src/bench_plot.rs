@@ -16,7 +16,7 @@ use plotters::prelude::*;
 pub(crate) const FONT: &str = "sans-serif";
 
 /// Tableau 10 without its grey: distinct on white, unlike the pale yellows a generic palette hands out.
-const COLORS: [RGBColor; 9] = [
+pub(crate) const COLORS: [RGBColor; 9] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

@@ -8,7 +8,8 @@
 //! - `pagoda kvstore`: one node of the raft-replicated block directory (`--peer` lists the initial voters).
 //! - `pagoda bench kvstore`: publish throughput and watch latency of an in-process 3-node kvstore cluster.
 //! - `pagoda bench engine`: the engine micro-benchmark.
-//! - `pagoda bench tiers`: onboarding a 2K-token prefix from the host/disk KV tier against recomputing it.
+//! - `pagoda bench tiers`: onboarding a 2K-token prefix from the host/disk KV tier against recomputing it;
+//!   `--workload zipf`: EvicPress against recompute, LRU and fixed codecs on Zipf-reused contexts (Figure 7).
 //! - `pagoda bench eviction`: throughput of each KV eviction policy against full cache on a pool too small for
 //!   the load (markdown table, JSON, PNG chart).
 //!
@@ -16,23 +17,27 @@
 //! `scripts/fetch-model.sh` when missing.
 
 mod bench_plot;
+mod bench_routing;
 mod eval_plot;
 mod telemetry;
+mod tiers_plot;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, Parser, Subcommand};
 use pagoda_kernels::KvDtype;
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
+use pagoda_worker::placement::TierPlacement;
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
-use pagoda_worker::service::WorkerService;
+use pagoda_worker::service::{AdmissionLimits, WorkerService};
 use pagoda_worker::tiers::TierConfig;
+use pagoda_worker::transfer::{PeerCounters, PeerFetchConfig, PeerFetcher, TransferService};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -192,6 +197,37 @@ struct EngineArgs {
     /// reference).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
+    /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
+    /// tries another worker, then sheds load with 503 + Retry-After).
+    #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    max_queued_requests: usize,
+    /// Most prompt tokens waiting for prefill (requests before their first token); a request is always taken
+    /// when none waits. Bounds the time to first token of a new request.
+    #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
+    max_queued_prompt_tokens: u64,
+    /// What fills the host/disk tiers: `lru` (every idle group in --tier-codec, least recently used evicted) or
+    /// `evicpress` (tier and codec per context by EvicPress's utility, quality profiled while idle).
+    #[arg(long, default_value = "lru", value_parser = ["lru", "evicpress"])]
+    tier_placement: String,
+    /// Codec of the groups LRU placement stores: native (the device dtype), bf16, int8, fp8_e4m3, int4_kivi or
+    /// int2_kivi.
+    #[arg(long, default_value = "native",
+          value_parser = ["native", "f16", "f32", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"])]
+    tier_codec: String,
+    /// EvicPress's α in U = (α·quality − load seconds)·frequency.
+    #[arg(long, default_value_t = 1.0)]
+    evicpress_alpha: f64,
+}
+
+impl EngineArgs {
+    fn admission(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            max_requests: self.max_running.saturating_add(self.max_queued_requests),
+            max_queued_prompt_tokens: self.max_queued_prompt_tokens,
+        }
+    }
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
@@ -213,6 +249,10 @@ struct HttpArgs {
     /// File whose first non-comment line is the admin key, which opens the admin endpoints (/debug/*, /dashboard).
     #[arg(long, env = "PAGODA_ADMIN_KEY_FILE")]
     admin_key_file: Option<PathBuf>,
+    /// Most generation requests in flight through this router; more get 503 with Retry-After (load shedding).
+    #[arg(long, default_value_t = pagoda_router::DEFAULT_MAX_INFLIGHT,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    max_inflight: usize,
 }
 
 #[derive(Args)]
@@ -251,10 +291,56 @@ struct WorkerArgs {
     /// address, or <hostname>:<port> when it listens on all interfaces).
     #[arg(long)]
     advertise: Option<String>,
+    /// Never pull a prefix from the peer a router names (Transfer); recompute instead. The Transfer service still
+    /// serves other workers.
+    #[arg(long)]
+    no_peer_fetch: bool,
+    /// Longest a peer pull may take before the request is prefilled without it, in milliseconds.
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    peer_fetch_timeout_ms: u64,
+    #[command(flatten)]
+    etcd: EtcdArgs,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// The etcd registry (workers, routers and kvstore nodes register with 10 s leases).
+#[derive(Args)]
+struct EtcdArgs {
+    /// etcd client endpoints (host:port or http://host:port), comma-separated or repeated. With it this process
+    /// registers itself under --etcd-prefix, and --kvstore (and a router's --worker) may be left out: they are
+    /// read from the registry.
+    #[arg(long, value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// The cluster's key prefix in etcd.
+    #[arg(long, default_value = "/pagoda/default")]
+    etcd_prefix: String,
+}
+
+impl EtcdArgs {
+    fn config(&self) -> Result<Option<pagoda_registry::RegistryConfig>> {
+        if self.etcd.is_empty() {
+            return Ok(None);
+        }
+        let cfg = pagoda_registry::RegistryConfig::new(self.etcd.clone(), &self.etcd_prefix).context("--etcd")?;
+        Ok(Some(cfg))
+    }
+}
+
+/// How long a process waits for the registry to list the kvstore nodes it needs.
+const REGISTRY_WAIT: Duration = Duration::from_secs(60);
+
+/// The kvstore nodes to use: `--kvstore` when given, else every node registered in etcd (waiting for one).
+async fn kvstore_endpoints(given: Vec<String>, etcd: Option<&pagoda_registry::RegistryConfig>) -> Result<Vec<String>> {
+    let Some(cfg) = etcd.filter(|_| given.is_empty()) else { return Ok(given) };
+    let nodes = pagoda_registry::wait_for_members(cfg, pagoda_registry::Role::Kvstore, 1, REGISTRY_WAIT)
+        .await
+        .context("no kvstore node registered in etcd")?;
+    let addrs: Vec<String> = nodes.into_iter().map(|m| m.address).collect();
+    tracing::info!(kvstore = ?addrs, "kvstore nodes from the etcd registry");
+    Ok(addrs)
 }
 
 #[derive(Args)]
@@ -262,8 +348,9 @@ struct RouterArgs {
     /// HTTP address to serve the OpenAI API on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Worker gRPC address (host:port); repeat for several workers.
-    #[arg(long = "worker", required = true)]
+    /// Worker gRPC address (host:port); repeat for several workers. Required without --etcd; with it, workers come
+    /// and go as they register (addresses given here stay regardless).
+    #[arg(long = "worker", required_unless_present = "etcd")]
     workers: Vec<String>,
     /// How requests are placed: `kv` (prefix hits, prefill, load and queue cost), `prefix_overlap` (Dynamo's
     /// cost), `least_loaded` or `round_robin`.
@@ -282,6 +369,8 @@ struct RouterArgs {
     /// stale-reports alarm and leaves the worker out of placement.
     #[arg(long, default_value_t = 3.0)]
     stale_reports_secs: f64,
+    #[command(flatten)]
+    etcd: EtcdArgs,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -339,6 +428,12 @@ struct KvstoreArgs {
     /// Snapshot and compact the raft log every this many applied entries.
     #[arg(long, default_value_t = 10_000)]
     snapshot_every: u64,
+    /// With --etcd and no --peer: wait until this many kvstore nodes (this one included) are registered and
+    /// bootstrap the cluster from their registered raft addresses.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=7))]
+    expect_voters: u64,
+    #[command(flatten)]
+    etcd: EtcdArgs,
 }
 
 fn parse_peer(s: &str) -> Result<(u64, String), String> {
@@ -384,6 +479,97 @@ enum BenchCommand {
     Eviction(BenchEvictionArgs),
     /// Serving a long context's prefix from the host (and disk) KV tier against recomputing it.
     Tiers(BenchTiersArgs),
+    /// Load against a running router's OpenAI API (closed loop or open loop, streaming mix, shared-prefix and
+    /// unique prompts); every completed answer is checked against the greedy reference of its prompt.
+    Load(BenchLoadArgs),
+    /// Placement strategies side by side: a multi-turn chat trace with shared system prompts replayed on fresh
+    /// local worker processes behind a router of each strategy (TTFT, prefix hit rate, throughput, decision time).
+    Routing(BenchRoutingArgs),
+}
+
+#[derive(Args)]
+struct BenchRoutingArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Worker processes per strategy.
+    #[arg(long, default_value_t = 4, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=16))]
+    workers: usize,
+    /// Compute threads of each worker.
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    worker_threads: usize,
+    /// Strategies, comma-separated, run in this order.
+    #[arg(long, value_delimiter = ',', default_value = "round_robin,least_loaded,prefix_overlap,kv",
+          value_parser = ["kv", "prefix_overlap", "least_loaded", "round_robin"])]
+    strategies: Vec<String>,
+    #[arg(long, default_value_t = 4, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    system_prompts: usize,
+    #[arg(long, default_value_t = 24, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    conversations: usize,
+    #[arg(long, default_value_t = 4, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=32))]
+    turns: usize,
+    /// Reply length cap per turn.
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    max_tokens: u32,
+    #[arg(long, default_value_t = 11)]
+    seed: u64,
+    /// Every request must end within this many seconds.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    deadline_secs: u64,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw TTFT and prefix hit rate per strategy into this PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct BenchLoadArgs {
+    /// The router's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    router: String,
+    /// Model id to request (default: the first of the router's /v1/models).
+    #[arg(long)]
+    model_id: Option<String>,
+    /// API key (when the router has a keys file).
+    #[arg(long, env = "PAGODA_API_KEY")]
+    api_key: Option<String>,
+    /// `closed`: --concurrency requests in flight at all times; `open`: --rate arrivals per second.
+    #[arg(long, default_value = "closed", value_parser = ["closed", "open"])]
+    mode: String,
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000))]
+    concurrency: usize,
+    /// Arrivals per second (open loop).
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+    /// Open loop: arrivals beyond this many in flight are counted as shed by the client, not sent.
+    #[arg(long, default_value_t = 1024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
+    max_in_flight: usize,
+    /// No request is sent after this many seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    duration_secs: u64,
+    /// No more requests than this are sent.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000_000))]
+    max_requests: usize,
+    /// Every request must end within this many seconds (else it counts as lost).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    deadline_secs: u64,
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    max_tokens: u32,
+    /// Which requests stream: all, none, or mixed (three of every four).
+    #[arg(long, default_value = "mixed", value_parser = ["all", "none", "mixed"])]
+    streaming: String,
+    /// Prompts sharing a long common preamble (prefix caching matters) and prompts sharing nothing.
+    #[arg(long, default_value_t = 6, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1000))]
+    shared_prompts: usize,
+    #[arg(long, default_value_t = 6, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1000))]
+    unique_prompts: usize,
+    /// Skip the greedy reference (answers are then not checked).
+    #[arg(long)]
+    no_reference: bool,
+    /// Also write the summary as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -405,9 +591,49 @@ struct BenchTiersArgs {
     /// Host tier size in MiB (also the disk tier's).
     #[arg(long, default_value_t = 1024)]
     host_tier_mib: u64,
-    /// Also measure the disk tier with files under this directory (removed afterwards).
+    /// Also measure the disk tier with files under this directory (removed afterwards). For `--workload zipf`:
+    /// where each configuration's disk tier lives.
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// `2k`: one long prefix from host/disk against recomputing it. `zipf`: EvicPress against recompute, LRU and
+    /// each fixed codec + LRU on contexts reused with a Zipf distribution (the flags below).
+    #[arg(long, default_value = "2k", value_parser = ["2k", "zipf"])]
+    workload: String,
+    /// zipf: number of contexts.
+    #[arg(long, default_value_t = 200)]
+    contexts: usize,
+    /// zipf: shortest and longest context in tokens.
+    #[arg(long, default_value_t = 1024)]
+    min_context_tokens: usize,
+    #[arg(long, default_value_t = 4096)]
+    max_context_tokens: usize,
+    /// zipf: requests (each a short question on one context).
+    #[arg(long, default_value_t = 600)]
+    requests: usize,
+    /// zipf: the Zipf exponent of context reuse.
+    #[arg(long, default_value_t = 1.1)]
+    zipf_s: f64,
+    /// zipf: tokens generated per request (the answer compared with recompute's).
+    #[arg(long, default_value_t = 4)]
+    answer_tokens: usize,
+    /// zipf: device KV pool in tokens.
+    #[arg(long, default_value_t = 8192)]
+    device_tokens: usize,
+    /// zipf: disk tier in MiB under --data-dir (the host tier is --host-tier-mib).
+    #[arg(long, default_value_t = 2048)]
+    disk_tier_mib: u64,
+    /// zipf: codecs of the fixed-codec baselines and EvicPress's variants, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "int8,fp8_e4m3,int4_kivi,int2_kivi")]
+    codecs: Vec<String>,
+    /// zipf: EvicPress's α.
+    #[arg(long, default_value_t = 1.0)]
+    evicpress_alpha: f64,
+    /// zipf: prose for the contexts (random tokens when the directory has no text).
+    #[arg(long, default_value = "data/prose")]
+    prose_dir: PathBuf,
+    /// zipf: draw mean TTFT against quality, one point per configuration, into this PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -507,6 +733,8 @@ fn main() -> Result<()> {
         Command::Eval(args) => eval(args),
         Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
+        Command::Bench(BenchCommand::Load(args)) => run_async(bench_load(args)),
+        Command::Bench(BenchCommand::Routing(args)) => run_async(bench_routing(args)),
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
@@ -618,6 +846,8 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
         tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
+        placement: TierPlacement::from_flags(&e.tier_placement, &e.tier_codec, e.evicpress_alpha)
+            .map_err(|m| anyhow!(m))?,
     })
 }
 
@@ -711,15 +941,27 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
     }
 }
 
+/// Serves the Worker and Transfer services on one listener; `peer_fetch` turns on pulling hinted prefixes.
 async fn serve_worker(
     listener: TcpListener,
     engine: EngineHandle,
     worker_id: String,
+    admission: AdmissionLimits,
+    peer_fetch: Option<PeerFetchConfig>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let counters = std::sync::Arc::new(PeerCounters::default());
+    let mut service = WorkerService::new(engine.clone())
+        .with_worker_id(worker_id)
+        .with_admission(admission)
+        .with_peer_counters(counters.clone());
+    if let Some(cfg) = peer_fetch {
+        service = service.with_peer_fetch(PeerFetcher::new(engine.clone(), counters.clone(), cfg));
+    }
     tonic::transport::Server::builder()
-        .add_service(WorkerService::new(engine).with_worker_id(worker_id).into_server())
+        .add_service(service.into_server())
+        .add_service(TransferService::new(engine, counters).into_server())
         .serve_with_incoming_shutdown(incoming, wait_for(shutdown))
         .await
 }
@@ -765,6 +1007,7 @@ async fn up(args: UpArgs) -> Result<()> {
     let config = RouterConfig {
         workers: vec![worker_addr.to_string()],
         body_limit: args.http.body_limit,
+        max_inflight: args.http.max_inflight,
         security,
         kvstore: vec![kv_addr.clone()],
         ..RouterConfig::default()
@@ -776,7 +1019,15 @@ async fn up(args: UpArgs) -> Result<()> {
         "serving {model_id}: try  curl http://{router_addr}/v1/chat/completions -H 'content-type: application/json' \
               -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
     );
-    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), worker_id, shutdown.clone()));
+    // One worker has no peer to pull from.
+    let worker_task = tokio::spawn(serve_worker(
+        worker_listener,
+        engine.clone(),
+        worker_id,
+        args.engine.admission(),
+        None,
+        shutdown.clone(),
+    ));
     let router_shutdown = wait_for(shutdown.clone());
     let router_fut = pagoda_router::serve(router_listener, codec, config, router_shutdown);
     let res = until_drained(router_fut, shutdown.clone()).await;
@@ -812,19 +1063,43 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     let listener = bind(args.listen, "worker").await?;
     let addr = listener.local_addr().context("worker address")?;
     let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("{}:{}", hostname(), addr.port()));
-    let reporter = if args.kvstore.is_empty() {
+    let advertise = args.advertise.clone().unwrap_or_else(|| {
+        if addr.ip().is_unspecified() { format!("{}:{}", hostname(), addr.port()) } else { addr.to_string() }
+    });
+    let etcd = args.etcd.config()?;
+    let kvstore = kvstore_endpoints(args.kvstore.clone(), etcd.as_ref()).await?;
+    let reporter = if kvstore.is_empty() {
         None
     } else {
-        let advertise = args.advertise.clone().unwrap_or_else(|| {
-            if addr.ip().is_unspecified() { format!("{}:{}", hostname(), addr.port()) } else { addr.to_string() }
-        });
-        let cfg = pagoda_worker::reporter::ReporterConfig::new(worker_id.clone(), advertise, args.kvstore.clone());
+        let cfg = pagoda_worker::reporter::ReporterConfig::new(worker_id.clone(), advertise.clone(), kvstore.clone());
         let task = pagoda_worker::reporter::spawn(engine.clone(), cfg).context("cannot start block-event reporting")?;
-        tracing::info!(worker = %worker_id, kvstore = ?args.kvstore, "reporting block events to the kvstore");
+        tracing::info!(worker = %worker_id, kvstore = ?kvstore, "reporting block events to the kvstore");
         Some(task)
     };
+    // Registered once it serves: routers add it as soon as the key appears.
+    let registration = match etcd {
+        Some(cfg) => {
+            let me = pagoda_registry::Member {
+                id: worker_id.clone(),
+                address: advertise,
+                epoch: unix_micros(),
+                node_id: None,
+            };
+            Some(pagoda_registry::register(cfg, pagoda_registry::Role::Worker, me).context("--etcd")?)
+        }
+        None => None,
+    };
     println!("pagoda worker listening on {addr}");
-    let res = until_drained(serve_worker(listener, engine.clone(), worker_id, shutdown.clone()), shutdown).await;
+    let peer_fetch = (!args.no_peer_fetch).then(|| PeerFetchConfig {
+        timeout: Duration::from_millis(args.peer_fetch_timeout_ms),
+        ..PeerFetchConfig::default()
+    });
+    let served =
+        serve_worker(listener, engine.clone(), worker_id, args.engine.admission(), peer_fetch, shutdown.clone());
+    let res = until_drained(served, shutdown).await;
+    if let Some(r) = registration {
+        r.stop().await;
+    }
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
     if let Some(r) = reporter {
         r.abort();
@@ -850,12 +1125,16 @@ async fn router(args: RouterArgs) -> Result<()> {
     if !(args.stale_reports_secs.is_finite() && (0.1..=3600.0).contains(&args.stale_reports_secs)) {
         bail!("--stale-reports-secs must be between 0.1 and 3600");
     }
+    let etcd = args.etcd.config()?;
+    let kvstore = kvstore_endpoints(args.kvstore, etcd.as_ref()).await?;
     let config = RouterConfig {
         workers: args.workers,
+        etcd,
         body_limit: args.http.body_limit,
+        max_inflight: args.http.max_inflight,
         placement,
         security,
-        kvstore: args.kvstore,
+        kvstore,
         migration: args.migration.config(),
         stale_reports_after: Duration::try_from_secs_f64(args.stale_reports_secs)
             .ok()
@@ -1057,6 +1336,137 @@ fn print_report(markdown: &str, json_text: &str, json: Option<&Path>) -> Result<
     Ok(())
 }
 
+async fn bench_routing(a: BenchRoutingArgs) -> Result<()> {
+    let model = resolve_model(&a.model)?;
+    let report = bench_routing::run(bench_routing::RoutingBenchOptions {
+        model,
+        workers: a.workers,
+        worker_threads: a.worker_threads,
+        strategies: a.strategies,
+        system_prompts: a.system_prompts,
+        conversations: a.conversations,
+        turns: a.turns,
+        max_tokens: a.max_tokens,
+        seed: a.seed,
+        deadline_secs: a.deadline_secs,
+    })
+    .await?;
+    println!("{}", report.markdown());
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        report.draw(path)?;
+    }
+    let failed: usize = report.results.iter().map(|r| r.failed).sum();
+    if failed > 0 {
+        bail!("{failed} requests failed");
+    }
+    Ok(())
+}
+
+async fn bench_load(a: BenchLoadArgs) -> Result<()> {
+    use pagoda_e2e::load::{self, LoadConfig, Mode, Report, Streaming};
+    if a.shared_prompts + a.unique_prompts == 0 {
+        anyhow::bail!("--shared-prompts + --unique-prompts must be at least 1");
+    }
+    let mut http = pagoda_e2e::Http::new(a.router.trim_end_matches('/'));
+    if let Some(key) = &a.api_key {
+        http = http.with_api_key(key)?;
+    }
+    let model = match a.model_id {
+        Some(m) => m,
+        None => {
+            let (status, body) = http.get("/v1/models").await.context("GET /v1/models")?;
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            v["data"][0]["id"]
+                .as_str()
+                .map(str::to_string)
+                .with_context(|| format!("no model in the router's /v1/models ({status}): {body}"))?
+        }
+    };
+    let http = http.with_model(model.clone());
+    let mode = match a.mode.as_str() {
+        "open" if a.rate.is_finite() && a.rate > 0.0 => {
+            Mode::Open { per_second: a.rate, max_in_flight: a.max_in_flight }
+        }
+        "open" => anyhow::bail!("--rate must be a positive number of arrivals per second, got {}", a.rate),
+        _ => Mode::Closed { concurrency: a.concurrency },
+    };
+    let streaming = match a.streaming.as_str() {
+        "all" => Streaming::All,
+        "none" => Streaming::None,
+        _ => Streaming::Mixed,
+    };
+    let prompts = load::prompt_mix(a.shared_prompts, a.unique_prompts);
+    let reference = if a.no_reference {
+        Vec::new()
+    } else {
+        load::reference(&http, &prompts, a.max_tokens).await.context("the greedy reference (healthy cluster)")?
+    };
+    let cfg = LoadConfig {
+        mode,
+        prompts,
+        max_tokens: a.max_tokens,
+        streaming,
+        deadline: Duration::from_secs(a.deadline_secs),
+        duration: Duration::from_secs(a.duration_secs),
+        max_requests: a.max_requests,
+    };
+    let started = std::time::Instant::now();
+    let records = load::run(&http, &cfg).await?;
+    let wall = started.elapsed().as_secs_f64();
+    let report = Report::new(&records, &reference);
+    let rejected_by_status = records.iter().filter_map(|r| r.status.filter(|&s| s != 200)).fold(
+        std::collections::BTreeMap::<u16, usize>::new(),
+        |mut m, s| {
+            *m.entry(s).or_default() += 1;
+            m
+        },
+    );
+    let completion_tokens: u64 = records.iter().filter_map(|r| r.completion_tokens).sum();
+    let summary = serde_json::json!({
+        "router": a.router,
+        "model": model,
+        "mode": a.mode,
+        "concurrency": a.concurrency,
+        "rate": a.rate,
+        "duration_s": a.duration_secs,
+        "max_tokens": a.max_tokens,
+        "sent": report.sent,
+        "completed": report.completed,
+        "failed_clean": report.failed_clean,
+        "refused_by_status": rejected_by_status,
+        "lost": report.lost,
+        "timed_out": report.timed_out,
+        "shed_by_client": report.shed,
+        "checked_against_reference": !a.no_reference,
+        "mismatched": if a.no_reference { None } else { Some(report.mismatches.len()) },
+        "wall_s": wall,
+        "completed_per_s": report.completed as f64 / wall,
+        "completion_tokens_per_s": completion_tokens as f64 / wall,
+        "p50_latency_s": report.p50_latency.as_secs_f64(),
+        "p99_latency_s": report.p99_latency.as_secs_f64(),
+        "p99_ttft_s": report.p99_ttft.as_secs_f64(),
+        "max_latency_s": report.max_latency.as_secs_f64(),
+        "lost_examples": report.lost_examples,
+    });
+    let text = serde_json::to_string_pretty(&summary)?;
+    println!("{text}");
+    if let Some(path) = &a.json {
+        std::fs::write(path, &text).with_context(|| format!("write {}", path.display()))?;
+    }
+    if report.lost > 0 || (!a.no_reference && !report.mismatches.is_empty()) {
+        anyhow::bail!(
+            "{} requests lost, {} answers differ from the greedy reference",
+            report.lost,
+            report.mismatches.len()
+        );
+    }
+    Ok(())
+}
+
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {
     let model = resolve_model(&args.model)?;
     let opts = pagoda_worker::bench::BenchOptions {
@@ -1078,6 +1488,9 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
 
 fn bench_tiers(args: BenchTiersArgs) -> Result<()> {
     let model = resolve_model(&args.model)?;
+    if args.workload == "zipf" {
+        return bench_tiers_zipf(&model, args);
+    }
     let opts = pagoda_worker::bench_tiers::TiersBenchOptions {
         threads: args.threads,
         context_tokens: args.context_tokens,
@@ -1089,6 +1502,34 @@ fn bench_tiers(args: BenchTiersArgs) -> Result<()> {
     let report = pagoda_worker::bench_tiers::tiers_bench(&model, &opts)
         .with_context(|| format!("tiers bench on {} failed", model.display()))?;
     print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
+    Ok(())
+}
+
+fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
+    let opts = pagoda_worker::bench_zipf::ZipfBenchOptions {
+        threads: args.threads,
+        contexts: args.contexts,
+        min_tokens: args.min_context_tokens,
+        max_tokens: args.max_context_tokens,
+        requests: args.requests,
+        zipf_s: args.zipf_s,
+        answer_tokens: args.answer_tokens,
+        device_tokens: args.device_tokens,
+        host_mib: args.host_tier_mib,
+        disk_mib: if args.data_dir.is_some() { args.disk_tier_mib } else { 0 },
+        data_dir: args.data_dir,
+        codecs: args.codecs.iter().map(|c| c.trim().to_owned()).collect(),
+        alpha: args.evicpress_alpha,
+        prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
+        ..Default::default()
+    };
+    let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)
+        .with_context(|| format!("tiers zipf bench on {} failed", model.display()))?;
+    print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
+    if let Some(path) = args.plot {
+        tiers_plot::draw_tiers(&report, &path).with_context(|| format!("cannot draw {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
     Ok(())
 }
 
@@ -1150,14 +1591,69 @@ async fn kvstore(args: KvstoreArgs) -> Result<()> {
     }
     cfg.join = args.join;
     cfg.snapshot_every = args.snapshot_every.max(1);
+    let registration = match args.etcd.config()? {
+        Some(etcd) => Some(discover_peers(&mut cfg, etcd, args.expect_voters).await?),
+        None => None,
+    };
     let shutdown = shutdown_signal();
     let mut node = pagoda_kvstore::start(cfg).await.context("cannot start the kvstore node")?;
     println!("pagoda kvstore listening on {}", node.addr);
-    tokio::select! {
-        r = node.wait() => return r.context("kvstore node stopped"),
-        _ = wait_for(shutdown) => {}
+    let ended = tokio::select! {
+        r = node.wait() => Some(r),
+        _ = wait_for(shutdown) => None,
+    };
+    if let Some(r) = registration {
+        r.stop().await;
+    }
+    if let Some(r) = ended {
+        return r.context("kvstore node stopped");
     }
     node.stop().await.context("stopping the kvstore node")
+}
+
+/// Registers this kvstore node's raft address in etcd and, without --peer, waits (bounded) until `expect_voters`
+/// nodes are registered and takes them as the initial voters. A node whose store is already initialised ignores
+/// the voters (raft's own membership wins), so a restarted node finds its cluster again.
+async fn discover_peers(
+    cfg: &mut pagoda_kvstore::NodeConfig,
+    etcd: pagoda_registry::RegistryConfig,
+    expect_voters: u64,
+) -> Result<pagoda_registry::Registration> {
+    if cfg.advertise.is_empty() {
+        if cfg.listen.ip().is_unspecified() || cfg.listen.port() == 0 {
+            bail!("--etcd needs --advertise (or a --listen with a concrete address and port) to register");
+        }
+        cfg.advertise = cfg.listen.to_string();
+    }
+    let me = pagoda_registry::Member {
+        id: cfg.id.to_string(),
+        address: cfg.advertise.clone(),
+        epoch: unix_micros(),
+        node_id: Some(cfg.id),
+    };
+    let mut registration =
+        pagoda_registry::register(etcd.clone(), pagoda_registry::Role::Kvstore, me).context("--etcd")?;
+    registration.wait_registered(REGISTRY_WAIT).await.context("cannot register in etcd")?;
+    if cfg.peers.is_empty() && !cfg.join {
+        let want = usize::try_from(expect_voters).unwrap_or(1);
+        let nodes = pagoda_registry::wait_for_members(&etcd, pagoda_registry::Role::Kvstore, want, REGISTRY_WAIT)
+            .await
+            .with_context(|| format!("fewer than {want} kvstore nodes registered in etcd"))?;
+        for n in nodes {
+            if let Some(id) = n.node_id {
+                cfg.peers.insert(id, n.address);
+            }
+        }
+        if cfg.peers.len() != want {
+            bail!("the registry lists {} kvstore nodes, --expect-voters is {want}: {:?}", cfg.peers.len(), cfg.peers);
+        }
+        tracing::info!(peers = ?cfg.peers, "kvstore voters from the etcd registry");
+    }
+    Ok(registration)
+}
+
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
 async fn bench_kvstore(args: BenchKvstoreArgs) -> Result<()> {

@@ -201,10 +201,7 @@ impl Cluster {
 
     /// Whether router `r` currently reports worker `i` ready.
     pub async fn router_sees_ready(&self, r: usize, i: usize) -> Result<bool> {
-        let (_, body) = self.http(r).get("/readyz").await?;
-        let v: serde_json::Value = serde_json::from_str(&body).with_context(|| format!("readyz: {body}"))?;
-        let addr = &self.workers[i].addr;
-        Ok(v["workers"].as_array().into_iter().flatten().any(|w| w["address"] == *addr && w["ready"] == true))
+        Ok(self.http(r).worker_ready(&self.workers[i].addr).await == Some(true))
     }
 
     /// Waits until router `r` reports every worker ready.
@@ -294,6 +291,12 @@ impl Cluster {
     /// Whether worker `i`'s process is alive.
     pub fn worker_alive(&mut self, i: usize) -> bool {
         self.workers[i].proc.as_mut().is_some_and(Proc::alive)
+    }
+
+    /// The pid of every live router and worker process, by log name (for [`crate::resident_bytes`]).
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        let live = self.routers.iter().map(|r| &r.proc).chain(self.workers.iter().filter_map(|w| w.proc.as_ref()));
+        live.map(|p| (p.name().to_string(), p.pid())).collect()
     }
 
     /// Every process's log tail, for a report.

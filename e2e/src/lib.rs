@@ -9,6 +9,7 @@
 
 pub mod cluster;
 pub mod load;
+pub mod proxy;
 pub mod webdriver;
 
 use std::fs::File;
@@ -34,6 +35,20 @@ pub fn model_path() -> PathBuf {
 
 /// The id the model is served under (its file stem).
 pub const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+/// The resident set size of process `pid` in bytes (`VmRSS` of `/proc/<pid>/status`); `None` once it is gone.
+pub fn resident_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim();
+    kib.parse::<u64>().ok().map(|k| k * 1024)
+}
+
+/// The samples of metric `family` in a Prometheus text exposition: (the whole line, its value).
+pub fn metric_samples<'a>(text: &'a str, family: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+    text.lines()
+        .filter(move |l| l.strip_prefix(family).is_some_and(|rest| rest.starts_with(['{', ' '])))
+        .filter_map(|l| Some((l, l.rsplit(' ').next()?.parse::<f64>().ok()?)))
+}
 
 /// A running `pagoda` child process. Dropping it kills the process.
 pub struct Proc {
@@ -103,6 +118,11 @@ impl Proc {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// The name its log carries.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Whether the process is still running.
@@ -176,12 +196,29 @@ pub fn free_port() -> Result<u16> {
 pub struct Http {
     pub base: String,
     pub client: reqwest::Client,
+    /// The model id the load generator's requests name ([`MODEL_ID`] unless set).
+    pub model: String,
 }
 
 impl Http {
     pub fn new(base: impl Into<String>) -> Http {
         let client = reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap_or_default();
-        Http { base: base.into(), client }
+        Http { base: base.into(), client, model: MODEL_ID.to_string() }
+    }
+
+    /// The same router, every request carrying `Authorization: Bearer <key>`.
+    pub fn with_api_key(mut self, key: &str) -> Result<Http> {
+        let mut auth = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")).context("API key")?;
+        auth.set_sensitive(true);
+        let headers = reqwest::header::HeaderMap::from_iter([(reqwest::header::AUTHORIZATION, auth)]);
+        self.client = reqwest::Client::builder().timeout(Duration::from_secs(300)).default_headers(headers).build()?;
+        Ok(self)
+    }
+
+    /// The same router, with requests naming `model`.
+    pub fn with_model(mut self, model: impl Into<String>) -> Http {
+        self.model = model.into();
+        self
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -207,6 +244,20 @@ impl Http {
         let (s, text) = self.post_raw(path, body.to_string().into_bytes()).await?;
         let v = serde_json::from_str(&text).with_context(|| format!("response is not JSON: {text}"))?;
         Ok((s, v))
+    }
+
+    /// The sum of every sample of metric `family` (all label sets) in `/metrics`; 0 when absent or unreachable.
+    pub async fn metric_sum(&self, family: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await.unwrap_or_default();
+        metric_samples(&text, family).map(|(_, v)| v).sum()
+    }
+
+    /// How the router's `/readyz` lists the worker at `addr`: `Some(ready)`, or `None` when it is not listed (or
+    /// the router does not answer).
+    pub async fn worker_ready(&self, addr: &str) -> Option<bool> {
+        let (_, body) = self.get("/readyz").await.ok()?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        v["workers"].as_array()?.iter().find(|w| w["address"] == addr).map(|w| w["ready"] == true)
     }
 
     /// Polls `/readyz` until it answers 200.

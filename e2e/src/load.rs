@@ -16,7 +16,7 @@ use anyhow::{Context, Result, bail};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::{Http, MODEL_ID};
+use crate::Http;
 
 /// How requests arrive.
 #[derive(Debug, Clone, Copy)]
@@ -86,11 +86,37 @@ pub struct Record {
     pub text: String,
     pub finish_reason: Option<String>,
     pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens` of a completed answer.
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
     pub error: Option<String>,
+    /// The `Retry-After` header of a refusal.
+    pub retry_after: Option<String>,
     pub outcome: Outcome,
 }
 
 impl Record {
+    /// A request not (yet) answered: it ends as [`Outcome::Transport`] unless something better is recorded.
+    fn new(index: usize, prompt: usize, stream: bool, sent_at: Duration) -> Record {
+        Record {
+            index,
+            prompt,
+            stream,
+            sent_at,
+            ended_at: sent_at,
+            status: None,
+            ttft: None,
+            text: String::new(),
+            finish_reason: None,
+            completion_tokens: None,
+            prompt_tokens: None,
+            cached_tokens: None,
+            error: None,
+            retry_after: None,
+            outcome: Outcome::Transport,
+        }
+    }
+
     pub fn accepted(&self) -> bool {
         self.status == Some(200)
     }
@@ -143,9 +169,10 @@ pub fn prompt_mix(n_shared: usize, n_unique: usize) -> Vec<String> {
     out
 }
 
-fn body(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+/// A chat request of one user message.
+fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Value {
     let mut b = json!({
-        "model": MODEL_ID,
+        "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "temperature": 0,
         "max_tokens": max_tokens,
@@ -161,7 +188,7 @@ fn body(prompt: &str, max_tokens: u32, stream: bool) -> Value {
 pub async fn reference(http: &Http, prompts: &[String], max_tokens: u32) -> Result<Vec<String>> {
     let answers = futures::stream::iter(prompts.iter().enumerate())
         .map(|(i, p)| async move {
-            let (s, v) = http.post_json("/v1/chat/completions", &body(p, max_tokens, false)).await?;
+            let (s, v) = http.post_json("/v1/chat/completions", &body(&http.model, p, max_tokens, false)).await?;
             if s != 200 {
                 bail!("reference for prompt {i} failed: {s} {v}");
             }
@@ -184,21 +211,9 @@ async fn one(
     t0: Instant,
 ) -> Record {
     let sent = Instant::now();
-    let mut rec = Record {
-        index,
-        prompt,
-        stream,
-        sent_at: sent - t0,
-        ended_at: Duration::ZERO,
-        status: None,
-        ttft: None,
-        text: String::new(),
-        finish_reason: None,
-        completion_tokens: None,
-        error: None,
-        outcome: Outcome::Transport,
-    };
-    let fut = drive(http, &mut rec, text, cfg.max_tokens, stream, sent);
+    let mut rec = Record::new(index, prompt, stream, sent - t0);
+    let request = body(&http.model, text, cfg.max_tokens, stream);
+    let fut = drive(http, &mut rec, &request, stream, sent);
     if tokio::time::timeout(cfg.deadline, fut).await.is_err() {
         rec.outcome = Outcome::TimedOut;
         rec.error = Some(format!("no end within {:?}", cfg.deadline));
@@ -207,18 +222,29 @@ async fn one(
     rec
 }
 
-async fn drive(http: &Http, rec: &mut Record, prompt: &str, max_tokens: u32, stream: bool, sent: Instant) {
-    let resp =
-        match http.client.post(http.url("/v1/chat/completions")).json(&body(prompt, max_tokens, stream)).send().await {
-            Ok(r) => r,
-            Err(e) => {
-                rec.error = Some(format!("send: {e}"));
-                return;
-            }
-        };
+/// Sends one chat completion request `body` (any messages; `stream` must match its `"stream"`) and records the
+/// answer: text, time to first token, usage, or how it failed. Unbounded in time: the caller puts the deadline.
+pub async fn chat_once(http: &Http, body: &Value, stream: bool) -> Record {
+    let mut rec = Record::new(0, 0, stream, Duration::ZERO);
+    let sent = Instant::now();
+    drive(http, &mut rec, body, stream, sent).await;
+    rec.ended_at = sent.elapsed();
+    rec
+}
+
+async fn drive(http: &Http, rec: &mut Record, request: &Value, stream: bool, sent: Instant) {
+    let resp = match http.client.post(http.url("/v1/chat/completions")).json(request).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            rec.error = Some(format!("send: {e}"));
+            return;
+        }
+    };
     let status = resp.status().as_u16();
     rec.status = Some(status);
     if status != 200 {
+        rec.retry_after =
+            resp.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).map(str::to_string);
         let text = resp.text().await.unwrap_or_default();
         let clean = serde_json::from_str::<Value>(&text).is_ok_and(|v| v["error"]["message"].is_string());
         rec.outcome = if clean { Outcome::Rejected } else { Outcome::Transport };
@@ -237,7 +263,7 @@ async fn drive(http: &Http, rec: &mut Record, prompt: &str, max_tokens: u32, str
         rec.ttft = Some(sent.elapsed());
         rec.text = v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
         rec.finish_reason = v["choices"][0]["finish_reason"].as_str().map(str::to_string);
-        rec.completion_tokens = v["usage"]["completion_tokens"].as_u64();
+        record_usage(rec, &v["usage"]);
         rec.outcome = if rec.finish_reason.is_some() { Outcome::Completed } else { Outcome::Broken };
         return;
     }
@@ -283,8 +309,8 @@ async fn drive(http: &Http, rec: &mut Record, prompt: &str, max_tokens: u32, str
             if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
                 rec.finish_reason = Some(f.to_string());
             }
-            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-                rec.completion_tokens = Some(n);
+            if v["usage"].is_object() {
+                record_usage(rec, &v["usage"]);
             }
         }
     }
@@ -292,6 +318,12 @@ async fn drive(http: &Http, rec: &mut Record, prompt: &str, max_tokens: u32, str
     if rec.outcome == Outcome::Broken {
         rec.error = Some(format!("stream ended without [DONE] after {} bytes", rec.text.len()));
     }
+}
+
+fn record_usage(rec: &mut Record, usage: &Value) {
+    rec.completion_tokens = usage["completion_tokens"].as_u64();
+    rec.prompt_tokens = usage["prompt_tokens"].as_u64();
+    rec.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
 }
 
 fn is_streaming(mix: Streaming, index: usize) -> bool {
@@ -348,21 +380,11 @@ pub async fn run(http: &Http, cfg: &LoadConfig) -> Result<Vec<Record>> {
                     _ = tokio::time::sleep_until(due.into()) => {}
                 }
                 if tasks.len() >= max_in_flight {
-                    let at = t0.elapsed();
-                    records.push(Record {
-                        index: next,
-                        prompt: next % cfg.prompts.len(),
-                        stream: is_streaming(cfg.streaming, next),
-                        sent_at: at,
-                        ended_at: at,
-                        status: None,
-                        ttft: None,
-                        text: String::new(),
-                        finish_reason: None,
-                        completion_tokens: None,
-                        error: Some("shed: too many in flight".into()),
-                        outcome: Outcome::Shed,
-                    });
+                    let mut shed =
+                        Record::new(next, next % cfg.prompts.len(), is_streaming(cfg.streaming, next), t0.elapsed());
+                    shed.error = Some("shed: too many in flight".into());
+                    shed.outcome = Outcome::Shed;
+                    records.push(shed);
                 } else {
                     spawn(&mut tasks, next);
                 }

@@ -5,6 +5,9 @@
 //! duplicate, no gap across a migration), every request ends within its deadline, and the throughput comes back to
 //! 90% of its pre-fault level (the time it takes is measured and printed as a `CHAOS {json}` line).
 //!
+//! Clock pressure is its own test: a burst at 5× the measured sustainable rate must be shed with 503/429 and
+//! `Retry-After`, lose nothing it accepted, and keep every process's memory bounded.
+//!
 //! CI runs the reduced versions; the full ones are `#[ignore]`d:
 //! `cargo test --release -p pagoda --test e2e_chaos -- --ignored --nocapture --test-threads 1`.
 
@@ -14,12 +17,16 @@ use std::time::{Duration, Instant};
 
 use common::BIN;
 use pagoda_e2e::cluster::{Cluster, ClusterBuilder};
-use pagoda_e2e::load::{self, LoadConfig, Mode, Report, Streaming};
+use pagoda_e2e::load::{self, LoadConfig, Mode, Outcome, Report, Streaming};
 use pagoda_e2e::serde_json::json;
-use pagoda_e2e::{Http, worker_stats};
+use pagoda_e2e::{Http, metric_samples, resident_bytes, worker_stats};
 
 /// Router flags of every scenario: 2 s without a token and no answer to a health check is a stall; the first token
 /// (and any silence of a live worker) may take 30 s on a loaded 2-core machine.
+/// Chaos tests measure throughput and recovery, which a second test's cluster on the same cores would distort:
+/// every test holds this for its whole run, so they run one at a time whatever `--test-threads` says.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const ROUTER_ARGS: &[&str] = &["--stall-timeout-ms", "2000", "--first-token-timeout-ms", "30000", "--max-retries", "2"];
 
 #[derive(Clone, Copy, Debug)]
@@ -51,10 +58,8 @@ struct Scenario {
 /// The sum of `pagoda_router_migrations_total` over its reasons, with the per-reason lines.
 async fn migrations(http: &Http) -> (u64, Vec<String>) {
     let (_, text) = http.get("/metrics").await.unwrap_or_default();
-    let lines: Vec<String> =
-        text.lines().filter(|l| l.starts_with("pagoda_router_migrations_total{")).map(str::to_string).collect();
-    let total = lines.iter().filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum();
-    (total, lines)
+    let samples: Vec<(&str, f64)> = metric_samples(&text, "pagoda_router_migrations_total").collect();
+    (samples.iter().map(|(_, v)| *v as u64).sum(), samples.iter().map(|(l, _)| l.to_string()).collect())
 }
 
 /// Waits (bounded) until worker `i` is running at least one sequence, so that the fault lands mid-stream.
@@ -183,6 +188,7 @@ async fn run(s: Scenario) {
 /// SIGKILL of a worker while ~24 streams run on 3 workers (CI size).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_worker_mid_stream() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     run(Scenario {
         name: "chaos-kill",
         fault: Fault::Kill,
@@ -201,6 +207,7 @@ async fn sigkill_worker_mid_stream() {
 /// and it comes back into placement once its health check passes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_worker_longer_than_the_stall_timeout() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     run(Scenario {
         name: "chaos-stop",
         fault: Fault::Stop(Duration::from_secs(5)),
@@ -219,6 +226,7 @@ async fn sigstop_worker_longer_than_the_stall_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "full size (100 streams, ~2 min); run with --ignored"]
 async fn sigkill_worker_mid_stream_100_streams() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     run(Scenario {
         name: "chaos-kill-100",
         fault: Fault::Kill,
@@ -237,6 +245,7 @@ async fn sigkill_worker_mid_stream_100_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long (three restarts under load, ~1.5 min); run with --ignored"]
 async fn rolling_restart_of_all_workers() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     run(Scenario {
         name: "chaos-rolling",
         fault: Fault::RollingRestart,
@@ -255,6 +264,7 @@ async fn rolling_restart_of_all_workers() {
 /// streaming, every answer equal to the greedy reference, nothing lost or shed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_load_matches_the_reference() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let cluster = ClusterBuilder::new(BIN, "chaos-open").workers(2).router_args(ROUTER_ARGS).start().await.unwrap();
     let http = cluster.http(0).clone();
     let prompts = load::prompt_mix(2, 2);
@@ -277,4 +287,417 @@ async fn open_loop_load_matches_the_reference() {
     // Arrivals follow the clock, not completions: the n-th request is sent about n/3 s in.
     let last = records.iter().map(|r| r.sent_at).max().unwrap();
     assert!(last >= Duration::from_millis(4300) && last < Duration::from_millis(5200), "{last:?}");
+}
+
+/// The sum of the samples of a counter family in a router's `/metrics`.
+async fn counter_sum(http: &Http, family: &str) -> u64 {
+    http.metric_sum(family).await as u64
+}
+
+/// Clock pressure: open-loop arrivals at 5× the rate the cluster sustains. The workers' admission queues fill
+/// (`--max-queued-requests`), the router tries the other worker and then sheds with 503 + `Retry-After`; nothing
+/// accepted is lost or wrong, every request ends within its deadline, no process's memory runs away, and the
+/// cluster serves normally right after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = ClusterBuilder::new(BIN, "chaos-burst")
+        .workers(2)
+        .worker_args(&["--max-running", "8", "--max-queued-requests", "4"])
+        .router_args(ROUTER_ARGS)
+        .start()
+        .await
+        .unwrap();
+    let http = cluster.http(0).clone();
+    let prompts = load::prompt_mix(4, 4);
+    let max_tokens = 16;
+    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
+    let deadline = Duration::from_secs(60);
+
+    // The sustainable rate: closed loop at the cluster's running capacity (2 workers x 8 sequences).
+    let steady = LoadConfig {
+        mode: Mode::Closed { concurrency: 16 },
+        prompts: prompts.clone(),
+        max_tokens,
+        streaming: Streaming::Mixed,
+        deadline,
+        duration: Duration::from_secs(8),
+        max_requests: 10_000,
+    };
+    let t = Instant::now();
+    let steady_records = load::run(&http, &steady).await.unwrap();
+    let steady_secs = t.elapsed().as_secs_f64();
+    let steady_report = Report::new(&steady_records, &reference);
+    assert_eq!(steady_report.lost, 0, "{steady_report:?}");
+    let sustainable = steady_report.completed as f64 / steady_secs;
+    assert!(sustainable > 0.0, "{steady_report:?}");
+
+    let pids = cluster.pids();
+    let rss_before: Vec<u64> = pids.iter().map(|(_, p)| resident_bytes(*p).unwrap_or(0)).collect();
+    let burst_over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (pids, over) = (pids.clone(), burst_over.clone());
+        tokio::spawn(async move {
+            let mut peak = vec![0u64; pids.len()];
+            // Bounded: 400 samples x 200 ms is longer than the burst and its deadline.
+            for _ in 0..400 {
+                if over.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                for (i, (_, pid)) in pids.iter().enumerate() {
+                    peak[i] = peak[i].max(resident_bytes(*pid).unwrap_or(0));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            peak
+        })
+    };
+    let busy_before = counter_sum(&http, "pagoda_router_worker_busy_total").await;
+    let shed_before = counter_sum(&http, "pagoda_router_shed_total").await;
+    let burst = LoadConfig {
+        mode: Mode::Open { per_second: 5.0 * sustainable, max_in_flight: 1024 },
+        prompts,
+        max_tokens,
+        streaming: Streaming::Mixed,
+        deadline,
+        duration: Duration::from_secs(6),
+        max_requests: 600,
+    };
+    let records = load::run(&http, &burst).await.unwrap();
+    burst_over.store(true, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.await.unwrap();
+    let report = Report::new(&records, &reference);
+    let shed = counter_sum(&http, "pagoda_router_shed_total").await - shed_before;
+    let busy = counter_sum(&http, "pagoda_router_worker_busy_total").await - busy_before;
+    let rejected: Vec<_> = records.iter().filter(|r| r.outcome == Outcome::Rejected).collect();
+    let summary = json!({
+        "scenario": "chaos-burst",
+        "sustainable_rps": sustainable,
+        "steady": {"sent": steady_report.sent, "completed": steady_report.completed,
+                   "failed_clean": steady_report.failed_clean, "shed_by_router": shed_before},
+        "burst_rps": 5.0 * sustainable,
+        "sent": report.sent,
+        "completed": report.completed,
+        "failed_clean": report.failed_clean,
+        "lost": report.lost,
+        "mismatched": report.mismatches.len(),
+        "shed_by_router": shed,
+        "busy_refusals": busy,
+        "p99_latency_s": report.p99_latency.as_secs_f64(),
+        "p99_ttft_s": report.p99_ttft.as_secs_f64(),
+        "max_latency_s": report.max_latency.as_secs_f64(),
+        "rss_mib_before": rss_before.iter().map(|b| b >> 20).collect::<Vec<_>>(),
+        "rss_mib_peak": peak.iter().map(|b| b >> 20).collect::<Vec<_>>(),
+        "processes": pids.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+    });
+    println!("CHAOS {summary}");
+    assert_eq!(report.lost, 0, "{summary:#}\n{:#?}", report.lost_examples);
+    assert!(report.mismatches.is_empty(), "{summary:#}\n{:#?}", report.mismatches);
+    assert!(report.max_latency < deadline, "{summary:#}");
+    assert!(report.completed > 0, "{summary:#}");
+    assert!(!rejected.is_empty(), "a 5x burst was not shed at all: {summary:#}");
+    for r in &rejected {
+        assert!(matches!(r.status, Some(503 | 429)), "refused with {:?}: {:?}", r.status, r.error);
+        let after: u64 = r.retry_after.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0);
+        assert!((1..=60).contains(&after), "refusal without a usable Retry-After: {r:?}");
+    }
+    assert!(shed > 0 && busy > 0, "the router shed after workers said busy: {summary:#}");
+    for (i, (name, _)) in pids.iter().enumerate() {
+        assert!(
+            peak[i] < rss_before[i] + (512 << 20),
+            "{name} grew from {} MiB to {} MiB during the burst",
+            rss_before[i] >> 20,
+            peak[i] >> 20
+        );
+    }
+    // Right after the burst the cluster serves as before.
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &json!({"model": pagoda_e2e::MODEL_ID, "messages": [{"role": "user", "content": "Say hi."}],
+                    "max_tokens": 4, "temperature": 0}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+}
+
+/// `pagoda bench load`, the load generator as a command against a running router: a short closed-loop run whose
+/// JSON summary accounts for every request and checks every answer against the greedy reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_load_command_reports_a_checked_run() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = ClusterBuilder::new(BIN, "bench-load").workers(1).router_args(ROUTER_ARGS).start().await.unwrap();
+    let router = cluster.http(0).base.clone();
+    let out = std::env::temp_dir().join(format!("pagoda-bench-load-{}.json", std::process::id()));
+    let args: Vec<String> = [
+        "bench",
+        "load",
+        "--router",
+        &router,
+        "--concurrency",
+        "4",
+        "--duration-secs",
+        "4",
+        "--max-tokens",
+        "8",
+        "--shared-prompts",
+        "2",
+        "--unique-prompts",
+        "2",
+        "--deadline-secs",
+        "60",
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([out.to_string_lossy().into_owned()])
+    .collect();
+    let output = tokio::task::spawn_blocking(move || std::process::Command::new(BIN).args(&args).output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let v: pagoda_e2e::serde_json::Value =
+        pagoda_e2e::serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert_eq!(v["model"], pagoda_e2e::MODEL_ID, "{v:#}");
+    assert_eq!(v["lost"], 0, "{v:#}");
+    assert_eq!(v["mismatched"], 0, "{v:#}");
+    let (sent, completed) = (v["sent"].as_u64().unwrap(), v["completed"].as_u64().unwrap());
+    assert!(completed >= 4 && completed + v["failed_clean"].as_u64().unwrap() == sent, "{v:#}");
+    assert!(v["p99_latency_s"].as_f64().unwrap() > 0.0 && v["completion_tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+/// Flips one byte in the middle of every file under `dir` (recursively); returns how many files it touched.
+fn corrupt_every_file(dir: &std::path::Path) -> usize {
+    let mut touched = 0;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            touched += corrupt_every_file(&path);
+            continue;
+        }
+        let Ok(mut bytes) = std::fs::read(&path) else { continue };
+        if bytes.is_empty() {
+            continue;
+        }
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x5a;
+        // Written in place (not renamed over): what a bad disk or a stray writer does to a live file.
+        if std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+            .is_ok()
+        {
+            touched += 1;
+        }
+    }
+    touched
+}
+
+/// Long prompts (about 400 tokens each) that share nothing, so that every one of them is worth onboarding.
+fn long_prompts(n: usize) -> Vec<String> {
+    const WORDS: [&str; 16] = [
+        "harbor", "lantern", "granite", "meadow", "copper", "orchard", "glacier", "violet", "thunder", "saddle",
+        "pepper", "marble", "falcon", "timber", "crystal", "willow",
+    ];
+    (0..n)
+        .map(|p| {
+            let mut s = format!("Document {p}. Read the list and then name its first word.");
+            for i in 0..300 {
+                s.push(' ');
+                s.push_str(WORDS[(i * (p + 3) + p) % WORDS.len()]);
+            }
+            s
+        })
+        .collect()
+}
+
+/// Disk-tier corruption under load: a worker whose device pool holds about two of the prompts keeps their
+/// prefixes only on disk (no host tier), and onboards them from there on reuse. Mid-load every disk-tier file is
+/// corrupted in place, twice. The checksums must catch it: corrupt files are counted and dropped, their prefixes
+/// recomputed, no request is lost, and every answer still equals the greedy reference (no corrupted KV is used).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_disk_tier_files_are_never_used() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let data_dir = std::env::temp_dir().join(format!("pagoda-chaos-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&data_dir);
+    std::fs::create_dir_all(&data_dir).unwrap();
+    let data = data_dir.to_string_lossy().into_owned();
+    // 90 blocks per 16-token group (30 layers x 3 kv-heads): 60 groups of device KV, about two 400-token prompts.
+    let worker_args =
+        ["--num-blocks", "5400", "--max-running", "2", "--host-tier-mib", "0", "--disk-tier-mib", "256", "--data-dir"];
+    let mut args: Vec<&str> = worker_args.to_vec();
+    args.push(&data);
+    let cluster = ClusterBuilder::new(BIN, "chaos-disk").workers(1).worker_args(&args).router_args(ROUTER_ARGS);
+    let cluster = cluster.start().await.unwrap();
+    let http = cluster.http(0).clone();
+    let prompts = long_prompts(5);
+    let max_tokens = 6;
+    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
+    let cfg = LoadConfig {
+        mode: Mode::Closed { concurrency: 2 },
+        prompts,
+        max_tokens,
+        streaming: Streaming::Mixed,
+        deadline: Duration::from_secs(90),
+        duration: Duration::from_secs(16),
+        max_requests: 200,
+    };
+    let load_http = http.clone();
+    let load = tokio::spawn(async move { load::run(&load_http, &cfg).await });
+    let kv_dir = data_dir.join("kv");
+    let mut corrupted_files = 0;
+    for at in [4, 9] {
+        tokio::time::sleep(Duration::from_secs(if at == 4 { 4 } else { 5 })).await;
+        corrupted_files += corrupt_every_file(&kv_dir);
+    }
+    let records = load.await.unwrap().unwrap();
+    let report = Report::new(&records, &reference);
+    let stats = worker_stats(cluster.worker_addr(0)).await.unwrap();
+    let disk_hits: u64 = stats.prefix_hits.iter().filter(|h| h.tier == "disk").map(|h| h.tokens).sum();
+    let summary = json!({
+        "scenario": "chaos-disk-corruption",
+        "sent": report.sent,
+        "completed": report.completed,
+        "failed_clean": report.failed_clean,
+        "lost": report.lost,
+        "mismatched": report.mismatches.len(),
+        "files_corrupted": corrupted_files,
+        "disk_corrupted_total": stats.disk_corrupted_total,
+        "disk_hit_tokens": disk_hits,
+        "offloaded_groups": stats.offloaded_groups_total,
+        "p99_latency_s": report.p99_latency.as_secs_f64(),
+    });
+    println!("CHAOS {summary}");
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&data_dir);
+    assert_eq!(report.lost, 0, "{summary:#}\n{:#?}", report.lost_examples);
+    assert!(report.mismatches.is_empty(), "corrupted KV reached an answer: {summary:#}\n{:#?}", report.mismatches);
+    assert!(report.completed > 0 && report.completed + report.failed_clean == report.sent, "{summary:#}");
+    assert!(corrupted_files > 0, "nothing was on disk to corrupt: {summary:#}");
+    assert!(disk_hits > 0, "no prefix was ever onboarded from disk: {summary:#}");
+    assert!(stats.disk_corrupted_total > 0, "no corrupt file was detected: {summary:#}");
+}
+
+/// Whether the router at `http` reports the worker it reaches at `addr` ready.
+async fn router_sees(http: &Http, addr: &str) -> bool {
+    http.worker_ready(addr).await == Some(true)
+}
+
+/// A network partition of one worker from the router: the router reaches worker 1 only through a fault-injecting
+/// TCP proxy, which blackholes every connection (open and new) for 6 s mid-load, then heals for new connections
+/// only (the old ones stay dead, as after a real partition). The stalled streams migrate, the worker leaves
+/// placement, and after the heal the router's HTTP/2 keepalive drops the dead connection and the worker comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_of_a_worker_from_the_router() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    use pagoda_e2e::proxy::{Fault, FaultProxy};
+    use pagoda_e2e::{Proc, cluster::die_with_parent, free_port, require_model};
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let mut workers = Vec::new();
+    for i in 0..2 {
+        let addr = format!("127.0.0.1:{}", free_port().unwrap());
+        let args = ["worker", "--listen", &addr, "--model", &model, "--threads", "1"];
+        let proc = Proc::spawn_with(BIN.as_ref(), &format!("chaos-partition-worker{i}"), &args, die_with_parent);
+        workers.push((addr, proc.unwrap()));
+    }
+    for (_, p) in &mut workers {
+        p.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
+    }
+    let proxy = FaultProxy::start(workers[1].0.parse().unwrap()).await.unwrap();
+    let via_proxy = proxy.addr().to_string();
+    let mut args = vec!["router", "--listen", "127.0.0.1:0", "--model", &model, "--worker", &workers[0].0];
+    args.extend(["--worker", &via_proxy]);
+    args.extend(ROUTER_ARGS);
+    let mut router = Proc::spawn_with(BIN.as_ref(), "chaos-partition-router", &args, die_with_parent).unwrap();
+    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
+    for addr in [&workers[0].0, &via_proxy] {
+        let t0 = Instant::now();
+        while !router_sees(&http, addr).await {
+            assert!(t0.elapsed() < Duration::from_secs(60), "router never saw {addr} ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let prompts = load::prompt_mix(4, 4);
+    let max_tokens = 24;
+    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
+    let duration = Duration::from_secs(32);
+    let cfg = LoadConfig {
+        mode: Mode::Closed { concurrency: 12 },
+        prompts,
+        max_tokens,
+        streaming: Streaming::Mixed,
+        deadline: Duration::from_secs(60),
+        duration,
+        max_requests: 100_000,
+    };
+    let (before, _) = migrations(&http).await;
+    let load_http = http.clone();
+    let t0 = Instant::now();
+    let load = tokio::spawn(async move { load::run(&load_http, &cfg).await });
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let victim_running = {
+        let t = Instant::now();
+        let mut running = 0;
+        while running == 0 && t.elapsed() < Duration::from_secs(10) {
+            running = worker_stats(&workers[1].0).await.map(|s| s.running).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        running
+    };
+    let fault_at = t0.elapsed();
+    proxy.set(Fault::Blackhole);
+    let t = Instant::now();
+    while router_sees(&http, &via_proxy).await && t.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let left_placement_after = t.elapsed();
+    tokio::time::sleep(Duration::from_secs(6).saturating_sub(left_placement_after)).await;
+    proxy.set(Fault::None);
+    let healed_at = t0.elapsed();
+    let t = Instant::now();
+    while !router_sees(&http, &via_proxy).await && t.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back_after = t.elapsed();
+    let records = load.await.unwrap().unwrap();
+    let (after, reasons) = migrations(&http).await;
+    let report = Report::new(&records, &reference);
+    let rec = load::recovery(&records, Duration::from_secs(3), fault_at, duration, Duration::from_secs(3), 0.9);
+    let summary = json!({
+        "scenario": "chaos-partition",
+        "sent": report.sent,
+        "completed": report.completed,
+        "failed_clean": report.failed_clean,
+        "lost": report.lost,
+        "mismatched": report.mismatches.len(),
+        "migrated": after - before,
+        "migrations_by_reason": reasons,
+        "running_on_victim_at_fault": victim_running,
+        "fault_at_s": fault_at.as_secs_f64(),
+        "left_placement_after_s": left_placement_after.as_secs_f64(),
+        "healed_at_s": healed_at.as_secs_f64(),
+        "back_in_placement_after_heal_s": back_after.as_secs_f64(),
+        "baseline_rps": rec.baseline,
+        "worst_window_rps": rec.worst,
+        "recovered_after_s": rec.recovered_after.map(|d| d.as_secs_f64()),
+        "p99_latency_s": report.p99_latency.as_secs_f64(),
+        "max_latency_s": report.max_latency.as_secs_f64(),
+        "proxy_blackholed_connections": proxy.counters().blackholed.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    println!("CHAOS {summary}");
+    assert_eq!(report.lost, 0, "{summary:#}\n{:#?}", report.lost_examples);
+    assert!(report.mismatches.is_empty(), "{summary:#}\n{:#?}", report.mismatches);
+    assert!(report.completed > 0 && report.completed + report.failed_clean == report.sent, "{summary:#}");
+    assert!(report.max_latency < Duration::from_secs(60), "{summary:#}");
+    assert!(left_placement_after < Duration::from_secs(10), "the partitioned worker stayed in placement: {summary:#}");
+    assert!(back_after < Duration::from_secs(20), "the worker did not come back after the heal: {summary:#}");
+    if victim_running > 0 {
+        assert!(after > before, "streams ran on the partitioned worker but nothing migrated: {summary:#}");
+    }
+    router.kill();
 }

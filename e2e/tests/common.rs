@@ -61,3 +61,99 @@ pub async fn still_serves(http: &Http, after: &str) {
         .unwrap_or_else(|e| panic!("after {after}: {e:#}"));
     assert_eq!(s, 200, "after {after}: {v}");
 }
+
+/// A real OTLP/gRPC trace receiver for the tracing tests: it keeps every span the processes export.
+pub mod otlp {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService;
+    use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+    use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+    use opentelemetry_proto::tonic::trace::v1::Span;
+
+    /// An exported span with the `service.name` of the process that sent it.
+    #[derive(Clone)]
+    pub struct Received {
+        pub service: String,
+        pub span: Span,
+    }
+
+    /// The OTLP trace receiver: keeps every span it is sent.
+    #[derive(Clone, Default)]
+    pub struct Collector {
+        pub spans: Arc<Mutex<Vec<Received>>>,
+    }
+
+    #[tonic::async_trait]
+    impl TraceService for Collector {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let mut got = Vec::new();
+            for rs in request.into_inner().resource_spans {
+                let service = rs
+                    .resource
+                    .as_ref()
+                    .and_then(|r| attr(&r.attributes, "service.name"))
+                    .and_then(as_str)
+                    .unwrap_or_default();
+                for ss in rs.scope_spans {
+                    got.extend(ss.spans.into_iter().map(|span| Received { service: service.clone(), span }));
+                }
+            }
+            self.spans.lock().map_err(|_| tonic::Status::internal("poisoned"))?.extend(got);
+            Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
+        }
+    }
+
+    /// Serves a [`Collector`] on a free loopback port: the collector, its `http://` endpoint (for
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`) and the server task (abort it when done).
+    pub async fn spawn_collector() -> (Collector, String, tokio::task::JoinHandle<Result<(), tonic::transport::Error>>)
+    {
+        let collector = Collector::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the OTLP collector");
+        let endpoint = format!("http://{}", listener.local_addr().expect("collector address"));
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(
+                    opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer::new(
+                        collector.clone(),
+                    ),
+                )
+                .serve_with_incoming(incoming),
+        );
+        (collector, endpoint, server)
+    }
+
+    pub fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
+        attrs.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.as_ref())
+    }
+
+    pub fn as_str(v: &AnyValue) -> Option<String> {
+        match &v.value {
+            Some(any_value::Value::StringValue(s)) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(v: &AnyValue) -> Option<i64> {
+        match &v.value {
+            Some(any_value::Value::IntValue(i)) => Some(*i),
+            _ => None,
+        }
+    }
+
+    pub fn str_attr(span: &Span, key: &str) -> Option<String> {
+        attr(&span.attributes, key).and_then(as_str)
+    }
+
+    pub fn int_attr(span: &Span, key: &str) -> Option<i64> {
+        attr(&span.attributes, key).and_then(as_int)
+    }
+
+    pub fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}

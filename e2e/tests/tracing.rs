@@ -8,97 +8,19 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::otlp::{Received, as_int, as_str, attr, hex, int_attr, spawn_collector, str_attr};
 use common::{BIN, chat};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
-use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
-use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use pagoda_e2e::serde_json::json;
 use pagoda_e2e::{Http, MODEL_ID, Proc, free_port, require_model};
-
-/// An exported span with the `service.name` of the process that sent it.
-#[derive(Clone)]
-struct Received {
-    service: String,
-    span: Span,
-}
-
-/// The OTLP trace receiver: keeps every span it is sent.
-#[derive(Clone, Default)]
-struct Collector {
-    spans: Arc<Mutex<Vec<Received>>>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut got = Vec::new();
-        for rs in request.into_inner().resource_spans {
-            let service = rs
-                .resource
-                .as_ref()
-                .and_then(|r| attr(&r.attributes, "service.name"))
-                .and_then(as_str)
-                .unwrap_or_default();
-            for ss in rs.scope_spans {
-                got.extend(ss.spans.into_iter().map(|span| Received { service: service.clone(), span }));
-            }
-        }
-        self.spans.lock().map_err(|_| tonic::Status::internal("poisoned"))?.extend(got);
-        Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
-    }
-}
-
-fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
-    attrs.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.as_ref())
-}
-
-fn as_str(v: &AnyValue) -> Option<String> {
-    match &v.value {
-        Some(any_value::Value::StringValue(s)) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-fn as_int(v: &AnyValue) -> Option<i64> {
-    match &v.value {
-        Some(any_value::Value::IntValue(i)) => Some(*i),
-        _ => None,
-    }
-}
-
-fn str_attr(span: &Span, key: &str) -> Option<String> {
-    attr(&span.attributes, key).and_then(as_str)
-}
-
-fn int_attr(span: &Span, key: &str) -> Option<i64> {
-    attr(&span.attributes, key).and_then(as_int)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_spans_router_and_worker_processes() {
     let model = require_model().unwrap().to_string_lossy().into_owned();
 
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let otlp = format!("http://{}", listener.local_addr().unwrap());
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(incoming),
-    );
+    let (collector, otlp, server) = spawn_collector().await;
 
     // The worker names itself by default; the router takes OTEL_SERVICE_NAME. Both export to the receiver.
     let env = |service: Option<&'static str>| {

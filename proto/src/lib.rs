@@ -2,14 +2,26 @@
 //!
 //! - [`worker`]: the `Worker` service (Generate, Health, Stats) a router uses to drive a worker.
 //! - [`kvstore`]: the `KvStore` service (Publish, Watch, Read, membership) and the `Raft` peer transport.
+//! - [`transfer`]: the `Transfer` service (Fetch) workers pull each other's KV block groups through.
 //! - [`trace_context`]: W3C trace context through HTTP headers and gRPC metadata, and shared span shapes.
 
 pub mod trace_context;
+
+/// gRPC metadata key on a worker's `resource_exhausted` refusal when its admission queue is full (not when the
+/// request can never fit): milliseconds after which the worker expects room. The request is fine; the router tries
+/// another worker and sheds load with 503 + `Retry-After` when all of them are full.
+pub const BUSY_RETRY_AFTER_MS: &str = "pagoda-busy-retry-after-ms";
 
 /// `pagoda.worker.v1`: token ids in, token ids out.
 pub mod worker {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("pagoda.worker.v1");
+}
+
+/// `pagoda.transfer.v1`: KV block groups between workers, in bounded checksummed batches.
+pub mod transfer {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("pagoda.transfer.v1");
 }
 
 /// `pagoda.kvstore.v1`: the replicated block directory and its raft transport.

@@ -1,6 +1,6 @@
 //! Request admission: the axum middlewares that authenticate `/v1/*` callers (API key → [`Tenant`]) and apply
 //! their key's limits, and that guard the admin endpoints (`/debug/*`, and `/dashboard` with its session cookie) with
-//! the admin key.
+//! the admin key; and the router's own in-flight cap on the generation endpoints (load shedding).
 //!
 //! A `/v1` request's [`Permit`] travels inside the response body ([`ReleaseOnEnd`]), so its concurrency slot is
 //! held for exactly as long as the response: until the last byte of a stream has been produced, or until the
@@ -39,9 +39,7 @@ fn too_many(d: Denied, tenant: &str) -> Response {
             format!("Rate limit reached for this API key (tenant `{tenant}`): {limit} requests already in flight.")
         }
     };
-    let mut resp = ApiError::rate_limited(message).into_response();
-    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(d.retry_after_secs()));
-    resp
+    ApiError { retry_after_secs: Some(d.retry_after_secs()), ..ApiError::rate_limited(message) }.into_response()
 }
 
 /// Middleware of `/v1/*`: without a keys file every request is tenant [`DEFAULT_TENANT`]; with one, the bearer
@@ -70,9 +68,24 @@ pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Nex
     req.extensions_mut().insert(tenant);
     let resp = next.run(req).await;
     match permit {
-        Some(p) => resp.map(|body| Body::new(ReleaseOnEnd { inner: body, permit: Some(p) })),
+        Some(p) => resp.map(|body| Body::new(ReleaseOnEnd::new(body, p))),
         None => resp,
     }
+}
+
+/// Middleware of the generation endpoints: at most the router's in-flight cap of them run at once; past it a
+/// request is refused at once with 503 and `Retry-After` (load shedding), so that a burst cannot grow the router's
+/// memory or every request's latency without bound. The slot is held until the response body ends.
+pub async fn shed_load(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let Ok(slot) = st.inflight().clone().try_acquire_owned() else {
+        st.metrics().count_shed("router_inflight");
+        return ApiError::saturated(
+            format!("The router is at its limit of {} requests in flight; retry shortly.", st.max_inflight()),
+            1,
+        )
+        .into_response();
+    };
+    next.run(req).await.map(|body| Body::new(ReleaseOnEnd::new(body, slot)))
 }
 
 /// Middleware of the admin endpoints: the admin key opens them (see [`admin_access`]).
@@ -111,14 +124,21 @@ pub fn admin_access(st: &AppState, authorization: Option<&HeaderValue>) -> Resul
     Err(Box::new(unauthorized(ApiError::invalid_api_key("Incorrect admin key provided."))))
 }
 
-/// A response body that drops its [`Permit`] as soon as the body has produced its last frame (so a client that
-/// has read the whole response can send its next request at once), or when the body itself is dropped.
-pub struct ReleaseOnEnd<B> {
+/// A response body that drops its permit (a key's [`Permit`], a slot of the router's in-flight cap) as soon as
+/// the body has produced its last frame (so a client that has read the whole response can send its next request
+/// at once), or when the body itself is dropped.
+pub struct ReleaseOnEnd<B, P = Permit> {
     inner: B,
-    permit: Option<Permit>,
+    permit: Option<P>,
 }
 
-impl<B> http_body::Body for ReleaseOnEnd<B>
+impl<B, P> ReleaseOnEnd<B, P> {
+    pub fn new(inner: B, permit: P) -> Self {
+        ReleaseOnEnd { inner, permit: Some(permit) }
+    }
+}
+
+impl<B, P: Unpin> http_body::Body for ReleaseOnEnd<B, P>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
 {

@@ -102,8 +102,9 @@ impl Dashboard {
         }
         let _guard = RefreshGuard(&self.refreshing);
         let pool = st.pool();
+        let workers = pool.workers();
         let (stats, kvstore) =
-            futures::join!(futures::future::join_all(pool.workers().iter().map(|w| w.stats())), self.kvstore.poll());
+            futures::join!(futures::future::join_all(workers.iter().map(|w| w.stats())), self.kvstore.poll());
         let fleet = Arc::new(Fleet { fetched: Instant::now(), stats, kvstore });
         if let Ok(mut l) = self.latest.lock() {
             *l = Some(fleet.clone());

@@ -13,6 +13,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Sent as `Retry-After` (seconds): the refusal is transient and the client should come back then.
+    pub retry_after_secs: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -38,6 +40,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: None,
+            retry_after_secs: None,
         }
     }
 
@@ -54,6 +57,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
+            retry_after_secs: None,
         }
     }
 
@@ -65,6 +69,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("unknown_url"),
+            retry_after_secs: None,
         }
     }
 
@@ -76,6 +81,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("method_not_allowed"),
+            retry_after_secs: None,
         }
     }
 
@@ -87,10 +93,12 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("request_too_large"),
+            retry_after_secs: None,
         }
     }
 
-    /// 503 when no worker can take the request.
+    /// 503 when no worker can take the request. Always transient: a worker coming back, or another one
+    /// taking over, makes the next attempt succeed.
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -98,6 +106,21 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("unavailable"),
+            retry_after_secs: Some(1),
+        }
+    }
+
+    /// 503 when the cluster is at capacity (the router's in-flight cap, or every worker's admission queue is
+    /// full): load shedding, so that a burst costs the excess requests a quick refusal instead of costing every
+    /// request its latency (or the process its memory).
+    pub fn saturated(message: impl Into<String>, retry_after_secs: u64) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("server_overloaded"),
+            retry_after_secs: Some(retry_after_secs.max(1)),
         }
     }
 
@@ -109,6 +132,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("resource_exhausted"),
+            retry_after_secs: None,
         }
     }
 
@@ -120,6 +144,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("invalid_api_key"),
+            retry_after_secs: None,
         }
     }
 
@@ -131,6 +156,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("permission_denied"),
+            retry_after_secs: None,
         }
     }
 
@@ -142,6 +168,7 @@ impl ApiError {
             kind: "requests",
             param: None,
             code: Some("rate_limit_exceeded"),
+            retry_after_secs: None,
         }
     }
 
@@ -153,6 +180,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            retry_after_secs: None,
         }
     }
 
@@ -197,6 +225,9 @@ impl IntoResponse for ApiError {
         let mut resp = (self.status, self.body_json()).into_response();
         let headers = resp.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(secs) = self.retry_after_secs {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         if self.status == StatusCode::PAYLOAD_TOO_LARGE {
             // The rest of the body is not read: tell the client not to reuse this connection.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));

@@ -345,7 +345,7 @@ impl Feed {
 
     fn publish(&mut self) {
         let now = Instant::now();
-        let names: Vec<String> = self.pool.workers().iter().map(|w| w.addr.clone()).collect();
+        let names: Vec<String> = self.pool.slot_names();
         let mut workers = Vec::with_capacity(self.table.len());
         for (id, r) in self.table.iter() {
             let t = self.seen.get(id);
@@ -358,7 +358,7 @@ impl Feed {
                 applied_seq: r.applied_seq,
                 report_age_s: t.map_or(0.0, |t| now.duration_since(t.last_report).as_secs_f64()),
                 stale: self.status.connected && t.is_some_and(|t| t.stale),
-                router_worker: slot.and_then(|i| names.get(i).cloned()),
+                router_worker: slot.and_then(|i| names.get(i).filter(|n| !n.is_empty()).cloned()),
                 running: load.map(|l| l.running),
                 waiting: load.map(|l| l.waiting),
                 free_blocks: load.map(|l| l.free_blocks),

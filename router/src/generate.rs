@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pagoda_proto::trace_context;
-use pagoda_proto::worker::{FinishReason, GenerateRequest, GenerateResponse, SamplingParams};
+use pagoda_proto::worker::{FinishReason, GenerateRequest, GenerateResponse, PeerHint as PbPeerHint, SamplingParams};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
 use tracing::{Instrument as _, Span};
@@ -30,7 +30,7 @@ use crate::openai::{GenParams, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
 use crate::spans;
-use crate::workers::{InFlight, Worker, WorkerPool};
+use crate::workers::{Candidate, InFlight, WorkerPool};
 
 /// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,6 +107,9 @@ enum AttemptEnd {
     WorkerFailed(WorkerFailure),
     /// After a failure, no other worker is there to continue: the failure reaches the client.
     NoOtherWorker,
+    /// The worker's admission queue is full (it refused before doing any work): try the next candidate, without
+    /// using up a retry or taking the worker out of placement.
+    Busy { worker: String, retry_after_ms: u64 },
 }
 
 struct WorkerFailure {
@@ -171,17 +174,33 @@ impl Generation {
     async fn run(mut self) {
         let mut retries = 0u32;
         let mut last_failure = None;
+        let mut busy: Option<u64> = None;
         loop {
             match self.attempt().await {
                 AttemptEnd::Over => return,
                 AttemptEnd::Fatal(e) => return self.fail(e).await,
                 AttemptEnd::NoOtherWorker => {
-                    let e = last_failure.unwrap_or_else(|| ApiError::unavailable("No worker could take the request."));
+                    let e = match (last_failure, busy) {
+                        (Some(e), _) => e,
+                        (None, Some(ms)) => {
+                            self.ctx.metrics.count_shed("workers_busy");
+                            ApiError::saturated(
+                                "Every worker is at capacity; retry after the time in Retry-After.",
+                                ms.div_ceil(1000),
+                            )
+                        }
+                        (None, None) => ApiError::unavailable("No worker could take the request."),
+                    };
                     return self.fail(e).await;
+                }
+                AttemptEnd::Busy { worker, retry_after_ms } => {
+                    self.ctx.metrics.count_worker_busy(&worker);
+                    busy = Some(busy.map_or(retry_after_ms, |b| b.min(retry_after_ms)));
+                    self.excluded.push(worker);
                 }
                 AttemptEnd::WorkerFailed(f) => {
                     if f.mark_down
-                        && let Some(w) = self.ctx.pool.workers().iter().find(|w| w.addr == f.worker)
+                        && let Some(w) = self.ctx.pool.find(&f.worker)
                     {
                         w.mark_down(f.error.message.clone());
                     }
@@ -226,7 +245,7 @@ impl Generation {
     }
 
     /// The candidates for the next attempt, best first, without the workers that failed this request.
-    fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<Vec<&Worker>, ApiError> {
+    fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<Vec<Candidate>, ApiError> {
         let no_worker = || ApiError::unavailable("No worker is ready to serve this request; try again shortly.");
         let pool = &self.ctx.pool;
         let (block_size, model_id) = pool.hashing().ok_or_else(no_worker)?;
@@ -258,14 +277,14 @@ impl Generation {
         let took = started.elapsed();
         match &placed {
             Ok(c) => {
-                let chosen = c.first().map_or("", |w| w.addr.as_str());
+                let chosen = c.first().map_or("", |w| w.0.addr.as_str());
                 self.ctx.metrics.count_placement(chosen, pool.strategy_name(), took);
                 spans::placed(&span, chosen, &pool.last_reason())
             }
             Err(e) => spans::placed(&span, "", &e.to_string()),
         }
         match placed {
-            Ok(c) => Ok(c.into_iter().filter(|w| !self.excluded.contains(&w.addr)).collect()),
+            Ok(c) => Ok(c.into_iter().filter(|w| !self.excluded.contains(&w.0.addr)).collect()),
             Err(PlacementError::NoReadyWorker) => Err(no_worker()),
             Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
         }
@@ -286,10 +305,15 @@ impl Generation {
             Err(_) if !self.excluded.is_empty() => return AttemptEnd::NoOtherWorker,
             Err(e) => return AttemptEnd::Fatal(e),
         };
-        let Some(worker) = candidates.first() else {
+        let Some((worker, peer_hint)) = candidates.first() else {
             return AttemptEnd::NoOtherWorker;
         };
         let (addr, mut client) = (worker.addr.clone(), worker.client());
+        // A peer that failed this request is not worth pulling from either.
+        let peer_hint = peer_hint
+            .as_ref()
+            .filter(|h| !self.excluded.contains(&h.address))
+            .map(|h| PbPeerHint { address: h.address.clone(), blocks: h.blocks });
         let in_flight = InFlight::new(worker.load().clone(), prompt.len() as u64);
         drop(candidates);
         if let Some(m) = self.pending_migration.take() {
@@ -319,6 +343,7 @@ impl Generation {
             namespace: self.job.namespace.clone(),
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,
+            peer_hint,
         };
         let prompt_tokens = req.prompt_token_ids.len() as u64;
         let call = spans::generate_call_span(&addr);
@@ -447,7 +472,7 @@ impl Generation {
 
     /// Whether the worker at `addr` answers its health check as ready within the stall timeout.
     async fn worker_answers(&self, addr: &str) -> bool {
-        let Some(w) = self.ctx.pool.workers().iter().find(|w| w.addr == addr) else { return false };
+        let Some(w) = self.ctx.pool.find(addr) else { return false };
         tokio::time::timeout(self.ctx.migration.stall_timeout, w.probe()).await.unwrap_or(false)
     }
 
@@ -522,6 +547,12 @@ fn classify_status(addr: &str, status: &tonic::Status, transport_reason: &'stati
             error: ApiError::unavailable(format!("worker unavailable: {}", status.message())),
             mark_down: true,
         });
+    }
+    if status.code() == Code::ResourceExhausted
+        && let Some(ms) = status.metadata().get(pagoda_proto::BUSY_RETRY_AFTER_MS)
+    {
+        let retry_after_ms = ms.to_str().ok().and_then(|v| v.parse().ok()).unwrap_or(1000u64).clamp(1, 60_000);
+        return AttemptEnd::Busy { worker: addr.to_string(), retry_after_ms };
     }
     match status.code() {
         Code::InvalidArgument | Code::OutOfRange | Code::ResourceExhausted | Code::FailedPrecondition => {

@@ -7,7 +7,8 @@
 //! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
 //! - [`generate`]: one generation over a worker's gRPC `Generate` stream, migrated to another worker when its own
 //!   fails or stalls.
-//! - [`workers`]: the static worker list, health probes, round-robin.
+//! - [`workers`]: the worker list (static, or following the registry), health probes, round-robin.
+//! - [`membership`]: the etcd registry watch that adds and removes workers.
 //! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
 //! - [`placer`]: the router's placement state: residency predictions, strategy, recent decisions.
 //! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
@@ -31,6 +32,7 @@ pub mod feed;
 pub mod generate;
 pub mod gguf_codec;
 pub mod limits;
+pub mod membership;
 pub mod metrics;
 pub mod openai;
 pub mod placement;
@@ -46,4 +48,4 @@ pub use codec::TextCodec;
 pub use error::ApiError;
 pub use generate::MigrationConfig;
 pub use gguf_codec::{GgufCodec, model_id_for};
-pub use server::{AppState, DEFAULT_BODY_LIMIT, RouterConfig, app, serve};
+pub use server::{AppState, DEFAULT_BODY_LIMIT, DEFAULT_MAX_INFLIGHT, RouterConfig, app, serve};

@@ -60,6 +60,13 @@ pub struct TierLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerLabels {
+    pub worker: String,
+    /// `fetched` (pulled from other workers) or `served` (sent to them).
+    pub direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TierHitLabels {
     pub worker: String,
     pub tier: String,
@@ -89,6 +96,13 @@ pub struct Metrics {
     pub worker_tier_capacity_bytes: Family<TierLabels, Gauge>,
     /// The worker's cumulative prompt tokens served from a cached prefix, by the tier it came from.
     pub worker_prefix_hit_tokens: Family<TierHitLabels, Gauge>,
+    /// The worker's peer tier (Transfer) since it started: block groups and bytes pulled and served, failed pulls,
+    /// and the pulls' count and total seconds (their mean latency is the ratio).
+    pub worker_peer_blocks: Family<PeerLabels, Gauge>,
+    pub worker_peer_bytes: Family<PeerLabels, Gauge>,
+    pub worker_peer_fetch_failures: Family<WorkerLabels, Gauge>,
+    pub worker_peer_fetches: Family<WorkerLabels, Gauge>,
+    pub worker_peer_fetch_seconds: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Requests placed, by the worker chosen first and the strategy.
     pub placements: Family<PlacementLabels, Counter>,
     /// Time to choose a worker (gathering the workers' state and running the cost model).
@@ -97,6 +111,11 @@ pub struct Metrics {
     pub timeline: Timeline,
     /// Requests placed since start, over all workers and strategies (for the dashboard).
     placed: AtomicU64,
+    /// Requests refused to shed load (503 + `Retry-After`), by where the limit was hit: `router_inflight` (this
+    /// router's in-flight cap) or `workers_busy` (every candidate worker's admission queue was full).
+    pub shed: Family<MigrationLabels, Counter>,
+    /// Times a worker refused a request because its admission queue was full (the request tried the next one).
+    pub worker_busy: Family<WorkerLabels, Counter>,
     /// Requests re-issued to another worker after theirs failed, by why.
     pub migrations: Family<MigrationLabels, Counter>,
     /// 1 while a registered worker's block events and heartbeats have stopped reaching this router (the alarm).
@@ -109,6 +128,13 @@ pub struct Metrics {
     pub kvstore_applied_index: Gauge,
     /// Distinct block hashes in the router's residency index (reported and predicted).
     pub residency_index_blocks: Gauge,
+    /// Workers registered in etcd that this router knows of (only with --etcd).
+    pub registry_workers: Gauge,
+    /// Workers that joined and left placement through the registry.
+    pub registry_joined: Gauge,
+    pub registry_left: Gauge,
+    /// The worker addresses scraped last time, so that a worker that left the pool loses its gauges.
+    scraped: std::sync::Mutex<Vec<String>>,
 }
 
 impl Default for Metrics {
@@ -222,6 +248,38 @@ impl Metrics {
             Unit::Other("tokens".into()),
             worker_prefix_hit_tokens.clone(),
         );
+        let worker_peer_blocks = Family::<PeerLabels, Gauge>::default();
+        registry.register(
+            "worker_peer_blocks",
+            "KV block groups the worker pulled from (fetched) or sent to (served) other workers since it started",
+            worker_peer_blocks.clone(),
+        );
+        let worker_peer_bytes = Family::<PeerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_peer",
+            "Encoded KV bytes the worker pulled from (fetched) or sent to (served) other workers since it started",
+            Unit::Bytes,
+            worker_peer_bytes.clone(),
+        );
+        let worker_peer_fetch_failures = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_peer_fetch_failures",
+            "Peer pulls that failed (unreachable, timeout, bad checksum) and fell back to prefill, since start",
+            worker_peer_fetch_failures.clone(),
+        );
+        let worker_peer_fetches = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_peer_fetches",
+            "Peer pulls the worker attempted since start",
+            worker_peer_fetches.clone(),
+        );
+        let worker_peer_fetch_seconds = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register_with_unit(
+            "worker_peer_fetch",
+            "Wall time of the worker's peer pulls since start, in all",
+            Unit::Seconds,
+            worker_peer_fetch_seconds.clone(),
+        );
         let placements = Family::<PlacementLabels, Counter>::default();
         registry.register("placements", "Requests placed, by the worker chosen and the strategy", placements.clone());
         // 1 µs .. ~16 ms
@@ -231,6 +289,18 @@ impl Metrics {
             "Time to choose a worker for a request",
             Unit::Seconds,
             placement_decision.clone(),
+        );
+        let shed = Family::<MigrationLabels, Counter>::default();
+        registry.register(
+            "shed",
+            "Requests refused with 503 and Retry-After to shed load, by the limit hit (router_inflight, workers_busy)",
+            shed.clone(),
+        );
+        let worker_busy = Family::<WorkerLabels, Counter>::default();
+        registry.register(
+            "worker_busy",
+            "Times a worker refused a request because its admission queue was full (the request tried another)",
+            worker_busy.clone(),
         );
         let migrations = Family::<MigrationLabels, Counter>::default();
         registry.register(
@@ -270,15 +340,44 @@ impl Metrics {
             Unit::Other("blocks".into()),
             residency_index_blocks.clone(),
         );
+        let registry_workers = Gauge::default();
+        registry.register(
+            "registry_workers",
+            "Workers registered in etcd under a live lease, as this router's registry watch sees them (only with --etcd)",
+            registry_workers.clone(),
+        );
+        let registry_joined = Gauge::default();
+        registry.register(
+            "registry_joined",
+            "Workers added to placement because they registered in etcd, since start",
+            registry_joined.clone(),
+        );
+        let registry_left = Gauge::default();
+        registry.register(
+            "registry_left",
+            "Workers removed from placement because their etcd lease expired or was revoked, since start",
+            registry_left.clone(),
+        );
         Metrics {
+            registry_workers,
+            registry_joined,
+            registry_left,
+            scraped: std::sync::Mutex::new(Vec::new()),
             registry,
             placements,
             placement_decision,
             timeline: Timeline::new(),
             placed: AtomicU64::new(0),
+            shed,
+            worker_busy,
             migrations,
             worker_reports_stale,
             worker_report_age,
+            worker_peer_blocks,
+            worker_peer_bytes,
+            worker_peer_fetch_failures,
+            worker_peer_fetches,
+            worker_peer_fetch_seconds,
             kvstore_watch_connected,
             kvstore_applied_index,
             residency_index_blocks,
@@ -333,6 +432,14 @@ impl Metrics {
         self.placed.load(Ordering::Relaxed)
     }
 
+    pub fn count_shed(&self, reason: &'static str) {
+        self.shed.get_or_create(&MigrationLabels { reason }).inc();
+    }
+
+    pub fn count_worker_busy(&self, worker: &str) {
+        self.worker_busy.get_or_create(&WorkerLabels { worker: worker.to_string() }).inc();
+    }
+
     pub fn count_migration(&self, reason: &'static str) {
         self.migrations.get_or_create(&MigrationLabels { reason }).inc();
     }
@@ -347,8 +454,24 @@ impl Metrics {
 
     /// Scrapes every worker's `Stats` and updates the worker gauges.
     pub async fn scrape_workers(&self, pool: &WorkerPool) {
-        let stats = futures::future::join_all(pool.workers().iter().map(|w| w.stats())).await;
-        for (w, s) in pool.workers().iter().zip(stats) {
+        let workers = pool.workers();
+        let stats = futures::future::join_all(workers.iter().map(|w| w.stats())).await;
+        let now: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
+        let before = self.scraped.lock().map(|mut s| std::mem::replace(&mut *s, now.clone())).unwrap_or_default();
+        for gone in before.iter().filter(|a| !now.contains(a)) {
+            let l = WorkerLabels { worker: gone.clone() };
+            for family in [
+                &self.worker_ready,
+                &self.worker_used_blocks,
+                &self.worker_capacity_blocks,
+                &self.worker_running,
+                &self.worker_waiting,
+                &self.worker_preemptions,
+            ] {
+                family.remove(&l);
+            }
+        }
+        for (w, s) in workers.iter().zip(stats) {
             let l = WorkerLabels { worker: w.addr.clone() };
             self.worker_ready.get_or_create(&l).set(i64::from(w.status().ready));
             if let Some(s) = s {
@@ -366,6 +489,17 @@ impl Metrics {
                     let hl = TierHitLabels { worker: w.addr.clone(), tier: h.tier.clone() };
                     self.worker_prefix_hit_tokens.get_or_create(&hl).set(h.tokens as i64);
                 }
+                for (direction, blocks, bytes) in [
+                    ("fetched", s.peer_fetched_blocks_total, s.peer_fetched_bytes_total),
+                    ("served", s.peer_served_blocks_total, s.peer_served_bytes_total),
+                ] {
+                    let pl = PeerLabels { worker: w.addr.clone(), direction };
+                    self.worker_peer_blocks.get_or_create(&pl).set(blocks as i64);
+                    self.worker_peer_bytes.get_or_create(&pl).set(bytes as i64);
+                }
+                self.worker_peer_fetch_failures.get_or_create(&l).set(s.peer_fetch_failures_total as i64);
+                self.worker_peer_fetches.get_or_create(&l).set(s.peer_fetches_total as i64);
+                self.worker_peer_fetch_seconds.get_or_create(&l).set(s.peer_fetch_seconds_total);
                 for e in &s.evictions {
                     let pl = PolicyLabels { worker: w.addr.clone(), policy: e.policy.clone() };
                     self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
@@ -376,6 +510,16 @@ impl Metrics {
     }
 
     /// Updates the directory-feed gauges from the feed's published state (nothing without `--kvstore`).
+    /// Updates the registry gauges.
+    pub fn scrape_registry(&self, status: &crate::workers::RegistryStatus) {
+        if !status.enabled {
+            return;
+        }
+        self.registry_workers.set(i64::try_from(status.workers.len()).unwrap_or(i64::MAX));
+        self.registry_joined.set(i64::try_from(status.joined_total).unwrap_or(i64::MAX));
+        self.registry_left.set(i64::try_from(status.left_total).unwrap_or(i64::MAX));
+    }
+
     pub fn scrape_directory(&self, feed: &crate::feed::FeedStatus) {
         if !feed.enabled {
             return;

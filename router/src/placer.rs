@@ -7,7 +7,9 @@
 //! ([`crate::workers::WorkerLoad`]): prompt tokens sent but not yet answered, and streams decoding. Free device
 //! blocks come from the workers' `Stats`, polled with their health.
 //!
-//! The cost model itself is [`crate::placement`]; this module only gathers its inputs and keeps the record.
+//! The cost model itself is [`crate::placement`]; this module only gathers its inputs and keeps the record. It also
+//! names, for the worker a request goes to, the peer that holds a longer prefix of it ([`Placer::peer_hint`]), so
+//! that the worker may pull those blocks through `Transfer` rather than recompute them.
 
 use std::collections::VecDeque;
 use std::str::FromStr;
@@ -137,6 +139,15 @@ pub struct PlaceRequest<'a> {
 
 const RECENT_DECISIONS: usize = 64;
 
+/// Another worker that holds more of a request's prefix than the one it goes to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PeerHint {
+    /// The peer's gRPC address.
+    pub address: String,
+    /// Leading prompt blocks the peer holds (device, host or disk).
+    pub blocks: u32,
+}
+
 /// See the module docs.
 pub struct Placer {
     cfg: PlacerConfig,
@@ -171,6 +182,22 @@ impl Placer {
 
     pub fn index_mut(&mut self) -> &mut ResidencyIndex {
         &mut self.index
+    }
+
+    /// After [`Placer::order`]: the ready worker other than `worker` holding the longest prefix of that request,
+    /// when it is longer than what `worker` holds (ties go to the lower index). `names` are the workers' addresses.
+    pub fn peer_hint(&self, worker: usize, names: &[&str]) -> Option<PeerHint> {
+        let local = self.hits.get(worker)?.total();
+        let held = |i: usize| self.hits.get(i).map_or(0, |h| h.total() - h.get(HitTier::Peer));
+        let (best, blocks) = (0..self.views.len())
+            .filter(|&i| i != worker && self.views[i].ready)
+            .map(|i| (i, held(i)))
+            .fold(None, |acc: Option<(usize, u32)>, (i, n)| match acc {
+                Some((_, m)) if m >= n => acc,
+                _ => Some((i, n)),
+            })?;
+        let address = names.get(best)?;
+        (blocks > local).then(|| PeerHint { address: address.to_string(), blocks })
     }
 
     /// Orders the workers to try for `req`: the chosen one first, then the rest of the ready ones, cheapest first.
@@ -348,6 +375,28 @@ mod tests {
         let h: Vec<u64> = (0..8).collect();
         assert_eq!(p.order(&req("1", &h), &[a, b], &["a", "b"]).unwrap()[0], 1);
         assert!(p.recent().next().unwrap().reason.starts_with("no worker has room"));
+    }
+
+    #[test]
+    fn peer_hint_names_the_worker_with_the_longest_prefix() {
+        let mut p = Placer::new(PlacerConfig::default());
+        let names = ["a", "b", "c"];
+        let shared: Vec<u64> = (0..32).collect();
+        let first = p.order(&req("r1", &shared), &[snap(0), snap(0), snap(0)], &names).unwrap()[0];
+        // The same prompt again: the holder itself needs no hint, every other worker is pointed at it.
+        p.order(&req("r2", &shared), &[snap(0), snap(0), snap(0)], &names).unwrap();
+        assert_eq!(p.peer_hint(first, &names), None);
+        let other = (first + 1) % 3;
+        assert_eq!(p.peer_hint(other, &names), Some(PeerHint { address: names[first].into(), blocks: 32 }));
+        // A holder that is down is never named.
+        let mut snaps = [snap(0), snap(0), snap(0)];
+        snaps[first].ready = false;
+        p.order(&req("r3", &shared), &snaps, &names).unwrap();
+        assert_eq!(p.peer_hint(other, &names), None);
+        // An unrelated prompt: nobody holds more than anybody.
+        let unrelated: Vec<u64> = (500..510).collect();
+        p.order(&req("r4", &unrelated), &[snap(0), snap(0), snap(0)], &names).unwrap();
+        assert!((0..3).all(|w| p.peer_hint(w, &names).is_none()));
     }
 
     #[test]

@@ -35,6 +35,8 @@ use crate::workers::WorkerPool;
 
 /// Default request body limit: 4 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 4 << 20;
+/// Default cap on generation requests in flight through one router (beyond it: 503 + `Retry-After`).
+pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
 
 /// Router settings.
 #[derive(Debug, Clone)]
@@ -56,6 +58,11 @@ pub struct RouterConfig {
     pub stale_reports_after: Duration,
     /// Stall timeouts and the retry limit of request migration.
     pub migration: MigrationConfig,
+    /// Most generation requests in flight at once; more are shed with 503 + `Retry-After`.
+    pub max_inflight: usize,
+    /// The etcd registry: with it the worker list follows the registered workers (`workers` stay pinned) and the
+    /// router registers itself.
+    pub etcd: Option<pagoda_registry::RegistryConfig>,
 }
 
 impl Default for RouterConfig {
@@ -69,6 +76,8 @@ impl Default for RouterConfig {
             kvstore: Vec::new(),
             migration: MigrationConfig::default(),
             stale_reports_after: Duration::from_secs(3),
+            max_inflight: DEFAULT_MAX_INFLIGHT,
+            etcd: None,
         }
     }
 }
@@ -85,6 +94,9 @@ struct Inner {
     dashboard: Dashboard,
     started: Instant,
     migration: MigrationConfig,
+    /// One permit per generation request in flight (see [`access::shed_load`]).
+    inflight: Arc<tokio::sync::Semaphore>,
+    max_inflight: usize,
 }
 
 /// Shared handler state.
@@ -103,7 +115,15 @@ impl AppState {
         body_limit: usize,
         security: Security,
     ) -> AppState {
-        AppState::with_parts(codec, pool, body_limit, security, Dashboard::default(), MigrationConfig::default())
+        AppState::with_parts(
+            codec,
+            pool,
+            body_limit,
+            security,
+            Dashboard::default(),
+            MigrationConfig::default(),
+            DEFAULT_MAX_INFLIGHT,
+        )
     }
 
     /// State with auth settings, a dashboard (which polls its kvstore nodes) and request-migration settings.
@@ -114,7 +134,9 @@ impl AppState {
         security: Security,
         dashboard: Dashboard,
         migration: MigrationConfig,
+        max_inflight: usize,
     ) -> AppState {
+        let max_inflight = max_inflight.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         let limiter = security.keys.as_deref().map(Limiter::new);
         AppState(Arc::new(Inner {
             codec,
@@ -127,6 +149,8 @@ impl AppState {
             dashboard,
             started: Instant::now(),
             migration,
+            inflight: Arc::new(tokio::sync::Semaphore::new(max_inflight)),
+            max_inflight,
         }))
     }
 
@@ -145,6 +169,14 @@ impl AppState {
 
     pub fn limiter(&self) -> Option<&Arc<Limiter>> {
         self.0.limiter.as_ref()
+    }
+
+    pub fn inflight(&self) -> &Arc<tokio::sync::Semaphore> {
+        &self.0.inflight
+    }
+
+    pub fn max_inflight(&self) -> usize {
+        self.0.max_inflight
     }
 
     pub fn body_limit(&self) -> usize {
@@ -176,9 +208,12 @@ fn new_id(prefix: &str) -> String {
 pub fn app(state: AppState) -> axum::Router {
     let limit = state.body_limit();
     // Auth runs before any body is read, so an unauthenticated client cannot make the router parse a large body.
-    let v1 = axum::Router::new()
+    let generation = axum::Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route_layer(middleware::from_fn_with_state(state.clone(), access::shed_load));
+    let v1 = axum::Router::new()
+        .merge(generation)
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_key));
     let admin = axum::Router::new()
@@ -207,7 +242,28 @@ pub async fn serve(
     config: RouterConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let pool = Arc::new(WorkerPool::with_placement(&config.workers, config.placement).map_err(std::io::Error::other)?);
+    let pool = match &config.etcd {
+        Some(_) => WorkerPool::dynamic(&config.workers, config.placement),
+        None => WorkerPool::with_placement(&config.workers, config.placement),
+    };
+    let pool = Arc::new(pool.map_err(std::io::Error::other)?);
+    let membership = config.etcd.clone().map(|cfg| crate::membership::spawn(pool.clone(), cfg, config.workers.clone()));
+    let registration = match &config.etcd {
+        Some(cfg) => {
+            let addr = listener.local_addr()?;
+            let me = pagoda_registry::Member {
+                id: addr.to_string(),
+                address: format!("http://{addr}"),
+                epoch: unix_now(),
+                node_id: None,
+            };
+            Some(
+                pagoda_registry::register(cfg.clone(), pagoda_registry::Role::Router, me)
+                    .map_err(std::io::Error::other)?,
+            )
+        }
+        None => None,
+    };
     let dashboard = Dashboard::new(&config.kvstore).map_err(std::io::Error::other)?;
     let health = pool.spawn_health_loop(config.health_interval);
     let feed = (!config.kvstore.is_empty()).then(|| {
@@ -216,11 +272,25 @@ pub async fn serve(
         crate::feed::spawn(pool.clone(), cfg)
     });
     log_security(&config.security);
-    let state = AppState::with_parts(codec, pool, config.body_limit, config.security, dashboard, config.migration);
+    let state = AppState::with_parts(
+        codec,
+        pool,
+        config.body_limit,
+        config.security,
+        dashboard,
+        config.migration,
+        config.max_inflight,
+    );
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
     if let Some(f) = feed {
         f.abort();
+    }
+    if let Some(m) = membership {
+        m.abort();
+    }
+    if let Some(r) = registration {
+        r.stop().await;
     }
     res
 }
@@ -283,6 +353,7 @@ async fn readyz(State(st): State<AppState>) -> Response {
 async fn metrics(State(st): State<AppState>) -> Response {
     st.metrics().scrape_workers(st.pool()).await;
     st.metrics().scrape_directory(&st.pool().feed_status());
+    st.metrics().scrape_registry(&st.pool().registry_status());
     let mut resp = st.metrics().encode().into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -298,6 +369,8 @@ async fn debug_placements(State(st): State<AppState>) -> Json<serde_json::Value>
     Json(serde_json::json!({
         "decisions": st.pool().recent_decisions(),
         "directory": st.pool().feed_status(),
+        "registry": st.pool().registry_status(),
+        "workers": st.pool().workers().iter().map(|w| w.addr.clone()).collect::<Vec<_>>(),
     }))
 }
 

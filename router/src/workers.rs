@@ -1,6 +1,12 @@
-//! The worker list: a static list of worker gRPC addresses, health-polled (with their free KV blocks), each with
-//! the router's own in-flight load accounting, and placement through [`Placer`]. The router talks to workers only
-//! through the `Worker` gRPC service.
+//! The worker list: worker gRPC addresses, health-polled (with their free KV blocks), each with the router's own
+//! in-flight load accounting, and placement through [`Placer`]. The router talks to workers only through the
+//! `Worker` gRPC service.
+//!
+//! The list is static (`--worker`) or follows the etcd registry ([`crate::membership`]): workers are added and
+//! removed while requests run. Each worker has a stable *slot* (its index in the residency index); a removed
+//! worker's slot is emptied and its residency dropped, and a later worker may reuse the slot. The slot table is
+//! copy-on-write behind a std `RwLock` that is only held to clone or swap it, never across an await; requests in
+//! flight keep their `Arc<Worker>` and finish on it.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,10 +18,13 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::feed::FeedStatus;
 use crate::placement::PlacementError;
-use crate::placer::{DecisionRecord, PlaceRequest, Placer, PlacerConfig, WorkerSnapshot};
-use crate::residency::ResidencyIndex;
+use crate::placer::{DecisionRecord, PeerHint, PlaceRequest, Placer, PlacerConfig, WorkerSnapshot};
+use crate::residency::{ResidencyIndex, WorkerIdx};
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(2);
+/// HTTP/2 ping interval on every worker channel: a connection whose pings go unanswered for [`RPC_TIMEOUT`] is
+/// dropped and the next call reconnects.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 
 /// What the last health probe said about a worker.
 #[derive(Debug, Clone, Default)]
@@ -99,6 +108,31 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// A worker at `addr` (`host:port` or a URL); the connection is made lazily.
+    fn connect(addr: &str) -> Result<Worker, String> {
+        let uri = if addr.starts_with("http://") || addr.starts_with("https://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let endpoint = Endpoint::from_shared(uri)
+            .map_err(|e| format!("invalid worker address `{addr}`: {e}"))?
+            .connect_timeout(RPC_TIMEOUT)
+            .tcp_nodelay(true)
+            // A partition leaves a connection open but silent; without HTTP/2 pings the channel would wait on it
+            // for the kernel's TCP timeout (many minutes) and never reconnect once the network heals.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(RPC_TIMEOUT)
+            .keep_alive_while_idle(true);
+        Ok(Worker {
+            addr: addr.to_string(),
+            client: WorkerClient::new(endpoint.connect_lazy()),
+            status: Mutex::new(WorkerStatus::default()),
+            load: Arc::new(WorkerLoad::default()),
+            id_changed: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
     pub fn client(&self) -> WorkerClient<Channel> {
         self.client.clone()
     }
@@ -175,9 +209,27 @@ impl Worker {
     }
 }
 
-/// The static worker list.
+/// Most worker slots (the residency index numbers workers with a u16).
+pub const MAX_WORKER_SLOTS: usize = 4096;
+
+/// What the registry watch last told the pool (for metrics and `/debug/placements`).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RegistryStatus {
+    pub enabled: bool,
+    /// Registered workers: (registry id, address).
+    pub workers: Vec<(String, String)>,
+    pub joined_total: u64,
+    pub left_total: u64,
+}
+
+/// A worker to try, with the peer it may pull a longer prefix from.
+pub type Candidate = (Arc<Worker>, Option<PeerHint>);
+
+/// The worker list.
 pub struct WorkerPool {
-    workers: Vec<Worker>,
+    // std RwLock: only held to clone or replace the Arc, never across an await.
+    slots: std::sync::RwLock<Arc<Vec<Option<Arc<Worker>>>>>,
+    registry: Mutex<RegistryStatus>,
     next: AtomicUsize,
     // std Mutex: placement is synchronous and short (tens of microseconds); never held across an await.
     placer: Mutex<Placer>,
@@ -201,25 +253,21 @@ impl WorkerPool {
         if addrs.is_empty() {
             return Err("at least one worker address is required".into());
         }
+        WorkerPool::dynamic(addrs, placement)
+    }
+
+    /// A pool that may start empty: workers come and go through [`WorkerPool::add`] and [`WorkerPool::remove`].
+    pub fn dynamic(addrs: &[String], placement: PlacerConfig) -> Result<WorkerPool, String> {
+        if addrs.len() > MAX_WORKER_SLOTS {
+            return Err(format!("{} workers (at most {MAX_WORKER_SLOTS})", addrs.len()));
+        }
         let mut workers = Vec::with_capacity(addrs.len());
         for a in addrs {
-            let uri =
-                if a.starts_with("http://") || a.starts_with("https://") { a.clone() } else { format!("http://{a}") };
-            let endpoint = Endpoint::from_shared(uri.clone())
-                .map_err(|e| format!("invalid worker address `{a}`: {e}"))?
-                .connect_timeout(RPC_TIMEOUT)
-                .tcp_nodelay(true);
-            let channel = endpoint.connect_lazy();
-            workers.push(Worker {
-                addr: a.clone(),
-                client: WorkerClient::new(channel),
-                status: Mutex::new(WorkerStatus::default()),
-                load: Arc::new(WorkerLoad::default()),
-                id_changed: std::sync::atomic::AtomicBool::new(false),
-            });
+            workers.push(Some(Arc::new(Worker::connect(a)?)));
         }
         Ok(WorkerPool {
-            workers,
+            slots: std::sync::RwLock::new(Arc::new(workers)),
+            registry: Mutex::new(RegistryStatus::default()),
             next: AtomicUsize::new(0),
             placer: Mutex::new(Placer::new(placement)),
             feed: Mutex::new(FeedStatus::default()),
@@ -230,11 +278,87 @@ impl WorkerPool {
     /// Which worker of this pool the kvstore's `worker` (registered at `address`) is: the one that announced that
     /// id in `Health`, else the one configured at that address.
     pub fn resolve(&self, worker: &str, address: &str) -> Option<usize> {
-        let by_id = self.workers.iter().position(|w| !worker.is_empty() && w.status().worker_id == worker);
+        let slots = self.slots();
+        let by_id =
+            slots.iter().position(|w| w.as_ref().is_some_and(|w| !worker.is_empty() && w.status().worker_id == worker));
         by_id.or_else(|| {
             let address = strip_scheme(address);
-            self.workers.iter().position(|w| !address.is_empty() && strip_scheme(&w.addr) == address)
+            slots
+                .iter()
+                .position(|w| w.as_ref().is_some_and(|w| !address.is_empty() && strip_scheme(&w.addr) == address))
         })
+    }
+
+    /// The slot table: index = the worker's slot in the residency index; `None` = a free slot.
+    pub fn slots(&self) -> Arc<Vec<Option<Arc<Worker>>>> {
+        self.slots.read().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Each slot's worker address (empty for a free slot), for the feed's status.
+    pub fn slot_names(&self) -> Vec<String> {
+        self.slots().iter().map(|w| w.as_ref().map(|w| w.addr.clone()).unwrap_or_default()).collect()
+    }
+
+    /// Adds the worker at `addr` unless it is in the pool; returns it when it is new. Its residency is learned
+    /// from the next directory snapshot (the feed resynchronises on the id generation bump).
+    pub fn add(&self, addr: &str) -> Result<Option<Arc<Worker>>, String> {
+        let worker = Arc::new(Worker::connect(addr)?);
+        let slot = {
+            let mut guard = self.slots.write().map_err(|_| "worker table poisoned".to_string())?;
+            if guard.iter().flatten().any(|w| strip_scheme(&w.addr) == strip_scheme(addr)) {
+                return Ok(None);
+            }
+            let mut next: Vec<Option<Arc<Worker>>> = guard.as_ref().clone();
+            let slot = match next.iter().position(Option::is_none) {
+                Some(free) => free,
+                None if next.len() < MAX_WORKER_SLOTS => {
+                    next.push(None);
+                    next.len() - 1
+                }
+                None => return Err(format!("the pool is full ({MAX_WORKER_SLOTS} workers)")),
+            };
+            next[slot] = Some(worker.clone());
+            *guard = Arc::new(next);
+            slot
+        };
+        // A reused slot may still carry this router's predictions for its previous worker.
+        if let Ok(idx) = WorkerIdx::try_from(slot) {
+            self.with_index(|i| i.remove_worker(idx));
+        }
+        self.id_generation.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(worker))
+    }
+
+    /// Removes the worker at `addr` and everything the residency index holds for it; returns whether it was there.
+    /// Requests already running on it go on (they hold the worker); no new one is placed there.
+    pub fn remove(&self, addr: &str) -> bool {
+        let slot = {
+            let Ok(mut guard) = self.slots.write() else { return false };
+            let Some(slot) =
+                guard.iter().position(|w| w.as_ref().is_some_and(|w| strip_scheme(&w.addr) == strip_scheme(addr)))
+            else {
+                return false;
+            };
+            let mut next: Vec<Option<Arc<Worker>>> = guard.as_ref().clone();
+            next[slot] = None;
+            *guard = Arc::new(next);
+            slot
+        };
+        if let Ok(idx) = WorkerIdx::try_from(slot) {
+            self.with_index(|i| i.remove_worker(idx));
+        }
+        true
+    }
+
+    /// The registry watch's latest state (disabled without `--etcd`).
+    pub fn registry_status(&self) -> RegistryStatus {
+        self.registry.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    pub fn set_registry_status(&self, status: RegistryStatus) {
+        if let Ok(mut r) = self.registry.lock() {
+            *r = status;
+        }
     }
 
     /// Bumped whenever a probe learns a worker id it did not know (the feed then re-reads the directory).
@@ -263,13 +387,15 @@ impl WorkerPool {
         }
     }
 
-    /// The workers to try for `req`, best first (see [`Placer::order`]).
-    pub fn place(&self, req: &PlaceRequest<'_>) -> Result<Vec<&Worker>, PlacementError> {
-        let names: Vec<&str> = self.workers.iter().map(|w| w.addr.as_str()).collect();
-        let mut snaps: Vec<WorkerSnapshot> = self
-            .workers
+    /// The workers to try for `req`, best first (see [`Placer::order`]), each with the peer it may pull a longer
+    /// prefix from ([`Placer::peer_hint`]).
+    pub fn place(&self, req: &PlaceRequest<'_>) -> Result<Vec<Candidate>, PlacementError> {
+        let slots = self.slots();
+        let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
+        let mut snaps: Vec<WorkerSnapshot> = slots
             .iter()
             .map(|w| {
+                let Some(w) = w else { return WorkerSnapshot::default() };
                 let st = w.status();
                 WorkerSnapshot {
                     ready: st.ready,
@@ -293,7 +419,10 @@ impl WorkerPool {
         }
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let order = placer.order(req, &snaps, &names)?;
-        Ok(order.into_iter().map(|i| &self.workers[i]).collect())
+        Ok(order
+            .into_iter()
+            .filter_map(|i| Some((slots.get(i).cloned().flatten()?, placer.peer_hint(i, &names))))
+            .collect())
     }
 
     /// The placement strategy's name.
@@ -313,21 +442,27 @@ impl WorkerPool {
 
     /// The block size and model id the ready workers hash prefixes with (the first ready worker's).
     pub fn hashing(&self) -> Option<(u32, String)> {
-        self.workers.iter().map(|w| w.status()).find(|s| s.ready).map(|s| (s.block_size, s.model))
+        self.workers().iter().map(|w| w.status()).find(|s| s.ready).map(|s| (s.block_size, s.model))
     }
 
-    pub fn workers(&self) -> &[Worker] {
-        &self.workers
+    /// The workers in the pool now, in slot order.
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.slots().iter().flatten().cloned().collect()
+    }
+
+    /// The worker at `addr`, if it is in the pool.
+    pub fn find(&self, addr: &str) -> Option<Arc<Worker>> {
+        self.slots().iter().flatten().find(|w| w.addr == addr).cloned()
     }
 
     /// True when at least one worker answered its last health probe as ready.
     pub fn any_ready(&self) -> bool {
-        self.workers.iter().any(|w| w.status().ready)
+        self.workers().iter().any(|w| w.status().ready)
     }
 
     /// Round-robin over ready workers: the candidates in the order to try them.
-    pub fn candidates(&self) -> Vec<&Worker> {
-        let mut ready: Vec<&Worker> = self.workers.iter().filter(|w| w.status().ready).collect();
+    pub fn candidates(&self) -> Vec<Arc<Worker>> {
+        let mut ready: Vec<Arc<Worker>> = self.workers().into_iter().filter(|w| w.status().ready).collect();
         if !ready.is_empty() {
             let start = self.next.fetch_add(1, Ordering::Relaxed) % ready.len();
             ready.rotate_left(start);
@@ -337,8 +472,9 @@ impl WorkerPool {
 
     /// Probes every worker once.
     pub async fn refresh(&self) {
-        futures::future::join_all(self.workers.iter().map(|w| w.probe())).await;
-        if self.workers.iter().any(|w| w.id_changed.swap(false, Ordering::Relaxed)) {
+        let workers = self.workers();
+        futures::future::join_all(workers.iter().map(|w| w.probe())).await;
+        if workers.iter().any(|w| w.id_changed.swap(false, Ordering::Relaxed)) {
             self.id_generation.fetch_add(1, Ordering::Relaxed);
         }
     }

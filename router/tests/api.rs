@@ -75,6 +75,8 @@ struct Fake {
     stall_after: Option<usize>,
     /// The `max_tokens` of every Generate call, in order.
     max_tokens_seen: Arc<std::sync::Mutex<Vec<u32>>>,
+    /// Every Generate is refused as a full admission queue would refuse it.
+    busy: bool,
 }
 
 struct OpenGuard(Arc<AtomicUsize>);
@@ -100,6 +102,11 @@ impl Worker for Fake {
             String::from_utf8_lossy(&req.prompt_token_ids.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned();
         if prompt.contains("overload") {
             return Err(Status::resource_exhausted("the request needs more KV blocks than the pool has"));
+        }
+        if self.busy {
+            let mut st = Status::resource_exhausted("worker busy: 8 requests wait for their first token");
+            st.metadata_mut().insert(pagoda_proto::BUSY_RETRY_AFTER_MS, "2500".parse().unwrap());
+            return Err(st);
         }
         // "forever" in the prompt: an endless slow stream, for the disconnect test.
         let forever = prompt.contains("forever");
@@ -1080,4 +1087,85 @@ async fn past_the_retry_limit_the_client_gets_a_clean_error() {
         (r.status().as_u16(), r.text().await.unwrap())
     };
     assert_error(s, &text, 503);
+}
+
+async fn counter(http: &str, line_prefix: &str) -> u64 {
+    let text = reqwest::get(format!("{http}/metrics")).await.unwrap().text().await.unwrap();
+    text.lines().filter(|l| l.starts_with(line_prefix)).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum()
+}
+
+/// A worker whose admission queue is full refuses with `resource_exhausted` + the busy hint: the router tries
+/// the next worker without taking the busy one out of placement, and when every worker is busy it sheds the
+/// request with 503 and a `Retry-After` taken from the hint.
+#[tokio::test]
+async fn busy_workers_are_skipped_then_the_request_is_shed_with_retry_after() {
+    let client = reqwest::Client::new();
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let http =
+        migrating_cluster(vec![Fake { busy: true, ..Fake::default() }, Fake::default()], migration(300, 0)).await;
+    for _ in 0..4 {
+        let r = client.post(format!("{http}/v1/chat/completions")).json(&chat).send().await.unwrap();
+        assert_eq!(r.status(), 200, "a busy worker moves the request on, without using up a retry (max 0)");
+    }
+    assert!(counter(&http, "pagoda_router_worker_busy_total{").await >= 2);
+    assert_eq!(counter(&http, "pagoda_router_shed_total{").await, 0);
+    let ready: Value = client.get(format!("{http}/readyz")).send().await.unwrap().json().await.unwrap();
+    assert!(ready["workers"].as_array().unwrap().iter().all(|w| w["ready"] == true), "{ready}");
+
+    let http = migrating_cluster(
+        vec![Fake { busy: true, ..Fake::default() }, Fake { busy: true, ..Fake::default() }],
+        migration(300, 0),
+    )
+    .await;
+    for stream in [false, true] {
+        let mut body = chat.clone();
+        body["stream"] = json!(stream);
+        let r = client.post(format!("{http}/v1/chat/completions")).json(&body).send().await.unwrap();
+        assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("3"));
+        let s = r.status().as_u16();
+        let v = assert_error(s, &r.text().await.unwrap(), 503);
+        assert_eq!(v["error"]["code"], "server_overloaded", "{v}");
+    }
+    assert_eq!(counter(&http, "pagoda_router_shed_total{reason=\"workers_busy\"}").await, 2);
+}
+
+/// The router's own in-flight cap: past it a generation request gets 503 + `Retry-After` at once, the slot frees
+/// when the running response ends (here: its client leaves), and `/v1/models` is not counted.
+#[tokio::test]
+async fn router_in_flight_cap_sheds_with_retry_after_and_frees_on_end() {
+    let fake = Fake::default();
+    let open = fake.open.clone();
+    let waddr = spawn_worker(fake).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = RouterConfig {
+        workers: vec![waddr.to_string()],
+        health_interval: Duration::from_millis(100),
+        max_inflight: 1,
+        ..RouterConfig::default()
+    };
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    let http = format!("http://{addr}");
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    let forever = json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "forever"}]});
+    let running = client.post(format!("{http}/v1/chat/completions")).json(&forever).send().await.unwrap();
+    assert_eq!(running.status(), 200);
+    let hi = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&hi).send().await.unwrap();
+    assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+    let s = r.status().as_u16();
+    let v = assert_error(s, &r.text().await.unwrap(), 503);
+    assert_eq!(v["error"]["code"], "server_overloaded");
+    assert_eq!(client.get(format!("{http}/v1/models")).send().await.unwrap().status(), 200);
+    assert_eq!(counter(&http, "pagoda_router_shed_total{reason=\"router_inflight\"}").await, 1);
+    drop(running);
+    for _ in 0..100 {
+        if open.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&hi).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the slot came back when the stream's client left");
 }

@@ -237,10 +237,15 @@ def check_default(objs):
     r, _ = container(objs, "Deployment", "router", "router")
     expect(r["readinessProbe"]["httpGet"]["path"] == "/readyz", "default: router readiness not on /readyz")
     expect(r["livenessProbe"]["httpGet"]["path"] == "/healthz", "default: router liveness not on /healthz")
-    workers = [a for a in r["command"] if a.startswith("--worker=")]
-    expect(workers == [f"--worker=rel-pagoda-worker-{i}.rel-pagoda-worker.pagoda.svc:50051" for i in range(2)],
-           f"default: router --worker list {workers}")
+    # Routers find workers in the etcd registry, not in a static list; workers register their pod DNS name.
+    etcd = "--etcd=http://rel-pagoda-etcd-0.rel-pagoda-etcd.pagoda.svc:2379"
+    kvstore = "--kvstore=" + ",".join(f"rel-pagoda-kvstore-{i}.rel-pagoda-kvstore.pagoda.svc:50061" for i in range(3))
+    expect(not [a for a in r["command"] if a.startswith("--worker=")], "default: router has a static --worker list")
+    expect(etcd in r["command"] and kvstore in r["command"], f"default: router lacks {etcd} / {kvstore}")
     w, wo = container(objs, "StatefulSet", "worker", "worker")
+    for flag in [etcd, kvstore, "--worker-id=$(POD_NAME)",
+                 "--advertise=$(POD_NAME).rel-pagoda-worker.pagoda.svc:50051"]:
+        expect(flag in w["command"], f"default: worker lacks {flag}")
     expect("nvidia.com/gpu" not in w["resources"].get("limits", {}), "default: worker asks for a GPU")
     expect([t["metadata"]["name"] for t in wo["spec"]["volumeClaimTemplates"]] == ["data"], "default: no data PVC")
     cm = find(objs, "ConfigMap", "rel-pagoda-dashboard")
@@ -260,7 +265,7 @@ def check_gpu(objs):
         expect(flag in w["command"], f"gpu: worker lacks {flag}")
     expect(wo["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd", "gpu: storage class")
     r, _ = container(objs, "Deployment", "router", "router")
-    expect(len([a for a in r["command"] if a.startswith("--worker=")]) == 4, "gpu: router does not list 4 workers")
+    expect(any(a.startswith("--etcd=") for a in r["command"]), "gpu: router without --etcd")
 
 
 def check_external_etcd(objs):

@@ -142,7 +142,14 @@ schema = obj({
             # `pagoda worker --kv-dtype` (pagoda_kernels::KvDtype).
             "dtype": {"enum": ["f16", "f32"]},
         }, required=["policy"]),
-        "tiers": obj({"hostMiB": integer(0), "diskMiB": integer(0)}, required=["hostMiB", "diskMiB"]),
+        "tiers": obj({
+            "hostMiB": integer(0),
+            "diskMiB": integer(0),
+            # `pagoda worker --tier-placement` / `--tier-codec` / `--evicpress-alpha` (worker/src/placement.rs).
+            "placement": {"enum": ["lru", "evicpress"]},
+            "codec": {"enum": ["native", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"]},
+            "evicpressAlpha": {"type": "number", "minimum": 0},
+        }, required=["hostMiB", "diskMiB"]),
         "persistence": obj({
             "enabled": BOOL,
             "storageClassName": STR,

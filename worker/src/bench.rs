@@ -149,6 +149,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         reserve: ReserveConfig::off(),
         tiers: crate::tiers::TierConfig::default(),
         kv_dtype: opts.kv_dtype,
+        placement: Default::default(),
     };
     // Load once to learn the layout, then size the arena.
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;

@@ -351,6 +351,7 @@ fn run_fresh(
         reserve: if opts.admission_reserve { ReserveConfig::default() } else { ReserveConfig::off() },
         tiers: crate::tiers::TierConfig::default(),
         kv_dtype: KvDtype::default(),
+        placement: Default::default(),
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

@@ -24,12 +24,14 @@ use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
 use crate::cache::{CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
+pub use crate::placement::TierPlacement;
+use crate::placement::{EvicPress, EvicPressStats};
 use crate::policy::{AttnDims, PolicyKind, PolicySpec};
 use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
 };
-use crate::tiers::{Tier, TierConfig, TierStore, TierUsage, native};
+use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUsage, codec, native};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -53,6 +55,8 @@ pub struct EngineConfig {
     pub tiers: TierConfig,
     /// Element type of the device KV arena (f16 by default; f32 for exact comparisons with an f32 reference).
     pub kv_dtype: KvDtype,
+    /// Who decides what the lower tiers keep, and in which codec.
+    pub placement: TierPlacement,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +73,7 @@ impl Default for EngineConfig {
             reserve: ReserveConfig::default(),
             tiers: TierConfig::default(),
             kv_dtype: KvDtype::default(),
+            placement: TierPlacement::default(),
         }
     }
 }
@@ -139,6 +144,21 @@ pub struct EngineStats {
     pub offloaded_groups: u64,
     /// Corrupt or truncated disk-tier files found (and discarded) since start.
     pub disk_corrupted: u64,
+    /// EvicPress's contexts, profiles and occupancy, when it places the tiers.
+    pub evicpress: Option<EvicPressStats>,
+}
+
+/// How much of a block chain this worker holds, and the measured costs a peer pull is weighed against.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixProbe {
+    /// Leading hashes held on the device or in a lower tier.
+    pub local_blocks: usize,
+    /// False without a host tier: pulled groups have nowhere to land, so no pull is worth starting.
+    pub can_import: bool,
+    /// Measured prefill speed (the cost model's prior until the first prefill).
+    pub prefill_tokens_per_s: f64,
+    /// Measured host-tier load (decode into device blocks) bandwidth, bytes per second.
+    pub host_load_bytes_per_s: f64,
 }
 
 /// What the loaded model is, as clients need it.
@@ -294,6 +314,23 @@ enum Command {
     Subscribe(EventLog),
     /// Answer with every block held now and the sequence number that covers.
     Snapshot(tokio::sync::oneshot::Sender<ResidencySnapshot>),
+    /// Peer transfer: how much of a chain is held here, and the costs a pull is weighed against.
+    ProbePrefix {
+        hashes: Vec<u64>,
+        reply: tokio::sync::oneshot::Sender<PrefixProbe>,
+    },
+    /// Peer transfer: copies of the lower-tier groups continuing from the first hash (see
+    /// [`EngineHandle::export_groups`]).
+    Export {
+        hashes: Vec<u64>,
+        max_bytes: u64,
+        reply: tokio::sync::oneshot::Sender<Vec<(u64, EncodedGroup)>>,
+    },
+    /// Peer transfer: groups pulled from a peer, stored into the host tier.
+    Import {
+        groups: Vec<(u64, EncodedGroup)>,
+        reply: tokio::sync::oneshot::Sender<usize>,
+    },
     Shutdown,
 }
 
@@ -364,6 +401,34 @@ impl EngineHandle {
     pub async fn residency_snapshot(&self) -> Result<ResidencySnapshot, EngineError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.send(Command::Snapshot(tx))?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// How many leading `hashes` this worker holds on any tier, and its measured costs. Answered between steps.
+    pub async fn probe_prefix(&self, hashes: Vec<u64>) -> Result<PrefixProbe, EngineError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::ProbePrefix { hashes, reply })?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Copies of the groups stored under the leading `hashes` in the host or disk tier, in order: it stops at the
+    /// first hash held in neither, and before the group that would take the total past `max_bytes` (the first
+    /// group is always included when present). Answered between steps; marks the groups recently used.
+    pub async fn export_groups(
+        &self,
+        hashes: Vec<u64>,
+        max_bytes: u64,
+    ) -> Result<Vec<(u64, EncodedGroup)>, EngineError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::Export { hashes, max_bytes, reply })?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Stores groups pulled from a peer into the host tier, where the next admission of a request with their
+    /// prefix onboards them like any host hit. Returns how many were stored (0 without a host tier).
+    pub async fn import_groups(&self, groups: Vec<(u64, EncodedGroup)>) -> Result<usize, EngineError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::Import { groups, reply })?;
         rx.await.map_err(|_| EngineError::Stopped)
     }
 
@@ -457,8 +522,20 @@ impl Engine {
                         return;
                     }
                 };
+                let evicpress = match open_placement(&thread_cfg, &info, tiers.as_ref()) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let mut core =
                     EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_cfg.default_policy, thread_stats);
+                core.tier_codec = match thread_cfg.placement {
+                    TierPlacement::LruCodec(c) => GroupCodec::Kv(c),
+                    _ => GroupCodec::Native(info.kv_dtype),
+                };
+                core.evicpress = evicpress;
                 if let Some(t) = tiers {
                     core.sched.pool_mut().track_idle();
                     core.tiers = Some(t);
@@ -502,6 +579,29 @@ fn open_tiers(cfg: &EngineConfig, info: &ModelInfo) -> Result<Option<TierStore>,
     TierStore::open(&cfg.tiers, group).map_err(|e| EngineError::Config(e.to_string()))
 }
 
+/// The EvicPress driver, when configured (it needs a lower tier to place into).
+fn open_placement(
+    cfg: &EngineConfig,
+    info: &ModelInfo,
+    tiers: Option<&TierStore>,
+) -> Result<Option<EvicPress>, EngineError> {
+    match &cfg.placement {
+        TierPlacement::Lru => Ok(None),
+        TierPlacement::LruCodec(c) => {
+            GroupCodec::Kv(*c)
+                .group_bytes(1, info.block_size, info.head_dim)
+                .map_err(|e| EngineError::Config(format!("--tier-codec: {e}")))?;
+            Ok(None)
+        }
+        TierPlacement::EvicPress(ep) => {
+            let Some(tiers) = tiers else {
+                return Err(EngineError::Config("EvicPress placement needs a host or disk tier".into()));
+            };
+            EvicPress::new(ep.clone(), &info.model_id, info.layout(), info.head_dim, info.kv_dtype, tiers).map(Some)
+        }
+    }
+}
+
 fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
     SchedulerConfig {
         max_step_tokens: cfg.max_step_tokens.max(1),
@@ -535,6 +635,10 @@ struct EngineLoop<R> {
     stats: Arc<Mutex<EngineStats>>,
     /// Host and disk tiers, when configured.
     tiers: Option<TierStore>,
+    /// The codec of LRU offloads.
+    tier_codec: GroupCodec,
+    /// EvicPress placement of the tiers, when configured (then it, not LRU offloading, fills them).
+    evicpress: Option<EvicPress>,
     /// Reused buffers for tier traffic.
     hashes: Vec<u64>,
     blocks: Vec<u32>,
@@ -563,6 +667,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         let sched = Scheduler::new(cfg, info.layout(), info.num_blocks);
         let eos = info.eos_token_ids.clone();
         let vocab = info.vocab_size;
+        let kv_dtype = info.kv_dtype;
         EngineLoop {
             runner,
             sched,
@@ -576,6 +681,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             default_policy,
             stats,
             tiers: None,
+            tier_codec: GroupCodec::Native(kv_dtype),
+            evicpress: None,
             hashes: Vec::new(),
             blocks: Vec::new(),
             onboarded_tokens: [0; 3],
@@ -623,6 +730,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             self.drop_closed();
             let progressed = self.sched.has_work() && self.step();
             self.offload_idle();
+            self.place_contexts();
             self.report_changes();
             self.publish_stats();
             if self.sched.has_work() && !progressed {
@@ -756,8 +864,61 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let _ = reply.send(self.residency_snapshot());
                 Flow::Continue
             }
+            Command::ProbePrefix { hashes, reply } => {
+                let _ = reply.send(self.probe_prefix(&hashes));
+                Flow::Continue
+            }
+            Command::Export { hashes, max_bytes, reply } => {
+                let _ = reply.send(self.export_groups(&hashes, max_bytes));
+                Flow::Continue
+            }
+            Command::Import { groups, reply } => {
+                let mut stored = 0;
+                if let Some(t) = &mut self.tiers {
+                    for (hash, group) in groups {
+                        // A group that arrived here meanwhile (computed or pulled by another request) is kept as is.
+                        if t.touch(hash) || t.import(hash, group) {
+                            stored += 1;
+                        }
+                    }
+                }
+                let _ = reply.send(stored);
+                Flow::Continue
+            }
             Command::Shutdown => Flow::Stop,
         }
+    }
+
+    fn probe_prefix(&self, hashes: &[u64]) -> PrefixProbe {
+        let pool = self.sched.pool();
+        let tiers = self.tiers.as_ref();
+        let local_blocks = hashes
+            .iter()
+            .take_while(|&&h| pool.lookup(h).is_some() || tiers.is_some_and(|t| t.locate(h).is_some()))
+            .count();
+        let cost = tiers.map(TierStore::cost).cloned().unwrap_or_default();
+        PrefixProbe {
+            local_blocks,
+            can_import: tiers.is_some_and(|t| t.host().is_some()),
+            prefill_tokens_per_s: cost.prefill_tokens_per_s(),
+            host_load_bytes_per_s: cost.load_bandwidth(Tier::Host),
+        }
+    }
+
+    fn export_groups(&mut self, hashes: &[u64], max_bytes: u64) -> Vec<(u64, EncodedGroup)> {
+        let mut out = Vec::new();
+        let Some(tiers) = &mut self.tiers else { return out };
+        let mut total = 0;
+        for &h in hashes {
+            let Some((tier, bytes)) = tiers.locate(h) else { break };
+            if !out.is_empty() && total + bytes > max_bytes {
+                break;
+            }
+            let Some(group) = tiers.with_group(h, tier, EncodedGroup::clone) else { break };
+            total += group.len();
+            out.push((h, group));
+        }
+        out
     }
 
     /// Cancels sequences whose client dropped the receiver.
@@ -797,6 +958,10 @@ impl<R: ModelRunner> EngineLoop<R> {
         let Some(tiers) = &mut self.tiers else { return };
         self.hashes.clear();
         self.sched.pool_mut().take_newly_idle(&mut self.hashes);
+        if self.evicpress.is_some() {
+            // EvicPress places whole contexts when their requests finish (see `place_contexts`).
+            return;
+        }
         let Some(io) = self.runner.policy_io() else { return };
         for &h in &self.hashes {
             if tiers.touch(h) {
@@ -804,8 +969,21 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             let pool = self.sched.pool();
             let Some(g) = pool.index().get(h) else { continue };
-            tiers.offload(h, native::encode(io.kv, g.blocks()));
+            let group = codec::encode(io.kv, g.blocks(), self.tier_codec).unwrap_or_else(|e| {
+                // A codec refuses only KV outside its range; the lossless format always takes it.
+                tracing::debug!(error = %e, "offloading a group in the native format");
+                native::encode(io.kv, g.blocks())
+            });
+            tiers.offload(h, group);
         }
+    }
+
+    /// EvicPress: places the contexts of the requests finished since the last call, profiling them first when the
+    /// engine has nothing else to do.
+    fn place_contexts(&mut self) {
+        let (Some(ep), Some(tiers)) = (&mut self.evicpress, &mut self.tiers) else { return };
+        let idle = !self.sched.has_work();
+        ep.place_pending(&mut self.runner, self.sched.pool_mut(), tiers, idle);
     }
 
     /// Before scheduling: for the next sequence to be admitted, loads the lower-tier groups that continue its
@@ -849,7 +1027,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     break;
                 }
                 let t0 = Instant::now();
-                let decoded = tiers.with_group(h, tier, |g| native::decode(g, io.kv, &self.blocks));
+                let decoded = tiers.with_group(h, tier, |g| codec::decode(g, io.kv, &self.blocks));
                 let secs = t0.elapsed().as_secs_f64();
                 let pool = self.sched.pool_mut();
                 let ok = match decoded {
@@ -925,6 +1103,9 @@ impl<R: ModelRunner> EngineLoop<R> {
                 && let Some(seq) = self.sched.finish(e.seq)
             {
                 let _ = seq.payload.events.send(finished(&seq, reason));
+                if let Some(ep) = &mut self.evicpress {
+                    ep.finished(&seq.tokens()[..seq.prompt_len()], seq.namespace(), seq.cached_tokens());
+                }
             }
         }
         true
@@ -976,6 +1157,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             prefix_hit_tokens,
             offloaded_groups,
             disk_corrupted,
+            evicpress: self.evicpress.as_ref().map(EvicPress::stats),
         };
         if let Ok(mut g) = self.stats.lock() {
             *g = snapshot;

@@ -146,6 +146,35 @@ impl Planner {
         self.used
     }
 
+    /// Tier capacities in bytes, in [`Tier`] order.
+    pub fn capacity(&self) -> [u64; 3] {
+        self.cfg.capacity
+    }
+
+    /// Contexts profiled and not forgotten.
+    pub fn len(&self) -> usize {
+        self.contexts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.contexts.is_empty()
+    }
+
+    /// Replaces the load bandwidths with fresh measurements (non-positive or non-finite ones are ignored), so
+    /// `load_time` follows the cost model as it learns.
+    pub fn set_bandwidth(&mut self, bandwidth: [f64; 3]) {
+        for (t, b) in bandwidth.into_iter().enumerate().skip(1) {
+            if b.is_finite() && b > 0.0 {
+                self.cfg.bandwidth[t] = b;
+            }
+        }
+    }
+
+    /// The profiled quality of each variant for `context`.
+    pub fn quality(&self, context: u64) -> Option<&[Option<f64>]> {
+        self.contexts.get(&context).map(|c| c.quality.as_slice())
+    }
+
     pub fn placement(&self, context: u64) -> Option<Placement> {
         self.contexts.get(&context).and_then(|c| c.placement)
     }
@@ -309,6 +338,11 @@ impl Planner {
                 let smaller = self.bytes(c.tokens, v);
                 if smaller < size {
                     consider(Some(Placement { tier, variant: v }), size - smaller);
+                }
+                // Moving down never decompresses: what a smaller variant dropped cannot be restored, so a larger
+                // one would only claim a quality the stored KV no longer has.
+                if smaller > size {
+                    continue;
                 }
                 if let Some(lower) = tier.below() {
                     consider(Some(Placement { tier: lower, variant: v }), size);

@@ -5,15 +5,19 @@
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`evicpress`]: EvicPress's utility and greedy multi-choice knapsack over (tier, codec, keep ratio).
+//! - [`placement`]: EvicPress driving the tiers: contexts, the idle-time quality profiler, applying the plan.
 //! - [`tiers`]: the host and disk KV tiers below the device pool, offload/onboard and their cost model.
 //! - [`events`]: the block-event log (engine side) and outbox (reporter side), sequence numbers, snapshots.
+//! - [`transfer`]: the peer tier: the `Transfer` gRPC service and pulling a prefix from another worker.
 //! - [`reporter`]: the task that publishes block events, occupancy and heartbeats to the kvstore.
 //! - [`bench`], [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
-//!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it.
+//!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it; [`bench_zipf`]: EvicPress
+//!   against LRU and fixed codecs on Zipf-reused contexts.
 
 pub mod bench;
 pub mod bench_eviction;
 pub mod bench_tiers;
+pub mod bench_zipf;
 pub mod cache;
 pub mod engine;
 pub mod eval;
@@ -21,9 +25,11 @@ pub mod events;
 pub mod evicpress;
 pub mod journal;
 pub mod model;
+pub mod placement;
 pub mod policy;
 pub mod reporter;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;
 pub mod tiers;
+pub mod transfer;

@@ -2,10 +2,18 @@
 //! (`invalid_argument`, `resource_exhausted`, `unavailable`), turns engine events into the `Generate` response
 //! stream, and cancels the engine request when the client drops the stream. Each stream carries a
 //! `worker.generate` span, continued from the caller's trace context in the request metadata, with span events at
-//! the request's milestones (`prefill`, `decode` first token and finish, `evict`), never per token.
+//! the request's milestones (`prefill`, `decode` first token and finish, `evict`), never per token. A request that
+//! carries a router's peer hint first pulls its missing prefix from that peer ([`crate::transfer`]), in a
+//! `transfer` child span.
+//!
+//! It also owns admission: [`AdmissionLimits`] bound the requests on the worker and the prompt tokens still
+//! waiting for prefill. Past them a request is refused with `resource_exhausted` carrying
+//! [`pagoda_proto::BUSY_RETRY_AFTER_MS`], before the engine sees it, so a burst sheds load instead of queueing
+//! without bound.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use futures::Stream;
@@ -22,6 +30,7 @@ use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, Gene
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::scheduler::SchedError;
 use crate::tiers::Tier;
+use crate::transfer::{PeerCounters, PeerFetcher};
 
 /// Longest `request_id` / `namespace`, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
@@ -32,17 +41,134 @@ pub const MAX_TEMPERATURE: f32 = 100.0;
 /// Most tokens sent in one stream message (tokens already waiting are coalesced).
 const MAX_TOKENS_PER_MESSAGE: usize = 64;
 
+/// How much work a worker takes before it refuses new requests as busy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// Requests on the worker, from admission to the end of their stream: the running batch plus the queue
+    /// behind it (`--max-running` + `--max-queued-requests`).
+    pub max_requests: usize,
+    /// Prompt tokens of the requests still waiting for their first token: the prefill backlog a new request
+    /// would queue behind. A request is always admitted when no other waits, however long its prompt.
+    pub max_queued_prompt_tokens: u64,
+}
+
+/// Default `--max-queued-requests`: requests waiting behind a full running batch.
+pub const DEFAULT_MAX_QUEUED_REQUESTS: usize = 256;
+/// Default `--max-queued-prompt-tokens`.
+pub const DEFAULT_MAX_QUEUED_PROMPT_TOKENS: u64 = 32_768;
+
+impl Default for AdmissionLimits {
+    fn default() -> Self {
+        AdmissionLimits {
+            max_requests: 64 + DEFAULT_MAX_QUEUED_REQUESTS,
+            max_queued_prompt_tokens: DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        }
+    }
+}
+
+/// The shared counters behind [`AdmissionLimits`]; each admitted request holds a [`QueueSlot`].
+#[derive(Debug, Default)]
+struct AdmissionQueue {
+    limits: AdmissionLimits,
+    requests: AtomicUsize,
+    prompt_tokens: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// A request's place on the worker: its prompt tokens count as backlog until its first token, the request
+/// itself until its stream ends.
+struct QueueSlot {
+    queue: Arc<AdmissionQueue>,
+    /// 0 once the first token is out.
+    prompt_tokens: u64,
+}
+
+impl QueueSlot {
+    fn started(&mut self) {
+        self.queue.prompt_tokens.fetch_sub(std::mem::take(&mut self.prompt_tokens), Ordering::AcqRel);
+    }
+}
+
+impl AdmissionQueue {
+    /// Takes a slot for a request of `prompt_tokens`, or refuses with a hint of how long to wait.
+    fn enter(self: &Arc<Self>, prompt_tokens: u64) -> Result<QueueSlot, Status> {
+        let requests = self.requests.fetch_add(1, Ordering::AcqRel);
+        let backlog = self.prompt_tokens.fetch_add(prompt_tokens, Ordering::AcqRel);
+        let slot = QueueSlot { queue: self.clone(), prompt_tokens };
+        let over_requests = requests >= self.limits.max_requests;
+        let over_tokens = backlog > 0 && backlog + prompt_tokens > self.limits.max_queued_prompt_tokens;
+        if !(over_requests || over_tokens) {
+            return Ok(slot);
+        }
+        drop(slot);
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let mut status = Status::resource_exhausted(format!(
+            "worker busy: {requests} requests in flight (limit {}), {backlog} prompt tokens waiting for prefill \
+             (limit {})",
+            self.limits.max_requests, self.limits.max_queued_prompt_tokens
+        ));
+        // A coarse hint (the router only turns it into `Retry-After`): a second, plus one per 4k tokens of backlog.
+        let retry_after_ms = (1000 + backlog / 4).min(30_000);
+        if let Ok(v) = retry_after_ms.to_string().parse() {
+            status.metadata_mut().insert(pagoda_proto::BUSY_RETRY_AFTER_MS, v);
+        }
+        Err(status)
+    }
+}
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        self.started();
+        self.queue.requests.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The gRPC service. Cheap to clone.
 #[derive(Clone)]
 pub struct WorkerService {
     engine: EngineHandle,
-    next_id: std::sync::Arc<AtomicU64>,
+    next_id: Arc<AtomicU64>,
     worker_id: String,
+    admission: Arc<AdmissionQueue>,
+    /// Peer pulls; `None` when they are off.
+    peer: Option<Arc<PeerFetcher>>,
+    /// The peer tier's counters (this worker's pulls and what its Transfer service served), for `Stats`.
+    peer_counters: Arc<PeerCounters>,
 }
 
 impl WorkerService {
     pub fn new(engine: EngineHandle) -> WorkerService {
-        WorkerService { engine, next_id: std::sync::Arc::new(AtomicU64::new(1)), worker_id: String::new() }
+        WorkerService {
+            engine,
+            next_id: Arc::new(AtomicU64::new(1)),
+            worker_id: String::new(),
+            admission: Arc::new(AdmissionQueue::default()),
+            peer: None,
+            peer_counters: Arc::default(),
+        }
+    }
+
+    /// Sets the admission limits (see [`AdmissionLimits`]).
+    pub fn with_admission(mut self, limits: AdmissionLimits) -> WorkerService {
+        self.admission = Arc::new(AdmissionQueue { limits, ..AdmissionQueue::default() });
+        self
+    }
+
+    /// Requests refused as busy since start.
+    pub fn refused_busy(&self) -> u64 {
+        self.admission.refused.load(Ordering::Relaxed)
+    }
+
+    /// Reports these peer-tier counters in `Stats` (share them with the worker's `TransferService`).
+    pub fn with_peer_counters(mut self, counters: Arc<PeerCounters>) -> WorkerService {
+        self.peer_counters = counters;
+        self
+    }
+
+    /// Pulls hinted prefixes from peers before running a request (see [`crate::transfer`]).
+    pub fn with_peer_fetch(mut self, fetcher: PeerFetcher) -> WorkerService {
+        self.peer = Some(Arc::new(fetcher));
+        self
     }
 
     /// Announces `id` in `Health`: the id this worker reports its blocks under in the kvstore.
@@ -180,12 +306,15 @@ struct EventStream {
     span: Span,
     submitted: Instant,
     first_token: bool,
+    /// The request's share of the admission limits, given back as it starts and ends.
+    queue_slot: QueueSlot,
 }
 
 impl EventStream {
     /// The first token ends prefill (queueing included) and starts decode.
     fn on_first_token(&mut self) {
         self.first_token = true;
+        self.queue_slot.started();
         let ms = self.submitted.elapsed().as_secs_f64() * 1e3;
         trace_context::span_event(&self.span, "prefill", vec![KeyValue::new("queue_and_prefill_ms", ms)]);
         trace_context::span_event(&self.span, "decode", vec![KeyValue::new("phase", "first_token")]);
@@ -304,7 +433,16 @@ impl Worker for WorkerService {
             span.record("otel.status_description", st.message());
             st
         };
-        let req = self.to_engine_request(request.into_inner()).map_err(refused)?;
+        let mut inner = request.into_inner();
+        let hint = inner.peer_hint.take().filter(|h| !h.address.is_empty() && h.blocks > 0);
+        if let Some(h) = &hint
+            && h.address.len() > MAX_ID_BYTES
+        {
+            return Err(refused(Status::invalid_argument(format!(
+                "peer_hint.address is longer than {MAX_ID_BYTES} bytes"
+            ))));
+        }
+        let req = self.to_engine_request(inner).map_err(refused)?;
         let request_id = req.request_id.clone();
         let policy = req.policy.unwrap_or_else(|| self.engine.default_policy());
         span.record("request_id", request_id.as_str());
@@ -312,6 +450,18 @@ impl Worker for WorkerService {
         span.record("max_tokens", i64::from(req.max_tokens));
         span.record("policy", policy.kind.name());
         span.record("budget_tokens", policy.budget_tokens as i64);
+        // Refused as busy before any pull: a pull for a request that cannot run would be wasted.
+        let queue_slot = self.admission.enter(req.prompt.len() as u64).map_err(refused)?;
+        if let (Some(peer), Some(hint)) = (&self.peer, &hint) {
+            let pulled = peer.pull_prefix(&req.prompt, &req.namespace, hint, &span).await;
+            if pulled > 0 {
+                trace_context::span_event(
+                    &span,
+                    "onboard",
+                    vec![KeyValue::new("from", "peer"), KeyValue::new("blocks", pulled as i64)],
+                );
+            }
+        }
         let rx = self.engine.submit(req).map_err(|e| refused(status_from_engine(&e)))?;
         let state = EventStream {
             rx,
@@ -322,6 +472,7 @@ impl Worker for WorkerService {
             span,
             submitted: Instant::now(),
             first_token: false,
+            queue_slot,
         };
         let stream = futures::stream::unfold(state, |mut s| async move {
             if s.done {
@@ -357,6 +508,7 @@ impl Worker for WorkerService {
 
     async fn stats(&self, _request: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
         let s = self.engine.stats();
+        let p = self.peer_counters.snapshot();
         Ok(Response::new(StatsResponse {
             blocks_total: s.blocks_total,
             blocks_used: s.blocks_used,
@@ -392,6 +544,13 @@ impl Worker for WorkerService {
                 .collect(),
             offloaded_groups_total: s.offloaded_groups,
             disk_corrupted_total: s.disk_corrupted,
+            peer_fetched_blocks_total: p.fetched_blocks,
+            peer_fetched_bytes_total: p.fetched_bytes,
+            peer_fetch_failures_total: p.fetch_failures,
+            peer_fetches_total: p.fetches,
+            peer_fetch_seconds_total: p.fetch_seconds,
+            peer_served_blocks_total: p.served_blocks,
+            peer_served_bytes_total: p.served_bytes,
         }))
     }
 }
@@ -511,6 +670,60 @@ mod tests {
             let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");
         }
+    }
+
+    fn busy_hint(err: &Status) -> Option<u64> {
+        err.metadata().get(pagoda_proto::BUSY_RETRY_AFTER_MS)?.to_str().ok()?.parse().ok()
+    }
+
+    #[tokio::test]
+    async fn worker_at_its_request_limit_refuses_as_busy_until_a_stream_ends() {
+        let svc = service(256, 20).with_admission(AdmissionLimits { max_requests: 2, max_queued_prompt_tokens: 1000 });
+        let a = svc.generate(Request::new(request(vec![1, 2], 3))).await.unwrap().into_inner();
+        let mut b = svc.generate(Request::new(request(vec![3, 4], 3))).await.unwrap().into_inner();
+        let err = svc.generate(Request::new(request(vec![5], 3))).await.err().expect("third request refused");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert!(busy_hint(&err).is_some_and(|ms| ms >= 1000), "busy hint: {err:?}");
+        assert_eq!(svc.refused_busy(), 1);
+        // Started is not done: a streaming request holds its place until its stream ends.
+        assert!(!b.next().await.unwrap().unwrap().token_ids.is_empty());
+        assert!(svc.generate(Request::new(request(vec![5], 3))).await.is_err());
+        while let Some(m) = b.next().await {
+            m.unwrap();
+        }
+        drop(b);
+        assert!(svc.generate(Request::new(request(vec![5], 3))).await.is_ok(), "b's place came back");
+        drop(a);
+        // A request that can never fit the pool is not "busy": no hint, so the router does not retry it elsewhere.
+        let too_big = service(8, 0).generate(Request::new(request(vec![1; 10], 10))).await.err().unwrap();
+        assert_eq!(busy_hint(&too_big), None);
+    }
+
+    #[tokio::test]
+    async fn queued_prompt_tokens_are_bounded_but_a_lone_request_always_enters() {
+        let svc = service(256, 200).with_admission(AdmissionLimits { max_requests: 100, max_queued_prompt_tokens: 10 });
+        // Alone, a prompt longer than the token bound still enters ...
+        let long = svc.generate(Request::new(request(vec![1; 12], 2))).await.unwrap().into_inner();
+        // ... but nothing else while it waits.
+        let err = svc.generate(Request::new(request(vec![1], 2))).await.err().expect("refused behind the long one");
+        assert!(busy_hint(&err).is_some(), "{err:?}");
+        // A refused or finished request leaves no trace in the counters.
+        drop(long);
+        let mut ok = None;
+        for _ in 0..100 {
+            if let Ok(s) = svc.generate(Request::new(request(vec![1; 6], 2))).await {
+                ok = Some(s);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut s = ok.expect("room again once the long request's stream is gone").into_inner();
+        let refused = svc.generate(Request::new(request(vec![1; 5], 2))).await.err().expect("6 + 5 > 10");
+        assert!(busy_hint(&refused).is_some());
+        while let Some(m) = s.next().await {
+            m.unwrap();
+        }
+        assert!(svc.generate(Request::new(request(vec![1; 5], 2))).await.is_ok());
     }
 
     #[tokio::test]

@@ -103,8 +103,8 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
-{{/* Etcd client endpoints: the bundled members or the external ones, comma-separated. Shown in NOTES.txt;
-     the components take them once they have an --etcd flag. */}}
+{{/* Etcd client endpoints: the bundled members or the external ones, comma-separated: every component's
+     --etcd (they register there with 10 s leases; routers follow the registered workers). */}}
 {{- define "pagoda.etcdEndpoints" -}}
 {{- if eq .Values.etcd.mode "bundled" -}}
 {{- $svc := include "pagoda.etcdService" . -}}
@@ -157,4 +157,14 @@ affinity:
 {{- else if hasSuffix "Mi" $q -}}{{ trimSuffix "Mi" $q | int64 }}
 {{- else -}}{{ fail (printf "storage size %q: use Mi, Gi or Ti" $q) }}
 {{- end -}}
+{{- end -}}
+
+{{/* The kvstore voters' gRPC addresses, comma-separated: the workers' and routers' --kvstore. */}}
+{{- define "pagoda.kvstoreEndpoints" -}}
+{{- $svc := include "pagoda.kvstoreService" . -}}
+{{- $eps := list -}}
+{{- range $i := until (int .Values.kvstore.replicas) -}}
+{{- $eps = append $eps (printf "%s-%d.%s.%s:%d" $svc $i $svc (include "pagoda.svcSuffix" $) (int $.Values.kvstore.port)) -}}
+{{- end -}}
+{{- join "," $eps -}}
 {{- end -}}

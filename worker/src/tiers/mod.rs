@@ -3,20 +3,24 @@
 //! [`TierStore`], which owns both stores on the engine thread and moves groups between them.
 //!
 //! The unit of storage is a block *group* (every (layer, kv-head) block of one 16-token chunk), keyed by its
-//! prefix chain hash and stored as opaque encoded bytes tagged with a codec name. Until the KV codecs land the
-//! only codec is [`native`]: the device blocks' f32 values, little-endian.
+//! prefix chain hash and stored as opaque encoded bytes tagged with a codec name: [`native`] (the device blocks'
+//! own elements) or one of the compressing KV codecs ([`codec`]); onboarding decodes by the stored name. Which
+//! codec a group gets is the placement's choice: the LRU placement uses one fixed codec (`--tier-codec`, native by
+//! default), EvicPress ([`crate::placement`]) chooses per context.
 //!
 //! Groups reach the lower tiers write-back: when a device group becomes idle (joins the pool's LRU queue) the
 //! engine copies it into the host tier between steps, while its blocks are still immutable and owned by the
 //! prefix index. A later device eviction therefore loses nothing, and never has to race the forward step that
 //! reuses the blocks. Host LRU victims are demoted to disk.
 
+pub mod codec;
 pub mod cost;
 pub mod disk;
 pub mod host;
 pub mod native;
 pub mod store;
 
+pub use codec::GroupCodec;
 pub use cost::CostModel;
 pub use disk::DiskStore;
 pub use host::HostStore;

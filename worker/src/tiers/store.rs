@@ -150,6 +150,16 @@ impl TierStore {
         }
     }
 
+    /// Stores a group that arrived from another worker into the host tier (its LRU victims go to disk). Returns
+    /// whether a lower tier holds it afterwards; without a host tier nothing is stored.
+    pub fn import(&mut self, hash: u64, group: EncodedGroup) -> bool {
+        let Some(h) = &mut self.host else { return false };
+        for (h, g) in h.put(hash, group) {
+            self.demote(h, &g);
+        }
+        self.locate(hash).is_some()
+    }
+
     fn demote(&mut self, hash: u64, group: &EncodedGroup) {
         let Some(d) = &mut self.disk else { return };
         match d.put(hash, group) {
@@ -176,6 +186,69 @@ impl TierStore {
                     None
                 }
             },
+        }
+    }
+
+    /// Stores `group` under `hash` in exactly `tier` (placement decided elsewhere, e.g. by EvicPress), replacing
+    /// what that tier held under `hash`. Returns false when the tier is not configured or refused the group (too
+    /// large, or a disk error, which is counted).
+    pub fn place(&mut self, tier: Tier, hash: u64, group: EncodedGroup) -> bool {
+        match tier {
+            Tier::Device => false,
+            Tier::Host => {
+                let Some(h) = &mut self.host else { return false };
+                let victims = h.put(hash, group);
+                // The planner keeps the host tier within capacity, so victims are rare (its size estimate is an
+                // upper bound); they are demoted like LRU victims rather than lost.
+                let refused = victims.iter().any(|(v, _)| *v == hash);
+                for (v, g) in victims {
+                    self.demote(v, &g);
+                }
+                !refused
+            }
+            Tier::Disk => {
+                let Some(d) = &mut self.disk else { return false };
+                if let Err(e) = d.remove(hash) {
+                    self.counters.disk_errors += 1;
+                    tracing::warn!(error = %e, "removing a replaced KV group from disk failed");
+                }
+                match d.put(hash, &group) {
+                    Ok(ok) => ok,
+                    Err(e) => {
+                        self.counters.disk_errors += 1;
+                        tracing::warn!(error = %e, "writing a KV group to disk failed; it is dropped");
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    /// Removes `hash` from every lower tier.
+    pub fn remove(&mut self, hash: u64) {
+        if let Some(h) = &mut self.host {
+            h.remove(hash);
+        }
+        if let Some(d) = &mut self.disk
+            && let Err(e) = d.remove(hash)
+        {
+            self.counters.disk_errors += 1;
+            tracing::warn!(error = %e, "removing a KV group from disk failed");
+        }
+    }
+
+    /// A copy of the group under `hash` from the fastest tier holding it (disk reads are verified).
+    pub fn read(&mut self, hash: u64) -> Option<(Tier, EncodedGroup)> {
+        let (tier, _) = self.locate(hash)?;
+        self.with_group(hash, tier, |g| (tier, g.clone()))
+    }
+
+    /// Bytes free in `tier` (0 when it is not configured).
+    pub fn free_bytes(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Device => 0,
+            Tier::Host => self.host.as_ref().map_or(0, |h| h.capacity_bytes() - h.used_bytes()),
+            Tier::Disk => self.disk.as_ref().map_or(0, |d| d.capacity_bytes().saturating_sub(d.used_bytes())),
         }
     }
 
@@ -236,6 +309,29 @@ impl TierStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn imported_groups_land_in_host_and_are_reported() {
+        let cfg = TierConfig { data_dir: None, host_bytes: 250, disk_bytes: 0 };
+        let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        t.track_changes();
+        assert!(t.import(7, g(100, 7)));
+        assert_eq!(t.locate(7), Some((Tier::Host, 100)));
+        assert_eq!(t.counters().offloaded_groups, 0, "a pulled group is not an offload");
+        let mut changes = Vec::new();
+        t.take_changes(&mut changes);
+        assert!(changes.iter().any(|c| matches!(c, BlockChange::Stored { hash: 7, tier: Tier::Host, .. })));
+        // Larger than the whole host tier, with no disk below: not kept.
+        assert!(!t.import(8, g(300, 8)));
+        // Without a host tier nothing is imported.
+        let dir = std::env::temp_dir().join(format!("pagoda-tierstore-import-{}", std::process::id()));
+        let disk_only = TierConfig { data_dir: Some(dir.clone()), host_bytes: 0, disk_bytes: 1 << 20 };
+        let mut t = TierStore::open(&disk_only, 1 << 20).unwrap().unwrap();
+        assert!(!t.import(7, g(100, 7)));
+        assert_eq!(t.locate(7), None);
+        drop(t);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     fn g(n: usize, seed: u8) -> EncodedGroup {
         EncodedGroup { codec: "native".into(), bytes: vec![seed; n] }

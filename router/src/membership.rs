@@ -1,0 +1,98 @@
+//! Worker membership from the etcd registry (DESIGN §6): the task that turns the registry's worker keys into the
+//! pool's worker list.
+//!
+//! It owns the map registry id → address of the registered workers. Every full list ([`MembershipEvent::Listed`])
+//! adds the workers the pool lacks and removes the registered ones that are gone; a `Joined` adds one (and drops
+//! the old address of an id that moved); a `Left` (the worker's lease expired or was revoked) removes it, and with
+//! it everything the residency index held for it, so it leaves placement at once. A worker that registers again
+//! rejoins, probed at once, and the directory feed re-reads its blocks. Workers given with `--worker` are pinned:
+//! the registry never removes them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use pagoda_registry::{MembershipEvent, RegistryConfig, Role};
+
+use crate::workers::{RegistryStatus, WorkerPool};
+
+struct Membership {
+    pool: Arc<WorkerPool>,
+    pinned: BTreeSet<String>,
+    registered: BTreeMap<String, String>,
+    status: RegistryStatus,
+}
+
+/// Starts following the registry's workers for `pool`; `pinned` are the static `--worker` addresses.
+pub fn spawn(pool: Arc<WorkerPool>, cfg: RegistryConfig, pinned: Vec<String>) -> tokio::task::JoinHandle<()> {
+    let (mut rx, watcher) = pagoda_registry::watch(cfg, Role::Worker);
+    tokio::spawn(async move {
+        let mut m = Membership {
+            pool,
+            pinned: pinned.into_iter().collect(),
+            registered: BTreeMap::new(),
+            status: RegistryStatus { enabled: true, ..RegistryStatus::default() },
+        };
+        m.publish();
+        while let Some(ev) = rx.recv().await {
+            m.apply(ev).await;
+            m.publish();
+        }
+        watcher.abort();
+    })
+}
+
+impl Membership {
+    async fn apply(&mut self, ev: MembershipEvent) {
+        match ev {
+            MembershipEvent::Listed(members) => {
+                let now: BTreeMap<String, String> = members.into_iter().map(|m| (m.id, m.address)).collect();
+                let gone: Vec<String> =
+                    self.registered.iter().filter(|(id, _)| !now.contains_key(*id)).map(|(id, _)| id.clone()).collect();
+                for id in gone {
+                    self.leave(&id);
+                }
+                for (id, address) in now {
+                    self.join(id, address).await;
+                }
+            }
+            MembershipEvent::Joined(m) => self.join(m.id, m.address).await,
+            MembershipEvent::Left(id) => self.leave(&id),
+        }
+    }
+
+    async fn join(&mut self, id: String, address: String) {
+        if let Some(old) = self.registered.get(&id)
+            && *old != address
+        {
+            // The same worker id registered at a new address: the old one is gone.
+            self.leave(&id);
+        }
+        self.registered.insert(id.clone(), address.clone());
+        match self.pool.add(&address) {
+            Ok(Some(worker)) => {
+                self.status.joined_total += 1;
+                tracing::info!(worker = %id, address, "worker registered; it joins placement");
+                // Ready for placement as soon as it answers, not at the next health round.
+                worker.probe().await;
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(worker = %id, address, error = %e, "cannot add a registered worker"),
+        }
+    }
+
+    fn leave(&mut self, id: &str) {
+        let Some(address) = self.registered.remove(id) else { return };
+        if self.pinned.contains(&address) {
+            return;
+        }
+        if self.pool.remove(&address) {
+            self.status.left_total += 1;
+            tracing::warn!(worker = %id, address, "worker's registry lease is gone; it and its residency leave placement");
+        }
+    }
+
+    fn publish(&mut self) {
+        self.status.workers = self.registered.iter().map(|(id, a)| (id.clone(), a.clone())).collect();
+        self.pool.set_registry_status(self.status.clone());
+    }
+}

@@ -1,0 +1,567 @@
+//! `pagoda bench tiers --workload zipf`: EvicPress against its baselines on reused long contexts (the EvicPress
+//! paper's Figure 7 setting, scaled to this model and machine).
+//!
+//! The workload: `contexts` documents of `min_tokens..=max_tokens` tokens (windows of the prose under
+//! `data/prose/`, or seeded random tokens without it), each length a multiple of the block size so that the
+//! question starts a fresh group. `requests` requests pick a document by Zipf(`zipf_s`) over a seeded random
+//! ranking and append one of a few short questions; each generates `answer_tokens` greedy tokens. Every
+//! configuration replays the same requests, one at a time, on a fresh engine with the same device pool, host and
+//! disk capacities:
+//!
+//! - **recompute**: prefix caching off, no tiers; its answers are the reference for quality;
+//! - **lru**: the tiers hold every idle group in the native format, least recently used evicted;
+//! - **lru+CODEC**: the same with every group in one compressing codec;
+//! - **evicpress**: EvicPress places each context (tier × codec) by utility, with its idle-time profiler.
+//!
+//! Per configuration it reports mean and p99 TTFT (submit → first token), the quality score (the fraction of
+//! answer tokens equal, position by position, to the recompute answer, averaged over requests) and the fraction of
+//! prompt tokens served from each tier. Between requests the harness waits until the engine is idle and has placed
+//! (and, for EvicPress, profiled) the finished request's context, so TTFT never includes profiling; the profiling
+//! time is reported on its own.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use pagoda_kernels::Codec;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::bench_eviction::percentile;
+use crate::engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
+    TierPlacement,
+};
+use crate::model::{Gguf, Tokenizer};
+use crate::placement::EvicPressConfig;
+use crate::policy::PolicySpec;
+use crate::tiers::{Tier, TierConfig};
+
+/// Questions appended to a context (each well under one 16-token group beyond the context's last group).
+const QUESTIONS: [&str; 6] = [
+    "\n\nQuestion: Who is the main character of this passage? Answer:",
+    "\n\nQuestion: Where does the scene above take place? Answer:",
+    "\n\nQuestion: What happens next in the story? Answer:",
+    "\n\nQuestion: Summarise the passage in one sentence. Answer:",
+    "\n\nQuestion: What is the tone of the text above? Answer:",
+    "\n\nQuestion: Which word best describes the narrator? Answer:",
+];
+/// Largest number of contexts or requests accepted (bounds the workload the harness builds in memory).
+pub const MAX_ITEMS: usize = 100_000;
+/// How long one request may take before the run is abandoned.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ZipfBenchOptions {
+    pub threads: usize,
+    pub contexts: usize,
+    pub min_tokens: usize,
+    pub max_tokens: usize,
+    pub requests: usize,
+    pub zipf_s: f64,
+    pub answer_tokens: usize,
+    /// Device pool size in tokens (rounded up to whole groups).
+    pub device_tokens: usize,
+    pub host_mib: u64,
+    pub disk_mib: u64,
+    /// Where the disk tiers live (one directory per configuration, removed afterwards); required when
+    /// `disk_mib > 0`.
+    pub data_dir: Option<PathBuf>,
+    /// Codecs of the fixed-codec LRU baselines (and the variants EvicPress may choose).
+    pub codecs: Vec<String>,
+    pub alpha: f64,
+    /// Prose for the contexts (`*.txt`); seeded random tokens when `None`.
+    pub prose_dir: Option<PathBuf>,
+    pub seed: u64,
+}
+
+impl Default for ZipfBenchOptions {
+    fn default() -> ZipfBenchOptions {
+        ZipfBenchOptions {
+            threads: 0,
+            contexts: 200,
+            min_tokens: 1024,
+            max_tokens: 4096,
+            requests: 600,
+            zipf_s: 1.1,
+            answer_tokens: 4,
+            device_tokens: 8192,
+            host_mib: 1024,
+            disk_mib: 2048,
+            data_dir: None,
+            codecs: ["int8", "fp8_e4m3", "int4_kivi", "int2_kivi"].map(String::from).to_vec(),
+            alpha: 1.0,
+            prose_dir: None,
+            seed: 11,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ZipfConfigResult {
+    pub name: String,
+    pub requests: usize,
+    pub completed: usize,
+    pub ttft_ms_mean: f64,
+    pub ttft_ms_p99: f64,
+    /// Mean fraction of answer tokens equal to the recompute answer, in [0, 1].
+    pub quality: f64,
+    /// Fraction of all prompt tokens served from each tier ([`Tier::index`]).
+    pub hit_rate: [f64; 3],
+    /// Fraction of prompt tokens computed.
+    pub computed_rate: f64,
+    /// Most bytes each lower tier held after any request, and its capacity ([`Tier::index`]; device unused).
+    pub peak_used_bytes: [u64; 3],
+    pub capacity_bytes: [u64; 3],
+    /// EvicPress only: its final counters, and its planner's largest accounted bytes per tier.
+    pub evicpress: Option<crate::placement::EvicPressStats>,
+    pub peak_planned_bytes: [u64; 3],
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ZipfReport {
+    pub model: String,
+    pub options: ZipfBenchOptions,
+    /// Where the contexts came from.
+    pub source: String,
+    /// KV bytes of all contexts in the device's format, and of the device pool.
+    pub workload_kv_bytes: u64,
+    pub device_bytes: u64,
+    pub results: Vec<ZipfConfigResult>,
+}
+
+impl ZipfReport {
+    pub fn to_markdown(&self) -> String {
+        let o = &self.options;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let mut s = format!(
+            "Model {}, {} contexts of {}..={} tokens ({}), {} requests, Zipf({}), {} answer tokens. KV of the \
+             workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB.\n\n\
+             | configuration | mean TTFT ms | p99 TTFT ms | quality | device hit | host hit | disk hit | computed \
+             | completed |\n|---|---|---|---|---|---|---|---|---|\n",
+            self.model,
+            o.contexts,
+            o.min_tokens,
+            o.max_tokens,
+            self.source,
+            o.requests,
+            o.zipf_s,
+            o.answer_tokens,
+            mib(self.workload_kv_bytes),
+            mib(self.device_bytes),
+            o.host_mib,
+            self.workload_kv_bytes as f64 / (self.device_bytes + (o.host_mib << 20)).max(1) as f64,
+            o.disk_mib
+        );
+        for r in &self.results {
+            s += &format!(
+                "| {} | {:.1} | {:.1} | {:.3} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {}/{} |\n",
+                r.name,
+                r.ttft_ms_mean,
+                r.ttft_ms_p99,
+                r.quality,
+                100.0 * r.hit_rate[0],
+                100.0 * r.hit_rate[1],
+                100.0 * r.hit_rate[2],
+                100.0 * r.computed_rate,
+                r.completed,
+                r.requests
+            );
+        }
+        if let Some(ep) = self.results.iter().find_map(|r| r.evicpress.as_ref()) {
+            s += &format!(
+                "\nEvicPress: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
+                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops.\n",
+                ep.contexts,
+                ep.profiles,
+                ep.profile_ms as f64 / 1e3,
+                ep.spot_checks,
+                ep.reprofiles,
+                ep.placed_with_prior,
+                ep.compressed,
+                ep.moved_down,
+                ep.dropped
+            );
+        }
+        s += &self.comparison();
+        s
+    }
+
+    /// The issue's two targets, stated whether or not they hold: at least 1.4x lower mean TTFT than the fastest
+    /// fixed codec + LRU with equal or better quality, and at least 1.2x lower than LRU only within 3% quality.
+    pub fn comparison(&self) -> String {
+        let Some(ep) = self.results.iter().find(|r| r.name == "evicpress") else { return String::new() };
+        let mut s = String::new();
+        let fastest = self
+            .results
+            .iter()
+            .filter(|r| r.name.starts_with("lru+"))
+            .min_by(|a, b| a.ttft_ms_mean.total_cmp(&b.ttft_ms_mean));
+        if let Some(b) = fastest {
+            let ratio = b.ttft_ms_mean / ep.ttft_ms_mean.max(1e-9);
+            let met = ratio >= 1.4 && ep.quality >= b.quality;
+            s += &format!(
+                "\nEvicPress vs the fastest fixed codec + LRU ({}): {ratio:.2}x lower mean TTFT, quality {:.3} vs \
+                 {:.3} (target >= 1.4x at equal or better quality: {}).",
+                b.name,
+                ep.quality,
+                b.quality,
+                if met { "met" } else { "not met" }
+            );
+        }
+        if let Some(lru) = self.results.iter().find(|r| r.name == "lru") {
+            let ratio = lru.ttft_ms_mean / ep.ttft_ms_mean.max(1e-9);
+            let met = ratio >= 1.2 && ep.quality >= lru.quality - 0.03;
+            s += &format!(
+                "\nEvicPress vs LRU only: {ratio:.2}x lower mean TTFT, quality {:.3} vs {:.3} (target >= 1.2x within \
+                 3% quality: {}).\n",
+                ep.quality,
+                lru.quality,
+                if met { "met" } else { "not met" }
+            );
+        }
+        s
+    }
+
+    pub fn to_json_string(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// One request of the workload.
+#[derive(Debug, Clone)]
+struct Request {
+    prompt: Vec<u32>,
+}
+
+/// The documents: prose windows or random tokens, lengths multiples of `bs`.
+fn contexts(
+    opts: &ZipfBenchOptions,
+    tokenizer: &Tokenizer,
+    vocab: u32,
+    bs: usize,
+    rng: &mut StdRng,
+) -> Result<(Vec<Vec<u32>>, String), EngineError> {
+    let lens: Vec<usize> =
+        (0..opts.contexts).map(|_| (rng.random_range(opts.min_tokens..=opts.max_tokens) / bs).max(1) * bs).collect();
+    if let Some(dir) = &opts.prose_dir {
+        let stream = prose_tokens(dir, tokenizer, opts.max_tokens * 8)?;
+        if stream.len() > opts.max_tokens + 1 {
+            let docs = lens
+                .iter()
+                .map(|&n| {
+                    let start = rng.random_range(0..stream.len() - n);
+                    stream[start..start + n].to_vec()
+                })
+                .collect();
+            return Ok((docs, format!("prose windows from {}", dir.display())));
+        }
+    }
+    let docs = lens.iter().map(|&n| (0..n).map(|_| rng.random_range(0..vocab)).collect()).collect();
+    Ok((docs, "random tokens".into()))
+}
+
+/// The `*.txt` files of `dir` (bounded), tokenized, at least `want` tokens when there is that much.
+fn prose_tokens(dir: &Path, tokenizer: &Tokenizer, want: usize) -> Result<Vec<u32>, EngineError> {
+    let err = |e: std::io::Error| EngineError::Config(format!("prose dir {}: {e}", dir.display()));
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(err)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files.into_iter().take(64) {
+        let len = std::fs::metadata(&f).map_err(err)?.len();
+        if len > 16 << 20 {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).map_err(err)?;
+        // Tokenize paragraph runs, so that a small want does not pay for a whole book.
+        for chunk in text.split("\n\n").collect::<Vec<_>>().chunks(32) {
+            out.extend(tokenizer.encode(&chunk.join("\n\n"), false));
+            if out.len() >= want {
+                return Ok(out);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Zipf(s) over `n` ranks: cumulative weights.
+fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
+    let mut acc = 0.0;
+    let mut cdf: Vec<f64> = (1..=n)
+        .map(|k| {
+            acc += 1.0 / (k as f64).powf(s);
+            acc
+        })
+        .collect();
+    for x in &mut cdf {
+        *x /= acc;
+    }
+    cdf
+}
+
+fn request(prompt: Vec<u32>, answer_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        request_id: "zipf".into(),
+        prompt,
+        max_tokens: answer_tokens as u32,
+        sampling: SamplingParams::greedy(),
+        stop_token_ids: vec![],
+        namespace: String::new(),
+        policy: Some(PolicySpec::full()),
+        ignore_eos: true,
+    }
+}
+
+/// Runs one request: TTFT and the answer.
+fn run_one(engine: &EngineHandle, prompt: Vec<u32>, answer_tokens: usize) -> Result<(f64, Vec<u32>), EngineError> {
+    let t0 = Instant::now();
+    let mut rx = engine.submit(request(prompt, answer_tokens))?;
+    let mut ttft = None;
+    let mut answer = Vec::new();
+    loop {
+        if t0.elapsed() > REQUEST_TIMEOUT {
+            return Err(EngineError::Forward("request timed out".into()));
+        }
+        match rx.blocking_recv() {
+            Some(GenerateEvent::Token(t)) => {
+                ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                answer.push(t);
+            }
+            Some(GenerateEvent::Finished { .. }) => break,
+            Some(GenerateEvent::Failed(e)) => return Err(EngineError::Forward(e)),
+            None => return Err(EngineError::Stopped),
+        }
+    }
+    Ok((ttft.unwrap_or_else(|| t0.elapsed().as_secs_f64()), answer))
+}
+
+/// Waits until the engine is idle with the request's tokens counted and nothing left to place.
+fn settled(engine: &EngineHandle, computed_before: u64) -> Result<EngineStats, EngineError> {
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    loop {
+        let s = engine.stats();
+        let placed = s.evicpress.as_ref().is_none_or(|e| e.pending == 0);
+        if s.running == 0 && s.waiting == 0 && s.computed_tokens_total > computed_before && placed {
+            return Ok(s);
+        }
+        if Instant::now() > deadline {
+            return Err(EngineError::Forward("the engine did not settle".into()));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// One configuration over the whole request sequence.
+fn run_config(
+    model: &Path,
+    opts: &ZipfBenchOptions,
+    name: &str,
+    cfg: EngineConfig,
+    workload: &[Request],
+    reference: Option<&[Vec<u32>]>,
+) -> Result<(ZipfConfigResult, Vec<Vec<u32>>), EngineError> {
+    let t0 = Instant::now();
+    let engine = Engine::start(EngineConfig { model_path: model.to_path_buf(), ..cfg })?;
+    let mut ttfts = Vec::with_capacity(workload.len());
+    let mut answers = Vec::with_capacity(workload.len());
+    let mut hits = [0u64; 3];
+    let (mut prompt_tokens, mut computed) = (0u64, 0u64);
+    let mut peak_used = [0u64; 3];
+    let mut capacity = [0u64; 3];
+    let mut peak_planned = [0u64; 3];
+    let mut last = engine.stats();
+    for r in workload {
+        let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens)?;
+        let s = settled(&engine, last.computed_tokens_total)?;
+        for (t, h) in hits.iter_mut().enumerate() {
+            *h += s.prefix_hit_tokens[t].saturating_sub(last.prefix_hit_tokens[t]);
+        }
+        prompt_tokens += r.prompt.len() as u64;
+        // Prompt tokens computed = all computed minus the decode steps (every answer token but the last).
+        computed += (s.computed_tokens_total - last.computed_tokens_total)
+            .saturating_sub(answer.len().saturating_sub(1) as u64);
+        for tier in [Tier::Host, Tier::Disk] {
+            let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
+            peak_used[tier.index()] = peak_used[tier.index()].max(used);
+            if let Some(u) = s.tier_usage.iter().find(|u| u.tier == tier) {
+                capacity[tier.index()] = u.capacity_bytes;
+            }
+        }
+        if let Some(ep) = &s.evicpress {
+            for (peak, planned) in peak_planned.iter_mut().zip(ep.planned_bytes) {
+                *peak = (*peak).max(planned);
+            }
+        }
+        ttfts.push(ttft * 1e3);
+        answers.push(answer);
+        last = s;
+    }
+    engine.shutdown();
+    let quality = match reference {
+        Some(reference) => {
+            let per: Vec<f64> = answers
+                .iter()
+                .zip(reference)
+                .map(|(a, r)| a.iter().zip(r).filter(|(x, y)| x == y).count() as f64 / r.len().max(1) as f64)
+                .collect();
+            per.iter().sum::<f64>() / per.len().max(1) as f64
+        }
+        None => 1.0,
+    };
+    let mut sorted = ttfts.clone();
+    sorted.sort_by(f64::total_cmp);
+    let pt = prompt_tokens.max(1) as f64;
+    let result = ZipfConfigResult {
+        name: name.to_owned(),
+        requests: workload.len(),
+        completed: answers.iter().filter(|a| a.len() == opts.answer_tokens).count(),
+        ttft_ms_mean: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
+        ttft_ms_p99: percentile(&sorted, 99.0),
+        quality,
+        hit_rate: hits.map(|h| h as f64 / pt),
+        computed_rate: computed as f64 / pt,
+        peak_used_bytes: peak_used,
+        capacity_bytes: capacity,
+        evicpress: last.evicpress.clone(),
+        peak_planned_bytes: peak_planned,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    Ok((result, answers))
+}
+
+/// Runs every configuration on the same workload.
+pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, EngineError> {
+    let bad = |m: String| Err(EngineError::Config(m));
+    if opts.contexts == 0 || opts.contexts > MAX_ITEMS || opts.requests == 0 || opts.requests > MAX_ITEMS {
+        return bad(format!("contexts and requests must be in 1..={MAX_ITEMS}"));
+    }
+    if opts.min_tokens < 32 || opts.min_tokens > opts.max_tokens {
+        return bad(format!(
+            "context tokens {}..={} must be at least 32 and ordered",
+            opts.min_tokens, opts.max_tokens
+        ));
+    }
+    if !(opts.zipf_s.is_finite() && opts.zipf_s > 0.0) || opts.answer_tokens == 0 || opts.answer_tokens > 64 {
+        return bad("zipf exponent must be > 0 and answer tokens in 1..=64".into());
+    }
+    if opts.disk_mib > 0 && opts.data_dir.is_none() {
+        return bad("the disk tier needs a data dir".into());
+    }
+    let mut codecs = Vec::new();
+    for c in &opts.codecs {
+        let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
+        if matches!(codec, Codec::F32 | Codec::F16) {
+            return bad(format!("{c} is the native format, not a compressing codec"));
+        }
+        codecs.push(codec);
+    }
+    let gguf = Gguf::open(model).map_err(|e| EngineError::Model(e.to_string()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| EngineError::Model(e.to_string()))?;
+    drop(gguf);
+    let probe = Engine::start(EngineConfig { num_blocks: 90, threads: 1, max_running: 1, ..EngineConfig::new(model) })?;
+    let info = probe.model_info().clone();
+    probe.shutdown();
+    let layout = info.layout();
+    let bs = layout.block_size;
+    let questions: Vec<Vec<u32>> = QUESTIONS.iter().map(|q| tokenizer.encode(q, false)).collect();
+    let longest_q = questions.iter().map(Vec::len).max().unwrap_or(0);
+    if opts.max_tokens + longest_q + opts.answer_tokens >= info.context_length {
+        return bad(format!("contexts of {} tokens do not fit the model's {}", opts.max_tokens, info.context_length));
+    }
+    let mut rng = StdRng::seed_from_u64(opts.seed);
+    let (docs, source) = contexts(opts, &tokenizer, info.vocab_size as u32, bs, &mut rng)?;
+    let mut ranking: Vec<usize> = (0..docs.len()).collect();
+    ranking.shuffle(&mut rng);
+    let cdf = zipf_cdf(docs.len(), opts.zipf_s);
+    let workload: Vec<Request> = (0..opts.requests)
+        .map(|_| {
+            let u: f64 = rng.random();
+            let rank = cdf.partition_point(|&c| c < u).min(docs.len() - 1);
+            let q = &questions[rng.random_range(0..questions.len())];
+            let mut prompt = docs[ranking[rank]].clone();
+            prompt.extend_from_slice(q);
+            Request { prompt }
+        })
+        .collect();
+
+    let token_bytes = (2 * info.head_dim * info.kv_dtype.bytes() * layout.group_size()) as u64;
+    let workload_kv_bytes = docs.iter().map(|d| d.len() as u64).sum::<u64>() * token_bytes;
+    // The pool holds the largest prompt and its answer, at least `device_tokens`.
+    let device_tokens = opts.device_tokens.max(opts.max_tokens + longest_q + opts.answer_tokens + bs);
+    let num_blocks = layout.blocks_for_tokens(device_tokens);
+    let device_bytes = (num_blocks / layout.group_size() * bs) as u64 * token_bytes;
+    let base = EngineConfig { num_blocks, threads: opts.threads, max_running: 1, ..EngineConfig::new(model) };
+    let run_dir = opts.data_dir.as_ref().map(|d| d.join(format!("bench-tiers-zipf-{}", std::process::id())));
+    let tiers = |name: &str| TierConfig {
+        data_dir: run_dir.as_ref().map(|d| d.join(name)),
+        host_bytes: opts.host_mib << 20,
+        disk_bytes: if run_dir.is_some() { opts.disk_mib << 20 } else { 0 },
+    };
+
+    let mut configs: Vec<(String, EngineConfig)> = vec![
+        ("recompute".into(), EngineConfig { enable_prefix_cache: false, ..base.clone() }),
+        ("lru".into(), EngineConfig { tiers: tiers("lru"), ..base.clone() }),
+    ];
+    for c in &codecs {
+        let name = format!("lru+{c}");
+        configs.push((
+            name.clone(),
+            EngineConfig { tiers: tiers(&name), placement: TierPlacement::LruCodec(*c), ..base.clone() },
+        ));
+    }
+    let ep = EvicPressConfig {
+        alpha: opts.alpha,
+        codecs: codecs.clone(),
+        answer_tokens: opts.answer_tokens,
+        ..EvicPressConfig::default()
+    };
+    configs.push((
+        "evicpress".into(),
+        EngineConfig { tiers: tiers("evicpress"), placement: TierPlacement::EvicPress(ep), ..base.clone() },
+    ));
+
+    let mut results = Vec::new();
+    let mut reference: Option<Vec<Vec<u32>>> = None;
+    let mut outcome = Ok(());
+    for (name, cfg) in configs {
+        tracing::info!(config = %name, "bench tiers zipf: running");
+        match run_config(model, opts, &name, cfg, &workload, reference.as_deref()) {
+            Ok((r, answers)) => {
+                if reference.is_none() {
+                    reference = Some(answers);
+                }
+                results.push(r);
+            }
+            Err(e) => {
+                outcome = Err(e);
+                break;
+            }
+        }
+    }
+    if let Some(d) = &run_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    outcome?;
+    let name = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(ZipfReport { model: name, options: opts.clone(), source, workload_kv_bytes, device_bytes, results })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zipf_favours_low_ranks() {
+        let cdf = zipf_cdf(200, 1.1);
+        assert!((cdf[199] - 1.0).abs() < 1e-12);
+        assert!(cdf.windows(2).all(|w| w[0] < w[1]));
+        // Rank 1's share is 1 / H(200, 1.1) ≈ 0.2.
+        assert!(cdf[0] > 0.15 && cdf[0] < 0.25, "{}", cdf[0]);
+    }
+}

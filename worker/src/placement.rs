@@ -1,0 +1,802 @@
+//! EvicPress placement in the engine: the driver that feeds the pure [`Planner`](crate::evicpress::Planner) with
+//! contexts, profiles and measured bandwidths, and carries out its operations on the [`TierStore`]. Owned by the
+//! engine thread (one owner: the planner, the context table and the profiler's state live here and nowhere else).
+//!
+//! - **Contexts.** A context is a run of a prompt's prefix-chain groups that no earlier context owns: the first
+//!   request over a document creates it (at least [`EvicPressConfig::min_context_groups`] groups), later requests
+//!   whose chains pass through its groups count as accesses (the utility's frequency). Every group has at most one
+//!   owning context, so tier bytes are accounted exactly once. The tokens after the context in the creating
+//!   request (bounded by `probe_tokens`) are kept as its profiling probe.
+//! - **Profiling.** Right after a request computed a context from scratch, and only when the engine has no other
+//!   work, the profiler measures each variant's quality: it greedily decodes `answer_tokens` tokens after the probe
+//!   with the full-precision KV (the reference), then, for each compressing codec, quantises the context's device
+//!   blocks in place (encode → decode, what onboarding that variant would produce), decodes again and scores the
+//!   fraction of positions that agree with the reference; the original blocks are restored bit-exactly after every
+//!   variant. It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and
+//!   are never chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
+//!   gets the running mean of the profiles measured so far (lossless only before the first).
+//! - **Drift.** When a profiled context that had been dropped is recomputed and the engine is idle, the profiler
+//!   re-measures the variant it was last stored in; [`Planner::observe_quality`] says whether the running mean has
+//!   drifted below the profile, and if so the context is profiled again in full.
+//! - **Placement.** A new or recomputed context is inserted with Algorithm 1; the planner's device capacity is 0
+//!   because the device pool keeps its own LRU (its blocks are the scheduler's working set), so the insert relieves
+//!   straight into host and disk: compress in place, move down, or drop below disk, by smallest utility drop. The
+//!   operations are applied to the stores in an order that frees space before it is used (drops, then what lands
+//!   on disk, then host). Groups are encoded from the device blocks when they are still there, else transcoded from
+//!   the tier copy. `load_time` uses the cost model's measured load bandwidth per tier, refreshed before each plan.
+//! - **Bounds.** At most `max_contexts` contexts are remembered (the least recently used unplaced ones are
+//!   forgotten), at most [`MAX_PENDING`] finished requests wait for placement, a probe is at most `probe_tokens`.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use pagoda_kernels::{Codec, KvDtype, KvStorage};
+
+use crate::cache::{BlockId, BlockPool, CacheLayout, block_hashes};
+use crate::engine::{EngineError, ModelRunner, StepSeq};
+use crate::evicpress::{self, Operation, Planner, PlannerConfig, Variant};
+use crate::sampling::argmax;
+use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
+
+/// Finished requests waiting for placement at most; older ones are dropped (their contexts are simply not placed).
+pub const MAX_PENDING: usize = 256;
+/// Upper bound on one group file's bytes beyond its payload (header, codec name, checksum): the planner's size per
+/// variant includes it so that the disk tier never has to evict on its own.
+const FILE_OVERHEAD: usize = 128;
+
+/// The lower tiers' placement policy (`--tier-placement`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum TierPlacement {
+    /// Every idle device group is copied down in the native format; each tier evicts least recently used groups,
+    /// host victims go to disk.
+    #[default]
+    Lru,
+    /// LRU with every group in this compressing codec.
+    LruCodec(Codec),
+    /// EvicPress chooses tier and codec per context (this module).
+    EvicPress(EvicPressConfig),
+}
+
+impl TierPlacement {
+    /// From the worker's flags: `placement` is `lru` or `evicpress`; `codec` (LRU only) `native` or a compressing
+    /// codec; `alpha` is EvicPress's α.
+    pub fn from_flags(placement: &str, codec: &str, alpha: f64) -> Result<TierPlacement, String> {
+        let fixed = match codec.parse::<GroupCodec>() {
+            Ok(GroupCodec::Native(_)) => None,
+            Ok(GroupCodec::Kv(c)) => Some(c),
+            Err(e) => return Err(format!("--tier-codec: {e}")),
+        };
+        match placement {
+            "lru" => Ok(fixed.map_or(TierPlacement::Lru, TierPlacement::LruCodec)),
+            "evicpress" => {
+                if fixed.is_some() {
+                    return Err("--tier-codec applies to --tier-placement lru; EvicPress chooses codecs itself".into());
+                }
+                if !(alpha.is_finite() && alpha >= 0.0) {
+                    return Err(format!("--evicpress-alpha must be finite and >= 0, got {alpha}"));
+                }
+                Ok(TierPlacement::EvicPress(EvicPressConfig { alpha, ..EvicPressConfig::default() }))
+            }
+            other => Err(format!(
+                "--tier-placement: expected lru or evicpress, got {:?}",
+                other.chars().take(32).collect::<String>()
+            )),
+        }
+    }
+}
+
+/// EvicPress settings (`--tier-placement evicpress`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvicPressConfig {
+    /// The utility's α: quality per second of load time.
+    pub alpha: f64,
+    /// Compressing variants offered besides the lossless native one.
+    pub codecs: Vec<Codec>,
+    /// Contexts remembered at most.
+    pub max_contexts: usize,
+    /// Tokens after a context kept as its profiling probe.
+    pub probe_tokens: usize,
+    /// Greedy tokens compared per variant.
+    pub answer_tokens: usize,
+    /// Relative drop of observed quality below the profile that triggers a re-profile.
+    pub drift_threshold: f64,
+    /// Wall time one profile may take; variants not reached stay unmeasured.
+    pub profile_budget: Duration,
+    /// Groups (of 16 tokens by default) a new context needs at least.
+    pub min_context_groups: usize,
+}
+
+impl Default for EvicPressConfig {
+    fn default() -> EvicPressConfig {
+        EvicPressConfig {
+            alpha: 1.0,
+            codecs: GroupCodec::COMPRESSING.to_vec(),
+            max_contexts: 4096,
+            probe_tokens: 32,
+            answer_tokens: 4,
+            drift_threshold: 0.1,
+            profile_budget: Duration::from_secs(5),
+            min_context_groups: 4,
+        }
+    }
+}
+
+/// Counters and occupancy of the placement (in [`crate::engine::EngineStats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EvicPressStats {
+    pub contexts: u64,
+    /// Contexts placed per tier ([`Tier::index`]; the device slot stays 0).
+    pub placed: [u64; 3],
+    /// Bytes the planner accounts per tier, and its capacities.
+    pub planned_bytes: [u64; 3],
+    pub capacity_bytes: [u64; 3],
+    pub profiles: u64,
+    /// Drift spot checks run, and the re-profiles they triggered.
+    pub spot_checks: u64,
+    pub reprofiles: u64,
+    pub profile_ms: u64,
+    /// Contexts placed with the prior because the engine was busy (or the probe did not fit the pool).
+    pub placed_with_prior: u64,
+    /// Operations applied: compress in place, move down, drop below the last tier.
+    pub compressed: u64,
+    pub moved_down: u64,
+    pub dropped: u64,
+    /// Finished requests waiting to be placed.
+    pub pending: u64,
+}
+
+#[derive(Debug)]
+struct Context {
+    /// The context's own groups, in chain order.
+    groups: Vec<u64>,
+    /// Where the stores hold it now (what has been applied).
+    stored: Option<evicpress::Placement>,
+    /// Quality measured (not the prior).
+    profiled: bool,
+    last_use: u64,
+}
+
+/// A finished request's view of one context: the whole chain up to the context's end (the profiler needs every
+/// group's blocks), the tokens after it, and whether the request computed the chain from scratch.
+#[derive(Debug)]
+struct Pending {
+    context: u64,
+    chain: Vec<u64>,
+    probe: Vec<u32>,
+    fresh: bool,
+}
+
+/// See the module docs.
+pub struct EvicPress {
+    cfg: EvicPressConfig,
+    planner: Planner,
+    /// Index 0 is the lossless native format of the device arena.
+    variants: Vec<GroupCodec>,
+    contexts: HashMap<u64, Context>,
+    owner: HashMap<u64, u64>,
+    pending: VecDeque<Pending>,
+    /// Sum and count of measured quality per variant: the prior of unprofiled contexts.
+    prior: Vec<(f64, u64)>,
+    model_id: String,
+    layout: CacheLayout,
+    clock: u64,
+    stats: EvicPressStats,
+    /// One group's worth of f32 blocks, for transcoding between tier codecs.
+    scratch: KvStorage,
+    logits: Vec<f32>,
+}
+
+impl std::fmt::Debug for EvicPress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EvicPress").field("contexts", &self.contexts.len()).finish()
+    }
+}
+
+impl EvicPress {
+    /// A driver for a model of `layout` × `head_dim` with device arena `dtype`, planning into the free space of
+    /// `tiers` with its current bandwidth estimates.
+    pub fn new(
+        cfg: EvicPressConfig,
+        model_id: &str,
+        layout: CacheLayout,
+        head_dim: usize,
+        dtype: KvDtype,
+        tiers: &TierStore,
+    ) -> Result<EvicPress, EngineError> {
+        let bad = |m: String| EngineError::Config(format!("evicpress: {m}"));
+        if cfg.probe_tokens == 0 || cfg.answer_tokens == 0 || cfg.min_context_groups == 0 || cfg.max_contexts == 0 {
+            return Err(bad("probe, answer, context sizes must be at least 1".into()));
+        }
+        if !(cfg.drift_threshold.is_finite() && (0.0..1.0).contains(&cfg.drift_threshold)) {
+            return Err(bad(format!("drift threshold {} is not in [0, 1)", cfg.drift_threshold)));
+        }
+        let mut variants = vec![GroupCodec::Native(dtype)];
+        for c in &cfg.codecs {
+            let v = GroupCodec::Kv(*c);
+            if matches!(c, Codec::F32 | Codec::F16) {
+                return Err(bad(format!("{c} is a native format, not a compressing variant")));
+            }
+            if !variants.contains(&v) {
+                variants.push(v);
+            }
+        }
+        let gs = layout.group_size();
+        let mut planner_variants = Vec::with_capacity(variants.len());
+        for v in &variants {
+            let bytes = v.group_bytes(gs, layout.block_size, head_dim).map_err(|e| bad(e.to_string()))?;
+            planner_variants.push(Variant {
+                codec: v.name().to_owned(),
+                bytes_per_token: (bytes + FILE_OVERHEAD) as f64 / layout.block_size as f64,
+                keep_ratio: 1.0,
+            });
+        }
+        let cost = tiers.cost();
+        let planner = Planner::new(PlannerConfig {
+            alpha: cfg.alpha,
+            // The device pool keeps its own LRU; the planner places below it.
+            capacity: [0, tiers.free_bytes(Tier::Host), tiers.free_bytes(Tier::Disk)],
+            bandwidth: [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
+            variants: planner_variants,
+            // Forgetting is this driver's business (it must drop the group owners too).
+            max_contexts: cfg.max_contexts + 1,
+        })
+        .map_err(|e| bad(e.to_string()))?;
+        let n = variants.len();
+        let stats = EvicPressStats { capacity_bytes: planner.capacity(), ..EvicPressStats::default() };
+        Ok(EvicPress {
+            cfg,
+            planner,
+            variants,
+            contexts: HashMap::new(),
+            owner: HashMap::new(),
+            pending: VecDeque::new(),
+            prior: vec![(0.0, 0); n],
+            model_id: model_id.to_owned(),
+            layout,
+            clock: 0,
+            stats,
+            scratch: KvStorage::with_dtype(gs, layout.block_size, head_dim, KvDtype::F32),
+            logits: Vec::new(),
+        })
+    }
+
+    pub fn stats(&self) -> EvicPressStats {
+        let mut s = self.stats.clone();
+        s.contexts = self.contexts.len() as u64;
+        s.planned_bytes = self.planner.used();
+        s.pending = self.pending.len() as u64;
+        s.placed = [0; 3];
+        for c in self.contexts.values() {
+            if let Some(p) = c.stored {
+                s.placed[tier_of(p.tier).index()] += 1;
+            }
+        }
+        s
+    }
+
+    /// Names of the variants, index 0 first (the planner's variant indices).
+    pub fn variant_names(&self) -> Vec<&'static str> {
+        self.variants.iter().map(|v| v.name()).collect()
+    }
+
+    /// Records a request that finished: resolves which contexts its prompt passed through (counting accesses) and
+    /// creates a new one from its unowned groups. Placement happens in [`EvicPress::place_pending`].
+    pub fn finished(&mut self, prompt: &[u32], namespace: &str, cached_tokens: usize) {
+        let bs = self.layout.block_size;
+        if prompt.len() < 2 {
+            return;
+        }
+        // Full groups before the last prompt token: the probe (what follows) is never empty.
+        let full = (prompt.len() - 1) / bs;
+        let chain = block_hashes(&self.model_id, namespace, &prompt[..full * bs], bs);
+        let fresh = cached_tokens == 0;
+        self.clock += 1;
+        // Owned groups form a prefix of the chain (a chain hash fixes everything before it).
+        let mut i = 0;
+        let mut touched: Vec<(u64, usize)> = Vec::new();
+        while i < chain.len() {
+            let Some(&c) = self.owner.get(&chain[i]) else { break };
+            match touched.last_mut() {
+                Some((last, end)) if *last == c => *end = i + 1,
+                _ => touched.push((c, i + 1)),
+            }
+            i += 1;
+        }
+        if chain.len() - i >= self.cfg.min_context_groups {
+            let id = chain[i];
+            for &h in &chain[i..] {
+                self.owner.insert(h, id);
+            }
+            self.contexts.insert(
+                id,
+                Context { groups: chain[i..].to_vec(), stored: None, profiled: false, last_use: self.clock },
+            );
+            touched.push((id, chain.len()));
+        }
+        for (context, end) in touched {
+            if let Some(c) = self.contexts.get_mut(&context) {
+                c.last_use = self.clock;
+            }
+            let probe_end = (end * bs + self.cfg.probe_tokens).min(prompt.len());
+            if self.pending.len() >= MAX_PENDING {
+                self.pending.pop_front();
+            }
+            self.pending.push_back(Pending {
+                context,
+                chain: chain[..end].to_vec(),
+                probe: prompt[end * bs..probe_end].to_vec(),
+                fresh,
+            });
+        }
+    }
+
+    /// Places every pending context: accesses are counted; new and recomputed contexts are profiled (only when
+    /// `idle`), inserted by Algorithm 1, and the resulting operations applied to `tiers`.
+    pub fn place_pending<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        pool: &mut BlockPool,
+        tiers: &mut TierStore,
+        idle: bool,
+    ) {
+        while let Some(p) = self.pending.pop_front() {
+            if let Err(e) = self.place_one(runner, pool, tiers, p, idle) {
+                tracing::warn!(error = %e, "evicpress placement skipped a context");
+            }
+        }
+        self.forget_excess();
+    }
+
+    fn place_one<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        pool: &mut BlockPool,
+        tiers: &mut TierStore,
+        p: Pending,
+        idle: bool,
+    ) -> Result<(), EngineError> {
+        let Some(ctx) = self.contexts.get(&p.context) else { return Ok(()) };
+        let (stored, profiled) = (ctx.stored, ctx.profiled);
+        let tokens = (ctx.groups.len() * self.layout.block_size) as u64;
+        let known = self.planner.quality(p.context).is_some();
+        if stored.is_some() && known {
+            self.planner.record_access(p.context).map_err(plan_err)?;
+            return Ok(());
+        }
+        // New, or dropped and now recomputed: measure when possible, then insert.
+        let can_profile = idle && p.fresh;
+        let mut measured_now = false;
+        if can_profile
+            && !profiled
+            && let Some(q) = self.profile_all(runner, pool, &p)?
+        {
+            self.set_measured(p.context, tokens, q)?;
+            measured_now = true;
+        }
+        if !measured_now && !known {
+            self.stats.placed_with_prior += 1;
+            let prior = self.prior_quality();
+            self.planner.set_profile(p.context, tokens, prior).map_err(plan_err)?;
+        }
+        self.planner.record_access(p.context).map_err(plan_err)?;
+        self.insert(p.context, runner, pool, tiers)?;
+        // A profiled context computed again: check the variant it now sits in against its profile.
+        if can_profile && profiled && !measured_now {
+            let Some(v) = self.planner.placement(p.context).map(|pl| pl.variant).filter(|&v| v != 0) else {
+                return Ok(());
+            };
+            let Some(q) = self.profile(runner, pool, &p, &[v])? else { return Ok(()) };
+            let Some(observed) = q[v] else { return Ok(()) };
+            self.stats.spot_checks += 1;
+            if self.planner.observe_quality(p.context, observed, self.cfg.drift_threshold).map_err(plan_err)? {
+                self.stats.reprofiles += 1;
+                if let Some(q) = self.profile_all(runner, pool, &p)? {
+                    self.set_measured(p.context, tokens, q)?;
+                    self.insert(p.context, runner, pool, tiers)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn set_measured(&mut self, context: u64, tokens: u64, q: Vec<Option<f64>>) -> Result<(), EngineError> {
+        for (v, q) in q.iter().enumerate() {
+            if let Some(q) = q {
+                self.prior[v].0 += q;
+                self.prior[v].1 += 1;
+            }
+        }
+        self.planner.set_profile(context, tokens, q).map_err(plan_err)?;
+        if let Some(c) = self.contexts.get_mut(&context) {
+            c.profiled = true;
+        }
+        Ok(())
+    }
+
+    /// Algorithm 1 for `context` with fresh bandwidths, applied to the stores.
+    fn insert<R: ModelRunner>(
+        &mut self,
+        context: u64,
+        runner: &mut R,
+        pool: &mut BlockPool,
+        tiers: &mut TierStore,
+    ) -> Result<(), EngineError> {
+        let cost = tiers.cost();
+        self.planner.set_bandwidth([0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)]);
+        let ops = self.planner.insert(context).map_err(plan_err)?;
+        self.apply(ops, runner, pool, tiers);
+        Ok(())
+    }
+
+    /// The prior of an unprofiled context: lossless is exact by construction; the others at the running mean of
+    /// the profiles measured so far (unmeasured: never chosen).
+    fn prior_quality(&self) -> Vec<Option<f64>> {
+        self.prior
+            .iter()
+            .enumerate()
+            .map(|(v, &(sum, n))| if v == 0 { Some(1.0) } else { (n > 0).then(|| sum / n as f64) })
+            .collect()
+    }
+
+    fn profile_all<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        pool: &mut BlockPool,
+        p: &Pending,
+    ) -> Result<Option<Vec<Option<f64>>>, EngineError> {
+        let all: Vec<usize> = (1..self.variants.len()).collect();
+        let q = self.profile(runner, pool, p, &all)?;
+        if q.is_some() {
+            self.stats.profiles += 1;
+        }
+        Ok(q)
+    }
+
+    /// Measures `variants` of the context at the end of `p.chain` (see the module docs). `None` when the chain is
+    /// not all on the device or the pool has no room for the probe.
+    fn profile<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        pool: &mut BlockPool,
+        p: &Pending,
+        variants: &[usize],
+    ) -> Result<Option<Vec<Option<f64>>>, EngineError> {
+        let t0 = Instant::now();
+        let mut groups: Vec<Vec<BlockId>> = Vec::with_capacity(p.chain.len());
+        for h in &p.chain {
+            match pool.lookup(*h) {
+                Some(g) => groups.push(g.to_vec()),
+                None => return Ok(None),
+            }
+        }
+        let pinned: Vec<BlockId> = groups.iter().flatten().copied().collect();
+        if pool.acquire(&pinned).is_err() {
+            return Ok(None);
+        }
+        let gs = self.layout.group_size();
+        let bs = self.layout.block_size;
+        let ctx_tokens = p.chain.len() * bs;
+        let tail_blocks = (p.probe.len() + self.cfg.answer_tokens).div_ceil(bs);
+        let mut tail = Vec::new();
+        if pool.allocate(gs * tail_blocks, &mut tail).is_err() {
+            release(pool, &pinned);
+            return Ok(None);
+        }
+        let tables: Vec<Vec<BlockId>> = (0..gs)
+            .map(|t| {
+                let mut table: Vec<BlockId> = groups.iter().map(|g| g[t]).collect();
+                table.extend_from_slice(&tail[t * tail_blocks..(t + 1) * tail_blocks]);
+                table
+            })
+            .collect();
+        let result = self.measure(runner, &groups, &tables, ctx_tokens, &p.probe, variants, t0);
+        release(pool, &tail);
+        release(pool, &pinned);
+        self.stats.profile_ms += t0.elapsed().as_millis() as u64;
+        result.map(Some)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn measure<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        groups: &[Vec<BlockId>],
+        tables: &[Vec<BlockId>],
+        ctx_tokens: usize,
+        probe: &[u32],
+        variants: &[usize],
+        t0: Instant,
+    ) -> Result<Vec<Option<f64>>, EngineError> {
+        let mut quality = vec![None; self.variants.len()];
+        quality[0] = Some(1.0);
+        let reference = self.greedy(runner, tables, ctx_tokens, probe)?;
+        let Some(io) = runner.policy_io() else { return Ok(quality) };
+        let originals: Vec<EncodedGroup> = groups.iter().map(|g| native::encode(io.kv, g)).collect();
+        for &v in variants {
+            if t0.elapsed() > self.cfg.profile_budget {
+                break;
+            }
+            let codec = self.variants[v];
+            let answer = match round_trip(runner, groups, codec) {
+                Ok(()) => self.greedy(runner, tables, ctx_tokens, probe),
+                Err(e) => Err(e),
+            };
+            // Restore whatever happened: the device blocks are the prefix cache's.
+            if let Some(io) = runner.policy_io() {
+                for (g, orig) in groups.iter().zip(&originals) {
+                    native::decode(orig, io.kv, g).map_err(|e| EngineError::Forward(e.to_string()))?;
+                }
+            }
+            match answer {
+                Ok(a) => {
+                    let agree = a.iter().zip(&reference).filter(|(x, y)| x == y).count();
+                    quality[v] = Some(agree as f64 / reference.len().max(1) as f64);
+                }
+                // A codec that refuses this KV (out of its range) is simply not a choice for it.
+                Err(e) => tracing::debug!(codec = codec.name(), error = %e, "variant not profiled"),
+            }
+        }
+        Ok(quality)
+    }
+
+    /// Greedy decode of `answer_tokens` tokens after `probe`, over `tables` whose first `ctx_tokens` slots hold the
+    /// context.
+    fn greedy<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        tables: &[Vec<BlockId>],
+        ctx_tokens: usize,
+        probe: &[u32],
+    ) -> Result<Vec<u32>, EngineError> {
+        let vocab = runner.info().vocab_size;
+        let mut lens = vec![ctx_tokens; tables.len()];
+        let mut out = Vec::with_capacity(self.cfg.answer_tokens);
+        let mut input: Vec<u32> = probe.to_vec();
+        let mut pos = ctx_tokens;
+        for _ in 0..self.cfg.answer_tokens {
+            self.logits.clear();
+            let seq = StepSeq {
+                tokens: &input,
+                start_pos: pos as u32,
+                tables,
+                prior_lens: &lens,
+                want_logits: true,
+                capture_q: 0,
+            };
+            runner.forward(&[seq], &mut self.logits)?;
+            if self.logits.len() < vocab {
+                return Err(EngineError::Forward("no logits from the profiling step".into()));
+            }
+            let tok = argmax(&self.logits[..vocab]);
+            out.push(tok);
+            pos += input.len();
+            lens.iter_mut().for_each(|l| *l = pos);
+            input.clear();
+            input.push(tok);
+        }
+        Ok(out)
+    }
+
+    /// Applies the planner's operations. Every context they touch is brought to its final placement, in an order
+    /// that frees space before it is used: drops, then contexts landing on disk (in-place compressions first),
+    /// then host, new contexts last.
+    fn apply<R: ModelRunner>(&mut self, ops: Vec<Operation>, runner: &mut R, pool: &BlockPool, tiers: &mut TierStore) {
+        let mut touched: Vec<u64> = Vec::new();
+        for op in &ops {
+            let (c, counter) = match op {
+                Operation::Insert { context, .. } => (*context, None),
+                // Steps through the device tier (capacity 0 here) are the planner's way down, not real moves.
+                Operation::Change { context, from, .. } if from.tier == evicpress::Tier::Device => (*context, None),
+                Operation::Change { context, from, to } => (*context, Some(if from.tier == to.tier { 0 } else { 1 })),
+                // A re-insert drops the old placement first; only a final drop counts.
+                Operation::Drop { context, .. } => (*context, self.planner.placement(*context).is_none().then_some(2)),
+            };
+            match counter {
+                Some(0) => self.stats.compressed += 1,
+                Some(1) => self.stats.moved_down += 1,
+                Some(_) => self.stats.dropped += 1,
+                None => {}
+            }
+            if !touched.contains(&c) {
+                touched.push(c);
+            }
+        }
+        let rank = |s: &EvicPress, c: u64| -> (u8, u8) {
+            let target = s.planner.placement(c).map(|p| tier_of(p.tier));
+            let stored = s.contexts.get(&c).and_then(|x| x.stored).map(|p| tier_of(p.tier));
+            let t = match target {
+                None => 0,
+                Some(Tier::Disk) => 1,
+                Some(_) => 2,
+            };
+            (
+                t,
+                if stored == target {
+                    0
+                } else if stored.is_some() {
+                    1
+                } else {
+                    2
+                },
+            )
+        };
+        touched.sort_by_key(|&c| rank(self, c));
+        let Some(io) = runner.policy_io() else { return };
+        for c in touched {
+            let target = self.planner.placement(c);
+            let Some(ctx) = self.contexts.get(&c) else { continue };
+            if ctx.stored == target {
+                continue;
+            }
+            let groups = ctx.groups.clone();
+            match target {
+                None => {
+                    for &h in &groups {
+                        tiers.remove(h);
+                    }
+                }
+                Some(p) => {
+                    let tier = tier_of(p.tier);
+                    let codec = self.variants[p.variant];
+                    for &h in &groups {
+                        let group = match pool.lookup(h) {
+                            Some(blocks) => codec::encode(io.kv, blocks, codec),
+                            None => match tiers.read(h) {
+                                Some((_, g)) => self.transcode(&g, codec),
+                                // Evicted from the device before it was stored: the rest of the chain is
+                                // unreachable anyway.
+                                None => break,
+                            },
+                        };
+                        let group = match group {
+                            Ok(g) => g,
+                            Err(e) => {
+                                tracing::warn!(codec = codec.name(), error = %e, "KV group not stored");
+                                tiers.remove(h);
+                                break;
+                            }
+                        };
+                        // One copy per group: whatever tier held it before gives it up.
+                        tiers.remove(h);
+                        if !tiers.place(tier, h, group) {
+                            break;
+                        }
+                    }
+                }
+            }
+            if let Some(ctx) = self.contexts.get_mut(&c) {
+                ctx.stored = target;
+            }
+        }
+    }
+
+    /// Re-encodes a stored group in another codec (through f32).
+    fn transcode(&mut self, g: &EncodedGroup, to: GroupCodec) -> Result<EncodedGroup, crate::tiers::TierError> {
+        let blocks: Vec<BlockId> = (0..self.layout.group_size() as BlockId).collect();
+        codec::decode(g, &mut self.scratch, &blocks)?;
+        codec::encode(&self.scratch, &blocks, to)
+    }
+
+    /// Forgets the least recently used unplaced contexts beyond `max_contexts`.
+    fn forget_excess(&mut self) {
+        while self.contexts.len() > self.cfg.max_contexts {
+            let victim =
+                self.contexts.iter().filter(|(_, c)| c.stored.is_none()).min_by_key(|(_, c)| c.last_use).map(|e| *e.0);
+            let Some(id) = victim else { break };
+            if let Some(c) = self.contexts.remove(&id) {
+                for h in c.groups {
+                    self.owner.remove(&h);
+                }
+            }
+            self.planner.forget(id);
+        }
+    }
+}
+
+fn plan_err(e: evicpress::PlanError) -> EngineError {
+    EngineError::Config(format!("evicpress: {e}"))
+}
+
+fn tier_of(t: evicpress::Tier) -> Tier {
+    match t {
+        evicpress::Tier::Device => Tier::Device,
+        evicpress::Tier::Host => Tier::Host,
+        evicpress::Tier::Disk => Tier::Disk,
+    }
+}
+
+fn release(pool: &mut BlockPool, blocks: &[BlockId]) {
+    if let Err(e) = pool.release(blocks) {
+        tracing::error!(error = %e, "releasing profiling blocks failed");
+    }
+}
+
+/// Quantises the context's device blocks in place with `codec` (encode, then decode back).
+fn round_trip<R: ModelRunner>(runner: &mut R, groups: &[Vec<BlockId>], codec: GroupCodec) -> Result<(), EngineError> {
+    let Some(io) = runner.policy_io() else { return Err(EngineError::Forward("the runner has no host KV".into())) };
+    let err = |e: crate::tiers::TierError| EngineError::Forward(e.to_string());
+    for g in groups {
+        let enc = codec::encode(io.kv, g, codec).map_err(err)?;
+        codec::decode(&enc, io.kv, g).map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tiers::TierConfig;
+
+    #[test]
+    fn flags_parse_into_placements_and_bad_ones_are_refused() {
+        assert_eq!(TierPlacement::from_flags("lru", "native", 1.0), Ok(TierPlacement::Lru));
+        assert_eq!(TierPlacement::from_flags("lru", "f16", 1.0), Ok(TierPlacement::Lru));
+        assert_eq!(TierPlacement::from_flags("lru", "int4_kivi", 1.0), Ok(TierPlacement::LruCodec(Codec::Int4Kivi)));
+        match TierPlacement::from_flags("evicpress", "native", 2.5) {
+            Ok(TierPlacement::EvicPress(c)) => {
+                assert_eq!(c.alpha, 2.5);
+                assert_eq!(c.codecs, GroupCodec::COMPRESSING.to_vec());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(TierPlacement::from_flags("evicpress", "int8", 1.0).is_err(), "EvicPress picks its own codecs");
+        assert!(TierPlacement::from_flags("evicpress", "native", f64::NAN).is_err());
+        assert!(TierPlacement::from_flags("evicpress", "native", -1.0).is_err());
+        assert!(TierPlacement::from_flags("fifo", "native", 1.0).is_err());
+        assert!(TierPlacement::from_flags("lru", "zstd", 1.0).is_err());
+    }
+
+    #[test]
+    fn the_planner_is_sized_from_the_tiers_and_codecs() {
+        let dir = std::env::temp_dir().join(format!("pagoda-placement-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = TierConfig { data_dir: Some(dir.clone()), host_bytes: 1 << 20, disk_bytes: 4 << 20 };
+        let tiers = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        let layout = CacheLayout { n_layers: 2, n_kv_heads: 2, block_size: 16 };
+        let ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F16, &tiers).unwrap();
+        assert_eq!(ep.variant_names(), ["f16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"]);
+        assert_eq!(ep.stats().capacity_bytes, [0, 1 << 20, 4 << 20]);
+        // A native format is not a compressing variant; nonsense settings are refused.
+        let native = EvicPressConfig { codecs: vec![Codec::F16], ..EvicPressConfig::default() };
+        assert!(EvicPress::new(native, "m", layout, 64, KvDtype::F16, &tiers).is_err());
+        let drift = EvicPressConfig { drift_threshold: 1.5, ..EvicPressConfig::default() };
+        assert!(EvicPress::new(drift, "m", layout, 64, KvDtype::F16, &tiers).is_err());
+        drop(tiers);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn contexts_are_the_unowned_runs_of_prompt_groups() {
+        let cfg = TierConfig { data_dir: None, host_bytes: 1 << 20, disk_bytes: 0 };
+        let tiers = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        let layout = CacheLayout { n_layers: 1, n_kv_heads: 1, block_size: 16 };
+        let mut ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F32, &tiers).unwrap();
+        // 8 full groups before the last token, then a 5-token question.
+        let doc: Vec<u32> = (0..128).collect();
+        let mut a = doc.clone();
+        a.extend([900, 901, 902, 903, 904]);
+        ep.finished(&a, "", 0);
+        assert_eq!(ep.contexts.len(), 1);
+        let id = *ep.contexts.keys().next().unwrap();
+        assert_eq!(ep.contexts[&id].groups.len(), 8);
+        assert_eq!(ep.pending.back().map(|p| (p.probe.clone(), p.fresh)), Some((vec![900, 901, 902, 903, 904], true)));
+        // Another question on the same document is an access, not a new context; a short new tail (< 4 groups) is
+        // not a context either.
+        let mut b = doc.clone();
+        b.extend(1000..1040);
+        ep.finished(&b, "", 128);
+        assert_eq!(ep.contexts.len(), 1);
+        let last = ep.pending.back().unwrap();
+        assert_eq!((last.context, last.chain.len(), last.fresh), (id, 8, false));
+        assert_eq!(last.probe, (1000..1032).collect::<Vec<u32>>(), "the probe is bounded by probe_tokens");
+        // A document extended by 4+ groups makes a second context owning only the new groups.
+        let mut c = doc.clone();
+        c.extend(2000..2080);
+        ep.finished(&c, "", 128);
+        assert_eq!(ep.contexts.len(), 2);
+        assert!(ep.contexts.values().any(|x| x.groups.len() == 4));
+        // Another namespace hashes differently: a new context.
+        ep.finished(&a, "tenant", 0);
+        assert_eq!(ep.contexts.len(), 3);
+    }
+}

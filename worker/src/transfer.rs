@@ -1,0 +1,686 @@
+//! The peer tier: KV block groups moving between workers through the `Transfer` gRPC service (DESIGN §5).
+//!
+//! - [`TransferService`] serves `Fetch` from this worker's host and disk tiers. The engine thread owns those tiers,
+//!   so the service asks it for copies of the groups (a bounded chunk per round trip) and streams them in batches of
+//!   at most `max_batch_bytes`, each block with an xxh3 checksum seeded by its hash.
+//! - [`PeerFetcher`] is the pulling side: before a request reaches the engine, when the router named a peer that
+//!   holds more of the prompt's prefix than this worker ([`pb_worker::PeerHint`]), it weighs the pull (measured
+//!   peer bandwidth, then decoding from host) against prefilling the same tokens, pulls within a deadline, verifies
+//!   every block, and hands the verified run to the engine's host tier. Admission then onboards it like any host
+//!   hit. A failed, late or corrupt pull costs nothing but the time it took: the request is prefilled as usual.
+//! - [`PeerCounters`] owns the peer tier's counters for `Stats`; the fetcher owns the peer bandwidth estimate.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use pagoda_proto::trace_context::{self, TransferDirection};
+use pagoda_proto::transfer::transfer_client::TransferClient;
+use pagoda_proto::transfer::transfer_server::{Transfer, TransferServer};
+use pagoda_proto::transfer::{Block, BlockBatch, FetchRequest};
+use pagoda_proto::worker as pb_worker;
+use tokio::sync::{Semaphore, mpsc};
+use tonic::{Request, Response, Status};
+use tracing::{Instrument, Span};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::engine::{EngineHandle, PrefixProbe};
+use crate::tiers::cost::Ewma;
+use crate::tiers::{EncodedGroup, native};
+
+/// Most hashes one `Fetch` may name (4096 blocks: 64K tokens at 16 per block).
+pub const MAX_FETCH_HASHES: usize = 4096;
+/// Smallest and largest accepted `max_batch_bytes`.
+pub const MIN_BATCH_BYTES: u64 = 64 * 1024;
+pub const MAX_BATCH_BYTES: u64 = 16 * 1024 * 1024;
+/// The batch size a fetcher asks for.
+pub const DEFAULT_BATCH_BYTES: u64 = 4 * 1024 * 1024;
+/// Longest accepted codec name in a received block.
+const MAX_CODEC_BYTES: usize = 32;
+/// Bytes the server copies out of the engine per round trip: a few batches, so that a long prefix costs few
+/// round trips (each waits for the end of an engine step) while the copy held in memory stays bounded.
+const EXPORT_CHUNK_BYTES: u64 = 32 * 1024 * 1024;
+/// Batches queued between the engine copy and the network.
+const BATCHES_IN_FLIGHT: usize = 2;
+/// Concurrent `Fetch` streams one worker serves; more get RESOURCE_EXHAUSTED.
+const MAX_CONCURRENT_SERVES: usize = 4;
+/// A peer's bandwidth until the first pull is measured: loopback or a LAN does better, so pulls start only where
+/// they clearly pay, and the measurements take over.
+const PRIOR_PEER_BYTES_PER_S: f64 = 100e6;
+
+/// The checksum of one block: xxh3-64 of its bytes, seeded by its chain hash, so a payload cannot pass for
+/// another block's.
+pub fn block_checksum(hash: u64, bytes: &[u8]) -> u64 {
+    xxh3_64_with_seed(bytes, hash)
+}
+
+/// Peer-tier counters since start, shared by the serving and the pulling side.
+#[derive(Debug, Default)]
+pub struct PeerCounters {
+    fetched_blocks: AtomicU64,
+    fetched_bytes: AtomicU64,
+    fetch_failures: AtomicU64,
+    fetches: AtomicU64,
+    fetch_micros: AtomicU64,
+    served_blocks: AtomicU64,
+    served_bytes: AtomicU64,
+}
+
+/// A copy of [`PeerCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PeerStats {
+    pub fetched_blocks: u64,
+    pub fetched_bytes: u64,
+    pub fetch_failures: u64,
+    pub fetches: u64,
+    pub fetch_seconds: f64,
+    pub served_blocks: u64,
+    pub served_bytes: u64,
+}
+
+impl PeerCounters {
+    pub fn snapshot(&self) -> PeerStats {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PeerStats {
+            fetched_blocks: r(&self.fetched_blocks),
+            fetched_bytes: r(&self.fetched_bytes),
+            fetch_failures: r(&self.fetch_failures),
+            fetches: r(&self.fetches),
+            fetch_seconds: r(&self.fetch_micros) as f64 / 1e6,
+            served_blocks: r(&self.served_blocks),
+            served_bytes: r(&self.served_bytes),
+        }
+    }
+}
+
+/// Why a pull stopped short. The verified blocks before the failure are still good.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("peer {addr} unreachable: {reason}")]
+    Connect { addr: String, reason: String },
+    #[error("peer answered {0}")]
+    Status(#[from] Status),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("bad batch: {0}")]
+    BadBatch(String),
+    #[error("the peer sent {got} of {wanted} blocks")]
+    Incomplete { got: usize, wanted: usize },
+}
+
+/// What one pull brought back: the verified consecutive run from the first requested hash, and why it ended
+/// early, if it did.
+#[derive(Debug, Default)]
+pub struct FetchOutcome {
+    pub groups: Vec<(u64, EncodedGroup)>,
+    pub bytes: u64,
+    pub error: Option<FetchError>,
+}
+
+/// Checks one received batch against the hashes still expected (in order) and the bounds, and converts it. A batch
+/// with any bad block is refused whole.
+pub fn verify_batch(
+    batch: BlockBatch,
+    expected: &[u64],
+    max_batch_bytes: u64,
+    max_group_bytes: u64,
+) -> Result<Vec<(u64, EncodedGroup)>, FetchError> {
+    let bad = |m: String| Err(FetchError::BadBatch(m));
+    if batch.blocks.is_empty() {
+        return bad("an empty batch".into());
+    }
+    if batch.blocks.len() > expected.len() {
+        return bad(format!("{} blocks where at most {} were still expected", batch.blocks.len(), expected.len()));
+    }
+    let total: u64 = batch.blocks.iter().map(|b| b.bytes.len() as u64).sum();
+    if total > max_batch_bytes {
+        return bad(format!("{total} bytes in a batch limited to {max_batch_bytes}"));
+    }
+    let mut out = Vec::with_capacity(batch.blocks.len());
+    for (b, &want) in batch.blocks.into_iter().zip(expected) {
+        if b.hash != want {
+            return bad(format!("block {:#x} where {want:#x} was expected", b.hash));
+        }
+        if b.bytes.is_empty() || b.bytes.len() as u64 > max_group_bytes {
+            return bad(format!("block {want:#x} has {} bytes (at most {max_group_bytes})", b.bytes.len()));
+        }
+        if b.codec.is_empty() || b.codec.len() > MAX_CODEC_BYTES {
+            return bad(format!("block {want:#x} has a codec name of {} bytes", b.codec.len()));
+        }
+        if block_checksum(b.hash, &b.bytes) != b.checksum {
+            return bad(format!("block {want:#x} fails its checksum"));
+        }
+        out.push((b.hash, EncodedGroup { codec: b.codec, bytes: b.bytes }));
+    }
+    Ok(out)
+}
+
+/// Pulls the groups under `hashes` from the worker at `addr` by `deadline`. Never fails as a whole: what was
+/// verified before an error or the deadline is returned with the error.
+pub async fn fetch(
+    addr: &str,
+    hashes: &[u64],
+    max_batch_bytes: u64,
+    max_group_bytes: u64,
+    deadline: tokio::time::Instant,
+    span: &Span,
+) -> FetchOutcome {
+    let mut out = FetchOutcome::default();
+    let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let conn = async {
+        let uri = if addr.starts_with("http://") || addr.starts_with("https://") {
+            addr.to_owned()
+        } else {
+            format!("http://{addr}")
+        };
+        let endpoint = tonic::transport::Endpoint::from_shared(uri)
+            .map_err(|e| FetchError::Connect { addr: addr.to_owned(), reason: e.to_string() })?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true);
+        endpoint.connect().await.map_err(|e| FetchError::Connect { addr: addr.to_owned(), reason: e.to_string() })
+    };
+    let channel = match tokio::time::timeout_at(deadline, conn).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            out.error = Some(e);
+            return out;
+        }
+        Err(_) => {
+            out.error = Some(FetchError::Timeout(timeout));
+            return out;
+        }
+    };
+    // A batch may hold up to `max_batch_bytes` of payload plus per-block framing.
+    let limit = usize::try_from(max_batch_bytes).unwrap_or(usize::MAX).saturating_add(64 * 1024);
+    let mut client = TransferClient::new(channel).max_decoding_message_size(limit);
+    let mut request = Request::new(FetchRequest { hashes: hashes.to_vec(), max_batch_bytes });
+    trace_context::inject_into_metadata(span, request.metadata_mut());
+    let mut stream = match tokio::time::timeout_at(deadline, client.fetch(request)).await {
+        Ok(Ok(r)) => r.into_inner(),
+        Ok(Err(status)) => {
+            out.error = Some(status.into());
+            return out;
+        }
+        Err(_) => {
+            out.error = Some(FetchError::Timeout(timeout));
+            return out;
+        }
+    };
+    loop {
+        let batch = match tokio::time::timeout_at(deadline, stream.message()).await {
+            Ok(Ok(Some(b))) => b,
+            Ok(Ok(None)) => break,
+            Ok(Err(status)) => {
+                out.error = Some(status.into());
+                break;
+            }
+            Err(_) => {
+                out.error = Some(FetchError::Timeout(timeout));
+                break;
+            }
+        };
+        match verify_batch(batch, &hashes[out.groups.len()..], max_batch_bytes, max_group_bytes) {
+            Ok(groups) => {
+                out.bytes += groups.iter().map(|(_, g)| g.len()).sum::<u64>();
+                out.groups.extend(groups);
+            }
+            Err(e) => {
+                out.error = Some(e);
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Whether pulling `blocks` groups of about `group_bytes` each beats prefilling their tokens: the pull costs the
+/// transfer at the peer bandwidth plus decoding the groups from host into device blocks.
+pub fn pull_pays(
+    blocks: usize,
+    block_size: usize,
+    group_bytes: u64,
+    peer_bytes_per_s: f64,
+    probe: &PrefixProbe,
+) -> bool {
+    if blocks == 0 {
+        return false;
+    }
+    let bytes = blocks as f64 * group_bytes as f64;
+    let pull_s = bytes / peer_bytes_per_s.max(1.0) + bytes / probe.host_load_bytes_per_s.max(1.0);
+    let prefill_s = (blocks * block_size) as f64 / probe.prefill_tokens_per_s.max(1e-3);
+    pull_s < prefill_s
+}
+
+/// How the pulling side runs.
+#[derive(Debug, Clone)]
+pub struct PeerFetchConfig {
+    /// Longest a pull may take before the request goes on without it.
+    pub timeout: Duration,
+    /// Pulls in flight at once; a request that finds none free is prefilled.
+    pub max_concurrent: usize,
+    pub batch_bytes: u64,
+}
+
+impl Default for PeerFetchConfig {
+    fn default() -> PeerFetchConfig {
+        PeerFetchConfig { timeout: Duration::from_secs(3), max_concurrent: 2, batch_bytes: DEFAULT_BATCH_BYTES }
+    }
+}
+
+/// The pulling side (see the module docs). Owns the peer bandwidth estimate.
+pub struct PeerFetcher {
+    engine: EngineHandle,
+    counters: Arc<PeerCounters>,
+    cfg: PeerFetchConfig,
+    permits: Arc<Semaphore>,
+    bandwidth: Mutex<Ewma>,
+}
+
+impl PeerFetcher {
+    pub fn new(engine: EngineHandle, counters: Arc<PeerCounters>, cfg: PeerFetchConfig) -> PeerFetcher {
+        PeerFetcher {
+            engine,
+            counters,
+            permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
+            cfg,
+            bandwidth: Mutex::new(Ewma::new(PRIOR_PEER_BYTES_PER_S)),
+        }
+    }
+
+    /// Measured peer bandwidth, bytes per second.
+    pub fn peer_bytes_per_s(&self) -> f64 {
+        self.bandwidth.lock().map(|b| b.value()).unwrap_or(PRIOR_PEER_BYTES_PER_S)
+    }
+
+    /// Pulls the part of `prompt`'s prefix that `hint` names and this worker lacks into the host tier, when that
+    /// pays. Returns the blocks stored. Runs inside `parent` (the request's `worker.generate`); the pull gets its
+    /// own `transfer` span, whose context travels to the peer.
+    pub async fn pull_prefix(
+        &self,
+        prompt: &[u32],
+        namespace: &str,
+        hint: &pb_worker::PeerHint,
+        parent: &Span,
+    ) -> usize {
+        let info = self.engine.model_info();
+        let bs = info.block_size;
+        // The last prompt token is always computed (its logits give the first output token).
+        let usable = prompt.len().saturating_sub(1) / bs.max(1);
+        let want = usable.min(hint.blocks as usize).min(MAX_FETCH_HASHES);
+        if want == 0 {
+            return 0;
+        }
+        let hashes = crate::cache::block_hashes(&info.model_id, namespace, &prompt[..want * bs], bs);
+        let probe = match self.engine.probe_prefix(hashes.clone()).await {
+            Ok(p) => p,
+            Err(_) => return 0,
+        };
+        let missing = &hashes[probe.local_blocks.min(hashes.len())..];
+        let gs = info.layout().group_size();
+        let group_bytes = native::group_bytes(gs, bs * info.head_dim, info.kv_dtype) as u64;
+        if !probe.can_import || !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe) {
+            return 0;
+        }
+        let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
+            tracing::debug!("peer pulls at their limit; prefilling");
+            return 0;
+        };
+        let span = parent
+            .in_scope(|| trace_context::transfer_span(TransferDirection::Peer, &hint.address, "host", missing.len()));
+        let max_group_bytes = native::group_bytes(gs, bs * info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.cfg.timeout;
+        let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span)
+            .instrument(span.clone())
+            .await;
+        if outcome.error.is_none() && outcome.groups.len() < missing.len() {
+            // The router's view was stale, or the peer evicted the rest meanwhile.
+            outcome.error = Some(FetchError::Incomplete { got: outcome.groups.len(), wanted: missing.len() });
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let c = &self.counters;
+        c.fetches.fetch_add(1, Ordering::Relaxed);
+        c.fetch_micros.fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+        span.record("bytes", outcome.bytes as i64);
+        if let Some(e) = &outcome.error {
+            c.fetch_failures.fetch_add(1, Ordering::Relaxed);
+            span.record("otel.status_code", "ERROR");
+            tracing::warn!(peer = %hint.address, error = %e, verified = outcome.groups.len(),
+                "peer pull failed; prefilling what it did not bring");
+        } else if let Ok(mut b) = self.bandwidth.lock() {
+            // Only complete pulls measure the link: a short one may have waited on a peer that had nothing.
+            b.update(outcome.bytes as f64 / secs.max(1e-6));
+        }
+        if outcome.groups.is_empty() {
+            return 0;
+        }
+        let (n, bytes) = (outcome.groups.len() as u64, outcome.bytes);
+        match self.engine.import_groups(outcome.groups).await {
+            Ok(stored) => {
+                c.fetched_blocks.fetch_add(n, Ordering::Relaxed);
+                c.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+                tracing::debug!(peer = %hint.address, blocks = n, bytes, secs, "pulled prefix from peer");
+                stored
+            }
+            Err(_) => 0,
+        }
+    }
+}
+
+/// The serving side of `Transfer` (see the module docs). Cheap to clone.
+#[derive(Clone)]
+pub struct TransferService {
+    engine: EngineHandle,
+    counters: Arc<PeerCounters>,
+    serving: Arc<Semaphore>,
+}
+
+impl TransferService {
+    pub fn new(engine: EngineHandle, counters: Arc<PeerCounters>) -> TransferService {
+        TransferService { engine, counters, serving: Arc::new(Semaphore::new(MAX_CONCURRENT_SERVES)) }
+    }
+
+    /// The tonic server wrapper, ready for `Server::add_service`.
+    pub fn into_server(self) -> TransferServer<TransferService> {
+        TransferServer::new(self)
+    }
+}
+
+/// Checks a `Fetch` request's bounds.
+pub fn check_fetch(req: &FetchRequest) -> Result<(), Status> {
+    if req.hashes.is_empty() {
+        return Err(Status::invalid_argument("hashes is empty"));
+    }
+    if req.hashes.len() > MAX_FETCH_HASHES {
+        return Err(Status::invalid_argument(format!(
+            "{} hashes requested; at most {MAX_FETCH_HASHES} per fetch",
+            req.hashes.len()
+        )));
+    }
+    if !(MIN_BATCH_BYTES..=MAX_BATCH_BYTES).contains(&req.max_batch_bytes) {
+        return Err(Status::invalid_argument(format!(
+            "max_batch_bytes must be in {MIN_BATCH_BYTES}..={MAX_BATCH_BYTES}, got {}",
+            req.max_batch_bytes
+        )));
+    }
+    Ok(())
+}
+
+/// Splits `groups` (in order) into batches of at most `max_batch_bytes`, with checksums. A group larger than a
+/// whole batch is FAILED_PRECONDITION.
+pub fn into_batches(groups: Vec<(u64, EncodedGroup)>, max_batch_bytes: u64) -> Result<Vec<BlockBatch>, Status> {
+    let mut out = Vec::new();
+    let mut batch = BlockBatch::default();
+    let mut bytes = 0;
+    for (hash, g) in groups {
+        if g.len() > max_batch_bytes {
+            return Err(Status::failed_precondition(format!(
+                "block {hash:#x} has {} bytes, more than max_batch_bytes {max_batch_bytes}",
+                g.len()
+            )));
+        }
+        if bytes + g.len() > max_batch_bytes {
+            out.push(std::mem::take(&mut batch));
+            bytes = 0;
+        }
+        bytes += g.len();
+        batch.blocks.push(Block { hash, checksum: block_checksum(hash, &g.bytes), codec: g.codec, bytes: g.bytes });
+    }
+    if !batch.blocks.is_empty() {
+        out.push(batch);
+    }
+    Ok(out)
+}
+
+type FetchStream = Pin<Box<dyn Stream<Item = Result<BlockBatch, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Transfer for TransferService {
+    type FetchStream = FetchStream;
+
+    async fn fetch(&self, request: Request<FetchRequest>) -> Result<Response<FetchStream>, Status> {
+        let peer = request.remote_addr().map_or_else(|| "peer".to_owned(), |a| a.to_string());
+        let span = trace_context::transfer_span(TransferDirection::Peer, "host", &peer, request.get_ref().hashes.len());
+        trace_context::continue_from_metadata(&span, request.metadata());
+        let req = request.into_inner();
+        if let Err(st) = check_fetch(&req) {
+            span.record("otel.status_code", "ERROR");
+            return Err(st);
+        }
+        let Ok(permit) = self.serving.clone().try_acquire_owned() else {
+            span.record("otel.status_code", "ERROR");
+            return Err(Status::resource_exhausted(format!(
+                "this worker serves {MAX_CONCURRENT_SERVES} fetches at once; retry later"
+            )));
+        };
+        let (tx, rx) = mpsc::channel::<Result<BlockBatch, Status>>(BATCHES_IN_FLIGHT);
+        let (engine, counters) = (self.engine.clone(), self.counters.clone());
+        let task_span = span.clone();
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                let (mut next, mut sent_bytes) = (0, 0u64);
+                while next < req.hashes.len() {
+                    let chunk = match engine.export_groups(req.hashes[next..].to_vec(), EXPORT_CHUNK_BYTES).await {
+                        Ok(c) if !c.is_empty() => c,
+                        Ok(_) => break,
+                        Err(e) => {
+                            let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                            break;
+                        }
+                    };
+                    next += chunk.len();
+                    let batches = match into_batches(chunk, req.max_batch_bytes) {
+                        Ok(b) => b,
+                        Err(st) => {
+                            task_span.record("otel.status_code", "ERROR");
+                            let _ = tx.send(Err(st)).await;
+                            break;
+                        }
+                    };
+                    for b in batches {
+                        let (n, bytes) = (b.blocks.len() as u64, b.blocks.iter().map(|x| x.bytes.len() as u64).sum());
+                        if tx.send(Ok(b)).await.is_err() {
+                            // The caller went away.
+                            task_span.record("bytes", sent_bytes as i64);
+                            return;
+                        }
+                        sent_bytes += bytes;
+                        counters.served_blocks.fetch_add(n, Ordering::Relaxed);
+                        counters.served_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    }
+                }
+                task_span.record("bytes", sent_bytes as i64);
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(seed: u8, n: usize) -> EncodedGroup {
+        EncodedGroup { codec: "f16".into(), bytes: (0..n).map(|i| seed.wrapping_add(i as u8)).collect() }
+    }
+
+    #[test]
+    fn batches_respect_the_byte_bound_and_carry_checksums() {
+        let groups: Vec<(u64, EncodedGroup)> = (0..7u64).map(|h| (h + 100, group(h as u8, 300))).collect();
+        let batches = into_batches(groups.clone(), 1000).unwrap();
+        // 3 groups of 300 fit in 1000 bytes: 3 + 3 + 1.
+        assert_eq!(batches.iter().map(|b| b.blocks.len()).collect::<Vec<_>>(), vec![3, 3, 1]);
+        let expected: Vec<u64> = groups.iter().map(|g| g.0).collect();
+        let mut got = Vec::new();
+        for b in batches {
+            got.extend(verify_batch(b, &expected[got.len()..], 1000, 300).unwrap());
+        }
+        assert_eq!(got, groups);
+        // One group larger than a batch is refused with a clear status.
+        let err = into_batches(vec![(1, group(0, 2000))], 1000).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    }
+
+    #[test]
+    fn bad_batches_are_refused_whole() {
+        let good = into_batches(vec![(1, group(1, 100)), (2, group(2, 100))], 1 << 20).unwrap().remove(0);
+        let expected = [1, 2];
+        assert!(verify_batch(good.clone(), &expected, 1 << 20, 100).is_ok());
+        let cases: Vec<(&str, BlockBatch, u64, u64)> = vec![
+            (
+                "flipped byte",
+                {
+                    let mut b = good.clone();
+                    b.blocks[1].bytes[7] ^= 1;
+                    b
+                },
+                1 << 20,
+                100,
+            ),
+            (
+                "wrong order",
+                {
+                    let mut b = good.clone();
+                    b.blocks.swap(0, 1);
+                    b
+                },
+                1 << 20,
+                100,
+            ),
+            (
+                "payload under another hash",
+                {
+                    let mut b = good.clone();
+                    b.blocks[0].hash = 2;
+                    b
+                },
+                1 << 20,
+                100,
+            ),
+            ("over the batch bound", good.clone(), 150, 100),
+            ("group larger than the model's", good.clone(), 1 << 20, 99),
+            ("empty", BlockBatch::default(), 1 << 20, 100),
+            (
+                "empty codec",
+                {
+                    let mut b = good.clone();
+                    b.blocks[0].codec.clear();
+                    b
+                },
+                1 << 20,
+                100,
+            ),
+        ];
+        for (name, batch, max_batch, max_group) in cases {
+            assert!(
+                matches!(verify_batch(batch, &expected, max_batch, max_group), Err(FetchError::BadBatch(_))),
+                "{name} accepted"
+            );
+        }
+        // More blocks than were asked for.
+        assert!(verify_batch(good, &expected[..1], 1 << 20, 100).is_err());
+    }
+
+    #[test]
+    fn fetch_requests_are_bounded() {
+        let ok = FetchRequest { hashes: vec![1, 2], max_batch_bytes: DEFAULT_BATCH_BYTES };
+        assert!(check_fetch(&ok).is_ok());
+        for bad in [
+            FetchRequest { hashes: vec![], max_batch_bytes: DEFAULT_BATCH_BYTES },
+            FetchRequest { hashes: vec![0; MAX_FETCH_HASHES + 1], max_batch_bytes: DEFAULT_BATCH_BYTES },
+            FetchRequest { hashes: vec![1], max_batch_bytes: MIN_BATCH_BYTES - 1 },
+            FetchRequest { hashes: vec![1], max_batch_bytes: MAX_BATCH_BYTES + 1 },
+        ] {
+            assert_eq!(check_fetch(&bad).unwrap_err().code(), tonic::Code::InvalidArgument);
+        }
+    }
+
+    /// A `Transfer` server that answers every fetch with fixed batches, then (optionally) hangs.
+    #[derive(Clone)]
+    struct Scripted {
+        batches: Vec<BlockBatch>,
+        hang: bool,
+    }
+
+    #[tonic::async_trait]
+    impl Transfer for Scripted {
+        type FetchStream = FetchStream;
+
+        async fn fetch(&self, request: Request<FetchRequest>) -> Result<Response<FetchStream>, Status> {
+            check_fetch(request.get_ref())?;
+            let items: Vec<Result<BlockBatch, Status>> = self.batches.iter().cloned().map(Ok).collect();
+            let stream = futures::stream::iter(items);
+            if self.hang {
+                Ok(Response::new(Box::pin(futures::StreamExt::chain(stream, futures::stream::pending()))))
+            } else {
+                Ok(Response::new(Box::pin(stream)))
+            }
+        }
+    }
+
+    async fn serve(s: Scripted) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        tokio::spawn(
+            tonic::transport::Server::builder().add_service(TransferServer::new(s)).serve_with_incoming(incoming),
+        );
+        addr
+    }
+
+    fn deadline(ms: u64) -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_millis(ms)
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_batch_is_dropped_and_what_came_before_is_kept() {
+        let groups: Vec<(u64, EncodedGroup)> = (1..=6u64).map(|h| (h, group(h as u8, 40_000))).collect();
+        let hashes: Vec<u64> = groups.iter().map(|g| g.0).collect();
+        let mut batches = into_batches(groups.clone(), MIN_BATCH_BYTES).unwrap();
+        assert_eq!(batches.len(), 6, "one 40 KB group per 64 KiB batch");
+        batches[2].blocks[0].bytes[100] ^= 0x10;
+        let addr = serve(Scripted { batches, hang: false }).await;
+        let out = fetch(&addr, &hashes, MIN_BATCH_BYTES, 40_000, deadline(5000), &Span::none()).await;
+        assert!(matches!(out.error, Some(FetchError::BadBatch(_))), "{:?}", out.error);
+        assert_eq!(out.groups, groups[..2].to_vec(), "the batches before the corrupt one are verified and kept");
+        assert_eq!(out.bytes, 80_000);
+
+        // A peer that stops sending: the deadline ends the pull with what arrived.
+        let batches = into_batches(groups[..3].to_vec(), MIN_BATCH_BYTES).unwrap();
+        let addr = serve(Scripted { batches, hang: true }).await;
+        let t0 = Instant::now();
+        let out = fetch(&addr, &hashes, MIN_BATCH_BYTES, 40_000, deadline(300), &Span::none()).await;
+        assert!(matches!(out.error, Some(FetchError::Timeout(_))), "{:?}", out.error);
+        assert_eq!(out.groups.len(), 3);
+        assert!(t0.elapsed() < Duration::from_secs(3));
+
+        // Nobody listening; and a request the server refuses as out of bounds.
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
+        let out = fetch(&dead, &hashes, MIN_BATCH_BYTES, 40_000, deadline(2000), &Span::none()).await;
+        assert!(matches!(out.error, Some(FetchError::Connect { .. } | FetchError::Timeout(_))), "{:?}", out.error);
+        let out = fetch(&addr, &hashes, 1, 40_000, deadline(2000), &Span::none()).await;
+        match out.error {
+            Some(FetchError::Status(st)) => assert_eq!(st.code(), tonic::Code::InvalidArgument),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn pulls_pay_only_when_faster_than_prefill() {
+        let probe =
+            PrefixProbe { local_blocks: 0, can_import: true, prefill_tokens_per_s: 1000.0, host_load_bytes_per_s: 1e9 };
+        // 10 groups of 1 MB over 100 MB/s: 100 ms + 10 ms decode, against 160 tokens at 1000 tok/s = 160 ms.
+        assert!(pull_pays(10, 16, 1_000_000, 100e6, &probe));
+        // Over 10 MB/s the pull takes a second.
+        assert!(!pull_pays(10, 16, 1_000_000, 10e6, &probe));
+        // A much faster prefill makes even a fast link lose.
+        let fast = PrefixProbe { prefill_tokens_per_s: 1e6, ..probe };
+        assert!(!pull_pays(10, 16, 1_000_000, 100e6, &fast));
+        assert!(!pull_pays(0, 16, 1_000_000, 100e6, &probe));
+    }
+}
