@@ -119,14 +119,13 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
     .unwrap();
     kvstore.wait_line("pagoda kvstore listening on ", Duration::from_secs(30)).unwrap();
 
-    let a = format!("127.0.0.1:{}", free_port().unwrap());
-    let b = format!("127.0.0.1:{}", free_port().unwrap());
-    let wa = spawn_worker("wa", &model, &a, &kv);
-    let _wb = spawn_worker("wb", &model, &b, &kv);
+    let addr0 = format!("127.0.0.1:{}", free_port().unwrap());
+    let addr1 = format!("127.0.0.1:{}", free_port().unwrap());
+    let mut procs = vec![spawn_worker("wa", &model, &addr0, &kv), spawn_worker("wb", &model, &addr1, &kv)];
 
-    // Router 1 lists b first: with nothing cached anywhere the cost ties and the first listed worker wins, so the
-    // long prefix lands on b.
-    let (router1, http) = spawn_router("router1", &model, &[&b, &a], &kv);
+    // With nothing cached anywhere the costs tie, and the tie goes by a rank hashed from the worker's name and the
+    // prompt's first block. Whichever worker that is, call it b (it holds the prefix from now on) and the other a.
+    let (router1, http) = spawn_router("router1", &model, &[&addr0, &addr1], &kv);
     http.wait_ready(Duration::from_secs(30)).await.unwrap();
     let (s, v) = http.post_json("/v1/chat/completions", &shared_prefix_request("Where is shelf 3?")).await.unwrap();
     assert_eq!(s, 200, "{v}");
@@ -134,20 +133,24 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
         v["decisions"].as_array().is_some_and(|d| !d.is_empty())
     })
     .await;
-    assert_eq!(first["decisions"][0]["chosen"], b.as_str(), "{first:#}");
+    let holder = usize::from(first["decisions"][0]["chosen"] == addr1.as_str());
+    assert_eq!(first["decisions"][0]["chosen"], [&addr0, &addr1][holder].as_str(), "{first:#}");
+    let (a, b) = if holder == 1 { (addr0.clone(), addr1.clone()) } else { (addr1.clone(), addr0.clone()) };
+    let (a_id, b_id) = if holder == 1 { ("wa", "wb") } else { ("wb", "wa") };
+    let wa = procs.remove(1 - holder);
     let prompt_blocks = first["decisions"][0]["prompt_blocks"].as_u64().unwrap();
     assert!(prompt_blocks >= 20, "the prefix spans many blocks: {first:#}");
 
     // The kvstore's directory lists b's blocks (device, and host once idle), and none of a's.
-    let info = wait_directory_blocks(&kv, "wb", prompt_blocks, Duration::from_secs(10)).await;
+    let info = wait_directory_blocks(&kv, b_id, prompt_blocks, Duration::from_secs(10)).await;
     assert!(info.blocks >= prompt_blocks, "{info:?}");
     assert_eq!(info.address, b);
     assert!(info.load.as_ref().is_some_and(|l| l.total_blocks > 0 && !l.occupancy.is_empty()), "{info:?}");
     let workers = directory_workers(&kv).await;
-    assert_eq!(workers.iter().find(|w| w.worker == "wa").map(|w| w.blocks), Some(0), "{workers:?}");
+    assert_eq!(workers.iter().find(|w| w.worker == a_id).map(|w| w.blocks), Some(0), "{workers:?}");
 
-    // A new router, listing a first: it predicted nothing, so only the Watch feed can tell it that b holds the
-    // prefix. Without the feed the tie would go to a.
+    // A new router: it predicted nothing, so only the Watch feed can tell it that b holds the prefix (the hits in
+    // its decision below come from nowhere else).
     drop(router1);
     let (_router2, http) = spawn_router("router2", &model, &[&a, &b], &kv);
     http.wait_ready(Duration::from_secs(30)).await.unwrap();
@@ -157,7 +160,7 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
             && d["index_blocks"].as_u64().unwrap_or(0) >= prompt_blocks
             && d["workers"]
                 .as_array()
-                .is_some_and(|w| w.iter().any(|w| w["worker"] == "wb" && w["router_worker"] == b.as_str()))
+                .is_some_and(|w| w.iter().any(|w| w["worker"] == b_id && w["router_worker"] == b.as_str()))
     })
     .await;
     let hits_before = worker_stats(&b).await.unwrap().cached_tokens_total;
@@ -177,26 +180,29 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
 
     // Freeze worker a: its heartbeats stop, and within a few seconds the router raises the alarm.
     assert_eq!(
-        metric_line(&http, "pagoda_router_worker_reports_stale{worker=\"wa\"}").await.as_deref(),
-        Some("pagoda_router_worker_reports_stale{worker=\"wa\"} 0")
+        metric_line(&http, &format!("pagoda_router_worker_reports_stale{{worker=\"{a_id}\"}}")).await.as_deref(),
+        Some(format!("pagoda_router_worker_reports_stale{{worker=\"{a_id}\"}} 0").as_str())
     );
     let pid = wa.pid().to_string();
     assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
     let t0 = Instant::now();
-    wait_metric(&http, "pagoda_router_worker_reports_stale{worker=\"wa\"} 1", Duration::from_secs(15)).await;
+    wait_metric(&http, &format!("pagoda_router_worker_reports_stale{{worker=\"{a_id}\"}} 1"), Duration::from_secs(15))
+        .await;
     let raised = t0.elapsed();
     assert!(raised >= Duration::from_secs(2), "raised after {raised:?}: faster than the 3 s threshold allows");
-    wait_metric(&http, "pagoda_router_worker_reports_stale{worker=\"wb\"} 0", Duration::from_secs(1)).await;
+    wait_metric(&http, &format!("pagoda_router_worker_reports_stale{{worker=\"{b_id}\"}} 0"), Duration::from_secs(1))
+        .await;
     let v = wait_placements(&http, "a stale in the debug page", Duration::from_secs(2), |v| {
         v["directory"]["workers"]
             .as_array()
-            .is_some_and(|w| w.iter().any(|w| w["worker"] == "wa" && w["stale"] == true))
+            .is_some_and(|w| w.iter().any(|w| w["worker"] == a_id && w["stale"] == true))
     })
     .await;
-    assert!(v["directory"]["workers"].as_array().unwrap().iter().any(|w| w["worker"] == "wb" && w["stale"] == false));
+    assert!(v["directory"]["workers"].as_array().unwrap().iter().any(|w| w["worker"] == b_id && w["stale"] == false));
     // Thawed, it reports again and the alarm clears.
     assert!(std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
-    wait_metric(&http, "pagoda_router_worker_reports_stale{worker=\"wa\"} 0", Duration::from_secs(15)).await;
+    wait_metric(&http, &format!("pagoda_router_worker_reports_stale{{worker=\"{a_id}\"}} 0"), Duration::from_secs(15))
+        .await;
     let _ = std::fs::remove_dir_all(&tmp);
 }
 

@@ -157,7 +157,7 @@ fn parse_key(field: &str) -> Result<[u8; 32], String> {
     Ok(digest(field.as_bytes()))
 }
 
-fn valid_tenant(t: &str) -> bool {
+pub(crate) fn valid_tenant(t: &str) -> bool {
     !t.is_empty()
         && t.len() <= MAX_TENANT_BYTES
         && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')

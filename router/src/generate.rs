@@ -246,31 +246,9 @@ impl Generation {
 
     /// The candidates for the next attempt, best first, without the workers that failed this request.
     fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<Vec<Candidate>, ApiError> {
-        let no_worker = || ApiError::unavailable("No worker is ready to serve this request; try again shortly.");
         let pool = &self.ctx.pool;
-        let (block_size, model_id) = pool.hashing().ok_or_else(no_worker)?;
-        let params = &self.job.params;
-        let hashes = if block_size > 0 {
-            pagoda_worker::cache::block_hashes(&model_id, &self.job.namespace, prompt, block_size as usize)
-        } else {
-            Vec::new()
-        };
-        // Only full-cache sequences publish their blocks as a reusable prefix.
-        let full_cache = params.kv_policy.is_empty() || params.kv_policy == "full";
-        let place = PlaceRequest {
-            request_id: &self.job.request_id,
-            hashes: &hashes,
-            view: RequestView {
-                prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
-                max_tokens,
-                block_size,
-                budget_tokens: (!full_cache).then_some(match params.kv_budget_tokens {
-                    0 => pagoda_worker::policy::defaults::BUDGET_TOKENS as u32,
-                    b => b,
-                }),
-            },
-            publishes_prefix: full_cache,
-        };
+        let shape = RequestShape::of(pool, &self.job.namespace, prompt, &self.job.params, max_tokens)?;
+        let place = shape.request(&self.job.request_id);
         let span = spans::place_span(pool.strategy_name(), pool.workers().len());
         let started = Instant::now();
         let placed = pool.place(&place);
@@ -285,7 +263,7 @@ impl Generation {
         }
         match placed {
             Ok(c) => Ok(c.into_iter().filter(|w| !self.excluded.contains(&w.0.addr)).collect()),
-            Err(PlacementError::NoReadyWorker) => Err(no_worker()),
+            Err(PlacementError::NoReadyWorker) => Err(no_ready_worker()),
             Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
         }
     }
@@ -574,4 +552,52 @@ fn reason_str(r: i32) -> Option<&'static str> {
         Ok(FinishReason::Length) => Some("length"),
         _ => None,
     }
+}
+
+/// What placement needs of a request: its block chain in the tenant's namespace and its shape.
+pub struct RequestShape {
+    hashes: Vec<u64>,
+    view: RequestView,
+    /// Only full-cache sequences publish their blocks as a reusable prefix.
+    publishes_prefix: bool,
+}
+
+impl RequestShape {
+    /// Fails while no worker has told the router its block size and model (nothing is ready to serve).
+    pub fn of(
+        pool: &WorkerPool,
+        namespace: &str,
+        prompt: &[u32],
+        params: &GenParams,
+        max_tokens: u32,
+    ) -> Result<RequestShape, ApiError> {
+        let (block_size, model_id) = pool.hashing().ok_or_else(no_ready_worker)?;
+        let hashes = if block_size > 0 {
+            pagoda_worker::cache::block_hashes(&model_id, namespace, prompt, block_size as usize)
+        } else {
+            Vec::new()
+        };
+        let full_cache = params.kv_policy.is_empty() || params.kv_policy == "full";
+        Ok(RequestShape {
+            hashes,
+            view: RequestView {
+                prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+                max_tokens,
+                block_size,
+                budget_tokens: (!full_cache).then_some(match params.kv_budget_tokens {
+                    0 => pagoda_worker::policy::defaults::BUDGET_TOKENS as u32,
+                    b => b,
+                }),
+            },
+            publishes_prefix: full_cache,
+        })
+    }
+
+    pub fn request<'a>(&'a self, request_id: &'a str) -> PlaceRequest<'a> {
+        PlaceRequest { request_id, hashes: &self.hashes, view: self.view, publishes_prefix: self.publishes_prefix }
+    }
+}
+
+pub fn no_ready_worker() -> ApiError {
+    ApiError::unavailable("No worker is ready to serve this request; try again shortly.")
 }

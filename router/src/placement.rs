@@ -92,6 +92,16 @@ pub struct WorkerView {
     pub free_blocks: u64,
     /// Blocks per block group (layers × kv-heads).
     pub group_size: u32,
+    /// Breaks exact cost ties (lowest wins). Derived from the worker's name and the request (see
+    /// [`tie_rank`]), never from list order, so that every router replica breaks a tie the same way.
+    pub tie_rank: u64,
+}
+
+/// The tie-break rank of `worker` for a request whose first block hash is `first_block` (0 for a prompt shorter
+/// than a block): rendezvous hashing, so that cold prompts with the same start go to the same worker on every
+/// replica, and different ones spread over the workers instead of piling onto the first listed.
+pub fn tie_rank(worker: &str, first_block: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(worker.as_bytes(), first_block)
 }
 
 /// One request's shape, as placement sees it.
@@ -215,7 +225,12 @@ pub fn place(
         let c = cost(req, w);
         most_free = Some(most_free.unwrap_or(0).max(w.free_blocks));
         needed_min = needed_min.min(c.blocks_needed);
-        if c.feasible && best.is_none_or(|(_, b)| c.total_s < b) {
+        let better = |(b_i, b): (usize, f64)| match c.total_s.total_cmp(&b) {
+            std::cmp::Ordering::Less => true,
+            std::cmp::Ordering::Equal => w.tie_rank < workers[b_i].tie_rank,
+            std::cmp::Ordering::Greater => false,
+        };
+        if c.feasible && best.is_none_or(better) {
             best = Some((i, c.total_s));
         }
         costs.push(Some(c));
@@ -289,10 +304,29 @@ mod tests {
             step_s: 0.02,
             free_blocks: 1_000_000,
             group_size: 90,
+            tie_rank: 0,
         }
     }
 
     const REQ: RequestView = RequestView { prompt_tokens: 1024, max_tokens: 64, block_size: 16, budget_tokens: None };
+
+    #[test]
+    fn exact_ties_go_to_the_lowest_tie_rank_not_the_first_listed() {
+        let ranked = |rank: u64| WorkerView { tie_rank: rank, ..worker(0, 0) };
+        assert_eq!(place(&REQ, &[ranked(7), ranked(3), ranked(9)], None).unwrap().worker, 1);
+        assert_eq!(place(&REQ, &[ranked(3), ranked(7), ranked(9)], None).unwrap().worker, 0);
+        // A cheaper worker still wins over a lower rank.
+        let cheaper = WorkerView { tie_rank: 100, ..worker(8, 0) };
+        assert_eq!(place(&REQ, &[ranked(1), cheaper], None).unwrap().worker, 1);
+        // Ranks come from names, so two replicas listing the workers in different orders agree.
+        let names = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"];
+        let chosen = |order: [usize; 3]| {
+            let views: Vec<WorkerView> = order.iter().map(|&i| ranked(tie_rank(names[i], 42))).collect();
+            order[place(&REQ, &views, None).unwrap().worker]
+        };
+        assert_eq!(chosen([0, 1, 2]), chosen([2, 0, 1]));
+        assert_eq!(chosen([0, 1, 2]), chosen([1, 2, 0]));
+    }
 
     #[test]
     fn prefers_the_worker_holding_the_prefix_and_explains_why() {

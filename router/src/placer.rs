@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::placement::{
     CostBreakdown, HitTier, PlacementError, RequestView, TierHits, WorkerView, least_loaded, place, prefix_overlap,
-    round_robin,
+    round_robin, tie_rank,
 };
 use crate::residency::{ResidencyIndex, WorkerIdx};
 
@@ -201,17 +201,46 @@ impl Placer {
     }
 
     /// Orders the workers to try for `req`: the chosen one first, then the rest of the ready ones, cheapest first.
+    /// The decision is recorded (see [`Placer::recent`]) and, for a full-cache request, its residency predicted.
     pub fn order(
         &mut self,
         req: &PlaceRequest<'_>,
         workers: &[WorkerSnapshot],
         names: &[&str],
     ) -> Result<Vec<usize>, PlacementError> {
+        let (order, record) = self.decide(req, workers, names, true)?;
+        if self.recent.len() == RECENT_DECISIONS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(record);
+        Ok(order)
+    }
+
+    /// The decision [`Placer::order`] would make for `req` now, without making it: nothing is recorded or
+    /// predicted and the round-robin turn does not advance (`POST /debug/place`).
+    pub fn explain(
+        &mut self,
+        req: &PlaceRequest<'_>,
+        workers: &[WorkerSnapshot],
+        names: &[&str],
+    ) -> Result<DecisionRecord, PlacementError> {
+        Ok(self.decide(req, workers, names, false)?.1)
+    }
+
+    fn decide(
+        &mut self,
+        req: &PlaceRequest<'_>,
+        workers: &[WorkerSnapshot],
+        names: &[&str],
+        commit: bool,
+    ) -> Result<(Vec<usize>, DecisionRecord), PlacementError> {
         let t0 = Instant::now();
+        let first_block = req.hashes.first().copied().unwrap_or(0);
         self.index.match_prefix(req.hashes, workers.len(), t0, &mut self.hits);
         self.views.clear();
-        for (w, h) in workers.iter().zip(&self.hits) {
+        for (i, (w, h)) in workers.iter().zip(&self.hits).enumerate() {
             self.views.push(WorkerView {
+                tie_rank: tie_rank(names.get(i).copied().unwrap_or_default(), first_block),
                 ready: w.ready,
                 hits: *h,
                 prefill_tokens_per_s: self.cfg.prefill_tokens_per_s,
@@ -256,8 +285,11 @@ impl Placer {
             }
             Strategy::RoundRobin => {
                 reason.push_str("next in turn");
-                self.cursor = self.cursor.wrapping_add(1);
-                round_robin(&self.views, self.cursor)?
+                let cursor = self.cursor.wrapping_add(1);
+                if commit {
+                    self.cursor = cursor;
+                }
+                round_robin(&self.views, cursor)?
             }
         };
         let mut order: Vec<usize> = (0..workers.len()).filter(|&i| i != chosen && workers[i].ready).collect();
@@ -266,7 +298,8 @@ impl Placer {
             c(a).total_cmp(&c(b))
         });
         order.insert(0, chosen);
-        if req.publishes_prefix
+        if commit
+            && req.publishes_prefix
             && let Ok(w) = WorkerIdx::try_from(chosen)
         {
             self.index.predict(w, req.hashes, t0 + self.cfg.prediction_ttl);
@@ -299,11 +332,7 @@ impl Placer {
                 })
                 .collect(),
         };
-        if self.recent.len() == RECENT_DECISIONS {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(record);
-        Ok(order)
+        Ok((order, record))
     }
 }
 

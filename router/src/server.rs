@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, Sse};
@@ -219,6 +219,7 @@ pub fn app(state: AppState) -> axum::Router {
     let admin = axum::Router::new()
         .route("/debug/keys", get(debug_keys))
         .route("/debug/placements", get(debug_placements))
+        .route("/debug/place", post(debug_place))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_admin));
     axum::Router::new()
         .merge(v1)
@@ -372,6 +373,39 @@ async fn debug_placements(State(st): State<AppState>) -> Json<serde_json::Value>
         "registry": st.pool().registry_status(),
         "workers": st.pool().workers().iter().map(|w| w.addr.clone()).collect::<Vec<_>>(),
     }))
+}
+
+/// `POST /debug/place` (admin): where a chat request would go now and why (its cost breakdown per worker), without
+/// running it, recording the decision or predicting residency. Replicas that are caught up answer alike, ties
+/// included. `?tenant=` names the prefix-cache namespace (default: the one requests use when auth is off).
+async fn debug_place(
+    State(st): State<AppState>,
+    RawQuery(query): RawQuery,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Json<crate::placer::DecisionRecord>, ApiError> {
+    let (turns, params) = req.validate()?;
+    st.check_model(&params.model)?;
+    let tenant = query.as_deref().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("tenant="));
+    let namespace = tenant.unwrap_or(DEFAULT_TENANT).to_string();
+    if !crate::auth::valid_tenant(&namespace) {
+        return Err(ApiError::invalid_param("tenant", "A tenant is 1 to 64 characters of [A-Za-z0-9._-]."));
+    }
+    let codec = st.0.codec.clone();
+    let prompt = blocking(move || {
+        let text = codec
+            .render_chat(&turns)
+            .map_err(|e| ApiError::invalid_param("messages", format!("Could not apply the chat template: {e}")))?;
+        codec.encode(&text, true).map_err(|e| ApiError::invalid_param("messages", format!("Could not tokenize: {e}")))
+    })
+    .await?;
+    let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
+    let pool = st.pool();
+    let shape = generate::RequestShape::of(pool, &namespace, &prompt, &params, max_tokens)?;
+    match pool.explain(&shape.request("debug-place")) {
+        Ok(d) => Ok(Json(d)),
+        Err(crate::placement::PlacementError::NoReadyWorker) => Err(generate::no_ready_worker()),
+        Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
+    }
 }
 
 /// `GET /debug/keys` (admin): every key's tenant, fingerprint, limits and current usage; never the keys.

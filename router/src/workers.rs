@@ -392,6 +392,26 @@ impl WorkerPool {
     pub fn place(&self, req: &PlaceRequest<'_>) -> Result<Vec<Candidate>, PlacementError> {
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
+        let snaps = self.snapshots(&slots, &names);
+        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
+        let order = placer.order(req, &snaps, &names)?;
+        Ok(order
+            .into_iter()
+            .filter_map(|i| Some((slots.get(i).cloned().flatten()?, placer.peer_hint(i, &names))))
+            .collect())
+    }
+
+    /// The decision [`WorkerPool::place`] would make for `req` now, without making it (see [`Placer::explain`]).
+    pub fn explain(&self, req: &PlaceRequest<'_>) -> Result<DecisionRecord, PlacementError> {
+        let slots = self.slots();
+        let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
+        let snaps = self.snapshots(&slots, &names);
+        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
+        placer.explain(req, &snaps, &names)
+    }
+
+    /// What placement knows about each slot's worker now.
+    fn snapshots(&self, slots: &[Option<Arc<Worker>>], names: &[&str]) -> Vec<WorkerSnapshot> {
         let mut snaps: Vec<WorkerSnapshot> = slots
             .iter()
             .map(|w| {
@@ -410,19 +430,14 @@ impl WorkerPool {
         // With every ready worker stale the alarm is already up (metrics, logs); serving beats refusing then.
         let feed = self.feed_status();
         if feed.enabled {
-            let stale: Vec<bool> = (0..snaps.len()).map(|i| feed.is_stale(i, &names)).collect();
+            let stale: Vec<bool> = (0..snaps.len()).map(|i| feed.is_stale(i, names)).collect();
             if snaps.iter().zip(&stale).any(|(s, st)| s.ready && !st) {
                 for (s, st) in snaps.iter_mut().zip(&stale) {
                     s.ready &= !st;
                 }
             }
         }
-        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
-        let order = placer.order(req, &snaps, &names)?;
-        Ok(order
-            .into_iter()
-            .filter_map(|i| Some((slots.get(i).cloned().flatten()?, placer.peer_hint(i, &names))))
-            .collect())
+        snaps
     }
 
     /// The placement strategy's name.

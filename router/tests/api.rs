@@ -185,6 +185,14 @@ impl Worker for Fake {
             ..Default::default()
         }))
     }
+
+    /// The fake computes no KV, so it holds none.
+    async fn residency(
+        &self,
+        _: Request<pagoda_proto::worker::ResidencyRequest>,
+    ) -> Result<Response<pagoda_proto::worker::ResidencyResponse>, Status> {
+        Ok(Response::new(pagoda_proto::worker::ResidencyResponse::default()))
+    }
 }
 
 struct Cluster {
@@ -621,9 +629,9 @@ async fn kv_placement_sends_a_repeated_prefix_to_the_worker_that_has_it() {
     let long = "a shared system prompt that every turn of this conversation repeats verbatim, padded to 100 bytes..";
     assert_eq!(chat(long, false).send().await.unwrap().status(), 200);
     let holder = if sa.load(Ordering::SeqCst) == 1 { sa.clone() } else { sb.clone() };
-    // Make the prefix holder the busier worker: an endless stream decoding there (ties go to the first worker, and
-    // the holder is idle now, so an equal-cost short prompt lands on the holder only if it is the first; either way
-    // check where it went).
+    // Make the prefix holder the busier worker: an endless stream decoding there (ties go by a rank hashed from the
+    // worker's address and the prompt, and the holder is idle now, so an equal-cost short prompt may or may not land
+    // on the holder; either way check where it went).
     let mut busy = chat("forever", true).send().await.unwrap();
     assert_eq!(busy.status(), 200);
     busy.chunk().await.unwrap().expect("the endless stream started");
@@ -645,6 +653,32 @@ async fn kv_placement_sends_a_repeated_prefix_to_the_worker_that_has_it() {
     assert_eq!(cands.len(), 2);
     assert!(cands.iter().any(|c| c["hits_device"] == blocks && c["worker"] == last["chosen"]), "{last}");
     assert!(cands.iter().all(|c| c["total_s"].as_f64().unwrap() > 0.0));
+
+    // A dry run places the same way and changes nothing: no decision recorded, no request started.
+    let started = sa.load(Ordering::SeqCst) + sb.load(Ordering::SeqCst);
+    let place = |body: Value, query: &str| client.post(format!("{http}/debug/place{query}")).json(&body).send();
+    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": long}]});
+    let r = place(body.clone(), "").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let dry: Value = r.json().await.unwrap();
+    assert_eq!(dry["chosen"], last["chosen"], "{dry}");
+    assert_eq!(dry["prompt_blocks"], blocks);
+    assert_eq!(dry["request_id"], "debug-place");
+    let again: Value = client.get(format!("{http}/debug/placements")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(again["decisions"].as_array().unwrap().len(), d["decisions"].as_array().unwrap().len());
+    assert_eq!(sa.load(Ordering::SeqCst) + sb.load(Ordering::SeqCst), started);
+    // Another tenant's namespace hashes the prompt apart: nothing is cached for it.
+    let other: Value = place(body.clone(), "?tenant=other").await.unwrap().json().await.unwrap();
+    assert!(other["candidates"].as_array().unwrap().iter().all(|c| c["hits_device"] == 0), "{other}");
+    // Bad input gets the API's errors.
+    let r = place(body.clone(), "?tenant=bad%20name").await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "tenant", "{v}");
+    let r = place(json!({"model": MODEL, "messages": []}), "").await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string(), "{v}");
 }
 
 #[tokio::test]
