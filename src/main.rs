@@ -942,20 +942,31 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
 }
 
 /// Serves the Worker and Transfer services on one listener; `peer_fetch` turns on pulling hinted prefixes.
-async fn serve_worker(
-    listener: TcpListener,
-    engine: EngineHandle,
+/// What a worker's gRPC server serves besides the engine.
+struct WorkerServing {
     worker_id: String,
     admission: AdmissionLimits,
     peer_fetch: Option<PeerFetchConfig>,
+    /// The block-event reporter's progress, when the worker reports to a kvstore.
+    report_progress: Option<std::sync::Arc<pagoda_worker::reporter::ReportProgress>>,
+}
+
+async fn serve_worker(
+    listener: TcpListener,
+    engine: EngineHandle,
+    serving: WorkerServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
+    let WorkerServing { worker_id, admission, peer_fetch, report_progress } = serving;
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let counters = std::sync::Arc::new(PeerCounters::default());
     let mut service = WorkerService::new(engine.clone())
         .with_worker_id(worker_id)
         .with_admission(admission)
         .with_peer_counters(counters.clone());
+    if let Some(progress) = report_progress {
+        service = service.with_report_progress(progress);
+    }
     if let Some(cfg) = peer_fetch {
         service = service.with_peer_fetch(PeerFetcher::new(engine.clone(), counters.clone(), cfg));
     }
@@ -1020,20 +1031,19 @@ async fn up(args: UpArgs) -> Result<()> {
               -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
     );
     // One worker has no peer to pull from.
-    let worker_task = tokio::spawn(serve_worker(
-        worker_listener,
-        engine.clone(),
+    let serving = WorkerServing {
         worker_id,
-        args.engine.admission(),
-        None,
-        shutdown.clone(),
-    ));
+        admission: args.engine.admission(),
+        peer_fetch: None,
+        report_progress: Some(reporter.progress.clone()),
+    };
+    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), serving, shutdown.clone()));
     let router_shutdown = wait_for(shutdown.clone());
     let router_fut = pagoda_router::serve(router_listener, codec, config, router_shutdown);
     let res = until_drained(router_fut, shutdown.clone()).await;
     let _ = until_drained(worker_task, shutdown).await;
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
-    reporter.abort();
+    reporter.task.abort();
     if let Err(e) = kvstore.stop().await {
         tracing::warn!(error = %e, "stopping the embedded kvstore");
     }
@@ -1094,15 +1104,20 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         timeout: Duration::from_millis(args.peer_fetch_timeout_ms),
         ..PeerFetchConfig::default()
     });
-    let served =
-        serve_worker(listener, engine.clone(), worker_id, args.engine.admission(), peer_fetch, shutdown.clone());
+    let serving = WorkerServing {
+        worker_id,
+        admission: args.engine.admission(),
+        peer_fetch,
+        report_progress: reporter.as_ref().map(|r| r.progress.clone()),
+    };
+    let served = serve_worker(listener, engine.clone(), serving, shutdown.clone());
     let res = until_drained(served, shutdown).await;
     if let Some(r) = registration {
         r.stop().await;
     }
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
     if let Some(r) = reporter {
-        r.abort();
+        r.task.abort();
     }
     match res {
         Some(r) => r.context("worker gRPC server failed"),

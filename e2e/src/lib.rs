@@ -20,9 +20,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use pagoda_proto::worker::StatsRequest;
-pub use pagoda_proto::worker::StatsResponse;
 use pagoda_proto::worker::worker_client::WorkerClient;
+use pagoda_proto::worker::{ResidencyRequest, StatsRequest};
+pub use pagoda_proto::worker::{ResidencyResponse, StatsResponse};
 
 pub use futures;
 pub use reqwest;
@@ -289,6 +289,12 @@ pub fn sse_payloads(body: &str) -> Result<Vec<String>> {
             ev.strip_prefix("data: ").map(str::to_string).ok_or_else(|| anyhow!("not a data line: {ev:?}"))
         })
         .collect()
+}
+
+/// Every block group the worker holds now (its `Residency` over gRPC).
+pub async fn worker_residency(addr: &str) -> Result<ResidencyResponse> {
+    let mut c = WorkerClient::connect(format!("http://{addr}")).await.with_context(|| format!("connect {addr}"))?;
+    Ok(c.residency(ResidencyRequest {}).await?.into_inner())
 }
 
 /// The worker's `Stats` over gRPC.

@@ -93,6 +93,11 @@ pub struct Record {
     /// The `Retry-After` header of a refusal.
     pub retry_after: Option<String>,
     pub outcome: Outcome,
+    /// The connection failed (refused, reset, or cut before the end): nothing the API said, so a client may send the
+    /// request again elsewhere.
+    pub connection_failed: bool,
+    /// Times the client sent it again to another router after a connection failure ([`run_across`]).
+    pub client_retries: u32,
 }
 
 impl Record {
@@ -114,6 +119,8 @@ impl Record {
             error: None,
             retry_after: None,
             outcome: Outcome::Transport,
+            connection_failed: false,
+            client_retries: 0,
         }
     }
 
@@ -200,9 +207,11 @@ pub async fn reference(http: &Http, prompts: &[String], max_tokens: u32) -> Resu
     answers.into_iter().collect()
 }
 
-/// Sends one request and records what happened.
+/// Sends one request and records what happened. It goes to `routers[index % n]` first; when the connection fails
+/// (a dead router) the client sends it again to the next router, as a client behind a Service or a list of router
+/// endpoints would, once per router and within the one deadline.
 async fn one(
-    http: &Http,
+    routers: &[Http],
     index: usize,
     prompt: usize,
     text: &str,
@@ -212,8 +221,17 @@ async fn one(
 ) -> Record {
     let sent = Instant::now();
     let mut rec = Record::new(index, prompt, stream, sent - t0);
-    let request = body(&http.model, text, cfg.max_tokens, stream);
-    let fut = drive(http, &mut rec, &request, stream, sent);
+    let fut = async {
+        for attempt in 0..routers.len() {
+            let http = &routers[(index + attempt) % routers.len()];
+            let request = body(&http.model, text, cfg.max_tokens, stream);
+            rec = Record { client_retries: attempt as u32, ..Record::new(index, prompt, stream, sent - t0) };
+            drive(http, &mut rec, &request, stream, sent).await;
+            if !rec.connection_failed {
+                break;
+            }
+        }
+    };
     if tokio::time::timeout(cfg.deadline, fut).await.is_err() {
         rec.outcome = Outcome::TimedOut;
         rec.error = Some(format!("no end within {:?}", cfg.deadline));
@@ -237,6 +255,7 @@ async fn drive(http: &Http, rec: &mut Record, request: &Value, stream: bool, sen
         Ok(r) => r,
         Err(e) => {
             rec.error = Some(format!("send: {e}"));
+            rec.connection_failed = true;
             return;
         }
     };
@@ -257,6 +276,7 @@ async fn drive(http: &Http, rec: &mut Record, request: &Value, stream: bool, sen
             Err(e) => {
                 rec.outcome = Outcome::Broken;
                 rec.error = Some(format!("body: {e}"));
+                rec.connection_failed = true;
                 return;
             }
         };
@@ -276,6 +296,7 @@ async fn drive(http: &Http, rec: &mut Record, request: &Value, stream: bool, sen
             Err(e) => {
                 rec.outcome = Outcome::Broken;
                 rec.error = Some(format!("stream: {e}"));
+                rec.connection_failed = true;
                 return;
             }
         };
@@ -317,6 +338,7 @@ async fn drive(http: &Http, rec: &mut Record, request: &Value, stream: bool, sen
     rec.outcome = if done && rec.finish_reason.is_some() { Outcome::Completed } else { Outcome::Broken };
     if rec.outcome == Outcome::Broken {
         rec.error = Some(format!("stream ended without [DONE] after {} bytes", rec.text.len()));
+        rec.connection_failed = !done;
     }
 }
 
@@ -335,19 +357,29 @@ fn is_streaming(mix: Streaming, index: usize) -> bool {
 }
 
 /// Runs the load against `http` until `duration` or `max_requests`, then waits for every request to end (each is
-/// bounded by its deadline). `on_start` is handed the run's start instant (to time faults against).
+/// bounded by its deadline).
 pub async fn run(http: &Http, cfg: &LoadConfig) -> Result<Vec<Record>> {
+    run_across(std::slice::from_ref(http), cfg).await
+}
+
+/// [`run`] against several routers: request `i` goes to router `i % n`, and to the next one when its connection
+/// fails (see [`Record::client_retries`]).
+pub async fn run_across(routers: &[Http], cfg: &LoadConfig) -> Result<Vec<Record>> {
     if cfg.prompts.is_empty() {
         bail!("no prompts");
+    }
+    if routers.is_empty() {
+        bail!("no routers");
     }
     let t0 = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     let mut records = Vec::new();
     let mut next = 0usize;
     let spawn = |tasks: &mut tokio::task::JoinSet<Record>, i: usize| {
-        let (http, cfg) = (http.clone(), cfg.clone());
+        let (routers, cfg) = (routers.to_vec(), cfg.clone());
         let p = i % cfg.prompts.len();
-        tasks.spawn(async move { one(&http, i, p, &cfg.prompts[p], &cfg, is_streaming(cfg.streaming, i), t0).await });
+        tasks
+            .spawn(async move { one(&routers, i, p, &cfg.prompts[p], &cfg, is_streaming(cfg.streaming, i), t0).await });
     };
     let issuing = |next: usize| next < cfg.max_requests && t0.elapsed() < cfg.duration;
     match cfg.mode {
@@ -422,6 +454,8 @@ pub struct Report {
     pub lost: usize,
     pub timed_out: usize,
     pub shed: usize,
+    /// Requests the client sent again to another router after a connection failure.
+    pub client_retried: usize,
     pub mismatches: Vec<Mismatch>,
     /// Lost requests, with their errors (at most 10).
     pub lost_examples: Vec<String>,
@@ -450,6 +484,7 @@ impl Report {
             lost: 0,
             timed_out: 0,
             shed: 0,
+            client_retried: 0,
             mismatches: Vec::new(),
             lost_examples: Vec::new(),
             p50_latency: Duration::ZERO,
@@ -464,6 +499,7 @@ impl Report {
             }
             r.sent += 1;
             r.accepted += usize::from(rec.accepted());
+            r.client_retried += usize::from(rec.client_retries > 0);
             match rec.outcome {
                 Outcome::Completed => {
                     r.completed += 1;

@@ -5,6 +5,9 @@
 //! duplicate, no gap across a migration), every request ends within its deadline, and the throughput comes back to
 //! 90% of its pre-fault level (the time it takes is measured and printed as a `CHAOS {json}` line).
 //!
+//! Disk faults run one worker with a disk tier: its files corrupted in place, and its file system filled up (a
+//! small tmpfs). The kvstore leader and router faults need the whole cluster and live in `ha.rs`.
+//!
 //! Clock pressure is its own test: a burst at 5× the measured sustainable rate must be shed with 503/429 and
 //! `Retry-After`, lose nothing it accepted, and keep every process's memory bounded.
 //!
@@ -581,6 +584,102 @@ async fn corrupted_disk_tier_files_are_never_used() {
     assert!(corrupted_files > 0, "nothing was on disk to corrupt: {summary:#}");
     assert!(disk_hits > 0, "no prefix was ever onboarded from disk: {summary:#}");
     assert!(stats.disk_corrupted_total > 0, "no corrupt file was detected: {summary:#}");
+}
+
+/// A tmpfs of a few MiB mounted at a directory for the guard's life: a disk that really fills up (the test runs as
+/// root, as CI does). Unmounted lazily on drop, after the processes using it are gone.
+struct SmallTmpfs(std::path::PathBuf);
+
+impl SmallTmpfs {
+    fn mount(dir: &std::path::Path, mib: u64) -> SmallTmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m,mode=0700"), "pagoda-chaos-full"])
+            .arg(dir)
+            .status()
+            .unwrap();
+        assert!(status.success(), "mounting a {mib} MiB tmpfs at {} failed: this test needs root", dir.display());
+        SmallTmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for SmallTmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The disk tier fills up under load: the worker's data dir is a 2 MiB tmpfs while its disk tier is configured for
+/// 64 MiB, and every idle prefix group (about 0.35 MiB each) is written there. Writes hit ENOSPC within the first
+/// requests. The tier must shrink to what it holds and keep turning over its own files; no request is lost, every
+/// answer equals the greedy reference, no I/O error escapes, and the worker keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_disk_tier_filling_up_is_survived() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let data_dir = std::env::temp_dir().join(format!("pagoda-chaos-full-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&data_dir);
+    let tmpfs = SmallTmpfs::mount(&data_dir, 2);
+    let data = data_dir.to_string_lossy().into_owned();
+    let worker_args =
+        ["--num-blocks", "5400", "--max-running", "2", "--host-tier-mib", "0", "--disk-tier-mib", "64", "--data-dir"];
+    let mut args: Vec<&str> = worker_args.to_vec();
+    args.push(&data);
+    let cluster = ClusterBuilder::new(BIN, "chaos-full").workers(1).worker_args(&args).router_args(ROUTER_ARGS);
+    let cluster = cluster.start().await.unwrap();
+    let http = cluster.http(0).clone();
+    let prompts = long_prompts(5);
+    let max_tokens = 6;
+    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
+    let cfg = LoadConfig {
+        mode: Mode::Closed { concurrency: 2 },
+        prompts,
+        max_tokens,
+        streaming: Streaming::Mixed,
+        deadline: Duration::from_secs(90),
+        duration: Duration::from_secs(12),
+        max_requests: 150,
+    };
+    let records = load::run(&http, &cfg).await.unwrap();
+    let report = Report::new(&records, &reference);
+    let stats = worker_stats(cluster.worker_addr(0)).await.unwrap();
+    let disk_tier = stats.tiers.iter().filter(|t| t.tier == "disk");
+    let disk_used: u64 = disk_tier.clone().map(|t| t.used_bytes).sum();
+    // One entry per codec, each with the tier's capacity.
+    let disk_capacity: u64 = disk_tier.map(|t| t.capacity_bytes).max().unwrap_or(0);
+    let disk_hits: u64 = stats.prefix_hits.iter().filter(|h| h.tier == "disk").map(|h| h.tokens).sum();
+    let summary = json!({
+        "scenario": "chaos-disk-full",
+        "sent": report.sent,
+        "completed": report.completed,
+        "failed_clean": report.failed_clean,
+        "lost": report.lost,
+        "mismatched": report.mismatches.len(),
+        "disk_full_total": stats.disk_full_total,
+        "disk_errors_total": stats.disk_errors_total,
+        "disk_used_bytes": disk_used,
+        "disk_capacity_bytes_in_force": disk_capacity,
+        "disk_hit_tokens": disk_hits,
+        "offloaded_groups": stats.offloaded_groups_total,
+        "p99_latency_s": report.p99_latency.as_secs_f64(),
+    });
+    println!("CHAOS {summary}");
+    let still_serving = load::chat_once(
+        &http,
+        &json!({"model": pagoda_e2e::MODEL_ID, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Say hi."}]}),
+        false,
+    )
+    .await;
+    drop(cluster);
+    drop(tmpfs);
+    assert_eq!(report.lost, 0, "{summary:#}\n{:#?}", report.lost_examples);
+    assert!(report.mismatches.is_empty(), "{summary:#}\n{:#?}", report.mismatches);
+    assert!(report.completed > 0 && report.completed + report.failed_clean == report.sent, "{summary:#}");
+    assert!(stats.disk_full_total > 0, "the disk never filled up: {summary:#}");
+    assert_eq!(stats.disk_errors_total, 0, "a full disk surfaced as I/O errors: {summary:#}");
+    assert!(disk_capacity <= 2 << 20 && disk_used <= disk_capacity, "the tier did not shrink to the disk: {summary:#}");
+    assert_eq!(still_serving.outcome, Outcome::Completed, "{:?}", still_serving.error);
 }
 
 /// Whether the router at `http` reports the worker it reaches at `addr` ready.

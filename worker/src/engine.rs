@@ -144,6 +144,10 @@ pub struct EngineStats {
     pub offloaded_groups: u64,
     /// Corrupt or truncated disk-tier files found (and discarded) since start.
     pub disk_corrupted: u64,
+    /// Disk-tier writes or reads that failed with an I/O error (the group is not kept), since start.
+    pub disk_errors: u64,
+    /// Disk-tier writes that found the file system full (the tier then shrinks to what it holds), since start.
+    pub disk_full: u64,
     /// EvicPress's contexts, profiles and occupancy, when it places the tiers.
     pub evicpress: Option<EvicPressStats>,
 }
@@ -1134,11 +1138,13 @@ impl<R: ModelRunner> EngineLoop<R> {
         let mut prefix_hit_tokens = self.onboarded_tokens;
         prefix_hit_tokens[Tier::Device.index()] =
             s.cached_tokens_total.saturating_sub(self.onboarded_tokens.iter().sum::<u64>());
-        let (mut offloaded_groups, mut disk_corrupted) = (0, 0);
+        let (mut offloaded_groups, mut disk_corrupted, mut disk_errors, mut disk_full) = (0, 0, 0, 0);
         if let Some(t) = &self.tiers {
             tier_usage.extend(t.usage());
             offloaded_groups = t.counters().offloaded_groups;
+            disk_errors = t.counters().disk_errors;
             disk_corrupted = t.disk_corrupted();
+            disk_full = t.disk_full_events();
         }
         let snapshot = EngineStats {
             blocks_total: pool.num_blocks() as u64,
@@ -1157,6 +1163,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             prefix_hit_tokens,
             offloaded_groups,
             disk_corrupted,
+            disk_errors,
+            disk_full,
             evicpress: self.evicpress.as_ref().map(EvicPress::stats),
         };
         if let Ok(mut g) = self.stats.lock() {

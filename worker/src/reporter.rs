@@ -8,6 +8,8 @@
 //! overflows, or the kvstore reports a gap. A kvstore that forgot the worker (or saw a newer epoch) gets a fresh
 //! registration and a snapshot. Nothing here can stall the engine: the engine only ever `try_send`s.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pagoda_kvstore::Client;
@@ -67,8 +69,43 @@ pub enum ReporterError {
     Engine(#[from] EngineError),
 }
 
+/// Where the reporter stands, for `Stats`: written by the reporter task only, read by anyone.
+#[derive(Debug, Default)]
+pub struct ReportProgress {
+    epoch: AtomicU64,
+    acked_seq: AtomicU64,
+    snapshots: AtomicU64,
+}
+
+/// A copy of [`ReportProgress`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReportProgressSnapshot {
+    /// The epoch this process registered under (0 before it registered).
+    pub epoch: u64,
+    /// The last block-event sequence number the kvstore acknowledged.
+    pub acked_seq: u64,
+    /// Residency snapshots the kvstore accepted since start.
+    pub snapshots: u64,
+}
+
+impl ReportProgress {
+    pub fn snapshot(&self) -> ReportProgressSnapshot {
+        ReportProgressSnapshot {
+            epoch: self.epoch.load(Ordering::Relaxed),
+            acked_seq: self.acked_seq.load(Ordering::Relaxed),
+            snapshots: self.snapshots.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The running reporter task and its progress.
+pub struct Reporter {
+    pub task: JoinHandle<()>,
+    pub progress: Arc<ReportProgress>,
+}
+
 /// Subscribes to `engine`'s block changes and starts the reporter task; it ends when the engine stops.
-pub fn spawn(engine: EngineHandle, cfg: ReporterConfig) -> Result<JoinHandle<()>, ReporterError> {
+pub fn spawn(engine: EngineHandle, cfg: ReporterConfig) -> Result<Reporter, ReporterError> {
     if cfg.worker_id.is_empty() || cfg.worker_id.len() > pagoda_kvstore::machine::MAX_NAME_LEN {
         return Err(ReporterError::Config(format!(
             "the worker id must be 1 to {} bytes",
@@ -79,7 +116,9 @@ pub fn spawn(engine: EngineHandle, cfg: ReporterConfig) -> Result<JoinHandle<()>
         .map_err(|e| ReporterError::Config(e.message().to_string()))?
         .with_deadline(cfg.call_deadline);
     let rx = engine.report_events(cfg.channel_batches)?;
-    Ok(tokio::spawn(run(engine, cfg, client, rx)))
+    let progress = Arc::new(ReportProgress::default());
+    let task = tokio::spawn(run(engine, cfg, client, rx, progress.clone()));
+    Ok(Reporter { task, progress })
 }
 
 fn unix_micros() -> u64 {
@@ -157,6 +196,7 @@ struct Link {
     outbox: Outbox,
     last_sent: Option<Instant>,
     complaints: Complaints,
+    progress: Arc<ReportProgress>,
 }
 
 async fn run(
@@ -164,6 +204,7 @@ async fn run(
     cfg: ReporterConfig,
     client: Client,
     mut rx: tokio::sync::mpsc::Receiver<crate::events::SeqBatch>,
+    progress: Arc<ReportProgress>,
 ) {
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -176,6 +217,7 @@ async fn run(
         registered: false,
         last_sent: None,
         complaints: Complaints { last: None },
+        progress,
     };
     loop {
         tick.tick().await;
@@ -228,6 +270,7 @@ impl Link {
                 }
                 Ok(_) => {
                     self.outbox.ack(n);
+                    self.progress.acked_seq.store(self.outbox.next_seq() - 1, Ordering::Relaxed);
                     self.last_sent = Some(Instant::now());
                     self.complaints.recovered();
                 }
@@ -248,6 +291,7 @@ impl Link {
             Ok(_) => {
                 tracing::info!(worker = %self.cfg.worker_id, epoch = self.epoch, "registered with the kvstore");
                 self.registered = true;
+                self.progress.epoch.store(self.epoch, Ordering::Relaxed);
                 self.outbox.request_snapshot();
                 self.complaints.recovered();
                 true
@@ -296,6 +340,8 @@ impl Link {
         match self.client.publish_snapshot(req).await {
             Ok(_) => {
                 tracing::info!(blocks = n, seq = snap.seq, epoch = self.epoch, "published a residency snapshot");
+                self.progress.acked_seq.store(snap.seq, Ordering::Relaxed);
+                self.progress.snapshots.fetch_add(1, Ordering::Relaxed);
                 self.last_sent = Some(Instant::now());
                 self.complaints.recovered();
             }

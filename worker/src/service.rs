@@ -27,7 +27,9 @@ use tonic::{Request, Response, Status};
 use tracing::Span;
 
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
+use crate::events::BlockChange;
 use crate::policy::{PolicyKind, PolicySpec};
+use crate::reporter::ReportProgress;
 use crate::scheduler::SchedError;
 use crate::tiers::Tier;
 use crate::transfer::{PeerCounters, PeerFetcher};
@@ -134,6 +136,8 @@ pub struct WorkerService {
     peer: Option<Arc<PeerFetcher>>,
     /// The peer tier's counters (this worker's pulls and what its Transfer service served), for `Stats`.
     peer_counters: Arc<PeerCounters>,
+    /// Where block-event reporting stands, for `Stats` (zeros without a kvstore).
+    report_progress: Arc<ReportProgress>,
 }
 
 impl WorkerService {
@@ -145,7 +149,14 @@ impl WorkerService {
             admission: Arc::new(AdmissionQueue::default()),
             peer: None,
             peer_counters: Arc::default(),
+            report_progress: Arc::default(),
         }
+    }
+
+    /// Reports this block-event reporter's progress in `Stats`.
+    pub fn with_report_progress(mut self, progress: Arc<ReportProgress>) -> WorkerService {
+        self.report_progress = progress;
+        self
     }
 
     /// Sets the admission limits (see [`AdmissionLimits`]).
@@ -509,6 +520,7 @@ impl Worker for WorkerService {
     async fn stats(&self, _request: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
         let s = self.engine.stats();
         let p = self.peer_counters.snapshot();
+        let r = self.report_progress.snapshot();
         Ok(Response::new(StatsResponse {
             blocks_total: s.blocks_total,
             blocks_used: s.blocks_used,
@@ -551,7 +563,30 @@ impl Worker for WorkerService {
             peer_fetch_seconds_total: p.fetch_seconds,
             peer_served_blocks_total: p.served_blocks,
             peer_served_bytes_total: p.served_bytes,
+            report_epoch: r.epoch,
+            report_acked_seq: r.acked_seq,
+            report_snapshots_total: r.snapshots,
+            disk_errors_total: s.disk_errors,
+            disk_full_total: s.disk_full,
         }))
+    }
+
+    async fn residency(
+        &self,
+        _request: Request<pb::ResidencyRequest>,
+    ) -> Result<Response<pb::ResidencyResponse>, Status> {
+        let snap = self.engine.residency_snapshot().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        let groups = snap
+            .blocks
+            .into_iter()
+            .filter_map(|c| match c {
+                BlockChange::Stored { hash, tier, codec, bytes } => {
+                    Some(pb::ResidentGroup { hash, tier: tier.name().to_owned(), codec, bytes })
+                }
+                BlockChange::Removed { .. } => None,
+            })
+            .collect();
+        Ok(Response::new(pb::ResidencyResponse { seq: snap.seq, groups }))
     }
 }
 

@@ -10,11 +10,16 @@
 //! there. The checksum covers the payload too, so it is checked on every read; a mismatch deletes the file, counts
 //! it and reports a miss, and the caller recomputes the prefix. A plain struct with one owner
 //! ([`TierStore`](super::TierStore)).
+//!
+//! A full file system (`ENOSPC`, or a quota's `EDQUOT`) is not an error of the group: the tier shrinks its
+//! capacity to what it holds, so that later writes make room by evicting its own oldest files instead of failing
+//! one after another, and tries its configured capacity again after [`FULL_RETRY`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
@@ -27,6 +32,8 @@ const VERSION: u32 = 1;
 /// Codec names are short identifiers; anything longer is a corrupt header.
 const MAX_CODEC_LEN: usize = 64;
 const FIXED_HEADER: usize = 4 + 4 + 8 + 2;
+/// How long a tier that found its file system full keeps to the capacity it shrank to.
+pub const FULL_RETRY: Duration = Duration::from_secs(60);
 
 #[derive(Debug)]
 struct Entry {
@@ -39,7 +46,12 @@ struct Entry {
 #[derive(Debug)]
 pub struct DiskStore {
     dir: PathBuf,
+    /// The capacity in force: `configured`, or less while the file system is full.
     capacity: u64,
+    configured: u64,
+    /// When a write last found the file system full (then `capacity` shrank).
+    full_since: Option<Instant>,
+    full_events: u64,
     /// Largest payload accepted: bounds what a corrupt length field can make a read allocate.
     max_payload: u64,
     used: u64,
@@ -53,6 +65,10 @@ pub struct DiskStore {
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TierError + 'a {
     move |source| TierError::Io { op, path: path.to_path_buf(), source }
+}
+
+fn is_out_of_space(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull || e.kind() == std::io::ErrorKind::QuotaExceeded
 }
 
 fn file_name(hash: u64) -> String {
@@ -109,6 +125,9 @@ impl DiskStore {
         let mut store = DiskStore {
             dir,
             capacity: capacity_bytes,
+            configured: capacity_bytes,
+            full_since: None,
+            full_events: 0,
             max_payload,
             used: 0,
             index: HashMap::new(),
@@ -235,8 +254,14 @@ impl DiskStore {
         &self.dir
     }
 
+    /// The capacity in force (less than configured while the file system is full).
     pub fn capacity_bytes(&self) -> u64 {
         self.capacity
+    }
+
+    /// Writes that found the file system full, since open.
+    pub fn full_events(&self) -> u64 {
+        self.full_events
     }
 
     pub fn used_bytes(&self) -> u64 {
@@ -295,6 +320,10 @@ impl DiskStore {
         let sum = xxh3_64(&buf);
         buf.extend_from_slice(&sum.to_le_bytes());
         let size = buf.len() as u64;
+        if self.full_since.is_some_and(|t| t.elapsed() >= FULL_RETRY) {
+            self.full_since = None;
+            self.capacity = self.configured;
+        }
         if size > self.capacity || group.len() > self.max_payload {
             return Ok(false);
         }
@@ -308,6 +337,18 @@ impl DiskStore {
         };
         if let Err(e) = write() {
             let _ = fs::remove_file(&tmp);
+            if is_out_of_space(&e) {
+                // Keep to what we hold: the next write evicts our own oldest files to make room.
+                self.capacity = self.used;
+                self.full_since = Some(Instant::now());
+                self.full_events += 1;
+                tracing::warn!(
+                    dir = %self.dir.display(),
+                    capacity = self.capacity,
+                    "the disk tier's file system is full; holding to what it stores for {FULL_RETRY:?}"
+                );
+                return Ok(false);
+            }
             return Err(TierError::Io { op: "write", path: tmp, source: e });
         }
         fs::rename(&tmp, &path).map_err(io_err("rename", &path))?;
@@ -410,6 +451,32 @@ mod tests {
     /// Size of the file `put` writes for `g(n, _)`.
     fn file_size(n: usize) -> u64 {
         (FIXED_HEADER + "native".len() + 8 + n + 8) as u64
+    }
+
+    /// A real ENOSPC from the kernel: the write lands on /dev/full through a symlink at the temporary file's name.
+    #[test]
+    fn a_full_file_system_shrinks_the_tier_to_what_it_holds() {
+        let dir = tmpdir("full");
+        let mut d = DiskStore::open(&dir, file_size(100) * 10, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap());
+        assert!(d.put(2, &g(100, 2)).unwrap());
+        std::os::unix::fs::symlink("/dev/full", dir.join(format!("{}.tmp", file_name(3)))).unwrap();
+        assert!(!d.put(3, &g(100, 3)).unwrap(), "a full disk refuses the group; it is no error of the group");
+        assert_eq!(d.full_events(), 1);
+        assert_eq!(d.capacity_bytes(), file_size(100) * 2, "held to what it stores");
+        assert!(!d.contains(3) && d.len() == 2);
+        assert!(!dir.join(format!("{}.tmp", file_name(3))).exists(), "the failed write left nothing behind");
+        // The next write makes room by evicting the tier's own oldest file, and succeeds.
+        assert!(d.put(4, &g(100, 4)).unwrap());
+        assert!(!d.contains(1) && d.contains(2) && d.contains(4));
+        assert_eq!(d.get(4).unwrap(), Some(g(100, 4)));
+        assert_eq!(d.used_bytes(), file_size(100) * 2);
+        // After FULL_RETRY the configured capacity is tried again.
+        d.full_since = Some(Instant::now() - FULL_RETRY);
+        assert!(d.put(5, &g(100, 5)).unwrap());
+        assert_eq!(d.capacity_bytes(), file_size(100) * 10);
+        assert_eq!(d.len(), 3);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

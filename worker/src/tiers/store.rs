@@ -124,6 +124,11 @@ impl TierStore {
         self.disk.as_ref().map_or(0, DiskStore::corrupted)
     }
 
+    /// Disk writes that found the file system full, since start.
+    pub fn disk_full_events(&self) -> u64 {
+        self.disk.as_ref().map_or(0, DiskStore::full_events)
+    }
+
     /// The fastest lower tier holding `hash`, and the bytes a load would move.
     pub fn locate(&self, hash: u64) -> Option<(Tier, u64)> {
         if let Some(n) = self.host.as_ref().and_then(|h| h.size_of(hash)) {
