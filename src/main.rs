@@ -301,6 +301,8 @@ struct WorkerArgs {
     #[command(flatten)]
     etcd: EtcdArgs,
     #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
@@ -326,6 +328,33 @@ impl EtcdArgs {
         }
         let cfg = pagoda_registry::RegistryConfig::new(self.etcd.clone(), &self.etcd_prefix).context("--etcd")?;
         Ok(Some(cfg))
+    }
+}
+
+/// Mutual TLS between components (all three files, or none: plaintext).
+#[derive(Args)]
+struct TlsArgs {
+    /// This component's certificate (PEM). With --tls-key and --tls-ca, every gRPC server of this process asks
+    /// clients for a certificate signed by the CA, and every gRPC call it makes presents this one and checks the
+    /// server's certificate against the CA and the address dialled.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// Private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// The CA that signs every component's certificate (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// Installs the process's TLS identity, when one is given.
+    fn install(&self) -> Result<()> {
+        let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else { return Ok(()) };
+        let files = pagoda_proto::tls::TlsFiles { cert: cert.clone(), key: key.clone(), ca: ca.clone() };
+        pagoda_proto::tls::install(&files).context("--tls-cert/--tls-key/--tls-ca")?;
+        tracing::info!(cert = %cert.display(), ca = %ca.display(), "mutual TLS between components");
+        Ok(())
     }
 }
 
@@ -371,6 +400,8 @@ struct RouterArgs {
     stale_reports_secs: f64,
     #[command(flatten)]
     etcd: EtcdArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -434,6 +465,8 @@ struct KvstoreArgs {
     expect_voters: u64,
     #[command(flatten)]
     etcd: EtcdArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 fn parse_peer(s: &str) -> Result<(u64, String), String> {
@@ -956,7 +989,7 @@ async fn serve_worker(
     engine: EngineHandle,
     serving: WorkerServing,
     shutdown: watch::Receiver<bool>,
-) -> Result<(), tonic::transport::Error> {
+) -> Result<()> {
     let WorkerServing { worker_id, admission, peer_fetch, report_progress } = serving;
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let counters = std::sync::Arc::new(PeerCounters::default());
@@ -970,11 +1003,12 @@ async fn serve_worker(
     if let Some(cfg) = peer_fetch {
         service = service.with_peer_fetch(PeerFetcher::new(engine.clone(), counters.clone(), cfg));
     }
-    tonic::transport::Server::builder()
+    pagoda_proto::tls::server()?
         .add_service(service.into_server())
         .add_service(TransferService::new(engine, counters).into_server())
         .serve_with_incoming_shutdown(incoming, wait_for(shutdown))
-        .await
+        .await?;
+    Ok(())
 }
 
 /// Runs `fut` until it ends, or until `DRAIN` after the shutdown signal (streams may keep a server busy).
@@ -1067,6 +1101,7 @@ fn hostname() -> String {
 }
 
 async fn worker(args: WorkerArgs) -> Result<()> {
+    args.tls.install()?;
     let model = resolve_model(&args.model)?;
     let shutdown = shutdown_signal();
     let engine = start_engine(&model, &args.engine).await?;
@@ -1126,6 +1161,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
 }
 
 async fn router(args: RouterArgs) -> Result<()> {
+    args.tls.install()?;
     let security = load_security(&args.http)?;
     let model = resolve_model(&args.model)?;
     let shutdown = shutdown_signal();
@@ -1586,6 +1622,7 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
 }
 
 async fn kvstore(args: KvstoreArgs) -> Result<()> {
+    args.tls.install()?;
     let mut cfg = pagoda_kvstore::NodeConfig::new(args.node_id, args.listen, args.data_dir);
     for (id, addr) in args.peers {
         if let Some(prev) = cfg.peers.insert(id, addr.clone())

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use pagoda_proto::kvstore as pb;
 use pb::kv_store_client::KvStoreClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use crate::server::MAX_CLIENT_MESSAGE_BYTES;
@@ -25,8 +25,7 @@ pub struct Client {
 }
 
 fn channel(addr: &str) -> Result<KvStoreClient<Channel>, Status> {
-    let url = if addr.starts_with("http") { addr.to_string() } else { format!("http://{addr}") };
-    let endpoint = Endpoint::from_shared(url)
+    let endpoint = pagoda_proto::tls::endpoint(addr)
         .map_err(|e| Status::invalid_argument(format!("bad kvstore address {addr}: {e}")))?
         .connect_timeout(Duration::from_secs(1))
         .timeout(Duration::from_secs(15))

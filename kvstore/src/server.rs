@@ -65,6 +65,8 @@ pub enum ServerError {
     Config(String),
     #[error("kvstore: node task: {0}")]
     Join(String),
+    #[error("kvstore: TLS: {0}")]
+    Tls(String),
 }
 
 /// A running node; [`RunningNode::stop`] shuts it down and releases its data dir.
@@ -151,7 +153,8 @@ pub async fn start_on(mut cfg: NodeConfig, listener: TcpListener) -> Result<Runn
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        pagoda_proto::tls::server()
+            .map_err(|e| ServerError::Tls(e.to_string()))?
             .tcp_nodelay(true)
             .add_service(kv)
             .add_service(raft)

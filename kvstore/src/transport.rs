@@ -13,7 +13,6 @@ use protobuf::Message as _;
 use raft::eraftpb::Message;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tonic::transport::Endpoint;
 use tonic::{Request, Response, Status};
 
 use crate::node::NodeHandle;
@@ -84,7 +83,7 @@ impl Drop for Transport {
 }
 
 async fn run_peer(from: u64, to: u64, addr: String, mut rx: mpsc::Receiver<Message>) {
-    let endpoint = match Endpoint::from_shared(format!("http://{addr}")) {
+    let endpoint = match pagoda_proto::tls::endpoint(&addr) {
         Ok(e) => e.connect_timeout(Duration::from_secs(1)).timeout(SEND_TIMEOUT).tcp_nodelay(true),
         Err(e) => {
             tracing::error!(peer = to, addr, "invalid peer address: {e}");

@@ -4,7 +4,9 @@
 //! - [`kvstore`]: the `KvStore` service (Publish, Watch, Read, membership) and the `Raft` peer transport.
 //! - [`transfer`]: the `Transfer` service (Fetch) workers pull each other's KV block groups through.
 //! - [`trace_context`]: W3C trace context through HTTP headers and gRPC metadata, and shared span shapes.
+//! - [`tls`]: optional mutual TLS for every channel and server between components.
 
+pub mod tls;
 pub mod trace_context;
 
 /// gRPC metadata key on a worker's `resource_exhausted` refusal when its admission queue is full (not when the

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use pagoda_proto::worker::worker_client::WorkerClient;
 use pagoda_proto::worker::{HealthRequest, StatsRequest, StatsResponse};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::feed::FeedStatus;
 use crate::placement::PlacementError;
@@ -110,12 +110,7 @@ pub struct Worker {
 impl Worker {
     /// A worker at `addr` (`host:port` or a URL); the connection is made lazily.
     fn connect(addr: &str) -> Result<Worker, String> {
-        let uri = if addr.starts_with("http://") || addr.starts_with("https://") {
-            addr.to_string()
-        } else {
-            format!("http://{addr}")
-        };
-        let endpoint = Endpoint::from_shared(uri)
+        let endpoint = pagoda_proto::tls::endpoint(addr)
             .map_err(|e| format!("invalid worker address `{addr}`: {e}"))?
             .connect_timeout(RPC_TIMEOUT)
             .tcp_nodelay(true)

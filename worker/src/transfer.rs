@@ -171,12 +171,7 @@ pub async fn fetch(
     let mut out = FetchOutcome::default();
     let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
     let conn = async {
-        let uri = if addr.starts_with("http://") || addr.starts_with("https://") {
-            addr.to_owned()
-        } else {
-            format!("http://{addr}")
-        };
-        let endpoint = tonic::transport::Endpoint::from_shared(uri)
+        let endpoint = pagoda_proto::tls::endpoint(addr)
             .map_err(|e| FetchError::Connect { addr: addr.to_owned(), reason: e.to_string() })?
             .connect_timeout(timeout)
             .tcp_nodelay(true);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use pagoda_proto::kvstore::kv_store_client::KvStoreClient;
 use pagoda_proto::kvstore::{StatusRequest, StatusResponse};
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// Most kvstore nodes the dashboard polls.
 pub const MAX_NODES: usize = 16;
@@ -62,9 +62,7 @@ impl KvstoreNodes {
         }
         let mut nodes = Vec::with_capacity(addrs.len());
         for a in addrs {
-            let uri =
-                if a.starts_with("http://") || a.starts_with("https://") { a.clone() } else { format!("http://{a}") };
-            let endpoint = Endpoint::from_shared(uri)
+            let endpoint = pagoda_proto::tls::endpoint(a)
                 .map_err(|e| format!("invalid kvstore address `{a}`: {e}"))?
                 .connect_timeout(STATUS_TIMEOUT)
                 .tcp_nodelay(true);
