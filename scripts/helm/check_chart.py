@@ -143,8 +143,10 @@ def check_references(name: str, objs: list[dict], values: dict) -> None:
         claims = {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
         for v in volumes.values():
             secret = v.get("secret", {}).get("secretName")
-            if secret and ("Secret", secret) not in names and secret != values.get("auth", {}).get("existingSecret"):
-                fail(f"{what}: volume {v['name']} names Secret {secret}, which is neither rendered nor auth.existingSecret")
+            external = {values.get("auth", {}).get("existingSecret"), values.get("tls", {}).get("secretName")}
+            if secret and ("Secret", secret) not in names and secret not in external:
+                fail(f"{what}: volume {v['name']} names Secret {secret}, which is neither rendered nor an existing"
+                     " Secret the values name (auth.existingSecret, tls.secretName)")
         for c, init in all_containers(spec):
             cw = f"{what} container {c['name']}"
             sc = c.get("securityContext", {})
@@ -297,6 +299,15 @@ def check_ingress_lb(objs):
     expect(np["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"]
            == {"kubernetes.io/metadata.name": "ingress-nginx"}, "ingress-lb: routerFrom not applied")
     expect(find(objs, "StatefulSet", "rel-pagoda-etcd")["spec"]["replicas"] == 3, "ingress-lb: etcd not 3")
+    for kind, name, cname in [("Deployment", "router", "router"), ("StatefulSet", "worker", "worker"),
+                              ("StatefulSet", "kvstore", "kvstore")]:
+        c, o = container(objs, kind, name, cname)
+        for flag in ["--tls-cert=/etc/pagoda/tls/tls.crt", "--tls-key=/etc/pagoda/tls/tls.key",
+                     "--tls-ca=/etc/pagoda/tls/ca.crt"]:
+            expect(flag in c["command"], f"ingress-lb: {name} lacks {flag}")
+        vol = next((v for v in pod_spec(o)["volumes"] if v["name"] == "tls"), None)
+        expect(vol is not None and vol["secret"]["secretName"] == "pagoda-mtls", f"ingress-lb: {name} TLS volume")
+        expect(any(m["name"] == "tls" and m["readOnly"] for m in c["volumeMounts"]), f"ingress-lb: {name} TLS mount")
     init = find(objs, "StatefulSet", "rel-pagoda-etcd")["spec"]["template"]["spec"]["containers"][0]["command"]
     cluster = next(a for a in init if a.startswith("--initial-cluster="))
     expect(cluster.count("=http://") == 3, f"ingress-lb: etcd {cluster}")

@@ -89,6 +89,9 @@ schema = obj({
                                      "admin": {"const": True}}},
                # The router's own minimum key length.
                "then": {"properties": {"adminKey": {"minLength": 16}}, "required": ["adminKey"]}}]),
+    "tls": obj({"enabled": BOOL, "secretName": STR, "mountPath": {"type": "string", "pattern": "^/[^,]*$"}},
+               allOf=[{"if": {"properties": {"enabled": {"const": True}}},
+                       "then": {"properties": {"secretName": {"minLength": 1}}, "required": ["secretName"]}}]),
     "podSecurityContext": FREE_MAP,
     "securityContext": FREE_MAP,
     "router": obj({

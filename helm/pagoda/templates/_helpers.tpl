@@ -168,3 +168,37 @@ affinity:
 {{- end -}}
 {{- join "," $eps -}}
 {{- end -}}
+
+{{/* Mutual TLS between components (tls.enabled): the flags, the mount and the volume of the certificate Secret
+     (cert-manager's layout: tls.crt, tls.key, ca.crt). Nothing when TLS is off. */}}
+{{- define "pagoda.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ .Values.tls.mountPath }}/tls.key
+- --tls-ca={{ .Values.tls.mountPath }}/ca.crt
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end -}}
