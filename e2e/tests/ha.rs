@@ -13,6 +13,8 @@
 //! 4. A worker restart. It comes back under a new epoch with its disk tier intact, the directory holds those disk
 //!    copies under the new epoch, and a request whose prefix is only on that disk is placed there by both routers,
 //!    onboarded from disk, and answered exactly as before.
+//! 5. SIGKILL of a worker mid-stream under load on both routers: its streams migrate and complete, each equal to
+//!    the greedy reference.
 //!
 //! Each phase prints an `HA {json}` line with its measurements.
 
@@ -356,8 +358,17 @@ async fn reference_for<'a>(
     prompts: &[String],
     records: impl IntoIterator<Item = &'a Record>,
 ) -> Vec<String> {
+    reference_at(http, prompts, records, MAX_TOKENS).await
+}
+
+async fn reference_at<'a>(
+    http: &Http,
+    prompts: &[String],
+    records: impl IntoIterator<Item = &'a Record>,
+    max_tokens: u32,
+) -> Vec<String> {
     let used = records.into_iter().map(|r| r.prompt + 1).max().unwrap_or(0);
-    let mut reference = load::reference(http, &prompts[..used], MAX_TOKENS).await.unwrap();
+    let mut reference = load::reference(http, &prompts[..used], max_tokens).await.unwrap();
     reference.resize(prompts.len(), String::new());
     reference
 }
@@ -557,5 +568,51 @@ async fn the_cluster_survives_losing_its_kvstore_leader_a_router_and_a_worker() 
                "new_epoch": after_probe.report_epoch, "directory_converged_s": converged.as_secs_f64(),
                "placed_on_disk_after_s": routed_after.as_secs_f64(),
                "disk_hit_tokens": disk_tokens(&after_probe) - disk_tokens(&before_probe)})
+    );
+
+    // 5. A worker is SIGKILLed mid-stream under load on both routers: its streams finish on the other workers.
+    let long_tokens = 32;
+    let cfg = LoadConfig {
+        max_tokens: long_tokens,
+        streaming: Streaming::All,
+        ..load_config(&prompts, Duration::from_secs(10), 1000)
+    };
+    let migrations_before =
+        r0.metric_sum("pagoda_router_migrations_total").await + r1.metric_sum("pagoda_router_migrations_total").await;
+    let load_both = {
+        let routers = [r0.clone(), r1.clone()];
+        tokio::spawn(async move { load::run_across(&routers, &cfg).await.unwrap() })
+    };
+    let t0 = Instant::now();
+    let (victim, running) = loop {
+        let mut busiest = (0, 0);
+        for (i, w) in ha.workers.iter().enumerate() {
+            let running = worker_stats(&w.addr).await.map(|s| s.running).unwrap_or(0);
+            if running > busiest.1 {
+                busiest = (i, running);
+            }
+        }
+        if busiest.1 > 0 {
+            break busiest;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no worker ever ran a stream");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut dead = ha.workers[victim].proc.take().unwrap();
+    dead.kill();
+    ha.retired.push(dead);
+    let records = load_both.await.unwrap();
+    let reference = reference_at(&r1, &prompts, &records, long_tokens).await;
+    let report = Report::new(&records, &reference);
+    assert_nothing_lost("both routers while a worker died mid-stream", &report);
+    let migrated = r0.metric_sum("pagoda_router_migrations_total").await
+        + r1.metric_sum("pagoda_router_migrations_total").await
+        - migrations_before;
+    assert!(migrated >= 1.0, "no stream was migrated off the killed worker ({running} were running on it)");
+    println!(
+        "HA {}",
+        json!({"phase": "worker-kill-mid-stream", "running_on_victim": running, "sent": report.sent,
+               "completed": report.completed, "lost": report.lost, "migrated": migrated,
+               "p99_latency_s": report.p99_latency.as_secs_f64()})
     );
 }
