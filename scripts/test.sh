@@ -31,4 +31,5 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
 bash scripts/check-cuda.sh
-bash scripts/check-helm.sh
+# The binary `cargo test` just built (CARGO_BIN_EXE_pagoda): check-helm would otherwise build it again.
+PAGODA_BIN=target/debug/pagoda bash scripts/check-helm.sh
