@@ -291,6 +291,24 @@ pub fn sse_payloads(body: &str) -> Result<Vec<String>> {
         .collect()
 }
 
+/// The address of the kvstore node among `addrs` that reports itself leader; fails after `limit` without one.
+pub async fn kvstore_leader(addrs: &[String], limit: Duration) -> Result<String> {
+    let t0 = Instant::now();
+    loop {
+        for a in addrs {
+            if let Ok(s) = pagoda_kvstore::Client::status_of(a).await
+                && s.role == "Leader"
+            {
+                return Ok(a.clone());
+            }
+        }
+        if t0.elapsed() > limit {
+            bail!("no leader among {addrs:?} within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Every block group the worker holds now (its `Residency` over gRPC).
 pub async fn worker_residency(addr: &str) -> Result<ResidencyResponse> {
     let mut c = WorkerClient::connect(format!("http://{addr}")).await.with_context(|| format!("connect {addr}"))?;

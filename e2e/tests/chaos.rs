@@ -519,6 +519,39 @@ fn long_prompts(n: usize) -> Vec<String> {
         .collect()
 }
 
+/// One worker behind a router whose device pool holds about two of 5 long prompts, with no host tier and a disk
+/// tier of `disk_mib` under `data_dir`, so prefixes cycle device -> disk -> device; the prompts' greedy references
+/// (6 tokens); and a closed loop of 2 over them for `duration`.
+async fn disk_tier_worker(
+    name: &str,
+    data_dir: &std::path::Path,
+    disk_mib: u32,
+    duration: Duration,
+) -> (Cluster, Vec<String>, LoadConfig) {
+    let data = data_dir.to_string_lossy().into_owned();
+    let disk = disk_mib.to_string();
+    // 90 blocks per 16-token group (30 layers x 3 kv-heads): 60 groups of device KV, about two 400-token prompts.
+    let args =
+        ["--num-blocks", "5400", "--max-running", "2", "--host-tier-mib", "0", "--disk-tier-mib", &disk, "--data-dir"];
+    let mut args: Vec<&str> = args.to_vec();
+    args.push(&data);
+    let cluster = ClusterBuilder::new(BIN, name).workers(1).worker_args(&args).router_args(ROUTER_ARGS);
+    let cluster = cluster.start().await.unwrap();
+    let prompts = long_prompts(5);
+    let max_tokens = 6;
+    let reference = load::reference(cluster.http(0), &prompts, max_tokens).await.unwrap();
+    let cfg = LoadConfig {
+        mode: Mode::Closed { concurrency: 2 },
+        prompts,
+        max_tokens,
+        streaming: Streaming::Mixed,
+        deadline: Duration::from_secs(90),
+        duration,
+        max_requests: 200,
+    };
+    (cluster, reference, cfg)
+}
+
 /// Disk-tier corruption under load: a worker whose device pool holds about two of the prompts keeps their
 /// prefixes only on disk (no host tier), and onboards them from there on reuse. Mid-load every disk-tier file is
 /// corrupted in place, twice. The checksums must catch it: corrupt files are counted and dropped, their prefixes
@@ -529,27 +562,8 @@ async fn corrupted_disk_tier_files_are_never_used() {
     let data_dir = std::env::temp_dir().join(format!("pagoda-chaos-disk-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data_dir);
     std::fs::create_dir_all(&data_dir).unwrap();
-    let data = data_dir.to_string_lossy().into_owned();
-    // 90 blocks per 16-token group (30 layers x 3 kv-heads): 60 groups of device KV, about two 400-token prompts.
-    let worker_args =
-        ["--num-blocks", "5400", "--max-running", "2", "--host-tier-mib", "0", "--disk-tier-mib", "256", "--data-dir"];
-    let mut args: Vec<&str> = worker_args.to_vec();
-    args.push(&data);
-    let cluster = ClusterBuilder::new(BIN, "chaos-disk").workers(1).worker_args(&args).router_args(ROUTER_ARGS);
-    let cluster = cluster.start().await.unwrap();
+    let (cluster, reference, cfg) = disk_tier_worker("chaos-disk", &data_dir, 256, Duration::from_secs(16)).await;
     let http = cluster.http(0).clone();
-    let prompts = long_prompts(5);
-    let max_tokens = 6;
-    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
-    let cfg = LoadConfig {
-        mode: Mode::Closed { concurrency: 2 },
-        prompts,
-        max_tokens,
-        streaming: Streaming::Mixed,
-        deadline: Duration::from_secs(90),
-        duration: Duration::from_secs(16),
-        max_requests: 200,
-    };
     let load_http = http.clone();
     let load = tokio::spawn(async move { load::run(&load_http, &cfg).await });
     let kv_dir = data_dir.join("kv");
@@ -620,26 +634,8 @@ async fn the_disk_tier_filling_up_is_survived() {
     let data_dir = std::env::temp_dir().join(format!("pagoda-chaos-full-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&data_dir);
     let tmpfs = SmallTmpfs::mount(&data_dir, 2);
-    let data = data_dir.to_string_lossy().into_owned();
-    let worker_args =
-        ["--num-blocks", "5400", "--max-running", "2", "--host-tier-mib", "0", "--disk-tier-mib", "64", "--data-dir"];
-    let mut args: Vec<&str> = worker_args.to_vec();
-    args.push(&data);
-    let cluster = ClusterBuilder::new(BIN, "chaos-full").workers(1).worker_args(&args).router_args(ROUTER_ARGS);
-    let cluster = cluster.start().await.unwrap();
+    let (cluster, reference, cfg) = disk_tier_worker("chaos-full", &data_dir, 64, Duration::from_secs(12)).await;
     let http = cluster.http(0).clone();
-    let prompts = long_prompts(5);
-    let max_tokens = 6;
-    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
-    let cfg = LoadConfig {
-        mode: Mode::Closed { concurrency: 2 },
-        prompts,
-        max_tokens,
-        streaming: Streaming::Mixed,
-        deadline: Duration::from_secs(90),
-        duration: Duration::from_secs(12),
-        max_requests: 150,
-    };
     let records = load::run(&http, &cfg).await.unwrap();
     let report = Report::new(&records, &reference);
     let stats = worker_stats(cluster.worker_addr(0)).await.unwrap();

@@ -42,6 +42,14 @@ pub fn chat(content: &str, extra: Value) -> Value {
     body
 }
 
+/// A chat prompt of about 700 tokens (45 numbered sentences and a question): long enough that a peer pull of its
+/// prefix beats prefilling it.
+pub fn river_log_prompt() -> String {
+    let text: Vec<String> =
+        (0..45).map(|i| format!("Entry {i}: the river carried {} stones past the mill at dawn.", i * 7 + 3)).collect();
+    format!("{} Which entry mentions 24 stones?", text.join(" "))
+}
+
 /// Asserts an OpenAI-style error body with the given status.
 pub fn assert_error(case: &str, status: u16, body: &str, want: u16) -> Value {
     assert_eq!(status, want, "{case}: {body}");

@@ -204,18 +204,7 @@ where
 }
 
 async fn leader_of(addrs: &[String]) -> String {
-    let t0 = Instant::now();
-    loop {
-        for a in addrs {
-            if let Ok(s) = Client::status_of(a).await
-                && s.role == "Leader"
-            {
-                return a.clone();
-            }
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "no leader among {addrs:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    pagoda_e2e::kvstore_leader(addrs, Duration::from_secs(30)).await.unwrap()
 }
 
 fn tier_name(t: i32) -> &'static str {

@@ -36,18 +36,7 @@ fn spawn_node(id: u64, peers: &BTreeMap<u64, String>, data: &std::path::Path) ->
 }
 
 async fn leader_of(addrs: &[String]) -> String {
-    let t0 = Instant::now();
-    loop {
-        for a in addrs {
-            if let Ok(s) = Client::status_of(a).await
-                && s.role == "Leader"
-            {
-                return a.clone();
-            }
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "no leader among {addrs:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    pagoda_e2e::kvstore_leader(addrs, Duration::from_secs(30)).await.unwrap()
 }
 
 fn stored(hash: u64) -> pb::BlockEvent {

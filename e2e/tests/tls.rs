@@ -13,7 +13,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{BIN, chat};
+use common::{BIN, chat, river_log_prompt};
 use pagoda_e2e::cluster::die_with_parent;
 use pagoda_e2e::serde_json::{Value, json};
 use pagoda_e2e::{Http, Proc, free_port, require_model};
@@ -129,13 +129,7 @@ async fn components_talk_mutual_tls_and_refuse_anyone_else() {
 
     // Router → worker, twice: round robin sends the second to the other worker, which pulls the prefix from the
     // first (worker → worker) and answers the same.
-    let text: Vec<String> =
-        (0..45).map(|i| format!("Entry {i}: the river carried {} stones past the mill at dawn.", i * 7 + 3)).collect();
-    let body = chat(
-        &format!("{} Which entry mentions 24 stones?", text.join(" ")),
-        json!({"temperature": 0,
-        "max_tokens": 8}),
-    );
+    let body = chat(&river_log_prompt(), json!({"temperature": 0, "max_tokens": 8}));
     let (s, first) = http.post_json("/v1/chat/completions", &body).await.unwrap();
     assert_eq!(s, 200, "{first}");
     // The first answer's blocks reach the lower tier, where Transfer serves them from.

@@ -17,7 +17,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::otlp::{hex, int_attr, spawn_collector, str_attr};
-use common::{BIN, chat};
+use common::{BIN, chat, river_log_prompt};
 use pagoda_e2e::serde_json::json;
 use pagoda_e2e::{Http, Proc, StatsResponse, free_port, require_model, worker_stats};
 use pagoda_proto::worker::worker_client::WorkerClient;
@@ -171,12 +171,7 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
     .unwrap();
     let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
     http.wait_ready(Duration::from_secs(60)).await.unwrap();
-    let text: Vec<String> =
-        (0..45).map(|i| format!("Entry {i}: the river carried {} stones past the mill at dawn.", i * 7 + 3)).collect();
-    let body = chat(
-        &format!("{} Which entry mentions 24 stones?", text.join(" ")),
-        json!({"temperature": 0, "max_tokens": 8}),
-    );
+    let body = chat(&river_log_prompt(), json!({"temperature": 0, "max_tokens": 8}));
     let both = || async { (worker_stats(&a_addr).await.unwrap(), worker_stats(&b_addr).await.unwrap()) };
     let sum = |s: &(StatsResponse, StatsResponse), f: fn(&StatsResponse) -> u64| f(&s.0) + f(&s.1);
     let before = both().await;

@@ -390,14 +390,7 @@ async fn debug_place(
     if !crate::auth::valid_tenant(&namespace) {
         return Err(ApiError::invalid_param("tenant", "A tenant is 1 to 64 characters of [A-Za-z0-9._-]."));
     }
-    let codec = st.0.codec.clone();
-    let prompt = blocking(move || {
-        let text = codec
-            .render_chat(&turns)
-            .map_err(|e| ApiError::invalid_param("messages", format!("Could not apply the chat template: {e}")))?;
-        codec.encode(&text, true).map_err(|e| ApiError::invalid_param("messages", format!("Could not tokenize: {e}")))
-    })
-    .await?;
+    let prompt = chat_prompt(&st, turns).await?;
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
     let pool = st.pool();
     let shape = generate::RequestShape::of(pool, &namespace, &prompt, &params, max_tokens)?;
@@ -454,6 +447,18 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + S
     tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
 }
 
+/// The chat's prompt tokens: the model's chat template applied to `turns`, then tokenized (off the async threads).
+async fn chat_prompt(st: &AppState, turns: Vec<crate::openai::Turn>) -> Result<Vec<u32>, ApiError> {
+    let codec = st.0.codec.clone();
+    blocking(move || {
+        let text = codec
+            .render_chat(&turns)
+            .map_err(|e| ApiError::invalid_param("messages", format!("Could not apply the chat template: {e}")))?;
+        codec.encode(&text, true).map_err(|e| ApiError::invalid_param("messages", format!("Could not tokenize: {e}")))
+    })
+    .await
+}
+
 async fn chat_completions(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -462,14 +467,7 @@ async fn chat_completions(
     let arrived = Instant::now();
     let (turns, params) = req.validate()?;
     st.check_model(&params.model)?;
-    let codec = st.0.codec.clone();
-    let prompt = blocking(move || {
-        let text = codec
-            .render_chat(&turns)
-            .map_err(|e| ApiError::invalid_param("messages", format!("Could not apply the chat template: {e}")))?;
-        codec.encode(&text, true).map_err(|e| ApiError::invalid_param("messages", format!("Could not tokenize: {e}")))
-    })
-    .await?;
+    let prompt = chat_prompt(&st, turns).await?;
     let id = new_id("chatcmpl");
     let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await?;
     let created = unix_now();
