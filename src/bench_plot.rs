@@ -28,6 +28,21 @@ pub(crate) const COLORS: [RGBColor; 9] = [
     RGBColor(23, 190, 207),
 ];
 
+/// The legend of every chart here: the series labels in the lower right, on a translucent white box.
+pub(crate) fn draw_legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    font_size: u32,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font((FONT, font_size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow!("{e:?}"))
+}
+
 pub(crate) fn register_font() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut res = Ok(());
@@ -162,15 +177,7 @@ where
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .label_font((FONT, 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    Ok(())
+    draw_legend(&mut chart, 14)
 }
 
 #[cfg(test)]

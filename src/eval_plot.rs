@@ -8,7 +8,7 @@ use anyhow::{Context, Result, anyhow};
 use pagoda_worker::eval::runner::{Cell, EvalReport};
 use plotters::prelude::*;
 
-use crate::bench_plot::{FONT, register_font};
+use crate::bench_plot::{FONT, draw_legend, register_font};
 
 struct Metric {
     title: &'static str,
@@ -145,13 +145,5 @@ where
             .label(*p)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 13))
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(err)?;
-    Ok(())
+    draw_legend(&mut chart, 13)
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{Context, Result, anyhow};
 use plotters::prelude::*;
 
-use crate::bench_plot::{COLORS, FONT, register_font};
+use crate::bench_plot::{COLORS, FONT, draw_legend, register_font};
 
 /// The EvicPress paper's Figure 7 for `pagoda bench tiers --workload zipf`: mean TTFT (x) against quality (y),
 /// one labelled point per configuration; lower right is better.
@@ -54,14 +54,7 @@ pub fn draw_tiers(report: &pagoda_worker::bench_zipf::ZipfReport, path: &Path) -
             .draw_series(std::iter::once(Text::new(r.name.clone(), at, (FONT, 13).into_font().color(&BLACK))))
             .map_err(|e| anyhow!("{e:?}"))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 13))
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(|e| anyhow!("{e:?}"))?;
+    draw_legend(&mut chart, 13)?;
     root.present().with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }

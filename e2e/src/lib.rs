@@ -291,6 +291,20 @@ pub fn sse_payloads(body: &str) -> Result<Vec<String>> {
         .collect()
 }
 
+/// Polls `check` every 100 ms until it holds; fails the test after `limit`. Returns how long it took.
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let t0 = Instant::now();
+    while !check().await {
+        assert!(t0.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    t0.elapsed()
+}
+
 /// The address of the kvstore node among `addrs` that reports itself leader; fails after `limit` without one.
 pub async fn kvstore_leader(addrs: &[String], limit: Duration) -> Result<String> {
     let t0 = Instant::now();

@@ -28,7 +28,9 @@ use common::BIN;
 use pagoda_e2e::cluster::die_with_parent;
 use pagoda_e2e::load::{self, LoadConfig, Mode, Record, Report, Streaming};
 use pagoda_e2e::serde_json::{Value, json};
-use pagoda_e2e::{Http, MODEL_ID, Proc, ResidencyResponse, free_port, require_model, worker_residency, worker_stats};
+use pagoda_e2e::{
+    Http, MODEL_ID, Proc, ResidencyResponse, free_port, require_model, wait_until, worker_residency, worker_stats,
+};
 use pagoda_kvstore::Client;
 use pagoda_kvstore::proto as pb;
 use pagoda_registry::local::LocalEtcd;
@@ -189,20 +191,6 @@ impl Ha {
     }
 }
 
-/// Polls `check` every 100 ms until it holds; fails the test after `limit`. Returns how long it took.
-async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F) -> Duration
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let t0 = Instant::now();
-    while !check().await {
-        assert!(t0.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    t0.elapsed()
-}
-
 async fn leader_of(addrs: &[String]) -> String {
     pagoda_e2e::kvstore_leader(addrs, Duration::from_secs(30)).await.unwrap()
 }
@@ -346,14 +334,6 @@ async fn reference_for<'a>(
     http: &Http,
     prompts: &[String],
     records: impl IntoIterator<Item = &'a Record>,
-) -> Vec<String> {
-    reference_at(http, prompts, records, MAX_TOKENS).await
-}
-
-async fn reference_at<'a>(
-    http: &Http,
-    prompts: &[String],
-    records: impl IntoIterator<Item = &'a Record>,
     max_tokens: u32,
 ) -> Vec<String> {
     let used = records.into_iter().map(|r| r.prompt + 1).max().unwrap_or(0);
@@ -406,7 +386,7 @@ async fn the_cluster_survives_losing_its_kvstore_leader_a_router_and_a_worker() 
     for l in loads {
         runs.push(l.await.unwrap());
     }
-    let reference = reference_for(&r1, &prompts, runs.iter().flatten()).await;
+    let reference = reference_for(&r1, &prompts, runs.iter().flatten(), MAX_TOKENS).await;
     for (r, records) in runs.into_iter().enumerate() {
         let report = Report::new(&records, &reference);
         assert_nothing_lost(&format!("router {r} while the kvstore leader died"), &report);
@@ -458,7 +438,7 @@ async fn the_cluster_survives_losing_its_kvstore_leader_a_router_and_a_worker() 
     router0.proc.kill();
     ha.retired.push(router0.proc);
     let records = load_both.await.unwrap();
-    let reference = reference_for(&r1, &prompts, &records).await;
+    let reference = reference_for(&r1, &prompts, &records, MAX_TOKENS).await;
     let report = Report::new(&records, &reference);
     assert_nothing_lost("clients of both routers while router 0 died", &report);
     assert!(report.client_retried > 0, "no request needed the other router: {report:?}");
@@ -591,7 +571,7 @@ async fn the_cluster_survives_losing_its_kvstore_leader_a_router_and_a_worker() 
     dead.kill();
     ha.retired.push(dead);
     let records = load_both.await.unwrap();
-    let reference = reference_at(&r1, &prompts, &records, long_tokens).await;
+    let reference = reference_for(&r1, &prompts, &records, long_tokens).await;
     let report = Report::new(&records, &reference);
     assert_nothing_lost("both routers while a worker died mid-stream", &report);
     let migrated = r0.metric_sum("pagoda_router_migrations_total").await

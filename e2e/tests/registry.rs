@@ -4,21 +4,19 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::BIN;
 use pagoda_e2e::cluster::die_with_parent;
 use pagoda_e2e::serde_json::json;
-use pagoda_e2e::{Http, MODEL_ID, Proc, free_port, require_model};
+use pagoda_e2e::{Http, MODEL_ID, Proc, free_port, require_model, wait_until};
 use pagoda_registry::local::LocalEtcd;
 
 async fn wait_for(http: &Http, addr: &str, want: Option<bool>, limit: Duration) -> Duration {
-    let t0 = Instant::now();
-    while http.worker_ready(addr).await != want {
-        assert!(t0.elapsed() < limit, "router never saw {addr} as {want:?} within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    t0.elapsed()
+    wait_until(&format!("the router to see {addr} as {want:?}"), limit, || async {
+        http.worker_ready(addr).await == want
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::{BIN, chat, river_log_prompt};
 use pagoda_e2e::cluster::die_with_parent;
 use pagoda_e2e::serde_json::{Value, json};
-use pagoda_e2e::{Http, Proc, free_port, require_model};
+use pagoda_e2e::{Http, Proc, free_port, require_model, wait_until};
 use pagoda_proto::worker::StatsRequest;
 use pagoda_proto::worker::worker_client::WorkerClient;
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
@@ -133,16 +133,12 @@ async fn components_talk_mutual_tls_and_refuse_anyone_else() {
     let (s, first) = http.post_json("/v1/chat/completions", &body).await.unwrap();
     assert_eq!(s, 200, "{first}");
     // The first answer's blocks reach the lower tier, where Transfer serves them from.
-    let t0 = Instant::now();
-    loop {
+    wait_until("the first answer's blocks to be written back", Duration::from_secs(20), || async {
         let a_stats = stats_over(&a, Some(ours())).await.unwrap();
         let b_stats = stats_over(&b, Some(ours())).await.unwrap();
-        if a_stats.offloaded_groups_total + b_stats.offloaded_groups_total >= 20 {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(20), "the first answer's blocks were not written back");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        a_stats.offloaded_groups_total + b_stats.offloaded_groups_total >= 20
+    })
+    .await;
     let (s, second) = http.post_json("/v1/chat/completions", &body).await.unwrap();
     assert_eq!(s, 200, "{second}");
     assert_eq!(second["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"]);
