@@ -359,10 +359,14 @@ async fn the_cluster_survives_losing_its_kvstore_leader_a_router_and_a_worker() 
     let leader = leader_of(&nodes).await;
     let leader_id = *ha.kvstores.iter().find(|(_, k)| k.0 == leader).unwrap().0;
     let mut before = Vec::new();
+    // A worker registers with the directory once the kvstore has elected its first leader, which may come after
+    // the worker is listening.
     for w in &ha.workers {
-        let s = worker_stats(&w.addr).await.unwrap();
-        assert!(s.report_epoch > 0 && s.report_snapshots_total >= 1, "{} is not reporting: {s:?}", w.id);
-        before.push(s);
+        wait_until(&format!("{} to report to the directory", w.id), Duration::from_secs(30), || async {
+            worker_stats(&w.addr).await.is_ok_and(|s| s.report_epoch > 0 && s.report_snapshots_total >= 1)
+        })
+        .await;
+        before.push(worker_stats(&w.addr).await.unwrap());
     }
     // Bounded by time (and a count it does not reach): the fault must land mid-load.
     let cfg = load_config(&prompts, Duration::from_secs(14), 1000);
