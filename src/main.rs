@@ -22,6 +22,7 @@ mod eval_plot;
 mod telemetry;
 mod tiers_plot;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, Parser, Subcommand};
 use pagoda_kernels::KvDtype;
+use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::placement::TierPlacement;
@@ -361,15 +363,49 @@ impl TlsArgs {
 /// How long a process waits for the registry to list the kvstore nodes it needs.
 const REGISTRY_WAIT: Duration = Duration::from_secs(60);
 
-/// The kvstore nodes to use: `--kvstore` when given, else every node registered in etcd (waiting for one).
-async fn kvstore_endpoints(given: Vec<String>, etcd: Option<&pagoda_registry::RegistryConfig>) -> Result<Vec<String>> {
-    let Some(cfg) = etcd.filter(|_| given.is_empty()) else { return Ok(given) };
+/// The kvstore nodes to use: `--kvstore` when given (fixed), else every node registered in etcd (waiting for one),
+/// kept current as nodes join and leave the registry.
+async fn kvstore_endpoints(given: Vec<String>, etcd: Option<&pagoda_registry::RegistryConfig>) -> Result<Endpoints> {
+    let Some(cfg) = etcd.filter(|_| given.is_empty()) else {
+        if given.len() > pagoda_kvstore::endpoints::MAX_ENDPOINTS {
+            bail!("at most {} --kvstore addresses, got {}", pagoda_kvstore::endpoints::MAX_ENDPOINTS, given.len());
+        }
+        return Ok(Endpoints::fixed(given));
+    };
     let nodes = pagoda_registry::wait_for_members(cfg, pagoda_registry::Role::Kvstore, 1, REGISTRY_WAIT)
         .await
         .context("no kvstore node registered in etcd")?;
     let addrs: Vec<String> = nodes.into_iter().map(|m| m.address).collect();
     tracing::info!(kvstore = ?addrs, "kvstore nodes from the etcd registry");
-    Ok(addrs)
+    let (source, endpoints) = Endpoints::updating(addrs);
+    tokio::spawn(follow_kvstore_membership(cfg.clone(), source));
+    Ok(endpoints)
+}
+
+/// Keeps `source` equal to the kvstore nodes registered in etcd, until no one reads it any more.
+async fn follow_kvstore_membership(cfg: pagoda_registry::RegistryConfig, source: EndpointsSource) {
+    use pagoda_registry::MembershipEvent;
+    let (mut events, watch) = pagoda_registry::watch(cfg, pagoda_registry::Role::Kvstore);
+    let mut members: BTreeMap<String, String> = BTreeMap::new();
+    while let Some(event) = events.recv().await {
+        match event {
+            MembershipEvent::Listed(all) => members = all.into_iter().map(|m| (m.id, m.address)).collect(),
+            MembershipEvent::Joined(m) => {
+                members.insert(m.id, m.address);
+            }
+            MembershipEvent::Left(id) => {
+                members.remove(&id);
+            }
+        }
+        if source.is_closed() {
+            break;
+        }
+        let addrs: Vec<String> = members.values().cloned().collect();
+        if source.publish(addrs.clone()) {
+            tracing::info!(kvstore = ?addrs, "kvstore membership changed in the etcd registry");
+        }
+    }
+    watch.abort();
 }
 
 #[derive(Args)]
@@ -453,7 +489,8 @@ struct KvstoreArgs {
     /// Where the raft log, hard state and snapshots live (created when missing).
     #[arg(long)]
     data_dir: PathBuf,
-    /// Join a running cluster (a leader adds this node with AddNode) instead of bootstrapping from --peer.
+    /// Join a running cluster (a leader adds this node with AddNode) instead of bootstrapping from --peer. With
+    /// --etcd the node asks the registered nodes to add it.
     #[arg(long)]
     join: bool,
     /// Snapshot and compact the raft log every this many applied entries.
@@ -1044,7 +1081,11 @@ async fn up(args: UpArgs) -> Result<()> {
     let worker_id = format!("{}:{}", hostname(), worker_addr.port());
     let reporter = pagoda_worker::reporter::spawn(
         engine.clone(),
-        pagoda_worker::reporter::ReporterConfig::new(worker_id.clone(), worker_addr.to_string(), vec![kv_addr.clone()]),
+        pagoda_worker::reporter::ReporterConfig::new(
+            worker_id.clone(),
+            worker_addr.to_string(),
+            Endpoints::fixed(vec![kv_addr.clone()]),
+        ),
     )
     .context("cannot start block-event reporting")?;
     let codec = load_codec(&model, &args.http).await?;
@@ -1054,7 +1095,7 @@ async fn up(args: UpArgs) -> Result<()> {
         body_limit: args.http.body_limit,
         max_inflight: args.http.max_inflight,
         security,
-        kvstore: vec![kv_addr.clone()],
+        kvstore: Endpoints::fixed(vec![kv_addr.clone()]),
         ..RouterConfig::default()
     };
     println!("pagoda kvstore listening on {kv_addr}");
@@ -1643,17 +1684,25 @@ async fn kvstore(args: KvstoreArgs) -> Result<()> {
     }
     cfg.join = args.join;
     cfg.snapshot_every = args.snapshot_every.max(1);
-    let registration = match args.etcd.config()? {
-        Some(etcd) => Some(discover_peers(&mut cfg, etcd, args.expect_voters).await?),
+    let etcd = args.etcd.config()?;
+    let registration = match &etcd {
+        Some(etcd) => Some(discover_peers(&mut cfg, etcd.clone(), args.expect_voters).await?),
         None => None,
     };
     let shutdown = shutdown_signal();
+    let (id, advertise, others) =
+        (cfg.id, cfg.advertise.clone(), cfg.peers.iter().filter(|(p, _)| **p != cfg.id).map(|(_, a)| a.clone()));
+    let others: Vec<String> = others.collect();
     let mut node = pagoda_kvstore::start(cfg).await.context("cannot start the kvstore node")?;
     println!("pagoda kvstore listening on {}", node.addr);
+    let joining = (args.join && etcd.is_some()).then(|| tokio::spawn(ask_to_join(id, advertise, others)));
     let ended = tokio::select! {
         r = node.wait() => Some(r),
         _ = wait_for(shutdown) => None,
     };
+    if let Some(j) = joining {
+        j.abort();
+    }
     if let Some(r) = registration {
         r.stop().await;
     }
@@ -1686,7 +1735,17 @@ async fn discover_peers(
     let mut registration =
         pagoda_registry::register(etcd.clone(), pagoda_registry::Role::Kvstore, me).context("--etcd")?;
     registration.wait_registered(REGISTRY_WAIT).await.context("cannot register in etcd")?;
-    if cfg.peers.is_empty() && !cfg.join {
+    if cfg.join {
+        // The running cluster's nodes, to ask for membership and to reach before the leader's snapshot names them.
+        let nodes = pagoda_registry::wait_for_members(&etcd, pagoda_registry::Role::Kvstore, 2, REGISTRY_WAIT)
+            .await
+            .context("no kvstore node to join registered in etcd")?;
+        for n in nodes {
+            if let Some(peer) = n.node_id.filter(|p| *p != cfg.id) {
+                cfg.peers.entry(peer).or_insert(n.address);
+            }
+        }
+    } else if cfg.peers.is_empty() {
         let want = usize::try_from(expect_voters).unwrap_or(1);
         let nodes = pagoda_registry::wait_for_members(&etcd, pagoda_registry::Role::Kvstore, want, REGISTRY_WAIT)
             .await
@@ -1702,6 +1761,29 @@ async fn discover_peers(
         tracing::info!(peers = ?cfg.peers, "kvstore voters from the etcd registry");
     }
     Ok(registration)
+}
+
+/// How long a joining node keeps asking the cluster to add it.
+const JOIN_WAIT: Duration = Duration::from_secs(120);
+
+/// Asks the cluster at `others` (found in the registry) to add this node as a voter at `advertise`. Adding a node
+/// that is already a voter only refreshes its address, so a restarted node may ask again.
+async fn ask_to_join(id: u64, advertise: String, others: Vec<String>) {
+    let mut client = match pagoda_kvstore::Client::new(others) {
+        Ok(c) => c.with_deadline(JOIN_WAIT),
+        Err(e) => {
+            tracing::error!(error = %e.message(), "no kvstore node to ask for membership");
+            return;
+        }
+    };
+    match client.add_node(id, &advertise).await {
+        Ok(m) => tracing::info!(
+            node = id,
+            members = ?m.members.iter().map(|m| m.node_id).collect::<Vec<_>>(),
+            "joined the kvstore cluster"
+        ),
+        Err(e) => tracing::error!(node = id, error = %e.message(), "the kvstore cluster did not add this node"),
+    }
 }
 
 fn unix_micros() -> u64 {

@@ -1,15 +1,21 @@
-//! The etcd registry through real processes: a real etcd on loopback, a one-voter `pagoda kvstore`, a `pagoda
-//! worker` and a `pagoda router` that find each other only through it. Loss of the worker's lease (the process frozen past the 10 s TTL, as a
-//! hung host would be) must take it out of placement, and it must rejoin by itself when it runs again.
+//! The etcd registry through real processes: a real etcd on loopback, `pagoda kvstore` nodes, a `pagoda worker`
+//! and a `pagoda router` that find each other only through it.
+//! - Loss of the worker's lease (the process frozen past the 10 s TTL, as a hung host would be) must take it out of
+//!   placement, and it must rejoin by itself when it runs again.
+//! - kvstore nodes that join later (`--join`) are added to the raft cluster by asking it, and the worker, the
+//!   router's directory feed and its dashboard follow them: once the node they started with dies they carry on
+//!   with the new ones.
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::BIN;
 use pagoda_e2e::cluster::die_with_parent;
-use pagoda_e2e::serde_json::json;
-use pagoda_e2e::{Http, MODEL_ID, Proc, free_port, require_model, wait_until};
+use pagoda_e2e::serde_json::{Value, json};
+use pagoda_e2e::{Http, MODEL_ID, Proc, free_port, require_model, wait_until, worker_stats};
+use pagoda_kvstore::Client;
+use pagoda_kvstore::proto as pb;
 use pagoda_registry::local::LocalEtcd;
 
 async fn wait_for(http: &Http, addr: &str, want: Option<bool>, limit: Duration) -> Duration {
@@ -68,4 +74,129 @@ async fn a_worker_whose_lease_expires_leaves_placement_and_rejoins() {
     worker.kill();
     kvstore.kill();
     let _ = std::fs::remove_dir_all(&kv_dir);
+}
+
+fn spawn_kvstore(name: &str, id: u64, addr: &str, data: &std::path::Path, etcd: &str, join: bool) -> Proc {
+    let (id, data) = (id.to_string(), data.to_string_lossy().into_owned());
+    let mut args =
+        vec!["kvstore", "--node-id", &id, "--listen", addr, "--advertise", addr, "--data-dir", &data, "--etcd", etcd];
+    if join {
+        args.push("--join");
+    }
+    let mut p = Proc::spawn_with(BIN.as_ref(), name, &args, die_with_parent).unwrap();
+    p.wait_line("pagoda kvstore listening on ", Duration::from_secs(60)).unwrap();
+    p
+}
+
+async fn placements(http: &Http) -> Value {
+    let (s, body) = http.get("/debug/placements").await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    pagoda_e2e::serde_json::from_str(&body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_and_routers_follow_kvstore_nodes_that_join_after_them() {
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let etcd = LocalEtcd::start("e2e-kv-members").await.unwrap();
+    let url = etcd.client_url.clone();
+    let dir = std::env::temp_dir().join(format!("pagoda-e2e-kv-members-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port().unwrap())).collect();
+
+    // One node bootstraps alone; the worker and the router start knowing only it.
+    let mut first = spawn_kvstore("members-kv1", 1, &addrs[0], &dir.join("kv1"), &url, false);
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let wargs = ["worker", "--listen", &addr, "--model", &model, "--threads", "1", "--etcd", &url, "--worker-id", "w0"];
+    let mut worker = Proc::spawn_with(BIN.as_ref(), "members-worker", &wargs, die_with_parent).unwrap();
+    worker.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
+    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", &model, "--etcd", &url];
+    let mut router = Proc::spawn_with(BIN.as_ref(), "members-router", &rargs, die_with_parent).unwrap();
+    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
+    wait_for(&http, &addr, Some(true), Duration::from_secs(30)).await;
+    let chat = |text: &str| json!({"model": MODEL_ID, "messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0});
+    let (s, v) =
+        http.post_json("/v1/chat/completions", &chat("Name three rivers in Europe and one in Asia.")).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    wait_until("the worker's first report", Duration::from_secs(30), || async {
+        worker_stats(&addr).await.is_ok_and(|s| s.report_acked_seq > 0)
+    })
+    .await;
+
+    // Two more nodes join through the registry: each asks the cluster to add it.
+    let mut joined: Vec<Proc> = (1..3)
+        .map(|i| {
+            spawn_kvstore(
+                &format!("members-kv{}", i + 1),
+                i as u64 + 1,
+                &addrs[i],
+                &dir.join(format!("kv{}", i + 1)),
+                &url,
+                true,
+            )
+        })
+        .collect();
+    let t0 = Instant::now();
+    wait_until("three voters, all caught up", Duration::from_secs(60), || async {
+        let Ok(lead) = Client::status_of(&addrs[0]).await else { return false };
+        if lead.members.len() != 3 {
+            return false;
+        }
+        let mut caught_up = true;
+        for a in &addrs[1..] {
+            caught_up &= Client::status_of(a).await.is_ok_and(|s| s.applied_index >= lead.commit_index);
+        }
+        caught_up
+    })
+    .await;
+    let joined_after = t0.elapsed();
+    // The dashboard lists the new nodes.
+    wait_until("the dashboard to poll three kvstore nodes", Duration::from_secs(30), || async {
+        let Ok((200, body)) = http.get("/dashboard/api/state").await else { return false };
+        let v: Value = pagoda_e2e::serde_json::from_str(&body).unwrap_or_default();
+        v["kvstore"]["nodes"].as_array().is_some_and(|n| n.len() == 3)
+    })
+    .await;
+
+    // The node they started with dies; the two joined ones keep a quorum.
+    first.kill();
+    let killed_at = Instant::now();
+    let acked = worker_stats(&addr).await.unwrap().report_acked_seq;
+    let (s, v) =
+        http.post_json("/v1/chat/completions", &chat("Write a haiku about a lighthouse in the fog.")).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    wait_until("the worker's new blocks to be acknowledged by the new nodes", Duration::from_secs(40), || async {
+        worker_stats(&addr).await.is_ok_and(|s| s.report_acked_seq > acked)
+    })
+    .await;
+    let acked = worker_stats(&addr).await.unwrap().report_acked_seq;
+    let reported_after = killed_at.elapsed();
+    // The router's feed moved to a live node and applied everything the worker was told was stored.
+    wait_until("the router's feed to follow a joined node", Duration::from_secs(40), || async {
+        let v = placements(&http).await;
+        let d = &v["directory"];
+        let on_new = addrs[1..].iter().any(|a| d["node"] == a.as_str());
+        let applied = d["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["worker"] == "w0"))
+            .and_then(|w| w["applied_seq"].as_u64())
+            .unwrap_or(0);
+        on_new && d["connected"] == true && applied >= acked
+    })
+    .await;
+    let followed_after = killed_at.elapsed();
+    let mut c = Client::new(addrs[1..].to_vec()).unwrap();
+    let table = c.read(pb::ReadRequest { workers: true, ..Default::default() }).await.unwrap().workers;
+    let w0 = table.iter().find(|w| w.worker == "w0").expect("w0 in the directory");
+    assert!(w0.applied_seq >= acked, "{w0:?}");
+    println!(
+        "KVSTORE_MEMBERS {}",
+        json!({"joined_s": joined_after.as_secs_f64(), "worker_reported_s": reported_after.as_secs_f64(),
+               "router_followed_s": followed_after.as_secs_f64()})
+    );
+    router.kill();
+    worker.kill();
+    for p in &mut joined {
+        p.kill();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,6 +1,7 @@
 //! A kvstore client for a cluster: it sends writes to the leader, following the redirect a follower answers with
 //! (UNAVAILABLE + [`crate::service::LEADER_ADDR`]), tries the next node when one is down, and retries while the
 //! cluster elects a leader, up to a deadline. Every write is idempotent, so a retry after a lost answer is safe.
+//! A client made with [`Client::following`] takes up a new node list (from the etcd registry) between attempts.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,7 @@ use pb::kv_store_client::KvStoreClient;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
+use crate::endpoints::Endpoints;
 use crate::server::MAX_CLIENT_MESSAGE_BYTES;
 use crate::service::LEADER_ADDR;
 
@@ -22,6 +24,8 @@ pub struct Client {
     current: usize,
     channels: Vec<Option<KvStoreClient<Channel>>>,
     deadline: Duration,
+    /// Where a new node list comes from, for a client that follows membership.
+    updates: Option<Endpoints>,
 }
 
 fn channel(addr: &str) -> Result<KvStoreClient<Channel>, Status> {
@@ -42,7 +46,32 @@ impl Client {
             return Err(Status::invalid_argument("no kvstore endpoints"));
         }
         let channels = endpoints.iter().map(|_| None).collect();
-        Ok(Self { endpoints, current: 0, channels, deadline: DEFAULT_DEADLINE })
+        Ok(Self { endpoints, current: 0, channels, deadline: DEFAULT_DEADLINE, updates: None })
+    }
+
+    /// A client for the nodes `endpoints` lists now, which takes up each new list before its next attempt.
+    pub fn following(mut endpoints: Endpoints) -> Result<Self, Status> {
+        endpoints.changed();
+        let mut client = Self::new(endpoints.current())?;
+        client.updates = Some(endpoints);
+        Ok(client)
+    }
+
+    /// Switches to a new node list, keeping the connection to the node believed to lead when it is still listed.
+    fn take_update(&mut self) {
+        let Some(list) = self.updates.as_mut().and_then(Endpoints::changed) else { return };
+        if list.is_empty() || list == self.endpoints {
+            return;
+        }
+        let leader = self.endpoints.get(self.current).cloned();
+        let mut old: Vec<(String, Option<KvStoreClient<Channel>>)> =
+            self.endpoints.drain(..).zip(self.channels.drain(..)).collect();
+        for addr in list {
+            let channel = old.iter_mut().find(|(a, _)| *a == addr).and_then(|(_, c)| c.take());
+            self.endpoints.push(addr);
+            self.channels.push(channel);
+        }
+        self.current = leader.and_then(|l| self.endpoints.iter().position(|e| *e == l)).unwrap_or(0);
     }
 
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
@@ -70,6 +99,7 @@ impl Client {
     {
         let start = Instant::now();
         loop {
+            self.take_update();
             let client = self.client(self.current)?;
             let err = match call(client).await {
                 Ok(r) => return Ok(r.into_inner()),
@@ -171,5 +201,29 @@ impl Client {
     pub async fn watch(addr: &str, from_index: u64) -> Result<tonic::Streaming<pb::WatchEvent>, Status> {
         let mut c = channel(addr)?;
         Ok(c.watch(pb::WatchRequest { from_index }).await?.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_following_client_takes_up_a_new_node_list_and_keeps_its_leader() {
+        let (source, endpoints) = Endpoints::updating(vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()]);
+        let mut c = Client::following(endpoints).unwrap();
+        c.current = 1;
+        c.client(1).unwrap();
+        source.publish(vec!["127.0.0.1:3".into(), "127.0.0.1:2".into()]);
+        c.take_update();
+        assert_eq!(c.endpoints, ["127.0.0.1:2", "127.0.0.1:3"]);
+        assert_eq!(c.current(), "127.0.0.1:2", "the believed leader is kept");
+        assert!(c.channels[0].is_some(), "its connection is kept");
+        assert!(c.channels[1].is_none());
+        // The leader left the list: start over at the first node.
+        source.publish(vec!["127.0.0.1:4".into()]);
+        c.take_update();
+        assert_eq!(c.current(), "127.0.0.1:4");
+        assert_eq!(c.channels.len(), 1);
     }
 }

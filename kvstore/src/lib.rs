@@ -8,11 +8,13 @@
 //! - [`node`]: the actor that owns the raft `RawNode`, the storage and the directory;
 //! - [`transport`]: raft messages between nodes over tonic;
 //! - [`service`]: the `KvStore` gRPC service; [`server`]: starting a node; [`client`]: a leader-following client;
+//! - [`endpoints`]: the kvstore node list a client follows, fixed or kept current by the etcd registry;
 //! - [`bench`]: `pagoda bench kvstore`.
 
 pub mod bench;
 pub mod client;
 pub mod directory;
+pub mod endpoints;
 pub mod machine;
 pub mod node;
 pub mod server;
@@ -25,5 +27,6 @@ pub use directory::{
     Admitted, ApplyOutcome, BlockDirectory, BlockEvent, BlockHash, DirectoryError, EventBatch, Registration, Residency,
     Tier, TierOccupancy, WorkerLoad, WorkerRecord, WorkerTable,
 };
+pub use endpoints::{Endpoints, EndpointsSource};
 pub use pagoda_proto::kvstore as proto;
 pub use server::{NodeConfig, RunningNode, ServerError, start, start_embedded};

@@ -82,8 +82,9 @@ impl Default for Dashboard {
 
 impl Dashboard {
     /// A dashboard that polls the kvstore nodes at `kvstore` (none: "not configured").
-    pub fn new(kvstore: &[String]) -> Result<Dashboard, String> {
-        Ok(Dashboard { kvstore: KvstoreNodes::new(kvstore)?, ..Dashboard::default() })
+    /// With the registry the list follows kvstore membership.
+    pub fn new(kvstore: pagoda_kvstore::Endpoints) -> Result<Dashboard, String> {
+        Ok(Dashboard { kvstore: KvstoreNodes::following(kvstore)?, ..Dashboard::default() })
     }
 
     fn cached(&self) -> Option<Arc<Fleet>> {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use pagoda_kvstore::machine::{batch_from, load_from, worker_record_from};
 use pagoda_kvstore::proto as pb;
-use pagoda_kvstore::{BlockEvent, Client, Registration, Tier, WorkerLoad, WorkerTable};
+use pagoda_kvstore::{BlockEvent, Client, Endpoints, Registration, Tier, WorkerLoad, WorkerTable};
 use pb::command::Op;
 use serde::Serialize;
 
@@ -29,8 +29,8 @@ use crate::workers::WorkerPool;
 /// Feed settings.
 #[derive(Debug, Clone)]
 pub struct FeedConfig {
-    /// kvstore nodes (`host:port`), tried in turn.
-    pub endpoints: Vec<String>,
+    /// kvstore nodes (`host:port`), tried in turn; a new list (from the registry) is taken up at the next reconnect.
+    pub endpoints: Endpoints,
     /// A registered worker silent for this long is stale.
     pub stale_after: Duration,
     /// How often staleness is judged and the status published.
@@ -38,7 +38,7 @@ pub struct FeedConfig {
 }
 
 impl FeedConfig {
-    pub fn new(endpoints: Vec<String>) -> FeedConfig {
+    pub fn new(endpoints: Endpoints) -> FeedConfig {
         FeedConfig { endpoints, stale_after: Duration::from_secs(3), check_every: Duration::from_millis(250) }
     }
 }
@@ -134,18 +134,25 @@ pub fn spawn(pool: Arc<WorkerPool>, cfg: FeedConfig) -> tokio::task::JoinHandle<
 
 impl Feed {
     async fn run(&mut self) {
-        let n = self.cfg.endpoints.len().max(1);
+        let mut nodes = self.cfg.endpoints.current();
         let mut node = 0usize;
         let mut failures = 0u32;
         loop {
-            let Some(addr) = self.cfg.endpoints.get(node % n).cloned() else { return };
+            if let Some(list) = self.cfg.endpoints.changed() {
+                tracing::info!(nodes = ?list, "kvstore membership changed");
+                nodes = list;
+                node = 0;
+                failures = 0;
+            }
+            let n = nodes.len().max(1);
+            let Some(addr) = nodes.get(node % n).cloned() else { return };
             self.status.node = addr.clone();
             match Client::watch(&addr, self.next_index).await {
                 Ok(stream) => {
                     failures = 0;
                     self.connected(true, None);
                     tracing::info!(node = %addr, from = self.next_index, "watching the kvstore directory");
-                    let why = self.follow(stream).await;
+                    let why = self.follow(&addr, stream).await;
                     self.connected(false, Some(why.clone()));
                     tracing::warn!(node = %addr, reason = %why, resume = self.next_index, "kvstore watch ended");
                 }
@@ -181,7 +188,7 @@ impl Feed {
     }
 
     /// Applies the stream until it fails; returns why it ended.
-    async fn follow(&mut self, mut stream: tonic::Streaming<pb::WatchEvent>) -> String {
+    async fn follow(&mut self, addr: &str, mut stream: tonic::Streaming<pb::WatchEvent>) -> String {
         let mut check = tokio::time::interval(self.cfg.check_every);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -200,7 +207,12 @@ impl Feed {
                     }
                     let all_stale = self.judge();
                     self.publish();
-                    if all_stale && self.cfg.endpoints.len() > 1 {
+                    let nodes = self.cfg.endpoints.current();
+                    if !nodes.iter().any(|n| n == addr) {
+                        // A node that left the cluster may still answer, with a directory that no longer moves.
+                        return "the node left the kvstore membership".into();
+                    }
+                    if all_stale && nodes.len() > 1 {
                         return "every registered worker is silent; trying another node".into();
                     }
                 }

@@ -53,7 +53,8 @@ pub struct RouterConfig {
     pub security: Security,
     /// kvstore nodes (`host:port`): the router watches them for the workers' block events and the dashboard shows
     /// their raft status (empty: placement knows only its own predictions; the dashboard says "not configured").
-    pub kvstore: Vec<String>,
+    /// With the etcd registry the list follows kvstore membership.
+    pub kvstore: pagoda_kvstore::Endpoints,
     /// A registered worker with no report for this long raises the stale-reports alarm.
     pub stale_reports_after: Duration,
     /// Stall timeouts and the retry limit of request migration.
@@ -73,7 +74,7 @@ impl Default for RouterConfig {
             health_interval: Duration::from_secs(2),
             placement: PlacerConfig::default(),
             security: Security::default(),
-            kvstore: Vec::new(),
+            kvstore: pagoda_kvstore::Endpoints::fixed(Vec::new()),
             migration: MigrationConfig::default(),
             stale_reports_after: Duration::from_secs(3),
             max_inflight: DEFAULT_MAX_INFLIGHT,
@@ -265,7 +266,7 @@ pub async fn serve(
         }
         None => None,
     };
-    let dashboard = Dashboard::new(&config.kvstore).map_err(std::io::Error::other)?;
+    let dashboard = Dashboard::new(config.kvstore.clone()).map_err(std::io::Error::other)?;
     let health = pool.spawn_health_loop(config.health_interval);
     let feed = (!config.kvstore.is_empty()).then(|| {
         let mut cfg = crate::feed::FeedConfig::new(config.kvstore.clone());

@@ -29,8 +29,8 @@ pub struct ReporterConfig {
     pub worker_id: String,
     /// The gRPC address routers reach the worker at.
     pub address: String,
-    /// kvstore nodes (`host:port`); writes follow the leader.
-    pub kvstore: Vec<String>,
+    /// kvstore nodes (`host:port`), fixed or kept current by the registry; writes follow the leader.
+    pub kvstore: pagoda_kvstore::Endpoints,
     /// How often queued changes are published.
     pub interval: Duration,
     /// Longest silence: an empty report (a heartbeat, with the occupancy) goes out at least this often.
@@ -46,7 +46,7 @@ pub struct ReporterConfig {
 }
 
 impl ReporterConfig {
-    pub fn new(worker_id: String, address: String, kvstore: Vec<String>) -> ReporterConfig {
+    pub fn new(worker_id: String, address: String, kvstore: pagoda_kvstore::Endpoints) -> ReporterConfig {
         ReporterConfig {
             worker_id,
             address,
@@ -112,7 +112,7 @@ pub fn spawn(engine: EngineHandle, cfg: ReporterConfig) -> Result<Reporter, Repo
             pagoda_kvstore::machine::MAX_NAME_LEN
         )));
     }
-    let client = Client::new(cfg.kvstore.clone())
+    let client = Client::following(cfg.kvstore.clone())
         .map_err(|e| ReporterError::Config(e.message().to_string()))?
         .with_deadline(cfg.call_deadline);
     let rx = engine.report_events(cfg.channel_batches)?;

@@ -3,7 +3,10 @@
 //! `Status` with a short timeout, then summarises who leads, in which term, and how far each node's applied index
 //! trails the commit index.
 
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use pagoda_kvstore::Endpoints;
 
 use pagoda_proto::kvstore::kv_store_client::KvStoreClient;
 use pagoda_proto::kvstore::{StatusRequest, StatusResponse};
@@ -17,7 +20,24 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(1);
 /// The configured kvstore nodes and their channels.
 #[derive(Default)]
 pub struct KvstoreNodes {
-    nodes: Vec<(String, KvStoreClient<Channel>)>,
+    nodes: Mutex<Vec<(String, KvStoreClient<Channel>)>>,
+    /// Where a new node list comes from (the etcd registry), for a router that follows kvstore membership.
+    updates: Option<Mutex<Endpoints>>,
+}
+
+fn channels(addrs: &[String]) -> Result<Vec<(String, KvStoreClient<Channel>)>, String> {
+    if addrs.len() > MAX_NODES {
+        return Err(format!("at most {MAX_NODES} kvstore addresses, got {}", addrs.len()));
+    }
+    let mut nodes = Vec::with_capacity(addrs.len());
+    for a in addrs {
+        let endpoint = pagoda_proto::tls::endpoint(a)
+            .map_err(|e| format!("invalid kvstore address `{a}`: {e}"))?
+            .connect_timeout(STATUS_TIMEOUT)
+            .tcp_nodelay(true);
+        nodes.push((a.clone(), KvStoreClient::new(endpoint.connect_lazy())));
+    }
+    Ok(nodes)
 }
 
 /// One node's answer.
@@ -57,23 +77,33 @@ pub struct KvstoreView {
 impl KvstoreNodes {
     /// Channels for `addrs` (`host:port` or `http://host:port`); nothing connects until the first poll.
     pub fn new(addrs: &[String]) -> Result<KvstoreNodes, String> {
-        if addrs.len() > MAX_NODES {
-            return Err(format!("at most {MAX_NODES} kvstore addresses, got {}", addrs.len()));
+        Ok(KvstoreNodes { nodes: Mutex::new(channels(addrs)?), updates: None })
+    }
+
+    /// The nodes `endpoints` lists, following each new list it gets.
+    pub fn following(mut endpoints: Endpoints) -> Result<KvstoreNodes, String> {
+        endpoints.changed();
+        let nodes = channels(&endpoints.current())?;
+        Ok(KvstoreNodes { nodes: Mutex::new(nodes), updates: Some(Mutex::new(endpoints)) })
+    }
+
+    /// The nodes to poll now, after taking up a new list if one came.
+    fn current(&self) -> Vec<(String, KvStoreClient<Channel>)> {
+        let list = self.updates.as_ref().and_then(|u| u.lock().unwrap_or_else(PoisonError::into_inner).changed());
+        let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(list) = list {
+            match channels(&list) {
+                Ok(c) => *nodes = c,
+                Err(e) => tracing::warn!(error = %e, "ignoring a kvstore node list the dashboard cannot poll"),
+            }
         }
-        let mut nodes = Vec::with_capacity(addrs.len());
-        for a in addrs {
-            let endpoint = pagoda_proto::tls::endpoint(a)
-                .map_err(|e| format!("invalid kvstore address `{a}`: {e}"))?
-                .connect_timeout(STATUS_TIMEOUT)
-                .tcp_nodelay(true);
-            nodes.push((a.clone(), KvStoreClient::new(endpoint.connect_lazy())));
-        }
-        Ok(KvstoreNodes { nodes })
+        nodes.clone()
     }
 
     /// Asks every node for its status, all at once, each bounded by a 1 s timeout.
     pub async fn poll(&self) -> KvstoreView {
-        let answers = futures::future::join_all(self.nodes.iter().map(|(_, client)| {
+        let nodes = self.current();
+        let answers = futures::future::join_all(nodes.iter().map(|(_, client)| {
             let mut client = client.clone();
             async move {
                 match tokio::time::timeout(STATUS_TIMEOUT, client.status(StatusRequest {})).await {
@@ -84,7 +114,7 @@ impl KvstoreNodes {
             }
         }))
         .await;
-        summarise(self.nodes.iter().map(|(a, _)| a.as_str()).zip(answers))
+        summarise(nodes.iter().map(|(a, _)| a.as_str()).zip(answers))
     }
 }
 
@@ -195,5 +225,16 @@ mod tests {
         assert!(!view.nodes[0].reachable);
         assert!(view.nodes[0].error.is_some());
         assert_eq!(view.leader_id, 0);
+    }
+
+    #[tokio::test]
+    async fn a_following_dashboard_polls_the_new_node_list() {
+        let (source, endpoints) = Endpoints::updating(vec!["127.0.0.1:9".into()]);
+        let nodes = KvstoreNodes::following(endpoints).unwrap();
+        assert_eq!(nodes.poll().await.nodes.len(), 1);
+        source.publish(vec!["127.0.0.1:7".into(), "127.0.0.1:13".into()]);
+        let view = nodes.poll().await;
+        let addrs: Vec<&str> = view.nodes.iter().map(|n| n.address.as_str()).collect();
+        assert_eq!(addrs, ["127.0.0.1:13", "127.0.0.1:7"]);
     }
 }
