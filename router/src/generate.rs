@@ -255,14 +255,14 @@ impl Generation {
         let took = started.elapsed();
         match &placed {
             Ok(c) => {
-                let chosen = c.first().map_or("", |w| w.0.addr.as_str());
+                let chosen = c.first().map_or("", |c| c.worker.addr.as_str());
                 self.ctx.metrics.count_placement(chosen, pool.strategy_name(), took);
                 spans::placed(&span, chosen, &pool.last_reason())
             }
             Err(e) => spans::placed(&span, "", &e.to_string()),
         }
         match placed {
-            Ok(c) => Ok(c.into_iter().filter(|w| !self.excluded.contains(&w.0.addr)).collect()),
+            Ok(c) => Ok(c.into_iter().filter(|c| !self.excluded.contains(&c.worker.addr)).collect()),
             Err(PlacementError::NoReadyWorker) => Err(no_ready_worker()),
             Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
         }
@@ -283,7 +283,7 @@ impl Generation {
             Err(_) if !self.excluded.is_empty() => return AttemptEnd::NoOtherWorker,
             Err(e) => return AttemptEnd::Fatal(e),
         };
-        let Some((worker, peer_hint)) = candidates.first() else {
+        let Some(Candidate { worker, peer_hint, cached_tokens }) = candidates.first() else {
             return AttemptEnd::NoOtherWorker;
         };
         let (addr, mut client) = (worker.addr.clone(), worker.client());
@@ -292,7 +292,7 @@ impl Generation {
             .as_ref()
             .filter(|h| !self.excluded.contains(&h.address))
             .map(|h| PbPeerHint { address: h.address.clone(), blocks: h.blocks });
-        let in_flight = InFlight::new(worker.load().clone(), prompt.len() as u64);
+        let in_flight = InFlight::new(worker.load().clone(), (prompt.len() as u64).saturating_sub(*cached_tokens));
         drop(candidates);
         if let Some(m) = self.pending_migration.take() {
             self.ctx.metrics.count_migration(m.reason);

@@ -42,8 +42,10 @@ pub struct WorkerStatus {
     pub last_error: Option<String>,
 }
 
-/// The router's own count of what it has sent a worker: prompt tokens still waiting for their first token, and
-/// streams decoding. Exact for this router and immediate, unlike polled stats.
+/// The router's own count of what it has sent a worker: prompt tokens still to prefill (the part placement expected
+/// the worker not to find cached) of requests waiting for their first token, and streams decoding. Immediate, unlike
+/// polled stats. Counting whole prompts instead would charge a worker for the cached prefixes it skips, and steer
+/// conversations away from their caches exactly when they are busiest.
 #[derive(Debug, Default)]
 pub struct WorkerLoad {
     prefill_tokens: AtomicU64,
@@ -218,7 +220,14 @@ pub struct RegistryStatus {
 }
 
 /// A worker to try, with the peer it may pull a longer prefix from.
-pub type Candidate = (Arc<Worker>, Option<PeerHint>);
+#[derive(Clone)]
+pub struct Candidate {
+    pub worker: Arc<Worker>,
+    pub peer_hint: Option<PeerHint>,
+    /// Prompt tokens placement expects this worker to find cached (any tier, or pulled from its peer): the rest is
+    /// the prefill work the request adds to its queue.
+    pub cached_tokens: u64,
+}
 
 /// The worker list.
 pub struct WorkerPool {
@@ -390,9 +399,17 @@ impl WorkerPool {
         let snaps = self.snapshots(&slots, &names);
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let order = placer.order(req, &snaps, &names)?;
+        let prompt = u64::from(req.view.prompt_tokens);
         Ok(order
             .into_iter()
-            .filter_map(|i| Some((slots.get(i).cloned().flatten()?, placer.peer_hint(i, &names))))
+            .filter_map(|i| {
+                let peer_hint = placer.peer_hint(i, &names);
+                let hit_blocks = peer_hint.as_ref().map_or(0, |h| h.blocks).max(placer.expected_hits(i));
+                // The last prompt token is always computed: its logits give the first token.
+                let cached_tokens =
+                    (u64::from(hit_blocks) * u64::from(req.view.block_size)).min(prompt.saturating_sub(1));
+                Some(Candidate { worker: slots.get(i).cloned().flatten()?, peer_hint, cached_tokens })
+            })
             .collect())
     }
 
@@ -508,6 +525,7 @@ impl WorkerPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::RequestView;
 
     #[tokio::test]
     async fn round_robin_over_ready_workers() {
@@ -521,6 +539,32 @@ mod tests {
         let firsts: Vec<String> = (0..4).map(|_| pool.candidates()[0].addr.clone()).collect();
         assert_eq!(firsts, vec!["127.0.0.1:1", "127.0.0.1:3", "127.0.0.1:1", "127.0.0.1:3"]);
         assert_eq!(pool.candidates().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_candidates_queued_work_is_the_part_of_the_prompt_it_does_not_hold() {
+        let addrs = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        for w in pool.workers() {
+            w.set_status(WorkerStatus { ready: true, free_blocks: 1 << 20, kv_group_size: 90, ..Default::default() });
+        }
+        let view = |prompt_tokens| RequestView { prompt_tokens, max_tokens: 16, block_size: 16, budget_tokens: None };
+        let hashes: Vec<u64> = (1..=12).collect();
+        let first = PlaceRequest { request_id: "r1", hashes: &hashes[..8], view: view(130), publishes_prefix: true };
+        let c = pool.place(&first).unwrap();
+        assert_eq!(c[0].cached_tokens, 0, "nothing is cached yet");
+        // The same conversation, longer: its first 8 blocks are predicted on the worker that took r1.
+        let next = PlaceRequest { request_id: "r2", hashes: &hashes, view: view(200), publishes_prefix: true };
+        let c2 = pool.place(&next).unwrap();
+        assert_eq!(c2[0].worker.addr, c[0].worker.addr);
+        assert_eq!(c2[0].cached_tokens, 8 * 16);
+        let in_flight = InFlight::new(c2[0].worker.load().clone(), 200 - c2[0].cached_tokens);
+        assert_eq!(c2[0].worker.load().queued_tokens(), 200 - 128);
+        drop(in_flight);
+        assert_eq!(c2[0].worker.load().queued_tokens(), 0);
+        // A whole-prompt hit still leaves the last token to compute.
+        let again = PlaceRequest { request_id: "r3", hashes: &hashes[..8], view: view(128), publishes_prefix: true };
+        assert_eq!(pool.place(&again).unwrap()[0].cached_tokens, 127);
     }
 
     #[test]
