@@ -6,7 +6,8 @@
 //! `c mod S`. Each has `--turns` user turns of 12–60 words (ShareGPT's user turns are short, its median around
 //! 40–80 tokens); every turn sends the whole history (system, earlier user turns, the model's own earlier replies)
 //! plus the new user message, so conversations grow as they do in real chat. Replies are capped at
-//! `--max-tokens` (ShareGPT's replies are longer; CPU time is the limit here). Conversations start 150 ms apart,
+//! `--max-tokens` (ShareGPT's replies are longer; CPU time is the limit here). Conversations start
+//! `--conversation-gap-ms` apart (150 by default: a burst),
 //! run concurrently, and send each turn as soon as the previous reply has arrived.
 //!
 //! **Per strategy** `--workers` fresh `pagoda worker` processes and one `pagoda router --placement S` (the router
@@ -41,6 +42,13 @@ pub struct RoutingBenchOptions {
     pub conversations: usize,
     pub turns: usize,
     pub max_tokens: u32,
+    /// Each worker's KV pool in tokens (`pagoda worker --kv-cache-tokens`; 0: the worker's default, two full
+    /// contexts). Small pools put the workers under the memory pressure real deployments run in.
+    pub worker_kv_tokens: usize,
+    /// Each worker's host-RAM tier (`--host-tier-mib`; `None`: the worker's default).
+    pub worker_host_tier_mib: Option<u64>,
+    /// Conversation `c` starts `c ×` this many milliseconds into the run.
+    pub conversation_gap_ms: u64,
     pub seed: u64,
     /// Every request must end within this; one that does not fails the run.
     pub deadline_secs: u64,
@@ -158,11 +166,19 @@ fn deploy(o: &RoutingBenchOptions, strategy: &str) -> Result<Deployment> {
     let bin = std::env::current_exe().context("the pagoda binary")?;
     let model = o.model.to_string_lossy().into_owned();
     let threads = o.worker_threads.to_string();
+    let kv_tokens = o.worker_kv_tokens.to_string();
+    let host_tier = o.worker_host_tier_mib.map(|m| m.to_string());
     let mut workers = Vec::new();
     let mut addrs = Vec::new();
     for i in 0..o.workers {
         let addr = format!("127.0.0.1:{}", free_port()?);
-        let args = ["worker", "--listen", &addr, "--model", &model, "--threads", &threads];
+        let mut args = vec!["worker", "--listen", &addr, "--model", &model, "--threads", &threads];
+        if o.worker_kv_tokens > 0 {
+            args.extend(["--kv-cache-tokens", &kv_tokens]);
+        }
+        if let Some(mib) = &host_tier {
+            args.extend(["--host-tier-mib", mib]);
+        }
         workers.push(Proc::spawn_with(&bin, &format!("routing-{strategy}-worker{i}"), &args, die_with_parent)?);
         addrs.push(addr);
     }
@@ -248,7 +264,7 @@ async fn run_strategy(o: &RoutingBenchOptions, strategy: &str) -> Result<(Strate
         let (http, system) = (http.clone(), systems[c % systems.len()].clone());
         let max_tokens = o.max_tokens;
         async move {
-            tokio::time::sleep(Duration::from_millis(150 * c as u64)).await;
+            tokio::time::sleep(Duration::from_millis(o.conversation_gap_ms * c as u64)).await;
             let mut messages = vec![json!({"role": "system", "content": system})];
             let mut out = Vec::new();
             for user in turns {
@@ -328,23 +344,26 @@ pub async fn run(o: RoutingBenchOptions) -> Result<RoutingReport> {
 impl RoutingReport {
     /// A markdown table, with each strategy's mean TTFT relative to round robin's where there is one.
     pub fn markdown(&self) -> String {
-        let rr = self.results.iter().find(|r| r.strategy == "round_robin").map(|r| r.mean_ttft_s);
+        let mean_of = |name: &str| self.results.iter().find(|r| r.strategy == name).map(|r| r.mean_ttft_s);
+        let (rr, overlap) = (mean_of("round_robin"), mean_of("prefix_overlap"));
         let mut s = String::from(
-            "| strategy | requests | failed | mean TTFT (s) | p99 TTFT (s) | × round robin | prefix hit rate | req/s | \
-             tokens/s | decision mean (µs) | decision p99 ≤ (µs) | requests per worker |\n\
-             |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+            "| strategy | requests | failed | mean TTFT (s) | p99 TTFT (s) | × round robin | × prefix overlap | \
+             prefix hit rate | req/s | tokens/s | decision mean (µs) | decision p99 ≤ (µs) | requests per worker |\n\
+             |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
         );
         for r in &self.results {
-            let ratio =
-                rr.filter(|_| r.mean_ttft_s > 0.0).map_or("—".to_string(), |b| format!("{:.2}", b / r.mean_ttft_s));
+            let ratio = |base: Option<f64>| {
+                base.filter(|_| r.mean_ttft_s > 0.0).map_or("—".to_string(), |b| format!("{:.2}", b / r.mean_ttft_s))
+            };
             s.push_str(&format!(
-                "| {} | {} | {} | {:.3} | {:.3} | {} | {:.1}% | {:.2} | {:.1} | {:.1} | {:.0} | {:?} |\n",
+                "| {} | {} | {} | {:.3} | {:.3} | {} | {} | {:.1}% | {:.2} | {:.1} | {:.1} | {:.0} | {:?} |\n",
                 r.strategy,
                 r.requests,
                 r.failed,
                 r.mean_ttft_s,
                 r.p99_ttft_s,
-                ratio,
+                ratio(rr),
+                ratio(overlap),
                 r.prefix_hit_rate * 100.0,
                 r.requests_per_s,
                 r.completion_tokens_per_s,
@@ -363,7 +382,7 @@ impl RoutingReport {
         root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
         let o = &self.options;
         let title = format!(
-            "Routing: {} conversations x {} turns on {} workers ({} system prompts, mean prompt {:.0} tokens)",
+            "Routing: {} conversations x {} turns on {} workers ({} system prompt(s), mean prompt {:.0} tokens)",
             o.conversations, o.turns, o.workers, o.system_prompts, self.prompt_tokens_mean
         );
         let root = root.titled(&title, (FONT, 20)).map_err(|e| anyhow!("{e}"))?;
@@ -375,7 +394,7 @@ impl RoutingReport {
         type PanelSpec<'a> = (&'a str, f64, Vec<(f64, RGBColor)>);
         let series: [PanelSpec<'_>; 2] = [
             (
-                "Time to first token (s): mean, p99",
+                "Time to first token (s): mean (blue), p99 (orange)",
                 ttft_top,
                 vec![(0.0, RGBColor(31, 119, 180)), (0.4, RGBColor(255, 127, 14))],
             ),

@@ -157,9 +157,14 @@ struct ModelArgs {
 
 #[derive(Args, Clone)]
 struct EngineArgs {
-    /// KV blocks in the pool (0 = room for two full contexts).
+    /// KV blocks in the pool (0 = room for two full contexts). One block is --block-size tokens of one layer's one
+    /// KV head; --kv-cache-tokens is the same budget counted in tokens.
     #[arg(long, default_value_t = 0)]
     num_blocks: usize,
+    /// KV pool size in tokens (every layer and KV head), instead of --num-blocks: at most this many cached and
+    /// running tokens fit on the worker at once.
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 24))]
+    kv_cache_tokens: usize,
     /// Token slots per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -580,6 +585,15 @@ struct BenchRoutingArgs {
     /// Reply length cap per turn.
     #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..=1024))]
     max_tokens: u32,
+    /// Each worker's KV pool in tokens (worker --kv-cache-tokens; 0 = the worker's default, two full contexts).
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 24))]
+    worker_kv_tokens: usize,
+    /// Each worker's host-RAM KV tier in MiB (worker --host-tier-mib; default: the worker's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    worker_host_tier_mib: Option<u64>,
+    /// Milliseconds between the starts of consecutive conversations.
+    #[arg(long, default_value_t = 150, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    conversation_gap_ms: u64,
     #[arg(long, default_value_t = 11)]
     seed: u64,
     /// Every request must end within this many seconds.
@@ -907,6 +921,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
     Ok(EngineConfig {
         model_path: model.to_path_buf(),
         num_blocks: e.num_blocks,
+        kv_cache_tokens: e.kv_cache_tokens,
         block_size: e.block_size,
         max_step_tokens: e.max_step_tokens,
         max_running: e.max_running,
@@ -1439,6 +1454,9 @@ async fn bench_routing(a: BenchRoutingArgs) -> Result<()> {
         conversations: a.conversations,
         turns: a.turns,
         max_tokens: a.max_tokens,
+        worker_kv_tokens: a.worker_kv_tokens,
+        worker_host_tier_mib: a.worker_host_tier_mib,
+        conversation_gap_ms: a.conversation_gap_ms,
         seed: a.seed,
         deadline_secs: a.deadline_secs,
     })

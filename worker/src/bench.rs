@@ -140,6 +140,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
     let cfg = EngineConfig {
         model_path: model_path.to_path_buf(),
         num_blocks: 0,
+        kv_cache_tokens: 0,
         block_size: bs,
         max_step_tokens: opts.max_step_tokens,
         max_running: max_c,

@@ -342,6 +342,7 @@ fn run_fresh(
     let cfg = EngineConfig {
         model_path: model_path.to_path_buf(),
         num_blocks: kv_blocks,
+        kv_cache_tokens: 0,
         block_size: opts.block_size,
         max_step_tokens: opts.max_step_tokens,
         max_running: opts.max_running,

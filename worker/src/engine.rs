@@ -36,11 +36,13 @@ use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUs
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
 
-/// How to run the engine. `num_blocks == 0` sizes the pool for two full contexts.
+/// How to run the engine. The pool holds `kv_cache_tokens` token slots in every (layer, KV head) when that is set,
+/// else `num_blocks` blocks; with both 0 it is sized for two full contexts.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub model_path: PathBuf,
     pub num_blocks: usize,
+    pub kv_cache_tokens: usize,
     pub block_size: usize,
     pub max_step_tokens: usize,
     pub max_running: usize,
@@ -64,6 +66,7 @@ impl Default for EngineConfig {
         EngineConfig {
             model_path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
             num_blocks: 0,
+            kv_cache_tokens: 0,
             block_size: 16,
             max_step_tokens: 512,
             max_running: 64,
@@ -1222,7 +1225,11 @@ impl LlamaRunner {
         let model = LlamaModel::load(&gguf).map_err(model_err)?;
         let mc = model.config().clone();
         let layout = CacheLayout { n_layers: mc.n_layers, n_kv_heads: mc.n_kv_heads, block_size: cfg.block_size };
-        let num_blocks = if cfg.num_blocks == 0 { auto_num_blocks(layout, mc.ctx_len) } else { cfg.num_blocks };
+        let num_blocks = match (cfg.kv_cache_tokens, cfg.num_blocks) {
+            (0, 0) => auto_num_blocks(layout, mc.ctx_len),
+            (0, blocks) => blocks,
+            (tokens, _) => layout.blocks_for_tokens(tokens),
+        };
         if num_blocks < layout.group_size() {
             return Err(EngineError::Config(format!(
                 "num_blocks {num_blocks} cannot hold one token group ({} blocks)",
