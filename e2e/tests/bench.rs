@@ -14,7 +14,9 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
     let plot = out.with_extension("png");
     let output = std::process::Command::new(BIN)
         .args(["bench", "routing", "--workers", "2", "--conversations", "4", "--turns", "2", "--system-prompts", "2"])
-        .args(["--max-tokens", "6", "--strategies", "round_robin,kv", "--deadline-secs", "120", "--json"])
+        .args(["--max-tokens", "6", "--strategies", "round_robin,kv", "--deadline-secs", "120"])
+        // Workers with a 4K-token pool each (the trace's four conversations fit), paced conversation starts.
+        .args(["--worker-kv-tokens", "4096", "--conversation-gap-ms", "200", "--json"])
         .arg(&out)
         .arg("--plot")
         .arg(&plot)
@@ -40,4 +42,5 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
     let hit = |s: &str| by(s)["prefix_hit_rate"].as_f64().unwrap();
     assert!(hit("kv") >= hit("round_robin"), "{v:#}");
     assert_eq!(by("round_robin")["per_worker"], serde_json::json!([4, 4]), "round robin alternates");
+    assert_eq!(v["options"]["worker_kv_tokens"], 4096);
 }

@@ -290,3 +290,12 @@ fn every_policy_evicts_frees_blocks_and_matches_full_cache_when_the_budget_fits(
         assert_eq!(s.blocks_used, 0, "{}: every block back in the pool", kind.name());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_sized_in_tokens_holds_that_many_tokens_in_every_layer_and_head() {
+    // 1000 tokens round up to 63 groups of 16.
+    let cfg = EngineConfig { kv_cache_tokens: 1000, num_blocks: 5, threads: 1, ..EngineConfig::new(model_path()) };
+    let engine = Engine::start(cfg).expect("engine starts");
+    assert_eq!(engine.model_info().num_blocks, 63 * GROUP, "kv_cache_tokens wins over num_blocks");
+    engine.shutdown();
+}
