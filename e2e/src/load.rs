@@ -563,6 +563,35 @@ pub fn p99_latency_between(records: &[Record], from: Duration, to: Duration) -> 
     )
 }
 
+/// The window to judge recovery over: the mean latency of the requests completed in `[from, to)` (the healthy
+/// load before a fault), and at least `floor`. A closed loop of N streams completes its requests in waves about one
+/// request latency apart; windows shorter than that see the waves, not the cluster: with 100 streams (latency about
+/// 6 s) the healthy load itself dipped below 90% of its mean in 3 s windows.
+pub fn recovery_window(records: &[Record], from: Duration, to: Duration, floor: Duration) -> Duration {
+    let latencies: Vec<Duration> = records
+        .iter()
+        .filter(|r| r.outcome == Outcome::Completed && r.ended_at >= from && r.ended_at < to)
+        .map(Record::latency)
+        .collect();
+    if latencies.is_empty() {
+        return floor;
+    }
+    let mean = latencies.iter().sum::<Duration>() / latencies.len() as u32;
+    mean.max(floor)
+}
+
+/// The lowest throughput of any `window` starting every 250 ms within `[from, to)`: how far the healthy load
+/// itself swings below its mean.
+pub fn worst_window(records: &[Record], from: Duration, to: Duration, window: Duration) -> f64 {
+    let mut worst = f64::INFINITY;
+    let mut start = from;
+    while start + window <= to {
+        worst = worst.min(throughput(records, start, start + window));
+        start += Duration::from_millis(250);
+    }
+    if worst.is_finite() { worst } else { 0.0 }
+}
+
 /// Throughput before a fault and how long after it the cluster was back to `fraction` of it for good.
 #[derive(Debug, Clone, Copy)]
 pub struct Recovery {
@@ -585,20 +614,30 @@ pub fn recovery(
     window: Duration,
     fraction: f64,
 ) -> Recovery {
-    const STEP: Duration = Duration::from_millis(250);
     let baseline = throughput(records, warmup, fault);
+    let (recovered_after, worst) = recovered_above(records, fault, until, window, fraction * baseline);
+    Recovery { baseline, recovered_after, worst }
+}
+
+/// From `fault` to the start of the first window (of `window`, every 250 ms, ending by `until`) from which on every
+/// window completes at least `threshold` requests per second (`None` if the last one is still below), and the
+/// lowest window throughput after the fault.
+pub fn recovered_above(
+    records: &[Record],
+    fault: Duration,
+    until: Duration,
+    window: Duration,
+    threshold: f64,
+) -> (Option<Duration>, f64) {
+    const STEP: Duration = Duration::from_millis(250);
     let mut worst = f64::INFINITY;
     let mut recovered_from = Some(fault);
     let mut start = fault;
     while start + window <= until {
         let t = throughput(records, start, start + window);
         worst = worst.min(t);
-        recovered_from = if t >= fraction * baseline { recovered_from.or(Some(start)) } else { None };
+        recovered_from = if t >= threshold { recovered_from.or(Some(start)) } else { None };
         start += STEP;
     }
-    Recovery {
-        baseline,
-        recovered_after: recovered_from.map(|s| s - fault),
-        worst: if worst.is_finite() { worst } else { 0.0 },
-    }
+    (recovered_from.map(|s| s - fault), if worst.is_finite() { worst } else { 0.0 })
 }

@@ -136,7 +136,13 @@ async fn run(s: Scenario) {
     let records = load.await.unwrap().unwrap();
     let (after, reasons) = migrations(&http).await;
     let report = Report::new(&records, &reference);
-    let rec = load::recovery(&records, s.warmup, fault_at, s.duration, Duration::from_secs(3), 0.9);
+    let window = load::recovery_window(&records, s.warmup, fault_at, Duration::from_secs(3));
+    let rec = load::recovery(&records, s.warmup, fault_at, s.duration, window, 0.9);
+    // The healthy load's own floor: a closed loop's completions come in waves, and a window the cluster saw before
+    // the fault is no sign of damage after it.
+    let floor_before = load::worst_window(&records, s.warmup, fault_at, window);
+    let (back_to_floor, _) =
+        load::recovered_above(&records, fault_at, s.duration, window, (0.9 * rec.baseline).min(floor_before));
     let settle = fault_at + rec.recovered_after.unwrap_or(s.duration - fault_at).max(fault_done - fault_at);
     let p99_during = load::p99_latency_between(&records, fault_at, settle);
     let p99_after = load::p99_latency_between(&records, settle, s.duration + s.deadline);
@@ -156,6 +162,9 @@ async fn run(s: Scenario) {
         "fault_at_s": fault_at.as_secs_f64(),
         "fault_injection_s": (fault_done - fault_at).as_secs_f64(),
         "baseline_rps": rec.baseline,
+        "recovery_window_s": window.as_secs_f64(),
+        "worst_window_before_fault_rps": floor_before,
+        "recovered_to_healthy_floor_after_s": back_to_floor.map(|d| d.as_secs_f64()),
         "worst_window_rps": rec.worst,
         "recovered_after_s": rec.recovered_after.map(|d| d.as_secs_f64()),
         "p99_latency_s": report.p99_latency.as_secs_f64(),
@@ -163,6 +172,10 @@ async fn run(s: Scenario) {
         "p99_latency_after_s": p99_after.as_secs_f64(),
         "p99_ttft_s": report.p99_ttft.as_secs_f64(),
         "max_latency_s": report.max_latency.as_secs_f64(),
+        // Completions per second in consecutive 3 s windows from the start of the load, for the recovery curve.
+        "completions_per_s_by_3s": (0..(s.duration.as_secs() / 3))
+            .map(|i| load::throughput(&records, Duration::from_secs(3 * i), Duration::from_secs(3 * i + 3)))
+            .collect::<Vec<_>>(),
     });
     println!("CHAOS {summary}");
     let fail = |what: &str| -> ! {
@@ -254,9 +267,10 @@ async fn rolling_restart_of_all_workers() {
         fault: Fault::RollingRestart,
         concurrency: 24,
         max_tokens: 24,
-        duration: Duration::from_secs(60),
+        duration: Duration::from_secs(70),
         warmup: Duration::from_secs(3),
-        fault_at: Duration::from_secs(8),
+        // 15 s of healthy load first: the baseline the recovery is judged against needs more than a few windows.
+        fault_at: Duration::from_secs(18),
         require_recovery: true,
         deadline: Duration::from_secs(90),
     })
@@ -762,7 +776,8 @@ async fn partition_of_a_worker_from_the_router() {
     let records = load.await.unwrap().unwrap();
     let (after, reasons) = migrations(&http).await;
     let report = Report::new(&records, &reference);
-    let rec = load::recovery(&records, Duration::from_secs(3), fault_at, duration, Duration::from_secs(3), 0.9);
+    let window = load::recovery_window(&records, Duration::from_secs(3), fault_at, Duration::from_secs(3));
+    let rec = load::recovery(&records, Duration::from_secs(3), fault_at, duration, window, 0.9);
     let summary = json!({
         "scenario": "chaos-partition",
         "sent": report.sent,
@@ -778,6 +793,7 @@ async fn partition_of_a_worker_from_the_router() {
         "healed_at_s": healed_at.as_secs_f64(),
         "back_in_placement_after_heal_s": back_after.as_secs_f64(),
         "baseline_rps": rec.baseline,
+        "recovery_window_s": window.as_secs_f64(),
         "worst_window_rps": rec.worst,
         "recovered_after_s": rec.recovered_after.map(|d| d.as_secs_f64()),
         "p99_latency_s": report.p99_latency.as_secs_f64(),
