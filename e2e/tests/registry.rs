@@ -25,6 +25,19 @@ async fn wait_for(http: &Http, addr: &str, want: Option<bool>, limit: Duration) 
     .await
 }
 
+/// Worker `w0` and a router, both given only etcd; returns once the router sees the worker ready.
+async fn worker_and_router(name: &str, model: &str, etcd: &str) -> (Proc, Proc, Http, String) {
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let wargs = ["worker", "--listen", &addr, "--model", model, "--threads", "1", "--etcd", etcd, "--worker-id", "w0"];
+    let mut worker = Proc::spawn_with(BIN.as_ref(), &format!("{name}-worker"), &wargs, die_with_parent).unwrap();
+    worker.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
+    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", model, "--etcd", etcd];
+    let mut router = Proc::spawn_with(BIN.as_ref(), &format!("{name}-router"), &rargs, die_with_parent).unwrap();
+    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
+    wait_for(&http, &addr, Some(true), Duration::from_secs(30)).await;
+    (worker, router, http, addr)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_lease_expires_leaves_placement_and_rejoins() {
     let model = require_model().unwrap().to_string_lossy().into_owned();
@@ -39,14 +52,7 @@ async fn a_worker_whose_lease_expires_leaves_placement_and_rejoins() {
         ["kvstore", "--node-id", "1", "--listen", &kv_addr, "--peer", &peer, "--data-dir", &kv_dir_s, "--etcd", &url];
     let mut kvstore = Proc::spawn_with(BIN.as_ref(), "lease-kvstore", &kargs, die_with_parent).unwrap();
     kvstore.wait_line("pagoda kvstore listening on ", Duration::from_secs(60)).unwrap();
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let wargs = ["worker", "--listen", &addr, "--model", &model, "--threads", "1", "--etcd", &url, "--worker-id", "w0"];
-    let mut worker = Proc::spawn_with(BIN.as_ref(), "lease-worker", &wargs, die_with_parent).unwrap();
-    worker.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
-    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", &model, "--etcd", &url];
-    let mut router = Proc::spawn_with(BIN.as_ref(), "lease-router", &rargs, die_with_parent).unwrap();
-    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
-    wait_for(&http, &addr, Some(true), Duration::from_secs(30)).await;
+    let (mut worker, mut router, http, addr) = worker_and_router("lease", &model, &url).await;
     let chat = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
                       "temperature": 0});
     let (s, v) = http.post_json("/v1/chat/completions", &chat).await.unwrap();
@@ -105,14 +111,7 @@ async fn workers_and_routers_follow_kvstore_nodes_that_join_after_them() {
 
     // One node bootstraps alone; the worker and the router start knowing only it.
     let mut first = spawn_kvstore("members-kv1", 1, &addrs[0], &dir.join("kv1"), &url, false);
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let wargs = ["worker", "--listen", &addr, "--model", &model, "--threads", "1", "--etcd", &url, "--worker-id", "w0"];
-    let mut worker = Proc::spawn_with(BIN.as_ref(), "members-worker", &wargs, die_with_parent).unwrap();
-    worker.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
-    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", &model, "--etcd", &url];
-    let mut router = Proc::spawn_with(BIN.as_ref(), "members-router", &rargs, die_with_parent).unwrap();
-    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
-    wait_for(&http, &addr, Some(true), Duration::from_secs(30)).await;
+    let (mut worker, mut router, http, addr) = worker_and_router("members", &model, &url).await;
     let chat = |text: &str| json!({"model": MODEL_ID, "messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0});
     let (s, v) =
         http.post_json("/v1/chat/completions", &chat("Name three rivers in Europe and one in Asia.")).await.unwrap();
