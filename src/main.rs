@@ -1174,7 +1174,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     } else {
         let cfg = pagoda_worker::reporter::ReporterConfig::new(worker_id.clone(), advertise.clone(), kvstore.clone());
         let task = pagoda_worker::reporter::spawn(engine.clone(), cfg).context("cannot start block-event reporting")?;
-        tracing::info!(worker = %worker_id, kvstore = ?kvstore, "reporting block events to the kvstore");
+        tracing::info!(worker = %worker_id, kvstore = ?kvstore.current(), "reporting block events to the kvstore");
         Some(task)
     };
     // Registered once it serves: routers add it as soon as the key appears.
@@ -1708,9 +1708,8 @@ async fn kvstore(args: KvstoreArgs) -> Result<()> {
         None => None,
     };
     let shutdown = shutdown_signal();
-    let (id, advertise, others) =
-        (cfg.id, cfg.advertise.clone(), cfg.peers.iter().filter(|(p, _)| **p != cfg.id).map(|(_, a)| a.clone()));
-    let others: Vec<String> = others.collect();
+    let others: Vec<String> = cfg.peers.iter().filter(|(p, _)| **p != cfg.id).map(|(_, a)| a.clone()).collect();
+    let (id, advertise) = (cfg.id, cfg.advertise.clone());
     let mut node = pagoda_kvstore::start(cfg).await.context("cannot start the kvstore node")?;
     println!("pagoda kvstore listening on {}", node.addr);
     let joining = (args.join && etcd.is_some()).then(|| tokio::spawn(ask_to_join(id, advertise, others)));

@@ -583,13 +583,21 @@ pub fn recovery_window(records: &[Record], from: Duration, to: Duration, floor: 
 /// The lowest throughput of any `window` starting every 250 ms within `[from, to)`: how far the healthy load
 /// itself swings below its mean.
 pub fn worst_window(records: &[Record], from: Duration, to: Duration, window: Duration) -> f64 {
-    let mut worst = f64::INFINITY;
-    let mut start = from;
-    while start + window <= to {
-        worst = worst.min(throughput(records, start, start + window));
-        start += Duration::from_millis(250);
-    }
-    if worst.is_finite() { worst } else { 0.0 }
+    windows(records, from, to, window).map(|(_, t)| t).reduce(f64::min).unwrap_or(0.0)
+}
+
+/// Each `window` starting every 250 ms from `from` and ending by `to`: its start and its throughput.
+fn windows(
+    records: &[Record],
+    from: Duration,
+    to: Duration,
+    window: Duration,
+) -> impl Iterator<Item = (Duration, f64)> {
+    const STEP: Duration = Duration::from_millis(250);
+    (0u32..)
+        .map(move |i| from + STEP * i)
+        .take_while(move |start| *start + window <= to)
+        .map(move |start| (start, throughput(records, start, start + window)))
 }
 
 /// Throughput before a fault and how long after it the cluster was back to `fraction` of it for good.
@@ -629,15 +637,45 @@ pub fn recovered_above(
     window: Duration,
     threshold: f64,
 ) -> (Option<Duration>, f64) {
-    const STEP: Duration = Duration::from_millis(250);
     let mut worst = f64::INFINITY;
     let mut recovered_from = Some(fault);
-    let mut start = fault;
-    while start + window <= until {
-        let t = throughput(records, start, start + window);
+    for (start, t) in windows(records, fault, until, window) {
         worst = worst.min(t);
         recovered_from = if t >= threshold { recovered_from.or(Some(start)) } else { None };
-        start += STEP;
     }
     (recovered_from.map(|s| s - fault), if worst.is_finite() { worst } else { 0.0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Completions every 100 ms from 1 s to 10 s, none from 4 s to 6 s; each took 1 s.
+    fn with_a_gap() -> Vec<Record> {
+        (10..100u64)
+            .filter(|i| !(40..60).contains(i))
+            .map(|i| {
+                let end = Duration::from_millis(100 * i);
+                let mut r = Record::new(i as usize, 0, false, end - Duration::from_secs(1));
+                r.ended_at = end;
+                r.outcome = Outcome::Completed;
+                r
+            })
+            .collect()
+    }
+
+    #[test]
+    fn recovery_is_the_start_of_the_first_window_from_which_on_all_are_above() {
+        let records = with_a_gap();
+        let w = Duration::from_secs(1);
+        let (warmup, fault) = (Duration::from_secs(1), Duration::from_secs(4));
+        assert_eq!(recovery_window(&records, warmup, fault, Duration::from_millis(500)), w);
+        assert_eq!(recovery_window(&records, warmup, fault, Duration::from_secs(3)), Duration::from_secs(3));
+        assert_eq!(worst_window(&records, warmup, fault, w), 10.0);
+        let (after, worst) = recovered_above(&records, Duration::from_secs(4), Duration::from_secs(10), w, 9.0);
+        assert_eq!(after, Some(Duration::from_secs(2)), "the first full window after the gap starts at 6 s");
+        assert_eq!(worst, 0.0);
+        let rec = recovery(&records, warmup, fault, Duration::from_secs(10), w, 0.9);
+        assert_eq!((rec.baseline, rec.recovered_after), (10.0, Some(Duration::from_secs(2))));
+    }
 }

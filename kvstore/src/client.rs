@@ -51,8 +51,7 @@ impl Client {
 
     /// A client for the nodes `endpoints` lists now, which takes up each new list before its next attempt.
     pub fn following(mut endpoints: Endpoints) -> Result<Self, Status> {
-        endpoints.changed();
-        let mut client = Self::new(endpoints.current())?;
+        let mut client = Self::new(endpoints.latest())?;
         client.updates = Some(endpoints);
         Ok(client)
     }

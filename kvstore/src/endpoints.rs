@@ -46,8 +46,22 @@ impl Endpoints {
         self.rx.borrow().clone()
     }
 
+    /// The current list, marked as seen: [`Endpoints::changed`] reports only later lists.
+    pub fn latest(&mut self) -> Vec<String> {
+        self.rx.borrow_and_update().clone()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.rx.borrow().is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.rx.borrow().len()
+    }
+
+    /// Whether `addr` is listed now.
+    pub fn contains(&self, addr: &str) -> bool {
+        self.rx.borrow().iter().any(|a| a == addr)
     }
 
     /// The new list, when it changed since this view last looked (or was created).
@@ -108,6 +122,11 @@ mod tests {
         assert!(!src.publish(vec![]));
         assert_eq!(a.changed(), None);
         assert_eq!(a.current(), ["y:2", "z:3"]);
+        assert!(a.contains("z:3") && !a.contains("x:1"));
+        assert_eq!(a.len(), 2);
+        src.publish(vec!["w:4".into()]);
+        assert_eq!(b.latest(), ["w:4"]);
+        assert_eq!(b.changed(), None, "latest marks the list seen");
     }
 
     #[test]

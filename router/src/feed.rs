@@ -134,7 +134,7 @@ pub fn spawn(pool: Arc<WorkerPool>, cfg: FeedConfig) -> tokio::task::JoinHandle<
 
 impl Feed {
     async fn run(&mut self) {
-        let mut nodes = self.cfg.endpoints.current();
+        let mut nodes = self.cfg.endpoints.latest();
         let mut node = 0usize;
         let mut failures = 0u32;
         loop {
@@ -207,12 +207,11 @@ impl Feed {
                     }
                     let all_stale = self.judge();
                     self.publish();
-                    let nodes = self.cfg.endpoints.current();
-                    if !nodes.iter().any(|n| n == addr) {
+                    if !self.cfg.endpoints.contains(addr) {
                         // A node that left the cluster may still answer, with a directory that no longer moves.
                         return "the node left the kvstore membership".into();
                     }
-                    if all_stale && nodes.len() > 1 {
+                    if all_stale && self.cfg.endpoints.len() > 1 {
                         return "every registered worker is silent; trying another node".into();
                     }
                 }

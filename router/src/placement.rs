@@ -115,6 +115,13 @@ pub struct RequestView {
 }
 
 impl RequestView {
+    /// Prompt tokens left to prefill on a worker holding `hit_blocks` of the prompt's blocks (in any tier). The last
+    /// prompt token is always computed: its logits give the first token.
+    pub fn compute_tokens(&self, hit_blocks: u32) -> u64 {
+        let hit_tokens = u64::from(hit_blocks) * u64::from(self.block_size);
+        u64::from(self.prompt_tokens).saturating_sub(hit_tokens).max(1)
+    }
+
     /// Device blocks the request needs at its peak on a worker with `group_size` blocks per group, given `hits`
     /// blocks already on device (shared, not newly allocated).
     pub fn blocks_needed(&self, group_size: u32, device_hits: u32) -> u64 {
@@ -164,11 +171,7 @@ pub enum PlacementError {
 
 /// Pagoda's cost of serving `req` on `w` (see the module docs).
 pub fn cost(req: &RequestView, w: &WorkerView) -> CostBreakdown {
-    let bs = req.block_size as f64;
-    let hit_tokens = (w.hits.total() as f64 * bs).min(req.prompt_tokens as f64);
-    // The last prompt token is always computed (its logits give the first token).
-    let compute_tokens = (req.prompt_tokens as f64 - hit_tokens).max(1.0);
-    let prefill_s = compute_tokens / w.prefill_tokens_per_s;
+    let prefill_s = req.compute_tokens(w.hits.total()) as f64 / w.prefill_tokens_per_s;
     let mut load_s = 0.0;
     for t in [HitTier::Host, HitTier::Disk, HitTier::Peer] {
         let n = w.hits.get(t);

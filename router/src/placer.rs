@@ -184,13 +184,13 @@ impl Placer {
         &mut self.index
     }
 
-    /// After [`Placer::order`]: the ready worker other than `worker` holding the longest prefix of that request,
-    /// when it is longer than what `worker` holds (ties go to the lower index). `names` are the workers' addresses.
     /// Prompt blocks the last decision expected `worker` to hold in some tier.
     pub fn expected_hits(&self, worker: usize) -> u32 {
         self.hits.get(worker).map_or(0, |h| h.total())
     }
 
+    /// After [`Placer::order`]: the ready worker other than `worker` holding the longest prefix of that request,
+    /// when it is longer than what `worker` holds (ties go to the lower index). `names` are the workers' addresses.
     pub fn peer_hint(&self, worker: usize, names: &[&str]) -> Option<PeerHint> {
         let local = self.hits.get(worker)?.total();
         let held = |i: usize| self.hits.get(i).map_or(0, |h| h.total() - h.get(HitTier::Peer));

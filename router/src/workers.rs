@@ -399,15 +399,13 @@ impl WorkerPool {
         let snaps = self.snapshots(&slots, &names);
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let order = placer.order(req, &snaps, &names)?;
-        let prompt = u64::from(req.view.prompt_tokens);
         Ok(order
             .into_iter()
             .filter_map(|i| {
                 let peer_hint = placer.peer_hint(i, &names);
                 let hit_blocks = peer_hint.as_ref().map_or(0, |h| h.blocks).max(placer.expected_hits(i));
-                // The last prompt token is always computed: its logits give the first token.
                 let cached_tokens =
-                    (u64::from(hit_blocks) * u64::from(req.view.block_size)).min(prompt.saturating_sub(1));
+                    u64::from(req.view.prompt_tokens).saturating_sub(req.view.compute_tokens(hit_blocks));
                 Some(Candidate { worker: slots.get(i).cloned().flatten()?, peer_hint, cached_tokens })
             })
             .collect())

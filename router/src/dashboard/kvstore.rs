@@ -13,16 +13,28 @@ use pagoda_proto::kvstore::{StatusRequest, StatusResponse};
 use serde::Serialize;
 use tonic::transport::Channel;
 
-/// Most kvstore nodes the dashboard polls.
-pub const MAX_NODES: usize = 16;
+/// Most kvstore nodes the dashboard polls: as many as a node list holds.
+pub const MAX_NODES: usize = pagoda_kvstore::endpoints::MAX_ENDPOINTS;
 const STATUS_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// The configured kvstore nodes and their channels.
-#[derive(Default)]
+/// The kvstore nodes and their channels.
 pub struct KvstoreNodes {
-    nodes: Mutex<Vec<(String, KvStoreClient<Channel>)>>,
-    /// Where a new node list comes from (the etcd registry), for a router that follows kvstore membership.
-    updates: Option<Mutex<Endpoints>>,
+    // std Mutex: held only to take up a new list and clone the channels, never across an await.
+    polled: Mutex<Polled>,
+}
+
+/// The node list (fixed, or followed through the etcd registry) and a channel per node on it.
+struct Polled {
+    endpoints: Endpoints,
+    nodes: Vec<(String, KvStoreClient<Channel>)>,
+}
+
+impl Default for KvstoreNodes {
+    /// No kvstore: the dashboard says "not configured".
+    fn default() -> KvstoreNodes {
+        let endpoints = Endpoints::fixed(Vec::new());
+        KvstoreNodes { polled: Mutex::new(Polled { endpoints, nodes: Vec::new() }) }
+    }
 }
 
 fn channels(addrs: &[String]) -> Result<Vec<(String, KvStoreClient<Channel>)>, String> {
@@ -77,27 +89,27 @@ pub struct KvstoreView {
 impl KvstoreNodes {
     /// Channels for `addrs` (`host:port` or `http://host:port`); nothing connects until the first poll.
     pub fn new(addrs: &[String]) -> Result<KvstoreNodes, String> {
-        Ok(KvstoreNodes { nodes: Mutex::new(channels(addrs)?), updates: None })
+        let nodes = channels(addrs)?;
+        let endpoints = Endpoints::fixed(addrs.to_vec());
+        Ok(KvstoreNodes { polled: Mutex::new(Polled { endpoints, nodes }) })
     }
 
     /// The nodes `endpoints` lists, following each new list it gets.
     pub fn following(mut endpoints: Endpoints) -> Result<KvstoreNodes, String> {
-        endpoints.changed();
-        let nodes = channels(&endpoints.current())?;
-        Ok(KvstoreNodes { nodes: Mutex::new(nodes), updates: Some(Mutex::new(endpoints)) })
+        let nodes = channels(&endpoints.latest())?;
+        Ok(KvstoreNodes { polled: Mutex::new(Polled { endpoints, nodes }) })
     }
 
     /// The nodes to poll now, after taking up a new list if one came.
     fn current(&self) -> Vec<(String, KvStoreClient<Channel>)> {
-        let list = self.updates.as_ref().and_then(|u| u.lock().unwrap_or_else(PoisonError::into_inner).changed());
-        let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(list) = list {
+        let mut polled = self.polled.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(list) = polled.endpoints.changed() {
             match channels(&list) {
-                Ok(c) => *nodes = c,
+                Ok(c) => polled.nodes = c,
                 Err(e) => tracing::warn!(error = %e, "ignoring a kvstore node list the dashboard cannot poll"),
             }
         }
-        nodes.clone()
+        polled.nodes.clone()
     }
 
     /// Asks every node for its status, all at once, each bounded by a 1 s timeout.
