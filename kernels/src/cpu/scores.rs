@@ -57,16 +57,6 @@ impl BlockScratch {
         kv.read_block(b, &mut self.k[..e], &mut self.v[..e]);
         (&self.k[..e], &self.v[..e])
     }
-
-    /// K of slots `0..n` of block `b`.
-    fn keys<'a>(&'a mut self, kv: &'a KvStorage, b: u32, n: usize) -> &'a [f32] {
-        let e = n * kv.head_dim();
-        if kv.dtype() == KvDtype::F32 {
-            return &kv.block_k(b)[..e];
-        }
-        kv.read_block_k(b, &mut self.k[..e]);
-        &self.k[..e]
-    }
 }
 
 /// Calls `f(i, k_i, v_i)` for slots `0..len` of one cache, walking the block table once.
@@ -160,7 +150,8 @@ pub fn keydiff_cosine(kv: &KvStorage, table: &[u32], len: usize, anchor: &mut Ve
 /// already RoPE'd. Query `i` sees slots `[0, first_q_slot + i]` (causal in slot space, as in [`crate::AttnSeq`]);
 /// later slots get nothing from it. Each (query, head) row is a softmax with logits `scale · q·k_s` over the slots
 /// it sees, exactly the probabilities the attention kernel used. `out` is NOT zeroed, so decode steps can be added
-/// to prefill metrics (H2O's running sum, KV-Compress Eq. 20). `probs` is scratch, grown to `len`.
+/// to prefill metrics (H2O's running sum, KV-Compress Eq. 20). `probs` is scratch, grown to `n_q · group · len`
+/// plus one block of keys (kept by the caller, so repeated calls do not allocate).
 ///
 /// KVC-full's exclusion of the `v` queries nearest each key (Eq. 19) is not applied here.
 #[allow(clippy::too_many_arguments)]
@@ -182,27 +173,50 @@ pub fn window_attention_scores(
     debug_assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
     debug_assert!(out.len() >= len, "window_attention_scores: out has {} entries, len is {len}", out.len());
     debug_assert!(table.len() >= len.div_ceil(bs), "window_attention_scores: table too short for len {len}");
-    let mut widened = BlockScratch::new(kv);
-    if probs.len() < len {
-        probs.resize(len, 0.0);
+    // Query i sees slots 0..visible(i); the last query sees the most.
+    let visible = |i: usize| first_q_slot.saturating_add(i).saturating_add(1).min(len);
+    let seen = if n_q == 0 { 0 } else { visible(n_q - 1) };
+    if seen == 0 {
+        return;
     }
-    for (i, qi) in q.chunks_exact(group * hd).take(n_q).enumerate() {
-        let visible = first_q_slot.saturating_add(i).saturating_add(1).min(len);
-        if visible == 0 {
-            continue;
-        }
-        for qv in qi.chunks_exact(hd) {
-            let p = &mut probs[..visible];
-            let mut max = f32::NEG_INFINITY;
-            for (bi, &b) in table[..visible.div_ceil(bs)].iter().enumerate() {
-                let n = (visible - bi * bs).min(bs);
-                let kb = widened.keys(kv, b, n);
-                for (pv, k) in p[bi * bs..bi * bs + n].iter_mut().zip(kb.chunks_exact(hd)) {
-                    let l = dot_f32(qv, k) * scale;
-                    *pv = l;
-                    max = max.max(l);
+    // One row of logits per (query, head), then one block of widened keys: each block is read (and widened from
+    // f16) once for all the rows, not once per row.
+    let rows = n_q * group;
+    let widen = if kv.dtype() == KvDtype::F32 { 0 } else { bs * hd };
+    if probs.len() < rows * len + widen {
+        probs.resize(rows * len + widen, 0.0);
+    }
+    let (logits, widened) = probs.split_at_mut(rows * len);
+    for (bi, &b) in table[..seen.div_ceil(bs)].iter().enumerate() {
+        let first = bi * bs;
+        let n = (seen - first).min(bs);
+        let keys: &[f32] = if widen == 0 {
+            &kv.block_k(b)[..n * hd]
+        } else {
+            kv.read_block_k(b, &mut widened[..n * hd]);
+            &widened[..n * hd]
+        };
+        for i in 0..n_q {
+            let m = visible(i).saturating_sub(first).min(n);
+            for g in 0..group {
+                let row = i * group + g;
+                let qv = &q[row * hd..(row + 1) * hd];
+                let dst = &mut logits[row * len + first..row * len + first + m];
+                for (l, k) in dst.iter_mut().zip(keys.chunks_exact(hd)) {
+                    *l = dot_f32(qv, k) * scale;
                 }
             }
+        }
+    }
+    for i in 0..n_q {
+        let vis = visible(i);
+        if vis == 0 {
+            continue;
+        }
+        for g in 0..group {
+            let row = i * group + g;
+            let p = &mut logits[row * len..row * len + vis];
+            let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f32;
             for pv in p.iter_mut() {
                 *pv = (*pv - max).exp();
@@ -214,7 +228,7 @@ pub fn window_attention_scores(
                 continue;
             }
             let inv = 1.0 / sum;
-            for (o, &pv) in out[..visible].iter_mut().zip(p.iter()) {
+            for (o, &pv) in out[..vis].iter_mut().zip(p.iter()) {
                 *o += pow_u32(pv * inv, power);
             }
         }
