@@ -1511,14 +1511,14 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
     };
     let prompts = load::prompt_mix(a.shared_prompts, a.unique_prompts);
     let reference = if a.no_reference {
-        Vec::new()
+        load::Reference::default()
     } else {
-        load::reference(&http, &prompts, a.max_tokens).await.context("the greedy reference (healthy cluster)")?
+        load::reference(&http, &prompts, &[a.max_tokens]).await.context("the greedy reference (healthy cluster)")?
     };
     let cfg = LoadConfig {
         mode,
         prompts,
-        max_tokens: a.max_tokens,
+        max_tokens: vec![a.max_tokens],
         streaming,
         deadline: Duration::from_secs(a.deadline_secs),
         duration: Duration::from_secs(a.duration_secs),

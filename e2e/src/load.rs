@@ -5,10 +5,10 @@
 //!   request has a deadline; the number of requests and the time spent issuing them are bounded.
 //! - Each request leaves a [`Record`]: accepted or rejected, time to first token, the full streamed text, finish
 //!   reason, usage and error.
-//! - [`reference`] computes the greedy answer of every prompt on a healthy cluster; [`Report::new`] checks every
-//!   completed request against it (duplicates, gaps and any other divergence all show as a mismatch), counts the
-//!   lost ones (accepted but never completed, or no clean answer at all), and measures throughput and the time to
-//!   recover after a fault.
+//! - [`reference`] computes the greedy answer of every prompt at every output length on a healthy cluster;
+//!   [`Report::new`] checks every completed request against it (duplicates, gaps and any other divergence all show
+//!   as a mismatch), counts the lost ones (accepted but never completed, or no clean answer at all), and measures
+//!   throughput and the time to recover after a fault.
 
 use std::time::{Duration, Instant};
 
@@ -43,7 +43,10 @@ pub struct LoadConfig {
     pub mode: Mode,
     /// Chat user messages, used in turn.
     pub prompts: Vec<String>,
-    pub max_tokens: u32,
+    /// The `max_tokens` of the requests: request `i` asks prompt `i % P` for entry `(i / P) % L`, so every prompt is
+    /// asked at every length. Several lengths keep a closed loop from completing its requests in lockstep waves (as
+    /// real traffic's varied answer lengths do); one entry gives every request the same length.
+    pub max_tokens: Vec<u32>,
     pub streaming: Streaming,
     /// Each request must end (completed or failed) within this.
     pub deadline: Duration,
@@ -76,6 +79,8 @@ pub struct Record {
     pub index: usize,
     /// Index into [`LoadConfig::prompts`].
     pub prompt: usize,
+    /// The `max_tokens` it asked for.
+    pub max_tokens: u32,
     pub stream: bool,
     /// When it was sent and when it ended, from the start of the run.
     pub sent_at: Duration,
@@ -102,10 +107,11 @@ pub struct Record {
 
 impl Record {
     /// A request not (yet) answered: it ends as [`Outcome::Transport`] unless something better is recorded.
-    fn new(index: usize, prompt: usize, stream: bool, sent_at: Duration) -> Record {
+    fn new(index: usize, prompt: usize, max_tokens: u32, stream: bool, sent_at: Duration) -> Record {
         Record {
             index,
             prompt,
+            max_tokens,
             stream,
             sent_at,
             ended_at: sent_at,
@@ -192,19 +198,44 @@ fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Value {
 }
 
 /// The greedy answer of every prompt, from a healthy cluster (non-streaming, a few at a time).
-pub async fn reference(http: &Http, prompts: &[String], max_tokens: u32) -> Result<Vec<String>> {
-    let answers = futures::stream::iter(prompts.iter().enumerate())
-        .map(|(i, p)| async move {
-            let (s, v) = http.post_json("/v1/chat/completions", &body(&http.model, p, max_tokens, false)).await?;
+/// The greedy answers of a healthy cluster, by prompt and `max_tokens`.
+#[derive(Debug, Clone, Default)]
+pub struct Reference {
+    answers: std::collections::HashMap<(usize, u32), String>,
+}
+
+impl Reference {
+    /// The greedy answer of prompt `prompt` at `max_tokens`, if it was computed.
+    pub fn get(&self, prompt: usize, max_tokens: u32) -> Option<&str> {
+        self.answers.get(&(prompt, max_tokens)).map(String::as_str)
+    }
+}
+
+/// Computes the greedy answer of every prompt at every length in `max_tokens`, four requests at a time.
+pub async fn reference(http: &Http, prompts: &[String], max_tokens: &[u32]) -> Result<Reference> {
+    let cases = prompts.iter().enumerate().flat_map(|(i, p)| max_tokens.iter().map(move |&n| (i, p, n)));
+    let answers = futures::stream::iter(cases)
+        .map(|(i, p, n)| async move {
+            let (s, v) = http.post_json("/v1/chat/completions", &body(&http.model, p, n, false)).await?;
             if s != 200 {
-                bail!("reference for prompt {i} failed: {s} {v}");
+                bail!("reference for prompt {i} at {n} tokens failed: {s} {v}");
             }
-            v["choices"][0]["message"]["content"].as_str().map(str::to_string).context("no content in the answer")
+            let text = v["choices"][0]["message"]["content"]
+                .as_str()
+                .map(str::to_string)
+                .context("no content in the answer")?;
+            Ok(((i, n), text))
         })
         .buffered(4)
         .collect::<Vec<_>>()
         .await;
-    answers.into_iter().collect()
+    Ok(Reference { answers: answers.into_iter().collect::<Result<_>>()? })
+}
+
+/// The `max_tokens` of request `index` (see [`LoadConfig::max_tokens`]).
+fn max_tokens_of(cfg: &LoadConfig, index: usize) -> u32 {
+    let lengths = &cfg.max_tokens;
+    lengths[(index / cfg.prompts.len().max(1)) % lengths.len().max(1)]
 }
 
 /// Sends one request and records what happened. It goes to `routers[index % n]` first; when the connection fails
@@ -220,12 +251,14 @@ async fn one(
     t0: Instant,
 ) -> Record {
     let sent = Instant::now();
-    let mut rec = Record::new(index, prompt, stream, sent - t0);
+    let max_tokens = max_tokens_of(cfg, index);
+    let mut rec = Record::new(index, prompt, max_tokens, stream, sent - t0);
     let fut = async {
         for attempt in 0..routers.len() {
             let http = &routers[(index + attempt) % routers.len()];
-            let request = body(&http.model, text, cfg.max_tokens, stream);
-            rec = Record { client_retries: attempt as u32, ..Record::new(index, prompt, stream, sent - t0) };
+            let request = body(&http.model, text, max_tokens, stream);
+            rec =
+                Record { client_retries: attempt as u32, ..Record::new(index, prompt, max_tokens, stream, sent - t0) };
             drive(http, &mut rec, &request, stream, sent).await;
             if !rec.connection_failed {
                 break;
@@ -243,7 +276,8 @@ async fn one(
 /// Sends one chat completion request `body` (any messages; `stream` must match its `"stream"`) and records the
 /// answer: text, time to first token, usage, or how it failed. Unbounded in time: the caller puts the deadline.
 pub async fn chat_once(http: &Http, body: &Value, stream: bool) -> Record {
-    let mut rec = Record::new(0, 0, stream, Duration::ZERO);
+    let max_tokens = body["max_tokens"].as_u64().and_then(|n| u32::try_from(n).ok()).unwrap_or(0);
+    let mut rec = Record::new(0, 0, max_tokens, stream, Duration::ZERO);
     let sent = Instant::now();
     drive(http, &mut rec, body, stream, sent).await;
     rec.ended_at = sent.elapsed();
@@ -368,6 +402,9 @@ pub async fn run_across(routers: &[Http], cfg: &LoadConfig) -> Result<Vec<Record
     if cfg.prompts.is_empty() {
         bail!("no prompts");
     }
+    if cfg.max_tokens.is_empty() {
+        bail!("no max_tokens");
+    }
     if routers.is_empty() {
         bail!("no routers");
     }
@@ -412,8 +449,9 @@ pub async fn run_across(routers: &[Http], cfg: &LoadConfig) -> Result<Vec<Record
                     _ = tokio::time::sleep_until(due.into()) => {}
                 }
                 if tasks.len() >= max_in_flight {
-                    let mut shed =
-                        Record::new(next, next % cfg.prompts.len(), is_streaming(cfg.streaming, next), t0.elapsed());
+                    let stream = is_streaming(cfg.streaming, next);
+                    let (prompt, max_tokens) = (next % cfg.prompts.len(), max_tokens_of(cfg, next));
+                    let mut shed = Record::new(next, prompt, max_tokens, stream, t0.elapsed());
                     shed.error = Some("shed: too many in flight".into());
                     shed.outcome = Outcome::Shed;
                     records.push(shed);
@@ -436,6 +474,7 @@ pub async fn run_across(routers: &[Http], cfg: &LoadConfig) -> Result<Vec<Record
 pub struct Mismatch {
     pub index: usize,
     pub prompt: usize,
+    pub max_tokens: u32,
     /// Byte offset of the first difference.
     pub at: usize,
     pub got: String,
@@ -475,7 +514,7 @@ fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
 }
 
 impl Report {
-    pub fn new(records: &[Record], reference: &[String]) -> Report {
+    pub fn new(records: &[Record], reference: &Reference) -> Report {
         let mut r = Report {
             sent: 0,
             accepted: 0,
@@ -503,12 +542,13 @@ impl Report {
             match rec.outcome {
                 Outcome::Completed => {
                     r.completed += 1;
-                    let want = reference.get(rec.prompt).map(String::as_str).unwrap_or("");
+                    let want = reference.get(rec.prompt, rec.max_tokens).unwrap_or("");
                     if rec.text != want {
                         let at = rec.text.bytes().zip(want.bytes()).take_while(|(a, b)| a == b).count();
                         r.mismatches.push(Mismatch {
                             index: rec.index,
                             prompt: rec.prompt,
+                            max_tokens: rec.max_tokens,
                             at,
                             got: rec.text.clone(),
                             want: want.to_string(),
@@ -656,7 +696,7 @@ mod tests {
             .filter(|i| !(40..60).contains(i))
             .map(|i| {
                 let end = Duration::from_millis(100 * i);
-                let mut r = Record::new(i as usize, 0, false, end - Duration::from_secs(1));
+                let mut r = Record::new(i as usize, 0, 1, false, end - Duration::from_secs(1));
                 r.ended_at = end;
                 r.outcome = Outcome::Completed;
                 r

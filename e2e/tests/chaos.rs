@@ -34,8 +34,13 @@ const ROUTER_ARGS: &[&str] = &["--stall-timeout-ms", "2000", "--first-token-time
 
 #[derive(Clone, Copy, Debug)]
 enum Fault {
-    /// SIGKILL one worker.
+    /// No fault: the control that shows how the healthy load's own swings read as recovery.
+    Nothing,
+    /// SIGKILL one worker. It stays dead.
     Kill,
+    /// SIGKILL one worker, then start it again at once, as its supervisor would (a Kubernetes pod's container is
+    /// restarted immediately after its first crash); the time to recover includes its restart.
+    KillRestarted,
     /// SIGSTOP one worker for this long, then SIGCONT.
     Stop(Duration),
     /// SIGTERM and restart every worker in turn, each back in placement before the next.
@@ -46,17 +51,34 @@ struct Scenario {
     name: &'static str,
     fault: Fault,
     concurrency: usize,
-    max_tokens: u32,
+    /// The answer lengths asked for, in turn (see `LoadConfig::max_tokens`).
+    max_tokens: &'static [u32],
     /// Load is issued for this long; the fault comes at `fault_at`.
     duration: Duration,
     warmup: Duration,
     fault_at: Duration,
     deadline: Duration,
-    /// Fail unless throughput is back to 90% of its pre-fault level before the load ends. Off where the fault
-    /// removes capacity for good (a SIGKILLed worker is not restarted here, and on 2 shared cores the remaining
-    /// workers may or may not absorb its share): the recovery time is still measured and printed.
-    require_recovery: bool,
+    /// What recovery the test asserts (both measures are always printed).
+    require: Require,
 }
+
+/// The recovery a scenario must show.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Require {
+    /// Nothing: the fault removes capacity for good (a SIGKILLed worker that is not restarted; on 2 shared cores the
+    /// others may or may not absorb its share).
+    Nothing,
+    /// Every window from some point before the load ends completes at least 90% of the pre-fault rate.
+    WindowByWindow,
+    /// The issue's target read directly: from 15 s after the fault to the end of the load, the cluster completes at
+    /// least 90% of its pre-fault rate. Both rates are averages over 15 s or more, so the healthy load's own swings
+    /// average out; window by window they do not (the no-fault control reads as "recovered" only 26.5 s after a
+    /// fault that never came in one run).
+    BackWithin15s,
+}
+
+/// The issue's recovery target.
+const RECOVERY_TARGET: Duration = Duration::from_secs(15);
 
 /// The sum of `pagoda_router_migrations_total` over its reasons, with the per-reason lines.
 async fn migrations(http: &Http) -> (u64, Vec<String>) {
@@ -84,10 +106,19 @@ async fn wait_busy(cluster: &Cluster, i: usize) -> u64 {
 async fn inject(cluster: &mut Cluster, fault: Fault, t0: Instant) -> (Duration, u64) {
     const VICTIM: usize = 1;
     match fault {
+        Fault::Nothing => (t0.elapsed(), 0),
         Fault::Kill => {
             let running = wait_busy(cluster, VICTIM).await;
             let at = t0.elapsed();
             cluster.kill_worker(VICTIM).unwrap();
+            (at, running)
+        }
+        Fault::KillRestarted => {
+            let running = wait_busy(cluster, VICTIM).await;
+            let at = t0.elapsed();
+            cluster.kill_worker(VICTIM).unwrap();
+            cluster.restart_worker(VICTIM).unwrap();
+            cluster.wait_router_sees(0, VICTIM, true, Duration::from_secs(30)).await.unwrap();
             (at, running)
         }
         Fault::Stop(for_) => {
@@ -120,7 +151,7 @@ async fn run(s: Scenario) {
     let cfg = LoadConfig {
         mode: Mode::Closed { concurrency: s.concurrency },
         prompts,
-        max_tokens: s.max_tokens,
+        max_tokens: s.max_tokens.to_vec(),
         streaming: Streaming::Mixed,
         deadline: s.deadline,
         duration: s.duration,
@@ -144,6 +175,8 @@ async fn run(s: Scenario) {
     let (back_to_floor, _) =
         load::recovered_above(&records, fault_at, s.duration, window, (0.9 * rec.baseline).min(floor_before));
     let settle = fault_at + rec.recovered_after.unwrap_or(s.duration - fault_at).max(fault_done - fault_at);
+    let after_target = load::throughput(&records, fault_at + RECOVERY_TARGET, s.duration);
+    let after_target_vs_before = if rec.baseline > 0.0 { after_target / rec.baseline } else { 0.0 };
     let p99_during = load::p99_latency_between(&records, fault_at, settle);
     let p99_after = load::p99_latency_between(&records, settle, s.duration + s.deadline);
     let summary = json!({
@@ -167,6 +200,8 @@ async fn run(s: Scenario) {
         "recovered_to_healthy_floor_after_s": back_to_floor.map(|d| d.as_secs_f64()),
         "worst_window_rps": rec.worst,
         "recovered_after_s": rec.recovered_after.map(|d| d.as_secs_f64()),
+        "rps_from_15s_after_fault": after_target,
+        "rps_from_15s_after_fault_vs_before": after_target_vs_before,
         "p99_latency_s": report.p99_latency.as_secs_f64(),
         "p99_latency_during_s": p99_during.as_secs_f64(),
         "p99_latency_after_s": p99_after.as_secs_f64(),
@@ -193,10 +228,14 @@ async fn run(s: Scenario) {
     if report.completed == 0 || report.completed + report.failed_clean != report.sent {
         fail("requests unaccounted for");
     }
-    if matches!(s.fault, Fault::Kill | Fault::Stop(_)) && running_at_fault > 0 && after == before {
+    if matches!(s.fault, Fault::Kill | Fault::KillRestarted | Fault::Stop(_)) && running_at_fault > 0 && after == before
+    {
         fail("the victim had streams running but nothing migrated");
     }
-    if s.require_recovery && rec.recovered_after.is_none() {
+    if s.require == Require::BackWithin15s && after_target_vs_before < 0.9 {
+        fail("from 15 s after the fault on, throughput stayed under 90% of its pre-fault level");
+    }
+    if s.require == Require::WindowByWindow && rec.recovered_after.is_none() {
         fail("throughput did not come back to 90% of its pre-fault level before the load ended");
     }
 }
@@ -209,11 +248,11 @@ async fn sigkill_worker_mid_stream() {
         name: "chaos-kill",
         fault: Fault::Kill,
         concurrency: 24,
-        max_tokens: 24,
+        max_tokens: &[24],
         duration: Duration::from_secs(30),
         warmup: Duration::from_secs(3),
         fault_at: Duration::from_secs(8),
-        require_recovery: false,
+        require: Require::Nothing,
         deadline: Duration::from_secs(60),
     })
     .await;
@@ -228,33 +267,51 @@ async fn sigstop_worker_longer_than_the_stall_timeout() {
         name: "chaos-stop",
         fault: Fault::Stop(Duration::from_secs(5)),
         concurrency: 24,
-        max_tokens: 24,
+        max_tokens: &[24],
         duration: Duration::from_secs(32),
         warmup: Duration::from_secs(3),
         fault_at: Duration::from_secs(8),
-        require_recovery: true,
+        require: Require::WindowByWindow,
         deadline: Duration::from_secs(60),
     })
     .await;
 }
 
-/// Full size: SIGKILL of a worker while 100 streams run.
+/// Varied answer lengths (mean 32), as real traffic has: with one length, a closed loop of 100 completes its
+/// requests in lockstep waves and the healthy baseline itself swings by half.
+const VARIED_LENGTHS: &[u32] = &[16, 24, 32, 40, 48];
+
+/// Full size: SIGKILL of a worker while 100 streams run; its supervisor starts it again at once (a worker that stays
+/// dead takes its share of capacity with it for good). From 15 s after the kill on, the cluster must complete at
+/// least 90% of its pre-fault rate ([`Require::BackWithin15s`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "full size (100 streams, ~2 min); run with --ignored"]
+#[ignore = "full size (100 streams, ~1.5 min); run with --ignored"]
 async fn sigkill_worker_mid_stream_100_streams() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run(Scenario {
-        name: "chaos-kill-100",
-        fault: Fault::Kill,
+    run(full_size("chaos-kill-100", Fault::KillRestarted)).await;
+}
+
+/// The control of the test above: the same load with no fault, held to the same check. Its printed window-by-window
+/// recovery (the healthy load's own swings read as if a fault had come at 25 s) is the noise floor of that measure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full size (100 streams, ~1.5 min); run with --ignored"]
+async fn no_fault_control_100_streams() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    run(full_size("chaos-control-100", Fault::Nothing)).await;
+}
+
+fn full_size(name: &'static str, fault: Fault) -> Scenario {
+    Scenario {
+        name,
+        fault,
         concurrency: 100,
-        max_tokens: 32,
+        max_tokens: VARIED_LENGTHS,
         duration: Duration::from_secs(60),
         warmup: Duration::from_secs(8),
         fault_at: Duration::from_secs(25),
-        require_recovery: false,
+        require: Require::BackWithin15s,
         deadline: Duration::from_secs(120),
-    })
-    .await;
+    }
 }
 
 /// Rolling restart: every worker SIGTERMed and restarted in turn, under load.
@@ -266,12 +323,12 @@ async fn rolling_restart_of_all_workers() {
         name: "chaos-rolling",
         fault: Fault::RollingRestart,
         concurrency: 24,
-        max_tokens: 24,
+        max_tokens: &[24],
         duration: Duration::from_secs(70),
         warmup: Duration::from_secs(3),
         // 15 s of healthy load first: the baseline the recovery is judged against needs more than a few windows.
         fault_at: Duration::from_secs(18),
-        require_recovery: true,
+        require: Require::WindowByWindow,
         deadline: Duration::from_secs(90),
     })
     .await;
@@ -285,11 +342,11 @@ async fn open_loop_load_matches_the_reference() {
     let cluster = ClusterBuilder::new(BIN, "chaos-open").workers(2).router_args(ROUTER_ARGS).start().await.unwrap();
     let http = cluster.http(0).clone();
     let prompts = load::prompt_mix(2, 2);
-    let reference = load::reference(&http, &prompts, 12).await.unwrap();
+    let reference = load::reference(&http, &prompts, &[12]).await.unwrap();
     let cfg = LoadConfig {
         mode: Mode::Open { per_second: 3.0, max_in_flight: 64 },
         prompts,
-        max_tokens: 12,
+        max_tokens: vec![12],
         streaming: Streaming::Mixed,
         deadline: Duration::from_secs(60),
         duration: Duration::from_secs(5),
@@ -328,14 +385,14 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
     let http = cluster.http(0).clone();
     let prompts = load::prompt_mix(4, 4);
     let max_tokens = 16;
-    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
+    let reference = load::reference(&http, &prompts, &[max_tokens]).await.unwrap();
     let deadline = Duration::from_secs(60);
 
     // The sustainable rate: closed loop at the cluster's running capacity (2 workers x 8 sequences).
     let steady = LoadConfig {
         mode: Mode::Closed { concurrency: 16 },
         prompts: prompts.clone(),
-        max_tokens,
+        max_tokens: vec![max_tokens],
         streaming: Streaming::Mixed,
         deadline,
         duration: Duration::from_secs(8),
@@ -374,7 +431,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
     let burst = LoadConfig {
         mode: Mode::Open { per_second: 5.0 * sustainable, max_in_flight: 1024 },
         prompts,
-        max_tokens,
+        max_tokens: vec![max_tokens],
         streaming: Streaming::Mixed,
         deadline,
         duration: Duration::from_secs(6),
@@ -541,7 +598,7 @@ async fn disk_tier_worker(
     data_dir: &std::path::Path,
     disk_mib: u32,
     duration: Duration,
-) -> (Cluster, Vec<String>, LoadConfig) {
+) -> (Cluster, load::Reference, LoadConfig) {
     let data = data_dir.to_string_lossy().into_owned();
     let disk = disk_mib.to_string();
     // 90 blocks per 16-token group (30 layers x 3 kv-heads): 60 groups of device KV, about two 400-token prompts.
@@ -553,11 +610,11 @@ async fn disk_tier_worker(
     let cluster = cluster.start().await.unwrap();
     let prompts = long_prompts(5);
     let max_tokens = 6;
-    let reference = load::reference(cluster.http(0), &prompts, max_tokens).await.unwrap();
+    let reference = load::reference(cluster.http(0), &prompts, &[max_tokens]).await.unwrap();
     let cfg = LoadConfig {
         mode: Mode::Closed { concurrency: 2 },
         prompts,
-        max_tokens,
+        max_tokens: vec![max_tokens],
         streaming: Streaming::Mixed,
         deadline: Duration::from_secs(90),
         duration,
@@ -733,12 +790,12 @@ async fn partition_of_a_worker_from_the_router() {
     }
     let prompts = load::prompt_mix(4, 4);
     let max_tokens = 24;
-    let reference = load::reference(&http, &prompts, max_tokens).await.unwrap();
+    let reference = load::reference(&http, &prompts, &[max_tokens]).await.unwrap();
     let duration = Duration::from_secs(32);
     let cfg = LoadConfig {
         mode: Mode::Closed { concurrency: 12 },
         prompts,
-        max_tokens,
+        max_tokens: vec![max_tokens],
         streaming: Streaming::Mixed,
         deadline: Duration::from_secs(60),
         duration,

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::BIN;
 use pagoda_e2e::cluster::die_with_parent;
-use pagoda_e2e::load::{self, LoadConfig, Mode, Record, Report, Streaming};
+use pagoda_e2e::load::{self, LoadConfig, Mode, Record, Reference, Report, Streaming};
 use pagoda_e2e::serde_json::{Value, json};
 use pagoda_e2e::{
     Http, MODEL_ID, Proc, ResidencyResponse, free_port, require_model, wait_until, worker_residency, worker_stats,
@@ -315,7 +315,7 @@ fn load_config(prompts: &[String], duration: Duration, max_requests: usize) -> L
     LoadConfig {
         mode: Mode::Closed { concurrency: 2 },
         prompts: prompts.to_vec(),
-        max_tokens: MAX_TOKENS,
+        max_tokens: vec![MAX_TOKENS],
         streaming: Streaming::Mixed,
         deadline: Duration::from_secs(60),
         duration,
@@ -329,17 +329,15 @@ fn assert_nothing_lost(what: &str, report: &Report) {
     assert!(report.completed > 0, "{what}: nothing completed");
 }
 
-/// The greedy reference of every prompt the runs used (the others stay empty and are never compared).
+/// The greedy reference of every prompt the runs used (the others are never compared).
 async fn reference_for<'a>(
     http: &Http,
     prompts: &[String],
     records: impl IntoIterator<Item = &'a Record>,
     max_tokens: u32,
-) -> Vec<String> {
+) -> Reference {
     let used = records.into_iter().map(|r| r.prompt + 1).max().unwrap_or(0);
-    let mut reference = load::reference(http, &prompts[..used], max_tokens).await.unwrap();
-    reference.resize(prompts.len(), String::new());
-    reference
+    load::reference(http, &prompts[..used], &[max_tokens]).await.unwrap()
 }
 
 fn disk_groups(r: &ResidencyResponse) -> BTreeSet<u64> {
@@ -546,7 +544,7 @@ async fn the_cluster_survives_losing_its_kvstore_leader_a_router_and_a_worker() 
     // 5. A worker is SIGKILLed mid-stream under load on both routers: its streams finish on the other workers.
     let long_tokens = 32;
     let cfg = LoadConfig {
-        max_tokens: long_tokens,
+        max_tokens: vec![long_tokens],
         streaming: Streaming::All,
         ..load_config(&prompts, Duration::from_secs(10), 1000)
     };
