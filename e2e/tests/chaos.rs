@@ -2,8 +2,9 @@
 //! `pagoda router`, the real model). Each test computes the greedy reference of every prompt on the healthy cluster,
 //! runs closed-loop load, injects one fault mid-stream, and checks the invariants: no accepted request is lost (each
 //! completed, or failed cleanly before its first token), every completed answer equals the greedy reference (no
-//! duplicate, no gap across a migration), every request ends within its deadline, and the throughput comes back to
-//! 90% of its pre-fault level (the time it takes is measured and printed as a `CHAOS {json}` line).
+//! duplicate, no gap across a migration), every request ends within its deadline, no process's resident memory grows
+//! by 512 MiB or more, and the throughput comes back to 90% of its pre-fault level (the time it takes is measured and
+//! printed as a `CHAOS {json}` line).
 //!
 //! Disk faults run one worker with a disk tier: its files corrupted in place, and its file system filled up (a
 //! small tmpfs). The kvstore leader and router faults need the whole cluster and live in `ha.rs`.
@@ -87,6 +88,74 @@ async fn migrations(http: &Http) -> (u64, Vec<String>) {
     (samples.iter().map(|(_, v)| *v as u64).sum(), samples.iter().map(|(l, _)| l.to_string()).collect())
 }
 
+/// Samples the resident memory of a fixed set of processes every 200 ms (bounded: at most 10 min) until stopped.
+struct MemoryWatch {
+    pids: Vec<(String, u32)>,
+    before: Vec<u64>,
+    over: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sampler: tokio::task::JoinHandle<Vec<u64>>,
+}
+
+/// How much any one process may grow while a test's load runs: the workers' KV pools and the router's request
+/// state are bounded, so growth past this is a leak or an unbounded queue.
+const MEMORY_GROWTH_BOUND: u64 = 512 << 20;
+
+impl MemoryWatch {
+    fn start(pids: Vec<(String, u32)>) -> MemoryWatch {
+        let before: Vec<u64> = pids.iter().map(|(_, p)| resident_bytes(*p).unwrap_or(0)).collect();
+        let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let (pids, over) = (pids.clone(), over.clone());
+            tokio::spawn(async move {
+                let mut peak = vec![0u64; pids.len()];
+                for _ in 0..3000 {
+                    if over.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    for (i, (_, pid)) in pids.iter().enumerate() {
+                        // A process killed by the test reads as 0 from then on.
+                        peak[i] = peak[i].max(resident_bytes(*pid).unwrap_or(0));
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                peak
+            })
+        };
+        MemoryWatch { pids, before, over, sampler }
+    }
+
+    /// Stops sampling: each process's resident bytes before and at its peak.
+    async fn stop(self) -> MemoryReport {
+        self.over.store(true, std::sync::atomic::Ordering::Relaxed);
+        let peak = self.sampler.await.unwrap_or_default();
+        MemoryReport { pids: self.pids, before: self.before, peak }
+    }
+}
+
+struct MemoryReport {
+    pids: Vec<(String, u32)>,
+    before: Vec<u64>,
+    peak: Vec<u64>,
+}
+
+impl MemoryReport {
+    fn json(&self) -> pagoda_e2e::serde_json::Value {
+        json!({
+            "processes": self.pids.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+            "rss_mib_before": self.before.iter().map(|b| b >> 20).collect::<Vec<_>>(),
+            "rss_mib_peak": self.peak.iter().map(|b| b >> 20).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The first process that grew by [`MEMORY_GROWTH_BOUND`] or more, as a message.
+    fn unbounded(&self) -> Option<String> {
+        self.pids.iter().zip(self.before.iter().zip(&self.peak)).find_map(|((name, _), (&before, &peak))| {
+            (peak >= before + MEMORY_GROWTH_BOUND)
+                .then(|| format!("{name} grew from {} MiB to {} MiB", before >> 20, peak >> 20))
+        })
+    }
+}
+
 /// Waits (bounded) until worker `i` is running at least one sequence, so that the fault lands mid-stream.
 async fn wait_busy(cluster: &Cluster, i: usize) -> u64 {
     let t0 = Instant::now();
@@ -158,6 +227,7 @@ async fn run(s: Scenario) {
         max_requests: 100_000,
     };
     let (before, _) = migrations(&http).await;
+    let memory = MemoryWatch::start(cluster.pids());
     let load_http = http.clone();
     let t0 = Instant::now();
     let load = tokio::spawn(async move { load::run(&load_http, &cfg).await });
@@ -165,6 +235,7 @@ async fn run(s: Scenario) {
     let (fault_at, running_at_fault) = inject(&mut cluster, s.fault, t0).await;
     let fault_done = t0.elapsed();
     let records = load.await.unwrap().unwrap();
+    let memory = memory.stop().await;
     let (after, reasons) = migrations(&http).await;
     let report = Report::new(&records, &reference);
     let window = load::recovery_window(&records, s.warmup, fault_at, Duration::from_secs(3));
@@ -211,6 +282,7 @@ async fn run(s: Scenario) {
         "completions_per_s_by_3s": (0..(s.duration.as_secs() / 3))
             .map(|i| load::throughput(&records, Duration::from_secs(3 * i), Duration::from_secs(3 * i + 3)))
             .collect::<Vec<_>>(),
+        "memory": memory.json(),
     });
     println!("CHAOS {summary}");
     let fail = |what: &str| -> ! {
@@ -224,6 +296,9 @@ async fn run(s: Scenario) {
     }
     if report.max_latency >= s.deadline {
         fail("a request outlived its deadline");
+    }
+    if let Some(grew) = memory.unbounded() {
+        fail(&format!("memory is not bounded: {grew}"));
     }
     if report.completed == 0 || report.completed + report.failed_clean != report.sent {
         fail("requests unaccounted for");
@@ -406,26 +481,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
     let sustainable = steady_report.completed as f64 / steady_secs;
     assert!(sustainable > 0.0, "{steady_report:?}");
 
-    let pids = cluster.pids();
-    let rss_before: Vec<u64> = pids.iter().map(|(_, p)| resident_bytes(*p).unwrap_or(0)).collect();
-    let burst_over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sampler = {
-        let (pids, over) = (pids.clone(), burst_over.clone());
-        tokio::spawn(async move {
-            let mut peak = vec![0u64; pids.len()];
-            // Bounded: 400 samples x 200 ms is longer than the burst and its deadline.
-            for _ in 0..400 {
-                if over.load(std::sync::atomic::Ordering::Relaxed) {
-                    break;
-                }
-                for (i, (_, pid)) in pids.iter().enumerate() {
-                    peak[i] = peak[i].max(resident_bytes(*pid).unwrap_or(0));
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            peak
-        })
-    };
+    let memory = MemoryWatch::start(cluster.pids());
     let busy_before = counter_sum(&http, "pagoda_router_worker_busy_total").await;
     let shed_before = counter_sum(&http, "pagoda_router_shed_total").await;
     let burst = LoadConfig {
@@ -438,8 +494,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
         max_requests: 600,
     };
     let records = load::run(&http, &burst).await.unwrap();
-    burst_over.store(true, std::sync::atomic::Ordering::Relaxed);
-    let peak = sampler.await.unwrap();
+    let memory = memory.stop().await;
     let report = Report::new(&records, &reference);
     let shed = counter_sum(&http, "pagoda_router_shed_total").await - shed_before;
     let busy = counter_sum(&http, "pagoda_router_worker_busy_total").await - busy_before;
@@ -460,9 +515,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
         "p99_latency_s": report.p99_latency.as_secs_f64(),
         "p99_ttft_s": report.p99_ttft.as_secs_f64(),
         "max_latency_s": report.max_latency.as_secs_f64(),
-        "rss_mib_before": rss_before.iter().map(|b| b >> 20).collect::<Vec<_>>(),
-        "rss_mib_peak": peak.iter().map(|b| b >> 20).collect::<Vec<_>>(),
-        "processes": pids.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+        "memory": memory.json(),
     });
     println!("CHAOS {summary}");
     assert_eq!(report.lost, 0, "{summary:#}\n{:#?}", report.lost_examples);
@@ -476,13 +529,8 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
         assert!((1..=60).contains(&after), "refusal without a usable Retry-After: {r:?}");
     }
     assert!(shed > 0 && busy > 0, "the router shed after workers said busy: {summary:#}");
-    for (i, (name, _)) in pids.iter().enumerate() {
-        assert!(
-            peak[i] < rss_before[i] + (512 << 20),
-            "{name} grew from {} MiB to {} MiB during the burst",
-            rss_before[i] >> 20,
-            peak[i] >> 20
-        );
+    if let Some(grew) = memory.unbounded() {
+        panic!("memory is not bounded during the burst: {grew}\n{summary:#}");
     }
     // Right after the burst the cluster serves as before.
     let (s, v) = http

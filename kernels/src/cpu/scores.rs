@@ -35,30 +35,6 @@ pub const RATIO_EPS: f32 = 1e-6;
 /// no value; 1e-8 is PyTorch's `cosine_similarity` default, which its reference implementation inherits.
 pub const COSINE_EPS: f32 = 1e-8;
 
-/// The first slots of a block as f32: borrowed from an f32 cache, widened into owned buffers from an f16 one (sized
-/// once per scoring call, not per block).
-struct BlockScratch {
-    k: Vec<f32>,
-    v: Vec<f32>,
-}
-
-impl BlockScratch {
-    fn new(kv: &KvStorage) -> BlockScratch {
-        let len = if kv.dtype() == KvDtype::F32 { 0 } else { kv.block_len() };
-        BlockScratch { k: vec![0.0; len], v: vec![0.0; len] }
-    }
-
-    /// K and V of slots `0..n` of block `b`.
-    fn block<'a>(&'a mut self, kv: &'a KvStorage, b: u32, n: usize) -> (&'a [f32], &'a [f32]) {
-        let e = n * kv.head_dim();
-        if kv.dtype() == KvDtype::F32 {
-            return (&kv.block_k(b)[..e], &kv.block_v(b)[..e]);
-        }
-        kv.read_block(b, &mut self.k[..e], &mut self.v[..e]);
-        (&self.k[..e], &self.v[..e])
-    }
-}
-
 /// Calls `f(i, k_i, v_i)` for slots `0..len` of one cache, walking the block table once.
 #[inline]
 fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(usize, &[f32], &[f32])) {
@@ -66,10 +42,28 @@ fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(us
     let hd = kv.head_dim();
     let blocks = len.div_ceil(bs);
     debug_assert!(table.len() >= blocks, "score kernels: table has {} blocks, len {len} needs {blocks}", table.len());
-    let mut widened = BlockScratch::new(kv);
+    // f16 blocks are widened a block at a time: on the stack for blocks of up to 1,024 values (16 slots of 64), else
+    // into one buffer per call; these kernels run per (layer, kv-head) table at every decode step.
+    const STACK: usize = 1024;
+    let f32_cache = kv.dtype() == KvDtype::F32;
+    let (mut ks, mut vs) = ([0.0f32; STACK], [0.0f32; STACK]);
+    let (mut kh, mut vh) = (Vec::new(), Vec::new());
+    let (kw, vw): (&mut [f32], &mut [f32]) = if f32_cache || kv.block_len() <= STACK {
+        (&mut ks, &mut vs)
+    } else {
+        kh.resize(kv.block_len(), 0.0);
+        vh.resize(kv.block_len(), 0.0);
+        (&mut kh, &mut vh)
+    };
     for (bi, &b) in table[..blocks].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        let (kb, vb) = widened.block(kv, b, n);
+        let e = n * hd;
+        let (kb, vb): (&[f32], &[f32]) = if f32_cache {
+            (&kv.block_k(b)[..e], &kv.block_v(b)[..e])
+        } else {
+            kv.read_block(b, &mut kw[..e], &mut vw[..e]);
+            (&kw[..e], &vw[..e])
+        };
         for (s, (k, v)) in kb.chunks_exact(hd).zip(vb.chunks_exact(hd)).enumerate() {
             f(bi * bs + s, k, v);
         }
