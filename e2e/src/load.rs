@@ -197,7 +197,6 @@ fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Value {
     b
 }
 
-/// The greedy answer of every prompt, from a healthy cluster (non-streaming, a few at a time).
 /// The greedy answers of a healthy cluster, by prompt and `max_tokens`.
 #[derive(Debug, Clone, Default)]
 pub struct Reference {
@@ -211,7 +210,8 @@ impl Reference {
     }
 }
 
-/// Computes the greedy answer of every prompt at every length in `max_tokens`, four requests at a time.
+/// Computes the greedy answer of every prompt at every length in `max_tokens` (non-streaming, four requests at a
+/// time).
 pub async fn reference(http: &Http, prompts: &[String], max_tokens: &[u32]) -> Result<Reference> {
     let cases = prompts.iter().enumerate().flat_map(|(i, p)| max_tokens.iter().map(move |&n| (i, p, n)));
     let answers = futures::stream::iter(cases)

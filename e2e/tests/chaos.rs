@@ -37,11 +37,10 @@ const ROUTER_ARGS: &[&str] = &["--stall-timeout-ms", "2000", "--first-token-time
 enum Fault {
     /// No fault: the control that shows how the healthy load's own swings read as recovery.
     Nothing,
-    /// SIGKILL one worker. It stays dead.
-    Kill,
-    /// SIGKILL one worker, then start it again at once, as its supervisor would (a Kubernetes pod's container is
-    /// restarted immediately after its first crash); the time to recover includes its restart.
-    KillRestarted,
+    /// SIGKILL one worker. With `restart` it is started again at once, as its supervisor would (a Kubernetes pod's
+    /// container is restarted immediately after its first crash), and the time to recover includes its restart;
+    /// without, it stays dead.
+    Kill { restart: bool },
     /// SIGSTOP one worker for this long, then SIGCONT.
     Stop(Duration),
     /// SIGTERM and restart every worker in turn, each back in placement before the next.
@@ -176,18 +175,14 @@ async fn inject(cluster: &mut Cluster, fault: Fault, t0: Instant) -> (Duration, 
     const VICTIM: usize = 1;
     match fault {
         Fault::Nothing => (t0.elapsed(), 0),
-        Fault::Kill => {
+        Fault::Kill { restart } => {
             let running = wait_busy(cluster, VICTIM).await;
             let at = t0.elapsed();
             cluster.kill_worker(VICTIM).unwrap();
-            (at, running)
-        }
-        Fault::KillRestarted => {
-            let running = wait_busy(cluster, VICTIM).await;
-            let at = t0.elapsed();
-            cluster.kill_worker(VICTIM).unwrap();
-            cluster.restart_worker(VICTIM).unwrap();
-            cluster.wait_router_sees(0, VICTIM, true, Duration::from_secs(30)).await.unwrap();
+            if restart {
+                cluster.restart_worker(VICTIM).unwrap();
+                cluster.wait_router_sees(0, VICTIM, true, Duration::from_secs(30)).await.unwrap();
+            }
             (at, running)
         }
         Fault::Stop(for_) => {
@@ -303,8 +298,7 @@ async fn run(s: Scenario) {
     if report.completed == 0 || report.completed + report.failed_clean != report.sent {
         fail("requests unaccounted for");
     }
-    if matches!(s.fault, Fault::Kill | Fault::KillRestarted | Fault::Stop(_)) && running_at_fault > 0 && after == before
-    {
+    if matches!(s.fault, Fault::Kill { .. } | Fault::Stop(_)) && running_at_fault > 0 && after == before {
         fail("the victim had streams running but nothing migrated");
     }
     if s.require == Require::BackWithin15s && after_target_vs_before < 0.9 {
@@ -321,7 +315,7 @@ async fn sigkill_worker_mid_stream() {
     let _alone = ONE_AT_A_TIME.lock().await;
     run(Scenario {
         name: "chaos-kill",
-        fault: Fault::Kill,
+        fault: Fault::Kill { restart: false },
         concurrency: 24,
         max_tokens: &[24],
         duration: Duration::from_secs(30),
@@ -363,7 +357,7 @@ const VARIED_LENGTHS: &[u32] = &[16, 24, 32, 40, 48];
 #[ignore = "full size (100 streams, ~1.5 min); run with --ignored"]
 async fn sigkill_worker_mid_stream_100_streams() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run(full_size("chaos-kill-100", Fault::KillRestarted)).await;
+    run(full_size("chaos-kill-100", Fault::Kill { restart: true })).await;
 }
 
 /// The control of the test above: the same load with no fault, held to the same check. Its printed window-by-window
