@@ -4,10 +4,13 @@
 //!
 //! - [`cluster`]: N workers and routers as separate processes, with fault injection (SIGKILL, SIGSTOP/SIGCONT,
 //!   restart) for the chaos tests.
+//! - [`cpu`]: the share of the machine's CPU that went to processes outside the test, for throughput that a
+//!   neighbour's load does not move.
 //! - [`load`]: the load generator and the checks of its records against a greedy reference.
 //! - [`webdriver`]: drives headless Chromium for the browser tests.
 
 pub mod cluster;
+pub mod cpu;
 pub mod load;
 pub mod proxy;
 pub mod webdriver;

@@ -18,6 +18,9 @@ use serde_json::{Value, json};
 
 use crate::Http;
 
+/// The most delta arrival times a [`Record`] keeps (answers are bounded by the API's `max_tokens` anyway).
+pub const MAX_DELTA_TIMES: usize = 8192;
+
 /// How requests arrive.
 #[derive(Debug, Clone, Copy)]
 pub enum Mode {
@@ -87,6 +90,9 @@ pub struct Record {
     pub ended_at: Duration,
     pub status: Option<u16>,
     pub ttft: Option<Duration>,
+    /// When each non-empty content delta of a stream arrived, from when the request was sent (at most
+    /// [`MAX_DELTA_TIMES`]).
+    pub delta_times: Vec<Duration>,
     /// The answer as the client assembled it (all deltas in order).
     pub text: String,
     pub finish_reason: Option<String>,
@@ -117,6 +123,7 @@ impl Record {
             ended_at: sent_at,
             status: None,
             ttft: None,
+            delta_times: Vec::new(),
             text: String::new(),
             finish_reason: None,
             completion_tokens: None,
@@ -358,7 +365,11 @@ async fn drive(http: &Http, rec: &mut Record, request: &Value, stream: bool, sen
             if let Some(c) = v["choices"][0]["delta"]["content"].as_str()
                 && !c.is_empty()
             {
-                rec.ttft.get_or_insert_with(|| sent.elapsed());
+                let at = sent.elapsed();
+                rec.ttft.get_or_insert(at);
+                if rec.delta_times.len() < MAX_DELTA_TIMES {
+                    rec.delta_times.push(at);
+                }
                 rec.text.push_str(c);
             }
             if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
@@ -591,6 +602,35 @@ pub fn throughput(records: &[Record], from: Duration, to: Duration) -> f64 {
     n as f64 / (to - from).as_secs_f64()
 }
 
+/// Generated tokens per second in `[from, to)`, over the completed requests: a stream's `completion_tokens` spread
+/// evenly over its content deltas, each counted when it arrived; a non-streaming answer's over its whole latency
+/// (the cluster generated them while the client waited). Unlike completions per second, which a closed loop
+/// delivers in waves about one request latency apart, this changes only as fast as the cluster's decode rate does.
+pub fn token_rate(records: &[Record], from: Duration, to: Duration) -> f64 {
+    if to <= from {
+        return 0.0;
+    }
+    let within = |at: Duration| at >= from && at < to;
+    let tokens: f64 = records
+        .iter()
+        .filter(|r| r.outcome == Outcome::Completed)
+        .filter_map(|r| {
+            let tokens = r.completion_tokens? as f64;
+            if r.stream && !r.delta_times.is_empty() {
+                let each = tokens / r.delta_times.len() as f64;
+                return Some(each * r.delta_times.iter().filter(|&&d| within(r.sent_at + d)).count() as f64);
+            }
+            let (start, end) = (r.sent_at, r.ended_at);
+            if end <= start {
+                return within(start).then_some(tokens);
+            }
+            let overlap = end.min(to).saturating_sub(start.max(from));
+            Some(tokens * overlap.as_secs_f64() / (end - start).as_secs_f64())
+        })
+        .sum();
+    tokens / (to - from).as_secs_f64()
+}
+
 /// The p99 latency of the completed requests that were in flight at some point of `[from, to)`.
 pub fn p99_latency_between(records: &[Record], from: Duration, to: Duration) -> Duration {
     percentile(
@@ -623,21 +663,25 @@ pub fn recovery_window(records: &[Record], from: Duration, to: Duration, floor: 
 /// The lowest throughput of any `window` starting every 250 ms within `[from, to)`: how far the healthy load
 /// itself swings below its mean.
 pub fn worst_window(records: &[Record], from: Duration, to: Duration, window: Duration) -> f64 {
-    windows(records, from, to, window).map(|(_, t)| t).reduce(f64::min).unwrap_or(0.0)
+    windows(records, from, to, window, throughput).map(|(_, t)| t).reduce(f64::min).unwrap_or(0.0)
 }
 
-/// Each `window` starting every 250 ms from `from` and ending by `to`: its start and its throughput.
+/// A rate over the records in a span: [`throughput`] or [`token_rate`].
+pub type Rate = fn(&[Record], Duration, Duration) -> f64;
+
+/// Each `window` starting every 250 ms from `from` and ending by `to`: its start and its `rate`.
 fn windows(
     records: &[Record],
     from: Duration,
     to: Duration,
     window: Duration,
+    rate: Rate,
 ) -> impl Iterator<Item = (Duration, f64)> {
     const STEP: Duration = Duration::from_millis(250);
     (0u32..)
         .map(move |i| from + STEP * i)
         .take_while(move |start| *start + window <= to)
-        .map(move |start| (start, throughput(records, start, start + window)))
+        .map(move |start| (start, rate(records, start, start + window)))
 }
 
 /// Throughput before a fault and how long after it the cluster was back to `fraction` of it for good.
@@ -663,23 +707,24 @@ pub fn recovery(
     fraction: f64,
 ) -> Recovery {
     let baseline = throughput(records, warmup, fault);
-    let (recovered_after, worst) = recovered_above(records, fault, until, window, fraction * baseline);
+    let (recovered_after, worst) = recovered_above(records, fault, until, window, fraction * baseline, throughput);
     Recovery { baseline, recovered_after, worst }
 }
 
 /// From `fault` to the start of the first window (of `window`, every 250 ms, ending by `until`) from which on every
-/// window completes at least `threshold` requests per second (`None` if the last one is still below), and the
-/// lowest window throughput after the fault.
+/// window's `rate` is at least `threshold` (`None` if the last one is still below), and the lowest window rate
+/// after the fault.
 pub fn recovered_above(
     records: &[Record],
     fault: Duration,
     until: Duration,
     window: Duration,
     threshold: f64,
+    rate: Rate,
 ) -> (Option<Duration>, f64) {
     let mut worst = f64::INFINITY;
     let mut recovered_from = Some(fault);
-    for (start, t) in windows(records, fault, until, window) {
+    for (start, t) in windows(records, fault, until, window, rate) {
         worst = worst.min(t);
         recovered_from = if t >= threshold { recovered_from.or(Some(start)) } else { None };
     }
@@ -712,10 +757,30 @@ mod tests {
         assert_eq!(recovery_window(&records, warmup, fault, Duration::from_millis(500)), w);
         assert_eq!(recovery_window(&records, warmup, fault, Duration::from_secs(3)), Duration::from_secs(3));
         assert_eq!(worst_window(&records, warmup, fault, w), 10.0);
-        let (after, worst) = recovered_above(&records, Duration::from_secs(4), Duration::from_secs(10), w, 9.0);
+        let (after, worst) =
+            recovered_above(&records, Duration::from_secs(4), Duration::from_secs(10), w, 9.0, throughput);
         assert_eq!(after, Some(Duration::from_secs(2)), "the first full window after the gap starts at 6 s");
         assert_eq!(worst, 0.0);
         let rec = recovery(&records, warmup, fault, Duration::from_secs(10), w, 0.9);
         assert_eq!((rec.baseline, rec.recovered_after), (10.0, Some(Duration::from_secs(2))));
+    }
+
+    #[test]
+    fn token_rate_counts_each_delta_when_it_arrived() {
+        let mut r = Record::new(0, 0, 8, true, Duration::from_secs(1));
+        r.delta_times = [1, 2, 3, 5].map(Duration::from_secs).to_vec();
+        r.ended_at = Duration::from_secs(6);
+        r.completion_tokens = Some(8);
+        r.outcome = Outcome::Completed;
+        // Two tokens per delta, arriving at 2, 3, 4 and 6 s.
+        let records = [r.clone()];
+        assert_eq!(token_rate(&records, Duration::ZERO, Duration::from_secs(2)), 0.0);
+        assert_eq!(token_rate(&records, Duration::from_secs(2), Duration::from_secs(4)), 2.0);
+        assert_eq!(token_rate(&records, Duration::from_secs(4), Duration::from_secs(8)), 1.0);
+        // Not streamed: spread over its whole latency, 1 s to 6 s.
+        r.stream = false;
+        assert_eq!(token_rate(&[r.clone()], Duration::from_secs(1), Duration::from_secs(6)), 1.6);
+        r.outcome = Outcome::Broken;
+        assert_eq!(token_rate(&[r], Duration::ZERO, Duration::from_secs(10)), 0.0);
     }
 }

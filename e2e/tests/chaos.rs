@@ -12,6 +12,9 @@
 //! Clock pressure is its own test: a burst at 5× the measured sustainable rate must be shed with 503/429 and
 //! `Retry-After`, lose nothing it accepted, and keep every process's memory bounded.
 //!
+//! The full-size 15 s check is judged on generated tokens/s per CPU-second the machine left to the test (see
+//! `pagoda_e2e::cpu`), in the median of three runs, against a no-fault control held to the same check.
+//!
 //! CI runs the reduced versions; the full ones are `#[ignore]`d:
 //! `cargo test --release -p pagoda --test e2e_chaos -- --ignored --nocapture --test-threads 1`.
 
@@ -21,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use common::BIN;
 use pagoda_e2e::cluster::{Cluster, ClusterBuilder};
+use pagoda_e2e::cpu::CpuWatch;
 use pagoda_e2e::load::{self, LoadConfig, Mode, Outcome, Report, Streaming};
 use pagoda_e2e::serde_json::json;
 use pagoda_e2e::{Http, metric_samples, resident_bytes, worker_stats};
@@ -43,6 +47,10 @@ enum Fault {
     Kill { restart: bool },
     /// SIGSTOP one worker for this long, then SIGCONT.
     Stop(Duration),
+    /// Not a fault of the cluster: a process outside the test spins on one of the machine's cores for this long, as
+    /// a build or a benchmark beside the test would. It is started detached (its parent is not the test), so it
+    /// counts as foreign CPU.
+    Neighbour(Duration),
     /// SIGTERM and restart every worker in turn, each back in placement before the next.
     RollingRestart,
 }
@@ -70,10 +78,12 @@ enum Require {
     Nothing,
     /// Every window from some point before the load ends completes at least 90% of the pre-fault rate.
     WindowByWindow,
-    /// The issue's target read directly: from 15 s after the fault to the end of the load, the cluster completes at
-    /// least 90% of its pre-fault rate. Both rates are averages over 15 s or more, so the healthy load's own swings
-    /// average out; window by window they do not (the no-fault control reads as "recovered" only 26.5 s after a
-    /// fault that never came in one run).
+    /// The issue's target read directly: from 15 s after the fault, over a span as long as the one from the warmup to
+    /// the fault, the cluster generates at least 90% of its pre-fault tokens per second. Both rates are averages over 15 s or more, and tokens, unlike
+    /// completions, do not come in waves: window by window, completions read the no-fault control as "recovered"
+    /// only 26.5 s after a fault that never came, and completions over the same spans read a kill run at 0.88 and
+    /// the control at 1.24. Both rates are taken per CPU-second the machine left to the test, so that another load
+    /// on the same cores (which made the control fail at 0.85 once) is not read as the fault's.
     BackWithin15s,
 }
 
@@ -155,6 +165,77 @@ impl MemoryReport {
     }
 }
 
+/// Samples every worker's `Stats` once a second while the load runs (bounded: at most 10 minutes), to show where a
+/// slow stretch comes from: requests piled on one worker, preemptions, or the machine.
+struct WorkerWatch {
+    over: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sampler: tokio::task::JoinHandle<Vec<WorkerSample>>,
+}
+
+/// When, and per worker (`None`: no answer) its running and waiting sequences, computed tokens and preemptions.
+type WorkerSample = (Duration, Vec<Option<(u64, u64, u64, u64)>>);
+
+impl WorkerWatch {
+    fn start(addrs: Vec<String>, t0: Instant) -> WorkerWatch {
+        let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let over = over.clone();
+            tokio::spawn(async move {
+                let mut samples = Vec::new();
+                for _ in 0..600 {
+                    if over.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    let mut row = Vec::with_capacity(addrs.len());
+                    for a in &addrs {
+                        let stats = tokio::time::timeout(Duration::from_millis(300), worker_stats(a)).await;
+                        row.push(
+                            stats
+                                .ok()
+                                .and_then(Result::ok)
+                                .map(|s| (s.running, s.waiting, s.computed_tokens_total, s.preemptions_total)),
+                        );
+                    }
+                    samples.push((t0.elapsed(), row));
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                samples
+            })
+        };
+        WorkerWatch { over, sampler }
+    }
+
+    /// Stops sampling: per worker, its running/waiting and computed tokens per second at each sample.
+    async fn stop(self) -> pagoda_e2e::serde_json::Value {
+        self.over.store(true, std::sync::atomic::Ordering::Relaxed);
+        let samples = self.sampler.await.unwrap_or_default();
+        let workers = samples.first().map_or(0, |(_, r)| r.len());
+        let per_worker: Vec<_> = (0..workers)
+            .map(|w| {
+                let mut last: Option<(Duration, u64)> = None;
+                let rows: Vec<_> = samples
+                    .iter()
+                    .map(|(at, row)| match row[w] {
+                        Some((running, waiting, computed, preempted)) => {
+                            let rate = last
+                                .filter(|(t, c)| computed >= *c && at > t)
+                                .map(|(t, c)| ((computed - c) as f64 / (*at - t).as_secs_f64()).round());
+                            last = Some((*at, computed));
+                            json!([at.as_secs(), running, waiting, rate, preempted])
+                        }
+                        None => {
+                            last = None;
+                            json!([at.as_secs(), null])
+                        }
+                    })
+                    .collect();
+                json!(rows)
+            })
+            .collect();
+        json!({ "columns": ["s", "running", "waiting", "computed_tokens_per_s", "preemptions_total"], "workers": per_worker })
+    }
+}
+
 /// Waits (bounded) until worker `i` is running at least one sequence, so that the fault lands mid-stream.
 async fn wait_busy(cluster: &Cluster, i: usize) -> u64 {
     let t0 = Instant::now();
@@ -175,6 +256,12 @@ async fn inject(cluster: &mut Cluster, fault: Fault, t0: Instant) -> (Duration, 
     const VICTIM: usize = 1;
     match fault {
         Fault::Nothing => (t0.elapsed(), 0),
+        Fault::Neighbour(for_) => {
+            let spin = format!("timeout {} sh -c 'while :; do :; done'", for_.as_secs().max(1));
+            let status = std::process::Command::new("setsid").args(["-f", "sh", "-c", &spin]).status();
+            assert!(status.is_ok_and(|s| s.success()), "setsid starts the neighbour");
+            (t0.elapsed(), 0)
+        }
         Fault::Kill { restart } => {
             let running = wait_busy(cluster, VICTIM).await;
             let at = t0.elapsed();
@@ -207,7 +294,9 @@ async fn inject(cluster: &mut Cluster, fault: Fault, t0: Instant) -> (Duration, 
     }
 }
 
-async fn run(s: Scenario) {
+/// Runs one scenario and checks its invariants; returns its tokens/s per available CPU from 15 s after the fault,
+/// against before (what [`Require::BackWithin15s`] judges, over several runs, in [`run_repeated`]).
+async fn run(s: Scenario) -> f64 {
     let mut cluster = ClusterBuilder::new(BIN, s.name).workers(3).router_args(ROUTER_ARGS).start().await.unwrap();
     let http = cluster.http(0).clone();
     let prompts = load::prompt_mix(6, 6);
@@ -225,12 +314,17 @@ async fn run(s: Scenario) {
     let memory = MemoryWatch::start(cluster.pids());
     let load_http = http.clone();
     let t0 = Instant::now();
+    let cpu = CpuWatch::start(t0);
+    let workers =
+        WorkerWatch::start((0..cluster.worker_count()).map(|i| cluster.worker_addr(i).to_string()).collect(), t0);
     let load = tokio::spawn(async move { load::run(&load_http, &cfg).await });
     tokio::time::sleep(s.fault_at).await;
     let (fault_at, running_at_fault) = inject(&mut cluster, s.fault, t0).await;
     let fault_done = t0.elapsed();
     let records = load.await.unwrap().unwrap();
     let memory = memory.stop().await;
+    let cpu = cpu.stop().await;
+    let workers = workers.stop().await;
     let (after, reasons) = migrations(&http).await;
     let report = Report::new(&records, &reference);
     let window = load::recovery_window(&records, s.warmup, fault_at, Duration::from_secs(3));
@@ -238,10 +332,38 @@ async fn run(s: Scenario) {
     // The healthy load's own floor: a closed loop's completions come in waves, and a window the cluster saw before
     // the fault is no sign of damage after it.
     let floor_before = load::worst_window(&records, s.warmup, fault_at, window);
-    let (back_to_floor, _) =
-        load::recovered_above(&records, fault_at, s.duration, window, (0.9 * rec.baseline).min(floor_before));
+    let (back_to_floor, _) = load::recovered_above(
+        &records,
+        fault_at,
+        s.duration,
+        window,
+        (0.9 * rec.baseline).min(floor_before),
+        load::throughput,
+    );
     let settle = fault_at + rec.recovered_after.unwrap_or(s.duration - fault_at).max(fault_done - fault_at);
-    let after_target = load::throughput(&records, fault_at + RECOVERY_TARGET, s.duration);
+    // What the 15 s target is judged on: generated tokens per second (completions come in waves; tokens do not),
+    // each rate per CPU-second the machine left to the test (see `pagoda_e2e::cpu`), so that a build starting on
+    // the same cores halfway through is not read as a cluster that never recovered.
+    // Spans of equal length, the later one ending well before the load does (as the load stops, the streams left
+    // decode faster).
+    let before_span = (s.warmup, fault_at);
+    let after_span = (fault_at + RECOVERY_TARGET, (fault_at + RECOVERY_TARGET + (fault_at - s.warmup)).min(s.duration));
+    let (foreign_before, foreign_after) =
+        (cpu.foreign_share(before_span.0, before_span.1), cpu.foreign_share(after_span.0, after_span.1));
+    let tokens_before = load::token_rate(&records, before_span.0, before_span.1) / (1.0 - foreign_before).max(0.05);
+    let tokens_after = load::token_rate(&records, after_span.0, after_span.1) / (1.0 - foreign_after).max(0.05);
+    let tokens_after_vs_before = if tokens_before > 0.0 { tokens_after / tokens_before } else { 0.0 };
+    // Tokens do not come in waves, so 3 s windows of them show when the cluster was back (on the raw rate: a
+    // neighbour's load would read as not recovered here; the 15 s check below corrects for it).
+    let (tokens_back_after, tokens_worst) = load::recovered_above(
+        &records,
+        fault_at,
+        after_span.1,
+        Duration::from_secs(3),
+        0.9 * load::token_rate(&records, before_span.0, before_span.1),
+        load::token_rate,
+    );
+    let after_target = load::throughput(&records, after_span.0, after_span.1);
     let after_target_vs_before = if rec.baseline > 0.0 { after_target / rec.baseline } else { 0.0 };
     let p99_during = load::p99_latency_between(&records, fault_at, settle);
     let p99_after = load::p99_latency_between(&records, settle, s.duration + s.deadline);
@@ -268,6 +390,13 @@ async fn run(s: Scenario) {
         "recovered_after_s": rec.recovered_after.map(|d| d.as_secs_f64()),
         "rps_from_15s_after_fault": after_target,
         "rps_from_15s_after_fault_vs_before": after_target_vs_before,
+        "foreign_cpu_share_before_fault": foreign_before,
+        "foreign_cpu_share_from_15s_after_fault": foreign_after,
+        "tokens_per_s_per_available_cpu_before_fault": tokens_before,
+        "tokens_per_s_per_available_cpu_from_15s_after_fault": tokens_after,
+        "tokens_per_s_from_15s_after_fault_vs_before": tokens_after_vs_before,
+        "tokens_per_s_back_to_90pct_in_3s_windows_after_s": tokens_back_after.map(|d| d.as_secs_f64()),
+        "tokens_per_s_worst_3s_window_after_fault": tokens_worst,
         "p99_latency_s": report.p99_latency.as_secs_f64(),
         "p99_latency_during_s": p99_during.as_secs_f64(),
         "p99_latency_after_s": p99_after.as_secs_f64(),
@@ -277,7 +406,18 @@ async fn run(s: Scenario) {
         "completions_per_s_by_3s": (0..(s.duration.as_secs() / 3))
             .map(|i| load::throughput(&records, Duration::from_secs(3 * i), Duration::from_secs(3 * i + 3)))
             .collect::<Vec<_>>(),
+        "tokens_per_s_by_3s": (0..(s.duration.as_secs() / 3))
+            .map(|i| load::token_rate(&records, Duration::from_secs(3 * i), Duration::from_secs(3 * i + 3)).round())
+            .collect::<Vec<_>>(),
         "memory": memory.json(),
+        // CPU cores this test's processes used, per 3 s window.
+        "our_cpu_cores_by_3s": (0..(s.duration.as_secs() / 3))
+            .map(|i| {
+                let (a, b) = (Duration::from_secs(3 * i), Duration::from_secs(3 * i + 3));
+                (cpu.ours_cpu_seconds(a, b) / 3.0 * 100.0).round() / 100.0
+            })
+            .collect::<Vec<_>>(),
+        "workers": workers,
     });
     println!("CHAOS {summary}");
     let fail = |what: &str| -> ! {
@@ -301,12 +441,34 @@ async fn run(s: Scenario) {
     if matches!(s.fault, Fault::Kill { .. } | Fault::Stop(_)) && running_at_fault > 0 && after == before {
         fail("the victim had streams running but nothing migrated");
     }
-    if s.require == Require::BackWithin15s && after_target_vs_before < 0.9 {
-        fail("from 15 s after the fault on, throughput stayed under 90% of its pre-fault level");
-    }
     if s.require == Require::WindowByWindow && rec.recovered_after.is_none() {
         fail("throughput did not come back to 90% of its pre-fault level before the load ended");
     }
+    tokens_after_vs_before
+}
+
+/// How many times a full-size scenario runs; its recovery is the median of the runs. One minute of load on a shared
+/// machine has its own slow stretches (a no-fault control once read 0.897 from a 12 s dip with the CPU all the
+/// test's), and one run cannot tell those from the fault's.
+const RUNS: usize = 3;
+
+/// Runs `scenario()` [`RUNS`] times, each on a fresh cluster with all its invariants checked, and requires the
+/// median of their recovery ratios to be at least 0.9 ([`Require::BackWithin15s`]).
+async fn run_repeated(scenario: impl Fn() -> Scenario) {
+    let mut ratios = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let s = scenario();
+        assert_eq!(s.require, Require::BackWithin15s, "only the 15 s check is judged over repeated runs");
+        ratios.push(run(s).await);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[RUNS / 2];
+    println!("CHAOS-MEDIAN {}", json!({ "scenario": scenario().name, "ratios": ratios, "median": median }));
+    assert!(
+        median >= 0.9,
+        "from 15 s after the fault on, the median run's tokens/s per available CPU is {median:.3} of its pre-fault \
+         level (runs: {ratios:?}); the target is 0.9"
+    );
 }
 
 /// SIGKILL of a worker while ~24 streams run on 3 workers (CI size).
@@ -351,22 +513,36 @@ async fn sigstop_worker_longer_than_the_stall_timeout() {
 const VARIED_LENGTHS: &[u32] = &[16, 24, 32, 40, 48];
 
 /// Full size: SIGKILL of a worker while 100 streams run; its supervisor starts it again at once (a worker that stays
-/// dead takes its share of capacity with it for good). From 15 s after the kill on, the cluster must complete at
-/// least 90% of its pre-fault rate ([`Require::BackWithin15s`]).
+/// dead takes its share of capacity with it for good). From 15 s after the kill on, the cluster must generate at
+/// least 90% of its pre-fault tokens/s per available CPU, in the median of three runs ([`Require::BackWithin15s`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "full size (100 streams, ~1.5 min); run with --ignored"]
+#[ignore = "full size (100 streams, 3 runs of ~1.3 min); run with --ignored"]
 async fn sigkill_worker_mid_stream_100_streams() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run(full_size("chaos-kill-100", Fault::Kill { restart: true })).await;
+    run_repeated(|| full_size("chaos-kill-100", Fault::Kill { restart: true })).await;
 }
 
-/// The control of the test above: the same load with no fault, held to the same check. Its printed window-by-window
-/// recovery (the healthy load's own swings read as if a fault had come at 25 s) is the noise floor of that measure.
+/// The control of the test above: the same load with no fault, held to the same check, which shows that check's
+/// noise floor. (The printed window-by-window recovery in completions is the noise floor of that older measure:
+/// the healthy load's own swings read as if a fault had come at 25 s.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "full size (100 streams, ~1.5 min); run with --ignored"]
+#[ignore = "full size (100 streams, 3 runs of ~1.3 min); run with --ignored"]
 async fn no_fault_control_100_streams() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run(full_size("chaos-control-100", Fault::Nothing)).await;
+    run_repeated(|| full_size("chaos-control-100", Fault::Nothing)).await;
+}
+
+/// The control again, with a foreign process spinning on one of the two cores from 25 s to 70 s: the invariants must
+/// hold under that contention, and the printed ratios show what the per-CPU correction does and does not cancel.
+/// The raw tokens/s fall to 35–49% of the pre-fault rate; per available CPU they read 0.76–1.00, not 1.0, because
+/// contention also costs efficiency (a worker's kernel threads wait on each other when one is descheduled), so this
+/// is a measurement of the instrument, not a recovery check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "full size (100 streams, ~1.3 min); run with --ignored"]
+async fn no_fault_with_a_neighbour_on_one_core_100_streams() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let neighbour = Fault::Neighbour(Duration::from_secs(45));
+    run(Scenario { require: Require::Nothing, ..full_size("chaos-neighbour-100", neighbour) }).await;
 }
 
 fn full_size(name: &'static str, fault: Fault) -> Scenario {
@@ -375,7 +551,8 @@ fn full_size(name: &'static str, fault: Fault) -> Scenario {
         fault,
         concurrency: 100,
         max_tokens: VARIED_LENGTHS,
-        duration: Duration::from_secs(60),
+        // The recovery spans are 8–25 s and 40–57 s; the load goes on past the second (see `run`).
+        duration: Duration::from_secs(66),
         warmup: Duration::from_secs(8),
         fault_at: Duration::from_secs(25),
         require: Require::BackWithin15s,
