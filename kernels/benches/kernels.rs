@@ -2,11 +2,15 @@
 //!
 //! Filter with e.g. `cargo bench -p pagoda-kernels -- matmul/q4_1_1536x576`.
 //!
+//! `window_scores/*` is the eviction policies' attention-score kernel (KV-Compress's per-step metric), portable vs
+//! AVX2 on one thread.
+//!
 //! `attention_codec/*` runs decode attention over the same KV stored as f32 (the f32 kernel) and encoded with each
 //! codec (the dequantise-on-load kernel), one thread, AVX2, with throughput in KV bytes read per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use pagoda_kernels::{AttnSeq, Backend, Codec, CpuBackend, EncodedKv, KvStorage, QMatrix, Simd, WeightType};
+use pagoda_kernels::scores::{window_attention_scores, window_attention_scores_portable};
+use pagoda_kernels::{AttnSeq, Backend, Codec, CpuBackend, EncodedKv, KvDtype, KvStorage, QMatrix, Simd, WeightType};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -165,6 +169,65 @@ fn attention_codec(c: &mut Criterion) {
     g.finish();
 }
 
+/// The KV-Compress / H2O per-step metric: one decode query's group (3 heads) scored against a 1,024-slot f16 cache,
+/// and SnapKV's 8-query observation window, portable vs the AVX2 path (one thread each).
+fn window_scores(c: &mut Criterion) {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (hd, bs, len, group) = (64usize, 16usize, 1024usize, 3usize);
+    let blocks = len.div_ceil(bs);
+    let mut kv = KvStorage::with_dtype(blocks, bs, hd, KvDtype::F16);
+    for b in 0..blocks as u32 {
+        let (k, v) = (rand_vec(&mut rng, bs * hd), rand_vec(&mut rng, bs * hd));
+        kv.write_block(b, &k, &v);
+    }
+    let mut table: Vec<u32> = (0..blocks as u32).collect();
+    table.shuffle(&mut rng);
+    let mut probs = Vec::new();
+    let mut out = vec![0.0f32; len];
+    for n_q in [1usize, 8, 512] {
+        let q = rand_vec(&mut rng, n_q * group * hd);
+        let mut g = c.benchmark_group(format!("window_scores/f16_len{len}_nq{n_q}_group{group}"));
+        g.warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(20);
+        g.throughput(Throughput::Elements((n_q * group * len) as u64));
+        let first = if n_q > 8 { 0 } else { len - n_q };
+        g.bench_function("portable", |b| {
+            b.iter(|| {
+                window_attention_scores_portable(
+                    &kv,
+                    &table,
+                    len,
+                    black_box(&q),
+                    n_q,
+                    group,
+                    0.125,
+                    first,
+                    2,
+                    &mut probs,
+                    &mut out,
+                )
+            })
+        });
+        g.bench_function("dispatch (avx2 here)", |b| {
+            b.iter(|| {
+                window_attention_scores(
+                    &kv,
+                    &table,
+                    len,
+                    black_box(&q),
+                    n_q,
+                    group,
+                    0.125,
+                    first,
+                    2,
+                    &mut probs,
+                    &mut out,
+                )
+            })
+        });
+        g.finish();
+    }
+}
+
 fn elementwise(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(3);
     let bes = backends();
@@ -193,5 +256,5 @@ fn elementwise(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, matmul, attention, attention_codec, elementwise);
+criterion_group!(benches, matmul, attention, attention_codec, window_scores, elementwise);
 criterion_main!(benches);

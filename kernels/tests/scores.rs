@@ -4,9 +4,11 @@
 
 #![allow(clippy::needless_range_loop)]
 
+use pagoda_kernels::KvDtype;
 use pagoda_kernels::KvStorage;
 use pagoda_kernels::scores::{
     RATIO_EPS, block_means, key_norms, keydiff_cosine, max_pool1d, select_k, value_key_ratio, window_attention_scores,
+    window_attention_scores_portable,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -231,7 +233,75 @@ fn window_attention_scores_match_reference() {
                     let what = format!("window bs={bs} hd={hd} len={len} n_q={n_q} g={group} p={power} first={first}");
                     assert_close(&out[..len], &want, 1e-5, &what);
                     assert_eq!(out[len], -3.0, "{what}: wrote past len");
+                    // The portable path too (the call above takes the SIMD one where the CPU has it).
+                    let mut portable = init.clone();
+                    portable.push(-3.0);
+                    window_attention_scores_portable(
+                        &c.kv,
+                        &c.table,
+                        len,
+                        &q,
+                        n_q,
+                        group,
+                        scale,
+                        first,
+                        power,
+                        &mut probs,
+                        &mut portable,
+                    );
+                    assert_close(&portable[..len], &want, 1e-5, &format!("{what} (portable)"));
+                    assert_eq!(portable[len], -3.0, "{what} (portable): wrote past len");
                 }
+            }
+        }
+    }
+}
+
+/// An f16 cache (what the worker serves with): keys are read as stored, so both paths must match the reference
+/// over the f16-rounded keys.
+#[test]
+fn window_attention_scores_over_an_f16_cache_match_reference() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut probs = Vec::new();
+    for (bs, hd) in SHAPES {
+        for len in [1usize, 17, 100, 300] {
+            let need = len.div_ceil(bs);
+            let mut ids: Vec<u32> = (0..(2 * need + 3) as u32).collect();
+            ids.shuffle(&mut rng);
+            let table = ids[..need].to_vec();
+            let mut kv = KvStorage::with_dtype(2 * need + 3, bs, hd, KvDtype::F16);
+            let mut k = Vec::with_capacity(len);
+            for i in 0..len {
+                let (kr, vr) = (rand_vec(&mut rng, hd, 2.0), rand_vec(&mut rng, hd, 2.0));
+                kv.write_slot(table[i / bs], i % bs, &kr, &vr);
+                let (mut kw, mut vw) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+                kv.read_block(table[i / bs], &mut kw, &mut vw);
+                k.push(kw[(i % bs) * hd..(i % bs + 1) * hd].to_vec());
+            }
+            let scale = 1.0 / (hd as f32).sqrt();
+            for &(n_q, group, power) in &[(1, 3, 2), (8, 3, 1), (2, 2, 2)] {
+                let first = len.saturating_sub(n_q);
+                let q = rand_vec(&mut rng, n_q * group * hd, 1.5);
+                let want = window_ref(&k, &q, n_q, group, hd, scale, first, power);
+                let what = format!("f16 window bs={bs} hd={hd} len={len} n_q={n_q} g={group} p={power}");
+                let mut out = vec![0.0; len];
+                window_attention_scores(&kv, &table, len, &q, n_q, group, scale, first, power, &mut probs, &mut out);
+                assert_close(&out, &want, 1e-5, &what);
+                let mut portable = vec![0.0; len];
+                window_attention_scores_portable(
+                    &kv,
+                    &table,
+                    len,
+                    &q,
+                    n_q,
+                    group,
+                    scale,
+                    first,
+                    power,
+                    &mut probs,
+                    &mut portable,
+                );
+                assert_close(&portable, &want, 1e-5, &format!("{what} (portable)"));
             }
         }
     }

@@ -15,6 +15,8 @@ pub(crate) mod codecs_avx2;
 pub mod matmul;
 pub mod scalar;
 pub mod scores;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod scores_avx2;
 
 use crate::backend::Backend;
 use crate::paged::{AttnSeq, KvStorage};

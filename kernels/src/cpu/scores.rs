@@ -162,6 +162,103 @@ pub fn window_attention_scores(
     probs: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if kv.head_dim().is_multiple_of(8) && super::avx2_available() {
+        return window_attention_scores_avx2(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+    }
+    window_attention_scores_portable(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+}
+
+/// [`window_attention_scores`] with AVX2/FMA/F16C ([`super::scores_avx2`]): the same logits and softmax, keys read
+/// in place.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn window_attention_scores_avx2(
+    kv: &KvStorage,
+    table: &[u32],
+    len: usize,
+    q: &[f32],
+    n_q: usize,
+    group: usize,
+    scale: f32,
+    first_q_slot: usize,
+    power: u32,
+    probs: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    use super::scores_avx2::{block_logits, softmax_accumulate};
+    use crate::paged::KvArenas;
+    let (hd, bs) = (kv.head_dim(), kv.block_size());
+    assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
+    assert!(out.len() >= len, "window_attention_scores: out has {} entries, len is {len}", out.len());
+    let visible = |i: usize| first_q_slot.saturating_add(i).saturating_add(1).min(len);
+    let seen = if n_q == 0 { 0 } else { visible(n_q - 1) };
+    if seen == 0 {
+        return;
+    }
+    let rows = n_q * group;
+    if probs.len() < rows * len {
+        probs.resize(rows * len, 0.0);
+    }
+    let logits = &mut probs[..rows * len];
+    let (k, h16, arena_len) = match kv.arenas_any() {
+        KvArenas::F32 { k, .. } => (k.as_ptr().cast::<u8>(), false, k.len()),
+        KvArenas::F16 { k, .. } => (k.as_ptr().cast::<u8>(), true, k.len()),
+    };
+    for (bi, &b) in table[..seen.div_ceil(bs)].iter().enumerate() {
+        let first = bi * bs;
+        let n = (seen - first).min(bs);
+        let base = b as usize * bs * hd;
+        // The kernel reads raw pointers: a bad block id must stop here, as the portable path's slicing would.
+        assert!(base + n * hd <= arena_len, "window_attention_scores: block {b} out of range");
+        let limit = |row: usize| visible(row / group).saturating_sub(first);
+        // Blocks are scattered over an arena far larger than the caches, so reading keys is bound by memory
+        // latency, not arithmetic: ask for the next block's keys while this one is scored.
+        if let Some(&next) = table.get(bi + 1).filter(|_| (bi + 1) * bs < seen) {
+            let next_base = next as usize * bs * hd;
+            if next_base + bs * hd <= arena_len {
+                let elem = if h16 { 2 } else { 4 };
+                // SAFETY: prefetching is a hint; the range is inside the arena (checked just above).
+                unsafe { super::scores_avx2::prefetch(k, next_base * elem, bs * hd * elem) };
+            }
+        }
+        // SAFETY: the block is inside the arena (checked above), hd is a multiple of 8 and the features are present
+        // (checked by the caller); q and logits have the sizes asserted above.
+        unsafe {
+            if h16 {
+                block_logits::<true>(k, base, n, hd, q, rows, limit, scale, logits, len, first);
+            } else {
+                block_logits::<false>(k, base, n, hd, q, rows, limit, scale, logits, len, first);
+            }
+        }
+    }
+    for i in 0..n_q {
+        let vis = visible(i);
+        for g in 0..group {
+            let row = i * group + g;
+            // SAFETY: out has at least len >= vis entries; the features are present.
+            unsafe { softmax_accumulate(&mut logits[row * len..row * len + vis], power, &mut out[..vis]) };
+        }
+    }
+}
+
+/// [`window_attention_scores`] in portable Rust: each key block widened to f32 once for all rows. Public so that
+/// tests can hold the SIMD path to it on machines that take the SIMD path.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn window_attention_scores_portable(
+    kv: &KvStorage,
+    table: &[u32],
+    len: usize,
+    q: &[f32],
+    n_q: usize,
+    group: usize,
+    scale: f32,
+    first_q_slot: usize,
+    power: u32,
+    probs: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let hd = kv.head_dim();
     let bs = kv.block_size();
     debug_assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
@@ -230,7 +327,7 @@ pub fn window_attention_scores(
 }
 
 #[inline]
-fn pow_u32(p: f32, power: u32) -> f32 {
+pub(crate) fn pow_u32(p: f32, power: u32) -> f32 {
     match power {
         0 => 1.0,
         1 => p,
