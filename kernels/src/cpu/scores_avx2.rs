@@ -42,7 +42,7 @@ pub(crate) unsafe fn block_logits<const H: bool>(
     let mut r0 = 0;
     while r0 < rows {
         let tile = (rows - r0).min(ROW_TILE);
-        let lim = [0, 1, 2, 3].map(|t| if t < tile { limit(r0 + t).min(n) } else { 0 });
+        let lim: [usize; ROW_TILE] = std::array::from_fn(|t| if t < tile { limit(r0 + t).min(n) } else { 0 });
         let most = lim.iter().copied().max().unwrap_or(0);
         for s in 0..most {
             let ks = base + s * hd;
