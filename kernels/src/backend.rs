@@ -1,6 +1,6 @@
 //! The [`Backend`] trait: every piece of model math the forward pass needs, implemented per device.
 
-use crate::paged::{AttnSeq, KvStorage};
+use crate::paged::{AttnProbs, AttnSeq, KvStorage};
 use crate::quant::QMatrix;
 
 /// Model math on one device. All methods take `&self`; implementations parallelise internally.
@@ -31,5 +31,19 @@ pub trait Backend: Send + Sync {
         n_kv_heads: usize,
         scale: f32,
         out: &mut [f32],
+    );
+    /// [`Backend::paged_attention`] that also writes the softmax probabilities of the sequences named in `probs`
+    /// (each sequence at most once) into their rows, as [`AttnProbs`] lays them out.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention_with_probs(
+        &self,
+        q: &[f32],
+        kv: &KvStorage,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut [f32],
+        probs: &mut [AttnProbs<'_>],
     );
 }

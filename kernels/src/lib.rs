@@ -36,5 +36,5 @@ pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block};
 pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};
 pub use error::KernelError;
-pub use paged::{AttnSeq, KvArenas, KvDtype, KvStorage};
+pub use paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 pub use quant::{QMatrix, WeightType};

@@ -342,3 +342,20 @@ pub struct AttnSeq<'a> {
     /// Cache length per kv-head BEFORE this step's tokens (len n_kv_heads).
     pub prior_lens: &'a [usize],
 }
+
+/// Where [`crate::Backend::paged_attention_with_probs`] writes the attention weights of one sequence of the batch
+/// for one layer, so that eviction policies that rank slots by attention (H2O, KV-Compress's Eq. 20) read the
+/// weights the attention kernel already computed instead of walking the keys a second time.
+///
+/// Row `(qh, j)` — query head `qh`, new token `j` — starts at `rows[(qh * n_new + j) * stride]` and holds the
+/// softmax probabilities over slots `0..prior_lens[qh / group] + j + 1` of its kv-head, in slot order. Entries past
+/// a row's visible length are left untouched.
+#[derive(Debug)]
+pub struct AttnProbs<'a> {
+    /// Index of the sequence in the batch's `seqs`.
+    pub seq: usize,
+    /// Row stride: at least `prior_lens[h] + n_new` for every kv-head `h` of the sequence.
+    pub stride: usize,
+    /// `[n_heads][n_new][stride]`.
+    pub rows: &'a mut [f32],
+}

@@ -4,7 +4,7 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd};
+use pagoda_kernels::{AttnProbs, AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -51,8 +51,10 @@ struct Shape {
     bs: usize,
 }
 
-/// Dense causal attention of one sequence (f64), written into `out` rows.
-fn dense(sh: &Shape, s: &Seq, q: &[f32], scale: f32, out: &mut [f32]) {
+/// Dense causal attention of one sequence (f64), written into `out` rows; returns each row's softmax probabilities
+/// (f64), indexed `qh * n_new + j`.
+fn dense(sh: &Shape, s: &Seq, q: &[f32], scale: f32, out: &mut [f32]) -> Vec<Vec<f64>> {
+    let mut probs = vec![Vec::new(); sh.n_heads * s.n_new];
     let w = sh.n_heads * sh.hd;
     let group = sh.n_heads / sh.n_kv;
     for j in 0..s.n_new {
@@ -74,8 +76,10 @@ fn dense(sh: &Shape, s: &Seq, q: &[f32], scale: f32, out: &mut [f32]) {
                 let acc: f64 = (0..len).map(|t| p[t] * s.v[h][t * sh.hd + d] as f64).sum();
                 out[row * w + qh * sh.hd + d] = (acc / l) as f32;
             }
+            probs[qh * s.n_new + j] = p.iter().map(|x| x / l).collect();
         }
     }
+    probs
 }
 
 /// Builds a batch: random lengths, shuffled block ids, prior slots written straight into blocks; returns the
@@ -146,9 +150,7 @@ fn run_case_dtype(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)], d
     let q = rand_vec(rng, rows * w, 1.5);
     let scale = 1.0 / (sh.hd as f32).sqrt();
     let mut want = vec![0.0; rows * w];
-    for s in &seqs {
-        dense(sh, s, &q, scale, &mut want);
-    }
+    let want_probs: Vec<Vec<Vec<f64>>> = seqs.iter().map(|s| dense(sh, s, &q, scale, &mut want)).collect();
     for be in backends() {
         let mut kv = kv0.clone();
         let views: Vec<AttnSeq<'_>> = seqs
@@ -171,6 +173,45 @@ fn run_case_dtype(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)], d
                 got[i],
                 want[i]
             );
+        }
+        // The same attention, writing the probabilities of every other sequence: the output must not change, each
+        // row must match the dense softmax, and nothing past a row's visible length may be written.
+        const UNTOUCHED: f32 = -7.0;
+        let strides: Vec<usize> = seqs.iter().map(|s| s.prior.iter().max().unwrap() + s.n_new + 3).collect();
+        let mut bufs: Vec<Vec<f32>> =
+            seqs.iter().zip(&strides).map(|(s, st)| vec![UNTOUCHED; sh.n_heads * s.n_new * st]).collect();
+        let mut sinks: Vec<AttnProbs<'_>> = bufs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 0)
+            .map(|(i, rows)| AttnProbs { seq: i, stride: strides[i], rows })
+            .collect();
+        let mut got2 = vec![f32::NAN; rows * w];
+        be.paged_attention_with_probs(&q, &kv, &views, sh.n_heads, sh.n_kv, scale, &mut got2, &mut sinks);
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            got2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        for (i, s) in seqs.iter().enumerate() {
+            let buf = &bufs[i];
+            for qh in 0..sh.n_heads {
+                for j in 0..s.n_new {
+                    let r = qh * s.n_new + j;
+                    let row = &buf[r * strides[i]..(r + 1) * strides[i]];
+                    let want_row = &want_probs[i][r];
+                    for (t, &p) in row.iter().enumerate() {
+                        if i % 2 == 1 || t >= want_row.len() {
+                            assert_eq!(p, UNTOUCHED, "{be:?} {dtype} seq {i} head {qh} token {j}: slot {t} written");
+                        } else {
+                            let e = want_row[t];
+                            assert!(
+                                (p as f64 - e).abs() <= 1e-6 + 1e-5 * e,
+                                "{be:?} {dtype} seq {i} head {qh} token {j}: p[{t}] = {p} want {e}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }

@@ -26,7 +26,7 @@ use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
 pub use crate::placement::TierPlacement;
 use crate::placement::{EvicPress, EvicPressStats};
-use crate::policy::{AttnDims, PolicyKind, PolicySpec};
+use crate::policy::{AttnDims, PolicyKind, PolicySpec, StepProbs};
 use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
@@ -235,6 +235,8 @@ pub struct StepSeq<'a> {
     pub want_logits: bool,
     /// Trailing tokens whose queries the eviction policy needs captured.
     pub capture_q: usize,
+    /// Capture this step's attention probabilities for the eviction policy.
+    pub capture_probs: bool,
 }
 
 /// The model as the engine thread drives it. Owns the KV storage.
@@ -253,7 +255,8 @@ pub trait ModelRunner {
 /// What the eviction hooks need from a runner after a step.
 pub struct PolicyIo<'a> {
     pub kv: &'a mut KvStorage,
-    /// The last step's activations; [`Scratch::captured_q`] gives each batch entry's captured queries.
+    /// The last step's activations; [`Scratch::captured_q`] and [`Scratch::attn_probs`] give each batch entry's
+    /// captured queries and attention probabilities.
     pub captured: &'a Scratch,
 }
 
@@ -281,6 +284,7 @@ pub fn forward_step<P, R: ModelRunner>(
             prior_lens: seq.lens(),
             want_logits: e.wants_logits,
             capture_q: seq.capture_for(e.start, e.n),
+            capture_probs: seq.capture_probs_for(e.start, e.n),
         });
     }
     let result = runner.forward(&b, logits);
@@ -293,7 +297,9 @@ pub fn forward_step<P, R: ModelRunner>(
     for e in &plan.seqs {
         let Some(seq) = sched.get(e.seq) else { continue };
         let full = seq.policy().is_full();
-        if !full && let Err(err) = sched.apply_policy(e.seq, e.start, e.n, io.captured.captured_q(i), io.kv) {
+        let queries = io.captured.captured_q(i);
+        let probs = io.captured.attn_probs(i).map(|(rows, stride)| StepProbs { rows, stride });
+        if !full && let Err(err) = sched.apply_policy(e.seq, e.start, e.n, queries, probs, io.kv) {
             tracing::warn!(seq = e.seq, error = %err, "eviction skipped");
         }
         i += 1;
@@ -1280,6 +1286,7 @@ impl ModelRunner for LlamaRunner {
             prior_lens: s.prior_lens,
             logits: if s.want_logits { LogitsWanted::Last } else { LogitsWanted::None },
             capture_q: s.capture_q,
+            capture_probs: s.capture_probs,
         }));
         let r = self.model.forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits);
         self.batch = recycle_forward(batch);

@@ -562,6 +562,7 @@ impl EvicPress {
                 prior_lens: &lens,
                 want_logits: true,
                 capture_q: 0,
+                capture_probs: false,
             };
             runner.forward(&[seq], &mut self.logits)?;
             if self.logits.len() < vocab {

@@ -30,7 +30,7 @@ use std::collections::{HashMap, VecDeque};
 use pagoda_kernels::KvStorage;
 
 use crate::cache::{BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
-use crate::policy::{AttnDims, CacheView, Eviction, PolicyKind, PolicySpec, PolicyState, StepView};
+use crate::policy::{AttnDims, CacheView, Eviction, PolicyKind, PolicySpec, PolicyState, StepProbs, StepView};
 
 pub type SeqId = u64;
 
@@ -217,6 +217,10 @@ impl<P> Sequence<P> {
     /// Queries the next step of `n` tokens from `start` must capture for the policy.
     pub fn capture_for(&self, start: usize, n: usize) -> usize {
         self.policy.capture_for(start, n, self.tokens.len())
+    }
+    /// Whether the next step of `n` tokens from `start` must capture its attention probabilities for the policy.
+    pub fn capture_probs_for(&self, start: usize, n: usize) -> bool {
+        self.policy.capture_probs_for(start, n, self.tokens.len())
     }
     /// Block tables per (layer, kv-head).
     pub fn tables(&self) -> &[Vec<u32>] {
@@ -622,20 +626,22 @@ impl<P> Scheduler<P> {
     }
 
     /// Runs sequence `id`'s eviction hooks for its part of the step just completed (after
-    /// [`Scheduler::complete_step`]); `captured_q` holds the queries the step captured for it.
+    /// [`Scheduler::complete_step`]); `captured_q` and `probs` hold the queries and attention probabilities the
+    /// step captured for it.
     pub fn apply_policy(
         &mut self,
         id: SeqId,
         start: usize,
         n: usize,
         captured_q: &[f32],
+        probs: Option<StepProbs<'_>>,
         kv: &mut KvStorage,
     ) -> Result<Eviction, CacheError> {
         let Some(seq) = self.seqs.get_mut(&id) else { return Ok(Eviction::default()) };
         if seq.policy.is_full() || seq.num_computed != start + n {
             return Ok(Eviction::default());
         }
-        let step = StepView { start, n, total: seq.tokens.len(), captured_q };
+        let step = StepView { start, n, total: seq.tokens.len(), captured_q, probs };
         let mut cache = CacheView { blocks: &mut seq.blocks, pool: &mut self.pool, kv };
         let ev = seq.policy.on_step(&mut cache, step)?;
         seq.evicted.slots += ev.slots;

@@ -67,7 +67,15 @@ impl Seq {
     }
 
     fn fwd<'a>(&'a self, tokens: &'a [u32], logits: LogitsWanted) -> ForwardSeq<'a> {
-        ForwardSeq { tokens, start_pos: self.pos, tables: &self.tables, prior_lens: &self.lens, logits, capture_q: 0 }
+        ForwardSeq {
+            tokens,
+            start_pos: self.pos,
+            tables: &self.tables,
+            prior_lens: &self.lens,
+            logits,
+            capture_q: 0,
+            capture_probs: false,
+        }
     }
 
     fn advance(&mut self, n: usize) {

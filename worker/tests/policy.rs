@@ -1,9 +1,9 @@
 //! Eviction policies on hand-made caches: each policy's scoring rule picks the slots its paper says it should,
 //! and every eviction returns whole blocks to the pool (no model involved).
 
-use pagoda_kernels::KvStorage;
+use pagoda_kernels::{AttnProbs, AttnSeq, Backend, CpuBackend, KvStorage};
 use pagoda_worker::cache::{BlockPool, CacheLayout, SeqBlocks, block_hashes};
-use pagoda_worker::policy::{AttnDims, CacheView, PolicyKind, PolicySpec, PolicyState, StepView};
+use pagoda_worker::policy::{AttnDims, CacheView, PolicyKind, PolicySpec, PolicyState, StepProbs, StepView};
 
 const BS: usize = 4;
 const HD: usize = 4;
@@ -16,6 +16,9 @@ struct Cache {
     dims: AttnDims,
     /// Next token position.
     pos: usize,
+    /// Give the policy the attention kernel's probabilities where it asks for them (as the engine does); when
+    /// false, capture the queries instead, so the policy scores the keys itself.
+    fused: bool,
 }
 
 impl Cache {
@@ -29,6 +32,7 @@ impl Cache {
             policy: PolicyState::new(PolicySpec { kind, budget_tokens: budget }, dims, BS),
             dims,
             pos: 0,
+            fused: true,
         }
     }
 
@@ -53,17 +57,36 @@ impl Cache {
             }
         }
         self.blocks.advance(n);
-        let cap = self.policy.capture_for(self.pos, n, total);
+        let wants_probs = self.policy.capture_probs_for(self.pos, n, total);
+        let cap = match (wants_probs, self.fused) {
+            (true, false) => n,
+            _ => self.policy.capture_for(self.pos, n, total),
+        };
         let mut captured = Vec::new();
         for p in self.pos + n - cap..self.pos + n {
             let row = q(p);
             assert_eq!(row.len(), self.dims.q_dim());
             captured.extend(row);
         }
+        // The probabilities as the engine gets them: from the attention kernel, over the cache as it stands.
+        let stride = self.blocks.lens().iter().max().copied().unwrap_or(0);
+        let mut probs = vec![f32::NAN; self.dims.n_heads * n * stride];
+        if wants_probs && self.fused {
+            let qm: Vec<f32> = (self.pos..self.pos + n).flat_map(&q).collect();
+            let prior: Vec<usize> = self.blocks.lens().iter().map(|l| l - n).collect();
+            let seqs = [AttnSeq { q_row: 0, n_new: n, tables: self.blocks.tables(), prior_lens: &prior }];
+            let mut out = vec![0.0; qm.len()];
+            let scale = 1.0 / (HD as f32).sqrt();
+            let (heads, kv_heads) = (self.dims.n_heads, self.dims.n_kv_heads);
+            let mut sinks = [AttnProbs { seq: 0, stride, rows: &mut probs }];
+            CpuBackend::new(1)
+                .paged_attention_with_probs(&qm, &self.kv, &seqs, heads, kv_heads, scale, &mut out, &mut sinks);
+        }
+        let probs = (wants_probs && self.fused).then_some(StepProbs { rows: &probs, stride });
         let start = self.pos;
         self.pos += n;
         let mut view = CacheView { blocks: &mut self.blocks, pool: &mut self.pool, kv: &mut self.kv };
-        self.policy.on_step(&mut view, StepView { start, n, total, captured_q: &captured }).unwrap()
+        self.policy.on_step(&mut view, StepView { start, n, total, captured_q: &captured, probs }).unwrap()
     }
 
     fn kept(&self, t: usize) -> Vec<u32> {
@@ -258,6 +281,53 @@ fn h2o_keeps_heavy_hitters_by_accumulated_attention() {
     assert_eq!(kept.len(), 16);
     assert!(kept.contains(&6) && kept.contains(&14), "{kept:?}");
     c.check_blocks();
+}
+
+/// Decode steps take H2O's and KV-Compress's attention metric from the attention kernel's probabilities; scoring
+/// the keys again from captured queries (the path prefill chunks take) must evict exactly the same slots.
+#[test]
+fn attention_metric_from_the_kernel_evicts_as_scoring_the_keys_does() {
+    for kind in [PolicyKind::H2o, PolicyKind::KvCompress] {
+        let special = [5usize, 22, 37, 51];
+        let kv = move |t: usize, p: usize| {
+            let mut k = axis_key(p, &special);
+            k[1] += 0.05 * ((p * 7 + t * 3) % 11) as f32;
+            (k, [1.0 + p as f32 * 0.01; HD])
+        };
+        let q = |p: usize| {
+            let a = 1.0 + (p % 5) as f32 * 0.5;
+            // Four query heads, two per kv-head.
+            [[a, 0.3, 0.0, 0.1], [0.5 * a, 0.0, 0.2, 0.0], [2.0, 0.0, 0.0, 0.4], [a, a, 0.0, 0.0]].concat()
+        };
+        // Per decode step, each table's metric per slot.
+        let run = |fused: bool, metrics: &mut Vec<Vec<f32>>| {
+            let mut c = Cache::new(kind, 24, 2, 4);
+            c.fused = fused;
+            c.step(32, 32, kv, q);
+            for i in 0..40 {
+                c.step(1, 33 + i, kv, q);
+                metrics.extend((0..2).map(|t| c.policy.metrics(t).to_vec()));
+                if kind == PolicyKind::KvCompress && i % 8 == 7 {
+                    let target = c.policy.budget_blocks(&c.blocks);
+                    let mut view = CacheView { blocks: &mut c.blocks, pool: &mut c.pool, kv: &mut c.kv };
+                    c.policy.compress_to(&mut view, target).unwrap();
+                }
+            }
+            c.check_blocks();
+            (c.kept(0), c.kept(1))
+        };
+        let (mut from_kernel, mut from_keys) = (Vec::new(), Vec::new());
+        let (fused, scored) = (run(true, &mut from_kernel), run(false, &mut from_keys));
+        assert_eq!(fused, scored, "{kind:?}: kernel probabilities and key scoring disagree");
+        assert_eq!(from_kernel.len(), from_keys.len());
+        for (step, (a, b)) in from_kernel.iter().zip(&from_keys).enumerate() {
+            assert!(!a.is_empty() && a.len() == b.len(), "{kind:?} step {step}: {} vs {} slots", a.len(), b.len());
+            for (s, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!((x - y).abs() <= 1e-5 + 1e-5 * y.abs(), "{kind:?} step {step} slot {s}: {x} vs {y}");
+            }
+        }
+        assert!(special.iter().all(|&p| fused.0.contains(&(p as u32))), "{kind:?} heavy hitters: {fused:?}");
+    }
 }
 
 #[test]

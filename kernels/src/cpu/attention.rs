@@ -1,10 +1,11 @@
 //! KV write into head-paged blocks and paged attention (prefill + decode, GQA) with online softmax,
-//! parallelised over (sequence, query head, token chunk).
+//! parallelised over (sequence, query head, token chunk), optionally writing each row's softmax probabilities
+//! for the eviction policies that rank slots by attention.
 
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512_attention};
-use crate::paged::{AttnSeq, KvArenas, KvDtype, KvStorage};
+use crate::paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 
 /// New tokens per attention task during prefill.
 const TOKEN_CHUNK: usize = 32;
@@ -36,7 +37,8 @@ pub(crate) fn check_seq(s: &AttnSeq<'_>, n_kv_heads: usize, rows: usize) {
     assert!(s.q_row + s.n_new <= rows, "AttnSeq: rows [q_row, q_row+n_new) exceed the batch");
 }
 
-/// Paged attention for every sequence of the batch; see [`crate::Backend::paged_attention`].
+/// Paged attention for every sequence of the batch; see [`crate::Backend::paged_attention`] and, with `probs`,
+/// [`crate::Backend::paged_attention_with_probs`].
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     be: &CpuBackend,
@@ -47,6 +49,7 @@ pub fn paged_attention(
     n_kv_heads: usize,
     scale: f32,
     out: &mut [f32],
+    probs: &mut [AttnProbs<'_>],
 ) {
     let hd = kv.head_dim();
     let w = n_heads * hd;
@@ -63,15 +66,51 @@ pub fn paged_attention(
         }
     }
     check_disjoint(seqs);
+    let sinks = prob_sinks(seqs, n_heads, n_kv_heads, probs);
     let simd = be.simd();
-    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &|qv, table, len, acc| {
-        attend_one(simd, qv, kv, table, len, scale, acc)
+    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &|qv, table, len, acc, p| {
+        attend_one(simd, qv, kv, table, len, scale, acc, p)
     });
 }
 
-/// Runs `attend(query, kv-head table, visible length, output)` for every (sequence, query head, new token) of the
-/// batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. The caller has checked the
-/// sequences (`check_seq`, `check_disjoint`): each output slice is then written by exactly one task.
+/// Where one sequence's probability rows go inside [`par_queries`]: the start of its `[n_heads][n_new][stride]`
+/// rows and the stride.
+#[derive(Clone, Copy)]
+pub(crate) struct ProbSink {
+    rows: SyncPtr,
+    stride: usize,
+}
+
+/// Checks `probs` against the batch and indexes it by sequence (empty when no sequence wants probabilities).
+/// Panics if a sequence index is out of range or repeated, a stride is shorter than a row, or rows are too short.
+fn prob_sinks(
+    seqs: &[AttnSeq<'_>],
+    n_heads: usize,
+    n_kv_heads: usize,
+    probs: &mut [AttnProbs<'_>],
+) -> Vec<Option<ProbSink>> {
+    if probs.is_empty() {
+        return Vec::new();
+    }
+    let mut sinks = vec![None; seqs.len()];
+    for p in probs.iter_mut() {
+        let s = seqs.get(p.seq).unwrap_or_else(|| panic!("AttnProbs: sequence {} not in the batch", p.seq));
+        let longest = s.prior_lens[..n_kv_heads].iter().map(|&l| l + s.n_new).max().unwrap_or(0);
+        assert!(p.stride >= longest, "AttnProbs: stride {} shorter than a row of {longest}", p.stride);
+        let need =
+            n_heads.checked_mul(s.n_new).and_then(|r| r.checked_mul(p.stride)).expect("AttnProbs size overflows");
+        assert!(p.rows.len() >= need, "AttnProbs: {} floats, the rows need {need}", p.rows.len());
+        assert!(sinks[p.seq].is_none(), "AttnProbs: sequence {} given twice", p.seq);
+        sinks[p.seq] = Some(ProbSink { rows: SyncPtr::new(p.rows), stride: p.stride });
+    }
+    sinks
+}
+
+/// Runs `attend(query, kv-head table, visible length, output, probability row)` for every (sequence, query head,
+/// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. The
+/// probability row (exactly the visible length) is given for sequences with a sink in `sinks` (indexed by sequence;
+/// empty for none). The caller has checked the sequences (`check_seq`, `check_disjoint`) and the sinks
+/// (`prob_sinks`): each output and probability slice is then written by exactly one task.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn par_queries<F>(
     be: &CpuBackend,
@@ -81,14 +120,17 @@ pub(crate) fn par_queries<F>(
     n_kv_heads: usize,
     hd: usize,
     out: &mut [f32],
+    sinks: &[Option<ProbSink>],
     attend: &F,
 ) where
-    F: Fn(&[f32], &[u32], usize, &mut [f32]) + Sync,
+    F: Fn(&[f32], &[u32], usize, &mut [f32], Option<&mut [f32]>) + Sync,
 {
     let w = n_heads * hd;
     let o = SyncPtr::new(out);
     let group = n_heads / n_kv_heads;
-    let task = |s: &AttnSeq<'_>, t: usize| {
+    let task = |si: usize, t: usize| {
+        let s = &seqs[si];
+        let sink = sinks.get(si).copied().flatten();
         let chunks = s.n_new.div_ceil(TOKEN_CHUNK);
         let qh = t / chunks;
         let c = t % chunks;
@@ -97,11 +139,17 @@ pub(crate) fn par_queries<F>(
         let j1 = (j0 + TOKEN_CHUNK).min(s.n_new);
         for j in j0..j1 {
             let row = s.q_row + j;
+            let len = s.prior_lens[kvh] + j + 1;
             let qv = &q[row * w + qh * hd..row * w + (qh + 1) * hd];
             // SAFETY: each (row, head) output slice is written by exactly one task: rows are in bounds and the
             // sequences' row ranges are disjoint (both checked by the caller).
             let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
-            attend(qv, &s.tables[kvh], s.prior_lens[kvh] + j + 1, acc);
+            // SAFETY: row (qh, j) of a sink is inside its rows (`prob_sinks` checked n_heads * n_new * stride and
+            // stride >= len) and belongs to this task only, as the output slice does.
+            let p = sink.map(|k| unsafe {
+                std::slice::from_raw_parts_mut(k.rows.get().add((qh * s.n_new + j) * k.stride), len)
+            });
+            attend(qv, &s.tables[kvh], len, acc, p);
         }
     };
     // Flatten (sequence, head, token chunk) into task indices: starts[i] = first task of sequence i.
@@ -114,7 +162,7 @@ pub(crate) fn par_queries<F>(
     starts.push(total);
     be.par_for(total, &|t| {
         let i = starts.partition_point(|&st| st <= t) - 1;
-        task(&seqs[i], t - starts[i]);
+        task(i, t - starts[i]);
     });
 }
 
@@ -129,8 +177,19 @@ pub(crate) fn check_disjoint(seqs: &[AttnSeq<'_>]) {
     }
 }
 
-/// Attention of one query vector over the first `len` slots of `table`; writes the result into `out`.
-fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, scale: f32, out: &mut [f32]) {
+/// Attention of one query vector over the first `len` slots of `table`; writes the result into `out` and, with
+/// `probs` (`len` floats), the softmax probabilities of the slots.
+#[allow(clippy::too_many_arguments)]
+fn attend_one(
+    simd: Simd,
+    q: &[f32],
+    kv: &KvStorage,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+    mut probs: Option<&mut [f32]>,
+) {
     let bs = kv.block_size();
     let ids = &table[..len.div_ceil(bs)];
     #[cfg(target_arch = "x86_64")]
@@ -148,9 +207,9 @@ fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, 
                 // blocks of the element type `f16` selects; the CPU features of `simd` were detected at run time.
                 return unsafe {
                     if f16 {
-                        $module::attend_one::<$nv, true>(q, k, v, bs, table, len, scale, out)
+                        $module::attend_one::<$nv, true>(q, k, v, bs, table, len, scale, out, probs)
                     } else {
-                        $module::attend_one::<$nv, false>(q, k, v, bs, table, len, scale, out)
+                        $module::attend_one::<$nv, false>(q, k, v, bs, table, len, scale, out, probs)
                     }
                 }
             };
@@ -177,9 +236,15 @@ fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, 
     let hd = kv.head_dim();
     let mut st = scalar::OnlineSoftmax { m: f32::NEG_INFINITY, l: 0.0, acc: out };
     let n_of = |bi: usize| (len - bi * bs).min(bs);
+    // The block's slice of the probability row, which `attend_block` fills with the scaled logits.
+    macro_rules! logits {
+        ($bi:expr) => {
+            probs.as_deref_mut().map(|p| &mut p[$bi * bs..$bi * bs + n_of($bi)])
+        };
+    }
     if kv.dtype() == KvDtype::F32 {
         for (bi, &b) in ids.iter().enumerate() {
-            scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n_of(bi), scale, &mut st);
+            scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n_of(bi), scale, &mut st, logits!(bi));
         }
     } else {
         // f16 blocks are widened a block at a time: on the stack up to 4096 floats, else into one buffer per call.
@@ -196,11 +261,14 @@ fn attend_one(simd: Simd, q: &[f32], kv: &KvStorage, table: &[u32], len: usize, 
         for (bi, &b) in ids.iter().enumerate() {
             let e = n_of(bi) * hd;
             kv.read_block(b, &mut kb[..e], &mut vb[..e]);
-            scalar::attend_block(q, &kb[..e], &vb[..e], n_of(bi), scale, &mut st);
+            scalar::attend_block(q, &kb[..e], &vb[..e], n_of(bi), scale, &mut st, logits!(bi));
         }
     }
     let inv = if st.l > 0.0 { 1.0 / st.l } else { 0.0 };
     for a in st.acc.iter_mut() {
         *a *= inv;
+    }
+    if let Some(p) = probs {
+        scalar::probs_from_logits(p, st.m, inv);
     }
 }

@@ -469,7 +469,7 @@ pub(crate) unsafe fn ld8<const H: bool>(base: *const u8, i: usize) -> __m256 {
 
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
 /// `k`, `v` point at the whole arenas, of f16 bit patterns when `H` and of f32 otherwise; writes the normalised
-/// result into `out`.
+/// result into `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
 ///
 /// # Safety
 /// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA/F16C present.
@@ -484,6 +484,7 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
     len: usize,
     scale: f32,
     out: &mut [f32],
+    mut probs: Option<&mut [f32]>,
 ) {
     const MAXB: usize = 64;
     let hd = NV * 8;
@@ -527,6 +528,9 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
             sc[i] = hsum(a0);
             bmax = bmax.max(sc[i]);
         }
+        if let Some(p) = probs.as_deref_mut() {
+            p[bi * bs..bi * bs + n].copy_from_slice(&sc[..n]);
+        }
         // Probabilities (vectorised exp over the block's scores).
         let mv = _mm256_set1_ps(bmax);
         let mut i = 0;
@@ -552,9 +556,35 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
         }
         l = l * corr + bl;
     }
-    let inv = _mm256_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
+    let inv_l = if l > 0.0 { 1.0 / l } else { 0.0 };
+    let inv = _mm256_set1_ps(inv_l);
     for (j, a) in acc.iter().enumerate() {
         _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
+    }
+    if let Some(p) = probs {
+        probs_from_logits(p, m, inv_l);
+    }
+}
+
+/// [`super::scalar::probs_from_logits`] with the vectorised `exp`: `p_i = exp(s_i - m) * inv_l` in place.
+///
+/// # Safety
+/// AVX2/FMA/F16C present.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn probs_from_logits(row: &mut [f32], m: f32, inv_l: f32) {
+    let (mv, iv) = (_mm256_set1_ps(m), _mm256_set1_ps(inv_l));
+    let mut chunks = row.chunks_exact_mut(8);
+    for c in &mut chunks {
+        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+        _mm256_storeu_ps(c.as_mut_ptr(), _mm256_mul_ps(e, iv));
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let mut t = [0.0f32; 8];
+        t[..tail.len()].copy_from_slice(tail);
+        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(t.as_ptr()), mv));
+        _mm256_storeu_ps(t.as_mut_ptr(), _mm256_mul_ps(e, iv));
+        tail.copy_from_slice(&t[..tail.len()]);
     }
 }
 

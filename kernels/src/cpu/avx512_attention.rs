@@ -9,7 +9,7 @@
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
-use super::avx2::{exp256, hmax, hsum};
+use super::avx2::{exp256, hmax, hsum, probs_from_logits};
 use core::arch::x86_64::*;
 
 /// Adds the two 256-bit halves of `a`.
@@ -72,7 +72,7 @@ unsafe fn score1<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8,
 
 /// Attention of one query `q` (`head_dim = NV * 16`) over the first `len` slots of `table` in the arenas at `k`,
 /// `v` (blocks of `bs <= 64` slots × head_dim; f16 bit patterns when `H`, f32 otherwise); writes the result into
-/// `out`.
+/// `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
 ///
 /// # Safety
 /// Requires AVX-512 F/VL, AVX2, FMA and F16C. Every block id in `table[..len.div_ceil(bs)]` must be in range of
@@ -88,6 +88,7 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
     len: usize,
     scale: f32,
     out: &mut [f32],
+    mut probs: Option<&mut [f32]>,
 ) {
     const MAXB: usize = 64;
     let hd = NV * 16;
@@ -120,6 +121,9 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
             sc[i] = score1::<NV, H>(&qv, k, base + i * hd);
             bmax = bmax.max(sc[i]);
             i += 1;
+        }
+        if let Some(p) = probs.as_deref_mut() {
+            p[bi * bs..bi * bs + n].copy_from_slice(&sc[..n]);
         }
         // Probabilities, and their sum over the block's `n` live slots (lanes past `n` are masked out).
         let mv = _mm256_set1_ps(bmax);
@@ -160,8 +164,12 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
         }
         l = l * corr + hsum(lsum);
     }
-    let inv = _mm512_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
+    let inv_l = if l > 0.0 { 1.0 / l } else { 0.0 };
+    let inv = _mm512_set1_ps(inv_l);
     for (j, (e, o)) in acc_even.iter().zip(acc_odd.iter()).enumerate() {
         _mm512_storeu_ps(out.as_mut_ptr().add(j * 16), _mm512_mul_ps(_mm512_add_ps(*e, *o), inv));
+    }
+    if let Some(p) = probs {
+        probs_from_logits(p, m, inv_l);
     }
 }

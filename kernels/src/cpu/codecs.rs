@@ -44,7 +44,7 @@ pub fn paged_attention_encoded(
     }
     attention::check_disjoint(seqs);
     let simd = be.simd();
-    attention::par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &|qv, table, len, acc| {
+    attention::par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &[], &|qv, table, len, acc, _| {
         attend_one(simd, qv, kv, table, len, scale, acc)
     });
 }

@@ -19,7 +19,7 @@ pub mod scores;
 pub(crate) mod scores_avx2;
 
 use crate::backend::Backend;
-use crate::paged::{AttnSeq, KvStorage};
+use crate::paged::{AttnProbs, AttnSeq, KvStorage};
 use crate::quant::QMatrix;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -284,6 +284,20 @@ impl Backend for CpuBackend {
         scale: f32,
         out: &mut [f32],
     ) {
-        attention::paged_attention(self, q, kv, seqs, n_heads, n_kv_heads, scale, out);
+        attention::paged_attention(self, q, kv, seqs, n_heads, n_kv_heads, scale, out, &mut []);
+    }
+
+    fn paged_attention_with_probs(
+        &self,
+        q: &[f32],
+        kv: &KvStorage,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut [f32],
+        probs: &mut [AttnProbs<'_>],
+    ) {
+        attention::paged_attention(self, q, kv, seqs, n_heads, n_kv_heads, scale, out, probs);
     }
 }

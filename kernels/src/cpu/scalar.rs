@@ -91,8 +91,17 @@ pub struct OnlineSoftmax<'a> {
     pub acc: &'a mut [f32],
 }
 
-/// Folds `n` slots of one KV block (`k`, `v`: `[n][hd]`) into the online-softmax state of query `q`.
-pub fn attend_block(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, st: &mut OnlineSoftmax<'_>) {
+/// Folds `n` slots of one KV block (`k`, `v`: `[n][hd]`) into the online-softmax state of query `q`; with
+/// `logits` (`n` floats), also writes the block's scaled logits there.
+pub fn attend_block(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    scale: f32,
+    st: &mut OnlineSoftmax<'_>,
+    logits: Option<&mut [f32]>,
+) {
     let hd = q.len();
     let mut s = [0.0f32; 256];
     let mut sc: Vec<f32>;
@@ -107,6 +116,9 @@ pub fn attend_block(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, st: &
         *sv = dot_f32(q, &k[i * hd..(i + 1) * hd]) * scale;
         mx = mx.max(*sv);
     }
+    if let Some(out) = logits {
+        out.copy_from_slice(scores);
+    }
     let corr = (st.m - mx).exp();
     st.l *= corr;
     for a in st.acc.iter_mut() {
@@ -120,4 +132,12 @@ pub fn attend_block(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, st: &
         }
     }
     st.m = mx;
+}
+
+/// Turns a row of scaled logits into softmax probabilities in place, given the row's maximum `m` and the inverse
+/// of its exponential sum `inv_l` (the online softmax's final state): `p_i = exp(s_i - m) * inv_l`.
+pub fn probs_from_logits(row: &mut [f32], m: f32, inv_l: f32) {
+    for x in row.iter_mut() {
+        *x = (*x - m).exp() * inv_l;
+    }
 }

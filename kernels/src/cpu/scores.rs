@@ -11,6 +11,7 @@
 //! | [`block_means`] | mean of a per-slot score over each block (PagedEviction Alg. 1 lines 6–9, Alg. 3) | highest |
 //! | [`keydiff_cosine`] | cos(µ(K̂), k_i) (KeyDiff Eq. 8, App. A.2.1) | lowest |
 //! | [`window_attention_scores`] | Σ attention (SnapKV, H2O, SAGE-KV) or Σ attention² (KV-Compress Eq. 19/20) | highest |
+//! | [`accumulate_probs`] | the same sums from probabilities the attention kernel wrote (decode steps) | highest |
 //! | [`max_pool1d`] | SnapKV pooling (KV-Compress Eq. 8) | — |
 //! | [`select_k`] | deterministic top/bottom-k (the `topk` of KeyDiff Eq. 5/8) | — |
 //!
@@ -167,6 +168,23 @@ pub fn window_attention_scores(
         return window_attention_scores_avx2(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
     }
     window_attention_scores_portable(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+}
+
+/// Adds one row of attention probabilities, raised to `power`, to the per-slot metric: `out[s] += p[s]^power`
+/// for `s < probs.len()`. The rows come from the attention kernel itself
+/// ([`crate::Backend::paged_attention_with_probs`]), so this is [`window_attention_scores`] for a query whose
+/// softmax is already known: the same metric without reading the keys again. As there, a row holding a NaN or an
+/// infinity carries no usable ranking and is skipped.
+pub fn accumulate_probs(probs: &[f32], power: u32, out: &mut [f32]) {
+    assert!(out.len() >= probs.len(), "accumulate_probs: out has {} entries, the row {}", out.len(), probs.len());
+    if !probs.iter().all(|p| p.is_finite()) {
+        return;
+    }
+    match power {
+        1 => out.iter_mut().zip(probs).for_each(|(o, &p)| *o += p),
+        2 => out.iter_mut().zip(probs).for_each(|(o, &p)| *o += p * p),
+        _ => out.iter_mut().zip(probs).for_each(|(o, &p)| *o += pow_u32(p, power)),
+    }
 }
 
 /// [`window_attention_scores`] with AVX2/FMA/F16C ([`super::scores_avx2`]): the same logits and softmax, keys read

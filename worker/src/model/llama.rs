@@ -8,7 +8,7 @@
 //! attention (scale 1/√head_dim, GQA) → o-projection + residual → RMSNorm → SiLU(gate)·up → down + residual.
 //! Then the final norm and the LM head run only for the rows whose logits were asked for.
 
-use pagoda_kernels::{AttnSeq, Backend, KvStorage, QMatrix, WeightType};
+use pagoda_kernels::{AttnProbs, AttnSeq, Backend, KvStorage, QMatrix, WeightType};
 
 use super::config::ModelConfig;
 use super::error::ModelError;
@@ -41,6 +41,9 @@ pub struct ForwardSeq<'a> {
     /// How many trailing tokens of this step have their post-RoPE queries copied to [`Scratch::captured_q`]
     /// (eviction policies score the cache with them; 0 for none).
     pub capture_q: usize,
+    /// Have the attention kernel write this step's attention probabilities to [`Scratch::attn_probs`] (policies
+    /// that rank slots by accumulated attention read them instead of scoring the keys again).
+    pub capture_probs: bool,
 }
 
 /// Reusable activation buffers for [`LlamaModel::forward`]. Buffers grow to the largest step seen and are then
@@ -65,6 +68,11 @@ pub struct Scratch {
     captured_q: Vec<f32>,
     /// Each batch sequence's `(start, len)` in `captured_q`.
     captured_at: Vec<(usize, usize)>,
+    /// Attention probabilities per batch sequence (reused buffers; only those with `capture_probs` are written in
+    /// a step): `[layer][n_heads][tokens][stride]`.
+    probs: Vec<Vec<f32>>,
+    /// Each batch sequence's row stride in `probs`, `None` when it captured none this step.
+    probs_stride: Vec<Option<usize>>,
     head_norm: Vec<f32>,
 }
 
@@ -86,6 +94,15 @@ impl Scratch {
     pub fn captured_q(&self, seq: usize) -> &[f32] {
         let (at, n) = self.captured_at.get(seq).copied().unwrap_or((0, 0));
         self.captured_q.get(at..at + n).unwrap_or(&[])
+    }
+
+    /// Attention probabilities the last [`LlamaModel::forward`] wrote for batch sequence `seq` (one with
+    /// `capture_probs`) and their row stride: `[layer][n_heads][tokens][stride]`, row `(layer, head, j)` holding
+    /// the probabilities over the `prior_lens[layer, head / group] + j + 1` slots that token `j` saw (the rest
+    /// of the row is stale). `None` when that sequence captured none.
+    pub fn attn_probs(&self, seq: usize) -> Option<(&[f32], usize)> {
+        let stride = self.probs_stride.get(seq).copied().flatten()?;
+        Some((self.probs.get(seq)?.as_slice(), stride))
     }
 
     fn ensure(&mut self, cfg: &ModelConfig, n: usize) {
@@ -351,6 +368,21 @@ impl LlamaModel {
         }
 
         scratch.captured_q.resize(captured, 0.0);
+        scratch.probs_stride.clear();
+        if scratch.probs.len() < seqs.len() {
+            scratch.probs.resize_with(seqs.len(), Vec::new);
+        }
+        let per_layer = |s: &ForwardSeq<'_>, stride: usize| c.n_heads * s.tokens.len() * stride;
+        for (s, buf) in seqs.iter().zip(scratch.probs.iter_mut()) {
+            if !s.capture_probs {
+                scratch.probs_stride.push(None);
+                continue;
+            }
+            let stride = s.prior_lens.iter().max().copied().unwrap_or(0) + s.tokens.len();
+            buf.resize(c.n_layers * per_layer(s, stride), 0.0);
+            scratch.probs_stride.push(Some(stride));
+        }
+        let any_probs = scratch.probs_stride.iter().any(Option::is_some);
         let Scratch {
             x,
             xn,
@@ -368,6 +400,8 @@ impl LlamaModel {
             head_norm,
             captured_q,
             captured_at,
+            probs,
+            probs_stride,
         } = scratch;
         backend.embedding(&self.embed, ids, x);
 
@@ -407,7 +441,18 @@ impl LlamaModel {
                 q_row += s.tokens.len();
             }
             backend.kv_write(kv, k, v, &attn_seqs, nkv);
-            backend.paged_attention(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn);
+            if any_probs {
+                let mut sinks: Vec<AttnProbs<'_>> = Vec::with_capacity(seqs.len());
+                for (i, ((s, buf), stride)) in seqs.iter().zip(probs.iter_mut()).zip(probs_stride.iter()).enumerate() {
+                    if let Some(stride) = *stride {
+                        let per = per_layer(s, stride);
+                        sinks.push(AttnProbs { seq: i, stride, rows: &mut buf[li * per..(li + 1) * per] });
+                    }
+                }
+                backend.paged_attention_with_probs(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn, &mut sinks);
+            } else {
+                backend.paged_attention(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn);
+            }
 
             backend.matmul(&layer.wo, attn, total, proj);
             add_assign(x, proj);

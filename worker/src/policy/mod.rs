@@ -79,7 +79,23 @@ pub struct StepView<'a> {
     pub total: usize,
     /// Queries captured for the last [`PolicyState::capture_for`] tokens: `[layer][tokens][q_dim]`.
     pub captured_q: &'a [f32],
+    /// The attention probabilities of the step's tokens, when [`PolicyState::capture_probs_for`] asked for them.
+    pub probs: Option<StepProbs<'a>>,
 }
+
+/// Attention probabilities the forward pass wrote for one sequence's step: `[layer][n_heads][n][stride]`, row
+/// `(layer, head, j)` holding the softmax over the slots token `j` saw (its kv-head's length before the step plus
+/// `j + 1`), the weights the attention kernel itself used.
+#[derive(Debug, Clone, Copy)]
+pub struct StepProbs<'a> {
+    pub rows: &'a [f32],
+    pub stride: usize,
+}
+
+/// Steps of at most this many tokens take their attention probabilities from the attention kernel (see
+/// [`PolicyState::capture_probs_for`]); longer ones (prefill chunks) capture queries and score the keys again,
+/// since their probabilities would take `tokens × cache length` floats per head and layer.
+pub const PROBS_MAX_TOKENS: usize = 16;
 
 /// Reusable buffers, so hooks allocate nothing once warmed up.
 #[derive(Debug, Default)]
@@ -155,9 +171,27 @@ impl PolicyState {
         self.positions.get(t).map_or(&[], Vec::as_slice)
     }
 
+    /// Whether a step computing `start..start + n` (of `total`) needs its attention probabilities captured: the
+    /// decode steps of the policies that accumulate attention (H2O's running sum, KV-Compress's continual Eq. 20
+    /// metric), which then read the weights the attention kernel computed instead of walking the keys a second
+    /// time (vLLM's KV-Compress likewise takes its metric from the attention kernel).
+    pub fn capture_probs_for(&self, start: usize, n: usize, total: usize) -> bool {
+        let _ = (start, total);
+        self.prefilled && n <= PROBS_MAX_TOKENS && matches!(self.spec.kind, PolicyKind::H2o | PolicyKind::KvCompress)
+    }
+
+    /// Accumulated attention metric of every slot of table `t` (H2O, KV-Compress; empty for the others), for tests
+    /// and diagnostics.
+    pub fn metrics(&self, t: usize) -> &[f32] {
+        self.metrics.get(t).map_or(&[], Vec::as_slice)
+    }
+
     /// How many trailing tokens of a step computing `start..start + n` (of `total`) need their queries
     /// captured.
     pub fn capture_for(&self, start: usize, n: usize, total: usize) -> usize {
+        if self.capture_probs_for(start, n, total) {
+            return 0;
+        }
         let end = start + n;
         let prefill = !self.prefilled;
         match self.spec.kind {
@@ -210,16 +244,19 @@ impl PolicyState {
         }
         let n_q =
             if self.dims.n_layers == 0 { 0 } else { step.captured_q.len() / (self.dims.n_layers * self.dims.q_dim()) };
-        if n_q == 0 {
-            return;
-        }
-        match self.spec.kind {
-            PolicyKind::H2o => self.accumulate(cache, step.captured_q, n_q, 1),
-            PolicyKind::KvCompress if self.prefilled => self.accumulate(cache, step.captured_q, n_q, 2),
-            PolicyKind::Snapkv | PolicyKind::KvCompress | PolicyKind::Sage => {
-                self.push_observation(step.captured_q, n_q)
+        let power = match self.spec.kind {
+            PolicyKind::H2o => 1,
+            PolicyKind::KvCompress if self.prefilled => 2,
+            PolicyKind::Snapkv | PolicyKind::KvCompress | PolicyKind::Sage if n_q > 0 => {
+                self.push_observation(step.captured_q, n_q);
+                return;
             }
-            _ => {}
+            _ => return,
+        };
+        if let Some(probs) = step.probs {
+            self.accumulate_probs(cache, probs, step.n, power);
+        } else if n_q > 0 {
+            self.accumulate(cache, step.captured_q, n_q, power);
         }
     }
 
@@ -290,6 +327,23 @@ impl PolicyState {
                 &mut self.scratch.probs,
                 &mut self.metrics[t][..len],
             );
+        }
+    }
+
+    /// [`Self::accumulate`] from the probabilities the attention kernel wrote for the step's `n` tokens.
+    fn accumulate_probs(&mut self, cache: &CacheView<'_>, probs: StepProbs<'_>, n: usize, power: u32) {
+        let d = self.dims;
+        let (g, stride) = (d.group(), probs.stride);
+        for t in 0..self.metrics.len() {
+            let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
+            let prior = cache.blocks.lens()[t] - n;
+            for qh in h * g..(h + 1) * g {
+                for j in 0..n {
+                    let seen = prior + j + 1;
+                    let at = ((l * d.n_heads + qh) * n + j) * stride;
+                    scores::accumulate_probs(&probs.rows[at..at + seen], power, &mut self.metrics[t][..seen]);
+                }
+            }
         }
     }
 
