@@ -200,8 +200,9 @@ struct EngineArgs {
     /// Disk KV tier size in MiB under --data-dir: host-tier victims and, on shutdown, the host tier (0 disables).
     #[arg(long, default_value_t = 0)]
     disk_tier_mib: u64,
-    /// Element type of the device KV cache: f16 (half the memory and bandwidth) or f32 (bit-exact with an f32
-    /// reference).
+    /// Element type of the device KV cache: f16 (half the memory and bandwidth of f32), f32 (bit-exact with an f32
+    /// reference) or int8 (one f32 scale per slot: 0.53x f16's bytes at head_dim 64, dequantised by the attention
+    /// kernel as it loads).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
@@ -709,9 +710,9 @@ struct BenchTiersArgs {
     /// zipf: codecs of the fixed-codec baselines and EvicPress's variants, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "int8,fp8_e4m3,int4_kivi,int2_kivi")]
     codecs: Vec<String>,
-    /// zipf: EvicPress's α.
-    #[arg(long, default_value_t = 1.0)]
-    evicpress_alpha: f64,
+    /// zipf: EvicPress's α, comma-separated for one EvicPress configuration each (the quality–TTFT curve).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    evicpress_alpha: Vec<f64>,
     /// zipf: prose for the contexts (random tokens when the directory has no text).
     #[arg(long, default_value = "data/prose")]
     prose_dir: PathBuf,
@@ -774,6 +775,10 @@ struct BenchEvictionArgs {
     /// Admission: `reserve` (the engine default) or `greedy`.
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
     admission: String,
+    /// Element type of the device KV cache (f16, f32 or int8); the pool keeps the memory of --pool-seqs f16
+    /// sequences, so int8 holds more blocks in it.
+    #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
+    kv_dtype: KvDtype,
 }
 
 #[derive(Args)]
@@ -1629,7 +1634,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         disk_mib: if args.data_dir.is_some() { args.disk_tier_mib } else { 0 },
         data_dir: args.data_dir,
         codecs: args.codecs.iter().map(|c| c.trim().to_owned()).collect(),
-        alpha: args.evicpress_alpha,
+        alphas: args.evicpress_alpha,
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
         ..Default::default()
     };
@@ -1669,6 +1674,7 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
         seed: args.seed,
         repeats: args.repeats,
         admission_reserve: args.admission == "reserve",
+        kv_dtype: args.kv_dtype,
     };
     let report = pagoda_worker::bench_eviction::eviction_bench(&model, &opts)
         .with_context(|| format!("eviction bench on {} failed", model.display()))?;

@@ -44,7 +44,7 @@ pub fn draw_tiers(report: &pagoda_worker::bench_zipf::ZipfReport, path: &Path) -
     for (i, r) in report.results.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let at = (r.ttft_ms_mean, r.quality);
-        let size = if r.name == "evicpress" { 9 } else { 6 };
+        let size = if r.name.starts_with(pagoda_worker::bench_zipf::EVICPRESS) { 9 } else { 6 };
         chart
             .draw_series(std::iter::once(Circle::new(at, size, color.filled())))
             .map_err(|e| anyhow!("{e:?}"))?

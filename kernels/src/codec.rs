@@ -48,6 +48,28 @@ use std::str::FromStr;
 use half::{bf16, f16};
 use thiserror::Error;
 
+/// Symmetric int8 quantisation of one slot (the `int8` codec's rule, and an int8 [`crate::KvStorage`]'s): returns
+/// the scale `absmax / 127` and writes `round(x / scale)` into `out`. An all-zero row gets scale 0 and zero codes;
+/// a row holding a NaN or an infinity gets a NaN scale (zero codes), so it reads back as NaN, as a float cache would
+/// hold it. The codec rejects non-finite input before it gets here.
+pub(crate) fn quantize_row_i8(x: &[f32], out: &mut [i8]) -> f32 {
+    debug_assert_eq!(x.len(), out.len());
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if !(amax.is_finite() && x.iter().all(|v| !v.is_nan())) {
+        out.fill(0);
+        return f32::NAN;
+    }
+    let s = amax / 127.0;
+    if s > 0.0 {
+        for (q, &v) in out.iter_mut().zip(x) {
+            *q = (v / s).round().clamp(-127.0, 127.0) as i8;
+        }
+    } else {
+        out.fill(0);
+    }
+    s
+}
+
 /// Bytes of the block header.
 pub const HEADER_LEN: usize = 16;
 /// First four bytes of every encoded block.
@@ -544,14 +566,13 @@ fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &
             let (scales, qs) = out.split_at_mut(4 * bs);
             scales.fill(0);
             qs.fill(0);
+            let mut row_q = [0i8; MAX_HEAD_DIM];
+            let row_q = &mut row_q[..hd];
             for (i, row) in x.chunks_exact(hd).enumerate() {
-                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let s = amax / 127.0;
+                let s = quantize_row_i8(row, row_q);
                 scales[4 * i..4 * i + 4].copy_from_slice(&s.to_le_bytes());
-                if s > 0.0 {
-                    for (q, &v) in qs[i * hd..(i + 1) * hd].iter_mut().zip(row) {
-                        *q = (v / s).round().clamp(-127.0, 127.0) as i8 as u8;
-                    }
+                for (q, &v) in qs[i * hd..(i + 1) * hd].iter_mut().zip(row_q.iter()) {
+                    *q = v as u8;
                 }
             }
         }

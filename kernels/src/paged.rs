@@ -7,7 +7,11 @@
 //!
 //! f16 is the serving default (DESIGN §5 names it the native codec; llama.cpp's default cache type too): decode
 //! attention over many sequences streams the whole cache from memory every step, so halving its bytes is what
-//! batched decode gains most from. f32 stays for exact comparisons against an f32 reference.
+//! batched decode gains most from. f32 stays for exact comparisons against an f32 reference. int8 is the `int8`
+//! codec of [`crate::codec`] kept in the device pool itself: each slot is quantised as it is written (symmetric,
+//! one f32 scale per slot and head), so blocks fill token by token like the float ones, hold 1.9× as many tokens per
+//! byte as f16 at head_dim 64, and the attention kernel dequantises them as it loads (llama.cpp's `q8_0` cache type
+//! and vLLM's fp8 KV cache are the same trade).
 
 use std::fmt;
 use std::str::FromStr;
@@ -23,15 +27,26 @@ pub enum KvDtype {
     F16,
     /// Single precision: the values the model computed, unrounded.
     F32,
+    /// Symmetric 8-bit integers with one f32 scale per slot (scale = absmax / 127, error ≤ scale / 2).
+    Int8,
 }
 
 impl KvDtype {
-    /// Bytes per stored element.
+    /// Every dtype, in decreasing size.
+    pub const ALL: [KvDtype; 3] = [KvDtype::F32, KvDtype::F16, KvDtype::Int8];
+
+    /// Bytes per stored element (not counting [`KvDtype::Int8`]'s per-slot scale: see [`KvDtype::slot_bytes`]).
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F16 => 2,
             KvDtype::F32 => 4,
+            KvDtype::Int8 => 1,
         }
+    }
+
+    /// Bytes of one slot of K (or of V) of `head_dim` elements, scale included.
+    pub fn slot_bytes(self, head_dim: usize) -> usize {
+        head_dim * self.bytes() + if self == KvDtype::Int8 { 4 } else { 0 }
     }
 
     /// The name used on the command line and in reports.
@@ -39,6 +54,7 @@ impl KvDtype {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::F32 => "f32",
+            KvDtype::Int8 => "int8",
         }
     }
 }
@@ -55,24 +71,33 @@ impl FromStr for KvDtype {
         match s {
             "f16" => Ok(KvDtype::F16),
             "f32" => Ok(KvDtype::F32),
-            other => Err(format!("unknown KV cache dtype `{other}` (expected f16 or f32)")),
+            "int8" => Ok(KvDtype::Int8),
+            other => Err(format!("unknown KV cache dtype `{other}` (expected f16, f32 or int8)")),
         }
     }
 }
 
-/// One arena's elements.
+/// One arena's elements. Offsets are in elements; an int8 arena is only ever addressed by whole slots (`at` and
+/// lengths multiples of `head_dim`), which is how [`KvStorage`] addresses every arena.
 #[derive(Clone, Debug)]
 enum Arena {
     F32(Vec<f32>),
     /// f16 bit patterns.
     F16(Vec<u16>),
+    /// Quantised elements and one scale per slot of `head_dim` elements.
+    Int8 {
+        q: Vec<i8>,
+        scale: Vec<f32>,
+        head_dim: usize,
+    },
 }
 
 impl Arena {
-    fn zeroed(dtype: KvDtype, len: usize) -> Arena {
+    fn zeroed(dtype: KvDtype, len: usize, head_dim: usize) -> Arena {
         match dtype {
             KvDtype::F32 => Arena::F32(vec![0.0; len]),
             KvDtype::F16 => Arena::F16(vec![0; len]),
+            KvDtype::Int8 => Arena::Int8 { q: vec![0; len], scale: vec![0.0; len / head_dim], head_dim },
         }
     }
 
@@ -80,6 +105,15 @@ impl Arena {
         match self {
             Arena::F32(a) => a.copy_within(src, dst),
             Arena::F16(a) => a.copy_within(src, dst),
+            Arena::Int8 { q, scale, head_dim } => {
+                let hd = *head_dim;
+                debug_assert!(
+                    src.start.is_multiple_of(hd) && src.end.is_multiple_of(hd) && dst.is_multiple_of(hd),
+                    "int8 arena: unaligned copy"
+                );
+                scale.copy_within(src.start / hd..src.end / hd, dst / hd);
+                q.copy_within(src, dst);
+            }
         }
     }
 
@@ -88,6 +122,14 @@ impl Arena {
             Arena::F32(a) => a[at..at + x.len()].copy_from_slice(x),
             // The slice conversions use F16C where the CPU has it (a scalar loop is ~10x slower).
             Arena::F16(a) => a[at..at + x.len()].reinterpret_cast_mut::<f16>().convert_from_f32_slice(x),
+            Arena::Int8 { q, scale, head_dim } => {
+                let hd = *head_dim;
+                debug_assert!(at.is_multiple_of(hd) && x.len().is_multiple_of(hd), "int8 arena: unaligned write");
+                let rows = q[at..at + x.len()].chunks_exact_mut(hd).zip(&mut scale[at / hd..(at + x.len()) / hd]);
+                for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
+                    *s = crate::codec::quantize_row_i8(xr, qr);
+                }
+            }
         }
     }
 
@@ -97,6 +139,16 @@ impl Arena {
             Arena::F16(a) => {
                 let n = out.len();
                 a[at..at + n].reinterpret_cast::<f16>().convert_to_f32_slice(out)
+            }
+            Arena::Int8 { q, scale, head_dim } => {
+                let hd = *head_dim;
+                debug_assert!(at.is_multiple_of(hd) && out.len().is_multiple_of(hd), "int8 arena: unaligned read");
+                let rows = q[at..at + out.len()].chunks_exact(hd).zip(&scale[at / hd..(at + out.len()) / hd]);
+                for ((qr, &s), o) in rows.zip(out.chunks_exact_mut(hd)) {
+                    for (o, &v) in o.iter_mut().zip(qr) {
+                        *o = v as f32 * s;
+                    }
+                }
             }
         }
     }
@@ -113,6 +165,13 @@ pub enum KvArenas<'a> {
     F16 {
         k: &'a [u16],
         v: &'a [u16],
+    },
+    /// Quantised elements and one scale per slot (`k_scale[b * block_size + s]` for slot `s` of block `b`).
+    Int8 {
+        k: &'a [i8],
+        v: &'a [i8],
+        k_scale: &'a [f32],
+        v_scale: &'a [f32],
     },
 }
 
@@ -145,8 +204,8 @@ impl KvStorage {
             block_size,
             head_dim,
             dtype,
-            k: Arena::zeroed(dtype, len),
-            v: Arena::zeroed(dtype, len),
+            k: Arena::zeroed(dtype, len, head_dim),
+            v: Arena::zeroed(dtype, len, head_dim),
         }
     }
 
@@ -178,7 +237,7 @@ impl KvStorage {
 
     /// Bytes of K plus V of one block.
     pub fn block_bytes(&self) -> usize {
-        2 * self.block_len() * self.dtype.bytes()
+        2 * self.block_size * self.dtype.slot_bytes(self.head_dim)
     }
 
     #[inline]
@@ -247,6 +306,26 @@ impl KvStorage {
         assert!(k.len() == v.len() && k.len() <= r.len(), "write_block: bad input lengths");
         self.k.write(r.start, k);
         self.v.write(r.start, v);
+    }
+
+    /// Overwrites block `b` of an int8 cache with codes and slot scales as they are (`block_len` codes and
+    /// `block_size` scales per half): how a stored int8 block comes back bit-exactly. Panics on a float cache or
+    /// on wrong lengths.
+    pub fn write_block_int8(&mut self, b: u32, k: &[i8], k_scale: &[f32], v: &[i8], v_scale: &[f32]) {
+        let r = self.range(b);
+        let bs = self.block_size;
+        assert!(k.len() == r.len() && v.len() == r.len(), "write_block_int8: codes must fill the block");
+        assert!(k_scale.len() == bs && v_scale.len() == bs, "write_block_int8: one scale per slot");
+        let slots = b as usize * bs..(b as usize + 1) * bs;
+        for (arena, codes, scales) in [(&mut self.k, k, k_scale), (&mut self.v, v, v_scale)] {
+            match arena {
+                Arena::Int8 { q, scale, .. } => {
+                    q[r.clone()].copy_from_slice(codes);
+                    scale[slots.clone()].copy_from_slice(scales);
+                }
+                _ => panic!("write_block_int8 on an {} KV cache", self.dtype),
+            }
+        }
     }
 
     /// Writes one slot's K and V rows (`head_dim` each), rounding to the dtype.
@@ -322,6 +401,9 @@ impl KvStorage {
         match (&self.k, &self.v) {
             (Arena::F32(k), Arena::F32(v)) => KvArenas::F32 { k, v },
             (Arena::F16(k), Arena::F16(v)) => KvArenas::F16 { k, v },
+            (Arena::Int8 { q: k, scale: k_scale, .. }, Arena::Int8 { q: v, scale: v_scale, .. }) => {
+                KvArenas::Int8 { k, v, k_scale, v_scale }
+            }
             _ => unreachable!("K and V arenas are created with one dtype"),
         }
     }

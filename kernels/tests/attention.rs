@@ -26,7 +26,22 @@ fn stored(dtype: KvDtype, x: f32) -> f32 {
     match dtype {
         KvDtype::F32 => x,
         KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+        KvDtype::Int8 => panic!("int8 rounds per slot: use stored_rows"),
     }
+}
+
+/// What a cache of `dtype` stores for rows of `hd` values: per element for the float types; for int8 per slot, the
+/// arena's rule (scale = absmax / 127, codes = round(x / scale)).
+fn stored_rows(dtype: KvDtype, x: Vec<f32>, hd: usize) -> Vec<f32> {
+    if dtype != KvDtype::Int8 {
+        return x.into_iter().map(|v| stored(dtype, v)).collect();
+    }
+    x.chunks_exact(hd)
+        .flat_map(|row| {
+            let s = row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            row.iter().map(move |&v| if s > 0.0 { (v / s).round().clamp(-127.0, 127.0) * s } else { 0.0 })
+        })
+        .collect()
 }
 
 fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
@@ -111,8 +126,8 @@ fn build(
         let mut s = Seq { prior: prior.clone(), n_new: *n_new, k: vec![], v: vec![], tables: vec![], q_row };
         for h in 0..sh.n_kv {
             let total = prior[h] + n_new;
-            let k: Vec<f32> = rand_vec(rng, total * sh.hd, 1.0).into_iter().map(|x| stored(dtype, x)).collect();
-            let v: Vec<f32> = rand_vec(rng, total * sh.hd, 1.0).into_iter().map(|x| stored(dtype, x)).collect();
+            let k = stored_rows(dtype, rand_vec(rng, total * sh.hd, 1.0), sh.hd);
+            let v = stored_rows(dtype, rand_vec(rng, total * sh.hd, 1.0), sh.hd);
             // Capacity: enough blocks, sometimes one spare.
             let nb = total.div_ceil(sh.bs) + usize::from(rng.random_bool(0.5));
             let table: Vec<u32> = ids[next..next + nb].to_vec();
@@ -138,7 +153,7 @@ fn build(
 }
 
 fn run_case(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)]) {
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for dtype in KvDtype::ALL {
         run_case_dtype(rng, sh, specs, dtype);
     }
 }
@@ -328,4 +343,57 @@ fn f16_cache_rounds_on_write_and_reads_back_widened() {
             }
         }
     }
+}
+
+#[test]
+fn int8_cache_quantises_each_slot_and_moves_scales_with_it() {
+    let (bs, hd) = (4, 8);
+    let mut kv = KvStorage::with_dtype(4, bs, hd, KvDtype::Int8);
+    assert_eq!(kv.block_bytes(), 2 * bs * (hd + 4));
+    let mut rng = StdRng::seed_from_u64(14);
+    // Rows of very different magnitudes: each slot keeps its own scale.
+    let rows: Vec<Vec<f32>> = (0..bs).map(|i| rand_vec(&mut rng, hd, 10f32.powi(i as i32 - 2))).collect();
+    let neg: Vec<Vec<f32>> = rows.iter().map(|r| r.iter().map(|x| -x).collect()).collect();
+    for (i, (k, v)) in rows.iter().zip(&neg).enumerate() {
+        kv.write_slot(1, i, k, v);
+    }
+    let (mut k, mut v) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+    kv.read_block(1, &mut k, &mut v);
+    for (i, row) in rows.iter().enumerate() {
+        let scale = row.iter().fold(0.0f32, |m, x| m.max(x.abs())) / 127.0;
+        for d in 0..hd {
+            assert!(
+                (k[i * hd + d] - row[d]).abs() <= scale * 0.5 * (1.0 + 1e-5),
+                "slot {i}: {} vs {}",
+                k[i * hd + d],
+                row[d]
+            );
+            assert_eq!(v[i * hd + d], -k[i * hd + d], "symmetric codes");
+        }
+    }
+    // Moving and compacting slots moves their scales: the values come back unchanged.
+    kv.move_slot(1, 3, 2, 0);
+    kv.copy_block(1, 3);
+    let (mut k2, mut v2) = (vec![0.0; hd], vec![0.0; hd]);
+    kv.read_block(2, &mut k2, &mut v2);
+    assert_eq!(k2, k[3 * hd..4 * hd]);
+    let (mut k3, mut v3) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+    kv.read_block(3, &mut k3, &mut v3);
+    assert_eq!((&k3, &v3), (&k, &v));
+    assert_eq!(kv.compact_table(&[1], bs, &[0, 2]), 2);
+    kv.read_block(1, &mut k2, &mut v2);
+    assert_eq!(k2, k[..hd]);
+    let mut k4 = vec![0.0; hd];
+    kv.read_block_k(1, &mut k4);
+    assert_eq!(k4, k[..hd]);
+    kv.read_block(1, &mut k3[..2 * hd], &mut v3[..2 * hd]);
+    assert_eq!(&k3[hd..2 * hd], &k[2 * hd..3 * hd]);
+    // A zero row stores zeros; a row with a NaN reads back as NaN rather than as numbers.
+    kv.write_slot(0, 0, &[0.0; 8], &[0.0; 8]);
+    let mut bad = [1.0f32; 8];
+    bad[3] = f32::NAN;
+    kv.write_slot(0, 1, &bad, &[f32::INFINITY; 8]);
+    kv.read_block(0, &mut k[..2 * hd], &mut v[..2 * hd]);
+    assert!(k[..hd].iter().all(|&x| x == 0.0));
+    assert!(k[hd..2 * hd].iter().all(|x| x.is_nan()) && v[hd..2 * hd].iter().all(|x| x.is_nan()));
 }

@@ -79,6 +79,14 @@ pub struct EvictionBenchOptions {
     pub repeats: usize,
     /// Admit with the scheduler's growth reserve (`true`, the engine default) or greedily.
     pub admission_reserve: bool,
+    /// Element type of the device KV cache. The pool gets the bytes of `pool_seqs` f16 full-cache sequences
+    /// whatever the dtype, so a smaller dtype shows as more blocks in the same memory.
+    #[serde(serialize_with = "dtype_name")]
+    pub kv_dtype: KvDtype,
+}
+
+fn dtype_name<S: Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
 }
 
 impl Default for EvictionBenchOptions {
@@ -97,6 +105,7 @@ impl Default for EvictionBenchOptions {
             seed: 1234,
             repeats: 1,
             admission_reserve: true,
+            kv_dtype: KvDtype::F16,
         }
     }
 }
@@ -183,12 +192,13 @@ impl EvictionReport {
     pub fn to_markdown(&self) -> String {
         let o = &self.options;
         let mut s = format!(
-            "Eviction bench: `{}` on {} ({} threads); pool {} KV blocks = {} full-cache sequences of {} + {} tokens; \
-             {} requests at once; max_step_tokens {}, max_running {}\n\n",
+            "Eviction bench: `{}` on {} ({} threads); pool {} {} KV blocks = the memory of {} f16 full-cache \
+             sequences of {} + {} tokens; {} requests at once; max_step_tokens {}, max_running {}\n\n",
             self.model,
             self.backend,
             self.threads,
             self.kv_blocks,
+            o.kv_dtype,
             o.pool_seqs,
             o.prompt_tokens,
             o.new_tokens,
@@ -290,7 +300,10 @@ pub fn eviction_bench(
         )));
     }
     let layout = CacheLayout { n_layers: mc.n_layers, n_kv_heads: mc.n_kv_heads, block_size: opts.block_size };
-    let kv_blocks = layout.blocks_for_tokens(opts.prompt_tokens + opts.new_tokens) * opts.pool_seqs;
+    let f16_blocks = layout.blocks_for_tokens(opts.prompt_tokens + opts.new_tokens) * opts.pool_seqs;
+    // The same bytes in the bench's dtype, in whole block groups.
+    let (f16_slot, slot) = (KvDtype::F16.slot_bytes(mc.head_dim), opts.kv_dtype.slot_bytes(mc.head_dim));
+    let kv_blocks = f16_blocks * f16_slot / slot / layout.group_size() * layout.group_size();
     let prompts = make_prompts(&tokenizer, opts.requests, opts.prompt_tokens, opts.seed)?;
     let rt = tokio::runtime::Builder::new_current_thread().build().map_err(EvictionBenchError::Runtime)?;
 
@@ -351,7 +364,7 @@ fn run_fresh(
         default_policy: PolicySpec::full(),
         reserve: if opts.admission_reserve { ReserveConfig::default() } else { ReserveConfig::off() },
         tiers: crate::tiers::TierConfig::default(),
-        kv_dtype: KvDtype::default(),
+        kv_dtype: opts.kv_dtype,
         placement: Default::default(),
     };
     let engine = Engine::start(cfg)?;

@@ -588,7 +588,7 @@ impl Engine {
 /// Opens the configured lower tiers. A disk read is bounded by the encoded size of one group of this model.
 fn open_tiers(cfg: &EngineConfig, info: &ModelInfo) -> Result<Option<TierStore>, EngineError> {
     // The widest native codec bounds what a disk read may return: groups written under either dtype load.
-    let group = native::group_bytes(info.layout().group_size(), info.block_size * info.head_dim, KvDtype::F32) as u64;
+    let group = native::group_bytes(info.layout().group_size(), info.block_size, info.head_dim, KvDtype::F32) as u64;
     TierStore::open(&cfg.tiers, group).map_err(|e| EngineError::Config(e.to_string()))
 }
 
@@ -769,10 +769,10 @@ impl<R: ModelRunner> EngineLoop<R> {
         self.publish_stats();
     }
 
-    /// Bytes of one device block group (every (layer, kv-head) block of one token block, K and V, f32).
+    /// Bytes of one device block group (every (layer, kv-head) block of one token block, K and V).
     fn device_group_bytes(&self) -> u64 {
         let info = self.runner.info();
-        (2 * info.block_size * info.head_dim * info.kv_dtype.bytes() * info.layout().group_size()) as u64
+        (2 * info.block_size * info.kv_dtype.slot_bytes(info.head_dim) * info.layout().group_size()) as u64
     }
 
     /// Hands the block changes since the last call to the reporter (when one subscribed). Never blocks.
@@ -1137,7 +1137,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         let s = self.sched.stats();
         let pool = self.sched.pool();
         let info = self.runner.info();
-        let block_bytes = (2 * info.block_size * info.head_dim * info.kv_dtype.bytes()) as u64;
+        let block_bytes = (2 * info.block_size * info.kv_dtype.slot_bytes(info.head_dim)) as u64;
         let mut tier_usage = vec![TierUsage {
             tier: Tier::Device,
             codec: native::codec_name(info.kv_dtype).to_owned(),

@@ -315,7 +315,7 @@ impl PeerFetcher {
         };
         let missing = &hashes[probe.local_blocks.min(hashes.len())..];
         let gs = info.layout().group_size();
-        let group_bytes = native::group_bytes(gs, bs * info.head_dim, info.kv_dtype) as u64;
+        let group_bytes = native::group_bytes(gs, bs, info.head_dim, info.kv_dtype) as u64;
         if !probe.can_import || !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe) {
             return 0;
         }
@@ -325,7 +325,7 @@ impl PeerFetcher {
         };
         let span = parent
             .in_scope(|| trace_context::transfer_span(TransferDirection::Peer, &hint.address, "host", missing.len()));
-        let max_group_bytes = native::group_bytes(gs, bs * info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
+        let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + self.cfg.timeout;
         let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span)

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use pagoda_kernels::KvDtype;
 use pagoda_worker::cache::block_hashes;
 use pagoda_worker::engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
@@ -26,7 +27,12 @@ fn model_path() -> PathBuf {
 }
 
 fn engine(num_groups: usize, tiers: TierConfig) -> EngineHandle {
-    let cfg = EngineConfig { num_blocks: num_groups * GROUP, threads: 2, tiers, ..EngineConfig::new(model_path()) };
+    engine_of(num_groups, tiers, KvDtype::default())
+}
+
+fn engine_of(num_groups: usize, tiers: TierConfig, kv_dtype: KvDtype) -> EngineHandle {
+    let cfg =
+        EngineConfig { num_blocks: num_groups * GROUP, threads: 2, tiers, kv_dtype, ..EngineConfig::new(model_path()) };
     Engine::start(cfg).expect("engine starts")
 }
 
@@ -173,6 +179,41 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], BS as u64);
     assert_eq!(s.disk_corrupted, 1);
     assert_eq!(s.computed_tokens_total, (p.len() - BS + warm.len() - 1) as u64);
+    h.shutdown();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An int8 device cache through the real engine: it serves, its idle groups go to host and disk in their own
+/// format (codes and slot scales as stored, `native-int8`), and they come back bit-exactly, so the warm greedy
+/// output equals the cold one and nothing onboarded is recomputed.
+#[test]
+fn int8_device_cache_serves_and_round_trips_through_host_and_disk() {
+    let p = prompt();
+    let matched = (p.len() - 1) / BS * BS;
+    let h = engine_of(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 }, KvDtype::Int8);
+    let (cold, _, s) = run(&h, &p, 8);
+    assert_eq!(cold.len(), 8);
+    let device = s.tier_usage.iter().find(|u| u.tier == Tier::Device).expect("device usage reported");
+    assert_eq!(device.codec, "native-int8");
+    assert_eq!(device.capacity_bytes, (8 * GROUP * 2 * BS * (64 + 4)) as u64, "int8 blocks: codes + slot scales");
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "int8 KV onboarded from host gives the same greedy output");
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64, "{s:?}");
+    let host = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage reported");
+    assert_eq!(host.codec, "native-int8");
+    h.shutdown();
+
+    let dir = tmp("int8");
+    let h = engine_of(8, disk_only(&dir), KvDtype::Int8);
+    run(&h, &p, 8);
+    h.shutdown();
+    let h = engine_of(8, disk_only(&dir), KvDtype::Int8);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "int8 KV from disk after a restart");
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], matched as u64);
+    assert_eq!(cached as usize, matched);
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
 }

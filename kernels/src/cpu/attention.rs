@@ -197,38 +197,54 @@ fn attend_one(
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
-        let (k, v, f16) = match kv.arenas_any() {
-            KvArenas::F32 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, false),
-            KvArenas::F16 { k, v } => (k.as_ptr() as *const u8, v.as_ptr() as *const u8, true),
+        let null = std::ptr::null::<f32>();
+        let (k, v, ks, vs, elem) = match kv.arenas_any() {
+            KvArenas::F32 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F32),
+            KvArenas::F16 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F16),
+            KvArenas::Int8 { k, v, k_scale, v_scale } => {
+                (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), k_scale.as_ptr(), v_scale.as_ptr(), avx2::ELEM_I8)
+            }
         };
-        macro_rules! go {
-            ($module:ident, $nv:literal) => {
-                // SAFETY: every block id read was checked against the arenas above, which hold `num_blocks`
-                // blocks of the element type `f16` selects; the CPU features of `simd` were detected at run time.
+        // SAFETY (both macros): every block id read was checked against the arenas above, which hold `num_blocks`
+        // blocks of the element type `elem` names (int8 arenas with `num_blocks * bs` scales); the CPU features of
+        // `simd` were detected at run time.
+        macro_rules! avx2 {
+            ($nv:literal) => {
                 return unsafe {
-                    if f16 {
-                        $module::attend_one::<$nv, true>(q, k, v, bs, table, len, scale, out, probs)
-                    } else {
-                        $module::attend_one::<$nv, false>(q, k, v, bs, table, len, scale, out, probs)
+                    match elem {
+                        avx2::ELEM_F16 => avx2::attend_one::<$nv, { avx2::ELEM_F16 }>(
+                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
+                        ),
+                        avx2::ELEM_I8 => avx2::attend_one::<$nv, { avx2::ELEM_I8 }>(
+                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
+                        ),
+                        _ => avx2::attend_one::<$nv, { avx2::ELEM_F32 }>(
+                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
+                        ),
                     }
                 }
             };
         }
+        macro_rules! avx512 {
+            ($nv:literal) => {
+                return unsafe { avx512_attention::attend_one::<$nv, true>(q, k, v, bs, table, len, scale, out, probs) }
+            };
+        }
         // AVX-512 only for f16: over f32 blocks it was slower than the AVX2 kernel once memory-bound (batch 32; see
         // docs/BENCHMARKS.md, measured at 0f1611d); over f16 it is as fast there and ~14% faster at 4K single-stream.
-        if simd == Simd::Avx512 && f16 {
+        if simd == Simd::Avx512 && elem == avx2::ELEM_F16 {
             match q.len() {
-                32 => go!(avx512_attention, 2),
-                64 => go!(avx512_attention, 4),
-                128 => go!(avx512_attention, 8),
+                32 => avx512!(2),
+                64 => avx512!(4),
+                128 => avx512!(8),
                 _ => {}
             }
         }
         match q.len() {
-            32 => go!(avx2, 4),
-            64 => go!(avx2, 8),
-            96 => go!(avx2, 12),
-            128 => go!(avx2, 16),
+            32 => avx2!(4),
+            64 => avx2!(8),
+            96 => avx2!(12),
+            128 => avx2!(16),
             _ => {}
         }
     }

@@ -467,18 +467,42 @@ pub(crate) unsafe fn ld8<const H: bool>(base: *const u8, i: usize) -> __m256 {
     }
 }
 
+/// Element type of an arena for [`attend_one`]: f32.
+pub const ELEM_F32: u8 = 0;
+/// f16 bit patterns.
+pub const ELEM_F16: u8 = 1;
+/// int8 codes with one f32 scale per slot.
+pub const ELEM_I8: u8 = 2;
+
+/// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (int8 codes unscaled).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
+    match E {
+        ELEM_F16 => _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * i) as *const __m128i)),
+        ELEM_I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(base.add(i) as *const __m128i))),
+        _ => _mm256_loadu_ps((base as *const f32).add(i)),
+    }
+}
+
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
-/// `k`, `v` point at the whole arenas, of f16 bit patterns when `H` and of f32 otherwise; writes the normalised
-/// result into `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
+/// `k`, `v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`]); for int8,
+/// `k_scale`, `v_scale` point at the per-slot scales (indexed `block * bs + slot`) and are unused otherwise. A key's
+/// scale multiplies its dot product and a value's scale its probability, so int8 costs one multiply per slot over
+/// the float kernels. Writes the normalised result into `out` and, with `probs` (`len` floats), the slots' softmax
+/// probabilities.
 ///
 /// # Safety
-/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas; AVX2/FMA/F16C present.
+/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas (and, for int8, inside the
+/// scale arrays); AVX2/FMA/F16C present.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attend_one<const NV: usize, const H: bool>(
+pub unsafe fn attend_one<const NV: usize, const E: u8>(
     q: &[f32],
     k: *const u8,
     v: *const u8,
+    k_scale: *const f32,
+    v_scale: *const f32,
     bs: usize,
     table: &[u32],
     len: usize,
@@ -500,32 +524,35 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
     let mut sc = [f32::NEG_INFINITY; MAXB];
     for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Element offset of the block in both arenas.
+        // Element offset of the block in both arenas, and slot offset in the scale arrays.
         let base = b as usize * bs * hd;
+        let slot0 = b as usize * bs;
+        let ks = |i: usize| if E == ELEM_I8 { *k_scale.add(slot0 + i) } else { 1.0 };
+        let vs = |i: usize| if E == ELEM_I8 { *v_scale.add(slot0 + i) } else { 1.0 };
         // Scores, two slots at a time.
         let mut bmax = m;
         let mut i = 0;
         while i + 2 <= n {
             let k0 = base + i * hd;
             let k1 = base + (i + 1) * hd;
-            let mut a0 = _mm256_mul_ps(qv[0], ld8::<H>(k, k0));
-            let mut a1 = _mm256_mul_ps(qv[0], ld8::<H>(k, k1));
+            let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
+            let mut a1 = _mm256_mul_ps(qv[0], lde::<E>(k, k1));
             for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], ld8::<H>(k, k0 + j * 8), a0);
-                a1 = _mm256_fmadd_ps(qv[j], ld8::<H>(k, k1 + j * 8), a1);
+                a0 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k0 + j * 8), a0);
+                a1 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k1 + j * 8), a1);
             }
-            sc[i] = hsum(a0);
-            sc[i + 1] = hsum(a1);
+            sc[i] = hsum(a0) * ks(i);
+            sc[i + 1] = hsum(a1) * ks(i + 1);
             bmax = bmax.max(sc[i]).max(sc[i + 1]);
             i += 2;
         }
         if i < n {
             let k0 = base + i * hd;
-            let mut a0 = _mm256_mul_ps(qv[0], ld8::<H>(k, k0));
+            let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
             for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], ld8::<H>(k, k0 + j * 8), a0);
+                a0 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k0 + j * 8), a0);
             }
-            sc[i] = hsum(a0);
+            sc[i] = hsum(a0) * ks(i);
             bmax = bmax.max(sc[i]);
         }
         if let Some(p) = probs.as_deref_mut() {
@@ -548,10 +575,10 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
         let mut bl = 0.0f32;
         for (i, &p) in sc[..n].iter().enumerate() {
             bl += p;
-            let pv = _mm256_set1_ps(p);
+            let pv = _mm256_set1_ps(p * vs(i));
             let vr = base + i * hd;
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pv, ld8::<H>(v, vr + j * 8), *a);
+                *a = _mm256_fmadd_ps(pv, lde::<E>(v, vr + j * 8), *a);
             }
         }
         l = l * corr + bl;

@@ -222,6 +222,22 @@ fn window_attention_scores_avx2(
     let (k, h16, arena_len) = match kv.arenas_any() {
         KvArenas::F32 { k, .. } => (k.as_ptr().cast::<u8>(), false, k.len()),
         KvArenas::F16 { k, .. } => (k.as_ptr().cast::<u8>(), true, k.len()),
+        // int8 keys take the portable path (widened a block at a time by `read_block_k`).
+        KvArenas::Int8 { .. } => {
+            return window_attention_scores_portable(
+                kv,
+                table,
+                len,
+                q,
+                n_q,
+                group,
+                scale,
+                first_q_slot,
+                power,
+                probs,
+                out,
+            );
+        }
     };
     for (bi, &b) in table[..seen.div_ceil(bs)].iter().enumerate() {
         let first = bi * bs;

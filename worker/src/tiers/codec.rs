@@ -43,7 +43,7 @@ impl GroupCodec {
     /// Encoded bytes of a group of `n_blocks` blocks of `block_size` × `head_dim`.
     pub fn group_bytes(self, n_blocks: usize, block_size: usize, head_dim: usize) -> Result<usize, TierError> {
         match self {
-            GroupCodec::Native(d) => Ok(native::group_bytes(n_blocks, block_size * head_dim, d)),
+            GroupCodec::Native(d) => Ok(native::group_bytes(n_blocks, block_size, head_dim, d)),
             GroupCodec::Kv(c) => c
                 .encoded_len(block_size, head_dim)
                 .map(|n| n * n_blocks)
@@ -61,12 +61,9 @@ impl fmt::Display for GroupCodec {
 impl FromStr for GroupCodec {
     type Err = TierError;
 
-    /// `native`, `f32` and `f16` are the native formats; the other kernels codecs by name.
+    /// `native`, `f32`, `f16` and `native-int8` are the native formats; the other kernels codecs by name.
     fn from_str(s: &str) -> Result<GroupCodec, TierError> {
-        if s == "native" {
-            return Ok(GroupCodec::Native(KvDtype::F32));
-        }
-        if let Ok(d) = s.parse::<KvDtype>() {
+        if let Some(d) = native::dtype_of(s) {
             return Ok(GroupCodec::Native(d));
         }
         s.parse::<Codec>().map(GroupCodec::Kv).map_err(|_| TierError::UnknownCodec(s.chars().take(64).collect()))
@@ -79,13 +76,16 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
     let c = match codec {
         GroupCodec::Native(d) if d == kv.dtype() => return Ok(native::encode(kv, blocks)),
         GroupCodec::Native(d) => {
-            // Another native width than the arena's: widen/narrow through f32.
-            let mut out = EncodedGroup { codec: d.name().to_owned(), bytes: Vec::new() };
+            // Another native width than the arena's: widen/narrow through f32 (into a one-block cache of the
+            // target dtype, which quantises int8 slots exactly as an int8 arena does).
+            let (bs, hd) = (kv.block_size(), kv.head_dim());
+            let mut one = KvStorage::with_dtype(1, bs, hd, d);
+            let mut out = EncodedGroup { codec: native::codec_name(d).to_owned(), bytes: Vec::new() };
             let (mut k, mut v) = (vec![0.0f32; kv.block_len()], vec![0.0f32; kv.block_len()]);
             for &b in blocks {
                 kv.read_block(b, &mut k, &mut v);
-                push_native(d, &k, &mut out.bytes);
-                push_native(d, &v, &mut out.bytes);
+                one.write_block(0, &k, &v);
+                out.bytes.extend_from_slice(&native::encode(&one, &[0]).bytes);
             }
             return Ok(out);
         }
@@ -100,15 +100,6 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
         c.encode_block(bs, hd, &k, &v, out).map_err(|e| TierError::Config(format!("encoding with {c}: {e}")))?;
     }
     Ok(EncodedGroup { codec: c.name().to_owned(), bytes })
-}
-
-fn push_native(d: KvDtype, x: &[f32], out: &mut Vec<u8>) {
-    for &x in x {
-        match d {
-            KvDtype::F32 => out.extend_from_slice(&x.to_le_bytes()),
-            KvDtype::F16 => out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes()),
-        }
-    }
 }
 
 /// Decodes `group` (any codec) into blocks `blocks` of `kv`, checking the codec, the exact length and, for the
@@ -181,7 +172,7 @@ mod tests {
         match c {
             GroupCodec::Native(KvDtype::F16) => 2e-3,
             GroupCodec::Native(KvDtype::F32) => 0.0,
-            GroupCodec::Kv(Codec::Int8) | GroupCodec::Kv(Codec::Bf16) => 2e-2,
+            GroupCodec::Native(KvDtype::Int8) | GroupCodec::Kv(Codec::Int8) | GroupCodec::Kv(Codec::Bf16) => 2e-2,
             GroupCodec::Kv(Codec::Fp8E4m3) => 0.13,
             GroupCodec::Kv(Codec::Int4Kivi) => 0.2,
             GroupCodec::Kv(_) => 1.0,
@@ -189,8 +180,8 @@ mod tests {
     }
 
     fn all_codecs() -> Vec<GroupCodec> {
-        let mut v =
-            vec![GroupCodec::Native(KvDtype::F16), GroupCodec::Native(KvDtype::F32), GroupCodec::Kv(Codec::Bf16)];
+        let mut v: Vec<GroupCodec> = KvDtype::ALL.into_iter().map(GroupCodec::Native).collect();
+        v.push(GroupCodec::Kv(Codec::Bf16));
         v.extend(GroupCodec::COMPRESSING.map(GroupCodec::Kv));
         v
     }

@@ -12,20 +12,39 @@ use crate::cache::BlockId;
 /// Codec name of groups written by f32 caches before the dtype was part of the name.
 const LEGACY_F32: &str = "native";
 
-/// Codec name of a cache's groups.
+/// Codec name of a cache's groups. int8 caches get their own name: the kernels' `int8` codec (a compressing group
+/// codec of the tiers) has another byte layout (a header per block).
 pub fn codec_name(dtype: KvDtype) -> &'static str {
-    dtype.name()
+    match dtype {
+        KvDtype::F32 => "f32",
+        KvDtype::F16 => "f16",
+        KvDtype::Int8 => "native-int8",
+    }
 }
 
-/// Encoded size of a group of `n_blocks` blocks of `block_len` elements of `dtype` each.
-pub fn group_bytes(n_blocks: usize, block_len: usize, dtype: KvDtype) -> usize {
-    n_blocks * block_len * 2 * dtype.bytes()
+/// The dtype whose native groups carry `name`, if any.
+pub fn dtype_of(name: &str) -> Option<KvDtype> {
+    match name {
+        LEGACY_F32 => Some(KvDtype::F32),
+        _ => KvDtype::ALL.into_iter().find(|&d| codec_name(d) == name),
+    }
 }
 
-/// Encodes blocks `blocks` of `kv` in its own dtype.
+/// Encoded size of a group of `n_blocks` blocks of `block_size` slots × `head_dim` elements of `dtype` each.
+pub fn group_bytes(n_blocks: usize, block_size: usize, head_dim: usize, dtype: KvDtype) -> usize {
+    n_blocks * 2 * block_size * dtype.slot_bytes(head_dim)
+}
+
+/// Bytes of one half (K or V) of one block in the native layout: the elements, then (int8) the slots' scales.
+fn half_bytes(block_size: usize, head_dim: usize, dtype: KvDtype) -> usize {
+    block_size * dtype.slot_bytes(head_dim)
+}
+
+/// Encodes blocks `blocks` of `kv` in its own dtype: per block K then V, each the block's elements in slot order
+/// (little-endian), int8 followed by the block's f32 slot scales.
 pub fn encode(kv: &KvStorage, blocks: &[BlockId]) -> EncodedGroup {
-    let bl = kv.block_len();
-    let mut bytes = Vec::with_capacity(group_bytes(blocks.len(), bl, kv.dtype()));
+    let (bs, bl) = (kv.block_size(), kv.block_len());
+    let mut bytes = Vec::with_capacity(group_bytes(blocks.len(), bs, kv.head_dim(), kv.dtype()));
     let arenas = kv.arenas_any();
     for &b in blocks {
         let r = b as usize * bl..(b as usize + 1) * bl;
@@ -40,39 +59,83 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId]) -> EncodedGroup {
                     bytes.extend_from_slice(&x.to_le_bytes());
                 }
             }
+            KvArenas::Int8 { k, v, k_scale, v_scale } => {
+                let slots = b as usize * bs..(b as usize + 1) * bs;
+                for (codes, scales) in [(&k[r.clone()], &k_scale[slots.clone()]), (&v[r.clone()], &v_scale[slots])] {
+                    bytes.extend(codes.iter().map(|&c| c as u8));
+                    for x in scales {
+                        bytes.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
         }
     }
     EncodedGroup { codec: codec_name(kv.dtype()).to_owned(), bytes }
 }
 
-/// Decodes `group` into blocks `blocks` of `kv`, converting when the group's dtype is not the cache's. Checks the
-/// codec and the exact length first, so a group from a different model shape is refused instead of half-written.
+/// Decodes `group` into blocks `blocks` of `kv`, converting when the group's dtype is not the cache's (an int8 group
+/// into an int8 cache is copied as is, so a restore is bit-exact). Checks the codec, the exact length and every
+/// int8 scale first, so a group from a different model shape, or corrupt scales, are refused instead of
+/// half-written.
 pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> Result<(), TierError> {
-    let dtype = match group.codec.as_str() {
-        LEGACY_F32 => KvDtype::F32,
-        name => name.parse::<KvDtype>().map_err(|_| TierError::UnknownCodec(group.codec.clone()))?,
-    };
-    let bl = kv.block_len();
-    let expected = group_bytes(blocks.len(), bl, dtype);
+    let dtype = dtype_of(&group.codec).ok_or_else(|| TierError::UnknownCodec(group.codec.clone()))?;
+    let (bs, hd, bl) = (kv.block_size(), kv.head_dim(), kv.block_len());
+    let expected = group_bytes(blocks.len(), bs, hd, dtype);
     if group.bytes.len() != expected {
         return Err(TierError::BadLength { codec: group.codec.clone(), expected, got: group.bytes.len() });
     }
     if let Some(&bad) = blocks.iter().find(|&&b| b as usize >= kv.num_blocks()) {
         return Err(TierError::BadLength { codec: group.codec.clone(), expected: kv.num_blocks(), got: bad as usize });
     }
+    let half = half_bytes(bs, hd, dtype);
+    if dtype == KvDtype::Int8 {
+        let bad_scale = group.bytes.chunks_exact(half).any(|h| {
+            h[bl..].chunks_exact(4).any(|c| {
+                let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                !(x.is_finite() && x >= 0.0)
+            })
+        });
+        if bad_scale {
+            return Err(TierError::Corrupt {
+                path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
+                reason: "negative or non-finite int8 scale".into(),
+            });
+        }
+    }
     let (mut k, mut v) = (vec![0.0f32; bl], vec![0.0f32; bl]);
-    let elem = dtype.bytes();
-    for (&b, block) in blocks.iter().zip(group.bytes.chunks_exact(2 * bl * elem)) {
-        let (kb, vb) = block.split_at(bl * elem);
-        widen(dtype, kb, &mut k);
-        widen(dtype, vb, &mut v);
+    let raw = dtype == KvDtype::Int8 && kv.dtype() == KvDtype::Int8;
+    let (mut codes, mut scales) =
+        if raw { (vec![0i8; 2 * bl], vec![0.0f32; 2 * bs]) } else { (Vec::new(), Vec::new()) };
+    for (&b, block) in blocks.iter().zip(group.bytes.chunks_exact(2 * half)) {
+        let (kb, vb) = block.split_at(half);
+        if raw {
+            let (kc, vc) = codes.split_at_mut(bl);
+            let (ks, vs) = scales.split_at_mut(bs);
+            split_int8(kb, kc, ks);
+            split_int8(vb, vc, vs);
+            kv.write_block_int8(b, kc, ks, vc, vs);
+            continue;
+        }
+        widen(dtype, hd, kb, &mut k);
+        widen(dtype, hd, vb, &mut v);
         kv.write_block(b, &k, &v);
     }
     Ok(())
 }
 
-/// Little-endian elements of `dtype` in `src` as f32.
-fn widen(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
+/// One int8 block half (codes, then little-endian slot scales) into its codes and scales.
+fn split_int8(src: &[u8], codes: &mut [i8], scales: &mut [f32]) {
+    let (c, s) = src.split_at(codes.len());
+    for (d, &x) in codes.iter_mut().zip(c) {
+        *d = x as i8;
+    }
+    for (d, x) in scales.iter_mut().zip(s.chunks_exact(4)) {
+        *d = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+    }
+}
+
+/// One block half of `dtype` in `src` (little-endian; int8 codes then slot scales) as f32.
+fn widen(dtype: KvDtype, head_dim: usize, src: &[u8], out: &mut [f32]) {
     match dtype {
         KvDtype::F32 => {
             for (d, s) in out.iter_mut().zip(src.chunks_exact(4)) {
@@ -82,6 +145,17 @@ fn widen(dtype: KvDtype, src: &[u8], out: &mut [f32]) {
         KvDtype::F16 => {
             for (d, s) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
+            }
+        }
+        KvDtype::Int8 => {
+            let (codes, scales) = src.split_at(out.len());
+            for ((o, c), s) in
+                out.chunks_exact_mut(head_dim).zip(codes.chunks_exact(head_dim)).zip(scales.chunks_exact(4))
+            {
+                let s = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                for (o, &c) in o.iter_mut().zip(c) {
+                    *o = c as i8 as f32 * s;
+                }
             }
         }
     }
@@ -109,11 +183,11 @@ mod tests {
 
     #[test]
     fn round_trips_and_refuses_bad_shapes() {
-        for dtype in [KvDtype::F32, KvDtype::F16] {
+        for dtype in KvDtype::ALL {
             let mut kv = filled(dtype);
             let g = encode(&kv, &[1, 4]);
-            assert_eq!(g.codec, dtype.name());
-            assert_eq!(g.bytes.len(), group_bytes(2, 12, dtype));
+            assert_eq!(g.codec, codec_name(dtype));
+            assert_eq!(g.bytes.len(), group_bytes(2, 4, 3, dtype));
             decode(&g, &mut kv, &[2, 5]).unwrap();
             assert_eq!(block(&kv, 2), block(&kv, 1));
             assert_eq!(block(&kv, 5), block(&kv, 4));
