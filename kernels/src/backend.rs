@@ -31,7 +31,9 @@ pub trait Backend: Send + Sync {
         n_kv_heads: usize,
         scale: f32,
         out: &mut [f32],
-    );
+    ) {
+        self.paged_attention_with_probs(q, kv, seqs, n_heads, n_kv_heads, scale, out, &mut []);
+    }
     /// [`Backend::paged_attention`] that also writes the softmax probabilities of the sequences named in `probs`
     /// (each sequence at most once) into their rows, as [`AttnProbs`] lays them out.
     #[allow(clippy::too_many_arguments)]

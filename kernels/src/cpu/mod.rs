@@ -274,19 +274,6 @@ impl Backend for CpuBackend {
         attention::kv_write(kv, k, v, seqs, n_kv_heads);
     }
 
-    fn paged_attention(
-        &self,
-        q: &[f32],
-        kv: &KvStorage,
-        seqs: &[AttnSeq<'_>],
-        n_heads: usize,
-        n_kv_heads: usize,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        attention::paged_attention(self, q, kv, seqs, n_heads, n_kv_heads, scale, out, &mut []);
-    }
-
     fn paged_attention_with_probs(
         &self,
         q: &[f32],
