@@ -284,7 +284,7 @@ pub fn forward_step<P, R: ModelRunner>(
             prior_lens: seq.lens(),
             want_logits: e.wants_logits,
             capture_q: seq.capture_for(e.start, e.n),
-            capture_probs: seq.capture_probs_for(e.start, e.n),
+            capture_probs: seq.capture_probs_for(e.n),
         });
     }
     let result = runner.forward(&b, logits);

@@ -218,9 +218,9 @@ impl<P> Sequence<P> {
     pub fn capture_for(&self, start: usize, n: usize) -> usize {
         self.policy.capture_for(start, n, self.tokens.len())
     }
-    /// Whether the next step of `n` tokens from `start` must capture its attention probabilities for the policy.
-    pub fn capture_probs_for(&self, start: usize, n: usize) -> bool {
-        self.policy.capture_probs_for(start, n, self.tokens.len())
+    /// Whether the next step of `n` tokens must capture its attention probabilities for the policy.
+    pub fn capture_probs_for(&self, n: usize) -> bool {
+        self.policy.capture_probs_for(n)
     }
     /// Block tables per (layer, kv-head).
     pub fn tables(&self) -> &[Vec<u32>] {

@@ -57,7 +57,7 @@ impl Cache {
             }
         }
         self.blocks.advance(n);
-        let wants_probs = self.policy.capture_probs_for(self.pos, n, total);
+        let wants_probs = self.policy.capture_probs_for(n);
         let cap = match (wants_probs, self.fused) {
             (true, false) => n,
             _ => self.policy.capture_for(self.pos, n, total),

@@ -171,12 +171,11 @@ impl PolicyState {
         self.positions.get(t).map_or(&[], Vec::as_slice)
     }
 
-    /// Whether a step computing `start..start + n` (of `total`) needs its attention probabilities captured: the
+    /// Whether a step of `n` tokens needs its attention probabilities captured: the
     /// decode steps of the policies that accumulate attention (H2O's running sum, KV-Compress's continual Eq. 20
     /// metric), which then read the weights the attention kernel computed instead of walking the keys a second
     /// time (vLLM's KV-Compress likewise takes its metric from the attention kernel).
-    pub fn capture_probs_for(&self, start: usize, n: usize, total: usize) -> bool {
-        let _ = (start, total);
+    pub fn capture_probs_for(&self, n: usize) -> bool {
         self.prefilled && n <= PROBS_MAX_TOKENS && matches!(self.spec.kind, PolicyKind::H2o | PolicyKind::KvCompress)
     }
 
@@ -189,7 +188,7 @@ impl PolicyState {
     /// How many trailing tokens of a step computing `start..start + n` (of `total`) need their queries
     /// captured.
     pub fn capture_for(&self, start: usize, n: usize, total: usize) -> usize {
-        if self.capture_probs_for(start, n, total) {
+        if self.capture_probs_for(n) {
             return 0;
         }
         let end = start + n;
