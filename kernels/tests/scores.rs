@@ -102,10 +102,19 @@ fn key_norms_match_reference() {
         for len in LENS {
             let c = Cache::random(&mut rng, len, bs, hd);
             let mut out = vec![-1.0f32; len + 2];
-            key_norms(&c.kv, &c.table, len, &mut out);
+            key_norms(&c.kv, &c.table, 0..len, &mut out);
             let want: Vec<f64> = c.k.iter().map(|k| norm64(k)).collect();
             assert_close(&out[..len], &want, 1e-5, &format!("key_norms bs={bs} hd={hd} len={len}"));
             assert_eq!(&out[len..], &[-1.0, -1.0], "key_norms wrote past len");
+            // Any sub-range (within a block, across blocks, empty) writes exactly its slots, the same values.
+            for from in [0, 1, bs.saturating_sub(1), bs, bs + 1, len.saturating_sub(1), len] {
+                let from = from.min(len);
+                let mut part = vec![-1.0f32; len + 2];
+                key_norms(&c.kv, &c.table, from..len, &mut part);
+                assert!(part[..from].iter().all(|&x| x == -1.0), "key_norms wrote before {from} (len {len})");
+                assert_eq!(&part[from..len], &out[from..len], "key_norms {from}..{len} bs={bs} hd={hd}");
+                assert_eq!(&part[len..], &[-1.0, -1.0]);
+            }
         }
     }
 }
@@ -451,7 +460,7 @@ fn knorm_picks_the_big_key() {
     let v = vec![vec![1.0; hd]; 20];
     let c = Cache::with(&mut rng, 4, hd, k, v);
     let mut out = vec![0.0; 20];
-    key_norms(&c.kv, &c.table, 20, &mut out);
+    key_norms(&c.kv, &c.table, 0..20, &mut out);
     assert!((out[13] - 5.0 * (hd as f32).sqrt()).abs() < 1e-5);
     let (mut idx, mut sel) = (Vec::new(), Vec::new());
     select_k(&out, 1, true, &mut idx, &mut sel);

@@ -133,6 +133,20 @@ fn knorm_keeps_the_lowest_key_norms_and_frees_blocks() {
     c.step(1, 17, kv, no_q);
     assert_eq!(c.kept(0), vec![0, 1, 2, 3, 10, 11, 12, 13]);
     c.check_blocks();
+    // A small new key stays, and the largest kept one (position 3) goes.
+    let small_at_17 = |t: usize, p: usize| if p == 17 { (scaled(0.02), [1.0; HD]) } else { kv(t, p) };
+    c.step(1, 18, small_at_17, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 10, 11, 12, 13, 17]);
+    c.check_blocks();
+    // The policy computes each key's norm once, when it is written, and the norms move with their slots through
+    // the compaction and the swap-removes above.
+    let len = c.blocks.lens()[0];
+    assert_eq!(c.policy.metrics(0).len(), len);
+    for s in 0..len {
+        let norm = c.key(0, s).iter().map(|x| x * x).sum::<f32>().sqrt();
+        let kept = c.policy.metrics(0)[s];
+        assert!((kept - norm).abs() <= 1e-6 * norm.max(1.0), "slot {s}: kept norm {kept}, key's norm {norm}");
+    }
 }
 
 #[test]

@@ -24,6 +24,7 @@
 use super::scalar::dot_f32;
 use crate::paged::{KvDtype, KvStorage};
 use std::cmp::Ordering;
+use std::ops::Range;
 
 /// Lower bound on ‖K_i‖₂ in [`value_key_ratio`]. The paper's ratio is undefined for a zero key. Its premise
 /// (Devoto et al., PagedEviction §4.1) is that smaller key norms draw more attention, so a zero key is the limiting
@@ -38,9 +39,20 @@ pub const COSINE_EPS: f32 = 1e-8;
 
 /// Calls `f(i, k_i, v_i)` for slots `0..len` of one cache, walking the block table once.
 #[inline]
-fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(usize, &[f32], &[f32])) {
+fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, f: impl FnMut(usize, &[f32], &[f32])) {
+    for_each_slot_in(kv, table, 0..len, f);
+}
+
+/// Calls `f(i, k_i, v_i)` for the slots `i` in `slots`, reading only the blocks that hold them.
+#[inline]
+fn for_each_slot_in(kv: &KvStorage, table: &[u32], slots: Range<usize>, mut f: impl FnMut(usize, &[f32], &[f32])) {
     let bs = kv.block_size();
     let hd = kv.head_dim();
+    let len = slots.end;
+    if slots.start >= len {
+        return;
+    }
+    let first_block = slots.start / bs;
     let blocks = len.div_ceil(bs);
     debug_assert!(table.len() >= blocks, "score kernels: table has {} blocks, len {len} needs {blocks}", table.len());
     // f16 blocks are widened a block at a time: on the stack for blocks of up to 1,024 values (16 slots of 64), else
@@ -56,7 +68,7 @@ fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(us
         vh.resize(kv.block_len(), 0.0);
         (&mut kh, &mut vh)
     };
-    for (bi, &b) in table[..blocks].iter().enumerate() {
+    for (bi, &b) in table[..blocks].iter().enumerate().skip(first_block) {
         let n = (len - bi * bs).min(bs);
         let e = n * hd;
         let (kb, vb): (&[f32], &[f32]) = if f32_cache {
@@ -65,21 +77,23 @@ fn for_each_slot(kv: &KvStorage, table: &[u32], len: usize, mut f: impl FnMut(us
             kv.read_block(b, &mut kw[..e], &mut vw[..e]);
             (&kw[..e], &vw[..e])
         };
-        for (s, (k, v)) in kb.chunks_exact(hd).zip(vb.chunks_exact(hd)).enumerate() {
+        let skip = slots.start.saturating_sub(bi * bs);
+        for (s, (k, v)) in kb.chunks_exact(hd).zip(vb.chunks_exact(hd)).enumerate().skip(skip) {
             f(bi * bs + s, k, v);
         }
     }
 }
 
-/// ‖K_i‖₂ for slots `0..len`, written to `out[..len]`.
+/// ‖K_i‖₂ for the slots in `slots`, written to `out[slots]`. A key's norm never changes once written, so a caller
+/// that keeps the norms per slot (moving them with their slots) computes only the new slots' each step.
 ///
 /// This is the score of the Inverse Key L2-Norm policy (knorm): keys with a LOW norm attract the most attention
 /// (Devoto et al. 2024, via PagedEviction §4.1), so that policy evicts the HIGHEST values. (EvicPress §6.1 words it
 /// the other way round, "drops those with low L2 norm"; the original paper and PagedEviction §5.2 agree on
 /// evicting high norms.)
-pub fn key_norms(kv: &KvStorage, table: &[u32], len: usize, out: &mut [f32]) {
-    debug_assert!(out.len() >= len, "key_norms: out has {} entries, len is {len}", out.len());
-    for_each_slot(kv, table, len, |i, k, _| out[i] = dot_f32(k, k).sqrt());
+pub fn key_norms(kv: &KvStorage, table: &[u32], slots: Range<usize>, out: &mut [f32]) {
+    debug_assert!(out.len() >= slots.end, "key_norms: out has {} entries, slots end at {}", out.len(), slots.end);
+    for_each_slot_in(kv, table, slots, |i, k, _| out[i] = dot_f32(k, k).sqrt());
 }
 
 /// PagedEviction token importance `S_i = ‖V_i‖₂ / ‖K_i‖₂` (PagedEviction §4.1, Alg. 1 line 3, Alg. 2 line 8) for

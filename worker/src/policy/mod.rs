@@ -119,7 +119,8 @@ pub struct PolicyState {
     block_size: usize,
     /// Token position of every slot, per table (slots move when the cache is compacted).
     positions: Vec<Vec<u32>>,
-    /// Accumulated attention per slot, per table (H2O, KV-Compress).
+    /// A number per slot, per table, that moves with its slot: accumulated attention (H2O, KV-Compress) or the
+    /// key's norm (knorm, computed once when the slot is written instead of over the whole cache every step).
     metrics: Vec<Vec<f32>>,
     /// Observation window: the last prompt queries, `[layer][window][q_dim]` (SnapKV, KV-Compress, SAGE).
     obs: Vec<f32>,
@@ -133,7 +134,7 @@ pub struct PolicyState {
 impl PolicyState {
     pub fn new(spec: PolicySpec, dims: AttnDims, block_size: usize) -> PolicyState {
         let tables = dims.n_layers * dims.n_kv_heads;
-        let tracks_metrics = matches!(spec.kind, PolicyKind::H2o | PolicyKind::KvCompress);
+        let tracks_metrics = matches!(spec.kind, PolicyKind::H2o | PolicyKind::KvCompress | PolicyKind::Knorm);
         PolicyState {
             spec,
             dims,
@@ -179,8 +180,8 @@ impl PolicyState {
         self.prefilled && n <= PROBS_MAX_TOKENS && matches!(self.spec.kind, PolicyKind::H2o | PolicyKind::KvCompress)
     }
 
-    /// Accumulated attention metric of every slot of table `t` (H2O, KV-Compress; empty for the others), for tests
-    /// and diagnostics.
+    /// The per-slot metric of table `t`: accumulated attention (H2O, KV-Compress), the key norm (knorm); empty for
+    /// the others. For tests and diagnostics.
     pub fn metrics(&self, t: usize) -> &[f32] {
         self.metrics.get(t).map_or(&[], Vec::as_slice)
     }
@@ -238,8 +239,13 @@ impl PolicyState {
             }
             pos.extend((step.start..step.start + step.n).map(|p| p as u32));
         }
+        let key_norms = self.spec.kind == PolicyKind::Knorm;
         for (t, m) in self.metrics.iter_mut().enumerate() {
+            let from = m.len();
             m.resize(lens[t], 0.0);
+            if key_norms && from < lens[t] {
+                scores::key_norms(cache.kv, &cache.blocks.tables()[t], from..lens[t], m);
+            }
         }
         let n_q =
             if self.dims.n_layers == 0 { 0 } else { step.captured_q.len() / (self.dims.n_layers * self.dims.q_dim()) };
@@ -727,7 +733,11 @@ impl PolicyState {
         let sc = &mut self.scratch;
         sc.scores.resize(len.max(sc.scores.len()), 0.0);
         match score {
-            Score::KeyNorm => scores::key_norms(cache.kv, table, len, &mut sc.scores),
+            Score::KeyNorm => match self.metrics.get(t) {
+                // knorm keeps every slot's norm from when it was written.
+                Some(m) if m.len() >= len => sc.scores[..len].copy_from_slice(&m[..len]),
+                _ => scores::key_norms(cache.kv, table, 0..len, &mut sc.scores),
+            },
             Score::ValueKeyRatio => scores::value_key_ratio(cache.kv, table, len, &mut sc.scores),
             Score::KeydiffCosine => scores::keydiff_cosine(cache.kv, table, len, &mut sc.anchor, &mut sc.scores),
         }
