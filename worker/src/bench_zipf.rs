@@ -179,7 +179,8 @@ impl ZipfReport {
         for (name, ep) in self.results.iter().filter_map(|r| Some((&r.name, r.evicpress.as_ref()?))) {
             s += &format!(
                 "\n{name}: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
-                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops.\n",
+                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops. Mean \
+                 profiled quality: {}.\n",
                 ep.contexts,
                 ep.profiles,
                 ep.profile_ms as f64 / 1e3,
@@ -188,7 +189,16 @@ impl ZipfReport {
                 ep.placed_with_prior,
                 ep.compressed,
                 ep.moved_down,
-                ep.dropped
+                ep.dropped,
+                ep.variants
+                    .iter()
+                    .zip(&ep.mean_quality)
+                    .map(|(v, q)| match q {
+                        Some(q) => format!("{v} {q:.3}"),
+                        None => format!("{v} unmeasured"),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
         s += &self.comparison();

@@ -119,7 +119,7 @@ pub enum GenerateEvent {
     Failed(String),
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
     pub blocks_total: u64,
     pub blocks_used: u64,
@@ -231,8 +231,8 @@ pub struct StepSeq<'a> {
     pub tables: &'a [Vec<u32>],
     /// Cache lengths before this step, same indexing.
     pub prior_lens: &'a [usize],
-    /// Append the last token's logits (vocab floats) to the output.
-    pub want_logits: bool,
+    /// Which rows of logits (vocab floats each) to append to the output.
+    pub logits: LogitsWanted,
     /// Trailing tokens whose queries the eviction policy needs captured.
     pub capture_q: usize,
     /// Capture this step's attention probabilities for the eviction policy.
@@ -242,8 +242,8 @@ pub struct StepSeq<'a> {
 /// The model as the engine thread drives it. Owns the KV storage.
 pub trait ModelRunner {
     fn info(&self) -> &ModelInfo;
-    /// Computes one batched step; for each sequence with `want_logits`, in order, appends one row of
-    /// `vocab_size` logits to `logits` (which the caller cleared).
+    /// Computes one batched step; for each sequence, in order, appends the rows of `vocab_size` logits it wants
+    /// (none, its last token's, or one per token) to `logits` (which the caller cleared).
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError>;
     /// The KV storage and the queries the last step captured, for eviction policies. A runner without host-side
     /// KV returns `None`, and requests then keep their full cache.
@@ -282,7 +282,7 @@ pub fn forward_step<P, R: ModelRunner>(
             start_pos: e.start as u32,
             tables: seq.tables(),
             prior_lens: seq.lens(),
-            want_logits: e.wants_logits,
+            logits: if e.wants_logits { LogitsWanted::Last } else { LogitsWanted::None },
             capture_q: seq.capture_for(e.start, e.n),
             capture_probs: seq.capture_probs_for(e.n),
         });
@@ -1284,7 +1284,7 @@ impl ModelRunner for LlamaRunner {
             start_pos: s.start_pos,
             tables: s.tables,
             prior_lens: s.prior_lens,
-            logits: if s.want_logits { LogitsWanted::Last } else { LogitsWanted::None },
+            logits: s.logits,
             capture_q: s.capture_q,
             capture_probs: s.capture_probs,
         }));
@@ -1315,12 +1315,20 @@ mod tests {
         fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
             std::thread::sleep(self.delay);
             let v = self.info.vocab_size;
-            for s in seqs.iter().filter(|s| s.want_logits) {
-                let pos = s.start_pos as usize + s.tokens.len();
-                let last = *s.tokens.last().ok_or_else(|| EngineError::Forward("empty".into()))? as usize;
-                let start = logits.len();
-                logits.resize(start + v, 0.0);
-                logits[start + (pos + last) % v] = 1.0;
+            for s in seqs {
+                let first = match s.logits {
+                    LogitsWanted::None => continue,
+                    LogitsWanted::Last => {
+                        s.tokens.len().checked_sub(1).ok_or_else(|| EngineError::Forward("empty".into()))?
+                    }
+                    LogitsWanted::All => 0,
+                };
+                for (i, &tok) in s.tokens.iter().enumerate().skip(first) {
+                    let pos = s.start_pos as usize + i + 1;
+                    let start = logits.len();
+                    logits.resize(start + v, 0.0);
+                    logits[start + (pos + tok as usize) % v] = 1.0;
+                }
             }
             Ok(())
         }

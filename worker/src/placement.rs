@@ -9,11 +9,13 @@
 //!   request (bounded by `probe_tokens`) are kept as its profiling probe.
 //! - **Profiling.** Right after a request computed a context from scratch, and only when the engine has no other
 //!   work, the profiler measures each variant's quality: it greedily decodes `answer_tokens` tokens after the probe
-//!   with the full-precision KV (the reference), then, for each compressing codec, quantises the context's device
-//!   blocks in place (encode → decode, what onboarding that variant would produce), decodes again and scores the
-//!   fraction of positions that agree with the reference; the original blocks are restored bit-exactly after every
-//!   variant. It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and
-//!   are never chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
+//!   with the full-precision KV (the answer), then, for each compressing codec, quantises the context's device
+//!   blocks in place (encode → decode, what onboarding that variant would produce), runs one teacher-forced step over
+//!   the probe and the answer, and scores the fraction of answer positions whose top token is the one the same step
+//!   predicts over the original KV (a resolution of 1/16 at the default 16 tokens; teacher forcing keeps one early
+//!   miss from failing every later position); the original blocks are restored bit-exactly after every variant.
+//!   It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and are never
+//!   chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
 //!   gets the running mean of the profiles measured so far (lossless only before the first).
 //! - **Drift.** When a profiled context that had been dropped is recomputed and the engine is idle, the profiler
 //!   re-measures the variant it was last stored in; [`Planner::observe_quality`] says whether the running mean has
@@ -35,6 +37,7 @@ use pagoda_kernels::{Codec, KvDtype, KvStorage};
 use crate::cache::{BlockId, BlockPool, CacheLayout, block_hashes};
 use crate::engine::{EngineError, ModelRunner, StepSeq};
 use crate::evicpress::{self, Operation, Planner, PlannerConfig, Variant};
+use crate::model::LogitsWanted;
 use crate::sampling::argmax;
 use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
 
@@ -96,7 +99,7 @@ pub struct EvicPressConfig {
     pub max_contexts: usize,
     /// Tokens after a context kept as its profiling probe.
     pub probe_tokens: usize,
-    /// Greedy tokens compared per variant.
+    /// Greedy tokens of the reference answer; each variant is scored at these positions (teacher-forced).
     pub answer_tokens: usize,
     /// Relative drop of observed quality below the profile that triggers a re-profile.
     pub drift_threshold: f64,
@@ -113,7 +116,7 @@ impl Default for EvicPressConfig {
             codecs: GroupCodec::COMPRESSING.to_vec(),
             max_contexts: 4096,
             probe_tokens: 32,
-            answer_tokens: 4,
+            answer_tokens: 16,
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
             min_context_groups: 4,
@@ -122,9 +125,13 @@ impl Default for EvicPressConfig {
 }
 
 /// Counters and occupancy of the placement (in [`crate::engine::EngineStats`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct EvicPressStats {
     pub contexts: u64,
+    /// The variants (index 0 is the lossless native format), and the mean of their measured quality over every
+    /// profile so far (`None`: never measured).
+    pub variants: Vec<&'static str>,
+    pub mean_quality: Vec<Option<f64>>,
     /// Contexts placed per tier ([`Tier::index`]; the device slot stays 0).
     pub placed: [u64; 3],
     /// Bytes the planner accounts per tier, and its capacities.
@@ -265,6 +272,8 @@ impl EvicPress {
         s.contexts = self.contexts.len() as u64;
         s.planned_bytes = self.planner.used();
         s.pending = self.pending.len() as u64;
+        s.variants = self.variant_names();
+        s.mean_quality = self.prior_quality();
         s.placed = [0; 3];
         for c in self.contexts.values() {
             if let Some(p) = c.stored {
@@ -509,7 +518,13 @@ impl EvicPress {
     ) -> Result<Vec<Option<f64>>, EngineError> {
         let mut quality = vec![None; self.variants.len()];
         quality[0] = Some(1.0);
-        let reference = self.greedy(runner, tables, ctx_tokens, probe)?;
+        let answer = self.greedy(runner, tables, ctx_tokens, probe)?;
+        // Every variant is scored teacher-forced over the probe and the full-precision answer, so that one early
+        // disagreement costs one position rather than the rest of a diverged answer. The reference predictions
+        // come from the very same step over the original KV: only the codec differs between the two.
+        let mut forced: Vec<u32> = probe.to_vec();
+        forced.extend_from_slice(&answer[..answer.len().saturating_sub(1)]);
+        let reference = self.teacher_forced(runner, tables, ctx_tokens, &forced, answer.len())?;
         let Some(io) = runner.policy_io() else { return Ok(quality) };
         let originals: Vec<EncodedGroup> = groups.iter().map(|g| native::encode(io.kv, g)).collect();
         for &v in variants {
@@ -517,8 +532,8 @@ impl EvicPress {
                 break;
             }
             let codec = self.variants[v];
-            let answer = match round_trip(runner, groups, codec) {
-                Ok(()) => self.greedy(runner, tables, ctx_tokens, probe),
+            let predicted = match round_trip(runner, groups, codec) {
+                Ok(()) => self.teacher_forced(runner, tables, ctx_tokens, &forced, answer.len()),
                 Err(e) => Err(e),
             };
             // Restore whatever happened: the device blocks are the prefix cache's.
@@ -527,11 +542,8 @@ impl EvicPress {
                     native::decode(orig, io.kv, g).map_err(|e| EngineError::Forward(e.to_string()))?;
                 }
             }
-            match answer {
-                Ok(a) => {
-                    let agree = a.iter().zip(&reference).filter(|(x, y)| x == y).count();
-                    quality[v] = Some(agree as f64 / reference.len().max(1) as f64);
-                }
+            match predicted {
+                Ok(p) => quality[v] = Some(agreement(&p, &reference)),
                 // A codec that refuses this KV (out of its range) is simply not a choice for it.
                 Err(e) => tracing::debug!(codec = codec.name(), error = %e, "variant not profiled"),
             }
@@ -560,7 +572,7 @@ impl EvicPress {
                 start_pos: pos as u32,
                 tables,
                 prior_lens: &lens,
-                want_logits: true,
+                logits: LogitsWanted::Last,
                 capture_q: 0,
                 capture_probs: false,
             };
@@ -576,6 +588,36 @@ impl EvicPress {
             input.push(tok);
         }
         Ok(out)
+    }
+
+    /// One step over `tokens` after the context (teacher forcing): the top token at each of the last `scored`
+    /// positions.
+    fn teacher_forced<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        tables: &[Vec<BlockId>],
+        ctx_tokens: usize,
+        tokens: &[u32],
+        scored: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        let vocab = runner.info().vocab_size;
+        let lens = vec![ctx_tokens; tables.len()];
+        self.logits.clear();
+        let seq = StepSeq {
+            tokens,
+            start_pos: ctx_tokens as u32,
+            tables,
+            prior_lens: &lens,
+            logits: LogitsWanted::All,
+            capture_q: 0,
+            capture_probs: false,
+        };
+        runner.forward(&[seq], &mut self.logits)?;
+        if scored > tokens.len() || self.logits.len() < tokens.len() * vocab {
+            return Err(EngineError::Forward("too few logits from the profiling step".into()));
+        }
+        let first = tokens.len() - scored;
+        Ok(self.logits[first * vocab..tokens.len() * vocab].chunks_exact(vocab).map(argmax).collect())
     }
 
     /// Applies the planner's operations. Every context they touch is brought to its final placement, in an order
@@ -706,6 +748,16 @@ fn tier_of(t: evicpress::Tier) -> Tier {
     }
 }
 
+/// The fraction of positions where a variant's top token is the reference's (1 for no positions: nothing
+/// disagreed).
+fn agreement(predicted: &[u32], reference: &[u32]) -> f64 {
+    if reference.is_empty() {
+        return 1.0;
+    }
+    let agree = predicted.iter().zip(reference).filter(|(p, r)| p == r).count();
+    agree as f64 / reference.len() as f64
+}
+
 fn release(pool: &mut BlockPool, blocks: &[BlockId]) {
     if let Err(e) = pool.release(blocks) {
         tracing::error!(error = %e, "releasing profiling blocks failed");
@@ -748,6 +800,20 @@ mod tests {
     }
 
     #[test]
+    fn agreement_counts_positions_not_prefixes() {
+        // One early miss costs one position of 16, not the rest of the answer.
+        let reference: Vec<u32> = (0..16).collect();
+        let mut predicted = reference.clone();
+        predicted[1] = 99;
+        assert_eq!(agreement(&predicted, &reference), 15.0 / 16.0);
+        assert_eq!(agreement(&reference, &reference), 1.0);
+        assert_eq!(agreement(&[7; 16], &reference), 1.0 / 16.0);
+        // A short prediction (a step that returned fewer rows) counts its missing positions as misses.
+        assert_eq!(agreement(&reference[..8], &reference), 0.5);
+        assert_eq!(agreement(&[], &[]), 1.0);
+    }
+
+    #[test]
     fn the_planner_is_sized_from_the_tiers_and_codecs() {
         let dir = std::env::temp_dir().join(format!("pagoda-placement-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -757,6 +823,9 @@ mod tests {
         let ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F16, &tiers).unwrap();
         assert_eq!(ep.variant_names(), ["f16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"]);
         assert_eq!(ep.stats().capacity_bytes, [0, 1 << 20, 4 << 20]);
+        // Before any profile only the lossless variant has a quality.
+        assert_eq!(ep.stats().variants, ep.variant_names());
+        assert_eq!(ep.stats().mean_quality, [Some(1.0), None, None, None, None]);
         // A native format is not a compressing variant; nonsense settings are refused.
         let native = EvicPressConfig { codecs: vec![Codec::F16], ..EvicPressConfig::default() };
         assert!(EvicPress::new(native, "m", layout, 64, KvDtype::F16, &tiers).is_err());

@@ -83,6 +83,12 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
     let ep = by("evicpress");
     let stats = ep.evicpress.as_ref().expect("EvicPress reports its state");
     assert!(stats.profiles > 0 && stats.contexts > 0, "{stats:?}");
+    // EvicPress chooses among the same codecs as the fixed baselines; the profiler measured each one, with a
+    // resolution finer than the 1/4 of a 4-token answer.
+    assert_eq!(stats.variants, ["f16", "int4_kivi"]);
+    let q: Vec<f64> = stats.mean_quality.iter().map(|q| q.expect("every variant profiled")).collect();
+    assert_eq!(q[0], 1.0, "lossless");
+    assert!((0.5..1.0).contains(&q[1]), "int4 is lossy but keeps most answers: {q:?}");
     for t in 0..3 {
         assert!(ep.peak_planned_bytes[t] <= stats.capacity_bytes[t], "planned over capacity: {ep:?}");
     }
