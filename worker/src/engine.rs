@@ -1298,41 +1298,44 @@ impl ModelRunner for LlamaRunner {
     }
 }
 
+/// A stand-in model for the unit tests here and in `service`: next token = (position + last token) % vocab, as
+/// one-hot logits, after `delay`.
+#[cfg(test)]
+pub(crate) struct FakeRunner {
+    pub(crate) info: ModelInfo,
+    pub(crate) delay: Duration,
+}
+
+#[cfg(test)]
+impl ModelRunner for FakeRunner {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+        std::thread::sleep(self.delay);
+        let v = self.info.vocab_size;
+        for s in seqs {
+            let first = match s.logits {
+                LogitsWanted::None => continue,
+                LogitsWanted::Last => {
+                    s.tokens.len().checked_sub(1).ok_or_else(|| EngineError::Forward("empty step".into()))?
+                }
+                LogitsWanted::All => 0,
+            };
+            for (i, &tok) in s.tokens.iter().enumerate().skip(first) {
+                let pos = s.start_pos as usize + i + 1;
+                let start = logits.len();
+                logits.resize(start + v, 0.0);
+                logits[start + (pos + tok as usize) % v] = 1.0;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A stand-in model: next token = (position + last token) % vocab, one-hot logits.
-    struct FakeRunner {
-        info: ModelInfo,
-        delay: Duration,
-    }
-
-    impl ModelRunner for FakeRunner {
-        fn info(&self) -> &ModelInfo {
-            &self.info
-        }
-        fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
-            std::thread::sleep(self.delay);
-            let v = self.info.vocab_size;
-            for s in seqs {
-                let first = match s.logits {
-                    LogitsWanted::None => continue,
-                    LogitsWanted::Last => {
-                        s.tokens.len().checked_sub(1).ok_or_else(|| EngineError::Forward("empty".into()))?
-                    }
-                    LogitsWanted::All => 0,
-                };
-                for (i, &tok) in s.tokens.iter().enumerate().skip(first) {
-                    let pos = s.start_pos as usize + i + 1;
-                    let start = logits.len();
-                    logits.resize(start + v, 0.0);
-                    logits[start + (pos + tok as usize) % v] = 1.0;
-                }
-            }
-            Ok(())
-        }
-    }
 
     fn fake(num_blocks: usize, delay_ms: u64) -> EngineHandle {
         let info = ModelInfo {

@@ -598,40 +598,7 @@ mod tests {
     use pagoda_proto::worker::SamplingParams as PbSampling;
 
     use super::*;
-    use crate::engine::{Engine, EngineConfig, ModelInfo, ModelRunner, StepSeq};
-    use crate::model::LogitsWanted;
-
-    /// Stand-in model: next token = (position + last token) % vocab, as one-hot logits.
-    struct FakeRunner {
-        info: ModelInfo,
-        delay: Duration,
-    }
-
-    impl ModelRunner for FakeRunner {
-        fn info(&self) -> &ModelInfo {
-            &self.info
-        }
-        fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
-            std::thread::sleep(self.delay);
-            let v = self.info.vocab_size;
-            for s in seqs {
-                let first = match s.logits {
-                    LogitsWanted::None => continue,
-                    LogitsWanted::Last => {
-                        s.tokens.len().checked_sub(1).ok_or_else(|| EngineError::Forward("empty step".into()))?
-                    }
-                    LogitsWanted::All => 0,
-                };
-                for (i, &tok) in s.tokens.iter().enumerate().skip(first) {
-                    let pos = s.start_pos as usize + i + 1;
-                    let start = logits.len();
-                    logits.resize(start + v, 0.0);
-                    logits[start + (pos + tok as usize) % v] = 1.0;
-                }
-            }
-            Ok(())
-        }
-    }
+    use crate::engine::{Engine, EngineConfig, FakeRunner, ModelInfo};
 
     fn service(num_blocks: usize, delay_ms: u64) -> WorkerService {
         let info = ModelInfo {
