@@ -566,17 +566,7 @@ impl EvicPress {
         let mut input: Vec<u32> = probe.to_vec();
         let mut pos = ctx_tokens;
         for _ in 0..self.cfg.answer_tokens {
-            self.logits.clear();
-            let seq = StepSeq {
-                tokens: &input,
-                start_pos: pos as u32,
-                tables,
-                prior_lens: &lens,
-                logits: LogitsWanted::Last,
-                capture_q: 0,
-                capture_probs: false,
-            };
-            runner.forward(&[seq], &mut self.logits)?;
+            self.forward(runner, tables, &input, pos, &lens, LogitsWanted::Last)?;
             if self.logits.len() < vocab {
                 return Err(EngineError::Forward("no logits from the profiling step".into()));
             }
@@ -588,6 +578,30 @@ impl EvicPress {
             input.push(tok);
         }
         Ok(out)
+    }
+
+    /// One profiling step of `tokens` from position `pos` over `tables` holding `lens` slots; its logits land in
+    /// `self.logits`.
+    fn forward<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        tables: &[Vec<BlockId>],
+        tokens: &[u32],
+        pos: usize,
+        lens: &[usize],
+        logits: LogitsWanted,
+    ) -> Result<(), EngineError> {
+        self.logits.clear();
+        let seq = StepSeq {
+            tokens,
+            start_pos: pos as u32,
+            tables,
+            prior_lens: lens,
+            logits,
+            capture_q: 0,
+            capture_probs: false,
+        };
+        runner.forward(&[seq], &mut self.logits)
     }
 
     /// One step over `tokens` after the context (teacher forcing): the top token at each of the last `scored`
@@ -602,17 +616,7 @@ impl EvicPress {
     ) -> Result<Vec<u32>, EngineError> {
         let vocab = runner.info().vocab_size;
         let lens = vec![ctx_tokens; tables.len()];
-        self.logits.clear();
-        let seq = StepSeq {
-            tokens,
-            start_pos: ctx_tokens as u32,
-            tables,
-            prior_lens: &lens,
-            logits: LogitsWanted::All,
-            capture_q: 0,
-            capture_probs: false,
-        };
-        runner.forward(&[seq], &mut self.logits)?;
+        self.forward(runner, tables, tokens, ctx_tokens, &lens, LogitsWanted::All)?;
         if scored > tokens.len() || self.logits.len() < tokens.len() * vocab {
             return Err(EngineError::Forward("too few logits from the profiling step".into()));
         }

@@ -538,9 +538,7 @@ impl PolicyState {
             if len <= c {
                 continue;
             }
-            self.score_table(cache, t, score);
-            let sc = &mut self.scratch;
-            scores::select_k(&sc.scores[..len], c, largest, &mut sc.idx, &mut sc.keep);
+            self.select_by_score(cache, t, score, c, largest);
             ev.add(self.apply_keep(cache, t)?);
         }
         Ok(ev)
@@ -700,11 +698,8 @@ impl PolicyState {
 
     /// The slot with the highest static `score` in table `t`.
     fn argmax_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score) -> Option<usize> {
-        let len = cache.blocks.lens()[t];
-        self.score_table(cache, t, score);
-        let sc = &mut self.scratch;
-        scores::select_k(&sc.scores[..len], 1, true, &mut sc.idx, &mut sc.picked);
-        sc.picked.first().map(|&s| s as usize)
+        self.select_by_score(cache, t, score, 1, true);
+        self.scratch.keep.first().map(|&s| s as usize)
     }
 
     /// The oldest slot of the sliding window (position at or past `slide_floor`).
@@ -726,21 +721,25 @@ impl PolicyState {
         sc.picked.first().map(|&s| s as usize).filter(|&s| sc.scores[s].is_finite())
     }
 
-    /// Static per-slot scores of table `t` into `scratch.scores[..len]`.
-    fn score_table(&mut self, cache: &CacheView<'_>, t: usize, score: Score) {
+    /// Ranks the slots of table `t` by a static `score`: the `k` lowest (or, `largest`, highest) slot indices,
+    /// ascending, into `scratch.keep`. knorm ranks the norms it keeps per slot; the other scores are computed here.
+    fn select_by_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score, k: usize, largest: bool) {
         let len = cache.blocks.lens()[t];
         let table = &cache.blocks.tables()[t];
         let sc = &mut self.scratch;
         sc.scores.resize(len.max(sc.scores.len()), 0.0);
-        match score {
-            Score::KeyNorm => match self.metrics.get(t) {
-                // knorm keeps every slot's norm from when it was written.
-                Some(m) if m.len() >= len => sc.scores[..len].copy_from_slice(&m[..len]),
-                _ => scores::key_norms(cache.kv, table, 0..len, &mut sc.scores),
-            },
-            Score::ValueKeyRatio => scores::value_key_ratio(cache.kv, table, len, &mut sc.scores),
-            Score::KeydiffCosine => scores::keydiff_cosine(cache.kv, table, len, &mut sc.anchor, &mut sc.scores),
-        }
+        let ranked: &[f32] = match score {
+            Score::KeyNorm => &self.metrics[t][..len],
+            Score::ValueKeyRatio => {
+                scores::value_key_ratio(cache.kv, table, len, &mut sc.scores);
+                &sc.scores[..len]
+            }
+            Score::KeydiffCosine => {
+                scores::keydiff_cosine(cache.kv, table, len, &mut sc.anchor, &mut sc.scores);
+                &sc.scores[..len]
+            }
+        };
+        scores::select_k(ranked, k, largest, &mut sc.idx, &mut sc.keep);
     }
 
     // --- applying ---------------------------------------------------------------------------------------------
