@@ -7,8 +7,8 @@
 use pagoda_kernels::KvDtype;
 use pagoda_kernels::KvStorage;
 use pagoda_kernels::scores::{
-    RATIO_EPS, block_means, key_norms, keydiff_cosine, max_pool1d, select_k, value_key_ratio, window_attention_scores,
-    window_attention_scores_portable,
+    RATIO_EPS, add_unit_keys, block_means, key_norms, keydiff_cosine, keydiff_cosine_kept, max_pool1d, select_k,
+    select_one, value_key_ratio, window_attention_scores, window_attention_scores_portable,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -182,6 +182,46 @@ fn keydiff_cosine_matches_reference() {
             let (want_anchor, want) = keydiff_ref(&c.k);
             assert_close(&anchor, &want_anchor, 1e-5, &format!("{what} anchor"));
             assert_close(&out[..len], &want, 1e-5, &what);
+        }
+    }
+}
+
+#[test]
+fn keydiff_from_a_kept_anchor_sum_matches_the_two_pass_kernel() {
+    let mut rng = StdRng::seed_from_u64(31);
+    let (mut anchor, mut kept_anchor) = (Vec::new(), Vec::new());
+    for (bs, hd) in SHAPES {
+        for len in LENS {
+            let mut c = Cache::random(&mut rng, len, bs, hd);
+            let common = rand_vec(&mut rng, hd, 1.0);
+            for i in 0..len {
+                for (x, &d) in c.k[i].iter_mut().zip(&common) {
+                    *x += 2.0 * d;
+                }
+                c.write(i);
+            }
+            let what = format!("keydiff_cosine_kept bs={bs} hd={hd} len={len}");
+            let mut norms = vec![0.0f32; len];
+            key_norms(&c.kv, &c.table, 0..len, &mut norms);
+            let mut sum = vec![0.0f64; hd];
+            add_unit_keys(&c.kv, &c.table, 0..len, &norms, 1.0, &mut sum);
+            // Removing a slot and adding it back (an eviction, then the same key written again) leaves the sum.
+            let before = sum.clone();
+            for j in [0, len / 2, len.saturating_sub(1)].into_iter().filter(|&j| j < len) {
+                add_unit_keys(&c.kv, &c.table, j..j + 1, &norms, -1.0, &mut sum);
+                add_unit_keys(&c.kv, &c.table, j..j + 1, &norms, 1.0, &mut sum);
+            }
+            for (a, b) in sum.iter().zip(&before) {
+                assert!((a - b).abs() < 1e-12, "{what}: sum drifted {a} vs {b}");
+            }
+            let (mut want, mut got) = (vec![-7.0f32; len + 1], vec![-7.0f32; len + 1]);
+            keydiff_cosine(&c.kv, &c.table, len, &mut anchor, &mut want);
+            keydiff_cosine_kept(&c.kv, &c.table, len, &sum, &norms, &mut kept_anchor, &mut got);
+            assert_eq!(got[len], -7.0, "{what}: wrote past len");
+            let want64: Vec<f64> = want[..len].iter().map(|&x| f64::from(x)).collect();
+            assert_close(&got[..len], &want64, 1e-5, &what);
+            let anchor64: Vec<f64> = anchor.iter().map(|&x| f64::from(x)).collect();
+            assert_close(&kept_anchor, &anchor64, 1e-5, &format!("{what} anchor"));
         }
     }
 }
@@ -411,6 +451,30 @@ fn select_k_matches_reference() {
             }
         }
     }
+}
+
+#[test]
+fn select_one_is_select_k_of_one_over_the_eligible() {
+    let mut rng = StdRng::seed_from_u64(32);
+    let (mut idx, mut out) = (Vec::new(), Vec::new());
+    for n in [0, 1, 2, 7, 100, 1000] {
+        let cont = rand_vec(&mut rng, n, 1.0);
+        let tied: Vec<f32> = (0..n).map(|_| f32::from(rng.random_range(0u8..4))).collect();
+        for x in [&cont, &tied] {
+            for largest in [false, true] {
+                select_k(x, 1, largest, &mut idx, &mut out);
+                assert_eq!(select_one(x, largest, |_| true), out.first().map(|&i| i as usize), "n={n}");
+                // Only every third index eligible: the same as select_k over those values alone.
+                let eligible: Vec<usize> = (0..n).filter(|i| i % 3 == 1).collect();
+                let sub: Vec<f32> = eligible.iter().map(|&i| x[i]).collect();
+                select_k(&sub, 1, largest, &mut idx, &mut out);
+                let want = out.first().map(|&j| eligible[j as usize]);
+                assert_eq!(select_one(x, largest, |i| i % 3 == 1), want, "n={n} largest={largest}, filtered");
+            }
+        }
+    }
+    assert_eq!(select_one(&[1.0, 2.0], false, |_| false), None);
+    assert_eq!(select_one(&[0.0, -0.0], false, |_| true), Some(0), "-0 and +0 tie");
 }
 
 #[test]

@@ -223,6 +223,44 @@ fn keydiff_keeps_the_most_distinctive_keys_during_chunked_prefill() {
     c.check_blocks();
 }
 
+#[test]
+fn keydiff_decode_with_its_kept_anchor_evicts_what_rescoring_the_cache_would() {
+    // Keys share a direction plus pseudo-random noise (distinct per table), so no two cosines tie.
+    let key = |t: usize, p: usize| {
+        let mut k = [0.0f32; HD];
+        for (d, x) in k.iter_mut().enumerate() {
+            let h = (p as u64 * 2_654_435_761 + t as u64 * 97 + d as u64 * 40_503).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            *x = 1.0 + ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0;
+        }
+        k
+    };
+    let kv = move |t: usize, p: usize| (key(t, p), [1.0; HD]);
+    let mut c = Cache::new(PolicyKind::Keydiff, 8, 2, 2);
+    c.step(16, 16, kv, no_q);
+    // The reference: KeyDiff Eq. 8 over the positions kept so far, in f64, rescored from scratch each step.
+    let mut want: Vec<Vec<u32>> = (0..2).map(|t| c.kept(t)).collect();
+    for step in 0..60 {
+        let p = 16 + step;
+        c.step(1, p + 1, kv, no_q);
+        for (t, kept) in want.iter_mut().enumerate() {
+            kept.push(p as u32);
+            let keys: Vec<[f64; HD]> = kept.iter().map(|&q| key(t, q as usize).map(f64::from)).collect();
+            let norm = |k: &[f64; HD]| k.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let mut anchor = [0.0f64; HD];
+            for k in &keys {
+                for d in 0..HD {
+                    anchor[d] += k[d] / norm(k) / keys.len() as f64;
+                }
+            }
+            let cos = |k: &[f64; HD]| (0..HD).map(|d| k[d] * anchor[d]).sum::<f64>() / (norm(k) * norm(&anchor));
+            let victim = (0..keys.len()).max_by(|&a, &b| cos(&keys[a]).total_cmp(&cos(&keys[b]))).unwrap();
+            kept.remove(victim);
+            assert_eq!(c.kept(t), *kept, "table {t}, decode step {step}");
+        }
+        c.check_blocks();
+    }
+}
+
 /// One-hot-ish keys: position p points along axis p % HD, scaled so a query on that axis singles it out.
 fn axis_key(p: usize, special: &[usize]) -> [f32; HD] {
     let mut k = [0.05; HD];

@@ -10,10 +10,12 @@
 //! | [`value_key_ratio`] | ‖V_i‖₂ / ‖K_i‖₂ (PagedEviction §4.1, Alg. 1 line 3) | highest |
 //! | [`block_means`] | mean of a per-slot score over each block (PagedEviction Alg. 1 lines 6–9, Alg. 3) | highest |
 //! | [`keydiff_cosine`] | cos(µ(K̂), k_i) (KeyDiff Eq. 8, App. A.2.1) | lowest |
+//! | [`keydiff_cosine_kept`] | the same from a kept anchor sum ([`add_unit_keys`]) and kept norms (decode steps) | lowest |
 //! | [`window_attention_scores`] | Σ attention (SnapKV, H2O, SAGE-KV) or Σ attention² (KV-Compress Eq. 19/20) | highest |
 //! | [`accumulate_probs`] | the same sums from probabilities the attention kernel wrote (decode steps) | highest |
 //! | [`max_pool1d`] | SnapKV pooling (KV-Compress Eq. 8) | — |
 //! | [`select_k`] | deterministic top/bottom-k (the `topk` of KeyDiff Eq. 5/8) | — |
+//! | [`select_one`] | the same for k = 1 among eligible indices, in one pass (one victim per decode step) | — |
 //!
 //! Slot compaction after eviction lives with the storage: [`KvStorage::move_slot`] and
 //! [`KvStorage::compact_table`].
@@ -143,6 +145,56 @@ pub fn keydiff_cosine(kv: &KvStorage, table: &[u32], len: usize, anchor: &mut Ve
     // Pass 2: cosine with the anchor.
     for_each_slot(kv, table, len, |i, k, _| {
         out[i] = dot_f32(anchor, k) / (anchor_norm * out[i]).max(COSINE_EPS);
+    });
+}
+
+/// Adds `sign · k_i / max(‖k_i‖, ϵ)` for the slots in `slots` to `unit_key_sum` (`head_dim` entries), reading
+/// `‖k_i‖` from `norms[i]` as [`key_norms`] wrote it: the sum of normalised keys behind KeyDiff's anchor. A caller
+/// that adds each new key once and subtracts each evicted one keeps the anchor without walking the cache, so a
+/// decode step reads every key once ([`keydiff_cosine_kept`]) instead of twice. The sum is f64 so that thousands of
+/// additions and removals do not drift.
+pub fn add_unit_keys(
+    kv: &KvStorage,
+    table: &[u32],
+    slots: Range<usize>,
+    norms: &[f32],
+    sign: f64,
+    unit_key_sum: &mut [f64],
+) {
+    debug_assert!(norms.len() >= slots.end, "add_unit_keys: {} norms, slots end at {}", norms.len(), slots.end);
+    debug_assert_eq!(unit_key_sum.len(), kv.head_dim(), "add_unit_keys: sum length");
+    for_each_slot_in(kv, table, slots, |i, k, _| {
+        let w = sign / f64::from(norms[i].max(COSINE_EPS));
+        for (a, &x) in unit_key_sum.iter_mut().zip(k) {
+            *a += w * f64::from(x);
+        }
+    });
+}
+
+/// [`keydiff_cosine`] from a kept sum of the normalised keys of slots `0..len` ([`add_unit_keys`]) and kept key
+/// norms (`norms[..len]`, [`key_norms`]): one pass over the keys instead of two. `anchor` is scratch; on return it
+/// holds `µ(K̂)`.
+pub fn keydiff_cosine_kept(
+    kv: &KvStorage,
+    table: &[u32],
+    len: usize,
+    unit_key_sum: &[f64],
+    norms: &[f32],
+    anchor: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    debug_assert!(out.len() >= len && norms.len() >= len, "keydiff_cosine_kept: out or norms shorter than {len}");
+    anchor.clear();
+    if len == 0 {
+        anchor.resize(kv.head_dim(), 0.0);
+        return;
+    }
+    let inv_len = 1.0 / len as f64;
+    anchor.extend(unit_key_sum.iter().map(|&a| (a * inv_len) as f32));
+    let anchor_norm = dot_f32(anchor, anchor).sqrt();
+    let anchor = &anchor[..];
+    for_each_slot(kv, table, len, |i, k, _| {
+        out[i] = dot_f32(anchor, k) / (anchor_norm * norms[i]).max(COSINE_EPS);
     });
 }
 
@@ -420,6 +472,20 @@ pub fn block_means(x: &[f32], len: usize, block_size: usize, out: &mut [f32]) {
 fn cmp_f32(a: f32, b: f32) -> Ordering {
     // Adding +0 maps −0 to +0 and leaves every other value (NaN included) unchanged.
     (a + 0.0).total_cmp(&(b + 0.0))
+}
+
+/// The index [`select_k`] with `k = 1` would pick among the indices `eligible` accepts: the smallest (or, `largest`,
+/// the largest) value, the lower index on ties; `None` when none is eligible. One pass and no scratch: the per-token
+/// policies pick one victim per table at every decode step.
+pub fn select_one(x: &[f32], largest: bool, mut eligible: impl FnMut(usize) -> bool) -> Option<usize> {
+    let want = if largest { Ordering::Greater } else { Ordering::Less };
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if eligible(i) && best.is_none_or(|(_, b)| cmp_f32(v, b) == want) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i)
 }
 
 /// Indices of the `k` smallest (`largest == false`) or largest values of `x`, written to `out` (cleared first) in

@@ -120,8 +120,13 @@ pub struct PolicyState {
     /// Token position of every slot, per table (slots move when the cache is compacted).
     positions: Vec<Vec<u32>>,
     /// A number per slot, per table, that moves with its slot: accumulated attention (H2O, KV-Compress) or the
-    /// key's norm (knorm, computed once when the slot is written instead of over the whole cache every step).
+    /// key's norm (knorm, KeyDiff: computed once when the slot is written instead of over the whole cache every
+    /// step).
     metrics: Vec<Vec<f32>>,
+    /// KeyDiff after prefill: per table, the sum of the cached keys' normalised vectors (its anchor times the
+    /// length), kept as keys are written and evicted so a decode step reads each key once instead of twice. Empty
+    /// until the prompt is in (prefill compacts whole tables and scores from scratch).
+    unit_key_sums: Vec<Vec<f64>>,
     /// Observation window: the last prompt queries, `[layer][window][q_dim]` (SnapKV, KV-Compress, SAGE).
     obs: Vec<f32>,
     obs_tokens: usize,
@@ -134,13 +139,15 @@ pub struct PolicyState {
 impl PolicyState {
     pub fn new(spec: PolicySpec, dims: AttnDims, block_size: usize) -> PolicyState {
         let tables = dims.n_layers * dims.n_kv_heads;
-        let tracks_metrics = matches!(spec.kind, PolicyKind::H2o | PolicyKind::KvCompress | PolicyKind::Knorm);
+        let tracks_metrics =
+            matches!(spec.kind, PolicyKind::H2o | PolicyKind::KvCompress | PolicyKind::Knorm | PolicyKind::Keydiff);
         PolicyState {
             spec,
             dims,
             block_size,
             positions: if spec.is_full() { Vec::new() } else { vec![Vec::new(); tables] },
             metrics: if tracks_metrics { vec![Vec::new(); tables] } else { Vec::new() },
+            unit_key_sums: Vec::new(),
             obs: Vec::new(),
             obs_tokens: 0,
             slide_floor: 0,
@@ -161,6 +168,7 @@ impl PolicyState {
     pub fn reset(&mut self) {
         self.positions.iter_mut().for_each(Vec::clear);
         self.metrics.iter_mut().for_each(Vec::clear);
+        self.unit_key_sums.clear();
         self.obs.clear();
         self.obs_tokens = 0;
         self.slide_floor = 0;
@@ -180,8 +188,8 @@ impl PolicyState {
         self.prefilled && n <= PROBS_MAX_TOKENS && matches!(self.spec.kind, PolicyKind::H2o | PolicyKind::KvCompress)
     }
 
-    /// The per-slot metric of table `t`: accumulated attention (H2O, KV-Compress), the key norm (knorm); empty for
-    /// the others. For tests and diagnostics.
+    /// The per-slot metric of table `t`: accumulated attention (H2O, KV-Compress), the key norm (knorm, KeyDiff);
+    /// empty for the others. For tests and diagnostics.
     pub fn metrics(&self, t: usize) -> &[f32] {
         self.metrics.get(t).map_or(&[], Vec::as_slice)
     }
@@ -239,12 +247,16 @@ impl PolicyState {
             }
             pos.extend((step.start..step.start + step.n).map(|p| p as u32));
         }
-        let key_norms = self.spec.kind == PolicyKind::Knorm;
+        let key_norms = matches!(self.spec.kind, PolicyKind::Knorm | PolicyKind::Keydiff);
         for (t, m) in self.metrics.iter_mut().enumerate() {
             let from = m.len();
             m.resize(lens[t], 0.0);
             if key_norms && from < lens[t] {
-                scores::key_norms(cache.kv, &cache.blocks.tables()[t], from..lens[t], m);
+                let table = &cache.blocks.tables()[t];
+                scores::key_norms(cache.kv, table, from..lens[t], m);
+                if let Some(sum) = self.unit_key_sums.get_mut(t) {
+                    scores::add_unit_keys(cache.kv, table, from..lens[t], m, 1.0, sum);
+                }
             }
         }
         let n_q =
@@ -371,7 +383,11 @@ impl PolicyState {
                 self.keep_sinks_and_recent(cache, defaults::SINK_TOKENS, c.saturating_sub(defaults::SINK_TOKENS))
             }
             PolicyKind::Knorm => self.keep_by_score(cache, Score::KeyNorm, false),
-            PolicyKind::Keydiff => self.keep_by_score(cache, Score::KeydiffCosine, false),
+            PolicyKind::Keydiff => {
+                let ev = self.keep_by_score(cache, Score::KeydiffCosine, false);
+                self.start_unit_key_sums(cache);
+                ev
+            }
             PolicyKind::PagedEviction => self.keep_by_score(cache, Score::ValueKeyRatio, true),
             PolicyKind::Sage => self.sage_select(cache),
             PolicyKind::Snapkv => self.snapkv_select(cache),
@@ -402,6 +418,9 @@ impl PolicyState {
                 _ => None,
             };
             if let Some(s) = victim {
+                if let Some(sum) = self.unit_key_sums.get_mut(t) {
+                    scores::add_unit_keys(cache.kv, &cache.blocks.tables()[t], s..s + 1, &self.metrics[t], -1.0, sum);
+                }
                 ev.add(self.swap_remove(cache, t, s)?);
             }
         }
@@ -429,9 +448,7 @@ impl PolicyState {
             scores::block_means(&sc.scores, len, bs, &mut sc.pooled);
             // The block that just filled is the "recent block" whose filling triggers the eviction (Figure 1);
             // the victim is chosen among the blocks before it.
-            scores::select_k(&sc.pooled[..nb - 1], 1, false, &mut sc.idx, &mut sc.picked);
-            let Some(&j) = sc.picked.first() else { continue };
-            let j = j as usize;
+            let Some(j) = scores::select_one(&sc.pooled[..nb - 1], false, |_| true) else { continue };
             let removed = cache.blocks.remove_block(cache.pool, t, j)?;
             self.positions[t].drain(j * bs..j * bs + removed);
             ev.add(Eviction { slots: removed as u64, blocks: 1 });
@@ -696,8 +713,30 @@ impl PolicyState {
         );
     }
 
-    /// The slot with the highest static `score` in table `t`.
+    /// KeyDiff, once the prompt is in: the sum of every table's normalised keys, from the kept norms, which
+    /// decode then keeps up to date.
+    fn start_unit_key_sums(&mut self, cache: &CacheView<'_>) {
+        let hd = self.dims.head_dim;
+        self.unit_key_sums = vec![vec![0.0; hd]; self.metrics.len()];
+        for (t, sum) in self.unit_key_sums.iter_mut().enumerate() {
+            let len = cache.blocks.lens()[t];
+            scores::add_unit_keys(cache.kv, &cache.blocks.tables()[t], 0..len, &self.metrics[t], 1.0, sum);
+        }
+    }
+
+    /// The slot with the highest static `score` in table `t` (ties: the lower slot).
     fn argmax_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score) -> Option<usize> {
+        let len = cache.blocks.lens()[t];
+        if let (Score::KeydiffCosine, Some(sum)) = (score, self.unit_key_sums.get(t)) {
+            let sc = &mut self.scratch;
+            sc.scores.resize(len.max(sc.scores.len()), 0.0);
+            let table = &cache.blocks.tables()[t];
+            scores::keydiff_cosine_kept(cache.kv, table, len, sum, &self.metrics[t], &mut sc.anchor, &mut sc.scores);
+            return scores::select_one(&sc.scores[..len], true, |_| true);
+        }
+        if let Score::KeyNorm = score {
+            return scores::select_one(&self.metrics[t][..len], true, |_| true);
+        }
         self.select_by_score(cache, t, score, 1, true);
         self.scratch.keep.first().map(|&s| s as usize)
     }
@@ -713,12 +752,7 @@ impl PolicyState {
         let pos = &self.positions[t];
         let newest = pos.iter().copied().max().unwrap_or(0);
         let recent_from = newest.saturating_sub((self.spec.budget_tokens / 2) as u32 - 1);
-        let sc = &mut self.scratch;
-        sc.scores.clear();
-        sc.scores
-            .extend(self.metrics[t].iter().zip(pos).map(|(&m, &p)| if p >= recent_from { f32::INFINITY } else { m }));
-        scores::select_k(&sc.scores, 1, false, &mut sc.idx, &mut sc.picked);
-        sc.picked.first().map(|&s| s as usize).filter(|&s| sc.scores[s].is_finite())
+        scores::select_one(&self.metrics[t][..pos.len()], false, |s| pos[s] < recent_from)
     }
 
     /// Ranks the slots of table `t` by a static `score`: the `k` lowest (or, `largest`, highest) slot indices,
