@@ -12,7 +12,12 @@
 //!   tier is over capacity, the planner applies the single operation with the **smallest utility drop** over all
 //!   contexts on that tier — compress further in place, or move down a tier in any configuration — and repeats
 //!   (lines 5–14); what moved down may in turn overflow the lower tier, which is resolved the same way. Below the
-//!   last tier a context is dropped (it will be recomputed), which costs its whole utility.
+//!   last tier a context is dropped;
+//! - a dropped context is not lost: its next request recomputes it, at full quality and the cost of a prefill. So
+//!   the planner prices a drop as one more configuration, **recompute**, with `U = (α · 1 − prefill_time) ·
+//!   frequency` from the measured prefill speed. That is what lets α trade a lossy codec against recomputing: at a
+//!   small α a context is squeezed into a cheap codec to stay loadable, at a large α it is dropped rather than
+//!   served from a variant that loses quality.
 //!
 //! The planner does no I/O: it returns the operations, and the tier stores carry them out. Profiles are bounded:
 //! past `max_contexts` the least recently used context that holds no space is forgotten.
@@ -93,6 +98,8 @@ pub struct PlannerConfig {
     pub capacity: [u64; 3],
     /// Measured load bandwidth of each tier to the device, bytes/s ([`Tier::Device`]'s is unused).
     pub bandwidth: [f64; 3],
+    /// Measured prefill speed, tokens/s: the price of recomputing a dropped context.
+    pub prefill_tokens_per_s: f64,
     /// The measured compression variants; index 0 should be the lossless one.
     pub variants: Vec<Variant>,
     /// Profiles kept at most.
@@ -138,6 +145,9 @@ impl Planner {
         if cfg.bandwidth[1..].iter().any(|b| !(b.is_finite() && *b > 0.0)) {
             return Err(PlanError::Invalid("host and disk bandwidths must be positive"));
         }
+        if !(cfg.prefill_tokens_per_s.is_finite() && cfg.prefill_tokens_per_s > 0.0) {
+            return Err(PlanError::Invalid("prefill speed must be positive"));
+        }
         Ok(Planner { cfg, contexts: HashMap::new(), used: [0; 3], clock: 0 })
     }
 
@@ -160,13 +170,16 @@ impl Planner {
         self.contexts.is_empty()
     }
 
-    /// Replaces the load bandwidths with fresh measurements (non-positive or non-finite ones are ignored), so
-    /// `load_time` follows the cost model as it learns.
-    pub fn set_bandwidth(&mut self, bandwidth: [f64; 3]) {
+    /// Replaces the load bandwidths and the prefill speed with fresh measurements (non-positive or non-finite ones
+    /// are ignored), so `load_time` and the price of a recompute follow the cost model as it learns.
+    pub fn set_costs(&mut self, bandwidth: [f64; 3], prefill_tokens_per_s: f64) {
         for (t, b) in bandwidth.into_iter().enumerate().skip(1) {
             if b.is_finite() && b > 0.0 {
                 self.cfg.bandwidth[t] = b;
             }
+        }
+        if prefill_tokens_per_s.is_finite() && prefill_tokens_per_s > 0.0 {
+            self.cfg.prefill_tokens_per_s = prefill_tokens_per_s;
         }
     }
 
@@ -193,10 +206,15 @@ impl Planner {
         }
     }
 
+    /// Seconds to recompute `tokens` tokens: the load time of a dropped context.
+    pub fn recompute_time(&self, tokens: u64) -> f64 {
+        tokens as f64 / self.cfg.prefill_tokens_per_s
+    }
+
     fn utility_of(&self, c: &Context, p: Option<Placement>) -> f64 {
         match p {
-            // Dropped: the context is recomputed, no stored quality or load benefit remains.
-            None => 0.0,
+            // Dropped: the next request recomputes it, at full quality.
+            None => (self.cfg.alpha - self.recompute_time(c.tokens)) * c.frequency,
             Some(p) => match c.quality[p.variant] {
                 Some(q) => (self.cfg.alpha * q - self.load_time(c.tokens, p)) * c.frequency,
                 None => f64::NEG_INFINITY,
@@ -204,7 +222,7 @@ impl Planner {
         }
     }
 
-    /// `U` of `context` in placement `p` (None = dropped).
+    /// `U` of `context` in placement `p` (None = dropped, so recomputed).
     pub fn utility(&self, context: u64, p: Option<Placement>) -> Result<f64, PlanError> {
         let c = self.contexts.get(&context).ok_or(PlanError::UnknownContext(context))?;
         Ok(self.utility_of(c, p))
@@ -391,6 +409,7 @@ mod tests {
             alpha,
             capacity,
             bandwidth: [0.0, 10e9, 1e9],
+            prefill_tokens_per_s: 1000.0,
             variants: vec![
                 Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0 },
                 Variant { codec: "int8".into(), bytes_per_token: F32 / 4.0, keep_ratio: 1.0 },
@@ -411,7 +430,11 @@ mod tests {
         // (1 · 0.99 − 1000 · 11520 B / 10 GB/s) · 2
         let want = (0.99 - 1000.0 * 11_520.0 / 10e9) * 2.0;
         assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12);
+        // Dropped = recomputed at full quality: (1 · 1 − 1000 tokens / 1000 tokens/s) · 2.
         assert_eq!(p.utility(1, None).unwrap(), 0.0);
+        p.set_costs([0.0, f64::NAN, -1.0], 500.0);
+        assert_eq!(p.utility(1, None).unwrap(), (1.0 - 2.0) * 2.0);
+        assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12, "bad bandwidths are ignored");
     }
 
     #[test]
@@ -485,6 +508,27 @@ mod tests {
     }
 
     #[test]
+    fn alpha_trades_a_lossy_codec_against_recomputing() {
+        // Only the 4000-token context's int4 variant (keep ratio 0.5) fits anywhere: on disk, 0.01 s to load.
+        // Recomputing it takes 4 s at 1000 tokens/s.
+        let int4 = (4000.0 * F32 / 16.0) as u64;
+        let run = |alpha: f64| {
+            let mut p = planner([0, 0, int4], alpha);
+            p.set_profile(1, 4000, vec![Some(1.0), Some(0.99), Some(0.6)]).unwrap();
+            p.record_access(1).unwrap();
+            let ops = p.insert(1).unwrap();
+            (p.placement(1), ops)
+        };
+        // α = 1: int4's 0.4 quality loss is worth less than 4 s of prefill, so the context stays, squeezed.
+        let (kept, _) = run(1.0);
+        assert_eq!(kept, Some(Placement { tier: Tier::Disk, variant: 2 }));
+        // α = 20: 0.4 quality is worth 8 s, more than the recompute costs, so the context is dropped instead.
+        let (dropped, ops) = run(20.0);
+        assert_eq!(dropped, None);
+        assert!(matches!(ops.last(), Some(Operation::Drop { context: 1, .. })), "{ops:?}");
+    }
+
+    #[test]
     fn quality_drift_below_the_threshold_asks_for_a_reprofile() {
         let mut p = planner([u64::MAX; 3], 1.0);
         p.set_profile(3, 100, vec![Some(1.0), Some(0.98), None]).unwrap();
@@ -504,6 +548,9 @@ mod tests {
         cfg.alpha = f64::NAN;
         assert!(Planner::new(cfg.clone()).is_err());
         cfg.alpha = 1.0;
+        cfg.prefill_tokens_per_s = 0.0;
+        assert!(Planner::new(cfg.clone()).is_err());
+        cfg.prefill_tokens_per_s = 1000.0;
         cfg.bandwidth[2] = 0.0;
         assert!(Planner::new(cfg).is_err());
         let mut p = planner([u64::MAX; 3], 1.0);

@@ -243,6 +243,7 @@ impl EvicPress {
             // The device pool keeps its own LRU; the planner places below it.
             capacity: [0, tiers.free_bytes(Tier::Host), tiers.free_bytes(Tier::Disk)],
             bandwidth: [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
+            prefill_tokens_per_s: cost.prefill_tokens_per_s(),
             variants: planner_variants,
             // Forgetting is this driver's business (it must drop the group owners too).
             max_contexts: cfg.max_contexts + 1,
@@ -431,7 +432,10 @@ impl EvicPress {
         tiers: &mut TierStore,
     ) -> Result<(), EngineError> {
         let cost = tiers.cost();
-        self.planner.set_bandwidth([0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)]);
+        self.planner.set_costs(
+            [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
+            cost.prefill_tokens_per_s(),
+        );
         let ops = self.planner.insert(context).map_err(plan_err)?;
         self.apply(ops, runner, pool, tiers);
         Ok(())
