@@ -201,8 +201,8 @@ struct EngineArgs {
     #[arg(long, default_value_t = 0)]
     disk_tier_mib: u64,
     /// Element type of the device KV cache: f16 (half the memory and bandwidth of f32), f32 (bit-exact with an f32
-    /// reference) or int8 (one f32 scale per slot: 0.53x f16's bytes at head_dim 64, dequantised by the attention
-    /// kernel as it loads).
+    /// reference), int8 or fp8_e4m3 (one f32 scale per slot: 0.53x f16's bytes at head_dim 64, dequantised by the
+    /// attention kernel as it loads).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
@@ -775,8 +775,8 @@ struct BenchEvictionArgs {
     /// Admission: `reserve` (the engine default) or `greedy`.
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
     admission: String,
-    /// Element type of the device KV cache (f16, f32 or int8); the pool keeps the memory of --pool-seqs f16
-    /// sequences, so int8 holds more blocks in it.
+    /// Element type of the device KV cache (f16, f32, int8 or fp8_e4m3); the pool keeps the memory of --pool-seqs
+    /// f16 sequences, so the 8-bit dtypes hold more blocks in it.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
 }

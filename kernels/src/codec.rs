@@ -49,20 +49,31 @@ use half::{bf16, f16};
 use thiserror::Error;
 
 /// Symmetric int8 quantisation of one slot (the `int8` codec's rule, and an int8 [`crate::KvStorage`]'s): returns
-/// the scale `absmax / 127` and writes `round(x / scale)` into `out`. An all-zero row gets scale 0 and zero codes;
-/// a row holding a NaN or an infinity gets a NaN scale (zero codes), so it reads back as NaN, as a float cache would
-/// hold it. The codec rejects non-finite input before it gets here.
-pub(crate) fn quantize_row_i8(x: &[f32], out: &mut [i8]) -> f32 {
+/// the scale `absmax / 127` and writes `round(x / scale)` into `out` as two's-complement bytes. An all-zero row gets
+/// scale 0 and zero codes; a row holding a NaN or an infinity gets a NaN scale (zero codes), so it reads back as
+/// NaN, as a float cache would hold it. The codec rejects non-finite input before it gets here.
+pub(crate) fn quantize_row_i8(x: &[f32], out: &mut [u8]) -> f32 {
+    quantize_row(x, out, 127.0, |y| y.round().clamp(-127.0, 127.0) as i8 as u8)
+}
+
+/// e4m3 quantisation of one slot with its own scale `absmax / 448` (an fp8 [`crate::KvStorage`]'s rule: the
+/// `fp8_e4m3` codec's, with one scale per slot instead of per block, since the pool writes a slot at a time). Zero
+/// and non-finite rows as [`quantize_row_i8`].
+pub(crate) fn quantize_row_e4m3(x: &[f32], out: &mut [u8]) -> f32 {
+    quantize_row(x, out, E4M3_MAX, e4m3_from_f32)
+}
+
+fn quantize_row(x: &[f32], out: &mut [u8], top: f32, code: impl Fn(f32) -> u8) -> f32 {
     debug_assert_eq!(x.len(), out.len());
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if !(amax.is_finite() && x.iter().all(|v| !v.is_nan())) {
         out.fill(0);
         return f32::NAN;
     }
-    let s = amax / 127.0;
+    let s = amax / top;
     if s > 0.0 {
         for (q, &v) in out.iter_mut().zip(x) {
-            *q = (v / s).round().clamp(-127.0, 127.0) as i8;
+            *q = code(v / s);
         }
     } else {
         out.fill(0);
@@ -566,14 +577,9 @@ fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &
             let (scales, qs) = out.split_at_mut(4 * bs);
             scales.fill(0);
             qs.fill(0);
-            let mut row_q = [0i8; MAX_HEAD_DIM];
-            let row_q = &mut row_q[..hd];
             for (i, row) in x.chunks_exact(hd).enumerate() {
-                let s = quantize_row_i8(row, row_q);
+                let s = quantize_row_i8(row, &mut qs[i * hd..(i + 1) * hd]);
                 scales[4 * i..4 * i + 4].copy_from_slice(&s.to_le_bytes());
-                for (q, &v) in qs[i * hd..(i + 1) * hd].iter_mut().zip(row_q.iter()) {
-                    *q = v as u8;
-                }
             }
         }
         Codec::Fp8E4m3 => {

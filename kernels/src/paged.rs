@@ -11,7 +11,9 @@
 //! codec of [`crate::codec`] kept in the device pool itself: each slot is quantised as it is written (symmetric,
 //! one f32 scale per slot and head), so blocks fill token by token like the float ones, hold 1.9× as many tokens per
 //! byte as f16 at head_dim 64, and the attention kernel dequantises them as it loads (llama.cpp's `q8_0` cache type
-//! and vLLM's fp8 KV cache are the same trade).
+//! and vLLM's fp8 KV cache are the same trade). fp8 (`fp8_e4m3`) is the same with e4m3 codes: the `fp8_e4m3`
+//! codec's element format, with the scale per slot instead of per block because the pool writes a slot at a time
+//! (vLLM's `fp8_e4m3` cache scales per tensor; a finer scale only lowers the error).
 
 use std::fmt;
 use std::str::FromStr;
@@ -29,24 +31,31 @@ pub enum KvDtype {
     F32,
     /// Symmetric 8-bit integers with one f32 scale per slot (scale = absmax / 127, error ≤ scale / 2).
     Int8,
+    /// e4m3 floats with one f32 scale per slot (scale = absmax / 448; relative error ≤ 2⁻⁴ for normals).
+    Fp8,
 }
 
 impl KvDtype {
     /// Every dtype, in decreasing size.
-    pub const ALL: [KvDtype; 3] = [KvDtype::F32, KvDtype::F16, KvDtype::Int8];
+    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8];
 
-    /// Bytes per stored element (not counting [`KvDtype::Int8`]'s per-slot scale: see [`KvDtype::slot_bytes`]).
+    /// Bytes per stored element (not counting the per-slot scale of the 8-bit dtypes: see [`KvDtype::slot_bytes`]).
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F16 => 2,
             KvDtype::F32 => 4,
-            KvDtype::Int8 => 1,
+            KvDtype::Int8 | KvDtype::Fp8 => 1,
         }
+    }
+
+    /// Whether each slot carries its own f32 scale (the 8-bit dtypes).
+    pub fn slot_scaled(self) -> bool {
+        matches!(self, KvDtype::Int8 | KvDtype::Fp8)
     }
 
     /// Bytes of one slot of K (or of V) of `head_dim` elements, scale included.
     pub fn slot_bytes(self, head_dim: usize) -> usize {
-        head_dim * self.bytes() + if self == KvDtype::Int8 { 4 } else { 0 }
+        head_dim * self.bytes() + if self.slot_scaled() { 4 } else { 0 }
     }
 
     /// The name used on the command line and in reports.
@@ -55,6 +64,17 @@ impl KvDtype {
             KvDtype::F16 => "f16",
             KvDtype::F32 => "f32",
             KvDtype::Int8 => "int8",
+            KvDtype::Fp8 => "fp8_e4m3",
+        }
+    }
+
+    /// One code of a slot-scaled dtype as f32, before its slot's scale (int8: the two's-complement byte; fp8: the
+    /// e4m3 value). Float dtypes have no codes; this reads their bytes as int8.
+    #[inline]
+    pub fn widen_code(self, c: u8) -> f32 {
+        match self {
+            KvDtype::Fp8 => crate::codec::e4m3_to_f32(c),
+            _ => f32::from(c as i8),
         }
     }
 }
@@ -72,23 +92,26 @@ impl FromStr for KvDtype {
             "f16" => Ok(KvDtype::F16),
             "f32" => Ok(KvDtype::F32),
             "int8" => Ok(KvDtype::Int8),
-            other => Err(format!("unknown KV cache dtype `{other}` (expected f16, f32 or int8)")),
+            "fp8_e4m3" => Ok(KvDtype::Fp8),
+            other => Err(format!("unknown KV cache dtype `{other}` (expected f16, f32, int8 or fp8_e4m3)")),
         }
     }
 }
 
-/// One arena's elements. Offsets are in elements; an int8 arena is only ever addressed by whole slots (`at` and
-/// lengths multiples of `head_dim`), which is how [`KvStorage`] addresses every arena.
+/// One arena's elements. Offsets are in elements; a slot-scaled arena is only ever addressed by whole slots (`at`
+/// and lengths multiples of `head_dim`), which is how [`KvStorage`] addresses every arena.
 #[derive(Clone, Debug)]
 enum Arena {
     F32(Vec<f32>),
     /// f16 bit patterns.
     F16(Vec<u16>),
-    /// Quantised elements and one scale per slot of `head_dim` elements.
-    Int8 {
-        q: Vec<i8>,
+    /// Quantised elements (int8: two's-complement bytes; fp8: e4m3 bytes) and one scale per slot of `head_dim`
+    /// elements.
+    Scaled {
+        q: Vec<u8>,
         scale: Vec<f32>,
         head_dim: usize,
+        dtype: KvDtype,
     },
 }
 
@@ -97,7 +120,9 @@ impl Arena {
         match dtype {
             KvDtype::F32 => Arena::F32(vec![0.0; len]),
             KvDtype::F16 => Arena::F16(vec![0; len]),
-            KvDtype::Int8 => Arena::Int8 { q: vec![0; len], scale: vec![0.0; len / head_dim], head_dim },
+            KvDtype::Int8 | KvDtype::Fp8 => {
+                Arena::Scaled { q: vec![0; len], scale: vec![0.0; len / head_dim], head_dim, dtype }
+            }
         }
     }
 
@@ -105,11 +130,11 @@ impl Arena {
         match self {
             Arena::F32(a) => a.copy_within(src, dst),
             Arena::F16(a) => a.copy_within(src, dst),
-            Arena::Int8 { q, scale, head_dim } => {
+            Arena::Scaled { q, scale, head_dim, .. } => {
                 let hd = *head_dim;
                 debug_assert!(
                     src.start.is_multiple_of(hd) && src.end.is_multiple_of(hd) && dst.is_multiple_of(hd),
-                    "int8 arena: unaligned copy"
+                    "slot-scaled arena: unaligned copy"
                 );
                 scale.copy_within(src.start / hd..src.end / hd, dst / hd);
                 q.copy_within(src, dst);
@@ -122,12 +147,17 @@ impl Arena {
             Arena::F32(a) => a[at..at + x.len()].copy_from_slice(x),
             // The slice conversions use F16C where the CPU has it (a scalar loop is ~10x slower).
             Arena::F16(a) => a[at..at + x.len()].reinterpret_cast_mut::<f16>().convert_from_f32_slice(x),
-            Arena::Int8 { q, scale, head_dim } => {
+            Arena::Scaled { q, scale, head_dim, dtype } => {
                 let hd = *head_dim;
-                debug_assert!(at.is_multiple_of(hd) && x.len().is_multiple_of(hd), "int8 arena: unaligned write");
+                debug_assert!(at.is_multiple_of(hd) && x.len().is_multiple_of(hd), "scaled arena: unaligned write");
+                let quantize = if *dtype == KvDtype::Fp8 {
+                    crate::codec::quantize_row_e4m3
+                } else {
+                    crate::codec::quantize_row_i8
+                };
                 let rows = q[at..at + x.len()].chunks_exact_mut(hd).zip(&mut scale[at / hd..(at + x.len()) / hd]);
                 for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
-                    *s = crate::codec::quantize_row_i8(xr, qr);
+                    *s = quantize(xr, qr);
                 }
             }
         }
@@ -140,13 +170,13 @@ impl Arena {
                 let n = out.len();
                 a[at..at + n].reinterpret_cast::<f16>().convert_to_f32_slice(out)
             }
-            Arena::Int8 { q, scale, head_dim } => {
+            Arena::Scaled { q, scale, head_dim, dtype } => {
                 let hd = *head_dim;
-                debug_assert!(at.is_multiple_of(hd) && out.len().is_multiple_of(hd), "int8 arena: unaligned read");
+                debug_assert!(at.is_multiple_of(hd) && out.len().is_multiple_of(hd), "scaled arena: unaligned read");
                 let rows = q[at..at + out.len()].chunks_exact(hd).zip(&scale[at / hd..(at + out.len()) / hd]);
                 for ((qr, &s), o) in rows.zip(out.chunks_exact_mut(hd)) {
-                    for (o, &v) in o.iter_mut().zip(qr) {
-                        *o = v as f32 * s;
+                    for (o, &c) in o.iter_mut().zip(qr) {
+                        *o = dtype.widen_code(c) * s;
                     }
                 }
             }
@@ -166,12 +196,14 @@ pub enum KvArenas<'a> {
         k: &'a [u16],
         v: &'a [u16],
     },
-    /// Quantised elements and one scale per slot (`k_scale[b * block_size + s]` for slot `s` of block `b`).
-    Int8 {
-        k: &'a [i8],
-        v: &'a [i8],
+    /// Quantised elements of a slot-scaled `dtype` ([`KvDtype::Int8`]: two's-complement bytes, [`KvDtype::Fp8`]:
+    /// e4m3 bytes) and one scale per slot (`k_scale[b * block_size + s]` for slot `s` of block `b`).
+    Scaled {
+        k: &'a [u8],
+        v: &'a [u8],
         k_scale: &'a [f32],
         v_scale: &'a [f32],
+        dtype: KvDtype,
     },
 }
 
@@ -308,22 +340,22 @@ impl KvStorage {
         self.v.write(r.start, v);
     }
 
-    /// Overwrites block `b` of an int8 cache with codes and slot scales as they are (`block_len` codes and
-    /// `block_size` scales per half): how a stored int8 block comes back bit-exactly. Panics on a float cache or
-    /// on wrong lengths.
-    pub fn write_block_int8(&mut self, b: u32, k: &[i8], k_scale: &[f32], v: &[i8], v_scale: &[f32]) {
+    /// Overwrites block `b` of a slot-scaled cache (int8, fp8) with codes and slot scales as they are (`block_len`
+    /// codes and `block_size` scales per half): how a stored block comes back bit-exactly. Panics on a float cache
+    /// or on wrong lengths.
+    pub fn write_block_scaled(&mut self, b: u32, k: &[u8], k_scale: &[f32], v: &[u8], v_scale: &[f32]) {
         let r = self.range(b);
         let bs = self.block_size;
-        assert!(k.len() == r.len() && v.len() == r.len(), "write_block_int8: codes must fill the block");
-        assert!(k_scale.len() == bs && v_scale.len() == bs, "write_block_int8: one scale per slot");
+        assert!(k.len() == r.len() && v.len() == r.len(), "write_block_scaled: codes must fill the block");
+        assert!(k_scale.len() == bs && v_scale.len() == bs, "write_block_scaled: one scale per slot");
         let slots = b as usize * bs..(b as usize + 1) * bs;
         for (arena, codes, scales) in [(&mut self.k, k, k_scale), (&mut self.v, v, v_scale)] {
             match arena {
-                Arena::Int8 { q, scale, .. } => {
+                Arena::Scaled { q, scale, .. } => {
                     q[r.clone()].copy_from_slice(codes);
                     scale[slots.clone()].copy_from_slice(scales);
                 }
-                _ => panic!("write_block_int8 on an {} KV cache", self.dtype),
+                _ => panic!("write_block_scaled on an {} KV cache", self.dtype),
             }
         }
     }
@@ -401,8 +433,8 @@ impl KvStorage {
         match (&self.k, &self.v) {
             (Arena::F32(k), Arena::F32(v)) => KvArenas::F32 { k, v },
             (Arena::F16(k), Arena::F16(v)) => KvArenas::F16 { k, v },
-            (Arena::Int8 { q: k, scale: k_scale, .. }, Arena::Int8 { q: v, scale: v_scale, .. }) => {
-                KvArenas::Int8 { k, v, k_scale, v_scale }
+            (Arena::Scaled { q: k, scale: k_scale, dtype, .. }, Arena::Scaled { q: v, scale: v_scale, .. }) => {
+                KvArenas::Scaled { k, v, k_scale, v_scale, dtype: *dtype }
             }
             _ => unreachable!("K and V arenas are created with one dtype"),
         }

@@ -1,9 +1,10 @@
 //! Paged attention and KV-write tests against a plain dense causal attention on random data, with shuffled
-//! (non-contiguous) block tables, per-head cache lengths and mixed prefill/decode batches, over f32 and f16 caches
-//! (for f16 the dense reference attends over the same f16-rounded keys and values) and every instruction set.
+//! (non-contiguous) block tables, per-head cache lengths and mixed prefill/decode batches, over f32, f16, int8 and
+//! fp8 caches (the dense reference attends over the same rounded keys and values) and every instruction set.
 
 #![allow(clippy::needless_range_loop)]
 
+use pagoda_kernels::codec::{e4m3_from_f32, e4m3_to_f32};
 use pagoda_kernels::{AttnProbs, AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -26,20 +27,26 @@ fn stored(dtype: KvDtype, x: f32) -> f32 {
     match dtype {
         KvDtype::F32 => x,
         KvDtype::F16 => half::f16::from_f32(x).to_f32(),
-        KvDtype::Int8 => panic!("int8 rounds per slot: use stored_rows"),
+        KvDtype::Int8 | KvDtype::Fp8 => panic!("{dtype} rounds per slot: use stored_rows"),
     }
 }
 
-/// What a cache of `dtype` stores for rows of `hd` values: per element for the float types; for int8 per slot, the
-/// arena's rule (scale = absmax / 127, codes = round(x / scale)).
+/// What a cache of `dtype` stores for rows of `hd` values: per element for the float types; for the 8-bit types per
+/// slot, the arena's rule (int8: scale = absmax / 127, codes = round(x / scale); fp8: scale = absmax / 448, codes =
+/// e4m3(x / scale)).
 fn stored_rows(dtype: KvDtype, x: Vec<f32>, hd: usize) -> Vec<f32> {
-    if dtype != KvDtype::Int8 {
+    if !dtype.slot_scaled() {
         return x.into_iter().map(|v| stored(dtype, v)).collect();
     }
+    let top = if dtype == KvDtype::Fp8 { 448.0 } else { 127.0 };
+    let code = move |y: f32| match dtype {
+        KvDtype::Fp8 => e4m3_to_f32(e4m3_from_f32(y)),
+        _ => y.round().clamp(-127.0, 127.0),
+    };
     x.chunks_exact(hd)
         .flat_map(|row| {
-            let s = row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
-            row.iter().map(move |&v| if s > 0.0 { (v / s).round().clamp(-127.0, 127.0) * s } else { 0.0 })
+            let s = row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / top;
+            row.iter().map(move |&v| if s > 0.0 { code(v / s) * s } else { 0.0 })
         })
         .collect()
 }
@@ -347,8 +354,17 @@ fn f16_cache_rounds_on_write_and_reads_back_widened() {
 
 #[test]
 fn int8_cache_quantises_each_slot_and_moves_scales_with_it() {
+    eight_bit_cache_quantises_each_slot_and_moves_scales_with_it(KvDtype::Int8);
+}
+
+#[test]
+fn fp8_cache_quantises_each_slot_and_moves_scales_with_it() {
+    eight_bit_cache_quantises_each_slot_and_moves_scales_with_it(KvDtype::Fp8);
+}
+
+fn eight_bit_cache_quantises_each_slot_and_moves_scales_with_it(dtype: KvDtype) {
     let (bs, hd) = (4, 8);
-    let mut kv = KvStorage::with_dtype(4, bs, hd, KvDtype::Int8);
+    let mut kv = KvStorage::with_dtype(4, bs, hd, dtype);
     assert_eq!(kv.block_bytes(), 2 * bs * (hd + 4));
     let mut rng = StdRng::seed_from_u64(14);
     // Rows of very different magnitudes: each slot keeps its own scale.
@@ -360,14 +376,15 @@ fn int8_cache_quantises_each_slot_and_moves_scales_with_it() {
     let (mut k, mut v) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
     kv.read_block(1, &mut k, &mut v);
     for (i, row) in rows.iter().enumerate() {
-        let scale = row.iter().fold(0.0f32, |m, x| m.max(x.abs())) / 127.0;
+        let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         for d in 0..hd {
-            assert!(
-                (k[i * hd + d] - row[d]).abs() <= scale * 0.5 * (1.0 + 1e-5),
-                "slot {i}: {} vs {}",
-                k[i * hd + d],
-                row[d]
-            );
+            // int8: half a step of absmax / 127. e4m3: 2^-4 relative for normals, half a subnormal step (2^-10 of
+            // the scale absmax / 448) below.
+            let bound = match dtype {
+                KvDtype::Fp8 => (row[d].abs() / 16.0).max(amax / 448.0 / 1024.0),
+                _ => amax / 127.0 * 0.5,
+            } * (1.0 + 1e-5);
+            assert!((k[i * hd + d] - row[d]).abs() <= bound, "{dtype} slot {i}: {} vs {}", k[i * hd + d], row[d]);
             assert_eq!(v[i * hd + d], -k[i * hd + d], "symmetric codes");
         }
     }

@@ -143,7 +143,7 @@ schema = obj({
             "policy": {"enum": POLICIES},
             "budgetTokens": {"anyOf": [{"type": "null"}, integer(1)]},
             # `pagoda worker --kv-dtype` (pagoda_kernels::KvDtype).
-            "dtype": {"enum": ["f16", "f32", "int8"]},
+            "dtype": {"enum": ["f16", "f32", "int8", "fp8_e4m3"]},
         }, required=["policy"]),
         "tiers": obj({
             "hostMiB": integer(0),

@@ -183,37 +183,47 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// An int8 device cache through the real engine: it serves, its idle groups go to host and disk in their own
-/// format (codes and slot scales as stored, `native-int8`), and they come back bit-exactly, so the warm greedy
-/// output equals the cold one and nothing onboarded is recomputed.
-#[test]
-fn int8_device_cache_serves_and_round_trips_through_host_and_disk() {
+/// An 8-bit device cache through the real engine: it serves, its idle groups go to host and disk in their own
+/// format (codes and slot scales as stored, `native-int8` / `native-fp8_e4m3`), and they come back bit-exactly, so
+/// the warm greedy output equals the cold one and nothing onboarded is recomputed.
+fn eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(dtype: KvDtype) {
     let p = prompt();
     let matched = (p.len() - 1) / BS * BS;
-    let h = engine_of(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 }, KvDtype::Int8);
+    let native = format!("native-{dtype}");
+    let h = engine_of(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 }, dtype);
     let (cold, _, s) = run(&h, &p, 8);
     assert_eq!(cold.len(), 8);
     let device = s.tier_usage.iter().find(|u| u.tier == Tier::Device).expect("device usage reported");
-    assert_eq!(device.codec, "native-int8");
-    assert_eq!(device.capacity_bytes, (8 * GROUP * 2 * BS * (64 + 4)) as u64, "int8 blocks: codes + slot scales");
+    assert_eq!(device.codec, native);
+    assert_eq!(device.capacity_bytes, (8 * GROUP * 2 * BS * (64 + 4)) as u64, "8-bit blocks: codes + slot scales");
     push_out(&h);
     let (warm, cached, s) = run(&h, &p, 8);
-    assert_eq!(warm, cold, "int8 KV onboarded from host gives the same greedy output");
+    assert_eq!(warm, cold, "{dtype} KV onboarded from host gives the same greedy output");
     assert_eq!(cached as usize, matched);
     assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64, "{s:?}");
     let host = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage reported");
-    assert_eq!(host.codec, "native-int8");
+    assert_eq!(host.codec, native);
     h.shutdown();
 
-    let dir = tmp("int8");
-    let h = engine_of(8, disk_only(&dir), KvDtype::Int8);
+    let dir = tmp(dtype.name());
+    let h = engine_of(8, disk_only(&dir), dtype);
     run(&h, &p, 8);
     h.shutdown();
-    let h = engine_of(8, disk_only(&dir), KvDtype::Int8);
+    let h = engine_of(8, disk_only(&dir), dtype);
     let (warm, cached, s) = run(&h, &p, 8);
-    assert_eq!(warm, cold, "int8 KV from disk after a restart");
+    assert_eq!(warm, cold, "{dtype} KV from disk after a restart");
     assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], matched as u64);
     assert_eq!(cached as usize, matched);
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn int8_device_cache_serves_and_round_trips_through_host_and_disk() {
+    eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(KvDtype::Int8);
+}
+
+#[test]
+fn fp8_device_cache_serves_and_round_trips_through_host_and_disk() {
+    eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(KvDtype::Fp8);
 }

@@ -201,12 +201,13 @@ fn attend_one(
         let (k, v, ks, vs, elem) = match kv.arenas_any() {
             KvArenas::F32 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F32),
             KvArenas::F16 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F16),
-            KvArenas::Int8 { k, v, k_scale, v_scale } => {
-                (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), k_scale.as_ptr(), v_scale.as_ptr(), avx2::ELEM_I8)
+            KvArenas::Scaled { k, v, k_scale, v_scale, dtype } => {
+                let elem = if dtype == KvDtype::Fp8 { avx2::ELEM_FP8 } else { avx2::ELEM_I8 };
+                (k.as_ptr(), v.as_ptr(), k_scale.as_ptr(), v_scale.as_ptr(), elem)
             }
         };
         // SAFETY (both macros): every block id read was checked against the arenas above, which hold `num_blocks`
-        // blocks of the element type `elem` names (int8 arenas with `num_blocks * bs` scales); the CPU features of
+        // blocks of the element type `elem` names (8-bit arenas with `num_blocks * bs` scales); the CPU features of
         // `simd` were detected at run time.
         macro_rules! avx2 {
             ($nv:literal) => {
@@ -216,6 +217,9 @@ fn attend_one(
                             q, k, v, ks, vs, bs, table, len, scale, out, probs,
                         ),
                         avx2::ELEM_I8 => avx2::attend_one::<$nv, { avx2::ELEM_I8 }>(
+                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
+                        ),
+                        avx2::ELEM_FP8 => avx2::attend_one::<$nv, { avx2::ELEM_FP8 }>(
                             q, k, v, ks, vs, bs, table, len, scale, out, probs,
                         ),
                         _ => avx2::attend_one::<$nv, { avx2::ELEM_F32 }>(

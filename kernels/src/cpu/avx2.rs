@@ -473,27 +473,38 @@ pub const ELEM_F32: u8 = 0;
 pub const ELEM_F16: u8 = 1;
 /// int8 codes with one f32 scale per slot.
 pub const ELEM_I8: u8 = 2;
+/// e4m3 codes with one f32 scale per slot.
+pub const ELEM_FP8: u8 = 3;
 
-/// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (int8 codes unscaled).
+/// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (8-bit codes unscaled).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
     match E {
         ELEM_F16 => _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * i) as *const __m128i)),
         ELEM_I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(base.add(i) as *const __m128i))),
+        ELEM_FP8 => {
+            // `codec::e4m3_to_f32` in registers: the 7 magnitude bits at f32 bits 20..27, the sign at bit 31, then
+            // × 2^120. The multiply comes here rather than on the slot's scale so that no product is subnormal.
+            let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(base.add(i) as *const __m128i));
+            let mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
+            let sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+            let bits = _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
+            _mm256_mul_ps(bits, _mm256_set1_ps(crate::codec::E4M3_RESCALE))
+        }
         _ => _mm256_loadu_ps((base as *const f32).add(i)),
     }
 }
 
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
-/// `k`, `v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`]); for int8,
-/// `k_scale`, `v_scale` point at the per-slot scales (indexed `block * bs + slot`) and are unused otherwise. A key's
-/// scale multiplies its dot product and a value's scale its probability, so int8 costs one multiply per slot over
-/// the float kernels. Writes the normalised result into `out` and, with `probs` (`len` floats), the slots' softmax
+/// `k`, `v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`],
+/// [`ELEM_FP8`]); for the 8-bit types, `k_scale`, `v_scale` point at the per-slot scales (indexed
+/// `block * bs + slot`) and are unused otherwise. A key's scale multiplies its dot product and a value's scale its
+/// probability, so the 8-bit types cost one multiply per slot over the float kernels. Writes the normalised result into `out` and, with `probs` (`len` floats), the slots' softmax
 /// probabilities.
 ///
 /// # Safety
-/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas (and, for int8, inside the
+/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas (and, for 8-bit types, inside the
 /// scale arrays); AVX2/FMA/F16C present.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -527,8 +538,9 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
         // Element offset of the block in both arenas, and slot offset in the scale arrays.
         let base = b as usize * bs * hd;
         let slot0 = b as usize * bs;
-        let ks = |i: usize| if E == ELEM_I8 { *k_scale.add(slot0 + i) } else { 1.0 };
-        let vs = |i: usize| if E == ELEM_I8 { *v_scale.add(slot0 + i) } else { 1.0 };
+        let scaled = E == ELEM_I8 || E == ELEM_FP8;
+        let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) } else { 1.0 };
+        let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) } else { 1.0 };
         // Scores, two slots at a time.
         let mut bmax = m;
         let mut i = 0;

@@ -288,8 +288,8 @@ fn window_attention_scores_avx2(
     let (k, h16, arena_len) = match kv.arenas_any() {
         KvArenas::F32 { k, .. } => (k.as_ptr().cast::<u8>(), false, k.len()),
         KvArenas::F16 { k, .. } => (k.as_ptr().cast::<u8>(), true, k.len()),
-        // int8 keys take the portable path (widened a block at a time by `read_block_k`).
-        KvArenas::Int8 { .. } => {
+        // 8-bit keys take the portable path (widened a block at a time by `read_block_k`).
+        KvArenas::Scaled { .. } => {
             return window_attention_scores_portable(
                 kv,
                 table,

@@ -60,7 +60,9 @@ impl CudaKv {
         let (k, v) = match kv.arenas_any() {
             KvArenas::F32 { k, v } => (cx.upload(&h(k))?, cx.upload(&h(v))?),
             KvArenas::F16 { k, v } => (cx.upload(k)?, cx.upload(v)?),
-            KvArenas::Int8 { .. } => return Err(CudaError::Unsupported("int8 KV caches on the GPU backend".into())),
+            KvArenas::Scaled { dtype, .. } => {
+                return Err(CudaError::Unsupported(format!("{dtype} KV caches on the GPU backend")));
+            }
         };
         Ok(CudaKv { k, v, num_blocks: kv.num_blocks(), block_size: kv.block_size(), head_dim: kv.head_dim() })
     }

@@ -61,7 +61,8 @@ impl fmt::Display for GroupCodec {
 impl FromStr for GroupCodec {
     type Err = TierError;
 
-    /// `native`, `f32`, `f16` and `native-int8` are the native formats; the other kernels codecs by name.
+    /// `native`, `f32`, `f16`, `native-int8` and `native-fp8_e4m3` are the native formats; the other kernels codecs
+    /// by name.
     fn from_str(s: &str) -> Result<GroupCodec, TierError> {
         if let Some(d) = native::dtype_of(s) {
             return Ok(GroupCodec::Native(d));
@@ -77,7 +78,7 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
         GroupCodec::Native(d) if d == kv.dtype() => return Ok(native::encode(kv, blocks)),
         GroupCodec::Native(d) => {
             // Another native width than the arena's: widen/narrow through f32 (into a one-block cache of the
-            // target dtype, which quantises int8 slots exactly as an int8 arena does).
+            // target dtype, which quantises 8-bit slots exactly as an arena of that dtype does).
             let (bs, hd) = (kv.block_size(), kv.head_dim());
             let mut one = KvStorage::with_dtype(1, bs, hd, d);
             let mut out = EncodedGroup { codec: native::codec_name(d).to_owned(), bytes: Vec::new() };
@@ -173,7 +174,7 @@ mod tests {
             GroupCodec::Native(KvDtype::F16) => 2e-3,
             GroupCodec::Native(KvDtype::F32) => 0.0,
             GroupCodec::Native(KvDtype::Int8) | GroupCodec::Kv(Codec::Int8) | GroupCodec::Kv(Codec::Bf16) => 2e-2,
-            GroupCodec::Kv(Codec::Fp8E4m3) => 0.13,
+            GroupCodec::Native(KvDtype::Fp8) | GroupCodec::Kv(Codec::Fp8E4m3) => 0.13,
             GroupCodec::Kv(Codec::Int4Kivi) => 0.2,
             GroupCodec::Kv(_) => 1.0,
         }

@@ -12,13 +12,14 @@ use crate::cache::BlockId;
 /// Codec name of groups written by f32 caches before the dtype was part of the name.
 const LEGACY_F32: &str = "native";
 
-/// Codec name of a cache's groups. int8 caches get their own name: the kernels' `int8` codec (a compressing group
-/// codec of the tiers) has another byte layout (a header per block).
+/// Codec name of a cache's groups. The 8-bit caches get their own names: the kernels' `int8` and `fp8_e4m3` codecs
+/// (compressing group codecs of the tiers) have other byte layouts (a header per block, fp8 one scale per block).
 pub fn codec_name(dtype: KvDtype) -> &'static str {
     match dtype {
         KvDtype::F32 => "f32",
         KvDtype::F16 => "f16",
         KvDtype::Int8 => "native-int8",
+        KvDtype::Fp8 => "native-fp8_e4m3",
     }
 }
 
@@ -35,13 +36,13 @@ pub fn group_bytes(n_blocks: usize, block_size: usize, head_dim: usize, dtype: K
     n_blocks * 2 * block_size * dtype.slot_bytes(head_dim)
 }
 
-/// Bytes of one half (K or V) of one block in the native layout: the elements, then (int8) the slots' scales.
+/// Bytes of one half (K or V) of one block in the native layout: the elements, then (8-bit) the slots' scales.
 fn half_bytes(block_size: usize, head_dim: usize, dtype: KvDtype) -> usize {
     block_size * dtype.slot_bytes(head_dim)
 }
 
 /// Encodes blocks `blocks` of `kv` in its own dtype: per block K then V, each the block's elements in slot order
-/// (little-endian), int8 followed by the block's f32 slot scales.
+/// (little-endian), 8-bit codes followed by the block's f32 slot scales.
 pub fn encode(kv: &KvStorage, blocks: &[BlockId]) -> EncodedGroup {
     let (bs, bl) = (kv.block_size(), kv.block_len());
     let mut bytes = Vec::with_capacity(group_bytes(blocks.len(), bs, kv.head_dim(), kv.dtype()));
@@ -59,10 +60,10 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId]) -> EncodedGroup {
                     bytes.extend_from_slice(&x.to_le_bytes());
                 }
             }
-            KvArenas::Int8 { k, v, k_scale, v_scale } => {
+            KvArenas::Scaled { k, v, k_scale, v_scale, .. } => {
                 let slots = b as usize * bs..(b as usize + 1) * bs;
                 for (codes, scales) in [(&k[r.clone()], &k_scale[slots.clone()]), (&v[r.clone()], &v_scale[slots])] {
-                    bytes.extend(codes.iter().map(|&c| c as u8));
+                    bytes.extend_from_slice(codes);
                     for x in scales {
                         bytes.extend_from_slice(&x.to_le_bytes());
                     }
@@ -73,10 +74,10 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId]) -> EncodedGroup {
     EncodedGroup { codec: codec_name(kv.dtype()).to_owned(), bytes }
 }
 
-/// Decodes `group` into blocks `blocks` of `kv`, converting when the group's dtype is not the cache's (an int8 group
-/// into an int8 cache is copied as is, so a restore is bit-exact). Checks the codec, the exact length and every
-/// int8 scale first, so a group from a different model shape, or corrupt scales, are refused instead of
-/// half-written.
+/// Decodes `group` into blocks `blocks` of `kv`, converting when the group's dtype is not the cache's (an 8-bit group
+/// into a cache of its dtype is copied as is, so a restore is bit-exact). Checks the codec, the exact length, every
+/// 8-bit scale and (fp8) every code first, so a group from a different model shape, corrupt scales or NaN codes are
+/// refused instead of half-written.
 pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> Result<(), TierError> {
     let dtype = dtype_of(&group.codec).ok_or_else(|| TierError::UnknownCodec(group.codec.clone()))?;
     let (bs, hd, bl) = (kv.block_size(), kv.head_dim(), kv.block_len());
@@ -88,7 +89,11 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         return Err(TierError::BadLength { codec: group.codec.clone(), expected: kv.num_blocks(), got: bad as usize });
     }
     let half = half_bytes(bs, hd, dtype);
-    if dtype == KvDtype::Int8 {
+    if dtype.slot_scaled() {
+        let corrupt = |reason: &str| TierError::Corrupt {
+            path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
+            reason: reason.into(),
+        };
         let bad_scale = group.bytes.chunks_exact(half).any(|h| {
             h[bl..].chunks_exact(4).any(|c| {
                 let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -96,24 +101,25 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
             })
         });
         if bad_scale {
-            return Err(TierError::Corrupt {
-                path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
-                reason: "negative or non-finite int8 scale".into(),
-            });
+            return Err(corrupt("negative or non-finite slot scale"));
+        }
+        // e4m3fn's only non-finite codes (S.1111.111) are NaN; the writer never produces them.
+        if dtype == KvDtype::Fp8 && group.bytes.chunks_exact(half).any(|h| h[..bl].iter().any(|&c| c & 0x7F == 0x7F)) {
+            return Err(corrupt("e4m3 NaN code"));
         }
     }
     let (mut k, mut v) = (vec![0.0f32; bl], vec![0.0f32; bl]);
-    let raw = dtype == KvDtype::Int8 && kv.dtype() == KvDtype::Int8;
+    let raw = dtype.slot_scaled() && kv.dtype() == dtype;
     let (mut codes, mut scales) =
-        if raw { (vec![0i8; 2 * bl], vec![0.0f32; 2 * bs]) } else { (Vec::new(), Vec::new()) };
+        if raw { (vec![0u8; 2 * bl], vec![0.0f32; 2 * bs]) } else { (Vec::new(), Vec::new()) };
     for (&b, block) in blocks.iter().zip(group.bytes.chunks_exact(2 * half)) {
         let (kb, vb) = block.split_at(half);
         if raw {
             let (kc, vc) = codes.split_at_mut(bl);
             let (ks, vs) = scales.split_at_mut(bs);
-            split_int8(kb, kc, ks);
-            split_int8(vb, vc, vs);
-            kv.write_block_int8(b, kc, ks, vc, vs);
+            split_scaled(kb, kc, ks);
+            split_scaled(vb, vc, vs);
+            kv.write_block_scaled(b, kc, ks, vc, vs);
             continue;
         }
         widen(dtype, hd, kb, &mut k);
@@ -123,18 +129,16 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
     Ok(())
 }
 
-/// One int8 block half (codes, then little-endian slot scales) into its codes and scales.
-fn split_int8(src: &[u8], codes: &mut [i8], scales: &mut [f32]) {
+/// One 8-bit block half (codes, then little-endian slot scales) into its codes and scales.
+fn split_scaled(src: &[u8], codes: &mut [u8], scales: &mut [f32]) {
     let (c, s) = src.split_at(codes.len());
-    for (d, &x) in codes.iter_mut().zip(c) {
-        *d = x as i8;
-    }
+    codes.copy_from_slice(c);
     for (d, x) in scales.iter_mut().zip(s.chunks_exact(4)) {
         *d = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
     }
 }
 
-/// One block half of `dtype` in `src` (little-endian; int8 codes then slot scales) as f32.
+/// One block half of `dtype` in `src` (little-endian; 8-bit codes then slot scales) as f32.
 fn widen(dtype: KvDtype, head_dim: usize, src: &[u8], out: &mut [f32]) {
     match dtype {
         KvDtype::F32 => {
@@ -147,14 +151,14 @@ fn widen(dtype: KvDtype, head_dim: usize, src: &[u8], out: &mut [f32]) {
                 *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
             }
         }
-        KvDtype::Int8 => {
+        KvDtype::Int8 | KvDtype::Fp8 => {
             let (codes, scales) = src.split_at(out.len());
             for ((o, c), s) in
                 out.chunks_exact_mut(head_dim).zip(codes.chunks_exact(head_dim)).zip(scales.chunks_exact(4))
             {
                 let s = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
                 for (o, &c) in o.iter_mut().zip(c) {
-                    *o = c as i8 as f32 * s;
+                    *o = dtype.widen_code(c) * s;
                 }
             }
         }
@@ -195,6 +199,28 @@ mod tests {
             assert!(matches!(decode(&g, &mut kv, &[0, 9]), Err(TierError::BadLength { .. })));
             let other = EncodedGroup { codec: "int8".into(), bytes: g.bytes.clone() };
             assert!(matches!(decode(&other, &mut kv, &[2, 5]), Err(TierError::UnknownCodec(_))));
+        }
+    }
+
+    #[test]
+    fn corrupt_scales_and_nan_codes_are_refused() {
+        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+            let kv = filled(dtype);
+            let mut target = filled(dtype);
+            let g = encode(&kv, &[1]);
+            let half = half_bytes(4, 3, dtype);
+            // The first slot scale of K.
+            let mut bad = g.clone();
+            bad.bytes[half - 16..half - 12].copy_from_slice(&(-1.0f32).to_le_bytes());
+            assert!(matches!(decode(&bad, &mut target, &[2]), Err(TierError::Corrupt { .. })), "{dtype}");
+            let mut nan = g.clone();
+            nan.bytes[0] = 0x7F;
+            let got = decode(&nan, &mut target, &[2]);
+            if dtype == KvDtype::Fp8 {
+                assert!(matches!(got, Err(TierError::Corrupt { .. })), "e4m3 NaN code refused");
+            } else {
+                assert!(got.is_ok(), "0x7F is int8's 127");
+            }
         }
     }
 
