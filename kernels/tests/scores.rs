@@ -36,6 +36,20 @@ impl Cache {
         Cache::with(rng, bs, hd, k, v)
     }
 
+    /// [`Cache::random`] with every key shifted along one shared direction, so KeyDiff's anchor is well away from
+    /// zero and the cosines spread out.
+    fn clustered(rng: &mut StdRng, len: usize, bs: usize, hd: usize) -> Cache {
+        let mut c = Cache::random(rng, len, bs, hd);
+        let common = rand_vec(rng, hd, 1.0);
+        for i in 0..len {
+            for (x, &d) in c.k[i].iter_mut().zip(&common) {
+                *x += 2.0 * d;
+            }
+            c.write(i);
+        }
+        c
+    }
+
     fn with(rng: &mut StdRng, bs: usize, hd: usize, k: Vec<Vec<f32>>, v: Vec<Vec<f32>>) -> Cache {
         let len = k.len();
         let need = len.div_ceil(bs);
@@ -161,15 +175,7 @@ fn keydiff_cosine_matches_reference() {
     let mut anchor = Vec::new();
     for (bs, hd) in SHAPES {
         for len in LENS {
-            let mut c = Cache::random(&mut rng, len, bs, hd);
-            // A shared direction, so the anchor is well away from zero and the scores spread out.
-            let common = rand_vec(&mut rng, hd, 1.0);
-            for i in 0..len {
-                for (x, &d) in c.k[i].iter_mut().zip(&common) {
-                    *x += 2.0 * d;
-                }
-                c.write(i);
-            }
+            let c = Cache::clustered(&mut rng, len, bs, hd);
             let mut out = vec![-7.0f32; len + 1];
             keydiff_cosine(&c.kv, &c.table, len, &mut anchor, &mut out);
             let what = format!("keydiff_cosine bs={bs} hd={hd} len={len}");
@@ -192,14 +198,7 @@ fn keydiff_from_a_kept_anchor_sum_matches_the_two_pass_kernel() {
     let (mut anchor, mut kept_anchor) = (Vec::new(), Vec::new());
     for (bs, hd) in SHAPES {
         for len in LENS {
-            let mut c = Cache::random(&mut rng, len, bs, hd);
-            let common = rand_vec(&mut rng, hd, 1.0);
-            for i in 0..len {
-                for (x, &d) in c.k[i].iter_mut().zip(&common) {
-                    *x += 2.0 * d;
-                }
-                c.write(i);
-            }
+            let c = Cache::clustered(&mut rng, len, bs, hd);
             let what = format!("keydiff_cosine_kept bs={bs} hd={hd} len={len}");
             let mut norms = vec![0.0f32; len];
             key_norms(&c.kv, &c.table, 0..len, &mut norms);
