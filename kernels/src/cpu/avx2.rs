@@ -483,15 +483,12 @@ unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
     match E {
         ELEM_F16 => _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * i) as *const __m128i)),
         ELEM_I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(base.add(i) as *const __m128i))),
-        ELEM_FP8 => {
-            // `codec::e4m3_to_f32` in registers: the 7 magnitude bits at f32 bits 20..27, the sign at bit 31, then
-            // × 2^120. The multiply comes here rather than on the slot's scale so that no product is subnormal.
-            let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(base.add(i) as *const __m128i));
-            let mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
-            let sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-            let bits = _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
-            _mm256_mul_ps(bits, _mm256_set1_ps(crate::codec::E4M3_RESCALE))
-        }
+        // The codec kernels' e4m3 widening, × 2^120 here rather than on the slot's scale so that no product of the
+        // dot product is subnormal.
+        ELEM_FP8 => _mm256_mul_ps(
+            super::codecs_avx2::load_e4m3_unscaled(base.add(i)),
+            _mm256_set1_ps(crate::codec::E4M3_RESCALE),
+        ),
         _ => _mm256_loadu_ps((base as *const f32).add(i)),
     }
 }
@@ -500,12 +497,12 @@ unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
 /// `k`, `v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`],
 /// [`ELEM_FP8`]); for the 8-bit types, `k_scale`, `v_scale` point at the per-slot scales (indexed
 /// `block * bs + slot`) and are unused otherwise. A key's scale multiplies its dot product and a value's scale its
-/// probability, so the 8-bit types cost one multiply per slot over the float kernels. Writes the normalised result into `out` and, with `probs` (`len` floats), the slots' softmax
-/// probabilities.
+/// probability, so the 8-bit types cost one multiply per slot over the float kernels. Writes the normalised result
+/// into `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
 ///
 /// # Safety
-/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas (and, for 8-bit types, inside the
-/// scale arrays); AVX2/FMA/F16C present.
+/// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas (and, for the 8-bit types,
+/// inside the scale arrays); AVX2/FMA/F16C present.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn attend_one<const NV: usize, const E: u8>(

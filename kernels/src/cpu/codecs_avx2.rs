@@ -59,7 +59,7 @@ unsafe fn load_u8x8(p: *const u8) -> __m256i {
 /// Eight e4m3 codes as f32, still to be multiplied by 2^120 (folded into the caller's factor).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load_e4m3_unscaled(p: *const u8) -> __m256 {
+pub(crate) unsafe fn load_e4m3_unscaled(p: *const u8) -> __m256 {
     let x = load_u8x8(p);
     let mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
     let sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);

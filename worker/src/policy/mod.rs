@@ -726,19 +726,8 @@ impl PolicyState {
 
     /// The slot with the highest static `score` in table `t` (ties: the lower slot).
     fn argmax_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score) -> Option<usize> {
-        let len = cache.blocks.lens()[t];
-        if let (Score::KeydiffCosine, Some(sum)) = (score, self.unit_key_sums.get(t)) {
-            let sc = &mut self.scratch;
-            sc.scores.resize(len.max(sc.scores.len()), 0.0);
-            let table = &cache.blocks.tables()[t];
-            scores::keydiff_cosine_kept(cache.kv, table, len, sum, &self.metrics[t], &mut sc.anchor, &mut sc.scores);
-            return scores::select_one(&sc.scores[..len], true, |_| true);
-        }
-        if let Score::KeyNorm = score {
-            return scores::select_one(&self.metrics[t][..len], true, |_| true);
-        }
-        self.select_by_score(cache, t, score, 1, true);
-        self.scratch.keep.first().map(|&s| s as usize)
+        let (ranked, _, _) = self.ranked_scores(cache, t, score);
+        scores::select_one(ranked, true, |_| true)
     }
 
     /// The oldest slot of the sliding window (position at or past `slide_floor`).
@@ -756,24 +745,32 @@ impl PolicyState {
     }
 
     /// Ranks the slots of table `t` by a static `score`: the `k` lowest (or, `largest`, highest) slot indices,
-    /// ascending, into `scratch.keep`. knorm ranks the norms it keeps per slot; the other scores are computed here.
+    /// ascending, into `scratch.keep`.
     fn select_by_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score, k: usize, largest: bool) {
+        let (ranked, idx, keep) = self.ranked_scores(cache, t, score);
+        scores::select_k(ranked, k, largest, idx, keep);
+    }
+
+    /// Table `t`'s static `score` per slot ([`static_scores`]), with the selection scratch beside it.
+    fn ranked_scores(
+        &mut self,
+        cache: &CacheView<'_>,
+        t: usize,
+        score: Score,
+    ) -> (&[f32], &mut Vec<u32>, &mut Vec<u32>) {
         let len = cache.blocks.lens()[t];
-        let table = &cache.blocks.tables()[t];
         let sc = &mut self.scratch;
-        sc.scores.resize(len.max(sc.scores.len()), 0.0);
-        let ranked: &[f32] = match score {
-            Score::KeyNorm => &self.metrics[t][..len],
-            Score::ValueKeyRatio => {
-                scores::value_key_ratio(cache.kv, table, len, &mut sc.scores);
-                &sc.scores[..len]
-            }
-            Score::KeydiffCosine => {
-                scores::keydiff_cosine(cache.kv, table, len, &mut sc.anchor, &mut sc.scores);
-                &sc.scores[..len]
-            }
-        };
-        scores::select_k(ranked, k, largest, &mut sc.idx, &mut sc.keep);
+        let ranked = static_scores(
+            cache.kv,
+            &cache.blocks.tables()[t],
+            len,
+            score,
+            self.metrics.get(t).map_or(&[], Vec::as_slice),
+            self.unit_key_sums.get(t).map(Vec::as_slice),
+            &mut sc.scores,
+            &mut sc.anchor,
+        );
+        (ranked, &mut sc.idx, &mut sc.keep)
     }
 
     // --- applying ---------------------------------------------------------------------------------------------
@@ -813,6 +810,32 @@ enum Score {
     KeyNorm,
     ValueKeyRatio,
     KeydiffCosine,
+}
+
+/// A table's static `score` for slots `0..len`: knorm's kept norms (`metric`) as they are; KeyDiff's cosines from
+/// the kept anchor sum and norms once decode keeps them, from scratch before; ‖V‖/‖K‖ computed. Computed scores go
+/// to `out` (grown, never shrunk); `anchor` is KeyDiff's scratch.
+#[allow(clippy::too_many_arguments)]
+fn static_scores<'a>(
+    kv: &KvStorage,
+    table: &[u32],
+    len: usize,
+    score: Score,
+    metric: &'a [f32],
+    unit_key_sum: Option<&[f64]>,
+    out: &'a mut Vec<f32>,
+    anchor: &mut Vec<f32>,
+) -> &'a [f32] {
+    if let Score::KeyNorm = score {
+        return &metric[..len];
+    }
+    out.resize(len.max(out.len()), 0.0);
+    match (score, unit_key_sum) {
+        (Score::KeydiffCosine, Some(sum)) => scores::keydiff_cosine_kept(kv, table, len, sum, metric, anchor, out),
+        (Score::KeydiffCosine, None) => scores::keydiff_cosine(kv, table, len, anchor, out),
+        _ => scores::value_key_ratio(kv, table, len, out),
+    }
+    &out[..len]
 }
 
 /// Keeps `v[keep[i]]` in order (keep ascending).
