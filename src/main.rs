@@ -227,6 +227,10 @@ struct EngineArgs {
     /// EvicPress's α in U = (α·quality − load seconds)·frequency.
     #[arg(long, default_value_t = 1.0)]
     evicpress_alpha: f64,
+    /// EvicPress's token-dropping ratios, comma-separated, each in (0, 1): the fraction of every table's slots a
+    /// pruned copy keeps (KeyDiff), offered with every codec. `none` offers whole contexts only.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.25", value_parser = parse_keep_ratio)]
+    evicpress_keep_ratios: Vec<KeepRatio>,
 }
 
 impl EngineArgs {
@@ -236,6 +240,23 @@ impl EngineArgs {
             max_queued_prompt_tokens: self.max_queued_prompt_tokens,
         }
     }
+}
+
+/// One value of `--evicpress-keep-ratios`: a ratio in (0, 1), or `none` (no pruned copies).
+#[derive(Debug, Clone, Copy)]
+struct KeepRatio(Option<f64>);
+
+fn parse_keep_ratio(s: &str) -> Result<KeepRatio, String> {
+    if s.trim() == "none" {
+        return Ok(KeepRatio(None));
+    }
+    let r: f64 = s.trim().parse().map_err(|_| format!("expected a number in (0, 1) or none, got {s:?}"))?;
+    pagoda_worker::tiers::pruned::check_keep_ratios(&[r])?;
+    Ok(KeepRatio(Some(r)))
+}
+
+fn keep_ratios(v: &[KeepRatio]) -> Vec<f64> {
+    v.iter().filter_map(|k| k.0).collect()
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
@@ -713,6 +734,9 @@ struct BenchTiersArgs {
     /// zipf: EvicPress's α, comma-separated for one EvicPress configuration each (the quality–TTFT curve).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     evicpress_alpha: Vec<f64>,
+    /// zipf: EvicPress's token-dropping ratios, comma-separated (`none`: whole contexts only).
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.25", value_parser = parse_keep_ratio)]
+    evicpress_keep_ratios: Vec<KeepRatio>,
     /// zipf: prose for the contexts (random tokens when the directory has no text).
     #[arg(long, default_value = "data/prose")]
     prose_dir: PathBuf,
@@ -936,8 +960,13 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
         tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
-        placement: TierPlacement::from_flags(&e.tier_placement, &e.tier_codec, e.evicpress_alpha)
-            .map_err(|m| anyhow!(m))?,
+        placement: TierPlacement::from_flags(
+            &e.tier_placement,
+            &e.tier_codec,
+            e.evicpress_alpha,
+            &keep_ratios(&e.evicpress_keep_ratios),
+        )
+        .map_err(|m| anyhow!(m))?,
     })
 }
 
@@ -1635,6 +1664,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         data_dir: args.data_dir,
         codecs: args.codecs.iter().map(|c| c.trim().to_owned()).collect(),
         alphas: args.evicpress_alpha,
+        keep_ratios: keep_ratios(&args.evicpress_keep_ratios),
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
         ..Default::default()
     };

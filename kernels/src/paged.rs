@@ -360,6 +360,15 @@ impl KvStorage {
         }
     }
 
+    /// Reads one slot's K and V rows (`head_dim` each) as f32, whatever the dtype.
+    pub fn read_slot(&self, b: u32, slot: usize, k_out: &mut [f32], v_out: &mut [f32]) {
+        let hd = self.head_dim;
+        assert!(slot < self.block_size && k_out.len() == hd && v_out.len() == hd, "read_slot: bad slot or row length");
+        let at = self.range(b).start + slot * hd;
+        self.k.read(at, k_out);
+        self.v.read(at, v_out);
+    }
+
     /// Writes one slot's K and V rows (`head_dim` each), rounding to the dtype.
     pub fn write_slot(&mut self, b: u32, slot: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;

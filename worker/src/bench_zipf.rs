@@ -77,6 +77,8 @@ pub struct ZipfBenchOptions {
     pub codecs: Vec<String>,
     /// EvicPress's α, one EvicPress configuration each (the paper's quality–TTFT curve is drawn by varying it).
     pub alphas: Vec<f64>,
+    /// EvicPress's token-dropping ratios (pruned copies, with every codec); empty for whole contexts only.
+    pub keep_ratios: Vec<f64>,
     /// Prose for the contexts (`*.txt`); seeded random tokens when `None`.
     pub prose_dir: Option<PathBuf>,
     pub seed: u64,
@@ -98,6 +100,7 @@ impl Default for ZipfBenchOptions {
             data_dir: None,
             codecs: ["int8", "fp8_e4m3", "int4_kivi", "int2_kivi"].map(String::from).to_vec(),
             alphas: vec![1.0],
+            keep_ratios: crate::placement::DEFAULT_KEEP_RATIOS.to_vec(),
             prose_dir: None,
             seed: 11,
         }
@@ -179,8 +182,8 @@ impl ZipfReport {
         for (name, ep) in self.results.iter().filter_map(|r| Some((&r.name, r.evicpress.as_ref()?))) {
             s += &format!(
                 "\n{name}: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
-                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops. Mean \
-                 profiled quality: {}.\n",
+                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops; {} \
+                 requests started from a pruned copy. Mean profiled quality: {}.\n",
                 ep.contexts,
                 ep.profiles,
                 ep.profile_ms as f64 / 1e3,
@@ -190,6 +193,7 @@ impl ZipfReport {
                 ep.compressed,
                 ep.moved_down,
                 ep.dropped,
+                ep.pruned_onboards,
                 ep.variants
                     .iter()
                     .zip(&ep.mean_quality)
@@ -482,6 +486,9 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
     if let Some(a) = opts.alphas.iter().find(|a| !(a.is_finite() && **a >= 0.0)) {
         return bad(format!("EvicPress alpha must be finite and >= 0, got {a}"));
     }
+    if let Err(e) = crate::tiers::pruned::check_keep_ratios(&opts.keep_ratios) {
+        return bad(format!("EvicPress keep ratios: {e}"));
+    }
     let mut codecs = Vec::new();
     for c in &opts.codecs {
         let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
@@ -548,6 +555,7 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
         let ep = EvicPressConfig {
             alpha,
             codecs: codecs.clone(),
+            keep_ratios: opts.keep_ratios.clone(),
             answer_tokens: opts.answer_tokens,
             ..EvicPressConfig::default()
         };

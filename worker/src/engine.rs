@@ -1002,12 +1002,26 @@ impl<R: ModelRunner> EngineLoop<R> {
     /// Before scheduling: for the next sequence to be admitted, loads the lower-tier groups that continue its
     /// device-resident prefix into fresh device blocks and registers them, so admission adopts them like any
     /// cached prefix — when the cost model expects that to beat recomputing. Disk reads happen here, between
-    /// steps. Room is left for one decode block per table of every running sequence plus one group.
+    /// steps. Room is left for one decode block per table of every running sequence plus one group. Where the
+    /// groups end and EvicPress holds a pruned copy of the context that follows, that copy is onboarded too
+    /// ([`EngineLoop::onboard_pruned`]).
     fn onboard(&mut self) {
-        let Some(tiers) = &mut self.tiers else { return };
-        let Some(on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
-        if on_device == self.hashes.len() || tiers.locate(self.hashes[on_device]).is_none() {
+        if self.tiers.is_none() {
             return;
+        }
+        let Some(on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
+        if on_device == self.hashes.len() {
+            return;
+        }
+        let loaded = self.onboard_groups(on_device);
+        self.onboard_pruned(on_device + loaded);
+    }
+
+    /// The group part of [`EngineLoop::onboard`]: returns the groups loaded after the first `on_device`.
+    fn onboard_groups(&mut self, on_device: usize) -> usize {
+        let Some(tiers) = &mut self.tiers else { return 0 };
+        if tiers.locate(self.hashes[on_device]).is_none() {
+            return 0;
         }
         let layout = self.sched.layout();
         let gs = layout.group_size();
@@ -1020,7 +1034,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
         }
         if self.sched.pool_mut().acquire(&pinned).is_err() {
-            return;
+            return 0;
         }
         let reserve = (self.sched.running_ids().len() + 1) * gs;
         let room = self.sched.pool().num_available().saturating_sub(reserve) / gs;
@@ -1032,6 +1046,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
         }
         let k = tiers.cost().plan(&plan, layout.block_size);
+        let mut loaded = 0;
         if let Some(io) = self.runner.policy_io() {
             for (i, &(tier, bytes)) in plan[..k].iter().enumerate() {
                 let h = self.hashes[on_device + i];
@@ -1061,6 +1076,86 @@ impl<R: ModelRunner> EngineLoop<R> {
                 tiers.cost_mut().record_load(tier, bytes, secs);
                 tiers.count_onboard(tier);
                 self.onboarded_tokens[tier.index()] += layout.block_size as u64;
+                loaded += 1;
+            }
+        }
+        if let Err(e) = self.sched.pool_mut().release(&pinned) {
+            tracing::error!(error = %e, "unpinning the device prefix failed");
+        }
+        loaded
+    }
+
+    /// EvicPress's pruned copies: when the context after the first `frontier` groups of the next admission's
+    /// prefix is stored as a pruned copy, and loading it beats recomputing its tokens, decodes it into fresh
+    /// device blocks and hands it to that sequence, which starts after the context over fewer slots
+    /// ([`Scheduler::preload_front`]). A pruned cache is the sequence's alone (never in the prefix index).
+    fn onboard_pruned(&mut self, frontier: usize) {
+        let Some(copy) = self.evicpress.as_ref().and_then(|ep| ep.pruned_copy(&self.hashes[frontier..])) else {
+            return;
+        };
+        let Some(tiers) = &mut self.tiers else { return };
+        let layout = self.sched.layout();
+        let (gs, bs) = (layout.group_size(), layout.block_size);
+        let mut located: Vec<(Tier, u64)> = Vec::with_capacity(copy.keys.len());
+        for &key in &copy.keys {
+            match tiers.locate(key) {
+                Some(loc) => located.push(loc),
+                None => return,
+            }
+        }
+        let cost = tiers.cost();
+        let load: f64 = located.iter().map(|&(tier, bytes)| cost.load_secs(tier, bytes)).sum();
+        if load >= cost.prefill_secs(copy.groups * bs) {
+            return;
+        }
+        let mut pinned = Vec::with_capacity(frontier * gs);
+        for &h in &self.hashes[..frontier] {
+            match self.sched.pool().lookup(h) {
+                Some(g) => pinned.extend_from_slice(g),
+                None => return,
+            }
+        }
+        if self.sched.pool_mut().acquire(&pinned).is_err() {
+            return;
+        }
+        let reserve = (self.sched.running_ids().len() + 1) * gs;
+        let needed = copy.keys.len() * gs;
+        self.blocks.clear();
+        let room = self.sched.pool().num_available().saturating_sub(reserve) >= needed;
+        if room && self.sched.pool_mut().allocate(needed, &mut self.blocks).is_ok() {
+            let t0 = Instant::now();
+            let mut decoded = true;
+            if let Some(io) = self.runner.policy_io() {
+                for ((&key, &(tier, _)), dst) in copy.keys.iter().zip(&located).zip(self.blocks.chunks_exact(gs)) {
+                    match tiers.with_group(key, tier, |g| codec::decode(g, io.kv, dst)) {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => {
+                            tracing::warn!(tier = tier.name(), error = %e, "pruned copy cannot be onboarded");
+                            decoded = false;
+                            break;
+                        }
+                        None => {
+                            decoded = false;
+                            break;
+                        }
+                    }
+                }
+            } else {
+                decoded = false;
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            let covered = (frontier + copy.groups) * bs;
+            if decoded && self.sched.preload_front(&self.hashes[..frontier], &self.blocks, copy.kept, covered) {
+                let tier = located.iter().map(|&(t, _)| t).max().unwrap_or(Tier::Host);
+                let bytes: u64 = located.iter().map(|&(_, b)| b).sum();
+                tiers.cost_mut().record_load(tier, bytes, secs);
+                tiers.count_onboard(tier);
+                self.onboarded_tokens[tier.index()] += (copy.groups * bs) as u64;
+                if let Some(ep) = &mut self.evicpress {
+                    ep.record_pruned_onboard();
+                }
+            } else if let Err(e) = self.sched.pool_mut().release(&self.blocks) {
+                tracing::error!(error = %e, "releasing onboarding blocks failed");
             }
         }
         if let Err(e) = self.sched.pool_mut().release(&pinned) {

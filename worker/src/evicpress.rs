@@ -102,6 +102,8 @@ pub struct PlannerConfig {
     pub prefill_tokens_per_s: f64,
     /// The measured compression variants; index 0 should be the lossless one.
     pub variants: Vec<Variant>,
+    /// Tokens per stored group: a pruned copy's kept tokens are stored in whole groups, so its size rounds up.
+    pub granule_tokens: u64,
     /// Profiles kept at most.
     pub max_contexts: usize,
 }
@@ -132,6 +134,9 @@ impl Planner {
     pub fn new(cfg: PlannerConfig) -> Result<Planner, PlanError> {
         if !(cfg.alpha.is_finite() && cfg.alpha >= 0.0) {
             return Err(PlanError::Invalid("alpha must be finite and non-negative"));
+        }
+        if cfg.granule_tokens == 0 {
+            return Err(PlanError::Invalid("granule must be at least one token"));
         }
         if cfg.variants.is_empty() {
             return Err(PlanError::Invalid("at least one variant"));
@@ -192,10 +197,32 @@ impl Planner {
         self.contexts.get(&context).and_then(|c| c.placement)
     }
 
-    /// Bytes of `tokens` tokens in variant `v`.
+    /// Bytes of `tokens` tokens in variant `v`: the kept tokens, in whole groups.
     pub fn bytes(&self, tokens: u64, v: usize) -> u64 {
         let var = &self.cfg.variants[v];
-        (tokens as f64 * var.keep_ratio * var.bytes_per_token).ceil() as u64
+        let kept = crate::tiers::pruned::kept_tokens(tokens as usize, var.keep_ratio) as u64;
+        let g = self.cfg.granule_tokens;
+        (kept.div_ceil(g) as f64 * g as f64 * var.bytes_per_token).ceil() as u64
+    }
+
+    /// The next tier below `tier` that has any capacity: a tier of capacity 0 is not there (a worker without a
+    /// disk tier), and moving a context into it would only be a slower way to drop it.
+    fn existing_tier_below(&self, tier: Tier) -> Option<Tier> {
+        let mut t = tier.below();
+        while let Some(x) = t
+            && self.cfg.capacity[x.index()] == 0
+        {
+            t = x.below();
+        }
+        t
+    }
+
+    /// Whether the stored variant `from` can be turned into `to` without the data it lacks: a copy keeps no more
+    /// tokens and no more bytes per token than what it is made from (what was dropped or rounded away cannot be
+    /// restored, so a larger variant would only claim a quality the stored KV no longer has).
+    fn derivable(&self, from: usize, to: usize) -> bool {
+        let (a, b) = (&self.cfg.variants[from], &self.cfg.variants[to]);
+        b.keep_ratio <= a.keep_ratio && b.bytes_per_token <= a.bytes_per_token
     }
 
     /// Seconds to bring the context to the device from `p`.
@@ -330,6 +357,7 @@ impl Planner {
     /// Over all contexts on `tier`, the change that frees space on it with the smallest utility drop (ties: the
     /// one that frees more bytes, then the lower context id, so plans are deterministic).
     fn cheapest_step(&self, tier: Tier) -> Option<(u64, Placement, Option<Placement>)> {
+        let lower = self.existing_tier_below(tier);
         let mut best: Option<(f64, u64, u64, Placement, Option<Placement>)> = None;
         for (&id, c) in &self.contexts {
             let Some(from) = c.placement.filter(|p| p.tier == tier) else { continue };
@@ -349,7 +377,7 @@ impl Planner {
                 }
             };
             for v in 0..self.cfg.variants.len() {
-                if c.quality[v].is_none() {
+                if c.quality[v].is_none() || !self.derivable(from.variant, v) {
                     continue;
                 }
                 // Compress in place: only variants that actually save space on this tier.
@@ -357,16 +385,11 @@ impl Planner {
                 if smaller < size {
                     consider(Some(Placement { tier, variant: v }), size - smaller);
                 }
-                // Moving down never decompresses: what a smaller variant dropped cannot be restored, so a larger
-                // one would only claim a quality the stored KV no longer has.
-                if smaller > size {
-                    continue;
-                }
-                if let Some(lower) = tier.below() {
+                if let Some(lower) = lower {
                     consider(Some(Placement { tier: lower, variant: v }), size);
                 }
             }
-            if tier.below().is_none() {
+            if lower.is_none() {
                 consider(None, size);
             }
         }
@@ -416,6 +439,7 @@ mod tests {
                 Variant { codec: "int4_kivi".into(), bytes_per_token: F32 / 8.0, keep_ratio: 0.5 },
             ],
             max_contexts: 1000,
+            granule_tokens: 1,
         })
         .unwrap()
     }
@@ -540,6 +564,37 @@ mod tests {
         p.set_profile(3, 100, vec![Some(0.8), Some(0.8), None]).unwrap();
         assert!(!p.observe_quality(3, 0.79, 0.05).unwrap());
         assert!(p.observe_quality(3, f64::NAN, 0.05).is_err());
+    }
+
+    #[test]
+    fn a_pruned_copy_never_turns_back_into_a_whole_context() {
+        // 1000 tokens: whole native 46 MB, a quarter kept 11.8 MB (250 tokens in 16 groups of 16), int2 5.8 MB.
+        let variants = vec![
+            Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0 },
+            Variant { codec: "native@0.25".into(), bytes_per_token: F32, keep_ratio: 0.25 },
+            Variant { codec: "int2".into(), bytes_per_token: F32 / 8.0, keep_ratio: 1.0 },
+        ];
+        let cfg = PlannerConfig { variants, granule_tokens: 16, ..planner([0, 12_000_000, 0], 1.0).cfg };
+        let mut p = Planner::new(cfg).unwrap();
+        assert_eq!(p.bytes(1000, 1), (256.0 * F32) as u64, "kept tokens round up to whole groups");
+        assert_eq!(p.bytes(1000, 2), (1008.0 * F32 / 8.0) as u64);
+        let q = vec![Some(1.0), Some(0.95), Some(0.5)];
+        let mut ops = Vec::new();
+        for c in 1..=3u64 {
+            p.set_profile(c, 1000, q.clone()).unwrap();
+            p.record_access(c).unwrap();
+            ops.extend(p.insert(c).unwrap());
+            assert!(p.used()[1] <= 12_000_000, "{:?}", p.used());
+        }
+        // No disk tier: the host keeps one pruned copy (the best use of its 12 MB), the others are dropped.
+        let on_host: Vec<_> = (1..=3).filter_map(|c| p.placement(c)).collect();
+        assert_eq!(on_host, [Placement { tier: Tier::Host, variant: 1 }], "{ops:?}");
+        // int2 is smaller than the pruned copy, but it needs the tokens the copy dropped.
+        assert!(
+            !ops.iter()
+                .any(|o| matches!(o, Operation::Change { from, to, .. } if from.variant == 1 && to.variant != 1)),
+            "{ops:?}"
+        );
     }
 
     #[test]

@@ -39,6 +39,7 @@ use crate::engine::{EngineError, ModelRunner, StepSeq};
 use crate::evicpress::{self, Operation, Planner, PlannerConfig, Variant};
 use crate::model::LogitsWanted;
 use crate::sampling::argmax;
+use crate::tiers::pruned::{self, Pruner, kept_tokens, packed_groups};
 use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
 
 /// Finished requests waiting for placement at most; older ones are dropped (their contexts are simply not placed).
@@ -62,8 +63,8 @@ pub enum TierPlacement {
 
 impl TierPlacement {
     /// From the worker's flags: `placement` is `lru` or `evicpress`; `codec` (LRU only) `native` or a compressing
-    /// codec; `alpha` is EvicPress's α.
-    pub fn from_flags(placement: &str, codec: &str, alpha: f64) -> Result<TierPlacement, String> {
+    /// codec; `alpha` is EvicPress's α, `keep_ratios` its token-dropping ratios.
+    pub fn from_flags(placement: &str, codec: &str, alpha: f64, keep_ratios: &[f64]) -> Result<TierPlacement, String> {
         let fixed = match codec.parse::<GroupCodec>() {
             Ok(GroupCodec::Native(_)) => None,
             Ok(GroupCodec::Kv(c)) => Some(c),
@@ -78,7 +79,12 @@ impl TierPlacement {
                 if !(alpha.is_finite() && alpha >= 0.0) {
                     return Err(format!("--evicpress-alpha must be finite and >= 0, got {alpha}"));
                 }
-                Ok(TierPlacement::EvicPress(EvicPressConfig { alpha, ..EvicPressConfig::default() }))
+                pruned::check_keep_ratios(keep_ratios).map_err(|e| format!("--evicpress-keep-ratios: {e}"))?;
+                Ok(TierPlacement::EvicPress(EvicPressConfig {
+                    alpha,
+                    keep_ratios: keep_ratios.to_vec(),
+                    ..EvicPressConfig::default()
+                }))
             }
             other => Err(format!(
                 "--tier-placement: expected lru or evicpress, got {:?}",
@@ -88,6 +94,39 @@ impl TierPlacement {
     }
 }
 
+/// Keep ratios EvicPress offers by default (`--evicpress-keep-ratios`).
+pub const DEFAULT_KEEP_RATIOS: [f64; 2] = [0.5, 0.25];
+
+/// One stored configuration besides the tier: a group codec, and the fraction of tokens kept.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StoredVariant {
+    codec: GroupCodec,
+    /// 1 for every token (groups under their chain hashes), below 1 for a pruned copy.
+    keep_ratio: f64,
+}
+
+impl StoredVariant {
+    fn pruned(self) -> bool {
+        self.keep_ratio < 1.0
+    }
+
+    /// The codec's name, with `@ratio` for a pruned copy.
+    fn name(self) -> String {
+        if self.pruned() { format!("{}@{}", self.codec.name(), self.keep_ratio) } else { self.codec.name().to_owned() }
+    }
+}
+
+/// A pruned copy that continues a prompt (see [`EvicPress::pruned_copy`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrunedCopy {
+    /// Chain groups of the prompt the copy stands for.
+    pub groups: usize,
+    /// Slots it holds per table.
+    pub kept: usize,
+    /// Tier keys of its packed groups, in order.
+    pub keys: Vec<u64>,
+}
+
 /// EvicPress settings (`--tier-placement evicpress`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EvicPressConfig {
@@ -95,6 +134,9 @@ pub struct EvicPressConfig {
     pub alpha: f64,
     /// Compressing variants offered besides the lossless native one.
     pub codecs: Vec<Codec>,
+    /// Token-dropping ratios (fraction of each table's slots KeyDiff keeps), each offered with the native format
+    /// and every codec: the configuration's eviction-ratio dimension ([`pruned`]).
+    pub keep_ratios: Vec<f64>,
     /// Contexts remembered at most.
     pub max_contexts: usize,
     /// Tokens after a context kept as its profiling probe.
@@ -114,6 +156,7 @@ impl Default for EvicPressConfig {
         EvicPressConfig {
             alpha: 1.0,
             codecs: GroupCodec::COMPRESSING.to_vec(),
+            keep_ratios: DEFAULT_KEEP_RATIOS.to_vec(),
             max_contexts: 4096,
             probe_tokens: 32,
             answer_tokens: 16,
@@ -128,9 +171,9 @@ impl Default for EvicPressConfig {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct EvicPressStats {
     pub contexts: u64,
-    /// The variants (index 0 is the lossless native format), and the mean of their measured quality over every
-    /// profile so far (`None`: never measured).
-    pub variants: Vec<&'static str>,
+    /// The variants (index 0 is the lossless native format; `codec@ratio` for pruned copies), and the mean of
+    /// their measured quality over every profile so far (`None`: never measured).
+    pub variants: Vec<String>,
     pub mean_quality: Vec<Option<f64>>,
     /// Contexts placed per tier ([`Tier::index`]; the device slot stays 0).
     pub placed: [u64; 3],
@@ -150,6 +193,8 @@ pub struct EvicPressStats {
     pub dropped: u64,
     /// Finished requests waiting to be placed.
     pub pending: u64,
+    /// Admissions that started from an onboarded pruned copy.
+    pub pruned_onboards: u64,
 }
 
 #[derive(Debug)]
@@ -178,7 +223,7 @@ pub struct EvicPress {
     cfg: EvicPressConfig,
     planner: Planner,
     /// Index 0 is the lossless native format of the device arena.
-    variants: Vec<GroupCodec>,
+    variants: Vec<StoredVariant>,
     contexts: HashMap<u64, Context>,
     owner: HashMap<u64, u64>,
     pending: VecDeque<Pending>,
@@ -188,9 +233,12 @@ pub struct EvicPress {
     layout: CacheLayout,
     clock: u64,
     stats: EvicPressStats,
-    /// One group's worth of f32 blocks, for transcoding between tier codecs.
+    /// One group's worth of f32 blocks, for transcoding between tier codecs and packing pruned copies.
     scratch: KvStorage,
     logits: Vec<f32>,
+    pruner: Pruner,
+    /// Kept slots per table of the pruned copy being made.
+    keep: Vec<Vec<u32>>,
 }
 
 impl std::fmt::Debug for EvicPress {
@@ -217,24 +265,30 @@ impl EvicPress {
         if !(cfg.drift_threshold.is_finite() && (0.0..1.0).contains(&cfg.drift_threshold)) {
             return Err(bad(format!("drift threshold {} is not in [0, 1)", cfg.drift_threshold)));
         }
-        let mut variants = vec![GroupCodec::Native(dtype)];
+        pruned::check_keep_ratios(&cfg.keep_ratios).map_err(bad)?;
+        let mut codecs = vec![GroupCodec::Native(dtype)];
         for c in &cfg.codecs {
             let v = GroupCodec::Kv(*c);
             if matches!(c, Codec::F32 | Codec::F16) {
                 return Err(bad(format!("{c} is a native format, not a compressing variant")));
             }
-            if !variants.contains(&v) {
-                variants.push(v);
+            if !codecs.contains(&v) {
+                codecs.push(v);
             }
+        }
+        let mut variants: Vec<StoredVariant> =
+            codecs.iter().map(|&codec| StoredVariant { codec, keep_ratio: 1.0 }).collect();
+        for &keep_ratio in &cfg.keep_ratios {
+            variants.extend(codecs.iter().map(|&codec| StoredVariant { codec, keep_ratio }));
         }
         let gs = layout.group_size();
         let mut planner_variants = Vec::with_capacity(variants.len());
         for v in &variants {
-            let bytes = v.group_bytes(gs, layout.block_size, head_dim).map_err(|e| bad(e.to_string()))?;
+            let bytes = v.codec.group_bytes(gs, layout.block_size, head_dim).map_err(|e| bad(e.to_string()))?;
             planner_variants.push(Variant {
-                codec: v.name().to_owned(),
+                codec: v.name(),
                 bytes_per_token: (bytes + FILE_OVERHEAD) as f64 / layout.block_size as f64,
-                keep_ratio: 1.0,
+                keep_ratio: v.keep_ratio,
             });
         }
         let cost = tiers.cost();
@@ -247,6 +301,7 @@ impl EvicPress {
             variants: planner_variants,
             // Forgetting is this driver's business (it must drop the group owners too).
             max_contexts: cfg.max_contexts + 1,
+            granule_tokens: layout.block_size as u64,
         })
         .map_err(|e| bad(e.to_string()))?;
         let n = variants.len();
@@ -265,6 +320,8 @@ impl EvicPress {
             stats,
             scratch: KvStorage::with_dtype(gs, layout.block_size, head_dim, KvDtype::F32),
             logits: Vec::new(),
+            pruner: Pruner::default(),
+            keep: Vec::new(),
         })
     }
 
@@ -284,9 +341,47 @@ impl EvicPress {
         s
     }
 
+    /// Counts an admission that started from a pruned copy (the engine onboards them).
+    pub fn record_pruned_onboard(&mut self) {
+        self.stats.pruned_onboards += 1;
+    }
+
     /// Names of the variants, index 0 first (the planner's variant indices).
-    pub fn variant_names(&self) -> Vec<&'static str> {
+    pub fn variant_names(&self) -> Vec<String> {
         self.variants.iter().map(|v| v.name()).collect()
+    }
+
+    /// The pruned copy stored for the context that starts at `hashes[0]`, when the whole context lies within
+    /// `hashes` (a prompt's chain hashes from the end of what the device holds): onboarding it stands for those
+    /// groups. `None` when that context is not stored pruned.
+    pub fn pruned_copy(&self, hashes: &[u64]) -> Option<PrunedCopy> {
+        let first = *hashes.first()?;
+        let id = *self.owner.get(&first)?;
+        let ctx = self.contexts.get(&id)?;
+        let n = ctx.groups.len();
+        if ctx.groups.first() != Some(&first) || n > hashes.len() || hashes[n - 1] != ctx.groups[n - 1] {
+            return None;
+        }
+        let v = self.variants[ctx.stored?.variant];
+        if !v.pruned() {
+            return None;
+        }
+        let bs = self.layout.block_size;
+        let kept = kept_tokens(n * bs, v.keep_ratio);
+        let keys = (0..packed_groups(kept, bs)).map(|j| pruned::group_key(id, j)).collect();
+        Some(PrunedCopy { groups: n, kept, keys })
+    }
+
+    /// The tier keys holding `context` in variant `v`: its chain hashes, or its pruned copy's keys.
+    fn stored_keys(&self, context: u64, v: usize) -> Vec<u64> {
+        let Some(ctx) = self.contexts.get(&context) else { return Vec::new() };
+        let var = self.variants[v];
+        if !var.pruned() {
+            return ctx.groups.clone();
+        }
+        let bs = self.layout.block_size;
+        let kept = kept_tokens(ctx.groups.len() * bs, var.keep_ratio);
+        (0..packed_groups(kept, bs)).map(|j| pruned::group_key(context, j)).collect()
     }
 
     /// Records a request that finished: resolves which contexts its prompt passed through (counting accesses) and
@@ -466,7 +561,7 @@ impl EvicPress {
     }
 
     /// Measures `variants` of the context at the end of `p.chain` (see the module docs). `None` when the chain is
-    /// not all on the device or the pool has no room for the probe.
+    /// not all on the device or the pool has no room for the probe (and for the largest pruned copy asked for).
     fn profile<R: ModelRunner>(
         &mut self,
         runner: &mut R,
@@ -488,71 +583,121 @@ impl EvicPress {
         }
         let gs = self.layout.group_size();
         let bs = self.layout.block_size;
-        let ctx_tokens = p.chain.len() * bs;
+        let own = self.contexts.get(&p.context).map_or(0, |c| c.groups.len()).min(p.chain.len());
+        let packed_max = variants
+            .iter()
+            .map(|&v| self.variants[v])
+            .filter(|v| v.pruned())
+            .map(|v| packed_groups(kept_tokens(own * bs, v.keep_ratio), bs))
+            .max()
+            .unwrap_or(0);
         let tail_blocks = (p.probe.len() + self.cfg.answer_tokens).div_ceil(bs);
-        let mut tail = Vec::new();
-        if pool.allocate(gs * tail_blocks, &mut tail).is_err() {
+        let mut fresh = Vec::new();
+        if pool.allocate(gs * (tail_blocks + packed_max), &mut fresh).is_err() {
             release(pool, &pinned);
             return Ok(None);
         }
-        let tables: Vec<Vec<BlockId>> = (0..gs)
-            .map(|t| {
-                let mut table: Vec<BlockId> = groups.iter().map(|g| g[t]).collect();
-                table.extend_from_slice(&tail[t * tail_blocks..(t + 1) * tail_blocks]);
-                table
-            })
-            .collect();
-        let result = self.measure(runner, &groups, &tables, ctx_tokens, &p.probe, variants, t0);
-        release(pool, &tail);
+        let (tail, packed) = fresh.split_at(gs * tail_blocks);
+        let blocks = ProfileBlocks { groups: &groups, own, tail, tail_blocks, packed };
+        let result = self.measure(runner, &blocks, &p.probe, variants, t0);
+        release(pool, &fresh);
         release(pool, &pinned);
         self.stats.profile_ms += t0.elapsed().as_millis() as u64;
         result.map(Some)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn measure<R: ModelRunner>(
         &mut self,
         runner: &mut R,
-        groups: &[Vec<BlockId>],
-        tables: &[Vec<BlockId>],
-        ctx_tokens: usize,
+        b: &ProfileBlocks<'_>,
         probe: &[u32],
         variants: &[usize],
         t0: Instant,
     ) -> Result<Vec<Option<f64>>, EngineError> {
         let mut quality = vec![None; self.variants.len()];
         quality[0] = Some(1.0);
-        let answer = self.greedy(runner, tables, ctx_tokens, probe)?;
+        let bs = self.layout.block_size;
+        let ctx_tokens = b.groups.len() * bs;
+        let full = b.tables(None);
+        let answer = self.greedy(runner, &full, ctx_tokens, probe)?;
         // Every variant is scored teacher-forced over the probe and the full-precision answer, so that one early
         // disagreement costs one position rather than the rest of a diverged answer. The reference predictions
         // come from the very same step over the original KV: only the codec differs between the two.
         let mut forced: Vec<u32> = probe.to_vec();
         forced.extend_from_slice(&answer[..answer.len().saturating_sub(1)]);
-        let reference = self.teacher_forced(runner, tables, ctx_tokens, &forced, answer.len())?;
+        let full_lens = vec![ctx_tokens; full.len()];
+        let reference = self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len())?;
         let Some(io) = runner.policy_io() else { return Ok(quality) };
-        let originals: Vec<EncodedGroup> = groups.iter().map(|g| native::encode(io.kv, g)).collect();
+        let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
+        let prefix = b.groups.len() - b.own;
+        let own_tables: Vec<Vec<BlockId>> =
+            (0..self.layout.group_size()).map(|t| b.groups[prefix..].iter().map(|g| g[t]).collect()).collect();
+        let mut selected: Option<f64> = None;
         for &v in variants {
             if t0.elapsed() > self.cfg.profile_budget {
                 break;
             }
-            let codec = self.variants[v];
-            let predicted = match round_trip(runner, groups, codec) {
-                Ok(()) => self.teacher_forced(runner, tables, ctx_tokens, &forced, answer.len()),
-                Err(e) => Err(e),
+            let var = self.variants[v];
+            let predicted = if var.pruned() {
+                // The pruned copy, encoded and decoded into the profiling blocks as onboarding would leave it.
+                let kept = kept_tokens(b.own * bs, var.keep_ratio);
+                if selected != Some(var.keep_ratio) {
+                    let Some(io) = runner.policy_io() else { break };
+                    self.pruner.select(io.kv, &own_tables, b.own * bs, kept, &mut self.keep);
+                    selected = Some(var.keep_ratio);
+                }
+                match self.pack_into_device(runner, &own_tables, kept, var.codec, b.packed) {
+                    Ok(n) => {
+                        let tables = b.tables(Some(n));
+                        let lens = vec![prefix * bs + kept; tables.len()];
+                        self.teacher_forced(runner, &tables, &lens, ctx_tokens, &forced, answer.len())
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                match round_trip(runner, b.groups, var.codec) {
+                    Ok(()) => self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len()),
+                    Err(e) => Err(e),
+                }
             };
             // Restore whatever happened: the device blocks are the prefix cache's.
-            if let Some(io) = runner.policy_io() {
-                for (g, orig) in groups.iter().zip(&originals) {
+            if !var.pruned()
+                && let Some(io) = runner.policy_io()
+            {
+                for (g, orig) in b.groups.iter().zip(&originals) {
                     native::decode(orig, io.kv, g).map_err(|e| EngineError::Forward(e.to_string()))?;
                 }
             }
             match predicted {
                 Ok(p) => quality[v] = Some(agreement(&p, &reference)),
                 // A codec that refuses this KV (out of its range) is simply not a choice for it.
-                Err(e) => tracing::debug!(codec = codec.name(), error = %e, "variant not profiled"),
+                Err(e) => tracing::debug!(variant = var.name(), error = %e, "variant not profiled"),
             }
         }
         Ok(quality)
+    }
+
+    /// Packs the pruned copy selected in `self.keep` (`kept` slots of `own_tables`) through `codec` into the
+    /// device blocks `packed` (group-major). Returns the packed groups.
+    fn pack_into_device<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        own_tables: &[Vec<BlockId>],
+        kept: usize,
+        codec: GroupCodec,
+        packed: &[BlockId],
+    ) -> Result<usize, EngineError> {
+        let gs = self.layout.group_size();
+        let n = packed_groups(kept, self.layout.block_size);
+        let Some(io) = runner.policy_io() else { return Err(EngineError::Forward("the runner has no host KV".into())) };
+        let err = |e: crate::tiers::TierError| EngineError::Forward(e.to_string());
+        let scratch_blocks: Vec<BlockId> = (0..gs as BlockId).collect();
+        for (j, dst) in packed.chunks_exact(gs).take(n).enumerate() {
+            self.pruner.pack_group(io.kv, own_tables, &self.keep, j, &mut self.scratch, &scratch_blocks);
+            let enc = codec::encode(&self.scratch, &scratch_blocks, codec).map_err(err)?;
+            codec::decode(&enc, io.kv, dst).map_err(err)?;
+        }
+        Ok(n)
     }
 
     /// Greedy decode of `answer_tokens` tokens after `probe`, over `tables` whose first `ctx_tokens` slots hold the
@@ -608,19 +753,19 @@ impl EvicPress {
         runner.forward(&[seq], &mut self.logits)
     }
 
-    /// One step over `tokens` after the context (teacher forcing): the top token at each of the last `scored`
-    /// positions.
+    /// One step over `tokens` from position `pos` (teacher forcing) over `tables` holding `lens` slots: the top
+    /// token at each of the last `scored` positions.
     fn teacher_forced<R: ModelRunner>(
         &mut self,
         runner: &mut R,
         tables: &[Vec<BlockId>],
-        ctx_tokens: usize,
+        lens: &[usize],
+        pos: usize,
         tokens: &[u32],
         scored: usize,
     ) -> Result<Vec<u32>, EngineError> {
         let vocab = runner.info().vocab_size;
-        let lens = vec![ctx_tokens; tables.len()];
-        self.forward(runner, tables, tokens, ctx_tokens, &lens, LogitsWanted::All)?;
+        self.forward(runner, tables, tokens, pos, lens, LogitsWanted::All)?;
         if scored > tokens.len() || self.logits.len() < tokens.len() * vocab {
             return Err(EngineError::Forward("too few logits from the profiling step".into()));
         }
@@ -676,19 +821,28 @@ impl EvicPress {
         for c in touched {
             let target = self.planner.placement(c);
             let Some(ctx) = self.contexts.get(&c) else { continue };
-            if ctx.stored == target {
+            let stored = ctx.stored;
+            if stored == target {
                 continue;
             }
             let groups = ctx.groups.clone();
             match target {
-                None => {
-                    for &h in &groups {
-                        tiers.remove(h);
+                None => self.remove_stored(c, stored, tiers),
+                Some(p) if self.variants[p.variant].pruned() => {
+                    if let Err(e) = self.store_pruned(c, stored, p, io.kv, pool, tiers) {
+                        // Whatever was stored is gone: the next request recomputes the context.
+                        tracing::warn!(error = %e, "pruned copy not stored");
+                        self.remove_stored(c, stored, tiers);
                     }
                 }
                 Some(p) => {
+                    if stored.is_some_and(|s| self.variants[s.variant].pruned()) {
+                        // Only a fresh device copy can be stored whole again (the planner never derives it from
+                        // the pruned one); the groups below come from the device or not at all.
+                        self.remove_stored(c, stored, tiers);
+                    }
                     let tier = tier_of(p.tier);
-                    let codec = self.variants[p.variant];
+                    let codec = self.variants[p.variant].codec;
                     for &h in &groups {
                         let group = match pool.lookup(h) {
                             Some(blocks) => codec::encode(io.kv, blocks, codec),
@@ -719,6 +873,73 @@ impl EvicPress {
                 ctx.stored = target;
             }
         }
+    }
+
+    /// Removes `context`'s copy in `stored` from the tiers.
+    fn remove_stored(&self, context: u64, stored: Option<evicpress::Placement>, tiers: &mut TierStore) {
+        let Some(p) = stored else { return };
+        for h in self.stored_keys(context, p.variant) {
+            tiers.remove(h);
+        }
+    }
+
+    /// Stores `context`'s pruned copy in placement `to`: KeyDiff selects from the device copy while every group is
+    /// still there, else from the stored copy `stored` decoded (a pruned copy only ever shrinks further: the
+    /// planner never derives a variant that keeps more tokens); the kept slots are packed, encoded, and placed
+    /// under the copy's keys once the stored copy is removed.
+    fn store_pruned(
+        &mut self,
+        context: u64,
+        stored: Option<evicpress::Placement>,
+        to: evicpress::Placement,
+        kv: &KvStorage,
+        pool: &BlockPool,
+        tiers: &mut TierStore,
+    ) -> Result<(), String> {
+        let Some(groups) = self.contexts.get(&context).map(|c| c.groups.clone()) else { return Ok(()) };
+        let (gs, bs) = (self.layout.group_size(), self.layout.block_size);
+        let tokens = groups.len() * bs;
+        let var = self.variants[to.variant];
+        let device: Option<Vec<&[BlockId]>> = groups.iter().map(|h| pool.lookup(*h)).collect();
+        // Decoding a stored copy needs its own blocks; they live only for this call.
+        let staging: KvStorage;
+        let (src, tables, len) = match (device, stored) {
+            (Some(dev), _) => (kv, (0..gs).map(|t| dev.iter().map(|g| g[t]).collect()).collect::<Vec<_>>(), tokens),
+            (None, Some(from)) => {
+                let keys = self.stored_keys(context, from.variant);
+                let mut st = KvStorage::with_dtype(keys.len() * gs, bs, kv.head_dim(), kv.dtype());
+                for (j, &key) in keys.iter().enumerate() {
+                    let (_, g) = tiers.read(key).ok_or("a group of the stored copy is missing")?;
+                    let blocks: Vec<BlockId> = (j * gs..(j + 1) * gs).map(|b| b as BlockId).collect();
+                    codec::decode(&g, &mut st, &blocks).map_err(|e| e.to_string())?;
+                }
+                let from_var = self.variants[from.variant];
+                let len = if from_var.pruned() { kept_tokens(tokens, from_var.keep_ratio) } else { tokens };
+                staging = st;
+                let tables = (0..gs).map(|t| (0..keys.len()).map(|j| (j * gs + t) as BlockId).collect()).collect();
+                (&staging, tables, len)
+            }
+            (None, None) => return Err("the context left the device before it was stored".into()),
+        };
+        let kept = kept_tokens(tokens, var.keep_ratio).min(len);
+        self.pruner.select(src, &tables, len, kept, &mut self.keep);
+        let scratch_blocks: Vec<BlockId> = (0..gs as BlockId).collect();
+        let mut encoded = Vec::with_capacity(packed_groups(kept, bs));
+        for j in 0..packed_groups(kept, bs) {
+            self.pruner.pack_group(src, &tables, &self.keep, j, &mut self.scratch, &scratch_blocks);
+            encoded.push(codec::encode(&self.scratch, &scratch_blocks, var.codec).map_err(|e| e.to_string())?);
+        }
+        self.remove_stored(context, stored, tiers);
+        let tier = tier_of(to.tier);
+        for (j, g) in encoded.into_iter().enumerate() {
+            if !tiers.place(tier, pruned::group_key(context, j), g) {
+                for k in 0..j {
+                    tiers.remove(pruned::group_key(context, k));
+                }
+                return Err(format!("the {} tier refused a pruned group", tier.name()));
+            }
+        }
+        Ok(())
     }
 
     /// Re-encodes a stored group in another codec (through f32).
@@ -766,6 +987,39 @@ fn agreement(predicted: &[u32], reference: &[u32]) -> f64 {
     agree as f64 / reference.len() as f64
 }
 
+/// The device blocks of one profile: the chain's groups (the context's own `own` groups last), the tail blocks
+/// the probe and answer are written to (`tail_blocks` per table, table-major), and room for a pruned copy of the
+/// context (group-major).
+struct ProfileBlocks<'a> {
+    groups: &'a [Vec<BlockId>],
+    own: usize,
+    tail: &'a [BlockId],
+    tail_blocks: usize,
+    packed: &'a [BlockId],
+}
+
+impl ProfileBlocks<'_> {
+    /// Each table's blocks: the chain's groups, or with `Some(n)` the groups before the context and then the first
+    /// `n` packed groups of its pruned copy; the tail after either.
+    fn tables(&self, pruned: Option<usize>) -> Vec<Vec<BlockId>> {
+        let gs = self.groups.first().map_or(0, Vec::len);
+        let kept_groups = match pruned {
+            Some(_) => &self.groups[..self.groups.len() - self.own],
+            None => self.groups,
+        };
+        (0..gs)
+            .map(|t| {
+                let mut table: Vec<BlockId> = kept_groups.iter().map(|g| g[t]).collect();
+                if let Some(n) = pruned {
+                    table.extend(self.packed.chunks_exact(gs).take(n).map(|g| g[t]));
+                }
+                table.extend_from_slice(&self.tail[t * self.tail_blocks..(t + 1) * self.tail_blocks]);
+                table
+            })
+            .collect()
+    }
+}
+
 fn release(pool: &mut BlockPool, blocks: &[BlockId]) {
     if let Err(e) = pool.release(blocks) {
         tracing::error!(error = %e, "releasing profiling blocks failed");
@@ -790,21 +1044,27 @@ mod tests {
 
     #[test]
     fn flags_parse_into_placements_and_bad_ones_are_refused() {
-        assert_eq!(TierPlacement::from_flags("lru", "native", 1.0), Ok(TierPlacement::Lru));
-        assert_eq!(TierPlacement::from_flags("lru", "f16", 1.0), Ok(TierPlacement::Lru));
-        assert_eq!(TierPlacement::from_flags("lru", "int4_kivi", 1.0), Ok(TierPlacement::LruCodec(Codec::Int4Kivi)));
-        match TierPlacement::from_flags("evicpress", "native", 2.5) {
+        assert_eq!(TierPlacement::from_flags("lru", "native", 1.0, &[0.5]), Ok(TierPlacement::Lru));
+        assert_eq!(TierPlacement::from_flags("lru", "f16", 1.0, &[0.5]), Ok(TierPlacement::Lru));
+        assert_eq!(
+            TierPlacement::from_flags("lru", "int4_kivi", 1.0, &[0.5]),
+            Ok(TierPlacement::LruCodec(Codec::Int4Kivi))
+        );
+        match TierPlacement::from_flags("evicpress", "native", 2.5, &[0.5]) {
             Ok(TierPlacement::EvicPress(c)) => {
                 assert_eq!(c.alpha, 2.5);
                 assert_eq!(c.codecs, GroupCodec::COMPRESSING.to_vec());
+                assert_eq!(c.keep_ratios, [0.5]);
             }
             other => panic!("{other:?}"),
         }
-        assert!(TierPlacement::from_flags("evicpress", "int8", 1.0).is_err(), "EvicPress picks its own codecs");
-        assert!(TierPlacement::from_flags("evicpress", "native", f64::NAN).is_err());
-        assert!(TierPlacement::from_flags("evicpress", "native", -1.0).is_err());
-        assert!(TierPlacement::from_flags("fifo", "native", 1.0).is_err());
-        assert!(TierPlacement::from_flags("lru", "zstd", 1.0).is_err());
+        assert!(TierPlacement::from_flags("evicpress", "int8", 1.0, &[0.5]).is_err(), "EvicPress picks its own codecs");
+        assert!(TierPlacement::from_flags("evicpress", "native", f64::NAN, &[0.5]).is_err());
+        assert!(TierPlacement::from_flags("evicpress", "native", -1.0, &[0.5]).is_err());
+        assert!(TierPlacement::from_flags("evicpress", "native", 1.0, &[1.0]).is_err(), "a ratio keeps less than all");
+        assert!(TierPlacement::from_flags("evicpress", "native", 1.0, &[]).is_ok(), "whole contexts only");
+        assert!(TierPlacement::from_flags("fifo", "native", 1.0, &[0.5]).is_err());
+        assert!(TierPlacement::from_flags("lru", "zstd", 1.0, &[0.5]).is_err());
     }
 
     #[test]
@@ -828,12 +1088,20 @@ mod tests {
         let cfg = TierConfig { data_dir: Some(dir.clone()), host_bytes: 1 << 20, disk_bytes: 4 << 20 };
         let tiers = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
         let layout = CacheLayout { n_layers: 2, n_kv_heads: 2, block_size: 16 };
-        let ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F16, &tiers).unwrap();
+        let whole = EvicPressConfig { keep_ratios: vec![], ..EvicPressConfig::default() };
+        let ep = EvicPress::new(whole, "m", layout, 64, KvDtype::F16, &tiers).unwrap();
         assert_eq!(ep.variant_names(), ["f16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"]);
         assert_eq!(ep.stats().capacity_bytes, [0, 1 << 20, 4 << 20]);
         // Before any profile only the lossless variant has a quality.
         assert_eq!(ep.stats().variants, ep.variant_names());
         assert_eq!(ep.stats().mean_quality, [Some(1.0), None, None, None, None]);
+        // Each keep ratio adds a pruned copy in every codec.
+        let pruned =
+            EvicPressConfig { codecs: vec![Codec::Int4Kivi], keep_ratios: vec![0.5, 0.25], ..Default::default() };
+        let ep = EvicPress::new(pruned, "m", layout, 64, KvDtype::F16, &tiers).unwrap();
+        assert_eq!(ep.variant_names(), ["f16", "int4_kivi", "f16@0.5", "int4_kivi@0.5", "f16@0.25", "int4_kivi@0.25"]);
+        let bad = EvicPressConfig { keep_ratios: vec![0.5, 0.5], ..EvicPressConfig::default() };
+        assert!(EvicPress::new(bad, "m", layout, 64, KvDtype::F16, &tiers).is_err());
         // A native format is not a compressing variant; nonsense settings are refused.
         let native = EvicPressConfig { codecs: vec![Codec::F16], ..EvicPressConfig::default() };
         assert!(EvicPress::new(native, "m", layout, 64, KvDtype::F16, &tiers).is_err());

@@ -29,7 +29,7 @@ use std::collections::{HashMap, VecDeque};
 
 use pagoda_kernels::KvStorage;
 
-use crate::cache::{BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
+use crate::cache::{BlockId, BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
 use crate::policy::{AttnDims, CacheView, Eviction, PolicyKind, PolicySpec, PolicyState, StepProbs, StepView};
 
 pub type SeqId = u64;
@@ -163,6 +163,9 @@ pub struct Sequence<P> {
     hashes: Vec<u64>,
     /// Prompt tokens served from the prefix cache at first admission.
     cached_tokens: usize,
+    /// Prompt tokens a pruned copy onboarded before admission stands for (0: none); see
+    /// [`Scheduler::preload_front`].
+    preloaded: usize,
     admitted: bool,
     preemptions: u32,
     status: SeqStatus,
@@ -361,6 +364,7 @@ impl<P> Scheduler<P> {
             blocks: SeqBlocks::new(self.layout),
             hashes: Vec::new(),
             cached_tokens: 0,
+            preloaded: 0,
             admitted: false,
             preemptions: 0,
             status: SeqStatus::Waiting,
@@ -557,6 +561,9 @@ impl<P> Scheduler<P> {
         }
         let id = *self.waiting.front()?;
         let seq = self.seqs.get_mut(&id)?;
+        if seq.preloaded > 0 {
+            return None;
+        }
         let bs = self.layout.block_size;
         extend_block_hashes(&self.cfg.model_id, &seq.namespace, &seq.tokens, bs, &mut seq.hashes);
         let len = seq.tokens.len();
@@ -566,14 +573,37 @@ impl<P> Scheduler<P> {
         Some(self.pool.index().match_len(out))
     }
 
+    /// Gives the waiting sequence next in line (the one [`Scheduler::next_admission_prefix`] named) a pruned copy
+    /// of its prompt up to token `covered`: it adopts the device-resident groups `prefix`, then owns `packed`
+    /// (blocks the caller allocated and filled, group-major, `kept` slots per table) after them. Admission then
+    /// starts it at `covered` over those slots: a pruned cache, never registered. Full-cache policy only (an
+    /// eviction policy's state is built from the tokens it computed). Returns false, taking nothing, when the
+    /// sequence cannot take it; the caller then releases `packed`.
+    pub fn preload_front(&mut self, prefix: &[u64], packed: &[BlockId], kept: usize, covered: usize) -> bool {
+        let Some(&id) = self.waiting.front() else { return false };
+        let Some(seq) = self.seqs.get_mut(&id) else { return false };
+        if !seq.blocks.is_empty() || !seq.policy.is_full() || covered >= seq.tokens.len() {
+            return false;
+        }
+        if seq.blocks.adopt(&mut self.pool, prefix).ok() != Some(prefix.len()) {
+            let _ = seq.blocks.free(&mut self.pool);
+            return false;
+        }
+        seq.blocks.append_pruned(packed, kept);
+        seq.preloaded = covered;
+        true
+    }
+
     /// Prefix lookup + first chunk reservation for waiting sequence `id`. Returns the chunk length, or None
     /// (with nothing held) when the pool cannot take it now.
     fn try_admit(&mut self, id: SeqId, budget: usize) -> Option<usize> {
         let seq = self.seqs.get_mut(&id)?;
-        debug_assert!(seq.blocks.is_empty());
+        debug_assert!(seq.blocks.is_empty() || seq.preloaded > 0);
         let bs = self.layout.block_size;
         let mut matched_tokens = 0;
-        if self.cfg.enable_prefix_cache {
+        if seq.preloaded > 0 {
+            matched_tokens = std::mem::take(&mut seq.preloaded);
+        } else if self.cfg.enable_prefix_cache {
             extend_block_hashes(&self.cfg.model_id, &seq.namespace, &seq.tokens, bs, &mut seq.hashes);
             // Leave at least one token to compute (its logits give the next token), more when the policy
             // observes the queries of the prompt's tail.

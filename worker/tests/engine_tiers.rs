@@ -12,6 +12,7 @@ use pagoda_worker::engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
 };
 use pagoda_worker::model::{Gguf, Tokenizer};
+use pagoda_worker::placement::{EvicPressConfig, TierPlacement};
 use pagoda_worker::tiers::{Tier, TierConfig};
 
 /// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
@@ -226,4 +227,70 @@ fn int8_device_cache_serves_and_round_trips_through_host_and_disk() {
 #[test]
 fn fp8_device_cache_serves_and_round_trips_through_host_and_disk() {
     eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(KvDtype::Fp8);
+}
+
+/// EvicPress's keep-ratio dimension through the real engine: a host tier too small for a 14-group context whole
+/// but big enough for half of it gets KeyDiff's pruned copy (the profiler measured it first). After the device
+/// forgets the context, the next request starts from that copy: its prompt tokens up to the context's end count
+/// as served from host and are not recomputed, the sequence runs over half the slots, and its blocks all return
+/// to the pool (a pruned cache is never published, so the request after it onboards the copy again).
+#[test]
+fn evicpress_serves_a_context_from_its_pruned_copy() {
+    let paragraph = prompt();
+    let p: Vec<u32> = std::iter::repeat_n(paragraph.as_slice(), 5).flatten().copied().take(240).collect();
+    assert_eq!(p.len(), 240, "paragraph of {} tokens", paragraph.len());
+    let context = (p.len() - 1) / BS * BS;
+    assert_eq!(context, 14 * BS);
+    let ep = EvicPressConfig {
+        // Recomputing 224 tokens is always worth less than a lossy copy here: only the keep ratio is tested.
+        alpha: 0.01,
+        codecs: vec![],
+        keep_ratios: vec![0.5],
+        // The fillers below (11 groups) are not contexts.
+        min_context_groups: 12,
+        ..EvicPressConfig::default()
+    };
+    let cfg = EngineConfig {
+        num_blocks: 26 * GROUP,
+        threads: 2,
+        // 4 MiB: 14 native groups take 5.2 MB, the 7 groups of half of them 2.6 MB.
+        tiers: TierConfig { data_dir: None, host_bytes: 4 << 20, disk_bytes: 0 },
+        placement: TierPlacement::EvicPress(ep),
+        ..EngineConfig::new(model_path())
+    };
+    let h = Engine::start(cfg).expect("engine starts");
+    let (cold, cached, _) = run(&h, &p, 8);
+    assert_eq!((cold.len(), cached), (8, 0));
+    let placed = wait_for(&h, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1));
+    let e = placed.evicpress.expect("EvicPress stats");
+    assert_eq!(e.variants, ["f16", "f16@0.5"]);
+    assert_eq!(e.profiles, 1, "{e:?}");
+    assert!(e.mean_quality[1].is_some_and(|q| (0.0..=1.0).contains(&q)), "the pruned copy was profiled: {e:?}");
+    assert!(e.planned_bytes[1] <= 4 << 20 && e.planned_bytes[1] > 0, "{e:?}");
+    for start in [1000u32, 3000, 5000] {
+        let filler: Vec<u32> = (start..start + 11 * BS as u32).collect();
+        run(&h, &filler, 2);
+    }
+    for round in 1..=2u64 {
+        let (warm, cached, s) = run(&h, &p, 8);
+        assert_eq!(warm.len(), 8);
+        assert_eq!(cached as usize, context, "round {round}: the pruned copy stands for the context");
+        assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], context as u64, "round {round}: {s:?}");
+        assert_eq!(s.computed_tokens_total, (p.len() - context + warm.len() - 1) as u64, "round {round}");
+        assert_eq!(s.evicpress.as_ref().map(|e| e.pruned_onboards), Some(round), "{s:?}");
+        assert_eq!(s.blocks_used, 0, "round {round}: every block of the pruned sequence came back: {s:?}");
+    }
+    h.shutdown();
+}
+
+fn wait_for(h: &EngineHandle, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = h.stats();
+        if done(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting on the engine: {s:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -125,6 +125,24 @@ impl SeqBlocks {
         Ok(matched)
     }
 
+    /// Appends a pruned copy after the current full groups: `packed` holds groups of blocks (block `t` of each goes
+    /// to table `t`) with `slots` slots per table, allocated by the caller, whose references the sequence now
+    /// owns. The cache counts as pruned from here on.
+    pub fn append_pruned(&mut self, packed: &[BlockId], slots: usize) {
+        debug_assert!(
+            self.lens.iter().all(|&l| l % self.layout.block_size == 0),
+            "append_pruned after a partial block"
+        );
+        debug_assert!(packed.len() == slots.div_ceil(self.layout.block_size) * self.layout.group_size());
+        for group in packed.chunks_exact(self.layout.group_size()) {
+            for (t, &b) in self.tables.iter_mut().zip(group) {
+                t.push(b);
+            }
+        }
+        self.lens.iter_mut().for_each(|l| *l += slots);
+        self.pruned = true;
+    }
+
     /// Ensures every table has room for `n_new` more slots. All or nothing.
     pub fn reserve(&mut self, pool: &mut BlockPool, n_new: usize) -> Result<(), CacheError> {
         let needed = self.blocks_needed(n_new);

@@ -18,6 +18,7 @@ pub mod cost;
 pub mod disk;
 pub mod host;
 pub mod native;
+pub mod pruned;
 pub mod store;
 
 pub use codec::GroupCodec;
