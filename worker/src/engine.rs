@@ -1149,7 +1149,9 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let tier = located.iter().map(|&(t, _)| t).max().unwrap_or(Tier::Host);
                 let bytes: u64 = located.iter().map(|&(_, b)| b).sum();
                 tiers.cost_mut().record_load(tier, bytes, secs);
-                tiers.count_onboard(tier);
+                for &(t, _) in &located {
+                    tiers.count_onboard(t);
+                }
                 self.onboarded_tokens[tier.index()] += (copy.groups * bs) as u64;
                 if let Some(ep) = &mut self.evicpress {
                     ep.record_pruned_onboard();

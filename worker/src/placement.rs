@@ -14,6 +14,8 @@
 //!   the probe and the answer, and scores the fraction of answer positions whose top token is the one the same step
 //!   predicts over the original KV (a resolution of 1/16 at the default 16 tokens; teacher forcing keeps one early
 //!   miss from failing every later position); the original blocks are restored bit-exactly after every variant.
+//!   A pruned variant (a keep ratio, [`pruned`]) is scored the same way over the context's prefix followed by its
+//!   packed copy, written through the codec into spare pool blocks, with the probe at the context's true position.
 //!   It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and are never
 //!   chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
 //!   gets the running mean of the profiles measured so far (lossless only before the first).
@@ -25,7 +27,10 @@
 //!   straight into host and disk: compress in place, move down, or drop below disk, by smallest utility drop. The
 //!   operations are applied to the stores in an order that frees space before it is used (drops, then what lands
 //!   on disk, then host). Groups are encoded from the device blocks when they are still there, else transcoded from
-//!   the tier copy. `load_time` uses the cost model's measured load bandwidth per tier, refreshed before each plan.
+//!   the tier copy; a pruned copy is selected from the device blocks, else from its stored copy decoded. `load_time`
+//!   uses the cost model's measured load bandwidth per tier, refreshed before each plan.
+//! - **Pruned copies back.** [`EvicPress::pruned_copy`] tells the engine which copy continues a prompt; the engine
+//!   onboards it into the admitted sequence itself (`Scheduler::preload_front`).
 //! - **Bounds.** At most `max_contexts` contexts are remembered (the least recently used unplaced ones are
 //!   forgotten), at most [`MAX_PENDING`] finished requests wait for placement, a probe is at most `probe_tokens`.
 
@@ -561,7 +566,7 @@ impl EvicPress {
     }
 
     /// Measures `variants` of the context at the end of `p.chain` (see the module docs). `None` when the chain is
-    /// not all on the device or the pool has no room for the probe (and for the largest pruned copy asked for).
+    /// not all on the device or the pool has no room for the probe.
     fn profile<R: ModelRunner>(
         &mut self,
         runner: &mut R,
@@ -584,23 +589,15 @@ impl EvicPress {
         let gs = self.layout.group_size();
         let bs = self.layout.block_size;
         let own = self.contexts.get(&p.context).map_or(0, |c| c.groups.len()).min(p.chain.len());
-        let packed_max = variants
-            .iter()
-            .map(|&v| self.variants[v])
-            .filter(|v| v.pruned())
-            .map(|v| packed_groups(kept_tokens(own * bs, v.keep_ratio), bs))
-            .max()
-            .unwrap_or(0);
         let tail_blocks = (p.probe.len() + self.cfg.answer_tokens).div_ceil(bs);
-        let mut fresh = Vec::new();
-        if pool.allocate(gs * (tail_blocks + packed_max), &mut fresh).is_err() {
+        let mut tail = Vec::new();
+        if pool.allocate(gs * tail_blocks, &mut tail).is_err() {
             release(pool, &pinned);
             return Ok(None);
         }
-        let (tail, packed) = fresh.split_at(gs * tail_blocks);
-        let blocks = ProfileBlocks { groups: &groups, own, tail, tail_blocks, packed };
+        let blocks = ProfileBlocks { groups: &groups, own, tail: &tail, tail_blocks };
         let result = self.measure(runner, &blocks, &p.probe, variants, t0);
-        release(pool, &fresh);
+        release(pool, &tail);
         release(pool, &pinned);
         self.stats.profile_ms += t0.elapsed().as_millis() as u64;
         result.map(Some)
@@ -639,14 +636,15 @@ impl EvicPress {
             }
             let var = self.variants[v];
             let predicted = if var.pruned() {
-                // The pruned copy, encoded and decoded into the profiling blocks as onboarding would leave it.
+                // The pruned copy, encoded and decoded as onboarding would leave it, packed over the context's own
+                // first blocks (restored below like a codec's).
                 let kept = kept_tokens(b.own * bs, var.keep_ratio);
                 if selected != Some(var.keep_ratio) {
                     let Some(io) = runner.policy_io() else { break };
                     self.pruner.select(io.kv, &own_tables, b.own * bs, kept, &mut self.keep);
                     selected = Some(var.keep_ratio);
                 }
-                match self.pack_into_device(runner, &own_tables, kept, var.codec, b.packed) {
+                match self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]) {
                     Ok(n) => {
                         let tables = b.tables(Some(n));
                         let lens = vec![prefix * bs + kept; tables.len()];
@@ -661,9 +659,7 @@ impl EvicPress {
                 }
             };
             // Restore whatever happened: the device blocks are the prefix cache's.
-            if !var.pruned()
-                && let Some(io) = runner.policy_io()
-            {
+            if let Some(io) = runner.policy_io() {
                 for (g, orig) in b.groups.iter().zip(&originals) {
                     native::decode(orig, io.kv, g).map_err(|e| EngineError::Forward(e.to_string()))?;
                 }
@@ -677,22 +673,24 @@ impl EvicPress {
         Ok(quality)
     }
 
-    /// Packs the pruned copy selected in `self.keep` (`kept` slots of `own_tables`) through `codec` into the
-    /// device blocks `packed` (group-major). Returns the packed groups.
+    /// Packs the pruned copy selected in `self.keep` (`kept` slots of `own_tables`, the tables of `own`) through
+    /// `codec` over the first groups of `own` itself, in place. Returns the packed groups. Safe in place: packed
+    /// group `j` reads kept slots at or past `j · block_size` (the selection is ascending) and is read whole into
+    /// scratch before it is written, so no group overwrites a slot a later one still reads.
     fn pack_into_device<R: ModelRunner>(
         &mut self,
         runner: &mut R,
         own_tables: &[Vec<BlockId>],
         kept: usize,
         codec: GroupCodec,
-        packed: &[BlockId],
+        own: &[Vec<BlockId>],
     ) -> Result<usize, EngineError> {
         let gs = self.layout.group_size();
         let n = packed_groups(kept, self.layout.block_size);
         let Some(io) = runner.policy_io() else { return Err(EngineError::Forward("the runner has no host KV".into())) };
         let err = |e: crate::tiers::TierError| EngineError::Forward(e.to_string());
         let scratch_blocks: Vec<BlockId> = (0..gs as BlockId).collect();
-        for (j, dst) in packed.chunks_exact(gs).take(n).enumerate() {
+        for (j, dst) in own.iter().take(n).enumerate() {
             self.pruner.pack_group(io.kv, own_tables, &self.keep, j, &mut self.scratch, &scratch_blocks);
             let enc = codec::encode(&self.scratch, &scratch_blocks, codec).map_err(err)?;
             codec::decode(&enc, io.kv, dst).map_err(err)?;
@@ -987,32 +985,27 @@ fn agreement(predicted: &[u32], reference: &[u32]) -> f64 {
     agree as f64 / reference.len() as f64
 }
 
-/// The device blocks of one profile: the chain's groups (the context's own `own` groups last), the tail blocks
-/// the probe and answer are written to (`tail_blocks` per table, table-major), and room for a pruned copy of the
-/// context (group-major).
+/// The device blocks of one profile: the chain's groups (the context's own `own` groups last) and the tail blocks
+/// the probe and answer are written to (`tail_blocks` per table, table-major).
 struct ProfileBlocks<'a> {
     groups: &'a [Vec<BlockId>],
     own: usize,
     tail: &'a [BlockId],
     tail_blocks: usize,
-    packed: &'a [BlockId],
 }
 
 impl ProfileBlocks<'_> {
-    /// Each table's blocks: the chain's groups, or with `Some(n)` the groups before the context and then the first
-    /// `n` packed groups of its pruned copy; the tail after either.
+    /// Each table's blocks: the chain's groups, or with `Some(n)` the groups before the context and then the
+    /// context's first `n` groups (where its pruned copy was packed); the tail after either.
     fn tables(&self, pruned: Option<usize>) -> Vec<Vec<BlockId>> {
         let gs = self.groups.first().map_or(0, Vec::len);
-        let kept_groups = match pruned {
-            Some(_) => &self.groups[..self.groups.len() - self.own],
+        let used = match pruned {
+            Some(n) => &self.groups[..self.groups.len() - self.own + n],
             None => self.groups,
         };
         (0..gs)
             .map(|t| {
-                let mut table: Vec<BlockId> = kept_groups.iter().map(|g| g[t]).collect();
-                if let Some(n) = pruned {
-                    table.extend(self.packed.chunks_exact(gs).take(n).map(|g| g[t]));
-                }
+                let mut table: Vec<BlockId> = used.iter().map(|g| g[t]).collect();
                 table.extend_from_slice(&self.tail[t * self.tail_blocks..(t + 1) * self.tail_blocks]);
                 table
             })
