@@ -622,7 +622,9 @@ impl<P> Scheduler<P> {
         let fits_reserve = self.reserve_ratio <= 0.0 || self.running.is_empty() || self.reserve_admits(&self.seqs[&id]);
         let seq = self.seqs.get_mut(&id)?;
         if !fits_reserve || seq.blocks.reserve(&mut self.pool, n).is_err() {
-            // Keep its cached prefix evictable by others; it will match again when it fits.
+            // Keep its cached prefix evictable by others; it will match again when it fits. A pruned copy from
+            // `preload_front` goes back to the pool as well (private blocks held while waiting could starve the
+            // running sequences); the engine onboards it again before a later admission.
             let _ = seq.blocks.free(&mut self.pool);
             seq.num_computed = 0;
             return None;

@@ -351,3 +351,25 @@ fn prefix_hit_skips_matched_tokens() {
     run_to_end(&mut s, &mut m, 100);
     assert_eq!(s.stats().cached_tokens_total, 20);
 }
+
+#[test]
+fn a_preloaded_pruned_copy_is_owned_admitted_past_the_context_and_freed() {
+    let mut s = Scheduler::new(cfg(512, 8), LAYOUT, 100 * GS);
+    assert!(!s.preload_front(&[], &[], 1, 4), "nothing is waiting");
+    let id = s.add(req(prompt(5, 30), 3)).unwrap();
+    // A pruned copy of the first 24 tokens (6 blocks of 4) keeping 3 slots per table: one packed group.
+    let mut packed = Vec::new();
+    s.pool_mut().allocate(GS, &mut packed).unwrap();
+    assert!(!s.preload_front(&[], &packed, 3, 30), "a copy must leave a prompt token to compute");
+    assert!(s.preload_front(&[], &packed, 3, 24));
+    assert_eq!(s.get(id).unwrap().lens(), [3; GS]);
+    let plan = s.schedule();
+    assert_eq!((plan.seqs.len(), plan.seqs[0].start, plan.seqs[0].n), (1, 24, 6), "admitted at the context's end");
+    let seq = s.get(id).unwrap();
+    assert_eq!(seq.cached_tokens(), 24);
+    let first: Vec<u32> = seq.tables().iter().map(|t| t[0]).collect();
+    assert_eq!(first, packed, "block t of the packed group leads table t");
+    s.cancel(id);
+    assert_eq!(s.pool().num_used(), 0, "the copy's blocks went back with the sequence");
+    s.pool().check_invariants().unwrap();
+}
