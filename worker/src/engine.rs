@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
 
-use crate::cache::{CacheLayout, IndexChange};
+use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
 pub use crate::placement::TierPlacement;
@@ -1025,19 +1025,8 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let layout = self.sched.layout();
         let gs = layout.group_size();
-        // Pin the device-resident part of the prefix while allocating: it may be older in the LRU than anything
-        // else, and evicting it would make the onboarded continuation unreachable.
-        let mut pinned = Vec::with_capacity(on_device * gs);
-        for &h in &self.hashes[..on_device] {
-            if let Some(g) = self.sched.pool().lookup(h) {
-                pinned.extend_from_slice(g);
-            }
-        }
-        if self.sched.pool_mut().acquire(&pinned).is_err() {
-            return 0;
-        }
-        let reserve = (self.sched.running_ids().len() + 1) * gs;
-        let room = self.sched.pool().num_available().saturating_sub(reserve) / gs;
+        let Some(pinned) = pin_prefix(&mut self.sched, &self.hashes[..on_device]) else { return 0 };
+        let room = onboard_room(&self.sched) / gs;
         let mut plan: Vec<(Tier, u64)> = Vec::new();
         for &h in self.hashes[on_device..].iter().take(room) {
             match tiers.locate(h) {
@@ -1079,9 +1068,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 loaded += 1;
             }
         }
-        if let Err(e) = self.sched.pool_mut().release(&pinned) {
-            tracing::error!(error = %e, "unpinning the device prefix failed");
-        }
+        unpin(&mut self.sched, &pinned);
         loaded
     }
 
@@ -1096,53 +1083,32 @@ impl<R: ModelRunner> EngineLoop<R> {
         let Some(tiers) = &mut self.tiers else { return };
         let layout = self.sched.layout();
         let (gs, bs) = (layout.group_size(), layout.block_size);
-        let mut located: Vec<(Tier, u64)> = Vec::with_capacity(copy.keys.len());
-        for &key in &copy.keys {
-            match tiers.locate(key) {
-                Some(loc) => located.push(loc),
-                None => return,
-            }
-        }
+        let Some(located) = copy.keys.iter().map(|&key| tiers.locate(key)).collect::<Option<Vec<_>>>() else {
+            return;
+        };
         let cost = tiers.cost();
         let load: f64 = located.iter().map(|&(tier, bytes)| cost.load_secs(tier, bytes)).sum();
         if load >= cost.prefill_secs(copy.groups * bs) {
             return;
         }
-        let mut pinned = Vec::with_capacity(frontier * gs);
-        for &h in &self.hashes[..frontier] {
-            match self.sched.pool().lookup(h) {
-                Some(g) => pinned.extend_from_slice(g),
-                None => return,
-            }
-        }
-        if self.sched.pool_mut().acquire(&pinned).is_err() {
-            return;
-        }
-        let reserve = (self.sched.running_ids().len() + 1) * gs;
+        let Some(pinned) = pin_prefix(&mut self.sched, &self.hashes[..frontier]) else { return };
         let needed = copy.keys.len() * gs;
         self.blocks.clear();
-        let room = self.sched.pool().num_available().saturating_sub(reserve) >= needed;
-        if room && self.sched.pool_mut().allocate(needed, &mut self.blocks).is_ok() {
+        if onboard_room(&self.sched) >= needed && self.sched.pool_mut().allocate(needed, &mut self.blocks).is_ok() {
             let t0 = Instant::now();
-            let mut decoded = true;
-            if let Some(io) = self.runner.policy_io() {
-                for ((&key, &(tier, _)), dst) in copy.keys.iter().zip(&located).zip(self.blocks.chunks_exact(gs)) {
-                    match tiers.with_group(key, tier, |g| codec::decode(g, io.kv, dst)) {
-                        Some(Ok(())) => {}
-                        Some(Err(e)) => {
-                            tracing::warn!(tier = tier.name(), error = %e, "pruned copy cannot be onboarded");
-                            decoded = false;
-                            break;
-                        }
-                        None => {
-                            decoded = false;
-                            break;
-                        }
+            let blocks = &self.blocks;
+            let decoded = self.runner.policy_io().is_some_and(|io| {
+                copy.keys.iter().zip(&located).zip(blocks.chunks_exact(gs)).all(|((&key, &(tier, _)), dst)| match tiers
+                    .with_group(key, tier, |g| codec::decode(g, io.kv, dst))
+                {
+                    Some(Ok(())) => true,
+                    Some(Err(e)) => {
+                        tracing::warn!(tier = tier.name(), error = %e, "pruned copy cannot be onboarded");
+                        false
                     }
-                }
-            } else {
-                decoded = false;
-            }
+                    None => false,
+                })
+            });
             let secs = t0.elapsed().as_secs_f64();
             let covered = (frontier + copy.groups) * bs;
             if decoded && self.sched.preload_front(&self.hashes[..frontier], &self.blocks, copy.kept, covered) {
@@ -1160,9 +1126,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 tracing::error!(error = %e, "releasing onboarding blocks failed");
             }
         }
-        if let Err(e) = self.sched.pool_mut().release(&pinned) {
-            tracing::error!(error = %e, "unpinning the device prefix failed");
-        }
+        unpin(&mut self.sched, &pinned);
     }
 
     fn run_plan(&mut self, plan: &StepPlan) -> bool {
@@ -1277,6 +1241,30 @@ impl<R: ModelRunner> EngineLoop<R> {
             *g = snapshot;
         }
     }
+}
+/// Pins the device-resident groups of `hashes` (a prefix's first groups) while onboarding allocates: they may be
+/// older in the LRU than anything else, and evicting them would make the onboarded continuation unreachable.
+/// `None` (nothing pinned) when one is not on the device.
+fn pin_prefix<P>(sched: &mut Scheduler<P>, hashes: &[u64]) -> Option<Vec<BlockId>> {
+    let mut pinned = Vec::with_capacity(hashes.len() * sched.layout().group_size());
+    for &h in hashes {
+        pinned.extend_from_slice(sched.pool().lookup(h)?);
+    }
+    sched.pool_mut().acquire(&pinned).ok()?;
+    Some(pinned)
+}
+
+fn unpin<P>(sched: &mut Scheduler<P>, pinned: &[BlockId]) {
+    if let Err(e) = sched.pool_mut().release(pinned) {
+        tracing::error!(error = %e, "unpinning the device prefix failed");
+    }
+}
+
+/// Blocks onboarding may take: what the pool has beyond one decode block per table of every running sequence
+/// plus one group.
+fn onboard_room<P>(sched: &Scheduler<P>) -> usize {
+    let gs = sched.layout().group_size();
+    sched.pool().num_available().saturating_sub((sched.running_ids().len() + 1) * gs)
 }
 
 /// Empties a batch vector and hands its allocation to a new lifetime: the in-place `collect` specialisation keeps

@@ -15,7 +15,8 @@
 //!   predicts over the original KV (a resolution of 1/16 at the default 16 tokens; teacher forcing keeps one early
 //!   miss from failing every later position); the original blocks are restored bit-exactly after every variant.
 //!   A pruned variant (a keep ratio, [`pruned`]) is scored the same way over the context's prefix followed by its
-//!   packed copy, written through the codec into spare pool blocks, with the probe at the context's true position.
+//!   packed copy, written through the codec over the context's own first blocks (restored after), with the probe
+//!   at the context's true position.
 //!   It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and are never
 //!   chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
 //!   gets the running mean of the profiles measured so far (lossless only before the first).
@@ -238,8 +239,10 @@ pub struct EvicPress {
     layout: CacheLayout,
     clock: u64,
     stats: EvicPressStats,
-    /// One group's worth of f32 blocks, for transcoding between tier codecs and packing pruned copies.
+    /// One group's worth of f32 blocks, for transcoding between tier codecs and packing pruned copies, and the
+    /// ids of its blocks (`0..group_size`).
     scratch: KvStorage,
+    scratch_blocks: Vec<BlockId>,
     logits: Vec<f32>,
     pruner: Pruner,
     /// Kept slots per table of the pruned copy being made.
@@ -324,6 +327,7 @@ impl EvicPress {
             clock: 0,
             stats,
             scratch: KvStorage::with_dtype(gs, layout.block_size, head_dim, KvDtype::F32),
+            scratch_blocks: (0..gs as BlockId).collect(),
             logits: Vec::new(),
             pruner: Pruner::default(),
             keep: Vec::new(),
@@ -367,14 +371,13 @@ impl EvicPress {
         if ctx.groups.first() != Some(&first) || n > hashes.len() || hashes[n - 1] != ctx.groups[n - 1] {
             return None;
         }
-        let v = self.variants[ctx.stored?.variant];
+        let stored = ctx.stored?.variant;
+        let v = self.variants[stored];
         if !v.pruned() {
             return None;
         }
-        let bs = self.layout.block_size;
-        let kept = kept_tokens(n * bs, v.keep_ratio);
-        let keys = (0..packed_groups(kept, bs)).map(|j| pruned::group_key(id, j)).collect();
-        Some(PrunedCopy { groups: n, kept, keys })
+        let kept = kept_tokens(n * self.layout.block_size, v.keep_ratio);
+        Some(PrunedCopy { groups: n, kept, keys: self.stored_keys(id, stored) })
     }
 
     /// The tier keys holding `context` in variant `v`: its chain hashes, or its pruned copy's keys.
@@ -627,40 +630,37 @@ impl EvicPress {
         let Some(io) = runner.policy_io() else { return Ok(quality) };
         let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
         let prefix = b.groups.len() - b.own;
-        let own_tables: Vec<Vec<BlockId>> =
-            (0..self.layout.group_size()).map(|t| b.groups[prefix..].iter().map(|g| g[t]).collect()).collect();
+        let own_tables = tables_of(&b.groups[prefix..]);
         let mut selected: Option<f64> = None;
         for &v in variants {
             if t0.elapsed() > self.cfg.profile_budget {
                 break;
             }
             let var = self.variants[v];
+            let kept = kept_tokens(b.own * bs, var.keep_ratio);
+            // The blocks this variant overwrites: the whole chain for a codec, the context's first blocks for a
+            // pruned copy.
+            let touched = if var.pruned() { prefix..prefix + packed_groups(kept, bs) } else { 0..b.groups.len() };
             let predicted = if var.pruned() {
                 // The pruned copy, encoded and decoded as onboarding would leave it, packed over the context's own
                 // first blocks (restored below like a codec's).
-                let kept = kept_tokens(b.own * bs, var.keep_ratio);
                 if selected != Some(var.keep_ratio) {
                     let Some(io) = runner.policy_io() else { break };
                     self.pruner.select(io.kv, &own_tables, b.own * bs, kept, &mut self.keep);
                     selected = Some(var.keep_ratio);
                 }
-                match self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]) {
-                    Ok(n) => {
-                        let tables = b.tables(Some(n));
-                        let lens = vec![prefix * bs + kept; tables.len()];
-                        self.teacher_forced(runner, &tables, &lens, ctx_tokens, &forced, answer.len())
-                    }
-                    Err(e) => Err(e),
-                }
+                self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]).and_then(|n| {
+                    let tables = b.tables(Some(n));
+                    let lens = vec![prefix * bs + kept; tables.len()];
+                    self.teacher_forced(runner, &tables, &lens, ctx_tokens, &forced, answer.len())
+                })
             } else {
-                match round_trip(runner, b.groups, var.codec) {
-                    Ok(()) => self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len()),
-                    Err(e) => Err(e),
-                }
+                round_trip(runner, b.groups, var.codec)
+                    .and_then(|()| self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len()))
             };
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
-                for (g, orig) in b.groups.iter().zip(&originals) {
+                for (g, orig) in b.groups[touched.clone()].iter().zip(&originals[touched]) {
                     native::decode(orig, io.kv, g).map_err(|e| EngineError::Forward(e.to_string()))?;
                 }
             }
@@ -685,14 +685,11 @@ impl EvicPress {
         codec: GroupCodec,
         own: &[Vec<BlockId>],
     ) -> Result<usize, EngineError> {
-        let gs = self.layout.group_size();
         let n = packed_groups(kept, self.layout.block_size);
         let Some(io) = runner.policy_io() else { return Err(EngineError::Forward("the runner has no host KV".into())) };
         let err = |e: crate::tiers::TierError| EngineError::Forward(e.to_string());
-        let scratch_blocks: Vec<BlockId> = (0..gs as BlockId).collect();
         for (j, dst) in own.iter().take(n).enumerate() {
-            self.pruner.pack_group(io.kv, own_tables, &self.keep, j, &mut self.scratch, &scratch_blocks);
-            let enc = codec::encode(&self.scratch, &scratch_blocks, codec).map_err(err)?;
+            let enc = self.encode_packed(io.kv, own_tables, j, codec).map_err(err)?;
             codec::decode(&enc, io.kv, dst).map_err(err)?;
         }
         Ok(n)
@@ -902,31 +899,28 @@ impl EvicPress {
         // Decoding a stored copy needs its own blocks; they live only for this call.
         let staging: KvStorage;
         let (src, tables, len) = match (device, stored) {
-            (Some(dev), _) => (kv, (0..gs).map(|t| dev.iter().map(|g| g[t]).collect()).collect::<Vec<_>>(), tokens),
+            (Some(dev), _) => (kv, tables_of(&dev), tokens),
             (None, Some(from)) => {
                 let keys = self.stored_keys(context, from.variant);
-                let mut st = KvStorage::with_dtype(keys.len() * gs, bs, kv.head_dim(), kv.dtype());
-                for (j, &key) in keys.iter().enumerate() {
+                let ids: Vec<BlockId> = (0..(keys.len() * gs) as BlockId).collect();
+                let mut st = KvStorage::with_dtype(ids.len(), bs, kv.head_dim(), kv.dtype());
+                for (&key, blocks) in keys.iter().zip(ids.chunks_exact(gs)) {
                     let (_, g) = tiers.read(key).ok_or("a group of the stored copy is missing")?;
-                    let blocks: Vec<BlockId> = (j * gs..(j + 1) * gs).map(|b| b as BlockId).collect();
-                    codec::decode(&g, &mut st, &blocks).map_err(|e| e.to_string())?;
+                    codec::decode(&g, &mut st, blocks).map_err(|e| e.to_string())?;
                 }
                 let from_var = self.variants[from.variant];
                 let len = if from_var.pruned() { kept_tokens(tokens, from_var.keep_ratio) } else { tokens };
                 staging = st;
-                let tables = (0..gs).map(|t| (0..keys.len()).map(|j| (j * gs + t) as BlockId).collect()).collect();
-                (&staging, tables, len)
+                (&staging, tables_of(&ids.chunks_exact(gs).collect::<Vec<_>>()), len)
             }
             (None, None) => return Err("the context left the device before it was stored".into()),
         };
         let kept = kept_tokens(tokens, var.keep_ratio).min(len);
         self.pruner.select(src, &tables, len, kept, &mut self.keep);
-        let scratch_blocks: Vec<BlockId> = (0..gs as BlockId).collect();
-        let mut encoded = Vec::with_capacity(packed_groups(kept, bs));
-        for j in 0..packed_groups(kept, bs) {
-            self.pruner.pack_group(src, &tables, &self.keep, j, &mut self.scratch, &scratch_blocks);
-            encoded.push(codec::encode(&self.scratch, &scratch_blocks, var.codec).map_err(|e| e.to_string())?);
-        }
+        let encoded = (0..packed_groups(kept, bs))
+            .map(|j| self.encode_packed(src, &tables, j, var.codec))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
         self.remove_stored(context, stored, tiers);
         let tier = tier_of(to.tier);
         for (j, g) in encoded.into_iter().enumerate() {
@@ -942,9 +936,20 @@ impl EvicPress {
 
     /// Re-encodes a stored group in another codec (through f32).
     fn transcode(&mut self, g: &EncodedGroup, to: GroupCodec) -> Result<EncodedGroup, crate::tiers::TierError> {
-        let blocks: Vec<BlockId> = (0..self.layout.group_size() as BlockId).collect();
-        codec::decode(g, &mut self.scratch, &blocks)?;
-        codec::encode(&self.scratch, &blocks, to)
+        codec::decode(g, &mut self.scratch, &self.scratch_blocks)?;
+        codec::encode(&self.scratch, &self.scratch_blocks, to)
+    }
+
+    /// Packed group `j` of the pruned copy selected in `self.keep` from `tables` of `src`, encoded with `codec`.
+    fn encode_packed(
+        &mut self,
+        src: &KvStorage,
+        tables: &[Vec<BlockId>],
+        j: usize,
+        codec: GroupCodec,
+    ) -> Result<EncodedGroup, crate::tiers::TierError> {
+        self.pruner.pack_group(src, tables, &self.keep, j, &mut self.scratch, &self.scratch_blocks);
+        codec::encode(&self.scratch, &self.scratch_blocks, codec)
     }
 
     /// Forgets the least recently used unplaced contexts beyond `max_contexts`.
@@ -998,19 +1003,22 @@ impl ProfileBlocks<'_> {
     /// Each table's blocks: the chain's groups, or with `Some(n)` the groups before the context and then the
     /// context's first `n` groups (where its pruned copy was packed); the tail after either.
     fn tables(&self, pruned: Option<usize>) -> Vec<Vec<BlockId>> {
-        let gs = self.groups.first().map_or(0, Vec::len);
         let used = match pruned {
             Some(n) => &self.groups[..self.groups.len() - self.own + n],
             None => self.groups,
         };
-        (0..gs)
-            .map(|t| {
-                let mut table: Vec<BlockId> = used.iter().map(|g| g[t]).collect();
-                table.extend_from_slice(&self.tail[t * self.tail_blocks..(t + 1) * self.tail_blocks]);
-                table
-            })
-            .collect()
+        let mut tables = tables_of(used);
+        for (t, table) in tables.iter_mut().enumerate() {
+            table.extend_from_slice(&self.tail[t * self.tail_blocks..(t + 1) * self.tail_blocks]);
+        }
+        tables
     }
+}
+
+/// Per-table block lists of a run of block groups (block `t` of each group belongs to table `t`).
+fn tables_of<G: AsRef<[BlockId]>>(groups: &[G]) -> Vec<Vec<BlockId>> {
+    let gs = groups.first().map_or(0, |g| g.as_ref().len());
+    (0..gs).map(|t| groups.iter().map(|g| g.as_ref()[t]).collect()).collect()
 }
 
 fn release(pool: &mut BlockPool, blocks: &[BlockId]) {

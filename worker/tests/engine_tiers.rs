@@ -63,15 +63,9 @@ fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, Eng
             other => panic!("unexpected event {other:?}"),
         }
     };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let after = loop {
-        let s = h.stats();
-        if s.running == 0 && s.waiting == 0 && s.computed_tokens_total > before.computed_tokens_total {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let after = wait_for(h, "the engine to go idle", |s| {
+        s.running == 0 && s.waiting == 0 && s.computed_tokens_total > before.computed_tokens_total
+    });
     let mut delta = after.clone();
     delta.computed_tokens_total -= before.computed_tokens_total;
     for t in 0..3 {
@@ -261,7 +255,9 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
     let h = Engine::start(cfg).expect("engine starts");
     let (cold, cached, _) = run(&h, &p, 8);
     assert_eq!((cold.len(), cached), (8, 0));
-    let placed = wait_for(&h, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1));
+    let placed = wait_for(&h, "the context's placement", |s| {
+        s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1)
+    });
     let e = placed.evicpress.expect("EvicPress stats");
     assert_eq!(e.variants, ["f16", "f16@0.5"]);
     assert_eq!(e.profiles, 1, "{e:?}");
@@ -283,14 +279,15 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
     h.shutdown();
 }
 
-fn wait_for(h: &EngineHandle, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
+/// The engine's stats once `done` holds, polled for at most a minute.
+fn wait_for(h: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let s = h.stats();
         if done(&s) {
             return s;
         }
-        assert!(Instant::now() < deadline, "timed out waiting on the engine: {s:?}");
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
