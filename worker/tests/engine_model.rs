@@ -1,11 +1,13 @@
 //! The engine with the REAL model (SmolLM2-135M-Instruct Q4_1): prefix caching, concurrent batching,
 //! preemption under a tiny pool, cancellation by dropping the receiver, and seeded sampling.
 
+mod common;
+
+use common::wait_stats;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 use pagoda_worker::engine::{
-    Engine, EngineConfig, EngineHandle, EngineStats, FinishReason, GenerateEvent, GenerateRequest, SamplingParams,
+    Engine, EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams,
 };
 use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
 use pagoda_worker::scheduler::ReserveConfig;
@@ -92,18 +94,6 @@ fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
         }
     }
     panic!("stream ended without Finished");
-}
-
-fn wait_stats(h: &EngineHandle, what: &str, f: impl Fn(&EngineStats) -> bool) -> EngineStats {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = h.stats();
-        if f(&s) {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 const DOC: &str = "The library on the hill keeps three kinds of books: maps of rivers that no longer flow, \

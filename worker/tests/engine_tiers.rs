@@ -3,8 +3,10 @@
 //! dir, and past a corrupted file), and the greedy output always equals the cold run's while the onboarded
 //! tokens are not recomputed.
 
+mod common;
+
+use common::wait_stats;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use pagoda_kernels::KvDtype;
 use pagoda_worker::cache::block_hashes;
@@ -63,7 +65,7 @@ fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, Eng
             other => panic!("unexpected event {other:?}"),
         }
     };
-    let after = wait_for(h, "the engine to go idle", |s| {
+    let after = wait_stats(h, "the engine to go idle", |s| {
         s.running == 0 && s.waiting == 0 && s.computed_tokens_total > before.computed_tokens_total
     });
     let mut delta = after.clone();
@@ -255,7 +257,7 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
     let h = Engine::start(cfg).expect("engine starts");
     let (cold, cached, _) = run(&h, &p, 8);
     assert_eq!((cold.len(), cached), (8, 0));
-    let placed = wait_for(&h, "the context's placement", |s| {
+    let placed = wait_stats(&h, "the context's placement", |s| {
         s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1)
     });
     let e = placed.evicpress.expect("EvicPress stats");
@@ -277,17 +279,4 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
         assert_eq!(s.blocks_used, 0, "round {round}: every block of the pruned sequence came back: {s:?}");
     }
     h.shutdown();
-}
-
-/// The engine's stats once `done` holds, polled for at most a minute.
-fn wait_for(h: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let s = h.stats();
-        if done(&s) {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
