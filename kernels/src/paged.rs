@@ -467,18 +467,23 @@ pub struct AttnSeq<'a> {
 }
 
 /// Where [`crate::Backend::paged_attention_with_probs`] writes the attention weights of one sequence of the batch
-/// for one layer, so that eviction policies that rank slots by attention (H2O, KV-Compress's Eq. 20) read the
-/// weights the attention kernel already computed instead of walking the keys a second time.
+/// for one layer, summed over the step's new tokens, so that eviction policies that rank slots by accumulated
+/// attention (H2O's running sum, KV-Compress's Eq. 20 metric) read the weights the attention kernel already
+/// computed instead of walking the keys a second time.
 ///
-/// Row `(qh, j)` — query head `qh`, new token `j` — starts at `rows[(qh * n_new + j) * stride]` and holds the
-/// softmax probabilities over slots `0..prior_lens[qh / group] + j + 1` of its kv-head, in slot order. Entries past
-/// a row's visible length are left untouched.
+/// Row `qh` (query head) starts at `sums[qh * stride]`. Its entry `s`, for every slot of its kv-head up to
+/// `prior_lens[qh / group] + n_new`, becomes `Σ_j p_j(s)^power` over the new tokens `j` that see slot `s` (those
+/// with `prior + j >= s`), where `p_j` is token `j`'s softmax over its visible slots. A prefill chunk of `n` tokens thus
+/// costs `n_heads × stride` floats, not `n_heads × n × stride`. A probability row holding a NaN or an infinity
+/// adds nothing (it carries no usable ranking). Entries past a row's visible length are left untouched.
 #[derive(Debug)]
 pub struct AttnProbs<'a> {
     /// Index of the sequence in the batch's `seqs`.
     pub seq: usize,
+    /// Each probability is raised to this power before it is summed (1 for H2O, 2 for KV-Compress).
+    pub power: u32,
     /// Row stride: at least `prior_lens[h] + n_new` for every kv-head `h` of the sequence.
     pub stride: usize,
-    /// `[n_heads][n_new][stride]`.
-    pub rows: &'a mut [f32],
+    /// `[n_heads][stride]`.
+    pub sums: &'a mut [f32],
 }

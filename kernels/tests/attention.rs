@@ -196,17 +196,18 @@ fn run_case_dtype(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)], d
                 want[i]
             );
         }
-        // The same attention, writing the probabilities of every other sequence: the output must not change, each
-        // row must match the dense softmax, and nothing past a row's visible length may be written.
+        // The same attention, summing the probabilities of every other sequence (squared for one of them, as
+        // KV-Compress asks): the output must not change, each head's sums must match the dense softmax summed over
+        // the step's tokens, and nothing past a head's visible length may be written.
         const UNTOUCHED: f32 = -7.0;
         let strides: Vec<usize> = seqs.iter().map(|s| s.prior.iter().max().unwrap() + s.n_new + 3).collect();
-        let mut bufs: Vec<Vec<f32>> =
-            seqs.iter().zip(&strides).map(|(s, st)| vec![UNTOUCHED; sh.n_heads * s.n_new * st]).collect();
+        let power = |i: usize| if i % 4 == 2 { 2 } else { 1 };
+        let mut bufs: Vec<Vec<f32>> = strides.iter().map(|st| vec![UNTOUCHED; sh.n_heads * st]).collect();
         let mut sinks: Vec<AttnProbs<'_>> = bufs
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| i % 2 == 0)
-            .map(|(i, rows)| AttnProbs { seq: i, stride: strides[i], rows })
+            .map(|(i, sums)| AttnProbs { seq: i, power: power(i), stride: strides[i], sums })
             .collect();
         let mut got2 = vec![f32::NAN; rows * w];
         be.paged_attention_with_probs(&q, &kv, &views, sh.n_heads, sh.n_kv, scale, &mut got2, &mut sinks);
@@ -217,20 +218,24 @@ fn run_case_dtype(rng: &mut StdRng, sh: &Shape, specs: &[(Vec<usize>, usize)], d
         for (i, s) in seqs.iter().enumerate() {
             let buf = &bufs[i];
             for qh in 0..sh.n_heads {
+                let row = &buf[qh * strides[i]..(qh + 1) * strides[i]];
+                let mut want_sums = Vec::<f64>::new();
                 for j in 0..s.n_new {
-                    let r = qh * s.n_new + j;
-                    let row = &buf[r * strides[i]..(r + 1) * strides[i]];
-                    let want_row = &want_probs[i][r];
-                    for (t, &p) in row.iter().enumerate() {
-                        if i % 2 == 1 || t >= want_row.len() {
-                            assert_eq!(p, UNTOUCHED, "{be:?} {dtype} seq {i} head {qh} token {j}: slot {t} written");
-                        } else {
-                            let e = want_row[t];
-                            assert!(
-                                (p as f64 - e).abs() <= 1e-6 + 1e-5 * e,
-                                "{be:?} {dtype} seq {i} head {qh} token {j}: p[{t}] = {p} want {e}"
-                            );
-                        }
+                    let p = &want_probs[i][qh * s.n_new + j];
+                    want_sums.resize(want_sums.len().max(p.len()), 0.0);
+                    for (w, &e) in want_sums.iter_mut().zip(p) {
+                        *w += e.powi(power(i) as i32);
+                    }
+                }
+                for (t, &p) in row.iter().enumerate() {
+                    if i % 2 == 1 || t >= want_sums.len() {
+                        assert_eq!(p, UNTOUCHED, "{be:?} {dtype} seq {i} head {qh}: slot {t} written");
+                    } else {
+                        let e = want_sums[t];
+                        assert!(
+                            (p as f64 - e).abs() <= 1e-6 * s.n_new as f64 + 1e-5 * e,
+                            "{be:?} {dtype} seq {i} head {qh}: sum[{t}] = {p} want {e}"
+                        );
                     }
                 }
             }

@@ -235,8 +235,9 @@ pub struct StepSeq<'a> {
     pub logits: LogitsWanted,
     /// Trailing tokens whose queries the eviction policy needs captured.
     pub capture_q: usize,
-    /// Capture this step's attention probabilities for the eviction policy.
-    pub capture_probs: bool,
+    /// Have the attention kernel sum this step's attention probabilities, raised to this power, for the eviction
+    /// policy (see [`crate::policy::PolicyState::attention_sums`]).
+    pub attention_sums: Option<u32>,
 }
 
 /// The model as the engine thread drives it. Owns the KV storage.
@@ -284,7 +285,7 @@ pub fn forward_step<P, R: ModelRunner>(
             prior_lens: seq.lens(),
             logits: if e.wants_logits { LogitsWanted::Last } else { LogitsWanted::None },
             capture_q: seq.capture_for(e.start, e.n),
-            capture_probs: seq.capture_probs_for(e.n),
+            attention_sums: seq.attention_sums(),
         });
     }
     let result = runner.forward(&b, logits);
@@ -298,7 +299,7 @@ pub fn forward_step<P, R: ModelRunner>(
         let Some(seq) = sched.get(e.seq) else { continue };
         let full = seq.policy().is_full();
         let queries = io.captured.captured_q(i);
-        let probs = io.captured.attn_probs(i).map(|(rows, stride)| StepProbs { rows, stride });
+        let probs = io.captured.attn_probs(i).map(|(sums, stride)| StepProbs { sums, stride });
         if !full && let Err(err) = sched.apply_policy(e.seq, e.start, e.n, queries, probs, io.kv) {
             tracing::warn!(seq = e.seq, error = %err, "eviction skipped");
         }
@@ -1371,7 +1372,7 @@ impl ModelRunner for LlamaRunner {
             prior_lens: s.prior_lens,
             logits: s.logits,
             capture_q: s.capture_q,
-            capture_probs: s.capture_probs,
+            attention_sums: s.attention_sums,
         }));
         let r = self.model.forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits);
         self.batch = recycle_forward(batch);

@@ -743,7 +743,7 @@ impl EvicPress {
             prior_lens: lens,
             logits,
             capture_q: 0,
-            capture_probs: false,
+            attention_sums: None,
         };
         runner.forward(&[seq], &mut self.logits)
     }

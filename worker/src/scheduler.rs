@@ -221,9 +221,10 @@ impl<P> Sequence<P> {
     pub fn capture_for(&self, start: usize, n: usize) -> usize {
         self.policy.capture_for(start, n, self.tokens.len())
     }
-    /// Whether the next step of `n` tokens must capture its attention probabilities for the policy.
-    pub fn capture_probs_for(&self, n: usize) -> bool {
-        self.policy.capture_probs_for(n)
+    /// The power the attention kernel raises the next step's probabilities to as it sums them for the policy;
+    /// `None` when the policy takes none.
+    pub fn attention_sums(&self) -> Option<u32> {
+        self.policy.attention_sums()
     }
     /// Block tables per (layer, kv-head).
     pub fn tables(&self) -> &[Vec<u32>] {

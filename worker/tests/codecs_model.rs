@@ -76,7 +76,7 @@ fn prefill() -> Prefilled {
         prior_lens: &prior,
         logits: LogitsWanted::Last,
         capture_q: 1,
-        capture_probs: false,
+        attention_sums: None,
     };
     let be = CpuBackend::new(2);
     let mut scratch = Scratch::default();

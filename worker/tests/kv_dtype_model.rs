@@ -51,7 +51,7 @@ fn logits(model: &LlamaModel, ids: &[u32], dtype: KvDtype) -> Vec<Vec<f32>> {
             prior_lens: &prior,
             logits: LogitsWanted::All,
             capture_q: 0,
-            capture_probs: false,
+            attention_sums: None,
         };
         out.clear();
         model.forward(&be, &mut kv, &[seq], &mut scratch, &mut out).expect("forward");

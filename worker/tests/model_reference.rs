@@ -74,7 +74,7 @@ impl Seq {
             prior_lens: &self.lens,
             logits,
             capture_q: 0,
-            capture_probs: false,
+            attention_sums: None,
         }
     }
 

@@ -57,9 +57,9 @@ impl Cache {
             }
         }
         self.blocks.advance(n);
-        let wants_probs = self.policy.capture_probs_for(n);
-        let cap = match (wants_probs, self.fused) {
-            (true, false) => n,
+        let sums_power = self.policy.attention_sums();
+        let cap = match (sums_power, self.fused) {
+            (Some(_), false) => n,
             _ => self.policy.capture_for(self.pos, n, total),
         };
         let mut captured = Vec::new();
@@ -68,21 +68,22 @@ impl Cache {
             assert_eq!(row.len(), self.dims.q_dim());
             captured.extend(row);
         }
-        // The probabilities as the engine gets them: from the attention kernel, over the cache as it stands.
+        // The probabilities as the engine gets them: summed by the attention kernel, over the cache as it stands.
         let stride = self.blocks.lens().iter().max().copied().unwrap_or(0);
-        let mut probs = vec![f32::NAN; self.dims.n_heads * n * stride];
-        if wants_probs && self.fused {
+        let mut probs = vec![f32::NAN; self.dims.n_heads * stride];
+        let fused_power = sums_power.filter(|_| self.fused);
+        if let Some(power) = fused_power {
             let qm: Vec<f32> = (self.pos..self.pos + n).flat_map(&q).collect();
             let prior: Vec<usize> = self.blocks.lens().iter().map(|l| l - n).collect();
             let seqs = [AttnSeq { q_row: 0, n_new: n, tables: self.blocks.tables(), prior_lens: &prior }];
             let mut out = vec![0.0; qm.len()];
             let scale = 1.0 / (HD as f32).sqrt();
             let (heads, kv_heads) = (self.dims.n_heads, self.dims.n_kv_heads);
-            let mut sinks = [AttnProbs { seq: 0, stride, rows: &mut probs }];
+            let mut sinks = [AttnProbs { seq: 0, power, stride, sums: &mut probs }];
             CpuBackend::new(1)
                 .paged_attention_with_probs(&qm, &self.kv, &seqs, heads, kv_heads, scale, &mut out, &mut sinks);
         }
-        let probs = (wants_probs && self.fused).then_some(StepProbs { rows: &probs, stride });
+        let probs = fused_power.map(|_| StepProbs { sums: &probs, stride });
         let start = self.pos;
         self.pos += n;
         let mut view = CacheView { blocks: &mut self.blocks, pool: &mut self.pool, kv: &mut self.kv };
@@ -335,8 +336,9 @@ fn h2o_keeps_heavy_hitters_by_accumulated_attention() {
     c.check_blocks();
 }
 
-/// Decode steps take H2O's and KV-Compress's attention metric from the attention kernel's probabilities; scoring
-/// the keys again from captured queries (the path prefill chunks take) must evict exactly the same slots.
+/// H2O (prefill chunks and decode steps) and KV-Compress (decode steps) take their attention metric from the sums
+/// of the attention kernel's probabilities; scoring the keys again from captured queries must give the same
+/// metric and evict exactly the same slots.
 #[test]
 fn attention_metric_from_the_kernel_evicts_as_scoring_the_keys_does() {
     for kind in [PolicyKind::H2o, PolicyKind::KvCompress] {
@@ -351,11 +353,13 @@ fn attention_metric_from_the_kernel_evicts_as_scoring_the_keys_does() {
             // Four query heads, two per kv-head.
             [[a, 0.3, 0.0, 0.1], [0.5 * a, 0.0, 0.2, 0.0], [2.0, 0.0, 0.0, 0.4], [a, a, 0.0, 0.0]].concat()
         };
-        // Per decode step, each table's metric per slot.
+        // After the prompt (two prefill chunks) and per decode step, each table's metric per slot.
         let run = |fused: bool, metrics: &mut Vec<Vec<f32>>| {
             let mut c = Cache::new(kind, 24, 2, 4);
             c.fused = fused;
-            c.step(32, 32, kv, q);
+            c.step(20, 32, kv, q);
+            c.step(12, 32, kv, q);
+            metrics.extend((0..2).map(|t| c.policy.metrics(t).to_vec()));
             for i in 0..40 {
                 c.step(1, 33 + i, kv, q);
                 metrics.extend((0..2).map(|t| c.policy.metrics(t).to_vec()));

@@ -73,12 +73,13 @@ pub fn paged_attention(
     });
 }
 
-/// Where one sequence's probability rows go inside [`par_queries`]: the start of its `[n_heads][n_new][stride]`
-/// rows and the stride.
+/// Where one sequence's summed probabilities go inside [`par_queries`]: the start of its `[n_heads][stride]` rows,
+/// the stride and the power each probability is raised to.
 #[derive(Clone, Copy)]
 pub(crate) struct ProbSink {
-    rows: SyncPtr,
+    sums: SyncPtr,
     stride: usize,
+    power: u32,
 }
 
 /// Checks `probs` against the batch and indexes it by sequence (empty when no sequence wants probabilities).
@@ -97,20 +98,26 @@ fn prob_sinks(
         let s = seqs.get(p.seq).unwrap_or_else(|| panic!("AttnProbs: sequence {} not in the batch", p.seq));
         let longest = s.prior_lens[..n_kv_heads].iter().map(|&l| l + s.n_new).max().unwrap_or(0);
         assert!(p.stride >= longest, "AttnProbs: stride {} shorter than a row of {longest}", p.stride);
-        let need =
-            n_heads.checked_mul(s.n_new).and_then(|r| r.checked_mul(p.stride)).expect("AttnProbs size overflows");
-        assert!(p.rows.len() >= need, "AttnProbs: {} floats, the rows need {need}", p.rows.len());
+        let need = n_heads.checked_mul(p.stride).expect("AttnProbs size overflows");
+        assert!(p.sums.len() >= need, "AttnProbs: {} floats, the rows need {need}", p.sums.len());
         assert!(sinks[p.seq].is_none(), "AttnProbs: sequence {} given twice", p.seq);
-        sinks[p.seq] = Some(ProbSink { rows: SyncPtr::new(p.rows), stride: p.stride });
+        sinks[p.seq] = Some(ProbSink { sums: SyncPtr::new(p.sums), stride: p.stride, power: p.power });
     }
     sinks
 }
 
+thread_local! {
+    /// One query's probability row, for tasks that sum rows into an [`AttnProbs`]: reused by every task a pool
+    /// thread runs, so summing allocates nothing once the longest row has been seen.
+    static PROB_ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Runs `attend(query, kv-head table, visible length, output, probability row)` for every (sequence, query head,
-/// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. The
-/// probability row (exactly the visible length) is given for sequences with a sink in `sinks` (indexed by sequence;
-/// empty for none). The caller has checked the sequences (`check_seq`, `check_disjoint`) and the sinks
-/// (`prob_sinks`): each output and probability slice is then written by exactly one task.
+/// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. For a
+/// sequence with a sink in `sinks` (indexed by sequence; empty for none) a task takes all its new tokens of one
+/// head, hands `attend` a probability row of exactly the visible length, and sums the rows into the head's row of
+/// the sink. The caller has checked the sequences (`check_seq`, `check_disjoint`) and the sinks (`prob_sinks`):
+/// each output slice and each sink row is then written by exactly one task.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn par_queries<F>(
     be: &CpuBackend,
@@ -128,36 +135,54 @@ pub(crate) fn par_queries<F>(
     let w = n_heads * hd;
     let o = SyncPtr::new(out);
     let group = n_heads / n_kv_heads;
+    let sink_of = |si: usize| sinks.get(si).copied().flatten();
+    // A summing task must own its head's sink row, so it takes all of the sequence's tokens.
+    let chunk_of = |si: usize, s: &AttnSeq<'_>| if sink_of(si).is_some() { s.n_new.max(1) } else { TOKEN_CHUNK };
     let task = |si: usize, t: usize| {
         let s = &seqs[si];
-        let sink = sinks.get(si).copied().flatten();
-        let chunks = s.n_new.div_ceil(TOKEN_CHUNK);
+        let chunk = chunk_of(si, s);
+        let chunks = s.n_new.div_ceil(chunk);
         let qh = t / chunks;
         let c = t % chunks;
         let kvh = qh / group;
-        let j0 = c * TOKEN_CHUNK;
-        let j1 = (j0 + TOKEN_CHUNK).min(s.n_new);
-        for j in j0..j1 {
+        let j0 = c * chunk;
+        let j1 = (j0 + chunk).min(s.n_new);
+        let query = |j: usize| {
             let row = s.q_row + j;
             let len = s.prior_lens[kvh] + j + 1;
             let qv = &q[row * w + qh * hd..row * w + (qh + 1) * hd];
             // SAFETY: each (row, head) output slice is written by exactly one task: rows are in bounds and the
             // sequences' row ranges are disjoint (both checked by the caller).
             let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
-            // SAFETY: row (qh, j) of a sink is inside its rows (`prob_sinks` checked n_heads * n_new * stride and
-            // stride >= len) and belongs to this task only, as the output slice does.
-            let p = sink.map(|k| unsafe {
-                std::slice::from_raw_parts_mut(k.rows.get().add((qh * s.n_new + j) * k.stride), len)
-            });
-            attend(qv, &s.tables[kvh], len, acc, p);
-        }
+            (qv, len, acc)
+        };
+        let Some(k) = sink_of(si) else {
+            for j in j0..j1 {
+                let (qv, len, acc) = query(j);
+                attend(qv, &s.tables[kvh], len, acc, None);
+            }
+            return;
+        };
+        let visible = s.prior_lens[kvh] + s.n_new;
+        // SAFETY: row qh of the sink is inside its sums (`prob_sinks` checked n_heads * stride and stride >=
+        // visible) and this task, the only one of head qh, is its only writer.
+        let sums = unsafe { std::slice::from_raw_parts_mut(k.sums.get().add(qh * k.stride), visible) };
+        sums.fill(0.0);
+        PROB_ROW.with_borrow_mut(|row| {
+            row.resize(row.len().max(visible), 0.0);
+            for j in j0..j1 {
+                let (qv, len, acc) = query(j);
+                attend(qv, &s.tables[kvh], len, acc, Some(&mut row[..len]));
+                super::scores::accumulate_probs(&row[..len], k.power, &mut sums[..len]);
+            }
+        });
     };
     // Flatten (sequence, head, token chunk) into task indices: starts[i] = first task of sequence i.
     let mut starts = Vec::with_capacity(seqs.len() + 1);
     let mut total = 0usize;
-    for s in seqs {
+    for (si, s) in seqs.iter().enumerate() {
         starts.push(total);
-        total += s.n_new.div_ceil(TOKEN_CHUNK) * n_heads;
+        total += s.n_new.div_ceil(chunk_of(si, s)) * n_heads;
     }
     starts.push(total);
     be.par_for(total, &|t| {

@@ -12,7 +12,7 @@
 //! | [`keydiff_cosine`] | cos(µ(K̂), k_i) (KeyDiff Eq. 8, App. A.2.1) | lowest |
 //! | [`keydiff_cosine_kept`] | the same from a kept anchor sum ([`add_unit_keys`]) and kept norms (decode steps) | lowest |
 //! | [`window_attention_scores`] | Σ attention (SnapKV, H2O, SAGE-KV) or Σ attention² (KV-Compress Eq. 19/20) | highest |
-//! | [`accumulate_probs`] | the same sums from probabilities the attention kernel wrote (decode steps) | highest |
+//! | [`accumulate_probs`] | the same sums, inside the attention kernel, from the probabilities it computed | highest |
 //! | [`max_pool1d`] | SnapKV pooling (KV-Compress Eq. 8) | — |
 //! | [`select_k`] | deterministic top/bottom-k (the `topk` of KeyDiff Eq. 5/8) | — |
 //! | [`select_one`] | the same for k = 1 among eligible indices, in one pass (one victim per decode step) | — |
@@ -237,7 +237,7 @@ pub fn window_attention_scores(
 }
 
 /// Adds one row of attention probabilities, raised to `power`, to the per-slot metric: `out[s] += p[s]^power`
-/// for `s < probs.len()`. The rows come from the attention kernel itself
+/// for `s < probs.len()`. The attention kernel calls it on each row it computed
 /// ([`crate::Backend::paged_attention_with_probs`]), so this is [`window_attention_scores`] for a query whose
 /// softmax is already known: the same metric without reading the keys again. As there, a row holding a NaN or an
 /// infinity carries no usable ranking and is skipped.

@@ -251,7 +251,7 @@ impl CodecEvaluator {
                 prior_lens,
                 logits: LogitsWanted::Last,
                 capture_q: 0,
-                capture_probs: false,
+                attention_sums: None,
             })
             .collect();
         self.logits.clear();

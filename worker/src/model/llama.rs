@@ -41,9 +41,10 @@ pub struct ForwardSeq<'a> {
     /// How many trailing tokens of this step have their post-RoPE queries copied to [`Scratch::captured_q`]
     /// (eviction policies score the cache with them; 0 for none).
     pub capture_q: usize,
-    /// Have the attention kernel write this step's attention probabilities to [`Scratch::attn_probs`] (policies
-    /// that rank slots by accumulated attention read them instead of scoring the keys again).
-    pub capture_probs: bool,
+    /// Have the attention kernel sum this step's attention probabilities, each raised to this power, over the
+    /// step's tokens into [`Scratch::attn_probs`] (policies that rank slots by accumulated attention read them
+    /// instead of scoring the keys again). `None`: no probabilities.
+    pub attention_sums: Option<u32>,
 }
 
 /// Reusable activation buffers for [`LlamaModel::forward`]. Buffers grow to the largest step seen and are then
@@ -68,8 +69,8 @@ pub struct Scratch {
     captured_q: Vec<f32>,
     /// Each batch sequence's `(start, len)` in `captured_q`.
     captured_at: Vec<(usize, usize)>,
-    /// Attention probabilities per batch sequence (reused buffers; only those with `capture_probs` are written in
-    /// a step): `[layer][n_heads][tokens][stride]`.
+    /// Summed attention probabilities per batch sequence (reused buffers; only those with `attention_sums` are
+    /// written in a step): `[layer][n_heads][stride]`.
     probs: Vec<Vec<f32>>,
     /// Each batch sequence's row stride in `probs`, `None` when it captured none this step.
     probs_stride: Vec<Option<usize>>,
@@ -96,10 +97,11 @@ impl Scratch {
         self.captured_q.get(at..at + n).unwrap_or(&[])
     }
 
-    /// Attention probabilities the last [`LlamaModel::forward`] wrote for batch sequence `seq` (one with
-    /// `capture_probs`) and their row stride: `[layer][n_heads][tokens][stride]`, row `(layer, head, j)` holding
-    /// the probabilities over the `prior_lens[layer, head / group] + j + 1` slots that token `j` saw (the rest
-    /// of the row is stale). `None` when that sequence captured none.
+    /// Summed attention probabilities the last [`LlamaModel::forward`] wrote for batch sequence `seq` (one with
+    /// `attention_sums`) and their row stride: `[layer][n_heads][stride]`, row `(layer, head)` holding, for each of
+    /// the `prior_lens[layer, head / group] + n` slots the step's last token saw, the sum over the step's tokens of
+    /// their probability of that slot raised to the power asked (as [`pagoda_kernels::AttnProbs`] lays it out; the
+    /// rest of the row is stale). `None` when that sequence captured none.
     pub fn attn_probs(&self, seq: usize) -> Option<(&[f32], usize)> {
         let stride = self.probs_stride.get(seq).copied().flatten()?;
         Some((self.probs.get(seq)?.as_slice(), stride))
@@ -372,14 +374,13 @@ impl LlamaModel {
         if scratch.probs.len() < seqs.len() {
             scratch.probs.resize_with(seqs.len(), Vec::new);
         }
-        let per_layer = |s: &ForwardSeq<'_>, stride: usize| c.n_heads * s.tokens.len() * stride;
         for (s, buf) in seqs.iter().zip(scratch.probs.iter_mut()) {
-            if !s.capture_probs {
+            if s.attention_sums.is_none() {
                 scratch.probs_stride.push(None);
                 continue;
             }
             let stride = s.prior_lens.iter().max().copied().unwrap_or(0) + s.tokens.len();
-            buf.resize(c.n_layers * per_layer(s, stride), 0.0);
+            buf.resize(c.n_layers * c.n_heads * stride, 0.0);
             scratch.probs_stride.push(Some(stride));
         }
         let any_probs = scratch.probs_stride.iter().any(Option::is_some);
@@ -444,9 +445,9 @@ impl LlamaModel {
             if any_probs {
                 let mut sinks: Vec<AttnProbs<'_>> = Vec::with_capacity(seqs.len());
                 for (i, ((s, buf), stride)) in seqs.iter().zip(probs.iter_mut()).zip(probs_stride.iter()).enumerate() {
-                    if let Some(stride) = *stride {
-                        let per = per_layer(s, stride);
-                        sinks.push(AttnProbs { seq: i, stride, rows: &mut buf[li * per..(li + 1) * per] });
+                    if let (Some(stride), Some(power)) = (*stride, s.attention_sums) {
+                        let per = c.n_heads * stride;
+                        sinks.push(AttnProbs { seq: i, power, stride, sums: &mut buf[li * per..(li + 1) * per] });
                     }
                 }
                 backend.paged_attention_with_probs(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn, &mut sinks);

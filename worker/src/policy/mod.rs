@@ -79,23 +79,21 @@ pub struct StepView<'a> {
     pub total: usize,
     /// Queries captured for the last [`PolicyState::capture_for`] tokens: `[layer][tokens][q_dim]`.
     pub captured_q: &'a [f32],
-    /// The attention probabilities of the step's tokens, when [`PolicyState::capture_probs_for`] asked for them.
+    /// The attention probabilities of the step's tokens, summed by the attention kernel, when
+    /// [`PolicyState::attention_sums`] asked for them.
     pub probs: Option<StepProbs<'a>>,
 }
 
-/// Attention probabilities the forward pass wrote for one sequence's step: `[layer][n_heads][n][stride]`, row
-/// `(layer, head, j)` holding the softmax over the slots token `j` saw (its kv-head's length before the step plus
-/// `j + 1`), the weights the attention kernel itself used.
+/// Attention probabilities the forward pass summed for one sequence's step: `[layer][n_heads][stride]`, row
+/// `(layer, head)` holding, for every slot the step's last token saw (its kv-head's length after the step), the sum
+/// over the step's tokens of their softmax probability of that slot, raised to the power
+/// [`PolicyState::attention_sums`] asked for: the weights the attention kernel itself used
+/// ([`pagoda_kernels::AttnProbs`]).
 #[derive(Debug, Clone, Copy)]
 pub struct StepProbs<'a> {
-    pub rows: &'a [f32],
+    pub sums: &'a [f32],
     pub stride: usize,
 }
-
-/// Steps of at most this many tokens take their attention probabilities from the attention kernel (see
-/// [`PolicyState::capture_probs_for`]); longer ones (prefill chunks) capture queries and score the keys again,
-/// since their probabilities would take `tokens × cache length` floats per head and layer.
-pub const PROBS_MAX_TOKENS: usize = 16;
 
 /// Reusable buffers, so hooks allocate nothing once warmed up.
 #[derive(Debug, Default)]
@@ -180,12 +178,17 @@ impl PolicyState {
         self.positions.get(t).map_or(&[], Vec::as_slice)
     }
 
-    /// Whether a step of `n` tokens needs its attention probabilities captured: the
-    /// decode steps of the policies that accumulate attention (H2O's running sum, KV-Compress's continual Eq. 20
-    /// metric), which then read the weights the attention kernel computed instead of walking the keys a second
-    /// time (vLLM's KV-Compress likewise takes its metric from the attention kernel).
-    pub fn capture_probs_for(&self, n: usize) -> bool {
-        self.prefilled && n <= PROBS_MAX_TOKENS && matches!(self.spec.kind, PolicyKind::H2o | PolicyKind::KvCompress)
+    /// The power to which the attention kernel raises the next step's probabilities as it sums them over the
+    /// step's tokens, for the policies that accumulate attention: H2O's running sum (power 1, prefill chunks and
+    /// decode steps alike) and KV-Compress's continual Eq. 20 metric (power 2, once the prompt is in). They then
+    /// read the weights the attention kernel computed instead of walking the keys a second time (vLLM's
+    /// KV-Compress likewise takes its metric from the attention kernel). `None` for every other policy.
+    pub fn attention_sums(&self) -> Option<u32> {
+        match self.spec.kind {
+            PolicyKind::H2o => Some(1),
+            PolicyKind::KvCompress if self.prefilled => Some(2),
+            _ => None,
+        }
     }
 
     /// The per-slot metric of table `t`: accumulated attention (H2O, KV-Compress), the key norm (knorm, KeyDiff);
@@ -197,14 +200,12 @@ impl PolicyState {
     /// How many trailing tokens of a step computing `start..start + n` (of `total`) need their queries
     /// captured.
     pub fn capture_for(&self, start: usize, n: usize, total: usize) -> usize {
-        if self.capture_probs_for(n) {
+        if self.attention_sums().is_some() {
             return 0;
         }
         let end = start + n;
         let prefill = !self.prefilled;
         match self.spec.kind {
-            PolicyKind::H2o => n,
-            PolicyKind::KvCompress if !prefill => n,
             PolicyKind::Snapkv | PolicyKind::KvCompress => {
                 let window_start = total.saturating_sub(defaults::WINDOW).max(start);
                 end.saturating_sub(window_start).min(n)
@@ -271,7 +272,7 @@ impl PolicyState {
             _ => return,
         };
         if let Some(probs) = step.probs {
-            self.accumulate_probs(cache, probs, step.n, power);
+            self.add_attention_sums(cache, probs);
         } else if n_q > 0 {
             self.accumulate(cache, step.captured_q, n_q, power);
         }
@@ -323,7 +324,9 @@ impl PolicyState {
     }
 
     /// Adds the attention (raised to `power`) of `n_q` captured queries — the last `n_q` slots of each table —
-    /// to every slot's metric (H2O's running sum, KV-Compress's continual compression).
+    /// to every slot's metric (H2O's running sum, KV-Compress's continual compression), scoring the keys again.
+    /// The engine hands these policies the attention kernel's sums instead ([`Self::attention_sums`]); this is
+    /// the path for a caller that captured queries only, and the reference the tests hold the kernel's sums to.
     fn accumulate(&mut self, cache: &CacheView<'_>, captured: &[f32], n_q: usize, power: u32) {
         let d = self.dims;
         for t in 0..self.metrics.len() {
@@ -347,19 +350,17 @@ impl PolicyState {
         }
     }
 
-    /// [`Self::accumulate`] from the probabilities the attention kernel wrote for the step's `n` tokens.
-    fn accumulate_probs(&mut self, cache: &CacheView<'_>, probs: StepProbs<'_>, n: usize, power: u32) {
+    /// [`Self::accumulate`] from the sums the attention kernel wrote for the step (already raised to the power).
+    fn add_attention_sums(&mut self, cache: &CacheView<'_>, probs: StepProbs<'_>) {
         let d = self.dims;
         let (g, stride) = (d.group(), probs.stride);
         for t in 0..self.metrics.len() {
             let (l, h) = (t / d.n_kv_heads, t % d.n_kv_heads);
-            let prior = cache.blocks.lens()[t] - n;
+            let seen = cache.blocks.lens()[t];
+            let metric = &mut self.metrics[t][..seen];
             for qh in h * g..(h + 1) * g {
-                for j in 0..n {
-                    let seen = prior + j + 1;
-                    let at = ((l * d.n_heads + qh) * n + j) * stride;
-                    scores::accumulate_probs(&probs.rows[at..at + seen], power, &mut self.metrics[t][..seen]);
-                }
+                let at = (l * d.n_heads + qh) * stride;
+                metric.iter_mut().zip(&probs.sums[at..at + seen]).for_each(|(m, &p)| *m += p);
             }
         }
     }
