@@ -221,6 +221,20 @@ fn keydiff_from_a_kept_anchor_sum_matches_the_two_pass_kernel() {
             assert_close(&got[..len], &want64, 1e-5, &what);
             let anchor64: Vec<f64> = anchor.iter().map(|&x| f64::from(x)).collect();
             assert_close(&kept_anchor, &anchor64, 1e-5, &format!("{what} anchor"));
+            // The same over an f16 cache (where the CPU has AVX2, keys widened in registers, values never read).
+            let mut kv16 = KvStorage::with_dtype(c.kv.num_blocks(), bs, hd, KvDtype::F16);
+            for &b in &c.table {
+                kv16.write_block(b, c.kv.block_k(b), c.kv.block_v(b));
+            }
+            key_norms(&kv16, &c.table, 0..len, &mut norms);
+            let mut sum16 = vec![0.0f64; hd];
+            add_unit_keys(&kv16, &c.table, 0..len, &norms, 1.0, &mut sum16);
+            let (mut want, mut got) = (vec![-7.0f32; len + 1], vec![-7.0f32; len + 1]);
+            keydiff_cosine(&kv16, &c.table, len, &mut anchor, &mut want);
+            keydiff_cosine_kept(&kv16, &c.table, len, &sum16, &norms, &mut kept_anchor, &mut got);
+            assert_eq!(got[len], -7.0, "{what} f16: wrote past len");
+            let want64: Vec<f64> = want[..len].iter().map(|&x| f64::from(x)).collect();
+            assert_close(&got[..len], &want64, 1e-5, &format!("{what} f16"));
         }
     }
 }

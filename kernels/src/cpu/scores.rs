@@ -193,9 +193,50 @@ pub fn keydiff_cosine_kept(
     anchor.extend(unit_key_sum.iter().map(|&a| (a * inv_len) as f32));
     let anchor_norm = dot_f32(anchor, anchor).sqrt();
     let anchor = &anchor[..];
+    #[cfg(target_arch = "x86_64")]
+    if kv.head_dim().is_multiple_of(8) && super::avx2_available() && anchor_dots_avx2(kv, table, len, anchor, out) {
+        for (o, &n) in out[..len].iter_mut().zip(&norms[..len]) {
+            *o /= (anchor_norm * n).max(COSINE_EPS);
+        }
+        return;
+    }
     for_each_slot(kv, table, len, |i, k, _| {
         out[i] = dot_f32(anchor, k) / (anchor_norm * norms[i]).max(COSINE_EPS);
     });
+}
+
+/// `out[i] = anchor · k_i` for slots `0..len`, keys read in place with AVX2/FMA/F16C ([`super::scores_avx2`]) and
+/// values not read at all: the pass KeyDiff makes over the whole cache at every decode step. Returns false, having
+/// written nothing, for 8-bit caches (the caller takes the portable path).
+#[cfg(target_arch = "x86_64")]
+fn anchor_dots_avx2(kv: &KvStorage, table: &[u32], len: usize, anchor: &[f32], out: &mut [f32]) -> bool {
+    use super::scores_avx2::block_logits;
+    use crate::paged::KvArenas;
+    let (hd, bs) = (kv.head_dim(), kv.block_size());
+    let (k, h16, arena_len) = match kv.arenas_any() {
+        KvArenas::F32 { k, .. } => (k.as_ptr().cast::<u8>(), false, k.len()),
+        KvArenas::F16 { k, .. } => (k.as_ptr().cast::<u8>(), true, k.len()),
+        KvArenas::Scaled { .. } => return false,
+    };
+    assert!(anchor.len() == hd && out.len() >= len, "anchor_dots: anchor or out too short");
+    let out = &mut out[..len];
+    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+        let first = bi * bs;
+        let n = (len - first).min(bs);
+        let base = b as usize * bs * hd;
+        // The kernel reads raw pointers: a bad block id must stop here, as the portable path's slicing would.
+        assert!(base + n * hd <= arena_len, "keydiff_cosine_kept: block {b} out of range");
+        // SAFETY: the block is inside the arena (checked above), hd is a multiple of 8 and the features are present
+        // (checked by the caller); the anchor is one row of hd floats and out holds len >= first + n entries.
+        unsafe {
+            if h16 {
+                block_logits::<true>(k, base, n, hd, anchor, 1, |_| n, 1.0, out, len, first);
+            } else {
+                block_logits::<false>(k, base, n, hd, anchor, 1, |_| n, 1.0, out, len, first);
+            }
+        }
+    }
+    true
 }
 
 /// Attention of observation-window queries over slots `0..len`, accumulated per slot:
