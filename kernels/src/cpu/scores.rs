@@ -205,12 +205,37 @@ pub fn keydiff_cosine_kept(
     });
 }
 
-/// `out[i] = anchor · k_i` for slots `0..len`, keys read in place with AVX2/FMA/F16C ([`super::scores_avx2`]) and
-/// values not read at all: the pass KeyDiff makes over the whole cache at every decode step. Returns false, having
-/// written nothing, for 8-bit caches (the caller takes the portable path).
+/// `out[i] = anchor · k_i` for slots `0..len`, keys read in place ([`logits_in_place`]) and values not read at
+/// all: the pass KeyDiff makes over the whole cache at every decode step. Returns false, having written nothing,
+/// for 8-bit caches (the caller takes the portable path).
 #[cfg(target_arch = "x86_64")]
 fn anchor_dots_avx2(kv: &KvStorage, table: &[u32], len: usize, anchor: &[f32], out: &mut [f32]) -> bool {
-    use super::scores_avx2::block_logits;
+    assert!(anchor.len() == kv.head_dim() && out.len() >= len, "anchor_dots: anchor or out too short");
+    logits_in_place(kv, table, len, anchor, 1, |first, _| len - first, 1.0, &mut out[..len], len)
+}
+
+/// `logits[row · stride + s] = scale · q_row · k_s` for the slots `s < seen` of `table` with `s - first <
+/// limit(first, row)` (`first` the slot where `s`'s block starts), keys read in place with AVX2/FMA/F16C
+/// ([`super::scores_avx2::block_logits`]: f16 widened in registers) block by block, the next block's keys
+/// prefetched. The shared key pass of [`window_attention_scores`] and [`keydiff_cosine_kept`]. Returns false,
+/// having written nothing, for 8-bit caches.
+///
+/// The caller has checked the CPU features and that `head_dim` is a multiple of 8; `q` holds `rows · head_dim`
+/// floats and `logits` `rows · stride` with `seen <= stride`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn logits_in_place(
+    kv: &KvStorage,
+    table: &[u32],
+    seen: usize,
+    q: &[f32],
+    rows: usize,
+    limit: impl Fn(usize, usize) -> usize,
+    scale: f32,
+    logits: &mut [f32],
+    stride: usize,
+) -> bool {
+    use super::scores_avx2::{block_logits, prefetch};
     use crate::paged::KvArenas;
     let (hd, bs) = (kv.head_dim(), kv.block_size());
     let (k, h16, arena_len) = match kv.arenas_any() {
@@ -218,21 +243,31 @@ fn anchor_dots_avx2(kv: &KvStorage, table: &[u32], len: usize, anchor: &[f32], o
         KvArenas::F16 { k, .. } => (k.as_ptr().cast::<u8>(), true, k.len()),
         KvArenas::Scaled { .. } => return false,
     };
-    assert!(anchor.len() == hd && out.len() >= len, "anchor_dots: anchor or out too short");
-    let out = &mut out[..len];
-    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+    assert!(q.len() >= rows * hd && logits.len() >= rows * stride && seen <= stride, "logits_in_place: bad sizes");
+    for (bi, &b) in table[..seen.div_ceil(bs)].iter().enumerate() {
         let first = bi * bs;
-        let n = (len - first).min(bs);
+        let n = (seen - first).min(bs);
         let base = b as usize * bs * hd;
         // The kernel reads raw pointers: a bad block id must stop here, as the portable path's slicing would.
-        assert!(base + n * hd <= arena_len, "keydiff_cosine_kept: block {b} out of range");
+        assert!(base + n * hd <= arena_len, "score kernels: block {b} out of range");
+        // Blocks are scattered over an arena far larger than the caches, so reading keys is bound by memory
+        // latency, not arithmetic: ask for the next block's keys while this one is scored.
+        if let Some(&next) = table.get(bi + 1).filter(|_| (bi + 1) * bs < seen) {
+            let next_base = next as usize * bs * hd;
+            if next_base + bs * hd <= arena_len {
+                let elem = if h16 { 2 } else { 4 };
+                // SAFETY: prefetching is a hint; the range is inside the arena (checked just above).
+                unsafe { prefetch(k, next_base * elem, bs * hd * elem) };
+            }
+        }
+        let limit = |row: usize| limit(first, row);
         // SAFETY: the block is inside the arena (checked above), hd is a multiple of 8 and the features are present
-        // (checked by the caller); the anchor is one row of hd floats and out holds len >= first + n entries.
+        // (checked by the caller); q and logits have the sizes asserted above.
         unsafe {
             if h16 {
-                block_logits::<true>(k, base, n, hd, anchor, 1, |_| n, 1.0, out, len, first);
+                block_logits::<true>(k, base, n, hd, q, rows, limit, scale, logits, stride, first);
             } else {
-                block_logits::<false>(k, base, n, hd, anchor, 1, |_| n, 1.0, out, len, first);
+                block_logits::<false>(k, base, n, hd, q, rows, limit, scale, logits, stride, first);
             }
         }
     }
@@ -311,9 +346,8 @@ fn window_attention_scores_avx2(
     probs: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    use super::scores_avx2::{block_logits, softmax_accumulate};
-    use crate::paged::KvArenas;
-    let (hd, bs) = (kv.head_dim(), kv.block_size());
+    use super::scores_avx2::softmax_accumulate;
+    let hd = kv.head_dim();
     assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
     assert!(out.len() >= len, "window_attention_scores: out has {} entries, len is {len}", out.len());
     let visible = |i: usize| first_q_slot.saturating_add(i).saturating_add(1).min(len);
@@ -325,54 +359,12 @@ fn window_attention_scores_avx2(
     if probs.len() < rows * len {
         probs.resize(rows * len, 0.0);
     }
-    let logits = &mut probs[..rows * len];
-    let (k, h16, arena_len) = match kv.arenas_any() {
-        KvArenas::F32 { k, .. } => (k.as_ptr().cast::<u8>(), false, k.len()),
-        KvArenas::F16 { k, .. } => (k.as_ptr().cast::<u8>(), true, k.len()),
+    let limit = |first: usize, row: usize| visible(row / group).saturating_sub(first);
+    if !logits_in_place(kv, table, seen, q, rows, limit, scale, &mut probs[..rows * len], len) {
         // 8-bit keys take the portable path (widened a block at a time by `read_block_k`).
-        KvArenas::Scaled { .. } => {
-            return window_attention_scores_portable(
-                kv,
-                table,
-                len,
-                q,
-                n_q,
-                group,
-                scale,
-                first_q_slot,
-                power,
-                probs,
-                out,
-            );
-        }
-    };
-    for (bi, &b) in table[..seen.div_ceil(bs)].iter().enumerate() {
-        let first = bi * bs;
-        let n = (seen - first).min(bs);
-        let base = b as usize * bs * hd;
-        // The kernel reads raw pointers: a bad block id must stop here, as the portable path's slicing would.
-        assert!(base + n * hd <= arena_len, "window_attention_scores: block {b} out of range");
-        let limit = |row: usize| visible(row / group).saturating_sub(first);
-        // Blocks are scattered over an arena far larger than the caches, so reading keys is bound by memory
-        // latency, not arithmetic: ask for the next block's keys while this one is scored.
-        if let Some(&next) = table.get(bi + 1).filter(|_| (bi + 1) * bs < seen) {
-            let next_base = next as usize * bs * hd;
-            if next_base + bs * hd <= arena_len {
-                let elem = if h16 { 2 } else { 4 };
-                // SAFETY: prefetching is a hint; the range is inside the arena (checked just above).
-                unsafe { super::scores_avx2::prefetch(k, next_base * elem, bs * hd * elem) };
-            }
-        }
-        // SAFETY: the block is inside the arena (checked above), hd is a multiple of 8 and the features are present
-        // (checked by the caller); q and logits have the sizes asserted above.
-        unsafe {
-            if h16 {
-                block_logits::<true>(k, base, n, hd, q, rows, limit, scale, logits, len, first);
-            } else {
-                block_logits::<false>(k, base, n, hd, q, rows, limit, scale, logits, len, first);
-            }
-        }
+        return window_attention_scores_portable(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
     }
+    let logits = &mut probs[..rows * len];
     for i in 0..n_q {
         let vis = visible(i);
         for g in 0..group {

@@ -408,6 +408,8 @@ impl LlamaModel {
 
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
+        // One allocation per step for every layer's probability sinks (each layer borrows its own rows of `probs`).
+        let mut spare_sinks: Vec<AttnProbs<'_>> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             backend.rmsnorm(x, &layer.attn_norm, c.rms_eps, xn);
             backend.matmul(&layer.wq, xn, total, q);
@@ -443,7 +445,7 @@ impl LlamaModel {
             }
             backend.kv_write(kv, k, v, &attn_seqs, nkv);
             if any_probs {
-                let mut sinks: Vec<AttnProbs<'_>> = Vec::with_capacity(seqs.len());
+                let mut sinks = recycle_sinks(std::mem::take(&mut spare_sinks));
                 for (i, ((s, buf), stride)) in seqs.iter().zip(probs.iter_mut()).zip(probs_stride.iter()).enumerate() {
                     if let (Some(stride), Some(power)) = (*stride, s.attention_sums) {
                         let per = c.n_heads * stride;
@@ -451,6 +453,7 @@ impl LlamaModel {
                     }
                 }
                 backend.paged_attention_with_probs(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn, &mut sinks);
+                spare_sinks = recycle_sinks(sinks);
             } else {
                 backend.paged_attention(q, kv, &attn_seqs, c.n_heads, nkv, scale, attn);
             }
@@ -491,4 +494,12 @@ fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }
+}
+
+/// Empties a sink vector and hands its allocation to a new lifetime (the in-place `collect` keeps the buffer, as
+/// the engine's batch recycling does), so the layers of one step share one allocation.
+#[allow(clippy::unnecessary_filter_map)] // `filter` cannot change the element lifetime; `filter_map` can.
+fn recycle_sinks<'b>(mut v: Vec<AttnProbs<'_>>) -> Vec<AttnProbs<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
 }
