@@ -1,11 +1,11 @@
 //! The PNG chart of `pagoda eval`, in the style of the papers' accuracy-vs-budget figures: one panel per metric
-//! (synthetic-task score, prose top-1 agreement, prose KL), a line per policy over the budgets, and the full cache
-//! on the same items as a dashed horizontal reference.
+//! (synthetic-task score, prose top-1 agreement, prose KL, prose accuracy on the real text), a line per policy over
+//! the budgets, and the full cache on the same items as a dashed horizontal reference.
 
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow};
-use pagoda_worker::eval::runner::{Cell, EvalReport};
+use pagoda_worker::eval::runner::{Cell, EvalReport, PROSE, PROSE_NEXT_TOKEN};
 use plotters::prelude::*;
 
 use crate::bench_plot::{FONT, draw_legend, register_font};
@@ -13,11 +13,20 @@ use crate::bench_plot::{FONT, draw_legend, register_font};
 struct Metric {
     title: &'static str,
     y_label: &'static str,
-    /// Which cells feed it: synthetic tasks or prose.
-    prose: bool,
+    /// Which cells feed it: `Some(task)`, or `None` for the synthetic tasks pooled.
+    task: Option<&'static str>,
     value: fn(&Cell) -> Option<f64>,
     /// The full cache's value on the same items.
     full: fn(&Cell) -> Option<f64>,
+}
+
+impl Metric {
+    fn feeds(&self, cell: &Cell) -> bool {
+        match self.task {
+            Some(task) => cell.task == task,
+            None => !cell.task.starts_with(PROSE),
+        }
+    }
 }
 
 /// Draws the panels that have data into a PNG at `path`.
@@ -27,36 +36,46 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
         Metric {
             title: "Synthetic tasks: mean score",
             y_label: "score",
-            prose: false,
+            task: None,
             value: |c| Some(c.score),
             full: |c| Some(c.full_score),
         },
         Metric {
             title: "Prose: top-1 agreement with full cache",
             y_label: "agreement",
-            prose: true,
+            task: Some(PROSE),
             value: |c| Some(c.score),
             full: |_| Some(1.0),
         },
         Metric {
             title: "Prose: KL(full || policy), nats",
             y_label: "KL",
-            prose: true,
+            task: Some(PROSE),
             value: |c| c.kl,
             full: |_| Some(0.0),
         },
+        Metric {
+            title: "Prose: top-1 accuracy on the real text",
+            y_label: "accuracy",
+            task: Some(PROSE_NEXT_TOKEN),
+            value: |c| Some(c.score),
+            full: |c| Some(c.full_score),
+        },
     ];
-    let has = |prose: bool| report.cells.iter().any(|c| (c.task == "prose") == prose && c.policy != "full");
-    let shown: Vec<&Metric> = metrics.iter().filter(|m| has(m.prose)).collect();
+    let shown: Vec<&Metric> =
+        metrics.iter().filter(|m| report.cells.iter().any(|c| m.feeds(c) && c.policy != "full")).collect();
     if shown.is_empty() {
         return Err(anyhow!("nothing to plot: the report has no policy cells"));
     }
-    let root = BitMapBackend::new(path, (560 * shown.len() as u32, 560)).into_drawing_area();
+    // Four panels read better as a 2 × 2 grid than as one wide row.
+    let rows = if shown.len() == 4 { 2 } else { 1 };
+    let cols = shown.len() / rows;
+    let root = BitMapBackend::new(path, (560 * cols as u32, 560 * rows as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let root = root
         .titled("KV eviction policies against the full cache (SmolLM2-135M-Instruct)", (FONT, 22))
         .map_err(|e| anyhow!("{e}"))?;
-    for (area, m) in root.split_evenly((1, shown.len())).iter().zip(shown) {
+    for (area, m) in root.split_evenly((rows, cols)).iter().zip(shown) {
         draw_metric(area, report, m)?;
     }
     root.present().with_context(|| format!("cannot write {}", path.display()))?;
@@ -65,12 +84,8 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
 
 /// Averages `value` over the cells of one policy and budget (tasks pooled), for the metric's kind of cell.
 fn mean(report: &EvalReport, m: &Metric, policy: &str, budget: usize, f: fn(&Cell) -> Option<f64>) -> Option<f64> {
-    let vals: Vec<f64> = report
-        .cells
-        .iter()
-        .filter(|c| (c.task == "prose") == m.prose && c.policy == policy && c.budget == budget)
-        .filter_map(f)
-        .collect();
+    let vals: Vec<f64> =
+        report.cells.iter().filter(|c| m.feeds(c) && c.policy == policy && c.budget == budget).filter_map(f).collect();
     (!vals.is_empty()).then(|| vals.iter().sum::<f64>() / vals.len() as f64)
 }
 

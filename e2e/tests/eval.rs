@@ -63,6 +63,25 @@ fn eval_reports_every_policy_next_to_full_cache() {
             }
         }
     }
+    // The language-modelling score on the same prose: the full cache has a real accuracy of its own (the model
+    // predicts some of Alice's next tokens, not all), and every policy cell sits next to it.
+    let lm = |c: &&Value| c["task"] == "prose_next_token";
+    let full = cells.iter().filter(lm).find(|c| c["policy"] == "full").expect("full-cache next-token cell");
+    let full_accuracy = full["score"].as_f64().unwrap();
+    assert!(full_accuracy > 0.0 && full_accuracy < 1.0, "{full}");
+    assert!(full["nll"].as_f64().unwrap() > 0.0, "{full}");
+    for p in policies {
+        for b in [64, 128] {
+            let c = cells
+                .iter()
+                .filter(lm)
+                .find(|c| c["policy"] == p && c["budget"] == b)
+                .unwrap_or_else(|| panic!("missing cell prose_next_token/{p}/{b}"));
+            assert!((0.0..=1.0).contains(&c["score"].as_f64().unwrap()), "{c}");
+            assert_eq!(c["full_score"], full["score"], "{c}");
+            assert!(c["nll"].as_f64().unwrap() > 0.0, "{c}");
+        }
+    }
     // Evicting down to 64 of ~512 tokens changes the next-token distributions: some KL is measured.
     let kl_sum: f64 = cells.iter().filter(|c| c["task"] == "prose").filter_map(|c| c["kl"].as_f64()).sum();
     assert!(kl_sum > 0.01, "{kl_sum}");

@@ -3,7 +3,9 @@
 //!
 //! - **Synthetic tasks** ([`super::tasks`]): greedy generation, scored by RULER's string match.
 //! - **Prose** ([`super::prose`]): teacher forcing over a continuation; per position, top-1 agreement with the
-//!   full cache's next-token distribution and KL(full ‖ policy).
+//!   full cache's next-token distribution and KL(full ‖ policy) (task `prose`, fidelity to the full cache), and
+//!   top-1 accuracy on the real next token with its negative log-likelihood (task `prose_next_token`, the
+//!   language-modelling score, which the full cache has too).
 //!
 //! Each item runs in two phases. First the full cache alone computes it, which publishes the prompt's blocks in
 //! the prefix cache. Then every (policy, budget) lane runs together in one batch: lanes adopt the cached prompt
@@ -23,6 +25,11 @@ use crate::sampling::argmax;
 use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqId, SeqRequest};
 
 use super::{Document, EvalItem, TaskKind};
+
+/// Task name of the prose fidelity score: top-1 agreement with, and KL from, the full cache.
+pub const PROSE: &str = "prose";
+/// Task name of the prose language-modelling score: top-1 accuracy on, and NLL of, the real next token.
+pub const PROSE_NEXT_TOKEN: &str = "prose_next_token";
 
 /// What to evaluate.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -74,10 +81,14 @@ pub struct ItemResult {
     pub policy: String,
     /// 0 for the full cache.
     pub budget: usize,
-    /// Synthetic tasks: string-match score in [0, 1]. Prose: top-1 agreement with the full cache.
+    /// Synthetic tasks: string-match score in [0, 1]. `prose`: top-1 agreement with the full cache.
+    /// `prose_next_token`: top-1 accuracy on the document's real next token.
     pub score: f64,
-    /// Prose only: mean KL(full ‖ policy) over the continuation, in nats.
+    /// `prose` only: mean KL(full ‖ policy) over the continuation, in nats.
     pub kl: Option<f64>,
+    /// `prose_next_token` only: mean negative log-likelihood of the real next token, in nats.
+    #[serde(default)]
+    pub nll: Option<f64>,
     /// The generated text (synthetic tasks).
     pub output: Option<String>,
 }
@@ -92,6 +103,8 @@ pub struct Cell {
     pub score: f64,
     pub full_score: f64,
     pub kl: Option<f64>,
+    #[serde(default)]
+    pub nll: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -105,8 +118,9 @@ pub struct EvalReport {
 enum Mode {
     /// Greedy generation up to `max_new` tokens or EOS.
     Generate { max_new: usize, out: Vec<u32> },
-    /// Teacher forcing over `cont`; `rows` scores each position against the reference.
-    Force { cont: Vec<u32>, next: usize, agree: usize, kl: f64 },
+    /// Teacher forcing over `cont`: each position is scored against the reference (`agree`, `kl`) and against the
+    /// real next token, `cont[next]` (`correct`, `nll`).
+    Force { cont: Vec<u32>, next: usize, agree: usize, kl: f64, correct: usize, nll: f64 },
 }
 
 struct Lane {
@@ -229,6 +243,7 @@ impl Evaluator {
                     budget: lane.spec.budget_tokens,
                     score: f64::from(super::score(item, &text)),
                     kl: None,
+                    nll: None,
                     output: Some(text),
                 });
             }
@@ -263,24 +278,28 @@ impl Evaluator {
                     policy: spec,
                     payload: (),
                 })?;
-                lanes.push(Lane { spec, seq, mode: Mode::Force { cont: cont.clone(), next: 0, agree: 0, kl: 0.0 } });
+                let mode = Mode::Force { cont: cont.clone(), next: 0, agree: 0, kl: 0.0, correct: 0, nll: 0.0 };
+                lanes.push(Lane { spec, seq, mode });
             }
             self.drive(&mut sched, &mut lanes, pi == 0)?;
             for lane in lanes {
-                let Mode::Force { agree, kl, cont, .. } = lane.mode else { continue };
+                let Mode::Force { agree, kl, cont, correct, nll, .. } = lane.mode else { continue };
                 let n = cont.len().max(1) as f64;
                 // The full cache is the reference: it agrees with itself everywhere.
                 let (agree, kl) = if lane.spec.is_full() { (cont.len(), 0.0) } else { (agree, kl) };
-                results.push(ItemResult {
+                let result = |task: &str, score: f64, kl: Option<f64>, nll: Option<f64>| ItemResult {
                     item: doc.name.clone(),
-                    task: "prose".into(),
+                    task: task.into(),
                     context_tokens: prompt.len(),
                     policy: lane.spec.kind.name().to_owned(),
                     budget: lane.spec.budget_tokens,
-                    score: agree as f64 / n,
-                    kl: Some(kl / n),
+                    score,
+                    kl,
+                    nll,
                     output: None,
-                });
+                };
+                results.push(result(PROSE, agree as f64 / n, Some(kl / n), None));
+                results.push(result(PROSE_NEXT_TOKEN, correct as f64 / n, None, Some(nll / n)));
             }
         }
         Ok(results)
@@ -322,9 +341,12 @@ impl Evaluator {
                         }
                         (t, stop || out.len() >= *max_new)
                     }
-                    Mode::Force { cont, next, agree, kl } => {
+                    Mode::Force { cont, next, agree, kl, correct, nll } => {
                         log_softmax(logits, &mut self.logp);
                         let j = *next;
+                        let truth = cont[j] as usize;
+                        *correct += usize::from(argmax(&self.logp) as usize == truth);
+                        *nll -= f64::from(self.logp.get(truth).copied().unwrap_or(f32::NEG_INFINITY));
                         if record_reference {
                             self.reference.extend_from_slice(&self.logp);
                         } else if let Some(r) = self.reference.get(j * vocab..(j + 1) * vocab) {
@@ -361,9 +383,11 @@ fn kl_div(logp: &[f32], logq: &[f32]) -> f64 {
 
 /// Averages item results into cells (task × policy × budget), each next to the full cache on the same items.
 pub fn summarize(items: &[ItemResult]) -> Vec<Cell> {
-    // item → the full cache's score on it; (task, policy, budget) → the cell's items.
+    // (task, item) → the full cache's score on it (a prose document carries two tasks); (task, policy, budget) →
+    // the cell's items.
     type CellKey = (String, String, usize);
-    let full: HashMap<&str, f64> = items.iter().filter(|r| r.budget == 0).map(|r| (r.item.as_str(), r.score)).collect();
+    let full: HashMap<(&str, &str), f64> =
+        items.iter().filter(|r| r.budget == 0).map(|r| ((r.task.as_str(), r.item.as_str()), r.score)).collect();
     let mut groups: Vec<(CellKey, Vec<&ItemResult>)> = Vec::new();
     for r in items {
         let key = (r.task.clone(), r.policy.clone(), r.budget);
@@ -377,9 +401,10 @@ pub fn summarize(items: &[ItemResult]) -> Vec<Cell> {
         let n = rs.len() as f64;
         let score = rs.iter().map(|r| r.score).sum::<f64>() / n;
         let kl = rs.iter().all(|r| r.kl.is_some()).then(|| rs.iter().filter_map(|r| r.kl).sum::<f64>() / n);
+        let nll = rs.iter().all(|r| r.nll.is_some()).then(|| rs.iter().filter_map(|r| r.nll).sum::<f64>() / n);
         // The full-cache score on exactly these items (same task and contexts).
-        let full_score = rs.iter().filter_map(|r| full.get(r.item.as_str())).sum::<f64>() / n;
-        cells.push(Cell { task, policy, budget, items: rs.len(), score, full_score, kl });
+        let full_score = rs.iter().filter_map(|r| full.get(&(r.task.as_str(), r.item.as_str()))).sum::<f64>() / n;
+        cells.push(Cell { task, policy, budget, items: rs.len(), score, full_score, kl, nll });
     }
     cells
 }
@@ -420,7 +445,11 @@ pub fn render_markdown(report: &EvalReport) -> String {
     tasks.dedup();
     let budgets = &report.options.budgets;
     for task in tasks {
-        let metric = if task == "prose" { "top-1 agreement with full cache (mean KL nats)" } else { "score" };
+        let metric = match task {
+            PROSE => "top-1 agreement with full cache (mean KL nats)",
+            PROSE_NEXT_TOKEN => "top-1 accuracy on the real next token (mean NLL nats)",
+            _ => "score",
+        };
         let _ = writeln!(s, "\n**{task}** — {metric}; full cache on the same items in the first row\n");
         let _ = write!(s, "| policy |");
         for b in budgets {
@@ -443,9 +472,9 @@ pub fn render_markdown(report: &EvalReport) -> String {
                 let cell =
                     report.cells.iter().find(|c| c.task == task && c.policy == p && (c.budget == b || p == "full"));
                 match cell {
-                    Some(c) => match c.kl {
-                        Some(kl) => {
-                            let _ = write!(s, " {:.3} ({kl:.3}) |", c.score);
+                    Some(c) => match c.kl.or(c.nll) {
+                        Some(x) => {
+                            let _ = write!(s, " {:.3} ({x:.3}) |", c.score);
                         }
                         None => {
                             let _ = write!(s, " {:.2} |", c.score);
@@ -486,6 +515,7 @@ mod tests {
             budget,
             score,
             kl: None,
+            nll: None,
             output: None,
         };
         let items = vec![
@@ -497,5 +527,39 @@ mod tests {
         let cells = summarize(&items);
         let c = cells.iter().find(|c| c.policy == "snapkv").unwrap();
         assert_eq!((c.items, c.score, c.full_score), (2, 0.0, 0.5));
+    }
+
+    #[test]
+    fn a_document_scored_two_ways_keeps_each_full_cache_score() {
+        let r = |task: &str, policy: &str, budget, score, nll| ItemResult {
+            item: "alice29:0".into(),
+            task: task.into(),
+            context_tokens: 512,
+            policy: policy.into(),
+            budget,
+            score,
+            kl: None,
+            nll,
+            output: None,
+        };
+        let items = vec![
+            r(PROSE, "full", 0, 1.0, None),
+            r(PROSE_NEXT_TOKEN, "full", 0, 0.4, Some(2.5)),
+            r(PROSE, "h2o", 128, 0.8, None),
+            r(PROSE_NEXT_TOKEN, "h2o", 128, 0.3, Some(3.0)),
+        ];
+        let cells = summarize(&items);
+        let cell = |task| cells.iter().find(|c| c.task == task && c.policy == "h2o").unwrap();
+        assert_eq!((cell(PROSE).score, cell(PROSE).full_score, cell(PROSE).nll), (0.8, 1.0, None));
+        let lm = cell(PROSE_NEXT_TOKEN);
+        assert_eq!((lm.score, lm.full_score, lm.nll), (0.3, 0.4, Some(3.0)));
+        let md = render_markdown(&EvalReport {
+            options: EvalOptions { budgets: vec![128], ..EvalOptions::default() },
+            items,
+            cells: cells.clone(),
+            seconds: 0.0,
+        });
+        assert!(md.contains("| h2o | 0.300 (3.000) |"), "{md}");
+        assert!(md.contains("| full | 0.400 (2.500) |"), "{md}");
     }
 }
