@@ -127,6 +127,22 @@ pub struct ZipfConfigResult {
     pub evicpress: Option<crate::placement::EvicPressStats>,
     pub peak_planned_bytes: [u64; 3],
     pub seconds: f64,
+    /// Every request in order: where its prompt came from and its TTFT, so a mean can be taken apart.
+    pub per_request: Vec<RequestRecord>,
+}
+
+/// One request of one configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestRecord {
+    /// Which context (index into the workload's documents).
+    pub context: usize,
+    pub prompt_tokens: usize,
+    pub ttft_ms: f64,
+    /// Prompt tokens computed, and served from each tier ([`Tier::index`]).
+    pub computed_tokens: u64,
+    pub hit_tokens: [u64; 3],
+    /// EvicPress only: the request started from a pruned copy of its context.
+    pub pruned: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -260,6 +276,7 @@ impl ZipfReport {
 /// One request of the workload.
 #[derive(Debug, Clone)]
 struct Request {
+    context: usize,
     prompt: Vec<u32>,
 }
 
@@ -402,17 +419,30 @@ fn run_config(
     let mut peak_used = [0u64; 3];
     let mut capacity = [0u64; 3];
     let mut peak_planned = [0u64; 3];
+    let mut per_request = Vec::with_capacity(workload.len());
     let mut last = engine.stats();
     for r in workload {
         let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens)?;
         let s = settled(&engine, last.computed_tokens_total)?;
-        for (t, h) in hits.iter_mut().enumerate() {
-            *h += s.prefix_hit_tokens[t].saturating_sub(last.prefix_hit_tokens[t]);
+        let hit_tokens: [u64; 3] =
+            std::array::from_fn(|t| s.prefix_hit_tokens[t].saturating_sub(last.prefix_hit_tokens[t]));
+        for (h, new) in hits.iter_mut().zip(hit_tokens) {
+            *h += new;
         }
         prompt_tokens += r.prompt.len() as u64;
         // Prompt tokens computed = all computed minus the decode steps (every answer token but the last).
-        computed += (s.computed_tokens_total - last.computed_tokens_total)
+        let computed_tokens = (s.computed_tokens_total - last.computed_tokens_total)
             .saturating_sub(answer.len().saturating_sub(1) as u64);
+        computed += computed_tokens;
+        let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
+        per_request.push(RequestRecord {
+            context: r.context,
+            prompt_tokens: r.prompt.len(),
+            ttft_ms: ttft * 1e3,
+            computed_tokens,
+            hit_tokens,
+            pruned: pruned_onboards(&s) > pruned_onboards(&last),
+        });
         for tier in [Tier::Host, Tier::Disk] {
             let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
             peak_used[tier.index()] = peak_used[tier.index()].max(used);
@@ -458,6 +488,7 @@ fn run_config(
         evicpress: last.evicpress.clone(),
         peak_planned_bytes: peak_planned,
         seconds: t0.elapsed().as_secs_f64(),
+        per_request,
     };
     Ok((result, answers))
 }
@@ -520,9 +551,10 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
             let u: f64 = rng.random();
             let rank = cdf.partition_point(|&c| c < u).min(docs.len() - 1);
             let q = &questions[rng.random_range(0..questions.len())];
-            let mut prompt = docs[ranking[rank]].clone();
+            let context = ranking[rank];
+            let mut prompt = docs[context].clone();
             prompt.extend_from_slice(q);
-            Request { prompt }
+            Request { context, prompt }
         })
         .collect();
 
