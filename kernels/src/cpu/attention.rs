@@ -9,6 +9,8 @@ use crate::paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 
 /// New tokens per attention task during prefill.
 const TOKEN_CHUNK: usize = 32;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(TOKEN_CHUNK <= avx512_attention::MAX_ROWS, "a task's tokens must fit the rows kernel");
 
 /// Writes rows `[q_row, q_row + n_new)` of `k`, `v` (`[rows][n_kv_heads*head_dim]`) into the cache slots
 /// `prior_lens[h] ..` of each kv-head's table.
@@ -68,9 +70,81 @@ pub fn paged_attention(
     check_disjoint(seqs);
     let sinks = prob_sinks(seqs, n_heads, n_kv_heads, probs);
     let simd = be.simd();
-    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &|qv, table, len, acc, p| {
+    let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
         attend_one(simd, qv, kv, table, len, scale, acc, p)
-    });
+    };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(rows) = RowsKernel::select(simd, kv) {
+        let many = |q: &[f32], q_stride: usize, out: RowsOut, rows_n: usize, table: &[u32], len0: usize| {
+            rows.run(q, q_stride, out, rows_n, kv, table, len0, scale)
+        };
+        return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(&many));
+    }
+    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None::<&NoRows>);
+}
+
+/// Where [`par_queries`] asks a rows kernel to write: row `r` of the result goes to `ptr + r * stride` (head_dim
+/// floats), rows owned by the calling task alone.
+#[derive(Clone, Copy)]
+pub(crate) struct RowsOut {
+    ptr: SyncPtr,
+    stride: usize,
+}
+
+/// The rows-kernel type of callers that have none.
+pub(crate) type NoRows = fn(&[f32], usize, RowsOut, usize, &[u32], usize);
+
+/// The multi-query prefill kernel ([`avx512_attention::attend_rows`]), when the backend and cache allow it:
+/// AVX-512 over an f16 arena, head_dim 32, 64 or 128, blocks of at most 64 slots that fit its stack buffer.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct RowsKernel {
+    nv: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowsKernel {
+    fn select(simd: Simd, kv: &KvStorage) -> Option<RowsKernel> {
+        let (bs, hd) = (kv.block_size(), kv.head_dim());
+        let f16 = matches!(kv.arenas_any(), KvArenas::F16 { .. });
+        let fits = bs <= 64 && bs * hd <= avx512_attention::MAX_BLOCK_ELEMS;
+        (simd == Simd::Avx512 && f16 && fits && matches!(hd, 32 | 64 | 128)).then_some(RowsKernel { nv: hd / 16 })
+    }
+
+    /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        self,
+        q: &[f32],
+        q_stride: usize,
+        out: RowsOut,
+        rows: usize,
+        kv: &KvStorage,
+        table: &[u32],
+        len0: usize,
+        scale: f32,
+    ) {
+        let (bs, hd) = (kv.block_size(), kv.head_dim());
+        assert!((1..=avx512_attention::MAX_ROWS).contains(&rows) && len0 >= 1, "attend_rows: bad row count");
+        assert!(q.len() >= (rows - 1) * q_stride + hd, "attend_rows: queries out of bounds");
+        let ids = &table[..(len0 + rows - 1).div_ceil(bs)];
+        for &b in ids {
+            assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
+        }
+        let KvArenas::F16 { k, v } = kv.arenas_any() else { unreachable!("RowsKernel::select checked the arena") };
+        let (k, v) = (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>());
+        let (qp, op, os) = (q.as_ptr(), out.ptr.get(), out.stride);
+        // SAFETY: AVX-512 was detected (Simd::Avx512); block ids were checked against the f16 arenas; rows and
+        // lengths are in the kernel's bounds (asserted above, and by `select` for the block); the query rows are
+        // inside `q`; the output rows belong to the calling task (`par_queries`), apart from each other.
+        unsafe {
+            match self.nv {
+                2 => avx512_attention::attend_rows::<2>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale),
+                4 => avx512_attention::attend_rows::<4>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale),
+                _ => avx512_attention::attend_rows::<8>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale),
+            }
+        }
+    }
 }
 
 /// Where one sequence's summed probabilities go inside [`par_queries`]: the start of its `[n_heads][stride]` rows,
@@ -116,10 +190,12 @@ thread_local! {
 /// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. For a
 /// sequence with a sink in `sinks` (indexed by sequence; empty for none) a task takes all its new tokens of one
 /// head, hands `attend` a probability row of exactly the visible length, and sums the rows into the head's row of
-/// the sink. The caller has checked the sequences (`check_seq`, `check_disjoint`) and the sinks (`prob_sinks`):
-/// each output slice and each sink row is then written by exactly one task.
+/// the sink. With `attend_rows`, a task of several tokens without a sink hands them to it in one call
+/// (`attend_rows(queries, query stride, output rows, rows, table, visible length of the first)`). The caller has
+/// checked the sequences (`check_seq`, `check_disjoint`) and the sinks (`prob_sinks`): each output slice and each
+/// sink row is then written by exactly one task.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn par_queries<F>(
+pub(crate) fn par_queries<F, G>(
     be: &CpuBackend,
     q: &[f32],
     seqs: &[AttnSeq<'_>],
@@ -129,8 +205,10 @@ pub(crate) fn par_queries<F>(
     out: &mut [f32],
     sinks: &[Option<ProbSink>],
     attend: &F,
+    attend_rows: Option<&G>,
 ) where
     F: Fn(&[f32], &[u32], usize, &mut [f32], Option<&mut [f32]>) + Sync,
+    G: Fn(&[f32], usize, RowsOut, usize, &[u32], usize) + Sync,
 {
     let w = n_heads * hd;
     let o = SyncPtr::new(out);
@@ -157,6 +235,14 @@ pub(crate) fn par_queries<F>(
             (qv, len, acc)
         };
         let Some(k) = sink_of(si) else {
+            if let Some(rows) = attend_rows.filter(|_| j1 - j0 >= 2) {
+                let (r0, len0) = (s.q_row + j0, s.prior_lens[kvh] + j0 + 1);
+                let queries = &q[r0 * w + qh * hd..(s.q_row + j1 - 1) * w + (qh + 1) * hd];
+                // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
+                let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
+                rows(queries, w, out, j1 - j0, &s.tables[kvh], len0);
+                return;
+            }
             for j in j0..j1 {
                 let (qv, len, acc) = query(j);
                 attend(qv, &s.tables[kvh], len, acc, None);

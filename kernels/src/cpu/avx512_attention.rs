@@ -70,6 +70,120 @@ unsafe fn score1<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8,
     hsum(fold256(a))
 }
 
+/// One query's online-softmax state over the blocks seen so far: running max `m`, running sum `l`, and the output
+/// accumulated in two interleaved sets (even and odd slots: two independent FMA chains per output vector).
+struct Online<const NV: usize> {
+    m: f32,
+    l: f32,
+    even: [__m512; NV],
+    odd: [__m512; NV],
+}
+
+impl<const NV: usize> Online<NV> {
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn new() -> Online<NV> {
+        Online { m: f32::NEG_INFINITY, l: 0.0, even: [_mm512_setzero_ps(); NV], odd: [_mm512_setzero_ps(); NV] }
+    }
+
+    /// Writes `(even + odd) / l` into `out` (head_dim floats) and returns `1 / l` (0 when nothing was seen).
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn finish(&self, out: *mut f32) -> f32 {
+        let inv_l = if self.l > 0.0 { 1.0 / self.l } else { 0.0 };
+        let inv = _mm512_set1_ps(inv_l);
+        for (j, (e, o)) in self.even.iter().zip(self.odd.iter()).enumerate() {
+            _mm512_storeu_ps(out.add(j * 16), _mm512_mul_ps(_mm512_add_ps(*e, *o), inv));
+        }
+        inv_l
+    }
+}
+
+/// Folds the `n` slots (`n <= 64`) starting at element `base` of the arenas `k`, `v` into `st`, for the scaled
+/// query `qv`. `sc` is scratch for the block's scores; with `logits`, the block's scaled logits are copied there.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn fold_block<const NV: usize, const H: bool>(
+    qv: &[__m512; NV],
+    k: *const u8,
+    v: *const u8,
+    base: usize,
+    n: usize,
+    st: &mut Online<NV>,
+    sc: &mut [f32; 64],
+    logits: Option<&mut [f32]>,
+) {
+    let hd = NV * 16;
+    let mut bmaxv = _mm256_set1_ps(st.m);
+    let mut i = 0;
+    while i + 8 <= n {
+        let s8 = scores8::<NV, H>(qv, k, base + i * hd);
+        _mm256_storeu_ps(sc.as_mut_ptr().add(i), s8);
+        bmaxv = _mm256_max_ps(bmaxv, s8);
+        i += 8;
+    }
+    let mut bmax = hmax(bmaxv);
+    while i < n {
+        sc[i] = score1::<NV, H>(qv, k, base + i * hd);
+        bmax = bmax.max(sc[i]);
+        i += 1;
+    }
+    if let Some(p) = logits {
+        p.copy_from_slice(&sc[..n]);
+    }
+    // Probabilities, and their sum over the block's `n` live slots (lanes past `n` are masked out).
+    let mv = _mm256_set1_ps(bmax);
+    let mut lsum = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+        _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+        let live = (n - i).min(8);
+        lsum = _mm256_add_ps(lsum, _mm256_maskz_mov_ps(((1u32 << live) - 1) as u8, e));
+        i += 8;
+    }
+    let corr = if st.m == f32::NEG_INFINITY { 0.0 } else { (st.m - bmax).exp() };
+    st.m = bmax;
+    let cv = _mm512_set1_ps(corr);
+    for (e, o) in st.even.iter_mut().zip(st.odd.iter_mut()) {
+        *e = _mm512_mul_ps(*e, cv);
+        *o = _mm512_mul_ps(*o, cv);
+    }
+    let mut i = 0;
+    while i + 2 <= n {
+        let p0 = _mm512_set1_ps(sc[i]);
+        let p1 = _mm512_set1_ps(sc[i + 1]);
+        let v0 = base + i * hd;
+        let v1 = v0 + hd;
+        for j in 0..NV {
+            st.even[j] = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), st.even[j]);
+            st.odd[j] = _mm512_fmadd_ps(p1, ld16::<H>(v, v1 + j * 16), st.odd[j]);
+        }
+        i += 2;
+    }
+    if i < n {
+        let p0 = _mm512_set1_ps(sc[i]);
+        let v0 = base + i * hd;
+        for (j, e) in st.even.iter_mut().enumerate() {
+            *e = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), *e);
+        }
+    }
+    st.l = st.l * corr + hsum(lsum);
+}
+
+/// `q` (head_dim floats) times `scale`, as `NV` vectors.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) -> [__m512; NV] {
+    let sv = _mm512_set1_ps(scale);
+    let mut qv = [_mm512_setzero_ps(); NV];
+    for (j, r) in qv.iter_mut().enumerate() {
+        *r = _mm512_mul_ps(_mm512_loadu_ps(q.add(j * 16)), sv);
+    }
+    qv
+}
+
 /// Attention of one query `q` (`head_dim = NV * 16`) over the first `len` slots of `table` in the arenas at `k`,
 /// `v` (blocks of `bs <= 64` slots × head_dim; f16 bit patterns when `H`, f32 otherwise); writes the result into
 /// `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
@@ -90,86 +204,83 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
     out: &mut [f32],
     mut probs: Option<&mut [f32]>,
 ) {
-    const MAXB: usize = 64;
     let hd = NV * 16;
-    debug_assert!(q.len() == hd && out.len() == hd && bs <= MAXB);
-    let sv = _mm512_set1_ps(scale);
-    let mut qv = [_mm512_setzero_ps(); NV];
-    for (j, r) in qv.iter_mut().enumerate() {
-        *r = _mm512_mul_ps(_mm512_loadu_ps(q.as_ptr().add(j * 16)), sv);
-    }
-    // Even and odd slots accumulate into separate sets: two independent FMA chains per output vector.
-    let mut acc_even = [_mm512_setzero_ps(); NV];
-    let mut acc_odd = [_mm512_setzero_ps(); NV];
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0.0f32;
-    let mut sc = [f32::NEG_INFINITY; MAXB];
+    debug_assert!(q.len() == hd && out.len() == hd && bs <= 64);
+    let qv = scaled_query::<NV>(q.as_ptr(), scale);
+    let mut st = Online::<NV>::new();
+    let mut sc = [f32::NEG_INFINITY; 64];
     for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Element offset of the block in both arenas.
-        let base = b as usize * bs * hd;
-        let mut bmaxv = _mm256_set1_ps(m);
-        let mut i = 0;
-        while i + 8 <= n {
-            let s8 = scores8::<NV, H>(&qv, k, base + i * hd);
-            _mm256_storeu_ps(sc.as_mut_ptr().add(i), s8);
-            bmaxv = _mm256_max_ps(bmaxv, s8);
-            i += 8;
-        }
-        let mut bmax = hmax(bmaxv);
-        while i < n {
-            sc[i] = score1::<NV, H>(&qv, k, base + i * hd);
-            bmax = bmax.max(sc[i]);
-            i += 1;
-        }
-        if let Some(p) = probs.as_deref_mut() {
-            p[bi * bs..bi * bs + n].copy_from_slice(&sc[..n]);
-        }
-        // Probabilities, and their sum over the block's `n` live slots (lanes past `n` are masked out).
-        let mv = _mm256_set1_ps(bmax);
-        let mut lsum = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < n {
-            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-            let live = (n - i).min(8);
-            lsum = _mm256_add_ps(lsum, _mm256_maskz_mov_ps(((1u32 << live) - 1) as u8, e));
-            i += 8;
-        }
-        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
-        m = bmax;
-        let cv = _mm512_set1_ps(corr);
-        for (e, o) in acc_even.iter_mut().zip(acc_odd.iter_mut()) {
-            *e = _mm512_mul_ps(*e, cv);
-            *o = _mm512_mul_ps(*o, cv);
-        }
-        let mut i = 0;
-        while i + 2 <= n {
-            let p0 = _mm512_set1_ps(sc[i]);
-            let p1 = _mm512_set1_ps(sc[i + 1]);
-            let v0 = base + i * hd;
-            let v1 = v0 + hd;
-            for j in 0..NV {
-                acc_even[j] = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), acc_even[j]);
-                acc_odd[j] = _mm512_fmadd_ps(p1, ld16::<H>(v, v1 + j * 16), acc_odd[j]);
-            }
-            i += 2;
-        }
-        if i < n {
-            let p0 = _mm512_set1_ps(sc[i]);
-            let v0 = base + i * hd;
-            for (j, e) in acc_even.iter_mut().enumerate() {
-                *e = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), *e);
-            }
-        }
-        l = l * corr + hsum(lsum);
+        let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
+        fold_block::<NV, H>(&qv, k, v, b as usize * bs * hd, n, &mut st, &mut sc, logits);
     }
-    let inv_l = if l > 0.0 { 1.0 / l } else { 0.0 };
-    let inv = _mm512_set1_ps(inv_l);
-    for (j, (e, o)) in acc_even.iter().zip(acc_odd.iter()).enumerate() {
-        _mm512_storeu_ps(out.as_mut_ptr().add(j * 16), _mm512_mul_ps(_mm512_add_ps(*e, *o), inv));
-    }
+    let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
-        probs_from_logits(p, m, inv_l);
+        probs_from_logits(p, st.m, inv_l);
+    }
+}
+
+/// Most query rows [`attend_rows`] takes at once.
+pub const MAX_ROWS: usize = 32;
+/// Largest block (slots × head_dim) [`attend_rows`] widens on its stack.
+pub const MAX_BLOCK_ELEMS: usize = 4096;
+
+/// Causal attention of `rows` consecutive queries of one head over an f16 head-paged table: query `r` (at
+/// `q + r * q_stride`, head_dim floats) sees the first `len0 + r` slots and writes its result at
+/// `out + r * out_stride`.
+///
+/// The prefill form of [`attend_one`]: each block is widened to f32 once and then read from L1 by every row that
+/// sees it, instead of being widened again for each query; each row keeps its own online-softmax state between
+/// blocks. Same arithmetic per row as [`attend_one`] over f32 blocks holding the widened values, so the results
+/// are those of `attend_one` (the widening is exact).
+///
+/// # Safety
+/// Requires AVX-512 F/VL, AVX2, FMA and F16C. `1 <= rows <= MAX_ROWS`, `len0 >= 1`, `bs <= 64`,
+/// `bs * NV * 16 <= MAX_BLOCK_ELEMS`; every block id in `table[..(len0 + rows - 1).div_ceil(bs)]` must be in range
+/// of both f16 arenas; the `rows` query and output rows must be in bounds, and no output row may overlap another
+/// row or a query.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_rows<const NV: usize>(
+    q: *const f32,
+    q_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rows: usize,
+    k: *const u8,
+    v: *const u8,
+    bs: usize,
+    table: &[u32],
+    len0: usize,
+    scale: f32,
+) {
+    let hd = NV * 16;
+    debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
+    let mut states: [Online<NV>; MAX_ROWS] = core::array::from_fn(|_| Online::new());
+    let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
+    let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
+    let mut sc = [f32::NEG_INFINITY; 64];
+    let last = len0 + rows - 1;
+    for (bi, &b) in table[..last.div_ceil(bs)].iter().enumerate() {
+        let s0 = bi * bs;
+        let n = (last - s0).min(bs);
+        let src = b as usize * bs * hd;
+        let mut e = 0;
+        while e < n * hd {
+            _mm512_storeu_ps(kf.as_mut_ptr().add(e), ld16::<true>(k, src + e));
+            _mm512_storeu_ps(vf.as_mut_ptr().add(e), ld16::<true>(v, src + e));
+            e += 16;
+        }
+        let (kp, vp) = (kf.as_ptr().cast::<u8>(), vf.as_ptr().cast::<u8>());
+        // Rows before `first` do not see this block yet (causal): query r sees slots below len0 + r.
+        let first = (s0 + 1).saturating_sub(len0);
+        for (r, st) in states.iter_mut().enumerate().take(rows).skip(first) {
+            let n_r = (len0 + r - s0).min(n);
+            let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
+            fold_block::<NV, false>(&qv, kp, vp, 0, n_r, st, &mut sc, None);
+        }
+    }
+    for (r, st) in states.iter().enumerate().take(rows) {
+        st.finish(out.add(r * out_stride));
     }
 }

@@ -44,9 +44,18 @@ pub fn paged_attention_encoded(
     }
     attention::check_disjoint(seqs);
     let simd = be.simd();
-    attention::par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &[], &|qv, table, len, acc, _| {
-        attend_one(simd, qv, kv, table, len, scale, acc)
-    });
+    attention::par_queries(
+        be,
+        q,
+        seqs,
+        n_heads,
+        n_kv_heads,
+        hd,
+        out,
+        &[],
+        &|qv, table, len, acc, _| attend_one(simd, qv, kv, table, len, scale, acc),
+        None::<&attention::NoRows>,
+    );
 }
 
 /// Attention of one query over the first `len` slots of `table` (ids and fill checked by the caller).
