@@ -94,12 +94,14 @@ pub(crate) struct RowsOut {
 /// The rows-kernel type of callers that have none.
 pub(crate) type NoRows = fn(&[f32], usize, RowsOut, usize, &[u32], usize);
 
-/// The multi-query prefill kernel ([`avx512_attention::attend_rows`]), when the backend and cache allow it:
-/// AVX-512 over an f16 arena, head_dim 32, 64 or 128, blocks of at most 64 slots that fit its stack buffer.
+/// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
+/// and cache allow it: AVX-512 or AVX2 over an f16 arena, head_dim 32, 64 or 128 (AVX2 also 96), blocks of at most
+/// 64 slots that fit its stack buffer.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct RowsKernel {
-    nv: usize,
+    avx512: bool,
+    hd: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -108,7 +110,9 @@ impl RowsKernel {
         let (bs, hd) = (kv.block_size(), kv.head_dim());
         let f16 = matches!(kv.arenas_any(), KvArenas::F16 { .. });
         let fits = bs <= 64 && bs * hd <= avx512_attention::MAX_BLOCK_ELEMS;
-        (simd == Simd::Avx512 && f16 && fits && matches!(hd, 32 | 64 | 128)).then_some(RowsKernel { nv: hd / 16 })
+        let avx512 = simd == Simd::Avx512 && hd != 96;
+        let shape = matches!(hd, 32 | 64 | 96 | 128);
+        (simd.has_avx2() && f16 && fits && shape).then_some(RowsKernel { avx512, hd })
     }
 
     /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`).
@@ -134,14 +138,24 @@ impl RowsKernel {
         let KvArenas::F16 { k, v } = kv.arenas_any() else { unreachable!("RowsKernel::select checked the arena") };
         let (k, v) = (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>());
         let (qp, op, os) = (q.as_ptr(), out.ptr.get(), out.stride);
-        // SAFETY: AVX-512 was detected (Simd::Avx512); block ids were checked against the f16 arenas; rows and
-        // lengths are in the kernel's bounds (asserted above, and by `select` for the block); the query rows are
-        // inside `q`; the output rows belong to the calling task (`par_queries`), apart from each other.
+        // SAFETY: the instruction set was detected (`select` takes Simd::Avx512 or Simd::Avx2); block ids were
+        // checked against the f16 arenas; rows and lengths are in the kernel's bounds (asserted above, and by
+        // `select` for the block); the query rows are inside `q`; the output rows belong to the calling task
+        // (`par_queries`), apart from each other.
         unsafe {
-            match self.nv {
-                2 => avx512_attention::attend_rows::<2>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale),
-                4 => avx512_attention::attend_rows::<4>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale),
-                _ => avx512_attention::attend_rows::<8>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale),
+            macro_rules! run {
+                ($m:ident, $nv:literal) => {
+                    $m::attend_rows::<$nv>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale)
+                };
+            }
+            match (self.avx512, self.hd) {
+                (true, 32) => run!(avx512_attention, 2),
+                (true, 64) => run!(avx512_attention, 4),
+                (true, _) => run!(avx512_attention, 8),
+                (false, 32) => run!(avx2, 4),
+                (false, 64) => run!(avx2, 8),
+                (false, 96) => run!(avx2, 12),
+                (false, _) => run!(avx2, 16),
             }
         }
     }

@@ -493,6 +493,123 @@ unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
     }
 }
 
+/// One query's online-softmax state between blocks: running max, running sum and the unnormalised output.
+struct Online<const NV: usize> {
+    m: f32,
+    l: f32,
+    acc: [__m256; NV],
+}
+
+impl<const NV: usize> Online<NV> {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn new() -> Online<NV> {
+        Online { m: f32::NEG_INFINITY, l: 0.0, acc: [_mm256_setzero_ps(); NV] }
+    }
+
+    /// Writes `acc / l` into `out` (head_dim floats) and returns `1 / l` (0 when nothing was seen).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn finish(&self, out: *mut f32) -> f32 {
+        let inv_l = if self.l > 0.0 { 1.0 / self.l } else { 0.0 };
+        let inv = _mm256_set1_ps(inv_l);
+        for (j, a) in self.acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(j * 8), _mm256_mul_ps(*a, inv));
+        }
+        inv_l
+    }
+}
+
+/// Folds the `n` slots (`n <= 64`) starting at element `base` of the arenas `k`, `v` (element type `E`; for the
+/// 8-bit types, scales from slot `slot0` of `k_scale`, `v_scale`) into `st`, for the scaled query `qv`. `sc` is
+/// scratch for the block's scores; with `logits`, the block's scaled logits are copied there.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn fold_block<const NV: usize, const E: u8>(
+    qv: &[__m256; NV],
+    k: *const u8,
+    v: *const u8,
+    k_scale: *const f32,
+    v_scale: *const f32,
+    base: usize,
+    slot0: usize,
+    n: usize,
+    st: &mut Online<NV>,
+    sc: &mut [f32; 64],
+    logits: Option<&mut [f32]>,
+) {
+    let hd = NV * 8;
+    let scaled = E == ELEM_I8 || E == ELEM_FP8;
+    let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) } else { 1.0 };
+    let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) } else { 1.0 };
+    // Scores, two slots at a time.
+    let mut bmax = st.m;
+    let mut i = 0;
+    while i + 2 <= n {
+        let k0 = base + i * hd;
+        let k1 = base + (i + 1) * hd;
+        let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
+        let mut a1 = _mm256_mul_ps(qv[0], lde::<E>(k, k1));
+        for j in 1..NV {
+            a0 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k0 + j * 8), a0);
+            a1 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k1 + j * 8), a1);
+        }
+        sc[i] = hsum(a0) * ks(i);
+        sc[i + 1] = hsum(a1) * ks(i + 1);
+        bmax = bmax.max(sc[i]).max(sc[i + 1]);
+        i += 2;
+    }
+    if i < n {
+        let k0 = base + i * hd;
+        let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
+        for j in 1..NV {
+            a0 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k0 + j * 8), a0);
+        }
+        sc[i] = hsum(a0) * ks(i);
+        bmax = bmax.max(sc[i]);
+    }
+    if let Some(p) = logits {
+        p.copy_from_slice(&sc[..n]);
+    }
+    // Probabilities (vectorised exp over the block's scores).
+    let mv = _mm256_set1_ps(bmax);
+    let mut i = 0;
+    while i < n {
+        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+        _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+        i += 8;
+    }
+    let corr = if st.m == f32::NEG_INFINITY { 0.0 } else { (st.m - bmax).exp() };
+    st.m = bmax;
+    let cv = _mm256_set1_ps(corr);
+    for a in st.acc.iter_mut() {
+        *a = _mm256_mul_ps(*a, cv);
+    }
+    let mut bl = 0.0f32;
+    for (i, &p) in sc[..n].iter().enumerate() {
+        bl += p;
+        let pv = _mm256_set1_ps(p * vs(i));
+        let vr = base + i * hd;
+        for (j, a) in st.acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(pv, lde::<E>(v, vr + j * 8), *a);
+        }
+    }
+    st.l = st.l * corr + bl;
+}
+
+/// `q` (head_dim floats) times `scale`, as `NV` vectors.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) -> [__m256; NV] {
+    let sv = _mm256_set1_ps(scale);
+    let mut qv = [_mm256_setzero_ps(); NV];
+    for (j, r) in qv.iter_mut().enumerate() {
+        *r = _mm256_mul_ps(_mm256_loadu_ps(q.add(j * 8)), sv);
+    }
+    qv
+}
+
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
 /// `k`, `v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`],
 /// [`ELEM_FP8`]); for the 8-bit types, `k_scale`, `v_scale` point at the per-slot scales (indexed
@@ -518,87 +635,73 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     out: &mut [f32],
     mut probs: Option<&mut [f32]>,
 ) {
-    const MAXB: usize = 64;
     let hd = NV * 8;
-    debug_assert!(q.len() == hd && out.len() == hd && bs <= MAXB);
-    let mut qv = [_mm256_setzero_ps(); NV];
-    let sv = _mm256_set1_ps(scale);
-    for (j, r) in qv.iter_mut().enumerate() {
-        *r = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(j * 8)), sv);
-    }
-    let mut acc = [_mm256_setzero_ps(); NV];
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0.0f32;
-    let mut sc = [f32::NEG_INFINITY; MAXB];
+    debug_assert!(q.len() == hd && out.len() == hd && bs <= 64);
+    let qv = scaled_query::<NV>(q.as_ptr(), scale);
+    let mut st = Online::<NV>::new();
+    let mut sc = [f32::NEG_INFINITY; 64];
     for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Element offset of the block in both arenas, and slot offset in the scale arrays.
-        let base = b as usize * bs * hd;
-        let slot0 = b as usize * bs;
-        let scaled = E == ELEM_I8 || E == ELEM_FP8;
-        let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) } else { 1.0 };
-        let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) } else { 1.0 };
-        // Scores, two slots at a time.
-        let mut bmax = m;
-        let mut i = 0;
-        while i + 2 <= n {
-            let k0 = base + i * hd;
-            let k1 = base + (i + 1) * hd;
-            let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
-            let mut a1 = _mm256_mul_ps(qv[0], lde::<E>(k, k1));
-            for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k0 + j * 8), a0);
-                a1 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k1 + j * 8), a1);
-            }
-            sc[i] = hsum(a0) * ks(i);
-            sc[i + 1] = hsum(a1) * ks(i + 1);
-            bmax = bmax.max(sc[i]).max(sc[i + 1]);
-            i += 2;
-        }
-        if i < n {
-            let k0 = base + i * hd;
-            let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
-            for j in 1..NV {
-                a0 = _mm256_fmadd_ps(qv[j], lde::<E>(k, k0 + j * 8), a0);
-            }
-            sc[i] = hsum(a0) * ks(i);
-            bmax = bmax.max(sc[i]);
-        }
-        if let Some(p) = probs.as_deref_mut() {
-            p[bi * bs..bi * bs + n].copy_from_slice(&sc[..n]);
-        }
-        // Probabilities (vectorised exp over the block's scores).
-        let mv = _mm256_set1_ps(bmax);
-        let mut i = 0;
-        while i < n {
-            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-            i += 8;
-        }
-        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
-        m = bmax;
-        let cv = _mm256_set1_ps(corr);
-        for a in acc.iter_mut() {
-            *a = _mm256_mul_ps(*a, cv);
-        }
-        let mut bl = 0.0f32;
-        for (i, &p) in sc[..n].iter().enumerate() {
-            bl += p;
-            let pv = _mm256_set1_ps(p * vs(i));
-            let vr = base + i * hd;
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(pv, lde::<E>(v, vr + j * 8), *a);
-            }
-        }
-        l = l * corr + bl;
+        let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
+        let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
+        fold_block::<NV, E>(&qv, k, v, k_scale, v_scale, base, slot0, n, &mut st, &mut sc, logits);
     }
-    let inv_l = if l > 0.0 { 1.0 / l } else { 0.0 };
-    let inv = _mm256_set1_ps(inv_l);
-    for (j, a) in acc.iter().enumerate() {
-        _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
-    }
+    let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
-        probs_from_logits(p, m, inv_l);
+        probs_from_logits(p, st.m, inv_l);
+    }
+}
+
+/// The AVX2 form of [`super::avx512_attention::attend_rows`], same contract: `rows` consecutive queries of one head
+/// over an f16 table, each block widened to f32 once and folded into every row that sees it. `NV` = head_dim / 8.
+///
+/// # Safety
+/// As [`super::avx512_attention::attend_rows`], with AVX2/FMA/F16C in place of AVX-512.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_rows<const NV: usize>(
+    q: *const f32,
+    q_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rows: usize,
+    k: *const u8,
+    v: *const u8,
+    bs: usize,
+    table: &[u32],
+    len0: usize,
+    scale: f32,
+) {
+    use super::avx512_attention::{MAX_BLOCK_ELEMS, MAX_ROWS};
+    let hd = NV * 8;
+    debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
+    let mut states: [Online<NV>; MAX_ROWS] = core::array::from_fn(|_| Online::new());
+    let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
+    let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
+    let mut sc = [f32::NEG_INFINITY; 64];
+    let none = core::ptr::null::<f32>();
+    let last = len0 + rows - 1;
+    for (bi, &b) in table[..last.div_ceil(bs)].iter().enumerate() {
+        let s0 = bi * bs;
+        let n = (last - s0).min(bs);
+        let src = b as usize * bs * hd;
+        let mut e = 0;
+        while e < n * hd {
+            _mm256_storeu_ps(kf.as_mut_ptr().add(e), lde::<ELEM_F16>(k, src + e));
+            _mm256_storeu_ps(vf.as_mut_ptr().add(e), lde::<ELEM_F16>(v, src + e));
+            e += 8;
+        }
+        let (kp, vp) = (kf.as_ptr().cast::<u8>(), vf.as_ptr().cast::<u8>());
+        // Rows before `first` do not see this block yet (causal): query r sees slots below len0 + r.
+        let first = (s0 + 1).saturating_sub(len0);
+        for (r, st) in states.iter_mut().enumerate().take(rows).skip(first) {
+            let n_r = (len0 + r - s0).min(n);
+            let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
+            fold_block::<NV, ELEM_F32>(&qv, kp, vp, none, none, 0, 0, n_r, st, &mut sc, None);
+        }
+    }
+    for (r, st) in states.iter().enumerate().take(rows) {
+        st.finish(out.add(r * out_stride));
     }
 }
 
