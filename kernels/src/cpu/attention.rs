@@ -83,6 +83,33 @@ pub fn paged_attention(
     par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None::<&NoRows>);
 }
 
+/// The block walk of the rows kernels (`avx2::attend_rows`, `avx512_attention::attend_rows`): `rows` queries of
+/// one head, query `r` seeing the first `len0 + r` slots of `table` (blocks of `bs` slots × `hd`). For each block
+/// that the last row sees, `widen(element offset of the block, elements the rows read)`, then `fold(r, n_r)` for
+/// every row `r` that sees `n_r > 0` of its slots. Inlined into each kernel, so the closures compile with its
+/// instruction set.
+#[inline(always)]
+pub(crate) fn for_row_blocks(
+    rows: usize,
+    len0: usize,
+    bs: usize,
+    hd: usize,
+    table: &[u32],
+    mut widen: impl FnMut(usize, usize),
+    mut fold: impl FnMut(usize, usize),
+) {
+    let last = len0 + rows - 1;
+    for (bi, &b) in table[..last.div_ceil(bs)].iter().enumerate() {
+        let s0 = bi * bs;
+        let n = (last - s0).min(bs);
+        widen(b as usize * bs * hd, n * hd);
+        // Rows before `first` do not see this block yet (causal): query r sees slots below len0 + r.
+        for r in (s0 + 1).saturating_sub(len0)..rows {
+            fold(r, (len0 + r - s0).min(n));
+        }
+    }
+}
+
 /// Where [`par_queries`] asks a rows kernel to write: row `r` of the result goes to `ptr + r * stride` (head_dim
 /// floats), rows owned by the calling task alone.
 #[derive(Clone, Copy)]

@@ -260,26 +260,21 @@ pub unsafe fn attend_rows<const NV: usize>(
     let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
     let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
     let mut sc = [f32::NEG_INFINITY; 64];
-    let last = len0 + rows - 1;
-    for (bi, &b) in table[..last.div_ceil(bs)].iter().enumerate() {
-        let s0 = bi * bs;
-        let n = (last - s0).min(bs);
-        let src = b as usize * bs * hd;
+    let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
+    let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
+    let widen = |src: usize, elems: usize| {
         let mut e = 0;
-        while e < n * hd {
-            _mm512_storeu_ps(kf.as_mut_ptr().add(e), ld16::<true>(k, src + e));
-            _mm512_storeu_ps(vf.as_mut_ptr().add(e), ld16::<true>(v, src + e));
+        while e < elems {
+            _mm512_storeu_ps(kw.add(e), ld16::<true>(k, src + e));
+            _mm512_storeu_ps(vw.add(e), ld16::<true>(v, src + e));
             e += 16;
         }
-        let (kp, vp) = (kf.as_ptr().cast::<u8>(), vf.as_ptr().cast::<u8>());
-        // Rows before `first` do not see this block yet (causal): query r sees slots below len0 + r.
-        let first = (s0 + 1).saturating_sub(len0);
-        for (r, st) in states.iter_mut().enumerate().take(rows).skip(first) {
-            let n_r = (len0 + r - s0).min(n);
-            let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
-            fold_block::<NV, false>(&qv, kp, vp, 0, n_r, st, &mut sc, None);
-        }
-    }
+    };
+    let fold = |r: usize, n_r: usize| {
+        let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
+        fold_block::<NV, false>(&qv, kp, vp, 0, n_r, &mut states[r], &mut sc, None);
+    };
+    super::attention::for_row_blocks(rows, len0, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
         st.finish(out.add(r * out_stride));
     }
