@@ -221,7 +221,38 @@ impl ZipfReport {
                     .join(", ")
             );
         }
+        s += &self.breakdown();
         s += &self.comparison();
+        s
+    }
+
+    /// Each configuration's mean TTFT split by where its requests' KV came from ([`RequestKind`]): per kind, the
+    /// requests, their median TTFT and their share of the mean (their TTFTs summed over all requests).
+    pub fn breakdown(&self) -> String {
+        let mut s = String::from(
+            "\nWhere each mean comes from (requests, median TTFT, share of the mean in ms):\n\n| configuration | \
+             mean TTFT ms |",
+        );
+        for k in RequestKind::ALL {
+            s += &format!(" {} |", k.name());
+        }
+        s += &format!("\n|---|---|{}\n", "---|".repeat(RequestKind::ALL.len()));
+        for r in &self.results {
+            s += &format!("| {} | {:.1} |", r.name, r.ttft_ms_mean);
+            let total = r.per_request.len().max(1) as f64;
+            for kind in RequestKind::ALL {
+                let mut ttfts: Vec<f64> =
+                    r.per_request.iter().filter(|q| RequestKind::of(q) == kind).map(|q| q.ttft_ms).collect();
+                if ttfts.is_empty() {
+                    s += " – |";
+                    continue;
+                }
+                ttfts.sort_by(f64::total_cmp);
+                let share = ttfts.iter().sum::<f64>() / total;
+                s += &format!(" {}, {:.0} ms, {share:.1} |", ttfts.len(), percentile(&ttfts, 50.0));
+            }
+            s.push('\n');
+        }
         s
     }
 
@@ -270,6 +301,55 @@ impl ZipfReport {
 
     pub fn to_json_string(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Where a request's prompt KV came from, for [`ZipfReport::breakdown`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestKind {
+    /// (Nearly) the whole prompt computed: a context seen for the first time, or dropped.
+    Cold,
+    /// Part of the context reused, a real part computed.
+    Partial,
+    /// The context found on the device.
+    Device,
+    /// The context loaded whole from the host or disk tier.
+    Tier,
+    /// Started from an EvicPress pruned copy.
+    Pruned,
+}
+
+impl RequestKind {
+    pub const ALL: [RequestKind; 5] =
+        [RequestKind::Cold, RequestKind::Partial, RequestKind::Device, RequestKind::Tier, RequestKind::Pruned];
+    /// Prompt tokens a reusing request still computes: the question (under one 16-token group) and the context's
+    /// last partial group.
+    const QUESTION_SLACK_TOKENS: u64 = 32;
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RequestKind::Cold => "cold",
+            RequestKind::Partial => "partial",
+            RequestKind::Device => "device",
+            RequestKind::Tier => "tier",
+            RequestKind::Pruned => "pruned",
+        }
+    }
+
+    pub fn of(r: &RequestRecord) -> RequestKind {
+        let slack = Self::QUESTION_SLACK_TOKENS;
+        let prompt = r.prompt_tokens as u64;
+        if r.computed_tokens + slack >= prompt {
+            RequestKind::Cold
+        } else if r.pruned {
+            RequestKind::Pruned
+        } else if r.hit_tokens[Tier::Device.index()] + slack >= prompt {
+            RequestKind::Device
+        } else if r.computed_tokens <= slack {
+            RequestKind::Tier
+        } else {
+            RequestKind::Partial
+        }
     }
 }
 
@@ -420,6 +500,7 @@ fn run_config(
     let mut capacity = [0u64; 3];
     let mut peak_planned = [0u64; 3];
     let mut per_request = Vec::with_capacity(workload.len());
+    let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
     let mut last = engine.stats();
     for r in workload {
         let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens)?;
@@ -434,7 +515,6 @@ fn run_config(
         let computed_tokens = (s.computed_tokens_total - last.computed_tokens_total)
             .saturating_sub(answer.len().saturating_sub(1) as u64);
         computed += computed_tokens;
-        let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
         per_request.push(RequestRecord {
             context: r.context,
             prompt_tokens: r.prompt.len(),
@@ -629,6 +709,23 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_are_classified_by_where_their_kv_came_from() {
+        let r = |computed, hit: [u64; 3], pruned| RequestRecord {
+            context: 0,
+            prompt_tokens: 800,
+            ttft_ms: 1.0,
+            computed_tokens: computed,
+            hit_tokens: hit,
+            pruned,
+        };
+        assert_eq!(RequestKind::of(&r(800, [0; 3], false)), RequestKind::Cold);
+        assert_eq!(RequestKind::of(&r(13, [0, 0, 784], true)), RequestKind::Pruned);
+        assert_eq!(RequestKind::of(&r(13, [784, 0, 0], false)), RequestKind::Device);
+        assert_eq!(RequestKind::of(&r(13, [160, 624, 0], false)), RequestKind::Tier);
+        assert_eq!(RequestKind::of(&r(400, [0, 0, 400], false)), RequestKind::Partial);
+    }
 
     #[test]
     fn zipf_favours_low_ranks() {

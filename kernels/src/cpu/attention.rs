@@ -80,7 +80,7 @@ pub fn paged_attention(
         };
         return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(&many));
     }
-    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None::<&NoRows>);
+    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None);
 }
 
 /// The block walk of the rows kernels (`avx2::attend_rows`, `avx512_attention::attend_rows`): `rows` queries of
@@ -118,8 +118,9 @@ pub(crate) struct RowsOut {
     stride: usize,
 }
 
-/// The rows-kernel type of callers that have none.
-pub(crate) type NoRows = fn(&[f32], usize, RowsOut, usize, &[u32], usize);
+/// A rows kernel as [`par_queries`] calls it: `(queries, query stride, output rows, rows, table, visible length of
+/// the first row)`. Called once per task, so dynamic dispatch costs nothing measurable.
+pub(crate) type AttendRows<'a> = &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize) + Sync);
 
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
 /// and cache allow it: AVX-512 or AVX2 over an f16 arena, head_dim 32, 64 or 128 (AVX2 also 96), blocks of at most
@@ -231,12 +232,12 @@ thread_local! {
 /// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. For a
 /// sequence with a sink in `sinks` (indexed by sequence; empty for none) a task takes all its new tokens of one
 /// head, hands `attend` a probability row of exactly the visible length, and sums the rows into the head's row of
-/// the sink. With `attend_rows`, a task of several tokens without a sink hands them to it in one call
-/// (`attend_rows(queries, query stride, output rows, rows, table, visible length of the first)`). The caller has
+/// the sink. With `attend_rows` ([`AttendRows`]), a task of several tokens without a sink hands them to it in one
+/// call. The caller has
 /// checked the sequences (`check_seq`, `check_disjoint`) and the sinks (`prob_sinks`): each output slice and each
 /// sink row is then written by exactly one task.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn par_queries<F, G>(
+pub(crate) fn par_queries<F>(
     be: &CpuBackend,
     q: &[f32],
     seqs: &[AttnSeq<'_>],
@@ -246,10 +247,9 @@ pub(crate) fn par_queries<F, G>(
     out: &mut [f32],
     sinks: &[Option<ProbSink>],
     attend: &F,
-    attend_rows: Option<&G>,
+    attend_rows: Option<AttendRows<'_>>,
 ) where
     F: Fn(&[f32], &[u32], usize, &mut [f32], Option<&mut [f32]>) + Sync,
-    G: Fn(&[f32], usize, RowsOut, usize, &[u32], usize) + Sync,
 {
     let w = n_heads * hd;
     let o = SyncPtr::new(out);
@@ -442,5 +442,62 @@ fn attend_one(
     }
     if let Some(p) = probs {
         scalar::probs_from_logits(p, st.m, inv);
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// The rows kernel against the per-query kernel it replaces in prefill, same instruction set, same data: a
+    /// 512-token chunk on top of 3,584 cached tokens (f16, SmolLM2's 9 heads over 3 kv-heads, head_dim 64), two
+    /// threads, the two paths interleaved. They must agree bit for bit (same arithmetic per row); the timing is
+    /// printed. `cargo test --release -p pagoda-kernels --lib rows_kernel_vs_per_query -- --ignored --nocapture`
+    #[test]
+    #[ignore = "timing; run by hand"]
+    fn rows_kernel_vs_per_query() {
+        let (n_heads, n_kv, hd, bs, prior, n_new) = (9usize, 3usize, 64usize, 16usize, 3584usize, 512usize);
+        let per_head = (prior + n_new).div_ceil(bs);
+        let mut kv = KvStorage::with_dtype(per_head * n_kv, bs, hd, KvDtype::F16);
+        let val = |i: usize| ((i as f32 * 0.618).fract() - 0.5) * 2.0;
+        for b in 0..(per_head * n_kv) as u32 {
+            let k: Vec<f32> = (0..bs * hd).map(|i| val(i + 7 * b as usize)).collect();
+            let v: Vec<f32> = (0..bs * hd).map(|i| val(3 * i + b as usize)).collect();
+            kv.write_block(b, &k, &v);
+        }
+        let tables: Vec<Vec<u32>> =
+            (0..n_kv).map(|h| ((h * per_head) as u32..((h + 1) * per_head) as u32).collect()).collect();
+        let prior_lens = vec![prior; n_kv];
+        let seqs = [AttnSeq { q_row: 0, n_new, tables: &tables, prior_lens: &prior_lens }];
+        let q: Vec<f32> = (0..n_new * n_heads * hd).map(|i| val(5 * i + 1)).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        for simd in [Simd::Avx2, Simd::Avx512] {
+            let be = CpuBackend::with_simd(2, simd);
+            let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
+            let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
+                attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
+            };
+            let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize| {
+                rows.run(q, q_stride, out, n, &kv, table, len0, scale)
+            };
+            let (mut per_query, mut tiled) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+            let (mut t_one, mut t_rows) = (Vec::new(), Vec::new());
+            for _ in 0..7 {
+                let t = Instant::now();
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
+                t_one.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut tiled, &[], &one, Some(&many));
+                t_rows.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            assert_eq!(per_query, tiled, "{simd:?}: the rows kernel must give the per-query kernel's values");
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (a, b) = (median(&mut t_one), median(&mut t_rows));
+            println!("{:?}: per-query {a:.2} ms, rows {b:.2} ms, {:.2}x", be.simd(), a / b);
+        }
     }
 }

@@ -493,24 +493,49 @@ unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
     }
 }
 
-/// One query's online-softmax state between blocks: running max, running sum and the unnormalised output.
-struct Online<const NV: usize> {
-    m: f32,
-    l: f32,
-    acc: [__m256; NV],
+/// One query's online-softmax state between blocks: running max, running sum and the unnormalised output. Shared
+/// by the float/8-bit kernels here and the encoded-block kernel of `codecs_avx2`.
+pub(crate) struct Online<const NV: usize> {
+    pub(crate) m: f32,
+    pub(crate) l: f32,
+    pub(crate) acc: [__m256; NV],
 }
 
 impl<const NV: usize> Online<NV> {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn new() -> Online<NV> {
+    pub(crate) fn new() -> Online<NV> {
         Online { m: f32::NEG_INFINITY, l: 0.0, acc: [_mm256_setzero_ps(); NV] }
+    }
+
+    /// Enters a block whose scores `sc[..n]` peak at `bmax` (at least the running max): turns them into
+    /// `exp(s - bmax)` in place, over whole 8-lane chunks (so `sc` must reach `n` rounded up to 8), rescales the
+    /// output by `exp(m - bmax)` and makes `bmax` the running max. Returns that factor, for the running sum:
+    /// `l = l * factor + Σ exp`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(crate) unsafe fn enter_block(&mut self, sc: &mut [f32], n: usize, bmax: f32) -> f32 {
+        debug_assert!(sc.len() >= n.div_ceil(8) * 8);
+        let mv = _mm256_set1_ps(bmax);
+        let mut i = 0;
+        while i < n {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+            i += 8;
+        }
+        let corr = if self.m == f32::NEG_INFINITY { 0.0 } else { (self.m - bmax).exp() };
+        self.m = bmax;
+        let cv = _mm256_set1_ps(corr);
+        for a in self.acc.iter_mut() {
+            *a = _mm256_mul_ps(*a, cv);
+        }
+        corr
     }
 
     /// Writes `acc / l` into `out` (head_dim floats) and returns `1 / l` (0 when nothing was seen).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn finish(&self, out: *mut f32) -> f32 {
+    pub(crate) unsafe fn finish(&self, out: *mut f32) -> f32 {
         let inv_l = if self.l > 0.0 { 1.0 / self.l } else { 0.0 };
         let inv = _mm256_set1_ps(inv_l);
         for (j, a) in self.acc.iter().enumerate() {
@@ -572,20 +597,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     if let Some(p) = logits {
         p.copy_from_slice(&sc[..n]);
     }
-    // Probabilities (vectorised exp over the block's scores).
-    let mv = _mm256_set1_ps(bmax);
-    let mut i = 0;
-    while i < n {
-        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-        _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-        i += 8;
-    }
-    let corr = if st.m == f32::NEG_INFINITY { 0.0 } else { (st.m - bmax).exp() };
-    st.m = bmax;
-    let cv = _mm256_set1_ps(corr);
-    for a in st.acc.iter_mut() {
-        *a = _mm256_mul_ps(*a, cv);
-    }
+    let corr = st.enter_block(sc, n, bmax);
     let mut bl = 0.0f32;
     for (i, &p) in sc[..n].iter().enumerate() {
         bl += p;
@@ -601,7 +613,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
 /// `q` (head_dim floats) times `scale`, as `NV` vectors.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) -> [__m256; NV] {
+pub(crate) unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) -> [__m256; NV] {
     let sv = _mm256_set1_ps(scale);
     let mut qv = [_mm256_setzero_ps(); NV];
     for (j, r) in qv.iter_mut().enumerate() {

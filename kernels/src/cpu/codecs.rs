@@ -54,7 +54,7 @@ pub fn paged_attention_encoded(
         out,
         &[],
         &|qv, table, len, acc, _| attend_one(simd, qv, kv, table, len, scale, acc),
-        None::<&attention::NoRows>,
+        None,
     );
 }
 

@@ -12,7 +12,7 @@
 
 #![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop, clippy::too_many_arguments)]
 
-use super::avx2::exp256;
+use super::avx2::{Online, scaled_query};
 use crate::codec::{Codec, E4M3_RESCALE, HEADER_LEN, Half, KIVI_GROUP, MAX_BLOCK_SIZE};
 use core::arch::x86_64::*;
 
@@ -287,40 +287,19 @@ pub unsafe fn attend_one<const NV: usize>(
         return false;
     }
     let khl = codec.half_len(Half::K, bs, hd);
-    let mut qv = [_mm256_setzero_ps(); NV];
-    let sv = _mm256_set1_ps(scale);
-    for (j, r) in qv.iter_mut().enumerate() {
-        *r = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(j * 8)), sv);
-    }
-    let mut acc = [_mm256_setzero_ps(); NV];
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0.0f32;
-    // Eight spare lanes: the vectorised exp below runs over whole 8-lane chunks.
+    let qv = scaled_query::<NV>(q.as_ptr(), scale);
+    let mut st = Online::<NV>::new();
+    // Eight spare lanes: the vectorised exp of `enter_block` runs over whole 8-lane chunks.
     let mut sc = [f32::NEG_INFINITY; MAX_BLOCK_SIZE + 8];
     for (bi, &b) in ids.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
         let kb = arena.as_ptr().add(b as usize * block_len + HEADER_LEN);
         scores::<NV>(codec, &qv, kb, bs, n, &mut sc);
-        let bmax = sc[..n].iter().fold(m, |a, &s| a.max(s));
-        let mv = _mm256_set1_ps(bmax);
-        let mut i = 0;
-        while i < n {
-            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-            i += 8;
-        }
-        let corr = if m == f32::NEG_INFINITY { 0.0 } else { (m - bmax).exp() };
-        m = bmax;
-        let cv = _mm256_set1_ps(corr);
-        for a in acc.iter_mut() {
-            *a = _mm256_mul_ps(*a, cv);
-        }
-        l = l * corr + sc[..n].iter().sum::<f32>();
-        accumulate::<NV>(codec, &sc[..n], kb.add(khl), bs, &mut acc);
+        let bmax = sc[..n].iter().fold(st.m, |a, &s| a.max(s));
+        let corr = st.enter_block(&mut sc, n, bmax);
+        st.l = st.l * corr + sc[..n].iter().sum::<f32>();
+        accumulate::<NV>(codec, &sc[..n], kb.add(khl), bs, &mut st.acc);
     }
-    let inv = _mm256_set1_ps(if l > 0.0 { 1.0 / l } else { 0.0 });
-    for (j, a) in acc.iter().enumerate() {
-        _mm256_storeu_ps(out.as_mut_ptr().add(j * 8), _mm256_mul_ps(*a, inv));
-    }
+    st.finish(out.as_mut_ptr());
     true
 }

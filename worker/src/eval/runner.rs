@@ -344,14 +344,16 @@ impl Evaluator {
                     Mode::Force { cont, next, agree, kl, correct, nll } => {
                         log_softmax(logits, &mut self.logp);
                         let j = *next;
+                        // One scan of the vocabulary serves both scores.
+                        let top = argmax(&self.logp);
                         let truth = cont[j] as usize;
-                        *correct += usize::from(argmax(&self.logp) as usize == truth);
+                        *correct += usize::from(top as usize == truth);
                         *nll -= f64::from(self.logp.get(truth).copied().unwrap_or(f32::NEG_INFINITY));
                         if record_reference {
                             self.reference.extend_from_slice(&self.logp);
                         } else if let Some(r) = self.reference.get(j * vocab..(j + 1) * vocab) {
                             *kl += kl_div(r, &self.logp);
-                            *agree += usize::from(argmax(r) == argmax(&self.logp));
+                            *agree += usize::from(argmax(r) == top);
                         }
                         *next += 1;
                         (cont[j], *next >= cont.len())
