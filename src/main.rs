@@ -205,6 +205,10 @@ struct EngineArgs {
     /// attention kernel as it loads).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
+    /// Run matmuls of 32+ rows (prefill chunks, big decode batches) on AMX bf16 tiles where the CPU has them:
+    /// faster prefill, but outputs are no longer batch-invariant (bf16 there, Q8_1 activations below 32 rows).
+    #[arg(long)]
+    amx: bool,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -682,6 +686,9 @@ struct BenchLoadArgs {
 struct BenchTiersArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Run matmuls of 32+ rows on AMX bf16 tiles where the CPU has them (zipf workload; every configuration alike).
+    #[arg(long)]
+    amx: bool,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -836,6 +843,10 @@ struct BenchEngineArgs {
     /// Element type of the KV cache: f16 or f32.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
+    /// Run matmuls of 32+ rows (prefill chunks, big decode batches) on AMX bf16 tiles where the CPU has them:
+    /// faster prefill, but outputs are no longer batch-invariant (bf16 there, Q8_1 activations below 32 rows).
+    #[arg(long)]
+    amx: bool,
 }
 
 fn main() -> Result<()> {
@@ -960,6 +971,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
         tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
+        amx: e.amx,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,
@@ -1622,6 +1634,7 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         decode_new_tokens: args.decode_new_tokens,
         concurrency: args.concurrency,
         kv_dtype: args.kv_dtype,
+        amx: args.amx,
         ..Default::default()
     };
     let report = pagoda_worker::bench::engine_bench(&model, &opts)
@@ -1666,6 +1679,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         alphas: args.evicpress_alpha,
         keep_ratios: keep_ratios(&args.evicpress_keep_ratios),
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
+        amx: args.amx,
         ..Default::default()
     };
     let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)

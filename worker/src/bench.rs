@@ -37,6 +37,8 @@ pub struct BenchOptions {
     /// Element type of the KV arena.
     #[serde(serialize_with = "serialize_dtype")]
     pub kv_dtype: KvDtype,
+    /// Matmuls of 32+ rows on AMX tiles ([`EngineConfig::amx`]).
+    pub amx: bool,
 }
 
 fn serialize_dtype<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
@@ -55,6 +57,7 @@ impl Default for BenchOptions {
             concurrency: vec![1, 8, 32],
             seed: 1234,
             kv_dtype: KvDtype::default(),
+            amx: false,
         }
     }
 }
@@ -151,6 +154,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         tiers: crate::tiers::TierConfig::default(),
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
+        amx: opts.amx,
     };
     // Load once to learn the layout, then size the arena.
     let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;

@@ -366,6 +366,7 @@ fn run_fresh(
         tiers: crate::tiers::TierConfig::default(),
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
+        amx: false,
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

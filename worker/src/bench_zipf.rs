@@ -82,6 +82,8 @@ pub struct ZipfBenchOptions {
     /// Prose for the contexts (`*.txt`); seeded random tokens when `None`.
     pub prose_dir: Option<PathBuf>,
     pub seed: u64,
+    /// Matmuls of 32+ rows on AMX tiles ([`EngineConfig::amx`]), for every configuration alike.
+    pub amx: bool,
 }
 
 impl Default for ZipfBenchOptions {
@@ -103,6 +105,7 @@ impl Default for ZipfBenchOptions {
             keep_ratios: crate::placement::DEFAULT_KEEP_RATIOS.to_vec(),
             prose_dir: None,
             seed: 11,
+            amx: false,
         }
     }
 }
@@ -644,7 +647,8 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
     let device_tokens = opts.device_tokens.max(opts.max_tokens + longest_q + opts.answer_tokens + bs);
     let num_blocks = layout.blocks_for_tokens(device_tokens);
     let device_bytes = (num_blocks / layout.group_size() * bs) as u64 * token_bytes;
-    let base = EngineConfig { num_blocks, threads: opts.threads, max_running: 1, ..EngineConfig::new(model) };
+    let base =
+        EngineConfig { num_blocks, threads: opts.threads, max_running: 1, amx: opts.amx, ..EngineConfig::new(model) };
     let run_dir = opts.data_dir.as_ref().map(|d| d.join(format!("bench-tiers-zipf-{}", std::process::id())));
     let tiers = |name: &str| TierConfig {
         data_dir: run_dir.as_ref().map(|d| d.join(name)),

@@ -59,6 +59,10 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Who decides what the lower tiers keep, and in which codec.
     pub placement: TierPlacement,
+    /// Run matmuls of 32 or more rows (prefill chunks, large decode batches) on AMX bf16 tiles where the CPU has
+    /// them. Faster prefill, but a token's arithmetic then depends on how many rows share its step (bf16 there,
+    /// Q8_1 activations below 32), so outputs are no longer batch-invariant. Off by default.
+    pub amx: bool,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +81,7 @@ impl Default for EngineConfig {
             tiers: TierConfig::default(),
             kv_dtype: KvDtype::default(),
             placement: TierPlacement::default(),
+            amx: false,
         }
     }
 }
@@ -1350,7 +1355,7 @@ impl LlamaRunner {
         Ok(LlamaRunner {
             kv: KvStorage::with_dtype(num_blocks, cfg.block_size, mc.head_dim, cfg.kv_dtype),
             scratch: Scratch::new(),
-            backend: CpuBackend::new(threads),
+            backend: CpuBackend::new(threads).with_amx(cfg.amx),
             model,
             info,
             batch: Vec::new(),

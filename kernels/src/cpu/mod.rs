@@ -2,6 +2,8 @@
 //! (plus an AVX-512 VNNI quantised matmul and AVX-512 paged attention where the CPU has them) at run time and
 //! falling back to the portable scalar kernels in [`scalar`].
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
@@ -69,6 +71,19 @@ pub fn avx512_available() -> bool {
     }
 }
 
+/// True if [`Simd::Avx512`] can run and the CPU's AMX int8 tiles are usable by this process (the quantised matmul
+/// then runs its prefill-sized calls on them).
+pub fn amx_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512_available() && amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// True if AVX2, FMA and F16C are all available at run time.
 pub fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -87,21 +102,42 @@ pub struct CpuBackend {
     pool: Option<rayon::ThreadPool>,
     threads: usize,
     simd: Simd,
+    /// AMX tiles for the quantised matmul's prefill-sized calls (only with [`Simd::Avx512`]).
+    amx: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuBackend").field("threads", &self.threads).field("simd", &self.simd).finish()
+        f.debug_struct("CpuBackend")
+            .field("threads", &self.threads)
+            .field("simd", &self.simd)
+            .field("amx", &self.amx)
+            .finish()
     }
 }
 
 impl CpuBackend {
-    /// A backend with `threads` worker threads (0 = number of logical CPUs) and the best detected SIMD level.
+    /// A backend with `threads` worker threads (0 = number of logical CPUs) and the best detected SIMD level,
+    /// without AMX tiles ([`CpuBackend::with_amx`]).
     pub fn new(threads: usize) -> CpuBackend {
         CpuBackend::with_simd(threads, Simd::detect())
     }
 
-    /// A backend forced to `simd`; a level the CPU lacks falls back to [`Simd::Scalar`].
+    /// This backend with AMX tiles used for matmuls of 32+ rows (`true`, where the CPU has them) or not. Off by
+    /// default: the tiles compute in bf16 and the smaller calls in Q8_1, so a row's result depends on how many
+    /// rows share its call.
+    pub fn with_amx(mut self, amx: bool) -> CpuBackend {
+        self.amx = amx && self.simd == Simd::Avx512 && amx_available();
+        self
+    }
+
+    /// True if the quantised matmul runs prefill-sized calls on AMX tiles.
+    pub fn amx(&self) -> bool {
+        self.amx
+    }
+
+    /// A backend forced to `simd` (without AMX: see [`CpuBackend::with_amx`]); a level the CPU lacks falls back to
+    /// [`Simd::Scalar`].
     pub fn with_simd(threads: usize, simd: Simd) -> CpuBackend {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let simd = match simd {
@@ -116,7 +152,7 @@ impl CpuBackend {
                 .build()
                 .unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
         });
-        CpuBackend { pool, threads, simd }
+        CpuBackend { pool, threads, simd, amx: false }
     }
 
     /// Worker threads.
@@ -181,6 +217,7 @@ impl Backend for CpuBackend {
         match self.simd {
             Simd::Scalar => "cpu-scalar",
             Simd::Avx2 => "cpu-avx2",
+            Simd::Avx512 if self.amx => "cpu-avx512-amx",
             Simd::Avx512 => "cpu-avx512",
         }
     }

@@ -1,0 +1,385 @@
+//! AMX bf16 tile kernels (x86-64, Sapphire Rapids and later): the Q4_1 and Q8_0 matmuls for batches of
+//! [`MIN_TOKENS`] or more activation rows, the prefill shape.
+//!
+//! The quantised weights are widened to bf16 one 16-row group at a time, into a scratch that stays in cache while
+//! every token tile reads it (weight-only quantisation with bf16 compute, as oneDNN and IPEX run int4 weights on
+//! AMX). The activations are rounded to bf16 once per call. One `tdpbf16ps` then multiplies 16 tokens × 32 columns
+//! by 32 columns × 16 weight rows and adds into 16 × 16 f32 sums that stay in a tile register across the whole
+//! row, so no per-block scale step runs on the vector units.
+//!
+//! Why not int8 tiles over the VNNI kernel's Q8_1 activations: Q4_1 and Q8_1 carry a scale per 32 columns, so each
+//! 32-column product must leave the tile and be scaled on the vector units; the tile store and read-back cost more
+//! than the `vpdpbusd` they replace (0.74–1.13× the VNNI kernel, measured at SmolLM2 shapes).
+//!
+//! Numerics: bf16 keeps 8 significant bits, so each weight and activation is within 2⁻⁹ of its value; the VNNI
+//! kernel's Q8_1 activations are within `amax / 254` of theirs, a bound this kernel also meets (the matmul tests
+//! hold both to it).
+//!
+//! Linux hands out the 8 KiB of tile state only on request ([`available`] asks once per process). Rust has no
+//! stable AMX intrinsics, so the tile instructions are inline assembly; the compiler never allocates the tile
+//! registers, so their contents persist between the `asm!` blocks of one kernel call.
+
+#![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
+
+use super::SyncPtr;
+use crate::quant::{Q4_1X16_BLOCK_BYTES, Q4_1X16_ROWS, Q8_0X16_BLOCK_BYTES, QK};
+use core::arch::asm;
+use core::arch::x86_64::*;
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+/// Fewest activation rows for which [`super::matmul`] takes the tile kernel. Below it, widening each weight group
+/// to bf16 costs more than the VNNI kernel's whole product (`amx_vs_vnni_speed` in `tests/matmul.rs`).
+pub const MIN_TOKENS: usize = 32;
+
+/// Tokens per A tile, and weight rows per B tile.
+const TILE: usize = 16;
+
+/// Activation rows are padded to a multiple of this: the kernel takes token tiles in pairs.
+const TOKEN_PAIR: usize = 2 * TILE;
+
+/// Bytes of one weight tile: 16 rows (column pairs) × 16 weight rows × 2 bf16.
+const W_TILE_BYTES: usize = 1024;
+
+/// Weight groups widened at a time (8 × 48 KiB at 1,536 columns: within L2).
+const SLAB_GROUPS: usize = 8;
+
+thread_local! {
+    /// A slab of weight groups widened to bf16 tiles, kept between calls to avoid reallocating.
+    static WTILES: Cell<Vec<Align64>> = const { Cell::new(Vec::new()) };
+}
+
+/// 64 bytes, 64-aligned: the unit of the scratch buffers, so every tile row starts on a cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Align64([u8; 64]);
+
+impl Default for Align64 {
+    fn default() -> Align64 {
+        Align64([0; 64])
+    }
+}
+
+/// True when the CPU has AMX-TILE and AMX-BF16, AVX-512 BF16 and VBMI (to widen the weights), and the kernel
+/// granted this process the tile data state.
+pub fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        cpu_has_amx_bf16()
+            && is_x86_feature_detected!("avx512bf16")
+            && is_x86_feature_detected!("avx512vbmi")
+            && request_tile_data()
+    })
+}
+
+fn cpu_has_amx_bf16() -> bool {
+    // CPUID leaf 7, sub-leaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID is available on every x86-64 CPU; leaf 7 is read only if the CPU reports it.
+    let edx = unsafe { if __cpuid(0).eax >= 7 { __cpuid_count(7, 0).edx } else { 0 } };
+    edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_data() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: this arch_prctl only extends the set of xsave features the process may use; it touches no memory.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_data() -> bool {
+    false
+}
+
+/// The tile configuration `ldtilecfg` reads (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// tmm0, tmm1: two token tiles (16 tokens × 32 bf16); tmm2, tmm3: two weight groups (16 column pairs × 16 rows ×
+/// 2 bf16); tmm4–tmm7: their four 16 × 16 f32 products.
+const CONFIG: TileConfig = {
+    let mut colsb = [0u16; 16];
+    let mut rows = [0u8; 16];
+    let mut t = 0;
+    while t < 8 {
+        colsb[t] = 64;
+        rows[t] = TILE as u8;
+        t += 1;
+    }
+    TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb, rows }
+};
+
+/// Number of [`Align64`] units [`pack_activations`] needs for `n` rows of `cols` values.
+pub(crate) fn act_len(n: usize, cols: usize) -> usize {
+    n.next_multiple_of(TOKEN_PAIR) * cols * 2 / 64
+}
+
+/// Rounds `x` (`[n][cols]`, `cols` a multiple of 32) to bf16, row-major with row stride `2 * cols` bytes, rows
+/// padded with zeros to a multiple of 32.
+///
+/// # Safety
+/// The CPU supports AVX-512 F and BF16; `out.len() == act_len(n, cols)`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn pack_activations(x: &[f32], n: usize, cols: usize, out: &mut [Align64]) {
+    debug_assert!(cols.is_multiple_of(QK) && x.len() == n * cols && out.len() == act_len(n, cols));
+    let dst = out.as_mut_ptr() as *mut __m512bh;
+    for k in 0..n * cols / 32 {
+        let lo = _mm512_loadu_ps(x.as_ptr().add(32 * k));
+        let hi = _mm512_loadu_ps(x.as_ptr().add(32 * k + 16));
+        _mm512_store_si512(
+            dst.add(k) as *mut _,
+            core::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)),
+        );
+    }
+    for k in n * cols / 32..out.len() {
+        _mm512_store_si512(dst.add(k) as *mut _, _mm512_setzero_si512());
+    }
+}
+
+/// Byte shuffle that turns one 64-byte chunk of the 16-row layout (row `j`'s columns `c..c+4` at bytes `4j..4j+4`)
+/// into two tile rows: columns `c, c+1` of rows 0..16, then columns `c+2, c+3`.
+fn pair_split_index() -> [u8; 64] {
+    let mut idx = [0u8; 64];
+    for (q, v) in idx.iter_mut().enumerate() {
+        let (half, p) = (q / 32, q % 32);
+        *v = (4 * (p / 2) + 2 * half + p % 2) as u8;
+    }
+    idx
+}
+
+/// Widens one 16-row group's packed weights (`nb` blocks) into `nb` bf16 weight tiles: tile `b`, row `p` holds
+/// columns `32b + 2p` and `32b + 2p + 1` of the 16 rows, interleaved (AMX's pair layout for the B operand).
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16,f16c")]
+unsafe fn widen_group<const Q8: bool>(group: *const u8, nb: usize, tiles: *mut u8) {
+    let bb = if Q8 { Q8_0X16_BLOCK_BYTES } else { Q4_1X16_BLOCK_BYTES };
+    let split = _mm512_loadu_si512(pair_split_index().as_ptr() as *const _);
+    // Each weight row's scale repeated for its two columns: rows 0–7, then rows 8–15.
+    let rep_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    let rep_hi = _mm512_add_epi32(rep_lo, _mm512_set1_epi32(8));
+    let m4 = _mm512_set1_epi8(0x0F);
+    for b in 0..nb {
+        let blk = group.add(b * bb);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let m =
+            if Q8 { _mm512_setzero_ps() } else { _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32) as *const __m256i)) };
+        let (d_lo, d_hi) = (_mm512_permutexvar_ps(rep_lo, d), _mm512_permutexvar_ps(rep_hi, d));
+        let (m_lo, m_hi) = (_mm512_permutexvar_ps(rep_lo, m), _mm512_permutexvar_ps(rep_hi, m));
+        let tile = tiles.add(b * W_TILE_BYTES);
+        // Writes tile rows `p` and `p + 1` from one chunk of 64 quants (already shuffled by `split`).
+        let emit = |q: __m512i, p: usize| {
+            let widen = |i: usize| {
+                let lane = match i {
+                    0 => _mm512_extracti32x4_epi32::<0>(q),
+                    1 => _mm512_extracti32x4_epi32::<1>(q),
+                    2 => _mm512_extracti32x4_epi32::<2>(q),
+                    _ => _mm512_extracti32x4_epi32::<3>(q),
+                };
+                let ints = if Q8 { _mm512_cvtepi8_epi32(lane) } else { _mm512_cvtepu8_epi32(lane) };
+                let (dd, mm) = if i.is_multiple_of(2) { (d_lo, m_lo) } else { (d_hi, m_hi) };
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), dd, mm)
+            };
+            for (row, i) in [(p, 0), (p + 1, 2)] {
+                let bf = _mm512_cvtne2ps_pbh(widen(i + 1), widen(i));
+                _mm512_store_si512(tile.add(64 * row) as *mut _, core::mem::transmute::<__m512bh, __m512i>(bf));
+            }
+        };
+        if Q8 {
+            for k in 0..8 {
+                let q = _mm512_loadu_si512(blk.add(64 + 64 * k) as *const _);
+                emit(_mm512_permutexvar_epi8(split, q), 2 * k);
+            }
+        } else {
+            for t in 0..4 {
+                let q = _mm512_loadu_si512(blk.add(64 + 64 * t) as *const _);
+                emit(_mm512_permutexvar_epi8(split, _mm512_and_si512(q, m4)), 2 * t);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+                emit(_mm512_permutexvar_epi8(split, hi), 8 + 2 * t);
+            }
+        }
+    }
+}
+
+/// Adds one 32-column block into the sums: tmm4/tmm5 (tokens of `a0`/`a1` × group of `w0`), and with `w1`
+/// tmm6/tmm7 (× the second group).
+#[inline(always)]
+unsafe fn block_product(a0: *const u8, a1: *const u8, stride: usize, w0: *const u8, w1: Option<*const u8>) {
+    match w1 {
+        Some(w1) => asm!(
+            "tileloadd tmm0, [{a0} + {sa} * 1]",
+            "tileloadd tmm1, [{a1} + {sa} * 1]",
+            "tileloadd tmm2, [{w0} + {sw} * 1]",
+            "tileloadd tmm3, [{w1} + {sw} * 1]",
+            "tdpbf16ps tmm4, tmm0, tmm2",
+            "tdpbf16ps tmm5, tmm1, tmm2",
+            "tdpbf16ps tmm6, tmm0, tmm3",
+            "tdpbf16ps tmm7, tmm1, tmm3",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            sa = in(reg) stride,
+            w0 = in(reg) w0,
+            w1 = in(reg) w1,
+            sw = in(reg) 64usize,
+            options(nostack, preserves_flags, readonly),
+        ),
+        None => asm!(
+            "tileloadd tmm0, [{a0} + {sa} * 1]",
+            "tileloadd tmm1, [{a1} + {sa} * 1]",
+            "tileloadd tmm2, [{w0} + {sw} * 1]",
+            "tdpbf16ps tmm4, tmm0, tmm2",
+            "tdpbf16ps tmm5, tmm1, tmm2",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            sa = in(reg) stride,
+            w0 = in(reg) w0,
+            sw = in(reg) 64usize,
+            options(nostack, preserves_flags, readonly),
+        ),
+    }
+}
+
+/// Stores sum tile `tmm{4 + which}` (16 tokens × 16 f32) at `dst`, rows `stride` bytes apart.
+#[inline(always)]
+unsafe fn store_sums(which: usize, dst: *mut f32, stride: usize) {
+    macro_rules! st {
+        ($t:literal) => {
+            asm!(concat!("tilestored [{d} + {s} * 1], tmm", $t), d = in(reg) dst, s = in(reg) stride, options(nostack, preserves_flags))
+        };
+    }
+    match which {
+        0 => st!("4"),
+        1 => st!("5"),
+        2 => st!("6"),
+        _ => st!("7"),
+    }
+}
+
+/// Writes sum tile `which` for tokens `i0..` and weight rows `r..` into `out[i][ld]`, keeping to `i < n` and
+/// `r < r1`: straight from the tile when all 16 × 16 are in range, through `scratch` otherwise.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn write_sums(
+    which: usize,
+    i0: usize,
+    n: usize,
+    r: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+    scratch: *mut f32,
+) {
+    let (tokens, rows) = ((n - i0.min(n)).min(TILE), (r1 - r).min(TILE));
+    if tokens == 0 {
+        return;
+    }
+    if tokens == TILE && rows == TILE {
+        store_sums(which, out.add(i0 * ld + r), 4 * ld);
+        return;
+    }
+    store_sums(which, scratch, 64);
+    let mask: __mmask16 = if rows == TILE { !0 } else { (1u16 << rows) - 1 };
+    for t in 0..tokens {
+        _mm512_mask_storeu_ps(out.add((i0 + t) * ld + r), mask, _mm512_load_ps(scratch.add(TILE * t)));
+    }
+}
+
+/// Output rows `r0..r1` (`r0` a multiple of 16) of a Q4_1 (`Q8 = false`) or Q8_0 matmul over the 16-row packed
+/// weights, for all `n` activation rows packed by [`pack_activations`]: `out[i][r] = w[r] · x[i]`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16,f16c")]
+unsafe fn rows<const Q8: bool>(
+    packed: &[u8],
+    nb: usize,
+    act: &[Align64],
+    n: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let bb = if Q8 { Q8_0X16_BLOCK_BYTES } else { Q4_1X16_BLOCK_BYTES };
+    let group_bytes = nb * W_TILE_BYTES;
+    let mut wt = WTILES.take();
+    wt.clear();
+    wt.resize(SLAB_GROUPS * group_bytes / 64, Align64::default());
+    let wp = wt.as_mut_ptr() as *mut u8;
+    let a = act.as_ptr() as *const u8;
+    let stride = 2 * nb * QK;
+    #[repr(C, align(64))]
+    struct Scratch([f32; TILE * TILE]);
+    let mut scratch = Scratch([0.0; TILE * TILE]);
+    let sp = scratch.0.as_mut_ptr();
+    asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, preserves_flags, readonly));
+    let (g0, g1) = (r0 / Q4_1X16_ROWS, r1.div_ceil(Q4_1X16_ROWS));
+    for s0 in (g0..g1).step_by(SLAB_GROUPS) {
+        let s1 = (s0 + SLAB_GROUPS).min(g1);
+        for g in s0..s1 {
+            widen_group::<Q8>(packed.as_ptr().add(g * nb * bb), nb, wp.add((g - s0) * group_bytes));
+        }
+        // Token pairs outside, group pairs inside: a pair's activations stay in L1 while the slab's weights stream.
+        for i0 in (0..n).step_by(TOKEN_PAIR) {
+            let (a0, a1) = (a.add(i0 * stride), a.add((i0 + TILE) * stride));
+            let mut g = s0;
+            while g < s1 {
+                let two = g + 1 < s1;
+                let (w0, w1) = (wp.add((g - s0) * group_bytes), wp.add((g + 1 - s0) * group_bytes));
+                asm!(
+                    "tilezero tmm4",
+                    "tilezero tmm5",
+                    "tilezero tmm6",
+                    "tilezero tmm7",
+                    options(nostack, preserves_flags, nomem)
+                );
+                for b in 0..nb {
+                    let wb1 = two.then(|| w1.add(b * W_TILE_BYTES) as *const u8);
+                    block_product(a0.add(64 * b), a1.add(64 * b), stride, w0.add(b * W_TILE_BYTES), wb1);
+                }
+                let r = g * Q4_1X16_ROWS;
+                write_sums(0, i0, n, r, r1, out, ld, sp);
+                write_sums(1, i0 + TILE, n, r, r1, out, ld, sp);
+                if two {
+                    write_sums(2, i0, n, r + TILE, r1, out, ld, sp);
+                    write_sums(3, i0 + TILE, n, r + TILE, r1, out, ld, sp);
+                }
+                g += if two { 2 } else { 1 };
+            }
+        }
+    }
+    asm!("tilerelease", options(nostack, preserves_flags, nomem));
+    WTILES.set(wt);
+}
+
+/// Rows `r0..r1` of the matmul: see [`rows`].
+///
+/// # Safety
+/// [`available`] returned true and the CPU supports AVX-512 F/BW and F16C; `packed` is the 16-row packing of a
+/// Q4_1 (`q8 = false`) or Q8_0 matrix of `nb` blocks per row with at least `r1` rows; `act` is [`pack_activations`]
+/// of `n` rows of `32 nb` values; `out` points at `[n][ld]` floats with `ld >= r1`, and this task alone writes
+/// rows `r0..r1` of it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn quant_rows_x16(
+    q8: bool,
+    packed: &[u8],
+    nb: usize,
+    act: &[Align64],
+    n: usize,
+    r0: usize,
+    r1: usize,
+    out: SyncPtr,
+    ld: usize,
+) {
+    debug_assert!(r0.is_multiple_of(Q4_1X16_ROWS) && r1 <= ld);
+    debug_assert!(act.len() >= act_len(n, nb * QK));
+    if q8 {
+        rows::<true>(packed, nb, act, n, r0, r1, out.get(), ld)
+    } else {
+        rows::<false>(packed, nb, act, n, r0, r1, out.get(), ld)
+    }
+}
