@@ -88,6 +88,9 @@ struct CheckArgsArgs {
 struct EvalArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// With --codecs: run the model's matmuls on AMX bf16 tiles (the worker's --amx) instead of Q8_1.
+    #[arg(long)]
+    amx: bool,
     /// Policies to compare with the full cache (comma-separated; "all" = every eviction policy).
     #[arg(long, value_delimiter = ',', default_value = "all")]
     policies: Vec<String>,
@@ -205,8 +208,8 @@ struct EngineArgs {
     /// attention kernel as it loads).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
-    /// Run matmuls of 32+ rows (prefill chunks, big decode batches) on AMX bf16 tiles where the CPU has them:
-    /// faster prefill, but outputs are no longer batch-invariant (bf16 there, Q8_1 activations below 32 rows).
+    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once (+2
+    /// bytes per weight): faster prefill and batched decode, logits closer to float32, slower single-stream decode.
     #[arg(long)]
     amx: bool,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
@@ -686,7 +689,7 @@ struct BenchLoadArgs {
 struct BenchTiersArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Run matmuls of 32+ rows on AMX bf16 tiles where the CPU has them (zipf workload; every configuration alike).
+    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them (zipf workload; every configuration alike).
     #[arg(long)]
     amx: bool,
     /// Also write the report as JSON to this file.
@@ -843,8 +846,8 @@ struct BenchEngineArgs {
     /// Element type of the KV cache: f16 or f32.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
-    /// Run matmuls of 32+ rows (prefill chunks, big decode batches) on AMX bf16 tiles where the CPU has them:
-    /// faster prefill, but outputs are no longer batch-invariant (bf16 there, Q8_1 activations below 32 rows).
+    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once (+2
+    /// bytes per weight): faster prefill and batched decode, logits closer to float32, slower single-stream decode.
     #[arg(long)]
     amx: bool,
 }
@@ -1444,7 +1447,7 @@ fn eval_codecs(model: &Path, args: &EvalArgs) -> Result<()> {
         }
         Ok(items)
     };
-    let report = codecs::run(model, args.threads, &list, &make_items).context("codec eval failed")?;
+    let report = codecs::run(model, args.threads, args.amx, &list, &make_items).context("codec eval failed")?;
     eprintln!("codec eval took {:.1} s", report.seconds);
     let md = codecs::render_markdown(&report);
     println!("{md}");

@@ -86,3 +86,49 @@ fn eval_reports_every_policy_next_to_full_cache() {
     let kl_sum: f64 = cells.iter().filter(|c| c["task"] == "prose").filter_map(|c| c["kl"].as_f64()).sum();
     assert!(kl_sum > 0.01, "{kl_sum}");
 }
+
+/// `pagoda eval --codecs` with `--amx` through the real binary: an f32 lane (encode/decode as identity) batched with
+/// an f16 lane must reproduce the full cache exactly, which holds only if the tile matmuls give each row the same
+/// result whatever shares its call; the f16 lane must differ a little. Without AMX tiles on the CPU the flag
+/// falls back to the default matmuls, and the same must hold.
+#[test]
+fn codec_eval_on_amx_tiles_is_exact_for_the_identity_codec() {
+    let model = pagoda_e2e::require_model().unwrap();
+    let out = std::env::temp_dir().join(format!("pagoda-eval-codecs-{}.json", std::process::id()));
+    let status = Command::new(BIN)
+        .args(["eval", "--model"])
+        .arg(&model)
+        .args([
+            "--codecs",
+            "f32,f16",
+            "--amx",
+            "--tasks",
+            "passkey",
+            "--contexts",
+            "512",
+            "--items",
+            "1",
+            "--codec-tokens",
+            "16",
+            "--prose-docs",
+            "0",
+            "--threads",
+            "2",
+            "--json",
+        ])
+        .arg(&out)
+        .status()
+        .expect("pagoda eval --codecs runs");
+    assert!(status.success(), "pagoda eval --codecs failed: {status}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let cell = |codec: &str| {
+        report["cells"].as_array().unwrap().iter().find(|c| c["codec"] == codec).cloned().expect("codec cell")
+    };
+    let (f32_lane, f16_lane) = (cell("f32"), cell("f16"));
+    assert!(f32_lane["positions"].as_u64().unwrap() > 0, "{f32_lane}");
+    assert_eq!(f32_lane["agreement"], 1.0, "{f32_lane}");
+    assert_eq!(f32_lane["kl"], 0.0, "{f32_lane}");
+    let kl = f16_lane["kl"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 0.05, "{f16_lane}");
+}

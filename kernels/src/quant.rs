@@ -97,6 +97,20 @@ pub struct QMatrix {
     /// by a kernel that reads that layout (the AVX-512 VNNI matmul), so CPUs and backends that never use it pay no
     /// memory for it.
     pub(crate) packed: OnceLock<Vec<u8>>,
+    /// Q4_1 / Q8_0 only, on CPUs with AMX: the weights widened to bf16 tiles (`cpu::amx`), built on the first
+    /// AMX matmul and kept, so no call widens them again.
+    pub(crate) amx_tiles: OnceLock<Vec<Align64>>,
+}
+
+/// 64 bytes, 64-aligned: the unit of buffers that tile loads read, so every tile row starts on a cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Align64(pub(crate) [u8; 64]);
+
+impl Default for Align64 {
+    fn default() -> Align64 {
+        Align64([0; 64])
+    }
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -125,7 +139,7 @@ impl QMatrix {
             WeightType::Q4_1 => QData::Q4_1(bytes.to_vec()),
             WeightType::Q8_0 => QData::Q8_0(bytes.to_vec()),
         };
-        Ok(QMatrix { ty, rows, cols, data, packed: OnceLock::new() })
+        Ok(QMatrix { ty, rows, cols, data, packed: OnceLock::new(), amx_tiles: OnceLock::new() })
     }
 
     /// Builds an F32 matrix from row-major values (`values.len() == rows * cols`).
@@ -140,7 +154,14 @@ impl QMatrix {
                 got: values.len() * 4,
             });
         }
-        Ok(QMatrix { ty: WeightType::F32, rows, cols, data: QData::F32(values.to_vec()), packed: OnceLock::new() })
+        Ok(QMatrix {
+            ty: WeightType::F32,
+            rows,
+            cols,
+            data: QData::F32(values.to_vec()),
+            packed: OnceLock::new(),
+            amx_tiles: OnceLock::new(),
+        })
     }
 
     /// Quantises row-major f32 values into `ty` the way GGML does (used by tests, benches and synthetic models).
@@ -218,6 +239,19 @@ impl QMatrix {
             }
             _ => None,
         }
+    }
+
+    /// The weights as AMX bf16 tiles, widened from the 16-row packing on first use; `None` for float types.
+    /// Callers check [`crate::cpu::amx_available`] first.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn amx_tiles(&self) -> Option<&[Align64]> {
+        let q8 = match &self.data {
+            QData::Q4_1(_) => false,
+            QData::Q8_0(_) => true,
+            _ => return None,
+        };
+        let packed = self.x16_for(crate::cpu::Simd::Avx512)?;
+        Some(self.amx_tiles.get_or_init(|| crate::cpu::amx::widen_matrix(packed, self.rows, self.cols / QK, q8)))
     }
 
     /// Bytes of one row in its stored form.

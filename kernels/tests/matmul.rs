@@ -60,6 +60,22 @@ fn reference(w: &QMatrix, x: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
     (out, tol)
 }
 
+/// `be`'s matmul of `w` by `x` (`n` rows) lies within `tol` of `want` (both from [`reference`]) everywhere.
+fn assert_within_reference(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, want: &[f32], tol: &[f32]) {
+    let (ty, rows, cols) = (w.weight_type(), w.rows(), w.cols());
+    let mut got = vec![f32::NAN; n * rows];
+    be.matmul(w, x, n, &mut got);
+    for k in 0..n * rows {
+        assert!(
+            (got[k] - want[k]).abs() <= tol[k],
+            "{ty:?} {rows}x{cols} n={n} {be:?}: out[{k}] = {} want {} (tol {})",
+            got[k],
+            want[k],
+            tol[k]
+        );
+    }
+}
+
 #[test]
 fn matmul_matches_dequantised_reference() {
     let mut rng = StdRng::seed_from_u64(1);
@@ -77,17 +93,7 @@ fn matmul_matches_dequantised_reference() {
                 }
                 let (want, tol) = reference(&w, &x, n);
                 for be in backends() {
-                    let mut got = vec![f32::NAN; n * rows];
-                    be.matmul(&w, &x, n, &mut got);
-                    for k in 0..n * rows {
-                        assert!(
-                            (got[k] - want[k]).abs() <= tol[k],
-                            "{ty:?} {rows}x{cols} n={n} {be:?}: out[{k}] = {} want {} (tol {})",
-                            got[k],
-                            want[k],
-                            tol[k]
-                        );
-                    }
+                    assert_within_reference(&be, &w, &x, n, &want, &tol);
                 }
             }
         }
@@ -249,13 +255,43 @@ fn embedding_reads_rows() {
     }
 }
 
+/// Median µs per call of `old` and `new` on `w` × `x` (`n` rows): `samples` samples of `reps` calls each,
+/// alternating between the two so machine noise hits both alike.
+fn time_side_by_side(
+    old: &CpuBackend,
+    new: &CpuBackend,
+    w: &QMatrix,
+    x: &[f32],
+    n: usize,
+    reps: usize,
+    samples: usize,
+) -> (f64, f64) {
+    use std::time::Instant;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut out = vec![0.0; n * w.rows()];
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    new.matmul(w, x, n, &mut out);
+    for _ in 0..samples {
+        for (be, t) in [(old, &mut ta), (new, &mut tb)] {
+            let s = Instant::now();
+            for _ in 0..reps {
+                be.matmul(w, std::hint::black_box(x), n, &mut out);
+            }
+            t.push(s.elapsed().as_secs_f64() * 1e6 / reps as f64);
+        }
+    }
+    (median(&mut ta), median(&mut tb))
+}
+
 /// Side-by-side timing of the Q4_1 (and the tied Q8_0 LM head's) matmul, AVX2 tiles vs AVX-512 VNNI over
 /// repacked weights, at SmolLM2-135M shapes, 2 threads. Repetitions alternate between the two so machine noise hits both alike; prints medians and
 /// the ratio. `cargo test --release -p pagoda-kernels --test matmul avx512_vs_avx2_speed -- --ignored --nocapture`
 #[test]
 #[ignore = "timing, not a check; run by hand"]
 fn avx512_vs_avx2_speed() {
-    use std::time::Instant;
     let old = CpuBackend::with_simd(2, Simd::Avx2);
     let new = CpuBackend::with_simd(2, Simd::Avx512);
     if new.simd() != Simd::Avx512 {
@@ -263,10 +299,6 @@ fn avx512_vs_avx2_speed() {
         return;
     }
     let mut rng = StdRng::seed_from_u64(5);
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     println!("{:>17} {:>3} {:>11} {:>11} {:>7}", "shape", "n", "avx2 us", "avx512 us", "ratio");
     let shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)];
     let cases = shapes.iter().map(|&s| (WeightType::Q4_1, s)).chain([(WeightType::Q8_0, (49152, 576))]);
@@ -274,21 +306,9 @@ fn avx512_vs_avx2_speed() {
         let w = QMatrix::quantize(ty, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
         for n in [1usize, 8, 32] {
             let x = rand_vec(&mut rng, n * cols, 1.0);
-            let mut out = vec![0.0; n * rows];
             // Enough calls per sample for ~2 ms of work at the old speed.
             let reps = (4_000_000_000 / (rows * cols * n * 60).max(1)).clamp(1, 2000);
-            let (mut ta, mut tb) = (Vec::new(), Vec::new());
-            new.matmul(&w, &x, n, &mut out);
-            for _ in 0..15 {
-                for (be, t) in [(&old, &mut ta), (&new, &mut tb)] {
-                    let s = Instant::now();
-                    for _ in 0..reps {
-                        be.matmul(&w, std::hint::black_box(&x), n, &mut out);
-                    }
-                    t.push(s.elapsed().as_secs_f64() * 1e6 / reps as f64);
-                }
-            }
-            let (a, b) = (median(&mut ta), median(&mut tb));
+            let (a, b) = time_side_by_side(&old, &new, &w, &x, n, reps, 15);
             println!("{:>17} {n:>3} {a:>11.1} {b:>11.1} {:>7.2}", format!("{ty:?} {rows}x{cols}"), a / b);
         }
     }
@@ -296,8 +316,8 @@ fn avx512_vs_avx2_speed() {
 
 /// The AMX bf16 tile kernel against the f64 reference over dequantised weights, held to the same bound as the
 /// Q8_1 kernels (bf16 rounding of weights and activations stays inside it). Shapes leave partial 16-row weight
-/// groups, an odd group at the end of a task, partial token tiles and pairs, and chunks split across 1 and 3
-/// threads; one activation row spans a wide dynamic range and one block is all zeros.
+/// groups, an odd group at the end of a task, single token tiles (up to 16 rows), partial tiles and pairs, and
+/// chunks split across 1 and 3 threads; one activation row spans a wide dynamic range and one block is all zeros.
 #[test]
 fn amx_matches_dequantised_reference() {
     let tiles =
@@ -313,66 +333,40 @@ fn amx_matches_dequantised_reference() {
     {
         let wv = rand_vec(&mut rng, rows * cols, 0.7);
         let w = QMatrix::quantize(ty, rows, cols, &wv).expect("quantize");
-        for n in [32usize, 33, 47, 48, 64, 130] {
+        for n in [1usize, 2, 7, 16, 17, 31, 32, 33, 47, 64, 130] {
             let mut x = rand_vec(&mut rng, n * cols, 2.0);
-            x[cols] = 60.0;
-            x[..32].fill(0.0);
+            if n > 1 {
+                x[cols] = 60.0;
+                x[..32].fill(0.0);
+            }
             let (want, tol) = reference(&w, &x, n);
             for be in &tiles {
-                let mut got = vec![f32::NAN; n * rows];
-                be.matmul(&w, &x, n, &mut got);
-                for k in 0..n * rows {
-                    assert!(
-                        (got[k] - want[k]).abs() <= tol[k],
-                        "{ty:?} {rows}x{cols} n={n} {be:?}: out[{k}] = {} want {} (tol {})",
-                        got[k],
-                        want[k],
-                        tol[k]
-                    );
-                }
+                assert_within_reference(be, &w, &x, n, &want, &tol);
             }
         }
     }
 }
 
 /// Side-by-side timing of the quantised matmul, AVX-512 VNNI vs AMX tiles, at SmolLM2-135M shapes, 2 threads,
-/// repetitions alternated; prints medians and the ratio, and where the tile kernel starts to pay (the matmul takes
-/// it from 32 rows).
+/// repetitions alternated; prints medians and the ratio, from one token (decode) to 512 (a prefill chunk).
 /// `cargo test --release -p pagoda-kernels --test matmul amx_vs_vnni_speed -- --ignored --nocapture`
 #[test]
 #[ignore = "timing, not a check; run by hand"]
 fn amx_vs_vnni_speed() {
-    use std::time::Instant;
     let old = CpuBackend::with_simd(2, Simd::Avx512);
     let new = CpuBackend::with_simd(2, Simd::Avx512).with_amx(true);
     if !new.amx() {
-        eprintln!("no AMX int8 tiles here; nothing to compare");
+        eprintln!("no AMX bf16 tiles here; nothing to compare");
         return;
     }
     let mut rng = StdRng::seed_from_u64(7);
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     println!("{:>17} {:>4} {:>11} {:>11} {:>7}", "shape", "n", "vnni us", "amx us", "ratio");
     for (rows, cols) in [(576, 576), (192, 576), (1536, 576), (576, 1536)] {
         let w = QMatrix::quantize(WeightType::Q4_1, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
-        for n in [16usize, 32, 64, 128, 512] {
+        for n in [1usize, 8, 32, 128, 512] {
             let x = rand_vec(&mut rng, n * cols, 1.0);
-            let mut out = vec![0.0; n * rows];
             let reps = (2_000_000_000 / (rows * cols * n * 20).max(1)).clamp(1, 2000);
-            let (mut ta, mut tb) = (Vec::new(), Vec::new());
-            new.matmul(&w, &x, n, &mut out);
-            for _ in 0..11 {
-                for (be, t) in [(&old, &mut ta), (&new, &mut tb)] {
-                    let s = Instant::now();
-                    for _ in 0..reps {
-                        be.matmul(&w, std::hint::black_box(&x), n, &mut out);
-                    }
-                    t.push(s.elapsed().as_secs_f64() * 1e6 / reps as f64);
-                }
-            }
-            let (a, b) = (median(&mut ta), median(&mut tb));
+            let (a, b) = time_side_by_side(&old, &new, &w, &x, n, reps, 11);
             println!("{:>17} {n:>4} {a:>11.1} {b:>11.1} {:>7.2}", format!("Q4_1 {rows}x{cols}"), a / b);
         }
     }

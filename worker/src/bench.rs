@@ -37,7 +37,7 @@ pub struct BenchOptions {
     /// Element type of the KV arena.
     #[serde(serialize_with = "serialize_dtype")]
     pub kv_dtype: KvDtype,
-    /// Matmuls of 32+ rows on AMX tiles ([`EngineConfig::amx`]).
+    /// Matmuls on AMX tiles ([`EngineConfig::amx`]).
     pub amx: bool,
 }
 

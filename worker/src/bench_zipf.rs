@@ -82,7 +82,7 @@ pub struct ZipfBenchOptions {
     /// Prose for the contexts (`*.txt`); seeded random tokens when `None`.
     pub prose_dir: Option<PathBuf>,
     pub seed: u64,
-    /// Matmuls of 32+ rows on AMX tiles ([`EngineConfig::amx`]), for every configuration alike.
+    /// Matmuls on AMX tiles ([`EngineConfig::amx`]), for every configuration alike.
     pub amx: bool,
 }
 

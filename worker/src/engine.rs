@@ -59,9 +59,9 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Who decides what the lower tiers keep, and in which codec.
     pub placement: TierPlacement,
-    /// Run matmuls of 32 or more rows (prefill chunks, large decode batches) on AMX bf16 tiles where the CPU has
-    /// them. Faster prefill, but a token's arithmetic then depends on how many rows share its step (bf16 there,
-    /// Q8_1 activations below 32), so outputs are no longer batch-invariant. Off by default.
+    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once and
+    /// kept (+2 bytes per weight). Faster prefill and batched decode and logits closer to float32, but single-stream
+    /// decode is slower (it streams 4× the weight bytes). Off by default.
     pub amx: bool,
 }
 

@@ -168,7 +168,7 @@ fn real_kv_survives_each_codec_within_bounds() {
 #[test]
 fn compressed_kv_keeps_greedy_tokens_close_to_the_full_cache() {
     use pagoda_worker::eval::codecs::{CodecEvaluator, CodecItem, Continuation, summarize};
-    let mut ev = CodecEvaluator::load(&model_path(), 2).expect("load");
+    let mut ev = CodecEvaluator::load(&model_path(), 2, false).expect("load");
     let codecs = [Codec::F32, Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
     let prompts = [
         "Write a short story about a lighthouse keeper who finds a message in a bottle.",

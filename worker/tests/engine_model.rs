@@ -29,14 +29,17 @@ fn engine(num_groups: usize, prefix_cache: bool) -> EngineHandle {
 }
 
 fn engine_admitting(num_groups: usize, prefix_cache: bool, reserve: ReserveConfig) -> EngineHandle {
-    let cfg = EngineConfig {
+    Engine::start(config(num_groups, prefix_cache, reserve)).expect("engine starts")
+}
+
+fn config(num_groups: usize, prefix_cache: bool, reserve: ReserveConfig) -> EngineConfig {
+    EngineConfig {
         num_blocks: num_groups * GROUP,
         enable_prefix_cache: prefix_cache,
         threads: 2,
         reserve,
         ..EngineConfig::new(model_path())
-    };
-    Engine::start(cfg).expect("engine starts")
+    }
 }
 
 fn tokenize(texts: &[&str]) -> Vec<Vec<u32>> {
@@ -132,7 +135,22 @@ fn prefix_cache_hit_skips_matched_tokens_with_identical_output() {
 
 #[test]
 fn eight_concurrent_requests_match_solo_runs() {
-    let h = engine(256, false);
+    concurrent_matches_solo(engine(256, false));
+}
+
+/// The same with the matmuls on AMX tiles (`--amx`): every call, a lone decode token or a batched prefill, runs the
+/// same bf16 arithmetic per row, so batching still changes nothing.
+#[test]
+fn eight_concurrent_requests_match_solo_runs_on_amx_tiles() {
+    if !pagoda_kernels::cpu::amx_available() {
+        eprintln!("skipped: no AMX bf16 tiles on this CPU");
+        return;
+    }
+    let cfg = EngineConfig { amx: true, ..config(256, false, ReserveConfig::default()) };
+    concurrent_matches_solo(Engine::start(cfg).expect("engine starts"));
+}
+
+fn concurrent_matches_solo(h: EngineHandle) {
     let texts: Vec<String> = (0..8).map(|i| format!("Story {i}: once upon a time, a fox number {i} found")).collect();
     let prompts = tokenize(&texts.iter().map(String::as_str).collect::<Vec<_>>());
     let solo: Vec<Vec<u32>> = prompts

@@ -1,15 +1,19 @@
-//! AMX bf16 tile kernels (x86-64, Sapphire Rapids and later): the Q4_1 and Q8_0 matmuls for batches of
-//! [`MIN_TOKENS`] or more activation rows, the prefill shape.
+//! AMX bf16 tile kernels (x86-64, Sapphire Rapids and later): the Q4_1 and Q8_0 matmuls.
 //!
-//! The quantised weights are widened to bf16 one 16-row group at a time, into a scratch that stays in cache while
-//! every token tile reads it (weight-only quantisation with bf16 compute, as oneDNN and IPEX run int4 weights on
-//! AMX). The activations are rounded to bf16 once per call. One `tdpbf16ps` then multiplies 16 tokens × 32 columns
-//! by 32 columns × 16 weight rows and adds into 16 × 16 f32 sums that stay in a tile register across the whole
-//! row, so no per-block scale step runs on the vector units.
+//! The quantised weights are widened once to bf16 tiles and kept ([`widen_matrix`], cached on the matrix): weight-
+//! only quantisation with bf16 compute, as oneDNN and IPEX run int4 weights on AMX. Each call rounds its
+//! activations to bf16; one `tdpbf16ps` then multiplies 16 tokens × 32 columns by 32 columns × 16 weight rows and
+//! adds into 16 × 16 f32 sums that stay in a tile register across the whole row, so no per-block scale step runs on
+//! the vector units.
+//!
+//! Every row of a call takes the same path whatever the call's size, and a row's sums depend only on its own
+//! activations (tiles compute rows independently, in a fixed order over the columns), so a token's result does
+//! not depend on what shares its step: batch invariance holds as with the VNNI kernel.
 //!
 //! Why not int8 tiles over the VNNI kernel's Q8_1 activations: Q4_1 and Q8_1 carry a scale per 32 columns, so each
 //! 32-column product must leave the tile and be scaled on the vector units; the tile store and read-back cost more
-//! than the `vpdpbusd` they replace (0.74–1.13× the VNNI kernel, measured at SmolLM2 shapes).
+//! than the `vpdpbusd` they replace (0.74–1.13× the VNNI kernel, measured at SmolLM2 shapes). And why resident
+//! weights: widening per call cost as much as a 32-row VNNI product.
 //!
 //! Numerics: bf16 keeps 8 significant bits, so each weight and activation is within 2⁻⁹ of its value; the VNNI
 //! kernel's Q8_1 activations are within `amax / 254` of theirs, a bound this kernel also meets (the matmul tests
@@ -22,15 +26,11 @@
 #![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
 
 use super::SyncPtr;
+pub(crate) use crate::quant::Align64;
 use crate::quant::{Q4_1X16_BLOCK_BYTES, Q4_1X16_ROWS, Q8_0X16_BLOCK_BYTES, QK};
 use core::arch::asm;
 use core::arch::x86_64::*;
-use std::cell::Cell;
 use std::sync::OnceLock;
-
-/// Fewest activation rows for which [`super::matmul`] takes the tile kernel. Below it, widening each weight group
-/// to bf16 costs more than the VNNI kernel's whole product (`amx_vs_vnni_speed` in `tests/matmul.rs`).
-pub const MIN_TOKENS: usize = 32;
 
 /// Tokens per A tile, and weight rows per B tile.
 const TILE: usize = 16;
@@ -40,25 +40,6 @@ const TOKEN_PAIR: usize = 2 * TILE;
 
 /// Bytes of one weight tile: 16 rows (column pairs) × 16 weight rows × 2 bf16.
 const W_TILE_BYTES: usize = 1024;
-
-/// Weight groups widened at a time (8 × 48 KiB at 1,536 columns: within L2).
-const SLAB_GROUPS: usize = 8;
-
-thread_local! {
-    /// A slab of weight groups widened to bf16 tiles, kept between calls to avoid reallocating.
-    static WTILES: Cell<Vec<Align64>> = const { Cell::new(Vec::new()) };
-}
-
-/// 64 bytes, 64-aligned: the unit of the scratch buffers, so every tile row starts on a cache line.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-pub(crate) struct Align64([u8; 64]);
-
-impl Default for Align64 {
-    fn default() -> Align64 {
-        Align64([0; 64])
-    }
-}
 
 /// True when the CPU has AMX-TILE and AMX-BF16, AVX-512 BF16 and VBMI (to widen the weights), and the kernel
 /// granted this process the tile data state.
@@ -117,13 +98,18 @@ const CONFIG: TileConfig = {
     TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb, rows }
 };
 
+/// Rows of activations a call of `n` rows packs: whole token tiles, and whole pairs of them beyond one.
+fn padded_rows(n: usize) -> usize {
+    if n <= TILE { TILE } else { n.next_multiple_of(TOKEN_PAIR) }
+}
+
 /// Number of [`Align64`] units [`pack_activations`] needs for `n` rows of `cols` values.
 pub(crate) fn act_len(n: usize, cols: usize) -> usize {
-    n.next_multiple_of(TOKEN_PAIR) * cols * 2 / 64
+    padded_rows(n) * cols * 2 / 64
 }
 
 /// Rounds `x` (`[n][cols]`, `cols` a multiple of 32) to bf16, row-major with row stride `2 * cols` bytes, rows
-/// padded with zeros to a multiple of 32.
+/// padded with zeros to [`padded_rows`].
 ///
 /// # Safety
 /// The CPU supports AVX-512 F and BF16; `out.len() == act_len(n, cols)`.
@@ -207,41 +193,62 @@ unsafe fn widen_group<const Q8: bool>(group: *const u8, nb: usize, tiles: *mut u
     }
 }
 
+/// The whole matrix (`rows` rows of `nb` blocks, in the 16-row packing of Q4_1 or, with `q8`, Q8_0) as bf16 tiles:
+/// group `g`'s tile for block `b` at unit offset `(g * nb + b) * 16`.
+pub(crate) fn widen_matrix(packed: &[u8], rows: usize, nb: usize, q8: bool) -> Vec<Align64> {
+    assert!(available(), "AMX tiles requested on a CPU without them");
+    let groups = rows.div_ceil(Q4_1X16_ROWS);
+    let bb = if q8 { Q8_0X16_BLOCK_BYTES } else { Q4_1X16_BLOCK_BYTES };
+    assert!(packed.len() >= groups * nb * bb, "widen_matrix: packing too short");
+    let mut tiles = vec![Align64::default(); groups * nb * W_TILE_BYTES / 64];
+    let dst = tiles.as_mut_ptr() as *mut u8;
+    for g in 0..groups {
+        // SAFETY: available() implies AVX-512 F/BW, VBMI, BF16 and F16C (checked by its caller's detection:
+        // `amx_available` requires avx512_available); source and destination ranges were checked above.
+        unsafe {
+            let (src, out) = (packed.as_ptr().add(g * nb * bb), dst.add(g * nb * W_TILE_BYTES));
+            if q8 { widen_group::<true>(src, nb, out) } else { widen_group::<false>(src, nb, out) }
+        }
+    }
+    tiles
+}
+
+/// `tileloadd tmm{T}` from `p`, rows `stride` bytes apart.
+macro_rules! tile_load {
+    ($t:literal, $p:expr, $stride:expr) => {
+        asm!(
+            concat!("tileloadd tmm", $t, ", [{p} + {s} * 1]"),
+            p = in(reg) $p,
+            s = in(reg) $stride,
+            options(nostack, preserves_flags, readonly),
+        )
+    };
+}
+
+/// `tmm{C} += tmm{A} · tmm{B}` in bf16 with f32 sums.
+macro_rules! tile_dp {
+    ($c:literal, $a:literal, $b:literal) => {
+        asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, preserves_flags, nomem))
+    };
+}
+
 /// Adds one 32-column block into the sums: tmm4/tmm5 (tokens of `a0`/`a1` × group of `w0`), and with `w1`
-/// tmm6/tmm7 (× the second group).
+/// tmm6/tmm7 (× the second group). Without `a1` (a call of at most 16 rows), only tmm4 and tmm6.
 #[inline(always)]
-unsafe fn block_product(a0: *const u8, a1: *const u8, stride: usize, w0: *const u8, w1: Option<*const u8>) {
-    match w1 {
-        Some(w1) => asm!(
-            "tileloadd tmm0, [{a0} + {sa} * 1]",
-            "tileloadd tmm1, [{a1} + {sa} * 1]",
-            "tileloadd tmm2, [{w0} + {sw} * 1]",
-            "tileloadd tmm3, [{w1} + {sw} * 1]",
-            "tdpbf16ps tmm4, tmm0, tmm2",
-            "tdpbf16ps tmm5, tmm1, tmm2",
-            "tdpbf16ps tmm6, tmm0, tmm3",
-            "tdpbf16ps tmm7, tmm1, tmm3",
-            a0 = in(reg) a0,
-            a1 = in(reg) a1,
-            sa = in(reg) stride,
-            w0 = in(reg) w0,
-            w1 = in(reg) w1,
-            sw = in(reg) 64usize,
-            options(nostack, preserves_flags, readonly),
-        ),
-        None => asm!(
-            "tileloadd tmm0, [{a0} + {sa} * 1]",
-            "tileloadd tmm1, [{a1} + {sa} * 1]",
-            "tileloadd tmm2, [{w0} + {sw} * 1]",
-            "tdpbf16ps tmm4, tmm0, tmm2",
-            "tdpbf16ps tmm5, tmm1, tmm2",
-            a0 = in(reg) a0,
-            a1 = in(reg) a1,
-            sa = in(reg) stride,
-            w0 = in(reg) w0,
-            sw = in(reg) 64usize,
-            options(nostack, preserves_flags, readonly),
-        ),
+unsafe fn block_product(a0: *const u8, a1: Option<*const u8>, stride: usize, w0: *const u8, w1: Option<*const u8>) {
+    tile_load!("0", a0, stride);
+    tile_load!("2", w0, 64usize);
+    tile_dp!("4", "0", "2");
+    if let Some(w1) = w1 {
+        tile_load!("3", w1, 64usize);
+        tile_dp!("6", "0", "3");
+    }
+    if let Some(a1) = a1 {
+        tile_load!("1", a1, stride);
+        tile_dp!("5", "1", "2");
+        if w1.is_some() {
+            tile_dp!("7", "1", "3");
+        }
     }
 }
 
@@ -290,83 +297,17 @@ unsafe fn write_sums(
     }
 }
 
-/// Output rows `r0..r1` (`r0` a multiple of 16) of a Q4_1 (`Q8 = false`) or Q8_0 matmul over the 16-row packed
-/// weights, for all `n` activation rows packed by [`pack_activations`]: `out[i][r] = w[r] · x[i]`.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16,f16c")]
-unsafe fn rows<const Q8: bool>(
-    packed: &[u8],
-    nb: usize,
-    act: &[Align64],
-    n: usize,
-    r0: usize,
-    r1: usize,
-    out: *mut f32,
-    ld: usize,
-) {
-    let bb = if Q8 { Q8_0X16_BLOCK_BYTES } else { Q4_1X16_BLOCK_BYTES };
-    let group_bytes = nb * W_TILE_BYTES;
-    let mut wt = WTILES.take();
-    wt.clear();
-    wt.resize(SLAB_GROUPS * group_bytes / 64, Align64::default());
-    let wp = wt.as_mut_ptr() as *mut u8;
-    let a = act.as_ptr() as *const u8;
-    let stride = 2 * nb * QK;
-    #[repr(C, align(64))]
-    struct Scratch([f32; TILE * TILE]);
-    let mut scratch = Scratch([0.0; TILE * TILE]);
-    let sp = scratch.0.as_mut_ptr();
-    asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, preserves_flags, readonly));
-    let (g0, g1) = (r0 / Q4_1X16_ROWS, r1.div_ceil(Q4_1X16_ROWS));
-    for s0 in (g0..g1).step_by(SLAB_GROUPS) {
-        let s1 = (s0 + SLAB_GROUPS).min(g1);
-        for g in s0..s1 {
-            widen_group::<Q8>(packed.as_ptr().add(g * nb * bb), nb, wp.add((g - s0) * group_bytes));
-        }
-        // Token pairs outside, group pairs inside: a pair's activations stay in L1 while the slab's weights stream.
-        for i0 in (0..n).step_by(TOKEN_PAIR) {
-            let (a0, a1) = (a.add(i0 * stride), a.add((i0 + TILE) * stride));
-            let mut g = s0;
-            while g < s1 {
-                let two = g + 1 < s1;
-                let (w0, w1) = (wp.add((g - s0) * group_bytes), wp.add((g + 1 - s0) * group_bytes));
-                asm!(
-                    "tilezero tmm4",
-                    "tilezero tmm5",
-                    "tilezero tmm6",
-                    "tilezero tmm7",
-                    options(nostack, preserves_flags, nomem)
-                );
-                for b in 0..nb {
-                    let wb1 = two.then(|| w1.add(b * W_TILE_BYTES) as *const u8);
-                    block_product(a0.add(64 * b), a1.add(64 * b), stride, w0.add(b * W_TILE_BYTES), wb1);
-                }
-                let r = g * Q4_1X16_ROWS;
-                write_sums(0, i0, n, r, r1, out, ld, sp);
-                write_sums(1, i0 + TILE, n, r, r1, out, ld, sp);
-                if two {
-                    write_sums(2, i0, n, r + TILE, r1, out, ld, sp);
-                    write_sums(3, i0 + TILE, n, r + TILE, r1, out, ld, sp);
-                }
-                g += if two { 2 } else { 1 };
-            }
-        }
-    }
-    asm!("tilerelease", options(nostack, preserves_flags, nomem));
-    WTILES.set(wt);
-}
-
-/// Rows `r0..r1` of the matmul: see [`rows`].
+/// Output rows `r0..r1` (`r0` a multiple of 16) of a matmul over the weight tiles of [`widen_matrix`], for all
+/// `n` activation rows packed by [`pack_activations`]: `out[i][r] = w[r] · x[i]`.
 ///
 /// # Safety
-/// [`available`] returned true and the CPU supports AVX-512 F/BW and F16C; `packed` is the 16-row packing of a
-/// Q4_1 (`q8 = false`) or Q8_0 matrix of `nb` blocks per row with at least `r1` rows; `act` is [`pack_activations`]
-/// of `n` rows of `32 nb` values; `out` points at `[n][ld]` floats with `ld >= r1`, and this task alone writes
-/// rows `r0..r1` of it.
+/// [`available`] returned true and the CPU supports AVX-512 F; `tiles` is [`widen_matrix`] of a matrix of `nb`
+/// blocks per row with at least `r1` rows; `act` is [`pack_activations`] of `n` rows of `32 nb` values; `out`
+/// points at `[n][ld]` floats with `ld >= r1`, and this task alone writes rows `r0..r1` of it.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn quant_rows_x16(
-    q8: bool,
-    packed: &[u8],
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn quant_rows(
+    tiles: &[Align64],
     nb: usize,
     act: &[Align64],
     n: usize,
@@ -376,10 +317,51 @@ pub(crate) unsafe fn quant_rows_x16(
     ld: usize,
 ) {
     debug_assert!(r0.is_multiple_of(Q4_1X16_ROWS) && r1 <= ld);
-    debug_assert!(act.len() >= act_len(n, nb * QK));
-    if q8 {
-        rows::<true>(packed, nb, act, n, r0, r1, out.get(), ld)
-    } else {
-        rows::<false>(packed, nb, act, n, r0, r1, out.get(), ld)
+    debug_assert!(act.len() >= act_len(n, nb * QK) && tiles.len() >= r1.div_ceil(Q4_1X16_ROWS) * nb * 16);
+    let out = out.get();
+    let group_bytes = nb * W_TILE_BYTES;
+    let wp = tiles.as_ptr() as *const u8;
+    let a = act.as_ptr() as *const u8;
+    let stride = 2 * nb * QK;
+    #[repr(C, align(64))]
+    struct Scratch([f32; TILE * TILE]);
+    let mut scratch = Scratch([0.0; TILE * TILE]);
+    let sp = scratch.0.as_mut_ptr();
+    asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, preserves_flags, readonly));
+    let (g0, g1) = (r0 / Q4_1X16_ROWS, r1.div_ceil(Q4_1X16_ROWS));
+    let pair = n > TILE;
+    // Token tiles outside, weight groups inside: a tile pair's activations stay in L1 while the weights stream.
+    for i0 in (0..n).step_by(if pair { TOKEN_PAIR } else { TILE }) {
+        let a0 = a.add(i0 * stride);
+        let a1 = pair.then(|| a.add((i0 + TILE) * stride));
+        let mut g = g0;
+        while g < g1 {
+            let two = g + 1 < g1;
+            let w0 = wp.add(g * group_bytes);
+            asm!(
+                "tilezero tmm4",
+                "tilezero tmm5",
+                "tilezero tmm6",
+                "tilezero tmm7",
+                options(nostack, preserves_flags, nomem)
+            );
+            for b in 0..nb {
+                let wb1 = two.then(|| w0.add(group_bytes + b * W_TILE_BYTES));
+                block_product(a0.add(64 * b), a1.map(|p| p.add(64 * b)), stride, w0.add(b * W_TILE_BYTES), wb1);
+            }
+            let r = g * Q4_1X16_ROWS;
+            write_sums(0, i0, n, r, r1, out, ld, sp);
+            if two {
+                write_sums(2, i0, n, r + TILE, r1, out, ld, sp);
+            }
+            if pair {
+                write_sums(1, i0 + TILE, n, r, r1, out, ld, sp);
+                if two {
+                    write_sums(3, i0 + TILE, n, r + TILE, r1, out, ld, sp);
+                }
+            }
+            g += if two { 2 } else { 1 };
+        }
     }
+    asm!("tilerelease", options(nostack, preserves_flags, nomem));
 }

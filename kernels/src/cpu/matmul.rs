@@ -1,7 +1,6 @@
 //! Matmul driver: quantises the activations once per call into Q8_1 (reusing a thread-local scratch), splits the
 //! output rows across the pool in large chunks, and runs the per-ISA row kernels (for Q4_1 and Q8_0 on AVX-512
-//! VNNI over the weights repacked into 16-row groups, and on AMX tiles over the same packing for calls of
-//! [`amx::MIN_TOKENS`] rows or more).
+//! VNNI over the weights repacked into 16-row groups, and on AMX bf16 tiles when the backend asks for them).
 
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 #[cfg(target_arch = "x86_64")]
@@ -33,21 +32,18 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
     let simd = be.simd();
     #[cfg(target_arch = "x86_64")]
     if be.amx()
-        && n >= amx::MIN_TOKENS
-        && let Some(packed) = w.x16_for(simd)
+        && let Some(tiles) = w.amx_tiles()
     {
         let nb = cols / QK;
-        let q8 = matches!(w.data, QData::Q8_0(_));
         let mut xt = XT.take();
         xt.clear();
         xt.resize(amx::act_len(n, cols), amx::Align64::default());
         // SAFETY: `be.amx()` implies AVX-512 F/BW, BF16 and F16C were detected; xt has act_len(n, cols) units.
         unsafe { amx::pack_activations(x, n, cols, &mut xt) };
         run_rows(be, rows, n * cols, Q4_1X16_ROWS, out, &|r0, r1, o| {
-            // SAFETY: `be.amx()` implies AMX was detected and the tile state granted; `packed` is `w`'s 16-row
-            // packing (Q4_1 or Q8_0); xt holds n rows of nb blocks; rows r0..r1 (r0 a multiple of 16) belong to
-            // this task.
-            unsafe { amx::quant_rows_x16(q8, packed, nb, &xt, n, r0, r1, o, rows) }
+            // SAFETY: `be.amx()` implies AMX was detected and the tile state granted; `tiles` is `w` widened;
+            // xt holds n rows of nb blocks; rows r0..r1 (r0 a multiple of 16) belong to this task.
+            unsafe { amx::quant_rows(tiles, nb, &xt, n, r0, r1, o, rows) }
         });
         XT.set(xt);
         return;

@@ -71,8 +71,8 @@ pub fn avx512_available() -> bool {
     }
 }
 
-/// True if [`Simd::Avx512`] can run and the CPU's AMX int8 tiles are usable by this process (the quantised matmul
-/// then runs its prefill-sized calls on them).
+/// True if [`Simd::Avx512`] can run and the CPU's AMX bf16 tiles are usable by this process
+/// ([`CpuBackend::with_amx`]).
 pub fn amx_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -123,15 +123,15 @@ impl CpuBackend {
         CpuBackend::with_simd(threads, Simd::detect())
     }
 
-    /// This backend with AMX tiles used for matmuls of 32+ rows (`true`, where the CPU has them) or not. Off by
-    /// default: the tiles compute in bf16 and the smaller calls in Q8_1, so a row's result depends on how many
-    /// rows share its call.
+    /// This backend with its Q4_1/Q8_0 matmuls on AMX bf16 tiles (`true`, where the CPU has them) or not. Off by
+    /// default: each matrix then keeps a bf16 copy of its weights (2 bytes per weight), and single-sequence decode,
+    /// which streams every weight per token, reads 4× the bytes of Q4_1.
     pub fn with_amx(mut self, amx: bool) -> CpuBackend {
         self.amx = amx && self.simd == Simd::Avx512 && amx_available();
         self
     }
 
-    /// True if the quantised matmul runs prefill-sized calls on AMX tiles.
+    /// True if the quantised matmuls run on AMX tiles.
     pub fn amx(&self) -> bool {
         self.amx
     }

@@ -88,7 +88,8 @@ pub struct CodecEvaluator {
 }
 
 impl CodecEvaluator {
-    pub fn load(model_path: &std::path::Path, threads: usize) -> Result<CodecEvaluator, EngineError> {
+    /// The model on `threads` threads, with its matmuls on AMX tiles when `amx` ([`crate::engine::EngineConfig::amx`]).
+    pub fn load(model_path: &std::path::Path, threads: usize, amx: bool) -> Result<CodecEvaluator, EngineError> {
         let err = |e: crate::model::ModelError| EngineError::Model(e.to_string());
         let g = Gguf::open(model_path).map_err(err)?;
         let tokenizer = Tokenizer::from_gguf(&g).map_err(err)?;
@@ -97,7 +98,7 @@ impl CodecEvaluator {
         Ok(CodecEvaluator {
             eos: tokenizer.eos_token_ids().to_vec(),
             model,
-            backend: CpuBackend::new(resolve_threads(threads)),
+            backend: CpuBackend::new(resolve_threads(threads)).with_amx(amx),
             tokenizer,
             template,
             scratch: Scratch::default(),
@@ -321,11 +322,12 @@ pub fn summarize(items: &[CodecResult], codecs: &[Codec]) -> Vec<CodecCell> {
 pub fn run(
     model_path: &std::path::Path,
     threads: usize,
+    amx: bool,
     codecs: &[Codec],
     make_items: &dyn Fn(&CodecEvaluator) -> Result<Vec<CodecItem>, EngineError>,
 ) -> Result<CodecReport, EngineError> {
     let t0 = Instant::now();
-    let mut ev = CodecEvaluator::load(model_path, threads)?;
+    let mut ev = CodecEvaluator::load(model_path, threads, amx)?;
     let items = make_items(&ev)?;
     let mut results = Vec::new();
     for item in &items {
