@@ -1136,7 +1136,10 @@ async fn up(args: UpArgs) -> Result<()> {
     // The embedded directory: a one-voter raft that elects itself at once.
     let (kv_dir, kv_dir_is_temp) = match &args.engine.data_dir {
         Some(d) => (d.join("kvstore"), false),
-        None => (std::env::temp_dir().join(format!("pagoda-up-kvstore-{}", std::process::id())), true),
+        None => {
+            sweep_dead_temp_dirs(&std::env::temp_dir(), TEMP_KVSTORE_PREFIX);
+            (std::env::temp_dir().join(format!("{TEMP_KVSTORE_PREFIX}{}", std::process::id())), true)
+        }
     };
     let kvstore = pagoda_kvstore::start_embedded(kv_dir.clone(), args.kvstore_listen)
         .await
@@ -1192,6 +1195,29 @@ async fn up(args: UpArgs) -> Result<()> {
     match res {
         Some(r) => r.context("router failed"),
         None => Ok(()),
+    }
+}
+
+/// Name prefix of the embedded kvstore's directory when `up` runs without `--data-dir`; the process id follows.
+const TEMP_KVSTORE_PREFIX: &str = "pagoda-up-kvstore-";
+
+/// Removes `<dir>/<prefix><pid>` directories whose process is gone: an `up` that was killed (SIGKILL, OOM) could
+/// not remove its own. A pid that is alive again, or any name that is not `<prefix><digits>`, is left alone.
+fn sweep_dead_temp_dirs(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(prefix)).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            match std::fs::remove_dir_all(entry.path()) {
+                Ok(()) => tracing::info!(dir = %entry.path().display(), "removed a dead run's kvstore directory"),
+                Err(e) => {
+                    tracing::warn!(dir = %entry.path().display(), error = %e, "cannot remove a dead run's kvstore directory")
+                }
+            }
+        }
     }
 }
 
@@ -1879,7 +1905,26 @@ async fn bench_kvstore(args: BenchKvstoreArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_args;
+    use super::{check_args, sweep_dead_temp_dirs};
+
+    #[test]
+    fn sweep_removes_only_dead_runs_directories() {
+        let root = std::env::temp_dir().join(format!("pagoda-sweep-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let prefix = "pagoda-up-kvstore-";
+        // 999999999 is above Linux's largest pid (2^22), so no process has it; pid 1 is always alive.
+        let names = ["pagoda-up-kvstore-999999999", "pagoda-up-kvstore-1", "pagoda-up-kvstore-x1", "other-999999999"];
+        let own = format!("{prefix}{}", std::process::id());
+        for n in names.iter().copied().chain([own.as_str()]) {
+            std::fs::create_dir_all(root.join(n).join("inner")).unwrap();
+        }
+        sweep_dead_temp_dirs(&root, prefix);
+        assert!(!root.join(names[0]).exists(), "a dead run's directory is removed");
+        for n in names[1..].iter().copied().chain([own.as_str()]) {
+            assert!(root.join(n).exists(), "{n} is kept");
+        }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     fn argv(s: &str) -> Vec<String> {
         s.split_whitespace().map(str::to_string).collect()

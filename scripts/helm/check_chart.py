@@ -249,6 +249,7 @@ def check_default(objs):
                  "--advertise=$(POD_NAME).rel-pagoda-worker.pagoda.svc:50051"]:
         expect(flag in w["command"], f"default: worker lacks {flag}")
     expect("nvidia.com/gpu" not in w["resources"].get("limits", {}), "default: worker asks for a GPU")
+    expect("--amx" not in w["command"], "default: worker runs --amx although worker.amx is off")
     expect([t["metadata"]["name"] for t in wo["spec"]["volumeClaimTemplates"]] == ["data"], "default: no data PVC")
     cm = find(objs, "ConfigMap", "rel-pagoda-dashboard")
     expect(json.loads(cm["data"]["pagoda.json"] or "null") == json.loads((CHART / "dashboards/pagoda.json").read_text()),
@@ -332,6 +333,8 @@ def check_minimal(objs):
     expect([i["key"] for i in auth["items"]] == ["api-keys"], f"minimal: auth items {auth['items']} (admin is off)")
     expect("--api-keys-file=/etc/pagoda/auth/api-keys" in r["command"], "minimal: router lacks --api-keys-file")
     expect(not any(a.startswith("--admin-key-file") for a in r["command"]), "minimal: --admin-key-file, admin is off")
+    w, _ = container(objs, "StatefulSet", "worker", "worker")
+    expect("--amx" in w["command"], "minimal: worker lacks --amx although worker.amx is on")
 
 
 def check_no_kvstore(objs):

@@ -138,6 +138,7 @@ schema = obj({
         "maxStepTokens": integer(1),
         "maxRunning": integer(1),
         "threads": integer(0),
+        "amx": BOOL,
         "prefixCache": BOOL,
         "kv": obj({
             "policy": {"enum": POLICIES},
