@@ -1204,6 +1204,10 @@ const TEMP_KVSTORE_PREFIX: &str = "pagoda-up-kvstore-";
 /// Removes `<dir>/<prefix><pid>` directories whose process is gone: an `up` that was killed (SIGKILL, OOM) could
 /// not remove its own. A pid that is alive again, or any name that is not `<prefix><digits>`, is left alone.
 fn sweep_dead_temp_dirs(dir: &Path, prefix: &str) {
+    // Liveness is read from /proc: without it (not Linux) every directory would look dead.
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();

@@ -11,9 +11,9 @@
 //! not depend on what shares its step: batch invariance holds as with the VNNI kernel.
 //!
 //! Why not int8 tiles over the VNNI kernel's Q8_1 activations: Q4_1 and Q8_1 carry a scale per 32 columns, so each
-//! 32-column product must leave the tile and be scaled on the vector units; the tile store and read-back cost more
-//! than the `vpdpbusd` they replace (0.74–1.13× the VNNI kernel, measured at SmolLM2 shapes). And why resident
-//! weights: widening per call cost as much as a 32-row VNNI product.
+//! 32-column product must leave the tile and be scaled on the vector units; in a build that did so (not kept), the
+//! tile store and read-back cost about what the `vpdpbusd` they replaced did. And why resident weights: widening per
+//! call cost as much as a 32-row VNNI product (`git checkout 5447a32`, `amx_vs_vnni_speed`).
 //!
 //! Numerics: bf16 keeps 8 significant bits, so each weight and activation is within 2⁻⁹ of its value; the VNNI
 //! kernel's Q8_1 activations are within `amax / 254` of theirs, a bound this kernel also meets (the matmul tests
@@ -132,21 +132,23 @@ pub(crate) unsafe fn pack_activations(x: &[f32], n: usize, cols: usize, out: &mu
 
 /// Byte shuffle that turns one 64-byte chunk of the 16-row layout (row `j`'s columns `c..c+4` at bytes `4j..4j+4`)
 /// into two tile rows: columns `c, c+1` of rows 0..16, then columns `c+2, c+3`.
-fn pair_split_index() -> [u8; 64] {
+const PAIR_SPLIT: [u8; 64] = {
     let mut idx = [0u8; 64];
-    for (q, v) in idx.iter_mut().enumerate() {
+    let mut q = 0;
+    while q < 64 {
         let (half, p) = (q / 32, q % 32);
-        *v = (4 * (p / 2) + 2 * half + p % 2) as u8;
+        idx[q] = (4 * (p / 2) + 2 * half + p % 2) as u8;
+        q += 1;
     }
     idx
-}
+};
 
 /// Widens one 16-row group's packed weights (`nb` blocks) into `nb` bf16 weight tiles: tile `b`, row `p` holds
 /// columns `32b + 2p` and `32b + 2p + 1` of the 16 rows, interleaved (AMX's pair layout for the B operand).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16,f16c")]
 unsafe fn widen_group<const Q8: bool>(group: *const u8, nb: usize, tiles: *mut u8) {
     let bb = if Q8 { Q8_0X16_BLOCK_BYTES } else { Q4_1X16_BLOCK_BYTES };
-    let split = _mm512_loadu_si512(pair_split_index().as_ptr() as *const _);
+    let split = _mm512_loadu_si512(PAIR_SPLIT.as_ptr() as *const _);
     // Each weight row's scale repeated for its two columns: rows 0–7, then rows 8–15.
     let rep_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     let rep_hi = _mm512_add_epi32(rep_lo, _mm512_set1_epi32(8));

@@ -36,7 +36,7 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
     {
         let nb = cols / QK;
         let mut xt = XT.take();
-        xt.clear();
+        // No clear: pack_activations writes every unit, padding included, so only newly grown units need a value.
         xt.resize(amx::act_len(n, cols), amx::Align64::default());
         // SAFETY: `be.amx()` implies AVX-512 F/BW, BF16 and F16C were detected; xt has act_len(n, cols) units.
         unsafe { amx::pack_activations(x, n, cols, &mut xt) };
