@@ -3,7 +3,9 @@
 #   1. pip-installs NVRTC for CUDA 13 (PyPI `nvidia-cuda-nvrtc`) into a venv under target/;
 #   2. finds libnvrtc.so* and puts its folder on LD_LIBRARY_PATH (cudarc dlopens libnvrtc.so / libnvrtc.so.13);
 #   3. compiles every kernels/cuda/*.cu through NVRTC for sm_80 and sm_90 (tests/cuda_nvrtc.rs; NVRTC needs no GPU);
-#   4. builds `pagoda-kernels --features cuda`, and runs the parity tests, which skip without a device.
+#   4. builds `pagoda-kernels --features cuda` and lints the GPU runner (`pagoda --features cuda`: pagoda-worker's
+#      runner_cuda and model::cuda, and their tests);
+#   5. runs the kernel and whole-model parity tests, which skip without a device.
 # Usage: bash scripts/check-cuda.sh        (env NVRTC_VERSION overrides the pinned NVRTC wheel version)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +39,10 @@ cargo build -p pagoda-kernels --features cuda
 echo "check-cuda: NVRTC compile of every .cu for sm_80 and sm_90"
 cargo test -p pagoda-kernels --features cuda --test cuda_nvrtc -- --nocapture
 
+echo "check-cuda: clippy of the GPU runner (pagoda, pagoda-worker, pagoda-kernels with --features cuda)"
+cargo clippy -p pagoda -p pagoda-worker -p pagoda-kernels --all-targets --features cuda -- -D warnings
+
 echo "check-cuda: parity tests (they skip without a CUDA device)"
 cargo test -p pagoda-kernels --features cuda --test cuda_parity -- --nocapture
+cargo test -p pagoda-worker --features cuda --test cuda_model -- --nocapture
 echo "check-cuda: ok"

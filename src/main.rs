@@ -30,10 +30,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, Parser, Subcommand};
-use pagoda_kernels::KvDtype;
+use pagoda_kernels::{KvDtype, WeightType};
 use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
-use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
+use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle};
+use pagoda_worker::model::SyntheticSpec;
 use pagoda_worker::placement::TierPlacement;
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
@@ -212,6 +213,11 @@ struct EngineArgs {
     /// bytes per weight): faster prefill and batched decode, logits closer to float32, slower single-stream decode.
     #[arg(long)]
     amx: bool,
+    /// Compute device: cpu, or cuda / cuda:N for the GPU runner (binaries built with `--features cuda`). On a GPU
+    /// the KV cache is f16 in device memory; host/disk tiers and eviction are CPU-only for now (the GPU worker
+    /// runs without tiers and serves every request with its full cache).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -267,6 +273,10 @@ fn keep_ratios(v: &[KeepRatio]) -> Vec<f64> {
 }
 
 fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
+    s.parse()
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
     s.parse()
 }
 
@@ -850,6 +860,25 @@ struct BenchEngineArgs {
     /// bytes per weight): faster prefill and batched decode, logits closer to float32, slower single-stream decode.
     #[arg(long)]
     amx: bool,
+    /// SYNTHETIC WEIGHTS: bench a model of this llama shape filled with random weights; it replaces --model
+    /// (throughput only; outputs are meaningless). A preset (smollm2-135m, llama-1b, llama-8b) or a list such as
+    /// layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024.
+    #[arg(long, value_parser = parse_synthetic_spec)]
+    synthetic_model: Option<SyntheticSpec>,
+    /// Storage format of the synthetic weights: q4_1 (as the real model), q8_0 or f16.
+    #[arg(long, default_value = "q4_1", value_parser = parse_synthetic_weights, requires = "synthetic_model")]
+    synthetic_weights: WeightType,
+    /// Compute device: cpu, or cuda / cuda:N (binaries built with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
+}
+
+fn parse_synthetic_spec(s: &str) -> Result<SyntheticSpec, String> {
+    s.parse().map_err(|e: pagoda_worker::model::ModelError| e.to_string())
+}
+
+fn parse_synthetic_weights(s: &str) -> Result<WeightType, String> {
+    pagoda_worker::model::parse_synthetic_weights(s).map_err(|e| e.to_string())
 }
 
 fn main() -> Result<()> {
@@ -972,9 +1001,19 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         threads: e.threads,
         default_policy,
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
-        tiers: tier_config(e)?,
+        tiers: match e.device {
+            Device::Cpu => tier_config(e)?,
+            Device::Cuda(_) => {
+                if e.host_tier_mib > 0 || e.disk_tier_mib > 0 {
+                    tracing::warn!("the CUDA runner has no host/disk KV tiers yet: running without them");
+                }
+                TierConfig::default()
+            }
+        },
         kv_dtype: e.kv_dtype,
         amx: e.amx,
+        synthetic: None,
+        device: e.device,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,
@@ -1657,7 +1696,16 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
 }
 
 fn bench_engine(args: BenchEngineArgs) -> Result<()> {
-    let model = resolve_model(&args.model)?;
+    let synthetic = args
+        .synthetic_model
+        .map(|spec| spec.with_weights(args.synthetic_weights))
+        .transpose()
+        .context("--synthetic-weights")?;
+    // A synthetic model replaces the GGUF: none is read or fetched.
+    let model = match &synthetic {
+        Some(_) => PathBuf::new(),
+        None => resolve_model(&args.model)?,
+    };
     let opts = pagoda_worker::bench::BenchOptions {
         threads: args.threads,
         block_size: args.block_size,
@@ -1668,10 +1716,13 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         concurrency: args.concurrency,
         kv_dtype: args.kv_dtype,
         amx: args.amx,
+        synthetic,
+        device: args.device,
         ..Default::default()
     };
-    let report = pagoda_worker::bench::engine_bench(&model, &opts)
-        .with_context(|| format!("engine bench on {} failed", model.display()))?;
+    let shown = opts.synthetic.as_ref().map_or_else(|| model.display().to_string(), |s| s.model_name());
+    let report =
+        pagoda_worker::bench::engine_bench(&model, &opts).with_context(|| format!("engine bench on {shown} failed"))?;
     print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
     Ok(())
 }

@@ -44,3 +44,72 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
     assert_eq!(by("round_robin")["per_worker"], serde_json::json!([4, 4]), "round robin alternates");
     assert_eq!(v["options"]["worker_kv_tokens"], 4096);
 }
+
+/// `pagoda bench engine` on a synthetic-weights model through the real binary: no GGUF is read, every report
+/// says the weights are synthetic, and the decode phases count the tokens they were asked for.
+#[test]
+fn bench_engine_runs_a_synthetic_model_and_labels_it() {
+    let out = std::env::temp_dir().join(format!("pagoda-bench-engine-synthetic-{}.json", std::process::id()));
+    let output = std::process::Command::new(BIN)
+        .args(["bench", "engine", "--threads", "2", "--model", "/nonexistent/model.gguf"])
+        .args(["--synthetic-model", "layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024"])
+        .args(["--synthetic-weights", "q8_0", "--prefill-tokens", "96", "--max-step-tokens", "64"])
+        .args(["--decode-prompt-tokens", "32", "--decode-new-tokens", "9", "--concurrency", "1,4", "--json"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert!(stdout.contains("SYNTHETIC WEIGHTS"), "{stdout}");
+    assert_eq!(v["synthetic"], true, "{v:#}");
+    assert_eq!(v["model"], "synthetic-custom-q8_0", "{v:#}");
+    assert!(v["model_path"].as_str().unwrap().contains("outputs meaningless"), "{v:#}");
+    assert_eq!(v["backend"], "cpu");
+    assert_eq!(v["prefill"]["prompt_tokens"], 96);
+    assert!(v["prefill"]["tokens_per_s"].as_f64().unwrap() > 0.0, "{v:#}");
+    let decode = v["decode"].as_array().unwrap();
+    assert_eq!(decode.len(), 2);
+    for (d, c) in decode.iter().zip([1u64, 4]) {
+        assert_eq!(d["concurrency"], c);
+        // The first of each sequence's 9 tokens comes from its prefill step.
+        assert_eq!(d["decode_tokens"].as_u64().unwrap(), c * 8, "{d:#}");
+        assert!(d["tokens_per_s"].as_f64().unwrap() > 0.0, "{d:#}");
+    }
+}
+
+/// Bad synthetic shapes and a device this binary cannot drive are refused with a message, not a panic.
+#[test]
+fn bench_engine_refuses_bad_shapes_and_devices_clearly() {
+    for (args, want) in [
+        (vec!["--synthetic-model", "llama-70x"], "expected one of smollm2-135m, llama-1b, llama-8b"),
+        (vec!["--synthetic-model", "layers=2,hidden=64,heads=4,kv_heads=3,ffn=64,vocab=9"], "do not group"),
+        (vec!["--synthetic-model", "llama-1b", "--synthetic-weights", "q5_k"], "expected f16, q4_1 or q8_0"),
+        (vec!["--synthetic-weights", "q8_0"], "--synthetic-model"),
+        (vec!["--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    ] {
+        let output =
+            std::process::Command::new(BIN).args(["bench", "engine", "--threads", "1"]).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    // A tiny synthetic model on a GPU: refused by name on a CPU-only build, or for want of a device on a CUDA
+    // build without a GPU; on a machine with both it runs.
+    let output = std::process::Command::new(BIN)
+        .args(["bench", "engine", "--device", "cuda", "--prefill-tokens", "32", "--decode-new-tokens", "4"])
+        .args(["--decode-prompt-tokens", "16", "--concurrency", "1"])
+        .args(["--synthetic-model", "layers=1,hidden=128,heads=2,ffn=128,vocab=256"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !output.status.success() {
+        assert!(
+            stderr.contains("built without the CUDA backend") || stderr.contains("cannot start the CUDA backend"),
+            "{stderr}"
+        );
+    }
+}

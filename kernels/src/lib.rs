@@ -35,6 +35,9 @@ pub use backend::Backend;
 pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block};
 pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};
+/// The cudarc version the CUDA backend is built on, for callers that hold its buffers.
+#[cfg(feature = "cuda")]
+pub use cudarc;
 pub use error::KernelError;
 pub use paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 pub use quant::{QMatrix, WeightType};

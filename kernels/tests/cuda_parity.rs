@@ -188,6 +188,31 @@ fn gemm_matches_reference_and_cpu() {
     report("gemm vs CPU matmul (rel. to sum|xw|)", worst_cpu, 2e-3);
 }
 
+/// The accumulating GEMM (the o- and down-projections onto the residual stream) adds what the plain GEMM writes
+/// (`gemm_matches_reference_and_cpu` checks that one against the CPU twin): `out + x·wᵀ`.
+#[test]
+fn gemm_accumulate_adds_the_product() {
+    let Some(cx) = gpu("gemm_accumulate") else { return };
+    let mut rng = StdRng::seed_from_u64(6);
+    let mut worst = 0.0f32;
+    for &(n, rows, cols) in &[(1, 64, 64), (5, 576, 1536), (32, 576, 576)] {
+        let x = rvec(&mut rng, n * cols, 1.0);
+        let residual = rvec(&mut rng, n * rows, 4.0);
+        let w = QMatrix::quantize(WeightType::F16, rows, cols, &rvec(&mut rng, rows * cols, 0.1)).unwrap();
+        let dw = CudaWeight::from_qmatrix(&cx, &w).unwrap();
+        let xh: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+        let dxh = cx.upload(&xh).unwrap();
+        let mut plain = cx.zeros::<f32>(n * rows).unwrap();
+        cx.gemm_f16(&dw, &dxh, n, &mut plain).unwrap();
+        let mut acc = cx.upload(&residual).unwrap();
+        cx.gemm_f16_accumulate(&dw, &dxh, n, &mut acc).unwrap();
+        let (plain, acc) = (cx.download(&plain).unwrap(), cx.download(&acc).unwrap());
+        let sum: Vec<f32> = plain.iter().zip(&residual).map(|(p, r)| p + r).collect();
+        worst = worst.max(max_err(&acc, &sum));
+    }
+    report("gemm_f16_accumulate vs gemm + add", worst, 1e-5);
+}
+
 /// A batch of sequences with per-kv-head tables drawn from a shuffled block pool.
 struct Batch {
     tables: Vec<Vec<Vec<u32>>>,

@@ -17,7 +17,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::engine::{EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step};
+use crate::engine::{Device, EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step, model_config};
+use crate::model::SyntheticSpec;
 use crate::sampling::argmax;
 use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqRequest};
 use pagoda_kernels::KvDtype;
@@ -39,6 +40,16 @@ pub struct BenchOptions {
     pub kv_dtype: KvDtype,
     /// Matmuls on AMX tiles ([`EngineConfig::amx`]).
     pub amx: bool,
+    /// Bench a synthetic-weights model of this shape instead of the GGUF ([`EngineConfig::synthetic`]).
+    #[serde(skip)]
+    pub synthetic: Option<SyntheticSpec>,
+    /// Where the model runs ([`EngineConfig::device`]).
+    #[serde(serialize_with = "serialize_display")]
+    pub device: Device,
+}
+
+fn serialize_display<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(d)
 }
 
 fn serialize_dtype<S: serde::Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
@@ -58,6 +69,8 @@ impl Default for BenchOptions {
             seed: 1234,
             kv_dtype: KvDtype::default(),
             amx: false,
+            synthetic: None,
+            device: Device::Cpu,
         }
     }
 }
@@ -88,6 +101,8 @@ pub struct DecodeResult {
 pub struct BenchReport {
     pub model: String,
     pub model_path: String,
+    /// The weights are synthetic (random): throughput is representative of the shape, outputs are meaningless.
+    pub synthetic: bool,
     pub backend: String,
     pub threads: usize,
     pub kv_blocks: usize,
@@ -105,6 +120,12 @@ impl BenchReport {
             "Engine bench: `{}` on {} ({} threads), block size {}, {} KV blocks of {}\n\n",
             self.model, self.backend, self.threads, self.options.block_size, self.kv_blocks, self.options.kv_dtype
         );
+        if self.synthetic {
+            s.push_str(&format!(
+                "SYNTHETIC WEIGHTS (random; throughput only, outputs meaningless): {}\n\n",
+                self.model_path
+            ));
+        }
         s.push_str("| phase | concurrency | prompt tokens | new tokens | seconds | tokens/s | ms/step |\n");
         s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
         let p = &self.prefill;
@@ -131,7 +152,7 @@ impl BenchReport {
     }
 }
 
-/// Runs the benchmark on the GGUF at `model_path`.
+/// Runs the benchmark on the GGUF at `model_path`, or on `opts.synthetic` where set.
 pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions) -> Result<BenchReport, EngineError> {
     let model_path = model_path.as_ref();
     let max_c = opts.concurrency.iter().copied().max().unwrap_or(1).max(1);
@@ -155,22 +176,47 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
         amx: opts.amx,
+        synthetic: opts.synthetic.clone(),
+        device: opts.device,
     };
-    // Load once to learn the layout, then size the arena.
-    let probe = LlamaRunner::load(&EngineConfig { num_blocks: 0, ..cfg.clone() })?;
-    let group = probe.info().layout().group_size();
-    drop(probe);
-    let num_blocks = needed_groups * group;
-    let mut runner = LlamaRunner::load(&EngineConfig { num_blocks, ..cfg })?;
+    // Size the arena from the shape before loading the weights.
+    let mc = model_config(&cfg)?;
+    let num_blocks = needed_groups * mc.n_kv_tables();
+    let cfg = EngineConfig { num_blocks, ..cfg };
+    match opts.device {
+        Device::Cpu => {
+            let threads = crate::engine::resolve_threads(opts.threads);
+            bench_runner(&mut LlamaRunner::load(&cfg)?, model_path, opts, "cpu".into(), threads)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let mut runner = crate::runner_cuda::CudaRunner::load(&cfg)?;
+            let backend = format!("cuda ({})", runner.model().device().info().name);
+            bench_runner(&mut runner, model_path, opts, backend, 0)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::engine::no_cuda_build()),
+    }
+}
+
+/// The measurements of [`engine_bench`] on a loaded runner.
+fn bench_runner<R: ModelRunner>(
+    runner: &mut R,
+    model_path: &std::path::Path,
+    opts: &BenchOptions,
+    backend: String,
+    threads: usize,
+) -> Result<BenchReport, EngineError> {
+    let num_blocks = runner.info().num_blocks;
     let info = runner.info().clone();
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let vocab = info.vocab_size as u32;
     let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(100..vocab.max(101))).collect() };
 
     // Warm-up (page in weights, grow scratch buffers).
-    run_batch(&mut runner, vec![prompt(64)], 4, opts.max_step_tokens)?;
+    run_batch(runner, vec![prompt(64)], 4, opts.max_step_tokens)?;
 
-    let p = run_batch(&mut runner, vec![prompt(opts.prefill_tokens)], 1, opts.max_step_tokens)?;
+    let p = run_batch(runner, vec![prompt(opts.prefill_tokens)], 1, opts.max_step_tokens)?;
     let prefill = PrefillResult {
         prompt_tokens: opts.prefill_tokens,
         chunk_tokens: opts.max_step_tokens,
@@ -184,7 +230,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         let prompts = (0..c).map(|_| prompt(opts.decode_prompt_tokens)).collect();
         // One step prefills every prompt; all later steps are pure decode.
         let budget = (c * opts.decode_prompt_tokens).max(opts.max_step_tokens);
-        let r = run_batch(&mut runner, prompts, opts.decode_new_tokens, budget)?;
+        let r = run_batch(runner, prompts, opts.decode_new_tokens, budget)?;
         decode.push(DecodeResult {
             concurrency: c,
             prompt_tokens: opts.decode_prompt_tokens,
@@ -199,9 +245,13 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
 
     Ok(BenchReport {
         model: info.name.clone(),
-        model_path: model_path.display().to_string(),
-        backend: "cpu".into(),
-        threads: crate::engine::resolve_threads(opts.threads),
+        model_path: match &opts.synthetic {
+            Some(spec) => spec.to_string(),
+            None => model_path.display().to_string(),
+        },
+        synthetic: opts.synthetic.is_some(),
+        backend,
+        threads,
         kv_blocks: num_blocks,
         prefill,
         decode,
@@ -226,8 +276,8 @@ struct BatchTimes {
 
 /// Generates `new_tokens` greedy tokens for every prompt, timing prefill-carrying steps and pure decode steps
 /// apart.
-fn run_batch(
-    runner: &mut LlamaRunner,
+fn run_batch<R: ModelRunner>(
+    runner: &mut R,
     prompts: Vec<Vec<u32>>,
     new_tokens: usize,
     max_step_tokens: usize,
@@ -318,6 +368,7 @@ mod tests {
         let r = BenchReport {
             model: "m".into(),
             model_path: "m.gguf".into(),
+            synthetic: false,
             backend: "cpu".into(),
             threads: 2,
             kv_blocks: 90,

@@ -367,6 +367,8 @@ fn run_fresh(
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
         amx: false,
+        synthetic: None,
+        device: Default::default(),
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

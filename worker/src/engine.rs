@@ -23,7 +23,9 @@ use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
 
 use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
-use crate::model::{ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelError, Scratch, Tokenizer};
+use crate::model::{
+    ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
+};
 pub use crate::placement::TierPlacement;
 use crate::placement::{EvicPress, EvicPressStats};
 use crate::policy::{AttnDims, PolicyKind, PolicySpec, StepProbs};
@@ -63,6 +65,47 @@ pub struct EngineConfig {
     /// kept (+2 bytes per weight). Faster prefill and batched decode and logits closer to float32, but single-stream
     /// decode is slower (it streams 4× the weight bytes). Off by default.
     pub amx: bool,
+    /// Serve a synthetic-weights model of this shape instead of loading `model_path` (throughput benchmarks of
+    /// shapes whose weights are not on the machine; outputs are meaningless, see [`crate::model::synthetic`]).
+    pub synthetic: Option<SyntheticSpec>,
+    /// Where the model runs: the CPU backend, or a GPU through the CUDA backend (feature `cuda`).
+    pub device: Device,
+}
+
+/// The compute device of a runner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU backend (`pagoda_kernels::CpuBackend`), KV in host memory.
+    #[default]
+    Cpu,
+    /// CUDA device with this ordinal: weights, activations and KV on the GPU ([`crate::runner_cuda`]).
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(0) => f.write_str("cuda"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) if n < 64 => Ok(Device::Cuda(n)),
+                _ => Err(format!("device {s:?}: expected cpu, cuda or cuda:N (N < 64)")),
+            },
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -82,6 +125,8 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::default(),
             placement: TierPlacement::default(),
             amx: false,
+            synthetic: None,
+            device: Device::Cpu,
         }
     }
 }
@@ -505,8 +550,15 @@ pub struct Engine;
 
 impl Engine {
     /// Loads the GGUF at `config.model_path` and starts the engine thread.
+    /// Starts the engine on `config.device`.
     pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
-        Engine::start_with(config, LlamaRunner::load)
+        match config.device {
+            Device::Cpu => Engine::start_with(config, LlamaRunner::load),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Engine::start_with(config, crate::runner_cuda::CudaRunner::load),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(no_cuda_build()),
+        }
     }
 
     /// Starts the engine thread with a runner built on that thread by `make`.
@@ -1282,7 +1334,7 @@ fn recycle_steps<'b>(mut v: Vec<StepSeq<'_>>) -> Vec<StepSeq<'b>> {
 }
 
 #[allow(clippy::unnecessary_filter_map)]
-fn recycle_forward<'b>(mut v: Vec<ForwardSeq<'_>>) -> Vec<ForwardSeq<'b>> {
+pub(crate) fn recycle_forward<'b>(mut v: Vec<ForwardSeq<'_>>) -> Vec<ForwardSeq<'b>> {
     v.clear();
     v.into_iter().filter_map(|_| None).collect()
 }
@@ -1313,53 +1365,98 @@ pub struct LlamaRunner {
     batch: Vec<ForwardSeq<'static>>,
 }
 
-impl LlamaRunner {
-    /// Loads `cfg.model_path` and allocates `cfg.num_blocks` KV blocks (0 = two full contexts).
-    pub fn load(cfg: &EngineConfig) -> Result<LlamaRunner, EngineError> {
-        let model_err = |e: ModelError| EngineError::Model(e.to_string());
-        let gguf = Gguf::open(&cfg.model_path).map_err(model_err)?;
-        let tokenizer = Tokenizer::from_gguf(&gguf).map_err(model_err)?;
-        let model = LlamaModel::load(&gguf).map_err(model_err)?;
-        let mc = model.config().clone();
-        let layout = CacheLayout { n_layers: mc.n_layers, n_kv_heads: mc.n_kv_heads, block_size: cfg.block_size };
-        let num_blocks = match (cfg.kv_cache_tokens, cfg.num_blocks) {
-            (0, 0) => auto_num_blocks(layout, mc.ctx_len),
-            (0, blocks) => blocks,
-            (tokens, _) => layout.blocks_for_tokens(tokens),
-        };
-        if num_blocks < layout.group_size() {
-            return Err(EngineError::Config(format!(
-                "num_blocks {num_blocks} cannot hold one token group ({} blocks)",
-                layout.group_size()
-            )));
+/// The hyper-parameters of the model `cfg` names (its synthetic shape, or the GGUF's metadata), without loading
+/// weights: callers size a KV pool from them before paying for the load.
+pub fn model_config(cfg: &EngineConfig) -> Result<ModelConfig, EngineError> {
+    match &cfg.synthetic {
+        Some(spec) => Ok(spec.config()),
+        None => Gguf::open(&cfg.model_path)
+            .and_then(|g| ModelConfig::from_gguf(&g))
+            .map_err(|e| EngineError::Model(e.to_string())),
+    }
+}
+
+/// The error of a `--device cuda` request to a binary built without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub fn no_cuda_build() -> EngineError {
+    EngineError::Config("this binary was built without the CUDA backend: rebuild with `--features cuda`".into())
+}
+
+/// Loads `cfg.model_path` (or builds `cfg.synthetic`) and describes it with the KV pool `cfg` asks for
+/// (`cfg.num_blocks` blocks, or `cfg.kv_cache_tokens` worth, or two full contexts when both are 0). Every runner
+/// starts here, so CPU and GPU workers report the same model the same way.
+pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineError> {
+    let model_err = |e: ModelError| EngineError::Model(e.to_string());
+    let (model, model_id, name, eos_token_ids, bos_token_id) = match &cfg.synthetic {
+        Some(spec) => {
+            tracing::warn!(model = %spec, "serving a SYNTHETIC-weights model: its outputs are meaningless");
+            let model = LlamaModel::synthetic(spec).map_err(model_err)?;
+            (model, spec.model_name(), spec.model_name(), Vec::new(), None)
         }
-        let file_stem = cfg.model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        let name =
-            gguf.get_str_opt("general.name").ok().flatten().map(str::to_owned).unwrap_or_else(|| file_stem.clone());
-        let info = ModelInfo {
-            model_id: file_stem,
-            name,
-            context_length: mc.ctx_len,
-            vocab_size: mc.vocab,
-            eos_token_ids: tokenizer.eos_token_ids().to_vec(),
-            bos_token_id: tokenizer.bos_id(),
-            n_layers: mc.n_layers,
-            n_heads: mc.n_heads,
-            n_kv_heads: mc.n_kv_heads,
-            head_dim: mc.head_dim,
-            block_size: cfg.block_size,
-            num_blocks,
-            kv_dtype: cfg.kv_dtype,
-        };
+        None => {
+            let gguf = Gguf::open(&cfg.model_path).map_err(model_err)?;
+            let tokenizer = Tokenizer::from_gguf(&gguf).map_err(model_err)?;
+            let model = LlamaModel::load(&gguf).map_err(model_err)?;
+            let file_stem = cfg.model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let name =
+                gguf.get_str_opt("general.name").ok().flatten().map(str::to_owned).unwrap_or_else(|| file_stem.clone());
+            (model, file_stem, name, tokenizer.eos_token_ids().to_vec(), tokenizer.bos_id())
+        }
+    };
+    let mc = model.config().clone();
+    let layout = CacheLayout { n_layers: mc.n_layers, n_kv_heads: mc.n_kv_heads, block_size: cfg.block_size };
+    let num_blocks = match (cfg.kv_cache_tokens, cfg.num_blocks) {
+        (0, 0) => auto_num_blocks(layout, mc.ctx_len),
+        (0, blocks) => blocks,
+        (tokens, _) => layout.blocks_for_tokens(tokens),
+    };
+    if num_blocks < layout.group_size() {
+        return Err(EngineError::Config(format!(
+            "num_blocks {num_blocks} cannot hold one token group ({} blocks)",
+            layout.group_size()
+        )));
+    }
+    let info = ModelInfo {
+        model_id,
+        name,
+        context_length: mc.ctx_len,
+        vocab_size: mc.vocab,
+        eos_token_ids,
+        bos_token_id,
+        n_layers: mc.n_layers,
+        n_heads: mc.n_heads,
+        n_kv_heads: mc.n_kv_heads,
+        head_dim: mc.head_dim,
+        block_size: cfg.block_size,
+        num_blocks,
+        kv_dtype: cfg.kv_dtype,
+    };
+    Ok((model, info))
+}
+
+impl LlamaRunner {
+    /// Loads the model ([`load_model`]) and allocates its KV arena in host memory.
+    pub fn load(cfg: &EngineConfig) -> Result<LlamaRunner, EngineError> {
+        if cfg.device != Device::Cpu {
+            return Err(EngineError::Config(format!("the CPU runner cannot serve --device {}", cfg.device)));
+        }
+        let (model, info) = load_model(cfg)?;
         let threads = resolve_threads(cfg.threads);
         Ok(LlamaRunner {
-            kv: KvStorage::with_dtype(num_blocks, cfg.block_size, mc.head_dim, cfg.kv_dtype),
+            kv: KvStorage::with_dtype(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype),
             scratch: Scratch::new(),
             backend: CpuBackend::new(threads).with_amx(cfg.amx),
             model,
             info,
             batch: Vec::new(),
         })
+    }
+
+    /// The same runner over f32 copies of its weights ([`LlamaModel::to_f32_weights`]): no activation
+    /// quantisation, so it is the CPU reference the GPU runner (f16 weights and activations) is compared with.
+    pub fn into_f32_weights(self) -> Result<LlamaRunner, EngineError> {
+        let model = self.model.to_f32_weights().map_err(|e| EngineError::Model(e.to_string()))?;
+        Ok(LlamaRunner { model, ..self })
     }
 }
 
@@ -1510,6 +1607,28 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn devices_parse_and_print_back() {
+        for (text, want) in
+            [("cpu", Device::Cpu), ("CUDA", Device::Cuda(0)), ("gpu", Device::Cuda(0)), ("cuda:3", Device::Cuda(3))]
+        {
+            let d: Device = text.parse().unwrap();
+            assert_eq!(d, want, "{text}");
+            assert_eq!(d.to_string().parse::<Device>().unwrap(), d);
+        }
+        for bad in ["tpu", "cuda:", "cuda:-1", "cuda:64", ""] {
+            assert!(bad.parse::<Device>().is_err_and(|e| e.contains("expected cpu, cuda")), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_cpu_runner_refuses_a_gpu_config_and_a_cpu_only_build_says_why() {
+        let cfg = EngineConfig { device: Device::Cuda(0), ..EngineConfig::default() };
+        assert!(LlamaRunner::load(&cfg).is_err_and(|e| e.to_string().contains("cannot serve --device cuda")));
+        #[cfg(not(feature = "cuda"))]
+        assert!(Engine::start(cfg).is_err_and(|e| e.to_string().contains("--features cuda")));
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub mod model;
 pub mod placement;
 pub mod policy;
 pub mod reporter;
+#[cfg(feature = "cuda")]
+pub mod runner_cuda;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;

@@ -257,15 +257,38 @@ impl CudaContext {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.gemm_f16_beta("gemm_f16", w, x, n, out, 0.0)
+    }
+
+    /// `out[n][w.rows()] += x[n][w.cols()] · wᵀ`: cuBLAS adds into `out` (beta = 1), so a projection lands on the
+    /// residual stream without a separate add. CPU twin: `Backend::matmul` followed by an element-wise add.
+    pub fn gemm_f16_accumulate(
+        &self,
+        w: &CudaWeight,
+        x: &CudaSlice<u16>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.gemm_f16_beta("gemm_f16_accumulate", w, x, n, out, 1.0)
+    }
+
+    fn gemm_f16_beta(
+        &self,
+        op: &'static str,
+        w: &CudaWeight,
+        x: &CudaSlice<u16>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+        beta: f32,
+    ) -> Result<(), CudaError> {
         if x.len() != n * w.cols || out.len() != n * w.rows {
-            return Err(CudaError::invalid("gemm_f16", "x must be [n][cols] and out [n][rows]"));
+            return Err(CudaError::invalid(op, "x must be [n][cols] and out [n][rows]"));
         }
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (m, nn, k) =
-            (to_i32("gemm_f16", "rows", w.rows)?, to_i32("gemm_f16", "n", n)?, to_i32("gemm_f16", "cols", w.cols)?);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (m, nn, k) = (to_i32(op, "rows", w.rows)?, to_i32(op, "n", n)?, to_i32(op, "cols", w.cols)?);
+        let alpha = 1.0f32;
         let stream = self.stream();
         let (wp, _gw) = w.data.device_ptr(stream);
         let (xp, _gx) = x.device_ptr(stream);

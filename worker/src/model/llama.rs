@@ -125,26 +125,27 @@ impl Scratch {
     }
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: QMatrix,
-    wk: QMatrix,
-    wv: QMatrix,
-    wo: QMatrix,
-    ffn_norm: Vec<f32>,
-    w_gate: QMatrix,
-    w_up: QMatrix,
-    w_down: QMatrix,
+/// One transformer block's weights.
+pub(super) struct Layer {
+    pub(super) attn_norm: Vec<f32>,
+    pub(super) wq: QMatrix,
+    pub(super) wk: QMatrix,
+    pub(super) wv: QMatrix,
+    pub(super) wo: QMatrix,
+    pub(super) ffn_norm: Vec<f32>,
+    pub(super) w_gate: QMatrix,
+    pub(super) w_up: QMatrix,
+    pub(super) w_down: QMatrix,
 }
 
 /// A llama-family model's weights.
 pub struct LlamaModel {
     config: ModelConfig,
-    embed: QMatrix,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
+    pub(super) embed: QMatrix,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: Vec<f32>,
     /// `output.weight`; `None` when the embeddings are tied (the LM head is `token_embd`).
-    output: Option<QMatrix>,
+    pub(super) output: Option<QMatrix>,
 }
 
 impl std::fmt::Debug for LlamaModel {
@@ -221,6 +222,17 @@ impl LlamaModel {
         Ok(LlamaModel { config, embed, layers, norm, output })
     }
 
+    /// A model from weights built elsewhere in `model/` (the synthetic generator); shapes follow `config`.
+    pub(super) fn from_parts(
+        config: ModelConfig,
+        embed: QMatrix,
+        layers: Vec<Layer>,
+        norm: Vec<f32>,
+        output: Option<QMatrix>,
+    ) -> LlamaModel {
+        LlamaModel { config, embed, layers, norm, output }
+    }
+
     /// A copy with every weight matrix dequantised to F32 (about 4 bytes per parameter). The F32 matmul does not
     /// quantise activations, so this isolates the forward pass from quantisation error (reference tests).
     pub fn to_f32_weights(&self) -> Result<LlamaModel, ModelError> {
@@ -273,61 +285,6 @@ impl LlamaModel {
         self.output.is_none()
     }
 
-    fn validate(&self, kv: &KvStorage, seqs: &[ForwardSeq<'_>]) -> Result<usize, ModelError> {
-        let c = &self.config;
-        if kv.head_dim() != c.head_dim {
-            return Err(invalid(format!("KV storage head_dim {} != model head_dim {}", kv.head_dim(), c.head_dim)));
-        }
-        let n_tables = c.n_kv_tables();
-        let mut total = 0usize;
-        for (si, s) in seqs.iter().enumerate() {
-            let n = s.tokens.len();
-            if n == 0 {
-                return Err(invalid(format!("sequence {si} has no tokens")));
-            }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
-                return Err(invalid(format!("sequence {si}: token id {bad} >= vocabulary size {}", c.vocab)));
-            }
-            let end = (s.start_pos as usize).checked_add(n).filter(|&e| e <= c.ctx_len).ok_or_else(|| {
-                invalid(format!(
-                    "sequence {si}: positions {}..{} exceed the context length {}",
-                    s.start_pos,
-                    s.start_pos as usize + n,
-                    c.ctx_len
-                ))
-            })?;
-            debug_assert!(end <= u32::MAX as usize);
-            if s.tables.len() != n_tables || s.prior_lens.len() != n_tables {
-                return Err(invalid(format!(
-                    "sequence {si}: {} tables and {} lengths, expected n_layers * n_kv_heads = {n_tables}",
-                    s.tables.len(),
-                    s.prior_lens.len()
-                )));
-            }
-            for (ti, (table, &prior)) in s.tables.iter().zip(s.prior_lens).enumerate() {
-                let need =
-                    prior.checked_add(n).ok_or_else(|| invalid(format!("sequence {si}: cache length overflows")))?;
-                let cap = table.len().saturating_mul(kv.block_size());
-                if cap < need {
-                    return Err(invalid(format!(
-                        "sequence {si}, table {ti} (layer {}, kv-head {}): {} blocks hold {cap} slots, need {need}",
-                        ti / c.n_kv_heads,
-                        ti % c.n_kv_heads,
-                        table.len()
-                    )));
-                }
-                if let Some(&b) = table.iter().find(|&&b| b as usize >= kv.num_blocks()) {
-                    return Err(invalid(format!(
-                        "sequence {si}, table {ti}: block {b} >= {} blocks in KV storage",
-                        kv.num_blocks()
-                    )));
-                }
-            }
-            total = total.checked_add(n).ok_or_else(|| invalid("too many tokens".into()))?;
-        }
-        Ok(total)
-    }
-
     /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`.
     ///
     /// The caller reserves blocks so every table has room for `prior_lens + tokens.len()` slots, and advances the
@@ -341,7 +298,7 @@ impl LlamaModel {
         scratch: &mut Scratch,
         out: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
-        let total = self.validate(kv, seqs)?;
+        let total = validate_step(&self.config, (kv.head_dim(), kv.block_size(), kv.num_blocks()), seqs)?;
         if total == 0 {
             return Ok(());
         }
@@ -488,6 +445,65 @@ impl LlamaModel {
         backend.matmul(lm_head, head_norm, m, &mut out[start..]);
         Ok(())
     }
+}
+
+/// Checks a step against the model and a KV arena of `kv_shape` = (head_dim, block_size, num_blocks); returns
+/// the step's total tokens. Shared by the CPU forward and its GPU twin.
+pub(super) fn validate_step(
+    c: &ModelConfig,
+    kv_shape: (usize, usize, usize),
+    seqs: &[ForwardSeq<'_>],
+) -> Result<usize, ModelError> {
+    let (head_dim, block_size, num_blocks) = kv_shape;
+    if head_dim != c.head_dim {
+        return Err(invalid(format!("KV storage head_dim {head_dim} != model head_dim {}", c.head_dim)));
+    }
+    let n_tables = c.n_kv_tables();
+    let mut total = 0usize;
+    for (si, s) in seqs.iter().enumerate() {
+        let n = s.tokens.len();
+        if n == 0 {
+            return Err(invalid(format!("sequence {si} has no tokens")));
+        }
+        if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(invalid(format!("sequence {si}: token id {bad} >= vocabulary size {}", c.vocab)));
+        }
+        let end = (s.start_pos as usize).checked_add(n).filter(|&e| e <= c.ctx_len).ok_or_else(|| {
+            invalid(format!(
+                "sequence {si}: positions {}..{} exceed the context length {}",
+                s.start_pos,
+                s.start_pos as usize + n,
+                c.ctx_len
+            ))
+        })?;
+        debug_assert!(end <= u32::MAX as usize);
+        if s.tables.len() != n_tables || s.prior_lens.len() != n_tables {
+            return Err(invalid(format!(
+                "sequence {si}: {} tables and {} lengths, expected n_layers * n_kv_heads = {n_tables}",
+                s.tables.len(),
+                s.prior_lens.len()
+            )));
+        }
+        for (ti, (table, &prior)) in s.tables.iter().zip(s.prior_lens).enumerate() {
+            let need = prior.checked_add(n).ok_or_else(|| invalid(format!("sequence {si}: cache length overflows")))?;
+            let cap = table.len().saturating_mul(block_size);
+            if cap < need {
+                return Err(invalid(format!(
+                    "sequence {si}, table {ti} (layer {}, kv-head {}): {} blocks hold {cap} slots, need {need}",
+                    ti / c.n_kv_heads,
+                    ti % c.n_kv_heads,
+                    table.len()
+                )));
+            }
+            if let Some(&b) = table.iter().find(|&&b| b as usize >= num_blocks) {
+                return Err(invalid(format!(
+                    "sequence {si}, table {ti}: block {b} >= {num_blocks} blocks in KV storage"
+                )));
+            }
+        }
+        total = total.checked_add(n).ok_or_else(|| invalid("too many tokens".into()))?;
+    }
+    Ok(total)
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {

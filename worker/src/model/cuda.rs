@@ -1,0 +1,267 @@
+//! The llama forward pass on an NVIDIA GPU ([`CudaLlama`], feature `cuda`): the GPU twin of
+//! [`LlamaModel::forward`], step for step.
+//!
+//! Weights are uploaded once and dequantised to f16 on the device (GGUF Q4_1/Q8_0 → f16); activations stay in
+//! device f32 buffers; every projection is a cuBLAS GEMM over f16 inputs with f32 accumulation, and the o- and
+//! down-projections add straight into the residual stream (beta = 1). The KV cache lives in device f16 arenas
+//! ([`CudaKv`]) with the same head-paged block layout, block tables and lengths as the CPU's [`KvStorage`], so the
+//! scheduler, block pool and prefix cache drive both alike. Only the logits rows a step asks for come back to the
+//! host.
+//!
+//! Not here yet: the queries and attention sums that eviction policies read (the runner reports no host KV, so
+//! requests keep their full cache), and CUDA graphs (each step launches its kernels one by one).
+//!
+//! [`KvStorage`]: pagoda_kernels::KvStorage
+
+use pagoda_kernels::AttnSeq;
+use pagoda_kernels::cuda::{CudaContext, CudaError, CudaKv, CudaWeight};
+use pagoda_kernels::cudarc::driver::CudaSlice;
+
+use super::config::ModelConfig;
+use super::error::ModelError;
+use super::llama::{ForwardSeq, LlamaModel, LogitsWanted, validate_step};
+
+fn gpu_err(e: CudaError) -> ModelError {
+    ModelError::Kernel(format!("cuda: {e}"))
+}
+
+struct CudaLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: CudaWeight,
+    wk: CudaWeight,
+    wv: CudaWeight,
+    wo: CudaWeight,
+    ffn_norm: CudaSlice<f32>,
+    w_gate: CudaWeight,
+    w_up: CudaWeight,
+    w_down: CudaWeight,
+}
+
+/// Device activations for steps of exactly `rows` tokens. Kept while consecutive steps have the same size (steady
+/// decode), replaced when the size changes: allocations go through the stream-ordered pool, so a new set costs
+/// little, and the kernels' shape checks see buffers of exactly the step's size.
+struct Buffers {
+    rows: usize,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    /// `xn` rounded to f16 for the GEMMs (q, k, v, gate and up read the same copy).
+    xn_h: CudaSlice<u16>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    attn_h: CudaSlice<u16>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    gate_h: CudaSlice<u16>,
+}
+
+impl Buffers {
+    fn new(cx: &CudaContext, c: &ModelConfig, rows: usize) -> Result<Buffers, CudaError> {
+        Ok(Buffers {
+            rows,
+            x: cx.zeros(rows * c.hidden)?,
+            xn: cx.zeros(rows * c.hidden)?,
+            xn_h: cx.zeros(rows * c.hidden)?,
+            q: cx.zeros(rows * c.q_dim())?,
+            k: cx.zeros(rows * c.kv_dim())?,
+            v: cx.zeros(rows * c.kv_dim())?,
+            attn: cx.zeros(rows * c.q_dim())?,
+            attn_h: cx.zeros(rows * c.q_dim())?,
+            gate: cx.zeros(rows * c.ffn)?,
+            up: cx.zeros(rows * c.ffn)?,
+            gate_h: cx.zeros(rows * c.ffn)?,
+        })
+    }
+}
+
+/// A llama model and its KV cache on one GPU.
+pub struct CudaLlama {
+    cx: CudaContext,
+    config: ModelConfig,
+    embed: CudaWeight,
+    layers: Vec<CudaLayer>,
+    norm: CudaSlice<f32>,
+    /// `None`: the LM head is the embedding (tied).
+    output: Option<CudaWeight>,
+    kv: CudaKv,
+    bufs: Option<Buffers>,
+    // Host-side step bookkeeping, reused.
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    out_rows: Vec<usize>,
+}
+
+impl std::fmt::Debug for CudaLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLlama").field("device", &self.cx.info().name).field("config", &self.config).finish()
+    }
+}
+
+impl CudaLlama {
+    /// Uploads `model` to the GPU of `cx` and allocates `num_blocks` f16 KV blocks of `block_size` slots.
+    pub fn new(
+        cx: CudaContext,
+        model: &LlamaModel,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<CudaLlama, ModelError> {
+        let c = model.config().clone();
+        let w = |m| CudaWeight::from_qmatrix(&cx, m).map_err(gpu_err);
+        let v = |x: &[f32]| cx.upload(x).map_err(gpu_err);
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(CudaLayer {
+                    attn_norm: v(&l.attn_norm)?,
+                    wq: w(&l.wq)?,
+                    wk: w(&l.wk)?,
+                    wv: w(&l.wv)?,
+                    wo: w(&l.wo)?,
+                    ffn_norm: v(&l.ffn_norm)?,
+                    w_gate: w(&l.w_gate)?,
+                    w_up: w(&l.w_up)?,
+                    w_down: w(&l.w_down)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let embed = w(&model.embed)?;
+        let output = model.output.as_ref().map(w).transpose()?;
+        let norm = v(&model.norm)?;
+        let kv = CudaKv::new(&cx, num_blocks, block_size, c.head_dim).map_err(gpu_err)?;
+        cx.synchronize().map_err(gpu_err)?;
+        Ok(CudaLlama {
+            cx,
+            config: c,
+            embed,
+            layers,
+            norm,
+            output,
+            kv,
+            bufs: None,
+            ids: Vec::new(),
+            positions: Vec::new(),
+            out_rows: Vec::new(),
+        })
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The GPU this model runs on.
+    pub fn device(&self) -> &CudaContext {
+        &self.cx
+    }
+
+    /// The device KV cache.
+    pub fn kv(&self) -> &CudaKv {
+        &self.kv
+    }
+
+    /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`, exactly as
+    /// [`LlamaModel::forward`] does. Inputs are validated first with the same checks; on error nothing is written.
+    /// `capture_q` and `attention_sums` are not served on the GPU and are ignored.
+    pub fn forward(&mut self, seqs: &[ForwardSeq<'_>], out: &mut Vec<f32>) -> Result<(), ModelError> {
+        let kv_shape = (self.kv.head_dim(), self.kv.block_size(), self.kv.num_blocks());
+        let total = validate_step(&self.config, kv_shape, seqs)?;
+        if total == 0 {
+            return Ok(());
+        }
+        self.ids.clear();
+        self.positions.clear();
+        self.out_rows.clear();
+        let mut row = 0usize;
+        for s in seqs {
+            self.ids.extend_from_slice(s.tokens);
+            self.positions.extend((0..s.tokens.len() as u32).map(|i| s.start_pos + i));
+            match s.logits {
+                LogitsWanted::Last => self.out_rows.push(row + s.tokens.len() - 1),
+                LogitsWanted::All => self.out_rows.extend(row..row + s.tokens.len()),
+                LogitsWanted::None => {}
+            }
+            row += s.tokens.len();
+        }
+        self.run(seqs, total, out).map_err(gpu_err)
+    }
+
+    fn run(&mut self, seqs: &[ForwardSeq<'_>], total: usize, out: &mut Vec<f32>) -> Result<(), CudaError> {
+        let c = &self.config;
+        let cx = &self.cx;
+        let (nkv, scale) = (c.n_kv_heads, 1.0 / (c.head_dim as f32).sqrt());
+        if self.bufs.as_ref().is_some_and(|b| b.rows != total) {
+            // Free the old set first, so peak memory holds one.
+            self.bufs = None;
+        }
+        let b = match &mut self.bufs {
+            Some(b) => b,
+            empty => empty.insert(Buffers::new(cx, c, total)?),
+        };
+        let ids = cx.upload(&self.ids)?;
+        let positions = cx.upload(&self.positions)?;
+        cx.embedding(&self.embed, &ids, &mut b.x)?;
+
+        let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
+        for (li, layer) in self.layers.iter().enumerate() {
+            cx.rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn)?;
+            cx.f32_to_f16(&b.xn, &mut b.xn_h)?;
+            cx.gemm_f16(&layer.wq, &b.xn_h, total, &mut b.q)?;
+            cx.gemm_f16(&layer.wk, &b.xn_h, total, &mut b.k)?;
+            cx.gemm_f16(&layer.wv, &b.xn_h, total, &mut b.v)?;
+            cx.rope(&mut b.q, &positions, c.n_heads, c.head_dim, c.rope_theta)?;
+            cx.rope(&mut b.k, &positions, nkv, c.head_dim, c.rope_theta)?;
+
+            attn_seqs.clear();
+            let mut q_row = 0usize;
+            for s in seqs {
+                let r = li * nkv..(li + 1) * nkv;
+                attn_seqs.push(AttnSeq {
+                    q_row,
+                    n_new: s.tokens.len(),
+                    tables: &s.tables[r.clone()],
+                    prior_lens: &s.prior_lens[r],
+                });
+                q_row += s.tokens.len();
+            }
+            cx.kv_write(&mut self.kv, &b.k, &b.v, &attn_seqs, nkv)?;
+            let mut plan = cx.plan_attention(&self.kv, &attn_seqs, total, c.n_heads, nkv)?;
+            cx.run_attention(&mut plan, &b.q, &self.kv, scale, &mut b.attn)?;
+            cx.f32_to_f16(&b.attn, &mut b.attn_h)?;
+            cx.gemm_f16_accumulate(&layer.wo, &b.attn_h, total, &mut b.x)?;
+
+            cx.rmsnorm(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn)?;
+            cx.f32_to_f16(&b.xn, &mut b.xn_h)?;
+            cx.gemm_f16(&layer.w_gate, &b.xn_h, total, &mut b.gate)?;
+            cx.gemm_f16(&layer.w_up, &b.xn_h, total, &mut b.up)?;
+            cx.silu_mul(&mut b.gate, &b.up)?;
+            cx.f32_to_f16(&b.gate, &mut b.gate_h)?;
+            cx.gemm_f16_accumulate(&layer.w_down, &b.gate_h, total, &mut b.x)?;
+        }
+
+        let m = self.out_rows.len();
+        if m == 0 {
+            // Nothing comes back, but the step's KV writes must be done before the caller reuses its tables.
+            return cx.synchronize();
+        }
+        let hidden = c.hidden;
+        let mut head_in = cx.zeros::<f32>(m * hidden)?;
+        for (i, &r) in self.out_rows.iter().enumerate() {
+            let src = b.x.slice(r * hidden..(r + 1) * hidden);
+            let mut dst = head_in.slice_mut(i * hidden..(i + 1) * hidden);
+            cx.stream().memcpy_dtod(&src, &mut dst)?;
+        }
+        let mut head_norm = cx.zeros::<f32>(m * hidden)?;
+        cx.rmsnorm(&head_in, &self.norm, c.rms_eps, &mut head_norm)?;
+        let mut head_h = cx.zeros::<u16>(m * hidden)?;
+        cx.f32_to_f16(&head_norm, &mut head_h)?;
+        let lm_head = self.output.as_ref().unwrap_or(&self.embed);
+        let mut logits = cx.zeros::<f32>(m * c.vocab)?;
+        cx.gemm_f16(lm_head, &head_h, m, &mut logits)?;
+        let start = out.len();
+        out.resize(start + m * c.vocab, 0.0);
+        cx.stream().memcpy_dtoh(&logits, &mut out[start..])?;
+        cx.synchronize()
+    }
+}
