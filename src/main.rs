@@ -16,6 +16,7 @@
 //! Without `--model`, the default model `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used and fetched with
 //! `scripts/fetch-model.sh` when missing.
 
+mod bench_kernels;
 mod bench_plot;
 mod bench_routing;
 mod eval_plot;
@@ -588,6 +589,9 @@ enum BenchCommand {
     Kvstore(BenchKvstoreArgs),
     /// Prefill and decode throughput of the engine on the real model.
     Engine(BenchEngineArgs),
+    /// Decode-attention bandwidth (bytes of K and V read per second) per KV format, batch size and context, on the
+    /// CPU or a GPU, next to the machine's copy bandwidth.
+    Kernels(bench_kernels::BenchKernelsArgs),
     /// Throughput under KV memory pressure: full cache against each eviction policy and budget, same load, same
     /// pool, one fresh engine per configuration.
     Eviction(BenchEvictionArgs),
@@ -886,6 +890,7 @@ fn main() -> Result<()> {
     let telemetry = telemetry::init(service_name(&cli.command))?;
     let res = match cli.command {
         Command::Bench(BenchCommand::Engine(args)) => bench_engine(args),
+        Command::Bench(BenchCommand::Kernels(args)) => bench_kernels::run(args),
         Command::Eval(args) => eval(args),
         Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),

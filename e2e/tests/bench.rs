@@ -113,3 +113,42 @@ fn bench_engine_refuses_bad_shapes_and_devices_clearly() {
         );
     }
 }
+
+/// `pagoda bench kernels` through the real binary at a tiny grid: every (format, batch, context) point is
+/// reported with the bytes it read, and bad grids are refused.
+#[test]
+fn bench_kernels_reports_every_point() {
+    let out = std::env::temp_dir().join(format!("pagoda-bench-kernels-{}.json", std::process::id()));
+    let output = std::process::Command::new(BIN)
+        .args(["bench", "kernels", "--threads", "2", "--kv-formats", "f16,pool:int8,int4_kivi"])
+        .args(["--batches", "1,3", "--contexts", "100,512", "--budget-ms", "5", "--json"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    assert!(v["copy_bytes_per_s"].as_f64().unwrap() > 1e8, "{v:#}");
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3 * 2 * 2, "{v:#}");
+    for p in points {
+        assert!(p["seconds"].as_f64().unwrap() > 0.0 && p["bytes_per_s"].as_f64().unwrap() > 0.0, "{p:#}");
+    }
+    // 3 sequences x 3 kv-heads x 32 blocks of 16 x 64 f16 slots, K and V.
+    let f16 = points.iter().find(|p| p["format"] == "f16" && p["batch"] == 3 && p["context"] == 512).unwrap();
+    assert_eq!(f16["kv_bytes"], 3 * 3 * 32 * 4096, "{f16:#}");
+    let int4 = points.iter().find(|p| p["format"] == "int4_kivi" && p["batch"] == 3 && p["context"] == 512).unwrap();
+    assert!(int4["kv_bytes"].as_u64().unwrap() < f16["kv_bytes"].as_u64().unwrap() / 2, "{int4:#}");
+
+    for (args, want) in [
+        (vec!["--kv-formats", "int3"], "--kv-formats"),
+        (vec!["--batches", "0"], "outside 1..=256"),
+        (vec!["--contexts", "1000000"], "outside 1..=131072"),
+        (vec!["--shape", "llama-70b"], "expected smollm2 or llama-8b"),
+    ] {
+        let output = std::process::Command::new(BIN).args(["bench", "kernels"]).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && stderr.contains(want), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

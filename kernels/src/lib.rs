@@ -10,6 +10,7 @@
 //!   and portable scalar kernels that double as the test reference;
 //! - [`scores`]: the KV-cache eviction score kernels (key norms, PagedEviction's value/key ratio, KeyDiff, windowed
 //!   attention for SnapKV/H2O/KV-Compress, pooling, block means, top-k) that eviction policies rank slots with;
+//! - [`attention_bench`]: decode-attention bandwidth per KV format (`pagoda bench kernels`);
 //! - [`codec`]: KV block codecs (f16, bf16, int8, fp8 e4m3, KIVI int4/int2) with a versioned byte format, and
 //!   [`EncodedKv`], the compressed arena that [`cpu::codecs`] runs dequantise-on-load attention over.
 //!
@@ -22,6 +23,7 @@
 //! assert!((out[0] - 16.0).abs() < 0.1);
 //! ```
 
+pub mod attention_bench;
 pub mod backend;
 pub mod codec;
 pub mod cpu;

@@ -7,12 +7,14 @@
 //! - [`ops`]: RMSNorm, RoPE, SiLU·mul, embedding, f16 weights ([`CudaWeight`], GGUF Q4_1/Q8_0 dequantised on load)
 //!   and the cuBLAS GEMM;
 //! - [`kv`]: the f16 head-paged arenas ([`CudaKv`]), KV write, block copy/compaction, policy scores;
+//! - [`bench`]: the GPU measurements of `pagoda bench kernels` (copy bandwidth, decode-attention bandwidth);
 //! - [`attention`]: paged decode (split-K + reduce) and prefill (tiled, causal) attention with GQA;
 //! - [`error`]: the error type, [`CudaError`].
 //!
 //! Every kernel has a CPU twin in this crate; `kernels/tests/cuda_parity.rs` compares them.
 
 pub mod attention;
+pub mod bench;
 pub mod compile;
 pub mod context;
 pub mod error;

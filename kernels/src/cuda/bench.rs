@@ -1,0 +1,81 @@
+//! The GPU side of `pagoda bench kernels` (and the `cuda-bench` binary): device-to-device copy bandwidth, and
+//! paged decode attention over an f16 [`CudaKv`] at the batch sizes and contexts asked for, timed with CUDA events.
+//! Shapes, block tables and the result type are the CPU measurement's ([`crate::attention_bench`]).
+
+use super::context::CudaContext;
+use super::error::CudaError;
+use super::kv::CudaKv;
+use crate::attention_bench::{AttnBenchPoint, AttnBenchShape, scattered_tables};
+use crate::paged::AttnSeq;
+
+/// Seconds per call of `f`, timed with CUDA events over enough repetitions to fill about `budget_ms`.
+pub fn time_it(
+    cx: &CudaContext,
+    budget_ms: f32,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    let drv = cx.driver();
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    for _ in 0..3 {
+        f()?;
+    }
+    let (a, b) = (drv.new_event(flags)?, drv.new_event(flags)?);
+    a.record(cx.stream())?;
+    f()?;
+    b.record(cx.stream())?;
+    let one = a.elapsed_ms(&b)?.max(1e-3);
+    let reps = ((budget_ms / one) as usize).clamp(5, 500);
+    a.record(cx.stream())?;
+    for _ in 0..reps {
+        f()?;
+    }
+    b.record(cx.stream())?;
+    Ok(f64::from(a.elapsed_ms(&b)?) / 1e3 / reps as f64)
+}
+
+/// Bytes read plus bytes written per second by a device-to-device copy of 1 GiB.
+pub fn copy_bandwidth(cx: &CudaContext) -> Result<f64, CudaError> {
+    let n = 1usize << 28;
+    let src = cx.zeros::<f32>(n)?;
+    let mut dst = cx.zeros::<f32>(n)?;
+    let t = time_it(cx, 200.0, || Ok(cx.stream().memcpy_dtod(&src, &mut dst)?))?;
+    Ok(2.0 * (n * 4) as f64 / t)
+}
+
+/// Paged decode attention over an f16 cache: one point per (batch, context), each sequence at `context` slots per
+/// kv-head over scattered blocks of an arena sized for the largest point.
+pub fn decode_attention(
+    cx: &CudaContext,
+    shape: &AttnBenchShape,
+    batches: &[usize],
+    contexts: &[usize],
+) -> Result<Vec<AttnBenchPoint>, CudaError> {
+    let (bs, hd, nkv, nh) = (shape.block_size, shape.head_dim, shape.n_kv_heads, shape.n_heads);
+    let max_blocks =
+        batches.iter().max().copied().unwrap_or(1) * nkv * contexts.iter().max().copied().unwrap_or(1).div_ceil(bs);
+    let kv = CudaKv::new(cx, max_blocks, bs, hd)?;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut points = Vec::new();
+    for &b in batches {
+        for &ctx in contexts {
+            let tables = scattered_tables(shape, b, ctx, max_blocks);
+            let prior = vec![ctx - 1; nkv];
+            let seqs: Vec<AttnSeq<'_>> =
+                (0..b).map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &prior }).collect();
+            let q = cx.zeros::<f32>(b * nh * hd)?;
+            let mut out = cx.zeros::<f32>(b * nh * hd)?;
+            let mut plan = cx.plan_attention(&kv, &seqs, b, nh, nkv)?;
+            let t = time_it(cx, 100.0, || cx.run_attention(&mut plan, &q, &kv, scale, &mut out))?;
+            let kv_bytes = plan.decode_kv_bytes();
+            points.push(AttnBenchPoint {
+                format: "f16".into(),
+                batch: b,
+                context: ctx,
+                kv_bytes,
+                seconds: t,
+                bytes_per_s: kv_bytes as f64 / t,
+            });
+        }
+    }
+    Ok(points)
+}

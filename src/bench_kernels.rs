@@ -1,0 +1,168 @@
+//! `pagoda bench kernels`: decode-attention bandwidth per KV format, batch size and context length, on the CPU
+//! backend or (binaries built with `--features cuda`) the GPU, next to the machine's own copy bandwidth. The
+//! measurements live in `pagoda_kernels::attention_bench` (CPU) and `pagoda_kernels::cuda::bench` (GPU); this
+//! module owns the flags, the table and the JSON.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use pagoda_kernels::CpuBackend;
+use pagoda_kernels::attention_bench::{
+    AttnBenchPoint, AttnBenchShape, KvFormat, cpu_copy_bandwidth, cpu_decode_attention,
+};
+use pagoda_worker::engine::Device;
+use serde_json::json;
+
+/// Most batch sizes or contexts one run takes, and their ranges (every input has a bound).
+const MAX_POINTS: usize = 16;
+const MAX_BATCH: usize = 256;
+const MAX_CONTEXT: usize = 131_072;
+
+#[derive(Args)]
+pub struct BenchKernelsArgs {
+    /// cpu, or cuda / cuda:N (binaries built with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
+    /// Attention shape: smollm2 (9 q / 3 kv heads of 64) or llama-8b (32 q / 8 kv heads of 128).
+    #[arg(long, default_value = "smollm2", value_parser = parse_shape)]
+    shape: AttnBenchShape,
+    /// KV formats, comma-separated: f16 and f32 (the pool's arenas), pool:int8 and pool:fp8_e4m3 (the pool's 8-bit
+    /// dtypes), and the encoded codecs bf16, int8, fp8_e4m3, int4_kivi, int2_kivi ("all" for every one). The GPU
+    /// measures f16.
+    #[arg(long, value_delimiter = ',', default_value = "f16,int8,fp8_e4m3,int4_kivi,int2_kivi")]
+    kv_formats: Vec<String>,
+    /// Decode batch sizes (default: 1,8,32 on the CPU; 1,4,16,64 on the GPU).
+    #[arg(long, value_delimiter = ',')]
+    batches: Vec<usize>,
+    /// Context lengths in tokens (default: 1024,4096,16384 on the CPU; 1K to 32K on the GPU).
+    #[arg(long, value_delimiter = ',')]
+    contexts: Vec<usize>,
+    /// CPU threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Timing budget per point in milliseconds (the median of the runs inside it is reported).
+    #[arg(long, default_value_t = 300, value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..=60_000))]
+    budget_ms: u64,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse()
+}
+
+fn parse_shape(s: &str) -> Result<AttnBenchShape, String> {
+    s.parse()
+}
+
+fn formats(names: &[String]) -> Result<Vec<KvFormat>> {
+    let all = ["f16", "f32", "pool:int8", "pool:fp8_e4m3", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"];
+    let names: Vec<&str> =
+        if names.iter().any(|n| n == "all") { all.to_vec() } else { names.iter().map(String::as_str).collect() };
+    if names.is_empty() || names.len() > all.len() {
+        bail!("--kv-formats takes 1 to {} formats", all.len());
+    }
+    names.iter().map(|n| n.parse::<KvFormat>().map_err(anyhow::Error::msg).context("--kv-formats")).collect()
+}
+
+fn bounded(what: &str, values: Vec<usize>, default: &[usize], max: usize) -> Result<Vec<usize>> {
+    let values = if values.is_empty() { default.to_vec() } else { values };
+    if values.len() > MAX_POINTS {
+        bail!("--{what} takes at most {MAX_POINTS} values");
+    }
+    if let Some(bad) = values.iter().find(|&&v| v == 0 || v > max) {
+        bail!("--{what}: {bad} is outside 1..={max}");
+    }
+    Ok(values)
+}
+
+pub fn run(a: BenchKernelsArgs) -> Result<()> {
+    let formats = formats(&a.kv_formats)?;
+    let gpu = a.device != Device::Cpu;
+    let batches = bounded("batches", a.batches, if gpu { &[1, 4, 16, 64] } else { &[1, 8, 32] }, MAX_BATCH)?;
+    let contexts = bounded(
+        "contexts",
+        a.contexts,
+        if gpu { &[1024, 2048, 4096, 8192, 16384, 32768] } else { &[1024, 4096, 16384] },
+        MAX_CONTEXT,
+    )?;
+    let budget_s = a.budget_ms as f64 / 1e3;
+    let shape = a.shape;
+    let (device_name, copy_bw, points) = match a.device {
+        Device::Cpu => {
+            let be = CpuBackend::new(pagoda_worker::engine::resolve_threads(a.threads));
+            let copy = cpu_copy_bandwidth(512 << 20, budget_s.max(0.5));
+            let points = cpu_decode_attention(&be, &shape, &formats, &batches, &contexts, budget_s)
+                .context("decode attention on the CPU")?;
+            (format!("cpu ({} threads)", pagoda_worker::engine::resolve_threads(a.threads)), copy, points)
+        }
+        Device::Cuda(ordinal) => gpu_points(ordinal, &shape, &formats, &batches, &contexts)?,
+    };
+    let mut md = format!(
+        "Decode attention on {device_name}: shape {} ({} q / {} kv heads, head_dim {}, block {}); memory copy \
+         {:.1} GB/s (read + write)\n\n| format | batch | context | KV read (MiB) | time (µs) | GB/s | % of copy |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
+        shape.name,
+        shape.n_heads,
+        shape.n_kv_heads,
+        shape.head_dim,
+        shape.block_size,
+        copy_bw / 1e9
+    );
+    for p in &points {
+        md.push_str(&format!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0}% |\n",
+            p.format,
+            p.batch,
+            p.context,
+            p.kv_bytes as f64 / (1u64 << 20) as f64,
+            p.seconds * 1e6,
+            p.bytes_per_s / 1e9,
+            100.0 * p.bytes_per_s / copy_bw
+        ));
+    }
+    let report = json!({
+        "device": device_name,
+        "shape": {"name": shape.name, "n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,
+                  "head_dim": shape.head_dim, "block_size": shape.block_size},
+        "copy_bytes_per_s": copy_bw,
+        "points": points.iter().map(|p| json!({
+            "format": p.format, "batch": p.batch, "context": p.context, "kv_bytes": p.kv_bytes,
+            "seconds": p.seconds, "bytes_per_s": p.bytes_per_s, "fraction_of_copy": p.bytes_per_s / copy_bw,
+        })).collect::<Vec<_>>(),
+    });
+    crate::print_report(&md, &serde_json::to_string_pretty(&report)?, a.json.as_deref())
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_points(
+    ordinal: usize,
+    shape: &AttnBenchShape,
+    formats: &[KvFormat],
+    batches: &[usize],
+    contexts: &[usize],
+) -> Result<(String, f64, Vec<AttnBenchPoint>)> {
+    use pagoda_kernels::KvDtype;
+    use pagoda_kernels::cuda::{CudaContext, bench};
+    if let Some(f) = formats.iter().find(|f| **f != KvFormat::Pool(KvDtype::F16)) {
+        bail!("the GPU kernels read f16 caches only so far; {} is CPU-only (pass --kv-formats f16)", f.name());
+    }
+    let cx = CudaContext::new(ordinal).with_context(|| format!("CUDA device {ordinal}"))?;
+    let name = format!("cuda:{ordinal} ({})", cx.info().name);
+    let copy = bench::copy_bandwidth(&cx)?;
+    let points = bench::decode_attention(&cx, shape, batches, contexts)?;
+    Ok((name, copy, points))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_points(
+    _: usize,
+    _: &AttnBenchShape,
+    _: &[KvFormat],
+    _: &[usize],
+    _: &[usize],
+) -> Result<(String, f64, Vec<AttnBenchPoint>)> {
+    bail!("this binary was built without the CUDA backend: rebuild with `--features cuda`")
+}
