@@ -9,6 +9,10 @@ use crate::paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 
 /// New tokens per attention task during prefill.
 const TOKEN_CHUNK: usize = 32;
+/// Most query heads per kv-head that one grouped decode task folds together (the rows kernel's row limit).
+const MAX_GROUP_ROWS: usize = 32;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(MAX_GROUP_ROWS <= avx512_attention::MAX_ROWS, "a GQA group must fit the rows kernel");
 #[cfg(target_arch = "x86_64")]
 const _: () = assert!(TOKEN_CHUNK <= avx512_attention::MAX_ROWS, "a task's tokens must fit the rows kernel");
 
@@ -75,37 +79,45 @@ pub fn paged_attention(
     };
     #[cfg(target_arch = "x86_64")]
     if let Some(rows) = RowsKernel::select(simd, kv) {
-        let many = |q: &[f32], q_stride: usize, out: RowsOut, rows_n: usize, table: &[u32], len0: usize| {
-            rows.run(q, q_stride, out, rows_n, kv, table, len0, scale)
-        };
+        let many =
+            |q: &[f32], q_stride: usize, out: RowsOut, rows_n: usize, table: &[u32], len0: usize, causal: bool| {
+                rows.run(q, q_stride, out, rows_n, kv, table, len0, causal, scale)
+            };
         return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(&many));
     }
     par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None);
 }
 
 /// The block walk of the rows kernels (`avx2::attend_rows`, `avx512_attention::attend_rows`): `rows` queries of
-/// one head, query `r` seeing the first `len0 + r` slots of `table` (blocks of `bs` slots × `hd`). For each block
-/// that the last row sees, `widen(element offset of the block, elements the rows read)`, then `fold(r, n_r)` for
-/// every row `r` that sees `n_r > 0` of its slots. Inlined into each kernel, so the closures compile with its
-/// instruction set.
+/// one kv-head's table, query `r` seeing the first `len0 + r` slots when `causal` (consecutive tokens of a prefill
+/// chunk) or `len0` slots otherwise (the query heads of one GQA group at one decode token). For each block that the
+/// last row sees, `widen(element offset of the block, elements the rows read, element offset of the next block the
+/// rows read)`, then `fold(r, n_r)` for every row `r` that sees `n_r > 0` of its slots. Inlined into each kernel, so
+/// the closures compile with its instruction set.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn for_row_blocks(
     rows: usize,
     len0: usize,
+    causal: bool,
     bs: usize,
     hd: usize,
     table: &[u32],
-    mut widen: impl FnMut(usize, usize),
+    mut widen: impl FnMut(usize, usize, Option<usize>),
     mut fold: impl FnMut(usize, usize),
 ) {
-    let last = len0 + rows - 1;
-    for (bi, &b) in table[..last.div_ceil(bs)].iter().enumerate() {
+    let step = usize::from(causal);
+    let last = len0 + (rows - 1) * step;
+    let blocks = &table[..last.div_ceil(bs)];
+    for (bi, &b) in blocks.iter().enumerate() {
         let s0 = bi * bs;
         let n = (last - s0).min(bs);
-        widen(b as usize * bs * hd, n * hd);
-        // Rows before `first` do not see this block yet (causal): query r sees slots below len0 + r.
-        for r in (s0 + 1).saturating_sub(len0)..rows {
-            fold(r, (len0 + r - s0).min(n));
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize * bs * hd);
+        widen(b as usize * bs * hd, n * hd, next);
+        // Causal rows before `first` do not see this block yet: query r sees slots below len0 + r.
+        let first = if causal { (s0 + 1).saturating_sub(len0) } else { 0 };
+        for r in first..rows {
+            fold(r, (len0 + r * step - s0).min(n));
         }
     }
 }
@@ -119,8 +131,8 @@ pub(crate) struct RowsOut {
 }
 
 /// A rows kernel as [`par_queries`] calls it: `(queries, query stride, output rows, rows, table, visible length of
-/// the first row)`. Called once per task, so dynamic dispatch costs nothing measurable.
-pub(crate) type AttendRows<'a> = &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize) + Sync);
+/// the first row, causal)`. Called once per task, so dynamic dispatch costs nothing measurable.
+pub(crate) type AttendRows<'a> = &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool) + Sync);
 
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
 /// and cache allow it: AVX-512 or AVX2 over an f16 arena, head_dim 32, 64 or 128 (AVX2 also 96), blocks of at most
@@ -143,7 +155,8 @@ impl RowsKernel {
         (simd.has_avx2() && f16 && fits && shape).then_some(RowsKernel { avx512, hd })
     }
 
-    /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`).
+    /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`
+    /// when `causal`, else `len0`).
     #[allow(clippy::too_many_arguments)]
     fn run(
         self,
@@ -154,12 +167,14 @@ impl RowsKernel {
         kv: &KvStorage,
         table: &[u32],
         len0: usize,
+        causal: bool,
         scale: f32,
     ) {
         let (bs, hd) = (kv.block_size(), kv.head_dim());
         assert!((1..=avx512_attention::MAX_ROWS).contains(&rows) && len0 >= 1, "attend_rows: bad row count");
         assert!(q.len() >= (rows - 1) * q_stride + hd, "attend_rows: queries out of bounds");
-        let ids = &table[..(len0 + rows - 1).div_ceil(bs)];
+        let last = if causal { len0 + rows - 1 } else { len0 };
+        let ids = &table[..last.div_ceil(bs)];
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
@@ -173,7 +188,7 @@ impl RowsKernel {
         unsafe {
             macro_rules! run {
                 ($m:ident, $nv:literal) => {
-                    $m::attend_rows::<$nv>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale)
+                    $m::attend_rows::<$nv>(qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale)
                 };
             }
             match (self.avx512, self.hd) {
@@ -257,8 +272,25 @@ pub(crate) fn par_queries<F>(
     let sink_of = |si: usize| sinks.get(si).copied().flatten();
     // A summing task must own its head's sink row, so it takes all of the sequence's tokens.
     let chunk_of = |si: usize, s: &AttnSeq<'_>| if sink_of(si).is_some() { s.n_new.max(1) } else { TOKEN_CHUNK };
+    // A one-token step (decode) without a sink: one task per kv-head, whose GQA group of query heads the rows
+    // kernel folds together, so each block is read from memory and widened once for the group, not once per head.
+    let grouped = |si: usize, s: &AttnSeq<'_>| {
+        attend_rows.is_some() && (2..=MAX_GROUP_ROWS).contains(&group) && s.n_new == 1 && sink_of(si).is_none()
+    };
+    let tasks_of = |si: usize, s: &AttnSeq<'_>| {
+        if grouped(si, s) { n_kv_heads } else { s.n_new.div_ceil(chunk_of(si, s)) * n_heads }
+    };
     let task = |si: usize, t: usize| {
         let s = &seqs[si];
+        if let (true, Some(rows)) = (grouped(si, s), attend_rows) {
+            let (kvh, row) = (t, s.q_row);
+            let h0 = row * w + kvh * group * hd;
+            // SAFETY: row `row`'s heads kvh*group .. (kvh+1)*group belong to this task alone (one task per kv-head
+            // of a one-token sequence; the caller checked that row ranges are disjoint and in bounds).
+            let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(h0) }), stride: hd };
+            rows(&q[h0..h0 + group * hd], hd, out, group, &s.tables[kvh], s.prior_lens[kvh] + 1, false);
+            return;
+        }
         let chunk = chunk_of(si, s);
         let chunks = s.n_new.div_ceil(chunk);
         let qh = t / chunks;
@@ -281,7 +313,7 @@ pub(crate) fn par_queries<F>(
                 let queries = &q[r0 * w + qh * hd..(s.q_row + j1 - 1) * w + (qh + 1) * hd];
                 // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
                 let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
-                rows(queries, w, out, j1 - j0, &s.tables[kvh], len0);
+                rows(queries, w, out, j1 - j0, &s.tables[kvh], len0, true);
                 return;
             }
             for j in j0..j1 {
@@ -309,7 +341,7 @@ pub(crate) fn par_queries<F>(
     let mut total = 0usize;
     for (si, s) in seqs.iter().enumerate() {
         starts.push(total);
-        total += s.n_new.div_ceil(chunk_of(si, s)) * n_heads;
+        total += tasks_of(si, s);
     }
     starts.push(total);
     be.par_for(total, &|t| {
@@ -448,7 +480,109 @@ fn attend_one(
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+    use crate::Backend;
     use std::time::Instant;
+
+    /// A decode batch whose kv-heads' tables are scattered through an f16 arena: `(kv, tables, prior lengths)` per
+    /// sequence.
+    fn decode_cache(n_kv: usize, hd: usize, bs: usize, lens: &[usize]) -> (KvStorage, Vec<Vec<Vec<u32>>>) {
+        let per: Vec<usize> = lens.iter().map(|&l| (l + 1).div_ceil(bs)).collect();
+        let total: usize = per.iter().sum::<usize>() * n_kv;
+        let mut kv = KvStorage::with_dtype(total, bs, hd, KvDtype::F16);
+        let val = |i: usize| ((i as f32 * 0.618).fract() - 0.5) * 2.0;
+        for b in 0..total as u32 {
+            let k: Vec<f32> = (0..bs * hd).map(|i| val(i + 7 * b as usize)).collect();
+            let v: Vec<f32> = (0..bs * hd).map(|i| val(3 * i + b as usize)).collect();
+            kv.write_block(b, &k, &v);
+        }
+        // Block i of the arena goes to (sequence, head, position) in a stride-7 order, so tables interleave.
+        let mut order: Vec<u32> = (0..total as u32).collect();
+        order.sort_by_key(|&b| (b as usize * 7) % total);
+        let mut next = order.into_iter();
+        let tables = per.iter().map(|&n| (0..n_kv).map(|_| next.by_ref().take(n).collect()).collect()).collect();
+        (kv, tables)
+    }
+
+    /// Decode with the GQA group folded per kv-head (one task per kv-head, each block widened once for the group)
+    /// gives exactly the per-query kernel's values, for group sizes 2 to 8, context lengths on and off block
+    /// boundaries, and several sequences in one batch, on both instruction sets.
+    #[test]
+    fn grouped_decode_matches_per_query_decode_bit_for_bit() {
+        let (hd, bs) = (64usize, 16usize);
+        let lens = [0usize, 14, 15, 16, 31, 100, 257];
+        for (n_heads, n_kv) in [(4usize, 2usize), (9, 3), (32, 8), (16, 2)] {
+            let (kv, tables) = decode_cache(n_kv, hd, bs, &lens);
+            let priors: Vec<Vec<usize>> = lens.iter().map(|&l| vec![l; n_kv]).collect();
+            let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
+                .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &priors[i] })
+                .collect();
+            let q: Vec<f32> =
+                (0..lens.len() * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            for simd in [Simd::Avx2, Simd::Avx512] {
+                let be = CpuBackend::with_simd(2, simd);
+                let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
+                let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
+                    attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
+                };
+                let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
+                    rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
+                };
+                let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![1.0; q.len()]);
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(&many));
+                assert_eq!(per_query, grouped, "{simd:?}, {n_heads}/{n_kv} heads");
+                // The public entry point takes the grouped path and agrees too.
+                let mut public = vec![2.0; q.len()];
+                be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, scale, &mut public);
+                assert_eq!(per_query, public, "{simd:?}, {n_heads}/{n_kv} heads, Backend::paged_attention");
+            }
+        }
+    }
+
+    /// Timing of grouped against per-query decode: 32 sequences at 4,096 tokens (SmolLM2's 9/3 heads, f16), two
+    /// threads, interleaved 7 times; asserts equal values and prints the medians.
+    /// `cargo test --release -p pagoda-kernels --lib grouped_decode_vs_per_query -- --ignored --nocapture`
+    #[test]
+    #[ignore = "timing; run by hand"]
+    fn grouped_decode_vs_per_query() {
+        let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+        let lens = [4095usize; 32];
+        let (kv, tables) = decode_cache(n_kv, hd, bs, &lens);
+        let priors: Vec<Vec<usize>> = lens.iter().map(|&l| vec![l; n_kv]).collect();
+        let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
+            .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &priors[i] })
+            .collect();
+        let q: Vec<f32> = (0..lens.len() * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        for simd in [Simd::Avx2, Simd::Avx512] {
+            let be = CpuBackend::with_simd(2, simd);
+            let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
+            let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
+                attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
+            };
+            let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
+                rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
+            };
+            let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+            let (mut t_one, mut t_grouped) = (Vec::new(), Vec::new());
+            for _ in 0..7 {
+                let t = Instant::now();
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
+                t_one.push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(&many));
+                t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            assert_eq!(per_query, grouped);
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (a, b) = (median(&mut t_one), median(&mut t_grouped));
+            println!("{:?}: per-query {a:.2} ms, grouped {b:.2} ms, {:.2}x", be.simd(), a / b);
+        }
+    }
 
     /// The rows kernel against the per-query kernel it replaces in prefill, same instruction set, same data: a
     /// 512-token chunk on top of 3,584 cached tokens (f16, SmolLM2's 9 heads over 3 kv-heads, head_dim 64), two
@@ -478,8 +612,8 @@ mod tests {
             let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
                 attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
             };
-            let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize| {
-                rows.run(q, q_stride, out, n, &kv, table, len0, scale)
+            let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
+                rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
             };
             let (mut per_query, mut tiled) = (vec![0.0; q.len()], vec![0.0; q.len()]);
             let (mut t_one, mut t_rows) = (Vec::new(), Vec::new());

@@ -652,8 +652,20 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     let qv = scaled_query::<NV>(q.as_ptr(), scale);
     let mut st = Online::<NV>::new();
     let mut sc = [f32::NEG_INFINITY; 64];
-    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+    let blocks = &table[..len.div_ceil(bs)];
+    let elem = match E {
+        ELEM_F32 => 4,
+        ELEM_F16 => 2,
+        _ => 1,
+    };
+    for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
+        // Scattered blocks defeat the hardware prefetcher: fetch the next one while this one is folded (the
+        // 8-bit arenas' per-slot scales are a sixteenth of the bytes and are left to the hardware).
+        if let Some(&nb) = blocks.get(bi + 1) {
+            super::scores_avx2::prefetch(k, elem * nb as usize * bs * hd, elem * bs * hd);
+            super::scores_avx2::prefetch(v, elem * nb as usize * bs * hd, elem * bs * hd);
+        }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         fold_block::<NV, E>(&qv, k, v, k_scale, v_scale, base, slot0, n, &mut st, &mut sc, logits);
@@ -682,6 +694,7 @@ pub unsafe fn attend_rows<const NV: usize>(
     bs: usize,
     table: &[u32],
     len0: usize,
+    causal: bool,
     scale: f32,
 ) {
     use super::avx512_attention::{MAX_BLOCK_ELEMS, MAX_ROWS};
@@ -694,7 +707,12 @@ pub unsafe fn attend_rows<const NV: usize>(
     let none = core::ptr::null::<f32>();
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
     let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
-    let widen = |src: usize, elems: usize| {
+    let widen = |src: usize, elems: usize, next: Option<usize>| {
+        // As in the AVX-512 form: fetch the next scattered block while this one is folded.
+        if let Some(at) = next {
+            super::scores_avx2::prefetch(k, 2 * at, 2 * bs * hd);
+            super::scores_avx2::prefetch(v, 2 * at, 2 * bs * hd);
+        }
         let mut e = 0;
         while e < elems {
             _mm256_storeu_ps(kw.add(e), lde::<ELEM_F16>(k, src + e));
@@ -706,7 +724,7 @@ pub unsafe fn attend_rows<const NV: usize>(
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         fold_block::<NV, ELEM_F32>(&qv, kp, vp, none, none, 0, 0, n_r, &mut states[r], &mut sc, None);
     };
-    super::attention::for_row_blocks(rows, len0, bs, hd, table, widen, fold);
+    super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
         st.finish(out.add(r * out_stride));
     }

@@ -10,6 +10,7 @@
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use super::avx2::{exp256, hmax, hsum, probs_from_logits};
+use super::scores_avx2::prefetch;
 use core::arch::x86_64::*;
 
 /// Adds the two 256-bit halves of `a`.
@@ -209,8 +210,15 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
     let qv = scaled_query::<NV>(q.as_ptr(), scale);
     let mut st = Online::<NV>::new();
     let mut sc = [f32::NEG_INFINITY; 64];
-    for (bi, &b) in table[..len.div_ceil(bs)].iter().enumerate() {
+    let blocks = &table[..len.div_ceil(bs)];
+    let elem = if H { 2 } else { 4 };
+    for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
+        // Scattered blocks defeat the hardware prefetcher: fetch the next one while this one is folded.
+        if let Some(&nb) = blocks.get(bi + 1) {
+            prefetch(k, elem * nb as usize * bs * hd, elem * bs * hd);
+            prefetch(v, elem * nb as usize * bs * hd, elem * bs * hd);
+        }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         fold_block::<NV, H>(&qv, k, v, b as usize * bs * hd, n, &mut st, &mut sc, logits);
     }
@@ -225,9 +233,9 @@ pub const MAX_ROWS: usize = 32;
 /// Largest block (slots × head_dim) [`attend_rows`] widens on its stack.
 pub const MAX_BLOCK_ELEMS: usize = 4096;
 
-/// Causal attention of `rows` consecutive queries of one head over an f16 head-paged table: query `r` (at
-/// `q + r * q_stride`, head_dim floats) sees the first `len0 + r` slots and writes its result at
-/// `out + r * out_stride`.
+/// Attention of `rows` queries over one f16 head-paged table: query `r` (at `q + r * q_stride`, head_dim floats)
+/// sees the first `len0 + r` slots when `causal` (consecutive tokens of one head) or `len0` slots otherwise (the
+/// query heads of one GQA group at one token), and writes its result at `out + r * out_stride`.
 ///
 /// The prefill form of [`attend_one`]: each block is widened to f32 once and then read from L1 by every row that
 /// sees it, instead of being widened again for each query; each row keeps its own online-softmax state between
@@ -236,7 +244,8 @@ pub const MAX_BLOCK_ELEMS: usize = 4096;
 ///
 /// # Safety
 /// Requires AVX-512 F/VL, AVX2, FMA and F16C. `1 <= rows <= MAX_ROWS`, `len0 >= 1`, `bs <= 64`,
-/// `bs * NV * 16 <= MAX_BLOCK_ELEMS`; every block id in `table[..(len0 + rows - 1).div_ceil(bs)]` must be in range
+/// `bs * NV * 16 <= MAX_BLOCK_ELEMS`; every block id the last row reads (`table[..(len0 + rows - 1).div_ceil(bs)]`
+/// when causal, `table[..len0.div_ceil(bs)]` otherwise) must be in range
 /// of both f16 arenas; the `rows` query and output rows must be in bounds, and no output row may overlap another
 /// row or a query.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
@@ -252,6 +261,7 @@ pub unsafe fn attend_rows<const NV: usize>(
     bs: usize,
     table: &[u32],
     len0: usize,
+    causal: bool,
     scale: f32,
 ) {
     let hd = NV * 16;
@@ -262,7 +272,13 @@ pub unsafe fn attend_rows<const NV: usize>(
     let mut sc = [f32::NEG_INFINITY; 64];
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
     let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
-    let widen = |src: usize, elems: usize| {
+    let widen = |src: usize, elems: usize, next: Option<usize>| {
+        // The table's blocks are scattered through the arena, so the hardware prefetcher cannot guess the next
+        // one: ask for it while this one is widened and folded.
+        if let Some(at) = next {
+            prefetch(k, 2 * at, 2 * bs * hd);
+            prefetch(v, 2 * at, 2 * bs * hd);
+        }
         let mut e = 0;
         while e < elems {
             _mm512_storeu_ps(kw.add(e), ld16::<true>(k, src + e));
@@ -274,7 +290,7 @@ pub unsafe fn attend_rows<const NV: usize>(
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         fold_block::<NV, false>(&qv, kp, vp, 0, n_r, &mut states[r], &mut sc, None);
     };
-    super::attention::for_row_blocks(rows, len0, bs, hd, table, widen, fold);
+    super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
         st.finish(out.add(r * out_stride));
     }
