@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use pagoda_kernels::CpuBackend;
 use pagoda_kernels::attention_bench::{
-    AttnBenchPoint, AttnBenchShape, KvFormat, cpu_copy_bandwidth, cpu_decode_attention,
+    AttnBenchPoint, AttnBenchShape, KvFormat, cpu_copy_bandwidth, cpu_decode_attention, markdown_table,
 };
 use pagoda_worker::engine::Device;
 use serde_json::json;
@@ -100,29 +100,17 @@ pub fn run(a: BenchKernelsArgs) -> Result<()> {
         }
         Device::Cuda(ordinal) => gpu_points(ordinal, &shape, &formats, &batches, &contexts)?,
     };
-    let mut md = format!(
+    let md = format!(
         "Decode attention on {device_name}: shape {} ({} q / {} kv heads, head_dim {}, block {}); memory copy \
-         {:.1} GB/s (read + write)\n\n| format | batch | context | KV read (MiB) | time (µs) | GB/s | % of copy |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n",
+         {:.1} GB/s (read + write)\n\n{}",
         shape.name,
         shape.n_heads,
         shape.n_kv_heads,
         shape.head_dim,
         shape.block_size,
-        copy_bw / 1e9
+        copy_bw / 1e9,
+        markdown_table(&points, copy_bw)
     );
-    for p in &points {
-        md.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0}% |\n",
-            p.format,
-            p.batch,
-            p.context,
-            p.kv_bytes as f64 / (1u64 << 20) as f64,
-            p.seconds * 1e6,
-            p.bytes_per_s / 1e9,
-            100.0 * p.bytes_per_s / copy_bw
-        ));
-    }
     let report = json!({
         "device": device_name,
         "shape": {"name": shape.name, "n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,

@@ -49,3 +49,15 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floa
     for (int i = 0; i < nw; ++i) t += scratch[i];
     return t;
 }
+
+// Max over the whole thread block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
+__device__ __forceinline__ float block_max(float v, float* scratch /* >= 33 floats */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = scratch[0];
+    for (int i = 1; i < nw; ++i) t = fmaxf(t, scratch[i]);
+    return t;
+}

@@ -1,6 +1,6 @@
 // Head-paged KV cache maintenance: kv_write (this step's K and V rows into their slots), block copy/compaction
 // (gather a list of (src, dst) block pairs), and the eviction-policy score kernels (per-slot ||K||2, ||V||2/||K||2,
-// and the cosine of each key to a per-(sequence, kv-head) anchor vector).
+// the cosine of each key to a per-(sequence, kv-head) anchor vector, and observation-window attention).
 //
 // Arenas: K and V are separate f16 arenas; block b, slot s starts at (b * block_size + s) * head_dim. A block holds
 // block_size consecutive slots of ONE (layer, kv-head).
@@ -89,5 +89,58 @@ extern "C" __global__ void anchor_cosine_f16(const unsigned short* __restrict__ 
     if (lane == 0) {
         const float den = sqrtf(sk) * sqrtf(sa);
         out[out_off[e] + t] = den > 0.0f ? dot / den : 0.0f;
+    }
+}
+
+// Observation-window attention per slot (CPU twin: pagoda_kernels::scores::window_attention_scores): for row r, one
+// (query token, query head) of entry row_e[r], the softmax over its row_vis[r] visible slots of logits
+// scale * q.k, each probability raised to `power`, added to out[out_off[e] + slot]. Rows from several queries of one
+// entry add into the same slots, hence the atomics. A row whose logits hold a NaN or +inf adds nothing (as on the
+// CPU). One block per row; warps take slots, lanes split head_dim. Three passes over the keys (max, sum, add), so no
+// row of logits needs to fit in shared memory.
+extern "C" __global__ void window_scores_f16(const unsigned short* __restrict__ kc,
+                                             const unsigned int* __restrict__ tables, const int* __restrict__ tab_off,
+                                             const int* __restrict__ out_off, const int* __restrict__ row_e,
+                                             const long long* __restrict__ row_q, const int* __restrict__ row_vis,
+                                             const float* __restrict__ q, int block_size, int head_dim, float scale,
+                                             int power, float* __restrict__ out) {
+    __shared__ float qs[256];
+    __shared__ float scratch[33];
+    const int r = blockIdx.x, e = row_e[r], vis = row_vis[r];
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned int* tab = tables + tab_off[e];
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[row_q[r] + d];
+    __syncthreads();
+    float m = -PAGODA_INF, bad = 0.0f;
+    for (int t = warp; t < vis; t += warps) {
+        const size_t a = slot_addr(tab, t, block_size, head_dim);
+        float dot = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
+        dot = warp_sum(dot) * scale;
+        if (dot != dot || dot == PAGODA_INF) bad = 1.0f;
+        m = fmaxf(m, dot);
+    }
+    m = block_max(m, scratch);
+    if (block_sum(bad, scratch) > 0.0f || vis == 0) return;
+    float l = 0.0f;
+    for (int t = warp; t < vis; t += warps) {
+        const size_t a = slot_addr(tab, t, block_size, head_dim);
+        float dot = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
+        dot = warp_sum(dot) * scale;
+        if (lane == 0) l += expf(dot - m);
+    }
+    const float inv = 1.0f / block_sum(l, scratch);
+    for (int t = warp; t < vis; t += warps) {
+        const size_t a = slot_addr(tab, t, block_size, head_dim);
+        float dot = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
+        dot = warp_sum(dot) * scale;
+        if (lane == 0) {
+            const float p = expf(dot - m) * inv;
+            float pw = 1.0f;
+            for (int i = 0; i < power; ++i) pw *= p;
+            atomicAdd(out + out_off[e] + t, pw);
+        }
     }
 }

@@ -101,6 +101,26 @@ pub struct AttnBenchPoint {
     pub bytes_per_s: f64,
 }
 
+/// The points as a markdown table, bandwidth also as a fraction of `copy_bytes_per_s`.
+pub fn markdown_table(points: &[AttnBenchPoint], copy_bytes_per_s: f64) -> String {
+    let mut md = String::from(
+        "| format | batch | context | KV read (MiB) | time (µs) | GB/s | % of copy |\n|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in points {
+        md.push_str(&format!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0}% |\n",
+            p.format,
+            p.batch,
+            p.context,
+            p.kv_bytes as f64 / (1u64 << 20) as f64,
+            p.seconds * 1e6,
+            p.bytes_per_s / 1e9,
+            100.0 * p.bytes_per_s / copy_bytes_per_s
+        ));
+    }
+    md
+}
+
 /// Block tables of `batch` sequences × `n_kv_heads` heads × `⌈context / block_size⌉` blocks, all distinct, drawn
 /// from a fixed scattered permutation of the arena's `arena_blocks` block ids (at least as many as the tables
 /// need), so that consecutive blocks of a table are far apart, as in a pool that has been running for a while.

@@ -7,7 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use half::f16;
-use pagoda_kernels::cuda::{CudaContext, CudaKv, CudaWeight, ScoreEntry};
+use pagoda_kernels::cuda::{CudaContext, CudaKv, CudaWeight, ScoreEntry, WindowEntry};
 use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, WeightType};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -390,6 +390,68 @@ fn copy_blocks_matches_cpu() {
         assert!(cx.copy_blocks(&mut dkv, &[(0, nb as u32)]).is_err());
     }
     report("copy_blocks", worst, 0.0);
+}
+
+/// Observation-window attention (SnapKV / H2O / SAGE-KV with power 1, KV-Compress with power 2, query counts with
+/// power 0) against the CPU's `scores::window_attention_scores`: windows at the end of the context and causal
+/// windows from slot 0, GQA groups 1 to 4, lengths off the block size.
+#[test]
+fn window_scores_match_cpu() {
+    let Some(cx) = gpu("window scores") else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut worst = 0.0f32;
+    for &(bs, hd) in &[(16usize, 128usize), (5, 64), (16, 64)] {
+        let lens = [1usize, 17, 300, 1000];
+        let specs: Vec<(usize, Vec<usize>)> = lens.iter().map(|&l| (0, vec![l])).collect();
+        let b = Batch::new(&mut rng, &specs, bs);
+        let kv = random_cache(&mut rng, b.num_blocks, bs, hd);
+        let dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        for &(group, n_q, power, at_end) in
+            &[(1usize, 1usize, 1u32, true), (3, 8, 2, true), (4, 8, 1, false), (3, 2, 0, true), (1, 16, 2, false)]
+        {
+            let queries: Vec<Vec<f32>> = lens.iter().map(|_| rvec(&mut rng, n_q * group * hd, 1.0)).collect();
+            let firsts: Vec<usize> = lens.iter().map(|&l| if at_end { l.saturating_sub(n_q) } else { 0 }).collect();
+            let entries: Vec<WindowEntry<'_>> = (0..lens.len())
+                .map(|i| WindowEntry {
+                    table: &b.tables[i][0],
+                    len: lens[i],
+                    q: &queries[i],
+                    n_q,
+                    first_q_slot: firsts[i],
+                })
+                .collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            let got = cx.window_attention_scores(&dkv, &entries, group, scale, power).unwrap();
+            let mut probs = Vec::new();
+            for (i, e) in entries.iter().enumerate() {
+                let mut want = vec![0.0f32; e.len];
+                pagoda_kernels::scores::window_attention_scores(
+                    &kv,
+                    e.table,
+                    e.len,
+                    e.q,
+                    n_q,
+                    group,
+                    scale,
+                    e.first_q_slot,
+                    power,
+                    &mut probs,
+                    &mut want,
+                );
+                let g = &got.score[got.offsets[i]..got.offsets[i + 1]];
+                worst = worst.max(max_err(g, &want));
+            }
+        }
+    }
+    report("window attention scores", worst, 1e-4);
+    // Bad input is an error, not a launch.
+    let kv = CudaKv::new(&cx, 4, 16, 64).unwrap();
+    let q = vec![0.0f32; 64];
+    let e = [WindowEntry { table: &[0, 1], len: 20, q: &q, n_q: 1, first_q_slot: 19 }];
+    assert!(cx.window_attention_scores(&kv, &e, 2, 1.0, 1).is_err(), "q of the wrong size");
+    assert!(cx.window_attention_scores(&kv, &e, 1, 1.0, 99).is_err(), "power out of range");
+    let far = [WindowEntry { table: &[0, 7], len: 20, q: &q, n_q: 1, first_q_slot: 19 }];
+    assert!(cx.window_attention_scores(&kv, &far, 1, 1.0, 1).is_err(), "block out of range");
 }
 
 #[test]

@@ -290,6 +290,21 @@ pub struct StepSeq<'a> {
     pub attention_sums: Option<u32>,
 }
 
+impl<'a> StepSeq<'a> {
+    /// The model's view of this step ([`ForwardSeq`]); every runner hands its model the same fields.
+    pub(crate) fn forward_seq(&self) -> ForwardSeq<'a> {
+        ForwardSeq {
+            tokens: self.tokens,
+            start_pos: self.start_pos,
+            tables: self.tables,
+            prior_lens: self.prior_lens,
+            logits: self.logits,
+            capture_q: self.capture_q,
+            attention_sums: self.attention_sums,
+        }
+    }
+}
+
 /// The model as the engine thread drives it. Owns the KV storage.
 pub trait ModelRunner {
     fn info(&self) -> &ModelInfo;
@@ -1467,15 +1482,7 @@ impl ModelRunner for LlamaRunner {
 
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
         let mut batch = recycle_forward(std::mem::take(&mut self.batch));
-        batch.extend(seqs.iter().map(|s| ForwardSeq {
-            tokens: s.tokens,
-            start_pos: s.start_pos,
-            tables: s.tables,
-            prior_lens: s.prior_lens,
-            logits: s.logits,
-            capture_q: s.capture_q,
-            attention_sums: s.attention_sums,
-        }));
+        batch.extend(seqs.iter().map(StepSeq::forward_seq));
         let r = self.model.forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits);
         self.batch = recycle_forward(batch);
         r.map_err(|e| EngineError::Forward(e.to_string()))

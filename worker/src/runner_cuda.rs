@@ -73,15 +73,8 @@ impl ModelRunner for CudaRunner {
 
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
         let mut batch = recycle_forward(std::mem::take(&mut self.batch));
-        batch.extend(seqs.iter().map(|s| ForwardSeq {
-            tokens: s.tokens,
-            start_pos: s.start_pos,
-            tables: s.tables,
-            prior_lens: s.prior_lens,
-            logits: s.logits,
-            capture_q: 0,
-            attention_sums: None,
-        }));
+        // The GPU forward ignores capture_q and attention_sums (no host KV for policies).
+        batch.extend(seqs.iter().map(StepSeq::forward_seq));
         let r = self.model.forward(&batch, logits);
         self.batch = recycle_forward(batch);
         r.map_err(|e| EngineError::Forward(e.to_string()))

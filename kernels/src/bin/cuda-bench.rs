@@ -24,7 +24,7 @@ fn main() {
 
 #[cfg(feature = "cuda")]
 mod bench {
-    use pagoda_kernels::attention_bench::{LLAMA_8B, SMOLLM2};
+    use pagoda_kernels::attention_bench::{LLAMA_8B, SMOLLM2, markdown_table};
     use pagoda_kernels::cuda::{CudaContext, CudaError, bench};
 
     pub fn run() -> Result<(), CudaError> {
@@ -51,19 +51,8 @@ mod bench {
             "\npaged decode attention, {} ({} q / {} kv heads, head_dim {}), block {}, f16 K/V",
             shape.name, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.block_size
         );
-        println!("| batch | context | KV read (MiB) | time (µs) | bandwidth (GB/s) | % of copy |");
-        println!("|---:|---:|---:|---:|---:|---:|");
-        for p in bench::decode_attention(&cx, &shape, batches, contexts)? {
-            println!(
-                "| {} | {} | {:.1} | {:.1} | {:.0} | {:.0}% |",
-                p.batch,
-                p.context,
-                p.kv_bytes as f64 / (1u64 << 20) as f64,
-                p.seconds * 1e6,
-                p.bytes_per_s / 1e9,
-                100.0 * p.bytes_per_s / copy_bw
-            );
-        }
+        let points = bench::decode_attention(&cx, &shape, batches, contexts)?;
+        println!("{}", markdown_table(&points, copy_bw));
         Ok(())
     }
 }

@@ -503,39 +503,63 @@ mod tests {
         (kv, tables)
     }
 
+    /// One decode step (one token per sequence, `lens[i]` cached slots) over `decode_cache`, both ways on `simd`:
+    /// `(per-query output, grouped output, per-query ms, grouped ms)`, medians over `reps`; `None` where the rows
+    /// kernel does not apply.
+    #[allow(clippy::type_complexity)]
+    fn decode_both_ways(
+        simd: Simd,
+        (n_heads, n_kv, hd, bs): (usize, usize, usize, usize),
+        lens: &[usize],
+        reps: usize,
+    ) -> Option<(Vec<f32>, Vec<f32>, f64, f64)> {
+        let (kv, tables) = decode_cache(n_kv, hd, bs, lens);
+        let priors: Vec<Vec<usize>> = lens.iter().map(|&l| vec![l; n_kv]).collect();
+        let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
+            .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &priors[i] })
+            .collect();
+        let q: Vec<f32> = (0..lens.len() * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let be = CpuBackend::with_simd(2, simd);
+        let rows = RowsKernel::select(be.simd(), &kv)?;
+        let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
+            attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
+        };
+        let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
+            rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
+        };
+        let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![1.0; q.len()]);
+        let (mut t_one, mut t_grouped) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let t = Instant::now();
+            par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
+            t_one.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(&many));
+            t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        // The public entry point takes the grouped path and must agree as well.
+        let mut public = vec![2.0; q.len()];
+        be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, scale, &mut public);
+        assert_eq!(grouped, public, "{simd:?}: Backend::paged_attention");
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Some((per_query, grouped, median(&mut t_one), median(&mut t_grouped)))
+    }
+
     /// Decode with the GQA group folded per kv-head (one task per kv-head, each block widened once for the group)
     /// gives exactly the per-query kernel's values, for group sizes 2 to 8, context lengths on and off block
     /// boundaries, and several sequences in one batch, on both instruction sets.
     #[test]
     fn grouped_decode_matches_per_query_decode_bit_for_bit() {
-        let (hd, bs) = (64usize, 16usize);
         let lens = [0usize, 14, 15, 16, 31, 100, 257];
         for (n_heads, n_kv) in [(4usize, 2usize), (9, 3), (32, 8), (16, 2)] {
-            let (kv, tables) = decode_cache(n_kv, hd, bs, &lens);
-            let priors: Vec<Vec<usize>> = lens.iter().map(|&l| vec![l; n_kv]).collect();
-            let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
-                .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &priors[i] })
-                .collect();
-            let q: Vec<f32> =
-                (0..lens.len() * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
-            let scale = 1.0 / (hd as f32).sqrt();
             for simd in [Simd::Avx2, Simd::Avx512] {
-                let be = CpuBackend::with_simd(2, simd);
-                let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
-                let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
-                    attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
-                };
-                let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
-                    rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
-                };
-                let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![1.0; q.len()]);
-                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
-                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(&many));
-                assert_eq!(per_query, grouped, "{simd:?}, {n_heads}/{n_kv} heads");
-                // The public entry point takes the grouped path and agrees too.
-                let mut public = vec![2.0; q.len()];
-                be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, scale, &mut public);
-                assert_eq!(per_query, public, "{simd:?}, {n_heads}/{n_kv} heads, Backend::paged_attention");
+                if let Some((per_query, grouped, _, _)) = decode_both_ways(simd, (n_heads, n_kv, 64, 16), &lens, 1) {
+                    assert_eq!(per_query, grouped, "{simd:?}, {n_heads}/{n_kv} heads");
+                }
             }
         }
     }
@@ -546,41 +570,11 @@ mod tests {
     #[test]
     #[ignore = "timing; run by hand"]
     fn grouped_decode_vs_per_query() {
-        let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
-        let lens = [4095usize; 32];
-        let (kv, tables) = decode_cache(n_kv, hd, bs, &lens);
-        let priors: Vec<Vec<usize>> = lens.iter().map(|&l| vec![l; n_kv]).collect();
-        let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
-            .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &priors[i] })
-            .collect();
-        let q: Vec<f32> = (0..lens.len() * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
-        let scale = 1.0 / (hd as f32).sqrt();
         for simd in [Simd::Avx2, Simd::Avx512] {
-            let be = CpuBackend::with_simd(2, simd);
-            let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
-            let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
-                attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
-            };
-            let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
-                rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
-            };
-            let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![0.0; q.len()]);
-            let (mut t_one, mut t_grouped) = (Vec::new(), Vec::new());
-            for _ in 0..7 {
-                let t = Instant::now();
-                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
-                t_one.push(t.elapsed().as_secs_f64() * 1e3);
-                let t = Instant::now();
-                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(&many));
-                t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
+            if let Some((per_query, grouped, a, b)) = decode_both_ways(simd, (9, 3, 64, 16), &[4095; 32], 7) {
+                assert_eq!(per_query, grouped);
+                println!("{simd:?}: per-query {a:.2} ms, grouped {b:.2} ms, {:.2}x", a / b);
             }
-            assert_eq!(per_query, grouped);
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
-            let (a, b) = (median(&mut t_one), median(&mut t_grouped));
-            println!("{:?}: per-query {a:.2} ms, grouped {b:.2} ms, {:.2}x", be.simd(), a / b);
         }
     }
 

@@ -2,8 +2,8 @@
 //! the kernels that maintain them (`kv.cu`): KV write, block copy/compaction, and the eviction-policy scores.
 //!
 //! CPU twins: [`CudaContext::kv_write`] ↔ `Backend::kv_write`, [`CudaContext::copy_blocks`] ↔
-//! `KvStorage::copy_block`; the score kernels' reference lives in the parity tests until the policy crate's CPU
-//! scorers land.
+//! `KvStorage::copy_block`, [`CudaContext::window_attention_scores`] ↔ `scores::window_attention_scores`; the norm
+//! and cosine kernels are held to their definitions in the parity tests.
 
 use super::context::CudaContext;
 use super::error::CudaError;
@@ -142,6 +142,21 @@ pub struct SlotScores {
     /// `‖V‖₂ / ‖K‖₂` per slot ([`CudaContext::slot_norms`]) or `cos(K, anchor)` ([`CudaContext::anchor_cosine`]).
     pub score: Vec<f32>,
 }
+
+/// One (sequence, kv-head) entry of [`CudaContext::window_attention_scores`]: its table, its first `len` slots,
+/// and the observation window's queries `q` (`[n_q][group][head_dim]`, post-RoPE), query `i` seeing slots
+/// `0..=first_q_slot + i`.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowEntry<'a> {
+    pub table: &'a [u32],
+    pub len: usize,
+    pub q: &'a [f32],
+    pub n_q: usize,
+    pub first_q_slot: usize,
+}
+
+/// Largest `power` [`CudaContext::window_attention_scores`] takes (the papers use 1 and 2; 0 counts queries).
+pub const MAX_WINDOW_POWER: u32 = 8;
 
 struct ScoreMeta {
     meta: CudaSlice<u32>,
@@ -357,6 +372,84 @@ impl CudaContext {
                 .launch(cfg)
         }?;
         Ok(SlotScores { offsets: m.offsets, knorm: Vec::new(), score: self.download(&score)? })
+    }
+}
+
+impl CudaContext {
+    /// Observation-window attention per slot, summed over each entry's queries and their `group` query heads, each
+    /// probability raised to `power` (the metric of SnapKV, H2O, SAGE-KV and, with `power = 2`, KV-Compress). Each
+    /// entry's scores start from zero. Same contract as the CPU's `scores::window_attention_scores`.
+    pub fn window_attention_scores(
+        &self,
+        kv: &CudaKv,
+        entries: &[WindowEntry<'_>],
+        group: usize,
+        scale: f32,
+        power: u32,
+    ) -> Result<SlotScores, CudaError> {
+        const OP: &str = "window_attention_scores";
+        let hd = kv.head_dim;
+        if hd > 256 || group == 0 {
+            return Err(CudaError::invalid(OP, "head_dim must be at most 256 and group at least 1"));
+        }
+        if power > MAX_WINDOW_POWER {
+            return Err(CudaError::invalid(OP, format!("power {power} exceeds {MAX_WINDOW_POWER}")));
+        }
+        let score_entries: Vec<ScoreEntry<'_>> =
+            entries.iter().map(|e| ScoreEntry { table: e.table, len: e.len }).collect();
+        let m = self.score_meta(OP, kv, &score_entries)?;
+        let (mut queries, mut row_e, mut row_q, mut row_vis) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (ei, e) in entries.iter().enumerate() {
+            if e.q.len() != e.n_q * group * hd {
+                return Err(CudaError::invalid(OP, format!("entry {ei}: q must be [n_q][group][head_dim]")));
+            }
+            for i in 0..e.n_q {
+                let vis = e.first_q_slot.saturating_add(i).saturating_add(1).min(e.len);
+                for g in 0..group {
+                    row_e.push(to_i32(OP, "entry", ei)?);
+                    row_q.push((queries.len() + (i * group + g) * hd) as i64);
+                    row_vis.push(to_i32(OP, "visible slots", vis)?);
+                }
+            }
+            queries.extend_from_slice(e.q);
+        }
+        let total = m.offsets[m.offsets.len() - 1];
+        let mut score = self.zeros::<f32>(total.max(1))?;
+        if total > 0 && !row_e.is_empty() {
+            let (t, n) = (m.n_tab, m.n);
+            let (tab, toff, ooff) = (m.meta.slice(..t), m.meta.slice(t + n..t + 2 * n), m.meta.slice(t + 2 * n..));
+            let (row_e, row_q, row_vis, q) =
+                (self.upload(&row_e)?, self.upload(&row_q)?, self.upload(&row_vis)?, self.upload(&queries)?);
+            let cfg = LaunchConfig {
+                grid_dim: (grid_dim(OP, "rows", row_e.len(), i32::MAX as usize)?, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (bs, hd32, pw) = (to_i32(OP, "block_size", kv.block_size)?, to_i32(OP, "head_dim", hd)?, power as i32);
+            // SAFETY: tables were validated against the arena for `len` slots and every row sees at most `len`; query
+            // offsets index `queries` (built above); outputs hold `total` floats at the entries' prefix offsets.
+            unsafe {
+                self.stream()
+                    .launch_builder(self.func("window_scores_f16")?)
+                    .arg(&kv.k)
+                    .arg(&tab)
+                    .arg(&toff)
+                    .arg(&ooff)
+                    .arg(&row_e)
+                    .arg(&row_q)
+                    .arg(&row_vis)
+                    .arg(&q)
+                    .arg(&bs)
+                    .arg(&hd32)
+                    .arg(&scale)
+                    .arg(&pw)
+                    .arg(&mut score)
+                    .launch(cfg)
+            }?;
+        }
+        let mut score = self.download(&score)?;
+        score.truncate(total);
+        Ok(SlotScores { offsets: m.offsets, knorm: Vec::new(), score })
     }
 }
 

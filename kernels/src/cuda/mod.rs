@@ -24,5 +24,5 @@ pub mod ops;
 pub use attention::AttnPlan;
 pub use context::{CudaContext, DeviceInfo, device_available};
 pub use error::CudaError;
-pub use kv::{CudaKv, ScoreEntry, SlotScores};
+pub use kv::{CudaKv, ScoreEntry, SlotScores, WindowEntry};
 pub use ops::CudaWeight;

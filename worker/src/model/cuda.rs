@@ -19,7 +19,7 @@ use pagoda_kernels::cudarc::driver::CudaSlice;
 
 use super::config::ModelConfig;
 use super::error::ModelError;
-use super::llama::{ForwardSeq, LlamaModel, LogitsWanted, validate_step};
+use super::llama::{ForwardSeq, LlamaModel, LogitsWanted, layer_views, validate_step};
 
 fn gpu_err(e: CudaError) -> ModelError {
     ModelError::Kernel(format!("cuda: {e}"))
@@ -213,18 +213,7 @@ impl CudaLlama {
             cx.rope(&mut b.q, &positions, c.n_heads, c.head_dim, c.rope_theta)?;
             cx.rope(&mut b.k, &positions, nkv, c.head_dim, c.rope_theta)?;
 
-            attn_seqs.clear();
-            let mut q_row = 0usize;
-            for s in seqs {
-                let r = li * nkv..(li + 1) * nkv;
-                attn_seqs.push(AttnSeq {
-                    q_row,
-                    n_new: s.tokens.len(),
-                    tables: &s.tables[r.clone()],
-                    prior_lens: &s.prior_lens[r],
-                });
-                q_row += s.tokens.len();
-            }
+            layer_views(seqs, li, nkv, &mut attn_seqs);
             cx.kv_write(&mut self.kv, &b.k, &b.v, &attn_seqs, nkv)?;
             let mut plan = cx.plan_attention(&self.kv, &attn_seqs, total, c.n_heads, nkv)?;
             cx.run_attention(&mut plan, &b.q, &self.kv, scale, &mut b.attn)?;

@@ -388,18 +388,7 @@ impl LlamaModel {
                 }
             }
 
-            attn_seqs.clear();
-            let mut q_row = 0usize;
-            for s in seqs {
-                let r = li * nkv..(li + 1) * nkv;
-                attn_seqs.push(AttnSeq {
-                    q_row,
-                    n_new: s.tokens.len(),
-                    tables: &s.tables[r.clone()],
-                    prior_lens: &s.prior_lens[r],
-                });
-                q_row += s.tokens.len();
-            }
+            layer_views(seqs, li, nkv, &mut attn_seqs);
             backend.kv_write(kv, k, v, &attn_seqs, nkv);
             if any_probs {
                 let mut sinks = recycle_sinks(std::mem::take(&mut spare_sinks));
@@ -504,6 +493,18 @@ pub(super) fn validate_step(
         total = total.checked_add(n).ok_or_else(|| invalid("too many tokens".into()))?;
     }
     Ok(total)
+}
+
+/// Each sequence's view of layer `li` for the attention kernels (its rows in the step, that layer's tables and
+/// lengths), into `out`. Shared by the CPU forward and its GPU twin.
+pub(super) fn layer_views<'s, 'a: 's>(seqs: &'s [ForwardSeq<'a>], li: usize, nkv: usize, out: &mut Vec<AttnSeq<'s>>) {
+    out.clear();
+    let mut q_row = 0usize;
+    for s in seqs {
+        let r = li * nkv..(li + 1) * nkv;
+        out.push(AttnSeq { q_row, n_new: s.tokens.len(), tables: &s.tables[r.clone()], prior_lens: &s.prior_lens[r] });
+        q_row += s.tokens.len();
+    }
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
