@@ -378,6 +378,15 @@ pub fn decode_block(bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) -> Resul
     Ok(h)
 }
 
+/// Validates an encoded block completely (header, length, every scale and min, and payload elements where a bit
+/// pattern can be non-finite) without decoding it: what [`decode_block`] checks, for consumers that decode elsewhere
+/// (the GPU codecs).
+pub fn validate_block(bytes: &[u8]) -> Result<BlockHeader, CodecError> {
+    let h = BlockHeader::parse(bytes)?;
+    validate_payload(&h, bytes)?;
+    Ok(h)
+}
+
 /// The K and V halves of a block whose header `h` was parsed from `bytes`.
 fn halves<'a>(h: &BlockHeader, bytes: &'a [u8]) -> (&'a [u8], &'a [u8]) {
     bytes[HEADER_LEN..].split_at(h.codec.half_len(Half::K, h.block_size, h.head_dim))

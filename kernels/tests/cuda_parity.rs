@@ -454,6 +454,62 @@ fn window_scores_match_cpu() {
     assert!(cx.window_attention_scores(&kv, &far, 1, 1.0, 1).is_err(), "block out of range");
 }
 
+/// int8 and fp8 e4m3 block encoding on the GPU gives the CPU encoder's bytes exactly (header, scales, codes, the
+/// zeros past `filled`), and decoding CPU-encoded blocks on the GPU gives `decode_block`'s values rounded to f16.
+#[test]
+fn codecs_match_cpu_bit_for_bit() {
+    use pagoda_kernels::codec::{Codec, decode_block};
+    let Some(cx) = gpu("codecs") else { return };
+    let mut rng = StdRng::seed_from_u64(13);
+    for &(bs, hd) in &[(16usize, 64usize), (16, 128), (5, 96)] {
+        let nb = 12;
+        let mut kv = random_cache(&mut rng, nb, bs, hd);
+        // A block of zeros (scale 0) and a block with one large value (fp8 saturation, int8 clamping).
+        kv.block_k_mut(3).fill(0.0);
+        kv.block_v_mut(4)[7] = 300.0;
+        let dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        let blocks: Vec<(u32, usize)> = vec![(0, bs), (1, 1), (3, bs), (4, bs - 1), (6, 0), (11, bs)];
+        for codec in [Codec::Int8, Codec::Fp8E4m3] {
+            let len = codec.encoded_len(bs, hd).unwrap();
+            let got = cx.encode_blocks(&dkv, codec, &blocks).unwrap();
+            assert_eq!(got.len(), blocks.len() * len);
+            let mut want = vec![0u8; blocks.len() * len];
+            for (i, &(b, f)) in blocks.iter().enumerate() {
+                let (k, v) = (&kv.block_k(b)[..f * hd], &kv.block_v(b)[..f * hd]);
+                codec.encode_block(bs, hd, k, v, &mut want[i * len..(i + 1) * len]).unwrap();
+            }
+            assert!(got == want, "{codec} {bs}x{hd}: GPU bytes differ from the CPU encoder's");
+
+            // Decode the CPU's bytes into other blocks of a GPU arena.
+            let mut back = CudaKv::new(&cx, nb, bs, hd).unwrap();
+            let dst: Vec<u32> = (0..blocks.len() as u32).map(|i| nb as u32 - 1 - i).collect();
+            cx.decode_blocks(&mut back, codec, &want, &dst).unwrap();
+            let host = back.to_host(&cx).unwrap();
+            let (mut k, mut v) = (vec![0.0f32; bs * hd], vec![0.0f32; bs * hd]);
+            for (i, &d) in dst.iter().enumerate() {
+                decode_block(&want[i * len..(i + 1) * len], &mut k, &mut v).unwrap();
+                round16(&mut k);
+                round16(&mut v);
+                assert_eq!(host.block_k(d), &k[..], "{codec}: decoded K of block {i}");
+                assert_eq!(host.block_v(d), &v[..], "{codec}: decoded V of block {i}");
+            }
+
+            // Refusals: a corrupt scale, the wrong codec, a destination twice, a short buffer.
+            let mut bad = want[..len].to_vec();
+            bad[16..20].copy_from_slice(&f32::NAN.to_le_bytes());
+            assert!(cx.decode_blocks(&mut back, codec, &bad, &[0]).is_err());
+            let other = if codec == Codec::Int8 { Codec::Fp8E4m3 } else { Codec::Int8 };
+            assert!(cx.decode_blocks(&mut back, other, &want[..len], &[0]).is_err());
+            assert!(cx.decode_blocks(&mut back, codec, &want[..2 * len], &[0, 0]).is_err());
+            assert!(cx.decode_blocks(&mut back, codec, &want[..len - 1], &[0]).is_err());
+        }
+        assert!(cx.encode_blocks(&dkv, Codec::Int4Kivi, &blocks).is_err(), "KIVI is not on the GPU yet");
+        assert!(cx.encode_blocks(&dkv, Codec::Int8, &[(nb as u32, 1)]).is_err());
+        assert!(cx.encode_blocks(&dkv, Codec::Int8, &[(0, bs + 1)]).is_err());
+    }
+    report("int8/fp8 encode and decode (exact)", 0.0, 0.0);
+}
+
 #[test]
 fn policy_scores_match_reference() {
     let Some(cx) = gpu("policy scores") else { return };

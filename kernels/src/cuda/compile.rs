@@ -42,6 +42,11 @@ pub const MODULES: &[KernelSource] = &[
         functions: &["kv_write_f16", "copy_blocks_f16", "slot_norms_f16", "anchor_cosine_f16", "window_scores_f16"],
     },
     KernelSource {
+        name: "codecs",
+        source: include_str!("../../cuda/codecs.cu"),
+        functions: &["encode_blocks_q8", "decode_blocks_q8"],
+    },
+    KernelSource {
         name: "attention",
         source: include_str!("../../cuda/attention.cu"),
         functions: &[

@@ -8,6 +8,7 @@
 //!   and the cuBLAS GEMM;
 //! - [`kv`]: the f16 head-paged arenas ([`CudaKv`]), KV write, block copy/compaction, policy scores;
 //! - [`bench`]: the GPU measurements of `pagoda bench kernels` (copy bandwidth, decode-attention bandwidth);
+//! - [`codecs`]: int8 / fp8 e4m3 block encode and decode between the f16 arenas and the tiers' byte format;
 //! - [`attention`]: paged decode (split-K + reduce) and prefill (tiled, causal) attention with GQA;
 //! - [`error`]: the error type, [`CudaError`].
 //!
@@ -15,6 +16,7 @@
 
 pub mod attention;
 pub mod bench;
+pub mod codecs;
 pub mod compile;
 pub mod context;
 pub mod error;
