@@ -1,7 +1,7 @@
 //! `pagoda bench kernels`: decode-attention bandwidth per KV format, batch size and context length, on the CPU
 //! backend or (binaries built with `--features cuda`) the GPU, next to the machine's own copy bandwidth. The
 //! measurements live in `pagoda_kernels::attention_bench` (CPU) and `pagoda_kernels::cuda::bench` (GPU); this
-//! module owns the flags, the table and the JSON.
+//! module owns the flags, the table and the JSON (the chart is `kernels_plot`).
 
 use std::path::PathBuf;
 
@@ -47,6 +47,9 @@ pub struct BenchKernelsArgs {
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draw bandwidth against context, a panel per batch size and a line per format (PNG).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 fn parse_device(s: &str) -> Result<Device, String> {
@@ -121,7 +124,16 @@ pub fn run(a: BenchKernelsArgs) -> Result<()> {
             "seconds": p.seconds, "bytes_per_s": p.bytes_per_s, "fraction_of_copy": p.bytes_per_s / copy_bw,
         })).collect::<Vec<_>>(),
     });
-    crate::print_report(&md, &serde_json::to_string_pretty(&report)?, a.json.as_deref())
+    crate::print_report(&md, &serde_json::to_string_pretty(&report)?, a.json.as_deref())?;
+    if let Some(path) = &a.plot {
+        let title = format!(
+            "Decode attention on {device_name}, {} ({} q / {} kv heads, head_dim {})",
+            shape.name, shape.n_heads, shape.n_kv_heads, shape.head_dim
+        );
+        crate::kernels_plot::draw_kernels(&points, copy_bw, &title, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]

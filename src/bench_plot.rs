@@ -33,9 +33,18 @@ pub(crate) fn draw_legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::Coor
     chart: &mut ChartContext<'a, DB, CT>,
     font_size: u32,
 ) -> Result<()> {
+    draw_legend_at(chart, font_size, SeriesLabelPosition::LowerRight)
+}
+
+/// [`draw_legend`] at another position (for charts whose lines run along the bottom).
+pub(crate) fn draw_legend_at<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    font_size: u32,
+    position: SeriesLabelPosition,
+) -> Result<()> {
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(position)
         .label_font((FONT, font_size))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)

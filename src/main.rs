@@ -20,6 +20,7 @@ mod bench_kernels;
 mod bench_plot;
 mod bench_routing;
 mod eval_plot;
+mod kernels_plot;
 mod telemetry;
 mod tiers_plot;
 

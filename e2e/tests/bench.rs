@@ -123,11 +123,15 @@ fn bench_kernels_reports_every_point() {
         .args(["bench", "kernels", "--threads", "2", "--kv-formats", "f16,pool:int8,int4_kivi"])
         .args(["--batches", "1,3", "--contexts", "100,512", "--budget-ms", "5", "--json"])
         .arg(&out)
+        .arg("--plot")
+        .arg(out.with_extension("png"))
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&out);
+    let png = std::fs::read(out.with_extension("png")).unwrap();
+    let _ = (std::fs::remove_file(&out), std::fs::remove_file(out.with_extension("png")));
+    assert!(png.starts_with(b"\x89PNG"), "the plot is a PNG");
     assert!(v["copy_bytes_per_s"].as_f64().unwrap() > 1e8, "{v:#}");
     let points = v["points"].as_array().unwrap();
     assert_eq!(points.len(), 3 * 2 * 2, "{v:#}");
