@@ -22,7 +22,7 @@ const MAX_CONTEXT: usize = 131_072;
 #[derive(Args)]
 pub struct BenchKernelsArgs {
     /// cpu, or cuda / cuda:N (binaries built with `--features cuda`).
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: Device,
     /// Attention shape: smollm2 (9 q / 3 kv heads of 64) or llama-8b (32 q / 8 kv heads of 128).
     #[arg(long, default_value = "smollm2", value_parser = parse_shape)]
@@ -52,20 +52,16 @@ pub struct BenchKernelsArgs {
     plot: Option<PathBuf>,
 }
 
-fn parse_device(s: &str) -> Result<Device, String> {
-    s.parse()
-}
-
 fn parse_shape(s: &str) -> Result<AttnBenchShape, String> {
     s.parse()
 }
 
 fn formats(names: &[String]) -> Result<Vec<KvFormat>> {
-    let all = ["f16", "f32", "pool:int8", "pool:fp8_e4m3", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"];
-    let names: Vec<&str> =
-        if names.iter().any(|n| n == "all") { all.to_vec() } else { names.iter().map(String::as_str).collect() };
-    if names.is_empty() || names.len() > all.len() {
-        bail!("--kv-formats takes 1 to {} formats", all.len());
+    if names.iter().any(|n| n == "all") {
+        return Ok(KvFormat::ALL.to_vec());
+    }
+    if names.is_empty() || names.len() > KvFormat::ALL.len() {
+        bail!("--kv-formats takes 1 to {} formats", KvFormat::ALL.len());
     }
     names.iter().map(|n| n.parse::<KvFormat>().map_err(anyhow::Error::msg).context("--kv-formats")).collect()
 }
@@ -95,11 +91,12 @@ pub fn run(a: BenchKernelsArgs) -> Result<()> {
     let shape = a.shape;
     let (device_name, copy_bw, points) = match a.device {
         Device::Cpu => {
-            let be = CpuBackend::new(pagoda_worker::engine::resolve_threads(a.threads));
+            let threads = pagoda_worker::engine::resolve_threads(a.threads);
+            let be = CpuBackend::new(threads);
             let copy = cpu_copy_bandwidth(512 << 20, budget_s.max(0.5));
             let points = cpu_decode_attention(&be, &shape, &formats, &batches, &contexts, budget_s)
                 .context("decode attention on the CPU")?;
-            (format!("cpu ({} threads)", pagoda_worker::engine::resolve_threads(a.threads)), copy, points)
+            (format!("cpu ({threads} threads)"), copy, points)
         }
         Device::Cuda(ordinal) => gpu_points(ordinal, &shape, &formats, &batches, &contexts)?,
     };

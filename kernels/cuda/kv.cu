@@ -92,6 +92,16 @@ extern "C" __global__ void anchor_cosine_f16(const unsigned short* __restrict__ 
     }
 }
 
+// scale * q.k for slot t of a table: one warp, lanes over head_dim; every lane gets the result.
+__device__ __forceinline__ float window_logit(const unsigned short* __restrict__ kc, const unsigned int* tab, int t,
+                                              int block_size, int head_dim, const float* qs, float scale) {
+    const int lane = threadIdx.x & 31;
+    const size_t a = slot_addr(tab, t, block_size, head_dim);
+    float dot = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
+    return warp_sum(dot) * scale;
+}
+
 // Observation-window attention per slot (CPU twin: pagoda_kernels::scores::window_attention_scores): for row r, one
 // (query token, query head) of entry row_e[r], the softmax over its row_vis[r] visible slots of logits
 // scale * q.k, each probability raised to `power`, added to out[out_off[e] + slot]. Rows from several queries of one
@@ -113,10 +123,7 @@ extern "C" __global__ void window_scores_f16(const unsigned short* __restrict__ 
     __syncthreads();
     float m = -PAGODA_INF, bad = 0.0f;
     for (int t = warp; t < vis; t += warps) {
-        const size_t a = slot_addr(tab, t, block_size, head_dim);
-        float dot = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
-        dot = warp_sum(dot) * scale;
+        const float dot = window_logit(kc, tab, t, block_size, head_dim, qs, scale);
         if (dot != dot || dot == PAGODA_INF) bad = 1.0f;
         m = fmaxf(m, dot);
     }
@@ -124,18 +131,12 @@ extern "C" __global__ void window_scores_f16(const unsigned short* __restrict__ 
     if (block_sum(bad, scratch) > 0.0f || vis == 0) return;
     float l = 0.0f;
     for (int t = warp; t < vis; t += warps) {
-        const size_t a = slot_addr(tab, t, block_size, head_dim);
-        float dot = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
-        dot = warp_sum(dot) * scale;
+        const float dot = window_logit(kc, tab, t, block_size, head_dim, qs, scale);
         if (lane == 0) l += expf(dot - m);
     }
     const float inv = 1.0f / block_sum(l, scratch);
     for (int t = warp; t < vis; t += warps) {
-        const size_t a = slot_addr(tab, t, block_size, head_dim);
-        float dot = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) dot = fmaf(qs[d], h2f(kc[a + d]), dot);
-        dot = warp_sum(dot) * scale;
+        const float dot = window_logit(kc, tab, t, block_size, head_dim, qs, scale);
         if (lane == 0) {
             const float p = expf(dot - m) * inv;
             float pw = 1.0f;

@@ -51,6 +51,19 @@ pub enum KvFormat {
 }
 
 impl KvFormat {
+    /// Every format `pagoda bench kernels` measures ("all").
+    pub const ALL: [KvFormat; 9] = [
+        KvFormat::Pool(KvDtype::F16),
+        KvFormat::Pool(KvDtype::F32),
+        KvFormat::Pool(KvDtype::Int8),
+        KvFormat::Pool(KvDtype::Fp8),
+        KvFormat::Encoded(Codec::Bf16),
+        KvFormat::Encoded(Codec::Int8),
+        KvFormat::Encoded(Codec::Fp8E4m3),
+        KvFormat::Encoded(Codec::Int4Kivi),
+        KvFormat::Encoded(Codec::Int2Kivi),
+    ];
+
     /// `f16`, `f32` and the pool's 8-bit dtypes as `pool:int8` / `pool:fp8_e4m3`; every codec by its name.
     pub fn name(self) -> String {
         match self {
@@ -119,6 +132,18 @@ pub fn markdown_table(points: &[AttnBenchPoint], copy_bytes_per_s: f64) -> Strin
         ));
     }
     md
+}
+
+/// Blocks of the arena the grid's largest point reads (every point's tables fit in it).
+pub fn arena_blocks(shape: &AttnBenchShape, batches: &[usize], contexts: &[usize]) -> usize {
+    batches.iter().max().copied().unwrap_or(1)
+        * shape.n_kv_heads
+        * contexts.iter().max().copied().unwrap_or(1).div_ceil(shape.block_size)
+}
+
+/// The decode step of one point: sequence `i` is query row `i`, one new token after `prior[h]` cached slots.
+pub fn decode_seqs<'a>(tables: &'a [Vec<Vec<u32>>], prior: &'a [usize]) -> Vec<AttnSeq<'a>> {
+    tables.iter().enumerate().map(|(i, t)| AttnSeq { q_row: i, n_new: 1, tables: t, prior_lens: prior }).collect()
 }
 
 /// Block tables of `batch` sequences × `n_kv_heads` heads × `⌈context / block_size⌉` blocks, all distinct, drawn
@@ -233,9 +258,7 @@ pub fn cpu_decode_attention(
     contexts: &[usize],
     budget_s: f64,
 ) -> Result<Vec<AttnBenchPoint>, CodecError> {
-    let max_blocks = batches.iter().max().copied().unwrap_or(1)
-        * shape.n_kv_heads
-        * contexts.iter().max().copied().unwrap_or(1).div_ceil(shape.block_size);
+    let max_blocks = arena_blocks(shape, batches, contexts);
     let (nh, nkv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut points = Vec::new();
@@ -246,9 +269,7 @@ pub fn cpu_decode_attention(
             for &context in contexts {
                 let tables = scattered_tables(shape, batch, context, max_blocks);
                 let prior = vec![context - 1; nkv];
-                let seqs: Vec<AttnSeq<'_>> = (0..batch)
-                    .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &prior })
-                    .collect();
+                let seqs = decode_seqs(&tables, &prior);
                 let mut q = vec![0.0f32; batch * nh * hd];
                 fill(&mut 7u64, &mut q);
                 let mut out = vec![0.0f32; batch * nh * hd];
@@ -284,6 +305,7 @@ mod tests {
         for name in ["f16", "f32", "pool:int8", "pool:fp8_e4m3", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"] {
             let f: KvFormat = name.parse().unwrap();
             assert_eq!(f.name(), name);
+            assert!(KvFormat::ALL.contains(&f), "{name}");
         }
         assert!("int3".parse::<KvFormat>().is_err());
         assert!("pool:int4".parse::<KvFormat>().is_err());

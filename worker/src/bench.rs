@@ -207,7 +207,6 @@ fn bench_runner<R: ModelRunner>(
     backend: String,
     threads: usize,
 ) -> Result<BenchReport, EngineError> {
-    let num_blocks = runner.info().num_blocks;
     let info = runner.info().clone();
     let mut rng = StdRng::seed_from_u64(opts.seed);
     let vocab = info.vocab_size as u32;
@@ -252,7 +251,7 @@ fn bench_runner<R: ModelRunner>(
         synthetic: opts.synthetic.is_some(),
         backend,
         threads,
-        kv_blocks: num_blocks,
+        kv_blocks: info.num_blocks,
         prefill,
         decode,
         peak_rss_bytes: peak_rss_bytes(),

@@ -564,8 +564,7 @@ impl EngineHandle {
 pub struct Engine;
 
 impl Engine {
-    /// Loads the GGUF at `config.model_path` and starts the engine thread.
-    /// Starts the engine on `config.device`.
+    /// Loads the model `config` names and starts the engine thread with the runner of `config.device`.
     pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
         match config.device {
             Device::Cpu => Engine::start_with(config, LlamaRunner::load),

@@ -14,6 +14,7 @@ use pagoda_kernels::cuda::device_available;
 use pagoda_worker::engine::{Device, EngineConfig, LlamaRunner, ModelRunner, StepSeq};
 use pagoda_worker::model::{Gguf, LogitsWanted, SyntheticSpec, Tokenizer};
 use pagoda_worker::runner_cuda::CudaRunner;
+use pagoda_worker::sampling::argmax;
 
 /// Greedy steps after the prefill.
 const STEPS: usize = 32;
@@ -40,10 +41,6 @@ fn top2(logits: &[f32]) -> (usize, f32) {
         }
     }
     (best, first - second)
-}
-
-fn argmax(logits: &[f32]) -> usize {
-    top2(logits).0
 }
 
 /// Runs the prefill and `STEPS` decode steps on both runners with contiguous block tables; returns the tokens the
@@ -83,7 +80,7 @@ fn greedy_lockstep(cfg: &EngineConfig, prompt: &[u32]) -> (Vec<u32>, usize, f32)
         let diff = lc.iter().zip(&lg).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         worst = worst.max(diff);
         let (want, gap) = top2(&lc);
-        let got = argmax(&lg);
+        let got = argmax(&lg) as usize;
         if got != want {
             assert!(gap < TIE_GAP, "step {step}: GPU chose {got}, CPU {want} with a top-2 gap of {gap}");
             flips += 1;

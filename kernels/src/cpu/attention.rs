@@ -107,7 +107,7 @@ pub(crate) fn for_row_blocks(
     mut fold: impl FnMut(usize, usize),
 ) {
     let step = usize::from(causal);
-    let last = len0 + (rows - 1) * step;
+    let last = last_row_len(rows, len0, causal);
     let blocks = &table[..last.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let s0 = bi * bs;
@@ -120,6 +120,12 @@ pub(crate) fn for_row_blocks(
             fold(r, (len0 + r * step - s0).min(n));
         }
     }
+}
+
+/// Slots the last of `rows` rows sees (see [`for_row_blocks`]): the blocks a rows kernel reads end there.
+#[inline(always)]
+pub(crate) fn last_row_len(rows: usize, len0: usize, causal: bool) -> usize {
+    if causal { len0 + rows - 1 } else { len0 }
 }
 
 /// Where [`par_queries`] asks a rows kernel to write: row `r` of the result goes to `ptr + r * stride` (head_dim
@@ -173,8 +179,7 @@ impl RowsKernel {
         let (bs, hd) = (kv.block_size(), kv.head_dim());
         assert!((1..=avx512_attention::MAX_ROWS).contains(&rows) && len0 >= 1, "attend_rows: bad row count");
         assert!(q.len() >= (rows - 1) * q_stride + hd, "attend_rows: queries out of bounds");
-        let last = if causal { len0 + rows - 1 } else { len0 };
-        let ids = &table[..last.div_ceil(bs)];
+        let ids = &table[..last_row_len(rows, len0, causal).div_ceil(bs)];
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }

@@ -660,11 +660,10 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     };
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Scattered blocks defeat the hardware prefetcher: fetch the next one while this one is folded (the
-        // 8-bit arenas' per-slot scales are a sixteenth of the bytes and are left to the hardware).
+        // Fetch the next block while this one is folded (the 8-bit arenas' per-slot scales are a sixteenth of the
+        // bytes and are left to the hardware).
         if let Some(&nb) = blocks.get(bi + 1) {
-            super::scores_avx2::prefetch(k, elem * nb as usize * bs * hd, elem * bs * hd);
-            super::scores_avx2::prefetch(v, elem * nb as usize * bs * hd, elem * bs * hd);
+            super::scores_avx2::prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
         }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
@@ -708,10 +707,8 @@ pub unsafe fn attend_rows<const NV: usize>(
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
     let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
     let widen = |src: usize, elems: usize, next: Option<usize>| {
-        // As in the AVX-512 form: fetch the next scattered block while this one is folded.
         if let Some(at) = next {
-            super::scores_avx2::prefetch(k, 2 * at, 2 * bs * hd);
-            super::scores_avx2::prefetch(v, 2 * at, 2 * bs * hd);
+            super::scores_avx2::prefetch_kv(k, v, 2 * at, 2 * bs * hd);
         }
         let mut e = 0;
         while e < elems {

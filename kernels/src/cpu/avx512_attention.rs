@@ -10,7 +10,7 @@
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use super::avx2::{exp256, hmax, hsum, probs_from_logits};
-use super::scores_avx2::prefetch;
+use super::scores_avx2::prefetch_kv;
 use core::arch::x86_64::*;
 
 /// Adds the two 256-bit halves of `a`.
@@ -214,10 +214,9 @@ pub unsafe fn attend_one<const NV: usize, const H: bool>(
     let elem = if H { 2 } else { 4 };
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Scattered blocks defeat the hardware prefetcher: fetch the next one while this one is folded.
+        // Fetch the next block while this one is folded.
         if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch(k, elem * nb as usize * bs * hd, elem * bs * hd);
-            prefetch(v, elem * nb as usize * bs * hd, elem * bs * hd);
+            prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
         }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         fold_block::<NV, H>(&qv, k, v, b as usize * bs * hd, n, &mut st, &mut sc, logits);
@@ -273,11 +272,9 @@ pub unsafe fn attend_rows<const NV: usize>(
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
     let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
     let widen = |src: usize, elems: usize, next: Option<usize>| {
-        // The table's blocks are scattered through the arena, so the hardware prefetcher cannot guess the next
-        // one: ask for it while this one is widened and folded.
+        // Fetch the next block while this one is widened and folded.
         if let Some(at) = next {
-            prefetch(k, 2 * at, 2 * bs * hd);
-            prefetch(v, 2 * at, 2 * bs * hd);
+            prefetch_kv(k, v, 2 * at, 2 * bs * hd);
         }
         let mut e = 0;
         while e < elems {

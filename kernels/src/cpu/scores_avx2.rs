@@ -128,6 +128,18 @@ pub(crate) unsafe fn softmax_accumulate(logits: &mut [f32], power: u32, out: &mu
     }
 }
 
+/// Prefetches the same `bytes` bytes at byte `offset` of both arenas `k` and `v` (the next block of an attention
+/// table: its blocks are scattered through the arenas, so the hardware prefetcher cannot follow them).
+///
+/// # Safety
+/// The range is inside both allocations.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn prefetch_kv(k: *const u8, v: *const u8, offset: usize, bytes: usize) {
+    prefetch(k, offset, bytes);
+    prefetch(v, offset, bytes);
+}
+
 /// Prefetches `bytes` bytes from `base + offset` into the cache, one line at a time.
 ///
 /// # Safety

@@ -5,8 +5,7 @@
 use super::context::CudaContext;
 use super::error::CudaError;
 use super::kv::CudaKv;
-use crate::attention_bench::{AttnBenchPoint, AttnBenchShape, scattered_tables};
-use crate::paged::AttnSeq;
+use crate::attention_bench::{AttnBenchPoint, AttnBenchShape, arena_blocks, decode_seqs, scattered_tables};
 
 /// Seconds per call of `f`, timed with CUDA events over enough repetitions to fill about `budget_ms`.
 pub fn time_it(
@@ -51,8 +50,7 @@ pub fn decode_attention(
     contexts: &[usize],
 ) -> Result<Vec<AttnBenchPoint>, CudaError> {
     let (bs, hd, nkv, nh) = (shape.block_size, shape.head_dim, shape.n_kv_heads, shape.n_heads);
-    let max_blocks =
-        batches.iter().max().copied().unwrap_or(1) * nkv * contexts.iter().max().copied().unwrap_or(1).div_ceil(bs);
+    let max_blocks = arena_blocks(shape, batches, contexts);
     let kv = CudaKv::new(cx, max_blocks, bs, hd)?;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut points = Vec::new();
@@ -60,8 +58,7 @@ pub fn decode_attention(
         for &ctx in contexts {
             let tables = scattered_tables(shape, b, ctx, max_blocks);
             let prior = vec![ctx - 1; nkv];
-            let seqs: Vec<AttnSeq<'_>> =
-                (0..b).map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &prior }).collect();
+            let seqs = decode_seqs(&tables, &prior);
             let q = cx.zeros::<f32>(b * nh * hd)?;
             let mut out = cx.zeros::<f32>(b * nh * hd)?;
             let mut plan = cx.plan_attention(&kv, &seqs, b, nh, nkv)?;

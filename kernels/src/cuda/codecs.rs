@@ -7,7 +7,7 @@
 
 use super::context::CudaContext;
 use super::error::CudaError;
-use super::kv::CudaKv;
+use super::kv::{CudaKv, sorted_distinct};
 use super::ops::grid_dim;
 use crate::codec::{Codec, validate_block};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -82,9 +82,8 @@ impl CudaContext {
                 format!("{} bytes for {} blocks of {block_len}", bytes.len(), dst.len()),
             ));
         }
-        let mut seen = dst.to_vec();
-        seen.sort_unstable();
-        if seen.windows(2).any(|w| w[0] == w[1]) || seen.last().is_some_and(|&b| b as usize >= kv.num_blocks()) {
+        let distinct = sorted_distinct(dst.iter().copied());
+        if distinct.is_none_or(|d| d.last().is_some_and(|&b| b as usize >= kv.num_blocks())) {
             return Err(CudaError::invalid(OP, "destinations must be distinct blocks of the arena"));
         }
         for (i, blk) in bytes.chunks_exact(block_len).enumerate() {

@@ -9,7 +9,7 @@ use super::context::CudaContext;
 use super::error::CudaError;
 use super::ops::{grid_dim, to_i32};
 use crate::paged::{AttnSeq, KvArenas, KvStorage};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 /// Head-paged K and V arenas in device memory, f16: block `b`, slot `s` starts at `(b * block_size + s) * head_dim`.
 /// A block holds `block_size` consecutive slots of ONE (layer, kv-head). K and V share block indices.
@@ -166,6 +166,32 @@ struct ScoreMeta {
     max_len: usize,
 }
 
+impl ScoreMeta {
+    /// The device metadata's four parts: the entries' concatenated tables, and per entry its length, table offset
+    /// and output offset.
+    fn views(&self) -> [CudaView<'_, u32>; 4] {
+        let (t, n) = (self.n_tab, self.n);
+        [
+            self.meta.slice(..t),
+            self.meta.slice(t..t + n),
+            self.meta.slice(t + n..t + 2 * n),
+            self.meta.slice(t + 2 * n..),
+        ]
+    }
+
+    /// Slots scored over all entries.
+    fn total(&self) -> usize {
+        self.offsets[self.offsets.len() - 1]
+    }
+}
+
+/// `ids` sorted, or `None` when one repeats: destinations written in parallel must be distinct.
+pub(crate) fn sorted_distinct(ids: impl Iterator<Item = u32>) -> Option<Vec<u32>> {
+    let mut v: Vec<u32> = ids.collect();
+    v.sort_unstable();
+    (!v.windows(2).any(|w| w[0] == w[1])).then_some(v)
+}
+
 const SCORE_WARPS: usize = 4;
 
 impl CudaContext {
@@ -241,11 +267,9 @@ impl CudaContext {
         if pairs.is_empty() {
             return Ok(());
         }
-        let mut dsts: Vec<u32> = pairs.iter().map(|p| p.1).collect();
-        dsts.sort_unstable();
-        if dsts.windows(2).any(|w| w[0] == w[1]) {
+        let Some(dsts) = sorted_distinct(pairs.iter().map(|p| p.1)) else {
             return Err(CudaError::invalid(OP, "destination blocks must be distinct"));
-        }
+        };
         let mut flat = Vec::with_capacity(pairs.len() * 2);
         for &(s, d) in pairs {
             if s as usize >= kv.num_blocks || d as usize >= kv.num_blocks {
@@ -303,7 +327,7 @@ impl CudaContext {
     pub fn slot_norms(&self, kv: &CudaKv, entries: &[ScoreEntry<'_>]) -> Result<SlotScores, CudaError> {
         const OP: &str = "slot_norms";
         let m = self.score_meta(OP, kv, entries)?;
-        let total = m.offsets[m.offsets.len() - 1];
+        let total = m.total();
         if total == 0 {
             return Ok(SlotScores { offsets: m.offsets, ..Default::default() });
         }
@@ -311,9 +335,7 @@ impl CudaContext {
         let mut score = self.zeros::<f32>(total)?;
         let cfg = score_cfg(OP, m.max_len, m.n)?;
         let (bs, hd) = (to_i32(OP, "block_size", kv.block_size)?, to_i32(OP, "head_dim", kv.head_dim)?);
-        let (t, n) = (m.n_tab, m.n);
-        let (tab, len, toff, ooff) =
-            (m.meta.slice(..t), m.meta.slice(t..t + n), m.meta.slice(t + n..t + 2 * n), m.meta.slice(t + 2 * n..));
+        let [tab, len, toff, ooff] = m.views();
         // SAFETY: tables were validated against the arena; outputs hold `total` floats at the prefix offsets.
         unsafe {
             self.stream()
@@ -345,7 +367,7 @@ impl CudaContext {
             return Err(CudaError::invalid(OP, "anchors must be [entries][head_dim]"));
         }
         let m = self.score_meta(OP, kv, entries)?;
-        let total = m.offsets[m.offsets.len() - 1];
+        let total = m.total();
         if total == 0 {
             return Ok(SlotScores { offsets: m.offsets, ..Default::default() });
         }
@@ -353,9 +375,7 @@ impl CudaContext {
         let mut score = self.zeros::<f32>(total)?;
         let cfg = score_cfg(OP, m.max_len, m.n)?;
         let (bs, hd) = (to_i32(OP, "block_size", kv.block_size)?, to_i32(OP, "head_dim", kv.head_dim)?);
-        let (t, n) = (m.n_tab, m.n);
-        let (tab, len, toff, ooff) =
-            (m.meta.slice(..t), m.meta.slice(t..t + n), m.meta.slice(t + n..t + 2 * n), m.meta.slice(t + 2 * n..));
+        let [tab, len, toff, ooff] = m.views();
         // SAFETY: as in slot_norms; anchors hold entries * head_dim floats (checked).
         unsafe {
             self.stream()
@@ -373,9 +393,7 @@ impl CudaContext {
         }?;
         Ok(SlotScores { offsets: m.offsets, knorm: Vec::new(), score: self.download(&score)? })
     }
-}
 
-impl CudaContext {
     /// Observation-window attention per slot, summed over each entry's queries and their `group` query heads, each
     /// probability raised to `power` (the metric of SnapKV, H2O, SAGE-KV and, with `power = 2`, KV-Compress). Each
     /// entry's scores start from zero. Same contract as the CPU's `scores::window_attention_scores`.
@@ -413,11 +431,13 @@ impl CudaContext {
             }
             queries.extend_from_slice(e.q);
         }
-        let total = m.offsets[m.offsets.len() - 1];
-        let mut score = self.zeros::<f32>(total.max(1))?;
-        if total > 0 && !row_e.is_empty() {
-            let (t, n) = (m.n_tab, m.n);
-            let (tab, toff, ooff) = (m.meta.slice(..t), m.meta.slice(t + n..t + 2 * n), m.meta.slice(t + 2 * n..));
+        let total = m.total();
+        if total == 0 {
+            return Ok(SlotScores { offsets: m.offsets, ..Default::default() });
+        }
+        let mut score = self.zeros::<f32>(total)?;
+        if !row_e.is_empty() {
+            let [tab, _, toff, ooff] = m.views();
             let (row_e, row_q, row_vis, q) =
                 (self.upload(&row_e)?, self.upload(&row_q)?, self.upload(&row_vis)?, self.upload(&queries)?);
             let cfg = LaunchConfig {
@@ -447,9 +467,7 @@ impl CudaContext {
                     .launch(cfg)
             }?;
         }
-        let mut score = self.download(&score)?;
-        score.truncate(total);
-        Ok(SlotScores { offsets: m.offsets, knorm: Vec::new(), score })
+        Ok(SlotScores { offsets: m.offsets, knorm: Vec::new(), score: self.download(&score)? })
     }
 }
 

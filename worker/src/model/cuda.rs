@@ -19,7 +19,7 @@ use pagoda_kernels::cudarc::driver::CudaSlice;
 
 use super::config::ModelConfig;
 use super::error::ModelError;
-use super::llama::{ForwardSeq, LlamaModel, LogitsWanted, layer_views, validate_step};
+use super::llama::{ForwardSeq, LlamaModel, layer_views, step_rows, validate_step};
 
 fn gpu_err(e: CudaError) -> ModelError {
     ModelError::Kernel(format!("cuda: {e}"))
@@ -146,19 +146,9 @@ impl CudaLlama {
         })
     }
 
-    /// The model's hyper-parameters.
-    pub fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
     /// The GPU this model runs on.
     pub fn device(&self) -> &CudaContext {
         &self.cx
-    }
-
-    /// The device KV cache.
-    pub fn kv(&self) -> &CudaKv {
-        &self.kv
     }
 
     /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`, exactly as
@@ -170,20 +160,7 @@ impl CudaLlama {
         if total == 0 {
             return Ok(());
         }
-        self.ids.clear();
-        self.positions.clear();
-        self.out_rows.clear();
-        let mut row = 0usize;
-        for s in seqs {
-            self.ids.extend_from_slice(s.tokens);
-            self.positions.extend((0..s.tokens.len() as u32).map(|i| s.start_pos + i));
-            match s.logits {
-                LogitsWanted::Last => self.out_rows.push(row + s.tokens.len() - 1),
-                LogitsWanted::All => self.out_rows.extend(row..row + s.tokens.len()),
-                LogitsWanted::None => {}
-            }
-            row += s.tokens.len();
-        }
+        step_rows(seqs, &mut self.ids, &mut self.positions, &mut self.out_rows);
         self.run(seqs, total, out).map_err(gpu_err)
     }
 

@@ -306,24 +306,13 @@ impl LlamaModel {
         let (hidden, qd, kvd, nkv) = (c.hidden, c.q_dim(), c.kv_dim(), c.n_kv_heads);
         scratch.ensure(c, total);
 
-        scratch.ids.clear();
-        scratch.positions.clear();
-        scratch.out_rows.clear();
+        step_rows(seqs, &mut scratch.ids, &mut scratch.positions, &mut scratch.out_rows);
         scratch.captured_at.clear();
         let mut captured = 0usize;
-        let mut row = 0usize;
         for s in seqs {
             let n_captured = s.capture_q.min(s.tokens.len()) * c.n_layers * qd;
             scratch.captured_at.push((captured, n_captured));
             captured += n_captured;
-            scratch.ids.extend_from_slice(s.tokens);
-            scratch.positions.extend((0..s.tokens.len() as u32).map(|i| s.start_pos + i));
-            match s.logits {
-                LogitsWanted::Last => scratch.out_rows.push(row + s.tokens.len() - 1),
-                LogitsWanted::All => scratch.out_rows.extend(row..row + s.tokens.len()),
-                LogitsWanted::None => {}
-            }
-            row += s.tokens.len();
         }
 
         scratch.captured_q.resize(captured, 0.0);
@@ -493,6 +482,31 @@ pub(super) fn validate_step(
         total = total.checked_add(n).ok_or_else(|| invalid("too many tokens".into()))?;
     }
     Ok(total)
+}
+
+/// The step's rows: every sequence's token ids and RoPE positions in batch order, and the rows whose logits are
+/// wanted (`out_rows`, in output order). Shared by the CPU forward and its GPU twin, so both lay out a batch alike.
+pub(super) fn step_rows(
+    seqs: &[ForwardSeq<'_>],
+    ids: &mut Vec<u32>,
+    positions: &mut Vec<u32>,
+    out_rows: &mut Vec<usize>,
+) {
+    ids.clear();
+    positions.clear();
+    out_rows.clear();
+    let mut row = 0usize;
+    for s in seqs {
+        let n = s.tokens.len();
+        ids.extend_from_slice(s.tokens);
+        positions.extend((0..n as u32).map(|i| s.start_pos + i));
+        match s.logits {
+            LogitsWanted::Last => out_rows.push(row + n - 1),
+            LogitsWanted::All => out_rows.extend(row..row + n),
+            LogitsWanted::None => {}
+        }
+        row += n;
+    }
 }
 
 /// Each sequence's view of layer `li` for the attention kernels (its rows in the step, that layer's tables and

@@ -108,7 +108,7 @@ const PRESET_CONTEXT: usize = 8192;
 impl SyntheticSpec {
     /// The same shape stored as `weights` (F16, Q4_1 or Q8_0).
     pub fn with_weights(mut self, weights: WeightType) -> Result<SyntheticSpec, ModelError> {
-        if weights == WeightType::F32 {
+        if !SYNTHETIC_WEIGHTS.contains(&weights) {
             return Err(ModelError::InvalidInput("synthetic weights are f16, q4_1 or q8_0".into()));
         }
         self.weights = weights;
@@ -169,10 +169,9 @@ impl SyntheticSpec {
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("{} heads do not group over {} kv heads", self.n_heads, self.n_kv_heads));
         }
+        // Every matrix's input width is hidden (q, k, v, gate, up; o's is heads × head_dim = hidden) or ffn (down).
         let block = self.weights.block_len();
-        let head_dim = self.hidden / self.n_heads;
-        for (name, cols) in [("hidden", self.hidden), ("ffn", self.ffn), ("heads * head_dim", self.n_heads * head_dim)]
-        {
+        for (name, cols) in [("hidden", self.hidden), ("ffn", self.ffn)] {
             if !cols.is_multiple_of(block) {
                 return bad(format!("{name} = {cols} is not a multiple of the {block}-weight quantisation block"));
             }
@@ -196,14 +195,16 @@ fn weight_name(w: WeightType) -> &'static str {
     }
 }
 
+/// The formats a synthetic model can be stored in.
+const SYNTHETIC_WEIGHTS: [WeightType; 3] = [WeightType::F16, WeightType::Q4_1, WeightType::Q8_0];
+
 /// Parses a weight format name: `f16`, `q4_1` or `q8_0`.
 pub fn parse_synthetic_weights(s: &str) -> Result<WeightType, ModelError> {
-    match s.to_ascii_lowercase().as_str() {
-        "f16" => Ok(WeightType::F16),
-        "q4_1" => Ok(WeightType::Q4_1),
-        "q8_0" => Ok(WeightType::Q8_0),
-        other => Err(ModelError::InvalidInput(format!("synthetic weights {other:?}: expected f16, q4_1 or q8_0"))),
-    }
+    let s = s.to_ascii_lowercase();
+    SYNTHETIC_WEIGHTS
+        .into_iter()
+        .find(|&w| weight_name(w) == s)
+        .ok_or_else(|| ModelError::InvalidInput(format!("synthetic weights {s:?}: expected f16, q4_1 or q8_0")))
 }
 
 impl fmt::Display for SyntheticSpec {
