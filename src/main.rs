@@ -37,7 +37,7 @@ use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle};
 use pagoda_worker::model::SyntheticSpec;
-use pagoda_worker::placement::TierPlacement;
+use pagoda_worker::placement::{ProfileScoring, TierPlacement};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
 use pagoda_worker::service::{AdmissionLimits, WorkerService};
@@ -246,6 +246,10 @@ struct EngineArgs {
     /// pruned copy keeps (KeyDiff), offered with every codec. `none` offers whole contexts only.
     #[arg(long, value_delimiter = ',', default_value = "0.5,0.25", value_parser = parse_keep_ratio)]
     evicpress_keep_ratios: Vec<KeepRatio>,
+    /// How EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the full-precision
+    /// answer) or `free` (the variant's own greedy answer against it, what a request served from it gets).
+    #[arg(long, default_value = "forced", value_parser = ["forced", "free"])]
+    evicpress_profile: String,
 }
 
 impl EngineArgs {
@@ -768,6 +772,14 @@ struct BenchTiersArgs {
     /// zipf: draw mean TTFT against quality, one point per configuration, into this PNG.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// zipf: the EvicPress paper's offline phase: every configuration but recompute ingests each context once,
+    /// untimed, with a training question no measured request asks, before the measured requests.
+    #[arg(long)]
+    offline_phase: bool,
+    /// zipf: how EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the reference
+    /// answer) or `free` (the variant's own greedy answer against the reference, as a request would get it).
+    #[arg(long, default_value = "forced", value_parser = ["forced", "free"])]
+    evicpress_profile: String,
 }
 
 #[derive(Args)]
@@ -1020,14 +1032,23 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         amx: e.amx,
         synthetic: None,
         device: e.device,
-        placement: TierPlacement::from_flags(
-            &e.tier_placement,
-            &e.tier_codec,
-            e.evicpress_alpha,
-            &keep_ratios(&e.evicpress_keep_ratios),
-        )
-        .map_err(|m| anyhow!(m))?,
+        placement: placement(e)?,
     })
+}
+
+fn placement(e: &EngineArgs) -> Result<TierPlacement> {
+    let mut placement = TierPlacement::from_flags(
+        &e.tier_placement,
+        &e.tier_codec,
+        e.evicpress_alpha,
+        &keep_ratios(&e.evicpress_keep_ratios),
+    )
+    .map_err(|m| anyhow!(m))?;
+    if let TierPlacement::EvicPress(cfg) = &mut placement {
+        cfg.scoring = ProfileScoring::parse(&e.evicpress_profile)
+            .with_context(|| format!("--evicpress-profile {}", e.evicpress_profile))?;
+    }
+    Ok(placement)
 }
 
 fn tier_config(e: &EngineArgs) -> Result<TierConfig> {
@@ -1770,6 +1791,9 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         keep_ratios: keep_ratios(&args.evicpress_keep_ratios),
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
         amx: args.amx,
+        offline_phase: args.offline_phase,
+        profile_scoring: ProfileScoring::parse(&args.evicpress_profile)
+            .with_context(|| format!("--evicpress-profile {}", args.evicpress_profile))?,
         ..Default::default()
     };
     let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)

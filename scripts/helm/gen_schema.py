@@ -155,6 +155,8 @@ schema = obj({
             "evicpressAlpha": {"type": "number", "minimum": 0},
             # `--evicpress-keep-ratios`: comma-separated ratios in (0, 1), or none (tiers/pruned.rs).
             "evicpressKeepRatios": {"type": "string", "pattern": r"^(none|0?\.[0-9]*[1-9][0-9]*(,0?\.[0-9]*[1-9][0-9]*){0,3})$"},
+            # `--evicpress-profile` (placement.rs ProfileScoring).
+            "evicpressProfile": {"enum": ["forced", "free"]},
         }, required=["hostMiB", "diskMiB"]),
         "persistence": obj({
             "enabled": BOOL,

@@ -19,6 +19,11 @@
 //! prompt tokens served from each tier. Between requests the harness waits until the engine is idle and has placed
 //! (and, for EvicPress, profiled) the finished request's context, so TTFT never includes profiling; the profiling
 //! time is reported on its own.
+//!
+//! With `offline_phase`, every configuration but recompute first ingests each context once, untimed, with a
+//! training question that none of the measured requests asks: the paper's initial offline phase (§4.1, §4.4), in
+//! which every context is computed and placed (and, for EvicPress, profiled) before online requests arrive. Without
+//! it, each context's first request is computed in the measured run by every configuration alike.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -35,7 +40,7 @@ use crate::engine::{
     TierPlacement,
 };
 use crate::model::{Gguf, Tokenizer};
-use crate::placement::EvicPressConfig;
+use crate::placement::{EvicPressConfig, ProfileScoring};
 use crate::policy::PolicySpec;
 use crate::tiers::{Tier, TierConfig};
 
@@ -48,6 +53,9 @@ const QUESTIONS: [&str; 6] = [
     "\n\nQuestion: What is the tone of the text above? Answer:",
     "\n\nQuestion: Which word best describes the narrator? Answer:",
 ];
+/// The offline phase's training question: a question about the context that no measured request asks (the
+/// paper profiles on training queries and measures on separate test queries).
+const TRAINING_QUESTION: &str = "\n\nQuestion: What is this passage about? Answer:";
 /// Largest number of contexts or requests accepted (bounds the workload the harness builds in memory).
 pub const MAX_ITEMS: usize = 100_000;
 /// Most EvicPress configurations (values of α) in one run.
@@ -84,6 +92,10 @@ pub struct ZipfBenchOptions {
     pub seed: u64,
     /// Matmuls on AMX tiles ([`EngineConfig::amx`]), for every configuration alike.
     pub amx: bool,
+    /// Ingest every context once, untimed, before the measured requests (the paper's offline phase).
+    pub offline_phase: bool,
+    /// How EvicPress's profiler scores a variant.
+    pub profile_scoring: ProfileScoring,
 }
 
 impl Default for ZipfBenchOptions {
@@ -106,6 +118,8 @@ impl Default for ZipfBenchOptions {
             prose_dir: None,
             seed: 11,
             amx: false,
+            offline_phase: false,
+            profile_scoring: ProfileScoring::TeacherForced,
         }
     }
 }
@@ -130,6 +144,8 @@ pub struct ZipfConfigResult {
     pub evicpress: Option<crate::placement::EvicPressStats>,
     pub peak_planned_bytes: [u64; 3],
     pub seconds: f64,
+    /// Of `seconds`, the untimed offline phase (0 without one).
+    pub offline_seconds: f64,
     /// Every request in order: where its prompt came from and its TTFT, so a mean can be taken apart.
     pub per_request: Vec<RequestRecord>,
 }
@@ -166,7 +182,8 @@ impl ZipfReport {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let mut s = format!(
             "Model {}, {} contexts of {}..={} tokens ({}), {} requests, Zipf({}), {} answer tokens. KV of the \
-             workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB.\n\n\
+             workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB. {} EvicPress scores \
+             variants {}.\n\n\
              | configuration | mean TTFT ms | p99 TTFT ms | quality | device hit | host hit | disk hit | computed \
              | completed |\n|---|---|---|---|---|---|---|---|---|\n",
             self.model,
@@ -181,7 +198,16 @@ impl ZipfReport {
             mib(self.device_bytes),
             o.host_mib,
             self.workload_kv_bytes as f64 / (self.device_bytes + (o.host_mib << 20)).max(1) as f64,
-            o.disk_mib
+            o.disk_mib,
+            if o.offline_phase {
+                "Offline phase: every context ingested once, untimed, before the measured requests (not by recompute)."
+            } else {
+                "No offline phase: each context's first request is computed in the measured run."
+            },
+            match o.profile_scoring {
+                ProfileScoring::TeacherForced => "teacher-forced",
+                ProfileScoring::FreeRunning => "on free-running answers",
+            }
         );
         for r in &self.results {
             s += &format!(
@@ -491,10 +517,18 @@ fn run_config(
     name: &str,
     cfg: EngineConfig,
     workload: &[Request],
+    offline: &[Vec<u32>],
     reference: Option<&[Vec<u32>]>,
 ) -> Result<(ZipfConfigResult, Vec<Vec<u32>>), EngineError> {
     let t0 = Instant::now();
     let engine = Engine::start(EngineConfig { model_path: model.to_path_buf(), ..cfg })?;
+    let offline_t0 = Instant::now();
+    for prompt in offline {
+        let before = engine.stats().computed_tokens_total;
+        run_one(&engine, prompt.clone(), opts.answer_tokens)?;
+        settled(&engine, before)?;
+    }
+    let offline_seconds = if offline.is_empty() { 0.0 } else { offline_t0.elapsed().as_secs_f64() };
     let mut ttfts = Vec::with_capacity(workload.len());
     let mut answers = Vec::with_capacity(workload.len());
     let mut hits = [0u64; 3];
@@ -571,6 +605,7 @@ fn run_config(
         evicpress: last.evicpress.clone(),
         peak_planned_bytes: peak_planned,
         seconds: t0.elapsed().as_secs_f64(),
+        offline_seconds,
         per_request,
     };
     Ok((result, answers))
@@ -620,7 +655,8 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
     let layout = info.layout();
     let bs = layout.block_size;
     let questions: Vec<Vec<u32>> = QUESTIONS.iter().map(|q| tokenizer.encode(q, false)).collect();
-    let longest_q = questions.iter().map(Vec::len).max().unwrap_or(0);
+    let training_question = tokenizer.encode(TRAINING_QUESTION, false);
+    let longest_q = questions.iter().chain([&training_question]).map(Vec::len).max().unwrap_or(0);
     if opts.max_tokens + longest_q + opts.answer_tokens >= info.context_length {
         return bad(format!("contexts of {} tokens do not fit the model's {}", opts.max_tokens, info.context_length));
     }
@@ -672,6 +708,7 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
             alpha,
             codecs: codecs.clone(),
             keep_ratios: opts.keep_ratios.clone(),
+            scoring: opts.profile_scoring,
             // The profiler scores its default 16 teacher-forced positions, not the workload's short answers: with
             // 4 it measured in steps of 0.25, and a pruned copy that scored 1.0 on one context tied the lossless
             // format there and won as the smaller variant.
@@ -684,12 +721,20 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
         ));
     }
 
+    // Ingested in the documents' order, which the seeded shuffle made independent of their popularity.
+    let offline: Vec<Vec<u32>> = if opts.offline_phase {
+        docs.iter().map(|d| [d.as_slice(), &training_question].concat()).collect()
+    } else {
+        Vec::new()
+    };
     let mut results = Vec::new();
     let mut reference: Option<Vec<Vec<u32>>> = None;
     let mut outcome = Ok(());
     for (name, cfg) in configs {
         tracing::info!(config = %name, "bench tiers zipf: running");
-        match run_config(model, opts, &name, cfg, &workload, reference.as_deref()) {
+        // Recompute keeps nothing, so an offline phase would change nothing but its run time.
+        let ingest = if cfg.enable_prefix_cache { offline.as_slice() } else { &[] };
+        match run_config(model, opts, &name, cfg, &workload, ingest, reference.as_deref()) {
             Ok((r, answers)) => {
                 if reference.is_none() {
                     reference = Some(answers);

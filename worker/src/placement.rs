@@ -147,8 +147,10 @@ pub struct EvicPressConfig {
     pub max_contexts: usize,
     /// Tokens after a context kept as its profiling probe.
     pub probe_tokens: usize,
-    /// Greedy tokens of the reference answer; each variant is scored at these positions (teacher-forced).
+    /// Greedy tokens of the reference answer; each variant is scored at these positions.
     pub answer_tokens: usize,
+    /// How a variant's answer is compared with the reference answer.
+    pub scoring: ProfileScoring,
     /// Relative drop of observed quality below the profile that triggers a re-profile.
     pub drift_threshold: f64,
     /// Wall time one profile may take; variants not reached stay unmeasured.
@@ -166,9 +168,34 @@ impl Default for EvicPressConfig {
             max_contexts: 4096,
             probe_tokens: 32,
             answer_tokens: 16,
+            scoring: ProfileScoring::TeacherForced,
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
             min_context_groups: 4,
+        }
+    }
+}
+
+/// How the profiler scores a variant against the full-precision answer (`--evicpress-profile`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum ProfileScoring {
+    /// One step over the probe and the reference answer: the fraction of answer positions whose top token is the
+    /// reference step's. One early miss costs one position, so the estimate is smooth, but it does not see a
+    /// free-running answer diverge after a miss.
+    #[default]
+    TeacherForced,
+    /// The variant answers on its own (greedy, `answer_tokens` steps), and the fraction of positions equal to the
+    /// reference answer is its quality: what a request served from that variant would get, and what the paper
+    /// measures (on generated answers).
+    FreeRunning,
+}
+
+impl ProfileScoring {
+    pub fn parse(s: &str) -> Option<ProfileScoring> {
+        match s {
+            "forced" | "teacher-forced" => Some(ProfileScoring::TeacherForced),
+            "free" | "free-running" => Some(ProfileScoring::FreeRunning),
+            _ => None,
         }
     }
 }
@@ -619,14 +646,19 @@ impl EvicPress {
         let bs = self.layout.block_size;
         let ctx_tokens = b.groups.len() * bs;
         let full = b.tables(None);
-        let answer = self.greedy(runner, &full, ctx_tokens, probe)?;
+        let answer = self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe)?;
+        let free = self.cfg.scoring == ProfileScoring::FreeRunning;
         // Every variant is scored teacher-forced over the probe and the full-precision answer, so that one early
         // disagreement costs one position rather than the rest of a diverged answer. The reference predictions
         // come from the very same step over the original KV: only the codec differs between the two.
         let mut forced: Vec<u32> = probe.to_vec();
         forced.extend_from_slice(&answer[..answer.len().saturating_sub(1)]);
         let full_lens = vec![ctx_tokens; full.len()];
-        let reference = self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len())?;
+        let reference = if free {
+            answer.clone()
+        } else {
+            self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len())?
+        };
         let Some(io) = runner.policy_io() else { return Ok(quality) };
         let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
         let prefix = b.groups.len() - b.own;
@@ -651,12 +683,19 @@ impl EvicPress {
                 }
                 self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]).and_then(|n| {
                     let tables = b.tables(Some(n));
+                    if free {
+                        return self.greedy(runner, &tables, prefix * bs + kept, ctx_tokens, probe);
+                    }
                     let lens = vec![prefix * bs + kept; tables.len()];
                     self.teacher_forced(runner, &tables, &lens, ctx_tokens, &forced, answer.len())
                 })
             } else {
-                round_trip(runner, b.groups, var.codec)
-                    .and_then(|()| self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len()))
+                round_trip(runner, b.groups, var.codec).and_then(|()| {
+                    if free {
+                        return self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe);
+                    }
+                    self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len())
+                })
             };
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
@@ -695,20 +734,21 @@ impl EvicPress {
         Ok(n)
     }
 
-    /// Greedy decode of `answer_tokens` tokens after `probe`, over `tables` whose first `ctx_tokens` slots hold the
-    /// context.
+    /// Greedy decode of `answer_tokens` tokens after `probe`, over `tables` whose first `held` slots hold the
+    /// context (fewer than its `pos` tokens for a pruned copy); the probe starts at position `pos`.
     fn greedy<R: ModelRunner>(
         &mut self,
         runner: &mut R,
         tables: &[Vec<BlockId>],
-        ctx_tokens: usize,
+        held: usize,
+        pos: usize,
         probe: &[u32],
     ) -> Result<Vec<u32>, EngineError> {
         let vocab = runner.info().vocab_size;
-        let mut lens = vec![ctx_tokens; tables.len()];
+        let mut lens = vec![held; tables.len()];
         let mut out = Vec::with_capacity(self.cfg.answer_tokens);
         let mut input: Vec<u32> = probe.to_vec();
-        let mut pos = ctx_tokens;
+        let mut pos = pos;
         for _ in 0..self.cfg.answer_tokens {
             self.forward(runner, tables, &input, pos, &lens, LogitsWanted::Last)?;
             if self.logits.len() < vocab {
@@ -717,7 +757,7 @@ impl EvicPress {
             let tok = argmax(&self.logits[..vocab]);
             out.push(tok);
             pos += input.len();
-            lens.iter_mut().for_each(|l| *l = pos);
+            lens.iter_mut().for_each(|l| *l += input.len());
             input.clear();
             input.push(tok);
         }

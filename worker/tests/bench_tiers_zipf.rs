@@ -100,3 +100,49 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
     assert_eq!(stats.pending, 0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The paper's offline phase: every context is ingested before the measured requests, so with tiers that hold the
+/// whole workload no measured request computes its context, while recompute (which keeps nothing) skips the phase.
+#[test]
+fn offline_phase_places_every_context_before_the_measured_requests() {
+    let dir = std::env::temp_dir().join(format!("pagoda-bench-zipf-offline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let prose = root().join("data/prose");
+    let opts = ZipfBenchOptions {
+        threads: 2,
+        contexts: 6,
+        min_tokens: 256,
+        max_tokens: 384,
+        requests: 10,
+        answer_tokens: 2,
+        device_tokens: 0,
+        // Host alone holds the six contexts' native KV (at most 6 × 384 tokens × 23,040 bytes = 51 MiB).
+        host_mib: 64,
+        disk_mib: 0,
+        data_dir: None,
+        codecs: vec!["int8".into()],
+        alphas: vec![16.0],
+        keep_ratios: vec![],
+        prose_dir: prose.is_dir().then_some(prose),
+        offline_phase: true,
+        ..ZipfBenchOptions::default()
+    };
+    let report = zipf_bench(&model_path(), &opts).expect("bench runs");
+    println!("{}", report.to_markdown());
+    assert!(report.to_markdown().contains("Offline phase: every context ingested once"));
+    for r in &report.results {
+        let n = &r.name;
+        assert_eq!(r.completed, 10, "{n}");
+        if n == "recompute" {
+            assert_eq!(r.offline_seconds, 0.0, "recompute keeps nothing, so it skips the phase");
+            assert!(r.per_request.iter().all(|q| q.computed_tokens as usize >= q.prompt_tokens - 1), "{r:?}");
+            continue;
+        }
+        assert!(r.offline_seconds > 0.0 && r.offline_seconds < r.seconds, "{n}: {r:?}");
+        for q in &r.per_request {
+            // At most the question and the context's last partial block are computed: never the context.
+            assert!(q.computed_tokens < 64, "{n}: context {} was computed in the measured run: {q:?}", q.context);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

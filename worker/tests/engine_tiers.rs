@@ -14,7 +14,7 @@ use pagoda_worker::engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
 };
 use pagoda_worker::model::{Gguf, Tokenizer};
-use pagoda_worker::placement::{EvicPressConfig, TierPlacement};
+use pagoda_worker::placement::{EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::tiers::{Tier, TierConfig};
 
 /// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
@@ -225,15 +225,10 @@ fn fp8_device_cache_serves_and_round_trips_through_host_and_disk() {
     eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(KvDtype::Fp8);
 }
 
-/// EvicPress's keep-ratio dimension through the real engine: a host tier too small for a 14-group context whole
-/// but big enough for half of it gets KeyDiff's pruned copy (the profiler measured it first). After the device
-/// forgets the context, the next request starts from that copy: its prompt tokens up to the context's end count
-/// as served from host and are not recomputed, the sequence runs over half the slots, and its blocks all return
-/// to the pool (a pruned cache is never published, so the request after it onboards the copy again).
-#[test]
-fn evicpress_serves_a_context_from_its_pruned_copy() {
-    let paragraph = prompt();
-    let p: Vec<u32> = std::iter::repeat_n(paragraph.as_slice(), 5).flatten().copied().take(240).collect();
+/// A 240-token prompt whose 14-group context fits a 4 MiB host tier only as EvicPress's pruned copy (half its
+/// tokens, native format), on an engine with room for the context and three 11-group fillers.
+fn pruned_copy_engine(scoring: ProfileScoring, paragraph: &[u32]) -> (EngineHandle, Vec<u32>, usize) {
+    let p: Vec<u32> = std::iter::repeat_n(paragraph, 5).flatten().copied().take(240).collect();
     assert_eq!(p.len(), 240, "paragraph of {} tokens", paragraph.len());
     let context = (p.len() - 1) / BS * BS;
     assert_eq!(context, 14 * BS);
@@ -244,6 +239,7 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
         keep_ratios: vec![0.5],
         // The fillers below (11 groups) are not contexts.
         min_context_groups: 12,
+        scoring,
         ..EvicPressConfig::default()
     };
     let cfg = EngineConfig {
@@ -254,7 +250,25 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
         placement: TierPlacement::EvicPress(ep),
         ..EngineConfig::new(model_path())
     };
-    let h = Engine::start(cfg).expect("engine starts");
+    (Engine::start(cfg).expect("engine starts"), p, context)
+}
+
+/// Pushes every group of the context out of the device pool.
+fn run_fillers(h: &EngineHandle) {
+    for start in [1000u32, 3000, 5000] {
+        let filler: Vec<u32> = (start..start + 11 * BS as u32).collect();
+        run(h, &filler, 2);
+    }
+}
+
+/// EvicPress's keep-ratio dimension through the real engine: a host tier too small for a 14-group context whole
+/// but big enough for half of it gets KeyDiff's pruned copy (the profiler measured it first). After the device
+/// forgets the context, the next request starts from that copy: its prompt tokens up to the context's end count
+/// as served from host and are not recomputed, the sequence runs over half the slots, and its blocks all return
+/// to the pool (a pruned cache is never published, so the request after it onboards the copy again).
+#[test]
+fn evicpress_serves_a_context_from_its_pruned_copy() {
+    let (h, p, context) = pruned_copy_engine(ProfileScoring::TeacherForced, &prompt());
     let (cold, cached, _) = run(&h, &p, 8);
     assert_eq!((cold.len(), cached), (8, 0));
     let placed = wait_stats(&h, "the context's placement", |s| {
@@ -265,10 +279,7 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
     assert_eq!(e.profiles, 1, "{e:?}");
     assert!(e.mean_quality[1].is_some_and(|q| (0.0..=1.0).contains(&q)), "the pruned copy was profiled: {e:?}");
     assert!(e.planned_bytes[1] <= 4 << 20 && e.planned_bytes[1] > 0, "{e:?}");
-    for start in [1000u32, 3000, 5000] {
-        let filler: Vec<u32> = (start..start + 11 * BS as u32).collect();
-        run(&h, &filler, 2);
-    }
+    run_fillers(&h);
     for round in 1..=2u64 {
         let (warm, cached, s) = run(&h, &p, 8);
         assert_eq!(warm.len(), 8);
@@ -278,5 +289,38 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
         assert_eq!(s.evicpress.as_ref().map(|e| e.pruned_onboards), Some(round), "{s:?}");
         assert_eq!(s.blocks_used, 0, "round {round}: every block of the pruned sequence came back: {s:?}");
     }
+    h.shutdown();
+}
+
+/// Free-running profiling measures what a request served from the variant gets: the pruned copy's profiled
+/// quality is, position by position, the agreement between the answer of a request that starts from that copy and
+/// the cold request's answer (both 16 greedy tokens after the same prompt, the profiler's answer length). The
+/// context is real prose (240 tokens of *Alice in Wonderland* when `data/prose` is fetched), where half the
+/// tokens do not carry every answer token.
+#[test]
+fn free_running_profile_is_the_agreement_a_request_from_the_copy_gets() {
+    let g = Gguf::open(model_path()).expect("gguf");
+    let tokenizer = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let alice = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/prose/alice29.txt");
+    let text = std::fs::read_to_string(&alice).unwrap_or_default();
+    let mut paragraph = tokenizer.encode(text.get(4000..8000).unwrap_or_default(), false);
+    if paragraph.len() < 240 {
+        paragraph = prompt();
+    }
+    let (h, p, context) = pruned_copy_engine(ProfileScoring::FreeRunning, &paragraph);
+    let (cold, _, _) = run(&h, &p, 16);
+    let placed = wait_stats(&h, "the context's placement", |s| {
+        s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1)
+    });
+    let profiled = placed.evicpress.expect("EvicPress stats").mean_quality[1].expect("the pruned copy was profiled");
+    run_fillers(&h);
+    let (warm, cached, _) = run(&h, &p, 16);
+    assert_eq!(cached as usize, context, "served from the pruned copy");
+    let observed = cold.iter().zip(&warm).filter(|(a, b)| a == b).count() as f64 / 16.0;
+    println!("profiled {profiled}, observed {observed}");
+    assert_eq!(
+        profiled, observed,
+        "profiled {profiled}, a request from the copy agreed on {observed}:\n{cold:?}\n{warm:?}"
+    );
     h.shutdown();
 }
