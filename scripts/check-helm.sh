@@ -8,7 +8,7 @@
 #      object against the Kubernetes schemas, checks each value set's expectations and cross-references, checks that
 #      every scripts/helm/bad-values/*.yaml is rejected, checks the Grafana dashboard against router/src/metrics.rs,
 #      and runs every rendered `pagoda` command line through `pagoda check-args` (CLI drift);
-#   4. hadolint Dockerfile (.hadolint.yaml).
+#   4. hadolint Dockerfile and Dockerfile.cuda (.hadolint.yaml).
 # Usage: bash scripts/check-helm.sh   (env PAGODA_BIN: use this pagoda binary instead of building one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +38,8 @@ status=0
 echo "check-helm: chart, schemas, bad values, dashboard, CLI drift"
 "$venv/bin/python" scripts/helm/check_chart.py --pagoda "$pagoda" || status=1
 
-echo "check-helm: hadolint Dockerfile"
-"$venv/bin/hadolint" --config .hadolint.yaml Dockerfile || status=1
+echo "check-helm: hadolint Dockerfile Dockerfile.cuda"
+"$venv/bin/hadolint" --config .hadolint.yaml Dockerfile Dockerfile.cuda || status=1
 if [ "$status" -ne 0 ]; then
   echo "check-helm: FAILED" >&2
   exit 1

@@ -250,6 +250,7 @@ def check_default(objs):
         expect(flag in w["command"], f"default: worker lacks {flag}")
     expect("nvidia.com/gpu" not in w["resources"].get("limits", {}), "default: worker asks for a GPU")
     expect("--amx" not in w["command"], "default: worker runs --amx although worker.amx is off")
+    expect("--device=cpu" in w["command"] and not w["image"].endswith("-cuda"), "default: worker is not the CPU build")
     expect([t["metadata"]["name"] for t in wo["spec"]["volumeClaimTemplates"]] == ["data"], "default: no data PVC")
     cm = find(objs, "ConfigMap", "rel-pagoda-dashboard")
     expect(json.loads(cm["data"]["pagoda.json"] or "null") == json.loads((CHART / "dashboards/pagoda.json").read_text()),
@@ -264,8 +265,11 @@ def check_gpu(objs):
     expect(w["resources"]["limits"].get("nvidia.com/gpu") == 1, "gpu: worker limit nvidia.com/gpu != 1")
     expect(wo["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, "gpu: nodeSelector")
     expect(wo["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu", "gpu: tolerations")
-    for flag in ["--kv-policy=snapkv", "--kv-budget=512", "--disk-tier-mib=102400", "--host-tier-mib=16384"]:
+    for flag in ["--device=cuda", "--kv-policy=full", "--kv-dtype=f16", "--disk-tier-mib=0", "--host-tier-mib=0"]:
         expect(flag in w["command"], f"gpu: worker lacks {flag}")
+    expect(w["image"].endswith("-cuda"), f"gpu: worker image {w['image']} is not the CUDA build")
+    init = wo["spec"]["template"]["spec"].get("initContainers", [])
+    expect(all(not c["image"].endswith("-cuda") for c in init), "gpu: the model fetch needs no CUDA image")
     expect(wo["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd", "gpu: storage class")
     r, _ = container(objs, "Deployment", "router", "router")
     expect(any(a.startswith("--etcd=") for a in r["command"]), "gpu: router without --etcd")

@@ -138,6 +138,8 @@ schema = obj({
         "maxStepTokens": integer(1),
         "maxRunning": integer(1),
         "threads": integer(0),
+        # `pagoda worker --device`: cuda runs the GPU runner from the `-cuda` image (Dockerfile.cuda).
+        "device": {"enum": ["cpu", "cuda"]},
         "amx": BOOL,
         "prefixCache": BOOL,
         "kv": obj({
@@ -173,7 +175,13 @@ schema = obj({
         "resources": RESOURCES,
         "pdb": obj({"enabled": BOOL, "maxUnavailable": integer(1)}),
         **SCHEDULING,
-    }, required=["replicas", "port", "kv", "tiers"]),
+    }, required=["replicas", "port", "kv", "tiers"],
+        # The GPU runner needs a GPU, keeps its KV in f16 and has no AMX path: refused here rather than in a crash
+        # loop (runner_cuda.rs refuses the same at start-up).
+        allOf=[{"if": {"properties": {"device": {"const": "cuda"}}, "required": ["device"]},
+                "then": {"properties": {"gpu": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
+                                        "amx": {"const": False},
+                                        "kv": {"properties": {"dtype": {"const": "f16"}}}}}}]),
     "kvstore": obj({
         "enabled": BOOL,
         "replicas": RAFT_SIZE,

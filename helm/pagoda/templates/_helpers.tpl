@@ -33,6 +33,16 @@ app.kubernetes.io/component: {{ .component }}
 {{ printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) | quote }}
 {{- end -}}
 
+{{/* The worker's image: the GPU build (Dockerfile.cuda, tag suffix -cuda) when worker.device is cuda. */}}
+{{- define "pagoda.workerImage" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if eq (.Values.worker.device | default "cpu") "cuda" -}}
+{{ printf "%s:%s-cuda" .Values.image.repository $tag | quote }}
+{{- else -}}
+{{ printf "%s:%s" .Values.image.repository $tag | quote }}
+{{- end -}}
+{{- end -}}
+
 {{- define "pagoda.imagePullSecrets" -}}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
