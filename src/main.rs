@@ -248,8 +248,8 @@ struct EngineArgs {
     evicpress_keep_ratios: Vec<KeepRatio>,
     /// How EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the full-precision
     /// answer) or `free` (the variant's own greedy answer against it, what a request served from it gets).
-    #[arg(long, default_value = "forced", value_parser = ["forced", "free"])]
-    evicpress_profile: String,
+    #[arg(long, default_value = "forced", value_parser = parse_profile_scoring)]
+    evicpress_profile: ProfileScoring,
 }
 
 impl EngineArgs {
@@ -272,6 +272,10 @@ fn parse_keep_ratio(s: &str) -> Result<KeepRatio, String> {
     let r: f64 = s.trim().parse().map_err(|_| format!("expected a number in (0, 1) or none, got {s:?}"))?;
     pagoda_worker::tiers::pruned::check_keep_ratios(&[r])?;
     Ok(KeepRatio(Some(r)))
+}
+
+fn parse_profile_scoring(s: &str) -> Result<ProfileScoring, String> {
+    s.parse()
 }
 
 fn keep_ratios(v: &[KeepRatio]) -> Vec<f64> {
@@ -778,8 +782,8 @@ struct BenchTiersArgs {
     offline_phase: bool,
     /// zipf: how EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the reference
     /// answer) or `free` (the variant's own greedy answer against the reference, as a request would get it).
-    #[arg(long, default_value = "forced", value_parser = ["forced", "free"])]
-    evicpress_profile: String,
+    #[arg(long, default_value = "forced", value_parser = parse_profile_scoring)]
+    evicpress_profile: ProfileScoring,
 }
 
 #[derive(Args)]
@@ -1032,23 +1036,15 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         amx: e.amx,
         synthetic: None,
         device: e.device,
-        placement: placement(e)?,
+        placement: TierPlacement::from_flags(
+            &e.tier_placement,
+            &e.tier_codec,
+            e.evicpress_alpha,
+            &keep_ratios(&e.evicpress_keep_ratios),
+            e.evicpress_profile,
+        )
+        .map_err(|m| anyhow!(m))?,
     })
-}
-
-fn placement(e: &EngineArgs) -> Result<TierPlacement> {
-    let mut placement = TierPlacement::from_flags(
-        &e.tier_placement,
-        &e.tier_codec,
-        e.evicpress_alpha,
-        &keep_ratios(&e.evicpress_keep_ratios),
-    )
-    .map_err(|m| anyhow!(m))?;
-    if let TierPlacement::EvicPress(cfg) = &mut placement {
-        cfg.scoring = ProfileScoring::parse(&e.evicpress_profile)
-            .with_context(|| format!("--evicpress-profile {}", e.evicpress_profile))?;
-    }
-    Ok(placement)
 }
 
 fn tier_config(e: &EngineArgs) -> Result<TierConfig> {
@@ -1792,8 +1788,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
         amx: args.amx,
         offline_phase: args.offline_phase,
-        profile_scoring: ProfileScoring::parse(&args.evicpress_profile)
-            .with_context(|| format!("--evicpress-profile {}", args.evicpress_profile))?,
+        profile_scoring: args.evicpress_profile,
         ..Default::default()
     };
     let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)

@@ -121,6 +121,7 @@ extern "C" __global__ void decode_blocks_q8(const unsigned char* __restrict__ by
     const unsigned char* h = blk + 16 + (half == 0 ? 0 : half_len);
     unsigned short* out = (half == 0 ? kc : vc) + (size_t)dst[i] * block_size * head_dim;
     const long long used = (long long)f * head_dim;
+    const float half_scale = codec == PAGODA_CODEC_INT8 ? 0.0f : get_f32(h);  // fp8: one scale per half
     for (long long j = threadIdx.x; j < n; j += blockDim.x) {
         float x = 0.0f;
         if (j < used) {
@@ -128,7 +129,7 @@ extern "C" __global__ void decode_blocks_q8(const unsigned char* __restrict__ by
                 const int s = (int)(j / head_dim);
                 x = (float)(signed char)h[4 * block_size + j] * get_f32(h + 4 * s);
             } else {
-                x = e4m3_to_f32(h[4 + j]) * get_f32(h);
+                x = e4m3_to_f32(h[4 + j]) * half_scale;
             }
         }
         out[j] = f2h(x);

@@ -38,26 +38,20 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the whole thread block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch /* >= 33 floats */) {
+// Sum (or, with MAX, max) over the whole thread block (blockDim.x a multiple of 32, at most 1024). Every thread gets
+// the result.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* scratch /* >= 33 floats */) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = 0.0f;
-    for (int i = 0; i < nw; ++i) t += scratch[i];
-    return t;
-}
-
-// Max over the whole thread block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
-__device__ __forceinline__ float block_max(float v, float* scratch /* >= 33 floats */) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     float t = scratch[0];
-    for (int i = 1; i < nw; ++i) t = fmaxf(t, scratch[i]);
+    for (int i = 1; i < nw; ++i) t = MAX ? fmaxf(t, scratch[i]) : t + scratch[i];
     return t;
 }
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
+
+__device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }

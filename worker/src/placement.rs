@@ -69,8 +69,14 @@ pub enum TierPlacement {
 
 impl TierPlacement {
     /// From the worker's flags: `placement` is `lru` or `evicpress`; `codec` (LRU only) `native` or a compressing
-    /// codec; `alpha` is EvicPress's α, `keep_ratios` its token-dropping ratios.
-    pub fn from_flags(placement: &str, codec: &str, alpha: f64, keep_ratios: &[f64]) -> Result<TierPlacement, String> {
+    /// codec; `alpha` is EvicPress's α, `keep_ratios` its token-dropping ratios, `scoring` its profiler's.
+    pub fn from_flags(
+        placement: &str,
+        codec: &str,
+        alpha: f64,
+        keep_ratios: &[f64],
+        scoring: ProfileScoring,
+    ) -> Result<TierPlacement, String> {
         let fixed = match codec.parse::<GroupCodec>() {
             Ok(GroupCodec::Native(_)) => None,
             Ok(GroupCodec::Kv(c)) => Some(c),
@@ -89,6 +95,7 @@ impl TierPlacement {
                 Ok(TierPlacement::EvicPress(EvicPressConfig {
                     alpha,
                     keep_ratios: keep_ratios.to_vec(),
+                    scoring,
                     ..EvicPressConfig::default()
                 }))
             }
@@ -190,12 +197,15 @@ pub enum ProfileScoring {
     FreeRunning,
 }
 
-impl ProfileScoring {
-    pub fn parse(s: &str) -> Option<ProfileScoring> {
+impl std::str::FromStr for ProfileScoring {
+    type Err = String;
+
+    /// The flag's names: `forced` or `free`.
+    fn from_str(s: &str) -> Result<ProfileScoring, String> {
         match s {
-            "forced" | "teacher-forced" => Some(ProfileScoring::TeacherForced),
-            "free" | "free-running" => Some(ProfileScoring::FreeRunning),
-            _ => None,
+            "forced" => Ok(ProfileScoring::TeacherForced),
+            "free" => Ok(ProfileScoring::FreeRunning),
+            other => Err(format!("expected forced or free, got {:?}", other.chars().take(32).collect::<String>())),
         }
     }
 }
@@ -647,17 +657,15 @@ impl EvicPress {
         let ctx_tokens = b.groups.len() * bs;
         let full = b.tables(None);
         let answer = self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe)?;
-        let free = self.cfg.scoring == ProfileScoring::FreeRunning;
-        // Every variant is scored teacher-forced over the probe and the full-precision answer, so that one early
-        // disagreement costs one position rather than the rest of a diverged answer. The reference predictions
-        // come from the very same step over the original KV: only the codec differs between the two.
+        // Teacher-forced, every variant is scored over the probe and the full-precision answer, so that one early
+        // disagreement costs one position rather than the rest of a diverged answer, against the predictions of
+        // the very same step over the original KV (only the codec differs). Free-running, the reference is the
+        // answer itself.
         let mut forced: Vec<u32> = probe.to_vec();
         forced.extend_from_slice(&answer[..answer.len().saturating_sub(1)]);
-        let full_lens = vec![ctx_tokens; full.len()];
-        let reference = if free {
-            answer.clone()
-        } else {
-            self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len())?
+        let reference = match self.cfg.scoring {
+            ProfileScoring::FreeRunning => answer.clone(),
+            ProfileScoring::TeacherForced => self.predict(runner, &full, ctx_tokens, ctx_tokens, probe, &forced)?,
         };
         let Some(io) = runner.policy_io() else { return Ok(quality) };
         let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
@@ -682,20 +690,11 @@ impl EvicPress {
                     selected = Some(var.keep_ratio);
                 }
                 self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]).and_then(|n| {
-                    let tables = b.tables(Some(n));
-                    if free {
-                        return self.greedy(runner, &tables, prefix * bs + kept, ctx_tokens, probe);
-                    }
-                    let lens = vec![prefix * bs + kept; tables.len()];
-                    self.teacher_forced(runner, &tables, &lens, ctx_tokens, &forced, answer.len())
+                    self.predict(runner, &b.tables(Some(n)), prefix * bs + kept, ctx_tokens, probe, &forced)
                 })
             } else {
-                round_trip(runner, b.groups, var.codec).and_then(|()| {
-                    if free {
-                        return self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe);
-                    }
-                    self.teacher_forced(runner, &full, &full_lens, ctx_tokens, &forced, answer.len())
-                })
+                round_trip(runner, b.groups, var.codec)
+                    .and_then(|()| self.predict(runner, &full, ctx_tokens, ctx_tokens, probe, &forced))
             };
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
@@ -734,6 +733,28 @@ impl EvicPress {
         Ok(n)
     }
 
+    /// The `answer_tokens` tokens a variant predicts after `probe`, over `tables` whose first `held` slots hold the
+    /// context (fewer than its `pos` tokens for a pruned copy), scored the configured way: its own greedy answer
+    /// (free-running), or its top token at each answer position of one step over `forced` (the probe and the
+    /// full-precision answer).
+    fn predict<R: ModelRunner>(
+        &mut self,
+        runner: &mut R,
+        tables: &[Vec<BlockId>],
+        held: usize,
+        pos: usize,
+        probe: &[u32],
+        forced: &[u32],
+    ) -> Result<Vec<u32>, EngineError> {
+        match self.cfg.scoring {
+            ProfileScoring::FreeRunning => self.greedy(runner, tables, held, pos, probe),
+            ProfileScoring::TeacherForced => {
+                let lens = vec![held; tables.len()];
+                self.teacher_forced(runner, tables, &lens, pos, forced, self.cfg.answer_tokens)
+            }
+        }
+    }
+
     /// Greedy decode of `answer_tokens` tokens after `probe`, over `tables` whose first `held` slots hold the
     /// context (fewer than its `pos` tokens for a pruned copy); the probe starts at position `pos`.
     fn greedy<R: ModelRunner>(
@@ -741,14 +762,13 @@ impl EvicPress {
         runner: &mut R,
         tables: &[Vec<BlockId>],
         held: usize,
-        pos: usize,
+        mut pos: usize,
         probe: &[u32],
     ) -> Result<Vec<u32>, EngineError> {
         let vocab = runner.info().vocab_size;
         let mut lens = vec![held; tables.len()];
         let mut out = Vec::with_capacity(self.cfg.answer_tokens);
         let mut input: Vec<u32> = probe.to_vec();
-        let mut pos = pos;
         for _ in 0..self.cfg.answer_tokens {
             self.forward(runner, tables, &input, pos, &lens, LogitsWanted::Last)?;
             if self.logits.len() < vocab {
@@ -1085,27 +1105,33 @@ mod tests {
 
     #[test]
     fn flags_parse_into_placements_and_bad_ones_are_refused() {
-        assert_eq!(TierPlacement::from_flags("lru", "native", 1.0, &[0.5]), Ok(TierPlacement::Lru));
-        assert_eq!(TierPlacement::from_flags("lru", "f16", 1.0, &[0.5]), Ok(TierPlacement::Lru));
-        assert_eq!(
-            TierPlacement::from_flags("lru", "int4_kivi", 1.0, &[0.5]),
-            Ok(TierPlacement::LruCodec(Codec::Int4Kivi))
-        );
-        match TierPlacement::from_flags("evicpress", "native", 2.5, &[0.5]) {
+        let from_flags =
+            |p: &str, c: &str, a: f64, r: &[f64]| TierPlacement::from_flags(p, c, a, r, Default::default());
+        assert_eq!(from_flags("lru", "native", 1.0, &[0.5]), Ok(TierPlacement::Lru));
+        assert_eq!(from_flags("lru", "f16", 1.0, &[0.5]), Ok(TierPlacement::Lru));
+        assert_eq!(from_flags("lru", "int4_kivi", 1.0, &[0.5]), Ok(TierPlacement::LruCodec(Codec::Int4Kivi)));
+        match from_flags("evicpress", "native", 2.5, &[0.5]) {
             Ok(TierPlacement::EvicPress(c)) => {
                 assert_eq!(c.alpha, 2.5);
                 assert_eq!(c.codecs, GroupCodec::COMPRESSING.to_vec());
                 assert_eq!(c.keep_ratios, [0.5]);
+                assert_eq!(c.scoring, ProfileScoring::TeacherForced);
             }
             other => panic!("{other:?}"),
         }
-        assert!(TierPlacement::from_flags("evicpress", "int8", 1.0, &[0.5]).is_err(), "EvicPress picks its own codecs");
-        assert!(TierPlacement::from_flags("evicpress", "native", f64::NAN, &[0.5]).is_err());
-        assert!(TierPlacement::from_flags("evicpress", "native", -1.0, &[0.5]).is_err());
-        assert!(TierPlacement::from_flags("evicpress", "native", 1.0, &[1.0]).is_err(), "a ratio keeps less than all");
-        assert!(TierPlacement::from_flags("evicpress", "native", 1.0, &[]).is_ok(), "whole contexts only");
-        assert!(TierPlacement::from_flags("fifo", "native", 1.0, &[0.5]).is_err());
-        assert!(TierPlacement::from_flags("lru", "zstd", 1.0, &[0.5]).is_err());
+        assert!(from_flags("evicpress", "int8", 1.0, &[0.5]).is_err(), "EvicPress picks its own codecs");
+        assert!(from_flags("evicpress", "native", f64::NAN, &[0.5]).is_err());
+        assert!(from_flags("evicpress", "native", -1.0, &[0.5]).is_err());
+        assert!(from_flags("evicpress", "native", 1.0, &[1.0]).is_err(), "a ratio keeps less than all");
+        assert!(from_flags("evicpress", "native", 1.0, &[]).is_ok(), "whole contexts only");
+        assert!(from_flags("fifo", "native", 1.0, &[0.5]).is_err());
+        assert!(from_flags("lru", "zstd", 1.0, &[0.5]).is_err());
+        match TierPlacement::from_flags("evicpress", "native", 1.0, &[], ProfileScoring::FreeRunning) {
+            Ok(TierPlacement::EvicPress(c)) => assert_eq!(c.scoring, ProfileScoring::FreeRunning),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!("free".parse(), Ok(ProfileScoring::FreeRunning));
+        assert!("teacher".parse::<ProfileScoring>().is_err());
     }
 
     #[test]

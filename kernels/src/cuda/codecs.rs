@@ -8,18 +8,34 @@
 use super::context::CudaContext;
 use super::error::CudaError;
 use super::kv::{CudaKv, sorted_distinct};
-use super::ops::grid_dim;
+use super::ops::{grid_dim, to_i32};
 use crate::codec::{Codec, validate_block};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Codecs the GPU encodes and decodes.
 pub const GPU_CODECS: [Codec; 2] = [Codec::Int8, Codec::Fp8E4m3];
 
-fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<usize, CudaError> {
+/// The kernels' shape arguments for `codec` over `kv`'s blocks.
+struct CodecArgs {
+    block_size: i32,
+    head_dim: i32,
+    codec_id: i32,
+    /// Bytes of one encoded block.
+    block_len: usize,
+}
+
+fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, CudaError> {
     if !GPU_CODECS.contains(&codec) {
         return Err(CudaError::Unsupported(format!("{op}: codec {codec} on the GPU (int8 and fp8_e4m3 are)")));
     }
-    codec.encoded_len(kv.block_size(), kv.head_dim()).map_err(|e| CudaError::invalid(op, e.to_string()))
+    let block_len =
+        codec.encoded_len(kv.block_size(), kv.head_dim()).map_err(|e| CudaError::invalid(op, e.to_string()))?;
+    Ok(CodecArgs {
+        block_size: to_i32(op, "block_size", kv.block_size())?,
+        head_dim: to_i32(op, "head_dim", kv.head_dim())?,
+        codec_id: i32::from(codec.id()),
+        block_len,
+    })
 }
 
 fn launch_cfg(op: &'static str, n: usize) -> Result<LaunchConfig, CudaError> {
@@ -35,7 +51,7 @@ impl CudaContext {
     /// back to back, [`Codec::encoded_len`] bytes each.
     pub fn encode_blocks(&self, kv: &CudaKv, codec: Codec, blocks: &[(u32, usize)]) -> Result<Vec<u8>, CudaError> {
         const OP: &str = "encode_blocks";
-        let block_len = gpu_codec(OP, codec, kv)?;
+        let a = gpu_codec(OP, codec, kv)?;
         if blocks.is_empty() {
             return Ok(Vec::new());
         }
@@ -49,8 +65,8 @@ impl CudaContext {
             filled.push(f as i32);
         }
         let (ids, filled) = (self.upload(&ids)?, self.upload(&filled)?);
-        let mut out = self.zeros::<u8>(blocks.len() * block_len)?;
-        let (bs, hd, id, len) = (kv.block_size() as i32, kv.head_dim() as i32, i32::from(codec.id()), block_len as i64);
+        let mut out = self.zeros::<u8>(blocks.len() * a.block_len)?;
+        let len = a.block_len as i64;
         let (k, v) = kv.arenas();
         // SAFETY: block ids are inside the arenas and filled <= block_size (checked); `out` holds one encoded block
         // of this codec and shape per entry.
@@ -61,9 +77,9 @@ impl CudaContext {
                 .arg(v)
                 .arg(&ids)
                 .arg(&filled)
-                .arg(&bs)
-                .arg(&hd)
-                .arg(&id)
+                .arg(&a.block_size)
+                .arg(&a.head_dim)
+                .arg(&a.codec_id)
                 .arg(&len)
                 .arg(&mut out)
                 .launch(launch_cfg(OP, blocks.len())?)
@@ -75,7 +91,8 @@ impl CudaContext {
     /// `codec` and the arena's shape) into blocks `dst` of `kv`, one each; destinations must be distinct.
     pub fn decode_blocks(&self, kv: &mut CudaKv, codec: Codec, bytes: &[u8], dst: &[u32]) -> Result<(), CudaError> {
         const OP: &str = "decode_blocks";
-        let block_len = gpu_codec(OP, codec, kv)?;
+        let a = gpu_codec(OP, codec, kv)?;
+        let block_len = a.block_len;
         if bytes.len() != dst.len() * block_len {
             return Err(CudaError::invalid(
                 OP,
@@ -96,7 +113,7 @@ impl CudaContext {
             return Ok(());
         }
         let (src, ids) = (self.upload(bytes)?, self.upload(dst)?);
-        let (bs, hd, id, len) = (kv.block_size() as i32, kv.head_dim() as i32, i32::from(codec.id()), block_len as i64);
+        let len = block_len as i64;
         let (k, v) = kv.arenas_mut();
         // SAFETY: every block was validated (header, length, scales, codes) and matches the arena's shape; the
         // destinations are distinct blocks inside the arenas.
@@ -105,9 +122,9 @@ impl CudaContext {
                 .launch_builder(self.func("decode_blocks_q8")?)
                 .arg(&src)
                 .arg(&ids)
-                .arg(&bs)
-                .arg(&hd)
-                .arg(&id)
+                .arg(&a.block_size)
+                .arg(&a.head_dim)
+                .arg(&a.codec_id)
                 .arg(&len)
                 .arg(k)
                 .arg(v)
