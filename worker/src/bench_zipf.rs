@@ -227,8 +227,8 @@ impl ZipfReport {
         for (name, ep) in self.results.iter().filter_map(|r| Some((&r.name, r.evicpress.as_ref()?))) {
             s += &format!(
                 "\n{name}: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
-                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops; {} \
-                 requests started from a pruned copy. Mean profiled quality: {}.\n",
+                 ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops, {} copies \
+                 the stores lost; {} requests started from a pruned copy. Mean profiled quality: {}.\n",
                 ep.contexts,
                 ep.profiles,
                 ep.profile_ms as f64 / 1e3,
@@ -238,6 +238,7 @@ impl ZipfReport {
                 ep.compressed,
                 ep.moved_down,
                 ep.dropped,
+                ep.lost_copies,
                 ep.pruned_onboards,
                 ep.variants
                     .iter()

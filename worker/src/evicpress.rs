@@ -413,6 +413,13 @@ impl Planner {
         Ok(mean < profiled * (1.0 - threshold))
     }
 
+    /// Records that the stores no longer hold `context`'s copy (a write was refused, a file was corrupt): its
+    /// placement and the bytes it held are released, its profile and frequency are kept, so that the next insert
+    /// plans it like any recomputed context.
+    pub fn lose(&mut self, context: u64) {
+        self.set_placement(context, None);
+    }
+
     /// Removes a context's placement (its KV was lost or invalidated) without planning anything else.
     pub fn forget(&mut self, context: u64) {
         self.set_placement(context, None);
@@ -459,6 +466,22 @@ mod tests {
         p.set_costs([0.0, f64::NAN, -1.0], 500.0);
         assert_eq!(p.utility(1, None).unwrap(), (1.0 - 2.0) * 2.0);
         assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12, "bad bandwidths are ignored");
+    }
+
+    #[test]
+    fn a_lost_copy_releases_its_bytes_and_keeps_its_profile() {
+        let mut p = planner([u64::MAX; 3], 1.0);
+        p.set_profile(3, 100, vec![Some(1.0), Some(0.9), Some(0.8)]).unwrap();
+        p.record_access(3).unwrap();
+        p.insert(3).unwrap();
+        assert!(p.used()[0] > 0);
+        p.lose(3);
+        assert_eq!((p.placement(3), p.used()), (None, [0; 3]));
+        assert_eq!(p.quality(3), Some(&[Some(1.0), Some(0.9), Some(0.8)][..]), "the profile stays");
+        // Placed again like any recomputed context, with its frequency: (1 · 1 − 0) · 2 on the device.
+        p.record_access(3).unwrap();
+        p.insert(3).unwrap();
+        assert_eq!(p.utility(3, p.placement(3)).unwrap(), 2.0);
     }
 
     #[test]

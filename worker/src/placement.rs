@@ -30,6 +30,9 @@
 //!   on disk, then host). Groups are encoded from the device blocks when they are still there, else transcoded from
 //!   the tier copy; a pruned copy is selected from the device blocks, else from its stored copy decoded. `load_time`
 //!   uses the cost model's measured load bandwidth per tier, refreshed before each plan.
+//! - **Lost copies.** A copy the stores did not keep whole (a refused write, a corrupt file) is found when the plan
+//!   is applied or when a request next passes through its context; it is released in the planner and the context
+//!   placed again, so the planner never counts bytes or load time for KV that no request can use.
 //! - **Pruned copies back.** [`EvicPress::pruned_copy`] tells the engine which copy continues a prompt; the engine
 //!   onboards it into the admitted sequence itself (`Scheduler::preload_front`).
 //! - **Bounds.** At most `max_contexts` contexts are remembered (the least recently used unplaced ones are
@@ -238,6 +241,9 @@ pub struct EvicPressStats {
     pub pending: u64,
     /// Admissions that started from an onboarded pruned copy.
     pub pruned_onboards: u64,
+    /// Copies the stores did not keep whole (a refused or failed write, a corrupt file), found when applied or at
+    /// the context's next request: the planner stops counting on them and places the context again.
+    pub lost_copies: u64,
 }
 
 #[derive(Debug)]
@@ -510,8 +516,13 @@ impl EvicPress {
         let tokens = (ctx.groups.len() * self.layout.block_size) as u64;
         let known = self.planner.quality(p.context).is_some();
         if stored.is_some() && known {
-            self.planner.record_access(p.context).map_err(plan_err)?;
-            return Ok(());
+            if self.copy_intact(p.context, stored, tiers) {
+                self.planner.record_access(p.context).map_err(plan_err)?;
+                return Ok(());
+            }
+            // The planner would go on counting bytes and load times for a copy that no request can use, and never
+            // place the context again: release it, then place the context as the recomputed one it now is.
+            self.lose(p.context, stored, tiers);
         }
         // New, or dropped and now recomputed: measure when possible, then insert.
         let can_profile = idle && p.fresh;
@@ -577,6 +588,15 @@ impl EvicPress {
             cost.prefill_tokens_per_s(),
         );
         let ops = self.planner.insert(context).map_err(plan_err)?;
+        tracing::debug!(
+            context = format!("{context:x}"),
+            quality = ?self.planner.quality(context),
+            host_bw = cost.load_bandwidth(Tier::Host),
+            disk_bw = cost.load_bandwidth(Tier::Disk),
+            prefill = cost.prefill_tokens_per_s(),
+            ops = ?ops,
+            "evicpress insert"
+        );
         self.apply(ops, runner, pool, tiers);
         Ok(())
     }
@@ -881,6 +901,7 @@ impl EvicPress {
                 continue;
             }
             let groups = ctx.groups.clone();
+            let mut whole = true;
             match target {
                 None => self.remove_stored(c, stored, tiers),
                 Some(p) if self.variants[p.variant].pruned() => {
@@ -888,6 +909,7 @@ impl EvicPress {
                         // Whatever was stored is gone: the next request recomputes the context.
                         tracing::warn!(error = %e, "pruned copy not stored");
                         self.remove_stored(c, stored, tiers);
+                        whole = false;
                     }
                 }
                 Some(p) => {
@@ -905,7 +927,10 @@ impl EvicPress {
                                 Some((_, g)) => self.transcode(&g, codec),
                                 // Evicted from the device before it was stored: the rest of the chain is
                                 // unreachable anyway.
-                                None => break,
+                                None => {
+                                    whole = false;
+                                    break;
+                                }
                             },
                         };
                         let group = match group {
@@ -913,20 +938,44 @@ impl EvicPress {
                             Err(e) => {
                                 tracing::warn!(codec = codec.name(), error = %e, "KV group not stored");
                                 tiers.remove(h);
+                                whole = false;
                                 break;
                             }
                         };
                         // One copy per group: whatever tier held it before gives it up.
                         tiers.remove(h);
                         if !tiers.place(tier, h, group) {
+                            whole = false;
                             break;
                         }
                     }
                 }
             }
-            if let Some(ctx) = self.contexts.get_mut(&c) {
-                ctx.stored = target;
+            if whole {
+                if let Some(ctx) = self.contexts.get_mut(&c) {
+                    ctx.stored = target;
+                }
+            } else {
+                // A partial copy would claim bytes and a load time for KV a request cannot use whole.
+                self.lose(c, target, tiers);
             }
+        }
+    }
+
+    /// Whether the stores hold every group of `context`'s copy in `stored`.
+    fn copy_intact(&self, context: u64, stored: Option<evicpress::Placement>, tiers: &TierStore) -> bool {
+        let Some(p) = stored else { return false };
+        self.stored_keys(context, p.variant).iter().all(|&h| tiers.locate(h).is_some())
+    }
+
+    /// Gives up `context`'s copy in `stored`: what is left of it leaves the tiers, and the planner releases its
+    /// bytes.
+    fn lose(&mut self, context: u64, stored: Option<evicpress::Placement>, tiers: &mut TierStore) {
+        self.stats.lost_copies += 1;
+        self.remove_stored(context, stored, tiers);
+        self.planner.lose(context);
+        if let Some(c) = self.contexts.get_mut(&context) {
+            c.stored = None;
         }
     }
 

@@ -324,3 +324,57 @@ fn free_running_profile_is_the_agreement_a_request_from_the_copy_gets() {
     );
     h.shutdown();
 }
+
+/// The planner's view of the stores never outlives the stores: when a stored copy turns out incomplete (here a
+/// corrupt disk file, which the tier detects and deletes), the request that found it recomputes the context, and
+/// EvicPress releases the lost copy and places the context again, so the request after that is served whole from
+/// disk. (Before, the planner went on counting the lost copy as stored and never placed the context again: every
+/// later request recomputed it.)
+#[test]
+fn evicpress_places_a_context_again_after_the_stores_lose_its_copy() {
+    let p: Vec<u32> = std::iter::repeat_n(prompt(), 5).flatten().take(240).collect();
+    let context = (p.len() - 1) / BS * BS;
+    let dir = tmp("evicpress-lost");
+    let ep = EvicPressConfig {
+        codecs: vec![],
+        keep_ratios: vec![],
+        // The fillers (11 groups) are not contexts.
+        min_context_groups: 12,
+        ..EvicPressConfig::default()
+    };
+    let cfg = EngineConfig {
+        num_blocks: 26 * GROUP,
+        threads: 2,
+        tiers: disk_only(&dir),
+        placement: TierPlacement::EvicPress(ep),
+        ..EngineConfig::new(model_path())
+    };
+    let h = Engine::start(cfg).expect("engine starts");
+    let placed_on_disk = |h: &EngineHandle, what: &str| {
+        wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[2] == 1))
+    };
+    let (cold, _, _) = run(&h, &p, 8);
+    placed_on_disk(&h, "the context on disk");
+
+    let hashes = block_hashes(&h.model_info().model_id, "", &p, BS);
+    let second = dir.join("kv").join(format!("{:016x}.kv", hashes[1]));
+    let mut bytes = std::fs::read(&second).expect("the context's second group is on disk");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&second, &bytes).unwrap();
+    run_fillers(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "a corrupt file is never used");
+    assert_eq!(cached as usize, BS, "only the group before the corrupt one is onboarded: {s:?}");
+    let s = placed_on_disk(&h, "the context placed again");
+    let e = s.evicpress.expect("EvicPress stats");
+    assert_eq!(e.lost_copies, 1, "{e:?}");
+
+    run_fillers(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold);
+    assert_eq!(cached as usize, context, "the copy placed again serves the whole context: {s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], context as u64, "{s:?}");
+    h.shutdown();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
