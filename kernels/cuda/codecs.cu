@@ -3,12 +3,19 @@
 // the CPU's exactly (16-byte header "PGKV", version 1, codec id, block_size, head_dim, filled, 0; then the K half
 // and the V half), so a block encoded here decodes on the CPU and the other way round.
 //
-// Codecs here: int8 (codec id 3: f32 scale per slot = absmax / 127, codes round(x / scale)) and fp8 e4m3 (id 4:
-// one f32 scale per half = absmax / 448, codes e4m3(x / scale) with round-to-nearest-even, saturating). Slots past
-// `filled` are zero. Inputs are finite by construction (f16 arena values), as the CPU encoder requires.
+// Codecs here: int8 (codec id 3: f32 scale per slot = absmax / 127, codes round(x / scale)), fp8 e4m3 (id 4:
+// one f32 scale per half = absmax / 448, codes e4m3(x / scale) with round-to-nearest-even, saturating), and the
+// KIVI codecs int4_kivi (id 5) and int2_kivi (id 6): keys quantised per channel over the block's slots, values per
+// slot in groups of 32 channels, each group with an f16 scale and min, codes packed two (four) channels per byte.
+// Slots past `filled` are zero. Inputs are finite by construction (f16 arena values), as the CPU encoder requires.
+// The KIVI arithmetic is spelled with explicit IEEE operations (__fsub_rn, __fdiv_rn, __fmul_rn, __fadd_rn) so
+// that no multiply-add is fused: the CPU computes each step rounded, and the bytes and values must match it.
 
 #define PAGODA_CODEC_INT8 3
 #define PAGODA_CODEC_FP8 4
+#define PAGODA_CODEC_INT4_KIVI 5
+#define PAGODA_CODEC_INT2_KIVI 6
+#define PAGODA_KIVI_GROUP 32
 
 __device__ __forceinline__ void put_u16(unsigned char* p, unsigned int v) {
     p[0] = (unsigned char)(v & 0xffu);
@@ -131,6 +138,176 @@ extern "C" __global__ void decode_blocks_q8(const unsigned char* __restrict__ by
             } else {
                 x = e4m3_to_f32(h[4 + j]) * half_scale;
             }
+        }
+        out[j] = f2h(x);
+    }
+}
+
+__device__ __forceinline__ unsigned int get_u16(const unsigned char* p) {
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
+}
+
+// Bytes of one KIVI half and of its parameters (f16 scales, then f16 mins).
+__device__ __forceinline__ long long kivi_params_len(int half, int block_size, int head_dim) {
+    const int groups = (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP;
+    return half == 0 ? 4LL * head_dim : 4LL * block_size * groups;
+}
+
+__device__ __forceinline__ int kivi_row_len(int codec, int head_dim) {
+    return codec == PAGODA_CODEC_INT4_KIVI ? head_dim / 2 : head_dim / 4;
+}
+
+// pagoda_kernels::codec::kivi_params for a group with extremes mn, mx (f16 inputs: min_h == mn, scale finite):
+// writes the f16 scale at p_scale and the f16 min at p_min.
+__device__ __forceinline__ void kivi_put_params(float mn, float mx, float levels, unsigned char* p_scale,
+                                                unsigned char* p_min) {
+    const unsigned short min_h = f2h(mn);
+    const float range = fmaxf(__fsub_rn(mx, h2f(min_h)), 0.0f);
+    put_u16(p_scale, f2h(__fdiv_rn(range, levels)));
+    put_u16(p_min, min_h);
+}
+
+// pagoda_kernels::codec::kivi_code: round half away from zero, clamped to the levels.
+__device__ __forceinline__ unsigned int kivi_code(float x, float mn, float sc, float levels) {
+    if (!(sc > 0.0f)) return 0u;
+    return (unsigned int)fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(x, mn), sc)), 0.0f), levels);
+}
+
+// Scale and min of channel c of slot s in a KIVI half whose parameters start at h.
+__device__ __forceinline__ void kivi_param_of(const unsigned char* h, int half, int block_size, int head_dim, int s,
+                                              int c, float* sc, float* mn) {
+    if (half == 0) {
+        *sc = h2f((unsigned short)get_u16(h + 2 * c));
+        *mn = h2f((unsigned short)get_u16(h + 2 * (head_dim + c)));
+    } else {
+        const int groups = (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP;
+        const long long p = 2LL * ((long long)s * groups + c / PAGODA_KIVI_GROUP);
+        *sc = h2f((unsigned short)get_u16(h + p));
+        *mn = h2f((unsigned short)get_u16(h + 2LL * block_size * groups + p));
+    }
+}
+
+// Code of channel c in a packed row (pagoda_kernels::codec::unpack).
+__device__ __forceinline__ unsigned int kivi_unpack(int codec, const unsigned char* row, int head_dim, int c) {
+    if (codec == PAGODA_CODEC_INT4_KIVI) {
+        const int h = head_dim / 2;
+        return c < h ? (row[c] & 0x0Fu) : (row[c - h] >> 4);
+    }
+    const int q = head_dim / 4;
+    return (row[c % q] >> (2 * (c / q))) & 0x03u;
+}
+
+// Encodes block blocks[i] (its first filled[i] slots) with a KIVI codec into out + i * block_len. Grid (n_blocks,
+// 2): y = 0 the K half (and the header), y = 1 the V half. The parameters are written first, then, after a
+// barrier, read back by the threads that pack the codes (global writes of a thread block are visible to it after
+// __syncthreads), so no shared array bounds the shape.
+extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__ kc,
+                                              const unsigned short* __restrict__ vc,
+                                              const unsigned int* __restrict__ blocks, const int* __restrict__ filled,
+                                              int block_size, int head_dim, int codec, long long block_len,
+                                              unsigned char* __restrict__ out) {
+    const int i = blockIdx.x, half = blockIdx.y, f = filled[i];
+    const unsigned short* src = (half == 0 ? kc : vc) + (size_t)blocks[i] * block_size * head_dim;
+    unsigned char* blk = out + (size_t)i * block_len;
+    const int rl = kivi_row_len(codec, head_dim);
+    const long long k_len = kivi_params_len(0, block_size, head_dim) + (long long)block_size * rl;
+    unsigned char* h = blk + 16 + (half == 0 ? 0 : k_len);
+    const long long params = kivi_params_len(half, block_size, head_dim);
+    unsigned char* codes = h + params;
+    const float levels = codec == PAGODA_CODEC_INT4_KIVI ? 15.0f : 3.0f;
+    if (half == 0 && threadIdx.x == 0) {
+        blk[0] = 'P';
+        blk[1] = 'G';
+        blk[2] = 'K';
+        blk[3] = 'V';
+        blk[4] = 1;
+        blk[5] = (unsigned char)codec;
+        put_u16(blk + 6, (unsigned int)block_size);
+        put_u16(blk + 8, (unsigned int)head_dim);
+        put_u16(blk + 10, (unsigned int)f);
+        blk[12] = blk[13] = blk[14] = blk[15] = 0;
+    }
+    if (half == 0) {
+        // One channel per thread: its extremes over the filled slots.
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+            if (f == 0) {
+                put_u16(h + 2 * c, 0u);
+                put_u16(h + 2 * (head_dim + c), 0u);
+                continue;
+            }
+            float mn = PAGODA_INF, mx = -PAGODA_INF;
+            for (int s = 0; s < f; ++s) {
+                const float x = h2f(src[(size_t)s * head_dim + c]);
+                mn = fminf(mn, x);
+                mx = fmaxf(mx, x);
+            }
+            kivi_put_params(mn, mx, levels, h + 2 * c, h + 2 * (head_dim + c));
+        }
+    } else {
+        // One (slot, group) per thread; slots past `filled` keep zero parameters.
+        const int groups = (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP;
+        for (int t = threadIdx.x; t < block_size * groups; t += blockDim.x) {
+            const int s = t / groups, g = t % groups;
+            unsigned char* p_scale = h + 2LL * t;
+            unsigned char* p_min = h + 2LL * block_size * groups + 2LL * t;
+            if (s >= f) {
+                put_u16(p_scale, 0u);
+                put_u16(p_min, 0u);
+                continue;
+            }
+            float mn = PAGODA_INF, mx = -PAGODA_INF;
+            const int end = min(head_dim, (g + 1) * PAGODA_KIVI_GROUP);
+            for (int c = g * PAGODA_KIVI_GROUP; c < end; ++c) {
+                const float x = h2f(src[(size_t)s * head_dim + c]);
+                mn = fminf(mn, x);
+                mx = fmaxf(mx, x);
+            }
+            kivi_put_params(mn, mx, levels, p_scale, p_min);
+        }
+    }
+    __syncthreads();
+    // One packed byte per thread: channels j, j + D/2 (int4) or j, j + D/4, j + D/2, j + 3D/4 (int2).
+    const int per_byte = codec == PAGODA_CODEC_INT4_KIVI ? 2 : 4;
+    const int bits = codec == PAGODA_CODEC_INT4_KIVI ? 4 : 2;
+    for (long long t = threadIdx.x; t < (long long)block_size * rl; t += blockDim.x) {
+        const int s = (int)(t / rl), j = (int)(t % rl);
+        unsigned int byte = 0;
+        if (s < f) {
+            for (int k = 0; k < per_byte; ++k) {
+                const int c = j + k * rl;
+                float sc, mn;
+                kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
+                byte |= kivi_code(h2f(src[(size_t)s * head_dim + c]), mn, sc, levels) << (bits * k);
+            }
+        }
+        codes[t] = (unsigned char)byte;
+    }
+}
+
+// Decodes the validated KIVI block at bytes + i * block_len into arena block dst[i] (f16, rounded to nearest):
+// min + code * scale, each step rounded as the CPU rounds it; slots past the header's `filled` become zero.
+// Grid (n_blocks, 2): y = 0 the K half, y = 1 the V half.
+extern "C" __global__ void decode_blocks_kivi(const unsigned char* __restrict__ bytes,
+                                              const unsigned int* __restrict__ dst, int block_size, int head_dim,
+                                              int codec, long long block_len, unsigned short* __restrict__ kc,
+                                              unsigned short* __restrict__ vc) {
+    const int i = blockIdx.x, half = blockIdx.y;
+    const unsigned char* blk = bytes + (size_t)i * block_len;
+    const int f = (int)get_u16(blk + 10);
+    const int rl = kivi_row_len(codec, head_dim);
+    const long long k_len = kivi_params_len(0, block_size, head_dim) + (long long)block_size * rl;
+    const unsigned char* h = blk + 16 + (half == 0 ? 0 : k_len);
+    const unsigned char* codes = h + kivi_params_len(half, block_size, head_dim);
+    unsigned short* out = (half == 0 ? kc : vc) + (size_t)dst[i] * block_size * head_dim;
+    const long long n = (long long)block_size * head_dim;
+    for (long long j = threadIdx.x; j < n; j += blockDim.x) {
+        const int s = (int)(j / head_dim), c = (int)(j % head_dim);
+        float x = 0.0f;
+        if (s < f) {
+            float sc, mn;
+            kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
+            const float q = (float)kivi_unpack(codec, codes + (size_t)s * rl, head_dim, c);
+            x = __fadd_rn(mn, __fmul_rn(q, sc));
         }
         out[j] = f2h(x);
     }

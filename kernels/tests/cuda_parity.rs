@@ -7,6 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use half::f16;
+use pagoda_kernels::cuda::codecs::GPU_CODECS;
 use pagoda_kernels::cuda::{CudaContext, CudaKv, CudaWeight, ScoreEntry, WindowEntry};
 use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, WeightType};
 use rand::rngs::StdRng;
@@ -454,14 +455,16 @@ fn window_scores_match_cpu() {
     assert!(cx.window_attention_scores(&kv, &far, 1, 1.0, 1).is_err(), "block out of range");
 }
 
-/// int8 and fp8 e4m3 block encoding on the GPU gives the CPU encoder's bytes exactly (header, scales, codes, the
-/// zeros past `filled`), and decoding CPU-encoded blocks on the GPU gives `decode_block`'s values rounded to f16.
+/// int8, fp8 e4m3, int4_kivi and int2_kivi block encoding on the GPU gives the CPU encoder's bytes exactly
+/// (header, scales and mins, codes, the zeros past `filled`), and decoding CPU-encoded blocks on the GPU gives
+/// `decode_block`'s values rounded to f16.
 #[test]
 fn codecs_match_cpu_bit_for_bit() {
     use pagoda_kernels::codec::{Codec, decode_block};
     let Some(cx) = gpu("codecs") else { return };
     let mut rng = StdRng::seed_from_u64(13);
-    for &(bs, hd) in &[(16usize, 64usize), (16, 128), (5, 96)] {
+    // head_dim 30: one partial KIVI value group, and a shape int2_kivi refuses.
+    for &(bs, hd) in &[(16usize, 64usize), (16, 128), (5, 96), (5, 30)] {
         let nb = 12;
         let mut kv = random_cache(&mut rng, nb, bs, hd);
         // A block of zeros (scale 0) and a block with one large value (fp8 saturation, int8 clamping).
@@ -469,8 +472,12 @@ fn codecs_match_cpu_bit_for_bit() {
         kv.block_v_mut(4)[7] = 300.0;
         let dkv = CudaKv::from_host(&cx, &kv).unwrap();
         let blocks: Vec<(u32, usize)> = vec![(0, bs), (1, 1), (3, bs), (4, bs - 1), (6, 0), (11, bs)];
-        for codec in [Codec::Int8, Codec::Fp8E4m3] {
-            let len = codec.encoded_len(bs, hd).unwrap();
+        for codec in GPU_CODECS {
+            let Ok(len) = codec.encoded_len(bs, hd) else {
+                // int2_kivi packs four channels per byte: a head_dim it cannot take is refused, not launched.
+                assert!(cx.encode_blocks(&dkv, codec, &blocks).is_err(), "{codec} {bs}x{hd}");
+                continue;
+            };
             let got = cx.encode_blocks(&dkv, codec, &blocks).unwrap();
             assert_eq!(got.len(), blocks.len() * len);
             let mut want = vec![0u8; blocks.len() * len];
@@ -496,18 +503,23 @@ fn codecs_match_cpu_bit_for_bit() {
 
             // Refusals: a corrupt scale, the wrong codec, a destination twice, a short buffer.
             let mut bad = want[..len].to_vec();
-            bad[16..20].copy_from_slice(&f32::NAN.to_le_bytes());
+            // The first scale of the K half: an f32 for the 8-bit codecs, an f16 for KIVI.
+            if matches!(codec, Codec::Int8 | Codec::Fp8E4m3) {
+                bad[16..20].copy_from_slice(&f32::NAN.to_le_bytes());
+            } else {
+                bad[16..18].copy_from_slice(&f16::NAN.to_le_bytes());
+            }
             assert!(cx.decode_blocks(&mut back, codec, &bad, &[0]).is_err());
-            let other = if codec == Codec::Int8 { Codec::Fp8E4m3 } else { Codec::Int8 };
+            let other = if codec == Codec::Int8 { Codec::Int4Kivi } else { Codec::Int8 };
             assert!(cx.decode_blocks(&mut back, other, &want[..len], &[0]).is_err());
             assert!(cx.decode_blocks(&mut back, codec, &want[..2 * len], &[0, 0]).is_err());
             assert!(cx.decode_blocks(&mut back, codec, &want[..len - 1], &[0]).is_err());
         }
-        assert!(cx.encode_blocks(&dkv, Codec::Int4Kivi, &blocks).is_err(), "KIVI is not on the GPU yet");
+        assert!(cx.encode_blocks(&dkv, Codec::F16, &blocks).is_err(), "lossless formats stay on the host");
         assert!(cx.encode_blocks(&dkv, Codec::Int8, &[(nb as u32, 1)]).is_err());
         assert!(cx.encode_blocks(&dkv, Codec::Int8, &[(0, bs + 1)]).is_err());
     }
-    report("int8/fp8 encode and decode (exact)", 0.0, 0.0);
+    report("int8/fp8/KIVI encode and decode (exact)", 0.0, 0.0);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! KV block codecs on the GPU (`codecs.cu`): [`CudaContext::encode_blocks`] encodes blocks of the f16 arenas into
 //! the self-describing byte format the tiers store, [`CudaContext::decode_blocks`] decodes such blocks back into
-//! arena blocks. int8 and fp8 e4m3 so far; the KIVI codecs are refused as unsupported.
+//! arena blocks: int8, fp8 e4m3 (`*_q8` kernels), int4_kivi and int2_kivi (`*_kivi` kernels). The lossless formats
+//! (f32, f16, bf16) are plain copies and stay on the host.
 //!
 //! CPU twins: `Codec::encode_block` over the arena's values (the bytes are identical) and `decode_block` followed by
 //! the arena's f16 rounding (the values are identical).
@@ -13,7 +14,7 @@ use crate::codec::{Codec, validate_block};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Codecs the GPU encodes and decodes.
-pub const GPU_CODECS: [Codec; 2] = [Codec::Int8, Codec::Fp8E4m3];
+pub const GPU_CODECS: [Codec; 4] = [Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
 
 /// The kernels' shape arguments for `codec` over `kv`'s blocks.
 struct CodecArgs {
@@ -22,12 +23,22 @@ struct CodecArgs {
     codec_id: i32,
     /// Bytes of one encoded block.
     block_len: usize,
+    /// The codec family's kernels: `*_q8` (int8, fp8) or `*_kivi`.
+    encode_kernel: &'static str,
+    decode_kernel: &'static str,
 }
 
 fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, CudaError> {
-    if !GPU_CODECS.contains(&codec) {
-        return Err(CudaError::Unsupported(format!("{op}: codec {codec} on the GPU (int8 and fp8_e4m3 are)")));
-    }
+    let (encode_kernel, decode_kernel) = match codec {
+        Codec::Int8 | Codec::Fp8E4m3 => ("encode_blocks_q8", "decode_blocks_q8"),
+        Codec::Int4Kivi | Codec::Int2Kivi => ("encode_blocks_kivi", "decode_blocks_kivi"),
+        Codec::F32 | Codec::F16 | Codec::Bf16 => {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: codec {codec} on the GPU (int8, fp8_e4m3, int4_kivi and int2_kivi are)"
+            )));
+        }
+    };
+    // Also checks the shape against the codec (KIVI packs 2 or 4 channels per byte).
     let block_len =
         codec.encoded_len(kv.block_size(), kv.head_dim()).map_err(|e| CudaError::invalid(op, e.to_string()))?;
     Ok(CodecArgs {
@@ -35,6 +46,8 @@ fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, C
         head_dim: to_i32(op, "head_dim", kv.head_dim())?,
         codec_id: i32::from(codec.id()),
         block_len,
+        encode_kernel,
+        decode_kernel,
     })
 }
 
@@ -72,7 +85,7 @@ impl CudaContext {
         // of this codec and shape per entry.
         unsafe {
             self.stream()
-                .launch_builder(self.func("encode_blocks_q8")?)
+                .launch_builder(self.func(a.encode_kernel)?)
                 .arg(k)
                 .arg(v)
                 .arg(&ids)
@@ -119,7 +132,7 @@ impl CudaContext {
         // destinations are distinct blocks inside the arenas.
         unsafe {
             self.stream()
-                .launch_builder(self.func("decode_blocks_q8")?)
+                .launch_builder(self.func(a.decode_kernel)?)
                 .arg(&src)
                 .arg(&ids)
                 .arg(&a.block_size)
