@@ -29,7 +29,7 @@ pub struct BenchKernelsArgs {
     shape: AttnBenchShape,
     /// KV formats, comma-separated: f16 and f32 (the pool's arenas), pool:int8 and pool:fp8_e4m3 (the pool's 8-bit
     /// dtypes), and the encoded codecs bf16, int8, fp8_e4m3, int4_kivi, int2_kivi ("all" for every one). The GPU
-    /// measures f16.
+    /// measures f16 and the encoded int8, fp8_e4m3, int4_kivi and int2_kivi.
     #[arg(long, value_delimiter = ',', default_value = "f16,int8,fp8_e4m3,int4_kivi,int2_kivi")]
     kv_formats: Vec<String>,
     /// Decode batch sizes (default: 1,8,32 on the CPU; 1,4,16,64 on the GPU).
@@ -142,14 +142,29 @@ fn gpu_points(
     contexts: &[usize],
 ) -> Result<(String, f64, Vec<AttnBenchPoint>)> {
     use pagoda_kernels::KvDtype;
+    use pagoda_kernels::cuda::codecs::GPU_CODECS;
     use pagoda_kernels::cuda::{CudaContext, bench};
-    if let Some(f) = formats.iter().find(|f| **f != KvFormat::Pool(KvDtype::F16)) {
-        bail!("the GPU kernels read f16 caches only so far; {} is CPU-only (pass --kv-formats f16)", f.name());
+    let on_gpu = |f: &KvFormat| match f {
+        KvFormat::Pool(d) => *d == KvDtype::F16,
+        KvFormat::Encoded(c) => GPU_CODECS.contains(c),
+    };
+    if let Some(f) = formats.iter().find(|f| !on_gpu(f)) {
+        bail!(
+            "the GPU kernels read the f16 pool and the int8, fp8_e4m3, int4_kivi and int2_kivi encodings; {} is \
+             CPU-only",
+            f.name()
+        );
     }
     let cx = CudaContext::new(ordinal).with_context(|| format!("CUDA device {ordinal}"))?;
     let name = format!("cuda:{ordinal} ({})", cx.info().name);
     let copy = bench::copy_bandwidth(&cx)?;
-    let points = bench::decode_attention(&cx, shape, batches, contexts)?;
+    let mut points = Vec::new();
+    for f in formats {
+        points.extend(match *f {
+            KvFormat::Pool(_) => bench::decode_attention(&cx, shape, batches, contexts)?,
+            KvFormat::Encoded(c) => bench::decode_attention_encoded(&cx, shape, c, batches, contexts)?,
+        });
+    }
     Ok((name, copy, points))
 }
 

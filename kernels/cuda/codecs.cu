@@ -312,3 +312,101 @@ extern "C" __global__ void decode_blocks_kivi(const unsigned char* __restrict__ 
         out[j] = f2h(x);
     }
 }
+
+// Value of channel c of slot s in one half h of a validated block of `codec` (the CPU's decode_row).
+__device__ __forceinline__ float encoded_value(const unsigned char* h, int half, int codec, int block_size,
+                                               int head_dim, int s, int c) {
+    if (codec == PAGODA_CODEC_INT8) {
+        return (float)(signed char)h[4 * block_size + (size_t)s * head_dim + c] * get_f32(h + 4 * s);
+    }
+    if (codec == PAGODA_CODEC_FP8) {
+        return e4m3_to_f32(h[4 + (size_t)s * head_dim + c]) * get_f32(h);
+    }
+    float sc, mn;
+    kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
+    const int rl = kivi_row_len(codec, head_dim);
+    const unsigned char* codes = h + kivi_params_len(half, block_size, head_dim) + (size_t)s * rl;
+    return __fadd_rn(mn, __fmul_rn((float)kivi_unpack(codec, codes, head_dim, c), sc));
+}
+
+// Bytes of the K half of a block of `codec` (the V half follows it).
+__device__ __forceinline__ long long encoded_k_half_len(int codec, int block_size, int head_dim) {
+    const long long n = (long long)block_size * head_dim;
+    if (codec == PAGODA_CODEC_INT8) return 4LL * block_size + n;
+    if (codec == PAGODA_CODEC_FP8) return 4LL + n;
+    return kivi_params_len(0, block_size, head_dim) + (long long)block_size * kivi_row_len(codec, head_dim);
+}
+
+#define ENC_NW 4
+#define ENC_MAX_PER_LANE 8  // head_dim <= 256
+
+// Dequantise-on-load paged attention over an arena of encoded blocks (CPU twin: paged_attention_encoded). One CTA
+// per (entry, query head of the entry's GQA group); entry e is one query row ent_row[e] against kv-head
+// ent_head[e], whose ent_len[e] visible slots are listed by the block table at tables + ent_tab[e]. Each warp takes
+// every ENC_NW-th slot: it decodes the slot's key row in registers (lane l holds channels l, l + 32, ...), scores it
+// against the query, and folds the decoded value row into its online softmax; the warps' partial results are
+// merged at the end. Memory traffic is the encoded size of the blocks read.
+extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
+    paged_attention_encoded(const float* __restrict__ q, const unsigned char* __restrict__ arena, long long block_len,
+                            const unsigned int* __restrict__ tables, const int* __restrict__ ent_row,
+                            const int* __restrict__ ent_head, const int* __restrict__ ent_len,
+                            const int* __restrict__ ent_tab, int n_heads, int n_kv, int block_size, int head_dim,
+                            int codec, float scale, float* __restrict__ out) {
+    __shared__ float s_acc[ENC_NW][32 * ENC_MAX_PER_LANE];
+    __shared__ float s_m[ENC_NW], s_l[ENC_NW];
+    const int e = blockIdx.x, g = blockIdx.y;
+    const int group = n_heads / n_kv, h = ent_head[e], qh = h * group + g, row = ent_row[e], L = ent_len[e];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* qp = q + (size_t)row * n_heads * head_dim + (size_t)qh * head_dim;
+    float qv[ENC_MAX_PER_LANE], acc[ENC_MAX_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+        const int c = lane + 32 * k;
+        qv[k] = c < head_dim ? qp[c] * scale : 0.0f;
+        acc[k] = 0.0f;
+    }
+    const long long k_len = encoded_k_half_len(codec, block_size, head_dim);
+    const unsigned int* tab = tables + ent_tab[e];
+    float m = -PAGODA_INF, l = 0.0f;
+    for (int t = warp; t < L; t += ENC_NW) {
+        const unsigned char* blk = arena + (size_t)tab[t / block_size] * block_len;
+        const int s = t % block_size;
+        const unsigned char* kh = blk + 16;
+        const unsigned char* vh = kh + k_len;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+            const int c = lane + 32 * k;
+            if (c < head_dim) dot += qv[k] * encoded_value(kh, 0, codec, block_size, head_dim, s, c);
+        }
+        dot = warp_sum(dot);
+        const float m_new = fmaxf(m, dot);
+        const float corr = expf(m - m_new), p = expf(dot - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+            const int c = lane + 32 * k;
+            if (c < head_dim) acc[k] = acc[k] * corr + p * encoded_value(vh, 1, codec, block_size, head_dim, s, c);
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int k = 0; k < ENC_MAX_PER_LANE; ++k) s_acc[warp][lane + 32 * k] = acc[k];
+    __syncthreads();
+    float big = -PAGODA_INF;
+    for (int w = 0; w < ENC_NW; ++w) big = fmaxf(big, s_m[w]);
+    float sum = 0.0f;
+    for (int w = 0; w < ENC_NW; ++w) sum += s_m[w] == -PAGODA_INF ? 0.0f : s_l[w] * expf(s_m[w] - big);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float* op = out + (size_t)row * n_heads * head_dim + (size_t)qh * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < ENC_NW; ++w)
+            if (s_m[w] != -PAGODA_INF) o += s_acc[w][c] * expf(s_m[w] - big);
+        op[c] = o * inv;
+    }
+}

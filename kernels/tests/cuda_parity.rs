@@ -522,6 +522,55 @@ fn codecs_match_cpu_bit_for_bit() {
     report("int8/fp8/KIVI encode and decode (exact)", 0.0, 0.0);
 }
 
+/// Dequantise-on-load attention on the GPU against the CPU's (`paged_attention_encoded`) over the same encoded
+/// arena, for every GPU codec: decode rows at edge lengths and a prefill chunk, GQA 3 and 4, two block sizes.
+#[test]
+fn encoded_attention_matches_cpu() {
+    use pagoda_kernels::codec::{Codec, EncodedKv};
+    let Some(cx) = gpu("encoded attention") else { return };
+    let mut rng = StdRng::seed_from_u64(14);
+    let mut worst = 0.0f32;
+    for &(hd, nh, nkv) in &[(64usize, 9usize, 3usize), (128, 16, 4)] {
+        for &bs in &[16usize, 5] {
+            let specs: Vec<(usize, Vec<usize>)> = [0usize, 1, 15, 16, 17, 300]
+                .iter()
+                .map(|&l| (1, (0..nkv).map(|h| if h % 2 == 1 { l / 2 } else { l }).collect()))
+                .chain(std::iter::once((7, vec![40; nkv])))
+                .collect();
+            let b = Batch::new(&mut rng, &specs, bs);
+            let kv = random_cache(&mut rng, b.num_blocks, bs, hd);
+            let q = rvec(&mut rng, b.rows * nh * hd, 1.0);
+            let scale = 1.0 / (hd as f32).sqrt() * 2.0;
+            let seqs = b.seqs();
+            for codec in GPU_CODECS {
+                let mut ekv = EncodedKv::new(codec, b.num_blocks, bs, hd).unwrap();
+                for blk in 0..b.num_blocks {
+                    ekv.store(blk, kv.block_k(blk as u32), kv.block_v(blk as u32)).unwrap();
+                }
+                let mut want = vec![0.0; q.len()];
+                CpuBackend::new(0).paged_attention_encoded(&q, &ekv, &seqs, nh, nkv, scale, &mut want);
+                let dkv = pagoda_kernels::cuda::CudaEncodedKv::from_host(&cx, &ekv).unwrap();
+                let dq = cx.upload(&q).unwrap();
+                let mut dout = cx.zeros::<f32>(q.len()).unwrap();
+                cx.paged_attention_encoded(&dq, &dkv, &seqs, nh, nkv, scale, &mut dout).unwrap();
+                let e = max_err(&cx.download(&dout).unwrap(), &want);
+                eprintln!("  encoded {codec} hd={hd} heads={nh}/{nkv} bs={bs}: {e:.3e}");
+                worst = worst.max(e);
+            }
+            // A block that holds fewer slots than attention reads is refused before the launch.
+            let mut short = EncodedKv::new(Codec::Int8, b.num_blocks, bs, hd).unwrap();
+            short.store(0, &kv.block_k(0)[..hd], &kv.block_v(0)[..hd]).unwrap();
+            let dshort = pagoda_kernels::cuda::CudaEncodedKv::from_host(&cx, &short).unwrap();
+            let dq = cx.upload(&q).unwrap();
+            let mut dout = cx.zeros::<f32>(q.len()).unwrap();
+            assert!(cx.paged_attention_encoded(&dq, &dshort, &seqs, nh, nkv, scale, &mut dout).is_err());
+        }
+    }
+    let lossless = EncodedKv::new(Codec::F16, 2, 16, 64).unwrap();
+    assert!(pagoda_kernels::cuda::CudaEncodedKv::from_host(&cx, &lossless).is_err());
+    report("encoded (dequantise-on-load) attention", worst, 1e-4);
+}
+
 #[test]
 fn policy_scores_match_reference() {
     let Some(cx) = gpu("policy scores") else { return };

@@ -1,11 +1,14 @@
 //! The GPU side of `pagoda bench kernels` (and the `cuda-bench` binary): device-to-device copy bandwidth, and
-//! paged decode attention over an f16 [`CudaKv`] at the batch sizes and contexts asked for, timed with CUDA events.
+//! paged decode attention over an f16 [`CudaKv`], and dequantise-on-load decode attention over an encoded arena
+//! ([`CudaEncodedKv`]) per codec, at the batch sizes and contexts asked for, timed with CUDA events.
 //! Shapes, block tables and the result type are the CPU measurement's ([`crate::attention_bench`]).
 
+use super::codecs::CudaEncodedKv;
 use super::context::CudaContext;
 use super::error::CudaError;
 use super::kv::CudaKv;
 use crate::attention_bench::{AttnBenchPoint, AttnBenchShape, arena_blocks, decode_seqs, scattered_tables};
+use crate::codec::{Codec, EncodedKv};
 
 /// Seconds per call of `f`, timed with CUDA events over enough repetitions to fill about `budget_ms`.
 pub fn time_it(
@@ -66,6 +69,61 @@ pub fn decode_attention(
             let kv_bytes = plan.decode_kv_bytes();
             points.push(AttnBenchPoint {
                 format: "f16".into(),
+                batch: b,
+                context: ctx,
+                kv_bytes,
+                seconds: t,
+                bytes_per_s: kv_bytes as f64 / t,
+            });
+        }
+    }
+    Ok(points)
+}
+
+/// Dequantise-on-load decode attention over an arena of `codec` blocks, the points and tables of
+/// [`decode_attention`]. Every block of the arena is one random block encoded once (all slots filled), so the
+/// arena is built without encoding millions of blocks; the kernel reads each block's own bytes all the same.
+pub fn decode_attention_encoded(
+    cx: &CudaContext,
+    shape: &AttnBenchShape,
+    codec: Codec,
+    batches: &[usize],
+    contexts: &[usize],
+) -> Result<Vec<AttnBenchPoint>, CudaError> {
+    let (bs, hd, nkv, nh) = (shape.block_size, shape.head_dim, shape.n_kv_heads, shape.n_heads);
+    let max_blocks = arena_blocks(shape, batches, contexts);
+    let invalid = |e: crate::codec::CodecError| CudaError::invalid("decode_attention_encoded", e.to_string());
+    let block_len = codec.encoded_len(bs, hd).map_err(invalid)?;
+    // A fixed pseudo-random block in [-1, 1): finite, with every code in use.
+    let mut state = 0x9E37_79B9u32;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        (state as f32 / u32::MAX as f32) * 2.0 - 1.0
+    };
+    let (k, v): (Vec<f32>, Vec<f32>) = (0..bs * hd).map(|_| (next(), next())).unzip();
+    let mut one = vec![0u8; block_len];
+    codec.encode_block(bs, hd, &k, &v, &mut one).map_err(invalid)?;
+    let mut host = EncodedKv::new(codec, max_blocks, bs, hd).map_err(invalid)?;
+    for b in 0..max_blocks {
+        host.load(b, &one).map_err(invalid)?;
+    }
+    let kv = CudaEncodedKv::from_host(cx, &host)?;
+    drop(host);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut points = Vec::new();
+    for &b in batches {
+        for &ctx in contexts {
+            let tables = scattered_tables(shape, b, ctx, max_blocks);
+            let prior = vec![ctx - 1; nkv];
+            let seqs = decode_seqs(&tables, &prior);
+            let q = cx.zeros::<f32>(b * nh * hd)?;
+            let mut out = cx.zeros::<f32>(b * nh * hd)?;
+            let t = time_it(cx, 100.0, || cx.paged_attention_encoded(&q, &kv, &seqs, nh, nkv, scale, &mut out))?;
+            let kv_bytes = b * nkv * ctx.div_ceil(bs) * block_len;
+            points.push(AttnBenchPoint {
+                format: codec.name().into(),
                 batch: b,
                 context: ctx,
                 kv_bytes,

@@ -10,8 +10,9 @@ use super::context::CudaContext;
 use super::error::CudaError;
 use super::kv::{CudaKv, sorted_distinct};
 use super::ops::{grid_dim, to_i32};
-use crate::codec::{Codec, validate_block};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use crate::codec::{Codec, EncodedKv, validate_block};
+use crate::paged::AttnSeq;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Codecs the GPU encodes and decodes.
 pub const GPU_CODECS: [Codec; 4] = [Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
@@ -142,6 +143,166 @@ impl CudaContext {
                 .arg(k)
                 .arg(v)
                 .launch(launch_cfg(OP, dst.len())?)
+        }?;
+        Ok(())
+    }
+}
+
+/// An arena of encoded KV blocks on the GPU (one codec and shape), read by
+/// [`CudaContext::paged_attention_encoded`]: the device twin of [`EncodedKv`]. Blocks arrive validated (from an
+/// [`EncodedKv`], whose blocks enter only through its encoder or a validated load), and their filled counts stay
+/// on the host so a launch can be checked without reading the device.
+pub struct CudaEncodedKv {
+    codec: Codec,
+    block_size: usize,
+    head_dim: usize,
+    block_len: usize,
+    filled: Vec<usize>,
+    bytes: CudaSlice<u8>,
+}
+
+impl CudaEncodedKv {
+    /// Uploads every block of `kv`. The lossless formats are refused like [`CudaContext::encode_blocks`] refuses
+    /// them.
+    pub fn from_host(cx: &CudaContext, kv: &EncodedKv) -> Result<CudaEncodedKv, CudaError> {
+        const OP: &str = "CudaEncodedKv::from_host";
+        if !GPU_CODECS.contains(&kv.codec()) {
+            return Err(CudaError::Unsupported(format!("{OP}: codec {} on the GPU", kv.codec())));
+        }
+        let filled = (0..kv.num_blocks())
+            .map(|b| kv.filled(b).map_err(|e| CudaError::invalid(OP, e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (raw, block_len) = kv.raw();
+        Ok(CudaEncodedKv {
+            codec: kv.codec(),
+            block_size: kv.block_size(),
+            head_dim: kv.head_dim(),
+            block_len,
+            filled,
+            bytes: cx.upload(raw)?,
+        })
+    }
+
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    /// Bytes of the arena on the device.
+    pub fn bytes_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Longest head the encoded attention kernel takes (8 channels per lane of a warp).
+const ENCODED_MAX_HEAD_DIM: usize = 256;
+
+impl CudaContext {
+    /// Paged attention reading K and V straight from encoded blocks (dequantise on load); the contract is
+    /// [`crate::Backend::paged_attention`]'s with `kv` encoded: `q` and `out` are `[rows][n_heads * head_dim]`, new
+    /// token `j` of a sequence sees the first `prior_len + j + 1` slots of each kv-head's table. Tables, block ids,
+    /// each block's filled slots and the disjointness of the sequences' rows are checked before the launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_encoded(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaEncodedKv,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "paged_attention_encoded";
+        let (bs, hd) = (kv.block_size, kv.head_dim);
+        let w = n_heads * hd;
+        if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(CudaError::invalid(OP, "n_heads must be a multiple of n_kv_heads"));
+        }
+        if hd > ENCODED_MAX_HEAD_DIM || w == 0 || !q.len().is_multiple_of(w) || q.len() != out.len() {
+            return Err(CudaError::invalid(OP, "q and out must be [rows][n_heads*head_dim], head_dim <= 256"));
+        }
+        let rows = q.len() / w;
+        let (mut tables, mut ent_row, mut ent_head, mut ent_len, mut ent_tab) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            if s.tables.len() != n_kv_heads || s.prior_lens.len() != n_kv_heads || s.q_row + s.n_new > rows {
+                return Err(CudaError::invalid(OP, "a sequence's tables, lengths or rows do not fit the batch"));
+            }
+            spans.push((s.q_row, s.q_row + s.n_new));
+            for (h, (table, &prior)) in s.tables.iter().zip(s.prior_lens).enumerate() {
+                let len = prior + s.n_new;
+                let need = len.div_ceil(bs);
+                if table.len() < need {
+                    return Err(CudaError::invalid(OP, "block table too short for prior_len + n_new"));
+                }
+                for (bi, &b) in table[..need].iter().enumerate() {
+                    let filled = *kv.filled.get(b as usize).ok_or_else(|| {
+                        CudaError::invalid(OP, format!("block {b} is outside the arena of {}", kv.filled.len()))
+                    })?;
+                    if filled < (len - bi * bs).min(bs) {
+                        return Err(CudaError::invalid(
+                            OP,
+                            format!("block {b} holds {filled} slots, attention reads more"),
+                        ));
+                    }
+                }
+                let tab = to_i32(OP, "table offset", tables.len())?;
+                tables.extend_from_slice(&table[..need]);
+                for j in 0..s.n_new {
+                    ent_row.push(to_i32(OP, "row", s.q_row + j)?);
+                    ent_head.push(to_i32(OP, "kv head", h)?);
+                    ent_len.push(to_i32(OP, "length", prior + j + 1)?);
+                    ent_tab.push(tab);
+                }
+            }
+        }
+        spans.sort_unstable();
+        if spans.windows(2).any(|p| p[0].1 > p[1].0) {
+            return Err(CudaError::invalid(OP, "sequences' query rows overlap"));
+        }
+        if ent_row.is_empty() {
+            return Ok(());
+        }
+        let group = n_heads / n_kv_heads;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_dim(OP, "entries", ent_row.len(), i32::MAX as usize)?,
+                grid_dim(OP, "group", group, 65_535)?,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let tables = self.upload(&tables)?;
+        let (ent_row, ent_head) = (self.upload(&ent_row)?, self.upload(&ent_head)?);
+        let (ent_len, ent_tab) = (self.upload(&ent_len)?, self.upload(&ent_tab)?);
+        let block_len = kv.block_len as i64;
+        let (n_heads_i, n_kv_i) = (to_i32(OP, "n_heads", n_heads)?, to_i32(OP, "n_kv_heads", n_kv_heads)?);
+        let (bs_i, hd_i, codec_id) =
+            (to_i32(OP, "block_size", bs)?, to_i32(OP, "head_dim", hd)?, i32::from(kv.codec.id()));
+        // SAFETY: every entry's table lists blocks inside the arena whose filled slots cover the entry's length
+        // (checked above); rows are inside q and out and the sequences' rows are disjoint; the arena's blocks are
+        // validated encodings of `codec` and this shape (`CudaEncodedKv::from_host`).
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("paged_attention_encoded")?)
+                .arg(q)
+                .arg(&kv.bytes)
+                .arg(&block_len)
+                .arg(&tables)
+                .arg(&ent_row)
+                .arg(&ent_head)
+                .arg(&ent_len)
+                .arg(&ent_tab)
+                .arg(&n_heads_i)
+                .arg(&n_kv_i)
+                .arg(&bs_i)
+                .arg(&hd_i)
+                .arg(&codec_id)
+                .arg(&scale)
+                .arg(out)
+                .launch(cfg)
         }?;
         Ok(())
     }

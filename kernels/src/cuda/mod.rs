@@ -24,6 +24,7 @@ pub mod kv;
 pub mod ops;
 
 pub use attention::AttnPlan;
+pub use codecs::CudaEncodedKv;
 pub use context::{CudaContext, DeviceInfo, device_available};
 pub use error::CudaError;
 pub use kv::{CudaKv, ScoreEntry, SlotScores, WindowEntry};
