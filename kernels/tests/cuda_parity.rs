@@ -571,6 +571,39 @@ fn encoded_attention_matches_cpu() {
     report("encoded (dequantise-on-load) attention", worst, 1e-4);
 }
 
+/// The NCCL path as far as one GPU allows: a communicator of one rank linked to itself sends blocks of one arena
+/// and receives them into other blocks of another in one grouped exchange, bit for bit; bad block lists are
+/// refused before any NCCL call. (Two ranks on two GPUs, and the id's trip through the worker protocol, need a
+/// second device.)
+#[test]
+fn nccl_link_moves_blocks_to_itself() {
+    use pagoda_kernels::cuda::{NcclLink, NcclUniqueId, nccl_available};
+    let Some(cx) = gpu("nccl") else { return };
+    if !nccl_available() {
+        eprintln!("skipping nccl: libnccl is not on the library path");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(15);
+    let (nb, bs, hd) = (9, 16, 64);
+    let src_host = random_cache(&mut rng, nb, bs, hd);
+    let src = CudaKv::from_host(&cx, &src_host).unwrap();
+    let mut dst = CudaKv::new(&cx, nb, bs, hd).unwrap();
+    let id = NcclUniqueId::new().unwrap();
+    let link = NcclLink::connect(&cx, &id, 0, 1, 0).unwrap();
+    let (from, to) = ([3u32, 1, 7, 8], [0u32, 5, 2, 8]);
+    link.exchange(Some((&src, &from)), Some((&mut dst, &to))).unwrap();
+    cx.synchronize().unwrap();
+    let got = dst.to_host(&cx).unwrap();
+    for (&f, &t) in from.iter().zip(&to) {
+        assert_eq!(got.block_k(t), src_host.block_k(f), "K of block {f} -> {t}");
+        assert_eq!(got.block_v(t), src_host.block_v(f), "V of block {f} -> {t}");
+    }
+    assert!(link.exchange(None, Some((&mut dst, &[0, 0]))).is_err(), "a destination twice");
+    assert!(link.exchange(Some((&src, &[nb as u32])), None).is_err(), "a block outside the arena");
+    assert!(NcclLink::connect(&cx, &id, 1, 1, 0).is_err(), "rank outside the world");
+    report("nccl self exchange (exact)", 0.0, 0.0);
+}
+
 #[test]
 fn policy_scores_match_reference() {
     let Some(cx) = gpu("policy scores") else { return };

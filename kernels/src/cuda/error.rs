@@ -20,6 +20,12 @@ pub enum CudaError {
     /// A CUDA driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// `libnccl` could not be loaded: peers fall back to the gRPC block stream.
+    #[error("the NCCL library (libnccl) could not be loaded; put its folder on LD_LIBRARY_PATH")]
+    NcclUnavailable,
+    /// An NCCL call failed.
+    #[error("NCCL: {0}")]
+    Nccl(String),
     /// A cuBLAS call failed.
     #[error("cuBLAS: {0:?}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),

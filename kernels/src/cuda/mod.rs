@@ -8,7 +8,9 @@
 //!   and the cuBLAS GEMM;
 //! - [`kv`]: the f16 head-paged arenas ([`CudaKv`]), KV write, block copy/compaction, policy scores;
 //! - [`bench`]: the GPU measurements of `pagoda bench kernels` (copy bandwidth, decode-attention bandwidth);
-//! - [`codecs`]: int8 / fp8 e4m3 block encode and decode between the f16 arenas and the tiers' byte format;
+//! - [`codecs`]: int8 / fp8 e4m3 / KIVI block encode and decode between the f16 arenas and the tiers' byte format,
+//!   and dequantise-on-load attention over an encoded arena ([`CudaEncodedKv`]);
+//! - [`nccl`]: NCCL links ([`NcclLink`]) that move arena blocks between GPUs, built from a [`NcclUniqueId`];
 //! - [`attention`]: paged decode (split-K + reduce) and prefill (tiled, causal) attention with GQA;
 //! - [`error`]: the error type, [`CudaError`].
 //!
@@ -21,6 +23,7 @@ pub mod compile;
 pub mod context;
 pub mod error;
 pub mod kv;
+pub mod nccl;
 pub mod ops;
 
 pub use attention::AttnPlan;
@@ -28,4 +31,5 @@ pub use codecs::CudaEncodedKv;
 pub use context::{CudaContext, DeviceInfo, device_available};
 pub use error::CudaError;
 pub use kv::{CudaKv, ScoreEntry, SlotScores, WindowEntry};
+pub use nccl::{NcclLink, NcclUniqueId, nccl_available};
 pub use ops::CudaWeight;
