@@ -22,6 +22,20 @@ __device__ __forceinline__ void put_u16(unsigned char* p, unsigned int v) {
     p[1] = (unsigned char)(v >> 8);
 }
 
+// The 16-byte block header: "PGKV", version 1, codec id, block_size, head_dim, filled, 4 zero bytes.
+__device__ __forceinline__ void put_header(unsigned char* blk, int codec, int block_size, int head_dim, int filled) {
+    blk[0] = 'P';
+    blk[1] = 'G';
+    blk[2] = 'K';
+    blk[3] = 'V';
+    blk[4] = 1;
+    blk[5] = (unsigned char)codec;
+    put_u16(blk + 6, (unsigned int)block_size);
+    put_u16(blk + 8, (unsigned int)head_dim);
+    put_u16(blk + 10, (unsigned int)filled);
+    blk[12] = blk[13] = blk[14] = blk[15] = 0;
+}
+
 __device__ __forceinline__ void put_f32(unsigned char* p, float f) {
     const unsigned int u = __float_as_uint(f);
     p[0] = (unsigned char)(u & 0xffu);
@@ -73,18 +87,7 @@ extern "C" __global__ void encode_blocks_q8(const unsigned short* __restrict__ k
     const long long n = (long long)block_size * head_dim;
     const long long half_len = codec == PAGODA_CODEC_INT8 ? 4LL * block_size + n : 4LL + n;
     unsigned char* h = blk + 16 + (half == 0 ? 0 : half_len);
-    if (half == 0 && threadIdx.x == 0) {
-        blk[0] = 'P';
-        blk[1] = 'G';
-        blk[2] = 'K';
-        blk[3] = 'V';
-        blk[4] = 1;
-        blk[5] = (unsigned char)codec;
-        put_u16(blk + 6, (unsigned int)block_size);
-        put_u16(blk + 8, (unsigned int)head_dim);
-        put_u16(blk + 10, (unsigned int)f);
-        blk[12] = blk[13] = blk[14] = blk[15] = 0;
-    }
+    if (half == 0 && threadIdx.x == 0) put_header(blk, codec, block_size, head_dim, f);
     if (codec == PAGODA_CODEC_INT8) {
         unsigned char* codes = h + 4 * block_size;
         for (int s = warp; s < block_size; s += warps) {
@@ -215,18 +218,7 @@ extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__
     const long long params = kivi_params_len(half, block_size, head_dim);
     unsigned char* codes = h + params;
     const float levels = codec == PAGODA_CODEC_INT4_KIVI ? 15.0f : 3.0f;
-    if (half == 0 && threadIdx.x == 0) {
-        blk[0] = 'P';
-        blk[1] = 'G';
-        blk[2] = 'K';
-        blk[3] = 'V';
-        blk[4] = 1;
-        blk[5] = (unsigned char)codec;
-        put_u16(blk + 6, (unsigned int)block_size);
-        put_u16(blk + 8, (unsigned int)head_dim);
-        put_u16(blk + 10, (unsigned int)f);
-        blk[12] = blk[13] = blk[14] = blk[15] = 0;
-    }
+    if (half == 0 && threadIdx.x == 0) put_header(blk, codec, block_size, head_dim, f);
     if (half == 0) {
         // One channel per thread: its extremes over the filled slots.
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {

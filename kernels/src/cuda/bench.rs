@@ -9,6 +9,8 @@ use super::error::CudaError;
 use super::kv::CudaKv;
 use crate::attention_bench::{AttnBenchPoint, AttnBenchShape, arena_blocks, decode_seqs, scattered_tables};
 use crate::codec::{Codec, EncodedKv};
+use crate::paged::AttnSeq;
+use cudarc::driver::CudaSlice;
 
 /// Seconds per call of `f`, timed with CUDA events over enough repetitions to fill about `budget_ms`.
 pub fn time_it(
@@ -56,28 +58,11 @@ pub fn decode_attention(
     let max_blocks = arena_blocks(shape, batches, contexts);
     let kv = CudaKv::new(cx, max_blocks, bs, hd)?;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut points = Vec::new();
-    for &b in batches {
-        for &ctx in contexts {
-            let tables = scattered_tables(shape, b, ctx, max_blocks);
-            let prior = vec![ctx - 1; nkv];
-            let seqs = decode_seqs(&tables, &prior);
-            let q = cx.zeros::<f32>(b * nh * hd)?;
-            let mut out = cx.zeros::<f32>(b * nh * hd)?;
-            let mut plan = cx.plan_attention(&kv, &seqs, b, nh, nkv)?;
-            let t = time_it(cx, 100.0, || cx.run_attention(&mut plan, &q, &kv, scale, &mut out))?;
-            let kv_bytes = plan.decode_kv_bytes();
-            points.push(AttnBenchPoint {
-                format: "f16".into(),
-                batch: b,
-                context: ctx,
-                kv_bytes,
-                seconds: t,
-                bytes_per_s: kv_bytes as f64 / t,
-            });
-        }
-    }
-    Ok(points)
+    decode_points(cx, shape, "f16", batches, contexts, max_blocks, |seqs, q, out, b| {
+        let mut plan = cx.plan_attention(&kv, seqs, b, nh, nkv)?;
+        let t = time_it(cx, 100.0, || cx.run_attention(&mut plan, q, &kv, scale, out))?;
+        Ok((t, plan.decode_kv_bytes()))
+    })
 }
 
 /// Dequantise-on-load decode attention over an arena of `codec` blocks, the points and tables of
@@ -112,6 +97,25 @@ pub fn decode_attention_encoded(
     let kv = CudaEncodedKv::from_host(cx, &host)?;
     drop(host);
     let scale = 1.0 / (hd as f32).sqrt();
+    decode_points(cx, shape, codec.name(), batches, contexts, max_blocks, |seqs, q, out, b| {
+        let t = time_it(cx, 100.0, || cx.paged_attention_encoded(q, &kv, seqs, nh, nkv, scale, out))?;
+        let ctx = seqs.first().map_or(0, |s| s.prior_lens[0] + 1);
+        Ok((t, b * nkv * ctx.div_ceil(bs) * block_len))
+    })
+}
+
+/// One point per (batch, context): decode rows over scattered tables of a `max_blocks` arena, each timed by
+/// `measure(seqs, q, out, batch)`, which returns the seconds per call and the K/V bytes one call reads.
+fn decode_points(
+    cx: &CudaContext,
+    shape: &AttnBenchShape,
+    format: &str,
+    batches: &[usize],
+    contexts: &[usize],
+    max_blocks: usize,
+    mut measure: impl FnMut(&[AttnSeq<'_>], &CudaSlice<f32>, &mut CudaSlice<f32>, usize) -> Result<(f64, usize), CudaError>,
+) -> Result<Vec<AttnBenchPoint>, CudaError> {
+    let (hd, nkv, nh) = (shape.head_dim, shape.n_kv_heads, shape.n_heads);
     let mut points = Vec::new();
     for &b in batches {
         for &ctx in contexts {
@@ -120,15 +124,14 @@ pub fn decode_attention_encoded(
             let seqs = decode_seqs(&tables, &prior);
             let q = cx.zeros::<f32>(b * nh * hd)?;
             let mut out = cx.zeros::<f32>(b * nh * hd)?;
-            let t = time_it(cx, 100.0, || cx.paged_attention_encoded(&q, &kv, &seqs, nh, nkv, scale, &mut out))?;
-            let kv_bytes = b * nkv * ctx.div_ceil(bs) * block_len;
+            let (seconds, kv_bytes) = measure(&seqs, &q, &mut out, b)?;
             points.push(AttnBenchPoint {
-                format: codec.name().into(),
+                format: format.into(),
                 batch: b,
                 context: ctx,
                 kv_bytes,
-                seconds: t,
-                bytes_per_s: kv_bytes as f64 / t,
+                seconds,
+                bytes_per_s: kv_bytes as f64 / seconds,
             });
         }
     }
