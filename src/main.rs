@@ -248,7 +248,7 @@ struct EngineArgs {
     evicpress_keep_ratios: Vec<KeepRatio>,
     /// How EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the full-precision
     /// answer) or `free` (the variant's own greedy answer against it, what a request served from it gets).
-    #[arg(long, default_value = "forced", value_parser = parse_profile_scoring)]
+    #[arg(long, default_value = "forced")]
     evicpress_profile: ProfileScoring,
 }
 
@@ -272,10 +272,6 @@ fn parse_keep_ratio(s: &str) -> Result<KeepRatio, String> {
     let r: f64 = s.trim().parse().map_err(|_| format!("expected a number in (0, 1) or none, got {s:?}"))?;
     pagoda_worker::tiers::pruned::check_keep_ratios(&[r])?;
     Ok(KeepRatio(Some(r)))
-}
-
-fn parse_profile_scoring(s: &str) -> Result<ProfileScoring, String> {
-    s.parse()
 }
 
 fn keep_ratios(v: &[KeepRatio]) -> Vec<f64> {
@@ -782,7 +778,7 @@ struct BenchTiersArgs {
     offline_phase: bool,
     /// zipf: how EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the reference
     /// answer) or `free` (the variant's own greedy answer against the reference, as a request would get it).
-    #[arg(long, default_value = "forced", value_parser = parse_profile_scoring)]
+    #[arg(long, default_value = "forced")]
     evicpress_profile: ProfileScoring,
 }
 

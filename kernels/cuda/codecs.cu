@@ -72,6 +72,90 @@ __device__ __forceinline__ float e4m3_to_f32(unsigned char b) {
     return (b & 0x80u) ? -mag : mag;
 }
 
+__device__ __forceinline__ unsigned int get_u16(const unsigned char* p) {
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
+}
+
+// Bytes of one KIVI half and of its parameters (f16 scales, then f16 mins).
+__device__ __forceinline__ int kivi_groups(int head_dim) { return (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP; }
+
+__device__ __forceinline__ long long kivi_params_len(int half, int block_size, int head_dim) {
+    return half == 0 ? 4LL * head_dim : 4LL * block_size * kivi_groups(head_dim);
+}
+
+__device__ __forceinline__ int kivi_row_len(int codec, int head_dim) {
+    return codec == PAGODA_CODEC_INT4_KIVI ? head_dim / 2 : head_dim / 4;
+}
+
+// pagoda_kernels::codec::kivi_params for a group with extremes mn, mx (f16 inputs: min_h == mn, scale finite):
+// writes the f16 scale at p_scale and the f16 min at p_min.
+__device__ __forceinline__ void kivi_put_params(float mn, float mx, float levels, unsigned char* p_scale,
+                                                unsigned char* p_min) {
+    const unsigned short min_h = f2h(mn);
+    const float range = fmaxf(__fsub_rn(mx, h2f(min_h)), 0.0f);
+    put_u16(p_scale, f2h(__fdiv_rn(range, levels)));
+    put_u16(p_min, min_h);
+}
+
+// pagoda_kernels::codec::kivi_code: round half away from zero, clamped to the levels.
+__device__ __forceinline__ unsigned int kivi_code(float x, float mn, float sc, float levels) {
+    if (!(sc > 0.0f)) return 0u;
+    return (unsigned int)fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(x, mn), sc)), 0.0f), levels);
+}
+
+// Scale and min of channel c of slot s in a KIVI half whose parameters start at h.
+__device__ __forceinline__ void kivi_param_of(const unsigned char* h, int half, int block_size, int head_dim, int s,
+                                              int c, float* sc, float* mn) {
+    if (half == 0) {
+        *sc = h2f((unsigned short)get_u16(h + 2 * c));
+        *mn = h2f((unsigned short)get_u16(h + 2 * (head_dim + c)));
+    } else {
+        const int groups = kivi_groups(head_dim);
+        const long long p = 2LL * ((long long)s * groups + c / PAGODA_KIVI_GROUP);
+        *sc = h2f((unsigned short)get_u16(h + p));
+        *mn = h2f((unsigned short)get_u16(h + 2LL * block_size * groups + p));
+    }
+}
+
+// Code of channel c in a packed row (pagoda_kernels::codec::unpack).
+__device__ __forceinline__ unsigned int kivi_unpack(int codec, const unsigned char* row, int head_dim, int c) {
+    if (codec == PAGODA_CODEC_INT4_KIVI) {
+        const int h = head_dim / 2;
+        return c < h ? (row[c] & 0x0Fu) : (row[c - h] >> 4);
+    }
+    const int q = head_dim / 4;
+    return (row[c % q] >> (2 * (c / q))) & 0x03u;
+}
+
+// Bytes of the K half of a block of `codec` (the V half follows it).
+__device__ __forceinline__ long long encoded_k_half_len(int codec, int block_size, int head_dim) {
+    const long long n = (long long)block_size * head_dim;
+    if (codec == PAGODA_CODEC_INT8) return 4LL * block_size + n;
+    if (codec == PAGODA_CODEC_FP8) return 4LL + n;
+    return kivi_params_len(0, block_size, head_dim) + (long long)block_size * kivi_row_len(codec, head_dim);
+}
+
+// Value of channel c of slot s in one half h of a validated block of `codec` (the CPU's decode_row).
+__device__ __forceinline__ float encoded_value(const unsigned char* h, int half, int codec, int block_size,
+                                               int head_dim, int s, int c) {
+    if (codec == PAGODA_CODEC_INT8) {
+        return (float)(signed char)h[4 * block_size + (size_t)s * head_dim + c] * get_f32(h + 4 * s);
+    }
+    if (codec == PAGODA_CODEC_FP8) {
+        return e4m3_to_f32(h[4 + (size_t)s * head_dim + c]) * get_f32(h);
+    }
+    float sc, mn;
+    kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
+    const int rl = kivi_row_len(codec, head_dim);
+    const unsigned char* codes = h + kivi_params_len(half, block_size, head_dim) + (size_t)s * rl;
+    return __fadd_rn(mn, __fmul_rn((float)kivi_unpack(codec, codes, head_dim, c), sc));
+}
+
+// Start of half `half` (0: K, 1: V) of the block at blk: the header, then the K half, then the V half.
+__device__ __forceinline__ long long encoded_half_offset(int half, int codec, int block_size, int head_dim) {
+    return 16 + (half == 0 ? 0 : encoded_k_half_len(codec, block_size, head_dim));
+}
+
 // Encodes block blocks[i] (its first filled[i] slots) into out + i * block_len. Grid (n_blocks, 2): y = 0 encodes
 // the K half (and writes the header), y = 1 the V half. One warp per slot for int8; the block-wide absmax first for
 // fp8. blockDim.x a multiple of 32.
@@ -85,8 +169,7 @@ extern "C" __global__ void encode_blocks_q8(const unsigned short* __restrict__ k
     const unsigned short* src = (half == 0 ? kc : vc) + (size_t)blocks[i] * block_size * head_dim;
     unsigned char* blk = out + (size_t)i * block_len;
     const long long n = (long long)block_size * head_dim;
-    const long long half_len = codec == PAGODA_CODEC_INT8 ? 4LL * block_size + n : 4LL + n;
-    unsigned char* h = blk + 16 + (half == 0 ? 0 : half_len);
+    unsigned char* h = blk + encoded_half_offset(half, codec, block_size, head_dim);
     if (half == 0 && threadIdx.x == 0) put_header(blk, codec, block_size, head_dim, f);
     if (codec == PAGODA_CODEC_INT8) {
         unsigned char* codes = h + 4 * block_size;
@@ -118,88 +201,6 @@ extern "C" __global__ void encode_blocks_q8(const unsigned short* __restrict__ k
     }
 }
 
-// Decodes the validated block at bytes + i * block_len into arena block dst[i] (f16, rounded to nearest): slots
-// past the header's `filled` become zero. Grid (n_blocks, 2): y = 0 the K half, y = 1 the V half.
-extern "C" __global__ void decode_blocks_q8(const unsigned char* __restrict__ bytes, const unsigned int* __restrict__ dst,
-                                            int block_size, int head_dim, int codec, long long block_len,
-                                            unsigned short* __restrict__ kc, unsigned short* __restrict__ vc) {
-    const int i = blockIdx.x, half = blockIdx.y;
-    const unsigned char* blk = bytes + (size_t)i * block_len;
-    const int f = (int)blk[10] | ((int)blk[11] << 8);
-    const long long n = (long long)block_size * head_dim;
-    const long long half_len = codec == PAGODA_CODEC_INT8 ? 4LL * block_size + n : 4LL + n;
-    const unsigned char* h = blk + 16 + (half == 0 ? 0 : half_len);
-    unsigned short* out = (half == 0 ? kc : vc) + (size_t)dst[i] * block_size * head_dim;
-    const long long used = (long long)f * head_dim;
-    const float half_scale = codec == PAGODA_CODEC_INT8 ? 0.0f : get_f32(h);  // fp8: one scale per half
-    for (long long j = threadIdx.x; j < n; j += blockDim.x) {
-        float x = 0.0f;
-        if (j < used) {
-            if (codec == PAGODA_CODEC_INT8) {
-                const int s = (int)(j / head_dim);
-                x = (float)(signed char)h[4 * block_size + j] * get_f32(h + 4 * s);
-            } else {
-                x = e4m3_to_f32(h[4 + j]) * half_scale;
-            }
-        }
-        out[j] = f2h(x);
-    }
-}
-
-__device__ __forceinline__ unsigned int get_u16(const unsigned char* p) {
-    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
-}
-
-// Bytes of one KIVI half and of its parameters (f16 scales, then f16 mins).
-__device__ __forceinline__ long long kivi_params_len(int half, int block_size, int head_dim) {
-    const int groups = (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP;
-    return half == 0 ? 4LL * head_dim : 4LL * block_size * groups;
-}
-
-__device__ __forceinline__ int kivi_row_len(int codec, int head_dim) {
-    return codec == PAGODA_CODEC_INT4_KIVI ? head_dim / 2 : head_dim / 4;
-}
-
-// pagoda_kernels::codec::kivi_params for a group with extremes mn, mx (f16 inputs: min_h == mn, scale finite):
-// writes the f16 scale at p_scale and the f16 min at p_min.
-__device__ __forceinline__ void kivi_put_params(float mn, float mx, float levels, unsigned char* p_scale,
-                                                unsigned char* p_min) {
-    const unsigned short min_h = f2h(mn);
-    const float range = fmaxf(__fsub_rn(mx, h2f(min_h)), 0.0f);
-    put_u16(p_scale, f2h(__fdiv_rn(range, levels)));
-    put_u16(p_min, min_h);
-}
-
-// pagoda_kernels::codec::kivi_code: round half away from zero, clamped to the levels.
-__device__ __forceinline__ unsigned int kivi_code(float x, float mn, float sc, float levels) {
-    if (!(sc > 0.0f)) return 0u;
-    return (unsigned int)fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(x, mn), sc)), 0.0f), levels);
-}
-
-// Scale and min of channel c of slot s in a KIVI half whose parameters start at h.
-__device__ __forceinline__ void kivi_param_of(const unsigned char* h, int half, int block_size, int head_dim, int s,
-                                              int c, float* sc, float* mn) {
-    if (half == 0) {
-        *sc = h2f((unsigned short)get_u16(h + 2 * c));
-        *mn = h2f((unsigned short)get_u16(h + 2 * (head_dim + c)));
-    } else {
-        const int groups = (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP;
-        const long long p = 2LL * ((long long)s * groups + c / PAGODA_KIVI_GROUP);
-        *sc = h2f((unsigned short)get_u16(h + p));
-        *mn = h2f((unsigned short)get_u16(h + 2LL * block_size * groups + p));
-    }
-}
-
-// Code of channel c in a packed row (pagoda_kernels::codec::unpack).
-__device__ __forceinline__ unsigned int kivi_unpack(int codec, const unsigned char* row, int head_dim, int c) {
-    if (codec == PAGODA_CODEC_INT4_KIVI) {
-        const int h = head_dim / 2;
-        return c < h ? (row[c] & 0x0Fu) : (row[c - h] >> 4);
-    }
-    const int q = head_dim / 4;
-    return (row[c % q] >> (2 * (c / q))) & 0x03u;
-}
-
 // Encodes block blocks[i] (its first filled[i] slots) with a KIVI codec into out + i * block_len. Grid (n_blocks,
 // 2): y = 0 the K half (and the header), y = 1 the V half. The parameters are written first, then, after a
 // barrier, read back by the threads that pack the codes (global writes of a thread block are visible to it after
@@ -213,8 +214,7 @@ extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__
     const unsigned short* src = (half == 0 ? kc : vc) + (size_t)blocks[i] * block_size * head_dim;
     unsigned char* blk = out + (size_t)i * block_len;
     const int rl = kivi_row_len(codec, head_dim);
-    const long long k_len = kivi_params_len(0, block_size, head_dim) + (long long)block_size * rl;
-    unsigned char* h = blk + 16 + (half == 0 ? 0 : k_len);
+    unsigned char* h = blk + encoded_half_offset(half, codec, block_size, head_dim);
     const long long params = kivi_params_len(half, block_size, head_dim);
     unsigned char* codes = h + params;
     const float levels = codec == PAGODA_CODEC_INT4_KIVI ? 15.0f : 3.0f;
@@ -237,7 +237,7 @@ extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__
         }
     } else {
         // One (slot, group) per thread; slots past `filled` keep zero parameters.
-        const int groups = (head_dim + PAGODA_KIVI_GROUP - 1) / PAGODA_KIVI_GROUP;
+        const int groups = kivi_groups(head_dim);
         for (int t = threadIdx.x; t < block_size * groups; t += blockDim.x) {
             const int s = t / groups, g = t % groups;
             unsigned char* p_scale = h + 2LL * t;
@@ -276,57 +276,22 @@ extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__
     }
 }
 
-// Decodes the validated KIVI block at bytes + i * block_len into arena block dst[i] (f16, rounded to nearest):
-// min + code * scale, each step rounded as the CPU rounds it; slots past the header's `filled` become zero.
-// Grid (n_blocks, 2): y = 0 the K half, y = 1 the V half.
-extern "C" __global__ void decode_blocks_kivi(const unsigned char* __restrict__ bytes,
-                                              const unsigned int* __restrict__ dst, int block_size, int head_dim,
-                                              int codec, long long block_len, unsigned short* __restrict__ kc,
-                                              unsigned short* __restrict__ vc) {
+// Decodes the validated block at bytes + i * block_len (int8, fp8 or KIVI) into arena block dst[i] (f16, rounded to
+// nearest): each value as encoded_value gives it, slots past the header's `filled` zero. Grid (n_blocks, 2): y = 0
+// the K half, y = 1 the V half.
+extern "C" __global__ void decode_blocks(const unsigned char* __restrict__ bytes, const unsigned int* __restrict__ dst,
+                                         int block_size, int head_dim, int codec, long long block_len,
+                                         unsigned short* __restrict__ kc, unsigned short* __restrict__ vc) {
     const int i = blockIdx.x, half = blockIdx.y;
     const unsigned char* blk = bytes + (size_t)i * block_len;
     const int f = (int)get_u16(blk + 10);
-    const int rl = kivi_row_len(codec, head_dim);
-    const long long k_len = kivi_params_len(0, block_size, head_dim) + (long long)block_size * rl;
-    const unsigned char* h = blk + 16 + (half == 0 ? 0 : k_len);
-    const unsigned char* codes = h + kivi_params_len(half, block_size, head_dim);
+    const unsigned char* h = blk + encoded_half_offset(half, codec, block_size, head_dim);
     unsigned short* out = (half == 0 ? kc : vc) + (size_t)dst[i] * block_size * head_dim;
     const long long n = (long long)block_size * head_dim;
     for (long long j = threadIdx.x; j < n; j += blockDim.x) {
         const int s = (int)(j / head_dim), c = (int)(j % head_dim);
-        float x = 0.0f;
-        if (s < f) {
-            float sc, mn;
-            kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
-            const float q = (float)kivi_unpack(codec, codes + (size_t)s * rl, head_dim, c);
-            x = __fadd_rn(mn, __fmul_rn(q, sc));
-        }
-        out[j] = f2h(x);
+        out[j] = f2h(s < f ? encoded_value(h, half, codec, block_size, head_dim, s, c) : 0.0f);
     }
-}
-
-// Value of channel c of slot s in one half h of a validated block of `codec` (the CPU's decode_row).
-__device__ __forceinline__ float encoded_value(const unsigned char* h, int half, int codec, int block_size,
-                                               int head_dim, int s, int c) {
-    if (codec == PAGODA_CODEC_INT8) {
-        return (float)(signed char)h[4 * block_size + (size_t)s * head_dim + c] * get_f32(h + 4 * s);
-    }
-    if (codec == PAGODA_CODEC_FP8) {
-        return e4m3_to_f32(h[4 + (size_t)s * head_dim + c]) * get_f32(h);
-    }
-    float sc, mn;
-    kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
-    const int rl = kivi_row_len(codec, head_dim);
-    const unsigned char* codes = h + kivi_params_len(half, block_size, head_dim) + (size_t)s * rl;
-    return __fadd_rn(mn, __fmul_rn((float)kivi_unpack(codec, codes, head_dim, c), sc));
-}
-
-// Bytes of the K half of a block of `codec` (the V half follows it).
-__device__ __forceinline__ long long encoded_k_half_len(int codec, int block_size, int head_dim) {
-    const long long n = (long long)block_size * head_dim;
-    if (codec == PAGODA_CODEC_INT8) return 4LL * block_size + n;
-    if (codec == PAGODA_CODEC_FP8) return 4LL + n;
-    return kivi_params_len(0, block_size, head_dim) + (long long)block_size * kivi_row_len(codec, head_dim);
 }
 
 #define ENC_NW 4
@@ -357,14 +322,15 @@ extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
         qv[k] = c < head_dim ? qp[c] * scale : 0.0f;
         acc[k] = 0.0f;
     }
-    const long long k_len = encoded_k_half_len(codec, block_size, head_dim);
+    const long long k_off = encoded_half_offset(0, codec, block_size, head_dim);
+    const long long v_off = encoded_half_offset(1, codec, block_size, head_dim);
     const unsigned int* tab = tables + ent_tab[e];
     float m = -PAGODA_INF, l = 0.0f;
     for (int t = warp; t < L; t += ENC_NW) {
         const unsigned char* blk = arena + (size_t)tab[t / block_size] * block_len;
         const int s = t % block_size;
-        const unsigned char* kh = blk + 16;
-        const unsigned char* vh = kh + k_len;
+        const unsigned char* kh = blk + k_off;
+        const unsigned char* vh = blk + v_off;
         float dot = 0.0f;
 #pragma unroll
         for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {

@@ -105,8 +105,6 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
 /// whole workload no measured request computes its context, while recompute (which keeps nothing) skips the phase.
 #[test]
 fn offline_phase_places_every_context_before_the_measured_requests() {
-    let dir = std::env::temp_dir().join(format!("pagoda-bench-zipf-offline-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     let prose = root().join("data/prose");
     let opts = ZipfBenchOptions {
         threads: 2,
@@ -144,5 +142,4 @@ fn offline_phase_places_every_context_before_the_measured_requests() {
             assert!(q.computed_tokens < 64, "{n}: context {} was computed in the measured run: {q:?}", q.context);
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,14 +1,14 @@
 //! KV block codecs on the GPU (`codecs.cu`): [`CudaContext::encode_blocks`] encodes blocks of the f16 arenas into
 //! the self-describing byte format the tiers store, [`CudaContext::decode_blocks`] decodes such blocks back into
-//! arena blocks: int8, fp8 e4m3 (`*_q8` kernels), int4_kivi and int2_kivi (`*_kivi` kernels). The lossless formats
-//! (f32, f16, bf16) are plain copies and stay on the host.
+//! arena blocks: int8 and fp8 e4m3 (encoded by `encode_blocks_q8`), int4_kivi and int2_kivi (`encode_blocks_kivi`),
+//! all decoded by `decode_blocks`. The lossless formats (f32, f16, bf16) are plain copies and stay on the host.
 //!
 //! CPU twins: `Codec::encode_block` over the arena's values (the bytes are identical) and `decode_block` followed by
 //! the arena's f16 rounding (the values are identical).
 
 use super::context::CudaContext;
 use super::error::CudaError;
-use super::kv::{CudaKv, sorted_distinct};
+use super::kv::{CudaKv, check_seq, sorted_distinct};
 use super::ops::{grid_dim, to_i32};
 use crate::codec::{Codec, EncodedKv, validate_block};
 use crate::paged::AttnSeq;
@@ -24,15 +24,14 @@ struct CodecArgs {
     codec_id: i32,
     /// Bytes of one encoded block.
     block_len: usize,
-    /// The codec family's kernels: `*_q8` (int8, fp8) or `*_kivi`.
+    /// The codec family's encoder: `encode_blocks_q8` (int8, fp8) or `encode_blocks_kivi`.
     encode_kernel: &'static str,
-    decode_kernel: &'static str,
 }
 
 fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, CudaError> {
-    let (encode_kernel, decode_kernel) = match codec {
-        Codec::Int8 | Codec::Fp8E4m3 => ("encode_blocks_q8", "decode_blocks_q8"),
-        Codec::Int4Kivi | Codec::Int2Kivi => ("encode_blocks_kivi", "decode_blocks_kivi"),
+    let encode_kernel = match codec {
+        Codec::Int8 | Codec::Fp8E4m3 => "encode_blocks_q8",
+        Codec::Int4Kivi | Codec::Int2Kivi => "encode_blocks_kivi",
         Codec::F32 | Codec::F16 | Codec::Bf16 => {
             return Err(CudaError::Unsupported(format!(
                 "{op}: codec {codec} on the GPU (int8, fp8_e4m3, int4_kivi and int2_kivi are)"
@@ -48,7 +47,6 @@ fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, C
         codec_id: i32::from(codec.id()),
         block_len,
         encode_kernel,
-        decode_kernel,
     })
 }
 
@@ -133,7 +131,7 @@ impl CudaContext {
         // destinations are distinct blocks inside the arenas.
         unsafe {
             self.stream()
-                .launch_builder(self.func(a.decode_kernel)?)
+                .launch_builder(self.func("decode_blocks")?)
                 .arg(&src)
                 .arg(&ids)
                 .arg(&a.block_size)
@@ -182,15 +180,6 @@ impl CudaEncodedKv {
             bytes: cx.upload(raw)?,
         })
     }
-
-    pub fn codec(&self) -> Codec {
-        self.codec
-    }
-
-    /// Bytes of the arena on the device.
-    pub fn bytes_len(&self) -> usize {
-        self.bytes.len()
-    }
 }
 
 /// Longest head the encoded attention kernel takes (8 channels per lane of a warp).
@@ -226,16 +215,18 @@ impl CudaContext {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(seqs.len());
         for s in seqs {
-            if s.tables.len() != n_kv_heads || s.prior_lens.len() != n_kv_heads || s.q_row + s.n_new > rows {
-                return Err(CudaError::invalid(OP, "a sequence's tables, lengths or rows do not fit the batch"));
-            }
+            check_seq(OP, s, n_kv_heads, rows)?;
             spans.push((s.q_row, s.q_row + s.n_new));
-            for (h, (table, &prior)) in s.tables.iter().zip(s.prior_lens).enumerate() {
+            for (h, (table, &prior)) in s.tables[..n_kv_heads].iter().zip(s.prior_lens).enumerate() {
                 let len = prior + s.n_new;
                 let need = len.div_ceil(bs);
                 if table.len() < need {
-                    return Err(CudaError::invalid(OP, "block table too short for prior_len + n_new"));
+                    return Err(CudaError::invalid(
+                        OP,
+                        format!("block table has {} blocks, {need} needed", table.len()),
+                    ));
                 }
+                // The filled counts also bound the block ids: an id past them is outside the arena.
                 for (bi, &b) in table[..need].iter().enumerate() {
                     let filled = *kv.filled.get(b as usize).ok_or_else(|| {
                         CudaError::invalid(OP, format!("block {b} is outside the arena of {}", kv.filled.len()))

@@ -44,13 +44,7 @@ pub const MODULES: &[KernelSource] = &[
     KernelSource {
         name: "codecs",
         source: include_str!("../../cuda/codecs.cu"),
-        functions: &[
-            "encode_blocks_q8",
-            "decode_blocks_q8",
-            "encode_blocks_kivi",
-            "decode_blocks_kivi",
-            "paged_attention_encoded",
-        ],
+        functions: &["encode_blocks_q8", "encode_blocks_kivi", "decode_blocks", "paged_attention_encoded"],
     },
     KernelSource {
         name: "attention",
