@@ -1,6 +1,7 @@
 // Head-paged KV cache maintenance: kv_write (this step's K and V rows into their slots), block copy/compaction
-// (gather a list of (src, dst) block pairs), and the eviction-policy score kernels (per-slot ||K||2, ||V||2/||K||2,
-// the cosine of each key to a per-(sequence, kv-head) anchor vector, and observation-window attention).
+// (gather a list of (src, dst) block pairs), block transfer to and from the tiers' packed layout, and the
+// eviction-policy score kernels (per-slot ||K||2, ||V||2/||K||2, the cosine of each key to a per-(sequence, kv-head)
+// anchor vector, and observation-window attention).
 //
 // Arenas: K and V are separate f16 arenas; block b, slot s starts at (b * block_size + s) * head_dim. A block holds
 // block_size consecutive slots of ONE (layer, kv-head).
@@ -32,6 +33,25 @@ extern "C" __global__ void copy_blocks_f16(unsigned short* __restrict__ kc, unsi
     } else {
         for (int i = threadIdx.x; i < block_len; i += blockDim.x) a[d + i] = a[s + i];
     }
+}
+
+// The tiers' packed f16 layout: entry i is block ids[i]'s K then its V, block_len halves each (a group's native
+// f16 bytes). gather: packed <- arenas; scatter: arenas <- packed, destinations distinct. Grid: (blocks, 2), y = K/V.
+extern "C" __global__ void gather_blocks_f16(const unsigned short* __restrict__ kc,
+                                             const unsigned short* __restrict__ vc,
+                                             const unsigned int* __restrict__ ids, int block_len,
+                                             unsigned short* __restrict__ packed) {
+    const unsigned short* a = blockIdx.y == 0 ? kc : vc;
+    const size_t s = (size_t)ids[blockIdx.x] * block_len, d = ((size_t)blockIdx.x * 2 + blockIdx.y) * block_len;
+    for (int i = threadIdx.x; i < block_len; i += blockDim.x) packed[d + i] = a[s + i];
+}
+
+extern "C" __global__ void scatter_blocks_f16(const unsigned short* __restrict__ packed,
+                                              const unsigned int* __restrict__ ids, int block_len,
+                                              unsigned short* __restrict__ kc, unsigned short* __restrict__ vc) {
+    unsigned short* a = blockIdx.y == 0 ? kc : vc;
+    const size_t d = (size_t)ids[blockIdx.x] * block_len, s = ((size_t)blockIdx.x * 2 + blockIdx.y) * block_len;
+    for (int i = threadIdx.x; i < block_len; i += blockDim.x) a[d + i] = packed[s + i];
 }
 
 __device__ __forceinline__ size_t slot_addr(const unsigned int* tab, int t, int block_size, int head_dim) {

@@ -393,6 +393,38 @@ fn copy_blocks_matches_cpu() {
     report("copy_blocks", worst, 0.0);
 }
 
+/// Blocks out of the arenas into the tiers' packed layout and back: each entry is its block's K then V as f16 bits,
+/// exactly the halves of the host arenas; written into other blocks, they round-trip; bad ids are refused.
+#[test]
+fn block_transfer_matches_the_host_arenas() {
+    let Some(cx) = gpu("read_blocks/write_blocks") else { return };
+    let mut rng = StdRng::seed_from_u64(19);
+    for &(nb, bs, hd) in &[(64, 16, 64), (40, 5, 30), (3, 1, 1)] {
+        let host = random_cache(&mut rng, nb, bs, hd);
+        let dkv = CudaKv::from_host(&cx, &host).unwrap();
+        let mut ids: Vec<u32> = (0..nb as u32).collect();
+        ids.shuffle(&mut rng);
+        let ids = &ids[..nb.div_ceil(2)];
+        let packed = cx.read_blocks(&dkv, ids).unwrap();
+        let bl = bs * hd;
+        let (k, v) = host.arenas();
+        let h = |x: &[f32]| x.iter().map(|&x| f16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+        for (i, &b) in ids.iter().enumerate() {
+            let r = b as usize * bl..(b as usize + 1) * bl;
+            assert_eq!(packed[2 * i * bl..(2 * i + 1) * bl], h(&k[r.clone()]), "K of block {b}");
+            assert_eq!(packed[(2 * i + 1) * bl..(2 * i + 2) * bl], h(&v[r]), "V of block {b}");
+        }
+        let mut other = CudaKv::new(&cx, nb, bs, hd).unwrap();
+        let dst: Vec<u32> = ids.iter().rev().copied().collect();
+        cx.write_blocks(&mut other, &dst, &packed).unwrap();
+        assert_eq!(cx.read_blocks(&other, &dst).unwrap(), packed);
+        assert!(cx.read_blocks(&dkv, &[nb as u32]).is_err());
+        assert!(cx.write_blocks(&mut other, &[0, 0], &vec![0; 4 * bl]).is_err());
+        assert!(cx.write_blocks(&mut other, &[0], &vec![0; bl]).is_err());
+    }
+    eprintln!("parity read_blocks/write_blocks: bit-exact");
+}
+
 /// Observation-window attention (SnapKV / H2O / SAGE-KV with power 1, KV-Compress with power 2, query counts with
 /// power 0) against the CPU's `scores::window_attention_scores`: windows at the end of the context and causal
 /// windows from slot 0, GQA groups 1 to 4, lengths off the block size.

@@ -265,7 +265,8 @@ def check_gpu(objs):
     expect(w["resources"]["limits"].get("nvidia.com/gpu") == 1, "gpu: worker limit nvidia.com/gpu != 1")
     expect(wo["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, "gpu: nodeSelector")
     expect(wo["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu", "gpu: tolerations")
-    for flag in ["--device=cuda", "--kv-policy=full", "--kv-dtype=f16", "--disk-tier-mib=0", "--host-tier-mib=0"]:
+    flags = ["--device=cuda", "--kv-policy=full", "--kv-dtype=f16", "--host-tier-mib=16384", "--disk-tier-mib=131072"]
+    for flag in flags + ["--tier-placement=lru", "--tier-codec=int8"]:
         expect(flag in w["command"], f"gpu: worker lacks {flag}")
     expect(w["image"].endswith("-cuda"), f"gpu: worker image {w['image']} is not the CUDA build")
     init = wo["spec"]["template"]["spec"].get("initContainers", [])

@@ -33,7 +33,8 @@ use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
 };
-use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUsage, codec, native};
+use crate::tiers::codec::GroupKv;
+use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUsage, native};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -314,6 +315,11 @@ pub trait ModelRunner {
     /// The KV storage and the queries the last step captured, for eviction policies. A runner without host-side
     /// KV returns `None`, and requests then keep their full cache.
     fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
+        None
+    }
+    /// The KV arena the host, disk and peer tiers copy block groups out of and back into. A runner without one
+    /// cannot serve tiers.
+    fn group_kv(&mut self) -> Option<&mut dyn GroupKv> {
         None
     }
 }
@@ -1047,19 +1053,18 @@ impl<R: ModelRunner> EngineLoop<R> {
             // EvicPress places whole contexts when their requests finish (see `place_contexts`).
             return;
         }
-        let Some(io) = self.runner.policy_io() else { return };
+        let Some(kv) = self.runner.group_kv() else { return };
         for &h in &self.hashes {
             if tiers.touch(h) {
                 continue;
             }
             let pool = self.sched.pool();
             let Some(g) = pool.index().get(h) else { continue };
-            let group = codec::encode(io.kv, g.blocks(), self.tier_codec).unwrap_or_else(|e| {
-                // A codec refuses only KV outside its range; the lossless format always takes it.
-                tracing::debug!(error = %e, "offloading a group in the native format");
-                native::encode(io.kv, g.blocks())
-            });
-            tiers.offload(h, group);
+            match kv.encode_or_native(g.blocks(), self.tier_codec) {
+                Ok(group) => tiers.offload(h, group),
+                // Only a device copy can fail the native format; the group then stays on the device alone.
+                Err(e) => tracing::warn!(error = %e, "a KV group cannot be offloaded"),
+            }
         }
     }
 
@@ -1108,7 +1113,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let k = tiers.cost().plan(&plan, layout.block_size);
         let mut loaded = 0;
-        if let Some(io) = self.runner.policy_io() {
+        if let Some(kv) = self.runner.group_kv() {
             for (i, &(tier, bytes)) in plan[..k].iter().enumerate() {
                 let h = self.hashes[on_device + i];
                 self.blocks.clear();
@@ -1116,7 +1121,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     break;
                 }
                 let t0 = Instant::now();
-                let decoded = tiers.with_group(h, tier, |g| codec::decode(g, io.kv, &self.blocks));
+                let decoded = tiers.with_group(h, tier, |g| kv.decode_group(g, &self.blocks));
                 let secs = t0.elapsed().as_secs_f64();
                 let pool = self.sched.pool_mut();
                 let ok = match decoded {
@@ -1169,9 +1174,9 @@ impl<R: ModelRunner> EngineLoop<R> {
         if onboard_room(&self.sched) >= needed && self.sched.pool_mut().allocate(needed, &mut self.blocks).is_ok() {
             let t0 = Instant::now();
             let blocks = &self.blocks;
-            let decoded = self.runner.policy_io().is_some_and(|io| {
+            let decoded = self.runner.group_kv().is_some_and(|kv| {
                 copy.keys.iter().zip(&located).zip(blocks.chunks_exact(gs)).all(|((&key, &(tier, _)), dst)| match tiers
-                    .with_group(key, tier, |g| codec::decode(g, io.kv, dst))
+                    .with_group(key, tier, |g| kv.decode_group(g, dst))
                 {
                     Some(Ok(())) => true,
                     Some(Err(e)) => {
@@ -1489,6 +1494,10 @@ impl ModelRunner for LlamaRunner {
 
     fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
         Some(PolicyIo { kv: &mut self.kv, captured: &self.scratch })
+    }
+
+    fn group_kv(&mut self) -> Option<&mut dyn GroupKv> {
+        Some(&mut self.kv)
     }
 }
 

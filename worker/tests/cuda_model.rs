@@ -5,16 +5,27 @@
 //! Both runners are fed the CPU's greedy token at every step, so each of the 33 positions is compared on the same
 //! history. The rule (issue 6): the GPU picks the CPU's token, unless the CPU's top-2 logit gap is below 1e-3 (a
 //! near tie that f16 rounding may flip). Every logit must also stay within [`MAX_LOGIT_DIFF`] of the CPU's, so a
-//! wrong kernel fails even where no argmax flips. Without a CUDA device each test prints "skipped: no CUDA device".
+//! wrong kernel fails even where no argmax flips.
+//!
+//! Then the tiers on the GPU runner: its block groups against the CPU codecs byte for byte, and a GPU engine that
+//! brings a prefix back from host and disk. Without a CUDA device each test prints "skipped: no CUDA device".
 #![cfg(feature = "cuda")]
+
+mod common;
 
 use std::path::PathBuf;
 
+use common::run;
+use half::f16;
 use pagoda_kernels::cuda::device_available;
-use pagoda_worker::engine::{Device, EngineConfig, LlamaRunner, ModelRunner, StepSeq};
+use pagoda_kernels::{Codec, KvDtype, KvStorage};
+use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle, LlamaRunner, ModelRunner, StepSeq};
 use pagoda_worker::model::{Gguf, LogitsWanted, SyntheticSpec, Tokenizer};
+use pagoda_worker::placement::TierPlacement;
 use pagoda_worker::runner_cuda::CudaRunner;
 use pagoda_worker::sampling::argmax;
+use pagoda_worker::tiers::codec::GroupKv;
+use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
 
 /// Greedy steps after the prefill.
 const STEPS: usize = 32;
@@ -124,4 +135,140 @@ fn smollm2_matches_cpu_for_32_greedy_tokens() {
     let (tokens, flips, _) = greedy_lockstep(&cfg, &prompt);
     eprintln!("continuation: {:?}", tokenizer.decode(&tokens, false));
     assert!(flips <= 2, "{flips} near-tie flips in 33 positions");
+}
+
+/// The synthetic shape of the GPU tier tests: 3 layers × 2 kv-heads, so a block group is 6 blocks of 16 × 64.
+const SPEC: &str = "layers=3,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024";
+const GROUP: usize = 6;
+const BS: usize = 16;
+
+fn synthetic_gpu(num_groups: usize) -> EngineConfig {
+    EngineConfig {
+        device: Device::Cuda(0),
+        synthetic: Some(SPEC.parse().unwrap()),
+        num_blocks: num_groups * GROUP,
+        block_size: BS,
+        ..EngineConfig::default()
+    }
+}
+
+/// Every group format through the GPU runner's [`GroupKv`]: a group the CPU encoded decodes into device blocks
+/// exactly as into a host f16 cache, and those blocks encode back to the CPU's bytes (the compressing codecs on the
+/// GPU kernels, the rest through a host copy). A corrupt group is refused and leaves the blocks as they were.
+#[test]
+fn gpu_tier_groups_are_the_cpu_codecs_bytes() {
+    if !gpu("gpu_tier_groups_are_the_cpu_codecs_bytes") {
+        return;
+    }
+    let mut runner = CudaRunner::load(&synthetic_gpu(8)).expect("GPU runner");
+    let (bs, hd) = (BS, runner.info().head_dim);
+    let mut src = KvStorage::with_dtype(2 * GROUP, bs, hd, KvDtype::F16);
+    let mut x = 0x9e37_79b9u32;
+    let (mut k, mut v) = (vec![0.0f32; bs * hd], vec![0.0f32; bs * hd]);
+    for b in 0..2 * GROUP as u32 {
+        for e in k.iter_mut().chain(v.iter_mut()) {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            // Model-like magnitudes with a few large channels.
+            *e = ((x >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * if x.is_multiple_of(13) { 40.0 } else { 2.0 };
+        }
+        src.write_block(b, &k, &v);
+    }
+    let ids: Vec<u32> = (GROUP as u32..2 * GROUP as u32).collect();
+    let local: Vec<u32> = (0..GROUP as u32).collect();
+    let dst: Vec<u32> = vec![40, 3, 17, 22, 9, 31];
+    let f16_native = GroupCodec::Native(KvDtype::F16);
+    let kv = runner.group_kv().expect("the GPU runner serves tiers");
+    let mut codecs: Vec<GroupCodec> = KvDtype::ALL.into_iter().map(GroupCodec::Native).collect();
+    codecs.extend([Codec::Bf16, Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi].map(GroupCodec::Kv));
+    for codec in codecs {
+        let group = src.encode_group(&ids, codec).expect("CPU encode");
+        kv.decode_group(&group, &dst).unwrap_or_else(|e| panic!("{codec}: GPU decode: {e}"));
+        let mut want = KvStorage::with_dtype(GROUP, bs, hd, KvDtype::F16);
+        want.decode_group(&group, &local).expect("CPU decode");
+        let back = kv.encode_group(&dst, f16_native).expect("GPU native encode");
+        assert_eq!(back.bytes, want.encode_group(&local, f16_native).unwrap().bytes, "{codec}: decoded values");
+        let again = kv.encode_group(&dst, codec).unwrap_or_else(|e| panic!("{codec}: GPU encode: {e}"));
+        assert_eq!(again.codec, group.codec);
+        assert_eq!(again.bytes, want.encode_group(&local, codec).unwrap().bytes, "{codec}: encoded bytes");
+    }
+    let before = kv.encode_group(&dst, f16_native).unwrap();
+    for codec in [GroupCodec::Kv(Codec::Int8), f16_native] {
+        let mut bad = src.encode_group(&ids, codec).unwrap();
+        match codec {
+            GroupCodec::Kv(_) => bad.bytes[0] ^= 0xff,
+            GroupCodec::Native(_) => {
+                bad.bytes.pop();
+            }
+        }
+        assert!(kv.decode_group(&bad, &dst).is_err(), "{codec}: a corrupt group is refused");
+        assert_eq!(kv.encode_group(&dst, f16_native).unwrap().bytes, before.bytes, "{codec}: blocks untouched");
+    }
+    // f16 infinities: the CPU codecs refuse them, so the GPU's group falls back to the native format.
+    let inf = f16::INFINITY.to_f32();
+    k.fill(inf);
+    let mut one = KvStorage::with_dtype(GROUP, bs, hd, KvDtype::F16);
+    one.write_block(0, &k, &v);
+    kv.decode_group(&one.encode_group(&local, f16_native).unwrap(), &dst).unwrap();
+    assert!(kv.encode_group(&dst, GroupCodec::Kv(Codec::Int8)).is_err());
+    assert_eq!(kv.encode_or_native(&dst, GroupCodec::Kv(Codec::Int8)).unwrap().codec, "f16");
+}
+
+/// A prompt of 4 groups and 12 tokens, and fillers that push every idle group of a pool of 8 groups out.
+fn tier_prompt() -> Vec<u32> {
+    (0..4 * BS as u32 + 12).map(|i| (i * 37 + 11) % 1024).collect()
+}
+
+fn push_out(h: &EngineHandle) {
+    for start in [100u32, 300] {
+        let filler: Vec<u32> = (start..start + 7 * BS as u32 - 4).collect();
+        run(h, &filler, 2);
+    }
+}
+
+/// A GPU engine with a host tier, then a disk tier under KIVI: the prompt's prefix is pushed out of the device
+/// pool, comes back from the tier and is not recomputed. Lossless groups give exactly the output of a device
+/// prefix hit (the same KV and the same step shapes); int4_kivi groups come back whole from disk.
+#[test]
+fn gpu_engine_brings_a_prefix_back_from_host_and_disk() {
+    if !gpu("gpu_engine_brings_a_prefix_back_from_host_and_disk") {
+        return;
+    }
+    let p = tier_prompt();
+    let matched = (p.len() - 1) / BS * BS;
+    let expect_computed = |out: &[u32]| (p.len() - matched + out.len() - 1) as u64;
+
+    // The reference: a device prefix hit on a pool that holds everything.
+    let h = Engine::start(synthetic_gpu(64)).expect("GPU engine");
+    run(&h, &p, 8);
+    let (reference, cached, _) = run(&h, &p, 8);
+    assert_eq!(cached as usize, matched);
+    h.shutdown();
+
+    let host = TierConfig { data_dir: None, host_bytes: 16 << 20, disk_bytes: 0 };
+    let h = Engine::start(EngineConfig { tiers: host, ..synthetic_gpu(8) }).expect("GPU engine with a host tier");
+    run(&h, &p, 8);
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64, "every group came from host: {s:?}");
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm), "onboarded tokens are not recomputed");
+    assert_eq!(warm, reference, "f16 groups from host give the device hit's output");
+    let usage = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage");
+    assert_eq!(usage.codec, "f16");
+    h.shutdown();
+
+    let dir = std::env::temp_dir().join(format!("pagoda-cuda-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let disk = TierConfig { data_dir: Some(dir.clone()), host_bytes: 0, disk_bytes: 64 << 20 };
+    let cfg = EngineConfig { tiers: disk, placement: TierPlacement::LruCodec(Codec::Int4Kivi), ..synthetic_gpu(8) };
+    let h = Engine::start(cfg).expect("GPU engine with a KIVI disk tier");
+    run(&h, &p, 8);
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], matched as u64, "every group came from disk: {s:?}");
+    assert_eq!(s.computed_tokens_total, expect_computed(&warm));
+    assert_eq!(warm.len(), 8);
+    h.shutdown();
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -5,14 +5,12 @@
 
 mod common;
 
-use common::wait_stats;
+use common::{run, wait_stats};
 use std::path::{Path, PathBuf};
 
 use pagoda_kernels::KvDtype;
 use pagoda_worker::cache::block_hashes;
-use pagoda_worker::engine::{
-    Engine, EngineConfig, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
-};
+use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::tiers::{Tier, TierConfig};
@@ -37,43 +35,6 @@ fn engine_of(num_groups: usize, tiers: TierConfig, kv_dtype: KvDtype) -> EngineH
     let cfg =
         EngineConfig { num_blocks: num_groups * GROUP, threads: 2, tiers, kv_dtype, ..EngineConfig::new(model_path()) };
     Engine::start(cfg).expect("engine starts")
-}
-
-fn greedy(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: "r".into(),
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
-        stop_token_ids: vec![],
-        namespace: String::new(),
-        policy: None,
-        ignore_eos: true,
-    }
-}
-
-/// Runs one request to the end and waits for the engine to go idle. Returns the tokens and the stats delta
-/// (computed tokens, prefix hits per tier).
-fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, EngineStats) {
-    let before = h.stats();
-    let mut rx = h.submit(greedy(prompt, max_tokens)).unwrap();
-    let mut tokens = Vec::new();
-    let cached = loop {
-        match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => tokens.push(t),
-            Some(GenerateEvent::Finished { cached_tokens, .. }) => break cached_tokens,
-            other => panic!("unexpected event {other:?}"),
-        }
-    };
-    let after = wait_stats(h, "the engine to go idle", |s| {
-        s.running == 0 && s.waiting == 0 && s.computed_tokens_total > before.computed_tokens_total
-    });
-    let mut delta = after.clone();
-    delta.computed_tokens_total -= before.computed_tokens_total;
-    for t in 0..3 {
-        delta.prefix_hit_tokens[t] = delta.prefix_hit_tokens[t].wrapping_sub(before.prefix_hit_tokens[t]);
-    }
-    (tokens, cached, delta)
 }
 
 fn prompt() -> Vec<u32> {

@@ -8,7 +8,7 @@
 
 use super::context::CudaContext;
 use super::error::CudaError;
-use super::kv::{CudaKv, check_seq, sorted_distinct};
+use super::kv::{CudaKv, check_seq, per_block_cfg, sorted_distinct};
 use super::ops::{grid_dim, to_i32};
 use crate::codec::{Codec, EncodedKv, validate_block};
 use crate::paged::AttnSeq;
@@ -50,14 +50,6 @@ fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, C
     })
 }
 
-fn launch_cfg(op: &'static str, n: usize) -> Result<LaunchConfig, CudaError> {
-    Ok(LaunchConfig {
-        grid_dim: (grid_dim(op, "blocks", n, i32::MAX as usize)?, 2, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
 impl CudaContext {
     /// Encodes each `(block, filled)` of `kv` (its first `filled` slots) with `codec`; returns the encoded blocks
     /// back to back, [`Codec::encoded_len`] bytes each.
@@ -94,7 +86,7 @@ impl CudaContext {
                 .arg(&a.codec_id)
                 .arg(&len)
                 .arg(&mut out)
-                .launch(launch_cfg(OP, blocks.len())?)
+                .launch(per_block_cfg(OP, blocks.len())?)
         }?;
         self.download(&out)
     }
@@ -140,7 +132,7 @@ impl CudaContext {
                 .arg(&len)
                 .arg(k)
                 .arg(v)
-                .launch(launch_cfg(OP, dst.len())?)
+                .launch(per_block_cfg(OP, dst.len())?)
         }?;
         Ok(())
     }

@@ -39,7 +39,15 @@ pub const MODULES: &[KernelSource] = &[
     KernelSource {
         name: "kv",
         source: include_str!("../../cuda/kv.cu"),
-        functions: &["kv_write_f16", "copy_blocks_f16", "slot_norms_f16", "anchor_cosine_f16", "window_scores_f16"],
+        functions: &[
+            "kv_write_f16",
+            "copy_blocks_f16",
+            "gather_blocks_f16",
+            "scatter_blocks_f16",
+            "slot_norms_f16",
+            "anchor_cosine_f16",
+            "window_scores_f16",
+        ],
     },
     KernelSource {
         name: "codecs",

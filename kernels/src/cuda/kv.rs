@@ -192,6 +192,16 @@ pub(crate) fn sorted_distinct(ids: impl Iterator<Item = u32>) -> Option<Vec<u32>
     (!v.windows(2).any(|w| w[0] == w[1])).then_some(v)
 }
 
+/// One CUDA block of 256 threads per (arena block, half: K or V): the grid of the kernels that move or code whole
+/// blocks.
+pub(crate) fn per_block_cfg(op: &'static str, blocks: usize) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_dim(op, "blocks", blocks, i32::MAX as usize)?, 2, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 const SCORE_WARPS: usize = 4;
 
 impl CudaContext {
@@ -282,11 +292,7 @@ impl CudaContext {
         }
         let dev = self.upload(&flat)?;
         let block_len = to_i32(OP, "block_size*head_dim", kv.block_size * kv.head_dim)?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid_dim(OP, "pairs", pairs.len(), i32::MAX as usize)?, 2, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_block_cfg(OP, pairs.len())?;
         let (kc, vc) = (&mut kv.k, &mut kv.v);
         // SAFETY: every block index is < num_blocks (checked); destinations do not alias sources.
         unsafe {
@@ -296,6 +302,71 @@ impl CudaContext {
                 .arg(vc)
                 .arg(&dev)
                 .arg(&block_len)
+                .launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    /// Copies blocks `ids` out of the arenas, packed: entry `i` is block `ids[i]`'s K then its V,
+    /// `block_size * head_dim` f16 bits each. That is the tiers' native f16 group layout, so a GPU worker's groups
+    /// are a CPU f16 worker's. CPU twin: `KvStorage::arenas_any` sliced per block.
+    pub fn read_blocks(&self, kv: &CudaKv, ids: &[u32]) -> Result<Vec<u16>, CudaError> {
+        const OP: &str = "read_blocks";
+        let block_len = kv.block_size * kv.head_dim;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(&b) = ids.iter().find(|&&b| b as usize >= kv.num_blocks) {
+            return Err(CudaError::invalid(OP, format!("block {b} out of range ({} blocks)", kv.num_blocks)));
+        }
+        let dev = self.upload(ids)?;
+        let mut packed = self.zeros::<u16>(ids.len() * 2 * block_len)?;
+        let cfg = per_block_cfg(OP, ids.len())?;
+        let block_len = to_i32(OP, "block_size*head_dim", block_len)?;
+        // SAFETY: every id is < num_blocks (checked); `packed` holds 2 * block_len halves per id.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("gather_blocks_f16")?)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(&dev)
+                .arg(&block_len)
+                .arg(&mut packed)
+                .launch(cfg)
+        }?;
+        self.download(&packed)
+    }
+
+    /// Writes `packed` (the layout of [`CudaContext::read_blocks`]) into arena blocks `ids`, which must be
+    /// distinct.
+    pub fn write_blocks(&self, kv: &mut CudaKv, ids: &[u32], packed: &[u16]) -> Result<(), CudaError> {
+        const OP: &str = "write_blocks";
+        let block_len = kv.block_size * kv.head_dim;
+        if packed.len() != ids.len() * 2 * block_len {
+            return Err(CudaError::invalid(
+                OP,
+                format!("{} halves for {} blocks of {block_len}", packed.len(), ids.len()),
+            ));
+        }
+        if sorted_distinct(ids.iter().copied()).is_none_or(|d| d.last().is_some_and(|&b| b as usize >= kv.num_blocks)) {
+            return Err(CudaError::invalid(OP, "destinations must be distinct blocks of the arena"));
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let (dev, src) = (self.upload(ids)?, self.upload(packed)?);
+        let cfg = per_block_cfg(OP, ids.len())?;
+        let block_len = to_i32(OP, "block_size*head_dim", block_len)?;
+        let (kc, vc) = (&mut kv.k, &mut kv.v);
+        // SAFETY: destinations are distinct blocks < num_blocks (checked); `src` holds 2 * block_len halves per id.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("scatter_blocks_f16")?)
+                .arg(&src)
+                .arg(&dev)
+                .arg(&block_len)
+                .arg(kc)
+                .arg(vc)
                 .launch(cfg)
         }?;
         Ok(())

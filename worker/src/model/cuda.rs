@@ -151,6 +151,16 @@ impl CudaLlama {
         &self.cx
     }
 
+    /// The GPU and the model's KV arenas on it.
+    pub fn kv(&self) -> (&CudaContext, &CudaKv) {
+        (&self.cx, &self.kv)
+    }
+
+    /// The GPU and the model's KV arenas, to write blocks into.
+    pub fn kv_mut(&mut self) -> (&CudaContext, &mut CudaKv) {
+        (&self.cx, &mut self.kv)
+    }
+
     /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`, exactly as
     /// [`LlamaModel::forward`] does. Inputs are validated first with the same checks; on error nothing is written.
     /// `capture_q` and `attention_sums` are not served on the GPU and are ignored.

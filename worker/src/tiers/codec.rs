@@ -71,6 +71,39 @@ impl FromStr for GroupCodec {
     }
 }
 
+/// A KV arena the lower tiers copy groups out of and back into: the CPU runner's [`KvStorage`], or the CUDA runner's
+/// device arenas. Both produce the same bytes for a group, so a tier (and a peer) holds groups from either.
+pub trait GroupKv {
+    /// The arena's own lossless format: the fallback when a codec refuses a group.
+    fn native_codec(&self) -> GroupCodec;
+    /// Encodes blocks `blocks` with `codec` ([`encode`]'s contract).
+    fn encode_group(&self, blocks: &[BlockId], codec: GroupCodec) -> Result<EncodedGroup, TierError>;
+    /// Decodes `group` into blocks `blocks` ([`decode`]'s contract: checked whole before anything is written).
+    fn decode_group(&mut self, group: &EncodedGroup, blocks: &[BlockId]) -> Result<(), TierError>;
+
+    /// Encodes with `codec`, or natively when the codec refuses the data (values outside its range).
+    fn encode_or_native(&self, blocks: &[BlockId], codec: GroupCodec) -> Result<EncodedGroup, TierError> {
+        self.encode_group(blocks, codec).or_else(|e| {
+            tracing::debug!(error = %e, "encoding a group in the native format");
+            self.encode_group(blocks, self.native_codec())
+        })
+    }
+}
+
+impl GroupKv for KvStorage {
+    fn native_codec(&self) -> GroupCodec {
+        GroupCodec::Native(self.dtype())
+    }
+
+    fn encode_group(&self, blocks: &[BlockId], codec: GroupCodec) -> Result<EncodedGroup, TierError> {
+        encode(self, blocks, codec)
+    }
+
+    fn decode_group(&mut self, group: &EncodedGroup, blocks: &[BlockId]) -> Result<(), TierError> {
+        decode(group, self, blocks)
+    }
+}
+
 /// Encodes blocks `blocks` of `kv` with `codec`. Fails only when a codec refuses the data (non-finite KV, or values
 /// beyond what the format holds), in which case the caller keeps the group native or drops it.
 pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<EncodedGroup, TierError> {

@@ -95,4 +95,7 @@ pub enum TierError {
     UnknownCodec(String),
     #[error("tier config: {0}")]
     Config(String),
+    /// Moving a group between the device arenas and host memory failed (a GPU error).
+    #[error("device KV: {0}")]
+    Device(String),
 }

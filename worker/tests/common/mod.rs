@@ -1,8 +1,9 @@
-//! Helpers shared by the engine tests that run the real model (`mod common;` in each).
+//! Helpers shared by the engine tests (`mod common;` in each); each test crate uses a part of them.
+#![allow(dead_code)]
 
 use std::time::{Duration, Instant};
 
-use pagoda_worker::engine::{EngineHandle, EngineStats};
+use pagoda_worker::engine::{EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams};
 
 /// The engine's stats once `done` holds, polled for at most a minute.
 pub fn wait_stats(h: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
@@ -15,4 +16,41 @@ pub fn wait_stats(h: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> b
         assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+pub fn greedy(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: "r".into(),
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
+        stop_token_ids: vec![],
+        namespace: String::new(),
+        policy: None,
+        ignore_eos: true,
+    }
+}
+
+/// Runs one request to the end and waits for the engine to go idle. Returns the tokens and the stats delta
+/// (computed tokens, prefix hits per tier).
+pub fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, EngineStats) {
+    let before = h.stats();
+    let mut rx = h.submit(greedy(prompt, max_tokens)).unwrap();
+    let mut tokens = Vec::new();
+    let cached = loop {
+        match rx.blocking_recv() {
+            Some(GenerateEvent::Token(t)) => tokens.push(t),
+            Some(GenerateEvent::Finished { cached_tokens, .. }) => break cached_tokens,
+            other => panic!("unexpected event {other:?}"),
+        }
+    };
+    let after = wait_stats(h, "the engine to go idle", |s| {
+        s.running == 0 && s.waiting == 0 && s.computed_tokens_total > before.computed_tokens_total
+    });
+    let mut delta = after.clone();
+    delta.computed_tokens_total -= before.computed_tokens_total;
+    for t in 0..3 {
+        delta.prefix_hit_tokens[t] = delta.prefix_hit_tokens[t].wrapping_sub(before.prefix_hit_tokens[t]);
+    }
+    (tokens, cached, delta)
 }
