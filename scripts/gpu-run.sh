@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs on a lent GPU machine (see scripts/gpu-bundle.sh, which builds what it runs): one stage per call, so that
+# every call stays inside the 10-minute limit, with logs and JSON under $OUT and a short summary printed last.
+#   parity   the kernels' GPU-CPU parity tests and the runner tests (synthetic model; SmolLM2 once `model` ran)
+#   model    joins target/gpu-bundle/model.part* (sent in separate calls) into models/ once all have arrived, and
+#            checks the sha256 that model.sha256 holds (its second line: the number of parts)
+#   kernels  pagoda bench kernels --device cuda (decode-attention bandwidth per codec, batch 1-64, 1K-32K)
+#   engine   pagoda bench engine, GPU against this machine's CPU: SmolLM2 (real when present, else its synthetic
+#            shape) at 1, 8 and 32 sequences, and the synthetic llama-1b and llama-8b on the GPU
+# Usage (device machine, repository root): bash scripts/gpu-run.sh STAGE...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=target/gpu-bundle
+bin=$bundle/bin
+out=${OUT:-$bundle/out}
+mkdir -p "$out" "$bin"
+if [ -f "$bundle/bin.tar.xz" ] && [ "$bundle/bin.tar.xz" -nt "$bin/.unpacked" ]; then
+  xz -dc "$bundle/bin.tar.xz" | tar -C "$bin" -xf - && touch "$bin/.unpacked"
+fi
+# cudarc loads libcuda from the driver and libnvrtc, libcublas and libnccl by name: the image ships them in its
+# Python wheels (nvidia-*).
+site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
+if [ -n "$site" ] && [ -d "$site/nvidia" ]; then
+  libs=$(find "$site/nvidia" -name 'lib*.so*' -printf '%h\n' | sort -u | paste -sd:)
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export PAGODA_CUDA_CACHE=$bundle/ptx-cache
+model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+summary=()
+
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: rc $rc, $((SECONDS - t0)) s")
+  return $rc
+}
+
+for s in "$@"; do
+  case $s in
+    parity)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/device.txt" 2>&1
+      stage cuda_parity 300 "$bin/cuda_parity" --test-threads=1 --nocapture
+      stage cuda_model 300 env PAGODA_MODEL="$PWD/$model" "$bin/cuda_model" --test-threads=1 --nocapture
+      grep -h "^parity\|skipped\|^test result\|FAILED\|panicked" "$out"/cuda_parity.log "$out"/cuda_model.log
+      ;;
+    model)
+      want=$(sed -n 2p "$bundle/model.sha256" 2>/dev/null)
+      have=$(find "$bundle" -maxdepth 1 -name 'model.part*' | wc -l)
+      if [ -f "$model" ]; then
+        summary+=("model: present")
+      elif [ -n "$want" ] && [ "$have" -eq "$want" ]; then
+        mkdir -p models
+        cat "$bundle"/model.part* > "$model"
+        if [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$(sed -n 1p "$bundle/model.sha256")" ]; then
+          summary+=("model: joined $have parts, sha256 ok")
+        else
+          rm -f "$model"
+          summary+=("model: sha256 mismatch, removed")
+        fi
+      else
+        summary+=("model: $have of ${want:-?} parts here")
+      fi
+      ;;
+    kernels)
+      stage bench_kernels 540 "$bin/pagoda" bench kernels --device cuda --budget-ms 200 \
+        --json "$out/bench-kernels-cuda.json"
+      tail -n 30 "$out/bench_kernels.log"
+      ;;
+    engine)
+      smol=(--model "$model")
+      [ -f "$model" ] || smol=(--synthetic-model smollm2-135m)
+      stage engine_smollm2_cuda 150 "$bin/pagoda" bench engine --device cuda "${smol[@]}" --concurrency 1,8,32 \
+        --decode-new-tokens 64 --json "$out/bench-engine-smollm2-cuda.json"
+      stage engine_smollm2_cpu 200 "$bin/pagoda" bench engine --threads 0 "${smol[@]}" --concurrency 1,8,32 \
+        --decode-new-tokens 32 --json "$out/bench-engine-smollm2-cpu.json"
+      stage engine_llama1b_cuda 100 "$bin/pagoda" bench engine --device cuda --synthetic-model llama-1b \
+        --concurrency 1,8,32 --decode-new-tokens 64 --json "$out/bench-engine-llama1b-cuda.json"
+      stage engine_llama8b_cuda 120 "$bin/pagoda" bench engine --device cuda --synthetic-model llama-8b \
+        --concurrency 1,8,32 --decode-new-tokens 32 --json "$out/bench-engine-llama8b-cuda.json"
+      grep -h -i "decode\|prefill\|synthetic" "$out"/engine_*.log | head -n 40
+      ;;
+    *)
+      echo "unknown stage $s (parity, model, kernels, engine)" >&2
+      exit 2
+      ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"
