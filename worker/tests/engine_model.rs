@@ -58,16 +58,7 @@ fn chat(user: &str) -> Vec<u32> {
 }
 
 fn greedy(id: &str, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.into(),
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
-        stop_token_ids: vec![],
-        namespace: String::new(),
-        policy: None,
-        ignore_eos: false,
-    }
+    common::greedy_request(id, prompt, max_tokens, false)
 }
 
 struct Done {

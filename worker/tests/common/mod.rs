@@ -18,17 +18,23 @@ pub fn wait_stats(h: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> b
     }
 }
 
-pub fn greedy(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+/// A greedy request (temperature 0, no stop tokens) of `max_tokens` tokens.
+pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: bool) -> GenerateRequest {
     GenerateRequest {
-        request_id: "r".into(),
+        request_id: id.into(),
         prompt: prompt.to_vec(),
         max_tokens,
         sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
         stop_token_ids: vec![],
         namespace: String::new(),
         policy: None,
-        ignore_eos: true,
+        ignore_eos,
     }
+}
+
+/// A greedy request that always generates `max_tokens` tokens.
+pub fn greedy(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    greedy_request("r", prompt, max_tokens, true)
 }
 
 /// Runs one request to the end and waits for the engine to go idle. Returns the tokens and the stats delta
