@@ -1019,15 +1019,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         threads: e.threads,
         default_policy,
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
-        tiers: match e.device {
-            Device::Cpu => tier_config(e)?,
-            Device::Cuda(_) => {
-                if e.host_tier_mib > 0 || e.disk_tier_mib > 0 {
-                    tracing::warn!("the CUDA runner has no host/disk KV tiers yet: running without them");
-                }
-                TierConfig::default()
-            }
-        },
+        tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
         amx: e.amx,
         synthetic: None,

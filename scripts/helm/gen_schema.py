@@ -176,12 +176,12 @@ schema = obj({
         "pdb": obj({"enabled": BOOL, "maxUnavailable": integer(1)}),
         **SCHEDULING,
     }, required=["replicas", "port", "kv", "tiers"],
-        # The GPU runner needs a GPU, keeps its KV in f16, has no AMX path and no EvicPress placement: refused here
-        # rather than in a crash loop (runner_cuda.rs refuses the same at start-up).
+        # The GPU runner needs a GPU, keeps its KV in f16, has no AMX path, no eviction policies and no EvicPress
+        # placement: refused here rather than in a crash loop (the worker refuses the same at start-up).
         allOf=[{"if": {"properties": {"device": {"const": "cuda"}}, "required": ["device"]},
                 "then": {"properties": {"gpu": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                                         "amx": {"const": False},
-                                        "kv": {"properties": {"dtype": {"const": "f16"}}},
+                                        "kv": {"properties": {"dtype": {"const": "f16"}, "policy": {"const": "full"}}},
                                         "tiers": {"properties": {"placement": {"const": "lru"}}}}}}]),
     "kvstore": obj({
         "enabled": BOOL,

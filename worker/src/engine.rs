@@ -424,6 +424,9 @@ struct HandleInner {
     info: ModelInfo,
     sched_cfg: SchedulerConfig,
     default_policy: PolicySpec,
+    /// Whether the runner can evict (it has host KV for the policies): requests naming a policy are refused when
+    /// it cannot, rather than served with a full cache they did not ask for.
+    policies: bool,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -553,6 +556,15 @@ impl EngineHandle {
         }
         if let Some(p) = &req.policy
             && !p.is_full()
+            && !self.inner.policies
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV policy {} is not served by this worker's backend (the CUDA runner keeps the full cache for now)",
+                p.kind.name()
+            )));
+        }
+        if let Some(p) = &req.policy
+            && !p.is_full()
             && !(crate::policy::defaults::MIN_BUDGET_TOKENS..=info.context_length).contains(&p.budget_tokens)
         {
             return Err(EngineError::InvalidRequest(format!(
@@ -591,20 +603,30 @@ impl Engine {
             return Err(EngineError::Config("block_size must be at least 1".into()));
         }
         let (tx, rx) = mpsc::channel::<Command>();
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<ModelInfo, EngineError>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(ModelInfo, bool), EngineError>>(1);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
         let thread_cfg = config.clone();
         let thread = std::thread::Builder::new()
             .name("pagoda-engine".into())
             .spawn(move || {
-                let runner = match make(&thread_cfg) {
+                let mut runner = match make(&thread_cfg) {
                     Ok(r) => r,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
+                // A runner without host KV cannot evict: a default policy it would silently not apply is refused.
+                let policies = runner.policy_io().is_some();
+                if !policies && !thread_cfg.default_policy.is_full() {
+                    let _ = ready_tx.send(Err(EngineError::Config(format!(
+                        "--kv-policy {}: the {} backend serves the full cache only for now",
+                        thread_cfg.default_policy.kind.name(),
+                        thread_cfg.device
+                    ))));
+                    return;
+                }
                 let info = runner.info().clone();
                 let tiers = match open_tiers(&thread_cfg, &info) {
                     Ok(t) => t,
@@ -632,14 +654,14 @@ impl Engine {
                     core.tiers = Some(t);
                 }
                 core.publish_stats();
-                if ready_tx.send(Ok(info)).is_err() {
+                if ready_tx.send(Ok((info, policies))).is_err() {
                     return;
                 }
                 core.run(rx);
             })
             .map_err(|e| EngineError::Config(format!("cannot spawn the engine thread: {e}")))?;
-        let info = match ready_rx.recv() {
-            Ok(Ok(info)) => info,
+        let (info, policies) = match ready_rx.recv() {
+            Ok(Ok(ready)) => ready,
             Ok(Err(e)) => {
                 let _ = thread.join();
                 return Err(e);
@@ -656,6 +678,7 @@ impl Engine {
                 info,
                 sched_cfg,
                 default_policy: config.default_policy,
+                policies,
                 stats,
                 thread: Mutex::new(Some(thread)),
             }),
@@ -1571,6 +1594,24 @@ mod tests {
             policy: None,
             ignore_eos: false,
         }
+    }
+
+    /// A runner without host KV (the fake here, the CUDA runner) cannot evict: a request naming a policy is refused
+    /// by name instead of being served with a full cache, and so is such a default policy at start-up.
+    #[test]
+    fn policies_are_refused_where_the_runner_cannot_evict() {
+        let h = fake(64, 0);
+        let streaming = PolicySpec { kind: PolicyKind::Streaming, budget_tokens: 32 };
+        let err = h.submit(GenerateRequest { policy: Some(streaming), ..req("p", vec![1, 2, 3], 2) }).unwrap_err();
+        assert!(matches!(&err, EngineError::InvalidRequest(m) if m.contains("streaming")), "{err}");
+        let (tokens, _) =
+            collect(h.submit(GenerateRequest { policy: Some(PolicySpec::full()), ..req("f", vec![1], 2) }).unwrap());
+        assert_eq!(tokens.len(), 2, "the full cache is served");
+        h.shutdown();
+        let info = h.model_info().clone();
+        let cfg = EngineConfig { block_size: 4, default_policy: streaming, ..EngineConfig::default() };
+        let err = Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::ZERO })).unwrap_err();
+        assert!(matches!(&err, EngineError::Config(m) if m.contains("--kv-policy streaming")), "{err}");
     }
 
     fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {

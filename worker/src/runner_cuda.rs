@@ -9,7 +9,8 @@
 //! What the GPU runner does not serve yet, each refused at start-up with a clear error rather than run
 //! differently: KV dtypes other than f16, AMX, and EvicPress placement (its profiler prunes copies with the
 //! eviction policies). Eviction policies need the host KV: the runner reports none ([`ModelRunner::policy_io`]),
-//! so requests that name a policy keep their full cache.
+//! so the engine refuses a default policy other than `full` at start-up and a request that names one with an
+//! invalid-request error, rather than serve it a full cache it did not ask for.
 
 use pagoda_kernels::codec::validate_block;
 use pagoda_kernels::cuda::codecs::GPU_CODECS;
