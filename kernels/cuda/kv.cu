@@ -112,6 +112,38 @@ extern "C" __global__ void anchor_cosine_f16(const unsigned short* __restrict__ 
     }
 }
 
+// Sum over slots [from[e], to[e]) of entry e of k / max(||k||2, eps) (KeyDiff's anchor before the mean), into
+// out[e * head_dim ..]. One CTA per entry, UKS_WARPS warps: each warp takes every UKS_WARPS-th slot, holds its part of
+// the sum in registers (head_dim <= 256: 8 channels per lane) and the warps add up in shared memory at the end.
+#define UKS_WARPS 4
+extern "C" __global__ void __launch_bounds__(32 * UKS_WARPS)
+    unit_key_sum_f16(const unsigned short* __restrict__ kc, const unsigned int* __restrict__ tables,
+                     const int* __restrict__ from, const int* __restrict__ to, const int* __restrict__ tab_off,
+                     int block_size, int head_dim, float eps, float* __restrict__ out) {
+    __shared__ float part[UKS_WARPS][256];
+    const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned int* tab = tables + tab_off[e];
+    float acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+    for (int t = from[e] + warp; t < to[e]; t += UKS_WARPS) {
+        const size_t a = slot_addr(tab, t, block_size, head_dim);
+        float ss = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) {
+            const float x = h2f(kc[a + d]);
+            ss = fmaf(x, x, ss);
+        }
+        const float inv = 1.0f / fmaxf(sqrtf(warp_sum(ss)), eps);
+        for (int j = 0, d = lane; d < head_dim; ++j, d += 32) acc[j] = fmaf(h2f(kc[a + d]), inv, acc[j]);
+    }
+    for (int j = 0, d = lane; d < head_dim; ++j, d += 32) part[warp][d] = acc[j];
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < UKS_WARPS; ++w) sum += part[w][d];
+        out[(size_t)e * head_dim + d] = sum;
+    }
+}
+
 // scale * q.k for slot t of a table: one warp, lanes over head_dim; every lane gets the result.
 __device__ __forceinline__ float window_logit(const unsigned short* __restrict__ kc, const unsigned int* tab, int t,
                                               int block_size, int head_dim, const float* qs, float scale) {

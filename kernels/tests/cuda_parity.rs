@@ -8,8 +8,8 @@
 
 use half::f16;
 use pagoda_kernels::cuda::codecs::GPU_CODECS;
-use pagoda_kernels::cuda::{CudaContext, CudaKv, CudaWeight, ScoreEntry, WindowEntry};
-use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, WeightType};
+use pagoda_kernels::cuda::{CudaContext, CudaKv, CudaWeight, ScoreEntry, SlotRange, WindowEntry};
+use pagoda_kernels::{AttnSeq, Backend, CpuBackend, KvStorage, QMatrix, WeightType, scores};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -423,6 +423,69 @@ fn block_transfer_matches_the_host_arenas() {
         assert!(cx.write_blocks(&mut other, &[0], &vec![0; bl]).is_err());
     }
     eprintln!("parity read_blocks/write_blocks: bit-exact");
+}
+
+/// Slot moves as the policies make them (a table compacted to a random kept set, then a swap-remove) against
+/// `KvStorage::compact_table` and `move_slot`, bit for bit; repeated destinations and slots past the arena are
+/// refused.
+#[test]
+fn slot_moves_match_cpu() {
+    let Some(cx) = gpu("move_slots") else { return };
+    let mut rng = StdRng::seed_from_u64(23);
+    for &(nb, bs, hd) in &[(48, 16, 64), (30, 5, 30)] {
+        let mut kv = random_cache(&mut rng, nb, bs, hd);
+        let mut dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        let mut blocks: Vec<u32> = (0..nb as u32).collect();
+        blocks.shuffle(&mut rng);
+        let table = &blocks[..nb / 2];
+        let len = table.len() * bs - bs / 2;
+        let addr = |i: usize| table[i / bs] * bs as u32 + (i % bs) as u32;
+        let keep: Vec<u32> = (0..len as u32).filter(|_| rng.random_range(0..3) > 0).collect();
+        kv.compact_table(table, len, &keep);
+        let pairs: Vec<(u32, u32)> = keep.iter().enumerate().map(|(i, &k)| (addr(k as usize), addr(i))).collect();
+        cx.move_slots(&mut dkv, &pairs).unwrap();
+        let (last, victim) = (keep.len() - 1, keep.len() / 3);
+        kv.move_slot(table[last / bs], last % bs, table[victim / bs], victim % bs);
+        cx.move_slots(&mut dkv, &[(addr(last), addr(victim))]).unwrap();
+        let back = dkv.to_host(&cx).unwrap();
+        assert_eq!(back.arenas().0, kv.arenas().0, "K after the moves");
+        assert_eq!(back.arenas().1, kv.arenas().1, "V after the moves");
+        assert!(cx.move_slots(&mut dkv, &[(0, 1), (2, 1)]).is_err());
+        assert!(cx.move_slots(&mut dkv, &[(0, (nb * bs) as u32)]).is_err());
+    }
+    eprintln!("parity move_slots: bit-exact");
+}
+
+/// KeyDiff's anchor sums (normalised keys over a slot range) against `scores::add_unit_keys` with the norms of
+/// `scores::key_norms`, summed in f64 on the CPU and f32 on the GPU.
+#[test]
+fn unit_key_sums_match_cpu() {
+    let Some(cx) = gpu("unit_key_sums") else { return };
+    let mut rng = StdRng::seed_from_u64(29);
+    let mut worst = 0.0f32;
+    for &(nb, bs, hd) in &[(64, 16, 64), (40, 5, 30), (16, 16, 256)] {
+        let kv = random_cache(&mut rng, nb, bs, hd);
+        let dkv = CudaKv::from_host(&cx, &kv).unwrap();
+        let mut blocks: Vec<u32> = (0..nb as u32).collect();
+        blocks.shuffle(&mut rng);
+        let (t1, t2) = blocks.split_at(nb / 2);
+        let ranges = [
+            SlotRange { table: t1, from: 0, to: t1.len() * bs - 1 },
+            SlotRange { table: t2, from: bs + 1, to: t2.len() * bs },
+            SlotRange { table: t2, from: 3, to: 3 },
+        ];
+        let got = cx.unit_key_sums(&dkv, &ranges, scores::COSINE_EPS).unwrap();
+        for (r, got) in ranges.iter().zip(got.chunks_exact(hd)) {
+            let mut norms = vec![0.0f32; r.to];
+            scores::key_norms(&kv, r.table, r.from..r.to, &mut norms);
+            let mut want = vec![0.0f64; hd];
+            scores::add_unit_keys(&kv, r.table, r.from..r.to, &norms, 1.0, &mut want);
+            let want: Vec<f32> = want.iter().map(|&x| x as f32).collect();
+            worst = worst.max(max_err(got, &want));
+        }
+        assert!(cx.unit_key_sums(&dkv, &[SlotRange { table: t1, from: 2, to: 1 }], 1e-8).is_err());
+    }
+    report("unit_key_sums", worst, 1e-4);
 }
 
 /// Observation-window attention (SnapKV / H2O / SAGE-KV with power 1, KV-Compress with power 2, query counts with

@@ -28,7 +28,7 @@ use crate::model::{
 };
 pub use crate::placement::TierPlacement;
 use crate::placement::{EvicPress, EvicPressStats};
-use crate::policy::{AttnDims, PolicyKind, PolicySpec, StepProbs};
+use crate::policy::{AttnDims, PolicyKind, PolicyKv, PolicySpec, StepProbs};
 use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
@@ -312,9 +312,24 @@ pub trait ModelRunner {
     /// Computes one batched step; for each sequence, in order, appends the rows of `vocab_size` logits it wants
     /// (none, its last token's, or one per token) to `logits` (which the caller cleared).
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError>;
-    /// The KV storage and the queries the last step captured, for eviction policies. A runner without host-side
-    /// KV returns `None`, and requests then keep their full cache.
+    /// The host KV storage and the last step's activations: what EvicPress's profiler works on. A runner without
+    /// host-side KV returns `None`.
     fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
+        None
+    }
+    /// The KV operations and the last step's captured queries the eviction policies read. By default the host
+    /// KV of [`ModelRunner::policy_io`]; `None` when the runner cannot evict.
+    fn eviction_io(&mut self) -> Option<EvictionIo<'_>> {
+        self.policy_io().map(|io| EvictionIo { kv: io.kv, captured: io.captured })
+    }
+    /// Whether this runner can run eviction policy `kind`: its scores and moves, and the queries or attention
+    /// sums it reads. The engine refuses the others by name.
+    fn serves_policy(&mut self, kind: PolicyKind) -> bool {
+        kind == PolicyKind::Full || self.eviction_io().is_some()
+    }
+    /// A device error that a call which cannot fail ([`crate::policy::PolicyKv`]) kept: the engine fails the
+    /// step with it.
+    fn take_error(&mut self) -> Option<EngineError> {
         None
     }
     /// The KV arena the host, disk and peer tiers copy block groups out of and back into. A runner without one
@@ -324,12 +339,36 @@ pub trait ModelRunner {
     }
 }
 
-/// What the eviction hooks need from a runner after a step.
+/// A runner's host KV and the last step's activations (EvicPress's profiler; the CPU runner's eviction).
 pub struct PolicyIo<'a> {
     pub kv: &'a mut KvStorage,
     /// The last step's activations; [`Scratch::captured_q`] and [`Scratch::attn_probs`] give each batch entry's
     /// captured queries and attention probabilities.
     pub captured: &'a Scratch,
+}
+
+/// What the eviction hooks need from a runner after a step.
+pub struct EvictionIo<'a> {
+    pub kv: &'a mut dyn PolicyKv,
+    pub captured: &'a dyn StepCaptures,
+}
+
+/// What the last forward step captured for the eviction policies, per batch entry.
+pub trait StepCaptures {
+    /// Batch entry `seq`'s captured post-RoPE queries, `[layer][capture_q][q_dim]` (empty when none).
+    fn captured_q(&self, seq: usize) -> &[f32];
+    /// Batch entry `seq`'s summed attention probabilities and their row stride (see [`Scratch::attn_probs`]).
+    fn attn_probs(&self, seq: usize) -> Option<(&[f32], usize)>;
+}
+
+impl StepCaptures for Scratch {
+    fn captured_q(&self, seq: usize) -> &[f32] {
+        Scratch::captured_q(self, seq)
+    }
+
+    fn attn_probs(&self, seq: usize) -> Option<(&[f32], usize)> {
+        Scratch::attn_probs(self, seq)
+    }
 }
 
 /// One forward step over `plan`, shared by the engine thread and the inline drivers (`pagoda bench engine`,
@@ -363,7 +402,7 @@ pub fn forward_step<P, R: ModelRunner>(
     *batch = recycle_steps(b);
     result?;
     sched.complete_step(plan);
-    let Some(io) = runner.policy_io() else { return Ok(()) };
+    let Some(io) = runner.eviction_io() else { return Ok(()) };
     // Batch index: the plan entries whose sequence was found above, in order.
     let mut i = 0;
     for e in &plan.seqs {
@@ -376,7 +415,12 @@ pub fn forward_step<P, R: ModelRunner>(
         }
         i += 1;
     }
-    Ok(())
+    runner.take_error().map_or(Ok(()), Err)
+}
+
+/// `a, b, c` of policy names.
+fn policy_list(kinds: &[PolicyKind]) -> String {
+    kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
 }
 
 /// Compute threads for a requested count: 0 means every core.
@@ -424,9 +468,9 @@ struct HandleInner {
     info: ModelInfo,
     sched_cfg: SchedulerConfig,
     default_policy: PolicySpec,
-    /// Whether the runner can evict (it has host KV for the policies): requests naming a policy are refused when
-    /// it cannot, rather than served with a full cache they did not ask for.
-    policies: bool,
+    /// The eviction policies the runner runs: a request naming another is refused, rather than served with a
+    /// full cache it did not ask for.
+    policies: Vec<PolicyKind>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -555,12 +599,12 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest(format!("top_p must be in (0, 1], got {}", s.top_p)));
         }
         if let Some(p) = &req.policy
-            && !p.is_full()
-            && !self.inner.policies
+            && !self.inner.policies.contains(&p.kind)
         {
             return Err(EngineError::InvalidRequest(format!(
-                "KV policy {} is not served by this worker's backend (the CUDA runner keeps the full cache for now)",
-                p.kind.name()
+                "KV policy {} is not run by this worker's backend (it runs {})",
+                p.kind.name(),
+                policy_list(&self.inner.policies)
             )));
         }
         if let Some(p) = &req.policy
@@ -603,7 +647,7 @@ impl Engine {
             return Err(EngineError::Config("block_size must be at least 1".into()));
         }
         let (tx, rx) = mpsc::channel::<Command>();
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(ModelInfo, bool), EngineError>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(ModelInfo, Vec<PolicyKind>), EngineError>>(1);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
         let thread_cfg = config.clone();
@@ -617,13 +661,15 @@ impl Engine {
                         return;
                     }
                 };
-                // A runner without host KV cannot evict: a default policy it would silently not apply is refused.
-                let policies = runner.policy_io().is_some();
-                if !policies && !thread_cfg.default_policy.is_full() {
+                // A default policy the runner cannot run is refused rather than silently not applied.
+                let policies: Vec<PolicyKind> =
+                    PolicyKind::ALL.into_iter().filter(|&k| runner.serves_policy(k)).collect();
+                if !policies.contains(&thread_cfg.default_policy.kind) {
                     let _ = ready_tx.send(Err(EngineError::Config(format!(
-                        "--kv-policy {}: the {} backend serves the full cache only for now",
+                        "--kv-policy {}: the {} backend does not run this policy (it runs {})",
                         thread_cfg.default_policy.kind.name(),
-                        thread_cfg.device
+                        thread_cfg.device,
+                        policy_list(&policies)
                     ))));
                     return;
                 }
@@ -1050,7 +1096,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         // table for every running sequence.
         let needed = self.sched.running_ids().len() * self.sched.layout().group_size();
         if self.sched.pool().num_available() < needed
-            && let Some(io) = self.runner.policy_io()
+            && let Some(io) = self.runner.eviction_io()
         {
             self.sched.relieve_pressure(needed, io.kv);
         }

@@ -6,38 +6,69 @@
 //! decode on the GPU (`codecs.cu`), f16 groups move as packed blocks (`kv.cu`), and the other formats go through a
 //! host copy of the group and the CPU codecs. The bytes are the CPU runner's, so a tier holds groups from either.
 //!
-//! What the GPU runner does not serve yet, each refused at start-up with a clear error rather than run
-//! differently: KV dtypes other than f16, AMX, and EvicPress placement (its profiler prunes copies with the
-//! eviction policies). Eviction policies need the host KV: the runner reports none ([`ModelRunner::policy_io`]),
-//! so the engine refuses a default policy other than `full` at start-up and a request that names one with an
-//! invalid-request error, rather than serve it a full cache it did not ask for.
+//! The eviction policies run through [`PolicyKv`]: the scores come from the score kernels (`slot_norms`,
+//! `anchor_cosine`, `unit_key_sum`, `window_scores` in `kv.cu`), the compactions are batched slot moves, and the
+//! forward step copies the queries a policy captures back to the host ([`CapturedQueries`]). The policy logic is
+//! the CPU's, unchanged.
+//!
+//! What the GPU runner does not serve yet, each refused with a clear error rather than run differently: KV dtypes
+//! other than f16, AMX and EvicPress placement at start-up; H2O and KV-Compress (a default policy at start-up, a
+//! request's with an invalid-request error), since they read the attention kernel's summed probabilities, which
+//! the CUDA kernels do not return.
+
+use std::cell::RefCell;
+use std::ops::Range;
 
 use pagoda_kernels::codec::validate_block;
 use pagoda_kernels::cuda::codecs::GPU_CODECS;
-use pagoda_kernels::cuda::{CudaContext, CudaError};
-use pagoda_kernels::{KvDtype, KvStorage};
+use pagoda_kernels::cuda::{CudaContext, CudaError, ScoreEntry, SlotRange, WindowEntry};
+use pagoda_kernels::{KvDtype, KvStorage, scores};
 
 use crate::cache::BlockId;
 use crate::engine::{
-    Device, EngineConfig, EngineError, ModelInfo, ModelRunner, StepSeq, TierPlacement, load_model, recycle_forward,
+    Device, EngineConfig, EngineError, EvictionIo, ModelInfo, ModelRunner, StepCaptures, StepSeq, TierPlacement,
+    load_model, recycle_forward,
 };
 use crate::model::ForwardSeq;
-use crate::model::cuda::CudaLlama;
+use crate::model::cuda::{CapturedQueries, CudaLlama};
+use crate::policy::{PolicyKind, PolicyKv};
 use crate::tiers::codec::{self, GroupKv};
 use crate::tiers::{EncodedGroup, GroupCodec, TierError, native};
 
 /// The model on a GPU, driven by the engine thread.
 pub struct CudaRunner {
-    model: CudaLlama,
+    device: DeviceKv,
+    /// The queries the last step captured for the eviction policies.
+    captured: CapturedQueries,
     info: ModelInfo,
     batch: Vec<ForwardSeq<'static>>,
 }
 
+/// The model and its device arenas as the tiers ([`GroupKv`]) and the eviction policies ([`PolicyKv`]) see them.
+/// A policy call cannot fail, so the first device error it meets is kept here and fails the step
+/// ([`ModelRunner::take_error`]).
+struct DeviceKv {
+    model: CudaLlama,
+    error: RefCell<Option<CudaError>>,
+}
+
 impl std::fmt::Debug for CudaRunner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaRunner").field("model", &self.model).finish()
+        f.debug_struct("CudaRunner").field("model", &self.device.model).finish()
     }
 }
+
+/// Policies whose scores and moves the GPU runs. H2O and KV-Compress read the attention kernel's summed
+/// probabilities, which the CUDA attention kernels do not return yet.
+const GPU_POLICIES: [PolicyKind; 7] = [
+    PolicyKind::Full,
+    PolicyKind::Streaming,
+    PolicyKind::Knorm,
+    PolicyKind::Keydiff,
+    PolicyKind::PagedEviction,
+    PolicyKind::Sage,
+    PolicyKind::Snapkv,
+];
 
 /// Why `cfg` cannot run on the GPU runner, if it cannot.
 fn unsupported(cfg: &EngineConfig) -> Option<String> {
@@ -73,12 +104,17 @@ impl CudaRunner {
         let (model, info) = load_model(cfg)?;
         let model = CudaLlama::new(cx, &model, info.num_blocks, cfg.block_size)
             .map_err(|e| EngineError::Model(format!("cannot upload the model to the GPU: {e}")))?;
-        Ok(CudaRunner { model, info, batch: Vec::new() })
+        Ok(CudaRunner {
+            device: DeviceKv { model, error: RefCell::new(None) },
+            captured: CapturedQueries::default(),
+            info,
+            batch: Vec::new(),
+        })
     }
 
     /// The GPU model (for benchmarks that report the device).
     pub fn model(&self) -> &CudaLlama {
-        &self.model
+        &self.device.model
     }
 }
 
@@ -89,15 +125,200 @@ impl ModelRunner for CudaRunner {
 
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
         let mut batch = recycle_forward(std::mem::take(&mut self.batch));
-        // The GPU forward ignores capture_q and attention_sums (no host KV for policies).
         batch.extend(seqs.iter().map(StepSeq::forward_seq));
-        let r = self.model.forward(&batch, logits);
+        let r = self.device.model.forward(&batch, logits, &mut self.captured);
         self.batch = recycle_forward(batch);
         r.map_err(|e| EngineError::Forward(e.to_string()))
     }
 
     fn group_kv(&mut self) -> Option<&mut dyn GroupKv> {
-        Some(self)
+        Some(&mut self.device)
+    }
+
+    fn eviction_io(&mut self) -> Option<EvictionIo<'_>> {
+        Some(EvictionIo { kv: &mut self.device, captured: &self.captured })
+    }
+
+    fn serves_policy(&mut self, kind: PolicyKind) -> bool {
+        GPU_POLICIES.contains(&kind)
+    }
+
+    fn take_error(&mut self) -> Option<EngineError> {
+        self.device.error.get_mut().take().map(|e| EngineError::Forward(format!("device KV operation: {e}")))
+    }
+}
+
+impl StepCaptures for CapturedQueries {
+    fn captured_q(&self, seq: usize) -> &[f32] {
+        self.of(seq)
+    }
+
+    fn attn_probs(&self, _seq: usize) -> Option<(&[f32], usize)> {
+        None
+    }
+}
+
+impl DeviceKv {
+    /// `r`'s value, or `None` after keeping its error (the first one of the step).
+    fn ok<T>(&self, op: &'static str, r: Result<T, CudaError>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let mut kept = self.error.borrow_mut();
+                if kept.is_none() {
+                    tracing::error!(op, error = %e, "device KV operation failed; the step fails");
+                    *kept = Some(e);
+                }
+                None
+            }
+        }
+    }
+
+    fn block_size(&self) -> usize {
+        self.model.kv().1.block_size()
+    }
+
+    /// KeyDiff's anchor from a sum of normalised keys over `len` slots, into `anchor`; then the cosine of every
+    /// key of slots `0..len` with it into `out`.
+    fn anchor_cosines(
+        &self,
+        table: &[u32],
+        len: usize,
+        sum: impl Iterator<Item = f64>,
+        anchor: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let inv_len = 1.0 / len.max(1) as f64;
+        anchor.clear();
+        anchor.extend(sum.map(|a| (a * inv_len) as f32));
+        if len == 0 {
+            return;
+        }
+        let (cx, kv) = self.model.kv();
+        match self.ok("anchor_cosine", cx.anchor_cosine(kv, &[ScoreEntry { table, len }], anchor)) {
+            Some(s) => out[..len].copy_from_slice(&s.score[..len]),
+            None => out[..len].fill(0.0),
+        }
+    }
+
+    /// `Σ k / ‖k‖` over slots `slots` of `table` (zeros after a device error).
+    fn unit_key_sum(&self, table: &[u32], slots: Range<usize>) -> Vec<f32> {
+        let (cx, kv) = self.model.kv();
+        let range = SlotRange { table, from: slots.start, to: slots.end };
+        self.ok("unit_key_sums", cx.unit_key_sums(kv, &[range], scores::COSINE_EPS))
+            .unwrap_or_else(|| vec![0.0; kv.head_dim()])
+    }
+}
+
+/// The policies' scores from the GPU's score kernels (`kv.cu`), the moves as batched slot moves. Where the CPU
+/// divides by kept norms (KeyDiff's), the kernels recompute them from the same keys: equal up to rounding.
+impl PolicyKv for DeviceKv {
+    fn key_norms(&self, table: &[u32], slots: Range<usize>, out: &mut [f32]) {
+        if slots.is_empty() {
+            return;
+        }
+        // Only the blocks holding `slots` are scored: a decode step's one new slot costs one block.
+        let bs = self.block_size();
+        let base = slots.start / bs * bs;
+        let entry = ScoreEntry { table: &table[base / bs..], len: slots.end - base };
+        let (cx, kv) = self.model.kv();
+        match self.ok("key_norms", cx.slot_norms(kv, &[entry])) {
+            Some(s) => out[slots.clone()].copy_from_slice(&s.knorm[slots.start - base..]),
+            None => out[slots].fill(0.0),
+        }
+    }
+
+    fn value_key_ratio(&self, table: &[u32], len: usize, out: &mut [f32]) {
+        if len == 0 {
+            return;
+        }
+        let (cx, kv) = self.model.kv();
+        match self.ok("value_key_ratio", cx.slot_norms(kv, &[ScoreEntry { table, len }])) {
+            // The kernel gives +inf for a zero key where the CPU divides by RATIO_EPS: both rank it first, and a
+            // finite stand-in keeps block means finite as on the CPU.
+            Some(s) => {
+                for (o, &r) in out[..len].iter_mut().zip(&s.score) {
+                    *o = if r.is_finite() { r } else { f32::MAX };
+                }
+            }
+            None => out[..len].fill(0.0),
+        }
+    }
+
+    fn keydiff_cosine(&self, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]) {
+        let sum = self.unit_key_sum(table, 0..len);
+        self.anchor_cosines(table, len, sum.into_iter().map(f64::from), anchor, out);
+    }
+
+    fn add_unit_keys(&self, table: &[u32], slots: Range<usize>, _norms: &[f32], sign: f64, unit_key_sum: &mut [f64]) {
+        if slots.is_empty() {
+            return;
+        }
+        for (a, x) in unit_key_sum.iter_mut().zip(self.unit_key_sum(table, slots)) {
+            *a += sign * f64::from(x);
+        }
+    }
+
+    fn keydiff_cosine_kept(
+        &self,
+        table: &[u32],
+        len: usize,
+        unit_key_sum: &[f64],
+        _norms: &[f32],
+        anchor: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        self.anchor_cosines(table, len, unit_key_sum.iter().copied(), anchor, out);
+    }
+
+    fn window_attention_scores(
+        &self,
+        table: &[u32],
+        len: usize,
+        q: &[f32],
+        n_q: usize,
+        group: usize,
+        scale: f32,
+        first_q_slot: usize,
+        power: u32,
+        _probs: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        if len == 0 || n_q == 0 {
+            return;
+        }
+        let (cx, kv) = self.model.kv();
+        let entry = WindowEntry { table, len, q, n_q, first_q_slot };
+        if let Some(s) = self.ok("window_scores", cx.window_attention_scores(kv, &[entry], group, scale, power)) {
+            for (o, &x) in out[..len].iter_mut().zip(&s.score) {
+                *o += x;
+            }
+        }
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) {
+        let (cx, kv) = self.model.kv_mut();
+        let r = cx.copy_blocks(kv, &[(src, dst)]);
+        self.ok("copy_blocks", r);
+    }
+
+    fn move_slot(&mut self, src: u32, src_slot: usize, dst: u32, dst_slot: usize) {
+        let bs = self.block_size() as u32;
+        let pair = (src * bs + src_slot as u32, dst * bs + dst_slot as u32);
+        let (cx, kv) = self.model.kv_mut();
+        let r = cx.move_slots(kv, &[pair]);
+        self.ok("move_slots", r);
+    }
+
+    fn compact_table(&mut self, table: &[u32], len: usize, keep: &[u32]) -> usize {
+        let bs = self.block_size();
+        let slot = |i: usize| table[i / bs] * bs as u32 + (i % bs) as u32;
+        let pairs: Vec<(u32, u32)> =
+            keep.iter().take(len).enumerate().map(|(i, &k)| (slot(k as usize), slot(i))).collect();
+        let (cx, kv) = self.model.kv_mut();
+        let r = cx.move_slots(kv, &pairs);
+        self.ok("move_slots", r);
+        keep.len()
     }
 }
 
@@ -110,7 +331,7 @@ fn halves_to_bytes(halves: &[u16]) -> Vec<u8> {
     halves.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-impl CudaRunner {
+impl DeviceKv {
     /// Blocks `blocks` of the device arenas as a host f16 cache of `blocks.len()` blocks, in order.
     fn host_copy(&self, blocks: &[BlockId]) -> Result<KvStorage, TierError> {
         let (cx, kv) = self.model.kv();
@@ -125,7 +346,7 @@ impl CudaRunner {
     }
 }
 
-impl GroupKv for CudaRunner {
+impl GroupKv for DeviceKv {
     fn native_codec(&self) -> GroupCodec {
         GroupCodec::Native(KvDtype::F16)
     }

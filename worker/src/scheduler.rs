@@ -27,10 +27,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use pagoda_kernels::KvStorage;
-
 use crate::cache::{BlockId, BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
-use crate::policy::{AttnDims, CacheView, Eviction, PolicyKind, PolicySpec, PolicyState, StepProbs, StepView};
+use crate::policy::{
+    AttnDims, CacheView, Eviction, PolicyKind, PolicyKv, PolicySpec, PolicyState, StepProbs, StepView,
+};
 
 pub type SeqId = u64;
 
@@ -668,7 +668,7 @@ impl<P> Scheduler<P> {
         n: usize,
         captured_q: &[f32],
         probs: Option<StepProbs<'_>>,
-        kv: &mut KvStorage,
+        kv: &mut dyn PolicyKv,
     ) -> Result<Eviction, CacheError> {
         let Some(seq) = self.seqs.get_mut(&id) else { return Ok(Eviction::default()) };
         if seq.policy.is_full() || seq.num_computed != start + n {
@@ -688,7 +688,7 @@ impl<P> Scheduler<P> {
     /// KV-Compress under memory pressure (the paper's "compress when we would otherwise preempt"): when fewer
     /// than `needed` blocks are available, compresses running KV-Compress sequences that grew past their budget
     /// back to it, oldest first. Returns what was freed.
-    pub fn relieve_pressure(&mut self, needed: usize, kv: &mut KvStorage) -> Eviction {
+    pub fn relieve_pressure(&mut self, needed: usize, kv: &mut dyn PolicyKv) -> Eviction {
         let mut total = Eviction::default();
         for i in 0..self.running.len() {
             if self.pool.num_available() >= needed {

@@ -7,21 +7,25 @@
 //! near tie that f16 rounding may flip). Every logit must also stay within [`MAX_LOGIT_DIFF`] of the CPU's, so a
 //! wrong kernel fails even where no argmax flips.
 //!
-//! Then the tiers on the GPU runner: its block groups against the CPU codecs byte for byte, and a GPU engine that
-//! brings a prefix back from host and disk. Without a CUDA device each test prints "skipped: no CUDA device".
+//! Then the tiers on the GPU runner (its block groups against the CPU codecs byte for byte, and a GPU engine that
+//! brings a prefix back from host and disk), and its eviction policies through a GPU engine. Without a CUDA device each test prints "skipped: no CUDA device".
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use std::path::PathBuf;
 
-use common::run;
+use common::{greedy, run};
 use half::f16;
 use pagoda_kernels::cuda::device_available;
 use pagoda_kernels::{Codec, KvDtype, KvStorage};
-use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle, LlamaRunner, ModelRunner, StepSeq};
+use pagoda_worker::engine::{
+    Device, Engine, EngineConfig, EngineError, EngineHandle, GenerateEvent, GenerateRequest, LlamaRunner, ModelRunner,
+    StepSeq,
+};
 use pagoda_worker::model::{Gguf, LogitsWanted, SyntheticSpec, Tokenizer};
 use pagoda_worker::placement::TierPlacement;
+use pagoda_worker::policy::{PolicyKind, PolicySpec};
 use pagoda_worker::runner_cuda::CudaRunner;
 use pagoda_worker::sampling::argmax;
 use pagoda_worker::tiers::codec::GroupKv;
@@ -271,4 +275,47 @@ fn gpu_engine_brings_a_prefix_back_from_host_and_disk() {
     assert_eq!(warm.len(), 8);
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every policy the GPU runs, through a GPU engine: a 200-token prompt and 40 generated tokens at a budget of 64
+/// tokens per (layer, kv-head), so each evicts after prefill (and the per-token ones during decode) and returns
+/// blocks to the pool, and the request still produces every token. H2O and KV-Compress, which read attention
+/// sums the CUDA kernels do not return, are refused by name.
+#[test]
+fn gpu_engine_runs_the_eviction_policies() {
+    if !gpu("gpu_engine_runs_the_eviction_policies") {
+        return;
+    }
+    let h = Engine::start(synthetic_gpu(128)).expect("GPU engine");
+    let prompt: Vec<u32> = (0..200u32).map(|i| (i * 53 + 7) % 1024).collect();
+    for kind in [
+        PolicyKind::Streaming,
+        PolicyKind::Knorm,
+        PolicyKind::Keydiff,
+        PolicyKind::PagedEviction,
+        PolicyKind::Sage,
+        PolicyKind::Snapkv,
+    ] {
+        let req = GenerateRequest { policy: Some(PolicySpec { kind, budget_tokens: 64 }), ..greedy(&prompt, 40) };
+        let mut rx = h.submit(req).unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        let mut tokens = 0;
+        let (slots, blocks) = loop {
+            match rx.blocking_recv() {
+                Some(GenerateEvent::Token(_)) => tokens += 1,
+                Some(GenerateEvent::Finished { evicted_slots, evicted_blocks, .. }) => {
+                    break (evicted_slots, evicted_blocks);
+                }
+                other => panic!("{kind:?}: unexpected event {other:?}"),
+            }
+        };
+        assert_eq!(tokens, 40, "{kind:?}");
+        // 6 tables (3 layers x 2 kv-heads), each cut from 200 slots to the budget at least once.
+        assert!(slots >= 6 * (200 - 64) && blocks > 0, "{kind:?}: evicted {slots} slots, {blocks} blocks");
+        eprintln!("{kind:?}: evicted {slots} slots, {blocks} blocks");
+    }
+    for kind in [PolicyKind::H2o, PolicyKind::KvCompress] {
+        let req = GenerateRequest { policy: Some(PolicySpec { kind, budget_tokens: 64 }), ..greedy(&prompt, 4) };
+        assert!(matches!(h.submit(req), Err(EngineError::InvalidRequest(_))), "{kind:?} is refused");
+    }
+    h.shutdown();
 }

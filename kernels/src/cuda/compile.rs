@@ -46,6 +46,7 @@ pub const MODULES: &[KernelSource] = &[
             "scatter_blocks_f16",
             "slot_norms_f16",
             "anchor_cosine_f16",
+            "unit_key_sum_f16",
             "window_scores_f16",
         ],
     },

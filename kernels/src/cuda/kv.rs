@@ -155,6 +155,17 @@ pub struct WindowEntry<'a> {
     pub first_q_slot: usize,
 }
 
+/// Slots `from..to` of one (sequence, kv-head) table ([`CudaContext::unit_key_sums`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SlotRange<'a> {
+    pub table: &'a [u32],
+    pub from: usize,
+    pub to: usize,
+}
+
+/// Warps per CTA of `unit_key_sum_f16` (its `UKS_WARPS`).
+const UKS_WARPS: u32 = 4;
+
 /// Largest `power` [`CudaContext::window_attention_scores`] takes (the papers use 1 and 2; 0 counts queries).
 pub const MAX_WINDOW_POWER: u32 = 8;
 
@@ -312,28 +323,15 @@ impl CudaContext {
     /// are a CPU f16 worker's. CPU twin: `KvStorage::arenas_any` sliced per block.
     pub fn read_blocks(&self, kv: &CudaKv, ids: &[u32]) -> Result<Vec<u16>, CudaError> {
         const OP: &str = "read_blocks";
-        let block_len = kv.block_size * kv.head_dim;
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
         if let Some(&b) = ids.iter().find(|&&b| b as usize >= kv.num_blocks) {
             return Err(CudaError::invalid(OP, format!("block {b} out of range ({} blocks)", kv.num_blocks)));
         }
-        let dev = self.upload(ids)?;
-        let mut packed = self.zeros::<u16>(ids.len() * 2 * block_len)?;
-        let cfg = per_block_cfg(OP, ids.len())?;
-        let block_len = to_i32(OP, "block_size*head_dim", block_len)?;
-        // SAFETY: every id is < num_blocks (checked); `packed` holds 2 * block_len halves per id.
-        unsafe {
-            self.stream()
-                .launch_builder(self.func("gather_blocks_f16")?)
-                .arg(&kv.k)
-                .arg(&kv.v)
-                .arg(&dev)
-                .arg(&block_len)
-                .arg(&mut packed)
-                .launch(cfg)
-        }?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let unit = kv.block_size * kv.head_dim;
+        let mut packed = self.zeros::<u16>(ids.len() * 2 * unit)?;
+        self.gather_units(OP, kv, &self.upload(ids)?, ids.len(), unit, &mut packed)?;
         self.download(&packed)
     }
 
@@ -341,12 +339,9 @@ impl CudaContext {
     /// distinct.
     pub fn write_blocks(&self, kv: &mut CudaKv, ids: &[u32], packed: &[u16]) -> Result<(), CudaError> {
         const OP: &str = "write_blocks";
-        let block_len = kv.block_size * kv.head_dim;
-        if packed.len() != ids.len() * 2 * block_len {
-            return Err(CudaError::invalid(
-                OP,
-                format!("{} halves for {} blocks of {block_len}", packed.len(), ids.len()),
-            ));
+        let unit = kv.block_size * kv.head_dim;
+        if packed.len() != ids.len() * 2 * unit {
+            return Err(CudaError::invalid(OP, format!("{} halves for {} blocks of {unit}", packed.len(), ids.len())));
         }
         if sorted_distinct(ids.iter().copied()).is_none_or(|d| d.last().is_some_and(|&b| b as usize >= kv.num_blocks)) {
             return Err(CudaError::invalid(OP, "destinations must be distinct blocks of the arena"));
@@ -354,22 +349,136 @@ impl CudaContext {
         if ids.is_empty() {
             return Ok(());
         }
-        let (dev, src) = (self.upload(ids)?, self.upload(packed)?);
-        let cfg = per_block_cfg(OP, ids.len())?;
-        let block_len = to_i32(OP, "block_size*head_dim", block_len)?;
+        self.scatter_units(OP, kv, &self.upload(ids)?, ids.len(), unit, &self.upload(packed)?)
+    }
+
+    /// Moves slots within the arenas: for each `(src, dst)` pair of global slot indices (`block * block_size +
+    /// slot`), slot `dst` becomes what slot `src` held before the call, K and V. Destinations must be distinct; a
+    /// destination may be another pair's source (compaction), since every source is read before any destination
+    /// is written. CPU twin: `KvStorage::move_slot` applied in order, for moves whose sources are not earlier
+    /// destinations (`compact_table`, a swap-remove).
+    pub fn move_slots(&self, kv: &mut CudaKv, pairs: &[(u32, u32)]) -> Result<(), CudaError> {
+        const OP: &str = "move_slots";
+        let slots = kv.num_blocks * kv.block_size;
+        if let Some(&(s, d)) = pairs.iter().find(|&&(s, d)| s as usize >= slots || d as usize >= slots) {
+            return Err(CudaError::invalid(OP, format!("slot pair ({s}, {d}) out of range ({slots} slots)")));
+        }
+        if sorted_distinct(pairs.iter().map(|p| p.1)).is_none() {
+            return Err(CudaError::invalid(OP, "destination slots must be distinct"));
+        }
+        let moves: Vec<(u32, u32)> = pairs.iter().copied().filter(|&(s, d)| s != d).collect();
+        if moves.is_empty() {
+            return Ok(());
+        }
+        let (src, dst): (Vec<u32>, Vec<u32>) = moves.into_iter().unzip();
+        let hd = kv.head_dim;
+        let mut staged = self.zeros::<u16>(src.len() * 2 * hd)?;
+        self.gather_units(OP, kv, &self.upload(&src)?, src.len(), hd, &mut staged)?;
+        self.scatter_units(OP, kv, &self.upload(&dst)?, dst.len(), hd, &staged)
+    }
+
+    /// `gather_blocks_f16` over units of `unit` halves (a block, or a slot when `unit` is head_dim): entry `i` of
+    /// `packed` is unit `ids[i]` of K, then of V. The ids were checked by the caller.
+    fn gather_units(
+        &self,
+        op: &'static str,
+        kv: &CudaKv,
+        ids: &CudaSlice<u32>,
+        n: usize,
+        unit: usize,
+        packed: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        let cfg = per_block_cfg(op, n)?;
+        let unit = to_i32(op, "unit length", unit)?;
+        // SAFETY: every id addresses a unit inside the arenas (checked by the caller); `packed` holds 2 units per id.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("gather_blocks_f16")?)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(ids)
+                .arg(&unit)
+                .arg(packed)
+                .launch(cfg)
+        }?;
+        Ok(())
+    }
+
+    /// `scatter_blocks_f16`, the inverse of [`CudaContext::gather_units`]; the ids are distinct (checked by the
+    /// caller).
+    fn scatter_units(
+        &self,
+        op: &'static str,
+        kv: &mut CudaKv,
+        ids: &CudaSlice<u32>,
+        n: usize,
+        unit: usize,
+        packed: &CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        let cfg = per_block_cfg(op, n)?;
+        let unit = to_i32(op, "unit length", unit)?;
         let (kc, vc) = (&mut kv.k, &mut kv.v);
-        // SAFETY: destinations are distinct blocks < num_blocks (checked); `src` holds 2 * block_len halves per id.
+        // SAFETY: distinct ids inside the arenas (checked by the caller); `packed` holds 2 units per id.
         unsafe {
             self.stream()
                 .launch_builder(self.func("scatter_blocks_f16")?)
-                .arg(&src)
-                .arg(&dev)
-                .arg(&block_len)
+                .arg(packed)
+                .arg(ids)
+                .arg(&unit)
                 .arg(kc)
                 .arg(vc)
                 .launch(cfg)
         }?;
         Ok(())
+    }
+
+    /// Per range: `Σ k_s / max(‖k_s‖₂, eps)` over the slots `from..to` of its table, `[ranges][head_dim]` (KeyDiff's
+    /// anchor sum; CPU twin: `scores::add_unit_keys` with the norms recomputed, summed in f32).
+    pub fn unit_key_sums(&self, kv: &CudaKv, ranges: &[SlotRange<'_>], eps: f32) -> Result<Vec<f32>, CudaError> {
+        const OP: &str = "unit_key_sums";
+        let hd = kv.head_dim;
+        if hd > 256 {
+            return Err(CudaError::invalid(OP, "head_dim must be at most 256"));
+        }
+        if ranges.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (mut tables, mut from, mut to, mut tab_off) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for r in ranges {
+            if r.from > r.to {
+                return Err(CudaError::invalid(OP, format!("slot range {}..{} is reversed", r.from, r.to)));
+            }
+            kv.check_table(OP, r.table, r.to)?;
+            tab_off.push(to_i32(OP, "table offset", tables.len())?);
+            from.push(to_i32(OP, "from", r.from)?);
+            to.push(to_i32(OP, "to", r.to)?);
+            tables.extend_from_slice(&r.table[..r.to.div_ceil(kv.block_size)]);
+        }
+        let tables = self.upload(&tables)?;
+        let (from, to, tab_off) = (self.upload(&from)?, self.upload(&to)?, self.upload(&tab_off)?);
+        let mut out = self.zeros::<f32>(ranges.len() * hd)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_dim(OP, "ranges", ranges.len(), i32::MAX as usize)?, 1, 1),
+            block_dim: (32 * UKS_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (bs, hd) = (to_i32(OP, "block_size", kv.block_size)?, to_i32(OP, "head_dim", hd)?);
+        // SAFETY: every table covers its range's slots inside the arena (checked); `out` holds head_dim per range.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("unit_key_sum_f16")?)
+                .arg(&kv.k)
+                .arg(&tables)
+                .arg(&from)
+                .arg(&to)
+                .arg(&tab_off)
+                .arg(&bs)
+                .arg(&hd)
+                .arg(&eps)
+                .arg(&mut out)
+                .launch(cfg)
+        }?;
+        self.download(&out)
     }
 
     fn score_meta(&self, op: &'static str, kv: &CudaKv, entries: &[ScoreEntry<'_>]) -> Result<ScoreMeta, CudaError> {

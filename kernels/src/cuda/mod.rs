@@ -30,6 +30,6 @@ pub use attention::AttnPlan;
 pub use codecs::CudaEncodedKv;
 pub use context::{CudaContext, DeviceInfo, device_available};
 pub use error::CudaError;
-pub use kv::{CudaKv, ScoreEntry, SlotScores, WindowEntry};
+pub use kv::{CudaKv, ScoreEntry, SlotRange, SlotScores, WindowEntry};
 pub use nccl::{NcclLink, NcclUniqueId, nccl_available};
 pub use ops::CudaWeight;

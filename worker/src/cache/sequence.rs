@@ -11,7 +11,7 @@
 //! [`SeqBlocks::reserve`] grows each table to fit its own length; [`SeqBlocks::free`] drops every reference,
 //! tail blocks first, so the LRU evicts the ends of prefix chains before their beginnings.
 
-use pagoda_kernels::KvStorage;
+use crate::policy::PolicyKv;
 
 use super::{BlockId, BlockPool, CacheError, CacheLayout};
 
@@ -196,7 +196,7 @@ impl SeqBlocks {
     pub fn compact(
         &mut self,
         pool: &mut BlockPool,
-        kv: &mut KvStorage,
+        kv: &mut dyn PolicyKv,
         t: usize,
         keep: &[u32],
     ) -> Result<usize, CacheError> {
@@ -258,7 +258,7 @@ impl SeqBlocks {
     pub fn swap_remove_slot(
         &mut self,
         pool: &mut BlockPool,
-        kv: &mut KvStorage,
+        kv: &mut dyn PolicyKv,
         t: usize,
         s: usize,
     ) -> Result<(), CacheError> {

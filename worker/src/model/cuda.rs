@@ -75,6 +75,60 @@ impl Buffers {
     }
 }
 
+/// The post-RoPE queries a step captured for the eviction policies, per batch sequence `[layer][capture_q][q_dim]`
+/// (the layout of the CPU model's `Scratch::captured_q`), copied back from the device layer by layer.
+#[derive(Debug, Default)]
+pub struct CapturedQueries {
+    q: Vec<f32>,
+    /// Each batch sequence's `(start, len)` in `q`.
+    at: Vec<(usize, usize)>,
+    q_dim: usize,
+}
+
+impl CapturedQueries {
+    /// Batch sequence `seq`'s captured queries (empty when it captured none).
+    pub fn of(&self, seq: usize) -> &[f32] {
+        let (at, n) = self.at.get(seq).copied().unwrap_or((0, 0));
+        self.q.get(at..at + n).unwrap_or(&[])
+    }
+
+    fn layout(&mut self, seqs: &[ForwardSeq<'_>], n_layers: usize, q_dim: usize) {
+        self.at.clear();
+        self.q_dim = q_dim;
+        let mut total = 0;
+        for s in seqs {
+            let n = s.capture_q.min(s.tokens.len()) * n_layers * q_dim;
+            self.at.push((total, n));
+            total += n;
+        }
+        self.q.clear();
+        self.q.resize(total, 0.0);
+    }
+
+    /// Copies layer `li`'s captured rows of `q` (`[rows][q_dim]`, the batch's rows in order) to the host.
+    fn copy_layer(
+        &mut self,
+        cx: &CudaContext,
+        seqs: &[ForwardSeq<'_>],
+        li: usize,
+        q: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let qd = self.q_dim;
+        let mut row = 0usize;
+        for (s, &(at, _)) in seqs.iter().zip(&self.at) {
+            let n = s.tokens.len();
+            let cap = s.capture_q.min(n);
+            if cap > 0 {
+                let dst = at + li * cap * qd;
+                let src = q.slice((row + n - cap) * qd..(row + n) * qd);
+                cx.stream().memcpy_dtoh(&src, &mut self.q[dst..dst + cap * qd])?;
+            }
+            row += n;
+        }
+        Ok(())
+    }
+}
+
 /// A llama model and its KV cache on one GPU.
 pub struct CudaLlama {
     cx: CudaContext,
@@ -162,19 +216,32 @@ impl CudaLlama {
     }
 
     /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`, exactly as
-    /// [`LlamaModel::forward`] does. Inputs are validated first with the same checks; on error nothing is written.
-    /// `capture_q` and `attention_sums` are not served on the GPU and are ignored.
-    pub fn forward(&mut self, seqs: &[ForwardSeq<'_>], out: &mut Vec<f32>) -> Result<(), ModelError> {
+    /// [`LlamaModel::forward`] does, and copies the post-RoPE queries of each sequence's last `capture_q` tokens
+    /// into `captured`. Inputs are validated first with the same checks; on error nothing is written.
+    /// `attention_sums` is not served on the GPU and is ignored (the runner refuses the policies that read it).
+    pub fn forward(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        out: &mut Vec<f32>,
+        captured: &mut CapturedQueries,
+    ) -> Result<(), ModelError> {
         let kv_shape = (self.kv.head_dim(), self.kv.block_size(), self.kv.num_blocks());
         let total = validate_step(&self.config, kv_shape, seqs)?;
+        captured.layout(seqs, self.config.n_layers, self.config.n_heads * self.config.head_dim);
         if total == 0 {
             return Ok(());
         }
         step_rows(seqs, &mut self.ids, &mut self.positions, &mut self.out_rows);
-        self.run(seqs, total, out).map_err(gpu_err)
+        self.run(seqs, total, out, captured).map_err(gpu_err)
     }
 
-    fn run(&mut self, seqs: &[ForwardSeq<'_>], total: usize, out: &mut Vec<f32>) -> Result<(), CudaError> {
+    fn run(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        total: usize,
+        out: &mut Vec<f32>,
+        captured: &mut CapturedQueries,
+    ) -> Result<(), CudaError> {
         let c = &self.config;
         let cx = &self.cx;
         let (nkv, scale) = (c.n_kv_heads, 1.0 / (c.head_dim as f32).sqrt());
@@ -199,6 +266,7 @@ impl CudaLlama {
             cx.gemm_f16(&layer.wv, &b.xn_h, total, &mut b.v)?;
             cx.rope(&mut b.q, &positions, c.n_heads, c.head_dim, c.rope_theta)?;
             cx.rope(&mut b.k, &positions, nkv, c.head_dim, c.rope_theta)?;
+            captured.copy_layer(cx, seqs, li, &b.q)?;
 
             layer_views(seqs, li, nkv, &mut attn_seqs);
             cx.kv_write(&mut self.kv, &b.k, &b.v, &attn_seqs, nkv)?;

@@ -11,16 +11,17 @@
 //! survivors into whole blocks and returns the emptied blocks to the pool, so evictions free real memory.
 //! Every score comes from `pagoda_kernels::scores`; this module only decides.
 
+pub mod kv;
 pub mod spec;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::ops::Range;
 
-use pagoda_kernels::KvStorage;
 use pagoda_kernels::scores;
 
 use crate::cache::{BlockPool, CacheError, SeqBlocks};
+pub use kv::PolicyKv;
 pub use spec::{PolicyError, PolicyKind, PolicySpec, defaults, policy_names};
 
 /// Attention shape the policies need to read captured queries.
@@ -64,7 +65,7 @@ impl Eviction {
 pub struct CacheView<'a> {
     pub blocks: &'a mut SeqBlocks,
     pub pool: &'a mut BlockPool,
-    pub kv: &'a mut KvStorage,
+    pub kv: &'a mut dyn PolicyKv,
 }
 
 /// One forward step of the sequence, as the hooks see it.
@@ -254,9 +255,9 @@ impl PolicyState {
             m.resize(lens[t], 0.0);
             if key_norms && from < lens[t] {
                 let table = &cache.blocks.tables()[t];
-                scores::key_norms(cache.kv, table, from..lens[t], m);
+                cache.kv.key_norms(table, from..lens[t], m);
                 if let Some(sum) = self.unit_key_sums.get_mut(t) {
-                    scores::add_unit_keys(cache.kv, table, from..lens[t], m, 1.0, sum);
+                    cache.kv.add_unit_keys(table, from..lens[t], m, 1.0, sum);
                 }
             }
         }
@@ -334,8 +335,7 @@ impl PolicyState {
             let len = cache.blocks.lens()[t];
             Self::gather_queries(&mut self.scratch.q, captured, n_q, 0, l, h, 0..d.group(), d);
             let table = &cache.blocks.tables()[t];
-            scores::window_attention_scores(
-                cache.kv,
+            cache.kv.window_attention_scores(
                 table,
                 len,
                 &self.scratch.q,
@@ -420,7 +420,7 @@ impl PolicyState {
             };
             if let Some(s) = victim {
                 if let Some(sum) = self.unit_key_sums.get_mut(t) {
-                    scores::add_unit_keys(cache.kv, &cache.blocks.tables()[t], s..s + 1, &self.metrics[t], -1.0, sum);
+                    cache.kv.add_unit_keys(&cache.blocks.tables()[t], s..s + 1, &self.metrics[t], -1.0, sum);
                 }
                 ev.add(self.swap_remove(cache, t, s)?);
             }
@@ -443,7 +443,7 @@ impl PolicyState {
             }
             let sc = &mut self.scratch;
             sc.scores.resize(len, 0.0);
-            scores::value_key_ratio(cache.kv, &cache.blocks.tables()[t], len, &mut sc.scores);
+            cache.kv.value_key_ratio(&cache.blocks.tables()[t], len, &mut sc.scores);
             let nb = len / bs;
             sc.pooled.resize(nb, 0.0);
             scores::block_means(&sc.scores, len, bs, &mut sc.pooled);
@@ -699,8 +699,7 @@ impl PolicyState {
         Self::gather_queries(&mut sc.q, &self.obs, self.obs_tokens, self.obs_tokens - n_q, l, h, heads, d);
         sc.scores.clear();
         sc.scores.resize(len, 0.0);
-        scores::window_attention_scores(
-            cache.kv,
+        cache.kv.window_attention_scores(
             &cache.blocks.tables()[t],
             len,
             &sc.q,
@@ -721,7 +720,7 @@ impl PolicyState {
         self.unit_key_sums = vec![vec![0.0; hd]; self.metrics.len()];
         for (t, sum) in self.unit_key_sums.iter_mut().enumerate() {
             let len = cache.blocks.lens()[t];
-            scores::add_unit_keys(cache.kv, &cache.blocks.tables()[t], 0..len, &self.metrics[t], 1.0, sum);
+            cache.kv.add_unit_keys(&cache.blocks.tables()[t], 0..len, &self.metrics[t], 1.0, sum);
         }
     }
 
@@ -818,7 +817,7 @@ enum Score {
 /// to `out` (grown, never shrunk); `anchor` is KeyDiff's scratch.
 #[allow(clippy::too_many_arguments)]
 fn static_scores<'a>(
-    kv: &KvStorage,
+    kv: &dyn PolicyKv,
     table: &[u32],
     len: usize,
     score: Score,
@@ -832,9 +831,9 @@ fn static_scores<'a>(
     }
     out.resize(len.max(out.len()), 0.0);
     match (score, unit_key_sum) {
-        (Score::KeydiffCosine, Some(sum)) => scores::keydiff_cosine_kept(kv, table, len, sum, metric, anchor, out),
-        (Score::KeydiffCosine, None) => scores::keydiff_cosine(kv, table, len, anchor, out),
-        _ => scores::value_key_ratio(kv, table, len, out),
+        (Score::KeydiffCosine, Some(sum)) => kv.keydiff_cosine_kept(table, len, sum, metric, anchor, out),
+        (Score::KeydiffCosine, None) => kv.keydiff_cosine(table, len, anchor, out),
+        _ => kv.value_key_ratio(table, len, out),
     }
     &out[..len]
 }

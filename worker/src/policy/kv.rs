@@ -1,0 +1,118 @@
+//! [`PolicyKv`]: the KV operations eviction needs from a runner's cache — the scores the policies rank slots by and
+//! the block and slot moves that compact a table — so that the policies and [`crate::cache::SeqBlocks`] run over
+//! the CPU's [`KvStorage`] (the kernels' CPU scores) and over the CUDA runner's device arenas (its score and move
+//! kernels) alike. Every method keeps the contract of the `pagoda_kernels::scores` function or `KvStorage` method
+//! of the same name.
+//!
+//! The methods cannot fail: a runner whose device call fails keeps the error and fails the step that follows
+//! ([`crate::engine::ModelRunner::take_error`]), so a policy never acts on half an answer twice.
+
+use std::ops::Range;
+
+use pagoda_kernels::KvStorage;
+use pagoda_kernels::scores;
+
+/// KV reads and moves for the eviction policies, over one (layer, kv-head) table at a time.
+pub trait PolicyKv {
+    /// `‖K‖₂` of the slots `slots` of `table`, into `out[slots]` (`scores::key_norms`).
+    fn key_norms(&self, table: &[u32], slots: Range<usize>, out: &mut [f32]);
+    /// `‖V‖₂ / ‖K‖₂` of slots `0..len` into `out[..len]` (`scores::value_key_ratio`).
+    fn value_key_ratio(&self, table: &[u32], len: usize, out: &mut [f32]);
+    /// KeyDiff's cosine of each key with the anchor of normalised keys (`scores::keydiff_cosine`).
+    fn keydiff_cosine(&self, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]);
+    /// Adds `sign · k_i / ‖k_i‖` (norms from `norms`) of the slots `slots` to `unit_key_sum`
+    /// (`scores::add_unit_keys`).
+    fn add_unit_keys(&self, table: &[u32], slots: Range<usize>, norms: &[f32], sign: f64, unit_key_sum: &mut [f64]);
+    /// KeyDiff's cosine from a kept anchor sum and kept norms (`scores::keydiff_cosine_kept`).
+    #[allow(clippy::too_many_arguments)]
+    fn keydiff_cosine_kept(
+        &self,
+        table: &[u32],
+        len: usize,
+        unit_key_sum: &[f64],
+        norms: &[f32],
+        anchor: &mut Vec<f32>,
+        out: &mut [f32],
+    );
+    /// Observation-window attention (raised to `power`) of `n_q` queries, added to `out[..len]`
+    /// (`scores::window_attention_scores`).
+    #[allow(clippy::too_many_arguments)]
+    fn window_attention_scores(
+        &self,
+        table: &[u32],
+        len: usize,
+        q: &[f32],
+        n_q: usize,
+        group: usize,
+        scale: f32,
+        first_q_slot: usize,
+        power: u32,
+        probs: &mut Vec<f32>,
+        out: &mut [f32],
+    );
+    /// Block `dst` becomes a copy of block `src` (K and V).
+    fn copy_block(&mut self, src: u32, dst: u32);
+    /// Slot `dst_slot` of block `dst` becomes slot `src_slot` of block `src`.
+    fn move_slot(&mut self, src: u32, src_slot: usize, dst: u32, dst_slot: usize);
+    /// Moves the slots `keep` (ascending, below `len`) of `table` to slots `0..keep.len()`, in order; returns how
+    /// many were kept.
+    fn compact_table(&mut self, table: &[u32], len: usize, keep: &[u32]) -> usize;
+}
+
+impl PolicyKv for KvStorage {
+    fn key_norms(&self, table: &[u32], slots: Range<usize>, out: &mut [f32]) {
+        scores::key_norms(self, table, slots, out);
+    }
+
+    fn value_key_ratio(&self, table: &[u32], len: usize, out: &mut [f32]) {
+        scores::value_key_ratio(self, table, len, out);
+    }
+
+    fn keydiff_cosine(&self, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]) {
+        scores::keydiff_cosine(self, table, len, anchor, out);
+    }
+
+    fn add_unit_keys(&self, table: &[u32], slots: Range<usize>, norms: &[f32], sign: f64, unit_key_sum: &mut [f64]) {
+        scores::add_unit_keys(self, table, slots, norms, sign, unit_key_sum);
+    }
+
+    fn keydiff_cosine_kept(
+        &self,
+        table: &[u32],
+        len: usize,
+        unit_key_sum: &[f64],
+        norms: &[f32],
+        anchor: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        scores::keydiff_cosine_kept(self, table, len, unit_key_sum, norms, anchor, out);
+    }
+
+    fn window_attention_scores(
+        &self,
+        table: &[u32],
+        len: usize,
+        q: &[f32],
+        n_q: usize,
+        group: usize,
+        scale: f32,
+        first_q_slot: usize,
+        power: u32,
+        probs: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        scores::window_attention_scores(self, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) {
+        KvStorage::copy_block(self, src, dst);
+    }
+
+    fn move_slot(&mut self, src: u32, src_slot: usize, dst: u32, dst_slot: usize) {
+        KvStorage::move_slot(self, src, src_slot, dst, dst_slot);
+    }
+
+    fn compact_table(&mut self, table: &[u32], len: usize, keep: &[u32]) -> usize {
+        KvStorage::compact_table(self, table, len, keep)
+    }
+}
