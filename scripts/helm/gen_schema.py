@@ -13,7 +13,7 @@ OUT = Path(__file__).resolve().parents[2] / "helm/pagoda/values.schema.json"
 # Policies of `pagoda worker --kv-policy` (worker/src/policy/spec.rs PolicyKind::ALL). The CLI-drift check runs
 # each rendered --kv-policy through the binary too, so a name the binary lacks fails there.
 POLICIES = ["full", "streaming", "knorm", "keydiff", "paged_eviction", "sage", "snapkv", "h2o", "kv_compress"]
-# The policies the GPU runner runs (runner_cuda.rs GPU_POLICIES): H2O and KV-Compress read attention sums the CUDA
+# The policies the GPU runner runs (runner_cuda.rs gpu_runs_policy): H2O and KV-Compress read attention sums the CUDA
 # kernels do not return.
 GPU_POLICIES = [p for p in POLICIES if p not in ("h2o", "kv_compress")]
 

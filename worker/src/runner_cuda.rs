@@ -58,17 +58,12 @@ impl std::fmt::Debug for CudaRunner {
     }
 }
 
-/// Policies whose scores and moves the GPU runs. H2O and KV-Compress read the attention kernel's summed
-/// probabilities, which the CUDA attention kernels do not return yet.
-const GPU_POLICIES: [PolicyKind; 7] = [
-    PolicyKind::Full,
-    PolicyKind::Streaming,
-    PolicyKind::Knorm,
-    PolicyKind::Keydiff,
-    PolicyKind::PagedEviction,
-    PolicyKind::Sage,
-    PolicyKind::Snapkv,
-];
+/// Whether the GPU runs eviction policy `kind`. H2O and KV-Compress read the attention kernel's summed
+/// probabilities, which the CUDA attention kernels do not return yet; every other policy's scores and moves run
+/// there.
+pub fn gpu_runs_policy(kind: PolicyKind) -> bool {
+    !matches!(kind, PolicyKind::H2o | PolicyKind::KvCompress)
+}
 
 /// Why `cfg` cannot run on the GPU runner, if it cannot.
 fn unsupported(cfg: &EngineConfig) -> Option<String> {
@@ -140,7 +135,7 @@ impl ModelRunner for CudaRunner {
     }
 
     fn serves_policy(&mut self, kind: PolicyKind) -> bool {
-        GPU_POLICIES.contains(&kind)
+        gpu_runs_policy(kind)
     }
 
     fn take_error(&mut self) -> Option<EngineError> {

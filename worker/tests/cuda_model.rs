@@ -26,7 +26,7 @@ use pagoda_worker::engine::{
 use pagoda_worker::model::{Gguf, LogitsWanted, SyntheticSpec, Tokenizer};
 use pagoda_worker::placement::TierPlacement;
 use pagoda_worker::policy::{PolicyKind, PolicySpec};
-use pagoda_worker::runner_cuda::CudaRunner;
+use pagoda_worker::runner_cuda::{CudaRunner, gpu_runs_policy};
 use pagoda_worker::sampling::argmax;
 use pagoda_worker::tiers::codec::GroupKv;
 use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
@@ -288,14 +288,7 @@ fn gpu_engine_runs_the_eviction_policies() {
     }
     let h = Engine::start(synthetic_gpu(128)).expect("GPU engine");
     let prompt: Vec<u32> = (0..200u32).map(|i| (i * 53 + 7) % 1024).collect();
-    for kind in [
-        PolicyKind::Streaming,
-        PolicyKind::Knorm,
-        PolicyKind::Keydiff,
-        PolicyKind::PagedEviction,
-        PolicyKind::Sage,
-        PolicyKind::Snapkv,
-    ] {
+    for kind in PolicyKind::ALL.into_iter().filter(|&k| k != PolicyKind::Full && gpu_runs_policy(k)) {
         let req = GenerateRequest { policy: Some(PolicySpec { kind, budget_tokens: 64 }), ..greedy(&prompt, 40) };
         let mut rx = h.submit(req).unwrap_or_else(|e| panic!("{kind:?}: {e}"));
         let mut tokens = 0;
@@ -313,7 +306,7 @@ fn gpu_engine_runs_the_eviction_policies() {
         assert!(slots >= 6 * (200 - 64) && blocks > 0, "{kind:?}: evicted {slots} slots, {blocks} blocks");
         eprintln!("{kind:?}: evicted {slots} slots, {blocks} blocks");
     }
-    for kind in [PolicyKind::H2o, PolicyKind::KvCompress] {
+    for kind in PolicyKind::ALL.into_iter().filter(|&k| !gpu_runs_policy(k)) {
         let req = GenerateRequest { policy: Some(PolicySpec { kind, budget_tokens: 64 }), ..greedy(&prompt, 4) };
         assert!(matches!(h.submit(req), Err(EngineError::InvalidRequest(_))), "{kind:?} is refused");
     }
