@@ -1660,6 +1660,101 @@ mod tests {
         assert!(matches!(&err, EngineError::Config(m) if m.contains("--kv-policy streaming")), "{err}");
     }
 
+    /// A runner whose device fails inside a policy call (which cannot return an error): the call keeps it, and
+    /// the engine fails the step's requests with it instead of going on with a half-compacted cache.
+    #[test]
+    fn a_device_error_inside_an_eviction_fails_the_step() {
+        struct BrokenKv {
+            kv: KvStorage,
+            failed: std::cell::Cell<bool>,
+        }
+        impl PolicyKv for BrokenKv {
+            fn key_norms(&self, _: &[u32], _: std::ops::Range<usize>, _: &mut [f32]) {
+                self.failed.set(true);
+            }
+            fn value_key_ratio(&self, _: &[u32], _: usize, _: &mut [f32]) {
+                self.failed.set(true);
+            }
+            fn keydiff_cosine(&self, _: &[u32], _: usize, _: &mut Vec<f32>, _: &mut [f32]) {
+                self.failed.set(true);
+            }
+            fn add_unit_keys(&self, _: &[u32], _: std::ops::Range<usize>, _: &[f32], _: f64, _: &mut [f64]) {
+                self.failed.set(true);
+            }
+            fn keydiff_cosine_kept(&self, _: &[u32], _: usize, _: &[f64], _: &[f32], _: &mut Vec<f32>, _: &mut [f32]) {
+                self.failed.set(true);
+            }
+            fn window_attention_scores(
+                &self,
+                _: &[u32],
+                _: usize,
+                _: &[f32],
+                _: usize,
+                _: usize,
+                _: f32,
+                _: usize,
+                _: u32,
+                _: &mut Vec<f32>,
+                _: &mut [f32],
+            ) {
+                self.failed.set(true);
+            }
+            fn copy_block(&mut self, src: u32, dst: u32) {
+                self.kv.copy_block(src, dst);
+            }
+            fn move_slot(&mut self, _: u32, _: usize, _: u32, _: usize) {
+                self.failed.set(true);
+            }
+            fn compact_table(&mut self, _: &[u32], _: usize, keep: &[u32]) -> usize {
+                self.failed.set(true);
+                keep.len()
+            }
+        }
+        struct NoCaptures;
+        impl StepCaptures for NoCaptures {
+            fn captured_q(&self, _: usize) -> &[f32] {
+                &[]
+            }
+            fn attn_probs(&self, _: usize) -> Option<(&[f32], usize)> {
+                None
+            }
+        }
+        struct BrokenRunner {
+            fake: FakeRunner,
+            kv: BrokenKv,
+        }
+        impl ModelRunner for BrokenRunner {
+            fn info(&self) -> &ModelInfo {
+                self.fake.info()
+            }
+            fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+                self.fake.forward(seqs, logits)
+            }
+            fn eviction_io(&mut self) -> Option<EvictionIo<'_>> {
+                Some(EvictionIo { kv: &mut self.kv, captured: &NoCaptures })
+            }
+            fn take_error(&mut self) -> Option<EngineError> {
+                self.kv.failed.replace(false).then(|| EngineError::Forward("device KV operation: lost".into()))
+            }
+        }
+        let info = fake(64, 0).model_info().clone();
+        let cfg = EngineConfig { block_size: 4, ..EngineConfig::default() };
+        let h = Engine::start_with(cfg, move |_| {
+            let kv = BrokenKv { kv: KvStorage::new(info.num_blocks, 4, info.head_dim), failed: Default::default() };
+            Ok(BrokenRunner { fake: FakeRunner { info, delay: Duration::ZERO }, kv })
+        })
+        .unwrap();
+        let streaming = PolicySpec { kind: PolicyKind::Streaming, budget_tokens: 16 };
+        let prompt: Vec<u32> = (0..30).collect();
+        let rx = h.submit(GenerateRequest { policy: Some(streaming), ..req("s", prompt, 4) }).unwrap();
+        let (tokens, end) = collect(rx);
+        assert!(tokens.is_empty(), "{tokens:?}");
+        assert!(matches!(&end, GenerateEvent::Failed(m) if m.contains("device KV operation")), "{end:?}");
+        let (tokens, _) = collect(h.submit(req("after", vec![1, 2], 3)).unwrap());
+        assert_eq!(tokens.len(), 3, "the engine goes on serving");
+        h.shutdown();
+    }
+
     fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {
         let mut toks = Vec::new();
         while let Some(ev) = rx.blocking_recv() {
