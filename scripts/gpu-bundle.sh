@@ -10,7 +10,7 @@
 # earlier calls brought, so each call carries only what is new, by path:
 #   1. carry bin.tar.xz, model.sha256, model.part0; run `gpu-run.sh parity model`
 #   2. carry model.part1; 3. carry model.part2; run `gpu-run.sh model parity engine` (the model joins once all
-#      parts are there)   4. `gpu-run.sh kernels`
+#      parts are there)   4. `gpu-run.sh kernels`   5. `gpu-run.sh eviction`
 # Usage: bash scripts/gpu-bundle.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,6 +7,8 @@
 #   kernels  pagoda bench kernels --device cuda (decode-attention bandwidth per codec, batch 1-64, 1K-32K)
 #   engine   pagoda bench engine, GPU against this machine's CPU: SmolLM2 (real when present, else its synthetic
 #            shape) at 1, 8 and 32 sequences, and the synthetic llama-1b and llama-8b on the GPU
+#   eviction pagoda bench eviction --device cuda at the eviction issue's load (needs the model: run `model` first):
+#            full cache, PagedEviction and SnapKV at budgets 256 and 1024
 # Usage (device machine, repository root): bash scripts/gpu-run.sh STAGE...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,8 +84,17 @@ for s in "$@"; do
         --concurrency 1,8,32 --decode-new-tokens 32 --json "$out/bench-engine-llama8b-cuda.json"
       grep -h -i "decode\|prefill\|synthetic" "$out"/engine_*.log | head -n 40
       ;;
+    eviction)
+      if [ -f "$model" ]; then
+        stage bench_eviction_cuda 540 "$bin/pagoda" bench eviction --device cuda --model "$model" --requests 64 \
+          --policies full,paged_eviction,snapkv --budgets 256,1024 --json "$out/bench-eviction-cuda.json"
+        tail -n 12 "$out/bench_eviction_cuda.log"
+      else
+        summary+=("eviction: no model yet (send its parts and run the model stage)")
+      fi
+      ;;
     *)
-      echo "unknown stage $s (parity, model, kernels, engine)" >&2
+      echo "unknown stage $s (parity, model, kernels, engine, eviction)" >&2
       exit 2
       ;;
   esac

@@ -840,6 +840,10 @@ struct BenchEvictionArgs {
     /// f16 sequences, so the 8-bit dtypes hold more blocks in it.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
+    /// Compute device: cpu, or cuda / cuda:N (binaries built with `--features cuda`; H2O and KV-Compress run on
+    /// the CPU only).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
 }
 
 #[derive(Args)]
@@ -1816,6 +1820,7 @@ fn bench_eviction(args: BenchEvictionArgs) -> Result<()> {
         repeats: args.repeats,
         admission_reserve: args.admission == "reserve",
         kv_dtype: args.kv_dtype,
+        device: args.device,
     };
     let report = pagoda_worker::bench_eviction::eviction_bench(&model, &opts)
         .with_context(|| format!("eviction bench on {} failed", model.display()))?;

@@ -32,7 +32,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::cache::CacheLayout;
 use crate::engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
+    Device, Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest,
+    SamplingParams,
 };
 use crate::eval::words::{ADJECTIVES, NOUNS, VERBS};
 use crate::model::{Gguf, ModelConfig, Tokenizer};
@@ -83,6 +84,14 @@ pub struct EvictionBenchOptions {
     /// whatever the dtype, so a smaller dtype shows as more blocks in the same memory.
     #[serde(serialize_with = "dtype_name")]
     pub kv_dtype: KvDtype,
+    /// The runner: the CPU backend, or a GPU (binaries built with `--features cuda`), where decode at these batch
+    /// sizes is bound by memory and throughput follows the batch.
+    #[serde(serialize_with = "device_name")]
+    pub device: Device,
+}
+
+fn device_name<S: Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(d)
 }
 
 fn dtype_name<S: Serializer>(d: &KvDtype, s: S) -> Result<S::Ok, S::Error> {
@@ -106,6 +115,7 @@ impl Default for EvictionBenchOptions {
             repeats: 1,
             admission_reserve: true,
             kv_dtype: KvDtype::F16,
+            device: Device::Cpu,
         }
     }
 }
@@ -368,7 +378,7 @@ fn run_fresh(
         placement: Default::default(),
         amx: false,
         synthetic: None,
-        device: Default::default(),
+        device: opts.device,
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();
