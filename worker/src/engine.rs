@@ -598,25 +598,23 @@ impl EngineHandle {
         if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
             return Err(EngineError::InvalidRequest(format!("top_p must be in (0, 1], got {}", s.top_p)));
         }
-        if let Some(p) = &req.policy
-            && !self.inner.policies.contains(&p.kind)
-        {
-            return Err(EngineError::InvalidRequest(format!(
-                "KV policy {} is not run by this worker's backend (it runs {})",
-                p.kind.name(),
-                policy_list(&self.inner.policies)
-            )));
-        }
-        if let Some(p) = &req.policy
-            && !p.is_full()
-            && !(crate::policy::defaults::MIN_BUDGET_TOKENS..=info.context_length).contains(&p.budget_tokens)
-        {
-            return Err(EngineError::InvalidRequest(format!(
-                "KV budget must be in {}..={} tokens, got {}",
-                crate::policy::defaults::MIN_BUDGET_TOKENS,
-                info.context_length,
-                p.budget_tokens
-            )));
+        if let Some(p) = &req.policy {
+            if !self.inner.policies.contains(&p.kind) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "KV policy {} is not run by this worker's backend (it runs {})",
+                    p.kind.name(),
+                    policy_list(&self.inner.policies)
+                )));
+            }
+            let budgets = crate::policy::defaults::MIN_BUDGET_TOKENS..=info.context_length;
+            if !p.is_full() && !budgets.contains(&p.budget_tokens) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "KV budget must be in {}..={} tokens, got {}",
+                    budgets.start(),
+                    budgets.end(),
+                    p.budget_tokens
+                )));
+            }
         }
         check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
         Ok(())
@@ -1664,8 +1662,8 @@ mod tests {
     /// the engine fails the step's requests with it instead of going on with a half-compacted cache.
     #[test]
     fn a_device_error_inside_an_eviction_fails_the_step() {
+        #[derive(Default)]
         struct BrokenKv {
-            kv: KvStorage,
             failed: std::cell::Cell<bool>,
         }
         impl PolicyKv for BrokenKv {
@@ -1699,8 +1697,8 @@ mod tests {
             ) {
                 self.failed.set(true);
             }
-            fn copy_block(&mut self, src: u32, dst: u32) {
-                self.kv.copy_block(src, dst);
+            fn copy_block(&mut self, _: u32, _: u32) {
+                self.failed.set(true);
             }
             fn move_slot(&mut self, _: u32, _: usize, _: u32, _: usize) {
                 self.failed.set(true);
@@ -1740,8 +1738,7 @@ mod tests {
         let info = fake(64, 0).model_info().clone();
         let cfg = EngineConfig { block_size: 4, ..EngineConfig::default() };
         let h = Engine::start_with(cfg, move |_| {
-            let kv = BrokenKv { kv: KvStorage::new(info.num_blocks, 4, info.head_dim), failed: Default::default() };
-            Ok(BrokenRunner { fake: FakeRunner { info, delay: Duration::ZERO }, kv })
+            Ok(BrokenRunner { fake: FakeRunner { info, delay: Duration::ZERO }, kv: BrokenKv::default() })
         })
         .unwrap();
         let streaming = PolicySpec { kind: PolicyKind::Streaming, budget_tokens: 16 };

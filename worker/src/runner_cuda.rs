@@ -30,7 +30,8 @@ use crate::engine::{
     load_model, recycle_forward,
 };
 use crate::model::ForwardSeq;
-use crate::model::cuda::{CapturedQueries, CudaLlama};
+use crate::model::cuda::CudaLlama;
+use crate::model::llama::CapturedQueries;
 use crate::policy::{PolicyKind, PolicyKv};
 use crate::tiers::codec::{self, GroupKv};
 use crate::tiers::{EncodedGroup, GroupCodec, TierError, native};
@@ -154,6 +155,19 @@ impl StepCaptures for CapturedQueries {
 }
 
 impl DeviceKv {
+    /// Blocks `blocks` of the device arenas as a host f16 cache of `blocks.len()` blocks, in order.
+    fn host_copy(&self, blocks: &[BlockId]) -> Result<KvStorage, TierError> {
+        let (cx, kv) = self.model.kv();
+        let (bs, hd) = (kv.block_size(), kv.head_dim());
+        let packed = cx.read_blocks(kv, blocks).map_err(device_err)?;
+        let mut host = KvStorage::with_dtype(blocks.len(), bs, hd, KvDtype::F16);
+        let group =
+            EncodedGroup { codec: native::codec_name(KvDtype::F16).to_owned(), bytes: halves_to_bytes(&packed) };
+        let all: Vec<BlockId> = (0..blocks.len() as BlockId).collect();
+        native::decode(&group, &mut host, &all)?;
+        Ok(host)
+    }
+
     /// `r`'s value, or `None` after keeping its error (the first one of the step).
     fn ok<T>(&self, op: &'static str, r: Result<T, CudaError>) -> Option<T> {
         match r {
@@ -305,11 +319,10 @@ impl PolicyKv for DeviceKv {
         self.ok("move_slots", r);
     }
 
-    fn compact_table(&mut self, table: &[u32], len: usize, keep: &[u32]) -> usize {
+    fn compact_table(&mut self, table: &[u32], _len: usize, keep: &[u32]) -> usize {
         let bs = self.block_size();
         let slot = |i: usize| table[i / bs] * bs as u32 + (i % bs) as u32;
-        let pairs: Vec<(u32, u32)> =
-            keep.iter().take(len).enumerate().map(|(i, &k)| (slot(k as usize), slot(i))).collect();
+        let pairs: Vec<(u32, u32)> = keep.iter().enumerate().map(|(i, &k)| (slot(k as usize), slot(i))).collect();
         let (cx, kv) = self.model.kv_mut();
         let r = cx.move_slots(kv, &pairs);
         self.ok("move_slots", r);
@@ -324,21 +337,6 @@ fn device_err(e: CudaError) -> TierError {
 /// Packed f16 halves (the layout of [`CudaContext::read_blocks`]) as a native f16 group's bytes, and back.
 fn halves_to_bytes(halves: &[u16]) -> Vec<u8> {
     halves.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-impl DeviceKv {
-    /// Blocks `blocks` of the device arenas as a host f16 cache of `blocks.len()` blocks, in order.
-    fn host_copy(&self, blocks: &[BlockId]) -> Result<KvStorage, TierError> {
-        let (cx, kv) = self.model.kv();
-        let (bs, hd) = (kv.block_size(), kv.head_dim());
-        let packed = cx.read_blocks(kv, blocks).map_err(device_err)?;
-        let mut host = KvStorage::with_dtype(blocks.len(), bs, hd, KvDtype::F16);
-        let group =
-            EncodedGroup { codec: native::codec_name(KvDtype::F16).to_owned(), bytes: halves_to_bytes(&packed) };
-        let all: Vec<BlockId> = (0..blocks.len() as BlockId).collect();
-        native::decode(&group, &mut host, &all)?;
-        Ok(host)
-    }
 }
 
 impl GroupKv for DeviceKv {

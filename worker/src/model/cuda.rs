@@ -19,7 +19,7 @@ use pagoda_kernels::cudarc::driver::CudaSlice;
 
 use super::config::ModelConfig;
 use super::error::ModelError;
-use super::llama::{ForwardSeq, LlamaModel, layer_views, step_rows, validate_step};
+use super::llama::{CapturedQueries, ForwardSeq, LlamaModel, layer_views, step_rows, validate_step};
 
 fn gpu_err(e: CudaError) -> ModelError {
     ModelError::Kernel(format!("cuda: {e}"))
@@ -72,60 +72,6 @@ impl Buffers {
             up: cx.zeros(rows * c.ffn)?,
             gate_h: cx.zeros(rows * c.ffn)?,
         })
-    }
-}
-
-/// The post-RoPE queries a step captured for the eviction policies, per batch sequence `[layer][capture_q][q_dim]`
-/// (the layout of the CPU model's `Scratch::captured_q`), copied back from the device layer by layer.
-#[derive(Debug, Default)]
-pub struct CapturedQueries {
-    q: Vec<f32>,
-    /// Each batch sequence's `(start, len)` in `q`.
-    at: Vec<(usize, usize)>,
-    q_dim: usize,
-}
-
-impl CapturedQueries {
-    /// Batch sequence `seq`'s captured queries (empty when it captured none).
-    pub fn of(&self, seq: usize) -> &[f32] {
-        let (at, n) = self.at.get(seq).copied().unwrap_or((0, 0));
-        self.q.get(at..at + n).unwrap_or(&[])
-    }
-
-    fn layout(&mut self, seqs: &[ForwardSeq<'_>], n_layers: usize, q_dim: usize) {
-        self.at.clear();
-        self.q_dim = q_dim;
-        let mut total = 0;
-        for s in seqs {
-            let n = s.capture_q.min(s.tokens.len()) * n_layers * q_dim;
-            self.at.push((total, n));
-            total += n;
-        }
-        self.q.clear();
-        self.q.resize(total, 0.0);
-    }
-
-    /// Copies layer `li`'s captured rows of `q` (`[rows][q_dim]`, the batch's rows in order) to the host.
-    fn copy_layer(
-        &mut self,
-        cx: &CudaContext,
-        seqs: &[ForwardSeq<'_>],
-        li: usize,
-        q: &CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let qd = self.q_dim;
-        let mut row = 0usize;
-        for (s, &(at, _)) in seqs.iter().zip(&self.at) {
-            let n = s.tokens.len();
-            let cap = s.capture_q.min(n);
-            if cap > 0 {
-                let dst = at + li * cap * qd;
-                let src = q.slice((row + n - cap) * qd..(row + n) * qd);
-                cx.stream().memcpy_dtoh(&src, &mut self.q[dst..dst + cap * qd])?;
-            }
-            row += n;
-        }
-        Ok(())
     }
 }
 
@@ -266,7 +212,7 @@ impl CudaLlama {
             cx.gemm_f16(&layer.wv, &b.xn_h, total, &mut b.v)?;
             cx.rope(&mut b.q, &positions, c.n_heads, c.head_dim, c.rope_theta)?;
             cx.rope(&mut b.k, &positions, nkv, c.head_dim, c.rope_theta)?;
-            captured.copy_layer(cx, seqs, li, &b.q)?;
+            captured.copy_layer(seqs, li, |dst, src| cx.stream().memcpy_dtoh(&b.q.slice(src), dst))?;
 
             layer_views(seqs, li, nkv, &mut attn_seqs);
             cx.kv_write(&mut self.kv, &b.k, &b.v, &attn_seqs, nkv)?;

@@ -8,6 +8,8 @@
 //! attention (scale 1/√head_dim, GQA) → o-projection + residual → RMSNorm → SiLU(gate)·up → down + residual.
 //! Then the final norm and the LM head run only for the rows whose logits were asked for.
 
+use std::ops::Range;
+
 use pagoda_kernels::{AttnProbs, AttnSeq, Backend, KvStorage, QMatrix, WeightType};
 
 use super::config::ModelConfig;
@@ -65,10 +67,8 @@ pub struct Scratch {
     /// Rows (into the batch) whose logits are wanted, in output order.
     out_rows: Vec<usize>,
     head_in: Vec<f32>,
-    /// Captured queries: for each sequence with `capture_q > 0`, in batch order, `[layer][capture_q][q_dim]`.
-    captured_q: Vec<f32>,
-    /// Each batch sequence's `(start, len)` in `captured_q`.
-    captured_at: Vec<(usize, usize)>,
+    /// The queries the step captured for the eviction policies.
+    captured: CapturedQueries,
     /// Summed attention probabilities per batch sequence (reused buffers; only those with `attention_sums` are
     /// written in a step): `[layer][n_heads][stride]`.
     probs: Vec<Vec<f32>>,
@@ -93,8 +93,7 @@ impl Scratch {
     /// Queries captured by the last [`LlamaModel::forward`] for batch sequence `seq` (its index in the step):
     /// `[layer][capture_q][q_dim]`, post-RoPE. Empty when that sequence captured nothing.
     pub fn captured_q(&self, seq: usize) -> &[f32] {
-        let (at, n) = self.captured_at.get(seq).copied().unwrap_or((0, 0));
-        self.captured_q.get(at..at + n).unwrap_or(&[])
+        self.captured.of(seq)
     }
 
     /// Summed attention probabilities the last [`LlamaModel::forward`] wrote for batch sequence `seq` (one with
@@ -307,15 +306,7 @@ impl LlamaModel {
         scratch.ensure(c, total);
 
         step_rows(seqs, &mut scratch.ids, &mut scratch.positions, &mut scratch.out_rows);
-        scratch.captured_at.clear();
-        let mut captured = 0usize;
-        for s in seqs {
-            let n_captured = s.capture_q.min(s.tokens.len()) * c.n_layers * qd;
-            scratch.captured_at.push((captured, n_captured));
-            captured += n_captured;
-        }
-
-        scratch.captured_q.resize(captured, 0.0);
+        let captures = scratch.captured.layout(seqs, c.n_layers, qd) > 0;
         scratch.probs_stride.clear();
         if scratch.probs.len() < seqs.len() {
             scratch.probs.resize_with(seqs.len(), Vec::new);
@@ -345,8 +336,7 @@ impl LlamaModel {
             out_rows,
             head_in,
             head_norm,
-            captured_q,
-            captured_at,
+            captured,
             probs,
             probs_stride,
         } = scratch;
@@ -363,18 +353,13 @@ impl LlamaModel {
             backend.matmul(&layer.wv, xn, total, v);
             backend.rope(q, positions, c.n_heads, c.head_dim, c.rope_theta);
             backend.rope(k, positions, nkv, c.head_dim, c.rope_theta);
-            if captured > 0 {
-                let mut row = 0usize;
-                for (s, &(at, _)) in seqs.iter().zip(captured_at.iter()) {
-                    let n = s.tokens.len();
-                    let cap = s.capture_q.min(n);
-                    if cap > 0 {
-                        let dst = at + li * cap * qd;
-                        let src = (row + n - cap) * qd;
-                        captured_q[dst..dst + cap * qd].copy_from_slice(&q[src..src + cap * qd]);
-                    }
-                    row += n;
-                }
+            if captures {
+                captured
+                    .copy_layer(seqs, li, |dst, src| {
+                        dst.copy_from_slice(&q[src]);
+                        Ok::<(), std::convert::Infallible>(())
+                    })
+                    .unwrap_or_else(|never| match never {});
             }
 
             layer_views(seqs, li, nkv, &mut attn_seqs);
@@ -482,6 +467,61 @@ pub(super) fn validate_step(
         total = total.checked_add(n).ok_or_else(|| invalid("too many tokens".into()))?;
     }
     Ok(total)
+}
+
+/// The post-RoPE queries a step captures for the eviction policies: per batch sequence, its last `capture_q`
+/// tokens' queries as `[layer][capture_q][q_dim]`, the sequences back to back in batch order. The CPU forward
+/// (in [`Scratch`]) and its GPU twin fill the same layout, so the policies read either alike.
+#[derive(Debug, Default)]
+pub struct CapturedQueries {
+    q: Vec<f32>,
+    /// Each batch sequence's `(start, len)` in `q`.
+    at: Vec<(usize, usize)>,
+    q_dim: usize,
+}
+
+impl CapturedQueries {
+    /// Batch sequence `seq`'s captured queries (empty when it captured none).
+    pub fn of(&self, seq: usize) -> &[f32] {
+        let (at, n) = self.at.get(seq).copied().unwrap_or((0, 0));
+        self.q.get(at..at + n).unwrap_or(&[])
+    }
+
+    /// Sizes the buffer for the step `seqs`; returns how many floats it captures.
+    pub(super) fn layout(&mut self, seqs: &[ForwardSeq<'_>], n_layers: usize, q_dim: usize) -> usize {
+        self.at.clear();
+        self.q_dim = q_dim;
+        let mut total = 0;
+        for s in seqs {
+            let n = s.capture_q.min(s.tokens.len()) * n_layers * q_dim;
+            self.at.push((total, n));
+            total += n;
+        }
+        self.q.resize(total, 0.0);
+        total
+    }
+
+    /// Hands `copy` each capturing sequence's destination for layer `li` and the range of the batch's
+    /// `[rows][q_dim]` queries that goes there.
+    pub(super) fn copy_layer<E>(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        li: usize,
+        mut copy: impl FnMut(&mut [f32], Range<usize>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let qd = self.q_dim;
+        let mut row = 0usize;
+        for (s, &(at, _)) in seqs.iter().zip(&self.at) {
+            let n = s.tokens.len();
+            let cap = s.capture_q.min(n);
+            if cap > 0 {
+                let dst = at + li * cap * qd;
+                copy(&mut self.q[dst..dst + cap * qd], (row + n - cap) * qd..(row + n) * qd)?;
+            }
+            row += n;
+        }
+        Ok(())
+    }
 }
 
 /// The step's rows: every sequence's token ids and RoPE positions in batch order, and the rows whose logits are
