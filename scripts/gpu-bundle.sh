@@ -4,13 +4,12 @@
 # binaries travel with the call (`carry`, at most 64 MiB per call):
 #   target/gpu-bundle/bin.tar.xz   pagoda (release, --features cuda) and the cuda_parity and cuda_model test
 #                                  binaries, stripped;
-#   target/gpu-bundle/model.partN  the SmolLM2 GGUF in three parts of 33 MB: the working tree (about 10 MB) travels
-#                                  with every call, so 98 MB of model take three calls.
+#   target/gpu-bundle/model.partN  the SmolLM2 GGUF, xz-compressed, in two parts (42 MB, 50 MB): the working tree
+#                                  (about 11 MB) travels with every call, so the model takes two calls.
 # Then, on the device machine, scripts/gpu-run.sh STAGE (see there), one call per stage. A warm machine keeps what
 # earlier calls brought, so each call carries only what is new, by path:
-#   1. carry bin.tar.xz, model.sha256, model.part0; run `gpu-run.sh parity model`
-#   2. carry model.part1; 3. carry model.part2; run `gpu-run.sh model parity engine` (the model joins once all
-#      parts are there)   4. `gpu-run.sh kernels`   5. `gpu-run.sh eviction`
+#   1. carry bin.tar.xz, model.sha256, model.part0; run `gpu-run.sh parity kernels`
+#   2. carry model.part1; run `gpu-run.sh model smollm2 engine eviction` (the model joins once both parts are there)
 # Usage: bash scripts/gpu-bundle.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,8 +42,12 @@ rm -rf "$out/stage"
 
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$model" ]; then
-  size=$(stat -c %s "$model")
-  split -b $(((size + 2) / 3)) -d -a 1 "$model" "$out/model.part"
+  # xz takes the 98 MB GGUF to about 92 MB, so two calls carry it: the first part rides with bin.tar.xz (8.5 MB)
+  # and the working tree (11 MB) under the 64 MiB limit, the second with the tree alone.
+  xz -T0 -3 -c "$model" > "$out/model.xz"
+  head -c 40M "$out/model.xz" > "$out/model.part0"
+  tail -c +$((40 * 1048576 + 1)) "$out/model.xz" > "$out/model.part1"
+  rm "$out/model.xz"
   { sha256sum "$model" | cut -d' ' -f1; ls "$out"/model.part* | wc -l; } > "$out/model.sha256"
 fi
 ls -l "$out"
