@@ -8,6 +8,7 @@
 #   kernels  pagoda bench kernels --device cuda (decode-attention bandwidth per codec, batch 1-64, 1K-32K)
 #   engine   pagoda bench engine, GPU against this machine's CPU: SmolLM2 (real when present, else its synthetic
 #            shape) at 1, 8 and 32 sequences, and the synthetic llama-1b and llama-8b on the GPU
+#   profile  the engine bench with the GPU forward's per-step timings (debug log)
 #   eviction pagoda bench eviction --device cuda at the eviction issue's load (needs the model: run `model` first):
 #            full cache and PagedEviction at budgets 256 and 1024
 # Usage (device machine, repository root): bash scripts/gpu-run.sh STAGE...
@@ -99,6 +100,13 @@ for s in "$@"; do
         --concurrency 1,8,32 --decode-new-tokens 16 --json "$out/bench-engine-llama8b-cuda.json"
       grep -h -i "decode\|prefill\|synthetic" "$out"/engine_*.log | head -n 40
       ;;
+    profile)
+      # Where a decode step's time goes on the GPU (host enqueue, GPU wait, logits copy), per step, in the log.
+      stage profile_smollm2 60 env RUST_LOG=pagoda_worker::model::cuda=debug "$bin/pagoda" bench engine --device cuda \
+        --synthetic-model smollm2-135m --concurrency 1,32 --decode-new-tokens 32 \
+        --json "$out/bench-engine-profile.json"
+      grep -h "decode |" "$out/profile_smollm2.log"
+      ;;
     eviction)
       if [ -f "$model" ]; then
         stage bench_eviction_cuda 120 "$bin/pagoda" bench eviction --device cuda --model "$model" --requests 64 \
@@ -109,7 +117,7 @@ for s in "$@"; do
       fi
       ;;
     *)
-      echo "unknown stage $s (parity, model, kernels, engine, eviction)" >&2
+      echo "unknown stage $s (parity, smollm2, model, kernels, engine, profile, eviction)" >&2
       exit 2
       ;;
   esac

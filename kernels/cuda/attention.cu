@@ -41,8 +41,16 @@ __device__ __forceinline__ void decode_split(const float* __restrict__ q, const 
     float* s = sm;                  // [G][chunk] scores, then probabilities
     float* red = sm + G * chunk;    // [NW][G][HD]
     float* ml = red + NW * G * HD;  // [G][2] (max, sum)
+    // [chunk] arena slot of each slot of the split: one table lookup per slot, done once for the K and V passes,
+    // instead of a dependent table load and a division before every 16-byte K or V load.
+    unsigned int* slot = reinterpret_cast<unsigned int*>(ml + 2 * G);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int r = lane / LPR, c = lane % LPR;
+    for (int t = threadIdx.x; t < n; t += NT) {
+        const int ts = t0 + t;
+        slot[t] = tab[ts / block_size] * (unsigned int)block_size + (unsigned int)(ts % block_size);
+    }
+    __syncthreads();
 
     float qr[G][8];
 #pragma unroll
@@ -58,8 +66,7 @@ __device__ __forceinline__ void decode_split(const float* __restrict__ q, const 
         for (int u = 0; u < UNR; ++u) {
             const int t = base + u * RPS + r;
             if (t < n) {
-                const int ts = t0 + t;
-                const size_t a = ((size_t)tab[ts / block_size] * block_size + ts % block_size) * HD + c * 8;
+                const size_t a = (size_t)slot[t] * HD + c * 8;
                 kk[u] = *reinterpret_cast<const uint4*>(kc + a);
             } else {
                 kk[u] = make_uint4(0u, 0u, 0u, 0u);
@@ -112,8 +119,7 @@ __device__ __forceinline__ void decode_split(const float* __restrict__ q, const 
         for (int u = 0; u < UNR; ++u) {
             const int t = base + u * RPS + r;
             if (t < n) {
-                const int ts = t0 + t;
-                const size_t a = ((size_t)tab[ts / block_size] * block_size + ts % block_size) * HD + c * 8;
+                const size_t a = (size_t)slot[t] * HD + c * 8;
                 vv[u] = *reinterpret_cast<const uint4*>(vc + a);
             } else {
                 vv[u] = make_uint4(0u, 0u, 0u, 0u);
@@ -191,17 +197,24 @@ extern "C" __global__ void paged_decode_reduce(const float* __restrict__ part_o,
                                                int n_heads, int n_kv, int head_dim, int chunk, int max_splits,
                                                float* __restrict__ out) {
     extern __shared__ float wts[];
+    __shared__ float scratch[33];
     const int item = blockIdx.x, qh = blockIdx.y;
     const int group = n_heads / n_kv;
     const int L = ent_len[item * n_kv + qh / group];
     const int ns = (L + chunk - 1) / chunk;
     const size_t base = ((size_t)item * n_heads + qh) * max_splits;
+    // The splits' max and weighted sum, each thread over a stride of splits, then across the block: a long context
+    // has hundreds of splits, which one thread would walk serially.
     float m = -PAGODA_INF;
-    for (int i = 0; i < ns; ++i) m = fmaxf(m, part_ml[2 * (base + i)]);
-    for (int i = threadIdx.x; i < ns; i += blockDim.x) wts[i] = expf(part_ml[2 * (base + i)] - m);
-    __syncthreads();
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) m = fmaxf(m, part_ml[2 * (base + i)]);
+    m = block_max(m, scratch);
     float l = 0.0f;
-    for (int i = 0; i < ns; ++i) l += part_ml[2 * (base + i) + 1] * wts[i];
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+        const float wi = expf(part_ml[2 * (base + i)] - m);
+        wts[i] = wi;
+        l += part_ml[2 * (base + i) + 1] * wi;
+    }
+    l = block_sum(l, scratch);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     float* o = out + (size_t)item_row[item] * n_heads * head_dim + (size_t)qh * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {

@@ -88,13 +88,12 @@ __device__ __forceinline__ int kivi_row_len(int codec, int head_dim) {
 }
 
 // pagoda_kernels::codec::kivi_params for a group with extremes mn, mx (f16 inputs: min_h == mn, scale finite):
-// writes the f16 scale at p_scale and the f16 min at p_min.
-__device__ __forceinline__ void kivi_put_params(float mn, float mx, float levels, unsigned char* p_scale,
-                                                unsigned char* p_min) {
-    const unsigned short min_h = f2h(mn);
-    const float range = fmaxf(__fsub_rn(mx, h2f(min_h)), 0.0f);
-    put_u16(p_scale, f2h(__fdiv_rn(range, levels)));
-    put_u16(p_min, min_h);
+// the f16 bits of the scale and the min.
+__device__ __forceinline__ void kivi_params_of(float mn, float mx, float levels, unsigned short* scale_h,
+                                               unsigned short* min_h) {
+    *min_h = f2h(mn);
+    const float range = fmaxf(__fsub_rn(mx, h2f(*min_h)), 0.0f);
+    *scale_h = f2h(__fdiv_rn(range, levels));
 }
 
 // pagoda_kernels::codec::kivi_code: round half away from zero, clamped to the levels.
@@ -202,62 +201,62 @@ extern "C" __global__ void encode_blocks_q8(const unsigned short* __restrict__ k
 }
 
 // Encodes block blocks[i] (its first filled[i] slots) with a KIVI codec into out + i * block_len. Grid (n_blocks,
-// 2): y = 0 the K half (and the header), y = 1 the V half. The parameters are written first, then, after a
-// barrier, read back by the threads that pack the codes (global writes of a thread block are visible to it after
-// __syncthreads), so no shared array bounds the shape.
+// 2): y = 0 the K half (and the header), y = 1 the V half. Each half's parameters (an f16 scale and min per channel
+// for K, per (slot, group) for V) are computed into shared memory first (dynamic, 4 bytes per parameter pair: see
+// kivi_encode_smem in codecs.rs), then copied out and read from there by the threads that pack the codes, so no
+// thread reads back another's global writes.
 extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__ kc,
                                               const unsigned short* __restrict__ vc,
                                               const unsigned int* __restrict__ blocks, const int* __restrict__ filled,
                                               int block_size, int head_dim, int codec, long long block_len,
                                               unsigned char* __restrict__ out) {
+    extern __shared__ unsigned short kivi_params[];  // [n_params] scales, then [n_params] mins
     const int i = blockIdx.x, half = blockIdx.y, f = filled[i];
     const unsigned short* src = (half == 0 ? kc : vc) + (size_t)blocks[i] * block_size * head_dim;
     unsigned char* blk = out + (size_t)i * block_len;
     const int rl = kivi_row_len(codec, head_dim);
+    const int groups = kivi_groups(head_dim);
     unsigned char* h = blk + encoded_half_offset(half, codec, block_size, head_dim);
-    const long long params = kivi_params_len(half, block_size, head_dim);
-    unsigned char* codes = h + params;
+    const int n_params = half == 0 ? head_dim : block_size * groups;
+    unsigned short* p_scale = kivi_params;
+    unsigned short* p_min = kivi_params + n_params;
+    unsigned char* codes = h + kivi_params_len(half, block_size, head_dim);
     const float levels = codec == PAGODA_CODEC_INT4_KIVI ? 15.0f : 3.0f;
     if (half == 0 && threadIdx.x == 0) put_header(blk, codec, block_size, head_dim, f);
-    if (half == 0) {
-        // One channel per thread: its extremes over the filled slots.
-        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-            if (f == 0) {
-                put_u16(h + 2 * c, 0u);
-                put_u16(h + 2 * (head_dim + c), 0u);
-                continue;
-            }
-            float mn = PAGODA_INF, mx = -PAGODA_INF;
+    // K: one channel per parameter, its extremes over the filled slots. V: one (slot, group) per parameter; slots
+    // past `filled` (and every channel of an empty block) keep zero parameters.
+    for (int t = threadIdx.x; t < n_params; t += blockDim.x) {
+        float mn = PAGODA_INF, mx = -PAGODA_INF;
+        bool any = false;
+        if (half == 0) {
             for (int s = 0; s < f; ++s) {
-                const float x = h2f(src[(size_t)s * head_dim + c]);
+                const float x = h2f(src[(size_t)s * head_dim + t]);
                 mn = fminf(mn, x);
                 mx = fmaxf(mx, x);
+                any = true;
             }
-            kivi_put_params(mn, mx, levels, h + 2 * c, h + 2 * (head_dim + c));
-        }
-    } else {
-        // One (slot, group) per thread; slots past `filled` keep zero parameters.
-        const int groups = kivi_groups(head_dim);
-        for (int t = threadIdx.x; t < block_size * groups; t += blockDim.x) {
+        } else {
             const int s = t / groups, g = t % groups;
-            unsigned char* p_scale = h + 2LL * t;
-            unsigned char* p_min = h + 2LL * block_size * groups + 2LL * t;
-            if (s >= f) {
-                put_u16(p_scale, 0u);
-                put_u16(p_min, 0u);
-                continue;
-            }
-            float mn = PAGODA_INF, mx = -PAGODA_INF;
             const int end = min(head_dim, (g + 1) * PAGODA_KIVI_GROUP);
-            for (int c = g * PAGODA_KIVI_GROUP; c < end; ++c) {
-                const float x = h2f(src[(size_t)s * head_dim + c]);
-                mn = fminf(mn, x);
-                mx = fmaxf(mx, x);
+            if (s < f) {
+                for (int c = g * PAGODA_KIVI_GROUP; c < end; ++c) {
+                    const float x = h2f(src[(size_t)s * head_dim + c]);
+                    mn = fminf(mn, x);
+                    mx = fmaxf(mx, x);
+                    any = true;
+                }
             }
-            kivi_put_params(mn, mx, levels, p_scale, p_min);
         }
+        unsigned short sc_h = 0, min_h = 0;
+        if (any) kivi_params_of(mn, mx, levels, &sc_h, &min_h);
+        p_scale[t] = sc_h;
+        p_min[t] = min_h;
     }
     __syncthreads();
+    for (int t = threadIdx.x; t < n_params; t += blockDim.x) {
+        put_u16(h + 2LL * t, p_scale[t]);
+        put_u16(h + 2LL * (n_params + t), p_min[t]);
+    }
     // One packed byte per thread: channels j, j + D/2 (int4) or j, j + D/4, j + D/2, j + 3D/4 (int2).
     const int per_byte = codec == PAGODA_CODEC_INT4_KIVI ? 2 : 4;
     const int bits = codec == PAGODA_CODEC_INT4_KIVI ? 4 : 2;
@@ -267,8 +266,8 @@ extern "C" __global__ void encode_blocks_kivi(const unsigned short* __restrict__
         if (s < f) {
             for (int k = 0; k < per_byte; ++k) {
                 const int c = j + k * rl;
-                float sc, mn;
-                kivi_param_of(h, half, block_size, head_dim, s, c, &sc, &mn);
+                const int p = half == 0 ? c : s * groups + c / PAGODA_KIVI_GROUP;
+                const float sc = h2f(p_scale[p]), mn = h2f(p_min[p]);
                 byte |= kivi_code(h2f(src[(size_t)s * head_dim + c]), mn, sc, levels) << (bits * k);
             }
         }

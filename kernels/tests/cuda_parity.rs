@@ -580,7 +580,27 @@ fn codecs_match_cpu_bit_for_bit() {
                 let (k, v) = (&kv.block_k(b)[..f * hd], &kv.block_v(b)[..f * hd]);
                 codec.encode_block(bs, hd, k, v, &mut want[i * len..(i + 1) * len]).unwrap();
             }
-            assert!(got == want, "{codec} {bs}x{hd}: GPU bytes differ from the CPU encoder's");
+            if got != want {
+                // Say where: the first differing bytes (offset in the encoded block, GPU, CPU), and whether a block
+                // encoded alone differs too (one launch per block rules out interference between blocks).
+                let diffs: Vec<(usize, usize, u8, u8)> = got
+                    .iter()
+                    .zip(&want)
+                    .enumerate()
+                    .filter(|(_, (g, w))| g != w)
+                    .take(12)
+                    .map(|(i, (&g, &w))| (i / len, i % len, g, w))
+                    .collect();
+                let alone: Vec<bool> = blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| cx.encode_blocks(&dkv, codec, &[*b]).unwrap()[..] != want[i * len..(i + 1) * len])
+                    .collect();
+                panic!(
+                    "{codec} {bs}x{hd}: GPU bytes differ from the CPU encoder's: (block, offset, gpu, cpu) {diffs:?}; \
+                     differing when encoded alone: {alone:?}"
+                );
+            }
 
             // Decode the CPU's bytes into other blocks of a GPU arena.
             let mut back = CudaKv::new(&cx, nb, bs, hd).unwrap();

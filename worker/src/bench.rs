@@ -95,6 +95,8 @@ pub struct DecodeResult {
     pub tokens_per_s: f64,
     /// Mean time per decode step (one token for each sequence).
     pub ms_per_step: f64,
+    /// Of `ms_per_step`: the runner's forward, logits copy included (the rest is host sampling and bookkeeping).
+    pub forward_ms_per_step: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -126,17 +128,25 @@ impl BenchReport {
                 self.model_path
             ));
         }
-        s.push_str("| phase | concurrency | prompt tokens | new tokens | seconds | tokens/s | ms/step |\n");
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        s.push_str(
+            "| phase | concurrency | prompt tokens | new tokens | seconds | tokens/s | ms/step | of which forward |\n",
+        );
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
         let p = &self.prefill;
         s.push_str(&format!(
-            "| prefill (chunk {}) | 1 | {} | — | {:.3} | {:.1} | — |\n",
+            "| prefill (chunk {}) | 1 | {} | — | {:.3} | {:.1} | — | — |\n",
             p.chunk_tokens, p.prompt_tokens, p.seconds, p.tokens_per_s
         ));
         for d in &self.decode {
             s.push_str(&format!(
-                "| decode | {} | {} | {} | {:.3} | {:.1} | {:.1} |\n",
-                d.concurrency, d.prompt_tokens, d.new_tokens, d.seconds, d.tokens_per_s, d.ms_per_step
+                "| decode | {} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} |\n",
+                d.concurrency,
+                d.prompt_tokens,
+                d.new_tokens,
+                d.seconds,
+                d.tokens_per_s,
+                d.ms_per_step,
+                d.forward_ms_per_step
             ));
         }
         s.push_str(&format!("\nPeak RSS (VmHWM): {:.1} MiB\n", self.peak_rss_bytes as f64 / (1024.0 * 1024.0)));
@@ -238,7 +248,8 @@ fn bench_runner<R: ModelRunner>(
             decode_steps: r.decode_steps,
             seconds: r.decode.as_secs_f64(),
             tokens_per_s: rate(r.decode_tokens, r.decode),
-            ms_per_step: if r.decode_steps > 0 { r.decode.as_secs_f64() * 1e3 / r.decode_steps as f64 } else { 0.0 },
+            ms_per_step: per_step(r.decode, r.decode_steps),
+            forward_ms_per_step: per_step(r.decode_forward, r.decode_steps),
         });
     }
 
@@ -271,6 +282,12 @@ struct BatchTimes {
     decode: Duration,
     decode_tokens: usize,
     decode_steps: usize,
+    /// Of `decode`: inside the runner's forward (the rest is sampling and bookkeeping on the host).
+    decode_forward: Duration,
+}
+
+fn per_step(total: Duration, steps: usize) -> f64 {
+    if steps > 0 { total.as_secs_f64() * 1e3 / steps as f64 } else { 0.0 }
 }
 
 /// Generates `new_tokens` greedy tokens for every prompt, timing prefill-carrying steps and pure decode steps
@@ -316,6 +333,7 @@ fn run_batch<R: ModelRunner>(
         let pure_decode =
             plan.seqs.iter().all(|e| e.n == 1 && sched.get(e.seq).is_some_and(|s| e.start >= s.prompt_len()));
         forward_step(&mut sched, runner, &plan, &mut batch, &mut logits)?;
+        let forward = t0.elapsed();
         sampled.clear();
         let v = info.vocab_size;
         for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
@@ -332,6 +350,7 @@ fn run_batch<R: ModelRunner>(
             times.decode += dt;
             times.decode_tokens += plan.seqs.len();
             times.decode_steps += 1;
+            times.decode_forward += forward;
         } else {
             times.prefill += dt;
             times.prefill_tokens += plan.num_tokens();
@@ -381,6 +400,7 @@ mod tests {
                 seconds: 4.0,
                 tokens_per_s: 254.0,
                 ms_per_step: 31.5,
+                forward_ms_per_step: 30.0,
             }],
             peak_rss_bytes: 1 << 30,
             options: BenchOptions::default(),

@@ -341,8 +341,13 @@ pub fn eviction_bench(
     Ok(EvictionReport {
         model: model_name,
         model_path: model_path.display().to_string(),
-        backend: "cpu".into(),
-        threads: crate::engine::resolve_threads(opts.threads),
+        backend: opts.device.to_string(),
+        // The GPU runner computes on the device; host threads only matter to the CPU backend.
+        threads: if opts.device == crate::engine::Device::Cpu {
+            crate::engine::resolve_threads(opts.threads)
+        } else {
+            0
+        },
         group_blocks: layout.group_size(),
         kv_blocks,
         prompt_source: "seeded English sentences over the eval word lists, tokenized, cut to prompt_tokens".into(),

@@ -129,15 +129,24 @@ impl Sampler {
 
 /// Index of the largest logit; the lowest index wins ties; NaN never wins.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best_v {
-            best_v = v;
-            best = i;
+    // Two branch-free passes instead of one compare-and-branch loop: the maximum over eight lanes (which the
+    // compiler vectorises; `f32::max` skips NaN), then the first index holding it. A greedy batch runs this over
+    // every logits row of every step, so it is on the decode path.
+    const LANES: usize = 8;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v);
         }
     }
-    best as u32
+    let best_v = tail.iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if best_v == f32::NEG_INFINITY {
+        // Nothing above -inf (or all NaN): the first token, as a strict `>` scan from -inf gives.
+        return 0;
+    }
+    logits.iter().position(|&v| v == best_v).unwrap_or(0) as u32
 }
 
 #[inline]
@@ -182,6 +191,42 @@ mod tests {
         let mut s = Sampler::new(cfg(1.5, 1.0, 1, 3));
         for _ in 0..50 {
             assert_eq!(s.sample(&[0.0, 0.5, 0.4], &mut buf), 1);
+        }
+    }
+
+    /// The two-pass argmax is the strict `>` scan: first index of the maximum, NaN skipped, 0 when nothing
+    /// exceeds -inf, for lengths around the lane width.
+    #[test]
+    fn argmax_is_the_first_maximum_of_a_scan() {
+        fn scan(l: &[f32]) -> u32 {
+            let (mut best, mut best_v) = (0, f32::NEG_INFINITY);
+            for (i, &v) in l.iter().enumerate() {
+                if v > best_v {
+                    (best, best_v) = (i, v);
+                }
+            }
+            best as u32
+        }
+        let mut x = 12345u32;
+        for len in [0usize, 1, 7, 8, 9, 15, 16, 17, 100, 49_152] {
+            for case in 0..6 {
+                let l: Vec<f32> = (0..len)
+                    .map(|_| {
+                        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                        match (case, x % 11) {
+                            (0, _) => (x >> 8) as f32 / 1e6,
+                            (1, 0) => f32::NAN,
+                            (2, _) => ((x >> 8) % 5) as f32, // many ties
+                            (3, _) => f32::NEG_INFINITY,
+                            (4, 0) => f32::NAN,
+                            (4, _) => f32::NEG_INFINITY,
+                            (5, 0) => f32::INFINITY,
+                            _ => -((x >> 8) as f32),
+                        }
+                    })
+                    .collect();
+                assert_eq!(argmax(&l), scan(&l), "len {len}, case {case}");
+            }
         }
     }
 

@@ -190,10 +190,14 @@ fn gpu_tier_groups_are_the_cpu_codecs_bytes() {
         let mut want = KvStorage::with_dtype(GROUP, bs, hd, KvDtype::F16);
         want.decode_group(&group, &local).expect("CPU decode");
         let back = kv.encode_group(&dst, f16_native).expect("GPU native encode");
-        assert_eq!(back.bytes, want.encode_group(&local, f16_native).unwrap().bytes, "{codec}: decoded values");
+        same_bytes(
+            &back.bytes,
+            &want.encode_group(&local, f16_native).unwrap().bytes,
+            &format!("{codec}: decoded values"),
+        );
         let again = kv.encode_group(&dst, codec).unwrap_or_else(|e| panic!("{codec}: GPU encode: {e}"));
         assert_eq!(again.codec, group.codec);
-        assert_eq!(again.bytes, want.encode_group(&local, codec).unwrap().bytes, "{codec}: encoded bytes");
+        same_bytes(&again.bytes, &want.encode_group(&local, codec).unwrap().bytes, &format!("{codec}: encoded bytes"));
     }
     let before = kv.encode_group(&dst, f16_native).unwrap();
     for codec in [GroupCodec::Kv(Codec::Int8), f16_native] {
@@ -218,6 +222,21 @@ fn gpu_tier_groups_are_the_cpu_codecs_bytes() {
 }
 
 /// A prompt of 4 groups and 12 tokens, and fillers that push every idle group of a pool of 8 groups out.
+/// Equal byte strings, or a panic naming how many bytes differ and the first few (offset, GPU, CPU), not a dump.
+fn same_bytes(gpu: &[u8], cpu: &[u8], what: &str) {
+    let diffs: Vec<(usize, u8, u8)> =
+        gpu.iter().zip(cpu).enumerate().filter(|(_, (g, c))| g != c).map(|(i, (&g, &c))| (i, g, c)).collect();
+    assert!(
+        diffs.is_empty() && gpu.len() == cpu.len(),
+        "{what}: {} of {} bytes differ (lengths {} and {}), first (offset, gpu, cpu): {:?}",
+        diffs.len(),
+        cpu.len(),
+        gpu.len(),
+        cpu.len(),
+        &diffs[..diffs.len().min(12)]
+    );
+}
+
 fn tier_prompt() -> Vec<u32> {
     (0..4 * BS as u32 + 12).map(|i| (i * 37 + 11) % 1024).collect()
 }

@@ -39,11 +39,16 @@ fn heads_per_cta(group: usize) -> usize {
     }
 }
 
+/// Dynamic shared memory of a decode CTA: per slot of the split, G scores and its arena slot; the warps' partial
+/// outputs; G (max, sum) pairs (the layout at the top of `decode_split`).
+fn decode_smem(hd: usize, g: usize, chunk: usize) -> usize {
+    4 * (g * chunk + chunk + WARPS * g * hd + 2 * g)
+}
+
 /// Largest power-of-two split length whose shared memory fits.
 fn max_chunk(hd: usize, g: usize) -> usize {
-    let floats = SMEM_LIMIT / 4 - WARPS * g * hd - 2 * g;
     let mut c = 1024;
-    while c > 32 && c * g > floats {
+    while c > 32 && decode_smem(hd, g, c) > SMEM_LIMIT {
         c /= 2;
     }
     c
@@ -53,10 +58,12 @@ fn prefill_tile_q(hd: usize) -> usize {
     if hd >= 256 { 8 } else { 16 }
 }
 
-/// A batch's attention metadata on the device, plus the split-K workspace.
+/// A batch's attention metadata on the device, plus the split-K workspace. A plan from
+/// [`CudaContext::stage_attention`] owns neither: its metadata sits in a caller's step buffer (one upload for every
+/// layer of a step) and the caller lends the workspace.
 pub struct AttnPlan {
-    meta: CudaSlice<u32>,
-    // Offsets into `meta`.
+    meta: Option<CudaSlice<u32>>,
+    // Offsets into the metadata (`meta`, or the step buffer the plan was staged into).
     tables: (usize, usize),
     item_row: (usize, usize),
     ent_len: (usize, usize),
@@ -80,6 +87,8 @@ pub struct AttnPlan {
     part_o: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
     kv_bytes: usize,
+    /// One past the last metadata word the plan reads.
+    meta_end: usize,
 }
 
 impl std::fmt::Debug for AttnPlan {
@@ -109,11 +118,17 @@ impl AttnPlan {
     pub fn work(&self) -> (usize, usize) {
         (self.n_items, self.n_tiles)
     }
+
+    /// Split-K partials the decode items need: the workspace holds `parts * head_dim` outputs and `parts * 2`
+    /// (max, sum) pairs.
+    pub fn workspace_parts(&self) -> usize {
+        if self.n_items > 0 { self.n_items * self.n_heads * self.max_splits } else { 0 }
+    }
 }
 
-struct MetaBuilder(Vec<u32>);
+struct MetaBuilder<'a>(&'a mut Vec<u32>);
 
-impl MetaBuilder {
+impl MetaBuilder<'_> {
     fn push(&mut self, v: &[u32]) -> (usize, usize) {
         let start = self.0.len();
         self.0.extend_from_slice(v);
@@ -126,7 +141,8 @@ impl MetaBuilder {
 }
 
 impl CudaContext {
-    /// Builds the device metadata for one layer's attention over `seqs` (see `Backend::paged_attention`).
+    /// Builds the device metadata for one layer's attention over `seqs` (see `Backend::paged_attention`), uploads
+    /// it and allocates the split-K workspace.
     pub fn plan_attention(
         &self,
         kv: &CudaKv,
@@ -134,6 +150,28 @@ impl CudaContext {
         rows: usize,
         n_heads: usize,
         n_kv_heads: usize,
+    ) -> Result<AttnPlan, CudaError> {
+        let mut host = Vec::new();
+        let mut plan = self.stage_attention(kv, seqs, rows, n_heads, n_kv_heads, &mut host)?;
+        plan.meta = Some(self.upload(&host)?);
+        let parts = plan.workspace_parts();
+        if parts > 0 {
+            plan.part_o = Some(self.zeros::<f32>(parts * plan.head_dim)?);
+            plan.part_ml = Some(self.zeros::<f32>(parts * 2)?);
+        }
+        Ok(plan)
+    }
+
+    /// Validates one layer's attention over `seqs` and appends its metadata to `stage`, the host copy of a step
+    /// buffer that the caller uploads once for all its plans and passes to [`CudaContext::run_staged_attention`].
+    pub fn stage_attention(
+        &self,
+        kv: &CudaKv,
+        seqs: &[AttnSeq<'_>],
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        stage: &mut Vec<u32>,
     ) -> Result<AttnPlan, CudaError> {
         const OP: &str = "paged_attention";
         let (hd, bs) = (kv.head_dim(), kv.block_size());
@@ -199,13 +237,7 @@ impl CudaContext {
             return Err(CudaError::invalid(OP, format!("context of {max_len} slots needs too many splits")));
         }
         let n_items = item_row.len();
-        let (part_o, part_ml) = if n_items > 0 {
-            let parts = n_items * n_heads * max_splits;
-            (Some(self.zeros::<f32>(parts * hd)?), Some(self.zeros::<f32>(parts * 2)?))
-        } else {
-            (None, None)
-        };
-        let mut mb = MetaBuilder(Vec::new());
+        let mut mb = MetaBuilder(stage);
         let tables_r = mb.push(&tables);
         let item_row_r = mb.push(&item_row);
         let ent_len_r = mb.push(&ent_len);
@@ -216,8 +248,9 @@ impl CudaContext {
         let seq_nnew_r = mb.push(&seq_nnew);
         let pre_prior_r = mb.push(&pre_prior);
         let pre_tab_r = mb.push(&pre_tab);
+        let meta_end = mb.0.len();
         Ok(AttnPlan {
-            meta: self.upload(&mb.0)?,
+            meta: None,
             tables: tables_r,
             item_row: item_row_r,
             ent_len: ent_len_r,
@@ -238,9 +271,10 @@ impl CudaContext {
             chunk,
             max_splits,
             g,
-            part_o,
-            part_ml,
+            part_o: None,
+            part_ml: None,
             kv_bytes,
+            meta_end,
         })
     }
 
@@ -251,7 +285,7 @@ impl CudaContext {
         if ctas_per_split == 0 || max_len == 0 {
             return Ok(maxc);
         }
-        let smem = 4 * (g * maxc + WARPS * g * hd + 2 * g);
+        let smem = decode_smem(hd, g, maxc);
         let per_sm =
             self.func(decode_kernel(hd, g)?)?.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?;
         let resident = (per_sm.max(1) as usize) * self.info().sm_count.max(1);
@@ -268,11 +302,36 @@ impl CudaContext {
         Ok(best.1)
     }
 
-    /// Launches a plan: `out` rows of the plan's sequences are overwritten; other rows are left as they are.
-    /// q, out: `[rows][n_heads * head_dim]` f32.
+    /// Launches a plan from [`CudaContext::plan_attention`]: `out` rows of the plan's sequences are overwritten;
+    /// other rows are left as they are. q, out: `[rows][n_heads * head_dim]` f32.
     pub fn run_attention(
         &self,
         plan: &mut AttnPlan,
+        q: &CudaSlice<f32>,
+        kv: &CudaKv,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let meta = plan
+            .meta
+            .take()
+            .ok_or_else(|| CudaError::invalid("paged_attention", "a staged plan runs through run_staged_attention"))?;
+        let (mut po, mut pml) = (plan.part_o.take(), plan.part_ml.take());
+        let ws = po.as_mut().zip(pml.as_mut());
+        let r = self.run_staged_attention(plan, &meta, ws, q, kv, scale, out);
+        (plan.meta, plan.part_o, plan.part_ml) = (Some(meta), po, pml);
+        r
+    }
+
+    /// Launches a plan staged into the step buffer `meta` (uploaded after staging), with the split-K workspace
+    /// `ws` (`workspace_parts() * head_dim` outputs, `workspace_parts() * 2` pairs, or more; none when the plan
+    /// has no decode items).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_staged_attention(
+        &self,
+        plan: &AttnPlan,
+        meta: &CudaSlice<u32>,
+        ws: Option<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)>,
         q: &CudaSlice<f32>,
         kv: &CudaKv,
         scale: f32,
@@ -286,17 +345,25 @@ impl CudaContext {
         if kv.head_dim() != plan.head_dim || kv.block_size() != plan.block_size {
             return Err(CudaError::invalid(OP, "the plan was built for another cache shape"));
         }
-        let m = &plan.meta;
-        let r = |x: (usize, usize)| m.slice(x.0..x.1);
+        if meta.len() < plan.meta_end {
+            return Err(CudaError::invalid(OP, "the step buffer is shorter than the plan's metadata"));
+        }
+        let parts = plan.workspace_parts();
+        let ws = match ws {
+            Some((po, pml)) if po.len() >= parts * plan.head_dim && pml.len() >= parts * 2 => Some((po, pml)),
+            _ if parts == 0 => None,
+            _ => return Err(CudaError::invalid(OP, format!("the split-K workspace holds fewer than {parts} parts"))),
+        };
+        let r = |x: (usize, usize)| meta.slice(x.0..x.1);
         let (kc, vc) = kv.arenas();
         let (nh, nkv) = (to_i32(OP, "n_heads", plan.n_heads)?, to_i32(OP, "n_kv_heads", plan.n_kv)?);
         let (bs, hd) = (to_i32(OP, "block_size", plan.block_size)?, to_i32(OP, "head_dim", plan.head_dim)?);
         let tables = r(plan.tables);
-        if let (Some(po), Some(pml)) = (plan.part_o.as_mut(), plan.part_ml.as_mut()) {
+        if let Some((po, pml)) = ws {
             let name = decode_kernel(plan.head_dim, plan.g)?;
             let entries = plan.n_items * plan.n_kv;
             let subs = (plan.n_heads / plan.n_kv).div_ceil(plan.g);
-            let smem = 4 * (plan.g * plan.chunk + WARPS * plan.g * plan.head_dim + 2 * plan.g);
+            let smem = decode_smem(plan.head_dim, plan.g, plan.chunk);
             let cfg = LaunchConfig {
                 grid_dim: (
                     grid_dim(OP, "decode entries", entries, i32::MAX as usize)?,

@@ -26,7 +26,12 @@ struct CodecArgs {
     block_len: usize,
     /// The codec family's encoder: `encode_blocks_q8` (int8, fp8) or `encode_blocks_kivi`.
     encode_kernel: &'static str,
+    /// Dynamic shared memory of the encoder: the KIVI encoder stages a half's f16 scales and mins there.
+    encode_smem: u32,
 }
+
+/// Largest dynamic shared memory a launch gets without opting in.
+const SMEM_DEFAULT_LIMIT: usize = 48 * 1024;
 
 fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, CudaError> {
     let encode_kernel = match codec {
@@ -41,7 +46,22 @@ fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, C
     // Also checks the shape against the codec (KIVI packs 2 or 4 channels per byte).
     let block_len =
         codec.encoded_len(kv.block_size(), kv.head_dim()).map_err(|e| CudaError::invalid(op, e.to_string()))?;
+    let encode_smem = if encode_kernel == "encode_blocks_kivi" {
+        // Two f16 (scale, min) per parameter: a K channel, or a V (slot, group of 32 channels).
+        let params = kv.head_dim().max(kv.block_size() * kv.head_dim().div_ceil(crate::codec::KIVI_GROUP));
+        let bytes = 4 * params;
+        if bytes > SMEM_DEFAULT_LIMIT {
+            return Err(CudaError::invalid(
+                op,
+                format!("{codec} of blocks of this shape needs {bytes} B of shared memory"),
+            ));
+        }
+        bytes as u32
+    } else {
+        0
+    };
     Ok(CodecArgs {
+        encode_smem,
         block_size: to_i32(op, "block_size", kv.block_size())?,
         head_dim: to_i32(op, "head_dim", kv.head_dim())?,
         codec_id: i32::from(codec.id()),
@@ -86,7 +106,7 @@ impl CudaContext {
                 .arg(&a.codec_id)
                 .arg(&len)
                 .arg(&mut out)
-                .launch(per_block_cfg(OP, blocks.len())?)
+                .launch(LaunchConfig { shared_mem_bytes: a.encode_smem, ..per_block_cfg(OP, blocks.len())? })
         }?;
         self.download(&out)
     }

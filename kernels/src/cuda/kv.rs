@@ -215,6 +215,18 @@ pub(crate) fn per_block_cfg(op: &'static str, blocks: usize) -> Result<LaunchCon
 
 const SCORE_WARPS: usize = 4;
 
+/// A KV write staged into a step buffer ([`CudaContext::stage_kv_write`]): token rows at `tok_start..dst_start`,
+/// destination slots (token-major, then kv-head) at `dst_start..end`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvWritePlan {
+    rows: usize,
+    n_kv_heads: usize,
+    tokens: usize,
+    tok_start: usize,
+    dst_start: usize,
+    end: usize,
+}
+
 impl CudaContext {
     /// Writes this step's K and V rows (`k`, `v`: `[rows][n_kv_heads * head_dim]` f32) into slots
     /// `prior_lens[h] .. prior_lens[h] + n_new` of each kv-head, rounding to f16.
@@ -226,45 +238,89 @@ impl CudaContext {
         seqs: &[AttnSeq<'_>],
         n_kv_heads: usize,
     ) -> Result<(), CudaError> {
-        const OP: &str = "kv_write";
-        let (hd, bs) = (kv.head_dim, kv.block_size);
-        let w = n_kv_heads * hd;
-        if w == 0 || k.len() != v.len() || !k.len().is_multiple_of(w) {
-            return Err(CudaError::invalid(OP, "k and v must both be [rows][n_kv_heads*head_dim]"));
+        let w = n_kv_heads * kv.head_dim;
+        if w == 0 || !k.len().is_multiple_of(w) {
+            return Err(CudaError::invalid("kv_write", "k and v must both be [rows][n_kv_heads*head_dim]"));
         }
-        let rows = k.len() / w;
-        let mut tok_row = Vec::new();
-        let mut dst = Vec::new();
+        let mut host = Vec::new();
+        let plan = self.stage_kv_write(kv, k.len() / w, seqs, n_kv_heads, &mut host)?;
+        if plan.tokens == 0 {
+            return Ok(());
+        }
+        let meta = self.upload(&host)?;
+        self.run_staged_kv_write(&plan, &meta, kv, k, v)
+    }
+
+    /// Validates a KV write of `rows` rows over `seqs` and appends its metadata (each token's row, then its
+    /// destination slot per kv-head) to `stage`, the host copy of a step buffer uploaded once for all the step's
+    /// plans and passed to [`CudaContext::run_staged_kv_write`].
+    pub fn stage_kv_write(
+        &self,
+        kv: &CudaKv,
+        rows: usize,
+        seqs: &[AttnSeq<'_>],
+        n_kv_heads: usize,
+        stage: &mut Vec<u32>,
+    ) -> Result<KvWritePlan, CudaError> {
+        const OP: &str = "kv_write";
+        let bs = kv.block_size;
         for s in seqs {
             check_seq(OP, s, n_kv_heads, rows)?;
             for h in 0..n_kv_heads {
                 kv.check_table(OP, &s.tables[h], s.prior_lens[h] + s.n_new)?;
             }
+        }
+        let tok_start = stage.len();
+        for s in seqs {
+            stage.extend((0..s.n_new).map(|j| (s.q_row + j) as u32));
+        }
+        let dst_start = stage.len();
+        for s in seqs {
             for j in 0..s.n_new {
-                tok_row.push((s.q_row + j) as u32);
                 for h in 0..n_kv_heads {
                     let slot = s.prior_lens[h] + j;
-                    dst.push(s.tables[h][slot / bs] * bs as u32 + (slot % bs) as u32);
+                    stage.push(s.tables[h][slot / bs] * bs as u32 + (slot % bs) as u32);
                 }
             }
         }
-        if tok_row.is_empty() {
+        Ok(KvWritePlan { rows, n_kv_heads, tokens: dst_start - tok_start, tok_start, dst_start, end: stage.len() })
+    }
+
+    /// Launches a KV write staged into the step buffer `meta`.
+    pub fn run_staged_kv_write(
+        &self,
+        plan: &KvWritePlan,
+        meta: &CudaSlice<u32>,
+        kv: &mut CudaKv,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_write";
+        let hd = kv.head_dim;
+        if k.len() != plan.rows * plan.n_kv_heads * hd || v.len() != k.len() {
+            return Err(CudaError::invalid(OP, "k and v must both be [rows][n_kv_heads*head_dim] of the plan"));
+        }
+        if meta.len() < plan.end {
+            return Err(CudaError::invalid(OP, "the step buffer is shorter than the plan's metadata"));
+        }
+        if plan.tokens == 0 {
             return Ok(());
         }
-        let tok = self.upload(&tok_row)?;
-        let dst = self.upload(&dst)?;
+        let tok = meta.slice(plan.tok_start..plan.dst_start);
+        let dst = meta.slice(plan.dst_start..plan.end);
         let cfg = LaunchConfig {
             grid_dim: (
-                grid_dim(OP, "tokens", tok_row.len(), i32::MAX as usize)?,
-                grid_dim(OP, "n_kv_heads", n_kv_heads, 65535)?,
+                grid_dim(OP, "tokens", plan.tokens, i32::MAX as usize)?,
+                grid_dim(OP, "n_kv_heads", plan.n_kv_heads, 65535)?,
                 1,
             ),
             block_dim: (hd.next_multiple_of(32).min(256) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (nkv, hd) = (to_i32(OP, "n_kv_heads", n_kv_heads)?, to_i32(OP, "head_dim", hd)?);
+        let (nkv, hd) = (to_i32(OP, "n_kv_heads", plan.n_kv_heads)?, to_i32(OP, "head_dim", hd)?);
         let (kc, vc) = (&mut kv.k, &mut kv.v);
-        // SAFETY: rows and destination slots were validated against the batch and the arena above.
+        // SAFETY: rows and destination slots were validated against the batch and the arena when staged; the
+        // arena's shape is checked above.
         unsafe {
             self.stream()
                 .launch_builder(self.func("kv_write_f16")?)

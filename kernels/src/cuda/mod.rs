@@ -30,6 +30,7 @@ pub use attention::AttnPlan;
 pub use codecs::CudaEncodedKv;
 pub use context::{CudaContext, DeviceInfo, device_available};
 pub use error::CudaError;
+pub use kv::KvWritePlan;
 pub use kv::{CudaKv, ScoreEntry, SlotRange, SlotScores, WindowEntry};
 pub use nccl::{NcclLink, NcclUniqueId, nccl_available};
 pub use ops::CudaWeight;

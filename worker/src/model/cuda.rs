@@ -14,8 +14,8 @@
 //! [`KvStorage`]: pagoda_kernels::KvStorage
 
 use pagoda_kernels::AttnSeq;
-use pagoda_kernels::cuda::{CudaContext, CudaError, CudaKv, CudaWeight};
-use pagoda_kernels::cudarc::driver::CudaSlice;
+use pagoda_kernels::cuda::{AttnPlan, CudaContext, CudaError, CudaKv, CudaWeight, KvWritePlan};
+use pagoda_kernels::cudarc::driver::{CudaSlice, PinnedHostSlice};
 
 use super::config::ModelConfig;
 use super::error::ModelError;
@@ -86,10 +86,41 @@ pub struct CudaLlama {
     output: Option<CudaWeight>,
     kv: CudaKv,
     bufs: Option<Buffers>,
+    head: Option<HeadBuffers>,
+    /// Page-locked host memory the logits come back through, grown to the most rows a step has asked for: a
+    /// pageable copy of a batch's logits (vocab × rows × 4 bytes, 6 MB for 32 SmolLM2 rows) took milliseconds.
+    logits_host: Option<PinnedHostSlice<f32>>,
+    /// The split-K partials of decode attention (outputs, then (max, sum) pairs), shared by every layer of a step
+    /// and grown as steps need.
+    attn_ws: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     // Host-side step bookkeeping, reused.
     ids: Vec<u32>,
     positions: Vec<u32>,
     out_rows: Vec<usize>,
+    /// The host copy of a step's metadata: every layer's KV-write slots and attention tables, uploaded once.
+    stage: Vec<u32>,
+    plans: Vec<(KvWritePlan, AttnPlan)>,
+}
+
+/// The LM head's device buffers for steps with `rows` logits rows, kept while that count repeats (steady decode).
+struct HeadBuffers {
+    rows: usize,
+    gathered: CudaSlice<f32>,
+    norm: CudaSlice<f32>,
+    half: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+}
+
+impl HeadBuffers {
+    fn new(cx: &CudaContext, c: &ModelConfig, rows: usize) -> Result<HeadBuffers, CudaError> {
+        Ok(HeadBuffers {
+            rows,
+            gathered: cx.zeros(rows * c.hidden)?,
+            norm: cx.zeros(rows * c.hidden)?,
+            half: cx.zeros(rows * c.hidden)?,
+            logits: cx.zeros(rows * c.vocab)?,
+        })
+    }
 }
 
 impl std::fmt::Debug for CudaLlama {
@@ -140,9 +171,14 @@ impl CudaLlama {
             output,
             kv,
             bufs: None,
+            head: None,
+            logits_host: None,
+            attn_ws: None,
             ids: Vec::new(),
             positions: Vec::new(),
             out_rows: Vec::new(),
+            stage: Vec::new(),
+            plans: Vec::new(),
         })
     }
 
@@ -199,12 +235,30 @@ impl CudaLlama {
             Some(b) => b,
             empty => empty.insert(Buffers::new(cx, c, total)?),
         };
+        let started = std::time::Instant::now();
+        // Every layer's KV-write slots and attention metadata go up in one copy, before any layer runs.
+        self.stage.clear();
+        self.plans.clear();
+        let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
+        for li in 0..c.n_layers {
+            layer_views(seqs, li, nkv, &mut attn_seqs);
+            let write = cx.stage_kv_write(&self.kv, total, &attn_seqs, nkv, &mut self.stage)?;
+            let attn = cx.stage_attention(&self.kv, &attn_seqs, total, c.n_heads, nkv, &mut self.stage)?;
+            self.plans.push((write, attn));
+        }
+        let meta = cx.upload(&self.stage)?;
+        let parts = self.plans.iter().map(|(_, a)| a.workspace_parts()).max().unwrap_or(0);
+        if parts > 0 && self.attn_ws.as_ref().is_none_or(|(_, ml)| ml.len() < parts * 2) {
+            // Grown by doubling, so a slowly lengthening batch does not reallocate every step.
+            let parts = parts.next_power_of_two();
+            self.attn_ws = None;
+            self.attn_ws = Some((cx.zeros(parts * c.head_dim)?, cx.zeros(parts * 2)?));
+        }
         let ids = cx.upload(&self.ids)?;
         let positions = cx.upload(&self.positions)?;
         cx.embedding(&self.embed, &ids, &mut b.x)?;
 
-        let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
-        for (li, layer) in self.layers.iter().enumerate() {
+        for (li, (layer, (write, attn))) in self.layers.iter().zip(&self.plans).enumerate() {
             cx.rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn)?;
             cx.f32_to_f16(&b.xn, &mut b.xn_h)?;
             cx.gemm_f16(&layer.wq, &b.xn_h, total, &mut b.q)?;
@@ -214,10 +268,9 @@ impl CudaLlama {
             cx.rope(&mut b.k, &positions, nkv, c.head_dim, c.rope_theta)?;
             captured.copy_layer(seqs, li, |dst, src| cx.stream().memcpy_dtoh(&b.q.slice(src), dst))?;
 
-            layer_views(seqs, li, nkv, &mut attn_seqs);
-            cx.kv_write(&mut self.kv, &b.k, &b.v, &attn_seqs, nkv)?;
-            let mut plan = cx.plan_attention(&self.kv, &attn_seqs, total, c.n_heads, nkv)?;
-            cx.run_attention(&mut plan, &b.q, &self.kv, scale, &mut b.attn)?;
+            cx.run_staged_kv_write(write, &meta, &mut self.kv, &b.k, &b.v)?;
+            let ws = self.attn_ws.as_mut().map(|(o, ml)| (o, ml));
+            cx.run_staged_attention(attn, &meta, ws, &b.q, &self.kv, scale, &mut b.attn)?;
             cx.f32_to_f16(&b.attn, &mut b.attn_h)?;
             cx.gemm_f16_accumulate(&layer.wo, &b.attn_h, total, &mut b.x)?;
 
@@ -231,27 +284,57 @@ impl CudaLlama {
         }
 
         let m = self.out_rows.len();
+        let layers_queued = started.elapsed();
         if m == 0 {
             // Nothing comes back, but the step's KV writes must be done before the caller reuses its tables.
             return cx.synchronize();
         }
         let hidden = c.hidden;
-        let mut head_in = cx.zeros::<f32>(m * hidden)?;
-        for (i, &r) in self.out_rows.iter().enumerate() {
-            let src = b.x.slice(r * hidden..(r + 1) * hidden);
-            let mut dst = head_in.slice_mut(i * hidden..(i + 1) * hidden);
-            cx.stream().memcpy_dtod(&src, &mut dst)?;
+        if self.head.as_ref().is_some_and(|h| h.rows != m) {
+            self.head = None;
         }
-        let mut head_norm = cx.zeros::<f32>(m * hidden)?;
-        cx.rmsnorm(&head_in, &self.norm, c.rms_eps, &mut head_norm)?;
-        let mut head_h = cx.zeros::<u16>(m * hidden)?;
-        cx.f32_to_f16(&head_norm, &mut head_h)?;
+        let head = match &mut self.head {
+            Some(h) => h,
+            empty => empty.insert(HeadBuffers::new(cx, c, m)?),
+        };
+        // A decode step wants every row's logits, in order: the head reads the hidden states in place.
+        let every_row = m == total && self.out_rows.iter().enumerate().all(|(i, &r)| i == r);
+        if !every_row {
+            for (i, &r) in self.out_rows.iter().enumerate() {
+                let src = b.x.slice(r * hidden..(r + 1) * hidden);
+                let mut dst = head.gathered.slice_mut(i * hidden..(i + 1) * hidden);
+                cx.stream().memcpy_dtod(&src, &mut dst)?;
+            }
+        }
+        let head_in = if every_row { &b.x } else { &head.gathered };
+        cx.rmsnorm(head_in, &self.norm, c.rms_eps, &mut head.norm)?;
+        cx.f32_to_f16(&head.norm, &mut head.half)?;
         let lm_head = self.output.as_ref().unwrap_or(&self.embed);
-        let mut logits = cx.zeros::<f32>(m * c.vocab)?;
-        cx.gemm_f16(lm_head, &head_h, m, &mut logits)?;
-        let start = out.len();
-        out.resize(start + m * c.vocab, 0.0);
-        cx.stream().memcpy_dtoh(&logits, &mut out[start..])?;
-        cx.synchronize()
+        cx.gemm_f16(lm_head, &head.half, m, &mut head.logits)?;
+        let queued = started.elapsed();
+        let n = m * c.vocab;
+        if self.logits_host.as_ref().is_none_or(|h| h.len() < n) {
+            self.logits_host = None;
+            // SAFETY: page-locked memory that only this model reads and writes, through the one stream; no flags, so
+            // it is cached (not write-combined) memory that the host reads fast.
+            self.logits_host = Some(unsafe { cx.driver().alloc_pinned_with_flags::<f32>(n, 0) }?);
+        }
+        let host = self.logits_host.as_mut().expect("allocated above");
+        cx.stream().memcpy_dtoh(&head.logits, host)?;
+        cx.synchronize()?;
+        let gpu_done = started.elapsed();
+        out.extend_from_slice(&host.as_slice()?[..n]);
+        // Where a step's time goes: host enqueueing (layers, then the head), waiting for the GPU and the logits'
+        // copy into page-locked memory, and the copy from there into `out`.
+        tracing::debug!(
+            rows = total,
+            logits_rows = m,
+            layers_queued_us = layers_queued.as_micros() as u64,
+            queued_us = queued.as_micros() as u64,
+            gpu_and_copy_us = (gpu_done - queued).as_micros() as u64,
+            host_copy_us = (started.elapsed() - gpu_done).as_micros() as u64,
+            "cuda step"
+        );
+        Ok(())
     }
 }
