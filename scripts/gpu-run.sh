@@ -90,7 +90,8 @@ for s in "$@"; do
     engine)
       smol=(--model "$model")
       [ -f "$model" ] || smol=(--synthetic-model smollm2-135m)
-      stage engine_smollm2_cuda 40 "$bin/pagoda" bench engine --device cuda "${smol[@]}" --concurrency 1,8,32 \
+      stage engine_smollm2_cuda 40 env RUST_LOG=info,pagoda_worker::model::cuda=debug \
+        "$bin/pagoda" bench engine --device cuda "${smol[@]}" --concurrency 1,8,32 \
         --decode-new-tokens 64 --json "$out/bench-engine-smollm2-cuda.json"
       stage engine_smollm2_cpu 45 "$bin/pagoda" bench engine --threads 0 "${smol[@]}" --concurrency 32 \
         --decode-new-tokens 32 --json "$out/bench-engine-smollm2-cpu.json"

@@ -296,22 +296,27 @@ extern "C" __global__ void decode_blocks(const unsigned char* __restrict__ bytes
 #define ENC_NW 4
 #define ENC_MAX_PER_LANE 8  // head_dim <= 256
 
-// Dequantise-on-load paged attention over an arena of encoded blocks (CPU twin: paged_attention_encoded). One CTA
-// per (entry, query head of the entry's GQA group); entry e is one query row ent_row[e] against kv-head
-// ent_head[e], whose ent_len[e] visible slots are listed by the block table at tables + ent_tab[e]. Each warp takes
-// every ENC_NW-th slot: it decodes the slot's key row in registers (lane l holds channels l, l + 32, ...), scores it
-// against the query, and folds the decoded value row into its online softmax; the warps' partial results are
-// merged at the end. Memory traffic is the encoded size of the blocks read.
+// Dequantise-on-load paged attention over an arena of encoded blocks (CPU twin: paged_attention_encoded), split-K
+// like the f16 decode path. One CTA per (entry, query head of the entry's GQA group, split of `chunk` slots); entry
+// e is one query row ent_row[e] against kv-head ent_head[e], whose ent_len[e] visible slots are listed by the block
+// table at tables + ent_tab[e]. Each warp takes every ENC_NW-th slot of the split: it decodes the slot's key row in
+// registers (lane l holds channels l, l + 32, ...), scores it against the query, and folds the decoded value row
+// into its online softmax; the warps' results are merged and written unnormalised with their (max, sum) to
+// part_o / part_ml at ((e * group + g) * max_splits + split), which `paged_encoded_reduce` merges. Memory traffic
+// is the encoded size of the blocks read.
 extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
     paged_attention_encoded(const float* __restrict__ q, const unsigned char* __restrict__ arena, long long block_len,
                             const unsigned int* __restrict__ tables, const int* __restrict__ ent_row,
                             const int* __restrict__ ent_head, const int* __restrict__ ent_len,
                             const int* __restrict__ ent_tab, int n_heads, int n_kv, int block_size, int head_dim,
-                            int codec, float scale, float* __restrict__ out) {
+                            int codec, float scale, int chunk, int max_splits, float* __restrict__ part_o,
+                            float* __restrict__ part_ml) {
     __shared__ float s_acc[ENC_NW][32 * ENC_MAX_PER_LANE];
     __shared__ float s_m[ENC_NW], s_l[ENC_NW];
-    const int e = blockIdx.x, g = blockIdx.y;
+    const int e = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
     const int group = n_heads / n_kv, h = ent_head[e], qh = h * group + g, row = ent_row[e], L = ent_len[e];
+    const int t0 = split * chunk, t1 = min(L, t0 + chunk);
+    if (t0 >= L) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* qp = q + (size_t)row * n_heads * head_dim + (size_t)qh * head_dim;
     float qv[ENC_MAX_PER_LANE], acc[ENC_MAX_PER_LANE];
@@ -325,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
     const long long v_off = encoded_half_offset(1, codec, block_size, head_dim);
     const unsigned int* tab = tables + ent_tab[e];
     float m = -PAGODA_INF, l = 0.0f;
-    for (int t = warp; t < L; t += ENC_NW) {
+    for (int t = t0 + warp; t < t1; t += ENC_NW) {
         const unsigned char* blk = arena + (size_t)tab[t / block_size] * block_len;
         const int s = t % block_size;
         const unsigned char* kh = blk + k_off;
@@ -358,12 +363,46 @@ extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
     for (int w = 0; w < ENC_NW; ++w) big = fmaxf(big, s_m[w]);
     float sum = 0.0f;
     for (int w = 0; w < ENC_NW; ++w) sum += s_m[w] == -PAGODA_INF ? 0.0f : s_l[w] * expf(s_m[w] - big);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    float* op = out + (size_t)row * n_heads * head_dim + (size_t)qh * head_dim;
+    const size_t p = ((size_t)e * group + g) * max_splits + split;
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
         float o = 0.0f;
         for (int w = 0; w < ENC_NW; ++w)
             if (s_m[w] != -PAGODA_INF) o += s_acc[w][c] * expf(s_m[w] - big);
-        op[c] = o * inv;
+        part_o[p * head_dim + c] = o;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[2 * p] = big;
+        part_ml[2 * p + 1] = sum;
+    }
+}
+
+// Merges the splits of (entry = blockIdx.x, query head g = blockIdx.y of its group) into out (the same merge as
+// paged_decode_reduce, indexed by entry). Dynamic shared memory: max_splits floats.
+extern "C" __global__ void paged_encoded_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                const int* __restrict__ ent_row, const int* __restrict__ ent_head,
+                                                const int* __restrict__ ent_len, int n_heads, int n_kv, int head_dim,
+                                                int chunk, int max_splits, float* __restrict__ out) {
+    extern __shared__ float wts[];
+    __shared__ float scratch[33];
+    const int e = blockIdx.x, g = blockIdx.y;
+    const int group = n_heads / n_kv, qh = ent_head[e] * group + g;
+    const int ns = (ent_len[e] + chunk - 1) / chunk;
+    const size_t base = ((size_t)e * group + g) * max_splits;
+    float m = -PAGODA_INF;
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) m = fmaxf(m, part_ml[2 * (base + i)]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+        const float wi = expf(part_ml[2 * (base + i)] - m);
+        wts[i] = wi;
+        l += part_ml[2 * (base + i) + 1] * wi;
+    }
+    l = block_sum(l, scratch);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float* o = out + (size_t)ent_row[e] * n_heads * head_dim + (size_t)qh * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (int i = 0; i < ns; ++i) a = fmaf(part_o[(base + i) * head_dim + d], wts[i], a);
+        o[d] = a * inv;
     }
 }

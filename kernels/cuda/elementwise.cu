@@ -2,9 +2,14 @@
 // SiLU·mul, f16 embedding gather, GGUF Q4_1 / Q8_0 dequantisation to f16, and f32 <-> f16 conversion.
 // Each kernel mirrors a CPU twin in pagoda_kernels (see kernels/src/cuda/ops.rs for the mapping).
 
-// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w. One block per row.
-extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float eps, int dim,
-                                       float* __restrict__ out) {
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w. One block per row. `rmsnorm_f16` rounds each value to f16 for the
+// GEMMs that read it (the same values as rmsnorm_f32 followed by f32_to_f16, in one launch).
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(unsigned short* p, float v) { *p = f2h(v); }
+
+template <typename Out>
+__device__ __forceinline__ void rmsnorm_row(const float* __restrict__ x, const float* __restrict__ w, float eps,
+                                            int dim, Out* __restrict__ out) {
     __shared__ float scratch[33];
     const size_t base = (size_t)blockIdx.x * dim;
     float ss = 0.0f;
@@ -14,37 +19,73 @@ extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const float*
     }
     ss = block_sum(ss, scratch);
     const float r = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = __fmul_rn(__fmul_rn(x[base + i], r), w[i]);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) store_as(out + base + i, __fmul_rn(__fmul_rn(x[base + i], r), w[i]));
+}
+
+extern "C" __global__ void rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w, float eps, int dim,
+                                       float* __restrict__ out) {
+    rmsnorm_row(x, w, eps, dim, out);
+}
+
+extern "C" __global__ void rmsnorm_f16(const float* __restrict__ x, const float* __restrict__ w, float eps, int dim,
+                                       unsigned short* __restrict__ out) {
+    rmsnorm_row(x, w, eps, dim, out);
+}
+
+// Rotates pair i of one head (at p) by pos * theta^(-2i/head_dim). The angle is computed in double, like the CPU
+// twin, then applied in f32 without contraction.
+__device__ __forceinline__ void rope_pair(float* p, unsigned int pos, int i, int head_dim, float theta) {
+    const double inv = pow((double)theta, -2.0 * (double)i / (double)head_dim);
+    double s, c;
+    sincos((double)pos * inv, &s, &c);
+    const float cf = (float)c, sf = (float)s;
+    const float a = p[0], b = p[1];
+    p[0] = __fsub_rn(__fmul_rn(a, cf), __fmul_rn(b, sf));
+    p[1] = __fadd_rn(__fmul_rn(a, sf), __fmul_rn(b, cf));
 }
 
 // x: [n][n_heads*head_dim]; rotates pairs (2i, 2i+1) of every head by pos * theta^(-2i/head_dim).
-// Angles are computed in double, like the CPU twin, then applied in f32 without contraction.
 extern "C" __global__ void rope_f32(float* __restrict__ x, const unsigned int* __restrict__ pos, int n, int n_heads,
                                     int head_dim, float theta) {
     const int half = head_dim >> 1;
     const long long total = (long long)n * n_heads * half;
     for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
          t += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(t % half);
         const long long rh = t / half;  // row * n_heads + head
-        const long long row = rh / n_heads;
-        const double inv = pow((double)theta, -2.0 * (double)i / (double)head_dim);
-        double s, c;
-        sincos((double)pos[row] * inv, &s, &c);
-        const float cf = (float)c, sf = (float)s;
-        float* p = x + rh * head_dim + 2 * i;
-        const float a = p[0], b = p[1];
-        p[0] = __fsub_rn(__fmul_rn(a, cf), __fmul_rn(b, sf));
-        p[1] = __fadd_rn(__fmul_rn(a, sf), __fmul_rn(b, cf));
+        rope_pair(x + rh * head_dim + 2 * (t % half), pos[rh / n_heads], (int)(t % half), head_dim, theta);
     }
 }
 
+// rope_f32 over q ([n][n_heads*head_dim]) and k ([n][n_kv*head_dim]) in one launch: the heads of a row are q's,
+// then k's.
+extern "C" __global__ void rope_qk_f32(float* __restrict__ q, float* __restrict__ k, const unsigned int* __restrict__ pos,
+                                       int n, int n_heads, int n_kv, int head_dim, float theta) {
+    const int half = head_dim >> 1, heads = n_heads + n_kv;
+    const long long total = (long long)n * heads * half;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(t % half);
+        const long long rh = t / half;
+        const long long row = rh / heads;
+        const int h = (int)(rh % heads);
+        float* p = h < n_heads ? q + (row * n_heads + h) * head_dim : k + (row * n_kv + (h - n_heads)) * head_dim;
+        rope_pair(p + 2 * i, pos[row], i, head_dim, theta);
+    }
+}
+
+__device__ __forceinline__ float silu_times(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
+
 // gate[i] = silu(gate[i]) * up[i]
 extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* __restrict__ up, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        gate[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
-    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        gate[i] = silu_times(gate[i], up[i]);
+}
+
+// out[i] = f16(silu(gate[i]) * up[i]): silu_mul_f32 and f32_to_f16 in one launch, for the down projection's GEMM.
+extern "C" __global__ void silu_mul_f16(const float* __restrict__ gate, const float* __restrict__ up, long long n,
+                                        unsigned short* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = f2h(silu_times(gate[i], up[i]));
 }
 
 // out[i][:] = table[ids[i]][:] (f16 table, f32 out); an id >= vocab yields a zero row, as on the CPU.

@@ -115,6 +115,50 @@ fn silu_mul_matches_cpu() {
     report("silu_mul", worst, 1e-6);
 }
 
+/// The fused kernels the GPU forward uses (rmsnorm to f16, SiLU·mul to f16, RoPE of q and k in one launch) give
+/// exactly the bits of the kernels they fuse, which the tests above hold to their CPU twins.
+#[test]
+fn fused_kernels_equal_their_parts() {
+    let Some(cx) = gpu("fused kernels") else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    for &(rows, dim) in &[(1, 64), (7, 576), (33, 2048)] {
+        let x = cx.upload(&rvec(&mut rng, rows * dim, 3.0)).unwrap();
+        let w = cx.upload(&rvec(&mut rng, dim, 1.5)).unwrap();
+        let mut f32_out = cx.zeros::<f32>(rows * dim).unwrap();
+        let (mut parts, mut fused) = (cx.zeros::<u16>(rows * dim).unwrap(), cx.zeros::<u16>(rows * dim).unwrap());
+        cx.rmsnorm(&x, &w, 1e-5, &mut f32_out).unwrap();
+        cx.f32_to_f16(&f32_out, &mut parts).unwrap();
+        cx.rmsnorm_f16(&x, &w, 1e-5, &mut fused).unwrap();
+        assert_eq!(cx.download(&fused).unwrap(), cx.download(&parts).unwrap(), "rmsnorm_f16 {rows}x{dim}");
+
+        let (g, u) = (rvec(&mut rng, rows * dim, 12.0), rvec(&mut rng, rows * dim, 3.0));
+        let (mut dg, du) = (cx.upload(&g).unwrap(), cx.upload(&u).unwrap());
+        let dg_in = cx.upload(&g).unwrap();
+        cx.silu_mul_f16(&dg_in, &du, &mut fused).unwrap();
+        cx.silu_mul(&mut dg, &du).unwrap();
+        cx.f32_to_f16(&dg, &mut parts).unwrap();
+        assert_eq!(cx.download(&fused).unwrap(), cx.download(&parts).unwrap(), "silu_mul_f16 {rows}x{dim}");
+        assert_eq!(cx.download(&dg_in).unwrap(), g, "silu_mul_f16 leaves gate as it was");
+    }
+    for &(n, heads, kv, hd, theta) in &[(1, 1, 1, 2, 10000.0), (5, 9, 3, 64, 10000.0), (4, 32, 8, 128, 500000.0)] {
+        let q = rvec(&mut rng, n * heads * hd, 2.0);
+        let k = rvec(&mut rng, n * kv * hd, 2.0);
+        let pos: Vec<u32> = (0..n).map(|_| rng.random_range(0..131072)).collect();
+        let dpos = cx.upload(&pos).unwrap();
+        let (mut q1, mut k1) = (cx.upload(&q).unwrap(), cx.upload(&k).unwrap());
+        let (mut q2, mut k2) = (cx.upload(&q).unwrap(), cx.upload(&k).unwrap());
+        cx.rope(&mut q1, &dpos, heads, hd, theta).unwrap();
+        cx.rope(&mut k1, &dpos, kv, hd, theta).unwrap();
+        cx.rope_qk(&mut q2, &mut k2, &dpos, (heads, kv), hd, theta).unwrap();
+        assert_eq!(cx.download(&q2).unwrap(), cx.download(&q1).unwrap(), "rope_qk q, {n}x{heads}x{hd}");
+        assert_eq!(cx.download(&k2).unwrap(), cx.download(&k1).unwrap(), "rope_qk k, {n}x{kv}x{hd}");
+    }
+    let (mut q, mut k) = (cx.zeros::<f32>(4 * 64).unwrap(), cx.zeros::<f32>(3 * 64).unwrap());
+    let pos = cx.upload(&[1u32, 2]).unwrap();
+    assert!(cx.rope_qk(&mut q, &mut k, &pos, (2, 1), 64, 1e4).is_err(), "k of the wrong length is refused");
+    report("fused rmsnorm/silu_mul/rope (exact)", 0.0, 0.0);
+}
+
 /// Q4_1 / Q8_0 / F16 / F32 weights: device dequantisation to f16 equals the CPU's rows rounded to f16.
 #[test]
 fn dequant_and_embedding_match_cpu() {

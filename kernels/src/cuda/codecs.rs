@@ -196,6 +196,10 @@ impl CudaEncodedKv {
 
 /// Longest head the encoded attention kernel takes (8 channels per lane of a warp).
 const ENCODED_MAX_HEAD_DIM: usize = 256;
+/// Shortest split of encoded decode attention, and the multiple every split length is.
+const ENCODED_MIN_CHUNK: usize = 64;
+/// Most splits of one context.
+const ENCODED_MAX_SPLITS: usize = 8192;
 
 impl CudaContext {
     /// Paged attention reading K and V straight from encoded blocks (dequantise on load); the contract is
@@ -268,11 +272,24 @@ impl CudaContext {
             return Ok(());
         }
         let group = n_heads / n_kv_heads;
+        let entries = ent_row.len();
+        // Split-K: enough (entry, head, split) CTAs to fill the device a few times over, in splits of at least
+        // ENCODED_MIN_CHUNK slots.
+        let max_len = ent_len.iter().copied().max().unwrap_or(1).max(1) as usize;
+        let target = 8 * self.info().sm_count.max(1);
+        // At most ENCODED_MAX_SPLITS: the merge keeps one weight per split in shared memory.
+        let splits =
+            target.div_ceil(entries * group).clamp(1, max_len.div_ceil(ENCODED_MIN_CHUNK).min(ENCODED_MAX_SPLITS));
+        let chunk = max_len.div_ceil(splits).next_multiple_of(ENCODED_MIN_CHUNK);
+        let max_splits = max_len.div_ceil(chunk);
+        let parts = entries * group * max_splits;
+        let mut part_o = self.zeros::<f32>(parts * hd)?;
+        let mut part_ml = self.zeros::<f32>(parts * 2)?;
         let cfg = LaunchConfig {
             grid_dim: (
-                grid_dim(OP, "entries", ent_row.len(), i32::MAX as usize)?,
+                grid_dim(OP, "entries", entries, i32::MAX as usize)?,
                 grid_dim(OP, "group", group, 65_535)?,
-                1,
+                grid_dim(OP, "splits", max_splits, 65_535)?,
             ),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
@@ -284,9 +301,11 @@ impl CudaContext {
         let (n_heads_i, n_kv_i) = (to_i32(OP, "n_heads", n_heads)?, to_i32(OP, "n_kv_heads", n_kv_heads)?);
         let (bs_i, hd_i, codec_id) =
             (to_i32(OP, "block_size", bs)?, to_i32(OP, "head_dim", hd)?, i32::from(kv.codec.id()));
+        let (chunk_i, splits_i) = (to_i32(OP, "chunk", chunk)?, to_i32(OP, "splits", max_splits)?);
         // SAFETY: every entry's table lists blocks inside the arena whose filled slots cover the entry's length
         // (checked above); rows are inside q and out and the sequences' rows are disjoint; the arena's blocks are
-        // validated encodings of `codec` and this shape (`CudaEncodedKv::from_host`).
+        // validated encodings of `codec` and this shape (`CudaEncodedKv::from_host`); the workspace holds
+        // entries * group * max_splits partials.
         unsafe {
             self.stream()
                 .launch_builder(self.func("paged_attention_encoded")?)
@@ -304,6 +323,32 @@ impl CudaContext {
                 .arg(&hd_i)
                 .arg(&codec_id)
                 .arg(&scale)
+                .arg(&chunk_i)
+                .arg(&splits_i)
+                .arg(&mut part_o)
+                .arg(&mut part_ml)
+                .launch(cfg)
+        }?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid_dim(OP, "entries", entries, i32::MAX as usize)?, grid_dim(OP, "group", group, 65_535)?, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (4 * max_splits) as u32,
+        };
+        // SAFETY: reads the partials written above (every split below each entry's split count); writes each
+        // entry's row and head of out.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("paged_encoded_reduce")?)
+                .arg(&part_o)
+                .arg(&part_ml)
+                .arg(&ent_row)
+                .arg(&ent_head)
+                .arg(&ent_len)
+                .arg(&n_heads_i)
+                .arg(&n_kv_i)
+                .arg(&hd_i)
+                .arg(&chunk_i)
+                .arg(&splits_i)
                 .arg(out)
                 .launch(cfg)
         }?;

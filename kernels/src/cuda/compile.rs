@@ -27,8 +27,11 @@ pub const MODULES: &[KernelSource] = &[
         source: include_str!("../../cuda/elementwise.cu"),
         functions: &[
             "rmsnorm_f32",
+            "rmsnorm_f16",
             "rope_f32",
+            "rope_qk_f32",
             "silu_mul_f32",
+            "silu_mul_f16",
             "embedding_f16",
             "dequant_q4_1_f16",
             "dequant_q8_0_f16",
@@ -53,7 +56,13 @@ pub const MODULES: &[KernelSource] = &[
     KernelSource {
         name: "codecs",
         source: include_str!("../../cuda/codecs.cu"),
-        functions: &["encode_blocks_q8", "encode_blocks_kivi", "decode_blocks", "paged_attention_encoded"],
+        functions: &[
+            "encode_blocks_q8",
+            "encode_blocks_kivi",
+            "decode_blocks",
+            "paged_attention_encoded",
+            "paged_encoded_reduce",
+        ],
     },
     KernelSource {
         name: "attention",

@@ -11,7 +11,7 @@ use super::context::CudaContext;
 use super::error::CudaError;
 use crate::quant::{QData, QMatrix};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 const THREADS: u32 = 256;
 
@@ -105,6 +105,29 @@ impl CudaContext {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.rmsnorm_into("rmsnorm_f32", x, weight, eps, out)
+    }
+
+    /// [`CudaContext::rmsnorm`] with each value rounded to f16 (raw bits) for a GEMM: rmsnorm then
+    /// [`CudaContext::f32_to_f16`], in one launch.
+    pub fn rmsnorm_f16(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        self.rmsnorm_into("rmsnorm_f16", x, weight, eps, out)
+    }
+
+    fn rmsnorm_into<T: DeviceRepr>(
+        &self,
+        kernel: &'static str,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
         let d = weight.len();
         if d == 0 || x.len() != out.len() || !x.len().is_multiple_of(d) {
             return Err(CudaError::invalid("rmsnorm", "x and out must be [n][weight.len()]"));
@@ -121,14 +144,7 @@ impl CudaContext {
         let d = to_i32("rmsnorm", "dim", d)?;
         // SAFETY: rows * d elements of x and out, d of weight, all checked above.
         unsafe {
-            self.stream()
-                .launch_builder(self.func("rmsnorm_f32")?)
-                .arg(x)
-                .arg(weight)
-                .arg(&eps)
-                .arg(&d)
-                .arg(out)
-                .launch(cfg)
+            self.stream().launch_builder(self.func(kernel)?).arg(x).arg(weight).arg(&eps).arg(&d).arg(out).launch(cfg)
         }?;
         Ok(())
     }
@@ -165,6 +181,79 @@ impl CudaContext {
                 .arg(&hd)
                 .arg(&theta)
                 .launch(grid_1d(pairs))
+        }?;
+        Ok(())
+    }
+
+    /// [`CudaContext::rope`] on q (`[n][n_heads * head_dim]`) and k (`[n][n_kv_heads * head_dim]`) at the same
+    /// positions, in one launch.
+    pub fn rope_qk(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        positions: &CudaSlice<u32>,
+        heads: (usize, usize),
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<(), CudaError> {
+        let (n_heads, n_kv) = heads;
+        let n = positions.len();
+        if head_dim == 0
+            || !head_dim.is_multiple_of(2)
+            || q.len() != n * n_heads * head_dim
+            || k.len() != n * n_kv * head_dim
+        {
+            return Err(CudaError::invalid(
+                "rope_qk",
+                "q and k must be [positions][heads*head_dim] with an even head_dim",
+            ));
+        }
+        let pairs = (q.len() + k.len()) / 2;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let (ni, nh, nkv, hd) = (
+            to_i32("rope_qk", "n", n)?,
+            to_i32("rope_qk", "n_heads", n_heads)?,
+            to_i32("rope_qk", "n_kv_heads", n_kv)?,
+            to_i32("rope_qk", "head_dim", head_dim)?,
+        );
+        // SAFETY: the kernel touches n * heads * head_dim floats of q and k and n positions, as checked.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("rope_qk_f32")?)
+                .arg(q)
+                .arg(k)
+                .arg(positions)
+                .arg(&ni)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd)
+                .arg(&theta)
+                .launch(grid_1d(pairs))
+        }?;
+        Ok(())
+    }
+
+    /// `out[i] = f16(silu(gate[i]) * up[i])`: [`CudaContext::silu_mul`] then [`CudaContext::f32_to_f16`], in one
+    /// launch, leaving gate as it was.
+    pub fn silu_mul_f16(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        if gate.len() != up.len() || gate.len() != out.len() {
+            return Err(CudaError::invalid("silu_mul_f16", "gate, up and out differ in length"));
+        }
+        if gate.is_empty() {
+            return Ok(());
+        }
+        let n = gate.len() as i64;
+        let cfg = grid_1d(gate.len());
+        // SAFETY: n elements of each, checked equal.
+        unsafe {
+            self.stream().launch_builder(self.func("silu_mul_f16")?).arg(gate).arg(up).arg(&n).arg(out).launch(cfg)
         }?;
         Ok(())
     }

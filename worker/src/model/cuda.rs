@@ -6,10 +6,15 @@
 //! down-projections add straight into the residual stream (beta = 1). The KV cache lives in device f16 arenas
 //! ([`CudaKv`]) with the same head-paged block layout, block tables and lengths as the CPU's [`KvStorage`], so the
 //! scheduler, block pool and prefix cache drive both alike. Only the logits rows a step asks for come back to the
-//! host.
+//! host, through page-locked memory, with the post-RoPE queries a policy asked to capture.
 //!
-//! Not here yet: the queries and attention sums that eviction policies read (the runner reports no host KV, so
-//! requests keep their full cache), and CUDA graphs (each step launches its kernels one by one).
+//! A decode step of a small model is bound by the host's launches, not by the GPU, so a step stages every layer's
+//! KV-write slots and attention metadata into one buffer and uploads it once, keeps its buffers across steps of the
+//! same size, and uses fused kernels where a value only changes type (RMSNorm and SiLU·mul straight to f16, RoPE of
+//! q and k in one launch).
+//!
+//! Not here yet: the attention sums that H2O and KV-Compress read (the runner refuses those policies), and CUDA
+//! graphs (each step launches its kernels one by one).
 //!
 //! [`KvStorage`]: pagoda_kernels::KvStorage
 
@@ -43,8 +48,7 @@ struct CudaLayer {
 struct Buffers {
     rows: usize,
     x: CudaSlice<f32>,
-    xn: CudaSlice<f32>,
-    /// `xn` rounded to f16 for the GEMMs (q, k, v, gate and up read the same copy).
+    /// The normalised `x`, rounded to f16 for the GEMMs (q, k, v, gate and up read the same copy).
     xn_h: CudaSlice<u16>,
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
@@ -61,7 +65,6 @@ impl Buffers {
         Ok(Buffers {
             rows,
             x: cx.zeros(rows * c.hidden)?,
-            xn: cx.zeros(rows * c.hidden)?,
             xn_h: cx.zeros(rows * c.hidden)?,
             q: cx.zeros(rows * c.q_dim())?,
             k: cx.zeros(rows * c.kv_dim())?,
@@ -106,7 +109,6 @@ pub struct CudaLlama {
 struct HeadBuffers {
     rows: usize,
     gathered: CudaSlice<f32>,
-    norm: CudaSlice<f32>,
     half: CudaSlice<u16>,
     logits: CudaSlice<f32>,
 }
@@ -116,7 +118,6 @@ impl HeadBuffers {
         Ok(HeadBuffers {
             rows,
             gathered: cx.zeros(rows * c.hidden)?,
-            norm: cx.zeros(rows * c.hidden)?,
             half: cx.zeros(rows * c.hidden)?,
             logits: cx.zeros(rows * c.vocab)?,
         })
@@ -259,13 +260,11 @@ impl CudaLlama {
         cx.embedding(&self.embed, &ids, &mut b.x)?;
 
         for (li, (layer, (write, attn))) in self.layers.iter().zip(&self.plans).enumerate() {
-            cx.rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn)?;
-            cx.f32_to_f16(&b.xn, &mut b.xn_h)?;
+            cx.rmsnorm_f16(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn_h)?;
             cx.gemm_f16(&layer.wq, &b.xn_h, total, &mut b.q)?;
             cx.gemm_f16(&layer.wk, &b.xn_h, total, &mut b.k)?;
             cx.gemm_f16(&layer.wv, &b.xn_h, total, &mut b.v)?;
-            cx.rope(&mut b.q, &positions, c.n_heads, c.head_dim, c.rope_theta)?;
-            cx.rope(&mut b.k, &positions, nkv, c.head_dim, c.rope_theta)?;
+            cx.rope_qk(&mut b.q, &mut b.k, &positions, (c.n_heads, nkv), c.head_dim, c.rope_theta)?;
             captured.copy_layer(seqs, li, |dst, src| cx.stream().memcpy_dtoh(&b.q.slice(src), dst))?;
 
             cx.run_staged_kv_write(write, &meta, &mut self.kv, &b.k, &b.v)?;
@@ -274,12 +273,10 @@ impl CudaLlama {
             cx.f32_to_f16(&b.attn, &mut b.attn_h)?;
             cx.gemm_f16_accumulate(&layer.wo, &b.attn_h, total, &mut b.x)?;
 
-            cx.rmsnorm(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn)?;
-            cx.f32_to_f16(&b.xn, &mut b.xn_h)?;
+            cx.rmsnorm_f16(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn_h)?;
             cx.gemm_f16(&layer.w_gate, &b.xn_h, total, &mut b.gate)?;
             cx.gemm_f16(&layer.w_up, &b.xn_h, total, &mut b.up)?;
-            cx.silu_mul(&mut b.gate, &b.up)?;
-            cx.f32_to_f16(&b.gate, &mut b.gate_h)?;
+            cx.silu_mul_f16(&b.gate, &b.up, &mut b.gate_h)?;
             cx.gemm_f16_accumulate(&layer.w_down, &b.gate_h, total, &mut b.x)?;
         }
 
@@ -307,8 +304,7 @@ impl CudaLlama {
             }
         }
         let head_in = if every_row { &b.x } else { &head.gathered };
-        cx.rmsnorm(head_in, &self.norm, c.rms_eps, &mut head.norm)?;
-        cx.f32_to_f16(&head.norm, &mut head.half)?;
+        cx.rmsnorm_f16(head_in, &self.norm, c.rms_eps, &mut head.half)?;
         let lm_head = self.output.as_ref().unwrap_or(&self.embed);
         cx.gemm_f16(lm_head, &head.half, m, &mut head.logits)?;
         let queued = started.elapsed();
