@@ -238,19 +238,31 @@ impl PolicyKv for DeviceKv {
     }
 
     fn value_key_ratio(&self, table: &[u32], len: usize, out: &mut [f32]) {
-        if len == 0 {
-            return;
-        }
+        let mut one = [Vec::new()];
+        self.value_key_ratios(&[(table, len)], &mut one);
+        out[..len].copy_from_slice(&one[0]);
+    }
+
+    fn value_key_ratios(&self, entries: &[(&[u32], usize)], out: &mut [Vec<f32>]) {
+        let list: Vec<ScoreEntry<'_>> =
+            entries.iter().filter(|e| e.1 > 0).map(|&(table, len)| ScoreEntry { table, len }).collect();
         let (cx, kv) = self.model.kv();
-        match self.ok("value_key_ratio", cx.slot_norms(kv, &[ScoreEntry { table, len }])) {
-            // The kernel gives +inf for a zero key where the CPU divides by RATIO_EPS: both rank it first, and a
-            // finite stand-in keeps block means finite as on the CPU.
-            Some(s) => {
-                for (o, &r) in out[..len].iter_mut().zip(&s.score) {
+        let scores = self.ok("value_key_ratio", cx.slot_norms(kv, &list));
+        let mut next = 0;
+        for (&(_, len), o) in entries.iter().zip(out) {
+            o.clear();
+            o.resize(len, 0.0);
+            if len == 0 {
+                continue;
+            }
+            if let Some(s) = &scores {
+                let got = &s.score[s.offsets[next]..s.offsets[next + 1]];
+                for (o, &r) in o.iter_mut().zip(got) {
+                    // As in value_key_ratio: +inf (a zero key) ranks first with a finite stand-in.
                     *o = if r.is_finite() { r } else { f32::MAX };
                 }
             }
-            None => out[..len].fill(0.0),
+            next += 1;
         }
     }
 

@@ -18,6 +18,15 @@ pub trait PolicyKv {
     fn key_norms(&self, table: &[u32], slots: Range<usize>, out: &mut [f32]);
     /// `‖V‖₂ / ‖K‖₂` of slots `0..len` into `out[..len]` (`scores::value_key_ratio`).
     fn value_key_ratio(&self, table: &[u32], len: usize, out: &mut [f32]);
+    /// [`PolicyKv::value_key_ratio`] of several `(table, len)` entries, entry `i` into `out[i]` (resized to its
+    /// `len`). A GPU runner answers in one launch and one copy instead of one per table; the default asks table by
+    /// table.
+    fn value_key_ratios(&self, entries: &[(&[u32], usize)], out: &mut [Vec<f32>]) {
+        for (&(table, len), o) in entries.iter().zip(out) {
+            o.resize(len, 0.0);
+            self.value_key_ratio(table, len, o);
+        }
+    }
     /// KeyDiff's cosine of each key with the anchor of normalised keys (`scores::keydiff_cosine`).
     fn keydiff_cosine(&self, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]);
     /// Adds `sign · k_i / ‖k_i‖` (norms from `norms`) of the slots `slots` to `unit_key_sum`

@@ -108,6 +108,8 @@ struct Scratch {
     picked: Vec<u32>,
     q: Vec<f32>,
     sorted: Vec<f32>,
+    /// One score vector per table of a batched score call.
+    per_table: Vec<Vec<f32>>,
 }
 
 /// One sequence's policy state.
@@ -436,17 +438,27 @@ impl PolicyState {
         }
         let bs = self.block_size;
         let mut ev = Eviction::default();
-        for t in 0..self.positions.len() {
+        let sc = &mut self.scratch;
+        sc.idx.clear();
+        sc.idx.extend((0..self.positions.len() as u32).filter(|&t| {
+            let len = cache.blocks.lens()[t as usize];
+            len > self.spec.budget_tokens && len.is_multiple_of(bs) && len >= 2 * bs
+        }));
+        // Every table's scores in one call: on a GPU that is one launch and one copy for the whole sequence.
+        let entries: Vec<(&[u32], usize)> = sc
+            .idx
+            .iter()
+            .map(|&t| (cache.blocks.tables()[t as usize].as_slice(), cache.blocks.lens()[t as usize]))
+            .collect();
+        sc.per_table.resize_with(entries.len(), Vec::new);
+        cache.kv.value_key_ratios(&entries, &mut sc.per_table);
+        drop(entries);
+        for (i, &t) in sc.idx.iter().enumerate() {
+            let t = t as usize;
             let len = cache.blocks.lens()[t];
-            if len <= self.spec.budget_tokens || !len.is_multiple_of(bs) || len < 2 * bs {
-                continue;
-            }
-            let sc = &mut self.scratch;
-            sc.scores.resize(len, 0.0);
-            cache.kv.value_key_ratio(&cache.blocks.tables()[t], len, &mut sc.scores);
             let nb = len / bs;
             sc.pooled.resize(nb, 0.0);
-            scores::block_means(&sc.scores, len, bs, &mut sc.pooled);
+            scores::block_means(&sc.per_table[i], len, bs, &mut sc.pooled);
             // The block that just filled is the "recent block" whose filling triggers the eviction (Figure 1);
             // the victim is chosen among the blocks before it.
             let Some(j) = scores::select_one(&sc.pooled[..nb - 1], false, |_| true) else { continue };
