@@ -326,6 +326,49 @@ fn attention_case(cx: &CudaContext, rng: &mut StdRng, b: &Batch, kv: &KvStorage,
     max_err(&cx.download(&dout).unwrap(), &want)
 }
 
+/// Plans staged into one step buffer (as the GPU forward stages every layer) and run with one lent split-K
+/// workspace give exactly what one-shot attention gives: a decode batch, a prefill-only batch (no decode items,
+/// so no decode launch whatever workspace it is lent) and a mixed one, in one buffer. A workspace too small for a
+/// decode plan, or a buffer shorter than a plan, is refused.
+#[test]
+fn staged_plans_equal_one_shot_attention() {
+    let Some(cx) = gpu("staged attention") else { return };
+    let mut rng = StdRng::seed_from_u64(61);
+    let (hd, nh, nkv, bs) = (64usize, 9usize, 3usize, 16usize);
+    let batches = [
+        Batch::new(&mut rng, &[(1, vec![300; nkv]), (1, vec![17, 5, 0]), (1, vec![2000; nkv])], bs),
+        Batch::new(&mut rng, &[(40, vec![0; nkv]), (9, vec![64; nkv])], bs),
+        Batch::new(&mut rng, &[(1, vec![100; nkv]), (20, vec![3; nkv])], bs),
+    ];
+    let num_blocks = batches.iter().map(|b| b.num_blocks).max().unwrap();
+    let kv = random_cache(&mut rng, num_blocks, bs, hd);
+    let dkv = CudaKv::from_host(&cx, &kv).unwrap();
+    let scale = 0.125;
+    let mut stage = Vec::new();
+    let plans: Vec<_> =
+        batches.iter().map(|b| cx.stage_attention(&dkv, &b.seqs(), b.rows, nh, nkv, &mut stage).unwrap()).collect();
+    let meta = cx.upload(&stage).unwrap();
+    let parts = plans.iter().map(|p| p.workspace_parts()).max().unwrap();
+    assert!(parts > 0 && plans[1].workspace_parts() == 0);
+    let (mut po, mut pml) = (cx.zeros::<f32>(parts * hd).unwrap(), cx.zeros::<f32>(parts * 2).unwrap());
+    for (b, plan) in batches.iter().zip(&plans) {
+        let q = cx.upload(&rvec(&mut rng, b.rows * nh * hd, 1.0)).unwrap();
+        let mut want = cx.zeros::<f32>(b.rows * nh * hd).unwrap();
+        cx.paged_attention(&q, &dkv, &b.seqs(), nh, nkv, scale, &mut want).unwrap();
+        let mut got = cx.zeros::<f32>(b.rows * nh * hd).unwrap();
+        cx.run_staged_attention(plan, &meta, Some((&mut po, &mut pml)), &q, &dkv, scale, &mut got).unwrap();
+        assert_eq!(cx.download(&got).unwrap(), cx.download(&want).unwrap(), "staged plan of {} rows", b.rows);
+    }
+    let q = cx.upload(&vec![0.0f32; batches[0].rows * nh * hd]).unwrap();
+    let mut out = cx.zeros::<f32>(q.len()).unwrap();
+    let (mut small_o, mut small_ml) = (cx.zeros::<f32>(hd).unwrap(), cx.zeros::<f32>(2).unwrap());
+    let small = Some((&mut small_o, &mut small_ml));
+    assert!(cx.run_staged_attention(&plans[0], &meta, small, &q, &dkv, scale, &mut out).is_err());
+    let short = cx.upload(&stage[..1]).unwrap();
+    assert!(cx.run_staged_attention(&plans[0], &short, Some((&mut po, &mut pml)), &q, &dkv, scale, &mut out).is_err());
+    report("staged plans vs one-shot attention (exact)", 0.0, 0.0);
+}
+
 #[test]
 fn decode_attention_matches_cpu() {
     let Some(cx) = gpu("decode attention") else { return };

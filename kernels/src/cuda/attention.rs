@@ -349,9 +349,10 @@ impl CudaContext {
             return Err(CudaError::invalid(OP, "the step buffer is shorter than the plan's metadata"));
         }
         let parts = plan.workspace_parts();
+        // A plan without decode items launches no decode kernel, whatever workspace it is lent.
         let ws = match ws {
-            Some((po, pml)) if po.len() >= parts * plan.head_dim && pml.len() >= parts * 2 => Some((po, pml)),
             _ if parts == 0 => None,
+            Some((po, pml)) if po.len() >= parts * plan.head_dim && pml.len() >= parts * 2 => Some((po, pml)),
             _ => return Err(CudaError::invalid(OP, format!("the split-K workspace holds fewer than {parts} parts"))),
         };
         let r = |x: (usize, usize)| meta.slice(x.0..x.1);
