@@ -296,21 +296,81 @@ extern "C" __global__ void decode_blocks(const unsigned char* __restrict__ bytes
 #define ENC_NW 4
 #define ENC_MAX_PER_LANE 8  // head_dim <= 256
 
+// Per-lane decoding of one slot's row of an encoded half, for the attention kernel below: lane l holds channels
+// l, l + 32, ... (k-th in v[k]). The values are encoded_value's, bit for bit; what is per slot or per block (an
+// int8 slot scale, the fp8 half scale, a KIVI key channel's scale and min) is loaded once per slot or block, not
+// per value.
+template <int CODEC>
+struct RowDecoder {
+    // KIVI keys: the lane's channels' scales and mins, for the block `blk` they were loaded from.
+    float sc[ENC_MAX_PER_LANE], mn[ENC_MAX_PER_LANE];
+    const unsigned char* blk = nullptr;
+
+    __device__ __forceinline__ void row(const unsigned char* b, const unsigned char* h, int half, int block_size,
+                                        int head_dim, int s, int lane, float* v) {
+        if (CODEC == PAGODA_CODEC_INT8) {
+            const float scale = get_f32(h + 4 * s);
+            const unsigned char* codes = h + 4 * block_size + (size_t)s * head_dim;
+#pragma unroll
+            for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+                const int c = lane + 32 * k;
+                v[k] = c < head_dim ? (float)(signed char)codes[c] * scale : 0.0f;
+            }
+        } else if (CODEC == PAGODA_CODEC_FP8) {
+            const float scale = get_f32(h);
+            const unsigned char* codes = h + 4 + (size_t)s * head_dim;
+#pragma unroll
+            for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+                const int c = lane + 32 * k;
+                v[k] = c < head_dim ? e4m3_to_f32(codes[c]) * scale : 0.0f;
+            }
+        } else {
+            const int rl = kivi_row_len(CODEC, head_dim);
+            const unsigned char* codes = h + kivi_params_len(half, block_size, head_dim) + (size_t)s * rl;
+            if (half == 0 && b != blk) {
+                blk = b;
+#pragma unroll
+                for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+                    const int c = lane + 32 * k;
+                    if (c < head_dim) kivi_param_of(h, 0, block_size, head_dim, s, c, &sc[k], &mn[k]);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
+                const int c = lane + 32 * k;
+                if (c >= head_dim) {
+                    v[k] = 0.0f;
+                    continue;
+                }
+                float scale, lo;
+                if (half == 0) {
+                    scale = sc[k];
+                    lo = mn[k];
+                } else {
+                    kivi_param_of(h, 1, block_size, head_dim, s, c, &scale, &lo);
+                }
+                v[k] = __fadd_rn(lo, __fmul_rn((float)kivi_unpack(CODEC, codes, head_dim, c), scale));
+            }
+        }
+    }
+};
+
 // Dequantise-on-load paged attention over an arena of encoded blocks (CPU twin: paged_attention_encoded), split-K
 // like the f16 decode path. One CTA per (entry, query head of the entry's GQA group, split of `chunk` slots); entry
 // e is one query row ent_row[e] against kv-head ent_head[e], whose ent_len[e] visible slots are listed by the block
 // table at tables + ent_tab[e]. Each warp takes every ENC_NW-th slot of the split: it decodes the slot's key row in
-// registers (lane l holds channels l, l + 32, ...), scores it against the query, and folds the decoded value row
-// into its online softmax; the warps' results are merged and written unnormalised with their (max, sum) to
-// part_o / part_ml at ((e * group + g) * max_splits + split), which `paged_encoded_reduce` merges. Memory traffic
-// is the encoded size of the blocks read.
-extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
-    paged_attention_encoded(const float* __restrict__ q, const unsigned char* __restrict__ arena, long long block_len,
-                            const unsigned int* __restrict__ tables, const int* __restrict__ ent_row,
-                            const int* __restrict__ ent_head, const int* __restrict__ ent_len,
-                            const int* __restrict__ ent_tab, int n_heads, int n_kv, int block_size, int head_dim,
-                            int codec, float scale, int chunk, int max_splits, float* __restrict__ part_o,
-                            float* __restrict__ part_ml) {
+// registers (RowDecoder), scores it against the query, and folds the decoded value row into its online softmax;
+// the warps' results are merged and written unnormalised with their (max, sum) to part_o / part_ml at
+// ((e * group + g) * max_splits + split), which `paged_encoded_reduce` merges. Memory traffic is the encoded size
+// of the blocks read.
+template <int CODEC>
+__device__ __forceinline__ void encoded_split(const float* __restrict__ q, const unsigned char* __restrict__ arena,
+                                              long long block_len, const unsigned int* __restrict__ tables,
+                                              const int* __restrict__ ent_row, const int* __restrict__ ent_head,
+                                              const int* __restrict__ ent_len, const int* __restrict__ ent_tab,
+                                              int n_heads, int n_kv, int block_size, int head_dim, float scale,
+                                              int chunk, int max_splits, float* __restrict__ part_o,
+                                              float* __restrict__ part_ml) {
     __shared__ float s_acc[ENC_NW][32 * ENC_MAX_PER_LANE];
     __shared__ float s_m[ENC_NW], s_l[ENC_NW];
     const int e = blockIdx.x, g = blockIdx.y, split = blockIdx.z;
@@ -319,37 +379,32 @@ extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
     if (t0 >= L) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* qp = q + (size_t)row * n_heads * head_dim + (size_t)qh * head_dim;
-    float qv[ENC_MAX_PER_LANE], acc[ENC_MAX_PER_LANE];
+    float qv[ENC_MAX_PER_LANE], acc[ENC_MAX_PER_LANE], kr[ENC_MAX_PER_LANE], vr[ENC_MAX_PER_LANE];
 #pragma unroll
     for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
         const int c = lane + 32 * k;
         qv[k] = c < head_dim ? qp[c] * scale : 0.0f;
         acc[k] = 0.0f;
     }
-    const long long k_off = encoded_half_offset(0, codec, block_size, head_dim);
-    const long long v_off = encoded_half_offset(1, codec, block_size, head_dim);
+    const long long k_off = encoded_half_offset(0, CODEC, block_size, head_dim);
+    const long long v_off = encoded_half_offset(1, CODEC, block_size, head_dim);
     const unsigned int* tab = tables + ent_tab[e];
+    RowDecoder<CODEC> kdec, vdec;
     float m = -PAGODA_INF, l = 0.0f;
     for (int t = t0 + warp; t < t1; t += ENC_NW) {
         const unsigned char* blk = arena + (size_t)tab[t / block_size] * block_len;
         const int s = t % block_size;
-        const unsigned char* kh = blk + k_off;
-        const unsigned char* vh = blk + v_off;
+        kdec.row(blk, blk + k_off, 0, block_size, head_dim, s, lane, kr);
         float dot = 0.0f;
 #pragma unroll
-        for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
-            const int c = lane + 32 * k;
-            if (c < head_dim) dot += qv[k] * encoded_value(kh, 0, codec, block_size, head_dim, s, c);
-        }
+        for (int k = 0; k < ENC_MAX_PER_LANE; ++k) dot += qv[k] * kr[k];
         dot = warp_sum(dot);
         const float m_new = fmaxf(m, dot);
         const float corr = expf(m - m_new), p = expf(dot - m_new);
         l = l * corr + p;
+        vdec.row(blk, blk + v_off, 1, block_size, head_dim, s, lane, vr);
 #pragma unroll
-        for (int k = 0; k < ENC_MAX_PER_LANE; ++k) {
-            const int c = lane + 32 * k;
-            if (c < head_dim) acc[k] = acc[k] * corr + p * encoded_value(vh, 1, codec, block_size, head_dim, s, c);
-        }
+        for (int k = 0; k < ENC_MAX_PER_LANE; ++k) acc[k] = acc[k] * corr + p * vr[k];
         m = m_new;
     }
     if (lane == 0) {
@@ -375,6 +430,24 @@ extern "C" __global__ void __launch_bounds__(32 * ENC_NW)
         part_ml[2 * p + 1] = sum;
     }
 }
+
+// One kernel per codec (paged_attention_encoded_{int8,fp8,int4_kivi,int2_kivi}), so each holds one set of the
+// shared arrays above.
+#define PAGODA_ENCODED_ATTENTION(NAME, C)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * ENC_NW) paged_attention_encoded_##NAME(                      \
+        const float* __restrict__ q, const unsigned char* __restrict__ arena, long long block_len,                \
+        const unsigned int* __restrict__ tables, const int* __restrict__ ent_row, const int* __restrict__ ent_head,\
+        const int* __restrict__ ent_len, const int* __restrict__ ent_tab, int n_heads, int n_kv, int block_size,  \
+        int head_dim, float scale, int chunk, int max_splits, float* __restrict__ part_o,                         \
+        float* __restrict__ part_ml) {                                                                            \
+        encoded_split<C>(q, arena, block_len, tables, ent_row, ent_head, ent_len, ent_tab, n_heads, n_kv,         \
+                         block_size, head_dim, scale, chunk, max_splits, part_o, part_ml);                        \
+    }
+
+PAGODA_ENCODED_ATTENTION(int8, PAGODA_CODEC_INT8)
+PAGODA_ENCODED_ATTENTION(fp8_e4m3, PAGODA_CODEC_FP8)
+PAGODA_ENCODED_ATTENTION(int4_kivi, PAGODA_CODEC_INT4_KIVI)
+PAGODA_ENCODED_ATTENTION(int2_kivi, PAGODA_CODEC_INT2_KIVI)
 
 // Merges the splits of (entry = blockIdx.x, query head g = blockIdx.y of its group) into out (the same merge as
 // paged_decode_reduce, indexed by entry). Dynamic shared memory: max_splits floats.

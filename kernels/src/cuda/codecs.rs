@@ -14,6 +14,17 @@ use crate::codec::{Codec, EncodedKv, validate_block};
 use crate::paged::AttnSeq;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+/// The dequantise-on-load attention kernel of `codec`.
+fn encoded_attention_kernel(codec: Codec) -> Result<&'static str, CudaError> {
+    Ok(match codec {
+        Codec::Int8 => "paged_attention_encoded_int8",
+        Codec::Fp8E4m3 => "paged_attention_encoded_fp8_e4m3",
+        Codec::Int4Kivi => "paged_attention_encoded_int4_kivi",
+        Codec::Int2Kivi => "paged_attention_encoded_int2_kivi",
+        other => return Err(CudaError::Unsupported(format!("attention over {other} blocks on the GPU"))),
+    })
+}
+
 /// Codecs the GPU encodes and decodes.
 pub const GPU_CODECS: [Codec; 4] = [Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
 
@@ -299,8 +310,7 @@ impl CudaContext {
         let (ent_len, ent_tab) = (self.upload(&ent_len)?, self.upload(&ent_tab)?);
         let block_len = kv.block_len as i64;
         let (n_heads_i, n_kv_i) = (to_i32(OP, "n_heads", n_heads)?, to_i32(OP, "n_kv_heads", n_kv_heads)?);
-        let (bs_i, hd_i, codec_id) =
-            (to_i32(OP, "block_size", bs)?, to_i32(OP, "head_dim", hd)?, i32::from(kv.codec.id()));
+        let (bs_i, hd_i) = (to_i32(OP, "block_size", bs)?, to_i32(OP, "head_dim", hd)?);
         let (chunk_i, splits_i) = (to_i32(OP, "chunk", chunk)?, to_i32(OP, "splits", max_splits)?);
         // SAFETY: every entry's table lists blocks inside the arena whose filled slots cover the entry's length
         // (checked above); rows are inside q and out and the sequences' rows are disjoint; the arena's blocks are
@@ -308,7 +318,7 @@ impl CudaContext {
         // entries * group * max_splits partials.
         unsafe {
             self.stream()
-                .launch_builder(self.func("paged_attention_encoded")?)
+                .launch_builder(self.func(encoded_attention_kernel(kv.codec)?)?)
                 .arg(q)
                 .arg(&kv.bytes)
                 .arg(&block_len)
@@ -321,7 +331,6 @@ impl CudaContext {
                 .arg(&n_kv_i)
                 .arg(&bs_i)
                 .arg(&hd_i)
-                .arg(&codec_id)
                 .arg(&scale)
                 .arg(&chunk_i)
                 .arg(&splits_i)
