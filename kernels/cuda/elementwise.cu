@@ -139,3 +139,46 @@ extern "C" __global__ void f16_to_f32(const unsigned short* __restrict__ x, long
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = h2f(x[i]);
 }
+
+// out[r] = the index of the largest of logits[r][0..vocab] (CPU twin: the engine's greedy argmax): the lowest index
+// wins ties, NaN never wins, and a row with nothing above -inf gives 0. One block per row (blockDim.x a multiple of
+// 32, at most 1024).
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab, unsigned int* __restrict__ out) {
+    __shared__ float s_v[32];
+    __shared__ unsigned int s_i[32];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float v = -PAGODA_INF;
+    unsigned int idx = 0xffffffffu;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float x = row[j];
+        if (x > v) {  // false for NaN; a thread's own indices rise, so its first maximum stays
+            v = x;
+            idx = (unsigned int)j;
+        }
+    }
+    // Larger value wins; on equal values the lower index.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const unsigned int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) {
+            v = ov;
+            idx = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if (lane == 0) {
+        s_v[warp] = v;
+        s_i[warp] = idx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; ++w) {
+            if (s_v[w] > v || (s_v[w] == v && s_i[w] < idx)) {
+                v = s_v[w];
+                idx = s_i[w];
+            }
+        }
+        out[blockIdx.x] = v == -PAGODA_INF ? 0u : idx;
+    }
+}

@@ -19,7 +19,6 @@ use serde::Serialize;
 
 use crate::engine::{Device, EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step, model_config};
 use crate::model::SyntheticSpec;
-use crate::sampling::argmax;
 use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqRequest};
 use pagoda_kernels::KvDtype;
 
@@ -322,6 +321,7 @@ fn run_batch<R: ModelRunner>(
     }
     let mut times = BatchTimes::default();
     let mut logits = Vec::new();
+    let mut tokens = Vec::new();
     let mut batch = Vec::new();
     let mut sampled = Vec::new();
     while sched.has_work() {
@@ -332,13 +332,12 @@ fn run_batch<R: ModelRunner>(
         let t0 = Instant::now();
         let pure_decode =
             plan.seqs.iter().all(|e| e.n == 1 && sched.get(e.seq).is_some_and(|s| e.start >= s.prompt_len()));
-        forward_step(&mut sched, runner, &plan, &mut batch, &mut logits)?;
+        forward_step(&mut sched, runner, &plan, &mut batch, &mut logits, Some(&mut tokens))?;
         let forward = t0.elapsed();
         sampled.clear();
-        let v = info.vocab_size;
         for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
-            let l = logits.get(row * v..(row + 1) * v).ok_or_else(|| EngineError::Forward("short logits".into()))?;
-            sampled.push((e.seq, argmax(l)));
+            let &tok = tokens.get(row).ok_or_else(|| EngineError::Forward("short greedy tokens".into()))?;
+            sampled.push((e.seq, tok));
         }
         for &(id, tok) in &sampled {
             if sched.append_token(id, tok)?.is_some() {

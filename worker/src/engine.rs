@@ -312,6 +312,22 @@ pub trait ModelRunner {
     /// Computes one batched step; for each sequence, in order, appends the rows of `vocab_size` logits it wants
     /// (none, its last token's, or one per token) to `logits` (which the caller cleared).
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError>;
+    /// [`ModelRunner::forward`] for a step whose every logits row is sampled greedily: appends each wanted row's
+    /// argmax ([`crate::sampling::argmax`]: the lowest index of the maximum, NaN never) to `tokens` instead of the
+    /// row. By default the runner's logits go to `scratch` and are picked on the host; a GPU runner picks on the
+    /// device and copies back one token per row instead of a row of logits.
+    fn forward_greedy(
+        &mut self,
+        seqs: &[StepSeq<'_>],
+        scratch: &mut Vec<f32>,
+        tokens: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        scratch.clear();
+        self.forward(seqs, scratch)?;
+        let v = self.info().vocab_size.max(1);
+        tokens.extend(scratch.chunks_exact(v).map(crate::sampling::argmax));
+        Ok(())
+    }
     /// The host KV storage and the last step's activations: what EvicPress's profiler works on. A runner without
     /// host-side KV returns `None`.
     fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
@@ -374,7 +390,8 @@ impl StepCaptures for Scratch {
 /// One forward step over `plan`, shared by the engine thread and the inline drivers (`pagoda bench engine`,
 /// `pagoda eval`): builds the batch from the scheduler's sequences (capturing the queries their policies
 /// observe), runs it, records it in the scheduler and runs each sequence's eviction hooks. Logits rows of the
-/// `wants_logits` entries land in `logits` in plan order. `batch` is a reused buffer. An eviction that cannot run
+/// `wants_logits` entries land in `logits` in plan order, or, with `greedy`, their argmax tokens land there
+/// ([`ModelRunner::forward_greedy`]; `logits` is then scratch). `batch` is a reused buffer. An eviction that cannot run
 /// (the pool cannot supply a copy-on-write block) is skipped with a warning: compaction is all or nothing, so the
 /// cache is unchanged and the sequence keeps more KV than its budget.
 pub fn forward_step<P, R: ModelRunner>(
@@ -383,6 +400,7 @@ pub fn forward_step<P, R: ModelRunner>(
     plan: &StepPlan,
     batch: &mut Vec<StepSeq<'static>>,
     logits: &mut Vec<f32>,
+    greedy: Option<&mut Vec<u32>>,
 ) -> Result<(), EngineError> {
     logits.clear();
     let mut b = recycle_steps(std::mem::take(batch));
@@ -398,7 +416,13 @@ pub fn forward_step<P, R: ModelRunner>(
             attention_sums: seq.attention_sums(),
         });
     }
-    let result = runner.forward(&b, logits);
+    let result = match greedy {
+        Some(tokens) => {
+            tokens.clear();
+            runner.forward_greedy(&b, logits, tokens)
+        }
+        None => runner.forward(&b, logits),
+    };
     *batch = recycle_steps(b);
     result?;
     sched.complete_step(plan);
@@ -785,6 +809,8 @@ struct EngineLoop<R> {
     eos: Vec<u32>,
     vocab: usize,
     logits: Vec<f32>,
+    /// A greedy step's tokens, one per logits row ([`ModelRunner::forward_greedy`]).
+    greedy_tokens: Vec<u32>,
     sample_buf: SampleBuffer,
     closed: Vec<SeqId>,
     plan: StepPlan,
@@ -832,6 +858,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             eos,
             vocab,
             logits: Vec::new(),
+            greedy_tokens: Vec::new(),
             sample_buf: SampleBuffer::with_capacity(vocab),
             closed: Vec::new(),
             plan: StepPlan::default(),
@@ -1275,7 +1302,15 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     fn run_plan(&mut self, plan: &StepPlan) -> bool {
         let t0 = Instant::now();
-        let result = forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits);
+        // When every row is sampled greedily the runner picks the tokens (on a GPU, without copying logits back).
+        let greedy = plan
+            .seqs
+            .iter()
+            .filter(|e| e.wants_logits)
+            .all(|e| self.sched.get(e.seq).is_none_or(|s| s.payload.sampler.config().is_greedy()));
+        let tokens_out = greedy.then_some(&mut self.greedy_tokens);
+        let result =
+            forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits, tokens_out);
         let tokens = plan.num_tokens();
         // Steps dominated by prefill measure prefill speed; single-token decode steps would not.
         if let Some(t) = &mut self.tiers
@@ -1295,8 +1330,13 @@ impl<R: ModelRunner> EngineLoop<R> {
             return true;
         }
         let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
-        if self.logits.len() < rows * self.vocab {
-            let msg = format!("model returned {} logits for {rows} rows", self.logits.len());
+        let short = if greedy { self.greedy_tokens.len() < rows } else { self.logits.len() < rows * self.vocab };
+        if short {
+            let msg = if greedy {
+                format!("model returned {} tokens for {rows} rows", self.greedy_tokens.len())
+            } else {
+                format!("model returned {} logits for {rows} rows", self.logits.len())
+            };
             for e in &plan.seqs {
                 if let Some(seq) = self.sched.finish(e.seq) {
                     let _ = seq.payload.events.send(GenerateEvent::Failed(msg.clone()));
@@ -1305,9 +1345,12 @@ impl<R: ModelRunner> EngineLoop<R> {
             return true;
         }
         for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
-            let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
             let Some(seq) = self.sched.get_mut(e.seq) else { continue };
-            let token = seq.payload.sampler.sample(logits, &mut self.sample_buf);
+            let token = if greedy {
+                self.greedy_tokens[row]
+            } else {
+                seq.payload.sampler.sample(&self.logits[row * self.vocab..(row + 1) * self.vocab], &mut self.sample_buf)
+            };
             let reason = match self.sched.append_token(e.seq, token) {
                 Ok(r) => r,
                 Err(_) => continue,

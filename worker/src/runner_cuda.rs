@@ -127,6 +127,19 @@ impl ModelRunner for CudaRunner {
         r.map_err(|e| EngineError::Forward(e.to_string()))
     }
 
+    fn forward_greedy(
+        &mut self,
+        seqs: &[StepSeq<'_>],
+        _scratch: &mut Vec<f32>,
+        tokens: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        let mut batch = recycle_forward(std::mem::take(&mut self.batch));
+        batch.extend(seqs.iter().map(StepSeq::forward_seq));
+        let r = self.device.model.forward_greedy(&batch, tokens, &mut self.captured);
+        self.batch = recycle_forward(batch);
+        r.map_err(|e| EngineError::Forward(e.to_string()))
+    }
+
     fn group_kv(&mut self) -> Option<&mut dyn GroupKv> {
         Some(&mut self.device)
     }

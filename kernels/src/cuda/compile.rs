@@ -37,6 +37,7 @@ pub const MODULES: &[KernelSource] = &[
             "dequant_q8_0_f16",
             "f32_to_f16",
             "f16_to_f32",
+            "argmax_rows",
         ],
     },
     KernelSource {

@@ -96,6 +96,9 @@ fn dequant(cx: &CudaContext, kernel: &'static str, bytes: &[u8], n: usize) -> Re
     Ok(out)
 }
 
+/// Threads of an argmax block: one block per row, strided over the vocabulary.
+const ARGMAX_THREADS: u32 = 512;
+
 impl CudaContext {
     /// `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * weight`; x, out: `[n][weight.len()]`.
     pub fn rmsnorm(
@@ -318,6 +321,33 @@ impl CudaContext {
         // SAFETY: n elements each.
         unsafe {
             self.stream().launch_builder(self.func("f32_to_f16")?).arg(x).arg(&n).arg(out).launch(grid_1d(x.len()))
+        }?;
+        Ok(())
+    }
+
+    /// `out[r]` = the index of the largest value of row `r` of `logits` (`[rows][vocab]`): the lowest index wins
+    /// ties, NaN never wins, a row with nothing above -inf gives 0 (CPU twin: `pagoda_worker::sampling::argmax`).
+    pub fn argmax_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        if vocab == 0 || logits.len() != out.len() * vocab {
+            return Err(CudaError::invalid("argmax_rows", "logits must be [out.len()][vocab] with vocab > 0"));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid_dim("argmax_rows", "rows", out.len(), i32::MAX as usize)?, 1, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let vocab = to_i32("argmax_rows", "vocab", vocab)?;
+        // SAFETY: out.len() rows of vocab floats, checked above.
+        unsafe {
+            self.stream().launch_builder(self.func("argmax_rows")?).arg(logits).arg(&vocab).arg(out).launch(cfg)
         }?;
         Ok(())
     }

@@ -327,7 +327,7 @@ impl Evaluator {
             if plan.is_empty() {
                 return Err(EngineError::Forward("the eval batch does not fit the KV pool".into()));
             }
-            forward_step(sched, &mut self.runner, &plan, &mut self.batch, &mut self.logits)?;
+            forward_step(sched, &mut self.runner, &plan, &mut self.batch, &mut self.logits, None)?;
             for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
                 let logits = &self.logits[row * vocab..(row + 1) * vocab];
                 let Some(&li) = index.get(&e.seq) else { continue };

@@ -20,7 +20,7 @@
 
 use pagoda_kernels::AttnSeq;
 use pagoda_kernels::cuda::{AttnPlan, CudaContext, CudaError, CudaKv, CudaWeight, KvWritePlan};
-use pagoda_kernels::cudarc::driver::{CudaSlice, PinnedHostSlice};
+use pagoda_kernels::cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
 
 use super::config::ModelConfig;
 use super::error::ModelError;
@@ -105,12 +105,20 @@ pub struct CudaLlama {
     plans: Vec<(KvWritePlan, AttnPlan)>,
 }
 
+/// What a step returns: its logits rows, or each row's argmax token.
+enum HeadOut<'a> {
+    Logits(&'a mut Vec<f32>),
+    Greedy(&'a mut Vec<u32>),
+}
+
 /// The LM head's device buffers for steps with `rows` logits rows, kept while that count repeats (steady decode).
 struct HeadBuffers {
     rows: usize,
     gathered: CudaSlice<f32>,
     half: CudaSlice<u16>,
     logits: CudaSlice<f32>,
+    /// Each row's argmax, for greedy steps.
+    tokens: CudaSlice<u32>,
 }
 
 impl HeadBuffers {
@@ -120,6 +128,7 @@ impl HeadBuffers {
             gathered: cx.zeros(rows * c.hidden)?,
             half: cx.zeros(rows * c.hidden)?,
             logits: cx.zeros(rows * c.vocab)?,
+            tokens: cx.zeros(rows)?,
         })
     }
 }
@@ -215,14 +224,32 @@ impl CudaLlama {
             return Ok(());
         }
         step_rows(seqs, &mut self.ids, &mut self.positions, &mut self.out_rows);
-        self.run(seqs, total, out, captured).map_err(gpu_err)
+        self.run(seqs, total, HeadOut::Logits(out), captured).map_err(gpu_err)
+    }
+
+    /// [`CudaLlama::forward`] that appends each logits row's argmax token to `tokens` instead of the row: the
+    /// tokens are picked on the GPU (`argmax_rows`, the engine's greedy rule) and only they come back.
+    pub fn forward_greedy(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        tokens: &mut Vec<u32>,
+        captured: &mut CapturedQueries,
+    ) -> Result<(), ModelError> {
+        let kv_shape = (self.kv.head_dim(), self.kv.block_size(), self.kv.num_blocks());
+        let total = validate_step(&self.config, kv_shape, seqs)?;
+        captured.layout(seqs, self.config.n_layers, self.config.n_heads * self.config.head_dim);
+        if total == 0 {
+            return Ok(());
+        }
+        step_rows(seqs, &mut self.ids, &mut self.positions, &mut self.out_rows);
+        self.run(seqs, total, HeadOut::Greedy(tokens), captured).map_err(gpu_err)
     }
 
     fn run(
         &mut self,
         seqs: &[ForwardSeq<'_>],
         total: usize,
-        out: &mut Vec<f32>,
+        out: HeadOut<'_>,
         captured: &mut CapturedQueries,
     ) -> Result<(), CudaError> {
         let c = &self.config;
@@ -307,6 +334,27 @@ impl CudaLlama {
         cx.rmsnorm_f16(head_in, &self.norm, c.rms_eps, &mut head.half)?;
         let lm_head = self.output.as_ref().unwrap_or(&self.embed);
         cx.gemm_f16(lm_head, &head.half, m, &mut head.logits)?;
+        let out = match out {
+            HeadOut::Logits(out) => out,
+            HeadOut::Greedy(tokens) => {
+                cx.argmax_rows(&head.logits, c.vocab, &mut head.tokens)?;
+                let queued = started.elapsed();
+                let start = tokens.len();
+                tokens.resize(start + m, 0);
+                // Exactly m tokens: cudarc's memcpy_dtoh copies the length of the host slice.
+                cx.stream().memcpy_dtoh(&head.tokens, &mut tokens[start..])?;
+                cx.synchronize()?;
+                tracing::debug!(
+                    rows = total,
+                    logits_rows = m,
+                    layers_queued_us = layers_queued.as_micros() as u64,
+                    queued_us = queued.as_micros() as u64,
+                    gpu_and_copy_us = (started.elapsed() - queued).as_micros() as u64,
+                    "cuda greedy step"
+                );
+                return Ok(());
+            }
+        };
         let queued = started.elapsed();
         let n = m * c.vocab;
         if self.logits_host.as_ref().is_none_or(|h| h.len() < n) {
@@ -316,7 +364,15 @@ impl CudaLlama {
             self.logits_host = Some(unsafe { cx.driver().alloc_pinned_with_flags::<f32>(n, 0) }?);
         }
         let host = self.logits_host.as_mut().expect("allocated above");
-        cx.stream().memcpy_dtoh(&head.logits, host)?;
+        {
+            // Into the first n floats of the buffer, which may be longer: cudarc's memcpy_dtoh copies the whole
+            // host slice, so a buffer grown by an earlier, wider step would read past this step's logits.
+            let dst = &mut host.as_mut_slice()?[..n];
+            let (src, _read) = head.logits.device_ptr(cx.stream());
+            // SAFETY: dst is n page-locked floats and head.logits holds m * vocab = n floats on this stream; the
+            // stream is synchronised below before dst is read.
+            unsafe { pagoda_kernels::cudarc::driver::result::memcpy_dtoh_async(dst, src, cx.stream().cu_stream()) }?;
+        }
         cx.synchronize()?;
         let gpu_done = started.elapsed();
         out.extend_from_slice(&host.as_slice()?[..n]);
