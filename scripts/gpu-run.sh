@@ -7,7 +7,8 @@
 #            checks the sha256 that model.sha256 holds (its second line: the number of parts)
 #   kernels  pagoda bench kernels --device cuda (decode-attention bandwidth per codec, batch 1-64, 1K-32K)
 #   engine   pagoda bench engine, GPU against this machine's CPU: SmolLM2 (real when present, else its synthetic
-#            shape) at 1, 8 and 32 sequences, and the synthetic llama-1b and llama-8b on the GPU
+#            shape) at 1, 8 and 32 sequences (32 three times on each side, for a median), and the synthetic
+#            llama-1b and llama-8b on the GPU
 #   profile  the engine bench with the GPU forward's per-step timings (debug log)
 #   eviction pagoda bench eviction --device cuda at the eviction issue's load (needs the model: run `model` first):
 #            full cache and PagedEviction at budgets 256 and 1024
@@ -91,9 +92,9 @@ for s in "$@"; do
       smol=(--model "$model")
       [ -f "$model" ] || smol=(--synthetic-model smollm2-135m)
       stage engine_smollm2_cuda 40 env RUST_LOG=info,pagoda_worker::model::cuda=debug \
-        "$bin/pagoda" bench engine --device cuda "${smol[@]}" --concurrency 1,8,32 \
+        "$bin/pagoda" bench engine --device cuda "${smol[@]}" --concurrency 1,8,32,32,32 \
         --decode-new-tokens 64 --json "$out/bench-engine-smollm2-cuda.json"
-      stage engine_smollm2_cpu 45 "$bin/pagoda" bench engine --threads 0 "${smol[@]}" --concurrency 32 \
+      stage engine_smollm2_cpu 60 "$bin/pagoda" bench engine --threads 0 "${smol[@]}" --concurrency 32,32,32 \
         --decode-new-tokens 32 --json "$out/bench-engine-smollm2-cpu.json"
       stage engine_llama1b_cuda 35 "$bin/pagoda" bench engine --device cuda --synthetic-model llama-1b \
         --concurrency 1,8,32 --decode-new-tokens 32 --json "$out/bench-engine-llama1b-cuda.json"

@@ -73,7 +73,49 @@ extern "C" __global__ void rope_qk_f32(float* __restrict__ q, float* __restrict_
     }
 }
 
+// qkv: [n][(n_heads + 2 * n_kv) * head_dim], the output of one stacked q|k|v projection. Writes q, k and v
+// ([n][heads * head_dim] each), rotating q's and k's pairs as rope_f32 does and copying v's.
+extern "C" __global__ void rope_split_qkv_f32(const float* __restrict__ qkv, float* __restrict__ q,
+                                              float* __restrict__ k, float* __restrict__ v,
+                                              const unsigned int* __restrict__ pos, int n, int n_heads, int n_kv,
+                                              int head_dim, float theta) {
+    const int half = head_dim >> 1, heads = n_heads + 2 * n_kv;
+    const long long total = (long long)n * heads * half;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(t % half);
+        const long long rh = t / half;
+        const long long row = rh / heads;
+        const int h = (int)(rh % heads);
+        const float* src = qkv + rh * head_dim + 2 * i;
+        float* dst;
+        if (h < n_heads) {
+            dst = q + (row * n_heads + h) * head_dim + 2 * i;
+        } else if (h < n_heads + n_kv) {
+            dst = k + (row * n_kv + (h - n_heads)) * head_dim + 2 * i;
+        } else {
+            float* d = v + (row * n_kv + (h - n_heads - n_kv)) * head_dim + 2 * i;
+            d[0] = src[0];
+            d[1] = src[1];
+            continue;
+        }
+        dst[0] = src[0];
+        dst[1] = src[1];
+        rope_pair(dst, pos[row], i, head_dim, theta);
+    }
+}
+
 __device__ __forceinline__ float silu_times(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
+
+// gu: [rows][2 * ffn], the output of one stacked gate|up projection; out[r][i] = f16(silu(gate) * up).
+extern "C" __global__ void silu_mul_stacked_f16(const float* __restrict__ gu, int ffn, long long n,
+                                                unsigned short* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / ffn, c = i % ffn;
+        const float* row = gu + r * 2 * ffn;
+        out[i] = f2h(silu_times(row[c], row[ffn + c]));
+    }
+}
 
 // gate[i] = silu(gate[i]) * up[i]
 extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* __restrict__ up, long long n) {

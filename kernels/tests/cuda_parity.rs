@@ -153,6 +153,63 @@ fn fused_kernels_equal_their_parts() {
         assert_eq!(cx.download(&q2).unwrap(), cx.download(&q1).unwrap(), "rope_qk q, {n}x{heads}x{hd}");
         assert_eq!(cx.download(&k2).unwrap(), cx.download(&k1).unwrap(), "rope_qk k, {n}x{kv}x{hd}");
     }
+    // A stacked q|k|v output: split and rotated in one launch, or split on the host and rotated by rope_qk.
+    for &(n, heads, kv, hd, theta) in &[(1, 1, 1, 2, 10000.0), (5, 9, 3, 64, 10000.0), (4, 32, 8, 128, 500000.0)] {
+        let (qd, kd) = (heads * hd, kv * hd);
+        let qkv = rvec(&mut rng, n * (qd + 2 * kd), 2.0);
+        let pos: Vec<u32> = (0..n).map(|_| rng.random_range(0..131072)).collect();
+        let dpos = cx.upload(&pos).unwrap();
+        let part = |lo: usize, w: usize| -> Vec<f32> {
+            (0..n).flat_map(|r| qkv[r * (qd + 2 * kd) + lo..r * (qd + 2 * kd) + lo + w].to_vec()).collect()
+        };
+        let (mut q1, mut k1) = (cx.upload(&part(0, qd)).unwrap(), cx.upload(&part(qd, kd)).unwrap());
+        cx.rope_qk(&mut q1, &mut k1, &dpos, (heads, kv), hd, theta).unwrap();
+        let (mut q2, mut k2, mut v2) =
+            (cx.zeros::<f32>(n * qd).unwrap(), cx.zeros::<f32>(n * kd).unwrap(), cx.zeros::<f32>(n * kd).unwrap());
+        let dqkv = cx.upload(&qkv).unwrap();
+        cx.rope_split_qkv(&dqkv, &mut q2, &mut k2, &mut v2, &dpos, (heads, kv), hd, theta).unwrap();
+        assert_eq!(cx.download(&q2).unwrap(), cx.download(&q1).unwrap(), "rope_split_qkv q, {n}x{heads}x{hd}");
+        assert_eq!(cx.download(&k2).unwrap(), cx.download(&k1).unwrap(), "rope_split_qkv k, {n}x{kv}x{hd}");
+        assert_eq!(cx.download(&v2).unwrap(), part(qd + kd, kd), "rope_split_qkv v, {n}x{kv}x{hd}");
+    }
+    // A stacked gate|up output: SiLU·mul to f16 straight from it, or from the split halves.
+    for &(rows, ffn) in &[(1, 32), (7, 1536), (33, 8192)] {
+        let gu = rvec(&mut rng, rows * 2 * ffn, 6.0);
+        let half = |lo: usize| -> Vec<f32> {
+            (0..rows).flat_map(|r| gu[r * 2 * ffn + lo..r * 2 * ffn + lo + ffn].to_vec()).collect()
+        };
+        let (dg, du) = (cx.upload(&half(0)).unwrap(), cx.upload(&half(ffn)).unwrap());
+        let (mut parts, mut fused) = (cx.zeros::<u16>(rows * ffn).unwrap(), cx.zeros::<u16>(rows * ffn).unwrap());
+        cx.silu_mul_f16(&dg, &du, &mut parts).unwrap();
+        cx.silu_mul_stacked_f16(&cx.upload(&gu).unwrap(), ffn, &mut fused).unwrap();
+        assert_eq!(cx.download(&fused).unwrap(), cx.download(&parts).unwrap(), "silu_mul_stacked_f16 {rows}x{ffn}");
+    }
+    // Stacked weights: one GEMM gives each part's GEMM, row by row (cuBLAS may tile the wider product
+    // differently, so within f32 accumulation error).
+    let mut worst = 0.0f32;
+    for &(n, rows, cols) in &[(1, (64, 32), 64), (7, (576, 192), 576), (32, (1536, 1536), 576)] {
+        let x = cx
+            .upload(&rvec(&mut rng, n * cols, 1.0).iter().map(|&v| f16::from_f32(v).to_bits()).collect::<Vec<u16>>())
+            .unwrap();
+        let (a, b) = rows;
+        let wa = QMatrix::quantize(WeightType::F16, a, cols, &rvec(&mut rng, a * cols, 1.0)).unwrap();
+        let wb = QMatrix::quantize(WeightType::F16, b, cols, &rvec(&mut rng, b * cols, 1.0)).unwrap();
+        let (da, db) = (CudaWeight::from_qmatrix(&cx, &wa).unwrap(), CudaWeight::from_qmatrix(&cx, &wb).unwrap());
+        let stacked = CudaWeight::stacked(&cx, &[&da, &db]).unwrap();
+        assert_eq!((stacked.rows(), stacked.cols()), (a + b, cols));
+        let (mut ya, mut yb, mut y) =
+            (cx.zeros::<f32>(n * a).unwrap(), cx.zeros::<f32>(n * b).unwrap(), cx.zeros::<f32>(n * (a + b)).unwrap());
+        cx.gemm_f16(&da, &x, n, &mut ya).unwrap();
+        cx.gemm_f16(&db, &x, n, &mut yb).unwrap();
+        cx.gemm_f16(&stacked, &x, n, &mut y).unwrap();
+        let (ya, yb, y) = (cx.download(&ya).unwrap(), cx.download(&yb).unwrap(), cx.download(&y).unwrap());
+        let want: Vec<f32> = (0..n)
+            .flat_map(|r| ya[r * a..(r + 1) * a].iter().chain(&yb[r * b..(r + 1) * b]).copied().collect::<Vec<f32>>())
+            .collect();
+        worst = worst.max(max_err(&y, &want));
+    }
+    assert!(CudaWeight::stacked(&cx, &[]).is_err());
+    report("stacked weights' GEMM vs the parts' GEMMs", worst, 1e-3);
     let (mut q, mut k) = (cx.zeros::<f32>(4 * 64).unwrap(), cx.zeros::<f32>(3 * 64).unwrap());
     let pos = cx.upload(&[1u32, 2]).unwrap();
     assert!(cx.rope_qk(&mut q, &mut k, &pos, (2, 1), 64, 1e4).is_err(), "k of the wrong length is refused");

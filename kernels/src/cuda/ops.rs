@@ -61,6 +61,24 @@ impl CudaWeight {
         Ok(CudaWeight { data, rows, cols })
     }
 
+    /// One weight whose rows are `parts`' rows in order (all of one width): projections that read the same input
+    /// (q, k and v; gate and up) become one GEMM.
+    pub fn stacked(cx: &CudaContext, parts: &[&CudaWeight]) -> Result<CudaWeight, CudaError> {
+        let cols = parts.first().map_or(0, |w| w.cols);
+        if parts.is_empty() || parts.iter().any(|w| w.cols != cols) {
+            return Err(CudaError::invalid("CudaWeight::stacked", "parts must be one or more weights of one width"));
+        }
+        let rows: usize = parts.iter().map(|w| w.rows).sum();
+        let mut data = cx.zeros::<u16>(rows * cols)?;
+        let mut at = 0;
+        for w in parts {
+            let n = w.rows * w.cols;
+            cx.stream().memcpy_dtod(&w.data, &mut data.slice_mut(at..at + n))?;
+            at += n;
+        }
+        Ok(CudaWeight { data, rows, cols })
+    }
+
     /// Wraps f16 values already on the device (`data.len() == rows * cols`).
     pub fn from_f16(data: CudaSlice<u16>, rows: usize, cols: usize) -> Result<CudaWeight, CudaError> {
         if rows.checked_mul(cols) != Some(data.len()) {
@@ -234,6 +252,90 @@ impl CudaContext {
                 .arg(&hd)
                 .arg(&theta)
                 .launch(grid_1d(pairs))
+        }?;
+        Ok(())
+    }
+
+    /// Splits the output of a stacked q|k|v projection (`qkv`: `[n][(n_heads + 2 * n_kv) * head_dim]`) into `q`,
+    /// `k` and `v` (`[n][heads * head_dim]` each), rotating q and k as [`CudaContext::rope`] does, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_split_qkv(
+        &self,
+        qkv: &CudaSlice<f32>,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        positions: &CudaSlice<u32>,
+        heads: (usize, usize),
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope_split_qkv";
+        let (n_heads, n_kv) = heads;
+        let n = positions.len();
+        if head_dim == 0
+            || !head_dim.is_multiple_of(2)
+            || q.len() != n * n_heads * head_dim
+            || k.len() != n * n_kv * head_dim
+            || v.len() != k.len()
+            || qkv.len() != q.len() + 2 * k.len()
+        {
+            return Err(CudaError::invalid(OP, "qkv, q, k and v must be [positions][heads*head_dim], head_dim even"));
+        }
+        let pairs = qkv.len() / 2;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let (ni, nh, nkv, hd) = (
+            to_i32(OP, "n", n)?,
+            to_i32(OP, "n_heads", n_heads)?,
+            to_i32(OP, "n_kv_heads", n_kv)?,
+            to_i32(OP, "head_dim", head_dim)?,
+        );
+        // SAFETY: the kernel reads n rows of qkv and writes n rows of q, k and v, and reads n positions, as checked.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("rope_split_qkv_f32")?)
+                .arg(qkv)
+                .arg(q)
+                .arg(k)
+                .arg(v)
+                .arg(positions)
+                .arg(&ni)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd)
+                .arg(&theta)
+                .launch(grid_1d(pairs))
+        }?;
+        Ok(())
+    }
+
+    /// `out[r][i] = f16(silu(gu[r][i]) * gu[r][ffn + i])` over the output of a stacked gate|up projection
+    /// (`gu`: `[rows][2 * ffn]`, `out`: `[rows][ffn]`): [`CudaContext::silu_mul_f16`] without splitting first.
+    pub fn silu_mul_stacked_f16(
+        &self,
+        gu: &CudaSlice<f32>,
+        ffn: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        if ffn == 0 || gu.len() != 2 * out.len() || !out.len().is_multiple_of(ffn) {
+            return Err(CudaError::invalid("silu_mul_stacked_f16", "gu must be [rows][2*ffn] and out [rows][ffn]"));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let (n, f) = (out.len() as i64, to_i32("silu_mul_stacked_f16", "ffn", ffn)?);
+        let cfg = grid_1d(out.len());
+        // SAFETY: n outputs, each reading two values of its row of gu, as checked.
+        unsafe {
+            self.stream()
+                .launch_builder(self.func("silu_mul_stacked_f16")?)
+                .arg(gu)
+                .arg(&f)
+                .arg(&n)
+                .arg(out)
+                .launch(cfg)
         }?;
         Ok(())
     }
