@@ -50,6 +50,50 @@ pub struct BenchKernelsArgs {
     /// Draw bandwidth against context, a panel per batch size and a line per format (PNG).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Measure nothing: print and draw (`--plot`) the report an earlier run wrote with `--json`, for example on a
+    /// GPU machine that had no room for the chart.
+    #[arg(long, conflicts_with_all = ["json", "kv_formats", "batches", "contexts"])]
+    from_json: Option<PathBuf>,
+}
+
+/// Largest `--from-json` report read.
+const MAX_REPORT_BYTES: u64 = 16 << 20;
+
+/// The device name, copy bandwidth and points of a report written with `--json`.
+fn read_report(path: &std::path::Path) -> Result<(String, String, f64, Vec<AttnBenchPoint>)> {
+    let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+    if len > MAX_REPORT_BYTES {
+        bail!("{} is {len} bytes, more than a report's {MAX_REPORT_BYTES}", path.display());
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let field = |p: &serde_json::Value, k: &str| p.get(k).cloned().with_context(|| format!("report point lacks {k}"));
+    let num = |p: &serde_json::Value, k: &str| -> Result<f64> {
+        field(p, k)?.as_f64().with_context(|| format!("{k} is not a number"))
+    };
+    let device = v.get("device").and_then(|d| d.as_str()).context("report lacks device")?.to_owned();
+    let shape = v.pointer("/shape/name").and_then(|d| d.as_str()).unwrap_or("?").to_owned();
+    let copy = num(&v, "copy_bytes_per_s")?;
+    let points = v
+        .get("points")
+        .and_then(|p| p.as_array())
+        .context("report lacks points")?
+        .iter()
+        .map(|p| {
+            Ok(AttnBenchPoint {
+                format: field(p, "format")?.as_str().context("format is not a string")?.to_owned(),
+                batch: num(p, "batch")? as usize,
+                context: num(p, "context")? as usize,
+                kv_bytes: num(p, "kv_bytes")? as usize,
+                seconds: num(p, "seconds")?,
+                bytes_per_s: num(p, "bytes_per_s")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if !(copy.is_finite() && copy > 0.0) || points.is_empty() {
+        bail!("{}: a report needs a positive copy bandwidth and at least one point", path.display());
+    }
+    Ok((device, shape, copy, points))
 }
 
 fn parse_shape(s: &str) -> Result<AttnBenchShape, String> {
@@ -78,6 +122,25 @@ fn bounded(what: &str, values: Vec<usize>, default: &[usize], max: usize) -> Res
 }
 
 pub fn run(a: BenchKernelsArgs) -> Result<()> {
+    if let Some(path) = &a.from_json {
+        let (device, shape, copy_bw, points) = read_report(path)?;
+        println!(
+            "Decode attention on {device} (from {}): shape {shape}; memory copy {:.1} GB/s (read + write)\n\n{}",
+            path.display(),
+            copy_bw / 1e9,
+            markdown_table(&points, copy_bw)
+        );
+        if let Some(plot) = &a.plot {
+            crate::kernels_plot::draw_kernels(
+                &points,
+                copy_bw,
+                &format!("Decode attention on {device}, {shape}"),
+                plot,
+            )?;
+            eprintln!("wrote {}", plot.display());
+        }
+        return Ok(());
+    }
     let formats = formats(&a.kv_formats)?;
     let gpu = a.device != Device::Cpu;
     let batches = bounded("batches", a.batches, if gpu { &[1, 4, 16, 64] } else { &[1, 8, 32] }, MAX_BATCH)?;
