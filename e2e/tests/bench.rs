@@ -130,7 +130,30 @@ fn bench_kernels_reports_every_point() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let png = std::fs::read(out.with_extension("png")).unwrap();
-    let _ = (std::fs::remove_file(&out), std::fs::remove_file(out.with_extension("png")));
+    // The saved report, printed and drawn again without measuring (as for a run on a GPU machine).
+    let replot = out.with_extension("replot.png");
+    let again = std::process::Command::new(BIN)
+        .args(["bench", "kernels", "--from-json"])
+        .arg(&out)
+        .arg("--plot")
+        .arg(&replot)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&again.stdout);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert!(table.contains("| int4_kivi | 3 | 512 |") && table.contains("| f16 | 1 | 100 |"), "{table}");
+    assert!(std::fs::read(&replot).unwrap().starts_with(b"\x89PNG"), "the redrawn plot is a PNG");
+    let garbage = out.with_extension("garbage.json");
+    std::fs::write(&garbage, b"{\"device\": 3}").unwrap();
+    let bad = std::process::Command::new(BIN).args(["bench", "kernels", "--from-json"]).arg(&garbage).output().unwrap();
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success() && stderr.contains("report lacks device") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    for f in [&out, &out.with_extension("png"), &replot, &garbage] {
+        let _ = std::fs::remove_file(f);
+    }
     assert!(png.starts_with(b"\x89PNG"), "the plot is a PNG");
     assert!(v["copy_bytes_per_s"].as_f64().unwrap() > 1e8, "{v:#}");
     let points = v["points"].as_array().unwrap();
