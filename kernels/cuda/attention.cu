@@ -203,25 +203,8 @@ extern "C" __global__ void paged_decode_reduce(const float* __restrict__ part_o,
     const int L = ent_len[item * n_kv + qh / group];
     const int ns = (L + chunk - 1) / chunk;
     const size_t base = ((size_t)item * n_heads + qh) * max_splits;
-    // The splits' max and weighted sum, each thread over a stride of splits, then across the block: a long context
-    // has hundreds of splits, which one thread would walk serially.
-    float m = -PAGODA_INF;
-    for (int i = threadIdx.x; i < ns; i += blockDim.x) m = fmaxf(m, part_ml[2 * (base + i)]);
-    m = block_max(m, scratch);
-    float l = 0.0f;
-    for (int i = threadIdx.x; i < ns; i += blockDim.x) {
-        const float wi = expf(part_ml[2 * (base + i)] - m);
-        wts[i] = wi;
-        l += part_ml[2 * (base + i) + 1] * wi;
-    }
-    l = block_sum(l, scratch);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     float* o = out + (size_t)item_row[item] * n_heads * head_dim + (size_t)qh * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int i = 0; i < ns; ++i) a = fmaf(part_o[(base + i) * head_dim + d], wts[i], a);
-        o[d] = a * inv;
-    }
+    merge_splits(part_o, part_ml, base, ns, head_dim, wts, scratch, o);
 }
 
 template <int HD, int TQ, int TK>

@@ -55,3 +55,28 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch /* >= 33 f
 __device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<false>(v, scratch); }
 
 __device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<true>(v, scratch); }
+
+// Merges the `ns` split-K partials at part_o / part_ml + base (unnormalised outputs of head_dim floats, and
+// (max, sum) pairs) into o[0..head_dim]: the splits' max and weighted sum, each thread over a stride of splits and
+// then across the block (a long context has hundreds of splits), then each output dimension. `wts` holds ns
+// floats (shared); blockDim.x a multiple of 32.
+__device__ __forceinline__ void merge_splits(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                             size_t base, int ns, int head_dim, float* wts, float* scratch,
+                                             float* __restrict__ o) {
+    float m = -PAGODA_INF;
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) m = fmaxf(m, part_ml[2 * (base + i)]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+        const float wi = expf(part_ml[2 * (base + i)] - m);
+        wts[i] = wi;
+        l += part_ml[2 * (base + i) + 1] * wi;
+    }
+    l = block_sum(l, scratch);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (int i = 0; i < ns; ++i) a = fmaf(part_o[(base + i) * head_dim + d], wts[i], a);
+        o[d] = a * inv;
+    }
+}

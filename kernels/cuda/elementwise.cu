@@ -56,23 +56,6 @@ extern "C" __global__ void rope_f32(float* __restrict__ x, const unsigned int* _
     }
 }
 
-// rope_f32 over q ([n][n_heads*head_dim]) and k ([n][n_kv*head_dim]) in one launch: the heads of a row are q's,
-// then k's.
-extern "C" __global__ void rope_qk_f32(float* __restrict__ q, float* __restrict__ k, const unsigned int* __restrict__ pos,
-                                       int n, int n_heads, int n_kv, int head_dim, float theta) {
-    const int half = head_dim >> 1, heads = n_heads + n_kv;
-    const long long total = (long long)n * heads * half;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
-         t += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(t % half);
-        const long long rh = t / half;
-        const long long row = rh / heads;
-        const int h = (int)(rh % heads);
-        float* p = h < n_heads ? q + (row * n_heads + h) * head_dim : k + (row * n_kv + (h - n_heads)) * head_dim;
-        rope_pair(p + 2 * i, pos[row], i, head_dim, theta);
-    }
-}
-
 // qkv: [n][(n_heads + 2 * n_kv) * head_dim], the output of one stacked q|k|v projection. Writes q, k and v
 // ([n][heads * head_dim] each), rotating q's and k's pairs as rope_f32 does and copying v's.
 extern "C" __global__ void rope_split_qkv_f32(const float* __restrict__ qkv, float* __restrict__ q,
@@ -107,7 +90,14 @@ extern "C" __global__ void rope_split_qkv_f32(const float* __restrict__ qkv, flo
 
 __device__ __forceinline__ float silu_times(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
 
-// gu: [rows][2 * ffn], the output of one stacked gate|up projection; out[r][i] = f16(silu(gate) * up).
+// gate[i] = silu(gate[i]) * up[i]
+extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* __restrict__ up, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        gate[i] = silu_times(gate[i], up[i]);
+}
+
+// gu: [rows][2 * ffn], the output of one stacked gate|up projection; out[r][i] = f16(silu(gate) * up), i.e.
+// silu_mul_f32 and f32_to_f16 on the two halves, in one launch, for the down projection's GEMM.
 extern "C" __global__ void silu_mul_stacked_f16(const float* __restrict__ gu, int ffn, long long n,
                                                 unsigned short* __restrict__ out) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
@@ -115,19 +105,6 @@ extern "C" __global__ void silu_mul_stacked_f16(const float* __restrict__ gu, in
         const float* row = gu + r * 2 * ffn;
         out[i] = f2h(silu_times(row[c], row[ffn + c]));
     }
-}
-
-// gate[i] = silu(gate[i]) * up[i]
-extern "C" __global__ void silu_mul_f32(float* __restrict__ gate, const float* __restrict__ up, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        gate[i] = silu_times(gate[i], up[i]);
-}
-
-// out[i] = f16(silu(gate[i]) * up[i]): silu_mul_f32 and f32_to_f16 in one launch, for the down projection's GEMM.
-extern "C" __global__ void silu_mul_f16(const float* __restrict__ gate, const float* __restrict__ up, long long n,
-                                        unsigned short* __restrict__ out) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        out[i] = f2h(silu_times(gate[i], up[i]));
 }
 
 // out[i][:] = table[ids[i]][:] (f16 table, f32 out); an id >= vocab yields a zero row, as on the CPU.

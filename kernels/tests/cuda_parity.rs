@@ -115,8 +115,9 @@ fn silu_mul_matches_cpu() {
     report("silu_mul", worst, 1e-6);
 }
 
-/// The fused kernels the GPU forward uses (rmsnorm to f16, SiLU·mul to f16, RoPE of q and k in one launch) give
-/// exactly the bits of the kernels they fuse, which the tests above hold to their CPU twins.
+/// The fused kernels the GPU forward uses (RMSNorm to f16; the q|k|v split with RoPE; SiLU·mul to f16 from a
+/// stacked gate|up) give exactly the bits of the plain kernels they fuse, which the tests above hold to their CPU
+/// twins; a GEMM over stacked weights gives the parts' GEMMs.
 #[test]
 fn fused_kernels_equal_their_parts() {
     let Some(cx) = gpu("fused kernels") else { return };
@@ -130,30 +131,8 @@ fn fused_kernels_equal_their_parts() {
         cx.f32_to_f16(&f32_out, &mut parts).unwrap();
         cx.rmsnorm_f16(&x, &w, 1e-5, &mut fused).unwrap();
         assert_eq!(cx.download(&fused).unwrap(), cx.download(&parts).unwrap(), "rmsnorm_f16 {rows}x{dim}");
-
-        let (g, u) = (rvec(&mut rng, rows * dim, 12.0), rvec(&mut rng, rows * dim, 3.0));
-        let (mut dg, du) = (cx.upload(&g).unwrap(), cx.upload(&u).unwrap());
-        let dg_in = cx.upload(&g).unwrap();
-        cx.silu_mul_f16(&dg_in, &du, &mut fused).unwrap();
-        cx.silu_mul(&mut dg, &du).unwrap();
-        cx.f32_to_f16(&dg, &mut parts).unwrap();
-        assert_eq!(cx.download(&fused).unwrap(), cx.download(&parts).unwrap(), "silu_mul_f16 {rows}x{dim}");
-        assert_eq!(cx.download(&dg_in).unwrap(), g, "silu_mul_f16 leaves gate as it was");
     }
-    for &(n, heads, kv, hd, theta) in &[(1, 1, 1, 2, 10000.0), (5, 9, 3, 64, 10000.0), (4, 32, 8, 128, 500000.0)] {
-        let q = rvec(&mut rng, n * heads * hd, 2.0);
-        let k = rvec(&mut rng, n * kv * hd, 2.0);
-        let pos: Vec<u32> = (0..n).map(|_| rng.random_range(0..131072)).collect();
-        let dpos = cx.upload(&pos).unwrap();
-        let (mut q1, mut k1) = (cx.upload(&q).unwrap(), cx.upload(&k).unwrap());
-        let (mut q2, mut k2) = (cx.upload(&q).unwrap(), cx.upload(&k).unwrap());
-        cx.rope(&mut q1, &dpos, heads, hd, theta).unwrap();
-        cx.rope(&mut k1, &dpos, kv, hd, theta).unwrap();
-        cx.rope_qk(&mut q2, &mut k2, &dpos, (heads, kv), hd, theta).unwrap();
-        assert_eq!(cx.download(&q2).unwrap(), cx.download(&q1).unwrap(), "rope_qk q, {n}x{heads}x{hd}");
-        assert_eq!(cx.download(&k2).unwrap(), cx.download(&k1).unwrap(), "rope_qk k, {n}x{kv}x{hd}");
-    }
-    // A stacked q|k|v output: split and rotated in one launch, or split on the host and rotated by rope_qk.
+    // A stacked q|k|v output: split and rotated in one launch, or split on the host and rotated by rope.
     for &(n, heads, kv, hd, theta) in &[(1, 1, 1, 2, 10000.0), (5, 9, 3, 64, 10000.0), (4, 32, 8, 128, 500000.0)] {
         let (qd, kd) = (heads * hd, kv * hd);
         let qkv = rvec(&mut rng, n * (qd + 2 * kd), 2.0);
@@ -163,7 +142,8 @@ fn fused_kernels_equal_their_parts() {
             (0..n).flat_map(|r| qkv[r * (qd + 2 * kd) + lo..r * (qd + 2 * kd) + lo + w].to_vec()).collect()
         };
         let (mut q1, mut k1) = (cx.upload(&part(0, qd)).unwrap(), cx.upload(&part(qd, kd)).unwrap());
-        cx.rope_qk(&mut q1, &mut k1, &dpos, (heads, kv), hd, theta).unwrap();
+        cx.rope(&mut q1, &dpos, heads, hd, theta).unwrap();
+        cx.rope(&mut k1, &dpos, kv, hd, theta).unwrap();
         let (mut q2, mut k2, mut v2) =
             (cx.zeros::<f32>(n * qd).unwrap(), cx.zeros::<f32>(n * kd).unwrap(), cx.zeros::<f32>(n * kd).unwrap());
         let dqkv = cx.upload(&qkv).unwrap();
@@ -171,16 +151,19 @@ fn fused_kernels_equal_their_parts() {
         assert_eq!(cx.download(&q2).unwrap(), cx.download(&q1).unwrap(), "rope_split_qkv q, {n}x{heads}x{hd}");
         assert_eq!(cx.download(&k2).unwrap(), cx.download(&k1).unwrap(), "rope_split_qkv k, {n}x{kv}x{hd}");
         assert_eq!(cx.download(&v2).unwrap(), part(qd + kd, kd), "rope_split_qkv v, {n}x{kv}x{hd}");
+        let short = cx.zeros::<f32>(n * kd + 2).unwrap();
+        assert!(cx.rope_split_qkv(&short, &mut q2, &mut k2, &mut v2, &dpos, (heads, kv), hd, theta).is_err());
     }
-    // A stacked gate|up output: SiLU·mul to f16 straight from it, or from the split halves.
+    // A stacked gate|up output: SiLU·mul to f16 straight from it, or SiLU·mul then f16 on the split halves.
     for &(rows, ffn) in &[(1, 32), (7, 1536), (33, 8192)] {
         let gu = rvec(&mut rng, rows * 2 * ffn, 6.0);
         let half = |lo: usize| -> Vec<f32> {
             (0..rows).flat_map(|r| gu[r * 2 * ffn + lo..r * 2 * ffn + lo + ffn].to_vec()).collect()
         };
-        let (dg, du) = (cx.upload(&half(0)).unwrap(), cx.upload(&half(ffn)).unwrap());
+        let (mut dg, du) = (cx.upload(&half(0)).unwrap(), cx.upload(&half(ffn)).unwrap());
         let (mut parts, mut fused) = (cx.zeros::<u16>(rows * ffn).unwrap(), cx.zeros::<u16>(rows * ffn).unwrap());
-        cx.silu_mul_f16(&dg, &du, &mut parts).unwrap();
+        cx.silu_mul(&mut dg, &du).unwrap();
+        cx.f32_to_f16(&dg, &mut parts).unwrap();
         cx.silu_mul_stacked_f16(&cx.upload(&gu).unwrap(), ffn, &mut fused).unwrap();
         assert_eq!(cx.download(&fused).unwrap(), cx.download(&parts).unwrap(), "silu_mul_stacked_f16 {rows}x{ffn}");
     }
@@ -210,54 +193,7 @@ fn fused_kernels_equal_their_parts() {
     }
     assert!(CudaWeight::stacked(&cx, &[]).is_err());
     report("stacked weights' GEMM vs the parts' GEMMs", worst, 1e-3);
-    let (mut q, mut k) = (cx.zeros::<f32>(4 * 64).unwrap(), cx.zeros::<f32>(3 * 64).unwrap());
-    let pos = cx.upload(&[1u32, 2]).unwrap();
-    assert!(cx.rope_qk(&mut q, &mut k, &pos, (2, 1), 64, 1e4).is_err(), "k of the wrong length is refused");
-    report("fused rmsnorm/silu_mul/rope (exact)", 0.0, 0.0);
-}
-
-/// The GPU's greedy pick per row equals a strict `>` scan (the engine's `sampling::argmax`): first maximum, NaN
-/// skipped, 0 for a row with nothing above -inf; across vocabulary sizes around the block width.
-#[test]
-fn argmax_rows_is_the_first_maximum() {
-    let Some(cx) = gpu("argmax_rows") else { return };
-    let mut rng = StdRng::seed_from_u64(71);
-    let scan = |row: &[f32]| {
-        let (mut best, mut best_v) = (0u32, f32::NEG_INFINITY);
-        for (i, &v) in row.iter().enumerate() {
-            if v > best_v {
-                (best, best_v) = (i as u32, v);
-            }
-        }
-        best
-    };
-    for vocab in [1usize, 31, 512, 513, 49_152, 128_256] {
-        let rows = 6;
-        let mut logits = rvec(&mut rng, rows * vocab, 8.0);
-        // Row 1: ties at the maximum; row 2: NaNs around a maximum; row 3: all -inf; row 4: NaN and -inf only;
-        // row 5: +inf twice.
-        let row = |r: usize| r * vocab..(r + 1) * vocab;
-        for i in row(1).step_by(7) {
-            logits[i] = 100.0;
-        }
-        for i in row(2).step_by(3) {
-            logits[i] = f32::NAN;
-        }
-        logits[row(3)].fill(f32::NEG_INFINITY);
-        for (j, x) in logits[row(4)].iter_mut().enumerate() {
-            *x = if j % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
-        }
-        logits[row(5).end - 1] = f32::INFINITY;
-        logits[row(5).start + vocab / 2] = f32::INFINITY;
-        let want: Vec<u32> = (0..rows).map(|r| scan(&logits[row(r)])).collect();
-        let dl = cx.upload(&logits).unwrap();
-        let mut out = cx.zeros::<u32>(rows).unwrap();
-        cx.argmax_rows(&dl, vocab, &mut out).unwrap();
-        assert_eq!(cx.download(&out).unwrap(), want, "vocab {vocab}");
-    }
-    let dl = cx.zeros::<f32>(10).unwrap();
-    assert!(cx.argmax_rows(&dl, 3, &mut cx.zeros::<u32>(3).unwrap()).is_err(), "10 is not 3 rows of 3");
-    report("argmax_rows (exact)", 0.0, 0.0);
+    report("fused rmsnorm / q|k|v split / silu_mul (exact)", 0.0, 0.0);
 }
 
 /// Q4_1 / Q8_0 / F16 / F32 weights: device dequantisation to f16 equals the CPU's rows rounded to f16.

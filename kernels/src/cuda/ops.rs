@@ -206,56 +206,6 @@ impl CudaContext {
         Ok(())
     }
 
-    /// [`CudaContext::rope`] on q (`[n][n_heads * head_dim]`) and k (`[n][n_kv_heads * head_dim]`) at the same
-    /// positions, in one launch.
-    pub fn rope_qk(
-        &self,
-        q: &mut CudaSlice<f32>,
-        k: &mut CudaSlice<f32>,
-        positions: &CudaSlice<u32>,
-        heads: (usize, usize),
-        head_dim: usize,
-        theta: f32,
-    ) -> Result<(), CudaError> {
-        let (n_heads, n_kv) = heads;
-        let n = positions.len();
-        if head_dim == 0
-            || !head_dim.is_multiple_of(2)
-            || q.len() != n * n_heads * head_dim
-            || k.len() != n * n_kv * head_dim
-        {
-            return Err(CudaError::invalid(
-                "rope_qk",
-                "q and k must be [positions][heads*head_dim] with an even head_dim",
-            ));
-        }
-        let pairs = (q.len() + k.len()) / 2;
-        if pairs == 0 {
-            return Ok(());
-        }
-        let (ni, nh, nkv, hd) = (
-            to_i32("rope_qk", "n", n)?,
-            to_i32("rope_qk", "n_heads", n_heads)?,
-            to_i32("rope_qk", "n_kv_heads", n_kv)?,
-            to_i32("rope_qk", "head_dim", head_dim)?,
-        );
-        // SAFETY: the kernel touches n * heads * head_dim floats of q and k and n positions, as checked.
-        unsafe {
-            self.stream()
-                .launch_builder(self.func("rope_qk_f32")?)
-                .arg(q)
-                .arg(k)
-                .arg(positions)
-                .arg(&ni)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&hd)
-                .arg(&theta)
-                .launch(grid_1d(pairs))
-        }?;
-        Ok(())
-    }
-
     /// Splits the output of a stacked q|k|v projection (`qkv`: `[n][(n_heads + 2 * n_kv) * head_dim]`) into `q`,
     /// `k` and `v` (`[n][heads * head_dim]` each), rotating q and k as [`CudaContext::rope`] does, in one launch.
     #[allow(clippy::too_many_arguments)]
@@ -312,7 +262,8 @@ impl CudaContext {
     }
 
     /// `out[r][i] = f16(silu(gu[r][i]) * gu[r][ffn + i])` over the output of a stacked gate|up projection
-    /// (`gu`: `[rows][2 * ffn]`, `out`: `[rows][ffn]`): [`CudaContext::silu_mul_f16`] without splitting first.
+    /// (`gu`: `[rows][2 * ffn]`, `out`: `[rows][ffn]`): [`CudaContext::silu_mul`] then [`CudaContext::f32_to_f16`] on the two
+    /// halves, in one launch.
     pub fn silu_mul_stacked_f16(
         &self,
         gu: &CudaSlice<f32>,
@@ -336,29 +287,6 @@ impl CudaContext {
                 .arg(&n)
                 .arg(out)
                 .launch(cfg)
-        }?;
-        Ok(())
-    }
-
-    /// `out[i] = f16(silu(gate[i]) * up[i])`: [`CudaContext::silu_mul`] then [`CudaContext::f32_to_f16`], in one
-    /// launch, leaving gate as it was.
-    pub fn silu_mul_f16(
-        &self,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
-        out: &mut CudaSlice<u16>,
-    ) -> Result<(), CudaError> {
-        if gate.len() != up.len() || gate.len() != out.len() {
-            return Err(CudaError::invalid("silu_mul_f16", "gate, up and out differ in length"));
-        }
-        if gate.is_empty() {
-            return Ok(());
-        }
-        let n = gate.len() as i64;
-        let cfg = grid_1d(gate.len());
-        // SAFETY: n elements of each, checked equal.
-        unsafe {
-            self.stream().launch_builder(self.func("silu_mul_f16")?).arg(gate).arg(up).arg(&n).arg(out).launch(cfg)
         }?;
         Ok(())
     }

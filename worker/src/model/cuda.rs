@@ -221,14 +221,7 @@ impl CudaLlama {
         out: &mut Vec<f32>,
         captured: &mut CapturedQueries,
     ) -> Result<(), ModelError> {
-        let kv_shape = (self.kv.head_dim(), self.kv.block_size(), self.kv.num_blocks());
-        let total = validate_step(&self.config, kv_shape, seqs)?;
-        captured.layout(seqs, self.config.n_layers, self.config.n_heads * self.config.head_dim);
-        if total == 0 {
-            return Ok(());
-        }
-        step_rows(seqs, &mut self.ids, &mut self.positions, &mut self.out_rows);
-        self.run(seqs, total, HeadOut::Logits(out), captured).map_err(gpu_err)
+        self.step(seqs, HeadOut::Logits(out), captured)
     }
 
     /// [`CudaLlama::forward`] that appends each logits row's argmax token to `tokens` instead of the row: the
@@ -239,6 +232,15 @@ impl CudaLlama {
         tokens: &mut Vec<u32>,
         captured: &mut CapturedQueries,
     ) -> Result<(), ModelError> {
+        self.step(seqs, HeadOut::Greedy(tokens), captured)
+    }
+
+    fn step(
+        &mut self,
+        seqs: &[ForwardSeq<'_>],
+        out: HeadOut<'_>,
+        captured: &mut CapturedQueries,
+    ) -> Result<(), ModelError> {
         let kv_shape = (self.kv.head_dim(), self.kv.block_size(), self.kv.num_blocks());
         let total = validate_step(&self.config, kv_shape, seqs)?;
         captured.layout(seqs, self.config.n_layers, self.config.n_heads * self.config.head_dim);
@@ -246,7 +248,7 @@ impl CudaLlama {
             return Ok(());
         }
         step_rows(seqs, &mut self.ids, &mut self.positions, &mut self.out_rows);
-        self.run(seqs, total, HeadOut::Greedy(tokens), captured).map_err(gpu_err)
+        self.run(seqs, total, out, captured).map_err(gpu_err)
     }
 
     fn run(
