@@ -196,6 +196,50 @@ fn fused_kernels_equal_their_parts() {
     report("fused rmsnorm / q|k|v split / silu_mul (exact)", 0.0, 0.0);
 }
 
+/// The GPU's greedy pick per row equals a strict `>` scan (the engine's `sampling::argmax`): first maximum, NaN
+/// skipped, 0 for a row with nothing above -inf; across vocabulary sizes around the block width.
+#[test]
+fn argmax_rows_is_the_first_maximum() {
+    let Some(cx) = gpu("argmax_rows") else { return };
+    let mut rng = StdRng::seed_from_u64(71);
+    let scan = |row: &[f32]| {
+        let (mut best, mut best_v) = (0u32, f32::NEG_INFINITY);
+        for (i, &v) in row.iter().enumerate() {
+            if v > best_v {
+                (best, best_v) = (i as u32, v);
+            }
+        }
+        best
+    };
+    for vocab in [1usize, 31, 512, 513, 49_152, 128_256] {
+        let rows = 6;
+        let mut logits = rvec(&mut rng, rows * vocab, 8.0);
+        // Row 1: ties at the maximum; row 2: NaNs around a maximum; row 3: all -inf; row 4: NaN and -inf only;
+        // row 5: +inf twice.
+        let row = |r: usize| r * vocab..(r + 1) * vocab;
+        for i in row(1).step_by(7) {
+            logits[i] = 100.0;
+        }
+        for i in row(2).step_by(3) {
+            logits[i] = f32::NAN;
+        }
+        logits[row(3)].fill(f32::NEG_INFINITY);
+        for (j, x) in logits[row(4)].iter_mut().enumerate() {
+            *x = if j % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
+        }
+        logits[row(5).end - 1] = f32::INFINITY;
+        logits[row(5).start + vocab / 2] = f32::INFINITY;
+        let want: Vec<u32> = (0..rows).map(|r| scan(&logits[row(r)])).collect();
+        let dl = cx.upload(&logits).unwrap();
+        let mut out = cx.zeros::<u32>(rows).unwrap();
+        cx.argmax_rows(&dl, vocab, &mut out).unwrap();
+        assert_eq!(cx.download(&out).unwrap(), want, "vocab {vocab}");
+    }
+    let dl = cx.zeros::<f32>(10).unwrap();
+    assert!(cx.argmax_rows(&dl, 3, &mut cx.zeros::<u32>(3).unwrap()).is_err(), "10 is not 3 rows of 3");
+    report("argmax_rows (exact)", 0.0, 0.0);
+}
+
 /// Q4_1 / Q8_0 / F16 / F32 weights: device dequantisation to f16 equals the CPU's rows rounded to f16.
 #[test]
 fn dequant_and_embedding_match_cpu() {
