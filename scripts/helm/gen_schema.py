@@ -13,9 +13,6 @@ OUT = Path(__file__).resolve().parents[2] / "helm/pagoda/values.schema.json"
 # Policies of `pagoda worker --kv-policy` (worker/src/policy/spec.rs PolicyKind::ALL). The CLI-drift check runs
 # each rendered --kv-policy through the binary too, so a name the binary lacks fails there.
 POLICIES = ["full", "streaming", "knorm", "keydiff", "paged_eviction", "sage", "snapkv", "h2o", "kv_compress"]
-# The policies the GPU runner runs (runner_cuda.rs gpu_runs_policy): H2O and KV-Compress read attention sums the CUDA
-# kernels do not return.
-GPU_POLICIES = [p for p in POLICIES if p not in ("h2o", "kv_compress")]
 
 
 def obj(props, required=(), **extra):
@@ -179,13 +176,12 @@ schema = obj({
         "pdb": obj({"enabled": BOOL, "maxUnavailable": integer(1)}),
         **SCHEDULING,
     }, required=["replicas", "port", "kv", "tiers"],
-        # The GPU runner needs a GPU, keeps its KV in f16, has no AMX path, runs neither H2O nor KV-Compress, and no
-        # EvicPress placement: refused here rather than in a crash loop (the worker refuses the same at start-up).
+        # The GPU runner needs a GPU, keeps its KV in f16, has no AMX path and no EvicPress placement: refused here
+        # rather than in a crash loop (the worker refuses the same at start-up).
         allOf=[{"if": {"properties": {"device": {"const": "cuda"}}, "required": ["device"]},
                 "then": {"properties": {"gpu": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                                         "amx": {"const": False},
-                                        "kv": {"properties": {"dtype": {"const": "f16"},
-                                                              "policy": {"enum": GPU_POLICIES}}},
+                                        "kv": {"properties": {"dtype": {"const": "f16"}}},
                                         "tiers": {"properties": {"placement": {"const": "lru"}}}}}}]),
     "kvstore": obj({
         "enabled": BOOL,

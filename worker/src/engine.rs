@@ -338,6 +338,12 @@ pub trait ModelRunner {
     fn eviction_io(&mut self) -> Option<EvictionIo<'_>> {
         self.policy_io().map(|io| EvictionIo { kv: io.kv, captured: io.captured })
     }
+    /// Whether the forward sums the attention probabilities a step asks for (`StepSeq::attention_sums`: H2O's and
+    /// KV-Compress's metric). A runner that does not gets the step's queries captured instead, and the policy
+    /// scores them against the keys again (`PolicyKv::window_attention_scores`): the same metric, one more pass.
+    fn sums_attention(&self) -> bool {
+        true
+    }
     /// Whether this runner can run eviction policy `kind`: its scores and moves, and the queries or attention
     /// sums it reads. The engine refuses the others by name.
     fn serves_policy(&mut self, kind: PolicyKind) -> bool {
@@ -403,6 +409,7 @@ pub fn forward_step<P, R: ModelRunner>(
     greedy: Option<&mut Vec<u32>>,
 ) -> Result<(), EngineError> {
     logits.clear();
+    let sums = runner.sums_attention();
     let mut b = recycle_steps(std::mem::take(batch));
     for e in &plan.seqs {
         let Some(seq) = sched.get(e.seq) else { continue };
@@ -412,8 +419,8 @@ pub fn forward_step<P, R: ModelRunner>(
             tables: seq.tables(),
             prior_lens: seq.lens(),
             logits: if e.wants_logits { LogitsWanted::Last } else { LogitsWanted::None },
-            capture_q: seq.capture_for(e.start, e.n),
-            attention_sums: seq.attention_sums(),
+            capture_q: seq.capture_for(e.start, e.n, sums),
+            attention_sums: if sums { seq.attention_sums() } else { None },
         });
     }
     let result = match greedy {

@@ -9,12 +9,12 @@
 //! The eviction policies run through [`PolicyKv`]: the scores come from the score kernels (`slot_norms`,
 //! `anchor_cosine`, `unit_key_sum`, `window_scores` in `kv.cu`), the compactions are batched slot moves, and the
 //! forward step copies the queries a policy captures back to the host ([`CapturedQueries`]). The policy logic is
-//! the CPU's, unchanged.
+//! the CPU's, unchanged. The CUDA attention kernels do not sum attention probabilities for H2O and KV-Compress
+//! ([`ModelRunner::sums_attention`] is false), so those policies take the step's queries and score them with
+//! `window_scores`: the same metric, one more pass over the keys.
 //!
-//! What the GPU runner does not serve yet, each refused with a clear error rather than run differently: KV dtypes
-//! other than f16, AMX and EvicPress placement at start-up; H2O and KV-Compress (a default policy at start-up, a
-//! request's with an invalid-request error), since they read the attention kernel's summed probabilities, which
-//! the CUDA kernels do not return.
+//! What the GPU runner does not serve yet, each refused at start-up with a clear error rather than run
+//! differently: KV dtypes other than f16, AMX and EvicPress placement.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -32,7 +32,7 @@ use crate::engine::{
 use crate::model::ForwardSeq;
 use crate::model::cuda::CudaLlama;
 use crate::model::llama::CapturedQueries;
-use crate::policy::{PolicyKind, PolicyKv};
+use crate::policy::PolicyKv;
 use crate::tiers::codec::{self, GroupKv};
 use crate::tiers::{EncodedGroup, GroupCodec, TierError, native};
 
@@ -57,13 +57,6 @@ impl std::fmt::Debug for CudaRunner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaRunner").field("model", &self.device.model).finish()
     }
-}
-
-/// Whether the GPU runs eviction policy `kind`. H2O and KV-Compress read the attention kernel's summed
-/// probabilities, which the CUDA attention kernels do not return yet; every other policy's scores and moves run
-/// there.
-pub fn gpu_runs_policy(kind: PolicyKind) -> bool {
-    !matches!(kind, PolicyKind::H2o | PolicyKind::KvCompress)
 }
 
 /// Why `cfg` cannot run on the GPU runner, if it cannot.
@@ -148,8 +141,8 @@ impl ModelRunner for CudaRunner {
         Some(EvictionIo { kv: &mut self.device, captured: &self.captured })
     }
 
-    fn serves_policy(&mut self, kind: PolicyKind) -> bool {
-        gpu_runs_policy(kind)
+    fn sums_attention(&self) -> bool {
+        false
     }
 
     fn take_error(&mut self) -> Option<EngineError> {

@@ -217,9 +217,10 @@ impl<P> Sequence<P> {
     pub fn policy(&self) -> &PolicyState {
         &self.policy
     }
-    /// Queries the next step of `n` tokens from `start` must capture for the policy.
-    pub fn capture_for(&self, start: usize, n: usize) -> usize {
-        self.policy.capture_for(start, n, self.tokens.len())
+    /// Queries the next step of `n` tokens from `start` must capture for the policy; `sums_in_forward`: whether
+    /// the runner sums attention for the policies that read it (otherwise they take the step's queries).
+    pub fn capture_for(&self, start: usize, n: usize, sums_in_forward: bool) -> usize {
+        self.policy.capture_for(start, n, self.tokens.len(), sums_in_forward)
     }
     /// The power the attention kernel raises the next step's probabilities to as it sums them for the policy;
     /// `None` when the policy takes none.

@@ -298,3 +298,52 @@ async fn a_pool_sized_in_tokens_holds_that_many_tokens_in_every_layer_and_head()
     assert_eq!(engine.model_info().num_blocks, 63 * GROUP, "kv_cache_tokens wins over num_blocks");
     engine.shutdown();
 }
+
+/// The CPU runner, saying its forward does not sum attention (as the GPU runner's does not): H2O and
+/// KV-Compress then capture every query of a step and score them against the keys themselves.
+struct SumlessRunner(pagoda_worker::engine::LlamaRunner);
+
+impl pagoda_worker::engine::ModelRunner for SumlessRunner {
+    fn info(&self) -> &pagoda_worker::engine::ModelInfo {
+        self.0.info()
+    }
+    fn forward(
+        &mut self,
+        seqs: &[pagoda_worker::engine::StepSeq<'_>],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), pagoda_worker::engine::EngineError> {
+        assert!(seqs.iter().all(|s| s.attention_sums.is_none()), "no sums asked of a forward that does not sum");
+        self.0.forward(seqs, logits)
+    }
+    fn policy_io(&mut self) -> Option<pagoda_worker::engine::PolicyIo<'_>> {
+        self.0.policy_io()
+    }
+    fn sums_attention(&self) -> bool {
+        false
+    }
+}
+
+/// H2O and KV-Compress through an engine whose forward does not sum attention score the step's captured queries
+/// instead (`PolicyKv::window_attention_scores`), the path the GPU runner takes: the same metric, so the same
+/// evictions and the same answer as the engine that takes the kernel's sums.
+#[test]
+fn attention_policies_score_captured_queries_where_the_forward_does_not_sum() {
+    use pagoda_worker::engine::LlamaRunner;
+    use pagoda_worker::policy::{PolicyKind, PolicySpec};
+    let cfg = config(128, false, ReserveConfig::default());
+    let summing = Engine::start(cfg.clone()).expect("engine starts");
+    let sumless = Engine::start_with(cfg, |c| LlamaRunner::load(c).map(SumlessRunner)).expect("engine starts");
+    let p = chat(&format!("{DOC} {DOC} {DOC} Question: what does the librarian write on the slate?"));
+    for kind in [PolicyKind::H2o, PolicyKind::KvCompress] {
+        let request = || {
+            let mut r = greedy(kind.name(), &p, 16);
+            r.policy = Some(PolicySpec { kind, budget_tokens: 64 });
+            r
+        };
+        let want = collect(summing.submit(request()).unwrap());
+        let got = collect(sumless.submit(request()).unwrap());
+        assert!(want.evicted.0 > 0, "{}: the budget evicts", kind.name());
+        assert_eq!(got.evicted, want.evicted, "{}: evicted slots and blocks", kind.name());
+        assert_eq!(got.tokens, want.tokens, "{}: the answer", kind.name());
+    }
+}

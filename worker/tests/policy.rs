@@ -58,10 +58,8 @@ impl Cache {
         }
         self.blocks.advance(n);
         let sums_power = self.policy.attention_sums();
-        let cap = match (sums_power, self.fused) {
-            (Some(_), false) => n,
-            _ => self.policy.capture_for(self.pos, n, total),
-        };
+        // Without the kernel's sums a policy that reads them takes every query of the step.
+        let cap = self.policy.capture_for(self.pos, n, total, self.fused);
         let mut captured = Vec::new();
         for p in self.pos + n - cap..self.pos + n {
             let row = q(p);

@@ -201,10 +201,11 @@ impl PolicyState {
     }
 
     /// How many trailing tokens of a step computing `start..start + n` (of `total`) need their queries
-    /// captured.
-    pub fn capture_for(&self, start: usize, n: usize, total: usize) -> usize {
+    /// captured. A policy that reads attention sums takes none when the forward sums for it
+    /// (`sums_in_forward`), and every one of the step's otherwise, to score them itself ([`Self::accumulate`]).
+    pub fn capture_for(&self, start: usize, n: usize, total: usize, sums_in_forward: bool) -> usize {
         if self.attention_sums().is_some() {
-            return 0;
+            return if sums_in_forward { 0 } else { n };
         }
         let end = start + n;
         let prefill = !self.prefilled;
