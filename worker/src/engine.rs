@@ -1337,13 +1337,13 @@ impl<R: ModelRunner> EngineLoop<R> {
             return true;
         }
         let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
-        let short = if greedy { self.greedy_tokens.len() < rows } else { self.logits.len() < rows * self.vocab };
-        if short {
-            let msg = if greedy {
-                format!("model returned {} tokens for {rows} rows", self.greedy_tokens.len())
-            } else {
-                format!("model returned {} logits for {rows} rows", self.logits.len())
-            };
+        let (got, want, what) = if greedy {
+            (self.greedy_tokens.len(), rows, "tokens")
+        } else {
+            (self.logits.len(), rows * self.vocab, "logits")
+        };
+        if got < want {
+            let msg = format!("model returned {got} {what} for {rows} rows");
             for e in &plan.seqs {
                 if let Some(seq) = self.sched.finish(e.seq) {
                     let _ = seq.payload.events.send(GenerateEvent::Failed(msg.clone()));

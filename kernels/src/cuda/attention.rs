@@ -19,7 +19,8 @@ pub const DECODE_MAX_NEW: usize = 4;
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 const THREADS: u32 = 128;
 const WARPS: usize = 4;
-const SMEM_LIMIT: usize = 48 * 1024;
+/// Largest dynamic shared memory a launch gets without opting in (every kernel here stays under it).
+pub(crate) const SMEM_LIMIT: usize = 48 * 1024;
 /// Split lengths are multiples of this many slots.
 const CHUNK_STEP: usize = 32;
 /// Fixed cost of one decode CTA, in slots' worth of time, for the split-length model.

@@ -6,6 +6,7 @@
 //! CPU twins: `Codec::encode_block` over the arena's values (the bytes are identical) and `decode_block` followed by
 //! the arena's f16 rounding (the values are identical).
 
+use super::attention::SMEM_LIMIT;
 use super::context::CudaContext;
 use super::error::CudaError;
 use super::kv::{CudaKv, check_seq, per_block_cfg, sorted_distinct};
@@ -41,9 +42,6 @@ struct CodecArgs {
     encode_smem: u32,
 }
 
-/// Largest dynamic shared memory a launch gets without opting in.
-const SMEM_DEFAULT_LIMIT: usize = 48 * 1024;
-
 fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, CudaError> {
     let encode_kernel = match codec {
         Codec::Int8 | Codec::Fp8E4m3 => "encode_blocks_q8",
@@ -61,7 +59,7 @@ fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, C
         // Two f16 (scale, min) per parameter: a K channel, or a V (slot, group of 32 channels).
         let params = kv.head_dim().max(kv.block_size() * kv.head_dim().div_ceil(crate::codec::KIVI_GROUP));
         let bytes = 4 * params;
-        if bytes > SMEM_DEFAULT_LIMIT {
+        if bytes > SMEM_LIMIT {
             return Err(CudaError::invalid(
                 op,
                 format!("{codec} of blocks of this shape needs {bytes} B of shared memory"),

@@ -14,8 +14,8 @@
 //! fused kernels where a value only changes type or place (RMSNorm and SiLU·mul straight to f16, the q|k|v split
 //! with RoPE in one launch).
 //!
-//! Not here yet: the attention sums that H2O and KV-Compress read (the runner refuses those policies), and CUDA
-//! graphs (each step launches its kernels one by one).
+//! Not here: the attention sums that H2O and KV-Compress read (the runner captures their queries instead, and the
+//! policy scores them with `window_scores`), and CUDA graphs (each step launches its kernels one by one).
 //!
 //! [`KvStorage`]: pagoda_kernels::KvStorage
 
@@ -43,11 +43,9 @@ struct CudaLayer {
     w_down: CudaWeight,
 }
 
-/// Device activations for steps of exactly `rows` tokens. Kept while consecutive steps have the same size (steady
-/// decode), replaced when the size changes: allocations go through the stream-ordered pool, so a new set costs
-/// little, and the kernels' shape checks see buffers of exactly the step's size.
+/// Device activations for steps of exactly one row count ([`sized`]): the kernels' shape checks see buffers of
+/// exactly the step's size.
 struct Buffers {
-    rows: usize,
     x: CudaSlice<f32>,
     /// The normalised `x`, rounded to f16 for the GEMMs (q|k|v and gate|up read the same copy).
     xn_h: CudaSlice<u16>,
@@ -66,7 +64,6 @@ struct Buffers {
 impl Buffers {
     fn new(cx: &CudaContext, c: &ModelConfig, rows: usize) -> Result<Buffers, CudaError> {
         Ok(Buffers {
-            rows,
             x: cx.zeros(rows * c.hidden)?,
             xn_h: cx.zeros(rows * c.hidden)?,
             qkv: cx.zeros(rows * (c.q_dim() + 2 * c.kv_dim()))?,
@@ -91,8 +88,9 @@ pub struct CudaLlama {
     /// `None`: the LM head is the embedding (tied).
     output: Option<CudaWeight>,
     kv: CudaKv,
-    bufs: Option<Buffers>,
-    head: Option<HeadBuffers>,
+    /// Activations and LM-head buffers, each with the row count it was made for.
+    bufs: Option<(usize, Buffers)>,
+    head: Option<(usize, HeadBuffers)>,
     /// Page-locked host memory the logits come back through, grown to the most rows a step has asked for: a
     /// pageable copy of a batch's logits (vocab × rows × 4 bytes, 6 MB for 32 SmolLM2 rows) took milliseconds.
     logits_host: Option<PinnedHostSlice<f32>>,
@@ -114,9 +112,8 @@ enum HeadOut<'a> {
     Greedy(&'a mut Vec<u32>),
 }
 
-/// The LM head's device buffers for steps with `rows` logits rows, kept while that count repeats (steady decode).
+/// The LM head's device buffers for steps with one count of logits rows ([`sized`]).
 struct HeadBuffers {
-    rows: usize,
     gathered: CudaSlice<f32>,
     half: CudaSlice<u16>,
     logits: CudaSlice<f32>,
@@ -127,13 +124,30 @@ struct HeadBuffers {
 impl HeadBuffers {
     fn new(cx: &CudaContext, c: &ModelConfig, rows: usize) -> Result<HeadBuffers, CudaError> {
         Ok(HeadBuffers {
-            rows,
             gathered: cx.zeros(rows * c.hidden)?,
             half: cx.zeros(rows * c.hidden)?,
             logits: cx.zeros(rows * c.vocab)?,
             tokens: cx.zeros(rows)?,
         })
     }
+}
+
+/// The buffers in `slot` for steps of `rows` rows: kept while consecutive steps have that count (steady decode),
+/// replaced when it changes, the old set freed first so peak memory holds one. Allocations go through the
+/// stream-ordered pool, so a new set costs little.
+fn sized<T>(
+    slot: &mut Option<(usize, T)>,
+    rows: usize,
+    make: impl FnOnce() -> Result<T, CudaError>,
+) -> Result<&mut T, CudaError> {
+    if slot.as_ref().is_some_and(|(r, _)| *r != rows) {
+        *slot = None;
+    }
+    let (_, buffers) = match slot {
+        Some(s) => s,
+        empty => empty.insert((rows, make()?)),
+    };
+    Ok(buffers)
 }
 
 impl std::fmt::Debug for CudaLlama {
@@ -214,7 +228,7 @@ impl CudaLlama {
     /// Runs one batched step; appends logits rows (vocab each) for each sequence in order to `out`, exactly as
     /// [`LlamaModel::forward`] does, and copies the post-RoPE queries of each sequence's last `capture_q` tokens
     /// into `captured`. Inputs are validated first with the same checks; on error nothing is written.
-    /// `attention_sums` is not served on the GPU and is ignored (the runner refuses the policies that read it).
+    /// `attention_sums` is not served on the GPU and is ignored (the engine asks for captured queries instead).
     pub fn forward(
         &mut self,
         seqs: &[ForwardSeq<'_>],
@@ -261,14 +275,7 @@ impl CudaLlama {
         let c = &self.config;
         let cx = &self.cx;
         let (nkv, scale) = (c.n_kv_heads, 1.0 / (c.head_dim as f32).sqrt());
-        if self.bufs.as_ref().is_some_and(|b| b.rows != total) {
-            // Free the old set first, so peak memory holds one.
-            self.bufs = None;
-        }
-        let b = match &mut self.bufs {
-            Some(b) => b,
-            empty => empty.insert(Buffers::new(cx, c, total)?),
-        };
+        let b = sized(&mut self.bufs, total, || Buffers::new(cx, c, total))?;
         let started = std::time::Instant::now();
         // Every layer's KV-write slots and attention metadata go up in one copy, before any layer runs.
         self.stage.clear();
@@ -318,13 +325,7 @@ impl CudaLlama {
             return cx.synchronize();
         }
         let hidden = c.hidden;
-        if self.head.as_ref().is_some_and(|h| h.rows != m) {
-            self.head = None;
-        }
-        let head = match &mut self.head {
-            Some(h) => h,
-            empty => empty.insert(HeadBuffers::new(cx, c, m)?),
-        };
+        let head = sized(&mut self.head, m, || HeadBuffers::new(cx, c, m))?;
         // A decode step wants every row's logits, in order: the head reads the hidden states in place.
         let every_row = m == total && self.out_rows.iter().enumerate().all(|(i, &r)| i == r);
         if !every_row {
@@ -338,53 +339,51 @@ impl CudaLlama {
         cx.rmsnorm_f16(head_in, &self.norm, c.rms_eps, &mut head.half)?;
         let lm_head = self.output.as_ref().unwrap_or(&self.embed);
         cx.gemm_f16(lm_head, &head.half, m, &mut head.logits)?;
-        let out = match out {
-            HeadOut::Logits(out) => out,
+        let n = m * c.vocab;
+        let queued = started.elapsed();
+        let greedy = matches!(out, HeadOut::Greedy(_));
+        let logits_out = match out {
             HeadOut::Greedy(tokens) => {
                 cx.argmax_rows(&head.logits, c.vocab, &mut head.tokens)?;
-                let queued = started.elapsed();
                 let start = tokens.len();
                 tokens.resize(start + m, 0);
                 // Exactly m tokens: cudarc's memcpy_dtoh copies the length of the host slice.
                 cx.stream().memcpy_dtoh(&head.tokens, &mut tokens[start..])?;
-                cx.synchronize()?;
-                tracing::debug!(
-                    rows = total,
-                    logits_rows = m,
-                    layers_queued_us = layers_queued.as_micros() as u64,
-                    queued_us = queued.as_micros() as u64,
-                    gpu_and_copy_us = (started.elapsed() - queued).as_micros() as u64,
-                    "cuda greedy step"
-                );
-                return Ok(());
+                None
+            }
+            HeadOut::Logits(out) => {
+                if self.logits_host.as_ref().is_some_and(|h| h.len() < n) {
+                    self.logits_host = None;
+                }
+                let host = match &mut self.logits_host {
+                    Some(h) => h,
+                    // SAFETY: page-locked memory that only this model reads and writes, through the one stream; no
+                    // flags, so it is cached (not write-combined) memory that the host reads fast.
+                    empty => empty.insert(unsafe { cx.driver().alloc_pinned_with_flags::<f32>(n, 0) }?),
+                };
+                // Into the first n floats of the buffer, which may be longer: cudarc's memcpy_dtoh copies the whole
+                // host slice, so a buffer grown by an earlier, wider step would read past this step's logits.
+                let dst = &mut host.as_mut_slice()?[..n];
+                let (src, _read) = head.logits.device_ptr(cx.stream());
+                // SAFETY: dst is n page-locked floats and head.logits holds m * vocab = n floats on this stream; the
+                // stream is synchronised below before dst is read.
+                unsafe {
+                    pagoda_kernels::cudarc::driver::result::memcpy_dtoh_async(dst, src, cx.stream().cu_stream())
+                }?;
+                Some(out)
             }
         };
-        let queued = started.elapsed();
-        let n = m * c.vocab;
-        if self.logits_host.as_ref().is_none_or(|h| h.len() < n) {
-            self.logits_host = None;
-            // SAFETY: page-locked memory that only this model reads and writes, through the one stream; no flags, so
-            // it is cached (not write-combined) memory that the host reads fast.
-            self.logits_host = Some(unsafe { cx.driver().alloc_pinned_with_flags::<f32>(n, 0) }?);
-        }
-        let host = self.logits_host.as_mut().expect("allocated above");
-        {
-            // Into the first n floats of the buffer, which may be longer: cudarc's memcpy_dtoh copies the whole
-            // host slice, so a buffer grown by an earlier, wider step would read past this step's logits.
-            let dst = &mut host.as_mut_slice()?[..n];
-            let (src, _read) = head.logits.device_ptr(cx.stream());
-            // SAFETY: dst is n page-locked floats and head.logits holds m * vocab = n floats on this stream; the
-            // stream is synchronised below before dst is read.
-            unsafe { pagoda_kernels::cudarc::driver::result::memcpy_dtoh_async(dst, src, cx.stream().cu_stream()) }?;
-        }
         cx.synchronize()?;
         let gpu_done = started.elapsed();
-        out.extend_from_slice(&host.as_slice()?[..n]);
-        // Where a step's time goes: host enqueueing (layers, then the head), waiting for the GPU and the logits'
-        // copy into page-locked memory, and the copy from there into `out`.
+        if let (Some(out), Some(host)) = (logits_out, &self.logits_host) {
+            out.extend_from_slice(&host.as_slice()?[..n]);
+        }
+        // Where a step's time goes: host enqueueing (layers, then the head), waiting for the GPU and the copy of
+        // the tokens or the logits (into page-locked memory), and the copy of the logits from there into `out`.
         tracing::debug!(
             rows = total,
             logits_rows = m,
+            greedy,
             layers_queued_us = layers_queued.as_micros() as u64,
             queued_us = queued.as_micros() as u64,
             gpu_and_copy_us = (gpu_done - queued).as_micros() as u64,
