@@ -37,7 +37,7 @@ use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle};
 use pagoda_worker::model::SyntheticSpec;
-use pagoda_worker::placement::{ProfileScoring, TierPlacement};
+use pagoda_worker::placement::{AnswerHorizon, ProfileScoring, TierPlacement};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
 use pagoda_worker::service::{AdmissionLimits, WorkerService};
@@ -250,6 +250,10 @@ struct EngineArgs {
     /// answer) or `free` (the variant's own greedy answer against it, what a request served from it gets).
     #[arg(long, default_value = "forced")]
     evicpress_profile: ProfileScoring,
+    /// How many answer positions EvicPress's profiler scores: `fixed` (always 16) or `observed` (as many as this
+    /// worker's requests generate, a moving average, at most 16).
+    #[arg(long, default_value = "fixed")]
+    evicpress_horizon: AnswerHorizon,
 }
 
 impl EngineArgs {
@@ -780,6 +784,10 @@ struct BenchTiersArgs {
     /// answer) or `free` (the variant's own greedy answer against the reference, as a request would get it).
     #[arg(long, default_value = "forced")]
     evicpress_profile: ProfileScoring,
+    /// zipf: how many answer positions EvicPress's profiler scores: `fixed` (16) or `observed` (the requests'
+    /// answer length, --answer-tokens).
+    #[arg(long, default_value = "fixed")]
+    evicpress_horizon: AnswerHorizon,
 }
 
 #[derive(Args)]
@@ -1034,6 +1042,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
             e.evicpress_alpha,
             &keep_ratios(&e.evicpress_keep_ratios),
             e.evicpress_profile,
+            e.evicpress_horizon,
         )
         .map_err(|m| anyhow!(m))?,
     })
@@ -1781,6 +1790,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         amx: args.amx,
         offline_phase: args.offline_phase,
         profile_scoring: args.evicpress_profile,
+        horizon: args.evicpress_horizon,
         ..Default::default()
     };
     let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)

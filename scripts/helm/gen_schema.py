@@ -159,6 +159,8 @@ schema = obj({
             "evicpressKeepRatios": {"type": "string", "pattern": r"^(none|0?\.[0-9]*[1-9][0-9]*(,0?\.[0-9]*[1-9][0-9]*){0,3})$"},
             # `--evicpress-profile` (placement.rs ProfileScoring).
             "evicpressProfile": {"enum": ["forced", "free"]},
+            # `--evicpress-horizon` (placement.rs AnswerHorizon).
+            "evicpressHorizon": {"enum": ["observed", "fixed"]},
         }, required=["hostMiB", "diskMiB"]),
         "persistence": obj({
             "enabled": BOOL,

@@ -40,7 +40,7 @@ use crate::engine::{
     TierPlacement,
 };
 use crate::model::{Gguf, Tokenizer};
-use crate::placement::{EvicPressConfig, ProfileScoring};
+use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring};
 use crate::policy::PolicySpec;
 use crate::tiers::{Tier, TierConfig};
 
@@ -96,6 +96,8 @@ pub struct ZipfBenchOptions {
     pub offline_phase: bool,
     /// How EvicPress's profiler scores a variant.
     pub profile_scoring: ProfileScoring,
+    /// How many answer positions EvicPress's profiler scores.
+    pub horizon: AnswerHorizon,
 }
 
 impl Default for ZipfBenchOptions {
@@ -120,6 +122,7 @@ impl Default for ZipfBenchOptions {
             amx: false,
             offline_phase: false,
             profile_scoring: ProfileScoring::TeacherForced,
+            horizon: AnswerHorizon::Fixed,
         }
     }
 }
@@ -183,7 +186,7 @@ impl ZipfReport {
         let mut s = format!(
             "Model {}, {} contexts of {}..={} tokens ({}), {} requests, Zipf({}), {} answer tokens. KV of the \
              workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB. {} EvicPress scores \
-             variants {}.\n\n\
+             variants {} over {}.\n\n\
              | configuration | mean TTFT ms | p99 TTFT ms | quality | device hit | host hit | disk hit | computed \
              | completed |\n|---|---|---|---|---|---|---|---|---|\n",
             self.model,
@@ -207,6 +210,10 @@ impl ZipfReport {
             match o.profile_scoring {
                 ProfileScoring::TeacherForced => "teacher-forced",
                 ProfileScoring::FreeRunning => "on free-running answers",
+            },
+            match o.horizon {
+                AnswerHorizon::Observed => "the requests' answer length".to_owned(),
+                AnswerHorizon::Fixed => format!("{} positions", EvicPressConfig::default().answer_tokens),
             }
         );
         for r in &self.results {
@@ -710,9 +717,9 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
             codecs: codecs.clone(),
             keep_ratios: opts.keep_ratios.clone(),
             scoring: opts.profile_scoring,
-            // The profiler scores its default 16 teacher-forced positions, not the workload's short answers: with
-            // 4 it measured in steps of 0.25, and a pruned copy that scored 1.0 on one context tied the lossless
-            // format there and won as the smaller variant.
+            // Observed, the profiler scores the workload's answer length (`answer_tokens`), in steps of
+            // 1/answer_tokens; fixed, its default 16 positions.
+            horizon: opts.horizon,
             ..EvicPressConfig::default()
         };
         let name = if opts.alphas.len() == 1 { EVICPRESS.to_owned() } else { format!("{EVICPRESS} a={alpha}") };

@@ -1372,7 +1372,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             {
                 let _ = seq.payload.events.send(finished(&seq, reason));
                 if let Some(ep) = &mut self.evicpress {
-                    ep.finished(&seq.tokens()[..seq.prompt_len()], seq.namespace(), seq.cached_tokens());
+                    let prompt = &seq.tokens()[..seq.prompt_len()];
+                    ep.finished(prompt, seq.namespace(), seq.cached_tokens(), seq.generated().len());
                 }
             }
         }

@@ -8,11 +8,12 @@
 //!   owning context, so tier bytes are accounted exactly once. The tokens after the context in the creating
 //!   request (bounded by `probe_tokens`) are kept as its profiling probe.
 //! - **Profiling.** Right after a request computed a context from scratch, and only when the engine has no other
-//!   work, the profiler measures each variant's quality: it greedily decodes `answer_tokens` tokens after the probe
-//!   with the full-precision KV (the answer), then, for each compressing codec, quantises the context's device
+//!   work, the profiler measures each variant's quality: it greedily decodes the horizon's tokens (as many as
+//!   requests generate, [`AnswerHorizon`]; at most `answer_tokens`) after the probe with the full-precision KV (the
+//!   answer), then, for each compressing codec, quantises the context's device
 //!   blocks in place (encode → decode, what onboarding that variant would produce), runs one teacher-forced step over
 //!   the probe and the answer, and scores the fraction of answer positions whose top token is the one the same step
-//!   predicts over the original KV (a resolution of 1/16 at the default 16 tokens; teacher forcing keeps one early
+//!   predicts over the original KV (a resolution of one position of the horizon; teacher forcing keeps one early
 //!   miss from failing every later position); the original blocks are restored bit-exactly after every variant.
 //!   A pruned variant (a keep ratio, [`pruned`]) is scored the same way over the context's prefix followed by its
 //!   packed copy, written through the codec over the context's own first blocks (restored after), with the probe
@@ -48,6 +49,7 @@ use crate::engine::{EngineError, ModelRunner, StepSeq};
 use crate::evicpress::{self, Operation, Planner, PlannerConfig, Variant};
 use crate::model::LogitsWanted;
 use crate::sampling::argmax;
+use crate::tiers::cost::Ewma;
 use crate::tiers::pruned::{self, Pruner, kept_tokens, packed_groups};
 use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
 
@@ -79,6 +81,7 @@ impl TierPlacement {
         alpha: f64,
         keep_ratios: &[f64],
         scoring: ProfileScoring,
+        horizon: AnswerHorizon,
     ) -> Result<TierPlacement, String> {
         let fixed = match codec.parse::<GroupCodec>() {
             Ok(GroupCodec::Native(_)) => None,
@@ -99,6 +102,7 @@ impl TierPlacement {
                     alpha,
                     keep_ratios: keep_ratios.to_vec(),
                     scoring,
+                    horizon,
                     ..EvicPressConfig::default()
                 }))
             }
@@ -157,8 +161,11 @@ pub struct EvicPressConfig {
     pub max_contexts: usize,
     /// Tokens after a context kept as its profiling probe.
     pub probe_tokens: usize,
-    /// Greedy tokens of the reference answer; each variant is scored at these positions.
+    /// Most greedy tokens of the reference answer; each variant is scored at the first [`EvicPressConfig::horizon`]
+    /// of them.
     pub answer_tokens: usize,
+    /// How many answer positions a profile scores.
+    pub horizon: AnswerHorizon,
     /// How a variant's answer is compared with the reference answer.
     pub scoring: ProfileScoring,
     /// Relative drop of observed quality below the profile that triggers a re-profile.
@@ -178,6 +185,7 @@ impl Default for EvicPressConfig {
             max_contexts: 4096,
             probe_tokens: 32,
             answer_tokens: 16,
+            horizon: AnswerHorizon::Fixed,
             scoring: ProfileScoring::TeacherForced,
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
@@ -213,6 +221,33 @@ impl std::str::FromStr for ProfileScoring {
     }
 }
 
+/// How many answer positions the profiler scores (`--evicpress-horizon`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum AnswerHorizon {
+    /// As many as this worker's requests generate: a moving average of their output lengths (rounded), at most
+    /// `answer_tokens`, and `answer_tokens` before the first request finishes. Quality is then measured over the
+    /// answers requests actually get: a variant that keeps a 4-token answer but loses the thread by token 10 is
+    /// worth keeping for 4-token requests, and a 16-token profile would call it poor. Not the default: on the
+    /// Zipf workload it traded the high-quality end of the α curve for a little speed (BENCHMARKS.md).
+    Observed,
+    /// Always `answer_tokens`.
+    #[default]
+    Fixed,
+}
+
+impl std::str::FromStr for AnswerHorizon {
+    type Err = String;
+
+    /// The flag's names: `observed` or `fixed`.
+    fn from_str(s: &str) -> Result<AnswerHorizon, String> {
+        match s {
+            "observed" => Ok(AnswerHorizon::Observed),
+            "fixed" => Ok(AnswerHorizon::Fixed),
+            other => Err(format!("expected observed or fixed, got {:?}", other.chars().take(32).collect::<String>())),
+        }
+    }
+}
+
 /// Counters and occupancy of the placement (in [`crate::engine::EngineStats`]).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct EvicPressStats {
@@ -241,6 +276,8 @@ pub struct EvicPressStats {
     pub pending: u64,
     /// Admissions that started from an onboarded pruned copy.
     pub pruned_onboards: u64,
+    /// Answer positions the next profile scores ([`AnswerHorizon`]).
+    pub answer_horizon: u64,
     /// Copies the stores did not keep whole (a refused or failed write, a corrupt file), found when applied or at
     /// the context's next request: the planner stops counting on them and places the context again.
     pub lost_copies: u64,
@@ -278,6 +315,8 @@ pub struct EvicPress {
     pending: VecDeque<Pending>,
     /// Sum and count of measured quality per variant: the prior of unprofiled contexts.
     prior: Vec<(f64, u64)>,
+    /// Output lengths of finished requests (moving average), for [`AnswerHorizon::Observed`].
+    answer_lengths: Ewma,
     model_id: String,
     layout: CacheLayout,
     clock: u64,
@@ -358,6 +397,7 @@ impl EvicPress {
         let n = variants.len();
         let stats = EvicPressStats { capacity_bytes: planner.capacity(), ..EvicPressStats::default() };
         Ok(EvicPress {
+            answer_lengths: Ewma::new(cfg.answer_tokens as f64),
             cfg,
             planner,
             variants,
@@ -382,6 +422,7 @@ impl EvicPress {
         s.contexts = self.contexts.len() as u64;
         s.planned_bytes = self.planner.used();
         s.pending = self.pending.len() as u64;
+        s.answer_horizon = self.horizon() as u64;
         s.variants = self.variant_names();
         s.mean_quality = self.prior_quality();
         s.placed = [0; 3];
@@ -435,10 +476,21 @@ impl EvicPress {
         (0..packed_groups(kept, bs)).map(|j| pruned::group_key(context, j)).collect()
     }
 
-    /// Records a request that finished: resolves which contexts its prompt passed through (counting accesses) and
-    /// creates a new one from its unowned groups. Placement happens in [`EvicPress::place_pending`].
-    pub fn finished(&mut self, prompt: &[u32], namespace: &str, cached_tokens: usize) {
+    /// Answer positions a profile scores now ([`AnswerHorizon`]).
+    fn horizon(&self) -> usize {
+        let most = self.cfg.answer_tokens;
+        match self.cfg.horizon {
+            AnswerHorizon::Fixed => most,
+            AnswerHorizon::Observed => (self.answer_lengths.value().round() as usize).clamp(1, most),
+        }
+    }
+
+    /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
+    /// passed through (counting accesses) and creates a new one from its unowned groups. Placement happens in
+    /// [`EvicPress::place_pending`].
+    pub fn finished(&mut self, prompt: &[u32], namespace: &str, cached_tokens: usize, generated: usize) {
         let bs = self.layout.block_size;
+        self.answer_lengths.update(generated as f64);
         if prompt.len() < 2 {
             return;
         }
@@ -649,14 +701,15 @@ impl EvicPress {
         let gs = self.layout.group_size();
         let bs = self.layout.block_size;
         let own = self.contexts.get(&p.context).map_or(0, |c| c.groups.len()).min(p.chain.len());
-        let tail_blocks = (p.probe.len() + self.cfg.answer_tokens).div_ceil(bs);
+        let answer_len = self.horizon();
+        let tail_blocks = (p.probe.len() + answer_len).div_ceil(bs);
         let mut tail = Vec::new();
         if pool.allocate(gs * tail_blocks, &mut tail).is_err() {
             release(pool, &pinned);
             return Ok(None);
         }
         let blocks = ProfileBlocks { groups: &groups, own, tail: &tail, tail_blocks };
-        let result = self.measure(runner, &blocks, &p.probe, variants, t0);
+        let result = self.measure(runner, &blocks, &p.probe, answer_len, variants, t0);
         release(pool, &tail);
         release(pool, &pinned);
         self.stats.profile_ms += t0.elapsed().as_millis() as u64;
@@ -668,6 +721,7 @@ impl EvicPress {
         runner: &mut R,
         b: &ProfileBlocks<'_>,
         probe: &[u32],
+        answer_len: usize,
         variants: &[usize],
         t0: Instant,
     ) -> Result<Vec<Option<f64>>, EngineError> {
@@ -676,7 +730,7 @@ impl EvicPress {
         let bs = self.layout.block_size;
         let ctx_tokens = b.groups.len() * bs;
         let full = b.tables(None);
-        let answer = self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe)?;
+        let answer = self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe, answer_len)?;
         // Teacher-forced, every variant is scored over the probe and the full-precision answer, so that one early
         // disagreement costs one position rather than the rest of a diverged answer, against the predictions of
         // the very same step over the original KV (only the codec differs). Free-running, the reference is the
@@ -710,7 +764,8 @@ impl EvicPress {
                     selected = Some(var.keep_ratio);
                 }
                 self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]).and_then(|n| {
-                    self.predict(runner, &b.tables(Some(n)), prefix * bs + kept, ctx_tokens, probe, &forced)
+                    let tables = b.tables(Some(n));
+                    self.predict(runner, &tables, prefix * bs + kept, ctx_tokens, probe, &forced)
                 })
             } else {
                 round_trip(runner, b.groups, var.codec)
@@ -753,7 +808,7 @@ impl EvicPress {
         Ok(n)
     }
 
-    /// The `answer_tokens` tokens a variant predicts after `probe`, over `tables` whose first `held` slots hold the
+    /// The answer tokens a variant predicts after `probe`, over `tables` whose first `held` slots hold the
     /// context (fewer than its `pos` tokens for a pruned copy), scored the configured way: its own greedy answer
     /// (free-running), or its top token at each answer position of one step over `forced` (the probe and the
     /// full-precision answer).
@@ -766,16 +821,18 @@ impl EvicPress {
         probe: &[u32],
         forced: &[u32],
     ) -> Result<Vec<u32>, EngineError> {
+        // `forced` is the probe and all but the last answer token.
+        let answer_len = (forced.len() + 1).saturating_sub(probe.len());
         match self.cfg.scoring {
-            ProfileScoring::FreeRunning => self.greedy(runner, tables, held, pos, probe),
+            ProfileScoring::FreeRunning => self.greedy(runner, tables, held, pos, probe, answer_len),
             ProfileScoring::TeacherForced => {
                 let lens = vec![held; tables.len()];
-                self.teacher_forced(runner, tables, &lens, pos, forced, self.cfg.answer_tokens)
+                self.teacher_forced(runner, tables, &lens, pos, forced, answer_len)
             }
         }
     }
 
-    /// Greedy decode of `answer_tokens` tokens after `probe`, over `tables` whose first `held` slots hold the
+    /// Greedy decode of `answer_len` tokens after `probe`, over `tables` whose first `held` slots hold the
     /// context (fewer than its `pos` tokens for a pruned copy); the probe starts at position `pos`.
     fn greedy<R: ModelRunner>(
         &mut self,
@@ -784,12 +841,13 @@ impl EvicPress {
         held: usize,
         mut pos: usize,
         probe: &[u32],
+        answer_len: usize,
     ) -> Result<Vec<u32>, EngineError> {
         let vocab = runner.info().vocab_size;
         let mut lens = vec![held; tables.len()];
-        let mut out = Vec::with_capacity(self.cfg.answer_tokens);
+        let mut out = Vec::with_capacity(answer_len);
         let mut input: Vec<u32> = probe.to_vec();
-        for _ in 0..self.cfg.answer_tokens {
+        for _ in 0..answer_len {
             self.forward(runner, tables, &input, pos, &lens, LogitsWanted::Last)?;
             if self.logits.len() < vocab {
                 return Err(EngineError::Forward("no logits from the profiling step".into()));
@@ -1154,8 +1212,9 @@ mod tests {
 
     #[test]
     fn flags_parse_into_placements_and_bad_ones_are_refused() {
-        let from_flags =
-            |p: &str, c: &str, a: f64, r: &[f64]| TierPlacement::from_flags(p, c, a, r, Default::default());
+        let from_flags = |p: &str, c: &str, a: f64, r: &[f64]| {
+            TierPlacement::from_flags(p, c, a, r, Default::default(), Default::default())
+        };
         assert_eq!(from_flags("lru", "native", 1.0, &[0.5]), Ok(TierPlacement::Lru));
         assert_eq!(from_flags("lru", "f16", 1.0, &[0.5]), Ok(TierPlacement::Lru));
         assert_eq!(from_flags("lru", "int4_kivi", 1.0, &[0.5]), Ok(TierPlacement::LruCodec(Codec::Int4Kivi)));
@@ -1165,6 +1224,7 @@ mod tests {
                 assert_eq!(c.codecs, GroupCodec::COMPRESSING.to_vec());
                 assert_eq!(c.keep_ratios, [0.5]);
                 assert_eq!(c.scoring, ProfileScoring::TeacherForced);
+                assert_eq!(c.horizon, AnswerHorizon::Fixed);
             }
             other => panic!("{other:?}"),
         }
@@ -1175,12 +1235,25 @@ mod tests {
         assert!(from_flags("evicpress", "native", 1.0, &[]).is_ok(), "whole contexts only");
         assert!(from_flags("fifo", "native", 1.0, &[0.5]).is_err());
         assert!(from_flags("lru", "zstd", 1.0, &[0.5]).is_err());
-        match TierPlacement::from_flags("evicpress", "native", 1.0, &[], ProfileScoring::FreeRunning) {
-            Ok(TierPlacement::EvicPress(c)) => assert_eq!(c.scoring, ProfileScoring::FreeRunning),
+        let free_observed = TierPlacement::from_flags(
+            "evicpress",
+            "native",
+            1.0,
+            &[],
+            ProfileScoring::FreeRunning,
+            AnswerHorizon::Observed,
+        );
+        match free_observed {
+            Ok(TierPlacement::EvicPress(c)) => {
+                assert_eq!((c.scoring, c.horizon), (ProfileScoring::FreeRunning, AnswerHorizon::Observed))
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!("free".parse(), Ok(ProfileScoring::FreeRunning));
         assert!("teacher".parse::<ProfileScoring>().is_err());
+        assert_eq!("observed".parse(), Ok(AnswerHorizon::Observed));
+        assert_eq!("fixed".parse(), Ok(AnswerHorizon::Fixed));
+        assert!("16".parse::<AnswerHorizon>().is_err());
     }
 
     #[test]
@@ -1237,7 +1310,7 @@ mod tests {
         let doc: Vec<u32> = (0..128).collect();
         let mut a = doc.clone();
         a.extend([900, 901, 902, 903, 904]);
-        ep.finished(&a, "", 0);
+        ep.finished(&a, "", 0, 4);
         assert_eq!(ep.contexts.len(), 1);
         let id = *ep.contexts.keys().next().unwrap();
         assert_eq!(ep.contexts[&id].groups.len(), 8);
@@ -1246,7 +1319,7 @@ mod tests {
         // not a context either.
         let mut b = doc.clone();
         b.extend(1000..1040);
-        ep.finished(&b, "", 128);
+        ep.finished(&b, "", 128, 4);
         assert_eq!(ep.contexts.len(), 1);
         let last = ep.pending.back().unwrap();
         assert_eq!((last.context, last.chain.len(), last.fresh), (id, 8, false));
@@ -1254,11 +1327,42 @@ mod tests {
         // A document extended by 4+ groups makes a second context owning only the new groups.
         let mut c = doc.clone();
         c.extend(2000..2080);
-        ep.finished(&c, "", 128);
+        ep.finished(&c, "", 128, 4);
         assert_eq!(ep.contexts.len(), 2);
         assert!(ep.contexts.values().any(|x| x.groups.len() == 4));
         // Another namespace hashes differently: a new context.
-        ep.finished(&a, "tenant", 0);
+        ep.finished(&a, "tenant", 0, 4);
         assert_eq!(ep.contexts.len(), 3);
+    }
+
+    #[test]
+    fn the_profile_horizon_follows_what_requests_generate() {
+        let cfg = TierConfig { data_dir: None, host_bytes: 1 << 20, disk_bytes: 0 };
+        let tiers = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        let layout = CacheLayout { n_layers: 1, n_kv_heads: 1, block_size: 16 };
+        let prompt: Vec<u32> = (0..40).collect();
+        let horizon = |ep: &EvicPress| ep.stats().answer_horizon;
+        let observed = EvicPressConfig { horizon: AnswerHorizon::Observed, ..EvicPressConfig::default() };
+        let mut ep = EvicPress::new(observed, "m", layout, 64, KvDtype::F32, &tiers).unwrap();
+        // Before any request: the most, answer_tokens.
+        assert_eq!(horizon(&ep), 16);
+        // The first output length replaces the prior; later ones move the average (rounded).
+        ep.finished(&prompt, "", 0, 4);
+        assert_eq!(horizon(&ep), 4);
+        ep.finished(&prompt, "", 0, 4);
+        assert_eq!(horizon(&ep), 4);
+        ep.finished(&prompt, "", 0, 9);
+        assert_eq!(horizon(&ep), 5, "4 + 0.2 · (9 − 4) = 5");
+        // Bounded by answer_tokens above; an empty output (a request stopped at once) does not count.
+        for _ in 0..50 {
+            ep.finished(&prompt, "", 0, 500);
+        }
+        assert_eq!(horizon(&ep), 16);
+        ep.finished(&prompt, "", 0, 0);
+        assert_eq!(horizon(&ep), 16);
+        // Fixed, the default, ignores the requests.
+        let mut ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F32, &tiers).unwrap();
+        ep.finished(&prompt, "", 0, 4);
+        assert_eq!(horizon(&ep), 16);
     }
 }

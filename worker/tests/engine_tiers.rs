@@ -12,7 +12,7 @@ use pagoda_kernels::KvDtype;
 use pagoda_worker::cache::block_hashes;
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::model::{Gguf, Tokenizer};
-use pagoda_worker::placement::{EvicPressConfig, ProfileScoring, TierPlacement};
+use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::tiers::{Tier, TierConfig};
 
 /// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
@@ -188,7 +188,11 @@ fn fp8_device_cache_serves_and_round_trips_through_host_and_disk() {
 
 /// A 240-token prompt whose 14-group context fits a 4 MiB host tier only as EvicPress's pruned copy (half its
 /// tokens, native format), on an engine with room for the context and three 11-group fillers.
-fn pruned_copy_engine(scoring: ProfileScoring, paragraph: &[u32]) -> (EngineHandle, Vec<u32>, usize) {
+fn pruned_copy_engine(
+    scoring: ProfileScoring,
+    horizon: AnswerHorizon,
+    paragraph: &[u32],
+) -> (EngineHandle, Vec<u32>, usize) {
     let p: Vec<u32> = std::iter::repeat_n(paragraph, 5).flatten().copied().take(240).collect();
     assert_eq!(p.len(), 240, "paragraph of {} tokens", paragraph.len());
     let context = (p.len() - 1) / BS * BS;
@@ -201,6 +205,7 @@ fn pruned_copy_engine(scoring: ProfileScoring, paragraph: &[u32]) -> (EngineHand
         // The fillers below (11 groups) are not contexts.
         min_context_groups: 12,
         scoring,
+        horizon,
         ..EvicPressConfig::default()
     };
     let cfg = EngineConfig {
@@ -229,7 +234,7 @@ fn run_fillers(h: &EngineHandle) {
 /// to the pool (a pruned cache is never published, so the request after it onboards the copy again).
 #[test]
 fn evicpress_serves_a_context_from_its_pruned_copy() {
-    let (h, p, context) = pruned_copy_engine(ProfileScoring::TeacherForced, &prompt());
+    let (h, p, context) = pruned_copy_engine(ProfileScoring::TeacherForced, AnswerHorizon::Fixed, &prompt());
     let (cold, cached, _) = run(&h, &p, 8);
     assert_eq!((cold.len(), cached), (8, 0));
     let placed = wait_stats(&h, "the context's placement", |s| {
@@ -255,11 +260,10 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
 
 /// Free-running profiling measures what a request served from the variant gets: the pruned copy's profiled
 /// quality is, position by position, the agreement between the answer of a request that starts from that copy and
-/// the cold request's answer (both 16 greedy tokens after the same prompt, the profiler's answer length). The
-/// context is real prose (240 tokens of *Alice in Wonderland* when `data/prose` is fetched), where half the
-/// tokens do not carry every answer token.
-#[test]
-fn free_running_profile_is_the_agreement_a_request_from_the_copy_gets() {
+/// the cold request's answer (both `answer` greedy tokens after the same prompt, the profiler's horizon: its fixed
+/// 16, or the requests' own output length when observed). The context is real prose (240 tokens of *Alice in Wonderland* when `data/prose`
+/// is fetched), where half the tokens do not carry every answer token.
+fn free_running_profile_matches_a_request_from_the_copy(answer: usize, horizon: AnswerHorizon) {
     let g = Gguf::open(model_path()).expect("gguf");
     let tokenizer = Tokenizer::from_gguf(&g).expect("tokenizer");
     let alice = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/prose/alice29.txt");
@@ -268,22 +272,36 @@ fn free_running_profile_is_the_agreement_a_request_from_the_copy_gets() {
     if paragraph.len() < 240 {
         paragraph = prompt();
     }
-    let (h, p, context) = pruned_copy_engine(ProfileScoring::FreeRunning, &paragraph);
-    let (cold, _, _) = run(&h, &p, 16);
+    let (h, p, context) = pruned_copy_engine(ProfileScoring::FreeRunning, horizon, &paragraph);
+    let (cold, _, _) = run(&h, &p, answer as u32);
     let placed = wait_stats(&h, "the context's placement", |s| {
         s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1)
     });
-    let profiled = placed.evicpress.expect("EvicPress stats").mean_quality[1].expect("the pruned copy was profiled");
+    let e = placed.evicpress.expect("EvicPress stats");
+    assert_eq!(e.answer_horizon, answer as u64, "{e:?}");
+    let profiled = e.mean_quality[1].expect("the pruned copy was profiled");
     run_fillers(&h);
-    let (warm, cached, _) = run(&h, &p, 16);
+    let (warm, cached, _) = run(&h, &p, answer as u32);
     assert_eq!(cached as usize, context, "served from the pruned copy");
-    let observed = cold.iter().zip(&warm).filter(|(a, b)| a == b).count() as f64 / 16.0;
-    println!("profiled {profiled}, observed {observed}");
+    let observed = cold.iter().zip(&warm).filter(|(a, b)| a == b).count() as f64 / answer as f64;
+    println!("{answer} tokens: profiled {profiled}, observed {observed}");
     assert_eq!(
         profiled, observed,
         "profiled {profiled}, a request from the copy agreed on {observed}:\n{cold:?}\n{warm:?}"
     );
     h.shutdown();
+}
+
+#[test]
+fn free_running_profile_is_the_agreement_a_request_from_the_copy_gets() {
+    free_running_profile_matches_a_request_from_the_copy(16, AnswerHorizon::Fixed);
+}
+
+/// With the observed horizon, requests that answer in 6 tokens are profiled over 6: the fixed 16 would rate the copy
+/// by tokens no request reads.
+#[test]
+fn free_running_profile_scores_as_many_tokens_as_requests_generate() {
+    free_running_profile_matches_a_request_from_the_copy(6, AnswerHorizon::Observed);
 }
 
 /// The planner's view of the stores never outlives the stores: when a stored copy turns out incomplete (here a
