@@ -136,6 +136,10 @@ pub struct ZipfConfigResult {
     pub ttft_ms_p99: f64,
     /// Mean fraction of answer tokens equal to the recompute answer, in [0, 1].
     pub quality: f64,
+    /// The same mean over the requests that reused stored KV (any prefix hit, or a pruned copy): what the stored
+    /// KV gives, without the requests computed whole, whose answers are recompute's. A device hit counts: under a
+    /// codec, groups onboarded from a lossy copy stay on the device for later requests. `None` without reuse.
+    pub reuse_quality: Option<f64>,
     /// Fraction of all prompt tokens served from each tier ([`Tier::index`]).
     pub hit_rate: [f64; 3],
     /// Fraction of prompt tokens computed.
@@ -165,6 +169,15 @@ pub struct RequestRecord {
     pub hit_tokens: [u64; 3],
     /// EvicPress only: the request started from a pruned copy of its context.
     pub pruned: bool,
+    /// Fraction of its answer tokens equal to the recompute answer's (1 for recompute itself).
+    pub quality: f64,
+}
+
+impl RequestRecord {
+    /// Whether the request reused stored KV: a prefix hit in any tier, or a pruned copy.
+    pub fn reused(&self) -> bool {
+        self.pruned || self.hit_tokens.iter().any(|&h| h > 0)
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -187,8 +200,8 @@ impl ZipfReport {
             "Model {}, {} contexts of {}..={} tokens ({}), {} requests, Zipf({}), {} answer tokens. KV of the \
              workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB. {} EvicPress scores \
              variants {} over {}.\n\n\
-             | configuration | mean TTFT ms | p99 TTFT ms | quality | device hit | host hit | disk hit | computed \
-             | completed |\n|---|---|---|---|---|---|---|---|---|\n",
+             | configuration | mean TTFT ms | p99 TTFT ms | quality | quality when reusing | device hit | host hit | \
+             disk hit | computed | completed |\n|---|---|---|---|---|---|---|---|---|---|\n",
             self.model,
             o.contexts,
             o.min_tokens,
@@ -218,11 +231,12 @@ impl ZipfReport {
         );
         for r in &self.results {
             s += &format!(
-                "| {} | {:.1} | {:.1} | {:.3} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {}/{} |\n",
+                "| {} | {:.1} | {:.1} | {:.3} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {}/{} |\n",
                 r.name,
                 r.ttft_ms_mean,
                 r.ttft_ms_p99,
                 r.quality,
+                r.reuse_quality.map_or_else(|| "–".to_owned(), |q| format!("{q:.3}")),
                 100.0 * r.hit_rate[0],
                 100.0 * r.hit_rate[1],
                 100.0 * r.hit_rate[2],
@@ -567,6 +581,8 @@ fn run_config(
             computed_tokens,
             hit_tokens,
             pruned: pruned_onboards(&s) > pruned_onboards(&last),
+            // Filled in below, once the reference answers are known.
+            quality: 1.0,
         });
         for tier in [Tier::Host, Tier::Disk] {
             let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
@@ -585,17 +601,15 @@ fn run_config(
         last = s;
     }
     engine.shutdown();
-    let quality = match reference {
-        Some(reference) => {
-            let per: Vec<f64> = answers
-                .iter()
-                .zip(reference)
-                .map(|(a, r)| a.iter().zip(r).filter(|(x, y)| x == y).count() as f64 / r.len().max(1) as f64)
-                .collect();
-            per.iter().sum::<f64>() / per.len().max(1) as f64
+    if let Some(reference) = reference {
+        for ((rec, a), r) in per_request.iter_mut().zip(&answers).zip(reference) {
+            rec.quality = a.iter().zip(r).filter(|(x, y)| x == y).count() as f64 / r.len().max(1) as f64;
         }
-        None => 1.0,
-    };
+    }
+    let mean = |qs: &[f64]| qs.iter().sum::<f64>() / qs.len().max(1) as f64;
+    let quality = mean(&per_request.iter().map(|r| r.quality).collect::<Vec<_>>());
+    let reusing: Vec<f64> = per_request.iter().filter(|r| r.reused()).map(|r| r.quality).collect();
+    let reuse_quality = (!reusing.is_empty()).then(|| mean(&reusing));
     let mut sorted = ttfts.clone();
     sorted.sort_by(f64::total_cmp);
     let pt = prompt_tokens.max(1) as f64;
@@ -606,6 +620,7 @@ fn run_config(
         ttft_ms_mean: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
         ttft_ms_p99: percentile(&sorted, 99.0),
         quality,
+        reuse_quality,
         hit_rate: hits.map(|h| h as f64 / pt),
         computed_rate: computed as f64 / pt,
         peak_used_bytes: peak_used,
@@ -776,12 +791,20 @@ mod tests {
             computed_tokens: computed,
             hit_tokens: hit,
             pruned,
+            quality: 1.0,
         };
         assert_eq!(RequestKind::of(&r(800, [0; 3], false)), RequestKind::Cold);
         assert_eq!(RequestKind::of(&r(13, [0, 0, 784], true)), RequestKind::Pruned);
         assert_eq!(RequestKind::of(&r(13, [784, 0, 0], false)), RequestKind::Device);
         assert_eq!(RequestKind::of(&r(13, [160, 624, 0], false)), RequestKind::Tier);
         assert_eq!(RequestKind::of(&r(400, [0, 0, 400], false)), RequestKind::Partial);
+        // Reuse: a hit in any tier, or a pruned copy; computing the whole prompt is not.
+        let reused: Vec<bool> = [r(800, [0; 3], false), r(13, [0, 0, 784], true), r(13, [784, 0, 0], false)]
+            .iter()
+            .chain(&[r(400, [0, 400, 0], false), r(13, [0; 3], true)])
+            .map(RequestRecord::reused)
+            .collect();
+        assert_eq!(reused, [false, true, true, true, true]);
     }
 
     #[test]

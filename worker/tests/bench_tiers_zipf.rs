@@ -62,6 +62,18 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
         let n = &r.name;
         assert_eq!((r.requests, r.completed), (24, 24), "{n}: every request completes with its answer");
         assert!((0.0..=1.0).contains(&r.quality), "{n}: quality {}", r.quality);
+        let mean = r.per_request.iter().map(|q| q.quality).sum::<f64>() / r.per_request.len() as f64;
+        assert!((mean - r.quality).abs() < 1e-9, "{n}: quality is the mean of the requests' qualities");
+        let reusing: Vec<f64> = r.per_request.iter().filter(|q| q.reused()).map(|q| q.quality).collect();
+        match r.reuse_quality {
+            Some(q) => assert!((q - reusing.iter().sum::<f64>() / reusing.len() as f64).abs() < 1e-9, "{n}: {r:?}"),
+            None => assert!(reusing.is_empty(), "{n}: {r:?}"),
+        }
+        // A request that reuses nothing computes what recompute computes: every configuration's losses are in
+        // its reuse.
+        for q in r.per_request.iter().filter(|q| !q.reused()) {
+            assert_eq!(q.quality, 1.0, "{n}: a request computed whole differs from recompute: {q:?}");
+        }
         assert!(r.ttft_ms_mean > 0.0 && r.ttft_ms_mean <= r.ttft_ms_p99, "{n}: {r:?}");
         let served: f64 = r.hit_rate.iter().sum::<f64>() + r.computed_rate;
         assert!((served - 1.0).abs() < 0.05, "{n}: every prompt token is served once: {r:?}");
@@ -73,9 +85,11 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
     let recompute = by("recompute");
     assert_eq!(recompute.quality, 1.0, "recompute is the reference");
     assert_eq!(recompute.hit_rate, [0.0; 3], "no reuse without the prefix cache");
+    assert_eq!(recompute.reuse_quality, None, "recompute reuses nothing");
     for name in ["lru", "lru+int4_kivi", "evicpress"] {
         let r = by(name);
         assert!(r.hit_rate[1] + r.hit_rate[2] > 0.0, "{name}: prompt tokens come back from host or disk: {r:?}");
+        assert!(r.reuse_quality.is_some_and(|q| (0.0..=1.0).contains(&q)), "{name}: {r:?}");
     }
     // Native groups are lossless: LRU answers what recompute answers, up to near-tie argmax flips.
     assert!(by("lru").quality >= 0.9, "{:?}", by("lru"));
