@@ -561,7 +561,7 @@ fn run_config(
     let mut per_request = Vec::with_capacity(workload.len());
     let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
     let mut last = engine.stats();
-    for r in workload {
+    for (i, r) in workload.iter().enumerate() {
         let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens)?;
         let s = settled(&engine, last.computed_tokens_total)?;
         let hit_tokens: [u64; 3] =
@@ -581,8 +581,7 @@ fn run_config(
             computed_tokens,
             hit_tokens,
             pruned: pruned_onboards(&s) > pruned_onboards(&last),
-            // Filled in below, once the reference answers are known.
-            quality: 1.0,
+            quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| answer_agreement(&answer, want)),
         });
         for tier in [Tier::Host, Tier::Disk] {
             let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
@@ -601,15 +600,9 @@ fn run_config(
         last = s;
     }
     engine.shutdown();
-    if let Some(reference) = reference {
-        for ((rec, a), r) in per_request.iter_mut().zip(&answers).zip(reference) {
-            rec.quality = a.iter().zip(r).filter(|(x, y)| x == y).count() as f64 / r.len().max(1) as f64;
-        }
-    }
-    let mean = |qs: &[f64]| qs.iter().sum::<f64>() / qs.len().max(1) as f64;
-    let quality = mean(&per_request.iter().map(|r| r.quality).collect::<Vec<_>>());
-    let reusing: Vec<f64> = per_request.iter().filter(|r| r.reused()).map(|r| r.quality).collect();
-    let reuse_quality = (!reusing.is_empty()).then(|| mean(&reusing));
+    let quality = mean_quality(per_request.iter());
+    let reuse_quality =
+        per_request.iter().any(RequestRecord::reused).then(|| mean_quality(per_request.iter().filter(|r| r.reused())));
     let mut sorted = ttfts.clone();
     sorted.sort_by(f64::total_cmp);
     let pt = prompt_tokens.max(1) as f64;
@@ -632,6 +625,17 @@ fn run_config(
         per_request,
     };
     Ok((result, answers))
+}
+
+/// Fraction of `answer`'s tokens equal, position by position, to `reference`'s.
+fn answer_agreement(answer: &[u32], reference: &[u32]) -> f64 {
+    answer.iter().zip(reference).filter(|(a, r)| a == r).count() as f64 / reference.len().max(1) as f64
+}
+
+/// Mean quality of `requests` (0 when there are none).
+fn mean_quality<'a>(requests: impl Iterator<Item = &'a RequestRecord>) -> f64 {
+    let (sum, n) = requests.fold((0.0, 0usize), |(s, n), r| (s + r.quality, n + 1));
+    sum / n.max(1) as f64
 }
 
 /// Runs every configuration on the same workload.

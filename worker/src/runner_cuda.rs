@@ -107,17 +107,28 @@ impl CudaRunner {
     }
 }
 
+impl CudaRunner {
+    /// Runs `step` over `seqs` as the model's batch (in the reused buffer) with the capture store.
+    fn with_batch(
+        &mut self,
+        seqs: &[StepSeq<'_>],
+        step: impl FnOnce(&mut CudaLlama, &[ForwardSeq<'_>], &mut CapturedQueries) -> Result<(), crate::model::ModelError>,
+    ) -> Result<(), EngineError> {
+        let mut batch = recycle_forward(std::mem::take(&mut self.batch));
+        batch.extend(seqs.iter().map(StepSeq::forward_seq));
+        let r = step(&mut self.device.model, &batch, &mut self.captured);
+        self.batch = recycle_forward(batch);
+        r.map_err(|e| EngineError::Forward(e.to_string()))
+    }
+}
+
 impl ModelRunner for CudaRunner {
     fn info(&self) -> &ModelInfo {
         &self.info
     }
 
     fn forward(&mut self, seqs: &[StepSeq<'_>], logits: &mut Vec<f32>) -> Result<(), EngineError> {
-        let mut batch = recycle_forward(std::mem::take(&mut self.batch));
-        batch.extend(seqs.iter().map(StepSeq::forward_seq));
-        let r = self.device.model.forward(&batch, logits, &mut self.captured);
-        self.batch = recycle_forward(batch);
-        r.map_err(|e| EngineError::Forward(e.to_string()))
+        self.with_batch(seqs, |model, batch, captured| model.forward(batch, logits, captured))
     }
 
     fn forward_greedy(
@@ -126,11 +137,7 @@ impl ModelRunner for CudaRunner {
         _scratch: &mut Vec<f32>,
         tokens: &mut Vec<u32>,
     ) -> Result<(), EngineError> {
-        let mut batch = recycle_forward(std::mem::take(&mut self.batch));
-        batch.extend(seqs.iter().map(StepSeq::forward_seq));
-        let r = self.device.model.forward_greedy(&batch, tokens, &mut self.captured);
-        self.batch = recycle_forward(batch);
-        r.map_err(|e| EngineError::Forward(e.to_string()))
+        self.with_batch(seqs, |model, batch, captured| model.forward_greedy(batch, tokens, captured))
     }
 
     fn group_kv(&mut self) -> Option<&mut dyn GroupKv> {
