@@ -37,6 +37,7 @@ use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle};
 use pagoda_worker::model::SyntheticSpec;
+use pagoda_worker::peer_link::LinkFactory;
 use pagoda_worker::placement::{AnswerHorizon, ProfileScoring, TierPlacement};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
@@ -216,8 +217,8 @@ struct EngineArgs {
     #[arg(long)]
     amx: bool,
     /// Compute device: cpu, or cuda / cuda:N for the GPU runner (binaries built with `--features cuda`). On a GPU
-    /// the KV cache is f16 in device memory; host/disk tiers and eviction are CPU-only for now (the GPU worker
-    /// runs without tiers and serves every request with its full cache).
+    /// the KV cache is f16 in device memory; eviction policies, the host/disk tiers with LRU placement, and peer
+    /// pulls (over NCCL links between GPU workers, else gRPC) run there too; EvicPress placement is CPU-only.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
@@ -1142,6 +1143,8 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
 /// What a worker's gRPC server serves besides the engine.
 struct WorkerServing {
     worker_id: String,
+    /// The engine's device: GPU workers carry peer payloads over NCCL links where both ends can.
+    device: Device,
     admission: AdmissionLimits,
     peer_fetch: Option<PeerFetchConfig>,
     /// The block-event reporter's progress, when the worker reports to a kvstore.
@@ -1154,7 +1157,12 @@ async fn serve_worker(
     serving: WorkerServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let WorkerServing { worker_id, admission, peer_fetch, report_progress } = serving;
+    let WorkerServing { worker_id, device, admission, peer_fetch, report_progress } = serving;
+    let links = device_links(device);
+    match &links {
+        Ok(_) => tracing::info!(%device, "peer payloads go over NCCL links to GPU peers that accept them"),
+        Err(why) => tracing::debug!(%device, why, "peer payloads go over gRPC only"),
+    }
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let counters = std::sync::Arc::new(PeerCounters::default());
     let mut service = WorkerService::new(engine.clone())
@@ -1165,14 +1173,32 @@ async fn serve_worker(
         service = service.with_report_progress(progress);
     }
     if let Some(cfg) = peer_fetch {
-        service = service.with_peer_fetch(PeerFetcher::new(engine.clone(), counters.clone(), cfg));
+        let mut fetcher = PeerFetcher::new(engine.clone(), counters.clone(), cfg);
+        if let Ok(factory) = &links {
+            fetcher = fetcher.with_device_links(factory.clone());
+        }
+        service = service.with_peer_fetch(fetcher);
     }
     pagoda_proto::tls::server()?
         .add_service(service.into_server())
-        .add_service(TransferService::new(engine, counters).into_server())
+        .add_service(TransferService::new(engine, counters).with_device_links(links).into_server())
         .serve_with_incoming_shutdown(incoming, wait_for(shutdown))
         .await?;
     Ok(())
+}
+
+/// How this worker joins NCCL links to GPU peers, or why it cannot (a CPU worker, a build without CUDA, or no
+/// libnccl): then peers' payloads go over gRPC.
+fn device_links(device: Device) -> std::result::Result<Arc<dyn LinkFactory>, String> {
+    match device {
+        Device::Cpu => Err("this worker runs on the CPU".into()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            pagoda_worker::peer_link_nccl::NcclLinks::new(ordinal).map(|links| Arc::new(links) as Arc<dyn LinkFactory>)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err("this binary was built without the cuda feature".into()),
+    }
 }
 
 /// Runs `fut` until it ends, or until `DRAIN` after the shutdown signal (streams may keep a server busy).
@@ -1238,6 +1264,7 @@ async fn up(args: UpArgs) -> Result<()> {
     // One worker has no peer to pull from.
     let serving = WorkerServing {
         worker_id,
+        device: args.engine.device,
         admission: args.engine.admission(),
         peer_fetch: None,
         report_progress: Some(reporter.progress.clone()),
@@ -1339,6 +1366,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     });
     let serving = WorkerServing {
         worker_id,
+        device: args.engine.device,
         admission: args.engine.admission(),
         peer_fetch,
         report_progress: reporter.as_ref().map(|r| r.progress.clone()),

@@ -79,6 +79,23 @@ fn host_hits(s: &StatsResponse) -> u64 {
     s.prefix_hits.iter().filter(|h| h.tier == "host").map(|h| h.tokens).sum()
 }
 
+/// `Transfer.OpenLink` and linked fetches against a CPU worker: a well-formed NCCL id is refused with
+/// FAILED_PRECONDITION (the caller's cue to keep gRPC payloads), a malformed one with INVALID_ARGUMENT, and a
+/// fetch naming a link the worker never opened with NOT_FOUND.
+async fn device_links_are_refused_by_a_cpu_worker(addr: &str) {
+    use pagoda_proto::transfer::transfer_client::TransferClient;
+    use pagoda_proto::transfer::{FetchRequest, OpenLinkRequest};
+    let mut client = TransferClient::connect(format!("http://{addr}")).await.unwrap();
+    let refused = client.open_link(OpenLinkRequest { nccl_unique_id: vec![7; 128] }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");
+    assert!(refused.message().contains("no device links"), "{refused:?}");
+    let bad = client.open_link(OpenLinkRequest { nccl_unique_id: vec![7; 127] }).await.unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    let unknown = FetchRequest { hashes: vec![1, 2], max_batch_bytes: 1 << 20, nccl_link: 5 };
+    let st = client.fetch(unknown).await.unwrap_err();
+    assert_eq!(st.code(), tonic::Code::NotFound, "{st:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
     let model = require_model().unwrap().to_string_lossy().into_owned();
@@ -128,6 +145,9 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
     let sa = worker_stats(&a_addr).await.unwrap();
     assert_eq!(sa.peer_served_blocks_total, usable as u64, "{sa:?}");
     assert_eq!(sa.peer_served_bytes_total, sb.peer_fetched_bytes_total);
+    // CPU workers have no device links: the payloads came inline on the gRPC stream, and B never tried a link.
+    assert_eq!((sb.peer_linked_fetches_total, sb.peer_link_refusals_total), (0, 0), "{sb:?}");
+    device_links_are_refused_by_a_cpu_worker(&a_addr).await;
 
     // A hint naming an address where nobody listens: the pull fails, B prefills, the answer is A's.
     let second = prompt(2, 12 * BLOCK + 5);

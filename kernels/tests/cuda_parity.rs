@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
 
 static CX: OnceLock<Option<Mutex<CudaContext>>> = OnceLock::new();
 
@@ -856,8 +857,8 @@ fn encoded_attention_matches_cpu() {
 
 /// The NCCL path as far as one GPU allows: a communicator of one rank linked to itself sends blocks of one arena
 /// and receives them into other blocks of another in one grouped exchange, bit for bit; bad block lists are
-/// refused before any NCCL call. (Two ranks on two GPUs, and the id's trip through the worker protocol, need a
-/// second device.)
+/// refused before any NCCL call. (Two ranks need two GPUs: NCCL refuses two ranks of one communicator on one
+/// device.)
 #[test]
 fn nccl_link_moves_blocks_to_itself() {
     use pagoda_kernels::cuda::{NcclLink, NcclUniqueId, nccl_available};
@@ -872,7 +873,7 @@ fn nccl_link_moves_blocks_to_itself() {
     let src = CudaKv::from_host(&cx, &src_host).unwrap();
     let mut dst = CudaKv::new(&cx, nb, bs, hd).unwrap();
     let id = NcclUniqueId::new().unwrap();
-    let link = NcclLink::connect(&cx, &id, 0, 1, 0).unwrap();
+    let link = NcclLink::connect(cx.stream(), &id, 0, 1, 0, Duration::from_secs(30), None).unwrap();
     let (from, to) = ([3u32, 1, 7, 8], [0u32, 5, 2, 8]);
     link.exchange(Some((&src, &from)), Some((&mut dst, &to))).unwrap();
     cx.synchronize().unwrap();
@@ -883,8 +884,61 @@ fn nccl_link_moves_blocks_to_itself() {
     }
     assert!(link.exchange(None, Some((&mut dst, &[0, 0]))).is_err(), "a destination twice");
     assert!(link.exchange(Some((&src, &[nb as u32])), None).is_err(), "a block outside the arena");
-    assert!(NcclLink::connect(&cx, &id, 1, 1, 0).is_err(), "rank outside the world");
+    assert!(
+        NcclLink::connect(cx.stream(), &id, 1, 1, 0, Duration::from_secs(1), None).is_err(),
+        "rank outside the world"
+    );
     report("nccl self exchange (exact)", 0.0, 0.0);
+}
+
+/// A peer that never joins cannot hang the joining thread: rank 0 of a world of two, alone, gives up at its
+/// deadline with `NcclTimeout` (and its half-built communicator is aborted), or at once when told to cancel.
+#[test]
+fn nccl_connect_gives_up_on_a_peer_that_never_joins() {
+    use pagoda_kernels::cuda::{CudaError, NcclLink, NcclUniqueId, nccl_available};
+    use std::sync::atomic::AtomicBool;
+    let Some(cx) = gpu("nccl timeout") else { return };
+    if !nccl_available() {
+        eprintln!("skipping nccl: libnccl is not on the library path");
+        return;
+    }
+    let id = NcclUniqueId::new().unwrap();
+    let started = std::time::Instant::now();
+    let err = NcclLink::connect(cx.stream(), &id, 0, 2, 1, Duration::from_secs(2), None).unwrap_err();
+    let waited = started.elapsed();
+    assert!(matches!(err, CudaError::NcclTimeout { .. }), "{err}");
+    assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(10), "gave up after {waited:?}");
+    let cancel = AtomicBool::new(true);
+    let started = std::time::Instant::now();
+    let id = NcclUniqueId::new().unwrap();
+    assert!(NcclLink::connect(cx.stream(), &id, 0, 2, 1, Duration::from_secs(60), Some(&cancel)).is_err());
+    assert!(started.elapsed() < Duration::from_secs(10), "a cancelled join returns promptly");
+    report("nccl join timeout and cancel", 0.0, 0.0);
+}
+
+/// The byte pipe the peer tier uses between GPU workers, on one GPU: a one-rank loopback moves byte strings of
+/// several lengths (one byte, odd sizes, the whole capacity) from host through device staging and back, exactly,
+/// and refuses more than its capacity.
+#[test]
+fn nccl_pipe_moves_bytes_to_itself() {
+    use pagoda_kernels::cuda::{NcclPipe, nccl_available};
+    let Some(_cx) = gpu("nccl pipe") else { return };
+    if !nccl_available() {
+        eprintln!("skipping nccl: libnccl is not on the library path");
+        return;
+    }
+    let cap = 1 << 20;
+    let mut pipe = NcclPipe::loopback(0, cap, Duration::from_secs(30)).unwrap();
+    let mut rng = StdRng::seed_from_u64(16);
+    let mut got = Vec::new();
+    for len in [1usize, 4093, 65_536, cap] {
+        let sent: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        pipe.transfer(Some(&sent), Some((len, &mut got)), Duration::from_secs(30)).unwrap();
+        assert_eq!(got, sent, "{len} bytes");
+    }
+    let too_big = vec![0u8; cap + 1];
+    assert!(pipe.transfer(Some(&too_big), Some((cap + 1, &mut got)), Duration::from_secs(1)).is_err());
+    report("nccl pipe loopback (exact)", 0.0, 0.0);
 }
 
 #[test]

@@ -9,6 +9,8 @@
 //! - [`tiers`]: the host and disk KV tiers below the device pool, offload/onboard and their cost model.
 //! - [`events`]: the block-event log (engine side) and outbox (reporter side), sequence numbers, snapshots.
 //! - [`transfer`]: the peer tier: the `Transfer` gRPC service and pulling a prefix from another worker.
+//! - [`peer_link`]: device links between GPU workers that carry the peer tier's payloads (NCCL in
+//!   `peer_link_nccl`, feature `cuda`), with gRPC as the fallback.
 //! - [`reporter`]: the task that publishes block events, occupancy and heartbeats to the kvstore.
 //! - [`bench`], [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
 //!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it; [`bench_zipf`]: EvicPress
@@ -25,6 +27,9 @@ pub mod events;
 pub mod evicpress;
 pub mod journal;
 pub mod model;
+pub mod peer_link;
+#[cfg(feature = "cuda")]
+pub mod peer_link_nccl;
 pub mod placement;
 pub mod policy;
 pub mod reporter;

@@ -563,6 +563,8 @@ impl Worker for WorkerService {
             peer_fetch_seconds_total: p.fetch_seconds,
             peer_served_blocks_total: p.served_blocks,
             peer_served_bytes_total: p.served_bytes,
+            peer_linked_fetches_total: p.linked_fetches,
+            peer_link_refusals_total: p.link_refusals,
             report_epoch: r.epoch,
             report_acked_seq: r.acked_seq,
             report_snapshots_total: r.snapshots,

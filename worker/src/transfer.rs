@@ -9,6 +9,9 @@
 //!   every block, and hands the verified run to the engine's host tier. Admission then onboards it like any host
 //!   hit. A failed, late or corrupt pull costs nothing but the time it took: the request is prefilled as usual.
 //! - [`PeerCounters`] owns the peer tier's counters for `Stats`; the fetcher owns the peer bandwidth estimate.
+//! - Between GPU workers, both sides may carry the payloads over an NCCL link instead ([`crate::peer_link`]): the
+//!   service answers `OpenLink` by joining the caller's communicator, and a fetch that names a link sends each
+//!   batch's metadata on the stream and its payloads on the link. The checksums are verified the same way.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -20,7 +23,7 @@ use futures::Stream;
 use pagoda_proto::trace_context::{self, TransferDirection};
 use pagoda_proto::transfer::transfer_client::TransferClient;
 use pagoda_proto::transfer::transfer_server::{Transfer, TransferServer};
-use pagoda_proto::transfer::{Block, BlockBatch, FetchRequest};
+use pagoda_proto::transfer::{Block, BlockBatch, FetchRequest, OpenLinkReply, OpenLinkRequest};
 use pagoda_proto::worker as pb_worker;
 use tokio::sync::{Semaphore, mpsc};
 use tonic::{Request, Response, Status};
@@ -28,6 +31,10 @@ use tracing::{Instrument, Span};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine::{EngineHandle, PrefixProbe};
+use crate::peer_link::{
+    LINK_ID_BYTES, LINK_JOIN_TIMEOUT, LINK_TRANSFER_TIMEOUT, LendError, LinkEnd, LinkError, LinkFactory, ServedLinks,
+    SharedPeerLinks, TakeLink, attach_payloads, linked_payload_bytes, split_payloads,
+};
 use crate::tiers::cost::Ewma;
 use crate::tiers::{EncodedGroup, native};
 
@@ -67,6 +74,8 @@ pub struct PeerCounters {
     fetch_micros: AtomicU64,
     served_blocks: AtomicU64,
     served_bytes: AtomicU64,
+    linked_fetches: AtomicU64,
+    link_refusals: AtomicU64,
 }
 
 /// A copy of [`PeerCounters`].
@@ -79,6 +88,10 @@ pub struct PeerStats {
     pub fetch_seconds: f64,
     pub served_blocks: u64,
     pub served_bytes: u64,
+    /// Pulls whose payloads came over a device link (NCCL) rather than the gRPC stream.
+    pub linked_fetches: u64,
+    /// Link opens that failed or that the peer refused (it has no NCCL): pulls stayed on gRPC.
+    pub link_refusals: u64,
 }
 
 impl PeerCounters {
@@ -92,6 +105,8 @@ impl PeerCounters {
             fetch_seconds: r(&self.fetch_micros) as f64 / 1e6,
             served_blocks: r(&self.served_blocks),
             served_bytes: r(&self.served_bytes),
+            linked_fetches: r(&self.linked_fetches),
+            link_refusals: r(&self.link_refusals),
         }
     }
 }
@@ -109,15 +124,31 @@ pub enum FetchError {
     BadBatch(String),
     #[error("the peer sent {got} of {wanted} blocks")]
     Incomplete { got: usize, wanted: usize },
+    #[error("device link: {0}")]
+    Link(String),
 }
 
 /// What one pull brought back: the verified consecutive run from the first requested hash, and why it ended
 /// early, if it did.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct FetchOutcome {
     pub groups: Vec<(u64, EncodedGroup)>,
     pub bytes: u64,
     pub error: Option<FetchError>,
+    /// The link the pull was given, back when the pull left it in step with the peer; `None` when it broke
+    /// (dropping it aborted the communicator) or none was given.
+    pub link: Option<(u64, Box<dyn LinkEnd>)>,
+}
+
+impl std::fmt::Debug for FetchOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FetchOutcome")
+            .field("groups", &self.groups.len())
+            .field("bytes", &self.bytes)
+            .field("error", &self.error)
+            .field("link", &self.link.as_ref().map(|l| l.0))
+            .finish()
+    }
 }
 
 /// Checks one received batch against the hashes still expected (in order) and the bounds, and converts it. A batch
@@ -158,17 +189,13 @@ pub fn verify_batch(
     Ok(out)
 }
 
-/// Pulls the groups under `hashes` from the worker at `addr` by `deadline`. Never fails as a whole: what was
-/// verified before an error or the deadline is returned with the error.
-pub async fn fetch(
+/// A `Transfer` client for the worker at `addr`, connected by `deadline`, that accepts batches of up to
+/// `max_batch_bytes` of payload.
+async fn connect(
     addr: &str,
-    hashes: &[u64],
-    max_batch_bytes: u64,
-    max_group_bytes: u64,
     deadline: tokio::time::Instant,
-    span: &Span,
-) -> FetchOutcome {
-    let mut out = FetchOutcome::default();
+    max_batch_bytes: u64,
+) -> Result<TransferClient<tonic::transport::Channel>, FetchError> {
     let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
     let conn = async {
         let endpoint = pagoda_proto::tls::endpoint(addr)
@@ -177,25 +204,74 @@ pub async fn fetch(
             .tcp_nodelay(true);
         endpoint.connect().await.map_err(|e| FetchError::Connect { addr: addr.to_owned(), reason: e.to_string() })
     };
-    let channel = match tokio::time::timeout_at(deadline, conn).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => {
+    let channel = tokio::time::timeout_at(deadline, conn).await.map_err(|_| FetchError::Timeout(timeout))??;
+    // A batch may hold up to `max_batch_bytes` of payload plus per-block framing.
+    let limit = usize::try_from(max_batch_bytes).unwrap_or(usize::MAX).saturating_add(64 * 1024);
+    Ok(TransferClient::new(channel).max_decoding_message_size(limit))
+}
+
+/// Receives the payloads a linked batch announces over `end`, within `timeout`, and puts them into the batch.
+/// Returns the end with the result; an end whose transfer failed must be dropped.
+async fn receive_linked(
+    batch: BlockBatch,
+    mut end: Box<dyn LinkEnd>,
+    max_batch_bytes: u64,
+    max_group_bytes: u64,
+    timeout: Duration,
+) -> (Option<Box<dyn LinkEnd>>, Result<BlockBatch, FetchError>) {
+    let total = match linked_payload_bytes(&batch, max_batch_bytes, max_group_bytes) {
+        Ok(n) => n,
+        Err(e) => return (None, Err(FetchError::BadBatch(e))),
+    };
+    let moved = tokio::task::spawn_blocking(move || {
+        let mut payload = Vec::new();
+        let r = end.transfer(None, Some((total, &mut payload)), timeout);
+        (end, r, payload)
+    })
+    .await;
+    match moved {
+        Ok((end, Ok(()), payload)) => match attach_payloads(batch, &payload) {
+            Ok(b) => (Some(end), Ok(b)),
+            Err(e) => (None, Err(FetchError::BadBatch(e))),
+        },
+        Ok((_, Err(e), _)) => (None, Err(FetchError::Link(e.to_string()))),
+        Err(e) => (None, Err(FetchError::Link(format!("the receiving thread failed: {e}")))),
+    }
+}
+
+/// Pulls the groups under `hashes` from the worker at `addr` by `deadline`. Never fails as a whole: what was
+/// verified before an error or the deadline is returned with the error. With `link` (its id at the peer and this
+/// end), the payloads come over the link and the link is handed back in the outcome if it stayed in step.
+pub async fn fetch(
+    addr: &str,
+    hashes: &[u64],
+    max_batch_bytes: u64,
+    max_group_bytes: u64,
+    deadline: tokio::time::Instant,
+    span: &Span,
+    link: Option<(u64, Box<dyn LinkEnd>)>,
+) -> FetchOutcome {
+    let mut out = FetchOutcome::default();
+    let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let mut client = match connect(addr, deadline, max_batch_bytes).await {
+        Ok(c) => c,
+        Err(e) => {
+            // Nothing went over the link: it is still in step.
             out.error = Some(e);
-            return out;
-        }
-        Err(_) => {
-            out.error = Some(FetchError::Timeout(timeout));
+            out.link = link;
             return out;
         }
     };
-    // A batch may hold up to `max_batch_bytes` of payload plus per-block framing.
-    let limit = usize::try_from(max_batch_bytes).unwrap_or(usize::MAX).saturating_add(64 * 1024);
-    let mut client = TransferClient::new(channel).max_decoding_message_size(limit);
-    let mut request = Request::new(FetchRequest { hashes: hashes.to_vec(), max_batch_bytes });
+    let link_id = link.as_ref().map_or(0, |l| l.0);
+    let mut request = Request::new(FetchRequest { hashes: hashes.to_vec(), max_batch_bytes, nccl_link: link_id });
     trace_context::inject_into_metadata(span, request.metadata_mut());
     let mut stream = match tokio::time::timeout_at(deadline, client.fetch(request)).await {
         Ok(Ok(r)) => r.into_inner(),
         Ok(Err(status)) => {
+            // A peer that no longer knows the link (it restarted, or dropped it) will never use it again.
+            if status.code() != tonic::Code::NotFound {
+                out.link = link;
+            }
             out.error = Some(status.into());
             return out;
         }
@@ -204,6 +280,7 @@ pub async fn fetch(
             return out;
         }
     };
+    let mut link = link;
     loop {
         let batch = match tokio::time::timeout_at(deadline, stream.message()).await {
             Ok(Ok(Some(b))) => b,
@@ -217,7 +294,16 @@ pub async fn fetch(
                 break;
             }
         };
-        match verify_batch(batch, &hashes[out.groups.len()..], max_batch_bytes, max_group_bytes) {
+        let batch = match link.take() {
+            None => Ok(batch),
+            Some((id, end)) => {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let (end, batch) = receive_linked(batch, end, max_batch_bytes, max_group_bytes, left).await;
+                link = end.map(|e| (id, e));
+                batch
+            }
+        };
+        match batch.and_then(|b| verify_batch(b, &hashes[out.groups.len()..], max_batch_bytes, max_group_bytes)) {
             Ok(groups) => {
                 out.bytes += groups.iter().map(|(_, g)| g.len()).sum::<u64>();
                 out.groups.extend(groups);
@@ -228,7 +314,46 @@ pub async fn fetch(
             }
         }
     }
+    // After an error the peer may still be sending on the link, or waiting for this end: only a clean end of
+    // the stream leaves the two in step. A dropped end aborts the communicator, and the peer's send times out.
+    if out.error.is_none() {
+        out.link = link;
+    }
     out
+}
+
+/// Opens a device link to the worker at `addr`: joins a fresh communicator as rank 0 while asking the peer to
+/// join it as rank 1. On failure says whether the peer cannot do links at all (it has no NCCL), and why.
+async fn open_link(addr: &str, factory: Arc<dyn LinkFactory>) -> Result<(u64, Box<dyn LinkEnd>), (bool, String)> {
+    let deadline = tokio::time::Instant::now() + LINK_JOIN_TIMEOUT;
+    let id = {
+        let factory = factory.clone();
+        tokio::task::spawn_blocking(move || factory.new_id())
+            .await
+            .map_err(|e| (false, e.to_string()))?
+            .map_err(|e| (false, e.to_string()))?
+    };
+    let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let join = {
+        let (id, cancel) = (id.clone(), cancel.clone());
+        tokio::task::spawn_blocking(move || factory.join(&id, 0, LINK_JOIN_TIMEOUT, &cancel))
+    };
+    let asked = async {
+        let mut client = connect(addr, deadline, MIN_BATCH_BYTES).await.map_err(|e| (false, e.to_string()))?;
+        let reply = tokio::time::timeout_at(deadline, client.open_link(OpenLinkRequest { nccl_unique_id: id }))
+            .await
+            .map_err(|_| (false, "OpenLink timed out".to_owned()))?;
+        reply.map(|r| r.into_inner().link).map_err(|st| (st.code() == tonic::Code::FailedPrecondition, st.to_string()))
+    }
+    .await;
+    if asked.is_err() {
+        // The peer will not join: stop waiting for it.
+        cancel.store(true, Ordering::Relaxed);
+    }
+    let joined = join.await.map_err(|e| (false, e.to_string()));
+    let link = asked?;
+    let end = joined?.map_err(|e| (false, e.to_string()))?;
+    Ok((link, end))
 }
 
 /// Whether pulling `blocks` groups of about `group_bytes` each beats prefilling their tokens: the pull costs the
@@ -265,13 +390,15 @@ impl Default for PeerFetchConfig {
     }
 }
 
-/// The pulling side (see the module docs). Owns the peer bandwidth estimate.
+/// The pulling side (see the module docs). Owns the peer bandwidth estimate and its device links to peers.
 pub struct PeerFetcher {
     engine: EngineHandle,
     counters: Arc<PeerCounters>,
     cfg: PeerFetchConfig,
     permits: Arc<Semaphore>,
     bandwidth: Mutex<Ewma>,
+    device_links: Option<Arc<dyn LinkFactory>>,
+    peer_links: SharedPeerLinks,
 }
 
 impl PeerFetcher {
@@ -282,6 +409,47 @@ impl PeerFetcher {
             permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             cfg,
             bandwidth: Mutex::new(Ewma::new(PRIOR_PEER_BYTES_PER_S)),
+            device_links: None,
+            peer_links: SharedPeerLinks::default(),
+        }
+    }
+
+    /// Moves payloads over device links (NCCL) to peers that accept one; others stay on gRPC.
+    pub fn with_device_links(mut self, factory: Arc<dyn LinkFactory>) -> PeerFetcher {
+        self.device_links = Some(factory);
+        self
+    }
+
+    /// The link a pull to `addr` may use. Starts opening one in the background when there is none: the pull
+    /// itself never waits for a communicator to come up.
+    fn take_link(&self, addr: &str) -> Option<(u64, Box<dyn LinkEnd>)> {
+        let factory = self.device_links.as_ref()?;
+        let take = self.peer_links.lock().unwrap_or_else(|p| p.into_inner()).take(addr, Instant::now());
+        match take {
+            TakeLink::Use(id, end) => Some((id, end)),
+            TakeLink::Grpc => None,
+            TakeLink::Open => {
+                let (factory, links, counters) = (factory.clone(), self.peer_links.clone(), self.counters.clone());
+                let addr = addr.to_owned();
+                tokio::spawn(async move {
+                    let opened = open_link(&addr, factory).await;
+                    if let Err((permanent, e)) = &opened {
+                        counters.link_refusals.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(peer = %addr, permanent, error = %e, "no device link to peer; pulls use gRPC");
+                    } else {
+                        tracing::info!(peer = %addr, "device link to peer open");
+                    }
+                    let opened = opened.map_err(|(permanent, _)| permanent);
+                    links.lock().unwrap_or_else(|p| p.into_inner()).opened(&addr, opened, Instant::now());
+                });
+                None
+            }
+        }
+    }
+
+    fn give_back_link(&self, addr: &str, link: Option<(u64, Box<dyn LinkEnd>)>, lent: bool) {
+        if lent {
+            self.peer_links.lock().unwrap_or_else(|p| p.into_inner()).give_back(addr, link, Instant::now());
         }
     }
 
@@ -328,9 +496,15 @@ impl PeerFetcher {
         let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + self.cfg.timeout;
-        let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span)
+        let link = self.take_link(&hint.address);
+        let lent = link.is_some();
+        let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span, link)
             .instrument(span.clone())
             .await;
+        if lent && !outcome.groups.is_empty() {
+            self.counters.linked_fetches.fetch_add(1, Ordering::Relaxed);
+        }
+        self.give_back_link(&hint.address, outcome.link.take(), lent);
         if outcome.error.is_none() && outcome.groups.len() < missing.len() {
             // The router's view was stale, or the peer evicted the rest meanwhile.
             outcome.error = Some(FetchError::Incomplete { got: outcome.groups.len(), wanted: missing.len() });
@@ -371,11 +545,72 @@ pub struct TransferService {
     engine: EngineHandle,
     counters: Arc<PeerCounters>,
     serving: Arc<Semaphore>,
+    /// How this worker joins device links, or why it cannot.
+    device_links: Result<Arc<dyn LinkFactory>, String>,
+    served_links: Arc<Mutex<ServedLinks>>,
+}
+
+/// A served link lent to one fetch. Dropping the loan returns the link to the table if the fetch left it in step
+/// with the peer (`in_step`), and drops it (aborting the communicator) otherwise, on every path out of the fetch.
+struct Loan {
+    table: Arc<Mutex<ServedLinks>>,
+    id: u64,
+    end: Option<Box<dyn LinkEnd>>,
+    in_step: bool,
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        let end = if self.in_step { self.end.take() } else { None };
+        self.table.lock().unwrap_or_else(|p| p.into_inner()).give_back(self.id, end);
+    }
+}
+
+impl Loan {
+    /// Sends one batch's payloads over the link, at most [`LINK_TRANSFER_TIMEOUT`]. On failure the loan is out of
+    /// step and the link will be dropped.
+    async fn send(&mut self, payload: Vec<u8>) -> Result<(), LinkError> {
+        let Some(mut end) = self.end.take() else {
+            return Err(LinkError::Failed("the link broke on an earlier batch".into()));
+        };
+        self.in_step = false;
+        let (end, sent) = tokio::task::spawn_blocking(move || {
+            let r = end.transfer(Some(&payload), None, LINK_TRANSFER_TIMEOUT);
+            (end, r)
+        })
+        .await
+        .map_err(|e| LinkError::Failed(format!("the sending thread failed: {e}")))?;
+        sent?;
+        self.end = Some(end);
+        self.in_step = true;
+        Ok(())
+    }
 }
 
 impl TransferService {
     pub fn new(engine: EngineHandle, counters: Arc<PeerCounters>) -> TransferService {
-        TransferService { engine, counters, serving: Arc::new(Semaphore::new(MAX_CONCURRENT_SERVES)) }
+        TransferService {
+            engine,
+            counters,
+            serving: Arc::new(Semaphore::new(MAX_CONCURRENT_SERVES)),
+            device_links: Err("this worker runs on the CPU".into()),
+            served_links: Arc::default(),
+        }
+    }
+
+    /// How this worker joins device links (NCCL) that peers open, or why it cannot (answered to `OpenLink` as
+    /// FAILED_PRECONDITION, so the peer stays on gRPC payloads).
+    pub fn with_device_links(mut self, links: Result<Arc<dyn LinkFactory>, String>) -> TransferService {
+        self.device_links = links;
+        self
+    }
+
+    fn lend_link(&self, id: u64) -> Result<Loan, Status> {
+        let end = self.served_links.lock().unwrap_or_else(|p| p.into_inner()).lend(id).map_err(|e| match e {
+            LendError::Unknown => Status::not_found(format!("no device link {id} on this worker")),
+            LendError::Busy => Status::failed_precondition(format!("device link {id} is serving another fetch")),
+        })?;
+        Ok(Loan { table: self.served_links.clone(), id, end: Some(end), in_step: true })
     }
 
     /// The tonic server wrapper, ready for `Server::add_service`.
@@ -422,7 +657,13 @@ pub fn into_batches(groups: Vec<(u64, EncodedGroup)>, max_batch_bytes: u64) -> R
             bytes = 0;
         }
         bytes += g.len();
-        batch.blocks.push(Block { hash, checksum: block_checksum(hash, &g.bytes), codec: g.codec, bytes: g.bytes });
+        batch.blocks.push(Block {
+            hash,
+            checksum: block_checksum(hash, &g.bytes),
+            codec: g.codec,
+            bytes: g.bytes,
+            nccl_bytes: 0,
+        });
     }
     if !batch.blocks.is_empty() {
         out.push(batch);
@@ -451,6 +692,16 @@ impl Transfer for TransferService {
                 "this worker serves {MAX_CONCURRENT_SERVES} fetches at once; retry later"
             )));
         };
+        let mut loan = match req.nccl_link {
+            0 => None,
+            id => match self.lend_link(id) {
+                Ok(l) => Some(l),
+                Err(st) => {
+                    span.record("otel.status_code", "ERROR");
+                    return Err(st);
+                }
+            },
+        };
         let (tx, rx) = mpsc::channel::<Result<BlockBatch, Status>>(BATCHES_IN_FLIGHT);
         let (engine, counters) = (self.engine.clone(), self.counters.clone());
         let task_span = span.clone();
@@ -463,6 +714,10 @@ impl Transfer for TransferService {
                         Ok(c) if !c.is_empty() => c,
                         Ok(_) => break,
                         Err(e) => {
+                            // The caller drops its end on an error: so does this side.
+                            if let Some(l) = &mut loan {
+                                l.in_step = false;
+                            }
                             let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
                             break;
                         }
@@ -472,15 +727,37 @@ impl Transfer for TransferService {
                         Ok(b) => b,
                         Err(st) => {
                             task_span.record("otel.status_code", "ERROR");
+                            // The caller drops its end on an error: so does this side.
+                            if let Some(l) = &mut loan {
+                                l.in_step = false;
+                            }
                             let _ = tx.send(Err(st)).await;
                             break;
                         }
                     };
                     for b in batches {
                         let (n, bytes) = (b.blocks.len() as u64, b.blocks.iter().map(|x| x.bytes.len() as u64).sum());
+                        let (b, payload) = match &loan {
+                            Some(_) => {
+                                let (meta, payload) = split_payloads(b);
+                                (meta, Some(payload))
+                            }
+                            None => (b, None),
+                        };
                         if tx.send(Ok(b)).await.is_err() {
-                            // The caller went away.
+                            // The caller went away (before receiving this batch's payloads: the link is out of
+                            // step, and the loan's drop discards it).
+                            if let Some(l) = &mut loan {
+                                l.in_step = false;
+                            }
                             task_span.record("bytes", sent_bytes as i64);
+                            return;
+                        }
+                        if let (Some(l), Some(payload)) = (&mut loan, payload)
+                            && let Err(e) = l.send(payload).await
+                        {
+                            task_span.record("otel.status_code", "ERROR");
+                            let _ = tx.send(Err(Status::aborted(format!("device link: {e}")))).await;
                             return;
                         }
                         sent_bytes += bytes;
@@ -493,6 +770,42 @@ impl Transfer for TransferService {
             .instrument(span),
         );
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn open_link(&self, request: Request<OpenLinkRequest>) -> Result<Response<OpenLinkReply>, Status> {
+        let id = request.into_inner().nccl_unique_id;
+        if id.len() != LINK_ID_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "nccl_unique_id has {} bytes; it must have {LINK_ID_BYTES}",
+                id.len()
+            )));
+        }
+        let factory = match &self.device_links {
+            Ok(f) => f.clone(),
+            Err(why) => {
+                return Err(Status::failed_precondition(format!(
+                    "this worker has no device links ({why}); fetch with payloads inline"
+                )));
+            }
+        };
+        if !self.served_links.lock().unwrap_or_else(|p| p.into_inner()).has_room() {
+            return Err(Status::resource_exhausted("every device link of this worker is serving a fetch"));
+        }
+        // The join waits for the caller's rank, bounded; if the caller gives up, the join times out on its own.
+        let never_cancelled = std::sync::atomic::AtomicBool::new(false);
+        let joined = tokio::task::spawn_blocking(move || factory.join(&id, 1, LINK_JOIN_TIMEOUT, &never_cancelled))
+            .await
+            .map_err(|e| Status::internal(format!("the joining thread failed: {e}")))?;
+        let end = joined.map_err(|e| match e {
+            LinkError::Timeout => Status::deadline_exceeded("the caller's rank did not join in time"),
+            LinkError::BadId(why) => Status::invalid_argument(why),
+            LinkError::Failed(why) => Status::unavailable(format!("NCCL failed to join: {why}")),
+        })?;
+        let link = self.served_links.lock().unwrap_or_else(|p| p.into_inner()).insert(end);
+        match link {
+            Some(link) => Ok(Response::new(OpenLinkReply { link })),
+            None => Err(Status::resource_exhausted("every device link of this worker is serving a fetch")),
+        }
     }
 }
 
@@ -583,13 +896,13 @@ mod tests {
 
     #[test]
     fn fetch_requests_are_bounded() {
-        let ok = FetchRequest { hashes: vec![1, 2], max_batch_bytes: DEFAULT_BATCH_BYTES };
+        let ok = FetchRequest { hashes: vec![1, 2], max_batch_bytes: DEFAULT_BATCH_BYTES, nccl_link: 0 };
         assert!(check_fetch(&ok).is_ok());
         for bad in [
-            FetchRequest { hashes: vec![], max_batch_bytes: DEFAULT_BATCH_BYTES },
-            FetchRequest { hashes: vec![0; MAX_FETCH_HASHES + 1], max_batch_bytes: DEFAULT_BATCH_BYTES },
-            FetchRequest { hashes: vec![1], max_batch_bytes: MIN_BATCH_BYTES - 1 },
-            FetchRequest { hashes: vec![1], max_batch_bytes: MAX_BATCH_BYTES + 1 },
+            FetchRequest { hashes: vec![], max_batch_bytes: DEFAULT_BATCH_BYTES, nccl_link: 0 },
+            FetchRequest { hashes: vec![0; MAX_FETCH_HASHES + 1], max_batch_bytes: DEFAULT_BATCH_BYTES, nccl_link: 0 },
+            FetchRequest { hashes: vec![1], max_batch_bytes: MIN_BATCH_BYTES - 1, nccl_link: 0 },
+            FetchRequest { hashes: vec![1], max_batch_bytes: MAX_BATCH_BYTES + 1, nccl_link: 0 },
         ] {
             assert_eq!(check_fetch(&bad).unwrap_err().code(), tonic::Code::InvalidArgument);
         }
@@ -616,6 +929,10 @@ mod tests {
                 Ok(Response::new(Box::pin(stream)))
             }
         }
+
+        async fn open_link(&self, _: Request<OpenLinkRequest>) -> Result<Response<OpenLinkReply>, Status> {
+            Err(Status::failed_precondition("a scripted peer has no device links"))
+        }
     }
 
     async fn serve(s: Scripted) -> String {
@@ -640,7 +957,7 @@ mod tests {
         assert_eq!(batches.len(), 6, "one 40 KB group per 64 KiB batch");
         batches[2].blocks[0].bytes[100] ^= 0x10;
         let addr = serve(Scripted { batches, hang: false }).await;
-        let out = fetch(&addr, &hashes, MIN_BATCH_BYTES, 40_000, deadline(5000), &Span::none()).await;
+        let out = fetch(&addr, &hashes, MIN_BATCH_BYTES, 40_000, deadline(5000), &Span::none(), None).await;
         assert!(matches!(out.error, Some(FetchError::BadBatch(_))), "{:?}", out.error);
         assert_eq!(out.groups, groups[..2].to_vec(), "the batches before the corrupt one are verified and kept");
         assert_eq!(out.bytes, 80_000);
@@ -649,16 +966,16 @@ mod tests {
         let batches = into_batches(groups[..3].to_vec(), MIN_BATCH_BYTES).unwrap();
         let addr = serve(Scripted { batches, hang: true }).await;
         let t0 = Instant::now();
-        let out = fetch(&addr, &hashes, MIN_BATCH_BYTES, 40_000, deadline(300), &Span::none()).await;
+        let out = fetch(&addr, &hashes, MIN_BATCH_BYTES, 40_000, deadline(300), &Span::none(), None).await;
         assert!(matches!(out.error, Some(FetchError::Timeout(_))), "{:?}", out.error);
         assert_eq!(out.groups.len(), 3);
         assert!(t0.elapsed() < Duration::from_secs(3));
 
         // Nobody listening; and a request the server refuses as out of bounds.
         let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
-        let out = fetch(&dead, &hashes, MIN_BATCH_BYTES, 40_000, deadline(2000), &Span::none()).await;
+        let out = fetch(&dead, &hashes, MIN_BATCH_BYTES, 40_000, deadline(2000), &Span::none(), None).await;
         assert!(matches!(out.error, Some(FetchError::Connect { .. } | FetchError::Timeout(_))), "{:?}", out.error);
-        let out = fetch(&addr, &hashes, 1, 40_000, deadline(2000), &Span::none()).await;
+        let out = fetch(&addr, &hashes, 1, 40_000, deadline(2000), &Span::none(), None).await;
         match out.error {
             Some(FetchError::Status(st)) => assert_eq!(st.code(), tonic::Code::InvalidArgument),
             other => panic!("{other:?}"),

@@ -26,6 +26,10 @@ pub enum CudaError {
     /// An NCCL call failed.
     #[error("NCCL: {0}")]
     Nccl(String),
+    /// An NCCL wait passed its deadline (a peer that never joined, or stopped mid-transfer); the link was or
+    /// must be aborted.
+    #[error("NCCL: {op} timed out")]
+    NcclTimeout { op: &'static str },
     /// A cuBLAS call failed.
     #[error("cuBLAS: {0:?}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),

@@ -10,7 +10,8 @@
 //! - [`bench`]: the GPU measurements of `pagoda bench kernels` (copy bandwidth, decode-attention bandwidth);
 //! - [`codecs`]: int8 / fp8 e4m3 / KIVI block encode and decode between the f16 arenas and the tiers' byte format,
 //!   and dequantise-on-load attention over an encoded arena ([`CudaEncodedKv`]);
-//! - [`nccl`]: NCCL links ([`NcclLink`]) that move arena blocks between GPUs, built from a [`NcclUniqueId`];
+//! - [`nccl`]: NCCL links ([`NcclLink`]) that move arena blocks between GPUs, and pipes ([`NcclPipe`]) that move
+//!   encoded groups between workers' host memory through them, built from a [`NcclUniqueId`] with bounded waits;
 //! - [`attention`]: paged decode (split-K + reduce) and prefill (tiled, causal) attention with GQA;
 //! - [`error`]: the error type, [`CudaError`].
 //!
@@ -32,5 +33,5 @@ pub use context::{CudaContext, DeviceInfo, device_available};
 pub use error::CudaError;
 pub use kv::KvWritePlan;
 pub use kv::{CudaKv, ScoreEntry, SlotRange, SlotScores, WindowEntry};
-pub use nccl::{NcclLink, NcclUniqueId, nccl_available};
+pub use nccl::{NCCL_ID_BYTES, NcclLink, NcclPipe, NcclUniqueId, nccl_available};
 pub use ops::CudaWeight;
