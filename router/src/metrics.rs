@@ -102,6 +102,8 @@ pub struct Metrics {
     pub worker_peer_bytes: Family<PeerLabels, Gauge>,
     pub worker_peer_fetch_failures: Family<WorkerLabels, Gauge>,
     pub worker_peer_fetches: Family<WorkerLabels, Gauge>,
+    pub worker_peer_linked_fetches: Family<WorkerLabels, Gauge>,
+    pub worker_peer_link_refusals: Family<WorkerLabels, Gauge>,
     pub worker_peer_fetch_seconds: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Requests placed, by the worker chosen first and the strategy.
     pub placements: Family<PlacementLabels, Counter>,
@@ -273,6 +275,18 @@ impl Metrics {
             "Peer pulls the worker attempted since start",
             worker_peer_fetches.clone(),
         );
+        let worker_peer_linked_fetches = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_peer_linked_fetches",
+            "Peer pulls whose payloads came over an NCCL link between GPU workers, since start",
+            worker_peer_linked_fetches.clone(),
+        );
+        let worker_peer_link_refusals = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_peer_link_refusals",
+            "NCCL link opens that failed or that the peer refused (pulls stayed on gRPC), since start",
+            worker_peer_link_refusals.clone(),
+        );
         let worker_peer_fetch_seconds = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register_with_unit(
             "worker_peer_fetch",
@@ -377,6 +391,8 @@ impl Metrics {
             worker_peer_bytes,
             worker_peer_fetch_failures,
             worker_peer_fetches,
+            worker_peer_linked_fetches,
+            worker_peer_link_refusals,
             worker_peer_fetch_seconds,
             kvstore_watch_connected,
             kvstore_applied_index,
@@ -499,6 +515,8 @@ impl Metrics {
                 }
                 self.worker_peer_fetch_failures.get_or_create(&l).set(s.peer_fetch_failures_total as i64);
                 self.worker_peer_fetches.get_or_create(&l).set(s.peer_fetches_total as i64);
+                self.worker_peer_linked_fetches.get_or_create(&l).set(s.peer_linked_fetches_total as i64);
+                self.worker_peer_link_refusals.get_or_create(&l).set(s.peer_link_refusals_total as i64);
                 self.worker_peer_fetch_seconds.get_or_create(&l).set(s.peer_fetch_seconds_total);
                 for e in &s.evictions {
                     let pl = PolicyLabels { worker: w.addr.clone(), policy: e.policy.clone() };
