@@ -9,7 +9,8 @@
 # Then, on the device machine, scripts/gpu-run.sh STAGE (see there), one call per stage. A warm machine keeps what
 # earlier calls brought, so each call carries only what is new, by path:
 #   1. carry bin.tar.xz, model.sha256, model.part0; run `gpu-run.sh parity kernels`
-#   2. carry model.part1; run `gpu-run.sh model smollm2 engine eviction` (the model joins once both parts are there)
+#   2. carry model.part1; run `gpu-run.sh model smollm2 peers engine eviction` (the model joins once both parts
+#      are there)
 # Usage: bash scripts/gpu-bundle.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

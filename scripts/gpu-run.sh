@@ -12,6 +12,10 @@
 #   profile  the engine bench with the GPU forward's per-step timings (debug log)
 #   eviction pagoda bench eviction --device cuda at the eviction issue's load (needs the model: run `model` first):
 #            full cache and PagedEviction at budgets 256 and 1024
+#   peers    two GPU workers and a round-robin router (scripts/gpu-peers.py, needs the model): prefixes pulled
+#            between them answer exactly as computed; the NCCL link bootstrap over Transfer.OpenLink runs, and on
+#            one GPU its refusal is counted (with two GPUs, the second worker takes the second and pulls must use
+#            the link)
 # Usage (device machine, repository root): bash scripts/gpu-run.sh STAGE...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +64,13 @@ for s in "$@"; do
       stage cuda_parity 90 "$bin/cuda_parity" --test-threads=1 --nocapture
       stage cuda_model 100 env PAGODA_MODEL="$PWD/$model" "$bin/cuda_model" --test-threads=1 --nocapture
       grep -h "^parity\|skipped\|^test result\|FAILED\|panicked" "$out"/cuda_parity.log "$out"/cuda_model.log
+      ;;
+    peers)
+      second=0
+      [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ] && second=1
+      stage peers 120 python3 scripts/gpu-peers.py --bin "$bin/pagoda" --model "$PWD/$model" --device cuda \
+        --second-ordinal "$second"
+      tail -n 12 "$out/peers.log"
       ;;
     smollm2)
       stage cuda_model_smollm2 60 env PAGODA_MODEL="$PWD/$model" "$bin/cuda_model" --test-threads=1 --nocapture smollm2
@@ -119,7 +130,7 @@ for s in "$@"; do
       fi
       ;;
     *)
-      echo "unknown stage $s (parity, smollm2, model, kernels, engine, profile, eviction)" >&2
+      echo "unknown stage $s (parity, smollm2, model, kernels, engine, profile, eviction, peers)" >&2
       exit 2
       ;;
   esac
