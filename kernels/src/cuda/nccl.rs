@@ -235,37 +235,20 @@ impl NcclLink {
         self.comm.wait_ready("ncclGroupEnd", Instant::now() + ENQUEUE_TIMEOUT, None)
     }
 
-    fn send_raw(&self, ptr: u64, bytes: usize) -> Result<(), CudaError> {
+    /// Queues one point-to-point transfer of `bytes` bytes at device address `ptr` to (`send`) or from the peer.
+    fn p2p(&self, send: bool, ptr: u64, bytes: usize) -> Result<(), CudaError> {
+        let (ty, stream) = (sys::ncclDataType_t::ncclUint8, self.stream.cu_stream() as _);
         // SAFETY: `ptr` addresses at least `bytes` bytes of device memory that stay alive until the stream
-        // reaches the transfer (the callers hold the buffer and wait on the stream or keep the arena).
-        unsafe {
-            result::send(
-                ptr as *const c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.peer,
-                self.comm.0,
-                self.stream.cu_stream() as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(nccl_err("ncclSend"))
-    }
-
-    fn recv_raw(&self, ptr: u64, bytes: usize) -> Result<(), CudaError> {
-        // SAFETY: as `send_raw`, for a buffer this rank owns mutably.
-        unsafe {
-            result::recv(
-                ptr as *mut c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.peer,
-                self.comm.0,
-                self.stream.cu_stream() as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(nccl_err("ncclRecv"))
+        // reaches the transfer (the callers hold the buffer and wait on the stream, or keep the arena), and a
+        // receive's buffer is held mutably by its caller.
+        let queued = unsafe {
+            if send {
+                result::send(ptr as *const c_void, bytes, ty, self.peer, self.comm.0, stream)
+            } else {
+                result::recv(ptr as *mut c_void, bytes, ty, self.peer, self.comm.0, stream)
+            }
+        };
+        queued.map(|_| ()).map_err(nccl_err(if send { "ncclSend" } else { "ncclRecv" }))
     }
 
     /// One grouped exchange with the peer: sends the K and V of `send`'s blocks, in order, and receives as many
@@ -306,7 +289,7 @@ impl NcclLink {
                 for arena in [k, v] {
                     let view = arena.slice(r.clone());
                     let (ptr, _record) = view.device_ptr(&self.stream);
-                    self.send_raw(ptr, 2 * n)?;
+                    self.p2p(true, ptr, 2 * n)?;
                 }
             }
         }
@@ -318,7 +301,7 @@ impl NcclLink {
                 for arena in [&mut *k, &mut *v] {
                     let mut view = arena.slice_mut(r.clone());
                     let (ptr, _record) = view.device_ptr_mut(&self.stream);
-                    self.recv_raw(ptr, 2 * n)?;
+                    self.p2p(false, ptr, 2 * n)?;
                 }
             }
         }
@@ -432,11 +415,11 @@ impl NcclPipe {
         link.group(|| {
             if let (Some(buf), true) = (send_buf, send_len > 0) {
                 let (ptr, _record) = buf.device_ptr(&stream);
-                link.send_raw(ptr, send_len)?;
+                link.p2p(true, ptr, send_len)?;
             }
             if let (Some(buf), true) = (recv_buf.as_mut(), recv_len > 0) {
                 let (ptr, _record) = buf.device_ptr_mut(&stream);
-                link.recv_raw(ptr, recv_len)?;
+                link.p2p(false, ptr, recv_len)?;
             }
             Ok(())
         })?;
