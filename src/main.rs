@@ -255,6 +255,10 @@ struct EngineArgs {
     /// worker's requests generate, a moving average, at most 16).
     #[arg(long, default_value = "fixed")]
     evicpress_horizon: AnswerHorizon,
+    /// Shrink each context's profiled quality toward its variant's mean over all contexts (empirical Bayes), so
+    /// that a lucky profile over few answer positions does not pass for a lossless variant.
+    #[arg(long)]
+    evicpress_shrink: bool,
 }
 
 impl EngineArgs {
@@ -789,6 +793,9 @@ struct BenchTiersArgs {
     /// answer length, --answer-tokens).
     #[arg(long, default_value = "fixed")]
     evicpress_horizon: AnswerHorizon,
+    /// zipf: shrink EvicPress's profiles toward each variant's mean (empirical Bayes).
+    #[arg(long)]
+    evicpress_shrink: bool,
 }
 
 #[derive(Args)]
@@ -1044,6 +1051,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
             &keep_ratios(&e.evicpress_keep_ratios),
             e.evicpress_profile,
             e.evicpress_horizon,
+            e.evicpress_shrink,
         )
         .map_err(|m| anyhow!(m))?,
     })
@@ -1819,6 +1827,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         offline_phase: args.offline_phase,
         profile_scoring: args.evicpress_profile,
         horizon: args.evicpress_horizon,
+        shrink: args.evicpress_shrink,
         ..Default::default()
     };
     let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)

@@ -161,6 +161,8 @@ schema = obj({
             "evicpressProfile": {"enum": ["forced", "free"]},
             # `--evicpress-horizon` (placement.rs AnswerHorizon).
             "evicpressHorizon": {"enum": ["observed", "fixed"]},
+            # `--evicpress-shrink` (placement.rs VariantQuality::shrunk).
+            "evicpressShrink": BOOL,
         }, required=["hostMiB", "diskMiB"]),
         "persistence": obj({
             "enabled": BOOL,

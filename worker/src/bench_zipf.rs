@@ -98,6 +98,8 @@ pub struct ZipfBenchOptions {
     pub profile_scoring: ProfileScoring,
     /// How many answer positions EvicPress's profiler scores.
     pub horizon: AnswerHorizon,
+    /// Shrink EvicPress's profiles toward each variant's mean.
+    pub shrink: bool,
 }
 
 impl Default for ZipfBenchOptions {
@@ -123,6 +125,7 @@ impl Default for ZipfBenchOptions {
             offline_phase: false,
             profile_scoring: ProfileScoring::TeacherForced,
             horizon: AnswerHorizon::Fixed,
+            shrink: false,
         }
     }
 }
@@ -199,7 +202,7 @@ impl ZipfReport {
         let mut s = format!(
             "Model {}, {} contexts of {}..={} tokens ({}), {} requests, Zipf({}), {} answer tokens. KV of the \
              workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB. {} EvicPress scores \
-             variants {} over {}.\n\n\
+             variants {} over {}{}.\n\n\
              | configuration | mean TTFT ms | p99 TTFT ms | quality | quality when reusing | device hit | host hit | \
              disk hit | computed | completed |\n|---|---|---|---|---|---|---|---|---|---|\n",
             self.model,
@@ -227,7 +230,8 @@ impl ZipfReport {
             match o.horizon {
                 AnswerHorizon::Observed => "the requests' answer length".to_owned(),
                 AnswerHorizon::Fixed => format!("{} positions", EvicPressConfig::default().answer_tokens),
-            }
+            },
+            if o.shrink { ", shrunk toward each variant's mean" } else { "" }
         );
         for r in &self.results {
             s += &format!(
@@ -249,7 +253,7 @@ impl ZipfReport {
             s += &format!(
                 "\n{name}: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
                  ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops, {} copies \
-                 the stores lost; {} requests started from a pruned copy. Mean profiled quality: {}.\n",
+                 the stores lost; {} requests started from a pruned copy. Mean profiled quality: {}.{}\n",
                 ep.contexts,
                 ep.profiles,
                 ep.profile_ms as f64 / 1e3,
@@ -269,7 +273,16 @@ impl ZipfReport {
                         None => format!("{v} unmeasured"),
                     })
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                if ep.shrunk_profiles > 0 {
+                    format!(
+                        " {} variant profiles shrunk toward their variant's mean, by {:.3} on average.",
+                        ep.shrunk_profiles,
+                        ep.shrink_total / ep.shrunk_profiles as f64
+                    )
+                } else {
+                    String::new()
+                }
             );
         }
         s += &self.breakdown();
@@ -739,6 +752,7 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
             // Observed, the profiler scores the workload's answer length (`answer_tokens`), in steps of
             // 1/answer_tokens; fixed, its default 16 positions.
             horizon: opts.horizon,
+            shrink: opts.shrink,
             ..EvicPressConfig::default()
         };
         let name = if opts.alphas.len() == 1 { EVICPRESS.to_owned() } else { format!("{EVICPRESS} a={alpha}") };

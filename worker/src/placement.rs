@@ -82,6 +82,7 @@ impl TierPlacement {
         keep_ratios: &[f64],
         scoring: ProfileScoring,
         horizon: AnswerHorizon,
+        shrink: bool,
     ) -> Result<TierPlacement, String> {
         let fixed = match codec.parse::<GroupCodec>() {
             Ok(GroupCodec::Native(_)) => None,
@@ -103,6 +104,7 @@ impl TierPlacement {
                     keep_ratios: keep_ratios.to_vec(),
                     scoring,
                     horizon,
+                    shrink,
                     ..EvicPressConfig::default()
                 }))
             }
@@ -168,6 +170,10 @@ pub struct EvicPressConfig {
     pub horizon: AnswerHorizon,
     /// How a variant's answer is compared with the reference answer.
     pub scoring: ProfileScoring,
+    /// Shrink each context's measured quality toward its variant's mean over all contexts, by how noisy a
+    /// measurement over the horizon's positions is against how much contexts really differ (empirical Bayes;
+    /// [`VariantQuality::shrunk`]). Off: the raw measurement is the profile.
+    pub shrink: bool,
     /// Relative drop of observed quality below the profile that triggers a re-profile.
     pub drift_threshold: f64,
     /// Wall time one profile may take; variants not reached stay unmeasured.
@@ -187,6 +193,7 @@ impl Default for EvicPressConfig {
             answer_tokens: 16,
             horizon: AnswerHorizon::Fixed,
             scoring: ProfileScoring::TeacherForced,
+            shrink: false,
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
             min_context_groups: 4,
@@ -278,6 +285,10 @@ pub struct EvicPressStats {
     pub pruned_onboards: u64,
     /// Answer positions the next profile scores ([`AnswerHorizon`]).
     pub answer_horizon: u64,
+    /// Variant profiles shrunk toward their variant's mean (`--evicpress-shrink`), and the sum of how far they
+    /// moved (a measured 1.0 stored as 0.9 moves 0.1).
+    pub shrunk_profiles: u64,
+    pub shrink_total: f64,
     /// Copies the stores did not keep whole (a refused or failed write, a corrupt file), found when applied or at
     /// the context's next request: the planner stops counting on them and places the context again.
     pub lost_copies: u64,
@@ -304,6 +315,49 @@ struct Pending {
     fresh: bool,
 }
 
+/// The measured qualities of one variant over every profiled context: count, sum and sum of squares.
+#[derive(Debug, Clone, Copy, Default)]
+struct VariantQuality {
+    n: u64,
+    sum: f64,
+    sum_sq: f64,
+}
+
+impl VariantQuality {
+    fn add(&mut self, q: f64) {
+        self.n += 1;
+        self.sum += q;
+        self.sum_sq += q * q;
+    }
+
+    fn mean(&self) -> Option<f64> {
+        (self.n > 0).then(|| self.sum / self.n as f64)
+    }
+
+    /// A new measurement `q` over `positions` answer positions, shrunk toward this variant's mean (empirical
+    /// Bayes, as in James–Stein): a measurement's noise is that of `positions` coin flips at the mean,
+    /// `m(1 − m) / positions`; the spread contexts really have is what the measurements' variance leaves above
+    /// that noise. `q` moves toward the mean by noise / (noise + spread). Over four positions a lossy copy that
+    /// agreed on all four reads 1.0; if copies of that variant average 0.87 and differ little between contexts,
+    /// most of that 1.0 is luck, and the planner that picks the best-looking profiles would otherwise pick luck.
+    /// `None` below three measurements: there is no spread to estimate yet, and `q` stands.
+    fn shrunk(&self, q: f64, positions: usize) -> Option<f64> {
+        if self.n < 3 || positions == 0 {
+            return None;
+        }
+        let n = self.n as f64;
+        let mean = self.sum / n;
+        let variance = (self.sum_sq / n - mean * mean).max(0.0);
+        let noise = mean * (1.0 - mean) / positions as f64;
+        let spread = (variance - noise).max(0.0);
+        if noise + spread <= 0.0 {
+            // Every measurement equal, and at 0 or 1: nothing is noisy.
+            return Some(q);
+        }
+        Some(q - noise / (noise + spread) * (q - mean))
+    }
+}
+
 /// See the module docs.
 pub struct EvicPress {
     cfg: EvicPressConfig,
@@ -313,8 +367,9 @@ pub struct EvicPress {
     contexts: HashMap<u64, Context>,
     owner: HashMap<u64, u64>,
     pending: VecDeque<Pending>,
-    /// Sum and count of measured quality per variant: the prior of unprofiled contexts.
-    prior: Vec<(f64, u64)>,
+    /// Every measured quality per variant, summarised: the prior of unprofiled contexts, and what a new
+    /// measurement is shrunk toward.
+    prior: Vec<VariantQuality>,
     /// Output lengths of finished requests (moving average), for [`AnswerHorizon::Observed`].
     answer_lengths: Ewma,
     model_id: String,
@@ -404,7 +459,7 @@ impl EvicPress {
             contexts: HashMap::new(),
             owner: HashMap::new(),
             pending: VecDeque::new(),
-            prior: vec![(0.0, 0); n],
+            prior: vec![VariantQuality::default(); n],
             model_id: model_id.to_owned(),
             layout,
             clock: 0,
@@ -612,11 +667,21 @@ impl EvicPress {
         Ok(())
     }
 
-    fn set_measured(&mut self, context: u64, tokens: u64, q: Vec<Option<f64>>) -> Result<(), EngineError> {
-        for (v, q) in q.iter().enumerate() {
+    fn set_measured(&mut self, context: u64, tokens: u64, mut q: Vec<Option<f64>>) -> Result<(), EngineError> {
+        let positions = self.horizon();
+        for (v, q) in q.iter_mut().enumerate() {
             if let Some(q) = q {
-                self.prior[v].0 += q;
-                self.prior[v].1 += 1;
+                let measured = *q;
+                // The lossless variant is exact by construction: nothing to shrink.
+                if self.cfg.shrink
+                    && v != 0
+                    && let Some(shrunk) = self.prior[v].shrunk(measured, positions)
+                {
+                    *q = shrunk;
+                    self.stats.shrunk_profiles += 1;
+                    self.stats.shrink_total += (measured - shrunk).abs();
+                }
+                self.prior[v].add(measured);
             }
         }
         self.planner.set_profile(context, tokens, q).map_err(plan_err)?;
@@ -656,11 +721,7 @@ impl EvicPress {
     /// The prior of an unprofiled context: lossless is exact by construction; the others at the running mean of
     /// the profiles measured so far (unmeasured: never chosen).
     fn prior_quality(&self) -> Vec<Option<f64>> {
-        self.prior
-            .iter()
-            .enumerate()
-            .map(|(v, &(sum, n))| if v == 0 { Some(1.0) } else { (n > 0).then(|| sum / n as f64) })
-            .collect()
+        self.prior.iter().enumerate().map(|(v, p)| if v == 0 { Some(1.0) } else { p.mean() }).collect()
     }
 
     fn profile_all<R: ModelRunner>(
@@ -1213,7 +1274,7 @@ mod tests {
     #[test]
     fn flags_parse_into_placements_and_bad_ones_are_refused() {
         let from_flags = |p: &str, c: &str, a: f64, r: &[f64]| {
-            TierPlacement::from_flags(p, c, a, r, Default::default(), Default::default())
+            TierPlacement::from_flags(p, c, a, r, Default::default(), Default::default(), false)
         };
         assert_eq!(from_flags("lru", "native", 1.0, &[0.5]), Ok(TierPlacement::Lru));
         assert_eq!(from_flags("lru", "f16", 1.0, &[0.5]), Ok(TierPlacement::Lru));
@@ -1242,11 +1303,13 @@ mod tests {
             &[],
             ProfileScoring::FreeRunning,
             AnswerHorizon::Observed,
+            true,
         );
         match free_observed {
-            Ok(TierPlacement::EvicPress(c)) => {
-                assert_eq!((c.scoring, c.horizon), (ProfileScoring::FreeRunning, AnswerHorizon::Observed))
-            }
+            Ok(TierPlacement::EvicPress(c)) => assert_eq!(
+                (c.scoring, c.horizon, c.shrink),
+                (ProfileScoring::FreeRunning, AnswerHorizon::Observed, true)
+            ),
             other => panic!("{other:?}"),
         }
         assert_eq!("free".parse(), Ok(ProfileScoring::FreeRunning));
@@ -1333,6 +1396,31 @@ mod tests {
         // Another namespace hashes differently: a new context.
         ep.finished(&a, "tenant", 0, 4);
         assert_eq!(ep.contexts.len(), 3);
+    }
+
+    #[test]
+    fn profiles_shrink_toward_the_variant_mean_by_their_noise() {
+        let of = |qs: &[f64]| {
+            let mut v = VariantQuality::default();
+            qs.iter().for_each(|&q| v.add(q));
+            v
+        };
+        // Too few measurements to tell noise from spread: a profile stands.
+        assert_eq!(of(&[0.5, 1.0]).shrunk(1.0, 4), None);
+        // Four-position profiles of a variant that averages 0.875, spread no wider than four coin flips at 0.875
+        // would spread them: a perfect profile is luck, and reads as the mean.
+        let even = of(&[0.75, 1.0, 0.75, 1.0, 0.75, 1.0, 1.0, 0.75]);
+        assert!((even.shrunk(1.0, 4).unwrap() - 0.875).abs() < 1e-12);
+        assert!((even.shrunk(0.5, 4).unwrap() - 0.875).abs() < 1e-12);
+        // Contexts that really differ (half lose everything, half nothing): a profile keeps most of what it says,
+        // and more the more positions it scored.
+        let split = of(&[0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
+        let (at4, at16) = (split.shrunk(1.0, 4).unwrap(), split.shrunk(1.0, 16).unwrap());
+        assert!(at4 < at16 && at16 < 1.0 && at4 > 0.75, "{at4} {at16}");
+        // noise 0.25/16, spread 0.25 - noise: the profile moves 1/16 of the way to the mean.
+        assert!((at16 - (1.0 - 0.5 / 16.0)).abs() < 1e-12, "{at16}");
+        // A variant that is always exact has no noise: nothing moves.
+        assert_eq!(of(&[1.0, 1.0, 1.0]).shrunk(1.0, 4), Some(1.0));
     }
 
     #[test]

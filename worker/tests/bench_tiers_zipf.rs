@@ -137,6 +137,8 @@ fn offline_phase_places_every_context_before_the_measured_requests() {
         keep_ratios: vec![],
         prose_dir: prose.is_dir().then_some(prose),
         offline_phase: true,
+        // Six int8 profiles: from the fourth on, each is shrunk toward the ones before it.
+        shrink: true,
         ..ZipfBenchOptions::default()
     };
     let report = zipf_bench(&model_path(), &opts).expect("bench runs");
@@ -151,6 +153,12 @@ fn offline_phase_places_every_context_before_the_measured_requests() {
             continue;
         }
         assert!(r.offline_seconds > 0.0 && r.offline_seconds < r.seconds, "{n}: {r:?}");
+        if let Some(e) = &r.evicpress {
+            assert!(e.profiles >= 4, "{n}: every context profiled while the engine was idle: {e:?}");
+            let shrinkable = 1..=e.profiles - 3;
+            assert!(shrinkable.contains(&e.shrunk_profiles), "{n}: shrunk from the fourth profile on: {e:?}");
+            assert!(e.shrink_total.is_finite() && e.shrink_total >= 0.0, "{n}: {e:?}");
+        }
         for q in &r.per_request {
             // At most the question and the context's last partial block are computed: never the context.
             assert!(q.computed_tokens < 64, "{n}: context {} was computed in the measured run: {q:?}", q.context);
