@@ -40,7 +40,7 @@ use crate::engine::{
     TierPlacement,
 };
 use crate::model::{Gguf, Tokenizer};
-use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring};
+use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, agreement};
 use crate::policy::PolicySpec;
 use crate::tiers::{Tier, TierConfig};
 
@@ -594,7 +594,7 @@ fn run_config(
             computed_tokens,
             hit_tokens,
             pruned: pruned_onboards(&s) > pruned_onboards(&last),
-            quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| answer_agreement(&answer, want)),
+            quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| agreement(&answer, want)),
         });
         for tier in [Tier::Host, Tier::Disk] {
             let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
@@ -638,11 +638,6 @@ fn run_config(
         per_request,
     };
     Ok((result, answers))
-}
-
-/// Fraction of `answer`'s tokens equal, position by position, to `reference`'s.
-fn answer_agreement(answer: &[u32], reference: &[u32]) -> f64 {
-    answer.iter().zip(reference).filter(|(a, r)| a == r).count() as f64 / reference.len().max(1) as f64
 }
 
 /// Mean quality of `requests` (0 when there are none).

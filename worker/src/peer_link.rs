@@ -46,7 +46,7 @@ pub enum LinkError {
 
 /// One end of a byte link to one peer. Every call is blocking and bounded by its timeout: run it off the async
 /// runtime. After an error the end is unusable; dropping it aborts the link.
-pub trait LinkEnd: Send + 'static {
+pub trait LinkEnd: Send + std::fmt::Debug + 'static {
     /// Sends `send` and/or receives `recv.0` bytes into `recv.1` (resized to fit), in one exchange.
     fn transfer(
         &mut self,
@@ -186,14 +186,6 @@ impl ServedLinks {
             }
         }
     }
-
-    pub fn len(&self) -> usize {
-        self.links.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.links.is_empty()
-    }
 }
 
 /// The pulling side's state for one peer address.
@@ -310,6 +302,7 @@ mod tests {
     }
 
     /// A link end that has never been joined: these tests only move ownership, never call it.
+    #[derive(Debug)]
     struct Unjoined;
     impl LinkEnd for Unjoined {
         fn transfer(
@@ -335,10 +328,10 @@ mod tests {
         t.give_back(id, None);
         assert_eq!(t.lend(id).err(), Some(LendError::Unknown), "a failed loan drops the link");
         let ids: Vec<u64> = (0..MAX_SERVED_LINKS).map(|_| t.insert(Box::new(Unjoined)).unwrap()).collect();
-        assert_eq!(t.len(), MAX_SERVED_LINKS);
+        assert_eq!(t.links.len(), MAX_SERVED_LINKS);
         // Full: a new link replaces the oldest idle one.
         let newest = t.insert(Box::new(Unjoined)).unwrap();
-        assert_eq!(t.len(), MAX_SERVED_LINKS);
+        assert_eq!(t.links.len(), MAX_SERVED_LINKS);
         assert_eq!(t.lend(ids[0]).err(), Some(LendError::Unknown), "the oldest idle link made room");
         // With every link lent, there is no room.
         let lent: Vec<_> = ids[1..].iter().chain([&newest]).map(|&id| t.lend(id).ok().unwrap()).collect();

@@ -55,6 +55,7 @@ impl LinkFactory for NcclLinks {
 }
 
 /// One worker's end of an NCCL link.
+#[derive(Debug)]
 struct PipeEnd(NcclPipe);
 
 impl LinkEnd for PipeEnd {

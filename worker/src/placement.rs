@@ -1210,7 +1210,7 @@ fn tier_of(t: evicpress::Tier) -> Tier {
 
 /// The fraction of positions where a variant's top token is the reference's (1 for no positions: nothing
 /// disagreed).
-fn agreement(predicted: &[u32], reference: &[u32]) -> f64 {
+pub(crate) fn agreement(predicted: &[u32], reference: &[u32]) -> f64 {
     if reference.is_empty() {
         return 1.0;
     }

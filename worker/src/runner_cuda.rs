@@ -105,9 +105,7 @@ impl CudaRunner {
     pub fn model(&self) -> &CudaLlama {
         &self.device.model
     }
-}
 
-impl CudaRunner {
     /// Runs `step` over `seqs` as the model's batch (in the reused buffer) with the capture store.
     fn with_batch(
         &mut self,

@@ -130,7 +130,7 @@ pub enum FetchError {
 
 /// What one pull brought back: the verified consecutive run from the first requested hash, and why it ended
 /// early, if it did.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct FetchOutcome {
     pub groups: Vec<(u64, EncodedGroup)>,
     pub bytes: u64,
@@ -138,17 +138,6 @@ pub struct FetchOutcome {
     /// The link the pull was given, back when the pull left it in step with the peer; `None` when it broke
     /// (dropping it aborted the communicator) or none was given.
     pub link: Option<(u64, Box<dyn LinkEnd>)>,
-}
-
-impl std::fmt::Debug for FetchOutcome {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FetchOutcome")
-            .field("groups", &self.groups.len())
-            .field("bytes", &self.bytes)
-            .field("error", &self.error)
-            .field("link", &self.link.as_ref().map(|l| l.0))
-            .finish()
-    }
 }
 
 /// Checks one received batch against the hashes still expected (in order) and the bounds, and converts it. A batch
@@ -249,7 +238,7 @@ pub async fn fetch(
     max_group_bytes: u64,
     deadline: tokio::time::Instant,
     span: &Span,
-    link: Option<(u64, Box<dyn LinkEnd>)>,
+    mut link: Option<(u64, Box<dyn LinkEnd>)>,
 ) -> FetchOutcome {
     let mut out = FetchOutcome::default();
     let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -280,7 +269,6 @@ pub async fn fetch(
             return out;
         }
     };
-    let mut link = link;
     loop {
         let batch = match tokio::time::timeout_at(deadline, stream.message()).await {
             Ok(Ok(Some(b))) => b,
@@ -447,12 +435,6 @@ impl PeerFetcher {
         }
     }
 
-    fn give_back_link(&self, addr: &str, link: Option<(u64, Box<dyn LinkEnd>)>, lent: bool) {
-        if lent {
-            self.peer_links.lock().unwrap_or_else(|p| p.into_inner()).give_back(addr, link, Instant::now());
-        }
-    }
-
     /// Measured peer bandwidth, bytes per second.
     pub fn peer_bytes_per_s(&self) -> f64 {
         self.bandwidth.lock().map(|b| b.value()).unwrap_or(PRIOR_PEER_BYTES_PER_S)
@@ -501,10 +483,13 @@ impl PeerFetcher {
         let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span, link)
             .instrument(span.clone())
             .await;
-        if lent && !outcome.groups.is_empty() {
-            self.counters.linked_fetches.fetch_add(1, Ordering::Relaxed);
+        if lent {
+            if !outcome.groups.is_empty() {
+                self.counters.linked_fetches.fetch_add(1, Ordering::Relaxed);
+            }
+            let back = outcome.link.take();
+            self.peer_links.lock().unwrap_or_else(|p| p.into_inner()).give_back(&hint.address, back, Instant::now());
         }
-        self.give_back_link(&hint.address, outcome.link.take(), lent);
         if outcome.error.is_none() && outcome.groups.len() < missing.len() {
             // The router's view was stale, or the peer evicted the rest meanwhile.
             outcome.error = Some(FetchError::Incomplete { got: outcome.groups.len(), wanted: missing.len() });
@@ -550,30 +535,28 @@ pub struct TransferService {
     served_links: Arc<Mutex<ServedLinks>>,
 }
 
-/// A served link lent to one fetch. Dropping the loan returns the link to the table if the fetch left it in step
-/// with the peer (`in_step`), and drops it (aborting the communicator) otherwise, on every path out of the fetch.
+/// A served link lent to one fetch. Dropping the loan returns the link to the table if it still holds the end
+/// (the fetch left it in step with the peer), and forgets it (the end dropped, aborting the communicator)
+/// otherwise, on every path out of the fetch.
 struct Loan {
     table: Arc<Mutex<ServedLinks>>,
     id: u64,
     end: Option<Box<dyn LinkEnd>>,
-    in_step: bool,
 }
 
 impl Drop for Loan {
     fn drop(&mut self) {
-        let end = if self.in_step { self.end.take() } else { None };
-        self.table.lock().unwrap_or_else(|p| p.into_inner()).give_back(self.id, end);
+        self.table.lock().unwrap_or_else(|p| p.into_inner()).give_back(self.id, self.end.take());
     }
 }
 
 impl Loan {
-    /// Sends one batch's payloads over the link, at most [`LINK_TRANSFER_TIMEOUT`]. On failure the loan is out of
-    /// step and the link will be dropped.
+    /// Sends one batch's payloads over the link, at most [`LINK_TRANSFER_TIMEOUT`]. On failure the end is gone,
+    /// and the link will be forgotten.
     async fn send(&mut self, payload: Vec<u8>) -> Result<(), LinkError> {
         let Some(mut end) = self.end.take() else {
             return Err(LinkError::Failed("the link broke on an earlier batch".into()));
         };
-        self.in_step = false;
         let (end, sent) = tokio::task::spawn_blocking(move || {
             let r = end.transfer(Some(&payload), None, LINK_TRANSFER_TIMEOUT);
             (end, r)
@@ -582,8 +565,12 @@ impl Loan {
         .map_err(|e| LinkError::Failed(format!("the sending thread failed: {e}")))?;
         sent?;
         self.end = Some(end);
-        self.in_step = true;
         Ok(())
+    }
+
+    /// The fetch ended out of step with the peer: the link is forgotten when the loan ends.
+    fn abandon(&mut self) {
+        self.end = None;
     }
 }
 
@@ -610,7 +597,7 @@ impl TransferService {
             LendError::Unknown => Status::not_found(format!("no device link {id} on this worker")),
             LendError::Busy => Status::failed_precondition(format!("device link {id} is serving another fetch")),
         })?;
-        Ok(Loan { table: self.served_links.clone(), id, end: Some(end), in_step: true })
+        Ok(Loan { table: self.served_links.clone(), id, end: Some(end) })
     }
 
     /// The tonic server wrapper, ready for `Server::add_service`.
@@ -708,62 +695,59 @@ impl Transfer for TransferService {
         tokio::spawn(
             async move {
                 let _permit = permit;
-                let (mut next, mut sent_bytes) = (0, 0u64);
-                while next < req.hashes.len() {
-                    let chunk = match engine.export_groups(req.hashes[next..].to_vec(), EXPORT_CHUNK_BYTES).await {
-                        Ok(c) if !c.is_empty() => c,
-                        Ok(_) => break,
-                        Err(e) => {
-                            // The caller drops its end on an error: so does this side.
-                            if let Some(l) = &mut loan {
-                                l.in_step = false;
+                let mut sent_bytes = 0u64;
+                // Whether the stream ended cleanly: an error status, or a caller that went away, leaves the link
+                // out of step with the caller, which drops its end, so this side drops its own.
+                let clean = async {
+                    let mut next = 0;
+                    while next < req.hashes.len() {
+                        let chunk = match engine.export_groups(req.hashes[next..].to_vec(), EXPORT_CHUNK_BYTES).await {
+                            Ok(c) if !c.is_empty() => c,
+                            Ok(_) => break,
+                            Err(e) => {
+                                let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                                return false;
                             }
-                            let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
-                            break;
-                        }
-                    };
-                    next += chunk.len();
-                    let batches = match into_batches(chunk, req.max_batch_bytes) {
-                        Ok(b) => b,
-                        Err(st) => {
-                            task_span.record("otel.status_code", "ERROR");
-                            // The caller drops its end on an error: so does this side.
-                            if let Some(l) = &mut loan {
-                                l.in_step = false;
-                            }
-                            let _ = tx.send(Err(st)).await;
-                            break;
-                        }
-                    };
-                    for b in batches {
-                        let (n, bytes) = (b.blocks.len() as u64, b.blocks.iter().map(|x| x.bytes.len() as u64).sum());
-                        let (b, payload) = match &loan {
-                            Some(_) => {
-                                let (meta, payload) = split_payloads(b);
-                                (meta, Some(payload))
-                            }
-                            None => (b, None),
                         };
-                        if tx.send(Ok(b)).await.is_err() {
-                            // The caller went away (before receiving this batch's payloads: the link is out of
-                            // step, and the loan's drop discards it).
-                            if let Some(l) = &mut loan {
-                                l.in_step = false;
+                        next += chunk.len();
+                        let batches = match into_batches(chunk, req.max_batch_bytes) {
+                            Ok(b) => b,
+                            Err(st) => {
+                                task_span.record("otel.status_code", "ERROR");
+                                let _ = tx.send(Err(st)).await;
+                                return false;
                             }
-                            task_span.record("bytes", sent_bytes as i64);
-                            return;
+                        };
+                        for b in batches {
+                            let (n, bytes) =
+                                (b.blocks.len() as u64, b.blocks.iter().map(|x| x.bytes.len() as u64).sum());
+                            let (b, payload) = match &loan {
+                                Some(_) => {
+                                    let (meta, payload) = split_payloads(b);
+                                    (meta, Some(payload))
+                                }
+                                None => (b, None),
+                            };
+                            if tx.send(Ok(b)).await.is_err() {
+                                return false;
+                            }
+                            if let (Some(l), Some(payload)) = (&mut loan, payload)
+                                && let Err(e) = l.send(payload).await
+                            {
+                                task_span.record("otel.status_code", "ERROR");
+                                let _ = tx.send(Err(Status::aborted(format!("device link: {e}")))).await;
+                                return false;
+                            }
+                            sent_bytes += bytes;
+                            counters.served_blocks.fetch_add(n, Ordering::Relaxed);
+                            counters.served_bytes.fetch_add(bytes, Ordering::Relaxed);
                         }
-                        if let (Some(l), Some(payload)) = (&mut loan, payload)
-                            && let Err(e) = l.send(payload).await
-                        {
-                            task_span.record("otel.status_code", "ERROR");
-                            let _ = tx.send(Err(Status::aborted(format!("device link: {e}")))).await;
-                            return;
-                        }
-                        sent_bytes += bytes;
-                        counters.served_blocks.fetch_add(n, Ordering::Relaxed);
-                        counters.served_bytes.fetch_add(bytes, Ordering::Relaxed);
                     }
+                    true
+                }
+                .await;
+                if !clean && let Some(l) = &mut loan {
+                    l.abandon();
                 }
                 task_span.record("bytes", sent_bytes as i64);
             }

@@ -213,16 +213,6 @@ impl NcclLink {
         Ok(NcclLink { comm, stream: stream.clone(), rank, peer: peer as i32 })
     }
 
-    /// This end's rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// The stream transfers are queued on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
     /// Runs `queue` (sends and receives) as one NCCL group. The group is closed whatever happened inside it: an
     /// open group would swallow the next NCCL call.
     fn group(&self, queue: impl FnOnce() -> Result<(), CudaError>) -> Result<(), CudaError> {
@@ -360,27 +350,29 @@ impl NcclPipe {
         timeout: Duration,
         cancel: Option<&AtomicBool>,
     ) -> Result<NcclPipe, CudaError> {
-        if capacity == 0 {
-            return Err(CudaError::invalid("NcclPipe::connect", "a pipe of 0 bytes"));
-        }
-        let cx = cudarc::driver::CudaContext::new(ordinal)?;
-        let stream = cx.new_stream()?;
-        let link = NcclLink::connect(&stream, id, rank, 2, 1 - rank.min(1), timeout, cancel)?;
-        Ok(NcclPipe { link, capacity, send_buf: None, recv_buf: None })
+        NcclPipe::on_own_stream(ordinal, id, (rank, 2, 1 - rank.min(1)), capacity, timeout, cancel)
     }
 
     /// A pipe over a communicator of one rank linked to itself: what one GPU can test.
     pub fn loopback(ordinal: usize, capacity: usize, timeout: Duration) -> Result<NcclPipe, CudaError> {
-        let id = NcclUniqueId::new()?;
-        let cx = cudarc::driver::CudaContext::new(ordinal)?;
-        let stream = cx.new_stream()?;
-        let link = NcclLink::connect(&stream, &id, 0, 1, 0, timeout, None)?;
-        Ok(NcclPipe { link, capacity, send_buf: None, recv_buf: None })
+        NcclPipe::on_own_stream(ordinal, &NcclUniqueId::new()?, (0, 1, 0), capacity, timeout, None)
     }
 
-    /// Most bytes one call moves each way.
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// `(rank, world, peer)` of `id`'s communicator on a new stream of device `ordinal`.
+    fn on_own_stream(
+        ordinal: usize,
+        id: &NcclUniqueId,
+        (rank, world, peer): (usize, usize, usize),
+        capacity: usize,
+        timeout: Duration,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<NcclPipe, CudaError> {
+        if capacity == 0 {
+            return Err(CudaError::invalid("NcclPipe::connect", "a pipe of 0 bytes"));
+        }
+        let stream = cudarc::driver::CudaContext::new(ordinal)?.new_stream()?;
+        let link = NcclLink::connect(&stream, id, rank, world, peer, timeout, cancel)?;
+        Ok(NcclPipe { link, capacity, send_buf: None, recv_buf: None })
     }
 
     /// Sends `send` to the peer and receives `recv.0` bytes from it into `recv.1` (resized to fit), in one group,
