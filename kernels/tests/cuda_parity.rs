@@ -855,18 +855,24 @@ fn encoded_attention_matches_cpu() {
     report("encoded (dequantise-on-load) attention", worst, 1e-4);
 }
 
+/// The device for an NCCL test, or `None` (with the reason printed) without a GPU or without libnccl.
+fn nccl_gpu(test: &str) -> Option<MutexGuard<'static, CudaContext>> {
+    let cx = gpu(test)?;
+    if !pagoda_kernels::cuda::nccl_available() {
+        eprintln!("{test}: skipped: libnccl is not on the library path");
+        return None;
+    }
+    Some(cx)
+}
+
 /// The NCCL path as far as one GPU allows: a communicator of one rank linked to itself sends blocks of one arena
 /// and receives them into other blocks of another in one grouped exchange, bit for bit; bad block lists are
 /// refused before any NCCL call. (Two ranks need two GPUs: NCCL refuses two ranks of one communicator on one
 /// device.)
 #[test]
 fn nccl_link_moves_blocks_to_itself() {
-    use pagoda_kernels::cuda::{NcclLink, NcclUniqueId, nccl_available};
-    let Some(cx) = gpu("nccl") else { return };
-    if !nccl_available() {
-        eprintln!("skipping nccl: libnccl is not on the library path");
-        return;
-    }
+    use pagoda_kernels::cuda::{NcclLink, NcclUniqueId};
+    let Some(cx) = nccl_gpu("nccl") else { return };
     let mut rng = StdRng::seed_from_u64(15);
     let (nb, bs, hd) = (9, 16, 64);
     let src_host = random_cache(&mut rng, nb, bs, hd);
@@ -895,13 +901,9 @@ fn nccl_link_moves_blocks_to_itself() {
 /// deadline with `NcclTimeout` (and its half-built communicator is aborted), or at once when told to cancel.
 #[test]
 fn nccl_connect_gives_up_on_a_peer_that_never_joins() {
-    use pagoda_kernels::cuda::{CudaError, NcclLink, NcclUniqueId, nccl_available};
+    use pagoda_kernels::cuda::{CudaError, NcclLink, NcclUniqueId};
     use std::sync::atomic::AtomicBool;
-    let Some(cx) = gpu("nccl timeout") else { return };
-    if !nccl_available() {
-        eprintln!("skipping nccl: libnccl is not on the library path");
-        return;
-    }
+    let Some(cx) = nccl_gpu("nccl timeout") else { return };
     let id = NcclUniqueId::new().unwrap();
     let started = std::time::Instant::now();
     let err = NcclLink::connect(cx.stream(), &id, 0, 2, 1, Duration::from_secs(2), None).unwrap_err();
@@ -921,12 +923,8 @@ fn nccl_connect_gives_up_on_a_peer_that_never_joins() {
 /// and refuses more than its capacity.
 #[test]
 fn nccl_pipe_moves_bytes_to_itself() {
-    use pagoda_kernels::cuda::{NcclPipe, nccl_available};
-    let Some(_cx) = gpu("nccl pipe") else { return };
-    if !nccl_available() {
-        eprintln!("skipping nccl: libnccl is not on the library path");
-        return;
-    }
+    use pagoda_kernels::cuda::NcclPipe;
+    let Some(_cx) = nccl_gpu("nccl pipe") else { return };
     let cap = 1 << 20;
     let mut pipe = NcclPipe::loopback(0, cap, Duration::from_secs(30)).unwrap();
     let mut rng = StdRng::seed_from_u64(16);
