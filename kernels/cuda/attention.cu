@@ -1,171 +1,29 @@
 // Paged attention over the head-paged f16 K and V arenas (layout in kv.cu), GQA, f32 accumulation.
 // q, out: f32 [rows][n_heads * HD]; query head qh reads kv-head qh / (n_heads / n_kv).
 //
-// Decode: `paged_decode_hd{HD}_g{G}` is split-K (flash-decoding). One CTA takes one (item, kv-head) entry, one
-// split of `chunk` consecutive slots and up to G query heads of the GQA group, so each K/V byte is read once per
-// group: phase 1 scores the split with 16-byte K loads (HD/8 lanes per slot), phase 2 takes the split's max and sum,
-// phase 3 accumulates P·V. It writes unnormalised partial outputs with their (max, sum); `paged_decode_reduce`
-// merges the splits. Item i's query row is item_row[i]; entry e = i * n_kv + h has ent_len[e] visible slots
-// (prior_len + j + 1) and its block table at tables + ent_tab[e].
+// Decode: `paged_decode_hd{HD}_g{G}` is decode_split.cuh's split-K kernel over the f16 arenas (16-byte K and V
+// loads, HD/8 lanes per slot); `paged_decode_reduce` merges the splits, for this module's kernels and for the
+// encoded ones (encoded_attention.cu).
 //
 // Prefill: `paged_prefill_hd{HD}` is tiled flash attention: one CTA per (tile of TQ new tokens, query head), K/V
 // tiles of TK slots in shared memory, online softmax; causal in slot space: new token j sees slots [0, prior + j].
 
-#define NT 128
-#define NW 4
-
-template <int HD, int G>
-__device__ __forceinline__ void decode_split(const float* __restrict__ q, const unsigned short* __restrict__ kc,
-                                             const unsigned short* __restrict__ vc,
-                                             const unsigned int* __restrict__ tables, const int* __restrict__ item_row,
-                                             const int* __restrict__ ent_len, const int* __restrict__ ent_tab,
-                                             int n_heads, int n_kv, int block_size, int chunk, int max_splits,
-                                             float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
-    constexpr int LPR = HD / 8;    // lanes per slot (one 16-byte load each)
-    constexpr int RPW = 32 / LPR;  // slots per warp step
-    constexpr int RPS = NW * RPW;  // slots per CTA step
-    constexpr int UNR = 4;         // loads in flight per lane
-    const int e = blockIdx.x, split = blockIdx.y, sub = blockIdx.z;
-    const int item = e / n_kv, h = e - item * n_kv;
-    const int group = n_heads / n_kv;
-    const int L = ent_len[e];
-    const int t0 = split * chunk;
-    const int g0 = sub * G;
-    if (t0 >= L || g0 >= group) return;
-    const int n = min(L - t0, chunk);
-    const int ng = min(G, group - g0);
-    const int qh0 = h * group + g0;
-    const unsigned int* tab = tables + ent_tab[e];
-    const int row = item_row[item];
-    extern __shared__ float sm[];
-    float* s = sm;                  // [G][chunk] scores, then probabilities
-    float* red = sm + G * chunk;    // [NW][G][HD]
-    float* ml = red + NW * G * HD;  // [G][2] (max, sum)
-    // [chunk] arena slot of each slot of the split: one table lookup per slot, done once for the K and V passes,
-    // instead of a dependent table load and a division before every 16-byte K or V load.
-    unsigned int* slot = reinterpret_cast<unsigned int*>(ml + 2 * G);
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int r = lane / LPR, c = lane % LPR;
-    for (int t = threadIdx.x; t < n; t += NT) {
-        const int ts = t0 + t;
-        slot[t] = tab[ts / block_size] * (unsigned int)block_size + (unsigned int)(ts % block_size);
+// The f16 arenas as a decode_split row source: one 16-byte load per lane and row.
+template <int HD>
+struct F16Rows {
+    const unsigned short* kc;
+    const unsigned short* vc;
+    int block_size;
+    typedef uint4 Raw;
+    // The arena slot.
+    __device__ __forceinline__ unsigned int slot(unsigned int block, unsigned int s) const {
+        return block * (unsigned int)block_size + s;
     }
-    __syncthreads();
-
-    float qr[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const float* qp = q + (size_t)row * n_heads * HD + (size_t)(qh0 + g) * HD + c * 8;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) qr[g][k] = g < ng ? qp[k] * scale : 0.0f;
+    __device__ __forceinline__ Raw load(int half, unsigned int slot, int c) const {
+        return *reinterpret_cast<const uint4*>((half == 0 ? kc : vc) + (size_t)slot * HD + c * 8);
     }
-
-    for (int base = w * RPW; base < n; base += RPS * UNR) {
-        uint4 kk[UNR];
-#pragma unroll
-        for (int u = 0; u < UNR; ++u) {
-            const int t = base + u * RPS + r;
-            if (t < n) {
-                const size_t a = (size_t)slot[t] * HD + c * 8;
-                kk[u] = *reinterpret_cast<const uint4*>(kc + a);
-            } else {
-                kk[u] = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNR; ++u) {
-            float kf[8];
-            unpack8(kk[u], kf);
-            const int t = base + u * RPS + r;
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float d = 0.0f;
-#pragma unroll
-                for (int k = 0; k < 8; ++k) d = fmaf(qr[g][k], kf[k], d);
-#pragma unroll
-                for (int o = LPR / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                if (c == 0 && t < n) s[g * chunk + t] = d;
-            }
-        }
-    }
-    __syncthreads();
-
-    for (int g = w; g < ng; g += NW) {
-        float m = -PAGODA_INF;
-        for (int t = lane; t < n; t += 32) m = fmaxf(m, s[g * chunk + t]);
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int t = lane; t < n; t += 32) {
-            const float p = expf(s[g * chunk + t] - m);
-            s[g * chunk + t] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            ml[2 * g] = m;
-            ml[2 * g + 1] = l;
-        }
-    }
-    __syncthreads();
-
-    float acc[G][8];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[g][k] = 0.0f;
-    for (int base = w * RPW; base < n; base += RPS * UNR) {
-        uint4 vv[UNR];
-#pragma unroll
-        for (int u = 0; u < UNR; ++u) {
-            const int t = base + u * RPS + r;
-            if (t < n) {
-                const size_t a = (size_t)slot[t] * HD + c * 8;
-                vv[u] = *reinterpret_cast<const uint4*>(vc + a);
-            } else {
-                vv[u] = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNR; ++u) {
-            const int t = base + u * RPS + r;
-            if (t < n) {
-                float vf[8];
-                unpack8(vv[u], vf);
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const float p = s[g * chunk + t];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) acc[g][k] = fmaf(p, vf[k], acc[g][k]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int k = 0; k < 8; ++k)
-#pragma unroll
-            for (int o = LPR; o < 32; o <<= 1) acc[g][k] += __shfl_xor_sync(0xffffffffu, acc[g][k], o);
-    if (r == 0) {
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int k = 0; k < 8; ++k) red[(w * G + g) * HD + c * 8 + k] = acc[g][k];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ng * HD; i += NT) {
-        const int g = i / HD, d = i - g * HD;
-        float o = 0.0f;
-#pragma unroll
-        for (int ww = 0; ww < NW; ++ww) o += red[(ww * G + g) * HD + d];
-        const size_t p = ((size_t)item * n_heads + qh0 + g) * max_splits + split;
-        part_o[p * HD + d] = o;
-        if (d == 0) {
-            part_ml[2 * p] = ml[2 * g];
-            part_ml[2 * p + 1] = ml[2 * g + 1];
-        }
-    }
-}
+    __device__ __forceinline__ void unpack(const Raw& raw, int, int, float* v) const { unpack8(raw, v); }
+};
 
 #define PAGODA_DECODE(HD, G)                                                                                       \
     extern "C" __global__ void __launch_bounds__(NT) paged_decode_hd##HD##_g##G(                                   \
@@ -173,8 +31,8 @@ __device__ __forceinline__ void decode_split(const float* __restrict__ q, const 
         const unsigned int* __restrict__ tables, const int* __restrict__ item_row,                                \
         const int* __restrict__ ent_len, const int* __restrict__ ent_tab, int n_heads, int n_kv, int block_size,  \
         int chunk, int max_splits, float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {        \
-        decode_split<HD, G>(q, kc, vc, tables, item_row, ent_len, ent_tab, n_heads, n_kv, block_size, chunk,      \
-                            max_splits, scale, part_o, part_ml);                                                  \
+        decode_split<HD, G>(q, F16Rows<HD>{kc, vc, block_size}, tables, item_row, ent_len, ent_tab, n_heads, n_kv, block_size, \
+                            chunk, max_splits, scale, part_o, part_ml);                                           \
     }
 
 PAGODA_DECODE(64, 1)

@@ -841,6 +841,25 @@ fn encoded_attention_matches_cpu() {
                 eprintln!("  encoded {codec} hd={hd} heads={nh}/{nkv} bs={bs}: {e:.3e}");
                 worst = worst.max(e);
             }
+            // A plan replays, and runs only over blocks of the codec and shape it was made for.
+            let mut plans = Vec::new();
+            for codec in [Codec::Int8, Codec::Fp8E4m3] {
+                let mut ekv = EncodedKv::new(codec, b.num_blocks, bs, hd).unwrap();
+                for blk in 0..b.num_blocks {
+                    ekv.store(blk, kv.block_k(blk as u32), kv.block_v(blk as u32)).unwrap();
+                }
+                let dkv = pagoda_kernels::cuda::CudaEncodedKv::from_host(&cx, &ekv).unwrap();
+                let plan = cx.plan_attention_encoded(&dkv, &seqs, b.rows, nh, nkv).unwrap();
+                plans.push((plan, dkv));
+            }
+            let dq = cx.upload(&q).unwrap();
+            let (mut first, mut again) = (cx.zeros::<f32>(q.len()).unwrap(), cx.zeros::<f32>(q.len()).unwrap());
+            let (plan, dkv) = &mut plans[0];
+            cx.run_attention_encoded(plan, &dq, dkv, scale, &mut first).unwrap();
+            cx.run_attention_encoded(plan, &dq, dkv, scale, &mut again).unwrap();
+            assert_eq!(cx.download(&first).unwrap(), cx.download(&again).unwrap(), "a replayed plan differs");
+            let (int8, fp8) = plans.split_at_mut(1);
+            assert!(cx.run_attention_encoded(&mut int8[0].0, &dq, &fp8[0].1, scale, &mut first).is_err());
             // A block that holds fewer slots than attention reads is refused before the launch.
             let mut short = EncodedKv::new(Codec::Int8, b.num_blocks, bs, hd).unwrap();
             short.store(0, &kv.block_k(0)[..hd], &kv.block_v(0)[..hd]).unwrap();

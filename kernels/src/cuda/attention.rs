@@ -5,13 +5,67 @@
 //! metadata once ([`AttnPlan`]); [`CudaContext::run_attention`] launches it, so a layer loop or a benchmark can
 //! replay a plan. Sequences with at most [`DECODE_MAX_NEW`] new tokens take the decode path (one work item per
 //! token), longer ones the prefill path.
+//!
+//! The same planner and decode kernel template serve attention over encoded blocks (dequantise on load,
+//! `encoded_attention.cu`; CPU twin `Backend::paged_attention_encoded`): [`CudaContext::plan_attention_encoded`]
+//! makes every new token a decode item, and [`CudaContext::run_attention_encoded`] launches the codec's kernels.
 
+use super::codecs::CudaEncodedKv;
+use super::compile::decode_kernel;
 use super::context::CudaContext;
 use super::error::CudaError;
 use super::kv::{CudaKv, check_seq};
 use super::ops::{grid_dim, to_i32};
+use crate::codec::Codec;
 use crate::paged::AttnSeq;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// What the planner needs of a paged KV source: the f16 arenas ([`CudaKv`]) or an encoded arena
+/// ([`CudaEncodedKv`]).
+pub(crate) trait PagedKv {
+    fn block_size(&self) -> usize;
+    fn head_dim(&self) -> usize;
+    /// Checks that `table` lists enough blocks, inside the source and holding its slots, for `slots` visible slots.
+    fn check_table(&self, op: &'static str, table: &[u32], slots: usize) -> Result<(), CudaError>;
+    /// Bytes of K and V that decoding over `slots` visible slots of one kv-head reads.
+    fn read_bytes(&self, slots: usize) -> usize;
+    /// The blocks' codec; `None` for the f16 arenas.
+    fn codec(&self) -> Option<Codec>;
+}
+
+impl PagedKv for CudaKv {
+    fn block_size(&self) -> usize {
+        CudaKv::block_size(self)
+    }
+    fn head_dim(&self) -> usize {
+        CudaKv::head_dim(self)
+    }
+    fn check_table(&self, op: &'static str, table: &[u32], slots: usize) -> Result<(), CudaError> {
+        CudaKv::check_table(self, op, table, slots)
+    }
+    fn read_bytes(&self, slots: usize) -> usize {
+        2 * slots * CudaKv::head_dim(self) * 2
+    }
+    fn codec(&self) -> Option<Codec> {
+        None
+    }
+}
+
+/// The K/V arguments of a decode launch.
+#[derive(Clone, Copy)]
+enum DecodeKv<'a> {
+    F16(&'a CudaKv),
+    Encoded(&'a CudaEncodedKv),
+}
+
+impl DecodeKv<'_> {
+    fn source(&self) -> &dyn PagedKv {
+        match self {
+            DecodeKv::F16(kv) => *kv,
+            DecodeKv::Encoded(kv) => *kv,
+        }
+    }
+}
 
 /// Sequences with at most this many new tokens use the decode kernel.
 pub const DECODE_MAX_NEW: usize = 4;
@@ -85,6 +139,8 @@ pub struct AttnPlan {
     chunk: usize,
     max_splits: usize,
     g: usize,
+    /// The codec of the blocks the plan reads (`None`: the f16 arenas).
+    codec: Option<Codec>,
     part_o: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
     kv_bytes: usize,
@@ -152,8 +208,32 @@ impl CudaContext {
         n_heads: usize,
         n_kv_heads: usize,
     ) -> Result<AttnPlan, CudaError> {
+        self.plan_paged(kv, seqs, rows, n_heads, n_kv_heads)
+    }
+
+    /// [`CudaContext::plan_attention`] over encoded blocks: every new token is a decode item (there is no encoded
+    /// prefill kernel), read through `kv`'s codec. Each table's blocks must hold the slots attention reads.
+    pub fn plan_attention_encoded(
+        &self,
+        kv: &CudaEncodedKv,
+        seqs: &[AttnSeq<'_>],
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+    ) -> Result<AttnPlan, CudaError> {
+        self.plan_paged(kv, seqs, rows, n_heads, n_kv_heads)
+    }
+
+    fn plan_paged(
+        &self,
+        kv: &dyn PagedKv,
+        seqs: &[AttnSeq<'_>],
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+    ) -> Result<AttnPlan, CudaError> {
         let mut host = Vec::new();
-        let mut plan = self.stage_attention(kv, seqs, rows, n_heads, n_kv_heads, &mut host)?;
+        let mut plan = self.stage_paged(kv, seqs, rows, n_heads, n_kv_heads, &mut host)?;
         plan.meta = Some(self.upload(&host)?);
         let parts = plan.workspace_parts();
         if parts > 0 {
@@ -174,8 +254,22 @@ impl CudaContext {
         n_kv_heads: usize,
         stage: &mut Vec<u32>,
     ) -> Result<AttnPlan, CudaError> {
+        self.stage_paged(kv, seqs, rows, n_heads, n_kv_heads, stage)
+    }
+
+    fn stage_paged(
+        &self,
+        kv: &dyn PagedKv,
+        seqs: &[AttnSeq<'_>],
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        stage: &mut Vec<u32>,
+    ) -> Result<AttnPlan, CudaError> {
         const OP: &str = "paged_attention";
-        let (hd, bs) = (kv.head_dim(), kv.block_size());
+        let (hd, bs, codec) = (kv.head_dim(), kv.block_size(), kv.codec());
+        // Encoded blocks have decode kernels only.
+        let decode_max_new = if codec.is_some() { usize::MAX } else { DECODE_MAX_NEW };
         if !HEAD_DIMS.contains(&hd) {
             return Err(CudaError::Unsupported(format!("head_dim {hd} (kernels exist for {HEAD_DIMS:?})")));
         }
@@ -203,13 +297,13 @@ impl CudaContext {
                 offs.push(u("table offset", tables.len())?);
                 tables.extend_from_slice(&s.tables[h][..len.div_ceil(bs)]);
             }
-            if s.n_new <= DECODE_MAX_NEW {
+            if s.n_new <= decode_max_new {
                 for j in 0..s.n_new {
                     item_row.push(u("row", s.q_row + j)?);
                     for (&prior, &off) in s.prior_lens[..n_kv_heads].iter().zip(&offs) {
                         let l = prior + j + 1;
                         max_len = max_len.max(l);
-                        kv_bytes += 2 * l * hd * 2;
+                        kv_bytes += kv.read_bytes(l);
                         ent_len.push(u("context length", l)?);
                         ent_tab.push(off);
                     }
@@ -232,7 +326,7 @@ impl CudaContext {
         let g = heads_per_cta(group);
         let entries = item_row.len() * n_kv_heads;
         let subs = group.div_ceil(g);
-        let chunk = self.pick_chunk(hd, g, entries * subs, max_len)?;
+        let chunk = self.pick_chunk(decode_kernel(codec, hd, g)?, hd, g, entries * subs, max_len)?;
         let max_splits = max_len.div_ceil(chunk).max(1);
         if max_splits > MAX_SPLITS {
             return Err(CudaError::invalid(OP, format!("context of {max_len} slots needs too many splits")));
@@ -272,6 +366,7 @@ impl CudaContext {
             chunk,
             max_splits,
             g,
+            codec,
             part_o: None,
             part_ml: None,
             kv_bytes,
@@ -281,14 +376,20 @@ impl CudaContext {
 
     /// Split length for `ctas_per_split` CTAs per split over contexts of up to `max_len` slots: minimises
     /// (waves of resident CTAs) × (slots per CTA + a fixed per-CTA cost), so the last wave is not left mostly empty.
-    fn pick_chunk(&self, hd: usize, g: usize, ctas_per_split: usize, max_len: usize) -> Result<usize, CudaError> {
+    fn pick_chunk(
+        &self,
+        kernel: &'static str,
+        hd: usize,
+        g: usize,
+        ctas_per_split: usize,
+        max_len: usize,
+    ) -> Result<usize, CudaError> {
         let maxc = max_chunk(hd, g);
         if ctas_per_split == 0 || max_len == 0 {
             return Ok(maxc);
         }
         let smem = decode_smem(hd, g, maxc);
-        let per_sm =
-            self.func(decode_kernel(hd, g)?)?.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?;
+        let per_sm = self.func(kernel)?.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?;
         let resident = (per_sm.max(1) as usize) * self.info().sm_count.max(1);
         let mut best = (usize::MAX, maxc);
         let min_splits = max_len.div_ceil(maxc);
@@ -313,13 +414,37 @@ impl CudaContext {
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.run_planned(plan, q, DecodeKv::F16(kv), scale, out)
+    }
+
+    /// Launches a plan from [`CudaContext::plan_attention_encoded`] over `kv` (the arena it was planned for, or one
+    /// of the same codec and shape whose blocks hold the same slots).
+    pub fn run_attention_encoded(
+        &self,
+        plan: &mut AttnPlan,
+        q: &CudaSlice<f32>,
+        kv: &CudaEncodedKv,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.run_planned(plan, q, DecodeKv::Encoded(kv), scale, out)
+    }
+
+    fn run_planned(
+        &self,
+        plan: &mut AttnPlan,
+        q: &CudaSlice<f32>,
+        kv: DecodeKv<'_>,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         let meta = plan
             .meta
             .take()
             .ok_or_else(|| CudaError::invalid("paged_attention", "a staged plan runs through run_staged_attention"))?;
         let (mut po, mut pml) = (plan.part_o.take(), plan.part_ml.take());
         let ws = po.as_mut().zip(pml.as_mut());
-        let r = self.run_staged_attention(plan, &meta, ws, q, kv, scale, out);
+        let r = self.run_staged(plan, &meta, ws, q, kv, scale, out);
         (plan.meta, plan.part_o, plan.part_ml) = (Some(meta), po, pml);
         r
     }
@@ -338,13 +463,28 @@ impl CudaContext {
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.run_staged(plan, meta, ws, q, DecodeKv::F16(kv), scale, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_staged(
+        &self,
+        plan: &AttnPlan,
+        meta: &CudaSlice<u32>,
+        ws: Option<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)>,
+        q: &CudaSlice<f32>,
+        kv: DecodeKv<'_>,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "paged_attention";
         let w = plan.n_heads * plan.head_dim;
         if q.len() != plan.rows * w || out.len() != q.len() {
             return Err(CudaError::invalid(OP, "q and out must be [rows][n_heads*head_dim] of the plan"));
         }
-        if kv.head_dim() != plan.head_dim || kv.block_size() != plan.block_size {
-            return Err(CudaError::invalid(OP, "the plan was built for another cache shape"));
+        let src = kv.source();
+        if src.head_dim() != plan.head_dim || src.block_size() != plan.block_size || src.codec() != plan.codec {
+            return Err(CudaError::invalid(OP, "the plan was built for another cache shape or format"));
         }
         if meta.len() < plan.meta_end {
             return Err(CudaError::invalid(OP, "the step buffer is shorter than the plan's metadata"));
@@ -357,12 +497,11 @@ impl CudaContext {
             _ => return Err(CudaError::invalid(OP, format!("the split-K workspace holds fewer than {parts} parts"))),
         };
         let r = |x: (usize, usize)| meta.slice(x.0..x.1);
-        let (kc, vc) = kv.arenas();
         let (nh, nkv) = (to_i32(OP, "n_heads", plan.n_heads)?, to_i32(OP, "n_kv_heads", plan.n_kv)?);
         let (bs, hd) = (to_i32(OP, "block_size", plan.block_size)?, to_i32(OP, "head_dim", plan.head_dim)?);
         let tables = r(plan.tables);
         if let Some((po, pml)) = ws {
-            let name = decode_kernel(plan.head_dim, plan.g)?;
+            let name = decode_kernel(plan.codec, plan.head_dim, plan.g)?;
             let entries = plan.n_items * plan.n_kv;
             let subs = (plan.n_heads / plan.n_kv).div_ceil(plan.g);
             let smem = decode_smem(plan.head_dim, plan.g, plan.chunk);
@@ -377,14 +516,26 @@ impl CudaContext {
             };
             let (chunk, ms) = (to_i32(OP, "chunk", plan.chunk)?, to_i32(OP, "splits", plan.max_splits)?);
             let (item_row, ent_len, ent_tab) = (r(plan.item_row), r(plan.ent_len), r(plan.ent_tab));
-            // SAFETY: every table, row and length was validated in plan_attention against this cache shape and q;
-            // the workspace holds n_items * n_heads * max_splits partials.
+            let func = self.func(name)?;
+            let mut launch = self.stream().launch_builder(func);
+            launch.arg(q);
+            let block_len;
+            match kv {
+                DecodeKv::F16(kv) => {
+                    let (kc, vc) = kv.arenas();
+                    launch.arg(kc).arg(vc);
+                }
+                DecodeKv::Encoded(kv) => {
+                    let (arena, len) = kv.arena();
+                    block_len = len as i64;
+                    launch.arg(arena).arg(&block_len);
+                }
+            }
+            // SAFETY: every table, row and length was validated in plan_attention against this cache shape (and,
+            // encoded, against the blocks' filled slots) and q; the workspace holds n_items * n_heads * max_splits
+            // partials; an encoded arena's blocks are validated encodings of the plan's codec and shape.
             unsafe {
-                self.stream()
-                    .launch_builder(self.func(name)?)
-                    .arg(q)
-                    .arg(kc)
-                    .arg(vc)
+                launch
                     .arg(&tables)
                     .arg(&item_row)
                     .arg(&ent_len)
@@ -426,6 +577,10 @@ impl CudaContext {
             }?;
         }
         if plan.n_tiles > 0 {
+            let DecodeKv::F16(kv) = kv else {
+                return Err(CudaError::invalid(OP, "encoded blocks have no prefill kernel"));
+            };
+            let (kc, vc) = kv.arenas();
             let name = match plan.head_dim {
                 64 => "paged_prefill_hd64",
                 128 => "paged_prefill_hd128",
@@ -493,22 +648,4 @@ impl CudaContext {
         let mut plan = self.plan_attention(kv, seqs, q.len() / w, n_heads, n_kv_heads)?;
         self.run_attention(&mut plan, q, kv, scale, out)
     }
-}
-
-fn decode_kernel(hd: usize, g: usize) -> Result<&'static str, CudaError> {
-    Ok(match (hd, g) {
-        (64, 1) => "paged_decode_hd64_g1",
-        (64, 2) => "paged_decode_hd64_g2",
-        (64, 4) => "paged_decode_hd64_g4",
-        (64, 8) => "paged_decode_hd64_g8",
-        (128, 1) => "paged_decode_hd128_g1",
-        (128, 2) => "paged_decode_hd128_g2",
-        (128, 4) => "paged_decode_hd128_g4",
-        (128, 8) => "paged_decode_hd128_g8",
-        (256, 1) => "paged_decode_hd256_g1",
-        (256, 2) => "paged_decode_hd256_g2",
-        (256, 4) => "paged_decode_hd256_g4",
-        (256, 8) => "paged_decode_hd256_g8",
-        _ => return Err(CudaError::Unsupported(format!("decode head_dim {hd} with {g} heads per CTA"))),
-    })
 }

@@ -98,9 +98,9 @@ pub fn decode_attention_encoded(
     drop(host);
     let scale = 1.0 / (hd as f32).sqrt();
     decode_points(cx, shape, codec.name(), batches, contexts, max_blocks, |seqs, q, out, b| {
-        let t = time_it(cx, 100.0, || cx.paged_attention_encoded(q, &kv, seqs, nh, nkv, scale, out))?;
-        let ctx = seqs.first().map_or(0, |s| s.prior_lens[0] + 1);
-        Ok((t, b * nkv * ctx.div_ceil(bs) * block_len))
+        let mut plan = cx.plan_attention_encoded(&kv, seqs, b, nh, nkv)?;
+        let t = time_it(cx, 100.0, || cx.run_attention_encoded(&mut plan, q, &kv, scale, out))?;
+        Ok((t, plan.decode_kv_bytes()))
     })
 }
 

@@ -6,25 +6,17 @@
 //! CPU twins: `Codec::encode_block` over the arena's values (the bytes are identical) and `decode_block` followed by
 //! the arena's f16 rounding (the values are identical).
 
-use super::attention::SMEM_LIMIT;
+use super::attention::{PagedKv, SMEM_LIMIT};
 use super::context::CudaContext;
 use super::error::CudaError;
-use super::kv::{CudaKv, check_seq, per_block_cfg, sorted_distinct};
-use super::ops::{grid_dim, to_i32};
+use super::kv::{CudaKv, per_block_cfg, sorted_distinct};
+use super::ops::to_i32;
 use crate::codec::{Codec, EncodedKv, validate_block};
 use crate::paged::AttnSeq;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-/// The dequantise-on-load attention kernel of `codec`.
-fn encoded_attention_kernel(codec: Codec) -> Result<&'static str, CudaError> {
-    Ok(match codec {
-        Codec::Int8 => "paged_attention_encoded_int8",
-        Codec::Fp8E4m3 => "paged_attention_encoded_fp8_e4m3",
-        Codec::Int4Kivi => "paged_attention_encoded_int4_kivi",
-        Codec::Int2Kivi => "paged_attention_encoded_int2_kivi",
-        other => return Err(CudaError::Unsupported(format!("attention over {other} blocks on the GPU"))),
-    })
-}
+/// Most blocks of a [`CudaEncodedKv`]: attention names a slot as `block << 8 | slot` (block_size is at most 256).
+const MAX_ENCODED_BLOCKS: usize = 1 << 24;
 
 /// Codecs the GPU encodes and decodes.
 pub const GPU_CODECS: [Codec; 4] = [Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
@@ -188,6 +180,10 @@ impl CudaEncodedKv {
         if !GPU_CODECS.contains(&kv.codec()) {
             return Err(CudaError::Unsupported(format!("{OP}: codec {} on the GPU", kv.codec())));
         }
+        // Attention names a slot by its block and its place in the block in one 32-bit word (block << 8 | slot).
+        if kv.num_blocks() > MAX_ENCODED_BLOCKS {
+            return Err(CudaError::invalid(OP, format!("at most {MAX_ENCODED_BLOCKS} blocks")));
+        }
         let filled = (0..kv.num_blocks())
             .map(|b| kv.filled(b).map_err(|e| CudaError::invalid(OP, e.to_string())))
             .collect::<Result<Vec<_>, _>>()?;
@@ -203,18 +199,51 @@ impl CudaEncodedKv {
     }
 }
 
-/// Longest head the encoded attention kernel takes (8 channels per lane of a warp).
-const ENCODED_MAX_HEAD_DIM: usize = 256;
-/// Shortest split of encoded decode attention, and the multiple every split length is.
-const ENCODED_MIN_CHUNK: usize = 64;
-/// Most splits of one context.
-const ENCODED_MAX_SPLITS: usize = 8192;
+impl CudaEncodedKv {
+    /// The arena and the bytes of one block.
+    pub(crate) fn arena(&self) -> (&CudaSlice<u8>, usize) {
+        (&self.bytes, self.block_len)
+    }
+}
+
+impl PagedKv for CudaEncodedKv {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn check_table(&self, op: &'static str, table: &[u32], slots: usize) -> Result<(), CudaError> {
+        let bs = self.block_size;
+        let need = slots.div_ceil(bs);
+        if table.len() < need {
+            return Err(CudaError::invalid(op, format!("block table has {} blocks, {need} needed", table.len())));
+        }
+        // The filled counts also bound the block ids: an id past them is outside the arena.
+        for (bi, &b) in table[..need].iter().enumerate() {
+            let filled = *self.filled.get(b as usize).ok_or_else(|| {
+                CudaError::invalid(op, format!("block {b} is outside the arena of {}", self.filled.len()))
+            })?;
+            if filled < (slots - bi * bs).min(bs) {
+                return Err(CudaError::invalid(op, format!("block {b} holds {filled} slots, attention reads more")));
+            }
+        }
+        Ok(())
+    }
+    fn read_bytes(&self, slots: usize) -> usize {
+        slots.div_ceil(self.block_size) * self.block_len
+    }
+    fn codec(&self) -> Option<Codec> {
+        Some(self.codec)
+    }
+}
 
 impl CudaContext {
     /// Paged attention reading K and V straight from encoded blocks (dequantise on load); the contract is
     /// [`crate::Backend::paged_attention`]'s with `kv` encoded: `q` and `out` are `[rows][n_heads * head_dim]`, new
-    /// token `j` of a sequence sees the first `prior_len + j + 1` slots of each kv-head's table. Tables, block ids,
-    /// each block's filled slots and the disjointness of the sequences' rows are checked before the launch.
+    /// token `j` of a sequence sees the first `prior_len + j + 1` slots of each kv-head's table. One-shot
+    /// [`CudaContext::plan_attention_encoded`] and [`CudaContext::run_attention_encoded`]: tables, block ids, each
+    /// block's filled slots and the sequences' rows are checked before the launch.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention_encoded(
         &self,
@@ -226,139 +255,11 @@ impl CudaContext {
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "paged_attention_encoded";
-        let (bs, hd) = (kv.block_size, kv.head_dim);
-        let w = n_heads * hd;
-        if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
-            return Err(CudaError::invalid(OP, "n_heads must be a multiple of n_kv_heads"));
+        let w = n_heads * kv.head_dim;
+        if w == 0 || !q.len().is_multiple_of(w) {
+            return Err(CudaError::invalid("paged_attention_encoded", "q must be [rows][n_heads*head_dim]"));
         }
-        if hd > ENCODED_MAX_HEAD_DIM || w == 0 || !q.len().is_multiple_of(w) || q.len() != out.len() {
-            return Err(CudaError::invalid(OP, "q and out must be [rows][n_heads*head_dim], head_dim <= 256"));
-        }
-        let rows = q.len() / w;
-        let (mut tables, mut ent_row, mut ent_head, mut ent_len, mut ent_tab) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(seqs.len());
-        for s in seqs {
-            check_seq(OP, s, n_kv_heads, rows)?;
-            spans.push((s.q_row, s.q_row + s.n_new));
-            for (h, (table, &prior)) in s.tables[..n_kv_heads].iter().zip(s.prior_lens).enumerate() {
-                let len = prior + s.n_new;
-                let need = len.div_ceil(bs);
-                if table.len() < need {
-                    return Err(CudaError::invalid(
-                        OP,
-                        format!("block table has {} blocks, {need} needed", table.len()),
-                    ));
-                }
-                // The filled counts also bound the block ids: an id past them is outside the arena.
-                for (bi, &b) in table[..need].iter().enumerate() {
-                    let filled = *kv.filled.get(b as usize).ok_or_else(|| {
-                        CudaError::invalid(OP, format!("block {b} is outside the arena of {}", kv.filled.len()))
-                    })?;
-                    if filled < (len - bi * bs).min(bs) {
-                        return Err(CudaError::invalid(
-                            OP,
-                            format!("block {b} holds {filled} slots, attention reads more"),
-                        ));
-                    }
-                }
-                let tab = to_i32(OP, "table offset", tables.len())?;
-                tables.extend_from_slice(&table[..need]);
-                for j in 0..s.n_new {
-                    ent_row.push(to_i32(OP, "row", s.q_row + j)?);
-                    ent_head.push(to_i32(OP, "kv head", h)?);
-                    ent_len.push(to_i32(OP, "length", prior + j + 1)?);
-                    ent_tab.push(tab);
-                }
-            }
-        }
-        spans.sort_unstable();
-        if spans.windows(2).any(|p| p[0].1 > p[1].0) {
-            return Err(CudaError::invalid(OP, "sequences' query rows overlap"));
-        }
-        if ent_row.is_empty() {
-            return Ok(());
-        }
-        let group = n_heads / n_kv_heads;
-        let entries = ent_row.len();
-        // Split-K: enough (entry, head, split) CTAs to fill the device a few times over, in splits of at least
-        // ENCODED_MIN_CHUNK slots.
-        let max_len = ent_len.iter().copied().max().unwrap_or(1).max(1) as usize;
-        let target = 8 * self.info().sm_count.max(1);
-        // At most ENCODED_MAX_SPLITS: the merge keeps one weight per split in shared memory.
-        let splits =
-            target.div_ceil(entries * group).clamp(1, max_len.div_ceil(ENCODED_MIN_CHUNK).min(ENCODED_MAX_SPLITS));
-        let chunk = max_len.div_ceil(splits).next_multiple_of(ENCODED_MIN_CHUNK);
-        let max_splits = max_len.div_ceil(chunk);
-        let parts = entries * group * max_splits;
-        let mut part_o = self.zeros::<f32>(parts * hd)?;
-        let mut part_ml = self.zeros::<f32>(parts * 2)?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                grid_dim(OP, "entries", entries, i32::MAX as usize)?,
-                grid_dim(OP, "group", group, 65_535)?,
-                grid_dim(OP, "splits", max_splits, 65_535)?,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let tables = self.upload(&tables)?;
-        let (ent_row, ent_head) = (self.upload(&ent_row)?, self.upload(&ent_head)?);
-        let (ent_len, ent_tab) = (self.upload(&ent_len)?, self.upload(&ent_tab)?);
-        let block_len = kv.block_len as i64;
-        let (n_heads_i, n_kv_i) = (to_i32(OP, "n_heads", n_heads)?, to_i32(OP, "n_kv_heads", n_kv_heads)?);
-        let (bs_i, hd_i) = (to_i32(OP, "block_size", bs)?, to_i32(OP, "head_dim", hd)?);
-        let (chunk_i, splits_i) = (to_i32(OP, "chunk", chunk)?, to_i32(OP, "splits", max_splits)?);
-        // SAFETY: every entry's table lists blocks inside the arena whose filled slots cover the entry's length
-        // (checked above); rows are inside q and out and the sequences' rows are disjoint; the arena's blocks are
-        // validated encodings of `codec` and this shape (`CudaEncodedKv::from_host`); the workspace holds
-        // entries * group * max_splits partials.
-        unsafe {
-            self.stream()
-                .launch_builder(self.func(encoded_attention_kernel(kv.codec)?)?)
-                .arg(q)
-                .arg(&kv.bytes)
-                .arg(&block_len)
-                .arg(&tables)
-                .arg(&ent_row)
-                .arg(&ent_head)
-                .arg(&ent_len)
-                .arg(&ent_tab)
-                .arg(&n_heads_i)
-                .arg(&n_kv_i)
-                .arg(&bs_i)
-                .arg(&hd_i)
-                .arg(&scale)
-                .arg(&chunk_i)
-                .arg(&splits_i)
-                .arg(&mut part_o)
-                .arg(&mut part_ml)
-                .launch(cfg)
-        }?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid_dim(OP, "entries", entries, i32::MAX as usize)?, grid_dim(OP, "group", group, 65_535)?, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (4 * max_splits) as u32,
-        };
-        // SAFETY: reads the partials written above (every split below each entry's split count); writes each
-        // entry's row and head of out.
-        unsafe {
-            self.stream()
-                .launch_builder(self.func("paged_encoded_reduce")?)
-                .arg(&part_o)
-                .arg(&part_ml)
-                .arg(&ent_row)
-                .arg(&ent_head)
-                .arg(&ent_len)
-                .arg(&n_heads_i)
-                .arg(&n_kv_i)
-                .arg(&hd_i)
-                .arg(&chunk_i)
-                .arg(&splits_i)
-                .arg(out)
-                .launch(cfg)
-        }?;
-        Ok(())
+        let mut plan = self.plan_attention_encoded(kv, seqs, q.len() / w, n_heads, n_kv_heads)?;
+        self.run_attention_encoded(&mut plan, q, kv, scale, out)
     }
 }

@@ -8,6 +8,62 @@ use std::path::{Path, PathBuf};
 
 /// Helpers every module is compiled with (prepended to each `.cu`).
 pub const COMMON: &str = include_str!("../../cuda/common.cuh");
+/// The split-K decode attention template, generic over its K/V row source (attention and encoded attention).
+const DECODE_SPLIT: (&str, &str) = ("decode_split.cuh", include_str!("../../cuda/decode_split.cuh"));
+/// The read side of the encoded block layout (codecs and encoded attention).
+const CODEC_LAYOUT: (&str, &str) = ("codec_layout.cuh", include_str!("../../cuda/codec_layout.cuh"));
+
+/// The names of one KV format's split-K decode kernels, `{prefix}hd{HD}_g{G}` for HD in 64, 128, 256 and G in 1,
+/// 2, 4, 8, in that order (see [`decode_kernel`]).
+macro_rules! decode_kernel_names {
+    ($($prefix:literal),+) => {
+        [$(
+            concat!($prefix, "hd64_g1"), concat!($prefix, "hd64_g2"), concat!($prefix, "hd64_g4"),
+            concat!($prefix, "hd64_g8"), concat!($prefix, "hd128_g1"), concat!($prefix, "hd128_g2"),
+            concat!($prefix, "hd128_g4"), concat!($prefix, "hd128_g8"), concat!($prefix, "hd256_g1"),
+            concat!($prefix, "hd256_g2"), concat!($prefix, "hd256_g4"), concat!($prefix, "hd256_g8"),
+        )+]
+    };
+}
+
+/// Decode kernels per format: f16 arenas, then the encoded formats in [`ENCODED_DECODE_FORMATS`]' order.
+const F16_DECODE_KERNELS: [&str; 12] = decode_kernel_names!("paged_decode_");
+const ENCODED_DECODE_KERNELS: [&str; 48] = decode_kernel_names!(
+    "paged_decode_int8_",
+    "paged_decode_fp8_e4m3_",
+    "paged_decode_int4_kivi_",
+    "paged_decode_int2_kivi_"
+);
+/// The codecs with decode kernels over their encoded blocks, in the order of `ENCODED_DECODE_KERNELS`.
+pub const ENCODED_DECODE_FORMATS: [crate::codec::Codec; 4] = [
+    crate::codec::Codec::Int8,
+    crate::codec::Codec::Fp8E4m3,
+    crate::codec::Codec::Int4Kivi,
+    crate::codec::Codec::Int2Kivi,
+];
+
+/// The split-K decode kernel for head dim `hd`, `g` query heads per CTA, over f16 arenas (`codec` `None`) or over
+/// blocks encoded with `codec`.
+pub(crate) fn decode_kernel(
+    codec: Option<crate::codec::Codec>,
+    hd: usize,
+    g: usize,
+) -> Result<&'static str, CudaError> {
+    let unsupported = || CudaError::Unsupported(format!("decode head_dim {hd} with {g} heads per CTA over {codec:?}"));
+    let hd_i = [64, 128, 256].iter().position(|&x| x == hd).ok_or_else(unsupported)?;
+    let g_i = [1, 2, 4, 8].iter().position(|&x| x == g).ok_or_else(unsupported)?;
+    let i = hd_i * 4 + g_i;
+    match codec {
+        None => Ok(F16_DECODE_KERNELS[i]),
+        Some(c) => {
+            let f = ENCODED_DECODE_FORMATS
+                .iter()
+                .position(|&x| x == c)
+                .ok_or_else(|| CudaError::Unsupported(format!("attention over {c} blocks on the GPU")))?;
+            Ok(ENCODED_DECODE_KERNELS[f * 12 + i])
+        }
+    }
+}
 
 /// One `.cu` file: its name, source and the `extern "C"` kernels it defines.
 #[derive(Debug, Clone, Copy)]
@@ -16,6 +72,11 @@ pub struct KernelSource {
     pub name: &'static str,
     /// The file's text.
     pub source: &'static str,
+    /// Shared headers compiled before it, in order: (file name, text).
+    pub headers: &'static [(&'static str, &'static str)],
+    /// Compiled and loaded on the first launch of one of its kernels rather than when a context opens: modules
+    /// that serving does not use, whose compile and driver JIT would only slow every worker's start.
+    pub lazy: bool,
     /// Kernels it exports.
     pub functions: &'static [&'static str],
 }
@@ -24,7 +85,9 @@ pub struct KernelSource {
 pub const MODULES: &[KernelSource] = &[
     KernelSource {
         name: "elementwise",
+        lazy: false,
         source: include_str!("../../cuda/elementwise.cu"),
+        headers: &[],
         functions: &[
             "rmsnorm_f32",
             "rmsnorm_f16",
@@ -42,7 +105,9 @@ pub const MODULES: &[KernelSource] = &[
     },
     KernelSource {
         name: "kv",
+        lazy: false,
         source: include_str!("../../cuda/kv.cu"),
+        headers: &[],
         functions: &[
             "kv_write_f16",
             "copy_blocks_f16",
@@ -56,21 +121,16 @@ pub const MODULES: &[KernelSource] = &[
     },
     KernelSource {
         name: "codecs",
+        lazy: false,
         source: include_str!("../../cuda/codecs.cu"),
-        functions: &[
-            "encode_blocks_q8",
-            "encode_blocks_kivi",
-            "decode_blocks",
-            "paged_attention_encoded_int8",
-            "paged_attention_encoded_fp8_e4m3",
-            "paged_attention_encoded_int4_kivi",
-            "paged_attention_encoded_int2_kivi",
-            "paged_encoded_reduce",
-        ],
+        headers: &[CODEC_LAYOUT],
+        functions: &["encode_blocks_q8", "encode_blocks_kivi", "decode_blocks"],
     },
     KernelSource {
         name: "attention",
+        lazy: false,
         source: include_str!("../../cuda/attention.cu"),
+        headers: &[DECODE_SPLIT],
         functions: &[
             "paged_decode_hd64_g1",
             "paged_decode_hd64_g2",
@@ -89,6 +149,13 @@ pub const MODULES: &[KernelSource] = &[
             "paged_prefill_hd128",
             "paged_prefill_hd256",
         ],
+    },
+    KernelSource {
+        name: "encoded_attention",
+        lazy: true,
+        source: include_str!("../../cuda/encoded_attention.cu"),
+        headers: &[DECODE_SPLIT, CODEC_LAYOUT],
+        functions: &ENCODED_DECODE_KERNELS,
     },
 ];
 
@@ -120,9 +187,14 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     format!("sm_{major}{minor}")
 }
 
-/// The full text NVRTC compiles for `m`: [`COMMON`] followed by the module.
+/// The full text NVRTC compiles for `m`: [`COMMON`], the module's headers, then the module.
 pub fn full_source(m: &KernelSource) -> String {
-    format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", m.name, m.source)
+    let mut text = String::from(COMMON);
+    for (name, header) in m.headers {
+        text.push_str(&format!("\n#line 1 \"{name}\"\n{header}"));
+    }
+    text.push_str(&format!("\n#line 1 \"{}.cu\"\n{}", m.name, m.source));
+    text
 }
 
 /// Compiles one module to PTX for `arch` (`"sm_80"`, `"sm_90"`, ...). Needs libnvrtc, not a GPU.
@@ -200,7 +272,9 @@ impl PtxCache {
     /// The cache file for `m` on `arch` with NVRTC `version`.
     pub fn path_for(&self, m: &KernelSource, arch: &str, version: (i32, i32)) -> PathBuf {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
-        for part in [COMMON, m.source, arch, &format!("nvrtc {}.{}", version.0, version.1), env!("CARGO_PKG_VERSION")] {
+        let headers = m.headers.iter().map(|(_, text)| *text);
+        let rest = [m.source, arch, &format!("nvrtc {}.{}", version.0, version.1), env!("CARGO_PKG_VERSION")];
+        for part in std::iter::once(COMMON).chain(headers).chain(rest) {
             h.update(part.as_bytes());
             h.update(&[0]);
         }

@@ -1,12 +1,12 @@
 //! [`CudaContext`]: one GPU, its stream, the NVRTC-compiled kernel modules (PTX cached on disk) and a cuBLAS handle.
 //! Everything else in [`crate::cuda`] launches through it.
 
-use super::compile::{self, CacheStatus, MODULES, PtxCache};
+use super::compile::{self, CacheStatus, KernelSource, MODULES, PtxCache};
 use super::error::CudaError;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Facts about the device a context runs on.
 #[derive(Debug, Clone)]
@@ -35,7 +35,13 @@ pub struct CudaContext {
     funcs: HashMap<&'static str, CudaFunction>,
     info: DeviceInfo,
     cache: Vec<(&'static str, CacheStatus)>,
+    ptx_cache: PtxCache,
+    /// Modules loaded on first use ([`KernelSource::lazy`]), with their kernels or why they failed to load.
+    lazy: Vec<(&'static KernelSource, OnceLock<Result<Kernels, String>>)>,
 }
+
+/// A loaded module's kernels by name.
+type Kernels = HashMap<&'static str, CudaFunction>;
 
 impl std::fmt::Debug for CudaContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -102,25 +108,18 @@ impl CudaContext {
         };
         let mut funcs = HashMap::new();
         let mut statuses = Vec::new();
+        let mut lazy = Vec::new();
         for m in MODULES {
-            let (ptx, status) = cache.get_or_compile(m, &arch)?;
-            let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)) {
-                Ok(module) => module,
-                Err(e) if status == CacheStatus::Hit => {
-                    // A cached file the driver rejects (truncated, or from another toolkit): rebuild it once.
-                    cache.evict(m, &arch)?;
-                    let (ptx, _) = cache.get_or_compile(m, &arch)?;
-                    ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|_| CudaError::Driver(e))?
-                }
-                Err(e) => return Err(e.into()),
-            };
-            for &f in m.functions {
-                funcs.insert(f, module.load_function(f)?);
+            if m.lazy {
+                lazy.push((m, OnceLock::new()));
+                continue;
             }
+            let (module_funcs, status) = load_module(&ctx, cache, m, &arch)?;
+            funcs.extend(module_funcs);
             statuses.push((m.name, status));
         }
         let blas = CudaBlas::new(stream.clone())?;
-        Ok(CudaContext { ctx, stream, blas, funcs, info, cache: statuses })
+        Ok(CudaContext { ctx, stream, blas, funcs, info, cache: statuses, ptx_cache: cache.clone(), lazy })
     }
 
     /// The device this context runs on.
@@ -128,7 +127,8 @@ impl CudaContext {
         &self.info
     }
 
-    /// Whether each module's PTX came from the disk cache.
+    /// Whether each module loaded when the context opened had its PTX in the disk cache (lazy modules, loaded on
+    /// first use, are not listed).
     pub fn cache_status(&self) -> &[(&'static str, CacheStatus)] {
         &self.cache
     }
@@ -148,7 +148,18 @@ impl CudaContext {
     }
 
     pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
-        self.funcs.get(name).ok_or_else(|| CudaError::Unsupported(format!("kernel {name} is not loaded")))
+        if let Some(f) = self.funcs.get(name) {
+            return Ok(f);
+        }
+        let not_loaded = || CudaError::Unsupported(format!("kernel {name} is not loaded"));
+        let (m, loaded) = self.lazy.iter().find(|(m, _)| m.functions.contains(&name)).ok_or_else(not_loaded)?;
+        let loaded = loaded.get_or_init(|| {
+            load_module(&self.ctx, &self.ptx_cache, m, &self.info.arch).map(|(f, _)| f).map_err(|e| e.to_string())
+        });
+        match loaded {
+            Ok(funcs) => funcs.get(name).ok_or_else(not_loaded),
+            Err(e) => Err(CudaError::Unsupported(format!("kernel {name}: module {} did not load: {e}", m.name))),
+        }
     }
 
     /// Waits for all queued work.
@@ -170,4 +181,26 @@ impl CudaContext {
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.alloc_zeros(len)?)
     }
+}
+
+/// Compiles `m` for `arch` (or reads its PTX from `cache`), loads it into `ctx` and looks up its kernels.
+fn load_module(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    cache: &PtxCache,
+    m: &KernelSource,
+    arch: &str,
+) -> Result<(Kernels, CacheStatus), CudaError> {
+    let (ptx, status) = cache.get_or_compile(m, arch)?;
+    let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)) {
+        Ok(module) => module,
+        Err(e) if status == CacheStatus::Hit => {
+            // A cached file the driver rejects (truncated, or from another toolkit): rebuild it once.
+            cache.evict(m, arch)?;
+            let (ptx, _) = cache.get_or_compile(m, arch)?;
+            ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|_| CudaError::Driver(e))?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let funcs = m.functions.iter().map(|&f| Ok((f, module.load_function(f)?))).collect::<Result<_, CudaError>>()?;
+    Ok((funcs, status))
 }
