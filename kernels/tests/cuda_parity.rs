@@ -448,6 +448,9 @@ fn staged_plans_equal_one_shot_attention() {
     assert!(cx.run_staged_attention(&plans[0], &meta, small, &q, &dkv, scale, &mut out).is_err());
     let short = cx.upload(&stage[..1]).unwrap();
     assert!(cx.run_staged_attention(&plans[0], &short, Some((&mut po, &mut pml)), &q, &dkv, scale, &mut out).is_err());
+    // A cache too small for the plan's block ids is refused, not read past its end.
+    let tiny = CudaKv::new(&cx, 1, bs, hd).unwrap();
+    assert!(cx.run_staged_attention(&plans[0], &meta, Some((&mut po, &mut pml)), &q, &tiny, scale, &mut out).is_err());
     report("staged plans vs one-shot attention (exact)", 0.0, 0.0);
 }
 
@@ -860,6 +863,11 @@ fn encoded_attention_matches_cpu() {
             assert_eq!(cx.download(&first).unwrap(), cx.download(&again).unwrap(), "a replayed plan differs");
             let (int8, fp8) = plans.split_at_mut(1);
             assert!(cx.run_attention_encoded(&mut int8[0].0, &dq, &fp8[0].1, scale, &mut first).is_err());
+            // So is an arena of the plan's codec and shape with fewer blocks than its tables name.
+            let mut one = EncodedKv::new(Codec::Int8, 1, bs, hd).unwrap();
+            one.store(0, kv.block_k(0), kv.block_v(0)).unwrap();
+            let one = pagoda_kernels::cuda::CudaEncodedKv::from_host(&cx, &one).unwrap();
+            assert!(cx.run_attention_encoded(&mut int8[0].0, &dq, &one, scale, &mut first).is_err());
             // A block that holds fewer slots than attention reads is refused before the launch.
             let mut short = EncodedKv::new(Codec::Int8, b.num_blocks, bs, hd).unwrap();
             short.store(0, &kv.block_k(0)[..hd], &kv.block_v(0)[..hd]).unwrap();

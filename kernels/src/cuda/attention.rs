@@ -31,6 +31,8 @@ pub(crate) trait PagedKv {
     fn read_bytes(&self, slots: usize) -> usize;
     /// The blocks' codec; `None` for the f16 arenas.
     fn codec(&self) -> Option<Codec>;
+    /// Blocks in the source (every table entry is below it).
+    fn num_blocks(&self) -> usize;
 }
 
 impl PagedKv for CudaKv {
@@ -48,6 +50,9 @@ impl PagedKv for CudaKv {
     }
     fn codec(&self) -> Option<Codec> {
         None
+    }
+    fn num_blocks(&self) -> usize {
+        CudaKv::num_blocks(self)
     }
 }
 
@@ -146,6 +151,8 @@ pub struct AttnPlan {
     kv_bytes: usize,
     /// One past the last metadata word the plan reads.
     meta_end: usize,
+    /// Blocks the plan's tables reach into (one past the largest id): a run checks its arena holds them.
+    blocks_used: usize,
 }
 
 impl std::fmt::Debug for AttnPlan {
@@ -285,6 +292,7 @@ impl CudaContext {
         let tq = prefill_tile_q(hd);
         let mut max_len = 0usize;
         let mut kv_bytes = 0usize;
+        let mut blocks_used = 0usize;
         for s in seqs {
             check_seq(OP, s, n_kv_heads, rows)?;
             if s.n_new == 0 {
@@ -295,7 +303,9 @@ impl CudaContext {
                 let len = s.prior_lens[h] + s.n_new;
                 kv.check_table(OP, &s.tables[h], len)?;
                 offs.push(u("table offset", tables.len())?);
-                tables.extend_from_slice(&s.tables[h][..len.div_ceil(bs)]);
+                let table = &s.tables[h][..len.div_ceil(bs)];
+                blocks_used = blocks_used.max(table.iter().max().map_or(0, |&b| b as usize + 1));
+                tables.extend_from_slice(table);
             }
             if s.n_new <= decode_max_new {
                 for j in 0..s.n_new {
@@ -371,6 +381,7 @@ impl CudaContext {
             part_ml: None,
             kv_bytes,
             meta_end,
+            blocks_used,
         })
     }
 
@@ -485,6 +496,9 @@ impl CudaContext {
         let src = kv.source();
         if src.head_dim() != plan.head_dim || src.block_size() != plan.block_size || src.codec() != plan.codec {
             return Err(CudaError::invalid(OP, "the plan was built for another cache shape or format"));
+        }
+        if src.num_blocks() < plan.blocks_used {
+            return Err(CudaError::invalid(OP, "the plan reads blocks past the end of this cache"));
         }
         if meta.len() < plan.meta_end {
             return Err(CudaError::invalid(OP, "the step buffer is shorter than the plan's metadata"));

@@ -236,6 +236,9 @@ impl PagedKv for CudaEncodedKv {
     fn codec(&self) -> Option<Codec> {
         Some(self.codec)
     }
+    fn num_blocks(&self) -> usize {
+        self.filled.len()
+    }
 }
 
 impl CudaContext {
