@@ -16,6 +16,18 @@
 #define NT 128
 #define NW 4
 
+// Issues the loads of half `half` for the UNR slots t0, t0 + RPS, ... of the split (those below n), all before
+// any is used, so UNR loads per lane are in flight at once.
+template <int UNR, int RPS, class Rows>
+__device__ __forceinline__ void load_rows(const Rows& rows, int half, const unsigned int* slot, int t0, int n, int c,
+                                          typename Rows::Raw* raw) {
+#pragma unroll
+    for (int u = 0; u < UNR; ++u) {
+        const int t = t0 + u * RPS;
+        if (t < n) raw[u] = rows.load(half, slot[t], c);
+    }
+}
+
 template <int HD, int G, class Rows>
 __device__ __forceinline__ void decode_split(const float* __restrict__ q, const Rows& rows,
                                              const unsigned int* __restrict__ tables, const int* __restrict__ item_row,
@@ -63,11 +75,7 @@ __device__ __forceinline__ void decode_split(const float* __restrict__ q, const 
 
     for (int base = w * RPW; base < n; base += RPS * UNR) {
         typename Rows::Raw kk[UNR];
-#pragma unroll
-        for (int u = 0; u < UNR; ++u) {
-            const int t = base + u * RPS + r;
-            if (t < n) kk[u] = rows.load(0, slot[t], c);
-        }
+        load_rows<UNR, RPS>(rows, 0, slot, base + r, n, c, kk);
 #pragma unroll
         for (int u = 0; u < UNR; ++u) {
             float kf[8];
@@ -116,11 +124,7 @@ __device__ __forceinline__ void decode_split(const float* __restrict__ q, const 
         for (int k = 0; k < 8; ++k) acc[g][k] = 0.0f;
     for (int base = w * RPW; base < n; base += RPS * UNR) {
         typename Rows::Raw vv[UNR];
-#pragma unroll
-        for (int u = 0; u < UNR; ++u) {
-            const int t = base + u * RPS + r;
-            if (t < n) vv[u] = rows.load(1, slot[t], c);
-        }
+        load_rows<UNR, RPS>(rows, 1, slot, base + r, n, c, vv);
 #pragma unroll
         for (int u = 0; u < UNR; ++u) {
             const int t = base + u * RPS + r;

@@ -345,9 +345,8 @@ impl VariantQuality {
         if self.n < 3 || positions == 0 {
             return None;
         }
-        let n = self.n as f64;
-        let mean = self.sum / n;
-        let variance = (self.sum_sq / n - mean * mean).max(0.0);
+        let mean = self.mean()?;
+        let variance = (self.sum_sq / self.n as f64 - mean * mean).max(0.0);
         let noise = mean * (1.0 - mean) / positions as f64;
         let spread = (variance - noise).max(0.0);
         if noise + spread <= 0.0 {

@@ -151,8 +151,8 @@ pub struct AttnPlan {
     kv_bytes: usize,
     /// One past the last metadata word the plan reads.
     meta_end: usize,
-    /// Blocks the plan's tables reach into (one past the largest id): a run checks its arena holds them.
-    blocks_used: usize,
+    /// Blocks of the cache the plan's tables were checked against: a run needs a cache at least this large.
+    arena_blocks: usize,
 }
 
 impl std::fmt::Debug for AttnPlan {
@@ -292,7 +292,6 @@ impl CudaContext {
         let tq = prefill_tile_q(hd);
         let mut max_len = 0usize;
         let mut kv_bytes = 0usize;
-        let mut blocks_used = 0usize;
         for s in seqs {
             check_seq(OP, s, n_kv_heads, rows)?;
             if s.n_new == 0 {
@@ -303,9 +302,7 @@ impl CudaContext {
                 let len = s.prior_lens[h] + s.n_new;
                 kv.check_table(OP, &s.tables[h], len)?;
                 offs.push(u("table offset", tables.len())?);
-                let table = &s.tables[h][..len.div_ceil(bs)];
-                blocks_used = blocks_used.max(table.iter().max().map_or(0, |&b| b as usize + 1));
-                tables.extend_from_slice(table);
+                tables.extend_from_slice(&s.tables[h][..len.div_ceil(bs)]);
             }
             if s.n_new <= decode_max_new {
                 for j in 0..s.n_new {
@@ -381,7 +378,7 @@ impl CudaContext {
             part_ml: None,
             kv_bytes,
             meta_end,
-            blocks_used,
+            arena_blocks: kv.num_blocks(),
         })
     }
 
@@ -428,8 +425,8 @@ impl CudaContext {
         self.run_planned(plan, q, DecodeKv::F16(kv), scale, out)
     }
 
-    /// Launches a plan from [`CudaContext::plan_attention_encoded`] over `kv` (the arena it was planned for, or one
-    /// of the same codec and shape whose blocks hold the same slots).
+    /// Launches a plan from [`CudaContext::plan_attention_encoded`] over `kv`: the arena it was planned for, or one
+    /// of the same codec and shape, at least as large, whose blocks hold the same slots.
     pub fn run_attention_encoded(
         &self,
         plan: &mut AttnPlan,
@@ -497,8 +494,8 @@ impl CudaContext {
         if src.head_dim() != plan.head_dim || src.block_size() != plan.block_size || src.codec() != plan.codec {
             return Err(CudaError::invalid(OP, "the plan was built for another cache shape or format"));
         }
-        if src.num_blocks() < plan.blocks_used {
-            return Err(CudaError::invalid(OP, "the plan reads blocks past the end of this cache"));
+        if src.num_blocks() < plan.arena_blocks {
+            return Err(CudaError::invalid(OP, "the plan was checked against a larger cache than this one"));
         }
         if meta.len() < plan.meta_end {
             return Err(CudaError::invalid(OP, "the step buffer is shorter than the plan's metadata"));
@@ -655,11 +652,41 @@ impl CudaContext {
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let w = n_heads * kv.head_dim();
+        self.attend_once(q, DecodeKv::F16(kv), seqs, (n_heads, n_kv_heads), scale, out)
+    }
+
+    /// Paged attention reading K and V straight from encoded blocks (dequantise on load); the contract is
+    /// [`crate::Backend::paged_attention`]'s with `kv` encoded. One-shot [`CudaContext::plan_attention_encoded`]
+    /// and [`CudaContext::run_attention_encoded`]: tables, block ids, each block's filled slots and the sequences'
+    /// rows are checked before the launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_encoded(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaEncodedKv,
+        seqs: &[AttnSeq<'_>],
+        n_heads: usize,
+        n_kv_heads: usize,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.attend_once(q, DecodeKv::Encoded(kv), seqs, (n_heads, n_kv_heads), scale, out)
+    }
+
+    fn attend_once(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: DecodeKv<'_>,
+        seqs: &[AttnSeq<'_>],
+        (n_heads, n_kv_heads): (usize, usize),
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let w = n_heads * kv.source().head_dim();
         if w == 0 || !q.len().is_multiple_of(w) {
             return Err(CudaError::invalid("paged_attention", "q must be [rows][n_heads*head_dim]"));
         }
-        let mut plan = self.plan_attention(kv, seqs, q.len() / w, n_heads, n_kv_heads)?;
-        self.run_attention(&mut plan, q, kv, scale, out)
+        let mut plan = self.plan_paged(kv.source(), seqs, q.len() / w, n_heads, n_kv_heads)?;
+        self.run_planned(&mut plan, q, kv, scale, out)
     }
 }

@@ -9,10 +9,9 @@
 use super::attention::{PagedKv, SMEM_LIMIT};
 use super::context::CudaContext;
 use super::error::CudaError;
-use super::kv::{CudaKv, per_block_cfg, sorted_distinct};
+use super::kv::{CudaKv, per_block_cfg, sorted_distinct, visible_blocks};
 use super::ops::to_i32;
 use crate::codec::{Codec, EncodedKv, validate_block};
-use crate::paged::AttnSeq;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Most blocks of a [`CudaEncodedKv`]: attention names a slot as `block << 8 | slot` (block_size is at most 256).
@@ -215,12 +214,8 @@ impl PagedKv for CudaEncodedKv {
     }
     fn check_table(&self, op: &'static str, table: &[u32], slots: usize) -> Result<(), CudaError> {
         let bs = self.block_size;
-        let need = slots.div_ceil(bs);
-        if table.len() < need {
-            return Err(CudaError::invalid(op, format!("block table has {} blocks, {need} needed", table.len())));
-        }
         // The filled counts also bound the block ids: an id past them is outside the arena.
-        for (bi, &b) in table[..need].iter().enumerate() {
+        for (bi, &b) in visible_blocks(op, table, slots, bs)?.iter().enumerate() {
             let filled = *self.filled.get(b as usize).ok_or_else(|| {
                 CudaError::invalid(op, format!("block {b} is outside the arena of {}", self.filled.len()))
             })?;
@@ -238,31 +233,5 @@ impl PagedKv for CudaEncodedKv {
     }
     fn num_blocks(&self) -> usize {
         self.filled.len()
-    }
-}
-
-impl CudaContext {
-    /// Paged attention reading K and V straight from encoded blocks (dequantise on load); the contract is
-    /// [`crate::Backend::paged_attention`]'s with `kv` encoded: `q` and `out` are `[rows][n_heads * head_dim]`, new
-    /// token `j` of a sequence sees the first `prior_len + j + 1` slots of each kv-head's table. One-shot
-    /// [`CudaContext::plan_attention_encoded`] and [`CudaContext::run_attention_encoded`]: tables, block ids, each
-    /// block's filled slots and the sequences' rows are checked before the launch.
-    #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention_encoded(
-        &self,
-        q: &CudaSlice<f32>,
-        kv: &CudaEncodedKv,
-        seqs: &[AttnSeq<'_>],
-        n_heads: usize,
-        n_kv_heads: usize,
-        scale: f32,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let w = n_heads * kv.head_dim;
-        if w == 0 || !q.len().is_multiple_of(w) {
-            return Err(CudaError::invalid("paged_attention_encoded", "q must be [rows][n_heads*head_dim]"));
-        }
-        let mut plan = self.plan_attention_encoded(kv, seqs, q.len() / w, n_heads, n_kv_heads)?;
-        self.run_attention_encoded(&mut plan, q, kv, scale, out)
     }
 }

@@ -26,7 +26,8 @@ macro_rules! decode_kernel_names {
     };
 }
 
-/// Decode kernels per format: f16 arenas, then the encoded formats in [`ENCODED_DECODE_FORMATS`]' order.
+/// Decode kernels per format: the f16 arenas, and the encoded formats in the order of
+/// [`super::codecs::GPU_CODECS`].
 const F16_DECODE_KERNELS: [&str; 12] = decode_kernel_names!("paged_decode_");
 const ENCODED_DECODE_KERNELS: [&str; 48] = decode_kernel_names!(
     "paged_decode_int8_",
@@ -34,13 +35,8 @@ const ENCODED_DECODE_KERNELS: [&str; 48] = decode_kernel_names!(
     "paged_decode_int4_kivi_",
     "paged_decode_int2_kivi_"
 );
-/// The codecs with decode kernels over their encoded blocks, in the order of `ENCODED_DECODE_KERNELS`.
-pub const ENCODED_DECODE_FORMATS: [crate::codec::Codec; 4] = [
-    crate::codec::Codec::Int8,
-    crate::codec::Codec::Fp8E4m3,
-    crate::codec::Codec::Int4Kivi,
-    crate::codec::Codec::Int2Kivi,
-];
+/// Query heads per CTA the decode kernels are instantiated for, in the order of `decode_kernel_names!`.
+const HEADS_PER_CTA: [usize; 4] = [1, 2, 4, 8];
 
 /// The split-K decode kernel for head dim `hd`, `g` query heads per CTA, over f16 arenas (`codec` `None`) or over
 /// blocks encoded with `codec`.
@@ -50,17 +46,17 @@ pub(crate) fn decode_kernel(
     g: usize,
 ) -> Result<&'static str, CudaError> {
     let unsupported = || CudaError::Unsupported(format!("decode head_dim {hd} with {g} heads per CTA over {codec:?}"));
-    let hd_i = [64, 128, 256].iter().position(|&x| x == hd).ok_or_else(unsupported)?;
-    let g_i = [1, 2, 4, 8].iter().position(|&x| x == g).ok_or_else(unsupported)?;
-    let i = hd_i * 4 + g_i;
+    let hd_i = super::attention::HEAD_DIMS.iter().position(|&x| x == hd).ok_or_else(unsupported)?;
+    let g_i = HEADS_PER_CTA.iter().position(|&x| x == g).ok_or_else(unsupported)?;
+    let i = hd_i * HEADS_PER_CTA.len() + g_i;
     match codec {
         None => Ok(F16_DECODE_KERNELS[i]),
         Some(c) => {
-            let f = ENCODED_DECODE_FORMATS
+            let f = super::codecs::GPU_CODECS
                 .iter()
                 .position(|&x| x == c)
                 .ok_or_else(|| CudaError::Unsupported(format!("attention over {c} blocks on the GPU")))?;
-            Ok(ENCODED_DECODE_KERNELS[f * 12 + i])
+            Ok(ENCODED_DECODE_KERNELS[f * F16_DECODE_KERNELS.len() + i])
         }
     }
 }
@@ -317,5 +313,23 @@ impl PtxCache {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         std::fs::write(&tmp, ptx).map_err(err)?;
         std::fs::rename(&tmp, path).map_err(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_kernel_names_follow_the_shapes_and_codecs() {
+        for (hd, g) in [(64, 1), (128, 4), (256, 8)] {
+            assert_eq!(decode_kernel(None, hd, g).unwrap(), format!("paged_decode_hd{hd}_g{g}"));
+            for codec in super::super::codecs::GPU_CODECS {
+                let name = decode_kernel(Some(codec), hd, g).unwrap();
+                assert_eq!(name, format!("paged_decode_{}_hd{hd}_g{g}", codec.name()));
+            }
+        }
+        assert!(decode_kernel(None, 96, 1).is_err() && decode_kernel(None, 64, 3).is_err());
+        assert!(decode_kernel(Some(crate::codec::Codec::F16), 64, 1).is_err());
     }
 }

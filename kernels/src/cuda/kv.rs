@@ -112,15 +112,26 @@ impl CudaKv {
     }
 
     pub(crate) fn check_table(&self, op: &'static str, table: &[u32], slots: usize) -> Result<(), CudaError> {
-        let need = slots.div_ceil(self.block_size);
-        if table.len() < need {
-            return Err(CudaError::invalid(op, format!("block table has {} blocks, {need} needed", table.len())));
-        }
-        if let Some(&b) = table[..need].iter().find(|&&b| b as usize >= self.num_blocks) {
+        if let Some(&b) =
+            visible_blocks(op, table, slots, self.block_size)?.iter().find(|&&b| b as usize >= self.num_blocks)
+        {
             return Err(CudaError::invalid(op, format!("block {b} out of range ({} blocks)", self.num_blocks)));
         }
         Ok(())
     }
+}
+
+/// The blocks of `table` that hold its first `slots` slots, or an error when the table is shorter.
+pub(crate) fn visible_blocks<'a>(
+    op: &'static str,
+    table: &'a [u32],
+    slots: usize,
+    block_size: usize,
+) -> Result<&'a [u32], CudaError> {
+    let need = slots.div_ceil(block_size);
+    table
+        .get(..need)
+        .ok_or_else(|| CudaError::invalid(op, format!("block table has {} blocks, {need} needed", table.len())))
 }
 
 /// One (sequence, kv-head) table to score: its first `len` slots.
