@@ -1830,7 +1830,19 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         shrink: args.evicpress_shrink,
         ..Default::default()
     };
-    let report = pagoda_worker::bench_zipf::zipf_bench(model, &opts)
+    // The JSON and plot are rewritten after every configuration, so a run stopped part way keeps what finished.
+    let write_partial = |report: &pagoda_worker::bench_zipf::ZipfReport| {
+        let written = args
+            .json
+            .as_deref()
+            .map(|path| std::fs::write(path, report.to_json_string()).with_context(|| path.display().to_string()))
+            .transpose()
+            .and_then(|_| args.plot.as_deref().map(|path| tiers_plot::draw_tiers(report, path)).transpose());
+        if let Err(e) = written {
+            tracing::warn!(error = %format!("{e:#}"), "bench tiers zipf: cannot write the partial report");
+        }
+    };
+    let report = pagoda_worker::bench_zipf::zipf_bench_with_progress(model, &opts, write_partial)
         .with_context(|| format!("tiers zipf bench on {} failed", model.display()))?;
     print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
     if let Some(path) = args.plot {
