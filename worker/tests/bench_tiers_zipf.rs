@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use pagoda_worker::bench_zipf::{ZipfBenchOptions, zipf_bench};
+use pagoda_worker::bench_zipf::{ZipfBenchOptions, zipf_bench, zipf_bench_with_progress};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -45,8 +45,22 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
         prose_dir: prose.is_dir().then_some(prose),
         ..ZipfBenchOptions::default()
     };
-    let report = zipf_bench(&model_path(), &opts).expect("bench runs");
+    let mut partial_reports: Vec<Vec<String>> = Vec::new();
+    let report = zipf_bench_with_progress(&model_path(), &opts, |partial| {
+        partial_reports.push(partial.results.iter().map(|r| r.name.clone()).collect());
+    })
+    .expect("bench runs");
     println!("{}", report.to_markdown());
+    // Run order recompute, EvicPress, codecs, LRU; each partial report in the listed order.
+    assert_eq!(
+        partial_reports,
+        [
+            vec!["recompute"],
+            vec!["recompute", "evicpress"],
+            vec!["recompute", "lru+int4_kivi", "evicpress"],
+            vec!["recompute", "lru", "lru+int4_kivi", "evicpress"],
+        ]
+    );
     assert!(!dir.join(format!("bench-tiers-zipf-{}", std::process::id())).exists(), "disk tiers cleaned up");
 
     let names: Vec<&str> = report.results.iter().map(|r| r.name.as_str()).collect();
