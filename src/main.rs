@@ -781,6 +781,10 @@ struct BenchTiersArgs {
     /// zipf: draw mean TTFT against quality, one point per configuration, into this PNG.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// zipf: do not run: print the tables of a JSON report written by `--json` (a finished or stopped run), and
+    /// draw it with `--plot`.
+    #[arg(long)]
+    from_json: Option<PathBuf>,
     /// zipf: the EvicPress paper's offline phase: every configuration but recompute ingests each context once,
     /// untimed, with a training question no measured request asks, before the measured requests.
     #[arg(long)]
@@ -1439,9 +1443,7 @@ fn eval(args: EvalArgs) -> Result<()> {
     use pagoda_worker::eval::{TaskKind, runner};
     use pagoda_worker::policy::PolicyKind;
     if let Some(src) = &args.from_json {
-        let text = std::fs::read_to_string(src).with_context(|| format!("cannot read {}", src.display()))?;
-        let report: runner::EvalReport =
-            serde_json::from_str(&text).with_context(|| format!("{} is not an eval report", src.display()))?;
+        let report: runner::EvalReport = read_json_report(src, "an eval report")?;
         return write_eval_outputs(&report, &args);
     }
     let model = resolve_model(&args.model)?;
@@ -1612,6 +1614,12 @@ fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &E
 }
 
 /// Prints a bench report as Markdown and, when asked, writes its JSON to `json`.
+/// A report written by a command's `--json`, read back for `--from-json`; `what` names it in the error.
+fn read_json_report<T: serde::de::DeserializeOwned>(src: &Path, what: &str) -> Result<T> {
+    let text = std::fs::read_to_string(src).with_context(|| format!("cannot read {}", src.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not {what}", src.display()))
+}
+
 fn print_report(markdown: &str, json_text: &str, json: Option<&Path>) -> Result<()> {
     println!("{markdown}");
     if let Some(path) = json {
@@ -1788,6 +1796,16 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
 }
 
 fn bench_tiers(args: BenchTiersArgs) -> Result<()> {
+    if let Some(src) = &args.from_json {
+        let report: pagoda_worker::bench_zipf::ZipfReport =
+            read_json_report(src, "a `bench tiers --workload zipf` report")?;
+        println!("{}", report.to_markdown());
+        if let Some(path) = &args.plot {
+            tiers_plot::draw_tiers(&report, path).with_context(|| format!("cannot draw {}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        return Ok(());
+    }
     let model = resolve_model(&args.model)?;
     if args.workload == "zipf" {
         return bench_tiers_zipf(&model, args);
@@ -1831,22 +1849,28 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         ..Default::default()
     };
     // The JSON and plot are rewritten after every configuration, so a run stopped part way keeps what finished.
-    let write_partial = |report: &pagoda_worker::bench_zipf::ZipfReport| {
-        let written = args
-            .json
-            .as_deref()
-            .map(|path| std::fs::write(path, report.to_json_string()).with_context(|| path.display().to_string()))
-            .transpose()
-            .and_then(|_| args.plot.as_deref().map(|path| tiers_plot::draw_tiers(report, path)).transpose());
-        if let Err(e) = written {
+    // The last write is the finished report's, so its outcome is the command's.
+    let write = |report: &pagoda_worker::bench_zipf::ZipfReport| -> Result<()> {
+        if let Some(path) = &args.json {
+            std::fs::write(path, report.to_json_string())
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+        if let Some(path) = &args.plot {
+            tiers_plot::draw_tiers(report, path).with_context(|| format!("cannot draw {}", path.display()))?;
+        }
+        Ok(())
+    };
+    let mut last_write = Ok(());
+    let report = pagoda_worker::bench_zipf::zipf_bench_with_progress(model, &opts, |partial| {
+        last_write = write(partial);
+        if let Err(e) = &last_write {
             tracing::warn!(error = %format!("{e:#}"), "bench tiers zipf: cannot write the partial report");
         }
-    };
-    let report = pagoda_worker::bench_zipf::zipf_bench_with_progress(model, &opts, write_partial)
-        .with_context(|| format!("tiers zipf bench on {} failed", model.display()))?;
-    print_report(&report.to_markdown(), &report.to_json_string(), args.json.as_deref())?;
-    if let Some(path) = args.plot {
-        tiers_plot::draw_tiers(&report, &path).with_context(|| format!("cannot draw {}", path.display()))?;
+    })
+    .with_context(|| format!("tiers zipf bench on {} failed", model.display()))?;
+    println!("{}", report.to_markdown());
+    last_write?;
+    for path in args.json.iter().chain(&args.plot) {
         eprintln!("wrote {}", path.display());
     }
     Ok(())

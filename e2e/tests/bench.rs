@@ -114,6 +114,36 @@ fn bench_engine_refuses_bad_shapes_and_devices_clearly() {
     }
 }
 
+/// `pagoda bench tiers --workload zipf --from-json` prints a saved report's tables and draws it without running
+/// anything (no model needed); a file that is not such a report is refused with a clear error.
+#[test]
+fn bench_tiers_zipf_reprints_a_saved_report() {
+    let saved = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench-tiers-zipf-full-offline.json");
+    let plot = std::env::temp_dir().join(format!("pagoda-bench-tiers-replot-{}.png", std::process::id()));
+    let out = std::process::Command::new(BIN)
+        .args(["bench", "tiers", "--workload", "zipf", "--from-json"])
+        .arg(&saved)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("| lru+fp8_e4m3 | 946.7 |") && table.contains("| evicpress | 84.1 |"), "{table}");
+    assert!(table.contains("104, 51 ms, 17.8, 0.550"), "the pruned requests' breakdown: {table}");
+    assert!(std::fs::read(&plot).unwrap().starts_with(b"\x89PNG"), "the redrawn plot is a PNG");
+    let garbage = plot.with_extension("json");
+    std::fs::write(&garbage, b"{\"model\": 3}").unwrap();
+    let bad = std::process::Command::new(BIN)
+        .args(["bench", "tiers", "--workload", "zipf", "--from-json"])
+        .arg(&garbage)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    let _ = (std::fs::remove_file(&plot), std::fs::remove_file(&garbage));
+    assert!(!bad.status.success() && stderr.contains("is not a") && !stderr.contains("panicked"), "{stderr}");
+}
+
 /// `pagoda bench kernels` through the real binary at a tiny grid: every (format, batch, context) point is
 /// reported with the bytes it read, and bad grids are refused.
 #[test]

@@ -32,7 +32,7 @@ use pagoda_kernels::Codec;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::bench_eviction::percentile;
 use crate::engine::{
@@ -65,7 +65,7 @@ pub const EVICPRESS: &str = "evicpress";
 /// How long one request may take before the run is abandoned.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ZipfBenchOptions {
     pub threads: usize,
     pub contexts: usize,
@@ -130,7 +130,7 @@ impl Default for ZipfBenchOptions {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ZipfConfigResult {
     pub name: String,
     pub requests: usize,
@@ -161,7 +161,7 @@ pub struct ZipfConfigResult {
 }
 
 /// One request of one configuration.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RequestRecord {
     /// Which context (index into the workload's documents).
     pub context: usize,
@@ -183,7 +183,7 @@ impl RequestRecord {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ZipfReport {
     pub model: String,
     pub options: ZipfBenchOptions,
@@ -291,11 +291,12 @@ impl ZipfReport {
     }
 
     /// Each configuration's mean TTFT split by where its requests' KV came from ([`RequestKind`]): per kind, the
-    /// requests, their median TTFT and their share of the mean (their TTFTs summed over all requests).
+    /// requests, their median TTFT, their share of the mean (their TTFTs summed over all requests) and their mean
+    /// quality.
     pub fn breakdown(&self) -> String {
         let mut s = String::from(
-            "\nWhere each mean comes from (requests, median TTFT, share of the mean in ms):\n\n| configuration | \
-             mean TTFT ms |",
+            "\nWhere each mean comes from (requests, median TTFT, share of the mean in ms, their quality):\n\n\
+             | configuration | mean TTFT ms |",
         );
         for k in RequestKind::ALL {
             s += &format!(" {} |", k.name());
@@ -305,15 +306,16 @@ impl ZipfReport {
             s += &format!("| {} | {:.1} |", r.name, r.ttft_ms_mean);
             let total = r.per_request.len().max(1) as f64;
             for kind in RequestKind::ALL {
-                let mut ttfts: Vec<f64> =
-                    r.per_request.iter().filter(|q| RequestKind::of(q) == kind).map(|q| q.ttft_ms).collect();
+                let of_kind = || r.per_request.iter().filter(|q| RequestKind::of(q) == kind);
+                let mut ttfts: Vec<f64> = of_kind().map(|q| q.ttft_ms).collect();
                 if ttfts.is_empty() {
                     s += " – |";
                     continue;
                 }
                 ttfts.sort_by(f64::total_cmp);
                 let share = ttfts.iter().sum::<f64>() / total;
-                s += &format!(" {}, {:.0} ms, {share:.1} |", ttfts.len(), percentile(&ttfts, 50.0));
+                let quality = mean_quality(of_kind());
+                s += &format!(" {}, {:.0} ms, {share:.1}, {quality:.3} |", ttfts.len(), percentile(&ttfts, 50.0));
             }
             s.push('\n');
         }
@@ -786,21 +788,19 @@ pub fn zipf_bench_with_progress(
         device_bytes,
         results,
     };
-    // Listed order is the report's; `run_order` ranks what the comparison needs first (see the doc comment).
+    // Listed order is the report's; `run_rank` ranks what the comparison needs first (see the doc comment).
     let run_rank = |name: &str| match name {
         "recompute" => 0,
         n if n.starts_with(EVICPRESS) => 1,
         "lru" => 3,
         _ => 2,
     };
-    let mut run_order: Vec<usize> = (0..configs.len()).collect();
-    run_order.sort_by_key(|&i| run_rank(&configs[i].0));
-    let mut slots: Vec<Option<(String, EngineConfig)>> = configs.into_iter().map(Some).collect();
+    let mut in_run_order: Vec<(usize, (String, EngineConfig))> = configs.into_iter().enumerate().collect();
+    in_run_order.sort_by_key(|(_, (name, _))| run_rank(name));
     let mut finished: Vec<(usize, ZipfConfigResult)> = Vec::new();
     let mut reference: Option<Vec<Vec<u32>>> = None;
     let mut outcome = Ok(());
-    for index in run_order {
-        let Some((name, cfg)) = slots[index].take() else { continue };
+    for (index, (name, cfg)) in in_run_order {
         tracing::info!(config = %name, "bench tiers zipf: running");
         // Recompute keeps nothing, so an offline phase would change nothing but its run time.
         let ingest = if cfg.enable_prefix_cache { offline.as_slice() } else { &[] };

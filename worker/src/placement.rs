@@ -202,7 +202,7 @@ impl Default for EvicPressConfig {
 }
 
 /// How the profiler scores a variant against the full-precision answer (`--evicpress-profile`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum ProfileScoring {
     /// One step over the probe and the reference answer: the fraction of answer positions whose top token is the
     /// reference step's. One early miss costs one position, so the estimate is smooth, but it does not see a
@@ -229,7 +229,7 @@ impl std::str::FromStr for ProfileScoring {
 }
 
 /// How many answer positions the profiler scores (`--evicpress-horizon`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum AnswerHorizon {
     /// As many as this worker's requests generate: a moving average of their output lengths (rounded), at most
     /// `answer_tokens`, and `answer_tokens` before the first request finishes. Quality is then measured over the
@@ -256,7 +256,7 @@ impl std::str::FromStr for AnswerHorizon {
 }
 
 /// Counters and occupancy of the placement (in [`crate::engine::EngineStats`]).
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EvicPressStats {
     pub contexts: u64,
     /// The variants (index 0 is the lossless native format; `codec@ratio` for pruned copies), and the mean of

@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use pagoda_worker::bench_zipf::{ZipfBenchOptions, zipf_bench, zipf_bench_with_progress};
+use pagoda_worker::bench_zipf::{ZipfBenchOptions, ZipfReport, zipf_bench, zipf_bench_with_progress};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -51,6 +51,9 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
     })
     .expect("bench runs");
     println!("{}", report.to_markdown());
+    // The JSON report reads back (`pagoda bench tiers --from-json`) to the same tables.
+    let read_back: ZipfReport = serde_json::from_str(&report.to_json_string()).expect("the report reads back");
+    assert_eq!(read_back.to_markdown(), report.to_markdown());
     // Run order recompute, EvicPress, codecs, LRU; each partial report in the listed order.
     assert_eq!(
         partial_reports,
