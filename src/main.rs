@@ -36,9 +36,10 @@ use pagoda_kernels::{KvDtype, WeightType};
 use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle};
+use pagoda_worker::evicpress::GreedyRule;
 use pagoda_worker::model::SyntheticSpec;
 use pagoda_worker::peer_link::LinkFactory;
-use pagoda_worker::placement::{AnswerHorizon, ProfileScoring, TierPlacement};
+use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
 use pagoda_worker::service::{AdmissionLimits, WorkerService};
@@ -259,6 +260,10 @@ struct EngineArgs {
     /// that a lucky profile over few answer positions does not pass for a lossless variant.
     #[arg(long)]
     evicpress_shrink: bool,
+    /// How EvicPress's greedy step ranks the changes that make room on a full tier: `drop` (the paper's
+    /// Algorithm 1: the least utility drop) or `per-byte` (the least utility drop per byte freed).
+    #[arg(long, default_value = "drop")]
+    evicpress_greedy: GreedyRule,
 }
 
 impl EngineArgs {
@@ -800,6 +805,14 @@ struct BenchTiersArgs {
     /// zipf: shrink EvicPress's profiles toward each variant's mean (empirical Bayes).
     #[arg(long)]
     evicpress_shrink: bool,
+    /// zipf: EvicPress's greedy rule, comma-separated for one EvicPress configuration per rule and α: `drop`
+    /// (the paper's least utility drop) or `per-byte` (least utility drop per byte freed).
+    #[arg(long, value_delimiter = ',', default_value = "drop")]
+    evicpress_greedy: Vec<GreedyRule>,
+    /// zipf: profiling questions EvicPress scores each context on besides the request's own (the paper's query
+    /// set per context; 0..=4 of a fixed list no measured request asks).
+    #[arg(long, default_value_t = 0)]
+    evicpress_profile_questions: usize,
 }
 
 #[derive(Args)]
@@ -1051,11 +1064,15 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,
-            e.evicpress_alpha,
-            &keep_ratios(&e.evicpress_keep_ratios),
-            e.evicpress_profile,
-            e.evicpress_horizon,
-            e.evicpress_shrink,
+            EvicPressConfig {
+                alpha: e.evicpress_alpha,
+                keep_ratios: keep_ratios(&e.evicpress_keep_ratios),
+                scoring: e.evicpress_profile,
+                horizon: e.evicpress_horizon,
+                shrink: e.evicpress_shrink,
+                greedy: e.evicpress_greedy,
+                ..EvicPressConfig::default()
+            },
         )
         .map_err(|m| anyhow!(m))?,
     })
@@ -1846,6 +1863,8 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         profile_scoring: args.evicpress_profile,
         horizon: args.evicpress_horizon,
         shrink: args.evicpress_shrink,
+        greedy: args.evicpress_greedy,
+        profile_questions: args.evicpress_profile_questions,
         ..Default::default()
     };
     // The JSON and plot are rewritten after every configuration, so a run stopped part way keeps what finished.

@@ -12,7 +12,8 @@
 //! - **lru**: the tiers hold every idle group in the native format, least recently used evicted;
 //! - **lru+CODEC**: the same with every group in one compressing codec;
 //! - **evicpress**: EvicPress places each context (tier × codec) by utility, with its idle-time profiler; with
-//!   several `alphas`, one configuration per α (`evicpress a=α`), the points of the paper's quality–TTFT curve.
+//!   several `alphas`, one configuration per α (`evicpress a=α`), the points of the paper's quality–TTFT curve;
+//!   with both greedy rules (`greedy`), one per rule and α (`evicpress a=α per-byte`).
 //!
 //! Per configuration it reports mean and p99 TTFT (submit → first token), the quality score (the fraction of
 //! answer tokens equal, position by position, to the recompute answer, averaged over requests) and the fraction of
@@ -39,6 +40,7 @@ use crate::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
     TierPlacement,
 };
+use crate::evicpress::GreedyRule;
 use crate::model::{Gguf, Tokenizer};
 use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, agreement};
 use crate::policy::PolicySpec;
@@ -56,6 +58,14 @@ const QUESTIONS: [&str; 6] = [
 /// The offline phase's training question: a question about the context that no measured request asks (the
 /// paper profiles on training queries and measures on separate test queries).
 const TRAINING_QUESTION: &str = "\n\nQuestion: What is this passage about? Answer:";
+/// The profiler's questions (`profile_questions`): the paper's per-context query set, stood in for by generic
+/// questions about a passage that no measured request and not the training question asks.
+pub const PROFILE_QUESTIONS: [&str; 4] = [
+    "\n\nQuestion: Who is speaking in the passage above? Answer:",
+    "\n\nQuestion: What is the first thing the passage mentions? Answer:",
+    "\n\nQuestion: How does the passage end? Answer:",
+    "\n\nQuestion: What time of day is it in the passage? Answer:",
+];
 /// Largest number of contexts or requests accepted (bounds the workload the harness builds in memory).
 pub const MAX_ITEMS: usize = 100_000;
 /// Most EvicPress configurations (values of α) in one run.
@@ -100,6 +110,18 @@ pub struct ZipfBenchOptions {
     pub horizon: AnswerHorizon,
     /// Shrink EvicPress's profiles toward each variant's mean.
     pub shrink: bool,
+    /// EvicPress's greedy rules, one configuration per rule and α (named `… drop` / `… per-byte` unless the
+    /// rule is the paper's alone). Reports written before the option read back as the paper's rule.
+    #[serde(default = "papers_greedy_rule")]
+    pub greedy: Vec<GreedyRule>,
+    /// Profiling questions EvicPress scores each context on besides the request's own (the first this many of
+    /// a fixed list that no measured request asks; at most [`PROFILE_QUESTIONS`]'s length).
+    #[serde(default)]
+    pub profile_questions: usize,
+}
+
+fn papers_greedy_rule() -> Vec<GreedyRule> {
+    vec![GreedyRule::Drop]
 }
 
 impl Default for ZipfBenchOptions {
@@ -126,6 +148,8 @@ impl Default for ZipfBenchOptions {
             profile_scoring: ProfileScoring::TeacherForced,
             horizon: AnswerHorizon::Fixed,
             shrink: false,
+            greedy: papers_greedy_rule(),
+            profile_questions: 0,
         }
     }
 }
@@ -202,7 +226,7 @@ impl ZipfReport {
         let mut s = format!(
             "Model {}, {} contexts of {}..={} tokens ({}), {} requests, Zipf({}), {} answer tokens. KV of the \
              workload {:.0} MiB; device {:.0} MiB + host {} MiB (×{:.1}), disk {} MiB. {} EvicPress scores \
-             variants {} over {}{}.\n\n\
+             variants {} over {}{}{}.\n\n\
              | configuration | mean TTFT ms | p99 TTFT ms | quality | quality when reusing | device hit | host hit | \
              disk hit | computed | completed |\n|---|---|---|---|---|---|---|---|---|---|\n",
             self.model,
@@ -230,6 +254,11 @@ impl ZipfReport {
             match o.horizon {
                 AnswerHorizon::Observed => "the requests' answer length".to_owned(),
                 AnswerHorizon::Fixed => format!("{} positions", EvicPressConfig::default().answer_tokens),
+            },
+            if o.profile_questions > 0 {
+                format!(", after the request's question and {} profiling questions", o.profile_questions)
+            } else {
+                String::new()
             },
             if o.shrink { ", shrunk toward each variant's mean" } else { "" }
         );
@@ -689,6 +718,12 @@ pub fn zipf_bench_with_progress(
     if let Err(e) = crate::tiers::pruned::check_keep_ratios(&opts.keep_ratios) {
         return bad(format!("EvicPress keep ratios: {e}"));
     }
+    if opts.profile_questions > PROFILE_QUESTIONS.len() {
+        return bad(format!("at most {} profiling questions", PROFILE_QUESTIONS.len()));
+    }
+    if opts.greedy.is_empty() || opts.greedy.len() > 2 || (opts.greedy.len() == 2 && opts.greedy[0] == opts.greedy[1]) {
+        return bad("give one or both EvicPress greedy rules (drop, per-byte), each once".into());
+    }
     let mut codecs = Vec::new();
     for c in &opts.codecs {
         let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
@@ -707,7 +742,10 @@ pub fn zipf_bench_with_progress(
     let bs = layout.block_size;
     let questions: Vec<Vec<u32>> = QUESTIONS.iter().map(|q| tokenizer.encode(q, false)).collect();
     let training_question = tokenizer.encode(TRAINING_QUESTION, false);
-    let longest_q = questions.iter().chain([&training_question]).map(Vec::len).max().unwrap_or(0);
+    let profile_questions: Vec<Vec<u32>> =
+        PROFILE_QUESTIONS[..opts.profile_questions].iter().map(|q| tokenizer.encode(q, false)).collect();
+    let longest_q =
+        questions.iter().chain([&training_question]).chain(&profile_questions).map(Vec::len).max().unwrap_or(0);
     if opts.max_tokens + longest_q + opts.answer_tokens >= info.context_length {
         return bad(format!("contexts of {} tokens do not fit the model's {}", opts.max_tokens, info.context_length));
     }
@@ -754,7 +792,7 @@ pub fn zipf_bench_with_progress(
             EngineConfig { tiers: tiers(&name), placement: TierPlacement::LruCodec(*c), ..base.clone() },
         ));
     }
-    for &alpha in &opts.alphas {
+    for (&alpha, &greedy) in opts.alphas.iter().flat_map(|a| opts.greedy.iter().map(move |g| (a, g))) {
         let ep = EvicPressConfig {
             alpha,
             codecs: codecs.clone(),
@@ -764,9 +802,17 @@ pub fn zipf_bench_with_progress(
             // 1/answer_tokens; fixed, its default 16 positions.
             horizon: opts.horizon,
             shrink: opts.shrink,
+            greedy,
+            profile_questions: profile_questions.clone(),
             ..EvicPressConfig::default()
         };
-        let name = if opts.alphas.len() == 1 { EVICPRESS.to_owned() } else { format!("{EVICPRESS} a={alpha}") };
+        let mut name = EVICPRESS.to_owned();
+        if opts.alphas.len() > 1 {
+            name += &format!(" a={alpha}");
+        }
+        if opts.greedy != papers_greedy_rule() {
+            name += &format!(" {}", greedy.name());
+        }
         configs.push((
             name.clone(),
             EngineConfig { tiers: tiers(&name), placement: TierPlacement::EvicPress(ep), ..base.clone() },

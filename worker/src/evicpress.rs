@@ -89,6 +89,45 @@ pub enum PlanError {
     UnknownContext(u64),
 }
 
+/// How Algorithm 1's greedy step ranks the candidate changes on an over-full tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum GreedyRule {
+    /// The paper's rule (Algorithm 1, line 6): the change with the least utility drop, whatever it frees.
+    #[default]
+    Drop,
+    /// The change with the least utility drop per byte it frees: the classic greedy of a knapsack, which ranks
+    /// items by value density. The paper's rule prefers dropping a rarely used context whole (a small drop that
+    /// frees all of it) to compressing a popular one a step (a slightly larger drop that frees half), and so keeps
+    /// fewer contexts in a tier; per byte, compressing many contexts a little usually comes first.
+    DropPerByte,
+}
+
+impl GreedyRule {
+    /// The flag's names.
+    const NAMES: [(&'static str, GreedyRule); 2] = [("drop", GreedyRule::Drop), ("per-byte", GreedyRule::DropPerByte)];
+
+    /// The flag's name, also in the bench's configuration names.
+    pub fn name(self) -> &'static str {
+        Self::NAMES.iter().find(|(_, r)| *r == self).map_or("drop", |(n, _)| n)
+    }
+}
+
+impl std::str::FromStr for GreedyRule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<GreedyRule, String> {
+        parse_flag_value(s, &GreedyRule::NAMES)
+    }
+}
+
+/// A flag's value by name among `choices`; the error names them all.
+pub(crate) fn parse_flag_value<T: Copy>(s: &str, choices: &[(&str, T)]) -> Result<T, String> {
+    choices.iter().find(|(name, _)| *name == s).map(|(_, v)| *v).ok_or_else(|| {
+        let names: Vec<&str> = choices.iter().map(|(name, _)| *name).collect();
+        format!("expected {}, got {:?}", names.join(" or "), s.chars().take(32).collect::<String>())
+    })
+}
+
 /// The planner's fixed inputs.
 #[derive(Debug, Clone)]
 pub struct PlannerConfig {
@@ -106,6 +145,8 @@ pub struct PlannerConfig {
     pub granule_tokens: u64,
     /// Profiles kept at most.
     pub max_contexts: usize,
+    /// How the greedy step ranks changes.
+    pub greedy: GreedyRule,
 }
 
 #[derive(Debug, Clone)]
@@ -354,8 +395,9 @@ impl Planner {
         }
     }
 
-    /// Over all contexts on `tier`, the change that frees space on it with the smallest utility drop (ties: the
-    /// one that frees more bytes, then the lower context id, so plans are deterministic).
+    /// Over all contexts on `tier`, the change that frees space on it with the smallest utility drop, or drop per
+    /// byte freed under [`GreedyRule::DropPerByte`] (ties: the one that frees more bytes, then the lower context
+    /// id, so plans are deterministic).
     fn cheapest_step(&self, tier: Tier) -> Option<(u64, Placement, Option<Placement>)> {
         let lower = self.existing_tier_below(tier);
         let mut best: Option<(f64, u64, u64, Placement, Option<Placement>)> = None;
@@ -365,6 +407,10 @@ impl Planner {
             let size = self.bytes(c.tokens, from.variant);
             let mut consider = |to: Option<Placement>, freed: u64| {
                 let drop = here - self.utility_of(c, to);
+                let drop = match self.cfg.greedy {
+                    GreedyRule::Drop => drop,
+                    GreedyRule::DropPerByte => drop / freed as f64,
+                };
                 if !drop.is_finite() {
                     return;
                 }
@@ -447,6 +493,7 @@ mod tests {
             ],
             max_contexts: 1000,
             granule_tokens: 1,
+            greedy: GreedyRule::Drop,
         })
         .unwrap()
     }
@@ -573,6 +620,35 @@ mod tests {
         let (dropped, ops) = run(20.0);
         assert_eq!(dropped, None);
         assert!(matches!(ops.last(), Some(Operation::Drop { context: 1, .. })), "{ops:?}");
+    }
+
+    #[test]
+    fn the_per_byte_rule_compresses_a_big_context_where_the_papers_drops_a_small_one() {
+        // Device room for 4500 lossless tokens, nothing below: relief is compress in place or drop (recompute at
+        // 1000 tokens/s). Context 1 (4000 tokens, used 5 times) loses 0.3 in int8: compressing it costs
+        // 1 · 0.3 · 5 = 1.5 and frees 3000 tokens' worth. Context 2 (1000 tokens, used once, int8 not profiled)
+        // dropped costs its 1 s recompute · 1 = 1.0 and frees 1000 tokens' worth.
+        let run = |greedy: GreedyRule| {
+            let cap = (4500.0 * F32) as u64;
+            let mut p = Planner::new(PlannerConfig { greedy, ..planner([cap, 0, 0], 1.0).cfg }).unwrap();
+            p.set_profile(1, 4000, vec![Some(1.0), Some(0.7), None]).unwrap();
+            p.set_profile(2, 1000, vec![Some(1.0), None, None]).unwrap();
+            for _ in 0..5 {
+                p.record_access(1).unwrap();
+            }
+            p.record_access(2).unwrap();
+            p.insert(1).unwrap();
+            p.insert(2).unwrap();
+            assert!(p.used()[0] <= cap, "{:?}", p.used());
+            (p.placement(1).map(|x| x.variant), p.placement(2).map(|x| x.variant))
+        };
+        // The paper's rule: the smaller drop (1.0 < 1.5), so context 2 is recomputed on its next request.
+        assert_eq!(run(GreedyRule::Drop), (Some(0), None));
+        // Per byte: 1.5 / 3000 < 1.0 / 1000, so context 1 goes to int8 and both stay.
+        assert_eq!(run(GreedyRule::DropPerByte), (Some(1), Some(0)));
+        assert_eq!("per-byte".parse(), Ok(GreedyRule::DropPerByte));
+        assert_eq!("drop".parse::<GreedyRule>().map(GreedyRule::name), Ok("drop"));
+        assert!("density".parse::<GreedyRule>().is_err());
     }
 
     #[test]

@@ -17,7 +17,9 @@
 //!   miss from failing every later position); the original blocks are restored bit-exactly after every variant.
 //!   A pruned variant (a keep ratio, [`pruned`]) is scored the same way over the context's prefix followed by its
 //!   packed copy, written through the codec over the context's own first blocks (restored after), with the probe
-//!   at the context's true position.
+//!   at the context's true position. With profiling questions ([`EvicPressConfig::profile_questions`], the paper's
+//!   set of queries per context) every variant is scored after each of them too, and its profile is the mean;
+//!   each variant is written to the device once for all the probes.
 //!   It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and are never
 //!   chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
 //!   gets the running mean of the profiles measured so far (lossless only before the first).
@@ -46,7 +48,7 @@ use pagoda_kernels::{Codec, KvDtype, KvStorage};
 
 use crate::cache::{BlockId, BlockPool, CacheLayout, block_hashes};
 use crate::engine::{EngineError, ModelRunner, StepSeq};
-use crate::evicpress::{self, Operation, Planner, PlannerConfig, Variant};
+use crate::evicpress::{self, GreedyRule, Operation, Planner, PlannerConfig, Variant};
 use crate::model::LogitsWanted;
 use crate::sampling::argmax;
 use crate::tiers::cost::Ewma;
@@ -55,6 +57,8 @@ use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
 
 /// Finished requests waiting for placement at most; older ones are dropped (their contexts are simply not placed).
 pub const MAX_PENDING: usize = 256;
+/// Most profiling questions besides a request's own probe ([`EvicPressConfig::profile_questions`]).
+pub const MAX_PROFILE_QUESTIONS: usize = 8;
 /// Upper bound on one group file's bytes beyond its payload (header, codec name, checksum): the planner's size per
 /// variant includes it so that the disk tier never has to evict on its own.
 const FILE_OVERHEAD: usize = 128;
@@ -74,16 +78,9 @@ pub enum TierPlacement {
 
 impl TierPlacement {
     /// From the worker's flags: `placement` is `lru` or `evicpress`; `codec` (LRU only) `native` or a compressing
-    /// codec; `alpha` is EvicPress's α, `keep_ratios` its token-dropping ratios, `scoring` its profiler's.
-    pub fn from_flags(
-        placement: &str,
-        codec: &str,
-        alpha: f64,
-        keep_ratios: &[f64],
-        scoring: ProfileScoring,
-        horizon: AnswerHorizon,
-        shrink: bool,
-    ) -> Result<TierPlacement, String> {
+    /// codec; `evicpress` is EvicPress's settings from its flags (α, keep ratios, profiler, greedy rule), checked
+    /// here and used when `placement` is `evicpress`.
+    pub fn from_flags(placement: &str, codec: &str, evicpress: EvicPressConfig) -> Result<TierPlacement, String> {
         let fixed = match codec.parse::<GroupCodec>() {
             Ok(GroupCodec::Native(_)) => None,
             Ok(GroupCodec::Kv(c)) => Some(c),
@@ -95,18 +92,13 @@ impl TierPlacement {
                 if fixed.is_some() {
                     return Err("--tier-codec applies to --tier-placement lru; EvicPress chooses codecs itself".into());
                 }
+                let alpha = evicpress.alpha;
                 if !(alpha.is_finite() && alpha >= 0.0) {
                     return Err(format!("--evicpress-alpha must be finite and >= 0, got {alpha}"));
                 }
-                pruned::check_keep_ratios(keep_ratios).map_err(|e| format!("--evicpress-keep-ratios: {e}"))?;
-                Ok(TierPlacement::EvicPress(EvicPressConfig {
-                    alpha,
-                    keep_ratios: keep_ratios.to_vec(),
-                    scoring,
-                    horizon,
-                    shrink,
-                    ..EvicPressConfig::default()
-                }))
+                pruned::check_keep_ratios(&evicpress.keep_ratios)
+                    .map_err(|e| format!("--evicpress-keep-ratios: {e}"))?;
+                Ok(TierPlacement::EvicPress(evicpress))
             }
             other => Err(format!(
                 "--tier-placement: expected lru or evicpress, got {:?}",
@@ -163,6 +155,11 @@ pub struct EvicPressConfig {
     pub max_contexts: usize,
     /// Tokens after a context kept as its profiling probe.
     pub probe_tokens: usize,
+    /// Profiling questions (token ids, each at most `probe_tokens`, at most [`MAX_PROFILE_QUESTIONS`]) scored
+    /// after the context besides the request's own probe; a profile is the mean over all of them. The paper
+    /// profiles each context on a set of generated queries (§4.1); one question of a few answer tokens measures a
+    /// context's sensitivity with a lot of noise. Empty: the request's probe alone.
+    pub profile_questions: Vec<Vec<u32>>,
     /// Most greedy tokens of the reference answer; each variant is scored at the first [`EvicPressConfig::horizon`]
     /// of them.
     pub answer_tokens: usize,
@@ -174,9 +171,11 @@ pub struct EvicPressConfig {
     /// measurement over the horizon's positions is against how much contexts really differ (empirical Bayes;
     /// [`VariantQuality::shrunk`]). Off: the raw measurement is the profile.
     pub shrink: bool,
+    /// How Algorithm 1's greedy step ranks the changes that make room on a full tier.
+    pub greedy: GreedyRule,
     /// Relative drop of observed quality below the profile that triggers a re-profile.
     pub drift_threshold: f64,
-    /// Wall time one profile may take; variants not reached stay unmeasured.
+    /// Wall time one profile may take per probe; variants not reached stay unmeasured.
     pub profile_budget: Duration,
     /// Groups (of 16 tokens by default) a new context needs at least.
     pub min_context_groups: usize,
@@ -190,10 +189,12 @@ impl Default for EvicPressConfig {
             keep_ratios: DEFAULT_KEEP_RATIOS.to_vec(),
             max_contexts: 4096,
             probe_tokens: 32,
+            profile_questions: Vec::new(),
             answer_tokens: 16,
             horizon: AnswerHorizon::Fixed,
             scoring: ProfileScoring::TeacherForced,
             shrink: false,
+            greedy: GreedyRule::Drop,
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
             min_context_groups: 4,
@@ -220,11 +221,10 @@ impl std::str::FromStr for ProfileScoring {
 
     /// The flag's names: `forced` or `free`.
     fn from_str(s: &str) -> Result<ProfileScoring, String> {
-        match s {
-            "forced" => Ok(ProfileScoring::TeacherForced),
-            "free" => Ok(ProfileScoring::FreeRunning),
-            other => Err(format!("expected forced or free, got {:?}", other.chars().take(32).collect::<String>())),
-        }
+        evicpress::parse_flag_value(
+            s,
+            &[("forced", ProfileScoring::TeacherForced), ("free", ProfileScoring::FreeRunning)],
+        )
     }
 }
 
@@ -247,11 +247,7 @@ impl std::str::FromStr for AnswerHorizon {
 
     /// The flag's names: `observed` or `fixed`.
     fn from_str(s: &str) -> Result<AnswerHorizon, String> {
-        match s {
-            "observed" => Ok(AnswerHorizon::Observed),
-            "fixed" => Ok(AnswerHorizon::Fixed),
-            other => Err(format!("expected observed or fixed, got {:?}", other.chars().take(32).collect::<String>())),
-        }
+        evicpress::parse_flag_value(s, &[("observed", AnswerHorizon::Observed), ("fixed", AnswerHorizon::Fixed)])
     }
 }
 
@@ -406,6 +402,14 @@ impl EvicPress {
         if cfg.probe_tokens == 0 || cfg.answer_tokens == 0 || cfg.min_context_groups == 0 || cfg.max_contexts == 0 {
             return Err(bad("probe, answer, context sizes must be at least 1".into()));
         }
+        if cfg.profile_questions.len() > MAX_PROFILE_QUESTIONS
+            || cfg.profile_questions.iter().any(|q| q.is_empty() || q.len() > cfg.probe_tokens)
+        {
+            return Err(bad(format!(
+                "give at most {MAX_PROFILE_QUESTIONS} profiling questions of 1..={} tokens",
+                cfg.probe_tokens
+            )));
+        }
         if !(cfg.drift_threshold.is_finite() && (0.0..1.0).contains(&cfg.drift_threshold)) {
             return Err(bad(format!("drift threshold {} is not in [0, 1)", cfg.drift_threshold)));
         }
@@ -446,6 +450,7 @@ impl EvicPress {
             // Forgetting is this driver's business (it must drop the group owners too).
             max_contexts: cfg.max_contexts + 1,
             granule_tokens: layout.block_size as u64,
+            greedy: cfg.greedy,
         })
         .map_err(|e| bad(e.to_string()))?;
         let n = variants.len();
@@ -667,7 +672,8 @@ impl EvicPress {
     }
 
     fn set_measured(&mut self, context: u64, tokens: u64, mut q: Vec<Option<f64>>) -> Result<(), EngineError> {
-        let positions = self.horizon();
+        // Every probe scores the horizon's positions.
+        let positions = self.horizon() * (1 + self.cfg.profile_questions.len());
         for (v, q) in q.iter_mut().enumerate() {
             if let Some(q) = q {
                 let measured = *q;
@@ -762,25 +768,30 @@ impl EvicPress {
         let bs = self.layout.block_size;
         let own = self.contexts.get(&p.context).map_or(0, |c| c.groups.len()).min(p.chain.len());
         let answer_len = self.horizon();
-        let tail_blocks = (p.probe.len() + answer_len).div_ceil(bs);
+        let longest_probe = self.cfg.profile_questions.iter().map(Vec::len).chain([p.probe.len()]).max().unwrap_or(0);
+        let tail_blocks = (longest_probe + answer_len).div_ceil(bs);
         let mut tail = Vec::new();
         if pool.allocate(gs * tail_blocks, &mut tail).is_err() {
             release(pool, &pinned);
             return Ok(None);
         }
         let blocks = ProfileBlocks { groups: &groups, own, tail: &tail, tail_blocks };
-        let result = self.measure(runner, &blocks, &p.probe, answer_len, variants, t0);
+        let probes: Vec<Vec<u32>> = [p.probe.clone()].into_iter().chain(self.cfg.profile_questions.clone()).collect();
+        let result = self.measure(runner, &blocks, &probes, answer_len, variants, t0);
         release(pool, &tail);
         release(pool, &pinned);
         self.stats.profile_ms += t0.elapsed().as_millis() as u64;
         result.map(Some)
     }
 
+    /// Scores `variants` of the context over every probe (the request's own, then the profiling questions): the
+    /// mean agreement with the full-precision answers. Each variant is written to the device once and read by every
+    /// probe.
     fn measure<R: ModelRunner>(
         &mut self,
         runner: &mut R,
         b: &ProfileBlocks<'_>,
-        probe: &[u32],
+        probes: &[Vec<u32>],
         answer_len: usize,
         variants: &[usize],
         t0: Instant,
@@ -790,24 +801,29 @@ impl EvicPress {
         let bs = self.layout.block_size;
         let ctx_tokens = b.groups.len() * bs;
         let full = b.tables(None);
-        let answer = self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe, answer_len)?;
-        // Teacher-forced, every variant is scored over the probe and the full-precision answer, so that one early
-        // disagreement costs one position rather than the rest of a diverged answer, against the predictions of
-        // the very same step over the original KV (only the codec differs). Free-running, the reference is the
-        // answer itself.
-        let mut forced: Vec<u32> = probe.to_vec();
-        forced.extend_from_slice(&answer[..answer.len().saturating_sub(1)]);
-        let reference = match self.cfg.scoring {
-            ProfileScoring::FreeRunning => answer.clone(),
-            ProfileScoring::TeacherForced => self.predict(runner, &full, ctx_tokens, ctx_tokens, probe, &forced)?,
-        };
+        // Per probe: the probe and all but the last token of its full-precision answer (a teacher-forced step's
+        // input), and the reference to score against. Teacher-forced, every variant is scored over the probe and
+        // the full-precision answer, so that one early disagreement costs one position rather than the rest of a
+        // diverged answer, against the predictions of the very same step over the original KV (only the codec
+        // differs). Free-running, the reference is the answer itself.
+        let mut references: Vec<(Vec<u32>, Vec<u32>)> = Vec::with_capacity(probes.len());
+        for probe in probes {
+            let answer = self.greedy(runner, &full, ctx_tokens, ctx_tokens, probe, answer_len)?;
+            let mut forced: Vec<u32> = probe.to_vec();
+            forced.extend_from_slice(&answer[..answer.len().saturating_sub(1)]);
+            let reference = match self.cfg.scoring {
+                ProfileScoring::FreeRunning => answer,
+                ProfileScoring::TeacherForced => self.predict(runner, &full, ctx_tokens, ctx_tokens, probe, &forced)?,
+            };
+            references.push((forced, reference));
+        }
         let Some(io) = runner.policy_io() else { return Ok(quality) };
         let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
         let prefix = b.groups.len() - b.own;
         let own_tables = tables_of(&b.groups[prefix..]);
         let mut selected: Option<f64> = None;
         for &v in variants {
-            if t0.elapsed() > self.cfg.profile_budget {
+            if t0.elapsed() > self.cfg.profile_budget * probes.len() as u32 {
                 break;
             }
             let var = self.variants[v];
@@ -815,30 +831,36 @@ impl EvicPress {
             // The blocks this variant overwrites: the whole chain for a codec, the context's first blocks for a
             // pruned copy.
             let touched = if var.pruned() { prefix..prefix + packed_groups(kept, bs) } else { 0..b.groups.len() };
-            let predicted = if var.pruned() {
-                // The pruned copy, encoded and decoded as onboarding would leave it, packed over the context's own
-                // first blocks (restored below like a codec's).
+            // The variant on the device: the pruned copy, encoded and decoded as onboarding would leave it, packed
+            // over the context's own first blocks (restored below like a codec's); or the whole chain through the
+            // codec. Then (tables, slots held) for the probes to read.
+            let written = if var.pruned() {
                 if selected != Some(var.keep_ratio) {
                     let Some(io) = runner.policy_io() else { break };
                     self.pruner.select(io.kv, &own_tables, b.own * bs, kept, &mut self.keep);
                     selected = Some(var.keep_ratio);
                 }
-                self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..]).and_then(|n| {
-                    let tables = b.tables(Some(n));
-                    self.predict(runner, &tables, prefix * bs + kept, ctx_tokens, probe, &forced)
-                })
+                self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..])
+                    .map(|n| (b.tables(Some(n)), prefix * bs + kept))
             } else {
-                round_trip(runner, b.groups, var.codec)
-                    .and_then(|()| self.predict(runner, &full, ctx_tokens, ctx_tokens, probe, &forced))
+                round_trip(runner, b.groups, var.codec).map(|()| (full.clone(), ctx_tokens))
             };
+            let scored = written.and_then(|(tables, held)| {
+                let mut sum = 0.0;
+                for (probe, (forced, reference)) in probes.iter().zip(&references) {
+                    let predicted = self.predict(runner, &tables, held, ctx_tokens, probe, forced)?;
+                    sum += agreement(&predicted, reference);
+                }
+                Ok(sum / probes.len() as f64)
+            });
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
                 for (g, orig) in b.groups[touched.clone()].iter().zip(&originals[touched]) {
                     native::decode(orig, io.kv, g).map_err(|e| EngineError::Forward(e.to_string()))?;
                 }
             }
-            match predicted {
-                Ok(p) => quality[v] = Some(agreement(&p, &reference)),
+            match scored {
+                Ok(q) => quality[v] = Some(q),
                 // A codec that refuses this KV (out of its range) is simply not a choice for it.
                 Err(e) => tracing::debug!(variant = var.name(), error = %e, "variant not profiled"),
             }
@@ -1272,8 +1294,8 @@ mod tests {
 
     #[test]
     fn flags_parse_into_placements_and_bad_ones_are_refused() {
-        let from_flags = |p: &str, c: &str, a: f64, r: &[f64]| {
-            TierPlacement::from_flags(p, c, a, r, Default::default(), Default::default(), false)
+        let from_flags = |p: &str, c: &str, alpha: f64, r: &[f64]| {
+            TierPlacement::from_flags(p, c, EvicPressConfig { alpha, keep_ratios: r.to_vec(), ..Default::default() })
         };
         assert_eq!(from_flags("lru", "native", 1.0, &[0.5]), Ok(TierPlacement::Lru));
         assert_eq!(from_flags("lru", "f16", 1.0, &[0.5]), Ok(TierPlacement::Lru));
@@ -1285,6 +1307,7 @@ mod tests {
                 assert_eq!(c.keep_ratios, [0.5]);
                 assert_eq!(c.scoring, ProfileScoring::TeacherForced);
                 assert_eq!(c.horizon, AnswerHorizon::Fixed);
+                assert_eq!(c.greedy, GreedyRule::Drop, "the paper's rule by default");
             }
             other => panic!("{other:?}"),
         }
@@ -1295,22 +1318,18 @@ mod tests {
         assert!(from_flags("evicpress", "native", 1.0, &[]).is_ok(), "whole contexts only");
         assert!(from_flags("fifo", "native", 1.0, &[0.5]).is_err());
         assert!(from_flags("lru", "zstd", 1.0, &[0.5]).is_err());
-        let free_observed = TierPlacement::from_flags(
-            "evicpress",
-            "native",
-            1.0,
-            &[],
-            ProfileScoring::FreeRunning,
-            AnswerHorizon::Observed,
-            true,
+        let chosen = EvicPressConfig {
+            keep_ratios: Vec::new(),
+            scoring: ProfileScoring::FreeRunning,
+            horizon: AnswerHorizon::Observed,
+            shrink: true,
+            greedy: GreedyRule::DropPerByte,
+            ..Default::default()
+        };
+        assert_eq!(
+            TierPlacement::from_flags("evicpress", "native", chosen.clone()),
+            Ok(TierPlacement::EvicPress(chosen))
         );
-        match free_observed {
-            Ok(TierPlacement::EvicPress(c)) => assert_eq!(
-                (c.scoring, c.horizon, c.shrink),
-                (ProfileScoring::FreeRunning, AnswerHorizon::Observed, true)
-            ),
-            other => panic!("{other:?}"),
-        }
         assert_eq!("free".parse(), Ok(ProfileScoring::FreeRunning));
         assert!("teacher".parse::<ProfileScoring>().is_err());
         assert_eq!("observed".parse(), Ok(AnswerHorizon::Observed));
@@ -1358,6 +1377,12 @@ mod tests {
         assert!(EvicPress::new(native, "m", layout, 64, KvDtype::F16, &tiers).is_err());
         let drift = EvicPressConfig { drift_threshold: 1.5, ..EvicPressConfig::default() };
         assert!(EvicPress::new(drift, "m", layout, 64, KvDtype::F16, &tiers).is_err());
+        // Profiling questions: bounded in number and each a non-empty probe of at most probe_tokens.
+        let questions = |q: Vec<Vec<u32>>| EvicPressConfig { profile_questions: q, ..EvicPressConfig::default() };
+        assert!(EvicPress::new(questions(vec![vec![7; 32]; 2]), "m", layout, 64, KvDtype::F16, &tiers).is_ok());
+        for bad in [vec![vec![7; 33]], vec![vec![]], vec![vec![7]; MAX_PROFILE_QUESTIONS + 1]] {
+            assert!(EvicPress::new(questions(bad), "m", layout, 64, KvDtype::F16, &tiers).is_err());
+        }
         drop(tiers);
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -8,7 +8,10 @@
 
 use std::path::PathBuf;
 
-use pagoda_worker::bench_zipf::{ZipfBenchOptions, ZipfReport, zipf_bench, zipf_bench_with_progress};
+use pagoda_worker::bench_zipf::{
+    PROFILE_QUESTIONS, ZipfBenchOptions, ZipfReport, zipf_bench, zipf_bench_with_progress,
+};
+use pagoda_worker::evicpress::GreedyRule;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -134,8 +137,9 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
 
 /// The paper's offline phase: every context is ingested before the measured requests, so with tiers that hold the
 /// whole workload no measured request computes its context, while recompute (which keeps nothing) skips the phase.
+/// EvicPress runs with both greedy rules and profiles over two profiling questions besides the request's own.
 #[test]
-fn offline_phase_places_every_context_before_the_measured_requests() {
+fn offline_phase_runs_with_profiling_questions() {
     let prose = root().join("data/prose");
     let opts = ZipfBenchOptions {
         threads: 2,
@@ -156,11 +160,24 @@ fn offline_phase_places_every_context_before_the_measured_requests() {
         offline_phase: true,
         // Six int8 profiles: from the fourth on, each is shrunk toward the ones before it.
         shrink: true,
+        greedy: vec![GreedyRule::Drop, GreedyRule::DropPerByte],
+        profile_questions: 2,
         ..ZipfBenchOptions::default()
     };
+    // Bad options are refused before the model loads.
+    for bad in [
+        ZipfBenchOptions { profile_questions: PROFILE_QUESTIONS.len() + 1, ..opts.clone() },
+        ZipfBenchOptions { greedy: vec![], ..opts.clone() },
+        ZipfBenchOptions { greedy: vec![GreedyRule::Drop, GreedyRule::Drop], ..opts.clone() },
+    ] {
+        assert!(zipf_bench(&model_path(), &bad).is_err(), "{bad:?}");
+    }
     let report = zipf_bench(&model_path(), &opts).expect("bench runs");
     println!("{}", report.to_markdown());
     assert!(report.to_markdown().contains("Offline phase: every context ingested once"));
+    assert!(report.to_markdown().contains("after the request's question and 2 profiling questions"));
+    let names: Vec<&str> = report.results.iter().map(|r| r.name.as_str()).collect();
+    assert!(names.contains(&"evicpress drop") && names.contains(&"evicpress per-byte"), "{names:?}");
     for r in &report.results {
         let n = &r.name;
         assert_eq!(r.completed, 10, "{n}");
