@@ -163,6 +163,8 @@ schema = obj({
             "evicpressHorizon": {"enum": ["observed", "fixed"]},
             # `--evicpress-shrink` (placement.rs VariantQuality::shrunk).
             "evicpressShrink": BOOL,
+            # `--evicpress-greedy` (evicpress.rs GreedyRule).
+            "evicpressGreedy": {"enum": ["drop", "per-byte"]},
         }, required=["hostMiB", "diskMiB"]),
         "persistence": obj({
             "enabled": BOOL,

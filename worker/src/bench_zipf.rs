@@ -810,7 +810,7 @@ pub fn zipf_bench_with_progress(
         if opts.alphas.len() > 1 {
             name += &format!(" a={alpha}");
         }
-        if opts.greedy != papers_greedy_rule() {
+        if opts.greedy != [GreedyRule::Drop] {
             name += &format!(" {}", greedy.name());
         }
         configs.push((

@@ -104,11 +104,15 @@ pub enum GreedyRule {
 
 impl GreedyRule {
     /// The flag's names.
-    const NAMES: [(&'static str, GreedyRule); 2] = [("drop", GreedyRule::Drop), ("per-byte", GreedyRule::DropPerByte)];
+    const NAMES: [(&'static str, GreedyRule); 2] =
+        [(GreedyRule::Drop.name(), GreedyRule::Drop), (GreedyRule::DropPerByte.name(), GreedyRule::DropPerByte)];
 
     /// The flag's name, also in the bench's configuration names.
-    pub fn name(self) -> &'static str {
-        Self::NAMES.iter().find(|(_, r)| *r == self).map_or("drop", |(n, _)| n)
+    pub const fn name(self) -> &'static str {
+        match self {
+            GreedyRule::Drop => "drop",
+            GreedyRule::DropPerByte => "per-byte",
+        }
     }
 }
 

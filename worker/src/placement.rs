@@ -41,6 +41,7 @@
 //! - **Bounds.** At most `max_contexts` contexts are remembered (the least recently used unplaced ones are
 //!   forgotten), at most [`MAX_PENDING`] finished requests wait for placement, a probe is at most `probe_tokens`.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -841,9 +842,9 @@ impl EvicPress {
                     selected = Some(var.keep_ratio);
                 }
                 self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..])
-                    .map(|n| (b.tables(Some(n)), prefix * bs + kept))
+                    .map(|n| (Cow::Owned(b.tables(Some(n))), prefix * bs + kept))
             } else {
-                round_trip(runner, b.groups, var.codec).map(|()| (full.clone(), ctx_tokens))
+                round_trip(runner, b.groups, var.codec).map(|()| (Cow::Borrowed(&full), ctx_tokens))
             };
             let scored = written.and_then(|(tables, held)| {
                 let mut sum = 0.0;
