@@ -264,6 +264,12 @@ struct EngineArgs {
     /// Algorithm 1: the least utility drop) or `per-byte` (the least utility drop per byte freed).
     #[arg(long, default_value = "drop")]
     evicpress_greedy: GreedyRule,
+    /// A question EvicPress's profiler also scores every context on, besides the question of the request that
+    /// computed it; repeat the flag for a set (at most 8, each 1..=32 tokens). The paper profiles a context on a
+    /// set of queries (§4.1); a profile is then the mean over them, at one profiling run per question. None by
+    /// default.
+    #[arg(long = "evicpress-profile-question", value_name = "TEXT", value_parser = parse_profile_question)]
+    evicpress_profile_questions: Vec<String>,
 }
 
 impl EngineArgs {
@@ -286,6 +292,54 @@ fn parse_keep_ratio(s: &str) -> Result<KeepRatio, String> {
     let r: f64 = s.trim().parse().map_err(|_| format!("expected a number in (0, 1) or none, got {s:?}"))?;
     pagoda_worker::tiers::pruned::check_keep_ratios(&[r])?;
     Ok(KeepRatio(Some(r)))
+}
+
+/// Longest `--evicpress-profile-question` text accepted before tokenizing (the token bound is checked after).
+const MAX_PROFILE_QUESTION_BYTES: usize = 512;
+
+fn parse_profile_question(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("a profiling question cannot be empty".into());
+    }
+    if s.len() > MAX_PROFILE_QUESTION_BYTES {
+        return Err(format!("a profiling question is at most {MAX_PROFILE_QUESTION_BYTES} bytes, got {}", s.len()));
+    }
+    Ok(s.to_owned())
+}
+
+/// The checks of `--evicpress-profile-question` that need no model: how many, and only with EvicPress.
+fn check_profile_question_flags(e: &EngineArgs) -> Result<()> {
+    let (n, most) = (e.evicpress_profile_questions.len(), pagoda_worker::placement::MAX_PROFILE_QUESTIONS);
+    if n > 0 && e.tier_placement != "evicpress" {
+        bail!("--evicpress-profile-question applies to --tier-placement evicpress");
+    }
+    if n > most {
+        bail!("--evicpress-profile-question: at most {most} questions, got {n}");
+    }
+    Ok(())
+}
+
+/// Tokenizes the profiling questions with the model's own tokenizer, refusing any the profiler would not take.
+fn tokenize_profile_questions(model: &Path, texts: &[String], probe_tokens: usize) -> Result<Vec<Vec<u32>>> {
+    if texts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let gguf = pagoda_worker::model::Gguf::open(model).context("cannot open the model")?;
+    let tok = pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")?;
+    texts
+        .iter()
+        .map(|t| {
+            let ids = tok.encode(t, false);
+            if ids.is_empty() || ids.len() > probe_tokens {
+                bail!(
+                    "--evicpress-profile-question {:?} is {} tokens; each must be 1..={probe_tokens}",
+                    t.chars().take(64).collect::<String>(),
+                    ids.len()
+                );
+            }
+            Ok(ids)
+        })
+        .collect()
 }
 
 fn keep_ratios(v: &[KeepRatio]) -> Vec<f64> {
@@ -972,7 +1026,7 @@ fn service_name(command: &Command) -> &'static str {
 }
 
 /// `pagoda check-args -- ARGV...`: the clap parse of ARGV plus the start-up checks that need no files or network
-/// (the default KV policy and budget), so a deployment's command line fails here rather than in a crash loop.
+/// (the default KV policy and budget, the profiling questions' count), so a deployment's command line fails here rather than in a crash loop.
 fn check_args(argv: &[String]) -> Result<()> {
     let cli = Cli::try_parse_from(argv).map_err(|e| {
         let text = e.render().to_string();
@@ -987,6 +1041,7 @@ fn check_args(argv: &[String]) -> Result<()> {
     if let Some(e) = engine {
         PolicySpec::parse(Some(&e.kv_policy), Some(e.kv_budget), PolicySpec::full(), usize::MAX)
             .context("--kv-policy / --kv-budget")?;
+        check_profile_question_flags(e)?;
     }
     println!("ok: {}", argv.join(" "));
     Ok(())
@@ -1092,13 +1147,20 @@ fn tier_config(e: &EngineArgs) -> Result<TierConfig> {
 }
 
 async fn start_engine(model: &Path, e: &EngineArgs) -> Result<EngineHandle> {
-    let cfg = engine_config(model, e)?;
+    check_profile_question_flags(e)?;
+    let mut cfg = engine_config(model, e)?;
+    let questions = e.evicpress_profile_questions.clone();
     let shown = model.display().to_string();
     tracing::info!(model = %shown, "loading model");
-    let engine = tokio::task::spawn_blocking(move || Engine::start(cfg))
-        .await
-        .context("engine start panicked")?
-        .with_context(|| format!("cannot start the engine on {shown}"))?;
+    let engine = tokio::task::spawn_blocking(move || -> Result<EngineHandle> {
+        if let TierPlacement::EvicPress(ep) = &mut cfg.placement {
+            ep.profile_questions = tokenize_profile_questions(&cfg.model_path, &questions, ep.probe_tokens)?;
+        }
+        Ok(Engine::start(cfg)?)
+    })
+    .await
+    .context("engine start panicked")?
+    .with_context(|| format!("cannot start the engine on {shown}"))?;
     let info = engine.model_info();
     tracing::info!(
         model = %info.model_id,
@@ -2111,6 +2173,7 @@ mod tests {
             "/app/pagoda worker --listen=0.0.0.0:50051 --model=/m.gguf --kv-policy=snapkv --kv-budget=256",
             "/app/pagoda router --listen=0.0.0.0:8080 --worker=w-0.w.ns.svc:50051 --worker=w-1.w.ns.svc:50051",
             "pagoda up --listen 127.0.0.1:0",
+            "pagoda worker --tier-placement=evicpress --evicpress-profile-question=Who? --evicpress-profile-question=Why?",
         ] {
             check_args(&argv(line)).unwrap_or_else(|e| panic!("{line}: {e:#}"));
         }
@@ -2126,9 +2189,16 @@ mod tests {
             ("pagoda worker --kv-policy=snapkv --kv-budget=1", "below the minimum"),
             ("pagoda no-such-subcommand", "unrecognized subcommand"),
             ("pagoda check-args -- pagoda up", "does not check itself"),
+            ("pagoda worker --evicpress-profile-question=Who?", "applies to --tier-placement evicpress"),
+            ("pagoda worker --tier-placement=evicpress --evicpress-profile-question=", "cannot be empty"),
         ] {
             let err = format!("{:#}", check_args(&argv(line)).expect_err(line));
             assert!(err.contains(why), "{line}: {err}");
         }
+        let nine = (0..9).map(|i| format!(" --evicpress-profile-question=Q{i}?")).collect::<String>();
+        let err = check_args(&argv(&format!("pagoda worker --tier-placement=evicpress{nine}"))).expect_err("nine");
+        assert!(format!("{err:#}").contains("at most 8 questions"), "{err:#}");
+        let long = format!("pagoda worker --tier-placement=evicpress --evicpress-profile-question={}", "x".repeat(513));
+        assert!(format!("{:#}", check_args(&argv(&long)).expect_err("long")).contains("at most 512 bytes"));
     }
 }

@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{chat, start_up};
+use common::{chat, river_log_prompt, start_up};
 use pagoda_e2e::reqwest;
 use pagoda_e2e::serde_json::{Value, json};
 use pagoda_e2e::webdriver::{Browser, require_chromium};
@@ -172,7 +172,10 @@ async fn dashboard_in_chromium_follows_live_traffic() {
     require_chromium().unwrap();
     let dir = TempDir::new("admin");
     let admin_file = dir.write("admin.txt", &format!("# dashboard test admin key\n{ADMIN}\n"));
-    let up = start_up("dashboard", &["--admin-key-file", &admin_file]).await.unwrap();
+    // EvicPress places the host tier, so that its panel has a worker to show.
+    let args =
+        ["--admin-key-file", admin_file.as_str(), "--tier-placement", "evicpress", "--evicpress-keep-ratios", "none"];
+    let up = start_up("dashboard", &args).await.unwrap();
     let base = up.http.base.clone();
     check_access_over_http(&base).await;
 
@@ -278,6 +281,23 @@ async fn dashboard_in_chromium_follows_live_traffic() {
     );
     let placements_text = b.text("#placements").await.unwrap();
     assert!(placements_text.contains("lowest cost"), "{placements_text}");
+
+    // A long context is profiled while the worker is idle; the EvicPress panel shows the profile and a quality bar
+    // per variant measured.
+    let (s, v) =
+        up.http.post_json("/v1/chat/completions", &chat(&river_log_prompt(), json!({"max_tokens": 2}))).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let evicpress = b
+        .wait_for("the EvicPress panel to show a profile", Duration::from_secs(90), || async {
+            let bars = script_u64(b, "return document.querySelectorAll('#evicpress .row').length").await?;
+            let text = b.text("#evicpress").await?;
+            // The lossless native variant's bar is there from the start (quality 1 by definition); a codec's
+            // appears once a profile measured it.
+            Ok((bars >= 2 && text.contains(&up.worker)).then_some(text))
+        })
+        .await
+        .unwrap();
+    assert!(evicpress.contains("profiles"), "{evicpress}");
 
     let png = b.screenshot().await.unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000, "{} bytes", png.len());

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{BIN, assert_error, chat, still_serves};
+use common::{BIN, assert_error, chat, river_log_prompt, still_serves};
 use pagoda_e2e::serde_json::json;
 use pagoda_e2e::{Http, Proc, free_port, require_model, worker_stats};
 
@@ -139,5 +139,80 @@ async fn restarted_worker_serves_prefix_from_disk() {
     assert_eq!(disk_hits, cached, "{after:?}");
     assert_eq!(after.disk_corrupted_total, 0);
     drop(up);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// EvicPress placement in a real `pagoda up` with two profiling questions: a finished request's context is
+/// profiled (on its own question and both others) while the worker is idle and placed on the host tier, the
+/// worker's `Stats` says so, and the router's `/metrics` carries the profile count, the placement and each measured
+/// variant's quality. A bad question set is refused at start with a clear message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
+    let dir = std::env::temp_dir().join(format!("pagoda-e2e-evicpress-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let mut args = vec![
+        "--data-dir",
+        d.as_str(),
+        "--host-tier-mib",
+        "64",
+        "--tier-placement",
+        "evicpress",
+        "--evicpress-keep-ratios",
+        "none",
+        "--evicpress-profile-question",
+        "Who is speaking in the passage above?",
+        "--evicpress-profile-question",
+        "How does the passage end?",
+    ];
+    let up = common::start_up("up-evicpress", &args).await.unwrap();
+    let (s, body) =
+        up.http.post_json("/v1/chat/completions", &chat(&river_log_prompt(), json!({"max_tokens": 4}))).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    let t0 = Instant::now();
+    let ep = loop {
+        let stats = worker_stats(&up.worker).await.unwrap();
+        let ep = stats.evicpress.clone().expect("EvicPress stats under --tier-placement evicpress");
+        if ep.profiles_total >= 1 && ep.pending == 0 && ep.placed.iter().any(|p| p.contexts > 0) {
+            break ep;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no profile and placement: {stats:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(ep.profile_questions, 2, "{ep:?}");
+    assert_eq!(ep.contexts, 1, "{ep:?}");
+    let host = ep.placed.iter().find(|p| p.tier == "host").map(|p| p.contexts);
+    assert_eq!(host, Some(1), "the context fits the host tier: {ep:?}");
+    // The native variant (1 by definition) and every codec the profile reached within its time budget.
+    assert!(ep.variants.len() >= 2 && ep.variants[0].variant == "f16", "{ep:?}");
+    assert!(ep.variants.iter().all(|v| (0.0..=1.0).contains(&v.mean_quality)), "{ep:?}");
+
+    let (s, text) = up.http.get("/metrics").await.unwrap();
+    assert_eq!(s, 200);
+    let value = |name: &str| -> Option<f64> {
+        text.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok())
+    };
+    let worker = &up.worker;
+    let profiles = value(&format!("pagoda_router_worker_evicpress_profiles{{worker=\"{worker}\"}}"));
+    assert!(profiles.is_some_and(|p| p >= 1.0), "profiles in /metrics:\n{text}");
+    let placed = value(&format!("pagoda_router_worker_evicpress_placed_contexts{{worker=\"{worker}\",tier=\"host\"}}"));
+    assert_eq!(placed, Some(1.0), "placement in /metrics:\n{text}");
+    let first = &ep.variants[1];
+    let name =
+        format!("pagoda_router_worker_evicpress_variant_quality{{worker=\"{worker}\",variant=\"{}\"}}", first.variant);
+    assert_eq!(value(&name), Some(first.mean_quality), "{} quality in /metrics:\n{text}", first.variant);
+    drop(up);
+
+    // Nine questions are one too many: the worker refuses to start and says why.
+    let nine: Vec<String> = (0..9).map(|i| format!("--evicpress-profile-question=Question {i}?")).collect();
+    args.truncate(8);
+    args.extend(nine.iter().map(String::as_str));
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let mut argv = vec!["up", "--listen", "127.0.0.1:0", "--model", model.as_str(), "--threads", "1"];
+    argv.extend_from_slice(&args);
+    let out = std::process::Command::new(BIN).args(&argv).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("at most 8 questions"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

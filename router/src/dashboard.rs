@@ -278,6 +278,39 @@ struct WorkerStats {
     preemptions_total: u64,
     offloaded_groups_total: u64,
     disk_corrupted_total: u64,
+    /// Present when the worker places its tiers by EvicPress.
+    evicpress: Option<EvicPressView>,
+}
+
+/// A worker's EvicPress planner: what it holds and has done, and the mean profiled quality of each variant.
+#[derive(Serialize)]
+struct EvicPressView {
+    contexts: u64,
+    /// Contexts with a copy on each tier below the device, in storage order.
+    placed: Vec<(String, u64)>,
+    profiles_total: u64,
+    reprofiles_total: u64,
+    profile_questions: u64,
+    compressed_total: u64,
+    moved_down_total: u64,
+    dropped_total: u64,
+    variants: Vec<(String, f64)>,
+}
+
+impl From<&pagoda_proto::worker::EvicPressStats> for EvicPressView {
+    fn from(e: &pagoda_proto::worker::EvicPressStats) -> EvicPressView {
+        EvicPressView {
+            contexts: e.contexts,
+            placed: e.placed.iter().map(|p| (p.tier.clone(), p.contexts)).collect(),
+            profiles_total: e.profiles_total,
+            reprofiles_total: e.reprofiles_total,
+            profile_questions: e.profile_questions,
+            compressed_total: e.compressed_total,
+            moved_down_total: e.moved_down_total,
+            dropped_total: e.dropped_total,
+            variants: e.variants.iter().map(|v| (v.variant.clone(), v.mean_quality)).collect(),
+        }
+    }
 }
 
 /// One tier over all workers: capacity, and used bytes by codec.
@@ -403,6 +436,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
                     preemptions_total: s.preemptions_total,
                     offloaded_groups_total: s.offloaded_groups_total,
                     disk_corrupted_total: s.disk_corrupted_total,
+                    evicpress: s.evicpress.as_ref().map(EvicPressView::from),
                 }),
             }
         })

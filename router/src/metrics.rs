@@ -72,6 +72,22 @@ pub struct TierHitLabels {
     pub tier: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvicPressChangeLabels {
+    pub worker: String,
+    /// `compress` (in place), `move_down` (to the next tier) or `drop` (below the last tier).
+    pub change: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VariantLabels {
+    pub worker: String,
+    /// The device format (lossless, such as `f16`), a codec, or `codec@keep-ratio` for a pruned copy.
+    pub variant: String,
+}
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
 /// All router metrics and their registry.
 pub struct Metrics {
     registry: Registry,
@@ -105,6 +121,16 @@ pub struct Metrics {
     pub worker_peer_linked_fetches: Family<WorkerLabels, Gauge>,
     pub worker_peer_link_refusals: Family<WorkerLabels, Gauge>,
     pub worker_peer_fetch_seconds: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// EvicPress placement on the worker (`--tier-placement evicpress`): contexts remembered and placed per tier,
+    /// profiles and re-profiles since start with their wall time, Algorithm 1's changes since start, and each
+    /// variant's mean profiled quality.
+    pub worker_evicpress_contexts: Family<WorkerLabels, Gauge>,
+    pub worker_evicpress_placed_contexts: Family<TierHitLabels, Gauge>,
+    pub worker_evicpress_profiles: Family<WorkerLabels, Gauge>,
+    pub worker_evicpress_reprofiles: Family<WorkerLabels, Gauge>,
+    pub worker_evicpress_profile_seconds: Family<WorkerLabels, FloatGauge>,
+    pub worker_evicpress_changes: Family<EvicPressChangeLabels, Gauge>,
+    pub worker_evicpress_variant_quality: Family<VariantLabels, FloatGauge>,
     /// Requests placed, by the worker chosen first and the strategy.
     pub placements: Family<PlacementLabels, Counter>,
     /// Time to choose a worker (gathering the workers' state and running the cost model).
@@ -294,6 +320,49 @@ impl Metrics {
             Unit::Seconds,
             worker_peer_fetch_seconds.clone(),
         );
+        let worker_evicpress_contexts = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_evicpress_contexts",
+            "Contexts EvicPress's planner remembers on the worker (bounded)",
+            worker_evicpress_contexts.clone(),
+        );
+        let worker_evicpress_placed_contexts = Family::<TierHitLabels, Gauge>::default();
+        registry.register(
+            "worker_evicpress_placed_contexts",
+            "Contexts EvicPress holds a copy of, by the tier the copy is on (host, disk)",
+            worker_evicpress_placed_contexts.clone(),
+        );
+        let worker_evicpress_profiles = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_evicpress_profiles",
+            "Contexts EvicPress profiled (every variant decoded and scored) while the worker was idle, since start",
+            worker_evicpress_profiles.clone(),
+        );
+        let worker_evicpress_reprofiles = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_evicpress_reprofiles",
+            "Profiles EvicPress ran again because a drift spot check found quality below the profile, since start",
+            worker_evicpress_reprofiles.clone(),
+        );
+        let worker_evicpress_profile_seconds = Family::<WorkerLabels, FloatGauge>::default();
+        registry.register_with_unit(
+            "worker_evicpress_profile",
+            "Wall time of EvicPress's profiles on the worker since start, in all",
+            Unit::Seconds,
+            worker_evicpress_profile_seconds.clone(),
+        );
+        let worker_evicpress_changes = Family::<EvicPressChangeLabels, Gauge>::default();
+        registry.register(
+            "worker_evicpress_changes",
+            "Changes EvicPress's greedy step applied to make room on a full tier since start (compress, move_down, drop)",
+            worker_evicpress_changes.clone(),
+        );
+        let worker_evicpress_variant_quality = Family::<VariantLabels, FloatGauge>::default();
+        registry.register(
+            "worker_evicpress_variant_quality",
+            "Mean profiled quality (0..1) of each EvicPress variant on the worker, over the contexts measured so far",
+            worker_evicpress_variant_quality.clone(),
+        );
         let placements = Family::<PlacementLabels, Counter>::default();
         registry.register("placements", "Requests placed, by the worker chosen and the strategy", placements.clone());
         // 1 µs .. ~16 ms
@@ -394,6 +463,13 @@ impl Metrics {
             worker_peer_linked_fetches,
             worker_peer_link_refusals,
             worker_peer_fetch_seconds,
+            worker_evicpress_contexts,
+            worker_evicpress_placed_contexts,
+            worker_evicpress_profiles,
+            worker_evicpress_reprofiles,
+            worker_evicpress_profile_seconds,
+            worker_evicpress_changes,
+            worker_evicpress_variant_quality,
             kvstore_watch_connected,
             kvstore_applied_index,
             residency_index_blocks,
@@ -483,9 +559,13 @@ impl Metrics {
                 &self.worker_running,
                 &self.worker_waiting,
                 &self.worker_preemptions,
+                &self.worker_evicpress_contexts,
+                &self.worker_evicpress_profiles,
+                &self.worker_evicpress_reprofiles,
             ] {
                 family.remove(&l);
             }
+            self.worker_evicpress_profile_seconds.remove(&l);
         }
         for (w, s) in workers.iter().zip(stats) {
             let l = WorkerLabels { worker: w.addr.clone() };
@@ -523,12 +603,37 @@ impl Metrics {
                     self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
                     self.worker_evicted_blocks.get_or_create(&pl).set(e.freed_blocks as i64);
                 }
+                if let Some(e) = &s.evicpress {
+                    self.record_evicpress(&w.addr, e);
+                }
             }
         }
     }
 
-    /// Updates the directory-feed gauges from the feed's published state (nothing without `--kvstore`).
-    /// Updates the registry gauges.
+    /// Mirrors one worker's EvicPress planner state into the `worker_evicpress_*` gauges.
+    fn record_evicpress(&self, worker: &str, e: &pagoda_proto::worker::EvicPressStats) {
+        let l = WorkerLabels { worker: worker.to_owned() };
+        self.worker_evicpress_contexts.get_or_create(&l).set(e.contexts as i64);
+        self.worker_evicpress_profiles.get_or_create(&l).set(e.profiles_total as i64);
+        self.worker_evicpress_reprofiles.get_or_create(&l).set(e.reprofiles_total as i64);
+        self.worker_evicpress_profile_seconds.get_or_create(&l).set(e.profile_seconds_total);
+        for p in &e.placed {
+            let tl = TierHitLabels { worker: worker.to_owned(), tier: p.tier.clone() };
+            self.worker_evicpress_placed_contexts.get_or_create(&tl).set(p.contexts as i64);
+        }
+        for (change, n) in
+            [("compress", e.compressed_total), ("move_down", e.moved_down_total), ("drop", e.dropped_total)]
+        {
+            let cl = EvicPressChangeLabels { worker: worker.to_owned(), change };
+            self.worker_evicpress_changes.get_or_create(&cl).set(n as i64);
+        }
+        for v in &e.variants {
+            let vl = VariantLabels { worker: worker.to_owned(), variant: v.variant.clone() };
+            self.worker_evicpress_variant_quality.get_or_create(&vl).set(v.mean_quality);
+        }
+    }
+
+    /// Updates the registry gauges (nothing without `--etcd`).
     pub fn scrape_registry(&self, status: &crate::workers::RegistryStatus) {
         if !status.enabled {
             return;
@@ -538,6 +643,7 @@ impl Metrics {
         self.registry_left.set(i64::try_from(status.left_total).unwrap_or(i64::MAX));
     }
 
+    /// Updates the directory-feed gauges from the feed's published state (nothing without `--kvstore`).
     pub fn scrape_directory(&self, feed: &crate::feed::FeedStatus) {
         if !feed.enabled {
             return;
@@ -584,6 +690,21 @@ mod tests {
         m.worker_tier_capacity_bytes.get_or_create(&tl).set(4096);
         m.worker_prefix_hit_tokens.get_or_create(&TierHitLabels { worker: "w".into(), tier: "disk".into() }).set(32);
         m.count_placement("w", "kv", Duration::from_micros(20));
+        m.record_evicpress(
+            "w",
+            &pagoda_proto::worker::EvicPressStats {
+                contexts: 3,
+                placed: vec![pagoda_proto::worker::TierContexts { tier: "disk".into(), contexts: 2 }],
+                profiles_total: 4,
+                profile_seconds_total: 1.5,
+                dropped_total: 1,
+                variants: vec![pagoda_proto::worker::VariantQuality {
+                    variant: "int4_kivi".into(),
+                    mean_quality: 0.75,
+                }],
+                ..Default::default()
+            },
+        );
         let text = m.encode();
         for name in [
             "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 1",
@@ -600,6 +721,13 @@ mod tests {
             "pagoda_router_worker_prefix_hit_tokens{worker=\"w\",tier=\"disk\"} 32",
             "pagoda_router_placements_total{worker=\"w\",strategy=\"kv\"} 1",
             "pagoda_router_placement_decision_seconds_count 1",
+            "pagoda_router_worker_evicpress_contexts{worker=\"w\"} 3",
+            "pagoda_router_worker_evicpress_placed_contexts{worker=\"w\",tier=\"disk\"} 2",
+            "pagoda_router_worker_evicpress_profiles{worker=\"w\"} 4",
+            "pagoda_router_worker_evicpress_profile_seconds{worker=\"w\"} 1.5",
+            "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"drop\"} 1",
+            "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"compress\"} 0",
+            "pagoda_router_worker_evicpress_variant_quality{worker=\"w\",variant=\"int4_kivi\"} 0.75",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

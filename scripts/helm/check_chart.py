@@ -341,7 +341,9 @@ def check_minimal(objs):
     expect(not any(a.startswith("--admin-key-file") for a in r["command"]), "minimal: --admin-key-file, admin is off")
     w, _ = container(objs, "StatefulSet", "worker", "worker")
     expect("--amx" in w["command"], "minimal: worker lacks --amx although worker.amx is on")
-    for flag in ["--tier-placement=evicpress", "--evicpress-horizon=observed", "--evicpress-shrink"]:
+    for flag in ["--tier-placement=evicpress", "--evicpress-horizon=observed", "--evicpress-shrink",
+                 "--evicpress-profile-question=Who is speaking in the passage above?",
+                 "--evicpress-profile-question=How does the passage end?"]:
         expect(flag in w["command"], f"minimal: worker lacks {flag}")
 
 

@@ -165,6 +165,11 @@ schema = obj({
             "evicpressShrink": BOOL,
             # `--evicpress-greedy` (evicpress.rs GreedyRule).
             "evicpressGreedy": {"enum": ["drop", "per-byte"]},
+            # `--evicpress-profile-question`, repeated (placement.rs MAX_PROFILE_QUESTIONS; main.rs byte bound).
+            "evicpressProfileQuestions": {
+                "type": "array", "maxItems": 8,
+                "items": {"type": "string", "minLength": 1, "maxLength": 512, "pattern": r"\S"},
+            },
         }, required=["hostMiB", "diskMiB"]),
         "persistence": obj({
             "enabled": BOOL,

@@ -254,6 +254,7 @@ impl std::str::FromStr for AnswerHorizon {
 
 /// Counters and occupancy of the placement (in [`crate::engine::EngineStats`]).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)] // reports written before a field existed still load (`pagoda bench tiers --from-json`)
 pub struct EvicPressStats {
     pub contexts: u64,
     /// The variants (index 0 is the lossless native format; `codec@ratio` for pruned copies), and the mean of
@@ -280,8 +281,10 @@ pub struct EvicPressStats {
     pub pending: u64,
     /// Admissions that started from an onboarded pruned copy.
     pub pruned_onboards: u64,
-    /// Answer positions the next profile scores ([`AnswerHorizon`]).
+    /// Answer positions the next profile scores ([`AnswerHorizon`]), after the request's own question and each
+    /// of the `profile_questions` ([`EvicPressConfig::profile_questions`]).
     pub answer_horizon: u64,
+    pub profile_questions: u64,
     /// Variant profiles shrunk toward their variant's mean (`--evicpress-shrink`), and the sum of how far they
     /// moved (a measured 1.0 stored as 0.9 moves 0.1).
     pub shrunk_profiles: u64,
@@ -303,13 +306,18 @@ struct Context {
 }
 
 /// A finished request's view of one context: the whole chain up to the context's end (the profiler needs every
-/// group's blocks), the tokens after it, and whether the request computed the chain from scratch.
+/// group's blocks), the tokens after it, and whether the request computed the context's own groups itself (so
+/// that they are full precision, not decoded from a compressed copy).
 #[derive(Debug)]
 struct Pending {
     context: u64,
     chain: Vec<u64>,
     probe: Vec<u32>,
     fresh: bool,
+    /// Of a new context's own groups, those the request found cached. No context owned them, so EvicPress never
+    /// stored them and the device copy is its own full-precision one, unless a tier holds a copy it could have
+    /// been loaded from (left from before a restart): [`EvicPress::place_one`] checks that.
+    cached_new: Vec<u64>,
 }
 
 /// The measured qualities of one variant over every profiled context: count, sum and sum of squares.
@@ -483,6 +491,7 @@ impl EvicPress {
         s.planned_bytes = self.planner.used();
         s.pending = self.pending.len() as u64;
         s.answer_horizon = self.horizon() as u64;
+        s.profile_questions = self.cfg.profile_questions.len() as u64;
         s.variants = self.variant_names();
         s.mean_quality = self.prior_quality();
         s.placed = [0; 3];
@@ -557,7 +566,6 @@ impl EvicPress {
         // Full groups before the last prompt token: the probe (what follows) is never empty.
         let full = (prompt.len() - 1) / bs;
         let chain = block_hashes(&self.model_id, namespace, &prompt[..full * bs], bs);
-        let fresh = cached_tokens == 0;
         self.clock += 1;
         // Owned groups form a prefix of the chain (a chain hash fixes everything before it).
         let mut i = 0;
@@ -570,8 +578,10 @@ impl EvicPress {
             }
             i += 1;
         }
+        let mut created = None;
         if chain.len() - i >= self.cfg.min_context_groups {
             let id = chain[i];
+            created = Some(id);
             for &h in &chain[i..] {
                 self.owner.insert(h, id);
             }
@@ -581,10 +591,21 @@ impl EvicPress {
             );
             touched.push((id, chain.len()));
         }
+        let cached_groups = cached_tokens / bs;
+        let mut start = 0;
         for (context, end) in touched {
             if let Some(c) = self.contexts.get_mut(&context) {
                 c.last_use = self.clock;
             }
+            // A context's own groups are full precision when this request computed them, whatever the prefix
+            // before them, or when they are a new context's (see `Pending::cached_new`). Requiring no cache hit at
+            // all would leave every context behind a shared, cached system prompt unprofiled.
+            let (fresh, cached_new) = if created == Some(context) {
+                (true, chain[start..cached_groups.clamp(start, end)].to_vec())
+            } else {
+                (cached_tokens <= start * bs, Vec::new())
+            };
+            start = end;
             let probe_end = (end * bs + self.cfg.probe_tokens).min(prompt.len());
             if self.pending.len() >= MAX_PENDING {
                 self.pending.pop_front();
@@ -594,6 +615,7 @@ impl EvicPress {
                 chain: chain[..end].to_vec(),
                 probe: prompt[end * bs..probe_end].to_vec(),
                 fresh,
+                cached_new,
             });
         }
     }
@@ -637,7 +659,7 @@ impl EvicPress {
             self.lose(p.context, stored, tiers);
         }
         // New, or dropped and now recomputed: measure when possible, then insert.
-        let can_profile = idle && p.fresh;
+        let can_profile = idle && p.fresh && p.cached_new.iter().all(|&h| tiers.locate(h).is_none());
         let mut measured_now = false;
         if can_profile
             && !profiled
@@ -1412,15 +1434,27 @@ mod tests {
         let last = ep.pending.back().unwrap();
         assert_eq!((last.context, last.chain.len(), last.fresh), (id, 8, false));
         assert_eq!(last.probe, (1000..1032).collect::<Vec<u32>>(), "the probe is bounded by probe_tokens");
-        // A document extended by 4+ groups makes a second context owning only the new groups.
+        // A document extended by 4+ groups makes a second context owning only the new groups. The request found
+        // the document cached and computed the new groups: the new context is fresh (profiled), the document not.
         let mut c = doc.clone();
         c.extend(2000..2080);
         ep.finished(&c, "", 128, 4);
         assert_eq!(ep.contexts.len(), 2);
         assert!(ep.contexts.values().any(|x| x.groups.len() == 4));
+        let n = ep.pending.len();
+        let fresh: Vec<(usize, bool)> = ep.pending.range(n - 2..).map(|p| (p.chain.len(), p.fresh)).collect();
+        assert_eq!(fresh, [(8, false), (12, true)]);
+        assert!(ep.pending.back().is_some_and(|p| p.cached_new.is_empty()));
+        // A new document behind a cached group no context owns (a shared system prompt too short to be a
+        // context): fresh, with that group left for placement to check against the tiers.
+        let mut d: Vec<u32> = (7000..7016).collect();
+        d.extend(5000..5080);
+        ep.finished(&d, "", 16, 4);
+        let last = ep.pending.back().unwrap();
+        assert_eq!((last.chain.len(), last.fresh, last.cached_new.len()), (5, true, 1));
         // Another namespace hashes differently: a new context.
         ep.finished(&a, "tenant", 0, 4);
-        assert_eq!(ep.contexts.len(), 3);
+        assert_eq!(ep.contexts.len(), 4);
     }
 
     #[test]

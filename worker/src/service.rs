@@ -28,6 +28,7 @@ use tracing::Span;
 
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::events::BlockChange;
+use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::reporter::ReportProgress;
 use crate::scheduler::SchedError;
@@ -570,6 +571,7 @@ impl Worker for WorkerService {
             report_snapshots_total: r.snapshots,
             disk_errors_total: s.disk_errors,
             disk_full_total: s.disk_full,
+            evicpress: s.evicpress.as_ref().map(evicpress_stats),
         }))
     }
 
@@ -589,6 +591,37 @@ impl Worker for WorkerService {
             })
             .collect();
         Ok(Response::new(pb::ResidencyResponse { seq: snap.seq, groups }))
+    }
+}
+
+/// EvicPress's planner state as the `Stats` RPC carries it: placed contexts for the tiers below the device, and
+/// the mean quality of the variants measured so far.
+fn evicpress_stats(e: &EvicPressStats) -> pb::EvicPressStats {
+    pb::EvicPressStats {
+        contexts: e.contexts,
+        placed: [Tier::Host, Tier::Disk]
+            .iter()
+            .map(|t| pb::TierContexts { tier: t.name().to_owned(), contexts: e.placed[t.index()] })
+            .collect(),
+        profiles_total: e.profiles,
+        spot_checks_total: e.spot_checks,
+        reprofiles_total: e.reprofiles,
+        profile_seconds_total: e.profile_ms as f64 / 1e3,
+        placed_with_prior_total: e.placed_with_prior,
+        compressed_total: e.compressed,
+        moved_down_total: e.moved_down,
+        dropped_total: e.dropped,
+        pruned_onboards_total: e.pruned_onboards,
+        lost_copies_total: e.lost_copies,
+        pending: e.pending,
+        answer_horizon: e.answer_horizon,
+        profile_questions: e.profile_questions,
+        variants: e
+            .variants
+            .iter()
+            .zip(&e.mean_quality)
+            .filter_map(|(v, q)| q.map(|q| pb::VariantQuality { variant: v.clone(), mean_quality: q }))
+            .collect(),
     }
 }
 

@@ -164,6 +164,25 @@ function renderEvictions(st) {
   replaceChildren($("evictions"), rows);
 }
 
+function renderEvicPress(st) {
+  const rows = [];
+  for (const w of st.workers) {
+    const e = w.stats && w.stats.evicpress;
+    if (!e) continue;
+    const placed = e.placed.map(([tier, n]) => `${tier} ${fmtInt(n)}`).join(" · ");
+    rows.push(el("div", `${w.address}: ${fmtInt(e.contexts)} contexts (${placed})`, "mono"));
+    rows.push(el("div", `${fmtInt(e.profiles_total)} profiles (${fmtInt(e.reprofiles_total)} re-profiles, ` +
+      `${e.profile_questions} extra questions) · ${fmtInt(e.compressed_total)} compressed · ` +
+      `${fmtInt(e.moved_down_total)} moved down · ${fmtInt(e.dropped_total)} dropped`, "note"));
+    for (const [variant, q] of e.variants) {
+      const seg = { name: variant, value: q, colour: "var(--accent)", text: q.toFixed(3) };
+      rows.push(barRow(variant, [seg], 1, `quality ${q.toFixed(3)}`));
+    }
+  }
+  if (rows.length === 0) rows.push(el("p", "No worker places its tiers by EvicPress (--tier-placement evicpress).", "note"));
+  replaceChildren($("evicpress"), rows);
+}
+
 function renderKvstore(st) {
   const box = $("kvstore");
   const kv = st.kvstore;
@@ -287,6 +306,7 @@ function render(st) {
   renderTiers(st);
   renderPrefixHits(st);
   renderEvictions(st);
+  renderEvicPress(st);
   renderKvstore(st);
   renderCharts(st);
   renderPlacements(st);
