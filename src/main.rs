@@ -319,27 +319,20 @@ fn check_profile_question_flags(e: &EngineArgs) -> Result<()> {
     Ok(())
 }
 
-/// Tokenizes the profiling questions with the model's own tokenizer, refusing any the profiler would not take.
-fn tokenize_profile_questions(model: &Path, texts: &[String], probe_tokens: usize) -> Result<Vec<Vec<u32>>> {
+/// The model's own tokenizer, read from its GGUF.
+fn load_tokenizer(model: &Path) -> Result<pagoda_worker::model::Tokenizer> {
+    let gguf = pagoda_worker::model::Gguf::open(model).context("cannot open the model")?;
+    pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")
+}
+
+/// Tokenizes the profiling questions; their token bounds are checked where EvicPress takes them
+/// (`EvicPress::new`).
+fn tokenize_profile_questions(model: &Path, texts: &[String]) -> Result<Vec<Vec<u32>>> {
     if texts.is_empty() {
         return Ok(Vec::new());
     }
-    let gguf = pagoda_worker::model::Gguf::open(model).context("cannot open the model")?;
-    let tok = pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")?;
-    texts
-        .iter()
-        .map(|t| {
-            let ids = tok.encode(t, false);
-            if ids.is_empty() || ids.len() > probe_tokens {
-                bail!(
-                    "--evicpress-profile-question {:?} is {} tokens; each must be 1..={probe_tokens}",
-                    t.chars().take(64).collect::<String>(),
-                    ids.len()
-                );
-            }
-            Ok(ids)
-        })
-        .collect()
+    let tok = load_tokenizer(model)?;
+    Ok(texts.iter().map(|t| tok.encode(t, false)).collect())
 }
 
 fn keep_ratios(v: &[KeepRatio]) -> Vec<f64> {
@@ -1026,7 +1019,8 @@ fn service_name(command: &Command) -> &'static str {
 }
 
 /// `pagoda check-args -- ARGV...`: the clap parse of ARGV plus the start-up checks that need no files or network
-/// (the default KV policy and budget, the profiling questions' count), so a deployment's command line fails here rather than in a crash loop.
+/// (the default KV policy and budget, the profiling questions' count), so a deployment's command line fails here
+/// rather than in a crash loop.
 fn check_args(argv: &[String]) -> Result<()> {
     let cli = Cli::try_parse_from(argv).map_err(|e| {
         let text = e.render().to_string();
@@ -1154,7 +1148,7 @@ async fn start_engine(model: &Path, e: &EngineArgs) -> Result<EngineHandle> {
     tracing::info!(model = %shown, "loading model");
     let engine = tokio::task::spawn_blocking(move || -> Result<EngineHandle> {
         if let TierPlacement::EvicPress(ep) = &mut cfg.placement {
-            ep.profile_questions = tokenize_profile_questions(&cfg.model_path, &questions, ep.probe_tokens)?;
+            ep.profile_questions = tokenize_profile_questions(&cfg.model_path, &questions)?;
         }
         Ok(Engine::start(cfg)?)
     })
@@ -1579,8 +1573,7 @@ fn eval(args: EvalArgs) -> Result<()> {
                 bail!("{} failed ({status})", script.display());
             }
         }
-        let gguf = pagoda_worker::model::Gguf::open(&model).context("cannot open the model")?;
-        let tok = pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")?;
+        let tok = load_tokenizer(&model)?;
         let need = opts.prose_context + opts.prose_continuation;
         pagoda_worker::eval::load_documents(&args.prose_dir, need, &|s: &str| tok.encode(s, false).len())
             .with_context(|| format!("cannot load prose from {}", args.prose_dir.display()))?
@@ -1620,8 +1613,7 @@ fn eval_codecs(model: &Path, args: &EvalArgs) -> Result<()> {
         }
     }
     let prose = if args.prose_docs > 0 {
-        let gguf = pagoda_worker::model::Gguf::open(model).context("cannot open the model")?;
-        let tok = pagoda_worker::model::Tokenizer::from_gguf(&gguf).context("cannot read the tokenizer")?;
+        let tok = load_tokenizer(model)?;
         let need = args.prose_context + args.prose_continuation;
         pagoda_worker::eval::load_documents(&args.prose_dir, need, &|s: &str| tok.encode(s, false).len())
             .with_context(|| format!("cannot load prose from {} (scripts/fetch-prose.sh)", args.prose_dir.display()))?

@@ -314,10 +314,10 @@ struct Pending {
     chain: Vec<u64>,
     probe: Vec<u32>,
     fresh: bool,
-    /// Of a new context's own groups, those the request found cached. No context owned them, so EvicPress never
-    /// stored them and the device copy is its own full-precision one, unless a tier holds a copy it could have
-    /// been loaded from (left from before a restart): [`EvicPress::place_one`] checks that.
-    cached_new: Vec<u64>,
+    /// Of a new context's own groups, those the request found cached (indices into `chain`). No context owned
+    /// them, so EvicPress never stored them and the device copy is its own full-precision one, unless a tier holds
+    /// a copy it could have been loaded from (left from before a restart): [`EvicPress::place_one`] checks that.
+    cached_new: std::ops::Range<usize>,
 }
 
 /// The measured qualities of one variant over every profiled context: count, sum and sum of squares.
@@ -411,11 +411,19 @@ impl EvicPress {
         if cfg.probe_tokens == 0 || cfg.answer_tokens == 0 || cfg.min_context_groups == 0 || cfg.max_contexts == 0 {
             return Err(bad("probe, answer, context sizes must be at least 1".into()));
         }
-        if cfg.profile_questions.len() > MAX_PROFILE_QUESTIONS
-            || cfg.profile_questions.iter().any(|q| q.is_empty() || q.len() > cfg.probe_tokens)
+        if cfg.profile_questions.len() > MAX_PROFILE_QUESTIONS {
+            return Err(bad(format!(
+                "give at most {MAX_PROFILE_QUESTIONS} profiling questions, got {}",
+                cfg.profile_questions.len()
+            )));
+        }
+        if let Some((i, q)) =
+            cfg.profile_questions.iter().enumerate().find(|(_, q)| q.is_empty() || q.len() > cfg.probe_tokens)
         {
             return Err(bad(format!(
-                "give at most {MAX_PROFILE_QUESTIONS} profiling questions of 1..={} tokens",
+                "profiling question {} is {} tokens; each must be 1..={}",
+                i + 1,
+                q.len(),
                 cfg.probe_tokens
             )));
         }
@@ -601,9 +609,9 @@ impl EvicPress {
             // before them, or when they are a new context's (see `Pending::cached_new`). Requiring no cache hit at
             // all would leave every context behind a shared, cached system prompt unprofiled.
             let (fresh, cached_new) = if created == Some(context) {
-                (true, chain[start..cached_groups.clamp(start, end)].to_vec())
+                (true, start..cached_groups.clamp(start, end))
             } else {
-                (cached_tokens <= start * bs, Vec::new())
+                (cached_tokens <= start * bs, 0..0)
             };
             start = end;
             let probe_end = (end * bs + self.cfg.probe_tokens).min(prompt.len());
@@ -659,7 +667,7 @@ impl EvicPress {
             self.lose(p.context, stored, tiers);
         }
         // New, or dropped and now recomputed: measure when possible, then insert.
-        let can_profile = idle && p.fresh && p.cached_new.iter().all(|&h| tiers.locate(h).is_none());
+        let can_profile = idle && p.fresh && p.chain[p.cached_new.clone()].iter().all(|&h| tiers.locate(h).is_none());
         let mut measured_now = false;
         if can_profile
             && !profiled
