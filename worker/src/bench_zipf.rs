@@ -25,6 +25,12 @@
 //! training question that none of the measured requests asks: the paper's initial offline phase (§4.1, §4.4), in
 //! which every context is computed and placed (and, for EvicPress, profiled) before online requests arrive. Without
 //! it, each context's first request is computed in the measured run by every configuration alike.
+//!
+//! The phase's prefill is shared ([`Seeds`]): one engine computes every context once and keeps its KV in the
+//! native format on its own disk tier, and each configuration's phase writes a context's groups into its device
+//! pool ([`EngineHandle::seed_device`]) just before asking the training question over them. The configuration then
+//! offloads, places and profiles them as it would groups it had computed, bit for bit the same, and a full-size run
+//! prefills the workload once instead of once per configuration.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -36,6 +42,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::bench_eviction::percentile;
+use crate::cache::block_hashes;
 use crate::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
     TierPlacement,
@@ -74,6 +81,9 @@ pub const MAX_ALPHAS: usize = 8;
 pub const EVICPRESS: &str = "evicpress";
 /// How long one request may take before the run is abandoned.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+/// Without a data dir, the shared offline prefill keeps the workload's KV in RAM only up to this size; beyond it,
+/// each configuration computes its offline phase itself.
+const MAX_SEEDS_IN_RAM: u64 = 1 << 30;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ZipfBenchOptions {
@@ -180,6 +190,10 @@ pub struct ZipfConfigResult {
     pub seconds: f64,
     /// Of `seconds`, the untimed offline phase (0 without one).
     pub offline_seconds: f64,
+    /// Tokens the offline phase computed: the training questions and answers, plus any context it could not be
+    /// given from the shared prefill ([`Seeds`]). Absent in reports written before the shared prefill.
+    #[serde(default)]
+    pub offline_computed_tokens: u64,
     /// Every request in order: where its prompt came from and its TTFT, so a mean can be taken apart.
     pub per_request: Vec<RequestRecord>,
 }
@@ -216,6 +230,10 @@ pub struct ZipfReport {
     /// KV bytes of all contexts in the device's format, and of the device pool.
     pub workload_kv_bytes: u64,
     pub device_bytes: u64,
+    /// Seconds of the offline phase's shared prefill (0 when every configuration computed its own, or without
+    /// the phase).
+    #[serde(default)]
+    pub seed_seconds: f64,
     pub results: Vec<ZipfConfigResult>,
 }
 
@@ -242,10 +260,17 @@ impl ZipfReport {
             o.host_mib,
             self.workload_kv_bytes as f64 / (self.device_bytes + (o.host_mib << 20)).max(1) as f64,
             o.disk_mib,
-            if o.offline_phase {
-                "Offline phase: every context ingested once, untimed, before the measured requests (not by recompute)."
-            } else {
-                "No offline phase: each context's first request is computed in the measured run."
+            match (o.offline_phase, self.seed_seconds > 0.0) {
+                (true, true) => format!(
+                    "Offline phase: every context ingested once, untimed, before the measured requests (not by \
+                     recompute), its KV prefilled once for all configurations ({:.0} s).",
+                    self.seed_seconds
+                ),
+                (true, false) => "Offline phase: every context ingested once, untimed, before the measured requests \
+                                  (not by recompute)."
+                    .to_owned(),
+                (false, _) =>
+                    "No offline phase: each context's first request is computed in the measured run.".to_owned(),
             },
             match o.profile_scoring {
                 ProfileScoring::TeacherForced => "teacher-forced",
@@ -583,18 +608,22 @@ fn run_config(
     name: &str,
     cfg: EngineConfig,
     workload: &[Request],
-    offline: &[Vec<u32>],
+    offline: Offline<'_>,
     reference: Option<&[Vec<u32>]>,
 ) -> Result<(ZipfConfigResult, Vec<Vec<u32>>), EngineError> {
     let t0 = Instant::now();
     let engine = Engine::start(EngineConfig { model_path: model.to_path_buf(), ..cfg })?;
     let offline_t0 = Instant::now();
-    for prompt in offline {
+    for prompt in offline.prompts {
+        if let Some(seeds) = offline.seeds {
+            seeds.write_into(&engine, prompt)?;
+        }
         let before = engine.stats().computed_tokens_total;
         run_one(&engine, prompt.clone(), opts.answer_tokens)?;
         settled(&engine, before)?;
     }
-    let offline_seconds = if offline.is_empty() { 0.0 } else { offline_t0.elapsed().as_secs_f64() };
+    let offline_seconds = if offline.prompts.is_empty() { 0.0 } else { offline_t0.elapsed().as_secs_f64() };
+    let offline_computed_tokens = engine.stats().computed_tokens_total;
     let mut ttfts = Vec::with_capacity(workload.len());
     let mut answers = Vec::with_capacity(workload.len());
     let mut hits = [0u64; 3];
@@ -666,9 +695,66 @@ fn run_config(
         peak_planned_bytes: peak_planned,
         seconds: t0.elapsed().as_secs_f64(),
         offline_seconds,
+        offline_computed_tokens,
         per_request,
     };
     Ok((result, answers))
+}
+
+/// What a configuration ingests before its measured requests: the offline phase's prompts (none without it), and
+/// where their contexts' KV comes from when it is not computed again.
+#[derive(Clone, Copy)]
+struct Offline<'a> {
+    prompts: &'a [Vec<u32>],
+    seeds: Option<&'a Seeds>,
+}
+
+/// The offline phase's shared prefill (see the module doc): an engine whose tiers hold every context's groups in
+/// the native format, lossless, from which each configuration's device pool is written before its request.
+struct Seeds {
+    engine: EngineHandle,
+    /// Drives the engine handle's async calls from this synchronous harness.
+    runtime: tokio::runtime::Runtime,
+    model_id: String,
+    block_size: usize,
+    seconds: f64,
+}
+
+impl Seeds {
+    /// Computes every prompt of `offline` once on an engine like `base` with `tiers` (native format, least
+    /// recently used, large enough for the whole workload).
+    fn prefill(base: &EngineConfig, tiers: TierConfig, offline: &[Vec<u32>]) -> Result<Seeds, EngineError> {
+        let t0 = Instant::now();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .map_err(|e| EngineError::Config(format!("a runtime for the shared prefill: {e}")))?;
+        let engine = Engine::start(EngineConfig { tiers, placement: TierPlacement::Lru, ..base.clone() })?;
+        let info = engine.model_info().clone();
+        for prompt in offline {
+            let before = engine.stats().computed_tokens_total;
+            run_one(&engine, prompt.clone(), 1)?;
+            settled(&engine, before)?;
+        }
+        let seeds = Seeds {
+            engine,
+            runtime,
+            block_size: info.layout().block_size,
+            model_id: info.model_id,
+            seconds: t0.elapsed().as_secs_f64(),
+        };
+        tracing::info!(contexts = offline.len(), seconds = seeds.seconds, "bench tiers zipf: shared prefill done");
+        Ok(seeds)
+    }
+
+    /// Writes the groups of `prompt` held here into `engine`'s device pool; returns how many it holds now. A group
+    /// missing here (never expected) is left for `engine` to compute.
+    fn write_into(&self, engine: &EngineHandle, prompt: &[u32]) -> Result<usize, EngineError> {
+        let bs = self.block_size;
+        let full = prompt.len().saturating_sub(1) / bs;
+        let hashes = block_hashes(&self.model_id, "", &prompt[..full * bs], bs);
+        let groups = self.runtime.block_on(self.engine.export_groups(hashes, u64::MAX))?;
+        self.runtime.block_on(engine.seed_device(groups))
+    }
 }
 
 /// Mean quality of `requests` (0 when there are none).
@@ -825,6 +911,25 @@ pub fn zipf_bench_with_progress(
     } else {
         Vec::new()
     };
+    // The shared prefill keeps the workload's native KV on its own disk tier (RAM when there is no data dir and it
+    // is small), with room for each file's header.
+    let seed_bytes = workload_kv_bytes + workload_kv_bytes / 16 + (16 << 20);
+    let seed_tiers = match &run_dir {
+        _ if offline.is_empty() => None,
+        Some(d) => Some(TierConfig { data_dir: Some(d.join("seed")), host_bytes: 0, disk_bytes: seed_bytes }),
+        None => (seed_bytes <= MAX_SEEDS_IN_RAM).then_some(TierConfig {
+            data_dir: None,
+            host_bytes: seed_bytes,
+            disk_bytes: 0,
+        }),
+    };
+    let seeds = match seed_tiers {
+        Some(t) => {
+            Some(Seeds::prefill(&EngineConfig { model_path: model.to_path_buf(), ..base.clone() }, t, &offline)?)
+        }
+        None => None,
+    };
+    let seed_seconds = seeds.as_ref().map_or(0.0, |s| s.seconds);
     let model_name = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let report = |results: Vec<ZipfConfigResult>| ZipfReport {
         model: model_name.clone(),
@@ -832,6 +937,7 @@ pub fn zipf_bench_with_progress(
         source: source.clone(),
         workload_kv_bytes,
         device_bytes,
+        seed_seconds,
         results,
     };
     // Listed order is the report's; `run_rank` ranks what the comparison needs first (see the doc comment).
@@ -849,7 +955,8 @@ pub fn zipf_bench_with_progress(
     for (index, (name, cfg)) in in_run_order {
         tracing::info!(config = %name, "bench tiers zipf: running");
         // Recompute keeps nothing, so an offline phase would change nothing but its run time.
-        let ingest = if cfg.enable_prefix_cache { offline.as_slice() } else { &[] };
+        let ingest =
+            Offline { prompts: if cfg.enable_prefix_cache { offline.as_slice() } else { &[] }, seeds: seeds.as_ref() };
         match run_config(model, opts, &name, cfg, &workload, ingest, reference.as_deref()) {
             Ok((r, answers)) => {
                 // A full-size run takes hours; each configuration's summary is logged as it finishes, so that an
@@ -878,6 +985,9 @@ pub fn zipf_bench_with_progress(
                 break;
             }
         }
+    }
+    if let Some(s) = seeds {
+        s.engine.shutdown();
     }
     if let Some(d) = &run_dir {
         let _ = std::fs::remove_dir_all(d);

@@ -491,6 +491,11 @@ enum Command {
         groups: Vec<(u64, EncodedGroup)>,
         reply: tokio::sync::oneshot::Sender<usize>,
     },
+    /// Native groups written into the device pool as a cached prefix (see [`EngineHandle::seed_device`]).
+    SeedDevice {
+        groups: Vec<(u64, EncodedGroup)>,
+        reply: tokio::sync::oneshot::Sender<usize>,
+    },
     Shutdown,
 }
 
@@ -592,6 +597,19 @@ impl EngineHandle {
     pub async fn import_groups(&self, groups: Vec<(u64, EncodedGroup)>) -> Result<usize, EngineError> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.send(Command::Import { groups, reply })?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Writes `groups` (a prefix chain's hashes in order, each with its group in the runner's native, lossless
+    /// format) into the device pool as an idle cached prefix, exactly as if their tokens had just been computed
+    /// here: the next request with that prefix adopts them as a device hit, and the engine offloads or places them
+    /// as it does computed groups. A benchmark's untimed offline phase uses it to prefill each context once for all
+    /// the configurations it compares. Groups already on the device are kept as they are. It stops at the first
+    /// group in another format, that does not decode, or that finds no room beside the running sequences. Returns
+    /// how many leading groups are on the device. Answered between steps.
+    pub async fn seed_device(&self, groups: Vec<(u64, EncodedGroup)>) -> Result<usize, EngineError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::SeedDevice { groups, reply })?;
         rx.await.map_err(|_| EngineError::Stopped)
     }
 
@@ -1077,8 +1095,58 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let _ = reply.send(stored);
                 Flow::Continue
             }
+            Command::SeedDevice { groups, reply } => {
+                let _ = reply.send(self.seed_device(&groups));
+                Flow::Continue
+            }
             Command::Shutdown => Flow::Stop,
         }
+    }
+
+    /// [`EngineHandle::seed_device`]. Every block it touches keeps a reference until the end, so allocating a later
+    /// group never evicts an earlier one of the same chain.
+    fn seed_device(&mut self, groups: &[(u64, EncodedGroup)]) -> usize {
+        let Some(kv) = self.runner.group_kv() else { return 0 };
+        let native = kv.native_codec().name();
+        let gs = self.sched.layout().group_size();
+        let mut held: Vec<BlockId> = Vec::with_capacity(groups.len() * gs);
+        let mut on_device = 0;
+        for (hash, group) in groups {
+            let pool = self.sched.pool_mut();
+            if let Some(blocks) = pool.lookup(*hash).map(<[BlockId]>::to_vec) {
+                if pool.acquire(&blocks).is_err() {
+                    break;
+                }
+                held.extend_from_slice(&blocks);
+                on_device += 1;
+                continue;
+            }
+            if group.codec != native || onboard_room(&self.sched) < gs {
+                break;
+            }
+            self.blocks.clear();
+            let pool = self.sched.pool_mut();
+            if pool.allocate(gs, &mut self.blocks).is_err() {
+                break;
+            }
+            held.extend_from_slice(&self.blocks);
+            let decoded = match kv.decode_group(group, &self.blocks) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "a seeded KV group does not decode");
+                    false
+                }
+            };
+            if !(decoded && self.sched.pool_mut().register(*hash, &self.blocks)) {
+                break;
+            }
+            on_device += 1;
+        }
+        // Registered blocks become idle cached groups (on the LRU queue, newest); the others go back free.
+        if let Err(e) = self.sched.pool_mut().release(&held) {
+            tracing::error!(error = %e, "releasing seeded blocks failed");
+        }
+        on_device
     }
 
     fn probe_prefix(&self, hashes: &[u64]) -> PrefixProbe {

@@ -175,6 +175,7 @@ fn offline_phase_runs_with_profiling_questions() {
     let report = zipf_bench(&model_path(), &opts).expect("bench runs");
     println!("{}", report.to_markdown());
     assert!(report.to_markdown().contains("Offline phase: every context ingested once"));
+    assert!(report.seed_seconds > 0.0, "the contexts were prefilled once, for every configuration");
     assert!(report.to_markdown().contains("after the request's question and 2 profiling questions"));
     let names: Vec<&str> = report.results.iter().map(|r| r.name.as_str()).collect();
     assert!(names.contains(&"evicpress drop") && names.contains(&"evicpress per-byte"), "{names:?}");
@@ -187,6 +188,9 @@ fn offline_phase_runs_with_profiling_questions() {
             continue;
         }
         assert!(r.offline_seconds > 0.0 && r.offline_seconds < r.seconds, "{n}: {r:?}");
+        // The contexts' KV came from the shared prefill: the phase computed only the questions and answers.
+        assert!(r.offline_computed_tokens > 0, "{n}: {r:?}");
+        assert!(r.offline_computed_tokens < 6 * 64, "{n}: the offline phase computed contexts: {r:?}");
         if let Some(e) = &r.evicpress {
             assert!(e.profiles >= 4, "{n}: every context profiled while the engine was idle: {e:?}");
             let shrinkable = 1..=e.profiles - 3;

@@ -141,6 +141,36 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The bench's shared offline prefill: groups one engine computed, exported from its host tier in the native format
+/// and written into another engine's device pool, serve there as a device hit with the cold run's greedy output and
+/// nothing recomputed; writing them again changes nothing, and a group in a lossy format is refused.
+#[test]
+fn seeded_device_groups_serve_like_computed_ones() {
+    let p = prompt();
+    let matched = (p.len() - 1) / BS * BS;
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let source = engine(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 });
+    let (cold, _, _) = run(&source, &p, 8);
+    let hashes = block_hashes(&source.model_info().model_id, "", &p[..matched], BS);
+    let groups = rt.block_on(source.export_groups(hashes.clone(), u64::MAX)).unwrap();
+    source.shutdown();
+    assert_eq!(groups.len(), hashes.len(), "every group of the prompt was offloaded to host");
+    assert!(groups.iter().all(|(_, g)| g.codec == "f16"), "native groups");
+
+    let h = engine(8, TierConfig::default());
+    let mut lossy = groups.clone();
+    lossy[0].1.codec = "int8".into();
+    assert_eq!(rt.block_on(h.seed_device(lossy)).unwrap(), 0, "a lossy group is never taken for a computed one");
+    assert_eq!(rt.block_on(h.seed_device(groups.clone())).unwrap(), hashes.len());
+    assert_eq!(rt.block_on(h.seed_device(groups)).unwrap(), hashes.len(), "already on the device");
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold, "seeded KV is what a prefill computes");
+    assert_eq!(cached as usize, matched);
+    assert_eq!(s.prefix_hit_tokens[Tier::Device.index()], matched as u64, "{s:?}");
+    assert_eq!(s.computed_tokens_total, (p.len() - matched + warm.len() - 1) as u64, "nothing seeded is recomputed");
+    h.shutdown();
+}
+
 /// An 8-bit device cache through the real engine: it serves, its idle groups go to host and disk in their own
 /// format (codes and slot scales as stored, `native-int8` / `native-fp8_e4m3`), and they come back bit-exactly, so
 /// the warm greedy output equals the cold one and nothing onboarded is recomputed.
