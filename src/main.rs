@@ -841,6 +841,11 @@ struct BenchTiersArgs {
     /// untimed, with a training question no measured request asks, before the measured requests.
     #[arg(long)]
     offline_phase: bool,
+    /// zipf, with --offline-phase: keep the contexts' prefilled KV in this directory after the run (about 12.5 GB
+    /// at full size) and reuse what it holds from an earlier run of the same model and workload. Default: under
+    /// --data-dir, removed afterwards.
+    #[arg(long)]
+    offline_seed_dir: Option<PathBuf>,
     /// zipf: how EvicPress's profiler scores a variant: `forced` (one teacher-forced step over the reference
     /// answer) or `free` (the variant's own greedy answer against the reference, as a request would get it).
     #[arg(long, default_value = "forced")]
@@ -1914,6 +1919,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
         amx: args.amx,
         offline_phase: args.offline_phase,
+        seed_dir: args.offline_seed_dir,
         profile_scoring: args.evicpress_profile,
         horizon: args.evicpress_horizon,
         shrink: args.evicpress_shrink,

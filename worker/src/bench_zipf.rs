@@ -84,6 +84,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 /// Without a data dir, the shared offline prefill keeps the workload's KV in RAM only up to this size; beyond it,
 /// each configuration computes its offline phase itself.
 const MAX_SEEDS_IN_RAM: u64 = 1 << 30;
+/// Offline contexts every configuration computes itself before the shared prefill writes the rest: its cost model
+/// measures prefill speed only on steps it computes, and EvicPress prices a drop by it from its first placement.
+const OFFLINE_COMPUTED_FIRST: usize = 4;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ZipfBenchOptions {
@@ -114,6 +117,11 @@ pub struct ZipfBenchOptions {
     pub amx: bool,
     /// Ingest every context once, untimed, before the measured requests (the paper's offline phase).
     pub offline_phase: bool,
+    /// Where the offline phase's shared prefill keeps the contexts' KV ([`Seeds`]): kept after the run, and reused
+    /// by a later run of the same model and workload, which then computes only the contexts it lacks. Without it,
+    /// under the run's data dir, removed afterwards.
+    #[serde(default)]
+    pub seed_dir: Option<PathBuf>,
     /// How EvicPress's profiler scores a variant.
     pub profile_scoring: ProfileScoring,
     /// How many answer positions EvicPress's profiler scores.
@@ -155,6 +163,7 @@ impl Default for ZipfBenchOptions {
             seed: 11,
             amx: false,
             offline_phase: false,
+            seed_dir: None,
             profile_scoring: ProfileScoring::TeacherForced,
             horizon: AnswerHorizon::Fixed,
             shrink: false,
@@ -194,6 +203,9 @@ pub struct ZipfConfigResult {
     /// given from the shared prefill ([`Seeds`]). Absent in reports written before the shared prefill.
     #[serde(default)]
     pub offline_computed_tokens: u64,
+    /// Offline contexts whose KV the shared prefill wrote into the device pool whole.
+    #[serde(default)]
+    pub offline_seeded: usize,
     /// Every request in order: where its prompt came from and its TTFT, so a mean can be taken apart.
     pub per_request: Vec<RequestRecord>,
 }
@@ -234,6 +246,9 @@ pub struct ZipfReport {
     /// the phase).
     #[serde(default)]
     pub seed_seconds: f64,
+    /// Contexts the shared prefill computed (fewer than all when its `seed_dir` kept some from an earlier run).
+    #[serde(default)]
+    pub seed_computed: usize,
     pub results: Vec<ZipfConfigResult>,
 }
 
@@ -614,9 +629,12 @@ fn run_config(
     let t0 = Instant::now();
     let engine = Engine::start(EngineConfig { model_path: model.to_path_buf(), ..cfg })?;
     let offline_t0 = Instant::now();
-    for prompt in offline.prompts {
-        if let Some(seeds) = offline.seeds {
-            seeds.write_into(&engine, prompt)?;
+    let mut offline_seeded = 0;
+    for (i, prompt) in offline.prompts.iter().enumerate() {
+        if let Some(seeds) = offline.seeds.filter(|_| i >= OFFLINE_COMPUTED_FIRST)
+            && seeds.write_into(&engine, prompt)?
+        {
+            offline_seeded += 1;
         }
         let before = engine.stats().computed_tokens_total;
         run_one(&engine, prompt.clone(), opts.answer_tokens)?;
@@ -696,6 +714,7 @@ fn run_config(
         seconds: t0.elapsed().as_secs_f64(),
         offline_seconds,
         offline_computed_tokens,
+        offline_seeded,
         per_request,
     };
     Ok((result, answers))
@@ -718,11 +737,14 @@ struct Seeds {
     model_id: String,
     block_size: usize,
     seconds: f64,
+    /// Contexts computed here (the others were on its disk tier already).
+    computed: usize,
 }
 
 impl Seeds {
     /// Computes every prompt of `offline` once on an engine like `base` with `tiers` (native format, least
-    /// recently used, large enough for the whole workload).
+    /// recently used, large enough for the whole workload), skipping those whose groups a disk tier kept from an
+    /// earlier run.
     fn prefill(base: &EngineConfig, tiers: TierConfig, offline: &[Vec<u32>]) -> Result<Seeds, EngineError> {
         let t0 = Instant::now();
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -730,30 +752,43 @@ impl Seeds {
             .map_err(|e| EngineError::Config(format!("a runtime for the shared prefill: {e}")))?;
         let engine = Engine::start(EngineConfig { tiers, placement: TierPlacement::Lru, ..base.clone() })?;
         let info = engine.model_info().clone();
+        let block_size = info.layout().block_size;
+        let mut seeds = Seeds { engine, runtime, block_size, model_id: info.model_id, seconds: 0.0, computed: 0 };
         for prompt in offline {
-            let before = engine.stats().computed_tokens_total;
-            run_one(&engine, prompt.clone(), 1)?;
-            settled(&engine, before)?;
+            let hashes = seeds.hashes(prompt);
+            let held = seeds.runtime.block_on(seeds.engine.probe_prefix(hashes.clone()))?.local_blocks;
+            if held == hashes.len() {
+                continue;
+            }
+            let before = seeds.engine.stats().computed_tokens_total;
+            run_one(&seeds.engine, prompt.clone(), 1)?;
+            settled(&seeds.engine, before)?;
+            seeds.computed += 1;
         }
-        let seeds = Seeds {
-            engine,
-            runtime,
-            block_size: info.layout().block_size,
-            model_id: info.model_id,
-            seconds: t0.elapsed().as_secs_f64(),
-        };
-        tracing::info!(contexts = offline.len(), seconds = seeds.seconds, "bench tiers zipf: shared prefill done");
+        seeds.seconds = t0.elapsed().as_secs_f64();
+        tracing::info!(
+            contexts = offline.len(),
+            computed = seeds.computed,
+            seconds = seeds.seconds,
+            "bench tiers zipf: shared prefill done"
+        );
         Ok(seeds)
     }
 
-    /// Writes the groups of `prompt` held here into `engine`'s device pool; returns how many it holds now. A group
-    /// missing here (never expected) is left for `engine` to compute.
-    fn write_into(&self, engine: &EngineHandle, prompt: &[u32]) -> Result<usize, EngineError> {
+    /// Chain hashes of the full groups of `prompt` that a prefill caches.
+    fn hashes(&self, prompt: &[u32]) -> Vec<u64> {
         let bs = self.block_size;
         let full = prompt.len().saturating_sub(1) / bs;
-        let hashes = block_hashes(&self.model_id, "", &prompt[..full * bs], bs);
+        block_hashes(&self.model_id, "", &prompt[..full * bs], bs)
+    }
+
+    /// Writes the groups of `prompt` held here into `engine`'s device pool; whether it holds all of them now. A
+    /// group missing here (never expected) is left for `engine` to compute.
+    fn write_into(&self, engine: &EngineHandle, prompt: &[u32]) -> Result<bool, EngineError> {
+        let hashes = self.hashes(prompt);
+        let want = hashes.len();
         let groups = self.runtime.block_on(self.engine.export_groups(hashes, u64::MAX))?;
-        self.runtime.block_on(engine.seed_device(groups))
+        Ok(self.runtime.block_on(engine.seed_device(groups))? == want)
     }
 }
 
@@ -914,10 +949,11 @@ pub fn zipf_bench_with_progress(
     // The shared prefill keeps the workload's native KV on its own disk tier (RAM when there is no data dir and it
     // is small), with room for each file's header.
     let seed_bytes = workload_kv_bytes + workload_kv_bytes / 16 + (16 << 20);
-    let seed_tiers = match &run_dir {
+    let seed_tiers = match (&opts.seed_dir, &run_dir) {
         _ if offline.is_empty() => None,
-        Some(d) => Some(TierConfig { data_dir: Some(d.join("seed")), host_bytes: 0, disk_bytes: seed_bytes }),
-        None => (seed_bytes <= MAX_SEEDS_IN_RAM).then_some(TierConfig {
+        (Some(d), _) => Some(TierConfig { data_dir: Some(d.clone()), host_bytes: 0, disk_bytes: seed_bytes }),
+        (None, Some(d)) => Some(TierConfig { data_dir: Some(d.join("seed")), host_bytes: 0, disk_bytes: seed_bytes }),
+        (None, None) => (seed_bytes <= MAX_SEEDS_IN_RAM).then_some(TierConfig {
             data_dir: None,
             host_bytes: seed_bytes,
             disk_bytes: 0,
@@ -929,7 +965,7 @@ pub fn zipf_bench_with_progress(
         }
         None => None,
     };
-    let seed_seconds = seeds.as_ref().map_or(0.0, |s| s.seconds);
+    let (seed_seconds, seed_computed) = seeds.as_ref().map_or((0.0, 0), |s| (s.seconds, s.computed));
     let model_name = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let report = |results: Vec<ZipfConfigResult>| ZipfReport {
         model: model_name.clone(),
@@ -938,6 +974,7 @@ pub fn zipf_bench_with_progress(
         workload_kv_bytes,
         device_bytes,
         seed_seconds,
+        seed_computed,
         results,
     };
     // Listed order is the report's; `run_rank` ranks what the comparison needs first (see the doc comment).
