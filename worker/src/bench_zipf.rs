@@ -276,16 +276,16 @@ impl ZipfReport {
             self.workload_kv_bytes as f64 / (self.device_bytes + (o.host_mib << 20)).max(1) as f64,
             o.disk_mib,
             match (o.offline_phase, self.seed_seconds > 0.0) {
-                (true, true) => format!(
+                (false, _) => "No offline phase: each context's first request is computed in the measured run.".into(),
+                (true, shared) => format!(
                     "Offline phase: every context ingested once, untimed, before the measured requests (not by \
-                     recompute), its KV prefilled once for all configurations ({:.0} s).",
-                    self.seed_seconds
+                     recompute){}.",
+                    if shared {
+                        format!(", its KV prefilled once for all configurations ({:.0} s)", self.seed_seconds)
+                    } else {
+                        String::new()
+                    }
                 ),
-                (true, false) => "Offline phase: every context ingested once, untimed, before the measured requests \
-                                  (not by recompute)."
-                    .to_owned(),
-                (false, _) =>
-                    "No offline phase: each context's first request is computed in the measured run.".to_owned(),
             },
             match o.profile_scoring {
                 ProfileScoring::TeacherForced => "teacher-forced",

@@ -1113,11 +1113,13 @@ impl<R: ModelRunner> EngineLoop<R> {
         let mut on_device = 0;
         for (hash, group) in groups {
             let pool = self.sched.pool_mut();
-            if let Some(blocks) = pool.lookup(*hash).map(<[BlockId]>::to_vec) {
-                if pool.acquire(&blocks).is_err() {
+            if let Some(blocks) = pool.lookup(*hash) {
+                let start = held.len();
+                held.extend_from_slice(blocks);
+                if pool.acquire(&held[start..]).is_err() {
+                    held.truncate(start);
                     break;
                 }
-                held.extend_from_slice(&blocks);
                 on_device += 1;
                 continue;
             }
