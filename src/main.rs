@@ -264,6 +264,11 @@ struct EngineArgs {
     /// Algorithm 1: the least utility drop) or `per-byte` (the least utility drop per byte freed).
     #[arg(long, default_value = "drop")]
     evicpress_greedy: GreedyRule,
+    /// EvicPress recomputes a context it would serve from a lossy copy once the quality regained over its
+    /// expected reuses (α · quality gain · accesses so far) outweighs one prefill, and stores it again from full
+    /// precision. Not in the paper's Algorithm 1.
+    #[arg(long)]
+    evicpress_upgrade: bool,
     /// A question EvicPress's profiler also scores every context on, besides the question of the request that
     /// computed it; repeat the flag for a set (at most 8, each 1..=32 tokens). The paper profiles a context on a
     /// set of queries (§4.1); a profile is then the mean over them, at one profiling run per question. None by
@@ -865,6 +870,14 @@ struct BenchTiersArgs {
     /// set per context; 0..=4 of a fixed list no measured request asks).
     #[arg(long, default_value_t = 0)]
     evicpress_profile_questions: usize,
+    /// zipf: EvicPress recomputes a context served from a lossy copy once that pays by its utility
+    /// (`serve --evicpress-upgrade`); comma-separated for one EvicPress configuration per value.
+    #[arg(long, value_delimiter = ',', default_value = "false")]
+    evicpress_upgrade: Vec<bool>,
+    /// zipf: the baselines to run besides recompute, comma-separated (`lru`, `lru+CODEC` for a --codecs entry).
+    /// Default: all of them.
+    #[arg(long, value_delimiter = ',')]
+    baselines: Option<Vec<String>>,
 }
 
 #[derive(Args)]
@@ -1125,6 +1138,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
                 horizon: e.evicpress_horizon,
                 shrink: e.evicpress_shrink,
                 greedy: e.evicpress_greedy,
+                upgrade: e.evicpress_upgrade,
                 ..EvicPressConfig::default()
             },
         )
@@ -1925,6 +1939,8 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         shrink: args.evicpress_shrink,
         greedy: args.evicpress_greedy,
         profile_questions: args.evicpress_profile_questions,
+        upgrade: args.evicpress_upgrade,
+        baselines: args.baselines,
         ..Default::default()
     };
     // The JSON and plot are rewritten after every configuration, so a run stopped part way keeps what finished.

@@ -165,6 +165,8 @@ schema = obj({
             "evicpressShrink": BOOL,
             # `--evicpress-greedy` (evicpress.rs GreedyRule).
             "evicpressGreedy": {"enum": ["drop", "per-byte"]},
+            # `--evicpress-upgrade` (placement.rs EvicPressConfig::upgrade).
+            "evicpressUpgrade": BOOL,
             # `--evicpress-profile-question`, repeated (placement.rs MAX_PROFILE_QUESTIONS; main.rs byte bound).
             "evicpressProfileQuestions": {
                 "type": "array", "maxItems": 8,

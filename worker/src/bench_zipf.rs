@@ -136,6 +136,18 @@ pub struct ZipfBenchOptions {
     /// a fixed list that no measured request asks; at most [`PROFILE_QUESTIONS`]'s length).
     #[serde(default)]
     pub profile_questions: usize,
+    /// EvicPress with and/or without recomputing contexts served from lossy copies when that pays
+    /// ([`EvicPressConfig::upgrade`]), one configuration per value, rule and α (named `… upgrade` when on).
+    #[serde(default = "without_upgrades")]
+    pub upgrade: Vec<bool>,
+    /// The baselines to run besides recompute (`lru`, `lru+CODEC`); None: all of them. Recompute always runs: its
+    /// answers are every configuration's reference.
+    #[serde(default)]
+    pub baselines: Option<Vec<String>>,
+}
+
+fn without_upgrades() -> Vec<bool> {
+    vec![false]
 }
 
 fn papers_greedy_rule() -> Vec<GreedyRule> {
@@ -169,6 +181,8 @@ impl Default for ZipfBenchOptions {
             shrink: false,
             greedy: papers_greedy_rule(),
             profile_questions: 0,
+            upgrade: without_upgrades(),
+            baselines: None,
         }
     }
 }
@@ -845,6 +859,12 @@ pub fn zipf_bench_with_progress(
     if opts.greedy.is_empty() || opts.greedy.len() > 2 || (opts.greedy.len() == 2 && opts.greedy[0] == opts.greedy[1]) {
         return bad("give one or both EvicPress greedy rules (drop, per-byte), each once".into());
     }
+    if opts.upgrade.is_empty()
+        || opts.upgrade.len() > 2
+        || (opts.upgrade.len() == 2 && opts.upgrade[0] == opts.upgrade[1])
+    {
+        return bad("give EvicPress upgrades off, on, or both, each once".into());
+    }
     let mut codecs = Vec::new();
     for c in &opts.codecs {
         let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
@@ -902,18 +922,26 @@ pub fn zipf_bench_with_progress(
         disk_bytes: if run_dir.is_some() { opts.disk_mib << 20 } else { 0 },
     };
 
-    let mut configs: Vec<(String, EngineConfig)> = vec![
-        ("recompute".into(), EngineConfig { enable_prefix_cache: false, ..base.clone() }),
-        ("lru".into(), EngineConfig { tiers: tiers("lru"), ..base.clone() }),
-    ];
-    for c in &codecs {
-        let name = format!("lru+{c}");
-        configs.push((
-            name.clone(),
-            EngineConfig { tiers: tiers(&name), placement: TierPlacement::LruCodec(*c), ..base.clone() },
-        ));
+    let mut configs: Vec<(String, EngineConfig)> =
+        vec![("recompute".into(), EngineConfig { enable_prefix_cache: false, ..base.clone() })];
+    let mut baselines = vec![("lru".to_owned(), TierPlacement::default())];
+    baselines.extend(codecs.iter().map(|c| (format!("lru+{c}"), TierPlacement::LruCodec(*c))));
+    if let Some(wanted) = &opts.baselines
+        && let Some(unknown) = wanted.iter().find(|w| !baselines.iter().any(|(name, _)| name == *w))
+    {
+        let names: Vec<&str> = baselines.iter().map(|(name, _)| name.as_str()).collect();
+        return bad(format!("unknown baseline {unknown:?}; expected some of {}", names.join(", ")));
     }
-    for (&alpha, &greedy) in opts.alphas.iter().flat_map(|a| opts.greedy.iter().map(move |g| (a, g))) {
+    for (name, placement) in baselines {
+        if opts.baselines.as_ref().is_none_or(|wanted| wanted.contains(&name)) {
+            configs.push((name.clone(), EngineConfig { tiers: tiers(&name), placement, ..base.clone() }));
+        }
+    }
+    let evicpress_variants = opts
+        .alphas
+        .iter()
+        .flat_map(|&a| opts.greedy.iter().flat_map(move |&g| opts.upgrade.iter().map(move |&u| (a, g, u))));
+    for (alpha, greedy, upgrade) in evicpress_variants {
         let ep = EvicPressConfig {
             alpha,
             codecs: codecs.clone(),
@@ -925,6 +953,7 @@ pub fn zipf_bench_with_progress(
             shrink: opts.shrink,
             greedy,
             profile_questions: profile_questions.clone(),
+            upgrade,
             ..EvicPressConfig::default()
         };
         let mut name = EVICPRESS.to_owned();
@@ -933,6 +962,9 @@ pub fn zipf_bench_with_progress(
         }
         if opts.greedy != [GreedyRule::Drop] {
             name += &format!(" {}", greedy.name());
+        }
+        if upgrade {
+            name += " upgrade";
         }
         configs.push((
             name.clone(),

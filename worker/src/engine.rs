@@ -1249,7 +1249,9 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     /// Before scheduling: for the next sequence to be admitted, loads the lower-tier groups that continue its
     /// device-resident prefix into fresh device blocks and registers them, so admission adopts them like any
-    /// cached prefix — when the cost model expects that to beat recomputing. Disk reads happen here, between
+    /// cached prefix — when the cost model expects that to beat recomputing. Groups decoded from a lossy codec
+    /// are marked inexact in the pool. First, EvicPress may give up lossy copies of contexts that recomputing now
+    /// pays for ([`EvicPress::upgrade_before_admission`]). Disk reads happen here, between
     /// steps. Room is left for one decode block per table of every running sequence plus one group. Where the
     /// groups end and EvicPress holds a pruned copy of the context that follows, that copy is onboarded too
     /// ([`EngineLoop::onboard_pruned`]).
@@ -1257,7 +1259,12 @@ impl<R: ModelRunner> EngineLoop<R> {
         if self.tiers.is_none() {
             return;
         }
-        let Some(on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
+        let Some(mut on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
+        if let (Some(ep), Some(tiers)) = (&mut self.evicpress, &mut self.tiers)
+            && ep.upgrade_before_admission(&self.hashes, self.sched.pool_mut(), tiers) > 0
+        {
+            on_device = self.sched.pool().index().match_len(&self.hashes);
+        }
         if on_device == self.hashes.len() {
             return;
         }
@@ -1285,6 +1292,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         let k = tiers.cost().plan(&plan, layout.block_size);
         let mut loaded = 0;
         if let Some(kv) = self.runner.group_kv() {
+            let native = kv.native_codec().name();
             for (i, &(tier, bytes)) in plan[..k].iter().enumerate() {
                 let h = self.hashes[on_device + i];
                 self.blocks.clear();
@@ -1292,12 +1300,12 @@ impl<R: ModelRunner> EngineLoop<R> {
                     break;
                 }
                 let t0 = Instant::now();
-                let decoded = tiers.with_group(h, tier, |g| kv.decode_group(g, &self.blocks));
+                let decoded = tiers.with_group(h, tier, |g| (kv.decode_group(g, &self.blocks), g.codec == native));
                 let secs = t0.elapsed().as_secs_f64();
                 let pool = self.sched.pool_mut();
                 let ok = match decoded {
-                    Some(Ok(())) => pool.register(h, &self.blocks),
-                    Some(Err(e)) => {
+                    Some((Ok(()), exact)) => pool.register(h, &self.blocks) && (exact || pool.mark_inexact(h)),
+                    Some((Err(e), _)) => {
                         tracing::warn!(tier = tier.name(), error = %e, "KV group cannot be onboarded; recomputing");
                         false
                     }

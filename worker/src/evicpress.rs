@@ -167,7 +167,7 @@ struct Context {
 }
 
 /// See the module docs.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Planner {
     cfg: PlannerConfig,
     contexts: HashMap<u64, Context>,
@@ -446,6 +446,37 @@ impl Planner {
         best.map(|(_, _, id, from, to)| (id, from, to))
     }
 
+    /// Whether recomputing `context` is worth more than reusing its stored copy, which loads in `load_secs` (0 when
+    /// the device holds it, decoded). A copy only loses quality as it is compressed, and a prefill is the one way
+    /// back to full precision; Algorithm 1 has no such step, because the paper's contexts do not change frequency
+    /// after they are placed. Here they do: a context profiled and compressed after one access may be asked for
+    /// dozens of times. The utility sets the price. The recomputed context would be inserted again (Algorithm 1
+    /// at its current frequency, tried on a copy of the plan), and each expected reuse (the frequency so far, the
+    /// utility's own predictor) gains `α · (q_new − q_copy)` over the copy. The prefill costs
+    /// `recompute_time − load_secs`, once. False for an unplaced or unknown context, and when the insert would
+    /// store it no better (so a context the tiers cannot hold better is never recomputed over and over).
+    pub fn recompute_pays(&self, context: u64, load_secs: f64) -> bool {
+        let Some(c) = self.contexts.get(&context) else { return false };
+        let Some(Some(q_copy)) = c.placement.map(|p| c.quality[p.variant]) else { return false };
+        let cost = self.recompute_time(c.tokens) - load_secs;
+        let most = self.cfg.alpha * (c.quality.iter().flatten().fold(q_copy, |a, &b| a.max(b)) - q_copy) * c.frequency;
+        // The trial insert below copies the plan: skip it when even the best variant would not pay.
+        if !(most > 0.0 && most > cost) {
+            return false;
+        }
+        let mut trial = Planner { cfg: self.cfg.clone(), contexts: self.contexts.clone(), used: self.used, clock: 0 };
+        trial.set_placement(context, None);
+        if trial.insert(context).is_err() {
+            return false;
+        }
+        let Some(Some(q_new)) = trial.contexts.get(&context).and_then(|c| c.placement.map(|p| c.quality[p.variant]))
+        else {
+            return false;
+        };
+        let gain = self.cfg.alpha * (q_new - q_copy) * c.frequency;
+        gain > 0.0 && gain > cost
+    }
+
     /// Records the quality one served request actually got from `context`'s stored variant (token agreement with a
     /// full-cache answer, sampled by the profiler when the worker is idle). Returns true when the running mean has
     /// drifted below the profiled quality of that variant by more than `threshold` (relative): the paper's trigger
@@ -653,6 +684,41 @@ mod tests {
         assert_eq!("per-byte".parse(), Ok(GreedyRule::DropPerByte));
         assert_eq!("drop".parse::<GreedyRule>().map(GreedyRule::name), Ok("drop"));
         assert!("density".parse::<GreedyRule>().is_err());
+    }
+
+    #[test]
+    fn recomputing_pays_once_a_lossy_copy_is_reused_often_enough() {
+        // 1000 tokens recompute in 1 s at 1000 tok/s; int4 keeps 0.9 of the quality.
+        let mut p = planner([0, 1 << 30, 0], 4.0);
+        p.set_profile(1, 1000, vec![Some(1.0), Some(0.9), None]).unwrap();
+        assert!(!p.recompute_pays(1, 0.0), "not placed: nothing to upgrade");
+        p.record_access(1).unwrap();
+        p.insert(1).unwrap();
+        assert_eq!(p.placement(1).map(|pl| pl.variant), Some(0), "room for lossless");
+        assert!(!p.recompute_pays(1, 0.0), "the copy is already the best");
+        p.set_profile(1, 1000, vec![Some(1.0), Some(0.9), None]).unwrap();
+        p.set_placement(1, Some(Placement { tier: Tier::Host, variant: 1 }));
+        // Gain α·0.1·f = 0.4·f against 1 s of prefill less the load time.
+        for (accesses, load, pays) in [(1, 0.0, false), (2, 0.0, false), (3, 0.0, true), (2, 0.3, true)] {
+            while p.contexts[&1].frequency < accesses as f64 {
+                p.record_access(1).unwrap();
+            }
+            assert_eq!(p.recompute_pays(1, load), pays, "{accesses} accesses, load {load} s");
+        }
+        assert!(!p.recompute_pays(2, 0.0), "unknown context");
+        // Room for int8 (11.5 MB) but not lossless (46 MB): recomputing would store the same copy again.
+        let mut tight = planner([0, 20_000_000, 0], 4.0);
+        tight.set_profile(1, 1000, vec![Some(1.0), Some(0.9), None]).unwrap();
+        (0..100).for_each(|_| tight.record_access(1).unwrap());
+        tight.insert(1).unwrap();
+        assert_eq!(tight.placement(1).map(|pl| pl.variant), Some(1));
+        assert!(!tight.recompute_pays(1, 0.0), "no better placement to recompute for");
+        assert_eq!(tight.used()[1], tight.bytes(1000, 1), "the trial leaves the plan as it was");
+        let mut never = planner([0, 1 << 30, 0], 0.0);
+        never.set_profile(1, 1000, vec![Some(1.0), Some(0.5), None]).unwrap();
+        never.set_placement(1, Some(Placement { tier: Tier::Host, variant: 1 }));
+        (0..100).for_each(|_| never.record_access(1).unwrap());
+        assert!(!never.recompute_pays(1, 0.0), "α = 0 prices quality at nothing");
     }
 
     #[test]

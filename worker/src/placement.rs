@@ -180,6 +180,10 @@ pub struct EvicPressConfig {
     pub profile_budget: Duration,
     /// Groups (of 16 tokens by default) a new context needs at least.
     pub min_context_groups: usize,
+    /// Recompute a context served from a lossy copy once its utility says the quality regained over its expected
+    /// reuses outweighs one prefill ([`Planner::recompute_pays`]), and store it again from full precision. Not in
+    /// the paper's Algorithm 1, so off by default.
+    pub upgrade: bool,
 }
 
 impl Default for EvicPressConfig {
@@ -199,6 +203,7 @@ impl Default for EvicPressConfig {
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
             min_context_groups: 4,
+            upgrade: false,
         }
     }
 }
@@ -292,6 +297,9 @@ pub struct EvicPressStats {
     /// Copies the stores did not keep whole (a refused or failed write, a corrupt file), found when applied or at
     /// the context's next request: the planner stops counting on them and places the context again.
     pub lost_copies: u64,
+    /// Lossy copies given up before a request so that it recomputed the context at full precision
+    /// ([`EvicPress::upgrade_before_admission`]).
+    pub upgrades: u64,
 }
 
 #[derive(Debug)]
@@ -562,6 +570,59 @@ impl EvicPress {
         }
     }
 
+    /// Before a request over `chain` (its prompt's group hashes, in order) is admitted, with
+    /// [`EvicPressConfig::upgrade`]: every context along it that the request would reuse from a lossy copy (its
+    /// stored variant, or blocks the device decoded from one) and for which recomputing pays
+    /// ([`Planner::recompute_pays`]) gives up that copy and those blocks. The request then computes the context,
+    /// and its placement stores it again from full-precision KV. A context a running sequence holds on the device
+    /// is left as it is. Returns how many contexts were given up.
+    pub fn upgrade_before_admission(&mut self, chain: &[u64], pool: &mut BlockPool, tiers: &mut TierStore) -> usize {
+        if !self.cfg.upgrade {
+            return 0;
+        }
+        let tokens_per_group = self.layout.block_size as u64;
+        self.refresh_costs(tiers);
+        let mut upgraded = 0;
+        let mut i = 0;
+        while let Some(&id) = chain.get(i).and_then(|h| self.owner.get(h)) {
+            let start = i;
+            while chain.get(i).and_then(|h| self.owner.get(h)) == Some(&id) {
+                i += 1;
+            }
+            let run = &chain[start..i];
+            let Some(ctx) = self.contexts.get(&id) else { continue };
+            let Some(stored) = ctx.stored else { continue };
+            let index = pool.index();
+            let exact_on_device = |h: &u64| index.get(*h).is_some_and(|g| g.is_exact());
+            if run.iter().all(exact_on_device) {
+                continue;
+            }
+            let all_on_device = run.iter().all(|&h| index.contains(h));
+            let load = if all_on_device {
+                0.0
+            } else {
+                self.planner.load_time(ctx.groups.len() as u64 * tokens_per_group, stored)
+            };
+            let held = run.iter().any(|&h| index.get(h).is_some_and(|g| !g.is_idle()));
+            if held || !self.planner.recompute_pays(id, load) {
+                continue;
+            }
+            for &h in run {
+                if pool.index().get(h).is_some_and(|g| !g.is_exact()) {
+                    pool.evict(h);
+                }
+            }
+            self.remove_stored(id, Some(stored), tiers);
+            self.planner.lose(id);
+            if let Some(c) = self.contexts.get_mut(&id) {
+                c.stored = None;
+            }
+            self.stats.upgrades += 1;
+            upgraded += 1;
+        }
+        upgraded
+    }
+
     /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
     /// passed through (counting accesses) and creates a new one from its unowned groups. Placement happens in
     /// [`EvicPress::place_pending`].
@@ -666,6 +727,15 @@ impl EvicPress {
             // place the context again: release it, then place the context as the recomputed one it now is.
             self.lose(p.context, stored, tiers);
         }
+        // Blocks the device decoded from a lossy copy are not the context's KV: stored as any variant they would
+        // claim that variant's profiled quality. The context waits for a request that computes it.
+        let decoded_lossy = |h: &u64| pool.index().get(*h).is_some_and(|g| !g.is_exact());
+        if self.contexts.get(&p.context).is_some_and(|c| c.groups.iter().any(decoded_lossy)) {
+            if known {
+                self.planner.record_access(p.context).map_err(plan_err)?;
+            }
+            return Ok(());
+        }
         // New, or dropped and now recomputed: measure when possible, then insert.
         let can_profile = idle && p.fresh && p.chain[p.cached_new.clone()].iter().all(|&h| tiers.locate(h).is_none());
         let mut measured_now = false;
@@ -735,11 +805,7 @@ impl EvicPress {
         pool: &mut BlockPool,
         tiers: &mut TierStore,
     ) -> Result<(), EngineError> {
-        let cost = tiers.cost();
-        self.planner.set_costs(
-            [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
-            cost.prefill_tokens_per_s(),
-        );
+        let cost = self.refresh_costs(tiers);
         let ops = self.planner.insert(context).map_err(plan_err)?;
         tracing::debug!(
             context = format!("{context:x}"),
@@ -752,6 +818,16 @@ impl EvicPress {
         );
         self.apply(ops, runner, pool, tiers);
         Ok(())
+    }
+
+    /// Gives the planner the cost model's current bandwidths and prefill speed; returns the cost model.
+    fn refresh_costs<'t>(&mut self, tiers: &'t TierStore) -> &'t crate::tiers::cost::CostModel {
+        let cost = tiers.cost();
+        self.planner.set_costs(
+            [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
+            cost.prefill_tokens_per_s(),
+        );
+        cost
     }
 
     /// The prior of an unprofiled context: lossless is exact by construction; the others at the running mean of

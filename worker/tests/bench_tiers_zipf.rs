@@ -173,6 +173,9 @@ fn offline_phase_runs_with_profiling_questions() {
         ZipfBenchOptions { profile_questions: PROFILE_QUESTIONS.len() + 1, ..opts.clone() },
         ZipfBenchOptions { greedy: vec![], ..opts.clone() },
         ZipfBenchOptions { greedy: vec![GreedyRule::Drop, GreedyRule::Drop], ..opts.clone() },
+        ZipfBenchOptions { upgrade: vec![], ..opts.clone() },
+        ZipfBenchOptions { upgrade: vec![true, true], ..opts.clone() },
+        ZipfBenchOptions { baselines: Some(vec!["lru+int2_kivi".into()]), ..opts.clone() },
     ] {
         assert!(zipf_bench(&model_path(), &bad).is_err(), "{bad:?}");
     }
@@ -209,10 +212,16 @@ fn offline_phase_runs_with_profiling_questions() {
         }
     }
     // A second run on the same seed dir computes no context for the shared prefill: every configuration's
-    // offline phase is written from what the first run kept.
-    let again =
-        zipf_bench(&model_path(), &ZipfBenchOptions { greedy: vec![GreedyRule::Drop], ..opts }).expect("reruns");
+    // offline phase is written from what the first run kept. It runs no baseline but recompute, and EvicPress
+    // with upgrades (the host holds every context whole here, so there is nothing to recompute for).
+    let rerun =
+        ZipfBenchOptions { greedy: vec![GreedyRule::Drop], upgrade: vec![true], baselines: Some(vec![]), ..opts };
+    let again = zipf_bench(&model_path(), &rerun).expect("reruns");
     assert_eq!(again.seed_computed, 0, "every context kept from the first run");
+    let names: Vec<&str> = again.results.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["recompute", "evicpress upgrade"]);
+    let e = again.results[1].evicpress.as_ref().expect("EvicPress stats");
+    assert_eq!((e.upgrades, e.dropped), (0, 0), "{e:?}");
     for r in again.results.iter().filter(|r| r.name != "recompute") {
         assert_eq!(r.completed, 10, "{}", r.name);
         assert_eq!(r.offline_seeded, 2, "{}: {r:?}", r.name);

@@ -387,3 +387,83 @@ fn evicpress_places_a_context_again_after_the_stores_lose_its_copy() {
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// EvicPress recomputes a context it has been serving from a lossy copy once the utility says so
+/// (`EvicPressConfig::upgrade`): the host tier holds one of two contexts whole and the other in 2 bits. The context
+/// asked for more often ends up whole: the request that recomputes it answers exactly as the cold run did, the
+/// placement that follows stores it from its full-precision KV (compressing the other one instead), and after the
+/// device forgets it, it comes back from host whole and exact.
+#[test]
+fn evicpress_recomputes_a_hot_context_served_from_a_lossy_copy() {
+    let g = Gguf::open(model_path()).expect("gguf");
+    let tokenizer = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let alice = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/prose/alice29.txt");
+    let text = std::fs::read_to_string(&alice).expect("data/prose (scripts/fetch-prose.sh)");
+    let window = |from: usize| -> Vec<u32> {
+        let tokens = tokenizer.encode(text.get(from..from + 2000).expect("prose"), false);
+        assert!(tokens.len() >= 240, "{} tokens", tokens.len());
+        tokens[..240].to_vec()
+    };
+    let (a, b) = (window(4000), window(20000));
+    let context = (b.len() - 1) / BS * BS;
+    let ep = EvicPressConfig {
+        // What the 2-bit copy loses (α · (1 − q), q = 0.875 on this prose) is worth more than loading the whole copy
+        // from host (measured ~0.04 s), less than recomputing it instead (~0.17 s less that load): the new context is
+        // stored in 2 bits, and once it has been asked for a few times more than the other, recomputing it pays.
+        alpha: 0.6,
+        codecs: vec![pagoda_kernels::Codec::Int2Kivi],
+        keep_ratios: vec![],
+        min_context_groups: 12,
+        upgrade: true,
+        ..EvicPressConfig::default()
+    };
+    let cfg = EngineConfig {
+        num_blocks: 26 * GROUP,
+        threads: 2,
+        // One 14-group context whole (5.2 MB) and the other in 2 bits (1.1 MB); not both whole.
+        tiers: TierConfig { data_dir: None, host_bytes: 6_500_000, disk_bytes: 0 },
+        placement: TierPlacement::EvicPress(ep),
+        ..EngineConfig::new(model_path())
+    };
+    let h = Engine::start(cfg).expect("engine starts");
+    let settled = |h: &EngineHandle, what: &str, placed: u64| {
+        wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == placed))
+    };
+    run(&h, &a, 4);
+    run(&h, &a, 4);
+    settled(&h, "the first context", 1);
+    let (cold_b, _, _) = run(&h, &b, 4);
+    let s = settled(&h, "both contexts", 2);
+    let e = s.evicpress.expect("EvicPress stats");
+    println!("both placed: {e:?}");
+    assert_eq!((e.compressed, e.dropped, e.upgrades), (1, 0, 0), "the new context is compressed: {e:?}");
+
+    run_fillers(&h);
+    let (_, cached, s) = run(&h, &b, 4);
+    assert_eq!(cached as usize, context, "served from its 2-bit copy");
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], context as u64, "{s:?}");
+    let mut upgraded_at = None;
+    for i in 0..40 {
+        let (out, cached, s) = run(&h, &b, 4);
+        if s.evicpress.as_ref().is_some_and(|e| e.upgrades == 1) {
+            assert_eq!(cached, 0, "the upgrading request computes the context: {s:?}");
+            assert_eq!(out, cold_b, "at full precision");
+            upgraded_at = Some(i);
+            break;
+        }
+        assert_eq!(cached as usize, context, "request {i}: the device's decoded copy serves it until then");
+    }
+    assert!(upgraded_at.is_some(), "the hot context was never recomputed");
+    let s = settled(&h, "the context placed again", 2);
+    let e = s.evicpress.expect("EvicPress stats");
+    println!("after the upgrade ({upgraded_at:?}): {e:?}");
+    assert_eq!((e.compressed, e.dropped, e.upgrades), (2, 0, 1), "the other context is compressed now: {e:?}");
+
+    run_fillers(&h);
+    let (warm, cached, s) = run(&h, &b, 4);
+    assert_eq!(cached as usize, context, "{s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], context as u64, "{s:?}");
+    assert_eq!(warm, cold_b, "the copy stored after the upgrade is whole");
+    assert_eq!(s.evicpress.map(|e| e.upgrades), Some(1), "a whole copy is never recomputed");
+    h.shutdown();
+}

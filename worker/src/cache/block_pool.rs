@@ -241,14 +241,35 @@ impl BlockPool {
         for &b in group {
             self.group_of[b as usize] = Some(hash);
         }
-        self.index.insert(hash, CachedGroup { blocks: group.into(), idle: 0, lru_tick: None });
+        self.index.insert(hash, CachedGroup { blocks: group.into(), idle: 0, lru_tick: None, exact: true });
         self.index_changes.record_with(|| IndexChange::Registered(hash));
+        true
+    }
+
+    /// Marks a registered group as a lossy copy of its prefix (see [`CachedGroup::is_exact`]). Returns false when
+    /// `hash` is not cached.
+    pub fn mark_inexact(&mut self, hash: u64) -> bool {
+        self.index.get_mut(hash).map(|g| g.exact = false).is_some()
+    }
+
+    /// Evicts the idle group cached under `hash` (so that the next sequence over that prefix computes it). Returns
+    /// false, changing nothing, when it is not cached or a sequence holds it.
+    pub fn evict(&mut self, hash: u64) -> bool {
+        let Some(tick) = self.index.get(hash).and_then(|g| g.lru_tick) else { return false };
+        self.lru.remove(&tick);
+        self.remove_idle_group(hash);
         true
     }
 
     /// Evicts the least recently freed idle group. Returns false when the LRU queue is empty.
     pub fn evict_one(&mut self) -> bool {
         let Some((_, hash)) = self.lru.pop_first() else { return false };
+        self.remove_idle_group(hash);
+        true
+    }
+
+    /// Frees the blocks of an idle group already taken off the LRU queue.
+    fn remove_idle_group(&mut self, hash: u64) {
         if let Some(g) = self.index.remove(hash) {
             self.cached_free_blocks -= g.blocks.len();
             for &b in g.blocks.iter() {
@@ -258,7 +279,6 @@ impl BlockPool {
             self.evicted_groups += 1;
             self.index_changes.record_with(|| IndexChange::Evicted(hash));
         }
-        true
     }
 
     /// Drops every idle cached group (e.g. on a model or namespace reset).
@@ -370,6 +390,30 @@ mod tests {
         assert_eq!(p.lookup(22), Some(&g2[..]));
         assert!(g1.contains(&y[0]));
         assert_eq!(p.evicted_groups(), 1);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_lossy_group_is_marked_and_an_idle_group_is_evicted_by_hash() {
+        let mut p = BlockPool::new(4);
+        let (mut g1, mut g2) = (Vec::new(), Vec::new());
+        p.allocate(2, &mut g1).unwrap();
+        p.allocate(2, &mut g2).unwrap();
+        assert!(p.register(11, &g1) && p.register(22, &g2));
+        assert!(p.index().get(11).unwrap().is_exact(), "computed groups are exact");
+        assert!(p.mark_inexact(22));
+        assert!(!p.index().get(22).unwrap().is_exact());
+        assert!(!p.mark_inexact(33), "an uncached hash");
+        p.release(&g2).unwrap();
+        assert!(!p.evict(11), "a held group stays");
+        assert!(!p.evict(33), "an uncached hash changes nothing");
+        assert!(p.evict(22));
+        assert!(p.lookup(22).is_none());
+        assert_eq!((p.num_free(), p.num_cached_free(), p.num_used()), (2, 0, 2));
+        assert_eq!(p.evicted_groups(), 1);
+        p.check_invariants().unwrap();
+        p.release(&g1).unwrap();
+        assert_eq!(p.lru_order(), vec![11]);
         p.check_invariants().unwrap();
     }
 

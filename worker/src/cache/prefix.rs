@@ -60,6 +60,9 @@ pub struct CachedGroup {
     pub(crate) idle: usize,
     /// Position in the pool's LRU queue while the whole group is idle.
     pub(crate) lru_tick: Option<u64>,
+    /// False when the blocks hold a lossy copy (decoded from a compressed tier copy), not the KV the model
+    /// computed: a reuse gets the prefix faster but not exactly.
+    pub(crate) exact: bool,
 }
 
 impl CachedGroup {
@@ -70,6 +73,11 @@ impl CachedGroup {
     /// True when no sequence holds this group (it sits on the LRU free queue).
     pub fn is_idle(&self) -> bool {
         self.lru_tick.is_some()
+    }
+
+    /// True unless the group was registered as a lossy copy ([`BlockPool::mark_inexact`](super::BlockPool::mark_inexact)).
+    pub fn is_exact(&self) -> bool {
+        self.exact
     }
 }
 
