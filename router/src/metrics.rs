@@ -75,7 +75,8 @@ pub struct TierHitLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EvicPressChangeLabels {
     pub worker: String,
-    /// `compress` (in place), `move_down` (to the next tier) or `drop` (below the last tier).
+    /// `compress` (in place), `move_down` (to the next tier), `drop` (below the last tier) or `upgrade` (recomputed
+    /// instead of reused from a lossy copy, to be stored again at full precision).
     pub change: &'static str,
 }
 
@@ -354,7 +355,7 @@ impl Metrics {
         let worker_evicpress_changes = Family::<EvicPressChangeLabels, Gauge>::default();
         registry.register(
             "worker_evicpress_changes",
-            "Changes EvicPress's greedy step applied to make room on a full tier since start (compress, move_down, drop)",
+            "Changes EvicPress applied since start: its greedy step's to make room on a full tier (compress, move_down, drop), and contexts recomputed from lossy copies (upgrade)",
             worker_evicpress_changes.clone(),
         );
         let worker_evicpress_variant_quality = Family::<VariantLabels, FloatGauge>::default();
@@ -621,9 +622,12 @@ impl Metrics {
             let tl = TierHitLabels { worker: worker.to_owned(), tier: p.tier.clone() };
             self.worker_evicpress_placed_contexts.get_or_create(&tl).set(p.contexts as i64);
         }
-        for (change, n) in
-            [("compress", e.compressed_total), ("move_down", e.moved_down_total), ("drop", e.dropped_total)]
-        {
+        for (change, n) in [
+            ("compress", e.compressed_total),
+            ("move_down", e.moved_down_total),
+            ("drop", e.dropped_total),
+            ("upgrade", e.upgrades_total),
+        ] {
             let cl = EvicPressChangeLabels { worker: worker.to_owned(), change };
             self.worker_evicpress_changes.get_or_create(&cl).set(n as i64);
         }
@@ -698,6 +702,7 @@ mod tests {
                 profiles_total: 4,
                 profile_seconds_total: 1.5,
                 dropped_total: 1,
+                upgrades_total: 2,
                 variants: vec![pagoda_proto::worker::VariantQuality {
                     variant: "int4_kivi".into(),
                     mean_quality: 0.75,
@@ -727,6 +732,7 @@ mod tests {
             "pagoda_router_worker_evicpress_profile_seconds{worker=\"w\"} 1.5",
             "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"drop\"} 1",
             "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"compress\"} 0",
+            "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"upgrade\"} 2",
             "pagoda_router_worker_evicpress_variant_quality{worker=\"w\",variant=\"int4_kivi\"} 0.75",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");

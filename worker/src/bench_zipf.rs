@@ -336,7 +336,8 @@ impl ZipfReport {
             s += &format!(
                 "\n{name}: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
                  ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops, {} copies \
-                 the stores lost; {} requests started from a pruned copy. Mean profiled quality: {}.{}\n",
+                 the stores lost, {} contexts recomputed from lossy copies; {} requests started from a pruned copy. \
+                 Mean profiled quality: {}.{}\n",
                 ep.contexts,
                 ep.profiles,
                 ep.profile_ms as f64 / 1e3,
@@ -347,6 +348,7 @@ impl ZipfReport {
                 ep.moved_down,
                 ep.dropped,
                 ep.lost_copies,
+                ep.upgrades,
                 ep.pruned_onboards,
                 ep.variants
                     .iter()

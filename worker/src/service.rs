@@ -613,6 +613,7 @@ fn evicpress_stats(e: &EvicPressStats) -> pb::EvicPressStats {
         dropped_total: e.dropped,
         pruned_onboards_total: e.pruned_onboards,
         lost_copies_total: e.lost_copies,
+        upgrades_total: e.upgrades,
         pending: e.pending,
         answer_horizon: e.answer_horizon,
         profile_questions: e.profile_questions,
