@@ -429,19 +429,26 @@ fn evicpress_recomputes_a_hot_context_served_from_a_lossy_copy() {
     let settled = |h: &EngineHandle, what: &str, placed: u64| {
         wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == placed))
     };
+    // (compressions, drops, upgrades) once both contexts are placed in host.
+    let changes = |h: &EngineHandle, what: &str| {
+        let e = settled(h, what, 2).evicpress.expect("EvicPress stats");
+        println!("{what}: {e:?}");
+        (e.compressed, e.dropped, e.upgrades)
+    };
+    // Once the device forgot it, the context comes back from host whole.
+    let from_host = |h: &EngineHandle| {
+        run_fillers(h);
+        let (out, cached, s) = run(h, &b, 4);
+        assert_eq!(cached as usize, context, "{s:?}");
+        assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], context as u64, "{s:?}");
+        (out, s)
+    };
     run(&h, &a, 4);
     run(&h, &a, 4);
     settled(&h, "the first context", 1);
     let (cold_b, _, _) = run(&h, &b, 4);
-    let s = settled(&h, "both contexts", 2);
-    let e = s.evicpress.expect("EvicPress stats");
-    println!("both placed: {e:?}");
-    assert_eq!((e.compressed, e.dropped, e.upgrades), (1, 0, 0), "the new context is compressed: {e:?}");
-
-    run_fillers(&h);
-    let (_, cached, s) = run(&h, &b, 4);
-    assert_eq!(cached as usize, context, "served from its 2-bit copy");
-    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], context as u64, "{s:?}");
+    assert_eq!(changes(&h, "both contexts"), (1, 0, 0), "the new context is compressed");
+    from_host(&h);
     let mut upgraded_at = None;
     for i in 0..40 {
         let (out, cached, s) = run(&h, &b, 4);
@@ -454,15 +461,8 @@ fn evicpress_recomputes_a_hot_context_served_from_a_lossy_copy() {
         assert_eq!(cached as usize, context, "request {i}: the device's decoded copy serves it until then");
     }
     assert!(upgraded_at.is_some(), "the hot context was never recomputed");
-    let s = settled(&h, "the context placed again", 2);
-    let e = s.evicpress.expect("EvicPress stats");
-    println!("after the upgrade ({upgraded_at:?}): {e:?}");
-    assert_eq!((e.compressed, e.dropped, e.upgrades), (2, 0, 1), "the other context is compressed now: {e:?}");
-
-    run_fillers(&h);
-    let (warm, cached, s) = run(&h, &b, 4);
-    assert_eq!(cached as usize, context, "{s:?}");
-    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], context as u64, "{s:?}");
+    assert_eq!(changes(&h, "the context placed again"), (2, 0, 1), "the other context is compressed now");
+    let (warm, s) = from_host(&h);
     assert_eq!(warm, cold_b, "the copy stored after the upgrade is whole");
     assert_eq!(s.evicpress.map(|e| e.upgrades), Some(1), "a whole copy is never recomputed");
     h.shutdown();
