@@ -160,6 +160,7 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
         "evicpress",
         "--evicpress-keep-ratios",
         "none",
+        "--evicpress-upgrade",
         "--evicpress-profile-question",
         "Who is speaking in the passage above?",
         "--evicpress-profile-question",
@@ -197,6 +198,9 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
     assert!(profiles.is_some_and(|p| p >= 1.0), "profiles in /metrics:\n{text}");
     let placed = value(&format!("pagoda_router_worker_evicpress_placed_contexts{{worker=\"{worker}\",tier=\"host\"}}"));
     assert_eq!(placed, Some(1.0), "placement in /metrics:\n{text}");
+    // Upgrades are on, and the context is stored whole: nothing to recompute.
+    let upgrades = value(&format!("pagoda_router_worker_evicpress_changes{{worker=\"{worker}\",change=\"upgrade\"}}"));
+    assert_eq!(upgrades, Some(0.0), "upgrades in /metrics:\n{text}");
     let first = &ep.variants[1];
     let name =
         format!("pagoda_router_worker_evicpress_variant_quality{{worker=\"{worker}\",variant=\"{}\"}}", first.variant);
