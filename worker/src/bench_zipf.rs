@@ -371,6 +371,7 @@ impl ZipfReport {
             );
         }
         s += &self.breakdown();
+        s += &self.by_turn();
         s += &self.comparison();
         s
     }
@@ -403,6 +404,58 @@ impl ZipfReport {
                 s += &format!(" {}, {:.0} ms, {share:.1}, {quality:.3} |", ttfts.len(), percentile(&ttfts, 50.0));
             }
             s.push('\n');
+        }
+        s
+    }
+
+    /// Quality by the request's turn on its context (its first, second, third or a later request in the run: how
+    /// many accesses the utility had counted when it came), and on the most asked context: its requests' quality,
+    /// how many answered with quality 0 and how many computed it whole. Every configuration replays the same
+    /// requests, so the turns are the workload's.
+    pub fn by_turn(&self) -> String {
+        const TURNS: [&str; 4] = ["1st", "2nd", "3rd", "4th+"];
+        let turns = |requests: &[RequestRecord]| -> Vec<usize> {
+            let mut seen = std::collections::HashMap::<usize, usize>::new();
+            requests
+                .iter()
+                .map(|q| {
+                    let n = seen.entry(q.context).or_default();
+                    *n += 1;
+                    (*n).min(TURNS.len()) - 1
+                })
+                .collect()
+        };
+        let Some(first) = self.results.first() else { return String::new() };
+        let first_turns = turns(&first.per_request);
+        let mut count = [0usize; TURNS.len()];
+        first_turns.iter().for_each(|&t| count[t] += 1);
+        let mut asked = std::collections::HashMap::<usize, usize>::new();
+        first.per_request.iter().for_each(|q| *asked.entry(q.context).or_default() += 1);
+        let Some((top, top_n)) = asked.into_iter().max_by_key(|&(c, n)| (n, std::cmp::Reverse(c))) else {
+            return String::new();
+        };
+        let mut s = format!(
+            "\nBy the request's turn on its context (their quality), and context {top}, the most asked ({top_n} \
+             requests: their quality, requests answered with quality 0, requests that computed it):\n\n\
+             | configuration |"
+        );
+        for (name, n) in TURNS.iter().zip(count) {
+            s += &format!(" {name} ({n}) |");
+        }
+        s += &format!(" context {top} |\n|---|{}---|\n", "---|".repeat(TURNS.len()));
+        for r in &self.results {
+            s += &format!("| {} |", r.name);
+            let turn = turns(&r.per_request);
+            for t in 0..TURNS.len() {
+                s += &format!(
+                    " {:.3} |",
+                    mean_quality(r.per_request.iter().zip(&turn).filter(|(_, u)| **u == t).map(|(q, _)| q))
+                );
+            }
+            let on_top = || r.per_request.iter().filter(|q| q.context == top);
+            let zeros = on_top().filter(|q| q.quality == 0.0).count();
+            let cold = on_top().filter(|q| RequestKind::of(q) == RequestKind::Cold).count();
+            s += &format!(" {:.3}, {zeros}, {cold} |\n", mean_quality(on_top()));
         }
         s
     }
@@ -772,8 +825,8 @@ impl Seeds {
         let mut seeds = Seeds { engine, runtime, block_size, model_id: info.model_id, seconds: 0.0, computed: 0 };
         for prompt in offline {
             let hashes = seeds.hashes(prompt);
-            let held = seeds.runtime.block_on(seeds.engine.probe_prefix(hashes.clone()))?.local_blocks;
-            if held == hashes.len() {
+            let groups = hashes.len();
+            if seeds.runtime.block_on(seeds.engine.probe_prefix(hashes))?.local_blocks == groups {
                 continue;
             }
             let before = seeds.engine.stats().computed_tokens_total;
@@ -858,13 +911,12 @@ pub fn zipf_bench_with_progress(
     if opts.profile_questions > PROFILE_QUESTIONS.len() {
         return bad(format!("at most {} profiling questions", PROFILE_QUESTIONS.len()));
     }
-    if opts.greedy.is_empty() || opts.greedy.len() > 2 || (opts.greedy.len() == 2 && opts.greedy[0] == opts.greedy[1]) {
+    // One or two different values: one EvicPress configuration per value.
+    let one_or_two = |n: usize, distinct: bool| n == 1 || (n == 2 && distinct);
+    if !one_or_two(opts.greedy.len(), opts.greedy.first() != opts.greedy.last()) {
         return bad("give one or both EvicPress greedy rules (drop, per-byte), each once".into());
     }
-    if opts.upgrade.is_empty()
-        || opts.upgrade.len() > 2
-        || (opts.upgrade.len() == 2 && opts.upgrade[0] == opts.upgrade[1])
-    {
+    if !one_or_two(opts.upgrade.len(), opts.upgrade.first() != opts.upgrade.last()) {
         return bad("give EvicPress upgrades off, on, or both, each once".into());
     }
     let mut codecs = Vec::new();

@@ -464,7 +464,7 @@ impl Planner {
         if !(most > 0.0 && most > cost) {
             return false;
         }
-        let mut trial = Planner { cfg: self.cfg.clone(), contexts: self.contexts.clone(), used: self.used, clock: 0 };
+        let mut trial = self.clone();
         trial.set_placement(context, None);
         if trial.insert(context).is_err() {
             return false;

@@ -396,6 +396,9 @@ pub struct EvicPress {
     pruner: Pruner,
     /// Kept slots per table of the pruned copy being made.
     keep: Vec<Vec<u32>>,
+    /// The last chain [`EvicPress::upgrade_before_admission`] looked at (last hash, length, `clock`), so that a
+    /// sequence waiting over many steps is checked once.
+    upgrade_checked: Option<(u64, usize, u64)>,
 }
 
 impl std::fmt::Debug for EvicPress {
@@ -498,6 +501,7 @@ impl EvicPress {
             logits: Vec::new(),
             pruner: Pruner::default(),
             keep: Vec::new(),
+            upgrade_checked: None,
         })
     }
 
@@ -577,27 +581,26 @@ impl EvicPress {
     /// and its placement stores it again from full-precision KV. A context a running sequence holds on the device
     /// is left as it is. Returns how many contexts were given up.
     pub fn upgrade_before_admission(&mut self, chain: &[u64], pool: &mut BlockPool, tiers: &mut TierStore) -> usize {
-        if !self.cfg.upgrade {
+        // The engine asks before every step while a sequence waits; the answer changes only with what finishes.
+        let key = (chain.last().copied().unwrap_or_default(), chain.len(), self.clock);
+        if !self.cfg.upgrade || self.upgrade_checked == Some(key) {
             return 0;
         }
-        let tokens_per_group = self.layout.block_size as u64;
+        self.upgrade_checked = Some(key);
         self.refresh_costs(tiers);
+        let tokens_per_group = self.layout.block_size as u64;
         let mut upgraded = 0;
-        let mut i = 0;
-        while let Some(&id) = chain.get(i).and_then(|h| self.owner.get(h)) {
-            let start = i;
-            while chain.get(i).and_then(|h| self.owner.get(h)) == Some(&id) {
-                i += 1;
-            }
-            let run = &chain[start..i];
+        let mut start = 0;
+        for (id, end) in self.owned_runs(chain) {
+            let run = &chain[std::mem::replace(&mut start, end)..end];
             let Some(ctx) = self.contexts.get(&id) else { continue };
             let Some(stored) = ctx.stored else { continue };
             let index = pool.index();
-            let exact_on_device = |h: &u64| index.get(*h).is_some_and(|g| g.is_exact());
-            if run.iter().all(exact_on_device) {
+            let lossy_on_device = run.iter().any(|&h| index.holds_inexact(h));
+            let all_on_device = run.iter().all(|&h| index.contains(h));
+            if all_on_device && !lossy_on_device {
                 continue;
             }
-            let all_on_device = run.iter().all(|&h| index.contains(h));
             let load = if all_on_device {
                 0.0
             } else {
@@ -608,7 +611,7 @@ impl EvicPress {
                 continue;
             }
             for &h in run {
-                if pool.index().get(h).is_some_and(|g| !g.is_exact()) {
+                if pool.index().holds_inexact(h) {
                     pool.evict(h);
                 }
             }
@@ -621,6 +624,20 @@ impl EvicPress {
             upgraded += 1;
         }
         upgraded
+    }
+
+    /// The contexts `chain` passes through, in order, each with the end (exclusive) of its groups in `chain`. Owned
+    /// groups form a prefix of the chain (a chain hash fixes everything before it).
+    fn owned_runs(&self, chain: &[u64]) -> Vec<(u64, usize)> {
+        let mut runs: Vec<(u64, usize)> = Vec::new();
+        for (i, h) in chain.iter().enumerate() {
+            let Some(&c) = self.owner.get(h) else { break };
+            match runs.last_mut() {
+                Some((last, end)) if *last == c => *end = i + 1,
+                _ => runs.push((c, i + 1)),
+            }
+        }
+        runs
     }
 
     /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
@@ -636,17 +653,8 @@ impl EvicPress {
         let full = (prompt.len() - 1) / bs;
         let chain = block_hashes(&self.model_id, namespace, &prompt[..full * bs], bs);
         self.clock += 1;
-        // Owned groups form a prefix of the chain (a chain hash fixes everything before it).
-        let mut i = 0;
-        let mut touched: Vec<(u64, usize)> = Vec::new();
-        while i < chain.len() {
-            let Some(&c) = self.owner.get(&chain[i]) else { break };
-            match touched.last_mut() {
-                Some((last, end)) if *last == c => *end = i + 1,
-                _ => touched.push((c, i + 1)),
-            }
-            i += 1;
-        }
+        let mut touched = self.owned_runs(&chain);
+        let i = touched.last().map_or(0, |&(_, end)| end);
         let mut created = None;
         if chain.len() - i >= self.cfg.min_context_groups {
             let id = chain[i];
@@ -698,6 +706,10 @@ impl EvicPress {
         tiers: &mut TierStore,
         idle: bool,
     ) {
+        if !self.pending.is_empty() {
+            // Placements change what recomputing would gain.
+            self.upgrade_checked = None;
+        }
         while let Some(p) = self.pending.pop_front() {
             if let Err(e) = self.place_one(runner, pool, tiers, p, idle) {
                 tracing::warn!(error = %e, "evicpress placement skipped a context");
@@ -729,8 +741,7 @@ impl EvicPress {
         }
         // Blocks the device decoded from a lossy copy are not the context's KV: stored as any variant they would
         // claim that variant's profiled quality. The context waits for a request that computes it.
-        let decoded_lossy = |h: &u64| pool.index().get(*h).is_some_and(|g| !g.is_exact());
-        if self.contexts.get(&p.context).is_some_and(|c| c.groups.iter().any(decoded_lossy)) {
+        if self.contexts.get(&p.context).is_some_and(|c| c.groups.iter().any(|&h| pool.index().holds_inexact(h))) {
             if known {
                 self.planner.record_access(p.context).map_err(plan_err)?;
             }

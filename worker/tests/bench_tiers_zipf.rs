@@ -182,6 +182,7 @@ fn offline_phase_runs_with_profiling_questions() {
     let report = zipf_bench(&model_path(), &opts).expect("bench runs");
     println!("{}", report.to_markdown());
     assert!(report.to_markdown().contains("Offline phase: every context ingested once"));
+    assert!(report.to_markdown().contains("By the request's turn on its context"));
     assert!(report.seed_seconds > 0.0, "the contexts were prefilled once, for every configuration");
     assert_eq!(report.seed_computed, 6);
     assert!(report.to_markdown().contains("after the request's question and 2 profiling questions"));

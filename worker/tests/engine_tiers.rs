@@ -407,9 +407,9 @@ fn evicpress_recomputes_a_hot_context_served_from_a_lossy_copy() {
     let (a, b) = (window(4000), window(20000));
     let context = (b.len() - 1) / BS * BS;
     let ep = EvicPressConfig {
-        // What the 2-bit copy loses (α · (1 − q), q = 0.875 on this prose) is worth more than loading the whole copy
-        // from host (measured ~0.04 s), less than recomputing it instead (~0.17 s less that load): the new context is
-        // stored in 2 bits, and once it has been asked for a few times more than the other, recomputing it pays.
+        // What the 2-bit copy loses (α · (1 − q)) is worth more than the time to load the whole copy from host and
+        // less than recomputing the context instead: the new context is stored in 2 bits, and once it has been asked
+        // for a few times more than the other, recomputing it pays.
         alpha: 0.6,
         codecs: vec![pagoda_kernels::Codec::Int2Kivi],
         keep_ratios: vec![],

@@ -108,6 +108,11 @@ impl PrefixIndex {
         self.map.get(&hash)
     }
 
+    /// Whether `hash` is cached as a lossy copy ([`CachedGroup::is_exact`]).
+    pub fn holds_inexact(&self, hash: u64) -> bool {
+        self.map.get(&hash).is_some_and(|g| !g.exact)
+    }
+
     /// Number of leading hashes of `hashes` that are cached.
     pub fn match_len(&self, hashes: &[u64]) -> usize {
         hashes.iter().take_while(|h| self.map.contains_key(h)).count()
