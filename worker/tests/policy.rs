@@ -150,25 +150,26 @@ fn knorm_keeps_the_lowest_key_norms_and_frees_blocks() {
 
 #[test]
 fn paged_eviction_keeps_high_value_key_ratio_then_evicts_whole_blocks() {
-    let mut c = Cache::new(PolicyKind::PagedEviction, 8, 1, 1);
-    // ‖V‖/‖K‖ = ratio(p): high for even positions below 8 and for 12..16.
-    let ratio = |p: usize| {
-        if p < 8 && p.is_multiple_of(2) {
-            5.0
-        } else if (12..16).contains(&p) {
-            10.0
-        } else {
-            1.0
-        }
+    let mut c = Cache::new(PolicyKind::PagedEviction, 12, 1, 1);
+    // ‖V‖/‖K‖ = ratio(p): the sink (position 0) and the prompt's last tokens have the lowest ratios, as a real
+    // sink's small value has; between them it is high at 5, 7, 8 and 10.
+    let ratio = |p: usize| match p {
+        0 | 13..16 => 0.01,
+        5 | 7 | 8 | 10 => 5.0,
+        _ => 1.0,
     };
     let kv = move |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [ratio(p), 0.0, 0.0, 0.0]);
     let ev = c.step(16, 16, kv, no_q);
-    assert_eq!(c.kept(0), vec![0, 2, 4, 6, 12, 13, 14, 15], "token eviction keeps the top-C ratios");
-    assert_eq!(ev.blocks, 2);
+    assert_eq!(
+        c.kept(0),
+        vec![0, 1, 2, 3, 5, 7, 8, 10, 12, 13, 14, 15],
+        "the first and last blocks stay whole; between them the top ratios fill the budget"
+    );
+    assert_eq!((ev.slots, ev.blocks), (4, 1));
     c.check_blocks();
     // Decode: nothing until the last block fills; then the block with the lowest mean ratio goes, whole.
     let low_from_16 =
-        |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [if p >= 16 { 0.1 } else { ratio(p) }, 0.0, 0.0, 0.0]);
+        |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [if p >= 16 { 0.001 } else { ratio(p) }, 0.0, 0.0, 0.0]);
     for i in 0..3 {
         let ev = c.step(1, 17 + i, low_from_16, no_q);
         assert_eq!(ev.slots, 0);
@@ -176,10 +177,33 @@ fn paged_eviction_keeps_high_value_key_ratio_then_evicts_whole_blocks() {
     let blocks_before = c.pool.num_used();
     let ev = c.step(1, 20, low_from_16, no_q);
     assert_eq!((ev.slots, ev.blocks), (4, 1), "one whole block evicted when the last block fills");
-    // The lowest mean among the blocks before the recent one goes; the recent block (lowest of all) stays.
-    assert_eq!(c.kept(0), vec![12, 13, 14, 15, 16, 17, 18, 19]);
+    // Blocks now hold [0..4) [5 7 8 10] [12..16) [16..20): the recent block (lowest of all) stays, the first block
+    // (mean 0.76) stays, and of the two between them the lower mean (12..16: 0.26) goes.
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 16, 17, 18, 19]);
     assert_eq!(c.pool.num_used(), blocks_before - 1);
     c.check_blocks();
+    // Four more: the blocks between the first and the recent one are [5 7 8 10] (5.0) and [16..20) (0.001).
+    for i in 0..4 {
+        c.step(1, 21 + i, low_from_16, no_q);
+    }
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 20, 21, 22, 23]);
+    c.check_blocks();
+}
+
+#[test]
+fn paged_eviction_under_two_blocks_still_holds_its_budget() {
+    // A budget of one block: each end keeps half of it, and decode may evict the first block, as nothing else
+    // lies before the recent one.
+    let mut c = Cache::new(PolicyKind::PagedEviction, 4, 1, 1);
+    let kv = |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [1.0 + p as f32, 0.0, 0.0, 0.0]);
+    c.step(10, 10, kv, no_q);
+    assert_eq!(c.kept(0), vec![0, 1, 8, 9]);
+    c.check_blocks();
+    for i in 0..12 {
+        c.step(1, 11 + i, kv, no_q);
+        assert!(c.blocks.len() <= 4 + BS, "the cache stays within the budget and one block");
+        c.check_blocks();
+    }
 }
 
 #[test]

@@ -372,7 +372,7 @@ impl PolicyState {
     /// the budget so the cache never holds more than budget + one prompt block.
     pub fn after_prefill_chunk(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
         match self.spec.kind {
-            PolicyKind::Keydiff => self.keep_by_score(cache, Score::KeydiffCosine, false),
+            PolicyKind::Keydiff => self.keep_by_score(cache, Score::KeydiffCosine),
             _ => Ok(Eviction::default()),
         }
     }
@@ -386,13 +386,13 @@ impl PolicyState {
                 self.slide_floor = defaults::SINK_TOKENS as u32;
                 self.keep_sinks_and_recent(cache, defaults::SINK_TOKENS, c.saturating_sub(defaults::SINK_TOKENS))
             }
-            PolicyKind::Knorm => self.keep_by_score(cache, Score::KeyNorm, false),
+            PolicyKind::Knorm => self.keep_by_score(cache, Score::KeyNorm),
             PolicyKind::Keydiff => {
-                let ev = self.keep_by_score(cache, Score::KeydiffCosine, false);
+                let ev = self.keep_by_score(cache, Score::KeydiffCosine);
                 self.start_unit_key_sums(cache);
                 ev
             }
-            PolicyKind::PagedEviction => self.keep_by_score(cache, Score::ValueKeyRatio, true),
+            PolicyKind::PagedEviction => self.paged_eviction_prefill(cache),
             PolicyKind::Sage => self.sage_select(cache),
             PolicyKind::Snapkv => self.snapkv_select(cache),
             PolicyKind::H2o => self.h2o_select(cache),
@@ -432,7 +432,10 @@ impl PolicyState {
     }
 
     /// When the last block of the cache has just filled: PagedEviction drops the whole block with the lowest
-    /// mean ‖V‖/‖K‖, among the blocks before that recent one, from every table whose cache exceeds the budget.
+    /// mean ‖V‖/‖K‖, among the blocks between the first block and that recent one, from every table whose cache
+    /// exceeds the budget. The first block holds the attention sinks; the authors' code never evicts it (see
+    /// [`Self::paged_eviction_prefill`]). Only when no block lies between them (a budget under two blocks) may
+    /// the first block go, so that the cache stays bounded.
     pub fn at_block_boundary(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
         if self.spec.kind != PolicyKind::PagedEviction {
             return Ok(Eviction::default());
@@ -461,11 +464,43 @@ impl PolicyState {
             sc.pooled.resize(nb, 0.0);
             scores::block_means(&sc.per_table[i], len, bs, &mut sc.pooled);
             // The block that just filled is the "recent block" whose filling triggers the eviction (Figure 1);
-            // the victim is chosen among the blocks before it.
-            let Some(j) = scores::select_one(&sc.pooled[..nb - 1], false, |_| true) else { continue };
+            // the victim is chosen among the blocks before it, the first one excepted.
+            let Some(j) = scores::select_one(&sc.pooled[..nb - 1], false, |j| j > 0 || nb == 2) else { continue };
             let removed = cache.blocks.remove_block(cache.pool, t, j)?;
             self.positions[t].drain(j * bs..j * bs + removed);
             ev.add(Eviction { slots: removed as u64, blocks: 1 });
+        }
+        Ok(ev)
+    }
+
+    /// PagedEviction's prefill eviction (Algorithm 2): every table over budget keeps `budget` slots, ranked by
+    /// ‖V‖/‖K‖ (highest kept). Like the authors' implementation (`modeling_llama.py` of
+    /// github.com/krishnateja95/PagedEviction, "keep first and last page, evict from middle"), the first block and
+    /// the last block (the partial one, or the whole last block when the prompt fills it) are kept whole and only
+    /// the tokens between them are ranked. The paper's text does not say so, but without it the ratio evicts the
+    /// attention sinks (their values are small) and the prompt's last tokens. Under a budget of two blocks each
+    /// end gets half of it.
+    fn paged_eviction_prefill(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
+        let c = self.spec.budget_tokens;
+        let bs = self.block_size;
+        let mut ev = Eviction::default();
+        for t in 0..self.positions.len() {
+            let len = cache.blocks.lens()[t];
+            if len <= c {
+                continue;
+            }
+            let first = bs.min(c / 2);
+            let last = match len % bs {
+                0 => bs,
+                partial => partial,
+            }
+            .min(c - first);
+            let (ranked, idx, keep) = self.ranked_scores(cache, t, Score::ValueKeyRatio);
+            scores::select_k(&ranked[first..len - last], c - first - last, true, idx, keep);
+            keep.iter_mut().for_each(|s| *s += first as u32);
+            keep.splice(0..0, 0..first as u32);
+            keep.extend((len - last) as u32..len as u32);
+            ev.add(self.apply_keep(cache, t)?);
         }
         Ok(ev)
     }
@@ -554,14 +589,8 @@ impl PolicyState {
 
     // --- selections -------------------------------------------------------------------------------------------
 
-    /// Keeps the `budget` slots with the lowest (or, `largest`, the highest) `score` in every table over budget:
-    /// knorm and KeyDiff keep the lowest, PagedEviction's prefill (Algorithm 2) the highest ‖V‖/‖K‖.
-    fn keep_by_score(
-        &mut self,
-        cache: &mut CacheView<'_>,
-        score: Score,
-        largest: bool,
-    ) -> Result<Eviction, CacheError> {
+    /// Keeps the `budget` slots with the lowest `score` in every table over budget (knorm, KeyDiff).
+    fn keep_by_score(&mut self, cache: &mut CacheView<'_>, score: Score) -> Result<Eviction, CacheError> {
         let c = self.spec.budget_tokens;
         let mut ev = Eviction::default();
         for t in 0..self.positions.len() {
@@ -569,7 +598,7 @@ impl PolicyState {
             if len <= c {
                 continue;
             }
-            self.select_by_score(cache, t, score, c, largest);
+            self.select_by_score(cache, t, score, c);
             ev.add(self.apply_keep(cache, t)?);
         }
         Ok(ev)
@@ -757,11 +786,11 @@ impl PolicyState {
         scores::select_one(&self.metrics[t][..pos.len()], false, |s| pos[s] < recent_from)
     }
 
-    /// Ranks the slots of table `t` by a static `score`: the `k` lowest (or, `largest`, highest) slot indices,
-    /// ascending, into `scratch.keep`.
-    fn select_by_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score, k: usize, largest: bool) {
+    /// Ranks the slots of table `t` by a static `score`: the `k` lowest slot indices, ascending, into
+    /// `scratch.keep`.
+    fn select_by_score(&mut self, cache: &CacheView<'_>, t: usize, score: Score, k: usize) {
         let (ranked, idx, keep) = self.ranked_scores(cache, t, score);
-        scores::select_k(ranked, k, largest, idx, keep);
+        scores::select_k(ranked, k, false, idx, keep);
     }
 
     /// Table `t`'s static `score` per slot ([`static_scores`]), with the selection scratch beside it.

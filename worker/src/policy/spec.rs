@@ -15,7 +15,8 @@ pub enum PolicyKind {
     /// KeyDiff: drop the keys most similar (cosine) to the mean normalised key, with block prompt processing
     /// (evicting after every 128-token prompt block, so the cache never exceeds budget + block).
     Keydiff,
-    /// PagedEviction: ‖V‖/‖K‖ token eviction after prefill, then one whole block each time the last block fills.
+    /// PagedEviction: ‖V‖/‖K‖ token eviction after prefill between the kept first and last blocks, then one whole
+    /// block each time the last block fills.
     PagedEviction,
     /// SAGE-KV: once after prefill, sinks + per-query-head top-k by last-token attention + a recent window that
     /// slides during decode.
