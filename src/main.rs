@@ -241,6 +241,10 @@ struct EngineArgs {
     #[arg(long, default_value = "native",
           value_parser = ["native", "f16", "f32", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"])]
     tier_codec: String,
+    /// KIVI's full-precision residual for stored prompts, in tokens: the last groups of each prompt stored in
+    /// int4_kivi or int2_kivi (by LRU or EvicPress) keep the device's format. KIVI's paper uses 128. 0: none.
+    #[arg(long, default_value_t = 0)]
+    kivi_residual_tokens: usize,
     /// EvicPress's α in U = (α·quality − load seconds)·frequency.
     #[arg(long, default_value_t = 1.0)]
     evicpress_alpha: f64,
@@ -667,7 +671,7 @@ enum BenchCommand {
     /// pool, one fresh engine per configuration.
     Eviction(BenchEvictionArgs),
     /// Serving a long context's prefix from the host (and disk) KV tier against recomputing it.
-    Tiers(BenchTiersArgs),
+    Tiers(Box<BenchTiersArgs>),
     /// Load against a running router's OpenAI API (closed loop or open loop, streaming mix, shared-prefix and
     /// unique prompts); every completed answer is checked against the greedy reference of its prompt.
     Load(BenchLoadArgs),
@@ -874,6 +878,10 @@ struct BenchTiersArgs {
     /// (`serve --evicpress-upgrade`); comma-separated for one EvicPress configuration per value.
     #[arg(long, value_delimiter = ',', default_value = "false")]
     evicpress_upgrade: Vec<bool>,
+    /// zipf: KIVI's full-precision residual in tokens (`serve --kivi-residual-tokens`), for the int4_kivi and
+    /// int2_kivi baselines and EvicPress alike; comma-separated for one such configuration per value. 0: none.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    kivi_residual_tokens: Vec<usize>,
     /// zipf: the baselines to run besides recompute, comma-separated (`lru`, `lru+CODEC` for a --codecs entry).
     /// Default: all of them.
     #[arg(long, value_delimiter = ',')]
@@ -1008,7 +1016,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Kernels(args)) => bench_kernels::run(args),
         Command::Eval(args) => eval(args),
         Command::Bench(BenchCommand::Eviction(args)) => bench_eviction(args),
-        Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
+        Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(*args),
         Command::Bench(BenchCommand::Load(args)) => run_async(bench_load(args)),
         Command::Bench(BenchCommand::Routing(args)) => run_async(bench_routing(args)),
         Command::Up(a) => run_async(up(a)),
@@ -1128,6 +1136,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         amx: e.amx,
         synthetic: None,
         device: e.device,
+        kivi_residual_tokens: e.kivi_residual_tokens,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,
@@ -1940,6 +1949,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         greedy: args.evicpress_greedy,
         profile_questions: args.evicpress_profile_questions,
         upgrade: args.evicpress_upgrade,
+        kivi_residual_tokens: args.kivi_residual_tokens,
         baselines: args.baselines,
         ..Default::default()
     };

@@ -184,6 +184,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         tiers: crate::tiers::TierConfig::default(),
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
+        kivi_residual_tokens: 0,
         amx: opts.amx,
         synthetic: opts.synthetic.clone(),
         device: opts.device,

@@ -381,6 +381,7 @@ fn run_fresh(
         tiers: crate::tiers::TierConfig::default(),
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
+        kivi_residual_tokens: 0,
         amx: false,
         synthetic: None,
         device: opts.device,

@@ -51,7 +51,8 @@ use crate::evicpress::GreedyRule;
 use crate::model::{Gguf, Tokenizer};
 use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, agreement};
 use crate::policy::PolicySpec;
-use crate::tiers::{Tier, TierConfig};
+use crate::tiers::residual::{self, MAX_RESIDUAL_TOKENS};
+use crate::tiers::{GroupCodec, Tier, TierConfig};
 
 /// Questions appended to a context (each well under one 16-token group beyond the context's last group).
 const QUESTIONS: [&str; 6] = [
@@ -140,6 +141,10 @@ pub struct ZipfBenchOptions {
     /// ([`EvicPressConfig::upgrade`]), one configuration per value, rule and α (named `… upgrade` when on).
     #[serde(default = "without_upgrades")]
     pub upgrade: Vec<bool>,
+    /// KIVI's full-precision residuals, in tokens ([`EngineConfig::kivi_residual_tokens`]): each KIVI baseline
+    /// and each EvicPress configuration runs once per value, named with ` r=R` where R is not 0.
+    #[serde(default = "without_residual")]
+    pub kivi_residual_tokens: Vec<usize>,
     /// The baselines to run besides recompute (`lru`, `lru+CODEC`); None: all of them. Recompute always runs: its
     /// answers are every configuration's reference.
     #[serde(default)]
@@ -148,6 +153,10 @@ pub struct ZipfBenchOptions {
 
 fn without_upgrades() -> Vec<bool> {
     vec![false]
+}
+
+fn without_residual() -> Vec<usize> {
+    vec![0]
 }
 
 fn papers_greedy_rule() -> Vec<GreedyRule> {
@@ -182,6 +191,7 @@ impl Default for ZipfBenchOptions {
             greedy: papers_greedy_rule(),
             profile_questions: 0,
             upgrade: without_upgrades(),
+            kivi_residual_tokens: without_residual(),
             baselines: None,
         }
     }
@@ -316,6 +326,12 @@ impl ZipfReport {
             },
             if o.shrink { ", shrunk toward each variant's mean" } else { "" }
         );
+        if o.kivi_residual_tokens.iter().any(|&r| r > 0) {
+            s.insert_str(
+                s.find("\n\n").unwrap_or(s.len()),
+                " With ` r=R`, KIVI codecs keep each stored prompt's last R tokens in the device's format.",
+            );
+        }
         for r in &self.results {
             s += &format!(
                 "| {} | {:.1} | {:.1} | {:.3} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {}/{} |\n",
@@ -876,7 +892,8 @@ pub fn zipf_bench(model: &Path, opts: &ZipfBenchOptions) -> Result<ZipfReport, E
 ///
 /// A full-size run takes hours, so the configurations run in the order of what the comparison needs most: recompute
 /// first (its answers are every other configuration's reference), then EvicPress, then the fixed codecs, then
-/// LRU over native KV. The report lists them in the usual order (recompute, LRU, codecs, EvicPress) whatever
+/// LRU over native KV. In a run with KIVI residuals, EvicPress without one runs last: it is the residual's
+/// comparison point, not the codecs'. The report lists them in the usual order (recompute, LRU, codecs, EvicPress) whatever
 /// finished, so an interrupted run still leaves a readable partial report.
 pub fn zipf_bench_with_progress(
     model: &Path,
@@ -898,6 +915,12 @@ pub fn zipf_bench_with_progress(
     }
     if opts.disk_mib > 0 && opts.data_dir.is_none() {
         return bad("the disk tier needs a data dir".into());
+    }
+    if opts.kivi_residual_tokens.is_empty()
+        || opts.kivi_residual_tokens.len() > MAX_ALPHAS
+        || opts.kivi_residual_tokens.iter().any(|&r| r > MAX_RESIDUAL_TOKENS)
+    {
+        return bad(format!("give 1..={MAX_ALPHAS} KIVI residuals, each at most {MAX_RESIDUAL_TOKENS} tokens"));
     }
     if opts.alphas.is_empty() || opts.alphas.len() > MAX_ALPHAS {
         return bad(format!("give 1..={MAX_ALPHAS} EvicPress alphas"));
@@ -986,16 +1009,28 @@ pub fn zipf_bench_with_progress(
         let names: Vec<&str> = baselines.iter().map(|(name, _)| name.as_str()).collect();
         return bad(format!("unknown baseline {unknown:?}; expected some of {}", names.join(", ")));
     }
+    let with_residual = |name: &str, r: usize| if r == 0 { name.to_owned() } else { format!("{name} r={r}") };
     for (name, placement) in baselines {
         if opts.baselines.as_ref().is_none_or(|wanted| wanted.contains(&name)) {
-            configs.push((name.clone(), EngineConfig { tiers: tiers(&name), placement, ..base.clone() }));
+            let kivi = matches!(placement, TierPlacement::LruCodec(c) if residual::has_residual(GroupCodec::Kv(c)));
+            for &r in if kivi { &opts.kivi_residual_tokens[..] } else { &[0] } {
+                let name = with_residual(&name, r);
+                let cfg = EngineConfig {
+                    tiers: tiers(&name),
+                    placement: placement.clone(),
+                    kivi_residual_tokens: r,
+                    ..base.clone()
+                };
+                configs.push((name, cfg));
+            }
         }
     }
     let evicpress_variants = opts
         .alphas
         .iter()
-        .flat_map(|&a| opts.greedy.iter().flat_map(move |&g| opts.upgrade.iter().map(move |&u| (a, g, u))));
-    for (alpha, greedy, upgrade) in evicpress_variants {
+        .flat_map(|&a| opts.greedy.iter().flat_map(move |&g| opts.upgrade.iter().map(move |&u| (a, g, u))))
+        .flat_map(|v| opts.kivi_residual_tokens.iter().map(move |&r| (v, r)));
+    for ((alpha, greedy, upgrade), residual_tokens) in evicpress_variants {
         let ep = EvicPressConfig {
             alpha,
             codecs: codecs.clone(),
@@ -1020,9 +1055,15 @@ pub fn zipf_bench_with_progress(
         if upgrade {
             name += " upgrade";
         }
+        let name = with_residual(&name, residual_tokens);
         configs.push((
             name.clone(),
-            EngineConfig { tiers: tiers(&name), placement: TierPlacement::EvicPress(ep), ..base.clone() },
+            EngineConfig {
+                tiers: tiers(&name),
+                placement: TierPlacement::EvicPress(ep),
+                kivi_residual_tokens: residual_tokens,
+                ..base.clone()
+            },
         ));
     }
 
@@ -1066,7 +1107,8 @@ pub fn zipf_bench_with_progress(
     // Listed order is the report's; `run_rank` ranks what the comparison needs first (see the doc comment).
     let run_rank = |name: &str| match name {
         "recompute" => 0,
-        n if n.starts_with(EVICPRESS) => 1,
+        n if n.starts_with(EVICPRESS) && (n.contains(" r=") || opts.kivi_residual_tokens.iter().all(|&r| r == 0)) => 1,
+        n if n.starts_with(EVICPRESS) => 4,
         "lru" => 3,
         _ => 2,
     };

@@ -27,13 +27,14 @@ use crate::model::{
     ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
 };
 pub use crate::placement::TierPlacement;
-use crate::placement::{EvicPress, EvicPressStats};
+use crate::placement::{EvicPress, EvicPressConfig, EvicPressStats};
 use crate::policy::{AttnDims, PolicyKind, PolicyKv, PolicySpec, StepProbs};
 use crate::sampling::{SampleBuffer, Sampler};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
 };
 use crate::tiers::codec::GroupKv;
+use crate::tiers::residual::{self, ResidualTails};
 use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUsage, native};
 
 pub use crate::sampling::SamplingParams;
@@ -62,6 +63,9 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Who decides what the lower tiers keep, and in which codec.
     pub placement: TierPlacement,
+    /// KIVI's full-precision residual for stored prompts, in tokens: the last groups of each prompt a placement
+    /// stores in `int4_kivi` or `int2_kivi` keep the arena's format ([`crate::tiers::residual`]). 0: none.
+    pub kivi_residual_tokens: usize,
     /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once and
     /// kept (+2 bytes per weight). Faster prefill and batched decode and logits closer to float32, but single-stream
     /// decode is slower (it streams 4× the weight bytes). Off by default.
@@ -125,6 +129,7 @@ impl Default for EngineConfig {
             tiers: TierConfig::default(),
             kv_dtype: KvDtype::default(),
             placement: TierPlacement::default(),
+            kivi_residual_tokens: 0,
             amx: false,
             synthetic: None,
             device: Device::Cpu,
@@ -741,6 +746,10 @@ impl Engine {
                     TierPlacement::LruCodec(c) => GroupCodec::Kv(c),
                     _ => GroupCodec::Native(info.kv_dtype),
                 };
+                if residual::has_residual(core.tier_codec) {
+                    core.residual =
+                        ResidualTails::new(residual::residual_groups(thread_cfg.kivi_residual_tokens, info.block_size));
+                }
                 core.evicpress = evicpress;
                 if let Some(t) = tiers {
                     core.sched.pool_mut().track_idle();
@@ -792,6 +801,13 @@ fn open_placement(
     info: &ModelInfo,
     tiers: Option<&TierStore>,
 ) -> Result<Option<EvicPress>, EngineError> {
+    if cfg.kivi_residual_tokens > residual::MAX_RESIDUAL_TOKENS {
+        return Err(EngineError::Config(format!(
+            "--kivi-residual-tokens: at most {}, got {}",
+            residual::MAX_RESIDUAL_TOKENS,
+            cfg.kivi_residual_tokens
+        )));
+    }
     match &cfg.placement {
         TierPlacement::Lru => Ok(None),
         TierPlacement::LruCodec(c) => {
@@ -804,7 +820,8 @@ fn open_placement(
             let Some(tiers) = tiers else {
                 return Err(EngineError::Config("EvicPress placement needs a host or disk tier".into()));
             };
-            EvicPress::new(ep.clone(), &info.model_id, info.layout(), info.head_dim, info.kv_dtype, tiers).map(Some)
+            let ep = EvicPressConfig { residual_tokens: cfg.kivi_residual_tokens, ..ep.clone() };
+            EvicPress::new(ep, &info.model_id, info.layout(), info.head_dim, info.kv_dtype, tiers).map(Some)
         }
     }
 }
@@ -846,6 +863,8 @@ struct EngineLoop<R> {
     tiers: Option<TierStore>,
     /// The codec of LRU offloads.
     tier_codec: GroupCodec,
+    /// The tails of finished prompts that LRU offloads keep native under a KIVI `tier_codec`.
+    residual: ResidualTails,
     /// EvicPress placement of the tiers, when configured (then it, not LRU offloading, fills them).
     evicpress: Option<EvicPress>,
     /// Reused buffers for tier traffic.
@@ -892,6 +911,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             stats,
             tiers: None,
             tier_codec: GroupCodec::Native(kv_dtype),
+            residual: ResidualTails::default(),
             evicpress: None,
             hashes: Vec::new(),
             blocks: Vec::new(),
@@ -1226,12 +1246,20 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let Some(kv) = self.runner.group_kv() else { return };
         for &h in &self.hashes {
+            let codec = self.residual.codec_for(h, self.tier_codec, kv.native_codec());
             if tiers.touch(h) {
-                continue;
+                // A group stored before it ended a prompt (the middle of an earlier one, or seeded KV) takes the
+                // residual's format once it does; otherwise the stored copy stands.
+                let to_residual = codec != self.tier_codec && tiers.codec_of(h).is_some_and(|c| c != codec.name());
+                if !to_residual {
+                    continue;
+                }
             }
             let pool = self.sched.pool();
             let Some(g) = pool.index().get(h) else { continue };
-            match kv.encode_or_native(g.blocks(), self.tier_codec) {
+            // One copy per group: a lossy one it replaces leaves first.
+            tiers.remove(h);
+            match kv.encode_or_native(g.blocks(), codec) {
                 Ok(group) => tiers.offload(h, group),
                 // Only a device copy can fail the native format; the group then stays on the device alone.
                 Err(e) => tracing::warn!(error = %e, "a KV group cannot be offloaded"),
@@ -1449,6 +1477,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 && let Some(seq) = self.sched.finish(e.seq)
             {
                 let _ = seq.payload.events.send(finished(&seq, reason));
+                let prompt_groups = seq.prompt_len() / self.sched.layout().block_size;
+                self.residual.finished(&seq.hashes()[..prompt_groups.min(seq.hashes().len())]);
                 if let Some(ep) = &mut self.evicpress {
                     let prompt = &seq.tokens()[..seq.prompt_len()];
                     ep.finished(prompt, seq.namespace(), seq.cached_tokens(), seq.generated().len());

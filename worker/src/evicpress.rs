@@ -58,6 +58,17 @@ pub struct Variant {
     pub bytes_per_token: f64,
     /// Fraction of the context's tokens an eviction policy keeps, in (0, 1].
     pub keep_ratio: f64,
+    /// The context's last tokens stored in another format (KIVI's full-precision residual), if any.
+    pub residual: Option<Residual>,
+}
+
+/// The tail of a context a variant stores in a wider format than the rest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Residual {
+    /// Tokens of the tail, a whole number of granules.
+    pub tokens: u64,
+    /// Bytes per token of the tail's format.
+    pub bytes_per_token: f64,
 }
 
 /// Where and how one context's KV is stored.
@@ -191,6 +202,9 @@ impl Planner {
             {
                 return Err(PlanError::Invalid("variant sizes must be positive and keep ratios in (0, 1]"));
             }
+            if v.residual.is_some_and(|r| !(r.bytes_per_token.is_finite() && r.bytes_per_token > 0.0)) {
+                return Err(PlanError::Invalid("a residual's size must be positive"));
+            }
         }
         if cfg.bandwidth[1..].iter().any(|b| !(b.is_finite() && *b > 0.0)) {
             return Err(PlanError::Invalid("host and disk bandwidths must be positive"));
@@ -247,7 +261,12 @@ impl Planner {
         let var = &self.cfg.variants[v];
         let kept = crate::tiers::pruned::kept_tokens(tokens as usize, var.keep_ratio) as u64;
         let g = self.cfg.granule_tokens;
-        (kept.div_ceil(g) as f64 * g as f64 * var.bytes_per_token).ceil() as u64
+        let stored = kept.div_ceil(g) * g;
+        let (tail, tail_bytes) = var.residual.map_or((0, 0.0), |r| {
+            let t = r.tokens.min(stored);
+            (t, t as f64 * r.bytes_per_token)
+        });
+        ((stored - tail) as f64 * var.bytes_per_token + tail_bytes).ceil() as u64
     }
 
     /// The next tier below `tier` that has any capacity: a tier of capacity 0 is not there (a worker without a
@@ -522,9 +541,9 @@ mod tests {
             bandwidth: [0.0, 10e9, 1e9],
             prefill_tokens_per_s: 1000.0,
             variants: vec![
-                Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0 },
-                Variant { codec: "int8".into(), bytes_per_token: F32 / 4.0, keep_ratio: 1.0 },
-                Variant { codec: "int4_kivi".into(), bytes_per_token: F32 / 8.0, keep_ratio: 0.5 },
+                Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0, residual: None },
+                Variant { codec: "int8".into(), bytes_per_token: F32 / 4.0, keep_ratio: 1.0, residual: None },
+                Variant { codec: "int4_kivi".into(), bytes_per_token: F32 / 8.0, keep_ratio: 0.5, residual: None },
             ],
             max_contexts: 1000,
             granule_tokens: 1,
@@ -739,9 +758,9 @@ mod tests {
     fn a_pruned_copy_never_turns_back_into_a_whole_context() {
         // 1000 tokens: whole native 46 MB, a quarter kept 11.8 MB (250 tokens in 16 groups of 16), int2 5.8 MB.
         let variants = vec![
-            Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0 },
-            Variant { codec: "native@0.25".into(), bytes_per_token: F32, keep_ratio: 0.25 },
-            Variant { codec: "int2".into(), bytes_per_token: F32 / 8.0, keep_ratio: 1.0 },
+            Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0, residual: None },
+            Variant { codec: "native@0.25".into(), bytes_per_token: F32, keep_ratio: 0.25, residual: None },
+            Variant { codec: "int2".into(), bytes_per_token: F32 / 8.0, keep_ratio: 1.0, residual: None },
         ];
         let cfg = PlannerConfig { variants, granule_tokens: 16, ..planner([0, 12_000_000, 0], 1.0).cfg };
         let mut p = Planner::new(cfg).unwrap();

@@ -49,11 +49,12 @@ use pagoda_kernels::{Codec, KvDtype, KvStorage};
 
 use crate::cache::{BlockId, BlockPool, CacheLayout, block_hashes};
 use crate::engine::{EngineError, ModelRunner, StepSeq};
-use crate::evicpress::{self, GreedyRule, Operation, Planner, PlannerConfig, Variant};
+use crate::evicpress::{self, GreedyRule, Operation, Planner, PlannerConfig, Residual, Variant};
 use crate::model::LogitsWanted;
 use crate::sampling::argmax;
 use crate::tiers::cost::Ewma;
 use crate::tiers::pruned::{self, Pruner, kept_tokens, packed_groups};
+use crate::tiers::residual;
 use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
 
 /// Finished requests waiting for placement at most; older ones are dropped (their contexts are simply not placed).
@@ -184,6 +185,10 @@ pub struct EvicPressConfig {
     /// reuses outweighs one prefill ([`Planner::recompute_pays`]), and store it again from full precision. Not in
     /// the paper's Algorithm 1, so off by default.
     pub upgrade: bool,
+    /// KIVI's full-precision residual: the last groups of a whole copy in a KIVI codec covering this many tokens
+    /// stay in the arena's format ([`crate::tiers::residual`]). The engine sets it from
+    /// [`crate::engine::EngineConfig::kivi_residual_tokens`]. Pruned copies have none.
+    pub residual_tokens: usize,
 }
 
 impl Default for EvicPressConfig {
@@ -204,6 +209,7 @@ impl Default for EvicPressConfig {
             profile_budget: Duration::from_secs(5),
             min_context_groups: 4,
             upgrade: false,
+            residual_tokens: 0,
         }
     }
 }
@@ -442,6 +448,13 @@ impl EvicPress {
             return Err(bad(format!("drift threshold {} is not in [0, 1)", cfg.drift_threshold)));
         }
         pruned::check_keep_ratios(&cfg.keep_ratios).map_err(bad)?;
+        if cfg.residual_tokens > residual::MAX_RESIDUAL_TOKENS {
+            return Err(bad(format!(
+                "a residual of {} tokens; at most {}",
+                cfg.residual_tokens,
+                residual::MAX_RESIDUAL_TOKENS
+            )));
+        }
         let mut codecs = vec![GroupCodec::Native(dtype)];
         for c in &cfg.codecs {
             let v = GroupCodec::Kv(*c);
@@ -458,13 +471,26 @@ impl EvicPress {
             variants.extend(codecs.iter().map(|&codec| StoredVariant { codec, keep_ratio }));
         }
         let gs = layout.group_size();
+        let per_token = |c: GroupCodec| -> Result<f64, EngineError> {
+            let bytes = c.group_bytes(gs, layout.block_size, head_dim).map_err(|e| bad(e.to_string()))?;
+            Ok((bytes + FILE_OVERHEAD) as f64 / layout.block_size as f64)
+        };
+        let residual = residual::residual_groups(cfg.residual_tokens, layout.block_size);
         let mut planner_variants = Vec::with_capacity(variants.len());
         for v in &variants {
-            let bytes = v.codec.group_bytes(gs, layout.block_size, head_dim).map_err(|e| bad(e.to_string()))?;
+            let with_residual = !v.pruned() && residual::has_residual(v.codec) && residual > 0;
             planner_variants.push(Variant {
                 codec: v.name(),
-                bytes_per_token: (bytes + FILE_OVERHEAD) as f64 / layout.block_size as f64,
+                bytes_per_token: per_token(v.codec)?,
                 keep_ratio: v.keep_ratio,
+                residual: if with_residual {
+                    Some(Residual {
+                        tokens: (residual * layout.block_size) as u64,
+                        bytes_per_token: per_token(GroupCodec::Native(dtype))?,
+                    })
+                } else {
+                    None
+                },
             });
         }
         let cost = tiers.cost();
@@ -961,7 +987,8 @@ impl EvicPress {
                 self.pack_into_device(runner, &own_tables, kept, var.codec, &b.groups[prefix..])
                     .map(|n| (Cow::Owned(b.tables(Some(n))), prefix * bs + kept))
             } else {
-                round_trip(runner, b.groups, var.codec).map(|()| (Cow::Borrowed(&full), ctx_tokens))
+                round_trip(runner, b.groups, var.codec, self.residual_groups())
+                    .map(|()| (Cow::Borrowed(&full), ctx_tokens))
             };
             let scored = written.and_then(|(tables, held)| {
                 let mut sum = 0.0;
@@ -1177,8 +1204,10 @@ impl EvicPress {
                         self.remove_stored(c, stored, tiers);
                     }
                     let tier = tier_of(p.tier);
-                    let codec = self.variants[p.variant].codec;
-                    for &h in &groups {
+                    let chosen = self.variants[p.variant].codec;
+                    let (native, tail) = (GroupCodec::Native(io.kv.dtype()), self.residual_groups());
+                    for (i, &h) in groups.iter().enumerate() {
+                        let codec = residual::stored_codec(chosen, native, i, groups.len(), tail);
                         let group = match pool.lookup(h) {
                             Some(blocks) => codec::encode(io.kv, blocks, codec),
                             None => match tiers.read(h) {
@@ -1301,8 +1330,11 @@ impl EvicPress {
         Ok(())
     }
 
-    /// Re-encodes a stored group in another codec (through f32).
+    /// Re-encodes a stored group in another codec (through f32); a group already in `to` moves as it is.
     fn transcode(&mut self, g: &EncodedGroup, to: GroupCodec) -> Result<EncodedGroup, crate::tiers::TierError> {
+        if g.codec == to.name() {
+            return Ok(g.clone());
+        }
         codec::decode(g, &mut self.scratch, &self.scratch_blocks)?;
         codec::encode(&self.scratch, &self.scratch_blocks, to)
     }
@@ -1317,6 +1349,11 @@ impl EvicPress {
     ) -> Result<EncodedGroup, crate::tiers::TierError> {
         self.pruner.pack_group(src, tables, &self.keep, j, &mut self.scratch, &self.scratch_blocks);
         codec::encode(&self.scratch, &self.scratch_blocks, codec)
+    }
+
+    /// Groups at the end of a whole copy in a KIVI codec that keep the arena's format.
+    fn residual_groups(&self) -> usize {
+        residual::residual_groups(self.cfg.residual_tokens, self.layout.block_size)
     }
 
     /// Forgets the least recently used unplaced contexts beyond `max_contexts`.
@@ -1394,11 +1431,22 @@ fn release(pool: &mut BlockPool, blocks: &[BlockId]) {
     }
 }
 
-/// Quantises the context's device blocks in place with `codec` (encode, then decode back).
-fn round_trip<R: ModelRunner>(runner: &mut R, groups: &[Vec<BlockId>], codec: GroupCodec) -> Result<(), EngineError> {
+/// Quantises the context's device blocks in place with `codec` (encode, then decode back), as a stored copy would
+/// hold them: the last `residual` groups stay as they are under a KIVI codec.
+fn round_trip<R: ModelRunner>(
+    runner: &mut R,
+    groups: &[Vec<BlockId>],
+    codec: GroupCodec,
+    residual: usize,
+) -> Result<(), EngineError> {
     let Some(io) = runner.policy_io() else { return Err(EngineError::Forward("the runner has no host KV".into())) };
     let err = |e: crate::tiers::TierError| EngineError::Forward(e.to_string());
-    for g in groups {
+    let native = GroupCodec::Native(io.kv.dtype());
+    for (i, g) in groups.iter().enumerate() {
+        let codec = residual::stored_codec(codec, native, i, groups.len(), residual);
+        if codec == native {
+            continue;
+        }
         let enc = codec::encode(io.kv, g, codec).map_err(err)?;
         codec::decode(&enc, io.kv, g).map_err(err)?;
     }
@@ -1495,6 +1543,29 @@ mod tests {
         assert!(EvicPress::new(native, "m", layout, 64, KvDtype::F16, &tiers).is_err());
         let drift = EvicPressConfig { drift_threshold: 1.5, ..EvicPressConfig::default() };
         assert!(EvicPress::new(drift, "m", layout, 64, KvDtype::F16, &tiers).is_err());
+        // KIVI's residual: a whole KIVI copy prices its last two groups (32 tokens) in the arena's format; int8 and
+        // pruned copies have none.
+        let with_residual = EvicPressConfig {
+            codecs: vec![Codec::Int8, Codec::Int2Kivi],
+            keep_ratios: vec![0.5],
+            residual_tokens: 20,
+            ..Default::default()
+        };
+        let ep = EvicPress::new(with_residual, "m", layout, 64, KvDtype::F16, &tiers).unwrap();
+        assert_eq!(ep.variant_names(), ["f16", "int8", "int2_kivi", "f16@0.5", "int8@0.5", "int2_kivi@0.5"]);
+        let group = |c: GroupCodec| (c.group_bytes(4, 16, 64).unwrap() + FILE_OVERHEAD) as u64;
+        let (f16, int8, int2) = (
+            group(GroupCodec::Native(KvDtype::F16)),
+            group(GroupCodec::Kv(Codec::Int8)),
+            group(GroupCodec::Kv(Codec::Int2Kivi)),
+        );
+        assert_eq!(ep.planner.bytes(160, 0), 10 * f16);
+        assert_eq!(ep.planner.bytes(160, 1), 10 * int8);
+        assert_eq!(ep.planner.bytes(160, 2), 8 * int2 + 2 * f16);
+        assert_eq!(ep.planner.bytes(16, 2), f16, "a context shorter than the residual is stored whole natively");
+        assert_eq!(ep.planner.bytes(160, 5), 5 * int2, "a pruned copy has no residual");
+        let too_long = EvicPressConfig { residual_tokens: residual::MAX_RESIDUAL_TOKENS + 1, ..Default::default() };
+        assert!(EvicPress::new(too_long, "m", layout, 64, KvDtype::F16, &tiers).is_err());
         // Profiling questions: bounded in number and each a non-empty probe of at most probe_tokens.
         let questions = |q: Vec<Vec<u32>>| EvicPressConfig { profile_questions: q, ..EvicPressConfig::default() };
         assert!(EvicPress::new(questions(vec![vec![7; 32]; 2]), "m", layout, 64, KvDtype::F16, &tiers).is_ok());

@@ -198,6 +198,10 @@ impl<P> Sequence<P> {
     pub fn cached_tokens(&self) -> usize {
         self.cached_tokens
     }
+    /// Chain hashes of the sequence's full groups, as far as they were computed (complete once it finished).
+    pub fn hashes(&self) -> &[u64] {
+        &self.hashes
+    }
     pub fn preemptions(&self) -> u32 {
         self.preemptions
     }

@@ -8,7 +8,7 @@ mod common;
 use common::{run, wait_stats};
 use std::path::{Path, PathBuf};
 
-use pagoda_kernels::KvDtype;
+use pagoda_kernels::{Codec, KvDtype};
 use pagoda_worker::cache::block_hashes;
 use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
 use pagoda_worker::model::{Gguf, Tokenizer};
@@ -168,6 +168,77 @@ fn seeded_device_groups_serve_like_computed_ones() {
     assert_eq!(cached as usize, matched);
     assert_eq!(s.prefix_hit_tokens[Tier::Device.index()], matched as u64, "{s:?}");
     assert_eq!(s.computed_tokens_total, (p.len() - matched + warm.len() - 1) as u64, "nothing seeded is recomputed");
+    h.shutdown();
+}
+
+/// KIVI's residual under the LRU placement: with `int2_kivi` offloads and a 32-token residual, the last two full
+/// groups of the finished prompt go to host in the device's own format, byte for byte what a native LRU engine
+/// stores for them, while the prompt's earlier groups and the group its answer filled are quantised; the warm
+/// request is served from those groups. Without a residual every group is quantised.
+#[test]
+fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
+    let p = prompt();
+    let prompt_groups = p.len() / BS;
+    assert!(prompt_groups >= 3, "the prompt spans a quantised group and the residual: {}", p.len());
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let host = TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 };
+    let start = |placement: TierPlacement, residual: usize| {
+        Engine::start(EngineConfig {
+            num_blocks: 8 * GROUP,
+            threads: 2,
+            tiers: host.clone(),
+            placement,
+            kivi_residual_tokens: residual,
+            ..EngineConfig::new(model_path())
+        })
+        .expect("engine starts")
+    };
+    // Prompt and answer: one more full group than the prompt's own.
+    let (out, _, _) = run(&start(TierPlacement::Lru, 0), &p, 8);
+    let computed_groups = (p.len() + out.len() - 1) / BS;
+    assert_eq!(computed_groups, prompt_groups + 1, "the answer fills one more group");
+    let stored = |placement: TierPlacement, residual: usize| {
+        let h = start(placement, residual);
+        run(&h, &p, 8);
+        let hashes = block_hashes(&h.model_info().model_id, "", &[p.as_slice(), &out].concat(), BS);
+        let groups = rt.block_on(h.export_groups(hashes[..computed_groups].to_vec(), u64::MAX)).unwrap();
+        assert_eq!(groups.len(), computed_groups, "every computed group went to host");
+        (h, groups)
+    };
+    let (native_engine, native) = stored(TierPlacement::Lru, 0);
+    native_engine.shutdown();
+    let (h, kivi) = stored(TierPlacement::LruCodec(Codec::Int2Kivi), 32);
+    let codecs: Vec<&str> = kivi.iter().map(|(_, g)| g.codec.as_str()).collect();
+    let mut expected = vec!["int2_kivi"; computed_groups];
+    expected[prompt_groups - 2] = "f16";
+    expected[prompt_groups - 1] = "f16";
+    assert_eq!(codecs, expected, "the prompt's last 32 tokens stay native, the answer's group does not");
+    for i in [prompt_groups - 2, prompt_groups - 1] {
+        assert_eq!(kivi[i].1.bytes, native[i].1.bytes, "group {i} is the device's own bytes");
+    }
+    push_out(&h);
+    let (_, cached, s) = run(&h, &p, 8);
+    assert_eq!(cached as usize, (p.len() - 1) / BS * BS, "the prefix is onboarded, residual and all");
+    assert!(s.prefix_hit_tokens[Tier::Host.index()] > 0, "{s:?}");
+    h.shutdown();
+    let (h, all) = stored(TierPlacement::LruCodec(Codec::Int2Kivi), 0);
+    assert!(all.iter().all(|(_, g)| g.codec == "int2_kivi"), "no residual: every group quantised");
+    h.shutdown();
+
+    // Groups that reached the host before they ended a prompt (seeded KV goes idle, and is offloaded, before any
+    // request reads it) take the residual's format once a finished prompt ends on them.
+    let h = start(TierPlacement::LruCodec(Codec::Int2Kivi), 32);
+    let seeded = native[..prompt_groups].to_vec();
+    let hashes: Vec<u64> = seeded.iter().map(|(hash, _)| *hash).collect();
+    assert_eq!(rt.block_on(h.seed_device(seeded)).unwrap(), prompt_groups);
+    wait_stats(&h, "the seeded groups offloaded", |s| s.offloaded_groups >= prompt_groups as u64);
+    let before = rt.block_on(h.export_groups(hashes.clone(), u64::MAX)).unwrap();
+    assert!(before.iter().all(|(_, g)| g.codec == "int2_kivi"), "idle seeded groups are offloaded quantised");
+    run(&h, &p, 8);
+    let after = rt.block_on(h.export_groups(hashes, u64::MAX)).unwrap();
+    let codecs: Vec<&str> = after.iter().map(|(_, g)| g.codec.as_str()).collect();
+    assert_eq!(codecs, expected[..prompt_groups], "the prompt's tail was stored again natively");
+    assert_eq!(after[prompt_groups - 1].1.bytes, native[prompt_groups - 1].1.bytes);
     h.shutdown();
 }
 

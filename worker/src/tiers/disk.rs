@@ -290,6 +290,11 @@ impl DiskStore {
         self.index.get(&hash).map(|e| e.file_bytes)
     }
 
+    /// Codec of the file under `hash`, as its index entry records it.
+    pub fn codec_of(&self, hash: u64) -> Option<&str> {
+        self.index.get(&hash).map(|e| e.codec.as_str())
+    }
+
     /// Bytes held per codec (codecs holding nothing are left out).
     pub fn used_by_codec(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();

@@ -85,6 +85,11 @@ impl HostStore {
         self.map.get(&hash).map(|e| e.group.len())
     }
 
+    /// Codec of the group stored under `hash`.
+    pub fn codec_of(&self, hash: u64) -> Option<&str> {
+        self.map.get(&hash).map(|e| e.group.codec.as_str())
+    }
+
     /// The group under `hash`, marked most recently used.
     pub fn get(&mut self, hash: u64) -> Option<&EncodedGroup> {
         self.touch(hash);

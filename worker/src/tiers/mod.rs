@@ -19,6 +19,7 @@ pub mod disk;
 pub mod host;
 pub mod native;
 pub mod pruned;
+pub mod residual;
 pub mod store;
 
 pub use codec::GroupCodec;

@@ -137,6 +137,14 @@ impl TierStore {
         self.disk.as_ref().and_then(|d| d.size_of(hash)).map(|n| (Tier::Disk, n))
     }
 
+    /// Codec of the group under `hash` in the fastest lower tier holding it.
+    pub fn codec_of(&self, hash: u64) -> Option<&str> {
+        if let Some(c) = self.host.as_ref().and_then(|h| h.codec_of(hash)) {
+            return Some(c);
+        }
+        self.disk.as_ref().and_then(|d| d.codec_of(hash))
+    }
+
     /// True when some lower tier holds `hash`; marks it recently used there.
     pub fn touch(&mut self, hash: u64) -> bool {
         self.host.as_mut().is_some_and(|h| h.touch(hash)) || self.disk.as_mut().is_some_and(|d| d.touch(hash))
