@@ -252,6 +252,7 @@ def check_default(objs):
     expect("--amx" not in w["command"], "default: worker runs --amx although worker.amx is off")
     expect("--evicpress-shrink" not in w["command"], "default: worker shrinks profiles although it is off")
     expect("--evicpress-upgrade" not in w["command"], "default: worker recomputes lossy copies although it is off")
+    expect("--kivi-residual-tokens=0" in w["command"], "default: worker keeps a KIVI residual although it is 0")
     expect("--device=cpu" in w["command"] and not w["image"].endswith("-cuda"), "default: worker is not the CPU build")
     expect([t["metadata"]["name"] for t in wo["spec"]["volumeClaimTemplates"]] == ["data"], "default: no data PVC")
     cm = find(objs, "ConfigMap", "rel-pagoda-dashboard")
@@ -342,7 +343,8 @@ def check_minimal(objs):
     expect(not any(a.startswith("--admin-key-file") for a in r["command"]), "minimal: --admin-key-file, admin is off")
     w, _ = container(objs, "StatefulSet", "worker", "worker")
     expect("--amx" in w["command"], "minimal: worker lacks --amx although worker.amx is on")
-    for flag in ["--tier-placement=evicpress", "--evicpress-horizon=observed", "--evicpress-shrink", "--evicpress-upgrade",
+    for flag in ["--tier-placement=evicpress", "--kivi-residual-tokens=128", "--evicpress-horizon=observed",
+                 "--evicpress-shrink", "--evicpress-upgrade",
                  "--evicpress-profile-question=Who is speaking in the passage above?",
                  "--evicpress-profile-question=How does the passage end?"]:
         expect(flag in w["command"], f"minimal: worker lacks {flag}")

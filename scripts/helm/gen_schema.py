@@ -154,6 +154,8 @@ schema = obj({
             # `pagoda worker --tier-placement` / `--tier-codec` / `--evicpress-alpha` (worker/src/placement.rs).
             "placement": {"enum": ["lru", "evicpress"]},
             "codec": {"enum": ["native", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"]},
+            # `--kivi-residual-tokens` (tiers/residual.rs MAX_RESIDUAL_TOKENS).
+            "kiviResidualTokens": integer(0, 4096),
             "evicpressAlpha": {"type": "number", "minimum": 0},
             # `--evicpress-keep-ratios`: comma-separated ratios in (0, 1), or none (tiers/pruned.rs).
             "evicpressKeepRatios": {"type": "string", "pattern": r"^(none|0?\.[0-9]*[1-9][0-9]*(,0?\.[0-9]*[1-9][0-9]*){0,3})$"},
