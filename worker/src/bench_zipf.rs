@@ -51,7 +51,7 @@ use crate::evicpress::GreedyRule;
 use crate::model::{Gguf, Tokenizer};
 use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, agreement};
 use crate::policy::PolicySpec;
-use crate::tiers::residual::{self, MAX_RESIDUAL_TOKENS};
+use crate::tiers::residual;
 use crate::tiers::{GroupCodec, Tier, TierConfig};
 
 /// Questions appended to a context (each well under one 16-token group beyond the context's last group).
@@ -916,11 +916,11 @@ pub fn zipf_bench_with_progress(
     if opts.disk_mib > 0 && opts.data_dir.is_none() {
         return bad("the disk tier needs a data dir".into());
     }
-    if opts.kivi_residual_tokens.is_empty()
-        || opts.kivi_residual_tokens.len() > MAX_ALPHAS
-        || opts.kivi_residual_tokens.iter().any(|&r| r > MAX_RESIDUAL_TOKENS)
-    {
-        return bad(format!("give 1..={MAX_ALPHAS} KIVI residuals, each at most {MAX_RESIDUAL_TOKENS} tokens"));
+    if opts.kivi_residual_tokens.is_empty() || opts.kivi_residual_tokens.len() > MAX_ALPHAS {
+        return bad(format!("give 1..={MAX_ALPHAS} KIVI residuals"));
+    }
+    if let Some(e) = opts.kivi_residual_tokens.iter().find_map(|&r| residual::check_tokens(r).err()) {
+        return bad(format!("KIVI residual: {e}"));
     }
     if opts.alphas.is_empty() || opts.alphas.len() > MAX_ALPHAS {
         return bad(format!("give 1..={MAX_ALPHAS} EvicPress alphas"));

@@ -801,13 +801,8 @@ fn open_placement(
     info: &ModelInfo,
     tiers: Option<&TierStore>,
 ) -> Result<Option<EvicPress>, EngineError> {
-    if cfg.kivi_residual_tokens > residual::MAX_RESIDUAL_TOKENS {
-        return Err(EngineError::Config(format!(
-            "--kivi-residual-tokens: at most {}, got {}",
-            residual::MAX_RESIDUAL_TOKENS,
-            cfg.kivi_residual_tokens
-        )));
-    }
+    residual::check_tokens(cfg.kivi_residual_tokens)
+        .map_err(|e| EngineError::Config(format!("--kivi-residual-tokens: {e}")))?;
     match &cfg.placement {
         TierPlacement::Lru => Ok(None),
         TierPlacement::LruCodec(c) => {
@@ -1247,18 +1242,18 @@ impl<R: ModelRunner> EngineLoop<R> {
         let Some(kv) = self.runner.group_kv() else { return };
         for &h in &self.hashes {
             let codec = self.residual.codec_for(h, self.tier_codec, kv.native_codec());
-            if tiers.touch(h) {
-                // A group stored before it ended a prompt (the middle of an earlier one, or seeded KV) takes the
-                // residual's format once it does; otherwise the stored copy stands.
-                let to_residual = codec != self.tier_codec && tiers.codec_of(h).is_some_and(|c| c != codec.name());
-                if !to_residual {
-                    continue;
-                }
+            // A group stored before it ended a prompt (the middle of an earlier one, or seeded KV) takes the
+            // residual's format once it does; otherwise the stored copy stands.
+            let replace = tiers.touch(h);
+            if replace && (codec == self.tier_codec || tiers.codec_of(h).is_none_or(|c| c == codec.name())) {
+                continue;
             }
             let pool = self.sched.pool();
             let Some(g) = pool.index().get(h) else { continue };
-            // One copy per group: a lossy one it replaces leaves first.
-            tiers.remove(h);
+            if replace {
+                // One copy per group: the lossy one leaves first.
+                tiers.remove(h);
+            }
             match kv.encode_or_native(g.blocks(), codec) {
                 Ok(group) => tiers.offload(h, group),
                 // Only a device copy can fail the native format; the group then stays on the device alone.

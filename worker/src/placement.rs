@@ -448,13 +448,7 @@ impl EvicPress {
             return Err(bad(format!("drift threshold {} is not in [0, 1)", cfg.drift_threshold)));
         }
         pruned::check_keep_ratios(&cfg.keep_ratios).map_err(bad)?;
-        if cfg.residual_tokens > residual::MAX_RESIDUAL_TOKENS {
-            return Err(bad(format!(
-                "a residual of {} tokens; at most {}",
-                cfg.residual_tokens,
-                residual::MAX_RESIDUAL_TOKENS
-            )));
-        }
+        residual::check_tokens(cfg.residual_tokens).map_err(bad)?;
         let mut codecs = vec![GroupCodec::Native(dtype)];
         for c in &cfg.codecs {
             let v = GroupCodec::Kv(*c);

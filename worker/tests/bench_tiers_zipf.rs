@@ -12,6 +12,7 @@ use pagoda_worker::bench_zipf::{
     PROFILE_QUESTIONS, ZipfBenchOptions, ZipfReport, zipf_bench, zipf_bench_with_progress,
 };
 use pagoda_worker::evicpress::GreedyRule;
+use pagoda_worker::tiers::residual::MAX_RESIDUAL_TOKENS;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -176,6 +177,8 @@ fn offline_phase_runs_with_profiling_questions() {
         ZipfBenchOptions { upgrade: vec![], ..opts.clone() },
         ZipfBenchOptions { upgrade: vec![true, true], ..opts.clone() },
         ZipfBenchOptions { baselines: Some(vec!["lru+int2_kivi".into()]), ..opts.clone() },
+        ZipfBenchOptions { kivi_residual_tokens: vec![], ..opts.clone() },
+        ZipfBenchOptions { kivi_residual_tokens: vec![MAX_RESIDUAL_TOKENS + 1], ..opts.clone() },
     ] {
         assert!(zipf_bench(&model_path(), &bad).is_err(), "{bad:?}");
     }

@@ -25,6 +25,14 @@ pub const MAX_RESIDUAL_TOKENS: usize = 4096;
 /// Most tail hashes [`ResidualTails`] remembers; the oldest are forgotten first.
 pub const MAX_TAIL_HASHES: usize = 1 << 16;
 
+/// Checks a residual length against [`MAX_RESIDUAL_TOKENS`] (every entry point takes the same bound).
+pub fn check_tokens(tokens: usize) -> Result<(), String> {
+    if tokens > MAX_RESIDUAL_TOKENS {
+        return Err(format!("a residual of at most {MAX_RESIDUAL_TOKENS} tokens, got {tokens}"));
+    }
+    Ok(())
+}
+
 /// Whether `codec` is one of KIVI's, the codecs with a full-precision residual.
 pub fn has_residual(codec: GroupCodec) -> bool {
     matches!(codec, GroupCodec::Kv(Codec::Int4Kivi | Codec::Int2Kivi))
