@@ -886,6 +886,10 @@ struct BenchTiersArgs {
     /// Default: all of them.
     #[arg(long, value_delimiter = ',')]
     baselines: Option<Vec<String>>,
+    /// zipf: share of the contexts (0..=1) that are synthetic task items (passkey, multikey_niah, kv_retrieval,
+    /// variable_tracking, common_words in turn), each asked its own question, instead of prose windows.
+    #[arg(long, default_value_t = 0.0)]
+    task_share: f64,
 }
 
 #[derive(Args)]
@@ -1951,6 +1955,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         upgrade: args.evicpress_upgrade,
         kivi_residual_tokens: args.kivi_residual_tokens,
         baselines: args.baselines,
+        task_share: args.task_share,
         ..Default::default()
     };
     // The JSON and plot are rewritten after every configuration, so a run stopped part way keeps what finished.

@@ -47,6 +47,7 @@ use crate::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
     TierPlacement,
 };
+use crate::eval::TaskKind;
 use crate::evicpress::GreedyRule;
 use crate::model::{Gguf, Tokenizer};
 use crate::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, agreement};
@@ -149,6 +150,11 @@ pub struct ZipfBenchOptions {
     /// answers are every configuration's reference.
     #[serde(default)]
     pub baselines: Option<Vec<String>>,
+    /// Share of the contexts (0..=1) that are synthetic long-context task items ([`TaskKind`], the five families
+    /// in turn, each asked its own question) instead of prose windows: a workload whose contexts differ in how
+    /// much a codec hurts them, as the paper's mix of LongBench datasets does. 0: prose only.
+    #[serde(default)]
+    pub task_share: f64,
 }
 
 fn without_upgrades() -> Vec<bool> {
@@ -193,6 +199,7 @@ impl Default for ZipfBenchOptions {
             upgrade: without_upgrades(),
             kivi_residual_tokens: without_residual(),
             baselines: None,
+            task_share: 0.0,
         }
     }
 }
@@ -273,6 +280,10 @@ pub struct ZipfReport {
     /// Contexts the shared prefill computed (fewer than all when its `seed_dir` kept some from an earlier run).
     #[serde(default)]
     pub seed_computed: usize,
+    /// What each context is (`prose`, `random` or a task family's name), by context index: a request's
+    /// [`RequestRecord::context`] indexes it. Empty in reports written before the task mix.
+    #[serde(default)]
+    pub context_kinds: Vec<String>,
     pub results: Vec<ZipfConfigResult>,
 }
 
@@ -387,8 +398,43 @@ impl ZipfReport {
             );
         }
         s += &self.breakdown();
+        s += &self.by_context_kind();
         s += &self.by_turn();
         s += &self.comparison();
+        s
+    }
+
+    /// Each configuration's requests split by what their context is ([`ZipfReport::context_kinds`]): per kind,
+    /// the requests, their mean TTFT and their mean quality. Empty when every context is of one kind.
+    pub fn by_context_kind(&self) -> String {
+        let mut kinds: Vec<&str> = self.context_kinds.iter().map(String::as_str).collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        if kinds.len() < 2 {
+            return String::new();
+        }
+        let mut s = String::from(
+            "\nBy what the context is (requests, mean TTFT ms, quality):\n\n| configuration | mean TTFT ms | quality |",
+        );
+        for k in &kinds {
+            s += &format!(" {k} |");
+        }
+        s += &format!("\n|---|---|---|{}\n", "---|".repeat(kinds.len()));
+        for r in &self.results {
+            s += &format!("| {} | {:.1} | {:.3} |", r.name, r.ttft_ms_mean, r.quality);
+            for k in &kinds {
+                let of_kind =
+                    || r.per_request.iter().filter(|q| self.context_kinds.get(q.context).is_some_and(|c| c == k));
+                let n = of_kind().count();
+                if n == 0 {
+                    s += " – |";
+                    continue;
+                }
+                let ttft = of_kind().map(|q| q.ttft_ms).sum::<f64>() / n as f64;
+                s += &format!(" {n}, {ttft:.0}, {:.3} |", mean_quality(of_kind()));
+            }
+            s += "\n";
+        }
         s
     }
 
@@ -542,9 +588,10 @@ pub enum RequestKind {
 impl RequestKind {
     pub const ALL: [RequestKind; 5] =
         [RequestKind::Cold, RequestKind::Partial, RequestKind::Device, RequestKind::Tier, RequestKind::Pruned];
-    /// Prompt tokens a reusing request still computes: the question (under one 16-token group) and the context's
-    /// last partial group.
-    const QUESTION_SLACK_TOKENS: u64 = 32;
+    /// Prompt tokens a reusing request still computes: the question (a prose question is under one 16-token
+    /// group, a task item's under [`MAX_TASK_QUESTION_TOKENS`] with the tokens cut from its context) and the
+    /// context's last partial group.
+    const QUESTION_SLACK_TOKENS: u64 = 80;
 
     pub fn name(self) -> &'static str {
         match self {
@@ -580,31 +627,107 @@ struct Request {
     prompt: Vec<u32>,
 }
 
-/// The documents: prose windows or random tokens, lengths multiples of `bs`.
+/// The workload's documents, lengths multiples of `bs`.
+struct Documents {
+    docs: Vec<Vec<u32>>,
+    /// A task item's own question (with the tokens cut from its context's end to reach a whole group); `None`
+    /// for prose and random documents, which are asked one of [`QUESTIONS`].
+    own_questions: Vec<Option<Vec<u32>>>,
+    /// What each document is ([`ZipfReport::context_kinds`]).
+    kinds: Vec<String>,
+    source: String,
+}
+
+/// Longest task question accepted (with the tokens moved from its context), so that a reusing request still
+/// computes less than [`RequestKind::QUESTION_SLACK_TOKENS`].
+const MAX_TASK_QUESTION_TOKENS: usize = 72;
+
+/// The documents: task items for the first `task_share` of them (popularity is assigned by a seeded shuffle, so
+/// which documents come first does not matter), then prose windows or random tokens.
 fn contexts(
     opts: &ZipfBenchOptions,
     tokenizer: &Tokenizer,
     vocab: u32,
     bs: usize,
     rng: &mut StdRng,
-) -> Result<(Vec<Vec<u32>>, String), EngineError> {
+) -> Result<Documents, EngineError> {
     let lens: Vec<usize> =
         (0..opts.contexts).map(|_| (rng.random_range(opts.min_tokens..=opts.max_tokens) / bs).max(1) * bs).collect();
-    if let Some(dir) = &opts.prose_dir {
+    let n_tasks = (opts.task_share * opts.contexts as f64).round() as usize;
+    let mut docs = Vec::with_capacity(lens.len());
+    let mut own_questions = Vec::with_capacity(lens.len());
+    let mut kinds = Vec::with_capacity(lens.len());
+    for (i, &n) in lens.iter().enumerate().take(n_tasks) {
+        let kind = TaskKind::ALL[i % TaskKind::ALL.len()];
+        let (doc, question) = task_document(kind, opts.seed.wrapping_add(i as u64), n, tokenizer, bs)?;
+        docs.push(doc);
+        own_questions.push(Some(question));
+        kinds.push(kind.name().to_owned());
+    }
+    let rest = &lens[n_tasks..];
+    let with_tasks = |what: &str| {
+        if n_tasks == 0 { what.to_owned() } else { format!("{n_tasks} task items ({}), {what}", TASK_FAMILIES) }
+    };
+    if let Some(dir) = &opts.prose_dir
+        && !rest.is_empty()
+    {
         let stream = prose_tokens(dir, tokenizer, opts.max_tokens * 8)?;
         if stream.len() > opts.max_tokens + 1 {
-            let docs = lens
-                .iter()
-                .map(|&n| {
-                    let start = rng.random_range(0..stream.len() - n);
-                    stream[start..start + n].to_vec()
-                })
-                .collect();
-            return Ok((docs, format!("prose windows from {}", dir.display())));
+            for &n in rest {
+                let start = rng.random_range(0..stream.len() - n);
+                docs.push(stream[start..start + n].to_vec());
+                own_questions.push(None);
+                kinds.push("prose".to_owned());
+            }
+            let source = with_tasks(&format!("prose windows from {}", dir.display()));
+            return Ok(Documents { docs, own_questions, kinds, source });
         }
     }
-    let docs = lens.iter().map(|&n| (0..n).map(|_| rng.random_range(0..vocab)).collect()).collect();
-    Ok((docs, "random tokens".into()))
+    for &n in rest {
+        docs.push((0..n).map(|_| rng.random_range(0..vocab)).collect());
+        own_questions.push(None);
+        kinds.push("random".to_owned());
+    }
+    let source = if rest.is_empty() { with_tasks("no prose") } else { with_tasks("random tokens") };
+    Ok(Documents { docs, own_questions, kinds, source })
+}
+
+/// How the report names the task families.
+const TASK_FAMILIES: &str = "passkey, multikey_niah, kv_retrieval, variable_tracking, common_words in turn";
+
+/// One synthetic task item of about `tokens` tokens as a document and its question: the item's instruction and
+/// haystack, cut to whole groups (the cut tokens lead the question, so the text a request sees is the item's
+/// whole), and `\n\n` + the item's question (+ ` Answer:` unless it already ends in a colon).
+fn task_document(
+    kind: TaskKind,
+    seed: u64,
+    tokens: usize,
+    tokenizer: &Tokenizer,
+    bs: usize,
+) -> Result<(Vec<u32>, Vec<u32>), EngineError> {
+    let count = |s: &str| tokenizer.encode(s, false).len();
+    // The question and its group's slack come out of the document's length.
+    let item =
+        crate::eval::generate(kind, seed, tokens.saturating_sub(bs).max(crate::eval::tasks::MIN_TARGET_TOKENS), &count);
+    let (context, question) = item
+        .prompt
+        .rsplit_once("\n\n")
+        .ok_or_else(|| EngineError::Config(format!("{kind} item {seed} has no question after a blank line")))?;
+    let mut doc = tokenizer.encode(context, false);
+    let whole = (doc.len() / bs).max(1) * bs;
+    if doc.len() < whole {
+        return Err(EngineError::Config(format!("{kind} item {seed}: {} tokens, under one group", doc.len())));
+    }
+    let suffix = if question.ends_with(':') { "" } else { " Answer:" };
+    let mut own = doc.split_off(whole);
+    own.extend(tokenizer.encode(&format!("\n\n{question}{suffix}"), false));
+    if own.len() > MAX_TASK_QUESTION_TOKENS {
+        return Err(EngineError::Config(format!(
+            "{kind} item {seed}: question of {} tokens, over {MAX_TASK_QUESTION_TOKENS}",
+            own.len()
+        )));
+    }
+    Ok((doc, own))
 }
 
 /// The `*.txt` files of `dir` (bounded), tokenized, at least `want` tokens when there is that much.
@@ -931,6 +1054,9 @@ pub fn zipf_bench_with_progress(
     if let Err(e) = crate::tiers::pruned::check_keep_ratios(&opts.keep_ratios) {
         return bad(format!("EvicPress keep ratios: {e}"));
     }
+    if !(0.0..=1.0).contains(&opts.task_share) {
+        return bad(format!("task share must be in 0..=1, got {}", opts.task_share));
+    }
     if opts.profile_questions > PROFILE_QUESTIONS.len() {
         return bad(format!("at most {} profiling questions", PROFILE_QUESTIONS.len()));
     }
@@ -964,11 +1090,13 @@ pub fn zipf_bench_with_progress(
         PROFILE_QUESTIONS[..opts.profile_questions].iter().map(|q| tokenizer.encode(q, false)).collect();
     let longest_q =
         questions.iter().chain([&training_question]).chain(&profile_questions).map(Vec::len).max().unwrap_or(0);
-    if opts.max_tokens + longest_q + opts.answer_tokens >= info.context_length {
+    if opts.max_tokens + longest_q.max(MAX_TASK_QUESTION_TOKENS) + opts.answer_tokens >= info.context_length {
         return bad(format!("contexts of {} tokens do not fit the model's {}", opts.max_tokens, info.context_length));
     }
     let mut rng = StdRng::seed_from_u64(opts.seed);
-    let (docs, source) = contexts(opts, &tokenizer, info.vocab_size as u32, bs, &mut rng)?;
+    let Documents { docs, own_questions, kinds: context_kinds, source } =
+        contexts(opts, &tokenizer, info.vocab_size as u32, bs, &mut rng)?;
+    let longest_q = own_questions.iter().flatten().map(Vec::len).fold(longest_q, usize::max);
     let mut ranking: Vec<usize> = (0..docs.len()).collect();
     ranking.shuffle(&mut rng);
     let cdf = zipf_cdf(docs.len(), opts.zipf_s);
@@ -976,8 +1104,11 @@ pub fn zipf_bench_with_progress(
         .map(|_| {
             let u: f64 = rng.random();
             let rank = cdf.partition_point(|&c| c < u).min(docs.len() - 1);
-            let q = &questions[rng.random_range(0..questions.len())];
             let context = ranking[rank];
+            let q = match &own_questions[context] {
+                Some(own) => own,
+                None => &questions[rng.random_range(0..questions.len())],
+            };
             let mut prompt = docs[context].clone();
             prompt.extend_from_slice(q);
             Request { context, prompt }
@@ -1098,6 +1229,7 @@ pub fn zipf_bench_with_progress(
         model: model_name.clone(),
         options: opts.clone(),
         source: source.clone(),
+        context_kinds: context_kinds.clone(),
         workload_kv_bytes,
         device_bytes,
         seed_seconds,

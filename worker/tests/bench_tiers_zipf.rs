@@ -179,6 +179,8 @@ fn offline_phase_runs_with_profiling_questions() {
         ZipfBenchOptions { baselines: Some(vec!["lru+int2_kivi".into()]), ..opts.clone() },
         ZipfBenchOptions { kivi_residual_tokens: vec![], ..opts.clone() },
         ZipfBenchOptions { kivi_residual_tokens: vec![MAX_RESIDUAL_TOKENS + 1], ..opts.clone() },
+        ZipfBenchOptions { task_share: 1.5, ..opts.clone() },
+        ZipfBenchOptions { task_share: f64::NAN, ..opts.clone() },
     ] {
         assert!(zipf_bench(&model_path(), &bad).is_err(), "{bad:?}");
     }
@@ -230,4 +232,51 @@ fn offline_phase_runs_with_profiling_questions() {
         assert_eq!(r.completed, 10, "{}", r.name);
         assert_eq!(r.offline_seeded, 2, "{}: {r:?}", r.name);
     }
+}
+
+/// The task mix: the first `task_share` of the contexts are synthetic task items, the families in turn, each
+/// asked its own question (so its requests' prompts differ from the prose contexts' six questions); the report
+/// names each context's kind and splits quality and TTFT by it.
+#[test]
+fn a_task_mix_asks_each_task_item_its_own_question() {
+    let prose = root().join("data/prose");
+    let opts = ZipfBenchOptions {
+        threads: 2,
+        contexts: 5,
+        min_tokens: 256,
+        max_tokens: 384,
+        requests: 12,
+        answer_tokens: 2,
+        device_tokens: 0,
+        host_mib: 64,
+        disk_mib: 0,
+        codecs: vec!["int4_kivi".into()],
+        keep_ratios: vec![],
+        prose_dir: prose.is_dir().then_some(prose),
+        baselines: Some(vec!["lru+int4_kivi".into()]),
+        task_share: 0.6,
+        ..ZipfBenchOptions::default()
+    };
+    let report = zipf_bench(&model_path(), &opts).expect("bench runs");
+    let md = report.to_markdown();
+    println!("{md}");
+    assert_eq!(report.context_kinds, ["passkey", "multikey_niah", "kv_retrieval", "prose", "prose"]);
+    assert!(report.source.starts_with("3 task items"), "{}", report.source);
+    assert!(md.contains("By what the context is"), "{md}");
+    let recompute = &report.results[0];
+    assert_eq!(recompute.completed, 12);
+    // A context's requests all carry its one question, so all its prompts have one length; a prose context's
+    // six questions differ in length.
+    for context in 0..3 {
+        let lens: Vec<usize> =
+            recompute.per_request.iter().filter(|q| q.context == context).map(|q| q.prompt_tokens).collect();
+        assert!(lens.windows(2).all(|w| w[0] == w[1]), "task context {context}: {lens:?}");
+        // Group-aligned context plus the question: the question (and the cut tokens) is under 80 tokens.
+        assert!(lens.iter().all(|&n| (200..=384 + 80).contains(&n)), "task context {context}: {lens:?}");
+    }
+    let int4 = &report.results[1];
+    assert_eq!(int4.name, "lru+int4_kivi");
+    assert!(int4.per_request.iter().filter(|q| q.context < 3).any(|q| q.reused()), "task contexts are reused");
+    let read_back: ZipfReport = serde_json::from_str(&report.to_json_string()).expect("the report reads back");
+    assert_eq!(read_back.to_markdown(), md);
 }
