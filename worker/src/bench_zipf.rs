@@ -157,6 +157,10 @@ pub struct ZipfBenchOptions {
     pub task_share: f64,
 }
 
+fn min_question_slack() -> u64 {
+    RequestKind::MIN_QUESTION_SLACK_TOKENS
+}
+
 fn without_upgrades() -> Vec<bool> {
     vec![false]
 }
@@ -284,6 +288,11 @@ pub struct ZipfReport {
     /// [`RequestRecord::context`] indexes it. Empty in reports written before the task mix.
     #[serde(default)]
     pub context_kinds: Vec<String>,
+    /// Prompt tokens a reusing request may compute and still count as served from its context
+    /// ([`RequestKind::of`]): the longest question one group more, at least
+    /// [`RequestKind::MIN_QUESTION_SLACK_TOKENS`] (the value of reports written before it was recorded).
+    #[serde(default = "min_question_slack")]
+    pub question_slack_tokens: u64,
     pub results: Vec<ZipfConfigResult>,
 }
 
@@ -454,7 +463,8 @@ impl ZipfReport {
             s += &format!("| {} | {:.1} |", r.name, r.ttft_ms_mean);
             let total = r.per_request.len().max(1) as f64;
             for kind in RequestKind::ALL {
-                let of_kind = || r.per_request.iter().filter(|q| RequestKind::of(q) == kind);
+                let of_kind =
+                    || r.per_request.iter().filter(|q| RequestKind::of(q, self.question_slack_tokens) == kind);
                 let mut ttfts: Vec<f64> = of_kind().map(|q| q.ttft_ms).collect();
                 if ttfts.is_empty() {
                     s += " – |";
@@ -516,7 +526,7 @@ impl ZipfReport {
             }
             let on_top = || r.per_request.iter().filter(|q| q.context == top);
             let zeros = on_top().filter(|q| q.quality == 0.0).count();
-            let cold = on_top().filter(|q| RequestKind::of(q) == RequestKind::Cold).count();
+            let cold = on_top().filter(|q| RequestKind::of(q, self.question_slack_tokens) == RequestKind::Cold).count();
             s += &format!(" {:.3}, {zeros}, {cold} |\n", mean_quality(on_top()));
         }
         s
@@ -588,10 +598,9 @@ pub enum RequestKind {
 impl RequestKind {
     pub const ALL: [RequestKind; 5] =
         [RequestKind::Cold, RequestKind::Partial, RequestKind::Device, RequestKind::Tier, RequestKind::Pruned];
-    /// Prompt tokens a reusing request still computes: the question (a prose question is under one 16-token
-    /// group, a task item's under [`MAX_TASK_QUESTION_TOKENS`] with the tokens cut from its context) and the
-    /// context's last partial group.
-    const QUESTION_SLACK_TOKENS: u64 = 80;
+    /// The least [`ZipfReport::question_slack_tokens`]: two groups, room for a prose question (under one
+    /// 16-token group) and the group it may complete.
+    pub const MIN_QUESTION_SLACK_TOKENS: u64 = 32;
 
     pub fn name(self) -> &'static str {
         match self {
@@ -603,8 +612,9 @@ impl RequestKind {
         }
     }
 
-    pub fn of(r: &RequestRecord) -> RequestKind {
-        let slack = Self::QUESTION_SLACK_TOKENS;
+    /// The request's kind, counting up to `slack` computed prompt tokens ([`ZipfReport::question_slack_tokens`])
+    /// as its question rather than its context.
+    pub fn of(r: &RequestRecord, slack: u64) -> RequestKind {
         let prompt = r.prompt_tokens as u64;
         if r.computed_tokens + slack >= prompt {
             RequestKind::Cold
@@ -628,6 +638,7 @@ struct Request {
 }
 
 /// The workload's documents, lengths multiples of `bs`.
+#[derive(Default)]
 struct Documents {
     docs: Vec<Vec<u32>>,
     /// A task item's own question (with the tokens cut from its context's end to reach a whole group); `None`
@@ -638,8 +649,16 @@ struct Documents {
     source: String,
 }
 
-/// Longest task question accepted (with the tokens moved from its context), so that a reusing request still
-/// computes less than [`RequestKind::QUESTION_SLACK_TOKENS`].
+impl Documents {
+    fn push(&mut self, doc: Vec<u32>, own_question: Option<Vec<u32>>, kind: &str) {
+        self.docs.push(doc);
+        self.own_questions.push(own_question);
+        self.kinds.push(kind.to_owned());
+    }
+}
+
+/// Longest task question accepted (with the tokens moved from its context): bounds what a request appends to
+/// its context, and so the report's question slack.
 const MAX_TASK_QUESTION_TOKENS: usize = 72;
 
 /// The documents: task items for the first `task_share` of them (popularity is assigned by a seeded shuffle, so
@@ -654,46 +673,40 @@ fn contexts(
     let lens: Vec<usize> =
         (0..opts.contexts).map(|_| (rng.random_range(opts.min_tokens..=opts.max_tokens) / bs).max(1) * bs).collect();
     let n_tasks = (opts.task_share * opts.contexts as f64).round() as usize;
-    let mut docs = Vec::with_capacity(lens.len());
-    let mut own_questions = Vec::with_capacity(lens.len());
-    let mut kinds = Vec::with_capacity(lens.len());
+    let mut out = Documents::default();
     for (i, &n) in lens.iter().enumerate().take(n_tasks) {
         let kind = TaskKind::ALL[i % TaskKind::ALL.len()];
         let (doc, question) = task_document(kind, opts.seed.wrapping_add(i as u64), n, tokenizer, bs)?;
-        docs.push(doc);
-        own_questions.push(Some(question));
-        kinds.push(kind.name().to_owned());
+        out.push(doc, Some(question), kind.name());
     }
     let rest = &lens[n_tasks..];
-    let with_tasks = |what: &str| {
-        if n_tasks == 0 { what.to_owned() } else { format!("{n_tasks} task items ({}), {what}", TASK_FAMILIES) }
+    let stream = match &opts.prose_dir {
+        Some(dir) if !rest.is_empty() => Some((dir, prose_tokens(dir, tokenizer, opts.max_tokens * 8)?)),
+        _ => None,
     };
-    if let Some(dir) = &opts.prose_dir
-        && !rest.is_empty()
-    {
-        let stream = prose_tokens(dir, tokenizer, opts.max_tokens * 8)?;
-        if stream.len() > opts.max_tokens + 1 {
+    let what = match stream {
+        Some((dir, stream)) if stream.len() > opts.max_tokens + 1 => {
             for &n in rest {
                 let start = rng.random_range(0..stream.len() - n);
-                docs.push(stream[start..start + n].to_vec());
-                own_questions.push(None);
-                kinds.push("prose".to_owned());
+                out.push(stream[start..start + n].to_vec(), None, "prose");
             }
-            let source = with_tasks(&format!("prose windows from {}", dir.display()));
-            return Ok(Documents { docs, own_questions, kinds, source });
+            format!("prose windows from {}", dir.display())
         }
-    }
-    for &n in rest {
-        docs.push((0..n).map(|_| rng.random_range(0..vocab)).collect());
-        own_questions.push(None);
-        kinds.push("random".to_owned());
-    }
-    let source = if rest.is_empty() { with_tasks("no prose") } else { with_tasks("random tokens") };
-    Ok(Documents { docs, own_questions, kinds, source })
+        _ => {
+            for &n in rest {
+                out.push((0..n).map(|_| rng.random_range(0..vocab)).collect(), None, "random");
+            }
+            (if rest.is_empty() { "no prose" } else { "random tokens" }).to_owned()
+        }
+    };
+    out.source = if n_tasks == 0 {
+        what
+    } else {
+        let families: Vec<&str> = TaskKind::ALL.iter().map(|k| k.name()).collect();
+        format!("{n_tasks} task items ({} in turn), {what}", families.join(", "))
+    };
+    Ok(out)
 }
-
-/// How the report names the task families.
-const TASK_FAMILIES: &str = "passkey, multikey_niah, kv_retrieval, variable_tracking, common_words in turn";
 
 /// One synthetic task item of about `tokens` tokens as a document and its question: the item's instruction and
 /// haystack, cut to whole groups (the cut tokens lead the question, so the text a request sees is the item's
@@ -710,14 +723,13 @@ fn task_document(
     let item =
         crate::eval::generate(kind, seed, tokens.saturating_sub(bs).max(crate::eval::tasks::MIN_TARGET_TOKENS), &count);
     let (context, question) = item
-        .prompt
-        .rsplit_once("\n\n")
+        .context_and_question()
         .ok_or_else(|| EngineError::Config(format!("{kind} item {seed} has no question after a blank line")))?;
     let mut doc = tokenizer.encode(context, false);
-    let whole = (doc.len() / bs).max(1) * bs;
-    if doc.len() < whole {
+    if doc.len() < bs {
         return Err(EngineError::Config(format!("{kind} item {seed}: {} tokens, under one group", doc.len())));
     }
+    let whole = doc.len() / bs * bs;
     let suffix = if question.ends_with(':') { "" } else { " Answer:" };
     let mut own = doc.split_off(whole);
     own.extend(tokenizer.encode(&format!("\n\n{question}{suffix}"), false));
@@ -1097,6 +1109,7 @@ pub fn zipf_bench_with_progress(
     let Documents { docs, own_questions, kinds: context_kinds, source } =
         contexts(opts, &tokenizer, info.vocab_size as u32, bs, &mut rng)?;
     let longest_q = own_questions.iter().flatten().map(Vec::len).fold(longest_q, usize::max);
+    let question_slack_tokens = (longest_q as u64 + bs as u64).max(RequestKind::MIN_QUESTION_SLACK_TOKENS);
     let mut ranking: Vec<usize> = (0..docs.len()).collect();
     ranking.shuffle(&mut rng);
     let cdf = zipf_cdf(docs.len(), opts.zipf_s);
@@ -1230,6 +1243,7 @@ pub fn zipf_bench_with_progress(
         options: opts.clone(),
         source: source.clone(),
         context_kinds: context_kinds.clone(),
+        question_slack_tokens,
         workload_kv_bytes,
         device_bytes,
         seed_seconds,
@@ -1308,11 +1322,23 @@ mod tests {
             pruned,
             quality: 1.0,
         };
-        assert_eq!(RequestKind::of(&r(800, [0; 3], false)), RequestKind::Cold);
-        assert_eq!(RequestKind::of(&r(13, [0, 0, 784], true)), RequestKind::Pruned);
-        assert_eq!(RequestKind::of(&r(13, [784, 0, 0], false)), RequestKind::Device);
-        assert_eq!(RequestKind::of(&r(13, [160, 624, 0], false)), RequestKind::Tier);
-        assert_eq!(RequestKind::of(&r(400, [0, 0, 400], false)), RequestKind::Partial);
+        assert_eq!(RequestKind::of(&r(800, [0; 3], false), RequestKind::MIN_QUESTION_SLACK_TOKENS), RequestKind::Cold);
+        assert_eq!(
+            RequestKind::of(&r(13, [0, 0, 784], true), RequestKind::MIN_QUESTION_SLACK_TOKENS),
+            RequestKind::Pruned
+        );
+        assert_eq!(
+            RequestKind::of(&r(13, [784, 0, 0], false), RequestKind::MIN_QUESTION_SLACK_TOKENS),
+            RequestKind::Device
+        );
+        assert_eq!(
+            RequestKind::of(&r(13, [160, 624, 0], false), RequestKind::MIN_QUESTION_SLACK_TOKENS),
+            RequestKind::Tier
+        );
+        assert_eq!(
+            RequestKind::of(&r(400, [0, 0, 400], false), RequestKind::MIN_QUESTION_SLACK_TOKENS),
+            RequestKind::Partial
+        );
         // Reuse: a hit in any tier, or a pruned copy; computing the whole prompt is not.
         let reused: Vec<bool> = [r(800, [0; 3], false), r(13, [0, 0, 784], true), r(13, [784, 0, 0], false)]
             .iter()

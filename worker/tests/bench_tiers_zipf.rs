@@ -263,6 +263,8 @@ fn a_task_mix_asks_each_task_item_its_own_question() {
     assert_eq!(report.context_kinds, ["passkey", "multikey_niah", "kv_retrieval", "prose", "prose"]);
     assert!(report.source.starts_with("3 task items"), "{}", report.source);
     assert!(md.contains("By what the context is"), "{md}");
+    // A task question is longer than a prose one: the requests are classified with room for it and one group.
+    assert!((33..=72 + 16).contains(&report.question_slack_tokens), "{}", report.question_slack_tokens);
     let recompute = &report.results[0];
     assert_eq!(recompute.completed, 12);
     // A context's requests all carry its one question, so all its prompts have one length; a prose context's

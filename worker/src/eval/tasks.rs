@@ -92,6 +92,14 @@ pub struct EvalItem {
     pub max_new_tokens: usize,
 }
 
+impl EvalItem {
+    /// The prompt's context (instruction and haystack) and its question: every prompt ends in a question after
+    /// the last blank line (see the module docs). `None` only for a prompt not made by [`generate`].
+    pub fn context_and_question(&self) -> Option<(&str, &str)> {
+        self.prompt.rsplit_once("\n\n")
+    }
+}
+
 /// Smallest target for which every kind fits under it. Below it, [`generate`] returns the smallest item it can
 /// make, which may be longer than the target (its `context_tokens` says by how much).
 pub const MIN_TARGET_TOKENS: usize = 256;
@@ -680,9 +688,8 @@ mod tests {
         s.len().div_ceil(4)
     }
 
-    /// The context and the question: every prompt ends in a question after the last blank line.
     fn split(item: &EvalItem) -> (&str, &str) {
-        item.prompt.rsplit_once("\n\n").expect("prompt has a context and a question")
+        item.context_and_question().expect("prompt has a context and a question")
     }
 
     fn occurrences(hay: &str, needle: &str) -> usize {
