@@ -1322,23 +1322,12 @@ mod tests {
             pruned,
             quality: 1.0,
         };
-        assert_eq!(RequestKind::of(&r(800, [0; 3], false), RequestKind::MIN_QUESTION_SLACK_TOKENS), RequestKind::Cold);
-        assert_eq!(
-            RequestKind::of(&r(13, [0, 0, 784], true), RequestKind::MIN_QUESTION_SLACK_TOKENS),
-            RequestKind::Pruned
-        );
-        assert_eq!(
-            RequestKind::of(&r(13, [784, 0, 0], false), RequestKind::MIN_QUESTION_SLACK_TOKENS),
-            RequestKind::Device
-        );
-        assert_eq!(
-            RequestKind::of(&r(13, [160, 624, 0], false), RequestKind::MIN_QUESTION_SLACK_TOKENS),
-            RequestKind::Tier
-        );
-        assert_eq!(
-            RequestKind::of(&r(400, [0, 0, 400], false), RequestKind::MIN_QUESTION_SLACK_TOKENS),
-            RequestKind::Partial
-        );
+        let kind = |r: RequestRecord| RequestKind::of(&r, RequestKind::MIN_QUESTION_SLACK_TOKENS);
+        assert_eq!(kind(r(800, [0; 3], false)), RequestKind::Cold);
+        assert_eq!(kind(r(13, [0, 0, 784], true)), RequestKind::Pruned);
+        assert_eq!(kind(r(13, [784, 0, 0], false)), RequestKind::Device);
+        assert_eq!(kind(r(13, [160, 624, 0], false)), RequestKind::Tier);
+        assert_eq!(kind(r(400, [0, 0, 400], false)), RequestKind::Partial);
         // Reuse: a hit in any tier, or a pruned copy; computing the whole prompt is not.
         let reused: Vec<bool> = [r(800, [0; 3], false), r(13, [0, 0, 784], true), r(13, [784, 0, 0], false)]
             .iter()
