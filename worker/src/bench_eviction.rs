@@ -461,6 +461,7 @@ fn run_config(
         namespace: String::new(),
         policy: (!spec.is_full()).then_some(spec),
         ignore_eos: true,
+        profile_queries: Vec::new(),
     };
     // Warm-up outside the clock: first-step scratch growth and page faults on the fresh KV arena's first blocks.
     let warm = prompts.first().map_or(&[][..], |p| &p[..p.len().min(32)]);

@@ -92,6 +92,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         namespace: String::new(),
         policy: Some(PolicySpec::full()),
         ignore_eos: true,
+        profile_queries: Vec::new(),
     }
 }
 

@@ -134,8 +134,12 @@ pub struct ZipfBenchOptions {
     /// rule is the paper's alone). Reports written before the option read back as the paper's rule.
     #[serde(default = "papers_greedy_rule")]
     pub greedy: Vec<GreedyRule>,
-    /// Profiling questions EvicPress scores each context on besides the request's own (the first this many of
-    /// a fixed list that no measured request asks; at most [`PROFILE_QUESTIONS`]'s length).
+    /// Training queries EvicPress scores each context on besides its creating request's question (at most
+    /// [`PROFILE_QUESTIONS`]'s length): the first this many of the context's own, which its requests give the
+    /// engine ([`GenerateRequest::profile_queries`]): for prose the fixed [`PROFILE_QUESTIONS`], for a task item
+    /// questions of its own family on its own context
+    /// ([`EvalItem::training_questions`](crate::eval::EvalItem::training_questions)). No measured request asks
+    /// any of them. Reports before `TODO` gave task items the prose questions.
     #[serde(default)]
     pub profile_questions: usize,
     /// EvicPress with and/or without recomputing contexts served from lossy copies when that pays
@@ -646,13 +650,18 @@ struct Documents {
     own_questions: Vec<Option<Vec<u32>>>,
     /// What each document is ([`ZipfReport::context_kinds`]).
     kinds: Vec<String>,
+    /// Each document's training queries for EvicPress's profiler, continuing the document as its requests'
+    /// questions do: a task item's [`EvalItem::training_questions`](crate::eval::EvalItem), prose's and random
+    /// tokens' [`PROFILE_QUESTIONS`]. None is a question a measured request asks.
+    training: Vec<Vec<Vec<u32>>>,
     source: String,
 }
 
 impl Documents {
-    fn push(&mut self, doc: Vec<u32>, own_question: Option<Vec<u32>>, kind: &str) {
+    fn push(&mut self, doc: Vec<u32>, own_question: Option<Vec<u32>>, training: Vec<Vec<u32>>, kind: &str) {
         self.docs.push(doc);
         self.own_questions.push(own_question);
+        self.training.push(training);
         self.kinds.push(kind.to_owned());
     }
 }
@@ -673,11 +682,12 @@ fn contexts(
     let lens: Vec<usize> =
         (0..opts.contexts).map(|_| (rng.random_range(opts.min_tokens..=opts.max_tokens) / bs).max(1) * bs).collect();
     let n_tasks = (opts.task_share * opts.contexts as f64).round() as usize;
+    let generic: Vec<Vec<u32>> = PROFILE_QUESTIONS.iter().map(|q| tokenizer.encode(q, false)).collect();
     let mut out = Documents::default();
     for (i, &n) in lens.iter().enumerate().take(n_tasks) {
         let kind = TaskKind::ALL[i % TaskKind::ALL.len()];
-        let (doc, question) = task_document(kind, opts.seed.wrapping_add(i as u64), n, tokenizer, bs)?;
-        out.push(doc, Some(question), kind.name());
+        let item = task_document(kind, opts.seed.wrapping_add(i as u64), n, tokenizer, bs)?;
+        out.push(item.doc, Some(item.question), item.training, kind.name());
     }
     let rest = &lens[n_tasks..];
     let stream = match &opts.prose_dir {
@@ -688,13 +698,13 @@ fn contexts(
         Some((dir, stream)) if stream.len() > opts.max_tokens + 1 => {
             for &n in rest {
                 let start = rng.random_range(0..stream.len() - n);
-                out.push(stream[start..start + n].to_vec(), None, "prose");
+                out.push(stream[start..start + n].to_vec(), None, generic.clone(), "prose");
             }
             format!("prose windows from {}", dir.display())
         }
         _ => {
             for &n in rest {
-                out.push((0..n).map(|_| rng.random_range(0..vocab)).collect(), None, "random");
+                out.push((0..n).map(|_| rng.random_range(0..vocab)).collect(), None, generic.clone(), "random");
             }
             (if rest.is_empty() { "no prose" } else { "random tokens" }).to_owned()
         }
@@ -708,16 +718,24 @@ fn contexts(
     Ok(out)
 }
 
+/// A task item as the workload's document, the question its requests ask, and its training queries.
+struct TaskDocument {
+    doc: Vec<u32>,
+    question: Vec<u32>,
+    training: Vec<Vec<u32>>,
+}
+
 /// One synthetic task item of about `tokens` tokens as a document and its question: the item's instruction and
 /// haystack, cut to whole groups (the cut tokens lead the question, so the text a request sees is the item's
-/// whole), and `\n\n` + the item's question (+ ` Answer:` unless it already ends in a colon).
+/// whole), and `\n\n` + the item's question (+ ` Answer:` unless it already ends in a colon). Its training
+/// questions continue the document the same way.
 fn task_document(
     kind: TaskKind,
     seed: u64,
     tokens: usize,
     tokenizer: &Tokenizer,
     bs: usize,
-) -> Result<(Vec<u32>, Vec<u32>), EngineError> {
+) -> Result<TaskDocument, EngineError> {
     let count = |s: &str| tokenizer.encode(s, false).len();
     // The question and its group's slack come out of the document's length.
     let item =
@@ -730,16 +748,21 @@ fn task_document(
         return Err(EngineError::Config(format!("{kind} item {seed}: {} tokens, under one group", doc.len())));
     }
     let whole = doc.len() / bs * bs;
-    let suffix = if question.ends_with(':') { "" } else { " Answer:" };
-    let mut own = doc.split_off(whole);
-    own.extend(tokenizer.encode(&format!("\n\n{question}{suffix}"), false));
-    if own.len() > MAX_TASK_QUESTION_TOKENS {
-        return Err(EngineError::Config(format!(
-            "{kind} item {seed}: question of {} tokens, over {MAX_TASK_QUESTION_TOKENS}",
-            own.len()
-        )));
-    }
-    Ok((doc, own))
+    let cut = doc.split_off(whole);
+    let ask = |question: &str| {
+        let suffix = if question.ends_with(':') { "" } else { " Answer:" };
+        let mut tokens = cut.clone();
+        tokens.extend(tokenizer.encode(&format!("\n\n{question}{suffix}"), false));
+        if tokens.len() > MAX_TASK_QUESTION_TOKENS {
+            return Err(EngineError::Config(format!(
+                "{kind} item {seed}: question of {} tokens, over {MAX_TASK_QUESTION_TOKENS}",
+                tokens.len()
+            )));
+        }
+        Ok(tokens)
+    };
+    let training = item.training_questions.iter().map(|q| ask(q)).collect::<Result<_, _>>()?;
+    Ok(TaskDocument { doc, question: ask(question)?, training })
 }
 
 /// The `*.txt` files of `dir` (bounded), tokenized, at least `want` tokens when there is that much.
@@ -784,7 +807,7 @@ fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
     cdf
 }
 
-fn request(prompt: Vec<u32>, answer_tokens: usize) -> GenerateRequest {
+fn request(prompt: Vec<u32>, answer_tokens: usize, profile_queries: &[Vec<u32>]) -> GenerateRequest {
     GenerateRequest {
         request_id: "zipf".into(),
         prompt,
@@ -794,13 +817,19 @@ fn request(prompt: Vec<u32>, answer_tokens: usize) -> GenerateRequest {
         namespace: String::new(),
         policy: Some(PolicySpec::full()),
         ignore_eos: true,
+        profile_queries: profile_queries.to_vec(),
     }
 }
 
 /// Runs one request: TTFT and the answer.
-fn run_one(engine: &EngineHandle, prompt: Vec<u32>, answer_tokens: usize) -> Result<(f64, Vec<u32>), EngineError> {
+fn run_one(
+    engine: &EngineHandle,
+    prompt: Vec<u32>,
+    answer_tokens: usize,
+    profile_queries: &[Vec<u32>],
+) -> Result<(f64, Vec<u32>), EngineError> {
     let t0 = Instant::now();
-    let mut rx = engine.submit(request(prompt, answer_tokens))?;
+    let mut rx = engine.submit(request(prompt, answer_tokens, profile_queries))?;
     let mut ttft = None;
     let mut answer = Vec::new();
     loop {
@@ -857,7 +886,7 @@ fn run_config(
             offline_seeded += 1;
         }
         let before = engine.stats().computed_tokens_total;
-        run_one(&engine, prompt.clone(), opts.answer_tokens)?;
+        run_one(&engine, prompt.clone(), opts.answer_tokens, offline.queries(i))?;
         settled(&engine, before)?;
     }
     let offline_seconds = if offline.prompts.is_empty() { 0.0 } else { offline_t0.elapsed().as_secs_f64() };
@@ -873,7 +902,7 @@ fn run_config(
     let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
     let mut last = engine.stats();
     for (i, r) in workload.iter().enumerate() {
-        let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens)?;
+        let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens, offline.queries(r.context))?;
         let s = settled(&engine, last.computed_tokens_total)?;
         let hit_tokens: [u64; 3] =
             std::array::from_fn(|t| s.prefix_hit_tokens[t].saturating_sub(last.prefix_hit_tokens[t]));
@@ -941,11 +970,20 @@ fn run_config(
 }
 
 /// What a configuration ingests before its measured requests: the offline phase's prompts (none without it), and
-/// where their contexts' KV comes from when it is not computed again.
+/// where their contexts' KV comes from when it is not computed again; and each context's training queries, which
+/// every request on it gives EvicPress (the offline phase's first creates the context).
 #[derive(Clone, Copy)]
 struct Offline<'a> {
     prompts: &'a [Vec<u32>],
     seeds: Option<&'a Seeds>,
+    profile_queries: &'a [Vec<Vec<u32>>],
+}
+
+impl Offline<'_> {
+    /// Training queries of context `i` (the offline prompts are the contexts in order).
+    fn queries(&self, i: usize) -> &[Vec<u32>] {
+        self.profile_queries.get(i).map_or(&[], Vec::as_slice)
+    }
 }
 
 /// The offline phase's shared prefill (see the module doc): an engine whose tiers hold every context's groups in
@@ -981,7 +1019,7 @@ impl Seeds {
                 continue;
             }
             let before = seeds.engine.stats().computed_tokens_total;
-            run_one(&seeds.engine, prompt.clone(), 1)?;
+            run_one(&seeds.engine, prompt.clone(), 1, &[])?;
             settled(&seeds.engine, before)?;
             seeds.computed += 1;
         }
@@ -1106,8 +1144,11 @@ pub fn zipf_bench_with_progress(
         return bad(format!("contexts of {} tokens do not fit the model's {}", opts.max_tokens, info.context_length));
     }
     let mut rng = StdRng::seed_from_u64(opts.seed);
-    let Documents { docs, own_questions, kinds: context_kinds, source } =
+    let Documents { docs, own_questions, kinds: context_kinds, training, source } =
         contexts(opts, &tokenizer, info.vocab_size as u32, bs, &mut rng)?;
+    // Every request gives its context the first `profile_questions` of its training queries.
+    let profile_queries: Vec<Vec<Vec<u32>>> =
+        training.into_iter().map(|t| t.into_iter().take(opts.profile_questions).collect()).collect();
     let longest_q = own_questions.iter().flatten().map(Vec::len).fold(longest_q, usize::max);
     let question_slack_tokens = (longest_q as u64 + bs as u64).max(RequestKind::MIN_QUESTION_SLACK_TOKENS);
     let mut ranking: Vec<usize> = (0..docs.len()).collect();
@@ -1185,7 +1226,8 @@ pub fn zipf_bench_with_progress(
             horizon: opts.horizon,
             shrink: opts.shrink,
             greedy,
-            profile_questions: profile_questions.clone(),
+            // Each context's own, given by its requests (`profile_queries`).
+            profile_questions: Vec::new(),
             upgrade,
             ..EvicPressConfig::default()
         };
@@ -1266,8 +1308,11 @@ pub fn zipf_bench_with_progress(
     for (index, (name, cfg)) in in_run_order {
         tracing::info!(config = %name, "bench tiers zipf: running");
         // Recompute keeps nothing, so an offline phase would change nothing but its run time.
-        let ingest =
-            Offline { prompts: if cfg.enable_prefix_cache { offline.as_slice() } else { &[] }, seeds: seeds.as_ref() };
+        let ingest = Offline {
+            prompts: if cfg.enable_prefix_cache { offline.as_slice() } else { &[] },
+            seeds: seeds.as_ref(),
+            profile_queries: &profile_queries,
+        };
         match run_config(model, opts, &name, cfg, &workload, ingest, reference.as_deref()) {
             Ok((r, answers)) => {
                 // A full-size run takes hours; each configuration's summary is logged as it finishes, so that an

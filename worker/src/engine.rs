@@ -157,6 +157,13 @@ pub struct GenerateRequest {
     /// stop. For benchmarks, where every request must generate exactly `max_tokens` so that configurations do
     /// the same work.
     pub ignore_eos: bool,
+    /// Training queries for the context this request creates under EvicPress placement (token ids, each
+    /// continuing the context where the prompt's question does; at most
+    /// [`MAX_PROFILE_QUESTIONS`](crate::placement::MAX_PROFILE_QUESTIONS) of at most
+    /// [`MAX_PROFILE_QUERY_TOKENS`](crate::placement::MAX_PROFILE_QUERY_TOKENS) tokens): the paper's per-context
+    /// query set, which the profiler scores every variant on in place of the worker's generic profiling
+    /// questions. Ignored under other placements and by requests that create no context.
+    pub profile_queries: Vec<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -652,6 +659,13 @@ impl EngineHandle {
         if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
             return Err(EngineError::InvalidRequest(format!("top_p must be in (0, 1], got {}", s.top_p)));
         }
+        crate::placement::check_profile_queries(
+            &req.profile_queries,
+            req.prompt.len(),
+            info.vocab_size,
+            info.context_length,
+        )
+        .map_err(EngineError::InvalidRequest)?;
         if let Some(p) = &req.policy {
             if !self.inner.policies.contains(&p.kind) {
                 return Err(EngineError::InvalidRequest(format!(
@@ -838,6 +852,8 @@ struct ReqState {
     request_id: String,
     events: UnboundedSender<GenerateEvent>,
     sampler: Sampler,
+    /// [`GenerateRequest::profile_queries`], handed to EvicPress when the request finishes.
+    profile_queries: Vec<Vec<u32>>,
 }
 
 struct EngineLoop<R> {
@@ -1050,7 +1066,12 @@ impl<R: ModelRunner> EngineLoop<R> {
                         }
                     }
                 }
-                let state = ReqState { request_id: req.request_id, events, sampler: Sampler::new(req.sampling) };
+                let state = ReqState {
+                    request_id: req.request_id,
+                    events,
+                    sampler: Sampler::new(req.sampling),
+                    profile_queries: req.profile_queries,
+                };
                 let r = SeqRequest {
                     prompt: req.prompt,
                     max_tokens: req.max_tokens as usize,
@@ -1476,7 +1497,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 self.residual.finished(&seq.hashes()[..prompt_groups.min(seq.hashes().len())]);
                 if let Some(ep) = &mut self.evicpress {
                     let prompt = &seq.tokens()[..seq.prompt_len()];
-                    ep.finished(prompt, seq.namespace(), seq.cached_tokens(), seq.generated().len());
+                    let (cached, generated) = (seq.cached_tokens(), seq.generated().len());
+                    ep.finished(prompt, seq.namespace(), cached, generated, &seq.payload.profile_queries);
                 }
             }
         }
@@ -1791,6 +1813,7 @@ mod tests {
             namespace: String::new(),
             policy: None,
             ignore_eos: false,
+            profile_queries: Vec::new(),
         }
     }
 

@@ -59,8 +59,36 @@ use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
 
 /// Finished requests waiting for placement at most; older ones are dropped (their contexts are simply not placed).
 pub const MAX_PENDING: usize = 256;
-/// Most profiling questions besides a request's own probe ([`EvicPressConfig::profile_questions`]).
+/// Most profiling questions besides a request's own probe ([`EvicPressConfig::profile_questions`]), and most
+/// training queries a request gives its context ([`crate::engine::GenerateRequest::profile_queries`]).
 pub const MAX_PROFILE_QUESTIONS: usize = 8;
+/// Longest training query a request may give its context.
+pub const MAX_PROFILE_QUERY_TOKENS: usize = 128;
+
+/// Checks a request's training queries ([`crate::engine::GenerateRequest::profile_queries`]): at most
+/// [`MAX_PROFILE_QUESTIONS`], each of 1..=[`MAX_PROFILE_QUERY_TOKENS`] token ids below `vocab_size` and short
+/// enough that the prompt, the query and a profiled answer fit in `context_length`.
+pub fn check_profile_queries(
+    queries: &[Vec<u32>],
+    prompt_len: usize,
+    vocab_size: usize,
+    context_length: usize,
+) -> Result<(), String> {
+    if queries.len() > MAX_PROFILE_QUESTIONS {
+        return Err(format!("give at most {MAX_PROFILE_QUESTIONS} profile queries, got {}", queries.len()));
+    }
+    let room = context_length.saturating_sub(prompt_len + EvicPressConfig::default().answer_tokens);
+    let most = MAX_PROFILE_QUERY_TOKENS.min(room);
+    for (i, q) in queries.iter().enumerate() {
+        if q.is_empty() || q.len() > most {
+            return Err(format!("profile query {} is {} tokens; each must be 1..={most} here", i + 1, q.len()));
+        }
+        if let Some(bad) = q.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(format!("profile query {}: token id {bad} is outside the vocabulary ({vocab_size})", i + 1));
+        }
+    }
+    Ok(())
+}
 /// Upper bound on one group file's bytes beyond its payload (header, codec name, checksum): the planner's size per
 /// variant includes it so that the disk tier never has to evict on its own.
 const FILE_OVERHEAD: usize = 128;
@@ -317,6 +345,9 @@ struct Context {
     /// Quality measured (not the prior).
     profiled: bool,
     last_use: u64,
+    /// The training queries its creating request gave ([`crate::engine::GenerateRequest::profile_queries`]):
+    /// profiled in place of [`EvicPressConfig::profile_questions`] when there are any.
+    queries: Vec<Vec<u32>>,
 }
 
 /// A finished request's view of one context: the whole chain up to the context's end (the profiler needs every
@@ -661,9 +692,17 @@ impl EvicPress {
     }
 
     /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
-    /// passed through (counting accesses) and creates a new one from its unowned groups. Placement happens in
-    /// [`EvicPress::place_pending`].
-    pub fn finished(&mut self, prompt: &[u32], namespace: &str, cached_tokens: usize, generated: usize) {
+    /// passed through (counting accesses) and creates a new one from its unowned groups, with `queries` (the
+    /// request's training queries, checked by [`check_profile_queries`]) as its profiling set. Placement happens
+    /// in [`EvicPress::place_pending`].
+    pub fn finished(
+        &mut self,
+        prompt: &[u32],
+        namespace: &str,
+        cached_tokens: usize,
+        generated: usize,
+        queries: &[Vec<u32>],
+    ) {
         let bs = self.layout.block_size;
         self.answer_lengths.update(generated as f64);
         if prompt.len() < 2 {
@@ -684,7 +723,13 @@ impl EvicPress {
             }
             self.contexts.insert(
                 id,
-                Context { groups: chain[i..].to_vec(), stored: None, profiled: false, last_use: self.clock },
+                Context {
+                    groups: chain[i..].to_vec(),
+                    stored: None,
+                    profiled: false,
+                    last_use: self.clock,
+                    queries: queries.to_vec(),
+                },
             );
             touched.push((id, chain.len()));
         }
@@ -805,7 +850,7 @@ impl EvicPress {
 
     fn set_measured(&mut self, context: u64, tokens: u64, mut q: Vec<Option<f64>>) -> Result<(), EngineError> {
         // Every probe scores the horizon's positions.
-        let positions = self.horizon() * (1 + self.cfg.profile_questions.len());
+        let positions = self.horizon() * (1 + self.profiling_set(context).len());
         for (v, q) in q.iter_mut().enumerate() {
             if let Some(q) = q {
                 let measured = *q;
@@ -867,6 +912,15 @@ impl EvicPress {
         self.prior.iter().enumerate().map(|(v, p)| if v == 0 { Some(1.0) } else { p.mean() }).collect()
     }
 
+    /// The questions a context is profiled on besides its request's probe: the training queries its creating
+    /// request gave, else the worker's profiling questions.
+    fn profiling_set(&self, context: u64) -> &[Vec<u32>] {
+        match self.contexts.get(&context) {
+            Some(c) if !c.queries.is_empty() => &c.queries,
+            _ => &self.cfg.profile_questions,
+        }
+    }
+
     fn profile_all<R: ModelRunner>(
         &mut self,
         runner: &mut R,
@@ -906,7 +960,8 @@ impl EvicPress {
         let bs = self.layout.block_size;
         let own = self.contexts.get(&p.context).map_or(0, |c| c.groups.len()).min(p.chain.len());
         let answer_len = self.horizon();
-        let longest_probe = self.cfg.profile_questions.iter().map(Vec::len).chain([p.probe.len()]).max().unwrap_or(0);
+        let questions = self.profiling_set(p.context);
+        let longest_probe = questions.iter().map(Vec::len).chain([p.probe.len()]).max().unwrap_or(0);
         let tail_blocks = (longest_probe + answer_len).div_ceil(bs);
         let mut tail = Vec::new();
         if pool.allocate(gs * tail_blocks, &mut tail).is_err() {
@@ -914,7 +969,7 @@ impl EvicPress {
             return Ok(None);
         }
         let blocks = ProfileBlocks { groups: &groups, own, tail: &tail, tail_blocks };
-        let probes: Vec<Vec<u32>> = [p.probe.clone()].into_iter().chain(self.cfg.profile_questions.clone()).collect();
+        let probes: Vec<Vec<u32>> = [p.probe.clone()].into_iter().chain(questions.iter().cloned()).collect();
         let result = self.measure(runner, &blocks, &probes, answer_len, variants, t0);
         release(pool, &tail);
         release(pool, &pinned);
@@ -1580,7 +1635,7 @@ mod tests {
         let doc: Vec<u32> = (0..128).collect();
         let mut a = doc.clone();
         a.extend([900, 901, 902, 903, 904]);
-        ep.finished(&a, "", 0, 4);
+        ep.finished(&a, "", 0, 4, &[]);
         assert_eq!(ep.contexts.len(), 1);
         let id = *ep.contexts.keys().next().unwrap();
         assert_eq!(ep.contexts[&id].groups.len(), 8);
@@ -1589,7 +1644,7 @@ mod tests {
         // not a context either.
         let mut b = doc.clone();
         b.extend(1000..1040);
-        ep.finished(&b, "", 128, 4);
+        ep.finished(&b, "", 128, 4, &[]);
         assert_eq!(ep.contexts.len(), 1);
         let last = ep.pending.back().unwrap();
         assert_eq!((last.context, last.chain.len(), last.fresh), (id, 8, false));
@@ -1598,7 +1653,7 @@ mod tests {
         // the document cached and computed the new groups: the new context is fresh (profiled), the document not.
         let mut c = doc.clone();
         c.extend(2000..2080);
-        ep.finished(&c, "", 128, 4);
+        ep.finished(&c, "", 128, 4, &[]);
         assert_eq!(ep.contexts.len(), 2);
         assert!(ep.contexts.values().any(|x| x.groups.len() == 4));
         let n = ep.pending.len();
@@ -1609,11 +1664,11 @@ mod tests {
         // context): fresh, with that group left for placement to check against the tiers.
         let mut d: Vec<u32> = (7000..7016).collect();
         d.extend(5000..5080);
-        ep.finished(&d, "", 16, 4);
+        ep.finished(&d, "", 16, 4, &[]);
         let last = ep.pending.back().unwrap();
         assert_eq!((last.chain.len(), last.fresh, last.cached_new.len()), (5, true, 1));
         // Another namespace hashes differently: a new context.
-        ep.finished(&a, "tenant", 0, 4);
+        ep.finished(&a, "tenant", 0, 4, &[]);
         assert_eq!(ep.contexts.len(), 4);
     }
 
@@ -1654,22 +1709,22 @@ mod tests {
         // Before any request: the most, answer_tokens.
         assert_eq!(horizon(&ep), 16);
         // The first output length replaces the prior; later ones move the average (rounded).
-        ep.finished(&prompt, "", 0, 4);
+        ep.finished(&prompt, "", 0, 4, &[]);
         assert_eq!(horizon(&ep), 4);
-        ep.finished(&prompt, "", 0, 4);
+        ep.finished(&prompt, "", 0, 4, &[]);
         assert_eq!(horizon(&ep), 4);
-        ep.finished(&prompt, "", 0, 9);
+        ep.finished(&prompt, "", 0, 9, &[]);
         assert_eq!(horizon(&ep), 5, "4 + 0.2 · (9 − 4) = 5");
         // Bounded by answer_tokens above; an empty output (a request stopped at once) does not count.
         for _ in 0..50 {
-            ep.finished(&prompt, "", 0, 500);
+            ep.finished(&prompt, "", 0, 500, &[]);
         }
         assert_eq!(horizon(&ep), 16);
-        ep.finished(&prompt, "", 0, 0);
+        ep.finished(&prompt, "", 0, 0, &[]);
         assert_eq!(horizon(&ep), 16);
         // Fixed, the default, ignores the requests.
         let mut ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F32, &tiers).unwrap();
-        ep.finished(&prompt, "", 0, 4);
+        ep.finished(&prompt, "", 0, 4, &[]);
         assert_eq!(horizon(&ep), 16);
     }
 }

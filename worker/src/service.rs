@@ -280,6 +280,7 @@ impl WorkerService {
             namespace: req.namespace,
             policy,
             ignore_eos: false,
+            profile_queries: Vec::new(),
         })
     }
 }

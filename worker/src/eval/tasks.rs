@@ -90,6 +90,12 @@ pub struct EvalItem {
     /// Room for the answers twice over plus a short lead-in, so that a model that restates the question or
     /// numbers its list is not cut off before the answer.
     pub max_new_tokens: usize,
+    /// [`TRAINING_QUESTIONS`] other questions on the same context in the item's own form (another needle's key,
+    /// another JSON key (fewer when the object has fewer other keys), or other questions on the one fact or
+    /// chain the context holds), none of them
+    /// `prompt`'s question: the per-context training queries EvicPress profiles on (its paper, §4.3), kept apart
+    /// from the question an item is scored on.
+    pub training_questions: Vec<String>,
 }
 
 impl EvalItem {
@@ -99,6 +105,9 @@ impl EvalItem {
         self.prompt.rsplit_once("\n\n")
     }
 }
+
+/// Training questions every item carries ([`EvalItem::training_questions`]).
+pub const TRAINING_QUESTIONS: usize = 4;
 
 /// Smallest target for which every kind fits under it. Below it, [`generate`] returns the smallest item it can
 /// make, which may be longer than the target (its `context_tokens` says by how much).
@@ -128,6 +137,7 @@ pub fn generate(kind: TaskKind, seed: u64, target_tokens: usize, count_tokens: &
         prompt: rendered.prompt,
         answers: rendered.answers,
         max_new_tokens: 2 * answer_tokens + ANSWER_LEAD_IN_TOKENS,
+        training_questions: rendered.training_questions,
     }
 }
 
@@ -279,10 +289,11 @@ fn at_depth(n: usize, depth: usize) -> usize {
     n * depth / 1000
 }
 
-/// A prompt and its answers for one haystack size.
+/// A prompt and its answers for one haystack size, and the item's training questions on that haystack.
 struct Rendered {
     prompt: String,
     answers: Vec<String>,
+    training_questions: Vec<String>,
 }
 
 /// A task instance whose secrets are fixed and whose haystack length, in units (sentences, JSON pairs, list
@@ -412,7 +423,16 @@ impl Task for Passkey {
             &context,
             "What is the pass key?",
         );
-        Rendered { prompt, answers: vec![k.to_string()] }
+        // One fact: the training questions ask it in other words.
+        let training_questions = [
+            "What is the pass key mentioned in the text?",
+            "Which number is the pass key?",
+            "What number did the text ask you to remember?",
+            "Repeat the pass key hidden in the text above.",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        Rendered { prompt, answers: vec![k.to_string()], training_questions }
     }
 }
 
@@ -474,13 +494,18 @@ impl Task for MultiKey {
         let context = weave(&refs, &inserts, " ").replace(" \n\n", "\n\n");
         let context = context.trim_start();
         let (key, value, _) = &self.needles[self.query];
+        let ask = |key: &str| format!("What is the special magic number for {key} mentioned in the provided text?");
         let prompt = layout(
             "Some special magic numbers are hidden within the following text. Make sure to memorize it. I will quiz \
              you about the numbers afterwards.",
             context,
-            &format!("What is the special magic number for {key} mentioned in the provided text?"),
+            &ask(key),
         );
-        Rendered { prompt, answers: vec![value.to_string()] }
+        // The three distractor needles, then every number at once.
+        let mut training_questions: Vec<String> =
+            self.needles.iter().enumerate().filter(|&(i, _)| i != self.query).map(|(_, (k, _, _))| ask(k)).collect();
+        training_questions.push("Which special magic numbers are mentioned in the provided text?".to_owned());
+        Rendered { prompt, answers: vec![value.to_string()], training_questions }
     }
 }
 
@@ -524,12 +549,18 @@ impl Task for KvRetrieval {
         let body: Vec<String> = pairs.iter().map(|(k, v)| format!(" \"{k}\": \"{v}\"")).collect();
         let context = format!("JSON data:\n{{\n{}\n}}", body.join(",\n"));
         let (key, value) = &pairs[query];
+        let ask = |key: &str| format!("Key: \"{key}\"\nCorresponding value:");
         let prompt = layout(
             "Extract the value corresponding to the specified key in the JSON object below.",
             &context,
-            &format!("Key: \"{key}\"\nCorresponding value:"),
+            &ask(key),
         );
-        Rendered { prompt, answers: vec![value.clone()] }
+        // Other keys, spread over the object (evenly placed, skipping the asked one).
+        let others: Vec<usize> = (0..n).filter(|&i| i != query).collect();
+        let training_questions = (0..TRAINING_QUESTIONS.min(others.len()))
+            .map(|j| ask(&pairs[others[(2 * j + 1) * others.len() / (2 * TRAINING_QUESTIONS)]].0))
+            .collect();
+        Rendered { prompt, answers: vec![value.clone()], training_questions }
     }
 }
 
@@ -582,7 +613,14 @@ impl Task for VariableTracking {
             &context,
             &format!("Question: Find all variables that are assigned the value {} in the text above.", self.value),
         );
-        Rendered { prompt, answers: self.names.clone() }
+        let v = self.value;
+        let training_questions = vec![
+            format!("Question: Which variable is assigned the value {v} first in the text above?"),
+            format!("Question: Which variables hold the value {v} in the text above?"),
+            "Question: Which variable is assigned last in the chain above?".to_owned(),
+            "Question: What value is passed along the chain of variables above?".to_owned(),
+        ];
+        Rendered { prompt, answers: self.names.clone(), training_questions }
     }
 }
 
@@ -651,7 +689,14 @@ impl Task for CommonWords {
             &entries.join(" "),
             &format!("Question: What are the {CWE_COMMON} most common words in the above list?"),
         );
-        Rendered { prompt, answers: common.iter().map(|w| w.to_string()).collect() }
+        let training_questions = [
+            "Question: Which word appears most often in the above list?".to_owned(),
+            format!("Question: Which {CWE_COMMON} words are repeated the most in the list above?"),
+            "Question: Name the words that occur many times in the numbered list.".to_owned(),
+            "Question: Which words in the above list appear only a few times?".to_owned(),
+        ]
+        .to_vec();
+        Rendered { prompt, answers: common.iter().map(|w| w.to_string()).collect(), training_questions }
     }
 }
 
@@ -707,6 +752,33 @@ mod tests {
             assert!(!question.contains(a.as_str()), "{what}: answer {a} given away in the question");
         }
         assert!(item.max_new_tokens > item.answers.len(), "{what}: max_new_tokens {}", item.max_new_tokens);
+        let training = &item.training_questions;
+        // A key-value item of few pairs has fewer other keys to ask.
+        let want = if item.task == TaskKind::KvRetrieval {
+            1..=TRAINING_QUESTIONS
+        } else {
+            TRAINING_QUESTIONS..=TRAINING_QUESTIONS
+        };
+        assert!(want.contains(&training.len()), "{what}: training questions {training:?}");
+        for (i, t) in training.iter().enumerate() {
+            assert_ne!(t, question, "{what}: a training question is the item's own");
+            assert!(!training[..i].contains(t), "{what}: training question {t:?} twice");
+            assert!(item.answers.iter().all(|a| !t.contains(a.as_str())), "{what}: {t:?} gives an answer away");
+        }
+        // Where a training question names something in the context (a needle's key, a JSON key), it is there.
+        fn named(task: TaskKind, t: &str) -> Option<&str> {
+            let rest = match task {
+                TaskKind::MultiKeyNiah => t.strip_prefix("What is the special magic number for ")?,
+                TaskKind::KvRetrieval => t.strip_prefix("Key: \"")?,
+                _ => return None,
+            };
+            rest.split([' ', '"']).next()
+        }
+        for t in training {
+            if let Some(name) = named(item.task, t) {
+                assert!(ctx.contains(name), "{what}: {t:?} names {name}, not in the context");
+            }
+        }
         match item.task {
             TaskKind::Passkey => {
                 let k = &item.answers[0];
@@ -937,6 +1009,7 @@ mod tests {
             prompt: String::new(),
             answers: answers.iter().map(|a| a.to_string()).collect(),
             max_new_tokens: 8,
+            training_questions: Vec::new(),
         }
     }
 

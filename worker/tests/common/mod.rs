@@ -29,6 +29,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         namespace: String::new(),
         policy: None,
         ignore_eos,
+        profile_queries: Vec::new(),
     }
 }
 
