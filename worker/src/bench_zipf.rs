@@ -374,12 +374,17 @@ impl ZipfReport {
         }
         for (name, ep) in self.results.iter().filter_map(|r| Some((&r.name, r.evicpress.as_ref()?))) {
             s += &format!(
-                "\n{name}: {} contexts, {} profiles ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
+                "\n{name}: {} contexts, {} profiles{} ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
                  ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops, {} copies \
                  the stores lost, {} contexts recomputed from lossy copies; {} requests started from a pruned copy. \
                  Mean profiled quality: {}.{}\n",
                 ep.contexts,
                 ep.profiles,
+                // Reports before the counter existed read back 0: nothing to say.
+                match ep.profiles_on_own_queries {
+                    0 => String::new(),
+                    n => format!(" ({n} on the context's own training queries)"),
+                },
                 ep.profile_ms as f64 / 1e3,
                 ep.spot_checks,
                 ep.reprofiles,

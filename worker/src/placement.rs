@@ -306,6 +306,9 @@ pub struct EvicPressStats {
     pub planned_bytes: [u64; 3],
     pub capacity_bytes: [u64; 3],
     pub profiles: u64,
+    /// Of `profiles`, those scored on the context's own training queries
+    /// ([`crate::engine::GenerateRequest::profile_queries`]) rather than the worker's profiling questions.
+    pub profiles_on_own_queries: u64,
     /// Drift spot checks run, and the re-profiles they triggered.
     pub spot_checks: u64,
     pub reprofiles: u64,
@@ -931,6 +934,9 @@ impl EvicPress {
         let q = self.profile(runner, pool, p, &all)?;
         if q.is_some() {
             self.stats.profiles += 1;
+            if self.contexts.get(&p.context).is_some_and(|c| !c.queries.is_empty()) {
+                self.stats.profiles_on_own_queries += 1;
+            }
         }
         Ok(q)
     }
