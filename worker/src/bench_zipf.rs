@@ -383,7 +383,7 @@ impl ZipfReport {
                 // Reports before the counter existed read back 0: nothing to say.
                 match ep.profiles_on_own_queries {
                     0 => String::new(),
-                    n => format!(" ({n} on the context's own training queries)"),
+                    n => format!(", {n} on the contexts' own training queries"),
                 },
                 ep.profile_ms as f64 / 1e3,
                 ep.spot_checks,
@@ -1360,6 +1360,28 @@ pub fn zipf_bench_with_progress(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A task item's requests ask its own question and its training queries ask others, each continuing the
+    /// group-aligned document with the tokens cut from it, so that the text a query sees is the item's own.
+    #[test]
+    fn task_items_carry_their_own_training_queries() {
+        let tokenizer = crate::eval::tasks::tests::tokenizer();
+        for (i, kind) in TaskKind::ALL.into_iter().enumerate() {
+            let seed = 11 + i as u64;
+            let item = crate::eval::generate(kind, seed, 1024 - 16, &|s| tokenizer.encode(s, false).len());
+            let (context, _) = item.context_and_question().expect("item has a question");
+            let d = task_document(kind, seed, 1024, tokenizer, 16).expect("task document");
+            assert_eq!(d.doc.len() % 16, 0, "{kind}");
+            assert_eq!(d.training.len(), item.training_questions.len(), "{kind}");
+            assert!((1..=PROFILE_QUESTIONS.len()).contains(&d.training.len()), "{kind}");
+            for (t, text) in d.training.iter().zip(&item.training_questions) {
+                assert_ne!(t, &d.question, "{kind}: a training query is the question requests ask");
+                assert!(t.len() <= MAX_TASK_QUESTION_TOKENS, "{kind}: {} tokens", t.len());
+                let whole = tokenizer.decode(&[d.doc.as_slice(), t].concat(), false);
+                assert!(whole.starts_with(context) && whole.contains(text.as_str()), "{kind}: {whole:?}");
+            }
+        }
+    }
 
     #[test]
     fn requests_are_classified_by_where_their_kv_came_from() {

@@ -2099,6 +2099,11 @@ mod tests {
         let mut r = req("x", vec![1], 1);
         r.sampling.top_p = 0.0;
         assert!(matches!(h.submit(r), Err(EngineError::InvalidRequest(_))));
+        // Training queries are token ids of the vocabulary, bounded in number and length.
+        for queries in [vec![vec![]], vec![vec![99]], vec![vec![1]; crate::placement::MAX_PROFILE_QUESTIONS + 1]] {
+            let r = GenerateRequest { profile_queries: queries, ..req("x", vec![1], 1) };
+            assert!(matches!(h.submit(r), Err(EngineError::InvalidRequest(m)) if m.contains("profile quer")));
+        }
         assert!(h.submit(req("ok", vec![1; 10], 6)).is_ok());
     }
 

@@ -1679,6 +1679,42 @@ mod tests {
     }
 
     #[test]
+    fn a_context_is_profiled_on_the_training_queries_of_the_request_that_created_it() {
+        let cfg = TierConfig { data_dir: None, host_bytes: 1 << 20, disk_bytes: 0 };
+        let tiers = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        let layout = CacheLayout { n_layers: 1, n_kv_heads: 1, block_size: 16 };
+        let generic = vec![vec![1, 2, 3]];
+        let config = EvicPressConfig { profile_questions: generic.clone(), ..EvicPressConfig::default() };
+        let mut ep = EvicPress::new(config, "m", layout, 64, KvDtype::F32, &tiers).unwrap();
+        let own = vec![vec![900, 901], vec![902; 40]];
+        let doc: Vec<u32> = (0..128).collect();
+        ep.finished(&[doc.as_slice(), &[800, 801]].concat(), "", 0, 4, &own);
+        let first = ep.pending.back().unwrap().context;
+        assert_eq!(ep.profiling_set(first), own.as_slice());
+        // A later request's queries do not replace them; a context created without any gets the worker's.
+        ep.finished(&[doc.as_slice(), &[810]].concat(), "", 128, 4, &[vec![5]]);
+        assert_eq!(ep.profiling_set(first), own.as_slice());
+        ep.finished(&(3000..3100).collect::<Vec<u32>>(), "", 0, 4, &[]);
+        let second = ep.pending.back().unwrap().context;
+        assert_ne!(second, first);
+        assert_eq!(ep.profiling_set(second), generic.as_slice());
+    }
+
+    #[test]
+    fn training_queries_are_bounded_and_checked() {
+        let ok = vec![vec![1; MAX_PROFILE_QUERY_TOKENS]; MAX_PROFILE_QUESTIONS];
+        assert_eq!(check_profile_queries(&ok, 100, 1000, 8192), Ok(()));
+        assert_eq!(check_profile_queries(&[], 8192, 1000, 8192), Ok(()));
+        let refused = |q: &[Vec<u32>], prompt: usize| check_profile_queries(q, prompt, 1000, 8192).unwrap_err();
+        assert!(refused(&vec![vec![1]; MAX_PROFILE_QUESTIONS + 1], 10).contains("at most 8"));
+        assert!(refused(&[vec![]], 10).contains("profile query 1 is 0 tokens"));
+        assert!(refused(&[vec![1], vec![1; MAX_PROFILE_QUERY_TOKENS + 1]], 10).contains("profile query 2 is 129"));
+        assert!(refused(&[vec![7, 1000]], 10).contains("token id 1000 is outside the vocabulary"));
+        // The prompt, the query and a profiled answer (16 tokens) must fit the model's context.
+        assert!(refused(&[vec![1; 8]], 8192 - 16 - 7).contains("1..=7"));
+    }
+
+    #[test]
     fn profiles_shrink_toward_the_variant_mean_by_their_noise() {
         let of = |qs: &[f64]| {
             let mut v = VariantQuality::default();

@@ -255,6 +255,7 @@ fn a_task_mix_asks_each_task_item_its_own_question() {
         prose_dir: prose.is_dir().then_some(prose),
         baselines: Some(vec!["lru+int4_kivi".into()]),
         task_share: 0.6,
+        profile_questions: 2,
         ..ZipfBenchOptions::default()
     };
     let report = zipf_bench(&model_path(), &opts).expect("bench runs");
@@ -279,6 +280,11 @@ fn a_task_mix_asks_each_task_item_its_own_question() {
     let int4 = &report.results[1];
     assert_eq!(int4.name, "lru+int4_kivi");
     assert!(int4.per_request.iter().filter(|q| q.context < 3).any(|q| q.reused()), "task contexts are reused");
+    // Every context's requests give it its training queries, and EvicPress profiles on them.
+    let ep = report.results[2].evicpress.as_ref().expect("evicpress ran");
+    assert!(ep.profiles > 0, "{ep:?}");
+    assert_eq!(ep.profiles_on_own_queries, ep.profiles, "{ep:?}");
+    assert!(md.contains("on the contexts' own training queries"), "{md}");
     let read_back: ZipfReport = serde_json::from_str(&report.to_json_string()).expect("the report reads back");
     assert_eq!(read_back.to_markdown(), md);
 }

@@ -701,7 +701,7 @@ impl Task for CommonWords {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::HashMap;
     use std::sync::OnceLock;
 
@@ -710,7 +710,7 @@ mod tests {
 
     /// The real tokenizer, loaded once. Like the model tests, a missing model is a failure, not a skip: the sizing
     /// promise is about real token counts.
-    fn tokenizer() -> &'static Tokenizer {
+    pub(crate) fn tokenizer() -> &'static Tokenizer {
         static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
         TOKENIZER.get_or_init(|| {
             let path: std::path::PathBuf = match std::env::var_os("PAGODA_MODEL") {
