@@ -143,9 +143,11 @@ async fn restarted_worker_serves_prefix_from_disk() {
 }
 
 /// EvicPress placement in a real `pagoda up` with two profiling questions: a finished request's context is
-/// profiled (on its own question and both others) while the worker is idle and placed on the host tier, the
-/// worker's `Stats` says so, and the router's `/metrics` carries the profile count, the placement and each measured
-/// variant's quality. A bad question set is refused at start with a clear message.
+/// profiled (on its own question and the two training queries the request gave in `kv.profile_queries`, in place
+/// of the worker's two) while the worker is idle and placed on the host tier, the worker's `Stats` says so, and
+/// the router's `/metrics` carries the profile count, the placement and each measured variant's quality. Training
+/// queries past their bounds are a 400 naming the field; a bad question set is refused at start with a clear
+/// message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
     let dir = std::env::temp_dir().join(format!("pagoda-e2e-evicpress-{}", std::process::id()));
@@ -167,8 +169,23 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
         "How does the passage end?",
     ];
     let up = common::start_up("up-evicpress", &args).await.unwrap();
-    let (s, body) =
-        up.http.post_json("/v1/chat/completions", &chat(&river_log_prompt(), json!({"max_tokens": 4}))).await.unwrap();
+    let long_query = "stones ".repeat(140);
+    for (case, queries, param) in [
+        ("a query past 128 tokens", json!(["Which entry is first?", long_query]), "kv.profile_queries"),
+        ("nine queries", json!(vec!["Which entry?"; 9]), "kv.profile_queries"),
+        ("an empty query", json!([""]), "kv.profile_queries[0]"),
+    ] {
+        let body = chat(&river_log_prompt(), json!({"max_tokens": 4, "kv": {"profile_queries": queries}}));
+        let (s, v) = up.http.post_json("/v1/chat/completions", &body).await.unwrap();
+        let v = assert_error(case, s, &v.to_string(), 400);
+        assert_eq!(v["error"]["param"], param, "{case}: {v}");
+    }
+    let training = json!({"profile_queries": ["Which entry mentions 10 stones?", "How many stones in entry 3?"]});
+    let (s, body) = up
+        .http
+        .post_json("/v1/chat/completions", &chat(&river_log_prompt(), json!({"max_tokens": 4, "kv": training})))
+        .await
+        .unwrap();
     assert_eq!(s, 200, "{body}");
     let t0 = Instant::now();
     let ep = loop {
@@ -182,6 +199,7 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
     };
     assert_eq!(ep.profile_questions, 2, "{ep:?}");
     assert_eq!(ep.contexts, 1, "{ep:?}");
+    assert_eq!(ep.profiles_on_own_queries_total, ep.profiles_total, "profiled on the request's queries: {ep:?}");
     let host = ep.placed.iter().find(|p| p.tier == "host").map(|p| p.contexts);
     assert_eq!(host, Some(1), "the context fits the host tier: {ep:?}");
     // The native variant (1 by definition) and every codec the profile reached within its time budget.
@@ -196,6 +214,8 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
     let worker = &up.worker;
     let profiles = value(&format!("pagoda_router_worker_evicpress_profiles{{worker=\"{worker}\"}}"));
     assert!(profiles.is_some_and(|p| p >= 1.0), "profiles in /metrics:\n{text}");
+    let own = value(&format!("pagoda_router_worker_evicpress_profiles_on_own_queries{{worker=\"{worker}\"}}"));
+    assert_eq!(own, profiles, "profiles on own queries in /metrics:\n{text}");
     let placed = value(&format!("pagoda_router_worker_evicpress_placed_contexts{{worker=\"{worker}\",tier=\"host\"}}"));
     assert_eq!(placed, Some(1.0), "placement in /metrics:\n{text}");
     // Upgrades are on, and the context is stored whole: nothing to recompute.

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pagoda_proto::trace_context;
-use pagoda_proto::worker::{FinishReason, GenerateRequest, GenerateResponse, PeerHint as PbPeerHint, SamplingParams};
+use pagoda_proto::worker::{
+    FinishReason, GenerateRequest, GenerateResponse, PeerHint as PbPeerHint, ProfileQuery, SamplingParams,
+};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
 use tracing::{Instrument as _, Span};
@@ -46,6 +48,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     pub params: GenParams,
+    /// `kv.profile_queries`, tokenized: the training queries the worker keeps for the context this request creates.
+    pub profile_queries: Vec<Vec<u32>>,
     pub namespace: String,
     pub arrived: Instant,
 }
@@ -322,6 +326,12 @@ impl Generation {
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,
             peer_hint,
+            kv_profile_queries: self
+                .job
+                .profile_queries
+                .iter()
+                .map(|q| ProfileQuery { token_ids: q.clone() })
+                .collect(),
         };
         let prompt_tokens = req.prompt_token_ids.len() as u64;
         let call = spans::generate_call_span(&addr);

@@ -129,6 +129,7 @@ pub struct Metrics {
     pub worker_evicpress_placed_contexts: Family<TierHitLabels, Gauge>,
     pub worker_evicpress_profiles: Family<WorkerLabels, Gauge>,
     pub worker_evicpress_reprofiles: Family<WorkerLabels, Gauge>,
+    pub worker_evicpress_profiles_on_own_queries: Family<WorkerLabels, Gauge>,
     pub worker_evicpress_profile_seconds: Family<WorkerLabels, FloatGauge>,
     pub worker_evicpress_changes: Family<EvicPressChangeLabels, Gauge>,
     pub worker_evicpress_variant_quality: Family<VariantLabels, FloatGauge>,
@@ -345,6 +346,13 @@ impl Metrics {
             "Profiles EvicPress ran again because a drift spot check found quality below the profile, since start",
             worker_evicpress_reprofiles.clone(),
         );
+        let worker_evicpress_profiles_on_own_queries = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_evicpress_profiles_on_own_queries",
+            "Profiles EvicPress scored on the context's own training queries (the kv.profile_queries of the request \
+             that created it) instead of the worker's profiling questions, since start",
+            worker_evicpress_profiles_on_own_queries.clone(),
+        );
         let worker_evicpress_profile_seconds = Family::<WorkerLabels, FloatGauge>::default();
         registry.register_with_unit(
             "worker_evicpress_profile",
@@ -468,6 +476,7 @@ impl Metrics {
             worker_evicpress_placed_contexts,
             worker_evicpress_profiles,
             worker_evicpress_reprofiles,
+            worker_evicpress_profiles_on_own_queries,
             worker_evicpress_profile_seconds,
             worker_evicpress_changes,
             worker_evicpress_variant_quality,
@@ -563,6 +572,7 @@ impl Metrics {
                 &self.worker_evicpress_contexts,
                 &self.worker_evicpress_profiles,
                 &self.worker_evicpress_reprofiles,
+                &self.worker_evicpress_profiles_on_own_queries,
             ] {
                 family.remove(&l);
             }
@@ -617,6 +627,7 @@ impl Metrics {
         self.worker_evicpress_contexts.get_or_create(&l).set(e.contexts as i64);
         self.worker_evicpress_profiles.get_or_create(&l).set(e.profiles_total as i64);
         self.worker_evicpress_reprofiles.get_or_create(&l).set(e.reprofiles_total as i64);
+        self.worker_evicpress_profiles_on_own_queries.get_or_create(&l).set(e.profiles_on_own_queries_total as i64);
         self.worker_evicpress_profile_seconds.get_or_create(&l).set(e.profile_seconds_total);
         for p in &e.placed {
             let tl = TierHitLabels { worker: worker.to_owned(), tier: p.tier.clone() };
@@ -700,6 +711,7 @@ mod tests {
                 contexts: 3,
                 placed: vec![pagoda_proto::worker::TierContexts { tier: "disk".into(), contexts: 2 }],
                 profiles_total: 4,
+                profiles_on_own_queries_total: 3,
                 profile_seconds_total: 1.5,
                 dropped_total: 1,
                 upgrades_total: 2,
@@ -729,6 +741,7 @@ mod tests {
             "pagoda_router_worker_evicpress_contexts{worker=\"w\"} 3",
             "pagoda_router_worker_evicpress_placed_contexts{worker=\"w\",tier=\"disk\"} 2",
             "pagoda_router_worker_evicpress_profiles{worker=\"w\"} 4",
+            "pagoda_router_worker_evicpress_profiles_on_own_queries{worker=\"w\"} 3",
             "pagoda_router_worker_evicpress_profile_seconds{worker=\"w\"} 1.5",
             "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"drop\"} 1",
             "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"compress\"} 0",

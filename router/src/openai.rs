@@ -18,6 +18,9 @@ pub const MAX_TEXT_BYTES: usize = 1 << 20;
 pub const MAX_NAME_BYTES: usize = 256;
 /// At most this many content parts in one message.
 pub const MAX_PARTS: usize = 256;
+/// Longest `kv.profile_queries` entry, in bytes, before it is tokenized (then it must fit
+/// [`MAX_PROFILE_QUERY_TOKENS`](pagoda_worker::placement::MAX_PROFILE_QUERY_TOKENS)).
+pub const MAX_PROFILE_QUERY_BYTES: usize = 1024;
 
 /// The `kv` request extension (DESIGN §8): per-request KV-cache policy.
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -26,6 +29,9 @@ pub struct KvOptions {
     pub policy: Option<String>,
     pub budget_tokens: Option<i64>,
     pub codec: Option<String>,
+    /// Training queries for the context this request creates, as text (EvicPress §4.3): the worker profiles the
+    /// context's compressed variants on them instead of its own generic profiling questions.
+    pub profile_queries: Option<Vec<String>>,
 }
 
 /// `stream_options`.
@@ -135,6 +141,8 @@ pub struct GenParams {
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
+    /// `kv.profile_queries`, checked for count and size; tokenized when the prompt is.
+    pub kv_profile_queries: Vec<String>,
 }
 
 /// A chat turn ready for the template.
@@ -237,9 +245,10 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
             return Err(ApiError::invalid_param(name, format!("`{name}` is not supported (only 0), got {v}.")));
         }
     }
-    let (kv_policy, kv_budget_tokens) = match c.kv {
+    let ValidKv { policy: kv_policy, budget_tokens: kv_budget_tokens, profile_queries: kv_profile_queries } = match c.kv
+    {
         Some(kv) => validate_kv(kv)?,
-        None => (String::new(), 0),
+        None => ValidKv::default(),
     };
     let stream = c.stream.unwrap_or(false);
     let include_usage = c.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
@@ -258,6 +267,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         sampling: Sampling { temperature: temperature as f32, top_p: top_p as f32, top_k, seed },
         kv_policy,
         kv_budget_tokens,
+        kv_profile_queries,
     })
 }
 
@@ -308,9 +318,22 @@ pub fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-/// The `kv` extension: a known eviction policy, a budget within bounds, and the native codec. Returns the policy
-/// name (empty when absent) and budget (0 when absent) to forward to the worker.
-pub fn validate_kv(kv: &KvOptions) -> Result<(String, u32), ApiError> {
+/// The `kv` extension once checked, as it is forwarded to the worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ValidKv {
+    /// Policy name; empty takes the worker's default.
+    pub policy: String,
+    /// Budget in tokens per (layer, kv-head); 0 takes the policy's default.
+    pub budget_tokens: u32,
+    /// Training queries, as text.
+    pub profile_queries: Vec<String>,
+}
+
+/// The `kv` extension: a known eviction policy, a budget within bounds, the native codec, and at most
+/// [`MAX_PROFILE_QUESTIONS`](pagoda_worker::placement::MAX_PROFILE_QUESTIONS) non-empty training queries of at
+/// most [`MAX_PROFILE_QUERY_BYTES`] each.
+pub fn validate_kv(kv: &KvOptions) -> Result<ValidKv, ApiError> {
+    use pagoda_worker::placement::MAX_PROFILE_QUESTIONS;
     use pagoda_worker::policy::{PolicyKind, defaults, policy_names};
     let policy = match &kv.policy {
         None => String::new(),
@@ -344,7 +367,28 @@ pub fn validate_kv(kv: &KvOptions) -> Result<(String, u32), ApiError> {
             format!("Unknown or unsupported kv.codec `{shown}`; supported codecs: native."),
         ));
     }
-    Ok((policy, budget))
+    let profile_queries = kv.profile_queries.clone().unwrap_or_default();
+    if profile_queries.len() > MAX_PROFILE_QUESTIONS {
+        return Err(ApiError::invalid_param(
+            "kv.profile_queries",
+            format!(
+                "`kv.profile_queries` has {} entries; at most {MAX_PROFILE_QUESTIONS} are allowed.",
+                profile_queries.len()
+            ),
+        ));
+    }
+    for (i, q) in profile_queries.iter().enumerate() {
+        if q.trim().is_empty() || q.len() > MAX_PROFILE_QUERY_BYTES {
+            return Err(ApiError::invalid_param(
+                format!("kv.profile_queries[{i}]"),
+                format!(
+                    "`kv.profile_queries[{i}]` must be non-empty text of at most {MAX_PROFILE_QUERY_BYTES} bytes, got {} bytes.",
+                    q.len()
+                ),
+            ));
+        }
+    }
+    Ok(ValidKv { policy, budget_tokens: budget, profile_queries })
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -819,6 +863,32 @@ mod tests {
     fn kv_full_is_accepted() {
         chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"full","budget_tokens":512,"codec":"native"}}"#)
             .unwrap();
+    }
+
+    #[test]
+    fn kv_profile_queries_are_bounded() {
+        let with = |queries: serde_json::Value| {
+            chat(
+                &serde_json::json!({"model":"m","messages":[{"role":"user","content":"x"}],
+                "kv":{"profile_queries":queries}})
+                .to_string(),
+            )
+        };
+        let (_, p) = with(serde_json::json!(["Who wrote it?", "When?"])).unwrap();
+        assert_eq!(p.kv_profile_queries, vec!["Who wrote it?".to_string(), "When?".to_string()]);
+        let most = pagoda_worker::placement::MAX_PROFILE_QUESTIONS;
+        let too_many: Vec<String> = (0..=most).map(|i| format!("q{i}?")).collect();
+        for (queries, param) in [
+            (serde_json::json!(too_many), "kv.profile_queries"),
+            (serde_json::json!(["ok", "  "]), "kv.profile_queries[1]"),
+            (serde_json::json!(["x".repeat(MAX_PROFILE_QUERY_BYTES + 1)]), "kv.profile_queries[0]"),
+            (serde_json::json!("one string"), "kv.profile_queries"),
+            (serde_json::json!([3]), "kv.profile_queries[0]"),
+        ] {
+            let e = with(queries.clone()).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{queries}");
+            assert_eq!(e.param.as_deref(), Some(param), "{queries}: {}", e.message);
+        }
     }
 
     #[test]

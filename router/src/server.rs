@@ -546,8 +546,16 @@ async fn start_job(
     arrived: Instant,
 ) -> Result<mpsc::Receiver<Piece>, ApiError> {
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
-    let job =
-        Job { request_id: id.to_string(), prompt, max_tokens, params, namespace: tenant.name.to_string(), arrived };
+    let profile_queries = profile_queries(st, &params.kv_profile_queries, prompt.len()).await?;
+    let job = Job {
+        request_id: id.to_string(),
+        prompt,
+        max_tokens,
+        params,
+        profile_queries,
+        namespace: tenant.name.to_string(),
+        arrived,
+    };
     let ctx = GenerateContext {
         pool: st.pool().clone(),
         codec: st.0.codec.clone(),
@@ -555,6 +563,36 @@ async fn start_job(
         migration: st.0.migration,
     };
     generate::start(ctx, job).await
+}
+
+/// `kv.profile_queries` as token ids (no special tokens: each is scored as a turn appended to the context),
+/// checked against the worker's bounds here so that a bad one is a 400 naming the field, not a worker error.
+async fn profile_queries(st: &AppState, texts: &[String], prompt_len: usize) -> Result<Vec<Vec<u32>>, ApiError> {
+    if texts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let codec = st.0.codec.clone();
+    let texts = texts.to_vec();
+    blocking(move || {
+        let queries = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                codec.encode(t, false).map_err(|e| {
+                    ApiError::invalid_param(format!("kv.profile_queries[{i}]"), format!("Could not tokenize: {e}"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        pagoda_worker::placement::check_profile_queries(
+            &queries,
+            prompt_len,
+            codec.vocab_size(),
+            codec.context_length(),
+        )
+        .map_err(|e| ApiError::invalid_param("kv.profile_queries", format!("`kv.profile_queries`: {e}.")))?;
+        Ok(queries)
+    })
+    .await
 }
 
 async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<(String, &'static str, Usage), ApiError> {

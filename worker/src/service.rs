@@ -237,6 +237,14 @@ impl WorkerService {
         if let Some(bad) = req.stop_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
             return Err(Status::invalid_argument(format!("stop token id {bad} is outside the vocabulary")));
         }
+        let profile_queries: Vec<Vec<u32>> = req.kv_profile_queries.into_iter().map(|q| q.token_ids).collect();
+        crate::placement::check_profile_queries(
+            &profile_queries,
+            req.prompt_token_ids.len(),
+            info.vocab_size,
+            info.context_length,
+        )
+        .map_err(|e| Status::invalid_argument(format!("kv_profile_queries: {e}")))?;
         let sampling = match req.sampling {
             None => SamplingParams::greedy(),
             Some(s) => {
@@ -280,7 +288,7 @@ impl WorkerService {
             namespace: req.namespace,
             policy,
             ignore_eos: false,
-            profile_queries: Vec::new(),
+            profile_queries,
         })
     }
 }
@@ -615,6 +623,7 @@ fn evicpress_stats(e: &EvicPressStats) -> pb::EvicPressStats {
         pruned_onboards_total: e.pruned_onboards,
         lost_copies_total: e.lost_copies,
         upgrades_total: e.upgrades,
+        profiles_on_own_queries_total: e.profiles_on_own_queries,
         pending: e.pending,
         answer_horizon: e.answer_horizon,
         profile_questions: e.profile_questions,
@@ -704,6 +713,15 @@ mod tests {
         bad_stop.stop_token_ids = vec![5000];
         let mut long_id = request(vec![1], 1);
         long_id.request_id = "x".repeat(MAX_ID_BYTES + 1);
+        let query = |token_ids: Vec<u32>| pb::ProfileQuery { token_ids };
+        let mut empty_query = request(vec![1], 1);
+        empty_query.kv_profile_queries = vec![query(vec![])];
+        let mut query_outside_vocab = request(vec![1], 1);
+        query_outside_vocab.kv_profile_queries = vec![query(vec![2, 5000])];
+        let mut too_many_queries = request(vec![1], 1);
+        too_many_queries.kv_profile_queries = vec![query(vec![2]); crate::placement::MAX_PROFILE_QUESTIONS + 1];
+        let mut query_past_context = request(vec![1; 40], 1);
+        query_past_context.kv_profile_queries = vec![query(vec![2; 20])];
         for (name, req) in [
             ("empty prompt", request(vec![], 4)),
             ("prompt at context", request(too_long, 1)),
@@ -714,10 +732,18 @@ mod tests {
             ("top_p > 1", bad_top_p),
             ("stop id outside vocab", bad_stop),
             ("request id too long", long_id),
+            ("empty profile query", empty_query),
+            ("profile query outside vocab", query_outside_vocab),
+            ("nine profile queries", too_many_queries),
+            ("profile query past the context", query_past_context),
         ] {
             let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");
         }
+        // Within bounds, training queries ride along with the request.
+        let mut with_queries = request(vec![1, 2, 3], 2);
+        with_queries.kv_profile_queries = vec![query(vec![4, 5]), query(vec![6; 8])];
+        assert!(svc.generate(Request::new(with_queries)).await.is_ok());
     }
 
     fn busy_hint(err: &Status) -> Option<u64> {
