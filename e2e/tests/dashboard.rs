@@ -282,10 +282,14 @@ async fn dashboard_in_chromium_follows_live_traffic() {
     let placements_text = b.text("#placements").await.unwrap();
     assert!(placements_text.contains("lowest cost"), "{placements_text}");
 
-    // A long context is profiled while the worker is idle; the EvicPress panel shows the profile and a quality bar
-    // per variant measured.
-    let (s, v) =
-        up.http.post_json("/v1/chat/completions", &chat(&river_log_prompt(), json!({"max_tokens": 2}))).await.unwrap();
+    // A long context is profiled while the worker is idle, on the training query its request gave; the EvicPress
+    // panel shows the profile and a quality bar per variant measured.
+    let training = json!({"profile_queries": ["Which entry mentions 10 stones?"]});
+    let (s, v) = up
+        .http
+        .post_json("/v1/chat/completions", &chat(&river_log_prompt(), json!({"max_tokens": 2, "kv": training})))
+        .await
+        .unwrap();
     assert_eq!(s, 200, "{v}");
     let evicpress = b
         .wait_for("the EvicPress panel to show a profile", Duration::from_secs(90), || async {
@@ -293,7 +297,8 @@ async fn dashboard_in_chromium_follows_live_traffic() {
             let text = b.text("#evicpress").await?;
             // The lossless native variant's bar is there from the start (quality 1 by definition); a codec's
             // appears once a profile measured it.
-            Ok((bars >= 2 && text.contains(&up.worker)).then_some(text))
+            let profiled_on_its_query = text.contains("1 on the contexts' own queries");
+            Ok((bars >= 2 && text.contains(&up.worker) && profiled_on_its_query).then_some(text))
         })
         .await
         .unwrap();

@@ -291,6 +291,8 @@ struct EvicPressView {
     profiles_total: u64,
     reprofiles_total: u64,
     profile_questions: u64,
+    /// Profiles scored on the context's own training queries (`kv.profile_queries`).
+    profiles_on_own_queries_total: u64,
     compressed_total: u64,
     moved_down_total: u64,
     dropped_total: u64,
@@ -305,6 +307,7 @@ impl From<&pagoda_proto::worker::EvicPressStats> for EvicPressView {
             profiles_total: e.profiles_total,
             reprofiles_total: e.reprofiles_total,
             profile_questions: e.profile_questions,
+            profiles_on_own_queries_total: e.profiles_on_own_queries_total,
             compressed_total: e.compressed_total,
             moved_down_total: e.moved_down_total,
             dropped_total: e.dropped_total,

@@ -249,6 +249,26 @@ impl Generation {
     }
 
     /// The candidates for the next attempt, best first, without the workers that failed this request.
+    /// The job's training queries for an attempt whose prompt is `prompt_len` tokens. A migrated attempt's prompt
+    /// carries the tokens generated so far, and a query that fitted beside the original prompt may no longer fit
+    /// beside it: the queries are then left out, since they only steer placement and must not fail the request.
+    fn profile_queries_for(&self, prompt_len: usize) -> Vec<ProfileQuery> {
+        let queries = &self.job.profile_queries;
+        let codec = &self.ctx.codec;
+        if queries.is_empty()
+            || pagoda_worker::placement::check_profile_queries(
+                queries,
+                prompt_len,
+                codec.vocab_size(),
+                codec.context_length(),
+            )
+            .is_err()
+        {
+            return Vec::new();
+        }
+        queries.iter().map(|q| ProfileQuery { token_ids: q.clone() }).collect()
+    }
+
     fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<Vec<Candidate>, ApiError> {
         let pool = &self.ctx.pool;
         let shape = RequestShape::of(pool, &self.job.namespace, prompt, &self.job.params, max_tokens)?;
@@ -310,6 +330,7 @@ impl Generation {
                 "migrate"
             );
         }
+        let kv_profile_queries = self.profile_queries_for(prompt.len());
         let params = &self.job.params;
         let req = GenerateRequest {
             request_id: self.job.request_id.clone(),
@@ -326,12 +347,7 @@ impl Generation {
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,
             peer_hint,
-            kv_profile_queries: self
-                .job
-                .profile_queries
-                .iter()
-                .map(|q| ProfileQuery { token_ids: q.clone() })
-                .collect(),
+            kv_profile_queries,
         };
         let prompt_tokens = req.prompt_token_ids.len() as u64;
         let call = spans::generate_call_span(&addr);

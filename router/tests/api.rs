@@ -75,6 +75,8 @@ struct Fake {
     stall_after: Option<usize>,
     /// The `max_tokens` of every Generate call, in order.
     max_tokens_seen: Arc<std::sync::Mutex<Vec<u32>>>,
+    /// The prompt length and the number of `kv_profile_queries` of every Generate call, in order.
+    profile_queries_seen: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
     /// Every Generate is refused as a full admission queue would refuse it.
     busy: bool,
 }
@@ -115,6 +117,7 @@ impl Worker for Fake {
         let prompt_tokens = req.prompt_token_ids.len() as u32;
         let max = req.max_tokens as usize;
         self.max_tokens_seen.lock().unwrap().push(req.max_tokens);
+        self.profile_queries_seen.lock().unwrap().push((req.prompt_token_ids.len(), req.kv_profile_queries.len()));
         // Like a deterministic model, continue the reply from whatever part of it already ends the prompt (a
         // migrated request carries the tokens produced so far).
         let answer = prompt.rsplit_once("assistant:").map_or("", |(_, a)| a);
@@ -1050,6 +1053,42 @@ async fn a_dying_worker_migrates_the_stream_without_duplicates() {
     let prompt_len = "user: Capital of France?\nassistant:".len();
     let continued = (CONTEXT - prompt_len - 5) as u32;
     assert!(seen.lock().unwrap().contains(&continued), "{continued} not in {:?}", seen.lock().unwrap());
+}
+
+/// `kv.profile_queries` reach the worker tokenized, while they fit beside the prompt: a migrated attempt, whose
+/// prompt carries the tokens generated so far, leaves out a query that no longer fits rather than failing the
+/// request. A query too long for the context is a 400 naming the field.
+#[tokio::test]
+async fn profile_queries_ride_with_the_request_while_they_fit() {
+    let (dying, healthy) = (Fake { die_after: Some(5), ..Fake::default() }, Fake::default());
+    let seen = [dying.profile_queries_seen.clone(), healthy.profile_queries_seen.clone()];
+    let http = migrating_cluster(vec![dying, healthy], migration(2000, 2)).await;
+    let client = reqwest::Client::new();
+    let answer = pagoda_worker::placement::EvicPressConfig::default().answer_tokens;
+    let content = "Tell me about France. ".repeat(5);
+    let prompt_len = format!("user: {content}\nassistant:").len();
+    // Fits beside the prompt with 2 tokens to spare, and no longer once 5 generated tokens join it.
+    let query = "q".repeat(CONTEXT - prompt_len - answer - 2);
+    let body = |query: &str| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "kv": {"profile_queries": [query]}})
+    };
+    for _ in 0..2 {
+        let r = client.post(format!("{http}/v1/chat/completions")).json(&body(&query)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], REPLY, "{v}");
+    }
+    let calls: Vec<(usize, usize)> = seen.iter().flat_map(|s| s.lock().unwrap().clone()).collect();
+    assert!(calls.contains(&(prompt_len, 1)), "a first attempt carries the query: {calls:?}");
+    assert!(calls.contains(&(prompt_len + 5, 0)), "the migrated attempt leaves it out: {calls:?}");
+    assert!(calls.iter().all(|&(len, n)| (len == prompt_len) == (n == 1)), "{calls:?}");
+
+    let too_long = "q".repeat(CONTEXT - prompt_len - answer + 1);
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&body(&too_long)).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "kv.profile_queries", "{v}");
 }
 
 /// A worker that goes silent mid-stream: after the stall timeout the request continues elsewhere.

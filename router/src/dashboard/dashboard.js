@@ -172,7 +172,8 @@ function renderEvicPress(st) {
     const placed = e.placed.map(([tier, n]) => `${tier} ${fmtInt(n)}`).join(" · ");
     rows.push(el("div", `${w.address}: ${fmtInt(e.contexts)} contexts (${placed})`, "mono"));
     rows.push(el("div", `${fmtInt(e.profiles_total)} profiles (${fmtInt(e.reprofiles_total)} re-profiles, ` +
-      `${e.profile_questions} extra questions) · ${fmtInt(e.compressed_total)} compressed · ` +
+      `${e.profile_questions} extra questions, ${fmtInt(e.profiles_on_own_queries_total)} on the contexts' own queries)` +
+      ` · ${fmtInt(e.compressed_total)} compressed · ` +
       `${fmtInt(e.moved_down_total)} moved down · ${fmtInt(e.dropped_total)} dropped`, "note"));
     for (const [variant, q] of e.variants) {
       const seg = { name: variant, value: q, colour: "var(--accent)", text: q.toFixed(3) };
