@@ -303,6 +303,7 @@ async fn dashboard_in_chromium_follows_live_traffic() {
         .await
         .unwrap();
     assert!(evicpress.contains("profiles"), "{evicpress}");
+    assert!(evicpress.contains("embedding similarity"), "a codec's bar gives both scores: {evicpress}");
 
     let png = b.screenshot().await.unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000, "{} bytes", png.len());

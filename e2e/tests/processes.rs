@@ -225,6 +225,13 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
     let name =
         format!("pagoda_router_worker_evicpress_variant_quality{{worker=\"{worker}\",variant=\"{}\"}}", first.variant);
     assert_eq!(value(&name), Some(first.mean_quality), "{} quality in /metrics:\n{text}", first.variant);
+    let similarity = first.mean_embedding_similarity.expect("the CPU runner offers embeddings");
+    assert!((0.0..=1.0).contains(&similarity), "{first:?}");
+    let name = format!(
+        "pagoda_router_worker_evicpress_variant_embedding_similarity{{worker=\"{worker}\",variant=\"{}\"}}",
+        first.variant
+    );
+    assert_eq!(value(&name), Some(similarity), "{} similarity in /metrics:\n{text}", first.variant);
     drop(up);
 
     // Nine questions are one too many: the worker refuses to start and says why.

@@ -296,7 +296,8 @@ struct EvicPressView {
     compressed_total: u64,
     moved_down_total: u64,
     dropped_total: u64,
-    variants: Vec<(String, f64)>,
+    /// Per variant: its name, mean token agreement, and mean embedding similarity (when the worker measures it).
+    variants: Vec<(String, f64, Option<f64>)>,
 }
 
 impl From<&pagoda_proto::worker::EvicPressStats> for EvicPressView {
@@ -311,7 +312,11 @@ impl From<&pagoda_proto::worker::EvicPressStats> for EvicPressView {
             compressed_total: e.compressed_total,
             moved_down_total: e.moved_down_total,
             dropped_total: e.dropped_total,
-            variants: e.variants.iter().map(|v| (v.variant.clone(), v.mean_quality)).collect(),
+            variants: e
+                .variants
+                .iter()
+                .map(|v| (v.variant.clone(), v.mean_quality, v.mean_embedding_similarity))
+                .collect(),
         }
     }
 }

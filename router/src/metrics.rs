@@ -133,6 +133,7 @@ pub struct Metrics {
     pub worker_evicpress_profile_seconds: Family<WorkerLabels, FloatGauge>,
     pub worker_evicpress_changes: Family<EvicPressChangeLabels, Gauge>,
     pub worker_evicpress_variant_quality: Family<VariantLabels, FloatGauge>,
+    pub worker_evicpress_variant_embedding_similarity: Family<VariantLabels, FloatGauge>,
     /// Requests placed, by the worker chosen first and the strategy.
     pub placements: Family<PlacementLabels, Counter>,
     /// Time to choose a worker (gathering the workers' state and running the cost model).
@@ -372,6 +373,13 @@ impl Metrics {
             "Mean profiled quality (0..1) of each EvicPress variant on the worker, over the contexts measured so far",
             worker_evicpress_variant_quality.clone(),
         );
+        let worker_evicpress_variant_embedding_similarity = Family::<VariantLabels, FloatGauge>::default();
+        registry.register(
+            "worker_evicpress_variant_embedding_similarity",
+            "Mean embedding similarity (0..1, cosine of mean token embeddings) of each EvicPress variant's profiled \
+             answers to the full-precision ones, over the contexts measured so far",
+            worker_evicpress_variant_embedding_similarity.clone(),
+        );
         let placements = Family::<PlacementLabels, Counter>::default();
         registry.register("placements", "Requests placed, by the worker chosen and the strategy", placements.clone());
         // 1 µs .. ~16 ms
@@ -480,6 +488,7 @@ impl Metrics {
             worker_evicpress_profile_seconds,
             worker_evicpress_changes,
             worker_evicpress_variant_quality,
+            worker_evicpress_variant_embedding_similarity,
             kvstore_watch_connected,
             kvstore_applied_index,
             residency_index_blocks,
@@ -645,6 +654,9 @@ impl Metrics {
         for v in &e.variants {
             let vl = VariantLabels { worker: worker.to_owned(), variant: v.variant.clone() };
             self.worker_evicpress_variant_quality.get_or_create(&vl).set(v.mean_quality);
+            if let Some(s) = v.mean_embedding_similarity {
+                self.worker_evicpress_variant_embedding_similarity.get_or_create(&vl).set(s);
+            }
         }
     }
 
@@ -718,6 +730,7 @@ mod tests {
                 variants: vec![pagoda_proto::worker::VariantQuality {
                     variant: "int4_kivi".into(),
                     mean_quality: 0.75,
+                    mean_embedding_similarity: Some(0.9),
                 }],
                 ..Default::default()
             },
@@ -747,6 +760,7 @@ mod tests {
             "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"compress\"} 0",
             "pagoda_router_worker_evicpress_changes{worker=\"w\",change=\"upgrade\"} 2",
             "pagoda_router_worker_evicpress_variant_quality{worker=\"w\",variant=\"int4_kivi\"} 0.75",
+            "pagoda_router_worker_evicpress_variant_embedding_similarity{worker=\"w\",variant=\"int4_kivi\"} 0.9",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }

@@ -377,7 +377,7 @@ impl ZipfReport {
                 "\n{name}: {} contexts, {} profiles{} ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
                  ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops, {} copies \
                  the stores lost, {} contexts recomputed from lossy copies; {} requests started from a pruned copy. \
-                 Mean profiled quality: {}.{}\n",
+                 Mean profiled quality: {}.{}{}\n",
                 ep.contexts,
                 ep.profiles,
                 // Reports before the counter existed read back 0: nothing to say.
@@ -404,6 +404,7 @@ impl ZipfReport {
                     })
                     .collect::<Vec<_>>()
                     .join(", "),
+                similarity_note(ep),
                 if ep.shrunk_profiles > 0 {
                     format!(
                         " {} variant profiles shrunk toward their variant's mean, by {:.3} on average.",
@@ -1053,6 +1054,19 @@ impl Seeds {
         let groups = self.runtime.block_on(self.engine.export_groups(hashes, u64::MAX))?;
         Ok(self.runtime.block_on(engine.seed_device(groups))? == want)
     }
+}
+
+/// " Embedding similarity: int8 0.991, …." over the lossy variants measured, or nothing (reports written before
+/// the similarity existed, or from a runner without embeddings).
+fn similarity_note(ep: &crate::placement::EvicPressStats) -> String {
+    let shown: Vec<String> = ep
+        .variants
+        .iter()
+        .zip(&ep.mean_embedding_similarity)
+        .skip(1)
+        .filter_map(|(v, q)| Some(format!("{v} {:.3}", (*q)?)))
+        .collect();
+    if shown.is_empty() { String::new() } else { format!(" Embedding similarity: {}.", shown.join(", ")) }
 }
 
 /// Mean quality of `requests` (0 when there are none).

@@ -340,6 +340,13 @@ pub trait ModelRunner {
         tokens.extend(scratch.chunks_exact(v).map(crate::sampling::argmax));
         Ok(())
     }
+    /// The model's input embedding of each of `ids` (below the vocabulary), rows of the hidden size one after
+    /// another, written over `out` (resized). EvicPress's profiler compares answers by it. `false` when the runner
+    /// does not offer them; the profiler then reports no embedding similarity.
+    fn token_embeddings(&mut self, ids: &[u32], out: &mut Vec<f32>) -> bool {
+        let _ = (ids, out);
+        false
+    }
     /// The host KV storage and the last step's activations: what EvicPress's profiler works on. A runner without
     /// host-side KV returns `None`.
     fn policy_io(&mut self) -> Option<PolicyIo<'_>> {
@@ -1733,6 +1740,13 @@ impl ModelRunner for LlamaRunner {
         let r = self.model.forward(&self.backend, &mut self.kv, &batch, &mut self.scratch, logits);
         self.batch = recycle_forward(batch);
         r.map_err(|e| EngineError::Forward(e.to_string()))
+    }
+
+    fn token_embeddings(&mut self, ids: &[u32], out: &mut Vec<f32>) -> bool {
+        out.clear();
+        out.resize(ids.len() * self.model.config().hidden, 0.0);
+        self.model.token_embeddings(&self.backend, ids, out);
+        true
     }
 
     fn policy_io(&mut self) -> Option<PolicyIo<'_>> {

@@ -18,8 +18,11 @@
 //!   A pruned variant (a keep ratio, [`pruned`]) is scored the same way over the context's prefix followed by its
 //!   packed copy, written through the codec over the context's own first blocks (restored after), with the probe
 //!   at the context's true position. With profiling questions ([`EvicPressConfig::profile_questions`], the paper's
-//!   set of queries per context) every variant is scored after each of them too, and its profile is the mean;
-//!   each variant is written to the device once for all the probes.
+//!   set of queries per context), or the training queries of the request that created the context
+//!   ([`crate::engine::GenerateRequest::profile_queries`], in their place), every variant is scored after each of
+//!   them too, and its profile is the mean; each variant is written to the device once for all the probes. Beside
+//!   token agreement, each answer's embedding similarity to the full-precision one ([`answer_similarity`]) is
+//!   measured and reported per variant; placement plans on agreement.
 //!   It is bounded in time ([`EvicPressConfig::profile_budget`]; variants not reached stay unmeasured and are never
 //!   chosen) and needs only the probe's blocks from the pool. A context placed while the engine is busy
 //!   gets the running mean of the profiles measured so far (lossless only before the first).
@@ -39,7 +42,8 @@
 //! - **Pruned copies back.** [`EvicPress::pruned_copy`] tells the engine which copy continues a prompt; the engine
 //!   onboards it into the admitted sequence itself (`Scheduler::preload_front`).
 //! - **Bounds.** At most `max_contexts` contexts are remembered (the least recently used unplaced ones are
-//!   forgotten), at most [`MAX_PENDING`] finished requests wait for placement, a probe is at most `probe_tokens`.
+//!   forgotten), at most [`MAX_PENDING`] finished requests wait for placement, a probe is at most `probe_tokens`,
+//!   a context keeps at most [`MAX_PROFILE_QUESTIONS`] training queries of [`MAX_PROFILE_QUERY_TOKENS`] tokens.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -300,6 +304,10 @@ pub struct EvicPressStats {
     /// their measured quality over every profile so far (`None`: never measured).
     pub variants: Vec<String>,
     pub mean_quality: Vec<Option<f64>>,
+    /// The mean embedding similarity of each variant's answers to the full-precision ones
+    /// ([`answer_similarity`]) over every measurement so far: the soft score beside `mean_quality`'s token
+    /// agreement (1 for the lossless variant; `None`: never measured, or the runner has no embeddings).
+    pub mean_embedding_similarity: Vec<Option<f64>>,
     /// Contexts placed per tier ([`Tier::index`]; the device slot stays 0).
     pub placed: [u64; 3],
     /// Bytes the planner accounts per tier, and its capacities.
@@ -422,6 +430,9 @@ pub struct EvicPress {
     /// Every measured quality per variant, summarised: the prior of unprofiled contexts, and what a new
     /// measurement is shrunk toward.
     prior: Vec<VariantQuality>,
+    /// Every measured embedding similarity per variant ([`answer_similarity`]), summarised: reported beside the
+    /// quality, not planned on.
+    similarity: Vec<VariantQuality>,
     /// Output lengths of finished requests (moving average), for [`AnswerHorizon::Observed`].
     answer_lengths: Ewma,
     model_id: String,
@@ -433,6 +444,8 @@ pub struct EvicPress {
     scratch: KvStorage,
     scratch_blocks: Vec<BlockId>,
     logits: Vec<f32>,
+    /// Token embeddings of one answer, for [`answer_similarity`].
+    embeddings: Vec<f32>,
     pruner: Pruner,
     /// Kept slots per table of the pruned copy being made.
     keep: Vec<Vec<u32>>,
@@ -546,6 +559,7 @@ impl EvicPress {
             owner: HashMap::new(),
             pending: VecDeque::new(),
             prior: vec![VariantQuality::default(); n],
+            similarity: vec![VariantQuality::default(); n],
             model_id: model_id.to_owned(),
             layout,
             clock: 0,
@@ -553,6 +567,7 @@ impl EvicPress {
             scratch: KvStorage::with_dtype(gs, layout.block_size, head_dim, KvDtype::F32),
             scratch_blocks: (0..gs as BlockId).collect(),
             logits: Vec::new(),
+            embeddings: Vec::new(),
             pruner: Pruner::default(),
             keep: Vec::new(),
             upgrade_checked: None,
@@ -568,6 +583,13 @@ impl EvicPress {
         s.profile_questions = self.cfg.profile_questions.len() as u64;
         s.variants = self.variant_names();
         s.mean_quality = self.prior_quality();
+        let measured = self.similarity.iter().any(|v| v.n > 0);
+        s.mean_embedding_similarity = self
+            .similarity
+            .iter()
+            .enumerate()
+            .map(|(v, m)| if v == 0 && measured { Some(1.0) } else { m.mean() })
+            .collect();
         s.placed = [0; 3];
         for c in self.contexts.values() {
             if let Some(p) = c.stored {
@@ -1016,6 +1038,14 @@ impl EvicPress {
             };
             references.push((forced, reference));
         }
+        // The full-precision answers' mean embeddings, when the runner offers embeddings.
+        let mut reference_embeddings = Vec::with_capacity(references.len());
+        for (_, reference) in &references {
+            match mean_embedding(runner, reference, &mut self.embeddings) {
+                Some(e) => reference_embeddings.push(e),
+                None => break,
+            }
+        }
         let Some(io) = runner.policy_io() else { return Ok(quality) };
         let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
         let prefix = b.groups.len() - b.own;
@@ -1046,12 +1076,19 @@ impl EvicPress {
                     .map(|()| (Cow::Borrowed(&full), ctx_tokens))
             };
             let scored = written.and_then(|(tables, held)| {
-                let mut sum = 0.0;
-                for (probe, (forced, reference)) in probes.iter().zip(&references) {
+                let (mut sum, mut similarity) = (0.0, 0.0);
+                for (i, (probe, (forced, reference))) in probes.iter().zip(&references).enumerate() {
                     let predicted = self.predict(runner, &tables, held, ctx_tokens, probe, forced)?;
                     sum += agreement(&predicted, reference);
+                    if let Some(r) = reference_embeddings.get(i)
+                        && let Some(p) = mean_embedding(runner, &predicted, &mut self.embeddings)
+                    {
+                        similarity += answer_similarity(&p, r);
+                    }
                 }
-                Ok(sum / probes.len() as f64)
+                let n = probes.len() as f64;
+                let similarity = (reference_embeddings.len() == probes.len()).then_some(similarity / n);
+                Ok((sum / n, similarity))
             });
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
@@ -1060,7 +1097,12 @@ impl EvicPress {
                 }
             }
             match scored {
-                Ok(q) => quality[v] = Some(q),
+                Ok((q, similarity)) => {
+                    quality[v] = Some(q);
+                    if let Some(s) = similarity {
+                        self.similarity[v].add(s);
+                    }
+                }
                 // A codec that refuses this KV (out of its range) is simply not a choice for it.
                 Err(e) => tracing::debug!(variant = var.name(), error = %e, "variant not profiled"),
             }
@@ -1441,6 +1483,37 @@ fn tier_of(t: evicpress::Tier) -> Tier {
 
 /// The fraction of positions where a variant's top token is the reference's (1 for no positions: nothing
 /// disagreed).
+/// The mean of the model's input embeddings of `answer` (`scratch` holds the rows), or `None` when the runner has
+/// no embeddings or the answer is empty.
+fn mean_embedding<R: ModelRunner>(runner: &mut R, answer: &[u32], scratch: &mut Vec<f32>) -> Option<Vec<f32>> {
+    if answer.is_empty() || !runner.token_embeddings(answer, scratch) || scratch.is_empty() {
+        return None;
+    }
+    let hidden = scratch.len() / answer.len();
+    let mut mean = vec![0.0f32; hidden];
+    for row in scratch.chunks_exact(hidden) {
+        mean.iter_mut().zip(row).for_each(|(m, x)| *m += x);
+    }
+    Some(mean)
+}
+
+/// The embedding similarity of two answers: the cosine of their mean input embeddings (the served model's own
+/// embedding table, so no second model is needed), clamped to [0, 1]. Token agreement counts a near miss (a
+/// digit off, a synonym) as a miss; this scores it by how close the tokens are, as the paper's semantic
+/// similarity of generated text does. Two empty or zero answers are equal.
+pub(crate) fn answer_similarity(a: &[f32], b: &[f32]) -> f64 {
+    let (mut dot, mut na, mut nb) = (0.0f64, 0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        dot += f64::from(x) * f64::from(y);
+        na += f64::from(x) * f64::from(x);
+        nb += f64::from(y) * f64::from(y);
+    }
+    if na == 0.0 || nb == 0.0 {
+        return if na == nb { 1.0 } else { 0.0 };
+    }
+    (dot / (na.sqrt() * nb.sqrt())).clamp(0.0, 1.0)
+}
+
 pub(crate) fn agreement(predicted: &[u32], reference: &[u32]) -> f64 {
     if reference.is_empty() {
         return 1.0;
@@ -1556,6 +1629,17 @@ mod tests {
         assert_eq!("observed".parse(), Ok(AnswerHorizon::Observed));
         assert_eq!("fixed".parse(), Ok(AnswerHorizon::Fixed));
         assert!("16".parse::<AnswerHorizon>().is_err());
+    }
+
+    #[test]
+    fn answer_similarity_is_the_cosine_of_mean_embeddings_in_0_1() {
+        assert!((answer_similarity(&[1.0, 2.0], &[2.0, 4.0]) - 1.0).abs() < 1e-12);
+        assert_eq!(answer_similarity(&[1.0, 0.0], &[0.0, 3.0]), 0.0);
+        assert!((answer_similarity(&[1.0, 0.0], &[1.0, 1.0]) - 0.5f64.sqrt()).abs() < 1e-12);
+        // Opposite directions are as dissimilar as it gets, not below it.
+        assert_eq!(answer_similarity(&[1.0, -1.0], &[-1.0, 1.0]), 0.0);
+        assert_eq!(answer_similarity(&[0.0, 0.0], &[0.0, 0.0]), 1.0);
+        assert_eq!(answer_similarity(&[0.0, 0.0], &[1.0, 0.0]), 0.0);
     }
 
     #[test]

@@ -631,7 +631,14 @@ fn evicpress_stats(e: &EvicPressStats) -> pb::EvicPressStats {
             .variants
             .iter()
             .zip(&e.mean_quality)
-            .filter_map(|(v, q)| q.map(|q| pb::VariantQuality { variant: v.clone(), mean_quality: q }))
+            .enumerate()
+            .filter_map(|(i, (v, q))| {
+                q.map(|q| pb::VariantQuality {
+                    variant: v.clone(),
+                    mean_quality: q,
+                    mean_embedding_similarity: e.mean_embedding_similarity.get(i).copied().flatten(),
+                })
+            })
             .collect(),
     }
 }

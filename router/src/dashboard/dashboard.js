@@ -175,9 +175,10 @@ function renderEvicPress(st) {
       `${e.profile_questions} extra questions, ${fmtInt(e.profiles_on_own_queries_total)} on the contexts' own queries)` +
       ` · ${fmtInt(e.compressed_total)} compressed · ` +
       `${fmtInt(e.moved_down_total)} moved down · ${fmtInt(e.dropped_total)} dropped`, "note"));
-    for (const [variant, q] of e.variants) {
+    for (const [variant, q, similarity] of e.variants) {
       const seg = { name: variant, value: q, colour: "var(--accent)", text: q.toFixed(3) };
-      rows.push(barRow(variant, [seg], 1, `quality ${q.toFixed(3)}`));
+      const soft = similarity == null ? "" : ` · embedding similarity ${similarity.toFixed(3)}`;
+      rows.push(barRow(variant, [seg], 1, `quality ${q.toFixed(3)}${soft}`));
     }
   }
   if (rows.length === 0) rows.push(el("p", "No worker places its tiers by EvicPress (--tier-placement evicpress).", "note"));

@@ -147,6 +147,14 @@ pub struct LlamaModel {
     pub(super) output: Option<QMatrix>,
 }
 
+impl LlamaModel {
+    /// The input embedding of each of `ids` (rows of `hidden` floats, one after another) into `out`, which the
+    /// caller sized to `ids.len() × hidden`. Ids must be below the vocabulary.
+    pub fn token_embeddings(&self, backend: &dyn Backend, ids: &[u32], out: &mut [f32]) {
+        backend.embedding(&self.embed, ids, out);
+    }
+}
+
 impl std::fmt::Debug for LlamaModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LlamaModel")
