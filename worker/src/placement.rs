@@ -202,7 +202,7 @@ pub struct EvicPressConfig {
     /// How a variant's answer is compared with the reference answer.
     pub scoring: ProfileScoring,
     /// Shrink each context's measured quality toward its variant's mean over all contexts, by how noisy a
-    /// measurement over the horizon's positions is against how much contexts really differ (empirical Bayes;
+    /// measurement over its probes is against how much contexts really differ (empirical Bayes;
     /// [`VariantQuality::shrunk`]). Off: the raw measurement is the profile.
     pub shrink: bool,
     /// How Algorithm 1's greedy step ranks the changes that make room on a full tier.
@@ -376,12 +376,15 @@ struct Pending {
     cached_new: std::ops::Range<usize>,
 }
 
-/// The measured qualities of one variant over every profiled context: count, sum and sum of squares.
+/// The measured qualities of one variant over every profiled context: count, sum and sum of squares; and the
+/// spread of the probes within a profile, pooled over the profiles that scored at least two.
 #[derive(Debug, Clone, Copy, Default)]
 struct VariantQuality {
     n: u64,
     sum: f64,
     sum_sq: f64,
+    within_n: u64,
+    within_sum: f64,
 }
 
 impl VariantQuality {
@@ -391,24 +394,42 @@ impl VariantQuality {
         self.sum_sq += q * q;
     }
 
+    /// One profile's sample variance of its probes' agreements.
+    fn add_probe_variance(&mut self, variance: f64) {
+        self.within_n += 1;
+        self.within_sum += variance;
+    }
+
     fn mean(&self) -> Option<f64> {
         (self.n > 0).then(|| self.sum / self.n as f64)
     }
 
-    /// A new measurement `q` over `positions` answer positions, shrunk toward this variant's mean (empirical
-    /// Bayes, as in James–Stein): a measurement's noise is that of `positions` coin flips at the mean,
-    /// `m(1 − m) / positions`; the spread contexts really have is what the measurements' variance leaves above
-    /// that noise. `q` moves toward the mean by noise / (noise + spread). Over four positions a lossy copy that
-    /// agreed on all four reads 1.0; if copies of that variant average 0.87 and differ little between contexts,
-    /// most of that 1.0 is luck, and the planner that picks the best-looking profiles would otherwise pick luck.
-    /// `None` below three measurements: there is no spread to estimate yet, and `q` stands.
-    fn shrunk(&self, q: f64, positions: usize) -> Option<f64> {
-        if self.n < 3 || positions == 0 {
+    /// A new measurement `q`, the mean over `probes` probes of `positions` answer positions in all, shrunk toward
+    /// this variant's mean (empirical Bayes, as in James–Stein): `q` moves toward the mean by
+    /// noise / (noise + spread), where the spread contexts really have is what the measurements' variance leaves
+    /// above the noise.
+    ///
+    /// The noise is the variance of a mean over `probes` probes, from the probes' own spread pooled over earlier
+    /// profiles (a one-way random-effects model). The answer positions of one probe are not independent draws: a
+    /// free-running answer that diverges at its first token rarely agrees after it, so a probe scores 0 or 1
+    /// far more often than its positions' coin flips would. Until three profiles have scored at least two probes,
+    /// the noise is that of `positions` coin flips at the mean, `m(1 − m) / positions`, a lower bound.
+    ///
+    /// Over four positions a lossy copy that agreed on all four reads 1.0; if copies of that variant average 0.87
+    /// and differ little between contexts, most of that 1.0 is luck, and the planner that picks the best-looking
+    /// profiles would otherwise pick luck. `None` below three measurements: there is no spread to estimate yet,
+    /// and `q` stands.
+    fn shrunk(&self, q: f64, probes: usize, positions: usize) -> Option<f64> {
+        if self.n < 3 || positions == 0 || probes == 0 {
             return None;
         }
         let mean = self.mean()?;
         let variance = (self.sum_sq / self.n as f64 - mean * mean).max(0.0);
-        let noise = mean * (1.0 - mean) / positions as f64;
+        let noise = if self.within_n >= 3 {
+            self.within_sum / self.within_n as f64 / probes as f64
+        } else {
+            mean * (1.0 - mean) / positions as f64
+        };
         let spread = (variance - noise).max(0.0);
         if noise + spread <= 0.0 {
             // Every measurement equal, and at 0 or 1: nothing is noisy.
@@ -416,6 +437,15 @@ impl VariantQuality {
         }
         Some(q - noise / (noise + spread) * (q - mean))
     }
+}
+
+/// One profile of a context: per variant (index 0, lossless, is 1 by construction), the mean agreement over the
+/// probes, and the sample variance of the probes' agreements where there were at least two.
+#[derive(Debug, Clone)]
+struct Profiled {
+    quality: Vec<Option<f64>>,
+    probe_variance: Vec<Option<f64>>,
+    probes: usize,
 }
 
 /// See the module docs.
@@ -842,9 +872,9 @@ impl EvicPress {
         let mut measured_now = false;
         if can_profile
             && !profiled
-            && let Some(q) = self.profile_all(runner, pool, &p)?
+            && let Some(profiled) = self.profile_all(runner, pool, &p)?
         {
-            self.set_measured(p.context, tokens, q)?;
+            self.set_measured(p.context, tokens, profiled)?;
             measured_now = true;
         }
         if !measured_now && !known {
@@ -859,13 +889,13 @@ impl EvicPress {
             let Some(v) = self.planner.placement(p.context).map(|pl| pl.variant).filter(|&v| v != 0) else {
                 return Ok(());
             };
-            let Some(q) = self.profile(runner, pool, &p, &[v])? else { return Ok(()) };
-            let Some(observed) = q[v] else { return Ok(()) };
+            let Some(profiled) = self.profile(runner, pool, &p, &[v])? else { return Ok(()) };
+            let Some(observed) = profiled.quality[v] else { return Ok(()) };
             self.stats.spot_checks += 1;
             if self.planner.observe_quality(p.context, observed, self.cfg.drift_threshold).map_err(plan_err)? {
                 self.stats.reprofiles += 1;
-                if let Some(q) = self.profile_all(runner, pool, &p)? {
-                    self.set_measured(p.context, tokens, q)?;
+                if let Some(profiled) = self.profile_all(runner, pool, &p)? {
+                    self.set_measured(p.context, tokens, profiled)?;
                     self.insert(p.context, runner, pool, tiers)?;
                 }
             }
@@ -873,22 +903,26 @@ impl EvicPress {
         Ok(())
     }
 
-    fn set_measured(&mut self, context: u64, tokens: u64, mut q: Vec<Option<f64>>) -> Result<(), EngineError> {
+    fn set_measured(&mut self, context: u64, tokens: u64, profiled: Profiled) -> Result<(), EngineError> {
+        let Profiled { quality: mut q, probe_variance, probes } = profiled;
         // Every probe scores the horizon's positions.
-        let positions = self.horizon() * (1 + self.profiling_set(context).len());
+        let positions = self.horizon() * probes;
         for (v, q) in q.iter_mut().enumerate() {
             if let Some(q) = q {
                 let measured = *q;
                 // The lossless variant is exact by construction: nothing to shrink.
                 if self.cfg.shrink
                     && v != 0
-                    && let Some(shrunk) = self.prior[v].shrunk(measured, positions)
+                    && let Some(shrunk) = self.prior[v].shrunk(measured, probes, positions)
                 {
                     *q = shrunk;
                     self.stats.shrunk_profiles += 1;
                     self.stats.shrink_total += (measured - shrunk).abs();
                 }
                 self.prior[v].add(measured);
+                if let Some(variance) = probe_variance[v] {
+                    self.prior[v].add_probe_variance(variance);
+                }
             }
         }
         self.planner.set_profile(context, tokens, q).map_err(plan_err)?;
@@ -951,7 +985,7 @@ impl EvicPress {
         runner: &mut R,
         pool: &mut BlockPool,
         p: &Pending,
-    ) -> Result<Option<Vec<Option<f64>>>, EngineError> {
+    ) -> Result<Option<Profiled>, EngineError> {
         let all: Vec<usize> = (1..self.variants.len()).collect();
         let q = self.profile(runner, pool, p, &all)?;
         if q.is_some() {
@@ -971,7 +1005,7 @@ impl EvicPress {
         pool: &mut BlockPool,
         p: &Pending,
         variants: &[usize],
-    ) -> Result<Option<Vec<Option<f64>>>, EngineError> {
+    ) -> Result<Option<Profiled>, EngineError> {
         let t0 = Instant::now();
         let mut groups: Vec<Vec<BlockId>> = Vec::with_capacity(p.chain.len());
         for h in &p.chain {
@@ -1016,9 +1050,10 @@ impl EvicPress {
         answer_len: usize,
         variants: &[usize],
         t0: Instant,
-    ) -> Result<Vec<Option<f64>>, EngineError> {
+    ) -> Result<Profiled, EngineError> {
         let mut quality = vec![None; self.variants.len()];
         quality[0] = Some(1.0);
+        let mut probe_variance = vec![None; self.variants.len()];
         let bs = self.layout.block_size;
         let ctx_tokens = b.groups.len() * bs;
         let full = b.tables(None);
@@ -1046,7 +1081,9 @@ impl EvicPress {
                 None => break,
             }
         }
-        let Some(io) = runner.policy_io() else { return Ok(quality) };
+        let Some(io) = runner.policy_io() else {
+            return Ok(Profiled { quality, probe_variance, probes: probes.len() });
+        };
         let originals: Vec<EncodedGroup> = b.groups.iter().map(|g| native::encode(io.kv, g)).collect();
         let prefix = b.groups.len() - b.own;
         let own_tables = tables_of(&b.groups[prefix..]);
@@ -1076,10 +1113,12 @@ impl EvicPress {
                     .map(|()| (Cow::Borrowed(&full), ctx_tokens))
             };
             let scored = written.and_then(|(tables, held)| {
-                let (mut sum, mut similarity) = (0.0, 0.0);
+                let (mut sum, mut sum_sq, mut similarity) = (0.0, 0.0, 0.0);
                 for (i, (probe, (forced, reference))) in probes.iter().zip(&references).enumerate() {
                     let predicted = self.predict(runner, &tables, held, ctx_tokens, probe, forced)?;
-                    sum += agreement(&predicted, reference);
+                    let a = agreement(&predicted, reference);
+                    sum += a;
+                    sum_sq += a * a;
                     if let Some(r) = reference_embeddings.get(i)
                         && let Some(p) = mean_embedding(runner, &predicted, &mut self.embeddings)
                     {
@@ -1088,7 +1127,8 @@ impl EvicPress {
                 }
                 let n = probes.len() as f64;
                 let similarity = (reference_embeddings.len() == probes.len()).then_some(similarity / n);
-                Ok((sum / n, similarity))
+                let variance = (probes.len() >= 2).then(|| ((sum_sq - sum * sum / n) / (n - 1.0)).max(0.0));
+                Ok((sum / n, variance, similarity))
             });
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
@@ -1097,8 +1137,9 @@ impl EvicPress {
                 }
             }
             match scored {
-                Ok((q, similarity)) => {
+                Ok((q, variance, similarity)) => {
                     quality[v] = Some(q);
+                    probe_variance[v] = variance;
                     if let Some(s) = similarity {
                         self.similarity[v].add(s);
                     }
@@ -1107,7 +1148,7 @@ impl EvicPress {
                 Err(e) => tracing::debug!(variant = var.name(), error = %e, "variant not profiled"),
             }
         }
-        Ok(quality)
+        Ok(Profiled { quality, probe_variance, probes: probes.len() })
     }
 
     /// Packs the pruned copy selected in `self.keep` (`kept` slots of `own_tables`, the tables of `own`) through
@@ -1806,21 +1847,49 @@ mod tests {
             v
         };
         // Too few measurements to tell noise from spread: a profile stands.
-        assert_eq!(of(&[0.5, 1.0]).shrunk(1.0, 4), None);
+        assert_eq!(of(&[0.5, 1.0]).shrunk(1.0, 1, 4), None);
         // Four-position profiles of a variant that averages 0.875, spread no wider than four coin flips at 0.875
         // would spread them: a perfect profile is luck, and reads as the mean.
         let even = of(&[0.75, 1.0, 0.75, 1.0, 0.75, 1.0, 1.0, 0.75]);
-        assert!((even.shrunk(1.0, 4).unwrap() - 0.875).abs() < 1e-12);
-        assert!((even.shrunk(0.5, 4).unwrap() - 0.875).abs() < 1e-12);
+        assert!((even.shrunk(1.0, 1, 4).unwrap() - 0.875).abs() < 1e-12);
+        assert!((even.shrunk(0.5, 1, 4).unwrap() - 0.875).abs() < 1e-12);
         // Contexts that really differ (half lose everything, half nothing): a profile keeps most of what it says,
         // and more the more positions it scored.
         let split = of(&[0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
-        let (at4, at16) = (split.shrunk(1.0, 4).unwrap(), split.shrunk(1.0, 16).unwrap());
+        let (at4, at16) = (split.shrunk(1.0, 1, 4).unwrap(), split.shrunk(1.0, 1, 16).unwrap());
         assert!(at4 < at16 && at16 < 1.0 && at4 > 0.75, "{at4} {at16}");
         // noise 0.25/16, spread 0.25 - noise: the profile moves 1/16 of the way to the mean.
         assert!((at16 - (1.0 - 0.5 / 16.0)).abs() < 1e-12, "{at16}");
         // A variant that is always exact has no noise: nothing moves.
-        assert_eq!(of(&[1.0, 1.0, 1.0]).shrunk(1.0, 4), Some(1.0));
+        assert_eq!(of(&[1.0, 1.0, 1.0]).shrunk(1.0, 1, 4), Some(1.0));
+    }
+
+    #[test]
+    fn the_noise_of_a_profile_is_its_probes_pooled_spread() {
+        // Profiles of five probes of four positions whose means spread around 0.6.
+        let mut v = VariantQuality::default();
+        for q in [0.4, 0.8, 0.4, 0.8, 0.6, 0.6] {
+            v.add(q);
+        }
+        let variance = 0.16 / 6.0; // (4 · 0.04 + 2 · 0) / 6
+        // Until three profiles report their probes' spread, the noise is 20 coin flips at 0.6: 0.012.
+        let coin = 0.6 * 0.4 / 20.0;
+        let expected = 1.0 - coin / variance * 0.4;
+        assert!((v.shrunk(1.0, 5, 20).unwrap() - expected).abs() < 1e-12);
+        // Probes that each agree wholly or not at all (sample variance 0.3 at 0.6 over five) say a mean of five is
+        // far noisier: 0.06 > the measured 0.0267, so every context reads as the mean.
+        for _ in 0..3 {
+            v.add_probe_variance(0.3);
+        }
+        assert!((v.shrunk(1.0, 5, 20).unwrap() - 0.6).abs() < 1e-12);
+        // Probes that agree with each other (variance 0.01): noise 0.002, a profile keeps most of what it says.
+        let mut calm = v;
+        calm.within_n = 3;
+        calm.within_sum = 0.03;
+        let spread = variance - 0.002;
+        let kept = calm.shrunk(1.0, 5, 20).unwrap();
+        assert!((kept - (1.0 - 0.002 / (0.002 + spread) * 0.4)).abs() < 1e-12, "{kept}");
+        assert!(kept > v.shrunk(1.0, 5, 20).unwrap());
     }
 
     #[test]
