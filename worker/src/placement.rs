@@ -404,6 +404,12 @@ impl VariantQuality {
         (self.n > 0).then(|| self.sum / self.n as f64)
     }
 
+    /// The unbiased sample variance of what was added; `None` below two.
+    fn sample_variance(&self) -> Option<f64> {
+        let n = self.n as f64;
+        (self.n >= 2).then(|| ((self.sum_sq - self.sum * self.sum / n) / (n - 1.0)).max(0.0))
+    }
+
     /// A new measurement `q`, the mean over `probes` probes of `positions` answer positions in all, shrunk toward
     /// this variant's mean (empirical Bayes, as in James–Stein): `q` moves toward the mean by
     /// noise / (noise + spread), where the spread contexts really have is what the measurements' variance leaves
@@ -1113,12 +1119,10 @@ impl EvicPress {
                     .map(|()| (Cow::Borrowed(&full), ctx_tokens))
             };
             let scored = written.and_then(|(tables, held)| {
-                let (mut sum, mut sum_sq, mut similarity) = (0.0, 0.0, 0.0);
+                let (mut agreements, mut similarity) = (VariantQuality::default(), 0.0);
                 for (i, (probe, (forced, reference))) in probes.iter().zip(&references).enumerate() {
                     let predicted = self.predict(runner, &tables, held, ctx_tokens, probe, forced)?;
-                    let a = agreement(&predicted, reference);
-                    sum += a;
-                    sum_sq += a * a;
+                    agreements.add(agreement(&predicted, reference));
                     if let Some(r) = reference_embeddings.get(i)
                         && let Some(p) = mean_embedding(runner, &predicted, &mut self.embeddings)
                     {
@@ -1127,8 +1131,7 @@ impl EvicPress {
                 }
                 let n = probes.len() as f64;
                 let similarity = (reference_embeddings.len() == probes.len()).then_some(similarity / n);
-                let variance = (probes.len() >= 2).then(|| ((sum_sq - sum * sum / n) / (n - 1.0)).max(0.0));
-                Ok((sum / n, variance, similarity))
+                Ok((agreements.mean().unwrap_or(0.0), agreements.sample_variance(), similarity))
             });
             // Restore whatever happened: the device blocks are the prefix cache's.
             if let Some(io) = runner.policy_io() {
@@ -1883,13 +1886,18 @@ mod tests {
         }
         assert!((v.shrunk(1.0, 5, 20).unwrap() - 0.6).abs() < 1e-12);
         // Probes that agree with each other (variance 0.01): noise 0.002, a profile keeps most of what it says.
-        let mut calm = v;
-        calm.within_n = 3;
-        calm.within_sum = 0.03;
+        let mut calm = VariantQuality::default();
+        [0.4, 0.8, 0.4, 0.8, 0.6, 0.6].into_iter().for_each(|q| calm.add(q));
+        (0..3).for_each(|_| calm.add_probe_variance(0.01));
         let spread = variance - 0.002;
         let kept = calm.shrunk(1.0, 5, 20).unwrap();
         assert!((kept - (1.0 - 0.002 / (0.002 + spread) * 0.4)).abs() < 1e-12, "{kept}");
         assert!(kept > v.shrunk(1.0, 5, 20).unwrap());
+        // The probes' spread is the unbiased sample variance: 0, 1, 1, 0, 1 → 0.3.
+        let mut probes = VariantQuality::default();
+        [0.0, 1.0, 1.0, 0.0, 1.0].into_iter().for_each(|a| probes.add(a));
+        assert!((probes.sample_variance().unwrap() - 0.3).abs() < 1e-12);
+        assert_eq!(VariantQuality::default().sample_variance(), None);
     }
 
     #[test]
