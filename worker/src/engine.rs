@@ -1340,7 +1340,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 None => break,
             }
         }
-        let k = tiers.cost().plan(&plan, layout.block_size);
+        let k = tiers.cost().plan(&plan, on_device * layout.block_size, layout.block_size);
         let mut loaded = 0;
         if let Some(kv) = self.runner.group_kv() {
             let native = kv.native_codec().name();
@@ -1395,7 +1395,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         };
         let cost = tiers.cost();
         let load: f64 = located.iter().map(|&(tier, bytes)| cost.load_secs(tier, bytes)).sum();
-        if load >= cost.prefill_secs(copy.groups * bs) {
+        if load >= cost.prefill_secs(frontier * bs, copy.groups * bs) {
             return;
         }
         let Some(pinned) = pin_prefix(&mut self.sched, &self.hashes[..frontier]) else { return };
@@ -1453,7 +1453,10 @@ impl<R: ModelRunner> EngineLoop<R> {
             && result.is_ok()
             && tokens >= 2 * plan.seqs.len().max(1) * self.sched.layout().block_size
         {
-            t.cost_mut().record_prefill(tokens, t0.elapsed().as_secs_f64());
+            // Positions, not live slots: a pruning policy attends fewer, and its steps then teach the fit a cheaper
+            // attention term, which is what its prefills do cost.
+            let pairs = plan.seqs.iter().map(|e| crate::tiers::cost::attended_pairs(e.start, e.n)).sum();
+            t.cost_mut().record_prefill(tokens, pairs, t0.elapsed().as_secs_f64());
         }
         if let Err(e) = result {
             tracing::error!(error = %e, "forward step failed; failing the step's requests");

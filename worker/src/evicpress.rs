@@ -15,9 +15,10 @@
 //!   last tier a context is dropped;
 //! - a dropped context is not lost: its next request recomputes it, at full quality and the cost of a prefill. So
 //!   the planner prices a drop as one more configuration, **recompute**, with `U = (α · 1 − prefill_time) ·
-//!   frequency` from the measured prefill speed. That is what lets α trade a lossy codec against recomputing: at a
-//!   small α a context is squeezed into a cheap codec to stay loadable, at a large α it is dropped rather than
-//!   served from a variant that loses quality.
+//!   frequency` from the measured prefill cost (per token and per attended position: a 4K-token context costs
+//!   more than four 1K ones). That is what lets α trade a lossy codec against recomputing: at a small α a context
+//!   is squeezed into a cheap codec to stay loadable, at a large α it is dropped rather than served from a variant
+//!   that loses quality.
 //!
 //! The planner does no I/O: it returns the operations, and the tier stores carry them out. Profiles are bounded:
 //! past `max_contexts` the least recently used context that holds no space is forgotten.
@@ -25,6 +26,8 @@
 use std::collections::HashMap;
 
 use thiserror::Error;
+
+pub use crate::tiers::cost::PrefillCost;
 
 /// A storage tier, fastest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -152,8 +155,9 @@ pub struct PlannerConfig {
     pub capacity: [u64; 3],
     /// Measured load bandwidth of each tier to the device, bytes/s ([`Tier::Device`]'s is unused).
     pub bandwidth: [f64; 3],
-    /// Measured prefill speed, tokens/s: the price of recomputing a dropped context.
-    pub prefill_tokens_per_s: f64,
+    /// Measured price of a prefill (per token and per attended position): the price of recomputing a dropped
+    /// context.
+    pub prefill: PrefillCost,
     /// The measured compression variants; index 0 should be the lossless one.
     pub variants: Vec<Variant>,
     /// Tokens per stored group: a pruned copy's kept tokens are stored in whole groups, so its size rounds up.
@@ -209,8 +213,8 @@ impl Planner {
         if cfg.bandwidth[1..].iter().any(|b| !(b.is_finite() && *b > 0.0)) {
             return Err(PlanError::Invalid("host and disk bandwidths must be positive"));
         }
-        if !(cfg.prefill_tokens_per_s.is_finite() && cfg.prefill_tokens_per_s > 0.0) {
-            return Err(PlanError::Invalid("prefill speed must be positive"));
+        if !cfg.prefill.is_valid() {
+            return Err(PlanError::Invalid("prefill cost must be finite, per token positive"));
         }
         Ok(Planner { cfg, contexts: HashMap::new(), used: [0; 3], clock: 0 })
     }
@@ -234,16 +238,16 @@ impl Planner {
         self.contexts.is_empty()
     }
 
-    /// Replaces the load bandwidths and the prefill speed with fresh measurements (non-positive or non-finite ones
+    /// Replaces the load bandwidths and the prefill cost with fresh measurements (non-positive or non-finite ones
     /// are ignored), so `load_time` and the price of a recompute follow the cost model as it learns.
-    pub fn set_costs(&mut self, bandwidth: [f64; 3], prefill_tokens_per_s: f64) {
+    pub fn set_costs(&mut self, bandwidth: [f64; 3], prefill: PrefillCost) {
         for (t, b) in bandwidth.into_iter().enumerate().skip(1) {
             if b.is_finite() && b > 0.0 {
                 self.cfg.bandwidth[t] = b;
             }
         }
-        if prefill_tokens_per_s.is_finite() && prefill_tokens_per_s > 0.0 {
-            self.cfg.prefill_tokens_per_s = prefill_tokens_per_s;
+        if prefill.is_valid() {
+            self.cfg.prefill = prefill;
         }
     }
 
@@ -297,9 +301,9 @@ impl Planner {
         }
     }
 
-    /// Seconds to recompute `tokens` tokens: the load time of a dropped context.
+    /// Seconds to recompute `tokens` tokens from the start: the load time of a dropped context.
     pub fn recompute_time(&self, tokens: u64) -> f64 {
-        tokens as f64 / self.cfg.prefill_tokens_per_s
+        self.cfg.prefill.secs(0, tokens as usize)
     }
 
     fn utility_of(&self, c: &Context, p: Option<Placement>) -> f64 {
@@ -539,7 +543,7 @@ mod tests {
             alpha,
             capacity,
             bandwidth: [0.0, 10e9, 1e9],
-            prefill_tokens_per_s: 1000.0,
+            prefill: PrefillCost::per_token(1000.0),
             variants: vec![
                 Variant { codec: "native".into(), bytes_per_token: F32, keep_ratio: 1.0, residual: None },
                 Variant { codec: "int8".into(), bytes_per_token: F32 / 4.0, keep_ratio: 1.0, residual: None },
@@ -564,7 +568,7 @@ mod tests {
         assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12);
         // Dropped = recomputed at full quality: (1 · 1 − 1000 tokens / 1000 tokens/s) · 2.
         assert_eq!(p.utility(1, None).unwrap(), 0.0);
-        p.set_costs([0.0, f64::NAN, -1.0], 500.0);
+        p.set_costs([0.0, f64::NAN, -1.0], PrefillCost::per_token(500.0));
         assert_eq!(p.utility(1, None).unwrap(), (1.0 - 2.0) * 2.0);
         assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12, "bad bandwidths are ignored");
     }
@@ -791,9 +795,11 @@ mod tests {
         cfg.alpha = f64::NAN;
         assert!(Planner::new(cfg.clone()).is_err());
         cfg.alpha = 1.0;
-        cfg.prefill_tokens_per_s = 0.0;
+        cfg.prefill = PrefillCost { secs_per_token: 0.0, secs_per_pair: 1e-6 };
         assert!(Planner::new(cfg.clone()).is_err());
-        cfg.prefill_tokens_per_s = 1000.0;
+        cfg.prefill = PrefillCost { secs_per_token: 1e-3, secs_per_pair: -1e-9 };
+        assert!(Planner::new(cfg.clone()).is_err());
+        cfg.prefill = PrefillCost::per_token(1000.0);
         cfg.bandwidth[2] = 0.0;
         assert!(Planner::new(cfg).is_err());
         let mut p = planner([u64::MAX; 3], 1.0);

@@ -576,7 +576,7 @@ impl EvicPress {
             // The device pool keeps its own LRU; the planner places below it.
             capacity: [0, tiers.free_bytes(Tier::Host), tiers.free_bytes(Tier::Disk)],
             bandwidth: [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
-            prefill_tokens_per_s: cost.prefill_tokens_per_s(),
+            prefill: cost.prefill_cost(),
             variants: planner_variants,
             // Forgetting is this driver's business (it must drop the group owners too).
             max_contexts: cfg.max_contexts + 1,
@@ -953,7 +953,7 @@ impl EvicPress {
             quality = ?self.planner.quality(context),
             host_bw = cost.load_bandwidth(Tier::Host),
             disk_bw = cost.load_bandwidth(Tier::Disk),
-            prefill = cost.prefill_tokens_per_s(),
+            prefill = ?cost.prefill_cost(),
             ops = ?ops,
             "evicpress insert"
         );
@@ -964,10 +964,8 @@ impl EvicPress {
     /// Gives the planner the cost model's current bandwidths and prefill speed; returns the cost model.
     fn refresh_costs<'t>(&mut self, tiers: &'t TierStore) -> &'t crate::tiers::cost::CostModel {
         let cost = tiers.cost();
-        self.planner.set_costs(
-            [0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)],
-            cost.prefill_tokens_per_s(),
-        );
+        self.planner
+            .set_costs([0.0, cost.load_bandwidth(Tier::Host), cost.load_bandwidth(Tier::Disk)], cost.prefill_cost());
         cost
     }
 
