@@ -571,6 +571,14 @@ mod tests {
         p.set_costs([0.0, f64::NAN, -1.0], PrefillCost::per_token(500.0));
         assert_eq!(p.utility(1, None).unwrap(), (1.0 - 2.0) * 2.0);
         assert!((p.utility(1, Some(host_int8)).unwrap() - want).abs() < 1e-12, "bad bandwidths are ignored");
+        // A recompute also pays for attention: 2 ms per token and 1 µs per attended position make 1,000 tokens
+        // 2 s + 0.5005 s.
+        p.set_costs([0.0; 3], PrefillCost { secs_per_token: 2e-3, secs_per_pair: 1e-6 });
+        assert!((p.recompute_time(1000) - 2.5005).abs() < 1e-9);
+        assert!((p.utility(1, None).unwrap() - (1.0 - 2.5005) * 2.0).abs() < 1e-9);
+        // An invalid cost is ignored like a bad bandwidth.
+        p.set_costs([0.0; 3], PrefillCost { secs_per_token: 1e-3, secs_per_pair: f64::NAN });
+        assert!((p.recompute_time(1000) - 2.5005).abs() < 1e-9);
     }
 
     #[test]
