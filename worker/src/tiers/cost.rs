@@ -4,7 +4,8 @@
 //!
 //! A prefill step's time is not proportional to its tokens alone: each token also attends to every position before
 //! it, so a chunk deep in a long prompt is slower than the same chunk at its start (measured on SmolLM2 on 2 cores:
-//! 980 prompt tokens/s for 1K-token prompts, 500 for 4K). One rate cannot price both, and a rate averaged over the
+//! 1,018 prompt tokens/s for 1K-token prompts, 512 for 4K; `scripts/zipf-requests.py` on
+//! `docs/bench-tiers-zipf-full-mix-noise.json`). One rate cannot price both, and a rate averaged over the
 //! last few steps says whatever position those happened to sit at. So the model fits each step's time as
 //! `a · tokens + b · attended pairs` (a token at position `p` attends `p + 1` positions), by least squares with
 //! exponential forgetting, and prices a prefill of `n` tokens after `s` as `a · n + b · (n·s + n(n+1)/2)`.
