@@ -1,4 +1,4 @@
-//! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private rayon pool, picking AVX2/FMA/F16C kernels
+//! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private pool of helper threads (`pool`), picking AVX2/FMA/F16C kernels
 //! (plus an AVX-512 VNNI quantised matmul and AVX-512 paged attention where the CPU has them) at run time and
 //! falling back to the portable scalar kernels in [`scalar`].
 
@@ -15,6 +15,7 @@ pub mod codecs;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod codecs_avx2;
 pub mod matmul;
+pub(crate) mod pool;
 pub mod scalar;
 pub mod scores;
 #[cfg(target_arch = "x86_64")]
@@ -23,7 +24,6 @@ pub(crate) mod scores_avx2;
 use crate::backend::Backend;
 use crate::paged::{AttnProbs, AttnSeq, KvStorage};
 use crate::quant::QMatrix;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Instruction set the CPU backend runs its kernels with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,10 +96,10 @@ pub fn avx2_available() -> bool {
     }
 }
 
-/// CPU implementation of [`Backend`]: the calling thread plus a rayon pool of `threads - 1` helpers.
+/// CPU implementation of [`Backend`]: the calling thread plus a pool of `threads - 1` helpers.
 pub struct CpuBackend {
     /// Helpers; `None` when `threads == 1`.
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<pool::SpinPool>,
     threads: usize,
     simd: Simd,
     /// AMX tiles for the quantised matmul's prefill-sized calls (only with [`Simd::Avx512`]).
@@ -146,11 +146,7 @@ impl CpuBackend {
         };
         let simd = if simd.has_avx2() && !avx2_available() { Simd::Scalar } else { simd };
         let pool = (threads > 1).then(|| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads - 1)
-                .thread_name(|i| format!("pagoda-kernels-{i}"))
-                .build()
-                .unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
+            pool::SpinPool::new(threads - 1).unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
         });
         CpuBackend { pool, threads, simd, amx: false }
     }
@@ -168,30 +164,10 @@ impl CpuBackend {
     /// Runs `f(t)` for every `t in 0..tasks` on the calling thread and up to `threads - 1` helpers, which pull
     /// task indices from a shared counter (so a descheduled core does not hold a fixed share of the work).
     pub(crate) fn par_for(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-        let helpers = self.threads.saturating_sub(1).min(tasks.saturating_sub(1));
-        let pool = match &self.pool {
-            Some(p) if helpers > 0 => p,
-            _ => {
-                (0..tasks).for_each(f);
-                return;
-            }
-        };
-        let next = AtomicUsize::new(0);
-        let work = || {
-            loop {
-                let t = next.fetch_add(1, Ordering::Relaxed);
-                if t >= tasks {
-                    break;
-                }
-                f(t);
-            }
-        };
-        pool.in_place_scope(|s| {
-            for _ in 0..helpers {
-                s.spawn(|_| work());
-            }
-            work();
-        });
+        match &self.pool {
+            Some(pool) => pool.run(tasks, f),
+            None => (0..tasks).for_each(f),
+        }
     }
 }
 
