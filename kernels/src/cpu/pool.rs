@@ -5,9 +5,16 @@
 //! call per layer), each a few tens of microseconds of work. A pool whose idle workers sleep on a futex pays a
 //! wake-up per call and a sleep after it: with rayon, `perf` put 30% of single-stream decode samples in the
 //! kernel's scheduler (`try_to_wake_up`, `finish_task_switch`) and more time went to the latency of each wake.
-//! Here a helper that finishes a job spins on the job counter for [`SPIN`] before it parks, as ggml's thread
-//! pool does, so back-to-back calls reach a helper that is already running; a pool left idle for longer sleeps and
-//! costs nothing.
+//! Here a helper that finishes a job keeps polling for the next one for [`POLL`] before it parks, as ggml's
+//! thread pool does, so back-to-back calls reach a helper that is already running; a pool left idle for longer
+//! sleeps and costs nothing.
+//!
+//! The cores may be shared (other workers, other processes, a test harness). Two rules keep a pool from stalling
+//! there:
+//! - The caller never waits for a helper that has not joined its job: it works through the tasks itself, closes
+//!   the job, and waits only for helpers inside it. A descheduled helper costs the call nothing.
+//! - A polling helper pauses for [`SPIN`] and then yields the core between polls, so it gives way to any thread
+//!   that has work.
 //!
 //! One job runs at a time: callers on other threads queue on a mutex. A nested call (a task that itself calls
 //! `par_for`) runs inline. A panicking task is caught on its thread; the caller waits for every helper to leave the
@@ -21,13 +28,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long an idle helper spins for the next job before it parks. Long enough to bridge the gaps between the
+/// How long an idle helper polls for the next job before it parks. Long enough to bridge the gaps between the
 /// calls of one forward pass (a few microseconds of single-threaded work: norms, RoPE, residual adds), short
 /// enough that a pool between engine steps gives its core back almost at once.
-const SPIN: Duration = Duration::from_micros(200);
+const POLL: Duration = Duration::from_micros(200);
 
-/// Spins between two reads of the clock while spinning.
-const SPINS_PER_CLOCK_READ: u32 = 64;
+/// The first part of [`POLL`], spent in `pause` loops; the rest yields between polls.
+const SPIN: Duration = Duration::from_micros(20);
+
+/// Polls between two reads of the clock.
+const POLLS_PER_CLOCK_READ: u32 = 32;
 
 thread_local! {
     /// True on a pool helper, and on a caller while it runs its share of a job.
@@ -42,22 +52,24 @@ struct Job {
 }
 
 struct Shared {
-    /// Bumped once per job (and at shutdown); helpers compare it with the last one they served.
+    /// Bumped once per job (and at shutdown) to wake helpers; joining is decided by `open`.
     generation: AtomicU64,
-    /// Written only by the submitter, while every helper has acknowledged the previous generation.
+    /// Written only by the submitter, while no job is open and no helper is inside one.
     job: UnsafeCell<Job>,
     /// The next task index to hand out.
     next: AtomicUsize,
-    /// Helpers done with the current generation.
-    acks: AtomicUsize,
+    /// True while the current job may be joined.
+    open: AtomicBool,
+    /// Helpers that have announced themselves to the current job and not yet left it.
+    active: AtomicUsize,
     shutdown: AtomicBool,
     /// The first panic raised on a helper during the current job.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
-// SAFETY: `job` is written by the submitter only while no helper can read it (every helper has acknowledged the
-// previous generation and the new one is not yet published), and read by helpers only after they observe its
-// generation with Acquire ordering. The closure it points at is `Sync`.
+// SAFETY: `job` is written by the submitter only while `open` is false and `active` is 0, and read by a helper
+// only after it has raised `active` and then seen `open` true (both SeqCst: either the helper sees the job closed,
+// or the caller sees the helper and waits for it). The closure it points at is `Sync`.
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw pointer in `job` is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
@@ -65,7 +77,7 @@ unsafe impl Send for Shared {}
 impl Shared {
     /// Pulls task indices until none are left.
     fn work(&self, job: Job) {
-        // SAFETY: the submitter keeps the closure alive until every helper has acknowledged this job.
+        // SAFETY: the submitter keeps the closure alive until no helper is inside the job.
         let task = unsafe { &*job.task };
         loop {
             let t = self.next.fetch_add(1, Ordering::Relaxed);
@@ -93,7 +105,8 @@ impl SpinPool {
             generation: AtomicU64::new(0),
             job: UnsafeCell::new(Job { task: erase(noop), tasks: 0 }),
             next: AtomicUsize::new(0),
-            acks: AtomicUsize::new(0),
+            open: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             panic: Mutex::new(None),
         });
@@ -120,13 +133,13 @@ impl SpinPool {
         let _turn = self.submit.lock().unwrap_or_else(PoisonError::into_inner);
         let shared = &*self.shared;
         shared.next.store(0, Ordering::Relaxed);
-        shared.acks.store(0, Ordering::Relaxed);
-        // SAFETY: every helper acknowledged the previous generation (or none was ever published), so no helper
-        // reads `job` until the Release increment below publishes this write.
+        // SAFETY: the previous job is closed and no helper is inside it (the previous call waited for that), so no
+        // helper reads `job` until the SeqCst store of `open` below publishes this write.
         unsafe { *shared.job.get() = Job { task: erase(task), tasks } };
+        shared.open.store(true, Ordering::SeqCst);
         shared.generation.fetch_add(1, Ordering::Release);
         for h in &self.helpers {
-            // Only a syscall when the helper is parked; a spinning one just sees the new generation.
+            // Only a syscall when the helper is parked; a polling one just sees the new generation.
             h.thread().unpark();
         }
 
@@ -134,11 +147,13 @@ impl SpinPool {
         let own = catch_unwind(AssertUnwindSafe(|| shared.work(Job { task: erase(task), tasks })));
         IN_JOB.set(false);
 
-        // The tasks borrow this caller's stack: wait for every helper to leave the job, panic or not.
-        let mut spins = 0u32;
-        while shared.acks.load(Ordering::Acquire) < self.helpers.len() {
-            if spins < 1 << 12 {
-                spins += 1;
+        // Every task has been taken. Close the job so that late helpers stay out, then wait for the ones inside
+        // (the tasks borrow this caller's stack), panic or not.
+        shared.open.store(false, Ordering::SeqCst);
+        let mut polls = 0u32;
+        while shared.active.load(Ordering::SeqCst) != 0 {
+            if polls < 1 << 10 {
+                polls += 1;
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
@@ -165,7 +180,7 @@ impl Drop for SpinPool {
 }
 
 /// Drops the borrow's lifetime so the job can sit in the shared state; [`SpinPool::run`] keeps the closure alive
-/// until every helper is done with it.
+/// until no helper is inside the job.
 fn erase<'a>(task: &'a (dyn Fn(usize) + Sync + 'a)) -> *const (dyn Fn(usize) + Sync + 'static) {
     let ptr: *const (dyn Fn(usize) + Sync + 'a) = task;
     // SAFETY: only the lifetime changes (same fat-pointer layout); see above for why the pointee outlives its use.
@@ -176,33 +191,44 @@ fn helper_loop(shared: &Shared) {
     IN_JOB.set(true);
     let mut served = 0u64;
     loop {
-        let generation = wait_for_job(shared, served);
-        served = generation;
+        served = wait_for_job(shared, served);
         if shared.shutdown.load(Ordering::Acquire) {
             return;
         }
-        // SAFETY: the Acquire load that returned `generation` orders this read after the submitter's write.
-        let job = unsafe { *shared.job.get() };
-        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| shared.work(job))) {
-            let mut first = shared.panic.lock().unwrap_or_else(PoisonError::into_inner);
-            first.get_or_insert(payload);
+        shared.active.fetch_add(1, Ordering::SeqCst);
+        if shared.open.load(Ordering::SeqCst) {
+            // SAFETY: `open` was seen true after `active` was raised, so the job cannot be rewritten until this
+            // helper leaves, and the SeqCst store of `open` ordered the submitter's write before this read.
+            let job = unsafe { *shared.job.get() };
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| shared.work(job))) {
+                let mut first = shared.panic.lock().unwrap_or_else(PoisonError::into_inner);
+                first.get_or_insert(payload);
+            }
         }
-        shared.acks.fetch_add(1, Ordering::Release);
+        // Release (part of SeqCst): the caller's load of 0 makes this helper's writes visible to it.
+        shared.active.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
-/// Spins for [`SPIN`], then parks, until the generation moves past `served`.
+/// Polls until the generation moves past `served`: pauses for [`SPIN`], yields the core between polls until
+/// [`POLL`], then parks.
 fn wait_for_job(shared: &Shared, served: u64) -> u64 {
     let start = Instant::now();
-    let mut spins = 0u32;
+    let mut polls = 0u32;
+    let mut elapsed = Duration::ZERO;
     loop {
         let generation = shared.generation.load(Ordering::Acquire);
         if generation != served {
             return generation;
         }
-        spins = spins.wrapping_add(1);
-        if !spins.is_multiple_of(SPINS_PER_CLOCK_READ) || start.elapsed() < SPIN {
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(POLLS_PER_CLOCK_READ) {
+            elapsed = start.elapsed();
+        }
+        if elapsed < SPIN {
             std::hint::spin_loop();
+        } else if elapsed < POLL {
+            std::thread::yield_now();
         } else {
             // Woken by the submitter's unpark (or spuriously); an unpark that lands between the load above and
             // this call leaves a token, so the park returns at once and the loop sees the new generation.
@@ -232,7 +258,7 @@ mod tests {
     fn jobs_after_the_helpers_park_still_run() {
         let pool = SpinPool::new(1).expect("threads");
         for _ in 0..3 {
-            std::thread::sleep(SPIN * 5);
+            std::thread::sleep(POLL * 5);
             let sum = AtomicUsize::new(0);
             pool.run(64, &|t| {
                 sum.fetch_add(t, Ordering::Relaxed);
