@@ -63,6 +63,8 @@ struct Shared {
     /// Helpers that have announced themselves to the current job and not yet left it.
     active: AtomicUsize,
     shutdown: AtomicBool,
+    /// Helpers parked now (polling given up): how a test sees that an idle pool leaves its cores alone.
+    parked: AtomicUsize,
     /// The first panic raised on a helper during the current job.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
@@ -108,6 +110,7 @@ impl SpinPool {
             open: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            parked: AtomicUsize::new(0),
             panic: Mutex::new(None),
         });
         let mut pool = SpinPool { shared, helpers: Vec::with_capacity(helpers), submit: Mutex::new(()) };
@@ -232,7 +235,9 @@ fn wait_for_job(shared: &Shared, served: u64) -> u64 {
         } else {
             // Woken by the submitter's unpark (or spuriously); an unpark that lands between the load above and
             // this call leaves a token, so the park returns at once and the loop sees the new generation.
+            shared.parked.fetch_add(1, Ordering::Relaxed);
             std::thread::park();
+            shared.parked.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -264,6 +269,20 @@ mod tests {
                 sum.fetch_add(t, Ordering::Relaxed);
             });
             assert_eq!(sum.load(Ordering::Relaxed), 64 * 63 / 2);
+        }
+    }
+
+    #[test]
+    fn an_idle_pool_parks_its_helpers() {
+        let pool = SpinPool::new(2).expect("threads");
+        for _ in 0..3 {
+            pool.run(16, &|_| {});
+            // Helpers poll for POLL after a job; on a loaded machine they may take a while to be scheduled.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while pool.shared.parked.load(Ordering::Relaxed) < 2 {
+                assert!(Instant::now() < deadline, "helpers still polling long after the last job");
+                std::thread::sleep(POLL);
+            }
         }
     }
 
