@@ -157,15 +157,22 @@ impl Proc {
         let _ = self.child.wait();
     }
 
-    /// The last 4 KiB of the process's stderr log.
+    /// The first 1 KiB and the last 4 KiB of the process's stderr log: the head holds the error of a process that
+    /// failed at start (its backtrace follows and fills the tail), the tail what it did last.
     pub fn log_tail(&self) -> String {
-        let mut s = String::new();
+        let (mut head, mut tail) = (Vec::new(), Vec::new());
         if let Ok(mut f) = File::open(&self.log) {
             let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+            if len > 5 * 1024 {
+                let _ = (&mut f).take(1024).read_to_end(&mut head);
+            }
             let _ = f.seek(SeekFrom::Start(len.saturating_sub(4096)));
-            let _ = f.read_to_string(&mut s);
+            let _ = f.read_to_end(&mut tail);
         }
-        format!("--- {} log ({}) ---\n{s}", self.name, self.log.display())
+        // Lossy: a seek can land inside a multi-byte character.
+        let tail = String::from_utf8_lossy(&tail);
+        let head = if head.is_empty() { String::new() } else { format!("{}\n[...]\n", String::from_utf8_lossy(&head)) };
+        format!("--- {} log ({}) ---\n{head}{tail}", self.name, self.log.display())
     }
 }
 
@@ -188,10 +195,39 @@ pub fn require_model() -> Result<PathBuf> {
     Ok(p)
 }
 
-/// An address on loopback that was free a moment ago.
+/// A loopback port that was free a moment ago, for a process the test starts next.
+///
+/// Taken below the kernel's ephemeral range (`ip_local_port_range`, 32768–60999 by default), not from port 0:
+/// port-0 binds and every outgoing connection of every process take their ports from that range, so one of them
+/// could take a port picked there before the server binds it (seen as a kvstore exiting with "Address already in
+/// use"). Below it only explicit binds compete. Ports are handed out in turn from a per-process offset, so two
+/// calls in one test binary never return the same port.
 pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u32>().ok()))
+        .unwrap_or(32768);
+    if ephemeral_low < 12_000 {
+        // No room below the range: fall back to the kernel's choice.
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        return Ok(l.local_addr()?.port());
+    }
+    let (low, span) = (10_000, ephemeral_low - 10_000);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7919) % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span.min(2_000) {
+        let port = low + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port as u16)) {
+            return Ok(l.local_addr()?.port());
+        }
+    }
+    bail!("no free loopback port in {low}..{ephemeral_low}")
 }
 
 /// HTTP helpers against one router.
