@@ -1,6 +1,6 @@
-//! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private pool of helper threads (`pool`), picking AVX2/FMA/F16C kernels
-//! (plus an AVX-512 VNNI quantised matmul and AVX-512 paged attention where the CPU has them) at run time and
-//! falling back to the portable scalar kernels in [`scalar`].
+//! The CPU backend: [`CpuBackend`] implements [`Backend`] with a private pool of helper threads (`pool`), picking
+//! AVX2/FMA/F16C kernels (plus an AVX-512 VNNI quantised matmul and AVX-512 paged attention where the CPU has them)
+//! at run time and falling back to the portable scalar kernels in [`scalar`].
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
@@ -99,7 +99,7 @@ pub fn avx2_available() -> bool {
 /// CPU implementation of [`Backend`]: the calling thread plus a pool of `threads - 1` helpers.
 pub struct CpuBackend {
     /// Helpers; `None` when `threads == 1`.
-    pool: Option<pool::SpinPool>,
+    pool: Option<pool::PollingPool>,
     threads: usize,
     simd: Simd,
     /// AMX tiles for the quantised matmul's prefill-sized calls (only with [`Simd::Avx512`]).
@@ -146,7 +146,7 @@ impl CpuBackend {
         };
         let simd = if simd.has_avx2() && !avx2_available() { Simd::Scalar } else { simd };
         let pool = (threads > 1).then(|| {
-            pool::SpinPool::new(threads - 1).unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
+            pool::PollingPool::new(threads - 1).unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
         });
         CpuBackend { pool, threads, simd, amx: false }
     }

@@ -91,17 +91,17 @@ impl Shared {
     }
 }
 
-/// `helpers` threads that run [`SpinPool::run`]'s tasks beside the calling thread.
-pub(crate) struct SpinPool {
+/// `helpers` threads that run [`PollingPool::run`]'s tasks beside the calling thread.
+pub(crate) struct PollingPool {
     shared: Arc<Shared>,
     helpers: Vec<JoinHandle<()>>,
     /// Serialises callers from different threads.
     submit: Mutex<()>,
 }
 
-impl SpinPool {
+impl PollingPool {
     /// Starts `helpers` threads named `pagoda-kernels-{i}`.
-    pub(crate) fn new(helpers: usize) -> std::io::Result<SpinPool> {
+    pub(crate) fn new(helpers: usize) -> std::io::Result<PollingPool> {
         let noop: &(dyn Fn(usize) + Sync) = &|_| {};
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
@@ -113,7 +113,7 @@ impl SpinPool {
             parked: AtomicUsize::new(0),
             panic: Mutex::new(None),
         });
-        let mut pool = SpinPool { shared, helpers: Vec::with_capacity(helpers), submit: Mutex::new(()) };
+        let mut pool = PollingPool { shared, helpers: Vec::with_capacity(helpers), submit: Mutex::new(()) };
         for i in 0..helpers {
             let shared = Arc::clone(&pool.shared);
             let handle =
@@ -136,9 +136,10 @@ impl SpinPool {
         let _turn = self.submit.lock().unwrap_or_else(PoisonError::into_inner);
         let shared = &*self.shared;
         shared.next.store(0, Ordering::Relaxed);
+        let job = Job { task: erase(task), tasks };
         // SAFETY: the previous job is closed and no helper is inside it (the previous call waited for that), so no
         // helper reads `job` until the SeqCst store of `open` below publishes this write.
-        unsafe { *shared.job.get() = Job { task: erase(task), tasks } };
+        unsafe { *shared.job.get() = job };
         shared.open.store(true, Ordering::SeqCst);
         shared.generation.fetch_add(1, Ordering::Release);
         for h in &self.helpers {
@@ -147,7 +148,7 @@ impl SpinPool {
         }
 
         IN_JOB.set(true);
-        let own = catch_unwind(AssertUnwindSafe(|| shared.work(Job { task: erase(task), tasks })));
+        let own = catch_unwind(AssertUnwindSafe(|| shared.work(job)));
         IN_JOB.set(false);
 
         // Every task has been taken. Close the job so that late helpers stay out, then wait for the ones inside
@@ -170,7 +171,7 @@ impl SpinPool {
     }
 }
 
-impl Drop for SpinPool {
+impl Drop for PollingPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.generation.fetch_add(1, Ordering::Release);
@@ -182,7 +183,7 @@ impl Drop for SpinPool {
     }
 }
 
-/// Drops the borrow's lifetime so the job can sit in the shared state; [`SpinPool::run`] keeps the closure alive
+/// Drops the borrow's lifetime so the job can sit in the shared state; [`PollingPool::run`] keeps the closure alive
 /// until no helper is inside the job.
 fn erase<'a>(task: &'a (dyn Fn(usize) + Sync + 'a)) -> *const (dyn Fn(usize) + Sync + 'static) {
     let ptr: *const (dyn Fn(usize) + Sync + 'a) = task;
@@ -249,7 +250,7 @@ mod tests {
 
     #[test]
     fn every_task_runs_exactly_once() {
-        let pool = SpinPool::new(3).expect("threads");
+        let pool = PollingPool::new(3).expect("threads");
         for tasks in [0, 1, 2, 7, 100, 1000] {
             let hits: Vec<AtomicU32> = (0..tasks).map(|_| AtomicU32::new(0)).collect();
             pool.run(tasks, &|t| {
@@ -261,7 +262,7 @@ mod tests {
 
     #[test]
     fn jobs_after_the_helpers_park_still_run() {
-        let pool = SpinPool::new(1).expect("threads");
+        let pool = PollingPool::new(1).expect("threads");
         for _ in 0..3 {
             std::thread::sleep(POLL * 5);
             let sum = AtomicUsize::new(0);
@@ -274,7 +275,7 @@ mod tests {
 
     #[test]
     fn an_idle_pool_parks_its_helpers() {
-        let pool = SpinPool::new(2).expect("threads");
+        let pool = PollingPool::new(2).expect("threads");
         for _ in 0..3 {
             pool.run(16, &|_| {});
             // Helpers poll for POLL after a job; on a loaded machine they may take a while to be scheduled.
@@ -288,7 +289,7 @@ mod tests {
 
     #[test]
     fn nested_calls_run_inline() {
-        let pool = SpinPool::new(2).expect("threads");
+        let pool = PollingPool::new(2).expect("threads");
         let count = AtomicUsize::new(0);
         pool.run(8, &|_| {
             pool.run(4, &|_| {
@@ -300,7 +301,7 @@ mod tests {
 
     #[test]
     fn callers_on_several_threads_share_the_pool() {
-        let pool = SpinPool::new(1).expect("threads");
+        let pool = PollingPool::new(1).expect("threads");
         let total = AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..4 {
@@ -318,7 +319,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_is_re_raised_and_the_pool_keeps_working() {
-        let pool = SpinPool::new(2).expect("threads");
+        let pool = PollingPool::new(2).expect("threads");
         for _ in 0..20 {
             let caught = catch_unwind(AssertUnwindSafe(|| {
                 pool.run(50, &|t| {
