@@ -666,16 +666,13 @@ pub fn worst_window(records: &[Record], from: Duration, to: Duration, window: Du
     windows(records, from, to, window, throughput).map(|(_, t)| t).reduce(f64::min).unwrap_or(0.0)
 }
 
-/// A rate over the records in a span: [`throughput`] or [`token_rate`].
-pub type Rate = fn(&[Record], Duration, Duration) -> f64;
-
 /// Each `window` starting every 250 ms from `from` and ending by `to`: its start and its `rate`.
 fn windows(
     records: &[Record],
     from: Duration,
     to: Duration,
     window: Duration,
-    rate: Rate,
+    rate: impl Fn(&[Record], Duration, Duration) -> f64,
 ) -> impl Iterator<Item = (Duration, f64)> {
     const STEP: Duration = Duration::from_millis(250);
     (0u32..)
@@ -720,7 +717,7 @@ pub fn recovered_above(
     until: Duration,
     window: Duration,
     threshold: f64,
-    rate: Rate,
+    rate: impl Fn(&[Record], Duration, Duration) -> f64,
 ) -> (Option<Duration>, f64) {
     let mut worst = f64::INFINITY;
     let mut recovered_from = Some(fault);
