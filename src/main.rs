@@ -142,9 +142,11 @@ struct EvalArgs {
     /// Draw score against budget per policy (PNG).
     #[arg(long)]
     plot: Option<PathBuf>,
-    /// Do not run: re-render the tables and the plot from a JSON report written by `--json`.
-    #[arg(long)]
-    from_json: Option<PathBuf>,
+    /// Do not run: re-render the tables and the plot from JSON reports written by `--json` (comma-separated).
+    /// Several are merged: their items pooled and every cell recomputed, as for runs of the same sweep over
+    /// different items (`--seed` where another run's items stopped); `--json` then writes the merged report.
+    #[arg(long, value_delimiter = ',')]
+    from_json: Vec<PathBuf>,
     /// Compare KV codecs with the full cache instead of eviction policies (comma-separated: f16, bf16, int8,
     /// fp8_e4m3, int4_kivi, int2_kivi, or "all"): every filled block is encoded and decoded back in place, and
     /// each codec's next-token argmax is compared with the full cache's on the synthetic items (greedy
@@ -1547,8 +1549,13 @@ async fn router(args: RouterArgs) -> Result<()> {
 fn eval(args: EvalArgs) -> Result<()> {
     use pagoda_worker::eval::{TaskKind, runner};
     use pagoda_worker::policy::PolicyKind;
-    if let Some(src) = &args.from_json {
-        let report: runner::EvalReport = read_json_report(src, "an eval report")?;
+    if !args.from_json.is_empty() {
+        let reports = args
+            .from_json
+            .iter()
+            .map(|src| read_json_report(src, "an eval report"))
+            .collect::<Result<Vec<runner::EvalReport>>>()?;
+        let report = runner::merge(reports).context("cannot merge the eval reports")?;
         return write_eval_outputs(&report, &args);
     }
     let model = resolve_model(&args.model)?;
@@ -1706,8 +1713,9 @@ fn write_eval_outputs(report: &pagoda_worker::eval::runner::EvalReport, args: &E
         eval_plot::draw_eval(report, path)?;
         eprintln!("wrote {}", path.display());
     }
+    // A report read back unchanged is not written again; a merged one is new.
     if let Some(path) = &args.json
-        && args.from_json.is_none()
+        && args.from_json.len() != 1
     {
         let json = serde_json::to_string_pretty(report).context("cannot serialise the report")?;
         std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))?;

@@ -40,6 +40,7 @@ fn eval_reports_every_policy_next_to_full_cache() {
         .expect("pagoda eval runs");
     assert!(status.success(), "pagoda eval failed: {status}");
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    merging_pools_items_and_refuses_a_report_twice(&model, &out, &report);
     let _ = std::fs::remove_file(&out);
     let cells = report["cells"].as_array().unwrap();
     let policies = ["streaming", "knorm", "keydiff", "paged_eviction", "sage", "snapkv", "h2o", "kv_compress"];
@@ -85,6 +86,56 @@ fn eval_reports_every_policy_next_to_full_cache() {
     // Evicting down to 64 of ~512 tokens changes the next-token distributions: some KL is measured.
     let kl_sum: f64 = cells.iter().filter(|c| c["task"] == "prose").filter_map(|c| c["kl"].as_f64()).sum();
     assert!(kl_sum > 0.01, "{kl_sum}");
+}
+
+/// `--from-json` with two reports: a second run on another item (`--seed`) pooled with `first`, each merged cell
+/// over both items and next to the full cache on both; the same report twice is an error, not a doubled count.
+fn merging_pools_items_and_refuses_a_report_twice(model: &std::path::Path, first: &std::path::Path, report: &Value) {
+    let second = first.with_extension("second.json");
+    let merged = first.with_extension("merged.json");
+    let status = Command::new(BIN)
+        .args(["eval", "--model"])
+        .arg(model)
+        .args(["--contexts", "512", "--tasks", "passkey", "--items", "1", "--seed", "8", "--policies", "snapkv"])
+        .args(["--budgets", "64", "--prose-docs", "0", "--pool-gib", "0.5", "--json"])
+        .arg(&second)
+        .status()
+        .expect("pagoda eval runs");
+    assert!(status.success(), "pagoda eval failed: {status}");
+    let sources = format!("{},{}", first.display(), second.display());
+    let status = Command::new(BIN)
+        .args(["eval", "--from-json", &sources, "--json"])
+        .arg(&merged)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("pagoda eval --from-json runs");
+    assert!(status.success(), "merging failed: {status}");
+    let read = |p: &std::path::Path| -> Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let (two, pooled) = (read(&second), read(&merged));
+    let cell = |r: &Value, policy: &str| -> Value {
+        let cells = r["cells"].as_array().unwrap();
+        cells
+            .iter()
+            .find(|c| {
+                c["task"] == "passkey" && c["policy"] == policy && c["budget"] == if policy == "full" { 0 } else { 64 }
+            })
+            .unwrap()
+            .clone()
+    };
+    let num = |v: &Value| v.as_f64().unwrap();
+    let m = cell(&pooled, "snapkv");
+    assert_eq!(m["items"], 2, "{m}");
+    let mean = |k: &str| (num(&cell(report, "snapkv")[k]) + num(&cell(&two, "snapkv")[k])) / 2.0;
+    assert!((num(&m["score"]) - mean("score")).abs() < 1e-9, "{m}");
+    assert!((num(&m["full_score"]) - mean("full_score")).abs() < 1e-9, "{m}");
+    // Cells the second run did not have keep the first's items only.
+    assert_eq!(cell(&pooled, "h2o")["items"], 1);
+    let twice = format!("{},{}", first.display(), first.display());
+    let out = Command::new(BIN).args(["eval", "--from-json", &twice]).output().expect("pagoda eval --from-json runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("more than one report"), "{err}");
+    let _ = (std::fs::remove_file(&second), std::fs::remove_file(&merged));
 }
 
 /// `pagoda eval --codecs` with `--amx` through the real binary: an f32 lane (encode/decode as identity) batched with

@@ -411,6 +411,64 @@ pub fn summarize(items: &[ItemResult]) -> Vec<Cell> {
     cells
 }
 
+/// Why reports could not be merged.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MergeError {
+    #[error("no report to merge")]
+    Empty,
+    /// Two reports score the same lane on the same item: pooling them would count it twice.
+    #[error("lane {policy}@{budget} on item {item} is in more than one report")]
+    Duplicate { item: String, policy: String, budget: usize },
+}
+
+/// Pools the items of several reports (runs of the same sweep on different items, such as `--seed` continuing
+/// where another run's items stopped) into one report, with every cell recomputed over the pooled items. The
+/// options are the first report's, with the budgets, tasks, contexts and policies of all of them and their item
+/// counts added up; `seed` stays the first's, so a merged report names its items only through `items`.
+pub fn merge(reports: Vec<EvalReport>) -> Result<EvalReport, MergeError> {
+    let mut reports = reports.into_iter();
+    let mut merged = reports.next().ok_or(MergeError::Empty)?;
+    let mut seen: std::collections::HashSet<(String, String, usize)> = std::collections::HashSet::new();
+    for r in &merged.items {
+        seen.insert((r.item.clone(), r.policy.clone(), r.budget));
+    }
+    for report in reports {
+        for r in &report.items {
+            if !seen.insert((r.item.clone(), r.policy.clone(), r.budget)) {
+                return Err(MergeError::Duplicate { item: r.item.clone(), policy: r.policy.clone(), budget: r.budget });
+            }
+        }
+        let o = &mut merged.options;
+        for b in report.options.budgets {
+            if !o.budgets.contains(&b) {
+                o.budgets.push(b);
+            }
+        }
+        o.budgets.sort_unstable();
+        for t in report.options.tasks {
+            if !o.tasks.contains(&t) {
+                o.tasks.push(t);
+            }
+        }
+        for c in report.options.contexts {
+            if !o.contexts.contains(&c) {
+                o.contexts.push(c);
+            }
+        }
+        o.contexts.sort_unstable();
+        for p in report.options.policies {
+            if !o.policies.contains(&p) {
+                o.policies.push(p);
+            }
+        }
+        o.items_per_task += report.options.items_per_task;
+        merged.items.extend(report.items);
+        merged.seconds += report.seconds;
+    }
+    merged.cells = summarize(&merged.items);
+    Ok(merged)
+}
+
 /// Runs the whole evaluation.
 pub fn run(model_path: &std::path::Path, opts: &EvalOptions, prose: &[Document]) -> Result<EvalReport, EngineError> {
     let t0 = Instant::now();
@@ -529,6 +587,37 @@ mod tests {
         let cells = summarize(&items);
         let c = cells.iter().find(|c| c.policy == "snapkv").unwrap();
         assert_eq!((c.items, c.score, c.full_score), (2, 0.0, 0.5));
+    }
+
+    #[test]
+    fn merged_reports_pool_their_items_and_refuse_a_lane_twice() {
+        let r = |seed: u64, policy: &str, budget, score| ItemResult {
+            item: format!("passkey/1000/{seed}"),
+            task: "passkey".into(),
+            context_tokens: 1000,
+            policy: policy.into(),
+            budget,
+            score,
+            kl: None,
+            nll: None,
+            output: None,
+        };
+        let report = |budgets: Vec<usize>, items: Vec<ItemResult>| EvalReport {
+            options: EvalOptions { budgets, items_per_task: 1, ..EvalOptions::default() },
+            cells: summarize(&items),
+            items,
+            seconds: 1.0,
+        };
+        let a = report(vec![256], vec![r(7, "full", 0, 1.0), r(7, "snapkv", 256, 1.0)]);
+        let b = report(vec![128, 256], vec![r(9, "full", 0, 0.0), r(9, "snapkv", 256, 0.0), r(9, "snapkv", 128, 0.0)]);
+        let m = merge(vec![a.clone(), b]).unwrap();
+        assert_eq!((m.items.len(), m.options.items_per_task, m.options.budgets.clone()), (5, 2, vec![128, 256]));
+        let cell = |budget| m.cells.iter().find(|c| c.policy == "snapkv" && c.budget == budget).unwrap();
+        assert_eq!((cell(256).items, cell(256).score, cell(256).full_score), (2, 0.5, 0.5));
+        assert_eq!((cell(128).items, cell(128).score, cell(128).full_score), (1, 0.0, 0.0));
+        let dup = merge(vec![a.clone(), a]).unwrap_err();
+        assert_eq!(dup, MergeError::Duplicate { item: "passkey/1000/7".into(), policy: "full".into(), budget: 0 });
+        assert_eq!(merge(Vec::new()).unwrap_err(), MergeError::Empty);
     }
 
     #[test]
