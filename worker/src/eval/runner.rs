@@ -439,34 +439,27 @@ pub fn merge(reports: Vec<EvalReport>) -> Result<EvalReport, MergeError> {
             }
         }
         let o = &mut merged.options;
-        for b in report.options.budgets {
-            if !o.budgets.contains(&b) {
-                o.budgets.push(b);
-            }
-        }
+        union_into(&mut o.budgets, report.options.budgets);
         o.budgets.sort_unstable();
-        for t in report.options.tasks {
-            if !o.tasks.contains(&t) {
-                o.tasks.push(t);
-            }
-        }
-        for c in report.options.contexts {
-            if !o.contexts.contains(&c) {
-                o.contexts.push(c);
-            }
-        }
+        union_into(&mut o.tasks, report.options.tasks);
+        union_into(&mut o.contexts, report.options.contexts);
         o.contexts.sort_unstable();
-        for p in report.options.policies {
-            if !o.policies.contains(&p) {
-                o.policies.push(p);
-            }
-        }
+        union_into(&mut o.policies, report.options.policies);
         o.items_per_task += report.options.items_per_task;
         merged.items.extend(report.items);
         merged.seconds += report.seconds;
     }
     merged.cells = summarize(&merged.items);
     Ok(merged)
+}
+
+/// Appends the values of `more` that `into` lacks, in their order.
+fn union_into<T: PartialEq>(into: &mut Vec<T>, more: Vec<T>) {
+    for v in more {
+        if !into.contains(&v) {
+            into.push(v);
+        }
+    }
 }
 
 /// Runs the whole evaluation.
@@ -565,18 +558,17 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-5);
     }
 
+    /// A passkey lane's result on item `item`.
+    fn task_result(item: &str, ctx: usize, policy: &str, budget: usize, score: f64) -> ItemResult {
+        let (kl, nll, output) = (None, None, None);
+        let (item, task, policy) = (item.into(), "passkey".into(), policy.into());
+        ItemResult { item, task, context_tokens: ctx, policy, budget, score, kl, nll, output }
+    }
+
     #[test]
     fn summary_pairs_each_cell_with_full_cache_on_the_same_items() {
-        let r = |task: &str, ctx, policy: &str, budget, score| ItemResult {
-            item: format!("{task}/{ctx}"),
-            task: task.into(),
-            context_tokens: ctx,
-            policy: policy.into(),
-            budget,
-            score,
-            kl: None,
-            nll: None,
-            output: None,
+        let r = |task: &str, ctx, policy: &str, budget, score| {
+            task_result(&format!("{task}/{ctx}"), ctx, policy, budget, score)
         };
         let items = vec![
             r("passkey", 1024, "full", 0, 1.0),
@@ -591,16 +583,8 @@ mod tests {
 
     #[test]
     fn merged_reports_pool_their_items_and_refuse_a_lane_twice() {
-        let r = |seed: u64, policy: &str, budget, score| ItemResult {
-            item: format!("passkey/1000/{seed}"),
-            task: "passkey".into(),
-            context_tokens: 1000,
-            policy: policy.into(),
-            budget,
-            score,
-            kl: None,
-            nll: None,
-            output: None,
+        let r = |seed: u64, policy: &str, budget, score| {
+            task_result(&format!("passkey/1000/{seed}"), 1000, policy, budget, score)
         };
         let report = |budgets: Vec<usize>, items: Vec<ItemResult>| EvalReport {
             options: EvalOptions { budgets, items_per_task: 1, ..EvalOptions::default() },
