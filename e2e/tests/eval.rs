@@ -128,6 +128,9 @@ fn merging_pools_items_and_refuses_a_report_twice(model: &std::path::Path, first
     let mean = |k: &str| (num(&cell(report, "snapkv")[k]) + num(&cell(&two, "snapkv")[k])) / 2.0;
     assert!((num(&m["score"]) - mean("score")).abs() < 1e-9, "{m}");
     assert!((num(&m["full_score"]) - mean("full_score")).abs() < 1e-9, "{m}");
+    // Two items: the standard error of their mean is half their difference.
+    let half_diff = (num(&cell(report, "snapkv")["score"]) - num(&cell(&two, "snapkv")["score"])).abs() / 2.0;
+    assert!((num(&m["score_se"]) - half_diff).abs() < 1e-9, "{m}");
     // Cells the second run did not have keep the first's items only.
     assert_eq!(cell(&pooled, "h2o")["items"], 1);
     let twice = format!("{},{}", first.display(), first.display());

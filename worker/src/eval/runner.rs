@@ -101,6 +101,9 @@ pub struct Cell {
     pub budget: usize,
     pub items: usize,
     pub score: f64,
+    /// Standard error of `score`, the mean over `items` (0 for a single item). Reports written before it read 0.
+    #[serde(default)]
+    pub score_se: f64,
     pub full_score: f64,
     pub kl: Option<f64>,
     #[serde(default)]
@@ -402,11 +405,16 @@ pub fn summarize(items: &[ItemResult]) -> Vec<Cell> {
     for ((task, policy, budget), rs) in groups {
         let n = rs.len() as f64;
         let score = rs.iter().map(|r| r.score).sum::<f64>() / n;
+        let score_se = if rs.len() > 1 {
+            (rs.iter().map(|r| (r.score - score).powi(2)).sum::<f64>() / (n - 1.0) / n).sqrt()
+        } else {
+            0.0
+        };
         let kl = rs.iter().all(|r| r.kl.is_some()).then(|| rs.iter().filter_map(|r| r.kl).sum::<f64>() / n);
         let nll = rs.iter().all(|r| r.nll.is_some()).then(|| rs.iter().filter_map(|r| r.nll).sum::<f64>() / n);
         // The full-cache score on exactly these items (same task and contexts).
         let full_score = rs.iter().filter_map(|r| full.get(&(r.task.as_str(), r.item.as_str()))).sum::<f64>() / n;
-        cells.push(Cell { task, policy, budget, items: rs.len(), score, full_score, kl, nll });
+        cells.push(Cell { task, policy, budget, items: rs.len(), score, score_se, full_score, kl, nll });
     }
     cells
 }
@@ -501,9 +509,11 @@ pub fn render_markdown(report: &EvalReport) -> String {
         let metric = match task {
             PROSE => "top-1 agreement with full cache (mean KL nats)",
             PROSE_NEXT_TOKEN => "top-1 accuracy on the real next token (mean NLL nats)",
-            _ => "score",
+            _ => "score ± standard error",
         };
-        let _ = writeln!(s, "\n**{task}** — {metric}; full cache on the same items in the first row\n");
+        // Every lane runs on every item of its task, so the full cache's count is each cell's.
+        let n = report.cells.iter().find(|c| c.task == task && c.policy == "full").map_or(0, |c| c.items);
+        let _ = writeln!(s, "\n**{task}** — {metric}; {n} items; full cache on the same items in the first row\n");
         let _ = write!(s, "| policy |");
         for b in budgets {
             let _ = write!(s, " {b} |");
@@ -530,7 +540,7 @@ pub fn render_markdown(report: &EvalReport) -> String {
                             let _ = write!(s, " {:.3} ({x:.3}) |", c.score);
                         }
                         None => {
-                            let _ = write!(s, " {:.2} |", c.score);
+                            let _ = write!(s, " {:.2} ± {:.2} |", c.score, c.score_se);
                         }
                     },
                     None => s.push_str(" – |"),
@@ -579,6 +589,10 @@ mod tests {
         let cells = summarize(&items);
         let c = cells.iter().find(|c| c.policy == "snapkv").unwrap();
         assert_eq!((c.items, c.score, c.full_score), (2, 0.0, 0.5));
+        // Scores 1 and 0: sample standard deviation √0.5, over √2 items.
+        let full = cells.iter().find(|c| c.policy == "full").unwrap();
+        assert!((full.score_se - 0.5).abs() < 1e-12, "{}", full.score_se);
+        assert_eq!(c.score_se, 0.0);
     }
 
     #[test]
