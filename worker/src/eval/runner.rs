@@ -511,7 +511,8 @@ pub fn render_markdown(report: &EvalReport) -> String {
             PROSE_NEXT_TOKEN => "top-1 accuracy on the real next token (mean NLL nats)",
             _ => "score ± standard error",
         };
-        // Every lane runs on every item of its task, so the full cache's count is each cell's.
+        // The full cache runs on every item; a lane whose budget holds an item's whole prompt does not (it would
+        // equal the full cache), so a cell of a large budget may count fewer, its `items`.
         let n = report.cells.iter().find(|c| c.task == task && c.policy == "full").map_or(0, |c| c.items);
         let _ = writeln!(s, "\n**{task}** — {metric}; {n} items; full cache on the same items in the first row\n");
         let _ = write!(s, "| policy |");
