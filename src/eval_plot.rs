@@ -18,6 +18,8 @@ struct Metric {
     value: fn(&Cell) -> Option<f64>,
     /// The full cache's value on the same items.
     full: fn(&Cell) -> Option<f64>,
+    /// The standard error of `value`, drawn as a whisker: for the scores, not for KL.
+    se: fn(&Cell) -> Option<f64>,
 }
 
 impl Metric {
@@ -39,6 +41,7 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
             task: None,
             value: |c| Some(c.score),
             full: |c| Some(c.full_score),
+            se: |c| Some(c.score_se),
         },
         Metric {
             title: "Prose: top-1 agreement with full cache",
@@ -46,6 +49,7 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
             task: Some(PROSE),
             value: |c| Some(c.score),
             full: |_| Some(1.0),
+            se: |c| Some(c.score_se),
         },
         Metric {
             title: "Prose: KL(full || policy), nats",
@@ -53,6 +57,7 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
             task: Some(PROSE),
             value: |c| c.kl,
             full: |_| Some(0.0),
+            se: |_| None,
         },
         Metric {
             title: "Prose: top-1 accuracy on the real text",
@@ -60,6 +65,7 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
             task: Some(PROSE_NEXT_TOKEN),
             value: |c| Some(c.score),
             full: |c| Some(c.full_score),
+            se: |c| Some(c.score_se),
         },
     ];
     let shown: Vec<&Metric> =
@@ -89,6 +95,23 @@ fn mean(report: &EvalReport, m: &Metric, policy: &str, budget: usize, f: fn(&Cel
     (!vals.is_empty()).then(|| vals.iter().sum::<f64>() / vals.len() as f64)
 }
 
+/// The standard error of [`mean`]: the mean of `k` cells' means has `√(Σ seᵢ²) / k`.
+fn mean_se(report: &EvalReport, m: &Metric, policy: &str, budget: usize) -> Option<f64> {
+    let ses: Vec<f64> = report
+        .cells
+        .iter()
+        .filter(|c| m.feeds(c) && c.policy == policy && c.budget == budget)
+        .filter_map(m.se)
+        .collect();
+    (!ses.is_empty()).then(|| ses.iter().map(|s| s * s).sum::<f64>().sqrt() / ses.len() as f64)
+}
+
+/// One plotted point: the budget (dodged), the value and its standard error.
+type Point = (f64, f64, f64);
+
+/// Policies' points at one budget sit this factor apart on the log axis, so that their whiskers do not overlap.
+const DODGE: f64 = 1.025;
+
 fn draw_metric<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     report: &EvalReport,
@@ -110,14 +133,20 @@ where
             policies.push(&c.policy);
         }
     }
-    let series: Vec<(&str, Vec<(f64, f64)>)> = policies
+    let centre = (policies.len() as f64 - 1.0) / 2.0;
+    let series: Vec<(&str, Vec<Point>)> = policies
         .iter()
-        .map(|&p| {
+        .enumerate()
+        .map(|(i, &p)| {
+            let dodge = DODGE.powf(i as f64 - centre);
             let pts = report
                 .options
                 .budgets
                 .iter()
-                .filter_map(|&b| mean(report, m, p, b, m.value).map(|v| (b as f64, v)))
+                .filter_map(|&b| {
+                    let v = mean(report, m, p, b, m.value)?;
+                    Some((b as f64 * dodge, v, mean_se(report, m, p, b).unwrap_or(0.0)))
+                })
                 .collect();
             (p, pts)
         })
@@ -126,7 +155,8 @@ where
     let full =
         report.options.budgets.first().and_then(|&b| policies.first().and_then(|&p| mean(report, m, p, b, m.full)));
     let y_top =
-        series.iter().flat_map(|(_, pts)| pts.iter().map(|p| p.1)).chain(full).fold(0.0, f64::max).max(0.05) * 1.15;
+        series.iter().flat_map(|(_, pts)| pts.iter().map(|p| p.1 + p.2)).chain(full).fold(0.0, f64::max).max(0.05)
+            * 1.15;
     let mut chart = ChartBuilder::on(area)
         .caption(m.title, (FONT, 18))
         .margin(14)
@@ -153,9 +183,16 @@ where
     }
     for (i, (p, pts)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        chart.draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2))).map_err(err)?;
+        chart.draw_series(LineSeries::new(pts.iter().map(|&(x, y, _)| (x, y)), color.stroke_width(2))).map_err(err)?;
         chart
-            .draw_series(pts.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))
+            .draw_series(
+                pts.iter()
+                    .filter(|p| p.2 > 0.0)
+                    .map(|&(x, y, se)| PathElement::new([(x, (y - se).max(0.0)), (x, y + se)], color.stroke_width(1))),
+            )
+            .map_err(err)?;
+        chart
+            .draw_series(pts.iter().map(|&(x, y, _)| Circle::new((x, y), 4, color.filled())))
             .map_err(err)?
             .label(*p)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
