@@ -103,13 +103,20 @@ fn merging_pools_items_and_refuses_a_report_twice(model: &std::path::Path, first
         .expect("pagoda eval runs");
     assert!(status.success(), "pagoda eval failed: {status}");
     let sources = format!("{},{}", first.display(), second.display());
-    let status = Command::new(BIN)
+    let plot = first.with_extension("merged.png");
+    let out = Command::new(BIN)
         .args(["eval", "--from-json", &sources, "--json"])
         .arg(&merged)
-        .stdout(std::process::Stdio::null())
-        .status()
+        .arg("--plot")
+        .arg(&plot)
+        .output()
         .expect("pagoda eval --from-json runs");
-    assert!(status.success(), "merging failed: {status}");
+    assert!(out.status.success(), "merging failed: {}", String::from_utf8_lossy(&out.stderr));
+    // The table names its item count and gives each score its standard error; the plot is drawn.
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("**passkey** — score ± standard error; 2 items"), "{table}");
+    assert!(table.contains("| snapkv |") && table.contains(" ± "), "{table}");
+    assert!(std::fs::read(&plot).unwrap().starts_with(b"\x89PNG"), "the merged plot is a PNG");
     let read = |p: &std::path::Path| -> Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
     let (two, pooled) = (read(&second), read(&merged));
     let cell = |r: &Value, policy: &str| -> Value {
@@ -138,7 +145,7 @@ fn merging_pools_items_and_refuses_a_report_twice(model: &std::path::Path, first
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("more than one report"), "{err}");
-    let _ = (std::fs::remove_file(&second), std::fs::remove_file(&merged));
+    let _ = (std::fs::remove_file(&second), std::fs::remove_file(&merged), std::fs::remove_file(&plot));
 }
 
 /// `pagoda eval --codecs` with `--amx` through the real binary: an f32 lane (encode/decode as identity) batched with
