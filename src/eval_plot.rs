@@ -88,21 +88,20 @@ pub fn draw_eval(report: &EvalReport, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The cells of one policy and budget that feed the metric (one per task for the pooled synthetic tasks).
+fn cells<'a>(report: &'a EvalReport, m: &'a Metric, policy: &'a str, budget: usize) -> impl Iterator<Item = &'a Cell> {
+    report.cells.iter().filter(move |c| m.feeds(c) && c.policy == policy && c.budget == budget)
+}
+
 /// Averages `value` over the cells of one policy and budget (tasks pooled), for the metric's kind of cell.
 fn mean(report: &EvalReport, m: &Metric, policy: &str, budget: usize, f: fn(&Cell) -> Option<f64>) -> Option<f64> {
-    let vals: Vec<f64> =
-        report.cells.iter().filter(|c| m.feeds(c) && c.policy == policy && c.budget == budget).filter_map(f).collect();
+    let vals: Vec<f64> = cells(report, m, policy, budget).filter_map(f).collect();
     (!vals.is_empty()).then(|| vals.iter().sum::<f64>() / vals.len() as f64)
 }
 
 /// The standard error of [`mean`]: the mean of `k` cells' means has `√(Σ seᵢ²) / k`.
 fn mean_se(report: &EvalReport, m: &Metric, policy: &str, budget: usize) -> Option<f64> {
-    let ses: Vec<f64> = report
-        .cells
-        .iter()
-        .filter(|c| m.feeds(c) && c.policy == policy && c.budget == budget)
-        .filter_map(m.se)
-        .collect();
+    let ses: Vec<f64> = cells(report, m, policy, budget).filter_map(m.se).collect();
     (!ses.is_empty()).then(|| ses.iter().map(|s| s * s).sum::<f64>().sqrt() / ses.len() as f64)
 }
 

@@ -353,15 +353,15 @@ async fn run(s: Scenario) -> f64 {
     let after_span = (fault_at + RECOVERY_TARGET, (fault_at + RECOVERY_TARGET + (fault_at - s.warmup)).min(s.duration));
     let (foreign_before, foreign_after) =
         (cpu.foreign_share(before_span.0, before_span.1), cpu.foreign_share(after_span.0, after_span.1));
-    let tokens_before = load::token_rate(&records, before_span.0, before_span.1) / (1.0 - foreign_before).max(0.05);
-    let tokens_after = load::token_rate(&records, after_span.0, after_span.1) / (1.0 - foreign_after).max(0.05);
+    let per_available_cpu = |r: &[load::Record], from: Duration, to: Duration| {
+        load::token_rate(r, from, to) / (1.0 - cpu.foreign_share(from, to)).max(0.05)
+    };
+    let tokens_before = per_available_cpu(&records, before_span.0, before_span.1);
+    let tokens_after = per_available_cpu(&records, after_span.0, after_span.1);
     let tokens_after_vs_before = if tokens_before > 0.0 { tokens_after / tokens_before } else { 0.0 };
     // Tokens do not come in waves, so 3 s windows of them show when the cluster was back. Each window's rate is
     // taken per CPU-second left to the test, like the 15 s check's, so that another process taking part of a core
     // for a few seconds is not read as the fault's (one raw run missed the bar by 0.2%, at 0.898 in its last window).
-    let per_available_cpu = |r: &[load::Record], from: Duration, to: Duration| {
-        load::token_rate(r, from, to) / (1.0 - cpu.foreign_share(from, to)).max(0.05)
-    };
     let (tokens_back_after, tokens_worst) = load::recovered_above(
         &records,
         fault_at,

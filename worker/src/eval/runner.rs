@@ -13,7 +13,7 @@
 //! processing changes the cache from the first block), so a sweep pays for one prefill per item instead of one
 //! per lane, and decode steps are batched.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -436,7 +436,7 @@ pub enum MergeError {
 pub fn merge(reports: Vec<EvalReport>) -> Result<EvalReport, MergeError> {
     let mut reports = reports.into_iter();
     let mut merged = reports.next().ok_or(MergeError::Empty)?;
-    let mut seen: std::collections::HashSet<(String, String, usize)> = std::collections::HashSet::new();
+    let mut seen: HashSet<(String, String, usize)> = HashSet::new();
     for r in &merged.items {
         seen.insert((r.item.clone(), r.policy.clone(), r.budget));
     }
