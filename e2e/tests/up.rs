@@ -1,6 +1,7 @@
 //! End-to-end tests of `pagoda up` (engine + worker gRPC + router in one process) on the real SmolLM2 model:
-//! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, every bad-input case,
-//! and block release when a client disconnects mid-stream (checked through the worker's gRPC Stats).
+//! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, `logit_bias`, every
+//! bad-input case, and block release when a client disconnects mid-stream (checked through the worker's gRPC
+//! Stats).
 
 mod common;
 
@@ -8,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::{assert_error, chat, start_up, still_serves};
 use pagoda_e2e::serde_json::{Value, json};
-use pagoda_e2e::{MODEL_ID, sse_payloads, worker_stats};
+use pagoda_e2e::{MODEL_ID, model_path, sse_payloads, worker_stats};
+use pagoda_worker::model::{Gguf, Tokenizer};
 
 /// A question whose greedy answer has a clear margin. "What is the capital of France?" nearly ties "The" and "L" for
 /// the first token, so a mere change of float summation order in a kernel flips the answer.
@@ -154,6 +156,34 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(last["object"], "text_completion");
     assert_eq!(last["choices"][0]["finish_reason"], "length");
 
+    // logit_bias, through the router's validation, the worker's gRPC and the sampler.
+    let tokenizer = Tokenizer::from_gguf(&Gguf::open(model_path()).unwrap()).unwrap();
+    let sea = tokenizer.encode(" sea", false);
+    assert_eq!(sea.len(), 1, "\" sea\" should be one token: {sea:?}");
+    for extra in [json!({"temperature": 0}), json!({"temperature": 1.0, "seed": 3})] {
+        let mut body = chat(QUESTION, extra.clone());
+        body["max_tokens"] = json!(4);
+        body["logit_bias"] = json!({ sea[0].to_string(): 100 });
+        let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["message"]["content"], " sea sea sea sea", "+100 forces the token ({extra})");
+    }
+    // -100 bans the greedy next token: the next-best one comes instead.
+    let one_token = |bias: Value| {
+        json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
+               "logit_bias": bias})
+    };
+    let (s, v) = http.post_json("/v1/completions", &one_token(json!({}))).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let first = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let first_ids = tokenizer.encode(&first, false);
+    assert_eq!(first_ids.len(), 1, "{first:?} is one token");
+    let (s, v) =
+        http.post_json("/v1/completions", &one_token(json!({ first_ids[0].to_string(): -100 }))).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let banned = v["choices"][0]["text"].as_str().unwrap();
+    assert!(!banned.is_empty() && banned != first, "banning {first:?} still gave {banned:?}");
+
     // Models, health, metrics.
     let (s, body) = http.get("/v1/models").await.unwrap();
     assert_eq!(s, 200);
@@ -195,6 +225,8 @@ async fn up_bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ("unknown model", j(json!({"model": "gpt-5", "messages": user})), 404),
         ("unknown kv policy", j(json!({"model": MODEL_ID, "messages": user, "kv": {"policy": "lru"}})), 400),
         ("n > 1", j(json!({"model": MODEL_ID, "messages": user, "n": 3})), 400),
+        ("logit_bias outside the vocabulary", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"49152": 1}})), 400),
+        ("logit_bias above 100", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"7": 101}})), 400),
         ("too many stop strings", j(json!({"model": MODEL_ID, "messages": user, "stop": ["a","b","c","d","e","f","g","h","i"]})), 400),
         (
             "invalid UTF-8",

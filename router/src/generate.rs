@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use pagoda_proto::trace_context;
 use pagoda_proto::worker::{
-    FinishReason, GenerateRequest, GenerateResponse, PeerHint as PbPeerHint, ProfileQuery, SamplingParams,
+    FinishReason, GenerateRequest, GenerateResponse, LogitBias as PbLogitBias, PeerHint as PbPeerHint, ProfileQuery,
+    SamplingParams,
 };
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
@@ -341,6 +342,7 @@ impl Generation {
                 top_p: params.sampling.top_p,
                 top_k: params.sampling.top_k,
                 seed: params.sampling.seed,
+                logit_bias: params.logit_bias.iter().map(|&(token_id, bias)| PbLogitBias { token_id, bias }).collect(),
             }),
             stop_token_ids: self.ctx.codec.stop_token_ids(),
             namespace: self.job.namespace.clone(),

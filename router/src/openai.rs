@@ -18,6 +18,10 @@ pub const MAX_TEXT_BYTES: usize = 1 << 20;
 pub const MAX_NAME_BYTES: usize = 256;
 /// At most this many content parts in one message.
 pub const MAX_PARTS: usize = 256;
+/// At most this many `logit_bias` entries (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// `logit_bias` values lie in `[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`, as OpenAI's do.
+pub const LOGIT_BIAS_LIMIT: f64 = 100.0;
 /// Longest `kv.profile_queries` entry, in bytes, before it is tokenized (then it must fit
 /// [`MAX_PROFILE_QUERY_TOKENS`](pagoda_worker::placement::MAX_PROFILE_QUERY_TOKENS)).
 pub const MAX_PROFILE_QUERY_BYTES: usize = 1024;
@@ -89,6 +93,7 @@ pub struct ChatCompletionRequest {
     pub frequency_penalty: Option<f64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    pub logit_bias: Option<Value>,
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
     pub user: Option<String>,
@@ -113,6 +118,7 @@ pub struct CompletionRequest {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub logprobs: Option<i64>,
+    pub logit_bias: Option<Value>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub user: Option<String>,
@@ -138,6 +144,8 @@ pub struct GenParams {
     pub stream: bool,
     pub include_usage: bool,
     pub sampling: Sampling,
+    /// `logit_bias` as (token id, bias), ascending by token id: added to the logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
@@ -173,6 +181,8 @@ struct CommonIn<'a> {
     n: Option<i64>,
     presence_penalty: Option<f64>,
     frequency_penalty: Option<f64>,
+    logit_bias: Option<&'a Value>,
+    vocab_size: usize,
     user: Option<&'a str>,
     kv: Option<&'a KvOptions>,
 }
@@ -232,6 +242,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         }),
     };
     let stop = parse_stop(c.stop)?;
+    let logit_bias = parse_logit_bias(c.logit_bias, c.vocab_size)?;
     match c.n {
         None | Some(1) => {}
         Some(n) => {
@@ -265,10 +276,60 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         stream,
         include_usage,
         sampling: Sampling { temperature: temperature as f32, top_p: top_p as f32, top_k, seed },
+        logit_bias,
         kv_policy,
         kv_budget_tokens,
         kv_profile_queries,
     })
+}
+
+/// `logit_bias`: null or an object from token ids (decimal strings, below `vocab_size`) to biases in
+/// `[-100, 100]`, at most [`MAX_LOGIT_BIAS`] of them; returned ascending by token id.
+pub fn parse_logit_bias(v: Option<&Value>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "logit_bias",
+                "`logit_bias` must be an object from token ids to biases.",
+            ));
+        }
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("`logit_bias` has {} entries; at most {MAX_LOGIT_BIAS} are allowed.", map.len()),
+        ));
+    }
+    let mut bias = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let token = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| key.bytes().all(|b| b.is_ascii_digit()) && (t as usize) < vocab_size)
+            .ok_or_else(|| {
+                ApiError::invalid_param(
+                    "logit_bias",
+                    format!("`logit_bias` key {key:?} is not a token id in the vocabulary (size {vocab_size})."),
+                )
+            })?;
+        let b = value.as_f64().filter(|b| (-LOGIT_BIAS_LIMIT..=LOGIT_BIAS_LIMIT).contains(b)).ok_or_else(|| {
+            ApiError::invalid_param(
+                "logit_bias",
+                format!("`logit_bias[{key:?}]` must be a number from -100 to 100, got {value}."),
+            )
+        })?;
+        bias.push((token, b as f32));
+    }
+    bias.sort_unstable_by_key(|&(t, _)| t);
+    if let Some(w) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("`logit_bias` names token {} more than once.", w[0].0),
+        ));
+    }
+    Ok(bias)
 }
 
 /// `stop`: null, a string, or an array of strings; bounded count and length, no empty strings.
@@ -462,8 +523,9 @@ fn message_text(i: usize, content: &Value) -> Result<String, ApiError> {
 }
 
 impl ChatCompletionRequest {
-    /// Validates everything that does not need the tokenizer.
-    pub fn validate(&self) -> Result<(Vec<Turn>, GenParams), ApiError> {
+    /// Validates everything that does not need the tokenizer; `logit_bias` token ids are checked against
+    /// `vocab_size`.
+    pub fn validate(&self, vocab_size: usize) -> Result<(Vec<Turn>, GenParams), ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message."));
         }
@@ -526,6 +588,8 @@ impl ChatCompletionRequest {
             n: self.n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias.as_ref(),
+            vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
         })?;
@@ -610,6 +674,8 @@ impl CompletionRequest {
             n: self.n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias.as_ref(),
+            vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
         })?;
@@ -778,7 +844,7 @@ mod tests {
     use axum::http::StatusCode;
 
     fn chat(body: &str) -> Result<(Vec<Turn>, GenParams), ApiError> {
-        parse_json::<ChatCompletionRequest>(body.as_bytes())?.validate()
+        parse_json::<ChatCompletionRequest>(body.as_bytes())?.validate(100)
     }
 
     #[test]
@@ -905,6 +971,39 @@ mod tests {
         assert!(p.stream && p.include_usage);
         let (_, p) = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"seed":-1}"#).unwrap();
         assert_eq!(p.sampling.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn logit_bias_is_bounded_and_sorted() {
+        let with = |bias: &str| {
+            chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"logit_bias":{bias}}}"#))
+        };
+        let (_, p) = with(r#"{"42": -100, "7": 2.5, "99": 100}"#).unwrap();
+        assert_eq!(p.logit_bias, vec![(7, 2.5), (42, -100.0), (99, 100.0)]);
+        assert!(with("null").unwrap().1.logit_bias.is_empty());
+        assert!(with("{}").unwrap().1.logit_bias.is_empty());
+        let many = (0..=MAX_LOGIT_BIAS).map(|t| format!(r#""{t}": 0"#)).collect::<Vec<_>>().join(",");
+        for (bias, want) in [
+            ("[1, 2]".to_string(), "must be an object"),
+            (r#"{"100": 1}"#.to_string(), "not a token id in the vocabulary (size 100)"),
+            (r#"{"-1": 1}"#.to_string(), "not a token id"),
+            (r#"{"+5": 1}"#.to_string(), "not a token id"),
+            (r#"{" 5": 1}"#.to_string(), "not a token id"),
+            (r#"{"1e1": 1}"#.to_string(), "not a token id"),
+            (r#"{"5": 100.5}"#.to_string(), "from -100 to 100"),
+            (r#"{"5": "1"}"#.to_string(), "from -100 to 100"),
+            (r#"{"5": null}"#.to_string(), "from -100 to 100"),
+            (r#"{"5": 1, "05": 2}"#.to_string(), "more than once"),
+            (format!("{{{many}}}"), "at most 300"),
+        ] {
+            let e = with(&bias).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("logit_bias")), "{bias}");
+            assert!(e.message.contains(want), "{bias}: {}", e.message);
+        }
+        let req = |s: &str| parse_json::<CompletionRequest>(s.as_bytes()).unwrap().validate(100);
+        let (_, p) = req(r#"{"model":"m","prompt":"x","logit_bias":{"3":-1}}"#).unwrap();
+        assert_eq!(p.logit_bias, vec![(3, -1.0)]);
+        assert!(req(r#"{"model":"m","prompt":"x","logit_bias":{"100":-1}}"#).is_err());
     }
 
     #[test]

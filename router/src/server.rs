@@ -384,7 +384,7 @@ async fn debug_place(
     RawQuery(query): RawQuery,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Json<crate::placer::DecisionRecord>, ApiError> {
-    let (turns, params) = req.validate()?;
+    let (turns, params) = req.validate(st.0.codec.vocab_size())?;
     st.check_model(&params.model)?;
     let tenant = query.as_deref().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("tenant="));
     let namespace = tenant.unwrap_or(DEFAULT_TENANT).to_string();
@@ -466,7 +466,7 @@ async fn chat_completions(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let (turns, params) = req.validate()?;
+    let (turns, params) = req.validate(st.0.codec.vocab_size())?;
     st.check_model(&params.model)?;
     let prompt = chat_prompt(&st, turns).await?;
     let id = new_id("chatcmpl");

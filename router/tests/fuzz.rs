@@ -30,7 +30,7 @@ fn assert_client_error(e: &ApiError) {
 fn check_body(bytes: &[u8]) {
     let t0 = Instant::now();
     match parse_json::<ChatCompletionRequest>(bytes) {
-        Ok(req) => match req.validate() {
+        Ok(req) => match req.validate(VOCAB) {
             Ok((turns, params)) => {
                 assert!(!turns.is_empty());
                 if let Err(e) = check_lengths(1, params.max_tokens, CONTEXT) {
@@ -97,6 +97,10 @@ fn edge_value() -> impl Strategy<Value = Value> {
         Just(json!({"policy": "h2o", "budget_tokens": u64::MAX, "codec": "int4_kivi"})),
         Just(json!({"include_usage": "yes"})),
         Just(json!([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}])),
+        Just(json!({"42": 5, "7": -100})),
+        Just(json!({"007": 1, "7": 2})),
+        Just(json!({"-1": 1, "1e3": 2, " 4": 3})),
+        Just(json!({"4294967296": 1, "12": 1e308})),
         Just(json!([{"role": "tool", "content": "x"}])),
         Just(json!([{"role": "user"}])),
         Just(json!([{"role": "user", "content": null}])),
@@ -122,6 +126,7 @@ const FIELDS: &[&str] = &[
     "best_of",
     "logprobs",
     "top_logprobs",
+    "logit_bias",
     "echo",
     "suffix",
     "user",

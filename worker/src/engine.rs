@@ -666,6 +666,8 @@ impl EngineHandle {
         if !s.top_p.is_finite() || s.top_p <= 0.0 || s.top_p > 1.0 {
             return Err(EngineError::InvalidRequest(format!("top_p must be in (0, 1], got {}", s.top_p)));
         }
+        let mut bias = s.logit_bias.clone();
+        crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         crate::placement::check_profile_queries(
             &req.profile_queries,
             req.prompt.len(),
@@ -1443,7 +1445,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             .seqs
             .iter()
             .filter(|e| e.wants_logits)
-            .all(|e| self.sched.get(e.seq).is_none_or(|s| s.payload.sampler.config().is_greedy()));
+            .all(|e| self.sched.get(e.seq).is_none_or(|s| s.payload.sampler.config().picks_argmax()));
         let tokens_out = greedy.then_some(&mut self.greedy_tokens);
         let result =
             forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits, tokens_out);

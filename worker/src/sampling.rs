@@ -1,4 +1,5 @@
-//! Token sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus) over one logits row.
+//! Token sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus) over one logits row, after
+//! OpenAI's `logit_bias`.
 //!
 //! Each request owns a [`Sampler`] with its own seeded RNG (`StdRng`, ChaCha12), so the same seed and the same
 //! logits give the same tokens. The per-token work uses only a caller-provided [`SampleBuffer`] that is reused
@@ -10,23 +11,58 @@ use rand::{Rng, SeedableRng};
 /// Temperatures at or below this are treated as greedy.
 pub const GREEDY_EPSILON: f32 = 1e-5;
 
+/// At most this many `logit_bias` entries in one request (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// Biases lie in `[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`, as OpenAI's do: -100 bans a token in practice, 100
+/// forces it.
+pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
+
 /// How one request samples. `top_k == 0` and `top_p >= 1` disable those filters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: u32,
     pub seed: Option<u64>,
+    /// `(token id, bias)` added to the logits before anything else, greedy included; distinct token ids below
+    /// the vocabulary ([`check_logit_bias`], which the engine applies to every request).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl SamplingParams {
     pub fn greedy() -> SamplingParams {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None }
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias: Vec::new() }
     }
 
     pub fn is_greedy(&self) -> bool {
         self.temperature.is_nan() || self.temperature <= GREEDY_EPSILON || self.top_k == 1
     }
+
+    /// Whether the token is the argmax of the model's own logits, so a runner may pick it without handing the
+    /// row back: greedy and unbiased.
+    pub fn picks_argmax(&self) -> bool {
+        self.is_greedy() && self.logit_bias.is_empty()
+    }
+}
+
+/// Checks a `logit_bias` list for a vocabulary of `vocab_size` and sorts it by token id: at most
+/// [`MAX_LOGIT_BIAS`] entries, token ids below `vocab_size` and distinct, finite biases within
+/// [`LOGIT_BIAS_LIMIT`].
+pub fn check_logit_bias(bias: &mut [(u32, f32)], vocab_size: usize) -> Result<(), String> {
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(format!("logit_bias has {} entries; at most {MAX_LOGIT_BIAS} are allowed", bias.len()));
+    }
+    if let Some(&(t, _)) = bias.iter().find(|&&(t, _)| t as usize >= vocab_size) {
+        return Err(format!("logit_bias token id {t} is outside the vocabulary ({vocab_size})"));
+    }
+    if let Some(&(t, b)) = bias.iter().find(|&&(_, b)| !(-LOGIT_BIAS_LIMIT..=LOGIT_BIAS_LIMIT).contains(&b)) {
+        return Err(format!("logit_bias of token {t} must be in [-100, 100], got {b}"));
+    }
+    bias.sort_unstable_by_key(|&(t, _)| t);
+    if let Some(w) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(format!("logit_bias names token {} more than once", w[0].0));
+    }
+    Ok(())
 }
 
 /// Scratch space shared by all samplers on one thread: `(probability or logit, token)` candidates.
@@ -71,7 +107,7 @@ impl Sampler {
         if logits.is_empty() {
             return 0;
         }
-        if self.cfg.is_greedy() {
+        if self.cfg.picks_argmax() {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.cfg.temperature;
@@ -80,6 +116,16 @@ impl Sampler {
         let cand = &mut buf.cand;
         cand.clear();
         cand.extend(logits.iter().enumerate().map(|(i, &l)| (sanitize(l), i as u32)));
+        for &(token, bias) in &self.cfg.logit_bias {
+            if let Some(c) = cand.get_mut(token as usize) {
+                c.0 += bias;
+            }
+        }
+        if self.cfg.is_greedy() {
+            // Biased greedy: the first maximum, as `argmax` picks it.
+            let first_max = cand.iter().fold((f32::NEG_INFINITY, 0), |best, &c| if c.0 > best.0 { c } else { best });
+            return first_max.1;
+        }
 
         // top-k: keep the k largest logits (unordered).
         if top_k > 0 && top_k < cand.len() {
@@ -164,7 +210,12 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32, top_p: f32, top_k: u32, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_p, top_k, seed: Some(seed) }
+        SamplingParams { temperature, top_p, top_k, seed: Some(seed), logit_bias: Vec::new() }
+    }
+
+    fn biased(mut cfg: SamplingParams, bias: &[(u32, f32)]) -> SamplingParams {
+        cfg.logit_bias = bias.to_vec();
+        cfg
     }
 
     fn logits_from_probs(p: &[f32]) -> Vec<f32> {
@@ -286,6 +337,55 @@ mod tests {
         let h = histogram(&mut Sampler::new(cfg(1.0, 0.9, 3, 5)), &logits, n);
         assert_eq!(h[1], 0);
         assert!(h[0] > 0 && h[2] > 0 && h[3] > 0, "{h:?}");
+    }
+
+    #[test]
+    fn logit_bias_moves_greedy_and_sampled_choices() {
+        let mut buf = SampleBuffer::new();
+        let logits = [1.0f32, 3.0, 2.0, f32::NAN];
+        // Greedy: banning the argmax gives the runner-up; +100 forces a token; a bias that creates a tie keeps
+        // the lower index, as the unbiased argmax does.
+        let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(1, -100.0)]));
+        assert!(!s.config().picks_argmax());
+        assert_eq!(s.sample(&logits, &mut buf), 2);
+        let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(0, 100.0)]));
+        assert_eq!(s.sample(&logits, &mut buf), 0);
+        let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(2, 1.0)]));
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        // NaN stays out of reach, whatever its bias.
+        let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(3, 100.0)]));
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        // Sampled: a banned token never comes out, and the others keep their ratio (ln 3 on token 0 makes
+        // tokens 0 and 1 equally likely).
+        let probs = [0.25f32, 0.75, 0.0001];
+        let h = histogram(
+            &mut Sampler::new(biased(cfg(1.0, 1.0, 0, 9), &[(0, 3f32.ln()), (2, -100.0)])),
+            &logits_from_probs(&probs),
+            20_000,
+        );
+        assert_eq!(h[2], 0, "{h:?}");
+        let f0 = h[0] as f32 / 20_000.0;
+        assert!((f0 - 0.5).abs() < 0.015, "{h:?}");
+        // Top-k ranks the biased logits.
+        let h = histogram(&mut Sampler::new(biased(cfg(1.0, 1.0, 1, 9), &[(1, -100.0)])), &[1.0, 3.0, 2.0], 100);
+        assert_eq!(h, vec![0, 0, 100]);
+    }
+
+    #[test]
+    fn logit_bias_checks_sort_and_bound() {
+        let mut ok = vec![(9, 1.0), (2, -100.0), (5, 100.0)];
+        check_logit_bias(&mut ok, 10).unwrap();
+        assert_eq!(ok, vec![(2, -100.0), (5, 100.0), (9, 1.0)]);
+        for (mut bad, want) in [
+            (vec![(1000, 1.0)], "outside the vocabulary"),
+            (vec![(1, 100.5)], "[-100, 100]"),
+            (vec![(1, f32::NAN)], "[-100, 100]"),
+            (vec![(3, 1.0), (3, 2.0)], "more than once"),
+            ((0..301).map(|t| (t, 0.0)).collect(), "at most 300"),
+        ] {
+            let e = check_logit_bias(&mut bad, 1000).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
     }
 
     #[test]

@@ -265,7 +265,10 @@ impl WorkerService {
                         s.top_k, info.vocab_size
                     )));
                 }
-                SamplingParams { temperature: s.temperature, top_p, top_k: s.top_k, seed: s.seed }
+                let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
+                crate::sampling::check_logit_bias(&mut logit_bias, info.vocab_size)
+                    .map_err(Status::invalid_argument)?;
+                SamplingParams { temperature: s.temperature, top_p, top_k: s.top_k, seed: s.seed, logit_bias }
             }
         };
         let policy = if req.kv_policy.is_empty() && req.kv_budget_tokens == 0 {
@@ -680,7 +683,7 @@ mod tests {
             request_id: "r".into(),
             prompt_token_ids: prompt,
             max_tokens,
-            sampling: Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None }),
+            sampling: Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias: vec![] }),
             stop_token_ids: vec![],
             namespace: "ns".into(),
             ..Default::default()
@@ -713,9 +716,17 @@ mod tests {
         let svc = service(256, 0);
         let too_long = vec![1; 64];
         let mut bad_temp = request(vec![1], 1);
-        bad_temp.sampling = Some(PbSampling { temperature: f32::NAN, top_p: 1.0, top_k: 0, seed: None });
+        bad_temp.sampling =
+            Some(PbSampling { temperature: f32::NAN, top_p: 1.0, top_k: 0, seed: None, logit_bias: vec![] });
         let mut bad_top_p = request(vec![1], 1);
-        bad_top_p.sampling = Some(PbSampling { temperature: 1.0, top_p: 1.5, top_k: 0, seed: None });
+        bad_top_p.sampling =
+            Some(PbSampling { temperature: 1.0, top_p: 1.5, top_k: 0, seed: None, logit_bias: vec![] });
+        let biased = |logit_bias: Vec<(u32, f32)>| {
+            let mut r = request(vec![1], 1);
+            let logit_bias = logit_bias.into_iter().map(|(token_id, bias)| pb::LogitBias { token_id, bias }).collect();
+            r.sampling = Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias });
+            r
+        };
         let mut bad_stop = request(vec![1], 1);
         bad_stop.stop_token_ids = vec![5000];
         let mut long_id = request(vec![1], 1);
@@ -737,6 +748,10 @@ mod tests {
             ("prompt + max_tokens over context", request(vec![1; 10], 60)),
             ("temperature NaN", bad_temp),
             ("top_p > 1", bad_top_p),
+            ("logit_bias outside vocab", biased(vec![(5000, 1.0)])),
+            ("logit_bias above 100", biased(vec![(3, 100.5)])),
+            ("logit_bias NaN", biased(vec![(3, f32::NAN)])),
+            ("logit_bias twice for a token", biased(vec![(3, 1.0), (3, -1.0)])),
             ("stop id outside vocab", bad_stop),
             ("request id too long", long_id),
             ("empty profile query", empty_query),

@@ -237,7 +237,8 @@ fn seeded_sampling_is_deterministic() {
     let p = &chat("Tell me a short story about a lighthouse keeper and a storm.");
     let run = |seed: u64| {
         let mut r = greedy("s", p, 16);
-        r.sampling = SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 50, seed: Some(seed) };
+        r.sampling =
+            SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 50, seed: Some(seed), logit_bias: Vec::new() };
         collect(h.submit(r).unwrap()).tokens
     };
     let a = run(7);

@@ -24,7 +24,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         request_id: id.into(),
         prompt: prompt.to_vec(),
         max_tokens,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None },
+        sampling: SamplingParams::greedy(),
         stop_token_ids: vec![],
         namespace: String::new(),
         policy: None,
