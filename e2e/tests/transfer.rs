@@ -42,7 +42,7 @@ async fn generate(addr: &str, prompt: &[u32], hint: Option<PeerHint>, traceparen
         request_id: "transfer-e2e".into(),
         prompt_token_ids: prompt.to_vec(),
         max_tokens: 8,
-        sampling: Some(SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias: vec![] }),
+        sampling: Some(SamplingParams { temperature: 0.0, top_p: 1.0, ..Default::default() }),
         peer_hint: hint,
         ..Default::default()
     });

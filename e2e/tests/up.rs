@@ -1,7 +1,7 @@
 //! End-to-end tests of `pagoda up` (engine + worker gRPC + router in one process) on the real SmolLM2 model:
-//! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, `logit_bias`, every
-//! bad-input case, and block release when a client disconnects mid-stream (checked through the worker's gRPC
-//! Stats).
+//! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, `logit_bias` and the
+//! frequency penalty, every bad-input case, and block release when a client disconnects mid-stream (checked
+//! through the worker's gRPC Stats).
 
 mod common;
 
@@ -183,6 +183,21 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(s, 200, "{v}");
     let banned = v["choices"][0]["text"].as_str().unwrap();
     assert!(!banned.is_empty() && banned != first, "banning {first:?} still gave {banned:?}");
+
+    // frequency_penalty: greedy SmolLM2 cycles through the week; a penalty growing with each use breaks the cycle.
+    let week = |penalty: f64| {
+        chat(
+            "List the days of the week, one per line, over and over.",
+            json!({"temperature": 0, "max_tokens": 48, "frequency_penalty": penalty}),
+        )
+    };
+    let (s, plain) = http.post_json("/v1/chat/completions", &week(0.0)).await.unwrap();
+    assert_eq!(s, 200, "{plain}");
+    let (s, penalised) = http.post_json("/v1/chat/completions", &week(1.5)).await.unwrap();
+    assert_eq!(s, 200, "{penalised}");
+    let mondays = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().matches("Monday").count();
+    assert!(mondays(&plain) >= 2, "the unpenalised answer repeats the week: {plain}");
+    assert!(mondays(&penalised) < mondays(&plain), "the penalty should cut the repeats: {penalised}");
 
     // Models, health, metrics.
     let (s, body) = http.get("/v1/models").await.unwrap();

@@ -343,6 +343,10 @@ impl Generation {
                 top_k: params.sampling.top_k,
                 seed: params.sampling.seed,
                 logit_bias: params.logit_bias.iter().map(|&(token_id, bias)| PbLogitBias { token_id, bias }).collect(),
+                presence_penalty: params.sampling.presence_penalty,
+                frequency_penalty: params.sampling.frequency_penalty,
+                // A resumed attempt's prompt ends with what earlier attempts generated: the penalties count it.
+                prior_output_tokens: self.generated.len() as u32,
             }),
             stop_token_ids: self.ctx.codec.stop_token_ids(),
             namespace: self.job.namespace.clone(),

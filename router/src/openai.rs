@@ -125,13 +125,16 @@ pub struct CompletionRequest {
     pub kv: Option<KvOptions>,
 }
 
-/// Sampling settings after validation (0 temperature = greedy, 0 top_k = off, 1.0 top_p = off).
+/// Sampling settings after validation (0 temperature = greedy, 0 top_k = off, 1.0 top_p = off, 0 penalties =
+/// off).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: u32,
     pub seed: Option<u64>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
 }
 
 /// Validated generation parameters shared by both endpoints.
@@ -249,13 +252,17 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
             return Err(ApiError::invalid_param("n", format!("Only `n` = 1 is supported, got {n}.")));
         }
     }
-    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
-        if let Some(v) = v
-            && v != 0.0
-        {
-            return Err(ApiError::invalid_param(name, format!("`{name}` is not supported (only 0), got {v}.")));
+    let mut penalties = [0.0f32; 2];
+    for (p, (name, v)) in
+        penalties.iter_mut().zip([("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)])
+    {
+        let v = v.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::invalid_param(name, format!("`{name}` must be between -2 and 2, got {v}.")));
         }
+        *p = v as f32;
     }
+    let [presence_penalty, frequency_penalty] = penalties;
     let ValidKv { policy: kv_policy, budget_tokens: kv_budget_tokens, profile_queries: kv_profile_queries } = match c.kv
     {
         Some(kv) => validate_kv(kv)?,
@@ -275,7 +282,14 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         stop,
         stream,
         include_usage,
-        sampling: Sampling { temperature: temperature as f32, top_p: top_p as f32, top_k, seed },
+        sampling: Sampling {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+        },
         logit_bias,
         kv_policy,
         kv_budget_tokens,
@@ -965,7 +979,28 @@ mod tests {
                "stream_options":{"include_usage":true}}"#,
         )
         .unwrap();
-        assert_eq!(p.sampling, Sampling { temperature: 0.0, top_p: 0.9, top_k: 40, seed: Some(u64::MAX) });
+        assert_eq!(
+            p.sampling,
+            Sampling {
+                temperature: 0.0,
+                top_p: 0.9,
+                top_k: 40,
+                seed: Some(u64::MAX),
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0
+            }
+        );
+        let (_, penalised) = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"presence_penalty":-2,"frequency_penalty":1.5}"#,
+        )
+        .unwrap();
+        assert_eq!((penalised.sampling.presence_penalty, penalised.sampling.frequency_penalty), (-2.0, 1.5));
+        for bad in [r#""presence_penalty":2.01"#, r#""frequency_penalty":-3"#, r#""frequency_penalty":"1""#] {
+            let e =
+                chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{bad}}}"#)).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad}");
+            assert!(e.param.as_deref().is_some_and(|p| p.ends_with("_penalty")), "{bad}: {e:?}");
+        }
         assert_eq!(p.stop, vec!["\n".to_string()]);
         assert_eq!(p.max_tokens, Some(7));
         assert!(p.stream && p.include_usage);

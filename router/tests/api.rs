@@ -13,8 +13,8 @@ use std::time::Duration;
 use futures::Stream;
 use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
 use pagoda_proto::worker::{
-    FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, StatsRequest,
-    StatsResponse, Usage,
+    FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, SamplingParams,
+    StatsRequest, StatsResponse, Usage,
 };
 use pagoda_router::auth::{AdminKey, KeyTable};
 use pagoda_router::openai::Turn;
@@ -79,7 +79,12 @@ struct Fake {
     profile_queries_seen: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
     /// Every Generate is refused as a full admission queue would refuse it.
     busy: bool,
+    /// The prompt length and the sampling settings of every Generate call, in order.
+    sampling_seen: Arc<std::sync::Mutex<Vec<SamplingSeen>>>,
 }
+
+/// A Generate call's prompt length and sampling settings.
+type SamplingSeen = (usize, Option<SamplingParams>);
 
 struct OpenGuard(Arc<AtomicUsize>);
 impl Drop for OpenGuard {
@@ -118,6 +123,7 @@ impl Worker for Fake {
         let max = req.max_tokens as usize;
         self.max_tokens_seen.lock().unwrap().push(req.max_tokens);
         self.profile_queries_seen.lock().unwrap().push((req.prompt_token_ids.len(), req.kv_profile_queries.len()));
+        self.sampling_seen.lock().unwrap().push((req.prompt_token_ids.len(), req.sampling.clone()));
         // Like a deterministic model, continue the reply from whatever part of it already ends the prompt (a
         // migrated request carries the tokens produced so far).
         let answer = prompt.rsplit_once("assistant:").map_or("", |(_, a)| a);
@@ -1089,6 +1095,35 @@ async fn profile_queries_ride_with_the_request_while_they_fit() {
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["param"], "kv.profile_queries", "{v}");
+}
+
+/// `logit_bias` and the penalties reach the worker on every attempt; a migrated attempt, whose prompt ends with
+/// the tokens generated so far, tells the worker to count them as output.
+#[tokio::test]
+async fn sampling_settings_ride_every_attempt() {
+    let (dying, healthy) = (Fake { die_after: Some(5), ..Fake::default() }, Fake::default());
+    let seen = [dying.sampling_seen.clone(), healthy.sampling_seen.clone()];
+    let http = migrating_cluster(vec![dying, healthy], migration(2000, 2)).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}],
+        "logit_bias": {"66": -100, "65": 2.5}, "presence_penalty": 0.5, "frequency_penalty": -1.25});
+    for _ in 0..2 {
+        let r = reqwest::Client::new().post(format!("{http}/v1/chat/completions")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], REPLY, "{v}");
+    }
+    let calls: Vec<SamplingSeen> = seen.iter().flat_map(|s| s.lock().unwrap().clone()).collect();
+    let prompt_len = "user: Capital of France?\nassistant:".len();
+    let mut priors = Vec::new();
+    for (len, sampling) in &calls {
+        let s = sampling.as_ref().expect("sampling settings");
+        let bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
+        assert_eq!(bias, vec![(65, 2.5), (66, -100.0)]);
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.25));
+        assert_eq!(*len, prompt_len + s.prior_output_tokens as usize, "{calls:?}");
+        priors.push(s.prior_output_tokens);
+    }
+    assert!(priors.contains(&0) && priors.contains(&5), "a first and a migrated attempt: {priors:?}");
 }
 
 /// A worker that goes silent mid-stream: after the stall timeout the request continues elsewhere.

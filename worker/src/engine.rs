@@ -668,6 +668,7 @@ impl EngineHandle {
         }
         let mut bias = s.logit_bias.clone();
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
+        s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
         crate::placement::check_profile_queries(
             &req.profile_queries,
             req.prompt.len(),
@@ -1078,7 +1079,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let state = ReqState {
                     request_id: req.request_id,
                     events,
-                    sampler: Sampler::new(req.sampling),
+                    sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize),
                     profile_queries: req.profile_queries,
                 };
                 let r = SeqRequest {

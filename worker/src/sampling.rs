@@ -1,5 +1,5 @@
 //! Token sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus) over one logits row, after
-//! OpenAI's `logit_bias`.
+//! OpenAI's `logit_bias` and its presence and frequency penalties.
 //!
 //! Each request owns a [`Sampler`] with its own seeded RNG (`StdRng`, ChaCha12), so the same seed and the same
 //! logits give the same tokens. The per-token work uses only a caller-provided [`SampleBuffer`] that is reused
@@ -16,6 +16,8 @@ pub const MAX_LOGIT_BIAS: usize = 300;
 /// Biases lie in `[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`, as OpenAI's do: -100 bans a token in practice, 100
 /// forces it.
 pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
+/// Presence and frequency penalties lie in `[-PENALTY_LIMIT, PENALTY_LIMIT]`, as OpenAI's do.
+pub const PENALTY_LIMIT: f32 = 2.0;
 
 /// How one request samples. `top_k == 0` and `top_p >= 1` disable those filters.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,11 +29,32 @@ pub struct SamplingParams {
     /// `(token id, bias)` added to the logits before anything else, greedy included; distinct token ids below
     /// the vocabulary ([`check_logit_bias`], which the engine applies to every request).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Subtracted from the logit of every token already generated, once (OpenAI's `presence_penalty`).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once for every time it has been generated (`frequency_penalty`).
+    pub frequency_penalty: f32,
+    /// The prompt's last this-many tokens count as generated: a stream resumed on this worker after another one
+    /// failed carries what that one produced in its prompt.
+    pub prior_output_tokens: u32,
 }
 
 impl SamplingParams {
     pub fn greedy() -> SamplingParams {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias: Vec::new() }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            logit_bias: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            prior_output_tokens: 0,
+        }
+    }
+
+    /// Whether a penalty applies, so that the sampler counts what it emits.
+    pub fn penalizes(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -39,9 +62,25 @@ impl SamplingParams {
     }
 
     /// Whether the token is the argmax of the model's own logits, so a runner may pick it without handing the
-    /// row back: greedy and unbiased.
+    /// row back: greedy, unbiased and unpenalised.
     pub fn picks_argmax(&self) -> bool {
-        self.is_greedy() && self.logit_bias.is_empty()
+        self.is_greedy() && self.logit_bias.is_empty() && !self.penalizes()
+    }
+
+    /// Checks the penalties and `prior_output_tokens` against a prompt of `prompt_len` tokens.
+    pub fn check_penalties(&self, prompt_len: usize) -> Result<(), String> {
+        for (name, p) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-PENALTY_LIMIT..=PENALTY_LIMIT).contains(&p) {
+                return Err(format!("{name} must be in [-2, 2], got {p}"));
+            }
+        }
+        if self.prior_output_tokens as usize > prompt_len {
+            return Err(format!(
+                "prior_output_tokens {} is more than the prompt's {prompt_len} tokens",
+                self.prior_output_tokens
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -81,11 +120,13 @@ impl SampleBuffer {
     }
 }
 
-/// One request's sampler: its parameters and its RNG.
+/// One request's sampler: its parameters, its RNG, and (under a penalty) how often it has emitted each token.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     cfg: SamplingParams,
     rng: StdRng,
+    /// `(token, times generated)`, ascending by token; kept only under a penalty.
+    counts: Vec<(u32, u32)>,
 }
 
 impl Sampler {
@@ -95,15 +136,45 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Sampler { cfg, rng }
+        Sampler { cfg, rng, counts: Vec::new() }
+    }
+
+    /// [`Sampler::new`] for a request with this prompt that generates at most `max_tokens`: under a penalty, the
+    /// prompt's last `prior_output_tokens` count as generated, and room for every distinct token the request
+    /// can emit is reserved now, so that sampling never allocates.
+    pub fn for_request(cfg: SamplingParams, prompt: &[u32], max_tokens: usize) -> Sampler {
+        let mut s = Sampler::new(cfg);
+        if s.cfg.penalizes() {
+            let prior = &prompt[prompt.len().saturating_sub(s.cfg.prior_output_tokens as usize)..];
+            s.counts.reserve(prior.len() + max_tokens);
+            for &t in prior {
+                s.count(t);
+            }
+        }
+        s
     }
 
     pub fn config(&self) -> &SamplingParams {
         &self.cfg
     }
 
-    /// Picks the next token from one row of logits. Returns 0 for an empty row.
+    fn count(&mut self, token: u32) {
+        match self.counts.binary_search_by_key(&token, |&(t, _)| t) {
+            Ok(i) => self.counts[i].1 += 1,
+            Err(i) => self.counts.insert(i, (token, 1)),
+        }
+    }
+
+    /// Picks the next token from one row of logits, and counts it under a penalty. Returns 0 for an empty row.
     pub fn sample(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> u32 {
+        let token = self.pick(logits, buf);
+        if self.cfg.penalizes() && !logits.is_empty() {
+            self.count(token);
+        }
+        token
+    }
+
+    fn pick(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> u32 {
         if logits.is_empty() {
             return 0;
         }
@@ -121,8 +192,14 @@ impl Sampler {
                 c.0 += bias;
             }
         }
+        let (presence, frequency) = (self.cfg.presence_penalty, self.cfg.frequency_penalty);
+        for &(token, n) in &self.counts {
+            if let Some(c) = cand.get_mut(token as usize) {
+                c.0 -= presence + frequency * n as f32;
+            }
+        }
         if self.cfg.is_greedy() {
-            // Biased greedy: the first maximum, as `argmax` picks it.
+            // Biased or penalised greedy: the first maximum, as `argmax` picks it.
             let first_max = cand.iter().fold((f32::NEG_INFINITY, 0), |best, &c| if c.0 > best.0 { c } else { best });
             return first_max.1;
         }
@@ -210,7 +287,7 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32, top_p: f32, top_k: u32, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_p, top_k, seed: Some(seed), logit_bias: Vec::new() }
+        SamplingParams { temperature, top_p, top_k, seed: Some(seed), ..SamplingParams::greedy() }
     }
 
     fn biased(mut cfg: SamplingParams, bias: &[(u32, f32)]) -> SamplingParams {
@@ -369,6 +446,50 @@ mod tests {
         // Top-k ranks the biased logits.
         let h = histogram(&mut Sampler::new(biased(cfg(1.0, 1.0, 1, 9), &[(1, -100.0)])), &[1.0, 3.0, 2.0], 100);
         assert_eq!(h, vec![0, 0, 100]);
+    }
+
+    fn penalised(presence: f32, frequency: f32, prior: u32) -> SamplingParams {
+        SamplingParams {
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            prior_output_tokens: prior,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    #[test]
+    fn penalties_count_what_was_generated() {
+        let mut buf = SampleBuffer::new();
+        // Token 0 leads by 1.0 and token 1 by 0.5 over token 2.
+        let logits = [3.0f32, 2.5, 2.0];
+        // Frequency 0.4: each emission costs its token 0.4, so greedy goes 0, 0 (2.6 > 2.5), 1 (2.2 < 2.5), ...
+        let mut s = Sampler::for_request(penalised(0.0, 0.4, 0), &[], 8);
+        assert!(!s.config().picks_argmax());
+        let got: Vec<u32> = (0..6).map(|_| s.sample(&logits, &mut buf)).collect();
+        assert_eq!(got, vec![0, 0, 1, 0, 1, 2]);
+        // Presence 0.75: once each is used, each drops the same, so the order repeats.
+        let mut s = Sampler::for_request(penalised(0.75, 0.0, 0), &[], 8);
+        let got: Vec<u32> = (0..5).map(|_| s.sample(&logits, &mut buf)).collect();
+        assert_eq!(got, vec![0, 1, 0, 0, 0]);
+        // A negative penalty rewards repetition.
+        let mut s = Sampler::for_request(penalised(-1.0, -1.0, 0), &[], 8);
+        assert!((0..5).all(|_| s.sample(&[2.0, 3.0], &mut buf) == 1));
+        // A resumed stream counts the prompt's tail as output: token 0 twice, at 0.6 each, puts it below token 1.
+        let mut s = Sampler::for_request(penalised(0.0, 0.6, 2), &[0, 0, 0], 4);
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        let mut s = Sampler::for_request(penalised(0.0, 0.6, 0), &[0, 0, 0], 4);
+        assert_eq!(s.sample(&logits, &mut buf), 0);
+        // Sampled: a large frequency penalty spreads the choice over all three (about 39 zeros in 40 without it).
+        let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, ..penalised(0.0, 2.0, 0) }, &[], 64);
+        let probs = logits_from_probs(&[0.98, 0.01, 0.01]);
+        let got: Vec<u32> = (0..40).map(|_| s.sample(&probs, &mut buf)).collect();
+        let zeros = got.iter().filter(|&&t| t == 0).count();
+        assert!(zeros <= 20, "{got:?}");
+        // Bounds.
+        assert!(penalised(2.0, -2.0, 3).check_penalties(3).is_ok());
+        assert!(penalised(2.5, 0.0, 0).check_penalties(3).unwrap_err().contains("presence_penalty"));
+        assert!(penalised(0.0, f32::NAN, 0).check_penalties(3).unwrap_err().contains("frequency_penalty"));
+        assert!(penalised(0.0, 0.0, 4).check_penalties(3).unwrap_err().contains("prior_output_tokens"));
     }
 
     #[test]

@@ -268,7 +268,18 @@ impl WorkerService {
                 let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
                 crate::sampling::check_logit_bias(&mut logit_bias, info.vocab_size)
                     .map_err(Status::invalid_argument)?;
-                SamplingParams { temperature: s.temperature, top_p, top_k: s.top_k, seed: s.seed, logit_bias }
+                let sampling = SamplingParams {
+                    temperature: s.temperature,
+                    top_p,
+                    top_k: s.top_k,
+                    seed: s.seed,
+                    logit_bias,
+                    presence_penalty: s.presence_penalty,
+                    frequency_penalty: s.frequency_penalty,
+                    prior_output_tokens: s.prior_output_tokens,
+                };
+                sampling.check_penalties(req.prompt_token_ids.len()).map_err(Status::invalid_argument)?;
+                sampling
             }
         };
         let policy = if req.kv_policy.is_empty() && req.kv_budget_tokens == 0 {
@@ -683,7 +694,7 @@ mod tests {
             request_id: "r".into(),
             prompt_token_ids: prompt,
             max_tokens,
-            sampling: Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias: vec![] }),
+            sampling: Some(PbSampling { temperature: 0.0, top_p: 1.0, ..Default::default() }),
             stop_token_ids: vec![],
             namespace: "ns".into(),
             ..Default::default()
@@ -716,15 +727,18 @@ mod tests {
         let svc = service(256, 0);
         let too_long = vec![1; 64];
         let mut bad_temp = request(vec![1], 1);
-        bad_temp.sampling =
-            Some(PbSampling { temperature: f32::NAN, top_p: 1.0, top_k: 0, seed: None, logit_bias: vec![] });
+        bad_temp.sampling = Some(PbSampling { temperature: f32::NAN, top_p: 1.0, ..Default::default() });
         let mut bad_top_p = request(vec![1], 1);
-        bad_top_p.sampling =
-            Some(PbSampling { temperature: 1.0, top_p: 1.5, top_k: 0, seed: None, logit_bias: vec![] });
+        bad_top_p.sampling = Some(PbSampling { temperature: 1.0, top_p: 1.5, ..Default::default() });
         let biased = |logit_bias: Vec<(u32, f32)>| {
             let mut r = request(vec![1], 1);
             let logit_bias = logit_bias.into_iter().map(|(token_id, bias)| pb::LogitBias { token_id, bias }).collect();
-            r.sampling = Some(PbSampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: None, logit_bias });
+            r.sampling = Some(PbSampling { temperature: 0.0, top_p: 1.0, logit_bias, ..Default::default() });
+            r
+        };
+        let penalised = |presence_penalty: f32, prior_output_tokens: u32| {
+            let mut r = request(vec![1, 2], 1);
+            r.sampling = Some(PbSampling { presence_penalty, prior_output_tokens, ..Default::default() });
             r
         };
         let mut bad_stop = request(vec![1], 1);
@@ -752,6 +766,9 @@ mod tests {
             ("logit_bias above 100", biased(vec![(3, 100.5)])),
             ("logit_bias NaN", biased(vec![(3, f32::NAN)])),
             ("logit_bias twice for a token", biased(vec![(3, 1.0), (3, -1.0)])),
+            ("presence_penalty above 2", penalised(2.5, 0)),
+            ("presence_penalty NaN", penalised(f32::NAN, 0)),
+            ("prior output longer than the prompt", penalised(1.0, 3)),
             ("stop id outside vocab", bad_stop),
             ("request id too long", long_id),
             ("empty profile query", empty_query),

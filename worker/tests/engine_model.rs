@@ -238,7 +238,7 @@ fn seeded_sampling_is_deterministic() {
     let run = |seed: u64| {
         let mut r = greedy("s", p, 16);
         r.sampling =
-            SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 50, seed: Some(seed), logit_bias: Vec::new() };
+            SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 50, seed: Some(seed), ..SamplingParams::greedy() };
         collect(h.submit(r).unwrap()).tokens
     };
     let a = run(7);
