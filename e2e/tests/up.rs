@@ -1,6 +1,6 @@
 //! End-to-end tests of `pagoda up` (engine + worker gRPC + router in one process) on the real SmolLM2 model:
 //! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, `logit_bias` and the
-//! frequency penalty, every bad-input case, and block release when a client disconnects mid-stream (checked
+//! frequency penalty, `/tokenize`, every bad-input case, and block release when a client disconnects mid-stream (checked
 //! through the worker's gRPC Stats).
 
 mod common;
@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_error, chat, start_up, still_serves};
 use pagoda_e2e::serde_json::{Value, json};
-use pagoda_e2e::{MODEL_ID, model_path, sse_payloads, worker_stats};
-use pagoda_worker::model::{Gguf, Tokenizer};
+use pagoda_e2e::{MODEL_ID, sse_payloads, worker_stats};
 
 /// A question whose greedy answer has a clear margin. "What is the capital of France?" nearly ties "The" and "L" for
 /// the first token, so a mere change of float summation order in a kernel flips the answer.
@@ -156,9 +155,25 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(last["object"], "text_completion");
     assert_eq!(last["choices"][0]["finish_reason"], "length");
 
+    // /tokenize and /detokenize: a chat's count is the prompt_tokens its completion reports.
+    let (s, v) =
+        http.post_json("/tokenize", &json!({"messages": [{"role": "user", "content": QUESTION}]})).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["count"].as_u64(), Some(prompt_tokens), "{v}");
+    let (s, d) = http.post_json("/detokenize", &json!({"tokens": v["tokens"]})).await.unwrap();
+    assert_eq!(s, 200, "{d}");
+    assert!(d["prompt"].as_str().unwrap().contains(QUESTION), "{d}");
+    let tokenize = |text: &str| {
+        let body = json!({"prompt": text, "add_special_tokens": false});
+        async move {
+            let (s, v) = http.post_json("/tokenize", &body).await.unwrap();
+            assert_eq!(s, 200, "{v}");
+            v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<u32>>()
+        }
+    };
+
     // logit_bias, through the router's validation, the worker's gRPC and the sampler.
-    let tokenizer = Tokenizer::from_gguf(&Gguf::open(model_path()).unwrap()).unwrap();
-    let sea = tokenizer.encode(" sea", false);
+    let sea = tokenize(" sea").await;
     assert_eq!(sea.len(), 1, "\" sea\" should be one token: {sea:?}");
     for extra in [json!({"temperature": 0}), json!({"temperature": 1.0, "seed": 3})] {
         let mut body = chat(QUESTION, extra.clone());
@@ -176,7 +191,7 @@ async fn up_answers_chat_streaming_and_not() {
     let (s, v) = http.post_json("/v1/completions", &one_token(json!({}))).await.unwrap();
     assert_eq!(s, 200, "{v}");
     let first = v["choices"][0]["text"].as_str().unwrap().to_string();
-    let first_ids = tokenizer.encode(&first, false);
+    let first_ids = tokenize(&first).await;
     assert_eq!(first_ids.len(), 1, "{first:?} is one token");
     let (s, v) =
         http.post_json("/v1/completions", &one_token(json!({ first_ids[0].to_string(): -100 }))).await.unwrap();

@@ -125,6 +125,111 @@ pub struct CompletionRequest {
     pub kv: Option<KvOptions>,
 }
 
+/// At most this many token ids in a `/detokenize` request.
+pub const MAX_DETOKENIZE_TOKENS: usize = 1 << 16;
+
+/// `POST /tokenize` body (vLLM's shape): a completion `prompt`, or chat `messages`, which are rendered with the
+/// chat template exactly as a chat completion's would be, so that `count` is that request's prompt length.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    /// Optional; when given it must name the served model.
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessageIn>>,
+    /// For `prompt`: add the model's BOS/EOS where it asks for them, as a completion does (default true).
+    pub add_special_tokens: Option<bool>,
+    /// Also return each token's text (its bytes, lossily decoded).
+    pub return_token_strs: Option<bool>,
+}
+
+/// What to tokenize, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizeInput {
+    Prompt { text: String, add_special: bool },
+    Chat(Vec<Turn>),
+}
+
+impl TokenizeRequest {
+    pub fn validate(&self) -> Result<TokenizeInput, ApiError> {
+        if let Some(m) = &self.model {
+            check_model_field(m)?;
+        }
+        match (&self.prompt, &self.messages) {
+            (Some(text), None) => {
+                if text.len() > MAX_TEXT_BYTES {
+                    return Err(ApiError::invalid_param(
+                        "prompt",
+                        format!("`prompt` is {} bytes; the limit is {MAX_TEXT_BYTES}.", text.len()),
+                    ));
+                }
+                Ok(TokenizeInput::Prompt { text: text.clone(), add_special: self.add_special_tokens.unwrap_or(true) })
+            }
+            (None, Some(messages)) => {
+                if self.add_special_tokens.is_some() {
+                    return Err(ApiError::invalid_param(
+                        "add_special_tokens",
+                        "`add_special_tokens` applies to `prompt`; `messages` follow the chat template.",
+                    ));
+                }
+                Ok(TokenizeInput::Chat(validate_messages(messages)?))
+            }
+            _ => Err(ApiError::invalid_param("prompt", "Give exactly one of `prompt` and `messages`.")),
+        }
+    }
+}
+
+/// `POST /tokenize` response.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenizeResponse {
+    pub count: usize,
+    pub max_model_len: usize,
+    pub tokens: Vec<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// `POST /detokenize` body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<i64>,
+}
+
+impl DetokenizeRequest {
+    /// The token ids, each below `vocab_size`, at most [`MAX_DETOKENIZE_TOKENS`].
+    pub fn validate(&self, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+        if let Some(m) = &self.model {
+            check_model_field(m)?;
+        }
+        if self.tokens.len() > MAX_DETOKENIZE_TOKENS {
+            return Err(ApiError::invalid_param(
+                "tokens",
+                format!("`tokens` has {} ids; at most {MAX_DETOKENIZE_TOKENS} are allowed.", self.tokens.len()),
+            ));
+        }
+        self.tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                u32::try_from(t).ok().filter(|&t| (t as usize) < vocab_size).ok_or_else(|| {
+                    ApiError::invalid_param(
+                        format!("tokens[{i}]"),
+                        format!("Token id {t} is not in the vocabulary (size {vocab_size})."),
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+/// `POST /detokenize` response.
+#[derive(Debug, Clone, Serialize)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}
+
 /// Sampling settings after validation (0 temperature = greedy, 0 top_k = off, 1.0 top_p = off, 0 penalties =
 /// off).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -190,13 +295,19 @@ struct CommonIn<'a> {
     kv: Option<&'a KvOptions>,
 }
 
-fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
-    if c.model.is_empty() {
+/// `model` is non-empty and bounded (whether it is served is the handler's question).
+fn check_model_field(model: &str) -> Result<(), ApiError> {
+    if model.is_empty() {
         return Err(ApiError::invalid_param("model", "`model` must not be empty."));
     }
-    if c.model.len() > MAX_NAME_BYTES {
+    if model.len() > MAX_NAME_BYTES {
         return Err(ApiError::invalid_param("model", format!("`model` is longer than {MAX_NAME_BYTES} bytes.")));
     }
+    Ok(())
+}
+
+fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
+    check_model_field(c.model)?;
     if let Some(u) = c.user
         && u.len() > MAX_NAME_BYTES
     {
@@ -477,6 +588,32 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// Chat messages ready for the template: at least one, at most [`MAX_MESSAGES`], names and contents bounded.
+fn validate_messages(messages: &[ChatMessageIn]) -> Result<Vec<Turn>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message."));
+    }
+    if messages.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid_param(
+            "messages",
+            format!("`messages` has {} messages; at most {MAX_MESSAGES} are allowed.", messages.len()),
+        ));
+    }
+    let mut turns = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        if let Some(name) = &m.name
+            && name.len() > MAX_NAME_BYTES
+        {
+            return Err(ApiError::invalid_param(
+                format!("messages[{i}].name"),
+                format!("`name` is longer than {MAX_NAME_BYTES} bytes."),
+            ));
+        }
+        turns.push(Turn { role: m.role.template_name(), content: message_text(i, &m.content)? });
+    }
+    Ok(turns)
+}
+
 /// Message content: a string, or an array of `{"type": "text", "text": ...}` parts (joined).
 fn message_text(i: usize, content: &Value) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
@@ -540,27 +677,7 @@ impl ChatCompletionRequest {
     /// Validates everything that does not need the tokenizer; `logit_bias` token ids are checked against
     /// `vocab_size`.
     pub fn validate(&self, vocab_size: usize) -> Result<(Vec<Turn>, GenParams), ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::invalid_param("messages", "`messages` must contain at least one message."));
-        }
-        if self.messages.len() > MAX_MESSAGES {
-            return Err(ApiError::invalid_param(
-                "messages",
-                format!("`messages` has {} messages; at most {MAX_MESSAGES} are allowed.", self.messages.len()),
-            ));
-        }
-        let mut turns = Vec::with_capacity(self.messages.len());
-        for (i, m) in self.messages.iter().enumerate() {
-            if let Some(name) = &m.name
-                && name.len() > MAX_NAME_BYTES
-            {
-                return Err(ApiError::invalid_param(
-                    format!("messages[{i}].name"),
-                    format!("`name` is longer than {MAX_NAME_BYTES} bytes."),
-                ));
-            }
-            turns.push(Turn { role: m.role.template_name(), content: message_text(i, &m.content)? });
-        }
+        let turns = validate_messages(&self.messages)?;
         if let (Some(a), Some(b)) = (self.max_tokens, self.max_completion_tokens)
             && a != b
         {

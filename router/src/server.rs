@@ -28,7 +28,8 @@ use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChunkChoice, Completion,
-    CompletionChoice, CompletionRequest, Delta, GenParams, ModelCard, ModelList, PromptInput, Usage, check_lengths,
+    CompletionChoice, CompletionRequest, Delta, DetokenizeRequest, DetokenizeResponse, GenParams, ModelCard, ModelList,
+    PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse, Usage, check_lengths,
 };
 use crate::placer::PlacerConfig;
 use crate::workers::WorkerPool;
@@ -216,6 +217,8 @@ pub fn app(state: AppState) -> axum::Router {
     let v1 = axum::Router::new()
         .merge(generation)
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_key));
     let admin = axum::Router::new()
         .route("/debug/keys", get(debug_keys))
@@ -441,6 +444,44 @@ async fn models(State(st): State<AppState>) -> Json<ModelList> {
             max_model_len: st.0.codec.context_length(),
         }],
     })
+}
+
+/// `POST /tokenize` (vLLM's endpoint): a prompt's token ids, or a chat's after the chat template, with the count
+/// a completion or chat completion of it would report as `prompt_tokens`.
+async fn tokenize(State(st): State<AppState>, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Response, ApiError> {
+    let input = req.validate()?;
+    if let Some(m) = &req.model {
+        st.check_model(m)?;
+    }
+    let tokens = match input {
+        TokenizeInput::Chat(turns) => chat_prompt(&st, turns).await?,
+        TokenizeInput::Prompt { text, add_special } => {
+            let codec = st.0.codec.clone();
+            blocking(move || {
+                codec
+                    .encode(&text, add_special)
+                    .map_err(|e| ApiError::invalid_param("prompt", format!("Could not tokenize: {e}")))
+            })
+            .await?
+        }
+    };
+    let token_strs = (req.return_token_strs == Some(true))
+        .then(|| tokens.iter().map(|&t| String::from_utf8_lossy(&st.0.codec.token_bytes(t)).into_owned()).collect());
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: st.0.codec.context_length(), tokens, token_strs })
+        .into_response())
+}
+
+/// `POST /detokenize`: the text of token ids (their bytes joined, invalid UTF-8 replaced).
+async fn detokenize(
+    State(st): State<AppState>,
+    ApiJson(req): ApiJson<DetokenizeRequest>,
+) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let tokens = req.validate(st.0.codec.vocab_size())?;
+    if let Some(m) = &req.model {
+        st.check_model(m)?;
+    }
+    let bytes: Vec<u8> = tokens.iter().flat_map(|&t| st.0.codec.token_bytes(t).into_owned()).collect();
+    Ok(Json(DetokenizeResponse { prompt: String::from_utf8_lossy(&bytes).into_owned() }))
 }
 
 /// Runs CPU-bound tokenizer work off the async threads.

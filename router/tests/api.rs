@@ -294,6 +294,47 @@ fn assert_error(status: u16, body: &str, want: u16) -> Value {
     v
 }
 
+/// `/tokenize` gives a prompt's ids, or a chat's after the template with the count a chat completion reports as
+/// `prompt_tokens`; `/detokenize` inverts it; bad input is a 400 naming the field.
+#[tokio::test]
+async fn tokenize_and_detokenize() {
+    let c = cluster().await;
+    let json = |(s, text): (u16, String)| -> (u16, Value) { (s, serde_json::from_str(&text).unwrap()) };
+    let (s, v) = json(c.post("/tokenize", json!({"prompt": "hi", "return_token_strs": true}).to_string()).await);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v, json!({"count": 2, "max_model_len": CONTEXT, "tokens": [104, 105], "token_strs": ["h", "i"]}));
+    let messages = json!([{"role": "user", "content": "Capital of France?"}]);
+    let (s, v) = json(c.post("/tokenize", json!({"model": MODEL, "messages": messages}).to_string()).await);
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("token_strs").is_none(), "{v}");
+    let (_, chat) = c.chat(json!({"model": MODEL, "messages": messages})).await;
+    assert_eq!(v["count"], chat["usage"]["prompt_tokens"], "{v} {chat}");
+    let (s, v) = json(c.post("/detokenize", json!({"tokens": v["tokens"]}).to_string()).await);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["prompt"], "user: Capital of France?\nassistant:");
+
+    for (path, body, want, param) in [
+        ("/tokenize", json!({"prompt": "a", "messages": messages}), 400, "prompt"),
+        ("/tokenize", json!({}), 400, "prompt"),
+        ("/tokenize", json!({"messages": []}), 400, "messages"),
+        ("/tokenize", json!({"messages": messages, "add_special_tokens": false}), 400, "add_special_tokens"),
+        ("/tokenize", json!({"prompt": "a", "model": "gpt-5"}), 404, "model"),
+        ("/tokenize", json!({"prompt": "a", "extra": 1}), 400, ""),
+        ("/detokenize", json!({"tokens": [104, 257]}), 400, "tokens[1]"),
+        ("/detokenize", json!({"tokens": [-1]}), 400, "tokens[0]"),
+        ("/detokenize", json!({"tokens": "hi"}), 400, "tokens"),
+    ] {
+        let (s, text) = c.post(path, body.to_string()).await;
+        let v = assert_error(s, &text, want);
+        if !param.is_empty() {
+            assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
+        }
+    }
+    let (s, text) = c.post("/detokenize", json!({"tokens": vec![1; (1 << 16) + 1]}).to_string()).await;
+    assert_error(s, &text, 400);
+    c.still_serves().await;
+}
+
 #[tokio::test]
 async fn chat_non_streaming() {
     let c = cluster().await;
@@ -781,6 +822,14 @@ async fn api_keys_tenants_limits_and_admin() {
     assert_eq!(v["error"]["code"], "invalid_api_key");
     let r = post(Some("sk-test-c-0123456789"), &hi).await.unwrap();
     assert_eq!(r.status(), 401);
+    // The tokenizer endpoints take a key too.
+    for path in ["/tokenize", "/detokenize"] {
+        let body = json!({"prompt": "hi", "tokens": []});
+        let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+    }
+    let r = client.post(format!("{http}/tokenize")).bearer_auth(KEY_A).json(&json!({"prompt": "hi"})).send().await;
+    assert_eq!(r.unwrap().status(), 200);
     let r = post(Some(KEY_A), &hi).await.unwrap();
     assert_eq!(r.status(), 200);
     let r = post(Some(KEY_B), &hi).await.unwrap();

@@ -10,7 +10,9 @@ use axum::http::HeaderValue;
 use pagoda_router::ApiError;
 use pagoda_router::auth::{KeyTable, KeysFileError, bearer};
 use pagoda_router::extract::parse_json;
-use pagoda_router::openai::{ChatCompletionRequest, CompletionRequest, check_lengths};
+use pagoda_router::openai::{
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeInput, TokenizeRequest, check_lengths,
+};
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -26,7 +28,7 @@ fn assert_client_error(e: &ApiError) {
     assert!(v["error"]["message"].is_string() && v["error"]["type"].is_string(), "{v}");
 }
 
-/// Runs a body through both endpoints' parsing and validation, as the handlers do before tokenizing.
+/// Runs a body through every JSON endpoint's parsing and validation, as the handlers do before tokenizing.
 fn check_body(bytes: &[u8]) {
     let t0 = Instant::now();
     match parse_json::<ChatCompletionRequest>(bytes) {
@@ -48,6 +50,21 @@ fn check_body(bytes: &[u8]) {
                     assert_client_error(&e);
                 }
             }
+            Err(e) => assert_client_error(&e),
+        },
+        Err(e) => assert_client_error(&e),
+    }
+    match parse_json::<TokenizeRequest>(bytes) {
+        Ok(req) => match req.validate() {
+            Ok(TokenizeInput::Chat(turns)) => assert!(!turns.is_empty()),
+            Ok(TokenizeInput::Prompt { .. }) => {}
+            Err(e) => assert_client_error(&e),
+        },
+        Err(e) => assert_client_error(&e),
+    }
+    match parse_json::<DetokenizeRequest>(bytes) {
+        Ok(req) => match req.validate(VOCAB) {
+            Ok(ids) => assert!(ids.iter().all(|&t| (t as usize) < VOCAB)),
             Err(e) => assert_client_error(&e),
         },
         Err(e) => assert_client_error(&e),
@@ -133,6 +150,9 @@ const FIELDS: &[&str] = &[
     "kv",
     "tools",
     "response_format",
+    "tokens",
+    "add_special_tokens",
+    "return_token_strs",
 ];
 
 /// A valid request of either endpoint with some fields replaced by edge values.
