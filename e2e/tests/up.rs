@@ -1,7 +1,7 @@
 //! End-to-end tests of `pagoda up` (engine + worker gRPC + router in one process) on the real SmolLM2 model:
 //! coherent answers, the exact OpenAI JSON and SSE formats, usage accounting, stop strings, `logit_bias` and the
-//! frequency penalty, `/tokenize`, every bad-input case, and block release when a client disconnects mid-stream (checked
-//! through the worker's gRPC Stats).
+//! frequency penalty, `ignore_eos`, `/tokenize`, every bad-input case, and block release when a client disconnects
+//! mid-stream (checked through the worker's gRPC Stats).
 
 mod common;
 
@@ -213,6 +213,21 @@ async fn up_answers_chat_streaming_and_not() {
     let mondays = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().matches("Monday").count();
     assert!(mondays(&plain) >= 2, "the unpenalised answer repeats the week: {plain}");
     assert!(mondays(&penalised) < mondays(&plain), "the penalty should cut the repeats: {penalised}");
+
+    // ignore_eos (vLLM's extension, which benchmark clients send): the one-word answer goes on past its end token.
+    assert_eq!(finish, "stop", "the plain greedy answer ends by itself: {answer:?}");
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &chat(QUESTION, json!({"temperature": 0, "max_tokens": completion_tokens + 8, "ignore_eos": true})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], completion_tokens + 8, "{v}");
+    let longer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(longer.starts_with(&answer) && longer.len() > answer.len(), "{answer:?} then {longer:?}");
 
     // Models, health, metrics.
     let (s, body) = http.get("/v1/models").await.unwrap();

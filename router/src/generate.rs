@@ -348,7 +348,10 @@ impl Generation {
                 // A resumed attempt's prompt ends with what earlier attempts generated: the penalties count it.
                 prior_output_tokens: self.generated.len() as u32,
             }),
-            stop_token_ids: self.ctx.codec.stop_token_ids(),
+            // The model's end tokens stop the request unless it asked to ignore them; the worker then does not add
+            // its own either.
+            stop_token_ids: if params.ignore_eos { Vec::new() } else { self.ctx.codec.stop_token_ids() },
+            ignore_eos: params.ignore_eos,
             namespace: self.job.namespace.clone(),
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,

@@ -94,6 +94,7 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
     pub logit_bias: Option<Value>,
+    pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
     pub user: Option<String>,
@@ -119,6 +120,7 @@ pub struct CompletionRequest {
     pub frequency_penalty: Option<f64>,
     pub logprobs: Option<i64>,
     pub logit_bias: Option<Value>,
+    pub ignore_eos: Option<bool>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub user: Option<String>,
@@ -254,6 +256,8 @@ pub struct GenParams {
     pub sampling: Sampling,
     /// `logit_bias` as (token id, bias), ascending by token id: added to the logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's extension: generate past the model's end-of-sequence tokens, up to `max_tokens` or a stop string.
+    pub ignore_eos: bool,
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
@@ -290,6 +294,7 @@ struct CommonIn<'a> {
     presence_penalty: Option<f64>,
     frequency_penalty: Option<f64>,
     logit_bias: Option<&'a Value>,
+    ignore_eos: Option<bool>,
     vocab_size: usize,
     user: Option<&'a str>,
     kv: Option<&'a KvOptions>,
@@ -402,6 +407,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
             frequency_penalty,
         },
         logit_bias,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
         kv_policy,
         kv_budget_tokens,
         kv_profile_queries,
@@ -720,6 +726,7 @@ impl ChatCompletionRequest {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             logit_bias: self.logit_bias.as_ref(),
+            ignore_eos: self.ignore_eos,
             vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
@@ -806,6 +813,7 @@ impl CompletionRequest {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             logit_bias: self.logit_bias.as_ref(),
+            ignore_eos: self.ignore_eos,
             vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
@@ -1112,6 +1120,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!((penalised.sampling.presence_penalty, penalised.sampling.frequency_penalty), (-2.0, 1.5));
+        assert!(!penalised.ignore_eos);
+        let (_, past_eos) =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"ignore_eos":true}"#).unwrap();
+        assert!(past_eos.ignore_eos);
         for bad in [r#""presence_penalty":2.01"#, r#""frequency_penalty":-3"#, r#""frequency_penalty":"1""#] {
             let e =
                 chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{bad}}}"#)).unwrap_err();

@@ -13,8 +13,8 @@ use std::time::Duration;
 use futures::Stream;
 use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
 use pagoda_proto::worker::{
-    FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, SamplingParams,
-    StatsRequest, StatsResponse, Usage,
+    FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, StatsRequest,
+    StatsResponse, Usage,
 };
 use pagoda_router::auth::{AdminKey, KeyTable};
 use pagoda_router::openai::Turn;
@@ -79,12 +79,9 @@ struct Fake {
     profile_queries_seen: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
     /// Every Generate is refused as a full admission queue would refuse it.
     busy: bool,
-    /// The prompt length and the sampling settings of every Generate call, in order.
-    sampling_seen: Arc<std::sync::Mutex<Vec<SamplingSeen>>>,
+    /// Every Generate call, in order.
+    requests_seen: Arc<std::sync::Mutex<Vec<GenerateRequest>>>,
 }
-
-/// A Generate call's prompt length and sampling settings.
-type SamplingSeen = (usize, Option<SamplingParams>);
 
 struct OpenGuard(Arc<AtomicUsize>);
 impl Drop for OpenGuard {
@@ -123,7 +120,7 @@ impl Worker for Fake {
         let max = req.max_tokens as usize;
         self.max_tokens_seen.lock().unwrap().push(req.max_tokens);
         self.profile_queries_seen.lock().unwrap().push((req.prompt_token_ids.len(), req.kv_profile_queries.len()));
-        self.sampling_seen.lock().unwrap().push((req.prompt_token_ids.len(), req.sampling.clone()));
+        self.requests_seen.lock().unwrap().push(req.clone());
         // Like a deterministic model, continue the reply from whatever part of it already ends the prompt (a
         // migrated request carries the tokens produced so far).
         let answer = prompt.rsplit_once("assistant:").map_or("", |(_, a)| a);
@@ -1151,7 +1148,7 @@ async fn profile_queries_ride_with_the_request_while_they_fit() {
 #[tokio::test]
 async fn sampling_settings_ride_every_attempt() {
     let (dying, healthy) = (Fake { die_after: Some(5), ..Fake::default() }, Fake::default());
-    let seen = [dying.sampling_seen.clone(), healthy.sampling_seen.clone()];
+    let seen = [dying.requests_seen.clone(), healthy.requests_seen.clone()];
     let http = migrating_cluster(vec![dying, healthy], migration(2000, 2)).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}],
         "logit_bias": {"66": -100, "65": 2.5}, "presence_penalty": 0.5, "frequency_penalty": -1.25});
@@ -1161,18 +1158,49 @@ async fn sampling_settings_ride_every_attempt() {
         let v: Value = r.json().await.unwrap();
         assert_eq!(v["choices"][0]["message"]["content"], REPLY, "{v}");
     }
-    let calls: Vec<SamplingSeen> = seen.iter().flat_map(|s| s.lock().unwrap().clone()).collect();
+    let calls: Vec<GenerateRequest> = seen.iter().flat_map(|s| s.lock().unwrap().clone()).collect();
     let prompt_len = "user: Capital of France?\nassistant:".len();
     let mut priors = Vec::new();
-    for (len, sampling) in &calls {
-        let s = sampling.as_ref().expect("sampling settings");
+    for req in &calls {
+        let (len, s) = (req.prompt_token_ids.len(), req.sampling.as_ref().expect("sampling settings"));
         let bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
         assert_eq!(bias, vec![(65, 2.5), (66, -100.0)]);
         assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.25));
-        assert_eq!(*len, prompt_len + s.prior_output_tokens as usize, "{calls:?}");
+        assert_eq!(len, prompt_len + s.prior_output_tokens as usize, "{calls:?}");
         priors.push(s.prior_output_tokens);
     }
     assert!(priors.contains(&0) && priors.contains(&5), "a first and a migrated attempt: {priors:?}");
+}
+
+/// `ignore_eos` (vLLM's extension) reaches the worker, and the router then sends none of the model's stop ids.
+#[tokio::test]
+async fn ignore_eos_sends_no_stop_ids() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let waddr = spawn_worker(fake).await;
+    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "hi"})),
+    ] {
+        for ignore_eos in [None, Some(false), Some(true)] {
+            let mut body = body.clone();
+            if let Some(i) = ignore_eos {
+                body["ignore_eos"] = json!(i);
+            }
+            let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{path} {body}");
+            let req = seen.lock().unwrap().pop().expect("a Generate call");
+            let want = ignore_eos == Some(true);
+            assert_eq!(req.ignore_eos, want, "{path} {body}");
+            assert_eq!(req.stop_token_ids.is_empty(), want, "{path} {body}: {:?}", req.stop_token_ids);
+        }
+    }
+    let r =
+        client.post(format!("{http}/v1/completions")).json(&json!({"model": MODEL, "prompt": "hi", "ignore_eos": 1}));
+    assert_eq!(r.send().await.unwrap().status(), 400);
 }
 
 /// A worker that goes silent mid-stream: after the stall timeout the request continues elsewhere.

@@ -144,6 +144,7 @@ const FIELDS: &[&str] = &[
     "logprobs",
     "top_logprobs",
     "logit_bias",
+    "ignore_eos",
     "echo",
     "suffix",
     "user",

@@ -301,7 +301,7 @@ impl WorkerService {
             stop_token_ids: req.stop_token_ids,
             namespace: req.namespace,
             policy,
-            ignore_eos: false,
+            ignore_eos: req.ignore_eos,
             profile_queries,
         })
     }
