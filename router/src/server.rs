@@ -455,15 +455,7 @@ async fn tokenize(State(st): State<AppState>, ApiJson(req): ApiJson<TokenizeRequ
     }
     let tokens = match input {
         TokenizeInput::Chat(turns) => chat_prompt(&st, turns).await?,
-        TokenizeInput::Prompt { text, add_special } => {
-            let codec = st.0.codec.clone();
-            blocking(move || {
-                codec
-                    .encode(&text, add_special)
-                    .map_err(|e| ApiError::invalid_param("prompt", format!("Could not tokenize: {e}")))
-            })
-            .await?
-        }
+        TokenizeInput::Prompt { text, add_special } => text_prompt(&st, text, add_special).await?,
     };
     let token_strs = (req.return_token_strs == Some(true))
         .then(|| tokens.iter().map(|&t| String::from_utf8_lossy(&st.0.codec.token_bytes(t)).into_owned()).collect());
@@ -487,6 +479,18 @@ async fn detokenize(
 /// Runs CPU-bound tokenizer work off the async threads.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+/// A text prompt's tokens, with the model's BOS/EOS where it asks for them when `add_special` (off the async
+/// threads).
+async fn text_prompt(st: &AppState, text: String, add_special: bool) -> Result<Vec<u32>, ApiError> {
+    let codec = st.0.codec.clone();
+    blocking(move || {
+        codec
+            .encode(&text, add_special)
+            .map_err(|e| ApiError::invalid_param("prompt", format!("Could not tokenize: {e}")))
+    })
+    .await
 }
 
 /// The chat's prompt tokens: the model's chat template applied to `turns`, then tokenized (off the async threads).
@@ -544,15 +548,7 @@ async fn completions(
     st.check_model(&params.model)?;
     let prompt = match prompt {
         PromptInput::Tokens(t) => t,
-        PromptInput::Text(text) => {
-            let codec = st.0.codec.clone();
-            blocking(move || {
-                codec
-                    .encode(&text, true)
-                    .map_err(|e| ApiError::invalid_param("prompt", format!("Could not tokenize: {e}")))
-            })
-            .await?
-        }
+        PromptInput::Text(text) => text_prompt(&st, text, true).await?,
     };
     let id = new_id("cmpl");
     let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await.map_err(|mut e| {
