@@ -18,10 +18,7 @@ pub const MAX_TEXT_BYTES: usize = 1 << 20;
 pub const MAX_NAME_BYTES: usize = 256;
 /// At most this many content parts in one message.
 pub const MAX_PARTS: usize = 256;
-/// At most this many `logit_bias` entries (OpenAI's limit).
-pub const MAX_LOGIT_BIAS: usize = 300;
-/// `logit_bias` values lie in `[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`, as OpenAI's do.
-pub const LOGIT_BIAS_LIMIT: f64 = 100.0;
+pub use pagoda_worker::sampling::{LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT};
 /// Longest `kv.profile_queries` entry, in bytes, before it is tokenized (then it must fit
 /// [`MAX_PROFILE_QUERY_TOKENS`](pagoda_worker::placement::MAX_PROFILE_QUERY_TOKENS)).
 pub const MAX_PROFILE_QUERY_BYTES: usize = 1024;
@@ -373,7 +370,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         penalties.iter_mut().zip([("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)])
     {
         let v = v.unwrap_or(0.0);
-        if !(-2.0..=2.0).contains(&v) {
+        if !(-f64::from(PENALTY_LIMIT)..=f64::from(PENALTY_LIMIT)).contains(&v) {
             return Err(ApiError::invalid_param(name, format!("`{name}` must be between -2 and 2, got {v}.")));
         }
         *p = v as f32;
@@ -415,7 +412,8 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
 }
 
 /// `logit_bias`: null or an object from token ids (decimal strings, below `vocab_size`) to biases in
-/// `[-100, 100]`, at most [`MAX_LOGIT_BIAS`] of them; returned ascending by token id.
+/// `[-100, 100]`, at most [`MAX_LOGIT_BIAS`] of them; returned ascending by token id, as the worker's
+/// [`check_logit_bias`](pagoda_worker::sampling::check_logit_bias) leaves it.
 pub fn parse_logit_bias(v: Option<&Value>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     let map = match v {
         None | Some(Value::Null) => return Ok(Vec::new()),
@@ -445,7 +443,8 @@ pub fn parse_logit_bias(v: Option<&Value>, vocab_size: usize) -> Result<Vec<(u32
                     format!("`logit_bias` key {key:?} is not a token id in the vocabulary (size {vocab_size})."),
                 )
             })?;
-        let b = value.as_f64().filter(|b| (-LOGIT_BIAS_LIMIT..=LOGIT_BIAS_LIMIT).contains(b)).ok_or_else(|| {
+        let limit = f64::from(LOGIT_BIAS_LIMIT);
+        let b = value.as_f64().filter(|b| (-limit..=limit).contains(b)).ok_or_else(|| {
             ApiError::invalid_param(
                 "logit_bias",
                 format!("`logit_bias[{key:?}]` must be a number from -100 to 100, got {value}."),
@@ -453,13 +452,9 @@ pub fn parse_logit_bias(v: Option<&Value>, vocab_size: usize) -> Result<Vec<(u32
         })?;
         bias.push((token, b as f32));
     }
-    bias.sort_unstable_by_key(|&(t, _)| t);
-    if let Some(w) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(ApiError::invalid_param(
-            "logit_bias",
-            format!("`logit_bias` names token {} more than once.", w[0].0),
-        ));
-    }
+    // Sorts, and finds a token named twice ("5" and "05"): the worker's own check, so both sides agree.
+    pagoda_worker::sampling::check_logit_bias(&mut bias, vocab_size)
+        .map_err(|e| ApiError::invalid_param("logit_bias", format!("{e}.")))?;
     Ok(bias)
 }
 

@@ -472,7 +472,10 @@ async fn detokenize(
     if let Some(m) = &req.model {
         st.check_model(m)?;
     }
-    let bytes: Vec<u8> = tokens.iter().flat_map(|&t| st.0.codec.token_bytes(t).into_owned()).collect();
+    let mut bytes = Vec::new();
+    for &t in &tokens {
+        bytes.extend_from_slice(&st.0.codec.token_bytes(t));
+    }
     Ok(Json(DetokenizeResponse { prompt: String::from_utf8_lossy(&bytes).into_owned() }))
 }
 

@@ -265,21 +265,18 @@ impl WorkerService {
                         s.top_k, info.vocab_size
                     )));
                 }
-                let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
-                crate::sampling::check_logit_bias(&mut logit_bias, info.vocab_size)
-                    .map_err(Status::invalid_argument)?;
-                let sampling = SamplingParams {
+                // The engine checks the bias and the penalties (`EngineHandle::validate`); its error is an
+                // InvalidArgument too.
+                SamplingParams {
                     temperature: s.temperature,
                     top_p,
                     top_k: s.top_k,
                     seed: s.seed,
-                    logit_bias,
+                    logit_bias: s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
                     presence_penalty: s.presence_penalty,
                     frequency_penalty: s.frequency_penalty,
                     prior_output_tokens: s.prior_output_tokens,
-                };
-                sampling.check_penalties(req.prompt_token_ids.len()).map_err(Status::invalid_argument)?;
-                sampling
+                }
             }
         };
         let policy = if req.kv_policy.is_empty() && req.kv_budget_tokens == 0 {
