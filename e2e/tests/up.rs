@@ -199,6 +199,62 @@ async fn up_answers_chat_streaming_and_not() {
     let banned = v["choices"][0]["text"].as_str().unwrap();
     assert!(!banned.is_empty() && banned != first, "banning {first:?} still gave {banned:?}");
 
+    // logprobs: the model's own distribution (before the bias), with the greedy token the most likely.
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
+                                               "temperature": 0, "logprobs": 5}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"][0], first.as_str(), "{v}");
+    assert_eq!(lp["text_offset"], json!([0]), "{v}");
+    let top = lp["top_logprobs"][0].as_object().unwrap();
+    assert_eq!(top.len(), 5, "{v}");
+    let chosen = lp["token_logprobs"][0].as_f64().unwrap();
+    assert_eq!(top[first.as_str()].as_f64(), Some(chosen), "{v}");
+    assert!(top.values().all(|l| l.as_f64().unwrap() <= chosen) && chosen < 0.0, "{v}");
+    let mass: f64 = top.values().map(|l| l.as_f64().unwrap().exp()).sum();
+    assert!(mass <= 1.0 + 1e-4, "{v}");
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
+               "temperature": 0, "logprobs": 5, "logit_bias": { first_ids[0].to_string(): -100 }}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let runner_up = v["choices"][0]["logprobs"]["token_logprobs"][0].as_f64().unwrap();
+    assert_eq!(v["choices"][0]["text"], banned, "{v}");
+    if let Some(unbiased) = top.get(banned).and_then(Value::as_f64) {
+        assert!((runner_up - unbiased).abs() < 1e-3, "{banned:?}: {runner_up} biased, {unbiased} unbiased");
+    }
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &chat(
+                QUESTION,
+                json!({"temperature": 0, "max_tokens": 8, "logprobs": true,
+                                                                  "top_logprobs": 3}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap(), "{v}");
+    let bytes: Vec<u8> =
+        content.iter().flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8)).collect();
+    assert_eq!(bytes, v["choices"][0]["message"]["content"].as_str().unwrap().as_bytes(), "{v}");
+    for e in content {
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 3, "{e}");
+        assert_eq!(e["top_logprobs"][0]["token"], e["token"], "greedy takes the most likely token: {e}");
+    }
+
     // frequency_penalty: greedy SmolLM2 cycles through the week; a penalty growing with each use breaks the cycle.
     let week = |penalty: f64| {
         chat(

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use pagoda_proto::trace_context;
 use pagoda_proto::worker::{
     FinishReason, GenerateRequest, GenerateResponse, LogitBias as PbLogitBias, PeerHint as PbPeerHint, ProfileQuery,
-    SamplingParams,
+    SamplingParams, TokenLogprobs as PbTokenLogprobs,
 };
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
@@ -38,9 +38,56 @@ use crate::workers::{Candidate, InFlight, WorkerPool};
 /// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
-    Text(String),
-    Done { finish_reason: &'static str, usage: Usage },
+    /// Newly released text, with the log-probabilities of the tokens it starts (only when the request asked for
+    /// them). Either may be empty, not both.
+    Text {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Done {
+        finish_reason: &'static str,
+        usage: Usage,
+    },
     Error(ApiError),
+}
+
+/// One generated token's log-probabilities, as the worker reported them (a log-softmax of the model's raw
+/// logits), and where its text starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely tokens at this position, most likely first.
+    pub top: Vec<(u32, f32)>,
+    /// Byte offset in the completion's text where this token's text starts. A token whose bytes end inside a
+    /// UTF-8 character starts where that character does.
+    pub text_offset: u32,
+}
+
+/// Ties the tokens' log-probabilities to the text the stop matcher releases: an entry goes out with the first
+/// piece of text that reaches past its start, so a token held back with a possible stop string is held with it,
+/// and a token wholly inside a matched stop string (whose text is never sent) is never sent either.
+#[derive(Debug, Default)]
+struct LogprobQueue {
+    pending: std::collections::VecDeque<TokenLogprob>,
+    /// Bytes the decoder has produced, all attempts together: where the next token's text starts.
+    decoded: usize,
+    /// Bytes released to the client.
+    released: usize,
+}
+
+impl LogprobQueue {
+    /// The entries whose text starts before `released + len`, after releasing `len` more bytes.
+    fn release(&mut self, len: usize) -> Vec<TokenLogprob> {
+        self.released += len;
+        let n = self.pending.iter().take_while(|e| (e.text_offset as usize) < self.released).count();
+        self.pending.drain(..n).collect()
+    }
+
+    /// Everything still pending (the stream ended without a stop string: all its text went out).
+    fn release_all(&mut self) -> Vec<TokenLogprob> {
+        self.pending.drain(..).collect()
+    }
 }
 
 /// A validated, tokenized request.
@@ -138,6 +185,8 @@ struct Generation {
     generated: Vec<u32>,
     decoder: Utf8Decoder,
     stops: StopMatcher,
+    /// Generated tokens' log-probabilities waiting for their text (only when the request asked for them).
+    logprobs: LogprobQueue,
     last_token: Option<Instant>,
     /// Workers that failed under this request; never tried again for it.
     excluded: Vec<String>,
@@ -169,6 +218,7 @@ impl Generation {
             generated: Vec::new(),
             decoder: Utf8Decoder::new(),
             stops,
+            logprobs: LogprobQueue::default(),
             last_token: None,
             excluded: Vec::new(),
             prompt_counted: false,
@@ -357,6 +407,8 @@ impl Generation {
             kv_budget_tokens: params.kv_budget_tokens,
             peer_hint,
             kv_profile_queries,
+            logprobs: params.logprobs.is_some(),
+            top_logprobs: params.logprobs.unwrap_or(0),
         };
         let prompt_tokens = req.prompt_token_ids.len() as u64;
         let call = spans::generate_call_span(&addr);
@@ -441,12 +493,26 @@ impl Generation {
             last_progress = Instant::now();
             match msg {
                 Ok(Some(resp)) => {
+                    let wants_logprobs = self.job.params.logprobs.is_some();
+                    if wants_logprobs && resp.logprobs.len() != resp.token_ids.len() {
+                        return AttemptEnd::WorkerFailed(WorkerFailure {
+                            worker: addr,
+                            reason: "worker_error",
+                            error: ApiError::internal(format!(
+                                "The worker sent {} log-probabilities for {} tokens.",
+                                resp.logprobs.len(),
+                                resp.token_ids.len()
+                            )),
+                            mark_down: false,
+                        });
+                    }
+                    let mut logprobs = resp.logprobs.into_iter();
                     for id in resp.token_ids {
                         if !got_token {
                             got_token = true;
                             in_flight.first_token();
                         }
-                        if self.push_token(id).await {
+                        if self.push_token(id, logprobs.next()).await {
                             return AttemptEnd::Over;
                         }
                     }
@@ -489,9 +555,9 @@ impl Generation {
         tokio::time::timeout(self.ctx.migration.stall_timeout, w.probe()).await.unwrap_or(false)
     }
 
-    /// Feeds one token through the text pipeline; returns true when the request is over (a stop string matched,
-    /// or the client left).
-    async fn push_token(&mut self, id: u32) -> bool {
+    /// Feeds one token (and its log-probabilities, when asked for) through the text pipeline; returns true when the
+    /// request is over (a stop string matched, or the client left).
+    async fn push_token(&mut self, id: u32, logprobs: Option<PbTokenLogprobs>) -> bool {
         self.started();
         self.generated.push(id);
         let now = Instant::now();
@@ -501,14 +567,20 @@ impl Generation {
         }
         self.last_token = Some(now);
         self.ctx.metrics.completion_tokens.inc();
+        if let Some(lp) = logprobs {
+            let top = lp.top_token_ids.into_iter().zip(lp.top_logprobs).collect();
+            let text_offset = u32::try_from(self.logprobs.decoded).unwrap_or(u32::MAX);
+            self.logprobs.pending.push_back(TokenLogprob { token: id, logprob: lp.logprob, top, text_offset });
+        }
         let text = self.decoder.push(&self.ctx.codec.token_bytes(id));
         if text.is_empty() {
             return false;
         }
+        self.logprobs.decoded += text.len();
         match self.stops.push(&text) {
-            StopOutcome::Continue(t) => !t.is_empty() && self.tx.send(Piece::Text(t)).await.is_err(),
+            StopOutcome::Continue(t) => self.send_text(t).await,
             StopOutcome::Stopped(t) => {
-                if !t.is_empty() && self.tx.send(Piece::Text(t)).await.is_err() {
+                if self.send_text(t).await {
                     return true;
                 }
                 let usage = Usage::new(self.job.prompt.len() as u32, self.generated.len() as u32, 0);
@@ -516,6 +588,15 @@ impl Generation {
                 true // drops the stream: cancels the rest of the generation
             }
         }
+    }
+
+    /// Sends released text with the log-probabilities it releases; true when the client has gone.
+    async fn send_text(&mut self, text: String) -> bool {
+        let logprobs = self.logprobs.release(text.len());
+        if text.is_empty() && logprobs.is_empty() {
+            return false;
+        }
+        self.tx.send(Piece::Text { text, logprobs }).await.is_err()
     }
 
     async fn finish(&mut self, reason: &'static str, cached_tokens: u32) -> AttemptEnd {
@@ -527,6 +608,7 @@ impl Generation {
     async fn finish_with(&mut self, reason: &'static str, completion: u32, cached_tokens: u32) -> AttemptEnd {
         self.started();
         let tail = self.decoder.finish();
+        self.logprobs.decoded += tail.len();
         let (mut text, stopped) = match self.stops.push(&tail) {
             StopOutcome::Continue(t) => (t, false),
             StopOutcome::Stopped(t) => (t, true),
@@ -534,7 +616,11 @@ impl Generation {
         if !stopped {
             text.push_str(&self.stops.finish());
         }
-        if !text.is_empty() && self.tx.send(Piece::Text(text)).await.is_err() {
+        let mut logprobs = self.logprobs.release(text.len());
+        if !stopped {
+            logprobs.extend(self.logprobs.release_all());
+        }
+        if !(text.is_empty() && logprobs.is_empty()) && self.tx.send(Piece::Text { text, logprobs }).await.is_err() {
             return AttemptEnd::Over;
         }
         let prompt_tokens = self.job.prompt.len() as u32;

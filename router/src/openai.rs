@@ -4,7 +4,9 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::codec::TextCodec;
 use crate::error::ApiError;
+use crate::generate::TokenLogprob;
 
 /// At most this many chat messages per request.
 pub const MAX_MESSAGES: usize = 1024;
@@ -18,7 +20,7 @@ pub const MAX_TEXT_BYTES: usize = 1 << 20;
 pub const MAX_NAME_BYTES: usize = 256;
 /// At most this many content parts in one message.
 pub const MAX_PARTS: usize = 256;
-pub use pagoda_worker::sampling::{LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT};
+pub use pagoda_worker::sampling::{LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY_LIMIT};
 /// Longest `kv.profile_queries` entry, in bytes, before it is tokenized (then it must fit
 /// [`MAX_PROFILE_QUERY_TOKENS`](pagoda_worker::placement::MAX_PROFILE_QUERY_TOKENS)).
 pub const MAX_PROFILE_QUERY_BYTES: usize = 1024;
@@ -260,6 +262,9 @@ pub struct GenParams {
     pub kv_budget_tokens: u32,
     /// `kv.profile_queries`, checked for count and size; tokenized when the prompt is.
     pub kv_profile_queries: Vec<String>,
+    /// Report each generated token's log-probability with this many alternatives (at most [`MAX_TOP_LOGPROBS`]);
+    /// `None` when the request did not ask.
+    pub logprobs: Option<u32>,
 }
 
 /// A chat turn ready for the template.
@@ -408,6 +413,14 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         kv_policy,
         kv_budget_tokens,
         kv_profile_queries,
+        logprobs: None,
+    })
+}
+
+/// A count of alternatives per token, `0..=MAX_TOP_LOGPROBS`, named `param` in the error.
+fn top_logprobs_count(n: i64, param: &'static str) -> Result<u32, ApiError> {
+    u32::try_from(n).ok().filter(|&n| n <= MAX_TOP_LOGPROBS).ok_or_else(|| {
+        ApiError::invalid_param(param, format!("`{param}` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}."))
     })
 }
 
@@ -691,9 +704,14 @@ impl ChatCompletionRequest {
             Some(m) => (Some(m), "max_completion_tokens"),
             None => (self.max_tokens, "max_tokens"),
         };
-        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid_param("logprobs", "`logprobs` is not supported."));
-        }
+        let top_logprobs = self.top_logprobs.map(|n| top_logprobs_count(n, "top_logprobs")).transpose()?;
+        let logprobs = match (self.logprobs, top_logprobs) {
+            (Some(true), n) => Some(n.unwrap_or(0)),
+            (_, Some(n)) if n > 0 => {
+                return Err(ApiError::invalid_param("top_logprobs", "`top_logprobs` needs `logprobs` set to true."));
+            }
+            _ => None,
+        };
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid_param("tools", "Tool calling is not supported."));
         }
@@ -706,7 +724,7 @@ impl ChatCompletionRequest {
                 ));
             }
         }
-        let params = validate_common(CommonIn {
+        let mut params = validate_common(CommonIn {
             model: &self.model,
             max_tokens,
             max_tokens_param,
@@ -726,6 +744,7 @@ impl ChatCompletionRequest {
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
         })?;
+        params.logprobs = logprobs;
         Ok((turns, params))
     }
 }
@@ -787,13 +806,11 @@ impl CompletionRequest {
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_param("suffix", "`suffix` is not supported."));
         }
-        if self.logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid_param("logprobs", "`logprobs` is not supported."));
-        }
+        let logprobs = self.logprobs.map(|n| top_logprobs_count(n, "logprobs")).transpose()?;
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid_param("best_of", "Only `best_of` = 1 is supported."));
         }
-        let params = validate_common(CommonIn {
+        let mut params = validate_common(CommonIn {
             model: &self.model,
             max_tokens: self.max_tokens,
             max_tokens_param: "max_tokens",
@@ -813,6 +830,7 @@ impl CompletionRequest {
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
         })?;
+        params.logprobs = logprobs;
         Ok((prompt, params))
     }
 }
@@ -893,7 +911,7 @@ pub struct AssistantMessage {
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: &'static str,
 }
 
@@ -919,7 +937,7 @@ pub struct Delta {
 pub struct ChunkChoice {
     pub index: u32,
     pub delta: Delta,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -940,8 +958,99 @@ pub struct ChatChunk {
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+}
+
+/// A chat choice's `logprobs`: one entry per generated token.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatTokenLogprob {
+    /// The token's text; its bytes lossily decoded when it ends inside a UTF-8 character.
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+impl ChatLogprobs {
+    pub fn render(entries: &[TokenLogprob], codec: &dyn TextCodec) -> ChatLogprobs {
+        let top = |&(token, logprob): &(u32, f32)| {
+            let bytes = codec.token_bytes(token).into_owned();
+            ChatTopLogprob { token: String::from_utf8_lossy(&bytes).into_owned(), logprob, bytes }
+        };
+        let content = entries
+            .iter()
+            .map(|e| {
+                let ChatTopLogprob { token, logprob, bytes } = top(&(e.token, e.logprob));
+                ChatTokenLogprob { token, logprob, bytes, top_logprobs: e.top.iter().map(top).collect() }
+            })
+            .collect();
+        ChatLogprobs { content }
+    }
+}
+
+/// A completion choice's `logprobs` (the legacy shape): parallel lists over the tokens.
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    /// Per token, the most likely tokens' text and log-probability, with the chosen token among them (so up to
+    /// `logprobs` + 1 entries, as OpenAI's).
+    pub top_logprobs: Vec<TopLogprobMap>,
+    pub text_offset: Vec<u32>,
+}
+
+impl CompletionLogprobs {
+    /// The entries' lists, with `text_offset` moved by `offset` bytes (where this chunk's text starts in the
+    /// completion is already in each entry; `offset` adds what the client's text has before the completion).
+    pub fn render(entries: &[TokenLogprob], codec: &dyn TextCodec, offset: u32) -> CompletionLogprobs {
+        let text = |t: u32| String::from_utf8_lossy(&codec.token_bytes(t)).into_owned();
+        let mut out = CompletionLogprobs::default();
+        for e in entries {
+            let mut top: Vec<(String, f32)> = Vec::with_capacity(e.top.len() + 1);
+            for &(t, lp) in
+                e.top.iter().chain((!e.top.iter().any(|&(t, _)| t == e.token)).then_some(&(e.token, e.logprob)))
+            {
+                let s = text(t);
+                // Two tokens with the same lossy text would be one key: the likelier stays.
+                if !top.iter().any(|(k, _)| *k == s) {
+                    top.push((s, lp));
+                }
+            }
+            out.tokens.push(text(e.token));
+            out.token_logprobs.push(e.logprob);
+            out.top_logprobs.push(TopLogprobMap(top));
+            out.text_offset.push(e.text_offset.saturating_add(offset));
+        }
+        out
+    }
+}
+
+/// `{token text: log-probability}`, in the order given (most likely first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprobMap(pub Vec<(String, f32)>);
+
+impl Serialize for TopLogprobMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
 }
 
 /// `text_completion` (also the streaming chunk object of `/v1/completions`).
@@ -1163,6 +1272,38 @@ mod tests {
         let (_, p) = req(r#"{"model":"m","prompt":"x","logit_bias":{"3":-1}}"#).unwrap();
         assert_eq!(p.logit_bias, vec![(3, -1.0)]);
         assert!(req(r#"{"model":"m","prompt":"x","logit_bias":{"100":-1}}"#).is_err());
+    }
+
+    #[test]
+    fn logprobs_options() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            parse_json::<ChatCompletionRequest>(body.as_bytes()).unwrap().validate(100)
+        };
+        assert_eq!(chat("").unwrap().1.logprobs, None);
+        assert_eq!(chat(r#","logprobs":false"#).unwrap().1.logprobs, None);
+        assert_eq!(chat(r#","logprobs":false,"top_logprobs":0"#).unwrap().1.logprobs, None);
+        assert_eq!(chat(r#","logprobs":true"#).unwrap().1.logprobs, Some(0));
+        assert_eq!(chat(r#","logprobs":true,"top_logprobs":20"#).unwrap().1.logprobs, Some(20));
+        for (extra, want) in [
+            (r#","logprobs":true,"top_logprobs":21"#, "between 0 and 20"),
+            (r#","logprobs":true,"top_logprobs":-1"#, "between 0 and 20"),
+            (r#","top_logprobs":3"#, "needs `logprobs`"),
+        ] {
+            let e = chat(extra).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("top_logprobs"), "{extra}");
+            assert!(e.message.contains(want), "{extra}: {}", e.message);
+        }
+        let completion = |extra: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"x"{extra}}}"#);
+            parse_json::<CompletionRequest>(body.as_bytes()).unwrap().validate(100)
+        };
+        assert_eq!(completion("").unwrap().1.logprobs, None);
+        assert_eq!(completion(r#","logprobs":0"#).unwrap().1.logprobs, Some(0));
+        assert_eq!(completion(r#","logprobs":5"#).unwrap().1.logprobs, Some(5));
+        for bad in [r#","logprobs":21"#, r#","logprobs":-1"#] {
+            assert_eq!(completion(bad).unwrap_err().param.as_deref(), Some("logprobs"), "{bad}");
+        }
     }
 
     #[test]

@@ -23,13 +23,14 @@ use crate::codec::TextCodec;
 use crate::dashboard::{self, Dashboard};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generate::{self, GenerateContext, Job, MigrationConfig, Piece};
+use crate::generate::{self, GenerateContext, Job, MigrationConfig, Piece, TokenLogprob};
 use crate::limits::Limiter;
 use crate::metrics::Metrics;
 use crate::openai::{
-    AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChunkChoice, Completion,
-    CompletionChoice, CompletionRequest, Delta, DetokenizeRequest, DetokenizeResponse, GenParams, ModelCard, ModelList,
-    PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse, Usage, check_lengths,
+    AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChunkChoice,
+    Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DetokenizeRequest, DetokenizeResponse,
+    GenParams, ModelCard, ModelList, PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse, Usage,
+    check_lengths,
 };
 use crate::placer::PlacerConfig;
 use crate::workers::WorkerPool;
@@ -521,9 +522,10 @@ async fn chat_completions(
     let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await?;
     let created = unix_now();
     if params.stream {
-        Ok(sse(chat_events(rx, id, created, params)).into_response())
+        Ok(sse(chat_events(rx, id, created, params, st.0.codec.clone())).into_response())
     } else {
-        let (text, finish_reason, usage) = collect(rx).await?;
+        let Collected { text, logprobs, finish_reason, usage } = collect(rx).await?;
+        let logprobs = params.logprobs.map(|_| ChatLogprobs::render(&logprobs, st.0.codec.as_ref()));
         Ok(Json(ChatCompletion {
             id,
             object: "chat.completion",
@@ -532,7 +534,7 @@ async fn chat_completions(
             choices: vec![ChatChoice {
                 index: 0,
                 message: AssistantMessage { role: "assistant", content: text },
-                logprobs: None,
+                logprobs,
                 finish_reason,
             }],
             usage,
@@ -562,15 +564,16 @@ async fn completions(
     })?;
     let created = unix_now();
     if params.stream {
-        Ok(sse(completion_events(rx, id, created, params)).into_response())
+        Ok(sse(completion_events(rx, id, created, params, st.0.codec.clone())).into_response())
     } else {
-        let (text, finish_reason, usage) = collect(rx).await?;
+        let Collected { text, logprobs, finish_reason, usage } = collect(rx).await?;
+        let logprobs = params.logprobs.map(|_| CompletionLogprobs::render(&logprobs, st.0.codec.as_ref(), 0));
         Ok(Json(Completion {
             id,
             object: "text_completion",
             created,
             model: params.model,
-            choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason: Some(finish_reason) }],
+            choices: vec![CompletionChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason) }],
             usage: Some(Some(usage)),
         })
         .into_response())
@@ -635,12 +638,23 @@ async fn profile_queries(st: &AppState, texts: &[String], prompt_len: usize) -> 
     .await
 }
 
-async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<(String, &'static str, Usage), ApiError> {
-    let mut text = String::new();
+/// A whole generation, for a non-streaming answer.
+struct Collected {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    finish_reason: &'static str,
+    usage: Usage,
+}
+
+async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
+    let (mut text, mut logprobs) = (String::new(), Vec::new());
     while let Some(p) = rx.recv().await {
         match p {
-            Piece::Text(t) => text.push_str(&t),
-            Piece::Done { finish_reason, usage } => return Ok((text, finish_reason, usage)),
+            Piece::Text { text: t, logprobs: l } => {
+                text.push_str(&t);
+                logprobs.extend(l);
+            }
+            Piece::Done { finish_reason, usage } => return Ok(Collected { text, logprobs, finish_reason, usage }),
             Piece::Error(e) => return Err(e),
         }
     }
@@ -662,24 +676,29 @@ pub fn chat_events(
     id: String,
     created: u64,
     params: GenParams,
+    codec: Arc<dyn TextCodec>,
 ) -> impl Stream<Item = String> + Send + 'static {
     let include_usage = params.include_usage;
     let model = params.model;
-    let chunk = move |delta: Delta, finish_reason: Option<&'static str>| ChatChunk {
+    let chunk = move |delta: Delta, logprobs: Option<ChatLogprobs>, finish_reason: Option<&'static str>| ChatChunk {
         id: id.clone(),
         object: "chat.completion.chunk",
         created,
         model: model.clone(),
-        choices: vec![ChunkChoice { index: 0, delta, logprobs: None, finish_reason }],
+        choices: vec![ChunkChoice { index: 0, delta, logprobs, finish_reason }],
         usage: if include_usage { Some(None) } else { None },
     };
-    let first = to_json(&chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None));
+    let first = to_json(&chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None, None));
+    let wants_logprobs = params.logprobs.is_some();
     let body = pieces_to_events(rx, move |p| match p {
-        Piece::Text(t) => vec![to_json(&chunk(Delta { role: None, content: Some(t) }, None))],
+        Piece::Text { text, logprobs } => {
+            let logprobs = wants_logprobs.then(|| ChatLogprobs::render(&logprobs, codec.as_ref()));
+            vec![to_json(&chunk(Delta { role: None, content: Some(text) }, logprobs, None))]
+        }
         Piece::Done { finish_reason, usage } => {
-            let mut out = vec![to_json(&chunk(Delta::default(), Some(finish_reason)))];
+            let mut out = vec![to_json(&chunk(Delta::default(), None, Some(finish_reason)))];
             if include_usage {
-                let mut last = chunk(Delta::default(), None);
+                let mut last = chunk(Delta::default(), None, None);
                 last.choices.clear();
                 last.usage = Some(Some(usage));
                 out.push(to_json(&last));
@@ -697,23 +716,29 @@ pub fn completion_events(
     id: String,
     created: u64,
     params: GenParams,
+    codec: Arc<dyn TextCodec>,
 ) -> impl Stream<Item = String> + Send + 'static {
     let include_usage = params.include_usage;
     let model = params.model;
-    let chunk = move |text: String, finish_reason: Option<&'static str>| Completion {
-        id: id.clone(),
-        object: "text_completion",
-        created,
-        model: model.clone(),
-        choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason }],
-        usage: if include_usage { Some(None) } else { None },
-    };
+    let chunk =
+        move |text: String, logprobs: Option<CompletionLogprobs>, finish_reason: Option<&'static str>| Completion {
+            id: id.clone(),
+            object: "text_completion",
+            created,
+            model: model.clone(),
+            choices: vec![CompletionChoice { index: 0, text, logprobs, finish_reason }],
+            usage: if include_usage { Some(None) } else { None },
+        };
+    let wants_logprobs = params.logprobs.is_some();
     pieces_to_events(rx, move |p| match p {
-        Piece::Text(t) => vec![to_json(&chunk(t, None))],
+        Piece::Text { text, logprobs } => {
+            let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), 0));
+            vec![to_json(&chunk(text, logprobs, None))]
+        }
         Piece::Done { finish_reason, usage } => {
-            let mut out = vec![to_json(&chunk(String::new(), Some(finish_reason)))];
+            let mut out = vec![to_json(&chunk(String::new(), None, Some(finish_reason)))];
             if include_usage {
-                let mut last = chunk(String::new(), None);
+                let mut last = chunk(String::new(), None, None);
                 last.choices.clear();
                 last.usage = Some(Some(usage));
                 out.push(to_json(&last));
@@ -733,7 +758,7 @@ where
     futures::stream::unfold(Some((rx, render)), |state| async move {
         let (mut rx, mut render) = state?;
         let piece = rx.recv().await?;
-        let terminal = !matches!(piece, Piece::Text(_));
+        let terminal = !matches!(piece, Piece::Text { .. });
         let mut out = render(piece);
         if terminal {
             out.push("[DONE]".to_string());

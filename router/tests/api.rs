@@ -14,7 +14,7 @@ use futures::Stream;
 use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
 use pagoda_proto::worker::{
     FinishReason, Finished, GenerateRequest, GenerateResponse, HealthRequest, HealthResponse, StatsRequest,
-    StatsResponse, Usage,
+    StatsResponse, TokenLogprobs, Usage,
 };
 use pagoda_router::auth::{AdminKey, KeyTable};
 use pagoda_router::openai::Turn;
@@ -83,6 +83,16 @@ struct Fake {
     requests_seen: Arc<std::sync::Mutex<Vec<GenerateRequest>>>,
 }
 
+/// The fake's log-probabilities for the reply's token at `position` (when `top_n` asks for them), as a greedy
+/// model's: the token at `-position / 100` is the most likely, then `'0'`, `'1'`, ... each 1 less likely.
+fn fake_logprobs(top_n: Option<usize>, token: u32, position: usize) -> Vec<TokenLogprobs> {
+    let Some(n) = top_n else { return Vec::new() };
+    let logprob = -(position as f32) / 100.0;
+    let top_token_ids: Vec<u32> = std::iter::once(token).chain(u32::from(b'0')..).take(n).collect();
+    let top_logprobs = (0..n).map(|k| logprob - k as f32).collect();
+    vec![TokenLogprobs { logprob, top_token_ids, top_logprobs }]
+}
+
 struct OpenGuard(Arc<AtomicUsize>);
 impl Drop for OpenGuard {
     fn drop(&mut self) {
@@ -130,6 +140,7 @@ impl Worker for Fake {
         self.started.fetch_add(1, Ordering::SeqCst);
         let guard = OpenGuard(self.open.clone());
         let reply: Vec<u32> = REPLY.bytes().map(u32::from).collect();
+        let top_n = req.logprobs.then_some(req.top_logprobs as usize);
         let s = futures::stream::unfold((0usize, Some(guard)), move |(i, guard)| {
             let reply = reply[resumed..].to_vec();
             async move {
@@ -142,13 +153,16 @@ impl Worker for Fake {
                 }
                 if forever {
                     tokio::time::sleep(Duration::from_millis(5)).await;
+                    let token = u32::from(b'a');
+                    let logprobs = fake_logprobs(top_n, token, resumed + i);
                     return Some((
-                        Ok(GenerateResponse { token_ids: vec![u32::from(b'a')], finished: None }),
+                        Ok(GenerateResponse { token_ids: vec![token], finished: None, logprobs }),
                         (i + 1, Some(guard)),
                     ));
                 }
                 let finish = |reason: FinishReason, n: usize| GenerateResponse {
                     token_ids: vec![],
+                    logprobs: vec![],
                     finished: Some(Finished {
                         reason: reason as i32,
                         usage: Some(Usage { prompt_tokens, completion_tokens: n as u32, cached_tokens: 0 }),
@@ -163,7 +177,11 @@ impl Worker for Fake {
                 if i == reply.len() {
                     return Some((Ok(finish(FinishReason::Stop, i)), (i, None)));
                 }
-                Some((Ok(GenerateResponse { token_ids: vec![reply[i]], finished: None }), (i + 1, Some(guard))))
+                let logprobs = fake_logprobs(top_n, reply[i], resumed + i);
+                Some((
+                    Ok(GenerateResponse { token_ids: vec![reply[i]], finished: None, logprobs }),
+                    (i + 1, Some(guard)),
+                ))
             }
         });
         Ok(Response::new(Box::pin(s)))
@@ -1141,6 +1159,136 @@ async fn profile_queries_ride_with_the_request_while_they_fit() {
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["param"], "kv.profile_queries", "{v}");
+}
+
+/// The bytes of a chat `logprobs.content` list, joined.
+fn logprob_bytes(content: &Value) -> Vec<u8> {
+    let entries = content.as_array().unwrap_or_else(|| panic!("no logprobs list: {content}"));
+    entries.iter().flat_map(|e| e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8)).collect()
+}
+
+/// Each generated token's log-probabilities reach the client with the text they belong to: one entry per token,
+/// as the worker reported it, whose bytes are the text's, in the chat and the completion shapes, streamed or
+/// not, across a stop string (whose tokens are not reported) and across a migration to another worker.
+#[tokio::test]
+async fn logprobs_follow_the_text_they_belong_to() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let waddr = spawn_worker(fake).await;
+    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    let post = |path: &'static str, body: Value| {
+        let (client, http) = (client.clone(), http.clone());
+        async move {
+            let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.text().await.unwrap()
+        }
+    };
+    let messages = json!([{"role": "user", "content": "x"}]);
+
+    let v: Value = serde_json::from_str(
+        &post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": messages, "logprobs": true, "top_logprobs": 2}),
+        )
+        .await,
+    )
+    .unwrap();
+    let req = seen.lock().unwrap().last().cloned().unwrap();
+    assert!(req.logprobs && req.top_logprobs == 2, "{req:?}");
+    let content = &v["choices"][0]["logprobs"]["content"];
+    assert_eq!(logprob_bytes(content), REPLY.as_bytes());
+    for (i, e) in content.as_array().unwrap().iter().enumerate() {
+        assert!((e["logprob"].as_f64().unwrap() + i as f64 / 100.0).abs() < 1e-6, "{e}");
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!((&top[0]["token"], &top[0]["bytes"]), (&e["token"], &e["bytes"]));
+        assert_eq!(top[1]["token"], "0");
+    }
+    // A byte of a multi-byte character is no text of its own: its token is the replacement character.
+    let crab = REPLY.find('🦀').unwrap();
+    assert_eq!(content[crab]["token"], "\u{fffd}");
+    assert_eq!(content[crab]["bytes"], json!([0xf0]));
+    let v: Value =
+        serde_json::from_str(&post("/v1/chat/completions", json!({"model": MODEL, "messages": messages})).await)
+            .unwrap();
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+    assert!(!seen.lock().unwrap().last().unwrap().logprobs);
+
+    // Streamed: every chunk carries the entries of its own text.
+    let body = post(
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages, "logprobs": true, "stream": true, "stop": ["END"]}),
+    )
+    .await;
+    let mut all = Vec::new();
+    for p in sse_payloads(&body).iter().filter(|p| *p != "[DONE]") {
+        let v: Value = serde_json::from_str(p).unwrap();
+        let choice = &v["choices"][0];
+        let Some(text) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) else { continue };
+        let bytes = logprob_bytes(&choice["logprobs"]["content"]);
+        assert_eq!(bytes, text.as_bytes(), "{v}");
+        assert!(choice["logprobs"]["content"].as_array().unwrap().iter().all(|e| e["top_logprobs"] == json!([])));
+        all.extend(bytes);
+    }
+    let before_stop = &REPLY[..REPLY.find("END").unwrap()];
+    assert_eq!(all, before_stop.as_bytes(), "the stop string's tokens are not reported");
+
+    // The completion shape, with a stop string.
+    let v: Value = serde_json::from_str(
+        &post("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 1, "stop": ["capital"]})).await,
+    )
+    .unwrap();
+    let (text, lp) = (v["choices"][0]["text"].as_str().unwrap(), &v["choices"][0]["logprobs"]);
+    assert_eq!(text, "Paris is the ");
+    let tokens: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens, text);
+    assert_eq!(lp["text_offset"], json!((0..text.len()).collect::<Vec<_>>()));
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), text.len());
+    assert_eq!(lp["top_logprobs"][0], json!({"P": 0.0}));
+    assert_eq!(lp["top_logprobs"][2], json!({"r": -0.02}));
+    // logprobs 0: the chosen token alone, as OpenAI's `logprobs + 1`.
+    let v: Value = serde_json::from_str(
+        &post("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 0, "max_tokens": 2})).await,
+    )
+    .unwrap();
+    assert_eq!(v["choices"][0]["logprobs"]["top_logprobs"], json!([{"P": 0.0}, {"a": -0.01}]));
+    // Streamed completions: offsets run on across chunks.
+    let body =
+        post("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 0, "max_tokens": 6, "stream": true}))
+            .await;
+    let offsets: Vec<Value> = sse_payloads(&body)
+        .iter()
+        .filter(|p| *p != "[DONE]")
+        .filter_map(|p| {
+            serde_json::from_str::<Value>(p).unwrap()["choices"][0]["logprobs"]["text_offset"].as_array().cloned()
+        })
+        .flatten()
+        .collect();
+    assert_eq!(offsets, json!([0, 1, 2, 3, 4, 5]).as_array().unwrap().clone());
+
+    // Across a migration: the second worker goes on from the first one's position.
+    let http =
+        migrating_cluster(vec![Fake { die_after: Some(5), ..Fake::default() }, Fake::default()], migration(2000, 2))
+            .await;
+    for _ in 0..2 {
+        let v: Value = client
+            .post(format!("{http}/v1/chat/completions"))
+            .json(&json!({"model": MODEL, "messages": messages, "logprobs": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let content = &v["choices"][0]["logprobs"]["content"];
+        assert_eq!(logprob_bytes(content), REPLY.as_bytes(), "{v}");
+        let logprobs: Vec<f64> = content.as_array().unwrap().iter().map(|e| e["logprob"].as_f64().unwrap()).collect();
+        assert!(logprobs.iter().enumerate().all(|(i, &l)| (l + i as f64 / 100.0).abs() < 1e-6), "{logprobs:?}");
+    }
+    assert!(migrations_counted(&http, "stream_error").await >= 1);
 }
 
 /// `logit_bias` and the penalties reach the worker on every attempt; a migrated attempt, whose prompt ends with

@@ -462,6 +462,7 @@ fn run_config(
         policy: (!spec.is_full()).then_some(spec),
         ignore_eos: true,
         profile_queries: Vec::new(),
+        logprobs: None,
     };
     // Warm-up outside the clock: first-step scratch growth and page faults on the fresh KV arena's first blocks.
     let warm = prompts.first().map_or(&[][..], |p| &p[..p.len().min(32)]);
@@ -551,7 +552,7 @@ async fn collect(mut rx: UnboundedReceiver<GenerateEvent>, submitted: Instant) -
     let mut o = Outcome { submitted, first_token: None, finished: None, tokens: 0 };
     while let Some(ev) = rx.recv().await {
         match ev {
-            GenerateEvent::Token(_) => {
+            GenerateEvent::Token { .. } => {
                 if o.first_token.is_none() {
                     o.first_token = Some(Instant::now());
                 }

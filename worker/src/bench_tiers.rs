@@ -93,6 +93,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         policy: Some(PolicySpec::full()),
         ignore_eos: true,
         profile_queries: Vec::new(),
+        logprobs: None,
     }
 }
 
@@ -102,7 +103,7 @@ fn timed(engine: &EngineHandle, prompt: Vec<u32>) -> Result<f64, EngineError> {
     let mut rx = engine.submit(request(prompt))?;
     loop {
         match rx.blocking_recv() {
-            Some(GenerateEvent::Token(_)) => {}
+            Some(GenerateEvent::Token { .. }) => {}
             Some(GenerateEvent::Finished { .. }) => return Ok(t0.elapsed().as_secs_f64()),
             Some(GenerateEvent::Failed(e)) => return Err(EngineError::Forward(e)),
             None => return Err(EngineError::Stopped),

@@ -824,6 +824,7 @@ fn request(prompt: Vec<u32>, answer_tokens: usize, profile_queries: &[Vec<u32>])
         policy: Some(PolicySpec::full()),
         ignore_eos: true,
         profile_queries: profile_queries.to_vec(),
+        logprobs: None,
     }
 }
 
@@ -843,7 +844,7 @@ fn run_one(
             return Err(EngineError::Forward("request timed out".into()));
         }
         match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => {
+            Some(GenerateEvent::Token { id: t, .. }) => {
                 ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
                 answer.push(t);
             }

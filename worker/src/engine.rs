@@ -29,7 +29,7 @@ use crate::model::{
 pub use crate::placement::TierPlacement;
 use crate::placement::{EvicPress, EvicPressConfig, EvicPressStats};
 use crate::policy::{AttnDims, PolicyKind, PolicyKv, PolicySpec, StepProbs};
-use crate::sampling::{SampleBuffer, Sampler};
+use crate::sampling::{MAX_TOP_LOGPROBS, SampleBuffer, Sampler, TokenLogprobs, token_logprobs};
 use crate::scheduler::{
     ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
 };
@@ -164,12 +164,19 @@ pub struct GenerateRequest {
     /// query set, which the profiler scores every variant on in place of the worker's generic profiling
     /// questions. Ignored under other placements and by requests that create no context.
     pub profile_queries: Vec<Vec<u32>>,
+    /// Report each generated token's log-probability with this many most likely alternatives (at most
+    /// [`MAX_TOP_LOGPROBS`](crate::sampling::MAX_TOP_LOGPROBS)); `None` reports none.
+    pub logprobs: Option<u32>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum GenerateEvent {
-    /// One generated token. Stop tokens (eos or a request stop id) end the stream and are not sent.
-    Token(u32),
+    /// One generated token, with its log-probabilities when the request asked for them. Stop tokens (eos or a
+    /// request stop id) end the stream and are not sent.
+    Token {
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+    },
     Finished {
         reason: FinishReason,
         prompt_tokens: u32,
@@ -669,6 +676,11 @@ impl EngineHandle {
         let mut bias = s.logit_bias.clone();
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
+        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidRequest(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
+            )));
+        }
         crate::placement::check_profile_queries(
             &req.profile_queries,
             req.prompt.len(),
@@ -864,6 +876,8 @@ struct ReqState {
     sampler: Sampler,
     /// [`GenerateRequest::profile_queries`], handed to EvicPress when the request finishes.
     profile_queries: Vec<Vec<u32>>,
+    /// [`GenerateRequest::logprobs`].
+    logprobs: Option<u32>,
 }
 
 struct EngineLoop<R> {
@@ -1081,6 +1095,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     events,
                     sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize),
                     profile_queries: req.profile_queries,
+                    logprobs: req.logprobs,
                 };
                 let r = SeqRequest {
                     prompt: req.prompt,
@@ -1441,12 +1456,13 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     fn run_plan(&mut self, plan: &StepPlan) -> bool {
         let t0 = Instant::now();
-        // When every row is sampled greedily the runner picks the tokens (on a GPU, without copying logits back).
-        let greedy = plan
-            .seqs
-            .iter()
-            .filter(|e| e.wants_logits)
-            .all(|e| self.sched.get(e.seq).is_none_or(|s| s.payload.sampler.config().picks_argmax()));
+        // When every row is sampled greedily, and no request asked for its row's log-probabilities, the runner picks
+        // the tokens (on a GPU, without copying logits back).
+        let greedy = plan.seqs.iter().filter(|e| e.wants_logits).all(|e| {
+            self.sched
+                .get(e.seq)
+                .is_none_or(|s| s.payload.sampler.config().picks_argmax() && s.payload.logprobs.is_none())
+        });
         let tokens_out = greedy.then_some(&mut self.greedy_tokens);
         let result =
             forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits, tokens_out);
@@ -1488,17 +1504,21 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
             let Some(seq) = self.sched.get_mut(e.seq) else { continue };
-            let token = if greedy {
-                self.greedy_tokens[row]
+            let (token, logprobs) = if greedy {
+                (self.greedy_tokens[row], None)
             } else {
-                seq.payload.sampler.sample(&self.logits[row * self.vocab..(row + 1) * self.vocab], &mut self.sample_buf)
+                let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
+                let token = seq.payload.sampler.sample(logits, &mut self.sample_buf);
+                (token, seq.payload.logprobs.map(|n| token_logprobs(logits, token, n as usize)))
             };
             let reason = match self.sched.append_token(e.seq, token) {
                 Ok(r) => r,
                 Err(_) => continue,
             };
             let Some(seq) = self.sched.get(e.seq) else { continue };
-            if reason != Some(FinishReason::Stop) && seq.payload.events.send(GenerateEvent::Token(token)).is_err() {
+            if reason != Some(FinishReason::Stop)
+                && seq.payload.events.send(GenerateEvent::Token { id: token, logprobs }).is_err()
+            {
                 self.sched.cancel(e.seq);
                 continue;
             }
@@ -1834,6 +1854,7 @@ mod tests {
             policy: None,
             ignore_eos: false,
             profile_queries: Vec::new(),
+            logprobs: None,
         }
     }
 
@@ -1953,7 +1974,7 @@ mod tests {
         let mut toks = Vec::new();
         while let Some(ev) = rx.blocking_recv() {
             match ev {
-                GenerateEvent::Token(t) => toks.push(t),
+                GenerateEvent::Token { id: t, .. } => toks.push(t),
                 other => return (toks, other),
             }
         }

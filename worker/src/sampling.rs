@@ -18,6 +18,11 @@ pub const MAX_LOGIT_BIAS: usize = 300;
 pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
 /// Presence and frequency penalties lie in `[-PENALTY_LIMIT, PENALTY_LIMIT]`, as OpenAI's do.
 pub const PENALTY_LIMIT: f32 = 2.0;
+/// At most this many alternatives per token in `top_logprobs` (OpenAI's limit, and vLLM's default).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// The log-probability reported for a token the model gives no probability at all (a `-inf` or NaN logit, or one
+/// that underflows): OpenAI's `-9999.0`, since JSON has no `-inf`.
+pub const LOGPROB_FLOOR: f32 = -9999.0;
 
 /// How one request samples. `top_k == 0` and `top_p >= 1` disable those filters.
 #[derive(Debug, Clone, PartialEq)]
@@ -248,6 +253,74 @@ impl Sampler {
         // Rounding left r at the very top: the last candidate with non-zero mass.
         cand.iter().rev().find(|c| c.0 > 0.0).map_or(cand[0].1, |c| c.1)
     }
+}
+
+/// A generated token's log-probability and the most likely tokens at its position, as the model gave them: a
+/// log-softmax of the raw logits row, before temperature, `logit_bias` and penalties (vLLM's default
+/// `raw_logprobs`), so the numbers describe the model and not the request's sampling settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// `(token, log-probability)`, most likely first; ties go to the lower token id.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprobs`] of `token` in one row of logits, with the `top_n` most likely tokens (at most
+/// [`MAX_TOP_LOGPROBS`]). Every value is finite: at least [`LOGPROB_FLOOR`]. The only allocation is the `top_n`
+/// entries it returns.
+pub fn token_logprobs(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
+    let top_n = top_n.min(MAX_TOP_LOGPROBS as usize).min(logits.len());
+    let lse = log_sum_exp(logits);
+    let logprob_of = |v: f32| {
+        if v == f32::INFINITY {
+            0.0
+        } else if v.is_nan() || !lse.is_finite() {
+            LOGPROB_FLOOR
+        } else {
+            // Rounding may put the largest a hair above zero.
+            (v - lse).clamp(LOGPROB_FLOOR, 0.0)
+        }
+    };
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n);
+    if top_n > 0 {
+        for (i, &v) in logits.iter().enumerate() {
+            let v = sanitize(v);
+            if top.len() == top_n && v <= top[top_n - 1].1 {
+                continue;
+            }
+            // After every equal value: the lower id, seen first, stays ahead.
+            let at = top.partition_point(|&(_, t)| t >= v);
+            if top.len() == top_n {
+                top.pop();
+            }
+            top.insert(at, (i as u32, v));
+        }
+        for e in &mut top {
+            e.1 = logprob_of(e.1);
+        }
+    }
+    let logprob = logits.get(token as usize).map_or(LOGPROB_FLOOR, |&v| logprob_of(v));
+    TokenLogprobs { logprob, top }
+}
+
+/// `ln Σ exp(l)` over a row, NaN counted as `-inf`; `-inf` for a row with nothing above `-inf`.
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if !max.is_finite() {
+        return if max == f32::INFINITY { f32::INFINITY } else { f32::NEG_INFINITY };
+    }
+    // Eight partial sums, so the compiler can keep the exponentials in vector lanes.
+    const LANES: usize = 8;
+    let mut lanes = [0.0f32; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s += (sanitize(v) - max).exp();
+        }
+    }
+    let sum: f32 = lanes.iter().sum::<f32>() + tail.iter().map(|&v| (sanitize(v) - max).exp()).sum::<f32>();
+    max + sum.ln()
 }
 
 /// Index of the largest logit; the lowest index wins ties; NaN never wins.
@@ -507,6 +580,58 @@ mod tests {
             let e = check_logit_bias(&mut bad, 1000).unwrap_err();
             assert!(e.contains(want), "{e}");
         }
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_of_the_raw_row() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0, 0.5, 0.0, 2.5, -2.0];
+        let lse = logits.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
+        let want = |i: usize| (logits[i] as f64 - lse) as f32;
+        let got = token_logprobs(&logits, 2, 4);
+        assert!((got.logprob - want(2)).abs() < 1e-5, "{got:?}");
+        // Most likely first; the tie between tokens 1 and 3 goes to the lower id.
+        let ids: Vec<u32> = got.top.iter().map(|e| e.0).collect();
+        assert_eq!(ids, [1, 3, 7, 2]);
+        for &(t, lp) in &got.top {
+            assert!((lp - want(t as usize)).abs() < 1e-5);
+        }
+        let total: f64 = (0..logits.len()).map(|i| (want(i) as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+        // No alternatives asked, or more than the row has.
+        assert!(token_logprobs(&logits, 0, 0).top.is_empty());
+        assert_eq!(token_logprobs(&logits, 0, 100).top.len(), logits.len());
+        // Every alternative the cap allows on a vocabulary-sized row, against a full sort.
+        let row: Vec<f32> = (0..5000u32).map(|i| ((i * 7919) % 1013) as f32 * 0.01).collect();
+        let got = token_logprobs(&row, 17, 25);
+        assert_eq!(got.top.len(), MAX_TOP_LOGPROBS as usize);
+        let mut sorted: Vec<(f32, u32)> = row.iter().enumerate().map(|(i, &v)| (v, i as u32)).collect();
+        sorted.sort_by(desc);
+        let want_ids: Vec<u32> = sorted[..20].iter().map(|e| e.1).collect();
+        assert_eq!(got.top.iter().map(|e| e.0).collect::<Vec<_>>(), want_ids);
+    }
+
+    #[test]
+    fn logprobs_stay_finite_on_degenerate_rows() {
+        // A banned token (-inf), NaN, and a token out of the row are all at the floor; the rest is unharmed.
+        let logits = [0.0f32, f32::NEG_INFINITY, f32::NAN, 0.0];
+        let got = token_logprobs(&logits, 1, 4);
+        assert_eq!(got.logprob, LOGPROB_FLOOR);
+        assert!((token_logprobs(&logits, 0, 0).logprob - 0.5f32.ln()).abs() < 1e-6);
+        assert_eq!(token_logprobs(&logits, 2, 0).logprob, LOGPROB_FLOOR);
+        assert_eq!(token_logprobs(&logits, 99, 0).logprob, LOGPROB_FLOOR);
+        assert_eq!(got.top.iter().map(|e| e.0).collect::<Vec<_>>(), [0, 3, 1, 2]);
+        assert!(got.top.iter().all(|e| e.1.is_finite() && e.1 <= 0.0));
+        // Nothing above -inf, or an infinite logit.
+        let dead = [f32::NEG_INFINITY, f32::NAN];
+        assert_eq!(token_logprobs(&dead, 0, 2).top, [(0, LOGPROB_FLOOR), (1, LOGPROB_FLOOR)]);
+        let sure = [1.0f32, f32::INFINITY];
+        assert_eq!(token_logprobs(&sure, 1, 0).logprob, 0.0);
+        assert_eq!(token_logprobs(&sure, 0, 0).logprob, LOGPROB_FLOOR);
+        // A confident row: the top token at (almost) zero, never above it.
+        let peaked = [100.0f32, 0.0, 0.0];
+        let got = token_logprobs(&peaked, 0, 1);
+        assert!(got.logprob <= 0.0 && got.logprob > -1e-6);
+        assert_eq!(token_logprobs(&[], 0, 3), TokenLogprobs { logprob: LOGPROB_FLOOR, top: vec![] });
     }
 
     #[test]

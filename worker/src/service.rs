@@ -300,6 +300,7 @@ impl WorkerService {
             policy,
             ignore_eos: req.ignore_eos,
             profile_queries,
+            logprobs: req.logprobs.then_some(req.top_logprobs),
         })
     }
 }
@@ -398,11 +399,15 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
     let mut ev = Some(first);
     while let Some(e) = ev.take() {
         match e {
-            GenerateEvent::Token(t) => {
+            GenerateEvent::Token { id: t, logprobs } => {
                 if !s.first_token {
                     s.on_first_token();
                 }
                 msg.token_ids.push(t);
+                if let Some(lp) = logprobs {
+                    let (top_token_ids, top_logprobs) = lp.top.into_iter().unzip();
+                    msg.logprobs.push(pb::TokenLogprobs { logprob: lp.logprob, top_token_ids, top_logprobs });
+                }
                 if msg.token_ids.len() < MAX_TOKENS_PER_MESSAGE {
                     ev = s.rx.try_recv().ok();
                 }

@@ -323,7 +323,7 @@ fn gpu_engine_runs_the_eviction_policies() {
         let mut tokens = 0;
         let (slots, blocks) = loop {
             match rx.blocking_recv() {
-                Some(GenerateEvent::Token(_)) => tokens += 1,
+                Some(GenerateEvent::Token { .. }) => tokens += 1,
                 Some(GenerateEvent::Finished { evicted_slots, evicted_blocks, .. }) => {
                     break (evicted_slots, evicted_blocks);
                 }

@@ -10,6 +10,7 @@ use pagoda_worker::engine::{
     Engine, EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams,
 };
 use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
+use pagoda_worker::sampling::TokenLogprobs;
 use pagoda_worker::scheduler::ReserveConfig;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -76,7 +77,7 @@ fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
     let mut tokens = Vec::new();
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            GenerateEvent::Token(t) => tokens.push(t),
+            GenerateEvent::Token { id: t, .. } => tokens.push(t),
             GenerateEvent::Finished {
                 reason, completion_tokens, cached_tokens, evicted_slots, evicted_blocks, ..
             } => {
@@ -220,7 +221,7 @@ fn dropping_the_receiver_frees_blocks() {
     let mut rx = h.submit(greedy("gone", p, 500)).unwrap();
     // Wait for a couple of tokens, then walk away.
     for _ in 0..2 {
-        assert!(matches!(rx.blocking_recv(), Some(GenerateEvent::Token(_))));
+        assert!(matches!(rx.blocking_recv(), Some(GenerateEvent::Token { .. })));
     }
     assert!(h.stats().blocks_used > 0);
     drop(rx);
@@ -247,6 +248,58 @@ fn seeded_sampling_is_deterministic() {
     assert!(!a.is_empty());
     let others: Vec<Vec<u32>> = (8..11).map(run).collect();
     assert!(others.iter().any(|o| *o != a), "different seeds should (almost surely) differ");
+}
+
+/// Each token's log-probabilities: a greedy token is the most likely one, asking for them does not change what is
+/// generated (the runner's argmax path against the sampler's), and they are the model's own distribution, not
+/// the sampling settings' (the first position's alternatives are the same at temperature 0 and 1.5).
+#[test]
+fn logprobs_report_the_models_distribution() {
+    let h = engine(64, true);
+    let p = &chat("Name three colours of the rainbow.");
+    let run = |r: GenerateRequest| {
+        let mut rx = h.submit(r).unwrap();
+        let mut out = Vec::new();
+        loop {
+            match rx.blocking_recv() {
+                Some(GenerateEvent::Token { id, logprobs }) => out.push((id, logprobs)),
+                Some(GenerateEvent::Finished { .. }) => return out,
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+    };
+    let plain = run(greedy("g", p, 12));
+    assert!(plain.iter().all(|(_, lp)| lp.is_none()));
+    let with = run(GenerateRequest { logprobs: Some(5), ..greedy("l", p, 12) });
+    let ids = |v: &[(u32, Option<TokenLogprobs>)]| v.iter().map(|e| e.0).collect::<Vec<_>>();
+    assert_eq!(ids(&with), ids(&plain));
+    for (id, lp) in &with {
+        let lp = lp.as_ref().expect("logprobs asked for");
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0], (*id, lp.logprob), "greedy takes the most likely token");
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        let mass: f32 = lp.top.iter().map(|e| e.1.exp()).sum();
+        assert!(mass <= 1.0 + 1e-4 && lp.logprob < 0.0 && lp.logprob > -20.0, "{lp:?}");
+    }
+    let mut hot = GenerateRequest { logprobs: Some(3), ..greedy("t", p, 12) };
+    hot.sampling = SamplingParams { temperature: 1.5, seed: Some(3), ..SamplingParams::greedy() };
+    let sampled = run(hot);
+    for (id, lp) in &sampled {
+        let lp = lp.as_ref().expect("logprobs asked for");
+        assert!(lp.logprob <= 0.0 && lp.logprob >= pagoda_worker::sampling::LOGPROB_FLOOR);
+        if let Some(&(_, v)) = lp.top.iter().find(|e| e.0 == *id) {
+            assert_eq!(v, lp.logprob);
+        } else {
+            assert!(lp.logprob <= lp.top[2].1, "a token outside the top 3 is less likely than all of them");
+        }
+    }
+    let (first_greedy, first_hot) = (with[0].1.as_ref().unwrap(), sampled[0].1.as_ref().unwrap());
+    for (a, b) in first_greedy.top.iter().zip(&first_hot.top) {
+        assert_eq!(a.0, b.0);
+        assert!((a.1 - b.1).abs() < 1e-3, "{a:?} {b:?}");
+    }
+    let err = h.submit(GenerateRequest { logprobs: Some(21), ..greedy("x", p, 2) }).unwrap_err();
+    assert!(err.to_string().contains("top_logprobs"), "{err}");
 }
 
 /// Every eviction policy through the real engine: with a budget above the sequence length it changes nothing

@@ -30,6 +30,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         policy: None,
         ignore_eos,
         profile_queries: Vec::new(),
+        logprobs: None,
     }
 }
 
@@ -46,7 +47,7 @@ pub fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32,
     let mut tokens = Vec::new();
     let cached = loop {
         match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => tokens.push(t),
+            Some(GenerateEvent::Token { id: t, .. }) => tokens.push(t),
             Some(GenerateEvent::Finished { cached_tokens, .. }) => break cached_tokens,
             other => panic!("unexpected event {other:?}"),
         }
