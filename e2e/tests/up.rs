@@ -204,7 +204,7 @@ async fn up_answers_chat_streaming_and_not() {
         .post_json(
             "/v1/completions",
             &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
-                                               "temperature": 0, "logprobs": 5}),
+                    "temperature": 0, "logprobs": 5}),
         )
         .await
         .unwrap();
@@ -223,7 +223,7 @@ async fn up_answers_chat_streaming_and_not() {
         .post_json(
             "/v1/completions",
             &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
-               "temperature": 0, "logprobs": 5, "logit_bias": { first_ids[0].to_string(): -100 }}),
+                    "temperature": 0, "logprobs": 5, "logit_bias": { first_ids[0].to_string(): -100 }}),
         )
         .await
         .unwrap();
@@ -233,14 +233,33 @@ async fn up_answers_chat_streaming_and_not() {
     if let Some(unbiased) = top.get(banned).and_then(Value::as_f64) {
         assert!((runner_up - unbiased).abs() < 1e-3, "{banned:?}: {runner_up} biased, {unbiased} unbiased");
     }
+    // echo with logprobs scores a text (lm-eval's log-likelihood request): the greedy answer, appended to its
+    // prompt, scores what generating it did, and is the most likely token there.
+    let text = format!("The capital of France is{first}");
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": text, "max_tokens": 1, "temperature": 0,
+                    "logprobs": 1, "echo": true}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let n = tokens.len();
+    assert!(v["choices"][0]["text"].as_str().unwrap().starts_with(&text), "{v}");
+    assert_eq!(tokens[..n - 1].concat(), text, "{v}");
+    assert_eq!(tokens[n - 2], first, "{v}");
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(), "{v}");
+    let scored = lp["token_logprobs"][n - 2].as_f64().unwrap();
+    assert!((scored - chosen).abs() < 1e-3, "{first:?} scored {scored}, generated at {chosen}");
+    assert!(lp["top_logprobs"][n - 2].as_object().unwrap().contains_key(first.as_str()), "{v}");
+    assert!(lp["token_logprobs"].as_array().unwrap()[1..].iter().all(|l| l.as_f64().is_some_and(|l| l <= 0.0)));
     let (s, v) = http
         .post_json(
             "/v1/chat/completions",
-            &chat(
-                QUESTION,
-                json!({"temperature": 0, "max_tokens": 8, "logprobs": true,
-                                                                  "top_logprobs": 3}),
-            ),
+            &chat(QUESTION, json!({"temperature": 0, "max_tokens": 8, "logprobs": true, "top_logprobs": 3})),
         )
         .await
         .unwrap();

@@ -35,9 +35,17 @@ use crate::placer::PlaceRequest;
 use crate::spans;
 use crate::workers::{Candidate, InFlight, WorkerPool};
 
-/// What the HTTP layer receives, in order: any number of `Text`, then exactly one `Done` or `Error`.
+/// What the HTTP layer receives, in order: an `Echo` for a completion with `echo`, any number of `Text`, then
+/// exactly one `Done` or `Error`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
+    /// The prompt, first, for a completion with `echo`: its text (its tokens' bytes, lossily decoded), its first
+    /// token, and (with `logprobs`) the log-probabilities of the tokens after it, which the model scored.
+    Echo {
+        text: String,
+        first_token: u32,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// Newly released text, with the log-probabilities of the tokens it starts (only when the request asked for
     /// them). Either may be empty, not both.
     Text {
@@ -187,6 +195,9 @@ struct Generation {
     stops: StopMatcher,
     /// Generated tokens' log-probabilities waiting for their text (only when the request asked for them).
     logprobs: LogprobQueue,
+    /// The prompt's scores so far (`echo` with `logprobs`: positions 1.., in order), and whether the echo went out.
+    prompt_scores: Vec<PbTokenLogprobs>,
+    echoed: bool,
     last_token: Option<Instant>,
     /// Workers that failed under this request; never tried again for it.
     excluded: Vec<String>,
@@ -219,6 +230,8 @@ impl Generation {
             decoder: Utf8Decoder::new(),
             stops,
             logprobs: LogprobQueue::default(),
+            prompt_scores: Vec::new(),
+            echoed: false,
             last_token: None,
             excluded: Vec::new(),
             prompt_counted: false,
@@ -409,6 +422,8 @@ impl Generation {
             kv_profile_queries,
             logprobs: params.logprobs.is_some(),
             top_logprobs: params.logprobs.unwrap_or(0),
+            // A resumed attempt's prompt carries generated tokens, which come after every prompt score.
+            prompt_logprobs: self.scores_prompt() && self.prompt_scores.len() + 1 < self.job.prompt.len(),
         };
         let prompt_tokens = req.prompt_token_ids.len() as u64;
         let call = spans::generate_call_span(&addr);
@@ -455,6 +470,8 @@ impl Generation {
         opened_at: Instant,
     ) -> AttemptEnd {
         let before = self.generated.len() as u32;
+        // A retried attempt scores the prompt from its start again: what arrived before is not taken twice.
+        let mut scores_seen = 0usize;
         let cfg = self.ctx.migration;
         let mut got_token = false;
         let mut last_progress = Instant::now();
@@ -505,6 +522,14 @@ impl Generation {
                             )),
                             mark_down: false,
                         });
+                    }
+                    for score in resp.prompt_logprobs {
+                        if scores_seen == self.prompt_scores.len()
+                            && self.prompt_scores.len() + 1 < self.job.prompt.len()
+                        {
+                            self.prompt_scores.push(score);
+                        }
+                        scores_seen += 1;
                     }
                     let mut logprobs = resp.logprobs.into_iter();
                     for id in resp.token_ids {
@@ -590,8 +615,44 @@ impl Generation {
         }
     }
 
+    /// Whether the worker scores the prompt for this request (`echo` with `logprobs`).
+    fn scores_prompt(&self) -> bool {
+        self.job.params.echo && self.job.params.logprobs.is_some()
+    }
+
+    /// Sends the prompt once, before any text, for `echo`; true when the client has gone.
+    async fn send_echo(&mut self) -> bool {
+        if !self.job.params.echo || std::mem::replace(&mut self.echoed, true) {
+            return false;
+        }
+        let codec = &self.ctx.codec;
+        let mut bytes = Vec::new();
+        let mut offsets = Vec::with_capacity(self.job.prompt.len());
+        for &t in &self.job.prompt {
+            offsets.push(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
+            bytes.extend_from_slice(&codec.token_bytes(t));
+        }
+        let scores = std::mem::take(&mut self.prompt_scores);
+        let logprobs = scores
+            .into_iter()
+            .zip(self.job.prompt.iter().zip(&offsets).skip(1))
+            .map(|(lp, (&token, &text_offset))| TokenLogprob {
+                token,
+                logprob: lp.logprob,
+                top: lp.top_token_ids.into_iter().zip(lp.top_logprobs).collect(),
+                text_offset,
+            })
+            .collect();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let first_token = self.job.prompt.first().copied().unwrap_or_default();
+        self.tx.send(Piece::Echo { text, first_token, logprobs }).await.is_err()
+    }
+
     /// Sends released text with the log-probabilities it releases; true when the client has gone.
     async fn send_text(&mut self, text: String) -> bool {
+        if self.send_echo().await {
+            return true;
+        }
         let logprobs = self.logprobs.release(text.len());
         if text.is_empty() && logprobs.is_empty() {
             return false;
@@ -615,6 +676,9 @@ impl Generation {
         };
         if !stopped {
             text.push_str(&self.stops.finish());
+        }
+        if self.send_echo().await {
+            return AttemptEnd::Over;
         }
         let mut logprobs = self.logprobs.release(text.len());
         if !stopped {

@@ -265,6 +265,9 @@ pub struct GenParams {
     /// Report each generated token's log-probability with this many alternatives (at most [`MAX_TOP_LOGPROBS`]);
     /// `None` when the request did not ask.
     pub logprobs: Option<u32>,
+    /// A completion's `echo`: the answer starts with the prompt, and with `logprobs` the prompt's tokens are
+    /// scored too (how clients such as lm-eval score a text's log-likelihood).
+    pub echo: bool,
 }
 
 /// A chat turn ready for the template.
@@ -414,6 +417,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         kv_budget_tokens,
         kv_profile_queries,
         logprobs: None,
+        echo: false,
     })
 }
 
@@ -800,9 +804,6 @@ impl CompletionRequest {
                 ));
             }
         }
-        if self.echo == Some(true) {
-            return Err(ApiError::invalid_param("echo", "`echo` is not supported."));
-        }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_param("suffix", "`suffix` is not supported."));
         }
@@ -831,6 +832,7 @@ impl CompletionRequest {
             kv: self.kv.as_ref(),
         })?;
         params.logprobs = logprobs;
+        params.echo = self.echo.unwrap_or(false);
         Ok((prompt, params))
     }
 }
@@ -1001,41 +1003,61 @@ impl ChatLogprobs {
     }
 }
 
-/// A completion choice's `logprobs` (the legacy shape): parallel lists over the tokens.
+/// A completion choice's `logprobs` (the legacy shape): parallel lists over the tokens. With `echo` they start
+/// with the prompt's tokens, the first of which has no log-probability (`null`).
 #[derive(Debug, Clone, Serialize, PartialEq, Default)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
+    pub token_logprobs: Vec<Option<f32>>,
     /// Per token, the most likely tokens' text and log-probability, with the chosen token among them (so up to
     /// `logprobs` + 1 entries, as OpenAI's).
-    pub top_logprobs: Vec<TopLogprobMap>,
+    pub top_logprobs: Vec<Option<TopLogprobMap>>,
+    /// Where each token's text starts in the choice's `text`, in bytes.
     pub text_offset: Vec<u32>,
 }
 
 impl CompletionLogprobs {
-    /// The entries' lists, with `text_offset` moved by `offset` bytes (where this chunk's text starts in the
-    /// completion is already in each entry; `offset` adds what the client's text has before the completion).
+    /// The lists of `entries`, their `text_offset` moved by `offset` bytes (what the choice's text has before
+    /// the completion: the echoed prompt).
     pub fn render(entries: &[TokenLogprob], codec: &dyn TextCodec, offset: u32) -> CompletionLogprobs {
-        let text = |t: u32| String::from_utf8_lossy(&codec.token_bytes(t)).into_owned();
         let mut out = CompletionLogprobs::default();
+        out.extend(entries, codec, offset);
+        out
+    }
+
+    /// The echoed prompt's lists: its first token, unscored, then the scored `entries`.
+    pub fn echo(first_token: u32, entries: &[TokenLogprob], codec: &dyn TextCodec) -> CompletionLogprobs {
+        let mut out = CompletionLogprobs::default();
+        out.tokens.push(token_text(codec, first_token));
+        out.token_logprobs.push(None);
+        out.top_logprobs.push(None);
+        out.text_offset.push(0);
+        out.extend(entries, codec, 0);
+        out
+    }
+
+    pub fn extend(&mut self, entries: &[TokenLogprob], codec: &dyn TextCodec, offset: u32) {
         for e in entries {
+            let chosen = (!e.top.iter().any(|&(t, _)| t == e.token)).then_some((e.token, e.logprob));
             let mut top: Vec<(String, f32)> = Vec::with_capacity(e.top.len() + 1);
-            for &(t, lp) in
-                e.top.iter().chain((!e.top.iter().any(|&(t, _)| t == e.token)).then_some(&(e.token, e.logprob)))
-            {
-                let s = text(t);
+            for (t, lp) in e.top.iter().copied().chain(chosen) {
+                let s = token_text(codec, t);
                 // Two tokens with the same lossy text would be one key: the likelier stays.
                 if !top.iter().any(|(k, _)| *k == s) {
                     top.push((s, lp));
                 }
             }
-            out.tokens.push(text(e.token));
-            out.token_logprobs.push(e.logprob);
-            out.top_logprobs.push(TopLogprobMap(top));
-            out.text_offset.push(e.text_offset.saturating_add(offset));
+            self.tokens.push(token_text(codec, e.token));
+            self.token_logprobs.push(Some(e.logprob));
+            self.top_logprobs.push(Some(TopLogprobMap(top)));
+            self.text_offset.push(e.text_offset.saturating_add(offset));
         }
-        out
     }
+}
+
+/// A token's text: its bytes, lossily decoded.
+fn token_text(codec: &dyn TextCodec, token: u32) -> String {
+    String::from_utf8_lossy(&codec.token_bytes(token)).into_owned()
 }
 
 /// `{token text: log-probability}`, in the order given (most likely first).
@@ -1316,7 +1338,7 @@ mod tests {
         assert_eq!(req(r#"{"model":"m","prompt":["a","b"]}"#).unwrap_err().param.as_deref(), Some("prompt"));
         assert_eq!(req(r#"{"model":"m","prompt":""}"#).unwrap_err().param.as_deref(), Some("prompt"));
         assert_eq!(req(r#"{"model":"m","prompt":{}}"#).unwrap_err().param.as_deref(), Some("prompt"));
-        assert_eq!(req(r#"{"model":"m","prompt":"x","echo":true}"#).unwrap_err().param.as_deref(), Some("echo"));
+        assert!(req(r#"{"model":"m","prompt":"x","echo":true}"#).unwrap().1.echo);
     }
 
     #[test]

@@ -524,7 +524,7 @@ async fn chat_completions(
     if params.stream {
         Ok(sse(chat_events(rx, id, created, params, st.0.codec.clone())).into_response())
     } else {
-        let Collected { text, logprobs, finish_reason, usage } = collect(rx).await?;
+        let Collected { text, logprobs, finish_reason, usage, .. } = collect(rx).await?;
         let logprobs = params.logprobs.map(|_| ChatLogprobs::render(&logprobs, st.0.codec.as_ref()));
         Ok(Json(ChatCompletion {
             id,
@@ -566,8 +566,19 @@ async fn completions(
     if params.stream {
         Ok(sse(completion_events(rx, id, created, params, st.0.codec.clone())).into_response())
     } else {
-        let Collected { text, logprobs, finish_reason, usage } = collect(rx).await?;
-        let logprobs = params.logprobs.map(|_| CompletionLogprobs::render(&logprobs, st.0.codec.as_ref(), 0));
+        let Collected { echo, mut text, logprobs, finish_reason, usage } = collect(rx).await?;
+        let codec = st.0.codec.as_ref();
+        let logprobs = params.logprobs.map(|_| match &echo {
+            Some((prompt, first, scored)) => {
+                let mut all = CompletionLogprobs::echo(*first, scored, codec);
+                all.extend(&logprobs, codec, u32::try_from(prompt.len()).unwrap_or(u32::MAX));
+                all
+            }
+            None => CompletionLogprobs::render(&logprobs, codec, 0),
+        });
+        if let Some((prompt, ..)) = echo {
+            text.insert_str(0, &prompt);
+        }
         Ok(Json(Completion {
             id,
             object: "text_completion",
@@ -640,6 +651,8 @@ async fn profile_queries(st: &AppState, texts: &[String], prompt_len: usize) -> 
 
 /// A whole generation, for a non-streaming answer.
 struct Collected {
+    /// The echoed prompt: text, first token, and scored tokens.
+    echo: Option<(String, u32, Vec<TokenLogprob>)>,
     text: String,
     logprobs: Vec<TokenLogprob>,
     finish_reason: &'static str,
@@ -647,14 +660,17 @@ struct Collected {
 }
 
 async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
-    let (mut text, mut logprobs) = (String::new(), Vec::new());
+    let (mut text, mut logprobs, mut echo) = (String::new(), Vec::new(), None);
     while let Some(p) = rx.recv().await {
         match p {
+            Piece::Echo { text, first_token, logprobs } => echo = Some((text, first_token, logprobs)),
             Piece::Text { text: t, logprobs: l } => {
                 text.push_str(&t);
                 logprobs.extend(l);
             }
-            Piece::Done { finish_reason, usage } => return Ok(Collected { text, logprobs, finish_reason, usage }),
+            Piece::Done { finish_reason, usage } => {
+                return Ok(Collected { echo, text, logprobs, finish_reason, usage });
+            }
             Piece::Error(e) => return Err(e),
         }
     }
@@ -691,6 +707,8 @@ pub fn chat_events(
     let first = to_json(&chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None, None));
     let wants_logprobs = params.logprobs.is_some();
     let body = pieces_to_events(rx, move |p| match p {
+        // Chat has no `echo`.
+        Piece::Echo { .. } => Vec::new(),
         Piece::Text { text, logprobs } => {
             let logprobs = wants_logprobs.then(|| ChatLogprobs::render(&logprobs, codec.as_ref()));
             vec![to_json(&chunk(Delta { role: None, content: Some(text) }, logprobs, None))]
@@ -730,9 +748,16 @@ pub fn completion_events(
             usage: if include_usage { Some(None) } else { None },
         };
     let wants_logprobs = params.logprobs.is_some();
+    // Bytes of the echoed prompt before the completion's text: its offsets start after them.
+    let mut echoed = 0u32;
     pieces_to_events(rx, move |p| match p {
+        Piece::Echo { text, first_token, logprobs } => {
+            echoed = u32::try_from(text.len()).unwrap_or(u32::MAX);
+            let logprobs = wants_logprobs.then(|| CompletionLogprobs::echo(first_token, &logprobs, codec.as_ref()));
+            vec![to_json(&chunk(text, logprobs, None))]
+        }
         Piece::Text { text, logprobs } => {
-            let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), 0));
+            let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), echoed));
             vec![to_json(&chunk(text, logprobs, None))]
         }
         Piece::Done { finish_reason, usage } => {
@@ -758,7 +783,7 @@ where
     futures::stream::unfold(Some((rx, render)), |state| async move {
         let (mut rx, mut render) = state?;
         let piece = rx.recv().await?;
-        let terminal = !matches!(piece, Piece::Text { .. });
+        let terminal = matches!(piece, Piece::Done { .. } | Piece::Error(_));
         let mut out = render(piece);
         if terminal {
             out.push("[DONE]".to_string());

@@ -81,6 +81,8 @@ struct Fake {
     busy: bool,
     /// Every Generate call, in order.
     requests_seen: Arc<std::sync::Mutex<Vec<GenerateRequest>>>,
+    /// Every stream that scores its prompt breaks after this many messages of scores.
+    scores_die_after: Option<usize>,
 }
 
 /// The fake's log-probabilities for the reply's token at `position` (when `top_n` asks for them), as a greedy
@@ -156,17 +158,16 @@ impl Worker for Fake {
                     let token = u32::from(b'a');
                     let logprobs = fake_logprobs(top_n, token, resumed + i);
                     return Some((
-                        Ok(GenerateResponse { token_ids: vec![token], finished: None, logprobs }),
+                        Ok(GenerateResponse { token_ids: vec![token], logprobs, ..Default::default() }),
                         (i + 1, Some(guard)),
                     ));
                 }
                 let finish = |reason: FinishReason, n: usize| GenerateResponse {
-                    token_ids: vec![],
-                    logprobs: vec![],
                     finished: Some(Finished {
                         reason: reason as i32,
                         usage: Some(Usage { prompt_tokens, completion_tokens: n as u32, cached_tokens: 0 }),
                     }),
+                    ..Default::default()
                 };
                 if fail && i == 3 {
                     return Some((Err(Status::internal("forward step failed")), (i, None)));
@@ -179,11 +180,28 @@ impl Worker for Fake {
                 }
                 let logprobs = fake_logprobs(top_n, reply[i], resumed + i);
                 Some((
-                    Ok(GenerateResponse { token_ids: vec![reply[i]], finished: None, logprobs }),
+                    Ok(GenerateResponse { token_ids: vec![reply[i]], logprobs, ..Default::default() }),
                     (i + 1, Some(guard)),
                 ))
             }
         });
+        // Asked to score the prompt: its scores come first, three positions per message (position q at -q / 10);
+        // `scores_die_after` breaks the stream after that many such messages.
+        let mut scores: Vec<Result<GenerateResponse, Status>> = Vec::new();
+        if req.prompt_logprobs {
+            let n = Some(req.top_logprobs as usize);
+            let positions: Vec<usize> = (1..req.prompt_token_ids.len()).collect();
+            for chunk in positions.chunks(3) {
+                let prompt_logprobs =
+                    chunk.iter().flat_map(|&q| fake_logprobs(n, req.prompt_token_ids[q], 10 * q)).collect();
+                scores.push(Ok(GenerateResponse { prompt_logprobs, ..Default::default() }));
+                if self.scores_die_after == Some(scores.len()) {
+                    scores.push(Err(Status::unavailable("connection reset")));
+                    break;
+                }
+            }
+        }
+        let s = futures::StreamExt::chain(futures::stream::iter(scores), s);
         Ok(Response::new(Box::pin(s)))
     }
 
@@ -1287,6 +1305,94 @@ async fn logprobs_follow_the_text_they_belong_to() {
         assert_eq!(logprob_bytes(content), REPLY.as_bytes(), "{v}");
         let logprobs: Vec<f64> = content.as_array().unwrap().iter().map(|e| e["logprob"].as_f64().unwrap()).collect();
         assert!(logprobs.iter().enumerate().all(|(i, &l)| (l + i as f64 / 100.0).abs() < 1e-6), "{logprobs:?}");
+    }
+    assert!(migrations_counted(&http, "stream_error").await >= 1);
+}
+
+/// `echo` puts the prompt before the completion; with `logprobs` the worker scores the prompt, and its tokens
+/// lead the lists (the first unscored, `null`), streamed or not, and across a migration in the middle of the
+/// scores (none is taken twice).
+#[tokio::test]
+async fn echo_scores_the_prompt() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let waddr = spawn_worker(fake).await;
+    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    let completion = |body: Value| {
+        let (client, http) = (client.clone(), http.clone());
+        async move {
+            let r = client.post(format!("{http}/v1/completions")).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.text().await.unwrap()
+        }
+    };
+    let v: Value =
+        serde_json::from_str(&completion(json!({"model": MODEL, "prompt": "x", "echo": true, "max_tokens": 5})).await)
+            .unwrap();
+    assert_eq!(v["choices"][0]["text"], "xParis", "{v}");
+    assert!(v["choices"][0]["logprobs"].is_null());
+    assert!(!seen.lock().unwrap().last().unwrap().prompt_logprobs);
+    let v: Value =
+        serde_json::from_str(&completion(json!({"model": MODEL, "prompt": "x", "logprobs": 1, "max_tokens": 1})).await)
+            .unwrap();
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!(["P"]), "{v}");
+    assert!(!seen.lock().unwrap().last().unwrap().prompt_logprobs, "no echo, no prompt scores");
+
+    let scored = |q: usize| -(q as f64) / 10.0;
+    let check = |lp: &Value, prompt: &str| {
+        let n = prompt.len();
+        let tokens: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(tokens, format!("{prompt}Pa"), "{lp}");
+        assert_eq!(lp["text_offset"], json!((0..n + 2).collect::<Vec<_>>()));
+        assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(), "{lp}");
+        for q in 1..n {
+            let l = lp["token_logprobs"][q].as_f64().unwrap();
+            assert!((l - scored(q)).abs() < 1e-6, "position {q}: {l}");
+            assert_eq!(lp["top_logprobs"][q].as_object().unwrap().len(), 1, "{lp}");
+        }
+        assert_eq!(lp["token_logprobs"][n], json!(0.0));
+        assert!((lp["token_logprobs"][n + 1].as_f64().unwrap() + 0.01).abs() < 1e-6, "{lp}");
+    };
+    let body = json!({"model": MODEL, "prompt": "abcdefg", "echo": true, "logprobs": 1, "max_tokens": 2});
+    let v: Value = serde_json::from_str(&completion(body.clone()).await).unwrap();
+    assert_eq!(v["choices"][0]["text"], "abcdefgPa", "{v}");
+    check(&v["choices"][0]["logprobs"], "abcdefg");
+    let req = seen.lock().unwrap().last().cloned().unwrap();
+    assert!(req.prompt_logprobs && req.logprobs && req.top_logprobs == 1, "{req:?}");
+
+    // Streamed: the prompt is the first chunk; the completion's offsets start after it.
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let sse = completion(stream).await;
+    let chunks: Vec<Value> =
+        sse_payloads(&sse).iter().filter(|p| *p != "[DONE]").map(|p| serde_json::from_str(p).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["text"], "abcdefg");
+    let mut merged = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+    for c in &chunks {
+        let lp = &c["choices"][0]["logprobs"];
+        for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let more = lp[k].as_array().cloned().unwrap_or_default();
+            merged[k].as_array_mut().unwrap().extend(more);
+        }
+    }
+    check(&merged, "abcdefg");
+
+    // A worker dies in the middle of the prompt's scores: the next one scores it again, and each position is
+    // taken once.
+    let dying = Fake { scores_die_after: Some(2), ..Fake::default() };
+    let http = migrating_cluster(vec![dying, Fake::default()], migration(2000, 2)).await;
+    let prompt = "abcdefghijklmnopq";
+    for _ in 0..2 {
+        let r = client
+            .post(format!("{http}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": prompt, "echo": true, "logprobs": 1, "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        let v: Value = r.json().await.unwrap();
+        check(&v["choices"][0]["logprobs"], prompt);
     }
     assert!(migrations_counted(&http, "stream_error").await >= 1);
 }

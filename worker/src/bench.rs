@@ -317,6 +317,7 @@ fn run_batch<R: ModelRunner>(
             stop_token_ids: Vec::new(),
             namespace: String::new(),
             policy: crate::policy::PolicySpec::full(),
+            prompt_logits: false,
             payload: (),
         })?;
     }

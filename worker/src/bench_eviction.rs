@@ -463,6 +463,7 @@ fn run_config(
         ignore_eos: true,
         profile_queries: Vec::new(),
         logprobs: None,
+        prompt_logprobs: None,
     };
     // Warm-up outside the clock: first-step scratch growth and page faults on the fresh KV arena's first blocks.
     let warm = prompts.first().map_or(&[][..], |p| &p[..p.len().min(32)]);
@@ -552,6 +553,8 @@ async fn collect(mut rx: UnboundedReceiver<GenerateEvent>, submitted: Instant) -
     let mut o = Outcome { submitted, first_token: None, finished: None, tokens: 0 };
     while let Some(ev) = rx.recv().await {
         match ev {
+            // These requests ask for no prompt log-probabilities.
+            GenerateEvent::PromptLogprobs(_) => {}
             GenerateEvent::Token { .. } => {
                 if o.first_token.is_none() {
                     o.first_token = Some(Instant::now());

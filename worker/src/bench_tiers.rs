@@ -94,6 +94,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         ignore_eos: true,
         profile_queries: Vec::new(),
         logprobs: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -103,7 +104,7 @@ fn timed(engine: &EngineHandle, prompt: Vec<u32>) -> Result<f64, EngineError> {
     let mut rx = engine.submit(request(prompt))?;
     loop {
         match rx.blocking_recv() {
-            Some(GenerateEvent::Token { .. }) => {}
+            Some(GenerateEvent::Token { .. } | GenerateEvent::PromptLogprobs(_)) => {}
             Some(GenerateEvent::Finished { .. }) => return Ok(t0.elapsed().as_secs_f64()),
             Some(GenerateEvent::Failed(e)) => return Err(EngineError::Forward(e)),
             None => return Err(EngineError::Stopped),

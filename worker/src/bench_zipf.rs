@@ -825,6 +825,7 @@ fn request(prompt: Vec<u32>, answer_tokens: usize, profile_queries: &[Vec<u32>])
         ignore_eos: true,
         profile_queries: profile_queries.to_vec(),
         logprobs: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -848,6 +849,8 @@ fn run_one(
                 ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
                 answer.push(t);
             }
+            // These requests ask for no prompt log-probabilities.
+            Some(GenerateEvent::PromptLogprobs(_)) => {}
             Some(GenerateEvent::Finished { .. }) => break,
             Some(GenerateEvent::Failed(e)) => return Err(EngineError::Forward(e)),
             None => return Err(EngineError::Stopped),

@@ -31,7 +31,8 @@ use crate::placement::{EvicPress, EvicPressConfig, EvicPressStats};
 use crate::policy::{AttnDims, PolicyKind, PolicyKv, PolicySpec, StepProbs};
 use crate::sampling::{MAX_TOP_LOGPROBS, SampleBuffer, Sampler, TokenLogprobs, token_logprobs};
 use crate::scheduler::{
-    ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan, check_fits,
+    ReserveConfig, SchedError, ScheduledSeq, Scheduler, SchedulerConfig, SeqId, SeqRequest, Sequence, StepPlan,
+    check_fits,
 };
 use crate::tiers::codec::GroupKv;
 use crate::tiers::residual::{self, ResidualTails};
@@ -167,6 +168,10 @@ pub struct GenerateRequest {
     /// Report each generated token's log-probability with this many most likely alternatives (at most
     /// [`MAX_TOP_LOGPROBS`](crate::sampling::MAX_TOP_LOGPROBS)); `None` reports none.
     pub logprobs: Option<u32>,
+    /// Report each prompt token's log-probability after the first (given the tokens before it), with this many
+    /// alternatives, before the first generated token: what scoring a text needs (OpenAI's `echo` with
+    /// `logprobs`). The request then adopts no cached prefix, since cached positions have no logits.
+    pub prompt_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -177,6 +182,9 @@ pub enum GenerateEvent {
         id: u32,
         logprobs: Option<TokenLogprobs>,
     },
+    /// The log-probabilities of the next prompt tokens ([`GenerateRequest::prompt_logprobs`]): all the events of
+    /// a request together cover its prompt positions 1.. in order, and come before its first token.
+    PromptLogprobs(Vec<TokenLogprobs>),
     Finished {
         reason: FinishReason,
         prompt_tokens: u32,
@@ -419,6 +427,19 @@ impl StepCaptures for Scratch {
     }
 }
 
+/// The logits rows a step computes for entry `e` of sequence `seq`: one per token while prompt positions whose
+/// logits are wanted remain in the chunk ([`Sequence::prompt_logits_from`]), else the last one when the entry
+/// samples.
+pub fn logits_wanted<P>(seq: &Sequence<P>, e: &ScheduledSeq) -> LogitsWanted {
+    if seq.prompt_logits_from(e.start) {
+        LogitsWanted::All
+    } else if e.wants_logits {
+        LogitsWanted::Last
+    } else {
+        LogitsWanted::None
+    }
+}
+
 /// One forward step over `plan`, shared by the engine thread and the inline drivers (`pagoda bench engine`,
 /// `pagoda eval`): builds the batch from the scheduler's sequences (capturing the queries their policies
 /// observe), runs it, records it in the scheduler and runs each sequence's eviction hooks. Logits rows of the
@@ -444,7 +465,7 @@ pub fn forward_step<P, R: ModelRunner>(
             start_pos: e.start as u32,
             tables: seq.tables(),
             prior_lens: seq.lens(),
-            logits: if e.wants_logits { LogitsWanted::Last } else { LogitsWanted::None },
+            logits: logits_wanted(seq, e),
             capture_q: seq.capture_for(e.start, e.n, sums),
             attention_sums: if sums { seq.attention_sums() } else { None },
         });
@@ -676,7 +697,7 @@ impl EngineHandle {
         let mut bias = s.logit_bias.clone();
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
-        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        if let Some(n) = [req.logprobs, req.prompt_logprobs].into_iter().flatten().find(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(EngineError::InvalidRequest(format!(
                 "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
             )));
@@ -878,6 +899,10 @@ struct ReqState {
     profile_queries: Vec<Vec<u32>>,
     /// [`GenerateRequest::logprobs`].
     logprobs: Option<u32>,
+    /// [`GenerateRequest::prompt_logprobs`], and the next prompt position to report (a preempted sequence
+    /// computes its prompt again; what was reported is not reported twice).
+    prompt_logprobs: Option<u32>,
+    prompt_logprobs_next: usize,
 }
 
 struct EngineLoop<R> {
@@ -1096,6 +1121,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                     sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize),
                     profile_queries: req.profile_queries,
                     logprobs: req.logprobs,
+                    prompt_logprobs: req.prompt_logprobs,
+                    prompt_logprobs_next: 1,
                 };
                 let r = SeqRequest {
                     prompt: req.prompt,
@@ -1103,6 +1130,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     stop_token_ids: stop,
                     namespace: req.namespace,
                     policy: req.policy.unwrap_or(self.default_policy),
+                    prompt_logits: req.prompt_logprobs.is_some(),
                     payload: state,
                 };
                 // The handle validated already; a rejection here still reaches the client.
@@ -1456,12 +1484,14 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     fn run_plan(&mut self, plan: &StepPlan) -> bool {
         let t0 = Instant::now();
-        // When every row is sampled greedily, and no request asked for its row's log-probabilities, the runner picks
+        // When every row is sampled greedily, and no request asked for its rows' log-probabilities, the runner picks
         // the tokens (on a GPU, without copying logits back).
-        let greedy = plan.seqs.iter().filter(|e| e.wants_logits).all(|e| {
-            self.sched
-                .get(e.seq)
-                .is_none_or(|s| s.payload.sampler.config().picks_argmax() && s.payload.logprobs.is_none())
+        let greedy = plan.seqs.iter().all(|e| {
+            self.sched.get(e.seq).is_none_or(|s| {
+                let p = &s.payload;
+                !e.wants_logits && !s.prompt_logits_from(e.start)
+                    || p.sampler.config().picks_argmax() && p.logprobs.is_none() && p.prompt_logprobs.is_none()
+            })
         });
         let tokens_out = greedy.then_some(&mut self.greedy_tokens);
         let result =
@@ -1487,7 +1517,15 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             return true;
         }
-        let rows = plan.seqs.iter().filter(|e| e.wants_logits).count();
+        let rows: usize = plan
+            .seqs
+            .iter()
+            .filter_map(|e| match logits_wanted(self.sched.get(e.seq)?, e) {
+                LogitsWanted::All => Some(e.n),
+                LogitsWanted::Last => Some(1),
+                LogitsWanted::None => None,
+            })
+            .sum();
         let (got, want, what) = if greedy {
             (self.greedy_tokens.len(), rows, "tokens")
         } else {
@@ -1502,8 +1540,30 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             return true;
         }
-        for (row, e) in plan.seqs.iter().filter(|e| e.wants_logits).enumerate() {
+        // Each entry's rows, in plan order: one per token of a chunk with wanted prompt positions, else one for an
+        // entry that samples.
+        let mut next_row = 0;
+        for e in &plan.seqs {
             let Some(seq) = self.sched.get_mut(e.seq) else { continue };
+            let wanted = logits_wanted(seq, e);
+            let n_rows = match wanted {
+                LogitsWanted::All => e.n,
+                LogitsWanted::Last => 1,
+                LogitsWanted::None => 0,
+            };
+            let first_row = next_row;
+            next_row += n_rows;
+            if wanted == LogitsWanted::All && !greedy {
+                let rows = &self.logits[first_row * self.vocab..(first_row + n_rows) * self.vocab];
+                if report_prompt_logprobs(seq, e, rows, self.vocab).is_err() {
+                    self.sched.cancel(e.seq);
+                    continue;
+                }
+            }
+            if !e.wants_logits {
+                continue;
+            }
+            let row = first_row + n_rows - 1;
             let (token, logprobs) = if greedy {
                 (self.greedy_tokens[row], None)
             } else {
@@ -1595,6 +1655,31 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
     }
 }
+/// Sends the log-probabilities of the prompt positions a step's `rows` (one per token of entry `e`) give that
+/// `seq` has not reported yet. Fails when the receiver is gone.
+fn report_prompt_logprobs(
+    seq: &mut Sequence<ReqState>,
+    e: &ScheduledSeq,
+    rows: &[f32],
+    vocab: usize,
+) -> Result<(), ()> {
+    let Some(top_n) = seq.payload.prompt_logprobs else { return Ok(()) };
+    // Row j predicts position e.start + j + 1.
+    let from = seq.payload.prompt_logprobs_next.max(e.start + 1);
+    let to = (e.start + e.n + 1).min(seq.prompt_len());
+    if from >= to {
+        return Ok(());
+    }
+    let entries = (from..to)
+        .map(|q| {
+            let row = &rows[(q - e.start - 1) * vocab..(q - e.start) * vocab];
+            token_logprobs(row, seq.tokens()[q], top_n as usize)
+        })
+        .collect();
+    seq.payload.prompt_logprobs_next = to;
+    seq.payload.events.send(GenerateEvent::PromptLogprobs(entries)).map_err(|_| ())
+}
+
 /// Pins the device-resident groups of `hashes` (a prefix's first groups) while onboarding allocates: they may be
 /// older in the LRU than anything else, and evicting them would make the onboarded continuation unreachable.
 /// `None` (nothing pinned) when one is not on the device.
@@ -1855,6 +1940,7 @@ mod tests {
             ignore_eos: false,
             profile_queries: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 

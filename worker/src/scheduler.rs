@@ -34,6 +34,11 @@ use crate::policy::{
 
 pub type SeqId = u64;
 
+/// Prompt tokens a step computes with every position's logits (for prompt log-probabilities), over all
+/// sequences: those rows reach the host as vocabulary-wide logits, so this bounds the step's logits buffer (128
+/// rows of SmolLM2's 49,152 tokens: 25 MB).
+pub const PROMPT_LOGITS_STEP_TOKENS: usize = 128;
+
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FinishReason {
@@ -139,6 +144,9 @@ pub struct SeqRequest<P> {
     pub namespace: String,
     /// Eviction policy and budget ([`PolicySpec::full`] keeps everything).
     pub policy: PolicySpec,
+    /// Every prompt position's logits are wanted (prompt log-probabilities): the sequence adopts no cached prefix
+    /// (those positions would have no logits), and its prefill chunks share [`PROMPT_LOGITS_STEP_TOKENS`].
+    pub prompt_logits: bool,
     pub payload: P,
 }
 
@@ -172,6 +180,8 @@ pub struct Sequence<P> {
     policy: PolicyState,
     /// What this sequence's policy evicted over its life (its `evict` trace event).
     evicted: Eviction,
+    /// [`SeqRequest::prompt_logits`].
+    prompt_logits: bool,
     pub payload: P,
 }
 
@@ -230,6 +240,11 @@ impl<P> Sequence<P> {
     /// `None` when the policy takes none.
     pub fn attention_sums(&self) -> Option<u32> {
         self.policy.attention_sums()
+    }
+    /// Whether a step starting at position `start` computes prompt positions whose logits are wanted (every
+    /// position but the prompt's last, whose logits sample the first token as any sequence's do).
+    pub fn prompt_logits_from(&self, start: usize) -> bool {
+        self.prompt_logits && start + 1 < self.prompt_len
     }
     /// Block tables per (layer, kv-head).
     pub fn tables(&self) -> &[Vec<u32>] {
@@ -376,6 +391,7 @@ impl<P> Scheduler<P> {
             status: SeqStatus::Waiting,
             policy: PolicyState::new(req.policy, self.cfg.attn, self.layout.block_size),
             evicted: Eviction::default(),
+            prompt_logits: req.prompt_logits,
             payload: req.payload,
         };
         self.seqs.insert(id, seq);
@@ -395,6 +411,7 @@ impl<P> Scheduler<P> {
         plan.seqs.clear();
         plan.preempted.clear();
         let mut budget = self.cfg.max_step_tokens.max(1);
+        let mut logits_budget = PROMPT_LOGITS_STEP_TOKENS;
         let r = self.cfg.reserve;
         self.reserve_ratio = (self.reserve_ratio - r.decay_per_step).max(r.min_ratio);
 
@@ -412,8 +429,19 @@ impl<P> Scheduler<P> {
                     i += 1;
                     continue;
                 }
-                let n = remaining.min(budget).min(seq.policy.spec().max_prefill_chunk());
+                let mut n = remaining.min(budget).min(seq.policy.spec().max_prefill_chunk());
+                let prompt_logits = seq.prompt_logits_from(seq.num_computed);
+                if prompt_logits {
+                    n = n.min(logits_budget);
+                    if n == 0 {
+                        i += 1;
+                        continue;
+                    }
+                }
                 if self.reserve_or_preempt(id, n, plan, &mut budget) {
+                    if prompt_logits {
+                        logits_budget -= n;
+                    }
                     let seq = &self.seqs[&id];
                     plan.seqs.push(ScheduledSeq {
                         seq: id,
@@ -435,7 +463,16 @@ impl<P> Scheduler<P> {
         // 3. admit waiting sequences (not in a step that had to preempt).
         while plan.preempted.is_empty() && budget > 0 && self.running.len() < self.cfg.max_running.max(1) {
             let Some(&id) = self.waiting.front() else { break };
-            let Some(n) = self.try_admit(id, budget) else { break };
+            // Such a sequence adopts no prefix, so its first chunk starts at 0.
+            let prompt_logits = self.seqs.get(&id).is_some_and(|s| s.prompt_logits_from(0));
+            let chunk_budget = if prompt_logits { budget.min(logits_budget) } else { budget };
+            if chunk_budget == 0 {
+                break;
+            }
+            let Some(n) = self.try_admit(id, chunk_budget) else { break };
+            if prompt_logits {
+                logits_budget -= n;
+            }
             self.waiting.pop_front();
             self.running.push(id);
             let seq = &self.seqs[&id];
@@ -567,7 +604,7 @@ impl<P> Scheduler<P> {
         }
         let id = *self.waiting.front()?;
         let seq = self.seqs.get_mut(&id)?;
-        if seq.preloaded > 0 {
+        if seq.preloaded > 0 || seq.prompt_logits {
             return None;
         }
         let bs = self.layout.block_size;
@@ -588,7 +625,7 @@ impl<P> Scheduler<P> {
     pub fn preload_front(&mut self, prefix: &[u64], packed: &[BlockId], kept: usize, covered: usize) -> bool {
         let Some(&id) = self.waiting.front() else { return false };
         let Some(seq) = self.seqs.get_mut(&id) else { return false };
-        if !seq.blocks.is_empty() || !seq.policy.is_full() || covered >= seq.tokens.len() {
+        if !seq.blocks.is_empty() || !seq.policy.is_full() || seq.prompt_logits || covered >= seq.tokens.len() {
             return false;
         }
         if seq.blocks.adopt(&mut self.pool, prefix).ok() != Some(prefix.len()) {
@@ -609,7 +646,7 @@ impl<P> Scheduler<P> {
         let mut matched_tokens = 0;
         if seq.preloaded > 0 {
             matched_tokens = std::mem::take(&mut seq.preloaded);
-        } else if self.cfg.enable_prefix_cache {
+        } else if self.cfg.enable_prefix_cache && !seq.prompt_logits {
             extend_block_hashes(&self.cfg.model_id, &seq.namespace, &seq.tokens, bs, &mut seq.hashes);
             // Leave at least one token to compute (its logits give the next token), more when the policy
             // observes the queries of the prompt's tail.

@@ -31,6 +31,7 @@ use crate::events::BlockChange;
 use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::reporter::ReportProgress;
+use crate::sampling::TokenLogprobs;
 use crate::scheduler::SchedError;
 use crate::tiers::Tier;
 use crate::transfer::{PeerCounters, PeerFetcher};
@@ -301,6 +302,7 @@ impl WorkerService {
             ignore_eos: req.ignore_eos,
             profile_queries,
             logprobs: req.logprobs.then_some(req.top_logprobs),
+            prompt_logprobs: req.prompt_logprobs.then_some(req.top_logprobs),
         })
     }
 }
@@ -316,6 +318,11 @@ pub fn status_from_engine(e: &EngineError) -> Status {
         EngineError::Stopped => Status::unavailable(e.to_string()),
         EngineError::Model(_) | EngineError::Config(_) | EngineError::Forward(_) => Status::internal(e.to_string()),
     }
+}
+
+fn pb_logprobs(lp: TokenLogprobs) -> pb::TokenLogprobs {
+    let (top_token_ids, top_logprobs) = lp.top.into_iter().unzip();
+    pb::TokenLogprobs { logprob: lp.logprob, top_token_ids, top_logprobs }
 }
 
 fn finish_reason(r: FinishReason) -> pb::FinishReason {
@@ -405,12 +412,16 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
                 }
                 msg.token_ids.push(t);
                 if let Some(lp) = logprobs {
-                    let (top_token_ids, top_logprobs) = lp.top.into_iter().unzip();
-                    msg.logprobs.push(pb::TokenLogprobs { logprob: lp.logprob, top_token_ids, top_logprobs });
+                    msg.logprobs.push(pb_logprobs(lp));
                 }
                 if msg.token_ids.len() < MAX_TOKENS_PER_MESSAGE {
                     ev = s.rx.try_recv().ok();
                 }
+            }
+            // One step's prompt positions (at most a step's prompt-logits tokens) per message, which keeps messages
+            // small; they come before any token, so the message holds nothing else yet.
+            GenerateEvent::PromptLogprobs(entries) => {
+                msg.prompt_logprobs = entries.into_iter().map(pb_logprobs).collect();
             }
             GenerateEvent::Finished {
                 reason,
@@ -471,7 +482,8 @@ impl Worker for WorkerService {
             st
         };
         let mut inner = request.into_inner();
-        let hint = inner.peer_hint.take().filter(|h| !h.address.is_empty() && h.blocks > 0);
+        // A request scoring its prompt computes every position itself: a peer's blocks would go unused.
+        let hint = inner.peer_hint.take().filter(|h| !h.address.is_empty() && h.blocks > 0 && !inner.prompt_logprobs);
         if let Some(h) = &hint
             && h.address.len() > MAX_ID_BYTES
         {

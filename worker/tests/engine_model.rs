@@ -78,6 +78,7 @@ fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             GenerateEvent::Token { id: t, .. } => tokens.push(t),
+            GenerateEvent::PromptLogprobs(_) => panic!("no prompt log-probabilities were asked for"),
             GenerateEvent::Finished {
                 reason, completion_tokens, cached_tokens, evicted_slots, evicted_blocks, ..
             } => {
@@ -299,6 +300,71 @@ fn logprobs_report_the_models_distribution() {
         assert!((a.1 - b.1).abs() < 1e-3, "{a:?} {b:?}");
     }
     let err = h.submit(GenerateRequest { logprobs: Some(21), ..greedy("x", p, 2) }).unwrap_err();
+    assert!(err.to_string().contains("top_logprobs"), "{err}");
+}
+
+/// Scoring a text: each prompt position's log-probability is what generation gives the same token at the same
+/// position, over a prompt longer than a step's prompt-logits share (so in several chunks), and again in full
+/// when the whole prompt is already in the prefix cache.
+#[test]
+fn prompt_logprobs_score_a_text_as_generation_does() {
+    let h = engine(64, true);
+    let mut prompt = chat(&format!("{} Summarise that in one line.", [DOC; 5].join(" ")));
+    assert!(prompt.len() > 2 * pagoda_worker::scheduler::PROMPT_LOGITS_STEP_TOKENS, "{}", prompt.len());
+    let generate = |r: GenerateRequest| {
+        let mut rx = h.submit(r).unwrap();
+        let (mut scored, mut generated) = (Vec::new(), Vec::new());
+        loop {
+            match rx.blocking_recv() {
+                Some(GenerateEvent::PromptLogprobs(e)) => {
+                    assert!(generated.is_empty(), "prompt log-probabilities come first");
+                    scored.extend(e);
+                }
+                Some(GenerateEvent::Token { id, logprobs }) => generated.push((id, logprobs)),
+                Some(GenerateEvent::Finished { cached_tokens, .. }) => return (scored, generated, cached_tokens),
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+    };
+    let (none, generated, _) = generate(GenerateRequest { logprobs: Some(2), ..greedy("g", &prompt, 10) });
+    assert!(none.is_empty());
+    let text_len = prompt.len();
+    prompt.extend(generated.iter().map(|g| g.0));
+    let score = |id: &str| {
+        let r = GenerateRequest { prompt_logprobs: Some(2), ..greedy(id, &prompt, 1) };
+        let (scored, _, cached) = generate(r);
+        assert_eq!(cached, 0, "the prompt is computed, not adopted from the cache");
+        scored
+    };
+    assert!(generate(greedy("c", &prompt, 1)).2 > 0, "a plain request adopts the cached prompt");
+    // Computed in full, not adopted from the cache (which holds all but its last token after `generate`).
+    let scored = score("s1");
+    assert_eq!(scored.len(), prompt.len() - 1, "every position after the first");
+    for (q, e) in scored.iter().enumerate().map(|(i, e)| (i + 1, e)) {
+        assert_eq!(e.top.len(), 2);
+        assert!(e.logprob <= e.top[0].1 && e.top[0].1 >= e.top[1].1, "{q}: {e:?}");
+        assert!(e.top.iter().all(|&(t, l)| t != prompt[q] || l == e.logprob), "{q}: {e:?}");
+    }
+    // The generated part, scored: the greedy tokens were the most likely, with the logprobs decoding gave them.
+    for (k, (id, g)) in generated.iter().enumerate() {
+        let g = g.as_ref().expect("logprobs asked for");
+        let e = &scored[text_len + k - 1];
+        assert_eq!(e.top[0].0, *id, "position {}", text_len + k);
+        assert!(
+            (e.logprob - g.logprob).abs() < 1e-3,
+            "position {}: {} scored, {} generated",
+            text_len + k,
+            e.logprob,
+            g.logprob
+        );
+    }
+    // Scored again with the whole prompt cached: the same entries.
+    let again = score("s2");
+    assert_eq!(again.len(), scored.len());
+    for (a, b) in again.iter().zip(&scored) {
+        assert!((a.logprob - b.logprob).abs() < 1e-3 && a.top[0].0 == b.top[0].0, "{a:?} {b:?}");
+    }
+    let err = h.submit(GenerateRequest { prompt_logprobs: Some(21), ..greedy("x", &prompt, 1) }).unwrap_err();
     assert!(err.to_string().contains("top_logprobs"), "{err}");
 }
 

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use pagoda_worker::cache::CacheLayout;
 use pagoda_worker::sampling::argmax;
 use pagoda_worker::scheduler::{
-    FinishReason, ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest, StepPlan,
+    FinishReason, PROMPT_LOGITS_STEP_TOKENS, ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest,
+    StepPlan,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -53,6 +54,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
         stop_token_ids: Vec::new(),
         namespace: String::new(),
         policy: Default::default(),
+        prompt_logits: false,
         payload: (),
     }
 }
@@ -146,6 +148,49 @@ fn budget_and_chunked_prefill() {
     let p = step(&mut s, &mut m, &mut out);
     assert_eq!((p.seqs[0].start, p.seqs[0].n, p.seqs[0].wants_logits), (100, 1, true));
     assert_eq!(s.stats().computed_tokens_total, 101);
+}
+
+/// Sequences that want every prompt position's logits adopt no cached prefix, and share
+/// [`PROMPT_LOGITS_STEP_TOKENS`] per step while the rest of the step budget goes to the others; they produce
+/// what they would alone.
+#[test]
+fn prompt_logits_sequences_share_a_step_cap_and_adopt_no_prefix() {
+    let cap = PROMPT_LOGITS_STEP_TOKENS;
+    let long = prompt(4, 2 * cap + 40);
+    let want = reference(&[(long.clone(), 3)]);
+    let mut s = Scheduler::new(cfg(4 * cap, 8), LAYOUT, 1000 * GS);
+    let mut m = FakeModel::new(1000 * GS);
+    let mut out = Outcome::default();
+    // The prompt goes into the prefix cache first.
+    let warm = s.add(req(long.clone(), 1)).unwrap();
+    while s.get(warm).is_some() {
+        step(&mut s, &mut m, &mut out);
+    }
+    let scoring = |p: &[u32]| SeqRequest { prompt_logits: true, ..req(p.to_vec(), 3) };
+    let a = s.add(scoring(&long)).unwrap();
+    let b = s.add(scoring(&long)).unwrap();
+    let plain = s.add(req(long.clone(), 3)).unwrap();
+    let mut logits_tokens = Vec::new();
+    while s.has_work() {
+        let plan = step(&mut s, &mut m, &mut out);
+        let mut n = 0;
+        for e in &plan.seqs {
+            let seq = s.get(e.seq).map(|q| q.prompt_logits_from(e.start));
+            if seq == Some(true) {
+                n += e.n;
+            }
+        }
+        assert!(n <= cap, "{n} prompt-logits tokens in one step");
+        logits_tokens.push(n);
+        assert!(out.steps < 100);
+    }
+    assert!(logits_tokens.iter().filter(|&&n| n == cap).count() >= 3, "{logits_tokens:?}");
+    for id in [a, b, plain] {
+        assert_eq!(out.tokens[&id], want[0], "{id}");
+    }
+    // Only the plain request adopted the cached prompt.
+    let cached = s.stats().cached_tokens_total;
+    assert_eq!(cached as usize, (long.len() - 1) / LAYOUT.block_size * LAYOUT.block_size, "{cached}");
 }
 
 #[test]

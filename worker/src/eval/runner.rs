@@ -230,6 +230,7 @@ impl Evaluator {
                     stop_token_ids: self.eos.clone(),
                     namespace: String::new(),
                     policy: spec,
+                    prompt_logits: false,
                     payload: (),
                 })?;
                 lanes.push(Lane { spec, seq, mode: Mode::Generate { max_new: item.max_new_tokens, out: Vec::new() } });
@@ -279,6 +280,7 @@ impl Evaluator {
                     stop_token_ids: Vec::new(),
                     namespace: String::new(),
                     policy: spec,
+                    prompt_logits: false,
                     payload: (),
                 })?;
                 let mode = Mode::Force { cont: cont.clone(), next: 0, agree: 0, kl: 0.0, correct: 0, nll: 0.0 };
