@@ -233,6 +233,21 @@ async fn up_answers_chat_streaming_and_not() {
     if let Some(unbiased) = top.get(banned).and_then(Value::as_f64) {
         assert!((runner_up - unbiased).abs() < 1e-3, "{banned:?}: {runner_up} biased, {unbiased} unbiased");
     }
+    // A batch of prompts, two choices each, runs together: greedy choices agree with the single request's answer.
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": ["The capital of France is", "Water is made of"], "n": 2,
+                    "max_tokens": 1, "temperature": 0}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts.len(), 4, "{v}");
+    assert_eq!((texts[0], texts[1]), (first.as_str(), first.as_str()), "{v}");
+    assert_eq!(texts[2], texts[3], "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
     // echo with logprobs scores a text (lm-eval's log-likelihood request): the greedy answer, appended to its
     // prompt, scores what generating it did, and is the most likely token there.
     let text = format!("The capital of France is{first}");
@@ -344,7 +359,7 @@ async fn up_bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ("max_tokens above context", j(json!({"model": MODEL_ID, "messages": user, "max_tokens": 9000})), 400),
         ("unknown model", j(json!({"model": "gpt-5", "messages": user})), 404),
         ("unknown kv policy", j(json!({"model": MODEL_ID, "messages": user, "kv": {"policy": "lru"}})), 400),
-        ("n > 1", j(json!({"model": MODEL_ID, "messages": user, "n": 3})), 400),
+        ("n above 16", j(json!({"model": MODEL_ID, "messages": user, "n": 17})), 400),
         ("logit_bias outside the vocabulary", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"49152": 1}})), 400),
         ("logit_bias above 100", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"7": 101}})), 400),
         ("too many stop strings", j(json!({"model": MODEL_ID, "messages": user, "stop": ["a","b","c","d","e","f","g","h","i"]})), 400),

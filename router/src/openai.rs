@@ -18,6 +18,10 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_TEXT_BYTES: usize = 1 << 20;
 /// Longest short string field (model, name, user), in bytes.
 pub const MAX_NAME_BYTES: usize = 256;
+/// Most generations one request may ask for: `n` times the prompts of a completion batch. Each runs as its own
+/// request on the workers, while the request counts once against its key's limits, so this bounds what one
+/// request can cost.
+pub const MAX_CHOICES: usize = 16;
 /// At most this many content parts in one message.
 pub const MAX_PARTS: usize = 256;
 pub use pagoda_worker::sampling::{LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY_LIMIT};
@@ -268,6 +272,8 @@ pub struct GenParams {
     /// A completion's `echo`: the answer starts with the prompt, and with `logprobs` the prompt's tokens are
     /// scored too (how clients such as lm-eval score a text's log-likelihood).
     pub echo: bool,
+    /// Generations per prompt (`n`), each a choice of its own; at most [`MAX_CHOICES`] with the prompts.
+    pub n: u32,
 }
 
 /// A chat turn ready for the template.
@@ -367,12 +373,13 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     };
     let stop = parse_stop(c.stop)?;
     let logit_bias = parse_logit_bias(c.logit_bias, c.vocab_size)?;
-    match c.n {
-        None | Some(1) => {}
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as u32,
         Some(n) => {
-            return Err(ApiError::invalid_param("n", format!("Only `n` = 1 is supported, got {n}.")));
+            return Err(ApiError::invalid_param("n", format!("`n` must be between 1 and {MAX_CHOICES}, got {n}.")));
         }
-    }
+    };
     let mut penalties = [0.0f32; 2];
     for (p, (name, v)) in
         penalties.iter_mut().zip([("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)])
@@ -418,6 +425,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         kv_profile_queries,
         logprobs: None,
         echo: false,
+        n,
     })
 }
 
@@ -755,34 +763,54 @@ impl ChatCompletionRequest {
 
 impl CompletionRequest {
     /// Validates everything that does not need the tokenizer; token-id prompts are checked against `vocab_size`.
-    pub fn validate(&self, vocab_size: usize) -> Result<(PromptInput, GenParams), ApiError> {
-        let prompt = match &self.prompt {
-            Value::String(s) => PromptInput::Text(s.clone()),
-            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-                PromptInput::Text(items[0].as_str().unwrap_or_default().to_string())
+    /// `prompt` is one prompt (a string or token ids) or a batch of them (strings, or arrays of token ids), each
+    /// with its own `n` choices.
+    pub fn validate(&self, vocab_size: usize) -> Result<(Vec<PromptInput>, GenParams), ApiError> {
+        let ids = |items: &[Value], param: &dyn Fn(usize) -> String| -> Result<PromptInput, ApiError> {
+            if items.is_empty() {
+                return Err(ApiError::invalid_param(param(0), "A token-id prompt must not be empty."));
             }
-            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
-                let mut ids = Vec::with_capacity(items.len());
-                for (i, v) in items.iter().enumerate() {
-                    match v.as_u64() {
-                        Some(id) if (id as usize) < vocab_size => ids.push(id as u32),
-                        _ => {
-                            return Err(ApiError::invalid_param(
-                                format!("prompt[{i}]"),
-                                format!("Token id {v} is not in the vocabulary (size {vocab_size})."),
-                            ));
-                        }
+            let mut ids = Vec::with_capacity(items.len());
+            for (i, v) in items.iter().enumerate() {
+                match v.as_u64() {
+                    Some(id) if (id as usize) < vocab_size => ids.push(id as u32),
+                    _ => {
+                        return Err(ApiError::invalid_param(
+                            param(i),
+                            format!("Token id {v} is not in the vocabulary (size {vocab_size})."),
+                        ));
                     }
                 }
-                PromptInput::Tokens(ids)
             }
+            Ok(PromptInput::Tokens(ids))
+        };
+        let prompts = match &self.prompt {
+            Value::String(s) => vec![PromptInput::Text(s.clone())],
             Value::Array(items) if items.is_empty() => {
                 return Err(ApiError::invalid_param("prompt", "`prompt` must not be empty."));
             }
+            Value::Array(items) if items.len() > MAX_CHOICES => {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    format!("`prompt` is a batch of {}; at most {MAX_CHOICES} prompts are allowed.", items.len()),
+                ));
+            }
+            Value::Array(items) if items.iter().all(Value::is_string) => {
+                items.iter().map(|s| PromptInput::Text(s.as_str().unwrap_or_default().to_string())).collect()
+            }
+            Value::Array(items) if items.iter().all(Value::is_number) => {
+                vec![ids(items, &|i| format!("prompt[{i}]"))?]
+            }
+            Value::Array(items) if items.iter().all(Value::is_array) => items
+                .iter()
+                .enumerate()
+                .map(|(b, v)| ids(v.as_array().map_or(&[], Vec::as_slice), &|i| format!("prompt[{b}][{i}]")))
+                .collect::<Result<_, _>>()?,
             Value::Array(_) => {
                 return Err(ApiError::invalid_param(
                     "prompt",
-                    "`prompt` must be a string, an array with one string, or an array of token ids (batches are not supported).",
+                    "`prompt` must be a string, an array of token ids, or a batch: an array of strings or of \
+                     token-id arrays.",
                 ));
             }
             Value::Null => return Err(ApiError::invalid_param("prompt", "`prompt` is required.")),
@@ -793,24 +821,24 @@ impl CompletionRequest {
                 ));
             }
         };
-        if let PromptInput::Text(t) = &prompt {
-            if t.is_empty() {
-                return Err(ApiError::invalid_param("prompt", "`prompt` must not be empty."));
-            }
-            if t.len() > MAX_TEXT_BYTES {
-                return Err(ApiError::invalid_param(
-                    "prompt",
-                    format!("`prompt` is {} bytes; the limit is {MAX_TEXT_BYTES}.", t.len()),
-                ));
+        for (b, prompt) in prompts.iter().enumerate() {
+            let param = if prompts.len() == 1 { "prompt".to_string() } else { format!("prompt[{b}]") };
+            if let PromptInput::Text(t) = prompt {
+                if t.is_empty() {
+                    return Err(ApiError::invalid_param(param, "`prompt` must not be empty."));
+                }
+                if t.len() > MAX_TEXT_BYTES {
+                    return Err(ApiError::invalid_param(
+                        param,
+                        format!("`prompt` is {} bytes; the limit is {MAX_TEXT_BYTES}.", t.len()),
+                    ));
+                }
             }
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_param("suffix", "`suffix` is not supported."));
         }
         let logprobs = self.logprobs.map(|n| top_logprobs_count(n, "logprobs")).transpose()?;
-        if self.best_of.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid_param("best_of", "Only `best_of` = 1 is supported."));
-        }
         let mut params = validate_common(CommonIn {
             model: &self.model,
             max_tokens: self.max_tokens,
@@ -833,7 +861,24 @@ impl CompletionRequest {
         })?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);
-        Ok((prompt, params))
+        if let Some(b) = self.best_of.filter(|&b| b != i64::from(params.n)) {
+            return Err(ApiError::invalid_param(
+                "best_of",
+                format!("Only `best_of` equal to `n` ({}) is supported, got {b}.", params.n),
+            ));
+        }
+        if prompts.len() * params.n as usize > MAX_CHOICES {
+            return Err(ApiError::invalid_param(
+                "n",
+                format!(
+                    "{} prompts with `n` = {} make {} choices; at most {MAX_CHOICES} are allowed.",
+                    prompts.len(),
+                    params.n,
+                    prompts.len() * params.n as usize
+                ),
+            ));
+        }
+        Ok((prompts, params))
     }
 }
 
@@ -1152,7 +1197,8 @@ mod tests {
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#, "temperature"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0}"#, "top_p"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_k":-2}"#, "top_k"),
-            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":0}"#, "n"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":17}"#, "n"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[""]}"#, "stop"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":[1]}"#, "stop[0]"),
             (r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":{}}"#, "stop"),
@@ -1331,11 +1377,29 @@ mod tests {
     #[test]
     fn completion_prompts() {
         let req = |s: &str| parse_json::<CompletionRequest>(s.as_bytes()).unwrap().validate(100);
-        assert_eq!(req(r#"{"model":"m","prompt":"hi"}"#).unwrap().0, PromptInput::Text("hi".into()));
-        assert_eq!(req(r#"{"model":"m","prompt":["hi"]}"#).unwrap().0, PromptInput::Text("hi".into()));
-        assert_eq!(req(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().0, PromptInput::Tokens(vec![1, 2, 3]));
+        let text = |t: &str| PromptInput::Text(t.into());
+        assert_eq!(req(r#"{"model":"m","prompt":"hi"}"#).unwrap().0, [text("hi")]);
+        assert_eq!(req(r#"{"model":"m","prompt":["hi"]}"#).unwrap().0, [text("hi")]);
+        assert_eq!(req(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().0, [PromptInput::Tokens(vec![1, 2, 3])]);
         assert_eq!(req(r#"{"model":"m","prompt":[1,200]}"#).unwrap_err().param.as_deref(), Some("prompt[1]"));
-        assert_eq!(req(r#"{"model":"m","prompt":["a","b"]}"#).unwrap_err().param.as_deref(), Some("prompt"));
+        // Batches: strings, or token-id arrays, each with `n` choices, at most MAX_CHOICES in all.
+        assert_eq!(req(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().0, [text("a"), text("b")]);
+        let (prompts, p) = req(r#"{"model":"m","prompt":[[1],[2,3]],"n":8}"#).unwrap();
+        assert_eq!(prompts, [PromptInput::Tokens(vec![1]), PromptInput::Tokens(vec![2, 3])]);
+        assert_eq!(p.n, 8);
+        for (body, param) in [
+            (r#"{"model":"m","prompt":[[1],[2,300]]}"#, "prompt[1][1]"),
+            (r#"{"model":"m","prompt":[[1],[]]}"#, "prompt[1][0]"),
+            (r#"{"model":"m","prompt":["a",""]}"#, "prompt[1]"),
+            (r#"{"model":"m","prompt":["a",[1]]}"#, "prompt"),
+            (r#"{"model":"m","prompt":[[1],[2]],"n":9}"#, "n"),
+            (r#"{"model":"m","prompt":"a","n":2,"best_of":3}"#, "best_of"),
+        ] {
+            assert_eq!(req(body).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
+        let many = format!(r#"{{"model":"m","prompt":[{}]}}"#, vec!["\"a\""; MAX_CHOICES + 1].join(","));
+        assert_eq!(req(&many).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(req(r#"{"model":"m","prompt":"a","n":2,"best_of":2}"#).unwrap().1.n, 2);
         assert_eq!(req(r#"{"model":"m","prompt":""}"#).unwrap_err().param.as_deref(), Some("prompt"));
         assert_eq!(req(r#"{"model":"m","prompt":{}}"#).unwrap_err().param.as_deref(), Some("prompt"));
         assert!(req(r#"{"model":"m","prompt":"x","echo":true}"#).unwrap().1.echo);

@@ -519,28 +519,25 @@ async fn chat_completions(
     st.check_model(&params.model)?;
     let prompt = chat_prompt(&st, turns).await?;
     let id = new_id("chatcmpl");
-    let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await?;
+    let choices = start_choices(&st, &tenant, &id, vec![prompt], &params, arrived).await?;
     let created = unix_now();
     if params.stream {
-        Ok(sse(chat_events(rx, id, created, params, st.0.codec.clone())).into_response())
-    } else {
-        let Collected { text, logprobs, finish_reason, usage, .. } = collect(rx).await?;
-        let logprobs = params.logprobs.map(|_| ChatLogprobs::render(&logprobs, st.0.codec.as_ref()));
-        Ok(Json(ChatCompletion {
-            id,
-            object: "chat.completion",
-            created,
-            model: params.model,
-            choices: vec![ChatChoice {
-                index: 0,
-                message: AssistantMessage { role: "assistant", content: text },
-                logprobs,
-                finish_reason,
-            }],
-            usage,
-        })
-        .into_response())
+        return Ok(sse(chat_events(choices, id, created, params, st.0.codec.clone())).into_response());
     }
+    let (collected, usage) = collect_choices(choices).await?;
+    let codec = st.0.codec.as_ref();
+    let choices = collected
+        .into_iter()
+        .enumerate()
+        .map(|(index, c)| ChatChoice {
+            index: index as u32,
+            logprobs: params.logprobs.map(|_| ChatLogprobs::render(&c.logprobs, codec)),
+            message: AssistantMessage { role: "assistant", content: c.text },
+            finish_reason: c.finish_reason,
+        })
+        .collect();
+    Ok(Json(ChatCompletion { id, object: "chat.completion", created, model: params.model, choices, usage })
+        .into_response())
 }
 
 async fn completions(
@@ -549,14 +546,17 @@ async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let (prompt, params) = req.validate(st.0.codec.vocab_size())?;
+    let (prompts, params) = req.validate(st.0.codec.vocab_size())?;
     st.check_model(&params.model)?;
-    let prompt = match prompt {
-        PromptInput::Tokens(t) => t,
-        PromptInput::Text(text) => text_prompt(&st, text, true).await?,
-    };
+    let mut tokenized = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        tokenized.push(match prompt {
+            PromptInput::Tokens(t) => t,
+            PromptInput::Text(text) => text_prompt(&st, text, true).await?,
+        });
+    }
     let id = new_id("cmpl");
-    let rx = start_job(&st, &tenant, &id, prompt, params.clone(), arrived).await.map_err(|mut e| {
+    let choices = start_choices(&st, &tenant, &id, tokenized, &params, arrived).await.map_err(|mut e| {
         if e.param.as_deref() == Some("messages") {
             e.param = Some("prompt".into());
         }
@@ -564,31 +564,74 @@ async fn completions(
     })?;
     let created = unix_now();
     if params.stream {
-        Ok(sse(completion_events(rx, id, created, params, st.0.codec.clone())).into_response())
-    } else {
-        let Collected { echo, mut text, logprobs, finish_reason, usage } = collect(rx).await?;
-        let codec = st.0.codec.as_ref();
-        let logprobs = params.logprobs.map(|_| match &echo {
-            Some((prompt, first, scored)) => {
-                let mut all = CompletionLogprobs::echo(*first, scored, codec);
-                all.extend(&logprobs, codec, u32::try_from(prompt.len()).unwrap_or(u32::MAX));
-                all
-            }
-            None => CompletionLogprobs::render(&logprobs, codec, 0),
-        });
-        if let Some((prompt, ..)) = echo {
-            text.insert_str(0, &prompt);
-        }
-        Ok(Json(Completion {
-            id,
-            object: "text_completion",
-            created,
-            model: params.model,
-            choices: vec![CompletionChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason) }],
-            usage: Some(Some(usage)),
-        })
-        .into_response())
+        return Ok(sse(completion_events(choices, id, created, params, st.0.codec.clone())).into_response());
     }
+    let (collected, usage) = collect_choices(choices).await?;
+    let codec = st.0.codec.as_ref();
+    let choices = collected
+        .into_iter()
+        .enumerate()
+        .map(|(index, Collected { echo, mut text, logprobs, finish_reason, .. })| {
+            let logprobs = params.logprobs.map(|_| match &echo {
+                Some((prompt, first, scored)) => {
+                    let mut all = CompletionLogprobs::echo(*first, scored, codec);
+                    all.extend(&logprobs, codec, u32::try_from(prompt.len()).unwrap_or(u32::MAX));
+                    all
+                }
+                None => CompletionLogprobs::render(&logprobs, codec, 0),
+            });
+            if let Some((prompt, ..)) = echo {
+                text.insert_str(0, &prompt);
+            }
+            CompletionChoice { index: index as u32, text, logprobs, finish_reason: Some(finish_reason) }
+        })
+        .collect();
+    Ok(Json(Completion {
+        id,
+        object: "text_completion",
+        created,
+        model: params.model,
+        choices,
+        usage: Some(Some(usage)),
+    })
+    .into_response())
+}
+
+/// One generation of a request: a choice.
+struct Choice {
+    rx: mpsc::Receiver<Piece>,
+    /// The first choice of its prompt: the prompt counts in the request's usage once, not once per choice.
+    counts_prompt: bool,
+}
+
+/// Starts the request's choices together: `n` generations of each prompt, in OpenAI's `choices` order (by
+/// prompt, then sample). The samples of one prompt with a `seed` take `seed`, `seed + 1`, ... so that they
+/// differ and repeat. Fails with the first choice that cannot start; the others are then dropped, which cancels
+/// them on their workers.
+async fn start_choices(
+    st: &AppState,
+    tenant: &Tenant,
+    id: &str,
+    prompts: Vec<Vec<u32>>,
+    params: &GenParams,
+    arrived: Instant,
+) -> Result<Vec<Choice>, ApiError> {
+    let n = params.n.max(1);
+    let total = prompts.len() * n as usize;
+    let mut starts = Vec::with_capacity(total);
+    for (b, prompt) in prompts.into_iter().enumerate() {
+        for j in 0..n {
+            let mut p = params.clone();
+            p.sampling.seed = p.sampling.seed.map(|s| s.wrapping_add(u64::from(j)));
+            let job_id = if total > 1 { format!("{id}-{}", b * n as usize + j as usize) } else { id.to_string() };
+            let prompt = prompt.clone();
+            starts.push(async move {
+                let rx = start_job(st, tenant, &job_id, prompt, p, arrived).await?;
+                Ok::<_, ApiError>(Choice { rx, counts_prompt: j == 0 })
+            });
+        }
+    }
+    futures::future::try_join_all(starts).await
 }
 
 async fn start_job(
@@ -686,9 +729,44 @@ fn to_json<T: serde::Serialize>(v: &T) -> String {
     serde_json::to_string(v).unwrap_or_else(|e| ApiError::internal(format!("serialisation failed: {e}")).body_json())
 }
 
-/// The `data:` payloads of a chat stream: role delta, content deltas, finish chunk, optional usage chunk, `[DONE]`.
-pub fn chat_events(
-    rx: mpsc::Receiver<Piece>,
+/// Every choice collected (concurrently), in order, with the request's usage; the first failure fails the
+/// request.
+async fn collect_choices(choices: Vec<Choice>) -> Result<(Vec<Collected>, Usage), ApiError> {
+    let counts: Vec<bool> = choices.iter().map(|c| c.counts_prompt).collect();
+    let collected = futures::future::try_join_all(choices.into_iter().map(|c| collect(c.rx))).await?;
+    let mut usage = UsageSum::default();
+    for (c, &counts_prompt) in collected.iter().zip(&counts) {
+        usage.add(&c.usage, counts_prompt);
+    }
+    Ok((collected, usage.total()))
+}
+
+/// A request's usage over its choices: each prompt (and its cached part) once, every choice's completion.
+#[derive(Debug, Default)]
+struct UsageSum {
+    prompt: u32,
+    completion: u32,
+    cached: u32,
+}
+
+impl UsageSum {
+    fn add(&mut self, u: &Usage, counts_prompt: bool) {
+        if counts_prompt {
+            self.prompt = self.prompt.saturating_add(u.prompt_tokens);
+            self.cached = self.cached.saturating_add(u.prompt_tokens_details.cached_tokens);
+        }
+        self.completion = self.completion.saturating_add(u.completion_tokens);
+    }
+
+    fn total(&self) -> Usage {
+        Usage::new(self.prompt, self.completion, self.cached)
+    }
+}
+
+/// The `data:` payloads of a chat stream: a role delta per choice, content deltas, a finish chunk per choice, the
+/// optional usage chunk, `[DONE]`.
+fn chat_events(
+    choices: Vec<Choice>,
     id: String,
     created: u64,
     params: GenParams,
@@ -696,41 +774,53 @@ pub fn chat_events(
 ) -> impl Stream<Item = String> + Send + 'static {
     let include_usage = params.include_usage;
     let model = params.model;
-    let chunk = move |delta: Delta, logprobs: Option<ChatLogprobs>, finish_reason: Option<&'static str>| ChatChunk {
-        id: id.clone(),
-        object: "chat.completion.chunk",
-        created,
-        model: model.clone(),
-        choices: vec![ChunkChoice { index: 0, delta, logprobs, finish_reason }],
-        usage: if include_usage { Some(None) } else { None },
+    let chunk = move |index: u32,
+                      delta: Delta,
+                      logprobs: Option<ChatLogprobs>,
+                      finish_reason: Option<&'static str>|
+          -> ChatChunk {
+        ChatChunk {
+            id: id.clone(),
+            object: "chat.completion.chunk",
+            created,
+            model: model.clone(),
+            choices: vec![ChunkChoice { index, delta, logprobs, finish_reason }],
+            usage: if include_usage { Some(None) } else { None },
+        }
     };
-    let first = to_json(&chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None, None));
+    let first: Vec<String> = (0..choices.len() as u32)
+        .map(|i| to_json(&chunk(i, Delta { role: Some("assistant"), content: Some(String::new()) }, None, None)))
+        .collect();
     let wants_logprobs = params.logprobs.is_some();
-    let body = pieces_to_events(rx, move |p| match p {
-        // Chat has no `echo`.
-        Piece::Echo { .. } => Vec::new(),
-        Piece::Text { text, logprobs } => {
-            let logprobs = wants_logprobs.then(|| ChatLogprobs::render(&logprobs, codec.as_ref()));
-            vec![to_json(&chunk(Delta { role: None, content: Some(text) }, logprobs, None))]
-        }
-        Piece::Done { finish_reason, usage } => {
-            let mut out = vec![to_json(&chunk(Delta::default(), None, Some(finish_reason)))];
-            if include_usage {
-                let mut last = chunk(Delta::default(), None, None);
-                last.choices.clear();
-                last.usage = Some(Some(usage));
-                out.push(to_json(&last));
+    let last_chunk = chunk.clone();
+    let body = choices_to_events(
+        choices,
+        move |i, p| match p {
+            // Chat has no `echo`.
+            Piece::Echo { .. } => Vec::new(),
+            Piece::Text { text, logprobs } => {
+                let logprobs = wants_logprobs.then(|| ChatLogprobs::render(&logprobs, codec.as_ref()));
+                vec![to_json(&chunk(i, Delta { role: None, content: Some(text) }, logprobs, None))]
             }
-            out
-        }
-        Piece::Error(e) => vec![e.body_json()],
-    });
-    futures::StreamExt::chain(futures::stream::once(async move { first }), body)
+            Piece::Done { finish_reason, .. } => vec![to_json(&chunk(i, Delta::default(), None, Some(finish_reason)))],
+            Piece::Error(e) => vec![e.body_json()],
+        },
+        move |usage| {
+            if !include_usage {
+                return Vec::new();
+            }
+            let mut last = last_chunk(0, Delta::default(), None, None);
+            last.choices.clear();
+            last.usage = Some(Some(usage));
+            vec![to_json(&last)]
+        },
+    );
+    futures::StreamExt::chain(futures::stream::iter(first), body)
 }
 
 /// The `data:` payloads of a `/v1/completions` stream.
-pub fn completion_events(
-    rx: mpsc::Receiver<Piece>,
+fn completion_events(
+    choices: Vec<Choice>,
     id: String,
     created: u64,
     params: GenParams,
@@ -738,59 +828,104 @@ pub fn completion_events(
 ) -> impl Stream<Item = String> + Send + 'static {
     let include_usage = params.include_usage;
     let model = params.model;
-    let chunk =
-        move |text: String, logprobs: Option<CompletionLogprobs>, finish_reason: Option<&'static str>| Completion {
-            id: id.clone(),
-            object: "text_completion",
-            created,
-            model: model.clone(),
-            choices: vec![CompletionChoice { index: 0, text, logprobs, finish_reason }],
-            usage: if include_usage { Some(None) } else { None },
-        };
+    let chunk = move |index: u32,
+                      text: String,
+                      logprobs: Option<CompletionLogprobs>,
+                      finish_reason: Option<&'static str>| Completion {
+        id: id.clone(),
+        object: "text_completion",
+        created,
+        model: model.clone(),
+        choices: vec![CompletionChoice { index, text, logprobs, finish_reason }],
+        usage: if include_usage { Some(None) } else { None },
+    };
     let wants_logprobs = params.logprobs.is_some();
-    // Bytes of the echoed prompt before the completion's text: its offsets start after them.
-    let mut echoed = 0u32;
-    pieces_to_events(rx, move |p| match p {
-        Piece::Echo { text, first_token, logprobs } => {
-            echoed = u32::try_from(text.len()).unwrap_or(u32::MAX);
-            let logprobs = wants_logprobs.then(|| CompletionLogprobs::echo(first_token, &logprobs, codec.as_ref()));
-            vec![to_json(&chunk(text, logprobs, None))]
-        }
-        Piece::Text { text, logprobs } => {
-            let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), echoed));
-            vec![to_json(&chunk(text, logprobs, None))]
-        }
-        Piece::Done { finish_reason, usage } => {
-            let mut out = vec![to_json(&chunk(String::new(), None, Some(finish_reason)))];
-            if include_usage {
-                let mut last = chunk(String::new(), None, None);
-                last.choices.clear();
-                last.usage = Some(Some(usage));
-                out.push(to_json(&last));
+    // Bytes of each choice's echoed prompt: its completion's offsets start after them.
+    let mut echoed = vec![0u32; choices.len()];
+    let last_chunk = chunk.clone();
+    choices_to_events(
+        choices,
+        move |i, p| match p {
+            Piece::Echo { text, first_token, logprobs } => {
+                if let Some(e) = echoed.get_mut(i as usize) {
+                    *e = u32::try_from(text.len()).unwrap_or(u32::MAX);
+                }
+                let logprobs = wants_logprobs.then(|| CompletionLogprobs::echo(first_token, &logprobs, codec.as_ref()));
+                vec![to_json(&chunk(i, text, logprobs, None))]
             }
-            out
-        }
-        Piece::Error(e) => vec![e.body_json()],
-    })
+            Piece::Text { text, logprobs } => {
+                let offset = echoed.get(i as usize).copied().unwrap_or(0);
+                let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), offset));
+                vec![to_json(&chunk(i, text, logprobs, None))]
+            }
+            Piece::Done { finish_reason, .. } => vec![to_json(&chunk(i, String::new(), None, Some(finish_reason)))],
+            Piece::Error(e) => vec![e.body_json()],
+        },
+        move |usage| {
+            if !include_usage {
+                return Vec::new();
+            }
+            let mut last = last_chunk(0, String::new(), None, None);
+            last.choices.clear();
+            last.usage = Some(Some(usage));
+            vec![to_json(&last)]
+        },
+    )
 }
 
-/// Maps pieces to payloads and appends `[DONE]` once the generation has ended (not when the client left).
-fn pieces_to_events<R>(rx: mpsc::Receiver<Piece>, render: R) -> impl Stream<Item = String> + Send + 'static
+/// Maps each choice's pieces to payloads as they arrive (choices interleave), then, once every choice is done,
+/// appends `last` of the request's usage and `[DONE]`. An error ends the stream at once, with `[DONE]` (the other
+/// choices are dropped, which cancels them); a stream whose choice just stopped (the client left) ends without.
+fn choices_to_events<R, L>(choices: Vec<Choice>, render: R, last: L) -> impl Stream<Item = String> + Send + 'static
 where
-    R: FnMut(Piece) -> Vec<String> + Send + 'static,
+    R: FnMut(u32, Piece) -> Vec<String> + Send + 'static,
+    L: FnOnce(Usage) -> Vec<String> + Send + 'static,
 {
     use futures::StreamExt;
-    futures::stream::unfold(Some((rx, render)), |state| async move {
-        let (mut rx, mut render) = state?;
-        let piece = rx.recv().await?;
-        let terminal = matches!(piece, Piece::Done { .. } | Piece::Error(_));
-        let mut out = render(piece);
-        if terminal {
-            out.push("[DONE]".to_string());
-            Some((out, None))
-        } else {
-            Some((out, Some((rx, render))))
+    let counts: Vec<bool> = choices.iter().map(|c| c.counts_prompt).collect();
+    let open = choices.len();
+    let merged = futures::stream::select_all(choices.into_iter().enumerate().map(|(i, c)| {
+        futures::stream::unfold(Some(c.rx), |rx| async move {
+            let mut rx = rx?;
+            let piece = rx.recv().await?;
+            let terminal = matches!(piece, Piece::Done { .. } | Piece::Error(_));
+            Some((piece, (!terminal).then_some(rx)))
+        })
+        .map(move |p| (i as u32, p))
+        .boxed()
+    }));
+    struct Merge<R, L> {
+        merged: futures::stream::SelectAll<futures::stream::BoxStream<'static, (u32, Piece)>>,
+        render: R,
+        last: Option<L>,
+        open: usize,
+        counts: Vec<bool>,
+        usage: UsageSum,
+    }
+    let state = Merge { merged, render, last: Some(last), open, counts, usage: UsageSum::default() };
+    futures::stream::unfold(Some(state), |state| async move {
+        let mut s = state?;
+        let (i, piece) = s.merged.next().await?;
+        let mut ended = false;
+        match &piece {
+            Piece::Done { usage, .. } => {
+                s.usage.add(usage, s.counts.get(i as usize).copied().unwrap_or(false));
+                s.open -= 1;
+                ended = s.open == 0;
+            }
+            Piece::Error(_) => ended = true,
+            Piece::Echo { .. } | Piece::Text { .. } => {}
         }
+        let is_error = matches!(piece, Piece::Error(_));
+        let mut out = (s.render)(i, piece);
+        if !ended {
+            return Some((out, Some(s)));
+        }
+        if !is_error && let Some(last) = s.last.take() {
+            out.extend(last(s.usage.total()));
+        }
+        out.push("[DONE]".to_string());
+        Some((out, None))
     })
     .flat_map(futures::stream::iter)
 }

@@ -541,7 +541,7 @@ async fn bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ),
         ("unknown model", json!({"model": "gpt-9", "messages": user}).to_string().into_bytes(), 404),
         ("kv policy", json!({"model": MODEL, "messages": user, "kv": {"policy": "lru"}}).to_string().into_bytes(), 400),
-        ("n=2", json!({"model": MODEL, "messages": user, "n": 2}).to_string().into_bytes(), 400),
+        ("n=17", json!({"model": MODEL, "messages": user, "n": 17}).to_string().into_bytes(), 400),
         (
             "invalid utf-8",
             b"{\"model\": \"fake-model\", \"messages\": [{\"role\": \"user\", \"content\": \"\xc3\x28\"}]}".to_vec(),
@@ -1307,6 +1307,105 @@ async fn logprobs_follow_the_text_they_belong_to() {
         assert!(logprobs.iter().enumerate().all(|(i, &l)| (l + i as f64 / 100.0).abs() < 1e-6), "{logprobs:?}");
     }
     assert!(migrations_counted(&http, "stream_error").await >= 1);
+}
+
+/// `n` choices of a chat, and a batch of completion prompts with `n` choices each, run together: the choices come
+/// back in OpenAI's order (by prompt, then sample), streamed interleaved under their `index`, with one usage that
+/// counts each prompt once; seeded samples take consecutive seeds; one choice that cannot start fails the request
+/// and cancels the others.
+#[tokio::test]
+async fn several_choices_run_together() {
+    let fake = Fake::default();
+    let (seen, open) = (fake.requests_seen.clone(), fake.open.clone());
+    let waddr = spawn_worker(fake).await;
+    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    let post = |path: &'static str, body: Value| {
+        let (client, http) = (client.clone(), http.clone());
+        async move {
+            let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let messages = json!([{"role": "user", "content": "x"}]);
+    let prompt_len = "user: x\nassistant:".len() as u64;
+
+    let (s, body) =
+        post("/v1/chat/completions", json!({"model": MODEL, "messages": messages, "n": 3, "seed": 7})).await;
+    assert_eq!(s, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!((c["index"].as_u64(), c["message"]["content"].as_str()), (Some(i as u64), Some(REPLY)), "{v}");
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_len, "the prompt counts once");
+    assert_eq!(v["usage"]["completion_tokens"], 3 * REPLY.len() as u64);
+    let mut seeds: Vec<u64> =
+        seen.lock().unwrap().iter().rev().take(3).map(|r| r.sampling.as_ref().unwrap().seed.unwrap()).collect();
+    seeds.sort();
+    assert_eq!(seeds, [7, 8, 9]);
+
+    // Streamed: a role chunk per choice, each choice's text whole under its index, one usage chunk, [DONE].
+    let (s, body) = post(
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages, "n": 2, "stream": true, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    let payloads = sse_payloads(&body);
+    assert_eq!(payloads.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = payloads[..payloads.len() - 1].iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+    let (mut texts, mut roles, mut finishes) = (vec![String::new(); 2], 0, 0);
+    for c in &chunks[..chunks.len() - 1] {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        roles += usize::from(choice["delta"]["role"] == "assistant");
+        finishes += usize::from(choice["finish_reason"] == "stop");
+        texts[i].push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!((roles, finishes), (2, 2));
+    assert_eq!(texts, [REPLY, REPLY]);
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 2 * REPLY.len() as u64);
+
+    // A batch of prompts, n each, echoed so that each choice shows its prompt.
+    let batch = json!({"model": MODEL, "prompt": ["ab", "cd"], "n": 2, "max_tokens": 3, "echo": true});
+    let (s, body) = post("/v1/completions", batch.clone()).await;
+    assert_eq!(s, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, ["abPar", "abPar", "cdPar", "cdPar"]);
+    assert_eq!((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()), (Some(4), Some(12)));
+    let mut stream = batch.clone();
+    stream["stream"] = json!(true);
+    stream["prompt"] = json!([[97, 98], [99]]);
+    let (s, body) = post("/v1/completions", stream).await;
+    assert_eq!(s, 200, "{body}");
+    let mut texts = vec![String::new(); 4];
+    for p in sse_payloads(&body).iter().filter(|p| *p != "[DONE]") {
+        let v: Value = serde_json::from_str(p).unwrap();
+        let c = &v["choices"][0];
+        texts[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap());
+    }
+    assert_eq!(texts, ["abPar", "abPar", "cPar", "cPar"]);
+
+    // One choice that cannot run fails the request, and the others are cancelled on the worker.
+    let long = "y".repeat(CONTEXT + 10);
+    let (s, body) = post("/v1/completions", json!({"model": MODEL, "prompt": ["ab", long], "max_tokens": 3})).await;
+    assert_error(s, &body, 400);
+    let (s, body) =
+        post("/v1/completions", json!({"model": MODEL, "prompt": ["forever", "overload"], "max_tokens": 100})).await;
+    assert!(s >= 400, "{s} {body}");
+    for _ in 0..100 {
+        if open.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("a choice's worker stream stayed open after the request failed");
 }
 
 /// `echo` puts the prompt before the completion; with `logprobs` the worker scores the prompt, and its tokens
