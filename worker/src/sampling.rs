@@ -270,7 +270,7 @@ pub struct TokenLogprobs {
 /// entries it returns.
 pub fn token_logprobs(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
     let top_n = top_n.min(MAX_TOP_LOGPROBS as usize).min(logits.len());
-    let lse = log_sum_exp(logits);
+    let lse = pagoda_kernels::cpu::log_sum_exp(logits);
     let logprob_of = |v: f32| {
         if v == f32::INFINITY {
             0.0
@@ -301,26 +301,6 @@ pub fn token_logprobs(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs
     }
     let logprob = logits.get(token as usize).map_or(LOGPROB_FLOOR, |&v| logprob_of(v));
     TokenLogprobs { logprob, top }
-}
-
-/// `ln Σ exp(l)` over a row, NaN counted as `-inf`; `-inf` for a row with nothing above `-inf`.
-fn log_sum_exp(logits: &[f32]) -> f32 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    if !max.is_finite() {
-        return if max == f32::INFINITY { f32::INFINITY } else { f32::NEG_INFINITY };
-    }
-    // Eight partial sums, so the compiler can keep the exponentials in vector lanes.
-    const LANES: usize = 8;
-    let mut lanes = [0.0f32; LANES];
-    let chunks = logits.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (s, &v) in lanes.iter_mut().zip(c) {
-            *s += (sanitize(v) - max).exp();
-        }
-    }
-    let sum: f32 = lanes.iter().sum::<f32>() + tail.iter().map(|&v| (sanitize(v) - max).exp()).sum::<f32>();
-    max + sum.ln()
 }
 
 /// Index of the largest logit; the lowest index wins ties; NaN never wins.

@@ -397,6 +397,41 @@ pub unsafe fn exp256(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }
 
+/// [`super::scalar::log_sum_exp`]: the maximum (NaN skipped), then the sum of [`exp256`] of the differences in
+/// two accumulators. A row whose maximum is not finite goes to the scalar form, which defines those cases.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn log_sum_exp(x: &[f32]) -> f32 {
+    let (n, p) = (x.len(), x.as_ptr());
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 8 <= n {
+        // `max(v, m)` returns `m` when `v` is NaN.
+        m = _mm256_max_ps(_mm256_loadu_ps(p.add(i)), m);
+        i += 8;
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+    let max = x[i..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+    if !max.is_finite() {
+        return super::scalar::log_sum_exp(x);
+    }
+    let mv = _mm256_set1_ps(max);
+    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    // NaN and -inf differences clamp to exp256's floor (~1e-38): nothing next to the maximum's 1.
+    while i + 16 <= n {
+        s0 = _mm256_add_ps(s0, exp256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv)));
+        s1 = _mm256_add_ps(s1, exp256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i + 8)), mv)));
+        i += 16;
+    }
+    while i + 8 <= n {
+        s0 = _mm256_add_ps(s0, exp256(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv)));
+        i += 8;
+    }
+    let tail: f32 = x[i..].iter().map(|&v| if v.is_nan() { 0.0 } else { (v - max).exp() }).sum();
+    max + (hsum(_mm256_add_ps(s0, s1)) + tail).ln()
+}
+
 /// `gate = silu(gate) * up`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
@@ -784,6 +819,32 @@ mod tests {
             assert_eq!(p.d.map(f32::to_bits), q.d.map(f32::to_bits));
             assert_eq!(p.s.map(f32::to_bits), q.s.map(f32::to_bits));
         }
+    }
+
+    #[test]
+    fn log_sum_exp_matches_scalar() {
+        if !crate::cpu::avx2_available() {
+            return;
+        }
+        let mut seed = 11;
+        for n in [1usize, 7, 8, 9, 16, 17, 100, 49_152] {
+            let mut x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 20.0).collect();
+            // SAFETY: features checked above.
+            let (a, b) = (crate::cpu::scalar::log_sum_exp(&x), unsafe { log_sum_exp(&x) });
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "n {n}: {a} {b}");
+            if n > 9 {
+                x[3] = f32::NAN;
+                x[8] = f32::NEG_INFINITY;
+                let (a, b) = (crate::cpu::scalar::log_sum_exp(&x), unsafe { log_sum_exp(&x) });
+                assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "n {n} with NaN and -inf: {a} {b}");
+                x[5] = f32::INFINITY;
+                assert_eq!(unsafe { log_sum_exp(&x) }, f32::INFINITY);
+            }
+        }
+        let dead = [f32::NEG_INFINITY; 12];
+        assert_eq!(unsafe { log_sum_exp(&dead) }, f32::NEG_INFINITY);
+        let nan = [f32::NAN; 12];
+        assert_eq!(unsafe { log_sum_exp(&nan) }, f32::NEG_INFINITY);
     }
 
     #[test]

@@ -96,6 +96,17 @@ pub fn avx2_available() -> bool {
     }
 }
 
+/// `ln Σ exp(x)` over one row (a log-softmax's normaliser), NaN counted as `-inf`; `-inf` when nothing is above
+/// `-inf`, `+inf` when an element is. AVX2 where the CPU has it.
+pub fn log_sum_exp(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // SAFETY: the features are checked at run time above.
+        return unsafe { avx2::log_sum_exp(x) };
+    }
+    scalar::log_sum_exp(x)
+}
+
 /// CPU implementation of [`Backend`]: the calling thread plus a pool of `threads - 1` helpers.
 pub struct CpuBackend {
     /// Helpers; `None` when `threads == 1`.

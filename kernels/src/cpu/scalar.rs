@@ -68,6 +68,27 @@ pub fn rmsnorm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// `ln Σ exp(x)` over a row, NaN counted as `-inf`: `-inf` when nothing is above `-inf`, `+inf` when an element
+/// is. Eight partial sums, so the compiler can keep them in vector lanes.
+pub fn log_sum_exp(x: &[f32]) -> f32 {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if !max.is_finite() {
+        return max;
+    }
+    const LANES: usize = 8;
+    let mut lanes = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let term = |v: f32| if v.is_nan() { 0.0 } else { (v - max).exp() };
+    for c in chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s += term(v);
+        }
+    }
+    let sum: f32 = lanes.iter().sum::<f32>() + tail.iter().map(|&v| term(v)).sum::<f32>();
+    max + sum.ln()
+}
+
 /// `gate = silu(gate) * up`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
