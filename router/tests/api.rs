@@ -278,7 +278,11 @@ async fn spawn_router_with(workers: Vec<String>, body_limit: usize, security: Se
 }
 
 async fn cluster_with_limit(body_limit: usize) -> Cluster {
-    let fake = Fake::default();
+    cluster_of(Fake::default(), body_limit).await
+}
+
+/// A ready router over the one worker `fake`.
+async fn cluster_of(fake: Fake, body_limit: usize) -> Cluster {
     let (open, started) = (fake.open.clone(), fake.started.clone());
     let waddr = spawn_worker(fake).await;
     let http = spawn_router(vec![waddr.to_string()], body_limit).await;
@@ -303,6 +307,13 @@ impl Cluster {
             .unwrap();
         let status = r.status().as_u16();
         (status, r.text().await.unwrap())
+    }
+
+    /// POSTs `body` and expects a 200; the body text.
+    async fn post_ok(&self, path: &str, body: &Value) -> String {
+        let (s, text) = self.post(path, body.to_string()).await;
+        assert_eq!(s, 200, "{text}");
+        text
     }
 
     async fn chat(&self, body: Value) -> (u16, Value) {
@@ -404,13 +415,7 @@ async fn stop_string_truncates_and_cancels() {
     assert_eq!(v["choices"][0]["message"]["content"], "Paris is the capital of France. ünïcødé 🦀 ");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     // The worker stream was dropped at the stop string.
-    for _ in 0..100 {
-        if c.open.load(Ordering::SeqCst) == 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("worker stream still open after a stop string");
+    assert!(streams_close(&c.open).await, "worker stream still open after a stop string");
 }
 
 /// Parses an SSE body strictly: every event is exactly `data: <payload>\n\n`.
@@ -1192,17 +1197,11 @@ fn logprob_bytes(content: &Value) -> Vec<u8> {
 async fn logprobs_follow_the_text_they_belong_to() {
     let fake = Fake::default();
     let seen = fake.requests_seen.clone();
-    let waddr = spawn_worker(fake).await;
-    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
-    let client = reqwest::Client::new();
-    wait_ready(&client, &http).await;
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = c.client.clone();
     let post = |path: &'static str, body: Value| {
-        let (client, http) = (client.clone(), http.clone());
-        async move {
-            let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
-            assert_eq!(r.status(), 200);
-            r.text().await.unwrap()
-        }
+        let c = &c;
+        async move { c.post_ok(path, &body).await }
     };
     let messages = json!([{"role": "user", "content": "x"}]);
 
@@ -1317,16 +1316,10 @@ async fn logprobs_follow_the_text_they_belong_to() {
 async fn several_choices_run_together() {
     let fake = Fake::default();
     let (seen, open) = (fake.requests_seen.clone(), fake.open.clone());
-    let waddr = spawn_worker(fake).await;
-    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
-    let client = reqwest::Client::new();
-    wait_ready(&client, &http).await;
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
     let post = |path: &'static str, body: Value| {
-        let (client, http) = (client.clone(), http.clone());
-        async move {
-            let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
-            (r.status().as_u16(), r.text().await.unwrap())
-        }
+        let c = &c;
+        async move { c.post(path, body.to_string()).await }
     };
     let messages = json!([{"role": "user", "content": "x"}]);
     let prompt_len = "user: x\nassistant:".len() as u64;
@@ -1399,13 +1392,18 @@ async fn several_choices_run_together() {
     let (s, body) =
         post("/v1/completions", json!({"model": MODEL, "prompt": ["forever", "overload"], "max_tokens": 100})).await;
     assert!(s >= 400, "{s} {body}");
+    assert!(streams_close(&open).await, "a choice's worker stream stayed open after the request failed");
+}
+
+/// Whether every worker stream `open` counts closes within two seconds.
+async fn streams_close(open: &AtomicUsize) -> bool {
     for _ in 0..100 {
         if open.load(Ordering::SeqCst) == 0 {
-            return;
+            return true;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("a choice's worker stream stayed open after the request failed");
+    false
 }
 
 /// `echo` puts the prompt before the completion; with `logprobs` the worker scores the prompt, and its tokens
@@ -1415,17 +1413,11 @@ async fn several_choices_run_together() {
 async fn echo_scores_the_prompt() {
     let fake = Fake::default();
     let seen = fake.requests_seen.clone();
-    let waddr = spawn_worker(fake).await;
-    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
-    let client = reqwest::Client::new();
-    wait_ready(&client, &http).await;
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let client = c.client.clone();
     let completion = |body: Value| {
-        let (client, http) = (client.clone(), http.clone());
-        async move {
-            let r = client.post(format!("{http}/v1/completions")).json(&body).send().await.unwrap();
-            assert_eq!(r.status(), 200);
-            r.text().await.unwrap()
-        }
+        let c = &c;
+        async move { c.post_ok("/v1/completions", &body).await }
     };
     let v: Value =
         serde_json::from_str(&completion(json!({"model": MODEL, "prompt": "x", "echo": true, "max_tokens": 5})).await)
