@@ -303,6 +303,19 @@ async fn up_answers_chat_streaming_and_not() {
     let mondays = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().matches("Monday").count();
     assert!(mondays(&plain) >= 2, "the unpenalised answer repeats the week: {plain}");
     assert!(mondays(&penalised) < mondays(&plain), "the penalty should cut the repeats: {penalised}");
+    // repetition_penalty (HF's and vLLM's) cuts them too; min_p 1 keeps only the most likely token, so even a hot
+    // sample is the greedy answer.
+    let mut repeat = week(0.0);
+    repeat["repetition_penalty"] = json!(1.5);
+    let (s, repeat) = http.post_json("/v1/chat/completions", &repeat).await.unwrap();
+    assert_eq!(s, 200, "{repeat}");
+    assert!(mondays(&repeat) < mondays(&plain), "the repetition penalty should cut the repeats: {repeat}");
+    let mut hot = week(0.0);
+    hot["temperature"] = json!(1.5);
+    hot["min_p"] = json!(1.0);
+    let (s, hot) = http.post_json("/v1/chat/completions", &hot).await.unwrap();
+    assert_eq!(s, 200, "{hot}");
+    assert_eq!(hot["choices"][0]["message"]["content"], plain["choices"][0]["message"]["content"], "{hot}");
 
     // ignore_eos (vLLM's extension, which benchmark clients send): the one-word answer goes on past its end token.
     assert_eq!(finish, "stop", "the plain greedy answer ends by itself: {answer:?}");
@@ -318,6 +331,48 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(v["usage"]["completion_tokens"], completion_tokens + 8, "{v}");
     let longer = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(longer.starts_with(&answer) && longer.len() > answer.len(), "{answer:?} then {longer:?}");
+    // min_tokens (vLLM's): the end token cannot come before it, so the same answer goes on past its end.
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &chat(
+                QUESTION,
+                json!({"temperature": 0, "max_tokens": completion_tokens + 20, "min_tokens": completion_tokens + 4}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= completion_tokens + 4, "{v}");
+    let at_least = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(at_least.starts_with(&answer) && at_least.len() > answer.len(), "{answer:?} then {at_least:?}");
+    // stop_token_ids (vLLM's): the greedy continuation of the capital stops at its second token, unsent.
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 3,
+                                               "temperature": 0, "logprobs": 0}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    let second = v["choices"][0]["logprobs"]["tokens"][1].as_str().unwrap().to_string();
+    let second_ids = tokenize(&second).await;
+    assert_eq!(second_ids.len(), 1, "{second:?} is one token");
+    let (s, v) = http
+        .post_json(
+            "/v1/completions",
+            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 3,
+                                               "temperature": 0, "stop_token_ids": second_ids}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["choices"][0]["text"].as_str(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(first.as_str()), Some("stop")),
+        "{v}"
+    );
 
     // Models, health, metrics.
     let (s, body) = http.get("/v1/models").await.unwrap();

@@ -410,10 +410,17 @@ impl Generation {
                 frequency_penalty: params.sampling.frequency_penalty,
                 // A resumed attempt's prompt ends with what earlier attempts generated: the penalties count it.
                 prior_output_tokens: self.generated.len() as u32,
+                repetition_penalty: params.sampling.repetition_penalty,
+                min_p: params.sampling.min_p,
+                min_tokens: params.sampling.min_tokens.saturating_sub(self.generated.len() as u32),
             }),
-            // The model's end tokens stop the request unless it asked to ignore them; the worker then does not add
-            // its own either.
-            stop_token_ids: if params.ignore_eos { Vec::new() } else { self.ctx.codec.stop_token_ids() },
+            // The model's end tokens stop the request unless it asked to ignore them (the worker then does not add
+            // its own either); the request's own stop ids stop it either way.
+            stop_token_ids: {
+                let mut ids = if params.ignore_eos { Vec::new() } else { self.ctx.codec.stop_token_ids() };
+                ids.extend(params.stop_token_ids.iter().filter(|t| !ids.contains(t)).copied().collect::<Vec<_>>());
+                ids
+            },
             ignore_eos: params.ignore_eos,
             namespace: self.job.namespace.clone(),
             kv_policy: params.kv_policy.clone(),

@@ -24,7 +24,9 @@ pub const MAX_NAME_BYTES: usize = 256;
 pub const MAX_CHOICES: usize = 16;
 /// At most this many content parts in one message.
 pub const MAX_PARTS: usize = 256;
-pub use pagoda_worker::sampling::{LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY_LIMIT};
+pub use pagoda_worker::sampling::{
+    LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, PENALTY_LIMIT,
+};
 /// Longest `kv.profile_queries` entry, in bytes, before it is tokenized (then it must fit
 /// [`MAX_PROFILE_QUERY_TOKENS`](pagoda_worker::placement::MAX_PROFILE_QUERY_TOKENS)).
 pub const MAX_PROFILE_QUERY_BYTES: usize = 1024;
@@ -98,6 +100,10 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     pub logit_bias: Option<Value>,
     pub ignore_eos: Option<bool>,
+    pub repetition_penalty: Option<f64>,
+    pub min_p: Option<f64>,
+    pub min_tokens: Option<i64>,
+    pub stop_token_ids: Option<Value>,
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
     pub user: Option<String>,
@@ -124,6 +130,10 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     pub logit_bias: Option<Value>,
     pub ignore_eos: Option<bool>,
+    pub repetition_penalty: Option<f64>,
+    pub min_p: Option<f64>,
+    pub min_tokens: Option<i64>,
+    pub stop_token_ids: Option<Value>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub user: Option<String>,
@@ -245,6 +255,11 @@ pub struct Sampling {
     pub seed: Option<u64>,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// vLLM's extensions: 1 and 0 are off; `min_tokens` is checked against the completion budget by
+    /// [`check_min_tokens`] once the prompt is tokenized.
+    pub repetition_penalty: f32,
+    pub min_p: f32,
+    pub min_tokens: u32,
 }
 
 /// Validated generation parameters shared by both endpoints.
@@ -261,6 +276,8 @@ pub struct GenParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM's extension: generate past the model's end-of-sequence tokens, up to `max_tokens` or a stop string.
     pub ignore_eos: bool,
+    /// vLLM's `stop_token_ids`: more tokens that end generation (not emitted), `ignore_eos` or not.
+    pub stop_token_ids: Vec<u32>,
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
@@ -306,6 +323,10 @@ struct CommonIn<'a> {
     frequency_penalty: Option<f64>,
     logit_bias: Option<&'a Value>,
     ignore_eos: Option<bool>,
+    repetition_penalty: Option<f64>,
+    min_p: Option<f64>,
+    min_tokens: Option<i64>,
+    stop_token_ids: Option<&'a Value>,
     vocab_size: usize,
     user: Option<&'a str>,
     kv: Option<&'a KvOptions>,
@@ -391,6 +412,27 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         *p = v as f32;
     }
     let [presence_penalty, frequency_penalty] = penalties;
+    let repetition_penalty = c.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty <= f64::from(MAX_REPETITION_PENALTY)) {
+        return Err(ApiError::invalid_param(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be in (0, {MAX_REPETITION_PENALTY}], got {repetition_penalty}."),
+        ));
+    }
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid_param("min_p", format!("`min_p` must be between 0 and 1, got {min_p}.")));
+    }
+    let min_tokens = match c.min_tokens {
+        None => 0,
+        Some(m) => u32::try_from(m).ok().filter(|&m| max_tokens.is_none_or(|max| m <= max)).ok_or_else(|| {
+            ApiError::invalid_param(
+                "min_tokens",
+                format!("`min_tokens` must be between 0 and `{}`, got {m}.", c.max_tokens_param),
+            )
+        })?,
+    };
+    let stop_token_ids = parse_stop_token_ids(c.stop_token_ids, c.vocab_size)?;
     let ValidKv { policy: kv_policy, budget_tokens: kv_budget_tokens, profile_queries: kv_profile_queries } = match c.kv
     {
         Some(kv) => validate_kv(kv)?,
@@ -417,9 +459,13 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
             seed,
             presence_penalty,
             frequency_penalty,
+            repetition_penalty: repetition_penalty as f32,
+            min_p: min_p as f32,
+            min_tokens,
         },
         logit_bias,
         ignore_eos: c.ignore_eos.unwrap_or(false),
+        stop_token_ids,
         kv_policy,
         kv_budget_tokens,
         kv_profile_queries,
@@ -427,6 +473,53 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         echo: false,
         n,
     })
+}
+
+/// At most this many `stop_token_ids` in one request.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// `stop_token_ids`: null or an array of at most [`MAX_STOP_TOKEN_IDS`] token ids below `vocab_size`.
+fn parse_stop_token_ids(v: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    let items = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) if items.len() <= MAX_STOP_TOKEN_IDS => items,
+        Some(Value::Array(items)) => {
+            return Err(ApiError::invalid_param(
+                "stop_token_ids",
+                format!("`stop_token_ids` has {} entries; at most {MAX_STOP_TOKEN_IDS} are allowed.", items.len()),
+            ));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "stop_token_ids",
+                format!("`stop_token_ids` must be an array of token ids, got {}.", type_name(other)),
+            ));
+        }
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64().filter(|&t| (t as usize) < vocab_size).map(|t| t as u32).ok_or_else(|| {
+                ApiError::invalid_param(
+                    format!("stop_token_ids[{i}]"),
+                    format!("Token id {v} is not in the vocabulary (size {vocab_size})."),
+                )
+            })
+        })
+        .collect()
+}
+
+/// `min_tokens` against the completion budget a prompt leaves (`max_tokens` may have been left to the context).
+pub fn check_min_tokens(params: &GenParams, max_tokens: u32) -> Result<(), ApiError> {
+    let m = params.sampling.min_tokens;
+    if m > max_tokens {
+        return Err(ApiError::invalid_param(
+            "min_tokens",
+            format!("`min_tokens` is {m}, more than the {max_tokens} tokens the completion may have."),
+        ));
+    }
+    Ok(())
 }
 
 /// A count of alternatives per token, `0..=MAX_TOP_LOGPROBS`, named `param` in the error.
@@ -752,6 +845,10 @@ impl ChatCompletionRequest {
             frequency_penalty: self.frequency_penalty,
             logit_bias: self.logit_bias.as_ref(),
             ignore_eos: self.ignore_eos,
+            repetition_penalty: self.repetition_penalty,
+            min_p: self.min_p,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.as_ref(),
             vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
@@ -855,6 +952,10 @@ impl CompletionRequest {
             frequency_penalty: self.frequency_penalty,
             logit_bias: self.logit_bias.as_ref(),
             ignore_eos: self.ignore_eos,
+            repetition_penalty: self.repetition_penalty,
+            min_p: self.min_p,
+            min_tokens: self.min_tokens,
+            stop_token_ids: self.stop_token_ids.as_ref(),
             vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
@@ -1284,7 +1385,10 @@ mod tests {
                 top_k: 40,
                 seed: Some(u64::MAX),
                 presence_penalty: 0.0,
-                frequency_penalty: 0.0
+                frequency_penalty: 0.0,
+                repetition_penalty: 1.0,
+                min_p: 0.0,
+                min_tokens: 0,
             }
         );
         let (_, penalised) = chat(
@@ -1340,6 +1444,36 @@ mod tests {
         let (_, p) = req(r#"{"model":"m","prompt":"x","logit_bias":{"3":-1}}"#).unwrap();
         assert_eq!(p.logit_bias, vec![(3, -1.0)]);
         assert!(req(r#"{"model":"m","prompt":"x","logit_bias":{"100":-1}}"#).is_err());
+    }
+
+    #[test]
+    fn vllm_sampling_extensions() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            parse_json::<ChatCompletionRequest>(body.as_bytes()).unwrap().validate(100)
+        };
+        let (_, p) =
+            chat(r#","repetition_penalty":1.3,"min_p":0.05,"min_tokens":4,"max_tokens":8,"stop_token_ids":[7,9]"#)
+                .unwrap();
+        assert_eq!((p.sampling.repetition_penalty, p.sampling.min_p, p.sampling.min_tokens), (1.3, 0.05, 4));
+        assert_eq!(p.stop_token_ids, [7, 9]);
+        assert!(check_min_tokens(&p, 4).is_ok());
+        assert_eq!(check_min_tokens(&p, 3).unwrap_err().param.as_deref(), Some("min_tokens"));
+        for (extra, param) in [
+            (r#","repetition_penalty":0"#, "repetition_penalty"),
+            (r#","repetition_penalty":11"#, "repetition_penalty"),
+            (r#","min_p":1.5"#, "min_p"),
+            (r#","min_p":-0.1"#, "min_p"),
+            (r#","min_tokens":-1"#, "min_tokens"),
+            (r#","min_tokens":9,"max_tokens":8"#, "min_tokens"),
+            (r#","stop_token_ids":[100]"#, "stop_token_ids[0]"),
+            (r#","stop_token_ids":[1,-2]"#, "stop_token_ids[1]"),
+            (r#","stop_token_ids":5"#, "stop_token_ids"),
+        ] {
+            assert_eq!(chat(extra).unwrap_err().param.as_deref(), Some(param), "{extra}");
+        }
+        let many = format!(r#","stop_token_ids":[{}]"#, vec!["1"; MAX_STOP_TOKEN_IDS + 1].join(","));
+        assert_eq!(chat(&many).unwrap_err().param.as_deref(), Some("stop_token_ids"));
     }
 
     #[test]

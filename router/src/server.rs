@@ -30,7 +30,7 @@ use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChunkChoice,
     Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DetokenizeRequest, DetokenizeResponse,
     GenParams, ModelCard, ModelList, PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse, Usage,
-    check_lengths,
+    check_lengths, check_min_tokens,
 };
 use crate::placer::PlacerConfig;
 use crate::workers::WorkerPool;
@@ -397,6 +397,7 @@ async fn debug_place(
     }
     let prompt = chat_prompt(&st, turns).await?;
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
+    check_min_tokens(&params, max_tokens)?;
     let pool = st.pool();
     let shape = generate::RequestShape::of(pool, &namespace, &prompt, &params, max_tokens)?;
     match pool.explain(&shape.request("debug-place")) {
@@ -643,6 +644,7 @@ async fn start_job(
     arrived: Instant,
 ) -> Result<mpsc::Receiver<Piece>, ApiError> {
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
+    check_min_tokens(&params, max_tokens)?;
     let profile_queries = profile_queries(st, &params.kv_profile_queries, prompt.len()).await?;
     let job = Job {
         request_id: id.to_string(),

@@ -1496,7 +1496,8 @@ async fn sampling_settings_ride_every_attempt() {
     let seen = [dying.requests_seen.clone(), healthy.requests_seen.clone()];
     let http = migrating_cluster(vec![dying, healthy], migration(2000, 2)).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}],
-        "logit_bias": {"66": -100, "65": 2.5}, "presence_penalty": 0.5, "frequency_penalty": -1.25});
+        "logit_bias": {"66": -100, "65": 2.5}, "presence_penalty": 0.5, "frequency_penalty": -1.25,
+        "repetition_penalty": 1.25, "min_p": 0.1, "min_tokens": 12});
     for _ in 0..2 {
         let r = reqwest::Client::new().post(format!("{http}/v1/chat/completions")).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 200);
@@ -1511,13 +1512,17 @@ async fn sampling_settings_ride_every_attempt() {
         let bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
         assert_eq!(bias, vec![(65, 2.5), (66, -100.0)]);
         assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.25));
+        assert_eq!((s.repetition_penalty, s.min_p), (1.25, 0.1));
+        // What is left of min_tokens after the tokens an earlier attempt generated.
+        assert_eq!(s.min_tokens + s.prior_output_tokens, 12, "{calls:?}");
         assert_eq!(len, prompt_len + s.prior_output_tokens as usize, "{calls:?}");
         priors.push(s.prior_output_tokens);
     }
     assert!(priors.contains(&0) && priors.contains(&5), "a first and a migrated attempt: {priors:?}");
 }
 
-/// `ignore_eos` (vLLM's extension) reaches the worker, and the router then sends none of the model's stop ids.
+/// `ignore_eos` (vLLM's extension) reaches the worker, and the router then sends none of the model's stop ids;
+/// `stop_token_ids` are sent with or without them.
 #[tokio::test]
 async fn ignore_eos_sends_no_stop_ids() {
     let fake = Fake::default();
@@ -1541,6 +1546,12 @@ async fn ignore_eos_sends_no_stop_ids() {
             let want = ignore_eos == Some(true);
             assert_eq!(req.ignore_eos, want, "{path} {body}");
             assert_eq!(req.stop_token_ids.is_empty(), want, "{path} {body}: {:?}", req.stop_token_ids);
+            // The request's own stop ids stop it either way, after the model's.
+            body["stop_token_ids"] = json!([65, EOS]);
+            let r = client.post(format!("{http}{path}")).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{path} {body}");
+            let req = seen.lock().unwrap().pop().expect("a Generate call");
+            assert_eq!(req.stop_token_ids, if want { vec![65, EOS] } else { vec![EOS, 65] }, "{path} {body}");
         }
     }
     let r =

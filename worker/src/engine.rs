@@ -513,7 +513,8 @@ pub fn auto_num_blocks(layout: CacheLayout, context_length: usize) -> usize {
 
 enum Command {
     Submit {
-        req: GenerateRequest,
+        /// Boxed: a request is far larger than the other commands.
+        req: Box<GenerateRequest>,
         events: UnboundedSender<GenerateEvent>,
     },
     Cancel(String),
@@ -593,7 +594,7 @@ impl EngineHandle {
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<GenerateEvent>, EngineError> {
         self.validate(&req)?;
         let (events, rx) = unbounded_channel();
-        self.send(Command::Submit { req, events })?;
+        self.send(Command::Submit { req: Box::new(req), events })?;
         Ok(rx)
     }
 
@@ -697,6 +698,12 @@ impl EngineHandle {
         let mut bias = s.logit_bias.clone();
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
+        if s.min_tokens > req.max_tokens {
+            return Err(EngineError::InvalidRequest(format!(
+                "min_tokens {} is more than max_tokens {}",
+                s.min_tokens, req.max_tokens
+            )));
+        }
         if let Some(n) = [req.logprobs, req.prompt_logprobs].into_iter().flatten().find(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(EngineError::InvalidRequest(format!(
                 "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
@@ -1107,6 +1114,7 @@ impl<R: ModelRunner> EngineLoop<R> {
     fn handle(&mut self, cmd: Command) -> Flow {
         match cmd {
             Command::Submit { req, events } => {
+                let req = *req;
                 let mut stop = req.stop_token_ids;
                 if !req.ignore_eos {
                     for &e in &self.eos {
@@ -1118,7 +1126,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let state = ReqState {
                     request_id: req.request_id,
                     events,
-                    sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize),
+                    sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop),
                     profile_queries: req.profile_queries,
                     logprobs: req.logprobs,
                     prompt_logprobs: req.prompt_logprobs,

@@ -1,5 +1,6 @@
-//! Token sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus) over one logits row, after
-//! OpenAI's `logit_bias` and its presence and frequency penalties.
+//! Token sampling: greedy (temperature 0), temperature, top-k, top-p (nucleus) and min-p over one logits row,
+//! after OpenAI's `logit_bias` and its presence and frequency penalties, the repetition penalty of HF/vLLM, and
+//! vLLM's `min_tokens` (no stop token before that many).
 //!
 //! Each request owns a [`Sampler`] with its own seeded RNG (`StdRng`, ChaCha12), so the same seed and the same
 //! logits give the same tokens. The per-token work uses only a caller-provided [`SampleBuffer`] that is reused
@@ -18,6 +19,9 @@ pub const MAX_LOGIT_BIAS: usize = 300;
 pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
 /// Presence and frequency penalties lie in `[-PENALTY_LIMIT, PENALTY_LIMIT]`, as OpenAI's do.
 pub const PENALTY_LIMIT: f32 = 2.0;
+/// The repetition penalty lies in `(0, MAX_REPETITION_PENALTY]` (1 is off; vLLM asks only for > 0, but above a
+/// few it only ever bans: this bounds it).
+pub const MAX_REPETITION_PENALTY: f32 = 10.0;
 /// At most this many alternatives per token in `top_logprobs` (OpenAI's limit, and vLLM's default).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The log-probability reported for a token the model gives no probability at all (a `-inf` or NaN logit, or one
@@ -41,6 +45,14 @@ pub struct SamplingParams {
     /// The prompt's last this-many tokens count as generated: a stream resumed on this worker after another one
     /// failed carries what that one produced in its prompt.
     pub prior_output_tokens: u32,
+    /// HF's and vLLM's `repetition_penalty`: the logit of every token in the prompt or the output so far is divided
+    /// by it when positive and multiplied by it when not. 1 is off.
+    pub repetition_penalty: f32,
+    /// vLLM's `min_p`: after temperature, tokens less likely than `min_p` times the most likely one are dropped.
+    /// 0 is off.
+    pub min_p: f32,
+    /// vLLM's `min_tokens`: the request's stop tokens are banned until it has generated this many.
+    pub min_tokens: u32,
 }
 
 impl SamplingParams {
@@ -54,6 +66,9 @@ impl SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             prior_output_tokens: 0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            min_tokens: 0,
         }
     }
 
@@ -66,10 +81,15 @@ impl SamplingParams {
         self.temperature.is_nan() || self.temperature <= GREEDY_EPSILON || self.top_k == 1
     }
 
+    /// Whether a repetition penalty applies, so that the sampler keeps the prompt's and the output's tokens.
+    pub fn repeats(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+
     /// Whether the token is the argmax of the model's own logits, so a runner may pick it without handing the
-    /// row back: greedy, unbiased and unpenalised.
+    /// row back: greedy, unbiased, unpenalised, with no stop token banned.
     pub fn picks_argmax(&self) -> bool {
-        self.is_greedy() && self.logit_bias.is_empty() && !self.penalizes()
+        self.is_greedy() && self.logit_bias.is_empty() && !self.penalizes() && !self.repeats() && self.min_tokens == 0
     }
 
     /// Checks the penalties and `prior_output_tokens` against a prompt of `prompt_len` tokens.
@@ -84,6 +104,13 @@ impl SamplingParams {
                 "prior_output_tokens {} is more than the prompt's {prompt_len} tokens",
                 self.prior_output_tokens
             ));
+        }
+        let r = self.repetition_penalty;
+        if !(r > 0.0 && r <= MAX_REPETITION_PENALTY) {
+            return Err(format!("repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {r}"));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         Ok(())
     }
@@ -125,13 +152,20 @@ impl SampleBuffer {
     }
 }
 
-/// One request's sampler: its parameters, its RNG, and (under a penalty) how often it has emitted each token.
+/// One request's sampler: its parameters, its RNG, how often it has emitted each token (under a presence or
+/// frequency penalty), the tokens it has seen (under a repetition penalty), and the stop tokens it may not emit yet
+/// (under `min_tokens`).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     cfg: SamplingParams,
     rng: StdRng,
     /// `(token, times generated)`, ascending by token; kept only under a penalty.
     counts: Vec<(u32, u32)>,
+    /// Distinct tokens of the prompt and the output, ascending; kept only under a repetition penalty.
+    seen: Vec<u32>,
+    /// Stop tokens banned while fewer than `min_tokens` have been generated.
+    banned_stops: Vec<u32>,
+    generated: u32,
 }
 
 impl Sampler {
@@ -141,13 +175,14 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Sampler { cfg, rng, counts: Vec::new() }
+        Sampler { cfg, rng, counts: Vec::new(), seen: Vec::new(), banned_stops: Vec::new(), generated: 0 }
     }
 
-    /// [`Sampler::new`] for a request with this prompt that generates at most `max_tokens`: under a penalty, the
-    /// prompt's last `prior_output_tokens` count as generated, and room for every distinct token the request
-    /// can emit is reserved now, so that sampling never allocates.
-    pub fn for_request(cfg: SamplingParams, prompt: &[u32], max_tokens: usize) -> Sampler {
+    /// [`Sampler::new`] for a request with this prompt that generates at most `max_tokens` and stops at
+    /// `stop_tokens`: under a penalty, the prompt's last `prior_output_tokens` count as generated; under a
+    /// repetition penalty, the prompt's tokens are seen; room for every distinct token the request can emit is
+    /// reserved now, so that sampling never allocates.
+    pub fn for_request(cfg: SamplingParams, prompt: &[u32], max_tokens: usize, stop_tokens: &[u32]) -> Sampler {
         let mut s = Sampler::new(cfg);
         if s.cfg.penalizes() {
             let prior = &prompt[prompt.len().saturating_sub(s.cfg.prior_output_tokens as usize)..];
@@ -155,6 +190,15 @@ impl Sampler {
             for &t in prior {
                 s.count(t);
             }
+        }
+        if s.cfg.repeats() {
+            s.seen.reserve(prompt.len() + max_tokens);
+            s.seen.extend_from_slice(prompt);
+            s.seen.sort_unstable();
+            s.seen.dedup();
+        }
+        if s.cfg.min_tokens > 0 {
+            s.banned_stops = stop_tokens.to_vec();
         }
         s
     }
@@ -173,9 +217,18 @@ impl Sampler {
     /// Picks the next token from one row of logits, and counts it under a penalty. Returns 0 for an empty row.
     pub fn sample(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> u32 {
         let token = self.pick(logits, buf);
-        if self.cfg.penalizes() && !logits.is_empty() {
+        if logits.is_empty() {
+            return token;
+        }
+        if self.cfg.penalizes() {
             self.count(token);
         }
+        if self.cfg.repeats()
+            && let Err(i) = self.seen.binary_search(&token)
+        {
+            self.seen.insert(i, token);
+        }
+        self.generated = self.generated.saturating_add(1);
         token
     }
 
@@ -195,6 +248,19 @@ impl Sampler {
         for &(token, bias) in &self.cfg.logit_bias {
             if let Some(c) = cand.get_mut(token as usize) {
                 c.0 += bias;
+            }
+        }
+        if self.generated < self.cfg.min_tokens {
+            for &token in &self.banned_stops {
+                if let Some(c) = cand.get_mut(token as usize) {
+                    c.0 = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let r = self.cfg.repetition_penalty;
+        for &token in &self.seen {
+            if let Some(c) = cand.get_mut(token as usize) {
+                c.0 = if c.0 > 0.0 { c.0 / r } else { c.0 * r };
             }
         }
         let (presence, frequency) = (self.cfg.presence_penalty, self.cfg.frequency_penalty);
@@ -224,6 +290,12 @@ impl Sampler {
         }
         if sum.is_nan() || sum <= 0.0 {
             return argmax(logits);
+        }
+        // min-p: drop what is less likely than min_p times the most likely (whose weight is exp(0) = 1).
+        if self.cfg.min_p > 0.0 {
+            let floor = self.cfg.min_p;
+            cand.retain(|c| c.0 >= floor);
+            sum = cand.iter().map(|c| c.0 as f64).sum();
         }
         // top-p: smallest prefix (by probability) whose mass reaches top_p.
         let mut keep_mass = sum;
@@ -470,6 +542,68 @@ mod tests {
     }
 
     #[test]
+    fn min_p_drops_the_unlikely_and_keeps_ratios() {
+        let probs = [0.5f32, 0.3, 0.14, 0.06];
+        let logits = logits_from_probs(&probs);
+        let n = 40_000;
+        // 0.25 x 0.5 = 0.125: tokens 0, 1 and 2 stay, 3 goes; the rest keep their ratios.
+        let params = SamplingParams { min_p: 0.25, ..cfg(1.0, 1.0, 0, 9) };
+        assert!(!params.is_greedy() && params.check_penalties(0).is_ok());
+        let h = histogram(&mut Sampler::new(params), &logits, n);
+        assert_eq!(h[3], 0, "{h:?}");
+        let f0 = h[0] as f32 / n as f32;
+        assert!((f0 - 0.5 / 0.94).abs() < 0.015, "{h:?}");
+        // min_p 1 keeps only the most likely token.
+        let h = histogram(&mut Sampler::new(SamplingParams { min_p: 1.0, ..cfg(1.0, 1.0, 0, 9) }), &logits, 500);
+        assert_eq!(h[0], 500);
+        for bad in [-0.1, 1.5, f32::NAN] {
+            assert!(SamplingParams { min_p: bad, ..SamplingParams::greedy() }.check_penalties(0).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let mut buf = SampleBuffer::new();
+        let rep = |r: f32| SamplingParams { repetition_penalty: r, ..SamplingParams::greedy() };
+        assert!(!rep(1.3).picks_argmax() && rep(1.0).picks_argmax());
+        // Token 0 (logit 3) is in the prompt: 3 / 2 = 1.5 < 2, so token 1 wins; then token 1 is seen too.
+        let logits = [3.0f32, 2.0, -1.0, -1.5];
+        let mut s = Sampler::for_request(rep(2.0), &[0], 8, &[]);
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        // Both seen: 1.5 and 1.0; token 0 is back on top.
+        assert_eq!(s.sample(&logits, &mut buf), 0);
+        // A negative logit is multiplied: -1 x 2 = -2 < -1.5, so 3 beats 2 once 2 is seen.
+        let negative = [-1.0f32, -1.5];
+        let mut s = Sampler::for_request(rep(2.0), &[0], 8, &[]);
+        assert_eq!(s.sample(&negative, &mut buf), 1);
+        // Below 1 it favours repeats.
+        let mut s = Sampler::for_request(rep(0.5), &[1], 8, &[]);
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        for bad in [0.0, -1.0, 10.5, f32::NAN] {
+            assert!(rep(bad).check_penalties(0).is_err(), "{bad}");
+        }
+        assert!(rep(10.0).check_penalties(0).is_ok());
+    }
+
+    #[test]
+    fn min_tokens_bans_the_stop_tokens_until_reached() {
+        let mut buf = SampleBuffer::new();
+        // Token 2 is the stop token and the most likely: banned for the first two tokens only.
+        let logits = [1.0f32, 2.0, 5.0];
+        let params = SamplingParams { min_tokens: 2, ..SamplingParams::greedy() };
+        assert!(!params.picks_argmax());
+        let mut s = Sampler::for_request(params.clone(), &[0], 8, &[2]);
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf), 2);
+        // Sampled too: the stop token never comes out early.
+        let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, seed: Some(4), ..params }, &[0], 8, &[2]);
+        for _ in 0..2 {
+            assert_ne!(s.sample(&logits, &mut buf), 2);
+        }
+    }
+
+    #[test]
     fn logit_bias_moves_greedy_and_sampled_choices() {
         let mut buf = SampleBuffer::new();
         let logits = [1.0f32, 3.0, 2.0, f32::NAN];
@@ -516,24 +650,24 @@ mod tests {
         // Token 0 leads by 1.0 and token 1 by 0.5 over token 2.
         let logits = [3.0f32, 2.5, 2.0];
         // Frequency 0.4: each emission costs its token 0.4, so greedy goes 0, 0 (2.6 > 2.5), 1 (2.2 < 2.5), ...
-        let mut s = Sampler::for_request(penalised(0.0, 0.4, 0), &[], 8);
+        let mut s = Sampler::for_request(penalised(0.0, 0.4, 0), &[], 8, &[]);
         assert!(!s.config().picks_argmax());
         let got: Vec<u32> = (0..6).map(|_| s.sample(&logits, &mut buf)).collect();
         assert_eq!(got, vec![0, 0, 1, 0, 1, 2]);
         // Presence 0.75: once each is used, each drops the same, so the order repeats.
-        let mut s = Sampler::for_request(penalised(0.75, 0.0, 0), &[], 8);
+        let mut s = Sampler::for_request(penalised(0.75, 0.0, 0), &[], 8, &[]);
         let got: Vec<u32> = (0..5).map(|_| s.sample(&logits, &mut buf)).collect();
         assert_eq!(got, vec![0, 1, 0, 0, 0]);
         // A negative penalty rewards repetition.
-        let mut s = Sampler::for_request(penalised(-1.0, -1.0, 0), &[], 8);
+        let mut s = Sampler::for_request(penalised(-1.0, -1.0, 0), &[], 8, &[]);
         assert!((0..5).all(|_| s.sample(&[2.0, 3.0], &mut buf) == 1));
         // A resumed stream counts the prompt's tail as output: token 0 twice, at 0.6 each, puts it below token 1.
-        let mut s = Sampler::for_request(penalised(0.0, 0.6, 2), &[0, 0, 0], 4);
+        let mut s = Sampler::for_request(penalised(0.0, 0.6, 2), &[0, 0, 0], 4, &[]);
         assert_eq!(s.sample(&logits, &mut buf), 1);
-        let mut s = Sampler::for_request(penalised(0.0, 0.6, 0), &[0, 0, 0], 4);
+        let mut s = Sampler::for_request(penalised(0.0, 0.6, 0), &[0, 0, 0], 4, &[]);
         assert_eq!(s.sample(&logits, &mut buf), 0);
         // Sampled: a large frequency penalty spreads the choice over all three (about 39 zeros in 40 without it).
-        let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, ..penalised(0.0, 2.0, 0) }, &[], 64);
+        let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, ..penalised(0.0, 2.0, 0) }, &[], 64, &[]);
         let probs = logits_from_probs(&[0.98, 0.01, 0.01]);
         let got: Vec<u32> = (0..40).map(|_| s.sample(&probs, &mut buf)).collect();
         let zeros = got.iter().filter(|&&t| t == 0).count();

@@ -277,6 +277,10 @@ impl WorkerService {
                     presence_penalty: s.presence_penalty,
                     frequency_penalty: s.frequency_penalty,
                     prior_output_tokens: s.prior_output_tokens,
+                    // proto3 default 0 means "not set": no repetition penalty.
+                    repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
+                    min_p: s.min_p,
+                    min_tokens: s.min_tokens,
                 }
             }
         };
