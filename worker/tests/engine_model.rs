@@ -203,6 +203,53 @@ fn tiny_pool_run(prefix_cache: bool) {
     assert!(h.submit(greedy("huge", &prompts[0], 200)).is_err());
 }
 
+/// A request's prompt scores and tokens, to the end.
+fn collect_scored(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<TokenLogprobs>, Vec<u32>) {
+    let (mut scored, mut tokens) = (Vec::new(), Vec::new());
+    loop {
+        match rx.blocking_recv() {
+            Some(GenerateEvent::PromptLogprobs(e)) => {
+                assert!(tokens.is_empty(), "prompt log-probabilities come first");
+                scored.extend(e);
+            }
+            Some(GenerateEvent::Token { id, .. }) => tokens.push(id),
+            Some(GenerateEvent::Finished { .. }) => return (scored, tokens),
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+}
+
+/// Scoring requests preempted in a tiny pool compute their prompts again on resuming: each position is still
+/// reported once, with what an unpressured run reports, and the tokens are the same.
+#[test]
+fn prompt_logprobs_survive_preemption() {
+    let prompts: Vec<Vec<u32>> = [
+        "Count from 1 to 60, separated by commas.",
+        "List the names of twenty animals, one per line.",
+        "Write a long poem about the sea.",
+        "Explain in detail how a bicycle works.",
+    ]
+    .iter()
+    .map(|u| chat(u))
+    .collect();
+    let scoring = |p: &[u32]| GenerateRequest { prompt_logprobs: Some(1), ..greedy("s", p, 40) };
+    let big = engine(128, false);
+    let want: Vec<_> = prompts.iter().map(|p| collect_scored(big.submit(scoring(p)).unwrap())).collect();
+    drop(big);
+    let h = engine_admitting(7, true, ReserveConfig::off());
+    let rxs: Vec<_> = prompts.iter().map(|p| h.submit(scoring(p)).unwrap()).collect();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let (scored, tokens) = collect_scored(rx);
+        assert_eq!(tokens, want[i].1, "request {i}");
+        assert_eq!(scored.len(), prompts[i].len() - 1, "request {i}: every position once");
+        for (q, (a, b)) in scored.iter().zip(&want[i].0).enumerate() {
+            assert!((a.logprob - b.logprob).abs() < 1e-3 && a.top[0].0 == b.top[0].0, "request {i}, {q}: {a:?} {b:?}");
+        }
+    }
+    let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
+    assert!(s.preemptions_total > 0, "the pool should have preempted: {s:?}");
+}
+
 #[test]
 fn tiny_pool_preempts_and_outputs_match_unpressured_run() {
     tiny_pool_run(false);
