@@ -78,13 +78,20 @@ pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    /// vLLM's `include_stop_str_in_output`: the matched stop string ends the emitted text instead of being cut.
+    include_stop: bool,
 }
 
 impl StopMatcher {
     /// `stops` must not contain empty strings (validation rejects them).
     pub fn new(stops: Vec<String>) -> StopMatcher {
         let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
-        StopMatcher { stops, held: String::new(), stopped: false }
+        StopMatcher { stops, held: String::new(), stopped: false, include_stop: false }
+    }
+
+    /// [`StopMatcher::new`] that keeps the matched stop string at the end of the text.
+    pub fn including_stop(stops: Vec<String>) -> StopMatcher {
+        StopMatcher { include_stop: true, ..StopMatcher::new(stops) }
     }
 
     /// Feeds newly decoded text.
@@ -96,11 +103,16 @@ impl StopMatcher {
         if self.stops.is_empty() {
             return StopOutcome::Continue(std::mem::take(&mut self.held));
         }
-        // Earliest match wins; on a tie, the longest stop string (it does not matter for the emitted text).
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(pos) = first {
+        // Earliest match wins; on a tie, the longest stop string (which only matters when it is kept).
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, std::cmp::Reverse(s.len()))))
+            .min();
+        if let Some((pos, std::cmp::Reverse(len))) = first {
             self.stopped = true;
-            let out = self.held[..pos].to_string();
+            let end = if self.include_stop { pos + len } else { pos };
+            let out = self.held[..end].to_string();
             self.held.clear();
             return StopOutcome::Stopped(out);
         }
@@ -187,6 +199,15 @@ mod tests {
         let mut m = StopMatcher::new(vec!["\n\n".into(), "User:".into()]);
         assert_eq!(m.push("Paris.\n"), StopOutcome::Continue("Paris.".into()));
         assert_eq!(m.push("\nUser: hi"), StopOutcome::Stopped(String::new()));
+    }
+
+    #[test]
+    fn stop_string_kept_when_asked() {
+        let mut m = StopMatcher::including_stop(vec!["END".into(), "EN".into()]);
+        assert_eq!(m.push("hello E"), StopOutcome::Continue("hello ".into()));
+        assert_eq!(m.push("ND and more"), StopOutcome::Stopped("END".into()));
+        let mut m = StopMatcher::including_stop(vec!["o w".into()]);
+        assert_eq!(m.push("hello world"), StopOutcome::Stopped("hello w".into()));
     }
 
     #[test]

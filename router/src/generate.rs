@@ -220,7 +220,11 @@ impl Generation {
         tx: mpsc::Sender<Piece>,
         first: oneshot::Sender<Result<(), ApiError>>,
     ) -> Generation {
-        let stops = StopMatcher::new(job.params.stop.clone());
+        let stops = if job.params.include_stop_str {
+            StopMatcher::including_stop(job.params.stop.clone())
+        } else {
+            StopMatcher::new(job.params.stop.clone())
+        };
         Generation {
             ctx,
             job,

@@ -1266,6 +1266,19 @@ async fn logprobs_follow_the_text_they_belong_to() {
     assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), text.len());
     assert_eq!(lp["top_logprobs"][0], json!({"P": 0.0}));
     assert_eq!(lp["top_logprobs"][2], json!({"r": -0.02}));
+    // vLLM's include_stop_str_in_output keeps the stop string, and its tokens' log-probabilities with it.
+    let v: Value = serde_json::from_str(
+        &post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "logprobs": 0, "stop": ["capital"], "include_stop_str_in_output": true}),
+        )
+        .await,
+    )
+    .unwrap();
+    let (text, lp) = (v["choices"][0]["text"].as_str().unwrap(), &v["choices"][0]["logprobs"]);
+    assert_eq!((text, v["choices"][0]["finish_reason"].as_str()), ("Paris is the capital", Some("stop")), "{v}");
+    let tokens: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens, text);
     // logprobs 0: the chosen token alone, as OpenAI's `logprobs + 1`.
     let v: Value = serde_json::from_str(
         &post("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 0, "max_tokens": 2})).await,

@@ -149,6 +149,7 @@ const FIELDS: &[&str] = &[
     "min_p",
     "min_tokens",
     "stop_token_ids",
+    "include_stop_str_in_output",
     "echo",
     "suffix",
     "user",
