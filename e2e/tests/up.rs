@@ -331,6 +331,22 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(v["usage"]["completion_tokens"], completion_tokens + 8, "{v}");
     let longer = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(longer.starts_with(&answer) && longer.len() > answer.len(), "{answer:?} then {longer:?}");
+    // response_format json_object: the answer is one JSON object, and generation ends when it closes.
+    let (s, v) = http
+        .post_json(
+            "/v1/chat/completions",
+            &chat(
+                "Describe a cat as a JSON object with name and age.",
+                json!({"temperature": 0, "max_tokens": 200, "response_format": {"type": "json_object"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let object: Value = pagoda_e2e::serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content:?}"));
+    assert!(object.as_object().is_some_and(|o| !o.is_empty()), "{content}");
     // min_tokens (vLLM's): the end token cannot come before it, so the same answer goes on past its end.
     let (s, v) = http
         .post_json(
@@ -415,6 +431,7 @@ async fn up_bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ("unknown model", j(json!({"model": "gpt-5", "messages": user})), 404),
         ("unknown kv policy", j(json!({"model": MODEL_ID, "messages": user, "kv": {"policy": "lru"}})), 400),
         ("n above 16", j(json!({"model": MODEL_ID, "messages": user, "n": 17})), 400),
+        ("json_schema", j(json!({"model": MODEL_ID, "messages": user, "response_format": {"type": "json_schema"}})), 400),
         ("logit_bias outside the vocabulary", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"49152": 1}})), 400),
         ("logit_bias above 100", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"7": 101}})), 400),
         ("too many stop strings", j(json!({"model": MODEL_ID, "messages": user, "stop": ["a","b","c","d","e","f","g","h","i"]})), 400),

@@ -417,6 +417,8 @@ impl Generation {
                 repetition_penalty: params.sampling.repetition_penalty,
                 min_p: params.sampling.min_p,
                 min_tokens: params.sampling.min_tokens.saturating_sub(self.generated.len() as u32),
+                // A resumed attempt's guide replays the prior output tokens, so the object goes on where it was.
+                json_object: params.sampling.json_object,
             }),
             // The model's end tokens stop the request unless it asked to ignore them (the worker then does not add
             // its own either); the request's own stop ids stop it either way.

@@ -262,6 +262,8 @@ pub struct Sampling {
     pub repetition_penalty: f32,
     pub min_p: f32,
     pub min_tokens: u32,
+    /// `response_format: {"type": "json_object"}`: the answer is guided to one JSON object.
+    pub json_object: bool,
 }
 
 /// Validated generation parameters shared by both endpoints.
@@ -467,6 +469,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
             repetition_penalty: repetition_penalty as f32,
             min_p: min_p as f32,
             min_tokens,
+            json_object: false,
         },
         logit_bias,
         ignore_eos: c.ignore_eos.unwrap_or(false),
@@ -826,15 +829,20 @@ impl ChatCompletionRequest {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid_param("tools", "Tool calling is not supported."));
         }
-        if let Some(rf) = &self.response_format {
-            let ty = rf.get("type").and_then(Value::as_str);
-            if !(rf.is_null() || ty == Some("text")) {
-                return Err(ApiError::invalid_param(
-                    "response_format",
-                    "Only `response_format` {\"type\": \"text\"} is supported.",
-                ));
-            }
-        }
+        let json_object = match &self.response_format {
+            None | Some(Value::Null) => false,
+            Some(rf) => match rf.get("type").and_then(Value::as_str) {
+                Some("text") => false,
+                Some("json_object") => true,
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        "response_format",
+                        "`response_format` must be {\"type\": \"text\"} or {\"type\": \"json_object\"} \
+                         (`json_schema` is not supported).",
+                    ));
+                }
+            },
+        };
         let mut params = validate_common(CommonIn {
             model: &self.model,
             max_tokens,
@@ -861,6 +869,7 @@ impl ChatCompletionRequest {
             kv: self.kv.as_ref(),
         })?;
         params.logprobs = logprobs;
+        params.sampling.json_object = json_object;
         Ok((turns, params))
     }
 }
@@ -1397,6 +1406,7 @@ mod tests {
                 repetition_penalty: 1.0,
                 min_p: 0.0,
                 min_tokens: 0,
+                json_object: false,
             }
         );
         let (_, penalised) = chat(
@@ -1479,6 +1489,12 @@ mod tests {
             (r#","stop_token_ids":5"#, "stop_token_ids"),
         ] {
             assert_eq!(chat(extra).unwrap_err().param.as_deref(), Some(param), "{extra}");
+        }
+        assert!(chat(r#","response_format":{"type":"json_object"}"#).unwrap().1.sampling.json_object);
+        assert!(!chat(r#","response_format":{"type":"text"}"#).unwrap().1.sampling.json_object);
+        for rf in [r#"{"type":"json_schema","json_schema":{}}"#, r#"{"type":"xml"}"#, r#""json""#] {
+            let e = chat(&format!(r#","response_format":{rf}"#)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("response_format"), "{rf}");
         }
         let many = format!(r#","stop_token_ids":[{}]"#, vec!["1"; MAX_STOP_TOKEN_IDS + 1].join(","));
         assert_eq!(chat(&many).unwrap_err().param.as_deref(), Some("stop_token_ids"));

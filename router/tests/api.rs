@@ -1510,7 +1510,7 @@ async fn sampling_settings_ride_every_attempt() {
     let http = migrating_cluster(vec![dying, healthy], migration(2000, 2)).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}],
         "logit_bias": {"66": -100, "65": 2.5}, "presence_penalty": 0.5, "frequency_penalty": -1.25,
-        "repetition_penalty": 1.25, "min_p": 0.1, "min_tokens": 12});
+        "repetition_penalty": 1.25, "min_p": 0.1, "min_tokens": 12, "response_format": {"type": "json_object"}});
     for _ in 0..2 {
         let r = reqwest::Client::new().post(format!("{http}/v1/chat/completions")).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 200);
@@ -1525,7 +1525,7 @@ async fn sampling_settings_ride_every_attempt() {
         let bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect();
         assert_eq!(bias, vec![(65, 2.5), (66, -100.0)]);
         assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.25));
-        assert_eq!((s.repetition_penalty, s.min_p), (1.25, 0.1));
+        assert_eq!((s.repetition_penalty, s.min_p, s.json_object), (1.25, 0.1, true));
         // What is left of min_tokens after the tokens an earlier attempt generated.
         assert_eq!(s.min_tokens + s.prior_output_tokens, 12, "{calls:?}");
         assert_eq!(len, prompt_len + s.prior_output_tokens as usize, "{calls:?}");

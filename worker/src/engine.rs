@@ -23,6 +23,7 @@ use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
 
 use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
+use crate::json_guide::TokenTable;
 use crate::model::{
     ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
 };
@@ -265,6 +266,9 @@ pub struct ModelInfo {
     pub num_blocks: usize,
     /// Element type of the device KV arena.
     pub kv_dtype: KvDtype,
+    /// Every token's bytes (empty for special tokens), for JSON-guided sampling; `None` for a model without a
+    /// tokenizer (synthetic weights), which refuses such requests.
+    pub token_bytes: Option<Arc<TokenTable>>,
 }
 
 impl ModelInfo {
@@ -698,6 +702,11 @@ impl EngineHandle {
         let mut bias = s.logit_bias.clone();
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
+        if s.json_object && info.token_bytes.is_none() {
+            return Err(EngineError::InvalidRequest(
+                "JSON-guided sampling needs the model's tokenizer, which this worker's model lacks".into(),
+            ));
+        }
         if s.min_tokens > req.max_tokens {
             return Err(EngineError::InvalidRequest(format!(
                 "min_tokens {} is more than max_tokens {}",
@@ -1126,7 +1135,11 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let state = ReqState {
                     request_id: req.request_id,
                     events,
-                    sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop),
+                    sampler: match &self.runner.info().token_bytes {
+                        Some(t) => Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop)
+                            .with_json_guide(t.clone(), &req.prompt),
+                        None => Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop),
+                    },
                     profile_queries: req.profile_queries,
                     logprobs: req.logprobs,
                     prompt_logprobs: req.prompt_logprobs,
@@ -1775,11 +1788,11 @@ pub fn no_cuda_build() -> EngineError {
 /// starts here, so CPU and GPU workers report the same model the same way.
 pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineError> {
     let model_err = |e: ModelError| EngineError::Model(e.to_string());
-    let (model, model_id, name, eos_token_ids, bos_token_id) = match &cfg.synthetic {
+    let (model, model_id, name, eos_token_ids, bos_token_id, token_bytes) = match &cfg.synthetic {
         Some(spec) => {
             tracing::warn!(model = %spec, "serving a SYNTHETIC-weights model: its outputs are meaningless");
             let model = LlamaModel::synthetic(spec).map_err(model_err)?;
-            (model, spec.model_name(), spec.model_name(), Vec::new(), None)
+            (model, spec.model_name(), spec.model_name(), Vec::new(), None, None)
         }
         None => {
             let gguf = Gguf::open(&cfg.model_path).map_err(model_err)?;
@@ -1788,7 +1801,11 @@ pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineE
             let file_stem = cfg.model_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             let name =
                 gguf.get_str_opt("general.name").ok().flatten().map(str::to_owned).unwrap_or_else(|| file_stem.clone());
-            (model, file_stem, name, tokenizer.eos_token_ids().to_vec(), tokenizer.bos_id())
+            let table =
+                TokenTable::new((0..tokenizer.vocab_size() as u32).map(|t| {
+                    if tokenizer.is_special(t) { &[][..] } else { tokenizer.token_bytes(t).unwrap_or_default() }
+                }));
+            (model, file_stem, name, tokenizer.eos_token_ids().to_vec(), tokenizer.bos_id(), Some(Arc::new(table)))
         }
     };
     let mc = model.config().clone();
@@ -1818,6 +1835,7 @@ pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineE
         block_size: cfg.block_size,
         num_blocks,
         kv_dtype: cfg.kv_dtype,
+        token_bytes,
     };
     Ok((model, info))
 }
@@ -1931,6 +1949,7 @@ mod tests {
             block_size: 4,
             num_blocks,
             kv_dtype: pagoda_kernels::KvDtype::F32,
+            token_bytes: None,
         };
         let cfg = EngineConfig { block_size: 4, ..EngineConfig::default() };
         Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) })).unwrap()

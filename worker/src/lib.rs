@@ -26,6 +26,7 @@ pub mod eval;
 pub mod events;
 pub mod evicpress;
 pub mod journal;
+pub mod json_guide;
 pub mod model;
 pub mod peer_link;
 #[cfg(feature = "cuda")]

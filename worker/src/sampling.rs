@@ -6,8 +6,12 @@
 //! logits give the same tokens. The per-token work uses only a caller-provided [`SampleBuffer`] that is reused
 //! across tokens and requests: no allocation per token once the buffer has grown to the vocabulary size.
 
+use std::sync::Arc;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::json_guide::{JsonState, TokenTable};
 
 /// Temperatures at or below this are treated as greedy.
 pub const GREEDY_EPSILON: f32 = 1e-5;
@@ -53,6 +57,9 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// vLLM's `min_tokens`: the request's stop tokens are banned until it has generated this many.
     pub min_tokens: u32,
+    /// OpenAI's `response_format: {"type": "json_object"}`: only tokens that keep the output a prefix of one JSON
+    /// object may be sampled, and a stop token only once it is complete ([`crate::json_guide`]).
+    pub json_object: bool,
 }
 
 impl SamplingParams {
@@ -69,6 +76,7 @@ impl SamplingParams {
             repetition_penalty: 1.0,
             min_p: 0.0,
             min_tokens: 0,
+            json_object: false,
         }
     }
 
@@ -89,7 +97,12 @@ impl SamplingParams {
     /// Whether the token is the argmax of the model's own logits, so a runner may pick it without handing the
     /// row back: greedy, unbiased, unpenalised, with no stop token banned.
     pub fn picks_argmax(&self) -> bool {
-        self.is_greedy() && self.logit_bias.is_empty() && !self.penalizes() && !self.repeats() && self.min_tokens == 0
+        self.is_greedy()
+            && self.logit_bias.is_empty()
+            && !self.penalizes()
+            && !self.repeats()
+            && self.min_tokens == 0
+            && !self.json_object
     }
 
     /// Checks the penalties and `prior_output_tokens` against a prompt of `prompt_len` tokens.
@@ -163,9 +176,12 @@ pub struct Sampler {
     counts: Vec<(u32, u32)>,
     /// Distinct tokens of the prompt and the output, ascending; kept only under a repetition penalty.
     seen: Vec<u32>,
-    /// Stop tokens banned while fewer than `min_tokens` have been generated.
-    banned_stops: Vec<u32>,
+    /// The request's stop tokens: banned while fewer than `min_tokens` have been generated, and under the JSON
+    /// guide until the object is complete.
+    stops: Vec<u32>,
     generated: u32,
+    /// Where the JSON answer stands, and every token's bytes to test against it (with `json_object`).
+    json: Option<(JsonState, Arc<TokenTable>)>,
 }
 
 impl Sampler {
@@ -175,7 +191,7 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Sampler { cfg, rng, counts: Vec::new(), seen: Vec::new(), banned_stops: Vec::new(), generated: 0 }
+        Sampler { cfg, rng, counts: Vec::new(), seen: Vec::new(), stops: Vec::new(), generated: 0, json: None }
     }
 
     /// [`Sampler::new`] for a request with this prompt that generates at most `max_tokens` and stops at
@@ -197,10 +213,27 @@ impl Sampler {
             s.seen.sort_unstable();
             s.seen.dedup();
         }
-        if s.cfg.min_tokens > 0 {
-            s.banned_stops = stop_tokens.to_vec();
+        if s.cfg.min_tokens > 0 || s.cfg.json_object {
+            s.stops = stop_tokens.to_vec();
         }
         s
+    }
+
+    /// Guides a `json_object` sampler with the model's token bytes (without them it samples unguided: the
+    /// engine refuses such requests where it has no table). The prompt's last `prior_output_tokens` are the
+    /// answer so far (a resumed stream): the guide starts after them, as far as they fit.
+    pub fn with_json_guide(mut self, tokens: Arc<TokenTable>, prompt: &[u32]) -> Sampler {
+        if self.cfg.json_object {
+            let mut state = JsonState::new();
+            for &t in &prompt[prompt.len().saturating_sub(self.cfg.prior_output_tokens as usize)..] {
+                match state.accepts(tokens.bytes(t)) {
+                    Some(next) => state = next,
+                    None => break,
+                }
+            }
+            self.json = Some((state, tokens));
+        }
+        self
     }
 
     pub fn config(&self) -> &SamplingParams {
@@ -228,6 +261,11 @@ impl Sampler {
         {
             self.seen.insert(i, token);
         }
+        if let Some((state, tokens)) = &mut self.json
+            && let Some(next) = state.accepts(tokens.bytes(token))
+        {
+            *state = next;
+        }
         self.generated = self.generated.saturating_add(1);
         token
     }
@@ -251,7 +289,7 @@ impl Sampler {
             }
         }
         if self.generated < self.cfg.min_tokens {
-            for &token in &self.banned_stops {
+            for &token in &self.stops {
                 if let Some(c) = cand.get_mut(token as usize) {
                     c.0 = f32::NEG_INFINITY;
                 }
@@ -267,6 +305,38 @@ impl Sampler {
         for &(token, n) in &self.counts {
             if let Some(c) = cand.get_mut(token as usize) {
                 c.0 -= presence + frequency * n as f32;
+            }
+        }
+        if let Some((state, tokens)) = &self.json {
+            // A stop token fits only a complete object, and nothing else does then; without stop tokens
+            // (`ignore_eos`), whitespace pads it.
+            let done = state.is_done();
+            let pad = done && self.stops.is_empty();
+            let fits = |t: u32| {
+                if self.stops.contains(&t) {
+                    done
+                } else if pad {
+                    let b = tokens.bytes(t);
+                    !b.is_empty() && b.iter().all(|b| b.is_ascii_whitespace())
+                } else {
+                    !done && state.accepts(tokens.bytes(t)).is_some()
+                }
+            };
+            if self.cfg.is_greedy() {
+                // The first maximum among the tokens that fit, in one pass that tries a token only when it beats
+                // the best so far: a handful of tries instead of the vocabulary's.
+                let mut best = (f32::NEG_INFINITY, None);
+                for &(l, t) in cand.iter() {
+                    if l > best.0 && fits(t) {
+                        best = (l, Some(t));
+                    }
+                }
+                return best.1.or(self.stops.first().copied()).unwrap_or(0);
+            }
+            for c in cand.iter_mut() {
+                if !fits(c.1) {
+                    c.0 = f32::NEG_INFINITY;
+                }
             }
         }
         if self.cfg.is_greedy() {
@@ -600,6 +670,72 @@ mod tests {
         let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, seed: Some(4), ..params }, &[0], 8, &[2]);
         for _ in 0..2 {
             assert_ne!(s.sample(&logits, &mut buf), 2);
+        }
+    }
+
+    #[test]
+    fn json_guide_samples_only_prefixes_of_one_object_then_stops() {
+        let vocab: [&[u8]; 13] = [b"{", b"}", b"\"a\"", b":", b"1", b"x", b"", b" ", b",", b"[", b"]", b"\"", b"b"];
+        let table = Arc::new(TokenTable::new(vocab));
+        let eos = 6u32;
+        let guided = |temperature: f32| {
+            let cfg = SamplingParams { json_object: true, temperature, seed: Some(5), ..SamplingParams::greedy() };
+            assert!(!cfg.picks_argmax());
+            Sampler::for_request(cfg, &[0], 400, &[eos]).with_json_guide(table.clone(), &[0])
+        };
+        let mut buf = SampleBuffer::new();
+        let mut rng = StdRng::seed_from_u64(1);
+        for temperature in [0.0, 1.0] {
+            let mut s = guided(temperature);
+            let (mut state, mut text) = (JsonState::new(), Vec::new());
+            for _ in 0..400 {
+                // "x" is always the likeliest and never fits.
+                let mut logits: Vec<f32> = (0..vocab.len()).map(|_| rng.random::<f32>() * 4.0).collect();
+                logits[5] = 10.0;
+                let t = s.sample(&logits, &mut buf);
+                if t == eos {
+                    assert!(state.is_done(), "the end only after a complete object");
+                    break;
+                }
+                let before = state;
+                state = before.accepts(vocab[t as usize]).unwrap_or_else(|| panic!("{t} does not fit {text:?}"));
+                text.extend_from_slice(vocab[t as usize]);
+                if temperature == 0.0 {
+                    // Greedy: nothing that fits was likelier.
+                    let best = (0..vocab.len() as u32)
+                        .filter(|&c| c != eos && before.accepts(vocab[c as usize]).is_some())
+                        .map(|c| logits[c as usize])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    assert_eq!(logits[t as usize], best, "{text:?}");
+                }
+            }
+        }
+        // A resumed stream's guide starts after the answer so far ("{" then "\"a\"", the prompt's last two tokens):
+        // a colon is next.
+        let cfg = SamplingParams { json_object: true, prior_output_tokens: 2, ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[5, 0, 2], 8, &[eos]).with_json_guide(table.clone(), &[5, 0, 2]);
+        let mut logits = [0.0f32; 13];
+        logits[3] = 1.0;
+        logits[0] = 2.0;
+        assert_eq!(s.sample(&logits, &mut buf), 3);
+        // Once the object is closed only the end of generation may come, however unlikely.
+        let mut s = guided(0.0);
+        for t in [0u32, 1] {
+            logits.fill(0.0);
+            logits[t as usize] = 5.0;
+            assert_eq!(s.sample(&logits, &mut buf), t);
+        }
+        logits.fill(3.0);
+        logits[eos as usize] = -20.0;
+        assert_eq!(s.sample(&logits, &mut buf), eos);
+        // Without stop tokens (ignore_eos), whitespace pads a complete object.
+        let cfg = SamplingParams { json_object: true, ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_json_guide(table.clone(), &[0]);
+        for t in [0u32, 1, 7, 7] {
+            logits.fill(0.0);
+            logits[t as usize] = 1.0;
+            logits[5] = 9.0;
+            assert_eq!(s.sample(&logits, &mut buf), t);
         }
     }
 

@@ -281,6 +281,7 @@ impl WorkerService {
                     repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
                     min_p: s.min_p,
                     min_tokens: s.min_tokens,
+                    json_object: s.json_object,
                 }
             }
         };
@@ -700,6 +701,7 @@ mod tests {
             block_size: 4,
             num_blocks,
             kv_dtype: pagoda_kernels::KvDtype::F32,
+            token_bytes: None,
         };
         let cfg = EngineConfig { block_size: 4, num_blocks, ..EngineConfig::default() };
         let engine = Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) }))

@@ -1,0 +1,386 @@
+//! Constrained decoding to one JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+//!
+//! [`JsonState`] is a pushdown automaton over bytes that accepts exactly the prefixes of an RFC 8259 document
+//! whose top-level value is an object, nested at most [`MAX_DEPTH`] deep. It is `Copy` (the nesting is a bit
+//! stack), so the sampler can try every token of the vocabulary against it without allocating:
+//! [`JsonState::accepts`] feeds a token's bytes to a copy. [`TokenTable`] holds those bytes.
+
+/// Deepest nesting of objects and arrays a guided answer may have.
+pub const MAX_DEPTH: u8 = 64;
+
+/// Each token's bytes, as the sampler tests them against the automaton; empty for special tokens, which never
+/// appear in text.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TokenTable {
+    bytes: Vec<u8>,
+    /// `bytes[offsets[t]..offsets[t + 1]]` is token `t`.
+    offsets: Vec<u32>,
+}
+
+impl TokenTable {
+    /// A table of `tokens` (token id = index).
+    pub fn new<'a>(tokens: impl IntoIterator<Item = &'a [u8]>) -> TokenTable {
+        let mut t = TokenTable { bytes: Vec::new(), offsets: vec![0] };
+        for b in tokens {
+            t.bytes.extend_from_slice(b);
+            t.offsets.push(u32::try_from(t.bytes.len()).unwrap_or(u32::MAX));
+        }
+        t
+    }
+
+    pub fn len(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Token `t`'s bytes (empty for a special token or an id outside the table).
+    pub fn bytes(&self, t: u32) -> &[u8] {
+        let t = t as usize;
+        match (self.offsets.get(t), self.offsets.get(t + 1)) {
+            (Some(&a), Some(&b)) => &self.bytes[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Before the top-level object: whitespace or `{`.
+    Start,
+    /// After `{`: a key or `}`.
+    KeyOrClose,
+    /// After `,` in an object: a key.
+    Key,
+    /// After a key: `:`.
+    Colon,
+    /// A value.
+    Value,
+    /// After `[`: a value or `]`.
+    ValueOrClose,
+    /// After a value inside an object or array: `,` or the closing bracket.
+    AfterValue,
+    /// Inside a string (a key when `key`); `esc`: after a backslash; `hex`: hex digits left of a `\u` escape.
+    Str {
+        key: bool,
+        esc: bool,
+        hex: u8,
+    },
+    Num(Num),
+    /// Inside `true`, `false` or `null`: the rest still to come, as an index into [`LITERALS`] and a position.
+    Lit {
+        which: u8,
+        at: u8,
+    },
+    /// The top-level object is closed.
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Num {
+    /// After `-`: a digit.
+    Minus,
+    /// A leading `0`: `.`, an exponent, or the end.
+    Zero,
+    Int,
+    /// After `.`: a digit.
+    Dot,
+    Frac,
+    /// After `e`/`E`: a sign or a digit.
+    Exp,
+    /// After the exponent's sign: a digit.
+    ExpSign,
+    ExpDigits,
+}
+
+const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
+
+/// How far a byte prefix of one JSON object has come; see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JsonState {
+    mode: Mode,
+    depth: u8,
+    /// Bit `i`: level `i` is an object (else an array).
+    objects: u64,
+}
+
+impl Default for JsonState {
+    fn default() -> JsonState {
+        JsonState::new()
+    }
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+impl JsonState {
+    pub fn new() -> JsonState {
+        JsonState { mode: Mode::Start, depth: 0, objects: 0 }
+    }
+
+    /// Whether the top-level object is complete: nothing but the end of generation may follow.
+    pub fn is_done(&self) -> bool {
+        self.mode == Mode::Done
+    }
+
+    /// This state after `bytes`, or `None` when they leave the language (an empty slice is refused, since a token
+    /// without text cannot advance an answer).
+    pub fn accepts(mut self, bytes: &[u8]) -> Option<JsonState> {
+        if bytes.is_empty() {
+            return None;
+        }
+        for &b in bytes {
+            if !self.step(b) {
+                return None;
+            }
+        }
+        Some(self)
+    }
+
+    fn in_object(&self) -> bool {
+        self.depth > 0 && self.objects >> (self.depth - 1) & 1 == 1
+    }
+
+    fn open(&mut self, object: bool) -> bool {
+        if self.depth >= MAX_DEPTH {
+            return false;
+        }
+        if object {
+            self.objects |= 1 << self.depth;
+        } else {
+            self.objects &= !(1 << self.depth);
+        }
+        self.depth += 1;
+        self.mode = if object { Mode::KeyOrClose } else { Mode::ValueOrClose };
+        true
+    }
+
+    fn close(&mut self, object: bool) -> bool {
+        if self.depth == 0 || self.in_object() != object {
+            return false;
+        }
+        self.depth -= 1;
+        self.value_ended();
+        true
+    }
+
+    fn value_ended(&mut self) {
+        self.mode = if self.depth == 0 { Mode::Done } else { Mode::AfterValue };
+    }
+
+    /// The first byte of a value.
+    fn start_value(&mut self, b: u8) -> bool {
+        match b {
+            b'{' => self.open(true),
+            b'[' => self.open(false),
+            b'"' => {
+                self.mode = Mode::Str { key: false, esc: false, hex: 0 };
+                true
+            }
+            b'-' => {
+                self.mode = Mode::Num(Num::Minus);
+                true
+            }
+            b'0' => {
+                self.mode = Mode::Num(Num::Zero);
+                true
+            }
+            b'1'..=b'9' => {
+                self.mode = Mode::Num(Num::Int);
+                true
+            }
+            _ => match LITERALS.iter().position(|l| l[0] == b) {
+                Some(which) => {
+                    self.mode = Mode::Lit { which: which as u8, at: 1 };
+                    true
+                }
+                None => false,
+            },
+        }
+    }
+
+    fn step(&mut self, b: u8) -> bool {
+        match self.mode {
+            Mode::Start => is_ws(b) || (b == b'{' && self.open(true)),
+            Mode::KeyOrClose | Mode::Key => match b {
+                _ if is_ws(b) => true,
+                b'"' => {
+                    self.mode = Mode::Str { key: true, esc: false, hex: 0 };
+                    true
+                }
+                b'}' if self.mode == Mode::KeyOrClose => self.close(true),
+                _ => false,
+            },
+            Mode::Colon => match b {
+                _ if is_ws(b) => true,
+                b':' => {
+                    self.mode = Mode::Value;
+                    true
+                }
+                _ => false,
+            },
+            Mode::Value => is_ws(b) || self.start_value(b),
+            Mode::ValueOrClose => is_ws(b) || (b == b']' && self.close(false)) || self.start_value(b),
+            Mode::AfterValue => match b {
+                _ if is_ws(b) => true,
+                b',' => {
+                    self.mode = if self.in_object() { Mode::Key } else { Mode::Value };
+                    true
+                }
+                b'}' => self.close(true),
+                b']' => self.close(false),
+                _ => false,
+            },
+            Mode::Str { key, esc, hex } => {
+                if hex > 0 {
+                    if !b.is_ascii_hexdigit() {
+                        return false;
+                    }
+                    self.mode = Mode::Str { key, esc: false, hex: hex - 1 };
+                } else if esc {
+                    match b {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
+                            self.mode = Mode::Str { key, esc: false, hex: 0 }
+                        }
+                        b'u' => self.mode = Mode::Str { key, esc: false, hex: 4 },
+                        _ => return false,
+                    }
+                } else {
+                    match b {
+                        b'"' if key => self.mode = Mode::Colon,
+                        b'"' => self.value_ended(),
+                        b'\\' => self.mode = Mode::Str { key, esc: true, hex: 0 },
+                        // Control characters must be escaped.
+                        0..=0x1f => return false,
+                        _ => {}
+                    }
+                }
+                true
+            }
+            Mode::Num(n) => {
+                let next = match (n, b) {
+                    (Num::Minus, b'0') => Some(Num::Zero),
+                    (Num::Minus, b'1'..=b'9') => Some(Num::Int),
+                    (Num::Int, b'0'..=b'9') => Some(Num::Int),
+                    (Num::Zero | Num::Int, b'.') => Some(Num::Dot),
+                    (Num::Dot | Num::Frac, b'0'..=b'9') => Some(Num::Frac),
+                    (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Some(Num::Exp),
+                    (Num::Exp, b'+' | b'-') => Some(Num::ExpSign),
+                    (Num::Exp | Num::ExpSign | Num::ExpDigits, b'0'..=b'9') => Some(Num::ExpDigits),
+                    _ => None,
+                };
+                match next {
+                    Some(n) => {
+                        self.mode = Mode::Num(n);
+                        true
+                    }
+                    // The number ends here if it may, and the byte belongs to what follows it.
+                    None if matches!(n, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits) => {
+                        self.value_ended();
+                        self.step(b)
+                    }
+                    None => false,
+                }
+            }
+            Mode::Lit { which, at } => {
+                let lit = LITERALS[which as usize];
+                if lit.get(at as usize) != Some(&b) {
+                    return false;
+                }
+                if at as usize + 1 == lit.len() {
+                    self.value_ended();
+                } else {
+                    self.mode = Mode::Lit { which, at: at + 1 };
+                }
+                true
+            }
+            Mode::Done => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(text: &str) -> Option<JsonState> {
+        JsonState::new().accepts(text.as_bytes())
+    }
+
+    #[test]
+    fn accepts_objects_byte_by_byte_and_knows_when_they_end() {
+        let docs = [
+            r#"{}"#,
+            r#" { "a" : 1 } "#,
+            r#"{"name": "Paris", "pop": 2.1e6, "capital": true, "parts": [1, -0.5, "x", null, {}, []], "n": {"d": {}}}"#,
+            r#"{"esc": "a\"b\\c\/d\b\f\n\r\t\u00e9\uD83D\uDE00", "utf8": "日本 🦀"}"#,
+            r#"{"z": 0, "e": 1E+2, "f": 0.0e-1, "big": -12345678901234567890}"#,
+        ];
+        for doc in docs {
+            let trimmed = doc.trim_end();
+            let mut s = JsonState::new();
+            for (i, b) in trimmed.bytes().enumerate() {
+                assert!(!s.is_done(), "{doc}: done early at {i}");
+                s = s.accepts(&[b]).unwrap_or_else(|| panic!("{doc}: refused byte {i} ({:?})", b as char));
+            }
+            assert!(s.is_done(), "{doc}");
+            assert!(s.accepts(b" ").is_none(), "nothing follows the object");
+            assert_eq!(serde_json::from_str::<serde_json::Value>(doc).map(|v| v.is_object()).ok(), Some(true));
+        }
+    }
+
+    #[test]
+    fn refuses_what_is_not_an_object_prefix() {
+        for bad in [
+            "[1]",
+            "\"x\"",
+            "1",
+            "{1",
+            "{\"a\" 1}",
+            "{\"a\":}",
+            "{\"a\":1,}",
+            "{\"a\":1]",
+            "{\"a\":[1}",
+            "{\"a\":01}",
+            "{\"a\":-}",
+            "{\"a\":1.}",
+            "{\"a\":1e}",
+            "{\"a\":tru}",
+            "{\"a\":True}",
+            "{\"a\":\"\\x\"}",
+            "{\"a\":\"\\u12G4\"}",
+            "{\"a\":\"line\nbreak\"}",
+            "{,}",
+            "{}}",
+            "{\"a\":1}x",
+        ] {
+            assert!(run(bad).is_none(), "{bad:?}");
+        }
+        // Prefixes that can still go on are fine.
+        for ok in [" ", "{", "{\"a", "{\"a\":", "{\"a\":1", "{\"a\":1.", "{\"a\":-", "{\"a\":tr", "{\"a\":\"\\u12"] {
+            assert!(run(ok).is_some_and(|s| !s.is_done()), "{ok:?}");
+        }
+        assert!(JsonState::new().accepts(b"").is_none(), "a token with no bytes advances nothing");
+    }
+
+    #[test]
+    fn nesting_is_bounded() {
+        let deep = format!("{{\"a\":{}", "[".repeat(MAX_DEPTH as usize - 1));
+        let s = run(&deep).expect("at the limit");
+        assert!(s.accepts(b"[").is_none(), "one more level is refused");
+        let closed = format!("{deep}{}}}", "]".repeat(MAX_DEPTH as usize - 1));
+        assert!(run(&closed).is_some_and(|s| s.is_done()));
+    }
+
+    #[test]
+    fn token_table_holds_each_tokens_bytes() {
+        let t = TokenTable::new([&b"{"[..], b"", b"\"ab"]);
+        assert_eq!(
+            (t.len(), t.bytes(0), t.bytes(1), t.bytes(2), t.bytes(3)),
+            (3, &b"{"[..], &b""[..], &b"\"ab"[..], &b""[..])
+        );
+    }
+}
