@@ -161,8 +161,9 @@ fn concurrent_matches_solo(h: EngineHandle) {
     }
 }
 
-fn tiny_pool_run(prefix_cache: bool) {
-    let prompts: Vec<Vec<u32>> = [
+/// Four chat prompts of about 40 tokens whose greedy answers run long.
+fn long_answer_prompts() -> Vec<Vec<u32>> {
+    [
         "Count from 1 to 60, separated by commas.",
         "List the names of twenty animals, one per line.",
         "Write a long poem about the sea.",
@@ -170,7 +171,11 @@ fn tiny_pool_run(prefix_cache: bool) {
     ]
     .iter()
     .map(|u| chat(u))
-    .collect();
+    .collect()
+}
+
+fn tiny_pool_run(prefix_cache: bool) {
+    let prompts = long_answer_prompts();
     let new = 40u32;
     // Unpressured reference.
     let big = engine(128, false);
@@ -223,15 +228,7 @@ fn collect_scored(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<TokenLogprob
 /// reported once, with what an unpressured run reports, and the tokens are the same.
 #[test]
 fn prompt_logprobs_survive_preemption() {
-    let prompts: Vec<Vec<u32>> = [
-        "Count from 1 to 60, separated by commas.",
-        "List the names of twenty animals, one per line.",
-        "Write a long poem about the sea.",
-        "Explain in detail how a bicycle works.",
-    ]
-    .iter()
-    .map(|u| chat(u))
-    .collect();
+    let prompts = long_answer_prompts();
     let scoring = |p: &[u32]| GenerateRequest { prompt_logprobs: Some(1), ..greedy("s", p, 40) };
     let big = engine(128, false);
     let want: Vec<_> = prompts.iter().map(|p| collect_scored(big.submit(scoring(p)).unwrap())).collect();
