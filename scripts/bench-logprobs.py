@@ -45,7 +45,9 @@ def main():
     }
     decode = {m: [] for m in decode_modes}
     words = Path(a.prose).read_text(encoding="utf-8", errors="replace").split()
-    score = {"plain prefill": [], "echo + logprobs 1": [], "echo + logprobs 20": []}
+    score_modes = {"plain prefill": {}, "echo + logprobs 1": {"echo": True, "logprobs": 1},
+                   "echo + logprobs 20": {"echo": True, "logprobs": 20}}
+    score = {m: [] for m in score_modes}
     for rep in range(a.reps):
         for mode, extra in decode_modes.items():
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me story number {rep}."}],
@@ -55,12 +57,10 @@ def main():
             decode[mode].append(a.tokens / secs)
         start = rep * a.prompt_words % max(1, len(words) - a.prompt_words)
         text = " ".join(words[start:start + a.prompt_words])
-        for mode in score:
+        for mode, extra in score_modes.items():
             # A number no other run has: the prompt shares no cached block with an earlier one.
             prompt = f"{time.time_ns()} {text}"
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-            if mode != "plain prefill":
-                body |= {"echo": True, "logprobs": int(mode.rsplit(" ", 1)[1])}
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
             out, secs = post(a.url, "/v1/completions", body)
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, out["usage"]
             score[mode].append(out["usage"]["prompt_tokens"] / secs)

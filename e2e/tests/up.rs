@@ -184,30 +184,30 @@ async fn up_answers_chat_streaming_and_not() {
         assert_eq!(v["choices"][0]["message"]["content"], " sea sea sea sea", "+100 forces the token ({extra})");
     }
     // -100 bans the greedy next token: the next-best one comes instead.
-    let one_token = |bias: Value| {
-        json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
-               "logit_bias": bias})
+    // A greedy one-token completion of the capital, with `extra` fields on top.
+    let capital = |extra: Value| {
+        let mut body = json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
+                              "temperature": 0});
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            body[k] = v.clone();
+        }
+        body
     };
-    let (s, v) = http.post_json("/v1/completions", &one_token(json!({}))).await.unwrap();
+    let (s, v) = http.post_json("/v1/completions", &capital(json!({}))).await.unwrap();
     assert_eq!(s, 200, "{v}");
     let first = v["choices"][0]["text"].as_str().unwrap().to_string();
     let first_ids = tokenize(&first).await;
     assert_eq!(first_ids.len(), 1, "{first:?} is one token");
-    let (s, v) =
-        http.post_json("/v1/completions", &one_token(json!({ first_ids[0].to_string(): -100 }))).await.unwrap();
+    let (s, v) = http
+        .post_json("/v1/completions", &capital(json!({"logit_bias": { first_ids[0].to_string(): -100 }})))
+        .await
+        .unwrap();
     assert_eq!(s, 200, "{v}");
     let banned = v["choices"][0]["text"].as_str().unwrap();
     assert!(!banned.is_empty() && banned != first, "banning {first:?} still gave {banned:?}");
 
     // logprobs: the model's own distribution (before the bias), with the greedy token the most likely.
-    let (s, v) = http
-        .post_json(
-            "/v1/completions",
-            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
-                    "temperature": 0, "logprobs": 5}),
-        )
-        .await
-        .unwrap();
+    let (s, v) = http.post_json("/v1/completions", &capital(json!({"logprobs": 5}))).await.unwrap();
     assert_eq!(s, 200, "{v}");
     let lp = &v["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"][0], first.as_str(), "{v}");
@@ -219,14 +219,8 @@ async fn up_answers_chat_streaming_and_not() {
     assert!(top.values().all(|l| l.as_f64().unwrap() <= chosen) && chosen < 0.0, "{v}");
     let mass: f64 = top.values().map(|l| l.as_f64().unwrap().exp()).sum();
     assert!(mass <= 1.0 + 1e-4, "{v}");
-    let (s, v) = http
-        .post_json(
-            "/v1/completions",
-            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1,
-                    "temperature": 0, "logprobs": 5, "logit_bias": { first_ids[0].to_string(): -100 }}),
-        )
-        .await
-        .unwrap();
+    let biased = capital(json!({"logprobs": 5, "logit_bias": { first_ids[0].to_string(): -100 }}));
+    let (s, v) = http.post_json("/v1/completions", &biased).await.unwrap();
     assert_eq!(s, 200, "{v}");
     let runner_up = v["choices"][0]["logprobs"]["token_logprobs"][0].as_f64().unwrap();
     assert_eq!(v["choices"][0]["text"], banned, "{v}");
@@ -363,26 +357,13 @@ async fn up_answers_chat_streaming_and_not() {
     let at_least = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(at_least.starts_with(&answer) && at_least.len() > answer.len(), "{answer:?} then {at_least:?}");
     // stop_token_ids (vLLM's): the greedy continuation of the capital stops at its second token, unsent.
-    let (s, v) = http
-        .post_json(
-            "/v1/completions",
-            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 3,
-                                               "temperature": 0, "logprobs": 0}),
-        )
-        .await
-        .unwrap();
+    let (s, v) = http.post_json("/v1/completions", &capital(json!({"max_tokens": 3, "logprobs": 0}))).await.unwrap();
     assert_eq!(s, 200, "{v}");
     let second = v["choices"][0]["logprobs"]["tokens"][1].as_str().unwrap().to_string();
     let second_ids = tokenize(&second).await;
     assert_eq!(second_ids.len(), 1, "{second:?} is one token");
-    let (s, v) = http
-        .post_json(
-            "/v1/completions",
-            &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 3,
-                                               "temperature": 0, "stop_token_ids": second_ids}),
-        )
-        .await
-        .unwrap();
+    let stopped = capital(json!({"max_tokens": 3, "stop_token_ids": second_ids}));
+    let (s, v) = http.post_json("/v1/completions", &stopped).await.unwrap();
     assert_eq!(s, 200, "{v}");
     assert_eq!(
         (v["choices"][0]["text"].as_str(), v["choices"][0]["finish_reason"].as_str()),

@@ -89,9 +89,10 @@ impl StopMatcher {
         StopMatcher { stops, held: String::new(), stopped: false, include_stop: false }
     }
 
-    /// [`StopMatcher::new`] that keeps the matched stop string at the end of the text.
-    pub fn including_stop(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { include_stop: true, ..StopMatcher::new(stops) }
+    /// Whether the matched stop string stays at the end of the text (vLLM's `include_stop_str_in_output`).
+    pub fn keeping_stop(mut self, keep: bool) -> StopMatcher {
+        self.include_stop = keep;
+        self
     }
 
     /// Feeds newly decoded text.
@@ -203,10 +204,10 @@ mod tests {
 
     #[test]
     fn stop_string_kept_when_asked() {
-        let mut m = StopMatcher::including_stop(vec!["END".into(), "EN".into()]);
+        let mut m = StopMatcher::new(vec!["END".into(), "EN".into()]).keeping_stop(true);
         assert_eq!(m.push("hello E"), StopOutcome::Continue("hello ".into()));
         assert_eq!(m.push("ND and more"), StopOutcome::Stopped("END".into()));
-        let mut m = StopMatcher::including_stop(vec!["o w".into()]);
+        let mut m = StopMatcher::new(vec!["o w".into()]).keeping_stop(true);
         assert_eq!(m.push("hello world"), StopOutcome::Stopped("hello w".into()));
     }
 

@@ -72,6 +72,14 @@ pub struct TokenLogprob {
     pub text_offset: u32,
 }
 
+impl TokenLogprob {
+    /// The worker's entry for `token`, whose text starts at `text_offset`.
+    fn from_pb(lp: PbTokenLogprobs, token: u32, text_offset: u32) -> TokenLogprob {
+        let top = lp.top_token_ids.into_iter().zip(lp.top_logprobs).collect();
+        TokenLogprob { token, logprob: lp.logprob, top, text_offset }
+    }
+}
+
 /// Ties the tokens' log-probabilities to the text the stop matcher releases: an entry goes out with the first
 /// piece of text that reaches past its start, so a token held back with a possible stop string is held with it,
 /// and a token wholly inside a matched stop string (whose text is never sent) is never sent either.
@@ -220,11 +228,7 @@ impl Generation {
         tx: mpsc::Sender<Piece>,
         first: oneshot::Sender<Result<(), ApiError>>,
     ) -> Generation {
-        let stops = if job.params.include_stop_str {
-            StopMatcher::including_stop(job.params.stop.clone())
-        } else {
-            StopMatcher::new(job.params.stop.clone())
-        };
+        let stops = StopMatcher::new(job.params.stop.clone()).keeping_stop(job.params.include_stop_str);
         Generation {
             ctx,
             job,
@@ -424,7 +428,11 @@ impl Generation {
             // its own either); the request's own stop ids stop it either way.
             stop_token_ids: {
                 let mut ids = if params.ignore_eos { Vec::new() } else { self.ctx.codec.stop_token_ids() };
-                ids.extend(params.stop_token_ids.iter().filter(|t| !ids.contains(t)).copied().collect::<Vec<_>>());
+                for &t in &params.stop_token_ids {
+                    if !ids.contains(&t) {
+                        ids.push(t);
+                    }
+                }
                 ids
             },
             ignore_eos: params.ignore_eos,
@@ -606,9 +614,8 @@ impl Generation {
         self.last_token = Some(now);
         self.ctx.metrics.completion_tokens.inc();
         if let Some(lp) = logprobs {
-            let top = lp.top_token_ids.into_iter().zip(lp.top_logprobs).collect();
             let text_offset = u32::try_from(self.logprobs.decoded).unwrap_or(u32::MAX);
-            self.logprobs.pending.push_back(TokenLogprob { token: id, logprob: lp.logprob, top, text_offset });
+            self.logprobs.pending.push_back(TokenLogprob::from_pb(lp, id, text_offset));
         }
         let text = self.decoder.push(&self.ctx.codec.token_bytes(id));
         if text.is_empty() {
@@ -616,9 +623,9 @@ impl Generation {
         }
         self.logprobs.decoded += text.len();
         match self.stops.push(&text) {
-            StopOutcome::Continue(t) => self.send_text(t).await,
+            StopOutcome::Continue(t) => self.send_text(t, false).await,
             StopOutcome::Stopped(t) => {
-                if self.send_text(t).await {
+                if self.send_text(t, false).await {
                     return true;
                 }
                 let usage = Usage::new(self.job.prompt.len() as u32, self.generated.len() as u32, 0);
@@ -649,24 +656,23 @@ impl Generation {
         let logprobs = scores
             .into_iter()
             .zip(self.job.prompt.iter().zip(&offsets).skip(1))
-            .map(|(lp, (&token, &text_offset))| TokenLogprob {
-                token,
-                logprob: lp.logprob,
-                top: lp.top_token_ids.into_iter().zip(lp.top_logprobs).collect(),
-                text_offset,
-            })
+            .map(|(lp, (&token, &text_offset))| TokenLogprob::from_pb(lp, token, text_offset))
             .collect();
         let text = String::from_utf8_lossy(&bytes).into_owned();
         let first_token = self.job.prompt.first().copied().unwrap_or_default();
         self.tx.send(Piece::Echo { text, first_token, logprobs }).await.is_err()
     }
 
-    /// Sends released text with the log-probabilities it releases; true when the client has gone.
-    async fn send_text(&mut self, text: String) -> bool {
+    /// Sends released text with the log-probabilities it releases (at the `end` of a stream that stopped at no
+    /// stop string, every one still pending: all the text is out); true when the client has gone.
+    async fn send_text(&mut self, text: String, end: bool) -> bool {
         if self.send_echo().await {
             return true;
         }
-        let logprobs = self.logprobs.release(text.len());
+        let mut logprobs = self.logprobs.release(text.len());
+        if end {
+            logprobs.extend(self.logprobs.release_all());
+        }
         if text.is_empty() && logprobs.is_empty() {
             return false;
         }
@@ -690,14 +696,7 @@ impl Generation {
         if !stopped {
             text.push_str(&self.stops.finish());
         }
-        if self.send_echo().await {
-            return AttemptEnd::Over;
-        }
-        let mut logprobs = self.logprobs.release(text.len());
-        if !stopped {
-            logprobs.extend(self.logprobs.release_all());
-        }
-        if !(text.is_empty() && logprobs.is_empty()) && self.tx.send(Piece::Text { text, logprobs }).await.is_err() {
+        if self.send_text(text, !stopped).await {
             return AttemptEnd::Over;
         }
         let prompt_tokens = self.job.prompt.len() as u32;

@@ -1133,33 +1133,36 @@ pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
 }
 
+/// One generated token of a chat answer, and the most likely tokens at its position.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct ChatTokenLogprob {
-    /// The token's text; its bytes lossily decoded when it ends inside a UTF-8 character.
-    pub token: String,
-    pub logprob: f32,
-    pub bytes: Vec<u8>,
-    pub top_logprobs: Vec<ChatTopLogprob>,
+    #[serde(flatten)]
+    pub chosen: ChatLogprob,
+    pub top_logprobs: Vec<ChatLogprob>,
 }
 
+/// A token's text (its bytes lossily decoded when they end inside a UTF-8 character), log-probability and bytes.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct ChatTopLogprob {
+pub struct ChatLogprob {
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
+}
+
+impl ChatLogprob {
+    fn new(codec: &dyn TextCodec, token: u32, logprob: f32) -> ChatLogprob {
+        let bytes = codec.token_bytes(token).into_owned();
+        ChatLogprob { token: String::from_utf8_lossy(&bytes).into_owned(), logprob, bytes }
+    }
 }
 
 impl ChatLogprobs {
     pub fn render(entries: &[TokenLogprob], codec: &dyn TextCodec) -> ChatLogprobs {
-        let top = |&(token, logprob): &(u32, f32)| {
-            let bytes = codec.token_bytes(token).into_owned();
-            ChatTopLogprob { token: String::from_utf8_lossy(&bytes).into_owned(), logprob, bytes }
-        };
         let content = entries
             .iter()
-            .map(|e| {
-                let ChatTopLogprob { token, logprob, bytes } = top(&(e.token, e.logprob));
-                ChatTokenLogprob { token, logprob, bytes, top_logprobs: e.top.iter().map(top).collect() }
+            .map(|e| ChatTokenLogprob {
+                chosen: ChatLogprob::new(codec, e.token, e.logprob),
+                top_logprobs: e.top.iter().map(|&(t, l)| ChatLogprob::new(codec, t, l)).collect(),
             })
             .collect();
         ChatLogprobs { content }
@@ -1219,7 +1222,7 @@ impl CompletionLogprobs {
 }
 
 /// A token's text: its bytes, lossily decoded.
-fn token_text(codec: &dyn TextCodec, token: u32) -> String {
+pub fn token_text(codec: &dyn TextCodec, token: u32) -> String {
     String::from_utf8_lossy(&codec.token_bytes(token)).into_owned()
 }
 

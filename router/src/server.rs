@@ -460,7 +460,7 @@ async fn tokenize(State(st): State<AppState>, ApiJson(req): ApiJson<TokenizeRequ
         TokenizeInput::Prompt { text, add_special } => text_prompt(&st, text, add_special).await?,
     };
     let token_strs = (req.return_token_strs == Some(true))
-        .then(|| tokens.iter().map(|&t| String::from_utf8_lossy(&st.0.codec.token_bytes(t)).into_owned()).collect());
+        .then(|| tokens.iter().map(|&t| crate::openai::token_text(st.0.codec.as_ref(), t)).collect());
     Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: st.0.codec.context_length(), tokens, token_strs })
         .into_response())
 }
@@ -908,17 +908,15 @@ where
     futures::stream::unfold(Some(state), |state| async move {
         let mut s = state?;
         let (i, piece) = s.merged.next().await?;
-        let mut ended = false;
-        match &piece {
+        let (ended, is_error) = match &piece {
             Piece::Done { usage, .. } => {
                 s.usage.add(usage, s.counts.get(i as usize).copied().unwrap_or(false));
                 s.open -= 1;
-                ended = s.open == 0;
+                (s.open == 0, false)
             }
-            Piece::Error(_) => ended = true,
-            Piece::Echo { .. } | Piece::Text { .. } => {}
-        }
-        let is_error = matches!(piece, Piece::Error(_));
+            Piece::Error(_) => (true, true),
+            Piece::Echo { .. } | Piece::Text { .. } => (false, false),
+        };
         let mut out = (s.render)(i, piece);
         if !ended {
             return Some((out, Some(s)));

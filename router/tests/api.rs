@@ -1540,10 +1540,7 @@ async fn sampling_settings_ride_every_attempt() {
 async fn ignore_eos_sends_no_stop_ids() {
     let fake = Fake::default();
     let seen = fake.requests_seen.clone();
-    let waddr = spawn_worker(fake).await;
-    let http = spawn_router(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT).await;
-    let client = reqwest::Client::new();
-    wait_ready(&client, &http).await;
+    let Cluster { http, client, .. } = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
     for (path, body) in [
         ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})),
         ("/v1/completions", json!({"model": MODEL, "prompt": "hi"})),

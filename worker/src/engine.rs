@@ -1135,11 +1135,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let state = ReqState {
                     request_id: req.request_id,
                     events,
-                    sampler: match &self.runner.info().token_bytes {
-                        Some(t) => Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop)
-                            .with_json_guide(t.clone(), &req.prompt),
-                        None => Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop),
-                    },
+                    sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop)
+                        .with_json_guide(self.runner.info().token_bytes.as_ref(), &req.prompt),
                     profile_queries: req.profile_queries,
                     logprobs: req.logprobs,
                     prompt_logprobs: req.prompt_logprobs,
@@ -1510,7 +1507,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         let greedy = plan.seqs.iter().all(|e| {
             self.sched.get(e.seq).is_none_or(|s| {
                 let p = &s.payload;
-                !e.wants_logits && !s.prompt_logits_from(e.start)
+                logits_wanted(s, e) == LogitsWanted::None
                     || p.sampler.config().picks_argmax() && p.logprobs.is_none() && p.prompt_logprobs.is_none()
             })
         });
@@ -1538,15 +1535,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             return true;
         }
-        let rows: usize = plan
-            .seqs
-            .iter()
-            .filter_map(|e| match logits_wanted(self.sched.get(e.seq)?, e) {
-                LogitsWanted::All => Some(e.n),
-                LogitsWanted::Last => Some(1),
-                LogitsWanted::None => None,
-            })
-            .sum();
+        let rows: usize =
+            plan.seqs.iter().filter_map(|e| Some(logits_wanted(self.sched.get(e.seq)?, e).rows(e.n))).sum();
         let (got, want, what) = if greedy {
             (self.greedy_tokens.len(), rows, "tokens")
         } else {
@@ -1567,11 +1557,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         for e in &plan.seqs {
             let Some(seq) = self.sched.get_mut(e.seq) else { continue };
             let wanted = logits_wanted(seq, e);
-            let n_rows = match wanted {
-                LogitsWanted::All => e.n,
-                LogitsWanted::Last => 1,
-                LogitsWanted::None => 0,
-            };
+            let n_rows = wanted.rows(e.n);
             let first_row = next_row;
             next_row += n_rows;
             if wanted == LogitsWanted::All && !greedy {

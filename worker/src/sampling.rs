@@ -105,6 +105,11 @@ impl SamplingParams {
             && !self.json_object
     }
 
+    /// The tail of `prompt` that an earlier attempt generated ([`SamplingParams::prior_output_tokens`]).
+    pub fn prior_output<'a>(&self, prompt: &'a [u32]) -> &'a [u32] {
+        &prompt[prompt.len().saturating_sub(self.prior_output_tokens as usize)..]
+    }
+
     /// Checks the penalties and `prior_output_tokens` against a prompt of `prompt_len` tokens.
     pub fn check_penalties(&self, prompt_len: usize) -> Result<(), String> {
         for (name, p) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
@@ -201,7 +206,7 @@ impl Sampler {
     pub fn for_request(cfg: SamplingParams, prompt: &[u32], max_tokens: usize, stop_tokens: &[u32]) -> Sampler {
         let mut s = Sampler::new(cfg);
         if s.cfg.penalizes() {
-            let prior = &prompt[prompt.len().saturating_sub(s.cfg.prior_output_tokens as usize)..];
+            let prior = s.cfg.prior_output(prompt);
             s.counts.reserve(prior.len() + max_tokens);
             for &t in prior {
                 s.count(t);
@@ -222,16 +227,16 @@ impl Sampler {
     /// Guides a `json_object` sampler with the model's token bytes (without them it samples unguided: the
     /// engine refuses such requests where it has no table). The prompt's last `prior_output_tokens` are the
     /// answer so far (a resumed stream): the guide starts after them, as far as they fit.
-    pub fn with_json_guide(mut self, tokens: Arc<TokenTable>, prompt: &[u32]) -> Sampler {
-        if self.cfg.json_object {
+    pub fn with_json_guide(mut self, tokens: Option<&Arc<TokenTable>>, prompt: &[u32]) -> Sampler {
+        if let Some(tokens) = tokens.filter(|_| self.cfg.json_object) {
             let mut state = JsonState::new();
-            for &t in &prompt[prompt.len().saturating_sub(self.cfg.prior_output_tokens as usize)..] {
+            for &t in self.cfg.prior_output(prompt) {
                 match state.accepts(tokens.bytes(t)) {
                     Some(next) => state = next,
                     None => break,
                 }
             }
-            self.json = Some((state, tokens));
+            self.json = Some((state, tokens.clone()));
         }
         self
     }
@@ -681,7 +686,7 @@ mod tests {
         let guided = |temperature: f32| {
             let cfg = SamplingParams { json_object: true, temperature, seed: Some(5), ..SamplingParams::greedy() };
             assert!(!cfg.picks_argmax());
-            Sampler::for_request(cfg, &[0], 400, &[eos]).with_json_guide(table.clone(), &[0])
+            Sampler::for_request(cfg, &[0], 400, &[eos]).with_json_guide(Some(&table), &[0])
         };
         let mut buf = SampleBuffer::new();
         let mut rng = StdRng::seed_from_u64(1);
@@ -713,7 +718,7 @@ mod tests {
         // A resumed stream's guide starts after the answer so far ("{" then "\"a\"", the prompt's last two tokens):
         // a colon is next.
         let cfg = SamplingParams { json_object: true, prior_output_tokens: 2, ..SamplingParams::greedy() };
-        let mut s = Sampler::for_request(cfg, &[5, 0, 2], 8, &[eos]).with_json_guide(table.clone(), &[5, 0, 2]);
+        let mut s = Sampler::for_request(cfg, &[5, 0, 2], 8, &[eos]).with_json_guide(Some(&table), &[5, 0, 2]);
         let mut logits = [0.0f32; 13];
         logits[3] = 1.0;
         logits[0] = 2.0;
@@ -730,7 +735,7 @@ mod tests {
         assert_eq!(s.sample(&logits, &mut buf), eos);
         // Without stop tokens (ignore_eos), whitespace pads a complete object.
         let cfg = SamplingParams { json_object: true, ..SamplingParams::greedy() };
-        let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_json_guide(table.clone(), &[0]);
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_json_guide(Some(&table), &[0]);
         for t in [0u32, 1, 7, 7] {
             logits.fill(0.0);
             logits[t as usize] = 1.0;

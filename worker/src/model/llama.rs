@@ -27,6 +27,17 @@ pub enum LogitsWanted {
     None,
 }
 
+impl LogitsWanted {
+    /// Rows of logits a step of `n` tokens gives.
+    pub fn rows(self, n: usize) -> usize {
+        match self {
+            LogitsWanted::Last => 1,
+            LogitsWanted::All => n,
+            LogitsWanted::None => 0,
+        }
+    }
+}
+
 /// One sequence's share of a batched forward step.
 #[derive(Debug, Clone, Copy)]
 pub struct ForwardSeq<'a> {
