@@ -341,6 +341,32 @@ async fn up_answers_chat_streaming_and_not() {
     let content = v["choices"][0]["message"]["content"].as_str().unwrap();
     let object: Value = pagoda_e2e::serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content:?}"));
     assert!(object.as_object().is_some_and(|o| !o.is_empty()), "{content}");
+    // response_format json_schema: greedy and sampled answers are documents of the schema, keys in its order.
+    let city = json!({"type": "object", "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 40},
+            "country": {"enum": ["France", "Germany", "Italy", "Spain"]},
+            "population": {"type": "integer"},
+            "sights": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 1, "maxItems": 3},
+            "capital": {"type": "boolean"}},
+        "required": ["city", "country", "population", "sights", "capital"], "additionalProperties": false});
+    for (temperature, seed) in [(0.0, 0), (0.8, 11), (0.8, 12)] {
+        let format = json!({"type": "json_schema", "json_schema": {"name": "city", "schema": city, "strict": true}});
+        let body = json!({"temperature": temperature, "seed": seed, "max_tokens": 300, "response_format": format});
+        let (s, v) = http.post_json("/v1/chat/completions", &chat("Describe Paris as JSON.", body)).await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let doc: Value = pagoda_e2e::serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content:?}"));
+        let o = doc.as_object().unwrap_or_else(|| panic!("{content}"));
+        assert_eq!(o.keys().collect::<Vec<_>>(), ["city", "country", "population", "sights", "capital"], "{content}");
+        let city_name = o["city"].as_str().unwrap_or_default().chars().count();
+        assert!((1..=40).contains(&city_name), "{content}");
+        assert!(["France", "Germany", "Italy", "Spain"].contains(&o["country"].as_str().unwrap_or("")), "{content}");
+        assert!(o["population"].is_i64() || o["population"].is_u64(), "{content}");
+        let sights = o["sights"].as_array().unwrap_or_else(|| panic!("{content}"));
+        assert!((1..=3).contains(&sights.len()) && sights.iter().all(Value::is_string), "{content}");
+        assert!(o["capital"].is_boolean(), "{content}");
+    }
     // min_tokens (vLLM's): the end token cannot come before it, so the same answer goes on past its end.
     let (s, v) = http
         .post_json(

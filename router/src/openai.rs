@@ -4,6 +4,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use pagoda_worker::json_schema::JsonSchema;
+
 use crate::codec::TextCodec;
 use crate::error::ApiError;
 use crate::generate::TokenLogprob;
@@ -107,6 +109,8 @@ pub struct ChatCompletionRequest {
     pub include_stop_str_in_output: Option<bool>,
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
+    /// vLLM's extension: a JSON Schema (an object, or its JSON text) the answer must follow.
+    pub guided_json: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
 }
@@ -138,6 +142,10 @@ pub struct CompletionRequest {
     pub include_stop_str_in_output: Option<bool>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
+    /// vLLM accepts `response_format` on completions too.
+    pub response_format: Option<Value>,
+    /// vLLM's extension: a JSON Schema (an object, or its JSON text) the answer must follow.
+    pub guided_json: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
 }
@@ -284,6 +292,9 @@ pub struct GenParams {
     pub stop_token_ids: Vec<u32>,
     /// vLLM's `include_stop_str_in_output`: a matched stop string ends the text instead of being cut from it.
     pub include_stop_str: bool,
+    /// `response_format: {"type": "json_schema", ...}` or vLLM's `guided_json`: the schema, as compact JSON text,
+    /// already compiled once here so that a schema the worker's guide cannot follow is a 400.
+    pub json_schema: Option<String>,
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
@@ -475,6 +486,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stop_token_ids,
         include_stop_str: c.include_stop_str_in_output.unwrap_or(false),
+        json_schema: None,
         kv_policy,
         kv_budget_tokens,
         kv_profile_queries,
@@ -482,6 +494,89 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         echo: false,
         n,
     })
+}
+
+/// What the answer must be: free text, one JSON object, or a document of a JSON Schema.
+#[derive(Debug, Clone, PartialEq)]
+enum Guide {
+    Text,
+    JsonObject,
+    /// Compact JSON text of a schema that compiles.
+    Schema(String),
+}
+
+impl Guide {
+    fn apply(self, params: &mut GenParams) {
+        match self {
+            Guide::Text => {}
+            Guide::JsonObject => params.sampling.json_object = true,
+            Guide::Schema(s) => params.json_schema = Some(s),
+        }
+    }
+}
+
+/// `response_format` (OpenAI's `text`, `json_object` and `json_schema`) and vLLM's `guided_json`, at most one of
+/// which may guide the answer. A schema is compiled here, so one the worker's guide cannot follow is a 400 that
+/// says why.
+fn parse_guide(response_format: Option<&Value>, guided_json: Option<&Value>) -> Result<Guide, ApiError> {
+    const FORMATS: &str = "`response_format` must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \
+         \"json_schema\": {\"name\": ..., \"schema\": {...}}}.";
+    let from_format = match response_format {
+        None | Some(Value::Null) => Guide::Text,
+        Some(rf) => match rf.get("type").and_then(Value::as_str) {
+            Some("text") => Guide::Text,
+            Some("json_object") => Guide::JsonObject,
+            Some("json_schema") => {
+                let spec = rf.get("json_schema").and_then(Value::as_object);
+                let Some(schema) = spec.and_then(|s| s.get("schema")) else {
+                    return Err(ApiError::invalid_param(
+                        "response_format.json_schema.schema",
+                        "`response_format.json_schema` must be an object with a `schema`.",
+                    ));
+                };
+                match spec.and_then(|s| s.get("name")) {
+                    None => {}
+                    Some(Value::String(n))
+                        if (1..=64).contains(&n.len())
+                            && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
+                    Some(_) => {
+                        return Err(ApiError::invalid_param(
+                            "response_format.json_schema.name",
+                            "`name` must be 1 to 64 letters, digits, underscores or dashes.",
+                        ));
+                    }
+                }
+                Guide::Schema(compile_schema(schema, "response_format.json_schema.schema")?)
+            }
+            _ => return Err(ApiError::invalid_param("response_format", FORMATS)),
+        },
+    };
+    let from_guided = match guided_json {
+        None | Some(Value::Null) => None,
+        Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
+            Ok(v) => Some(compile_schema(&v, "guided_json")?),
+            Err(e) => {
+                return Err(ApiError::invalid_param("guided_json", format!("`guided_json` is not valid JSON: {e}.")));
+            }
+        },
+        Some(v) => Some(compile_schema(v, "guided_json")?),
+    };
+    match (from_format, from_guided) {
+        (g, None) => Ok(g),
+        (Guide::Text, Some(s)) => Ok(Guide::Schema(s)),
+        (_, Some(_)) => Err(ApiError::invalid_param(
+            "guided_json",
+            "Give either `guided_json` or a JSON `response_format`, not both.",
+        )),
+    }
+}
+
+/// The schema's compact JSON text, once it is known to compile and fit [`MAX_SCHEMA_BYTES`].
+fn compile_schema(schema: &Value, param: &str) -> Result<String, ApiError> {
+    let text = serde_json::to_string(schema)
+        .map_err(|e| ApiError::invalid_param(param, format!("The schema cannot be serialised: {e}.")))?;
+    JsonSchema::parse(&text).map_err(|e| ApiError::invalid_param(param, format!("{e}.")))?;
+    Ok(text)
 }
 
 /// At most this many `stop_token_ids` in one request.
@@ -829,20 +924,7 @@ impl ChatCompletionRequest {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid_param("tools", "Tool calling is not supported."));
         }
-        let json_object = match &self.response_format {
-            None | Some(Value::Null) => false,
-            Some(rf) => match rf.get("type").and_then(Value::as_str) {
-                Some("text") => false,
-                Some("json_object") => true,
-                _ => {
-                    return Err(ApiError::invalid_param(
-                        "response_format",
-                        "`response_format` must be {\"type\": \"text\"} or {\"type\": \"json_object\"} \
-                         (`json_schema` is not supported).",
-                    ));
-                }
-            },
-        };
+        let guide = parse_guide(self.response_format.as_ref(), self.guided_json.as_ref())?;
         let mut params = validate_common(CommonIn {
             model: &self.model,
             max_tokens,
@@ -869,7 +951,7 @@ impl ChatCompletionRequest {
             kv: self.kv.as_ref(),
         })?;
         params.logprobs = logprobs;
-        params.sampling.json_object = json_object;
+        guide.apply(&mut params);
         Ok((turns, params))
     }
 }
@@ -979,6 +1061,7 @@ impl CompletionRequest {
         })?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);
+        parse_guide(self.response_format.as_ref(), self.guided_json.as_ref())?.apply(&mut params);
         if let Some(b) = self.best_of.filter(|&b| b != i64::from(params.n)) {
             return Err(ApiError::invalid_param(
                 "best_of",
@@ -1497,7 +1580,7 @@ mod tests {
         assert!(!chat(r#","response_format":{"type":"text"}"#).unwrap().1.sampling.json_object);
         for rf in [r#"{"type":"json_schema","json_schema":{}}"#, r#"{"type":"xml"}"#, r#""json""#] {
             let e = chat(&format!(r#","response_format":{rf}"#)).unwrap_err();
-            assert_eq!(e.param.as_deref(), Some("response_format"), "{rf}");
+            assert!(e.param.as_deref().is_some_and(|p| p.starts_with("response_format")), "{rf}");
         }
         let many = format!(r#","stop_token_ids":[{}]"#, vec!["1"; MAX_STOP_TOKEN_IDS + 1].join(","));
         assert_eq!(chat(&many).unwrap_err().param.as_deref(), Some("stop_token_ids"));

@@ -1534,6 +1534,71 @@ async fn sampling_settings_ride_every_attempt() {
     assert!(priors.contains(&0) && priors.contains(&5), "a first and a migrated attempt: {priors:?}");
 }
 
+/// `response_format: json_schema`, and vLLM's `guided_json` (an object or its text), reach the worker as the
+/// schema's compact JSON text with the properties in the request's order; a schema the guide cannot follow is a
+/// 400 that names the parameter and says why, and nothing reaches the worker.
+#[tokio::test]
+async fn json_schemas_reach_the_worker_and_bad_ones_are_refused() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let schema = json!({"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"enum": ["a", "b"]}},
+        "required": ["zeta"], "additionalProperties": false});
+    let chat =
+        |rf: Value| json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": rf});
+    let named =
+        |schema: Value| json!({"type": "json_schema", "json_schema": {"name": "z", "schema": schema, "strict": true}});
+    for (path, body) in [
+        ("/v1/chat/completions", chat(named(schema.clone()))),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "hi", "guided_json": schema})),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "hi", "guided_json": schema.to_string()})),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "hi", "response_format": named(schema.clone())})),
+    ] {
+        c.post_ok(path, &body).await;
+        let req = seen.lock().unwrap().pop().expect("a Generate call");
+        let s = req.sampling.expect("sampling settings");
+        assert_eq!(s.json_schema, schema.to_string(), "{path} {body}");
+        assert!(s.json_schema.find("zeta") < s.json_schema.find("alpha"), "{}", s.json_schema);
+        assert!(!s.json_object);
+    }
+    let email = json!({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}});
+    for (path, body, param, why) in [
+        ("/v1/chat/completions", chat(named(email)), "response_format.json_schema.schema", "`format` is not supported"),
+        ("/v1/chat/completions", chat(named(json!({"type": "array"}))), "response_format.json_schema.schema", "root"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"type": "json_schema", "json_schema": {"name": "z"}})),
+            "response_format.json_schema.schema",
+            "with a `schema`",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"type": "json_schema", "json_schema": {"name": "no spaces", "schema": schema}})),
+            "response_format.json_schema.name",
+            "letters",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "hi", "guided_json": "{"}),
+            "guided_json",
+            "not valid JSON",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "hi", "guided_json": schema, "response_format": {"type": "json_object"}}),
+            "guided_json",
+            "not both",
+        ),
+    ] {
+        let (s, text) = c.post(path, body.to_string()).await;
+        let v = assert_error(s, &text, 400);
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(why), "{body}: {v}");
+    }
+    assert!(seen.lock().unwrap().is_empty(), "no refused request reached the worker");
+    c.still_serves().await;
+}
+
 /// `ignore_eos` (vLLM's extension) reaches the worker, and the router then sends none of the model's stop ids;
 /// `stop_token_ids` are sent with or without them.
 #[tokio::test]

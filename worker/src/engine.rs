@@ -702,7 +702,7 @@ impl EngineHandle {
         let mut bias = s.logit_bias.clone();
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
-        if s.json_object && info.token_bytes.is_none() {
+        if s.guided() && info.token_bytes.is_none() {
             return Err(EngineError::InvalidRequest(
                 "JSON-guided sampling needs the model's tokenizer, which this worker's model lacks".into(),
             ));

@@ -27,6 +27,7 @@ pub mod events;
 pub mod evicpress;
 pub mod journal;
 pub mod json_guide;
+pub mod json_schema;
 pub mod model;
 pub mod peer_link;
 #[cfg(feature = "cuda")]

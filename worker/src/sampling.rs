@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::json_guide::{JsonState, TokenTable};
+use crate::json_schema::{JsonSchema, SchemaState};
 
 /// Temperatures at or below this are treated as greedy.
 pub const GREEDY_EPSILON: f32 = 1e-5;
@@ -60,6 +61,10 @@ pub struct SamplingParams {
     /// OpenAI's `response_format: {"type": "json_object"}`: only tokens that keep the output a prefix of one JSON
     /// object may be sampled, and a stop token only once it is complete ([`crate::json_guide`]).
     pub json_object: bool,
+    /// OpenAI's `response_format: {"type": "json_schema"}`: only tokens that keep the output a prefix of a document
+    /// the compiled schema describes may be sampled ([`crate::json_schema`]); it takes precedence over
+    /// `json_object`.
+    pub json_schema: Option<Arc<JsonSchema>>,
 }
 
 impl SamplingParams {
@@ -77,6 +82,7 @@ impl SamplingParams {
             min_p: 0.0,
             min_tokens: 0,
             json_object: false,
+            json_schema: None,
         }
     }
 
@@ -102,7 +108,12 @@ impl SamplingParams {
             && !self.penalizes()
             && !self.repeats()
             && self.min_tokens == 0
-            && !self.json_object
+            && !self.guided()
+    }
+
+    /// Whether a grammar guides the output (`json_object` or `json_schema`).
+    pub fn guided(&self) -> bool {
+        self.json_object || self.json_schema.is_some()
     }
 
     /// The tail of `prompt` that an earlier attempt generated ([`SamplingParams::prior_output_tokens`]).
@@ -185,8 +196,46 @@ pub struct Sampler {
     /// guide until the object is complete.
     stops: Vec<u32>,
     generated: u32,
-    /// Where the JSON answer stands, and every token's bytes to test against it (with `json_object`).
-    json: Option<(JsonState, Arc<TokenTable>)>,
+    /// Where the JSON answer stands, and every token's bytes to test against it (with `json_object` or
+    /// `json_schema`).
+    json: Option<(Guide, Arc<TokenTable>)>,
+}
+
+/// The grammar a guided sampler follows, and where the answer stands in it.
+#[derive(Debug, Clone)]
+enum Guide {
+    Object(JsonState),
+    /// `trial` is scratch for trying tokens without allocating.
+    Schema {
+        schema: Arc<JsonSchema>,
+        state: Box<SchemaState>,
+        trial: Box<SchemaState>,
+    },
+}
+
+impl Guide {
+    fn is_done(&self) -> bool {
+        match self {
+            Guide::Object(s) => s.is_done(),
+            Guide::Schema { state, .. } => state.is_done(),
+        }
+    }
+
+    /// Moves past `bytes` if they fit; returns whether they did.
+    fn advance(&mut self, bytes: &[u8]) -> bool {
+        match self {
+            Guide::Object(s) => s.accepts(bytes).map(|next| *s = next).is_some(),
+            Guide::Schema { schema, state, .. } => state.accepts(schema, bytes).map(|next| **state = next).is_some(),
+        }
+    }
+
+    /// Whether `bytes` may come next.
+    fn fits(&mut self, bytes: &[u8]) -> bool {
+        match self {
+            Guide::Object(s) => s.accepts(bytes).is_some(),
+            Guide::Schema { schema, state, trial } => state.fits(schema, bytes, trial),
+        }
+    }
 }
 
 impl Sampler {
@@ -218,26 +267,33 @@ impl Sampler {
             s.seen.sort_unstable();
             s.seen.dedup();
         }
-        if s.cfg.min_tokens > 0 || s.cfg.json_object {
+        if s.cfg.min_tokens > 0 || s.cfg.guided() {
             s.stops = stop_tokens.to_vec();
         }
         s
     }
 
-    /// Guides a `json_object` sampler with the model's token bytes (without them it samples unguided: the
-    /// engine refuses such requests where it has no table). The prompt's last `prior_output_tokens` are the
-    /// answer so far (a resumed stream): the guide starts after them, as far as they fit.
+    /// Guides a `json_object` or `json_schema` sampler with the model's token bytes (without them it samples
+    /// unguided: the engine refuses such requests where it has no table). The prompt's last
+    /// `prior_output_tokens` are the answer so far (a resumed stream): the guide starts after them, as far as
+    /// they fit.
     pub fn with_json_guide(mut self, tokens: Option<&Arc<TokenTable>>, prompt: &[u32]) -> Sampler {
-        if let Some(tokens) = tokens.filter(|_| self.cfg.json_object) {
-            let mut state = JsonState::new();
-            for &t in self.cfg.prior_output(prompt) {
-                match state.accepts(tokens.bytes(t)) {
-                    Some(next) => state = next,
-                    None => break,
-                }
+        let Some(tokens) = tokens.filter(|_| self.cfg.guided()) else {
+            return self;
+        };
+        let mut guide = match &self.cfg.json_schema {
+            Some(schema) => {
+                let state = Box::new(SchemaState::new(schema));
+                Guide::Schema { schema: schema.clone(), trial: state.clone(), state }
             }
-            self.json = Some((state, tokens.clone()));
+            None => Guide::Object(JsonState::new()),
+        };
+        for &t in self.cfg.prior_output(prompt) {
+            if !guide.advance(tokens.bytes(t)) {
+                break;
+            }
         }
+        self.json = Some((guide, tokens.clone()));
         self
     }
 
@@ -266,10 +322,8 @@ impl Sampler {
         {
             self.seen.insert(i, token);
         }
-        if let Some((state, tokens)) = &mut self.json
-            && let Some(next) = state.accepts(tokens.bytes(token))
-        {
-            *state = next;
+        if let Some((guide, tokens)) = &mut self.json {
+            guide.advance(tokens.bytes(token));
         }
         self.generated = self.generated.saturating_add(1);
         token
@@ -312,19 +366,28 @@ impl Sampler {
                 c.0 -= presence + frequency * n as f32;
             }
         }
-        if let Some((state, tokens)) = &self.json {
+        if let Some((guide, tokens)) = &mut self.json {
             // A stop token fits only a complete object, and nothing else does then; without stop tokens
             // (`ignore_eos`), whitespace pads it.
-            let done = state.is_done();
+            let done = guide.is_done();
             let pad = done && self.stops.is_empty();
-            let fits = |t: u32| {
-                if self.stops.contains(&t) {
+            // The bytes a token may start with, tried once for all the tokens that start with them (sampling
+            // tries the whole vocabulary; the greedy scan below tries a handful and skips this).
+            let mut first = [true; 256];
+            if !done && !self.cfg.is_greedy() {
+                for (b, ok) in first.iter_mut().enumerate() {
+                    *ok = guide.fits(&[b as u8]);
+                }
+            }
+            let stops = &self.stops;
+            let mut fits = |t: u32| {
+                let b = tokens.bytes(t);
+                if stops.contains(&t) {
                     done
                 } else if pad {
-                    let b = tokens.bytes(t);
                     !b.is_empty() && b.iter().all(|b| b.is_ascii_whitespace())
                 } else {
-                    !done && state.accepts(tokens.bytes(t)).is_some()
+                    !done && b.first().is_some_and(|&f| first[f as usize]) && guide.fits(b)
                 }
             };
             if self.cfg.is_greedy() {
@@ -742,6 +805,67 @@ mod tests {
             logits[5] = 9.0;
             assert_eq!(s.sample(&logits, &mut buf), t);
         }
+    }
+
+    #[test]
+    fn schema_guide_samples_only_prefixes_of_its_documents_then_stops() {
+        let schema = Arc::new(
+            JsonSchema::compile(&serde_json::json!({"type": "object", "properties": {
+                "a": {"enum": [1, 12]},
+                "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}},
+                "required": ["a", "b"], "additionalProperties": false}))
+            .unwrap(),
+        );
+        let vocab: [&[u8]; 14] =
+            [b"{", b"}", b"\"a\"", b"\"b\"", b":", b"1", b"2", b"x", b"", b",", b"[", b"]", b"{\"a\":", b" "];
+        let table = Arc::new(TokenTable::new(vocab));
+        let eos = 8u32;
+        let mut buf = SampleBuffer::new();
+        let mut rng = StdRng::seed_from_u64(3);
+        for (temperature, seed) in [(0.0, 0), (1.0, 1), (1.0, 2), (1.0, 3)] {
+            let cfg = SamplingParams {
+                json_schema: Some(schema.clone()),
+                temperature,
+                seed: Some(seed),
+                ..SamplingParams::greedy()
+            };
+            assert!(!cfg.picks_argmax());
+            let mut s = Sampler::for_request(cfg, &[0], 200, &[eos]).with_json_guide(Some(&table), &[0]);
+            let (mut state, mut text) = (SchemaState::new(&schema), Vec::new());
+            for _ in 0..200 {
+                // "x" is always the likeliest and never fits.
+                let mut logits: Vec<f32> = (0..vocab.len()).map(|_| rng.random::<f32>() * 4.0).collect();
+                logits[7] = 10.0;
+                let t = s.sample(&logits, &mut buf);
+                if t == eos {
+                    assert!(state.is_done(), "the end only after a complete document: {text:?}");
+                    break;
+                }
+                let before = state.clone();
+                state = before
+                    .accepts(&schema, vocab[t as usize])
+                    .unwrap_or_else(|| panic!("{t} does not fit {:?}", String::from_utf8_lossy(&text)));
+                text.extend_from_slice(vocab[t as usize]);
+                if temperature == 0.0 {
+                    let best = (0..vocab.len() as u32)
+                        .filter(|&c| c != eos && before.accepts(&schema, vocab[c as usize]).is_some())
+                        .map(|c| logits[c as usize])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    assert_eq!(logits[t as usize], best, "{text:?}");
+                }
+            }
+            let doc: serde_json::Value = serde_json::from_slice(&text).unwrap();
+            assert!([1, 12].contains(&doc["a"].as_i64().unwrap()) && doc["b"].as_array().unwrap().len() <= 2, "{doc}");
+        }
+        // A resumed stream's guide starts after the answer so far (`{"a":` then `1`): `2`, `,` or ` ` may follow,
+        // not `}` (`b` is required).
+        let cfg =
+            SamplingParams { json_schema: Some(schema.clone()), prior_output_tokens: 2, ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[7, 12, 5], 8, &[eos]).with_json_guide(Some(&table), &[7, 12, 5]);
+        let mut logits = [0.0f32; 14];
+        logits[1] = 3.0;
+        logits[9] = 2.0;
+        assert_eq!(s.sample(&logits, &mut buf), 9);
     }
 
     #[test]

@@ -28,6 +28,7 @@ use tracing::Span;
 
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::events::BlockChange;
+use crate::json_schema::JsonSchema;
 use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::reporter::ReportProgress;
@@ -282,6 +283,12 @@ impl WorkerService {
                     min_p: s.min_p,
                     min_tokens: s.min_tokens,
                     json_object: s.json_object,
+                    json_schema: match s.json_schema.as_str() {
+                        "" => None,
+                        text => Some(Arc::new(
+                            JsonSchema::parse(text).map_err(|e| Status::invalid_argument(e.to_string()))?,
+                        )),
+                    },
                 }
             }
         };

@@ -1,0 +1,1094 @@
+//! Constrained decoding to one JSON document that a JSON Schema describes (OpenAI's `response_format:
+//! {"type": "json_schema", ...}`, vLLM's `guided_json`).
+//!
+//! [`JsonSchema::compile`] turns the supported subset of JSON Schema into a graph of nodes (objects with their
+//! properties in the schema's order, arrays, strings, numbers, literal alternatives, and `anyOf` choices), and
+//! refuses what it cannot guide with a [`SchemaError`] that names the keyword and where it is. [`SchemaState`] is a
+//! pushdown automaton over that graph: it accepts exactly the byte prefixes of the documents the guide can
+//! produce, one frame per open object or array, at most [`MAX_FRAMES`] deep.
+//!
+//! What is guided, and what it means for the answer:
+//! - Objects emit their declared properties in the schema's order, each required one exactly once, an optional
+//!   one at most once. No undeclared property is generated (`additionalProperties` other than `false` is
+//!   satisfied by generating none); an object that declares no properties is a map of its
+//!   `additionalProperties` schema (any JSON value by default).
+//! - `enum` and `const` are matched against each value's compact serialisation; `boolean` and `null` are the
+//!   literals they name.
+//! - `anyOf`, `oneOf` and lists of types are choices among alternatives that must start with different characters
+//!   (a string or a number, an object or null), so that the first character picks one; others are refused.
+//! - `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME` may recurse; the nesting bound then ends it.
+//! - Strings honour `minLength` and `maxLength` (in characters); arrays `minItems` and `maxItems`.
+//! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
+//!   [`MAX_NUMBER_BYTES`] long, so that the guide always makes progress.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+use thiserror::Error;
+
+/// Deepest nesting of objects and arrays in a guided answer.
+pub const MAX_FRAMES: usize = 32;
+/// Most nodes a compiled schema may have.
+pub const MAX_NODES: usize = 2048;
+/// Most properties one object may declare.
+pub const MAX_PROPERTIES: usize = 128;
+/// Most values one `enum` may list.
+pub const MAX_ENUM_VALUES: usize = 2048;
+/// Most alternatives of one `anyOf`.
+pub const MAX_ALTERNATIVES: usize = 16;
+/// Longest serialised schema the API accepts.
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+/// Longest run of whitespace the guide allows between two tokens of JSON.
+pub const MAX_WS_RUN: u8 = 32;
+/// Longest number the guide lets the model write, in bytes (so that a stream of digits ends).
+pub const MAX_NUMBER_BYTES: u8 = 32;
+
+/// A schema the guide cannot follow, with the JSON pointer of the part that is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("json_schema at `{path}`: {message}")]
+pub struct SchemaError {
+    pub path: String,
+    pub message: String,
+}
+
+fn err<T>(path: &str, message: impl Into<String>) -> Result<T, SchemaError> {
+    let path = if path.starts_with('#') { path.to_string() } else { format!("#{path}") };
+    Err(SchemaError { path, message: message.into() })
+}
+
+type NodeId = u16;
+
+#[derive(Debug, Clone, PartialEq)]
+struct Prop {
+    /// The key as it appears after its opening quote: JSON-escaped, with the closing quote.
+    key: Vec<u8>,
+    node: NodeId,
+    required: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Node {
+    /// Declared properties in order (`sorted`: their indices by key bytes, for prefix matching); `map`: the value
+    /// schema of an object that declares none and takes any keys.
+    Object {
+        props: Vec<Prop>,
+        sorted: Vec<u8>,
+        map: Option<NodeId>,
+    },
+    Array {
+        items: NodeId,
+        min: u32,
+        max: u32,
+    },
+    Str {
+        min: u32,
+        max: u32,
+    },
+    Number {
+        integer: bool,
+    },
+    /// Compact serialisations, sorted and distinct.
+    Literals(Vec<Vec<u8>>),
+    Choice(Vec<NodeId>),
+    /// A `$ref` or a definition, resolved away after compiling.
+    Alias(NodeId),
+}
+
+/// A compiled schema: see the module docs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JsonSchema {
+    nodes: Vec<Node>,
+    root: NodeId,
+    /// The bytes each node's value may start with (a bitset), which make `anyOf` deterministic.
+    first: Vec<[u64; 4]>,
+}
+
+const KEYWORDS_IGNORED: [&str; 9] =
+    ["title", "description", "$schema", "$id", "$comment", "default", "examples", "strict", "deprecated"];
+const KEYWORDS_GUIDED: [&str; 16] = [
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "$defs",
+    "definitions",
+];
+
+struct Compiler<'a> {
+    root_value: &'a Value,
+    nodes: Vec<Node>,
+    paths: Vec<String>,
+    defs: HashMap<String, NodeId>,
+    any: Option<NodeId>,
+}
+
+fn set_bit(set: &mut [u64; 4], b: u8) {
+    set[(b >> 6) as usize] |= 1 << (b & 63);
+}
+
+fn has_bit(set: &[u64; 4], b: u8) -> bool {
+    set[(b >> 6) as usize] >> (b & 63) & 1 == 1
+}
+
+fn escape_pointer(s: &str) -> String {
+    s.replace('~', "~0").replace('/', "~1")
+}
+
+fn unescape_pointer(s: &str) -> String {
+    s.replace("~1", "/").replace("~0", "~")
+}
+
+impl Compiler<'_> {
+    fn push(&mut self, node: Node, path: &str) -> Result<NodeId, SchemaError> {
+        if self.nodes.len() >= MAX_NODES {
+            return err(path, format!("the schema needs more than {MAX_NODES} nodes"));
+        }
+        self.nodes.push(node);
+        self.paths.push(path.to_string());
+        Ok((self.nodes.len() - 1) as NodeId)
+    }
+
+    /// Any JSON value (the schema `{}` or `true`), built once and shared.
+    fn any(&mut self, path: &str) -> Result<NodeId, SchemaError> {
+        if let Some(id) = self.any {
+            return Ok(id);
+        }
+        let any = self.push(Node::Choice(Vec::new()), path)?;
+        self.any = Some(any);
+        let alts = vec![
+            self.push(Node::Object { props: Vec::new(), sorted: Vec::new(), map: Some(any) }, path)?,
+            self.push(Node::Array { items: any, min: 0, max: u32::MAX }, path)?,
+            self.push(Node::Str { min: 0, max: u32::MAX }, path)?,
+            self.push(Node::Number { integer: false }, path)?,
+            self.push(Node::Literals(vec![b"false".to_vec(), b"null".to_vec(), b"true".to_vec()]), path)?,
+        ];
+        self.nodes[any as usize] = Node::Choice(alts);
+        Ok(any)
+    }
+
+    fn reference(&mut self, r: &str, path: &str) -> Result<NodeId, SchemaError> {
+        if let Some(&id) = self.defs.get(r) {
+            return Ok(id);
+        }
+        let target = if r == "#" {
+            self.root_value
+        } else {
+            let Some((section, name)) = r
+                .strip_prefix("#/$defs/")
+                .map(|n| ("$defs", n))
+                .or(r.strip_prefix("#/definitions/").map(|n| ("definitions", n)))
+            else {
+                return err(
+                    path,
+                    format!("`$ref` {r:?} is not supported: only \"#\", \"#/$defs/NAME\" and \"#/definitions/NAME\""),
+                );
+            };
+            match self.root_value.get(section).and_then(|d| d.get(unescape_pointer(name))) {
+                Some(v) => v,
+                None => return err(path, format!("`$ref` {r:?} names no definition")),
+            }
+        };
+        let def_path = if r == "#" { String::new() } else { r.trim_start_matches('#').to_string() };
+        let id = self.push(Node::Alias(0), &def_path)?;
+        self.defs.insert(r.to_string(), id);
+        let body = self.compile(target, &def_path)?;
+        self.nodes[id as usize] = Node::Alias(body);
+        Ok(id)
+    }
+
+    fn compile(&mut self, v: &Value, path: &str) -> Result<NodeId, SchemaError> {
+        let obj = match v {
+            Value::Bool(true) => return self.any(path),
+            Value::Bool(false) => return err(path, "the schema `false` accepts no value"),
+            Value::Object(o) => o,
+            _ => return err(path, "a schema must be an object or a boolean"),
+        };
+        for key in obj.keys() {
+            if !KEYWORDS_GUIDED.contains(&key.as_str()) && !KEYWORDS_IGNORED.contains(&key.as_str()) {
+                return err(path, format!("the keyword `{key}` is not supported"));
+            }
+        }
+        if let Some(r) = obj.get("$ref") {
+            let Some(r) = r.as_str() else { return err(path, "`$ref` must be a string") };
+            if let Some(k) = obj.keys().find(|k| {
+                KEYWORDS_GUIDED.contains(&k.as_str()) && !matches!(k.as_str(), "$ref" | "$defs" | "definitions")
+            }) {
+                return err(path, format!("`$ref` beside `{k}` is not supported"));
+            }
+            return self.reference(r, path);
+        }
+        if let Some(c) = obj.get("const") {
+            return self.literals(std::slice::from_ref(c), path);
+        }
+        if let Some(e) = obj.get("enum") {
+            let Some(values) = e.as_array() else { return err(&format!("{path}/enum"), "`enum` must be an array") };
+            return self.literals(values, &format!("{path}/enum"));
+        }
+        let alternatives = match (obj.get("anyOf"), obj.get("oneOf")) {
+            (Some(_), Some(_)) => return err(path, "`anyOf` beside `oneOf` is not supported"),
+            (Some(a), None) => Some(("anyOf", a)),
+            (None, Some(a)) => Some(("oneOf", a)),
+            (None, None) => None,
+        };
+        if let Some((word, alts)) = alternatives {
+            if obj.contains_key("type") {
+                return err(path, format!("`{word}` beside `type` is not supported"));
+            }
+            let Some(alts) = alts.as_array().filter(|a| !a.is_empty() && a.len() <= MAX_ALTERNATIVES) else {
+                return err(
+                    &format!("{path}/{word}"),
+                    format!("`{word}` must be an array of 1 to {MAX_ALTERNATIVES} schemas"),
+                );
+            };
+            let mut ids = Vec::with_capacity(alts.len());
+            for (i, a) in alts.iter().enumerate() {
+                ids.push(self.compile(a, &format!("{path}/{word}/{i}"))?);
+            }
+            return self.push(Node::Choice(ids), &format!("{path}/{word}"));
+        }
+        let types: Vec<&str> = match obj.get("type") {
+            None => {
+                // An untyped schema is what its keywords imply, or any value.
+                if obj.contains_key("properties") || obj.contains_key("additionalProperties") {
+                    vec!["object"]
+                } else if obj.contains_key("items") {
+                    vec!["array"]
+                } else if obj.contains_key("minLength") || obj.contains_key("maxLength") {
+                    vec!["string"]
+                } else {
+                    return self.any(path);
+                }
+            }
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) if !ts.is_empty() => {
+                let mut out = Vec::with_capacity(ts.len());
+                for t in ts {
+                    match t.as_str() {
+                        Some(t) if !out.contains(&t) => out.push(t),
+                        _ => return err(&format!("{path}/type"), "`type` must list distinct type names"),
+                    }
+                }
+                out
+            }
+            Some(_) => return err(&format!("{path}/type"), "`type` must be a type name or an array of them"),
+        };
+        let mut ids = Vec::with_capacity(types.len());
+        for t in types {
+            ids.push(self.typed(obj, t, path)?);
+        }
+        if ids.len() == 1 { Ok(ids[0]) } else { self.push(Node::Choice(ids), &format!("{path}/type")) }
+    }
+
+    fn literals(&mut self, values: &[Value], path: &str) -> Result<NodeId, SchemaError> {
+        if values.is_empty() || values.len() > MAX_ENUM_VALUES {
+            return err(path, format!("`enum` must list 1 to {MAX_ENUM_VALUES} values"));
+        }
+        let mut lits = Vec::with_capacity(values.len());
+        for v in values {
+            match serde_json::to_vec(v) {
+                Ok(b) => lits.push(b),
+                Err(e) => return err(path, format!("a value cannot be serialised: {e}")),
+            }
+        }
+        lits.sort();
+        lits.dedup();
+        self.push(Node::Literals(lits), path)
+    }
+
+    fn count(obj: &serde_json::Map<String, Value>, key: &str, path: &str) -> Result<Option<u32>, SchemaError> {
+        match obj.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) => Ok(Some(n.min(u64::from(u32::MAX)) as u32)),
+                None => err(&format!("{path}/{key}"), format!("`{key}` must be a non-negative integer")),
+            },
+        }
+    }
+
+    fn typed(&mut self, obj: &serde_json::Map<String, Value>, t: &str, path: &str) -> Result<NodeId, SchemaError> {
+        match t {
+            "object" => self.object(obj, path),
+            "array" => {
+                let items = match obj.get("items") {
+                    None => self.any(path)?,
+                    Some(items) => self.compile(items, &format!("{path}/items"))?,
+                };
+                let min = Self::count(obj, "minItems", path)?.unwrap_or(0);
+                let max = Self::count(obj, "maxItems", path)?.unwrap_or(u32::MAX);
+                if min > max {
+                    return err(path, "`minItems` is more than `maxItems`");
+                }
+                self.push(Node::Array { items, min, max }, path)
+            }
+            "string" => {
+                let min = Self::count(obj, "minLength", path)?.unwrap_or(0);
+                let max = Self::count(obj, "maxLength", path)?.unwrap_or(u32::MAX);
+                if min > max {
+                    return err(path, "`minLength` is more than `maxLength`");
+                }
+                self.push(Node::Str { min, max }, path)
+            }
+            "number" => self.push(Node::Number { integer: false }, path),
+            "integer" => self.push(Node::Number { integer: true }, path),
+            "boolean" => self.push(Node::Literals(vec![b"false".to_vec(), b"true".to_vec()]), path),
+            "null" => self.push(Node::Literals(vec![b"null".to_vec()]), path),
+            other => err(&format!("{path}/type"), format!("unknown type `{other}`")),
+        }
+    }
+
+    fn object(&mut self, obj: &serde_json::Map<String, Value>, path: &str) -> Result<NodeId, SchemaError> {
+        let empty = serde_json::Map::new();
+        let declared = match obj.get("properties") {
+            None => &empty,
+            Some(Value::Object(p)) => p,
+            Some(_) => return err(&format!("{path}/properties"), "`properties` must be an object"),
+        };
+        if declared.len() > MAX_PROPERTIES {
+            return err(&format!("{path}/properties"), format!("more than {MAX_PROPERTIES} properties"));
+        }
+        let mut required: Vec<&str> = Vec::new();
+        match obj.get("required") {
+            None => {}
+            Some(Value::Array(r)) => {
+                for name in r {
+                    match name.as_str() {
+                        Some(n) if declared.contains_key(n) => required.push(n),
+                        Some(n) => {
+                            return err(
+                                &format!("{path}/required"),
+                                format!("`{n}` is required but not among `properties`"),
+                            );
+                        }
+                        None => return err(&format!("{path}/required"), "`required` must list property names"),
+                    }
+                }
+            }
+            Some(_) => return err(&format!("{path}/required"), "`required` must be an array"),
+        }
+        let map = if declared.is_empty() {
+            match obj.get("additionalProperties") {
+                Some(Value::Bool(false)) => None,
+                None | Some(Value::Bool(true)) => Some(self.any(path)?),
+                Some(s) => Some(self.compile(s, &format!("{path}/additionalProperties"))?),
+            }
+        } else {
+            None
+        };
+        let mut props = Vec::with_capacity(declared.len());
+        for (name, schema) in declared {
+            let node = self.compile(schema, &format!("{path}/properties/{}", escape_pointer(name)))?;
+            let mut key = match serde_json::to_vec(&Value::String(name.clone())) {
+                Ok(k) => k,
+                Err(e) => return err(path, format!("a property name cannot be serialised: {e}")),
+            };
+            key.remove(0);
+            props.push(Prop { key, node, required: required.contains(&name.as_str()) });
+        }
+        let mut sorted: Vec<u8> = (0..props.len() as u8).collect();
+        sorted.sort_by(|&a, &b| props[a as usize].key.cmp(&props[b as usize].key));
+        self.push(Node::Object { props, sorted, map }, path)
+    }
+}
+
+impl JsonSchema {
+    /// Parses and compiles a schema sent as JSON text of at most [`MAX_SCHEMA_BYTES`].
+    pub fn parse(text: &str) -> Result<JsonSchema, SchemaError> {
+        if text.len() > MAX_SCHEMA_BYTES {
+            return err("#", format!("the schema is {} bytes, more than {MAX_SCHEMA_BYTES}", text.len()));
+        }
+        match serde_json::from_str::<Value>(text) {
+            Ok(v) => JsonSchema::compile(&v),
+            Err(e) => err("#", format!("the schema is not valid JSON: {e}")),
+        }
+    }
+
+    /// Compiles `schema`; its root must describe an object, as OpenAI's structured outputs require.
+    pub fn compile(schema: &Value) -> Result<JsonSchema, SchemaError> {
+        let mut c =
+            Compiler { root_value: schema, nodes: Vec::new(), paths: Vec::new(), defs: HashMap::new(), any: None };
+        // The root is reachable as "#" too.
+        let root = c.reference("#", "")?;
+        let Compiler { mut nodes, paths, .. } = c;
+        // Resolve aliases, refusing cycles of bare references.
+        let mut resolved: Vec<NodeId> = (0..nodes.len() as NodeId).collect();
+        for target in resolved.iter_mut() {
+            let mut at = *target;
+            let mut hops = 0;
+            while let Node::Alias(next) = nodes[at as usize] {
+                at = next;
+                hops += 1;
+                if hops > nodes.len() {
+                    // `at` is on the cycle by now.
+                    return err(&paths[at as usize], "`$ref` refers to itself without a value between");
+                }
+            }
+            *target = at;
+        }
+        let r = |id: &mut NodeId| *id = resolved[*id as usize];
+        for node in nodes.iter_mut() {
+            match node {
+                Node::Object { props, map, .. } => {
+                    props.iter_mut().for_each(|p| r(&mut p.node));
+                    if let Some(m) = map {
+                        r(m);
+                    }
+                }
+                Node::Array { items, .. } => r(items),
+                Node::Choice(alts) => alts.iter_mut().for_each(r),
+                _ => {}
+            }
+        }
+        let root = resolved[root as usize];
+        // First bytes, to a fixed point (choices may refer to each other through references).
+        let mut first = vec![[0u64; 4]; nodes.len()];
+        loop {
+            let mut changed = false;
+            for id in 0..nodes.len() {
+                let mut set = first[id];
+                match &nodes[id] {
+                    Node::Object { .. } => set_bit(&mut set, b'{'),
+                    Node::Array { .. } => set_bit(&mut set, b'['),
+                    Node::Str { .. } => set_bit(&mut set, b'"'),
+                    Node::Number { .. } => {
+                        for b in b"-0123456789" {
+                            set_bit(&mut set, *b);
+                        }
+                    }
+                    Node::Literals(lits) => lits.iter().filter_map(|l| l.first()).for_each(|&b| set_bit(&mut set, b)),
+                    Node::Choice(alts) => {
+                        for &a in alts {
+                            for (s, f) in set.iter_mut().zip(first[a as usize]) {
+                                *s |= f;
+                            }
+                        }
+                    }
+                    Node::Alias(_) => {}
+                }
+                if set != first[id] {
+                    first[id] = set;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        for (id, node) in nodes.iter().enumerate() {
+            if let Node::Choice(alts) = node {
+                for (i, &a) in alts.iter().enumerate() {
+                    for &b in &alts[i + 1..] {
+                        if first[a as usize].iter().zip(&first[b as usize]).any(|(x, y)| x & y != 0) {
+                            return err(
+                                &paths[id],
+                                "alternatives that can start with the same character are not supported (each must \
+                                 be a different kind of value: object, array, string, number, or literals that \
+                                 start differently)",
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        if !matches!(nodes[root as usize], Node::Object { .. }) {
+            return err("#", "the root schema must be an object (`\"type\": \"object\"`)");
+        }
+        Ok(JsonSchema { nodes, root, first })
+    }
+
+    fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id as usize]
+    }
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Num {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    Exp,
+    ExpSign,
+    ExpDigits,
+}
+
+/// Where one open value stands. `next`: the first declared property still to come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Before the value's first byte.
+    Start,
+    /// After `{`: a key, or `}`.
+    ObjOpen { next: u8 },
+    /// After `,` in an object: a key.
+    ObjComma { next: u8 },
+    /// Inside a declared key, after its opening quote: the sorted keys `lo..hi` still match the first `pos` bytes.
+    ObjKey { next: u8, lo: u8, hi: u8, pos: u8 },
+    /// Inside a map's key.
+    MapKey { esc: bool, hex: u8 },
+    /// After a key: `:`. `prop` is the declared property, or [`MAP_PROP`].
+    ObjColon { prop: u8 },
+    /// After a property's value: `,` or `}`.
+    ObjAfter { next: u8 },
+    /// After `[`: an item, or `]`.
+    ArrOpen,
+    /// After `,` in an array: an item.
+    ArrComma { count: u32 },
+    /// After an item: `,` or `]`.
+    ArrAfter { count: u32 },
+    /// Inside a string of `len` characters so far.
+    Str { len: u32, esc: bool, hex: u8 },
+    /// Inside a number of `len` bytes so far.
+    Num { n: Num, len: u8 },
+    /// Inside a literal: the sorted literals `lo..hi` still match the first `pos` bytes.
+    Lit { lo: u16, hi: u16, pos: u16 },
+}
+
+const MAP_PROP: u8 = u8::MAX;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Frame {
+    node: NodeId,
+    phase: Phase,
+}
+
+/// How far a byte prefix of a guided answer has come; see the module docs. Tries of a token copy only the frames
+/// in use ([`SchemaState::fits`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaState {
+    frames: [Frame; MAX_FRAMES],
+    depth: u8,
+    ws: u8,
+}
+
+/// What one byte does inside a string.
+enum StrByte {
+    Close,
+    /// A byte of the content; `true` when it starts a character.
+    Content(bool),
+    Reject,
+}
+
+fn string_byte(esc: &mut bool, hex: &mut u8, b: u8) -> StrByte {
+    if *hex > 0 {
+        if !b.is_ascii_hexdigit() {
+            return StrByte::Reject;
+        }
+        *hex -= 1;
+        return StrByte::Content(false);
+    }
+    if *esc {
+        *esc = false;
+        return match b {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => StrByte::Content(false),
+            b'u' => {
+                *hex = 4;
+                StrByte::Content(false)
+            }
+            _ => StrByte::Reject,
+        };
+    }
+    match b {
+        b'"' => StrByte::Close,
+        b'\\' => {
+            *esc = true;
+            StrByte::Content(true)
+        }
+        0..=0x1f => StrByte::Reject,
+        _ => StrByte::Content(b & 0xC0 != 0x80),
+    }
+}
+
+impl SchemaState {
+    /// The state before the answer's first byte.
+    pub fn new(schema: &JsonSchema) -> SchemaState {
+        let mut frames = [Frame { node: 0, phase: Phase::Start }; MAX_FRAMES];
+        frames[0].node = schema.root;
+        SchemaState { frames, depth: 1, ws: 0 }
+    }
+
+    /// Whether the answer is complete: nothing but the end of generation may follow.
+    pub fn is_done(&self) -> bool {
+        self.depth == 0
+    }
+
+    /// This state after `bytes`, or `None` when they leave the language (an empty slice is refused, since a token
+    /// without text cannot advance an answer).
+    pub fn accepts(&self, schema: &JsonSchema, bytes: &[u8]) -> Option<SchemaState> {
+        let mut next = self.clone();
+        next.feed(schema, bytes).then_some(next)
+    }
+
+    /// Whether `bytes` may follow, tried on `trial`, which gets a copy of the frames in use.
+    pub fn fits(&self, schema: &JsonSchema, bytes: &[u8], trial: &mut SchemaState) -> bool {
+        let d = self.depth as usize;
+        trial.frames[..d].copy_from_slice(&self.frames[..d]);
+        trial.depth = self.depth;
+        trial.ws = self.ws;
+        trial.feed(schema, bytes)
+    }
+
+    fn feed(&mut self, schema: &JsonSchema, bytes: &[u8]) -> bool {
+        !bytes.is_empty() && bytes.iter().all(|&b| self.step(schema, b))
+    }
+
+    fn top(&mut self) -> &mut Frame {
+        &mut self.frames[self.depth as usize - 1]
+    }
+
+    fn whitespace(&mut self) -> bool {
+        self.ws += 1;
+        self.ws <= MAX_WS_RUN
+    }
+
+    /// Opens a child value of `node` and feeds it `b`.
+    fn push(&mut self, schema: &JsonSchema, node: NodeId, b: Option<u8>) -> bool {
+        if self.depth as usize >= MAX_FRAMES {
+            return false;
+        }
+        self.frames[self.depth as usize] = Frame { node, phase: Phase::Start };
+        self.depth += 1;
+        b.is_none_or(|b| self.step(schema, b))
+    }
+
+    /// The open value is complete.
+    fn pop(&mut self) -> bool {
+        self.depth -= 1;
+        true
+    }
+
+    fn step(&mut self, schema: &JsonSchema, b: u8) -> bool {
+        if self.depth == 0 {
+            return false;
+        }
+        let Frame { node: id, phase } = *self.top();
+        let node = schema.node(id);
+        let structural = !matches!(
+            phase,
+            Phase::Str { .. } | Phase::MapKey { .. } | Phase::ObjKey { .. } | Phase::Lit { .. } | Phase::Num { .. }
+        );
+        if structural {
+            if is_ws(b) {
+                return self.whitespace();
+            }
+            self.ws = 0;
+        }
+        match (phase, node) {
+            (Phase::Start, Node::Choice(alts)) => match alts.iter().find(|&&a| has_bit(&schema.first[a as usize], b)) {
+                Some(&alt) => {
+                    self.top().node = alt;
+                    self.step(schema, b)
+                }
+                None => false,
+            },
+            (Phase::Start, Node::Object { .. }) => self.set_if(b == b'{', Phase::ObjOpen { next: 0 }),
+            (Phase::Start, Node::Array { .. }) => self.set_if(b == b'[', Phase::ArrOpen),
+            (Phase::Start, Node::Str { .. }) => self.set_if(b == b'"', Phase::Str { len: 0, esc: false, hex: 0 }),
+            (Phase::Start, Node::Number { .. }) => match b {
+                b'-' => self.set_if(true, Phase::Num { n: Num::Minus, len: 1 }),
+                b'0' => self.set_if(true, Phase::Num { n: Num::Zero, len: 1 }),
+                b'1'..=b'9' => self.set_if(true, Phase::Num { n: Num::Int, len: 1 }),
+                _ => false,
+            },
+            (Phase::Start, Node::Literals(lits)) => self.literal(schema, lits, 0, lits.len() as u16, 0, b),
+            (Phase::Lit { lo, hi, pos }, Node::Literals(lits)) => self.literal(schema, lits, lo, hi, pos, b),
+            (Phase::ObjOpen { next } | Phase::ObjComma { next }, Node::Object { props, sorted, map }) => {
+                let open = matches!(phase, Phase::ObjOpen { .. });
+                match b {
+                    b'"' if map.is_some() => self.set_if(true, Phase::MapKey { esc: false, hex: 0 }),
+                    b'"' if (next as usize) < props.len() => {
+                        self.set_if(true, Phase::ObjKey { next, lo: 0, hi: sorted.len() as u8, pos: 0 })
+                    }
+                    b'}' if open && (map.is_some() || Self::may_close(props, next)) => self.pop(),
+                    _ => false,
+                }
+            }
+            (Phase::ObjKey { next, lo, hi, pos }, Node::Object { props, sorted, .. }) => {
+                let key = |i: u8| &props[sorted[i as usize] as usize].key;
+                let p = pos as usize;
+                // Keys never prefix one another (each ends at its unescaped closing quote), so every key in the
+                // range is longer than `pos`.
+                let (mut a, mut z) = (lo, hi);
+                while a < z && key(a)[p] < b {
+                    a += 1;
+                }
+                let mut e = a;
+                while e < z && key(e)[p] == b {
+                    e += 1;
+                }
+                z = e;
+                if !(a..z).any(|i| Self::allowed(props, next, sorted[i as usize])) {
+                    return false;
+                }
+                if z - a == 1 && key(a).len() == p + 1 {
+                    self.set_if(true, Phase::ObjColon { prop: sorted[a as usize] })
+                } else {
+                    self.set_if(true, Phase::ObjKey { next, lo: a, hi: z, pos: pos + 1 })
+                }
+            }
+            (Phase::MapKey { mut esc, mut hex }, Node::Object { .. }) => match string_byte(&mut esc, &mut hex, b) {
+                StrByte::Close => self.set_if(true, Phase::ObjColon { prop: MAP_PROP }),
+                StrByte::Content(_) => self.set_if(true, Phase::MapKey { esc, hex }),
+                StrByte::Reject => false,
+            },
+            (Phase::ObjColon { prop }, Node::Object { props, map, .. }) => {
+                if b != b':' {
+                    return false;
+                }
+                let (child, next) = match map {
+                    Some(m) if prop == MAP_PROP => (*m, 0),
+                    _ => (props[prop as usize].node, prop + 1),
+                };
+                self.top().phase = Phase::ObjAfter { next };
+                self.push(schema, child, None)
+            }
+            (Phase::ObjAfter { next }, Node::Object { props, map, .. }) => match b {
+                b',' if map.is_some() || (next as usize) < props.len() => self.set_if(true, Phase::ObjComma { next }),
+                b'}' if map.is_some() || Self::may_close(props, next) => self.pop(),
+                _ => false,
+            },
+            (Phase::ArrOpen, Node::Array { items, min, max }) => {
+                if b == b']' {
+                    return *min == 0 && self.pop();
+                }
+                if *max == 0 {
+                    return false;
+                }
+                self.top().phase = Phase::ArrAfter { count: 1 };
+                self.push(schema, *items, Some(b))
+            }
+            (Phase::ArrComma { count }, Node::Array { items, .. }) => {
+                self.top().phase = Phase::ArrAfter { count: count + 1 };
+                self.push(schema, *items, Some(b))
+            }
+            (Phase::ArrAfter { count }, Node::Array { min, max, .. }) => match b {
+                b',' if count < *max => self.set_if(true, Phase::ArrComma { count }),
+                b']' if count >= *min => self.pop(),
+                _ => false,
+            },
+            (Phase::Str { len, mut esc, mut hex }, Node::Str { min, max }) => {
+                match string_byte(&mut esc, &mut hex, b) {
+                    StrByte::Close => len >= *min && self.pop(),
+                    StrByte::Content(starts) => {
+                        let len = len + u32::from(starts);
+                        len <= *max && self.set_if(true, Phase::Str { len, esc, hex })
+                    }
+                    StrByte::Reject => false,
+                }
+            }
+            (Phase::Num { n, len }, Node::Number { integer }) => {
+                let next = match (n, b) {
+                    (Num::Minus, b'0') => Some(Num::Zero),
+                    (Num::Minus, b'1'..=b'9') => Some(Num::Int),
+                    (Num::Int, b'0'..=b'9') => Some(Num::Int),
+                    (Num::Zero | Num::Int, b'.') if !integer => Some(Num::Dot),
+                    (Num::Dot | Num::Frac, b'0'..=b'9') => Some(Num::Frac),
+                    (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Some(Num::Exp),
+                    (Num::Exp, b'+' | b'-') => Some(Num::ExpSign),
+                    (Num::Exp | Num::ExpSign | Num::ExpDigits, b'0'..=b'9') => Some(Num::ExpDigits),
+                    _ => None,
+                };
+                match next {
+                    // The last byte the bound allows must leave a number that may end.
+                    Some(n) => {
+                        let may_end = matches!(n, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits);
+                        let len = len + 1;
+                        self.set_if(
+                            len < MAX_NUMBER_BYTES || (len == MAX_NUMBER_BYTES && may_end),
+                            Phase::Num { n, len },
+                        )
+                    }
+                    // The number ends here if it may, and the byte belongs to what follows it.
+                    None if matches!(n, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits) => {
+                        self.pop();
+                        self.step(schema, b)
+                    }
+                    None => false,
+                }
+            }
+            // A phase always belongs to its node's kind; anything else is a broken state, refused.
+            _ => false,
+        }
+    }
+
+    fn set_if(&mut self, ok: bool, phase: Phase) -> bool {
+        if ok {
+            self.top().phase = phase;
+        }
+        ok
+    }
+
+    /// Whether declared property `prop` may come next, after `next`: every one between them is optional.
+    fn allowed(props: &[Prop], next: u8, prop: u8) -> bool {
+        prop >= next && props[next as usize..prop as usize].iter().all(|p| !p.required)
+    }
+
+    /// Whether the object may close with `next` the first property still to come.
+    fn may_close(props: &[Prop], next: u8) -> bool {
+        props[(next as usize).min(props.len())..].iter().all(|p| !p.required)
+    }
+
+    /// Feeds `b` to a literal of which `lits[lo..hi]` match the first `pos` bytes.
+    fn literal(&mut self, schema: &JsonSchema, lits: &[Vec<u8>], lo: u16, hi: u16, pos: u16, b: u8) -> bool {
+        let p = pos as usize;
+        let range = &lits[lo as usize..hi as usize];
+        // Sorted: a literal that ends at `pos` comes first; the rest are ordered by their byte at `pos`.
+        let complete = range.first().is_some_and(|l| l.len() == p);
+        let rest = &range[usize::from(complete)..];
+        let a = rest.partition_point(|l| l[p] < b);
+        let z = rest.partition_point(|l| l[p] <= b);
+        if a == z {
+            // Nothing goes on with `b`: the value ends if a literal is complete, and `b` belongs to what follows.
+            return complete && self.pop() && self.step(schema, b);
+        }
+        let base = lo as usize + usize::from(complete);
+        let (lo, hi) = ((base + a) as u16, (base + z) as u16);
+        if hi - lo == 1 && lits[lo as usize].len() == p + 1 {
+            return self.pop();
+        }
+        self.set_if(true, Phase::Lit { lo, hi, pos: pos + 1 })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use serde_json::json;
+
+    use super::*;
+
+    fn schema(v: Value) -> JsonSchema {
+        JsonSchema::compile(&v).unwrap_or_else(|e| panic!("{v}: {e}"))
+    }
+
+    /// Feeds `text` one byte at a time; `Some(done)` when every byte fits.
+    fn run(s: &JsonSchema, text: &str) -> Option<bool> {
+        let mut state = SchemaState::new(s);
+        for b in text.bytes() {
+            state = state.accepts(s, &[b])?;
+        }
+        Some(state.is_done())
+    }
+
+    fn person() -> JsonSchema {
+        schema(json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 5},
+                "age": {"type": "integer"},
+                "nick": {"type": ["string", "null"]},
+                "tags": {"type": "array", "items": {"enum": ["a", "b", 12, 1]}, "minItems": 1, "maxItems": 2},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["name", "age", "ok"],
+            "additionalProperties": false,
+        }))
+    }
+
+    #[test]
+    fn documents_of_the_schema_are_accepted_and_end_where_they_end() {
+        let s = person();
+        for doc in [
+            r#"{"name":"Ann","age":31,"ok":true}"#,
+            r#"{"name":"Ann","age":-0,"nick":null,"tags":["a",12],"ok":false}"#,
+            r#"{ "name" : "Zoë" , "age" : 7 , "nick" : "z" , "tags" : [ 1 ] , "ok" : true }"#,
+            r#"{"name":"a\"\u00e9","age":12,"tags":[12,1],"ok":true}"#,
+            "{\n  \"name\": \"日本\",\n  \"age\": 100,\n  \"ok\": false\n}",
+        ] {
+            assert_eq!(run(&s, doc), Some(true), "{doc}");
+            assert!(serde_json::from_str::<Value>(doc).is_ok(), "{doc}");
+            let mut state = SchemaState::new(&s);
+            for (i, b) in doc.bytes().enumerate() {
+                assert!(!state.is_done(), "{doc}: done early at {i}");
+                state = state.accepts(&s, &[b]).unwrap();
+            }
+            assert!(state.accepts(&s, b" ").is_none(), "nothing follows the document");
+        }
+    }
+
+    #[test]
+    fn what_the_schema_excludes_is_refused_at_the_first_byte_that_shows_it() {
+        let s = person();
+        for bad in [
+            r#"["#,
+            r#"{"age""#,                                 // a required property skipped
+            r#"{"name":"Ann","age":3,"ok":true,"nick""#, // out of order
+            r#"{"name":"Ann","age":3}"#,                 // `ok` missing
+            r#"{"name":"Ann","name""#,                   // twice
+            r#"{"nam":"#,                                // unknown key
+            r#"{"name":"","#,                            // minLength 1
+            r#"{"name":"abcdef""#,                       // maxLength 5
+            r#"{"name":"日本語ですよ""#,                 // 6 characters
+            r#"{"name":1"#,                              // a string expected
+            r#"{"name":"a","age":1.5"#,                  // an integer
+            r#"{"name":"a","age":1e3"#,
+            r#"{"name":"a","age":01"#,
+            r#"{"name":"a","age":1,"nick":nul,"#,
+            r#"{"name":"a","age":1,"tags":[]"#,        // minItems 1
+            r#"{"name":"a","age":1,"tags":["a","b","#, // maxItems 2
+            r#"{"name":"a","age":1,"tags":["c""#,      // not in the enum
+            r#"{"name":"a","age":1,"tags":[2"#,
+            r#"{"name":"a","age":1,"tags":[123"#,
+            r#"{"name":"a","age":1,"ok":yes"#,
+            r#"{"name":"a","age":1,"ok":true,}"#,
+            r#"{"name":"a\x"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // Prefixes that can still go on are fine, numbers and literals included.
+        for ok in
+            [r#"{"na"#, r#"{"name":"a","age":-"#, r#"{"name":"a","age":1,"tags":[1"#, r#"{"name":"a","age":1,"ok":tr"#]
+        {
+            assert_eq!(run(&s, ok), Some(false), "{ok}");
+        }
+        // `1` ends where `12` would go on.
+        assert_eq!(run(&s, r#"{"name":"a","age":1,"tags":[1,12],"ok":true}"#), Some(true));
+    }
+
+    #[test]
+    fn unsupported_schemas_are_refused_with_where_and_why() {
+        let cases = [
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}),
+                "#/properties/a",
+                "pattern",
+            ),
+            (json!({"type": "string"}), "#", "root schema must be an object"),
+            (json!({"type": "object", "properties": {}, "required": ["a"]}), "#/required", "not among"),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "number"}]}}}),
+                "#/properties/a/anyOf",
+                "same character",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/b"}}}),
+                "#/properties/a",
+                "names no definition",
+            ),
+            (json!({"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}), "#/$defs/x", "refers to itself"),
+            (json!({"type": "object", "properties": {"a": false}}), "#/properties/a", "accepts no value"),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}),
+                "#/properties/a",
+                "minItems",
+            ),
+            (json!({"type": "object", "properties": {"a": {"type": "date"}}}), "#/properties/a/type", "unknown type"),
+            (json!({"type": "object", "properties": {"a": {"enum": []}}}), "#/properties/a/enum", "1 to"),
+        ];
+        for (v, path, why) in cases {
+            let e = JsonSchema::compile(&v).expect_err(&v.to_string());
+            assert_eq!(e.path, path, "{v}: {e}");
+            assert!(e.message.contains(why), "{v}: {e}");
+        }
+        let big = format!("{{\"description\": \"{}\"}}", "x".repeat(MAX_SCHEMA_BYTES));
+        assert!(JsonSchema::parse(&big).unwrap_err().message.contains("more than"));
+        assert!(JsonSchema::parse("{").unwrap_err().message.contains("not valid JSON"));
+    }
+
+    #[test]
+    fn references_recurse_and_the_nesting_bound_ends_them() {
+        let s = schema(json!({
+            "$defs": {"node": {"type": "object", "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+            }, "required": ["v", "kids"], "additionalProperties": false}},
+            "$ref": "#/$defs/node",
+        }));
+        assert_eq!(run(&s, r#"{"v":1,"kids":[{"v":2,"kids":[]},{"v":3,"kids":[{"v":4,"kids":[]}]}]}"#), Some(true));
+        assert_eq!(run(&s, r#"{"v":1,"kids":[{"v":2}]}"#), None);
+        // Each level is an object and an array: the frames run out at half of MAX_FRAMES levels.
+        let deep = r#"{"v":1,"kids":["#.repeat(MAX_FRAMES / 2);
+        assert_eq!(run(&s, &deep), Some(false));
+        assert_eq!(run(&s, &format!("{deep}{{")), None);
+    }
+
+    #[test]
+    fn objects_without_properties_are_maps_and_empty_schemas_any_value() {
+        let s = schema(json!({"type": "object", "additionalProperties": {"type": "integer"}}));
+        assert_eq!(run(&s, r#"{"a":1,"b\"":-2}"#), Some(true));
+        assert_eq!(run(&s, r#"{"a":"x""#), None);
+        let s = schema(json!({"type": "object"}));
+        assert_eq!(run(&s, r#"{"a":[1,{"b":null},"c",true],"d":{},"e":-1.5e+3}"#), Some(true));
+        let s = schema(json!({"type": "object", "properties": {}, "additionalProperties": false}));
+        assert_eq!(run(&s, "{}"), Some(true));
+        assert_eq!(run(&s, "{\""), None);
+        let s = schema(json!({"type": "object", "properties": {"c": {"const": {"x": [1, "y"]}}}, "required": ["c"]}));
+        assert_eq!(run(&s, r#"{"c":{"x":[1,"y"]}}"#), Some(true));
+        assert_eq!(run(&s, r#"{"c":{"x": "#), None, "literals are matched in their compact form");
+    }
+
+    #[test]
+    fn whitespace_runs_and_numbers_are_bounded() {
+        let s = person();
+        let pad = " ".repeat(MAX_WS_RUN as usize);
+        assert_eq!(run(&s, &format!("{pad}{{{pad}\"name\"")), Some(false));
+        assert_eq!(run(&s, &format!("{pad} ")), None);
+        let at = |digits: &str| format!(r#"{{"name":"a","age":{digits}"#);
+        let longest = "9".repeat(MAX_NUMBER_BYTES as usize);
+        assert_eq!(run(&s, &at(&longest)), Some(false));
+        assert_eq!(run(&s, &at(&format!("{longest}9"))), None);
+        assert_eq!(run(&s, &format!("{},\"ok\":true}}", at(&longest))), Some(true));
+        // A number cannot be left where it could only go on.
+        let any = schema(json!({"type": "object", "additionalProperties": {"type": "number"}}));
+        let head = format!(r#"{{"x":{}"#, "1".repeat(MAX_NUMBER_BYTES as usize - 2));
+        assert_eq!(run(&any, &format!("{head}.")), Some(false));
+        assert_eq!(run(&any, &format!("{head}.5}}")), Some(true));
+        assert_eq!(run(&any, &format!("{head}1.")), None);
+    }
+
+    /// Random walks: wherever a walk stands before the end, some byte goes on (the guide never leaves the model
+    /// without a way forward), and a walk that ends is a JSON document with the schema's shape.
+    #[test]
+    fn random_walks_never_get_stuck_and_end_in_valid_documents() {
+        let s = person();
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut trial = SchemaState::new(&s);
+        let mut finished = 0;
+        for _ in 0..300 {
+            let mut state = SchemaState::new(&s);
+            let mut text = Vec::new();
+            for _ in 0..400 {
+                if state.is_done() {
+                    break;
+                }
+                let ok: Vec<u8> = (0..=255u8).filter(|&b| state.fits(&s, &[b], &mut trial)).collect();
+                assert!(!ok.is_empty(), "stuck after {:?}", String::from_utf8_lossy(&text));
+                // Printable ASCII without escapes (so that the text is UTF-8 without lone surrogates), leaning
+                // towards closing, so that walks finish.
+                let ascii: Vec<u8> = ok.iter().copied().filter(|&b| (0x20..0x7f).contains(&b) && b != b'\\').collect();
+                let closers: Vec<u8> = ascii.iter().copied().filter(|b| b"\"}],".contains(b)).collect();
+                let b = if !closers.is_empty() && rng.random_bool(0.5) {
+                    closers[rng.random_range(0..closers.len())]
+                } else {
+                    ascii[rng.random_range(0..ascii.len())]
+                };
+                assert_eq!(state.accepts(&s, &[b]).is_some(), state.fits(&s, &[b], &mut trial));
+                state = state.accepts(&s, &[b]).unwrap();
+                text.push(b);
+            }
+            if state.is_done() {
+                finished += 1;
+                let v: Value = serde_json::from_slice(&text)
+                    .unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(&text)));
+                let o = v.as_object().unwrap();
+                assert!(o["name"].is_string() && o["age"].is_number() && o["ok"].is_boolean(), "{v}");
+                assert!(o.keys().all(|k| ["name", "age", "nick", "tags", "ok"].contains(&k.as_str())), "{v}");
+            }
+        }
+        assert!(finished > 100, "{finished} walks finished");
+    }
+}
