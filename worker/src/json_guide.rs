@@ -15,17 +15,31 @@ pub struct TokenTable {
     bytes: Vec<u8>,
     /// `bytes[offsets[t]..offsets[t + 1]]` is token `t`.
     offsets: Vec<u32>,
+    /// For a token that can only be the inside of a JSON string (non-empty, no quote, backslash or control byte):
+    /// how many characters it starts (bytes that are not UTF-8 continuations); [`NOT_PLAIN`] for any other.
+    plain_chars: Vec<u32>,
 }
+
+/// [`TokenTable::plain_chars`] of a token that is not plain string content.
+const NOT_PLAIN: u32 = u32::MAX;
 
 impl TokenTable {
     /// A table of `tokens` (token id = index).
     pub fn new<'a>(tokens: impl IntoIterator<Item = &'a [u8]>) -> TokenTable {
-        let mut t = TokenTable { bytes: Vec::new(), offsets: vec![0] };
+        let mut t = TokenTable { bytes: Vec::new(), offsets: vec![0], plain_chars: Vec::new() };
         for b in tokens {
             t.bytes.extend_from_slice(b);
             t.offsets.push(u32::try_from(t.bytes.len()).unwrap_or(u32::MAX));
+            let plain = !b.is_empty() && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\');
+            t.plain_chars.push(if plain { b.iter().filter(|&&c| c & 0xC0 != 0x80).count() as u32 } else { NOT_PLAIN });
         }
         t
+    }
+
+    /// When token `t` can only be string content, the characters it adds: a guide standing inside a string (not
+    /// in an escape) with room for that many accepts it without feeding it byte by byte.
+    pub fn plain_chars(&self, t: u32) -> Option<u32> {
+        self.plain_chars.get(t as usize).copied().filter(|&c| c != NOT_PLAIN)
     }
 
     pub fn len(&self) -> usize {
@@ -124,6 +138,11 @@ impl JsonState {
     /// Whether the top-level object is complete: nothing but the end of generation may follow.
     pub fn is_done(&self) -> bool {
         self.mode == Mode::Done
+    }
+
+    /// Inside a string and not in an escape: any plain content fits ([`TokenTable::plain_chars`]).
+    pub fn in_plain_string(&self) -> bool {
+        matches!(self.mode, Mode::Str { esc: false, hex: 0, .. })
     }
 
     /// This state after `bytes`, or `None` when they leave the language (an empty slice is refused, since a token
@@ -359,6 +378,9 @@ mod tests {
         ] {
             assert!(run(bad).is_none(), "{bad:?}");
         }
+        assert!(run("{\"a\":\"x").is_some_and(|s| s.in_plain_string()));
+        assert!(!run("{\"a\":\"x\\").unwrap().in_plain_string(), "an escape is not plain content");
+        assert!(!run("{\"a\":").unwrap().in_plain_string());
         // Prefixes that can still go on are fine.
         for ok in [" ", "{", "{\"a", "{\"a\":", "{\"a\":1", "{\"a\":1.", "{\"a\":-", "{\"a\":tr", "{\"a\":\"\\u12"] {
             assert!(run(ok).is_some_and(|s| !s.is_done()), "{ok:?}");
@@ -377,10 +399,13 @@ mod tests {
 
     #[test]
     fn token_table_holds_each_tokens_bytes() {
-        let t = TokenTable::new([&b"{"[..], b"", b"\"ab"]);
+        let t = TokenTable::new([&b"{"[..], b"", b"\"ab", "é日x".as_bytes(), b"a\\", b"\x80 "]);
         assert_eq!(
-            (t.len(), t.bytes(0), t.bytes(1), t.bytes(2), t.bytes(3)),
-            (3, &b"{"[..], &b""[..], &b"\"ab"[..], &b""[..])
+            (t.len(), t.bytes(0), t.bytes(1), t.bytes(2), t.bytes(6)),
+            (6, &b"{"[..], &b""[..], &b"\"ab"[..], &b""[..])
         );
+        // Plain string content, by characters: a quote, a backslash or nothing at all is not.
+        let plain: Vec<Option<u32>> = (0..7).map(|i| t.plain_chars(i)).collect();
+        assert_eq!(plain, [Some(1), None, None, Some(3), None, Some(1), None]);
     }
 }

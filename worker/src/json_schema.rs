@@ -625,6 +625,17 @@ impl SchemaState {
         self.depth == 0
     }
 
+    /// Inside a string and not in an escape: how many more characters it may take. Plain content of at most
+    /// that many characters fits ([`crate::json_guide::TokenTable::plain_chars`]) without being fed.
+    pub fn plain_string_room(&self, schema: &JsonSchema) -> Option<u32> {
+        let top = self.frames[self.depth.checked_sub(1)? as usize];
+        match (top.phase, schema.node(top.node)) {
+            (Phase::Str { len, esc: false, hex: 0 }, Node::Str { max, .. }) => Some(max.saturating_sub(len)),
+            (Phase::MapKey { esc: false, hex: 0 }, _) => Some(u32::MAX),
+            _ => None,
+        }
+    }
+
     /// This state after `bytes`, or `None` when they leave the language (an empty slice is refused, since a token
     /// without text cannot advance an answer).
     pub fn accepts(&self, schema: &JsonSchema, bytes: &[u8]) -> Option<SchemaState> {
@@ -1066,6 +1077,12 @@ mod tests {
                     break;
                 }
                 let ok: Vec<u8> = (0..=255u8).filter(|&b| state.fits(&s, &[b], &mut trial)).collect();
+                // The sampler's shortcut inside strings agrees with feeding the bytes.
+                if let Some(room) = state.plain_string_room(&s) {
+                    for (plain, chars) in [("ab", 2), ("é日", 2), (" x y", 4), ("abcdef", 6), ("\u{80}", 1)] {
+                        assert_eq!(state.fits(&s, plain.as_bytes(), &mut trial), chars <= room, "{plain:?} {room}");
+                    }
+                }
                 assert!(!ok.is_empty(), "stuck after {:?}", String::from_utf8_lossy(&text));
                 // Printable ASCII without escapes (so that the text is UTF-8 without lone surrogates), leaning
                 // towards closing, so that walks finish.

@@ -229,6 +229,14 @@ impl Guide {
         }
     }
 
+    /// Inside a string and not in an escape: how many more characters plain content may add.
+    fn plain_string_room(&self) -> Option<u32> {
+        match self {
+            Guide::Object(s) => s.in_plain_string().then_some(u32::MAX),
+            Guide::Schema { schema, state, .. } => state.plain_string_room(schema),
+        }
+    }
+
     /// Whether `bytes` may come next.
     fn fits(&mut self, bytes: &[u8]) -> bool {
         match self {
@@ -379,6 +387,8 @@ impl Sampler {
                     *ok = guide.fits(&[b as u8]);
                 }
             }
+            // Inside a string, most tokens are plain content, which fits as long as the string has room for it.
+            let room = guide.plain_string_room();
             let stops = &self.stops;
             let mut fits = |t: u32| {
                 let b = tokens.bytes(t);
@@ -386,6 +396,8 @@ impl Sampler {
                     done
                 } else if pad {
                     !b.is_empty() && b.iter().all(|b| b.is_ascii_whitespace())
+                } else if let (Some(room), Some(chars)) = (room, tokens.plain_chars(t)) {
+                    chars <= room
                 } else {
                     !done && b.first().is_some_and(|&f| first[f as usize]) && guide.fits(b)
                 }
