@@ -367,6 +367,23 @@ async fn up_answers_chat_streaming_and_not() {
         assert!((1..=3).contains(&sights.len()) && sights.iter().all(Value::is_string), "{content}");
         assert!(o["capital"].is_boolean(), "{content}");
     }
+    // A forced function call: the arguments are a document of the function's parameters.
+    let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 40},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false}}});
+    let body = json!({"temperature": 0, "max_tokens": 100, "tools": [weather],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let (s, v) = http.post_json("/v1/chat/completions", &chat("What is the weather in Paris?", body)).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    let arguments = call["function"]["arguments"].as_str().unwrap_or_else(|| panic!("{v}"));
+    let args: Value = pagoda_e2e::serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{e}: {arguments:?}"));
+    assert!(args["city"].as_str().is_some_and(|c| !c.is_empty()), "{arguments}");
+    assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or("")), "{arguments}");
     // min_tokens (vLLM's): the end token cannot come before it, so the same answer goes on past its end.
     let (s, v) = http
         .post_json(

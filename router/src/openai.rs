@@ -108,6 +108,7 @@ pub struct ChatCompletionRequest {
     pub stop_token_ids: Option<Value>,
     pub include_stop_str_in_output: Option<bool>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
     /// vLLM's extension: a JSON Schema (an object, or its JSON text) the answer must follow.
     pub guided_json: Option<Value>,
@@ -295,6 +296,9 @@ pub struct GenParams {
     /// `response_format: {"type": "json_schema", ...}` or vLLM's `guided_json`: the schema, as compact JSON text,
     /// already compiled once here so that a schema the worker's guide cannot follow is a 400.
     pub json_schema: Option<String>,
+    /// A chat's forced function call (`tool_choice` naming a function, or `required` with one tool): its name.
+    /// The answer is guided by the function's `parameters` (in `json_schema`) and returned as its arguments.
+    pub tool_call: Option<String>,
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
@@ -487,6 +491,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         stop_token_ids,
         include_stop_str: c.include_stop_str_in_output.unwrap_or(false),
         json_schema: None,
+        tool_call: None,
         kv_policy,
         kv_budget_tokens,
         kv_profile_queries,
@@ -569,6 +574,72 @@ fn parse_guide(response_format: Option<&Value>, guided_json: Option<&Value>) -> 
             "Give either `guided_json` or a JSON `response_format`, not both.",
         )),
     }
+}
+
+/// At most this many `tools` in one request.
+pub const MAX_TOOLS: usize = 128;
+
+/// `tools` and `tool_choice`: the function the answer must call, with its `parameters` schema's text, or `None`
+/// when no call is forced. The model's chat template defines no tool-call format, so a call cannot be parsed out
+/// of free text (`auto`); a call is forced instead (vLLM's named function calling): `tool_choice` names the
+/// function, or is `required` with a single tool, and the answer is guided by its parameters.
+fn parse_tool_call(tools: Option<&[Value]>, choice: Option<&Value>) -> Result<Option<(String, String)>, ApiError> {
+    let tools = tools.unwrap_or_default();
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::invalid_param("tools", format!("At most {MAX_TOOLS} tools are allowed.")));
+    }
+    let mut functions = Vec::with_capacity(tools.len());
+    for (i, tool) in tools.iter().enumerate() {
+        let f = tool.get("function").filter(|_| tool.get("type").and_then(Value::as_str) == Some("function"));
+        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| {
+            (1..=64).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        });
+        let (Some(f), Some(name)) = (f, name) else {
+            return Err(ApiError::invalid_param(
+                format!("tools[{i}]"),
+                "A tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}, with \
+                 a name of 1 to 64 letters, digits, underscores or dashes.",
+            ));
+        };
+        functions.push((name, f.get("parameters")));
+    }
+    let none = || Ok(None);
+    let chosen = match choice {
+        Some(Value::String(c)) if c == "none" => return none(),
+        None | Some(Value::Null) if functions.is_empty() => return none(),
+        _ if functions.is_empty() => {
+            return Err(ApiError::invalid_param("tool_choice", "`tool_choice` needs `tools`."));
+        }
+        Some(Value::String(c)) if c == "required" && functions.len() == 1 => 0,
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).unwrap_or_default();
+            match functions.iter().position(|(n, _)| *n == name) {
+                Some(i) => i,
+                None => {
+                    return Err(ApiError::invalid_param(
+                        "tool_choice",
+                        format!("`tool_choice` names {name:?}, which is not among `tools`."),
+                    ));
+                }
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                "This model's chat template defines no tool-call format, so the model cannot choose a call itself \
+                 (`auto`, or `required` among several tools). Force one: `tool_choice` {\"type\": \"function\", \
+                 \"function\": {\"name\": ...}}, or `required` with a single tool.",
+            ));
+        }
+    };
+    let (name, parameters) = functions[chosen];
+    let empty = Value::Object(serde_json::Map::from_iter([
+        ("type".to_string(), Value::String("object".into())),
+        ("properties".to_string(), Value::Object(serde_json::Map::new())),
+        ("additionalProperties".to_string(), Value::Bool(false)),
+    ]));
+    let schema = compile_schema(parameters.unwrap_or(&empty), &format!("tools[{chosen}].function.parameters"))?;
+    Ok(Some((name.to_string(), schema)))
 }
 
 /// The schema's compact JSON text, once it is known to compile and fit [`MAX_SCHEMA_BYTES`].
@@ -921,10 +992,14 @@ impl ChatCompletionRequest {
             }
             _ => None,
         };
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid_param("tools", "Tool calling is not supported."));
-        }
         let guide = parse_guide(self.response_format.as_ref(), self.guided_json.as_ref())?;
+        let tool_call = parse_tool_call(self.tools.as_deref(), self.tool_choice.as_ref())?;
+        if tool_call.is_some() && guide != Guide::Text {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                "A forced function call is guided by the function's parameters; drop the JSON `response_format`.",
+            ));
+        }
         let mut params = validate_common(CommonIn {
             model: &self.model,
             max_tokens,
@@ -952,6 +1027,10 @@ impl ChatCompletionRequest {
         })?;
         params.logprobs = logprobs;
         guide.apply(&mut params);
+        if let Some((name, schema)) = tool_call {
+            params.tool_call = Some(name);
+            params.json_schema = Some(schema);
+        }
         Ok((turns, params))
     }
 }
@@ -1152,7 +1231,62 @@ impl Usage {
 #[derive(Debug, Clone, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is a function call.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+impl AssistantMessage {
+    /// The answer `text`: the content, or the arguments of the request's forced function call.
+    pub fn new(text: String, tool_call: Option<&str>, call_id: impl FnOnce() -> String) -> AssistantMessage {
+        match tool_call {
+            None => AssistantMessage { role: "assistant", content: Some(text), tool_calls: None },
+            Some(name) => AssistantMessage {
+                role: "assistant",
+                content: None,
+                tool_calls: Some(vec![ToolCall {
+                    id: call_id(),
+                    kind: "function",
+                    function: FunctionCall { name: name.to_string(), arguments: text },
+                }]),
+            },
+        }
+    }
+}
+
+/// A function call in an assistant message.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as JSON text, as OpenAI sends them.
+    pub arguments: String,
+}
+
+/// A function call's piece of a stream: the first one carries its id, type and name, the rest more arguments.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1179,6 +1313,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1551,6 +1687,51 @@ mod tests {
     }
 
     #[test]
+    fn forced_function_calls_are_guided_by_their_parameters() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            parse_json::<ChatCompletionRequest>(body.as_bytes()).unwrap().validate(100)
+        };
+        let weather = r#"{"type":"function","function":{"name":"weather","parameters":{"type":"object",
+            "properties":{"city":{"type":"string"}},"required":["city"]}}}"#;
+        let time = r#"{"type":"function","function":{"name":"time"}}"#;
+        let named = r#""tool_choice":{"type":"function","function":{"name":"weather"}}"#;
+        let (_, p) = chat(&format!(r#","tools":[{time},{weather}],{named}"#)).unwrap();
+        assert_eq!(p.tool_call.as_deref(), Some("weather"));
+        let schema = p.json_schema.unwrap();
+        assert!(schema.contains("\"city\"") && !p.sampling.json_object, "{schema}");
+        // `required` with one tool forces it; a function without parameters takes an empty object.
+        let (_, p) = chat(&format!(r#","tools":[{time}],"tool_choice":"required""#)).unwrap();
+        assert_eq!(p.tool_call.as_deref(), Some("time"));
+        assert_eq!(p.json_schema.as_deref(), Some(r#"{"type":"object","properties":{},"additionalProperties":false}"#));
+        // `none`, or no tools at all: plain text.
+        for extra in [format!(r#","tools":[{weather}],"tool_choice":"none""#), String::new()] {
+            let (_, p) = chat(&extra).unwrap();
+            assert_eq!((p.tool_call, p.json_schema), (None, None), "{extra}");
+        }
+        for (extra, param, why) in [
+            (format!(r#","tools":[{weather}]"#), "tool_choice", "no tool-call format"),
+            (format!(r#","tools":[{weather}],"tool_choice":"auto""#), "tool_choice", "no tool-call format"),
+            (format!(r#","tools":[{weather},{time}],"tool_choice":"required""#), "tool_choice", "single tool"),
+            (format!(r#","tools":[{time}],"tool_choice":{{"type":"function","function":{{"name":"x"}}}}"#), "tool_choice", "not among"),
+            (r#","tool_choice":"required""#.to_string(), "tool_choice", "needs `tools`"),
+            (r#","tools":[{"type":"function","function":{"name":"a b"}}],"tool_choice":"required""#.to_string(), "tools[0]", "name"),
+            (r#","tools":[{"type":"retrieval"}]"#.to_string(), "tools[0]", "function"),
+            (
+                r#","tools":[{"type":"function","function":{"name":"f","parameters":{"type":"string"}}}],"tool_choice":"required""#
+                    .to_string(),
+                "tools[0].function.parameters",
+                "root",
+            ),
+            (format!(r#","tools":[{weather}],{named},"response_format":{{"type":"json_object"}}"#), "tool_choice", "drop"),
+        ] {
+            let e = chat(&extra).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e:?}");
+            assert!(e.message.contains(why), "{extra}: {e:?}");
+        }
+    }
+
+    #[test]
     fn vllm_sampling_extensions() {
         let chat = |extra: &str| {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
@@ -1672,7 +1853,7 @@ mod tests {
             model: "m".into(),
             choices: vec![ChunkChoice {
                 index: 0,
-                delta: Delta { role: Some("assistant"), content: Some(String::new()) },
+                delta: Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
                 logprobs: None,
                 finish_reason: None,
             }],

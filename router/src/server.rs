@@ -29,8 +29,8 @@ use crate::metrics::Metrics;
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChunkChoice,
     Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DetokenizeRequest, DetokenizeResponse,
-    GenParams, ModelCard, ModelList, PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse, Usage,
-    check_lengths, check_min_tokens,
+    FunctionDelta, GenParams, ModelCard, ModelList, PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse,
+    ToolCallDelta, Usage, check_lengths, check_min_tokens,
 };
 use crate::placer::PlacerConfig;
 use crate::workers::WorkerPool;
@@ -533,7 +533,7 @@ async fn chat_completions(
         .map(|(index, c)| ChatChoice {
             index: index as u32,
             logprobs: params.logprobs.map(|_| ChatLogprobs::render(&c.logprobs, codec)),
-            message: AssistantMessage { role: "assistant", content: c.text },
+            message: AssistantMessage::new(c.text, params.tool_call.as_deref(), || new_id("call")),
             finish_reason: c.finish_reason,
         })
         .collect();
@@ -790,9 +790,27 @@ fn chat_events(
             usage: if include_usage { Some(None) } else { None },
         }
     };
+    // A forced function call streams as its arguments: the first delta names the call, the rest extend it.
+    let tool_call = params.tool_call.clone();
     let first: Vec<String> = (0..choices.len() as u32)
-        .map(|i| to_json(&chunk(i, Delta { role: Some("assistant"), content: Some(String::new()) }, None, None)))
+        .map(|i| {
+            let delta = match &tool_call {
+                None => Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
+                Some(name) => Delta {
+                    role: Some("assistant"),
+                    content: None,
+                    tool_calls: Some(vec![ToolCallDelta {
+                        index: 0,
+                        id: Some(new_id("call")),
+                        kind: Some("function"),
+                        function: FunctionDelta { name: Some(name.clone()), arguments: String::new() },
+                    }]),
+                },
+            };
+            to_json(&chunk(i, delta, None, None))
+        })
         .collect();
+    let calls = tool_call.is_some();
     let wants_logprobs = params.logprobs.is_some();
     let last_chunk = chunk.clone();
     let body = choices_to_events(
@@ -802,7 +820,14 @@ fn chat_events(
             Piece::Echo { .. } => Vec::new(),
             Piece::Text { text, logprobs } => {
                 let logprobs = wants_logprobs.then(|| ChatLogprobs::render(&logprobs, codec.as_ref()));
-                vec![to_json(&chunk(i, Delta { role: None, content: Some(text) }, logprobs, None))]
+                let delta = if calls {
+                    let function = FunctionDelta { name: None, arguments: text };
+                    let call = ToolCallDelta { index: 0, id: None, kind: None, function };
+                    Delta { role: None, content: None, tool_calls: Some(vec![call]) }
+                } else {
+                    Delta { role: None, content: Some(text), tool_calls: None }
+                };
+                vec![to_json(&chunk(i, delta, logprobs, None))]
             }
             Piece::Done { finish_reason, .. } => vec![to_json(&chunk(i, Delta::default(), None, Some(finish_reason)))],
             Piece::Error(e) => vec![e.body_json()],

@@ -1599,6 +1599,56 @@ async fn json_schemas_reach_the_worker_and_bad_ones_are_refused() {
     c.still_serves().await;
 }
 
+/// A forced function call (`tool_choice` naming a function) reaches the worker as its parameters' schema, and the
+/// answer comes back as the call's arguments: a `tool_calls` message with `content: null`, or, streamed, a first
+/// delta that names the call (its id, type and name) and argument deltas that add up to the answer.
+#[tokio::test]
+async fn forced_function_calls_come_back_as_tool_calls() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let parameters = json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let (s, v) = c.chat(body.clone()).await;
+    assert_eq!(s, 200, "{v}");
+    let message = &v["choices"][0]["message"];
+    assert!(message["content"].is_null(), "{v}");
+    let call = &message["tool_calls"][0];
+    assert_eq!((&call["type"], &call["function"]["name"]), (&json!("function"), &json!("get_weather")), "{v}");
+    assert_eq!(call["function"]["arguments"], REPLY, "{v}");
+    assert!(call["id"].as_str().is_some_and(|id| id.starts_with("call-")), "{v}");
+    let sent = seen.lock().unwrap().pop().expect("a Generate call").sampling.expect("sampling settings");
+    assert_eq!(sent.json_schema, parameters.to_string());
+
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let text = c.post_ok("/v1/chat/completions", &streamed).await;
+    let chunks: Vec<Value> =
+        sse_payloads(&text).iter().filter(|p| *p != "[DONE]").map(|p| serde_json::from_str(p).unwrap()).collect();
+    let first = &chunks[0]["choices"][0]["delta"];
+    assert_eq!(first["role"], "assistant", "{first}");
+    assert!(first.get("content").is_none(), "{first}");
+    let head = &first["tool_calls"][0];
+    assert_eq!(
+        (&head["index"], &head["type"], &head["function"]["name"]),
+        (&json!(0), &json!("function"), &json!("get_weather"))
+    );
+    assert!(head["id"].is_string() && head["function"]["arguments"] == "", "{head}");
+    let mut arguments = String::new();
+    for chunk in &chunks[1..] {
+        let delta = &chunk["choices"][0]["delta"];
+        assert!(delta.get("content").is_none(), "{chunk}");
+        if let Some(call) = delta.get("tool_calls") {
+            assert!(call[0].get("id").is_none() && call[0]["function"].get("name").is_none(), "{chunk}");
+            arguments.push_str(call[0]["function"]["arguments"].as_str().unwrap());
+        }
+    }
+    assert_eq!(arguments, REPLY);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
+
 /// `ignore_eos` (vLLM's extension) reaches the worker, and the router then sends none of the model's stop ids;
 /// `stop_token_ids` are sent with or without them.
 #[tokio::test]

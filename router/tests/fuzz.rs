@@ -155,6 +155,8 @@ const FIELDS: &[&str] = &[
     "user",
     "kv",
     "tools",
+    "tool_choice",
+    "guided_json",
     "response_format",
     "tokens",
     "add_special_tokens",
