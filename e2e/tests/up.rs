@@ -384,6 +384,14 @@ async fn up_answers_chat_streaming_and_not() {
     let args: Value = pagoda_e2e::serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{e}: {arguments:?}"));
     assert!(args["city"].as_str().is_some_and(|c| !c.is_empty()), "{arguments}");
     assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or("")), "{arguments}");
+    // The call and its result go back as turns of the chat, and the model answers in text.
+    let body = json!({"model": MODEL_ID, "temperature": 0, "max_tokens": 40, "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees celsius and sunny"}]});
+    let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
     // min_tokens (vLLM's): the end token cannot come before it, so the same answer goes on past its end.
     let (s, v) = http
         .post_json(

@@ -58,6 +58,10 @@ pub struct ChatMessageIn {
     #[serde(default)]
     pub content: Value,
     pub name: Option<String>,
+    /// An assistant turn's function calls (what an earlier forced call returned).
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn's answer to that call.
+    pub tool_call_id: Option<String>,
 }
 
 /// Chat roles we accept; anything else is rejected by deserialisation with the list of valid roles.
@@ -68,6 +72,8 @@ pub enum Role {
     Developer,
     User,
     Assistant,
+    /// A function's result, answering an assistant turn's call.
+    Tool,
 }
 
 impl Role {
@@ -77,6 +83,7 @@ impl Role {
             Role::System | Role::Developer => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -903,9 +910,64 @@ fn validate_messages(messages: &[ChatMessageIn]) -> Result<Vec<Turn>, ApiError> 
                 format!("`name` is longer than {MAX_NAME_BYTES} bytes."),
             ));
         }
-        turns.push(Turn { role: m.role.template_name(), content: message_text(i, &m.content)? });
+        if m.tool_call_id.as_ref().is_some_and(|id| id.len() > MAX_NAME_BYTES) {
+            return Err(ApiError::invalid_param(
+                format!("messages[{i}].tool_call_id"),
+                format!("`tool_call_id` is longer than {MAX_NAME_BYTES} bytes."),
+            ));
+        }
+        let content = match m.tool_calls.as_deref() {
+            None | Some([]) => message_text(i, &m.content)?,
+            Some(calls) if m.role == Role::Assistant => assistant_calls_text(i, &m.content, calls)?,
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    format!("messages[{i}].tool_calls"),
+                    "Only an assistant message has `tool_calls`.",
+                ));
+            }
+        };
+        turns.push(Turn { role: m.role.template_name(), content });
     }
     Ok(turns)
+}
+
+/// An assistant turn that called functions, as the template sees it: its text, if any, then one line per call,
+/// `{"name": ..., "arguments": ...}` (the arguments as JSON where they parse). The chat template has no tool-call
+/// format of its own; this one is what the model reads back of its own calls.
+fn assistant_calls_text(i: usize, content: &Value, calls: &[Value]) -> Result<String, ApiError> {
+    if calls.len() > MAX_TOOLS {
+        return Err(ApiError::invalid_param(
+            format!("messages[{i}].tool_calls"),
+            format!("At most {MAX_TOOLS} calls are allowed."),
+        ));
+    }
+    let mut lines = Vec::with_capacity(calls.len() + 1);
+    if !content.is_null() {
+        lines.push(message_text(i, content)?);
+    }
+    for (j, call) in calls.iter().enumerate() {
+        let f = call.get("function");
+        let (Some(name), Some(arguments)) = (
+            f.and_then(|f| f.get("name")).and_then(Value::as_str),
+            f.and_then(|f| f.get("arguments")).and_then(Value::as_str),
+        ) else {
+            return Err(ApiError::invalid_param(
+                format!("messages[{i}].tool_calls[{j}]"),
+                "A call must be {\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}.",
+            ));
+        };
+        let arguments = serde_json::from_str::<Value>(arguments).unwrap_or_else(|_| Value::String(arguments.into()));
+        let line = serde_json::json!({"name": name, "arguments": arguments});
+        lines.push(line.to_string());
+    }
+    let text = lines.join("\n");
+    if text.len() > MAX_TEXT_BYTES {
+        return Err(ApiError::invalid_param(
+            format!("messages[{i}].tool_calls"),
+            format!("The calls are {} bytes; the limit is {MAX_TEXT_BYTES}.", text.len()),
+        ));
+    }
+    Ok(text)
 }
 
 /// Message content: a string, or an array of `{"type": "text", "text": ...}` parts (joined).
@@ -1728,6 +1790,39 @@ mod tests {
             let e = chat(&extra).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e:?}");
             assert!(e.message.contains(why), "{extra}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn a_function_call_and_its_result_are_turns_of_the_chat() {
+        let messages = |extra: &str| {
+            let body =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"Weather in Paris?"}},{extra}]}}"#);
+            parse_json::<ChatCompletionRequest>(body.as_bytes()).unwrap().validate(100).map(|(turns, _)| turns)
+        };
+        let turns = messages(
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"call-1","type":"function",
+                "function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+               {"role":"tool","tool_call_id":"call-1","content":"18 C, sunny"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            turns[1],
+            Turn { role: "assistant", content: r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#.into() }
+        );
+        assert_eq!(turns[2], Turn { role: "tool", content: "18 C, sunny".into() });
+        for (extra, param) in [
+            (
+                r#"{"role":"user","content":"x","tool_calls":[{"function":{"name":"f","arguments":"{}"}}]}"#,
+                "messages[1].tool_calls",
+            ),
+            (
+                r#"{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f"}}]}"#,
+                "messages[1].tool_calls[0]",
+            ),
+            (r#"{"role":"tool","content":null}"#, "messages[1].content"),
+        ] {
+            assert_eq!(messages(extra).unwrap_err().param.as_deref(), Some(param), "{extra}");
         }
     }
 
