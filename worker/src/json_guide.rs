@@ -92,8 +92,9 @@ enum Mode {
     Done,
 }
 
+/// Where a JSON number stands (this guide's and [`crate::json_schema`]'s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Num {
+pub(crate) enum Num {
     /// After `-`: a digit.
     Minus,
     /// A leading `0`: `.`, an exponent, or the end.
@@ -107,6 +108,79 @@ enum Num {
     /// After the exponent's sign: a digit.
     ExpSign,
     ExpDigits,
+}
+
+impl Num {
+    /// A number that starts with `b`.
+    pub(crate) fn start(b: u8) -> Option<Num> {
+        match b {
+            b'-' => Some(Num::Minus),
+            b'0' => Some(Num::Zero),
+            b'1'..=b'9' => Some(Num::Int),
+            _ => None,
+        }
+    }
+
+    /// The number after `b`, or `None` when `b` does not continue it (an `integer` has no fraction or exponent).
+    pub(crate) fn next(self, b: u8, integer: bool) -> Option<Num> {
+        match (self, b) {
+            (Num::Minus, b'0') => Some(Num::Zero),
+            (Num::Minus, b'1'..=b'9') => Some(Num::Int),
+            (Num::Int, b'0'..=b'9') => Some(Num::Int),
+            (Num::Zero | Num::Int, b'.') if !integer => Some(Num::Dot),
+            (Num::Dot | Num::Frac, b'0'..=b'9') => Some(Num::Frac),
+            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Some(Num::Exp),
+            (Num::Exp, b'+' | b'-') => Some(Num::ExpSign),
+            (Num::Exp | Num::ExpSign | Num::ExpDigits, b'0'..=b'9') => Some(Num::ExpDigits),
+            _ => None,
+        }
+    }
+
+    /// Whether the number may end here.
+    pub(crate) fn may_end(self) -> bool {
+        matches!(self, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits)
+    }
+}
+
+/// What one byte does inside a JSON string.
+pub(crate) enum StrByte {
+    /// The closing quote.
+    Close,
+    /// A byte of the content; `true` when it starts a character (an escape counts as one, at its backslash).
+    Content(bool),
+    Reject,
+}
+
+/// Feeds `b` to a string whose lexer stands at `esc` (after a backslash) and `hex` (hex digits left of a `\u`).
+pub(crate) fn string_byte(esc: &mut bool, hex: &mut u8, b: u8) -> StrByte {
+    if *hex > 0 {
+        if !b.is_ascii_hexdigit() {
+            return StrByte::Reject;
+        }
+        *hex -= 1;
+        return StrByte::Content(false);
+    }
+    if *esc {
+        *esc = false;
+        return match b {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => StrByte::Content(false),
+            b'u' => {
+                *hex = 4;
+                StrByte::Content(false)
+            }
+            _ => StrByte::Reject,
+        };
+    }
+    match b {
+        b'"' => StrByte::Close,
+        b'\\' => {
+            *esc = true;
+            StrByte::Content(true)
+        }
+        // Control characters must be escaped.
+        0..=0x1f => StrByte::Reject,
+        _ => StrByte::Content(b & 0xC0 != 0x80),
+    }
 }
 
 const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
@@ -126,7 +200,7 @@ impl Default for JsonState {
     }
 }
 
-fn is_ws(b: u8) -> bool {
+pub(crate) fn is_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
@@ -199,16 +273,8 @@ impl JsonState {
                 self.mode = Mode::Str { key: false, esc: false, hex: 0 };
                 true
             }
-            b'-' => {
-                self.mode = Mode::Num(Num::Minus);
-                true
-            }
-            b'0' => {
-                self.mode = Mode::Num(Num::Zero);
-                true
-            }
-            b'1'..=b'9' => {
-                self.mode = Mode::Num(Num::Int);
+            _ if Num::start(b).is_some() => {
+                self.mode = Mode::Num(Num::start(b).unwrap_or(Num::Int));
                 true
             }
             _ => match LITERALS.iter().position(|l| l[0] == b) {
@@ -253,57 +319,33 @@ impl JsonState {
                 b']' => self.close(false),
                 _ => false,
             },
-            Mode::Str { key, esc, hex } => {
-                if hex > 0 {
-                    if !b.is_ascii_hexdigit() {
-                        return false;
-                    }
-                    self.mode = Mode::Str { key, esc: false, hex: hex - 1 };
-                } else if esc {
-                    match b {
-                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
-                            self.mode = Mode::Str { key, esc: false, hex: 0 }
-                        }
-                        b'u' => self.mode = Mode::Str { key, esc: false, hex: 4 },
-                        _ => return false,
-                    }
-                } else {
-                    match b {
-                        b'"' if key => self.mode = Mode::Colon,
-                        b'"' => self.value_ended(),
-                        b'\\' => self.mode = Mode::Str { key, esc: true, hex: 0 },
-                        // Control characters must be escaped.
-                        0..=0x1f => return false,
-                        _ => {}
-                    }
+            Mode::Str { key, mut esc, mut hex } => match string_byte(&mut esc, &mut hex, b) {
+                StrByte::Close if key => {
+                    self.mode = Mode::Colon;
+                    true
                 }
-                true
-            }
-            Mode::Num(n) => {
-                let next = match (n, b) {
-                    (Num::Minus, b'0') => Some(Num::Zero),
-                    (Num::Minus, b'1'..=b'9') => Some(Num::Int),
-                    (Num::Int, b'0'..=b'9') => Some(Num::Int),
-                    (Num::Zero | Num::Int, b'.') => Some(Num::Dot),
-                    (Num::Dot | Num::Frac, b'0'..=b'9') => Some(Num::Frac),
-                    (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Some(Num::Exp),
-                    (Num::Exp, b'+' | b'-') => Some(Num::ExpSign),
-                    (Num::Exp | Num::ExpSign | Num::ExpDigits, b'0'..=b'9') => Some(Num::ExpDigits),
-                    _ => None,
-                };
-                match next {
-                    Some(n) => {
-                        self.mode = Mode::Num(n);
-                        true
-                    }
-                    // The number ends here if it may, and the byte belongs to what follows it.
-                    None if matches!(n, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits) => {
-                        self.value_ended();
-                        self.step(b)
-                    }
-                    None => false,
+                StrByte::Close => {
+                    self.value_ended();
+                    true
                 }
-            }
+                StrByte::Content(_) => {
+                    self.mode = Mode::Str { key, esc, hex };
+                    true
+                }
+                StrByte::Reject => false,
+            },
+            Mode::Num(n) => match n.next(b, false) {
+                Some(n) => {
+                    self.mode = Mode::Num(n);
+                    true
+                }
+                // The number ends here if it may, and the byte belongs to what follows it.
+                None if n.may_end() => {
+                    self.value_ended();
+                    self.step(b)
+                }
+                None => false,
+            },
             Mode::Lit { which, at } => {
                 let lit = LITERALS[which as usize];
                 if lit.get(at as usize) != Some(&b) {

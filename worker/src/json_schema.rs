@@ -26,6 +26,8 @@ use std::collections::HashMap;
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::json_guide::{Num, StrByte, is_ws, string_byte};
+
 /// Deepest nesting of objects and arrays in a guided answer.
 pub const MAX_FRAMES: usize = 32;
 /// Most nodes a compiled schema may have.
@@ -510,22 +512,6 @@ impl JsonSchema {
     }
 }
 
-fn is_ws(b: u8) -> bool {
-    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Num {
-    Minus,
-    Zero,
-    Int,
-    Dot,
-    Frac,
-    Exp,
-    ExpSign,
-    ExpDigits,
-}
-
 /// Where one open value stands. `next`: the first declared property still to come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -572,44 +558,6 @@ pub struct SchemaState {
     frames: [Frame; MAX_FRAMES],
     depth: u8,
     ws: u8,
-}
-
-/// What one byte does inside a string.
-enum StrByte {
-    Close,
-    /// A byte of the content; `true` when it starts a character.
-    Content(bool),
-    Reject,
-}
-
-fn string_byte(esc: &mut bool, hex: &mut u8, b: u8) -> StrByte {
-    if *hex > 0 {
-        if !b.is_ascii_hexdigit() {
-            return StrByte::Reject;
-        }
-        *hex -= 1;
-        return StrByte::Content(false);
-    }
-    if *esc {
-        *esc = false;
-        return match b {
-            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => StrByte::Content(false),
-            b'u' => {
-                *hex = 4;
-                StrByte::Content(false)
-            }
-            _ => StrByte::Reject,
-        };
-    }
-    match b {
-        b'"' => StrByte::Close,
-        b'\\' => {
-            *esc = true;
-            StrByte::Content(true)
-        }
-        0..=0x1f => StrByte::Reject,
-        _ => StrByte::Content(b & 0xC0 != 0x80),
-    }
 }
 
 impl SchemaState {
@@ -708,11 +656,9 @@ impl SchemaState {
             (Phase::Start, Node::Object { .. }) => self.set_if(b == b'{', Phase::ObjOpen { next: 0 }),
             (Phase::Start, Node::Array { .. }) => self.set_if(b == b'[', Phase::ArrOpen),
             (Phase::Start, Node::Str { .. }) => self.set_if(b == b'"', Phase::Str { len: 0, esc: false, hex: 0 }),
-            (Phase::Start, Node::Number { .. }) => match b {
-                b'-' => self.set_if(true, Phase::Num { n: Num::Minus, len: 1 }),
-                b'0' => self.set_if(true, Phase::Num { n: Num::Zero, len: 1 }),
-                b'1'..=b'9' => self.set_if(true, Phase::Num { n: Num::Int, len: 1 }),
-                _ => false,
+            (Phase::Start, Node::Number { .. }) => match Num::start(b) {
+                Some(n) => self.set_if(true, Phase::Num { n, len: 1 }),
+                None => false,
             },
             (Phase::Start, Node::Literals(lits)) => self.literal(schema, lits, 0, lits.len() as u16, 0, b),
             (Phase::Lit { lo, hi, pos }, Node::Literals(lits)) => self.literal(schema, lits, lo, hi, pos, b),
@@ -800,36 +746,22 @@ impl SchemaState {
                     StrByte::Reject => false,
                 }
             }
-            (Phase::Num { n, len }, Node::Number { integer }) => {
-                let next = match (n, b) {
-                    (Num::Minus, b'0') => Some(Num::Zero),
-                    (Num::Minus, b'1'..=b'9') => Some(Num::Int),
-                    (Num::Int, b'0'..=b'9') => Some(Num::Int),
-                    (Num::Zero | Num::Int, b'.') if !integer => Some(Num::Dot),
-                    (Num::Dot | Num::Frac, b'0'..=b'9') => Some(Num::Frac),
-                    (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Some(Num::Exp),
-                    (Num::Exp, b'+' | b'-') => Some(Num::ExpSign),
-                    (Num::Exp | Num::ExpSign | Num::ExpDigits, b'0'..=b'9') => Some(Num::ExpDigits),
-                    _ => None,
-                };
-                match next {
-                    // The last byte the bound allows must leave a number that may end.
-                    Some(n) => {
-                        let may_end = matches!(n, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits);
-                        let len = len + 1;
-                        self.set_if(
-                            len < MAX_NUMBER_BYTES || (len == MAX_NUMBER_BYTES && may_end),
-                            Phase::Num { n, len },
-                        )
-                    }
-                    // The number ends here if it may, and the byte belongs to what follows it.
-                    None if matches!(n, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits) => {
-                        self.pop();
-                        self.step(schema, b)
-                    }
-                    None => false,
+            (Phase::Num { n, len }, Node::Number { integer }) => match n.next(b, *integer) {
+                // The last byte the bound allows must leave a number that may end.
+                Some(n) => {
+                    let len = len + 1;
+                    self.set_if(
+                        len < MAX_NUMBER_BYTES || (len == MAX_NUMBER_BYTES && n.may_end()),
+                        Phase::Num { n, len },
+                    )
                 }
-            }
+                // The number ends here if it may, and the byte belongs to what follows it.
+                None if n.may_end() => {
+                    self.pop();
+                    self.step(schema, b)
+                }
+                None => false,
+            },
             // A phase always belongs to its node's kind; anything else is a broken state, refused.
             _ => false,
         }
