@@ -418,6 +418,12 @@ impl Sampler {
                     c.0 = f32::NEG_INFINITY;
                 }
             }
+            // Nothing fits (the nesting bound is reached, or `min_tokens` bans the end of a complete object): the
+            // end of generation where the request has one, as greedy picks it, rather than a token that breaks
+            // the answer.
+            if !cand.iter().any(|c| c.0 > f32::NEG_INFINITY) {
+                return self.stops.first().copied().unwrap_or_else(|| argmax(logits));
+            }
         }
         if self.cfg.is_greedy() {
             // Biased or penalised greedy: the first maximum, as `argmax` picks it.
@@ -808,6 +814,13 @@ mod tests {
         logits.fill(3.0);
         logits[eos as usize] = -20.0;
         assert_eq!(s.sample(&logits, &mut buf), eos);
+        // Where nothing fits, a sampled request ends too: `{` then `{` is no object, and "x" never is.
+        let small: [&[u8]; 3] = [b"{", b"x", b""];
+        let small_table = Arc::new(TokenTable::new(small));
+        let cfg = SamplingParams { json_object: true, temperature: 1.0, seed: Some(9), ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[2]).with_json_guide(Some(&small_table), &[0]);
+        assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf), 0);
+        assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf), 2);
         // Without stop tokens (ignore_eos), whitespace pads a complete object.
         let cfg = SamplingParams { json_object: true, ..SamplingParams::greedy() };
         let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_json_guide(Some(&table), &[0]);
