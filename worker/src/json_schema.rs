@@ -17,7 +17,9 @@
 //! - `anyOf`, `oneOf` and lists of types are choices among alternatives that must start with different characters
 //!   (a string or a number, an object or null), so that the first character picks one; others are refused.
 //! - `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME` may recurse; the nesting bound then ends it.
-//! - Strings honour `minLength` and `maxLength` (in characters); arrays `minItems` and `maxItems`.
+//! - Strings honour `minLength` and `maxLength` (in characters); arrays `minItems` and `maxItems`; integers
+//!   `minimum`, `maximum` and their exclusive forms when both ends leave at most [`MAX_ENUM_VALUES`] values,
+//!   which are then matched as literals.
 //! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
 //!   [`MAX_NUMBER_BYTES`] long, so that the guide always makes progress.
 
@@ -107,7 +109,7 @@ pub struct JsonSchema {
 
 const KEYWORDS_IGNORED: [&str; 9] =
     ["title", "description", "$schema", "$id", "$comment", "default", "examples", "strict", "deprecated"];
-const KEYWORDS_GUIDED: [&str; 16] = [
+const KEYWORDS_GUIDED: [&str; 20] = [
     "type",
     "properties",
     "required",
@@ -124,7 +126,14 @@ const KEYWORDS_GUIDED: [&str; 16] = [
     "$ref",
     "$defs",
     "definitions",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
 ];
+
+/// The numeric bounds, which the guide follows on integers only.
+const BOUNDS: [&str; 4] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
 
 struct Compiler<'a> {
     root_value: &'a Value,
@@ -267,6 +276,8 @@ impl Compiler<'_> {
                     vec!["array"]
                 } else if obj.contains_key("minLength") || obj.contains_key("maxLength") {
                     vec!["string"]
+                } else if BOUNDS.iter().any(|k| obj.contains_key(*k)) {
+                    vec!["number"]
                 } else {
                     return self.any(path);
                 }
@@ -317,6 +328,36 @@ impl Compiler<'_> {
         }
     }
 
+    /// An integer's bounds as the inclusive range of values they leave, or `None` when it has none. The guide
+    /// writes a bounded integer as one of its values, so both ends are needed and the range is at most
+    /// [`MAX_ENUM_VALUES`] wide.
+    fn integer_range(obj: &serde_json::Map<String, Value>, path: &str) -> Result<Option<(i64, i64)>, SchemaError> {
+        let bound = |k: &str| match obj.get(k) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x.abs() < 1e15 => Ok(Some(x)),
+                _ => err(&format!("{path}/{k}"), format!("`{k}` must be a number within ±1e15")),
+            },
+        };
+        let lo = match (bound("minimum")?, bound("exclusiveMinimum")?) {
+            (None, None) => None,
+            (a, b) => Some(a.map_or(i64::MIN, |m| m.ceil() as i64).max(b.map_or(i64::MIN, |m| m.floor() as i64 + 1))),
+        };
+        let hi = match (bound("maximum")?, bound("exclusiveMaximum")?) {
+            (None, None) => None,
+            (a, b) => Some(a.map_or(i64::MAX, |m| m.floor() as i64).min(b.map_or(i64::MAX, |m| m.ceil() as i64 - 1))),
+        };
+        match (lo, hi) {
+            (None, None) => Ok(None),
+            (Some(lo), Some(hi)) if lo <= hi && hi - lo < MAX_ENUM_VALUES as i64 => Ok(Some((lo, hi))),
+            (Some(lo), Some(hi)) if lo > hi => err(path, "the bounds leave no integer"),
+            _ => err(
+                path,
+                format!("integer bounds are supported as a range of at most {MAX_ENUM_VALUES} values, with both ends"),
+            ),
+        }
+    }
+
     fn typed(&mut self, obj: &serde_json::Map<String, Value>, t: &str, path: &str) -> Result<NodeId, SchemaError> {
         match t {
             "object" => self.object(obj, path),
@@ -340,8 +381,18 @@ impl Compiler<'_> {
                 }
                 self.push(Node::Str { min, max }, path)
             }
-            "number" => self.push(Node::Number { integer: false }, path),
-            "integer" => self.push(Node::Number { integer: true }, path),
+            "number" => match BOUNDS.iter().find(|k| obj.contains_key(**k)) {
+                Some(k) => err(path, format!("`{k}` is supported on integers only")),
+                None => self.push(Node::Number { integer: false }, path),
+            },
+            "integer" => match Self::integer_range(obj, path)? {
+                None => self.push(Node::Number { integer: true }, path),
+                Some((lo, hi)) => {
+                    let mut lits: Vec<Vec<u8>> = (lo..=hi).map(|i| i.to_string().into_bytes()).collect();
+                    lits.sort();
+                    self.push(Node::Literals(lits), path)
+                }
+            },
             "boolean" => self.push(Node::Literals(vec![b"false".to_vec(), b"true".to_vec()]), path),
             "null" => self.push(Node::Literals(vec![b"null".to_vec()]), path),
             other => err(&format!("{path}/type"), format!("unknown type `{other}`")),
@@ -931,6 +982,26 @@ mod tests {
             ),
             (json!({"type": "object", "properties": {"a": {"type": "date"}}}), "#/properties/a/type", "unknown type"),
             (json!({"type": "object", "properties": {"a": {"enum": []}}}), "#/properties/a/enum", "1 to"),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "number", "maximum": 1}}}),
+                "#/properties/a",
+                "integers only",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}),
+                "#/properties/a",
+                "both ends",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5000}}}),
+                "#/properties/a",
+                "at most",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "exclusiveMaximum": 3}}}),
+                "#/properties/a",
+                "no integer",
+            ),
         ];
         for (v, path, why) in cases {
             let e = JsonSchema::compile(&v).expect_err(&v.to_string());
@@ -972,6 +1043,27 @@ mod tests {
         let s = schema(json!({"type": "object", "properties": {"c": {"const": {"x": [1, "y"]}}}, "required": ["c"]}));
         assert_eq!(run(&s, r#"{"c":{"x":[1,"y"]}}"#), Some(true));
         assert_eq!(run(&s, r#"{"c":{"x": "#), None, "literals are matched in their compact form");
+    }
+
+    #[test]
+    fn bounded_integers_take_only_their_values() {
+        let s = schema(json!({"type": "object", "properties": {
+            "stars": {"type": "integer", "minimum": 1, "maximum": 12},
+            "t": {"type": "integer", "exclusiveMinimum": -3.5, "exclusiveMaximum": 0}},
+            "required": ["stars", "t"]}));
+        for ok in [r#"{"stars":1,"t":-3}"#, r#"{"stars":12,"t":-1}"#, r#"{"stars": 10 ,"t":-2}"#] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"stars":0"#,
+            r#"{"stars":13"#,
+            r#"{"stars":1.5"#,
+            r#"{"stars":01"#,
+            r#"{"stars":1,"t":0"#,
+            r#"{"stars":1,"t":-4"#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
     }
 
     #[test]
