@@ -367,6 +367,20 @@ async fn up_answers_chat_streaming_and_not() {
         assert!((1..=3).contains(&sights.len()) && sights.iter().all(Value::is_string), "{content}");
         assert!(o["capital"].is_boolean(), "{content}");
     }
+    // vLLM's guided_json on a completion, two seeded samples: each text is a document of the schema.
+    let body = json!({"model": MODEL_ID, "prompt": "A city, as JSON:", "max_tokens": 200, "temperature": 0.8,
+        "seed": 5, "n": 2, "guided_json": city});
+    let (s, v) = http.post_json("/v1/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(choices.len(), 2, "{v}");
+    for c in choices {
+        assert_eq!(c["finish_reason"], "stop", "{v}");
+        let text = c["text"].as_str().unwrap();
+        let doc: Value = pagoda_e2e::serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        let keys: Vec<&String> = doc.as_object().unwrap_or_else(|| panic!("{text}")).keys().collect();
+        assert_eq!(keys, ["city", "country", "population", "sights", "capital"], "{text}");
+    }
     // A forced function call: the arguments are a document of the function's parameters.
     let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",
         "parameters": {"type": "object", "properties": {
