@@ -548,9 +548,7 @@ fn parse_guide(response_format: Option<&Value>, guided_json: Option<&Value>) -> 
                 };
                 match spec.and_then(|s| s.get("name")) {
                     None => {}
-                    Some(Value::String(n))
-                        if (1..=64).contains(&n.len())
-                            && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
+                    Some(Value::String(n)) if is_identifier(n) => {}
                     Some(_) => {
                         return Err(ApiError::invalid_param(
                             "response_format.json_schema.name",
@@ -583,6 +581,11 @@ fn parse_guide(response_format: Option<&Value>, guided_json: Option<&Value>) -> 
     }
 }
 
+/// A schema's or a function's name as OpenAI takes it: 1 to 64 letters, digits, underscores or dashes.
+fn is_identifier(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// At most this many `tools` in one request.
 pub const MAX_TOOLS: usize = 128;
 
@@ -598,9 +601,7 @@ fn parse_tool_call(tools: Option<&[Value]>, choice: Option<&Value>) -> Result<Op
     let mut functions = Vec::with_capacity(tools.len());
     for (i, tool) in tools.iter().enumerate() {
         let f = tool.get("function").filter(|_| tool.get("type").and_then(Value::as_str) == Some("function"));
-        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| {
-            (1..=64).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-        });
+        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| is_identifier(n));
         let (Some(f), Some(name)) = (f, name) else {
             return Err(ApiError::invalid_param(
                 format!("tools[{i}]"),

@@ -759,6 +759,69 @@ mod tests {
         }
     }
 
+    /// A guide's state as the tests follow it beside a sampler.
+    trait Follow: Clone {
+        fn accepts(&self, bytes: &[u8]) -> Option<Self>;
+        fn is_done(&self) -> bool;
+    }
+
+    impl Follow for JsonState {
+        fn accepts(&self, bytes: &[u8]) -> Option<Self> {
+            JsonState::accepts(*self, bytes)
+        }
+        fn is_done(&self) -> bool {
+            JsonState::is_done(self)
+        }
+    }
+
+    impl Follow for (SchemaState, &JsonSchema) {
+        fn accepts(&self, bytes: &[u8]) -> Option<Self> {
+            Some((self.0.accepts(self.1, bytes)?, self.1))
+        }
+        fn is_done(&self) -> bool {
+            self.0.is_done()
+        }
+    }
+
+    /// Samples from random logits in which token `never` is always the likeliest and never fits, until the stop
+    /// token `eos` or 400 tokens: every token fits what the guide allowed before it (followed from `state`), the
+    /// stop comes only once the answer is complete, and a greedy sampler picks the likeliest token that fits.
+    /// Returns the text.
+    fn walk_guided<S: Follow>(
+        s: &mut Sampler,
+        vocab: &[&[u8]],
+        eos: u32,
+        never: usize,
+        rng: &mut StdRng,
+        mut state: S,
+    ) -> Vec<u8> {
+        let mut buf = SampleBuffer::new();
+        let mut text = Vec::new();
+        for _ in 0..400 {
+            let mut logits: Vec<f32> = (0..vocab.len()).map(|_| rng.random::<f32>() * 4.0).collect();
+            logits[never] = 10.0;
+            let t = s.sample(&logits, &mut buf);
+            if t == eos {
+                assert!(state.is_done(), "the end only after a complete answer: {text:?}");
+                break;
+            }
+            let before = state.clone();
+            state = before
+                .accepts(vocab[t as usize])
+                .unwrap_or_else(|| panic!("{t} does not fit {:?}", String::from_utf8_lossy(&text)));
+            text.extend_from_slice(vocab[t as usize]);
+            if s.config().is_greedy() {
+                // Greedy: nothing that fits was likelier.
+                let best = (0..vocab.len() as u32)
+                    .filter(|&c| c != eos && before.accepts(vocab[c as usize]).is_some())
+                    .map(|c| logits[c as usize])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(logits[t as usize], best, "{text:?}");
+            }
+        }
+        text
+    }
+
     #[test]
     fn json_guide_samples_only_prefixes_of_one_object_then_stops() {
         let vocab: [&[u8]; 13] = [b"{", b"}", b"\"a\"", b":", b"1", b"x", b"", b" ", b",", b"[", b"]", b"\"", b"b"];
@@ -772,29 +835,8 @@ mod tests {
         let mut buf = SampleBuffer::new();
         let mut rng = StdRng::seed_from_u64(1);
         for temperature in [0.0, 1.0] {
-            let mut s = guided(temperature);
-            let (mut state, mut text) = (JsonState::new(), Vec::new());
-            for _ in 0..400 {
-                // "x" is always the likeliest and never fits.
-                let mut logits: Vec<f32> = (0..vocab.len()).map(|_| rng.random::<f32>() * 4.0).collect();
-                logits[5] = 10.0;
-                let t = s.sample(&logits, &mut buf);
-                if t == eos {
-                    assert!(state.is_done(), "the end only after a complete object");
-                    break;
-                }
-                let before = state;
-                state = before.accepts(vocab[t as usize]).unwrap_or_else(|| panic!("{t} does not fit {text:?}"));
-                text.extend_from_slice(vocab[t as usize]);
-                if temperature == 0.0 {
-                    // Greedy: nothing that fits was likelier.
-                    let best = (0..vocab.len() as u32)
-                        .filter(|&c| c != eos && before.accepts(vocab[c as usize]).is_some())
-                        .map(|c| logits[c as usize])
-                        .fold(f32::NEG_INFINITY, f32::max);
-                    assert_eq!(logits[t as usize], best, "{text:?}");
-                }
-            }
+            // "x" is always the likeliest and never fits.
+            walk_guided(&mut guided(temperature), &vocab, eos, 5, &mut rng, JsonState::new());
         }
         // A resumed stream's guide starts after the answer so far ("{" then "\"a\"", the prompt's last two tokens):
         // a colon is next.
@@ -856,29 +898,8 @@ mod tests {
             };
             assert!(!cfg.picks_argmax());
             let mut s = Sampler::for_request(cfg, &[0], 200, &[eos]).with_json_guide(Some(&table), &[0]);
-            let (mut state, mut text) = (SchemaState::new(&schema), Vec::new());
-            for _ in 0..200 {
-                // "x" is always the likeliest and never fits.
-                let mut logits: Vec<f32> = (0..vocab.len()).map(|_| rng.random::<f32>() * 4.0).collect();
-                logits[7] = 10.0;
-                let t = s.sample(&logits, &mut buf);
-                if t == eos {
-                    assert!(state.is_done(), "the end only after a complete document: {text:?}");
-                    break;
-                }
-                let before = state.clone();
-                state = before
-                    .accepts(&schema, vocab[t as usize])
-                    .unwrap_or_else(|| panic!("{t} does not fit {:?}", String::from_utf8_lossy(&text)));
-                text.extend_from_slice(vocab[t as usize]);
-                if temperature == 0.0 {
-                    let best = (0..vocab.len() as u32)
-                        .filter(|&c| c != eos && before.accepts(&schema, vocab[c as usize]).is_some())
-                        .map(|c| logits[c as usize])
-                        .fold(f32::NEG_INFINITY, f32::max);
-                    assert_eq!(logits[t as usize], best, "{text:?}");
-                }
-            }
+            // "x" is always the likeliest and never fits.
+            let text = walk_guided(&mut s, &vocab, eos, 7, &mut rng, (SchemaState::new(&schema), &*schema));
             let doc: serde_json::Value = serde_json::from_slice(&text).unwrap();
             assert!([1, 12].contains(&doc["a"].as_i64().unwrap()) && doc["b"].as_array().unwrap().len() <= 2, "{doc}");
         }

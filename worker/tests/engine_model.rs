@@ -208,20 +208,29 @@ fn tiny_pool_run(prefix_cache: bool) {
     assert!(h.submit(greedy("huge", &prompts[0], 200)).is_err());
 }
 
-/// A request's prompt scores and tokens, to the end.
-fn collect_scored(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<TokenLogprobs>, Vec<u32>) {
-    let (mut scored, mut tokens) = (Vec::new(), Vec::new());
+/// A request's events to the end: its prompt scores, its tokens with their log-probabilities, and the cached
+/// tokens it reported.
+type Collected = (Vec<TokenLogprobs>, Vec<(u32, Option<TokenLogprobs>)>, u32);
+
+fn collect_events(mut rx: UnboundedReceiver<GenerateEvent>) -> Collected {
+    let (mut scored, mut generated) = (Vec::new(), Vec::new());
     loop {
         match rx.blocking_recv() {
             Some(GenerateEvent::PromptLogprobs(e)) => {
-                assert!(tokens.is_empty(), "prompt log-probabilities come first");
+                assert!(generated.is_empty(), "prompt log-probabilities come first");
                 scored.extend(e);
             }
-            Some(GenerateEvent::Token { id, .. }) => tokens.push(id),
-            Some(GenerateEvent::Finished { .. }) => return (scored, tokens),
+            Some(GenerateEvent::Token { id, logprobs }) => generated.push((id, logprobs)),
+            Some(GenerateEvent::Finished { cached_tokens, .. }) => return (scored, generated, cached_tokens),
             other => panic!("unexpected event {other:?}"),
         }
     }
+}
+
+/// A request's prompt scores and tokens, to the end.
+fn collect_scored(rx: UnboundedReceiver<GenerateEvent>) -> (Vec<TokenLogprobs>, Vec<u32>) {
+    let (scored, generated, _) = collect_events(rx);
+    (scored, generated.into_iter().map(|(id, _)| id).collect())
 }
 
 /// Scoring requests preempted in a tiny pool compute their prompts again on resuming: each position is still
@@ -355,21 +364,7 @@ fn prompt_logprobs_score_a_text_as_generation_does() {
     let h = engine(64, true);
     let mut prompt = chat(&format!("{} Summarise that in one line.", [DOC; 5].join(" ")));
     assert!(prompt.len() > 2 * pagoda_worker::scheduler::PROMPT_LOGITS_STEP_TOKENS, "{}", prompt.len());
-    let generate = |r: GenerateRequest| {
-        let mut rx = h.submit(r).unwrap();
-        let (mut scored, mut generated) = (Vec::new(), Vec::new());
-        loop {
-            match rx.blocking_recv() {
-                Some(GenerateEvent::PromptLogprobs(e)) => {
-                    assert!(generated.is_empty(), "prompt log-probabilities come first");
-                    scored.extend(e);
-                }
-                Some(GenerateEvent::Token { id, logprobs }) => generated.push((id, logprobs)),
-                Some(GenerateEvent::Finished { cached_tokens, .. }) => return (scored, generated, cached_tokens),
-                other => panic!("unexpected event {other:?}"),
-            }
-        }
-    };
+    let generate = |r: GenerateRequest| collect_events(h.submit(r).unwrap());
     let (none, generated, _) = generate(GenerateRequest { logprobs: Some(2), ..greedy("g", &prompt, 10) });
     assert!(none.is_empty());
     let text_len = prompt.len();
