@@ -381,6 +381,31 @@ async fn up_answers_chat_streaming_and_not() {
         let keys: Vec<&String> = doc.as_object().unwrap_or_else(|| panic!("{text}")).keys().collect();
         assert_eq!(keys, ["city", "country", "population", "sights", "capital"], "{text}");
     }
+    // vLLM's guided_choice, greedy and sampled: the answer is one of the choices, whole.
+    let capitals = ["Paris", "London", "Berlin", "Madrid", "Rome"];
+    for (temperature, seed) in [(0.0, 0), (1.0, 3), (1.0, 4)] {
+        let body = json!({"temperature": temperature, "seed": seed, "max_tokens": 20, "guided_choice": capitals});
+        let (s, v) =
+            http.post_json("/v1/chat/completions", &chat("What is the capital of France?", body)).await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+        assert!(capitals.contains(&answer), "{v}");
+    }
+    // vLLM's guided_regex on a completion, two seeded samples: each text matches the whole pattern.
+    let body = json!({"model": MODEL_ID, "prompt": "Call our office at", "max_tokens": 30, "temperature": 0.9,
+        "seed": 7, "n": 2, "guided_regex": r" \(\d{3}\) \d{3}-\d{4}"});
+    let (s, v) = http.post_json("/v1/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(choices.len(), 2, "{v}");
+    for c in choices {
+        assert_eq!(c["finish_reason"], "stop", "{v}");
+        let text = c["text"].as_str().unwrap_or_default().as_bytes();
+        let digit = |i: &usize| text.get(*i).is_some_and(u8::is_ascii_digit);
+        let shape = text.len() == 15 && text.starts_with(b" (") && text[5..7] == *b") " && text[10] == b'-';
+        assert!(shape && [2, 3, 4, 7, 8, 9, 11, 12, 13, 14].iter().all(digit), "{v}");
+    }
     // A forced function call: the arguments are a document of the function's parameters.
     let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",
         "parameters": {"type": "object", "properties": {

@@ -424,6 +424,7 @@ impl Generation {
                 // A resumed attempt's guide replays the prior output tokens, so the object goes on where it was.
                 json_object: params.sampling.json_object,
                 json_schema: params.json_schema.clone().unwrap_or_default(),
+                regex: params.regex.clone().unwrap_or_default(),
             }),
             // The model's end tokens stop the request unless it asked to ignore them (the worker then does not add
             // its own either); the request's own stop ids stop it either way.

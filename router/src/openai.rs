@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use pagoda_worker::json_schema::JsonSchema;
+use pagoda_worker::regex_guide::ByteDfa;
 
 use crate::codec::TextCodec;
 use crate::error::ApiError;
@@ -119,6 +120,12 @@ pub struct ChatCompletionRequest {
     pub response_format: Option<Value>,
     /// vLLM's extension: a JSON Schema (an object, or its JSON text) the answer must follow.
     pub guided_json: Option<Value>,
+    /// vLLM's extension: a pattern the whole answer must match.
+    pub guided_regex: Option<Value>,
+    /// vLLM's extension: strings the answer must be one of.
+    pub guided_choice: Option<Value>,
+    /// vLLM's successor of the `guided_*` fields: `{"json" | "regex" | "choice" | "json_object": ...}`.
+    pub structured_outputs: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
 }
@@ -154,6 +161,12 @@ pub struct CompletionRequest {
     pub response_format: Option<Value>,
     /// vLLM's extension: a JSON Schema (an object, or its JSON text) the answer must follow.
     pub guided_json: Option<Value>,
+    /// vLLM's extension: a pattern the whole answer must match.
+    pub guided_regex: Option<Value>,
+    /// vLLM's extension: strings the answer must be one of.
+    pub guided_choice: Option<Value>,
+    /// vLLM's successor of the `guided_*` fields: `{"json" | "regex" | "choice" | "json_object": ...}`.
+    pub structured_outputs: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
 }
@@ -303,6 +316,9 @@ pub struct GenParams {
     /// `response_format: {"type": "json_schema", ...}` or vLLM's `guided_json`: the schema, as compact JSON text,
     /// already compiled once here so that a schema the worker's guide cannot follow is a 400.
     pub json_schema: Option<String>,
+    /// vLLM's `guided_regex`, or `guided_choice` as the alternation of its strings: a pattern the whole answer
+    /// must match, already compiled once here.
+    pub regex: Option<String>,
     /// A chat's forced function call (`tool_choice` naming a function, or `required` with one tool): its name.
     /// The answer is guided by the function's `parameters` (in `json_schema`) and returned as its arguments.
     pub tool_call: Option<String>,
@@ -498,6 +514,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         stop_token_ids,
         include_stop_str: c.include_stop_str_in_output.unwrap_or(false),
         json_schema: None,
+        regex: None,
         tool_call: None,
         kv_policy,
         kv_budget_tokens,
@@ -508,13 +525,15 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     })
 }
 
-/// What the answer must be: free text, one JSON object, or a document of a JSON Schema.
+/// What the answer must be: free text, one JSON object, a document of a JSON Schema, or a match of a pattern.
 #[derive(Debug, Clone, PartialEq)]
 enum Guide {
     Text,
     JsonObject,
     /// Compact JSON text of a schema that compiles.
     Schema(String),
+    /// A pattern that compiles (`guided_choice` as the alternation of its strings).
+    Regex(String),
 }
 
 impl Guide {
@@ -523,17 +542,97 @@ impl Guide {
             Guide::Text => {}
             Guide::JsonObject => params.sampling.json_object = true,
             Guide::Schema(s) => params.json_schema = Some(s),
+            Guide::Regex(r) => params.regex = Some(r),
         }
     }
 }
 
-/// `response_format` (OpenAI's `text`, `json_object` and `json_schema`) and vLLM's `guided_json`, at most one of
-/// which may guide the answer. A schema is compiled here, so one the worker's guide cannot follow is a 400 that
-/// says why.
-fn parse_guide(response_format: Option<&Value>, guided_json: Option<&Value>) -> Result<Guide, ApiError> {
+/// The request fields that may guide the answer: OpenAI's `response_format`, vLLM's `guided_json`,
+/// `guided_regex` and `guided_choice`, and their successor `structured_outputs` (`json`, `regex`, `choice`,
+/// `json_object`).
+#[derive(Debug, Clone, Copy, Default)]
+struct GuideFields<'a> {
+    response_format: Option<&'a Value>,
+    guided_json: Option<&'a Value>,
+    guided_regex: Option<&'a Value>,
+    guided_choice: Option<&'a Value>,
+    structured_outputs: Option<&'a Value>,
+}
+
+/// The guide of a request; at most one field may give one. Schemas and patterns are compiled here, so one the
+/// worker's guide cannot follow is a 400 that says why.
+fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
+    let mut found: Vec<(String, Guide)> = Vec::new();
+    match parse_response_format(f.response_format)? {
+        Guide::Text => {}
+        g => found.push(("response_format".into(), g)),
+    }
+    let given = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
+    if let Some(v) = given(f.guided_json) {
+        found.push(("guided_json".into(), Guide::Schema(schema_value(&v, "guided_json")?)));
+    }
+    if let Some(v) = given(f.guided_regex) {
+        found.push(("guided_regex".into(), Guide::Regex(regex_value(&v, "guided_regex")?)));
+    }
+    if let Some(v) = given(f.guided_choice) {
+        found.push(("guided_choice".into(), Guide::Regex(choice_value(&v, "guided_choice")?)));
+    }
+    if let Some(v) = given(f.structured_outputs) {
+        let Some(fields) = v.as_object() else {
+            return Err(ApiError::invalid_param("structured_outputs", "`structured_outputs` must be an object."));
+        };
+        for (key, v) in fields.iter().filter(|(_, v)| !v.is_null()) {
+            let param = format!("structured_outputs.{key}");
+            let guide = match key.as_str() {
+                "json" => Guide::Schema(schema_value(v, &param)?),
+                "regex" => Guide::Regex(regex_value(v, &param)?),
+                "choice" => Guide::Regex(choice_value(v, &param)?),
+                "json_object" => match v {
+                    Value::Bool(true) => Guide::JsonObject,
+                    Value::Bool(false) => continue,
+                    _ => return Err(ApiError::invalid_param(param, "`json_object` must be a boolean.")),
+                },
+                // A backend hint: there is one backend, and it has no fallback to disable.
+                "disable_fallback" => continue,
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        param,
+                        format!(
+                            "`structured_outputs.{key}` is not supported; use `json`, `regex`, `choice` or `json_object`."
+                        ),
+                    ));
+                }
+            };
+            found.push((param, guide));
+        }
+    }
+    match found.len() {
+        0 => Ok(Guide::Text),
+        1 => Ok(found.remove(0).1),
+        _ => Err(ApiError::invalid_param(
+            found[1].0.clone(),
+            format!("Give only one of `{}` and `{}`: each guides the whole answer.", found[0].0, found[1].0),
+        )),
+    }
+}
+
+/// A regex-guided answer ends on a stop token once it matches, so it needs one: `ignore_eos` drops the model's,
+/// and then `stop_token_ids` must give another.
+fn check_regex_can_end(params: &GenParams) -> Result<(), ApiError> {
+    if params.regex.is_some() && params.ignore_eos && params.stop_token_ids.is_empty() {
+        return Err(ApiError::invalid_param(
+            "ignore_eos",
+            "A regex-guided answer ends on a stop token once it matches: drop `ignore_eos` or give `stop_token_ids`.",
+        ));
+    }
+    Ok(())
+}
+
+/// OpenAI's `response_format`: `text`, `json_object` or `json_schema`.
+fn parse_response_format(response_format: Option<&Value>) -> Result<Guide, ApiError> {
     const FORMATS: &str = "`response_format` must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \
          \"json_schema\": {\"name\": ..., \"schema\": {...}}}.";
-    let from_format = match response_format {
+    Ok(match response_format {
         None | Some(Value::Null) => Guide::Text,
         Some(rf) => match rf.get("type").and_then(Value::as_str) {
             Some("text") => Guide::Text,
@@ -560,25 +659,40 @@ fn parse_guide(response_format: Option<&Value>, guided_json: Option<&Value>) -> 
             }
             _ => return Err(ApiError::invalid_param("response_format", FORMATS)),
         },
-    };
-    let from_guided = match guided_json {
-        None | Some(Value::Null) => None,
-        Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
-            Ok(v) => Some(compile_schema(&v, "guided_json")?),
-            Err(e) => {
-                return Err(ApiError::invalid_param("guided_json", format!("`guided_json` is not valid JSON: {e}.")));
-            }
+    })
+}
+
+/// A schema given as an object or as its JSON text (vLLM takes both).
+fn schema_value(v: &Value, param: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(text) => match serde_json::from_str::<Value>(text) {
+            Ok(v) => compile_schema(&v, param),
+            Err(e) => Err(ApiError::invalid_param(param, format!("`{param}` is not valid JSON: {e}."))),
         },
-        Some(v) => Some(compile_schema(v, "guided_json")?),
-    };
-    match (from_format, from_guided) {
-        (g, None) => Ok(g),
-        (Guide::Text, Some(s)) => Ok(Guide::Schema(s)),
-        (_, Some(_)) => Err(ApiError::invalid_param(
-            "guided_json",
-            "Give either `guided_json` or a JSON `response_format`, not both.",
-        )),
+        v => compile_schema(v, param),
     }
+}
+
+/// A pattern the worker's guide compiles.
+fn regex_value(v: &Value, param: &str) -> Result<String, ApiError> {
+    let Value::String(pattern) = v else {
+        return Err(ApiError::invalid_param(param, format!("`{param}` must be a string.")));
+    };
+    ByteDfa::compile(pattern).map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}.")))?;
+    Ok(pattern.clone())
+}
+
+/// A list of strings the answer must be one of, as the pattern of their alternation.
+fn choice_value(v: &Value, param: &str) -> Result<String, ApiError> {
+    let choices: Option<Vec<String>> =
+        v.as_array().and_then(|items| items.iter().map(|c| c.as_str().map(str::to_string)).collect());
+    let Some(choices) = choices else {
+        return Err(ApiError::invalid_param(param, format!("`{param}` must be an array of strings.")));
+    };
+    let pattern =
+        ByteDfa::choice_pattern(&choices).map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}.")))?;
+    ByteDfa::compile(&pattern).map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}.")))?;
+    Ok(pattern)
 }
 
 /// A schema's or a function's name as OpenAI takes it: 1 to 64 letters, digits, underscores or dashes.
@@ -1055,12 +1169,18 @@ impl ChatCompletionRequest {
             }
             _ => None,
         };
-        let guide = parse_guide(self.response_format.as_ref(), self.guided_json.as_ref())?;
+        let guide = parse_guide(GuideFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+        })?;
         let tool_call = parse_tool_call(self.tools.as_deref(), self.tool_choice.as_ref())?;
         if tool_call.is_some() && guide != Guide::Text {
             return Err(ApiError::invalid_param(
                 "tool_choice",
-                "A forced function call is guided by the function's parameters; drop the JSON `response_format`.",
+                "A forced function call is guided by the function's parameters; drop the other guide.",
             ));
         }
         let mut params = validate_common(CommonIn {
@@ -1090,6 +1210,7 @@ impl ChatCompletionRequest {
         })?;
         params.logprobs = logprobs;
         guide.apply(&mut params);
+        check_regex_can_end(&params)?;
         if let Some((name, schema)) = tool_call {
             params.tool_call = Some(name);
             params.json_schema = Some(schema);
@@ -1203,7 +1324,15 @@ impl CompletionRequest {
         })?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);
-        parse_guide(self.response_format.as_ref(), self.guided_json.as_ref())?.apply(&mut params);
+        parse_guide(GuideFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+        })?
+        .apply(&mut params);
+        check_regex_can_end(&params)?;
         if let Some(b) = self.best_of.filter(|&b| b != i64::from(params.n)) {
             return Err(ApiError::invalid_param(
                 "best_of",

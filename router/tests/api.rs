@@ -1587,8 +1587,83 @@ async fn json_schemas_reach_the_worker_and_bad_ones_are_refused() {
             "/v1/completions",
             json!({"model": MODEL, "prompt": "hi", "guided_json": schema, "response_format": {"type": "json_object"}}),
             "guided_json",
-            "not both",
+            "only one of `response_format` and `guided_json`",
         ),
+    ] {
+        let (s, text) = c.post(path, body.to_string()).await;
+        let v = assert_error(s, &text, 400);
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(why), "{body}: {v}");
+    }
+    assert!(seen.lock().unwrap().is_empty(), "no refused request reached the worker");
+    c.still_serves().await;
+}
+
+/// vLLM's `guided_regex` and `guided_choice`, and their `structured_outputs` forms, reach the worker as one
+/// pattern (a choice as the alternation of its escaped strings); a pattern that does not compile, a bad choice
+/// list, two guides at once, and a regex that could never end (`ignore_eos` without `stop_token_ids`) are 400s
+/// that name the parameter, and nothing reaches the worker.
+#[tokio::test]
+async fn regex_and_choice_guides_reach_the_worker_and_bad_ones_are_refused() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let chat = |extra: Value| {
+        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let completion = |extra: Value| {
+        let mut body = json!({"model": MODEL, "prompt": "hi"});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for (path, body, pattern) in [
+        ("/v1/chat/completions", chat(json!({"guided_regex": r"\d{3}"})), r"\d{3}"),
+        ("/v1/completions", completion(json!({"guided_regex": "[a-z]+"})), "[a-z]+"),
+        ("/v1/chat/completions", chat(json!({"guided_choice": ["yes", "no (maybe)"]})), r"yes|no \(maybe\)"),
+        ("/v1/completions", completion(json!({"structured_outputs": {"choice": ["a.b", "c"]}})), r"a\.b|c"),
+        ("/v1/chat/completions", chat(json!({"structured_outputs": {"regex": "x+", "disable_fallback": true}})), "x+"),
+        // With ignore_eos, a stop token of the request's own can still end the match.
+        ("/v1/completions", completion(json!({"guided_regex": "x", "ignore_eos": true, "stop_token_ids": [3]})), "x"),
+    ] {
+        c.post_ok(path, &body).await;
+        let req = seen.lock().unwrap().pop().expect("a Generate call");
+        let s = req.sampling.expect("sampling settings");
+        assert_eq!((s.regex.as_str(), s.json_schema.as_str(), s.json_object), (pattern, "", false), "{path} {body}");
+    }
+    // structured_outputs.json is a schema, as guided_json is.
+    c.post_ok("/v1/completions", &completion(json!({"structured_outputs": {"json": {"type": "object"}}}))).await;
+    let s = seen.lock().unwrap().pop().expect("a Generate call").sampling.expect("sampling settings");
+    assert_eq!((s.json_schema.as_str(), s.regex.as_str()), (r#"{"type":"object"}"#, ""));
+
+    for (path, body, param, why) in [
+        ("/v1/chat/completions", chat(json!({"guided_regex": "(unclosed"})), "guided_regex", "does not compile"),
+        ("/v1/completions", completion(json!({"guided_regex": 7})), "guided_regex", "must be a string"),
+        ("/v1/completions", completion(json!({"guided_regex": "[a-z]{5000}"})), "guided_regex", "automaton states"),
+        ("/v1/completions", completion(json!({"guided_choice": []})), "guided_choice", "1 to"),
+        ("/v1/completions", completion(json!({"guided_choice": ["a", 1]})), "guided_choice", "array of strings"),
+        ("/v1/completions", completion(json!({"guided_choice": ["a", ""]})), "guided_choice", "is empty"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"guided_choice": ["a"], "response_format": {"type": "json_object"}})),
+            "guided_choice",
+            "only one of `response_format` and `guided_choice`",
+        ),
+        (
+            "/v1/completions",
+            completion(json!({"guided_regex": "a", "structured_outputs": {"choice": ["b"]}})),
+            "structured_outputs.choice",
+            "only one",
+        ),
+        (
+            "/v1/completions",
+            completion(json!({"structured_outputs": {"grammar": "root ::= \"a\""}})),
+            "structured_outputs.grammar",
+            "not supported",
+        ),
+        ("/v1/completions", completion(json!({"structured_outputs": "x"})), "structured_outputs", "an object"),
+        ("/v1/completions", completion(json!({"guided_regex": "a+", "ignore_eos": true})), "ignore_eos", "stop token"),
     ] {
         let (s, text) = c.post(path, body.to_string()).await;
         let v = assert_error(s, &text, 400);

@@ -704,7 +704,13 @@ impl EngineHandle {
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
         if s.guided() && info.token_bytes.is_none() {
             return Err(EngineError::InvalidRequest(
-                "JSON-guided sampling needs the model's tokenizer, which this worker's model lacks".into(),
+                "guided sampling needs the model's tokenizer, which this worker's model lacks".into(),
+            ));
+        }
+        if s.regex.is_some() && req.ignore_eos && req.stop_token_ids.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "a regex-guided answer ends on a stop token once it matches: drop ignore_eos or give stop_token_ids"
+                    .into(),
             ));
         }
         if s.min_tokens > req.max_tokens {
@@ -1136,7 +1142,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     request_id: req.request_id,
                     events,
                     sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop)
-                        .with_json_guide(self.runner.info().token_bytes.as_ref(), &req.prompt),
+                        .with_guide(self.runner.info().token_bytes.as_ref(), &req.prompt),
                     profile_queries: req.profile_queries,
                     logprobs: req.logprobs,
                     prompt_logprobs: req.prompt_logprobs,

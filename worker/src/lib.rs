@@ -34,6 +34,7 @@ pub mod peer_link;
 pub mod peer_link_nccl;
 pub mod placement;
 pub mod policy;
+pub mod regex_guide;
 pub mod reporter;
 #[cfg(feature = "cuda")]
 pub mod runner_cuda;

@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::json_guide::{JsonState, TokenTable};
 use crate::json_schema::{JsonSchema, SchemaState};
+use crate::regex_guide::{ByteDfa, RegexState};
 
 /// Temperatures at or below this are treated as greedy.
 pub const GREEDY_EPSILON: f32 = 1e-5;
@@ -65,6 +66,10 @@ pub struct SamplingParams {
     /// the compiled schema describes may be sampled ([`crate::json_schema`]); it takes precedence over
     /// `json_object`.
     pub json_schema: Option<Arc<JsonSchema>>,
+    /// vLLM's `guided_regex` (and `guided_choice`, as the alternation of its strings): only tokens that keep the
+    /// output a prefix of a match of the whole pattern may be sampled, and a stop token only on a match
+    /// ([`crate::regex_guide`]). At most one of `json_object`, `json_schema` and `regex` is set.
+    pub regex: Option<Arc<ByteDfa>>,
 }
 
 impl SamplingParams {
@@ -83,6 +88,7 @@ impl SamplingParams {
             min_tokens: 0,
             json_object: false,
             json_schema: None,
+            regex: None,
         }
     }
 
@@ -111,9 +117,9 @@ impl SamplingParams {
             && !self.guided()
     }
 
-    /// Whether a grammar guides the output (`json_object` or `json_schema`).
+    /// Whether a grammar guides the output (`json_object`, `json_schema` or `regex`).
     pub fn guided(&self) -> bool {
-        self.json_object || self.json_schema.is_some()
+        self.json_object || self.json_schema.is_some() || self.regex.is_some()
     }
 
     /// The tail of `prompt` that an earlier attempt generated ([`SamplingParams::prior_output_tokens`]).
@@ -196,9 +202,49 @@ pub struct Sampler {
     /// guide until the object is complete.
     stops: Vec<u32>,
     generated: u32,
-    /// Where the JSON answer stands, and every token's bytes to test against it (with `json_object` or
-    /// `json_schema`).
-    json: Option<(Guide, Arc<TokenTable>)>,
+    /// Where the guided answer stands, and every token's bytes to test against it.
+    guide: Option<(Guide, Arc<TokenTable>)>,
+    /// Under a regex guide, which tokens fit the states sampled from lately.
+    masks: TokenMasks,
+}
+
+/// How many of a regex guide's states keep their token masks.
+const MASKED_STATES: usize = 16;
+
+/// Which tokens fit each of the last [`MASKED_STATES`] regex states a sampled step started from (one bit per
+/// token), so that a step from a state seen before tests a bit per token instead of feeding every token's bytes.
+/// A pattern's answer tends to stay in a few states (a character class repeated, a fixed shape), so most steps
+/// hit. Each mask is allocated when its state is first seen and reused after.
+#[derive(Debug, Clone, Default)]
+struct TokenMasks {
+    entries: Vec<(RegexState, Vec<u64>)>,
+    /// The entry to replace next once all are in use.
+    next: usize,
+}
+
+impl TokenMasks {
+    fn get(&mut self, dfa: &ByteDfa, state: RegexState, tokens: &TokenTable) -> &[u64] {
+        if let Some(i) = self.entries.iter().position(|e| e.0 == state) {
+            return &self.entries[i].1;
+        }
+        let i = if self.entries.len() < MASKED_STATES {
+            self.entries.push((state, vec![0; tokens.len().div_ceil(64)]));
+            self.entries.len() - 1
+        } else {
+            let i = self.next;
+            self.next = (i + 1) % MASKED_STATES;
+            i
+        };
+        let (at, bits) = &mut self.entries[i];
+        *at = state;
+        bits.fill(0);
+        for t in 0..tokens.len() {
+            if dfa.feed(state, tokens.bytes(t as u32)).is_some() {
+                bits[t / 64] |= 1 << (t % 64);
+            }
+        }
+        bits
+    }
 }
 
 /// The grammar a guided sampler follows, and where the answer stands in it.
@@ -211,14 +257,33 @@ enum Guide {
         state: Box<SchemaState>,
         trial: Box<SchemaState>,
     },
+    Regex {
+        dfa: Arc<ByteDfa>,
+        state: RegexState,
+    },
 }
 
 impl Guide {
-    fn is_done(&self) -> bool {
+    /// Whether the answer may end here (a stop token fits).
+    fn may_end(&self) -> bool {
         match self {
             Guide::Object(s) => s.is_done(),
             Guide::Schema { state, .. } => state.is_done(),
+            Guide::Regex { dfa, state } => dfa.is_match(*state),
         }
+    }
+
+    /// Whether nothing but the end may follow.
+    fn is_done(&self) -> bool {
+        match self {
+            Guide::Regex { dfa, state } => !dfa.continues(*state),
+            _ => self.may_end(),
+        }
+    }
+
+    /// Whether whitespace may pad a complete answer (a JSON document's, when there is no stop token to end it).
+    fn pads(&self) -> bool {
+        !matches!(self, Guide::Regex { .. })
     }
 
     /// Moves past `bytes` if they fit; returns whether they did.
@@ -226,6 +291,7 @@ impl Guide {
         match self {
             Guide::Object(s) => s.accepts(bytes).map(|next| *s = next).is_some(),
             Guide::Schema { schema, state, .. } => state.accepts(schema, bytes).map(|next| **state = next).is_some(),
+            Guide::Regex { dfa, state } => dfa.feed(*state, bytes).map(|next| *state = next).is_some(),
         }
     }
 
@@ -234,6 +300,7 @@ impl Guide {
         match self {
             Guide::Object(s) => s.in_plain_string().then_some(u32::MAX),
             Guide::Schema { schema, state, .. } => state.plain_string_room(schema),
+            Guide::Regex { .. } => None,
         }
     }
 
@@ -242,6 +309,7 @@ impl Guide {
         match self {
             Guide::Object(s) => s.accepts(bytes).is_some(),
             Guide::Schema { schema, state, trial } => state.fits(schema, bytes, trial),
+            Guide::Regex { dfa, state } => dfa.feed(*state, bytes).is_some(),
         }
     }
 }
@@ -253,7 +321,16 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Sampler { cfg, rng, counts: Vec::new(), seen: Vec::new(), stops: Vec::new(), generated: 0, json: None }
+        Sampler {
+            cfg,
+            rng,
+            counts: Vec::new(),
+            seen: Vec::new(),
+            stops: Vec::new(),
+            generated: 0,
+            guide: None,
+            masks: TokenMasks::default(),
+        }
     }
 
     /// [`Sampler::new`] for a request with this prompt that generates at most `max_tokens` and stops at
@@ -281,27 +358,28 @@ impl Sampler {
         s
     }
 
-    /// Guides a `json_object` or `json_schema` sampler with the model's token bytes (without them it samples
-    /// unguided: the engine refuses such requests where it has no table). The prompt's last
+    /// Guides a `json_object`, `json_schema` or `regex` sampler with the model's token bytes (without them it
+    /// samples unguided: the engine refuses such requests where it has no table). The prompt's last
     /// `prior_output_tokens` are the answer so far (a resumed stream): the guide starts after them, as far as
     /// they fit.
-    pub fn with_json_guide(mut self, tokens: Option<&Arc<TokenTable>>, prompt: &[u32]) -> Sampler {
+    pub fn with_guide(mut self, tokens: Option<&Arc<TokenTable>>, prompt: &[u32]) -> Sampler {
         let Some(tokens) = tokens.filter(|_| self.cfg.guided()) else {
             return self;
         };
-        let mut guide = match &self.cfg.json_schema {
-            Some(schema) => {
+        let mut guide = match (&self.cfg.json_schema, &self.cfg.regex) {
+            (Some(schema), _) => {
                 let state = Box::new(SchemaState::new(schema));
                 Guide::Schema { schema: schema.clone(), trial: state.clone(), state }
             }
-            None => Guide::Object(JsonState::new()),
+            (None, Some(dfa)) => Guide::Regex { state: dfa.start(), dfa: dfa.clone() },
+            (None, None) => Guide::Object(JsonState::new()),
         };
         for &t in self.cfg.prior_output(prompt) {
             if !guide.advance(tokens.bytes(t)) {
                 break;
             }
         }
-        self.json = Some((guide, tokens.clone()));
+        self.guide = Some((guide, tokens.clone()));
         self
     }
 
@@ -330,7 +408,7 @@ impl Sampler {
         {
             self.seen.insert(i, token);
         }
-        if let Some((guide, tokens)) = &mut self.json {
+        if let Some((guide, tokens)) = &mut self.guide {
             guide.advance(tokens.bytes(token));
         }
         self.generated = self.generated.saturating_add(1);
@@ -374,15 +452,24 @@ impl Sampler {
                 c.0 -= presence + frequency * n as f32;
             }
         }
-        if let Some((guide, tokens)) = &mut self.json {
-            // A stop token fits only a complete object, and nothing else does then; without stop tokens
-            // (`ignore_eos`), whitespace pads it.
+        if let Some((guide, tokens)) = &mut self.guide {
+            // A stop token fits only a complete answer. Nothing else fits a complete JSON document; without stop
+            // tokens (`ignore_eos`) whitespace pads it. A regex's match may go on where the pattern allows.
+            let may_end = guide.may_end();
             let done = guide.is_done();
-            let pad = done && self.stops.is_empty();
+            let pad = done && self.stops.is_empty() && guide.pads();
+            // A sampled regex step tests each token's bit in its state's mask (the greedy scan below tries a
+            // handful of tokens and needs none).
+            let mask = match &*guide {
+                Guide::Regex { dfa, state } if !done && !self.cfg.is_greedy() => {
+                    Some(self.masks.get(dfa, *state, tokens))
+                }
+                _ => None,
+            };
             // The bytes a token may start with, tried once for all the tokens that start with them (sampling
             // tries the whole vocabulary; the greedy scan below tries a handful and skips this).
             let mut first = [true; 256];
-            if !done && !self.cfg.is_greedy() {
+            if !done && !self.cfg.is_greedy() && mask.is_none() {
                 for (b, ok) in first.iter_mut().enumerate() {
                     *ok = guide.fits(&[b as u8]);
                 }
@@ -393,11 +480,13 @@ impl Sampler {
             let mut fits = |t: u32| {
                 let b = tokens.bytes(t);
                 if stops.contains(&t) {
-                    done
+                    may_end
                 } else if pad {
                     !b.is_empty() && b.iter().all(|b| b.is_ascii_whitespace())
                 } else if let (Some(room), Some(chars)) = (room, tokens.plain_chars(t)) {
                     chars <= room
+                } else if let Some(mask) = mask {
+                    mask.get(t as usize / 64).is_some_and(|w| w >> (t % 64) & 1 == 1)
                 } else {
                     !done && b.first().is_some_and(|&f| first[f as usize]) && guide.fits(b)
                 }
@@ -783,6 +872,15 @@ mod tests {
         }
     }
 
+    impl Follow for (RegexState, &ByteDfa) {
+        fn accepts(&self, bytes: &[u8]) -> Option<Self> {
+            Some((self.1.feed(self.0, bytes)?, self.1))
+        }
+        fn is_done(&self) -> bool {
+            self.1.is_match(self.0)
+        }
+    }
+
     /// Samples from random logits in which token `never` is always the likeliest and never fits, until the stop
     /// token `eos` or 400 tokens: every token fits what the guide allowed before it (followed from `state`), the
     /// stop comes only once the answer is complete, and a greedy sampler picks the likeliest token that fits.
@@ -830,7 +928,7 @@ mod tests {
         let guided = |temperature: f32| {
             let cfg = SamplingParams { json_object: true, temperature, seed: Some(5), ..SamplingParams::greedy() };
             assert!(!cfg.picks_argmax());
-            Sampler::for_request(cfg, &[0], 400, &[eos]).with_json_guide(Some(&table), &[0])
+            Sampler::for_request(cfg, &[0], 400, &[eos]).with_guide(Some(&table), &[0])
         };
         let mut buf = SampleBuffer::new();
         let mut rng = StdRng::seed_from_u64(1);
@@ -841,7 +939,7 @@ mod tests {
         // A resumed stream's guide starts after the answer so far ("{" then "\"a\"", the prompt's last two tokens):
         // a colon is next.
         let cfg = SamplingParams { json_object: true, prior_output_tokens: 2, ..SamplingParams::greedy() };
-        let mut s = Sampler::for_request(cfg, &[5, 0, 2], 8, &[eos]).with_json_guide(Some(&table), &[5, 0, 2]);
+        let mut s = Sampler::for_request(cfg, &[5, 0, 2], 8, &[eos]).with_guide(Some(&table), &[5, 0, 2]);
         let mut logits = [0.0f32; 13];
         logits[3] = 1.0;
         logits[0] = 2.0;
@@ -860,12 +958,12 @@ mod tests {
         let small: [&[u8]; 3] = [b"{", b"x", b""];
         let small_table = Arc::new(TokenTable::new(small));
         let cfg = SamplingParams { json_object: true, temperature: 1.0, seed: Some(9), ..SamplingParams::greedy() };
-        let mut s = Sampler::for_request(cfg, &[0], 8, &[2]).with_json_guide(Some(&small_table), &[0]);
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[2]).with_guide(Some(&small_table), &[0]);
         assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf), 0);
         assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf), 2);
         // Without stop tokens (ignore_eos), whitespace pads a complete object.
         let cfg = SamplingParams { json_object: true, ..SamplingParams::greedy() };
-        let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_json_guide(Some(&table), &[0]);
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_guide(Some(&table), &[0]);
         for t in [0u32, 1, 7, 7] {
             logits.fill(0.0);
             logits[t as usize] = 1.0;
@@ -897,7 +995,7 @@ mod tests {
                 ..SamplingParams::greedy()
             };
             assert!(!cfg.picks_argmax());
-            let mut s = Sampler::for_request(cfg, &[0], 200, &[eos]).with_json_guide(Some(&table), &[0]);
+            let mut s = Sampler::for_request(cfg, &[0], 200, &[eos]).with_guide(Some(&table), &[0]);
             // "x" is always the likeliest and never fits.
             let text = walk_guided(&mut s, &vocab, eos, 7, &mut rng, (SchemaState::new(&schema), &*schema));
             let doc: serde_json::Value = serde_json::from_slice(&text).unwrap();
@@ -907,11 +1005,62 @@ mod tests {
         // not `}` (`b` is required).
         let cfg =
             SamplingParams { json_schema: Some(schema.clone()), prior_output_tokens: 2, ..SamplingParams::greedy() };
-        let mut s = Sampler::for_request(cfg, &[7, 12, 5], 8, &[eos]).with_json_guide(Some(&table), &[7, 12, 5]);
+        let mut s = Sampler::for_request(cfg, &[7, 12, 5], 8, &[eos]).with_guide(Some(&table), &[7, 12, 5]);
         let mut logits = [0.0f32; 14];
         logits[1] = 3.0;
         logits[9] = 2.0;
         assert_eq!(s.sample(&logits, &mut buf), 9);
+    }
+
+    #[test]
+    fn regex_guide_samples_only_prefixes_of_a_match_and_stops_on_one() {
+        let vocab: [&[u8]; 10] = [b"1", b"23", b"-", b"4-", b"x", b"", b"ok", b"ay", b"o", b"k"];
+        let table = Arc::new(TokenTable::new(vocab));
+        let eos = 5u32;
+        let mut rng = StdRng::seed_from_u64(11);
+        // The second pattern has more states than the sampler keeps masks for, so its masks are replaced as it
+        // goes.
+        for pattern in [r"(\d{1,3}-){1,2}(ok|okay)", r"(1|23|4-){8,40}ok"] {
+            let dfa = Arc::new(ByteDfa::compile(pattern).unwrap());
+            let full = regex_automata::meta::Regex::new(&format!("^(?:{pattern})$")).unwrap();
+            for (temperature, seed) in [(0.0, 0), (1.0, 1), (1.0, 2), (1.0, 3), (1.0, 4)] {
+                let cfg = SamplingParams {
+                    regex: Some(dfa.clone()),
+                    temperature,
+                    seed: Some(seed),
+                    ..SamplingParams::greedy()
+                };
+                assert!(cfg.guided() && !cfg.picks_argmax());
+                let mut s = Sampler::for_request(cfg, &[0], 200, &[eos]).with_guide(Some(&table), &[0]);
+                // "x" is always the likeliest and never fits.
+                let text = walk_guided(&mut s, &vocab, eos, 4, &mut rng, (dfa.start(), &*dfa));
+                assert!(full.is_match(&text), "{pattern}: {:?}", String::from_utf8_lossy(&text));
+            }
+        }
+        let dfa = Arc::new(ByteDfa::compile(r"(\d{1,3}-){1,2}(ok|okay)").unwrap());
+        // On a match that may go on ("1-ok", then "ay"), the stop token and the continuation both fit, and the
+        // likelier wins; at the end of every match only the stop token does.
+        let mut buf = SampleBuffer::new();
+        let mut s = Sampler::for_request(
+            SamplingParams { regex: Some(dfa.clone()), ..SamplingParams::greedy() },
+            &[0],
+            8,
+            &[eos],
+        )
+        .with_guide(Some(&table), &[0]);
+        let mut logits = [0.0f32; 10];
+        for t in [0u32, 2, 6] {
+            logits.fill(0.0);
+            logits[t as usize] = 1.0;
+            assert_eq!(s.sample(&logits, &mut buf), t);
+        }
+        logits.fill(0.0);
+        logits[7] = 2.0;
+        logits[eos as usize] = 1.0;
+        assert_eq!(s.sample(&logits, &mut buf), 7);
+        logits.fill(3.0);
+        logits[eos as usize] = -20.0;
+        assert_eq!(s.sample(&logits, &mut buf), eos);
     }
 
     #[test]

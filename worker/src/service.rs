@@ -31,6 +31,7 @@ use crate::events::BlockChange;
 use crate::json_schema::JsonSchema;
 use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
+use crate::regex_guide::ByteDfa;
 use crate::reporter::ReportProgress;
 use crate::sampling::TokenLogprobs;
 use crate::scheduler::SchedError;
@@ -269,6 +270,12 @@ impl WorkerService {
                 }
                 // The engine checks the bias and the penalties (`EngineHandle::validate`); its error is an
                 // InvalidArgument too.
+                let guides = [s.json_object, !s.json_schema.is_empty(), !s.regex.is_empty()];
+                if guides.iter().filter(|&&g| g).count() > 1 {
+                    return Err(Status::invalid_argument(
+                        "at most one of json_object, json_schema and regex may guide a request",
+                    ));
+                }
                 SamplingParams {
                     temperature: s.temperature,
                     top_p,
@@ -287,6 +294,12 @@ impl WorkerService {
                         "" => None,
                         text => Some(Arc::new(
                             JsonSchema::parse(text).map_err(|e| Status::invalid_argument(e.to_string()))?,
+                        )),
+                    },
+                    regex: match s.regex.as_str() {
+                        "" => None,
+                        pattern => Some(Arc::new(
+                            ByteDfa::compile(pattern).map_err(|e| Status::invalid_argument(format!("regex: {e}")))?,
                         )),
                     },
                 }
