@@ -17,7 +17,9 @@
 //! - `anyOf`, `oneOf` and lists of types are choices among alternatives that must start with different characters
 //!   (a string or a number, an object or null), so that the first character picks one; others are refused.
 //! - `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME` may recurse; the nesting bound then ends it.
-//! - Strings honour `minLength` and `maxLength` (in characters); arrays `minItems` and `maxItems`; integers
+//! - Strings honour `minLength` and `maxLength` (in characters), or a `pattern` or one of the [`FORMATS`], which
+//!   the whole string must match (as vLLM's guides read a pattern; JSON Schema's own reading is a search) and
+//!   which is written without escapes ([`ByteDfa::compile_json_string`]); arrays `minItems` and `maxItems`; integers
 //!   `minimum`, `maximum` and their exclusive forms when both ends leave at most [`MAX_ENUM_VALUES`] values,
 //!   which are then matched as literals.
 //! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
@@ -28,7 +30,10 @@ use std::collections::HashMap;
 use serde_json::Value;
 use thiserror::Error;
 
+use std::sync::Arc;
+
 use crate::json_guide::{Num, StrByte, is_ws, string_byte};
+use crate::regex_guide::{ByteDfa, RegexState};
 
 /// Deepest nesting of objects and arrays in a guided answer.
 pub const MAX_FRAMES: usize = 32;
@@ -46,6 +51,27 @@ pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 pub const MAX_WS_RUN: u8 = 32;
 /// Longest number the guide lets the model write, in bytes (so that a stream of digits ends).
 pub const MAX_NUMBER_BYTES: u8 = 32;
+
+/// Most automaton states the patterns and formats of one schema may keep in all (each distinct pattern is
+/// compiled once).
+pub const MAX_PATTERN_STATES: usize = 16_384;
+
+/// The string formats the guide follows, each as the pattern its strings match. `format` on other types is an
+/// annotation (OpenAPI's `int32` and the like) and ignored.
+pub const FORMATS: [(&str, &str); 6] = [
+    // RFC 3339's full-date, full-time (seconds, an optional fraction, an offset) and date-time.
+    ("date", "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
+    ("time", "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"),
+    (
+        "date-time",
+        "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])\
+         T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])",
+    ),
+    ("uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"),
+    ("ipv4", "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])([.](25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])){3}"),
+    // A practical address: a local part of common characters, and a domain whose last label is letters.
+    ("email", "[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+([.][A-Za-z0-9-]+)*[.][A-Za-z]{2,}"),
+];
 
 /// A schema the guide cannot follow, with the JSON pointer of the part that is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -84,9 +110,11 @@ enum Node {
         min: u32,
         max: u32,
     },
+    /// `pattern`: the pattern (or format) the whole string matches; the length bounds are then open.
     Str {
         min: u32,
         max: u32,
+        pattern: Option<Arc<ByteDfa>>,
     },
     Number {
         integer: bool,
@@ -109,7 +137,7 @@ pub struct JsonSchema {
 
 const KEYWORDS_IGNORED: [&str; 9] =
     ["title", "description", "$schema", "$id", "$comment", "default", "examples", "strict", "deprecated"];
-const KEYWORDS_GUIDED: [&str; 20] = [
+const KEYWORDS_GUIDED: [&str; 22] = [
     "type",
     "properties",
     "required",
@@ -119,6 +147,8 @@ const KEYWORDS_GUIDED: [&str; 20] = [
     "maxItems",
     "minLength",
     "maxLength",
+    "pattern",
+    "format",
     "enum",
     "const",
     "anyOf",
@@ -141,6 +171,9 @@ struct Compiler<'a> {
     paths: Vec<String>,
     defs: HashMap<String, NodeId>,
     any: Option<NodeId>,
+    /// Each distinct pattern, compiled once, and the states they keep in all.
+    patterns: HashMap<String, Arc<ByteDfa>>,
+    pattern_states: usize,
 }
 
 fn set_bit(set: &mut [u64; 4], b: u8) {
@@ -179,7 +212,7 @@ impl Compiler<'_> {
         let alts = vec![
             self.push(Node::Object { props: Vec::new(), sorted: Vec::new(), map: Some(any) }, path)?,
             self.push(Node::Array { items: any, min: 0, max: u32::MAX }, path)?,
-            self.push(Node::Str { min: 0, max: u32::MAX }, path)?,
+            self.push(Node::Str { min: 0, max: u32::MAX, pattern: None }, path)?,
             self.push(Node::Number { integer: false }, path)?,
             self.push(Node::Literals(vec![b"false".to_vec(), b"null".to_vec(), b"true".to_vec()]), path)?,
         ];
@@ -274,7 +307,7 @@ impl Compiler<'_> {
                     vec!["object"]
                 } else if obj.contains_key("items") {
                     vec!["array"]
-                } else if obj.contains_key("minLength") || obj.contains_key("maxLength") {
+                } else if ["minLength", "maxLength", "pattern", "format"].iter().any(|k| obj.contains_key(*k)) {
                     vec!["string"]
                 } else if BOUNDS.iter().any(|k| obj.contains_key(*k)) {
                     vec!["number"]
@@ -379,7 +412,17 @@ impl Compiler<'_> {
                 if min > max {
                     return err(path, "`minLength` is more than `maxLength`");
                 }
-                self.push(Node::Str { min, max }, path)
+                let pattern = self.string_pattern(obj, path)?;
+                if let Some(k) = ["minLength", "maxLength"].iter().find(|k| pattern.is_some() && obj.contains_key(**k))
+                {
+                    return err(
+                        path,
+                        format!(
+                            "`{k}` beside `pattern` or `format` is not supported: write the length into the pattern, as in `[a-z]{{2,8}}`"
+                        ),
+                    );
+                }
+                self.push(Node::Str { min, max, pattern }, path)
             }
             "number" => match BOUNDS.iter().find(|k| obj.contains_key(**k)) {
                 Some(k) => err(path, format!("`{k}` is supported on integers only")),
@@ -397,6 +440,47 @@ impl Compiler<'_> {
             "null" => self.push(Node::Literals(vec![b"null".to_vec()]), path),
             other => err(&format!("{path}/type"), format!("unknown type `{other}`")),
         }
+    }
+
+    /// A string's `pattern`, or the pattern of its `format`, compiled once per schema.
+    fn string_pattern(
+        &mut self,
+        obj: &serde_json::Map<String, Value>,
+        path: &str,
+    ) -> Result<Option<Arc<ByteDfa>>, SchemaError> {
+        let (pattern, at) = match (obj.get("pattern"), obj.get("format")) {
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => return err(path, "`pattern` beside `format` is not supported"),
+            (Some(Value::String(p)), None) => (p.as_str(), format!("{path}/pattern")),
+            (None, Some(Value::String(f))) => match FORMATS.iter().find(|(name, _)| name == f) {
+                Some((_, p)) => (*p, format!("{path}/format")),
+                None => {
+                    let names: Vec<&str> = FORMATS.iter().map(|(n, _)| *n).collect();
+                    return err(
+                        &format!("{path}/format"),
+                        format!("the format `{f}` is not supported; the guided ones are {}", names.join(", ")),
+                    );
+                }
+            },
+            (Some(_), None) => return err(&format!("{path}/pattern"), "`pattern` must be a string"),
+            (None, Some(_)) => return err(&format!("{path}/format"), "`format` must be a string"),
+        };
+        if let Some(dfa) = self.patterns.get(pattern) {
+            return Ok(Some(dfa.clone()));
+        }
+        let dfa = match ByteDfa::compile_json_string(pattern) {
+            Ok(dfa) => Arc::new(dfa),
+            Err(e) => return err(&at, e.0),
+        };
+        self.pattern_states += dfa.states();
+        if self.pattern_states > MAX_PATTERN_STATES {
+            return err(
+                &at,
+                format!("the schema's patterns need more than {MAX_PATTERN_STATES} automaton states in all"),
+            );
+        }
+        self.patterns.insert(pattern.to_string(), dfa.clone());
+        Ok(Some(dfa))
     }
 
     fn object(&mut self, obj: &serde_json::Map<String, Value>, path: &str) -> Result<NodeId, SchemaError> {
@@ -467,8 +551,15 @@ impl JsonSchema {
 
     /// Compiles `schema`; its root must describe an object, as OpenAI's structured outputs require.
     pub fn compile(schema: &Value) -> Result<JsonSchema, SchemaError> {
-        let mut c =
-            Compiler { root_value: schema, nodes: Vec::new(), paths: Vec::new(), defs: HashMap::new(), any: None };
+        let mut c = Compiler {
+            root_value: schema,
+            nodes: Vec::new(),
+            paths: Vec::new(),
+            defs: HashMap::new(),
+            any: None,
+            patterns: HashMap::new(),
+            pattern_states: 0,
+        };
         // The root is reachable as "#" too.
         let root = c.reference("#", "")?;
         let Compiler { mut nodes, paths, .. } = c;
@@ -586,8 +677,9 @@ enum Phase {
     ArrComma { count: u32 },
     /// After an item: `,` or `]`.
     ArrAfter { count: u32 },
-    /// Inside a string of `len` characters so far.
-    Str { len: u32, esc: bool, hex: u8 },
+    /// Inside a string of `len` characters so far (not counted under a pattern); `re`: where a pattern string's
+    /// bytes stand in its pattern.
+    Str { len: u32, esc: bool, hex: u8, re: RegexState },
     /// Inside a number of `len` bytes so far.
     Num { n: Num, len: u8 },
     /// Inside a literal: the sorted literals `lo..hi` still match the first `pos` bytes.
@@ -629,7 +721,9 @@ impl SchemaState {
     pub fn plain_string_room(&self, schema: &JsonSchema) -> Option<u32> {
         let top = self.frames[self.depth.checked_sub(1)? as usize];
         match (top.phase, schema.node(top.node)) {
-            (Phase::Str { len, esc: false, hex: 0 }, Node::Str { max, .. }) => Some(max.saturating_sub(len)),
+            (Phase::Str { len, esc: false, hex: 0, .. }, Node::Str { max, pattern: None, .. }) => {
+                Some(max.saturating_sub(len))
+            }
             (Phase::MapKey { esc: false, hex: 0 }, _) => Some(u32::MAX),
             _ => None,
         }
@@ -706,7 +800,19 @@ impl SchemaState {
             },
             (Phase::Start, Node::Object { .. }) => self.set_if(b == b'{', Phase::ObjOpen { next: 0 }),
             (Phase::Start, Node::Array { .. }) => self.set_if(b == b'[', Phase::ArrOpen),
-            (Phase::Start, Node::Str { .. }) => self.set_if(b == b'"', Phase::Str { len: 0, esc: false, hex: 0 }),
+            (Phase::Start, Node::Str { pattern, .. }) => {
+                let re = pattern.as_ref().map_or(0, |dfa| dfa.start());
+                self.set_if(b == b'"', Phase::Str { len: 0, esc: false, hex: 0, re })
+            }
+            // A pattern string has no escapes: its bytes are the string, fed to the pattern, and its closing quote
+            // comes on a match.
+            (Phase::Str { re, .. }, Node::Str { pattern: Some(dfa), .. }) => match b {
+                b'"' => dfa.is_match(re) && self.pop(),
+                _ => match dfa.step(re, b) {
+                    Some(re) => self.set_if(true, Phase::Str { len: 0, esc: false, hex: 0, re }),
+                    None => false,
+                },
+            },
             (Phase::Start, Node::Number { .. }) => match Num::start(b) {
                 Some(n) => self.set_if(true, Phase::Num { n, len: 1 }),
                 None => false,
@@ -787,12 +893,12 @@ impl SchemaState {
                 b']' if count >= *min => self.pop(),
                 _ => false,
             },
-            (Phase::Str { len, mut esc, mut hex }, Node::Str { min, max }) => {
+            (Phase::Str { len, mut esc, mut hex, re }, Node::Str { min, max, pattern: None }) => {
                 match string_byte(&mut esc, &mut hex, b) {
                     StrByte::Close => len >= *min && self.pop(),
                     StrByte::Content(starts) => {
                         let len = len + u32::from(starts);
-                        len <= *max && self.set_if(true, Phase::Str { len, esc, hex })
+                        len <= *max && self.set_if(true, Phase::Str { len, esc, hex, re })
                     }
                     StrByte::Reject => false,
                 }
@@ -957,9 +1063,29 @@ mod tests {
     fn unsupported_schemas_are_refused_with_where_and_why() {
         let cases = [
             (
-                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}),
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x", "maxLength": 3}}}),
                 "#/properties/a",
-                "pattern",
+                "`maxLength` beside `pattern`",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}),
+                "#/properties/a/format",
+                "the format `uri` is not supported",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"pattern": "(x"}}}),
+                "#/properties/a/pattern",
+                "does not compile",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"pattern": "say \"hi\""}}}),
+                "#/properties/a/pattern",
+                "without escapes",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"pattern": "x", "format": "date"}}}),
+                "#/properties/a",
+                "`pattern` beside `format`",
             ),
             (json!({"type": "string"}), "#", "root schema must be an object"),
             (json!({"type": "object", "properties": {}, "required": ["a"]}), "#/required", "not among"),
@@ -1087,6 +1213,78 @@ mod tests {
 
     /// Random walks: wherever a walk stands before the end, some byte goes on (the guide never leaves the model
     /// without a way forward), and a walk that ends is a JSON document with the schema's shape.
+    #[test]
+    fn patterns_and_formats_guide_whole_strings() {
+        let s = schema(json!({
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "[A-Z]{2}-[0-9]{1,3}"},
+                "day": {"format": "date"},
+                "id": {"type": ["string", "null"], "format": "uuid"},
+                "n": {"type": "integer", "format": "int32"},
+                "again": {"type": "string", "pattern": "[A-Z]{2}-[0-9]{1,3}"},
+            },
+            "required": ["code", "day", "id", "n"],
+            "additionalProperties": false,
+        }));
+        let uuid = "123e4567-e89b-12d3-a456-426614174000";
+        for ok in [
+            format!(r#"{{"code":"AB-1","day":"2024-02-29","id":"{uuid}","n":5}}"#),
+            r#"{"code":"XY-123","day":"1999-12-31","id":null,"n":-1,"again":"QQ-9"}"#.to_string(),
+        ] {
+            assert_eq!(run(&s, &ok), Some(true), "{ok}");
+        }
+        for bad in [
+            r#"{"code":"ab"#,                   // lower case
+            r#"{"code":"AB-1234"#,              // four digits
+            r#"{"code":"AB-""#,                 // closed before a match
+            r#"{"code":"AB-1","day":"2024-13"#, // month 13
+            r#"{"code":"A\u0042"#,              // no escapes in a pattern string
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // The two equal patterns are compiled once; inside a pattern string the plain-content shortcut is off.
+        let dfas: Vec<&Arc<ByteDfa>> = s
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Node::Str { pattern: Some(d), .. } => Some(d),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(dfas.len(), 4);
+        assert!(Arc::ptr_eq(dfas[0], dfas[3]));
+        let inside = SchemaState::new(&s).accepts(&s, br#"{"code":"A"#).unwrap();
+        assert_eq!(inside.plain_string_room(&s), None);
+        // Random walks from every state end in documents whose strings match in full.
+        let full = |p: &str, v: &Value| {
+            regex_automata::meta::Regex::new(&format!("^(?:{p})$")).unwrap().is_match(v.as_str().unwrap_or_default())
+        };
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut trial = SchemaState::new(&s);
+        let mut finished = 0;
+        for _ in 0..100 {
+            let mut state = SchemaState::new(&s);
+            let mut text = Vec::new();
+            while !state.is_done() && text.len() < 400 {
+                let ok: Vec<u8> = (0x20..0x7fu8).filter(|&b| state.fits(&s, &[b], &mut trial)).collect();
+                assert!(!ok.is_empty(), "stuck after {:?}", String::from_utf8_lossy(&text));
+                let b = ok[rng.random_range(0..ok.len())];
+                state = state.accepts(&s, &[b]).unwrap();
+                text.push(b);
+            }
+            if !state.is_done() {
+                continue;
+            }
+            finished += 1;
+            let v: Value = serde_json::from_slice(&text).unwrap();
+            let date = FORMATS[0].1;
+            assert!(full("[A-Z]{2}-[0-9]{1,3}", &v["code"]) && full(date, &v["day"]), "{v}");
+            assert!(v["id"].is_null() || full(FORMATS[3].1, &v["id"]), "{v}");
+        }
+        assert!(finished > 30, "{finished} walks finished");
+    }
+
     #[test]
     fn random_walks_never_get_stuck_and_end_in_valid_documents() {
         let s = person();

@@ -1,5 +1,5 @@
-//! Constrained decoding to a regular expression: vLLM's `guided_regex`, and `guided_choice` as the alternation
-//! of its strings.
+//! Constrained decoding to a regular expression: vLLM's `guided_regex`, `guided_choice` as the alternation of
+//! its strings, and a JSON schema's string `pattern` and `format` ([`ByteDfa::compile_json_string`]).
 //!
 //! [`ByteDfa::compile`] has regex-automata build a dense DFA for the pattern (the `regex` crate's syntax, Unicode
 //! classes included) and copies the part reachable from its anchored start into a table over the DFA's byte
@@ -63,6 +63,24 @@ pub struct ByteDfa {
 impl ByteDfa {
     /// Compiles `pattern`, anchored at both ends.
     pub fn compile(pattern: &str) -> Result<ByteDfa, RegexError> {
+        Self::compile_without(pattern, |_| false)
+    }
+
+    /// Compiles `pattern` for the inside of a JSON string written without escapes: a quote, a backslash or a
+    /// control byte never fits, and states that would need one to reach a match are dropped with the rest, so a
+    /// string guided by it can always be closed on a match. Refused when no match avoids them.
+    pub fn compile_json_string(pattern: &str) -> Result<ByteDfa, RegexError> {
+        Self::compile_without(pattern, |b| b == b'"' || b == b'\\' || b < 0x20).map_err(|e| {
+            if e.0.contains("matches no text") {
+                RegexError(format!("{} written in a JSON string without escapes", e.0))
+            } else {
+                e
+            }
+        })
+    }
+
+    /// [`ByteDfa::compile`] with every byte that `excluded` names refused everywhere.
+    fn compile_without(pattern: &str, excluded: impl Fn(u8) -> bool) -> Result<ByteDfa, RegexError> {
         if pattern.len() > MAX_PATTERN_BYTES {
             return Err(RegexError(format!(
                 "the pattern is {} bytes; at most {MAX_PATTERN_BYTES} are allowed",
@@ -96,15 +114,23 @@ impl ByteDfa {
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|e| RegexError(format!("the pattern has no start: {e}")))?;
 
+        // The DFA's byte classes, split where `excluded` cuts one: a class is a DFA class and whether it is
+        // excluded, numbered in byte order; `None` marks an excluded class's representative.
         let src_classes = dfa.byte_classes();
         let mut classes = [0u8; 256];
-        let mut representative = Vec::new();
+        let mut kinds: Vec<(u8, bool)> = Vec::new();
+        let mut representative: Vec<Option<u8>> = Vec::new();
         for b in 0..=255u8 {
-            let c = src_classes.get(b);
-            classes[b as usize] = c;
-            if c as usize >= representative.len() {
-                representative.resize(c as usize + 1, b);
-            }
+            let kind = (src_classes.get(b), excluded(b));
+            let c = match kinds.iter().position(|&k| k == kind) {
+                Some(c) => c,
+                None => {
+                    kinds.push(kind);
+                    representative.push((!kind.1).then_some(b));
+                    kinds.len() - 1
+                }
+            };
+            classes[b as usize] = c as u8;
         }
         let stride = representative.len();
 
@@ -116,6 +142,10 @@ impl ByteDfa {
         while i < order.len() {
             let from = order[i];
             for &b in &representative {
+                let Some(b) = b else {
+                    next.push(DEAD);
+                    continue;
+                };
                 let to = dfa.next_state(from, b);
                 if dfa.is_dead_state(to) || dfa.is_quit_state(to) {
                     next.push(DEAD);
@@ -185,6 +215,11 @@ impl ByteDfa {
             return Err(RegexError(format!("the choices come to more than {MAX_PATTERN_BYTES} bytes")));
         }
         Ok(pattern)
+    }
+
+    /// How many states the table keeps.
+    pub fn states(&self) -> usize {
+        self.matches.len()
     }
 
     /// The pattern this was compiled from.
@@ -317,6 +352,24 @@ mod tests {
         let dfa = ByteDfa::compile(r"\w+\b.*").unwrap();
         assert!(full_match(&dfa, "word, more"));
         assert!(!full_match(&dfa, "wörd"));
+    }
+
+    #[test]
+    fn json_string_patterns_never_need_an_escape() {
+        let dfa = ByteDfa::compile_json_string(r#"[a-z"\\]+|q\d"#).unwrap();
+        assert!(full_match(&dfa, "abc") && full_match(&dfa, "q7"));
+        for text in ["a\"b", "a\\b", "a\nb"] {
+            assert!(!full_match(&dfa, text), "{text:?}");
+        }
+        // A pattern that needs a quote somewhere is cut back to what avoids it, or refused when nothing does.
+        let dfa = ByteDfa::compile_json_string(r#"a("b|c)"#).unwrap();
+        assert!(full_match(&dfa, "ac"));
+        assert_eq!(dfa.step(dfa.feed(dfa.start(), b"a").unwrap(), b'"'), None);
+        let e = ByteDfa::compile_json_string(r#"say "hi""#).unwrap_err();
+        assert!(e.0.contains("without escapes"), "{e}");
+        // Byte classes that straddle an excluded byte are split: `[ -~]` holds both the quote and plain text.
+        let dfa = ByteDfa::compile_json_string("[ -~]{2}").unwrap();
+        assert!(full_match(&dfa, "a!") && !full_match(&dfa, "a\""));
     }
 
     #[test]
