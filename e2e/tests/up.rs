@@ -406,11 +406,12 @@ async fn up_answers_chat_streaming_and_not() {
         let shape = text.len() == 15 && text.starts_with(b" (") && text[5..7] == *b") " && text[10] == b'-';
         assert!(shape && [2, 3, 4, 7, 8, 9, 11, 12, 13, 14].iter().all(digit), "{v}");
     }
-    // A schema's `pattern` and `format`, sampled: each string matches in full.
+    // A schema's `pattern`, `format` and a one-sided integer bound, sampled: each value matches in full.
     let booking = json!({"type": "object", "properties": {
             "flight": {"type": "string", "pattern": "[A-Z]{2}[0-9]{3,4}"},
-            "date": {"type": "string", "format": "date"}},
-        "required": ["flight", "date"], "additionalProperties": false});
+            "date": {"type": "string", "format": "date"},
+            "passengers": {"type": "integer", "minimum": 1}},
+        "required": ["flight", "date", "passengers"], "additionalProperties": false});
     for seed in [21, 22] {
         let body = json!({"temperature": 0.9, "seed": seed, "max_tokens": 60, "guided_json": booking});
         let (s, v) = http.post_json("/v1/chat/completions", &chat("Book me a flight, as JSON.", body)).await.unwrap();
@@ -425,6 +426,7 @@ async fn up_answers_chat_streaming_and_not() {
         let digits = |r: std::ops::Range<usize>| date.get(r).is_some_and(|d| d.iter().all(u8::is_ascii_digit));
         let shape = date.len() == 10 && date[4] == b'-' && date[7] == b'-';
         assert!(shape && digits(0..4) && digits(5..7) && digits(8..10), "{content}");
+        assert!(doc["passengers"].as_i64().is_some_and(|n| n >= 1), "{content}");
     }
     // A forced function call: the arguments are a document of the function's parameters.
     let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",

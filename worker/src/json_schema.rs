@@ -20,8 +20,8 @@
 //! - Strings honour `minLength` and `maxLength` (in characters), or a `pattern` or one of the [`FORMATS`], which
 //!   the whole string must match (as vLLM's guides read a pattern; JSON Schema's own reading is a search) and
 //!   which is written without escapes ([`ByteDfa::compile_json_string`]); arrays `minItems` and `maxItems`; integers
-//!   `minimum`, `maximum` and their exclusive forms when both ends leave at most [`MAX_ENUM_VALUES`] values,
-//!   which are then matched as literals.
+//!   `minimum`, `maximum` and their exclusive forms, one end or both, as the pattern of the decimal numerals in
+//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]).
 //! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
 //!   [`MAX_NUMBER_BYTES`] long, so that the guide always makes progress.
 
@@ -55,6 +55,9 @@ pub const MAX_NUMBER_BYTES: u8 = 32;
 /// Most automaton states the patterns and formats of one schema may keep in all (each distinct pattern is
 /// compiled once).
 pub const MAX_PATTERN_STATES: usize = 16_384;
+
+/// The largest magnitude a bounded integer with an open end may take: 15 digits.
+pub const OPEN_INTEGER_BOUND: i64 = 999_999_999_999_999;
 
 /// The string formats the guide follows, each as the pattern its strings match. `format` on other types is an
 /// annotation (OpenAPI's `int32` and the like) and ignored.
@@ -119,6 +122,9 @@ enum Node {
     Number {
         integer: bool,
     },
+    /// A value written bare (not quoted) that matches the pattern in full, ended by the byte after it: an
+    /// integer with bounds.
+    Bare(Arc<ByteDfa>),
     /// Compact serialisations, sorted and distinct.
     Literals(Vec<Vec<u8>>),
     Choice(Vec<NodeId>),
@@ -172,7 +178,7 @@ struct Compiler<'a> {
     defs: HashMap<String, NodeId>,
     any: Option<NodeId>,
     /// Each distinct pattern, compiled once, and the states they keep in all.
-    patterns: HashMap<String, Arc<ByteDfa>>,
+    patterns: HashMap<(String, bool), Arc<ByteDfa>>,
     pattern_states: usize,
 }
 
@@ -182,6 +188,71 @@ fn set_bit(set: &mut [u64; 4], b: u8) {
 
 fn has_bit(set: &[u64; 4], b: u8) -> bool {
     set[(b >> 6) as usize] >> (b & 63) & 1 == 1
+}
+
+/// The pattern of the decimal numerals of the integers `lo..=hi` as JSON writes them: no leading zeros, and `0`
+/// rather than `-0`.
+fn integer_range_pattern(lo: i64, hi: i64) -> String {
+    let mut alternatives = Vec::new();
+    if lo < 0 {
+        let magnitudes = digit_ranges(hi.min(-1).unsigned_abs(), lo.unsigned_abs());
+        alternatives.push(format!("-({})", magnitudes.join("|")));
+    }
+    if lo <= 0 && hi >= 0 {
+        alternatives.push("0".to_string());
+    }
+    if hi > 0 {
+        alternatives.extend(digit_ranges(lo.max(1) as u64, hi as u64));
+    }
+    alternatives.join("|")
+}
+
+/// Patterns that together match the numerals of `a..=b` (`1 <= a <= b`): the range is cut where the numerals'
+/// length changes and where a run of trailing digits fills up, so that each piece is a common prefix, one digit
+/// range and then any digits.
+fn digit_ranges(a: u64, b: u64) -> Vec<String> {
+    let mut stops = vec![b];
+    // Ends of runs from `a` up: `a` with its last 1, 2, ... digits set to 9.
+    for digits in 1..=18 {
+        let p = 10u64.pow(digits);
+        let stop = a - a % p + (p - 1);
+        if !(a <= stop && stop < b) {
+            break;
+        }
+        stops.push(stop);
+    }
+    // Ends of runs below `b + 1` with its last 1, 2, ... digits set to 0.
+    for digits in 1..=18 {
+        let p = 10u64.pow(digits);
+        match (b + 1 - (b + 1) % p).checked_sub(1) {
+            Some(stop) if a < stop && stop <= b => stops.push(stop),
+            _ => break,
+        }
+    }
+    stops.sort_unstable();
+    stops.dedup();
+    let mut start = a;
+    let mut out = Vec::with_capacity(stops.len());
+    for stop in stops {
+        let (from, to) = (start.to_string(), stop.to_string());
+        let mut piece = String::new();
+        let mut any = 0;
+        for (x, y) in from.bytes().zip(to.bytes()) {
+            if x == y {
+                piece.push(x as char);
+            } else if (x, y) == (b'0', b'9') {
+                any += 1;
+            } else {
+                piece.push_str(&format!("[{}-{}]", x as char, y as char));
+            }
+        }
+        if any > 0 {
+            piece.push_str(&format!("[0-9]{{{any}}}"));
+        }
+        out.push(piece);
+        start = stop + 1;
+    }
+    out
 }
 
 fn escape_pointer(s: &str) -> String {
@@ -361,9 +432,8 @@ impl Compiler<'_> {
         }
     }
 
-    /// An integer's bounds as the inclusive range of values they leave, or `None` when it has none. The guide
-    /// writes a bounded integer as one of its values, so both ends are needed and the range is at most
-    /// [`MAX_ENUM_VALUES`] wide.
+    /// An integer's bounds as the inclusive range of values they leave, an open end at [`OPEN_INTEGER_BOUND`], or
+    /// `None` when it has none.
     fn integer_range(obj: &serde_json::Map<String, Value>, path: &str) -> Result<Option<(i64, i64)>, SchemaError> {
         let bound = |k: &str| match obj.get(k) {
             None => Ok(None),
@@ -372,23 +442,20 @@ impl Compiler<'_> {
                 _ => err(&format!("{path}/{k}"), format!("`{k}` must be a number within ±1e15")),
             },
         };
-        let lo = match (bound("minimum")?, bound("exclusiveMinimum")?) {
-            (None, None) => None,
-            (a, b) => Some(a.map_or(i64::MIN, |m| m.ceil() as i64).max(b.map_or(i64::MIN, |m| m.floor() as i64 + 1))),
-        };
-        let hi = match (bound("maximum")?, bound("exclusiveMaximum")?) {
-            (None, None) => None,
-            (a, b) => Some(a.map_or(i64::MAX, |m| m.floor() as i64).min(b.map_or(i64::MAX, |m| m.ceil() as i64 - 1))),
-        };
-        match (lo, hi) {
-            (None, None) => Ok(None),
-            (Some(lo), Some(hi)) if lo <= hi && hi - lo < MAX_ENUM_VALUES as i64 => Ok(Some((lo, hi))),
-            (Some(lo), Some(hi)) if lo > hi => err(path, "the bounds leave no integer"),
-            _ => err(
-                path,
-                format!("integer bounds are supported as a range of at most {MAX_ENUM_VALUES} values, with both ends"),
-            ),
+        let (min, exclusive_min) = (bound("minimum")?, bound("exclusiveMinimum")?);
+        let (max, exclusive_max) = (bound("maximum")?, bound("exclusiveMaximum")?);
+        if [min, exclusive_min, max, exclusive_max].iter().all(Option::is_none) {
+            return Ok(None);
         }
+        let lo =
+            min.map_or(i64::MIN, |m| m.ceil() as i64).max(exclusive_min.map_or(i64::MIN, |m| m.floor() as i64 + 1));
+        let hi =
+            max.map_or(i64::MAX, |m| m.floor() as i64).min(exclusive_max.map_or(i64::MAX, |m| m.ceil() as i64 - 1));
+        let (lo, hi) = (lo.max(-OPEN_INTEGER_BOUND), hi.min(OPEN_INTEGER_BOUND));
+        if lo > hi {
+            return err(path, "the bounds leave no integer");
+        }
+        Ok(Some((lo, hi)))
     }
 
     fn typed(&mut self, obj: &serde_json::Map<String, Value>, t: &str, path: &str) -> Result<NodeId, SchemaError> {
@@ -431,9 +498,8 @@ impl Compiler<'_> {
             "integer" => match Self::integer_range(obj, path)? {
                 None => self.push(Node::Number { integer: true }, path),
                 Some((lo, hi)) => {
-                    let mut lits: Vec<Vec<u8>> = (lo..=hi).map(|i| i.to_string().into_bytes()).collect();
-                    lits.sort();
-                    self.push(Node::Literals(lits), path)
+                    let dfa = self.pattern(&integer_range_pattern(lo, hi), false, path)?;
+                    self.push(Node::Bare(dfa), path)
                 }
             },
             "boolean" => self.push(Node::Literals(vec![b"false".to_vec(), b"true".to_vec()]), path),
@@ -465,22 +531,29 @@ impl Compiler<'_> {
             (Some(_), None) => return err(&format!("{path}/pattern"), "`pattern` must be a string"),
             (None, Some(_)) => return err(&format!("{path}/format"), "`format` must be a string"),
         };
-        if let Some(dfa) = self.patterns.get(pattern) {
-            return Ok(Some(dfa.clone()));
+        self.pattern(pattern, true, &at).map(Some)
+    }
+
+    /// `pattern`, compiled once per schema for the inside of a JSON string or for a bare value.
+    fn pattern(&mut self, pattern: &str, json_string: bool, path: &str) -> Result<Arc<ByteDfa>, SchemaError> {
+        let key = (pattern.to_string(), json_string);
+        if let Some(dfa) = self.patterns.get(&key) {
+            return Ok(dfa.clone());
         }
-        let dfa = match ByteDfa::compile_json_string(pattern) {
+        let compiled = if json_string { ByteDfa::compile_json_string(pattern) } else { ByteDfa::compile(pattern) };
+        let dfa = match compiled {
             Ok(dfa) => Arc::new(dfa),
-            Err(e) => return err(&at, e.0),
+            Err(e) => return err(path, e.0),
         };
         self.pattern_states += dfa.states();
         if self.pattern_states > MAX_PATTERN_STATES {
             return err(
-                &at,
+                path,
                 format!("the schema's patterns need more than {MAX_PATTERN_STATES} automaton states in all"),
             );
         }
-        self.patterns.insert(pattern.to_string(), dfa.clone());
-        Ok(Some(dfa))
+        self.patterns.insert(key, dfa.clone());
+        Ok(dfa)
     }
 
     fn object(&mut self, obj: &serde_json::Map<String, Value>, path: &str) -> Result<NodeId, SchemaError> {
@@ -609,6 +682,9 @@ impl JsonSchema {
                         }
                     }
                     Node::Literals(lits) => lits.iter().filter_map(|l| l.first()).for_each(|&b| set_bit(&mut set, b)),
+                    Node::Bare(dfa) => {
+                        (0..=255u8).filter(|&b| dfa.step(dfa.start(), b).is_some()).for_each(|b| set_bit(&mut set, b))
+                    }
                     Node::Choice(alts) => {
                         for &a in alts {
                             for (s, f) in set.iter_mut().zip(first[a as usize]) {
@@ -682,6 +758,8 @@ enum Phase {
     Str { len: u32, esc: bool, hex: u8, re: RegexState },
     /// Inside a number of `len` bytes so far.
     Num { n: Num, len: u8 },
+    /// Inside a bare value, at `re` in its pattern.
+    Bare { re: RegexState },
     /// Inside a literal: the sorted literals `lo..hi` still match the first `pos` bytes.
     Lit { lo: u16, hi: u16, pos: u16 },
 }
@@ -782,7 +860,12 @@ impl SchemaState {
         let node = schema.node(id);
         let structural = !matches!(
             phase,
-            Phase::Str { .. } | Phase::MapKey { .. } | Phase::ObjKey { .. } | Phase::Lit { .. } | Phase::Num { .. }
+            Phase::Str { .. }
+                | Phase::MapKey { .. }
+                | Phase::ObjKey { .. }
+                | Phase::Lit { .. }
+                | Phase::Num { .. }
+                | Phase::Bare { .. }
         );
         if structural {
             if is_ws(b) {
@@ -815,6 +898,19 @@ impl SchemaState {
             },
             (Phase::Start, Node::Number { .. }) => match Num::start(b) {
                 Some(n) => self.set_if(true, Phase::Num { n, len: 1 }),
+                None => false,
+            },
+            (Phase::Start, Node::Bare(dfa)) => match dfa.step(dfa.start(), b) {
+                Some(re) => self.set_if(true, Phase::Bare { re }),
+                None => false,
+            },
+            (Phase::Bare { re }, Node::Bare(dfa)) => match dfa.step(re, b) {
+                Some(re) => self.set_if(true, Phase::Bare { re }),
+                // The value ends here on a match, and the byte belongs to what follows it.
+                None if dfa.is_match(re) => {
+                    self.pop();
+                    self.step(schema, b)
+                }
                 None => false,
             },
             (Phase::Start, Node::Literals(lits)) => self.literal(schema, lits, 0, lits.len() as u16, 0, b),
@@ -1114,14 +1210,14 @@ mod tests {
                 "integers only",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}),
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "exclusiveMaximum": 3}}}),
                 "#/properties/a",
-                "both ends",
+                "no integer",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5000}}}),
-                "#/properties/a",
-                "at most",
+                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1e16}}}),
+                "#/properties/a/minimum",
+                "within",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "exclusiveMaximum": 3}}}),
@@ -1190,6 +1286,47 @@ mod tests {
         ] {
             assert_eq!(run(&s, bad), None, "{bad}");
         }
+        // One end, or a range too wide to list: an open end stops at 15 digits.
+        let s = schema(json!({"type": "object", "properties": {
+            "age": {"type": "integer", "minimum": 0},
+            "debt": {"type": "integer", "exclusiveMaximum": 0},
+            "year": {"type": "integer", "minimum": -5000, "maximum": 100000}},
+            "required": ["age", "debt", "year"]}));
+        for ok in [r#"{"age":0,"debt":-1,"year":-5000}"#, r#"{"age":999999999999999,"debt":-77,"year":100000}"#] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in
+            [r#"{"age":-"#, r#"{"age":1000000000000000"#, r#"{"age":1,"debt":0"#, r#"{"age":1,"debt":-1,"year":100001"#]
+        {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // A bounded integer ends at the byte after it, which its container then takes.
+        assert_eq!(run(&s, r#"{"age": 12 , "debt":-3,"year":7 }"#), Some(true));
+    }
+
+    #[test]
+    fn integer_range_patterns_match_exactly_the_range() {
+        let numeral =
+            |n: i64, dfa: &ByteDfa| dfa.feed(dfa.start(), n.to_string().as_bytes()).is_some_and(|s| dfa.is_match(s));
+        let ends = [-1000, -101, -100, -99, -10, -9, -1, 0, 1, 9, 10, 19, 99, 100, 101, 109, 199, 999, 1000, 1234];
+        for &lo in &ends {
+            for &hi in ends.iter().filter(|&&hi| hi >= lo) {
+                let pattern = integer_range_pattern(lo, hi);
+                let dfa = ByteDfa::compile(&pattern).unwrap();
+                for n in -1300..=1300 {
+                    assert_eq!(numeral(n, &dfa), (lo..=hi).contains(&n), "{n} in {lo}..={hi}: {pattern}");
+                }
+                for odd in ["-0", "01", "00", "-01", "+1"] {
+                    assert!(dfa.feed(dfa.start(), odd.as_bytes()).is_none_or(|s| !dfa.is_match(s)), "{odd}: {pattern}");
+                }
+            }
+        }
+        // The widest ranges stay small automata.
+        let widest = ByteDfa::compile(&integer_range_pattern(-OPEN_INTEGER_BOUND, OPEN_INTEGER_BOUND)).unwrap();
+        assert!(widest.states() < 64, "{}", widest.states());
+        let odd = ByteDfa::compile(&integer_range_pattern(-123_456_789_012_345, 987_654_321_098_765)).unwrap();
+        assert!(numeral(987_654_321_098_765, &odd) && !numeral(987_654_321_098_766, &odd) && numeral(-5, &odd));
+        assert!(numeral(-123_456_789_012_345, &odd) && !numeral(-123_456_789_012_346, &odd));
     }
 
     #[test]
