@@ -406,14 +406,15 @@ async fn up_answers_chat_streaming_and_not() {
         let shape = text.len() == 15 && text.starts_with(b" (") && text[5..7] == *b") " && text[10] == b'-';
         assert!(shape && [2, 3, 4, 7, 8, 9, 11, 12, 13, 14].iter().all(digit), "{v}");
     }
-    // A schema's `pattern`, `format` and a one-sided integer bound, sampled: each value matches in full.
+    // A schema's `pattern`, `format`, a one-sided integer bound and a bounded number, sampled: each value fits.
     let booking = json!({"type": "object", "properties": {
             "flight": {"type": "string", "pattern": "[A-Z]{2}[0-9]{3,4}"},
             "date": {"type": "string", "format": "date"},
-            "passengers": {"type": "integer", "minimum": 1}},
-        "required": ["flight", "date", "passengers"], "additionalProperties": false});
+            "passengers": {"type": "integer", "minimum": 1},
+            "price": {"type": "number", "minimum": 0, "maximum": 5000}},
+        "required": ["flight", "date", "passengers", "price"], "additionalProperties": false});
     for seed in [21, 22] {
-        let body = json!({"temperature": 0.9, "seed": seed, "max_tokens": 60, "guided_json": booking});
+        let body = json!({"temperature": 0.9, "seed": seed, "max_tokens": 200, "guided_json": booking});
         let (s, v) = http.post_json("/v1/chat/completions", &chat("Book me a flight, as JSON.", body)).await.unwrap();
         assert_eq!(s, 200, "{v}");
         assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
@@ -427,6 +428,7 @@ async fn up_answers_chat_streaming_and_not() {
         let shape = date.len() == 10 && date[4] == b'-' && date[7] == b'-';
         assert!(shape && digits(0..4) && digits(5..7) && digits(8..10), "{content}");
         assert!(doc["passengers"].as_i64().is_some_and(|n| n >= 1), "{content}");
+        assert!(doc["price"].as_f64().is_some_and(|p| (0.0..=5000.0).contains(&p)), "{content}");
     }
     // A forced function call: the arguments are a document of the function's parameters.
     let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",

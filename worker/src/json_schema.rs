@@ -21,7 +21,8 @@
 //!   the whole string must match (as vLLM's guides read a pattern; JSON Schema's own reading is a search) and
 //!   which is written without escapes ([`ByteDfa::compile_json_string`]); arrays `minItems` and `maxItems`; integers
 //!   `minimum`, `maximum` and their exclusive forms, one end or both, as the pattern of the decimal numerals in
-//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]).
+//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]); numbers the same bounds when they are whole numbers,
+//!   as the pattern of the plain decimals (no exponent, at most 15 fraction digits) in the range.
 //! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
 //!   [`MAX_NUMBER_BYTES`] long, so that the guide always makes progress.
 
@@ -168,7 +169,7 @@ const KEYWORDS_GUIDED: [&str; 22] = [
     "exclusiveMaximum",
 ];
 
-/// The numeric bounds, which the guide follows on integers only.
+/// The numeric bounds: on integers any, on numbers whole ones ([`Compiler::number_bounds`]).
 const BOUNDS: [&str; 4] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
 
 struct Compiler<'a> {
@@ -253,6 +254,63 @@ fn digit_ranges(a: u64, b: u64) -> Vec<String> {
         start = stop + 1;
     }
     out
+}
+
+/// One end of a number's range: an integer, and whether the end itself is excluded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Bound {
+    at: i64,
+    strict: bool,
+}
+
+/// Digits a bounded number's fraction may have.
+const FRACTION_DIGITS: usize = 15;
+
+/// The pattern of the plain decimals (`12`, `-0.5`; no exponent) between `lo` and `hi`, or `None` when none is.
+/// Negative numbers are the non-negative pattern of their magnitudes behind a `-`, which is never `-0`.
+fn number_range_pattern(lo: Bound, hi: Bound) -> Option<String> {
+    let mut alternatives = Vec::new();
+    alternatives.extend(magnitude_range_pattern(lo.at.max(0), lo.strict && lo.at >= 0, hi));
+    if lo.at < 0 {
+        // x in [lo, hi] with x < 0 is -y with y in [max(-hi, 0), -lo], both ends swapped, and y > 0.
+        let low = if hi.at < 0 { Bound { at: -hi.at, strict: hi.strict } } else { Bound { at: 0, strict: true } };
+        let high = Bound { at: -lo.at, strict: lo.strict };
+        if let Some(negative) = magnitude_range_pattern(low.at, low.strict, high) {
+            alternatives.push(format!("-({negative})"));
+        }
+    }
+    (!alternatives.is_empty()).then(|| alternatives.join("|"))
+}
+
+/// The pattern of the non-negative plain decimals `x` with `low <= x` (`low < x` when `strict`) and `x <= hi` (or
+/// `<`), by integer part: above `low` and below `hi` any fraction fits, at a strict `low` only a fraction that is
+/// not zero, and at `hi` only a zero one (none, when `hi` is strict).
+fn magnitude_range_pattern(low: i64, strict: bool, hi: Bound) -> Option<String> {
+    let n = FRACTION_DIGITS;
+    let any = format!(r"(\.[0-9]{{1,{n}}})?");
+    let zero = format!(r"(\.0{{1,{n}}})?");
+    let nonzero = format!(r"\.0{{0,{}}}[1-9][0-9]{{0,{}}}", n - 1, n - 1);
+    let mut pieces = Vec::new();
+    if low > hi.at || (low == hi.at && (strict || hi.strict)) {
+        return None;
+    }
+    if low == hi.at {
+        return Some(format!("{low}{zero}"));
+    }
+    // low < hi.at from here.
+    let first_free = if strict {
+        pieces.push(format!("{low}{nonzero}"));
+        low + 1
+    } else {
+        low
+    };
+    if first_free < hi.at {
+        pieces.push(format!("({}){any}", integer_range_pattern(first_free, hi.at - 1)));
+    }
+    if !hi.strict {
+        pieces.push(format!("{}{zero}", hi.at));
+    }
+    Some(pieces.join("|"))
 }
 
 fn escape_pointer(s: &str) -> String {
@@ -458,6 +516,43 @@ impl Compiler<'_> {
         Ok(Some((lo, hi)))
     }
 
+    /// A number's bounds, each an integer and whether it is exclusive, an open end at [`OPEN_INTEGER_BOUND`], or
+    /// `None` when it has none. A bounded number is written as a plain decimal: bounds between integers would
+    /// need patterns over the fraction's digits, which the guide does not build.
+    fn number_bounds(obj: &serde_json::Map<String, Value>, path: &str) -> Result<Option<(Bound, Bound)>, SchemaError> {
+        let bound = |k: &str| match obj.get(k) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x.abs() < 1e15 && x.fract() == 0.0 => Ok(Some(x as i64)),
+                Some(x) if x.is_finite() && x.abs() < 1e15 => err(
+                    &format!("{path}/{k}"),
+                    format!("`{k}` on a number must be a whole number here (as 0, 1 or 90 are), not {x}"),
+                ),
+                _ => err(&format!("{path}/{k}"), format!("`{k}` must be a number within ±1e15")),
+            },
+        };
+        let pick = |inclusive: Option<i64>, exclusive: Option<i64>, lower: bool| -> Option<Bound> {
+            match (inclusive, exclusive) {
+                (None, None) => None,
+                (Some(i), None) => Some(Bound { at: i, strict: false }),
+                (None, Some(e)) => Some(Bound { at: e, strict: true }),
+                // Both: the tighter one.
+                (Some(i), Some(e)) => Some(if (lower && e >= i) || (!lower && e <= i) {
+                    Bound { at: e, strict: true }
+                } else {
+                    Bound { at: i, strict: false }
+                }),
+            }
+        };
+        let lo = pick(bound("minimum")?, bound("exclusiveMinimum")?, true);
+        let hi = pick(bound("maximum")?, bound("exclusiveMaximum")?, false);
+        if lo.is_none() && hi.is_none() {
+            return Ok(None);
+        }
+        let open = |at| Bound { at, strict: false };
+        Ok(Some((lo.unwrap_or(open(-OPEN_INTEGER_BOUND)), hi.unwrap_or(open(OPEN_INTEGER_BOUND)))))
+    }
+
     fn typed(&mut self, obj: &serde_json::Map<String, Value>, t: &str, path: &str) -> Result<NodeId, SchemaError> {
         match t {
             "object" => self.object(obj, path),
@@ -491,9 +586,15 @@ impl Compiler<'_> {
                 }
                 self.push(Node::Str { min, max, pattern }, path)
             }
-            "number" => match BOUNDS.iter().find(|k| obj.contains_key(**k)) {
-                Some(k) => err(path, format!("`{k}` is supported on integers only")),
+            "number" => match Self::number_bounds(obj, path)? {
                 None => self.push(Node::Number { integer: false }, path),
+                Some((lo, hi)) => match number_range_pattern(lo, hi) {
+                    Some(pattern) => {
+                        let dfa = self.pattern(&pattern, false, path)?;
+                        self.push(Node::Bare(dfa), path)
+                    }
+                    None => err(path, "the bounds leave no number"),
+                },
             },
             "integer" => match Self::integer_range(obj, path)? {
                 None => self.push(Node::Number { integer: true }, path),
@@ -1205,9 +1306,14 @@ mod tests {
             (json!({"type": "object", "properties": {"a": {"type": "date"}}}), "#/properties/a/type", "unknown type"),
             (json!({"type": "object", "properties": {"a": {"enum": []}}}), "#/properties/a/enum", "1 to"),
             (
-                json!({"type": "object", "properties": {"a": {"type": "number", "maximum": 1}}}),
+                json!({"type": "object", "properties": {"a": {"type": "number", "maximum": 0.5}}}),
+                "#/properties/a/maximum",
+                "whole number",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "number", "minimum": 2, "exclusiveMaximum": 2}}}),
                 "#/properties/a",
-                "integers only",
+                "no number",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "exclusiveMaximum": 3}}}),
@@ -1327,6 +1433,61 @@ mod tests {
         let odd = ByteDfa::compile(&integer_range_pattern(-123_456_789_012_345, 987_654_321_098_765)).unwrap();
         assert!(numeral(987_654_321_098_765, &odd) && !numeral(987_654_321_098_766, &odd) && numeral(-5, &odd));
         assert!(numeral(-123_456_789_012_345, &odd) && !numeral(-123_456_789_012_346, &odd));
+    }
+
+    #[test]
+    fn number_range_patterns_match_exactly_the_range() {
+        // Every plain decimal with an integer part up to 14 and up to two fraction digits, as thousandths.
+        let mut numerals: Vec<(String, i64)> = Vec::new();
+        for int in 0..=14i64 {
+            for (frac, thousandths) in
+                [("", 0), (".0", 0), (".00", 0), (".5", 500), (".05", 50), (".50", 500), (".9", 900), (".001", 1)]
+            {
+                let v = int * 1000 + thousandths;
+                numerals.push((format!("{int}{frac}"), v));
+                numerals.push((format!("-{int}{frac}"), -v));
+            }
+        }
+        let ends = [-13, -5, -1, 0, 1, 2, 5, 13];
+        let bounds: Vec<Bound> = ends.iter().flat_map(|&at| [false, true].map(|strict| Bound { at, strict })).collect();
+        let mut checked = 0;
+        for &lo in &bounds {
+            for &hi in &bounds {
+                let Some(pattern) = number_range_pattern(lo, hi) else {
+                    assert!(
+                        lo.at > hi.at || (lo.at == hi.at && (lo.strict || hi.strict)),
+                        "{lo:?} {hi:?} left nothing"
+                    );
+                    continue;
+                };
+                let dfa = ByteDfa::compile(&pattern).unwrap();
+                for (text, v) in &numerals {
+                    let above = if lo.strict { *v > lo.at * 1000 } else { *v >= lo.at * 1000 };
+                    let below = if hi.strict { *v < hi.at * 1000 } else { *v <= hi.at * 1000 };
+                    // `-0` and its fractions of zero are not written: JSON's zero is `0`.
+                    let canonical = !(text.starts_with('-') && *v == 0);
+                    let matched = dfa.feed(dfa.start(), text.as_bytes()).is_some_and(|s| dfa.is_match(s));
+                    assert_eq!(matched, above && below && canonical, "{text} in {lo:?}..{hi:?}: {pattern}");
+                    checked += 1;
+                }
+                for odd in ["01", "1.", ".5", "1e3", "+1", "00.5"] {
+                    assert!(dfa.feed(dfa.start(), odd.as_bytes()).is_none_or(|s| !dfa.is_match(s)), "{odd}");
+                }
+            }
+        }
+        assert!(checked > 25_000, "{checked}");
+        // Through the schema: probabilities, latitudes, and a price with one end.
+        let s = schema(json!({"type": "object", "properties": {
+            "p": {"type": "number", "minimum": 0, "maximum": 1},
+            "lat": {"type": "number", "minimum": -90, "maximum": 90},
+            "price": {"type": "number", "exclusiveMinimum": 0}},
+            "required": ["p", "lat", "price"]}));
+        assert_eq!(run(&s, r#"{"p":0.25,"lat":-89.999,"price":0.01}"#), Some(true));
+        assert_eq!(run(&s, r#"{"p":1.0,"lat":90,"price":12}"#), Some(true));
+        for bad in [r#"{"p":1.5"#, r#"{"p":-0.1"#, r#"{"p":1,"lat":90.5"#, r#"{"p":1,"lat":0,"price":0,"#, r#"{"p":1e"#]
+        {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
     }
 
     #[test]
