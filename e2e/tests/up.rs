@@ -411,7 +411,7 @@ async fn up_answers_chat_streaming_and_not() {
             "flight": {"type": "string", "pattern": "[A-Z]{2}[0-9]{3,4}"},
             "date": {"type": "string", "format": "date"},
             "passengers": {"type": "integer", "minimum": 1},
-            "price": {"type": "number", "minimum": 0, "maximum": 5000}},
+            "price": {"type": "number", "minimum": 0.5, "maximum": 4999.99}},
         "required": ["flight", "date", "passengers", "price"], "additionalProperties": false});
     for seed in [21, 22] {
         let body = json!({"temperature": 0.9, "seed": seed, "max_tokens": 200, "guided_json": booking});
@@ -428,7 +428,7 @@ async fn up_answers_chat_streaming_and_not() {
         let shape = date.len() == 10 && date[4] == b'-' && date[7] == b'-';
         assert!(shape && digits(0..4) && digits(5..7) && digits(8..10), "{content}");
         assert!(doc["passengers"].as_i64().is_some_and(|n| n >= 1), "{content}");
-        assert!(doc["price"].as_f64().is_some_and(|p| (0.0..=5000.0).contains(&p)), "{content}");
+        assert!(doc["price"].as_f64().is_some_and(|p| (0.5..=4999.99).contains(&p)), "{content}");
     }
     // A forced function call: the arguments are a document of the function's parameters.
     let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",

@@ -21,8 +21,9 @@
 //!   the whole string must match (as vLLM's guides read a pattern; JSON Schema's own reading is a search) and
 //!   which is written without escapes ([`ByteDfa::compile_json_string`]); arrays `minItems` and `maxItems`; integers
 //!   `minimum`, `maximum` and their exclusive forms, one end or both, as the pattern of the decimal numerals in
-//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]); numbers the same bounds when they are whole numbers,
-//!   as the pattern of the plain decimals (no exponent, at most 15 fraction digits) in the range.
+//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]); numbers the same bounds (of at most
+//!   [`BOUND_FRACTION_DIGITS`] decimals), as the pattern of the plain decimals (no exponent, at most 15 fraction
+//!   digits) in the range.
 //! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
 //!   [`MAX_NUMBER_BYTES`] long, so that the guide always makes progress.
 
@@ -169,7 +170,7 @@ const KEYWORDS_GUIDED: [&str; 22] = [
     "exclusiveMaximum",
 ];
 
-/// The numeric bounds: on integers any, on numbers whole ones ([`Compiler::number_bounds`]).
+/// The numeric bounds, on integers and numbers.
 const BOUNDS: [&str; 4] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
 
 struct Compiler<'a> {
@@ -256,10 +257,62 @@ fn digit_ranges(a: u64, b: u64) -> Vec<String> {
     out
 }
 
-/// One end of a number's range: an integer, and whether the end itself is excluded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A decimal bound as written: its sign, integer part and fraction digits (ASCII, no trailing zeros). Zero is not
+/// negative.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Decimal {
+    negative: bool,
+    int: u64,
+    frac: Vec<u8>,
+}
+
+/// Most fraction digits a number's bound may have.
+pub const BOUND_FRACTION_DIGITS: usize = 12;
+
+impl Decimal {
+    /// `x` as its shortest decimal (Rust's `Display` for `f64`, which never uses an exponent), or `None` beyond
+    /// ±1e15 or [`BOUND_FRACTION_DIGITS`].
+    fn of(x: f64) -> Option<Decimal> {
+        if !x.is_finite() || x.abs() >= 1e15 {
+            return None;
+        }
+        let text = format!("{}", x.abs());
+        let (int, frac) = text.split_once('.').unwrap_or((&text, ""));
+        let frac = frac.trim_end_matches('0').as_bytes().to_vec();
+        let int: u64 = int.parse().ok()?;
+        let negative = x < 0.0 && (int > 0 || !frac.is_empty());
+        (frac.len() <= BOUND_FRACTION_DIGITS).then_some(Decimal { negative, int, frac })
+    }
+
+    fn whole(n: i64) -> Decimal {
+        Decimal { negative: n < 0, int: n.unsigned_abs(), frac: Vec::new() }
+    }
+
+    fn zero() -> Decimal {
+        Decimal::whole(0)
+    }
+
+    fn negated(&self) -> Decimal {
+        let zero = self.int == 0 && self.frac.is_empty();
+        Decimal { negative: !self.negative && !zero, ..self.clone() }
+    }
+
+    /// Compares magnitudes.
+    fn cmp_magnitude(&self, other: &Decimal) -> std::cmp::Ordering {
+        let n = self.frac.len().max(other.frac.len());
+        let digit = |d: &Decimal, i: usize| d.frac.get(i).copied().unwrap_or(b'0');
+        self.int.cmp(&other.int).then_with(|| {
+            (0..n)
+                .map(|i| digit(self, i).cmp(&digit(other, i)))
+                .fold(std::cmp::Ordering::Equal, std::cmp::Ordering::then)
+        })
+    }
+}
+
+/// One end of a number's range, and whether the end itself is excluded.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Bound {
-    at: i64,
+    at: Decimal,
     strict: bool,
 }
 
@@ -268,49 +321,157 @@ const FRACTION_DIGITS: usize = 15;
 
 /// The pattern of the plain decimals (`12`, `-0.5`; no exponent) between `lo` and `hi`, or `None` when none is.
 /// Negative numbers are the non-negative pattern of their magnitudes behind a `-`, which is never `-0`.
-fn number_range_pattern(lo: Bound, hi: Bound) -> Option<String> {
+fn number_range_pattern(lo: &Bound, hi: &Bound) -> Option<String> {
     let mut alternatives = Vec::new();
-    alternatives.extend(magnitude_range_pattern(lo.at.max(0), lo.strict && lo.at >= 0, hi));
-    if lo.at < 0 {
+    if !hi.at.negative {
+        let low = if lo.at.negative { Bound { at: Decimal::zero(), strict: false } } else { lo.clone() };
+        alternatives.extend(magnitude_range_pattern(&low, hi));
+    }
+    if lo.at.negative {
         // x in [lo, hi] with x < 0 is -y with y in [max(-hi, 0), -lo], both ends swapped, and y > 0.
-        let low = if hi.at < 0 { Bound { at: -hi.at, strict: hi.strict } } else { Bound { at: 0, strict: true } };
-        let high = Bound { at: -lo.at, strict: lo.strict };
-        if let Some(negative) = magnitude_range_pattern(low.at, low.strict, high) {
+        let low = if hi.at.negative {
+            Bound { at: hi.at.negated(), strict: hi.strict }
+        } else {
+            Bound { at: Decimal::zero(), strict: true }
+        };
+        let high = Bound { at: lo.at.negated(), strict: lo.strict };
+        if let Some(negative) = magnitude_range_pattern(&low, &high) {
             alternatives.push(format!("-({negative})"));
         }
     }
     (!alternatives.is_empty()).then(|| alternatives.join("|"))
 }
 
-/// The pattern of the non-negative plain decimals `x` with `low <= x` (`low < x` when `strict`) and `x <= hi` (or
-/// `<`), by integer part: above `low` and below `hi` any fraction fits, at a strict `low` only a fraction that is
-/// not zero, and at `hi` only a zero one (none, when `hi` is strict).
-fn magnitude_range_pattern(low: i64, strict: bool, hi: Bound) -> Option<String> {
+/// The pattern of the non-negative plain decimals between two non-negative bounds, by integer part: strictly
+/// between the bounds' integer parts any fraction fits; at the lower one, fractions at or above its fraction; at
+/// the upper one, fractions at or below its fraction.
+fn magnitude_range_pattern(low: &Bound, high: &Bound) -> Option<String> {
+    use std::cmp::Ordering;
+    match low.at.cmp_magnitude(&high.at) {
+        Ordering::Greater => return None,
+        Ordering::Equal if low.strict || high.strict => return None,
+        _ => {}
+    }
     let n = FRACTION_DIGITS;
-    let any = format!(r"(\.[0-9]{{1,{n}}})?");
-    let zero = format!(r"(\.0{{1,{n}}})?");
-    let nonzero = format!(r"\.0{{0,{}}}[1-9][0-9]{{0,{}}}", n - 1, n - 1);
     let mut pieces = Vec::new();
-    if low > hi.at || (low == hi.at && (strict || hi.strict)) {
-        return None;
-    }
-    if low == hi.at {
-        return Some(format!("{low}{zero}"));
-    }
-    // low < hi.at from here.
-    let first_free = if strict {
-        pieces.push(format!("{low}{nonzero}"));
-        low + 1
-    } else {
-        low
+    let mut piece = |int: String, fraction: Fraction| {
+        if let Some(p) = fraction.pattern(&int) {
+            pieces.push(p);
+        }
     };
-    if first_free < hi.at {
-        pieces.push(format!("({}){any}", integer_range_pattern(first_free, hi.at - 1)));
+    if low.at.int == high.at.int {
+        piece(low.at.int.to_string(), Fraction::between(&low.at.frac, low.strict, &high.at.frac, high.strict, n));
+    } else {
+        piece(low.at.int.to_string(), Fraction::at_least(&low.at.frac, low.strict, n));
+        if low.at.int + 1 < high.at.int {
+            let ints = integer_range_pattern(low.at.int as i64 + 1, high.at.int as i64 - 1);
+            piece(format!("({ints})"), Fraction::at_least(&[], false, n));
+        }
+        piece(high.at.int.to_string(), Fraction::at_most(&high.at.frac, high.strict, n));
     }
-    if !hi.strict {
-        pieces.push(format!("{}{zero}", hi.at));
+    (!pieces.is_empty()).then(|| pieces.join("|"))
+}
+
+/// The fractions an integer part may take: whether it may have none (a fraction of 0), and the pattern of the
+/// digits after its point (at least one), if any fit.
+struct Fraction {
+    none: bool,
+    digits: Option<String>,
+}
+
+impl Fraction {
+    /// After `int`: the pattern of the number, or `None` when no fraction fits.
+    fn pattern(&self, int: &str) -> Option<String> {
+        match (&self.digits, self.none) {
+            (Some(d), true) => Some(format!(r"{int}(\.{d})?")),
+            (Some(d), false) => Some(format!(r"{int}\.{d}")),
+            (None, true) => Some(int.to_string()),
+            (None, false) => None,
+        }
     }
-    Some(pieces.join("|"))
+
+    /// Fractions `0.f >= 0.d` (`>` when `strict`), of at most `n` digits.
+    fn at_least(d: &[u8], strict: bool, n: usize) -> Fraction {
+        let zero = d.iter().all(|&c| c == b'0');
+        Fraction { none: zero && !strict, digits: compare_digits(d, true, strict, 1, n) }
+    }
+
+    /// Fractions `0.f <= 0.d` (`<` when `strict`).
+    fn at_most(d: &[u8], strict: bool, n: usize) -> Fraction {
+        let zero = d.iter().all(|&c| c == b'0');
+        Fraction { none: !(zero && strict), digits: compare_digits(d, false, strict, 1, n) }
+    }
+
+    /// Fractions between `0.lo` and `0.hi` (`lo <= hi`), each end excluded when strict.
+    fn between(lo: &[u8], lo_strict: bool, hi: &[u8], hi_strict: bool, n: usize) -> Fraction {
+        let zero = |d: &[u8]| d.iter().all(|&c| c == b'0');
+        Fraction {
+            none: zero(lo) && !lo_strict && !(zero(hi) && hi_strict),
+            digits: between_digits(lo, lo_strict, hi, hi_strict, 1, n),
+        }
+    }
+}
+
+/// The pattern of digit strings `r` of `min..=max` digits (`min` 0 or 1; the empty string reads as 0) with `0.r`
+/// at least `0.d` (`ge`) or at most it, excluding equality when `strict`; `None` when none is.
+fn compare_digits(d: &[u8], ge: bool, strict: bool, min: usize, max: usize) -> Option<String> {
+    if d.iter().all(|&c| c == b'0') {
+        return match (ge, strict) {
+            (true, false) => Some(format!("[0-9]{{{min},{max}}}")),
+            (true, true) if max > 0 => Some(format!("0{{0,{}}}[1-9][0-9]{{0,{}}}", max - 1, max - 1)),
+            (false, false) => Some(format!("0{{{min},{max}}}")),
+            _ => None,
+        };
+    }
+    let mut alternatives = Vec::new();
+    // The empty string is 0, below a `d` that is not.
+    if !ge && min == 0 {
+        alternatives.push(String::new());
+    }
+    if max > 0 {
+        let (c, rest) = (d[0], &d[1..]);
+        if ge && c < b'9' {
+            alternatives.push(format!("[{}-9][0-9]{{0,{}}}", (c + 1) as char, max - 1));
+        }
+        if !ge && c > b'0' {
+            alternatives.push(format!("[0-{}][0-9]{{0,{}}}", (c - 1) as char, max - 1));
+        }
+        if let Some(tail) = compare_digits(rest, ge, strict, 0, max - 1) {
+            alternatives.push(format!("{}(?:{tail})", c as char));
+        }
+    }
+    (!alternatives.is_empty()).then(|| format!("(?:{})", alternatives.join("|")))
+}
+
+/// [`compare_digits`] for `0.lo <= 0.r <= 0.hi` (`lo <= hi`), an end excluded when its flag says so.
+fn between_digits(lo: &[u8], lo_strict: bool, hi: &[u8], hi_strict: bool, min: usize, max: usize) -> Option<String> {
+    let zero = |d: &[u8]| d.iter().all(|&c| c == b'0');
+    if zero(lo) && !lo_strict {
+        return compare_digits(hi, false, hi_strict, min, max);
+    }
+    let mut alternatives = Vec::new();
+    // The empty string is 0, which fits only a lower end of 0 that is not excluded: handled above.
+    if max > 0 {
+        let first = |d: &[u8]| d.first().copied().unwrap_or(b'0');
+        let rest = |d: &[u8]| d.get(1..).unwrap_or_default().to_vec();
+        let (a, b) = (first(lo), first(hi));
+        if a == b {
+            if let Some(tail) = between_digits(&rest(lo), lo_strict, &rest(hi), hi_strict, 0, max - 1) {
+                alternatives.push(format!("{}(?:{tail})", a as char));
+            }
+        } else {
+            if let Some(tail) = compare_digits(&rest(lo), true, lo_strict, 0, max - 1) {
+                alternatives.push(format!("{}(?:{tail})", a as char));
+            }
+            if a + 1 < b {
+                alternatives.push(format!("[{}-{}][0-9]{{0,{}}}", (a + 1) as char, (b - 1) as char, max - 1));
+            }
+            if let Some(tail) = compare_digits(&rest(hi), false, hi_strict, 0, max - 1) {
+                alternatives.push(format!("{}(?:{tail})", b as char));
+            }
+        }
+    }
+    (!alternatives.is_empty()).then(|| format!("(?:{})", alternatives.join("|")))
 }
 
 fn escape_pointer(s: &str) -> String {
@@ -516,41 +677,38 @@ impl Compiler<'_> {
         Ok(Some((lo, hi)))
     }
 
-    /// A number's bounds, each an integer and whether it is exclusive, an open end at [`OPEN_INTEGER_BOUND`], or
-    /// `None` when it has none. A bounded number is written as a plain decimal: bounds between integers would
-    /// need patterns over the fraction's digits, which the guide does not build.
+    /// A number's bounds, each a decimal of at most [`BOUND_FRACTION_DIGITS`] fraction digits and whether it is
+    /// exclusive, an open end at [`OPEN_INTEGER_BOUND`], or `None` when it has none. A bounded number is written as
+    /// a plain decimal.
     fn number_bounds(obj: &serde_json::Map<String, Value>, path: &str) -> Result<Option<(Bound, Bound)>, SchemaError> {
         let bound = |k: &str| match obj.get(k) {
             None => Ok(None),
             Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() && x.abs() < 1e15 && x.fract() == 0.0 => Ok(Some(x as i64)),
-                Some(x) if x.is_finite() && x.abs() < 1e15 => err(
+                Some(x) if Decimal::of(x).is_some() => Ok(Some(x)),
+                _ => err(
                     &format!("{path}/{k}"),
-                    format!("`{k}` on a number must be a whole number here (as 0, 1 or 90 are), not {x}"),
+                    format!("`{k}` must be a number within ±1e15 with at most {BOUND_FRACTION_DIGITS} decimals"),
                 ),
-                _ => err(&format!("{path}/{k}"), format!("`{k}` must be a number within ±1e15")),
             },
         };
-        let pick = |inclusive: Option<i64>, exclusive: Option<i64>, lower: bool| -> Option<Bound> {
-            match (inclusive, exclusive) {
-                (None, None) => None,
-                (Some(i), None) => Some(Bound { at: i, strict: false }),
-                (None, Some(e)) => Some(Bound { at: e, strict: true }),
-                // Both: the tighter one.
-                (Some(i), Some(e)) => Some(if (lower && e >= i) || (!lower && e <= i) {
-                    Bound { at: e, strict: true }
-                } else {
-                    Bound { at: i, strict: false }
-                }),
-            }
+        // Both forms of one end: the tighter one.
+        let pick = |inclusive: Option<f64>, exclusive: Option<f64>, lower: bool| -> Option<Bound> {
+            let (at, strict) = match (inclusive, exclusive) {
+                (None, None) => return None,
+                (Some(i), None) => (i, false),
+                (None, Some(e)) => (e, true),
+                (Some(i), Some(e)) if (lower && e >= i) || (!lower && e <= i) => (e, true),
+                (Some(i), Some(_)) => (i, false),
+            };
+            Decimal::of(at).map(|at| Bound { at, strict })
         };
         let lo = pick(bound("minimum")?, bound("exclusiveMinimum")?, true);
         let hi = pick(bound("maximum")?, bound("exclusiveMaximum")?, false);
         if lo.is_none() && hi.is_none() {
             return Ok(None);
         }
-        let open = |at| Bound { at, strict: false };
-        Ok(Some((lo.unwrap_or(open(-OPEN_INTEGER_BOUND)), hi.unwrap_or(open(OPEN_INTEGER_BOUND)))))
+        let open = |n| Bound { at: Decimal::whole(n), strict: false };
+        Ok(Some((lo.unwrap_or_else(|| open(-OPEN_INTEGER_BOUND)), hi.unwrap_or_else(|| open(OPEN_INTEGER_BOUND)))))
     }
 
     fn typed(&mut self, obj: &serde_json::Map<String, Value>, t: &str, path: &str) -> Result<NodeId, SchemaError> {
@@ -588,7 +746,7 @@ impl Compiler<'_> {
             }
             "number" => match Self::number_bounds(obj, path)? {
                 None => self.push(Node::Number { integer: false }, path),
-                Some((lo, hi)) => match number_range_pattern(lo, hi) {
+                Some((lo, hi)) => match number_range_pattern(&lo, &hi) {
                     Some(pattern) => {
                         let dfa = self.pattern(&pattern, false, path)?;
                         self.push(Node::Bare(dfa), path)
@@ -1306,9 +1464,9 @@ mod tests {
             (json!({"type": "object", "properties": {"a": {"type": "date"}}}), "#/properties/a/type", "unknown type"),
             (json!({"type": "object", "properties": {"a": {"enum": []}}}), "#/properties/a/enum", "1 to"),
             (
-                json!({"type": "object", "properties": {"a": {"type": "number", "maximum": 0.5}}}),
+                json!({"type": "object", "properties": {"a": {"type": "number", "maximum": 0.1234567890123}}}),
                 "#/properties/a/maximum",
-                "whole number",
+                "at most 12 decimals",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "number", "minimum": 2, "exclusiveMaximum": 2}}}),
@@ -1437,33 +1595,48 @@ mod tests {
 
     #[test]
     fn number_range_patterns_match_exactly_the_range() {
-        // Every plain decimal with an integer part up to 14 and up to two fraction digits, as thousandths.
+        // Every plain decimal with an integer part up to 14 and some fractions, in ten-thousandths.
+        let fractions = [
+            ("", 0),
+            (".0", 0),
+            (".00", 0),
+            (".5", 5000),
+            (".05", 500),
+            (".50", 5000),
+            (".9", 9000),
+            (".001", 10),
+            (".25", 2500),
+            (".249", 2490),
+            (".2501", 2501),
+            (".04", 400),
+            (".06", 600),
+            (".0501", 501),
+            (".0499", 499),
+        ];
         let mut numerals: Vec<(String, i64)> = Vec::new();
         for int in 0..=14i64 {
-            for (frac, thousandths) in
-                [("", 0), (".0", 0), (".00", 0), (".5", 500), (".05", 50), (".50", 500), (".9", 900), (".001", 1)]
-            {
-                let v = int * 1000 + thousandths;
+            for (frac, units) in fractions {
+                let v = int * 10_000 + units;
                 numerals.push((format!("{int}{frac}"), v));
                 numerals.push((format!("-{int}{frac}"), -v));
             }
         }
-        let ends = [-13, -5, -1, 0, 1, 2, 5, 13];
-        let bounds: Vec<Bound> = ends.iter().flat_map(|&at| [false, true].map(|strict| Bound { at, strict })).collect();
+        let ends = [-13.0, -5.0, -1.5, -1.0, -0.05, 0.0, 0.05, 0.25, 1.0, 2.25, 5.0, 13.0];
+        let bounds: Vec<(f64, bool)> = ends.iter().flat_map(|&x| [(x, false), (x, true)]).collect();
         let mut checked = 0;
-        for &lo in &bounds {
-            for &hi in &bounds {
-                let Some(pattern) = number_range_pattern(lo, hi) else {
-                    assert!(
-                        lo.at > hi.at || (lo.at == hi.at && (lo.strict || hi.strict)),
-                        "{lo:?} {hi:?} left nothing"
-                    );
+        for &(l, ls) in &bounds {
+            for &(h, hs) in &bounds {
+                let lo = Bound { at: Decimal::of(l).unwrap(), strict: ls };
+                let hi = Bound { at: Decimal::of(h).unwrap(), strict: hs };
+                let Some(pattern) = number_range_pattern(&lo, &hi) else {
+                    assert!(l > h || (l == h && (ls || hs)), "{lo:?} {hi:?} left nothing");
                     continue;
                 };
                 let dfa = ByteDfa::compile(&pattern).unwrap();
+                let (l, h) = ((l * 10_000.0).round() as i64, (h * 10_000.0).round() as i64);
                 for (text, v) in &numerals {
-                    let above = if lo.strict { *v > lo.at * 1000 } else { *v >= lo.at * 1000 };
-                    let below = if hi.strict { *v < hi.at * 1000 } else { *v <= hi.at * 1000 };
+                    let above = if ls { *v > l } else { *v >= l };
+                    let below = if hs { *v < h } else { *v <= h };
                     // `-0` and its fractions of zero are not written: JSON's zero is `0`.
                     let canonical = !(text.starts_with('-') && *v == 0);
                     let matched = dfa.feed(dfa.start(), text.as_bytes()).is_some_and(|s| dfa.is_match(s));
@@ -1475,7 +1648,7 @@ mod tests {
                 }
             }
         }
-        assert!(checked > 25_000, "{checked}");
+        assert!(checked > 100_000, "{checked}");
         // Through the schema: probabilities, latitudes, and a price with one end.
         let s = schema(json!({"type": "object", "properties": {
             "p": {"type": "number", "minimum": 0, "maximum": 1},
@@ -1486,6 +1659,15 @@ mod tests {
         assert_eq!(run(&s, r#"{"p":1.0,"lat":90,"price":12}"#), Some(true));
         for bad in [r#"{"p":1.5"#, r#"{"p":-0.1"#, r#"{"p":1,"lat":90.5"#, r#"{"p":1,"lat":0,"price":0,"#, r#"{"p":1e"#]
         {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // Bounds between whole numbers.
+        let s = schema(json!({"type": "object", "properties": {
+            "temp": {"type": "number", "minimum": 35.5, "exclusiveMaximum": 42.25}}, "required": ["temp"]}));
+        for ok in [r#"{"temp":35.5}"#, r#"{"temp":36}"#, r#"{"temp":42.2499}"#, r#"{"temp":38.75}"#] {
+            assert_eq!(run(&s, ok), Some(true), "{ok}");
+        }
+        for bad in [r#"{"temp":35.4"#, r#"{"temp":42.25}"#, r#"{"temp":42.3"#, r#"{"temp":43"#, r#"{"temp":3}"#] {
             assert_eq!(run(&s, bad), None, "{bad}");
         }
     }
