@@ -372,6 +372,60 @@ mod tests {
         assert!(full_match(&dfa, "a!") && !full_match(&dfa, "a\""));
     }
 
+    /// A random pattern over `a`, `b` and digits, at most `depth` deep.
+    fn random_pattern(rng: &mut rand::rngs::StdRng, depth: u32) -> String {
+        use rand::Rng;
+        let atom =
+            |rng: &mut rand::rngs::StdRng| ["a", "b", "1", "[ab]", "[^a]", ".", r"\d", "ab"][rng.random_range(0..8)];
+        if depth == 0 {
+            return atom(rng).to_string();
+        }
+        match rng.random_range(0..6) {
+            0 => format!("{}{}", random_pattern(rng, depth - 1), random_pattern(rng, depth - 1)),
+            1 => format!("(?:{}|{})", random_pattern(rng, depth - 1), random_pattern(rng, depth - 1)),
+            2 => format!("(?:{})*", random_pattern(rng, depth - 1)),
+            3 => format!("(?:{})?", random_pattern(rng, depth - 1)),
+            4 => format!("(?:{}){{1,3}}", random_pattern(rng, depth - 1)),
+            _ => atom(rng).to_string(),
+        }
+    }
+
+    #[test]
+    fn the_table_agrees_with_the_regex_crate_and_never_cuts_a_live_prefix() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        let alphabet = [b'a', b'b', b'1', b'\n'];
+        for _ in 0..300 {
+            let pattern = random_pattern(&mut rng, 4);
+            let dfa = ByteDfa::compile(&pattern).unwrap();
+            let reference = regex_automata::meta::Regex::new(&format!("^(?:{pattern})$")).unwrap();
+            for _ in 0..40 {
+                let len = rng.random_range(0..8);
+                let text: Vec<u8> = (0..len).map(|_| alphabet[rng.random_range(0..4)]).collect();
+                let state = dfa.feed(dfa.start(), &text);
+                let matched = state.is_some_and(|s| dfa.is_match(s)) || (text.is_empty() && dfa.is_match(dfa.start()));
+                assert_eq!(matched, reference.is_match(&text), "{pattern} on {:?}", String::from_utf8_lossy(&text));
+                // A refused prefix has no match among its extensions (up to three bytes here).
+                if state.is_none() && !text.is_empty() {
+                    for ext in 0..(1 + 4 + 16 + 64) {
+                        let mut longer = text.clone();
+                        let (mut k, mut n) = (ext, 0);
+                        while k > 0 && n < 3 {
+                            longer.push(alphabet[(k - 1) % 4]);
+                            k = (k - 1) / 4;
+                            n += 1;
+                        }
+                        assert!(
+                            !reference.is_match(&longer),
+                            "{pattern}: {:?} was cut",
+                            String::from_utf8_lossy(&text)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn choices_are_literal_strings() {
         let pattern = ByteDfa::choice_pattern(&["a.b".into(), "(x)".into(), "yes".into()]).unwrap();
