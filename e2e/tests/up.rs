@@ -15,6 +15,21 @@ use pagoda_e2e::{MODEL_ID, sse_payloads, worker_stats};
 /// the first token, so a mere change of float summation order in a kernel flips the answer.
 const QUESTION: &str = "What is the capital city of France? Answer in one word.";
 
+/// Posts a completion request and returns its `n` choices' texts, each of which must have ended on a stop.
+async fn stopped_completions(http: &pagoda_e2e::Http, body: &Value, n: usize) -> Vec<String> {
+    let (s, v) = http.post_json("/v1/completions", body).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(choices.len(), n, "{v}");
+    choices
+        .iter()
+        .map(|c| {
+            assert_eq!(c["finish_reason"], "stop", "{v}");
+            c["text"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_answers_chat_streaming_and_not() {
     let up = start_up("up-chat", &[]).await.unwrap();
@@ -370,14 +385,8 @@ async fn up_answers_chat_streaming_and_not() {
     // vLLM's guided_json on a completion, two seeded samples: each text is a document of the schema.
     let body = json!({"model": MODEL_ID, "prompt": "A city, as JSON:", "max_tokens": 200, "temperature": 0.8,
         "seed": 5, "n": 2, "guided_json": city});
-    let (s, v) = http.post_json("/v1/completions", &body).await.unwrap();
-    assert_eq!(s, 200, "{v}");
-    let choices = v["choices"].as_array().unwrap_or_else(|| panic!("{v}"));
-    assert_eq!(choices.len(), 2, "{v}");
-    for c in choices {
-        assert_eq!(c["finish_reason"], "stop", "{v}");
-        let text = c["text"].as_str().unwrap();
-        let doc: Value = pagoda_e2e::serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    for text in stopped_completions(http, &body, 2).await {
+        let doc: Value = pagoda_e2e::serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
         let keys: Vec<&String> = doc.as_object().unwrap_or_else(|| panic!("{text}")).keys().collect();
         assert_eq!(keys, ["city", "country", "population", "sights", "capital"], "{text}");
     }
@@ -395,13 +404,8 @@ async fn up_answers_chat_streaming_and_not() {
     // vLLM's guided_regex on a completion, two seeded samples: each text matches the whole pattern.
     let body = json!({"model": MODEL_ID, "prompt": "Call our office at", "max_tokens": 30, "temperature": 0.9,
         "seed": 7, "n": 2, "guided_regex": r" \(\d{3}\) \d{3}-\d{4}"});
-    let (s, v) = http.post_json("/v1/completions", &body).await.unwrap();
-    assert_eq!(s, 200, "{v}");
-    let choices = v["choices"].as_array().unwrap_or_else(|| panic!("{v}"));
-    assert_eq!(choices.len(), 2, "{v}");
-    for c in choices {
-        assert_eq!(c["finish_reason"], "stop", "{v}");
-        let text = c["text"].as_str().unwrap_or_default().as_bytes();
+    for text in stopped_completions(http, &body, 2).await {
+        let text = text.as_bytes();
         let digit = |i: &usize| text.get(*i).is_some_and(u8::is_ascii_digit);
         let shape = text.len() == 15 && text.starts_with(b" (") && text[5..7] == *b") " && text[10] == b'-';
         assert!(shape && [2, 3, 4, 7, 8, 9, 11, 12, 13, 14].iter().all(digit), "{v}");

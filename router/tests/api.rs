@@ -328,6 +328,16 @@ impl Cluster {
     }
 }
 
+/// Posts each case and checks that it is a 400 naming `param` whose message contains `why`.
+async fn assert_refused(c: &Cluster, cases: &[(&str, Value, &str, &str)]) {
+    for (path, body, param, why) in cases {
+        let (s, text) = c.post(path, body.to_string()).await;
+        let v = assert_error(s, &text, 400);
+        assert_eq!(v["error"]["param"], *param, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(why), "{body}: {v}");
+    }
+}
+
 fn assert_error(status: u16, body: &str, want: u16) -> Value {
     assert_eq!(status, want, "{body}");
     let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("error body is not JSON ({e}): {body}"));
@@ -1562,7 +1572,7 @@ async fn json_schemas_reach_the_worker_and_bad_ones_are_refused() {
         assert!(!s.json_object);
     }
     let uri = json!({"type": "object", "properties": {"e": {"type": "string", "format": "uri"}}});
-    for (path, body, param, why) in [
+    let cases = [
         (
             "/v1/chat/completions",
             chat(named(uri)),
@@ -1594,12 +1604,8 @@ async fn json_schemas_reach_the_worker_and_bad_ones_are_refused() {
             "guided_json",
             "only one of `response_format` and `guided_json`",
         ),
-    ] {
-        let (s, text) = c.post(path, body.to_string()).await;
-        let v = assert_error(s, &text, 400);
-        assert_eq!(v["error"]["param"], param, "{body}: {v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(why), "{body}: {v}");
-    }
+    ];
+    assert_refused(&c, &cases).await;
     assert!(seen.lock().unwrap().is_empty(), "no refused request reached the worker");
     c.still_serves().await;
 }
@@ -1642,7 +1648,7 @@ async fn regex_and_choice_guides_reach_the_worker_and_bad_ones_are_refused() {
     let s = seen.lock().unwrap().pop().expect("a Generate call").sampling.expect("sampling settings");
     assert_eq!((s.json_schema.as_str(), s.regex.as_str()), (r#"{"type":"object"}"#, ""));
 
-    for (path, body, param, why) in [
+    let cases = [
         ("/v1/chat/completions", chat(json!({"guided_regex": "(unclosed"})), "guided_regex", "does not compile"),
         ("/v1/completions", completion(json!({"guided_regex": 7})), "guided_regex", "must be a string"),
         ("/v1/completions", completion(json!({"guided_regex": "[a-z]{5000}"})), "guided_regex", "automaton states"),
@@ -1669,12 +1675,8 @@ async fn regex_and_choice_guides_reach_the_worker_and_bad_ones_are_refused() {
         ),
         ("/v1/completions", completion(json!({"structured_outputs": "x"})), "structured_outputs", "an object"),
         ("/v1/completions", completion(json!({"guided_regex": "a+", "ignore_eos": true})), "ignore_eos", "stop token"),
-    ] {
-        let (s, text) = c.post(path, body.to_string()).await;
-        let v = assert_error(s, &text, 400);
-        assert_eq!(v["error"]["param"], param, "{body}: {v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(why), "{body}: {v}");
-    }
+    ];
+    assert_refused(&c, &cases).await;
     assert!(seen.lock().unwrap().is_empty(), "no refused request reached the worker");
     c.still_serves().await;
 }
