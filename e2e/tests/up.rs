@@ -415,8 +415,9 @@ async fn up_answers_chat_streaming_and_not() {
             "flight": {"type": "string", "pattern": "[A-Z]{2}[0-9]{3,4}"},
             "date": {"type": "string", "format": "date"},
             "passengers": {"type": "integer", "minimum": 1},
-            "price": {"type": "number", "minimum": 0.5, "maximum": 4999.99}},
-        "required": ["flight", "date", "passengers", "price"], "additionalProperties": false});
+            "price": {"type": "number", "minimum": 0.5, "maximum": 4999.99},
+            "note": {"type": "string", "pattern": "[A-Za-z ]+", "minLength": 3, "maxLength": 20}},
+        "required": ["flight", "date", "passengers", "price", "note"], "additionalProperties": false});
     for seed in [21, 22] {
         let body = json!({"temperature": 0.9, "seed": seed, "max_tokens": 200, "guided_json": booking});
         let (s, v) = http.post_json("/v1/chat/completions", &chat("Book me a flight, as JSON.", body)).await.unwrap();
@@ -433,6 +434,11 @@ async fn up_answers_chat_streaming_and_not() {
         assert!(shape && digits(0..4) && digits(5..7) && digits(8..10), "{content}");
         assert!(doc["passengers"].as_i64().is_some_and(|n| n >= 1), "{content}");
         assert!(doc["price"].as_f64().is_some_and(|p| (0.5..=4999.99).contains(&p)), "{content}");
+        let note = doc["note"].as_str().unwrap_or_default();
+        assert!(
+            (3..=20).contains(&note.len()) && note.bytes().all(|b| b == b' ' || b.is_ascii_alphabetic()),
+            "{content}"
+        );
     }
     // A forced function call: the arguments are a document of the function's parameters.
     let weather = json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather",

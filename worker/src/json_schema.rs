@@ -17,9 +17,10 @@
 //! - `anyOf`, `oneOf` and lists of types are choices among alternatives that must start with different characters
 //!   (a string or a number, an object or null), so that the first character picks one; others are refused.
 //! - `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME` may recurse; the nesting bound then ends it.
-//! - Strings honour `minLength` and `maxLength` (in characters), or a `pattern` or one of the [`FORMATS`], which
+//! - Strings honour `minLength` and `maxLength` (in characters), and a `pattern` or one of the [`FORMATS`], which
 //!   the whole string must match (as vLLM's guides read a pattern; JSON Schema's own reading is a search) and
-//!   which is written without escapes ([`ByteDfa::compile_json_string`]); arrays `minItems` and `maxItems`; integers
+//!   which is written without escapes ([`ByteDfa::compile_json_string`]); both together through a `LengthTable`,
+//!   so that the string can always end on a match of an allowed length; arrays `minItems` and `maxItems`; integers
 //!   `minimum`, `maximum` and their exclusive forms, one end or both, as the pattern of the decimal numerals in
 //!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]); numbers the same bounds (of at most
 //!   [`BOUND_FRACTION_DIGITS`] decimals), as the pattern of the plain decimals (no exponent, at most 15 fraction
@@ -115,11 +116,13 @@ enum Node {
         min: u32,
         max: u32,
     },
-    /// `pattern`: the pattern (or format) the whole string matches; the length bounds are then open.
+    /// `pattern`: the pattern (or format) the whole string matches; `lengths`: with length bounds beside it,
+    /// where the pattern and the length can still end together.
     Str {
         min: u32,
         max: u32,
         pattern: Option<Arc<ByteDfa>>,
+        lengths: Option<Arc<LengthTable>>,
     },
     Number {
         integer: bool,
@@ -255,6 +258,73 @@ fn digit_ranges(a: u64, b: u64) -> Vec<String> {
         start = stop + 1;
     }
     out
+}
+
+/// Which (pattern state, characters so far) pairs of a pattern string with length bounds can still reach a match
+/// of an allowed length: the pattern's table times a character counter, walked backwards once at compile time, so
+/// that a string guided by both can always be closed. Without `maxLength` the counter stops at `minLength`, past
+/// which lengths no longer differ. Built only while states × counts × byte classes stays under
+/// [`MAX_LENGTH_WORK`].
+#[derive(Debug, Clone, PartialEq)]
+struct LengthTable {
+    min: u32,
+    max: u32,
+    /// The counter's last value.
+    cap: u32,
+    /// `live[state * (cap + 1) + count]`.
+    live: Vec<bool>,
+}
+
+/// The most work one [`LengthTable`] may take to build (and a bound on its size).
+const MAX_LENGTH_WORK: usize = 1 << 24;
+
+impl LengthTable {
+    fn new(dfa: &ByteDfa, min: u32, max: u32) -> Option<LengthTable> {
+        let cap = if max == u32::MAX { min } else { max };
+        let width = cap as usize + 1;
+        let states = dfa.states();
+        if states.checked_mul(width)?.checked_mul(dfa.byte_classes())? > MAX_LENGTH_WORK {
+            return None;
+        }
+        let mut table = LengthTable { min, max, cap, live: vec![false; states * width] };
+        // From the highest count down; moves that add no character (UTF-8 continuations, or a counter at its
+        // cap) stay on a count, which is settled by repeating it until nothing changes.
+        for count in (0..=cap).rev() {
+            loop {
+                let mut changed = false;
+                for s in 0..states as u32 {
+                    let at = s as usize * width + count as usize;
+                    if table.live[at] {
+                        continue;
+                    }
+                    let live = (dfa.is_match(s) && table.allows(count))
+                        || dfa.moves(s).any(|(starts, to)| {
+                            let next = count + u32::from(starts);
+                            table.live(to, next)
+                        });
+                    if live {
+                        table.live[at] = true;
+                        changed = true;
+                    }
+                }
+                if !changed {
+                    break;
+                }
+            }
+        }
+        Some(table)
+    }
+
+    /// Whether a string of `len` characters is within the bounds.
+    fn allows(&self, len: u32) -> bool {
+        self.min <= len && len <= self.max
+    }
+
+    /// Whether a string at `state` with `len` characters so far can still end on a match of an allowed length.
+    fn live(&self, state: RegexState, len: u32) -> bool {
+        let count = if self.max == u32::MAX { len.min(self.cap) } else { len };
+        count <= self.cap && self.live.get(state as usize * (self.cap as usize + 1) + count as usize) == Some(&true)
+    }
 }
 
 /// A decimal bound as written: its sign, integer part and fraction digits (ASCII, no trailing zeros). Zero is not
@@ -502,7 +572,7 @@ impl Compiler<'_> {
         let alts = vec![
             self.push(Node::Object { props: Vec::new(), sorted: Vec::new(), map: Some(any) }, path)?,
             self.push(Node::Array { items: any, min: 0, max: u32::MAX }, path)?,
-            self.push(Node::Str { min: 0, max: u32::MAX, pattern: None }, path)?,
+            self.push(Node::Str { min: 0, max: u32::MAX, pattern: None, lengths: None }, path)?,
             self.push(Node::Number { integer: false }, path)?,
             self.push(Node::Literals(vec![b"false".to_vec(), b"null".to_vec(), b"true".to_vec()]), path)?,
         ];
@@ -733,16 +803,23 @@ impl Compiler<'_> {
                     return err(path, "`minLength` is more than `maxLength`");
                 }
                 let pattern = self.string_pattern(obj, path)?;
-                if let Some(k) = ["minLength", "maxLength"].iter().find(|k| pattern.is_some() && obj.contains_key(**k))
-                {
-                    return err(
-                        path,
-                        format!(
-                            "`{k}` beside `pattern` or `format` is not supported: write the length into the pattern, as in `[a-z]{{2,8}}`"
-                        ),
-                    );
-                }
-                self.push(Node::Str { min, max, pattern }, path)
+                let lengths = match &pattern {
+                    Some(dfa) if min > 0 || max < u32::MAX => {
+                        let Some(table) = LengthTable::new(dfa, min, max) else {
+                            return err(
+                                path,
+                                "`minLength`/`maxLength` beside `pattern` or `format` make too large an automaton; \
+                                 write the length into the pattern, as in `[a-z]{2,8}`",
+                            );
+                        };
+                        if !table.live(dfa.start(), 0) {
+                            return err(path, "no string of the pattern has a length within `minLength`/`maxLength`");
+                        }
+                        Some(Arc::new(table))
+                    }
+                    _ => None,
+                };
+                self.push(Node::Str { min, max, pattern, lengths }, path)
             }
             "number" => match Self::number_bounds(obj, path)? {
                 None => self.push(Node::Number { integer: false }, path),
@@ -1148,10 +1225,14 @@ impl SchemaState {
             }
             // A pattern string has no escapes: its bytes are the string, fed to the pattern, and its closing quote
             // comes on a match.
-            (Phase::Str { re, .. }, Node::Str { pattern: Some(dfa), .. }) => match b {
-                b'"' => dfa.is_match(re) && self.pop(),
+            (Phase::Str { re, len, .. }, Node::Str { pattern: Some(dfa), lengths, .. }) => match b {
+                b'"' => dfa.is_match(re) && lengths.as_ref().is_none_or(|l| l.allows(len)) && self.pop(),
                 _ => match dfa.step(re, b) {
-                    Some(re) => self.set_if(true, Phase::Str { len: 0, esc: false, hex: 0, re }),
+                    Some(re) => {
+                        let len = len.saturating_add(u32::from(b & 0xC0 != 0x80));
+                        lengths.as_ref().is_none_or(|l| l.live(re, len))
+                            && self.set_if(true, Phase::Str { len, esc: false, hex: 0, re })
+                    }
                     None => false,
                 },
             },
@@ -1248,7 +1329,7 @@ impl SchemaState {
                 b']' if count >= *min => self.pop(),
                 _ => false,
             },
-            (Phase::Str { len, mut esc, mut hex, re }, Node::Str { min, max, pattern: None }) => {
+            (Phase::Str { len, mut esc, mut hex, re }, Node::Str { min, max, pattern: None, .. }) => {
                 match string_byte(&mut esc, &mut hex, b) {
                     StrByte::Close => len >= *min && self.pop(),
                     StrByte::Content(starts) => {
@@ -1418,9 +1499,14 @@ mod tests {
     fn unsupported_schemas_are_refused_with_where_and_why() {
         let cases = [
             (
-                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x", "maxLength": 3}}}),
+                json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{5}", "maxLength": 3}}}),
                 "#/properties/a",
-                "`maxLength` beside `pattern`",
+                "no string of the pattern",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"pattern": "(aa)*", "minLength": 3, "maxLength": 3}}}),
+                "#/properties/a",
+                "no string of the pattern",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}),
@@ -1763,6 +1849,53 @@ mod tests {
             assert!(v["id"].is_null() || full(FORMATS[3].1, &v["id"]), "{v}");
         }
         assert!(finished > 30, "{finished} walks finished");
+    }
+
+    #[test]
+    fn pattern_strings_with_length_bounds_end_on_a_match_of_an_allowed_length() {
+        let s = schema(json!({
+            "type": "object",
+            "properties": {
+                "even": {"type": "string", "pattern": "(ab)+", "minLength": 3, "maxLength": 6},
+                "greek": {"type": "string", "pattern": "[α-ω]+|x+", "maxLength": 4},
+                "long": {"type": "string", "pattern": "[a-c]*", "minLength": 5},
+            },
+            "required": ["even", "greek", "long"],
+            "additionalProperties": false,
+        }));
+        assert_eq!(run(&s, r#"{"even":"abab","greek":"αβγδ","long":"abcab"}"#), Some(true));
+        assert_eq!(run(&s, r#"{"even":"ababab","greek":"x","long":"aaaaaaaaaa"}"#), Some(true));
+        for bad in [
+            r#"{"even":"ab""#,                  // 2 characters
+            r#"{"even":"abababa"#,              // past 6, and not a match
+            r#"{"even":"abab","greek":"αβγδε"#, // 5 characters
+            r#"{"even":"abab","greek":"x","long":"abca""#,
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad}");
+        }
+        // Random walks over every byte never get stuck, and end in strings of the patterns within the bounds.
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut trial = SchemaState::new(&s);
+        let mut finished = 0;
+        for _ in 0..200 {
+            let mut state = SchemaState::new(&s);
+            let mut text = Vec::new();
+            while !state.is_done() && text.len() < 300 {
+                let ok: Vec<u8> = (0..=255u8).filter(|&b| state.fits(&s, &[b], &mut trial)).collect();
+                assert!(!ok.is_empty(), "stuck after {:?}", String::from_utf8_lossy(&text));
+                let b = ok[rng.random_range(0..ok.len())];
+                state = state.accepts(&s, &[b]).unwrap();
+                text.push(b);
+            }
+            if !state.is_done() {
+                continue;
+            }
+            finished += 1;
+            let v: Value = serde_json::from_slice(&text).unwrap();
+            let chars = |k: &str| v[k].as_str().unwrap().chars().count();
+            assert!((3..=6).contains(&chars("even")) && chars("greek") <= 4 && chars("long") >= 5, "{v}");
+        }
+        assert!(finished > 50, "{finished} walks finished");
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub struct ByteDfa {
     matches: Vec<bool>,
     /// Some byte leads on from here.
     continues: Vec<bool>,
+    /// Whether each class's bytes start a character.
+    starts_char: Vec<bool>,
 }
 
 impl ByteDfa {
@@ -118,10 +120,12 @@ impl ByteDfa {
         // excluded, numbered in byte order; `None` marks an excluded class's representative.
         let src_classes = dfa.byte_classes();
         let mut classes = [0u8; 256];
-        let mut kinds: Vec<(u8, bool)> = Vec::new();
+        // Classes are also split by whether their bytes start a character, so that a class's move adds a
+        // character or does not (UTF-8 continuation bytes do not).
+        let mut kinds: Vec<(u8, bool, bool)> = Vec::new();
         let mut representative: Vec<Option<u8>> = Vec::new();
         for b in 0..=255u8 {
-            let kind = (src_classes.get(b), excluded(b));
+            let kind = (src_classes.get(b), excluded(b), b & 0xC0 != 0x80);
             let c = match kinds.iter().position(|&k| k == kind) {
                 Some(c) => c,
                 None => {
@@ -133,6 +137,7 @@ impl ByteDfa {
             classes[b as usize] = c as u8;
         }
         let stride = representative.len();
+        let starts_char = kinds.iter().map(|k| k.2).collect();
 
         // Breadth first from the start, numbering states as they are found (the start is 0).
         let mut ids = HashMap::from([(start, 0u32)]);
@@ -199,7 +204,7 @@ impl ByteDfa {
             }
         }
         let continues = next.chunks(stride).map(|row| row.iter().any(|&t| t != DEAD)).collect();
-        Ok(ByteDfa { pattern: pattern.to_string(), classes, stride, next, matches, continues })
+        Ok(ByteDfa { pattern: pattern.to_string(), classes, stride, next, matches, continues, starts_char })
     }
 
     /// The pattern that matches exactly one of `choices`, each taken literally (vLLM's `guided_choice`).
@@ -215,6 +220,18 @@ impl ByteDfa {
             return Err(RegexError(format!("the choices come to more than {MAX_PATTERN_BYTES} bytes")));
         }
         Ok(pattern)
+    }
+
+    /// How many byte classes the table has.
+    pub fn byte_classes(&self) -> usize {
+        self.stride
+    }
+
+    /// Where each byte class leads from `state`, if anywhere: whether its bytes start a character, and the state
+    /// after.
+    pub fn moves(&self, state: RegexState) -> impl Iterator<Item = (bool, RegexState)> + '_ {
+        let row = self.next.get(state as usize * self.stride..(state as usize + 1) * self.stride).unwrap_or_default();
+        row.iter().zip(&self.starts_char).filter(|(to, _)| **to != DEAD).map(|(&to, &starts)| (starts, to))
     }
 
     /// How many states the table keeps.
