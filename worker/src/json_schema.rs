@@ -185,6 +185,8 @@ struct Compiler<'a> {
     /// Each distinct pattern, compiled once, and the states they keep in all.
     patterns: HashMap<(String, bool), Arc<ByteDfa>>,
     pattern_states: usize,
+    /// What the length tables built so far cost ([`LengthTable::work`]).
+    length_work: usize,
 }
 
 fn set_bit(set: &mut [u64; 4], b: u8) {
@@ -263,8 +265,8 @@ fn digit_ranges(a: u64, b: u64) -> Vec<String> {
 /// Which (pattern state, characters so far) pairs of a pattern string with length bounds can still reach a match
 /// of an allowed length: the pattern's table times a character counter, walked backwards once at compile time, so
 /// that a string guided by both can always be closed. Without `maxLength` the counter stops at `minLength`, past
-/// which lengths no longer differ. Built only while states × counts × byte classes stays under
-/// [`MAX_LENGTH_WORK`].
+/// which lengths no longer differ. A schema's tables are built only while their states × counts × byte classes
+/// stay under [`MAX_LENGTH_WORK`] in all.
 #[derive(Debug, Clone, PartialEq)]
 struct LengthTable {
     min: u32,
@@ -275,17 +277,20 @@ struct LengthTable {
     live: Vec<bool>,
 }
 
-/// The most work one [`LengthTable`] may take to build (and a bound on its size).
+/// The most work a schema's [`LengthTable`]s may take to build, in all (and a bound on their size).
 const MAX_LENGTH_WORK: usize = 1 << 24;
 
 impl LengthTable {
-    fn new(dfa: &ByteDfa, min: u32, max: u32) -> Option<LengthTable> {
+    /// States × counts × byte classes: what building the table for these bounds costs (`None` on overflow).
+    fn work(dfa: &ByteDfa, min: u32, max: u32) -> Option<usize> {
+        let cap = if max == u32::MAX { min } else { max };
+        dfa.states().checked_mul(cap as usize + 1)?.checked_mul(dfa.byte_classes())
+    }
+
+    fn new(dfa: &ByteDfa, min: u32, max: u32) -> LengthTable {
         let cap = if max == u32::MAX { min } else { max };
         let width = cap as usize + 1;
         let states = dfa.states();
-        if states.checked_mul(width)?.checked_mul(dfa.byte_classes())? > MAX_LENGTH_WORK {
-            return None;
-        }
         let mut table = LengthTable { min, max, cap, live: vec![false; states * width] };
         // From the highest count down; moves that add no character (UTF-8 continuations, or a counter at its
         // cap) stay on a count, which is settled by repeating it until nothing changes.
@@ -312,7 +317,7 @@ impl LengthTable {
                 }
             }
         }
-        Some(table)
+        table
     }
 
     /// Whether a string of `len` characters is within the bounds.
@@ -805,7 +810,11 @@ impl Compiler<'_> {
                 let pattern = self.string_pattern(obj, path)?;
                 let lengths = match &pattern {
                     Some(dfa) if min > 0 || max < u32::MAX => {
-                        let Some(table) = LengthTable::new(dfa, min, max) else {
+                        let work = LengthTable::work(dfa, min, max).map(|w| w.saturating_add(self.length_work));
+                        let Some(table) = work.filter(|&w| w <= MAX_LENGTH_WORK).map(|w| {
+                            self.length_work = w;
+                            LengthTable::new(dfa, min, max)
+                        }) else {
                             return err(
                                 path,
                                 "`minLength`/`maxLength` beside `pattern` or `format` make too large an automaton; \
@@ -968,6 +977,7 @@ impl JsonSchema {
             any: None,
             patterns: HashMap::new(),
             pattern_states: 0,
+            length_work: 0,
         };
         // The root is reachable as "#" too.
         let root = c.reference("#", "")?;
@@ -1507,6 +1517,11 @@ mod tests {
                 json!({"type": "object", "properties": {"a": {"pattern": "(aa)*", "minLength": 3, "maxLength": 3}}}),
                 "#/properties/a",
                 "no string of the pattern",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"pattern": "[a-z ]+", "maxLength": 4_000_000}}}),
+                "#/properties/a",
+                "too large an automaton",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"type": "string", "format": "uri"}}}),
