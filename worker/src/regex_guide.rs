@@ -31,8 +31,11 @@ pub const MAX_STATES: usize = 4096;
 pub const MAX_CHOICES: usize = 1024;
 /// Deepest nesting of groups and repetitions in a pattern.
 const NEST_LIMIT: u32 = 64;
-/// The memory regex-automata may use for the NFA and while determinizing.
-const BUILD_BYTES: usize = 16 << 20;
+/// The memory regex-automata may use while determinizing, and for the DFA.
+const BUILD_BYTES: usize = 2 << 20;
+/// The memory regex-automata may use for the NFA. With [`BUILD_BYTES`], this keeps the slowest refusal measured
+/// (`(.{2,40}\d){1,5}`, which exceeds the DFA limit) at about 0.1 s here; with 16 MiB limits that one took 4.2 s.
+const NFA_BYTES: usize = 256 << 10;
 
 /// No match can be reached from here.
 const DEAD: u32 = u32::MAX;
@@ -91,7 +94,7 @@ impl ByteDfa {
         }
         let dfa = dense::Builder::new()
             .syntax(syntax::Config::new().nest_limit(NEST_LIMIT))
-            .thompson(thompson::Config::new().nfa_size_limit(Some(BUILD_BYTES)))
+            .thompson(thompson::Config::new().nfa_size_limit(Some(NFA_BYTES)))
             .configure(
                 dense::Config::new()
                     // Every way to match counts: with leftmost-first `a|ab` would give up on `ab` after `a`.
@@ -105,11 +108,8 @@ impl ByteDfa {
             .build(pattern)
             .map_err(|e| {
                 let why = error_chain(&e);
-                let hint = if why.contains("size limit") {
-                    " (the pattern's automaton is too large; simplify it)"
-                } else {
-                    ""
-                };
+                let hint =
+                    if why.contains("exceeded") { " (the pattern's automaton is too large; simplify it)" } else { "" };
                 RegexError(format!("the pattern does not compile: {why}{hint}"))
             })?;
         let start = dfa
@@ -352,8 +352,11 @@ mod tests {
         let cases = [
             ("(unclosed".to_string(), "does not compile"),
             ("a".repeat(MAX_PATTERN_BYTES + 1), "at most"),
-            (r"[a-z]{5000}".to_string(), "automaton states"),
+            (r"(a|b)*a(a|b){13}".to_string(), "automaton states"),
+            (r"[a-z]{5000}".to_string(), "too large"),
             (r"(a|b)*a(a|b){24}".to_string(), "does not compile"),
+            (r"(.{2,40}\d){1,5}".to_string(), "too large"),
+            (r"(.{2,40}\d){1,50}".to_string(), "does not compile"),
             ("(".repeat(100) + &")".repeat(100), "does not compile"),
         ];
         for (pattern, why) in cases {
