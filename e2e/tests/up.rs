@@ -401,6 +401,17 @@ async fn up_answers_chat_streaming_and_not() {
         let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
         assert!(capitals.contains(&answer), "{v}");
     }
+    // Streamed, the deltas of a guided choice add up to one of the choices, and the stream ends on a stop.
+    let body = json!({"model": MODEL_ID, "prompt": "The largest city in Germany is", "max_tokens": 20,
+        "temperature": 1.0, "seed": 9, "stream": true, "guided_choice": capitals});
+    let r = http.client.post(http.url("/v1/completions")).json(&body).send().await.unwrap();
+    let payloads = sse_payloads(&r.text().await.unwrap()).unwrap();
+    assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"), "{payloads:?}");
+    let chunks: Vec<Value> =
+        payloads[..payloads.len() - 1].iter().map(|p| pagoda_e2e::serde_json::from_str(p).unwrap()).collect();
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert!(capitals.contains(&streamed.as_str()), "{payloads:?}");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop", "{payloads:?}");
     // vLLM's guided_regex on a completion, two seeded samples: each text matches the whole pattern.
     let body = json!({"model": MODEL_ID, "prompt": "Call our office at", "max_tokens": 30, "temperature": 0.9,
         "seed": 7, "n": 2, "guided_regex": r" \(\d{3}\) \d{3}-\d{4}"});
