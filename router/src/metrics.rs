@@ -28,6 +28,12 @@ pub struct WorkerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GuideLabels {
+    /// `json_object`, `json_schema`, `regex` (with `guided_choice`) or `tool_call`.
+    pub guide: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RateLimitLabels {
     pub tenant: String,
     /// `rate` or `concurrency`.
@@ -108,6 +114,7 @@ pub struct Metrics {
     pub worker_preemptions: Family<WorkerLabels, Gauge>,
     /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
     pub rate_limited: Family<RateLimitLabels, Counter>,
+    pub guided_requests: Family<GuideLabels, Counter>,
     /// KV bytes per tier (device, host, disk) and codec on the worker.
     pub worker_tier_used_bytes: Family<TierLabels, Gauge>,
     pub worker_tier_capacity_bytes: Family<TierLabels, Gauge>,
@@ -257,6 +264,12 @@ impl Metrics {
             "rate_limited_requests",
             "Requests refused with 429 by their API key's rate or concurrency limit",
             rate_limited.clone(),
+        );
+        let guided_requests = Family::<GuideLabels, Counter>::default();
+        registry.register(
+            "guided_requests",
+            "Generation requests whose answer a guide constrains, by guide, counted once each when admitted",
+            guided_requests.clone(),
         );
         let worker_tier_used_bytes = Family::<TierLabels, Gauge>::default();
         registry.register_with_unit(
@@ -493,6 +506,7 @@ impl Metrics {
             kvstore_applied_index,
             residency_index_blocks,
             rate_limited,
+            guided_requests,
             worker_tier_used_bytes,
             worker_tier_capacity_bytes,
             worker_prefix_hit_tokens,
@@ -553,6 +567,10 @@ impl Metrics {
 
     pub fn count_migration(&self, reason: &'static str) {
         self.migrations.get_or_create(&MigrationLabels { reason }).inc();
+    }
+
+    pub fn count_guided(&self, guide: &'static str) {
+        self.guided_requests.get_or_create(&GuideLabels { guide }).inc();
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
@@ -703,6 +721,7 @@ mod tests {
     fn names_follow_the_convention() {
         let m = Metrics::new();
         m.count_request("/v1/chat/completions", 200);
+        m.count_guided("regex");
         m.count_migration("stall");
         m.ttft.observe(0.05);
         m.inter_token.observe(0.01);
@@ -741,6 +760,7 @@ mod tests {
             "pagoda_router_ttft_seconds_bucket",
             "pagoda_router_inter_token_latency_seconds_count 1",
             "pagoda_router_prompt_tokens_total 3",
+            "pagoda_router_guided_requests_total{guide=\"regex\"} 1",
             "pagoda_router_migrations_total{reason=\"stall\"} 1",
             "pagoda_router_completion_tokens_total 4",
             "pagoda_router_worker_used_blocks{worker=\"w\"} 5",

@@ -525,6 +525,21 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     })
 }
 
+impl GenParams {
+    /// The guide that constrains the answer, as `/metrics` labels it, or `None` for free text.
+    pub fn guide_kind(&self) -> Option<&'static str> {
+        if self.tool_call.is_some() {
+            Some("tool_call")
+        } else if self.json_schema.is_some() {
+            Some("json_schema")
+        } else if self.regex.is_some() {
+            Some("regex")
+        } else {
+            self.sampling.json_object.then_some("json_object")
+        }
+    }
+}
+
 /// What the answer must be: free text, one JSON object, a document of a JSON Schema, or a match of a pattern.
 #[derive(Debug, Clone, PartialEq)]
 enum Guide {

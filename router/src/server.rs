@@ -617,6 +617,9 @@ async fn start_choices(
     params: &GenParams,
     arrived: Instant,
 ) -> Result<Vec<Choice>, ApiError> {
+    if let Some(guide) = params.guide_kind() {
+        st.metrics().count_guided(guide);
+    }
     let n = params.n.max(1);
     let total = prompts.len() * n as usize;
     let mut starts = Vec::with_capacity(total);

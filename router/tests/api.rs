@@ -1647,6 +1647,11 @@ async fn regex_and_choice_guides_reach_the_worker_and_bad_ones_are_refused() {
     c.post_ok("/v1/completions", &completion(json!({"structured_outputs": {"json": {"type": "object"}}}))).await;
     let s = seen.lock().unwrap().pop().expect("a Generate call").sampling.expect("sampling settings");
     assert_eq!((s.json_schema.as_str(), s.regex.as_str()), (r#"{"type":"object"}"#, ""));
+    // `/metrics` counts the admitted guided requests by guide.
+    let metrics = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+    for line in [r#"guided_requests_total{guide="regex"} 6"#, r#"guided_requests_total{guide="json_schema"} 1"#] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
 
     let cases = [
         ("/v1/chat/completions", chat(json!({"guided_regex": "(unclosed"})), "guided_regex", "does not compile"),
