@@ -1954,3 +1954,26 @@ mod tests {
         assert!(finished > 100, "{finished} walks finished");
     }
 }
+
+/// How long schemas at the pattern bounds take to compile (the numbers in ARCHITECTURE.md):
+/// `cargo test --release -p pagoda-worker --lib schema_compile_times -- --ignored --nocapture`.
+#[cfg(test)]
+#[test]
+#[ignore = "timing; prints, asserts only the outcomes"]
+fn schema_compile_times() {
+    let bounded =
+        serde_json::json!({"type": "object", "properties": {"a": {"pattern": "[a-z ]+", "maxLength": 400_000}}});
+    let mut outer = serde_json::Map::new();
+    for j in 0..15 {
+        let props: serde_json::Map<String, Value> =
+            (0..128).map(|i| (format!("p{i}"), serde_json::json!({"pattern": format!("a{j}x{i}")}))).collect();
+        outer.insert(format!("o{j}"), serde_json::json!({"type": "object", "properties": props}));
+    }
+    let many = serde_json::json!({"type": "object", "properties": outer});
+    for (name, schema) in [("a 400,000-character bound beside a pattern", bounded), ("1,920 distinct patterns", many)] {
+        let t = std::time::Instant::now();
+        let r = JsonSchema::compile(&schema);
+        eprintln!("{name}: {:?}", t.elapsed());
+        assert!(r.is_ok(), "{name}: {r:?}");
+    }
+}
