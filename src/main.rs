@@ -43,6 +43,7 @@ use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, T
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
 use pagoda_worker::scheduler::ReserveConfig;
 use pagoda_worker::service::{AdmissionLimits, WorkerService};
+use pagoda_worker::speculative::NgramConfig;
 use pagoda_worker::tiers::TierConfig;
 use pagoda_worker::transfer::{PeerCounters, PeerFetchConfig, PeerFetcher, TransferService};
 use tokio::net::TcpListener;
@@ -224,6 +225,24 @@ struct EngineArgs {
     /// pulls (over NCCL links between GPU workers, else gRPC) run there too; EvicPress placement is CPU-only.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
+    /// N-gram speculative decoding (prompt lookup): draft tokens proposed per step for a decoding full-cache
+    /// sequence whose last tokens repeat earlier ones; the model checks them in the same step. Answers are
+    /// unchanged (greedy and seeded alike). 0 turns it off.
+    #[arg(long, default_value_t = 0,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=pagoda_worker::speculative::MAX_DRAFT_TOKENS as u64))]
+    speculative_tokens: usize,
+    /// Shortest suffix (tokens) the n-gram proposer looks up.
+    #[arg(long, default_value_t = 2,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::speculative::MAX_NGRAM as u64))]
+    speculative_ngram_min: usize,
+    /// Longest suffix the n-gram proposer looks up; the longest that occurred before wins.
+    #[arg(long, default_value_t = 4,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::speculative::MAX_NGRAM as u64))]
+    speculative_ngram_max: usize,
+    /// Speculate only while at most this many sequences run (a fuller batch keeps the step busy without drafts).
+    #[arg(long, default_value_t = 4,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    speculative_max_batch: usize,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -1123,6 +1142,17 @@ fn resolve_model(args: &ModelArgs) -> Result<PathBuf> {
     Ok(path)
 }
 
+fn speculative_config(e: &EngineArgs) -> Result<NgramConfig> {
+    let cfg = NgramConfig {
+        num_tokens: e.speculative_tokens,
+        min_n: e.speculative_ngram_min,
+        max_n: e.speculative_ngram_max,
+        max_batch: e.speculative_max_batch,
+    };
+    cfg.validate().map_err(|m| anyhow!(m)).context("--speculative-*")?;
+    Ok(cfg)
+}
+
 fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
     let default_policy = PolicySpec::parse(Some(&e.kv_policy), Some(e.kv_budget), PolicySpec::full(), usize::MAX)
         .context("--kv-policy / --kv-budget")?;
@@ -1143,6 +1173,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         synthetic: None,
         device: e.device,
         kivi_residual_tokens: e.kivi_residual_tokens,
+        speculative: speculative_config(e)?,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,

@@ -668,3 +668,61 @@ async fn up_serves_chat_under_every_eviction_policy() {
     }
     still_serves(http, "policies").await;
 }
+
+/// Streams a chat completion and returns its text, put together from the deltas.
+async fn streamed_chat(http: &pagoda_e2e::Http, body: &Value) -> String {
+    let r = http.client.post(http.url("/v1/chat/completions")).json(body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let payloads = sse_payloads(&text).unwrap();
+    assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"), "{text}");
+    payloads[..payloads.len() - 1]
+        .iter()
+        .filter_map(|p| {
+            let c: Value = pagoda_e2e::serde_json::from_str(p).unwrap_or_else(|e| panic!("bad chunk {p}: {e}"));
+            c["choices"][0]["delta"]["content"].as_str().map(str::to_owned)
+        })
+        .collect()
+}
+
+/// `--speculative-tokens` through the real binary: the answers of a server with n-gram speculation are those of
+/// one without (greedy, seeded, streamed, and with a stop string), the worker reports the drafts it computed and
+/// accepted, and `/metrics` shows them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_speculative_decoding_answers_as_without_it() {
+    let plain = start_up("up-plain", &[]).await.unwrap();
+    let spec = start_up("up-spec", &["--speculative-tokens", "4"]).await.unwrap();
+    let prompts = ["Count from 1 to 30, one number per line.", "Write a long poem about the sea."];
+    for prompt in prompts {
+        for extra in [
+            json!({"temperature": 0, "max_tokens": 96}),
+            json!({"temperature": 0.8, "seed": 5, "max_tokens": 64}),
+            json!({"temperature": 0, "max_tokens": 96, "stop": ["\n7", "waves"]}),
+        ] {
+            let body = chat(prompt, extra.clone());
+            let (s1, want) = plain.http.post_json("/v1/chat/completions", &body).await.unwrap();
+            let (s2, got) = spec.http.post_json("/v1/chat/completions", &body).await.unwrap();
+            assert_eq!((s1, s2), (200, 200), "{want} {got}");
+            assert_eq!(got["choices"], want["choices"], "{prompt:?} {extra}");
+            assert_eq!(got["usage"]["completion_tokens"], want["usage"]["completion_tokens"]);
+            let mut stream = body.clone();
+            stream["stream"] = json!(true);
+            let text = streamed_chat(&spec.http, &stream).await;
+            assert_eq!(text, want["choices"][0]["message"]["content"].as_str().unwrap(), "streamed {extra}");
+        }
+    }
+    let stats = worker_stats(&spec.worker).await.unwrap();
+    assert!(stats.spec_accepted_tokens_total > 10, "{stats:?}");
+    assert!(stats.spec_draft_tokens_total >= stats.spec_accepted_tokens_total);
+    let plain_stats = worker_stats(&plain.worker).await.unwrap();
+    assert_eq!(plain_stats.spec_draft_tokens_total, 0);
+    let (s, text) = spec.http.get("/metrics").await.unwrap();
+    assert_eq!(s, 200);
+    let accepted = text
+        .lines()
+        .find(|l| l.starts_with("pagoda_router_worker_spec_accepted_tokens{"))
+        .unwrap_or_else(|| panic!("no accepted-drafts gauge: {text}"));
+    let value: u64 = accepted.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{accepted}"));
+    assert!(value > 0, "{accepted}");
+    still_serves(&spec.http, "speculative decoding").await;
+}

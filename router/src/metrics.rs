@@ -112,6 +112,10 @@ pub struct Metrics {
     pub worker_evicted_tokens: Family<PolicyLabels, Gauge>,
     pub worker_evicted_blocks: Family<PolicyLabels, Gauge>,
     pub worker_preemptions: Family<WorkerLabels, Gauge>,
+    /// Speculative decoding per worker: draft tokens computed and accepted since it started.
+    pub worker_spec_draft_tokens: Family<WorkerLabels, Gauge>,
+    pub worker_spec_accepted_tokens: Family<WorkerLabels, Gauge>,
+    pub worker_spec_drafts: Family<WorkerLabels, Gauge>,
     /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
     pub rate_limited: Family<RateLimitLabels, Counter>,
     pub guided_requests: Family<GuideLabels, Counter>,
@@ -258,6 +262,26 @@ impl Metrics {
             "Sequences the worker preempted (recompute) since it started",
             Unit::Other("sequences".into()),
             worker_preemptions.clone(),
+        );
+        let worker_spec_draft_tokens = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_spec_draft",
+            "Speculative draft tokens (n-gram) the worker computed since it started",
+            Unit::Other("tokens".into()),
+            worker_spec_draft_tokens.clone(),
+        );
+        let worker_spec_accepted_tokens = Family::<WorkerLabels, Gauge>::default();
+        registry.register_with_unit(
+            "worker_spec_accepted",
+            "Speculative draft tokens the worker's sampler accepted since it started (each saved a decode step)",
+            Unit::Other("tokens".into()),
+            worker_spec_accepted_tokens.clone(),
+        );
+        let worker_spec_drafts = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_spec_drafts",
+            "Speculative drafts the worker computed since it started (steps of a sequence that carried one)",
+            worker_spec_drafts.clone(),
         );
         let rate_limited = Family::<RateLimitLabels, Counter>::default();
         registry.register(
@@ -513,6 +537,9 @@ impl Metrics {
             worker_evicted_tokens,
             worker_evicted_blocks,
             worker_preemptions,
+            worker_spec_draft_tokens,
+            worker_spec_accepted_tokens,
+            worker_spec_drafts,
             requests,
             ttft,
             inter_token,
@@ -596,6 +623,9 @@ impl Metrics {
                 &self.worker_running,
                 &self.worker_waiting,
                 &self.worker_preemptions,
+                &self.worker_spec_draft_tokens,
+                &self.worker_spec_accepted_tokens,
+                &self.worker_spec_drafts,
                 &self.worker_evicpress_contexts,
                 &self.worker_evicpress_profiles,
                 &self.worker_evicpress_reprofiles,
@@ -614,6 +644,9 @@ impl Metrics {
                 self.worker_running.get_or_create(&l).set(s.running as i64);
                 self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
                 self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
+                self.worker_spec_draft_tokens.get_or_create(&l).set(s.spec_draft_tokens_total as i64);
+                self.worker_spec_accepted_tokens.get_or_create(&l).set(s.spec_accepted_tokens_total as i64);
+                self.worker_spec_drafts.get_or_create(&l).set(s.spec_drafts_total as i64);
                 for t in &s.tiers {
                     let tl = TierLabels { worker: w.addr.clone(), tier: t.tier.clone(), codec: t.codec.clone() };
                     self.worker_tier_used_bytes.get_or_create(&tl).set(t.used_bytes as i64);

@@ -188,6 +188,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         amx: opts.amx,
         synthetic: opts.synthetic.clone(),
         device: opts.device,
+        speculative: crate::speculative::NgramConfig::off(),
     };
     // Size the arena from the shape before loading the weights.
     let mc = model_config(&cfg)?;
@@ -308,6 +309,7 @@ fn run_batch<R: ModelRunner>(
         attn: info.attn_dims(),
         // The batch under test runs whole: the pool is sized for it.
         reserve: ReserveConfig::off(),
+        speculative: crate::speculative::NgramConfig::off(),
     };
     let mut sched: Scheduler<()> = Scheduler::new(cfg, info.layout(), info.num_blocks);
     for p in prompts {

@@ -385,6 +385,7 @@ fn run_fresh(
         amx: false,
         synthetic: None,
         device: opts.device,
+        speculative: crate::speculative::NgramConfig::off(),
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

@@ -41,6 +41,7 @@ use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUs
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
+use crate::speculative::NgramConfig;
 
 /// How to run the engine. The pool holds `kv_cache_tokens` token slots in every (layer, KV head) when that is set,
 /// else `num_blocks` blocks; with both 0 it is sized for two full contexts.
@@ -77,6 +78,8 @@ pub struct EngineConfig {
     pub synthetic: Option<SyntheticSpec>,
     /// Where the model runs: the CPU backend, or a GPU through the CUDA backend (feature `cuda`).
     pub device: Device,
+    /// N-gram speculative decoding (off by default): see [`crate::speculative`].
+    pub speculative: NgramConfig,
 }
 
 /// The compute device of a runner.
@@ -135,6 +138,7 @@ impl Default for EngineConfig {
             amx: false,
             synthetic: None,
             device: Device::Cpu,
+            speculative: NgramConfig::off(),
         }
     }
 }
@@ -232,6 +236,10 @@ pub struct EngineStats {
     pub disk_full: u64,
     /// EvicPress's contexts, profiles and occupancy, when it places the tiers.
     pub evicpress: Option<EvicPressStats>,
+    /// Speculative drafts computed, their tokens, and the tokens the sampler accepted, since start.
+    pub drafts_total: u64,
+    pub draft_tokens_total: u64,
+    pub accepted_draft_tokens_total: u64,
 }
 
 /// How much of a block chain this worker holds, and the measured costs a peer pull is weighed against.
@@ -435,7 +443,7 @@ impl StepCaptures for Scratch {
 /// logits are wanted remain in the chunk ([`Sequence::prompt_logits_from`]), else the last one when the entry
 /// samples.
 pub fn logits_wanted<P>(seq: &Sequence<P>, e: &ScheduledSeq) -> LogitsWanted {
-    if seq.prompt_logits_from(e.start) {
+    if seq.prompt_logits_from(e.start) || e.draft > 0 {
         LogitsWanted::All
     } else if e.wants_logits {
         LogitsWanted::Last
@@ -909,6 +917,7 @@ fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
         model_id: info.model_id.clone(),
         attn: info.attn_dims(),
         reserve: cfg.reserve,
+        speculative: cfg.speculative,
     }
 }
 
@@ -1520,6 +1529,9 @@ impl<R: ModelRunner> EngineLoop<R> {
         let tokens_out = greedy.then_some(&mut self.greedy_tokens);
         let result =
             forward_step(&mut self.sched, &mut self.runner, plan, &mut self.batch, &mut self.logits, tokens_out);
+        if result.is_ok() && self.sched.config().speculative.enabled() {
+            self.sched.observe_step(plan, t0.elapsed().as_secs_f64());
+        }
         let tokens = plan.num_tokens();
         // Steps dominated by prefill measure prefill speed; single-token decode steps would not.
         if let Some(t) = &mut self.tiers
@@ -1566,7 +1578,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             let n_rows = wanted.rows(e.n);
             let first_row = next_row;
             next_row += n_rows;
-            if wanted == LogitsWanted::All && !greedy {
+            if wanted == LogitsWanted::All && !greedy && e.draft == 0 {
                 let rows = &self.logits[first_row * self.vocab..(first_row + n_rows) * self.vocab];
                 if report_prompt_logprobs(seq, e, rows, self.vocab).is_err() {
                     self.sched.cancel(e.seq);
@@ -1576,14 +1588,38 @@ impl<R: ModelRunner> EngineLoop<R> {
             if !e.wants_logits {
                 continue;
             }
-            let row = first_row + n_rows - 1;
-            let (token, logprobs) = if greedy {
-                (self.greedy_tokens[row], None)
-            } else {
-                let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
-                let token = seq.payload.sampler.sample(logits, &mut self.sample_buf);
-                (token, seq.payload.logprobs.map(|n| token_logprobs(logits, token, n as usize)))
+            // A speculative entry's rows are sampled in order while the sampler picks the draft's next token (a
+            // stop token ends the answer, so it is never taken as part of a draft); the first token it picks
+            // otherwise, or the token after a wholly accepted draft, is the step's last.
+            let mut row = first_row + n_rows - 1 - e.draft.min(n_rows - 1);
+            let mut accepted = 0;
+            let mut gone = false;
+            let (token, logprobs) = loop {
+                let picked = if greedy {
+                    (self.greedy_tokens[row], None)
+                } else {
+                    let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
+                    let token = seq.payload.sampler.sample(logits, &mut self.sample_buf);
+                    (token, seq.payload.logprobs.map(|n| token_logprobs(logits, token, n as usize)))
+                };
+                if accepted >= e.draft || seq.draft().get(accepted) != Some(&picked.0) || seq.stops_on(picked.0) {
+                    break picked;
+                }
+                let (id, logprobs) = picked;
+                if seq.payload.events.send(GenerateEvent::Token { id, logprobs }).is_err() {
+                    gone = true;
+                    break (id, None);
+                }
+                accepted += 1;
+                row += 1;
             };
+            if e.draft > 0 && self.sched.settle_draft(e.seq, accepted).is_err() {
+                continue;
+            }
+            if gone {
+                self.sched.cancel(e.seq);
+                continue;
+            }
             let reason = match self.sched.append_token(e.seq, token) {
                 Ok(r) => r,
                 Err(_) => continue,
@@ -1662,6 +1698,9 @@ impl<R: ModelRunner> EngineLoop<R> {
             disk_errors,
             disk_full,
             evicpress: self.evicpress.as_ref().map(EvicPress::stats),
+            drafts_total: s.drafts_total,
+            draft_tokens_total: s.draft_tokens_total,
+            accepted_draft_tokens_total: s.accepted_draft_tokens_total,
         };
         if let Ok(mut g) = self.stats.lock() {
             *g = snapshot;

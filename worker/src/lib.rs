@@ -4,6 +4,7 @@
 //! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
+//! - [`speculative`]: n-gram speculative decoding's draft proposer (prompt lookup).
 //! - [`evicpress`]: EvicPress's utility and greedy multi-choice knapsack over (tier, codec, keep ratio).
 //! - [`placement`]: EvicPress driving the tiers: contexts, the idle-time quality profiler, applying the plan.
 //! - [`tiers`]: the host and disk KV tiers below the device pool, offload/onboard and their cost model.
@@ -41,5 +42,6 @@ pub mod runner_cuda;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;
+pub mod speculative;
 pub mod tiers;
 pub mod transfer;

@@ -22,8 +22,14 @@
 //! tokens. A request whose worst case cannot fit the pool is refused at [`Scheduler::add`], so the oldest
 //! sequence always fits on its own and scheduling never deadlocks.
 //!
+//! With n-gram speculation on ([`SchedulerConfig::speculative`]), a decoding full-cache sequence whose last
+//! tokens repeat earlier ones carries a draft ([`crate::speculative`]): its entry computes the next token and the
+//! draft together, and the caller keeps the accepted part with [`Scheduler::settle_draft`], which drops the rest
+//! from the tokens and the KV before anything of it is registered in the prefix index.
+//!
 //! The caller runs the forward step for the returned [`StepPlan`], calls [`Scheduler::complete_step`], then
-//! for every entry with `wants_logits` samples a token and calls [`Scheduler::append_token`].
+//! for every entry with `wants_logits` samples a token (settling its draft first) and calls
+//! [`Scheduler::append_token`].
 
 use std::collections::{HashMap, VecDeque};
 
@@ -31,6 +37,7 @@ use crate::cache::{BlockId, BlockPool, CacheError, CacheLayout, SeqBlocks, exten
 use crate::policy::{
     AttnDims, CacheView, Eviction, PolicyKind, PolicyKv, PolicySpec, PolicyState, StepProbs, StepView,
 };
+use crate::speculative::{self, Acceptance, DraftCost, NgramConfig};
 
 pub type SeqId = u64;
 
@@ -65,6 +72,8 @@ pub struct SchedulerConfig {
     pub attn: AttnDims,
     /// The admission growth reserve ([`ReserveConfig::off`] admits greedily).
     pub reserve: ReserveConfig,
+    /// N-gram speculative decoding of full-cache sequences ([`NgramConfig::off`] by default).
+    pub speculative: NgramConfig,
 }
 
 /// The decode-growth estimate behind admission (SGLang's `new_token_ratio` and its defaults).
@@ -115,6 +124,7 @@ impl Default for SchedulerConfig {
             model_id: String::new(),
             attn: AttnDims { n_layers: 0, n_heads: 0, n_kv_heads: 0, head_dim: 0 },
             reserve: ReserveConfig::default(),
+            speculative: NgramConfig::off(),
         }
     }
 }
@@ -182,6 +192,11 @@ pub struct Sequence<P> {
     evicted: Eviction,
     /// [`SeqRequest::prompt_logits`].
     prompt_logits: bool,
+    /// Speculative draft tokens at the end of `tokens`, computed by the current step and not yet verified
+    /// ([`Scheduler::settle_draft`]); 0 between steps.
+    draft: usize,
+    /// How this sequence's drafts fared lately: how long its next draft is.
+    acceptance: Acceptance,
     pub payload: P,
 }
 
@@ -254,6 +269,22 @@ impl<P> Sequence<P> {
     pub fn lens(&self) -> &[usize] {
         self.blocks.lens()
     }
+    /// Whether `token` ends this sequence (one of its stop token ids).
+    pub fn stops_on(&self, token: u32) -> bool {
+        self.stop_token_ids.contains(&token)
+    }
+    /// The unverified speculative draft at the end of [`Sequence::tokens`] (empty between steps).
+    pub fn draft(&self) -> &[u32] {
+        &self.tokens[self.tokens.len() - self.draft..]
+    }
+    /// Drops an unverified draft from the tokens (and the computed count): the sequence is as before the step
+    /// that proposed it, apart from KV slots past `num_computed`, which the next step overwrites.
+    fn discard_draft(&mut self) {
+        let keep = self.tokens.len() - self.draft;
+        self.tokens.truncate(keep);
+        self.num_computed = self.num_computed.min(keep);
+        self.draft = 0;
+    }
 }
 
 /// One sequence's share of a step: compute `tokens[start..start + n]`.
@@ -264,6 +295,9 @@ pub struct ScheduledSeq {
     pub n: usize,
     /// The chunk reaches the last token: sample the next one from its logits.
     pub wants_logits: bool,
+    /// The chunk's last `draft` tokens are a speculative draft: every position's logits are sampled, and
+    /// [`Scheduler::settle_draft`] keeps what the sampler agreed with.
+    pub draft: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -296,6 +330,10 @@ pub struct SchedStats {
     pub evicted_slots: [u64; PolicyKind::ALL.len()],
     /// Blocks returned to the pool by evictions, per policy.
     pub evicted_blocks: [u64; PolicyKind::ALL.len()],
+    /// Speculative drafts computed, their tokens, and the tokens the sampler accepted.
+    pub drafts_total: u64,
+    pub draft_tokens_total: u64,
+    pub accepted_draft_tokens_total: u64,
 }
 
 pub struct Scheduler<P> {
@@ -310,6 +348,10 @@ pub struct Scheduler<P> {
     stats: SchedStats,
     /// The current decode-growth ratio of [`ReserveConfig`].
     reserve_ratio: f64,
+    /// Reused buffer of the n-gram proposer.
+    draft_buf: Vec<u32>,
+    /// What a draft token costs, from the step times the engine reports ([`Scheduler::observe_step`]).
+    draft_cost: DraftCost,
 }
 
 impl<P> Scheduler<P> {
@@ -323,6 +365,8 @@ impl<P> Scheduler<P> {
             next_id: 1,
             stats: SchedStats::default(),
             reserve_ratio: cfg.reserve.init_ratio,
+            draft_buf: Vec::new(),
+            draft_cost: DraftCost::default(),
             cfg,
         }
     }
@@ -392,6 +436,8 @@ impl<P> Scheduler<P> {
             policy: PolicyState::new(req.policy, self.cfg.attn, self.layout.block_size),
             evicted: Eviction::default(),
             prompt_logits: req.prompt_logits,
+            draft: 0,
+            acceptance: Acceptance::default(),
             payload: req.payload,
         };
         self.seqs.insert(id, seq);
@@ -438,19 +484,24 @@ impl<P> Scheduler<P> {
                         continue;
                     }
                 }
-                if self.reserve_or_preempt(id, n, plan, &mut budget) {
+                let draft = if decode_pass { self.propose_draft(id, budget - n) } else { 0 };
+                if self.reserve_or_preempt(id, n + draft, plan, &mut budget) {
                     if prompt_logits {
                         logits_budget -= n;
                     }
-                    let seq = &self.seqs[&id];
+                    i += 1;
+                    let Some(seq) = self.seqs.get_mut(&id) else { continue };
+                    seq.tokens.extend_from_slice(&self.draft_buf[..draft]);
+                    seq.draft = draft;
+                    let n = n + draft;
                     plan.seqs.push(ScheduledSeq {
                         seq: id,
                         start: seq.num_computed,
                         n,
                         wants_logits: seq.num_computed + n == seq.tokens.len(),
+                        draft,
                     });
                     budget -= n;
-                    i += 1;
                 }
                 // Otherwise `id` preempted itself and left `running`; index i now names the next one.
             }
@@ -481,10 +532,92 @@ impl<P> Scheduler<P> {
                 start: seq.num_computed,
                 n,
                 wants_logits: seq.num_computed + n == seq.tokens.len(),
+                draft: 0,
             });
             budget -= n;
         }
         self.stats.peak_running = self.stats.peak_running.max(self.running.len());
+    }
+
+    /// Proposes a speculative draft for decoding sequence `id` into `draft_buf` and returns its length (0: none).
+    /// Its length is the one that pays for itself ([`speculative::draft_length`]) given how the sequence's drafts
+    /// fared lately and what a draft token costs. Only full-cache sequences speculate (a policy's hooks would evict from slots a rejected draft leaves
+    /// behind), only while at most [`NgramConfig::max_batch`] sequences run, and only into room the step budget
+    /// (`budget`), `max_tokens`, the context and the pool's available blocks have: a draft never preempts.
+    fn propose_draft(&mut self, id: SeqId, budget: usize) -> usize {
+        let spec = self.cfg.speculative;
+        if !spec.enabled() || self.running.len() > spec.max_batch {
+            return 0;
+        }
+        let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
+        if !seq.policy.is_full() || seq.tokens.len() < seq.prompt_len + 1 {
+            return 0;
+        }
+        // Accepting `k` drafts and sampling one more token must stay within max_tokens and the context.
+        let room = seq
+            .max_tokens
+            .saturating_sub(seq.num_generated() + 1)
+            .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
+        let cap = spec.num_tokens.min(room).min(budget);
+        let k = speculative::draft_length(seq.acceptance.rate(), self.draft_cost.per_token(), cap);
+        if k == 0 {
+            if cap > 0 {
+                seq.acceptance.idle();
+            }
+            return 0;
+        }
+        let k = speculative::propose(&seq.tokens, &spec, k, &mut self.draft_buf);
+        if k == 0 || seq.blocks.blocks_needed(1 + k) > self.pool.num_available() {
+            return 0;
+        }
+        k
+    }
+
+    /// Records how long a step over `plan` took, for the cost of a draft token: one-sequence decode steps with and
+    /// without a draft are compared (other steps say nothing about it).
+    pub fn observe_step(&mut self, plan: &StepPlan, seconds: f64) {
+        if let [e] = plan.seqs.as_slice()
+            && e.wants_logits
+            && e.n == e.draft + 1
+            && self.seqs.get(&e.seq).is_some_and(|s| e.start >= s.prompt_len)
+        {
+            self.draft_cost.observe(e.draft, seconds);
+        }
+    }
+
+    /// The current estimate of a draft token's cost, in single-token steps.
+    pub fn draft_token_cost(&self) -> f64 {
+        self.draft_cost.per_token()
+    }
+
+    /// Keeps the first `accepted` tokens of sequence `id`'s draft (those the sampler picked itself) and drops the
+    /// rest from its tokens and KV, then publishes its newly full groups. After the step that computed the
+    /// draft; the caller then appends the sampler's token after the accepted ones. Counts the draft.
+    pub fn settle_draft(&mut self, id: SeqId, accepted: usize) -> Result<(), SchedError> {
+        let seq = self.seqs.get_mut(&id).ok_or(SchedError::UnknownSeq(id))?;
+        let draft = seq.draft;
+        if draft == 0 {
+            return Ok(());
+        }
+        let accepted = accepted.min(draft);
+        let rejected = draft - accepted;
+        let computed_before = seq.num_computed;
+        seq.tokens.truncate(seq.tokens.len() - rejected);
+        seq.draft = 0;
+        seq.num_computed = seq.num_computed.min(seq.tokens.len());
+        if let Err(e) = seq.blocks.drop_tail(&mut self.pool, computed_before - seq.num_computed) {
+            tracing::error!(seq = id, error = %e, "dropping a rejected draft's KV failed");
+        }
+        if self.cfg.enable_prefix_cache {
+            let done = &seq.tokens[..seq.num_computed];
+            extend_block_hashes(&self.cfg.model_id, &seq.namespace, done, self.layout.block_size, &mut seq.hashes);
+            seq.blocks.register_full(&mut self.pool, &seq.hashes);
+        }
+        seq.acceptance.record(accepted, draft);
+        self.stats.draft_tokens_total += draft as u64;
+        self.stats.drafts_total += 1;
+        self.stats.accepted_draft_tokens_total += accepted as u64;
+        Ok(())
     }
 
     /// Reserves room for `n` tokens of running sequence `id`, preempting the youngest running sequences while
@@ -583,6 +716,7 @@ impl<P> Scheduler<P> {
     fn preempt(&mut self, id: SeqId) {
         self.running.retain(|&r| r != id);
         if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.discard_draft();
             Self::release_blocks(&self.cfg, &mut self.pool, seq);
             seq.num_computed = 0;
             seq.policy.reset();
@@ -693,7 +827,8 @@ impl<P> Scheduler<P> {
             seq.blocks.advance(s.n);
             self.stats.computed_tokens_total += s.n as u64;
             if self.cfg.enable_prefix_cache {
-                let done = &seq.tokens[..seq.num_computed];
+                // An unverified draft is hashed and registered once settled.
+                let done = &seq.tokens[..seq.num_computed - seq.draft];
                 extend_block_hashes(&self.cfg.model_id, &seq.namespace, done, self.layout.block_size, &mut seq.hashes);
                 seq.blocks.register_full(&mut self.pool, &seq.hashes);
             }
@@ -777,6 +912,7 @@ impl<P> Scheduler<P> {
     /// Removes a sequence (finished, cancelled or failed), publishing its full groups and freeing its blocks.
     pub fn finish(&mut self, id: SeqId) -> Option<Sequence<P>> {
         let mut seq = self.seqs.remove(&id)?;
+        seq.discard_draft();
         match seq.status {
             SeqStatus::Running => self.running.retain(|&r| r != id),
             SeqStatus::Waiting => self.waiting.retain(|&w| w != id),

@@ -603,6 +603,9 @@ impl Worker for WorkerService {
                 })
                 .collect(),
             preemptions_total: s.preemptions_total,
+            spec_draft_tokens_total: s.draft_tokens_total,
+            spec_accepted_tokens_total: s.accepted_draft_tokens_total,
+            spec_drafts_total: s.drafts_total,
             tiers: s
                 .tier_usage
                 .iter()

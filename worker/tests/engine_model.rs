@@ -12,6 +12,7 @@ use pagoda_worker::engine::{
 use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
 use pagoda_worker::sampling::TokenLogprobs;
 use pagoda_worker::scheduler::ReserveConfig;
+use pagoda_worker::speculative::NgramConfig;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 fn model_path() -> PathBuf {
@@ -505,4 +506,81 @@ fn attention_policies_score_captured_queries_where_the_forward_does_not_sum() {
         assert_eq!(got.evicted, want.evicted, "{}: evicted slots and blocks", kind.name());
         assert_eq!(got.tokens, want.tokens, "{}: the answer", kind.name());
     }
+}
+
+/// N-gram speculative decoding on the real model changes no answer: greedy and seeded answers, their
+/// log-probabilities, and where a stop token ends them are those of the engine without it; the drafts are
+/// accepted where the answers repeat themselves. The groups its steps registered in the prefix cache hold the
+/// answer's own KV: a request that adopts them goes on as the answer did.
+#[test]
+fn speculative_decoding_changes_no_answer_and_accepts_drafts() {
+    let plain = engine(128, true);
+    let ngram = NgramConfig { num_tokens: 4, min_n: 2, max_n: 4, max_batch: 4 };
+    let spec = Engine::start(EngineConfig { speculative: ngram, ..config(128, true, ReserveConfig::default()) })
+        .expect("engine starts");
+    let run = |h: &EngineHandle, r: GenerateRequest| {
+        let mut rx = h.submit(r).unwrap();
+        let mut out = Vec::new();
+        loop {
+            match rx.blocking_recv() {
+                Some(GenerateEvent::Token { id, logprobs }) => out.push((id, logprobs)),
+                Some(GenerateEvent::Finished { reason, .. }) => return (out, reason),
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+    };
+    let ids = |v: &[(u32, Option<TokenLogprobs>)]| v.iter().map(|e| e.0).collect::<Vec<_>>();
+    let prompts = long_answer_prompts();
+    for (i, p) in prompts.iter().enumerate() {
+        let (want, _) = run(&plain, greedy("g", p, 64));
+        let (got, _) = run(&spec, greedy("g", p, 64));
+        assert_eq!(ids(&got), ids(&want), "greedy, prompt {i}");
+
+        let mut seeded = GenerateRequest { logprobs: Some(2), ..greedy("s", p, 48) };
+        seeded.sampling = SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(11), ..SamplingParams::greedy() };
+        let (want, _) = run(&plain, seeded.clone());
+        let (got, _) = run(&spec, seeded);
+        assert_eq!(ids(&got), ids(&want), "seeded, prompt {i}");
+        for ((_, a), (_, b)) in got.iter().zip(&want) {
+            let (a, b) = (a.as_ref().expect("logprobs"), b.as_ref().expect("logprobs"));
+            assert!((a.logprob - b.logprob).abs() < 1e-3, "prompt {i}: {a:?} against {b:?}");
+        }
+    }
+    // A stop token that a draft carries ends the answer where it would without speculation. Replaying the
+    // proposer over the plain greedy answers finds one: the first token of an answer that a draft accepted up to
+    // it proposes, where that token did not occur in the answer before.
+    let answers: Vec<Vec<u32>> = prompts.iter().map(|p| ids(&run(&plain, greedy("a", p, 64)).0)).collect();
+    let carried = |p: &[u32], answer: &[u32], j: usize| {
+        let mut draft = Vec::new();
+        (1..=4.min(j)).any(|back| {
+            let mut tokens = p.to_vec();
+            tokens.extend_from_slice(&answer[..=j - back]);
+            pagoda_worker::speculative::propose(&tokens, &ngram, 4, &mut draft) >= back
+                && draft[..back] == answer[j - back + 1..=j]
+        })
+    };
+    let (i, stop_at) = (0..prompts.len())
+        .flat_map(|i| (1..answers[i].len()).map(move |j| (i, j)))
+        .find(|&(i, j)| !answers[i][..j].contains(&answers[i][j]) && carried(&prompts[i], &answers[i], j))
+        .expect("an accepted draft brings a new token");
+    let stop = answers[i][stop_at];
+    let stopped =
+        |h: &EngineHandle| run(h, GenerateRequest { stop_token_ids: vec![stop], ..greedy("c", &prompts[i], 64) });
+    let ((want, want_reason), (got, reason)) = (stopped(&plain), stopped(&spec));
+    assert_eq!((ids(&got), reason), (ids(&want), want_reason));
+    assert_eq!((want.len(), reason), (stop_at, FinishReason::Stop));
+    let counting = &answers[0];
+
+    let s = wait_stats(&spec, "idle", |s| s.running == 0 && s.waiting == 0);
+    assert!(s.accepted_draft_tokens_total > 20, "the counting answer repeats itself: {s:?}");
+    assert!(s.draft_tokens_total >= s.accepted_draft_tokens_total);
+    assert_eq!(s.blocks_used, 0);
+    let p = wait_stats(&plain, "idle", |s| s.running == 0 && s.waiting == 0);
+    assert_eq!((p.draft_tokens_total, p.accepted_draft_tokens_total), (0, 0));
+
+    let mut longer = prompts[0].clone();
+    longer.extend_from_slice(&counting[..40]);
+    let resumed = collect(spec.submit(greedy("r", &longer, 24)).unwrap());
+    assert!(resumed.cached as usize >= (prompts[0].len() + 32) / 16 * 16, "adopted {}", resumed.cached);
+    assert_eq!(resumed.tokens, counting[40..64], "a continuation over groups the speculative steps registered");
 }

@@ -5,11 +5,13 @@
 use std::collections::HashMap;
 
 use pagoda_worker::cache::CacheLayout;
+use pagoda_worker::policy::PolicySpec;
 use pagoda_worker::sampling::argmax;
 use pagoda_worker::scheduler::{
-    FinishReason, PROMPT_LOGITS_STEP_TOKENS, ReserveConfig, SchedError, Scheduler, SchedulerConfig, SeqId, SeqRequest,
-    StepPlan,
+    FinishReason, PROMPT_LOGITS_STEP_TOKENS, ReserveConfig, SchedError, SchedStats, Scheduler, SchedulerConfig, SeqId,
+    SeqRequest, StepPlan,
 };
+use pagoda_worker::speculative::NgramConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64;
@@ -21,11 +23,34 @@ const VOCAB: usize = 50;
 struct FakeModel {
     arena: Vec<u32>,
     logits: Vec<f32>,
+    /// `Some(p)`: the next token mostly counts on from the last one modulo `p` (text that repeats, which n-gram
+    /// drafts predict); every fifth position it is the hash of the cache instead (where drafts fail).
+    cycle: Option<u32>,
 }
 
 impl FakeModel {
     fn new(num_blocks: usize) -> FakeModel {
-        FakeModel { arena: vec![u32::MAX; num_blocks * LAYOUT.block_size], logits: vec![0.0; VOCAB] }
+        FakeModel { arena: vec![u32::MAX; num_blocks * LAYOUT.block_size], logits: vec![0.0; VOCAB], cycle: None }
+    }
+
+    fn cycling(num_blocks: usize, period: u32) -> FakeModel {
+        FakeModel { cycle: Some(period), ..FakeModel::new(num_blocks) }
+    }
+
+    /// The next token after `cache` (the tokens read back through the block tables), as one-hot logits' argmax.
+    fn next(&mut self, cache: &[u32]) -> u32 {
+        let mut bytes = Vec::new();
+        for t in cache {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let hash = (xxh3_64(&bytes) % VOCAB as u64) as usize;
+        let hot = match (self.cycle, cache.last()) {
+            (Some(p), Some(&last)) if !cache.len().is_multiple_of(5) => (last as usize + 1) % p as usize,
+            _ => hash,
+        };
+        self.logits.iter_mut().for_each(|l| *l = 0.0);
+        self.logits[hot] = 1.0;
+        argmax(&self.logits)
     }
 }
 
@@ -59,7 +84,8 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
     }
 }
 
-/// Runs one step: schedule, fake forward, complete, sample, append, finish.
+/// Runs one step: schedule, fake forward, complete, sample, append, finish. An entry with a speculative draft
+/// samples its rows in order while they agree with the draft (as the engine does), then settles it.
 fn step(s: &mut Scheduler<()>, m: &mut FakeModel, out: &mut Outcome) -> StepPlan {
     let plan = s.schedule();
     let bs = LAYOUT.block_size;
@@ -68,6 +94,7 @@ fn step(s: &mut Scheduler<()>, m: &mut FakeModel, out: &mut Outcome) -> StepPlan
         let seq = s.get(e.seq).expect("scheduled sequence exists");
         assert_eq!(seq.lens()[0], e.start, "cache length must equal computed tokens");
         assert!(e.start + e.n <= seq.tokens().len());
+        assert_eq!(seq.draft().len(), e.draft, "the entry's draft ends the tokens");
         for (t, table) in seq.tables().iter().enumerate() {
             assert!(table.len() * bs >= seq.lens()[t] + e.n, "reserved capacity");
             for j in 0..e.n {
@@ -76,24 +103,29 @@ fn step(s: &mut Scheduler<()>, m: &mut FakeModel, out: &mut Outcome) -> StepPlan
             }
         }
         if e.wants_logits {
-            let end = e.start + e.n;
-            let mut bytes = Vec::new();
-            for table in seq.tables() {
-                let read: Vec<u32> = (0..end).map(|slot| m.arena[table[slot / bs] as usize * bs + slot % bs]).collect();
-                assert_eq!(&read[..], &seq.tokens()[..end], "KV read through the tables must be the tokens");
+            let mut emitted = Vec::new();
+            for i in 0..=e.draft {
+                let end = e.start + e.n - e.draft + i;
+                for table in seq.tables() {
+                    let read: Vec<u32> =
+                        (0..end).map(|slot| m.arena[table[slot / bs] as usize * bs + slot % bs]).collect();
+                    assert_eq!(&read[..], &seq.tokens()[..end], "KV read through the tables must be the tokens");
+                }
+                let tok = m.next(&seq.tokens()[..end]);
+                emitted.push(tok);
+                if i == e.draft || seq.draft()[i] != tok || seq.stops_on(tok) {
+                    break;
+                }
             }
-            for t in &seq.tokens()[..end] {
-                bytes.extend_from_slice(&t.to_le_bytes());
-            }
-            m.logits.iter_mut().for_each(|l| *l = 0.0);
-            m.logits[(xxh3_64(&bytes) % VOCAB as u64) as usize] = 1.0;
-            sampled.push((e.seq, argmax(&m.logits)));
+            sampled.push((e.seq, emitted));
         }
     }
     s.complete_step(&plan);
-    for (id, tok) in sampled {
-        out.tokens.entry(id).or_default().push(tok);
-        if let Some(reason) = s.append_token(id, tok).unwrap() {
+    for (id, emitted) in sampled {
+        s.settle_draft(id, emitted.len() - 1).unwrap();
+        out.tokens.entry(id).or_default().extend_from_slice(&emitted);
+        let Some(&last) = emitted.last() else { continue };
+        if let Some(reason) = s.append_token(id, last).unwrap() {
             s.finish(id);
             out.finished.insert(id, reason);
         }
@@ -417,4 +449,168 @@ fn a_preloaded_pruned_copy_is_owned_admitted_past_the_context_and_freed() {
     s.cancel(id);
     assert_eq!(s.pool().num_used(), 0, "the copy's blocks went back with the sequence");
     s.pool().check_invariants().unwrap();
+}
+
+/// N-gram speculation on: `k` draft tokens, suffixes of 2–3 tokens, at most `max_batch` running.
+fn speculating(max_step_tokens: usize, max_running: usize, k: usize, max_batch: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        speculative: NgramConfig { num_tokens: k, min_n: 2, max_n: 3, max_batch },
+        ..cfg(max_step_tokens, max_running)
+    }
+}
+
+/// Prompts that count on modulo 7 from different points with `max_tokens` from 1 to 60, and one that does not
+/// repeat.
+fn cycling_requests() -> Vec<(Vec<u32>, usize)> {
+    let mut reqs: Vec<(Vec<u32>, usize)> = [1, 2, 5, 30, 60]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| ((0..12 + 3 * s as u32).map(|i| (s as u32 + i) % 7).collect(), n))
+        .collect();
+    reqs.push((prompt(9, 13), 40));
+    reqs
+}
+
+/// Runs `reqs` (prompt, max_tokens, stop ids) to the end, all queued at once, on a scheduler with `config` and
+/// `blocks` block groups over the cycling model.
+/// What [`run_cycling`] leaves: each request's tokens and finish reason, the stats, the steps taken, and the
+/// (idle) scheduler with its model.
+struct CyclingRun {
+    results: Vec<(Vec<u32>, FinishReason)>,
+    stats: SchedStats,
+    steps: usize,
+    sched: Scheduler<()>,
+    model: FakeModel,
+}
+
+fn run_cycling(config: SchedulerConfig, blocks: usize, reqs: &[(Vec<u32>, usize, Vec<u32>)]) -> CyclingRun {
+    let mut s = Scheduler::new(config, LAYOUT, blocks * GS);
+    let mut m = FakeModel::cycling(blocks * GS, 7);
+    let ids: Vec<SeqId> = reqs
+        .iter()
+        .map(|(p, n, stops)| s.add(SeqRequest { stop_token_ids: stops.clone(), ..req(p.clone(), *n) }).unwrap())
+        .collect();
+    let out = run_to_end(&mut s, &mut m, 10_000);
+    let results = ids.iter().map(|id| (out.tokens[id].clone(), out.finished[id])).collect();
+    CyclingRun { results, stats: s.stats(), steps: out.steps, sched: s, model: m }
+}
+
+/// Drafts change no answer (the stand-in model reads every computed position's KV back through the tables, so a
+/// rejected draft left in the cache would show), stay within `max_tokens`, are accepted where the text repeats,
+/// save steps, and leave no block behind.
+#[test]
+fn speculative_drafts_change_no_output_and_save_steps() {
+    let reqs: Vec<(Vec<u32>, usize, Vec<u32>)> =
+        cycling_requests().into_iter().map(|(p, n)| (p, n, Vec::new())).collect();
+    let CyclingRun { results: want, stats: plain, steps: plain_steps, .. } = run_cycling(cfg(64, 8), 200, &reqs);
+    assert_eq!((plain.draft_tokens_total, plain.accepted_draft_tokens_total), (0, 0));
+    for k in [1, 4, 7] {
+        let CyclingRun { results: got, stats, steps, sched: s, .. } = run_cycling(speculating(64, 8, k, 8), 200, &reqs);
+        assert_eq!(got, want, "k = {k}");
+        for ((tokens, _), (_, n, _)) in got.iter().zip(&reqs) {
+            assert_eq!(tokens.len(), *n);
+        }
+        assert!(stats.accepted_draft_tokens_total > 0, "k = {k}: {stats:?}");
+        assert!(stats.draft_tokens_total > stats.accepted_draft_tokens_total, "the model breaks every fifth position");
+        assert!(steps < plain_steps, "k = {k}: {steps} steps against {plain_steps}");
+        assert_eq!(s.pool().num_used(), 0);
+    }
+}
+
+/// A stop token inside a draft ends the answer there, as it would without speculation.
+#[test]
+fn a_stop_token_inside_a_draft_ends_the_answer() {
+    let p: Vec<u32> = (0..14).map(|i| i % 7).collect();
+    let want = run_cycling(cfg(64, 8), 100, &[(p.clone(), 30, vec![])]).results;
+    // The tenth token: drafts cover it once the cycle has been seen.
+    let stop = want[0].0[9];
+    let first = want[0].0.iter().position(|&t| t == stop).unwrap();
+    let reqs = [(p, 30, vec![stop])];
+    let plain = run_cycling(cfg(64, 8), 100, &reqs).results;
+    let CyclingRun { results: got, stats, .. } = run_cycling(speculating(64, 8, 6, 8), 100, &reqs);
+    assert_eq!(got, plain);
+    assert_eq!(got[0].0.len(), first + 1);
+    assert_eq!(got[0].1, FinishReason::Stop);
+    assert!(stats.accepted_draft_tokens_total > 0);
+}
+
+/// The prefix cache holds only verified tokens: a second request whose prompt is the first one's prompt and
+/// answer adopts the groups the speculative steps registered, and the stand-in model reads them back as exactly
+/// its prompt's tokens.
+#[test]
+fn drafts_register_only_accepted_tokens_in_the_prefix_cache() {
+    let p: Vec<u32> = (0..12).map(|i| (i * 2) % 7).collect();
+    let CyclingRun { results: first, sched: mut s, model: mut m, .. } =
+        run_cycling(speculating(64, 8, 5, 8), 100, &[(p.clone(), 41, vec![])]);
+    let answer = &first[0].0;
+    let mut longer = p.clone();
+    longer.extend_from_slice(&answer[..33]);
+    let cached_before = s.stats().cached_tokens_total;
+    let id = s.add(req(longer.clone(), 8)).unwrap();
+    let out = run_to_end(&mut s, &mut m, 1000);
+    let adopted = s.stats().cached_tokens_total - cached_before;
+    assert!(adopted as usize >= (longer.len() - 1) / 4 * 4 - 4, "adopted {adopted} of {}", longer.len());
+    assert_eq!(out.tokens[&id], answer[33..41], "a continuation over adopted groups");
+}
+
+/// Preempting a sequence with a draft in its step drops the draft: it resumes with only its verified tokens.
+#[test]
+fn preemption_under_a_tiny_pool_keeps_speculative_answers() {
+    let reqs: Vec<(Vec<u32>, usize, Vec<u32>)> =
+        (0..6u32).map(|s| ((0..10 + s).map(|i| (s + i) % 7).collect(), 40, Vec::new())).collect();
+    let want = run_cycling(cfg(64, 8), 400, &reqs).results;
+    let tiny = SchedulerConfig { reserve: ReserveConfig::off(), ..speculating(64, 8, 4, 8) };
+    let CyclingRun { results: got, stats, sched: s, .. } = run_cycling(tiny, 30, &reqs);
+    assert_eq!(got, want);
+    assert!(stats.preemptions_total > 0, "the pool must be small enough to preempt: {stats:?}");
+    assert!(stats.accepted_draft_tokens_total > 0);
+    assert_eq!(s.pool().num_used(), 0);
+}
+
+/// No drafts while more sequences run than the limit allows, nor for a sequence under an eviction policy.
+#[test]
+fn no_drafts_above_the_batch_limit_or_under_an_eviction_policy() {
+    let p: Vec<u32> = (0..20).map(|i| i % 7).collect();
+    let mut s = Scheduler::new(speculating(64, 8, 4, 1), LAYOUT, 100 * GS);
+    let mut m = FakeModel::cycling(100 * GS, 7);
+    let mut out = Outcome::default();
+    s.add(req(p.clone(), 12)).unwrap();
+    s.add(req(p.clone(), 20)).unwrap();
+    while s.has_work() {
+        let plan = step(&mut s, &mut m, &mut out);
+        if plan.seqs.len() > 1 {
+            assert!(plan.seqs.iter().all(|e| e.draft == 0), "{plan:?}");
+        }
+    }
+    assert!(s.stats().accepted_draft_tokens_total > 0, "the second one speculates once it runs alone");
+
+    let mut s = Scheduler::new(speculating(64, 8, 4, 8), LAYOUT, 100 * GS);
+    let streaming = PolicySpec::parse(Some("streaming"), Some(16), PolicySpec::full(), 1000).unwrap();
+    s.add(SeqRequest { policy: streaming, ..req(p, 20) }).unwrap();
+    run_to_end(&mut s, &mut m, 1000);
+    assert_eq!(s.stats().draft_tokens_total, 0);
+}
+
+/// A decoding sequence preempted in the step that gave it a draft (a longer prefill behind it needs its blocks)
+/// drops the draft: it resumes with only its verified tokens.
+#[test]
+fn a_sequence_preempted_with_a_draft_resumes_without_it() {
+    // The long prompt prefills in KeyDiff's 128-token blocks, so the short one is admitted beside it, decodes,
+    // and is the youngest when the next block finds the pool short.
+    let keydiff = PolicySpec::parse(Some("keydiff"), Some(16), PolicySpec::full(), 1000).unwrap();
+    let long = SeqRequest { policy: keydiff, ..req(prompt(3, 200), 4) };
+    let short: Vec<u32> = (0..14).map(|i| i % 7).collect();
+    let run = |config: SchedulerConfig, groups: usize| {
+        let mut s = Scheduler::new(config, LAYOUT, groups * GS);
+        let mut m = FakeModel::cycling(groups * GS, 7);
+        let a = s.add(SeqRequest { policy: long.policy, ..req(long.prompt.clone(), 4) }).unwrap();
+        let b = s.add(req(short.clone(), 20)).unwrap();
+        let out = run_to_end(&mut s, &mut m, 1000);
+        ([out.tokens[&a].clone(), out.tokens[&b].clone()], s.stats())
+    };
+    let (want, _) = run(cfg(160, 8), 400);
+    let tight = SchedulerConfig { reserve: ReserveConfig::off(), ..speculating(160, 8, 4, 8) };
+    let (got, stats) = run(tight, 52);
+    assert!(stats.preemptions_total > 0, "{stats:?}");
+    assert_eq!(got, want);
 }

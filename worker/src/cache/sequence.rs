@@ -291,6 +291,41 @@ impl SeqBlocks {
         Ok(())
     }
 
+    /// Drops the last `n` slots of every table (a rejected speculative draft: the step appended its tokens to
+    /// every table's tail) and releases the blocks that empties, tail first. Slots of registered groups are never
+    /// dropped (a speculative step registers only the tokens it accepted): each table keeps at least those.
+    pub fn drop_tail(&mut self, pool: &mut BlockPool, n: usize) -> Result<(), CacheError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let bs = self.layout.block_size;
+        let floor = self.registered * bs;
+        for l in &mut self.lens {
+            *l = l.saturating_sub(n).max(floor.min(*l));
+        }
+        let mut result = Ok(());
+        for j in (0..self.num_groups()).rev() {
+            self.scratch.clear();
+            for (t, &l) in self.tables.iter().zip(&self.lens) {
+                if j >= l.div_ceil(bs)
+                    && let Some(&b) = t.get(j)
+                {
+                    self.scratch.push(b);
+                }
+            }
+            if self.scratch.is_empty() {
+                break;
+            }
+            if let Err(e) = pool.release(&self.scratch) {
+                result = Err(e);
+            }
+        }
+        for (t, &l) in self.tables.iter_mut().zip(&self.lens) {
+            t.truncate(l.div_ceil(bs));
+        }
+        result
+    }
+
     /// Drops this sequence's references, tail blocks first, and empties the tables.
     pub fn free(&mut self, pool: &mut BlockPool) -> Result<(), CacheError> {
         let mut result = Ok(());

@@ -178,6 +178,7 @@ impl Evaluator {
             attn: info.attn_dims(),
             // Every item is admitted at once: the pool is sized for them (quality, not admission, is measured).
             reserve: ReserveConfig::off(),
+            speculative: crate::speculative::NgramConfig::off(),
         };
         Ok(Evaluator {
             eos: info.eos_token_ids.clone(),
