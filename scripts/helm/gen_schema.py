@@ -141,6 +141,7 @@ schema = obj({
         # `pagoda worker --device`: cuda runs the GPU runner from the `-cuda` image (Dockerfile.cuda).
         "device": {"enum": ["cpu", "cuda"]},
         "amx": BOOL,
+        "speculativeTokens": {"type": "integer", "minimum": 0, "maximum": 16},
         "prefixCache": BOOL,
         "kv": obj({
             "policy": {"enum": POLICIES},
