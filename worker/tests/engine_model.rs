@@ -583,4 +583,15 @@ fn speculative_decoding_changes_no_answer_and_accepts_drafts() {
     let resumed = collect(spec.submit(greedy("r", &longer, 24)).unwrap());
     assert!(resumed.cached as usize >= (prompts[0].len() + 32) / 16 * 16, "adopted {}", resumed.cached);
     assert_eq!(resumed.tokens, counting[40..64], "a continuation over groups the speculative steps registered");
+
+    // A client that walks away while its drafts are being accepted: the request ends and its blocks come back.
+    let before = wait_stats(&spec, "idle", |s| s.running == 0 && s.waiting == 0);
+    let mut rx = spec.submit(greedy("gone", &prompts[2], 400)).unwrap();
+    for _ in 0..40 {
+        assert!(matches!(rx.blocking_recv(), Some(GenerateEvent::Token { .. })));
+    }
+    drop(rx);
+    let after = wait_stats(&spec, "blocks back", |s| s.running == 0 && s.blocks_used == before.blocks_used);
+    assert!(after.accepted_draft_tokens_total > before.accepted_draft_tokens_total, "the poem's drafts: {after:?}");
+    assert_eq!(after.blocks_used, 0);
 }
