@@ -686,8 +686,8 @@ async fn streamed_chat(http: &pagoda_e2e::Http, body: &Value) -> String {
 }
 
 /// `--speculative-tokens` through the real binary: the answers of a server with n-gram speculation are those of
-/// one without (greedy, seeded, streamed, and with a stop string), the worker reports the drafts it computed and
-/// accepted, and `/metrics` shows them.
+/// one without (greedy, seeded, streamed, with a stop string, with penalties, and guided by a regex or a JSON
+/// schema), the worker reports the drafts it computed and accepted, and `/metrics` shows them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_speculative_decoding_answers_as_without_it() {
     let plain = start_up("up-plain", &[]).await.unwrap();
@@ -698,6 +698,12 @@ async fn up_speculative_decoding_answers_as_without_it() {
             json!({"temperature": 0, "max_tokens": 96}),
             json!({"temperature": 0.8, "seed": 5, "max_tokens": 64}),
             json!({"temperature": 0, "max_tokens": 96, "stop": ["\n7", "waves"]}),
+            // The sampler's state advances with every accepted draft token: penalties and guides see each one.
+            json!({"temperature": 0.7, "seed": 9, "max_tokens": 64, "frequency_penalty": 0.5, "presence_penalty": 0.3}),
+            json!({"temperature": 0, "max_tokens": 64, "guided_regex": "([0-9]+\n){1,40}[0-9]+"}),
+            json!({"temperature": 0.8, "seed": 2, "max_tokens": 96, "response_format": {"type": "json_schema",
+                "json_schema": {"name": "lines", "schema": {"type": "object", "required": ["lines"],
+                    "properties": {"lines": {"type": "array", "items": {"type": "string"}, "maxItems": 8}}}}}}),
         ] {
             let body = chat(prompt, extra.clone());
             let (s1, want) = plain.http.post_json("/v1/chat/completions", &body).await.unwrap();
