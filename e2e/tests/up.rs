@@ -506,6 +506,28 @@ async fn up_answers_chat_streaming_and_not() {
         "{v}"
     );
 
+    // vLLM's `continue_final_message`: the model goes on with the assistant's started answer, and `/tokenize`
+    // counts the same prompt, which ends with that answer's text rather than an end of turn.
+    let started = json!([{"role": "user", "content": QUESTION},
+                         {"role": "assistant", "content": "The capital city of France is"}]);
+    let body = json!({"model": MODEL_ID, "messages": started, "continue_final_message": true, "temperature": 0,
+                      "max_tokens": 8});
+    let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let continued = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(continued.starts_with(" Paris"), "{v}");
+    let (s, t) = http
+        .post_json(
+            "/tokenize",
+            &json!({"messages": started, "continue_final_message": true, "return_token_strs": true}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{t}");
+    assert_eq!(t["count"], v["usage"]["prompt_tokens"], "{t} {v}");
+    let strs: Vec<&str> = t["token_strs"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
+    assert!(strs.concat().ends_with("France is"), "{strs:?}");
+
     // Models, health, metrics.
     let (s, body) = http.get("/v1/models").await.unwrap();
     assert_eq!(s, 200);

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, ModelConfig, Tokenizer};
 
-use crate::codec::TextCodec;
-use crate::openai::Turn;
+use crate::codec::{TextCodec, cut_after_final_message};
+use crate::openai::{ChatRender, Turn};
 
 /// The model id a GGUF is served under: its file stem (the worker's engine uses the same).
 pub fn model_id_for(path: &Path) -> String {
@@ -59,9 +59,10 @@ impl TextCodec for GgufCodec {
         self.tokenizer.vocab_size()
     }
 
-    fn render_chat(&self, turns: &[Turn]) -> Result<String, String> {
+    fn render_chat(&self, turns: &[Turn], render: ChatRender) -> Result<String, String> {
         let messages: Vec<ChatMessage> = turns.iter().map(|t| ChatMessage::new(t.role, t.content.clone())).collect();
-        self.template.render(&messages, true).map_err(|e| e.to_string())
+        let text = self.template.render(&messages, render.add_generation_prompt).map_err(|e| e.to_string())?;
+        if render.continue_final_message { cut_after_final_message(text, turns) } else { Ok(text) }
     }
 
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, String> {
@@ -103,9 +104,18 @@ mod tests {
         assert_eq!(c.model_id(), "SmolLM2-135M-Instruct.Q4_1");
         assert_eq!(c.context_length(), 8192);
         assert_eq!(c.vocab_size(), 49152);
-        let text = c.render_chat(&[Turn { role: "user", content: "What is the capital of France?".into() }]).unwrap();
+        let question = Turn { role: "user", content: "What is the capital of France?".into() };
+        let text = c.render_chat(std::slice::from_ref(&question), ChatRender::default()).unwrap();
         assert!(text.contains("<|im_start|>user\nWhat is the capital of France?<|im_end|>"), "{text}");
         assert!(text.ends_with("<|im_start|>assistant\n"), "{text:?}");
+        // Without the generation prompt the chat ends with the user's turn; continuing an assistant message
+        // ends the prompt where its content does.
+        let plain = ChatRender { add_generation_prompt: false, continue_final_message: false };
+        assert!(c.render_chat(std::slice::from_ref(&question), plain).unwrap().ends_with("France?<|im_end|>\n"));
+        let turns = [question, Turn { role: "assistant", content: "The capital is".into() }];
+        let cont = ChatRender { add_generation_prompt: false, continue_final_message: true };
+        let text = c.render_chat(&turns, cont).unwrap();
+        assert!(text.ends_with("<|im_start|>assistant\nThe capital is"), "{text:?}");
         let ids = c.encode(&text, true).unwrap();
         // Special tokens are single ids and decode to nothing; the rest decodes back to the text.
         let im_start = c.tokenizer().token_to_id("<|im_start|>").unwrap();

@@ -128,6 +128,12 @@ pub struct ChatCompletionRequest {
     pub structured_outputs: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
+    /// vLLM's chat extensions: end the rendered prompt with the assistant turn's header (default true, false
+    /// with `continue_final_message`), or continue the final (assistant) message where it stops.
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    /// vLLM's extension: keep only the last this many prompt tokens.
+    pub truncate_prompt_tokens: Option<i64>,
 }
 
 /// `POST /v1/completions` body.
@@ -169,6 +175,8 @@ pub struct CompletionRequest {
     pub structured_outputs: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
+    /// vLLM's extension: keep only the last this many tokens of each prompt.
+    pub truncate_prompt_tokens: Option<i64>,
 }
 
 /// At most this many token ids in a `/detokenize` request.
@@ -187,13 +195,54 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// Also return each token's text (its bytes, lossily decoded).
     pub return_token_strs: Option<bool>,
+    /// For `messages`: as in a chat completion.
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
 }
 
 /// What to tokenize, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizeInput {
     Prompt { text: String, add_special: bool },
-    Chat(Vec<Turn>),
+    Chat(Vec<Turn>, ChatRender),
+}
+
+/// How a chat is rendered with the template (vLLM's `add_generation_prompt` and `continue_final_message`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatRender {
+    /// Append the assistant turn's header, so the model answers.
+    pub add_generation_prompt: bool,
+    /// End the prompt where the final message's content ends (no end-of-turn), so the model continues it.
+    pub continue_final_message: bool,
+}
+
+impl Default for ChatRender {
+    fn default() -> ChatRender {
+        ChatRender { add_generation_prompt: true, continue_final_message: false }
+    }
+}
+
+impl ChatRender {
+    /// Validates the two fields against the chat: continuing needs a final assistant message, and a prompt
+    /// cannot both continue that message and open a new turn.
+    pub fn parse(add: Option<bool>, cont: Option<bool>, turns: &[Turn]) -> Result<ChatRender, ApiError> {
+        let continue_final_message = cont.unwrap_or(false);
+        let add_generation_prompt = add.unwrap_or(!continue_final_message);
+        if continue_final_message && add_generation_prompt {
+            return Err(ApiError::invalid_param(
+                "continue_final_message",
+                "`continue_final_message` continues the final message; it cannot be combined with \
+                 `add_generation_prompt`, which opens a new turn.",
+            ));
+        }
+        if continue_final_message && turns.last().is_none_or(|t| t.role != "assistant") {
+            return Err(ApiError::invalid_param(
+                "continue_final_message",
+                "`continue_final_message` needs the last message to be the assistant's.",
+            ));
+        }
+        Ok(ChatRender { add_generation_prompt, continue_final_message })
+    }
 }
 
 impl TokenizeRequest {
@@ -203,6 +252,12 @@ impl TokenizeRequest {
         }
         match (&self.prompt, &self.messages) {
             (Some(text), None) => {
+                if self.add_generation_prompt.is_some() || self.continue_final_message.is_some() {
+                    return Err(ApiError::invalid_param(
+                        "add_generation_prompt",
+                        "`add_generation_prompt` and `continue_final_message` apply to `messages`.",
+                    ));
+                }
                 if text.len() > MAX_TEXT_BYTES {
                     return Err(ApiError::invalid_param(
                         "prompt",
@@ -218,7 +273,9 @@ impl TokenizeRequest {
                         "`add_special_tokens` applies to `prompt`; `messages` follow the chat template.",
                     ));
                 }
-                Ok(TokenizeInput::Chat(validate_messages(messages)?))
+                let turns = validate_messages(messages)?;
+                let render = ChatRender::parse(self.add_generation_prompt, self.continue_final_message, &turns)?;
+                Ok(TokenizeInput::Chat(turns, render))
             }
             _ => Err(ApiError::invalid_param("prompt", "Give exactly one of `prompt` and `messages`.")),
         }
@@ -335,7 +392,25 @@ pub struct GenParams {
     pub echo: bool,
     /// Generations per prompt (`n`), each a choice of its own; at most [`MAX_CHOICES`] with the prompts.
     pub n: u32,
+    /// vLLM's `truncate_prompt_tokens`: each prompt keeps only its last this many tokens.
+    pub truncate_prompt_tokens: Option<u32>,
+    /// A chat's rendering with the template (the default for completions, which have none).
+    pub chat_render: ChatRender,
 }
+
+impl GenParams {
+    /// Drops the front of `prompt` beyond `truncate_prompt_tokens`.
+    pub fn truncate_prompt(&self, prompt: &mut Vec<u32>) {
+        if let Some(keep) = self.truncate_prompt_tokens
+            && prompt.len() > keep as usize
+        {
+            prompt.drain(..prompt.len() - keep as usize);
+        }
+    }
+}
+
+/// Largest `truncate_prompt_tokens` (no context is longer).
+pub const MAX_TRUNCATE_PROMPT_TOKENS: u32 = 1 << 24;
 
 /// A chat turn ready for the template.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -375,6 +450,7 @@ struct CommonIn<'a> {
     vocab_size: usize,
     user: Option<&'a str>,
     kv: Option<&'a KvOptions>,
+    truncate_prompt_tokens: Option<i64>,
 }
 
 /// `model` is non-empty and bounded (whether it is served is the handler's question).
@@ -395,6 +471,16 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     {
         return Err(ApiError::invalid_param("user", format!("`user` is longer than {MAX_NAME_BYTES} bytes.")));
     }
+    let truncate_prompt_tokens = match c.truncate_prompt_tokens {
+        None => None,
+        Some(n) if (1..=i64::from(MAX_TRUNCATE_PROMPT_TOKENS)).contains(&n) => Some(n as u32),
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "truncate_prompt_tokens",
+                format!("`truncate_prompt_tokens` must be between 1 and {MAX_TRUNCATE_PROMPT_TOKENS}, got {n}."),
+            ));
+        }
+    };
     let max_tokens = match c.max_tokens {
         None => None,
         Some(m) if m <= 0 => {
@@ -522,6 +608,8 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         logprobs: None,
         echo: false,
         n,
+        truncate_prompt_tokens,
+        chat_render: ChatRender::default(),
     })
 }
 
@@ -1222,8 +1310,10 @@ impl ChatCompletionRequest {
             vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
+            truncate_prompt_tokens: self.truncate_prompt_tokens,
         })?;
         params.logprobs = logprobs;
+        params.chat_render = ChatRender::parse(self.add_generation_prompt, self.continue_final_message, &turns)?;
         guide.apply(&mut params);
         check_regex_can_end(&params)?;
         if let Some((name, schema)) = tool_call {
@@ -1336,6 +1426,7 @@ impl CompletionRequest {
             vocab_size,
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
+            truncate_prompt_tokens: self.truncate_prompt_tokens,
         })?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);

@@ -395,7 +395,8 @@ async fn debug_place(
     if !crate::auth::valid_tenant(&namespace) {
         return Err(ApiError::invalid_param("tenant", "A tenant is 1 to 64 characters of [A-Za-z0-9._-]."));
     }
-    let prompt = chat_prompt(&st, turns).await?;
+    let mut prompt = chat_prompt(&st, turns, params.chat_render).await?;
+    params.truncate_prompt(&mut prompt);
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
     check_min_tokens(&params, max_tokens)?;
     let pool = st.pool();
@@ -456,7 +457,7 @@ async fn tokenize(State(st): State<AppState>, ApiJson(req): ApiJson<TokenizeRequ
         st.check_model(m)?;
     }
     let tokens = match input {
-        TokenizeInput::Chat(turns) => chat_prompt(&st, turns).await?,
+        TokenizeInput::Chat(turns, render) => chat_prompt(&st, turns, render).await?,
         TokenizeInput::Prompt { text, add_special } => text_prompt(&st, text, add_special).await?,
     };
     let token_strs = (req.return_token_strs == Some(true))
@@ -499,11 +500,15 @@ async fn text_prompt(st: &AppState, text: String, add_special: bool) -> Result<V
 }
 
 /// The chat's prompt tokens: the model's chat template applied to `turns`, then tokenized (off the async threads).
-async fn chat_prompt(st: &AppState, turns: Vec<crate::openai::Turn>) -> Result<Vec<u32>, ApiError> {
+async fn chat_prompt(
+    st: &AppState,
+    turns: Vec<crate::openai::Turn>,
+    render: crate::openai::ChatRender,
+) -> Result<Vec<u32>, ApiError> {
     let codec = st.0.codec.clone();
     blocking(move || {
         let text = codec
-            .render_chat(&turns)
+            .render_chat(&turns, render)
             .map_err(|e| ApiError::invalid_param("messages", format!("Could not apply the chat template: {e}")))?;
         codec.encode(&text, true).map_err(|e| ApiError::invalid_param("messages", format!("Could not tokenize: {e}")))
     })
@@ -518,7 +523,8 @@ async fn chat_completions(
     let arrived = Instant::now();
     let (turns, params) = req.validate(st.0.codec.vocab_size())?;
     st.check_model(&params.model)?;
-    let prompt = chat_prompt(&st, turns).await?;
+    let mut prompt = chat_prompt(&st, turns, params.chat_render).await?;
+    params.truncate_prompt(&mut prompt);
     let id = new_id("chatcmpl");
     let choices = start_choices(&st, &tenant, &id, vec![prompt], &params, arrived).await?;
     let created = unix_now();
@@ -551,10 +557,12 @@ async fn completions(
     st.check_model(&params.model)?;
     let mut tokenized = Vec::with_capacity(prompts.len());
     for prompt in prompts {
-        tokenized.push(match prompt {
+        let mut tokens = match prompt {
             PromptInput::Tokens(t) => t,
             PromptInput::Text(text) => text_prompt(&st, text, true).await?,
-        });
+        };
+        params.truncate_prompt(&mut tokens);
+        tokenized.push(tokens);
     }
     let id = new_id("cmpl");
     let choices = start_choices(&st, &tenant, &id, tokenized, &params, arrived).await.map_err(|mut e| {

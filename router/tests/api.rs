@@ -17,7 +17,8 @@ use pagoda_proto::worker::{
     StatsResponse, TokenLogprobs, Usage,
 };
 use pagoda_router::auth::{AdminKey, KeyTable};
-use pagoda_router::openai::Turn;
+use pagoda_router::codec::cut_after_final_message;
+use pagoda_router::openai::{ChatRender, Turn};
 use pagoda_router::placer::{PlacerConfig, Strategy};
 use pagoda_router::{MigrationConfig, RouterConfig, Security, TextCodec};
 use serde_json::{Value, json};
@@ -41,10 +42,12 @@ impl TextCodec for ByteCodec {
     fn vocab_size(&self) -> usize {
         257
     }
-    fn render_chat(&self, turns: &[Turn]) -> Result<String, String> {
+    fn render_chat(&self, turns: &[Turn], render: ChatRender) -> Result<String, String> {
         let mut s: String = turns.iter().map(|t| format!("{}: {}\n", t.role, t.content)).collect();
-        s.push_str("assistant:");
-        Ok(s)
+        if render.add_generation_prompt {
+            s.push_str("assistant:");
+        }
+        if render.continue_final_message { cut_after_final_message(s, turns) } else { Ok(s) }
     }
     fn encode(&self, text: &str, _add_special: bool) -> Result<Vec<u32>, String> {
         Ok(text.bytes().map(u32::from).collect())
@@ -386,6 +389,64 @@ async fn tokenize_and_detokenize() {
     }
     let (s, text) = c.post("/detokenize", json!({"tokens": vec![1; (1 << 16) + 1]}).to_string()).await;
     assert_error(s, &text, 400);
+    c.still_serves().await;
+}
+
+/// vLLM's chat rendering fields and `truncate_prompt_tokens`: what the worker is sent follows them (`/tokenize`
+/// and the usage count show it), and their bad combinations are 400s naming the field.
+#[tokio::test]
+async fn chat_rendering_and_prompt_truncation() {
+    let c = cluster().await;
+    let detok = |v: &Value| -> String {
+        v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u8 as char).collect()
+    };
+    let question = json!({"role": "user", "content": "Capital of France?"});
+    let started = json!([question, {"role": "assistant", "content": "The capital is"}]);
+    let tokenize = |body: Value| {
+        let c = &c;
+        async move { serde_json::from_str::<Value>(&c.post_ok("/tokenize", &body).await).unwrap() }
+    };
+    let v = tokenize(json!({"messages": started, "continue_final_message": true})).await;
+    assert_eq!(detok(&v), "user: Capital of France?\nassistant: The capital is");
+    let v = tokenize(json!({"messages": [question], "add_generation_prompt": false})).await;
+    assert_eq!(detok(&v), "user: Capital of France?\n");
+
+    let (s, v) = c.chat(json!({"model": MODEL, "messages": started, "continue_final_message": true})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], "user: Capital of France?\nassistant: The capital is".len());
+    let (s, v) = c.chat(json!({"model": MODEL, "messages": [question], "truncate_prompt_tokens": 10})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 10);
+    // A prompt shorter than the limit is kept whole; completions truncate every prompt of a batch.
+    let (s, v) = c.chat(json!({"model": MODEL, "messages": [question], "truncate_prompt_tokens": 1000})).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], "user: Capital of France?\nassistant:".len());
+    let body = json!({"model": MODEL, "prompt": ["abcdefghij", "hijklmnop"], "max_tokens": 3,
+                      "truncate_prompt_tokens": 4});
+    let v: Value = serde_json::from_str(&c.post_ok("/v1/completions", &body).await).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], 8, "{v}");
+
+    let chat = |extra: Value| {
+        let mut body = json!({"model": MODEL, "messages": [question]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    assert_refused(
+        &c,
+        &[
+            ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message",
+             "the assistant's"),
+            ("/v1/chat/completions",
+             json!({"model": MODEL, "messages": started, "continue_final_message": true, "add_generation_prompt": true}),
+             "continue_final_message", "cannot be combined"),
+            ("/v1/chat/completions", chat(json!({"truncate_prompt_tokens": 0})), "truncate_prompt_tokens", "between 1"),
+            ("/v1/completions", json!({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": -1}),
+             "truncate_prompt_tokens", "between 1"),
+            ("/tokenize", json!({"prompt": "x", "add_generation_prompt": false}), "add_generation_prompt",
+             "apply to `messages`"),
+        ],
+    )
+    .await;
     c.still_serves().await;
 }
 

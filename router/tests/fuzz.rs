@@ -56,7 +56,7 @@ fn check_body(bytes: &[u8]) {
     }
     match parse_json::<TokenizeRequest>(bytes) {
         Ok(req) => match req.validate() {
-            Ok(TokenizeInput::Chat(turns)) => assert!(!turns.is_empty()),
+            Ok(TokenizeInput::Chat(turns, _)) => assert!(!turns.is_empty()),
             Ok(TokenizeInput::Prompt { .. }) => {}
             Err(e) => assert_client_error(&e),
         },
