@@ -243,6 +243,10 @@ struct EngineArgs {
     #[arg(long, default_value_t = 4,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     speculative_max_batch: usize,
+    /// Pin the cost of a draft token, in single-token steps (0 to 16), instead of measuring it from the worker's
+    /// steps; 0 drafts as long as --speculative-tokens allows whenever a suffix matches.
+    #[arg(long)]
+    speculative_draft_cost: Option<f64>,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -1148,6 +1152,7 @@ fn speculative_config(e: &EngineArgs) -> Result<NgramConfig> {
         min_n: e.speculative_ngram_min,
         max_n: e.speculative_ngram_max,
         max_batch: e.speculative_max_batch,
+        draft_cost: e.speculative_draft_cost,
     };
     cfg.validate().map_err(|m| anyhow!(m)).context("--speculative-*")?;
     Ok(cfg)

@@ -559,7 +559,8 @@ impl<P> Scheduler<P> {
             .saturating_sub(seq.num_generated() + 1)
             .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
         let cap = spec.num_tokens.min(room).min(budget);
-        let k = speculative::draft_length(seq.acceptance.rate(), self.draft_cost.per_token(), cap);
+        let cost = spec.draft_cost.unwrap_or(self.draft_cost.per_token());
+        let k = speculative::draft_length(seq.acceptance.rate(), cost, cap);
         if k == 0 {
             if cap > 0 {
                 seq.acceptance.idle();
@@ -585,9 +586,9 @@ impl<P> Scheduler<P> {
         }
     }
 
-    /// The current estimate of a draft token's cost, in single-token steps.
+    /// The cost of a draft token in single-token steps that drafting uses: the configured one, else the estimate.
     pub fn draft_token_cost(&self) -> f64 {
-        self.draft_cost.per_token()
+        self.cfg.speculative.draft_cost.unwrap_or(self.draft_cost.per_token())
     }
 
     /// Keeps the first `accepted` tokens of sequence `id`'s draft (those the sampler picked itself) and drops the

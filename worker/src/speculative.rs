@@ -14,7 +14,7 @@
 //! is a draw from `p`.)
 
 /// Settings of the n-gram proposer. `num_tokens == 0` turns speculation off.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NgramConfig {
     /// Draft tokens proposed per step and sequence (vLLM's `num_speculative_tokens`).
     pub num_tokens: usize,
@@ -25,6 +25,10 @@ pub struct NgramConfig {
     /// Speculate only while at most this many sequences run: a larger batch fills the step with real work, and
     /// drafts then cost compute the batch would have used (vLLM's `disable_by_batch_size`).
     pub max_batch: usize,
+    /// The cost of a draft token in single-token steps, pinned; `None` measures it from the engine's own steps
+    /// ([`DraftCost`]). `Some(0.0)` drafts as long as allowed whenever a suffix matches, which makes what is
+    /// drafted independent of timing (the tests pin it so).
+    pub draft_cost: Option<f64>,
 }
 
 /// Most draft tokens per step a configuration may ask for.
@@ -37,7 +41,7 @@ pub const LOOKBACK_TOKENS: usize = 8192;
 impl NgramConfig {
     /// Speculation off.
     pub const fn off() -> NgramConfig {
-        NgramConfig { num_tokens: 0, min_n: 2, max_n: 4, max_batch: 4 }
+        NgramConfig { num_tokens: 0, min_n: 2, max_n: 4, max_batch: 4, draft_cost: None }
     }
 
     pub fn enabled(&self) -> bool {
@@ -54,6 +58,11 @@ impl NgramConfig {
         }
         if self.max_batch == 0 {
             return Err("speculation batch limit: at least 1".into());
+        }
+        if let Some(c) = self.draft_cost
+            && !(0.0..=16.0).contains(&c)
+        {
+            return Err(format!("draft token cost: between 0 and 16 single-token steps, got {c}"));
         }
         Ok(())
     }
@@ -201,7 +210,7 @@ mod tests {
     use super::*;
 
     fn cfg(min_n: usize, max_n: usize) -> NgramConfig {
-        NgramConfig { num_tokens: 4, min_n, max_n, max_batch: 4 }
+        NgramConfig { num_tokens: 4, min_n, max_n, max_batch: 4, draft_cost: None }
     }
 
     fn naive(tokens: &[u32], c: &NgramConfig, k: usize) -> Vec<u32> {
@@ -330,5 +339,8 @@ mod tests {
         assert!(NgramConfig { min_n: 5, max_n: 4, ..NgramConfig::off() }.validate().is_err());
         assert!(NgramConfig { max_n: 17, ..NgramConfig::off() }.validate().is_err());
         assert!(NgramConfig { max_batch: 0, ..NgramConfig::off() }.validate().is_err());
+        assert!(NgramConfig { draft_cost: Some(0.0), ..NgramConfig::off() }.validate().is_ok());
+        assert!(NgramConfig { draft_cost: Some(-0.1), ..NgramConfig::off() }.validate().is_err());
+        assert!(NgramConfig { draft_cost: Some(f64::NAN), ..NgramConfig::off() }.validate().is_err());
     }
 }

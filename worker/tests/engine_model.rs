@@ -515,7 +515,8 @@ fn attention_policies_score_captured_queries_where_the_forward_does_not_sum() {
 #[test]
 fn speculative_decoding_changes_no_answer_and_accepts_drafts() {
     let plain = engine(128, true);
-    let ngram = NgramConfig { num_tokens: 4, min_n: 2, max_n: 4, max_batch: 4 };
+    // Drafts as long as allowed whenever a suffix matches: what is drafted does not depend on step times.
+    let ngram = NgramConfig { num_tokens: 4, min_n: 2, max_n: 4, max_batch: 4, draft_cost: Some(0.0) };
     let spec = Engine::start(EngineConfig { speculative: ngram, ..config(128, true, ReserveConfig::default()) })
         .expect("engine starts");
     let run = |h: &EngineHandle, r: GenerateRequest| {

@@ -454,7 +454,7 @@ fn a_preloaded_pruned_copy_is_owned_admitted_past_the_context_and_freed() {
 /// N-gram speculation on: `k` draft tokens, suffixes of 2–3 tokens, at most `max_batch` running.
 fn speculating(max_step_tokens: usize, max_running: usize, k: usize, max_batch: usize) -> SchedulerConfig {
     SchedulerConfig {
-        speculative: NgramConfig { num_tokens: k, min_n: 2, max_n: 3, max_batch },
+        speculative: NgramConfig { num_tokens: k, min_n: 2, max_n: 3, max_batch, draft_cost: None },
         ..cfg(max_step_tokens, max_running)
     }
 }
