@@ -506,6 +506,26 @@ async fn up_answers_chat_streaming_and_not() {
         "{v}"
     );
 
+    // vLLM's `allowed_token_ids`: a yes/no question answered with one of the two tokens, whichever the model
+    // prefers, even though its own first choice is another token.
+    let mut ids = Vec::new();
+    for word in [" Yes", " No"] {
+        let (s, t) = http.post_json("/tokenize", &json!({"prompt": word, "add_special_tokens": false})).await.unwrap();
+        assert_eq!((s, t["count"].as_u64()), (200, Some(1)), "{word}: {t}");
+        ids.push(t["tokens"][0].clone());
+    }
+    let prompt = "Question: Is Paris the capital of France? Answer:";
+    let body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 1, "temperature": 0});
+    let (s, free) = http.post_json("/v1/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{free}");
+    let mut restricted = body.clone();
+    restricted["allowed_token_ids"] = json!(ids);
+    let (s, v) = http.post_json("/v1/completions", &restricted).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(text == " Yes" || text == " No", "{v}, unrestricted {free}");
+    assert_ne!(free["choices"][0]["text"], v["choices"][0]["text"], "the restriction must change this answer");
+
     // vLLM's `continue_final_message`: the model goes on with the assistant's started answer, and `/tokenize`
     // counts the same prompt, which ends with that answer's text rather than an end of turn.
     let started = json!([{"role": "user", "content": QUESTION},

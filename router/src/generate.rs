@@ -425,6 +425,7 @@ impl Generation {
                 json_object: params.sampling.json_object,
                 json_schema: params.json_schema.clone().unwrap_or_default(),
                 regex: params.regex.clone().unwrap_or_default(),
+                allowed_token_ids: params.allowed_token_ids.clone(),
             }),
             // The model's end tokens stop the request unless it asked to ignore them (the worker then does not add
             // its own either); the request's own stop ids stop it either way.

@@ -134,6 +134,8 @@ pub struct ChatCompletionRequest {
     pub continue_final_message: Option<bool>,
     /// vLLM's extension: keep only the last this many prompt tokens.
     pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's extension: only these tokens may be sampled.
+    pub allowed_token_ids: Option<Value>,
 }
 
 /// `POST /v1/completions` body.
@@ -177,6 +179,8 @@ pub struct CompletionRequest {
     pub kv: Option<KvOptions>,
     /// vLLM's extension: keep only the last this many tokens of each prompt.
     pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's extension: only these tokens may be sampled.
+    pub allowed_token_ids: Option<Value>,
 }
 
 /// At most this many token ids in a `/detokenize` request.
@@ -368,6 +372,8 @@ pub struct GenParams {
     pub ignore_eos: bool,
     /// vLLM's `stop_token_ids`: more tokens that end generation (not emitted), `ignore_eos` or not.
     pub stop_token_ids: Vec<u32>,
+    /// vLLM's `allowed_token_ids`, ascending without repeats: when not empty, only these may be sampled.
+    pub allowed_token_ids: Vec<u32>,
     /// vLLM's `include_stop_str_in_output`: a matched stop string ends the text instead of being cut from it.
     pub include_stop_str: bool,
     /// `response_format: {"type": "json_schema", ...}` or vLLM's `guided_json`: the schema, as compact JSON text,
@@ -446,6 +452,7 @@ struct CommonIn<'a> {
     min_p: Option<f64>,
     min_tokens: Option<i64>,
     stop_token_ids: Option<&'a Value>,
+    allowed_token_ids: Option<&'a Value>,
     include_stop_str_in_output: Option<bool>,
     vocab_size: usize,
     user: Option<&'a str>,
@@ -564,6 +571,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         })?,
     };
     let stop_token_ids = parse_stop_token_ids(c.stop_token_ids, c.vocab_size)?;
+    let allowed_token_ids = parse_allowed_token_ids(c.allowed_token_ids, c.vocab_size)?;
     let ValidKv { policy: kv_policy, budget_tokens: kv_budget_tokens, profile_queries: kv_profile_queries } = match c.kv
     {
         Some(kv) => validate_kv(kv)?,
@@ -598,6 +606,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         logit_bias,
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stop_token_ids,
+        allowed_token_ids,
         include_stop_str: c.include_stop_str_in_output.unwrap_or(false),
         json_schema: None,
         regex: None,
@@ -880,19 +889,39 @@ pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 /// `stop_token_ids`: null or an array of at most [`MAX_STOP_TOKEN_IDS`] token ids below `vocab_size`.
 fn parse_stop_token_ids(v: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    parse_token_ids(v, vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+}
+
+/// vLLM's `allowed_token_ids`: null, or a non-empty array of token ids below `vocab_size` (at most that many),
+/// returned sorted without repeats.
+fn parse_allowed_token_ids(v: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    let mut ids = parse_token_ids(v, vocab_size, "allowed_token_ids", vocab_size)?;
+    if matches!(v, Some(Value::Array(_))) && ids.is_empty() {
+        return Err(ApiError::invalid_param(
+            "allowed_token_ids",
+            "`allowed_token_ids` must name at least one token; leave it out to allow them all.",
+        ));
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
+}
+
+/// `param`: null or an array of at most `max` token ids below `vocab_size`.
+fn parse_token_ids(v: Option<&Value>, vocab_size: usize, param: &str, max: usize) -> Result<Vec<u32>, ApiError> {
     let items = match v {
         None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) if items.len() <= MAX_STOP_TOKEN_IDS => items,
+        Some(Value::Array(items)) if items.len() <= max => items,
         Some(Value::Array(items)) => {
             return Err(ApiError::invalid_param(
-                "stop_token_ids",
-                format!("`stop_token_ids` has {} entries; at most {MAX_STOP_TOKEN_IDS} are allowed.", items.len()),
+                param,
+                format!("`{param}` has {} entries; at most {max} are allowed.", items.len()),
             ));
         }
         Some(other) => {
             return Err(ApiError::invalid_param(
-                "stop_token_ids",
-                format!("`stop_token_ids` must be an array of token ids, got {}.", type_name(other)),
+                param,
+                format!("`{param}` must be an array of token ids, got {}.", type_name(other)),
             ));
         }
     };
@@ -902,7 +931,7 @@ fn parse_stop_token_ids(v: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>
         .map(|(i, v)| {
             v.as_u64().filter(|&t| (t as usize) < vocab_size).map(|t| t as u32).ok_or_else(|| {
                 ApiError::invalid_param(
-                    format!("stop_token_ids[{i}]"),
+                    format!("{param}[{i}]"),
                     format!("Token id {v} is not in the vocabulary (size {vocab_size})."),
                 )
             })
@@ -1306,6 +1335,7 @@ impl ChatCompletionRequest {
             min_p: self.min_p,
             min_tokens: self.min_tokens,
             stop_token_ids: self.stop_token_ids.as_ref(),
+            allowed_token_ids: self.allowed_token_ids.as_ref(),
             include_stop_str_in_output: self.include_stop_str_in_output,
             vocab_size,
             user: self.user.as_deref(),
@@ -1422,6 +1452,7 @@ impl CompletionRequest {
             min_p: self.min_p,
             min_tokens: self.min_tokens,
             stop_token_ids: self.stop_token_ids.as_ref(),
+            allowed_token_ids: self.allowed_token_ids.as_ref(),
             include_stop_str_in_output: self.include_stop_str_in_output,
             vocab_size,
             user: self.user.as_deref(),

@@ -393,7 +393,8 @@ async fn tokenize_and_detokenize() {
 }
 
 /// vLLM's chat rendering fields and `truncate_prompt_tokens`: what the worker is sent follows them (`/tokenize`
-/// and the usage count show it), and their bad combinations are 400s naming the field.
+/// and the usage count show it), and their bad combinations are 400s naming the field, as are bad
+/// `allowed_token_ids`.
 #[tokio::test]
 async fn chat_rendering_and_prompt_truncation() {
     let c = cluster().await;
@@ -444,6 +445,11 @@ async fn chat_rendering_and_prompt_truncation() {
              "truncate_prompt_tokens", "between 1"),
             ("/tokenize", json!({"prompt": "x", "add_generation_prompt": false}), "add_generation_prompt",
              "apply to `messages`"),
+            ("/v1/chat/completions", chat(json!({"allowed_token_ids": []})), "allowed_token_ids", "at least one"),
+            ("/v1/chat/completions", chat(json!({"allowed_token_ids": [1, 257]})), "allowed_token_ids[1]",
+             "not in the vocabulary"),
+            ("/v1/completions", json!({"model": MODEL, "prompt": "x", "allowed_token_ids": "a"}), "allowed_token_ids",
+             "array of token ids"),
         ],
     )
     .await;

@@ -70,6 +70,9 @@ pub struct SamplingParams {
     /// output a prefix of a match of the whole pattern may be sampled, and a stop token only on a match
     /// ([`crate::regex_guide`]). At most one of `json_object`, `json_schema` and `regex` is set.
     pub regex: Option<Arc<ByteDfa>>,
+    /// vLLM's `allowed_token_ids`: when not empty, only these tokens may be sampled (greedy included); ids below
+    /// the vocabulary ([`check_allowed_tokens`]). A stop token outside them never ends the answer.
+    pub allowed_token_ids: Vec<u32>,
 }
 
 impl SamplingParams {
@@ -89,6 +92,7 @@ impl SamplingParams {
             json_object: false,
             json_schema: None,
             regex: None,
+            allowed_token_ids: Vec::new(),
         }
     }
 
@@ -115,6 +119,7 @@ impl SamplingParams {
             && !self.repeats()
             && self.min_tokens == 0
             && !self.guided()
+            && self.allowed_token_ids.is_empty()
     }
 
     /// Whether a grammar guides the output (`json_object`, `json_schema` or `regex`).
@@ -171,6 +176,17 @@ pub fn check_logit_bias(bias: &mut [(u32, f32)], vocab_size: usize) -> Result<()
     Ok(())
 }
 
+/// Checks vLLM's `allowed_token_ids`: every id below `vocab_size`, at most `vocab_size` of them.
+pub fn check_allowed_tokens(ids: &[u32], vocab_size: usize) -> Result<(), String> {
+    if ids.len() > vocab_size {
+        return Err(format!("allowed_token_ids has {} entries; the vocabulary has {vocab_size}", ids.len()));
+    }
+    match ids.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(t) => Err(format!("allowed_token_ids: token id {t} is outside the vocabulary ({vocab_size})")),
+        None => Ok(()),
+    }
+}
+
 /// Scratch space shared by all samplers on one thread: `(probability or logit, token)` candidates.
 #[derive(Debug, Default)]
 pub struct SampleBuffer {
@@ -206,6 +222,8 @@ pub struct Sampler {
     guide: Option<(Guide, Arc<TokenTable>)>,
     /// Under a regex guide, which tokens fit the states sampled from lately.
     masks: TokenMasks,
+    /// The allowed tokens' logits while every other is set to minus infinity (reused).
+    allowed_logits: Vec<f32>,
 }
 
 /// How many of a regex guide's states keep their token masks.
@@ -330,6 +348,7 @@ impl Sampler {
             generated: 0,
             guide: None,
             masks: TokenMasks::default(),
+            allowed_logits: Vec::new(),
         }
     }
 
@@ -431,6 +450,18 @@ impl Sampler {
         for &(token, bias) in &self.cfg.logit_bias {
             if let Some(c) = cand.get_mut(token as usize) {
                 c.0 += bias;
+            }
+        }
+        if !self.cfg.allowed_token_ids.is_empty() {
+            let allowed = &self.cfg.allowed_token_ids;
+            let kept = &mut self.allowed_logits;
+            kept.clear();
+            kept.extend(allowed.iter().map(|&t| cand.get(t as usize).map_or(f32::NEG_INFINITY, |c| c.0)));
+            cand.iter_mut().for_each(|c| c.0 = f32::NEG_INFINITY);
+            for (&t, &l) in allowed.iter().zip(kept.iter()) {
+                if let Some(c) = cand.get_mut(t as usize) {
+                    c.0 = l;
+                }
             }
         }
         if self.generated < self.cfg.min_tokens {
@@ -1093,6 +1124,29 @@ mod tests {
         // Top-k ranks the biased logits.
         let h = histogram(&mut Sampler::new(biased(cfg(1.0, 1.0, 1, 9), &[(1, -100.0)])), &[1.0, 3.0, 2.0], 100);
         assert_eq!(h, vec![0, 0, 100]);
+    }
+
+    #[test]
+    fn allowed_token_ids_restrict_greedy_and_sampled_choices() {
+        let mut buf = SampleBuffer::new();
+        let allowed = |cfg: SamplingParams, ids: &[u32]| SamplingParams { allowed_token_ids: ids.to_vec(), ..cfg };
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        // Greedy: the best allowed token, not the argmax; the runner's argmax path is off.
+        let mut s = Sampler::new(allowed(SamplingParams::greedy(), &[0, 2]));
+        assert!(!s.config().picks_argmax());
+        assert_eq!(s.sample(&logits, &mut buf), 2);
+        // A bias still ranks the allowed ones.
+        let mut s = Sampler::new(biased(allowed(SamplingParams::greedy(), &[0, 2]), &[(0, 5.0)]));
+        assert_eq!(s.sample(&logits, &mut buf), 0);
+        // Sampled: only allowed tokens come out, in their own ratio (0.25 : 0.25 of the whole).
+        let probs = logits_from_probs(&[0.25, 0.5, 0.0, 0.25]);
+        let h = histogram(&mut Sampler::new(allowed(cfg(1.0, 1.0, 0, 4), &[0, 3])), &probs, 20_000);
+        assert_eq!((h[1], h[2]), (0, 0), "{h:?}");
+        assert!((h[0] as f32 / 20_000.0 - 0.5).abs() < 0.015, "{h:?}");
+        // Bounds.
+        assert!(check_allowed_tokens(&[0, 3, 3], 4).is_ok());
+        assert!(check_allowed_tokens(&[4], 4).unwrap_err().contains("outside the vocabulary"));
+        assert!(check_allowed_tokens(&[0; 5], 4).unwrap_err().contains("5 entries"));
     }
 
     fn penalised(presence: f32, frequency: f32, prior: u32) -> SamplingParams {

@@ -282,6 +282,7 @@ impl WorkerService {
                     top_k: s.top_k,
                     seed: s.seed,
                     logit_bias: s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
+                    allowed_token_ids: s.allowed_token_ids.clone(),
                     presence_penalty: s.presence_penalty,
                     frequency_penalty: s.frequency_penalty,
                     prior_output_tokens: s.prior_output_tokens,
@@ -786,6 +787,8 @@ mod tests {
         };
         let mut bad_stop = request(vec![1], 1);
         bad_stop.stop_token_ids = vec![5000];
+        let mut allowed_outside_vocab = request(vec![1], 1);
+        allowed_outside_vocab.sampling = Some(PbSampling { allowed_token_ids: vec![3, 5000], ..Default::default() });
         let mut long_id = request(vec![1], 1);
         long_id.request_id = "x".repeat(MAX_ID_BYTES + 1);
         let query = |token_ids: Vec<u32>| pb::ProfileQuery { token_ids };
@@ -813,6 +816,7 @@ mod tests {
             ("presence_penalty NaN", penalised(f32::NAN, 0)),
             ("prior output longer than the prompt", penalised(1.0, 3)),
             ("stop id outside vocab", bad_stop),
+            ("allowed token outside vocab", allowed_outside_vocab),
             ("request id too long", long_id),
             ("empty profile query", empty_query),
             ("profile query outside vocab", query_outside_vocab),
