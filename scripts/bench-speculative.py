@@ -11,7 +11,7 @@ or themselves (counting, rewriting code, quoting a paragraph) and free text (a s
 seeded at temperature 0.8; then `--concurrency` streams at once, where the per-server batch limit
 (`--speculative-max-batch`, default 4) decides whether drafts run.
 
-    scripts/bench-speculative.py [--bin target/release/pagoda] [--ks 4] [--reps 5] [--tokens 128]
+    scripts/bench-speculative.py [--bin target/release/pagoda] [--ks 4,4@0] [--reps 5] [--tokens 128]
         [--concurrency 4,8] [--json out.json]
 """
 
@@ -115,14 +115,20 @@ def stream(url, prompt, extra, tokens):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default="target/release/pagoda")
-    ap.add_argument("--ks", default="4", help="draft tokens per server with speculation, comma-separated")
+    ap.add_argument("--ks", default="4",
+                    help="draft tokens per server with speculation, comma-separated; `K@C` also pins the cost of a "
+                         "draft token to C (--speculative-draft-cost; 4@0 drafts 4 whenever a suffix matches)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="4,8")
     ap.add_argument("--base-port", type=int, default=18480)
     ap.add_argument("--json")
     a = ap.parse_args()
-    servers = {"off": []} | {f"k={k}": ["--speculative-tokens", k] for k in a.ks.split(",")}
+    servers = {"off": []}
+    for spec in a.ks.split(","):
+        k, _, cost = spec.partition("@")
+        flags = ["--speculative-tokens", k] + (["--speculative-draft-cost", cost] if cost else [])
+        servers[f"k={k}" + (f", cost {cost}" if cost else "")] = flags
     procs, urls = [], {}
     try:
         for i, (name, flags) in enumerate(servers.items()):

@@ -541,14 +541,16 @@ impl<P> Scheduler<P> {
 
     /// Proposes a speculative draft for decoding sequence `id` into `draft_buf` and returns its length (0: none).
     /// Its length is the one that pays for itself ([`speculative::draft_length`]) given how the sequence's drafts
-    /// fared lately and what a draft token costs. Only full-cache sequences speculate (a policy's hooks would evict from slots a rejected draft leaves
-    /// behind), only while at most [`NgramConfig::max_batch`] sequences run, and only into room the step budget
-    /// (`budget`), `max_tokens`, the context and the pool's available blocks have: a draft never preempts.
+    /// fared lately and what a draft token costs ([`Scheduler::draft_token_cost`]). Only full-cache sequences
+    /// speculate (a policy's hooks would evict from slots a rejected draft leaves behind), only while at most
+    /// [`NgramConfig::max_batch`] sequences run, and only into room the step budget (`budget`), `max_tokens`, the
+    /// context and the pool's available blocks have: a draft never preempts.
     fn propose_draft(&mut self, id: SeqId, budget: usize) -> usize {
         let spec = self.cfg.speculative;
         if !spec.enabled() || self.running.len() > spec.max_batch {
             return 0;
         }
+        let cost = self.draft_token_cost();
         let Some(seq) = self.seqs.get_mut(&id) else { return 0 };
         if !seq.policy.is_full() || seq.tokens.len() < seq.prompt_len + 1 {
             return 0;
@@ -559,7 +561,6 @@ impl<P> Scheduler<P> {
             .saturating_sub(seq.num_generated() + 1)
             .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
         let cap = spec.num_tokens.min(room).min(budget);
-        let cost = spec.draft_cost.unwrap_or(self.draft_cost.per_token());
         let k = speculative::draft_length(seq.acceptance.rate(), cost, cap);
         if k == 0 {
             if cap > 0 {
@@ -609,11 +610,7 @@ impl<P> Scheduler<P> {
         if let Err(e) = seq.blocks.drop_tail(&mut self.pool, computed_before - seq.num_computed) {
             tracing::error!(seq = id, error = %e, "dropping a rejected draft's KV failed");
         }
-        if self.cfg.enable_prefix_cache {
-            let done = &seq.tokens[..seq.num_computed];
-            extend_block_hashes(&self.cfg.model_id, &seq.namespace, done, self.layout.block_size, &mut seq.hashes);
-            seq.blocks.register_full(&mut self.pool, &seq.hashes);
-        }
+        Self::publish_verified_groups(&self.cfg, &mut self.pool, seq);
         seq.acceptance.record(accepted, draft);
         self.stats.draft_tokens_total += draft as u64;
         self.stats.drafts_total += 1;
@@ -827,12 +824,7 @@ impl<P> Scheduler<P> {
             seq.num_computed += s.n;
             seq.blocks.advance(s.n);
             self.stats.computed_tokens_total += s.n as u64;
-            if self.cfg.enable_prefix_cache {
-                // An unverified draft is hashed and registered once settled.
-                let done = &seq.tokens[..seq.num_computed - seq.draft];
-                extend_block_hashes(&self.cfg.model_id, &seq.namespace, done, self.layout.block_size, &mut seq.hashes);
-                seq.blocks.register_full(&mut self.pool, &seq.hashes);
-            }
+            Self::publish_verified_groups(&self.cfg, &mut self.pool, seq);
         }
     }
 
@@ -927,13 +919,20 @@ impl<P> Scheduler<P> {
         self.finish(id)
     }
 
-    fn release_blocks(cfg: &SchedulerConfig, pool: &mut BlockPool, seq: &mut Sequence<P>) {
-        if cfg.enable_prefix_cache {
-            let done = &seq.tokens[..seq.num_computed.min(seq.tokens.len())];
-            let bs = seq.blocks.layout().block_size;
-            extend_block_hashes(&cfg.model_id, &seq.namespace, done, bs, &mut seq.hashes);
-            seq.blocks.register_full(pool, &seq.hashes);
+    /// With the prefix cache on, hashes the computed tokens short of an unverified draft and registers the full
+    /// groups they fill: a draft reaches the index only once [`Scheduler::settle_draft`] kept it.
+    fn publish_verified_groups(cfg: &SchedulerConfig, pool: &mut BlockPool, seq: &mut Sequence<P>) {
+        if !cfg.enable_prefix_cache {
+            return;
         }
+        let verified = seq.num_computed.min(seq.tokens.len() - seq.draft);
+        let bs = seq.blocks.layout().block_size;
+        extend_block_hashes(&cfg.model_id, &seq.namespace, &seq.tokens[..verified], bs, &mut seq.hashes);
+        seq.blocks.register_full(pool, &seq.hashes);
+    }
+
+    fn release_blocks(cfg: &SchedulerConfig, pool: &mut BlockPool, seq: &mut Sequence<P>) {
+        Self::publish_verified_groups(cfg, pool, seq);
         // Releasing blocks the sequence holds cannot fail; an error would be a bookkeeping bug.
         if let Err(e) = seq.blocks.free(pool) {
             tracing::error!(seq = seq.id, error = %e, "releasing KV blocks failed");

@@ -74,9 +74,9 @@ impl Default for NgramConfig {
     }
 }
 
-/// A step that computes a draft of `k` tokens costs `1 + cost · k` single-token steps before any timing is seen:
-/// measured for SmolLM2-135M on two cores of this machine's CPU at 300–800 tokens of context (a 5-token step
-/// takes 1.66× a 1-token step, a 9-token step 2.64×). The engine replaces it with what its own steps take.
+/// A step that computes a draft of `k` tokens costs `1 + cost · k` single-token steps before any timing is seen: a
+/// starting guess (from step-time logs of SmolLM2-135M on two CPU cores) that the engine replaces with what its own
+/// steps take ([`DraftCost`]).
 pub const PRIOR_DRAFT_TOKEN_COST: f64 = 0.2;
 /// What the running estimates keep of the past per observation (acceptance per sequence, cost per engine): about
 /// the last five drafts count.
