@@ -41,7 +41,7 @@ use pagoda_worker::model::SyntheticSpec;
 use pagoda_worker::peer_link::LinkFactory;
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::policy::{PolicyKind, PolicySpec, policy_names};
-use pagoda_worker::scheduler::ReserveConfig;
+use pagoda_worker::scheduler::{ReserveConfig, SchedulingPolicy};
 use pagoda_worker::service::{AdmissionLimits, WorkerService};
 use pagoda_worker::speculative::NgramConfig;
 use pagoda_worker::tiers::TierConfig;
@@ -202,6 +202,10 @@ struct EngineArgs {
     /// `greedy` admits whatever fits now and preempts later.
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
     admission: String,
+    /// Request order (vLLM's flag): `fcfs` serves requests in arrival order and refuses a `priority` other than 0;
+    /// `priority` admits the lowest `priority` first and preempts the highest first, arrival breaking ties.
+    #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority"])]
+    scheduling_policy: String,
     /// Directory for the worker's persistent state; the disk KV tier lives in <data-dir>/kv/.
     #[arg(long, env = "PAGODA_DATA_DIR")]
     data_dir: Option<PathBuf>,
@@ -1172,6 +1176,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         threads: e.threads,
         default_policy,
         reserve: ReserveConfig::from_name(&e.admission).context("--admission")?,
+        scheduling: SchedulingPolicy::from_name(&e.scheduling_policy).context("--scheduling-policy")?,
         tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
         amx: e.amx,

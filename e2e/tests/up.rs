@@ -593,6 +593,9 @@ async fn up_bad_inputs_get_openai_errors_and_server_keeps_serving() {
         ("logit_bias outside the vocabulary", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"49152": 1}})), 400),
         ("logit_bias above 100", j(json!({"model": MODEL_ID, "messages": user, "logit_bias": {"7": 101}})), 400),
         ("too many stop strings", j(json!({"model": MODEL_ID, "messages": user, "stop": ["a","b","c","d","e","f","g","h","i"]})), 400),
+        // This server serves in arrival order (the default --scheduling-policy fcfs): the worker refuses a priority.
+        ("priority without priority scheduling", j(json!({"model": MODEL_ID, "messages": user, "priority": 2})), 400),
+        ("priority out of range", j(json!({"model": MODEL_ID, "messages": user, "priority": 1u64 << 40})), 400),
         (
             "invalid UTF-8",
             b"{\"model\": \"SmolLM2-135M-Instruct.Q4_1\", \"messages\": [{\"role\": \"user\", \"content\": \"caf\xe9\"}]}".to_vec(),
@@ -709,6 +712,35 @@ async fn up_serves_chat_under_every_eviction_policy() {
         assert_eq!(v["error"]["param"], param, "{v}");
     }
     still_serves(http, "policies").await;
+}
+
+/// `--scheduling-policy priority` through the real binary: requests that name a priority are served, one at a time
+/// here (`--max-running 1`), and each gets the answer it gets alone. (Which goes first is checked on the engine
+/// itself, in `engine_model`, where the order can be observed without timing.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_priority_scheduling_serves_every_priority() {
+    let up = start_up("up-priority", &["--scheduling-policy", "priority", "--max-running", "1"]).await.unwrap();
+    let http = &up.http;
+    let ask = |priority: i64| {
+        let body = chat(QUESTION, json!({"temperature": 0, "max_tokens": 12, "priority": priority}));
+        async move { http.post_json("/v1/chat/completions", &body).await.unwrap() }
+    };
+    let (a, b, c) = tokio::join!(ask(3), ask(-1), ask(0));
+    for (s, v) in [&a, &b, &c] {
+        assert_eq!(*s, 200, "{v}");
+        assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|t| t.contains("Paris")), "{v}");
+    }
+    assert_eq!(a.1["choices"], b.1["choices"]);
+    assert_eq!(a.1["choices"], c.1["choices"]);
+    let completion = json!({"model": MODEL_ID, "prompt": "The capital city of France is", "max_tokens": 3,
+                            "temperature": 0, "priority": -7});
+    let (s, v) = http.post_json("/v1/completions", &completion).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let (s, v) =
+        http.post_json("/v1/chat/completions", &chat(QUESTION, json!({"priority": -(1i64 << 40)}))).await.unwrap();
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "priority", "{v}");
+    still_serves(http, "priority").await;
 }
 
 /// Streams a chat completion and returns its text, put together from the deltas.

@@ -447,6 +447,7 @@ impl Generation {
             logprobs: params.logprobs.is_some(),
             top_logprobs: params.logprobs.unwrap_or(0),
             // A resumed attempt's prompt carries generated tokens, which come after every prompt score.
+            priority: params.priority,
             prompt_logprobs: self.scores_prompt() && self.prompt_scores.len() + 1 < self.job.prompt.len(),
         };
         let prompt_tokens = req.prompt_token_ids.len() as u64;

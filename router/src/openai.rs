@@ -136,6 +136,8 @@ pub struct ChatCompletionRequest {
     pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's extension: only these tokens may be sampled.
     pub allowed_token_ids: Option<Value>,
+    /// vLLM's extension: the request's priority under priority scheduling (lower first; default 0).
+    pub priority: Option<i64>,
 }
 
 /// `POST /v1/completions` body.
@@ -181,6 +183,8 @@ pub struct CompletionRequest {
     pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's extension: only these tokens may be sampled.
     pub allowed_token_ids: Option<Value>,
+    /// vLLM's extension: the request's priority under priority scheduling (lower first; default 0).
+    pub priority: Option<i64>,
 }
 
 /// At most this many token ids in a `/detokenize` request.
@@ -400,6 +404,9 @@ pub struct GenParams {
     pub n: u32,
     /// vLLM's `truncate_prompt_tokens`: each prompt keeps only its last this many tokens.
     pub truncate_prompt_tokens: Option<u32>,
+    /// vLLM's `priority`: lower is served first by a worker that runs priority scheduling; a worker that serves in
+    /// arrival order refuses anything but 0.
+    pub priority: i32,
     /// A chat's rendering with the template (the default for completions, which have none).
     pub chat_render: ChatRender,
 }
@@ -458,6 +465,7 @@ struct CommonIn<'a> {
     user: Option<&'a str>,
     kv: Option<&'a KvOptions>,
     truncate_prompt_tokens: Option<i64>,
+    priority: Option<i64>,
 }
 
 /// `model` is non-empty and bounded (whether it is served is the handler's question).
@@ -487,6 +495,15 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
                 format!("`truncate_prompt_tokens` must be between 1 and {MAX_TRUNCATE_PROMPT_TOKENS}, got {n}."),
             ));
         }
+    };
+    let priority = match c.priority {
+        None => 0,
+        Some(p) => i32::try_from(p).map_err(|_| {
+            ApiError::invalid_param(
+                "priority",
+                format!("`priority` must be between {} and {}, got {p}.", i32::MIN, i32::MAX),
+            )
+        })?,
     };
     let max_tokens = match c.max_tokens {
         None => None,
@@ -618,6 +635,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         echo: false,
         n,
         truncate_prompt_tokens,
+        priority,
         chat_render: ChatRender::default(),
     })
 }
@@ -1341,6 +1359,7 @@ impl ChatCompletionRequest {
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
             truncate_prompt_tokens: self.truncate_prompt_tokens,
+            priority: self.priority,
         })?;
         params.logprobs = logprobs;
         params.chat_render = ChatRender::parse(self.add_generation_prompt, self.continue_final_message, &turns)?;
@@ -1458,6 +1477,7 @@ impl CompletionRequest {
             user: self.user.as_deref(),
             kv: self.kv.as_ref(),
             truncate_prompt_tokens: self.truncate_prompt_tokens,
+            priority: self.priority,
         })?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);
@@ -1969,6 +1989,12 @@ mod tests {
         let (_, past_eos) =
             chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"ignore_eos":true}"#).unwrap();
         assert!(past_eos.ignore_eos);
+        assert_eq!(past_eos.priority, 0);
+        let (_, urgent) =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"priority":-2147483648}"#).unwrap();
+        assert_eq!(urgent.priority, i32::MIN);
+        let e = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"priority":2147483648}"#).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("priority")));
         for bad in [r#""presence_penalty":2.01"#, r#""frequency_penalty":-3"#, r#""frequency_penalty":"1""#] {
             let e =
                 chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{bad}}}"#)).unwrap_err();

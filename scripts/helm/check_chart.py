@@ -252,6 +252,7 @@ def check_default(objs):
     expect("--amx" not in w["command"], "default: worker runs --amx although worker.amx is off")
     expect(not [a for a in w["command"] if a.startswith("--speculative-tokens")],
            "default: worker speculates although worker.speculativeTokens is 0")
+    expect("--scheduling-policy=fcfs" in w["command"], "default: worker lacks --scheduling-policy=fcfs")
     expect("--evicpress-shrink" not in w["command"], "default: worker shrinks profiles although it is off")
     expect("--evicpress-upgrade" not in w["command"], "default: worker recomputes lossy copies although it is off")
     expect("--kivi-residual-tokens=0" in w["command"], "default: worker keeps a KIVI residual although it is 0")
@@ -346,6 +347,7 @@ def check_minimal(objs):
     w, _ = container(objs, "StatefulSet", "worker", "worker")
     expect("--amx" in w["command"], "minimal: worker lacks --amx although worker.amx is on")
     expect("--speculative-tokens=4" in w["command"], "minimal: worker lacks --speculative-tokens=4")
+    expect("--scheduling-policy=priority" in w["command"], "minimal: worker lacks --scheduling-policy=priority")
     for flag in ["--tier-placement=evicpress", "--kivi-residual-tokens=128", "--evicpress-horizon=observed",
                  "--evicpress-shrink", "--evicpress-upgrade",
                  "--evicpress-profile-question=Who is speaking in the passage above?",

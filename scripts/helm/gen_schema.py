@@ -142,6 +142,8 @@ schema = obj({
         "device": {"enum": ["cpu", "cuda"]},
         "amx": BOOL,
         "speculativeTokens": {"type": "integer", "minimum": 0, "maximum": 16},
+        # `pagoda worker --scheduling-policy`.
+        "schedulingPolicy": {"enum": ["fcfs", "priority"]},
         "prefixCache": BOOL,
         "kv": obj({
             "policy": {"enum": POLICIES},

@@ -189,6 +189,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         synthetic: opts.synthetic.clone(),
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),
+        scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
     };
     // Size the arena from the shape before loading the weights.
     let mc = model_config(&cfg)?;
@@ -310,6 +311,7 @@ fn run_batch<R: ModelRunner>(
         // The batch under test runs whole: the pool is sized for it.
         reserve: ReserveConfig::off(),
         speculative: crate::speculative::NgramConfig::off(),
+        scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
     };
     let mut sched: Scheduler<()> = Scheduler::new(cfg, info.layout(), info.num_blocks);
     for p in prompts {
@@ -320,6 +322,7 @@ fn run_batch<R: ModelRunner>(
             namespace: String::new(),
             policy: crate::policy::PolicySpec::full(),
             prompt_logits: false,
+            priority: 0,
             payload: (),
         })?;
     }

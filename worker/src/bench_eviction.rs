@@ -386,6 +386,7 @@ fn run_fresh(
         synthetic: None,
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),
+        scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();
@@ -465,6 +466,7 @@ fn run_config(
         profile_queries: Vec::new(),
         logprobs: None,
         prompt_logprobs: None,
+        priority: 0,
     };
     // Warm-up outside the clock: first-step scratch growth and page faults on the fresh KV arena's first blocks.
     let warm = prompts.first().map_or(&[][..], |p| &p[..p.len().min(32)]);

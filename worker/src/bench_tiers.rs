@@ -95,6 +95,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         profile_queries: Vec::new(),
         logprobs: None,
         prompt_logprobs: None,
+        priority: 0,
     }
 }
 

@@ -826,6 +826,7 @@ fn request(prompt: Vec<u32>, answer_tokens: usize, profile_queries: &[Vec<u32>])
         profile_queries: profile_queries.to_vec(),
         logprobs: None,
         prompt_logprobs: None,
+        priority: 0,
     }
 }
 

@@ -32,8 +32,8 @@ use crate::placement::{EvicPress, EvicPressConfig, EvicPressStats};
 use crate::policy::{AttnDims, PolicyKind, PolicyKv, PolicySpec, StepProbs};
 use crate::sampling::{MAX_TOP_LOGPROBS, SampleBuffer, Sampler, TokenLogprobs, token_logprobs};
 use crate::scheduler::{
-    ReserveConfig, SchedError, ScheduledSeq, Scheduler, SchedulerConfig, SeqId, SeqRequest, Sequence, StepPlan,
-    check_fits,
+    ReserveConfig, SchedError, ScheduledSeq, Scheduler, SchedulerConfig, SchedulingPolicy, SeqId, SeqRequest, Sequence,
+    StepPlan, check_fits, check_priority,
 };
 use crate::tiers::codec::GroupKv;
 use crate::tiers::residual::{self, ResidualTails};
@@ -60,6 +60,8 @@ pub struct EngineConfig {
     pub default_policy: PolicySpec,
     /// Admission growth reserve of the scheduler.
     pub reserve: ReserveConfig,
+    /// First come, first served, or by request priority.
+    pub scheduling: SchedulingPolicy,
     /// Host and disk KV tiers below the device pool (off by default).
     pub tiers: TierConfig,
     /// Element type of the device KV arena (f16 by default; f32 for exact comparisons with an f32 reference).
@@ -131,6 +133,7 @@ impl Default for EngineConfig {
             threads: 0,
             default_policy: PolicySpec::full(),
             reserve: ReserveConfig::default(),
+            scheduling: SchedulingPolicy::Fcfs,
             tiers: TierConfig::default(),
             kv_dtype: KvDtype::default(),
             placement: TierPlacement::default(),
@@ -177,6 +180,9 @@ pub struct GenerateRequest {
     /// alternatives, before the first generated token: what scoring a text needs (OpenAI's `echo` with
     /// `logprobs`). The request then adopts no cached prefix, since cached positions have no logits.
     pub prompt_logprobs: Option<u32>,
+    /// vLLM's request priority: lower is admitted first and preempted last; ties go by arrival. Anything but 0 needs
+    /// [`SchedulingPolicy::Priority`].
+    pub priority: i32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -759,6 +765,7 @@ impl EngineHandle {
                 )));
             }
         }
+        check_priority(&self.inner.sched_cfg, req.priority).map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
         check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
         Ok(())
     }
@@ -920,6 +927,7 @@ fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
         attn: info.attn_dims(),
         reserve: cfg.reserve,
         speculative: cfg.speculative,
+        scheduling: cfg.scheduling,
     }
 }
 
@@ -1166,6 +1174,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     namespace: req.namespace,
                     policy: req.policy.unwrap_or(self.default_policy),
                     prompt_logits: req.prompt_logprobs.is_some(),
+                    priority: req.priority,
                     payload: state,
                 };
                 // The handle validated already; a rejection here still reaches the client.
@@ -2001,6 +2010,7 @@ mod tests {
             profile_queries: Vec::new(),
             logprobs: None,
             prompt_logprobs: None,
+            priority: 0,
         }
     }
 

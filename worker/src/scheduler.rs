@@ -3,10 +3,15 @@
 //! bookkeeping ([`BlockPool`], [`SeqBlocks`]) in step.
 //!
 //! One step ([`Scheduler::schedule`]):
-//! 1. running sequences that are decoding (one uncomputed token) go first, oldest first;
+//! 1. running sequences that are decoding (one uncomputed token) go first, first in queue order;
 //! 2. running sequences still in (chunked) prefill take chunks from what is left of the budget;
-//! 3. waiting sequences are admitted in FIFO order while budget and `max_running` allow: the prefix index is
+//! 3. waiting sequences are admitted in queue order while budget and `max_running` allow: the prefix index is
 //!    consulted, matched block groups are adopted and their tokens are not computed.
+//!
+//! Queue order is (priority, arrival): vLLM's priority scheduling, where a lower [`SeqRequest::priority`] is served
+//! first and arrival breaks ties. Both queues keep that order: the waiting queue decides who is admitted next, the
+//! running list who gets the step's budget first and, from its end, who is preempted. With every priority 0 (the
+//! engine refuses others unless priority scheduling is on) it is first come, first served.
 //!
 //! Admission keeps a growth reserve (SGLang's "new token ratio"): a waiting sequence is admitted only while the
 //! blocks the running sequences may still grow into fit next to it. Growth is what each sequence's policy lets it
@@ -16,11 +21,12 @@
 //! step has to preempt: so pruned sequences stop being admitted into room they will need a few steps later, and
 //! recomputing their prompts (the cost of a preemption) becomes rare.
 //!
-//! When a running sequence cannot get blocks, the youngest running sequence is preempted by recompute: its
-//! blocks are freed (full groups stay in the prefix cache, so resuming is usually cheap) and it goes back to
-//! the front of the waiting queue with prompt + generated tokens; it resumes without losing or duplicating
-//! tokens. A request whose worst case cannot fit the pool is refused at [`Scheduler::add`], so the oldest
-//! sequence always fits on its own and scheduling never deadlocks.
+//! When a running sequence cannot get blocks, the last running sequence in queue order (the youngest of the
+//! lowest priority) is preempted by recompute: its blocks are freed (full groups stay in the prefix cache, so
+//! resuming is usually cheap) and it goes back to its place in the waiting queue, ahead of everything that came
+//! after it at its priority, with prompt + generated tokens; it resumes without losing or duplicating tokens. A
+//! request whose worst case cannot fit the pool is refused at [`Scheduler::add`], so the first sequence in queue
+//! order always fits on its own and scheduling never deadlocks.
 //!
 //! With n-gram speculation on ([`SchedulerConfig::speculative`]), a decoding full-cache sequence whose last
 //! tokens repeat earlier ones carries a draft ([`crate::speculative`]): its entry computes the next token and the
@@ -74,6 +80,8 @@ pub struct SchedulerConfig {
     pub reserve: ReserveConfig,
     /// N-gram speculative decoding of full-cache sequences ([`NgramConfig::off`] by default).
     pub speculative: NgramConfig,
+    /// Whether requests may carry a priority other than 0 ([`Scheduler::add`] refuses them under FCFS).
+    pub scheduling: SchedulingPolicy,
 }
 
 /// The decode-growth estimate behind admission (SGLang's `new_token_ratio` and its defaults).
@@ -111,6 +119,27 @@ impl Default for ReserveConfig {
     }
 }
 
+/// How the engine orders requests (vLLM's `--scheduling-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// First come, first served: every request has priority 0, and one that names another is refused.
+    #[default]
+    Fcfs,
+    /// By [`SeqRequest::priority`] (lower first), then arrival.
+    Priority,
+}
+
+impl SchedulingPolicy {
+    /// `fcfs` or `priority`.
+    pub fn from_name(name: &str) -> Option<SchedulingPolicy> {
+        match name {
+            "fcfs" => Some(SchedulingPolicy::Fcfs),
+            "priority" => Some(SchedulingPolicy::Priority),
+            _ => None,
+        }
+    }
+}
+
 /// Decode steps SGLang adds per running sequence when it re-estimates the ratio after a preemption.
 const RESERVE_RETRACT_STEPS: usize = 20;
 
@@ -125,6 +154,7 @@ impl Default for SchedulerConfig {
             attn: AttnDims { n_layers: 0, n_heads: 0, n_kv_heads: 0, head_dim: 0 },
             reserve: ReserveConfig::default(),
             speculative: NgramConfig::off(),
+            scheduling: SchedulingPolicy::Fcfs,
         }
     }
 }
@@ -139,6 +169,10 @@ pub enum SchedError {
     ZeroMaxTokens,
     #[error("the request needs up to {needed} KV blocks but the pool has {capacity}")]
     TooLargeForPool { needed: usize, capacity: usize },
+    #[error(
+        "priority {0} needs priority scheduling (--scheduling-policy priority); this worker serves in arrival order"
+    )]
+    PriorityNotEnabled(i32),
     #[error("unknown sequence {0}")]
     UnknownSeq(SeqId),
     #[error(transparent)]
@@ -157,6 +191,8 @@ pub struct SeqRequest<P> {
     /// Every prompt position's logits are wanted (prompt log-probabilities): the sequence adopts no cached prefix
     /// (those positions would have no logits), and its prefill chunks share [`PROMPT_LOGITS_STEP_TOKENS`].
     pub prompt_logits: bool,
+    /// vLLM's request priority: lower is served first (admitted first, preempted last); ties go by arrival.
+    pub priority: i32,
     pub payload: P,
 }
 
@@ -197,6 +233,8 @@ pub struct Sequence<P> {
     draft: usize,
     /// How this sequence's drafts fared lately: how long its next draft is.
     acceptance: Acceptance,
+    /// [`SeqRequest::priority`].
+    priority: i32,
     pub payload: P,
 }
 
@@ -274,6 +312,13 @@ impl<P> Sequence<P> {
         self.stop_token_ids.contains(&token)
     }
     /// The unverified speculative draft at the end of [`Sequence::tokens`] (empty between steps).
+    pub fn priority(&self) -> i32 {
+        self.priority
+    }
+    /// Where this sequence stands in queue order: (priority, arrival), lowest first.
+    fn queue_key(&self) -> (i32, SeqId) {
+        (self.priority, self.id)
+    }
     pub fn draft(&self) -> &[u32] {
         &self.tokens[self.tokens.len() - self.draft..]
     }
@@ -341,8 +386,9 @@ pub struct Scheduler<P> {
     layout: CacheLayout,
     pool: BlockPool,
     seqs: HashMap<SeqId, Sequence<P>>,
+    /// In queue order ([`Sequence::queue_key`]): the front is admitted next.
     waiting: VecDeque<SeqId>,
-    /// Admission order: oldest first, so the youngest is last.
+    /// In queue order too: the front gets the step's budget first, the last is preempted first.
     running: Vec<SeqId>,
     next_id: SeqId,
     stats: SchedStats,
@@ -413,9 +459,10 @@ impl<P> Scheduler<P> {
         check_fits(&self.cfg, self.layout, self.pool.num_blocks(), prompt_len, max_tokens)
     }
 
-    /// Queues a request (FIFO). Fails cleanly when it could never fit.
+    /// Queues a request at its place in queue order. Fails cleanly when it could never fit.
     pub fn add(&mut self, req: SeqRequest<P>) -> Result<SeqId, SchedError> {
         self.check_fits(req.prompt.len(), req.max_tokens)?;
+        check_priority(&self.cfg, req.priority)?;
         let id = self.next_id;
         self.next_id += 1;
         let seq = Sequence {
@@ -438,11 +485,31 @@ impl<P> Scheduler<P> {
             prompt_logits: req.prompt_logits,
             draft: 0,
             acceptance: Acceptance::default(),
+            priority: req.priority,
             payload: req.payload,
         };
         self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
+        self.enqueue_waiting(id);
         Ok(id)
+    }
+
+    /// The queue-order key of a known sequence (an unknown one sorts last).
+    fn queue_key(&self, id: SeqId) -> (i32, SeqId) {
+        self.seqs.get(&id).map_or((i32::MAX, SeqId::MAX), Sequence::queue_key)
+    }
+
+    /// Puts `id` into the waiting queue at its place in queue order.
+    fn enqueue_waiting(&mut self, id: SeqId) {
+        let key = self.queue_key(id);
+        let at = self.waiting.partition_point(|&w| self.queue_key(w) < key);
+        self.waiting.insert(at, id);
+    }
+
+    /// Puts `id` into the running list at its place in queue order.
+    fn enqueue_running(&mut self, id: SeqId) {
+        let key = self.queue_key(id);
+        let at = self.running.partition_point(|&r| self.queue_key(r) < key);
+        self.running.insert(at, id);
     }
 
     /// Plans the next step. An empty plan means there is nothing to do.
@@ -525,7 +592,7 @@ impl<P> Scheduler<P> {
                 logits_budget -= n;
             }
             self.waiting.pop_front();
-            self.running.push(id);
+            self.enqueue_running(id);
             let seq = &self.seqs[&id];
             plan.seqs.push(ScheduledSeq {
                 seq: id,
@@ -618,8 +685,9 @@ impl<P> Scheduler<P> {
         Ok(())
     }
 
-    /// Reserves room for `n` tokens of running sequence `id`, preempting the youngest running sequences while
-    /// blocks are short. Returns false when `id` itself had to be preempted.
+    /// Reserves room for `n` tokens of running sequence `id`, preempting running sequences from the end of queue
+    /// order (the youngest of the lowest priority) while blocks are short. Returns false when `id` itself had to be
+    /// preempted.
     fn reserve_or_preempt(&mut self, id: SeqId, n: usize, plan: &mut StepPlan, budget: &mut usize) -> bool {
         loop {
             let Some(seq) = self.seqs.get_mut(&id) else { return false };
@@ -710,7 +778,8 @@ impl<P> Scheduler<P> {
         near <= room && last <= room
     }
 
-    /// Frees a running sequence's blocks and puts it at the front of the waiting queue.
+    /// Frees a running sequence's blocks and puts it back into the waiting queue at its place in queue order: ahead
+    /// of every sequence that arrived after it at its priority.
     fn preempt(&mut self, id: SeqId) {
         self.running.retain(|&r| r != id);
         if let Some(seq) = self.seqs.get_mut(&id) {
@@ -722,7 +791,7 @@ impl<P> Scheduler<P> {
             seq.status = SeqStatus::Waiting;
             self.stats.preemptions_total += 1;
         }
-        self.waiting.push_front(id);
+        self.enqueue_waiting(id);
     }
 
     /// For the waiting sequence next in line for admission: the chain hashes of its prompt groups up to what
@@ -857,7 +926,7 @@ impl<P> Scheduler<P> {
 
     /// KV-Compress under memory pressure (the paper's "compress when we would otherwise preempt"): when fewer
     /// than `needed` blocks are available, compresses running KV-Compress sequences that grew past their budget
-    /// back to it, oldest first. Returns what was freed.
+    /// back to it, in queue order. Returns what was freed.
     pub fn relieve_pressure(&mut self, needed: usize, kv: &mut dyn PolicyKv) -> Eviction {
         let mut total = Eviction::default();
         for i in 0..self.running.len() {
@@ -938,6 +1007,14 @@ impl<P> Scheduler<P> {
             tracing::error!(seq = seq.id, error = %e, "releasing KV blocks failed");
         }
     }
+}
+
+/// Whether a request may carry `priority`: any under priority scheduling, only 0 under FCFS (as vLLM refuses it).
+pub fn check_priority(cfg: &SchedulerConfig, priority: i32) -> Result<(), SchedError> {
+    if priority != 0 && cfg.scheduling == SchedulingPolicy::Fcfs {
+        return Err(SchedError::PriorityNotEnabled(priority));
+    }
+    Ok(())
 }
 
 /// Whether a request can ever run: prompt within the context, and its worst-case KV (prompt + max_tokens, capped

@@ -329,6 +329,7 @@ impl WorkerService {
             profile_queries,
             logprobs: req.logprobs.then_some(req.top_logprobs),
             prompt_logprobs: req.prompt_logprobs.then_some(req.top_logprobs),
+            priority: req.priority,
         })
     }
 }
@@ -338,7 +339,10 @@ pub fn status_from_engine(e: &EngineError) -> Status {
     match e {
         EngineError::InvalidRequest(m) => Status::invalid_argument(m.clone()),
         EngineError::Rejected(
-            SchedError::EmptyPrompt | SchedError::PromptTooLong { .. } | SchedError::ZeroMaxTokens,
+            SchedError::EmptyPrompt
+            | SchedError::PromptTooLong { .. }
+            | SchedError::ZeroMaxTokens
+            | SchedError::PriorityNotEnabled(_),
         ) => Status::invalid_argument(e.to_string()),
         EngineError::Rejected(_) => Status::resource_exhausted(e.to_string()),
         EngineError::Stopped => Status::unavailable(e.to_string()),
@@ -800,6 +804,9 @@ mod tests {
         too_many_queries.kv_profile_queries = vec![query(vec![2]); crate::placement::MAX_PROFILE_QUESTIONS + 1];
         let mut query_past_context = request(vec![1; 40], 1);
         query_past_context.kv_profile_queries = vec![query(vec![2; 20])];
+        // This worker serves in arrival order (the default).
+        let mut prioritised = request(vec![1], 1);
+        prioritised.priority = -1;
         for (name, req) in [
             ("empty prompt", request(vec![], 4)),
             ("prompt at context", request(too_long, 1)),
@@ -822,6 +829,7 @@ mod tests {
             ("profile query outside vocab", query_outside_vocab),
             ("nine profile queries", too_many_queries),
             ("profile query past the context", query_past_context),
+            ("priority without priority scheduling", prioritised),
         ] {
             let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");

@@ -11,7 +11,7 @@ use pagoda_worker::engine::{
 };
 use pagoda_worker::model::{ChatMessage, ChatTemplate, Gguf, Tokenizer};
 use pagoda_worker::sampling::TokenLogprobs;
-use pagoda_worker::scheduler::ReserveConfig;
+use pagoda_worker::scheduler::{ReserveConfig, SchedulingPolicy};
 use pagoda_worker::speculative::NgramConfig;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -595,4 +595,53 @@ fn speculative_decoding_changes_no_answer_and_accepts_drafts() {
     let after = wait_stats(&spec, "blocks back", |s| s.running == 0 && s.blocks_used == before.blocks_used);
     assert!(after.accepted_draft_tokens_total > before.accepted_draft_tokens_total, "the poem's drafts: {after:?}");
     assert_eq!(after.blocks_used, 0);
+}
+
+/// The whole answer a receiver already holds, without waiting: `None` unless its `Finished` has arrived.
+fn try_collect(rx: &mut UnboundedReceiver<GenerateEvent>) -> Option<(Vec<u32>, FinishReason)> {
+    let mut tokens = Vec::new();
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            GenerateEvent::Token { id, .. } => tokens.push(id),
+            GenerateEvent::Finished { reason, .. } => return Some((tokens, reason)),
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+    None
+}
+
+/// Priority scheduling on the real engine, one sequence at a time: queued requests run by priority, then arrival.
+/// Every event of a request is sent before the next request computes anything, so when one request's answer has
+/// arrived, the answers of those served before it are already in their receivers.
+#[test]
+fn priority_scheduling_serves_the_queue_by_priority_then_arrival() {
+    let h = Engine::start(EngineConfig {
+        max_running: 1,
+        scheduling: SchedulingPolicy::Priority,
+        ..config(64, true, ReserveConfig::default())
+    })
+    .expect("engine starts");
+    let prompts = tokenize(&[DOC, "Count from one to ten:", "The capital of France is", "Write a haiku:"]);
+    let req = |id: &str, prompt: &[u32], max_tokens: u32, priority: i32| GenerateRequest {
+        ignore_eos: true,
+        priority,
+        ..greedy(id, prompt, max_tokens)
+    };
+    // The blocker holds the only running slot until the queue is complete.
+    let mut blocker = h.submit(req("blocker", &prompts[0], 500, 0)).unwrap();
+    assert!(matches!(blocker.blocking_recv(), Some(GenerateEvent::Token { .. })));
+    let late = h.submit(req("late", &prompts[1], 4, 5)).unwrap();
+    let mut urgent = h.submit(req("urgent", &prompts[2], 8, -2)).unwrap();
+    let later = h.submit(req("later", &prompts[3], 4, 5)).unwrap();
+    // Commands reach the engine in order: the three are queued when the blocker goes.
+    h.cancel("blocker").unwrap();
+    let late = collect(late);
+    let urgent = try_collect(&mut urgent).expect("the urgent request was served before the one that came first");
+    assert_eq!((urgent.0.len(), urgent.1), (8, FinishReason::Length));
+    assert_eq!((late.tokens.len(), late.reason), (4, FinishReason::Length));
+    assert_eq!(collect(later).tokens.len(), 4);
+    let blocked = collect(blocker);
+    assert_eq!(blocked.reason, FinishReason::Cancelled);
+    assert!(blocked.tokens.len() < 499, "the blocker was cancelled early");
+    wait_stats(&h, "the engine to go idle", |s| s.running == 0 && s.waiting == 0 && s.blocks_used == 0);
 }

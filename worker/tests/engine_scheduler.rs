@@ -8,8 +8,8 @@ use pagoda_worker::cache::CacheLayout;
 use pagoda_worker::policy::PolicySpec;
 use pagoda_worker::sampling::argmax;
 use pagoda_worker::scheduler::{
-    FinishReason, PROMPT_LOGITS_STEP_TOKENS, ReserveConfig, SchedError, SchedStats, Scheduler, SchedulerConfig, SeqId,
-    SeqRequest, StepPlan,
+    FinishReason, PROMPT_LOGITS_STEP_TOKENS, ReserveConfig, SchedError, SchedStats, Scheduler, SchedulerConfig,
+    SchedulingPolicy, SeqId, SeqRequest, StepPlan,
 };
 use pagoda_worker::speculative::NgramConfig;
 use rand::rngs::StdRng;
@@ -58,6 +58,8 @@ impl FakeModel {
 struct Outcome {
     tokens: HashMap<SeqId, Vec<u32>>,
     finished: HashMap<SeqId, FinishReason>,
+    /// The step (0-based) in which each sequence finished.
+    finish_step: HashMap<SeqId, usize>,
     steps: usize,
 }
 
@@ -80,6 +82,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
         namespace: String::new(),
         policy: Default::default(),
         prompt_logits: false,
+        priority: 0,
         payload: (),
     }
 }
@@ -128,6 +131,7 @@ fn step(s: &mut Scheduler<()>, m: &mut FakeModel, out: &mut Outcome) -> StepPlan
         if let Some(reason) = s.append_token(id, last).unwrap() {
             s.finish(id);
             out.finished.insert(id, reason);
+            out.finish_step.insert(id, out.steps);
         }
     }
     out.steps += 1;
@@ -280,6 +284,113 @@ fn preemption_resumes_without_losing_or_duplicating_tokens() {
     let ids: Vec<SeqId> = reqs.iter().map(|(p, n)| s.add(req(p.clone(), *n)).unwrap()).collect();
     let out = run_to_end(&mut s, &mut m, 5_000);
     assert!(s.stats().preemptions_total > 0, "the tiny pool must force preemption");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(out.tokens[id], want[i], "request {i}");
+        assert_eq!(out.finished[id], FinishReason::Length);
+    }
+    assert_eq!(s.pool().num_used(), 0);
+    s.pool().check_invariants().unwrap();
+}
+
+fn by_priority(max_step_tokens: usize, max_running: usize) -> SchedulerConfig {
+    SchedulerConfig { scheduling: SchedulingPolicy::Priority, ..cfg(max_step_tokens, max_running) }
+}
+
+fn prioritized(prompt: Vec<u32>, max_tokens: usize, priority: i32) -> SeqRequest<()> {
+    SeqRequest { priority, ..req(prompt, max_tokens) }
+}
+
+/// The order in which sequences were first scheduled, running `s` to the end.
+fn first_scheduled(s: &mut Scheduler<()>, m: &mut FakeModel, out: &mut Outcome) -> Vec<SeqId> {
+    let mut order = Vec::new();
+    while s.has_work() {
+        assert!(out.steps < 5_000, "no progress: deadlock?");
+        for e in step(s, m, out).seqs {
+            if !order.contains(&e.seq) {
+                order.push(e.seq);
+            }
+        }
+    }
+    order
+}
+
+#[test]
+fn priority_scheduling_admits_the_lowest_priority_first_and_arrival_breaks_ties() {
+    let mut s = Scheduler::new(by_priority(64, 1), LAYOUT, 400 * GS);
+    let mut m = FakeModel::new(400 * GS);
+    let mut out = Outcome::default();
+    let [a, b, c, d, e] = [(0, 0), (1, 5), (2, -1), (3, 5), (4, i32::MIN)]
+        .map(|(seed, priority)| s.add(prioritized(prompt(seed, 8), 3, priority)).unwrap());
+    assert_eq!(first_scheduled(&mut s, &mut m, &mut out), vec![e, c, a, b, d]);
+    // A later, more urgent arrival overtakes the queue but not the running sequence.
+    let (x, y) = (s.add(prioritized(prompt(5, 8), 3, 0)).unwrap(), s.add(prioritized(prompt(6, 8), 3, 1)).unwrap());
+    step(&mut s, &mut m, &mut out);
+    let z = s.add(prioritized(prompt(7, 8), 3, -3)).unwrap();
+    assert_eq!(first_scheduled(&mut s, &mut m, &mut out), vec![x, z, y]);
+    assert!([a, b, c, d, e, x, y, z].iter().all(|id| out.finished[id] == FinishReason::Length));
+}
+
+#[test]
+fn fcfs_refuses_a_priority_and_orders_by_arrival() {
+    let mut s = Scheduler::new(cfg(64, 1), LAYOUT, 400 * GS);
+    assert_eq!(s.add(prioritized(prompt(0, 8), 3, -1)).unwrap_err(), SchedError::PriorityNotEnabled(-1));
+    assert_eq!(s.add(prioritized(prompt(0, 8), 3, 7)).unwrap_err(), SchedError::PriorityNotEnabled(7));
+    let mut m = FakeModel::new(400 * GS);
+    let mut out = Outcome::default();
+    let ids: Vec<SeqId> = (0..4).map(|i| s.add(req(prompt(i, 8), 3)).unwrap()).collect();
+    assert_eq!(first_scheduled(&mut s, &mut m, &mut out), ids);
+}
+
+/// Under memory pressure the sequence preempted is the last in queue order: the least urgent, even when it is
+/// the oldest; a preempted one goes back to its place in the queue; and every answer is what it is alone.
+#[test]
+fn priority_scheduling_preempts_the_least_urgent_and_keeps_every_answer() {
+    let mut reqs: Vec<(Vec<u32>, usize, i32)> =
+        (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30, [0, 0, 9, 1, 9, 2][i as usize])).collect();
+    // Arrives at step 10, more urgent than everything running then.
+    reqs.push((prompt(6, 8), 10, -1));
+    let want = reference(&reqs.iter().map(|(p, n, _)| (p.clone(), *n)).collect::<Vec<_>>());
+    // 28 groups = 112 tokens of KV for sequences that each grow to 40-55 tokens; the urgent ones (40, 43 and 18
+    // tokens: 26 groups) fit together. Greedy admission.
+    let blocks = 28 * GS;
+    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..by_priority(64, 8) }, LAYOUT, blocks);
+    let mut m = FakeModel::new(blocks);
+    let mut ids: Vec<SeqId> =
+        reqs[..6].iter().map(|(p, n, pr)| s.add(prioritized(p.clone(), *n, *pr)).unwrap()).collect();
+    let key = |s: &Scheduler<()>, id: SeqId| (s.get(id).unwrap().priority(), id);
+    let mut out = Outcome::default();
+    let mut preempted = Vec::new();
+    while s.has_work() {
+        assert!(out.steps < 5_000, "no progress: deadlock?");
+        if out.steps == 10 {
+            let (p, n, pr) = &reqs[6];
+            ids.push(s.add(prioritized(p.clone(), *n, *pr)).unwrap());
+        }
+        let running: Vec<(i32, SeqId)> = s.running_ids().iter().map(|&id| key(&s, id)).collect();
+        let waiting: Vec<(i32, SeqId)> = s.waiting_ids().map(|id| key(&s, id)).collect();
+        let plan = step(&mut s, &mut m, &mut out);
+        for victim in &plan.preempted {
+            // Everything less urgent than the victim that was running went too.
+            let victim_key = key(&s, *victim);
+            for r in running.iter().filter(|r| **r > victim_key) {
+                assert!(plan.preempted.contains(&r.1), "{victim} preempted while {} ran on", r.1);
+            }
+            preempted.push(*victim);
+        }
+        // Admission takes the waiting queue in order: nothing more urgent than an admitted sequence stays behind.
+        let admitted = waiting.iter().filter(|w| plan.seqs.iter().any(|e| e.seq == w.1));
+        if let Some(last) = admitted.max() {
+            for w in waiting.iter().filter(|w| *w < last) {
+                assert!(plan.seqs.iter().any(|e| e.seq == w.1), "{last:?} admitted before {w:?}");
+            }
+        }
+    }
+    assert!(!preempted.is_empty(), "the tiny pool must force preemption");
+    // The urgent requests (priority 0: ids[0], ids[1]; -1: the late one) are never the ones to go, and the first
+    // two finish before the least urgent (priority 9: ids[2], ids[4]).
+    assert!([0, 1, 6].iter().all(|&i| !preempted.contains(&ids[i])), "preempted {preempted:?} of {ids:?}");
+    let finish_step: Vec<usize> = ids.iter().map(|id| out.finish_step[id]).collect();
+    assert!(finish_step[0].max(finish_step[1]) < finish_step[2].min(finish_step[4]), "{finish_step:?}");
     for (i, id) in ids.iter().enumerate() {
         assert_eq!(out.tokens[id], want[i], "request {i}");
         assert_eq!(out.finished[id], FinishReason::Length);

@@ -179,6 +179,7 @@ impl Evaluator {
             // Every item is admitted at once: the pool is sized for them (quality, not admission, is measured).
             reserve: ReserveConfig::off(),
             speculative: crate::speculative::NgramConfig::off(),
+            scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
         };
         Ok(Evaluator {
             eos: info.eos_token_ids.clone(),
@@ -232,6 +233,7 @@ impl Evaluator {
                     namespace: String::new(),
                     policy: spec,
                     prompt_logits: false,
+                    priority: 0,
                     payload: (),
                 })?;
                 lanes.push(Lane { spec, seq, mode: Mode::Generate { max_new: item.max_new_tokens, out: Vec::new() } });
@@ -282,6 +284,7 @@ impl Evaluator {
                     namespace: String::new(),
                     policy: spec,
                     prompt_logits: false,
+                    priority: 0,
                     payload: (),
                 })?;
                 let mode = Mode::Force { cont: cont.clone(), next: 0, agree: 0, kl: 0.0, correct: 0, nll: 0.0 };

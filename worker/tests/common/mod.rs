@@ -32,6 +32,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         profile_queries: Vec::new(),
         logprobs: None,
         prompt_logprobs: None,
+        priority: 0,
     }
 }
 
