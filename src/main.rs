@@ -795,6 +795,14 @@ struct BenchLoadArgs {
     shared_prompts: usize,
     #[arg(long, default_value_t = 6, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1000))]
     unique_prompts: usize,
+    /// Every this many requests, one is urgent: it sends `"priority": --urgent-priority`, and the summary reports
+    /// the urgent and the other requests apart (0: no class).
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1_000_000))]
+    urgent_every: usize,
+    /// The priority urgent requests send (lower is more urgent on a server with --scheduling-policy priority); 0
+    /// marks the class without asking for anything, for the same load against an FCFS server.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    urgent_priority: i32,
     /// Skip the greedy reference (answers are then not checked).
     #[arg(long)]
     no_reference: bool,
@@ -1861,6 +1869,7 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
         deadline: Duration::from_secs(a.deadline_secs),
         duration: Duration::from_secs(a.duration_secs),
         max_requests: a.max_requests,
+        urgent: (a.urgent_every > 0).then_some(load::Urgent { every: a.urgent_every, priority: a.urgent_priority }),
     };
     let started = std::time::Instant::now();
     let records = load::run(&http, &cfg).await?;
@@ -1874,7 +1883,7 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
         },
     );
     let completion_tokens: u64 = records.iter().filter_map(|r| r.completion_tokens).sum();
-    let summary = serde_json::json!({
+    let mut summary = serde_json::json!({
         "router": a.router,
         "model": model,
         "mode": a.mode,
@@ -1900,6 +1909,12 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
         "max_latency_s": report.max_latency.as_secs_f64(),
         "lost_examples": report.lost_examples,
     });
+    if a.urgent_every > 0 {
+        summary["urgent_every"] = a.urgent_every.into();
+        summary["urgent_priority"] = a.urgent_priority.into();
+        summary["urgent"] = load::ClassStats::of(&records, true).to_json();
+        summary["others"] = load::ClassStats::of(&records, false).to_json();
+    }
     let text = serde_json::to_string_pretty(&summary)?;
     println!("{text}");
     if let Some(path) = &a.json {

@@ -57,6 +57,24 @@ pub struct LoadConfig {
     pub duration: Duration,
     /// No more requests than this are issued.
     pub max_requests: usize,
+    /// A class of requests that carry a `priority` ([`Urgent`]); `None`: no request names one.
+    pub urgent: Option<Urgent>,
+}
+
+/// Every `every`-th request (indices `every - 1`, `2·every - 1`, …) is urgent and sends `"priority": priority`. A
+/// priority of 0 marks the class without asking the server for anything, which an FCFS server accepts: the same
+/// load's baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Urgent {
+    pub every: usize,
+    pub priority: i32,
+}
+
+impl LoadConfig {
+    /// Whether request `index` belongs to the urgent class.
+    pub fn is_urgent(&self, index: usize) -> bool {
+        self.urgent.is_some_and(|u| u.every > 0 && index % u.every == u.every - 1)
+    }
 }
 
 /// How one request ended.
@@ -85,6 +103,8 @@ pub struct Record {
     /// The `max_tokens` it asked for.
     pub max_tokens: u32,
     pub stream: bool,
+    /// It belonged to the urgent class ([`LoadConfig::urgent`]).
+    pub urgent: bool,
     /// When it was sent and when it ended, from the start of the run.
     pub sent_at: Duration,
     pub ended_at: Duration,
@@ -119,6 +139,7 @@ impl Record {
             prompt,
             max_tokens,
             stream,
+            urgent: false,
             sent_at,
             ended_at: sent_at,
             status: None,
@@ -190,7 +211,7 @@ pub fn prompt_mix(n_shared: usize, n_unique: usize) -> Vec<String> {
 }
 
 /// A chat request of one user message.
-fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Value {
+fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool, priority: Option<i32>) -> Value {
     let mut b = json!({
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -200,6 +221,9 @@ fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Value {
     });
     if stream {
         b["stream_options"] = json!({"include_usage": true});
+    }
+    if let Some(p) = priority {
+        b["priority"] = json!(p);
     }
     b
 }
@@ -223,7 +247,7 @@ pub async fn reference(http: &Http, prompts: &[String], max_tokens: &[u32]) -> R
     let cases = prompts.iter().enumerate().flat_map(|(i, p)| max_tokens.iter().map(move |&n| (i, p, n)));
     let answers = futures::stream::iter(cases)
         .map(|(i, p, n)| async move {
-            let (s, v) = http.post_json("/v1/chat/completions", &body(&http.model, p, n, false)).await?;
+            let (s, v) = http.post_json("/v1/chat/completions", &body(&http.model, p, n, false, None)).await?;
             if s != 200 {
                 bail!("reference for prompt {i} at {n} tokens failed: {s} {v}");
             }
@@ -259,13 +283,18 @@ async fn one(
 ) -> Record {
     let sent = Instant::now();
     let max_tokens = max_tokens_of(cfg, index);
-    let mut rec = Record::new(index, prompt, max_tokens, stream, sent - t0);
+    let urgent = cfg.is_urgent(index);
+    let priority = cfg.urgent.filter(|_| urgent).map(|u| u.priority);
+    let mut rec = Record { urgent, ..Record::new(index, prompt, max_tokens, stream, sent - t0) };
     let fut = async {
         for attempt in 0..routers.len() {
             let http = &routers[(index + attempt) % routers.len()];
-            let request = body(&http.model, text, max_tokens, stream);
-            rec =
-                Record { client_retries: attempt as u32, ..Record::new(index, prompt, max_tokens, stream, sent - t0) };
+            let request = body(&http.model, text, max_tokens, stream, priority);
+            rec = Record {
+                client_retries: attempt as u32,
+                urgent,
+                ..Record::new(index, prompt, max_tokens, stream, sent - t0)
+            };
             drive(http, &mut rec, &request, stream, sent).await;
             if !rec.connection_failed {
                 break;
@@ -590,6 +619,43 @@ impl Report {
         r.p99_ttft = percentile(done.iter().filter_map(|r| r.ttft).collect(), 0.99);
         r.max_latency = records.iter().map(Record::latency).max().unwrap_or_default();
         r
+    }
+}
+
+/// Time to first token and latency of the completed requests of one class ([`LoadConfig::urgent`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClassStats {
+    pub completed: usize,
+    pub p50_ttft: Duration,
+    pub p99_ttft: Duration,
+    pub p50_latency: Duration,
+    pub p99_latency: Duration,
+}
+
+impl ClassStats {
+    /// Over the completed records with `urgent` as given.
+    pub fn of(records: &[Record], urgent: bool) -> ClassStats {
+        let done: Vec<&Record> =
+            records.iter().filter(|r| r.outcome == Outcome::Completed && r.urgent == urgent).collect();
+        let ttft = || done.iter().filter_map(|r| r.ttft).collect::<Vec<_>>();
+        let latency = || done.iter().map(|r| r.latency()).collect::<Vec<_>>();
+        ClassStats {
+            completed: done.len(),
+            p50_ttft: percentile(ttft(), 0.50),
+            p99_ttft: percentile(ttft(), 0.99),
+            p50_latency: percentile(latency(), 0.50),
+            p99_latency: percentile(latency(), 0.99),
+        }
+    }
+
+    pub fn to_json(self) -> Value {
+        json!({
+            "completed": self.completed,
+            "p50_ttft_s": self.p50_ttft.as_secs_f64(),
+            "p99_ttft_s": self.p99_ttft.as_secs_f64(),
+            "p50_latency_s": self.p50_latency.as_secs_f64(),
+            "p99_latency_s": self.p99_latency.as_secs_f64(),
+        })
     }
 }
 

@@ -323,6 +323,7 @@ async fn run(s: Scenario) -> Recovery {
         deadline: s.deadline,
         duration: s.duration,
         max_requests: 100_000,
+        urgent: None,
     };
     let (before, _) = migrations(&http).await;
     let memory = MemoryWatch::start(cluster.pids());
@@ -634,6 +635,7 @@ async fn open_loop_load_matches_the_reference() {
         deadline: Duration::from_secs(60),
         duration: Duration::from_secs(5),
         max_requests: 1000,
+        urgent: None,
     };
     let records = load::run(&http, &cfg).await.unwrap();
     let report = Report::new(&records, &reference);
@@ -680,6 +682,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
         deadline,
         duration: Duration::from_secs(8),
         max_requests: 10_000,
+        urgent: None,
     };
     let t = Instant::now();
     let steady_records = load::run(&http, &steady).await.unwrap();
@@ -700,6 +703,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
         deadline,
         duration: Duration::from_secs(6),
         max_requests: 600,
+        urgent: None,
     };
     let records = load::run(&http, &burst).await.unwrap();
     let memory = memory.stop().await;
@@ -777,6 +781,10 @@ async fn bench_load_command_reports_a_checked_run() {
         "2",
         "--deadline-secs",
         "60",
+        // Every second request is urgent; priority 0, which this FCFS worker accepts, only marks the class.
+        "--urgent-every",
+        "2",
+        "--urgent-priority=0",
         "--json",
     ]
     .iter()
@@ -797,6 +805,14 @@ async fn bench_load_command_reports_a_checked_run() {
     let (sent, completed) = (v["sent"].as_u64().unwrap(), v["completed"].as_u64().unwrap());
     assert!(completed >= 4 && completed + v["failed_clean"].as_u64().unwrap() == sent, "{v:#}");
     assert!(v["p99_latency_s"].as_f64().unwrap() > 0.0 && v["completion_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // The classes split the completed requests (odd indices urgent), each with its own latencies.
+    let (urgent, others) = (&v["urgent"], &v["others"]);
+    assert_eq!(urgent["completed"].as_u64().unwrap() + others["completed"].as_u64().unwrap(), completed, "{v:#}");
+    assert!(urgent["completed"].as_u64().unwrap() >= 2, "{v:#}");
+    for class in [urgent, others] {
+        assert!(class["p50_ttft_s"].as_f64().unwrap() > 0.0, "{v:#}");
+        assert!(class["p99_latency_s"].as_f64() >= class["p50_latency_s"].as_f64(), "{v:#}");
+    }
 }
 
 /// Flips one byte in the middle of every file under `dir` (recursively); returns how many files it touched.
@@ -875,6 +891,7 @@ async fn disk_tier_worker(
         deadline: Duration::from_secs(90),
         duration,
         max_requests: 200,
+        urgent: None,
     };
     (cluster, reference, cfg)
 }
@@ -1056,6 +1073,7 @@ async fn partition_of_a_worker_from_the_router() {
         deadline: Duration::from_secs(60),
         duration,
         max_requests: 100_000,
+        urgent: None,
     };
     let (before, _) = migrations(&http).await;
     let load_http = http.clone();

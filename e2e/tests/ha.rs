@@ -320,6 +320,7 @@ fn load_config(prompts: &[String], duration: Duration, max_requests: usize) -> L
         deadline: Duration::from_secs(60),
         duration,
         max_requests,
+        urgent: None,
     }
 }
 
