@@ -526,6 +526,28 @@ async fn up_answers_chat_streaming_and_not() {
     assert!(text == " Yes" || text == " No", "{v}, unrestricted {free}");
     assert_ne!(free["choices"][0]["text"], v["choices"][0]["text"], "the restriction must change this answer");
 
+    // vLLM's `bad_words`: the token that would complete the word is never sampled, at the start of the answer
+    // ("Paris") or after a space (" Paris"), whichever the model would pick.
+    let body = json!({"model": MODEL_ID, "prompt": "The capital city of France is", "max_tokens": 6,
+                      "temperature": 0, "logprobs": 0});
+    let tokens = |v: &Value| -> Vec<String> {
+        v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (s, free) = http.post_json("/v1/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{free}");
+    assert_eq!(tokens(&free)[0], " Paris", "{free}");
+    let mut banned = body.clone();
+    banned["bad_words"] = json!(["Paris"]);
+    let (s, v) = http.post_json("/v1/completions", &banned).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    assert!(tokens(&v).iter().all(|t| t.trim() != "Paris"), "{v}");
+    assert_ne!(tokens(&v)[0], " Paris");
+
     // vLLM's `continue_final_message`: the model goes on with the assistant's started answer, and `/tokenize`
     // counts the same prompt, which ends with that answer's text rather than an end of turn.
     let started = json!([{"role": "user", "content": QUESTION},

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use pagoda_proto::trace_context;
 use pagoda_proto::worker::{
     FinishReason, GenerateRequest, GenerateResponse, LogitBias as PbLogitBias, PeerHint as PbPeerHint, ProfileQuery,
-    SamplingParams, TokenLogprobs as PbTokenLogprobs,
+    SamplingParams, TokenLogprobs as PbTokenLogprobs, TokenSequence,
 };
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
@@ -114,6 +114,8 @@ pub struct Job {
     pub params: GenParams,
     /// `kv.profile_queries`, tokenized: the training queries the worker keeps for the context this request creates.
     pub profile_queries: Vec<Vec<u32>>,
+    /// `bad_words`, tokenized: the token sequences the worker never completes.
+    pub bad_words: Vec<Vec<u32>>,
     pub namespace: String,
     pub arrived: Instant,
 }
@@ -426,6 +428,7 @@ impl Generation {
                 json_schema: params.json_schema.clone().unwrap_or_default(),
                 regex: params.regex.clone().unwrap_or_default(),
                 allowed_token_ids: params.allowed_token_ids.clone(),
+                bad_words: self.job.bad_words.iter().map(|w| TokenSequence { token_ids: w.clone() }).collect(),
             }),
             // The model's end tokens stop the request unless it asked to ignore them (the worker then does not add
             // its own either); the request's own stop ids stop it either way.

@@ -136,6 +136,8 @@ pub struct ChatCompletionRequest {
     pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's extension: only these tokens may be sampled.
     pub allowed_token_ids: Option<Value>,
+    /// vLLM's extension: words the answer must not contain.
+    pub bad_words: Option<Value>,
     /// vLLM's extension: the request's priority under priority scheduling (lower first; default 0).
     pub priority: Option<i64>,
 }
@@ -183,6 +185,8 @@ pub struct CompletionRequest {
     pub truncate_prompt_tokens: Option<i64>,
     /// vLLM's extension: only these tokens may be sampled.
     pub allowed_token_ids: Option<Value>,
+    /// vLLM's extension: words the answer must not contain.
+    pub bad_words: Option<Value>,
     /// vLLM's extension: the request's priority under priority scheduling (lower first; default 0).
     pub priority: Option<i64>,
 }
@@ -378,6 +382,8 @@ pub struct GenParams {
     pub stop_token_ids: Vec<u32>,
     /// vLLM's `allowed_token_ids`, ascending without repeats: when not empty, only these may be sampled.
     pub allowed_token_ids: Vec<u32>,
+    /// vLLM's `bad_words`, checked for count and size; tokenized when the prompt is ([`bad_word_sequences`]).
+    pub bad_words: Vec<String>,
     /// vLLM's `include_stop_str_in_output`: a matched stop string ends the text instead of being cut from it.
     pub include_stop_str: bool,
     /// `response_format: {"type": "json_schema", ...}` or vLLM's `guided_json`: the schema, as compact JSON text,
@@ -460,6 +466,7 @@ struct CommonIn<'a> {
     min_tokens: Option<i64>,
     stop_token_ids: Option<&'a Value>,
     allowed_token_ids: Option<&'a Value>,
+    bad_words: Option<&'a Value>,
     include_stop_str_in_output: Option<bool>,
     vocab_size: usize,
     user: Option<&'a str>,
@@ -588,6 +595,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         })?,
     };
     let stop_token_ids = parse_stop_token_ids(c.stop_token_ids, c.vocab_size)?;
+    let bad_words = parse_bad_words(c.bad_words)?;
     let allowed_token_ids = parse_allowed_token_ids(c.allowed_token_ids, c.vocab_size)?;
     let ValidKv { policy: kv_policy, budget_tokens: kv_budget_tokens, profile_queries: kv_profile_queries } = match c.kv
     {
@@ -624,6 +632,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stop_token_ids,
         allowed_token_ids,
+        bad_words,
         include_stop_str: c.include_stop_str_in_output.unwrap_or(false),
         json_schema: None,
         regex: None,
@@ -926,6 +935,66 @@ fn parse_allowed_token_ids(v: Option<&Value>, vocab_size: usize) -> Result<Vec<u
 }
 
 /// `param`: null or an array of at most `max` token ids below `vocab_size`.
+/// At most this many `bad_words` (each becomes up to two token sequences: as written and after a space).
+pub const MAX_BAD_WORDS: usize = pagoda_worker::sampling::MAX_BAD_WORDS / 2;
+/// Longest `bad_words` entry, in bytes, before it is tokenized (then it must fit
+/// [`pagoda_worker::sampling::MAX_BAD_WORD_TOKENS`]).
+pub const MAX_BAD_WORD_BYTES: usize = 256;
+
+/// vLLM's `bad_words`: null, or an array of at most [`MAX_BAD_WORDS`] strings, each with some text that is not
+/// whitespace, of at most [`MAX_BAD_WORD_BYTES`] bytes.
+fn parse_bad_words(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let items = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) if items.len() <= MAX_BAD_WORDS => items,
+        Some(Value::Array(items)) => {
+            return Err(ApiError::invalid_param(
+                "bad_words",
+                format!("`bad_words` has {} entries; at most {MAX_BAD_WORDS} are allowed.", items.len()),
+            ));
+        }
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "bad_words",
+                format!("`bad_words` must be an array of strings, got {}.", type_name(other)),
+            ));
+        }
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v.as_str() {
+            Some(w) if !w.trim().is_empty() && w.len() <= MAX_BAD_WORD_BYTES => Ok(w.to_string()),
+            _ => Err(ApiError::invalid_param(
+                format!("bad_words[{i}]"),
+                format!("`bad_words[{i}]` must be a string with text, of at most {MAX_BAD_WORD_BYTES} bytes."),
+            )),
+        })
+        .collect()
+}
+
+/// vLLM's tokenization of `bad_words`: each word without its leading whitespace, as it would start the answer,
+/// and after a space, as it would follow another word, where that is a different token sequence of the same
+/// length (vLLM's rule: otherwise the space would only add a token of its own). `encode` tokenizes without
+/// special tokens.
+pub fn bad_word_sequences<E>(
+    words: &[String],
+    mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
+) -> Result<Vec<Vec<u32>>, (usize, E)> {
+    let mut out = Vec::with_capacity(2 * words.len());
+    for (i, word) in words.iter().enumerate() {
+        let word = word.trim_start();
+        let bare = encode(word).map_err(|e| (i, e))?;
+        let spaced = encode(&format!(" {word}")).map_err(|e| (i, e))?;
+        let distinct = spaced.len() == bare.len() && spaced.first() != bare.first();
+        out.push(bare);
+        if distinct {
+            out.push(spaced);
+        }
+    }
+    Ok(out)
+}
+
 fn parse_token_ids(v: Option<&Value>, vocab_size: usize, param: &str, max: usize) -> Result<Vec<u32>, ApiError> {
     let items = match v {
         None | Some(Value::Null) => return Ok(Vec::new()),
@@ -1354,6 +1423,7 @@ impl ChatCompletionRequest {
             min_tokens: self.min_tokens,
             stop_token_ids: self.stop_token_ids.as_ref(),
             allowed_token_ids: self.allowed_token_ids.as_ref(),
+            bad_words: self.bad_words.as_ref(),
             include_stop_str_in_output: self.include_stop_str_in_output,
             vocab_size,
             user: self.user.as_deref(),
@@ -1472,6 +1542,7 @@ impl CompletionRequest {
             min_tokens: self.min_tokens,
             stop_token_ids: self.stop_token_ids.as_ref(),
             allowed_token_ids: self.allowed_token_ids.as_ref(),
+            bad_words: self.bad_words.as_ref(),
             include_stop_str_in_output: self.include_stop_str_in_output,
             vocab_size,
             user: self.user.as_deref(),
@@ -1929,6 +2000,58 @@ mod tests {
     fn kv_full_is_accepted() {
         chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"full","budget_tokens":512,"codec":"native"}}"#)
             .unwrap();
+    }
+
+    #[test]
+    fn bad_words_are_bounded_and_tokenized_as_vllm_does() {
+        let with = |words: serde_json::Value| {
+            chat(
+                &serde_json::json!({"model":"m","messages":[{"role":"user","content":"x"}],"bad_words":words})
+                    .to_string(),
+            )
+        };
+        let (_, p) = with(serde_json::json!(["Paris", " the end"])).unwrap();
+        assert_eq!(p.bad_words, vec!["Paris".to_string(), " the end".to_string()]);
+        let too_many: Vec<String> = (0..=MAX_BAD_WORDS).map(|i| format!("w{i}")).collect();
+        for (words, param) in [
+            (serde_json::json!(too_many), "bad_words"),
+            (serde_json::json!(["ok", " \n"]), "bad_words[1]"),
+            (serde_json::json!(["x".repeat(MAX_BAD_WORD_BYTES + 1)]), "bad_words[0]"),
+            (serde_json::json!("Paris"), "bad_words"),
+            (serde_json::json!([7]), "bad_words[0]"),
+        ] {
+            let e = with(words.clone()).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{words}");
+            assert_eq!(e.param.as_deref(), Some(param), "{words}: {}", e.message);
+        }
+        // A word-level stand-in for a BPE tokenizer: a word after a space is one token of its own ("Ġword"),
+        // and a space alone is a token too.
+        let vocab = ["Paris", "ĠParis", "the", "Ġthe", "end", "Ġend", "Ġ", "x,y", "Ġx", ",y"];
+        let encode = |text: &str| -> Result<Vec<u32>, String> {
+            let mut ids = Vec::new();
+            for (i, word) in text.split(' ').enumerate() {
+                let piece = if i == 0 { word.to_string() } else { format!("Ġ{word}") };
+                if word.is_empty() {
+                    continue;
+                }
+                match vocab.iter().position(|&v| v == piece) {
+                    Some(id) => ids.push(id as u32),
+                    None if piece == "Ġx,y" => ids.extend([8, 9]),
+                    None => return Err(format!("no token for {piece:?}")),
+                }
+            }
+            Ok(ids)
+        };
+        let words = |ws: &[&str]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        // Both forms when the space makes another token sequence of the same length; the leading space of a word
+        // as written does not count.
+        assert_eq!(
+            bad_word_sequences(&words(&["Paris", "  the end"]), encode).unwrap(),
+            vec![vec![0], vec![1], vec![2, 5], vec![3, 5]]
+        );
+        // " x,y" splits differently from "x,y": only the bare form (vLLM's length rule).
+        assert_eq!(bad_word_sequences(&words(&["x,y"]), encode).unwrap(), vec![vec![7]]);
+        assert_eq!(bad_word_sequences(&words(&["ok", "Rome"]), encode).unwrap_err().0, 0);
     }
 
     #[test]

@@ -657,12 +657,14 @@ async fn start_job(
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
     check_min_tokens(&params, max_tokens)?;
     let profile_queries = profile_queries(st, &params.kv_profile_queries, prompt.len()).await?;
+    let bad_words = bad_words(st, &params.bad_words).await?;
     let job = Job {
         request_id: id.to_string(),
         prompt,
         max_tokens,
         params,
         profile_queries,
+        bad_words,
         namespace: tenant.name.to_string(),
         arrived,
     };
@@ -701,6 +703,24 @@ async fn profile_queries(st: &AppState, texts: &[String], prompt_len: usize) -> 
         )
         .map_err(|e| ApiError::invalid_param("kv.profile_queries", format!("`kv.profile_queries`: {e}.")))?;
         Ok(queries)
+    })
+    .await
+}
+
+/// `bad_words` as the token sequences the worker bans ([`crate::openai::bad_word_sequences`]), checked against the
+/// worker's bounds here so that a bad one is a 400 naming the field, not a worker error.
+async fn bad_words(st: &AppState, words: &[String]) -> Result<Vec<Vec<u32>>, ApiError> {
+    if words.is_empty() {
+        return Ok(Vec::new());
+    }
+    let codec = st.0.codec.clone();
+    let words = words.to_vec();
+    blocking(move || {
+        let sequences = crate::openai::bad_word_sequences(&words, |w| codec.encode(w, false))
+            .map_err(|(i, e)| ApiError::invalid_param(format!("bad_words[{i}]"), format!("Could not tokenize: {e}")))?;
+        pagoda_worker::sampling::check_bad_words(&sequences, codec.vocab_size())
+            .map_err(|e| ApiError::invalid_param("bad_words", format!("`bad_words`: {e}.")))?;
+        Ok(sequences)
     })
     .await
 }

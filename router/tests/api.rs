@@ -394,7 +394,7 @@ async fn tokenize_and_detokenize() {
 
 /// vLLM's chat rendering fields and `truncate_prompt_tokens`: what the worker is sent follows them (`/tokenize`
 /// and the usage count show it), and their bad combinations are 400s naming the field, as are bad
-/// `allowed_token_ids`.
+/// `allowed_token_ids` and `bad_words`.
 #[tokio::test]
 async fn chat_rendering_and_prompt_truncation() {
     let c = cluster().await;
@@ -450,6 +450,9 @@ async fn chat_rendering_and_prompt_truncation() {
              "not in the vocabulary"),
             ("/v1/completions", json!({"model": MODEL, "prompt": "x", "allowed_token_ids": "a"}), "allowed_token_ids",
              "array of token ids"),
+            // One token per byte here: 40 tokens, over the worker's 32.
+            ("/v1/chat/completions", chat(json!({"bad_words": ["x".repeat(40)]})), "bad_words", "1 to 32"),
+            ("/v1/completions", json!({"model": MODEL, "prompt": "x", "bad_words": [""]}), "bad_words[0]", "with text"),
         ],
     )
     .await;

@@ -717,6 +717,7 @@ impl EngineHandle {
         crate::sampling::check_logit_bias(&mut bias, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         crate::sampling::check_allowed_tokens(&s.allowed_token_ids, info.vocab_size)
             .map_err(EngineError::InvalidRequest)?;
+        crate::sampling::check_bad_words(&s.bad_words, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
         if s.guided() && info.token_bytes.is_none() {
             return Err(EngineError::InvalidRequest(

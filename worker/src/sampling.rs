@@ -1,6 +1,6 @@
 //! Token sampling: greedy (temperature 0), temperature, top-k, top-p (nucleus) and min-p over one logits row,
-//! after OpenAI's `logit_bias` and its presence and frequency penalties, the repetition penalty of HF/vLLM, and
-//! vLLM's `min_tokens` (no stop token before that many).
+//! after OpenAI's `logit_bias` and its presence and frequency penalties, the repetition penalty of HF/vLLM,
+//! vLLM's `min_tokens` (no stop token before that many) and its `bad_words` (no token that completes one).
 //!
 //! Each request owns a [`Sampler`] with its own seeded RNG (`StdRng`, ChaCha12), so the same seed and the same
 //! logits give the same tokens. The per-token work uses only a caller-provided [`SampleBuffer`] that is reused
@@ -28,6 +28,10 @@ pub const PENALTY_LIMIT: f32 = 2.0;
 /// The repetition penalty lies in `(0, MAX_REPETITION_PENALTY]` (1 is off; vLLM asks only for > 0, but above a
 /// few it only ever bans: this bounds it).
 pub const MAX_REPETITION_PENALTY: f32 = 10.0;
+/// At most this many `bad_words` token sequences in one request (vLLM sets none; each word becomes up to two).
+pub const MAX_BAD_WORDS: usize = 128;
+/// At most this many tokens in one `bad_words` sequence.
+pub const MAX_BAD_WORD_TOKENS: usize = 32;
 /// At most this many alternatives per token in `top_logprobs` (OpenAI's limit, and vLLM's default).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The log-probability reported for a token the model gives no probability at all (a `-inf` or NaN logit, or one
@@ -73,6 +77,9 @@ pub struct SamplingParams {
     /// vLLM's `allowed_token_ids`: when not empty, only these tokens may be sampled (greedy included); ids below
     /// the vocabulary ([`check_allowed_tokens`]). A stop token outside them never ends the answer.
     pub allowed_token_ids: Vec<u32>,
+    /// vLLM's `bad_words`, tokenized: a token that would complete one of these sequences after the output so far
+    /// (the prior output tokens included) is never sampled, greedy included ([`check_bad_words`]).
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl SamplingParams {
@@ -93,6 +100,7 @@ impl SamplingParams {
             json_schema: None,
             regex: None,
             allowed_token_ids: Vec::new(),
+            bad_words: Vec::new(),
         }
     }
 
@@ -120,6 +128,7 @@ impl SamplingParams {
             && self.min_tokens == 0
             && !self.guided()
             && self.allowed_token_ids.is_empty()
+            && self.bad_words.is_empty()
     }
 
     /// Whether a grammar guides the output (`json_object`, `json_schema` or `regex`).
@@ -187,6 +196,23 @@ pub fn check_allowed_tokens(ids: &[u32], vocab_size: usize) -> Result<(), String
     }
 }
 
+/// Checks vLLM's `bad_words` token sequences: at most [`MAX_BAD_WORDS`], each of 1..=[`MAX_BAD_WORD_TOKENS`] ids
+/// below `vocab_size`.
+pub fn check_bad_words(words: &[Vec<u32>], vocab_size: usize) -> Result<(), String> {
+    if words.len() > MAX_BAD_WORDS {
+        return Err(format!("bad_words has {} token sequences; at most {MAX_BAD_WORDS} are allowed", words.len()));
+    }
+    for (i, w) in words.iter().enumerate() {
+        if w.is_empty() || w.len() > MAX_BAD_WORD_TOKENS {
+            return Err(format!("bad_words[{i}] has {} tokens; 1 to {MAX_BAD_WORD_TOKENS} are allowed", w.len()));
+        }
+        if let Some(t) = w.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(format!("bad_words[{i}]: token id {t} is outside the vocabulary ({vocab_size})"));
+        }
+    }
+    Ok(())
+}
+
 /// Scratch space shared by all samplers on one thread: `(probability or logit, token)` candidates.
 #[derive(Debug, Default)]
 pub struct SampleBuffer {
@@ -224,6 +250,10 @@ pub struct Sampler {
     masks: TokenMasks,
     /// The allowed tokens' logits while every other is set to minus infinity (reused).
     allowed_logits: Vec<f32>,
+    /// The last output tokens, at most `recent_window` (oldest first); kept only under `bad_words`.
+    recent: Vec<u32>,
+    /// The longest bad word's length less its last token: how many output tokens `bad_words` look at.
+    recent_window: usize,
 }
 
 /// How many of a regex guide's states keep their token masks.
@@ -349,6 +379,8 @@ impl Sampler {
             guide: None,
             masks: TokenMasks::default(),
             allowed_logits: Vec::new(),
+            recent: Vec::new(),
+            recent_window: 0,
         }
     }
 
@@ -374,7 +406,20 @@ impl Sampler {
         if s.cfg.min_tokens > 0 || s.cfg.guided() {
             s.stops = stop_tokens.to_vec();
         }
+        s.recent_window = s.cfg.bad_words.iter().map(|w| w.len().saturating_sub(1)).max().unwrap_or(0);
+        if s.recent_window > 0 {
+            let keep = s.recent_window;
+            s.recent.reserve_exact(keep);
+            let prior = s.cfg.prior_output(prompt);
+            s.recent.extend_from_slice(&prior[prior.len().saturating_sub(keep)..]);
+        }
         s
+    }
+
+    /// Whether a bad word's last token would complete it now: the output ends with the rest of it.
+    fn completes_bad_word(recent: &[u32], word: &[u32]) -> bool {
+        let Some((_, prefix)) = word.split_last() else { return false };
+        recent.ends_with(prefix)
     }
 
     /// Guides a `json_object`, `json_schema` or `regex` sampler with the model's token bytes (without them it
@@ -430,6 +475,13 @@ impl Sampler {
         if let Some((guide, tokens)) = &mut self.guide {
             guide.advance(tokens.bytes(token));
         }
+        let keep = self.recent_window;
+        if keep > 0 {
+            if self.recent.len() == keep {
+                self.recent.remove(0);
+            }
+            self.recent.push(token);
+        }
         self.generated = self.generated.saturating_add(1);
         token
     }
@@ -462,6 +514,13 @@ impl Sampler {
                 if let Some(c) = cand.get_mut(t as usize) {
                     c.0 = l;
                 }
+            }
+        }
+        for word in &self.cfg.bad_words {
+            if Self::completes_bad_word(&self.recent, word)
+                && let Some(c) = word.last().and_then(|&t| cand.get_mut(t as usize))
+            {
+                c.0 = f32::NEG_INFINITY;
             }
         }
         if self.generated < self.cfg.min_tokens {
@@ -1147,6 +1206,52 @@ mod tests {
         assert!(check_allowed_tokens(&[0, 3, 3], 4).is_ok());
         assert!(check_allowed_tokens(&[4], 4).unwrap_err().contains("outside the vocabulary"));
         assert!(check_allowed_tokens(&[0; 5], 4).unwrap_err().contains("5 entries"));
+    }
+
+    #[test]
+    fn bad_words_ban_the_token_that_would_complete_them() {
+        let mut buf = SampleBuffer::new();
+        // Token 0 always leads, then 1, then 2, then 3.
+        let logits = [4.0f32, 3.0, 2.0, 1.0];
+        let banning = |words: &[&[u32]], prior: u32| SamplingParams {
+            bad_words: words.iter().map(|w| w.to_vec()).collect(),
+            prior_output_tokens: prior,
+            ..SamplingParams::greedy()
+        };
+        // A one-token word is never sampled; the runner's argmax path is off.
+        let mut s = Sampler::for_request(banning(&[&[0]], 0), &[7], 8, &[]);
+        assert!(!s.config().picks_argmax());
+        assert_eq!((0..3).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>(), vec![1, 1, 1]);
+        // [0, 0]: the first 0 is free, a second one would complete the word, a third is free again after a 1.
+        let mut s = Sampler::for_request(banning(&[&[0, 0]], 0), &[0], 8, &[]);
+        assert_eq!((0..4).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>(), vec![0, 1, 0, 1]);
+        // The prompt is not output: its last 0 does not count, unless an earlier attempt generated it.
+        let mut s = Sampler::for_request(banning(&[&[0, 0]], 1), &[0], 8, &[]);
+        assert_eq!(s.sample(&logits, &mut buf), 1);
+        // Longer words look that far back; several words ban several tokens at once.
+        let mut s = Sampler::for_request(banning(&[&[0, 0], &[0, 1, 0]], 0), &[], 8, &[]);
+        assert_eq!((0..6).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>(), vec![0, 1, 1, 0, 1, 1]);
+        let mut s = Sampler::for_request(banning(&[&[1, 0], &[1, 1], &[1, 2]], 0), &[], 8, &[]);
+        let biased_to_1 = [4.0f32, 5.0, 2.0, 1.0];
+        assert_eq!(s.sample(&biased_to_1, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf), 3, "after 1, each of 0, 1 and 2 completes a word");
+        // Sampled: the banned token never comes out.
+        let probs = logits_from_probs(&[0.5, 0.25, 0.25, 0.0]);
+        let mut s = Sampler::for_request(
+            SamplingParams { temperature: 1.0, seed: Some(3), ..banning(&[&[1, 1]], 0) },
+            &[],
+            4000,
+            &[],
+        );
+        let out: Vec<u32> = (0..4000).map(|_| s.sample(&probs, &mut buf)).collect();
+        assert!(out.windows(2).all(|w| w != [1, 1]), "a sampled [1, 1]");
+        assert!(out.contains(&1) && out.contains(&2));
+        // Bounds.
+        assert!(check_bad_words(&[vec![3; MAX_BAD_WORD_TOKENS]], 4).is_ok());
+        assert!(check_bad_words(&[vec![]], 4).unwrap_err().contains("bad_words[0]"));
+        assert!(check_bad_words(&[vec![1], vec![3; MAX_BAD_WORD_TOKENS + 1]], 4).unwrap_err().contains("bad_words[1]"));
+        assert!(check_bad_words(&[vec![4]], 4).unwrap_err().contains("outside the vocabulary"));
+        assert!(check_bad_words(&vec![vec![1]; MAX_BAD_WORDS + 1], 4).unwrap_err().contains("at most"));
     }
 
     fn penalised(presence: f32, frequency: f32, prior: u32) -> SamplingParams {

@@ -283,6 +283,7 @@ impl WorkerService {
                     seed: s.seed,
                     logit_bias: s.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
                     allowed_token_ids: s.allowed_token_ids.clone(),
+                    bad_words: s.bad_words.iter().map(|w| w.token_ids.clone()).collect(),
                     presence_penalty: s.presence_penalty,
                     frequency_penalty: s.frequency_penalty,
                     prior_output_tokens: s.prior_output_tokens,
@@ -793,6 +794,12 @@ mod tests {
         bad_stop.stop_token_ids = vec![5000];
         let mut allowed_outside_vocab = request(vec![1], 1);
         allowed_outside_vocab.sampling = Some(PbSampling { allowed_token_ids: vec![3, 5000], ..Default::default() });
+        let banning = |words: Vec<Vec<u32>>| {
+            let mut r = request(vec![1], 1);
+            let bad_words = words.into_iter().map(|token_ids| pb::TokenSequence { token_ids }).collect();
+            r.sampling = Some(PbSampling { bad_words, ..Default::default() });
+            r
+        };
         let mut long_id = request(vec![1], 1);
         long_id.request_id = "x".repeat(MAX_ID_BYTES + 1);
         let query = |token_ids: Vec<u32>| pb::ProfileQuery { token_ids };
@@ -824,6 +831,9 @@ mod tests {
             ("prior output longer than the prompt", penalised(1.0, 3)),
             ("stop id outside vocab", bad_stop),
             ("allowed token outside vocab", allowed_outside_vocab),
+            ("bad word outside vocab", banning(vec![vec![3, 5000]])),
+            ("empty bad word", banning(vec![vec![]])),
+            ("bad word of 33 tokens", banning(vec![vec![3; 33]])),
             ("request id too long", long_id),
             ("empty profile query", empty_query),
             ("profile query outside vocab", query_outside_vocab),
