@@ -727,8 +727,26 @@ async fn up_serves_chat_under_every_eviction_policy() {
     let (s, text) = http.get("/metrics").await.unwrap();
     assert_eq!(s, 200);
     assert!(text.contains("pagoda_router_worker_evicted_blocks{") && text.contains("policy=\"kv_compress\""), "{text}");
-    // An unknown policy and a budget below the minimum are 400s naming the field.
-    for (kv, param) in [(json!({"policy": "lru"}), "kv.policy"), (json!({"budget_tokens": 4}), "kv.budget_tokens")] {
+    // `kv.codec`: this request's KV goes down to the host tier in int4_kivi, where the worker's own codec is native.
+    let body =
+        chat(&format!("{context}\nQuestion: name a colour."), json!({"max_tokens": 8, "kv": {"codec": "int4_kivi"}}));
+    let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stats = worker_stats(&up.worker).await.unwrap();
+        if stats.tiers.iter().any(|t| t.tier == "host" && t.codec == "int4_kivi" && t.used_bytes > 0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no int4_kivi groups on the host tier: {:?}", stats.tiers);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // An unknown policy, a budget below the minimum and an unknown codec are 400s naming the field.
+    for (kv, param) in [
+        (json!({"policy": "lru"}), "kv.policy"),
+        (json!({"budget_tokens": 4}), "kv.budget_tokens"),
+        (json!({"codec": "zstd"}), "kv.codec"),
+    ] {
         let (s, v) = http.post_json("/v1/chat/completions", &chat(QUESTION, json!({"kv": kv}))).await.unwrap();
         assert_eq!(s, 400, "{v}");
         assert_eq!(v["error"]["param"], param, "{v}");

@@ -445,6 +445,7 @@ impl Generation {
             namespace: self.job.namespace.clone(),
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,
+            kv_codec: params.kv_codec.clone(),
             peer_hint,
             kv_profile_queries,
             logprobs: params.logprobs.is_some(),

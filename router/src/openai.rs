@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use pagoda_worker::json_schema::JsonSchema;
 use pagoda_worker::regex_guide::ByteDfa;
+use pagoda_worker::tiers::GroupCodec;
 
 use crate::codec::TextCodec;
 use crate::error::ApiError;
@@ -398,6 +399,8 @@ pub struct GenParams {
     /// The `kv` extension, validated: policy name (empty = the worker's default) and budget (0 = default).
     pub kv_policy: String,
     pub kv_budget_tokens: u32,
+    /// `kv.codec`, canonical (`native` or a codec's name); empty = the worker's `--tier-codec`.
+    pub kv_codec: String,
     /// `kv.profile_queries`, checked for count and size; tokenized when the prompt is.
     pub kv_profile_queries: Vec<String>,
     /// Report each generated token's log-probability with this many alternatives (at most [`MAX_TOP_LOGPROBS`]);
@@ -597,8 +600,12 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     let stop_token_ids = parse_stop_token_ids(c.stop_token_ids, c.vocab_size)?;
     let bad_words = parse_bad_words(c.bad_words)?;
     let allowed_token_ids = parse_allowed_token_ids(c.allowed_token_ids, c.vocab_size)?;
-    let ValidKv { policy: kv_policy, budget_tokens: kv_budget_tokens, profile_queries: kv_profile_queries } = match c.kv
-    {
+    let ValidKv {
+        policy: kv_policy,
+        budget_tokens: kv_budget_tokens,
+        codec: kv_codec,
+        profile_queries: kv_profile_queries,
+    } = match c.kv {
         Some(kv) => validate_kv(kv)?,
         None => ValidKv::default(),
     };
@@ -639,6 +646,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         tool_call: None,
         kv_policy,
         kv_budget_tokens,
+        kv_codec,
         kv_profile_queries,
         logprobs: None,
         echo: false,
@@ -1146,11 +1154,16 @@ pub struct ValidKv {
     pub policy: String,
     /// Budget in tokens per (layer, kv-head); 0 takes the policy's default.
     pub budget_tokens: u32,
+    /// The codec of the request's groups in the lower tiers; empty takes the worker's.
+    pub codec: String,
     /// Training queries, as text.
     pub profile_queries: Vec<String>,
 }
 
-/// The `kv` extension: a known eviction policy, a budget within bounds, the native codec, and at most
+/// The codecs a request may name for its groups in the lower tiers, besides `native` (`kv.codec`).
+pub const KV_CODECS: [&str; 5] = ["bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"];
+
+/// The `kv` extension: a known eviction policy, a budget within bounds, a known codec, and at most
 /// [`MAX_PROFILE_QUESTIONS`](pagoda_worker::placement::MAX_PROFILE_QUESTIONS) non-empty training queries of at
 /// most [`MAX_PROFILE_QUERY_BYTES`] each.
 pub fn validate_kv(kv: &KvOptions) -> Result<ValidKv, ApiError> {
@@ -1179,15 +1192,20 @@ pub fn validate_kv(kv: &KvOptions) -> Result<ValidKv, ApiError> {
             ));
         }
     };
-    if let Some(c) = &kv.codec
-        && c != "native"
-    {
-        let shown: String = c.chars().take(64).collect();
-        return Err(ApiError::invalid_param(
-            "kv.codec",
-            format!("Unknown or unsupported kv.codec `{shown}`; supported codecs: native."),
-        ));
-    }
+    let codec = match kv.codec.as_deref() {
+        None => String::new(),
+        Some(c) => match c.parse::<GroupCodec>() {
+            Ok(GroupCodec::Native(_)) => "native".to_string(),
+            Ok(GroupCodec::Kv(k)) if KV_CODECS.contains(&k.name()) => k.name().to_string(),
+            _ => {
+                let shown: String = c.chars().take(64).collect();
+                return Err(ApiError::invalid_param(
+                    "kv.codec",
+                    format!("Unknown kv.codec `{shown}`; supported codecs: native, {}.", KV_CODECS.join(", ")),
+                ));
+            }
+        },
+    };
     let profile_queries = kv.profile_queries.clone().unwrap_or_default();
     if profile_queries.len() > MAX_PROFILE_QUESTIONS {
         return Err(ApiError::invalid_param(
@@ -1209,7 +1227,7 @@ pub fn validate_kv(kv: &KvOptions) -> Result<ValidKv, ApiError> {
             ));
         }
     }
-    Ok(ValidKv { policy, budget_tokens: budget, profile_queries })
+    Ok(ValidKv { policy, budget_tokens: budget, codec, profile_queries })
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -2000,6 +2018,24 @@ mod tests {
     fn kv_full_is_accepted() {
         chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv":{"policy":"full","budget_tokens":512,"codec":"native"}}"#)
             .unwrap();
+    }
+
+    #[test]
+    fn kv_codec_names_a_tier_codec() {
+        let codec = |c: &str| {
+            chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"kv":{{"codec":"{c}"}}}}"#))
+                .map(|(_, p)| p.kv_codec)
+        };
+        assert_eq!(chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap().1.kv_codec, "");
+        for (name, canonical) in [("native", "native"), ("f16", "native"), ("int8", "int8"), ("int4_kivi", "int4_kivi")]
+        {
+            assert_eq!(codec(name).unwrap(), canonical, "{name}");
+        }
+        for bad in ["int4", "f32x", "", "zstd"] {
+            let e = codec(bad).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("kv.codec"), "{bad}");
+            assert!(e.message.contains("int2_kivi"), "{bad}: {}", e.message);
+        }
     }
 
     #[test]

@@ -467,6 +467,7 @@ fn run_config(
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tier_codec: None,
     };
     // Warm-up outside the clock: first-step scratch growth and page faults on the fresh KV arena's first blocks.
     let warm = prompts.first().map_or(&[][..], |p| &p[..p.len().min(32)]);

@@ -96,6 +96,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tier_codec: None,
     }
 }
 

@@ -36,6 +36,7 @@ use crate::scheduler::{
     StepPlan, check_fits, check_priority,
 };
 use crate::tiers::codec::GroupKv;
+use crate::tiers::pins::CodecPins;
 use crate::tiers::residual::{self, ResidualTails};
 use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUsage, native};
 
@@ -183,6 +184,10 @@ pub struct GenerateRequest {
     /// vLLM's request priority: lower is admitted first and preempted last; ties go by arrival. Anything but 0 needs
     /// [`SchedulingPolicy::Priority`].
     pub priority: i32,
+    /// The codec this request's groups go down a tier in under LRU placement (the `kv.codec` request extension),
+    /// instead of the worker's `--tier-codec`; a native codec means the arena's own lossless format. `None` takes
+    /// the worker's. Refused under EvicPress placement, which chooses codecs itself.
+    pub tier_codec: Option<GroupCodec>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -573,6 +578,8 @@ struct HandleInner {
     /// The eviction policies the runner runs: a request naming another is refused, rather than served with a
     /// full cache it did not ask for.
     policies: Vec<PolicyKind>,
+    /// EvicPress places the tiers: it chooses every context's codec, so requests may not name one.
+    evicpress_placement: bool,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -767,6 +774,15 @@ impl EngineHandle {
             }
         }
         check_priority(&self.inner.sched_cfg, req.priority).map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        if let Some(codec) = req.tier_codec
+            && self.inner.evicpress_placement
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "kv.codec {} cannot be honoured: this worker's tiers are placed by EvicPress, which chooses each \
+                 context's codec (--tier-placement evicpress)",
+                codec.name()
+            )));
+        }
         check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
         Ok(())
     }
@@ -843,7 +859,8 @@ impl Engine {
                     TierPlacement::LruCodec(c) => GroupCodec::Kv(c),
                     _ => GroupCodec::Native(info.kv_dtype),
                 };
-                if residual::has_residual(core.tier_codec) {
+                // A request may name a KIVI codec on a worker whose own is not.
+                if thread_cfg.kivi_residual_tokens > 0 {
                     core.residual =
                         ResidualTails::new(residual::residual_groups(thread_cfg.kivi_residual_tokens, info.block_size));
                 }
@@ -878,6 +895,7 @@ impl Engine {
                 sched_cfg,
                 default_policy: config.default_policy,
                 policies,
+                evicpress_placement: matches!(config.placement, TierPlacement::EvicPress(_)),
                 stats,
                 thread: Mutex::new(Some(thread)),
             }),
@@ -945,6 +963,18 @@ struct ReqState {
     /// computes its prompt again; what was reported is not reported twice).
     prompt_logprobs: Option<u32>,
     prompt_logprobs_next: usize,
+    /// [`GenerateRequest::tier_codec`], and how many of the sequence's chain hashes have been pinned to it.
+    tier_codec: Option<GroupCodec>,
+    pinned_groups: usize,
+}
+
+/// Pins the sequence's groups hashed since the last call to the codec its request named, if it named one.
+fn pin_tier_codec(pins: &mut CodecPins, seq: &mut Sequence<ReqState>) {
+    let Some(codec) = seq.payload.tier_codec else { return };
+    let hashes = seq.hashes();
+    let from = seq.payload.pinned_groups.min(hashes.len());
+    pins.pin(&hashes[from..], codec);
+    seq.payload.pinned_groups = hashes.len();
 }
 
 struct EngineLoop<R> {
@@ -965,8 +995,10 @@ struct EngineLoop<R> {
     tiers: Option<TierStore>,
     /// The codec of LRU offloads.
     tier_codec: GroupCodec,
-    /// The tails of finished prompts that LRU offloads keep native under a KIVI `tier_codec`.
+    /// The tails of finished prompts that LRU offloads keep native under a KIVI codec.
     residual: ResidualTails,
+    /// The codecs requests named for their groups ([`GenerateRequest::tier_codec`]).
+    pins: CodecPins,
     /// EvicPress placement of the tiers, when configured (then it, not LRU offloading, fills them).
     evicpress: Option<EvicPress>,
     /// Reused buffers for tier traffic.
@@ -1014,6 +1046,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             tiers: None,
             tier_codec: GroupCodec::Native(kv_dtype),
             residual: ResidualTails::default(),
+            pins: CodecPins::default(),
             evicpress: None,
             hashes: Vec::new(),
             blocks: Vec::new(),
@@ -1167,6 +1200,12 @@ impl<R: ModelRunner> EngineLoop<R> {
                     logprobs: req.logprobs,
                     prompt_logprobs: req.prompt_logprobs,
                     prompt_logprobs_next: 1,
+                    // A native codec is this arena's own format, whatever its element type.
+                    tier_codec: req.tier_codec.map(|c| match c {
+                        GroupCodec::Native(_) => GroupCodec::Native(self.runner.info().kv_dtype),
+                        kv => kv,
+                    }),
+                    pinned_groups: 0,
                 };
                 let r = SeqRequest {
                     prompt: req.prompt,
@@ -1360,11 +1399,12 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let Some(kv) = self.runner.group_kv() else { return };
         for &h in &self.hashes {
-            let codec = self.residual.codec_for(h, self.tier_codec, kv.native_codec());
+            let chosen = self.pins.codec_for(h, self.tier_codec);
+            let codec = self.residual.codec_for(h, chosen, kv.native_codec());
             // A group stored before it ended a prompt (the middle of an earlier one, or seeded KV) takes the
             // residual's format once it does; otherwise the stored copy stands.
             let replace = tiers.touch(h);
-            if replace && (codec == self.tier_codec || tiers.codec_of(h).is_none_or(|c| c == codec.name())) {
+            if replace && (codec == chosen || tiers.codec_of(h).is_none_or(|c| c == codec.name())) {
                 continue;
             }
             let pool = self.sched.pool();
@@ -1581,6 +1621,12 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             return true;
         }
+        // The groups the step registered are stored in the codecs their requests named once they go idle.
+        for e in &plan.seqs {
+            if let Some(seq) = self.sched.get_mut(e.seq) {
+                pin_tier_codec(&mut self.pins, seq);
+            }
+        }
         // Each entry's rows, in plan order: one per token of a chunk with wanted prompt positions, else one for an
         // entry that samples.
         let mut next_row = 0;
@@ -1625,8 +1671,14 @@ impl<R: ModelRunner> EngineLoop<R> {
                 accepted += 1;
                 row += 1;
             };
-            if e.draft > 0 && self.sched.settle_draft(e.seq, accepted).is_err() {
-                continue;
+            if e.draft > 0 {
+                if self.sched.settle_draft(e.seq, accepted).is_err() {
+                    continue;
+                }
+                // Accepted draft tokens may have filled a group.
+                if let Some(seq) = self.sched.get_mut(e.seq) {
+                    pin_tier_codec(&mut self.pins, seq);
+                }
             }
             if gone {
                 self.sched.cancel(e.seq);
@@ -2012,6 +2064,7 @@ mod tests {
             logprobs: None,
             prompt_logprobs: None,
             priority: 0,
+            tier_codec: None,
         }
     }
 

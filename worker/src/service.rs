@@ -35,7 +35,7 @@ use crate::regex_guide::ByteDfa;
 use crate::reporter::ReportProgress;
 use crate::sampling::TokenLogprobs;
 use crate::scheduler::SchedError;
-use crate::tiers::Tier;
+use crate::tiers::{GroupCodec, Tier};
 use crate::transfer::{PeerCounters, PeerFetcher};
 
 /// Longest `request_id` / `namespace`, in bytes.
@@ -317,6 +317,10 @@ impl WorkerService {
                     .map_err(|e| Status::invalid_argument(e.to_string()))?,
             )
         };
+        let tier_codec = match req.kv_codec.as_str() {
+            "" => None,
+            name => Some(name.parse::<GroupCodec>().map_err(|e| Status::invalid_argument(format!("kv_codec: {e}")))?),
+        };
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         Ok(GenerateRequest {
             request_id: format!("{}#{n}", req.request_id),
@@ -331,6 +335,7 @@ impl WorkerService {
             logprobs: req.logprobs.then_some(req.top_logprobs),
             prompt_logprobs: req.prompt_logprobs.then_some(req.top_logprobs),
             priority: req.priority,
+            tier_codec,
         })
     }
 }
@@ -814,6 +819,8 @@ mod tests {
         // This worker serves in arrival order (the default).
         let mut prioritised = request(vec![1], 1);
         prioritised.priority = -1;
+        let mut unknown_codec = request(vec![1], 1);
+        unknown_codec.kv_codec = "zstd".into();
         for (name, req) in [
             ("empty prompt", request(vec![], 4)),
             ("prompt at context", request(too_long, 1)),
@@ -840,6 +847,7 @@ mod tests {
             ("nine profile queries", too_many_queries),
             ("profile query past the context", query_past_context),
             ("priority without priority scheduling", prioritised),
+            ("unknown kv codec", unknown_codec),
         ] {
             let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");

@@ -5,15 +5,15 @@
 
 mod common;
 
-use common::{run, wait_stats};
+use common::{greedy, run, run_request, wait_stats};
 use std::path::{Path, PathBuf};
 
 use pagoda_kernels::{Codec, KvDtype};
 use pagoda_worker::cache::block_hashes;
-use pagoda_worker::engine::{Engine, EngineConfig, EngineHandle};
+use pagoda_worker::engine::{Engine, EngineConfig, EngineError, EngineHandle, GenerateRequest};
 use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
-use pagoda_worker::tiers::{Tier, TierConfig};
+use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
 
 /// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
 const GROUP: usize = 90;
@@ -239,6 +239,64 @@ fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
     let codecs: Vec<&str> = after.iter().map(|(_, g)| g.codec.as_str()).collect();
     assert_eq!(codecs, expected[..prompt_groups], "the prompt's tail was stored again natively");
     assert_eq!(after[prompt_groups - 1].1.bytes, native[prompt_groups - 1].1.bytes);
+    h.shutdown();
+}
+
+/// The `kv.codec` request extension under LRU placement: a request's groups go down to host in the codec it named,
+/// the next request's in the worker's; a request can insist on the device's own format where the worker
+/// compresses; its prefix comes back from host and serves. EvicPress placement refuses a named codec.
+#[test]
+fn a_request_names_the_codec_its_groups_are_stored_in() {
+    let p = prompt();
+    let other: Vec<u32> = p.iter().map(|&t| (t + 7) % 49_000).collect();
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let host = TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 };
+    let start = |placement: TierPlacement| {
+        let cfg = EngineConfig {
+            num_blocks: 8 * GROUP,
+            threads: 2,
+            tiers: host.clone(),
+            placement,
+            ..EngineConfig::new(model_path())
+        };
+        Engine::start(cfg).expect("engine starts")
+    };
+    let naming = |prompt: &[u32], codec: Option<GroupCodec>| GenerateRequest { tier_codec: codec, ..greedy(prompt, 8) };
+    let stored = |h: &EngineHandle, prompt: &[u32], out: &[u32]| -> Vec<String> {
+        let groups = (prompt.len() + out.len() - 1) / BS;
+        let hashes = block_hashes(&h.model_info().model_id, "", &[prompt, out].concat(), BS);
+        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX)).unwrap();
+        assert_eq!(got.len(), groups, "every computed group went to host");
+        got.into_iter().map(|(_, g)| g.codec).collect()
+    };
+
+    let h = start(TierPlacement::Lru);
+    let (cold, _, _) = run_request(&h, naming(&p, Some(GroupCodec::Kv(Codec::Int8))));
+    assert!(stored(&h, &p, &cold).iter().all(|c| c == "int8"), "the named codec");
+    let (out, _, _) = run(&h, &other, 8);
+    assert!(stored(&h, &other, &out).iter().all(|c| c == "f16"), "the worker's codec for a request naming none");
+    // The int8 copy serves the prefix once the device has lost it.
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert!(cached > 0 && s.prefix_hit_tokens[Tier::Host.index()] > 0, "{s:?}");
+    assert_eq!(warm.len(), cold.len());
+    h.shutdown();
+
+    // A request insists on the device's own format where the worker stores int2.
+    let h = start(TierPlacement::LruCodec(Codec::Int2Kivi));
+    let native = "native".parse::<GroupCodec>().unwrap();
+    let (out, _, _) = run_request(&h, naming(&p, Some(native)));
+    assert!(stored(&h, &p, &out).iter().all(|c| c == "f16"), "native: the arena's f16");
+    let (out, _, _) = run(&h, &other, 8);
+    assert!(stored(&h, &other, &out).iter().all(|c| c == "int2_kivi"));
+    h.shutdown();
+
+    let ep = EvicPressConfig::default();
+    let h = start(TierPlacement::EvicPress(ep));
+    match h.submit(naming(&p, Some(GroupCodec::Kv(Codec::Int8)))) {
+        Err(EngineError::InvalidRequest(m)) => assert!(m.contains("EvicPress"), "{m}"),
+        other => panic!("a codec named under EvicPress: {other:?}"),
+    }
     h.shutdown();
 }
 

@@ -18,6 +18,7 @@ pub mod cost;
 pub mod disk;
 pub mod host;
 pub mod native;
+pub mod pins;
 pub mod pruned;
 pub mod residual;
 pub mod store;

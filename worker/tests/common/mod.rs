@@ -33,6 +33,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tier_codec: None,
     }
 }
 
@@ -44,8 +45,13 @@ pub fn greedy(prompt: &[u32], max_tokens: u32) -> GenerateRequest {
 /// Runs one request to the end and waits for the engine to go idle. Returns the tokens and the stats delta
 /// (computed tokens, prefix hits per tier).
 pub fn run(h: &EngineHandle, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u32, EngineStats) {
+    run_request(h, greedy(prompt, max_tokens))
+}
+
+/// [`run`] for any request.
+pub fn run_request(h: &EngineHandle, req: GenerateRequest) -> (Vec<u32>, u32, EngineStats) {
     let before = h.stats();
-    let mut rx = h.submit(greedy(prompt, max_tokens)).unwrap();
+    let mut rx = h.submit(req).unwrap();
     let mut tokens = Vec::new();
     let cached = loop {
         match rx.blocking_recv() {
