@@ -106,6 +106,18 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(su["total_tokens"].as_u64().unwrap(), prompt_tokens + completion_tokens);
     // The same prompt again: its full blocks come from the prefix cache.
     assert!(su["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{su}");
+    // vLLM's continuous_usage_stats: each text chunk counts the tokens generated so far, up to the total.
+    let mut continuous = body.clone();
+    continuous["stream_options"]["continuous_usage_stats"] = json!(true);
+    let text = http.client.post(http.url("/v1/chat/completions")).json(&continuous).send().await.unwrap();
+    let text = text.text().await.unwrap();
+    let payloads = sse_payloads(&text).unwrap();
+    let counts: Vec<u64> = payloads[..payloads.len() - 1]
+        .iter()
+        .map(|p| pagoda_e2e::serde_json::from_str::<Value>(p).unwrap()["usage"]["completion_tokens"].as_u64().unwrap())
+        .collect();
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+    assert_eq!((counts[0], counts.last().copied()), (0, Some(completion_tokens)), "{text}");
 
     // A stop string from the middle of the answer truncates it there.
     let words: Vec<&str> = answer.split_whitespace().collect();
@@ -575,7 +587,11 @@ async fn up_answers_chat_streaming_and_not() {
     assert_eq!(s, 200);
     let models: Value = pagoda_e2e::serde_json::from_str(&body).unwrap();
     assert_eq!(models["data"][0]["id"], MODEL_ID);
+    let (s, card) = http.get(&format!("/v1/models/{MODEL_ID}")).await.unwrap();
+    assert_eq!((s, pagoda_e2e::serde_json::from_str::<Value>(&card).unwrap()), (200, models["data"][0].clone()));
+    assert_eq!(http.get("/v1/models/gpt-5").await.unwrap().0, 404);
     assert_eq!(http.get("/healthz").await.unwrap().0, 200);
+    assert_eq!(http.get("/health").await.unwrap().0, 200);
     let (s, metrics) = http.get("/metrics").await.unwrap();
     assert_eq!(s, 200);
     for name in [

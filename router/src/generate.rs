@@ -51,6 +51,8 @@ pub enum Piece {
     Text {
         text: String,
         logprobs: Vec<TokenLogprob>,
+        /// Tokens this choice has generated so far (for `continuous_usage_stats`).
+        completion_tokens: u32,
     },
     Done {
         finish_reason: &'static str,
@@ -684,7 +686,8 @@ impl Generation {
         if text.is_empty() && logprobs.is_empty() {
             return false;
         }
-        self.tx.send(Piece::Text { text, logprobs }).await.is_err()
+        let completion_tokens = self.generated.len() as u32;
+        self.tx.send(Piece::Text { text, logprobs, completion_tokens }).await.is_err()
     }
 
     async fn finish(&mut self, reason: &'static str, cached_tokens: u32) -> AttemptEnd {

@@ -51,6 +51,8 @@ pub struct KvOptions {
 #[derive(Debug, Clone, Deserialize, Default)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
+    /// vLLM's extension: with `include_usage`, every chunk carries the usage so far.
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// One chat message as sent by the client.
@@ -374,6 +376,9 @@ pub struct GenParams {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries its choice's usage
+    /// so far.
+    pub continuous_usage: bool,
     pub sampling: Sampling,
     /// `logit_bias` as (token id, bias), ascending by token id: added to the logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
@@ -611,6 +616,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     };
     let stream = c.stream.unwrap_or(false);
     let include_usage = c.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let continuous_usage = include_usage && c.stream_options.and_then(|o| o.continuous_usage_stats).unwrap_or(false);
     if c.stream_options.is_some() && !stream {
         return Err(ApiError::invalid_param(
             "stream_options",
@@ -623,6 +629,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         stop,
         stream,
         include_usage,
+        continuous_usage,
         sampling: Sampling {
             temperature: temperature as f32,
             top_p: top_p as f32,
@@ -1652,7 +1659,10 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
-    pub prompt_tokens_details: PromptTokensDetails,
+    /// Absent from the running usage of a chunk under `continuous_usage_stats` (vLLM omits it there too: the cached
+    /// count arrives with the end of the generation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
 }
 
 impl Usage {
@@ -1661,7 +1671,17 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+        }
+    }
+
+    /// The usage of a choice still generating (`continuous_usage_stats`): tokens so far, no cached count.
+    pub fn running(prompt_tokens: u32, completion_tokens: u32) -> Usage {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: None,
         }
     }
 }

@@ -6,7 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, RawQuery, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, Sse};
@@ -218,6 +219,7 @@ pub fn app(state: AppState) -> axum::Router {
     let v1 = axum::Router::new()
         .merge(generation)
         .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_key));
@@ -232,6 +234,8 @@ pub fn app(state: AppState) -> axum::Router {
         .merge(dashboard::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/health", get(health))
+        .route("/version", get(version))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -356,6 +360,17 @@ async fn readyz(State(st): State<AppState>) -> Response {
     (code, Json(body)).into_response()
 }
 
+/// vLLM's `GET /health`, which its charts and clients probe: 200 with an empty body once a worker is ready (as
+/// `/readyz`), else 503.
+async fn health(State(st): State<AppState>) -> StatusCode {
+    if st.pool().any_ready() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
+}
+
+/// vLLM's `GET /version`: this build's version.
+async fn version() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
 async fn metrics(State(st): State<AppState>) -> Response {
     st.metrics().scrape_workers(st.pool()).await;
     st.metrics().scrape_directory(&st.pool().feed_status());
@@ -437,16 +452,31 @@ async fn debug_keys(State(st): State<AppState>) -> Json<serde_json::Value> {
 }
 
 async fn models(State(st): State<AppState>) -> Json<ModelList> {
-    Json(ModelList {
-        object: "list",
-        data: vec![ModelCard {
-            id: st.0.codec.model_id().to_string(),
-            object: "model",
-            created: st.0.created,
-            owned_by: "pagoda",
-            max_model_len: st.0.codec.context_length(),
-        }],
-    })
+    Json(ModelList { object: "list", data: vec![model_card(&st)] })
+}
+
+/// OpenAI's `GET /v1/models/{model}` (the SDKs' `models.retrieve`): the served model's card, or 404.
+async fn model(
+    State(st): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Json<ModelCard>, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::invalid_param("model", format!("The model id in the path: {e}.")))?;
+    let shown: String = id.chars().take(MAX_SHOWN_MODEL_CHARS).collect();
+    st.check_model(&shown)?;
+    Ok(Json(model_card(&st)))
+}
+
+/// At most this many characters of an unknown model id go back in its 404.
+const MAX_SHOWN_MODEL_CHARS: usize = 256;
+
+fn model_card(st: &AppState) -> ModelCard {
+    ModelCard {
+        id: st.0.codec.model_id().to_string(),
+        object: "model",
+        created: st.0.created,
+        owned_by: "pagoda",
+        max_model_len: st.0.codec.context_length(),
+    }
 }
 
 /// `POST /tokenize` (vLLM's endpoint): a prompt's token ids, or a chat's after the chat template, with the count
@@ -611,6 +641,8 @@ struct Choice {
     rx: mpsc::Receiver<Piece>,
     /// The first choice of its prompt: the prompt counts in the request's usage once, not once per choice.
     counts_prompt: bool,
+    /// Its prompt's length, for the running usage of `continuous_usage_stats`.
+    prompt_tokens: u32,
 }
 
 /// Starts the request's choices together: `n` generations of each prompt, in OpenAI's `choices` order (by
@@ -637,9 +669,10 @@ async fn start_choices(
             p.sampling.seed = p.sampling.seed.map(|s| s.wrapping_add(u64::from(j)));
             let job_id = if total > 1 { format!("{id}-{}", b * n as usize + j as usize) } else { id.to_string() };
             let prompt = prompt.clone();
+            let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
             starts.push(async move {
                 let rx = start_job(st, tenant, &job_id, prompt, p, arrived).await?;
-                Ok::<_, ApiError>(Choice { rx, counts_prompt: j == 0 })
+                Ok::<_, ApiError>(Choice { rx, counts_prompt: j == 0, prompt_tokens })
             });
         }
     }
@@ -740,7 +773,7 @@ async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
     while let Some(p) = rx.recv().await {
         match p {
             Piece::Echo { text, first_token, logprobs } => echo = Some((text, first_token, logprobs)),
-            Piece::Text { text: t, logprobs: l } => {
+            Piece::Text { text: t, logprobs: l, .. } => {
                 text.push_str(&t);
                 logprobs.extend(l);
             }
@@ -786,13 +819,38 @@ impl UsageSum {
     fn add(&mut self, u: &Usage, counts_prompt: bool) {
         if counts_prompt {
             self.prompt = self.prompt.saturating_add(u.prompt_tokens);
-            self.cached = self.cached.saturating_add(u.prompt_tokens_details.cached_tokens);
+            self.cached = self.cached.saturating_add(u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens));
         }
         self.completion = self.completion.saturating_add(u.completion_tokens);
     }
 
     fn total(&self) -> Usage {
         Usage::new(self.prompt, self.completion, self.cached)
+    }
+}
+
+/// vLLM's `stream_options.continuous_usage_stats`: the usage so far that each chunk of a choice carries (`None`
+/// without it: then only the last chunk, after every choice, carries the request's usage).
+struct RunningUsage {
+    /// Each choice's prompt length, by index; empty when off.
+    prompt_tokens: Vec<u32>,
+}
+
+impl RunningUsage {
+    fn new(params: &GenParams, choices: &[Choice]) -> RunningUsage {
+        let on = params.continuous_usage;
+        RunningUsage { prompt_tokens: if on { choices.iter().map(|c| c.prompt_tokens).collect() } else { Vec::new() } }
+    }
+
+    /// Choice `index` after `completion_tokens` generated tokens.
+    fn at(&self, index: u32, completion_tokens: u32) -> Option<Usage> {
+        let prompt = *self.prompt_tokens.get(index as usize)?;
+        Some(Usage::running(prompt, completion_tokens))
+    }
+
+    /// A choice's final usage, on its finish chunk.
+    fn done(&self, usage: Usage) -> Option<Usage> {
+        (!self.prompt_tokens.is_empty()).then_some(usage)
     }
 }
 
@@ -806,11 +864,13 @@ fn chat_events(
     codec: Arc<dyn TextCodec>,
 ) -> impl Stream<Item = String> + Send + 'static {
     let include_usage = params.include_usage;
+    let running = RunningUsage::new(&params, &choices);
     let model = params.model;
     let chunk = move |index: u32,
                       delta: Delta,
                       logprobs: Option<ChatLogprobs>,
-                      finish_reason: Option<&'static str>|
+                      finish_reason: Option<&'static str>,
+                      usage: Option<Usage>|
           -> ChatChunk {
         ChatChunk {
             id: id.clone(),
@@ -818,7 +878,7 @@ fn chat_events(
             created,
             model: model.clone(),
             choices: vec![ChunkChoice { index, delta, logprobs, finish_reason }],
-            usage: if include_usage { Some(None) } else { None },
+            usage: include_usage.then_some(usage),
         }
     };
     // A forced function call streams as its arguments: the first delta names the call, the rest extend it.
@@ -838,7 +898,7 @@ fn chat_events(
                     }]),
                 },
             };
-            to_json(&chunk(i, delta, None, None))
+            to_json(&chunk(i, delta, None, None, running.at(i, 0)))
         })
         .collect();
     let calls = tool_call.is_some();
@@ -849,7 +909,8 @@ fn chat_events(
         move |i, p| match p {
             // Chat has no `echo`.
             Piece::Echo { .. } => Vec::new(),
-            Piece::Text { text, logprobs } => {
+            Piece::Text { text, logprobs, completion_tokens } => {
+                let usage = running.at(i, completion_tokens);
                 let logprobs = wants_logprobs.then(|| ChatLogprobs::render(&logprobs, codec.as_ref()));
                 let delta = if calls {
                     let function = FunctionDelta { name: None, arguments: text };
@@ -858,16 +919,19 @@ fn chat_events(
                 } else {
                     Delta { role: None, content: Some(text), tool_calls: None }
                 };
-                vec![to_json(&chunk(i, delta, logprobs, None))]
+                vec![to_json(&chunk(i, delta, logprobs, None, usage))]
             }
-            Piece::Done { finish_reason, .. } => vec![to_json(&chunk(i, Delta::default(), None, Some(finish_reason)))],
+            Piece::Done { finish_reason, usage } => {
+                let usage = running.done(usage);
+                vec![to_json(&chunk(i, Delta::default(), None, Some(finish_reason), usage))]
+            }
             Piece::Error(e) => vec![e.body_json()],
         },
         move |usage| {
             if !include_usage {
                 return Vec::new();
             }
-            let mut last = last_chunk(0, Delta::default(), None, None);
+            let mut last = last_chunk(0, Delta::default(), None, None, None);
             last.choices.clear();
             last.usage = Some(Some(usage));
             vec![to_json(&last)]
@@ -885,17 +949,19 @@ fn completion_events(
     codec: Arc<dyn TextCodec>,
 ) -> impl Stream<Item = String> + Send + 'static {
     let include_usage = params.include_usage;
+    let running = RunningUsage::new(&params, &choices);
     let model = params.model;
     let chunk = move |index: u32,
                       text: String,
                       logprobs: Option<CompletionLogprobs>,
-                      finish_reason: Option<&'static str>| Completion {
+                      finish_reason: Option<&'static str>,
+                      usage: Option<Usage>| Completion {
         id: id.clone(),
         object: "text_completion",
         created,
         model: model.clone(),
         choices: vec![CompletionChoice { index, text, logprobs, finish_reason }],
-        usage: if include_usage { Some(None) } else { None },
+        usage: include_usage.then_some(usage),
     };
     let wants_logprobs = params.logprobs.is_some();
     // Bytes of each choice's echoed prompt: its completion's offsets start after them.
@@ -909,21 +975,23 @@ fn completion_events(
                     *e = u32::try_from(text.len()).unwrap_or(u32::MAX);
                 }
                 let logprobs = wants_logprobs.then(|| CompletionLogprobs::echo(first_token, &logprobs, codec.as_ref()));
-                vec![to_json(&chunk(i, text, logprobs, None))]
+                vec![to_json(&chunk(i, text, logprobs, None, running.at(i, 0)))]
             }
-            Piece::Text { text, logprobs } => {
+            Piece::Text { text, logprobs, completion_tokens } => {
                 let offset = echoed.get(i as usize).copied().unwrap_or(0);
                 let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), offset));
-                vec![to_json(&chunk(i, text, logprobs, None))]
+                vec![to_json(&chunk(i, text, logprobs, None, running.at(i, completion_tokens)))]
             }
-            Piece::Done { finish_reason, .. } => vec![to_json(&chunk(i, String::new(), None, Some(finish_reason)))],
+            Piece::Done { finish_reason, usage } => {
+                vec![to_json(&chunk(i, String::new(), None, Some(finish_reason), running.done(usage)))]
+            }
             Piece::Error(e) => vec![e.body_json()],
         },
         move |usage| {
             if !include_usage {
                 return Vec::new();
             }
-            let mut last = last_chunk(0, String::new(), None, None);
+            let mut last = last_chunk(0, String::new(), None, None, None);
             last.choices.clear();
             last.usage = Some(Some(usage));
             vec![to_json(&last)]

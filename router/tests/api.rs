@@ -555,6 +555,51 @@ async fn chat_streaming_exact_format() {
     );
 }
 
+/// vLLM's `stream_options.continuous_usage_stats`: every chunk of a choice carries its usage so far (prompt, tokens
+/// generated, total; no cached count until the finish chunk), the counts only grow, and the finish chunk and the
+/// last one carry the final usage. Without `include_usage` it changes nothing.
+#[tokio::test]
+async fn continuous_usage_stats_put_the_usage_so_far_on_every_chunk() {
+    let c = cluster().await;
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]})),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "xyz"})),
+    ] {
+        let mut body = body;
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+        let text = c.post_ok(path, &body).await;
+        let payloads = sse_payloads(&text);
+        assert_eq!(payloads.last().map(String::as_str), Some("[DONE]"));
+        let chunks: Vec<Value> =
+            payloads[..payloads.len() - 1].iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+        let n = chunks.len();
+        let last = &chunks[n - 1]["usage"];
+        assert_eq!(last["completion_tokens"], REPLY.len() as u64, "{path}: {text}");
+        let prompt = last["prompt_tokens"].as_u64().unwrap();
+        let mut so_far = 0;
+        for ch in &chunks[..n - 2] {
+            let u = &ch["usage"];
+            assert_eq!(u["prompt_tokens"], prompt, "{path}: {ch}");
+            let done = u["completion_tokens"].as_u64().unwrap();
+            assert!(done >= so_far && done <= REPLY.len() as u64, "{path}: {ch}");
+            assert_eq!(u["total_tokens"].as_u64(), Some(prompt + done), "{path}: {ch}");
+            assert!(u.get("prompt_tokens_details").is_none(), "{path}: {ch}");
+            so_far = done;
+        }
+        assert!(so_far > 0, "{path}: text chunks count their tokens: {text}");
+        let finish = &chunks[n - 2];
+        assert!(finish["choices"][0]["finish_reason"].is_string(), "{path}: {finish}");
+        assert_eq!(finish["usage"], *last, "{path}");
+        assert!(last["prompt_tokens_details"]["cached_tokens"].is_u64(), "{path}: {last}");
+    }
+    // Without include_usage the option adds nothing.
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": true,
+                      "stream_options": {"continuous_usage_stats": true}});
+    let text = c.post_ok("/v1/chat/completions", &body).await;
+    assert!(!text.contains("\"usage\""), "{text}");
+}
+
 #[tokio::test]
 async fn streaming_without_usage_and_completions_endpoint() {
     let c = cluster().await;
@@ -708,8 +753,25 @@ async fn models_health_ready_metrics() {
     let v: Value = c.client.get(format!("{}/v1/models", c.http)).send().await.unwrap().json().await.unwrap();
     assert_eq!(v["object"], "list");
     assert_eq!(v["data"][0]["id"], MODEL);
+    // OpenAI's retrieve: the same card, and a 404 naming an unknown model (its id cut short).
+    let r = c.client.get(format!("{}/v1/models/{MODEL}", c.http)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let card: Value = r.json().await.unwrap();
+    assert_eq!(card, v["data"][0]);
+    for unknown in ["gpt-5".to_string(), format!("{MODEL}/x"), "m".repeat(5000)] {
+        let r = c.client.get(format!("{}/v1/models/{unknown}", c.http)).send().await.unwrap();
+        let s = r.status().as_u16();
+        let body = r.text().await.unwrap();
+        let e = assert_error(s, &body, 404);
+        assert_eq!(e["error"]["code"], "model_not_found", "{body}");
+        assert!(body.len() < 1024, "{body}");
+    }
     let r = c.client.get(format!("{}/healthz", c.http)).send().await.unwrap();
     assert_eq!(r.status(), 200);
+    let r = c.client.get(format!("{}/health", c.http)).send().await.unwrap();
+    assert_eq!((r.status().as_u16(), r.text().await.unwrap()), (200, String::new()));
+    let v: Value = c.client.get(format!("{}/version", c.http)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
     c.still_serves().await;
     let r = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap();
     assert_eq!(r.status(), 200);
@@ -739,6 +801,7 @@ async fn not_ready_without_worker_then_ready() {
     let r = client.get(format!("{http}/readyz")).send().await.unwrap();
     assert_eq!(r.status(), 503);
     assert_eq!(client.get(format!("{http}/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(client.get(format!("{http}/health")).send().await.unwrap().status(), 503, "vLLM's /health: not ready");
     let r = client
         .post(format!("{http}/v1/chat/completions"))
         .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}))
@@ -758,6 +821,7 @@ async fn not_ready_without_worker_then_ready() {
     });
     for _ in 0..100 {
         if client.get(format!("{http}/readyz")).send().await.unwrap().status() == 200 {
+            assert_eq!(client.get(format!("{http}/health")).send().await.unwrap().status(), 200);
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
