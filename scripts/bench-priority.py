@@ -22,23 +22,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
-
-def wait_ready(url, proc, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server on {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"server on {url} not ready after {timeout}s")
+from pagoda_servers import wait_ready
 
 
 def load(a, url, priority):

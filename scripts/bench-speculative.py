@@ -25,6 +25,8 @@ import sys
 import time
 import urllib.request
 
+from pagoda_servers import wait_ready
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CODE = '''def mean(xs):
     total = 0
@@ -53,21 +55,6 @@ WORKLOADS = {
     "explain": "Explain in detail how a bicycle works.",
 }
 SAMPLINGS = {"greedy": {"temperature": 0}, "t=0.8": {"temperature": 0.8, "seed": 3}}
-
-
-def wait_ready(url, proc, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server on {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"server on {url} not ready after {timeout}s")
 
 
 def draft_counts(url):
