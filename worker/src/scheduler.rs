@@ -311,7 +311,7 @@ impl<P> Sequence<P> {
     pub fn stops_on(&self, token: u32) -> bool {
         self.stop_token_ids.contains(&token)
     }
-    /// The unverified speculative draft at the end of [`Sequence::tokens`] (empty between steps).
+    /// [`SeqRequest::priority`].
     pub fn priority(&self) -> i32 {
         self.priority
     }
@@ -319,6 +319,7 @@ impl<P> Sequence<P> {
     fn queue_key(&self) -> (i32, SeqId) {
         (self.priority, self.id)
     }
+    /// The unverified speculative draft at the end of [`Sequence::tokens`] (empty between steps).
     pub fn draft(&self) -> &[u32] {
         &self.tokens[self.tokens.len() - self.draft..]
     }
