@@ -788,6 +788,10 @@ async fn up_priority_scheduling_serves_every_priority() {
     }
     assert_eq!(a.1["choices"], b.1["choices"]);
     assert_eq!(a.1["choices"], c.1["choices"]);
+    // The worker reports each request's time in its queue; the router's histogram has all three.
+    let (_, metrics) = http.get("/metrics").await.unwrap();
+    let count = metrics.lines().find_map(|l| l.strip_prefix("pagoda_router_queue_seconds_count ")).map(str::trim);
+    assert_eq!(count, Some("3"), "{metrics}");
     let completion = json!({"model": MODEL_ID, "prompt": "The capital city of France is", "max_tokens": 3,
                             "temperature": 0, "priority": -7});
     let (s, v) = http.post_json("/v1/completions", &completion).await.unwrap();

@@ -583,6 +583,9 @@ impl Generation {
                         });
                     };
                     let u = fin.usage.unwrap_or_default();
+                    if fin.queue_seconds.is_finite() && fin.queue_seconds >= 0.0 {
+                        self.ctx.metrics.queue.observe(fin.queue_seconds);
+                    }
                     let this_attempt = (self.generated.len() as u32 - before).max(u.completion_tokens);
                     call.record("completion_tokens", i64::from(this_attempt));
                     call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);

@@ -101,6 +101,7 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     pub ttft: Histogram,
     pub inter_token: Histogram,
+    pub queue: Histogram,
     pub prompt_tokens: Counter,
     pub completion_tokens: Counter,
     pub worker_ready: Family<WorkerLabels, Gauge>,
@@ -205,6 +206,14 @@ impl Metrics {
             "Time between consecutive tokens of one stream",
             Unit::Seconds,
             inter_token.clone(),
+        );
+        // 1 ms .. ~33 s
+        let queue = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        registry.register_with_unit(
+            "queue",
+            "Time a request waited in its worker's queue before its first step (the worker's count, last attempt)",
+            Unit::Seconds,
+            queue.clone(),
         );
         let prompt_tokens = Counter::default();
         registry.register("prompt_tokens", "Prompt tokens sent to workers", prompt_tokens.clone());
@@ -543,6 +552,7 @@ impl Metrics {
             requests,
             ttft,
             inter_token,
+            queue,
             prompt_tokens,
             completion_tokens,
             worker_ready,

@@ -169,6 +169,8 @@ impl Worker for Fake {
                     finished: Some(Finished {
                         reason: reason as i32,
                         usage: Some(Usage { prompt_tokens, completion_tokens: n as u32, cached_tokens: 0 }),
+                        // What this stand-in's queue held it for: a quarter of a second.
+                        queue_seconds: 0.25,
                     }),
                     ..Default::default()
                 };
@@ -779,6 +781,8 @@ async fn models_health_ready_metrics() {
     for name in [
         "pagoda_router_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}",
         "pagoda_router_ttft_seconds_count 1",
+        "pagoda_router_queue_seconds_count 1",
+        "pagoda_router_queue_seconds_sum 0.25",
         "pagoda_router_inter_token_latency_seconds_count",
         "pagoda_router_prompt_tokens_total",
         "pagoda_router_completion_tokens_total",

@@ -209,6 +209,8 @@ pub enum GenerateEvent {
         /// KV slots the request's eviction policy dropped, and the blocks that returned to the pool.
         evicted_slots: u64,
         evicted_blocks: u64,
+        /// Seconds from the request's arrival at the engine to its first step (0 if it never ran).
+        queue_seconds: f64,
     },
     Failed(String),
 }
@@ -966,6 +968,9 @@ struct ReqState {
     /// [`GenerateRequest::tier_codec`], and how many of the sequence's chain hashes have been pinned to it.
     tier_codec: Option<GroupCodec>,
     pinned_groups: usize,
+    /// When the engine took the request, and how long it then waited for its first step.
+    arrived: Instant,
+    queue_seconds: Option<f64>,
 }
 
 /// Pins the sequence's groups hashed since the last call to the codec its request named, if it named one.
@@ -1206,6 +1211,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                         kv => kv,
                     }),
                     pinned_groups: 0,
+                    arrived: Instant::now(),
+                    queue_seconds: None,
                 };
                 let r = SeqRequest {
                     prompt: req.prompt,
@@ -1378,6 +1385,12 @@ impl<R: ModelRunner> EngineLoop<R> {
         self.onboard();
         let mut plan = std::mem::take(&mut self.plan);
         self.sched.schedule_into(&mut plan);
+        for e in &plan.seqs {
+            if let Some(seq) = self.sched.get_mut(e.seq) {
+                let p = &mut seq.payload;
+                p.queue_seconds.get_or_insert_with(|| p.arrived.elapsed().as_secs_f64());
+            }
+        }
         // Publish what was just admitted before the step streams its first tokens, so a client that reads the
         // stats after a token sees its request counted.
         self.publish_stats();
@@ -1848,6 +1861,7 @@ fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) ->
         cached_tokens: seq.cached_tokens() as u32,
         evicted_slots: seq.evicted().slots,
         evicted_blocks: seq.evicted().blocks,
+        queue_seconds: seq.payload.queue_seconds.unwrap_or(0.0),
     }
 }
 
@@ -2296,6 +2310,8 @@ mod tests {
         let (toks, fin) = collect(h.submit(req("a", vec![1, 2, 3], 5)).unwrap());
         // pos 3 + last 3 = 6, then pos 4 + 6 = 10, 5 + 10 = 15, 6 + 15 = 21, 7 + 21 = 28.
         assert_eq!(toks, vec![6, 10, 15, 21, 28]);
+        let GenerateEvent::Finished { queue_seconds, .. } = fin else { panic!("{fin:?}") };
+        assert!(queue_seconds > 0.0 && queue_seconds < 60.0, "{queue_seconds}");
         assert_eq!(
             fin,
             GenerateEvent::Finished {
@@ -2304,7 +2320,8 @@ mod tests {
                 completion_tokens: 5,
                 cached_tokens: 0,
                 evicted_slots: 0,
-                evicted_blocks: 0
+                evicted_blocks: 0,
+                queue_seconds,
             }
         );
         // eos (31) stops: prompt [0, 28] → 2 + 28 = 30, 3 + 30 = 33 % 32 = 1, ...

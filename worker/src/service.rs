@@ -466,12 +466,14 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
                 cached_tokens,
                 evicted_slots,
                 evicted_blocks,
+                queue_seconds,
             } => {
                 s.done = true;
                 s.on_finished(reason, completion_tokens, cached_tokens, (evicted_slots, evicted_blocks));
                 msg.finished = Some(Finished {
                     reason: finish_reason(reason) as i32,
                     usage: Some(pb::Usage { prompt_tokens, completion_tokens, cached_tokens }),
+                    queue_seconds,
                 });
             }
             GenerateEvent::Failed(m) if msg.token_ids.is_empty() => {

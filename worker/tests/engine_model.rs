@@ -72,6 +72,8 @@ struct Done {
     cached: u32,
     /// Slots the request's policy evicted and the blocks that freed.
     evicted: (u64, u64),
+    /// Seconds from arrival to its first step.
+    queue_seconds: f64,
 }
 
 fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
@@ -81,11 +83,18 @@ fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
             GenerateEvent::Token { id: t, .. } => tokens.push(t),
             GenerateEvent::PromptLogprobs(_) => panic!("no prompt log-probabilities were asked for"),
             GenerateEvent::Finished {
-                reason, completion_tokens, cached_tokens, evicted_slots, evicted_blocks, ..
+                reason,
+                completion_tokens,
+                cached_tokens,
+                evicted_slots,
+                evicted_blocks,
+                queue_seconds,
+                ..
             } => {
                 let sampled = tokens.len() + usize::from(reason == FinishReason::Stop);
                 let evicted = (evicted_slots, evicted_blocks);
-                return Done { tokens, sampled, reason, completion: completion_tokens, cached: cached_tokens, evicted };
+                let (completion, cached) = (completion_tokens, cached_tokens);
+                return Done { tokens, sampled, reason, completion, cached, evicted, queue_seconds };
             }
             GenerateEvent::Failed(e) => panic!("request failed: {e}"),
         }
@@ -598,12 +607,12 @@ fn speculative_decoding_changes_no_answer_and_accepts_drafts() {
 }
 
 /// The whole answer a receiver already holds, without waiting: `None` unless its `Finished` has arrived.
-fn try_collect(rx: &mut UnboundedReceiver<GenerateEvent>) -> Option<(Vec<u32>, FinishReason)> {
+fn try_collect(rx: &mut UnboundedReceiver<GenerateEvent>) -> Option<(Vec<u32>, FinishReason, f64)> {
     let mut tokens = Vec::new();
     while let Ok(ev) = rx.try_recv() {
         match ev {
             GenerateEvent::Token { id, .. } => tokens.push(id),
-            GenerateEvent::Finished { reason, .. } => return Some((tokens, reason)),
+            GenerateEvent::Finished { reason, queue_seconds, .. } => return Some((tokens, reason, queue_seconds)),
             other => panic!("unexpected event {other:?}"),
         }
     }
@@ -637,7 +646,10 @@ fn priority_scheduling_serves_the_queue_by_priority_then_arrival() {
     h.cancel("blocker").unwrap();
     let late = collect(late);
     let urgent = try_collect(&mut urgent).expect("the urgent request was served before the one that came first");
+    // The late one arrived first and ran second: it waited longer, by the urgent one's whole run.
+    assert!(late.queue_seconds > urgent.2, "queued {} s against {} s", late.queue_seconds, urgent.2);
     assert_eq!((urgent.0.len(), urgent.1), (8, FinishReason::Length));
+    assert!(urgent.2 > 0.0);
     assert_eq!((late.tokens.len(), late.reason), (4, FinishReason::Length));
     assert_eq!(collect(later).tokens.len(), 4);
     let blocked = collect(blocker);
