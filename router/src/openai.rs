@@ -959,23 +959,7 @@ pub const MAX_BAD_WORD_BYTES: usize = 256;
 /// vLLM's `bad_words`: null, or an array of at most [`MAX_BAD_WORDS`] strings, each with some text that is not
 /// whitespace, of at most [`MAX_BAD_WORD_BYTES`] bytes.
 fn parse_bad_words(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
-    let items = match v {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) if items.len() <= MAX_BAD_WORDS => items,
-        Some(Value::Array(items)) => {
-            return Err(ApiError::invalid_param(
-                "bad_words",
-                format!("`bad_words` has {} entries; at most {MAX_BAD_WORDS} are allowed.", items.len()),
-            ));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid_param(
-                "bad_words",
-                format!("`bad_words` must be an array of strings, got {}.", type_name(other)),
-            ));
-        }
-    };
-    items
+    bounded_array(v, "bad_words", MAX_BAD_WORDS, "strings")?
         .iter()
         .enumerate()
         .map(|(i, v)| match v.as_str() {
@@ -986,6 +970,23 @@ fn parse_bad_words(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
             )),
         })
         .collect()
+}
+
+/// An optional array field: empty for null or absent, else its items, at most `max` of them (400s naming `param`
+/// otherwise; `of` says what the items are, for the message).
+fn bounded_array<'a>(v: Option<&'a Value>, param: &str, max: usize, of: &str) -> Result<&'a [Value], ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(items)) if items.len() <= max => Ok(items),
+        Some(Value::Array(items)) => Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` has {} entries; at most {max} are allowed.", items.len()),
+        )),
+        Some(other) => Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` must be an array of {of}, got {}.", type_name(other)),
+        )),
+    }
 }
 
 /// vLLM's tokenization of `bad_words`: each word without its leading whitespace, as it would start the answer,
@@ -1011,23 +1012,7 @@ pub fn bad_word_sequences<E>(
 }
 
 fn parse_token_ids(v: Option<&Value>, vocab_size: usize, param: &str, max: usize) -> Result<Vec<u32>, ApiError> {
-    let items = match v {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) if items.len() <= max => items,
-        Some(Value::Array(items)) => {
-            return Err(ApiError::invalid_param(
-                param,
-                format!("`{param}` has {} entries; at most {max} are allowed.", items.len()),
-            ));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid_param(
-                param,
-                format!("`{param}` must be an array of token ids, got {}.", type_name(other)),
-            ));
-        }
-    };
-    items
+    bounded_array(v, param, max, "token ids")?
         .iter()
         .enumerate()
         .map(|(i, v)| {

@@ -461,13 +461,11 @@ async fn model(
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<ModelCard>, ApiError> {
     let Path(id) = id.map_err(|e| ApiError::invalid_param("model", format!("The model id in the path: {e}.")))?;
-    let shown: String = id.chars().take(MAX_SHOWN_MODEL_CHARS).collect();
+    // An unknown id goes back in the 404 cut to the bound of a body's `model`.
+    let shown: String = id.chars().take(crate::openai::MAX_NAME_BYTES).collect();
     st.check_model(&shown)?;
     Ok(Json(model_card(&st)))
 }
-
-/// At most this many characters of an unknown model id go back in its 404.
-const MAX_SHOWN_MODEL_CHARS: usize = 256;
 
 fn model_card(st: &AppState) -> ModelCard {
     ModelCard {
