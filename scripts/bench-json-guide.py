@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""What guided decoding (`response_format` `json_object` and `json_schema`, and vLLM's `guided_regex`) costs,
-measured through a running `pagoda up`.
+"""What guided decoding (`response_format` `json_object` and `json_schema`, and vLLM's `guided_regex` and
+`structured_outputs.grammar`) costs, measured through a running `pagoda up`.
 
 96-token chats with `ignore_eos` (so every mode generates the same count), greedy and sampled, plain and guided by
 each format, interleaved; prints each mode's median tokens/s and its ratio to plain greedy. The schema has a long
 array of strings, so that the answer stays inside it for most of the 96 tokens. The pattern is prose-like text
 (letters, digits, spaces and punctuation, any length); it needs a stop token besides the ignored EOS, and token
-49,151, the vocabulary's last, is one the model does not pick here.
+49,151, the vocabulary's last, is one the model does not pick here. Two grammars: the pattern's own language
+(`root ::= [...]+`, so the Earley guide runs beside the DFA on the same text), and JSON values separated by commas
+with no end (nested objects, arrays and strings: a context-free language), both with that stop token.
 
-    scripts/bench-json-guide.py [--url http://127.0.0.1:8080] [--reps 7] [--tokens 96]
+    scripts/bench-json-guide.py [--url http://127.0.0.1:8080] [--reps 7] [--tokens 96] [--modes regex,grammar]
 """
 
 import argparse
@@ -24,6 +26,18 @@ SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "ci
     "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"},
                    "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 50}}}}}}
 REGEX = {"guided_regex": "[A-Za-z0-9 ,.;:'\\n-]+", "stop_token_ids": [49151]}
+GRAMMAR_TEXT = {"structured_outputs": {"grammar": "root ::= [A-Za-z0-9 ,.;:'\\n-]+"}, "stop_token_ids": [49151]}
+JSON_VALUES = r"""
+root   ::= value ("," ws value)*
+value  ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ws (member ("," ws member)*)? ws "}"
+member ::= string ws ":" ws value
+array  ::= "[" ws (value ("," ws value)*)? ws "]"
+string ::= "\"" ([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\""
+number ::= "-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,16})?
+ws     ::= [ \t\n]{0,8}
+"""
+GRAMMAR_JSON = {"structured_outputs": {"grammar": JSON_VALUES}, "stop_token_ids": [49151]}
 SAMPLED = {"temperature": 0.8, "seed": 1}
 
 
@@ -44,11 +58,18 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:8080")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--modes", default="", help="comma-separated guides to run beside plain (json_object, "
+                    "json_schema, regex, grammar); all by default")
     a = ap.parse_args()
     modes = {"plain, greedy": {}, "json_object, greedy": GUIDED, "json_schema, greedy": SCHEMA,
-             "regex, greedy": REGEX,
+             "regex, greedy": REGEX, "grammar (the regex's language), greedy": GRAMMAR_TEXT,
+             "grammar (JSON values), greedy": GRAMMAR_JSON,
              "plain, temperature 0.8": SAMPLED, "json_object, temperature 0.8": GUIDED | SAMPLED,
-             "json_schema, temperature 0.8": SCHEMA | SAMPLED, "regex, temperature 0.8": REGEX | SAMPLED}
+             "json_schema, temperature 0.8": SCHEMA | SAMPLED, "regex, temperature 0.8": REGEX | SAMPLED,
+             "grammar (the regex's language), temperature 0.8": GRAMMAR_TEXT | SAMPLED,
+             "grammar (JSON values), temperature 0.8": GRAMMAR_JSON | SAMPLED}
+    if a.modes:
+        modes = {m: v for m, v in modes.items() if m.startswith("plain") or any(k in m for k in a.modes.split(","))}
     runs = {m: [] for m in modes}
     for _ in range(a.reps):
         for m, extra in modes.items():

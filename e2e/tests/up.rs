@@ -30,6 +30,30 @@ async fn stopped_completions(http: &pagoda_e2e::Http, body: &Value, n: usize) ->
         .collect()
 }
 
+/// Parses `[e,e,...]` of 1 to `max` elements off the front of `s`, each a number of one or two digits or (when
+/// `nest`) such a list of at most three numbers, and returns what follows it.
+fn parse_list(s: &[u8], nest: bool, max: usize) -> Option<&[u8]> {
+    let mut s = s.strip_prefix(b"[")?;
+    for i in 0..max {
+        s = if nest && s.starts_with(b"[") {
+            parse_list(s, false, 3)?
+        } else {
+            let digits = s.iter().take_while(|c| c.is_ascii_digit()).count();
+            if !(1..=2).contains(&digits) {
+                return None;
+            }
+            &s[digits..]
+        };
+        if let Some(rest) = s.strip_prefix(b"]") {
+            return Some(rest);
+        }
+        if i + 1 < max {
+            s = s.strip_prefix(b",")?;
+        }
+    }
+    None
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_answers_chat_streaming_and_not() {
     let up = start_up("up-chat", &[]).await.unwrap();
@@ -433,6 +457,25 @@ async fn up_answers_chat_streaming_and_not() {
         let shape = text.len() == 15 && text.starts_with(b" (") && text[5..7] == *b") " && text[10] == b'-';
         assert!(shape && [2, 3, 4, 7, 8, 9, 11, 12, 13, 14].iter().all(digit), "{v}");
     }
+    // vLLM's structured_outputs.grammar: nested lists, which no regular expression describes, sampled twice and
+    // once greedily (as guided_grammar on a chat): each answer parses.
+    let lists = r#"
+        root ::= " [" elem ("," elem){0,3} "]"   # up to four elements
+        elem ::= num | "[" num ("," num){0,2} "]"
+        num ::= [0-9]{1,2}
+    "#;
+    let body = json!({"model": MODEL_ID, "prompt": "A nested list of small numbers:", "max_tokens": 60,
+        "temperature": 1.0, "seed": 5, "n": 2, "structured_outputs": {"grammar": lists}});
+    for text in stopped_completions(http, &body, 2).await {
+        let rest = text.strip_prefix(' ').and_then(|t| parse_list(t.as_bytes(), true, 4));
+        assert_eq!(rest, Some(&b""[..]), "{text:?}");
+    }
+    let body = json!({"temperature": 0, "max_tokens": 60, "guided_grammar": lists});
+    let (s, v) = http.post_json("/v1/chat/completions", &chat("List some numbers.", body)).await.unwrap();
+    assert_eq!((s, &v["choices"][0]["finish_reason"]), (200, &json!("stop")), "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    let rest = content.strip_prefix(' ').and_then(|t| parse_list(t.as_bytes(), true, 4));
+    assert_eq!(rest, Some(&b""[..]), "{v}");
     // A schema's `pattern`, `format`, a one-sided integer bound and a bounded number, sampled: each value fits.
     let booking = json!({"type": "object", "properties": {
             "flight": {"type": "string", "pattern": "[A-Z]{2}[0-9]{3,4}"},

@@ -429,6 +429,7 @@ impl Generation {
                 json_object: params.sampling.json_object,
                 json_schema: params.json_schema.clone().unwrap_or_default(),
                 regex: params.regex.clone().unwrap_or_default(),
+                grammar: params.grammar.clone().unwrap_or_default(),
                 allowed_token_ids: params.allowed_token_ids.clone(),
                 bad_words: self.job.bad_words.iter().map(|w| TokenSequence { token_ids: w.clone() }).collect(),
             }),

@@ -29,7 +29,7 @@ pub struct WorkerLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct GuideLabels {
-    /// `json_object`, `json_schema`, `regex` (with `guided_choice`) or `tool_call`.
+    /// `json_object`, `json_schema`, `regex` (with `guided_choice`), `grammar` or `tool_call`.
     pub guide: &'static str,
 }
 

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use pagoda_worker::grammar_guide::Grammar;
 use pagoda_worker::json_schema::JsonSchema;
 use pagoda_worker::regex_guide::ByteDfa;
 use pagoda_worker::tiers::GroupCodec;
@@ -127,7 +128,9 @@ pub struct ChatCompletionRequest {
     pub guided_regex: Option<Value>,
     /// vLLM's extension: strings the answer must be one of.
     pub guided_choice: Option<Value>,
-    /// vLLM's successor of the `guided_*` fields: `{"json" | "regex" | "choice" | "json_object": ...}`.
+    /// vLLM's extension: an EBNF grammar (xgrammar's and llama.cpp's GBNF) the answer must be a sentence of.
+    pub guided_grammar: Option<Value>,
+    /// vLLM's successor of the `guided_*` fields: `{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`.
     pub structured_outputs: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
@@ -180,7 +183,9 @@ pub struct CompletionRequest {
     pub guided_regex: Option<Value>,
     /// vLLM's extension: strings the answer must be one of.
     pub guided_choice: Option<Value>,
-    /// vLLM's successor of the `guided_*` fields: `{"json" | "regex" | "choice" | "json_object": ...}`.
+    /// vLLM's extension: an EBNF grammar (xgrammar's and llama.cpp's GBNF) the answer must be a sentence of.
+    pub guided_grammar: Option<Value>,
+    /// vLLM's successor of the `guided_*` fields: `{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`.
     pub structured_outputs: Option<Value>,
     pub user: Option<String>,
     pub kv: Option<KvOptions>,
@@ -398,6 +403,9 @@ pub struct GenParams {
     /// vLLM's `guided_regex`, or `guided_choice` as the alternation of its strings: a pattern the whole answer
     /// must match, already compiled once here.
     pub regex: Option<String>,
+    /// vLLM's `structured_outputs.grammar` or `guided_grammar`: an EBNF grammar the answer must be a sentence of,
+    /// already compiled once here.
+    pub grammar: Option<String>,
     /// A chat's forced function call (`tool_choice` naming a function, or `required` with one tool): its name.
     /// The answer is guided by the function's `parameters` (in `json_schema`) and returned as its arguments.
     pub tool_call: Option<String>,
@@ -650,6 +658,7 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         include_stop_str: c.include_stop_str_in_output.unwrap_or(false),
         json_schema: None,
         regex: None,
+        grammar: None,
         tool_call: None,
         kv_policy,
         kv_budget_tokens,
@@ -673,6 +682,8 @@ impl GenParams {
             Some("json_schema")
         } else if self.regex.is_some() {
             Some("regex")
+        } else if self.grammar.is_some() {
+            Some("grammar")
         } else {
             self.sampling.json_object.then_some("json_object")
         }
@@ -688,6 +699,8 @@ enum Guide {
     Schema(String),
     /// A pattern that compiles (`guided_choice` as the alternation of its strings).
     Regex(String),
+    /// An EBNF grammar that compiles.
+    Grammar(String),
 }
 
 impl Guide {
@@ -697,19 +710,21 @@ impl Guide {
             Guide::JsonObject => params.sampling.json_object = true,
             Guide::Schema(s) => params.json_schema = Some(s),
             Guide::Regex(r) => params.regex = Some(r),
+            Guide::Grammar(g) => params.grammar = Some(g),
         }
     }
 }
 
 /// The request fields that may guide the answer: OpenAI's `response_format`, vLLM's `guided_json`,
-/// `guided_regex` and `guided_choice`, and their successor `structured_outputs` (`json`, `regex`, `choice`,
-/// `json_object`).
+/// `guided_regex`, `guided_choice` and `guided_grammar`, and their successor `structured_outputs` (`json`,
+/// `regex`, `choice`, `grammar`, `json_object`).
 #[derive(Debug, Clone, Copy, Default)]
 struct GuideFields<'a> {
     response_format: Option<&'a Value>,
     guided_json: Option<&'a Value>,
     guided_regex: Option<&'a Value>,
     guided_choice: Option<&'a Value>,
+    guided_grammar: Option<&'a Value>,
     structured_outputs: Option<&'a Value>,
 }
 
@@ -731,6 +746,9 @@ fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
     if let Some(v) = given(f.guided_choice) {
         found.push(("guided_choice".into(), Guide::Regex(choice_value(&v, "guided_choice")?)));
     }
+    if let Some(v) = given(f.guided_grammar) {
+        found.push(("guided_grammar".into(), Guide::Grammar(grammar_value(&v, "guided_grammar")?)));
+    }
     if let Some(v) = given(f.structured_outputs) {
         let Some(fields) = v.as_object() else {
             return Err(ApiError::invalid_param("structured_outputs", "`structured_outputs` must be an object."));
@@ -741,6 +759,7 @@ fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
                 "json" => Guide::Schema(schema_value(v, &param)?),
                 "regex" => Guide::Regex(regex_value(v, &param)?),
                 "choice" => Guide::Regex(choice_value(v, &param)?),
+                "grammar" => Guide::Grammar(grammar_value(v, &param)?),
                 "json_object" => match v {
                     Value::Bool(true) => Guide::JsonObject,
                     Value::Bool(false) => continue,
@@ -752,7 +771,7 @@ fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
                     return Err(ApiError::invalid_param(
                         param,
                         format!(
-                            "`structured_outputs.{key}` is not supported; use `json`, `regex`, `choice` or `json_object`."
+                            "`structured_outputs.{key}` is not supported; use `json`, `regex`, `choice`, `grammar` or `json_object`."
                         ),
                     ));
                 }
@@ -770,13 +789,22 @@ fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
     }
 }
 
-/// A regex-guided answer ends on a stop token once it matches, so it needs one: `ignore_eos` drops the model's,
-/// and then `stop_token_ids` must give another.
+/// A regex- or grammar-guided answer ends on a stop token once it matches, so it needs one: `ignore_eos` drops
+/// the model's, and then `stop_token_ids` must give another.
 fn check_regex_can_end(params: &GenParams) -> Result<(), ApiError> {
-    if params.regex.is_some() && params.ignore_eos && params.stop_token_ids.is_empty() {
+    let guide = if params.regex.is_some() {
+        "regex"
+    } else if params.grammar.is_some() {
+        "grammar"
+    } else {
+        return Ok(());
+    };
+    if params.ignore_eos && params.stop_token_ids.is_empty() {
         return Err(ApiError::invalid_param(
             "ignore_eos",
-            "A regex-guided answer ends on a stop token once it matches: drop `ignore_eos` or give `stop_token_ids`.",
+            format!(
+                "A {guide}-guided answer ends on a stop token once it matches: drop `ignore_eos` or give `stop_token_ids`."
+            ),
         ));
     }
     Ok(())
@@ -834,6 +862,15 @@ fn regex_value(v: &Value, param: &str) -> Result<String, ApiError> {
     };
     ByteDfa::compile(pattern).map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}.")))?;
     Ok(pattern.clone())
+}
+
+/// A grammar the worker's guide compiles.
+fn grammar_value(v: &Value, param: &str) -> Result<String, ApiError> {
+    let Value::String(text) = v else {
+        return Err(ApiError::invalid_param(param, format!("`{param}` must be a string.")));
+    };
+    Grammar::compile(text).map_err(|e| ApiError::invalid_param(param, format!("`{param}`: {e}.")))?;
+    Ok(text.clone())
 }
 
 /// A list of strings the answer must be one of, as the pattern of their alternation.
@@ -1403,6 +1440,7 @@ impl ChatCompletionRequest {
             guided_json: self.guided_json.as_ref(),
             guided_regex: self.guided_regex.as_ref(),
             guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
             structured_outputs: self.structured_outputs.as_ref(),
         })?;
         let tool_call = parse_tool_call(self.tools.as_deref(), self.tool_choice.as_ref())?;
@@ -1567,6 +1605,7 @@ impl CompletionRequest {
             guided_json: self.guided_json.as_ref(),
             guided_regex: self.guided_regex.as_ref(),
             guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
             structured_outputs: self.structured_outputs.as_ref(),
         })?
         .apply(&mut params);

@@ -1817,12 +1817,84 @@ async fn regex_and_choice_guides_reach_the_worker_and_bad_ones_are_refused() {
         ),
         (
             "/v1/completions",
-            completion(json!({"structured_outputs": {"grammar": "root ::= \"a\""}})),
-            "structured_outputs.grammar",
+            completion(json!({"structured_outputs": {"structural_tag": "{}"}})),
+            "structured_outputs.structural_tag",
             "not supported",
         ),
         ("/v1/completions", completion(json!({"structured_outputs": "x"})), "structured_outputs", "an object"),
         ("/v1/completions", completion(json!({"guided_regex": "a+", "ignore_eos": true})), "ignore_eos", "stop token"),
+    ];
+    assert_refused(&c, &cases).await;
+    assert!(seen.lock().unwrap().is_empty(), "no refused request reached the worker");
+    c.still_serves().await;
+}
+
+/// vLLM's `structured_outputs.grammar` and `guided_grammar` reach the worker as the grammar's text; a grammar that
+/// does not compile (with where it fails), one that is not a string, two guides at once, and a grammar that could
+/// never end (`ignore_eos` without `stop_token_ids`) are 400s that name the parameter, and nothing reaches the
+/// worker.
+#[tokio::test]
+async fn grammar_guides_reach_the_worker_and_bad_ones_are_refused() {
+    let fake = Fake::default();
+    let seen = fake.requests_seen.clone();
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let chat = |extra: Value| {
+        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let completion = |extra: Value| {
+        let mut body = json!({"model": MODEL, "prompt": "hi"});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let list = "root ::= \"[\" num (\",\" num)* \"]\"\nnum ::= [0-9]+";
+    for (path, body) in [
+        ("/v1/chat/completions", chat(json!({"structured_outputs": {"grammar": list}}))),
+        ("/v1/completions", completion(json!({"guided_grammar": list}))),
+        ("/v1/completions", completion(json!({"guided_grammar": list, "ignore_eos": true, "stop_token_ids": [3]}))),
+    ] {
+        c.post_ok(path, &body).await;
+        let req = seen.lock().unwrap().pop().expect("a Generate call");
+        let s = req.sampling.expect("sampling settings");
+        assert_eq!((s.grammar.as_str(), s.regex.as_str(), s.json_schema.as_str()), (list, "", ""), "{path} {body}");
+    }
+    let metrics = c.client.get(format!("{}/metrics", c.http)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"guided_requests_total{guide="grammar"} 3"#), "{metrics}");
+
+    let cases = [
+        (
+            "/v1/completions",
+            completion(json!({"guided_grammar": "root ::= \"a\"\nroot ::= \"b\""})),
+            "guided_grammar",
+            "line 2, column 9: rule `root` is defined twice",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"structured_outputs": {"grammar": "root ::= item\nitem ::= \"(\" item \")\""}})),
+            "structured_outputs.grammar",
+            "rule `item` can never finish",
+        ),
+        ("/v1/completions", completion(json!({"guided_grammar": "root ::= num"})), "guided_grammar", "never defined"),
+        ("/v1/completions", completion(json!({"guided_grammar": ["root"]})), "guided_grammar", "must be a string"),
+        (
+            "/v1/completions",
+            completion(json!({"guided_grammar": "x".repeat(70_000)})),
+            "guided_grammar",
+            "at most 65536",
+        ),
+        (
+            "/v1/completions",
+            completion(json!({"guided_regex": "a", "structured_outputs": {"grammar": list}})),
+            "structured_outputs.grammar",
+            "only one",
+        ),
+        (
+            "/v1/completions",
+            completion(json!({"guided_grammar": list, "ignore_eos": true})),
+            "ignore_eos",
+            "stop token",
+        ),
     ];
     assert_refused(&c, &cases).await;
     assert!(seen.lock().unwrap().is_empty(), "no refused request reached the worker");

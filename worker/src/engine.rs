@@ -733,11 +733,11 @@ impl EngineHandle {
                 "guided sampling needs the model's tokenizer, which this worker's model lacks".into(),
             ));
         }
-        if s.regex.is_some() && req.ignore_eos && req.stop_token_ids.is_empty() {
-            return Err(EngineError::InvalidRequest(
-                "a regex-guided answer ends on a stop token once it matches: drop ignore_eos or give stop_token_ids"
-                    .into(),
-            ));
+        if s.ends_on_stop() && req.ignore_eos && req.stop_token_ids.is_empty() {
+            let guide = if s.regex.is_some() { "regex" } else { "grammar" };
+            return Err(EngineError::InvalidRequest(format!(
+                "a {guide}-guided answer ends on a stop token once it matches: drop ignore_eos or give stop_token_ids"
+            )));
         }
         if s.min_tokens > req.max_tokens {
             return Err(EngineError::InvalidRequest(format!(

@@ -18,6 +18,13 @@ pub struct TokenTable {
     /// For a token that can only be the inside of a JSON string (non-empty, no quote, backslash or control byte):
     /// how many characters it starts (bytes that are not UTF-8 continuations); [`NOT_PLAIN`] for any other.
     plain_chars: Vec<u32>,
+    /// Every token id, ascending by the token's bytes ([`TokenTable::by_bytes`]).
+    by_bytes: Vec<u32>,
+    /// `by_bytes[starts[b]..starts[b + 1]]` are the tokens whose first byte is `b`.
+    starts: Vec<u32>,
+    /// The bytes after the first of each token of `by_bytes`, in that order, as sets of 256 bits
+    /// ([`TokenTable::later_bytes`]).
+    later: Vec<[u64; 4]>,
 }
 
 /// [`TokenTable::plain_chars`] of a token that is not plain string content.
@@ -26,14 +33,57 @@ const NOT_PLAIN: u32 = u32::MAX;
 impl TokenTable {
     /// A table of `tokens` (token id = index).
     pub fn new<'a>(tokens: impl IntoIterator<Item = &'a [u8]>) -> TokenTable {
-        let mut t = TokenTable { bytes: Vec::new(), offsets: vec![0], plain_chars: Vec::new() };
+        let mut t = TokenTable {
+            bytes: Vec::new(),
+            offsets: vec![0],
+            plain_chars: Vec::new(),
+            by_bytes: Vec::new(),
+            starts: Vec::new(),
+            later: Vec::new(),
+        };
         for b in tokens {
             t.bytes.extend_from_slice(b);
             t.offsets.push(u32::try_from(t.bytes.len()).unwrap_or(u32::MAX));
             let plain = !b.is_empty() && b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\');
             t.plain_chars.push(if plain { b.iter().filter(|&&c| c & 0xC0 != 0x80).count() as u32 } else { NOT_PLAIN });
         }
+        let mut order: Vec<u32> = (0..t.len() as u32).collect();
+        order.sort_by(|&a, &b| t.bytes(a).cmp(t.bytes(b)));
+        // Empty tokens sort first, then by first byte.
+        t.starts = (0..=256usize)
+            .map(|b| order.partition_point(|&x| t.bytes(x).first().is_none_or(|&f| usize::from(f) < b)) as u32)
+            .collect();
+        t.later = order
+            .iter()
+            .map(|&x| {
+                let mut later = [0u64; 4];
+                for &c in t.bytes(x).iter().skip(1) {
+                    later[usize::from(c >> 6)] |= 1 << (c & 63);
+                }
+                later
+            })
+            .collect();
+        t.by_bytes = order;
         t
+    }
+
+    /// The bytes after the first of the token at position `i` of [`TokenTable::by_bytes`], as 256 bits (bit
+    /// `c % 64` of word `c / 64` for byte `c`): a guide that knows which bytes keep it where it is tests a
+    /// token's tail with four word operations. Kept in that order, so that a pass over a range reads memory in
+    /// sequence.
+    pub fn later_bytes(&self, i: usize) -> [u64; 4] {
+        self.later.get(i).copied().unwrap_or_default()
+    }
+
+    /// The positions in [`TokenTable::by_bytes`] of the tokens whose first byte is `b`.
+    pub fn starting_with(&self, b: u8) -> std::ops::Range<usize> {
+        self.starts[usize::from(b)] as usize..self.starts[usize::from(b) + 1] as usize
+    }
+
+    /// Every token id, ascending by the token's bytes: tokens that share a prefix sit together, so a guide that
+    /// walks them in this order can share the work of the prefix ([`crate::grammar_guide`]).
+    pub fn by_bytes(&self) -> &[u32] {
+        &self.by_bytes
     }
 
     /// When token `t` can only be string content, the characters it adds: a guide standing inside a string (not

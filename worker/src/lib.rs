@@ -26,6 +26,7 @@ pub mod engine;
 pub mod eval;
 pub mod events;
 pub mod evicpress;
+pub mod grammar_guide;
 pub mod journal;
 pub mod json_guide;
 pub mod json_schema;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::grammar_guide::{Grammar, GrammarState, MaskCache};
 use crate::json_guide::{JsonState, TokenTable};
 use crate::json_schema::{JsonSchema, SchemaState};
 use crate::regex_guide::{ByteDfa, RegexState};
@@ -72,8 +73,12 @@ pub struct SamplingParams {
     pub json_schema: Option<Arc<JsonSchema>>,
     /// vLLM's `guided_regex` (and `guided_choice`, as the alternation of its strings): only tokens that keep the
     /// output a prefix of a match of the whole pattern may be sampled, and a stop token only on a match
-    /// ([`crate::regex_guide`]). At most one of `json_object`, `json_schema` and `regex` is set.
+    /// ([`crate::regex_guide`]). At most one of `json_object`, `json_schema`, `regex` and `grammar` is set.
     pub regex: Option<Arc<ByteDfa>>,
+    /// vLLM's `structured_outputs.grammar` (and `guided_grammar`): only tokens that keep the output a prefix of a
+    /// sentence of the grammar may be sampled, and a stop token only on a whole sentence
+    /// ([`crate::grammar_guide`]).
+    pub grammar: Option<Arc<Grammar>>,
     /// vLLM's `allowed_token_ids`: when not empty, only these tokens may be sampled (greedy included); ids below
     /// the vocabulary ([`check_allowed_tokens`]). A stop token outside them never ends the answer.
     pub allowed_token_ids: Vec<u32>,
@@ -99,6 +104,7 @@ impl SamplingParams {
             json_object: false,
             json_schema: None,
             regex: None,
+            grammar: None,
             allowed_token_ids: Vec::new(),
             bad_words: Vec::new(),
         }
@@ -131,9 +137,15 @@ impl SamplingParams {
             && self.bad_words.is_empty()
     }
 
-    /// Whether a grammar guides the output (`json_object`, `json_schema` or `regex`).
+    /// Whether a grammar guides the output (`json_object`, `json_schema`, `regex` or `grammar`).
     pub fn guided(&self) -> bool {
-        self.json_object || self.json_schema.is_some() || self.regex.is_some()
+        self.json_object || self.json_schema.is_some() || self.regex.is_some() || self.grammar.is_some()
+    }
+
+    /// Whether the guide ends the answer only with a stop token: a pattern or a grammar whose sentence may go on
+    /// (a JSON document ends itself, and whitespace pads it where nothing else may follow).
+    pub fn ends_on_stop(&self) -> bool {
+        self.regex.is_some() || self.grammar.is_some()
     }
 
     /// The tail of `prompt` that an earlier attempt generated ([`SamplingParams::prior_output_tokens`]).
@@ -248,6 +260,8 @@ pub struct Sampler {
     guide: Option<(Guide, Arc<TokenTable>)>,
     /// Under a regex guide, which tokens fit the states sampled from lately.
     masks: TokenMasks,
+    /// Under a grammar guide, which tokens fit the states sampled from lately.
+    grammar_masks: MaskCache,
     /// The allowed tokens' logits while every other is set to minus infinity (reused).
     allowed_logits: Vec<f32>,
     /// The last output tokens, at most `recent_window` (oldest first); kept only under `bad_words`.
@@ -309,6 +323,10 @@ enum Guide {
         dfa: Arc<ByteDfa>,
         state: RegexState,
     },
+    Grammar {
+        grammar: Arc<Grammar>,
+        state: Box<GrammarState>,
+    },
 }
 
 impl Guide {
@@ -318,6 +336,7 @@ impl Guide {
             Guide::Object(s) => s.is_done(),
             Guide::Schema { state, .. } => state.is_done(),
             Guide::Regex { dfa, state } => dfa.is_match(*state),
+            Guide::Grammar { state, .. } => state.may_end(),
         }
     }
 
@@ -325,13 +344,14 @@ impl Guide {
     fn is_done(&self) -> bool {
         match self {
             Guide::Regex { dfa, state } => !dfa.continues(*state),
+            Guide::Grammar { state, .. } => !state.continues(),
             _ => self.may_end(),
         }
     }
 
     /// Whether whitespace may pad a complete answer (a JSON document's, when there is no stop token to end it).
     fn pads(&self) -> bool {
-        !matches!(self, Guide::Regex { .. })
+        !matches!(self, Guide::Regex { .. } | Guide::Grammar { .. })
     }
 
     /// Moves past `bytes` if they fit; returns whether they did.
@@ -340,6 +360,7 @@ impl Guide {
             Guide::Object(s) => s.accepts(bytes).map(|next| *s = next).is_some(),
             Guide::Schema { schema, state, .. } => state.accepts(schema, bytes).map(|next| **state = next).is_some(),
             Guide::Regex { dfa, state } => dfa.feed(*state, bytes).map(|next| *state = next).is_some(),
+            Guide::Grammar { grammar, state } => state.feed(grammar, bytes),
         }
     }
 
@@ -348,7 +369,7 @@ impl Guide {
         match self {
             Guide::Object(s) => s.in_plain_string().then_some(u32::MAX),
             Guide::Schema { schema, state, .. } => state.plain_string_room(schema),
-            Guide::Regex { .. } => None,
+            Guide::Regex { .. } | Guide::Grammar { .. } => None,
         }
     }
 
@@ -358,6 +379,7 @@ impl Guide {
             Guide::Object(s) => s.accepts(bytes).is_some(),
             Guide::Schema { schema, state, trial } => state.fits(schema, bytes, trial),
             Guide::Regex { dfa, state } => dfa.feed(*state, bytes).is_some(),
+            Guide::Grammar { grammar, state } => state.fits(grammar, bytes),
         }
     }
 }
@@ -378,6 +400,7 @@ impl Sampler {
             generated: 0,
             guide: None,
             masks: TokenMasks::default(),
+            grammar_masks: MaskCache::default(),
             allowed_logits: Vec::new(),
             recent: Vec::new(),
             recent_window: 0,
@@ -422,7 +445,7 @@ impl Sampler {
         recent.ends_with(prefix)
     }
 
-    /// Guides a `json_object`, `json_schema` or `regex` sampler with the model's token bytes (without them it
+    /// Guides a `json_object`, `json_schema`, `regex` or `grammar` sampler with the model's token bytes (without them it
     /// samples unguided: the engine refuses such requests where it has no table). The prompt's last
     /// `prior_output_tokens` are the answer so far (a resumed stream): the guide starts after them, as far as
     /// they fit.
@@ -430,13 +453,16 @@ impl Sampler {
         let Some(tokens) = tokens.filter(|_| self.cfg.guided()) else {
             return self;
         };
-        let mut guide = match (&self.cfg.json_schema, &self.cfg.regex) {
-            (Some(schema), _) => {
+        let mut guide = match (&self.cfg.json_schema, &self.cfg.regex, &self.cfg.grammar) {
+            (Some(schema), _, _) => {
                 let state = Box::new(SchemaState::new(schema));
                 Guide::Schema { schema: schema.clone(), trial: state.clone(), state }
             }
-            (None, Some(dfa)) => Guide::Regex { state: dfa.start(), dfa: dfa.clone() },
-            (None, None) => Guide::Object(JsonState::new()),
+            (None, Some(dfa), _) => Guide::Regex { state: dfa.start(), dfa: dfa.clone() },
+            (None, None, Some(grammar)) => {
+                Guide::Grammar { state: Box::new(grammar.start()), grammar: grammar.clone() }
+            }
+            (None, None, None) => Guide::Object(JsonState::new()),
         };
         for &t in self.cfg.prior_output(prompt) {
             if !guide.advance(tokens.bytes(t)) {
@@ -548,11 +574,14 @@ impl Sampler {
             let may_end = guide.may_end();
             let done = guide.is_done();
             let pad = done && self.stops.is_empty() && guide.pads();
-            // A sampled regex step tests each token's bit in its state's mask (the greedy scan below tries a
+            // A sampled regex or grammar step tests each token's bit in a mask (the greedy scan below tries a
             // handful of tokens and needs none).
-            let mask = match &*guide {
+            let mask = match &mut *guide {
                 Guide::Regex { dfa, state } if !done && !self.cfg.is_greedy() => {
                     Some(self.masks.get(dfa, *state, tokens))
+                }
+                Guide::Grammar { grammar, state } if !done && !self.cfg.is_greedy() => {
+                    Some(self.grammar_masks.mask(grammar, state, tokens))
                 }
                 _ => None,
             };
@@ -971,6 +1000,16 @@ mod tests {
         }
     }
 
+    impl Follow for (GrammarState, &Grammar) {
+        fn accepts(&self, bytes: &[u8]) -> Option<Self> {
+            let mut next = self.0.clone();
+            next.feed(self.1, bytes).then_some((next, self.1))
+        }
+        fn is_done(&self) -> bool {
+            self.0.may_end()
+        }
+    }
+
     /// Samples from random logits in which token `never` is always the likeliest and never fits, until the stop
     /// token `eos` or 400 tokens: every token fits what the guide allowed before it (followed from `state`), the
     /// stop comes only once the answer is complete, and a greedy sampler picks the likeliest token that fits.
@@ -1100,6 +1139,45 @@ mod tests {
         logits[1] = 3.0;
         logits[9] = 2.0;
         assert_eq!(s.sample(&logits, &mut buf), 9);
+    }
+
+    #[test]
+    fn grammar_guide_samples_only_prefixes_of_a_sentence_and_stops_on_one() {
+        let vocab: [&[u8]; 10] = [b"1", b"23", b"-", b"4-", b"x", b"", b"ok", b"ay", b"o", b"k"];
+        let table = Arc::new(TokenTable::new(vocab));
+        let eos = 5u32;
+        let mut rng = StdRng::seed_from_u64(12);
+        let grammar = Arc::new(
+            Grammar::compile(
+                r#"
+                root ::= list "ok" "ay"?
+                list ::= num | list "-" num     # left recursion
+                num ::= [0-9]{1,3}
+                "#,
+            )
+            .unwrap(),
+        );
+        for (temperature, seed) in [(0.0, 0), (1.0, 1), (1.0, 2), (1.0, 3), (1.0, 4), (0.7, 5)] {
+            let cfg = SamplingParams {
+                grammar: Some(grammar.clone()),
+                temperature,
+                seed: Some(seed),
+                ..SamplingParams::greedy()
+            };
+            assert!(cfg.guided() && cfg.ends_on_stop() && !cfg.picks_argmax());
+            let mut s = Sampler::for_request(cfg, &[0], 200, &[eos]).with_guide(Some(&table), &[0]);
+            // "x" is always the likeliest and never fits.
+            let text = walk_guided(&mut s, &vocab, eos, 4, &mut rng, (grammar.start(), &*grammar));
+            let mut check = grammar.start();
+            assert!(check.feed(&grammar, &text) && check.may_end(), "{:?}", String::from_utf8_lossy(&text));
+        }
+        // A resumed answer: the guide starts after the prior output tokens ("23", "-").
+        let cfg = SamplingParams { grammar: Some(grammar.clone()), prior_output_tokens: 2, ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[9, 1, 2], 8, &[eos]).with_guide(Some(&table), &[9, 1, 2]);
+        let mut logits = [0.0f32; 10];
+        logits[6] = 3.0; // "ok" right after "-" does not fit
+        logits[0] = 1.0;
+        assert_eq!(s.sample(&logits, &mut SampleBuffer::new()), 0);
     }
 
     #[test]

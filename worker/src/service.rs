@@ -28,6 +28,7 @@ use tracing::Span;
 
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::events::BlockChange;
+use crate::grammar_guide::Grammar;
 use crate::json_schema::JsonSchema;
 use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
@@ -270,10 +271,10 @@ impl WorkerService {
                 }
                 // The engine checks the bias and the penalties (`EngineHandle::validate`); its error is an
                 // InvalidArgument too.
-                let guides = [s.json_object, !s.json_schema.is_empty(), !s.regex.is_empty()];
+                let guides = [s.json_object, !s.json_schema.is_empty(), !s.regex.is_empty(), !s.grammar.is_empty()];
                 if guides.iter().filter(|&&g| g).count() > 1 {
                     return Err(Status::invalid_argument(
-                        "at most one of json_object, json_schema and regex may guide a request",
+                        "at most one of json_object, json_schema, regex and grammar may guide a request",
                     ));
                 }
                 SamplingParams {
@@ -302,6 +303,12 @@ impl WorkerService {
                         "" => None,
                         pattern => Some(Arc::new(
                             ByteDfa::compile(pattern).map_err(|e| Status::invalid_argument(format!("regex: {e}")))?,
+                        )),
+                    },
+                    grammar: match s.grammar.as_str() {
+                        "" => None,
+                        text => Some(Arc::new(
+                            Grammar::compile(text).map_err(|e| Status::invalid_argument(format!("grammar: {e}")))?,
                         )),
                     },
                 }
@@ -823,6 +830,11 @@ mod tests {
         prioritised.priority = -1;
         let mut unknown_codec = request(vec![1], 1);
         unknown_codec.kv_codec = "zstd".into();
+        let guided = |regex: &str, grammar: &str| {
+            let mut r = request(vec![1], 1);
+            r.sampling = Some(PbSampling { regex: regex.into(), grammar: grammar.into(), ..Default::default() });
+            r
+        };
         for (name, req) in [
             ("empty prompt", request(vec![], 4)),
             ("prompt at context", request(too_long, 1)),
@@ -850,6 +862,8 @@ mod tests {
             ("profile query past the context", query_past_context),
             ("priority without priority scheduling", prioritised),
             ("unknown kv codec", unknown_codec),
+            ("grammar without a root rule", guided("", "start ::= \"a\"")),
+            ("grammar and regex at once", guided("a", "root ::= \"a\"")),
         ] {
             let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");
