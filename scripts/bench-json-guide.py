@@ -15,6 +15,7 @@ with no end (nested objects, arrays and strings: a context-free language), both 
 
 import argparse
 import json
+import pathlib
 import statistics
 import time
 import urllib.request
@@ -27,16 +28,7 @@ SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "ci
                    "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 50}}}}}}
 REGEX = {"guided_regex": "[A-Za-z0-9 ,.;:'\\n-]+", "stop_token_ids": [49151]}
 GRAMMAR_TEXT = {"structured_outputs": {"grammar": "root ::= [A-Za-z0-9 ,.;:'\\n-]+"}, "stop_token_ids": [49151]}
-JSON_VALUES = r"""
-root   ::= value ("," ws value)*
-value  ::= object | array | string | number | "true" | "false" | "null"
-object ::= "{" ws (member ("," ws member)*)? ws "}"
-member ::= string ws ":" ws value
-array  ::= "[" ws (value ("," ws value)*)? ws "]"
-string ::= "\"" ([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\""
-number ::= "-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,16})?
-ws     ::= [ \t\n]{0,8}
-"""
+JSON_VALUES = (pathlib.Path(__file__).parent / "grammars" / "json-values.gbnf").read_text()
 GRAMMAR_JSON = {"structured_outputs": {"grammar": JSON_VALUES}, "stop_token_ids": [49151]}
 SAMPLED = {"temperature": 0.8, "seed": 1}
 

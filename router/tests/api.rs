@@ -1748,6 +1748,20 @@ async fn json_schemas_reach_the_worker_and_bad_ones_are_refused() {
     c.still_serves().await;
 }
 
+/// A chat request saying "hi", with `extra`'s fields added.
+fn chat_saying_hi(extra: Value) -> Value {
+    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// A completion request of "hi", with `extra`'s fields added.
+fn completion_of_hi(extra: Value) -> Value {
+    let mut body = json!({"model": MODEL, "prompt": "hi"});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
 /// vLLM's `guided_regex` and `guided_choice`, and their `structured_outputs` forms, reach the worker as one
 /// pattern (a choice as the alternation of its escaped strings); a pattern that does not compile, a bad choice
 /// list, two guides at once, and a regex that could never end (`ignore_eos` without `stop_token_ids`) are 400s
@@ -1757,16 +1771,7 @@ async fn regex_and_choice_guides_reach_the_worker_and_bad_ones_are_refused() {
     let fake = Fake::default();
     let seen = fake.requests_seen.clone();
     let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
-    let chat = |extra: Value| {
-        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        body
-    };
-    let completion = |extra: Value| {
-        let mut body = json!({"model": MODEL, "prompt": "hi"});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        body
-    };
+    let (chat, completion) = (chat_saying_hi, completion_of_hi);
     for (path, body, pattern) in [
         ("/v1/chat/completions", chat(json!({"guided_regex": r"\d{3}"})), r"\d{3}"),
         ("/v1/completions", completion(json!({"guided_regex": "[a-z]+"})), "[a-z]+"),
@@ -1838,16 +1843,7 @@ async fn grammar_guides_reach_the_worker_and_bad_ones_are_refused() {
     let fake = Fake::default();
     let seen = fake.requests_seen.clone();
     let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
-    let chat = |extra: Value| {
-        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        body
-    };
-    let completion = |extra: Value| {
-        let mut body = json!({"model": MODEL, "prompt": "hi"});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        body
-    };
+    let (chat, completion) = (chat_saying_hi, completion_of_hi);
     let list = "root ::= \"[\" num (\",\" num)* \"]\"\nnum ::= [0-9]+";
     for (path, body) in [
         ("/v1/chat/completions", chat(json!({"structured_outputs": {"grammar": list}}))),

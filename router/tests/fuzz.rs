@@ -159,6 +159,7 @@ const FIELDS: &[&str] = &[
     "guided_json",
     "guided_regex",
     "guided_choice",
+    "guided_grammar",
     "structured_outputs",
     "response_format",
     "tokens",

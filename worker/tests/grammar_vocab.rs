@@ -26,17 +26,8 @@ fn load() -> (Tokenizer, TokenTable) {
     (tok, table)
 }
 
-/// JSON values separated by commas, with no end (the grammar of `scripts/bench-json-guide.py`).
-const JSON_VALUES: &str = r#"
-root   ::= value ("," ws value)*
-value  ::= object | array | string | number | "true" | "false" | "null"
-object ::= "{" ws (member ("," ws member)*)? ws "}"
-member ::= string ws ":" ws value
-array  ::= "[" ws (value ("," ws value)*)? ws "]"
-string ::= "\"" ([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\""
-number ::= "-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,16})?
-ws     ::= [ \t\n]{0,8}
-"#;
+/// JSON values separated by commas, with no end (the grammar `scripts/bench-json-guide.py` guides with).
+const JSON_VALUES: &str = include_str!("../../scripts/grammars/json-values.gbnf");
 
 const TEXT: &str = r#"{"city": "Paris", "country": "France", "population": 2148000, "facts": ["The Eiffel Tower is 330 m tall.", "It lies on the Seine \u00e9 \"quoted\"", {"nested": [1, 2.5, true, null]}]}, [], "done""#;
 
