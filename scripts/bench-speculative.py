@@ -9,10 +9,13 @@ first token to the last), its ratio to the server without speculation, the draft
 carried a draft, and whether every answer equals the plain server's. Workloads: answers that repeat their prompt
 or themselves (counting, rewriting code, quoting a paragraph) and free text (a story, an explanation), greedy and
 seeded at temperature 0.8; then `--concurrency` streams at once, where the per-server batch limit
-(`--speculative-max-batch`, default 4) decides whether drafts run.
+(`--speculative-max-batch`, default 4) decides whether drafts run. With `--guided`, the workloads are JSON-schema
+answers instead, whose keys the guide forces (drafted whole, `Sampler::forced_tokens`): one object of many
+distinct keys, and a list of objects whose keys repeat. A server spec `K/N` sets the n-gram sizes to N
+(`--speculative-ngram-min N --speculative-ngram-max N`); `/16` leaves only the guide's drafts.
 
-    scripts/bench-speculative.py [--bin target/release/pagoda] [--ks 4,4@0] [--reps 5] [--tokens 128]
-        [--concurrency 4,8] [--json out.json]
+    scripts/bench-speculative.py [--bin target/release/pagoda] [--ks 4,4@0,8/16] [--reps 5] [--tokens 128]
+        [--concurrency 4,8] [--guided] [--json out.json]
 """
 
 import argparse
@@ -55,6 +58,35 @@ WORKLOADS = {
     "explain": "Explain in detail how a bicycle works.",
 }
 SAMPLINGS = {"greedy": {"temperature": 0}, "t=0.8": {"temperature": 0.8, "seed": 3}}
+
+
+def schema_format(schema):
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+
+
+CITY = {"type": "object", "additionalProperties": False, "properties": {
+    "name_of_the_city": {"type": "string", "maxLength": 24},
+    "country_it_belongs_to": {"type": "string", "maxLength": 24},
+    "population_in_millions": {"type": "integer"},
+    "lies_on_the_coast": {"type": "boolean"}},
+    "required": ["name_of_the_city", "country_it_belongs_to", "population_in_millions", "lies_on_the_coast"]}
+PROFILE = {"type": "object", "additionalProperties": False, "properties": {
+    "official_name_of_the_city": {"type": "string", "maxLength": 30},
+    "year_the_city_was_founded": {"type": "integer"},
+    "most_famous_landmark_in_the_city": {"type": "string", "maxLength": 30},
+    "main_river_flowing_through_it": {"type": "string", "maxLength": 30},
+    "is_the_national_capital": {"type": "boolean"},
+    "approximate_population_in_millions": {"type": "integer"},
+    "best_season_for_a_visit": {"type": "string", "maxLength": 20}},
+    "required": ["official_name_of_the_city", "year_the_city_was_founded", "most_famous_landmark_in_the_city",
+                 "main_river_flowing_through_it", "is_the_national_capital",
+                 "approximate_population_in_millions", "best_season_for_a_visit"]}
+GUIDED_WORKLOADS = {
+    "schema, one object": ("Describe Paris as JSON.", schema_format(PROFILE)),
+    "schema, list": ("List ten large cities as JSON.", schema_format(
+        {"type": "object", "additionalProperties": False, "required": ["cities"],
+         "properties": {"cities": {"type": "array", "items": CITY, "maxItems": 40}}})),
+}
 
 
 def draft_counts(url):
@@ -109,13 +141,18 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="4,8")
     ap.add_argument("--base-port", type=int, default=18480)
+    ap.add_argument("--guided", action="store_true", help="JSON-schema workloads instead of the free-text ones")
     ap.add_argument("--json")
     a = ap.parse_args()
+    workloads = GUIDED_WORKLOADS if a.guided else {w: (p, {}) for w, p in WORKLOADS.items()}
     servers = {"off": []}
     for spec in a.ks.split(","):
+        spec, _, ngram = spec.partition("/")
         k, _, cost = spec.partition("@")
         flags = ["--speculative-tokens", k] + (["--speculative-draft-cost", cost] if cost else [])
-        servers[f"k={k}" + (f", cost {cost}" if cost else "")] = flags
+        if ngram:
+            flags += ["--speculative-ngram-min", ngram, "--speculative-ngram-max", ngram]
+        servers[f"k={k}" + (f", cost {cost}" if cost else "") + (f", n-grams of {ngram}" if ngram else "")] = flags
     procs, urls = [], {}
     try:
         for i, (name, flags) in enumerate(servers.items()):
@@ -129,11 +166,11 @@ def main():
             stream(url, "Say hi.", {"temperature": 0}, 8)  # warm up
         rows = {}
         for rep in range(a.reps):
-            for w, prompt in WORKLOADS.items():
+            for w, (prompt, guide) in workloads.items():
                 for s, extra in SAMPLINGS.items():
                     for name, url in urls.items():
                         before = draft_counts(url)
-                        text, n, rate = stream(url, prompt, extra, a.tokens)
+                        text, n, rate = stream(url, prompt, extra | guide, a.tokens)
                         time.sleep(0.3)  # the worker publishes its stats after the step that finished the request
                         after = draft_counts(url)
                         row = rows.setdefault((w, s, name), {"rates": [], "texts": [], "counts": [0, 0, 0]})
@@ -144,11 +181,11 @@ def main():
         for c in [int(x) for x in a.concurrency.split(",") if x]:
             for rep in range(a.reps):
                 for name, url in urls.items():
-                    prompts = list(WORKLOADS.values())
+                    jobs = list(workloads.values())
                     t0 = time.perf_counter()
                     with concurrent.futures.ThreadPoolExecutor(c) as ex:
-                        futs = [ex.submit(stream, url, prompts[i % len(prompts)], SAMPLINGS["greedy"], a.tokens)
-                                for i in range(c)]
+                        futs = [ex.submit(stream, url, jobs[i % len(jobs)][0], SAMPLINGS["greedy"] | jobs[i % len(jobs)][1],
+                                          a.tokens) for i in range(c)]
                         total = sum(f.result()[1] for f in futs)
                     conc.setdefault((c, name), []).append(total / (time.perf_counter() - t0))
     finally:
@@ -162,7 +199,7 @@ def main():
           "mean draft | accepted | same answers |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     report = {"tokens": a.tokens, "reps": a.reps, "single": [], "concurrent": []}
-    for w in WORKLOADS:
+    for w in workloads:
         for s in SAMPLINGS:
             base = statistics.median(rows[(w, s, "off")]["rates"])
             for name in urls:

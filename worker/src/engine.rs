@@ -991,6 +991,8 @@ struct EngineLoop<R> {
     /// A greedy step's tokens, one per logits row ([`ModelRunner::forward_greedy`]).
     greedy_tokens: Vec<u32>,
     sample_buf: SampleBuffer,
+    /// The tokens a guided sequence's guide forces next (reused).
+    forced_draft: Vec<u32>,
     closed: Vec<SeqId>,
     plan: StepPlan,
     batch: Vec<StepSeq<'static>>,
@@ -1043,6 +1045,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             logits: Vec::new(),
             greedy_tokens: Vec::new(),
             sample_buf: SampleBuffer::with_capacity(vocab),
+            forced_draft: Vec::new(),
             closed: Vec::new(),
             plan: StepPlan::default(),
             batch: Vec::new(),
@@ -1701,12 +1704,17 @@ impl<R: ModelRunner> EngineLoop<R> {
                 Ok(r) => r,
                 Err(_) => continue,
             };
-            let Some(seq) = self.sched.get(e.seq) else { continue };
+            let spec = self.sched.config().speculative;
+            let Some(seq) = self.sched.get_mut(e.seq) else { continue };
             if reason != Some(FinishReason::Stop)
                 && seq.payload.events.send(GenerateEvent::Token { id: token, logprobs }).is_err()
             {
                 self.sched.cancel(e.seq);
                 continue;
+            }
+            if reason.is_none() && spec.enabled() && seq.payload.sampler.config().guided() {
+                seq.payload.sampler.forced_tokens(&mut self.forced_draft, spec.num_tokens);
+                seq.set_forced_draft(&self.forced_draft);
             }
             if let Some(reason) = reason
                 && let Some(seq) = self.sched.finish(e.seq)

@@ -214,6 +214,19 @@ impl GrammarState {
         contains(&self.top().next, b)
     }
 
+    /// The one byte that may follow, if exactly one may.
+    pub fn only_next_byte(&self) -> Option<u8> {
+        let next = self.top().next;
+        let count: u32 = next.iter().map(|w| w.count_ones()).sum();
+        let word = next.iter().position(|&w| w != 0)?;
+        (count == 1).then(|| (word * 64) as u8 + next[word].trailing_zeros() as u8)
+    }
+
+    /// Goes back to the answer's first `len` bytes (no further than where it is).
+    pub fn rewind(&mut self, len: usize) {
+        self.truncate(len + 1);
+    }
+
     /// How many bytes the answer has.
     pub fn len(&self) -> usize {
         self.sets.len() - 1
@@ -370,11 +383,23 @@ impl GrammarState {
     /// sequences (near the [`MAX_CHART_ITEMS`] bound a longer answer may refuse sooner, so no key is given
     /// there). Returns false, with `out` unspecified, past [`MAX_SIGNATURE`].
     pub fn signature(&self, g: &Grammar, out: &mut Vec<u32>, reached: &mut Vec<u32>) -> bool {
+        self.build_signature(g, out, reached, None)
+    }
+
+    /// Whether this state's [`GrammarState::signature`] is `key`: it builds the signature into `out` and stops at
+    /// the first difference.
+    fn signature_is(&self, g: &Grammar, key: &[u32], out: &mut Vec<u32>, reached: &mut Vec<u32>) -> bool {
+        self.build_signature(g, out, reached, Some(key))
+    }
+
+    /// [`GrammarState::signature`], compared with `key` as it is built when one is given.
+    fn build_signature(&self, g: &Grammar, out: &mut Vec<u32>, reached: &mut Vec<u32>, key: Option<&[u32]>) -> bool {
         out.clear();
         reached.clear();
         if self.items.len() > MAX_CHART_ITEMS / 2 {
             return false;
         }
+        let differs = |out: &[u32], from: usize| key.is_some_and(|k| k.get(from..out.len()) != Some(&out[from..]));
         reached.push(self.sets.len() as u32 - 1);
         let mut next = 0;
         while next < reached.len() {
@@ -398,56 +423,18 @@ impl GrammarState {
                         reached.len() - 1
                     }
                 };
-                out.extend([it.prod, it.dot, id as u32]);
-                if out.len() > MAX_SIGNATURE {
-                    return false;
-                }
-            }
-        }
-        true
-    }
-
-    /// Whether this state's [`GrammarState::signature`] is `key`: it builds the signature into `out` and stops at
-    /// the first difference.
-    fn signature_is(&self, g: &Grammar, key: &[u32], out: &mut Vec<u32>, reached: &mut Vec<u32>) -> bool {
-        out.clear();
-        reached.clear();
-        if self.items.len() > MAX_CHART_ITEMS / 2 {
-            return false;
-        }
-        reached.push(self.sets.len() as u32 - 1);
-        let mut next = 0;
-        while next < reached.len() {
-            let set = self.sets[reached[next] as usize];
-            let top = next == 0;
-            next += 1;
-            let at = out.len();
-            out.push(0);
-            for &it in &self.items[set.start as usize..set.end as usize] {
-                match g.next_sym(it) {
-                    None => continue,
-                    Some(Sym::Bytes(_)) if !top => continue,
-                    _ => {}
-                }
-                out[at] += 1;
-                let id = match reached.iter().position(|&r| r == it.origin) {
-                    Some(id) => id,
-                    None => {
-                        reached.push(it.origin);
-                        reached.len() - 1
-                    }
-                };
                 let from = out.len();
                 out.extend([it.prod, it.dot, id as u32]);
-                if key.get(from..from + 3) != Some(&out[from..]) {
+                if out.len() > MAX_SIGNATURE || differs(out, from) {
                     return false;
                 }
             }
-            if key.get(at) != Some(&out[at]) {
+            // The set's count, now complete, with its items.
+            if differs(out, at) {
                 return false;
             }
         }
-        out.len() == key.len()
+        key.is_none_or(|k| k.len() == out.len())
     }
 
     /// Keeps the first `depth` sets.
@@ -1489,6 +1476,42 @@ mod tests {
         assert!(s.feed(&g, b",90"));
         assert!(s.signature(&g, &mut b, &mut reached));
         assert_eq!(a, b);
+    }
+
+    /// Random text made of the syntax's own pieces never panics the compiler; what compiles, a random walk over
+    /// its accepted bytes follows without panicking, every byte it takes fits, and a mask agrees with feeding.
+    #[test]
+    fn random_grammar_text_compiles_or_errs_and_never_panics() {
+        let pieces = [
+            "root", " ::= ", "a", "b", "\"x\"", "\"\"", "\"\\n\"", "\"\\x4", "[a-z]", "[^\"]", "[", "]", "(", ")", "|", "*",
+            "+", "?", "{2}", "{1,3}", "{0,}", "{9999}", "{3,1}", ".", "\n", " ", "#c\n", "\\", "é", "::=", "-", "^",
+        ];
+        let words: Vec<&[u8]> = vec![b"x", b"a", b"", b"xx", b"\n", "é".as_bytes(), b"z", b"\"", b"ab"];
+        let table = TokenTable::new(words.iter().copied());
+        let mut rng = StdRng::seed_from_u64(17);
+        let mut compiled = 0;
+        for _ in 0..20_000 {
+            let n = rng.random_range(1..12);
+            let mut text = String::from("root ::= ");
+            for _ in 0..n {
+                text.push_str(pieces[rng.random_range(0..pieces.len())]);
+            }
+            let Ok(g) = Grammar::compile(&text) else { continue };
+            compiled += 1;
+            let mut s = g.start();
+            let mut bits = Vec::new();
+            for _ in 0..20 {
+                s.token_mask(&g, &table, &mut bits);
+                for (t, w) in words.iter().enumerate() {
+                    let fits = !w.is_empty() && s.clone().feed(&g, w);
+                    assert_eq!(bits[t / 64] >> (t % 64) & 1 == 1, fits, "{text:?}: token {w:?}");
+                }
+                let fitting: Vec<u8> = (0..=255u8).filter(|&b| s.fits(&g, &[b])).collect();
+                let Some(&b) = fitting.get(rng.random_range(0..fitting.len().max(1))) else { break };
+                assert!(s.may_start_with(b) && s.feed(&g, &[b]), "{text:?}");
+            }
+        }
+        assert!(compiled > 1000, "{compiled} of 20000 compiled");
     }
 
     #[test]

@@ -25,6 +25,8 @@ pub struct TokenTable {
     /// The bytes after the first of each token of `by_bytes`, in that order, as sets of 256 bits
     /// ([`TokenTable::later_bytes`]).
     later: Vec<[u64; 4]>,
+    /// The longest token's length in bytes.
+    longest: usize,
 }
 
 /// [`TokenTable::plain_chars`] of a token that is not plain string content.
@@ -40,6 +42,7 @@ impl TokenTable {
             by_bytes: Vec::new(),
             starts: Vec::new(),
             later: Vec::new(),
+            longest: 0,
         };
         for b in tokens {
             t.bytes.extend_from_slice(b);
@@ -63,8 +66,20 @@ impl TokenTable {
                 later
             })
             .collect();
+        t.longest = (0..t.len() as u32).map(|x| t.bytes(x).len()).max().unwrap_or(0);
         t.by_bytes = order;
         t
+    }
+
+    /// The longest token whose bytes start `bytes`, and its length (the lowest id among tokens with the same
+    /// bytes); `None` if no token does. A binary search of [`TokenTable::by_bytes`] per candidate length.
+    pub fn longest_prefix(&self, bytes: &[u8]) -> Option<(u32, usize)> {
+        (1..=bytes.len().min(self.longest)).rev().find_map(|n| {
+            let want = &bytes[..n];
+            let first = self.by_bytes.partition_point(|&t| self.bytes(t) < want);
+            let t = *self.by_bytes.get(first)?;
+            (self.bytes(t) == want).then_some((t, n))
+        })
     }
 
     /// The bytes after the first of the token at position `i` of [`TokenTable::by_bytes`], as 256 bits (bit
@@ -415,6 +430,18 @@ impl JsonState {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn longest_prefix_finds_the_longest_token_that_starts_the_bytes() {
+        let t = TokenTable::new([&b"a"[..], b"ab", b"abc", b"", b"b", b"ab", b"xyz"]);
+        assert_eq!(t.longest_prefix(b"abcd"), Some((2, 3)));
+        assert_eq!(t.longest_prefix(b"abx"), Some((1, 2)), "the lowest id of equal tokens");
+        assert_eq!(t.longest_prefix(b"xy"), None);
+        assert_eq!(t.longest_prefix(b""), None);
+        assert_eq!(t.longest_prefix(b"b"), Some((4, 1)));
+        assert_eq!(t.starting_with(b'a').len(), 4);
+        assert!(t.starting_with(b'q').is_empty());
+    }
+
     use super::*;
 
     fn run(text: &str) -> Option<JsonState> {

@@ -266,9 +266,14 @@ pub struct Sampler {
     allowed_logits: Vec<f32>,
     /// The last output tokens, at most `recent_window` (oldest first); kept only under `bad_words`.
     recent: Vec<u32>,
+    /// The bytes the guide forces next ([`Sampler::forced_tokens`]; reused).
+    forced: Vec<u8>,
     /// The longest bad word's length less its last token: how many output tokens `bad_words` look at.
     recent_window: usize,
 }
+
+/// Most bytes [`Sampler::forced_tokens`] looks ahead.
+const MAX_FORCED_BYTES: usize = 128;
 
 /// How many of a regex guide's states keep their token masks.
 const MASKED_STATES: usize = 16;
@@ -373,6 +378,58 @@ impl Guide {
         }
     }
 
+    /// The bytes the guide leaves no choice about: while exactly one byte fits and the answer may not end there,
+    /// that byte; at most `max`. The guide's state is unchanged.
+    fn forced_bytes(&mut self, out: &mut Vec<u8>, max: usize) {
+        /// The one byte that fits, with where it leads, if exactly one does.
+        fn only<S>(mut fitting: impl Iterator<Item = (u8, S)>) -> Option<(u8, S)> {
+            let first = fitting.next()?;
+            fitting.next().is_none().then_some(first)
+        }
+        out.clear();
+        match self {
+            Guide::Object(s) => {
+                let mut s = *s;
+                while out.len() < max && !s.is_done() {
+                    let Some((b, next)) = only((0..=255u8).filter_map(|b| Some((b, s.accepts(&[b])?)))) else { break };
+                    out.push(b);
+                    s = next;
+                }
+            }
+            Guide::Schema { schema, state, trial } => {
+                let mut s = SchemaState::clone(state);
+                while out.len() < max && !s.is_done() {
+                    let fitting = (0..=255u8).filter(|&b| s.fits(schema, &[b], trial)).map(|b| (b, ()));
+                    let Some((b, ())) = only(fitting) else { break };
+                    let Some(next) = s.accepts(schema, &[b]) else { break };
+                    out.push(b);
+                    s = next;
+                }
+            }
+            Guide::Regex { dfa, state } => {
+                let mut s = *state;
+                while out.len() < max && !dfa.is_match(s) {
+                    let Some((b, next)) = only((0..=255u8).filter_map(|b| Some((b, dfa.feed(s, &[b])?)))) else {
+                        break;
+                    };
+                    out.push(b);
+                    s = next;
+                }
+            }
+            Guide::Grammar { grammar, state } => {
+                let len = state.len();
+                while out.len() < max && !state.may_end() {
+                    let Some(b) = state.only_next_byte() else { break };
+                    if !state.feed(grammar, &[b]) {
+                        break;
+                    }
+                    out.push(b);
+                }
+                state.rewind(len);
+            }
+        }
+    }
+
     /// Whether `bytes` may come next.
     fn fits(&mut self, bytes: &[u8]) -> bool {
         match self {
@@ -404,6 +461,7 @@ impl Sampler {
             allowed_logits: Vec::new(),
             recent: Vec::new(),
             recent_window: 0,
+            forced: Vec::new(),
         }
     }
 
@@ -475,6 +533,24 @@ impl Sampler {
 
     pub fn config(&self) -> &SamplingParams {
         &self.cfg
+    }
+
+    /// Writes into `out` the tokens a speculative draft can propose where the guide leaves no choice: the bytes it
+    /// forces next (inside a JSON schema's key, the rest of a `guided_choice` string, a grammar's literal), cut
+    /// into the longest tokens of the vocabulary that start what is left of them; at most `max` tokens. Empty
+    /// without a guide or where nothing is forced. The draft is only a proposal: verification samples each of
+    /// its positions as usual, so a split the model would not have chosen is rejected, not forced on it.
+    pub fn forced_tokens(&mut self, out: &mut Vec<u32>, max: usize) {
+        out.clear();
+        let Some((guide, tokens)) = &mut self.guide else { return };
+        guide.forced_bytes(&mut self.forced, MAX_FORCED_BYTES);
+        let mut rest = &self.forced[..];
+        while out.len() < max
+            && let Some((t, n)) = tokens.longest_prefix(rest)
+        {
+            out.push(t);
+            rest = &rest[n..];
+        }
     }
 
     fn count(&mut self, token: u32) {
@@ -1139,6 +1215,68 @@ mod tests {
         logits[1] = 3.0;
         logits[9] = 2.0;
         assert_eq!(s.sample(&logits, &mut buf), 9);
+    }
+
+    /// Each guide's forced bytes, cut into the longest tokens that start them.
+    #[test]
+    fn forced_tokens_are_what_each_guide_leaves_no_choice_about() {
+        let vocab: [&[u8]; 15] = [
+            b"y", b"es", b"yes", b" please", b"n", b"o", b"ab", b"a", b"1", b"cd", b"{", b"\"", b"name", b"\":", b"rue",
+        ];
+        let table = Arc::new(TokenTable::new(vocab));
+        let text = |s: &Sampler, out: &[u32]| {
+            let _ = s;
+            out.iter().flat_map(|&t| vocab[t as usize].to_vec()).collect::<Vec<u8>>()
+        };
+        let mut out = Vec::new();
+        let guided = |cfg: SamplingParams, prompt: &[u32], prior: u32| {
+            let cfg = SamplingParams { prior_output_tokens: prior, ..cfg };
+            Sampler::for_request(cfg, prompt, 16, &[99]).with_guide(Some(&table), prompt)
+        };
+        // A choice: nothing is forced before the first byte decides; after "y", the rest of that choice.
+        let dfa = Arc::new(ByteDfa::compile("yes please|no").unwrap());
+        let regex = SamplingParams { regex: Some(dfa), ..SamplingParams::greedy() };
+        let mut s = guided(regex.clone(), &[0], 0);
+        s.forced_tokens(&mut out, 8);
+        assert!(out.is_empty(), "{out:?}");
+        let mut s = guided(regex, &[0], 1);
+        s.forced_tokens(&mut out, 8);
+        assert_eq!(out, [1, 3], "es + please");
+        assert_eq!(text(&s, &out), b"es please");
+        s.forced_tokens(&mut out, 1);
+        assert_eq!(out, [1], "at most max tokens");
+        // A grammar: its opening literal; then digits or the closing literal may come, so nothing.
+        let g = Arc::new(Grammar::compile(r#"root ::= "ab" [0-9]+ "cd""#).unwrap());
+        let grammar = SamplingParams { grammar: Some(g), ..SamplingParams::greedy() };
+        let mut s = guided(grammar.clone(), &[0], 0);
+        s.forced_tokens(&mut out, 8);
+        assert_eq!(out, [6]);
+        let mut s = guided(grammar, &[6, 8], 2);
+        s.forced_tokens(&mut out, 8);
+        assert!(out.is_empty());
+        // A JSON object's literal: after `t`, the rest of `true`.
+        let object = SamplingParams { json_object: true, ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(object, &[0], 16, &[99]).with_guide(Some(&table), &[0]);
+        for b in [&b"{"[..], b"\"", b"name", b"\":"] {
+            assert!(s.guide.as_mut().unwrap().0.advance(b));
+        }
+        assert!(s.guide.as_mut().unwrap().0.advance(b"t"));
+        s.forced_tokens(&mut out, 8);
+        assert_eq!(text(&s, &out), b"rue");
+        // A schema's only key, after its opening quote; no guide, nothing.
+        let schema = Arc::new(
+            JsonSchema::parse(
+                r#"{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}"#,
+            )
+            .unwrap(),
+        );
+        let mut s = guided(SamplingParams { json_schema: Some(schema), ..SamplingParams::greedy() }, &[10, 11], 2);
+        s.forced_tokens(&mut out, 8);
+        // (whitespace may come before the colon, so the key's closing quote is where the forcing stops).
+        assert_eq!(out, [12, 11]);
+        let mut s = Sampler::for_request(SamplingParams::greedy(), &[0], 16, &[99]);
+        s.forced_tokens(&mut out, 8);
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -29,8 +29,9 @@
 //! order always fits on its own and scheduling never deadlocks.
 //!
 //! With n-gram speculation on ([`SchedulerConfig::speculative`]), a decoding full-cache sequence whose last
-//! tokens repeat earlier ones carries a draft ([`crate::speculative`]): its entry computes the next token and the
-//! draft together, and the caller keeps the accepted part with [`Scheduler::settle_draft`], which drops the rest
+//! tokens repeat earlier ones carries a draft ([`crate::speculative`]), and one whose guide forces its next
+//! tokens carries those ([`Sequence::set_forced_draft`]): its entry computes the next token and the draft
+//! together, and the caller keeps the accepted part with [`Scheduler::settle_draft`], which drops the rest
 //! from the tokens and the KV before anything of it is registered in the prefix index.
 //!
 //! The caller runs the forward step for the returned [`StepPlan`], calls [`Scheduler::complete_step`], then
@@ -233,6 +234,8 @@ pub struct Sequence<P> {
     draft: usize,
     /// How this sequence's drafts fared lately: how long its next draft is.
     acceptance: Acceptance,
+    /// Tokens its guide forces next ([`Sequence::set_forced_draft`]); the next draft proposes them.
+    forced: Vec<u32>,
     /// [`SeqRequest::priority`].
     priority: i32,
     pub payload: P,
@@ -318,6 +321,13 @@ impl<P> Sequence<P> {
     /// Where this sequence stands in queue order: (priority, arrival), lowest first.
     fn queue_key(&self) -> (i32, SeqId) {
         (self.priority, self.id)
+    }
+    /// Sets the tokens that the request's guide forces after the sequence's last token
+    /// ([`crate::sampling::Sampler::forced_tokens`]): with speculation on, its next draft proposes them rather than
+    /// an n-gram lookup's. Appending a token clears them.
+    pub fn set_forced_draft(&mut self, tokens: &[u32]) {
+        self.forced.clear();
+        self.forced.extend_from_slice(tokens);
     }
     /// The unverified speculative draft at the end of [`Sequence::tokens`] (empty between steps).
     pub fn draft(&self) -> &[u32] {
@@ -486,6 +496,7 @@ impl<P> Scheduler<P> {
             prompt_logits: req.prompt_logits,
             draft: 0,
             acceptance: Acceptance::default(),
+            forced: Vec::new(),
             priority: req.priority,
             payload: req.payload,
         };
@@ -629,6 +640,16 @@ impl<P> Scheduler<P> {
             .saturating_sub(seq.num_generated() + 1)
             .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
         let cap = spec.num_tokens.min(room).min(budget);
+        // What the guide forces is drafted whole: it is the text unless the model splits it into other tokens.
+        if !seq.forced.is_empty() {
+            let k = seq.forced.len().min(cap);
+            if k == 0 || seq.blocks.blocks_needed(1 + k) > self.pool.num_available() {
+                return 0;
+            }
+            self.draft_buf.clear();
+            self.draft_buf.extend_from_slice(&seq.forced[..k]);
+            return k;
+        }
         let k = speculative::draft_length(seq.acceptance.rate(), cost, cap);
         if k == 0 {
             if cap > 0 {
@@ -963,6 +984,7 @@ impl<P> Scheduler<P> {
     pub fn append_token(&mut self, id: SeqId, token: u32) -> Result<Option<FinishReason>, SchedError> {
         let seq = self.seqs.get_mut(&id).ok_or(SchedError::UnknownSeq(id))?;
         seq.tokens.push(token);
+        seq.forced.clear();
         if seq.stop_token_ids.contains(&token) {
             return Ok(Some(FinishReason::Stop));
         }

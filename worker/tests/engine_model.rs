@@ -517,6 +517,56 @@ fn attention_policies_score_captured_queries_where_the_forward_does_not_sum() {
     }
 }
 
+/// What a guide forces (the rest of a `guided_choice` string, a JSON schema's keys, a grammar's literals) is
+/// drafted whole when speculation is on: every answer, greedy or seeded, is the engine's without speculation,
+/// and the forced drafts are accepted. The n-gram lookup is set so that it cannot match (16 tokens), so the
+/// drafts are the guides'.
+#[test]
+fn guide_forced_drafts_change_no_answer_and_are_accepted() {
+    use pagoda_worker::grammar_guide::Grammar;
+    use pagoda_worker::json_schema::JsonSchema;
+    use pagoda_worker::regex_guide::ByteDfa;
+    use std::sync::Arc;
+
+    let plain = engine(128, true);
+    let ngram = NgramConfig { num_tokens: 8, min_n: 16, max_n: 16, max_batch: 4, draft_cost: Some(0.0) };
+    let spec = Engine::start(EngineConfig { speculative: ngram, ..config(128, true, ReserveConfig::default()) })
+        .expect("engine starts");
+    let choices = ["The capital of France is Paris, on the river Seine.".to_string(), "I cannot say.".to_string()];
+    let dfa = Arc::new(ByteDfa::compile(&ByteDfa::choice_pattern(&choices).unwrap()).unwrap());
+    let schema = Arc::new(
+        JsonSchema::parse(
+            r#"{"type": "object", "properties": {"name_of_the_capital_city": {"type": "string", "maxLength": 24},
+                "population_in_millions": {"type": "integer"}, "lies_on_a_river": {"type": "boolean"}},
+                "required": ["name_of_the_capital_city", "population_in_millions", "lies_on_a_river"],
+                "additionalProperties": false}"#,
+        )
+        .unwrap(),
+    );
+    let grammar =
+        Arc::new(Grammar::compile(r#"root ::= "Answer: the capital of France is " [A-Z] [a-z]{1,12} ".""#).unwrap());
+    let prompt = chat("What is the capital of France? Answer as asked.");
+    let seeded = |s: SamplingParams| SamplingParams { temperature: 0.8, seed: Some(3), ..s };
+    let cases = [
+        ("choice", SamplingParams { regex: Some(dfa), ..SamplingParams::greedy() }),
+        ("schema", SamplingParams { json_schema: Some(schema.clone()), ..SamplingParams::greedy() }),
+        ("schema, seeded", seeded(SamplingParams { json_schema: Some(schema), ..SamplingParams::greedy() })),
+        ("grammar", SamplingParams { grammar: Some(grammar.clone()), ..SamplingParams::greedy() }),
+        ("grammar, seeded", seeded(SamplingParams { grammar: Some(grammar), ..SamplingParams::greedy() })),
+    ];
+    for (name, sampling) in cases {
+        let request = GenerateRequest { sampling, ..greedy(name, &prompt, 96) };
+        let want = collect(plain.submit(request.clone()).unwrap());
+        let got = collect(spec.submit(request).unwrap());
+        assert_eq!((&got.tokens, got.reason), (&want.tokens, want.reason), "{name}");
+        assert_eq!(want.reason, FinishReason::Stop, "{name}: the guided answer completes");
+    }
+    let s = wait_stats(&spec, "idle", |s| s.running == 0 && s.waiting == 0);
+    assert!(s.accepted_draft_tokens_total >= 10, "forced drafts are accepted: {s:?}");
+    assert!(s.draft_tokens_total >= s.accepted_draft_tokens_total);
+    assert_eq!(s.blocks_used, 0);
+}
+
 /// N-gram speculative decoding on the real model changes no answer: greedy and seeded answers, their
 /// log-probabilities, and where a stop token ends them are those of the engine without it; the drafts are
 /// accepted where the answers repeat themselves. The groups its steps registered in the prefix cache hold the
