@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
+use pagoda_kernels::{Codec, CpuBackend, KvDtype, KvStorage};
 
 use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
@@ -580,8 +580,9 @@ struct HandleInner {
     /// The eviction policies the runner runs: a request naming another is refused, rather than served with a
     /// full cache it did not ask for.
     policies: Vec<PolicyKind>,
-    /// EvicPress places the tiers: it chooses every context's codec, so requests may not name one.
-    evicpress_placement: bool,
+    /// EvicPress places the tiers, over these codecs (besides the native format): a request may name one of them
+    /// for its context ([`GenerateRequest::tier_codec`]), which is then stored in it or not at all.
+    evicpress_codecs: Option<Vec<Codec>>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -776,13 +777,15 @@ impl EngineHandle {
             }
         }
         check_priority(&self.inner.sched_cfg, req.priority).map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
-        if let Some(codec) = req.tier_codec
-            && self.inner.evicpress_placement
+        if let (Some(GroupCodec::Kv(codec)), Some(offered)) = (req.tier_codec, &self.inner.evicpress_codecs)
+            && !offered.contains(&codec)
         {
+            let names: Vec<&str> = offered.iter().map(|c| c.name()).collect();
             return Err(EngineError::InvalidRequest(format!(
-                "kv.codec {} cannot be honoured: this worker's tiers are placed by EvicPress, which chooses each \
-                 context's codec (--tier-placement evicpress)",
-                codec.name()
+                "kv.codec {} is not one of the codecs this worker's EvicPress placement stores contexts in: native \
+                 or {}",
+                codec.name(),
+                names.join(", ")
             )));
         }
         check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
@@ -897,7 +900,10 @@ impl Engine {
                 sched_cfg,
                 default_policy: config.default_policy,
                 policies,
-                evicpress_placement: matches!(config.placement, TierPlacement::EvicPress(_)),
+                evicpress_codecs: match &config.placement {
+                    TierPlacement::EvicPress(ep) => Some(ep.codecs.clone()),
+                    _ => None,
+                },
                 stats,
                 thread: Mutex::new(Some(thread)),
             }),
@@ -1725,7 +1731,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 if let Some(ep) = &mut self.evicpress {
                     let prompt = &seq.tokens()[..seq.prompt_len()];
                     let (cached, generated) = (seq.cached_tokens(), seq.generated().len());
-                    ep.finished(prompt, seq.namespace(), cached, generated, &seq.payload.profile_queries);
+                    let (queries, codec) = (&seq.payload.profile_queries, seq.payload.tier_codec);
+                    ep.finished(prompt, seq.namespace(), cached, generated, queries, codec);
                 }
             }
         }

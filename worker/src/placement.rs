@@ -164,6 +164,14 @@ impl StoredVariant {
     }
 }
 
+/// Whether two codecs are the same stored format; every native format is the arena's own.
+fn same_codec(a: GroupCodec, b: GroupCodec) -> bool {
+    match (a, b) {
+        (GroupCodec::Native(_), GroupCodec::Native(_)) => true,
+        (a, b) => a == b,
+    }
+}
+
 /// A pruned copy that continues a prompt (see [`EvicPress::pruned_copy`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrunedCopy {
@@ -359,6 +367,9 @@ struct Context {
     /// The training queries its creating request gave ([`crate::engine::GenerateRequest::profile_queries`]):
     /// profiled in place of [`EvicPressConfig::profile_questions`] when there are any.
     queries: Vec<Vec<u32>>,
+    /// The codec its creating request named ([`crate::engine::GenerateRequest::tier_codec`]): the context is
+    /// stored in that codec whole, or dropped, and in no other configuration.
+    codec: Option<GroupCodec>,
 }
 
 /// A finished request's view of one context: the whole chain up to the context's end (the profiler needs every
@@ -754,7 +765,8 @@ impl EvicPress {
 
     /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
     /// passed through (counting accesses) and creates a new one from its unowned groups, with `queries` (the
-    /// request's training queries, checked by [`check_profile_queries`]) as its profiling set. Placement happens
+    /// request's training queries, checked by [`check_profile_queries`]) as its profiling set and `codec` (the
+    /// codec the request named, one [`EvicPress::offers`]) as the only one it may be stored in. Placement happens
     /// in [`EvicPress::place_pending`].
     pub fn finished(
         &mut self,
@@ -763,6 +775,7 @@ impl EvicPress {
         cached_tokens: usize,
         generated: usize,
         queries: &[Vec<u32>],
+        codec: Option<GroupCodec>,
     ) {
         let bs = self.layout.block_size;
         self.answer_lengths.update(generated as f64);
@@ -790,6 +803,7 @@ impl EvicPress {
                     profiled: false,
                     last_use: self.clock,
                     queries: queries.to_vec(),
+                    codec,
                 },
             );
             touched.push((id, chain.len()));
@@ -885,7 +899,13 @@ impl EvicPress {
         }
         if !measured_now && !known {
             self.stats.placed_with_prior += 1;
-            let prior = self.prior_quality();
+            let mut prior = self.prior_quality();
+            self.restrict(p.context, &mut prior);
+            if prior.iter().all(Option::is_none) {
+                // Its request's codec has never been measured: the context waits for a request that computes it
+                // while the engine is idle, and a profile.
+                return Ok(());
+            }
             self.planner.set_profile(p.context, tokens, prior).map_err(plan_err)?;
         }
         self.planner.record_access(p.context).map_err(plan_err)?;
@@ -931,11 +951,36 @@ impl EvicPress {
                 }
             }
         }
+        self.restrict(context, &mut q);
         self.planner.set_profile(context, tokens, q).map_err(plan_err)?;
         if let Some(c) = self.contexts.get_mut(&context) {
             c.profiled = true;
         }
         Ok(())
+    }
+
+    /// Whether a request may name `codec` for its context: it is one of the variants, whole (the lossless native
+    /// format, or a compressing codec this worker offers).
+    pub fn offers(&self, codec: GroupCodec) -> bool {
+        self.variants.iter().any(|v| !v.pruned() && same_codec(v.codec, codec))
+    }
+
+    /// The variants a context may be stored in: all of them, or only the whole copy in the codec its request
+    /// named.
+    fn allowed(&self, context: u64, v: usize) -> bool {
+        match self.contexts.get(&context).and_then(|c| c.codec) {
+            None => true,
+            Some(codec) => !self.variants[v].pruned() && same_codec(self.variants[v].codec, codec),
+        }
+    }
+
+    /// Clears the quality of every variant `context` may not be stored in, so that the planner never chooses one.
+    fn restrict(&self, context: u64, quality: &mut [Option<f64>]) {
+        for (v, q) in quality.iter_mut().enumerate() {
+            if !self.allowed(context, v) {
+                *q = None;
+            }
+        }
     }
 
     /// Algorithm 1 for `context` with fresh bandwidths, applied to the stores.
@@ -990,7 +1035,11 @@ impl EvicPress {
         pool: &mut BlockPool,
         p: &Pending,
     ) -> Result<Option<Profiled>, EngineError> {
-        let all: Vec<usize> = (1..self.variants.len()).collect();
+        let all: Vec<usize> = (1..self.variants.len()).filter(|&v| self.allowed(p.context, v)).collect();
+        if all.is_empty() {
+            // Pinned to the lossless format: nothing to measure.
+            return Ok(None);
+        }
         let q = self.profile(runner, pool, p, &all)?;
         if q.is_some() {
             self.stats.profiles += 1;
@@ -1767,7 +1816,7 @@ mod tests {
         let doc: Vec<u32> = (0..128).collect();
         let mut a = doc.clone();
         a.extend([900, 901, 902, 903, 904]);
-        ep.finished(&a, "", 0, 4, &[]);
+        ep.finished(&a, "", 0, 4, &[], None);
         assert_eq!(ep.contexts.len(), 1);
         let id = *ep.contexts.keys().next().unwrap();
         assert_eq!(ep.contexts[&id].groups.len(), 8);
@@ -1776,7 +1825,7 @@ mod tests {
         // not a context either.
         let mut b = doc.clone();
         b.extend(1000..1040);
-        ep.finished(&b, "", 128, 4, &[]);
+        ep.finished(&b, "", 128, 4, &[], None);
         assert_eq!(ep.contexts.len(), 1);
         let last = ep.pending.back().unwrap();
         assert_eq!((last.context, last.chain.len(), last.fresh), (id, 8, false));
@@ -1785,7 +1834,7 @@ mod tests {
         // the document cached and computed the new groups: the new context is fresh (profiled), the document not.
         let mut c = doc.clone();
         c.extend(2000..2080);
-        ep.finished(&c, "", 128, 4, &[]);
+        ep.finished(&c, "", 128, 4, &[], None);
         assert_eq!(ep.contexts.len(), 2);
         assert!(ep.contexts.values().any(|x| x.groups.len() == 4));
         let n = ep.pending.len();
@@ -1796,11 +1845,11 @@ mod tests {
         // context): fresh, with that group left for placement to check against the tiers.
         let mut d: Vec<u32> = (7000..7016).collect();
         d.extend(5000..5080);
-        ep.finished(&d, "", 16, 4, &[]);
+        ep.finished(&d, "", 16, 4, &[], None);
         let last = ep.pending.back().unwrap();
         assert_eq!((last.chain.len(), last.fresh, last.cached_new.len()), (5, true, 1));
         // Another namespace hashes differently: a new context.
-        ep.finished(&a, "tenant", 0, 4, &[]);
+        ep.finished(&a, "tenant", 0, 4, &[], None);
         assert_eq!(ep.contexts.len(), 4);
     }
 
@@ -1814,13 +1863,13 @@ mod tests {
         let mut ep = EvicPress::new(config, "m", layout, 64, KvDtype::F32, &tiers).unwrap();
         let own = vec![vec![900, 901], vec![902; 40]];
         let doc: Vec<u32> = (0..128).collect();
-        ep.finished(&[doc.as_slice(), &[800, 801]].concat(), "", 0, 4, &own);
+        ep.finished(&[doc.as_slice(), &[800, 801]].concat(), "", 0, 4, &own, None);
         let first = ep.pending.back().unwrap().context;
         assert_eq!(ep.profiling_set(first), own.as_slice());
         // A later request's queries do not replace them; a context created without any gets the worker's.
-        ep.finished(&[doc.as_slice(), &[810]].concat(), "", 128, 4, &[vec![5]]);
+        ep.finished(&[doc.as_slice(), &[810]].concat(), "", 128, 4, &[vec![5]], None);
         assert_eq!(ep.profiling_set(first), own.as_slice());
-        ep.finished(&(3000..3100).collect::<Vec<u32>>(), "", 0, 4, &[]);
+        ep.finished(&(3000..3100).collect::<Vec<u32>>(), "", 0, 4, &[], None);
         let second = ep.pending.back().unwrap().context;
         assert_ne!(second, first);
         assert_eq!(ep.profiling_set(second), generic.as_slice());
@@ -1910,22 +1959,22 @@ mod tests {
         // Before any request: the most, answer_tokens.
         assert_eq!(horizon(&ep), 16);
         // The first output length replaces the prior; later ones move the average (rounded).
-        ep.finished(&prompt, "", 0, 4, &[]);
+        ep.finished(&prompt, "", 0, 4, &[], None);
         assert_eq!(horizon(&ep), 4);
-        ep.finished(&prompt, "", 0, 4, &[]);
+        ep.finished(&prompt, "", 0, 4, &[], None);
         assert_eq!(horizon(&ep), 4);
-        ep.finished(&prompt, "", 0, 9, &[]);
+        ep.finished(&prompt, "", 0, 9, &[], None);
         assert_eq!(horizon(&ep), 5, "4 + 0.2 · (9 − 4) = 5");
         // Bounded by answer_tokens above; an empty output (a request stopped at once) does not count.
         for _ in 0..50 {
-            ep.finished(&prompt, "", 0, 500, &[]);
+            ep.finished(&prompt, "", 0, 500, &[], None);
         }
         assert_eq!(horizon(&ep), 16);
-        ep.finished(&prompt, "", 0, 0, &[]);
+        ep.finished(&prompt, "", 0, 0, &[], None);
         assert_eq!(horizon(&ep), 16);
         // Fixed, the default, ignores the requests.
         let mut ep = EvicPress::new(EvicPressConfig::default(), "m", layout, 64, KvDtype::F32, &tiers).unwrap();
-        ep.finished(&prompt, "", 0, 4, &[]);
+        ep.finished(&prompt, "", 0, 4, &[], None);
         assert_eq!(horizon(&ep), 16);
     }
 }

@@ -244,7 +244,9 @@ fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
 
 /// The `kv.codec` request extension under LRU placement: a request's groups go down to host in the codec it named,
 /// the next request's in the worker's; a request can insist on the device's own format where the worker
-/// compresses; its prefix comes back from host and serves. EvicPress placement refuses a named codec.
+/// compresses; its prefix comes back from host and serves. Under EvicPress the named codec is the only one the
+/// request's context may be stored in (a context beside it, naming none, is stored as the utility chooses), and a
+/// codec EvicPress does not offer is refused.
 #[test]
 fn a_request_names_the_codec_its_groups_are_stored_in() {
     let p = prompt();
@@ -291,12 +293,32 @@ fn a_request_names_the_codec_its_groups_are_stored_in() {
     assert!(stored(&h, &other, &out).iter().all(|c| c == "int2_kivi"));
     h.shutdown();
 
-    let ep = EvicPressConfig::default();
+    let ep = EvicPressConfig { codecs: vec![Codec::Int8, Codec::Int4Kivi], ..EvicPressConfig::default() };
     let h = start(TierPlacement::EvicPress(ep));
-    match h.submit(naming(&p, Some(GroupCodec::Kv(Codec::Int8)))) {
-        Err(EngineError::InvalidRequest(m)) => assert!(m.contains("EvicPress"), "{m}"),
-        other => panic!("a codec named under EvicPress: {other:?}"),
+    match h.submit(naming(&p, Some(GroupCodec::Kv(Codec::Int2Kivi)))) {
+        Err(EngineError::InvalidRequest(m)) => assert!(m.contains("EvicPress") && m.contains("int4_kivi"), "{m}"),
+        other => panic!("a codec EvicPress does not offer: {other:?}"),
     }
+    let placed =
+        |n: u64| wait_stats(&h, "placed", |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == n));
+    let context_codecs = |prompt: &[u32]| -> Vec<String> {
+        // The context is the prompt's full groups before its last token.
+        let groups = (prompt.len() - 1) / BS;
+        let hashes = block_hashes(&h.model_info().model_id, "", prompt, BS);
+        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX)).unwrap();
+        assert_eq!(got.len(), groups, "the whole context is on host");
+        got.into_iter().map(|(_, g)| g.codec).collect()
+    };
+    // Contexts of at least four groups (EvicPressConfig::min_context_groups).
+    let (p, other): (Vec<u32>, Vec<u32>) =
+        (p.iter().chain(&p).copied().take(100).collect(), other.iter().chain(&other).copied().take(100).collect());
+    run_request(&h, naming(&p, Some(GroupCodec::Kv(Codec::Int4Kivi))));
+    placed(1);
+    run(&h, &other, 8);
+    placed(2);
+    assert!(context_codecs(&p).iter().all(|c| c == "int4_kivi"), "the named codec: {:?}", context_codecs(&p));
+    let free = context_codecs(&other);
+    assert!(free.iter().all(|c| c == &free[0]) && free[0] != "int4_kivi", "the utility's choice: {free:?}");
     h.shutdown();
 }
 
