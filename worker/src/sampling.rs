@@ -365,7 +365,12 @@ impl Guide {
             Guide::Object(s) => s.accepts(bytes).map(|next| *s = next).is_some(),
             Guide::Schema { schema, state, .. } => state.accepts(schema, bytes).map(|next| **state = next).is_some(),
             Guide::Regex { dfa, state } => dfa.feed(*state, bytes).map(|next| *state = next).is_some(),
-            Guide::Grammar { grammar, state } => state.feed(grammar, bytes),
+            Guide::Grammar { grammar, state } => {
+                let fed = state.feed(grammar, bytes);
+                // What the answer has become is final: sets below it keep only what later bytes read.
+                state.commit(grammar);
+                fed
+            }
         }
     }
 

@@ -119,5 +119,13 @@ fn mask_cost() {
                 stats(&cached_s)
             );
         }
+        // What the answer's chart holds, committed token by token as the sampler does, and not.
+        let (mut kept, mut whole) = (g.start(), g.start());
+        for &t in &ids {
+            assert!(kept.feed(&g, table.bytes(t)) && whole.feed(&g, table.bytes(t)));
+            kept.commit(&g);
+        }
+        let per_byte = |s: &GrammarState| s.chart_items() as f64 / s.len() as f64;
+        println!("{name}: {:.1} items per byte committed, {:.1} not", per_byte(&kept), per_byte(&whole));
     }
 }
