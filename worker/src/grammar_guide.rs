@@ -1306,20 +1306,20 @@ mod tests {
         assert!(!accepts(&g, "xxx"));
     }
 
+    /// Arithmetic: left recursion, nullable rules and nesting.
+    const EXPRESSIONS: &str = r#"
+        root   ::= ws expr ws
+        expr   ::= expr ws [+-] ws term | term
+        term   ::= term ws [*/] ws factor | factor
+        factor ::= num | "(" ws expr ws ")" | "-" factor
+        num    ::= [0-9]+ ("." [0-9]+)?
+        ws     ::= [ ]*
+    "#;
+
     /// An arithmetic grammar with left recursion, nullable rules and nesting, against random expressions.
     #[test]
     fn an_expression_grammar_accepts_what_it_generates_and_refuses_mutations() {
-        let g = Grammar::compile(
-            r#"
-            root   ::= ws expr ws
-            expr   ::= expr ws [+-] ws term | term
-            term   ::= term ws [*/] ws factor | factor
-            factor ::= num | "(" ws expr ws ")" | "-" factor
-            num    ::= [0-9]+ ("." [0-9]+)?
-            ws     ::= [ ]*
-            "#,
-        )
-        .unwrap();
+        let g = Grammar::compile(EXPRESSIONS).unwrap();
         let mut rng = StdRng::seed_from_u64(7);
         fn expression(rng: &mut StdRng, depth: u32, out: &mut String) {
             match if depth > 3 { 0 } else { rng.random_range(0..4) } {
@@ -1399,17 +1399,7 @@ mod tests {
     /// A committed answer accepts exactly what an uncommitted one does, and keeps fewer items.
     #[test]
     fn committing_keeps_what_later_bytes_read() {
-        let g = Grammar::compile(
-            r#"
-            root   ::= ws expr ws
-            expr   ::= expr ws [+-] ws term | term
-            term   ::= term ws [*/] ws factor | factor
-            factor ::= num | "(" ws expr ws ")" | "-" factor
-            num    ::= [0-9]+ ("." [0-9]+)?
-            ws     ::= [ ]*
-            "#,
-        )
-        .unwrap();
+        let g = Grammar::compile(EXPRESSIONS).unwrap();
         let mut rng = StdRng::seed_from_u64(23);
         for _ in 0..100 {
             let (mut kept, mut whole) = (g.start(), g.start());
