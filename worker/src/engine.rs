@@ -1710,7 +1710,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 Ok(r) => r,
                 Err(_) => continue,
             };
-            let spec = self.sched.config().speculative;
+            // What a guide forces is worth working out only where the next step may draft it.
+            let (drafting, max_draft) = (self.sched.drafting(), self.sched.config().speculative.num_tokens);
             let Some(seq) = self.sched.get_mut(e.seq) else { continue };
             if reason != Some(FinishReason::Stop)
                 && seq.payload.events.send(GenerateEvent::Token { id: token, logprobs }).is_err()
@@ -1718,8 +1719,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 self.sched.cancel(e.seq);
                 continue;
             }
-            if reason.is_none() && spec.enabled() && seq.payload.sampler.config().guided() {
-                seq.payload.sampler.forced_tokens(&mut self.forced_draft, spec.num_tokens);
+            if reason.is_none() && drafting && seq.payload.sampler.config().guided() {
+                seq.payload.sampler.forced_tokens(&mut self.forced_draft, max_draft);
                 seq.set_forced_draft(&self.forced_draft);
             }
             if let Some(reason) = reason

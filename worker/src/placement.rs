@@ -164,14 +164,6 @@ impl StoredVariant {
     }
 }
 
-/// Whether two codecs are the same stored format; every native format is the arena's own.
-fn same_codec(a: GroupCodec, b: GroupCodec) -> bool {
-    match (a, b) {
-        (GroupCodec::Native(_), GroupCodec::Native(_)) => true,
-        (a, b) => a == b,
-    }
-}
-
 /// A pruned copy that continues a prompt (see [`EvicPress::pruned_copy`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrunedCopy {
@@ -766,7 +758,7 @@ impl EvicPress {
     /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
     /// passed through (counting accesses) and creates a new one from its unowned groups, with `queries` (the
     /// request's training queries, checked by [`check_profile_queries`]) as its profiling set and `codec` (the
-    /// codec the request named, one [`EvicPress::offers`]) as the only one it may be stored in. Placement happens
+    /// codec the request named, with a native codec in the arena's own format) as the only one it may be stored in. Placement happens
     /// in [`EvicPress::place_pending`].
     pub fn finished(
         &mut self,
@@ -959,18 +951,12 @@ impl EvicPress {
         Ok(())
     }
 
-    /// Whether a request may name `codec` for its context: it is one of the variants, whole (the lossless native
-    /// format, or a compressing codec this worker offers).
-    pub fn offers(&self, codec: GroupCodec) -> bool {
-        self.variants.iter().any(|v| !v.pruned() && same_codec(v.codec, codec))
-    }
-
     /// The variants a context may be stored in: all of them, or only the whole copy in the codec its request
     /// named.
     fn allowed(&self, context: u64, v: usize) -> bool {
         match self.contexts.get(&context).and_then(|c| c.codec) {
             None => true,
-            Some(codec) => !self.variants[v].pruned() && same_codec(self.variants[v].codec, codec),
+            Some(codec) => !self.variants[v].pruned() && self.variants[v].codec == codec,
         }
     }
 

@@ -1229,10 +1229,7 @@ mod tests {
             b"y", b"es", b"yes", b" please", b"n", b"o", b"ab", b"a", b"1", b"cd", b"{", b"\"", b"name", b"\":", b"rue",
         ];
         let table = Arc::new(TokenTable::new(vocab));
-        let text = |s: &Sampler, out: &[u32]| {
-            let _ = s;
-            out.iter().flat_map(|&t| vocab[t as usize].to_vec()).collect::<Vec<u8>>()
-        };
+        let text = |out: &[u32]| out.iter().flat_map(|&t| vocab[t as usize].to_vec()).collect::<Vec<u8>>();
         let mut out = Vec::new();
         let guided = |cfg: SamplingParams, prompt: &[u32], prior: u32| {
             let cfg = SamplingParams { prior_output_tokens: prior, ..cfg };
@@ -1247,7 +1244,7 @@ mod tests {
         let mut s = guided(regex, &[0], 1);
         s.forced_tokens(&mut out, 8);
         assert_eq!(out, [1, 3], "es + please");
-        assert_eq!(text(&s, &out), b"es please");
+        assert_eq!(text(&out), b"es please");
         s.forced_tokens(&mut out, 1);
         assert_eq!(out, [1], "at most max tokens");
         // A grammar: its opening literal; then digits or the closing literal may come, so nothing.
@@ -1267,7 +1264,7 @@ mod tests {
         }
         assert!(s.guide.as_mut().unwrap().0.advance(b"t"));
         s.forced_tokens(&mut out, 8);
-        assert_eq!(text(&s, &out), b"rue");
+        assert_eq!(text(&out), b"rue");
         // A schema's only key, after its opening quote; no guide, nothing.
         let schema = Arc::new(
             JsonSchema::parse(

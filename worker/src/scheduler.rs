@@ -626,7 +626,7 @@ impl<P> Scheduler<P> {
     /// context and the pool's available blocks have: a draft never preempts.
     fn propose_draft(&mut self, id: SeqId, budget: usize) -> usize {
         let spec = self.cfg.speculative;
-        if !spec.enabled() || self.running.len() > spec.max_batch {
+        if !self.drafting() {
             return 0;
         }
         let cost = self.draft_token_cost();
@@ -662,6 +662,11 @@ impl<P> Scheduler<P> {
             return 0;
         }
         k
+    }
+
+    /// Whether sequences draft at all now: speculation is on and at most [`NgramConfig::max_batch`] run.
+    pub fn drafting(&self) -> bool {
+        self.cfg.speculative.enabled() && self.running.len() <= self.cfg.speculative.max_batch
     }
 
     /// Records how long a step over `plan` took, for the cost of a draft token: one-sequence decode steps with and
