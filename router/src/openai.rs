@@ -1519,7 +1519,8 @@ impl CompletionRequest {
             Value::Array(items) if items.is_empty() => {
                 return Err(ApiError::invalid_param("prompt", "`prompt` must not be empty."));
             }
-            Value::Array(items) if items.len() > MAX_CHOICES => {
+            // A token-id prompt is one prompt however long (the context length bounds it); only batches count.
+            Value::Array(items) if items.len() > MAX_CHOICES && !items.iter().all(Value::is_number) => {
                 return Err(ApiError::invalid_param(
                     "prompt",
                     format!("`prompt` is a batch of {}; at most {MAX_CHOICES} prompts are allowed.", items.len()),
@@ -2397,6 +2398,10 @@ mod tests {
         assert_eq!(req(r#"{"model":"m","prompt":"hi"}"#).unwrap().0, [text("hi")]);
         assert_eq!(req(r#"{"model":"m","prompt":["hi"]}"#).unwrap().0, [text("hi")]);
         assert_eq!(req(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().0, [PromptInput::Tokens(vec![1, 2, 3])]);
+        // A token-id prompt longer than the batch bound is still one prompt.
+        let long: Vec<u32> = (0..500).map(|i| i % 100).collect();
+        let body = format!(r#"{{"model":"m","prompt":{}}}"#, serde_json::to_string(&long).unwrap());
+        assert_eq!(req(&body).unwrap().0, [PromptInput::Tokens(long)]);
         assert_eq!(req(r#"{"model":"m","prompt":[1,200]}"#).unwrap_err().param.as_deref(), Some("prompt[1]"));
         // Batches: strings, or token-id arrays, each with `n` choices, at most MAX_CHOICES in all.
         assert_eq!(req(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().0, [text("a"), text("b")]);
