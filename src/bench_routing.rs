@@ -154,48 +154,62 @@ async fn chat(http: &Http, messages: &[Value], max_tokens: u32) -> Result<Turn> 
     })
 }
 
-/// The worker and router processes of one strategy; dropping it kills them.
-struct Deployment {
+/// Worker and router processes on loopback; dropping it kills them.
+pub(crate) struct Deployment {
     _workers: Vec<Proc>,
     _router: Proc,
-    http: Http,
-    worker_addrs: Vec<String>,
+    pub(crate) http: Http,
+    pub(crate) worker_addrs: Vec<String>,
 }
 
-fn deploy(o: &RoutingBenchOptions, strategy: &str) -> Result<Deployment> {
+/// Starts one `pagoda worker` per entry of `worker_args` (that worker's arguments besides its address, model and
+/// threads) and one `pagoda router` over them with `router_args` added; `label` names their logs.
+pub(crate) fn deploy_cluster(
+    label: &str,
+    model: &Path,
+    threads: usize,
+    worker_args: &[Vec<String>],
+    router_args: &[String],
+) -> Result<Deployment> {
     let bin = std::env::current_exe().context("the pagoda binary")?;
-    let model = o.model.to_string_lossy().into_owned();
-    let threads = o.worker_threads.to_string();
-    let kv_tokens = o.worker_kv_tokens.to_string();
-    let host_tier = o.worker_host_tier_mib.map(|m| m.to_string());
+    let model = model.to_string_lossy().into_owned();
+    let threads = threads.to_string();
     let mut workers = Vec::new();
     let mut addrs = Vec::new();
-    for i in 0..o.workers {
+    for (i, extra) in worker_args.iter().enumerate() {
         let addr = format!("127.0.0.1:{}", free_port()?);
         let mut args = vec!["worker", "--listen", &addr, "--model", &model, "--threads", &threads];
-        if o.worker_kv_tokens > 0 {
-            args.extend(["--kv-cache-tokens", &kv_tokens]);
-        }
-        if let Some(mib) = &host_tier {
-            args.extend(["--host-tier-mib", mib]);
-        }
-        workers.push(Proc::spawn_with(&bin, &format!("routing-{strategy}-worker{i}"), &args, die_with_parent)?);
+        args.extend(extra.iter().map(String::as_str));
+        workers.push(Proc::spawn_with(&bin, &format!("{label}-worker{i}"), &args, die_with_parent)?);
         addrs.push(addr);
     }
     for w in &mut workers {
         w.wait_line("pagoda worker listening on ", Duration::from_secs(120))?;
     }
-    let mut args = vec!["router", "--listen", "127.0.0.1:0", "--model", &model, "--placement", strategy];
+    let mut args = vec!["router", "--listen", "127.0.0.1:0", "--model", &model];
     for a in &addrs {
         args.extend(["--worker", a.as_str()]);
     }
-    let mut router = Proc::spawn_with(&bin, &format!("routing-{strategy}-router"), &args, die_with_parent)?;
+    args.extend(router_args.iter().map(String::as_str));
+    let mut router = Proc::spawn_with(&bin, &format!("{label}-router"), &args, die_with_parent)?;
     let base = router.wait_line("pagoda router listening on ", Duration::from_secs(60))?;
     Ok(Deployment { _workers: workers, _router: router, http: Http::new(base), worker_addrs: addrs })
 }
 
+fn deploy(o: &RoutingBenchOptions, strategy: &str) -> Result<Deployment> {
+    let mut worker = Vec::new();
+    if o.worker_kv_tokens > 0 {
+        worker.extend(["--kv-cache-tokens".to_string(), o.worker_kv_tokens.to_string()]);
+    }
+    if let Some(mib) = o.worker_host_tier_mib {
+        worker.extend(["--host-tier-mib".to_string(), mib.to_string()]);
+    }
+    let router = ["--placement".to_string(), strategy.to_string()];
+    deploy_cluster(&format!("routing-{strategy}"), &o.model, o.worker_threads, &vec![worker; o.workers], &router)
+}
+
 /// Waits until the router reports every worker ready.
-async fn wait_all_ready(d: &Deployment) -> Result<()> {
+pub(crate) async fn wait_all_ready(d: &Deployment) -> Result<()> {
     let t0 = Instant::now();
     for addr in &d.worker_addrs {
         while d.http.worker_ready(addr).await != Some(true) {
@@ -240,7 +254,7 @@ fn decision_latency(metrics: &str, workers: &[String]) -> (f64, f64, Vec<u64>) {
     (mean, p99 * 1e6, per_worker)
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

@@ -16,6 +16,7 @@
 //! Without `--model`, the default model `models/SmolLM2-135M-Instruct.Q4_1.gguf` is used and fetched with
 //! `scripts/fetch-model.sh` when missing.
 
+mod bench_disagg;
 mod bench_kernels;
 mod bench_plot;
 mod bench_routing;
@@ -449,6 +450,11 @@ struct WorkerArgs {
     /// Longest a peer pull may take before the request is prefilled without it, in milliseconds.
     #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
     peer_fetch_timeout_ms: u64,
+    /// Disaggregated serving: `prefill` workers compute only the prompts of long requests, which `decode` workers
+    /// then pull (Transfer) and decode; routers send a `decode` or `both` worker whole requests. Announced in
+    /// `Health`, so routers need no configuration of their own.
+    #[arg(long, default_value = "both", value_parser = ["both", "prefill", "decode"])]
+    role: String,
     #[command(flatten)]
     etcd: EtcdArgs,
     #[command(flatten)]
@@ -579,6 +585,15 @@ struct RouterArgs {
     /// it placement knows only its own predictions and the dashboard shows the kvstore as not configured.
     #[arg(long, value_name = "ADDR", value_delimiter = ',')]
     kvstore: Vec<String>,
+    /// Disaggregated serving: a request whose chosen worker would compute at least this many prompt tokens has its
+    /// prompt prefilled on a worker started with `--role prefill` first (when one is ready), and its worker pulls
+    /// the KV instead of computing it. 0 turns remote prefill off.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
+    remote_prefill_min_tokens: u64,
+    /// Conditional disaggregation: while the chosen prefill worker has this many prompt tokens queued (sent by this
+    /// router and not answered yet), requests are prefilled by their own worker instead. 0: no bound.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 32))]
+    remote_prefill_max_queued_tokens: u64,
     /// Seconds without a report (block events or heartbeat) from a registered worker before the router raises the
     /// stale-reports alarm and leaves the worker out of placement.
     #[arg(long, default_value_t = 3.0)]
@@ -707,6 +722,53 @@ enum BenchCommand {
     /// Placement strategies side by side: a multi-turn chat trace with shared system prompts replayed on fresh
     /// local worker processes behind a router of each strategy (TTFT, prefix hit rate, throughput, decision time).
     Routing(BenchRoutingArgs),
+    /// Disaggregated serving against colocated: the same open-loop stream of long-prompt chat requests on two
+    /// workers that both prefill and decode, and on a prefill worker and a decode worker (TTFT, inter-token latency,
+    /// time per output token, throughput).
+    Disaggregation(BenchDisaggArgs),
+}
+
+#[derive(Args)]
+struct BenchDisaggArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Compute threads of each of the two workers.
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    worker_threads: usize,
+    /// Requests per deployment and round.
+    #[arg(long, default_value_t = 24, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000))]
+    requests: usize,
+    /// Arrivals per second (a Poisson process).
+    #[arg(long, default_value_t = 0.5)]
+    rate: f64,
+    #[arg(long, default_value_t = 400, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=6000))]
+    min_prompt_words: usize,
+    #[arg(long, default_value_t = 800, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=6000))]
+    max_prompt_words: usize,
+    /// Output tokens of every request (greedy, ignore_eos).
+    #[arg(long, default_value_t = 96, value_parser = clap::value_parser!(u32).range(2..=4096))]
+    max_tokens: u32,
+    /// The disaggregated router's --remote-prefill-min-tokens.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
+    remote_prefill_min_tokens: u64,
+    /// Also run a third deployment, `conditional`: disaggregated with the router's
+    /// --remote-prefill-max-queued-tokens at this bound (0: not run).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 32))]
+    remote_prefill_max_queued_tokens: u64,
+    /// Rounds; the two deployments alternate which goes first.
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=20))]
+    rounds: usize,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Every request must end within this many seconds.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    deadline_secs: u64,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw inter-token latency and TTFT by percentile per deployment into this PNG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -1060,6 +1122,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(*args),
         Command::Bench(BenchCommand::Load(args)) => run_async(bench_load(args)),
         Command::Bench(BenchCommand::Routing(args)) => run_async(bench_routing(args)),
+        Command::Bench(BenchCommand::Disaggregation(args)) => run_async(bench_disaggregation(args)),
         Command::Up(a) => run_async(up(a)),
         Command::Worker(a) => run_async(worker(a)),
         Command::Router(a) => run_async(router(a)),
@@ -1311,6 +1374,8 @@ async fn wait_for(mut rx: watch::Receiver<bool>) {
 /// What a worker's gRPC server serves besides the engine.
 struct WorkerServing {
     worker_id: String,
+    /// `--role`, announced in `Health`.
+    role: String,
     /// The engine's device: GPU workers carry peer payloads over NCCL links where both ends can.
     device: Device,
     admission: AdmissionLimits,
@@ -1325,7 +1390,7 @@ async fn serve_worker(
     serving: WorkerServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let WorkerServing { worker_id, device, admission, peer_fetch, report_progress } = serving;
+    let WorkerServing { worker_id, role, device, admission, peer_fetch, report_progress } = serving;
     let links = device_links(device);
     match &links {
         Ok(_) => tracing::info!(%device, "peer payloads go over NCCL links to GPU peers that accept them"),
@@ -1335,6 +1400,7 @@ async fn serve_worker(
     let counters = std::sync::Arc::new(PeerCounters::default());
     let mut service = WorkerService::new(engine.clone())
         .with_worker_id(worker_id)
+        .with_role(role)
         .with_admission(admission)
         .with_peer_counters(counters.clone());
     if let Some(progress) = report_progress {
@@ -1432,6 +1498,7 @@ async fn up(args: UpArgs) -> Result<()> {
     // One worker has no peer to pull from.
     let serving = WorkerServing {
         worker_id,
+        role: "both".into(),
         device: args.engine.device,
         admission: args.engine.admission(),
         peer_fetch: None,
@@ -1528,12 +1595,14 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         None => None,
     };
     println!("pagoda worker listening on {addr}");
+    tracing::info!(role = %args.role, "worker role");
     let peer_fetch = (!args.no_peer_fetch).then(|| PeerFetchConfig {
         timeout: Duration::from_millis(args.peer_fetch_timeout_ms),
         ..PeerFetchConfig::default()
     });
     let serving = WorkerServing {
         worker_id,
+        role: args.role.clone(),
         device: args.engine.device,
         admission: args.engine.admission(),
         peer_fetch,
@@ -1565,6 +1634,8 @@ async fn router(args: RouterArgs) -> Result<()> {
     let placement = pagoda_router::placer::PlacerConfig {
         strategy: args.placement.parse().map_err(anyhow::Error::msg).context("--placement")?,
         temperature: args.placement_temperature.filter(|t| t.is_finite() && *t > 0.0),
+        remote_prefill_min_tokens: args.remote_prefill_min_tokens,
+        remote_prefill_max_queued_tokens: args.remote_prefill_max_queued_tokens,
         ..Default::default()
     };
     if !(args.stale_reports_secs.is_finite() && (0.1..=3600.0).contains(&args.stale_reports_secs)) {
@@ -1816,6 +1887,38 @@ async fn bench_routing(a: BenchRoutingArgs) -> Result<()> {
         report.draw(path)?;
     }
     let failed: usize = report.results.iter().map(|r| r.failed).sum();
+    if failed > 0 {
+        bail!("{failed} requests failed");
+    }
+    Ok(())
+}
+
+async fn bench_disaggregation(a: BenchDisaggArgs) -> Result<()> {
+    let model = resolve_model(&a.model)?;
+    let report = bench_disagg::run(bench_disagg::DisaggBenchOptions {
+        model,
+        worker_threads: a.worker_threads,
+        requests: a.requests,
+        rate: a.rate,
+        min_prompt_words: a.min_prompt_words,
+        max_prompt_words: a.max_prompt_words,
+        max_tokens: a.max_tokens,
+        remote_prefill_min_tokens: a.remote_prefill_min_tokens,
+        remote_prefill_max_queued_tokens: a.remote_prefill_max_queued_tokens,
+        rounds: a.rounds,
+        seed: a.seed,
+        deadline_secs: a.deadline_secs,
+    })
+    .await?;
+    println!("{}", report.markdown());
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        report.draw(path)?;
+    }
+    let failed: usize = report.rounds.iter().map(|r| r.failed).sum();
     if failed > 0 {
         bail!("{failed} requests failed");
     }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use common::otlp::{hex, int_attr, spawn_collector, str_attr};
 use common::{BIN, chat, river_log_prompt};
 use pagoda_e2e::serde_json::json;
-use pagoda_e2e::{Http, Proc, StatsResponse, free_port, require_model, worker_stats};
+use pagoda_e2e::{Http, MODEL_ID, Proc, StatsResponse, free_port, require_model, worker_stats};
 use pagoda_proto::worker::worker_client::WorkerClient;
 use pagoda_proto::worker::{GenerateRequest, PeerHint, SamplingParams};
 
@@ -57,6 +57,28 @@ async fn generate(addr: &str, prompt: &[u32], hint: Option<PeerHint>, traceparen
             let usage = f.usage.unwrap();
             assert_eq!(usage.prompt_tokens as usize, prompt.len());
             return Answer { tokens, cached_tokens: usage.cached_tokens };
+        }
+    }
+    panic!("the stream ended without a finish message");
+}
+
+/// One greedy generation over gRPC in `namespace`, with no stop tokens (so it runs to `max_tokens`).
+async fn generate_in(addr: &str, prompt: &[u32], namespace: &str, max_tokens: u32) -> Vec<u32> {
+    let mut client = WorkerClient::connect(format!("http://{addr}")).await.unwrap();
+    let req = GenerateRequest {
+        request_id: "transfer-e2e-reference".into(),
+        prompt_token_ids: prompt.to_vec(),
+        max_tokens,
+        sampling: Some(SamplingParams { temperature: 0.0, top_p: 1.0, ..Default::default() }),
+        namespace: namespace.into(),
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    while let Some(msg) = stream.message().await.unwrap() {
+        tokens.extend(msg.token_ids);
+        if msg.finished.is_some() {
+            return tokens;
         }
     }
     panic!("the stream ended without a finish message");
@@ -129,7 +151,7 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
     // B gets the same prompt and the hint a router would send.
     let trace_id = "5cf92f3577b34da6a3ce929d0e0e4736";
     let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
-    let hint = PeerHint { address: a_addr.clone(), blocks: prompt_blocks as u32 };
+    let hint = PeerHint { address: a_addr.clone(), blocks: prompt_blocks as u32, ..Default::default() };
     let from_b = generate(&b_addr, &shared, Some(hint), Some(&traceparent)).await;
     assert_eq!(from_b.tokens, from_a.tokens, "greedy output with the pulled prefix equals A's");
     assert_eq!(from_b.cached_tokens as usize, usable * BLOCK, "B computed only the tail");
@@ -152,7 +174,8 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
     // A hint naming an address where nobody listens: the pull fails, B prefills, the answer is A's.
     let second = prompt(2, 12 * BLOCK + 5);
     let dead = format!("127.0.0.1:{}", free_port().unwrap());
-    let from_b = generate(&b_addr, &second, Some(PeerHint { address: dead, blocks: 12 }), None).await;
+    let from_b =
+        generate(&b_addr, &second, Some(PeerHint { address: dead, blocks: 12, ..Default::default() }), None).await;
     assert_eq!(from_b.cached_tokens, 0);
     let from_a = generate(&a_addr, &second, None, None).await;
     assert_eq!(from_b.tokens, from_a.tokens);
@@ -161,7 +184,9 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
 
     // A hint naming A for a prompt A never saw: A streams nothing, B prefills and answers as A then does.
     let third = prompt(3, 12 * BLOCK + 5);
-    let from_b = generate(&b_addr, &third, Some(PeerHint { address: a_addr.clone(), blocks: 12 }), None).await;
+    let from_b =
+        generate(&b_addr, &third, Some(PeerHint { address: a_addr.clone(), blocks: 12, ..Default::default() }), None)
+            .await;
     assert_eq!(from_b.cached_tokens, 0);
     let from_a = generate(&a_addr, &third, None, None).await;
     assert_eq!(from_b.tokens, from_a.tokens);
@@ -245,7 +270,7 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
         .unwrap_or_else(|| panic!("no pulling transfer span from {a_addr}"));
     let serve = transfers
         .iter()
-        .find(|r| str_attr(&r.span, "from").as_deref() == Some("host"))
+        .find(|r| str_attr(&r.span, "from").as_deref() == Some("cache"))
         .unwrap_or_else(|| panic!("no serving transfer span"));
     assert_eq!(pull.span.parent_span_id, generate_span.span.span_id, "the pull is a child of worker.generate");
     assert_eq!(serve.span.parent_span_id, pull.span.span_id, "A's serving span continues B's pull");
@@ -253,6 +278,106 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
         assert_eq!(str_attr(&t.span, "direction").as_deref(), Some("peer"));
         assert_eq!(int_attr(&t.span, "bytes"), Some(sb.peer_fetched_bytes_total as i64), "{:?}", t.span.attributes);
     }
+}
+
+/// Disaggregated serving through the router: a worker started with `--role prefill` computes long prompts, the
+/// `--role decode` worker pulls their blocks (from the prefill worker's device pool: it has no tiers) and decodes, and the answer is the one the decode worker gives when it
+/// computes the prompt itself. Short prompts never reach the prefill worker, and a dead prefill worker costs
+/// nothing but the failed call: the decode worker then prefills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_prefills_long_prompts_on_a_prefill_worker_and_decodes_elsewhere() {
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let p_addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let d_addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let spawn = |name: &str, addr: &str, role: &str, host_mib: &str| {
+        let args = ["worker", "--listen", addr, "--model", &model, "--threads", "1", "--role", role, "--host-tier-mib"];
+        Proc::spawn(BIN.as_ref(), name, &[&args[..], &[host_mib]].concat()).unwrap()
+    };
+    // P has no tiers at all: what it serves comes from its device pool.
+    let mut p = spawn("disagg-prefill", &p_addr, "prefill", "0");
+    let mut d = spawn("disagg-decode", &d_addr, "decode", "256");
+    p.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
+    d.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
+    let args = [
+        "router",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        &model,
+        "--worker",
+        &p_addr,
+        "--worker",
+        &d_addr,
+        "--remote-prefill-min-tokens",
+        "128",
+    ];
+    let mut router = Proc::spawn(BIN.as_ref(), "disagg-router", &args).unwrap();
+    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
+    for addr in [&p_addr, &d_addr] {
+        let t0 = Instant::now();
+        while http.worker_ready(addr).await != Some(true) {
+            assert!(t0.elapsed() < Duration::from_secs(60), "{addr} never became ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let (_, ready) = http.get("/readyz").await.unwrap();
+    let ready: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&ready).unwrap();
+    let role_of = |addr: &str| {
+        ready["workers"].as_array().unwrap().iter().find(|w| w["address"] == addr).map(|w| w["role"].clone())
+    };
+    assert_eq!((role_of(&p_addr).unwrap(), role_of(&d_addr).unwrap()), (json!("prefill"), json!("decode")));
+    let complete = |tokens: &[u32]| {
+        let greedy = json!({"max_tokens": 8, "temperature": 0, "ignore_eos": true});
+        let mut body = json!({"model": MODEL_ID, "prompt": tokens});
+        body.as_object_mut().unwrap().extend(greedy.as_object().unwrap().clone());
+        body
+    };
+    let text_of = |tokens: Vec<u32>| {
+        let http = http.clone();
+        async move {
+            let (s, body) = http.post_json("/detokenize", &json!({"tokens": tokens})).await.unwrap();
+            assert_eq!(s, 200, "{body}");
+            body["prompt"].as_str().unwrap().to_string()
+        }
+    };
+
+    // A long prompt: prefilled on P, pulled and decoded by D.
+    let long = prompt(5, 30 * BLOCK + 3);
+    let (s, body) = http.post_json("/v1/completions", &complete(&long)).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    let usable = (long.len() - 1) / BLOCK;
+    let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(cached, (usable * BLOCK) as u64, "D pulled every usable block: {body}");
+    let sp = stats_when(&p_addr, "the remote prefill finishing", |s| s.running == 0).await;
+    let sd = stats_when(&d_addr, "the decode finishing", |s| s.running == 0).await;
+    assert_eq!(sp.peer_served_blocks_total, usable as u64, "{sp:?}");
+    assert!(sp.computed_tokens_total >= long.len() as u64, "P computed the prompt: {sp:?}");
+    assert_eq!((sd.peer_fetched_blocks_total, sd.peer_fetch_failures_total), (usable as u64, 0), "{sd:?}");
+    let tail = (long.len() - usable * BLOCK) as u64;
+    assert!(sd.computed_tokens_total <= tail + 8, "D computed only the tail and the answer: {sd:?}");
+    let reference = generate_in(&d_addr, &long, "reference", 8).await;
+    assert_eq!(body["choices"][0]["text"].as_str().unwrap(), text_of(reference).await, "the answer is D's own");
+    assert_eq!(http.metric_sum("pagoda_router_remote_prefills_total").await, 1.0);
+    let (_, metrics) = http.get("/metrics").await.unwrap();
+    assert!(metrics.contains("pagoda_router_remote_prefills_total{outcome=\"ok\"} 1"), "{metrics}");
+
+    // A short prompt stays on D; P computes nothing for it.
+    let short = prompt(6, 40);
+    let p_before = worker_stats(&p_addr).await.unwrap().computed_tokens_total;
+    let (s, body) = http.post_json("/v1/completions", &complete(&short)).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(worker_stats(&p_addr).await.unwrap().computed_tokens_total, p_before);
+    assert_eq!(http.metric_sum("pagoda_router_remote_prefills_total").await, 1.0);
+
+    // P dies: the next long prompt is prefilled on D, and answers as D alone would.
+    p.kill();
+    let other = prompt(7, 20 * BLOCK + 9);
+    let (s, body) = http.post_json("/v1/completions", &complete(&other)).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    let reference = generate_in(&d_addr, &other, "reference", 8).await;
+    assert_eq!(body["choices"][0]["text"].as_str().unwrap(), text_of(reference).await);
+    router.kill();
+    d.kill();
 }
 
 /// The peer-fetch figure of docs/BENCHMARKS.md: a 2,048-token prompt prefilled by A (recompute), then the same
@@ -282,7 +407,7 @@ async fn peer_fetch_of_a_2k_prefix_against_recompute() {
     let recompute = t0.elapsed();
     stats_when(&a_addr, "write-back", |s| s.offloaded_groups_total >= blocks as u64).await;
     let t0 = Instant::now();
-    let hint = PeerHint { address: a_addr.clone(), blocks: blocks as u32 };
+    let hint = PeerHint { address: a_addr.clone(), blocks: blocks as u32, ..Default::default() };
     let from_b = generate(&b_addr, &p, Some(hint), None).await;
     let pulled = t0.elapsed();
     let sb = stats_when(&b_addr, "finish", |s| s.running == 0).await;

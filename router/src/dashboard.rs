@@ -257,6 +257,8 @@ async fn logout(headers: HeaderMap) -> Response {
 struct WorkerView {
     address: String,
     ready: bool,
+    /// What the router sends it: both, prefill (disaggregated prompts) or decode.
+    role: &'static str,
     model: String,
     error: Option<String>,
     /// The router's own count of prompt tokens sent and not answered yet, and of streams decoding.
@@ -429,6 +431,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
             WorkerView {
                 address: w.addr.clone(),
                 ready: status.ready,
+                role: status.role.name(),
                 model: status.model,
                 error: status.last_error,
                 queued_tokens: w.load().queued_tokens(),

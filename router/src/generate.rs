@@ -27,6 +27,7 @@ use tracing::{Instrument as _, Span};
 
 use crate::codec::TextCodec;
 use crate::detok::{StopMatcher, StopOutcome, Utf8Decoder};
+use crate::disagg;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::{GenParams, Usage};
@@ -368,6 +369,46 @@ impl Generation {
         }
     }
 
+    /// Disaggregated serving ([`crate::disagg`]): when the worker chosen would compute enough of `prompt` (it
+    /// holds `cached_tokens` of it) and a prefill worker is ready, has the prefill worker compute the prompt, and
+    /// returns the hint that makes the chosen worker pull it, with the prompt tokens it then holds. `None`: the
+    /// chosen worker prefills (as it does when the remote prefill fails).
+    async fn remote_prefill(&self, prompt: &[u32], cached_tokens: u64) -> Option<(PbPeerHint, u64)> {
+        let pool = &self.ctx.pool;
+        let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
+        let params = &self.job.params;
+        let (min_tokens, max_queued) = pool.remote_prefill_bounds();
+        if !disagg::wants_remote_prefill(uncached, min_tokens, &params.kv_policy, self.scores_prompt()) {
+            return None;
+        }
+        let shape = RequestShape::of(pool, &self.job.namespace, prompt, params, 1).ok()?;
+        let worker = pool.place_remote_prefill(&shape.request(&self.job.request_id))?;
+        if self.excluded.contains(&worker.addr) {
+            return None;
+        }
+        if disagg::queue_full(worker.load().queued_tokens(), max_queued) {
+            self.ctx.metrics.count_remote_prefill_skipped("queue_full");
+            return None;
+        }
+        let req = disagg::prefill_request(
+            &self.job.request_id,
+            prompt,
+            &self.job.namespace,
+            &params.kv_codec,
+            params.priority,
+        );
+        let started = Instant::now();
+        let timeout = self.ctx.migration.first_token_timeout;
+        let outcome = disagg::prefill_on(&worker, req, uncached, timeout, self.tx.closed()).await;
+        self.ctx.metrics.count_remote_prefill(outcome.name(), started.elapsed());
+        if outcome != disagg::PrefillOutcome::Ok {
+            tracing::debug!(request_id = %self.job.request_id, worker = %worker.addr, outcome = outcome.name(),
+                "remote prefill did not finish; the decode worker prefills");
+            return None;
+        }
+        Some(disagg::decode_hint(&worker.addr, prompt.len(), shape.view.block_size as usize))
+    }
+
     /// One attempt: place prompt + what was generated so far, open the stream on the best candidate, and pump it
     /// until the request is over or the worker fails.
     async fn attempt(&mut self) -> AttemptEnd {
@@ -386,14 +427,23 @@ impl Generation {
         let Some(Candidate { worker, peer_hint, cached_tokens }) = candidates.first() else {
             return AttemptEnd::NoOtherWorker;
         };
-        let (addr, mut client) = (worker.addr.clone(), worker.client());
+        let (addr, mut client, load) = (worker.addr.clone(), worker.client(), worker.load().clone());
         // A peer that failed this request is not worth pulling from either.
-        let peer_hint = peer_hint
-            .as_ref()
-            .filter(|h| !self.excluded.contains(&h.address))
-            .map(|h| PbPeerHint { address: h.address.clone(), blocks: h.blocks });
-        let in_flight = InFlight::new(worker.load().clone(), (prompt.len() as u64).saturating_sub(*cached_tokens));
+        let mut peer_hint = peer_hint.as_ref().filter(|h| !self.excluded.contains(&h.address)).map(|h| PbPeerHint {
+            address: h.address.clone(),
+            blocks: h.blocks,
+            remote_prefill: false,
+        });
+        let mut cached_tokens = *cached_tokens;
         drop(candidates);
+        if let Some((hint, pulled)) = self.remote_prefill(&prompt, cached_tokens).await {
+            peer_hint = Some(hint);
+            cached_tokens = cached_tokens.max(pulled);
+        }
+        if self.tx.is_closed() {
+            return AttemptEnd::Over;
+        }
+        let in_flight = InFlight::new(load, (prompt.len() as u64).saturating_sub(cached_tokens));
         if let Some(m) = self.pending_migration.take() {
             self.ctx.metrics.count_migration(m.reason);
             tracing::warn!(

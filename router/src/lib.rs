@@ -26,6 +26,7 @@ pub mod auth;
 pub mod codec;
 pub mod dashboard;
 pub mod detok;
+pub mod disagg;
 pub mod error;
 pub mod extract;
 pub mod feed;

@@ -41,6 +41,11 @@ pub struct RateLimitLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MigrationLabels {
     /// `stall`, `first_token_timeout`, `stream_error`, `stream_ended`, `unavailable`, `cancelled`, `worker_error`.
     pub reason: &'static str,
@@ -161,6 +166,12 @@ pub struct Metrics {
     pub worker_busy: Family<WorkerLabels, Counter>,
     /// Requests re-issued to another worker after theirs failed, by why.
     pub migrations: Family<MigrationLabels, Counter>,
+    /// Disaggregated serving: prompts sent to a prefill worker before their request went to a decode worker, by
+    /// how the prefill ended (`ok`; `busy`, `failed`, `timeout`, `cancelled`: the decode worker prefilled it
+    /// itself), and `queue_full`: not sent, the prefill workers' queue being at its bound.
+    pub remote_prefills: Family<OutcomeLabels, Counter>,
+    /// Time from sending a prompt to a prefill worker to its KV being ready there (queueing included).
+    pub remote_prefill: Histogram,
     /// 1 while a registered worker's block events and heartbeats have stopped reaching this router (the alarm).
     pub worker_reports_stale: Family<WorkerLabels, Gauge>,
     /// Seconds since each registered worker's last report reached this router.
@@ -454,6 +465,22 @@ impl Metrics {
             "Requests re-issued (prompt + tokens so far) to another worker after theirs failed or stalled, by reason",
             migrations.clone(),
         );
+        let remote_prefills = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "remote_prefills",
+            "Prompts prefilled on a prefill worker and pulled by the decode worker (disaggregated serving), by outcome \
+             (ok; busy, failed, timeout, cancelled: prefilled by the decode worker instead; queue_full: not sent, the \
+             prefill worker's queue at --remote-prefill-max-queued-tokens)",
+            remote_prefills.clone(),
+        );
+        // 10 ms .. ~160 s
+        let remote_prefill = Histogram::new(exponential_buckets(0.01, 2.0, 15));
+        registry.register_with_unit(
+            "remote_prefill",
+            "Time for a prefill worker to compute a disaggregated request's prompt, queueing included",
+            Unit::Seconds,
+            remote_prefill.clone(),
+        );
         let worker_reports_stale = Family::<WorkerLabels, Gauge>::default();
         registry.register(
             "worker_reports_stale",
@@ -517,6 +544,8 @@ impl Metrics {
             shed,
             worker_busy,
             migrations,
+            remote_prefills,
+            remote_prefill,
             worker_reports_stale,
             worker_report_age,
             worker_peer_blocks,
@@ -604,6 +633,17 @@ impl Metrics {
 
     pub fn count_migration(&self, reason: &'static str) {
         self.migrations.get_or_create(&MigrationLabels { reason }).inc();
+    }
+
+    /// A request that would have gone to a prefill worker did not, because of `why` (`queue_full`).
+    pub fn count_remote_prefill_skipped(&self, why: &'static str) {
+        self.remote_prefills.get_or_create(&OutcomeLabels { outcome: why }).inc();
+    }
+
+    /// A remote prefill ended with `outcome` after `took`.
+    pub fn count_remote_prefill(&self, outcome: &'static str, took: Duration) {
+        self.remote_prefills.get_or_create(&OutcomeLabels { outcome }).inc();
+        self.remote_prefill.observe(took.as_secs_f64());
     }
 
     pub fn count_guided(&self, guide: &'static str) {

@@ -285,10 +285,15 @@ pub fn least_loaded(workers: &[WorkerView]) -> Result<usize, PlacementError> {
         .ok_or(PlacementError::NoReadyWorker)
 }
 
-/// The round-robin baseline: the next ready worker at or after `cursor`.
+/// The round-robin baseline: turn `cursor` among the ready workers, in slot order.
 pub fn round_robin(workers: &[WorkerView], cursor: usize) -> Result<usize, PlacementError> {
-    let n = workers.len();
-    (0..n).map(|k| (cursor + k) % n).find(|&i| workers[i].ready).ok_or(PlacementError::NoReadyWorker)
+    // Turns go round the ready workers, so a worker that is not ready (down, or of another role) does not hand
+    // its turn to the next one as a second.
+    let ready = workers.iter().filter(|w| w.ready).count();
+    if ready == 0 {
+        return Err(PlacementError::NoReadyWorker);
+    }
+    (0..workers.len()).filter(|&i| workers[i].ready).nth(cursor % ready).ok_or(PlacementError::NoReadyWorker)
 }
 
 #[cfg(test)]

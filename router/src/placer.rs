@@ -61,6 +61,13 @@ impl FromStr for Strategy {
     }
 }
 
+/// Whose turn round robin advances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    Whole = 0,
+    RemotePrefill = 1,
+}
+
 /// Placement settings.
 #[derive(Debug, Clone)]
 pub struct PlacerConfig {
@@ -75,6 +82,14 @@ pub struct PlacerConfig {
     pub temperature: Option<f64>,
     /// Blocks the residency index holds at most.
     pub max_index_blocks: usize,
+    /// Disaggregated serving: a request with at least this many prompt tokens to compute on the worker chosen for
+    /// it has its prompt prefilled on a prefill worker first, when one is ready (0: never). Dynamo's
+    /// `max_local_prefill_length` plays the same part.
+    pub remote_prefill_min_tokens: u64,
+    /// Conditional disaggregation: a prefill worker that already has this many prompt tokens queued (sent and not
+    /// yet answered) takes no more remote prefills; the request's own worker prefills instead (0: no bound).
+    /// Dynamo's `max_prefill_queue_size` in tokens.
+    pub remote_prefill_max_queued_tokens: u64,
 }
 
 impl Default for PlacerConfig {
@@ -86,6 +101,8 @@ impl Default for PlacerConfig {
             prediction_ttl: Duration::from_secs(120),
             temperature: None,
             max_index_blocks: 1 << 20,
+            remote_prefill_min_tokens: 256,
+            remote_prefill_max_queued_tokens: 0,
         }
     }
 }
@@ -152,7 +169,8 @@ pub struct PeerHint {
 pub struct Placer {
     cfg: PlacerConfig,
     index: ResidencyIndex,
-    cursor: usize,
+    /// Round robin's turn, one per [`Turn`].
+    cursors: [usize; 2],
     rng: StdRng,
     recent: VecDeque<DecisionRecord>,
     hits: Vec<TierHits>,
@@ -164,12 +182,16 @@ impl Placer {
         Placer {
             index: ResidencyIndex::new(cfg.max_index_blocks),
             cfg,
-            cursor: 0,
+            cursors: [0; 2],
             rng: StdRng::from_os_rng(),
             recent: VecDeque::with_capacity(RECENT_DECISIONS),
             hits: Vec::new(),
             views: Vec::new(),
         }
+    }
+
+    pub fn config(&self) -> &PlacerConfig {
+        &self.cfg
     }
 
     pub fn strategy(&self) -> Strategy {
@@ -213,7 +235,29 @@ impl Placer {
         workers: &[WorkerSnapshot],
         names: &[&str],
     ) -> Result<Vec<usize>, PlacementError> {
-        let (order, record) = self.decide(req, workers, names, true)?;
+        self.order_with(req, workers, names, Turn::Whole)
+    }
+
+    /// [`Placer::order`] for the prompt of a disaggregated request (`workers` shows only prefill workers ready).
+    /// Round robin takes turns among them on a cursor of its own, so that the two placements of one request do
+    /// not both advance the whole requests' turn.
+    pub fn order_remote_prefill(
+        &mut self,
+        req: &PlaceRequest<'_>,
+        workers: &[WorkerSnapshot],
+        names: &[&str],
+    ) -> Result<Vec<usize>, PlacementError> {
+        self.order_with(req, workers, names, Turn::RemotePrefill)
+    }
+
+    fn order_with(
+        &mut self,
+        req: &PlaceRequest<'_>,
+        workers: &[WorkerSnapshot],
+        names: &[&str],
+        turn: Turn,
+    ) -> Result<Vec<usize>, PlacementError> {
+        let (order, record) = self.decide(req, workers, names, Some(turn))?;
         if self.recent.len() == RECENT_DECISIONS {
             self.recent.pop_front();
         }
@@ -229,7 +273,7 @@ impl Placer {
         workers: &[WorkerSnapshot],
         names: &[&str],
     ) -> Result<DecisionRecord, PlacementError> {
-        Ok(self.decide(req, workers, names, false)?.1)
+        Ok(self.decide(req, workers, names, None)?.1)
     }
 
     fn decide(
@@ -237,7 +281,7 @@ impl Placer {
         req: &PlaceRequest<'_>,
         workers: &[WorkerSnapshot],
         names: &[&str],
-        commit: bool,
+        commit: Option<Turn>,
     ) -> Result<(Vec<usize>, DecisionRecord), PlacementError> {
         let t0 = Instant::now();
         let first_block = req.hashes.first().copied().unwrap_or(0);
@@ -290,9 +334,10 @@ impl Placer {
             }
             Strategy::RoundRobin => {
                 reason.push_str("next in turn");
-                let cursor = self.cursor.wrapping_add(1);
-                if commit {
-                    self.cursor = cursor;
+                let turn = commit.unwrap_or(Turn::Whole) as usize;
+                let cursor = self.cursors[turn].wrapping_add(1);
+                if commit.is_some() {
+                    self.cursors[turn] = cursor;
                 }
                 round_robin(&self.views, cursor)?
             }
@@ -303,7 +348,7 @@ impl Placer {
             c(a).total_cmp(&c(b))
         });
         order.insert(0, chosen);
-        if commit
+        if commit.is_some()
             && req.publishes_prefix
             && let Ok(w) = WorkerIdx::try_from(chosen)
         {

@@ -347,7 +347,9 @@ async fn readyz(State(st): State<AppState>) -> Response {
         .iter()
         .map(|w| {
             let s = w.status();
-            serde_json::json!({"address": w.addr, "ready": s.ready, "model": s.model, "error": s.last_error})
+            serde_json::json!({
+                "address": w.addr, "ready": s.ready, "role": s.role.name(), "model": s.model, "error": s.last_error,
+            })
         })
         .collect();
     let ready = st.pool().any_ready();

@@ -70,6 +70,22 @@ pub fn generate_call_span(worker: &str) -> Span {
     )
 }
 
+/// The client span of a remote prefill: `Generate` on a prefill worker for a disaggregated request's prompt.
+pub fn remote_prefill_span(worker: &str, prompt_tokens: usize) -> Span {
+    tracing::info_span!(
+        "remote_prefill",
+        otel.kind = "client",
+        rpc.system = "grpc",
+        rpc.service = "pagoda.worker.v1.Worker",
+        rpc.method = "Generate",
+        server.address = worker,
+        prompt_tokens = prompt_tokens as i64,
+        rpc.grpc.status_code = Empty,
+        otel.status_code = Empty,
+        otel.status_description = Empty,
+    )
+}
+
 /// Marks a call span failed with the gRPC status it ended with.
 pub fn call_failed(span: &Span, status: &tonic::Status) {
     span.record("rpc.grpc.status_code", status.code() as i32);

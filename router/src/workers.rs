@@ -39,7 +39,49 @@ pub struct WorkerStatus {
     pub free_blocks: u64,
     /// The id the worker reports its blocks under in the kvstore (empty when it does not say).
     pub worker_id: String,
+    pub role: WorkerRole,
     pub last_error: Option<String>,
+}
+
+/// What a worker takes, as it announces in `Health` (`pagoda worker --role`): disaggregated serving sends the
+/// prompts of long requests to `Prefill` workers and everything else to the others.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WorkerRole {
+    /// Whole requests (and no remote prefills): the default, and what a worker that names no role gets.
+    #[default]
+    Both,
+    /// Only the prompts of disaggregated requests; whole requests only while no other worker is ready.
+    Prefill,
+    /// Whole requests, whose long prompts it pulls from a prefill worker when one is ready.
+    Decode,
+}
+
+impl WorkerRole {
+    /// The role a `Health` answer names; anything unknown is `Both`, what a worker that predates roles does.
+    pub fn from_health(role: &str) -> WorkerRole {
+        match role {
+            "prefill" => WorkerRole::Prefill,
+            "decode" => WorkerRole::Decode,
+            _ => WorkerRole::Both,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerRole::Both => "both",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+/// What a placement is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// A whole request (prompt and decode): any worker but a prefill worker, unless only prefill workers are ready.
+    Whole,
+    /// The prompt of a disaggregated request: prefill workers only.
+    RemotePrefill,
 }
 
 /// The router's own count of what it has sent a worker: prompt tokens still to prefill (the part placement expected
@@ -171,6 +213,7 @@ impl Worker {
                     kv_group_size: h.kv_group_size,
                     free_blocks: 0,
                     worker_id: h.worker_id,
+                    role: WorkerRole::from_health(&h.role),
                     last_error: None,
                 }
             }
@@ -203,6 +246,21 @@ impl Worker {
             Ok(Ok(resp)) => Some(resp.into_inner()),
             _ => None,
         }
+    }
+}
+
+/// Leaves ready only the workers whose role takes a placement of `purpose`. Whole requests go to prefill workers
+/// only when nothing else is ready: serving beats refusing.
+fn restrict_to_role(snaps: &mut [WorkerSnapshot], roles: &[WorkerRole], purpose: Purpose) {
+    let takes = |role: WorkerRole| match purpose {
+        Purpose::Whole => role != WorkerRole::Prefill,
+        Purpose::RemotePrefill => role == WorkerRole::Prefill,
+    };
+    if purpose == Purpose::Whole && !snaps.iter().zip(roles).any(|(s, &r)| s.ready && takes(r)) {
+        return;
+    }
+    for (s, &r) in snaps.iter_mut().zip(roles) {
+        s.ready &= takes(r);
     }
 }
 
@@ -394,11 +452,38 @@ impl WorkerPool {
     /// The workers to try for `req`, best first (see [`Placer::order`]), each with the peer it may pull a longer
     /// prefix from ([`Placer::peer_hint`]).
     pub fn place(&self, req: &PlaceRequest<'_>) -> Result<Vec<Candidate>, PlacementError> {
+        self.place_for(req, Purpose::Whole)
+    }
+
+    /// The prefill worker to compute `req`'s prompt for a decode worker (the best by the same cost model, among
+    /// ready prefill workers only), or `None` when no prefill worker is ready.
+    pub fn place_remote_prefill(&self, req: &PlaceRequest<'_>) -> Option<Arc<Worker>> {
+        self.place_for(req, Purpose::RemotePrefill).ok()?.into_iter().next().map(|c| c.worker)
+    }
+
+    /// Prompts with at least this many tokens to compute on their decode worker are prefilled on a prefill worker
+    /// (0: never), unless that worker has `.1` prompt tokens queued already (0: no bound).
+    pub fn remote_prefill_bounds(&self) -> (u64, u64) {
+        self.placer
+            .lock()
+            .map(|p| (p.config().remote_prefill_min_tokens, p.config().remote_prefill_max_queued_tokens))
+            .unwrap_or((0, 0))
+    }
+
+    fn place_for(&self, req: &PlaceRequest<'_>, purpose: Purpose) -> Result<Vec<Candidate>, PlacementError> {
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
-        let snaps = self.snapshots(&slots, &names);
+        let snaps = self.snapshots(&slots, &names, purpose);
+        if purpose == Purpose::RemotePrefill && !snaps.iter().any(|s| s.ready) {
+            // Asked on every long prompt: without a prefill worker it must leave no decision (nor move the
+            // round-robin cursor).
+            return Err(PlacementError::NoReadyWorker);
+        }
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
-        let order = placer.order(req, &snaps, &names)?;
+        let order = match purpose {
+            Purpose::Whole => placer.order(req, &snaps, &names)?,
+            Purpose::RemotePrefill => placer.order_remote_prefill(req, &snaps, &names)?,
+        };
         Ok(order
             .into_iter()
             .filter_map(|i| {
@@ -415,27 +500,30 @@ impl WorkerPool {
     pub fn explain(&self, req: &PlaceRequest<'_>) -> Result<DecisionRecord, PlacementError> {
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
-        let snaps = self.snapshots(&slots, &names);
+        let snaps = self.snapshots(&slots, &names, Purpose::Whole);
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         placer.explain(req, &snaps, &names)
     }
 
-    /// What placement knows about each slot's worker now.
-    fn snapshots(&self, slots: &[Option<Arc<Worker>>], names: &[&str]) -> Vec<WorkerSnapshot> {
-        let mut snaps: Vec<WorkerSnapshot> = slots
+    /// What placement knows about each slot's worker now, for a placement of `purpose`: a worker whose role does
+    /// not take it counts as not ready.
+    fn snapshots(&self, slots: &[Option<Arc<Worker>>], names: &[&str], purpose: Purpose) -> Vec<WorkerSnapshot> {
+        let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
             .map(|w| {
-                let Some(w) = w else { return WorkerSnapshot::default() };
+                let Some(w) = w else { return (WorkerSnapshot::default(), WorkerRole::Both) };
                 let st = w.status();
-                WorkerSnapshot {
+                let snap = WorkerSnapshot {
                     ready: st.ready,
                     queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
                     decoding: w.load.decoding.load(Ordering::Relaxed),
                     free_blocks: st.free_blocks,
                     group_size: st.kv_group_size,
-                }
+                };
+                (snap, st.role)
             })
-            .collect();
+            .unzip();
+        restrict_to_role(&mut snaps, &roles, purpose);
         // A worker whose reports stopped is left out while a fresh one is ready: its residency cannot be trusted.
         // With every ready worker stale the alarm is already up (metrics, logs); serving beats refusing then.
         let feed = self.feed_status();
@@ -563,6 +651,65 @@ mod tests {
         // A whole-prompt hit still leaves the last token to compute.
         let again = PlaceRequest { request_id: "r3", hashes: &hashes[..8], view: view(128), publishes_prefix: true };
         assert_eq!(pool.place(&again).unwrap()[0].cached_tokens, 127);
+    }
+
+    #[tokio::test]
+    async fn prefill_workers_take_remote_prefills_and_whole_requests_only_when_alone() {
+        let addrs = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string(), "127.0.0.1:3".to_string()];
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        let roles = [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Both];
+        for (w, role) in pool.workers().iter().zip(roles) {
+            w.set_status(WorkerStatus {
+                ready: true,
+                free_blocks: 1 << 20,
+                kv_group_size: 90,
+                role,
+                ..Default::default()
+            });
+        }
+        let view = RequestView { prompt_tokens: 300, max_tokens: 16, block_size: 16, budget_tokens: None };
+        let hashes: Vec<u64> = (1..=18).collect();
+        for i in 0..6 {
+            let id = format!("r{i}");
+            let req = PlaceRequest { request_id: &id, hashes: &hashes, view, publishes_prefix: true };
+            let whole: Vec<String> = pool.place(&req).unwrap().iter().map(|c| c.worker.addr.clone()).collect();
+            assert!(!whole.contains(&addrs[0]), "a prefill worker takes no whole request: {whole:?}");
+            assert_eq!(whole.len(), 2);
+            assert_eq!(pool.place_remote_prefill(&req).unwrap().addr, addrs[0]);
+        }
+        // Without a ready prefill worker there is no remote prefill; with only prefill workers ready they serve.
+        pool.workers()[0].mark_down("gone".into());
+        let req = PlaceRequest { request_id: "x", hashes: &hashes, view, publishes_prefix: true };
+        assert!(pool.place_remote_prefill(&req).is_none());
+        pool.workers()[0].set_status(WorkerStatus {
+            ready: true,
+            free_blocks: 1 << 20,
+            kv_group_size: 90,
+            role: WorkerRole::Prefill,
+            ..Default::default()
+        });
+        pool.workers()[1].mark_down("gone".into());
+        pool.workers()[2].mark_down("gone".into());
+        let alone: Vec<String> = pool.place(&req).unwrap().iter().map(|c| c.worker.addr.clone()).collect();
+        assert_eq!(alone, [addrs[0].clone()], "serving beats refusing");
+        // Round robin alternates the decode workers, however many remote prefills come between.
+        let cfg = PlacerConfig { strategy: crate::placer::Strategy::RoundRobin, ..Default::default() };
+        let rr = WorkerPool::with_placement(&addrs, cfg).unwrap();
+        let roles = [WorkerRole::Decode, WorkerRole::Prefill, WorkerRole::Decode];
+        for (w, role) in rr.workers().iter().zip(roles) {
+            w.set_status(WorkerStatus { ready: true, role, ..Default::default() });
+        }
+        let firsts: Vec<String> = (0..4)
+            .map(|_| {
+                let whole = rr.place(&req).unwrap()[0].worker.addr.clone();
+                assert_eq!(rr.place_remote_prefill(&req).unwrap().addr, addrs[1]);
+                whole
+            })
+            .collect();
+        assert_eq!(firsts, [&addrs[2], &addrs[0], &addrs[2], &addrs[0]].map(String::clone));
+        assert_eq!(WorkerRole::from_health("prefill"), WorkerRole::Prefill);
+        assert_eq!(WorkerRole::from_health(""), WorkerRole::Both);
+        assert_eq!(WorkerRole::from_health("anything"), WorkerRole::Both);
     }
 
     #[test]

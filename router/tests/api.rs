@@ -218,6 +218,7 @@ impl Worker for Fake {
             block_size: 16,
             kv_group_size: 2,
             worker_id: String::new(),
+            role: String::new(),
         }))
     }
 

@@ -552,7 +552,7 @@ enum Command {
         hashes: Vec<u64>,
         reply: tokio::sync::oneshot::Sender<PrefixProbe>,
     },
-    /// Peer transfer: copies of the lower-tier groups continuing from the first hash (see
+    /// Peer transfer: copies of the groups continuing from the first hash (see
     /// [`EngineHandle::export_groups`]).
     Export {
         hashes: Vec<u64>,
@@ -655,9 +655,10 @@ impl EngineHandle {
         rx.await.map_err(|_| EngineError::Stopped)
     }
 
-    /// Copies of the groups stored under the leading `hashes` in the host or disk tier, in order: it stops at the
-    /// first hash held in neither, and before the group that would take the total past `max_bytes` (the first
-    /// group is always included when present). Answered between steps; marks the groups recently used.
+    /// Copies of the groups stored under the leading `hashes` in the device pool (encoded in the arena's format;
+    /// exact groups only) or else the host or disk tier, in order: it stops at the first hash held nowhere, and
+    /// before the group that would take the total past `max_bytes` (the first group is always included when
+    /// present). Answered between steps; marks tier groups recently used.
     pub async fn export_groups(
         &self,
         hashes: Vec<u64>,
@@ -1358,18 +1359,33 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     fn export_groups(&mut self, hashes: &[u64], max_bytes: u64) -> Vec<(u64, EncodedGroup)> {
         let mut out = Vec::new();
-        let Some(tiers) = &mut self.tiers else { return out };
         let mut total = 0;
         for &h in hashes {
-            let Some((tier, bytes)) = tiers.locate(h) else { break };
-            if !out.is_empty() && total + bytes > max_bytes {
+            let Some(group) = self.export_group(h) else { break };
+            if !out.is_empty() && total + group.len() > max_bytes {
                 break;
             }
-            let Some(group) = tiers.with_group(h, tier, EncodedGroup::clone) else { break };
             total += group.len();
             out.push((h, group));
         }
         out
+    }
+
+    /// A copy of the group under `hash` for a peer: the device pool's, encoded in the arena's own format, else the
+    /// lower tiers' (already encoded). The device copy comes first because it is exact where a tier's may be
+    /// lossy (a `kv.codec`, EvicPress), and it is there as soon as its block fills: a prompt a prefill worker has
+    /// just computed is served whether or not it has been written back yet. A lossy copy onboarded from a tier is
+    /// not served from the device as if it were exact.
+    fn export_group(&mut self, hash: u64) -> Option<EncodedGroup> {
+        if let Some(group) = self.sched.pool().index().get(hash).filter(|g| g.is_exact())
+            && let Some(kv) = self.runner.group_kv()
+            && let Ok(encoded) = kv.encode_group(group.blocks(), kv.native_codec())
+        {
+            return Some(encoded);
+        }
+        let tiers = self.tiers.as_mut()?;
+        let (tier, _) = tiers.locate(hash)?;
+        tiers.with_group(hash, tier, EncodedGroup::clone)
     }
 
     /// Cancels sequences whose client dropped the receiver.

@@ -136,6 +136,8 @@ pub struct WorkerService {
     engine: EngineHandle,
     next_id: Arc<AtomicU64>,
     worker_id: String,
+    /// What the router may send this worker, announced in `Health` (`pagoda worker --role`).
+    role: String,
     admission: Arc<AdmissionQueue>,
     /// Peer pulls; `None` when they are off.
     peer: Option<Arc<PeerFetcher>>,
@@ -151,6 +153,7 @@ impl WorkerService {
             engine,
             next_id: Arc::new(AtomicU64::new(1)),
             worker_id: String::new(),
+            role: String::new(),
             admission: Arc::new(AdmissionQueue::default()),
             peer: None,
             peer_counters: Arc::default(),
@@ -190,6 +193,12 @@ impl WorkerService {
     /// Announces `id` in `Health`: the id this worker reports its blocks under in the kvstore.
     pub fn with_worker_id(mut self, id: String) -> WorkerService {
         self.worker_id = id;
+        self
+    }
+
+    /// Announces `role` in `Health` ("both", "prefill" or "decode"): which requests routers send this worker.
+    pub fn with_role(mut self, role: String) -> WorkerService {
+        self.role = role;
         self
     }
 
@@ -597,6 +606,7 @@ impl Worker for WorkerService {
             block_size: u32::try_from(info.block_size).unwrap_or(u32::MAX),
             kv_group_size: u32::try_from(info.layout().group_size()).unwrap_or(u32::MAX),
             worker_id: self.worker_id.clone(),
+            role: self.role.clone(),
         }))
     }
 

@@ -1,8 +1,12 @@
 //! The peer tier: KV block groups moving between workers through the `Transfer` gRPC service (DESIGN §5).
 //!
-//! - [`TransferService`] serves `Fetch` from this worker's host and disk tiers. The engine thread owns those tiers,
-//!   so the service asks it for copies of the groups (a bounded chunk per round trip) and streams them in batches of
-//!   at most `max_batch_bytes`, each block with an xxh3 checksum seeded by its hash.
+//! - [`TransferService`] serves `Fetch` from this worker's device pool (exact groups, in the arena's format) and
+//!   its host and disk tiers. The engine thread owns them, so the service asks it for copies of the groups (a
+//!   bounded chunk per round trip) and streams them in batches of at most `max_batch_bytes`, each block with an
+//!   xxh3 checksum seeded by its hash.
+//! - Disaggregated serving uses the same pull: a hint marked `remote_prefill` names a prefill worker that has just
+//!   computed the prompt for this request, and is pulled without weighing it against prefilling (the router chose
+//!   to move that prefill off this worker).
 //! - [`PeerFetcher`] is the pulling side: before a request reaches the engine, when the router named a peer that
 //!   holds more of the prompt's prefix than this worker ([`pb_worker::PeerHint`]), it weighs the pull (measured
 //!   peer bandwidth, then decoding from host) against prefilling the same tokens, pulls within a deadline, verifies
@@ -466,18 +470,29 @@ impl PeerFetcher {
         let missing = &hashes[probe.local_blocks.min(hashes.len())..];
         let gs = info.layout().group_size();
         let group_bytes = native::group_bytes(gs, bs, info.head_dim, info.kv_dtype) as u64;
-        if !probe.can_import || !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe) {
+        // A remote prefill computed these blocks for this request: prefilling them here is what disaggregation
+        // avoids, so the cost model is not asked.
+        let required = hint.remote_prefill;
+        if missing.is_empty()
+            || !probe.can_import
+            || (!required && !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe))
+        {
             return 0;
         }
-        let Ok(_permit) = self.permits.clone().try_acquire_owned() else {
-            tracing::debug!("peer pulls at their limit; prefilling");
+        let deadline = tokio::time::Instant::now() + self.cfg.timeout;
+        let permit = if required {
+            tokio::time::timeout_at(deadline, self.permits.clone().acquire_owned()).await.ok().and_then(Result::ok)
+        } else {
+            self.permits.clone().try_acquire_owned().ok()
+        };
+        let Some(_permit) = permit else {
+            tracing::debug!(required, "peer pulls at their limit; prefilling");
             return 0;
         };
         let span = parent
             .in_scope(|| trace_context::transfer_span(TransferDirection::Peer, &hint.address, "host", missing.len()));
         let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
         let started = Instant::now();
-        let deadline = tokio::time::Instant::now() + self.cfg.timeout;
         let link = self.take_link(&hint.address);
         let lent = link.is_some();
         let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span, link)
@@ -666,7 +681,8 @@ impl Transfer for TransferService {
 
     async fn fetch(&self, request: Request<FetchRequest>) -> Result<Response<FetchStream>, Status> {
         let peer = request.remote_addr().map_or_else(|| "peer".to_owned(), |a| a.to_string());
-        let span = trace_context::transfer_span(TransferDirection::Peer, "host", &peer, request.get_ref().hashes.len());
+        let span =
+            trace_context::transfer_span(TransferDirection::Peer, "cache", &peer, request.get_ref().hashes.len());
         trace_context::continue_from_metadata(&span, request.metadata());
         let req = request.into_inner();
         if let Err(st) = check_fetch(&req) {

@@ -109,6 +109,7 @@ function renderWorkers(st) {
     return row([
       el("td", w.address, "mono"),
       health,
+      el("td", w.role || "both"),
       el("td", w.model || "–"),
       numCell(s ? `${s.running} / ${s.waiting}` : "–"),
       numCell(`${fmtInt(w.queued_tokens)} tok · ${w.decoding} decoding`),
