@@ -253,6 +253,9 @@ def check_default(objs):
     expect(not [a for a in w["command"] if a.startswith("--speculative-tokens")],
            "default: worker speculates although worker.speculativeTokens is 0")
     expect("--scheduling-policy=fcfs" in w["command"], "default: worker lacks --scheduling-policy=fcfs")
+    expect("--role=both" in w["command"], "default: worker lacks --role=both")
+    expect(find(objs, "StatefulSet", "rel-pagoda-prefill") is None, "default: prefill workers rendered")
+    expect("--remote-prefill-min-tokens=256" in r["command"], "default: router lacks --remote-prefill-min-tokens=256")
     expect("--evicpress-shrink" not in w["command"], "default: worker shrinks profiles although it is off")
     expect("--evicpress-upgrade" not in w["command"], "default: worker recomputes lossy copies although it is off")
     expect("--kivi-residual-tokens=0" in w["command"], "default: worker keeps a KIVI residual although it is 0")
@@ -364,8 +367,31 @@ def check_no_kvstore(objs):
     expect("--no-prefix-cache" in w["command"] and "--kv-budget=256" in w["command"], "no-kvstore: worker flags")
 
 
+def check_disaggregated(objs):
+    p, po = container(objs, "StatefulSet", "prefill", "worker")
+    w, wo = container(objs, "StatefulSet", "worker", "worker")
+    expect(po["spec"]["replicas"] == 2 and wo["spec"]["replicas"] == 2, "disaggregated: replicas")
+    expect("--role=prefill" in p["command"] and "--role=decode" in w["command"], "disaggregated: worker roles")
+    # The prefill pods register under the workers' Service, which must select them (DNS, TLS names, policies).
+    expect("--advertise=$(POD_NAME).rel-pagoda-worker.pagoda.svc:50051" in p["command"],
+           "disaggregated: prefill pods do not advertise under the worker Service")
+    svc = find(objs, "Service", "rel-pagoda-worker")
+    expect(po["spec"]["serviceName"] == "rel-pagoda-worker" and selects(svc["spec"]["selector"], pod_labels(po)),
+           "disaggregated: the worker Service does not serve the prefill pods")
+    np = find(objs, "NetworkPolicy", "rel-pagoda-worker")
+    expect(selects(np["spec"]["podSelector"]["matchLabels"], pod_labels(po)),
+           "disaggregated: the worker NetworkPolicy does not cover the prefill pods")
+    expect(not selects(po["spec"]["selector"]["matchLabels"], pod_labels(wo)),
+           "disaggregated: the prefill StatefulSet selects the decode workers' pods")
+    expect(p["command"][3:] == [a.replace("--role=decode", "--role=prefill") for a in w["command"][3:]],
+           "disaggregated: prefill workers are not configured like the others")
+    r, _ = container(objs, "Deployment", "router", "router")
+    expect("--remote-prefill-min-tokens=512" in r["command"], "disaggregated: router threshold")
+
+
 CHECKS = {
     "default": check_default,
+    "disaggregated-values.yaml": check_disaggregated,
     "gpu-values.yaml": check_gpu,
     "external-etcd-values.yaml": check_external_etcd,
     "ingress-lb-values.yaml": check_ingress_lb,

@@ -98,6 +98,8 @@ schema = obj({
         "replicas": integer(1),
         "port": PORT,
         "bodyLimit": integer(0),
+        # `pagoda router --remote-prefill-min-tokens` (0: no remote prefill).
+        "remotePrefillMinTokens": integer(0, 1 << 24),
         "extraArgs": EXTRA_ARGS,
         "resources": RESOURCES,
         "autoscaling": obj({
@@ -133,6 +135,9 @@ schema = obj({
     "worker": obj({
         "replicas": integer(1, 256),
         "port": PORT,
+        # `pagoda worker --role` of these pods; the prefill pods (prefillReplicas) get `prefill`.
+        "role": {"enum": ["both", "decode"]},
+        "prefillReplicas": integer(0, 256),
         "numBlocks": integer(0),
         "blockSize": {"enum": [8, 16, 32, 64]},
         "maxStepTokens": integer(1),
