@@ -1878,15 +1878,28 @@ async fn bench_routing(a: BenchRoutingArgs) -> Result<()> {
         deadline_secs: a.deadline_secs,
     })
     .await?;
-    println!("{}", report.markdown());
-    if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+    let failed = report.results.iter().map(|r| r.failed).sum();
+    finish_cluster_bench(&report, report.markdown(), |p| report.draw(p), failed, &a.json, &a.plot)
+}
+
+/// The end of a bench over local clusters: prints its table, writes its JSON and plot when asked, and fails when
+/// `failed` requests did.
+fn finish_cluster_bench(
+    report: &impl serde::Serialize,
+    markdown: String,
+    draw: impl FnOnce(&Path) -> Result<()>,
+    failed: usize,
+    json: &Option<PathBuf>,
+    plot: &Option<PathBuf>,
+) -> Result<()> {
+    println!("{markdown}");
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(report)?)
             .with_context(|| format!("write {}", path.display()))?;
     }
-    if let Some(path) = &a.plot {
-        report.draw(path)?;
+    if let Some(path) = plot {
+        draw(path)?;
     }
-    let failed: usize = report.results.iter().map(|r| r.failed).sum();
     if failed > 0 {
         bail!("{failed} requests failed");
     }
@@ -1910,19 +1923,8 @@ async fn bench_disaggregation(a: BenchDisaggArgs) -> Result<()> {
         deadline_secs: a.deadline_secs,
     })
     .await?;
-    println!("{}", report.markdown());
-    if let Some(path) = &a.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("write {}", path.display()))?;
-    }
-    if let Some(path) = &a.plot {
-        report.draw(path)?;
-    }
-    let failed: usize = report.rounds.iter().map(|r| r.failed).sum();
-    if failed > 0 {
-        bail!("{failed} requests failed");
-    }
-    Ok(())
+    let failed = report.rounds.iter().map(|r| r.failed).sum();
+    finish_cluster_bench(&report, report.markdown(), |p| report.draw(p), failed, &a.json, &a.plot)
 }
 
 async fn bench_load(a: BenchLoadArgs) -> Result<()> {

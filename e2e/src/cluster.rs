@@ -23,6 +23,8 @@ pub struct ClusterBuilder {
     workers: usize,
     routers: usize,
     worker_args: Vec<String>,
+    /// Extra arguments of worker `i` alone (after the shared ones).
+    own_worker_args: Vec<Vec<String>>,
     router_args: Vec<String>,
 }
 
@@ -35,6 +37,7 @@ impl ClusterBuilder {
             workers: 3,
             routers: 1,
             worker_args: vec!["--threads".into(), "1".into()],
+            own_worker_args: Vec::new(),
             router_args: Vec::new(),
         }
     }
@@ -52,6 +55,15 @@ impl ClusterBuilder {
     /// Extra arguments for every worker (after `--listen` and `--model`).
     pub fn worker_args(mut self, args: &[&str]) -> Self {
         self.worker_args.extend(args.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Extra arguments for worker `i` only (after those of every worker), e.g. its `--role`.
+    pub fn worker_args_for(mut self, i: usize, args: &[&str]) -> Self {
+        if self.own_worker_args.len() <= i {
+            self.own_worker_args.resize(i + 1, Vec::new());
+        }
+        self.own_worker_args[i].extend(args.iter().map(|s| s.to_string()));
         self
     }
 
@@ -73,6 +85,7 @@ impl ClusterBuilder {
             name: self.name,
             model,
             worker_args: self.worker_args,
+            own_worker_args: self.own_worker_args,
             workers: Vec::new(),
             routers: Vec::new(),
             retired: Vec::new(),
@@ -130,6 +143,7 @@ pub struct Cluster {
     name: String,
     model: String,
     worker_args: Vec<String>,
+    own_worker_args: Vec<Vec<String>>,
     workers: Vec<WorkerSlot>,
     routers: Vec<RouterSlot>,
     /// Killed or replaced processes, kept so that their logs are printed if the test fails.
@@ -164,6 +178,7 @@ impl Cluster {
         let listen = format!("127.0.0.1:{port}");
         let mut args: Vec<&str> = vec!["worker", "--listen", &listen, "--model", &self.model];
         args.extend(self.worker_args.iter().map(String::as_str));
+        args.extend(self.own_worker_args.get(i).into_iter().flatten().map(String::as_str));
         let name = if generation == 0 {
             format!("{}-worker{i}", self.name)
         } else {

@@ -1,5 +1,6 @@
 //! The cluster benchmarks as commands through the real binary, at a size CI can afford: `pagoda bench routing`
-//! starts its own worker and router processes per strategy and must report every strategy with nothing failed.
+//! and `pagoda bench disaggregation` start their own worker and router processes per strategy or deployment and
+//! must report every one with nothing failed.
 
 mod common;
 
@@ -43,6 +44,41 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
     assert!(hit("kv") >= hit("round_robin"), "{v:#}");
     assert_eq!(by("round_robin")["per_worker"], serde_json::json!([4, 4]), "round robin alternates");
     assert_eq!(v["options"]["worker_kv_tokens"], 4096);
+}
+
+/// `pagoda bench disaggregation` at CI size: every deployment on fresh processes, nothing failed, every prompt of
+/// the disaggregated deployments prefilled remotely and pulled whole, none in the colocated one.
+#[test]
+fn bench_disaggregation_compares_deployments_on_fresh_workers() {
+    require_model().unwrap();
+    let out = std::env::temp_dir().join(format!("pagoda-bench-disagg-{}.json", std::process::id()));
+    let plot = out.with_extension("png");
+    let output = std::process::Command::new(BIN)
+        .args(["bench", "disaggregation", "--requests", "4", "--rate", "2", "--min-prompt-words", "300"])
+        .args(["--max-prompt-words", "400", "--max-tokens", "8", "--rounds", "1", "--deadline-secs", "120"])
+        // A bound no queue reaches here: the conditional deployment runs, and sends every prompt away too.
+        .args(["--remote-prefill-max-queued-tokens", "1000000", "--json"])
+        .arg(&out)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let png = std::fs::read(&plot).unwrap();
+    let _ = (std::fs::remove_file(&out), std::fs::remove_file(&plot));
+    assert!(png.starts_with(b"\x89PNG"), "the plot is a PNG");
+    let rounds = v["rounds"].as_array().unwrap();
+    let by = |d: &str| rounds.iter().find(|r| r["deployment"] == d).unwrap_or_else(|| panic!("no {d}: {v:#}"));
+    for d in ["colocated", "disaggregated", "conditional"] {
+        let r = by(d);
+        assert_eq!((r["requests"].as_u64(), r["failed"].as_u64()), (Some(4), Some(0)), "{r:#}");
+        assert!(r["p50_ttft_s"].as_f64().unwrap() > 0.0 && r["p50_itl_s"].as_f64().unwrap() > 0.0, "{r:#}");
+        let remote = if d == "colocated" { serde_json::json!([]) } else { serde_json::json!([["ok", 4]]) };
+        assert_eq!(r["remote_prefills"], remote, "{r:#}");
+        let cached = r["cached_prompt_share"].as_f64().unwrap();
+        assert!(if d == "colocated" { cached < 0.2 } else { cached > 0.9 }, "{d}: cached share {cached}");
+    }
 }
 
 /// `pagoda bench engine` on a synthetic-weights model through the real binary: no GGUF is read, every report

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::otlp::{hex, int_attr, spawn_collector, str_attr};
 use common::{BIN, chat, river_log_prompt};
+use pagoda_e2e::cluster::ClusterBuilder;
 use pagoda_e2e::serde_json::json;
 use pagoda_e2e::{Http, MODEL_ID, Proc, StatsResponse, free_port, require_model, worker_stats};
 use pagoda_proto::worker::worker_client::WorkerClient;
@@ -286,40 +287,17 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
 /// nothing but the failed call: the decode worker then prefills.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_prefills_long_prompts_on_a_prefill_worker_and_decodes_elsewhere() {
-    let model = require_model().unwrap().to_string_lossy().into_owned();
-    let p_addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let d_addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let spawn = |name: &str, addr: &str, role: &str, host_mib: &str| {
-        let args = ["worker", "--listen", addr, "--model", &model, "--threads", "1", "--role", role, "--host-tier-mib"];
-        Proc::spawn(BIN.as_ref(), name, &[&args[..], &[host_mib]].concat()).unwrap()
-    };
     // P has no tiers at all: what it serves comes from its device pool.
-    let mut p = spawn("disagg-prefill", &p_addr, "prefill", "0");
-    let mut d = spawn("disagg-decode", &d_addr, "decode", "256");
-    p.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
-    d.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
-    let args = [
-        "router",
-        "--listen",
-        "127.0.0.1:0",
-        "--model",
-        &model,
-        "--worker",
-        &p_addr,
-        "--worker",
-        &d_addr,
-        "--remote-prefill-min-tokens",
-        "128",
-    ];
-    let mut router = Proc::spawn(BIN.as_ref(), "disagg-router", &args).unwrap();
-    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
-    for addr in [&p_addr, &d_addr] {
-        let t0 = Instant::now();
-        while http.worker_ready(addr).await != Some(true) {
-            assert!(t0.elapsed() < Duration::from_secs(60), "{addr} never became ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+    let mut cluster = ClusterBuilder::new(BIN, "disagg")
+        .workers(2)
+        .worker_args_for(0, &["--role", "prefill", "--host-tier-mib", "0"])
+        .worker_args_for(1, &["--role", "decode", "--host-tier-mib", "256"])
+        .router_args(&["--remote-prefill-min-tokens", "128"])
+        .start()
+        .await
+        .unwrap();
+    let (p_addr, d_addr) = (cluster.worker_addr(0).to_string(), cluster.worker_addr(1).to_string());
+    let http = cluster.http(0).clone();
     let (_, ready) = http.get("/readyz").await.unwrap();
     let ready: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&ready).unwrap();
     let role_of = |addr: &str| {
@@ -370,14 +348,12 @@ async fn router_prefills_long_prompts_on_a_prefill_worker_and_decodes_elsewhere(
     assert_eq!(http.metric_sum("pagoda_router_remote_prefills_total").await, 1.0);
 
     // P dies: the next long prompt is prefilled on D, and answers as D alone would.
-    p.kill();
+    cluster.kill_worker(0).unwrap();
     let other = prompt(7, 20 * BLOCK + 9);
     let (s, body) = http.post_json("/v1/completions", &complete(&other)).await.unwrap();
     assert_eq!(s, 200, "{body}");
     let reference = generate_in(&d_addr, &other, "reference", 8).await;
     assert_eq!(body["choices"][0]["text"].as_str().unwrap(), text_of(reference).await);
-    router.kill();
-    d.kill();
 }
 
 /// The peer-fetch figure of docs/BENCHMARKS.md: a 2,048-token prompt prefilled by A (recompute), then the same

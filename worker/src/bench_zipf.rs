@@ -44,8 +44,8 @@ use serde::{Deserialize, Serialize};
 use crate::bench_eviction::percentile;
 use crate::cache::block_hashes;
 use crate::engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams,
-    TierPlacement,
+    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportFrom, GenerateEvent, GenerateRequest,
+    SamplingParams, TierPlacement,
 };
 use crate::eval::TaskKind;
 use crate::evicpress::GreedyRule;
@@ -1057,7 +1057,7 @@ impl Seeds {
     fn write_into(&self, engine: &EngineHandle, prompt: &[u32]) -> Result<bool, EngineError> {
         let hashes = self.hashes(prompt);
         let want = hashes.len();
-        let groups = self.runtime.block_on(self.engine.export_groups(hashes, u64::MAX))?;
+        let groups = self.runtime.block_on(self.engine.export_groups(hashes, u64::MAX, ExportFrom::DeviceFirst))?;
         Ok(self.runtime.block_on(engine.seed_device(groups))? == want)
     }
 }

@@ -255,6 +255,15 @@ pub struct EngineStats {
     pub accepted_draft_tokens_total: u64,
 }
 
+/// Where [`EngineHandle::export_groups`] copies groups from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportFrom {
+    /// What a peer fetches: the device pool's exact copy, encoded in the arena's format, else the tiers' copy.
+    DeviceFirst,
+    /// The host and disk tiers alone, in the codec they hold each group in.
+    Tiers,
+}
+
 /// How much of a block chain this worker holds, and the measured costs a peer pull is weighed against.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrefixProbe {
@@ -557,6 +566,7 @@ enum Command {
     Export {
         hashes: Vec<u64>,
         max_bytes: u64,
+        from: ExportFrom,
         reply: tokio::sync::oneshot::Sender<Vec<(u64, EncodedGroup)>>,
     },
     /// Peer transfer: groups pulled from a peer, stored into the host tier.
@@ -655,17 +665,17 @@ impl EngineHandle {
         rx.await.map_err(|_| EngineError::Stopped)
     }
 
-    /// Copies of the groups stored under the leading `hashes` in the device pool (encoded in the arena's format;
-    /// exact groups only) or else the host or disk tier, in order: it stops at the first hash held nowhere, and
-    /// before the group that would take the total past `max_bytes` (the first group is always included when
-    /// present). Answered between steps; marks tier groups recently used.
+    /// Copies of the groups stored under the leading `hashes` where `from` says, in order: it stops at the first
+    /// hash held nowhere there, and before the group that would take the total past `max_bytes` (the first group is
+    /// always included when present). Answered between steps; marks tier groups recently used.
     pub async fn export_groups(
         &self,
         hashes: Vec<u64>,
         max_bytes: u64,
+        from: ExportFrom,
     ) -> Result<Vec<(u64, EncodedGroup)>, EngineError> {
         let (reply, rx) = tokio::sync::oneshot::channel();
-        self.send(Command::Export { hashes, max_bytes, reply })?;
+        self.send(Command::Export { hashes, max_bytes, from, reply })?;
         rx.await.map_err(|_| EngineError::Stopped)
     }
 
@@ -1268,8 +1278,8 @@ impl<R: ModelRunner> EngineLoop<R> {
                 let _ = reply.send(self.probe_prefix(&hashes));
                 Flow::Continue
             }
-            Command::Export { hashes, max_bytes, reply } => {
-                let _ = reply.send(self.export_groups(&hashes, max_bytes));
+            Command::Export { hashes, max_bytes, from, reply } => {
+                let _ = reply.send(self.export_groups(&hashes, max_bytes, from));
                 Flow::Continue
             }
             Command::Import { groups, reply } => {
@@ -1357,11 +1367,11 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
     }
 
-    fn export_groups(&mut self, hashes: &[u64], max_bytes: u64) -> Vec<(u64, EncodedGroup)> {
+    fn export_groups(&mut self, hashes: &[u64], max_bytes: u64, from: ExportFrom) -> Vec<(u64, EncodedGroup)> {
         let mut out = Vec::new();
         let mut total = 0;
         for &h in hashes {
-            let Some(group) = self.export_group(h) else { break };
+            let Some(group) = self.export_group(h, from) else { break };
             if !out.is_empty() && total + group.len() > max_bytes {
                 break;
             }
@@ -1376,8 +1386,9 @@ impl<R: ModelRunner> EngineLoop<R> {
     /// lossy (a `kv.codec`, EvicPress), and it is there as soon as its block fills: a prompt a prefill worker has
     /// just computed is served whether or not it has been written back yet. A lossy copy onboarded from a tier is
     /// not served from the device as if it were exact.
-    fn export_group(&mut self, hash: u64) -> Option<EncodedGroup> {
-        if let Some(group) = self.sched.pool().index().get(hash).filter(|g| g.is_exact())
+    fn export_group(&mut self, hash: u64, from: ExportFrom) -> Option<EncodedGroup> {
+        if from == ExportFrom::DeviceFirst
+            && let Some(group) = self.sched.pool().index().get(hash).filter(|g| g.is_exact())
             && let Some(kv) = self.runner.group_kv()
             && let Ok(encoded) = kv.encode_group(group.blocks(), kv.native_codec())
         {

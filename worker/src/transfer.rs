@@ -34,7 +34,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, Span};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::engine::{EngineHandle, PrefixProbe};
+use crate::engine::{EngineHandle, ExportFrom, PrefixProbe};
 use crate::peer_link::{
     LINK_ID_BYTES, LINK_JOIN_TIMEOUT, LINK_TRANSFER_TIMEOUT, LendError, LinkEnd, LinkError, LinkFactory, ServedLinks,
     SharedPeerLinks, TakeLink, attach_payloads, linked_payload_bytes, split_payloads,
@@ -717,7 +717,10 @@ impl Transfer for TransferService {
                 let clean = async {
                     let mut next = 0;
                     while next < req.hashes.len() {
-                        let chunk = match engine.export_groups(req.hashes[next..].to_vec(), EXPORT_CHUNK_BYTES).await {
+                        let chunk = match engine
+                            .export_groups(req.hashes[next..].to_vec(), EXPORT_CHUNK_BYTES, ExportFrom::DeviceFirst)
+                            .await
+                        {
                             Ok(c) if !c.is_empty() => c,
                             Ok(_) => break,
                             Err(e) => {

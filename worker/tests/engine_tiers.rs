@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use pagoda_kernels::{Codec, KvDtype};
 use pagoda_worker::cache::block_hashes;
-use pagoda_worker::engine::{Engine, EngineConfig, EngineError, EngineHandle, GenerateRequest};
+use pagoda_worker::engine::{Engine, EngineConfig, EngineError, EngineHandle, ExportFrom, GenerateRequest};
 use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
@@ -152,7 +152,7 @@ fn seeded_device_groups_serve_like_computed_ones() {
     let source = engine(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 });
     let (cold, _, _) = run(&source, &p, 8);
     let hashes = block_hashes(&source.model_info().model_id, "", &p[..matched], BS);
-    let groups = rt.block_on(source.export_groups(hashes.clone(), u64::MAX)).unwrap();
+    let groups = rt.block_on(source.export_groups(hashes.clone(), u64::MAX, ExportFrom::Tiers)).unwrap();
     source.shutdown();
     assert_eq!(groups.len(), hashes.len(), "every group of the prompt was offloaded to host");
     assert!(groups.iter().all(|(_, g)| g.codec == "f16"), "native groups");
@@ -201,7 +201,8 @@ fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
         let h = start(placement, residual);
         run(&h, &p, 8);
         let hashes = block_hashes(&h.model_info().model_id, "", &[p.as_slice(), &out].concat(), BS);
-        let groups = rt.block_on(h.export_groups(hashes[..computed_groups].to_vec(), u64::MAX)).unwrap();
+        let groups =
+            rt.block_on(h.export_groups(hashes[..computed_groups].to_vec(), u64::MAX, ExportFrom::Tiers)).unwrap();
         assert_eq!(groups.len(), computed_groups, "every computed group went to host");
         (h, groups)
     };
@@ -215,6 +216,13 @@ fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
     assert_eq!(codecs, expected, "the prompt's last 32 tokens stay native, the answer's group does not");
     for i in [prompt_groups - 2, prompt_groups - 1] {
         assert_eq!(kivi[i].1.bytes, native[i].1.bytes, "group {i} is the device's own bytes");
+    }
+    // A peer is served the device's exact copy while there is one, not the tier's quantised one.
+    let hashes: Vec<u64> = kivi.iter().map(|(hash, _)| *hash).collect();
+    let served = rt.block_on(h.export_groups(hashes, u64::MAX, ExportFrom::DeviceFirst)).unwrap();
+    assert_eq!(served.len(), computed_groups);
+    for ((_, got), (_, want)) in served.iter().zip(&native) {
+        assert_eq!((got.codec.as_str(), &got.bytes), ("f16", &want.bytes), "the device's own bytes");
     }
     push_out(&h);
     let (_, cached, s) = run(&h, &p, 8);
@@ -232,10 +240,10 @@ fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
     let hashes: Vec<u64> = seeded.iter().map(|(hash, _)| *hash).collect();
     assert_eq!(rt.block_on(h.seed_device(seeded)).unwrap(), prompt_groups);
     wait_stats(&h, "the seeded groups offloaded", |s| s.offloaded_groups >= prompt_groups as u64);
-    let before = rt.block_on(h.export_groups(hashes.clone(), u64::MAX)).unwrap();
+    let before = rt.block_on(h.export_groups(hashes.clone(), u64::MAX, ExportFrom::Tiers)).unwrap();
     assert!(before.iter().all(|(_, g)| g.codec == "int2_kivi"), "idle seeded groups are offloaded quantised");
     run(&h, &p, 8);
-    let after = rt.block_on(h.export_groups(hashes, u64::MAX)).unwrap();
+    let after = rt.block_on(h.export_groups(hashes, u64::MAX, ExportFrom::Tiers)).unwrap();
     let codecs: Vec<&str> = after.iter().map(|(_, g)| g.codec.as_str()).collect();
     assert_eq!(codecs, expected[..prompt_groups], "the prompt's tail was stored again natively");
     assert_eq!(after[prompt_groups - 1].1.bytes, native[prompt_groups - 1].1.bytes);
@@ -267,7 +275,7 @@ fn a_request_names_the_codec_its_groups_are_stored_in() {
     let stored = |h: &EngineHandle, prompt: &[u32], out: &[u32]| -> Vec<String> {
         let groups = (prompt.len() + out.len() - 1) / BS;
         let hashes = block_hashes(&h.model_info().model_id, "", &[prompt, out].concat(), BS);
-        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX)).unwrap();
+        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX, ExportFrom::Tiers)).unwrap();
         assert_eq!(got.len(), groups, "every computed group went to host");
         got.into_iter().map(|(_, g)| g.codec).collect()
     };
@@ -305,7 +313,7 @@ fn a_request_names_the_codec_its_groups_are_stored_in() {
         // The context is the prompt's full groups before its last token.
         let groups = (prompt.len() - 1) / BS;
         let hashes = block_hashes(&h.model_info().model_id, "", prompt, BS);
-        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX)).unwrap();
+        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX, ExportFrom::Tiers)).unwrap();
         assert_eq!(got.len(), groups, "the whole context is on host");
         got.into_iter().map(|(_, g)| g.codec).collect()
     };
