@@ -755,18 +755,26 @@ struct BenchDisaggArgs {
     /// --remote-prefill-max-queued-tokens at this bound (0: not run).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 32))]
     remote_prefill_max_queued_tokens: u64,
-    /// Rounds; the two deployments alternate which goes first.
+    /// Rounds; each round runs the deployments in the reverse order of the one before.
     #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=20))]
     rounds: usize,
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    #[command(flatten)]
+    out: ClusterBenchOutput,
+}
+
+/// What every bench over local clusters shares: its deadline and where its report goes.
+#[derive(Args)]
+struct ClusterBenchOutput {
     /// Every request must end within this many seconds.
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=3600))]
     deadline_secs: u64,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Also draw inter-token latency and TTFT by percentile per deployment into this PNG.
+    /// Also draw the report's chart into this PNG (routing: TTFT and prefix hit rate per strategy;
+    /// disaggregation: inter-token latency and TTFT by percentile per deployment).
     #[arg(long)]
     plot: Option<PathBuf>,
 }
@@ -805,15 +813,8 @@ struct BenchRoutingArgs {
     conversation_gap_ms: u64,
     #[arg(long, default_value_t = 11)]
     seed: u64,
-    /// Every request must end within this many seconds.
-    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    deadline_secs: u64,
-    /// Also write the report as JSON to this file.
-    #[arg(long)]
-    json: Option<PathBuf>,
-    /// Also draw TTFT and prefix hit rate per strategy into this PNG.
-    #[arg(long)]
-    plot: Option<PathBuf>,
+    #[command(flatten)]
+    out: ClusterBenchOutput,
 }
 
 #[derive(Args)]
@@ -1875,11 +1876,11 @@ async fn bench_routing(a: BenchRoutingArgs) -> Result<()> {
         worker_host_tier_mib: a.worker_host_tier_mib,
         conversation_gap_ms: a.conversation_gap_ms,
         seed: a.seed,
-        deadline_secs: a.deadline_secs,
+        deadline_secs: a.out.deadline_secs,
     })
     .await?;
     let failed = report.results.iter().map(|r| r.failed).sum();
-    finish_cluster_bench(&report, report.markdown(), |p| report.draw(p), failed, &a.json, &a.plot)
+    finish_cluster_bench(&report, report.markdown(), |p| report.draw(p), failed, &a.out)
 }
 
 /// The end of a bench over local clusters: prints its table, writes its JSON and plot when asked, and fails when
@@ -1889,15 +1890,14 @@ fn finish_cluster_bench(
     markdown: String,
     draw: impl FnOnce(&Path) -> Result<()>,
     failed: usize,
-    json: &Option<PathBuf>,
-    plot: &Option<PathBuf>,
+    out: &ClusterBenchOutput,
 ) -> Result<()> {
     println!("{markdown}");
-    if let Some(path) = json {
+    if let Some(path) = &out.json {
         std::fs::write(path, serde_json::to_string_pretty(report)?)
             .with_context(|| format!("write {}", path.display()))?;
     }
-    if let Some(path) = plot {
+    if let Some(path) = &out.plot {
         draw(path)?;
     }
     if failed > 0 {
@@ -1920,11 +1920,11 @@ async fn bench_disaggregation(a: BenchDisaggArgs) -> Result<()> {
         remote_prefill_max_queued_tokens: a.remote_prefill_max_queued_tokens,
         rounds: a.rounds,
         seed: a.seed,
-        deadline_secs: a.deadline_secs,
+        deadline_secs: a.out.deadline_secs,
     })
     .await?;
     let failed = report.rounds.iter().map(|r| r.failed).sum();
-    finish_cluster_bench(&report, report.markdown(), |p| report.draw(p), failed, &a.json, &a.plot)
+    finish_cluster_bench(&report, report.markdown(), |p| report.draw(p), failed, &a.out)
 }
 
 async fn bench_load(a: BenchLoadArgs) -> Result<()> {

@@ -8,16 +8,14 @@ use common::BIN;
 use pagoda_e2e::require_model;
 use pagoda_e2e::serde_json::{self, Value};
 
-#[test]
-fn bench_routing_compares_strategies_on_fresh_workers() {
-    require_model().unwrap();
-    let out = std::env::temp_dir().join(format!("pagoda-bench-routing-{}.json", std::process::id()));
+/// Runs `pagoda` with `args` (concatenated) plus `--json` and `--plot` into temporary files, checks that it
+/// succeeded and drew a PNG, and returns its JSON report.
+fn run_cluster_bench(args: &[&[&str]]) -> Value {
+    let out = std::env::temp_dir().join(format!("pagoda-{}-{}.json", args[0][1], std::process::id()));
     let plot = out.with_extension("png");
     let output = std::process::Command::new(BIN)
-        .args(["bench", "routing", "--workers", "2", "--conversations", "4", "--turns", "2", "--system-prompts", "2"])
-        .args(["--max-tokens", "6", "--strategies", "round_robin,kv", "--deadline-secs", "120"])
-        // Workers with a 4K-token pool each (the trace's four conversations fit), paced conversation starts.
-        .args(["--worker-kv-tokens", "4096", "--conversation-gap-ms", "200", "--json"])
+        .args(args.concat())
+        .arg("--json")
         .arg(&out)
         .arg("--plot")
         .arg(&plot)
@@ -28,6 +26,18 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
     let png = std::fs::read(&plot).unwrap();
     let _ = (std::fs::remove_file(&out), std::fs::remove_file(&plot));
     assert!(png.starts_with(b"\x89PNG"), "the plot is a PNG");
+    v
+}
+
+#[test]
+fn bench_routing_compares_strategies_on_fresh_workers() {
+    require_model().unwrap();
+    let v = run_cluster_bench(&[
+        &["bench", "routing", "--workers", "2", "--conversations", "4", "--turns", "2", "--system-prompts", "2"],
+        &["--max-tokens", "6", "--strategies", "round_robin,kv", "--deadline-secs", "120"],
+        // Workers with a 4K-token pool each (the trace's four conversations fit), paced conversation starts.
+        &["--worker-kv-tokens", "4096", "--conversation-gap-ms", "200"],
+    ]);
     let results = v["results"].as_array().unwrap();
     let by = |s: &str| results.iter().find(|r| r["strategy"] == s).unwrap_or_else(|| panic!("no {s}: {v:#}"));
     for s in ["round_robin", "kv"] {
@@ -51,23 +61,12 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
 #[test]
 fn bench_disaggregation_compares_deployments_on_fresh_workers() {
     require_model().unwrap();
-    let out = std::env::temp_dir().join(format!("pagoda-bench-disagg-{}.json", std::process::id()));
-    let plot = out.with_extension("png");
-    let output = std::process::Command::new(BIN)
-        .args(["bench", "disaggregation", "--requests", "4", "--rate", "2", "--min-prompt-words", "300"])
-        .args(["--max-prompt-words", "400", "--max-tokens", "8", "--rounds", "1", "--deadline-secs", "120"])
+    let v = run_cluster_bench(&[
+        &["bench", "disaggregation", "--requests", "4", "--rate", "2", "--min-prompt-words", "300"],
+        &["--max-prompt-words", "400", "--max-tokens", "8", "--rounds", "1", "--deadline-secs", "120"],
         // A bound no queue reaches here: the conditional deployment runs, and sends every prompt away too.
-        .args(["--remote-prefill-max-queued-tokens", "1000000", "--json"])
-        .arg(&out)
-        .arg("--plot")
-        .arg(&plot)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    let png = std::fs::read(&plot).unwrap();
-    let _ = (std::fs::remove_file(&out), std::fs::remove_file(&plot));
-    assert!(png.starts_with(b"\x89PNG"), "the plot is a PNG");
+        &["--remote-prefill-max-queued-tokens", "1000000"],
+    ]);
     let rounds = v["rounds"].as_array().unwrap();
     let by = |d: &str| rounds.iter().find(|r| r["deployment"] == d).unwrap_or_else(|| panic!("no {d}: {v:#}"));
     for d in ["colocated", "disaggregated", "conditional"] {

@@ -282,16 +282,16 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
 }
 
 /// Disaggregated serving through the router: a worker started with `--role prefill` computes long prompts, the
-/// `--role decode` worker pulls their blocks (from the prefill worker's device pool: it has no tiers) and decodes, and the answer is the one the decode worker gives when it
-/// computes the prompt itself. Short prompts never reach the prefill worker, and a dead prefill worker costs
+/// `--role decode` worker pulls their blocks (device pool to device pool: neither has a tier) and decodes, and the
+/// answer is the one the decode worker gives when it computes the prompt itself. Short prompts never reach the prefill worker, and a dead prefill worker costs
 /// nothing but the failed call: the decode worker then prefills.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_prefills_long_prompts_on_a_prefill_worker_and_decodes_elsewhere() {
-    // P has no tiers at all: what it serves comes from its device pool.
+    // Neither has a host tier: P serves from its device pool, and D writes what it pulls into its own.
     let mut cluster = ClusterBuilder::new(BIN, "disagg")
         .workers(2)
         .worker_args_for(0, &["--role", "prefill", "--host-tier-mib", "0"])
-        .worker_args_for(1, &["--role", "decode", "--host-tier-mib", "256"])
+        .worker_args_for(1, &["--role", "decode", "--host-tier-mib", "0"])
         .router_args(&["--remote-prefill-min-tokens", "128"])
         .start()
         .await

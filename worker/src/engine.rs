@@ -691,7 +691,8 @@ impl EngineHandle {
     /// format) into the device pool as an idle cached prefix, exactly as if their tokens had just been computed
     /// here: the next request with that prefix adopts them as a device hit, and the engine offloads or places them
     /// as it does computed groups. A benchmark's untimed offline phase uses it to prefill each context once for all
-    /// the configurations it compares. Groups already on the device are kept as they are. It stops at the first
+    /// the configurations it compares, and a decode worker without a host tier to write a remote prefill's pulled
+    /// groups where its request finds them. Groups already on the device are kept as they are. It stops at the first
     /// group in another format, that does not decode, or that finds no room beside the running sequences. Returns
     /// how many leading groups are on the device. Answered between steps.
     pub async fn seed_device(&self, groups: Vec<(u64, EncodedGroup)>) -> Result<usize, EngineError> {

@@ -473,8 +473,11 @@ impl PeerFetcher {
         // A remote prefill computed these blocks for this request: prefilling them here is what disaggregation
         // avoids, so the cost model is not asked.
         let required = hint.remote_prefill;
+        // Pulled groups land in the host tier. Without one, a remote prefill's groups (served in the device's own
+        // format) are written straight into the device pool instead.
+        let into_device = required && !probe.can_import;
         if missing.is_empty()
-            || !probe.can_import
+            || !(probe.can_import || into_device)
             || (!required && !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe))
         {
             return 0;
@@ -489,8 +492,9 @@ impl PeerFetcher {
             tracing::debug!(required, "peer pulls at their limit; prefilling");
             return 0;
         };
-        let span = parent
-            .in_scope(|| trace_context::transfer_span(TransferDirection::Peer, &hint.address, "host", missing.len()));
+        let to = if into_device { "device" } else { "host" };
+        let span =
+            parent.in_scope(|| trace_context::transfer_span(TransferDirection::Peer, &hint.address, to, missing.len()));
         let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
         let started = Instant::now();
         let link = self.take_link(&hint.address);
@@ -527,7 +531,12 @@ impl PeerFetcher {
             return 0;
         }
         let (n, bytes) = (outcome.groups.len() as u64, outcome.bytes);
-        match self.engine.import_groups(outcome.groups).await {
+        let stored = if into_device {
+            self.engine.seed_device(outcome.groups).await
+        } else {
+            self.engine.import_groups(outcome.groups).await
+        };
+        match stored {
             Ok(stored) => {
                 c.fetched_blocks.fetch_add(n, Ordering::Relaxed);
                 c.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
