@@ -283,8 +283,8 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
 
 /// Disaggregated serving through the router: a worker started with `--role prefill` computes long prompts, the
 /// `--role decode` worker pulls their blocks (device pool to device pool: neither has a tier) and decodes, and the
-/// answer is the one the decode worker gives when it computes the prompt itself. Short prompts never reach the prefill worker, and a dead prefill worker costs
-/// nothing but the failed call: the decode worker then prefills.
+/// answer is the one the decode worker gives when it computes the prompt itself. Short prompts never reach the
+/// prefill worker, and a dead prefill worker costs nothing but the failed call: the decode worker then prefills.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_prefills_long_prompts_on_a_prefill_worker_and_decodes_elsewhere() {
     // Neither has a host tier: P serves from its device pool, and D writes what it pulls into its own.

@@ -346,7 +346,8 @@ impl Generation {
         queries.iter().map(|q| ProfileQuery { token_ids: q.clone() }).collect()
     }
 
-    fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<Vec<Candidate>, ApiError> {
+    /// The candidates for `prompt`, and its shape (its block hashes), which a remote prefill places again.
+    fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<(Vec<Candidate>, RequestShape), ApiError> {
         let pool = &self.ctx.pool;
         let shape = RequestShape::of(pool, &self.job.namespace, prompt, &self.job.params, max_tokens)?;
         let place = shape.request(&self.job.request_id);
@@ -363,7 +364,7 @@ impl Generation {
             Err(e) => spans::placed(&span, "", &e.to_string()),
         }
         match placed {
-            Ok(c) => Ok(c.into_iter().filter(|c| !self.excluded.contains(&c.worker.addr)).collect()),
+            Ok(c) => Ok((c.into_iter().filter(|c| !self.excluded.contains(&c.worker.addr)).collect(), shape)),
             Err(PlacementError::NoReadyWorker) => Err(no_ready_worker()),
             Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
         }
@@ -373,7 +374,12 @@ impl Generation {
     /// holds `cached_tokens` of it) and a prefill worker is ready, has the prefill worker compute the prompt, and
     /// returns the hint that makes the chosen worker pull it, with the prompt tokens it then holds. `None`: the
     /// chosen worker prefills (as it does when the remote prefill fails).
-    async fn remote_prefill(&self, prompt: &[u32], cached_tokens: u64) -> Option<(PbPeerHint, u64)> {
+    async fn remote_prefill(
+        &self,
+        prompt: &[u32],
+        shape: &RequestShape,
+        cached_tokens: u64,
+    ) -> Option<(PbPeerHint, u64)> {
         let pool = &self.ctx.pool;
         let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
         let params = &self.job.params;
@@ -381,8 +387,10 @@ impl Generation {
         if !disagg::wants_remote_prefill(uncached, min_tokens, &params.kv_policy, self.scores_prompt()) {
             return None;
         }
-        let shape = RequestShape::of(pool, &self.job.namespace, prompt, params, 1).ok()?;
-        let worker = pool.place_remote_prefill(&shape.request(&self.job.request_id))?;
+        // The prefill worker generates one token.
+        let mut place = shape.request(&self.job.request_id);
+        place.view.max_tokens = 1;
+        let worker = pool.place_remote_prefill(&place)?;
         if self.excluded.contains(&worker.addr) {
             return None;
         }
@@ -419,7 +427,7 @@ impl Generation {
         }
         let mut prompt = self.job.prompt.clone();
         prompt.extend_from_slice(&self.generated);
-        let candidates = match self.place(&prompt, remaining) {
+        let (candidates, shape) = match self.place(&prompt, remaining) {
             Ok(c) => c,
             Err(_) if !self.excluded.is_empty() => return AttemptEnd::NoOtherWorker,
             Err(e) => return AttemptEnd::Fatal(e),
@@ -436,7 +444,7 @@ impl Generation {
         });
         let mut cached_tokens = *cached_tokens;
         drop(candidates);
-        if let Some((hint, pulled)) = self.remote_prefill(&prompt, cached_tokens).await {
+        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens).await {
             peer_hint = Some(hint);
             cached_tokens = cached_tokens.max(pulled);
         }

@@ -61,10 +61,13 @@ impl FromStr for Strategy {
     }
 }
 
-/// Whose turn round robin advances.
+/// What a placement is for. Round robin keeps one turn per purpose, so that the two placements of a
+/// disaggregated request do not both advance the whole requests' turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Turn {
+pub enum Purpose {
+    /// A whole request (prompt and decode): any worker but a prefill worker, unless only prefill workers are ready.
     Whole = 0,
+    /// The prompt of a disaggregated request: prefill workers only.
     RemotePrefill = 1,
 }
 
@@ -169,7 +172,7 @@ pub struct PeerHint {
 pub struct Placer {
     cfg: PlacerConfig,
     index: ResidencyIndex,
-    /// Round robin's turn, one per [`Turn`].
+    /// Round robin's turn, one per [`Purpose`].
     cursors: [usize; 2],
     rng: StdRng,
     recent: VecDeque<DecisionRecord>,
@@ -235,29 +238,18 @@ impl Placer {
         workers: &[WorkerSnapshot],
         names: &[&str],
     ) -> Result<Vec<usize>, PlacementError> {
-        self.order_with(req, workers, names, Turn::Whole)
+        self.order_for(req, workers, names, Purpose::Whole)
     }
 
-    /// [`Placer::order`] for the prompt of a disaggregated request (`workers` shows only prefill workers ready).
-    /// Round robin takes turns among them on a cursor of its own, so that the two placements of one request do
-    /// not both advance the whole requests' turn.
-    pub fn order_remote_prefill(
+    /// [`Placer::order`] for a placement of `purpose` (`workers` shows ready only the workers that take it).
+    pub fn order_for(
         &mut self,
         req: &PlaceRequest<'_>,
         workers: &[WorkerSnapshot],
         names: &[&str],
+        purpose: Purpose,
     ) -> Result<Vec<usize>, PlacementError> {
-        self.order_with(req, workers, names, Turn::RemotePrefill)
-    }
-
-    fn order_with(
-        &mut self,
-        req: &PlaceRequest<'_>,
-        workers: &[WorkerSnapshot],
-        names: &[&str],
-        turn: Turn,
-    ) -> Result<Vec<usize>, PlacementError> {
-        let (order, record) = self.decide(req, workers, names, Some(turn))?;
+        let (order, record) = self.decide(req, workers, names, Some(purpose))?;
         if self.recent.len() == RECENT_DECISIONS {
             self.recent.pop_front();
         }
@@ -281,7 +273,7 @@ impl Placer {
         req: &PlaceRequest<'_>,
         workers: &[WorkerSnapshot],
         names: &[&str],
-        commit: Option<Turn>,
+        commit: Option<Purpose>,
     ) -> Result<(Vec<usize>, DecisionRecord), PlacementError> {
         let t0 = Instant::now();
         let first_block = req.hashes.first().copied().unwrap_or(0);
@@ -334,7 +326,7 @@ impl Placer {
             }
             Strategy::RoundRobin => {
                 reason.push_str("next in turn");
-                let turn = commit.unwrap_or(Turn::Whole) as usize;
+                let turn = commit.unwrap_or(Purpose::Whole) as usize;
                 let cursor = self.cursors[turn].wrapping_add(1);
                 if commit.is_some() {
                     self.cursors[turn] = cursor;

@@ -18,7 +18,7 @@ use tonic::transport::Channel;
 
 use crate::feed::FeedStatus;
 use crate::placement::PlacementError;
-use crate::placer::{DecisionRecord, PeerHint, PlaceRequest, Placer, PlacerConfig, WorkerSnapshot};
+use crate::placer::{DecisionRecord, PeerHint, PlaceRequest, Placer, PlacerConfig, Purpose, WorkerSnapshot};
 use crate::residency::{ResidencyIndex, WorkerIdx};
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(2);
@@ -73,15 +73,6 @@ impl WorkerRole {
             WorkerRole::Decode => "decode",
         }
     }
-}
-
-/// What a placement is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Purpose {
-    /// A whole request (prompt and decode): any worker but a prefill worker, unless only prefill workers are ready.
-    Whole,
-    /// The prompt of a disaggregated request: prefill workers only.
-    RemotePrefill,
 }
 
 /// The router's own count of what it has sent a worker: prompt tokens still to prefill (the part placement expected
@@ -480,10 +471,7 @@ impl WorkerPool {
             return Err(PlacementError::NoReadyWorker);
         }
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
-        let order = match purpose {
-            Purpose::Whole => placer.order(req, &snaps, &names)?,
-            Purpose::RemotePrefill => placer.order_remote_prefill(req, &snaps, &names)?,
-        };
+        let order = placer.order_for(req, &snaps, &names, purpose)?;
         Ok(order
             .into_iter()
             .filter_map(|i| {

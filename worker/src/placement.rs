@@ -758,8 +758,8 @@ impl EvicPress {
     /// Records a request that finished after generating `generated` tokens: resolves which contexts its prompt
     /// passed through (counting accesses) and creates a new one from its unowned groups, with `queries` (the
     /// request's training queries, checked by [`check_profile_queries`]) as its profiling set and `codec` (the
-    /// codec the request named, with a native codec in the arena's own format) as the only one it may be stored in. Placement happens
-    /// in [`EvicPress::place_pending`].
+    /// codec the request named, with a native codec in the arena's own format) as the only one it may be stored
+    /// in. Placement happens in [`EvicPress::place_pending`].
     pub fn finished(
         &mut self,
         prompt: &[u32],
