@@ -36,7 +36,7 @@ use clap::{Args, Parser, Subcommand};
 use pagoda_kernels::{KvDtype, WeightType};
 use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
-use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle};
+use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle, LoraSpec};
 use pagoda_worker::evicpress::GreedyRule;
 use pagoda_worker::model::SyntheticSpec;
 use pagoda_worker::peer_link::LinkFactory;
@@ -82,6 +82,40 @@ enum Command {
     /// invocation through it). The first word after `--` is the program name.
     #[command(hide = true)]
     CheckArgs(CheckArgsArgs),
+    /// LoRA adapter tools.
+    #[command(subcommand)]
+    Lora(LoraCommand),
+}
+
+#[derive(Subcommand)]
+enum LoraCommand {
+    /// Write a SYNTHETIC LoRA adapter (random weights, labelled as such) in PEFT format for the model, to exercise
+    /// `--lora` without a trained adapter: its outputs are meaningless.
+    Synth(LoraSynthArgs),
+}
+
+#[derive(Args)]
+struct LoraSynthArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Directory to write adapter_config.json, adapter_model.safetensors and README.md into.
+    #[arg(long)]
+    out: PathBuf,
+    /// Rank r.
+    #[arg(long, default_value_t = 8,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::model::lora::MAX_LORA_RANK as u64))]
+    rank: usize,
+    /// lora_alpha (the deltas are scaled by alpha / r).
+    #[arg(long, default_value_t = 16.0)]
+    alpha: f32,
+    /// Adapted projections (comma-separated PEFT module names, or "all-linear").
+    #[arg(long, value_delimiter = ',', default_value = "all-linear")]
+    targets: Vec<String>,
+    /// Standard deviation of B's entries (A's are uniform in ±1/√fan-in).
+    #[arg(long, default_value_t = 0.02)]
+    b_std: f32,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -252,6 +286,15 @@ struct EngineArgs {
     /// steps; 0 drafts as long as --speculative-tokens allows whenever a suffix matches.
     #[arg(long)]
     speculative_draft_cost: Option<f64>,
+    /// Serve a LoRA adapter beside the base model (repeatable): NAME=DIR, DIR a PEFT adapter directory
+    /// (adapter_config.json and adapter_model.safetensors, as vLLM's --lora-modules takes). Requests choose it with
+    /// `"model": "NAME"`; its KV is cached apart from the base model's. CPU backend only.
+    #[arg(long = "lora", value_name = "NAME=DIR", value_parser = parse_lora_spec)]
+    lora: Vec<LoraSpec>,
+    /// Highest LoRA rank a --lora adapter may have.
+    #[arg(long, default_value_t = 64,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::model::lora::MAX_LORA_RANK as u64))]
+    max_lora_rank: usize,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -384,6 +427,34 @@ fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
 
 fn parse_device(s: &str) -> Result<Device, String> {
     s.parse()
+}
+
+fn parse_lora_spec(s: &str) -> Result<LoraSpec, String> {
+    s.parse()
+}
+
+/// `pagoda lora synth`: a random adapter for the model's shape.
+fn lora_synth(a: &LoraSynthArgs) -> Result<()> {
+    use pagoda_worker::model::{Gguf, LoraTarget, ModelConfig, SyntheticLora};
+    let path = resolve_model(&a.model)?;
+    let gguf = Gguf::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let cfg = ModelConfig::from_gguf(&gguf).context("reading the model's shape")?;
+    let targets = if a.targets.iter().any(|t| t == "all-linear") {
+        LoraTarget::ALL.to_vec()
+    } else {
+        a.targets
+            .iter()
+            .map(|t| LoraTarget::from_module(t).with_context(|| format!("--targets: {t:?} is not a projection")))
+            .collect::<Result<Vec<_>>>()?
+    };
+    if !(a.alpha.is_finite() && a.alpha > 0.0 && a.b_std.is_finite() && a.b_std >= 0.0) {
+        bail!("--alpha must be positive and --b-std non-negative");
+    }
+    let spec = SyntheticLora { rank: a.rank, alpha: a.alpha, targets, seed: a.seed, b_std: a.b_std };
+    pagoda_worker::model::lora::write_synthetic_peft(&a.out, &cfg, &spec)
+        .with_context(|| format!("writing the adapter to {}", a.out.display()))?;
+    println!("wrote a SYNTHETIC rank-{} adapter for {} to {}", a.rank, path.display(), a.out.display());
+    Ok(())
 }
 
 #[derive(Args, Clone)]
@@ -1060,6 +1131,10 @@ struct BenchEvictionArgs {
 struct BenchEngineArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Measure LoRA adapters beside the base model (repeatable, NAME=DIR): every phase again with all sequences
+    /// on the first adapter, and with two or more, the adapters in turn across the batch.
+    #[arg(long = "lora", value_name = "NAME=DIR", value_parser = parse_lora_spec)]
+    lora: Vec<LoraSpec>,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -1130,6 +1205,7 @@ fn main() -> Result<()> {
         Command::CheckArgs(a) => check_args(&a.argv),
         Command::Kvstore(a) => run_async(kvstore(a)),
         Command::Bench(BenchCommand::Kvstore(a)) => run_async(bench_kvstore(a)),
+        Command::Lora(LoraCommand::Synth(a)) => lora_synth(&a),
     };
     // After the servers drained (SIGTERM included): the last spans reach the collector before the process ends.
     telemetry.shutdown();
@@ -1146,6 +1222,7 @@ fn service_name(command: &Command) -> &'static str {
         Command::Eval(_) => "pagoda-eval",
         Command::CheckArgs(_) => "pagoda-check-args",
         Command::Kvstore(_) => "pagoda-kvstore",
+        Command::Lora(_) => "pagoda-lora",
     }
 }
 
@@ -1256,6 +1333,8 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         device: e.device,
         kivi_residual_tokens: e.kivi_residual_tokens,
         speculative: speculative_config(e)?,
+        lora: e.lora.clone(),
+        max_lora_rank: e.max_lora_rank,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,
@@ -2058,6 +2137,7 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         amx: args.amx,
         synthetic,
         device: args.device,
+        lora: args.lora,
         ..Default::default()
     };
     let shown = opts.synthetic.as_ref().map_or_else(|| model.display().to_string(), |s| s.model_name());

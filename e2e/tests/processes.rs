@@ -247,3 +247,86 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
     assert!(err.contains("at most 8 questions"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Multi-LoRA through the router: `pagoda lora synth` writes an adapter, one of two workers serves it
+/// (`--lora sql=DIR`). The router lists it as a model, sends its requests only to that worker (whatever the
+/// placement would otherwise pick), caches its prompts apart from the base model's, answers as the worker does,
+/// counts it, and refuses an adapter nobody serves with OpenAI's 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
+    use pagoda_e2e::cluster::ClusterBuilder;
+    let dir = std::env::temp_dir().join(format!("pagoda-e2e-lora-{}", std::process::id()));
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let out = std::process::Command::new(BIN)
+        .args(["lora", "synth", "--model", &model, "--rank", "8", "--b-std", "0.3", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "lora synth: {}", String::from_utf8_lossy(&out.stderr));
+    let spec = format!("sql={}", dir.display());
+    let cluster = ClusterBuilder::new(BIN, "lora")
+        .workers(2)
+        .worker_args_for(0, &["--lora", &spec])
+        // Round robin would send every other request to worker 1: the adapter must override it.
+        .router_args(&["--placement", "round_robin"])
+        .start()
+        .await
+        .unwrap();
+    let (with, without) = (cluster.worker_addr(0).to_string(), cluster.worker_addr(1).to_string());
+    let http = cluster.http(0).clone();
+    let (s, models) = http.get("/v1/models").await.unwrap();
+    assert_eq!(s, 200, "{models}");
+    let models: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&models).unwrap();
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, [pagoda_e2e::MODEL_ID, "sql"]);
+    assert_eq!(models["data"][1]["parent"], pagoda_e2e::MODEL_ID);
+    let (s, card) = http.get("/v1/models/sql").await.unwrap();
+    assert_eq!(s, 200, "{card}");
+    let (_, ready) = http.get("/readyz").await.unwrap();
+    let ready: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&ready).unwrap();
+    let adapters_of = |addr: &str| {
+        ready["workers"].as_array().unwrap().iter().find(|w| w["address"] == addr).unwrap()["lora_adapters"].clone()
+    };
+    assert_eq!((adapters_of(&with), adapters_of(&without)), (json!(["sql"]), json!([])));
+
+    let ask = |model: &str, question: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 12,
+               "temperature": 0, "ignore_eos": true})
+    };
+    let question = "Write a SQL query that counts the rows of the table orders.";
+    let before = worker_stats(&without).await.unwrap().computed_tokens_total;
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let (s, body) = http.post_json("/v1/chat/completions", &ask("sql", question)).await.unwrap();
+        assert_eq!(s, 200, "{body}");
+        assert_eq!(body["model"], "sql");
+        answers.push((
+            body["choices"][0]["message"]["content"].as_str().unwrap().to_string(),
+            body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        ));
+    }
+    assert_eq!(worker_stats(&without).await.unwrap().computed_tokens_total, before, "worker 1 has no adapter");
+    assert!(answers.iter().all(|(text, _)| *text == answers[0].0), "greedy answers differ: {answers:?}");
+    assert_eq!(answers[0].1, 0);
+    assert!(answers[1].1 > 0, "the adapter's second identical chat reused its cached prompt: {answers:?}");
+
+    // The base model answers otherwise, and does not adopt the adapter's cached prompt on the adapter's worker.
+    // Round robin alternates between the two workers: within two requests one lands on the adapter's worker.
+    let mut landed = None;
+    for _ in 0..2 {
+        let computed = worker_stats(&with).await.unwrap().computed_tokens_total;
+        let (s, body) = http.post_json("/v1/chat/completions", &ask(pagoda_e2e::MODEL_ID, question)).await.unwrap();
+        assert_eq!(s, 200, "{body}");
+        assert_ne!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0);
+        if worker_stats(&with).await.unwrap().computed_tokens_total > computed {
+            landed = Some(body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0));
+        }
+    }
+    assert_eq!(landed, Some(0), "the base chat on the adapter's worker computed its whole prompt");
+
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("nope", question)).await.unwrap();
+    assert_eq!(s, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found");
+    assert_eq!(http.metric_sum("pagoda_router_lora_requests_total").await, 3.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

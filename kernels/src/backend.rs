@@ -1,5 +1,6 @@
 //! The [`Backend`] trait: every piece of model math the forward pass needs, implemented per device.
 
+use crate::cpu::lora::LoraSegment;
 use crate::paged::{AttnProbs, AttnSeq, KvStorage};
 use crate::quant::QMatrix;
 
@@ -20,6 +21,10 @@ pub trait Backend: Send + Sync {
     /// Writes this step's K and V (rows `[q_row, q_row+n_new)` of k, v: `[rows][n_kv_heads*head_dim]`)
     /// into slots `prior_lens[h] .. prior_lens[h]+n_new` of each kv-head.
     fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize);
+    /// LoRA deltas (punica's SGMV): for each segment, in row order and disjoint, `y[t] += (x[t] · aᵀ) · bt` over its
+    /// rows, with x: `[n][input]`, y: `[n][out]`, `a`: `[rank][input]` and `bt`: `[rank][out]` (B transposed, its
+    /// scale folded in), both f16 bits; rank at most [`crate::cpu::lora::MAX_LORA_RANK`].
+    fn lora_add(&self, x: &[f32], input: usize, y: &mut [f32], out: usize, segments: &[LoraSegment<'_>]);
     /// q, out: `[rows][n_heads*head_dim]`; GQA: query head qh reads kv-head qh / (n_heads / n_kv_heads).
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(

@@ -35,6 +35,7 @@ pub mod quant;
 
 pub use backend::Backend;
 pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block};
+pub use cpu::lora::LoraSegment;
 pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};
 /// The cudarc version the CUDA backend is built on, for callers that hold its buffers.

@@ -120,6 +120,8 @@ pub struct Job {
     /// `bad_words`, tokenized: the token sequences the worker never completes.
     pub bad_words: Vec<Vec<u32>>,
     pub namespace: String,
+    /// The LoRA adapter the request's `model` names (`None`: the base model).
+    pub lora: Option<String>,
     pub arrived: Instant,
 }
 
@@ -349,7 +351,14 @@ impl Generation {
     /// The candidates for `prompt`, and its shape (its block hashes), which a remote prefill places again.
     fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<(Vec<Candidate>, RequestShape), ApiError> {
         let pool = &self.ctx.pool;
-        let shape = RequestShape::of(pool, &self.job.namespace, prompt, &self.job.params, max_tokens)?;
+        let shape = RequestShape::of(
+            pool,
+            &self.job.namespace,
+            self.job.lora.as_deref(),
+            prompt,
+            &self.job.params,
+            max_tokens,
+        )?;
         let place = shape.request(&self.job.request_id);
         let span = spans::place_span(pool.strategy_name(), pool.workers().len());
         let started = Instant::now();
@@ -402,6 +411,7 @@ impl Generation {
             &self.job.request_id,
             prompt,
             &self.job.namespace,
+            self.job.lora.as_deref(),
             &params.kv_codec,
             params.priority,
         );
@@ -504,6 +514,7 @@ impl Generation {
             },
             ignore_eos: params.ignore_eos,
             namespace: self.job.namespace.clone(),
+            lora: self.job.lora.clone().unwrap_or_default(),
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,
             kv_codec: params.kv_codec.clone(),
@@ -824,32 +835,48 @@ fn reason_str(r: i32) -> Option<&'static str> {
     }
 }
 
-/// What placement needs of a request: its block chain in the tenant's namespace and its shape.
+/// What placement needs of a request: its block chain in the tenant's namespace (salted by its adapter's cache
+/// id, as the worker salts it) and its shape.
 pub struct RequestShape {
     hashes: Vec<u64>,
+    lora: Option<String>,
     view: RequestView,
     /// Only full-cache sequences publish their blocks as a reusable prefix.
     publishes_prefix: bool,
 }
 
 impl RequestShape {
-    /// Fails while no worker has told the router its block size and model (nothing is ready to serve).
+    /// Fails while no worker has told the router its block size and model (nothing is ready to serve), or while
+    /// no ready worker serves the adapter `lora`.
     pub fn of(
         pool: &WorkerPool,
         namespace: &str,
+        lora: Option<&str>,
         prompt: &[u32],
         params: &GenParams,
         max_tokens: u32,
     ) -> Result<RequestShape, ApiError> {
         let (block_size, model_id) = pool.hashing().ok_or_else(no_ready_worker)?;
+        let salted = match lora {
+            Some(name) => {
+                let cache_id = pool.lora_cache_id(name).ok_or_else(|| {
+                    ApiError::unavailable(format!(
+                        "No ready worker serves the LoRA adapter {name:?}; try again shortly."
+                    ))
+                })?;
+                pagoda_worker::model::lora::cache_namespace(namespace, &cache_id)
+            }
+            None => namespace.to_string(),
+        };
         let hashes = if block_size > 0 {
-            pagoda_worker::cache::block_hashes(&model_id, namespace, prompt, block_size as usize)
+            pagoda_worker::cache::block_hashes(&model_id, &salted, prompt, block_size as usize)
         } else {
             Vec::new()
         };
         let full_cache = params.kv_policy.is_empty() || params.kv_policy == "full";
         Ok(RequestShape {
             hashes,
+            lora: lora.map(str::to_owned),
             view: RequestView {
                 prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
                 max_tokens,
@@ -864,7 +891,13 @@ impl RequestShape {
     }
 
     pub fn request<'a>(&'a self, request_id: &'a str) -> PlaceRequest<'a> {
-        PlaceRequest { request_id, hashes: &self.hashes, view: self.view, publishes_prefix: self.publishes_prefix }
+        PlaceRequest {
+            request_id,
+            hashes: &self.hashes,
+            view: self.view,
+            publishes_prefix: self.publishes_prefix,
+            lora: self.lora.as_deref(),
+        }
     }
 }
 

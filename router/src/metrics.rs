@@ -34,6 +34,13 @@ pub struct GuideLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LoraLabels {
+    /// An adapter name some worker announced (the router checks the request's `model` against them first, so the
+    /// label takes only those values).
+    pub adapter: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RateLimitLabels {
     pub tenant: String,
     /// `rate` or `concurrency`.
@@ -125,6 +132,8 @@ pub struct Metrics {
     /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
     pub rate_limited: Family<RateLimitLabels, Counter>,
     pub guided_requests: Family<GuideLabels, Counter>,
+    /// Generation requests that ran with a LoRA adapter, by adapter.
+    pub lora_requests: Family<LoraLabels, Counter>,
     /// KV bytes per tier (device, host, disk) and codec on the worker.
     pub worker_tier_used_bytes: Family<TierLabels, Gauge>,
     pub worker_tier_capacity_bytes: Family<TierLabels, Gauge>,
@@ -314,6 +323,12 @@ impl Metrics {
             "guided_requests",
             "Generation requests whose answer a guide constrains, by guide, counted once each when admitted",
             guided_requests.clone(),
+        );
+        let lora_requests = Family::<LoraLabels, Counter>::default();
+        registry.register(
+            "lora_requests",
+            "Generation requests whose model is a LoRA adapter, by adapter, counted once each when admitted",
+            lora_requests.clone(),
         );
         let worker_tier_used_bytes = Family::<TierLabels, Gauge>::default();
         registry.register_with_unit(
@@ -569,6 +584,7 @@ impl Metrics {
             residency_index_blocks,
             rate_limited,
             guided_requests,
+            lora_requests,
             worker_tier_used_bytes,
             worker_tier_capacity_bytes,
             worker_prefix_hit_tokens,
@@ -648,6 +664,10 @@ impl Metrics {
 
     pub fn count_guided(&self, guide: &'static str) {
         self.guided_requests.get_or_create(&GuideLabels { guide }).inc();
+    }
+
+    pub fn count_lora_request(&self, adapter: &str) {
+        self.lora_requests.get_or_create(&LoraLabels { adapter: adapter.to_string() }).inc();
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {

@@ -1962,6 +1962,9 @@ pub struct ModelCard {
     pub created: u64,
     pub owned_by: &'static str,
     pub max_model_len: usize,
+    /// For a LoRA adapter: the base model it runs on (vLLM's model card field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

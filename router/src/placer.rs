@@ -155,6 +155,9 @@ pub struct PlaceRequest<'a> {
     pub view: RequestView,
     /// Whether the request's blocks will be published as a prefix (full cache): only then is residency predicted.
     pub publishes_prefix: bool,
+    /// The LoRA adapter the request runs with: only workers that serve it are candidates (the pool leaves the
+    /// others out of the snapshots; the selectors never see it).
+    pub lora: Option<&'a str>,
 }
 
 const RECENT_DECISIONS: usize = 64;
@@ -397,6 +400,7 @@ mod tests {
                 budget_tokens: None,
             },
             publishes_prefix: true,
+            lora: None,
         }
     }
 

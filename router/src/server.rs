@@ -195,8 +195,16 @@ impl AppState {
         &self.0.metrics
     }
 
-    fn check_model(&self, model: &str) -> Result<(), ApiError> {
-        if model == self.0.codec.model_id() { Ok(()) } else { Err(ApiError::model_not_found(model)) }
+    /// What `model` names: the base model (`None`), or a LoRA adapter a ready worker serves (its name); anything
+    /// else is a 404.
+    fn check_model(&self, model: &str) -> Result<Option<String>, ApiError> {
+        if model == self.0.codec.model_id() {
+            return Ok(None);
+        }
+        match self.pool().lora_cache_id(model) {
+            Some(_) => Ok(Some(model.to_string())),
+            None => Err(ApiError::model_not_found(model)),
+        }
     }
 }
 
@@ -349,6 +357,7 @@ async fn readyz(State(st): State<AppState>) -> Response {
             let s = w.status();
             serde_json::json!({
                 "address": w.addr, "ready": s.ready, "role": s.role.name(), "model": s.model, "error": s.last_error,
+                "lora_adapters": s.lora_adapters.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
             })
         })
         .collect();
@@ -406,7 +415,7 @@ async fn debug_place(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Json<crate::placer::DecisionRecord>, ApiError> {
     let (turns, params) = req.validate(st.0.codec.vocab_size())?;
-    st.check_model(&params.model)?;
+    let lora = st.check_model(&params.model)?;
     let tenant = query.as_deref().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("tenant="));
     let namespace = tenant.unwrap_or(DEFAULT_TENANT).to_string();
     if !crate::auth::valid_tenant(&namespace) {
@@ -417,7 +426,7 @@ async fn debug_place(
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
     check_min_tokens(&params, max_tokens)?;
     let pool = st.pool();
-    let shape = generate::RequestShape::of(pool, &namespace, &prompt, &params, max_tokens)?;
+    let shape = generate::RequestShape::of(pool, &namespace, lora.as_deref(), &prompt, &params, max_tokens)?;
     match pool.explain(&shape.request("debug-place")) {
         Ok(d) => Ok(Json(d)),
         Err(crate::placement::PlacementError::NoReadyWorker) => Err(generate::no_ready_worker()),
@@ -454,7 +463,9 @@ async fn debug_keys(State(st): State<AppState>) -> Json<serde_json::Value> {
 }
 
 async fn models(State(st): State<AppState>) -> Json<ModelList> {
-    Json(ModelList { object: "list", data: vec![model_card(&st)] })
+    let mut data = vec![model_card(&st, None)];
+    data.extend(st.pool().lora_adapters().into_iter().map(|(name, _)| model_card(&st, Some(name))));
+    Json(ModelList { object: "list", data })
 }
 
 /// OpenAI's `GET /v1/models/{model}` (the SDKs' `models.retrieve`): the served model's card, or 404.
@@ -465,17 +476,24 @@ async fn model(
     let Path(id) = id.map_err(|e| ApiError::invalid_param("model", format!("The model id in the path: {e}.")))?;
     // An unknown id goes back in the 404 cut to the bound of a body's `model`.
     let shown: String = id.chars().take(crate::openai::MAX_NAME_BYTES).collect();
-    st.check_model(&shown)?;
-    Ok(Json(model_card(&st)))
+    let lora = st.check_model(&shown)?;
+    Ok(Json(model_card(&st, lora)))
 }
 
-fn model_card(st: &AppState) -> ModelCard {
+/// The base model's card, or the card of its LoRA adapter `lora`.
+fn model_card(st: &AppState, lora: Option<String>) -> ModelCard {
+    let base = st.0.codec.model_id().to_string();
+    let (id, parent) = match lora {
+        Some(name) => (name, Some(base)),
+        None => (base, None),
+    };
     ModelCard {
-        id: st.0.codec.model_id().to_string(),
+        id,
         object: "model",
         created: st.0.created,
         owned_by: "pagoda",
         max_model_len: st.0.codec.context_length(),
+        parent,
     }
 }
 
@@ -552,11 +570,11 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let (turns, params) = req.validate(st.0.codec.vocab_size())?;
-    st.check_model(&params.model)?;
+    let lora = st.check_model(&params.model)?;
     let mut prompt = chat_prompt(&st, turns, params.chat_render).await?;
     params.truncate_prompt(&mut prompt);
     let id = new_id("chatcmpl");
-    let choices = start_choices(&st, &tenant, &id, vec![prompt], &params, arrived).await?;
+    let choices = start_choices(&st, &tenant, &id, vec![prompt], &params, lora, arrived).await?;
     let created = unix_now();
     if params.stream {
         return Ok(sse(chat_events(choices, id, created, params, st.0.codec.clone())).into_response());
@@ -584,7 +602,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let (prompts, params) = req.validate(st.0.codec.vocab_size())?;
-    st.check_model(&params.model)?;
+    let lora = st.check_model(&params.model)?;
     let mut tokenized = Vec::with_capacity(prompts.len());
     for prompt in prompts {
         let mut tokens = match prompt {
@@ -595,7 +613,7 @@ async fn completions(
         tokenized.push(tokens);
     }
     let id = new_id("cmpl");
-    let choices = start_choices(&st, &tenant, &id, tokenized, &params, arrived).await.map_err(|mut e| {
+    let choices = start_choices(&st, &tenant, &id, tokenized, &params, lora, arrived).await.map_err(|mut e| {
         if e.param.as_deref() == Some("messages") {
             e.param = Some("prompt".into());
         }
@@ -655,10 +673,14 @@ async fn start_choices(
     id: &str,
     prompts: Vec<Vec<u32>>,
     params: &GenParams,
+    lora: Option<String>,
     arrived: Instant,
 ) -> Result<Vec<Choice>, ApiError> {
     if let Some(guide) = params.guide_kind() {
         st.metrics().count_guided(guide);
+    }
+    if let Some(name) = &lora {
+        st.metrics().count_lora_request(name);
     }
     let n = params.n.max(1);
     let total = prompts.len() * n as usize;
@@ -670,8 +692,9 @@ async fn start_choices(
             let job_id = if total > 1 { format!("{id}-{}", b * n as usize + j as usize) } else { id.to_string() };
             let prompt = prompt.clone();
             let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+            let lora = lora.clone();
             starts.push(async move {
-                let rx = start_job(st, tenant, &job_id, prompt, p, arrived).await?;
+                let rx = start_job(st, tenant, &job_id, prompt, p, lora, arrived).await?;
                 Ok::<_, ApiError>(Choice { rx, counts_prompt: j == 0, prompt_tokens })
             });
         }
@@ -685,6 +708,7 @@ async fn start_job(
     id: &str,
     prompt: Vec<u32>,
     params: GenParams,
+    lora: Option<String>,
     arrived: Instant,
 ) -> Result<mpsc::Receiver<Piece>, ApiError> {
     let max_tokens = check_lengths(prompt.len(), params.max_tokens, st.0.codec.context_length())?;
@@ -699,6 +723,7 @@ async fn start_job(
         profile_queries,
         bad_words,
         namespace: tenant.name.to_string(),
+        lora,
         arrived,
     };
     let ctx = GenerateContext {

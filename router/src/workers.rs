@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pagoda_proto::worker::worker_client::WorkerClient;
-use pagoda_proto::worker::{HealthRequest, StatsRequest, StatsResponse};
+use pagoda_proto::worker::{HealthRequest, LoraAdapterInfo, StatsRequest, StatsResponse};
 use tonic::transport::Channel;
 
 use crate::feed::FeedStatus;
@@ -40,7 +40,16 @@ pub struct WorkerStatus {
     /// The id the worker reports its blocks under in the kvstore (empty when it does not say).
     pub worker_id: String,
     pub role: WorkerRole,
+    /// The LoRA adapters it serves (`pagoda worker --lora`).
+    pub lora_adapters: Vec<LoraAdapterInfo>,
     pub last_error: Option<String>,
+}
+
+impl WorkerStatus {
+    /// Whether it serves the adapter named `name`.
+    pub fn serves_lora(&self, name: &str) -> bool {
+        self.lora_adapters.iter().any(|a| a.name == name)
+    }
 }
 
 /// What a worker takes, as it announces in `Health` (`pagoda worker --role`): disaggregated serving sends the
@@ -205,6 +214,7 @@ impl Worker {
                     free_blocks: 0,
                     worker_id: h.worker_id,
                     role: WorkerRole::from_health(&h.role),
+                    lora_adapters: h.lora_adapters,
                     last_error: None,
                 }
             }
@@ -464,7 +474,7 @@ impl WorkerPool {
     fn place_for(&self, req: &PlaceRequest<'_>, purpose: Purpose) -> Result<Vec<Candidate>, PlacementError> {
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
-        let snaps = self.snapshots(&slots, &names, purpose);
+        let snaps = self.snapshots(&slots, &names, purpose, req.lora);
         if purpose == Purpose::RemotePrefill && !snaps.iter().any(|s| s.ready) {
             // Asked on every long prompt: without a prefill worker it must leave no decision (nor move the
             // round-robin cursor).
@@ -488,21 +498,27 @@ impl WorkerPool {
     pub fn explain(&self, req: &PlaceRequest<'_>) -> Result<DecisionRecord, PlacementError> {
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
-        let snaps = self.snapshots(&slots, &names, Purpose::Whole);
+        let snaps = self.snapshots(&slots, &names, Purpose::Whole, req.lora);
         let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         placer.explain(req, &snaps, &names)
     }
 
-    /// What placement knows about each slot's worker now, for a placement of `purpose`: a worker whose role does
-    /// not take it counts as not ready.
-    fn snapshots(&self, slots: &[Option<Arc<Worker>>], names: &[&str], purpose: Purpose) -> Vec<WorkerSnapshot> {
+    /// What placement knows about each slot's worker now, for a placement of `purpose` of a request that runs with
+    /// the adapter `lora`: a worker whose role does not take it, or that lacks the adapter, counts as not ready.
+    fn snapshots(
+        &self,
+        slots: &[Option<Arc<Worker>>],
+        names: &[&str],
+        purpose: Purpose,
+        lora: Option<&str>,
+    ) -> Vec<WorkerSnapshot> {
         let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
             .map(|w| {
                 let Some(w) = w else { return (WorkerSnapshot::default(), WorkerRole::Both) };
                 let st = w.status();
                 let snap = WorkerSnapshot {
-                    ready: st.ready,
+                    ready: st.ready && lora.is_none_or(|name| st.serves_lora(name)),
                     queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
                     decoding: w.load.decoding.load(Ordering::Relaxed),
                     free_blocks: st.free_blocks,
@@ -544,6 +560,31 @@ impl WorkerPool {
     /// The block size and model id the ready workers hash prefixes with (the first ready worker's).
     pub fn hashing(&self) -> Option<(u32, String)> {
         self.workers().iter().map(|w| w.status()).find(|s| s.ready).map(|s| (s.block_size, s.model))
+    }
+
+    /// The cache id a ready worker announces for the adapter `name` (what salts its block hashes), or `None` when
+    /// no ready worker serves it. Workers that hold different weights under one name announce different ids; the
+    /// first ready one's is used, and the others' blocks then simply do not match (they hash their own).
+    pub fn lora_cache_id(&self, name: &str) -> Option<String> {
+        self.workers()
+            .iter()
+            .map(|w| w.status())
+            .filter(|s| s.ready)
+            .find_map(|s| s.lora_adapters.iter().find(|a| a.name == name).map(|a| a.cache_id.clone()))
+    }
+
+    /// The adapters some ready worker serves, by name, each with its rank.
+    pub fn lora_adapters(&self) -> Vec<(String, u32)> {
+        let mut all: Vec<(String, u32)> = Vec::new();
+        for st in self.workers().iter().map(|w| w.status()).filter(|s| s.ready) {
+            for a in &st.lora_adapters {
+                if !all.iter().any(|(n, _)| *n == a.name) {
+                    all.push((a.name.clone(), a.rank));
+                }
+            }
+        }
+        all.sort();
+        all
     }
 
     /// The workers in the pool now, in slot order.
@@ -624,11 +665,18 @@ mod tests {
         }
         let view = |prompt_tokens| RequestView { prompt_tokens, max_tokens: 16, block_size: 16, budget_tokens: None };
         let hashes: Vec<u64> = (1..=12).collect();
-        let first = PlaceRequest { request_id: "r1", hashes: &hashes[..8], view: view(130), publishes_prefix: true };
+        let first = PlaceRequest {
+            request_id: "r1",
+            hashes: &hashes[..8],
+            view: view(130),
+            publishes_prefix: true,
+            lora: None,
+        };
         let c = pool.place(&first).unwrap();
         assert_eq!(c[0].cached_tokens, 0, "nothing is cached yet");
         // The same conversation, longer: its first 8 blocks are predicted on the worker that took r1.
-        let next = PlaceRequest { request_id: "r2", hashes: &hashes, view: view(200), publishes_prefix: true };
+        let next =
+            PlaceRequest { request_id: "r2", hashes: &hashes, view: view(200), publishes_prefix: true, lora: None };
         let c2 = pool.place(&next).unwrap();
         assert_eq!(c2[0].worker.addr, c[0].worker.addr);
         assert_eq!(c2[0].cached_tokens, 8 * 16);
@@ -637,8 +685,52 @@ mod tests {
         drop(in_flight);
         assert_eq!(c2[0].worker.load().queued_tokens(), 0);
         // A whole-prompt hit still leaves the last token to compute.
-        let again = PlaceRequest { request_id: "r3", hashes: &hashes[..8], view: view(128), publishes_prefix: true };
+        let again = PlaceRequest {
+            request_id: "r3",
+            hashes: &hashes[..8],
+            view: view(128),
+            publishes_prefix: true,
+            lora: None,
+        };
         assert_eq!(pool.place(&again).unwrap()[0].cached_tokens, 127);
+    }
+
+    #[tokio::test]
+    async fn an_adapters_requests_go_only_to_ready_workers_that_serve_it() {
+        let addrs = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string(), "127.0.0.1:3".to_string()];
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        let info =
+            |name: &str, cache_id: &str| LoraAdapterInfo { name: name.into(), cache_id: cache_id.into(), rank: 8 };
+        let adapters = [vec![], vec![info("sql", "sql@1")], vec![info("sql", "sql@1"), info("chat", "chat@2")]];
+        for (w, lora_adapters) in pool.workers().iter().zip(adapters) {
+            w.set_status(WorkerStatus {
+                ready: true,
+                free_blocks: 1 << 20,
+                kv_group_size: 90,
+                lora_adapters,
+                ..Default::default()
+            });
+        }
+        assert_eq!(pool.lora_adapters(), vec![("chat".to_string(), 8), ("sql".to_string(), 8)]);
+        assert_eq!(pool.lora_cache_id("chat").as_deref(), Some("chat@2"));
+        assert_eq!(pool.lora_cache_id("nope"), None);
+        let view = RequestView { prompt_tokens: 40, max_tokens: 16, block_size: 16, budget_tokens: None };
+        let hashes: Vec<u64> = (1..=2).collect();
+        let addrs_for = |lora: Option<&str>| -> Vec<String> {
+            let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora };
+            let mut a: Vec<String> = pool.place(&req).unwrap().into_iter().map(|c| c.worker.addr.clone()).collect();
+            a.sort();
+            a
+        };
+        assert_eq!(addrs_for(None).len(), 3);
+        assert_eq!(addrs_for(Some("sql")), vec!["127.0.0.1:2", "127.0.0.1:3"]);
+        assert_eq!(addrs_for(Some("chat")), vec!["127.0.0.1:3"]);
+        // Only ready workers count: with the third one down, nobody serves `chat`.
+        pool.workers()[2].mark_down("gone".into());
+        assert_eq!(pool.lora_cache_id("chat"), None);
+        assert_eq!(addrs_for(Some("sql")), vec!["127.0.0.1:2"]);
+        let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora: Some("chat") };
+        assert!(pool.place(&req).is_err());
     }
 
     #[tokio::test]
@@ -659,7 +751,7 @@ mod tests {
         let hashes: Vec<u64> = (1..=18).collect();
         for i in 0..6 {
             let id = format!("r{i}");
-            let req = PlaceRequest { request_id: &id, hashes: &hashes, view, publishes_prefix: true };
+            let req = PlaceRequest { request_id: &id, hashes: &hashes, view, publishes_prefix: true, lora: None };
             let whole: Vec<String> = pool.place(&req).unwrap().iter().map(|c| c.worker.addr.clone()).collect();
             assert!(!whole.contains(&addrs[0]), "a prefill worker takes no whole request: {whole:?}");
             assert_eq!(whole.len(), 2);
@@ -667,7 +759,7 @@ mod tests {
         }
         // Without a ready prefill worker there is no remote prefill; with only prefill workers ready they serve.
         pool.workers()[0].mark_down("gone".into());
-        let req = PlaceRequest { request_id: "x", hashes: &hashes, view, publishes_prefix: true };
+        let req = PlaceRequest { request_id: "x", hashes: &hashes, view, publishes_prefix: true, lora: None };
         assert!(pool.place_remote_prefill(&req).is_none());
         pool.workers()[0].set_status(WorkerStatus {
             ready: true,

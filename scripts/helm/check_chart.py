@@ -232,6 +232,11 @@ def check_default(objs):
         expect(want in kinds, f"default: missing {want}")
     expect(not by_kind(objs, "ServiceMonitor"), "default: ServiceMonitor rendered although disabled")
     expect(not by_kind(objs, "Ingress"), "default: Ingress rendered although disabled")
+    w, wo = container(objs, "StatefulSet", "worker", "worker")
+    expect(not any(a.startswith("--lora") or a.startswith("--max-lora") for a in w["command"]),
+           "default: LoRA flags without adapters")
+    expect(not [v for v in wo["spec"]["template"]["spec"]["volumes"] if v["name"] == "lora"],
+           "default: a LoRA volume without adapters")
     kv = find(objs, "StatefulSet", "rel-pagoda-kvstore")
     expect(kv["spec"]["replicas"] == 3, "default: kvstore is not 3 replicas")
     expect(find(objs, "PodDisruptionBudget", "rel-pagoda-kvstore")["spec"]["minAvailable"] == 2,
@@ -389,8 +394,20 @@ def check_disaggregated(objs):
     expect("--remote-prefill-min-tokens=512" in r["command"], "disaggregated: router threshold")
 
 
+def check_lora(objs):
+    w, wo = container(objs, "StatefulSet", "worker", "worker")
+    for arg in ("--lora=sql=/lora/adapters/sql-lora", "--lora=org/chat:v2=/lora/chat", "--max-lora-rank=32"):
+        expect(arg in w["command"], f"lora: {arg} missing from the worker command")
+    mount = [m for m in w["volumeMounts"] if m["name"] == "lora"]
+    expect(mount == [{"name": "lora", "mountPath": "/lora", "readOnly": True}], "lora: the adapters mount")
+    vols = [v for v in wo["spec"]["template"]["spec"]["volumes"] if v["name"] == "lora"]
+    expect(len(vols) == 1 and vols[0].get("persistentVolumeClaim", {}).get("claimName") == "lora-adapters",
+           "lora: the adapters volume")
+
+
 CHECKS = {
     "default": check_default,
+    "lora-values.yaml": check_lora,
     "disaggregated-values.yaml": check_disaggregated,
     "gpu-values.yaml": check_gpu,
     "external-etcd-values.yaml": check_external_etcd,

@@ -183,6 +183,19 @@ schema = obj({
                 "items": {"type": "string", "minLength": 1, "maxLength": 512, "pattern": r"\S"},
             },
         }, required=["hostMiB", "diskMiB"]),
+        # `pagoda worker --lora NAME=/lora/PATH` (model/lora.rs valid_lora_name) and `--max-lora-rank`.
+        "lora": obj({
+            "adapters": {"type": "array", "maxItems": 64, "items": obj({
+                "name": {"type": "string", "pattern": r"^[A-Za-z0-9._:/-]{1,128}$"},
+                # Relative to the adapters volume; no segment starts with a dot, so none is `..`.
+                "path": {"type": "string", "maxLength": 256,
+                         "pattern": r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"},
+            }, required=["name", "path"])},
+            # A Kubernetes volume source (persistentVolumeClaim, csi, image, ...).
+            "volume": {"type": "object"},
+            "maxRank": integer(1, 256),
+        }, allOf=[{"if": {"properties": {"adapters": {"minItems": 1}}, "required": ["adapters"]},
+                   "then": {"properties": {"volume": {"minProperties": 1}}, "required": ["volume"]}}]),
         "persistence": obj({
             "enabled": BOOL,
             "storageClassName": STR,
@@ -205,7 +218,12 @@ schema = obj({
                 "then": {"properties": {"gpu": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                                         "amx": {"const": False},
                                         "kv": {"properties": {"dtype": {"const": "f16"}}},
-                                        "tiers": {"properties": {"placement": {"const": "lru"}}}}}}]),
+                                        "tiers": {"properties": {"placement": {"const": "lru"}}},
+                                        "lora": {"properties": {"adapters": {"maxItems": 0}}}}}},
+               # EvicPress profiles contexts with the base model; the worker refuses adapters beside it.
+               {"if": {"properties": {"tiers": {"properties": {"placement": {"const": "evicpress"}},
+                                                "required": ["placement"]}}, "required": ["tiers"]},
+                "then": {"properties": {"lora": {"properties": {"adapters": {"maxItems": 0}}}}}}]),
     "kvstore": obj({
         "enabled": BOOL,
         "replicas": RAFT_SIZE,

@@ -9,6 +9,10 @@
 //!   prefill in the first step(s), which are not timed; only pure decode steps count.
 //! - **peak RSS**: `VmHWM` from `/proc/self/status` at the end.
 //!
+//! - **LoRA** (with `lora` adapters): every measurement again with each sequence on an adapter, right after the
+//!   base model's on the same prompts: all on the first adapter, and with two or more, the adapters in turn across
+//!   the batch (multi-LoRA: each run of rows that share an adapter adds its own small matmuls).
+//!
 //! Prompts are deterministic pseudo-random token ids; the prefix cache is off so nothing is reused.
 
 use std::time::{Duration, Instant};
@@ -17,8 +21,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::engine::{Device, EngineConfig, EngineError, LlamaRunner, ModelRunner, forward_step, model_config};
-use crate::model::SyntheticSpec;
+use std::sync::Arc;
+
+use crate::engine::{
+    Device, EngineConfig, EngineError, LlamaRunner, LoraSpec, ModelRunner, forward_step, model_config,
+};
+use crate::model::{LoraAdapter, SyntheticSpec};
 use crate::scheduler::{ReserveConfig, Scheduler, SchedulerConfig, SeqRequest};
 use pagoda_kernels::KvDtype;
 
@@ -45,6 +53,13 @@ pub struct BenchOptions {
     /// Where the model runs ([`EngineConfig::device`]).
     #[serde(serialize_with = "serialize_display")]
     pub device: Device,
+    /// LoRA adapters to measure beside the base model (none: the base model only).
+    #[serde(serialize_with = "serialize_lora")]
+    pub lora: Vec<LoraSpec>,
+}
+
+fn serialize_lora<S: serde::Serializer>(specs: &[LoraSpec], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(specs.iter().map(|l| format!("{}={}", l.name, l.dir.display())))
 }
 
 fn serialize_display<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
@@ -70,6 +85,7 @@ impl Default for BenchOptions {
             amx: false,
             synthetic: None,
             device: Device::Cpu,
+            lora: Vec::new(),
         }
     }
 }
@@ -109,9 +125,21 @@ pub struct BenchReport {
     pub kv_blocks: usize,
     pub prefill: PrefillResult,
     pub decode: Vec<DecodeResult>,
+    /// The same measurements with LoRA adapters, one entry per way of assigning them (empty without adapters).
+    pub lora: Vec<LoraVariant>,
     /// `VmHWM` of this process, bytes (0 where /proc is unavailable).
     pub peak_rss_bytes: u64,
     pub options: BenchOptions,
+}
+
+/// The base model's measurements again with adapters on every sequence.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoraVariant {
+    /// "1 adapter (NAME, rank R)" or "N adapters in turn".
+    pub variant: String,
+    pub adapters: Vec<String>,
+    pub prefill: PrefillResult,
+    pub decode: Vec<DecodeResult>,
 }
 
 impl BenchReport {
@@ -147,6 +175,30 @@ impl BenchReport {
                 d.ms_per_step,
                 d.forward_ms_per_step
             ));
+        }
+        if !self.lora.is_empty() {
+            s.push_str("\nLoRA adapters, measured right after the base model on the same prompts:\n\n");
+            s.push_str(
+                "| adapters | phase | concurrency | tokens/s | × base | ms/step |\n|---|---|---:|---:|---:|---:|\n",
+            );
+            for v in &self.lora {
+                s.push_str(&format!(
+                    "| {} | prefill | 1 | {:.1} | {:.2} | — |\n",
+                    v.variant,
+                    v.prefill.tokens_per_s,
+                    ratio(v.prefill.tokens_per_s, self.prefill.tokens_per_s)
+                ));
+                for (d, base) in v.decode.iter().zip(&self.decode) {
+                    s.push_str(&format!(
+                        "| {} | decode | {} | {:.1} | {:.2} | {:.1} |\n",
+                        v.variant,
+                        d.concurrency,
+                        d.tokens_per_s,
+                        ratio(d.tokens_per_s, base.tokens_per_s),
+                        d.ms_per_step
+                    ));
+                }
+            }
         }
         s.push_str(&format!("\nPeak RSS (VmHWM): {:.1} MiB\n", self.peak_rss_bytes as f64 / (1024.0 * 1024.0)));
         s
@@ -190,6 +242,8 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),
         scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
+        lora: Vec::new(),
+        max_lora_rank: 64,
     };
     // Size the arena from the shape before loading the weights.
     let mc = model_config(&cfg)?;
@@ -224,36 +278,70 @@ fn bench_runner<R: ModelRunner>(
     let vocab = info.vocab_size as u32;
     let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(100..vocab.max(101))).collect() };
 
-    // Warm-up (page in weights, grow scratch buffers).
-    run_batch(runner, vec![prompt(64)], 4, opts.max_step_tokens)?;
+    // The base model first, then each way of putting adapters on the batch's sequences.
+    let adapters = runner.load_lora(&opts.lora, crate::model::lora::MAX_LORA_RANK)?;
+    let mut variants: Vec<(String, Vec<Arc<LoraAdapter>>)> = vec![(String::new(), Vec::new())];
+    if let Some(first) = adapters.first() {
+        variants.push((format!("1 adapter ({}, rank {})", first.name(), first.rank()), vec![Arc::clone(first)]));
+    }
+    if adapters.len() > 1 {
+        variants.push((format!("{} adapters in turn", adapters.len()), adapters.clone()));
+    }
+    // Warm-up (page in weights, grow scratch buffers), each variant once.
+    for (_, on) in &variants {
+        run_batch(runner, vec![prompt(64)], 4, opts.max_step_tokens, on)?;
+    }
 
-    let p = run_batch(runner, vec![prompt(opts.prefill_tokens)], 1, opts.max_step_tokens)?;
-    let prefill = PrefillResult {
-        prompt_tokens: opts.prefill_tokens,
-        chunk_tokens: opts.max_step_tokens,
-        seconds: p.prefill.as_secs_f64(),
-        tokens_per_s: rate(p.prefill_tokens, p.prefill),
-    };
-
-    let mut decode = Vec::new();
-    for &c in &opts.concurrency {
-        let c = c.max(1);
-        let prompts = (0..c).map(|_| prompt(opts.decode_prompt_tokens)).collect();
-        // One step prefills every prompt; all later steps are pure decode.
-        let budget = (c * opts.decode_prompt_tokens).max(opts.max_step_tokens);
-        let r = run_batch(runner, prompts, opts.decode_new_tokens, budget)?;
-        decode.push(DecodeResult {
-            concurrency: c,
-            prompt_tokens: opts.decode_prompt_tokens,
-            new_tokens: opts.decode_new_tokens,
-            decode_tokens: r.decode_tokens,
-            decode_steps: r.decode_steps,
-            seconds: r.decode.as_secs_f64(),
-            tokens_per_s: rate(r.decode_tokens, r.decode),
-            ms_per_step: per_step(r.decode, r.decode_steps),
-            forward_ms_per_step: per_step(r.decode_forward, r.decode_steps),
+    let mut prefills = Vec::new();
+    let long = prompt(opts.prefill_tokens);
+    for (_, on) in &variants {
+        let p = run_batch(runner, vec![long.clone()], 1, opts.max_step_tokens, on)?;
+        prefills.push(PrefillResult {
+            prompt_tokens: opts.prefill_tokens,
+            chunk_tokens: opts.max_step_tokens,
+            seconds: p.prefill.as_secs_f64(),
+            tokens_per_s: rate(p.prefill_tokens, p.prefill),
         });
     }
+
+    let mut decodes: Vec<Vec<DecodeResult>> = vec![Vec::new(); variants.len()];
+    for &c in &opts.concurrency {
+        let c = c.max(1);
+        let prompts: Vec<Vec<u32>> = (0..c).map(|_| prompt(opts.decode_prompt_tokens)).collect();
+        // One step prefills every prompt; all later steps are pure decode.
+        let budget = (c * opts.decode_prompt_tokens).max(opts.max_step_tokens);
+        for ((_, on), out) in variants.iter().zip(decodes.iter_mut()) {
+            let r = run_batch(runner, prompts.clone(), opts.decode_new_tokens, budget, on)?;
+            out.push(DecodeResult {
+                concurrency: c,
+                prompt_tokens: opts.decode_prompt_tokens,
+                new_tokens: opts.decode_new_tokens,
+                decode_tokens: r.decode_tokens,
+                decode_steps: r.decode_steps,
+                seconds: r.decode.as_secs_f64(),
+                tokens_per_s: rate(r.decode_tokens, r.decode),
+                ms_per_step: per_step(r.decode, r.decode_steps),
+                forward_ms_per_step: per_step(r.decode_forward, r.decode_steps),
+            });
+        }
+    }
+    let mut prefills = prefills.into_iter();
+    let mut decodes = decodes.into_iter();
+    let (prefill, decode) = match (prefills.next(), decodes.next()) {
+        (Some(p), Some(d)) => (p, d),
+        _ => return Err(EngineError::Forward("the base model was not measured".into())),
+    };
+    let lora = variants
+        .into_iter()
+        .skip(1)
+        .zip(prefills.zip(decodes))
+        .map(|((variant, on), (prefill, decode))| LoraVariant {
+            variant,
+            adapters: on.iter().map(|a| a.name().to_string()).collect(),
+            prefill,
+            decode,
+        })
+        .collect();
 
     Ok(BenchReport {
         model: info.name.clone(),
@@ -267,9 +355,14 @@ fn bench_runner<R: ModelRunner>(
         kv_blocks: info.num_blocks,
         prefill,
         decode,
+        lora,
         peak_rss_bytes: peak_rss_bytes(),
         options: opts.clone(),
     })
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { 0.0 }
 }
 
 fn rate(tokens: usize, d: Duration) -> f64 {
@@ -293,12 +386,13 @@ fn per_step(total: Duration, steps: usize) -> f64 {
 }
 
 /// Generates `new_tokens` greedy tokens for every prompt, timing prefill-carrying steps and pure decode steps
-/// apart.
+/// apart. Sequence `i` runs with adapter `i % adapters.len()` (the base model when there are none).
 fn run_batch<R: ModelRunner>(
     runner: &mut R,
     prompts: Vec<Vec<u32>>,
     new_tokens: usize,
     max_step_tokens: usize,
+    adapters: &[Arc<LoraAdapter>],
 ) -> Result<BatchTimes, EngineError> {
     let info = runner.info().clone();
     let cfg = SchedulerConfig {
@@ -314,7 +408,7 @@ fn run_batch<R: ModelRunner>(
         scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
     };
     let mut sched: Scheduler<()> = Scheduler::new(cfg, info.layout(), info.num_blocks);
-    for p in prompts {
+    for (i, p) in prompts.into_iter().enumerate() {
         sched.add(SeqRequest {
             prompt: p,
             max_tokens: new_tokens.max(1),
@@ -323,6 +417,7 @@ fn run_batch<R: ModelRunner>(
             policy: crate::policy::PolicySpec::full(),
             prompt_logits: false,
             priority: 0,
+            lora: (!adapters.is_empty()).then(|| Arc::clone(&adapters[i % adapters.len()])),
             payload: (),
         })?;
     }
@@ -408,6 +503,7 @@ mod tests {
                 ms_per_step: 31.5,
                 forward_ms_per_step: 30.0,
             }],
+            lora: Vec::new(),
             peak_rss_bytes: 1 << 30,
             options: BenchOptions::default(),
         };

@@ -387,6 +387,8 @@ fn run_fresh(
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),
         scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
+        lora: Vec::new(),
+        max_lora_rank: 64,
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();
@@ -468,6 +470,7 @@ fn run_config(
         prompt_logprobs: None,
         priority: 0,
         tier_codec: None,
+        lora: None,
     };
     // Warm-up outside the clock: first-step scratch growth and page faults on the fresh KV arena's first blocks.
     let warm = prompts.first().map_or(&[][..], |p| &p[..p.len().min(32)]);

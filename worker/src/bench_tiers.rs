@@ -97,6 +97,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         prompt_logprobs: None,
         priority: 0,
         tier_codec: None,
+        lora: None,
     }
 }
 

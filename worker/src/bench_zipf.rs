@@ -828,6 +828,7 @@ fn request(prompt: Vec<u32>, answer_tokens: usize, profile_queries: &[Vec<u32>])
         prompt_logprobs: None,
         priority: 0,
         tier_codec: None,
+        lora: None,
     }
 }
 

@@ -11,6 +11,7 @@
 //! The model sits behind [`ModelRunner`] so the thread, batching and streaming can be exercised with a stand-in;
 //! [`LlamaRunner`] is the real one (GGUF → `LlamaModel::forward` on a `CpuBackend` over a `KvStorage`).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -24,8 +25,9 @@ use pagoda_kernels::{Codec, CpuBackend, KvDtype, KvStorage};
 use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::json_guide::TokenTable;
+use crate::model::lora::{MAX_LORA_RANK, cache_namespace};
 use crate::model::{
-    ForwardSeq, Gguf, LlamaModel, LogitsWanted, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
+    ForwardSeq, Gguf, LlamaModel, LogitsWanted, LoraAdapter, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
 };
 pub use crate::placement::TierPlacement;
 use crate::placement::{EvicPress, EvicPressConfig, EvicPressStats};
@@ -83,6 +85,33 @@ pub struct EngineConfig {
     pub device: Device,
     /// N-gram speculative decoding (off by default): see [`crate::speculative`].
     pub speculative: NgramConfig,
+    /// LoRA adapters to serve beside the base model, by name (`--lora NAME=DIR`, PEFT directories).
+    pub lora: Vec<LoraSpec>,
+    /// The highest adapter rank loaded (`--max-lora-rank`).
+    pub max_lora_rank: usize,
+}
+
+/// One adapter to load: the name requests use and its PEFT directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraSpec {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+impl std::str::FromStr for LoraSpec {
+    type Err = String;
+
+    /// `NAME=DIR`.
+    fn from_str(s: &str) -> Result<LoraSpec, String> {
+        let (name, dir) = s.split_once('=').ok_or_else(|| format!("--lora {s:?}: expected NAME=DIR"))?;
+        if !crate::model::lora::valid_lora_name(name) {
+            return Err(format!("--lora {s:?}: the name must be 1 to 128 characters of [A-Za-z0-9._:/-]"));
+        }
+        if dir.is_empty() {
+            return Err(format!("--lora {s:?}: the directory is empty"));
+        }
+        Ok(LoraSpec { name: name.to_string(), dir: PathBuf::from(dir) })
+    }
 }
 
 /// The compute device of a runner.
@@ -143,6 +172,8 @@ impl Default for EngineConfig {
             synthetic: None,
             device: Device::Cpu,
             speculative: NgramConfig::off(),
+            lora: Vec::new(),
+            max_lora_rank: 64,
         }
     }
 }
@@ -188,6 +219,9 @@ pub struct GenerateRequest {
     /// instead of the worker's `--tier-codec`; a native codec means the arena's own lossless format. `None` takes
     /// the worker's. Refused under EvicPress placement, which chooses codecs itself.
     pub tier_codec: Option<GroupCodec>,
+    /// The LoRA adapter to run with, by the name the worker loaded it under (`None`: the base model). Its blocks
+    /// hash in [`crate::model::lora::cache_namespace`] of the request's namespace, which the engine salts.
+    pub lora: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -330,6 +364,8 @@ pub enum EngineError {
     Forward(String),
     #[error("the engine has stopped")]
     Stopped,
+    #[error("LoRA adapter {0:?} is not loaded on this worker")]
+    UnknownLora(String),
 }
 
 /// One sequence's slice of a forward step, in the model's terms.
@@ -350,6 +386,8 @@ pub struct StepSeq<'a> {
     /// Have the attention kernel sum this step's attention probabilities, raised to this power, for the eviction
     /// policy (see [`crate::policy::PolicyState::attention_sums`]).
     pub attention_sums: Option<u32>,
+    /// The sequence's LoRA adapter, if its request named one.
+    pub lora: Option<&'a LoraAdapter>,
 }
 
 impl<'a> StepSeq<'a> {
@@ -363,6 +401,7 @@ impl<'a> StepSeq<'a> {
             logits: self.logits,
             capture_q: self.capture_q,
             attention_sums: self.attention_sums,
+            lora: self.lora,
         }
     }
 }
@@ -421,6 +460,18 @@ pub trait ModelRunner {
     /// step with it.
     fn take_error(&mut self) -> Option<EngineError> {
         None
+    }
+    /// Loads the LoRA adapters `specs` names for this runner's model. A runner that cannot apply adapters refuses
+    /// any.
+    fn load_lora(&self, specs: &[LoraSpec], max_rank: usize) -> Result<Vec<Arc<LoraAdapter>>, EngineError> {
+        let _ = max_rank;
+        match specs.first() {
+            None => Ok(Vec::new()),
+            Some(s) => Err(EngineError::Config(format!(
+                "--lora {}: this backend does not serve LoRA adapters (the CPU backend does)",
+                s.name
+            ))),
+        }
     }
     /// The KV arena the host, disk and peer tiers copy block groups out of and back into. A runner without one
     /// cannot serve tiers.
@@ -502,6 +553,7 @@ pub fn forward_step<P, R: ModelRunner>(
             logits: logits_wanted(seq, e),
             capture_q: seq.capture_for(e.start, e.n, sums),
             attention_sums: if sums { seq.attention_sums() } else { None },
+            lora: seq.lora(),
         });
     }
     let result = match greedy {
@@ -547,6 +599,8 @@ pub fn auto_num_blocks(layout: CacheLayout, context_length: usize) -> usize {
 
 enum Command {
     Submit {
+        /// The adapter the request named, resolved by the handle.
+        lora: Option<Arc<LoraAdapter>>,
         /// Boxed: a request is far larger than the other commands.
         req: Box<GenerateRequest>,
         events: UnboundedSender<GenerateEvent>,
@@ -593,6 +647,8 @@ struct HandleInner {
     /// EvicPress places the tiers, over these codecs (besides the native format): a request may name one of them
     /// for its context ([`GenerateRequest::tier_codec`]), which is then stored in it or not at all.
     evicpress_codecs: Option<Vec<Codec>>,
+    /// The LoRA adapters loaded (`EngineConfig::lora`), by name.
+    lora: HashMap<String, Arc<LoraAdapter>>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -631,9 +687,36 @@ impl EngineHandle {
     /// request and frees its blocks.
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<GenerateEvent>, EngineError> {
         self.validate(&req)?;
+        let mut req = req;
+        let lora = self.lora_of(&req)?;
+        if let Some(adapter) = &lora {
+            req.namespace = cache_namespace(&req.namespace, adapter.cache_id());
+        }
         let (events, rx) = unbounded_channel();
-        self.send(Command::Submit { req: Box::new(req), events })?;
+        self.send(Command::Submit { req: Box::new(req), lora, events })?;
         Ok(rx)
+    }
+
+    /// The adapter `req` names, or `None` for the base model; an error names an adapter this worker lacks.
+    fn lora_of(&self, req: &GenerateRequest) -> Result<Option<Arc<LoraAdapter>>, EngineError> {
+        let Some(name) = &req.lora else { return Ok(None) };
+        self.inner.lora.get(name).cloned().map(Some).ok_or_else(|| EngineError::UnknownLora(name.clone()))
+    }
+
+    /// The namespace `req`'s blocks hash in: its own, salted by its adapter's cache id when it names one
+    /// ([`cache_namespace`]). What the engine hashes under once `req` is submitted.
+    pub fn cache_namespace_of(&self, req: &GenerateRequest) -> Result<String, EngineError> {
+        Ok(match self.lora_of(req)? {
+            Some(adapter) => cache_namespace(&req.namespace, adapter.cache_id()),
+            None => req.namespace.clone(),
+        })
+    }
+
+    /// The LoRA adapters this engine serves, by name.
+    pub fn lora_adapters(&self) -> Vec<Arc<LoraAdapter>> {
+        let mut all: Vec<Arc<LoraAdapter>> = self.inner.lora.values().cloned().collect();
+        all.sort_by(|a, b| a.name().cmp(b.name()));
+        all
     }
 
     /// Cancels every queued or running request with this id (no-op when none).
@@ -829,7 +912,8 @@ impl Engine {
             return Err(EngineError::Config("block_size must be at least 1".into()));
         }
         let (tx, rx) = mpsc::channel::<Command>();
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(ModelInfo, Vec<PolicyKind>), EngineError>>(1);
+        type Ready = (ModelInfo, Vec<PolicyKind>, Vec<Arc<LoraAdapter>>);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<Ready, EngineError>>(1);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
         let thread_cfg = config.clone();
@@ -856,6 +940,13 @@ impl Engine {
                     return;
                 }
                 let info = runner.info().clone();
+                let adapters = match load_adapters(&runner, &thread_cfg) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let tiers = match open_tiers(&thread_cfg, &info) {
                     Ok(t) => t,
                     Err(e) => {
@@ -887,13 +978,13 @@ impl Engine {
                     core.tiers = Some(t);
                 }
                 core.publish_stats();
-                if ready_tx.send(Ok((info, policies))).is_err() {
+                if ready_tx.send(Ok((info, policies, adapters))).is_err() {
                     return;
                 }
                 core.run(rx);
             })
             .map_err(|e| EngineError::Config(format!("cannot spawn the engine thread: {e}")))?;
-        let (info, policies) = match ready_rx.recv() {
+        let (info, policies, adapters) = match ready_rx.recv() {
             Ok(Ok(ready)) => ready,
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -916,11 +1007,34 @@ impl Engine {
                     TierPlacement::EvicPress(ep) => Some(ep.codecs.clone()),
                     _ => None,
                 },
+                lora: adapters.into_iter().map(|a| (a.name().to_string(), a)).collect(),
                 stats,
                 thread: Mutex::new(Some(thread)),
             }),
         })
     }
+}
+
+/// Loads the configured LoRA adapters through the runner. EvicPress profiles a context by decoding over it with the
+/// base model, which would score an adapter's context with the wrong weights, so the two are not combined.
+fn load_adapters<R: ModelRunner>(runner: &R, cfg: &EngineConfig) -> Result<Vec<Arc<LoraAdapter>>, EngineError> {
+    if cfg.lora.is_empty() {
+        return Ok(Vec::new());
+    }
+    if matches!(cfg.placement, TierPlacement::EvicPress(_)) {
+        return Err(EngineError::Config(
+            "--lora cannot be combined with --tier-placement evicpress (its profiler decodes with the base model)"
+                .into(),
+        ));
+    }
+    if !(1..=MAX_LORA_RANK).contains(&cfg.max_lora_rank) {
+        return Err(EngineError::Config(format!("--max-lora-rank must be in 1..={MAX_LORA_RANK}")));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = cfg.lora.iter().find(|s| !seen.insert(s.name.as_str())) {
+        return Err(EngineError::Config(format!("--lora {}: the name is given twice", dup.name)));
+    }
+    runner.load_lora(&cfg.lora, cfg.max_lora_rank)
 }
 
 /// Opens the configured lower tiers. A disk read is bounded by the encoded size of one group of this model.
@@ -1207,7 +1321,7 @@ impl<R: ModelRunner> EngineLoop<R> {
 
     fn handle(&mut self, cmd: Command) -> Flow {
         match cmd {
-            Command::Submit { req, events } => {
+            Command::Submit { req, lora, events } => {
                 let req = *req;
                 let mut stop = req.stop_token_ids;
                 if !req.ignore_eos {
@@ -1243,6 +1357,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     policy: req.policy.unwrap_or(self.default_policy),
                     prompt_logits: req.prompt_logprobs.is_some(),
                     priority: req.priority,
+                    lora,
                     payload: state,
                 };
                 // The handle validated already; a rejection here still reaches the client.
@@ -2046,6 +2161,24 @@ impl ModelRunner for LlamaRunner {
     fn group_kv(&mut self) -> Option<&mut dyn GroupKv> {
         Some(&mut self.kv)
     }
+
+    fn load_lora(&self, specs: &[LoraSpec], max_rank: usize) -> Result<Vec<Arc<LoraAdapter>>, EngineError> {
+        specs
+            .iter()
+            .map(|s| {
+                let adapter = LoraAdapter::load(&s.name, &s.dir, self.model.config(), max_rank)
+                    .map_err(|e| EngineError::Config(e.to_string()))?;
+                tracing::info!(
+                    adapter = s.name,
+                    dir = %s.dir.display(),
+                    rank = adapter.rank(),
+                    cache_id = adapter.cache_id(),
+                    "LoRA adapter loaded"
+                );
+                Ok(Arc::new(adapter))
+            })
+            .collect()
+    }
 }
 
 /// A stand-in model for the unit tests here and in `service`: next token = (position + last token) % vocab, as
@@ -2123,6 +2256,7 @@ mod tests {
             prompt_logprobs: None,
             priority: 0,
             tier_codec: None,
+            lora: None,
         }
     }
 

@@ -1283,6 +1283,7 @@ impl EvicPress {
             logits,
             capture_q: 0,
             attention_sums: None,
+            lora: None,
         };
         runner.forward(&[seq], &mut self.logits)
     }

@@ -39,8 +39,10 @@
 //! [`Scheduler::append_token`].
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::cache::{BlockId, BlockPool, CacheError, CacheLayout, SeqBlocks, extend_block_hashes};
+use crate::model::LoraAdapter;
 use crate::policy::{
     AttnDims, CacheView, Eviction, PolicyKind, PolicyKv, PolicySpec, PolicyState, StepProbs, StepView,
 };
@@ -194,6 +196,9 @@ pub struct SeqRequest<P> {
     pub prompt_logits: bool,
     /// vLLM's request priority: lower is served first (admitted first, preempted last); ties go by arrival.
     pub priority: i32,
+    /// The LoRA adapter the sequence runs with. Its blocks hash in a namespace the adapter salts (the caller's
+    /// `namespace` already is: [`crate::model::lora::cache_namespace`]).
+    pub lora: Option<Arc<LoraAdapter>>,
     pub payload: P,
 }
 
@@ -238,6 +243,7 @@ pub struct Sequence<P> {
     forced: Vec<u32>,
     /// [`SeqRequest::priority`].
     priority: i32,
+    lora: Option<Arc<LoraAdapter>>,
     pub payload: P,
 }
 
@@ -278,6 +284,11 @@ impl<P> Sequence<P> {
     pub fn status(&self) -> SeqStatus {
         self.status
     }
+    /// The LoRA adapter the sequence runs with, if any.
+    pub fn lora(&self) -> Option<&LoraAdapter> {
+        self.lora.as_deref()
+    }
+
     pub fn namespace(&self) -> &str {
         &self.namespace
     }
@@ -498,6 +509,7 @@ impl<P> Scheduler<P> {
             acceptance: Acceptance::default(),
             forced: Vec::new(),
             priority: req.priority,
+            lora: req.lora,
             payload: req.payload,
         };
         self.seqs.insert(id, seq);

@@ -352,6 +352,7 @@ impl WorkerService {
             prompt_logprobs: req.prompt_logprobs.then_some(req.top_logprobs),
             priority: req.priority,
             tier_codec,
+            lora: (!req.lora.is_empty()).then_some(req.lora),
         })
     }
 }
@@ -368,6 +369,7 @@ pub fn status_from_engine(e: &EngineError) -> Status {
         ) => Status::invalid_argument(e.to_string()),
         EngineError::Rejected(_) => Status::resource_exhausted(e.to_string()),
         EngineError::Stopped => Status::unavailable(e.to_string()),
+        EngineError::UnknownLora(_) => Status::not_found(e.to_string()),
         EngineError::Model(_) | EngineError::Config(_) | EngineError::Forward(_) => Status::internal(e.to_string()),
     }
 }
@@ -556,7 +558,8 @@ impl Worker for WorkerService {
         // Refused as busy before any pull: a pull for a request that cannot run would be wasted.
         let queue_slot = self.admission.enter(req.prompt.len() as u64).map_err(refused)?;
         if let (Some(peer), Some(hint)) = (&self.peer, &hint) {
-            let pulled = peer.pull_prefix(&req.prompt, &req.namespace, hint, &span).await;
+            let namespace = self.engine.cache_namespace_of(&req).map_err(|e| status_from_engine(&e))?;
+            let pulled = peer.pull_prefix(&req.prompt, &namespace, hint, &span).await;
             if pulled > 0 {
                 trace_context::span_event(
                     &span,
@@ -607,6 +610,16 @@ impl Worker for WorkerService {
             kv_group_size: u32::try_from(info.layout().group_size()).unwrap_or(u32::MAX),
             worker_id: self.worker_id.clone(),
             role: self.role.clone(),
+            lora_adapters: self
+                .engine
+                .lora_adapters()
+                .iter()
+                .map(|a| pb::LoraAdapterInfo {
+                    name: a.name().to_string(),
+                    cache_id: a.cache_id().to_string(),
+                    rank: u32::try_from(a.rank()).unwrap_or(u32::MAX),
+                })
+                .collect(),
         }))
     }
 

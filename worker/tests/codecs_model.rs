@@ -77,6 +77,7 @@ fn prefill() -> Prefilled {
         logits: LogitsWanted::Last,
         capture_q: 1,
         attention_sums: None,
+        lora: None,
     };
     let be = CpuBackend::new(2);
     let mut scratch = Scratch::default();

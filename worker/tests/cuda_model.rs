@@ -86,6 +86,7 @@ fn greedy_lockstep(cfg: &EngineConfig, prompt: &[u32]) -> (Vec<u32>, usize, f32)
             logits: if step == 0 { LogitsWanted::All } else { LogitsWanted::Last },
             capture_q: 0,
             attention_sums: None,
+            lora: None,
         };
         let (mut lc, mut lg) = (Vec::new(), Vec::new());
         cpu.forward(&[seq], &mut lc).expect("CPU step");

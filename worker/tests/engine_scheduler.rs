@@ -83,6 +83,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
         policy: Default::default(),
         prompt_logits: false,
         priority: 0,
+        lora: None,
         payload: (),
     }
 }

@@ -52,6 +52,7 @@ fn logits(model: &LlamaModel, ids: &[u32], dtype: KvDtype) -> Vec<Vec<f32>> {
             logits: LogitsWanted::All,
             capture_q: 0,
             attention_sums: None,
+            lora: None,
         };
         out.clear();
         model.forward(&be, &mut kv, &[seq], &mut scratch, &mut out).expect("forward");

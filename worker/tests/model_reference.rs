@@ -75,6 +75,7 @@ impl Seq {
             logits,
             capture_q: 0,
             attention_sums: None,
+            lora: None,
         }
     }
 

@@ -351,6 +351,32 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// `y += Σ_j low[j]·bt[j]`, `bt` being `low.len()` rows of `out` f16 values: eight columns at a time, the sum kept in
+/// a register across the rows (the second half of [`super::lora`]'s kernel).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rank_axpy_f16(low: &[f32], bt: &[u16], out: usize, y: &mut [f32]) {
+    assert!(bt.len() >= low.len() * out && y.len() >= out, "rank_axpy_f16: short bt or y");
+    let (pb, py) = (bt.as_ptr(), y.as_mut_ptr());
+    let mut o = 0;
+    while o + 8 <= out {
+        let mut acc = _mm256_loadu_ps(py.add(o));
+        for (j, &l) in low.iter().enumerate() {
+            let b = _mm256_cvtph_ps(_mm_loadu_si128(pb.add(j * out + o).cast()));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(l), b, acc);
+        }
+        _mm256_storeu_ps(py.add(o), acc);
+        o += 8;
+    }
+    while o < out {
+        let mut s = y[o];
+        for (j, &l) in low.iter().enumerate() {
+            s += l * half::f16::from_bits(bt[j * out + o]).to_f32();
+        }
+        y[o] = s;
+        o += 1;
+    }
+}
+
 /// f16 · f32 (any length).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {

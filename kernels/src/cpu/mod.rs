@@ -14,6 +14,7 @@ pub(crate) mod avx512_attention;
 pub mod codecs;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod codecs_avx2;
+pub mod lora;
 pub mod matmul;
 pub(crate) mod pool;
 pub mod scalar;
@@ -296,6 +297,10 @@ impl Backend for CpuBackend {
 
     fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
         attention::kv_write(kv, k, v, seqs, n_kv_heads);
+    }
+
+    fn lora_add(&self, x: &[f32], input: usize, y: &mut [f32], out: usize, segments: &[lora::LoraSegment<'_>]) {
+        lora::lora_add(self, x, input, y, out, segments);
     }
 
     fn paged_attention_with_probs(

@@ -253,6 +253,7 @@ impl CodecEvaluator {
                 logits: LogitsWanted::Last,
                 capture_q: 0,
                 attention_sums: None,
+                lora: None,
             })
             .collect();
         self.logits.clear();

@@ -234,6 +234,7 @@ impl Evaluator {
                     policy: spec,
                     prompt_logits: false,
                     priority: 0,
+                    lora: None,
                     payload: (),
                 })?;
                 lanes.push(Lane { spec, seq, mode: Mode::Generate { max_new: item.max_new_tokens, out: Vec::new() } });
@@ -285,6 +286,7 @@ impl Evaluator {
                     policy: spec,
                     prompt_logits: false,
                     priority: 0,
+                    lora: None,
                     payload: (),
                 })?;
                 let mode = Mode::Force { cont: cont.clone(), next: 0, agree: 0, kl: 0.0, correct: 0, nll: 0.0 };

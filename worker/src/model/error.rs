@@ -55,6 +55,9 @@ pub enum ModelError {
     /// The caller passed invalid forward-pass inputs (token id out of range, short block table, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// A LoRA adapter could not be loaded (bad files, unsupported options, shapes of another model).
+    #[error("LoRA adapter: {0}")]
+    Lora(String),
 }
 
 impl ModelError {

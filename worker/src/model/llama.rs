@@ -15,6 +15,7 @@ use pagoda_kernels::{AttnProbs, AttnSeq, Backend, KvStorage, QMatrix, WeightType
 use super::config::ModelConfig;
 use super::error::ModelError;
 use super::gguf::{GgmlType, Gguf};
+use super::lora::{LoraAdapter, LoraTarget, apply_lora};
 
 /// Which logits rows a sequence wants from a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +59,9 @@ pub struct ForwardSeq<'a> {
     /// step's tokens into [`Scratch::attn_probs`] (policies that rank slots by accumulated attention read them
     /// instead of scoring the keys again). `None`: no probabilities.
     pub attention_sums: Option<u32>,
+    /// The LoRA adapter this sequence runs with (`None`: the base model). Consecutive sequences with the same
+    /// adapter share its small matmuls.
+    pub lora: Option<&'a LoraAdapter>,
 }
 
 /// Reusable activation buffers for [`LlamaModel::forward`]. Buffers grow to the largest step seen and are then
@@ -288,6 +292,37 @@ impl LlamaModel {
         })
     }
 
+    /// F32 weights ([`LlamaModel::to_f32_weights`]) with `adapter`'s deltas added (PEFT's `merge_and_unload`):
+    /// the reference that serving the adapter unmerged is checked against.
+    pub fn merged_with(&self, adapter: &LoraAdapter) -> Result<LlamaModel, ModelError> {
+        let mut merged = self.to_f32_weights()?;
+        let cfg = self.config.clone();
+        for (li, layer) in merged.layers.iter_mut().enumerate() {
+            for target in LoraTarget::ALL {
+                let Some(delta) = adapter.delta(li, target, &cfg) else { continue };
+                let w = match target {
+                    LoraTarget::Q => &mut layer.wq,
+                    LoraTarget::K => &mut layer.wk,
+                    LoraTarget::V => &mut layer.wv,
+                    LoraTarget::O => &mut layer.wo,
+                    LoraTarget::Gate => &mut layer.w_gate,
+                    LoraTarget::Up => &mut layer.w_up,
+                    LoraTarget::Down => &mut layer.w_down,
+                };
+                let (rows, cols) = (w.rows(), w.cols());
+                let mut values = vec![0.0f32; rows * cols];
+                for (r, out) in values.chunks_exact_mut(cols).enumerate() {
+                    w.dequantize_row(r, out);
+                }
+                for (v, d) in values.iter_mut().zip(&delta) {
+                    *v += d;
+                }
+                *w = QMatrix::from_f32(rows, cols, &values).map_err(|e| ModelError::Kernel(e.to_string()))?;
+            }
+        }
+        Ok(merged)
+    }
+
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config
@@ -359,6 +394,16 @@ impl LlamaModel {
             probs,
             probs_stride,
         } = scratch;
+        let any_lora = seqs.iter().any(|s| s.lora.is_some());
+        // Adds the step's adapters' deltas of one projection (nothing when no sequence has an adapter).
+        // One allocation per step with adapters, reused by every projection of every layer.
+        let mut segments = Vec::new();
+        let mut lora = |li: usize, target: LoraTarget, x: &[f32], y: &mut [f32]| {
+            if any_lora {
+                let (input, output) = target.dims(c);
+                apply_lora(backend, seqs, (li, target), (x, input), (y, output), &mut segments);
+            }
+        };
         backend.embedding(&self.embed, ids, x);
 
         let scale = 1.0 / (c.head_dim as f32).sqrt();
@@ -370,6 +415,9 @@ impl LlamaModel {
             backend.matmul(&layer.wq, xn, total, q);
             backend.matmul(&layer.wk, xn, total, k);
             backend.matmul(&layer.wv, xn, total, v);
+            lora(li, LoraTarget::Q, xn, q);
+            lora(li, LoraTarget::K, xn, k);
+            lora(li, LoraTarget::V, xn, v);
             backend.rope(q, positions, c.n_heads, c.head_dim, c.rope_theta);
             backend.rope(k, positions, nkv, c.head_dim, c.rope_theta);
             if captures {
@@ -398,13 +446,17 @@ impl LlamaModel {
             }
 
             backend.matmul(&layer.wo, attn, total, proj);
+            lora(li, LoraTarget::O, attn, proj);
             add_assign(x, proj);
 
             backend.rmsnorm(x, &layer.ffn_norm, c.rms_eps, xn);
             backend.matmul(&layer.w_gate, xn, total, gate);
             backend.matmul(&layer.w_up, xn, total, up);
+            lora(li, LoraTarget::Gate, xn, gate);
+            lora(li, LoraTarget::Up, xn, up);
             backend.silu_mul(gate, up);
             backend.matmul(&layer.w_down, gate, total, proj);
+            lora(li, LoraTarget::Down, gate, proj);
             add_assign(x, proj);
         }
         debug_assert_eq!(x.len(), total * hidden);

@@ -1,6 +1,6 @@
 //! The model layer: GGUF reader ([`gguf`]), tokenizer built from GGUF metadata ([`tokenizer`]), chat template
 //! rendering ([`chat`]), model hyper-parameters ([`config`]), the llama forward pass over head-paged KV blocks
-//! ([`llama`]) and synthetic-weights models of any llama shape for throughput benchmarks ([`synthetic`]). All numeric work goes through `pagoda_kernels::Backend`.
+//! ([`llama`]) LoRA adapters ([`lora`]) and synthetic-weights models of any llama shape for throughput benchmarks ([`synthetic`]). All numeric work goes through `pagoda_kernels::Backend`.
 
 pub mod chat;
 pub mod config;
@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod error;
 pub mod gguf;
 pub mod llama;
+pub mod lora;
 pub mod synthetic;
 pub mod tokenizer;
 
@@ -17,5 +18,6 @@ pub use config::ModelConfig;
 pub use error::ModelError;
 pub use gguf::{GgmlType, Gguf, MetaValue, TensorInfo};
 pub use llama::{ForwardSeq, LlamaModel, LogitsWanted, Scratch};
+pub use lora::{LoraAdapter, LoraTarget, SyntheticLora};
 pub use synthetic::{SyntheticSpec, parse_synthetic_weights};
 pub use tokenizer::Tokenizer;

@@ -506,6 +506,7 @@ mod tests {
             logits: LogitsWanted::All,
             capture_q: 0,
             attention_sums: None,
+            lora: None,
         };
         let mut logits = Vec::new();
         model.forward(&CpuBackend::new(1), &mut kv, &[seq], &mut Scratch::new(), &mut logits).unwrap();

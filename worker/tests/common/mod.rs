@@ -34,6 +34,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         prompt_logprobs: None,
         priority: 0,
         tier_codec: None,
+        lora: None,
     }
 }
 

@@ -1,0 +1,660 @@
+//! LoRA adapters: [`LoraAdapter`] (low-rank weight deltas `ΔW = (α/r)·B·A` on a llama model's projections, loaded
+//! from a PEFT directory), their application inside a batched forward step ([`apply_lora`]), and
+//! [`write_synthetic_peft`], which writes a clearly labelled random adapter for tests and benchmarks.
+//!
+//! An adapter serves many requests beside the base model and beside other adapters in one step, as vLLM's
+//! multi-LoRA and S-LoRA do: the base matmul runs once over the whole batch, then each run of rows that share an
+//! adapter adds `B·(A·x)` (the backend's `lora_add` kernel). The weights are never merged, so any mix of adapters
+//! costs one base matmul per projection.
+//!
+//! The format is PEFT's (`adapter_config.json` + `adapter_model.safetensors`), which is what vLLM's
+//! `--lora-modules` and SGLang's `--lora-paths` load. Tensors use Hugging Face's row order; the GGUF converter
+//! permuted the rows of Wq and Wk for llama.cpp's interleaved RoPE, so the rows of `B` for `q_proj` and `k_proj` are
+//! permuted the same way here. Every input is bounded and checked: file sizes, rank, shapes, dtypes, finite values,
+//! and PEFT options that would change the math (DoRA, `fan_in_fan_out`, biases, per-module ranks) are refused by
+//! name rather than ignored.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+
+use pagoda_kernels::{Backend, LoraSegment};
+use serde_json::Value;
+
+use super::config::ModelConfig;
+use super::error::ModelError;
+use super::llama::ForwardSeq;
+
+/// The largest `adapter_config.json` read.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// The largest `adapter_model.safetensors` read.
+const MAX_WEIGHTS_BYTES: u64 = 2 << 30;
+/// The highest rank any worker accepts (`--max-lora-rank` is checked against it): the kernel's bound.
+pub const MAX_LORA_RANK: usize = pagoda_kernels::cpu::lora::MAX_LORA_RANK;
+/// Longest adapter name.
+pub const MAX_LORA_NAME: usize = 128;
+
+/// A projection of a llama block that an adapter may change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraTarget {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl LoraTarget {
+    /// Every target, in [`LoraTarget::index`] order.
+    pub const ALL: [LoraTarget; 7] = [
+        LoraTarget::Q,
+        LoraTarget::K,
+        LoraTarget::V,
+        LoraTarget::O,
+        LoraTarget::Gate,
+        LoraTarget::Up,
+        LoraTarget::Down,
+    ];
+
+    /// PEFT's module name (`target_modules`).
+    pub fn module(self) -> &'static str {
+        match self {
+            LoraTarget::Q => "q_proj",
+            LoraTarget::K => "k_proj",
+            LoraTarget::V => "v_proj",
+            LoraTarget::O => "o_proj",
+            LoraTarget::Gate => "gate_proj",
+            LoraTarget::Up => "up_proj",
+            LoraTarget::Down => "down_proj",
+        }
+    }
+
+    fn parent(self) -> &'static str {
+        match self {
+            LoraTarget::Q | LoraTarget::K | LoraTarget::V | LoraTarget::O => "self_attn",
+            _ => "mlp",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The target named `module` (PEFT's name).
+    pub fn from_module(module: &str) -> Option<LoraTarget> {
+        LoraTarget::ALL.into_iter().find(|t| t.module() == module)
+    }
+
+    /// (input width, output width) of the projection in `cfg`.
+    pub fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
+        match self {
+            LoraTarget::Q => (cfg.hidden, cfg.q_dim()),
+            LoraTarget::K | LoraTarget::V => (cfg.hidden, cfg.kv_dim()),
+            LoraTarget::O => (cfg.q_dim(), cfg.hidden),
+            LoraTarget::Gate | LoraTarget::Up => (cfg.hidden, cfg.ffn),
+            LoraTarget::Down => (cfg.ffn, cfg.hidden),
+        }
+    }
+
+    /// PEFT's tensor name of this target's `A` (`B` when `b`) in block `layer`.
+    pub fn tensor_name(self, layer: usize, b: bool) -> String {
+        let ab = if b { "B" } else { "A" };
+        format!("base_model.model.model.layers.{layer}.{}.{}.lora_{ab}.weight", self.parent(), self.module())
+    }
+}
+
+/// One projection's delta: `A` (`[rank][input]`) and `B` transposed (`[rank][output]`), scaled by α/r and with its
+/// output columns in the GGUF's row order, as f16 bits: the layout the backend's `lora_add` reads. (PEFT adapters
+/// are trained and shipped in 16-bit floats; f16 keeps α/r·B's small values to 11 significant bits.)
+struct LoraPair {
+    a: Vec<u16>,
+    bt: Vec<u16>,
+}
+
+fn f16_bits(x: f32) -> u16 {
+    half::f16::from_f32(x).to_bits()
+}
+
+fn f16_value(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
+}
+
+/// A loaded LoRA adapter. Cheap to share (`Arc`); immutable once loaded.
+pub struct LoraAdapter {
+    name: String,
+    cache_id: String,
+    rank: usize,
+    scale: f32,
+    targets: Vec<LoraTarget>,
+    /// `[layer][LoraTarget::index]`.
+    layers: Vec<[Option<LoraPair>; 7]>,
+}
+
+impl fmt::Debug for LoraAdapter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoraAdapter")
+            .field("name", &self.name)
+            .field("cache_id", &self.cache_id)
+            .field("rank", &self.rank)
+            .field("scale", &self.scale)
+            .field("targets", &self.targets)
+            .finish()
+    }
+}
+
+fn lora_err(msg: impl Into<String>) -> ModelError {
+    ModelError::Lora(msg.into())
+}
+
+/// Whether `name` may name an adapter: 1 to [`MAX_LORA_NAME`] characters of `[A-Za-z0-9._:/-]`, so that it is a
+/// valid OpenAI model id and never contains the separator [`cache_namespace`] uses.
+pub fn valid_lora_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_LORA_NAME
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'/' | b'-'))
+}
+
+/// The namespace a request of `namespace` hashes its blocks in when it runs with the adapter `cache_id`: the
+/// adapter's KV differs from the base model's for the same tokens, so its chain must too. The separator (a NUL)
+/// appears in no tenant name and no adapter name, so no two pairs give the same string. Routers compute the same.
+pub fn cache_namespace(namespace: &str, cache_id: &str) -> String {
+    format!("{namespace}\u{0}lora\u{0}{cache_id}")
+}
+
+impl LoraAdapter {
+    /// Loads the PEFT adapter in `dir` for a model of shape `cfg`, refusing ranks above `max_rank`.
+    pub fn load(name: &str, dir: &Path, cfg: &ModelConfig, max_rank: usize) -> Result<LoraAdapter, ModelError> {
+        if !valid_lora_name(name) {
+            return Err(lora_err(format!(
+                "adapter name {name:?}: expected 1 to {MAX_LORA_NAME} characters of [A-Za-z0-9._:/-]"
+            )));
+        }
+        let config_bytes = read_bounded(&dir.join("adapter_config.json"), MAX_CONFIG_BYTES)?;
+        let config: Value = serde_json::from_slice(&config_bytes)
+            .map_err(|e| lora_err(format!("{name}: adapter_config.json is not JSON: {e}")))?;
+        let options = PeftOptions::parse(&config, max_rank).map_err(|e| lora_err(format!("{name}: {e}")))?;
+        let weights = read_bounded(&dir.join("adapter_model.safetensors"), MAX_WEIGHTS_BYTES)?;
+        let tensors = safetensors::SafeTensors::deserialize(&weights)
+            .map_err(|e| lora_err(format!("{name}: adapter_model.safetensors: {e}")))?;
+        let mut found: HashMap<String, Vec<f32>> = HashMap::new();
+        for (tensor_name, view) in tensors.tensors() {
+            found.insert(
+                tensor_name.clone(),
+                tensor_values(&tensor_name, &view).map_err(|e| lora_err(format!("{name}: {e}")))?,
+            );
+        }
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        hasher.update(&weights);
+        hasher.update(&options.scale.to_le_bytes());
+        let cache_id = format!("{name}@{:016x}", hasher.digest());
+        LoraAdapter::from_tensors(name, cache_id, cfg, &options, found).map_err(|e| lora_err(format!("{name}: {e}")))
+    }
+
+    fn from_tensors(
+        name: &str,
+        cache_id: String,
+        cfg: &ModelConfig,
+        options: &PeftOptions,
+        mut found: HashMap<String, Vec<f32>>,
+    ) -> Result<LoraAdapter, String> {
+        let rank = options.rank;
+        let mut layers: Vec<[Option<LoraPair>; 7]> = (0..cfg.n_layers).map(|_| Default::default()).collect();
+        let mut pairs = 0;
+        for (li, layer) in layers.iter_mut().enumerate() {
+            for &target in &options.targets {
+                let (a_name, b_name) = (target.tensor_name(li, false), target.tensor_name(li, true));
+                let (a, b) = match (found.remove(&a_name), found.remove(&b_name)) {
+                    (Some(a), Some(b)) => (a, b),
+                    (None, None) => continue, // PEFT's layers_to_transform leaves blocks out.
+                    _ => return Err(format!("{a_name} and {b_name} must both be present")),
+                };
+                let (input, output) = target.dims(cfg);
+                if a.len() != rank * input {
+                    return Err(format!("{a_name}: {} values, expected [{rank}, {input}]", a.len()));
+                }
+                if b.len() != output * rank {
+                    return Err(format!("{b_name}: {} values, expected [{output}, {rank}]", b.len()));
+                }
+                let mut b: Vec<f32> = b.into_iter().map(|x| x * options.scale).collect();
+                match target {
+                    LoraTarget::Q => b = permute_rope_rows(&b, cfg.n_heads, cfg.head_dim, rank),
+                    LoraTarget::K => b = permute_rope_rows(&b, cfg.n_kv_heads, cfg.head_dim, rank),
+                    _ => {}
+                }
+                let mut bt = vec![0u16; rank * output];
+                for (o, row) in b.chunks_exact(rank).enumerate() {
+                    for (j, &v) in row.iter().enumerate() {
+                        bt[j * output + o] = f16_bits(v);
+                    }
+                }
+                let a = a.into_iter().map(f16_bits).collect();
+                layer[target.index()] = Some(LoraPair { a, bt });
+                pairs += 1;
+            }
+        }
+        if let Some(extra) = found.keys().min() {
+            return Err(format!(
+                "tensor {extra:?} is not a LoRA A/B of a target module of this {}-layer model",
+                cfg.n_layers
+            ));
+        }
+        if pairs == 0 {
+            return Err("no LoRA tensors".into());
+        }
+        Ok(LoraAdapter {
+            name: name.to_string(),
+            cache_id,
+            rank,
+            scale: options.scale,
+            targets: options.targets.clone(),
+            layers,
+        })
+    }
+
+    /// The name requests use.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Name and weight hash: salts the adapter's block hashes ([`cache_namespace`]).
+    pub fn cache_id(&self) -> &str {
+        &self.cache_id
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// α/r (α/√r under rsLoRA).
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// The projections it changes.
+    pub fn targets(&self) -> &[LoraTarget] {
+        &self.targets
+    }
+
+    fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
+        self.layers.get(layer).and_then(|l| l[target.index()].as_ref())
+    }
+
+    /// `ΔW` of `target` in block `layer` as a dense `[output][input]` matrix (in the GGUF's row order), or `None`
+    /// when the adapter leaves it alone. Merging adapters into f32 weights (the reference tests) uses it.
+    pub fn delta(&self, layer: usize, target: LoraTarget, cfg: &ModelConfig) -> Option<Vec<f32>> {
+        let pair = self.pair(layer, target)?;
+        let (input, output) = target.dims(cfg);
+        let mut out = vec![0.0f32; output * input];
+        for (o, row) in out.chunks_exact_mut(input).enumerate() {
+            for j in 0..self.rank {
+                let bj = f16_value(pair.bt[j * output + o]);
+                for (w, &aj) in row.iter_mut().zip(&pair.a[j * input..(j + 1) * input]) {
+                    *w += bj * f16_value(aj);
+                }
+            }
+        }
+        Some(out)
+    }
+}
+
+/// Reorders the rows of a Hugging Face q/k projection's `B` (`[heads·head_dim][rank]`) the way llama.cpp's converter
+/// reordered Wq and Wk: within each head, row `half·(head_dim/2) + j` moves to `2j + half`.
+fn permute_rope_rows(b: &[f32], heads: usize, head_dim: usize, rank: usize) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0.0f32; b.len()];
+    for h in 0..heads {
+        for side in 0..2 {
+            for j in 0..half {
+                let from = h * head_dim + side * half + j;
+                let to = h * head_dim + 2 * j + side;
+                out[to * rank..(to + 1) * rank].copy_from_slice(&b[from * rank..(from + 1) * rank]);
+            }
+        }
+    }
+    out
+}
+
+fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelError> {
+    let io = |source| ModelError::Io { path: path.display().to_string(), source };
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len > limit {
+        return Err(lora_err(format!("{}: {len} bytes, more than the {limit} allowed", path.display())));
+    }
+    std::fs::read(path).map_err(io)
+}
+
+fn tensor_values(name: &str, view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String> {
+    use safetensors::Dtype;
+    let bytes = view.data();
+    let values: Vec<f32> = match view.dtype() {
+        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(format!("tensor {name:?} has dtype {other:?}; expected F32, F16 or BF16")),
+    };
+    if view.shape().len() != 2 {
+        return Err(format!("tensor {name:?} has shape {:?}; expected a matrix", view.shape()));
+    }
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(format!("tensor {name:?} holds a non-finite value"));
+    }
+    Ok(values)
+}
+
+/// What `adapter_config.json` says that changes the math, checked.
+struct PeftOptions {
+    rank: usize,
+    scale: f32,
+    targets: Vec<LoraTarget>,
+}
+
+impl PeftOptions {
+    fn parse(config: &Value, max_rank: usize) -> Result<PeftOptions, String> {
+        let obj = config.as_object().ok_or("adapter_config.json is not an object")?;
+        if let Some(kind) = obj.get("peft_type").and_then(Value::as_str)
+            && kind != "LORA"
+        {
+            return Err(format!("peft_type {kind:?}: only LORA adapters are served"));
+        }
+        let rank = obj.get("r").and_then(Value::as_u64).ok_or("`r` (the rank) must be a positive integer")?;
+        let rank = usize::try_from(rank).unwrap_or(usize::MAX);
+        if rank == 0 || rank > max_rank {
+            return Err(format!("rank {rank} is outside 1..={max_rank} (--max-lora-rank)"));
+        }
+        // PEFT's default lora_alpha is 8.
+        let alpha = match obj.get("lora_alpha") {
+            None | Some(Value::Null) => 8.0,
+            Some(v) => v.as_f64().ok_or("`lora_alpha` must be a number")?,
+        };
+        if !(alpha.is_finite() && alpha > 0.0 && alpha <= 1e6) {
+            return Err(format!("lora_alpha {alpha} must be in (0, 1e6]"));
+        }
+        let flag = |key: &str| obj.get(key).and_then(Value::as_bool).unwrap_or(false);
+        for refused in ["use_dora", "fan_in_fan_out"] {
+            if flag(refused) {
+                return Err(format!("`{refused}: true` is not supported"));
+            }
+        }
+        if let Some(bias) = obj.get("bias").and_then(Value::as_str)
+            && bias != "none"
+        {
+            return Err(format!("bias {bias:?}: only \"none\" is supported"));
+        }
+        for refused in ["rank_pattern", "alpha_pattern"] {
+            if obj.get(refused).and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
+                return Err(format!("per-module ranks or alphas (`{refused}`) are not supported"));
+            }
+        }
+        if obj.get("modules_to_save").and_then(Value::as_array).is_some_and(|m| !m.is_empty()) {
+            return Err("`modules_to_save` (fully trained extra modules) is not supported".into());
+        }
+        let modules: Vec<&str> = match obj.get("target_modules") {
+            Some(Value::Array(list)) => {
+                list.iter().map(|m| m.as_str().ok_or("target_modules must be strings")).collect::<Result<_, _>>()?
+            }
+            Some(Value::String(one)) if one == "all-linear" => LoraTarget::ALL.iter().map(|t| t.module()).collect(),
+            Some(Value::String(one)) => vec![one.as_str()],
+            _ => return Err("`target_modules` must list the adapted modules".into()),
+        };
+        let mut targets = Vec::new();
+        for m in modules {
+            let t = LoraTarget::from_module(m).ok_or_else(|| {
+                format!(
+                    "target module {m:?} is not one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+                )
+            })?;
+            if !targets.contains(&t) {
+                targets.push(t);
+            }
+        }
+        if targets.is_empty() {
+            return Err("`target_modules` is empty".into());
+        }
+        let scale = if flag("use_rslora") { alpha / (rank as f64).sqrt() } else { alpha / rank as f64 };
+        Ok(PeftOptions { rank, scale: scale as f32, targets })
+    }
+}
+
+/// Adds each adapter's delta of `target` in block `layer` to the rows of `y` (`[rows][out_dim]`) computed from `x`
+/// (`[rows][in_dim]`): one segment per run of consecutive sequences that share an adapter, all in one kernel call
+/// (so a batch of sequences on different adapters is split across the pool together). Sequences without an
+/// adapter are left as the base matmul made them. `segments` is a reused buffer.
+pub(super) fn apply_lora<'a>(
+    backend: &dyn Backend,
+    seqs: &[ForwardSeq<'a>],
+    (layer, target): (usize, LoraTarget),
+    (x, in_dim): (&[f32], usize),
+    (y, out_dim): (&mut [f32], usize),
+    segments: &mut Vec<LoraSegment<'a>>,
+) {
+    segments.clear();
+    let (mut row, mut i) = (0, 0);
+    while i < seqs.len() {
+        let start = row;
+        row += seqs[i].tokens.len();
+        let Some(adapter) = seqs[i].lora else {
+            i += 1;
+            continue;
+        };
+        i += 1;
+        while i < seqs.len() && seqs[i].lora.is_some_and(|next| std::ptr::eq(next, adapter)) {
+            row += seqs[i].tokens.len();
+            i += 1;
+        }
+        if let Some(pair) = adapter.pair(layer, target) {
+            segments.push(LoraSegment { rows: (start, row), a: &pair.a, bt: &pair.bt, rank: adapter.rank });
+        }
+    }
+    if !segments.is_empty() {
+        backend.lora_add(x, in_dim, y, out_dim, segments);
+    }
+}
+
+/// What [`write_synthetic_peft`] writes.
+#[derive(Debug, Clone)]
+pub struct SyntheticLora {
+    pub rank: usize,
+    pub alpha: f32,
+    pub targets: Vec<LoraTarget>,
+    pub seed: u64,
+    /// Standard deviation of `B`'s entries; `A`'s are uniform in ±1/√input (PEFT's Kaiming-uniform start).
+    pub b_std: f32,
+}
+
+impl Default for SyntheticLora {
+    fn default() -> SyntheticLora {
+        SyntheticLora { rank: 8, alpha: 16.0, targets: LoraTarget::ALL.to_vec(), seed: 1, b_std: 0.02 }
+    }
+}
+
+/// Writes a PEFT adapter of random weights for a model of shape `cfg` into `dir` (created if missing), in f32 and
+/// Hugging Face row order, with a README saying it is synthetic. Its outputs mean nothing: it exists so that tests
+/// and benchmarks exercise the real loading and serving path without a trained adapter for this model.
+pub fn write_synthetic_peft(dir: &Path, cfg: &ModelConfig, spec: &SyntheticLora) -> Result<(), ModelError> {
+    use rand::{Rng, SeedableRng};
+    if spec.rank == 0 || spec.rank > MAX_LORA_RANK {
+        return Err(lora_err(format!("rank {} is outside 1..={MAX_LORA_RANK}", spec.rank)));
+    }
+    let io = |source| ModelError::Io { path: dir.display().to_string(), source };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for layer in 0..cfg.n_layers {
+        for &target in &spec.targets {
+            let (input, output) = target.dims(cfg);
+            let bound = 1.0 / (input as f32).sqrt();
+            let a: Vec<f32> = (0..spec.rank * input).map(|_| rng.random_range(-bound..bound)).collect();
+            // The sum of 12 uniforms is close to normal; scaled to the asked standard deviation.
+            let b: Vec<f32> = (0..output * spec.rank)
+                .map(|_| ((0..12).map(|_| rng.random::<f32>()).sum::<f32>() - 6.0) * spec.b_std)
+                .collect();
+            let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            tensors.push((target.tensor_name(layer, false), vec![spec.rank, input], bytes(&a)));
+            tensors.push((target.tensor_name(layer, true), vec![output, spec.rank], bytes(&b)));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| lora_err(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::tensor::serialize_to_file(views, Some(metadata), &dir.join("adapter_model.safetensors"))
+        .map_err(|e| lora_err(e.to_string()))?;
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": spec.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "use_rslora": false,
+        "use_dora": false,
+        "task_type": "CAUSAL_LM",
+        "pagoda_synthetic": { "seed": spec.seed, "b_std": (f64::from(spec.b_std) * 1e6).round() / 1e6 },
+    });
+    let text = serde_json::to_string_pretty(&config).map_err(|e| lora_err(e.to_string()))?;
+    std::fs::write(dir.join("adapter_config.json"), text).map_err(io)?;
+    let readme = format!(
+        "SYNTHETIC LoRA adapter written by `pagoda lora synth` (seed {}, rank {}, alpha {}): random weights, not \
+         trained. Its outputs are meaningless; it exists to exercise adapter loading and serving.\n",
+        spec.seed, spec.rank, spec.alpha
+    );
+    std::fs::write(dir.join("README.md"), readme).map_err(io)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            arch: "llama".into(),
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 8,
+            hidden: 32,
+            ffn: 64,
+            vocab: 100,
+            ctx_len: 256,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+        }
+    }
+
+    fn dir(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("pagoda-lora-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn synthetic_adapters_load_back_with_their_scale_and_targets() {
+        let (cfg, d) = (tiny(), dir("roundtrip"));
+        let spec =
+            SyntheticLora { rank: 4, alpha: 8.0, targets: vec![LoraTarget::Q, LoraTarget::Down], ..Default::default() };
+        write_synthetic_peft(&d, &cfg, &spec).unwrap();
+        let a = LoraAdapter::load("tiny", &d, &cfg, 16).unwrap();
+        assert_eq!((a.rank(), a.scale(), a.targets()), (4, 2.0, &[LoraTarget::Q, LoraTarget::Down][..]));
+        assert!(a.cache_id().starts_with("tiny@"));
+        assert!(a.delta(0, LoraTarget::Q, &cfg).is_some() && a.delta(1, LoraTarget::V, &cfg).is_none());
+        // The same weights give the same cache id; another seed another.
+        assert_eq!(LoraAdapter::load("tiny", &d, &cfg, 16).unwrap().cache_id(), a.cache_id());
+        write_synthetic_peft(&d, &cfg, &SyntheticLora { seed: 2, ..spec }).unwrap();
+        assert_ne!(LoraAdapter::load("tiny", &d, &cfg, 16).unwrap().cache_id(), a.cache_id());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn the_delta_is_scale_times_b_a_with_q_rows_in_gguf_order() {
+        let (cfg, d) = (tiny(), dir("delta"));
+        let spec =
+            SyntheticLora { rank: 2, alpha: 6.0, targets: vec![LoraTarget::Q, LoraTarget::V], ..Default::default() };
+        write_synthetic_peft(&d, &cfg, &spec).unwrap();
+        let bytes = std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let get = |name: String| tensor_values(&name, &st.tensor(&name).unwrap()).unwrap();
+        let adapter = LoraAdapter::load("t", &d, &cfg, 8).unwrap();
+        for (target, heads) in [(LoraTarget::Q, cfg.n_heads), (LoraTarget::V, 0)] {
+            let (a, b) = (get(target.tensor_name(1, false)), get(target.tensor_name(1, true)));
+            let (input, output) = target.dims(&cfg);
+            let delta = adapter.delta(1, target, &cfg).unwrap();
+            for hf_row in 0..output {
+                // Where llama.cpp's converter put this Hugging Face row.
+                let row = if heads > 0 {
+                    let (h, within) = (hf_row / cfg.head_dim, hf_row % cfg.head_dim);
+                    let (side, j) = (within / (cfg.head_dim / 2), within % (cfg.head_dim / 2));
+                    h * cfg.head_dim + 2 * j + side
+                } else {
+                    hf_row
+                };
+                for c in 0..input {
+                    let want: f32 = (0..2).map(|j| b[hf_row * 2 + j] * a[j * input + c]).sum::<f32>() * 3.0;
+                    // A and B are kept in f16: 2^-11 relative per factor, on terms below 0.1.
+                    assert!((delta[row * input + c] - want).abs() < 2e-4, "{target:?} row {hf_row} col {c}");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    fn write_config(d: &Path, config: Value) {
+        std::fs::write(d.join("adapter_config.json"), config.to_string()).unwrap();
+    }
+
+    #[test]
+    fn options_that_change_the_math_and_bad_files_are_refused_by_name() {
+        let (cfg, d) = (tiny(), dir("refuse"));
+        write_synthetic_peft(&d, &cfg, &SyntheticLora { rank: 4, ..Default::default() }).unwrap();
+        let base = serde_json::json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"});
+        assert!(LoraAdapter::load("ok", &d, &cfg, 4).is_ok());
+        let cases: Vec<(Value, &str)> = vec![
+            (serde_json::json!({"use_dora": true}), "use_dora"),
+            (serde_json::json!({"fan_in_fan_out": true}), "fan_in_fan_out"),
+            (serde_json::json!({"bias": "all"}), "bias"),
+            (serde_json::json!({"rank_pattern": {"q_proj": 2}}), "rank_pattern"),
+            (serde_json::json!({"modules_to_save": ["lm_head"]}), "modules_to_save"),
+            (serde_json::json!({"target_modules": ["embed_tokens"]}), "embed_tokens"),
+            (serde_json::json!({"peft_type": "IA3"}), "IA3"),
+            (serde_json::json!({"r": 0}), "rank 0"),
+            (serde_json::json!({"lora_alpha": -1}), "lora_alpha"),
+            (serde_json::json!({"r": 2}), "expected [2,"),
+        ];
+        for (patch, want) in cases {
+            let mut config = base.clone();
+            for (k, v) in patch.as_object().unwrap() {
+                config[k] = v.clone();
+            }
+            write_config(&d, config);
+            let err = LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+        write_config(&d, base.clone());
+        assert!(LoraAdapter::load("x", &d, &cfg, 2).unwrap_err().to_string().contains("--max-lora-rank"));
+        assert!(LoraAdapter::load("bad name", &d, &cfg, 4).unwrap_err().to_string().contains("adapter name"));
+        // A model of another shape does not take it.
+        let other = ModelConfig { hidden: 48, ..tiny() };
+        assert!(LoraAdapter::load("x", &d, &other, 4).unwrap_err().to_string().contains("expected [4, 48]"));
+        std::fs::write(d.join("adapter_model.safetensors"), b"not safetensors").unwrap();
+        assert!(LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string().contains("safetensors"));
+        std::fs::write(d.join("adapter_config.json"), b"{").unwrap();
+        assert!(LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string().contains("not JSON"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn cache_namespaces_differ_by_adapter_and_tenant() {
+        let a = cache_namespace("t1", "x@1");
+        assert_ne!(a, cache_namespace("t1", "x@2"));
+        assert_ne!(a, cache_namespace("t2", "x@1"));
+        assert_ne!(a, "t1");
+        assert!(valid_lora_name("org/sql-lora:v1") && !valid_lora_name("") && !valid_lora_name("a\u{0}b"));
+    }
+}

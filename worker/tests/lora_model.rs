@@ -1,0 +1,217 @@
+//! LoRA adapters on the real SmolLM2-135M-Instruct model: served unmerged they compute what their merged f32
+//! weights compute; in a mixed batch each sequence gets only its own adapter; through the engine an adapter's
+//! answers differ from the base model's, its KV is cached apart from the base model's and another adapter's, and
+//! an unknown adapter is refused. The adapters are synthetic (`write_synthetic_peft`: random weights in PEFT
+//! format), which is all these checks need.
+
+mod common;
+
+use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
+use pagoda_worker::engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, GenerateRequest, LoraSpec, TierPlacement,
+};
+use pagoda_worker::model::lora::write_synthetic_peft;
+use pagoda_worker::model::{
+    ForwardSeq, Gguf, LlamaModel, LogitsWanted, LoraAdapter, LoraTarget, Scratch, SyntheticLora,
+};
+use pagoda_worker::placement::EvicPressConfig;
+use std::path::{Path, PathBuf};
+
+const BLOCK: usize = 16;
+
+fn model_path() -> PathBuf {
+    match std::env::var_os("PAGODA_MODEL") {
+        Some(p) => p.into(),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    }
+}
+
+fn load_model() -> LlamaModel {
+    let gguf = Gguf::open(model_path()).expect("open model (set PAGODA_MODEL or put it in models/)");
+    LlamaModel::load(&gguf).expect("load model")
+}
+
+/// A synthetic adapter for `model` in a fresh directory named by `tag`.
+fn adapter_dir(model: &LlamaModel, tag: &str, spec: &SyntheticLora) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pagoda-lora-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    write_synthetic_peft(&dir, model.config(), spec).expect("write adapter");
+    dir
+}
+
+fn backend() -> CpuBackend {
+    CpuBackend::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 200 + (i * 37 + seed * 101) % 4000).collect()
+}
+
+/// Every logits row of `tokens` run as sequence slot `slot` of its own step, under `lora`.
+fn logits_alone(model: &LlamaModel, tokens: &[u32], lora: Option<&LoraAdapter>) -> Vec<f32> {
+    logits_batch(model, &[(tokens, lora)]).remove(0)
+}
+
+/// Every logits row of each sequence, all in one step.
+fn logits_batch(model: &LlamaModel, seqs: &[(&[u32], Option<&LoraAdapter>)]) -> Vec<Vec<f32>> {
+    let cfg = model.config();
+    let n_tables = cfg.n_kv_tables();
+    let per_table = seqs.iter().map(|(t, _)| t.len()).max().unwrap_or(1).div_ceil(BLOCK);
+    let mut kv = KvStorage::with_dtype(seqs.len() * n_tables * per_table, BLOCK, cfg.head_dim, KvDtype::F32);
+    let tables: Vec<Vec<Vec<u32>>> = (0..seqs.len())
+        .map(|s| {
+            (0..n_tables)
+                .map(|t| {
+                    let base = (s * n_tables + t) * per_table;
+                    (base..base + per_table).map(|b| b as u32).collect()
+                })
+                .collect()
+        })
+        .collect();
+    let lens = vec![0usize; n_tables];
+    let batch: Vec<ForwardSeq<'_>> = seqs
+        .iter()
+        .zip(&tables)
+        .map(|(&(tokens, lora), tables)| ForwardSeq {
+            tokens,
+            start_pos: 0,
+            tables,
+            prior_lens: &lens,
+            logits: LogitsWanted::All,
+            capture_q: 0,
+            attention_sums: None,
+            lora,
+        })
+        .collect();
+    let mut out = Vec::new();
+    model.forward(&backend(), &mut kv, &batch, &mut Scratch::new(), &mut out).expect("forward");
+    let vocab = cfg.vocab;
+    let mut rows = out.chunks(vocab);
+    seqs.iter().map(|(t, _)| rows.by_ref().take(t.len()).flatten().copied().collect()).collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn an_adapter_served_unmerged_computes_what_its_merged_weights_compute() {
+    let model = load_model().to_f32_weights().expect("f32 weights");
+    let dir = adapter_dir(&model, "merge", &SyntheticLora { rank: 8, alpha: 16.0, ..SyntheticLora::default() });
+    let adapter = LoraAdapter::load("merge", &dir, model.config(), 64).expect("load adapter");
+    assert_eq!(adapter.targets(), &LoraTarget::ALL[..]);
+    let merged = model.merged_with(&adapter).expect("merge");
+    let tokens = prompt(1, 37);
+    let served = logits_alone(&model, &tokens, Some(&adapter));
+    let reference = logits_alone(&merged, &tokens, None);
+    let base = logits_alone(&model, &tokens, None);
+    let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let err = max_abs_diff(&served, &reference);
+    // The same sums in another order: float rounding only.
+    assert!(err <= 2e-4 * scale, "unmerged vs merged: max |diff| {err} (logits up to {scale})");
+    // And the adapter does change the model, so the comparison above could fail.
+    let moved = max_abs_diff(&served, &base);
+    assert!(moved > 100.0 * err.max(1e-4), "the adapter barely moved the logits: {moved}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn in_a_mixed_batch_each_sequence_gets_only_its_own_adapter() {
+    let model = load_model();
+    let spec =
+        SyntheticLora { rank: 4, targets: vec![LoraTarget::Q, LoraTarget::V, LoraTarget::Down], ..Default::default() };
+    let (da, db) =
+        (adapter_dir(&model, "mix-a", &spec), adapter_dir(&model, "mix-b", &SyntheticLora { seed: 9, ..spec }));
+    let a = LoraAdapter::load("a", &da, model.config(), 64).unwrap();
+    let b = LoraAdapter::load("b", &db, model.config(), 64).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..5).map(|s| prompt(s, 9 + 4 * s as usize)).collect();
+    // a, a (one run of rows), base, b, a.
+    let loras = [Some(&a), Some(&a), None, Some(&b), Some(&a)];
+    let seqs: Vec<(&[u32], Option<&LoraAdapter>)> = prompts.iter().map(Vec::as_slice).zip(loras).collect();
+    let together = logits_batch(&model, &seqs);
+    for (i, ((tokens, lora), got)) in seqs.iter().zip(&together).enumerate() {
+        let alone = logits_alone(&model, tokens, *lora);
+        let err = max_abs_diff(got, &alone);
+        assert!(err < 1e-4, "sequence {i}: batched vs alone differ by {err}");
+    }
+    // The two adapters and the base model give different logits for the same tokens.
+    let same: Vec<(&[u32], Option<&LoraAdapter>)> =
+        vec![(&prompts[0], None), (&prompts[0], Some(&a)), (&prompts[0], Some(&b))];
+    let rows = logits_batch(&model, &same);
+    assert!(max_abs_diff(&rows[0], &rows[1]) > 1e-2 && max_abs_diff(&rows[1], &rows[2]) > 1e-2);
+    let _ = (std::fs::remove_dir_all(&da), std::fs::remove_dir_all(&db));
+}
+
+fn engine_with(adapters: &[(&str, &Path)]) -> EngineHandle {
+    let cfg = EngineConfig {
+        kv_cache_tokens: 4096,
+        threads: 2,
+        lora: adapters.iter().map(|(n, d)| LoraSpec { name: n.to_string(), dir: d.to_path_buf() }).collect(),
+        ..EngineConfig::new(model_path())
+    };
+    Engine::start(cfg).expect("start engine")
+}
+
+#[test]
+fn the_engine_serves_adapters_with_their_own_cache_and_refuses_unknown_ones() {
+    let model = load_model();
+    let spec = SyntheticLora { rank: 8, b_std: 0.3, ..Default::default() };
+    let (da, db) =
+        (adapter_dir(&model, "eng-a", &spec), adapter_dir(&model, "eng-b", &SyntheticLora { seed: 5, ..spec }));
+    let h = engine_with(&[("sql", &da), ("chat", &db)]);
+    let names: Vec<String> = h.lora_adapters().iter().map(|a| a.name().to_string()).collect();
+    assert_eq!(names, ["chat", "sql"]);
+    let p = prompt(3, 70);
+    let with = |name: Option<&str>| GenerateRequest { lora: name.map(str::to_owned), ..common::greedy(&p, 12) };
+
+    let (base, base_cached, _) = common::run_request(&h, with(None));
+    let (sql, sql_cached, _) = common::run_request(&h, with(Some("sql")));
+    assert_eq!((base_cached, sql_cached), (0, 0), "the adapter must not adopt the base model's cached prompt");
+    assert_ne!(base, sql, "the adapter did not change the answer");
+    // Again: now its own prompt is cached, and the answer is the same.
+    let (sql_again, cached, _) = common::run_request(&h, with(Some("sql")));
+    assert_eq!(sql_again, sql);
+    assert!(cached >= 64, "the adapter's own prefix was not reused: {cached}");
+    // Another adapter shares neither.
+    let (chat, chat_cached, _) = common::run_request(&h, with(Some("chat")));
+    assert_eq!(chat_cached, 0);
+    assert_ne!(chat, sql);
+    // The base model still finds its own.
+    let (base_again, cached, _) = common::run_request(&h, with(None));
+    assert_eq!(base_again, base);
+    assert!(cached >= 64);
+
+    match h.submit(with(Some("nope"))) {
+        Err(EngineError::UnknownLora(name)) => assert_eq!(name, "nope"),
+        other => panic!("an unknown adapter was not refused: {other:?}"),
+    }
+    h.shutdown();
+    let _ = (std::fs::remove_dir_all(&da), std::fs::remove_dir_all(&db));
+}
+
+#[test]
+fn adapters_that_do_not_fit_the_model_or_the_configuration_stop_the_start() {
+    let model = load_model();
+    let dir = adapter_dir(&model, "bad", &SyntheticLora { rank: 16, ..Default::default() });
+    let low_rank = EngineConfig { max_lora_rank: 8, ..EngineConfig::new(model_path()) };
+    let cfg = |c: EngineConfig| EngineConfig { lora: vec![LoraSpec { name: "x".into(), dir: dir.clone() }], ..c };
+    let err = Engine::start(cfg(low_rank)).unwrap_err().to_string();
+    assert!(err.contains("rank 16") && err.contains("--max-lora-rank"), "{err}");
+    let missing = EngineConfig {
+        lora: vec![LoraSpec { name: "x".into(), dir: dir.join("missing") }],
+        ..EngineConfig::new(model_path())
+    };
+    assert!(Engine::start(missing).unwrap_err().to_string().contains("adapter_config.json"));
+    let twice = EngineConfig {
+        lora: vec![LoraSpec { name: "x".into(), dir: dir.clone() }, LoraSpec { name: "x".into(), dir: dir.clone() }],
+        ..EngineConfig::new(model_path())
+    };
+    assert!(Engine::start(twice).unwrap_err().to_string().contains("given twice"));
+    let evicpress = EngineConfig {
+        placement: TierPlacement::EvicPress(EvicPressConfig::default()),
+        ..EngineConfig::new(model_path())
+    };
+    assert!(Engine::start(cfg(evicpress)).unwrap_err().to_string().contains("evicpress"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
