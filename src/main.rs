@@ -295,6 +295,14 @@ struct EngineArgs {
     #[arg(long, default_value_t = 64,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::model::lora::MAX_LORA_RANK as u64))]
     max_lora_rank: usize,
+    /// Allow loading and unloading LoRA adapters at run time (the router's POST /v1/load_lora_adapter and
+    /// /v1/unload_lora_adapter, admin only), from PEFT directories under DIR only.
+    #[arg(long, value_name = "DIR")]
+    lora_dir: Option<PathBuf>,
+    /// Most LoRA adapters loaded at once, --lora ones included.
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::adapters::MAX_LOADED_LORAS as u64))]
+    max_loras: usize,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -1335,6 +1343,8 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         speculative: speculative_config(e)?,
         lora: e.lora.clone(),
         max_lora_rank: e.max_lora_rank,
+        lora_dir: e.lora_dir.clone(),
+        max_loras: e.max_loras,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,

@@ -251,11 +251,14 @@ async fn evicpress_profiles_on_its_questions_and_reports_to_metrics() {
 /// Multi-LoRA through the router: `pagoda lora synth` writes an adapter, one of two workers serves it
 /// (`--lora sql=DIR`). The router lists it as a model, sends its requests only to that worker (whatever the
 /// placement would otherwise pick), caches its prompts apart from the base model's, answers as the worker does,
-/// counts it, and refuses an adapter nobody serves with OpenAI's 404.
+/// counts it, and refuses an adapter nobody serves with OpenAI's 404. Then at run time: the admin endpoint loads
+/// the same weights under another name on the other worker (`--lora-dir`; the first has none and says so), which
+/// then serves it with the same answers, and unloads it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     use pagoda_e2e::cluster::ClusterBuilder;
-    let dir = std::env::temp_dir().join(format!("pagoda-e2e-lora-{}", std::process::id()));
+    let root = std::env::temp_dir().join(format!("pagoda-e2e-lora-{}", std::process::id()));
+    let dir = root.join("sql");
     let model = require_model().unwrap().to_string_lossy().into_owned();
     let out = std::process::Command::new(BIN)
         .args(["lora", "synth", "--model", &model, "--rank", "8", "--b-std", "0.3", "--out"])
@@ -267,6 +270,7 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     let cluster = ClusterBuilder::new(BIN, "lora")
         .workers(2)
         .worker_args_for(0, &["--lora", &spec])
+        .worker_args_for(1, &["--lora-dir", root.to_str().unwrap()])
         // Round robin would send every other request to worker 1: the adapter must override it.
         .router_args(&["--placement", "round_robin"])
         .start()
@@ -328,5 +332,31 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     assert_eq!(s, 404, "{body}");
     assert_eq!(body["error"]["code"], "model_not_found");
     assert_eq!(http.metric_sum("pagoda_router_lora_requests_total").await, 3.0);
-    let _ = std::fs::remove_dir_all(&dir);
+
+    // Run time: the same weights as `live` on worker 1, the only one with --lora-dir.
+    let (s, body) =
+        http.post_json("/v1/load_lora_adapter", &json!({"lora_name": "live", "lora_path": "../sql"})).await.unwrap();
+    assert_eq!(s, 400, "{body}");
+    let (s, body) =
+        http.post_json("/v1/load_lora_adapter", &json!({"lora_name": "live", "lora_path": "sql"})).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    let outcome =
+        |addr: &str| body["workers"].as_array().unwrap().iter().find(|w| w["address"] == addr).unwrap().clone();
+    assert_eq!(outcome(&without)["ok"], true, "{body}");
+    assert_eq!(outcome(&with)["ok"], false, "{body}");
+    assert!(outcome(&with)["error"].as_str().unwrap().contains("--lora-dir"), "{body}");
+    let (_, models) = http.get("/v1/models").await.unwrap();
+    assert!(models.contains("\"live\""), "{models}");
+    let before = worker_stats(&without).await.unwrap().computed_tokens_total;
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("live", question)).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0, "the same weights");
+    assert!(worker_stats(&without).await.unwrap().computed_tokens_total > before, "served by worker 1");
+    let (s, body) = http.post_json("/v1/unload_lora_adapter", &json!({"lora_name": "live"})).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("live", question)).await.unwrap();
+    assert_eq!(s, 404, "{body}");
+    let (s, body) = http.post_json("/v1/unload_lora_adapter", &json!({"lora_name": "live"})).await.unwrap();
+    assert_eq!(s, 404, "{body}");
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -7,6 +7,7 @@
 //! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
 //! - [`generate`]: one generation over a worker's gRPC `Generate` stream, migrated to another worker when its own
 //!   fails or stalls.
+//! - [`lora_admin`]: loading and unloading LoRA adapters on every worker at run time.
 //! - [`workers`]: the worker list (static, or following the registry), health probes, round-robin.
 //! - [`membership`]: the etcd registry watch that adds and removes workers.
 //! - [`placement`]: the KV-aware cost model and selectors (pure), with the routing baselines.
@@ -33,6 +34,7 @@ pub mod feed;
 pub mod generate;
 pub mod gguf_codec;
 pub mod limits;
+pub mod lora_admin;
 pub mod membership;
 pub mod metrics;
 pub mod openai;

@@ -195,6 +195,11 @@ impl AppState {
         &self.0.metrics
     }
 
+    /// The base model's id (what `model` names when it names no adapter).
+    pub fn base_model_id(&self) -> &str {
+        self.0.codec.model_id()
+    }
+
     /// What `model` names: the base model (`None`), or a LoRA adapter a ready worker serves (its name); anything
     /// else is a 404.
     fn check_model(&self, model: &str) -> Result<Option<String>, ApiError> {
@@ -235,6 +240,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/debug/keys", get(debug_keys))
         .route("/debug/placements", get(debug_placements))
         .route("/debug/place", post(debug_place))
+        .route("/v1/load_lora_adapter", post(crate::lora_admin::load))
+        .route("/v1/unload_lora_adapter", post(crate::lora_admin::unload))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_admin));
     axum::Router::new()
         .merge(v1)

@@ -210,6 +210,20 @@ impl Worker for Fake {
         Ok(Response::new(Box::pin(s)))
     }
 
+    async fn load_lora(
+        &self,
+        _: Request<pagoda_proto::worker::LoadLoraRequest>,
+    ) -> Result<Response<pagoda_proto::worker::LoadLoraResponse>, Status> {
+        Err(Status::failed_precondition("run-time LoRA loading is off on this worker: start it with --lora-dir"))
+    }
+
+    async fn unload_lora(
+        &self,
+        _: Request<pagoda_proto::worker::UnloadLoraRequest>,
+    ) -> Result<Response<pagoda_proto::worker::UnloadLoraResponse>, Status> {
+        Err(Status::not_found("not loaded"))
+    }
+
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
         Ok(Response::new(HealthResponse {
             ready: true,

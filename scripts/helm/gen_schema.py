@@ -194,7 +194,12 @@ schema = obj({
             # A Kubernetes volume source (persistentVolumeClaim, csi, image, ...).
             "volume": {"type": "object"},
             "maxRank": integer(1, 256),
+            # `--lora-dir=/lora` (run-time loading) and `--max-loras` (adapters.rs MAX_LOADED_LORAS).
+            "runtimeLoading": BOOL,
+            "maxLoaded": integer(1, 1024),
         }, allOf=[{"if": {"properties": {"adapters": {"minItems": 1}}, "required": ["adapters"]},
+                   "then": {"properties": {"volume": {"minProperties": 1}}, "required": ["volume"]}},
+                  {"if": {"properties": {"runtimeLoading": {"const": True}}, "required": ["runtimeLoading"]},
                    "then": {"properties": {"volume": {"minProperties": 1}}, "required": ["volume"]}}]),
         "persistence": obj({
             "enabled": BOOL,
@@ -219,11 +224,13 @@ schema = obj({
                                         "amx": {"const": False},
                                         "kv": {"properties": {"dtype": {"const": "f16"}}},
                                         "tiers": {"properties": {"placement": {"const": "lru"}}},
-                                        "lora": {"properties": {"adapters": {"maxItems": 0}}}}}},
+                                        "lora": {"properties": {"adapters": {"maxItems": 0},
+                                                                "runtimeLoading": {"const": False}}}}}},
                # EvicPress profiles contexts with the base model; the worker refuses adapters beside it.
                {"if": {"properties": {"tiers": {"properties": {"placement": {"const": "evicpress"}},
                                                 "required": ["placement"]}}, "required": ["tiers"]},
-                "then": {"properties": {"lora": {"properties": {"adapters": {"maxItems": 0}}}}}}]),
+                "then": {"properties": {"lora": {"properties": {"adapters": {"maxItems": 0},
+                                                                 "runtimeLoading": {"const": False}}}}}}]),
     "kvstore": obj({
         "enabled": BOOL,
         "replicas": RAFT_SIZE,

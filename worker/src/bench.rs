@@ -244,6 +244,8 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
         lora: Vec::new(),
         max_lora_rank: 64,
+        lora_dir: None,
+        max_loras: 16,
     };
     // Size the arena from the shape before loading the weights.
     let mc = model_config(&cfg)?;
@@ -279,7 +281,19 @@ fn bench_runner<R: ModelRunner>(
     let mut prompt = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(100..vocab.max(101))).collect() };
 
     // The base model first, then each way of putting adapters on the batch's sequences.
-    let adapters = runner.load_lora(&opts.lora, crate::model::lora::MAX_LORA_RANK)?;
+    let adapters: Vec<Arc<LoraAdapter>> = match runner.lora_shape() {
+        _ if opts.lora.is_empty() => Vec::new(),
+        None => return Err(EngineError::Config("--lora: this backend does not serve LoRA adapters".into())),
+        Some(shape) => opts
+            .lora
+            .iter()
+            .map(|s| {
+                LoraAdapter::load(&s.name, &s.dir, &shape, crate::model::lora::MAX_LORA_RANK)
+                    .map(Arc::new)
+                    .map_err(|e| EngineError::Config(e.to_string()))
+            })
+            .collect::<Result<_, _>>()?,
+    };
     let mut variants: Vec<(String, Vec<Arc<LoraAdapter>>)> = vec![(String::new(), Vec::new())];
     if let Some(first) = adapters.first() {
         variants.push((format!("1 adapter ({}, rank {})", first.name(), first.rank()), vec![Arc::clone(first)]));

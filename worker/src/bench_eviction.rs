@@ -389,6 +389,8 @@ fn run_fresh(
         scheduling: crate::scheduler::SchedulingPolicy::Fcfs,
         lora: Vec::new(),
         max_lora_rank: 64,
+        lora_dir: None,
+        max_loras: 16,
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

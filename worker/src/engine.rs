@@ -11,7 +11,6 @@
 //! The model sits behind [`ModelRunner`] so the thread, batching and streaming can be exercised with a stand-in;
 //! [`LlamaRunner`] is the real one (GGUF → `LlamaModel::forward` on a `CpuBackend` over a `KvStorage`).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -22,10 +21,11 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use pagoda_kernels::{Codec, CpuBackend, KvDtype, KvStorage};
 
+use crate::adapters::{AdapterError, AdapterRegistry};
 use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::json_guide::TokenTable;
-use crate::model::lora::{MAX_LORA_RANK, cache_namespace};
+use crate::model::lora::cache_namespace;
 use crate::model::{
     ForwardSeq, Gguf, LlamaModel, LogitsWanted, LoraAdapter, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
 };
@@ -89,6 +89,10 @@ pub struct EngineConfig {
     pub lora: Vec<LoraSpec>,
     /// The highest adapter rank loaded (`--max-lora-rank`).
     pub max_lora_rank: usize,
+    /// Where adapters loaded at run time come from (`--lora-dir`); `None`: run-time loading is off.
+    pub lora_dir: Option<PathBuf>,
+    /// Most adapters loaded at once, start-up ones included (`--max-loras`).
+    pub max_loras: usize,
 }
 
 /// One adapter to load: the name requests use and its PEFT directory.
@@ -174,6 +178,8 @@ impl Default for EngineConfig {
             speculative: NgramConfig::off(),
             lora: Vec::new(),
             max_lora_rank: 64,
+            lora_dir: None,
+            max_loras: 16,
         }
     }
 }
@@ -364,8 +370,8 @@ pub enum EngineError {
     Forward(String),
     #[error("the engine has stopped")]
     Stopped,
-    #[error("LoRA adapter {0:?} is not loaded on this worker")]
-    UnknownLora(String),
+    #[error(transparent)]
+    Lora(#[from] AdapterError),
 }
 
 /// One sequence's slice of a forward step, in the model's terms.
@@ -461,17 +467,9 @@ pub trait ModelRunner {
     fn take_error(&mut self) -> Option<EngineError> {
         None
     }
-    /// Loads the LoRA adapters `specs` names for this runner's model. A runner that cannot apply adapters refuses
-    /// any.
-    fn load_lora(&self, specs: &[LoraSpec], max_rank: usize) -> Result<Vec<Arc<LoraAdapter>>, EngineError> {
-        let _ = max_rank;
-        match specs.first() {
-            None => Ok(Vec::new()),
-            Some(s) => Err(EngineError::Config(format!(
-                "--lora {}: this backend does not serve LoRA adapters (the CPU backend does)",
-                s.name
-            ))),
-        }
+    /// The model's shape, when this runner applies LoRA adapters (`ForwardSeq::lora`); `None` refuses them.
+    fn lora_shape(&self) -> Option<ModelConfig> {
+        None
     }
     /// The KV arena the host, disk and peer tiers copy block groups out of and back into. A runner without one
     /// cannot serve tiers.
@@ -647,8 +645,8 @@ struct HandleInner {
     /// EvicPress places the tiers, over these codecs (besides the native format): a request may name one of them
     /// for its context ([`GenerateRequest::tier_codec`]), which is then stored in it or not at all.
     evicpress_codecs: Option<Vec<Codec>>,
-    /// The LoRA adapters loaded (`EngineConfig::lora`), by name.
-    lora: HashMap<String, Arc<LoraAdapter>>,
+    /// The LoRA adapters loaded now (at start-up and at run time).
+    lora: AdapterRegistry,
     stats: Arc<Mutex<EngineStats>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -700,7 +698,7 @@ impl EngineHandle {
     /// The adapter `req` names, or `None` for the base model; an error names an adapter this worker lacks.
     fn lora_of(&self, req: &GenerateRequest) -> Result<Option<Arc<LoraAdapter>>, EngineError> {
         let Some(name) = &req.lora else { return Ok(None) };
-        self.inner.lora.get(name).cloned().map(Some).ok_or_else(|| EngineError::UnknownLora(name.clone()))
+        Ok(Some(self.inner.lora.get(name)?))
     }
 
     /// The namespace `req`'s blocks hash in: its own, salted by its adapter's cache id when it names one
@@ -714,9 +712,18 @@ impl EngineHandle {
 
     /// The LoRA adapters this engine serves, by name.
     pub fn lora_adapters(&self) -> Vec<Arc<LoraAdapter>> {
-        let mut all: Vec<Arc<LoraAdapter>> = self.inner.lora.values().cloned().collect();
-        all.sort_by(|a, b| a.name().cmp(b.name()));
-        all
+        self.inner.lora.list()
+    }
+
+    /// Loads the PEFT adapter at `path` under `--lora-dir` as `name` (see [`AdapterRegistry::load`]). Reads the
+    /// adapter's files on the calling thread: call it from a blocking context.
+    pub fn load_lora(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, EngineError> {
+        Ok(self.inner.lora.load(name, path)?)
+    }
+
+    /// Unloads the adapter `name`; requests running with it finish with it.
+    pub fn unload_lora(&self, name: &str) -> Result<(), EngineError> {
+        Ok(self.inner.lora.unload(name)?)
     }
 
     /// Cancels every queued or running request with this id (no-op when none).
@@ -912,7 +919,7 @@ impl Engine {
             return Err(EngineError::Config("block_size must be at least 1".into()));
         }
         let (tx, rx) = mpsc::channel::<Command>();
-        type Ready = (ModelInfo, Vec<PolicyKind>, Vec<Arc<LoraAdapter>>);
+        type Ready = (ModelInfo, Vec<PolicyKind>, AdapterRegistry);
         let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<Ready, EngineError>>(1);
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let thread_stats = Arc::clone(&stats);
@@ -940,7 +947,7 @@ impl Engine {
                     return;
                 }
                 let info = runner.info().clone();
-                let adapters = match load_adapters(&runner, &thread_cfg) {
+                let adapters = match AdapterRegistry::open(runner.lora_shape(), &thread_cfg) {
                     Ok(a) => a,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -1007,34 +1014,12 @@ impl Engine {
                     TierPlacement::EvicPress(ep) => Some(ep.codecs.clone()),
                     _ => None,
                 },
-                lora: adapters.into_iter().map(|a| (a.name().to_string(), a)).collect(),
+                lora: adapters,
                 stats,
                 thread: Mutex::new(Some(thread)),
             }),
         })
     }
-}
-
-/// Loads the configured LoRA adapters through the runner. EvicPress profiles a context by decoding over it with the
-/// base model, which would score an adapter's context with the wrong weights, so the two are not combined.
-fn load_adapters<R: ModelRunner>(runner: &R, cfg: &EngineConfig) -> Result<Vec<Arc<LoraAdapter>>, EngineError> {
-    if cfg.lora.is_empty() {
-        return Ok(Vec::new());
-    }
-    if matches!(cfg.placement, TierPlacement::EvicPress(_)) {
-        return Err(EngineError::Config(
-            "--lora cannot be combined with --tier-placement evicpress (its profiler decodes with the base model)"
-                .into(),
-        ));
-    }
-    if !(1..=MAX_LORA_RANK).contains(&cfg.max_lora_rank) {
-        return Err(EngineError::Config(format!("--max-lora-rank must be in 1..={MAX_LORA_RANK}")));
-    }
-    let mut seen = std::collections::HashSet::new();
-    if let Some(dup) = cfg.lora.iter().find(|s| !seen.insert(s.name.as_str())) {
-        return Err(EngineError::Config(format!("--lora {}: the name is given twice", dup.name)));
-    }
-    runner.load_lora(&cfg.lora, cfg.max_lora_rank)
 }
 
 /// Opens the configured lower tiers. A disk read is bounded by the encoded size of one group of this model.
@@ -2162,22 +2147,8 @@ impl ModelRunner for LlamaRunner {
         Some(&mut self.kv)
     }
 
-    fn load_lora(&self, specs: &[LoraSpec], max_rank: usize) -> Result<Vec<Arc<LoraAdapter>>, EngineError> {
-        specs
-            .iter()
-            .map(|s| {
-                let adapter = LoraAdapter::load(&s.name, &s.dir, self.model.config(), max_rank)
-                    .map_err(|e| EngineError::Config(e.to_string()))?;
-                tracing::info!(
-                    adapter = s.name,
-                    dir = %s.dir.display(),
-                    rank = adapter.rank(),
-                    cache_id = adapter.cache_id(),
-                    "LoRA adapter loaded"
-                );
-                Ok(Arc::new(adapter))
-            })
-            .collect()
+    fn lora_shape(&self) -> Option<ModelConfig> {
+        Some(self.model.config().clone())
     }
 }
 

@@ -1,6 +1,7 @@
 //! Pagoda worker: the engine that owns a model and its KV cache.
 //!
-//! - [`model`]: GGUF reader, tokenizer and chat template from GGUF metadata, the llama forward pass.
+//! - [`model`]: GGUF reader, tokenizer and chat template from GGUF metadata, the llama forward pass, LoRA adapters.
+//! - [`adapters`]: the LoRA adapters a worker serves, loaded at start-up and at run time.
 //! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
@@ -17,6 +18,7 @@
 //!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it; [`bench_zipf`]: EvicPress
 //!   against LRU and fixed codecs on Zipf-reused contexts.
 
+pub mod adapters;
 pub mod bench;
 pub mod bench_eviction;
 pub mod bench_tiers;

@@ -26,10 +26,12 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
+use crate::adapters::AdapterError;
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::events::BlockChange;
 use crate::grammar_guide::Grammar;
 use crate::json_schema::JsonSchema;
+use crate::model::LoraAdapter;
 use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::regex_guide::ByteDfa;
@@ -369,7 +371,13 @@ pub fn status_from_engine(e: &EngineError) -> Status {
         ) => Status::invalid_argument(e.to_string()),
         EngineError::Rejected(_) => Status::resource_exhausted(e.to_string()),
         EngineError::Stopped => Status::unavailable(e.to_string()),
-        EngineError::UnknownLora(_) => Status::not_found(e.to_string()),
+        EngineError::Lora(a) => match a {
+            AdapterError::Unknown(_) => Status::not_found(e.to_string()),
+            AdapterError::Exists(_) => Status::already_exists(e.to_string()),
+            AdapterError::RuntimeOff => Status::failed_precondition(e.to_string()),
+            AdapterError::Full(_) => Status::resource_exhausted(e.to_string()),
+            AdapterError::Invalid(_) => Status::invalid_argument(e.to_string()),
+        },
         EngineError::Model(_) | EngineError::Config(_) | EngineError::Forward(_) => Status::internal(e.to_string()),
     }
 }
@@ -610,16 +618,7 @@ impl Worker for WorkerService {
             kv_group_size: u32::try_from(info.layout().group_size()).unwrap_or(u32::MAX),
             worker_id: self.worker_id.clone(),
             role: self.role.clone(),
-            lora_adapters: self
-                .engine
-                .lora_adapters()
-                .iter()
-                .map(|a| pb::LoraAdapterInfo {
-                    name: a.name().to_string(),
-                    cache_id: a.cache_id().to_string(),
-                    rank: u32::try_from(a.rank()).unwrap_or(u32::MAX),
-                })
-                .collect(),
+            lora_adapters: self.engine.lora_adapters().iter().map(|a| lora_info(a)).collect(),
         }))
     }
 
@@ -699,6 +698,34 @@ impl Worker for WorkerService {
             })
             .collect();
         Ok(Response::new(pb::ResidencyResponse { seq: snap.seq, groups }))
+    }
+
+    async fn load_lora(&self, request: Request<pb::LoadLoraRequest>) -> Result<Response<pb::LoadLoraResponse>, Status> {
+        let pb::LoadLoraRequest { name, path } = request.into_inner();
+        let engine = self.engine.clone();
+        // Reading an adapter's weights (up to 2 GiB) must not hold a runtime thread.
+        let loaded = tokio::task::spawn_blocking(move || engine.load_lora(&name, &path))
+            .await
+            .map_err(|e| Status::internal(format!("loading the adapter panicked: {e}")))?;
+        let adapter = loaded.map_err(|e| status_from_engine(&e))?;
+        Ok(Response::new(pb::LoadLoraResponse { adapter: Some(lora_info(&adapter)) }))
+    }
+
+    async fn unload_lora(
+        &self,
+        request: Request<pb::UnloadLoraRequest>,
+    ) -> Result<Response<pb::UnloadLoraResponse>, Status> {
+        self.engine.unload_lora(&request.into_inner().name).map_err(|e| status_from_engine(&e))?;
+        Ok(Response::new(pb::UnloadLoraResponse {}))
+    }
+}
+
+/// An adapter as `Health` and `LoadLora` describe it.
+fn lora_info(a: &LoraAdapter) -> pb::LoraAdapterInfo {
+    pb::LoraAdapterInfo {
+        name: a.name().to_string(),
+        cache_id: a.cache_id().to_string(),
+        rank: u32::try_from(a.rank()).unwrap_or(u32::MAX),
     }
 }
 

@@ -7,6 +7,7 @@
 mod common;
 
 use pagoda_kernels::{CpuBackend, KvDtype, KvStorage};
+use pagoda_worker::adapters::AdapterError;
 use pagoda_worker::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, GenerateRequest, LoraSpec, TierPlacement,
 };
@@ -183,7 +184,7 @@ fn the_engine_serves_adapters_with_their_own_cache_and_refuses_unknown_ones() {
     assert!(cached >= 64);
 
     match h.submit(with(Some("nope"))) {
-        Err(EngineError::UnknownLora(name)) => assert_eq!(name, "nope"),
+        Err(EngineError::Lora(AdapterError::Unknown(name))) => assert_eq!(name, "nope"),
         other => panic!("an unknown adapter was not refused: {other:?}"),
     }
     h.shutdown();
@@ -214,4 +215,71 @@ fn adapters_that_do_not_fit_the_model_or_the_configuration_stop_the_start() {
     };
     assert!(Engine::start(cfg(evicpress)).unwrap_err().to_string().contains("evicpress"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn adapters_load_and_unload_at_run_time_only_from_under_the_lora_dir() {
+    let model = load_model();
+    let root = std::env::temp_dir().join(format!("pagoda-lora-runtime-{}", std::process::id()));
+    let outside = std::env::temp_dir().join(format!("pagoda-lora-outside-{}", std::process::id()));
+    for d in [&root, &outside] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let spec = SyntheticLora { rank: 8, b_std: 0.3, ..Default::default() };
+    write_synthetic_peft(&root.join("sql"), model.config(), &spec).unwrap();
+    write_synthetic_peft(&outside, model.config(), &spec).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+
+    let off =
+        Engine::start(EngineConfig { kv_cache_tokens: 2048, threads: 2, ..EngineConfig::new(model_path()) }).unwrap();
+    assert!(matches!(off.load_lora("sql", "sql"), Err(EngineError::Lora(AdapterError::RuntimeOff))));
+    off.shutdown();
+
+    let h = Engine::start(EngineConfig {
+        kv_cache_tokens: 4096,
+        threads: 2,
+        lora_dir: Some(root.clone()),
+        max_loras: 2,
+        ..EngineConfig::new(model_path())
+    })
+    .unwrap();
+    let p = prompt(4, 40);
+    let with = |name: Option<&str>| GenerateRequest { lora: name.map(str::to_owned), ..common::greedy(&p, 8) };
+    let (base, _, _) = common::run_request(&h, with(None));
+    let loaded = h.load_lora("sql", "sql").expect("load");
+    assert_eq!((loaded.name(), loaded.rank()), ("sql", 8));
+    assert_eq!(h.lora_adapters().len(), 1);
+    let (sql, _, _) = common::run_request(&h, with(Some("sql")));
+    assert_ne!(sql, base);
+    let refused = |r: Result<_, EngineError>| match r {
+        Err(EngineError::Lora(e)) => e,
+        other => panic!("not refused: {other:?}"),
+    };
+    assert_eq!(refused(h.load_lora("sql", "sql")), AdapterError::Exists("sql".into()));
+    for (path, why) in
+        [("../x", "without `..`"), ("/etc", "without `..`"), ("link", "outside"), ("nope", "cannot open")]
+    {
+        let e = refused(h.load_lora("x", path));
+        assert!(e.to_string().contains(why), "{path}: {e}");
+    }
+    assert!(refused(h.load_lora("bad name", "sql")).to_string().contains("adapter name"));
+    // The same weights under a second name; a third is past --max-loras.
+    h.load_lora("sql2", "./sql").expect("load a second name");
+    assert_eq!(refused(h.load_lora("sql3", "sql")), AdapterError::Full(2));
+    // The name is part of the cache id: the second name computes its own prompt, and answers the same.
+    let (sql2, cached, _) = common::run_request(&h, with(Some("sql2")));
+    assert_eq!((sql2, cached), (sql.clone(), 0));
+
+    h.unload_lora("sql").unwrap();
+    assert!(matches!(h.submit(with(Some("sql"))), Err(EngineError::Lora(AdapterError::Unknown(_)))));
+    assert_eq!(h.unload_lora("sql"), Err(EngineError::Lora(AdapterError::Unknown("sql".into()))));
+    // Loaded again, it answers as before and finds its blocks still cached under its salted hashes.
+    h.load_lora("sql", "sql").unwrap();
+    let (again, cached, _) = common::run_request(&h, with(Some("sql")));
+    assert_eq!(again, sql);
+    assert!(cached >= 32, "{cached}");
+    h.shutdown();
+    for d in [&root, &outside] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
