@@ -121,6 +121,7 @@ async fn check_access_over_http(base: &str) -> String {
     let v: Value = pagoda_e2e::serde_json::from_str(&body).unwrap();
     assert_eq!(v["workers"][0]["ready"], true, "{v}");
     assert_eq!(v["workers"][0]["role"], "both", "{v}");
+    assert_eq!(v["workers"][0]["lora_adapters"], json!([]), "{v}");
     assert_eq!(v["timeline"]["window_s"], 5, "{v}");
 
     let (s, h, body) = post_login(&c, base, WRONG).await;

@@ -260,6 +260,8 @@ struct WorkerView {
     /// What the router sends it: both, prefill (disaggregated prompts) or decode.
     role: &'static str,
     model: String,
+    /// The LoRA adapters it serves, by name.
+    lora_adapters: Vec<String>,
     error: Option<String>,
     /// The router's own count of prompt tokens sent and not answered yet, and of streams decoding.
     queued_tokens: u64,
@@ -432,6 +434,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
                 address: w.addr.clone(),
                 ready: status.ready,
                 role: status.role.name(),
+                lora_adapters: status.lora_adapters.iter().map(|a| a.name.clone()).collect(),
                 model: status.model,
                 error: status.last_error,
                 queued_tokens: w.load().queued_tokens(),

@@ -36,6 +36,8 @@ pub enum AdapterError {
 pub struct AdapterRegistry {
     /// The model's shape, which every adapter must fit; `None` when the runner cannot apply adapters.
     shape: Option<ModelConfig>,
+    /// The base model's id: no adapter may take it (a request naming it means the base model).
+    base_model: String,
     max_rank: usize,
     max_loaded: usize,
     /// Where run-time loads come from (canonical); `None`: run-time loading is off.
@@ -44,9 +46,13 @@ pub struct AdapterRegistry {
 }
 
 impl AdapterRegistry {
-    /// Checks the configuration and loads the start-up adapters for a model of `shape` (`None`: a runner that
-    /// cannot apply adapters, which refuses any).
-    pub fn open(shape: Option<ModelConfig>, cfg: &EngineConfig) -> Result<AdapterRegistry, EngineError> {
+    /// Checks the configuration and loads the start-up adapters for the model `base_model` of `shape` (`None`: a
+    /// runner that cannot apply adapters, which refuses any).
+    pub fn open(
+        shape: Option<ModelConfig>,
+        base_model: &str,
+        cfg: &EngineConfig,
+    ) -> Result<AdapterRegistry, EngineError> {
         let config = |m: String| EngineError::Config(m);
         let wanted = !cfg.lora.is_empty() || cfg.lora_dir.is_some();
         if wanted && shape.is_none() {
@@ -74,6 +80,9 @@ impl AdapterRegistry {
         if let Some(dup) = cfg.lora.iter().find(|s| !seen.insert(s.name.as_str())) {
             return Err(config(format!("--lora {}: the name is given twice", dup.name)));
         }
+        if let Some(clash) = cfg.lora.iter().find(|s| s.name == base_model) {
+            return Err(config(format!("--lora {}: that is the base model's name", clash.name)));
+        }
         let runtime_dir = match &cfg.lora_dir {
             None => None,
             Some(dir) => {
@@ -95,6 +104,7 @@ impl AdapterRegistry {
         }
         Ok(AdapterRegistry {
             shape,
+            base_model: base_model.to_string(),
             max_rank: cfg.max_lora_rank,
             max_loaded: cfg.max_loras,
             runtime_dir,
@@ -123,6 +133,9 @@ impl AdapterRegistry {
             return Err(AdapterError::Invalid(format!(
                 "adapter name {name:?}: expected 1 to 128 characters of [A-Za-z0-9._:/-]"
             )));
+        }
+        if name == self.base_model {
+            return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
         }
         self.check_room(name)?;
         let dir = resolve_under(root, path)?;

@@ -947,7 +947,7 @@ impl Engine {
                     return;
                 }
                 let info = runner.info().clone();
-                let adapters = match AdapterRegistry::open(runner.lora_shape(), &thread_cfg) {
+                let adapters = match AdapterRegistry::open(runner.lora_shape(), &info.model_id, &thread_cfg) {
                     Ok(a) => a,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));

@@ -209,6 +209,13 @@ fn adapters_that_do_not_fit_the_model_or_the_configuration_stop_the_start() {
         ..EngineConfig::new(model_path())
     };
     assert!(Engine::start(twice).unwrap_err().to_string().contains("given twice"));
+    let base_name = EngineConfig {
+        // The model id is the GGUF's file stem.
+        lora: vec![LoraSpec { name: model_path().file_stem().unwrap().to_string_lossy().into(), dir: dir.clone() }],
+        max_lora_rank: 16,
+        ..EngineConfig::new(model_path())
+    };
+    assert!(Engine::start(base_name).unwrap_err().to_string().contains("base model's name"));
     let evicpress = EngineConfig {
         placement: TierPlacement::EvicPress(EvicPressConfig::default()),
         ..EngineConfig::new(model_path())

@@ -106,11 +106,13 @@ function renderWorkers(st) {
     health.appendChild(el("span", w.ready ? "ready" : "not ready"));
     if (w.error) health.appendChild(el("div", w.error, "err-text"));
     const s = w.stats;
+    const model = el("td", w.model || "–");
+    if (w.lora_adapters && w.lora_adapters.length) model.appendChild(el("div", `LoRA: ${w.lora_adapters.join(", ")}`, "sub-text"));
     return row([
       el("td", w.address, "mono"),
       health,
       el("td", w.role || "both"),
-      el("td", w.model || "–"),
+      model,
       numCell(s ? `${s.running} / ${s.waiting}` : "–"),
       numCell(`${fmtInt(w.queued_tokens)} tok · ${w.decoding} decoding`),
       numCell(s ? `${fmtInt(s.blocks_used)} / ${fmtInt(s.blocks_cached)} / ${fmtInt(s.blocks_total)}` : "no stats"),
