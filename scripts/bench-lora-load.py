@@ -14,23 +14,16 @@ p99), TTFT p99 and generated tokens/s, and the adapter's ratio to the base model
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
+import urllib.request
 
-from pagoda_servers import wait_ready
+from pagoda_servers import bench_load, start_up, wait_ready
 
 
 def load(a, url, model):
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [a.bin, "bench", "load", "--router", url, "--model-id", model, "--mode", "closed",
-               "--concurrency", str(a.concurrency), "--duration-secs", str(a.duration),
-               "--max-tokens", str(a.max_tokens), "--streaming", "all", "--json", out.name]
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
-        with open(out.name) as f:
-            return json.load(f)
+    return bench_load(a.bin, url, ["--model-id", model, "--mode", "closed", "--concurrency", str(a.concurrency),
+                                   "--duration-secs", str(a.duration), "--max-tokens", str(a.max_tokens),
+                                   "--streaming", "all"])
 
 
 def main():
@@ -46,12 +39,11 @@ def main():
     a = ap.parse_args()
     adapter = a.lora.split("=", 1)[0]
     url = f"http://127.0.0.1:{a.port}"
-    log = open(f"/tmp/bench-lora-load-{a.port}.log", "w")
-    proc = subprocess.Popen([a.bin, "up", "--listen", f"127.0.0.1:{a.port}", "--threads", "2", "--lora", a.lora],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = start_up(a.bin, a.port, ["--threads", "2", "--lora", a.lora], "bench-lora-load")
     try:
         wait_ready(url, proc)
-        models = json.loads(subprocess.run(["curl", "-s", f"{url}/v1/models"], capture_output=True, text=True).stdout)
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+            models = json.load(r)
         base = models["data"][0]["id"]
         runs = {base: [], adapter: []}
         for rep in range(a.reps):

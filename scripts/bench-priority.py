@@ -19,23 +19,16 @@ generated tokens/s, and each figure's ratio to the FCFS server's.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 
-from pagoda_servers import wait_ready
+from pagoda_servers import bench_load, start_up, wait_ready
 
 
 def load(a, url, priority):
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [a.bin, "bench", "load", "--router", url, "--mode", "closed", "--concurrency", str(a.concurrency),
-               "--duration-secs", str(a.duration), "--max-tokens", str(a.max_tokens), "--streaming", "all",
-               "--urgent-every", str(a.urgent_every), f"--urgent-priority={priority}", "--json", out.name]
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
-        with open(out.name) as f:
-            return json.load(f)
+    return bench_load(a.bin, url, ["--mode", "closed", "--concurrency", str(a.concurrency),
+                                   "--duration-secs", str(a.duration), "--max-tokens", str(a.max_tokens),
+                                   "--streaming", "all", "--urgent-every", str(a.urgent_every),
+                                   f"--urgent-priority={priority}"])
 
 
 def main():
@@ -59,10 +52,8 @@ def main():
         for i, (name, (flags, _)) in enumerate(servers.items()):
             port = a.base_port + i
             urls[name] = f"http://127.0.0.1:{port}"
-            log = open(f"/tmp/bench-priority-{port}.log", "w")
-            procs.append(subprocess.Popen(
-                [a.bin, "up", "--listen", f"127.0.0.1:{port}", "--threads", "2", "--max-running",
-                 str(a.max_running), *flags], stdout=log, stderr=subprocess.STDOUT))
+            procs.append(start_up(a.bin, port, ["--threads", "2", "--max-running", str(a.max_running), *flags],
+                                  "bench-priority"))
         for (name, url), p in zip(urls.items(), procs):
             wait_ready(url, p)
         runs = {name: [] for name in servers}

@@ -1,8 +1,30 @@
 """Helpers the benchmark scripts share for the `pagoda up` servers they start."""
 
+import json
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+
+
+def start_up(binary, port, flags, log_name):
+    """Starts `pagoda up` on 127.0.0.1:`port` with `flags`, its output in /tmp/`log_name`-`port`.log."""
+    log = open(f"/tmp/{log_name}-{port}.log", "w")
+    return subprocess.Popen([binary, "up", "--listen", f"127.0.0.1:{port}", *flags], stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def bench_load(binary, url, flags):
+    """Runs `pagoda bench load --router url` with `flags` and returns its JSON summary; exits if it fails (a lost
+    request or an answer that differs from the greedy reference fails it)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [binary, "bench", "load", "--router", url, *flags, "--json", out.name]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+        with open(out.name) as f:
+            return json.load(f)
 
 
 def wait_ready(url, proc, timeout=180):

@@ -14,11 +14,10 @@ import argparse
 import http.client
 import json
 import random
-import subprocess
 import threading
 import time
 
-from pagoda_servers import wait_ready
+from pagoda_servers import start_up, wait_ready
 
 WORDS = "river mountain garden window station library kitchen market island forest".split()
 
@@ -50,9 +49,7 @@ def main():
     ap.add_argument("--stream-tokens", type=int, default=400)
     a = ap.parse_args()
     url = f"http://127.0.0.1:{a.port}"
-    log = open(f"/tmp/probe-chunk-stall-{a.port}.log", "w")
-    server = subprocess.Popen([a.bin, "up", "--threads", "1", "--listen", f"127.0.0.1:{a.port}"], stdout=log,
-                              stderr=subprocess.STDOUT)
+    server = start_up(a.bin, a.port, ["--threads", "1"], "probe-chunk-stall")
     try:
         wait_ready(url, server)
         deltas = []

@@ -31,6 +31,14 @@ pub async fn start_up(name: &str, extra: &[&str]) -> Result<Up> {
     Ok(Up { proc, http, worker })
 }
 
+/// The router's `/readyz` entry for each worker, by address.
+pub async fn ready_workers(http: &Http) -> std::collections::HashMap<String, Value> {
+    let (_, body) = http.get("/readyz").await.unwrap();
+    let ready: Value = pagoda_e2e::serde_json::from_str(&body).unwrap();
+    let workers = ready["workers"].as_array().cloned().unwrap_or_default();
+    workers.into_iter().filter_map(|w| Some((w["address"].as_str()?.to_string(), w))).collect()
+}
+
 /// A chat request body for one user message.
 pub fn chat(content: &str, extra: Value) -> Value {
     let mut body = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": content}]});

@@ -298,12 +298,8 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     assert_eq!(models["data"][1]["parent"], pagoda_e2e::MODEL_ID);
     let (s, card) = http.get("/v1/models/sql").await.unwrap();
     assert_eq!(s, 200, "{card}");
-    let (_, ready) = http.get("/readyz").await.unwrap();
-    let ready: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&ready).unwrap();
-    let adapters_of = |addr: &str| {
-        ready["workers"].as_array().unwrap().iter().find(|w| w["address"] == addr).unwrap()["lora_adapters"].clone()
-    };
-    assert_eq!((adapters_of(&with), adapters_of(&without)), (json!(["sql"]), json!([])));
+    let ready = common::ready_workers(&http).await;
+    assert_eq!((&ready[&with]["lora_adapters"], &ready[&without]["lora_adapters"]), (&json!(["sql"]), &json!([])));
 
     let ask = |model: &str, question: &str| {
         json!({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 12,

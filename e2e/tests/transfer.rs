@@ -298,12 +298,8 @@ async fn router_prefills_long_prompts_on_a_prefill_worker_and_decodes_elsewhere(
         .unwrap();
     let (p_addr, d_addr) = (cluster.worker_addr(0).to_string(), cluster.worker_addr(1).to_string());
     let http = cluster.http(0).clone();
-    let (_, ready) = http.get("/readyz").await.unwrap();
-    let ready: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&ready).unwrap();
-    let role_of = |addr: &str| {
-        ready["workers"].as_array().unwrap().iter().find(|w| w["address"] == addr).map(|w| w["role"].clone())
-    };
-    assert_eq!((role_of(&p_addr).unwrap(), role_of(&d_addr).unwrap()), (json!("prefill"), json!("decode")));
+    let ready = common::ready_workers(&http).await;
+    assert_eq!((&ready[&p_addr]["role"], &ready[&d_addr]["role"]), (&json!("prefill"), &json!("decode")));
     let complete = |tokens: &[u32]| {
         let greedy = json!({"max_tokens": 8, "temperature": 0, "ignore_eos": true});
         let mut body = json!({"model": MODEL_ID, "prompt": tokens});

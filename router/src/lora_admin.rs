@@ -58,11 +58,7 @@ pub struct WorkerOutcome {
 }
 
 fn check_name(name: &str) -> Result<(), ApiError> {
-    if pagoda_worker::model::lora::valid_lora_name(name) {
-        Ok(())
-    } else {
-        Err(ApiError::invalid_param("lora_name", "An adapter name is 1 to 128 characters of [A-Za-z0-9._:/-]."))
-    }
+    pagoda_worker::model::lora::check_lora_name(name).map_err(|e| ApiError::invalid_param("lora_name", e))
 }
 
 /// `POST /v1/load_lora_adapter`.

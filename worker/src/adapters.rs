@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use crate::engine::{EngineConfig, EngineError, LoraSpec, TierPlacement};
-use crate::model::lora::{MAX_LORA_RANK, valid_lora_name};
+use crate::model::lora::{MAX_LORA_RANK, check_lora_name};
 use crate::model::{LoraAdapter, ModelConfig};
 
 /// Most adapters `--max-loras` may allow.
@@ -129,11 +129,7 @@ impl AdapterRegistry {
     pub fn load(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
         let Some(root) = &self.runtime_dir else { return Err(AdapterError::RuntimeOff) };
         let Some(shape) = &self.shape else { return Err(AdapterError::RuntimeOff) };
-        if !valid_lora_name(name) {
-            return Err(AdapterError::Invalid(format!(
-                "adapter name {name:?}: expected 1 to 128 characters of [A-Za-z0-9._:/-]"
-            )));
-        }
+        check_lora_name(name).map_err(AdapterError::Invalid)?;
         if name == self.base_model {
             return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
         }

@@ -108,9 +108,7 @@ impl std::str::FromStr for LoraSpec {
     /// `NAME=DIR`.
     fn from_str(s: &str) -> Result<LoraSpec, String> {
         let (name, dir) = s.split_once('=').ok_or_else(|| format!("--lora {s:?}: expected NAME=DIR"))?;
-        if !crate::model::lora::valid_lora_name(name) {
-            return Err(format!("--lora {s:?}: the name must be 1 to 128 characters of [A-Za-z0-9._:/-]"));
-        }
+        crate::model::lora::check_lora_name(name).map_err(|e| format!("--lora {s:?}: {e}"))?;
         if dir.is_empty() {
             return Err(format!("--lora {s:?}: the directory is empty"));
         }

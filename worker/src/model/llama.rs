@@ -15,7 +15,7 @@ use pagoda_kernels::{AttnProbs, AttnSeq, Backend, KvStorage, QMatrix, WeightType
 use super::config::ModelConfig;
 use super::error::ModelError;
 use super::gguf::{GgmlType, Gguf};
-use super::lora::{LoraAdapter, LoraTarget, apply_lora};
+use super::lora::{LoraAdapter, LoraTarget, adapter_runs, apply_lora};
 
 /// Which logits rows a sequence wants from a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -394,14 +394,15 @@ impl LlamaModel {
             probs,
             probs_stride,
         } = scratch;
-        let any_lora = seqs.iter().any(|s| s.lora.is_some());
-        // Adds the step's adapters' deltas of one projection (nothing when no sequence has an adapter).
-        // One allocation per step with adapters, reused by every projection of every layer.
+        // Adds the step's adapters' deltas of one projection (nothing when no sequence has an adapter). The runs
+        // of rows per adapter are found once; at most two allocations per step with adapters, none without.
+        let mut runs = Vec::new();
+        adapter_runs(seqs, &mut runs);
         let mut segments = Vec::new();
         let mut lora = |li: usize, target: LoraTarget, x: &[f32], y: &mut [f32]| {
-            if any_lora {
+            if !runs.is_empty() {
                 let (input, output) = target.dims(c);
-                apply_lora(backend, seqs, (li, target), (x, input), (y, output), &mut segments);
+                apply_lora(backend, &runs, (li, target), (x, input), (y, output), &mut segments);
             }
         };
         backend.embedding(&self.embed, ids, x);

@@ -149,11 +149,17 @@ fn lora_err(msg: impl Into<String>) -> ModelError {
 }
 
 /// Whether `name` may name an adapter: 1 to [`MAX_LORA_NAME`] characters of `[A-Za-z0-9._:/-]`, so that it is a
-/// valid OpenAI model id and never contains the separator [`cache_namespace`] uses.
-pub fn valid_lora_name(name: &str) -> bool {
-    !name.is_empty()
+/// valid OpenAI model id and never contains the separator [`cache_namespace`] uses. The error says so; the CLI,
+/// the worker's registry and the router's admin endpoint all give it.
+pub fn check_lora_name(name: &str) -> Result<(), String> {
+    let valid = !name.is_empty()
         && name.len() <= MAX_LORA_NAME
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'/' | b'-'))
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'/' | b'-'));
+    if valid {
+        Ok(())
+    } else {
+        Err(format!("adapter name {name:?}: expected 1 to {MAX_LORA_NAME} characters of [A-Za-z0-9._:/-]"))
+    }
 }
 
 /// The namespace a request of `namespace` hashes its blocks in when it runs with the adapter `cache_id`: the
@@ -166,11 +172,7 @@ pub fn cache_namespace(namespace: &str, cache_id: &str) -> String {
 impl LoraAdapter {
     /// Loads the PEFT adapter in `dir` for a model of shape `cfg`, refusing ranks above `max_rank`.
     pub fn load(name: &str, dir: &Path, cfg: &ModelConfig, max_rank: usize) -> Result<LoraAdapter, ModelError> {
-        if !valid_lora_name(name) {
-            return Err(lora_err(format!(
-                "adapter name {name:?}: expected 1 to {MAX_LORA_NAME} characters of [A-Za-z0-9._:/-]"
-            )));
-        }
+        check_lora_name(name).map_err(lora_err)?;
         let config_bytes = read_bounded(&dir.join("adapter_config.json"), MAX_CONFIG_BYTES)?;
         let config: Value = serde_json::from_slice(&config_bytes)
             .map_err(|e| lora_err(format!("{name}: adapter_config.json is not JSON: {e}")))?;
@@ -417,36 +419,42 @@ impl PeftOptions {
     }
 }
 
-/// Adds each adapter's delta of `target` in block `layer` to the rows of `y` (`[rows][out_dim]`) computed from `x`
-/// (`[rows][in_dim]`): one segment per run of consecutive sequences that share an adapter, all in one kernel call
-/// (so a batch of sequences on different adapters is split across the pool together). Sequences without an
-/// adapter are left as the base matmul made them. `segments` is a reused buffer.
+/// Rows `[start, end)` of a step's batch that run with one adapter.
+pub(super) type AdapterRun<'a> = (usize, usize, &'a LoraAdapter);
+
+/// The step's runs of consecutive sequences that share an adapter, in row order (sequences without one are left
+/// out), into `runs`. A step computes them once for all its projections.
+pub(super) fn adapter_runs<'a>(seqs: &[ForwardSeq<'a>], runs: &mut Vec<AdapterRun<'a>>) {
+    runs.clear();
+    let mut row = 0;
+    for s in seqs {
+        let (start, end) = (row, row + s.tokens.len());
+        row = end;
+        let Some(adapter) = s.lora else { continue };
+        match runs.last_mut() {
+            Some((_, last_end, last)) if *last_end == start && std::ptr::eq(*last, adapter) => *last_end = end,
+            _ => runs.push((start, end, adapter)),
+        }
+    }
+}
+
+/// Adds each run's adapter delta of `target` in block `layer` to its rows of `y` (`[rows][out_dim]`), computed
+/// from `x` (`[rows][in_dim]`): one segment per run, all in one kernel call (so a batch of sequences on different
+/// adapters is split across the pool together). Rows outside the runs are left as the base matmul made them.
+/// `segments` is a reused buffer.
 pub(super) fn apply_lora<'a>(
     backend: &dyn Backend,
-    seqs: &[ForwardSeq<'a>],
+    runs: &[AdapterRun<'a>],
     (layer, target): (usize, LoraTarget),
     (x, in_dim): (&[f32], usize),
     (y, out_dim): (&mut [f32], usize),
     segments: &mut Vec<LoraSegment<'a>>,
 ) {
     segments.clear();
-    let (mut row, mut i) = (0, 0);
-    while i < seqs.len() {
-        let start = row;
-        row += seqs[i].tokens.len();
-        let Some(adapter) = seqs[i].lora else {
-            i += 1;
-            continue;
-        };
-        i += 1;
-        while i < seqs.len() && seqs[i].lora.is_some_and(|next| std::ptr::eq(next, adapter)) {
-            row += seqs[i].tokens.len();
-            i += 1;
-        }
-        if let Some(pair) = adapter.pair(layer, target) {
-            segments.push(LoraSegment { rows: (start, row), a: &pair.a, bt: &pair.bt, rank: adapter.rank });
-        }
-    }
+    segments.extend(runs.iter().filter_map(|&(start, end, adapter)| {
+        let pair = adapter.pair(layer, target)?;
+        Some(LoraSegment { rows: (start, end), a: &pair.a, bt: &pair.bt, rank: adapter.rank })
+    }));
     if !segments.is_empty() {
         backend.lora_add(x, in_dim, y, out_dim, segments);
     }
@@ -655,6 +663,7 @@ mod tests {
         assert_ne!(a, cache_namespace("t1", "x@2"));
         assert_ne!(a, cache_namespace("t2", "x@1"));
         assert_ne!(a, "t1");
-        assert!(valid_lora_name("org/sql-lora:v1") && !valid_lora_name("") && !valid_lora_name("a\u{0}b"));
+        assert!(check_lora_name("org/sql-lora:v1").is_ok());
+        assert!(check_lora_name("").is_err() && check_lora_name("a\u{0}b").is_err());
     }
 }
