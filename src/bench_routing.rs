@@ -15,6 +15,11 @@
 //! between strategies so that no strategy inherits another's cache. Reported: mean and p99 time to first token
 //! (streamed), the prefix hit rate (cached / prompt tokens from the API's `usage`), completed requests and
 //! generated tokens per second, and the router's decision latency (`pagoda_router_placement_decision_seconds`).
+//!
+//! **With `--lora-adapters N`** the trace is multi-LoRA: conversation `c` chats with adapter `lora-{c mod N}`, one of
+//! N SYNTHETIC adapters (random weights, `--lora-rank`) written into a temporary directory that every worker loads
+//! from on demand (`--lora-dir`, `--lora-on-demand`) with `--max-loras` slots. Reported besides: the adapter loads
+//! and evictions of each strategy's workers (the router's mirror of their `Stats`).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -52,6 +57,11 @@ pub struct RoutingBenchOptions {
     pub seed: u64,
     /// Every request must end within this; one that does not fails the run.
     pub deadline_secs: u64,
+    /// Multi-LoRA trace: adapters the conversations spread over (0: every conversation asks the base model).
+    pub lora_adapters: usize,
+    pub lora_rank: usize,
+    /// Each worker's adapter slots (`--max-loras`).
+    pub max_loras: usize,
 }
 
 /// One strategy's figures.
@@ -73,6 +83,11 @@ pub struct StrategyResult {
     pub decision_p99_us: f64,
     /// Requests placed on each worker, in worker order.
     pub per_worker: Vec<u64>,
+    /// Adapters the workers loaded on demand, and those they evicted to do so (multi-LoRA traces; else 0).
+    pub lora_loads: u64,
+    pub lora_evictions: u64,
+    /// Mean wall time of one of those loads (0 without loads).
+    pub lora_load_mean_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -136,9 +151,9 @@ struct Turn {
 }
 
 /// One streamed chat request through the load generator's client: the reply text, TTFT and usage.
-async fn chat(http: &Http, messages: &[Value], max_tokens: u32) -> Result<Turn> {
+async fn chat(http: &Http, model: &str, messages: &[Value], max_tokens: u32) -> Result<Turn> {
     let body = json!({
-        "model": http.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": true, "stream_options": {"include_usage": true},
     });
     let rec = load::chat_once(http, &body, true).await;
@@ -196,8 +211,12 @@ pub(crate) fn deploy_cluster(
     Ok(Deployment { _workers: workers, _router: router, http: Http::new(base), worker_addrs: addrs })
 }
 
-fn deploy(o: &RoutingBenchOptions, strategy: &str) -> Result<Deployment> {
+fn deploy(o: &RoutingBenchOptions, strategy: &str, lora_dir: Option<&Path>) -> Result<Deployment> {
     let mut worker = Vec::new();
+    if let Some(dir) = lora_dir {
+        worker.extend(["--lora-dir".to_string(), dir.display().to_string(), "--lora-on-demand".to_string()]);
+        worker.extend(["--max-loras".to_string(), o.max_loras.to_string()]);
+    }
     if o.worker_kv_tokens > 0 {
         worker.extend(["--kv-cache-tokens".to_string(), o.worker_kv_tokens.to_string()]);
     }
@@ -262,8 +281,41 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-async fn run_strategy(o: &RoutingBenchOptions, strategy: &str) -> Result<(StrategyResult, Vec<u64>)> {
-    let d = deploy(o, strategy)?;
+/// The model conversation `c` asks: its adapter in a multi-LoRA trace, else the base model.
+fn conversation_model(o: &RoutingBenchOptions, base: &str, c: usize) -> String {
+    if o.lora_adapters > 0 { format!("lora-{}", c % o.lora_adapters) } else { base.to_string() }
+}
+
+/// Writes the multi-LoRA trace's SYNTHETIC adapters (`lora-0` …) into a fresh directory.
+fn write_adapters(o: &RoutingBenchOptions) -> Result<PathBuf> {
+    use pagoda_worker::model::{Gguf, ModelConfig, SyntheticLora};
+    let dir = std::env::temp_dir().join(format!("pagoda-bench-routing-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let gguf = Gguf::open(&o.model).with_context(|| format!("opening {}", o.model.display()))?;
+    let cfg = ModelConfig::from_gguf(&gguf).context("reading the model's shape")?;
+    for i in 0..o.lora_adapters {
+        let spec = SyntheticLora { rank: o.lora_rank, seed: 100 + i as u64, ..SyntheticLora::default() };
+        pagoda_worker::model::lora::write_synthetic_peft(&dir.join(format!("lora-{i}")), &cfg, &spec)
+            .context("writing a synthetic adapter")?;
+    }
+    Ok(dir)
+}
+
+/// The sum over `workers` of the router's gauge `family` (one line per worker).
+fn worker_gauge_sum(metrics: &str, family: &str, workers: &[String]) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{family}{{")) && workers.iter().any(|w| l.contains(&format!("\"{w}\""))))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn run_strategy(
+    o: &RoutingBenchOptions,
+    strategy: &str,
+    lora_dir: Option<&Path>,
+) -> Result<(StrategyResult, Vec<u64>)> {
+    let d = deploy(o, strategy, lora_dir)?;
     wait_all_ready(&d).await?;
     let (_, models) = d.http.get("/v1/models").await?;
     let model_id = serde_json::from_str::<Value>(&models)?["data"][0]["id"]
@@ -276,6 +328,7 @@ async fn run_strategy(o: &RoutingBenchOptions, strategy: &str) -> Result<(Strate
     let t0 = Instant::now();
     let tasks = users.into_iter().enumerate().map(|(c, turns)| {
         let (http, system) = (http.clone(), systems[c % systems.len()].clone());
+        let model = conversation_model(o, &http.model, c);
         let max_tokens = o.max_tokens;
         async move {
             tokio::time::sleep(Duration::from_millis(o.conversation_gap_ms * c as u64)).await;
@@ -283,7 +336,7 @@ async fn run_strategy(o: &RoutingBenchOptions, strategy: &str) -> Result<(Strate
             let mut out = Vec::new();
             for user in turns {
                 messages.push(json!({"role": "user", "content": user}));
-                let turn = tokio::time::timeout(deadline, chat(&http, &messages, max_tokens))
+                let turn = tokio::time::timeout(deadline, chat(&http, &model, &messages, max_tokens))
                     .await
                     .map_err(|_| anyhow!("no answer within {deadline:?}"))
                     .and_then(|r| r);
@@ -305,6 +358,11 @@ async fn run_strategy(o: &RoutingBenchOptions, strategy: &str) -> Result<(Strate
     let wall = t0.elapsed().as_secs_f64();
     let (_, metrics) = d.http.get("/metrics").await?;
     let (decision_mean_us, decision_p99_us, per_worker) = decision_latency(&metrics, &d.worker_addrs);
+    let lora_loads = worker_gauge_sum(&metrics, "pagoda_router_worker_lora_on_demand_loads", &d.worker_addrs) as u64;
+    let lora_evictions = worker_gauge_sum(&metrics, "pagoda_router_worker_lora_evictions", &d.worker_addrs) as u64;
+    // Every run-time load in this deployment is an on-demand one.
+    let lora_load_s = worker_gauge_sum(&metrics, "pagoda_router_worker_lora_load_seconds", &d.worker_addrs);
+    let lora_load_mean_s = if lora_loads > 0 { lora_load_s / lora_loads as f64 } else { 0.0 };
     drop(d);
     let failed = results.iter().filter(|r| r.is_err()).count();
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
@@ -332,6 +390,9 @@ async fn run_strategy(o: &RoutingBenchOptions, strategy: &str) -> Result<(Strate
             decision_mean_us,
             decision_p99_us,
             per_worker,
+            lora_loads,
+            lora_evictions,
+            lora_load_mean_s,
         },
         prompt_lens,
     ))
@@ -342,14 +403,30 @@ pub async fn run(o: RoutingBenchOptions) -> Result<RoutingReport> {
     if o.workers == 0 || o.conversations == 0 || o.turns == 0 || o.strategies.is_empty() {
         bail!("--workers, --conversations, --turns and --strategies must all be non-empty");
     }
+    if o.lora_adapters > 0 && !(1..=pagoda_worker::model::lora::MAX_LORA_RANK).contains(&o.lora_rank) {
+        bail!("--lora-rank must be in 1..={}", pagoda_worker::model::lora::MAX_LORA_RANK);
+    }
+    let lora_dir = if o.lora_adapters > 0 { Some(write_adapters(&o)?) } else { None };
     let mut results = Vec::new();
     // The trace is the same for every strategy; its mean prompt is taken from the first one's answers.
     let mut prompt_tokens_mean = None;
     for s in &o.strategies {
         tracing::info!(strategy = %s, "routing bench: running");
-        let (r, lens) = run_strategy(&o, s).await.with_context(|| format!("strategy {s}"))?;
+        let ran = run_strategy(&o, s, lora_dir.as_deref()).await.with_context(|| format!("strategy {s}"));
+        let (r, lens) = match ran {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(dir) = &lora_dir {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+                return Err(e);
+            }
+        };
         prompt_tokens_mean.get_or_insert(lens.iter().sum::<u64>() as f64 / lens.len().max(1) as f64);
         results.push(r);
+    }
+    if let Some(dir) = &lora_dir {
+        let _ = std::fs::remove_dir_all(dir);
     }
     let prompt_tokens_mean = prompt_tokens_mean.unwrap_or(0.0);
     Ok(RoutingReport { options: o, prompt_tokens_mean, results })
@@ -360,17 +437,20 @@ impl RoutingReport {
     pub fn markdown(&self) -> String {
         let mean_of = |name: &str| self.results.iter().find(|r| r.strategy == name).map(|r| r.mean_ttft_s);
         let (rr, overlap) = (mean_of("round_robin"), mean_of("prefix_overlap"));
+        let lora = self.options.lora_adapters > 0;
         let mut s = String::from(
             "| strategy | requests | failed | mean TTFT (s) | p99 TTFT (s) | × round robin | × prefix overlap | \
-             prefix hit rate | req/s | tokens/s | decision mean (µs) | decision p99 ≤ (µs) | requests per worker |\n\
-             |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+             prefix hit rate | req/s | tokens/s | decision mean (µs) | decision p99 ≤ (µs) | requests per worker |",
         );
+        s.push_str(if lora { " adapter loads | evictions | mean load (ms) |\n" } else { "\n" });
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+        s.push_str(if lora { "---:|---:|---:|\n" } else { "\n" });
         for r in &self.results {
             let ratio = |base: Option<f64>| {
                 base.filter(|_| r.mean_ttft_s > 0.0).map_or("—".to_string(), |b| format!("{:.2}", b / r.mean_ttft_s))
             };
             s.push_str(&format!(
-                "| {} | {} | {} | {:.3} | {:.3} | {} | {} | {:.1}% | {:.2} | {:.1} | {:.1} | {:.0} | {:?} |\n",
+                "| {} | {} | {} | {:.3} | {:.3} | {} | {} | {:.1}% | {:.2} | {:.1} | {:.1} | {:.0} | {:?} |",
                 r.strategy,
                 r.requests,
                 r.failed,
@@ -385,6 +465,10 @@ impl RoutingReport {
                 r.decision_p99_us,
                 r.per_worker
             ));
+            if lora {
+                s.push_str(&format!(" {} | {} | {:.1} |", r.lora_loads, r.lora_evictions, r.lora_load_mean_s * 1e3));
+            }
+            s.push('\n');
         }
         s
     }
@@ -392,28 +476,45 @@ impl RoutingReport {
     /// Bars of mean and p99 TTFT, and of the prefix hit rate, per strategy.
     pub fn draw(&self, path: &Path) -> Result<()> {
         register_font()?;
-        let root = BitMapBackend::new(path, (1200, 520)).into_drawing_area();
+        let width = if self.options.lora_adapters > 0 { 1700 } else { 1200 };
+        let root = BitMapBackend::new(path, (width, 520)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
         let o = &self.options;
-        let title = format!(
+        let mut title = format!(
             "Routing: {} conversations x {} turns on {} workers ({} system prompt(s), mean prompt {:.0} tokens)",
             o.conversations, o.turns, o.workers, o.system_prompts, self.prompt_tokens_mean
         );
+        if o.lora_adapters > 0 {
+            title.push_str(&format!(
+                "; {} SYNTHETIC rank-{} LoRA adapters loaded on demand, {} slot(s) per worker",
+                o.lora_adapters, o.lora_rank, o.max_loras
+            ));
+        }
         let root = root.titled(&title, (FONT, 20)).map_err(|e| anyhow!("{e}"))?;
-        let panels = root.split_evenly((1, 2));
+        let lora = o.lora_adapters > 0;
+        let panels = root.split_evenly((1, if lora { 3 } else { 2 }));
         let n = self.results.len();
         let names: Vec<String> = self.results.iter().map(|r| r.strategy.clone()).collect();
         let ttft_top = self.results.iter().map(|r| r.p99_ttft_s).fold(0.0, f64::max).max(0.01) * 1.15;
-        // Per panel: caption, y top, and its bars as (offset within the slot, colour).
-        type PanelSpec<'a> = (&'a str, f64, Vec<(f64, RGBColor)>);
-        let series: [PanelSpec<'_>; 2] = [
+        let loads_top = self.results.iter().map(|r| r.lora_loads as f64).fold(0.0, f64::max).max(1.0) * 1.15;
+        // Per panel: caption, y top, and its bars as (colour, value).
+        type Bar = (RGBColor, fn(&StrategyResult) -> f64);
+        let (blue, orange, green) = (RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44));
+        let mut series: Vec<(&str, f64, Vec<Bar>)> = vec![
             (
                 "Time to first token (s): mean (blue), p99 (orange)",
                 ttft_top,
-                vec![(0.0, RGBColor(31, 119, 180)), (0.4, RGBColor(255, 127, 14))],
+                vec![(blue, |r| r.mean_ttft_s), (orange, |r| r.p99_ttft_s)],
             ),
-            ("Prefix hit rate (%)", 100.0, vec![(0.0, RGBColor(44, 160, 44))]),
+            ("Prefix hit rate (%)", 100.0, vec![(green, |r| r.prefix_hit_rate * 100.0)]),
         ];
+        if lora {
+            series.push((
+                "LoRA adapter loads (blue), evictions (orange)",
+                loads_top,
+                vec![(blue, |r| r.lora_loads as f64), (orange, |r| r.lora_evictions as f64)],
+            ));
+        }
         for (p, (caption, top, bars)) in series.iter().enumerate() {
             let mut chart = ChartBuilder::on(&panels[p])
                 .caption(*caption, (FONT, 18))
@@ -437,17 +538,13 @@ impl RoutingReport {
                 .label_style((FONT, 13))
                 .draw()
                 .map_err(|e| anyhow!("{e}"))?;
-            for (offset, color) in bars {
-                let width = if bars.len() == 1 { 0.6 } else { 0.38 };
+            let width = if bars.len() == 1 { 0.6 } else { 0.38 };
+            for (b, (color, value)) in bars.iter().enumerate() {
+                let offset = if bars.len() == 1 { -0.3 } else { 0.4 * b as f64 - 0.39 };
                 chart
                     .draw_series(self.results.iter().enumerate().map(|(i, r)| {
-                        let v = match (p, *offset > 0.0) {
-                            (0, false) => r.mean_ttft_s,
-                            (0, true) => r.p99_ttft_s,
-                            _ => r.prefix_hit_rate * 100.0,
-                        };
-                        let x0 = i as f64 + if bars.len() == 1 { -0.3 } else { offset - 0.39 };
-                        Rectangle::new([(x0, 0.0), (x0 + width, v)], color.filled())
+                        let x0 = i as f64 + offset;
+                        Rectangle::new([(x0, 0.0), (x0 + width, value(r))], color.filled())
                     }))
                     .map_err(|e| anyhow!("{e}"))?;
             }

@@ -303,6 +303,11 @@ struct EngineArgs {
     #[arg(long, default_value_t = 16,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=pagoda_worker::adapters::MAX_LOADED_LORAS as u64))]
     max_loras: usize,
+    /// Load a LoRA adapter that a request names and this worker lacks from --lora-dir/NAME (vLLM's filesystem
+    /// resolver), evicting the least recently used idle adapter loaded that way when --max-loras are loaded.
+    /// Workers announce what they can load, and the router charges each worker the load in its placement cost.
+    #[arg(long, requires = "lora_dir")]
+    lora_on_demand: bool,
     /// Most requests queued behind a full running batch (--max-running); more are refused as busy (the router
     /// tries another worker, then sheds load with 503 + Retry-After).
     #[arg(long, default_value_t = pagoda_worker::service::DEFAULT_MAX_QUEUED_REQUESTS,
@@ -892,6 +897,16 @@ struct BenchRoutingArgs {
     conversation_gap_ms: u64,
     #[arg(long, default_value_t = 11)]
     seed: u64,
+    /// Multi-LoRA trace: conversation c chats with adapter lora-{c mod N}, one of N SYNTHETIC adapters the workers
+    /// load on demand (--lora-dir, --lora-on-demand). 0: the base model only.
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256))]
+    lora_adapters: usize,
+    /// Rank of the multi-LoRA trace's adapters (all seven projections).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    lora_rank: usize,
+    /// Each worker's adapter slots in a multi-LoRA trace (worker --max-loras).
+    #[arg(long, default_value_t = 2, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    max_loras: usize,
     #[command(flatten)]
     out: ClusterBenchOutput,
 }
@@ -1345,6 +1360,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         max_lora_rank: e.max_lora_rank,
         lora_dir: e.lora_dir.clone(),
         max_loras: e.max_loras,
+        lora_on_demand: e.lora_on_demand,
         placement: TierPlacement::from_flags(
             &e.tier_placement,
             &e.tier_codec,
@@ -1966,6 +1982,9 @@ async fn bench_routing(a: BenchRoutingArgs) -> Result<()> {
         conversation_gap_ms: a.conversation_gap_ms,
         seed: a.seed,
         deadline_secs: a.out.deadline_secs,
+        lora_adapters: a.lora_adapters,
+        lora_rank: a.lora_rank,
+        max_loras: a.max_loras,
     })
     .await?;
     let failed = report.results.iter().map(|r| r.failed).sum();

@@ -56,6 +56,28 @@ fn bench_routing_compares_strategies_on_fresh_workers() {
     assert_eq!(v["options"]["worker_kv_tokens"], 4096);
 }
 
+/// The multi-LoRA trace at CI size: two adapters over two workers with one adapter slot each. KV-aware placement
+/// charges a worker the adapter load it would need, so each adapter is loaded once, on its own worker, and never
+/// evicted; round robin alternates the workers whatever the adapter and cannot need fewer loads.
+#[test]
+fn bench_routing_with_lora_adapters_keeps_each_adapter_where_it_is_loaded() {
+    require_model().unwrap();
+    let v = run_cluster_bench(&[
+        &["bench", "routing", "--workers", "2", "--conversations", "4", "--turns", "2", "--system-prompts", "2"],
+        &["--max-tokens", "6", "--strategies", "round_robin,kv", "--deadline-secs", "120"],
+        &["--worker-kv-tokens", "4096", "--conversation-gap-ms", "200"],
+        &["--lora-adapters", "2", "--lora-rank", "8", "--max-loras", "1"],
+    ]);
+    let results = v["results"].as_array().unwrap();
+    let by = |s: &str| results.iter().find(|r| r["strategy"] == s).unwrap_or_else(|| panic!("no {s}: {v:#}"));
+    for s in ["round_robin", "kv"] {
+        assert_eq!((by(s)["requests"].as_u64(), by(s)["failed"].as_u64()), (Some(8), Some(0)), "{v:#}");
+        assert!(by(s)["lora_loads"].as_u64().unwrap() >= 2, "each adapter is loaded somewhere: {v:#}");
+    }
+    assert_eq!((by("kv")["lora_loads"].as_u64(), by("kv")["lora_evictions"].as_u64()), (Some(2), Some(0)), "{v:#}");
+    assert!(by("round_robin")["lora_loads"].as_u64() >= by("kv")["lora_loads"].as_u64(), "{v:#}");
+}
+
 /// `pagoda bench disaggregation` at CI size: every deployment on fresh processes, nothing failed, every prompt of
 /// the disaggregated deployments prefilled remotely and pulled whole, none in the colocated one.
 #[test]

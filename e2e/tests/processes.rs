@@ -260,6 +260,76 @@ async fn idle_stats(addr: &str) -> pagoda_e2e::StatsResponse {
     }
 }
 
+/// Writes a synthetic rank-8 adapter with `seed` into `dir` (`pagoda lora synth`).
+fn synth_adapter(dir: &std::path::Path, seed: u64) {
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let seed = seed.to_string();
+    let out = std::process::Command::new(BIN)
+        .args(["lora", "synth", "--model", &model, "--rank", "8", "--b-std", "0.3", "--seed", &seed, "--out"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "lora synth: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// On-demand LoRA through the router (vLLM's filesystem resolver, llm-d's adapter affinity): two workers with
+/// one adapter slot each (`--lora-on-demand --max-loras 1`) and two adapters in their `--lora-dir`. The router
+/// lists both adapters before either is loaded; the first request of each loads it where it displaces nothing,
+/// and every later request of an adapter goes where it is loaded (its prompt cached there), so six alternating
+/// chats cost two loads and no eviction. An adapter the directory lacks is a 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_adapters_load_on_demand_and_their_requests_stay_where_they_are_loaded() {
+    use pagoda_e2e::cluster::ClusterBuilder;
+    let root = std::env::temp_dir().join(format!("pagoda-e2e-lora-on-demand-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    synth_adapter(&root.join("a"), 1);
+    synth_adapter(&root.join("b"), 2);
+    let flags = ["--lora-dir", root.to_str().unwrap(), "--lora-on-demand", "--max-loras", "1"];
+    let cluster = ClusterBuilder::new(BIN, "lora-on-demand").workers(2).worker_args(&flags).start().await.unwrap();
+    let http = cluster.http(0).clone();
+    let (s, models) = http.get("/v1/models").await.unwrap();
+    assert_eq!(s, 200, "{models}");
+    let models: pagoda_e2e::serde_json::Value = pagoda_e2e::serde_json::from_str(&models).unwrap();
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, [pagoda_e2e::MODEL_ID, "a", "b"]);
+
+    let ask = |model: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
+               "max_tokens": 8, "temperature": 0, "ignore_eos": true})
+    };
+    let mut answers: std::collections::HashMap<&str, Vec<(String, u64)>> = Default::default();
+    for model in ["a", "b", "a", "b", "a", "b"] {
+        let (s, body) = http.post_json("/v1/chat/completions", &ask(model)).await.unwrap();
+        assert_eq!(s, 200, "{body}");
+        answers.entry(model).or_default().push((
+            body["choices"][0]["message"]["content"].as_str().unwrap().to_string(),
+            body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        ));
+    }
+    for (model, got) in &answers {
+        assert!(got.iter().all(|(text, _)| *text == got[0].0), "{model}: greedy answers differ: {got:?}");
+        assert!(got[1..].iter().all(|(_, cached)| *cached > 0), "{model}: later chats found their prompt: {got:?}");
+    }
+    assert_ne!(answers["a"][0].0, answers["b"][0].0);
+    let (mut loads, mut evictions) = (0, 0);
+    for i in 0..2 {
+        let st = idle_stats(cluster.worker_addr(i)).await;
+        loads += st.lora_on_demand_loads_total;
+        evictions += st.lora_evictions_total;
+    }
+    assert_eq!((loads, evictions), (2, 0), "each adapter loaded once, where it displaced nothing");
+    let ready = common::ready_workers(&http).await;
+    let mut held: Vec<String> = ready.values().map(|w| w["lora_adapters"].to_string()).collect();
+    held.sort();
+    assert_eq!(held, ["[\"a\"]", "[\"b\"]"], "{ready:?}");
+
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("zzz")).await.unwrap();
+    assert_eq!(s, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found");
+    assert_eq!(http.metric_sum("pagoda_router_worker_lora_on_demand_loads").await, 2.0);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// Multi-LoRA through the router: `pagoda lora synth` writes an adapter, one of two workers serves it
 /// (`--lora sql=DIR`). The router lists it as a model, sends its requests only to that worker (whatever the
 /// placement would otherwise pick), caches its prompts apart from the base model's, answers as the worker does,
@@ -271,13 +341,7 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     use pagoda_e2e::cluster::ClusterBuilder;
     let root = std::env::temp_dir().join(format!("pagoda-e2e-lora-{}", std::process::id()));
     let dir = root.join("sql");
-    let model = require_model().unwrap().to_string_lossy().into_owned();
-    let out = std::process::Command::new(BIN)
-        .args(["lora", "synth", "--model", &model, "--rank", "8", "--b-std", "0.3", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "lora synth: {}", String::from_utf8_lossy(&out.stderr));
+    synth_adapter(&dir, 1);
     let spec = format!("sql={}", dir.display());
     let cluster = ClusterBuilder::new(BIN, "lora")
         .workers(2)

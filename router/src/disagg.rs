@@ -109,7 +109,8 @@ pub async fn prefill_on(
     timeout: Duration,
     client_gone: impl std::future::Future<Output = ()>,
 ) -> PrefillOutcome {
-    let _in_flight = InFlight::new(worker.load().clone(), uncached_tokens);
+    let adapter = (!req.lora.is_empty()).then_some(req.lora.as_str());
+    let _in_flight = InFlight::with_adapter(worker.load().clone(), uncached_tokens, adapter);
     let call = spans::remote_prefill_span(&worker.addr, req.prompt_token_ids.len());
     let mut request = tonic::Request::new(req);
     trace_context::inject_into_metadata(&call, request.metadata_mut());

@@ -446,6 +446,7 @@ impl Generation {
             return AttemptEnd::NoOtherWorker;
         };
         let (addr, mut client, load) = (worker.addr.clone(), worker.client(), worker.load().clone());
+        let chosen = Arc::clone(worker);
         // A peer that failed this request is not worth pulling from either.
         let mut peer_hint = peer_hint.as_ref().filter(|h| !self.excluded.contains(&h.address)).map(|h| PbPeerHint {
             address: h.address.clone(),
@@ -461,7 +462,8 @@ impl Generation {
         if self.tx.is_closed() {
             return AttemptEnd::Over;
         }
-        let in_flight = InFlight::new(load, (prompt.len() as u64).saturating_sub(cached_tokens));
+        let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
+        let in_flight = InFlight::with_adapter(load, uncached, self.job.lora.as_deref());
         if let Some(m) = self.pending_migration.take() {
             self.ctx.metrics.count_migration(m.reason);
             tracing::warn!(
@@ -555,6 +557,13 @@ impl Generation {
                 });
             }
         };
+        // The worker took the request, so it holds the adapter now (a worker loads one on demand before it
+        // answers): probe it at once rather than keep charging it the load until the next health round.
+        if let Some(name) = &self.job.lora
+            && !chosen.status().serves_lora(name)
+        {
+            tokio::spawn(async move { chosen.probe().await });
+        }
         if !self.prompt_counted {
             self.prompt_counted = true;
             self.ctx.metrics.prompt_tokens.inc_by(prompt_tokens);
@@ -859,11 +868,17 @@ impl RequestShape {
         let (block_size, model_id) = pool.hashing().ok_or_else(no_ready_worker)?;
         let salted = match lora {
             Some(name) => {
-                let cache_id = pool.lora_cache_id(name).ok_or_else(|| {
-                    ApiError::unavailable(format!(
-                        "No ready worker serves the LoRA adapter {name:?}; try again shortly."
-                    ))
-                })?;
+                // An adapter no worker has had loaded has no cached blocks anywhere: a salt no worker uses keeps
+                // its chain from matching the base model's.
+                let cache_id = match pool.lora_cache_id(name) {
+                    Some(id) => id,
+                    None if pool.lora_servable(name) => format!("{name}@not-loaded"),
+                    None => {
+                        return Err(ApiError::unavailable(format!(
+                            "No ready worker serves the LoRA adapter {name:?}; try again shortly."
+                        )));
+                    }
+                };
                 pagoda_worker::model::lora::cache_namespace(namespace, &cache_id)
             }
             None => namespace.to_string(),

@@ -129,6 +129,12 @@ pub struct Metrics {
     pub worker_spec_draft_tokens: Family<WorkerLabels, Gauge>,
     pub worker_spec_accepted_tokens: Family<WorkerLabels, Gauge>,
     pub worker_spec_drafts: Family<WorkerLabels, Gauge>,
+    /// LoRA adapters the worker loaded at run time (admin and on demand), those a request caused, and on-demand
+    /// adapters it evicted to make room, since it started.
+    pub worker_lora_loads: Family<WorkerLabels, Gauge>,
+    pub worker_lora_on_demand_loads: Family<WorkerLabels, Gauge>,
+    pub worker_lora_evictions: Family<WorkerLabels, Gauge>,
+    pub worker_lora_load_seconds: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
     pub rate_limited: Family<RateLimitLabels, Counter>,
     pub guided_requests: Family<GuideLabels, Counter>,
@@ -291,6 +297,31 @@ impl Metrics {
             "Sequences the worker preempted (recompute) since it started",
             Unit::Other("sequences".into()),
             worker_preemptions.clone(),
+        );
+        let worker_lora_loads = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_lora_loads",
+            "LoRA adapters the worker loaded at run time (admin and on-demand loads) since it started",
+            worker_lora_loads.clone(),
+        );
+        let worker_lora_on_demand_loads = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_lora_on_demand_loads",
+            "LoRA adapters the worker loaded because a request named them (--lora-on-demand) since it started",
+            worker_lora_on_demand_loads.clone(),
+        );
+        let worker_lora_evictions = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_lora_evictions",
+            "On-demand LoRA adapters the worker evicted (least recently used, idle) to load another, since it started",
+            worker_lora_evictions.clone(),
+        );
+        let worker_lora_load_seconds = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register_with_unit(
+            "worker_lora_load",
+            "Wall time of the worker's run-time LoRA adapter loads since start, in all",
+            Unit::Seconds,
+            worker_lora_load_seconds.clone(),
         );
         let worker_spec_draft_tokens = Family::<WorkerLabels, Gauge>::default();
         registry.register_with_unit(
@@ -594,6 +625,10 @@ impl Metrics {
             worker_spec_draft_tokens,
             worker_spec_accepted_tokens,
             worker_spec_drafts,
+            worker_lora_loads,
+            worker_lora_on_demand_loads,
+            worker_lora_evictions,
+            worker_lora_load_seconds,
             requests,
             ttft,
             inter_token,
@@ -696,6 +731,9 @@ impl Metrics {
                 &self.worker_spec_draft_tokens,
                 &self.worker_spec_accepted_tokens,
                 &self.worker_spec_drafts,
+                &self.worker_lora_loads,
+                &self.worker_lora_on_demand_loads,
+                &self.worker_lora_evictions,
                 &self.worker_evicpress_contexts,
                 &self.worker_evicpress_profiles,
                 &self.worker_evicpress_reprofiles,
@@ -704,6 +742,7 @@ impl Metrics {
                 family.remove(&l);
             }
             self.worker_evicpress_profile_seconds.remove(&l);
+            self.worker_lora_load_seconds.remove(&l);
         }
         for (w, s) in workers.iter().zip(stats) {
             let l = WorkerLabels { worker: w.addr.clone() };
@@ -717,6 +756,10 @@ impl Metrics {
                 self.worker_spec_draft_tokens.get_or_create(&l).set(s.spec_draft_tokens_total as i64);
                 self.worker_spec_accepted_tokens.get_or_create(&l).set(s.spec_accepted_tokens_total as i64);
                 self.worker_spec_drafts.get_or_create(&l).set(s.spec_drafts_total as i64);
+                self.worker_lora_loads.get_or_create(&l).set(s.lora_loads_total as i64);
+                self.worker_lora_on_demand_loads.get_or_create(&l).set(s.lora_on_demand_loads_total as i64);
+                self.worker_lora_evictions.get_or_create(&l).set(s.lora_evictions_total as i64);
+                self.worker_lora_load_seconds.get_or_create(&l).set(s.lora_load_seconds_total);
                 for t in &s.tiers {
                     let tl = TierLabels { worker: w.addr.clone(), tier: t.tier.clone(), codec: t.codec.clone() };
                     self.worker_tier_used_bytes.get_or_create(&tl).set(t.used_bytes as i64);

@@ -11,6 +11,7 @@
 //! ```text
 //! cost(w) = (P − B·(h_d + h_h + h_disk + h_peer)) / prefill_tokens_per_s(w)      prefill of the rest
 //!         + Σ_tier h_tier · block_group_bytes / bandwidth(w, tier)               onboarding the lower-tier hits
+//!         + adapter_load_s(w)                                                   loading the request's LoRA adapter
 //!         + queued_tokens(w) / prefill_tokens_per_s(w) + running(w) · step_s(w)  queue and decode load
 //! ```
 //!
@@ -92,6 +93,10 @@ pub struct WorkerView {
     pub free_blocks: u64,
     /// Blocks per block group (layers × kv-heads).
     pub group_size: u32,
+    /// Seconds the worker would spend loading the request's LoRA adapter before its prefill (0 when it holds it):
+    /// an onboarding cost like a lower tier's, so a request goes where its adapter is loaded unless that worker
+    /// is busier by more than the load.
+    pub adapter_load_s: f64,
     /// Breaks exact cost ties (lowest wins). Derived from the worker's name and the request (see
     /// [`tie_rank`]), never from list order, so that every router replica breaks a tie the same way.
     pub tie_rank: u64,
@@ -172,7 +177,7 @@ pub enum PlacementError {
 /// Pagoda's cost of serving `req` on `w` (see the module docs).
 pub fn cost(req: &RequestView, w: &WorkerView) -> CostBreakdown {
     let prefill_s = req.compute_tokens(w.hits.total()) as f64 / w.prefill_tokens_per_s;
-    let mut load_s = 0.0;
+    let mut load_s = w.adapter_load_s;
     for t in [HitTier::Host, HitTier::Disk, HitTier::Peer] {
         let n = w.hits.get(t);
         if n > 0 {
@@ -196,6 +201,12 @@ fn check_view(i: usize, w: &WorkerView) -> Result<(), PlacementError> {
     let positive = |x: f64| x.is_finite() && x > 0.0;
     if !positive(w.prefill_tokens_per_s) {
         return Err(PlacementError::InvalidView { worker: i, why: "prefill speed must be positive" });
+    }
+    if !(w.adapter_load_s.is_finite() && w.adapter_load_s >= 0.0) {
+        return Err(PlacementError::InvalidView {
+            worker: i,
+            why: "adapter load time must be finite and non-negative",
+        });
     }
     if !(w.step_s.is_finite() && w.step_s >= 0.0) {
         return Err(PlacementError::InvalidView { worker: i, why: "step time must be finite and non-negative" });
@@ -312,6 +323,7 @@ mod tests {
             step_s: 0.02,
             free_blocks: 1_000_000,
             group_size: 90,
+            adapter_load_s: 0.0,
             tie_rank: 0,
         }
     }

@@ -114,6 +114,8 @@ impl Default for PlacerConfig {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WorkerSnapshot {
     pub ready: bool,
+    /// Seconds the worker would spend loading the request's LoRA adapter first (0: loaded, or none asked).
+    pub adapter_load_s: f64,
     pub queued_tokens: u64,
     pub decoding: u32,
     pub free_blocks: u64,
@@ -155,8 +157,9 @@ pub struct PlaceRequest<'a> {
     pub view: RequestView,
     /// Whether the request's blocks will be published as a prefix (full cache): only then is residency predicted.
     pub publishes_prefix: bool,
-    /// The LoRA adapter the request runs with: only workers that serve it are candidates (the pool leaves the
-    /// others out of the snapshots; the selectors never see it).
+    /// The LoRA adapter the request runs with: only workers that have it loaded or load it on demand are
+    /// candidates (the pool leaves the others out of the snapshots, and charges a worker that must load it the
+    /// load's time in [`WorkerSnapshot::adapter_load_s`]; the selectors never see the adapter).
     pub lora: Option<&'a str>,
 }
 
@@ -296,6 +299,7 @@ impl Placer {
                 step_s: self.cfg.decode_s_per_seq,
                 free_blocks: w.free_blocks,
                 group_size: w.group_size.max(1),
+                adapter_load_s: w.adapter_load_s,
             });
         }
         let mut reason = String::new();
@@ -386,7 +390,14 @@ mod tests {
     use super::*;
 
     fn snap(queued: u64) -> WorkerSnapshot {
-        WorkerSnapshot { ready: true, queued_tokens: queued, decoding: 0, free_blocks: 1_000_000, group_size: 90 }
+        WorkerSnapshot {
+            ready: true,
+            queued_tokens: queued,
+            decoding: 0,
+            free_blocks: 1_000_000,
+            group_size: 90,
+            adapter_load_s: 0.0,
+        }
     }
 
     fn req<'a>(id: &'a str, hashes: &'a [u64]) -> PlaceRequest<'a> {

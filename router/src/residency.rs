@@ -289,6 +289,7 @@ mod latency {
             step_s: 0.02,
             free_blocks: 100_000,
             group_size: 90,
+            adapter_load_s: 0.0,
             tie_rank: 0,
         };
         let req = RequestView { prompt_tokens: 4096, max_tokens: 256, block_size: 16, budget_tokens: None };

@@ -200,15 +200,16 @@ impl AppState {
         self.0.codec.model_id()
     }
 
-    /// What `model` names: the base model (`None`), or a LoRA adapter a ready worker serves (its name); anything
-    /// else is a 404.
+    /// What `model` names: the base model (`None`), or a LoRA adapter a ready worker has loaded or loads on demand
+    /// (its name); anything else is a 404.
     fn check_model(&self, model: &str) -> Result<Option<String>, ApiError> {
         if model == self.0.codec.model_id() {
             return Ok(None);
         }
-        match self.pool().lora_cache_id(model) {
-            Some(_) => Ok(Some(model.to_string())),
-            None => Err(ApiError::model_not_found(model)),
+        if self.pool().lora_servable(model) {
+            Ok(Some(model.to_string()))
+        } else {
+            Err(ApiError::model_not_found(model))
         }
     }
 }
@@ -365,6 +366,7 @@ async fn readyz(State(st): State<AppState>) -> Response {
             serde_json::json!({
                 "address": w.addr, "ready": s.ready, "role": s.role.name(), "model": s.model, "error": s.last_error,
                 "lora_adapters": s.lora_adapters.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+                "lora_on_demand": s.lora_on_demand,
             })
         })
         .collect();

@@ -40,15 +40,111 @@ pub struct WorkerStatus {
     /// The id the worker reports its blocks under in the kvstore (empty when it does not say).
     pub worker_id: String,
     pub role: WorkerRole,
-    /// The LoRA adapters it serves (`pagoda worker --lora`).
+    /// The LoRA adapters it has loaded (`pagoda worker --lora`, run-time and on-demand loads).
     pub lora_adapters: Vec<LoraAdapterInfo>,
+    /// Whether it loads an adapter a request names from its `--lora-dir` (`--lora-on-demand`).
+    pub lora_on_demand: bool,
+    /// With `lora_on_demand`, the adapters it can load that way.
+    pub lora_available: Vec<String>,
+    /// The mean time its run-time adapter loads took, in seconds (0 before the first).
+    pub lora_load_seconds: f64,
+    /// Most adapters it holds at once (`--max-loras`; 0 when it does not say).
+    pub max_loras: u32,
+    /// Cache ids of adapters it had loaded at some probe, by name, newest kept ([`MAX_REMEMBERED_LORA_IDS`]):
+    /// an adapter evicted on demand leaves its blocks cached under its salt, which placement should still match.
+    pub lora_seen: Vec<(String, String)>,
     pub last_error: Option<String>,
 }
 
+/// Where a request's LoRA adapter stands on a worker, for placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraSlot {
+    /// Loaded: nothing to pay.
+    Loaded,
+    /// A free slot: one load.
+    Free,
+    /// Every slot taken, one by an idle on-demand adapter: one load, and one more later for the adapter it evicts
+    /// (here or elsewhere), as llm-d's affinity scorer prefers pods with room over pods that must evict.
+    Evict,
+    /// Every slot pinned or held by requests: the request would wait for one to free. Left out while another
+    /// worker can take it.
+    Blocked,
+}
+
+/// Most adapter cache ids a worker's status remembers after the adapters are unloaded.
+pub const MAX_REMEMBERED_LORA_IDS: usize = 256;
+
+/// What placement charges a worker for loading an adapter before it has measured a load (seconds): about what a
+/// rank-16 adapter of the 135M model takes here, a few tens of milliseconds.
+pub const DEFAULT_LORA_LOAD_SECONDS: f64 = 0.05;
+
 impl WorkerStatus {
-    /// Whether it serves the adapter named `name`.
+    /// Whether it has the adapter named `name` loaded.
     pub fn serves_lora(&self, name: &str) -> bool {
         self.lora_adapters.iter().any(|a| a.name == name)
+    }
+
+    /// Whether it can serve the adapter `name`: loaded, or loadable on demand.
+    pub fn can_serve_lora(&self, name: &str) -> bool {
+        self.serves_lora(name) || (self.lora_on_demand && self.lora_available.iter().any(|n| n == name))
+    }
+
+    /// Where the adapter `name` stands on this worker, `load` being the router's own count of its requests.
+    pub fn lora_slot(&self, name: &str, load: &WorkerLoad) -> LoraSlot {
+        if self.serves_lora(name) {
+            return LoraSlot::Loaded;
+        }
+        if self.max_loras == 0 || self.lora_adapters.len() < self.max_loras as usize {
+            return LoraSlot::Free;
+        }
+        // Only an adapter loaded on demand gives way, and only while no request holds it.
+        if self.lora_adapters.iter().any(|a| a.on_demand && load.adapter_requests(&a.name) == 0) {
+            LoraSlot::Evict
+        } else {
+            LoraSlot::Blocked
+        }
+    }
+
+    /// What serving a request with `name` costs it in adapter loads, in seconds, at `slot` (see [`LoraSlot`]);
+    /// `unmeasured` is what a load costs on a worker that has not measured one yet.
+    pub fn lora_load_cost(&self, slot: LoraSlot, unmeasured: f64) -> f64 {
+        let load = self.measured_lora_load().unwrap_or(unmeasured);
+        match slot {
+            LoraSlot::Loaded => 0.0,
+            LoraSlot::Free => load,
+            LoraSlot::Evict | LoraSlot::Blocked => 2.0 * load,
+        }
+    }
+
+    /// The mean time its adapter loads took, once it has loaded one.
+    fn measured_lora_load(&self) -> Option<f64> {
+        (self.lora_load_seconds.is_finite() && self.lora_load_seconds > 0.0).then_some(self.lora_load_seconds)
+    }
+
+    /// The cache id `name` had here, loaded now or at an earlier probe.
+    pub fn lora_cache_id(&self, name: &str) -> Option<&str> {
+        self.lora_adapters
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| a.cache_id.as_str())
+            .or_else(|| self.lora_seen.iter().find(|(n, _)| n == name).map(|(_, id)| id.as_str()))
+    }
+
+    /// Carries `before`'s remembered cache ids over, adding those loaded now, newest first and bounded.
+    fn remember_lora_ids(&mut self, before: &WorkerStatus) {
+        let mut seen: Vec<(String, String)> =
+            self.lora_adapters.iter().map(|a| (a.name.clone(), a.cache_id.clone())).collect();
+        for (name, id) in before
+            .lora_adapters
+            .iter()
+            .map(|a| (&a.name, &a.cache_id))
+            .chain(before.lora_seen.iter().map(|(n, id)| (n, id)))
+        {
+            if seen.len() < MAX_REMEMBERED_LORA_IDS && !seen.iter().any(|(n, _)| n == name) {
+                seen.push((name.clone(), id.clone()));
+            }
+        }
+        self.lora_seen = seen;
     }
 }
 
@@ -92,6 +188,9 @@ impl WorkerRole {
 pub struct WorkerLoad {
     prefill_tokens: AtomicU64,
     decoding: AtomicU32,
+    /// Requests in flight per LoRA adapter (an adapter a request holds cannot give way to another on the worker).
+    /// A handful of entries: std Mutex, held only to bump a count.
+    adapters: Mutex<Vec<(String, u32)>>,
 }
 
 /// One request in flight on a worker; updates [`WorkerLoad`] as it moves from prefill to decode, and on drop.
@@ -100,6 +199,7 @@ pub struct InFlight {
     load: Arc<WorkerLoad>,
     prompt_tokens: u64,
     decoding: bool,
+    adapter: Option<String>,
 }
 
 impl WorkerLoad {
@@ -112,12 +212,41 @@ impl WorkerLoad {
     pub fn decoding(&self) -> u32 {
         self.decoding.load(Ordering::Relaxed)
     }
+
+    /// Requests in flight with the adapter `name`.
+    pub fn adapter_requests(&self, name: &str) -> u32 {
+        let adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+        adapters.iter().find(|(n, _)| n == name).map_or(0, |(_, c)| *c)
+    }
+
+    fn count_adapter(&self, name: &str, up: bool) {
+        let mut adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+        match adapters.iter().position(|(n, _)| n == name) {
+            Some(i) if up => adapters[i].1 += 1,
+            Some(i) => {
+                adapters[i].1 = adapters[i].1.saturating_sub(1);
+                if adapters[i].1 == 0 {
+                    adapters.swap_remove(i);
+                }
+            }
+            None if up => adapters.push((name.to_string(), 1)),
+            None => {}
+        }
+    }
 }
 
 impl InFlight {
     pub fn new(load: Arc<WorkerLoad>, prompt_tokens: u64) -> InFlight {
+        InFlight::with_adapter(load, prompt_tokens, None)
+    }
+
+    /// A request that runs with the LoRA adapter `adapter` (`None`: the base model).
+    pub fn with_adapter(load: Arc<WorkerLoad>, prompt_tokens: u64, adapter: Option<&str>) -> InFlight {
         load.prefill_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        InFlight { load, prompt_tokens, decoding: false }
+        if let Some(name) = adapter {
+            load.count_adapter(name, true);
+        }
+        InFlight { load, prompt_tokens, decoding: false, adapter: adapter.map(str::to_owned) }
     }
 
     /// The first token arrived: the prompt is no longer queued work.
@@ -136,6 +265,9 @@ impl Drop for InFlight {
             self.load.decoding.fetch_sub(1, Ordering::Relaxed);
         } else {
             self.load.prefill_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        }
+        if let Some(name) = &self.adapter {
+            self.load.count_adapter(name, false);
         }
     }
 }
@@ -215,6 +347,11 @@ impl Worker {
                     worker_id: h.worker_id,
                     role: WorkerRole::from_health(&h.role),
                     lora_adapters: h.lora_adapters,
+                    lora_on_demand: h.lora_on_demand,
+                    lora_available: h.lora_available,
+                    lora_load_seconds: h.lora_load_seconds,
+                    max_loras: h.max_loras,
+                    lora_seen: Vec::new(),
                     last_error: None,
                 }
             }
@@ -229,10 +366,12 @@ impl Worker {
         }
         let ready = st.ready;
         // A probe that fails keeps the id learned before: it still names the worker's blocks in the directory.
+        let before = self.status();
         if st.worker_id.is_empty() {
-            st.worker_id = self.status().worker_id;
+            st.worker_id = before.worker_id.clone();
         }
-        let new_id = st.worker_id != self.status().worker_id;
+        st.remember_lora_ids(&before);
+        let new_id = st.worker_id != before.worker_id;
         self.set_status(st);
         if new_id {
             self.id_changed.store(true, Ordering::Relaxed);
@@ -512,13 +651,28 @@ impl WorkerPool {
         purpose: Purpose,
         lora: Option<&str>,
     ) -> Vec<WorkerSnapshot> {
+        let statuses: Vec<Option<WorkerStatus>> = slots.iter().map(|w| w.as_ref().map(|w| w.status())).collect();
+        // A worker that has not loaded an adapter yet is charged what loads took on the others: a guess of its own
+        // would make it look cheaper or dearer than the measured ones for no reason.
+        let measured: Vec<f64> = statuses.iter().flatten().filter_map(WorkerStatus::measured_lora_load).collect();
+        let unmeasured = if measured.is_empty() {
+            DEFAULT_LORA_LOAD_SECONDS
+        } else {
+            measured.iter().sum::<f64>() / measured.len() as f64
+        };
+        let mut blocked: Vec<String> = Vec::new();
         let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
-            .map(|w| {
-                let Some(w) = w else { return (WorkerSnapshot::default(), WorkerRole::Both) };
-                let st = w.status();
+            .zip(statuses)
+            .map(|(w, st)| {
+                let (Some(w), Some(st)) = (w, st) else { return (WorkerSnapshot::default(), WorkerRole::Both) };
+                let slot = lora.map(|name| st.lora_slot(name, &w.load));
+                if slot == Some(LoraSlot::Blocked) {
+                    blocked.push(w.addr.clone());
+                }
                 let snap = WorkerSnapshot {
-                    ready: st.ready && lora.is_none_or(|name| st.serves_lora(name)),
+                    ready: st.ready && lora.is_none_or(|name| st.can_serve_lora(name)),
+                    adapter_load_s: slot.map_or(0.0, |slot| st.lora_load_cost(slot, unmeasured)),
                     queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
                     decoding: w.load.decoding.load(Ordering::Relaxed),
                     free_blocks: st.free_blocks,
@@ -528,6 +682,13 @@ impl WorkerPool {
             })
             .unzip();
         restrict_to_role(&mut snaps, &roles, purpose);
+        // A worker whose adapter slots are all held would make the request wait: left out while another can take it.
+        let is_blocked: Vec<bool> = names.iter().map(|n| blocked.iter().any(|b| b == n)).collect();
+        if snaps.iter().zip(&is_blocked).any(|(s, b)| s.ready && !b) {
+            for (s, b) in snaps.iter_mut().zip(&is_blocked) {
+                s.ready &= !b;
+            }
+        }
         // A worker whose reports stopped is left out while a fresh one is ready: its residency cannot be trusted.
         // With every ready worker stale the alarm is already up (metrics, logs); serving beats refusing then.
         let feed = self.feed_status();
@@ -562,25 +723,38 @@ impl WorkerPool {
         self.workers().iter().map(|w| w.status()).find(|s| s.ready).map(|s| (s.block_size, s.model))
     }
 
-    /// The cache id a ready worker announces for the adapter `name` (what salts its block hashes), or `None` when
-    /// no ready worker serves it. Workers that hold different weights under one name announce different ids; the
-    /// first ready one's is used, and the others' blocks then simply do not match (they hash their own).
+    /// The cache id a ready worker announces for the adapter `name` (what salts its block hashes): one that has
+    /// it loaded, else one that had it loaded at an earlier probe. `None` when no ready worker has had it. Workers
+    /// that hold different weights under one name announce different ids; the first ready one's is used, and the
+    /// others' blocks then simply do not match (they hash their own).
     pub fn lora_cache_id(&self, name: &str) -> Option<String> {
-        self.workers()
+        let ready: Vec<WorkerStatus> = self.workers().iter().map(|w| w.status()).filter(|s| s.ready).collect();
+        ready
             .iter()
-            .map(|w| w.status())
-            .filter(|s| s.ready)
             .find_map(|s| s.lora_adapters.iter().find(|a| a.name == name).map(|a| a.cache_id.clone()))
+            .or_else(|| ready.iter().find_map(|s| s.lora_cache_id(name).map(str::to_owned)))
     }
 
-    /// The adapters some ready worker serves, by name, each with its rank.
+    /// Whether some ready worker can serve the adapter `name`: has it loaded, or loads it on demand.
+    pub fn lora_servable(&self, name: &str) -> bool {
+        self.workers().iter().map(|w| w.status()).any(|s| s.ready && s.can_serve_lora(name))
+    }
+
+    /// The adapters some ready worker serves, by name, each with its rank: those loaded, then those only loadable
+    /// on demand (rank 0: not known until loaded).
     pub fn lora_adapters(&self) -> Vec<(String, u32)> {
         let mut all: Vec<(String, u32)> = Vec::new();
-        for st in self.workers().iter().map(|w| w.status()).filter(|s| s.ready) {
+        let statuses: Vec<WorkerStatus> = self.workers().iter().map(|w| w.status()).filter(|s| s.ready).collect();
+        for st in &statuses {
             for a in &st.lora_adapters {
                 if !all.iter().any(|(n, _)| *n == a.name) {
                     all.push((a.name.clone(), a.rank));
                 }
+            }
+        }
+        for name in statuses.iter().filter(|s| s.lora_on_demand).flat_map(|s| &s.lora_available) {
+            if !all.iter().any(|(n, _)| n == name) {
+                all.push((name.clone(), 0));
             }
         }
         all.sort();
@@ -699,8 +873,12 @@ mod tests {
     async fn an_adapters_requests_go_only_to_ready_workers_that_serve_it() {
         let addrs = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string(), "127.0.0.1:3".to_string()];
         let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
-        let info =
-            |name: &str, cache_id: &str| LoraAdapterInfo { name: name.into(), cache_id: cache_id.into(), rank: 8 };
+        let info = |name: &str, cache_id: &str| LoraAdapterInfo {
+            name: name.into(),
+            cache_id: cache_id.into(),
+            rank: 8,
+            ..Default::default()
+        };
         let adapters = [vec![], vec![info("sql", "sql@1")], vec![info("sql", "sql@1"), info("chat", "chat@2")]];
         for (w, lora_adapters) in pool.workers().iter().zip(adapters) {
             w.set_status(WorkerStatus {
@@ -731,6 +909,79 @@ mod tests {
         assert_eq!(addrs_for(Some("sql")), vec!["127.0.0.1:2"]);
         let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora: Some("chat") };
         assert!(pool.place(&req).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_adapters_requests_go_where_it_is_loaded_then_where_loading_it_displaces_nothing() {
+        let addrs: Vec<String> = (1..=3).map(|i| format!("127.0.0.1:{i}")).collect();
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        let info =
+            |name: &str| LoraAdapterInfo { name: name.into(), cache_id: format!("{name}@7"), rank: 8, on_demand: true };
+        let on_demand = |loaded: Vec<LoraAdapterInfo>| WorkerStatus {
+            ready: true,
+            free_blocks: 1 << 20,
+            kv_group_size: 90,
+            lora_adapters: loaded,
+            lora_on_demand: true,
+            lora_available: vec!["a".into(), "b".into(), "c".into()],
+            lora_load_seconds: 0.2,
+            max_loras: 1,
+            ..Default::default()
+        };
+        // 1 holds `a` (its only slot), 2 has a free slot, 3 loads nothing on demand.
+        pool.workers()[0].set_status(on_demand(vec![info("a")]));
+        pool.workers()[1].set_status(on_demand(Vec::new()));
+        pool.workers()[2].set_status(WorkerStatus {
+            ready: true,
+            free_blocks: 1 << 20,
+            kv_group_size: 90,
+            ..Default::default()
+        });
+        assert!(pool.lora_servable("b") && !pool.lora_servable("zzz"));
+        assert_eq!(
+            pool.lora_adapters(),
+            vec![("a".to_string(), 8), ("b".to_string(), 0), ("c".to_string(), 0)],
+            "loadable adapters are listed, their rank unknown until loaded"
+        );
+        let view = RequestView { prompt_tokens: 40, max_tokens: 16, block_size: 16, budget_tokens: None };
+        let hashes: Vec<u64> = (1..=2).collect();
+        let place = |lora: &str| -> Vec<String> {
+            let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora: Some(lora) };
+            pool.place(&req).unwrap().into_iter().map(|c| c.worker.addr.clone()).collect()
+        };
+        assert_eq!(place("a"), vec![addrs[0].clone(), addrs[1].clone()], "loaded first, then loadable; 3 never");
+        assert_eq!(place("b"), vec![addrs[1].clone(), addrs[0].clone()], "a free slot beats evicting idle `a`");
+        let (w0, w1) = (pool.workers()[0].status(), pool.workers()[1].status());
+        let load0 = pool.workers()[0].load().clone();
+        assert_eq!((w0.lora_slot("a", &load0), w0.lora_slot("b", &load0)), (LoraSlot::Loaded, LoraSlot::Evict));
+        assert_eq!(w1.lora_slot("b", pool.workers()[1].load()), LoraSlot::Free);
+        assert_eq!(w0.lora_load_cost(LoraSlot::Evict, 0.1), 0.4, "the load, and the evicted adapter's reload");
+        assert_eq!((w1.lora_load_cost(LoraSlot::Free, 0.1), w0.lora_load_cost(LoraSlot::Loaded, 0.1)), (0.2, 0.0));
+        let unmeasured = WorkerStatus { lora_load_seconds: 0.0, ..on_demand(Vec::new()) };
+        assert_eq!(unmeasured.lora_load_cost(LoraSlot::Free, 0.1), 0.1);
+
+        // A long request holds `a` on worker 1: its queue outweighs a load, so `a` goes where it must be loaded,
+        // and `b` may not go there at all (it would wait for `a`'s slot) while worker 2 can take it.
+        let busy = InFlight::with_adapter(load0.clone(), 4000, Some("a"));
+        assert_eq!(w0.lora_slot("b", &load0), LoraSlot::Blocked);
+        assert_eq!(place("a")[0], addrs[1]);
+        assert_eq!(place("b"), vec![addrs[1].clone()]);
+        pool.workers()[1].mark_down("gone".into());
+        assert_eq!(place("b"), vec![addrs[0].clone()], "serving (after a wait) beats refusing");
+        drop(busy);
+        assert_eq!(load0.adapter_requests("a"), 0);
+        assert_eq!(place("a")[0], addrs[0]);
+        // A pinned adapter never gives way.
+        pool.workers()[0].set_status(on_demand(vec![LoraAdapterInfo { on_demand: false, ..info("a") }]));
+        assert_eq!(pool.workers()[0].status().lora_slot("b", &load0), LoraSlot::Blocked);
+
+        // Unloaded (evicted) later, `a` keeps the cache id its blocks are salted with there.
+        pool.workers()[0].set_status(on_demand(vec![info("a")]));
+        assert_eq!(pool.lora_cache_id("a").as_deref(), Some("a@7"));
+        let mut evicted = on_demand(vec![info("b")]);
+        evicted.remember_lora_ids(&pool.workers()[0].status());
+        pool.workers()[0].set_status(evicted);
+        assert_eq!(pool.lora_cache_id("a").as_deref(), Some("a@7"));
     }
 
     #[tokio::test]

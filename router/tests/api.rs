@@ -233,7 +233,7 @@ impl Worker for Fake {
             kv_group_size: 2,
             worker_id: String::new(),
             role: String::new(),
-            lora_adapters: Vec::new(),
+            ..HealthResponse::default()
         }))
     }
 

@@ -233,7 +233,7 @@ def check_default(objs):
     expect(not by_kind(objs, "ServiceMonitor"), "default: ServiceMonitor rendered although disabled")
     expect(not by_kind(objs, "Ingress"), "default: Ingress rendered although disabled")
     w, wo = container(objs, "StatefulSet", "worker", "worker")
-    expect(not any(a.startswith("--lora") or a.startswith("--max-lora") for a in w["command"]),
+    expect(not any(a.startswith(("--lora", "--max-lora")) for a in w["command"]),
            "default: LoRA flags without adapters")
     expect(not [v for v in wo["spec"]["template"]["spec"]["volumes"] if v["name"] == "lora"],
            "default: a LoRA volume without adapters")
@@ -397,7 +397,7 @@ def check_disaggregated(objs):
 def check_lora(objs):
     w, wo = container(objs, "StatefulSet", "worker", "worker")
     for arg in ("--lora=sql=/lora/adapters/sql-lora", "--lora=org/chat:v2=/lora/chat", "--max-lora-rank=32",
-                "--max-loras=8", "--lora-dir=/lora"):
+                "--max-loras=8", "--lora-dir=/lora", "--lora-on-demand"):
         expect(arg in w["command"], f"lora: {arg} missing from the worker command")
     mount = [m for m in w["volumeMounts"] if m["name"] == "lora"]
     expect(mount == [{"name": "lora", "mountPath": "/lora", "readOnly": True}], "lora: the adapters mount")

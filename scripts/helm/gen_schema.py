@@ -196,11 +196,13 @@ schema = obj({
             "maxRank": integer(1, 256),
             # `--lora-dir=/lora` (run-time loading) and `--max-loras` (adapters.rs MAX_LOADED_LORAS).
             "runtimeLoading": BOOL,
+            # `--lora-dir=/lora --lora-on-demand` (adapters.rs AdapterRegistry::resolve).
+            "onDemand": BOOL,
             "maxLoaded": integer(1, 1024),
-        }, allOf=[{"if": {"properties": {"adapters": {"minItems": 1}}, "required": ["adapters"]},
-                   "then": {"properties": {"volume": {"minProperties": 1}}, "required": ["volume"]}},
-                  {"if": {"properties": {"runtimeLoading": {"const": True}}, "required": ["runtimeLoading"]},
-                   "then": {"properties": {"volume": {"minProperties": 1}}, "required": ["volume"]}}]),
+        }, allOf=[{"if": {"properties": {flag: {"minItems": 1} if flag == "adapters" else {"const": True}},
+                          "required": [flag]},
+                   "then": {"properties": {"volume": {"minProperties": 1}}, "required": ["volume"]}}
+                  for flag in ("adapters", "runtimeLoading", "onDemand")]),
         "persistence": obj({
             "enabled": BOOL,
             "storageClassName": STR,
@@ -225,12 +227,14 @@ schema = obj({
                                         "kv": {"properties": {"dtype": {"const": "f16"}}},
                                         "tiers": {"properties": {"placement": {"const": "lru"}}},
                                         "lora": {"properties": {"adapters": {"maxItems": 0},
-                                                                "runtimeLoading": {"const": False}}}}}},
+                                                                "runtimeLoading": {"const": False},
+                                                                "onDemand": {"const": False}}}}}},
                # EvicPress profiles contexts with the base model; the worker refuses adapters beside it.
                {"if": {"properties": {"tiers": {"properties": {"placement": {"const": "evicpress"}},
                                                 "required": ["placement"]}}, "required": ["tiers"]},
                 "then": {"properties": {"lora": {"properties": {"adapters": {"maxItems": 0},
-                                                                 "runtimeLoading": {"const": False}}}}}}]),
+                                                                 "runtimeLoading": {"const": False},
+                                                                 "onDemand": {"const": False}}}}}}]),
     "kvstore": obj({
         "enabled": BOOL,
         "replicas": RAFT_SIZE,

@@ -1,11 +1,16 @@
-//! The LoRA adapters a worker serves ([`AdapterRegistry`]): those named at start-up (`--lora NAME=DIR`) and those
-//! loaded and unloaded at run time (vLLM's `/v1/load_lora_adapter`), which only come from directories under
-//! `--lora-dir`. The registry is the one owner of the name → adapter map; requests take an `Arc` of their adapter
-//! when they are submitted, so unloading one never disturbs the requests already running with it.
+//! The LoRA adapters a worker serves ([`AdapterRegistry`]): those named at start-up (`--lora NAME=DIR`), those
+//! loaded and unloaded at run time (vLLM's `/v1/load_lora_adapter`), and, with `--lora-on-demand`, those a request
+//! names that sit under `--lora-dir` as `DIR/NAME` (vLLM's filesystem LoRA resolver). Run-time and on-demand loads
+//! only come from directories under `--lora-dir`. The registry is the one owner of the name → adapter map;
+//! requests take an `Arc` of their adapter when they are submitted, so unloading or evicting one never disturbs
+//! the requests already running with it. When the map is full, an on-demand load evicts the least recently used
+//! adapter that was itself loaded on demand and that no request holds.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use crate::engine::{EngineConfig, EngineError, LoraSpec, TierPlacement};
 use crate::model::lora::{MAX_LORA_RANK, check_lora_name};
@@ -15,6 +20,11 @@ use crate::model::{LoraAdapter, ModelConfig};
 pub const MAX_LOADED_LORAS: usize = 1024;
 /// Longest run-time adapter path, in bytes.
 pub const MAX_LORA_PATH: usize = 4096;
+/// Most names [`AdapterRegistry::available`] announces, and most directory entries it reads to find them.
+pub const MAX_AVAILABLE_LORAS: usize = 256;
+const MAX_SCANNED_ENTRIES: usize = 4096;
+/// How long a scan of `--lora-dir` is reused: `Health` asks for it on every probe.
+const SCAN_TTL: Duration = Duration::from_secs(2);
 
 /// Why an adapter could not be found, loaded or unloaded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -27,8 +37,44 @@ pub enum AdapterError {
     RuntimeOff,
     #[error("{0} LoRA adapters are loaded already (--max-loras)")]
     Full(usize),
+    /// On demand, with every slot taken by an adapter that is pinned or that running requests hold: the request
+    /// may go to another worker, or come back once one finishes.
+    #[error("LoRA adapter {1:?} cannot be loaded now: all {0} adapter slots (--max-loras) are pinned or in use")]
+    AllInUse(usize, String),
     #[error("{0}")]
     Invalid(String),
+}
+
+/// How an adapter came to be loaded, which decides whether it may be evicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// `--lora NAME=DIR`: stays while the worker runs (unless unloaded).
+    StartUp,
+    /// `LoadLora` (the router's admin endpoint): stays until unloaded.
+    Admin,
+    /// A request named it (`--lora-on-demand`): evicted when the slot is wanted and no request holds it.
+    OnDemand,
+}
+
+#[derive(Debug)]
+struct Loaded {
+    adapter: Arc<LoraAdapter>,
+    origin: Origin,
+    /// The registry's clock at its last use: the least recent idle on-demand adapter is evicted first.
+    last_used: AtomicU64,
+}
+
+/// Counters of the loads and evictions since start-up (`Stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AdapterCounters {
+    /// Adapters loaded at run time (admin and on demand).
+    pub loads: u64,
+    /// Loads that a request caused (`--lora-on-demand`).
+    pub on_demand_loads: u64,
+    /// On-demand adapters evicted to make room.
+    pub evictions: u64,
+    /// Time spent reading and checking the adapters loaded at run time.
+    pub load_seconds: f64,
 }
 
 /// The adapters loaded now, and what bounds loading more.
@@ -42,7 +88,17 @@ pub struct AdapterRegistry {
     max_loaded: usize,
     /// Where run-time loads come from (canonical); `None`: run-time loading is off.
     runtime_dir: Option<PathBuf>,
-    loaded: RwLock<HashMap<String, Arc<LoraAdapter>>>,
+    /// Whether a request may name an adapter under `runtime_dir` that is not loaded yet.
+    on_demand: bool,
+    loaded: RwLock<HashMap<String, Loaded>>,
+    /// Ticks on every use; orders [`Loaded::last_used`].
+    clock: AtomicU64,
+    /// One on-demand load at a time: requests for the same missing adapter wait for the first one's load rather
+    /// than each reading the files.
+    loading: Mutex<()>,
+    counters: Mutex<AdapterCounters>,
+    /// The last scan of `runtime_dir` ([`AdapterRegistry::available`]) and when it was taken.
+    scan: Mutex<Option<(Instant, Arc<Vec<String>>)>>,
 }
 
 impl AdapterRegistry {
@@ -66,6 +122,9 @@ impl AdapterRegistry {
                  the base model)"
                     .into(),
             ));
+        }
+        if cfg.lora_on_demand && cfg.lora_dir.is_none() {
+            return Err(config("--lora-on-demand loads adapters from --lora-dir: give it".into()));
         }
         if !(1..=MAX_LORA_RANK).contains(&cfg.max_lora_rank) {
             return Err(config(format!("--max-lora-rank must be in 1..={MAX_LORA_RANK}")));
@@ -99,7 +158,9 @@ impl AdapterRegistry {
                 let adapter =
                     LoraAdapter::load(name, dir, shape, cfg.max_lora_rank).map_err(|e| config(e.to_string()))?;
                 log_loaded(&adapter, dir, "start-up");
-                loaded.insert(name.clone(), Arc::new(adapter));
+                let entry =
+                    Loaded { adapter: Arc::new(adapter), origin: Origin::StartUp, last_used: AtomicU64::new(0) };
+                loaded.insert(name.clone(), entry);
             }
         }
         Ok(AdapterRegistry {
@@ -108,24 +169,72 @@ impl AdapterRegistry {
             max_rank: cfg.max_lora_rank,
             max_loaded: cfg.max_loras,
             runtime_dir,
+            on_demand: cfg.lora_on_demand,
             loaded: RwLock::new(loaded),
+            clock: AtomicU64::new(1),
+            loading: Mutex::new(()),
+            counters: Mutex::new(AdapterCounters::default()),
+            scan: Mutex::new(None),
         })
     }
 
-    /// The adapter loaded under `name`.
+    /// The adapter loaded under `name` (which counts as a use of it).
     pub fn get(&self, name: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
-        self.read().get(name).cloned().ok_or_else(|| AdapterError::Unknown(name.to_string()))
+        let loaded = self.read();
+        let entry = loaded.get(name).ok_or_else(|| AdapterError::Unknown(name.to_string()))?;
+        entry.last_used.store(self.clock.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
+        Ok(Arc::clone(&entry.adapter))
+    }
+
+    /// The adapter `name`, loaded first from `--lora-dir`/`name` when it is not and `--lora-on-demand` allows it.
+    /// Reads the adapter's files on the calling thread: call it from a blocking context.
+    pub fn resolve(&self, name: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
+        match self.get(name) {
+            Err(AdapterError::Unknown(_)) if self.on_demand => {}
+            found => return found,
+        }
+        let (Some(root), Some(shape)) = (&self.runtime_dir, &self.shape) else {
+            return Err(AdapterError::Unknown(name.to_string()));
+        };
+        if check_lora_name(name).is_err() || name == self.base_model {
+            return Err(AdapterError::Unknown(name.to_string()));
+        }
+        let _one_load = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        // Loaded while this call waited for the one before it.
+        if let Ok(adapter) = self.get(name) {
+            return Ok(adapter);
+        }
+        // A request for an adapter the directory lacks names a model this worker does not have.
+        let dir = resolve_under(root, name).map_err(|_| AdapterError::Unknown(name.to_string()))?;
+        if !self.has_room() {
+            return Err(AdapterError::AllInUse(self.max_loaded, name.to_string()));
+        }
+        let started = Instant::now();
+        let adapter =
+            LoraAdapter::load(name, &dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))?;
+        let adapter = self.insert(name, adapter, Origin::OnDemand, started.elapsed())?;
+        log_loaded(&adapter, &dir, "on demand");
+        Ok(adapter)
     }
 
     /// Every adapter loaded now, by name.
     pub fn list(&self) -> Vec<Arc<LoraAdapter>> {
-        let mut all: Vec<Arc<LoraAdapter>> = self.read().values().cloned().collect();
+        let mut all: Vec<Arc<LoraAdapter>> = self.read().values().map(|e| Arc::clone(&e.adapter)).collect();
         all.sort_by(|a, b| a.name().cmp(b.name()));
         all
     }
 
-    /// Loads the PEFT adapter at `path` (relative to `--lora-dir`) under `name`. Reads and checks the files before
-    /// taking the map's lock (they may be large); a name loaded meanwhile still wins.
+    /// Every adapter loaded now, by name, with how it came.
+    pub fn list_with_origin(&self) -> Vec<(Arc<LoraAdapter>, Origin)> {
+        let mut all: Vec<(Arc<LoraAdapter>, Origin)> =
+            self.read().values().map(|e| (Arc::clone(&e.adapter), e.origin)).collect();
+        all.sort_by(|a, b| a.0.name().cmp(b.0.name()));
+        all
+    }
+
+    /// Loads the PEFT adapter at `path` (relative to `--lora-dir`) under `name`, to stay until unloaded. Reads and
+    /// checks the files before taking the map's lock (they may be large); a name loaded meanwhile still wins. With
+    /// `--lora-on-demand`, an idle on-demand adapter gives up its slot when the map is full.
     pub fn load(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
         let Some(root) = &self.runtime_dir else { return Err(AdapterError::RuntimeOff) };
         let Some(shape) = &self.shape else { return Err(AdapterError::RuntimeOff) };
@@ -133,20 +242,17 @@ impl AdapterRegistry {
         if name == self.base_model {
             return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
         }
-        self.check_room(name)?;
-        let dir = resolve_under(root, path)?;
-        let adapter = Arc::new(
-            LoraAdapter::load(name, &dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))?,
-        );
-        let mut loaded = self.loaded.write().unwrap_or_else(|p| p.into_inner());
-        if loaded.contains_key(name) {
+        if self.read().contains_key(name) {
             return Err(AdapterError::Exists(name.to_string()));
         }
-        if loaded.len() >= self.max_loaded {
-            return Err(AdapterError::Full(loaded.len()));
+        if !self.has_room() {
+            return Err(AdapterError::Full(self.read().len()));
         }
-        loaded.insert(name.to_string(), Arc::clone(&adapter));
-        drop(loaded);
+        let dir = resolve_under(root, path)?;
+        let started = Instant::now();
+        let adapter =
+            LoraAdapter::load(name, &dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))?;
+        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed())?;
         log_loaded(&adapter, &dir, "run time");
         Ok(adapter)
     }
@@ -154,7 +260,7 @@ impl AdapterRegistry {
     /// Unloads `name`. Requests running with it keep their copy until they finish; its cached blocks stay under
     /// its salted hashes until evicted (a later adapter of the same name and weights finds them again).
     pub fn unload(&self, name: &str) -> Result<(), AdapterError> {
-        let removed = self.loaded.write().unwrap_or_else(|p| p.into_inner()).remove(name);
+        let removed = self.write().remove(name);
         match removed {
             Some(_) => {
                 tracing::info!(adapter = name, "LoRA adapter unloaded");
@@ -164,21 +270,122 @@ impl AdapterRegistry {
         }
     }
 
-    fn check_room(&self, name: &str) -> Result<(), AdapterError> {
+    /// Whether requests may name adapters under `--lora-dir` that are not loaded yet (`--lora-on-demand`).
+    pub fn on_demand(&self) -> bool {
+        self.on_demand
+    }
+
+    /// Most adapters loaded at once (`--max-loras`).
+    pub fn max_loaded(&self) -> usize {
+        self.max_loaded
+    }
+
+    /// Loads and evictions since start-up.
+    pub fn counters(&self) -> AdapterCounters {
+        *self.counters.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The mean time a run-time load has taken here, in seconds (0 before the first).
+    pub fn mean_load_seconds(&self) -> f64 {
+        let c = self.counters();
+        if c.loads == 0 { 0.0 } else { c.load_seconds / c.loads as f64 }
+    }
+
+    /// With `--lora-on-demand`, the adapters a request may name though they are not loaded: the names of the
+    /// directories under `--lora-dir` that hold an `adapter_config.json` (at most [`MAX_AVAILABLE_LORAS`], sorted;
+    /// a scan is reused for a couple of seconds). Empty otherwise.
+    pub fn available(&self) -> Arc<Vec<String>> {
+        let Some(root) = self.runtime_dir.as_ref().filter(|_| self.on_demand) else { return Arc::default() };
+        let mut scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, names)) = scan.as_ref()
+            && at.elapsed() < SCAN_TTL
+        {
+            return Arc::clone(names);
+        }
+        let names = Arc::new(scan_adapters(root, &self.base_model));
+        *scan = Some((Instant::now(), Arc::clone(&names)));
+        names
+    }
+
+    /// Whether a run-time load could take a slot now: a free one, or an idle on-demand adapter's.
+    pub fn has_room(&self) -> bool {
         let loaded = self.read();
+        loaded.len() < self.max_loaded || (self.on_demand && evictable(&loaded).is_some())
+    }
+
+    /// Puts `adapter` in the map under `name`, evicting the least recently used idle on-demand adapter when the map
+    /// is full, and counts the load of `took`.
+    fn insert(
+        &self,
+        name: &str,
+        adapter: LoraAdapter,
+        origin: Origin,
+        took: Duration,
+    ) -> Result<Arc<LoraAdapter>, AdapterError> {
+        let adapter = Arc::new(adapter);
+        let mut loaded = self.write();
         if loaded.contains_key(name) {
             return Err(AdapterError::Exists(name.to_string()));
         }
+        let mut evicted = None;
         if loaded.len() >= self.max_loaded {
-            return Err(AdapterError::Full(loaded.len()));
+            let victim = if self.on_demand { evictable(&loaded) } else { None };
+            let Some(victim) = victim else {
+                return Err(match origin {
+                    Origin::OnDemand => AdapterError::AllInUse(self.max_loaded, name.to_string()),
+                    _ => AdapterError::Full(loaded.len()),
+                });
+            };
+            loaded.remove(&victim);
+            evicted = Some(victim);
         }
-        Ok(())
+        let last_used = AtomicU64::new(self.clock.fetch_add(1, Ordering::Relaxed));
+        loaded.insert(name.to_string(), Loaded { adapter: Arc::clone(&adapter), origin, last_used });
+        drop(loaded);
+        let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        c.loads += 1;
+        c.on_demand_loads += u64::from(origin == Origin::OnDemand);
+        c.evictions += u64::from(evicted.is_some());
+        c.load_seconds += took.as_secs_f64();
+        drop(c);
+        if let Some(victim) = evicted {
+            tracing::info!(adapter = victim, for_adapter = name, "LoRA adapter evicted (least recently used)");
+        }
+        Ok(adapter)
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<LoraAdapter>>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Loaded>> {
         // A panic while holding the lock cannot leave the map half-written (inserts and removes are single calls).
         self.loaded.read().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Loaded>> {
+        self.loaded.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The least recently used on-demand adapter that no request holds (the map's `Arc` is its only one).
+fn evictable(loaded: &HashMap<String, Loaded>) -> Option<String> {
+    loaded
+        .iter()
+        .filter(|(_, e)| e.origin == Origin::OnDemand && Arc::strong_count(&e.adapter) == 1)
+        .min_by_key(|(_, e)| e.last_used.load(Ordering::Relaxed))
+        .map(|(name, _)| name.clone())
+}
+
+/// The adapter names under `root`: directories (or links to them inside `root`) whose name is a valid adapter
+/// name other than `base_model` and that hold an `adapter_config.json`. Bounded in entries read and names kept.
+fn scan_adapters(root: &Path, base_model: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let mut names: Vec<String> = entries
+        .take(MAX_SCANNED_ENTRIES)
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| check_lora_name(name).is_ok() && name != base_model)
+        .filter(|name| resolve_under(root, name).is_ok_and(|dir| dir.join("adapter_config.json").is_file()))
+        .collect();
+    names.sort();
+    names.truncate(MAX_AVAILABLE_LORAS);
+    names
 }
 
 fn log_loaded(adapter: &LoraAdapter, dir: &Path, when: &str) {

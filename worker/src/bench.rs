@@ -246,6 +246,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         max_lora_rank: 64,
         lora_dir: None,
         max_loras: 16,
+        lora_on_demand: false,
     };
     // Size the arena from the shape before loading the weights.
     let mc = model_config(&cfg)?;

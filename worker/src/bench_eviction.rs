@@ -391,6 +391,7 @@ fn run_fresh(
         max_lora_rank: 64,
         lora_dir: None,
         max_loras: 16,
+        lora_on_demand: false,
     };
     let engine = Engine::start(cfg)?;
     let name = engine.model_info().name.clone();

@@ -93,6 +93,9 @@ pub struct EngineConfig {
     pub lora_dir: Option<PathBuf>,
     /// Most adapters loaded at once, start-up ones included (`--max-loras`).
     pub max_loras: usize,
+    /// Load an adapter a request names from `lora_dir/NAME` when it is not loaded (`--lora-on-demand`), evicting
+    /// the least recently used idle on-demand adapter when `max_loras` are loaded.
+    pub lora_on_demand: bool,
 }
 
 /// One adapter to load: the name requests use and its PEFT directory.
@@ -178,6 +181,7 @@ impl Default for EngineConfig {
             max_lora_rank: 64,
             lora_dir: None,
             max_loras: 16,
+            lora_on_demand: false,
         }
     }
 }
@@ -682,9 +686,22 @@ impl EngineHandle {
     /// Validates and queues a request. Events arrive on the returned receiver; dropping it cancels the
     /// request and frees its blocks.
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<GenerateEvent>, EngineError> {
+        let lora = self.lora_of(&req)?;
+        self.submit_with(req, lora)
+    }
+
+    /// [`EngineHandle::submit`] for a request whose adapter the caller has resolved already
+    /// ([`EngineHandle::resolve_lora`]): holding it, the caller knows no eviction takes it in between.
+    pub fn submit_with(
+        &self,
+        req: GenerateRequest,
+        lora: Option<Arc<LoraAdapter>>,
+    ) -> Result<UnboundedReceiver<GenerateEvent>, EngineError> {
+        if req.lora.as_deref() != lora.as_ref().map(|a| a.name()) {
+            return Err(EngineError::InvalidRequest("the adapter given is not the one the request names".into()));
+        }
         self.validate(&req)?;
         let mut req = req;
-        let lora = self.lora_of(&req)?;
         if let Some(adapter) = &lora {
             req.namespace = cache_namespace(&req.namespace, adapter.cache_id());
         }
@@ -693,19 +710,27 @@ impl EngineHandle {
         Ok(rx)
     }
 
+    /// The adapter `name`, loaded from `--lora-dir` first when `--lora-on-demand` allows it (see
+    /// [`AdapterRegistry::resolve`]). May read the adapter's files on the calling thread: call it from a blocking
+    /// context unless [`EngineHandle::lora_loaded`] says it is loaded.
+    pub fn resolve_lora(&self, name: &str) -> Result<Arc<LoraAdapter>, EngineError> {
+        Ok(self.inner.lora.resolve(name)?)
+    }
+
+    /// The adapter `name` if it is loaded now.
+    pub fn lora_loaded(&self, name: &str) -> Option<Arc<LoraAdapter>> {
+        self.inner.lora.get(name).ok()
+    }
+
+    /// The worker's adapter registry: what is loaded, what may be loaded on demand, and its counters.
+    pub fn lora_registry(&self) -> &AdapterRegistry {
+        &self.inner.lora
+    }
+
     /// The adapter `req` names, or `None` for the base model; an error names an adapter this worker lacks.
     fn lora_of(&self, req: &GenerateRequest) -> Result<Option<Arc<LoraAdapter>>, EngineError> {
         let Some(name) = &req.lora else { return Ok(None) };
         Ok(Some(self.inner.lora.get(name)?))
-    }
-
-    /// The namespace `req`'s blocks hash in: its own, salted by its adapter's cache id when it names one
-    /// ([`cache_namespace`]). What the engine hashes under once `req` is submitted.
-    pub fn cache_namespace_of(&self, req: &GenerateRequest) -> Result<String, EngineError> {
-        Ok(match self.lora_of(req)? {
-            Some(adapter) => cache_namespace(&req.namespace, adapter.cache_id()),
-            None => req.namespace.clone(),
-        })
     }
 
     /// The LoRA adapters this engine serves, by name.

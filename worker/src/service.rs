@@ -14,7 +14,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use pagoda_proto::trace_context::{self, KeyValue};
@@ -23,15 +23,17 @@ use pagoda_proto::worker::{
     self as pb, Finished, GenerateResponse, HealthRequest, HealthResponse, PolicyEvictions, StatsRequest, StatsResponse,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
+use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
-use crate::adapters::AdapterError;
+use crate::adapters::{AdapterError, Origin};
 use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
 use crate::events::BlockChange;
 use crate::grammar_guide::Grammar;
 use crate::json_schema::JsonSchema;
 use crate::model::LoraAdapter;
+use crate::model::lora::cache_namespace;
 use crate::placement::EvicPressStats;
 use crate::policy::{PolicyKind, PolicySpec};
 use crate::regex_guide::ByteDfa;
@@ -65,6 +67,11 @@ pub struct AdmissionLimits {
 pub const DEFAULT_MAX_QUEUED_REQUESTS: usize = 256;
 /// Default `--max-queued-prompt-tokens`.
 pub const DEFAULT_MAX_QUEUED_PROMPT_TOKENS: u64 = 32_768;
+/// The wait a worker suggests when every adapter slot is pinned or in use (a few decode steps' time).
+const LORA_BUSY_RETRY_AFTER_MS: &str = "500";
+/// Longest a request waits for an adapter slot before it is refused as busy: well inside the router's default
+/// first-token timeout (30 s), which would otherwise take the worker for dead.
+pub const LORA_SLOT_WAIT: Duration = Duration::from_secs(10);
 
 impl Default for AdmissionLimits {
     fn default() -> Self {
@@ -190,6 +197,43 @@ impl WorkerService {
     pub fn with_peer_fetch(mut self, fetcher: PeerFetcher) -> WorkerService {
         self.peer = Some(Arc::new(fetcher));
         self
+    }
+
+    /// The adapter `name` for a request: the loaded one, or (with `--lora-on-demand`) one loaded now from
+    /// `--lora-dir` on a blocking thread, which the request's span records. While every adapter slot is pinned
+    /// or held by running requests, the request waits for one to free (as it would queue behind a full batch),
+    /// for at most [`LORA_SLOT_WAIT`]; then it is refused as busy.
+    async fn adapter(&self, name: &str, span: &Span) -> Result<Arc<LoraAdapter>, Status> {
+        if let Some(adapter) = self.engine.lora_loaded(name) {
+            return Ok(adapter);
+        }
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(2);
+        let adapter = loop {
+            let (engine, owned) = (self.engine.clone(), name.to_string());
+            // Reading an adapter's weights (up to 2 GiB) must not hold a runtime thread.
+            let resolved = tokio::task::spawn_blocking(move || engine.resolve_lora(&owned))
+                .await
+                .map_err(|e| Status::internal(format!("loading the adapter panicked: {e}")))?;
+            match resolved {
+                Err(EngineError::Lora(AdapterError::AllInUse(..))) if started.elapsed() < LORA_SLOT_WAIT => {
+                    // Polled, not signalled: a slot frees when the last request holding its adapter drops it,
+                    // deep in the engine. The registry's check is a map scan under a read lock.
+                    let registry = self.engine.lora_registry();
+                    while !registry.has_room() && started.elapsed() < LORA_SLOT_WAIT {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(20));
+                    }
+                }
+                other => break other.map_err(|e| status_from_engine(&e))?,
+            }
+        };
+        trace_context::span_event(
+            span,
+            "lora_load",
+            vec![KeyValue::new("adapter", name.to_string()), KeyValue::new("seconds", started.elapsed().as_secs_f64())],
+        );
+        Ok(adapter)
     }
 
     /// Announces `id` in `Health`: the id this worker reports its blocks under in the kvstore.
@@ -376,6 +420,14 @@ pub fn status_from_engine(e: &EngineError) -> Status {
             AdapterError::Exists(_) => Status::already_exists(e.to_string()),
             AdapterError::RuntimeOff => Status::failed_precondition(e.to_string()),
             AdapterError::Full(_) => Status::resource_exhausted(e.to_string()),
+            // Busy, not wrong: the router tries another worker, and the client may retry after a decode or two.
+            AdapterError::AllInUse(..) => {
+                let mut status = Status::resource_exhausted(e.to_string());
+                status
+                    .metadata_mut()
+                    .insert(pagoda_proto::BUSY_RETRY_AFTER_MS, MetadataValue::from_static(LORA_BUSY_RETRY_AFTER_MS));
+                status
+            }
             AdapterError::Invalid(_) => Status::invalid_argument(e.to_string()),
         },
         EngineError::Model(_) | EngineError::Config(_) | EngineError::Forward(_) => Status::internal(e.to_string()),
@@ -565,8 +617,15 @@ impl Worker for WorkerService {
         span.record("budget_tokens", policy.budget_tokens as i64);
         // Refused as busy before any pull: a pull for a request that cannot run would be wasted.
         let queue_slot = self.admission.enter(req.prompt.len() as u64).map_err(refused)?;
+        let adapter = match &req.lora {
+            Some(name) => Some(self.adapter(name, &span).await.map_err(refused)?),
+            None => None,
+        };
         if let (Some(peer), Some(hint)) = (&self.peer, &hint) {
-            let namespace = self.engine.cache_namespace_of(&req).map_err(|e| status_from_engine(&e))?;
+            let namespace = match &adapter {
+                Some(a) => cache_namespace(&req.namespace, a.cache_id()),
+                None => req.namespace.clone(),
+            };
             let pulled = peer.pull_prefix(&req.prompt, &namespace, hint, &span).await;
             if pulled > 0 {
                 trace_context::span_event(
@@ -576,7 +635,7 @@ impl Worker for WorkerService {
                 );
             }
         }
-        let rx = self.engine.submit(req).map_err(|e| refused(status_from_engine(&e)))?;
+        let rx = self.engine.submit_with(req, adapter).map_err(|e| refused(status_from_engine(&e)))?;
         let state = EventStream {
             rx,
             engine: self.engine.clone(),
@@ -610,6 +669,7 @@ impl Worker for WorkerService {
 
     async fn health(&self, _request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
         let info = self.engine.model_info();
+        let lora = self.engine.lora_registry();
         Ok(Response::new(HealthResponse {
             ready: true,
             model: info.model_id.clone(),
@@ -618,7 +678,11 @@ impl Worker for WorkerService {
             kv_group_size: u32::try_from(info.layout().group_size()).unwrap_or(u32::MAX),
             worker_id: self.worker_id.clone(),
             role: self.role.clone(),
-            lora_adapters: self.engine.lora_adapters().iter().map(|a| lora_info(a)).collect(),
+            lora_adapters: lora.list_with_origin().iter().map(|(a, origin)| lora_info(a, *origin)).collect(),
+            lora_on_demand: lora.on_demand(),
+            lora_available: lora.available().to_vec(),
+            max_loras: u32::try_from(lora.max_loaded()).unwrap_or(u32::MAX),
+            lora_load_seconds: lora.mean_load_seconds(),
         }))
     }
 
@@ -626,6 +690,7 @@ impl Worker for WorkerService {
         let s = self.engine.stats();
         let p = self.peer_counters.snapshot();
         let r = self.report_progress.snapshot();
+        let lora = self.engine.lora_registry().counters();
         Ok(Response::new(StatsResponse {
             blocks_total: s.blocks_total,
             blocks_used: s.blocks_used,
@@ -679,6 +744,10 @@ impl Worker for WorkerService {
             disk_errors_total: s.disk_errors,
             disk_full_total: s.disk_full,
             evicpress: s.evicpress.as_ref().map(evicpress_stats),
+            lora_loads_total: lora.loads,
+            lora_on_demand_loads_total: lora.on_demand_loads,
+            lora_evictions_total: lora.evictions,
+            lora_load_seconds_total: lora.load_seconds,
         }))
     }
 
@@ -708,7 +777,7 @@ impl Worker for WorkerService {
             .await
             .map_err(|e| Status::internal(format!("loading the adapter panicked: {e}")))?;
         let adapter = loaded.map_err(|e| status_from_engine(&e))?;
-        Ok(Response::new(pb::LoadLoraResponse { adapter: Some(lora_info(&adapter)) }))
+        Ok(Response::new(pb::LoadLoraResponse { adapter: Some(lora_info(&adapter, Origin::Admin)) }))
     }
 
     async fn unload_lora(
@@ -721,11 +790,12 @@ impl Worker for WorkerService {
 }
 
 /// An adapter as `Health` and `LoadLora` describe it.
-fn lora_info(a: &LoraAdapter) -> pb::LoraAdapterInfo {
+fn lora_info(a: &LoraAdapter, origin: Origin) -> pb::LoraAdapterInfo {
     pb::LoraAdapterInfo {
         name: a.name().to_string(),
         cache_id: a.cache_id().to_string(),
         rank: u32::try_from(a.rank()).unwrap_or(u32::MAX),
+        on_demand: origin == Origin::OnDemand,
     }
 }
 

@@ -290,3 +290,86 @@ fn adapters_load_and_unload_at_run_time_only_from_under_the_lora_dir() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn adapters_load_on_demand_and_the_least_recently_used_idle_one_gives_way() {
+    let model = load_model();
+    let root = std::env::temp_dir().join(format!("pagoda-lora-on-demand-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let spec = SyntheticLora { rank: 8, b_std: 0.3, seed: 10 + i as u64, ..Default::default() };
+        write_synthetic_peft(&root.join(name), model.config(), &spec).unwrap();
+    }
+    std::fs::create_dir_all(root.join("not-an-adapter")).unwrap();
+    std::fs::create_dir_all(root.join("broken")).unwrap();
+    std::fs::write(root.join("broken/adapter_config.json"), b"{not json").unwrap();
+    let pinned = adapter_dir(&model, "pinned", &SyntheticLora { rank: 8, b_std: 0.3, seed: 3, ..Default::default() });
+
+    let h = Engine::start(EngineConfig {
+        kv_cache_tokens: 4096,
+        threads: 2,
+        lora: vec![LoraSpec { name: "pinned".into(), dir: pinned.clone() }],
+        lora_dir: Some(root.clone()),
+        lora_on_demand: true,
+        max_loras: 3,
+        ..EngineConfig::new(model_path())
+    })
+    .unwrap();
+    let reg = h.lora_registry();
+    assert!(reg.on_demand());
+    assert_eq!(*reg.available(), vec!["a", "b", "broken", "c"], "directories with an adapter_config.json");
+    let p = prompt(7, 40);
+    let with = |name: &str| GenerateRequest { lora: Some(name.to_owned()), ..common::greedy(&p, 8) };
+    let names = |h: &EngineHandle| h.lora_adapters().iter().map(|a| a.name().to_string()).collect::<Vec<_>>();
+
+    // `a` and `b` load on their first request; `submit` alone never loads.
+    assert!(matches!(h.submit(with("a")), Err(EngineError::Lora(AdapterError::Unknown(_)))));
+    h.resolve_lora("a").unwrap();
+    let (a_first, _, _) = common::run_request(&h, with("a"));
+    h.resolve_lora("b").unwrap();
+    let (b_first, _, _) = common::run_request(&h, with("b"));
+    assert_ne!(a_first, b_first);
+    assert_eq!(names(&h), vec!["a", "b", "pinned"]);
+    // Full: `c` takes the slot of the least recently used idle on-demand adapter (`a`), never the pinned one.
+    h.resolve_lora("b").unwrap();
+    h.resolve_lora("c").unwrap();
+    assert_eq!(names(&h), vec!["b", "c", "pinned"]);
+    let c = reg.counters();
+    assert_eq!((c.loads, c.on_demand_loads, c.evictions), (3, 3, 1));
+    assert!(c.load_seconds > 0.0 && reg.mean_load_seconds() > 0.0);
+
+    // While requests hold `b` and `c`, nothing can give way: busy, not unknown.
+    let (held_b, held_c) = (h.resolve_lora("b").unwrap(), h.resolve_lora("c").unwrap());
+    assert_eq!(h.resolve_lora("a").unwrap_err(), EngineError::Lora(AdapterError::AllInUse(3, "a".into())));
+    drop(held_b);
+    // Loaded again, `a` answers as before and finds its blocks still cached under its salted hashes.
+    h.resolve_lora("a").unwrap();
+    let (a_again, cached, _) = common::run_request(&h, with("a"));
+    assert_eq!(a_again, a_first);
+    assert!(cached >= 32, "{cached}");
+    assert_eq!(names(&h), vec!["a", "c", "pinned"]);
+    drop(held_c);
+
+    // What the directory lacks, or what is not an adapter, is unknown; a broken adapter is invalid.
+    for missing in ["zzz", "not-an-adapter/..", "../a", "pinned2"] {
+        assert!(matches!(h.resolve_lora(missing), Err(EngineError::Lora(AdapterError::Unknown(_)))), "{missing}");
+    }
+    assert!(matches!(h.resolve_lora("not-an-adapter"), Err(EngineError::Lora(AdapterError::Invalid(_)))));
+    assert!(matches!(h.resolve_lora("broken"), Err(EngineError::Lora(AdapterError::Invalid(_)))));
+    h.shutdown();
+
+    // Without --lora-on-demand nothing loads by name, and nothing is announced.
+    let off = Engine::start(EngineConfig {
+        kv_cache_tokens: 2048,
+        threads: 2,
+        lora_dir: Some(root.clone()),
+        ..EngineConfig::new(model_path())
+    })
+    .unwrap();
+    assert!(off.lora_registry().available().is_empty());
+    assert!(matches!(off.resolve_lora("a"), Err(EngineError::Lora(AdapterError::Unknown(_)))));
+    off.shutdown();
+    let err = Engine::start(EngineConfig { lora_on_demand: true, ..EngineConfig::new(model_path()) }).unwrap_err();
+    assert!(err.to_string().contains("--lora-dir"), "{err}");
+    let _ = (std::fs::remove_dir_all(&root), std::fs::remove_dir_all(&pinned));
+}
