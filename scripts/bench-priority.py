@@ -21,7 +21,7 @@ import json
 import statistics
 import sys
 
-from pagoda_servers import bench_load, start_up, wait_ready
+from pagoda_servers import alternating, bench_load, start_servers, stop_servers
 
 
 def load(a, url, priority):
@@ -47,28 +47,17 @@ def main():
         "fcfs": ([], 0),
         "priority": (["--scheduling-policy", "priority"], -1),
     }
-    procs, urls = [], {}
+    urls, procs = start_servers(a.bin, a.base_port, {name: flags for name, (flags, _) in servers.items()},
+                                ["--threads", "2", "--max-running", str(a.max_running)], "bench-priority")
     try:
-        for i, (name, (flags, _)) in enumerate(servers.items()):
-            port = a.base_port + i
-            urls[name] = f"http://127.0.0.1:{port}"
-            procs.append(start_up(a.bin, port, ["--threads", "2", "--max-running", str(a.max_running), *flags],
-                                  "bench-priority"))
-        for (name, url), p in zip(urls.items(), procs):
-            wait_ready(url, p)
         runs = {name: [] for name in servers}
-        for rep in range(a.reps):
-            order = list(servers) if rep % 2 == 0 else list(reversed(servers))
-            for name in order:
-                s = load(a, urls[name], servers[name][1])
-                runs[name].append(s)
-                print(f"round {rep + 1} {name}: urgent TTFT p50 {s['urgent']['p50_ttft_s']:.2f} s, others "
-                      f"{s['others']['p50_ttft_s']:.2f} s, {s['completion_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        for rep, name in alternating(a.reps, list(servers)):
+            s = load(a, urls[name], servers[name][1])
+            runs[name].append(s)
+            print(f"round {rep + 1} {name}: urgent TTFT p50 {s['urgent']['p50_ttft_s']:.2f} s, others "
+                  f"{s['others']['p50_ttft_s']:.2f} s, {s['completion_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        stop_servers(procs)
 
     cols = [("urgent", "p50_ttft_s"), ("urgent", "p99_ttft_s"), ("others", "p50_ttft_s"), ("others", "p99_ttft_s"),
             (None, "completion_tokens_per_s")]

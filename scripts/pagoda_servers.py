@@ -41,3 +41,37 @@ def wait_ready(url, proc, timeout=180):
             pass
         time.sleep(0.5)
     sys.exit(f"server on {url} not ready after {timeout}s")
+
+
+def start_servers(binary, base_port, servers, common, log_name):
+    """Starts one `pagoda up` per entry of `servers` (name -> its own flags, after the shared `common`) on ports from
+    `base_port` on, and waits until all are ready. Returns ({name: url}, [process]); stop them with `stop_servers`,
+    also when this raises."""
+    procs, urls = [], {}
+    try:
+        for i, (name, flags) in enumerate(servers.items()):
+            port = base_port + i
+            urls[name] = f"http://127.0.0.1:{port}"
+            procs.append(start_up(binary, port, [*common, *flags], log_name))
+        for url, p in zip(urls.values(), procs):
+            wait_ready(url, p)
+    except BaseException:
+        stop_servers(procs)
+        raise
+    return urls, procs
+
+
+def stop_servers(procs):
+    """Terminates the servers `start_servers` started and waits for them."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
+
+
+def alternating(reps, names):
+    """(round, name) for `reps` rounds over `names`, every other round in reverse order, so that neither side of a
+    comparison always runs first."""
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else list(reversed(names))):
+            yield rep, name

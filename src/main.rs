@@ -238,8 +238,10 @@ struct EngineArgs {
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
     admission: String,
     /// Request order (vLLM's flag): `fcfs` serves requests in arrival order and refuses a `priority` other than 0;
-    /// `priority` admits the lowest `priority` first and preempts the highest first, arrival breaking ties.
-    #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority"])]
+    /// `priority` admits the lowest `priority` first and preempts the highest first, arrival breaking ties; `fair`
+    /// admits next the request of the tenant (API key's tenant) running the fewest sequences and preempts the
+    /// youngest of the tenant running the most, so one tenant's burst cannot hold the whole batch.
+    #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority", "fair"])]
     scheduling_policy: String,
     /// Directory for the worker's persistent state; the disk KV tier lives in <data-dir>/kv/.
     #[arg(long, env = "PAGODA_DATA_DIR")]
@@ -2118,6 +2120,7 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
         "completion_tokens_per_s": completion_tokens as f64 / wall,
         "p50_latency_s": report.p50_latency.as_secs_f64(),
         "p99_latency_s": report.p99_latency.as_secs_f64(),
+        "p50_ttft_s": report.p50_ttft.as_secs_f64(),
         "p99_ttft_s": report.p99_ttft.as_secs_f64(),
         "max_latency_s": report.max_latency.as_secs_f64(),
         "lost_examples": report.lost_examples,

@@ -540,6 +540,7 @@ pub struct Report {
     pub lost_examples: Vec<String>,
     pub p50_latency: Duration,
     pub p99_latency: Duration,
+    pub p50_ttft: Duration,
     pub p99_ttft: Duration,
     pub max_latency: Duration,
 }
@@ -568,6 +569,7 @@ impl Report {
             lost_examples: Vec::new(),
             p50_latency: Duration::ZERO,
             p99_latency: Duration::ZERO,
+            p50_ttft: Duration::ZERO,
             p99_ttft: Duration::ZERO,
             max_latency: Duration::ZERO,
         };
@@ -616,6 +618,7 @@ impl Report {
         let done: Vec<&Record> = records.iter().filter(|r| r.outcome == Outcome::Completed).collect();
         r.p50_latency = percentile(done.iter().map(|r| r.latency()).collect(), 0.50);
         r.p99_latency = percentile(done.iter().map(|r| r.latency()).collect(), 0.99);
+        r.p50_ttft = percentile(done.iter().filter_map(|r| r.ttft).collect(), 0.50);
         r.p99_ttft = percentile(done.iter().filter_map(|r| r.ttft).collect(), 0.99);
         r.max_latency = records.iter().map(Record::latency).max().unwrap_or_default();
         r

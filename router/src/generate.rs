@@ -562,7 +562,7 @@ impl Generation {
         if let Some(name) = &self.job.lora
             && !chosen.status().serves_lora(name)
         {
-            tokio::spawn(async move { chosen.probe().await });
+            chosen.probe_soon();
         }
         if !self.prompt_counted {
             self.prompt_counted = true;

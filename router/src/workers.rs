@@ -281,6 +281,8 @@ pub struct Worker {
     load: Arc<WorkerLoad>,
     /// Set by a probe that learned a new worker id; the pool turns it into a new id generation.
     id_changed: std::sync::atomic::AtomicBool,
+    /// A probe [`Worker::probe_soon`] started is still running: a burst of requests asks for one probe, not one each.
+    probe_pending: std::sync::atomic::AtomicBool,
 }
 
 impl Worker {
@@ -301,6 +303,7 @@ impl Worker {
             status: Mutex::new(WorkerStatus::default()),
             load: Arc::new(WorkerLoad::default()),
             id_changed: std::sync::atomic::AtomicBool::new(false),
+            probe_pending: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -328,6 +331,18 @@ impl Worker {
             s.ready = false;
             s.last_error = Some(why);
         }
+    }
+
+    /// Probes `Health` in the background now, unless such a probe is running already.
+    pub fn probe_soon(self: &Arc<Self>) {
+        if self.probe_pending.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let worker = Arc::clone(self);
+        tokio::spawn(async move {
+            worker.probe().await;
+            worker.probe_pending.store(false, Ordering::Release);
+        });
     }
 
     /// Probes `Health` once and records the answer.

@@ -130,14 +130,20 @@ pub enum SchedulingPolicy {
     Fcfs,
     /// By [`SeqRequest::priority`] (lower first), then arrival.
     Priority,
+    /// Fair share between tenants: admits next the waiting request whose tenant (its namespace, without a LoRA
+    /// adapter's salt) has the fewest sequences running, arrival breaking ties, and preempts the youngest sequence
+    /// of the tenant running the most. One tenant's burst then delays another's requests by a share of the batch,
+    /// not by the whole burst. Priorities must be 0, as under FCFS.
+    Fair,
 }
 
 impl SchedulingPolicy {
-    /// `fcfs` or `priority`.
+    /// `fcfs`, `priority` or `fair`.
     pub fn from_name(name: &str) -> Option<SchedulingPolicy> {
         match name {
             "fcfs" => Some(SchedulingPolicy::Fcfs),
             "priority" => Some(SchedulingPolicy::Priority),
+            "fair" => Some(SchedulingPolicy::Fair),
             _ => None,
         }
     }
@@ -173,7 +179,7 @@ pub enum SchedError {
     #[error("the request needs up to {needed} KV blocks but the pool has {capacity}")]
     TooLargeForPool { needed: usize, capacity: usize },
     #[error(
-        "priority {0} needs priority scheduling (--scheduling-policy priority); this worker serves in arrival order"
+        "priority {0} needs priority scheduling (--scheduling-policy priority); this worker does not order requests by priority"
     )]
     PriorityNotEnabled(i32),
     #[error("unknown sequence {0}")]
@@ -217,6 +223,8 @@ pub struct Sequence<P> {
     max_tokens: usize,
     stop_token_ids: Vec<u32>,
     namespace: String,
+    /// Its tenant, for fair scheduling: an xxh3 of the namespace up to the LoRA salt ([`tenant_of`]).
+    tenant: u64,
     /// Tokens whose K/V are in the cache (= RoPE position of the next token to compute).
     num_computed: usize,
     blocks: SeqBlocks,
@@ -420,7 +428,17 @@ pub struct Scheduler<P> {
     draft_buf: Vec<u32>,
     /// What a draft token costs, from the step times the engine reports ([`Scheduler::observe_step`]).
     draft_cost: DraftCost,
+    /// Reused under fair scheduling: running sequences per tenant.
+    tenant_running: Vec<(u64, usize)>,
+    /// Under fair scheduling, when each tenant last had a sequence admitted (in admissions), at most
+    /// [`MAX_TRACKED_TENANTS`]: between tenants running as many sequences, the one served least recently goes first.
+    tenant_admitted: Vec<(u64, u64)>,
+    admissions: u64,
 }
+
+/// Most tenants fair scheduling remembers the last admission of; beyond it the least recent is forgotten (and then
+/// counts as never served, which only moves it forward).
+const MAX_TRACKED_TENANTS: usize = 1024;
 
 impl<P> Scheduler<P> {
     pub fn new(cfg: SchedulerConfig, layout: CacheLayout, num_blocks: usize) -> Scheduler<P> {
@@ -435,6 +453,9 @@ impl<P> Scheduler<P> {
             reserve_ratio: cfg.reserve.init_ratio,
             draft_buf: Vec::new(),
             draft_cost: DraftCost::default(),
+            tenant_running: Vec::new(),
+            tenant_admitted: Vec::new(),
+            admissions: 0,
             cfg,
         }
     }
@@ -493,6 +514,7 @@ impl<P> Scheduler<P> {
             tokens: req.prompt,
             max_tokens: req.max_tokens,
             stop_token_ids: req.stop_token_ids,
+            tenant: tenant_of(&req.namespace),
             namespace: req.namespace,
             num_computed: 0,
             blocks: SeqBlocks::new(self.layout),
@@ -604,6 +626,7 @@ impl<P> Scheduler<P> {
 
         // 3. admit waiting sequences (not in a step that had to preempt).
         while plan.preempted.is_empty() && budget > 0 && self.running.len() < self.cfg.max_running.max(1) {
+            self.promote_fair_front();
             let Some(&id) = self.waiting.front() else { break };
             // Such a sequence adopts no prefix, so its first chunk starts at 0.
             let prompt_logits = self.seqs.get(&id).is_some_and(|s| s.prompt_logits_from(0));
@@ -616,6 +639,7 @@ impl<P> Scheduler<P> {
                 logits_budget -= n;
             }
             self.waiting.pop_front();
+            self.note_admitted(id);
             self.enqueue_running(id);
             let seq = &self.seqs[&id];
             plan.seqs.push(ScheduledSeq {
@@ -733,7 +757,7 @@ impl<P> Scheduler<P> {
             match seq.blocks.reserve(&mut self.pool, n) {
                 Ok(()) => return true,
                 Err(_) => {
-                    let Some(&victim) = self.running.last() else { return false };
+                    let Some(victim) = self.preemption_victim() else { return false };
                     if let Some(pos) = plan.seqs.iter().position(|s| s.seq == victim) {
                         *budget += plan.seqs[pos].n;
                         plan.seqs.remove(pos);
@@ -817,6 +841,78 @@ impl<P> Scheduler<P> {
         near <= room && last <= room
     }
 
+    /// Counts the running sequences per tenant into `tenant_running`.
+    fn count_tenants(&mut self) {
+        self.tenant_running.clear();
+        for seq in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            match self.tenant_running.iter_mut().find(|(t, _)| *t == seq.tenant) {
+                Some((_, n)) => *n += 1,
+                None => self.tenant_running.push((seq.tenant, 1)),
+            }
+        }
+    }
+
+    fn running_of(&self, tenant: u64) -> usize {
+        self.tenant_running.iter().find(|(t, _)| *t == tenant).map_or(0, |(_, n)| *n)
+    }
+
+    /// Under fair scheduling, records that `id`'s tenant had a sequence admitted now.
+    fn note_admitted(&mut self, id: SeqId) {
+        if self.cfg.scheduling != SchedulingPolicy::Fair {
+            return;
+        }
+        let Some(tenant) = self.seqs.get(&id).map(|s| s.tenant) else { return };
+        self.admissions += 1;
+        match self.tenant_admitted.iter_mut().find(|(t, _)| *t == tenant) {
+            Some((_, at)) => *at = self.admissions,
+            None => {
+                if self.tenant_admitted.len() >= MAX_TRACKED_TENANTS
+                    && let Some(oldest) = (0..self.tenant_admitted.len()).min_by_key(|&i| self.tenant_admitted[i].1)
+                {
+                    self.tenant_admitted.swap_remove(oldest);
+                }
+                self.tenant_admitted.push((tenant, self.admissions));
+            }
+        }
+    }
+
+    /// Under fair scheduling, moves to the front of the waiting queue the sequence whose tenant runs the fewest
+    /// sequences, between those the tenant admitted least recently, then the earliest arrival; the rest keep their
+    /// order. A no-op otherwise.
+    fn promote_fair_front(&mut self) {
+        if self.cfg.scheduling != SchedulingPolicy::Fair || self.waiting.len() < 2 {
+            return;
+        }
+        self.count_tenants();
+        let last_admitted =
+            |tenant: u64| self.tenant_admitted.iter().find(|(t, _)| *t == tenant).map_or(0, |(_, at)| *at);
+        let mut best: Option<(usize, (usize, u64))> = None;
+        for (i, id) in self.waiting.iter().enumerate() {
+            let Some(seq) = self.seqs.get(id) else { continue };
+            let key = (self.running_of(seq.tenant), last_admitted(seq.tenant));
+            if best.is_none_or(|(_, b)| key < b) {
+                best = Some((i, key));
+            }
+        }
+        if let Some((i, _)) = best.filter(|&(i, _)| i > 0)
+            && let Some(id) = self.waiting.remove(i)
+        {
+            self.waiting.push_front(id);
+        }
+    }
+
+    /// The running sequence to preempt when blocks are short: the last in queue order (the youngest of the
+    /// lowest priority), or under fair scheduling the youngest of the tenant running the most.
+    fn preemption_victim(&mut self) -> Option<SeqId> {
+        if self.cfg.scheduling != SchedulingPolicy::Fair {
+            return self.running.last().copied();
+        }
+        self.count_tenants();
+        let most = self.tenant_running.iter().map(|(_, n)| *n).max()?;
+        let heaviest = |id: &SeqId| self.seqs.get(id).is_some_and(|s| self.running_of(s.tenant) == most);
+        self.running.iter().rev().find(|id| heaviest(id)).copied().or_else(|| self.running.last().copied())
+    }
+
     /// Frees a running sequence's blocks and puts it back into the waiting queue at its place in queue order: ahead
     /// of every sequence that arrived after it at its priority.
     fn preempt(&mut self, id: SeqId) {
@@ -842,6 +938,7 @@ impl<P> Scheduler<P> {
         if !self.cfg.enable_prefix_cache || self.running.len() >= self.cfg.max_running.max(1) {
             return None;
         }
+        self.promote_fair_front();
         let id = *self.waiting.front()?;
         let seq = self.seqs.get_mut(&id)?;
         if seq.preloaded > 0 || seq.prompt_logits {
@@ -1049,12 +1146,20 @@ impl<P> Scheduler<P> {
     }
 }
 
-/// Whether a request may carry `priority`: any under priority scheduling, only 0 under FCFS (as vLLM refuses it).
+/// Whether a request may carry `priority`: any under priority scheduling, only 0 under FCFS (as vLLM refuses it)
+/// and under fair scheduling.
 pub fn check_priority(cfg: &SchedulerConfig, priority: i32) -> Result<(), SchedError> {
-    if priority != 0 && cfg.scheduling == SchedulingPolicy::Fcfs {
+    if priority != 0 && cfg.scheduling != SchedulingPolicy::Priority {
         return Err(SchedError::PriorityNotEnabled(priority));
     }
     Ok(())
+}
+
+/// The tenant a namespace belongs to, as fair scheduling counts it: the namespace up to the separator a LoRA
+/// adapter's salt starts with ([`crate::model::lora::cache_namespace`]), so a tenant's adapters share its share.
+pub fn tenant_of(namespace: &str) -> u64 {
+    let tenant = namespace.split('\u{0}').next().unwrap_or(namespace);
+    xxhash_rust::xxh3::xxh3_64(tenant.as_bytes())
 }
 
 /// Whether a request can ever run: prompt within the context, and its worst-case KV (prompt + max_tokens, capped

@@ -669,6 +669,40 @@ fn try_collect(rx: &mut UnboundedReceiver<GenerateEvent>) -> Option<(Vec<u32>, F
     None
 }
 
+/// Fair scheduling on the real engine, one sequence at a time: with tenant `a`'s burst queued first, tenant `b`'s
+/// request (namespace salted by an adapter id, the same tenant) runs right after the burst's first, not after all
+/// of it; a priority is refused as under FCFS.
+#[test]
+fn fair_scheduling_serves_the_tenant_running_the_fewest_next() {
+    let h = Engine::start(EngineConfig {
+        max_running: 1,
+        scheduling: SchedulingPolicy::Fair,
+        ..config(64, true, ReserveConfig::default())
+    })
+    .expect("engine starts");
+    let prompts = tokenize(&[DOC, "Count from one to ten:", "The capital of France is", "Write a haiku:"]);
+    let req = |id: &str, prompt: &[u32], max_tokens: u32, tenant: &str| GenerateRequest {
+        ignore_eos: true,
+        namespace: tenant.to_string(),
+        ..greedy(id, prompt, max_tokens)
+    };
+    assert!(h.submit(GenerateRequest { priority: 1, ..req("p", &prompts[1], 2, "a") }).is_err());
+    // Tenant a's blocker holds the only running slot until the queue is complete.
+    let mut blocker = h.submit(req("blocker", &prompts[0], 500, "a")).unwrap();
+    assert!(matches!(blocker.blocking_recv(), Some(GenerateEvent::Token { .. })));
+    let a1 = h.submit(req("a1", &prompts[1], 4, "a")).unwrap();
+    let a2 = h.submit(req("a2", &prompts[2], 4, "a")).unwrap();
+    let b = h.submit(req("b", &prompts[3], 4, "b\u{0}lora\u{0}x@1")).unwrap();
+    h.cancel("blocker").unwrap();
+    // With the blocker gone nobody runs: a1 (the earliest) goes first; then neither tenant runs anything, and b,
+    // admitted less recently than a, goes before a2.
+    let (a1, b, a2) = (collect(a1), collect(b), collect(a2));
+    assert!(a2.queue_seconds > b.queue_seconds, "a2 queued {} s, b {} s", a2.queue_seconds, b.queue_seconds);
+    assert!([&a1, &b, &a2].iter().all(|r| r.tokens.len() == 4 && r.reason == FinishReason::Length));
+    assert_eq!(collect(blocker).reason, FinishReason::Cancelled);
+    wait_stats(&h, "the engine to go idle", |s| s.running == 0 && s.waiting == 0 && s.blocks_used == 0);
+}
+
 /// Priority scheduling on the real engine, one sequence at a time: queued requests run by priority, then arrival.
 /// Every event of a request is sent before the next request computes anything, so when one request's answer has
 /// arrived, the answers of those served before it are already in their receivers.

@@ -400,6 +400,75 @@ fn priority_scheduling_preempts_the_least_urgent_and_keeps_every_answer() {
     s.pool().check_invariants().unwrap();
 }
 
+fn fair(max_step_tokens: usize, max_running: usize) -> SchedulerConfig {
+    SchedulerConfig { scheduling: SchedulingPolicy::Fair, ..cfg(max_step_tokens, max_running) }
+}
+
+fn of_tenant(prompt: Vec<u32>, max_tokens: usize, namespace: &str) -> SeqRequest<()> {
+    SeqRequest { namespace: namespace.to_string(), ..req(prompt, max_tokens) }
+}
+
+/// A burst of one tenant does not hold the batch: the other tenant's requests, queued behind it, are admitted
+/// as soon as a slot frees, ahead of the burst's rest; a LoRA adapter's salt does not make another tenant; a
+/// priority is refused as under FCFS; and every answer is what it is alone.
+#[test]
+fn fair_scheduling_admits_the_tenant_running_the_fewest_first() {
+    let mut s = Scheduler::new(fair(64, 2), LAYOUT, 400 * GS);
+    assert_eq!(s.add(prioritized(prompt(0, 8), 3, 1)).unwrap_err(), SchedError::PriorityNotEnabled(1));
+    let mut m = FakeModel::new(400 * GS);
+    let mut out = Outcome::default();
+    let burst: Vec<SeqId> = (0..5).map(|i| s.add(of_tenant(prompt(i, 8), 3, "heavy")).unwrap()).collect();
+    // The light tenant's second request runs with an adapter: same tenant, salted namespace.
+    let light = [
+        s.add(of_tenant(prompt(10, 8), 3, "light")).unwrap(),
+        s.add(of_tenant(prompt(11, 8), 3, "light\u{0}lora\u{0}sql@1")).unwrap(),
+    ];
+    let order = first_scheduled(&mut s, &mut m, &mut out);
+    // Two slots: heavy's first and light's first start together; then light's second, before heavy's second,
+    // since light runs one sequence and heavy one.
+    assert_eq!(&order[..2], &[burst[0], light[0]], "{order:?}");
+    let pos = |id: SeqId| order.iter().position(|&o| o == id).unwrap();
+    assert!(pos(light[1]) < pos(burst[1]) || pos(light[1]) < pos(burst[2]), "{order:?}");
+    assert!(pos(light[1]) <= 3, "{order:?}");
+    // Under FCFS the same queue serves the whole burst first.
+    let mut f = Scheduler::new(cfg(64, 2), LAYOUT, 400 * GS);
+    let tenants = [(0, "heavy"), (1, "heavy"), (2, "heavy"), (3, "heavy"), (4, "heavy"), (10, "light"), (11, "light")];
+    let ids: Vec<SeqId> = tenants.iter().map(|&(i, t)| f.add(of_tenant(prompt(i, 8), 3, t)).unwrap()).collect();
+    assert_eq!(first_scheduled(&mut f, &mut FakeModel::new(400 * GS), &mut Outcome::default()), ids);
+    let want = reference(&[0, 1, 2, 3, 4, 10, 11].map(|i| (prompt(i, 8), 3)));
+    for (i, id) in burst.iter().chain(&light).enumerate() {
+        assert_eq!(out.tokens[id], want[i], "request {i}");
+    }
+    s.pool().check_invariants().unwrap();
+}
+
+/// Under memory pressure fair scheduling preempts from the tenant running the most, its youngest first, even
+/// when the other tenant's sequence is the youngest of all; every answer is still what it is alone.
+#[test]
+fn fair_scheduling_preempts_the_tenant_running_the_most() {
+    let reqs: Vec<(Vec<u32>, usize, &str)> =
+        (0..5).map(|i| (prompt(i, 10 + 3 * i as usize), 30, if i < 4 { "heavy" } else { "light" })).collect();
+    let want = reference(&reqs.iter().map(|(p, n, _)| (p.clone(), *n)).collect::<Vec<_>>());
+    let blocks = 28 * GS;
+    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..fair(64, 8) }, LAYOUT, blocks);
+    let mut m = FakeModel::new(blocks);
+    let ids: Vec<SeqId> = reqs.iter().map(|(p, n, t)| s.add(of_tenant(p.clone(), *n, t)).unwrap()).collect();
+    let mut out = Outcome::default();
+    let mut preempted = Vec::new();
+    while s.has_work() {
+        assert!(out.steps < 5_000, "no progress: deadlock?");
+        let plan = step(&mut s, &mut m, &mut out);
+        preempted.extend(plan.preempted.iter().copied());
+    }
+    assert!(!preempted.is_empty(), "the tiny pool must force preemption");
+    assert!(!preempted.contains(&ids[4]), "the light tenant's one sequence is never the victim: {preempted:?}");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(out.tokens[id], want[i], "request {i}");
+    }
+    assert_eq!(s.pool().num_used(), 0);
+    s.pool().check_invariants().unwrap();
+}
+
 #[test]
 fn an_exact_growth_reserve_admits_only_what_can_finish_so_nothing_is_preempted() {
     let reqs: Vec<(Vec<u32>, usize)> = (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30)).collect();

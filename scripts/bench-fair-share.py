@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""What fair scheduling (`--scheduling-policy fair`) does for a light tenant beside a heavy one, measured through
+real `pagoda up` processes with API keys.
+
+Starts two servers with the same small `--max-running` (so requests queue on the worker) and the same keys file
+of two tenants, `heavy` and `light`: one serving in arrival order (`fcfs`, the default) and one with
+`--scheduling-policy fair`. Against each in turn, round after round (the order alternating), it runs two
+`pagoda bench load` closed loops at once for the same time: the heavy tenant's `--heavy-concurrency` streams and
+the light tenant's `--light-concurrency` streams. Only one server is loaded at a time. The loads skip the greedy
+reference (`--no-reference`), whose own requests would not start and stop together with the other tenant's;
+`worker/tests/engine_scheduler.rs` checks that fair scheduling changes no answer.
+
+Per server it reports the medians over the rounds of each tenant's TTFT (p50, p99) and generated tokens/s, and
+each figure's ratio to the FCFS server's.
+
+    scripts/bench-fair-share.py [--bin target/release/pagoda] [--reps 3] [--duration 30] [--heavy-concurrency 16]
+        [--light-concurrency 2] [--max-running 4] [--max-tokens 64] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+
+from pagoda_servers import alternating, bench_load, start_servers, stop_servers
+
+KEYS = {"heavy": "sk-bench-heavy-0123456789", "light": "sk-bench-light-0123456789"}
+
+
+def load_both(a, url):
+    """Runs both tenants' loads at once; returns {tenant: summary}."""
+    out = {}
+
+    def run(tenant, concurrency):
+        out[tenant] = bench_load(a.bin, url, ["--api-key", KEYS[tenant], "--mode", "closed", "--concurrency",
+                                              str(concurrency), "--duration-secs", str(a.duration), "--max-tokens",
+                                              str(a.max_tokens), "--streaming", "all", "--no-reference"])
+
+    threads = [threading.Thread(target=run, args=("heavy", a.heavy_concurrency)),
+               threading.Thread(target=run, args=("light", a.light_concurrency))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if set(out) != set(KEYS):
+        sys.exit("a load failed")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default="target/release/pagoda")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--duration", type=int, default=30)
+    ap.add_argument("--heavy-concurrency", type=int, default=16)
+    ap.add_argument("--light-concurrency", type=int, default=2)
+    ap.add_argument("--max-running", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--base-port", type=int, default=18600)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    keys = tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False)
+    keys.write("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    keys.close()
+    servers = {"fcfs": [], "fair": ["--scheduling-policy", "fair"]}
+    common = ["--threads", "2", "--max-running", str(a.max_running), "--api-keys-file", keys.name]
+    urls, procs = start_servers(a.bin, a.base_port, servers, common, "bench-fair-share")
+    try:
+        runs = {name: [] for name in servers}
+        for rep, name in alternating(a.reps, list(servers)):
+            s = load_both(a, urls[name])
+            runs[name].append(s)
+            print(f"round {rep + 1} {name}: light TTFT p50 {s['light']['p50_ttft_s']:.2f} s, heavy "
+                  f"{s['heavy']['p50_ttft_s']:.2f} s, tokens/s {s['light']['completion_tokens_per_s']:.1f} + "
+                  f"{s['heavy']['completion_tokens_per_s']:.1f}", file=sys.stderr)
+    finally:
+        stop_servers(procs)
+
+    cols = [("light", "p50_ttft_s"), ("light", "p99_ttft_s"), ("light", "completion_tokens_per_s"),
+            ("heavy", "p50_ttft_s"), ("heavy", "p99_ttft_s"), ("heavy", "completion_tokens_per_s")]
+
+    def med(name, tenant, key):
+        return statistics.median(r[tenant][key] for r in runs[name])
+
+    print(f"closed loops of {a.heavy_concurrency} (heavy) and {a.light_concurrency} (light) streams at once, "
+          f"--max-running {a.max_running}, {a.max_tokens} tokens, {a.duration} s per run, {a.reps} rounds; medians")
+    print("| server | light TTFT p50 (s) | light TTFT p99 (s) | light tokens/s | heavy TTFT p50 (s) | "
+          "heavy TTFT p99 (s) | heavy tokens/s | requests (light / heavy, all rounds) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in servers:
+        vals = [med(name, t, k) for t, k in cols]
+        base = [med("fcfs", t, k) for t, k in cols]
+        cells = [f"{v:.2f} ({v / b:.2f}×)" if name != "fcfs" and b else f"{v:.2f}" for v, b in zip(vals, base)]
+        done = [sum(r[t]["completed"] for r in runs[name]) for t in ("light", "heavy")]
+        print(f"| {name} | {' | '.join(cells)} | {done[0]} / {done[1]} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
