@@ -14,7 +14,7 @@ Per server it reports the medians over the rounds of each tenant's TTFT (p50, p9
 each figure's ratio to the FCFS server's.
 
     scripts/bench-fair-share.py [--bin target/release/pagoda] [--reps 3] [--duration 30] [--heavy-concurrency 16]
-        [--light-concurrency 2] [--max-running 4] [--max-tokens 64] [--json out.json]
+        [--light-concurrency 2] [--max-running 4] [--max-tokens 64] [--heavy-weight 1] [--json out.json]
 """
 
 import argparse
@@ -58,11 +58,13 @@ def main():
     ap.add_argument("--light-concurrency", type=int, default=2)
     ap.add_argument("--max-running", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--heavy-weight", type=int, default=1, help="the heavy tenant's key's weight= (light: 1)")
     ap.add_argument("--base-port", type=int, default=18600)
     ap.add_argument("--json")
     a = ap.parse_args()
     keys = tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False)
-    keys.write("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    weights = {"heavy": a.heavy_weight, "light": 1}
+    keys.write("".join(f"{key} {tenant} weight={weights[tenant]}\n" for tenant, key in KEYS.items()))
     keys.close()
     servers = {"fcfs": [], "fair": ["--scheduling-policy", "fair"]}
     common = ["--threads", "2", "--max-running", str(a.max_running), "--api-keys-file", keys.name]
@@ -84,7 +86,8 @@ def main():
     def med(name, tenant, key):
         return statistics.median(r[tenant][key] for r in runs[name])
 
-    print(f"closed loops of {a.heavy_concurrency} (heavy) and {a.light_concurrency} (light) streams at once, "
+    print(f"closed loops of {a.heavy_concurrency} (heavy, weight {a.heavy_weight}) and {a.light_concurrency} (light) "
+          "streams at once, "
           f"--max-running {a.max_running}, {a.max_tokens} tokens, {a.duration} s per run, {a.reps} rounds; medians")
     print("| server | light TTFT p50 (s) | light TTFT p99 (s) | light tokens/s | heavy TTFT p50 (s) | "
           "heavy TTFT p99 (s) | heavy tokens/s | requests (light / heavy, all rounds) |")

@@ -46,7 +46,7 @@ fn too_many(d: Denied, tenant: &str) -> Response {
 /// key must be listed (401 otherwise) and within its limits (429 with `Retry-After` otherwise).
 pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
     let Some(keys) = st.security().keys.as_ref() else {
-        req.extensions_mut().insert(Tenant { name: DEFAULT_TENANT.into(), key: None });
+        req.extensions_mut().insert(Tenant { name: DEFAULT_TENANT.into(), key: None, weight: 1 });
         return next.run(req).await;
     };
     let presented = match bearer(req.headers().get(header::AUTHORIZATION)) {
@@ -56,7 +56,7 @@ pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Nex
     let Some(entry) = keys.find(presented) else {
         return unauthorized(ApiError::invalid_api_key("Incorrect API key provided."));
     };
-    let tenant = Tenant { name: entry.tenant.clone(), key: Some(entry.index) };
+    let tenant = Tenant { name: entry.tenant.clone(), key: Some(entry.index), weight: entry.weight };
     let permit = match st.limiter().map(|l| l.acquire(entry.index)) {
         Some(Ok(p)) => Some(p),
         Some(Err(d)) => {

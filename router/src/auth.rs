@@ -7,8 +7,9 @@
 //!
 //! ## Keys file (`--api-keys-file`, env `PAGODA_API_KEYS_FILE`)
 //!
-//! One key per line: `<key> <tenant> [rps=<f64>] [burst=<u32>] [concurrency=<u32>]`, fields separated by spaces
-//! or tabs. Blank lines and lines starting with `#` are ignored.
+//! One key per line: `<key> <tenant> [rps=<f64>] [burst=<u32>] [concurrency=<u32>] [weight=<u32>]`, fields
+//! separated by spaces or tabs. Blank lines and lines starting with `#` are ignored. `weight` (1 to
+//! [`MAX_WEIGHT`], default 1) is the key's requests' weight under workers' fair scheduling.
 //!
 //! - `key`: 16 to 256 printable ASCII characters without spaces, or `sha256:<64 hex digits>`, the digest of the
 //!   key, so the file need not hold the key itself.
@@ -92,6 +93,8 @@ pub struct KeyEntry {
     /// The tenant, also the prefix-cache namespace.
     pub tenant: Arc<str>,
     pub limits: Limits,
+    /// The key's requests' weight under fair scheduling (`weight=`, 1 to [`MAX_WEIGHT`]; default 1).
+    pub weight: u32,
     /// Index in the table, the limiter's slot for this key.
     pub index: usize,
 }
@@ -125,7 +128,12 @@ pub struct Tenant {
     pub name: Arc<str>,
     /// The key's index in the [`KeyTable`] (`None` when auth is off).
     pub key: Option<usize>,
+    /// The key's weight under fair scheduling (1 when auth is off).
+    pub weight: u32,
 }
+
+/// Largest `weight=` a key may have.
+pub const MAX_WEIGHT: u32 = 1000;
 
 fn digest(key: &[u8]) -> [u8; 32] {
     Sha256::digest(key).into()
@@ -179,18 +187,26 @@ fn parse_count(name: &str, value: &str) -> Result<u32, String> {
     Ok(v)
 }
 
+/// `weight=`: a whole number from 1 to [`MAX_WEIGHT`].
+fn parse_weight(value: &str) -> Result<u32, String> {
+    match value.parse::<u32>() {
+        Ok(w) if (1..=MAX_WEIGHT).contains(&w) => Ok(w),
+        _ => Err(format!("`weight` must be a whole number from 1 to {MAX_WEIGHT}, got `{value}`")),
+    }
+}
+
 /// Parses one key line (without comment or blank handling).
 fn parse_line(line: &str, index: usize) -> Result<KeyEntry, String> {
     let mut fields = line.split_ascii_whitespace();
     let key = fields.next().ok_or("empty line")?;
     let digest = parse_key(key)?;
-    let tenant = fields
-        .next()
-        .ok_or("missing tenant after the key (format: `<key> <tenant> [rps=N] [burst=N] [concurrency=N]`)")?;
+    let tenant = fields.next().ok_or(
+        "missing tenant after the key (format: `<key> <tenant> [rps=N] [burst=N] [concurrency=N] [weight=N]`)",
+    )?;
     if !valid_tenant(tenant) {
         return Err(format!("tenant `{tenant}` must be 1 to {MAX_TENANT_BYTES} characters of [A-Za-z0-9._-]"));
     }
-    let (mut rps, mut burst, mut concurrency) = (None, None, None);
+    let (mut rps, mut burst, mut concurrency, mut weight) = (None, None, None, None);
     for f in fields {
         let Some((name, value)) = f.split_once('=') else {
             return Err(format!("expected `name=value`, got `{f}`"));
@@ -199,7 +215,8 @@ fn parse_line(line: &str, index: usize) -> Result<KeyEntry, String> {
             "rps" => rps.replace(parse_limit(name, value)?).is_some(),
             "burst" => burst.replace(parse_count(name, value)?).is_some(),
             "concurrency" => concurrency.replace(parse_count(name, value)?).is_some(),
-            _ => return Err(format!("unknown limit `{name}` (known: rps, burst, concurrency)")),
+            "weight" => weight.replace(parse_weight(value)?).is_some(),
+            _ => return Err(format!("unknown limit `{name}` (known: rps, burst, concurrency, weight)")),
         };
         if slot_taken {
             return Err(format!("`{name}` is given twice"));
@@ -212,7 +229,8 @@ fn parse_line(line: &str, index: usize) -> Result<KeyEntry, String> {
         (None, Some(_)) => return Err("`burst` needs `rps`".into()),
         (None, None) => None,
     };
-    Ok(KeyEntry { digest, tenant: Arc::from(tenant), limits: Limits { rate, concurrency }, index })
+    let weight = weight.unwrap_or(1);
+    Ok(KeyEntry { digest, tenant: Arc::from(tenant), limits: Limits { rate, concurrency }, weight, index })
 }
 
 fn is_skipped(line: &str) -> bool {
@@ -433,7 +451,7 @@ mod tests {
         let hashed =
             format!("sha256:{}", digest(KEY_B.as_bytes()).iter().map(|b| format!("{b:02x}")).collect::<String>());
         let text = format!(
-            "# comment\n\n{KEY_A} acme rps=2.5 burst=4 concurrency=3\n  \t\n{hashed}\tglobex concurrency=1\nsk-other-key-0123456 acme rps=0.5\n"
+            "# comment\n\n{KEY_A} acme rps=2.5 burst=4 concurrency=3\n  \t\n{hashed}\tglobex concurrency=1 weight=3\nsk-other-key-0123456 acme rps=0.5\n"
         );
         let t = table(&text).unwrap();
         assert_eq!(t.entries().len(), 3);
@@ -442,8 +460,10 @@ mod tests {
         assert_eq!(&*a.tenant, "acme");
         assert_eq!(a.limits.rate, Some(Rate { per_second: 2.5, burst: 4 }));
         assert_eq!(a.limits.concurrency, Some(3));
+        assert_eq!(a.weight, 1, "the default weight");
         let b = t.find(KEY_B.as_bytes()).unwrap();
         assert_eq!(&*b.tenant, "globex");
+        assert_eq!(b.weight, 3);
         assert_eq!(b.limits.rate, None);
         assert_eq!(b.index, 1);
         let c = t.find(b"sk-other-key-0123456").unwrap();
@@ -466,6 +486,9 @@ mod tests {
             (&format!("{KEY_A} acme burst=3\n"), 1, "needs `rps`"),
             (&format!("{KEY_A} acme concurrency=-1\n"), 1, "concurrency"),
             (&format!("{KEY_A} acme concurrency=0\n"), 1, "concurrency"),
+            (&format!("{KEY_A} acme weight=0\n"), 1, "weight"),
+            (&format!("{KEY_A} acme weight=1001\n"), 1, "weight"),
+            (&format!("{KEY_A} acme weight=1 weight=2\n"), 1, "twice"),
             (&format!("{KEY_A} acme rps=1 rps=2\n"), 1, "twice"),
             (&format!("{KEY_A} acme colour=blue\n"), 1, "unknown limit"),
             (&format!("{KEY_A} acme 5\n"), 1, "name=value"),

@@ -120,6 +120,8 @@ pub struct Job {
     /// `bad_words`, tokenized: the token sequences the worker never completes.
     pub bad_words: Vec<Vec<u32>>,
     pub namespace: String,
+    /// The tenant's weight under fair scheduling (its API key's `weight=`).
+    pub tenant_weight: u32,
     /// The LoRA adapter the request's `model` names (`None`: the base model).
     pub lora: Option<String>,
     pub arrived: Instant,
@@ -516,6 +518,7 @@ impl Generation {
             },
             ignore_eos: params.ignore_eos,
             namespace: self.job.namespace.clone(),
+            tenant_weight: self.job.tenant_weight,
             lora: self.job.lora.clone().unwrap_or_default(),
             kv_policy: params.kv_policy.clone(),
             kv_budget_tokens: params.kv_budget_tokens,

@@ -732,6 +732,7 @@ async fn start_job(
         profile_queries,
         bad_words,
         namespace: tenant.name.to_string(),
+        tenant_weight: tenant.weight,
         lora,
         arrived,
     };

@@ -432,6 +432,7 @@ fn run_batch<R: ModelRunner>(
             policy: crate::policy::PolicySpec::full(),
             prompt_logits: false,
             priority: 0,
+            tenant_weight: 1,
             lora: (!adapters.is_empty()).then(|| Arc::clone(&adapters[i % adapters.len()])),
             payload: (),
         })?;

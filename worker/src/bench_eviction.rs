@@ -472,6 +472,7 @@ fn run_config(
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tenant_weight: 1,
         tier_codec: None,
         lora: None,
     };

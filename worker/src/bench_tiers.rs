@@ -96,6 +96,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tenant_weight: 1,
         tier_codec: None,
         lora: None,
     }

@@ -827,6 +827,7 @@ fn request(prompt: Vec<u32>, answer_tokens: usize, profile_queries: &[Vec<u32>])
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tenant_weight: 1,
         tier_codec: None,
         lora: None,
     }

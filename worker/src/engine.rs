@@ -223,6 +223,8 @@ pub struct GenerateRequest {
     /// vLLM's request priority: lower is admitted first and preempted last; ties go by arrival. Anything but 0 needs
     /// [`SchedulingPolicy::Priority`].
     pub priority: i32,
+    /// The weight of the request's tenant under [`SchedulingPolicy::Fair`] (at least 1).
+    pub tenant_weight: u32,
     /// The codec this request's groups go down a tier in under LRU placement (the `kv.codec` request extension),
     /// instead of the worker's `--tier-codec`; a native codec means the arena's own lossless format. `None` takes
     /// the worker's. Refused under EvicPress placement, which chooses codecs itself.
@@ -1365,6 +1367,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     policy: req.policy.unwrap_or(self.default_policy),
                     prompt_logits: req.prompt_logprobs.is_some(),
                     priority: req.priority,
+                    tenant_weight: req.tenant_weight,
                     lora,
                     payload: state,
                 };
@@ -2249,6 +2252,7 @@ mod tests {
             logprobs: None,
             prompt_logprobs: None,
             priority: 0,
+            tenant_weight: 1,
             tier_codec: None,
             lora: None,
         }

@@ -202,6 +202,9 @@ pub struct SeqRequest<P> {
     pub prompt_logits: bool,
     /// vLLM's request priority: lower is served first (admitted first, preempted last); ties go by arrival.
     pub priority: i32,
+    /// Its tenant's weight under [`SchedulingPolicy::Fair`]: a tenant's share is its running sequences over its
+    /// weight (0 counts as 1).
+    pub tenant_weight: u32,
     /// The LoRA adapter the sequence runs with. Its blocks hash in a namespace the adapter salts (the caller's
     /// `namespace` already is: [`crate::model::lora::cache_namespace`]).
     pub lora: Option<Arc<LoraAdapter>>,
@@ -225,6 +228,8 @@ pub struct Sequence<P> {
     namespace: String,
     /// Its tenant, for fair scheduling: an xxh3 of the namespace up to the LoRA salt ([`tenant_of`]).
     tenant: u64,
+    /// [`SeqRequest::tenant_weight`], at least 1.
+    weight: u32,
     /// Tokens whose K/V are in the cache (= RoPE position of the next token to compute).
     num_computed: usize,
     blocks: SeqBlocks,
@@ -515,6 +520,7 @@ impl<P> Scheduler<P> {
             max_tokens: req.max_tokens,
             stop_token_ids: req.stop_token_ids,
             tenant: tenant_of(&req.namespace),
+            weight: req.tenant_weight.max(1),
             namespace: req.namespace,
             num_computed: 0,
             blocks: SeqBlocks::new(self.layout),
@@ -886,10 +892,10 @@ impl<P> Scheduler<P> {
         self.count_tenants();
         let last_admitted =
             |tenant: u64| self.tenant_admitted.iter().find(|(t, _)| *t == tenant).map_or(0, |(_, at)| *at);
-        let mut best: Option<(usize, (usize, u64))> = None;
+        let mut best: Option<(usize, (u64, u64))> = None;
         for (i, id) in self.waiting.iter().enumerate() {
             let Some(seq) = self.seqs.get(id) else { continue };
-            let key = (self.running_of(seq.tenant), last_admitted(seq.tenant));
+            let key = (share(self.running_of(seq.tenant), seq.weight), last_admitted(seq.tenant));
             if best.is_none_or(|(_, b)| key < b) {
                 best = Some((i, key));
             }
@@ -908,9 +914,9 @@ impl<P> Scheduler<P> {
             return self.running.last().copied();
         }
         self.count_tenants();
-        let most = self.tenant_running.iter().map(|(_, n)| *n).max()?;
-        let heaviest = |id: &SeqId| self.seqs.get(id).is_some_and(|s| self.running_of(s.tenant) == most);
-        self.running.iter().rev().find(|id| heaviest(id)).copied().or_else(|| self.running.last().copied())
+        let share_of = |id: &SeqId| self.seqs.get(id).map_or(0, |s| share(self.running_of(s.tenant), s.weight));
+        let most = self.running.iter().map(share_of).max()?;
+        self.running.iter().rev().find(|id| share_of(id) == most).copied()
     }
 
     /// Frees a running sequence's blocks and puts it back into the waiting queue at its place in queue order: ahead
@@ -1153,6 +1159,12 @@ pub fn check_priority(cfg: &SchedulerConfig, priority: i32) -> Result<(), SchedE
         return Err(SchedError::PriorityNotEnabled(priority));
     }
     Ok(())
+}
+
+/// A tenant's share of the batch under fair scheduling: its running sequences over its weight, in fixed point so
+/// that shares compare exactly.
+fn share(running: usize, weight: u32) -> u64 {
+    (running as u64) * (1 << 20) / u64::from(weight.max(1))
 }
 
 /// The tenant a namespace belongs to, as fair scheduling counts it: the namespace up to the separator a LoRA

@@ -67,6 +67,8 @@ pub struct AdmissionLimits {
 pub const DEFAULT_MAX_QUEUED_REQUESTS: usize = 256;
 /// Default `--max-queued-prompt-tokens`.
 pub const DEFAULT_MAX_QUEUED_PROMPT_TOKENS: u64 = 32_768;
+/// Largest `GenerateRequest.tenant_weight` (the router's keys file allows as much).
+pub const MAX_TENANT_WEIGHT: u32 = 1000;
 /// The wait a worker suggests when every adapter slot is pinned or in use (a few decode steps' time).
 const LORA_BUSY_RETRY_AFTER_MS: &str = "500";
 /// Longest a request waits for an adapter slot before it is refused as busy: well inside the router's default
@@ -383,6 +385,12 @@ impl WorkerService {
             "" => None,
             name => Some(name.parse::<GroupCodec>().map_err(|e| Status::invalid_argument(format!("kv_codec: {e}")))?),
         };
+        if req.tenant_weight > MAX_TENANT_WEIGHT {
+            return Err(Status::invalid_argument(format!(
+                "tenant_weight must be at most {MAX_TENANT_WEIGHT}, got {}",
+                req.tenant_weight
+            )));
+        }
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         Ok(GenerateRequest {
             request_id: format!("{}#{n}", req.request_id),
@@ -397,6 +405,7 @@ impl WorkerService {
             logprobs: req.logprobs.then_some(req.top_logprobs),
             prompt_logprobs: req.prompt_logprobs.then_some(req.top_logprobs),
             priority: req.priority,
+            tenant_weight: req.tenant_weight.max(1),
             tier_codec,
             lora: (!req.lora.is_empty()).then_some(req.lora),
         })
@@ -950,6 +959,8 @@ mod tests {
         prioritised.priority = -1;
         let mut unknown_codec = request(vec![1], 1);
         unknown_codec.kv_codec = "zstd".into();
+        let mut heavy_weight = request(vec![1], 1);
+        heavy_weight.tenant_weight = MAX_TENANT_WEIGHT + 1;
         let guided = |regex: &str, grammar: &str| {
             let mut r = request(vec![1], 1);
             r.sampling = Some(PbSampling { regex: regex.into(), grammar: grammar.into(), ..Default::default() });
@@ -982,6 +993,7 @@ mod tests {
             ("profile query past the context", query_past_context),
             ("priority without priority scheduling", prioritised),
             ("unknown kv codec", unknown_codec),
+            ("tenant weight above 1000", heavy_weight),
             ("grammar without a root rule", guided("", "start ::= \"a\"")),
             ("grammar and regex at once", guided("a", "root ::= \"a\"")),
         ] {

@@ -83,6 +83,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> SeqRequest<()> {
         policy: Default::default(),
         prompt_logits: false,
         priority: 0,
+        tenant_weight: 1,
         lora: None,
         payload: (),
     }
@@ -440,6 +441,26 @@ fn fair_scheduling_admits_the_tenant_running_the_fewest_first() {
         assert_eq!(out.tokens[id], want[i], "request {i}");
     }
     s.pool().check_invariants().unwrap();
+}
+
+/// Weights share the slots in proportion: with 4 slots, a tenant of weight 3 gets 3 while one of weight 1 gets 1;
+/// with equal weights they get 2 each.
+#[test]
+fn fair_scheduling_shares_the_slots_by_tenant_weight() {
+    let first_four = |heavy_weight: u32| {
+        let mut s = Scheduler::new(fair(512, 4), LAYOUT, 400 * GS);
+        let weighted = |i: u32, t: &str, w: u32| SeqRequest { tenant_weight: w, ..of_tenant(prompt(i, 8), 3, t) };
+        let heavy: Vec<SeqId> = (0..6).map(|i| s.add(weighted(i, "heavy", heavy_weight)).unwrap()).collect();
+        let light: Vec<SeqId> = (10..16).map(|i| s.add(weighted(i, "light", 1)).unwrap()).collect();
+        let plan = s.schedule();
+        let admitted: Vec<SeqId> = plan.seqs.iter().map(|e| e.seq).collect();
+        let count = |ids: &[SeqId]| admitted.iter().filter(|a| ids.contains(a)).count();
+        (count(&heavy), count(&light))
+    };
+    assert_eq!(first_four(3), (3, 1));
+    assert_eq!(first_four(1), (2, 2));
+    // A weight of 0 counts as 1.
+    assert_eq!(first_four(0), (2, 2));
 }
 
 /// Under memory pressure fair scheduling preempts from the tenant running the most, its youngest first, even

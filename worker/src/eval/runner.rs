@@ -234,6 +234,7 @@ impl Evaluator {
                     policy: spec,
                     prompt_logits: false,
                     priority: 0,
+                    tenant_weight: 1,
                     lora: None,
                     payload: (),
                 })?;
@@ -286,6 +287,7 @@ impl Evaluator {
                     policy: spec,
                     prompt_logits: false,
                     priority: 0,
+                    tenant_weight: 1,
                     lora: None,
                     payload: (),
                 })?;

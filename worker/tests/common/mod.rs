@@ -33,6 +33,7 @@ pub fn greedy_request(id: &str, prompt: &[u32], max_tokens: u32, ignore_eos: boo
         logprobs: None,
         prompt_logprobs: None,
         priority: 0,
+        tenant_weight: 1,
         tier_codec: None,
         lora: None,
     }
