@@ -846,6 +846,38 @@ async fn up_priority_scheduling_serves_every_priority() {
     still_serves(http, "priority").await;
 }
 
+/// Fair scheduling through the real binary, one running slot: while a heavy tenant's long request holds it, two
+/// more of the heavy tenant's and then one of the light tenant's queue (keys file with `weight=`). The light one
+/// runs next, before the heavy burst's rest (its tenant was admitted least recently); in arrival order it would
+/// run last. Every answer is the same greedy one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_fair_scheduling_serves_a_light_tenant_before_a_heavy_burst() {
+    let keys = std::env::temp_dir().join(format!("pagoda-e2e-fair-keys-{}", std::process::id()));
+    std::fs::write(&keys, "sk-fair-heavy-0123456789 heavy\nsk-fair-light-0123456789 light weight=2\n").unwrap();
+    let flags = ["--scheduling-policy", "fair", "--max-running", "1", "--api-keys-file", keys.to_str().unwrap()];
+    let up = start_up("up-fair", &flags).await.unwrap();
+    let heavy = up.http.clone().with_api_key("sk-fair-heavy-0123456789").unwrap();
+    let light = up.http.clone().with_api_key("sk-fair-light-0123456789").unwrap();
+    let ask = |http: pagoda_e2e::Http, max_tokens: u32| async move {
+        let body = chat(QUESTION, json!({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}));
+        let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        (v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string(), Instant::now())
+    };
+    let blocker = tokio::spawn(ask(heavy.clone(), 160));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let h1 = tokio::spawn(ask(heavy.clone(), 4));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let h2 = tokio::spawn(ask(heavy.clone(), 4));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let l = tokio::spawn(ask(light.clone(), 4));
+    let (blocker, h1, h2, l) = (blocker.await.unwrap(), h1.await.unwrap(), h2.await.unwrap(), l.await.unwrap());
+    assert!(blocker.1 < l.1, "the blocker held the slot while the others queued");
+    assert!(l.1 < h1.1 && l.1 < h2.1, "the light tenant waited for the heavy burst");
+    assert!(h1.0 == h2.0 && h1.0 == l.0 && blocker.0.starts_with(&l.0), "{blocker:?} {h1:?} {h2:?} {l:?}");
+    let _ = std::fs::remove_file(&keys);
+}
+
 /// Streams a chat completion and returns its text, put together from the deltas.
 async fn streamed_chat(http: &pagoda_e2e::Http, body: &Value) -> String {
     let r = http.client.post(http.url("/v1/chat/completions")).json(body).send().await.unwrap();
