@@ -404,6 +404,15 @@ impl Worker {
     }
 }
 
+/// Marks the workers flagged in `out` not ready, unless that would leave none ready: serving beats refusing.
+fn leave_out_while_others_ready(snaps: &mut [WorkerSnapshot], out: &[bool]) {
+    if snaps.iter().zip(out).any(|(s, &o)| s.ready && !o) {
+        for (s, &o) in snaps.iter_mut().zip(out) {
+            s.ready &= !o;
+        }
+    }
+}
+
 /// Leaves ready only the workers whose role takes a placement of `purpose`. Whole requests go to prefill workers
 /// only when nothing else is ready: serving beats refusing.
 fn restrict_to_role(snaps: &mut [WorkerSnapshot], roles: &[WorkerRole], purpose: Purpose) {
@@ -675,16 +684,15 @@ impl WorkerPool {
         } else {
             measured.iter().sum::<f64>() / measured.len() as f64
         };
-        let mut blocked: Vec<String> = Vec::new();
+        let mut blocked = vec![false; slots.len()];
         let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
             .zip(statuses)
-            .map(|(w, st)| {
+            .zip(blocked.iter_mut())
+            .map(|((w, st), blocked)| {
                 let (Some(w), Some(st)) = (w, st) else { return (WorkerSnapshot::default(), WorkerRole::Both) };
                 let slot = lora.map(|name| st.lora_slot(name, &w.load));
-                if slot == Some(LoraSlot::Blocked) {
-                    blocked.push(w.addr.clone());
-                }
+                *blocked = slot == Some(LoraSlot::Blocked);
                 let snap = WorkerSnapshot {
                     ready: st.ready && lora.is_none_or(|name| st.can_serve_lora(name)),
                     adapter_load_s: slot.map_or(0.0, |slot| st.lora_load_cost(slot, unmeasured)),
@@ -698,22 +706,13 @@ impl WorkerPool {
             .unzip();
         restrict_to_role(&mut snaps, &roles, purpose);
         // A worker whose adapter slots are all held would make the request wait: left out while another can take it.
-        let is_blocked: Vec<bool> = names.iter().map(|n| blocked.iter().any(|b| b == n)).collect();
-        if snaps.iter().zip(&is_blocked).any(|(s, b)| s.ready && !b) {
-            for (s, b) in snaps.iter_mut().zip(&is_blocked) {
-                s.ready &= !b;
-            }
-        }
+        leave_out_while_others_ready(&mut snaps, &blocked);
         // A worker whose reports stopped is left out while a fresh one is ready: its residency cannot be trusted.
         // With every ready worker stale the alarm is already up (metrics, logs); serving beats refusing then.
         let feed = self.feed_status();
         if feed.enabled {
             let stale: Vec<bool> = (0..snaps.len()).map(|i| feed.is_stale(i, names)).collect();
-            if snaps.iter().zip(&stale).any(|(s, st)| s.ready && !st) {
-                for (s, st) in snaps.iter_mut().zip(&stale) {
-                    s.ready &= !st;
-                }
-            }
+            leave_out_while_others_ready(&mut snaps, &stale);
         }
         snaps
     }

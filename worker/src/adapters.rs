@@ -219,9 +219,7 @@ impl AdapterRegistry {
 
     /// Every adapter loaded now, by name.
     pub fn list(&self) -> Vec<Arc<LoraAdapter>> {
-        let mut all: Vec<Arc<LoraAdapter>> = self.read().values().map(|e| Arc::clone(&e.adapter)).collect();
-        all.sort_by(|a, b| a.name().cmp(b.name()));
-        all
+        self.list_with_origin().into_iter().map(|(adapter, _)| adapter).collect()
     }
 
     /// Every adapter loaded now, by name, with how it came.
