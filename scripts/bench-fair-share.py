@@ -13,8 +13,15 @@ reference (`--no-reference`), whose own requests would not start and stop togeth
 Per server it reports the medians over the rounds of each tenant's TTFT (p50, p99) and generated tokens/s, and
 each figure's ratio to the FCFS server's.
 
+`--policies` picks the servers (default `fcfs,fair`; `vtc` is the token-fair scheduler). With
+`--heavy-prompt-words N` the heavy tenant's prompts start with N words of filler notes, different in every round
+(`pagoda bench load --prompt-words`, 200 prompts), so they are long and never cached: then the table also has each
+tenant's service, VTC's cost of what it received per second (prompt tokens + 2 x generated tokens), and the
+ratio of the heavy tenant's to the light one's.
+
     scripts/bench-fair-share.py [--bin target/release/pagoda] [--reps 3] [--duration 30] [--heavy-concurrency 16]
-        [--light-concurrency 2] [--max-running 4] [--max-tokens 64] [--heavy-weight 1] [--json out.json]
+        [--light-concurrency 2] [--max-running 4] [--max-tokens 64] [--heavy-weight 1] [--policies fcfs,fair]
+        [--heavy-prompt-words 0] [--json out.json]
 """
 
 import argparse
@@ -29,14 +36,17 @@ from pagoda_servers import alternating, bench_load, start_servers, stop_servers
 KEYS = {"heavy": "sk-bench-heavy-0123456789", "light": "sk-bench-light-0123456789"}
 
 
-def load_both(a, url):
+def load_both(a, url, round_seed):
     """Runs both tenants' loads at once; returns {tenant: summary}."""
     out = {}
 
     def run(tenant, concurrency):
-        out[tenant] = bench_load(a.bin, url, ["--api-key", KEYS[tenant], "--mode", "closed", "--concurrency",
-                                              str(concurrency), "--duration-secs", str(a.duration), "--max-tokens",
-                                              str(a.max_tokens), "--streaming", "all", "--no-reference"])
+        flags = ["--api-key", KEYS[tenant], "--mode", "closed", "--concurrency", str(concurrency), "--duration-secs",
+                 str(a.duration), "--max-tokens", str(a.max_tokens), "--streaming", "all", "--no-reference"]
+        if tenant == "heavy" and a.heavy_prompt_words:
+            flags += ["--prompt-words", str(a.heavy_prompt_words), "--prompt-seed", str(round_seed),
+                      "--shared-prompts", "0", "--unique-prompts", "200"]
+        out[tenant] = bench_load(a.bin, url, flags)
 
     threads = [threading.Thread(target=run, args=("heavy", a.heavy_concurrency)),
                threading.Thread(target=run, args=("light", a.light_concurrency))]
@@ -59,6 +69,8 @@ def main():
     ap.add_argument("--max-running", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--heavy-weight", type=int, default=1, help="the heavy tenant's key's weight= (light: 1)")
+    ap.add_argument("--policies", default="fcfs,fair", help="servers' --scheduling-policy, fcfs first")
+    ap.add_argument("--heavy-prompt-words", type=int, default=0, help="filler words before each heavy prompt")
     ap.add_argument("--base-port", type=int, default=18600)
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -66,13 +78,16 @@ def main():
     weights = {"heavy": a.heavy_weight, "light": 1}
     keys.write("".join(f"{key} {tenant} weight={weights[tenant]}\n" for tenant, key in KEYS.items()))
     keys.close()
-    servers = {"fcfs": [], "fair": ["--scheduling-policy", "fair"]}
+    policies = a.policies.split(",")
+    if policies[0] != "fcfs":
+        sys.exit("--policies must start with fcfs, the baseline")
+    servers = {name: ["--scheduling-policy", name] for name in policies}
     common = ["--threads", "2", "--max-running", str(a.max_running), "--api-keys-file", keys.name]
     urls, procs = start_servers(a.bin, a.base_port, servers, common, "bench-fair-share")
     try:
         runs = {name: [] for name in servers}
-        for rep, name in alternating(a.reps, list(servers)):
-            s = load_both(a, urls[name])
+        for i, (rep, name) in enumerate(alternating(a.reps, list(servers))):
+            s = load_both(a, urls[name], 1000 + i)
             runs[name].append(s)
             print(f"round {rep + 1} {name}: light TTFT p50 {s['light']['p50_ttft_s']:.2f} s, heavy "
                   f"{s['heavy']['p50_ttft_s']:.2f} s, tokens/s {s['light']['completion_tokens_per_s']:.1f} + "
@@ -80,8 +95,18 @@ def main():
     finally:
         stop_servers(procs)
 
+    for rounds in runs.values():
+        for r in rounds:
+            for t in r.values():
+                t["service_per_s"] = t["prompt_tokens_per_s"] + 2 * t["completion_tokens_per_s"]
+            r["ratio"] = {"service": r["heavy"]["service_per_s"] / max(r["light"]["service_per_s"], 1e-9)}
     cols = [("light", "p50_ttft_s"), ("light", "p99_ttft_s"), ("light", "completion_tokens_per_s"),
             ("heavy", "p50_ttft_s"), ("heavy", "p99_ttft_s"), ("heavy", "completion_tokens_per_s")]
+    headers = ["light TTFT p50 (s)", "light TTFT p99 (s)", "light tokens/s", "heavy TTFT p50 (s)",
+               "heavy TTFT p99 (s)", "heavy tokens/s"]
+    if a.heavy_prompt_words:
+        cols += [("light", "service_per_s"), ("heavy", "service_per_s"), ("ratio", "service")]
+        headers += ["light service/s", "heavy service/s", "service heavy : light"]
 
     def med(name, tenant, key):
         return statistics.median(r[tenant][key] for r in runs[name])
@@ -89,9 +114,11 @@ def main():
     print(f"closed loops of {a.heavy_concurrency} (heavy, weight {a.heavy_weight}) and {a.light_concurrency} (light) "
           "streams at once, "
           f"--max-running {a.max_running}, {a.max_tokens} tokens, {a.duration} s per run, {a.reps} rounds; medians")
-    print("| server | light TTFT p50 (s) | light TTFT p99 (s) | light tokens/s | heavy TTFT p50 (s) | "
-          "heavy TTFT p99 (s) | heavy tokens/s | requests (light / heavy, all rounds) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    if a.heavy_prompt_words:
+        print(f"heavy prompts start with {a.heavy_prompt_words} filler words (uncached); service = prompt tokens/s + "
+              "2 x generated tokens/s")
+    print(f"| server | {' | '.join(headers)} | requests (light / heavy, all rounds) |")
+    print("|---|" + "---:|" * (len(headers) + 1))
     for name in servers:
         vals = [med(name, t, k) for t, k in cols]
         base = [med("fcfs", t, k) for t, k in cols]

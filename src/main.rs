@@ -240,8 +240,10 @@ struct EngineArgs {
     /// Request order (vLLM's flag): `fcfs` serves requests in arrival order and refuses a `priority` other than 0;
     /// `priority` admits the lowest `priority` first and preempts the highest first, arrival breaking ties; `fair`
     /// admits next the request of the tenant (API key's tenant) running the fewest sequences and preempts the
-    /// youngest of the tenant running the most, so one tenant's burst cannot hold the whole batch.
-    #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority", "fair"])]
+    /// youngest of the tenant running the most, so one tenant's burst cannot hold the whole batch; `vtc` (Virtual
+    /// Token Counter, Sheng et al. OSDI 2024) admits next from the tenant that has received the fewest weighted
+    /// tokens (prompt 1, output 2, over the key's weight), so long prompts cost their tenant more turns.
+    #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority", "fair", "vtc"])]
     scheduling_policy: String,
     /// Directory for the worker's persistent state; the disk KV tier lives in <data-dir>/kv/.
     #[arg(long, env = "PAGODA_DATA_DIR")]
@@ -954,6 +956,13 @@ struct BenchLoadArgs {
     shared_prompts: usize,
     #[arg(long, default_value_t = 6, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1000))]
     unique_prompts: usize,
+    /// Prefix every prompt with this many words of filler notes, different for each prompt and each
+    /// --prompt-seed: long prompts that share no cached prefix (0: none).
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=4096))]
+    prompt_words: usize,
+    /// Seed of the --prompt-words filler.
+    #[arg(long, default_value_t = 0)]
+    prompt_seed: u64,
     /// Every this many requests, one is urgent: it sends `"priority": --urgent-priority`, and the summary reports
     /// the urgent and the other requests apart (0: no class).
     #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1_000_000))]
@@ -2070,7 +2079,8 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
         "none" => Streaming::None,
         _ => Streaming::Mixed,
     };
-    let prompts = load::prompt_mix(a.shared_prompts, a.unique_prompts);
+    let mut prompts = load::prompt_mix(a.shared_prompts, a.unique_prompts);
+    load::pad_prompts(&mut prompts, a.prompt_words, a.prompt_seed);
     let reference = if a.no_reference {
         load::Reference::default()
     } else {
@@ -2118,6 +2128,7 @@ async fn bench_load(a: BenchLoadArgs) -> Result<()> {
         "wall_s": wall,
         "completed_per_s": report.completed as f64 / wall,
         "completion_tokens_per_s": completion_tokens as f64 / wall,
+        "prompt_tokens_per_s": records.iter().filter_map(|r| r.prompt_tokens).sum::<u64>() as f64 / wall,
         "p50_latency_s": report.p50_latency.as_secs_f64(),
         "p99_latency_s": report.p99_latency.as_secs_f64(),
         "p50_ttft_s": report.p50_ttft.as_secs_f64(),

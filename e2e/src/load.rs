@@ -210,6 +210,32 @@ pub fn prompt_mix(n_shared: usize, n_unique: usize) -> Vec<String> {
     out
 }
 
+/// Prefixes each prompt with `words` words of filler notes drawn from `seed` and the prompt's index, so that long
+/// prompts share no prefix with each other or with another seed's (a tenant of long, uncached prompts).
+pub fn pad_prompts(prompts: &mut [String], words: usize, seed: u64) {
+    const WORDS: [&str; 32] = [
+        "harbour", "lantern", "quiet", "granite", "meadow", "copper", "winter", "ledger", "orchard", "signal",
+        "pebble", "thread", "summit", "candle", "willow", "anchor", "marble", "valley", "ember", "parcel", "hollow",
+        "timber", "beacon", "saddle", "crystal", "furrow", "garnet", "mirror", "pillar", "ribbon", "shadow", "thistle",
+    ];
+    if words == 0 {
+        return;
+    }
+    for (i, prompt) in prompts.iter_mut().enumerate() {
+        // splitmix64 over (seed, index): deterministic, and distinct from the first word on.
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_add(1);
+        let mut next = || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let notes: Vec<&str> = (0..words).map(|_| WORDS[(next() % WORDS.len() as u64) as usize]).collect();
+        *prompt = format!("Notes: {}.\n\n{prompt}", notes.join(" "));
+    }
+}
+
 /// A chat request of one user message.
 fn body(model: &str, prompt: &str, max_tokens: u32, stream: bool, priority: Option<i32>) -> Value {
     let mut b = json!({
@@ -800,6 +826,30 @@ pub fn recovered_above(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn padded_prompts_share_no_prefix_across_prompts_or_seeds() {
+        let base = prompt_mix(0, 3);
+        let mut a = base.clone();
+        pad_prompts(&mut a, 50, 1);
+        let mut b = base.clone();
+        pad_prompts(&mut b, 50, 2);
+        let mut again = base.clone();
+        pad_prompts(&mut again, 50, 1);
+        assert_eq!(a, again, "deterministic");
+        let first_words = |p: &str| p.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+        let mut starts: Vec<String> = a.iter().chain(&b).map(|p| first_words(p)).collect();
+        starts.sort();
+        starts.dedup();
+        assert_eq!(starts.len(), 6, "{starts:?}");
+        for (padded, plain) in a.iter().zip(&base) {
+            assert!(padded.ends_with(plain.as_str()));
+            assert_eq!(padded.split_whitespace().count(), plain.split_whitespace().count() + 51);
+        }
+        let mut unpadded = base.clone();
+        pad_prompts(&mut unpadded, 0, 1);
+        assert_eq!(unpadded, base);
+    }
 
     /// Completions every 100 ms from 1 s to 10 s, none from 4 s to 6 s; each took 1 s.
     fn with_a_gap() -> Vec<Record> {

@@ -878,6 +878,56 @@ async fn up_fair_scheduling_serves_a_light_tenant_before_a_heavy_burst() {
     let _ = std::fs::remove_file(&keys);
 }
 
+/// `--scheduling-policy vtc` through `pagoda up`, one running slot: while a third tenant's request holds it, tenant
+/// `long` queues a long-prompt request and then a short one, and tenant `short` two short ones. VTC charges the
+/// long prompt to its tenant, so both of `short`'s requests run before `long`'s second; slot fairness would run
+/// it before `short`'s second. Every short answer is the same greedy one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_vtc_scheduling_charges_a_tenant_for_its_long_prompt() {
+    let keys = std::env::temp_dir().join(format!("pagoda-e2e-vtc-keys-{}", std::process::id()));
+    std::fs::write(
+        &keys,
+        "sk-vtc-other-0123456789 other\nsk-vtc-long-01234567890 long\nsk-vtc-short-0123456789 short\n",
+    )
+    .unwrap();
+    let flags = ["--scheduling-policy", "vtc", "--max-running", "1", "--api-keys-file", keys.to_str().unwrap()];
+    let up = start_up("up-vtc", &flags).await.unwrap();
+    let key = |k: &str| up.http.clone().with_api_key(k).unwrap();
+    let (other, long, short) =
+        (key("sk-vtc-other-0123456789"), key("sk-vtc-long-01234567890"), key("sk-vtc-short-0123456789"));
+    let ask = |http: pagoda_e2e::Http, prompt: String, max_tokens: u32| async move {
+        let body = chat(&prompt, json!({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}));
+        let (s, v) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        (v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string(), Instant::now())
+    };
+    let long_prompt =
+        format!("{} {QUESTION}", ["The lighthouse keeper counted the ships and the birds."; 30].join(" "));
+    let blocker = tokio::spawn(ask(other, QUESTION.to_string(), 160));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut queued = Vec::new();
+    for (http, prompt) in [
+        (&long, &long_prompt),
+        (&long, &QUESTION.to_string()),
+        (&short, &QUESTION.to_string()),
+        (&short, &QUESTION.to_string()),
+    ] {
+        queued.push(tokio::spawn(ask(http.clone(), prompt.clone(), 4)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let blocker = blocker.await.unwrap();
+    let mut done = Vec::new();
+    for q in queued {
+        done.push(q.await.unwrap());
+    }
+    let (long_1, long_2, short_1, short_2) = (&done[0], &done[1], &done[2], &done[3]);
+    assert!(blocker.1 < long_1.1, "the blocker held the slot while the others queued");
+    assert!(long_1.1 < short_1.1, "the long request arrived first at the same counter and ran first");
+    assert!(short_2.1 < long_2.1, "the short tenant's second request ran before the long tenant's second");
+    assert!(long_2.0 == short_1.0 && short_1.0 == short_2.0, "{done:?}");
+    let _ = std::fs::remove_file(&keys);
+}
+
 /// Streams a chat completion and returns its text, put together from the deltas.
 async fn streamed_chat(http: &pagoda_e2e::Http, body: &Value) -> String {
     let r = http.client.post(http.url("/v1/chat/completions")).json(body).send().await.unwrap();

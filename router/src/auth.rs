@@ -9,7 +9,7 @@
 //!
 //! One key per line: `<key> <tenant> [rps=<f64>] [burst=<u32>] [concurrency=<u32>] [weight=<u32>]`, fields
 //! separated by spaces or tabs. Blank lines and lines starting with `#` are ignored. `weight` (1 to
-//! [`MAX_WEIGHT`], default 1) is the key's requests' weight under workers' fair scheduling.
+//! [`MAX_WEIGHT`], default 1) is the key's requests' weight under workers' fair and token-fair (`vtc`) scheduling.
 //!
 //! - `key`: 16 to 256 printable ASCII characters without spaces, or `sha256:<64 hex digits>`, the digest of the
 //!   key, so the file need not hold the key itself.

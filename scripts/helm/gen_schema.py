@@ -148,7 +148,7 @@ schema = obj({
         "amx": BOOL,
         "speculativeTokens": {"type": "integer", "minimum": 0, "maximum": 16},
         # `pagoda worker --scheduling-policy`.
-        "schedulingPolicy": {"enum": ["fcfs", "priority", "fair"]},
+        "schedulingPolicy": {"enum": ["fcfs", "priority", "fair", "vtc"]},
         "prefixCache": BOOL,
         "kv": obj({
             "policy": {"enum": POLICIES},

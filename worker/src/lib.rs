@@ -4,6 +4,8 @@
 //! - [`adapters`]: the LoRA adapters a worker serves, loaded at start-up and at run time.
 //! - [`cache`]: head-paged block pool, per-sequence block tables, the prefix index over chain hashes.
 //! - [`scheduler`]: continuous batching with a per-step token budget, chunked prefill, preemption by recompute.
+//! - [`vtc`]: the virtual token counters that share weighted tokens fairly between tenants (`--scheduling-policy
+//!   vtc`).
 //! - [`sampling`]: greedy, temperature, top-k, top-p, seeded.
 //! - [`speculative`]: n-gram speculative decoding's draft proposer (prompt lookup).
 //! - [`evicpress`]: EvicPress's utility and greedy multi-choice knapsack over (tier, codec, keep ratio).
@@ -48,3 +50,4 @@ pub mod service;
 pub mod speculative;
 pub mod tiers;
 pub mod transfer;
+pub mod vtc;

@@ -47,6 +47,7 @@ use crate::policy::{
     AttnDims, CacheView, Eviction, PolicyKind, PolicyKv, PolicySpec, PolicyState, StepProbs, StepView,
 };
 use crate::speculative::{self, Acceptance, DraftCost, NgramConfig};
+use crate::vtc::{self, VirtualTokenCounters};
 
 pub type SeqId = u64;
 
@@ -135,15 +136,22 @@ pub enum SchedulingPolicy {
     /// of the tenant running the most. One tenant's burst then delays another's requests by a share of the batch,
     /// not by the whole burst. Priorities must be 0, as under FCFS.
     Fair,
+    /// Fair share of weighted tokens between tenants: the Virtual Token Counter of Sheng et al. (OSDI 2024,
+    /// [`crate::vtc`]). Admits next from the waiting tenant that has received the fewest weighted tokens (a prompt
+    /// token costs 1, a generated token 2, over the tenant's weight), and preempts the youngest sequence of the
+    /// tenant that has received the most. A tenant of long prompts then gets fewer slots than one of short
+    /// prompts, where [`SchedulingPolicy::Fair`] gives both the same. Priorities must be 0, as under FCFS.
+    Vtc,
 }
 
 impl SchedulingPolicy {
-    /// `fcfs`, `priority` or `fair`.
+    /// `fcfs`, `priority`, `fair` or `vtc`.
     pub fn from_name(name: &str) -> Option<SchedulingPolicy> {
         match name {
             "fcfs" => Some(SchedulingPolicy::Fcfs),
             "priority" => Some(SchedulingPolicy::Priority),
             "fair" => Some(SchedulingPolicy::Fair),
+            "vtc" => Some(SchedulingPolicy::Vtc),
             _ => None,
         }
     }
@@ -202,8 +210,8 @@ pub struct SeqRequest<P> {
     pub prompt_logits: bool,
     /// vLLM's request priority: lower is served first (admitted first, preempted last); ties go by arrival.
     pub priority: i32,
-    /// Its tenant's weight under [`SchedulingPolicy::Fair`]: a tenant's share is its running sequences over its
-    /// weight (0 counts as 1).
+    /// Its tenant's weight under [`SchedulingPolicy::Fair`] (a tenant's share is its running sequences over its
+    /// weight) and [`SchedulingPolicy::Vtc`] (the tokens it is charged are divided by it); 0 counts as 1.
     pub tenant_weight: u32,
     /// The LoRA adapter the sequence runs with. Its blocks hash in a namespace the adapter salts (the caller's
     /// `namespace` already is: [`crate::model::lora::cache_namespace`]).
@@ -439,6 +447,8 @@ pub struct Scheduler<P> {
     /// [`MAX_TRACKED_TENANTS`]: between tenants running as many sequences, the one served least recently goes first.
     tenant_admitted: Vec<(u64, u64)>,
     admissions: u64,
+    /// Under VTC scheduling: the weighted tokens each tenant has received.
+    vtc: VirtualTokenCounters,
 }
 
 /// Most tenants fair scheduling remembers the last admission of; beyond it the least recent is forgotten (and then
@@ -461,6 +471,7 @@ impl<P> Scheduler<P> {
             tenant_running: Vec::new(),
             tenant_admitted: Vec::new(),
             admissions: 0,
+            vtc: VirtualTokenCounters::default(),
             cfg,
         }
     }
@@ -540,9 +551,43 @@ impl<P> Scheduler<P> {
             lora: req.lora,
             payload: req.payload,
         };
+        let tenant = seq.tenant;
+        if self.cfg.scheduling == SchedulingPolicy::Vtc {
+            self.vtc_arrive(tenant);
+        }
         self.seqs.insert(id, seq);
         self.enqueue_waiting(id);
         Ok(id)
+    }
+
+    /// Under VTC scheduling, a request of `tenant` arrives: with nothing of the tenant waiting, its counter is
+    /// lifted to the smallest counter of the waiting tenants (the paper's counter lift).
+    fn vtc_arrive(&mut self, tenant: u64) {
+        let mut waiting_min: Option<u64> = None;
+        for seq in self.waiting.iter().filter_map(|id| self.seqs.get(id)) {
+            if seq.tenant == tenant {
+                return;
+            }
+            let c = self.vtc.counter(seq.tenant);
+            waiting_min = Some(waiting_min.map_or(c, |m| m.min(c)));
+        }
+        let seqs = &self.seqs;
+        self.vtc.arrive(tenant, waiting_min, |t| seqs.values().any(|s| s.tenant == t));
+    }
+
+    /// Under VTC scheduling, charges sequence `id`'s tenant for `tokens` tokens of cost `cost`.
+    fn vtc_charge(&mut self, id: SeqId, tokens: usize, cost: u64) {
+        if self.cfg.scheduling != SchedulingPolicy::Vtc {
+            return;
+        }
+        let Some((tenant, weight)) = self.seqs.get(&id).map(|s| (s.tenant, s.weight)) else { return };
+        let seqs = &self.seqs;
+        self.vtc.charge(tenant, tokens, cost, weight, |t| seqs.values().any(|s| s.tenant == t));
+    }
+
+    /// The weighted tokens `tenant` has received under VTC scheduling (0 under other policies).
+    pub fn vtc_counter(&self, tenant: u64) -> f64 {
+        self.vtc.counter_tokens(tenant)
     }
 
     /// The queue-order key of a known sequence (an unknown one sorts last).
@@ -751,6 +796,7 @@ impl<P> Scheduler<P> {
         self.stats.draft_tokens_total += draft as u64;
         self.stats.drafts_total += 1;
         self.stats.accepted_draft_tokens_total += accepted as u64;
+        self.vtc_charge(id, accepted, vtc::W_OUTPUT);
         Ok(())
     }
 
@@ -862,8 +908,24 @@ impl<P> Scheduler<P> {
         self.tenant_running.iter().find(|(t, _)| *t == tenant).map_or(0, |(_, n)| *n)
     }
 
-    /// Under fair scheduling, records that `id`'s tenant had a sequence admitted now.
+    /// Under fair scheduling, records that `id`'s tenant had a sequence admitted now. Under VTC scheduling, charges
+    /// its prompt on its first admission (a preempted sequence's recompute is the engine's cost, not the tenant's),
+    /// and notes when its tenant has nothing left waiting.
     fn note_admitted(&mut self, id: SeqId) {
+        if self.cfg.scheduling == SchedulingPolicy::Vtc {
+            let Some((tenant, prompt_len, preemptions)) =
+                self.seqs.get(&id).map(|s| (s.tenant, s.prompt_len, s.preemptions))
+            else {
+                return;
+            };
+            if preemptions == 0 {
+                self.vtc_charge(id, prompt_len, vtc::W_PROMPT);
+            }
+            if !self.waiting.iter().any(|w| self.seqs.get(w).is_some_and(|s| s.tenant == tenant)) {
+                self.vtc.left_queue(tenant);
+            }
+            return;
+        }
         if self.cfg.scheduling != SchedulingPolicy::Fair {
             return;
         }
@@ -883,19 +945,31 @@ impl<P> Scheduler<P> {
     }
 
     /// Under fair scheduling, moves to the front of the waiting queue the sequence whose tenant runs the fewest
-    /// sequences, between those the tenant admitted least recently, then the earliest arrival; the rest keep their
-    /// order. A no-op otherwise.
+    /// sequences, between those the tenant admitted least recently, then the earliest arrival; under VTC
+    /// scheduling, the earliest sequence of the tenant with the smallest counter. The rest keep their order. A
+    /// no-op otherwise.
     fn promote_fair_front(&mut self) {
-        if self.cfg.scheduling != SchedulingPolicy::Fair || self.waiting.len() < 2 {
+        let vtc = match self.cfg.scheduling {
+            SchedulingPolicy::Fair => false,
+            SchedulingPolicy::Vtc => true,
+            SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => return,
+        };
+        if self.waiting.len() < 2 {
             return;
         }
-        self.count_tenants();
+        if !vtc {
+            self.count_tenants();
+        }
         let last_admitted =
             |tenant: u64| self.tenant_admitted.iter().find(|(t, _)| *t == tenant).map_or(0, |(_, at)| *at);
         let mut best: Option<(usize, (u64, u64))> = None;
         for (i, id) in self.waiting.iter().enumerate() {
             let Some(seq) = self.seqs.get(id) else { continue };
-            let key = (share(self.running_of(seq.tenant), seq.weight), last_admitted(seq.tenant));
+            let key = if vtc {
+                (self.vtc.counter(seq.tenant), 0)
+            } else {
+                (share(self.running_of(seq.tenant), seq.weight), last_admitted(seq.tenant))
+            };
             if best.is_none_or(|(_, b)| key < b) {
                 best = Some((i, key));
             }
@@ -908,10 +982,17 @@ impl<P> Scheduler<P> {
     }
 
     /// The running sequence to preempt when blocks are short: the last in queue order (the youngest of the
-    /// lowest priority), or under fair scheduling the youngest of the tenant running the most.
+    /// lowest priority), under fair scheduling the youngest of the tenant running the most, and under VTC
+    /// scheduling the youngest of the tenant that has received the most.
     fn preemption_victim(&mut self) -> Option<SeqId> {
-        if self.cfg.scheduling != SchedulingPolicy::Fair {
-            return self.running.last().copied();
+        match self.cfg.scheduling {
+            SchedulingPolicy::Fcfs | SchedulingPolicy::Priority => return self.running.last().copied(),
+            SchedulingPolicy::Vtc => {
+                let counter_of = |id: &SeqId| self.seqs.get(id).map_or(0, |s| self.vtc.counter(s.tenant));
+                let most = self.running.iter().map(counter_of).max()?;
+                return self.running.iter().rev().find(|id| counter_of(id) == most).copied();
+            }
+            SchedulingPolicy::Fair => {}
         }
         self.count_tenants();
         let share_of = |id: &SeqId| self.seqs.get(id).map_or(0, |s| share(self.running_of(s.tenant), s.weight));
@@ -1102,6 +1183,7 @@ impl<P> Scheduler<P> {
     /// Appends a sampled token and reports whether the sequence is now finished. The caller then calls
     /// [`Scheduler::finish`] for a finished sequence.
     pub fn append_token(&mut self, id: SeqId, token: u32) -> Result<Option<FinishReason>, SchedError> {
+        self.vtc_charge(id, 1, vtc::W_OUTPUT);
         let seq = self.seqs.get_mut(&id).ok_or(SchedError::UnknownSeq(id))?;
         seq.tokens.push(token);
         seq.forced.clear();

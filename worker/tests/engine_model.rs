@@ -703,6 +703,49 @@ fn fair_scheduling_serves_the_tenant_running_the_fewest_next() {
     wait_stats(&h, "the engine to go idle", |s| s.running == 0 && s.waiting == 0 && s.blocks_used == 0);
 }
 
+/// VTC scheduling on the real engine, one sequence at a time: tenant `a`'s first request has a long prompt, which
+/// its counter is charged for, so tenant `b`'s three short requests all run before `a`'s second; slot fairness
+/// would alternate the tenants and run `a`'s second before `b`'s last two.
+#[test]
+fn vtc_scheduling_charges_a_long_prompt_to_its_tenant() {
+    let h = Engine::start(EngineConfig {
+        max_running: 1,
+        scheduling: SchedulingPolicy::Vtc,
+        ..config(64, true, ReserveConfig::default())
+    })
+    .expect("engine starts");
+    let long = [DOC; 4].join(" ");
+    let prompts = tokenize(&[&long, "Count from one to ten:", "The capital of France is", "Write a haiku:"]);
+    assert!(prompts[0].len() > 4 * (prompts[1].len() + 2 * 4), "the long prompt outweighs three short requests");
+    let req = |id: &str, prompt: &[u32], max_tokens: u32, tenant: &str| GenerateRequest {
+        ignore_eos: true,
+        namespace: tenant.to_string(),
+        ..greedy(id, prompt, max_tokens)
+    };
+    assert!(h.submit(GenerateRequest { priority: 1, ..req("p", &prompts[1], 2, "a") }).is_err());
+    // A third tenant's blocker holds the only running slot until the queue is complete.
+    let mut blocker = h.submit(req("blocker", &prompts[1], 500, "c")).unwrap();
+    assert!(matches!(blocker.blocking_recv(), Some(GenerateEvent::Token { .. })));
+    let a1 = h.submit(req("a1", &prompts[0], 4, "a")).unwrap();
+    let a2 = h.submit(req("a2", &prompts[1], 4, "a")).unwrap();
+    let b: Vec<_> = (0..3).map(|i| h.submit(req(&format!("b{i}"), &prompts[1 + i], 4, "b")).unwrap()).collect();
+    h.cancel("blocker").unwrap();
+    let (a1, a2) = (collect(a1), collect(a2));
+    let b: Vec<_> = b.into_iter().map(collect).collect();
+    for r in b.iter() {
+        assert!(
+            a2.queue_seconds > r.queue_seconds,
+            "a2 queued {} s, a b request {} s",
+            a2.queue_seconds,
+            r.queue_seconds
+        );
+    }
+    assert!(b[0].queue_seconds > a1.queue_seconds, "a1 arrived first with the same counter and ran first");
+    assert!(b.iter().chain([&a1, &a2]).all(|r| r.tokens.len() == 4 && r.reason == FinishReason::Length));
+    assert_eq!(collect(blocker).reason, FinishReason::Cancelled);
+    wait_stats(&h, "the engine to go idle", |s| s.running == 0 && s.waiting == 0 && s.blocks_used == 0);
+}
+
 /// Priority scheduling on the real engine, one sequence at a time: queued requests run by priority, then arrival.
 /// Every event of a request is sent before the next request computes anything, so when one request's answer has
 /// arrived, the answers of those served before it are already in their receivers.

@@ -490,6 +490,101 @@ fn fair_scheduling_preempts_the_tenant_running_the_most() {
     s.pool().check_invariants().unwrap();
 }
 
+fn vtc(max_step_tokens: usize, max_running: usize) -> SchedulerConfig {
+    SchedulerConfig { scheduling: SchedulingPolicy::Vtc, ..cfg(max_step_tokens, max_running) }
+}
+
+/// Both tenants backlogged, one slot: a tenant of 40-token prompts and one of 4-token prompts (2 tokens out each).
+/// Returns how many of the long tenant's requests were admitted by the time the short tenant's 8 had been, and
+/// checks every answer against its solo run.
+fn long_admitted_while_short_runs(config: SchedulerConfig, long_weight: u32) -> usize {
+    let mut s = Scheduler::new(config, LAYOUT, 400 * GS);
+    let mut m = FakeModel::new(400 * GS);
+    let mut out = Outcome::default();
+    let weighted = |p: Vec<u32>, t: &str, w: u32| SeqRequest { tenant_weight: w, ..of_tenant(p, 2, t) };
+    let long: Vec<SeqId> = (0..8).map(|i| s.add(weighted(prompt(i, 40), "long", long_weight)).unwrap()).collect();
+    let short: Vec<SeqId> = (20..28).map(|i| s.add(weighted(prompt(i, 4), "short", 1)).unwrap()).collect();
+    let order = first_scheduled(&mut s, &mut m, &mut out);
+    let last_short = order.iter().rposition(|id| short.contains(id)).unwrap();
+    let want =
+        reference(&(0..8).map(|i| (prompt(i, 40), 2)).chain((20..28).map(|i| (prompt(i, 4), 2))).collect::<Vec<_>>());
+    for (i, id) in long.iter().chain(&short).enumerate() {
+        assert_eq!(out.tokens[id], want[i], "request {i}");
+    }
+    assert_eq!(s.pool().num_used(), 0);
+    s.pool().check_invariants().unwrap();
+    order[..last_short].iter().filter(|id| long.contains(id)).count()
+}
+
+/// VTC shares weighted tokens, not slots: a long-prompt request costs 44 (40 prompt + 2 x 2 output) against 8 for
+/// a short one, so the short tenant's 8 requests (64) are served while the long tenant gets about 2, where slot
+/// fairness alternates the two (7 or 8). A weight of 4 gives the long tenant four times the tokens; and a
+/// priority is refused as under FCFS.
+#[test]
+fn vtc_scheduling_shares_weighted_tokens_between_tenants_not_slots() {
+    let by_slots = long_admitted_while_short_runs(fair(64, 1), 1);
+    let by_tokens = long_admitted_while_short_runs(vtc(64, 1), 1);
+    let weighted = long_admitted_while_short_runs(vtc(64, 1), 4);
+    assert!(by_slots >= 7, "slot fairness alternates the tenants: {by_slots}");
+    assert!((1..=3).contains(&by_tokens), "VTC: {by_tokens} long requests beside 8 short ones");
+    assert!((5..=8).contains(&weighted), "VTC, long tenant at weight 4: {weighted}");
+    let mut s: Scheduler<()> = Scheduler::new(vtc(64, 1), LAYOUT, 400 * GS);
+    assert_eq!(s.add(prioritized(prompt(0, 8), 3, 1)).unwrap_err(), SchedError::PriorityNotEnabled(1));
+}
+
+/// A tenant that was idle does not bank service: arriving while another tenant has been served for a while, its
+/// counter starts at the waiting tenant's, so the two alternate instead of the newcomer taking every admission
+/// until it has caught up.
+#[test]
+fn vtc_lifts_an_arriving_tenant_to_the_waiting_minimum() {
+    let mut s = Scheduler::new(vtc(64, 1), LAYOUT, 400 * GS);
+    let mut m = FakeModel::new(400 * GS);
+    let mut out = Outcome::default();
+    let early: Vec<SeqId> = (0..12).map(|i| s.add(of_tenant(prompt(i, 8), 2, "early")).unwrap()).collect();
+    let mut seen = Vec::new();
+    while out.finished.len() < 6 {
+        assert!(out.steps < 5_000, "no progress");
+        seen.extend(step(&mut s, &mut m, &mut out).seqs.iter().map(|e| e.seq));
+    }
+    let tenant = pagoda_worker::scheduler::tenant_of;
+    let served = s.vtc_counter(tenant("early"));
+    assert!(served >= 6.0 * 12.0, "six requests of 8 + 2 x 2: {served}");
+    let late: Vec<SeqId> = (20..26).map(|i| s.add(of_tenant(prompt(i, 8), 2, "late")).unwrap()).collect();
+    assert_eq!(s.vtc_counter(tenant("late")), served, "lifted to the waiting tenant's counter");
+    let order = first_scheduled(&mut s, &mut m, &mut out);
+    let next: Vec<SeqId> = order.into_iter().filter(|id| !seen.contains(id)).take(4).collect();
+    let count = |ids: &[SeqId]| next.iter().filter(|id| ids.contains(id)).count();
+    assert_eq!((count(&early), count(&late)), (2, 2), "the tenants alternate: {next:?}");
+    assert_eq!(s.pool().num_used(), 0);
+}
+
+/// Under memory pressure VTC preempts from the tenant that has received the most, its youngest first; every answer
+/// is still what it is alone.
+#[test]
+fn vtc_preempts_the_tenant_that_has_received_the_most() {
+    let reqs: Vec<(Vec<u32>, usize, &str)> =
+        (0..5).map(|i| (prompt(i, 10 + 3 * i as usize), 30, if i < 4 { "heavy" } else { "light" })).collect();
+    let want = reference(&reqs.iter().map(|(p, n, _)| (p.clone(), *n)).collect::<Vec<_>>());
+    let blocks = 28 * GS;
+    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..vtc(64, 8) }, LAYOUT, blocks);
+    let mut m = FakeModel::new(blocks);
+    let ids: Vec<SeqId> = reqs.iter().map(|(p, n, t)| s.add(of_tenant(p.clone(), *n, t)).unwrap()).collect();
+    let mut out = Outcome::default();
+    let mut preempted = Vec::new();
+    while s.has_work() {
+        assert!(out.steps < 5_000, "no progress: deadlock?");
+        let plan = step(&mut s, &mut m, &mut out);
+        preempted.extend(plan.preempted.iter().copied());
+    }
+    assert!(!preempted.is_empty(), "the tiny pool must force preemption");
+    assert!(!preempted.contains(&ids[4]), "the light tenant's one sequence is never the victim: {preempted:?}");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(out.tokens[id], want[i], "request {i}");
+    }
+    assert_eq!(s.pool().num_used(), 0);
+    s.pool().check_invariants().unwrap();
+}
+
 #[test]
 fn an_exact_growth_reserve_admits_only_what_can_finish_so_nothing_is_preempted() {
     let reqs: Vec<(Vec<u32>, usize)> = (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30)).collect();
