@@ -21,6 +21,7 @@ use pagoda_proto::worker::{
     FinishReason, GenerateRequest, GenerateResponse, LogitBias as PbLogitBias, PeerHint as PbPeerHint, ProfileQuery,
     SamplingParams, TokenLogprobs as PbTokenLogprobs, TokenSequence,
 };
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
 use tracing::{Instrument as _, Span};
@@ -220,6 +221,8 @@ struct Generation {
     excluded: Vec<String>,
     /// The prompt is counted in the metrics once, when the first stream opens.
     prompt_counted: bool,
+    /// This request's tenant's prompt and completion token counters.
+    tenant_tokens: (Counter, Counter),
     /// Set after a worker failed; the next attempt that finds a worker is a migration.
     pending_migration: Option<PendingMigration>,
 }
@@ -238,6 +241,7 @@ impl Generation {
         first: oneshot::Sender<Result<(), ApiError>>,
     ) -> Generation {
         let stops = StopMatcher::new(job.params.stop.clone()).keeping_stop(job.params.include_stop_str);
+        let tenant_tokens = ctx.metrics.tenant_token_counters(&job.namespace);
         Generation {
             ctx,
             job,
@@ -252,6 +256,7 @@ impl Generation {
             last_token: None,
             excluded: Vec::new(),
             prompt_counted: false,
+            tenant_tokens,
             pending_migration: None,
         }
     }
@@ -570,6 +575,7 @@ impl Generation {
         if !self.prompt_counted {
             self.prompt_counted = true;
             self.ctx.metrics.prompt_tokens.inc_by(prompt_tokens);
+            self.tenant_tokens.0.inc_by(prompt_tokens);
         }
         self.pump(stream, in_flight, call, addr, opened_at).await
     }
@@ -708,6 +714,7 @@ impl Generation {
         }
         self.last_token = Some(now);
         self.ctx.metrics.completion_tokens.inc();
+        self.tenant_tokens.1.inc();
         if let Some(lp) = logprobs {
             let text_offset = u32::try_from(self.logprobs.decoded).unwrap_or(u32::MAX);
             self.logprobs.pending.push_back(TokenLogprob::from_pb(lp, id, text_offset));

@@ -41,6 +41,14 @@ pub struct LoraLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantTokenLabels {
+    /// The API key's tenant (`default` with auth off): one value per tenant of the keys file.
+    pub tenant: String,
+    /// `prompt` or `completion`.
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RateLimitLabels {
     pub tenant: String,
     /// `rate` or `concurrency`.
@@ -137,6 +145,8 @@ pub struct Metrics {
     pub worker_lora_load_seconds: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Requests refused by a key's limits, by tenant (bounded by the keys file) and reason.
     pub rate_limited: Family<RateLimitLabels, Counter>,
+    /// Prompt and completion tokens per tenant: what fair and token-fair scheduling share out, and usage per tenant.
+    pub tenant_tokens: Family<TenantTokenLabels, Counter>,
     pub guided_requests: Family<GuideLabels, Counter>,
     /// Generation requests that ran with a LoRA adapter, by adapter.
     pub lora_requests: Family<LoraLabels, Counter>,
@@ -348,6 +358,12 @@ impl Metrics {
             "rate_limited_requests",
             "Requests refused with 429 by their API key's rate or concurrency limit",
             rate_limited.clone(),
+        );
+        let tenant_tokens = Family::<TenantTokenLabels, Counter>::default();
+        registry.register(
+            "tenant_tokens",
+            "Prompt and completion tokens of each tenant's requests (prompts counted once each when a worker takes them)",
+            tenant_tokens.clone(),
         );
         let guided_requests = Family::<GuideLabels, Counter>::default();
         registry.register(
@@ -614,6 +630,7 @@ impl Metrics {
             kvstore_applied_index,
             residency_index_blocks,
             rate_limited,
+            tenant_tokens,
             guided_requests,
             lora_requests,
             worker_tier_used_bytes,
@@ -703,6 +720,14 @@ impl Metrics {
 
     pub fn count_lora_request(&self, adapter: &str) {
         self.lora_requests.get_or_create(&LoraLabels { adapter: adapter.to_string() }).inc();
+    }
+
+    /// The counters of `tenant`'s prompt and completion tokens, to hold for a request's life (so counting a token
+    /// is an atomic add, with no label lookup).
+    pub fn tenant_token_counters(&self, tenant: &str) -> (Counter, Counter) {
+        let of =
+            |kind| self.tenant_tokens.get_or_create(&TenantTokenLabels { tenant: tenant.to_string(), kind }).clone();
+        (of("prompt"), of("completion"))
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
@@ -873,6 +898,11 @@ mod tests {
         m.inter_token.observe(0.01);
         m.prompt_tokens.inc_by(3);
         m.completion_tokens.inc_by(4);
+        let (prompt, completion) = m.tenant_token_counters("acme");
+        prompt.inc_by(3);
+        completion.inc_by(4);
+        // A second request of the tenant adds to the same series.
+        m.tenant_token_counters("acme").1.inc();
         m.worker_used_blocks.get_or_create(&WorkerLabels { worker: "w".into() }).set(5);
         let pl = PolicyLabels { worker: "w".into(), policy: "snapkv".into() };
         m.worker_evicted_tokens.get_or_create(&pl).set(7);
@@ -909,6 +939,8 @@ mod tests {
             "pagoda_router_guided_requests_total{guide=\"regex\"} 1",
             "pagoda_router_migrations_total{reason=\"stall\"} 1",
             "pagoda_router_completion_tokens_total 4",
+            "pagoda_router_tenant_tokens_total{tenant=\"acme\",kind=\"prompt\"} 3",
+            "pagoda_router_tenant_tokens_total{tenant=\"acme\",kind=\"completion\"} 5",
             "pagoda_router_worker_used_blocks{worker=\"w\"} 5",
             "pagoda_router_worker_evicted_tokens{worker=\"w\",policy=\"snapkv\"} 7",
             "pagoda_router_worker_evicted_blocks{worker=\"w\",policy=\"snapkv\"} 2",
