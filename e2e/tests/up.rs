@@ -925,7 +925,163 @@ async fn up_vtc_scheduling_charges_a_tenant_for_its_long_prompt() {
     assert!(long_1.1 < short_1.1, "the long request arrived first at the same counter and ran first");
     assert!(short_2.1 < long_2.1, "the short tenant's second request ran before the long tenant's second");
     assert!(long_2.0 == short_1.0 && short_1.0 == short_2.0, "{done:?}");
+    // The router counts each tenant's tokens: the long tenant's prompts outweigh the short tenant's.
+    let (_, metrics) = up.http.get("/metrics").await.unwrap();
+    let tokens = |tenant: &str, kind: &str| -> u64 {
+        let series = format!("pagoda_router_tenant_tokens_total{{tenant=\"{tenant}\",kind=\"{kind}\"}} ");
+        let line = metrics.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("{series}: {metrics}"));
+        line[series.len()..].trim().parse().unwrap()
+    };
+    assert_eq!(
+        (tokens("long", "completion"), tokens("short", "completion"), tokens("other", "completion")),
+        (8, 8, 160)
+    );
+    assert!(tokens("long", "prompt") > 3 * tokens("short", "prompt"), "{metrics}");
     let _ = std::fs::remove_file(&keys);
+}
+
+/// The named events of a Responses stream: (event, data as JSON), checking the framing (`event:` then `data:`, no
+/// `[DONE]`).
+fn named_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|block| !block.trim().is_empty())
+        .map(|block| {
+            let mut lines = block.lines();
+            let event = lines.next().and_then(|l| l.strip_prefix("event: ")).unwrap_or_else(|| panic!("{block}"));
+            let data = lines.next().and_then(|l| l.strip_prefix("data: ")).unwrap_or_else(|| panic!("{block}"));
+            let v: Value = pagoda_e2e::serde_json::from_str(data).unwrap_or_else(|e| panic!("{data}: {e}"));
+            assert_eq!(v["type"], event, "{block}");
+            (event.to_string(), v)
+        })
+        .collect()
+}
+
+/// OpenAI's Responses API through `pagoda up`: the answer is the chat path's for the same messages, streamed as
+/// named events that add up to it, stored and retrievable, continued with `previous_response_id` (whose prompt
+/// starts with the stored turn, so the worker serves it from the prefix cache), deletable, and bad input is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_responses_api_answers_streams_stores_and_continues_a_conversation() {
+    let up = start_up("up-responses", &[]).await.unwrap();
+    let http = &up.http;
+    let get_json = |path: String| async move {
+        let (s, text) = http.get(&path).await.unwrap();
+        (s, pagoda_e2e::serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}")))
+    };
+    let refused = |(s, v): (u16, Value), want: u16, param: Option<&str>| {
+        assert_eq!((s, v["error"]["param"].as_str()), (want, param), "{v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    };
+    let ask = json!({"model": MODEL_ID, "input": QUESTION, "temperature": 0, "max_output_tokens": 24});
+    let (s, r) = http.post_json("/v1/responses", &ask).await.unwrap();
+    assert_eq!(s, 200, "{r}");
+    assert_eq!((r["object"].as_str(), r["model"].as_str()), (Some("response"), Some(MODEL_ID)));
+    let id = r["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("resp_"), "{r}");
+    let answer = r["output"][0]["content"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(r["output"][0]["role"], "assistant");
+    assert!(answer.contains("Paris"), "{r}");
+    let chat_answer = |messages: Value, max_tokens: u32| async move {
+        let body = json!({"model": MODEL_ID, "messages": messages, "temperature": 0, "max_tokens": max_tokens});
+        let (s, c) = http.post_json("/v1/chat/completions", &body).await.unwrap();
+        assert_eq!(s, 200, "{c}");
+        c
+    };
+    let c = chat_answer(json!([{"role": "user", "content": QUESTION}]), 24).await;
+    assert_eq!(c["choices"][0]["message"]["content"], answer.as_str(), "the chat path's answer");
+    assert_eq!(r["usage"]["input_tokens"], c["usage"]["prompt_tokens"]);
+    assert_eq!(r["usage"]["output_tokens"], c["usage"]["completion_tokens"]);
+    let status = if c["choices"][0]["finish_reason"] == "length" { "incomplete" } else { "completed" };
+    assert_eq!(r["status"], status, "{r}");
+
+    // Streamed: named events whose deltas add up to the same answer.
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let resp = http.client.post(http.url("/v1/responses")).json(&streamed).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let events = named_events(&resp.text().await.unwrap());
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        &names[..4],
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    );
+    assert_eq!(names.last().copied(), Some(format!("response.{status}").as_str()), "{names:?}");
+    for (i, (_, v)) in events.iter().enumerate() {
+        assert_eq!(v["sequence_number"], i as u64);
+    }
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .map(|(_, v)| v["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, answer);
+    let last = &events.last().unwrap().1["response"];
+    assert_eq!(last["output"][0]["content"][0]["text"], answer.as_str());
+    let streamed_id = last["id"].as_str().unwrap();
+    assert_ne!(streamed_id, id);
+    let (s, got) = get_json(format!("/v1/responses/{streamed_id}")).await;
+    assert_eq!((s, &got), (200, last), "a streamed response is stored too");
+
+    // Stored: retrieved as returned, and continued.
+    let (s, got) = get_json(format!("/v1/responses/{id}")).await;
+    assert_eq!((s, &got), (200, &r));
+    let follow = json!({"model": MODEL_ID, "input": "And of Germany?", "previous_response_id": id, "temperature": 0,
+        "max_output_tokens": 16});
+    let (s, f) = http.post_json("/v1/responses", &follow).await.unwrap();
+    assert_eq!(s, 200, "{f}");
+    assert_eq!(f["previous_response_id"], id.as_str());
+    // The conversation goes on as these chat messages do; its prompt starts with the first turn and its answer,
+    // which the worker has cached.
+    let whole = json!([{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And of Germany?"}]);
+    let c2 = chat_answer(whole, 16).await;
+    assert_eq!(f["output"][0]["content"][0]["text"], c2["choices"][0]["message"]["content"]);
+    assert_eq!(f["usage"]["input_tokens"], c2["usage"]["prompt_tokens"]);
+    assert!(f["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{f}");
+
+    // Instructions are a system message; not stored; deleted; bad input.
+    let mut unstored = ask.clone();
+    unstored["store"] = json!(false);
+    unstored["instructions"] = json!("You are brief.");
+    let (s, u) = http.post_json("/v1/responses", &unstored).await.unwrap();
+    assert_eq!(s, 200, "{u}");
+    let c3 = chat_answer(
+        json!([{"role": "system", "content": "You are brief."}, {"role": "user", "content": QUESTION}]),
+        24,
+    )
+    .await;
+    assert_eq!(u["output"][0]["content"][0]["text"], c3["choices"][0]["message"]["content"]);
+    assert_eq!(u["instructions"], "You are brief.");
+    let uid = u["id"].as_str().unwrap();
+    refused(get_json(format!("/v1/responses/{uid}")).await, 404, None);
+    let (s, e) = http
+        .post_json("/v1/responses", &json!({"model": MODEL_ID, "input": "x", "previous_response_id": uid}))
+        .await
+        .unwrap();
+    assert_eq!((s, e["error"]["code"].as_str()), (400, Some("previous_response_not_found")), "{e}");
+    let resp = http.client.delete(http.url(&format!("/v1/responses/{id}"))).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let deleted: Value = resp.json().await.unwrap();
+    assert_eq!(deleted, json!({"id": id, "object": "response", "deleted": true}));
+    refused(get_json(format!("/v1/responses/{id}")).await, 404, None);
+    for (body, param) in [
+        (json!({"model": MODEL_ID}), "input"),
+        (json!({"model": MODEL_ID, "input": "x", "tools": [{"type": "function", "name": "f"}]}), "tools"),
+        (json!({"model": MODEL_ID, "input": "x", "max_output_tokens": -1}), "max_output_tokens"),
+        (json!({"model": MODEL_ID, "input": "x", "temperature": 9}), "temperature"),
+        (
+            json!({"model": MODEL_ID, "input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+            "input[0].content[0]",
+        ),
+    ] {
+        refused(http.post_json("/v1/responses", &body).await.unwrap(), 400, Some(param));
+    }
+    refused(
+        http.post_json("/v1/responses", &json!({"model": "nope", "input": "x"})).await.unwrap(),
+        404,
+        Some("model"),
+    );
+    still_serves(http, "the Responses API").await;
 }
 
 /// Streams a chat completion and returns its text, put together from the deltas.

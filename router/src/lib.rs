@@ -7,6 +7,7 @@
 //! - [`detok`]: UTF-8-safe incremental detokenisation and stop strings.
 //! - [`generate`]: one generation over a worker's gRPC `Generate` stream, migrated to another worker when its own
 //!   fails or stalls.
+//! - [`responses`]: OpenAI's Responses API over the chat path: translation, events, the bounded response store.
 //! - [`lora_admin`]: loading and unloading LoRA adapters on every worker at run time.
 //! - [`workers`]: the worker list (static, or following the registry), health probes, round-robin.
 //! - [`membership`]: the etcd registry watch that adds and removes workers.
@@ -41,6 +42,7 @@ pub mod openai;
 pub mod placement;
 pub mod placer;
 pub mod residency;
+pub mod responses;
 pub mod server;
 pub mod spans;
 pub mod timeline;

@@ -1,9 +1,10 @@
 //! The axum application: routes, shared state, request accounting, and the handlers of the OpenAI endpoints
-//! (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) plus `/healthz`, `/readyz` and `/metrics`.
+//! (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models`) plus `/healthz`, `/readyz` and
+//! `/metrics`.
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::PathRejection;
@@ -34,6 +35,7 @@ use crate::openai::{
     ToolCallDelta, Usage, check_lengths, check_min_tokens,
 };
 use crate::placer::PlacerConfig;
+use crate::responses::{NamedEvent, ResponseEvents, ResponseStore, ResponsesRequest};
 use crate::workers::WorkerPool;
 
 /// Default request body limit: 4 MiB.
@@ -101,6 +103,8 @@ struct Inner {
     /// One permit per generation request in flight (see [`access::shed_load`]).
     inflight: Arc<tokio::sync::Semaphore>,
     max_inflight: usize,
+    /// Stored responses of `/v1/responses` (locked only between awaits).
+    responses: Mutex<ResponseStore>,
 }
 
 /// Shared handler state.
@@ -155,11 +159,18 @@ impl AppState {
             migration,
             inflight: Arc::new(tokio::sync::Semaphore::new(max_inflight)),
             max_inflight,
+            responses: Mutex::new(ResponseStore::default()),
         }))
     }
 
     pub fn dashboard(&self) -> &Dashboard {
         &self.0.dashboard
+    }
+
+    /// The store of `/v1/responses`. A poisoned lock still holds a consistent store (every update completes
+    /// before it unlocks), so it is used as it is.
+    fn responses(&self) -> std::sync::MutexGuard<'_, ResponseStore> {
+        self.0.responses.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// When this state (the router) was created.
@@ -229,11 +240,13 @@ pub fn app(state: AppState) -> axum::Router {
     let generation = axum::Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(create_response))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::shed_load));
     let v1 = axum::Router::new()
         .merge(generation)
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
+        .route("/v1/responses/{id}", get(get_response).delete(delete_response))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_key));
@@ -604,6 +617,91 @@ async fn chat_completions(
         .into_response())
 }
 
+/// `POST /v1/responses`: OpenAI's Responses API over the chat path ([`crate::responses`]).
+async fn create_response(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Response, ApiError> {
+    use crate::responses::rename_param;
+    let arrived = Instant::now();
+    let request = ResponsesRequest::parse(body)?;
+    let previous = match request.previous_response_id() {
+        Some(id) => st.responses().conversation(&tenant.name, id)?,
+        None => Vec::new(),
+    };
+    let (chat, pending) = request.into_chat(previous);
+    let chat: ChatCompletionRequest = serde_json::from_value(chat)
+        .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
+        .map_err(rename_param)?;
+    let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
+    let lora = st.check_model(&params.model)?;
+    let mut prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
+    params.truncate_prompt(&mut prompt);
+    let mut choices =
+        start_choices(&st, &tenant, &pending.id, vec![prompt], &params, lora, arrived).await.map_err(rename_param)?;
+    let Some(choice) = choices.pop() else {
+        return Err(ApiError::internal("no generation started"));
+    };
+    let store = pending.store();
+    if params.stream {
+        let mut events = ResponseEvents::new(pending.clone());
+        let opening = events.start();
+        let (st, tenant_name, id) = (st.clone(), tenant.name.clone(), pending.id.clone());
+        let body = futures::stream::unfold(Some((choice.rx, events)), move |state| {
+            let (st, tenant_name, id) = (st.clone(), tenant_name.clone(), id.clone());
+            async move {
+                let (mut rx, mut events) = state?;
+                let batch = match rx.recv().await {
+                    Some(Piece::Text { text, .. }) => return Some((events.delta(&text), Some((rx, events)))),
+                    Some(Piece::Echo { .. }) => return Some((Vec::new(), Some((rx, events)))),
+                    Some(Piece::Done { finish_reason, usage }) => {
+                        let (batch, stored) = events.done(finish_reason, &usage);
+                        if store {
+                            st.responses().insert(tenant_name, id, stored);
+                        }
+                        batch
+                    }
+                    Some(Piece::Error(e)) => events.failed(&e),
+                    None => events.failed(&ApiError::internal("the generation ended without an answer")),
+                };
+                Some((batch, None))
+            }
+        });
+        let stream = futures::StreamExt::chain(
+            futures::stream::iter(opening),
+            futures::StreamExt::flat_map(body, futures::stream::iter),
+        );
+        return Ok(sse_named(stream).into_response());
+    }
+    let c = collect(choice.rx).await?;
+    let (response, stored) = pending.finish(&c.text, c.finish_reason, &c.usage);
+    if store {
+        st.responses().insert(tenant.name.clone(), pending.id.clone(), stored);
+    }
+    Ok(Json(response).into_response())
+}
+
+/// `GET /v1/responses/{id}`: a stored response of the caller's tenant.
+async fn get_response(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::invalid(format!("The response id in the path: {e}.")))?;
+    Ok(Json(st.responses().response(&tenant.name, &id)?).into_response())
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a stored response of the caller's tenant.
+async fn delete_response(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path(id) = id.map_err(|e| ApiError::invalid(format!("The response id in the path: {e}.")))?;
+    Ok(Json(st.responses().delete(&tenant.name, &id)?).into_response())
+}
+
 async fn completions(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -819,6 +917,14 @@ async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
         }
     }
     Err(ApiError::internal("The generation ended unexpectedly."))
+}
+
+/// Server-sent events with names (`event:` then `data:`), as the Responses API streams them; no `[DONE]`.
+fn sse_named(
+    events: impl Stream<Item = NamedEvent> + Send + 'static,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    use futures::StreamExt;
+    Sse::new(events.map(|(name, data)| Ok(Event::default().event(name).data(data))))
 }
 
 fn sse(events: impl Stream<Item = String> + Send + 'static) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {

@@ -1,0 +1,835 @@
+//! OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), served as vLLM serves it:
+//! over the chat-completions path. This module owns the translation of a Responses request into a chat request,
+//! the response object and its stream of named events, and the bounded in-memory store that `store` and
+//! `previous_response_id` use; the handlers in [`crate::server`] run the generation itself.
+//!
+//! A follow-up turn (`previous_response_id`) is the earlier conversation (its input items and its answer, without
+//! its `instructions`, as OpenAI documents) followed by the new input, rendered by the chat template again. Its
+//! prompt therefore starts with the previous turn's tokens, which the router places where they are cached: the
+//! stored conversation costs no recompute of the earlier turns on a worker that still holds them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use serde_json::{Map, Value, json};
+
+use crate::error::ApiError;
+use crate::openai::Usage;
+
+/// Most responses the store keeps; beyond it the oldest goes.
+pub const MAX_STORED_RESPONSES: usize = 4096;
+/// Most bytes of stored conversations and response objects (as JSON); beyond it the oldest go.
+pub const MAX_STORED_BYTES: usize = 64 << 20;
+/// Most items in a request's `input`.
+pub const MAX_INPUT_ITEMS: usize = 1024;
+/// Longest response id accepted in a path or `previous_response_id`.
+const MAX_ID_LEN: usize = 128;
+/// OpenAI's bounds on `metadata`: pairs, key length, value length.
+const MAX_METADATA_PAIRS: usize = 16;
+const MAX_METADATA_KEY: usize = 64;
+const MAX_METADATA_VALUE: usize = 512;
+
+/// Fields a Responses request passes to the chat path unchanged: OpenAI's sampling fields and vLLM's extensions.
+const PASSED_THROUGH: [&str; 16] = [
+    "model",
+    "temperature",
+    "top_p",
+    "stream",
+    "user",
+    "seed",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "ignore_eos",
+    "priority",
+    "kv",
+];
+
+/// Fields accepted and repeated in the response object, with no effect on generation here.
+const ACCEPTED: [&str; 4] = ["parallel_tool_calls", "reasoning", "service_tier", "prompt_cache_key"];
+
+/// A validated Responses request, before its earlier conversation is known.
+#[derive(Debug)]
+pub struct ResponsesRequest {
+    /// The fields passed to the chat request as they are.
+    passed: Map<String, Value>,
+    instructions: Option<String>,
+    /// This turn's input as chat messages.
+    input: Vec<Value>,
+    max_output_tokens: Option<i64>,
+    store: bool,
+    previous_response_id: Option<String>,
+    /// `text.format` as the chat request's `response_format` (None: plain text).
+    response_format: Option<Value>,
+    /// What the response object repeats of the request.
+    text: Value,
+    metadata: Value,
+    truncation: String,
+}
+
+impl ResponsesRequest {
+    /// Validates a request body. Unknown fields are ignored, as on the chat endpoint; fields that would change the
+    /// answer in ways this server does not serve (tools, images, background mode) are a 400 that names them.
+    pub fn parse(body: Value) -> Result<ResponsesRequest, ApiError> {
+        let Value::Object(mut body) = body else {
+            return Err(ApiError::invalid("The request body must be a JSON object."));
+        };
+        let mut passed = Map::new();
+        for key in PASSED_THROUGH {
+            if let Some(v) = body.remove(key) {
+                passed.insert(key.to_string(), v);
+            }
+        }
+        if !passed.contains_key("model") {
+            return Err(ApiError::invalid_param("model", "`model` is required."));
+        }
+        for key in ACCEPTED {
+            body.remove(key);
+        }
+        if let Some(tools) = body.remove("tools")
+            && !(tools.is_null() || tools.as_array().is_some_and(Vec::is_empty))
+        {
+            return Err(ApiError::invalid_param(
+                "tools",
+                "Tools are not supported on /v1/responses; /v1/chat/completions serves forced function calls.",
+            ));
+        }
+        match body.remove("tool_choice") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "none" || s == "auto" => {}
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "`tool_choice` needs `tools`, which are not supported.",
+                ));
+            }
+        }
+        if body.remove("background").is_some_and(|b| b.as_bool() == Some(true)) {
+            return Err(ApiError::invalid_param("background", "Background responses are not supported."));
+        }
+        if let Some(include) = body.remove("include")
+            && !(include.is_null() || include.as_array().is_some_and(Vec::is_empty))
+        {
+            return Err(ApiError::invalid_param("include", "`include` is not supported."));
+        }
+        let truncation = match body.remove("truncation") {
+            None | Some(Value::Null) => "disabled".to_string(),
+            Some(Value::String(s)) if s == "disabled" => s,
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "truncation",
+                    "Only `truncation: \"disabled\"` is supported: a prompt over the context is a 400.",
+                ));
+            }
+        };
+        let instructions = match body.remove("instructions") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s),
+            Some(_) => return Err(ApiError::invalid_param("instructions", "`instructions` must be a string.")),
+        };
+        let input = input_messages(body.remove("input").unwrap_or(Value::Null))?;
+        let max_output_tokens = match body.remove("max_output_tokens") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_i64().filter(|&n| n >= 1).ok_or_else(|| {
+                ApiError::invalid_param("max_output_tokens", "`max_output_tokens` must be a positive integer.")
+            })?),
+        };
+        let store = match body.remove("store") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => b,
+            Some(_) => return Err(ApiError::invalid_param("store", "`store` must be a boolean.")),
+        };
+        let previous_response_id = match body.remove("previous_response_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(id)) if !id.is_empty() && id.len() <= MAX_ID_LEN => Some(id),
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "previous_response_id",
+                    format!("`previous_response_id` must be a response id of 1 to {MAX_ID_LEN} characters."),
+                ));
+            }
+        };
+        let (text, response_format) = text_format(body.remove("text").unwrap_or(Value::Null))?;
+        let metadata = metadata(body.remove("metadata").unwrap_or(Value::Null))?;
+        Ok(ResponsesRequest {
+            passed,
+            instructions,
+            input,
+            max_output_tokens,
+            store,
+            previous_response_id,
+            response_format,
+            text,
+            metadata,
+            truncation,
+        })
+    }
+
+    pub fn previous_response_id(&self) -> Option<&str> {
+        self.previous_response_id.as_deref()
+    }
+
+    pub fn stream(&self) -> bool {
+        self.passed.get("stream").and_then(Value::as_bool).unwrap_or(false)
+    }
+
+    /// The chat request body for this turn after `previous` (the earlier conversation, when there is one), and the
+    /// response under way.
+    pub fn into_chat(self, previous: Vec<Value>) -> (Value, PendingResponse) {
+        let mut conversation = previous;
+        conversation.extend(self.input);
+        let mut messages = Vec::with_capacity(conversation.len() + 1);
+        if let Some(text) = &self.instructions {
+            messages.push(json!({"role": "system", "content": text}));
+        }
+        messages.extend(conversation.iter().cloned());
+        let mut chat = self.passed.clone();
+        chat.insert("messages".into(), Value::Array(messages));
+        if let Some(n) = self.max_output_tokens {
+            chat.insert("max_tokens".into(), n.into());
+        }
+        if let Some(format) = self.response_format {
+            chat.insert("response_format".into(), format);
+        }
+        let get = |key: &str| self.passed.get(key).cloned().unwrap_or(Value::Null);
+        let pending = PendingResponse {
+            id: new_response_id("resp"),
+            message_id: new_response_id("msg"),
+            created_at: unix_now(),
+            model: get("model"),
+            store: self.store,
+            conversation,
+            echo: json!({
+                "instructions": self.instructions,
+                "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata,
+                "parallel_tool_calls": true,
+                "previous_response_id": self.previous_response_id,
+                "store": self.store,
+                "temperature": get("temperature"),
+                "text": self.text,
+                "tool_choice": "none",
+                "tools": [],
+                "top_p": get("top_p"),
+                "truncation": self.truncation,
+                "user": get("user"),
+            }),
+        };
+        (Value::Object(chat), pending)
+    }
+}
+
+/// The chat request's error, as the Responses request's fields name it.
+pub fn rename_param(mut e: ApiError) -> ApiError {
+    let renamed = match e.param.as_deref() {
+        Some("messages") => "input",
+        Some("max_tokens" | "max_completion_tokens") => "max_output_tokens",
+        Some("response_format") => "text.format",
+        _ => return e,
+    };
+    e.param = Some(renamed.into());
+    e
+}
+
+/// `input`: a string (one user message) or a list of message items, as chat messages with text content.
+fn input_messages(input: Value) -> Result<Vec<Value>, ApiError> {
+    let items = match input {
+        Value::String(s) => return Ok(vec![json!({"role": "user", "content": s})]),
+        Value::Array(items) if !items.is_empty() && items.len() <= MAX_INPUT_ITEMS => items,
+        Value::Array(items) if !items.is_empty() => {
+            return Err(ApiError::invalid_param("input", format!("At most {MAX_INPUT_ITEMS} input items.")));
+        }
+        Value::Null => return Err(ApiError::invalid_param("input", "`input` is required.")),
+        _ => return Err(ApiError::invalid_param("input", "`input` must be a string or a non-empty list of items.")),
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let at = format!("input[{i}]");
+            let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+            if kind != "message" {
+                return Err(ApiError::invalid_param(
+                    format!("{at}.type"),
+                    format!("Input items of type `{kind}` are not supported; only messages are."),
+                ));
+            }
+            let role = match item.get("role").and_then(Value::as_str) {
+                Some(r @ ("user" | "system" | "developer" | "assistant")) => r,
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        format!("{at}.role"),
+                        "A message's `role` must be one of user, system, developer, assistant.",
+                    ));
+                }
+            };
+            let content = message_text(item.get("content"), &at)?;
+            Ok(json!({"role": role, "content": content}))
+        })
+        .collect()
+}
+
+/// A message's content as one string: a string, or text parts (`input_text`, `output_text`, or chat's `text`).
+fn message_text(content: Option<&Value>, at: &str) -> Result<String, ApiError> {
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    ("input_text" | "output_text" | "text", Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(ApiError::invalid_param(
+                            format!("{at}.content[{j}]"),
+                            format!(
+                                "Content parts of type `{kind}` are not supported; only text parts \
+                                 (input_text, output_text) are."
+                            ),
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::invalid_param(
+            format!("{at}.content"),
+            "A message's `content` must be a string or a list of text parts.",
+        )),
+    }
+}
+
+/// `text.format` → (what the response repeats as `text`, the chat request's `response_format`).
+fn text_format(text: Value) -> Result<(Value, Option<Value>), ApiError> {
+    let plain = json!({"format": {"type": "text"}});
+    let format = match &text {
+        Value::Null => return Ok((plain, None)),
+        Value::Object(o) => match o.get("format") {
+            None | Some(Value::Null) => return Ok((plain, None)),
+            Some(f) => f.clone(),
+        },
+        _ => return Err(ApiError::invalid_param("text", "`text` must be an object.")),
+    };
+    let bad = |msg: &str| ApiError::invalid_param("text.format", msg.to_string());
+    let response_format = match format.get("type").and_then(Value::as_str) {
+        Some("text") => None,
+        Some("json_object") => Some(json!({"type": "json_object"})),
+        Some("json_schema") => {
+            let schema = format.get("schema").ok_or_else(|| bad("A `json_schema` format needs a `schema`."))?;
+            let name = format.get("name").and_then(Value::as_str).unwrap_or("response");
+            Some(json!({"type": "json_schema", "json_schema": {"name": name, "schema": schema}}))
+        }
+        _ => return Err(bad("`text.format.type` must be text, json_object or json_schema.")),
+    };
+    Ok((json!({"format": format}), response_format))
+}
+
+/// `metadata`: at most 16 string pairs, keys up to 64 and values up to 512 characters (OpenAI's bounds).
+fn metadata(metadata: Value) -> Result<Value, ApiError> {
+    let bad = || {
+        ApiError::invalid_param(
+            "metadata",
+            format!(
+                "`metadata` must be an object of at most {MAX_METADATA_PAIRS} string values, keys up to \
+                 {MAX_METADATA_KEY} and values up to {MAX_METADATA_VALUE} characters."
+            ),
+        )
+    };
+    match &metadata {
+        Value::Null => Ok(json!({})),
+        Value::Object(o)
+            if o.len() <= MAX_METADATA_PAIRS
+                && o.iter().all(|(k, v)| {
+                    k.chars().count() <= MAX_METADATA_KEY
+                        && v.as_str().is_some_and(|s| s.chars().count() <= MAX_METADATA_VALUE)
+                }) =>
+        {
+            Ok(metadata)
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// A response being generated: its ids, the conversation so far, and what its object repeats of the request.
+#[derive(Debug, Clone)]
+pub struct PendingResponse {
+    pub id: String,
+    message_id: String,
+    created_at: u64,
+    model: Value,
+    store: bool,
+    /// The conversation without `instructions`, up to this turn's input.
+    conversation: Vec<Value>,
+    echo: Value,
+}
+
+impl PendingResponse {
+    pub fn store(&self) -> bool {
+        self.store
+    }
+
+    /// The response object. `answer`: the output text and finish reason, once there is one; `usage` at the end.
+    pub fn object(&self, status: &str, answer: Option<(&str, &str)>, usage: Option<&Usage>) -> Value {
+        let mut o = self.echo.clone();
+        let output = match answer {
+            Some((text, _)) => vec![self.message_item(text, "completed")],
+            None => Vec::new(),
+        };
+        let incomplete =
+            answer.filter(|(_, finish)| *finish == "length").map(|_| json!({"reason": "max_output_tokens"}));
+        let fields = [
+            ("id", json!(self.id)),
+            ("object", json!("response")),
+            ("created_at", json!(self.created_at)),
+            ("status", json!(status)),
+            ("error", Value::Null),
+            ("incomplete_details", incomplete.unwrap_or(Value::Null)),
+            ("model", self.model.clone()),
+            ("output", Value::Array(output)),
+            ("usage", usage.map_or(Value::Null, usage_object)),
+        ];
+        if let Value::Object(map) = &mut o {
+            for (k, v) in fields {
+                map.insert(k.into(), v);
+            }
+        }
+        o
+    }
+
+    /// The status an answer that ended for `finish_reason` gives its response.
+    pub fn status_of(finish_reason: &str) -> &'static str {
+        if finish_reason == "length" { "incomplete" } else { "completed" }
+    }
+
+    /// The final response object and what the store keeps of it.
+    pub fn finish(&self, text: &str, finish_reason: &str, usage: &Usage) -> (Value, Stored) {
+        let response = self.object(Self::status_of(finish_reason), Some((text, finish_reason)), Some(usage));
+        let mut conversation = self.conversation.clone();
+        conversation.push(json!({"role": "assistant", "content": text}));
+        (response.clone(), Stored::new(conversation, response))
+    }
+
+    fn message_item(&self, text: &str, status: &str) -> Value {
+        json!({
+            "id": self.message_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        })
+    }
+}
+
+fn usage_object(u: &Usage) -> Value {
+    let cached = u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens);
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    })
+}
+
+/// The named events of a streamed response (`event:` name, `data:` JSON), each with its sequence number.
+#[derive(Debug)]
+pub struct ResponseEvents {
+    pending: PendingResponse,
+    text: String,
+    sequence: u64,
+}
+
+/// One server-sent event: its name and its JSON.
+pub type NamedEvent = (&'static str, String);
+
+impl ResponseEvents {
+    pub fn new(pending: PendingResponse) -> ResponseEvents {
+        ResponseEvents { pending, text: String::new(), sequence: 0 }
+    }
+
+    fn event(&mut self, name: &'static str, mut body: Value) -> NamedEvent {
+        if let Value::Object(map) = &mut body {
+            map.insert("type".into(), json!(name));
+            map.insert("sequence_number".into(), json!(self.sequence));
+        }
+        self.sequence += 1;
+        (name, body.to_string())
+    }
+
+    /// The response is created, in progress, and its message and text part are open.
+    pub fn start(&mut self) -> Vec<NamedEvent> {
+        let response = self.pending.object("in_progress", None, None);
+        let item = json!({"id": self.pending.message_id, "type": "message", "status": "in_progress",
+            "role": "assistant", "content": []});
+        let part = json!({"type": "output_text", "text": "", "annotations": []});
+        let item_id = self.pending.message_id.clone();
+        vec![
+            self.event("response.created", json!({"response": response})),
+            self.event("response.in_progress", json!({"response": response})),
+            self.event("response.output_item.added", json!({"output_index": 0, "item": item})),
+            self.event(
+                "response.content_part.added",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+            ),
+        ]
+    }
+
+    /// Text released by the generation.
+    pub fn delta(&mut self, text: &str) -> Vec<NamedEvent> {
+        if text.is_empty() {
+            return Vec::new();
+        }
+        self.text.push_str(text);
+        let item_id = self.pending.message_id.clone();
+        vec![self.event(
+            "response.output_text.delta",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
+        )]
+    }
+
+    /// The generation ended: the text, part and item close, then `response.completed` (or `response.incomplete`
+    /// when it ran out of `max_output_tokens`). Returns the events and what the store keeps.
+    pub fn done(&mut self, finish_reason: &str, usage: &Usage) -> (Vec<NamedEvent>, Stored) {
+        let text = std::mem::take(&mut self.text);
+        let (response, stored) = self.pending.finish(&text, finish_reason, usage);
+        let item = self.pending.message_item(&text, "completed");
+        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        let item_id = self.pending.message_id.clone();
+        let last = if finish_reason == "length" { "response.incomplete" } else { "response.completed" };
+        let events = vec![
+            self.event(
+                "response.output_text.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+            ),
+            self.event("response.output_item.done", json!({"output_index": 0, "item": item})),
+            self.event(last, json!({"response": response})),
+        ];
+        (events, stored)
+    }
+
+    /// The generation failed: an `error` event, then `response.failed`.
+    pub fn failed(&mut self, e: &ApiError) -> Vec<NamedEvent> {
+        let mut response = self.pending.object("failed", None, None);
+        let error = json!({"code": e.code.unwrap_or(e.kind), "message": e.message});
+        if let Value::Object(map) = &mut response {
+            map.insert("error".into(), error);
+        }
+        vec![
+            self.event("error", json!({"code": e.code, "message": e.message, "param": e.param})),
+            self.event("response.failed", json!({"response": response})),
+        ]
+    }
+}
+
+/// A stored response: its conversation (for `previous_response_id`) and its object (for `GET`).
+#[derive(Debug, Clone)]
+pub struct Stored {
+    conversation: Vec<Value>,
+    response: Value,
+    bytes: usize,
+}
+
+impl Stored {
+    fn new(conversation: Vec<Value>, response: Value) -> Stored {
+        let bytes = conversation.iter().map(|m| m.to_string().len()).sum::<usize>() + response.to_string().len();
+        Stored { conversation, response, bytes }
+    }
+}
+
+/// Stored responses, bounded in count and bytes; the oldest go first. Each is visible to its tenant only.
+#[derive(Debug)]
+pub struct ResponseStore {
+    entries: HashMap<String, (Arc<str>, Stored)>,
+    /// Ids, oldest first.
+    order: VecDeque<String>,
+    bytes: usize,
+    max_entries: usize,
+    max_bytes: usize,
+}
+
+impl Default for ResponseStore {
+    fn default() -> ResponseStore {
+        ResponseStore::new(MAX_STORED_RESPONSES, MAX_STORED_BYTES)
+    }
+}
+
+impl ResponseStore {
+    pub fn new(max_entries: usize, max_bytes: usize) -> ResponseStore {
+        ResponseStore { entries: HashMap::new(), order: VecDeque::new(), bytes: 0, max_entries, max_bytes }
+    }
+
+    /// Keeps `stored` under `id` for `tenant`, evicting the oldest as needed. One larger than the whole store is
+    /// not kept (a later `previous_response_id` naming it is then not found).
+    pub fn insert(&mut self, tenant: Arc<str>, id: String, stored: Stored) {
+        if stored.bytes > self.max_bytes || self.max_entries == 0 {
+            return;
+        }
+        while self.entries.len() >= self.max_entries || self.bytes + stored.bytes > self.max_bytes {
+            let Some(oldest) = self.order.pop_front() else { break };
+            if let Some((_, s)) = self.entries.remove(&oldest) {
+                self.bytes -= s.bytes;
+            }
+        }
+        self.bytes += stored.bytes;
+        self.order.push_back(id.clone());
+        self.entries.insert(id, (tenant, stored));
+    }
+
+    fn get(&self, tenant: &str, id: &str) -> Option<&Stored> {
+        self.entries.get(id).filter(|(owner, _)| &**owner == tenant).map(|(_, s)| s)
+    }
+
+    /// The conversation of `tenant`'s response `id`, for a follow-up turn.
+    pub fn conversation(&self, tenant: &str, id: &str) -> Result<Vec<Value>, ApiError> {
+        self.get(tenant, id).map(|s| s.conversation.clone()).ok_or_else(|| ApiError {
+            code: Some("previous_response_not_found"),
+            ..ApiError::invalid_param("previous_response_id", format!("Previous response with id '{id}' not found."))
+        })
+    }
+
+    /// `tenant`'s response `id`, as `GET /v1/responses/{id}` returns it.
+    pub fn response(&self, tenant: &str, id: &str) -> Result<Value, ApiError> {
+        self.get(tenant, id).map(|s| s.response.clone()).ok_or_else(|| not_found(id))
+    }
+
+    /// Deletes `tenant`'s response `id`.
+    pub fn delete(&mut self, tenant: &str, id: &str) -> Result<Value, ApiError> {
+        if self.get(tenant, id).is_none() {
+            return Err(not_found(id));
+        }
+        if let Some((_, s)) = self.entries.remove(id) {
+            self.bytes -= s.bytes;
+        }
+        self.order.retain(|o| o != id);
+        Ok(json!({"id": id, "object": "response", "deleted": true}))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// 404 for a response id this tenant has not stored (or that was evicted).
+fn not_found(id: &str) -> ApiError {
+    let shown: String = id.chars().take(MAX_ID_LEN).collect();
+    ApiError {
+        status: axum::http::StatusCode::NOT_FOUND,
+        code: Some("response_not_found"),
+        ..ApiError::invalid(format!("Response with id '{shown}' not found."))
+    }
+}
+
+fn new_response_id(prefix: &str) -> String {
+    format!("{prefix}_{:032x}", rand::random::<u128>())
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: Value) -> Result<ResponsesRequest, ApiError> {
+        ResponsesRequest::parse(body)
+    }
+
+    #[test]
+    fn a_string_input_with_instructions_becomes_a_system_and_a_user_message() {
+        let r = parse(json!({"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 7,
+            "temperature": 0, "seed": 3, "stream": true, "metadata": {"k": "v"}}))
+        .unwrap();
+        assert!(r.stream());
+        let (chat, pending) = r.into_chat(Vec::new());
+        assert_eq!(
+            chat["messages"],
+            json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+        );
+        assert_eq!(
+            (chat["max_tokens"].clone(), chat["seed"].clone(), chat["temperature"].clone()),
+            (json!(7), json!(3), json!(0))
+        );
+        assert!(chat.get("instructions").is_none() && chat.get("metadata").is_none());
+        let o = pending.object("in_progress", None, None);
+        assert_eq!(
+            (o["object"].clone(), o["status"].clone(), o["metadata"].clone()),
+            (json!("response"), json!("in_progress"), json!({"k": "v"}))
+        );
+        assert!(pending.id.starts_with("resp_"));
+    }
+
+    #[test]
+    fn items_and_text_parts_become_chat_messages_after_the_previous_conversation() {
+        let r = parse(json!({"model": "m", "input": [
+            {"role": "developer", "content": "Rules."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        ]}))
+        .unwrap();
+        let earlier = vec![json!({"role": "user", "content": "x"}), json!({"role": "assistant", "content": "y"})];
+        let (chat, pending) = r.into_chat(earlier);
+        assert_eq!(chat["messages"].as_array().unwrap().len(), 4);
+        assert_eq!(chat["messages"][3], json!({"role": "user", "content": "ab"}));
+        let usage = Usage::new(10, 2, 4);
+        let (response, stored) = pending.finish("z", "stop", &usage);
+        assert_eq!(response["status"], "completed");
+        assert_eq!(response["output"][0]["content"][0]["text"], "z");
+        assert_eq!(response["usage"]["input_tokens_details"]["cached_tokens"], 4);
+        assert_eq!(stored.conversation.len(), 5, "earlier turns, this input, the answer");
+        assert_eq!(stored.conversation[4], json!({"role": "assistant", "content": "z"}));
+        let (cut, _) = pending.finish("z", "length", &usage);
+        assert_eq!(
+            (cut["status"].clone(), cut["incomplete_details"]["reason"].clone()),
+            (json!("incomplete"), json!("max_output_tokens"))
+        );
+    }
+
+    #[test]
+    fn text_format_maps_to_response_format() {
+        let schema = json!({"type": "object"});
+        let r = parse(json!({"model": "m", "input": "q", "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}})).unwrap();
+        let (chat, _) = r.into_chat(Vec::new());
+        assert_eq!(
+            chat["response_format"],
+            json!({"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+        );
+        let r = parse(json!({"model": "m", "input": "q", "text": {"format": {"type": "json_object"}}})).unwrap();
+        assert_eq!(r.into_chat(Vec::new()).0["response_format"], json!({"type": "json_object"}));
+        let r = parse(json!({"model": "m", "input": "q", "text": {"format": {"type": "text"}}})).unwrap();
+        assert!(r.into_chat(Vec::new()).0.get("response_format").is_none());
+    }
+
+    #[test]
+    fn what_is_not_served_is_a_400_naming_its_field() {
+        let cases = [
+            (json!({"input": "q"}), "model"),
+            (json!({"model": "m"}), "input"),
+            (json!({"model": "m", "input": []}), "input"),
+            (json!({"model": "m", "input": 5}), "input"),
+            (json!({"model": "m", "input": [{"role": "tool", "content": "x"}]}), "input[0].role"),
+            (json!({"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}), "input[0].type"),
+            (
+                json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+                "input[0].content[0]",
+            ),
+            (json!({"model": "m", "input": [{"role": "user"}]}), "input[0].content"),
+            (json!({"model": "m", "input": "q", "tools": [{"type": "function", "name": "f"}]}), "tools"),
+            (json!({"model": "m", "input": "q", "tool_choice": "required"}), "tool_choice"),
+            (json!({"model": "m", "input": "q", "background": true}), "background"),
+            (json!({"model": "m", "input": "q", "include": ["x"]}), "include"),
+            (json!({"model": "m", "input": "q", "truncation": "auto"}), "truncation"),
+            (json!({"model": "m", "input": "q", "max_output_tokens": 0}), "max_output_tokens"),
+            (json!({"model": "m", "input": "q", "store": "yes"}), "store"),
+            (json!({"model": "m", "input": "q", "previous_response_id": ""}), "previous_response_id"),
+            (json!({"model": "m", "input": "q", "previous_response_id": "x".repeat(200)}), "previous_response_id"),
+            (json!({"model": "m", "input": "q", "text": {"format": {"type": "xml"}}}), "text.format"),
+            (json!({"model": "m", "input": "q", "text": {"format": {"type": "json_schema"}}}), "text.format"),
+            (json!({"model": "m", "input": "q", "metadata": {"k": 1}}), "metadata"),
+            (json!({"model": "m", "input": "q", "instructions": 3}), "instructions"),
+        ];
+        for (body, param) in cases {
+            let e = parse(body.clone()).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{body}");
+        }
+        let many: Vec<Value> = (0..=MAX_INPUT_ITEMS).map(|_| json!({"role": "user", "content": "x"})).collect();
+        assert_eq!(parse(json!({"model": "m", "input": many})).unwrap_err().param.as_deref(), Some("input"));
+        let big: Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+        assert!(parse(json!({"model": "m", "input": "q", "metadata": big})).is_err());
+        assert!(parse(json!("not an object")).is_err());
+        // Accepted and without effect: empty tools, tool_choice none, reasoning, unknown fields.
+        assert!(
+            parse(json!({"model": "m", "input": "q", "tools": [], "tool_choice": "none", "reasoning": {},
+            "parallel_tool_calls": false, "made_up": 1}))
+            .is_ok()
+        );
+        assert_eq!(
+            rename_param(ApiError::invalid_param("max_tokens", "x")).param.as_deref(),
+            Some("max_output_tokens")
+        );
+        assert_eq!(rename_param(ApiError::invalid_param("messages", "x")).param.as_deref(), Some("input"));
+    }
+
+    #[test]
+    fn events_carry_sequence_numbers_and_end_with_the_final_response() {
+        let r = parse(json!({"model": "m", "input": "q"})).unwrap();
+        let (_, pending) = r.into_chat(Vec::new());
+        let mut ev = ResponseEvents::new(pending);
+        let mut all = ev.start();
+        all.extend(ev.delta("Hel"));
+        all.extend(ev.delta(""));
+        all.extend(ev.delta("lo"));
+        let (end, stored) = ev.done("stop", &Usage::new(3, 2, 0));
+        all.extend(end);
+        let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, (name, data)) in all.iter().enumerate() {
+            let v: Value = serde_json::from_str(data).unwrap();
+            assert_eq!((v["type"].as_str(), v["sequence_number"].as_u64()), (Some(*name), Some(i as u64)));
+        }
+        let last: Value = serde_json::from_str(&all[9].1).unwrap();
+        assert_eq!(last["response"]["output"][0]["content"][0]["text"], "Hello");
+        assert_eq!(stored.response, last["response"]);
+        let failed = ev.failed(&ApiError::unavailable("gone"));
+        assert_eq!((failed[0].0, failed[1].0), ("error", "response.failed"));
+        let v: Value = serde_json::from_str(&failed[1].1).unwrap();
+        assert_eq!(
+            (v["response"]["status"].as_str(), v["response"]["error"]["message"].as_str()),
+            (Some("failed"), Some("gone"))
+        );
+    }
+
+    #[test]
+    fn the_store_is_bounded_per_tenant_and_forgets_the_oldest() {
+        let stored = |text: &str| Stored::new(vec![json!({"role": "user", "content": text})], json!({"id": text}));
+        let mut s = ResponseStore::new(2, 1 << 20);
+        let acme: Arc<str> = "acme".into();
+        s.insert(acme.clone(), "a".into(), stored("a"));
+        s.insert(acme.clone(), "b".into(), stored("b"));
+        assert_eq!(s.response("acme", "a").unwrap(), json!({"id": "a"}));
+        assert_eq!(s.response("globex", "a").unwrap_err().status.as_u16(), 404, "another tenant's response");
+        assert_eq!(s.conversation("globex", "a").unwrap_err().param.as_deref(), Some("previous_response_id"));
+        s.insert(acme.clone(), "c".into(), stored("c"));
+        assert_eq!(s.len(), 2);
+        assert!(s.response("acme", "a").is_err(), "the oldest went");
+        assert_eq!(s.conversation("acme", "b").unwrap().len(), 1);
+        assert_eq!(s.delete("acme", "b").unwrap()["deleted"], true);
+        assert!(s.delete("acme", "b").is_err());
+        assert_eq!((s.len(), s.order.len()), (1, 1));
+        // Bytes: an entry larger than the store is not kept; others make room by evicting.
+        let one = stored("x").bytes;
+        let mut s = ResponseStore::new(100, 2 * one);
+        s.insert(acme.clone(), "x".into(), stored("x"));
+        s.insert(acme.clone(), "y".into(), stored("y"));
+        s.insert(acme.clone(), "z".into(), stored("z"));
+        assert_eq!((s.len(), s.bytes), (2, 2 * one));
+        s.insert(acme.clone(), "big".into(), stored(&"w".repeat(4 * one)));
+        assert!(s.response("acme", "big").is_err());
+        assert!(!s.is_empty());
+    }
+}
