@@ -1084,6 +1084,35 @@ async fn up_responses_api_answers_streams_stores_and_continues_a_conversation() 
     still_serves(http, "the Responses API").await;
 }
 
+/// vLLM's `cache_salt` through `pagoda up`: a prompt is served from the prefix cache only to requests with the same
+/// salt (and only an unsalted request to an unsalted one); a bad salt is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_cache_salt_shares_cached_blocks_only_between_requests_with_the_same_salt() {
+    let up = start_up("up-salt", &[]).await.unwrap();
+    let http = &up.http;
+    let prompt = common::river_log_prompt();
+    let cached = |salt: Option<&'static str>| {
+        let prompt = prompt.clone();
+        async move {
+            let mut extra = json!({"temperature": 0, "max_tokens": 1});
+            if let Some(s) = salt {
+                extra["cache_salt"] = json!(s);
+            }
+            let (s, v) = http.post_json("/v1/chat/completions", &chat(&prompt, extra)).await.unwrap();
+            assert_eq!(s, 200, "{v}");
+            v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+        }
+    };
+    assert_eq!(cached(Some("salt-a")).await, 0, "a first request finds nothing");
+    assert!(cached(Some("salt-a")).await > 600, "the same salt finds the whole prompt");
+    assert_eq!(cached(Some("salt-b")).await, 0, "another salt finds nothing");
+    assert_eq!(cached(None).await, 0, "an unsalted request finds nothing salted");
+    assert!(cached(None).await > 600);
+    let (s, v) =
+        http.post_json("/v1/chat/completions", &chat("x", json!({"max_tokens": 1, "cache_salt": ""}))).await.unwrap();
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("cache_salt")), "{v}");
+}
+
 /// Streams a chat completion and returns its text, put together from the deltas.
 async fn streamed_chat(http: &pagoda_e2e::Http, body: &Value) -> String {
     let r = http.client.post(http.url("/v1/chat/completions")).json(body).send().await.unwrap();

@@ -120,7 +120,10 @@ pub struct Job {
     pub profile_queries: Vec<Vec<u32>>,
     /// `bad_words`, tokenized: the token sequences the worker never completes.
     pub bad_words: Vec<Vec<u32>>,
+    /// The prefix-cache namespace: the tenant, salted by `cache_salt` when the request has one.
     pub namespace: String,
+    /// The API key's tenant (`default` with auth off), for per-tenant metrics.
+    pub tenant: Arc<str>,
     /// The tenant's weight under fair scheduling (its API key's `weight=`).
     pub tenant_weight: u32,
     /// The LoRA adapter the request's `model` names (`None`: the base model).
@@ -241,7 +244,7 @@ impl Generation {
         first: oneshot::Sender<Result<(), ApiError>>,
     ) -> Generation {
         let stops = StopMatcher::new(job.params.stop.clone()).keeping_stop(job.params.include_stop_str);
-        let tenant_tokens = ctx.metrics.tenant_token_counters(&job.namespace);
+        let tenant_tokens = ctx.metrics.tenant_token_counters(&job.tenant);
         Generation {
             ctx,
             job,

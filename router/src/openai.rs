@@ -146,6 +146,9 @@ pub struct ChatCompletionRequest {
     pub bad_words: Option<Value>,
     /// vLLM's extension: the request's priority under priority scheduling (lower first; default 0).
     pub priority: Option<i64>,
+    /// vLLM's extension: a secret that salts the prefix cache, so that only requests with the same salt share
+    /// cached blocks.
+    pub cache_salt: Option<Value>,
 }
 
 /// `POST /v1/completions` body.
@@ -197,6 +200,9 @@ pub struct CompletionRequest {
     pub bad_words: Option<Value>,
     /// vLLM's extension: the request's priority under priority scheduling (lower first; default 0).
     pub priority: Option<i64>,
+    /// vLLM's extension: a secret that salts the prefix cache, so that only requests with the same salt share
+    /// cached blocks.
+    pub cache_salt: Option<Value>,
 }
 
 /// At most this many token ids in a `/detokenize` request.
@@ -429,6 +435,8 @@ pub struct GenParams {
     /// vLLM's `priority`: lower is served first by a worker that runs priority scheduling; a worker that serves in
     /// arrival order refuses anything but 0.
     pub priority: i32,
+    /// vLLM's `cache_salt`: the request's blocks hash in a namespace this salts ([`salted_namespace`]).
+    pub cache_salt: Option<String>,
     /// A chat's rendering with the template (the default for completions, which have none).
     pub chat_render: ChatRender,
 }
@@ -442,6 +450,13 @@ impl GenParams {
             prompt.drain(..prompt.len() - keep as usize);
         }
     }
+}
+
+/// The prefix-cache namespace of a tenant's request with `cache_salt`: the tenant, then a separator the worker's
+/// fair schedulers cut at (so the salt does not make another tenant), then a digest of the salt (the salt itself
+/// never leaves the router). Requests share cached blocks only with requests of the same tenant and salt.
+pub fn salted_namespace(tenant: &str, cache_salt: &str) -> String {
+    format!("{tenant}\u{0}salt\u{0}{:032x}", xxhash_rust::xxh3::xxh3_128(cache_salt.as_bytes()))
 }
 
 /// Largest `truncate_prompt_tokens` (no context is longer).
@@ -489,6 +504,7 @@ struct CommonIn<'a> {
     kv: Option<&'a KvOptions>,
     truncate_prompt_tokens: Option<i64>,
     priority: Option<i64>,
+    cache_salt: Option<&'a Value>,
 }
 
 /// `model` is non-empty and bounded (whether it is served is the handler's question).
@@ -669,8 +685,24 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         n,
         truncate_prompt_tokens,
         priority,
+        cache_salt: cache_salt(c.cache_salt)?,
         chat_render: ChatRender::default(),
     })
+}
+
+/// Longest `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
+
+/// `cache_salt`: a non-empty string of at most [`MAX_CACHE_SALT_BYTES`].
+fn cache_salt(salt: Option<&Value>) -> Result<Option<String>, ApiError> {
+    match salt {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::invalid_param(
+            "cache_salt",
+            format!("`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes."),
+        )),
+    }
 }
 
 impl GenParams {
@@ -1478,6 +1510,7 @@ impl ChatCompletionRequest {
             kv: self.kv.as_ref(),
             truncate_prompt_tokens: self.truncate_prompt_tokens,
             priority: self.priority,
+            cache_salt: self.cache_salt.as_ref(),
         })?;
         params.logprobs = logprobs;
         params.chat_render = ChatRender::parse(self.add_generation_prompt, self.continue_final_message, &turns)?;
@@ -1598,6 +1631,7 @@ impl CompletionRequest {
             kv: self.kv.as_ref(),
             truncate_prompt_tokens: self.truncate_prompt_tokens,
             priority: self.priority,
+            cache_salt: self.cache_salt.as_ref(),
         })?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);
@@ -1990,6 +2024,28 @@ mod tests {
         assert_eq!(p.max_tokens, None);
         assert!(!p.stream);
         assert_eq!(p.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn cache_salt_is_a_bounded_string_that_salts_the_tenant_namespace() {
+        let with = |salt: &str| {
+            chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"cache_salt":{salt}}}"#))
+        };
+        assert_eq!(with(r#""s3cret""#).unwrap().1.cache_salt.as_deref(), Some("s3cret"));
+        assert_eq!(with("null").unwrap().1.cache_salt, None);
+        let long = format!("\"{}\"", "x".repeat(MAX_CACHE_SALT_BYTES + 1));
+        for bad in ["\"\"", "5", "[\"a\"]", long.as_str()] {
+            assert_eq!(with(bad).unwrap_err().param.as_deref(), Some("cache_salt"), "{bad}");
+        }
+        let c = parse_json::<CompletionRequest>(br#"{"model":"m","prompt":"hi","cache_salt":"a"}"#).unwrap();
+        assert_eq!(c.validate(100).unwrap().1.cache_salt.as_deref(), Some("a"));
+        let (a, b) = (salted_namespace("acme", "one"), salted_namespace("acme", "two"));
+        assert_ne!(a, b);
+        assert_eq!(a, salted_namespace("acme", "one"));
+        assert_ne!(a, salted_namespace("globex", "one"));
+        // The worker's fair schedulers take the tenant as the namespace up to the first NUL; the salt never shows.
+        assert_eq!(a.split('\u{0}').next(), Some("acme"));
+        assert!(!a.contains("one"));
     }
 
     #[test]

@@ -30,7 +30,7 @@ const MAX_METADATA_KEY: usize = 64;
 const MAX_METADATA_VALUE: usize = 512;
 
 /// Fields a Responses request passes to the chat path unchanged: OpenAI's sampling fields and vLLM's extensions.
-const PASSED_THROUGH: [&str; 16] = [
+const PASSED_THROUGH: [&str; 17] = [
     "model",
     "temperature",
     "top_p",
@@ -47,6 +47,7 @@ const PASSED_THROUGH: [&str; 16] = [
     "ignore_eos",
     "priority",
     "kv",
+    "cache_salt",
 ];
 
 /// Fields accepted and repeated in the response object, with no effect on generation here.

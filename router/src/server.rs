@@ -822,6 +822,10 @@ async fn start_job(
     check_min_tokens(&params, max_tokens)?;
     let profile_queries = profile_queries(st, &params.kv_profile_queries, prompt.len()).await?;
     let bad_words = bad_words(st, &params.bad_words).await?;
+    let namespace = match &params.cache_salt {
+        Some(salt) => crate::openai::salted_namespace(&tenant.name, salt),
+        None => tenant.name.to_string(),
+    };
     let job = Job {
         request_id: id.to_string(),
         prompt,
@@ -829,7 +833,8 @@ async fn start_job(
         params,
         profile_queries,
         bad_words,
-        namespace: tenant.name.to_string(),
+        namespace,
+        tenant: tenant.name.clone(),
         tenant_weight: tenant.weight,
         lora,
         arrived,
