@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The official OpenAI Python SDK against a real `pagoda up` (the embedded cluster on the real model): chat
-# completions (plain and streamed), completions, the Responses API (plain, streamed, structured, continued with
-# previous_response_id, retrieved and deleted) and the SDK's error classes. The SDK parses every answer into its
+# completions (plain and streamed), completions, the Responses API (plain, streamed, structured, a function call,
+# continued with previous_response_id, retrieved and deleted) and the SDK's error classes. The SDK parses every answer into its
 # own types, so a shape it cannot read fails here (scripts/openai_sdk_check.py).
 #   1. pip-installs the pinned `openai` package into a venv under target/;
 #   2. starts `pagoda up` on a free loopback port, waits for /readyz;

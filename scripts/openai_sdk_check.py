@@ -10,25 +10,12 @@ chat completions answer for the same messages.
 
 import json
 import sys
-import time
-import urllib.request
 
 import openai
 
+from pagoda_servers import wait_ready
+
 QUESTION = "What is the capital city of France? Answer in one word."
-
-
-def wait_ready(url, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"{url} not ready after {timeout} s")
 
 
 def check(cond, what):
@@ -38,7 +25,7 @@ def check(cond, what):
 
 def main():
     url = sys.argv[1].rstrip("/")
-    wait_ready(url)
+    wait_ready(url, None)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     check(model == client.models.retrieve(model).id, "models.retrieve")
@@ -92,6 +79,21 @@ def main():
                                      text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
     check(isinstance(json.loads(shaped.output_text).get("city"), str), f"json_schema answer {shaped.output_text!r}")
 
+    # A forced function call, then its output handed back.
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                           "required": ["city"], "additionalProperties": False}}
+    call = client.responses.create(model=model, input="What is the weather in Paris?", tools=[tool],
+                                   tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                   max_output_tokens=32)
+    item = call.output[0]
+    check(item.type == "function_call" and item.name == "get_weather", f"function call item {item}")
+    check(isinstance(json.loads(item.arguments).get("city"), str), f"arguments {item.arguments!r}")
+    told = client.responses.create(model=model, previous_response_id=call.id, temperature=0, max_output_tokens=24,
+                                   input=[{"type": "function_call_output", "call_id": item.call_id,
+                                           "output": "Sunny, 21 degrees."}])
+    check(told.output_text.strip() != "", "an answer after the function's output")
+
     # Retrieved and deleted.
     check(client.responses.retrieve(response.id).output_text == answer, "responses.retrieve")
     client.responses.delete(response.id)
@@ -113,7 +115,7 @@ def main():
     except openai.NotFoundError:
         pass
     print(f"openai SDK {openai.__version__}: chat, completions, responses (plain, streamed, continued, structured, "
-          "retrieved, deleted) and errors ok")
+          "function call, retrieved, deleted) and errors ok")
 
 
 if __name__ == "__main__":

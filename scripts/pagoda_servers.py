@@ -28,10 +28,11 @@ def bench_load(binary, url, flags):
 
 
 def wait_ready(url, proc, timeout=180):
-    """Waits until the server at `url` answers `/readyz` with 200; exits if `proc` dies or `timeout` passes."""
+    """Waits until the server at `url` answers `/readyz` with 200; exits if `proc` (None: started elsewhere) dies or
+    `timeout` passes."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             sys.exit(f"server on {url} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/readyz", timeout=2) as r:

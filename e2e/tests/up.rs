@@ -1039,6 +1039,36 @@ async fn up_responses_api_answers_streams_stores_and_continues_a_conversation() 
     assert_eq!(f["usage"]["input_tokens"], c2["usage"]["prompt_tokens"]);
     assert!(f["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{f}");
 
+    // A forced function call: a function_call item whose arguments fit the parameters; its output goes back as a
+    // function_call_output item after it, and the model answers in words.
+    let weather = json!({"type": "function", "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"], "additionalProperties": false}});
+    let call_body = json!({"model": MODEL_ID, "input": "What is the weather in Paris?", "tools": [weather],
+        "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0, "max_output_tokens": 32});
+    let (s, call) = http.post_json("/v1/responses", &call_body).await.unwrap();
+    assert_eq!(s, 200, "{call}");
+    let item = &call["output"][0];
+    assert_eq!((item["type"].as_str(), item["name"].as_str()), (Some("function_call"), Some("get_weather")), "{call}");
+    let arguments: Value = pagoda_e2e::serde_json::from_str(item["arguments"].as_str().unwrap()).unwrap();
+    assert!(arguments["city"].is_string(), "{arguments}");
+    let mut streamed_call = call_body.clone();
+    streamed_call["stream"] = json!(true);
+    let resp = http.client.post(http.url("/v1/responses")).json(&streamed_call).send().await.unwrap();
+    let events = named_events(&resp.text().await.unwrap());
+    let args: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.function_call_arguments.delta")
+        .map(|(_, v)| v["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(args, item["arguments"].as_str().unwrap(), "streamed arguments");
+    let result = json!({"model": MODEL_ID, "previous_response_id": call["id"], "temperature": 0, "max_output_tokens": 24,
+        "input": [{"type": "function_call_output", "call_id": item["call_id"], "output": "Sunny, 21 degrees."}]});
+    let (s, told) = http.post_json("/v1/responses", &result).await.unwrap();
+    assert_eq!(s, 200, "{told}");
+    assert_eq!(told["output"][0]["type"], "message");
+    assert!(!told["output"][0]["content"][0]["text"].as_str().unwrap().is_empty(), "{told}");
+
     // Instructions are a system message; not stored; deleted; bad input.
     let mut unstored = ask.clone();
     unstored["store"] = json!(false);
@@ -1066,7 +1096,9 @@ async fn up_responses_api_answers_streams_stores_and_continues_a_conversation() 
     refused(get_json(format!("/v1/responses/{id}")).await, 404, None);
     for (body, param) in [
         (json!({"model": MODEL_ID}), "input"),
-        (json!({"model": MODEL_ID, "input": "x", "tools": [{"type": "function", "name": "f"}]}), "tools"),
+        (json!({"model": MODEL_ID, "input": "x", "tools": [{"type": "web_search"}]}), "tools[0]"),
+        // The model's template defines no tool-call format: it cannot choose a call itself.
+        (json!({"model": MODEL_ID, "input": "x", "tools": [{"type": "function", "name": "f"}]}), "tool_choice"),
         (json!({"model": MODEL_ID, "input": "x", "max_output_tokens": -1}), "max_output_tokens"),
         (json!({"model": MODEL_ID, "input": "x", "temperature": 9}), "temperature"),
         (

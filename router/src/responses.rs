@@ -3,6 +3,10 @@
 //! the response object and its stream of named events, and the bounded in-memory store that `store` and
 //! `previous_response_id` use; the handlers in [`crate::server`] run the generation itself.
 //!
+//! Function tools map to the chat path's forced function calling: `tool_choice` naming a function (or `required`
+//! with one tool) guides the answer by the function's parameters, and the answer is a `function_call` output item;
+//! `function_call` and `function_call_output` input items become the chat path's assistant calls and tool turns.
+//!
 //! A follow-up turn (`previous_response_id`) is the earlier conversation (its input items and its answer, without
 //! its `instructions`, as OpenAI documents) followed by the new input, rendered by the chat template again. Its
 //! prompt therefore starts with the previous turn's tokens, which the router places where they are cached: the
@@ -70,6 +74,12 @@ pub struct ResponsesRequest {
     text: Value,
     metadata: Value,
     truncation: String,
+    /// `tools` in the chat request's form (empty: none), and as the response object repeats them.
+    chat_tools: Vec<Value>,
+    tools: Vec<Value>,
+    /// `tool_choice` in the chat request's form, and as the response object repeats it.
+    chat_tool_choice: Option<Value>,
+    tool_choice: Value,
 }
 
 impl ResponsesRequest {
@@ -91,24 +101,8 @@ impl ResponsesRequest {
         for key in ACCEPTED {
             body.remove(key);
         }
-        if let Some(tools) = body.remove("tools")
-            && !(tools.is_null() || tools.as_array().is_some_and(Vec::is_empty))
-        {
-            return Err(ApiError::invalid_param(
-                "tools",
-                "Tools are not supported on /v1/responses; /v1/chat/completions serves forced function calls.",
-            ));
-        }
-        match body.remove("tool_choice") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "none" || s == "auto" => {}
-            Some(_) => {
-                return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    "`tool_choice` needs `tools`, which are not supported.",
-                ));
-            }
-        }
+        let (chat_tools, tools) = function_tools(body.remove("tools").unwrap_or(Value::Null))?;
+        let (chat_tool_choice, tool_choice) = tool_choice(body.remove("tool_choice").unwrap_or(Value::Null))?;
         if body.remove("background").is_some_and(|b| b.as_bool() == Some(true)) {
             return Err(ApiError::invalid_param("background", "Background responses are not supported."));
         }
@@ -167,6 +161,10 @@ impl ResponsesRequest {
             text,
             metadata,
             truncation,
+            chat_tools,
+            tools,
+            chat_tool_choice,
+            tool_choice,
         })
     }
 
@@ -196,10 +194,18 @@ impl ResponsesRequest {
         if let Some(format) = self.response_format {
             chat.insert("response_format".into(), format);
         }
+        if !self.chat_tools.is_empty() {
+            chat.insert("tools".into(), Value::Array(self.chat_tools));
+        }
+        if let Some(choice) = self.chat_tool_choice {
+            chat.insert("tool_choice".into(), choice);
+        }
         let get = |key: &str| self.passed.get(key).cloned().unwrap_or(Value::Null);
         let pending = PendingResponse {
             id: new_response_id("resp"),
             message_id: new_response_id("msg"),
+            call_id: new_response_id("call"),
+            tool_call: None,
             created_at: unix_now(),
             model: get("model"),
             store: self.store,
@@ -213,8 +219,8 @@ impl ResponsesRequest {
                 "store": self.store,
                 "temperature": get("temperature"),
                 "text": self.text,
-                "tool_choice": "none",
-                "tools": [],
+                "tool_choice": self.tool_choice,
+                "tools": self.tools,
                 "top_p": get("top_p"),
                 "truncation": self.truncation,
                 "user": get("user"),
@@ -227,12 +233,14 @@ impl ResponsesRequest {
 /// The chat request's error, as the Responses request's fields name it.
 pub fn rename_param(mut e: ApiError) -> ApiError {
     let renamed = match e.param.as_deref() {
-        Some("messages") => "input",
-        Some("max_tokens" | "max_completion_tokens") => "max_output_tokens",
-        Some("response_format") => "text.format",
+        Some("messages") => "input".to_string(),
+        Some("max_tokens" | "max_completion_tokens") => "max_output_tokens".to_string(),
+        Some("response_format") => "text.format".to_string(),
+        // A Responses tool is flat: the chat tool's `tools[i].function.parameters` is its `tools[i].parameters`.
+        Some(p) if p.starts_with("tools[") && p.contains(".function.") => p.replacen(".function.", ".", 1),
         _ => return e,
     };
-    e.param = Some(renamed.into());
+    e.param = Some(renamed);
     e
 }
 
@@ -253,11 +261,30 @@ fn input_messages(input: Value) -> Result<Vec<Value>, ApiError> {
         .map(|(i, item)| {
             let at = format!("input[{i}]");
             let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
-            if kind != "message" {
-                return Err(ApiError::invalid_param(
-                    format!("{at}.type"),
-                    format!("Input items of type `{kind}` are not supported; only messages are."),
-                ));
+            let text_of = |key: &str| {
+                item.get(key).and_then(Value::as_str).map(str::to_owned).ok_or_else(|| {
+                    ApiError::invalid_param(format!("{at}.{key}"), format!("A `{kind}` item needs a string `{key}`."))
+                })
+            };
+            match kind {
+                "message" => {}
+                "function_call" => {
+                    let (call_id, name, arguments) = (text_of("call_id")?, text_of("name")?, text_of("arguments")?);
+                    return Ok(function_call_message(&call_id, &name, &arguments));
+                }
+                "function_call_output" => {
+                    let (call_id, output) = (text_of("call_id")?, text_of("output")?);
+                    return Ok(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+                }
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        format!("{at}.type"),
+                        format!(
+                            "Input items of type `{kind}` are not supported; messages, function_call and \
+                             function_call_output are."
+                        ),
+                    ));
+                }
             }
             let role = match item.get("role").and_then(Value::as_str) {
                 Some(r @ ("user" | "system" | "developer" | "assistant")) => r,
@@ -329,6 +356,58 @@ fn text_format(text: Value) -> Result<(Value, Option<Value>), ApiError> {
     Ok((json!({"format": format}), response_format))
 }
 
+/// `tools`: function tools only (`{"type": "function", "name", "description", "parameters"}`), in the chat
+/// request's form (whose validation bounds their number and names) and as given.
+fn function_tools(tools: Value) -> Result<(Vec<Value>, Vec<Value>), ApiError> {
+    let tools = match tools {
+        Value::Null => return Ok((Vec::new(), Vec::new())),
+        Value::Array(tools) => tools,
+        _ => return Err(ApiError::invalid_param("tools", "`tools` must be a list.")),
+    };
+    let mut chat = Vec::with_capacity(tools.len());
+    for (i, tool) in tools.iter().enumerate() {
+        let name = tool.get("name").filter(|_| tool.get("type").and_then(Value::as_str) == Some("function"));
+        let Some(name) = name else {
+            return Err(ApiError::invalid_param(
+                format!("tools[{i}]"),
+                "Only function tools are supported: {\"type\": \"function\", \"name\": ..., \"parameters\": {...}}.",
+            ));
+        };
+        let mut function = Map::new();
+        function.insert("name".into(), name.clone());
+        for key in ["description", "parameters"] {
+            if let Some(v) = tool.get(key).filter(|v| !v.is_null()) {
+                function.insert(key.into(), v.clone());
+            }
+        }
+        chat.push(json!({"type": "function", "function": function}));
+    }
+    Ok((chat, tools))
+}
+
+/// `tool_choice`: `none`, `auto`, `required` or `{"type": "function", "name": ...}`, in the chat request's form
+/// (which decides what it can serve) and as the response repeats it (default `auto`).
+fn tool_choice(choice: Value) -> Result<(Option<Value>, Value), ApiError> {
+    match &choice {
+        Value::Null => Ok((None, json!("auto"))),
+        Value::String(s) if matches!(s.as_str(), "none" | "auto" | "required") => Ok((Some(choice.clone()), choice)),
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o.get("name").cloned().unwrap_or(Value::Null);
+            Ok((Some(json!({"type": "function", "function": {"name": name}})), choice))
+        }
+        _ => Err(ApiError::invalid_param(
+            "tool_choice",
+            "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}.",
+        )),
+    }
+}
+
+/// An assistant turn that called `name` with `arguments` (the chat path's form).
+fn function_call_message(call_id: &str, name: &str, arguments: &str) -> Value {
+    json!({"role": "assistant", "content": null,
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]})
+}
+
 /// `metadata`: at most 16 string pairs, keys up to 64 and values up to 512 characters (OpenAI's bounds).
 fn metadata(metadata: Value) -> Result<Value, ApiError> {
     let bad = || {
@@ -360,6 +439,10 @@ fn metadata(metadata: Value) -> Result<Value, ApiError> {
 pub struct PendingResponse {
     pub id: String,
     message_id: String,
+    /// The `call_id` of the answer's function call, when it is one.
+    call_id: String,
+    /// The function the answer calls (the chat path's forced call), or `None` for a message.
+    tool_call: Option<String>,
     created_at: u64,
     model: Value,
     store: bool,
@@ -373,11 +456,16 @@ impl PendingResponse {
         self.store
     }
 
+    /// The answer calls `name` (the chat request's forced function call): its output is a `function_call` item.
+    pub fn set_tool_call(&mut self, name: Option<String>) {
+        self.tool_call = name;
+    }
+
     /// The response object. `answer`: the output text and finish reason, once there is one; `usage` at the end.
     pub fn object(&self, status: &str, answer: Option<(&str, &str)>, usage: Option<&Usage>) -> Value {
         let mut o = self.echo.clone();
         let output = match answer {
-            Some((text, _)) => vec![self.message_item(text, "completed")],
+            Some((text, _)) => vec![self.output_item(text, "completed")],
             None => Vec::new(),
         };
         let incomplete =
@@ -410,8 +498,26 @@ impl PendingResponse {
     pub fn finish(&self, text: &str, finish_reason: &str, usage: &Usage) -> (Value, Stored) {
         let response = self.object(Self::status_of(finish_reason), Some((text, finish_reason)), Some(usage));
         let mut conversation = self.conversation.clone();
-        conversation.push(json!({"role": "assistant", "content": text}));
+        conversation.push(match &self.tool_call {
+            Some(name) => function_call_message(&self.call_id, name, text),
+            None => json!({"role": "assistant", "content": text}),
+        });
         (response.clone(), Stored::new(conversation, response))
+    }
+
+    /// The answer's output item: a `function_call` when the answer calls a function, else a `message`.
+    fn output_item(&self, text: &str, status: &str) -> Value {
+        match &self.tool_call {
+            Some(name) => json!({
+                "id": self.message_id,
+                "type": "function_call",
+                "status": status,
+                "call_id": self.call_id,
+                "name": name,
+                "arguments": text,
+            }),
+            None => self.message_item(text, status),
+        }
     }
 
     fn message_item(&self, text: &str, status: &str) -> Value {
@@ -461,58 +567,78 @@ impl ResponseEvents {
         (name, body.to_string())
     }
 
-    /// The response is created, in progress, and its message and text part are open.
+    /// The response is created, in progress, and its output item is open (a message with its text part, or a
+    /// function call).
     pub fn start(&mut self) -> Vec<NamedEvent> {
         let response = self.pending.object("in_progress", None, None);
-        let item = json!({"id": self.pending.message_id, "type": "message", "status": "in_progress",
-            "role": "assistant", "content": []});
-        let part = json!({"type": "output_text", "text": "", "annotations": []});
         let item_id = self.pending.message_id.clone();
-        vec![
+        let mut events = vec![
             self.event("response.created", json!({"response": response})),
             self.event("response.in_progress", json!({"response": response})),
-            self.event("response.output_item.added", json!({"output_index": 0, "item": item})),
-            self.event(
-                "response.content_part.added",
-                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
-            ),
-        ]
+        ];
+        if self.pending.tool_call.is_some() {
+            let item = self.pending.output_item("", "in_progress");
+            events.push(self.event("response.output_item.added", json!({"output_index": 0, "item": item})));
+            return events;
+        }
+        let item = json!({"id": item_id, "type": "message", "status": "in_progress", "role": "assistant",
+            "content": []});
+        let part = json!({"type": "output_text", "text": "", "annotations": []});
+        events.push(self.event("response.output_item.added", json!({"output_index": 0, "item": item})));
+        events.push(self.event(
+            "response.content_part.added",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+        ));
+        events
     }
 
-    /// Text released by the generation.
+    /// Text released by the generation: the message's text, or the call's arguments.
     pub fn delta(&mut self, text: &str) -> Vec<NamedEvent> {
         if text.is_empty() {
             return Vec::new();
         }
         self.text.push_str(text);
         let item_id = self.pending.message_id.clone();
+        if self.pending.tool_call.is_some() {
+            return vec![self.event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": item_id, "output_index": 0, "delta": text}),
+            )];
+        }
         vec![self.event(
             "response.output_text.delta",
             json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
         )]
     }
 
-    /// The generation ended: the text, part and item close, then `response.completed` (or `response.incomplete`
-    /// when it ran out of `max_output_tokens`). Returns the events and what the store keeps.
+    /// The generation ended: the text and part (or the call's arguments) and the item close, then
+    /// `response.completed` (or `response.incomplete` when it ran out of `max_output_tokens`). Returns the events
+    /// and what the store keeps.
     pub fn done(&mut self, finish_reason: &str, usage: &Usage) -> (Vec<NamedEvent>, Stored) {
         let text = std::mem::take(&mut self.text);
         let (response, stored) = self.pending.finish(&text, finish_reason, usage);
-        let item = self.pending.message_item(&text, "completed");
-        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        let item = self.pending.output_item(&text, "completed");
         let item_id = self.pending.message_id.clone();
         let last = if finish_reason == "length" { "response.incomplete" } else { "response.completed" };
-        let events = vec![
-            self.event(
+        let mut events = Vec::with_capacity(4);
+        if let Some(name) = self.pending.tool_call.clone() {
+            events.push(self.event(
+                "response.function_call_arguments.done",
+                json!({"item_id": item_id, "output_index": 0, "name": name, "arguments": text}),
+            ));
+        } else {
+            let part = json!({"type": "output_text", "text": text, "annotations": []});
+            events.push(self.event(
                 "response.output_text.done",
                 json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
-            ),
-            self.event(
+            ));
+            events.push(self.event(
                 "response.content_part.done",
                 json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
-            ),
-            self.event("response.output_item.done", json!({"output_index": 0, "item": item})),
-            self.event(last, json!({"response": response})),
-        ];
+            ));
+        }
+        events.push(self.event("response.output_item.done", json!({"output_index": 0, "item": item})));
+        events.push(self.event(last, json!({"response": response})));
         (events, stored)
     }
 
@@ -720,14 +846,20 @@ mod tests {
             (json!({"model": "m", "input": []}), "input"),
             (json!({"model": "m", "input": 5}), "input"),
             (json!({"model": "m", "input": [{"role": "tool", "content": "x"}]}), "input[0].role"),
-            (json!({"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}), "input[0].type"),
+            (json!({"model": "m", "input": [{"type": "reasoning", "summary": []}]}), "input[0].type"),
+            (json!({"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}), "input[0].call_id"),
+            (
+                json!({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}),
+                "input[0].arguments",
+            ),
             (
                 json!({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
                 "input[0].content[0]",
             ),
             (json!({"model": "m", "input": [{"role": "user"}]}), "input[0].content"),
-            (json!({"model": "m", "input": "q", "tools": [{"type": "function", "name": "f"}]}), "tools"),
-            (json!({"model": "m", "input": "q", "tool_choice": "required"}), "tool_choice"),
+            (json!({"model": "m", "input": "q", "tools": [{"type": "web_search"}]}), "tools[0]"),
+            (json!({"model": "m", "input": "q", "tools": {"type": "function"}}), "tools"),
+            (json!({"model": "m", "input": "q", "tool_choice": {"type": "web_search"}}), "tool_choice"),
             (json!({"model": "m", "input": "q", "background": true}), "background"),
             (json!({"model": "m", "input": "q", "include": ["x"]}), "include"),
             (json!({"model": "m", "input": "q", "truncation": "auto"}), "truncation"),
@@ -760,6 +892,67 @@ mod tests {
             Some("max_output_tokens")
         );
         assert_eq!(rename_param(ApiError::invalid_param("messages", "x")).param.as_deref(), Some("input"));
+    }
+
+    #[test]
+    fn function_tools_and_call_items_map_to_the_chat_paths_forced_calls() {
+        let params = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let r = parse(json!({"model": "m", "input": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        ], "tools": [{"type": "function", "name": "weather", "description": "d", "parameters": params, "strict": true}],
+            "tool_choice": {"type": "function", "name": "weather"}}))
+        .unwrap();
+        let (chat, mut pending) = r.into_chat(Vec::new());
+        assert_eq!(
+            chat["tools"],
+            json!([{"type": "function", "function": {"name": "weather", "description": "d", "parameters": params}}])
+        );
+        assert_eq!(chat["tool_choice"], json!({"type": "function", "function": {"name": "weather"}}));
+        assert_eq!(chat["messages"][1]["tool_calls"][0]["function"]["name"], "weather");
+        assert_eq!(chat["messages"][1]["content"], Value::Null);
+        assert_eq!(chat["messages"][2], json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"}));
+        pending.set_tool_call(Some("weather".into()));
+        let o = pending.object("in_progress", None, None);
+        assert_eq!(
+            (o["tool_choice"]["name"].as_str(), o["tools"][0]["strict"].as_bool()),
+            (Some("weather"), Some(true))
+        );
+        let mut ev = ResponseEvents::new(pending.clone());
+        let mut all = ev.start();
+        all.extend(ev.delta("{\"city\":"));
+        all.extend(ev.delta("\"Lyon\"}"));
+        let (end, stored) = ev.done("stop", &Usage::new(5, 4, 0));
+        all.extend(end);
+        let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        let item = &stored.response["output"][0];
+        assert_eq!(
+            (item["type"].as_str(), item["name"].as_str(), item["arguments"].as_str()),
+            (Some("function_call"), Some("weather"), Some("{\"city\":\"Lyon\"}"))
+        );
+        assert!(item["call_id"].as_str().unwrap().starts_with("call_"));
+        let last = stored.conversation.last().unwrap();
+        assert_eq!(last["tool_calls"][0]["id"], item["call_id"], "a follow-up answers the call by its call_id");
+        // Without tools, the echo says auto and nothing goes to the chat request.
+        let (chat, pending) = parse(json!({"model": "m", "input": "q"})).unwrap().into_chat(Vec::new());
+        assert!(chat.get("tools").is_none() && chat.get("tool_choice").is_none());
+        assert_eq!(pending.object("in_progress", None, None)["tool_choice"], "auto");
+        let e = rename_param(ApiError::invalid_param("tools[0].function.parameters", "x"));
+        assert_eq!(e.param.as_deref(), Some("tools[0].parameters"));
     }
 
     #[test]

@@ -630,11 +630,12 @@ async fn create_response(
         Some(id) => st.responses().conversation(&tenant.name, id)?,
         None => Vec::new(),
     };
-    let (chat, pending) = request.into_chat(previous);
+    let (chat, mut pending) = request.into_chat(previous);
     let chat: ChatCompletionRequest = serde_json::from_value(chat)
         .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
         .map_err(rename_param)?;
     let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
+    pending.set_tool_call(params.tool_call.clone());
     let lora = st.check_model(&params.model)?;
     let mut prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
     params.truncate_prompt(&mut prompt);
@@ -688,8 +689,7 @@ async fn get_response(
     Extension(tenant): Extension<Tenant>,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let Path(id) = id.map_err(|e| ApiError::invalid(format!("The response id in the path: {e}.")))?;
-    Ok(Json(st.responses().response(&tenant.name, &id)?).into_response())
+    Ok(Json(st.responses().response(&tenant.name, &path_id(id)?)?).into_response())
 }
 
 /// `DELETE /v1/responses/{id}`: forgets a stored response of the caller's tenant.
@@ -698,8 +698,12 @@ async fn delete_response(
     Extension(tenant): Extension<Tenant>,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let Path(id) = id.map_err(|e| ApiError::invalid(format!("The response id in the path: {e}.")))?;
-    Ok(Json(st.responses().delete(&tenant.name, &id)?).into_response())
+    Ok(Json(st.responses().delete(&tenant.name, &path_id(id)?)?).into_response())
+}
+
+/// The response id of a `/v1/responses/{id}` path, or a 400 that says what is wrong with it.
+fn path_id(id: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    id.map(|Path(id)| id).map_err(|e| ApiError::invalid(format!("The response id in the path: {e}.")))
 }
 
 async fn completions(

@@ -463,15 +463,14 @@ fn fair_scheduling_shares_the_slots_by_tenant_weight() {
     assert_eq!(first_four(0), (2, 2));
 }
 
-/// Under memory pressure fair scheduling preempts from the tenant running the most, its youngest first, even
-/// when the other tenant's sequence is the youngest of all; every answer is still what it is alone.
-#[test]
-fn fair_scheduling_preempts_the_tenant_running_the_most() {
+/// Four sequences of a heavy tenant and one of a light tenant (the youngest of all) on a pool too small for them:
+/// under `config` the light tenant's sequence is never the preemption victim, and every answer is what it is alone.
+fn light_tenant_is_never_preempted(config: SchedulerConfig) {
     let reqs: Vec<(Vec<u32>, usize, &str)> =
         (0..5).map(|i| (prompt(i, 10 + 3 * i as usize), 30, if i < 4 { "heavy" } else { "light" })).collect();
     let want = reference(&reqs.iter().map(|(p, n, _)| (p.clone(), *n)).collect::<Vec<_>>());
     let blocks = 28 * GS;
-    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..fair(64, 8) }, LAYOUT, blocks);
+    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..config }, LAYOUT, blocks);
     let mut m = FakeModel::new(blocks);
     let ids: Vec<SeqId> = reqs.iter().map(|(p, n, t)| s.add(of_tenant(p.clone(), *n, t)).unwrap()).collect();
     let mut out = Outcome::default();
@@ -488,6 +487,13 @@ fn fair_scheduling_preempts_the_tenant_running_the_most() {
     }
     assert_eq!(s.pool().num_used(), 0);
     s.pool().check_invariants().unwrap();
+}
+
+/// Under memory pressure fair scheduling preempts from the tenant running the most, its youngest first, even
+/// when the other tenant's sequence is the youngest of all (FCFS would take it).
+#[test]
+fn fair_scheduling_preempts_the_tenant_running_the_most() {
+    light_tenant_is_never_preempted(fair(64, 8));
 }
 
 fn vtc(max_step_tokens: usize, max_running: usize) -> SchedulerConfig {
@@ -558,31 +564,10 @@ fn vtc_lifts_an_arriving_tenant_to_the_waiting_minimum() {
     assert_eq!(s.pool().num_used(), 0);
 }
 
-/// Under memory pressure VTC preempts from the tenant that has received the most, its youngest first; every answer
-/// is still what it is alone.
+/// Under memory pressure VTC preempts from the tenant that has received the most, its youngest first.
 #[test]
 fn vtc_preempts_the_tenant_that_has_received_the_most() {
-    let reqs: Vec<(Vec<u32>, usize, &str)> =
-        (0..5).map(|i| (prompt(i, 10 + 3 * i as usize), 30, if i < 4 { "heavy" } else { "light" })).collect();
-    let want = reference(&reqs.iter().map(|(p, n, _)| (p.clone(), *n)).collect::<Vec<_>>());
-    let blocks = 28 * GS;
-    let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..vtc(64, 8) }, LAYOUT, blocks);
-    let mut m = FakeModel::new(blocks);
-    let ids: Vec<SeqId> = reqs.iter().map(|(p, n, t)| s.add(of_tenant(p.clone(), *n, t)).unwrap()).collect();
-    let mut out = Outcome::default();
-    let mut preempted = Vec::new();
-    while s.has_work() {
-        assert!(out.steps < 5_000, "no progress: deadlock?");
-        let plan = step(&mut s, &mut m, &mut out);
-        preempted.extend(plan.preempted.iter().copied());
-    }
-    assert!(!preempted.is_empty(), "the tiny pool must force preemption");
-    assert!(!preempted.contains(&ids[4]), "the light tenant's one sequence is never the victim: {preempted:?}");
-    for (i, id) in ids.iter().enumerate() {
-        assert_eq!(out.tokens[id], want[i], "request {i}");
-    }
-    assert_eq!(s.pool().num_used(), 0);
-    s.pool().check_invariants().unwrap();
+    light_tenant_is_never_preempted(vtc(64, 8));
 }
 
 #[test]
