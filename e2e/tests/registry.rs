@@ -5,6 +5,7 @@
 //! - kvstore nodes that join later (`--join`) are added to the raft cluster by asking it, and the worker, the
 //!   router's directory feed and its dashboard follow them: once the node they started with dies they carry on
 //!   with the new ones.
+//! - Two routers on one registry share the Responses API's stored responses.
 
 mod common;
 
@@ -25,6 +26,14 @@ async fn wait_for(http: &Http, addr: &str, want: Option<bool>, limit: Duration) 
     .await
 }
 
+/// A one-node kvstore registered in etcd `url` (workers need one), and its data directory.
+fn one_kvstore(name: &str, url: &str) -> (Proc, std::path::PathBuf) {
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let dir = std::env::temp_dir().join(format!("pagoda-e2e-{name}-kv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    (spawn_kvstore(&format!("{name}-kvstore"), 1, &addr, &dir, url, false), dir)
+}
+
 /// Worker `w0` and a router, both given only etcd; returns once the router sees the worker ready.
 async fn worker_and_router(name: &str, model: &str, etcd: &str) -> (Proc, Proc, Http, String) {
     let addr = format!("127.0.0.1:{}", free_port().unwrap());
@@ -43,15 +52,7 @@ async fn a_worker_whose_lease_expires_leaves_placement_and_rejoins() {
     let model = require_model().unwrap().to_string_lossy().into_owned();
     let etcd = LocalEtcd::start("e2e-lease").await.unwrap();
     let url = etcd.client_url.clone();
-    let kv_addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let kv_dir = std::env::temp_dir().join(format!("pagoda-e2e-lease-kv-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&kv_dir);
-    let kv_dir_s = kv_dir.to_string_lossy().into_owned();
-    let peer = format!("1={kv_addr}");
-    let kargs =
-        ["kvstore", "--node-id", "1", "--listen", &kv_addr, "--peer", &peer, "--data-dir", &kv_dir_s, "--etcd", &url];
-    let mut kvstore = Proc::spawn_with(BIN.as_ref(), "lease-kvstore", &kargs, die_with_parent).unwrap();
-    kvstore.wait_line("pagoda kvstore listening on ", Duration::from_secs(60)).unwrap();
+    let (mut kvstore, kv_dir) = one_kvstore("lease", &url);
     let (mut worker, mut router, http, addr) = worker_and_router("lease", &model, &url).await;
     let chat = json!({"model": MODEL_ID, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4,
                       "temperature": 0});
@@ -198,4 +199,53 @@ async fn workers_and_routers_follow_kvstore_nodes_that_join_after_them() {
         p.kill();
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The Responses API behind two routers that share the registry: a response stored through one is continued,
+/// retrieved and deleted through the other (stored responses live in etcd, under the cluster's prefix, on leases).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_stored_through_one_router_is_continued_through_another() {
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let etcd = LocalEtcd::start("e2e-responses").await.unwrap();
+    let url = etcd.client_url.clone();
+    let (mut kvstore, kv_dir) = one_kvstore("responses", &url);
+    let (mut worker, mut first, a, addr) = worker_and_router("responses", &model, &url).await;
+    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", &model, "--etcd", &url];
+    let mut second = Proc::spawn_with(BIN.as_ref(), "responses-router-2", &rargs, die_with_parent).unwrap();
+    let b = Http::new(second.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
+    wait_for(&b, &addr, Some(true), Duration::from_secs(30)).await;
+
+    let ask = json!({"model": MODEL_ID, "input": "What is the capital city of France? Answer in one word.",
+        "temperature": 0, "max_output_tokens": 16});
+    let (s, r) = a.post_json("/v1/responses", &ask).await.unwrap();
+    assert_eq!(s, 200, "{r}");
+    let id = r["id"].as_str().unwrap().to_string();
+    let (s, got) = b.get(&format!("/v1/responses/{id}")).await.unwrap();
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(pagoda_e2e::serde_json::from_str::<Value>(&got).unwrap(), r, "the other router reads it back");
+    let follow = json!({"model": MODEL_ID, "input": "And of Germany?", "previous_response_id": id, "temperature": 0,
+        "max_output_tokens": 16});
+    let (s, f) = b.post_json("/v1/responses", &follow).await.unwrap();
+    assert_eq!(s, 200, "the other router continues the conversation: {f}");
+    let answer = r["output"][0]["content"][0]["text"].as_str().unwrap();
+    let whole = json!({"model": MODEL_ID, "temperature": 0, "max_tokens": 16, "messages": [
+        {"role": "user", "content": "What is the capital city of France? Answer in one word."},
+        {"role": "assistant", "content": answer}, {"role": "user", "content": "And of Germany?"}]});
+    let (s, c) = a.post_json("/v1/chat/completions", &whole).await.unwrap();
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(f["output"][0]["content"][0]["text"], c["choices"][0]["message"]["content"]);
+
+    let resp = b.client.delete(b.url(&format!("/v1/responses/{id}"))).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let (s, _) = a.get(&format!("/v1/responses/{id}")).await.unwrap();
+    assert_eq!(s, 404, "deleted through one router, gone from the other");
+    let (s, e) = a.post_json("/v1/responses", &follow).await.unwrap();
+    assert_eq!((s, e["error"]["code"].as_str()), (400, Some("previous_response_not_found")), "{e}");
+    let (s, _) = a.get("/v1/responses/not%2Fan-id").await.unwrap();
+    assert_eq!(s, 404, "an id that cannot be one is not looked up");
+    second.kill();
+    first.kill();
+    worker.kill();
+    kvstore.kill();
+    let _ = std::fs::remove_dir_all(&kv_dir);
 }

@@ -7,8 +7,10 @@
 //! one role's members: it lists them (get), then watches from the next revision, and lists again after a
 //! compaction, a cancelled watch or a broken connection; the consumer gets every list as a full
 //! [`MembershipEvent::Listed`] and every change as `Joined`/`Left`. Everything is bounded: ids, values, the number
-//! of members listed and every etcd call's time.
+//! of members listed and every etcd call's time. [`documents`] keeps small shared documents (the routers' stored
+//! responses) on leases of their own.
 
+pub mod documents;
 pub mod local;
 
 use std::collections::BTreeMap;

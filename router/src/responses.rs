@@ -7,13 +7,21 @@
 //! with one tool) guides the answer by the function's parameters, and the answer is a `function_call` output item;
 //! `function_call` and `function_call_output` input items become the chat path's assistant calls and tool turns.
 //!
+//! Where the responses are kept ([`ResponseBackend`]): in the router's memory ([`ResponseStore`]) when it runs
+//! alone, and in etcd ([`SharedResponses`], `pagoda_registry::documents`) when it runs with the registry, so that
+//! behind several routers a follow-up finds its conversation through any of them.
+//!
 //! A follow-up turn (`previous_response_id`) is the earlier conversation (its input items and its answer, without
 //! its `instructions`, as OpenAI documents) followed by the new input, rendered by the chat template again. Its
 //! prompt therefore starts with the previous turn's tokens, which the router places where they are cached: the
 //! stored conversation costs no recompute of the earlier turns on a worker that still holds them.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pagoda_registry::RegistryConfig;
+use pagoda_registry::documents::{DocumentStore, MAX_DOCUMENT_BYTES};
 
 use serde_json::{Map, Value, json};
 
@@ -28,6 +36,8 @@ pub const MAX_STORED_BYTES: usize = 64 << 20;
 pub const MAX_INPUT_ITEMS: usize = 1024;
 /// Longest response id accepted in a path or `previous_response_id`.
 const MAX_ID_LEN: usize = 128;
+/// How long etcd keeps a shared response after it was written.
+pub const SHARED_RESPONSE_TTL: Duration = Duration::from_secs(24 * 3600);
 /// OpenAI's bounds on `metadata`: pairs, key length, value length.
 const MAX_METADATA_PAIRS: usize = 16;
 const MAX_METADATA_KEY: usize = 64;
@@ -669,6 +679,179 @@ impl Stored {
         let bytes = conversation.iter().map(|m| m.to_string().len()).sum::<usize>() + response.to_string().len();
         Stored { conversation, response, bytes }
     }
+
+    fn to_bytes(&self) -> Vec<u8> {
+        json!({"conversation": self.conversation, "response": self.response}).to_string().into_bytes()
+    }
+
+    fn from_bytes(bytes: &[u8]) -> Option<Stored> {
+        let mut v: Value = serde_json::from_slice(bytes).ok()?;
+        let conversation = match v.get_mut("conversation")?.take() {
+            Value::Array(items) => items,
+            _ => return None,
+        };
+        let response = v.get_mut("response")?.take();
+        Some(Stored::new(conversation, response))
+    }
+}
+
+/// Whether `id` can be a response id: 1 to 128 of `[A-Za-z0-9_-]` (what this router hands out is `resp_` and hex).
+/// Anything else is not found without a lookup, so an id never reaches an etcd key unchecked.
+fn is_response_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_ID_LEN && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn previous_not_found(id: &str) -> ApiError {
+    let shown: String = id.chars().take(MAX_ID_LEN).collect();
+    ApiError {
+        code: Some("previous_response_not_found"),
+        ..ApiError::invalid_param("previous_response_id", format!("Previous response with id '{shown}' not found."))
+    }
+}
+
+/// Where stored responses live.
+pub enum ResponseBackend {
+    /// This router's memory.
+    Local(Mutex<ResponseStore>),
+    /// etcd, shared by every router of the cluster.
+    Shared(Box<SharedResponses>),
+}
+
+impl Default for ResponseBackend {
+    fn default() -> ResponseBackend {
+        ResponseBackend::Local(Mutex::new(ResponseStore::default()))
+    }
+}
+
+impl ResponseBackend {
+    /// Responses in etcd under `<cfg.prefix>/responses/`.
+    pub fn shared(cfg: RegistryConfig) -> ResponseBackend {
+        ResponseBackend::Shared(Box::new(SharedResponses::new(cfg)))
+    }
+
+    /// The local store. A poisoned lock still holds a consistent store (every update completes before it unlocks).
+    fn local(store: &Mutex<ResponseStore>) -> std::sync::MutexGuard<'_, ResponseStore> {
+        store.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps `stored` as `tenant`'s response `id`. A failure to store is logged, not the request's failure: the
+    /// answer stands, and a follow-up naming it is then a clear 400.
+    pub async fn insert(&self, tenant: Arc<str>, id: String, stored: Stored) {
+        match self {
+            ResponseBackend::Local(store) => Self::local(store).insert(tenant, id, stored),
+            ResponseBackend::Shared(shared) => shared.insert(&tenant, &id, &stored).await,
+        }
+    }
+
+    /// The conversation of `tenant`'s response `id`, for a follow-up turn.
+    pub async fn conversation(&self, tenant: &str, id: &str) -> Result<Vec<Value>, ApiError> {
+        match self {
+            ResponseBackend::Local(store) => Self::local(store).conversation(tenant, id),
+            ResponseBackend::Shared(shared) => {
+                shared.get(tenant, id).await?.map(|s| s.conversation).ok_or_else(|| previous_not_found(id))
+            }
+        }
+    }
+
+    /// `tenant`'s response `id`, as `GET /v1/responses/{id}` returns it.
+    pub async fn response(&self, tenant: &str, id: &str) -> Result<Value, ApiError> {
+        match self {
+            ResponseBackend::Local(store) => Self::local(store).response(tenant, id),
+            ResponseBackend::Shared(shared) => {
+                shared.get(tenant, id).await?.map(|s| s.response).ok_or_else(|| not_found(id))
+            }
+        }
+    }
+
+    /// Deletes `tenant`'s response `id`.
+    pub async fn delete(&self, tenant: &str, id: &str) -> Result<Value, ApiError> {
+        match self {
+            ResponseBackend::Local(store) => Self::local(store).delete(tenant, id),
+            ResponseBackend::Shared(shared) => {
+                if !shared.delete(tenant, id).await? {
+                    return Err(not_found(id));
+                }
+                Ok(json!({"id": id, "object": "response", "deleted": true}))
+            }
+        }
+    }
+}
+
+/// Responses in etcd, one document each under `<tenant>/<id>`, on leases of [`SHARED_RESPONSE_TTL`]. What this
+/// router wrote is bounded as the local store is ([`MAX_STORED_RESPONSES`], [`MAX_STORED_BYTES`]): beyond it, it
+/// deletes its oldest, so the registry's etcd never fills with conversations.
+pub struct SharedResponses {
+    docs: DocumentStore,
+    /// Keys this router wrote and their sizes, oldest first, with their total (locked only between awaits).
+    written: Mutex<(VecDeque<(String, usize)>, usize)>,
+}
+
+impl SharedResponses {
+    fn new(cfg: RegistryConfig) -> SharedResponses {
+        SharedResponses {
+            docs: DocumentStore::new(cfg, "responses", SHARED_RESPONSE_TTL),
+            written: Mutex::new((VecDeque::new(), 0)),
+        }
+    }
+
+    fn unavailable(e: pagoda_registry::RegistryError) -> ApiError {
+        ApiError::unavailable(format!("The response store (etcd) is unavailable: {e}."))
+    }
+
+    async fn insert(&self, tenant: &str, id: &str, stored: &Stored) {
+        let bytes = stored.to_bytes();
+        if bytes.len() > MAX_DOCUMENT_BYTES {
+            tracing::warn!(id, bytes = bytes.len(), "response too large to share; not stored");
+            return;
+        }
+        let key = format!("{tenant}/{id}");
+        let size = bytes.len();
+        if let Err(e) = self.docs.put(&key, bytes).await {
+            tracing::warn!(id, error = %e, "storing the response in etcd failed");
+            return;
+        }
+        let evicted: Vec<String> = {
+            let mut w = self.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (keys, total) = &mut *w;
+            keys.push_back((key, size));
+            *total += size;
+            let mut out = Vec::new();
+            while keys.len() > MAX_STORED_RESPONSES || *total > MAX_STORED_BYTES {
+                let Some((old, n)) = keys.pop_front() else { break };
+                *total -= n;
+                out.push(old);
+            }
+            out
+        };
+        for old in evicted {
+            if let Err(e) = self.docs.delete(&old).await {
+                tracing::warn!(key = old, error = %e, "deleting an old shared response failed; its lease expires it");
+            }
+        }
+    }
+
+    async fn get(&self, tenant: &str, id: &str) -> Result<Option<Stored>, ApiError> {
+        if !is_response_id(id) {
+            return Ok(None);
+        }
+        let bytes = self.docs.get(&format!("{tenant}/{id}")).await.map_err(Self::unavailable)?;
+        Ok(bytes.and_then(|b| Stored::from_bytes(&b)))
+    }
+
+    async fn delete(&self, tenant: &str, id: &str) -> Result<bool, ApiError> {
+        if !is_response_id(id) {
+            return Ok(false);
+        }
+        let key = format!("{tenant}/{id}");
+        let deleted = self.docs.delete(&key).await.map_err(Self::unavailable)?;
+        let mut w = self.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (keys, total) = &mut *w;
+        if let Some(at) = keys.iter().position(|(k, _)| *k == key) {
+            let (_, n) = keys.remove(at).unwrap_or_default();
+            *total -= n;
+        }
+        Ok(deleted)
+    }
 }
 
 /// Stored responses, bounded in count and bytes; the oldest go first. Each is visible to its tenant only.
@@ -716,10 +899,7 @@ impl ResponseStore {
 
     /// The conversation of `tenant`'s response `id`, for a follow-up turn.
     pub fn conversation(&self, tenant: &str, id: &str) -> Result<Vec<Value>, ApiError> {
-        self.get(tenant, id).map(|s| s.conversation.clone()).ok_or_else(|| ApiError {
-            code: Some("previous_response_not_found"),
-            ..ApiError::invalid_param("previous_response_id", format!("Previous response with id '{id}' not found."))
-        })
+        self.get(tenant, id).map(|s| s.conversation.clone()).ok_or_else(|| previous_not_found(id))
     }
 
     /// `tenant`'s response `id`, as `GET /v1/responses/{id}` returns it.
@@ -996,6 +1176,22 @@ mod tests {
             (v["response"]["status"].as_str(), v["response"]["error"]["message"].as_str()),
             (Some("failed"), Some("gone"))
         );
+    }
+
+    #[test]
+    fn a_stored_response_round_trips_through_its_shared_form_and_ids_are_checked() {
+        let stored = Stored::new(vec![json!({"role": "user", "content": "q"})], json!({"id": "resp_1", "output": []}));
+        let back = Stored::from_bytes(&stored.to_bytes()).unwrap();
+        assert_eq!(
+            (back.conversation, back.response, back.bytes),
+            (stored.conversation, stored.response, stored.bytes)
+        );
+        assert!(Stored::from_bytes(b"{}").is_none() && Stored::from_bytes(b"not json").is_none());
+        assert!(Stored::from_bytes(br#"{"conversation": 1, "response": {}}"#).is_none());
+        assert!(is_response_id("resp_0123abcdef") && is_response_id("a-b_C"));
+        for bad in ["", "a/b", "../x", "a b", "é", &"x".repeat(MAX_ID_LEN + 1)] {
+            assert!(!is_response_id(bad), "{bad:?}");
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::PathRejection;
@@ -35,7 +35,7 @@ use crate::openai::{
     ToolCallDelta, Usage, check_lengths, check_min_tokens,
 };
 use crate::placer::PlacerConfig;
-use crate::responses::{NamedEvent, ResponseEvents, ResponseStore, ResponsesRequest};
+use crate::responses::{NamedEvent, ResponseBackend, ResponseEvents, ResponsesRequest};
 use crate::workers::WorkerPool;
 
 /// Default request body limit: 4 MiB.
@@ -103,8 +103,8 @@ struct Inner {
     /// One permit per generation request in flight (see [`access::shed_load`]).
     inflight: Arc<tokio::sync::Semaphore>,
     max_inflight: usize,
-    /// Stored responses of `/v1/responses` (locked only between awaits).
-    responses: Mutex<ResponseStore>,
+    /// Stored responses of `/v1/responses`: this router's memory, or etcd with the registry.
+    responses: ResponseBackend,
 }
 
 /// Shared handler state.
@@ -159,7 +159,7 @@ impl AppState {
             migration,
             inflight: Arc::new(tokio::sync::Semaphore::new(max_inflight)),
             max_inflight,
-            responses: Mutex::new(ResponseStore::default()),
+            responses: ResponseBackend::default(),
         }))
     }
 
@@ -167,10 +167,18 @@ impl AppState {
         &self.0.dashboard
     }
 
-    /// The store of `/v1/responses`. A poisoned lock still holds a consistent store (every update completes
-    /// before it unlocks), so it is used as it is.
-    fn responses(&self) -> std::sync::MutexGuard<'_, ResponseStore> {
-        self.0.responses.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn responses(&self) -> &ResponseBackend {
+        &self.0.responses
+    }
+
+    /// This state with `/v1/responses` stored in `backend`. Called while building the state, before it is shared
+    /// (a shared state keeps its store, and the mistake is logged).
+    pub fn with_responses(mut self, backend: ResponseBackend) -> AppState {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => inner.responses = backend,
+            None => tracing::error!("the response store can only be set before the router state is shared"),
+        }
+        self
     }
 
     /// When this state (the router) was created.
@@ -311,7 +319,7 @@ pub async fn serve(
         crate::feed::spawn(pool.clone(), cfg)
     });
     log_security(&config.security);
-    let state = AppState::with_parts(
+    let mut state = AppState::with_parts(
         codec,
         pool,
         config.body_limit,
@@ -320,6 +328,9 @@ pub async fn serve(
         config.migration,
         config.max_inflight,
     );
+    if let Some(cfg) = &config.etcd {
+        state = state.with_responses(ResponseBackend::shared(cfg.clone()));
+    }
     let res = axum::serve(listener, app(state)).with_graceful_shutdown(shutdown).await;
     health.abort();
     if let Some(f) = feed {
@@ -627,7 +638,7 @@ async fn create_response(
     let arrived = Instant::now();
     let request = ResponsesRequest::parse(body)?;
     let previous = match request.previous_response_id() {
-        Some(id) => st.responses().conversation(&tenant.name, id)?,
+        Some(id) => st.responses().conversation(&tenant.name, id).await?,
         None => Vec::new(),
     };
     let (chat, mut pending) = request.into_chat(previous);
@@ -659,7 +670,7 @@ async fn create_response(
                     Some(Piece::Done { finish_reason, usage }) => {
                         let (batch, stored) = events.done(finish_reason, &usage);
                         if store {
-                            st.responses().insert(tenant_name, id, stored);
+                            st.responses().insert(tenant_name, id, stored).await;
                         }
                         batch
                     }
@@ -678,7 +689,7 @@ async fn create_response(
     let c = collect(choice.rx).await?;
     let (response, stored) = pending.finish(&c.text, c.finish_reason, &c.usage);
     if store {
-        st.responses().insert(tenant.name.clone(), pending.id.clone(), stored);
+        st.responses().insert(tenant.name.clone(), pending.id.clone(), stored).await;
     }
     Ok(Json(response).into_response())
 }
@@ -689,7 +700,7 @@ async fn get_response(
     Extension(tenant): Extension<Tenant>,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(st.responses().response(&tenant.name, &path_id(id)?)?).into_response())
+    Ok(Json(st.responses().response(&tenant.name, &path_id(id)?).await?).into_response())
 }
 
 /// `DELETE /v1/responses/{id}`: forgets a stored response of the caller's tenant.
@@ -698,7 +709,7 @@ async fn delete_response(
     Extension(tenant): Extension<Tenant>,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(st.responses().delete(&tenant.name, &path_id(id)?)?).into_response())
+    Ok(Json(st.responses().delete(&tenant.name, &path_id(id)?).await?).into_response())
 }
 
 /// The response id of a `/v1/responses/{id}` path, or a 400 that says what is wrong with it.
