@@ -283,6 +283,15 @@ async fn dashboard_in_chromium_follows_live_traffic() {
     );
     let placements_text = b.text("#placements").await.unwrap();
     assert!(placements_text.contains("lowest cost"), "{placements_text}");
+    // Auth is off: every request is tenant `default`, whose prompt and completion tokens the tenants table counts.
+    let tenant_row = b
+        .execute("const r = document.querySelector('#tenants tbody tr'); return r ? [...r.cells].map(c => c.textContent) : []")
+        .await
+        .unwrap();
+    let cells: Vec<&str> = tenant_row.as_array().unwrap().iter().filter_map(|c| c.as_str()).collect();
+    assert_eq!(cells.first().copied(), Some("default"), "{cells:?}");
+    let count = |s: &str| s.replace(',', "").parse::<u64>().unwrap_or(0);
+    assert!(count(cells[1]) > 0 && count(cells[2]) >= sent, "{cells:?}");
 
     // A long context is profiled while the worker is idle, on the training query its request gave; the EvicPress
     // panel shows the profile and a quality bar per variant measured.

@@ -347,6 +347,14 @@ struct EvictionView {
     freed_blocks: u64,
 }
 
+/// A tenant's tokens since the router started (the page turns two polls into a rate).
+#[derive(Serialize)]
+struct TenantView {
+    tenant: String,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
 #[derive(Serialize)]
 struct RouterView {
     strategy: &'static str,
@@ -367,6 +375,7 @@ struct StateView {
     tiers: Vec<TierView>,
     prefix_hits: Vec<PrefixHitView>,
     evictions: Vec<EvictionView>,
+    tenants: Vec<TenantView>,
     timeline: TimelineSnapshot,
     kvstore: Option<KvstoreView>,
     placements: Vec<DecisionRecord>,
@@ -472,6 +481,11 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
         tiers,
         prefix_hits,
         evictions,
+        tenants: metrics
+            .tenant_tokens_by_tenant()
+            .into_iter()
+            .map(|(tenant, prompt_tokens, completion_tokens)| TenantView { tenant, prompt_tokens, completion_tokens })
+            .collect(),
         timeline: metrics.timeline.snapshot(now),
         kvstore: fleet.as_ref().map(|f| f.kvstore.clone()),
         placements: decisions.into_iter().take(PLACEMENTS_SHOWN).collect(),

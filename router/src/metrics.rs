@@ -3,6 +3,8 @@
 //! occupancy scraped from each worker's `Stats` at scrape time. The `/v1` requests and latencies also feed the
 //! dashboard's [`Timeline`] of recent windows.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -147,6 +149,9 @@ pub struct Metrics {
     pub rate_limited: Family<RateLimitLabels, Counter>,
     /// Prompt and completion tokens per tenant: what fair and token-fair scheduling share out, and usage per tenant.
     pub tenant_tokens: Family<TenantTokenLabels, Counter>,
+    /// The same counters by tenant, for the dashboard (a metric family cannot be listed): one entry per tenant
+    /// that sent a request, so at most one per tenant of the keys file.
+    tenant_counters: Mutex<BTreeMap<String, (Counter, Counter)>>,
     pub guided_requests: Family<GuideLabels, Counter>,
     /// Generation requests that ran with a LoRA adapter, by adapter.
     pub lora_requests: Family<LoraLabels, Counter>,
@@ -631,6 +636,7 @@ impl Metrics {
             residency_index_blocks,
             rate_limited,
             tenant_tokens,
+            tenant_counters: Mutex::new(BTreeMap::new()),
             guided_requests,
             lora_requests,
             worker_tier_used_bytes,
@@ -725,9 +731,21 @@ impl Metrics {
     /// The counters of `tenant`'s prompt and completion tokens, to hold for a request's life (so counting a token
     /// is an atomic add, with no label lookup).
     pub fn tenant_token_counters(&self, tenant: &str) -> (Counter, Counter) {
+        let mut known = self.tenant_counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(counters) = known.get(tenant) {
+            return counters.clone();
+        }
         let of =
             |kind| self.tenant_tokens.get_or_create(&TenantTokenLabels { tenant: tenant.to_string(), kind }).clone();
-        (of("prompt"), of("completion"))
+        let counters = (of("prompt"), of("completion"));
+        known.insert(tenant.to_string(), counters.clone());
+        counters
+    }
+
+    /// Every tenant that sent a request, with its prompt and completion tokens so far, by name.
+    pub fn tenant_tokens_by_tenant(&self) -> Vec<(String, u64, u64)> {
+        let known = self.tenant_counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        known.iter().map(|(t, (p, c))| (t.clone(), p.get(), c.get())).collect()
     }
 
     pub fn count_rate_limited(&self, tenant: &str, denied: crate::limits::Denied) {
@@ -903,6 +921,8 @@ mod tests {
         completion.inc_by(4);
         // A second request of the tenant adds to the same series.
         m.tenant_token_counters("acme").1.inc();
+        m.tenant_token_counters("globex").0.inc_by(2);
+        assert_eq!(m.tenant_tokens_by_tenant(), vec![("acme".to_string(), 3, 5), ("globex".to_string(), 2, 0)]);
         m.worker_used_blocks.get_or_create(&WorkerLabels { worker: "w".into() }).set(5);
         let pl = PolicyLabels { worker: "w".into(), policy: "snapkv".into() };
         m.worker_evicted_tokens.get_or_create(&pl).set(7);

@@ -167,6 +167,31 @@ function renderEvictions(st) {
   replaceChildren($("evictions"), rows);
 }
 
+// The previous update's tenant totals and time, for the rates.
+let lastTenants = null;
+
+function renderTenants(st) {
+  const before = lastTenants;
+  const seconds = before ? (st.generated_unix_ms - before.at) / 1000 : 0;
+  const rows = st.tenants.map((t) => {
+    const total = t.prompt_tokens + t.completion_tokens;
+    const prev = before && before.totals.get(t.tenant);
+    const rate = prev !== undefined && seconds > 0 ? ((total - prev) / seconds).toFixed(1) : "–";
+    return row([el("td", t.tenant, "mono"), numCell(fmtInt(t.prompt_tokens)), numCell(fmtInt(t.completion_tokens)),
+      numCell(rate)]);
+  });
+  if (rows.length === 0) {
+    const empty = el("td", "No request yet.", "note");
+    empty.colSpan = 4;
+    rows.push(row([empty]));
+  }
+  replaceChildren($("tenants").tBodies[0], rows);
+  lastTenants = {
+    at: st.generated_unix_ms,
+    totals: new Map(st.tenants.map((t) => [t.tenant, t.prompt_tokens + t.completion_tokens])),
+  };
+}
+
 function renderEvicPress(st) {
   const rows = [];
   for (const w of st.workers) {
@@ -311,6 +336,7 @@ function render(st) {
   renderTiers(st);
   renderPrefixHits(st);
   renderEvictions(st);
+  renderTenants(st);
   renderEvicPress(st);
   renderKvstore(st);
   renderCharts(st);
