@@ -777,6 +777,21 @@ fn run_cycling(config: SchedulerConfig, blocks: usize, reqs: &[(Vec<u32>, usize,
     CyclingRun { results, stats: s.stats(), steps: out.steps, sched: s, model: m }
 }
 
+/// VTC charges every generated token, the accepted speculative ones included, and every prompt once: after a run
+/// with drafts the tenant's counter is exactly prompt tokens + 2 x generated tokens.
+#[test]
+fn vtc_charges_accepted_draft_tokens_like_sampled_ones() {
+    let reqs: Vec<(Vec<u32>, usize, Vec<u32>)> =
+        cycling_requests().into_iter().map(|(p, n)| (p, n, Vec::new())).collect();
+    let config = SchedulerConfig { scheduling: SchedulingPolicy::Vtc, ..speculating(64, 8, 4, 8) };
+    let CyclingRun { results, stats, sched: s, .. } = run_cycling(config, 200, &reqs);
+    assert!(stats.accepted_draft_tokens_total > 0, "{stats:?}");
+    let prompts: usize = reqs.iter().map(|(p, _, _)| p.len()).sum();
+    let generated: usize = results.iter().map(|(tokens, _)| tokens.len()).sum();
+    let served = s.vtc_counter(pagoda_worker::scheduler::tenant_of(""));
+    assert_eq!(served, (prompts + 2 * generated) as f64, "{prompts} prompt and {generated} generated tokens");
+}
+
 /// Drafts change no answer (the stand-in model reads every computed position's KV back through the tables, so a
 /// rejected draft left in the cache would show), stay within `max_tokens`, are accepted where the text repeats,
 /// save steps, and leave no block behind.
