@@ -121,6 +121,7 @@ async fn check_access_over_http(base: &str) -> String {
     let v: Value = pagoda_e2e::serde_json::from_str(&body).unwrap();
     assert_eq!(v["workers"][0]["ready"], true, "{v}");
     assert_eq!(v["workers"][0]["role"], "both", "{v}");
+    assert_eq!(v["workers"][0]["scheduling"], "fcfs", "the worker's Health says how it orders requests: {v}");
     assert_eq!(v["workers"][0]["lora_adapters"], json!([]), "{v}");
     assert_eq!(v["timeline"]["window_s"], 5, "{v}");
 
@@ -209,7 +210,8 @@ async fn dashboard_in_chromium_follows_live_traffic() {
     assert!(b.current_url().await.unwrap().ends_with("/dashboard"));
     assert_eq!(b.execute("return document.cookie").await.unwrap(), json!(""), "the session cookie is HttpOnly");
     assert_eq!(b.text("#workers-ready").await.unwrap(), "1 / 1");
-    assert!(b.text("#workers").await.unwrap().contains(&up.worker), "the worker's address is listed");
+    let workers = b.text("#workers").await.unwrap();
+    assert!(workers.contains(&up.worker) && workers.contains("fcfs"), "the worker's address and scheduling: {workers}");
     // `pagoda up` embeds a one-voter kvstore: the panel shows it as its own leader.
     b.wait_for("the embedded kvstore's leader", Duration::from_secs(20), || async {
         Ok(b.text("#kvstore").await?.contains("leader node").then_some(()))

@@ -259,6 +259,8 @@ struct WorkerView {
     ready: bool,
     /// What the router sends it: both, prefill (disaggregated prompts) or decode.
     role: &'static str,
+    /// How it orders requests: fcfs, priority, fair or vtc.
+    scheduling: String,
     model: String,
     /// The LoRA adapters it serves, by name.
     lora_adapters: Vec<String>,
@@ -443,6 +445,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
                 address: w.addr.clone(),
                 ready: status.ready,
                 role: status.role.name(),
+                scheduling: status.scheduling_policy.clone(),
                 lora_adapters: status.lora_adapters.iter().map(|a| a.name.clone()).collect(),
                 model: status.model,
                 error: status.last_error,

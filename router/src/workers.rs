@@ -50,6 +50,8 @@ pub struct WorkerStatus {
     pub lora_load_seconds: f64,
     /// Most adapters it holds at once (`--max-loras`; 0 when it does not say).
     pub max_loras: u32,
+    /// How it orders requests (`--scheduling-policy`), as it says (at most 16 bytes kept; empty when it does not say).
+    pub scheduling_policy: String,
     /// Cache ids of adapters it had loaded at some probe, by name, newest kept ([`MAX_REMEMBERED_LORA_IDS`]):
     /// an adapter evicted on demand leaves its blocks cached under its salt, which placement should still match.
     pub lora_seen: Vec<(String, String)>,
@@ -366,6 +368,7 @@ impl Worker {
                     lora_available: h.lora_available,
                     lora_load_seconds: h.lora_load_seconds,
                     max_loras: h.max_loras,
+                    scheduling_policy: h.scheduling_policy.chars().take(16).collect(),
                     lora_seen: Vec::new(),
                     last_error: None,
                 }

@@ -685,6 +685,11 @@ impl EngineHandle {
         self.inner.default_policy
     }
 
+    /// How the scheduler orders requests.
+    pub fn scheduling_policy(&self) -> SchedulingPolicy {
+        self.inner.sched_cfg.scheduling
+    }
+
     /// Validates and queues a request. Events arrive on the returned receiver; dropping it cancels the
     /// request and frees its blocks.
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<GenerateEvent>, EngineError> {

@@ -145,6 +145,16 @@ pub enum SchedulingPolicy {
 }
 
 impl SchedulingPolicy {
+    /// Its `--scheduling-policy` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            SchedulingPolicy::Fcfs => "fcfs",
+            SchedulingPolicy::Priority => "priority",
+            SchedulingPolicy::Fair => "fair",
+            SchedulingPolicy::Vtc => "vtc",
+        }
+    }
+
     /// `fcfs`, `priority`, `fair` or `vtc`.
     pub fn from_name(name: &str) -> Option<SchedulingPolicy> {
         match name {

@@ -692,6 +692,7 @@ impl Worker for WorkerService {
             lora_available: lora.available().to_vec(),
             max_loras: u32::try_from(lora.max_loaded()).unwrap_or(u32::MAX),
             lora_load_seconds: lora.mean_load_seconds(),
+            scheduling_policy: self.engine.scheduling_policy().name().to_string(),
         }))
     }
 

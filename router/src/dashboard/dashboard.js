@@ -112,6 +112,7 @@ function renderWorkers(st) {
       el("td", w.address, "mono"),
       health,
       el("td", w.role || "both"),
+      el("td", w.scheduling || "–"),
       model,
       numCell(s ? `${s.running} / ${s.waiting}` : "–"),
       numCell(`${fmtInt(w.queued_tokens)} tok · ${w.decoding} decoding`),
