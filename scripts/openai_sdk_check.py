@@ -26,7 +26,9 @@ def check(cond, what):
 def main():
     url = sys.argv[1].rstrip("/")
     wait_ready(url, None)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # The server is on loopback: no proxy from the environment may stand between.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120,
+                           http_client=openai.DefaultHttpxClient(trust_env=False))
     model = client.models.list().data[0].id
     check(model == client.models.retrieve(model).id, "models.retrieve")
 

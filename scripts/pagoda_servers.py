@@ -35,7 +35,8 @@ def wait_ready(url, proc, timeout=180):
         if proc is not None and proc.poll() is not None:
             sys.exit(f"server on {url} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+            # The servers are on loopback: no proxy from the environment.
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/readyz", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:

@@ -397,7 +397,7 @@ def check_disaggregated(objs):
 def check_lora(objs):
     w, wo = container(objs, "StatefulSet", "worker", "worker")
     for arg in ("--lora=sql=/lora/adapters/sql-lora", "--lora=org/chat:v2=/lora/chat", "--max-lora-rank=32",
-                "--max-loras=8", "--lora-dir=/lora", "--lora-on-demand"):
+                "--max-loras=8", "--lora-dir=/lora", "--lora-on-demand", "--scheduling-policy=vtc"):
         expect(arg in w["command"], f"lora: {arg} missing from the worker command")
     mount = [m for m in w["volumeMounts"] if m["name"] == "lora"]
     expect(mount == [{"name": "lora", "mountPath": "/lora", "readOnly": True}], "lora: the adapters mount")
