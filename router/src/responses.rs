@@ -1074,6 +1074,17 @@ mod tests {
         assert_eq!(rename_param(ApiError::invalid_param("messages", "x")).param.as_deref(), Some("input"));
     }
 
+    /// Streams `deltas` through `ev` to a normal end: every event, and what the store keeps.
+    fn stream(ev: &mut ResponseEvents, deltas: &[&str], usage: Usage) -> (Vec<NamedEvent>, Stored) {
+        let mut all = ev.start();
+        for d in deltas {
+            all.extend(ev.delta(d));
+        }
+        let (end, stored) = ev.done("stop", &usage);
+        all.extend(end);
+        (all, stored)
+    }
+
     #[test]
     fn function_tools_and_call_items_map_to_the_chat_paths_forced_calls() {
         let params = json!({"type": "object", "properties": {"city": {"type": "string"}}});
@@ -1100,11 +1111,7 @@ mod tests {
             (Some("weather"), Some(true))
         );
         let mut ev = ResponseEvents::new(pending.clone());
-        let mut all = ev.start();
-        all.extend(ev.delta("{\"city\":"));
-        all.extend(ev.delta("\"Lyon\"}"));
-        let (end, stored) = ev.done("stop", &Usage::new(5, 4, 0));
-        all.extend(end);
+        let (all, stored) = stream(&mut ev, &["{\"city\":", "\"Lyon\"}"], Usage::new(5, 4, 0));
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
         assert_eq!(
             names,
@@ -1140,12 +1147,7 @@ mod tests {
         let r = parse(json!({"model": "m", "input": "q"})).unwrap();
         let (_, pending) = r.into_chat(Vec::new());
         let mut ev = ResponseEvents::new(pending);
-        let mut all = ev.start();
-        all.extend(ev.delta("Hel"));
-        all.extend(ev.delta(""));
-        all.extend(ev.delta("lo"));
-        let (end, stored) = ev.done("stop", &Usage::new(3, 2, 0));
-        all.extend(end);
+        let (all, stored) = stream(&mut ev, &["Hel", "", "lo"], Usage::new(3, 2, 0));
         let names: Vec<&str> = all.iter().map(|(n, _)| *n).collect();
         assert_eq!(
             names,
