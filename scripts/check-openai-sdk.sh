@@ -12,15 +12,9 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 venv="$root/target/openai-sdk-venv"
-reqs="openai==3.51.0"
-stamp="$venv/.installed"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$reqs" ]; then
-  echo "check-openai-sdk: installing $reqs into $venv"
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $reqs
-  echo "$reqs" > "$stamp"
-fi
+# shellcheck source=scripts/venv.sh
+. scripts/venv.sh
+pinned_venv "$venv" "openai==3.51.0" check-openai-sdk
 
 pagoda="${PAGODA_BIN:-$root/target/debug/pagoda}"
 model="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -40,11 +40,17 @@ async fn worker_and_router(name: &str, model: &str, etcd: &str) -> (Proc, Proc, 
     let wargs = ["worker", "--listen", &addr, "--model", model, "--threads", "1", "--etcd", etcd, "--worker-id", "w0"];
     let mut worker = Proc::spawn_with(BIN.as_ref(), &format!("{name}-worker"), &wargs, die_with_parent).unwrap();
     worker.wait_line("pagoda worker listening on ", Duration::from_secs(120)).unwrap();
-    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", model, "--etcd", etcd];
-    let mut router = Proc::spawn_with(BIN.as_ref(), &format!("{name}-router"), &rargs, die_with_parent).unwrap();
-    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
-    wait_for(&http, &addr, Some(true), Duration::from_secs(30)).await;
+    let (router, http) = router_until_ready(&format!("{name}-router"), model, etcd, &addr).await;
     (worker, router, http, addr)
+}
+
+/// A router given only etcd; returns once it sees the worker at `worker` ready.
+async fn router_until_ready(name: &str, model: &str, etcd: &str, worker: &str) -> (Proc, Http) {
+    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", model, "--etcd", etcd];
+    let mut router = Proc::spawn_with(BIN.as_ref(), name, &rargs, die_with_parent).unwrap();
+    let http = Http::new(router.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
+    wait_for(&http, worker, Some(true), Duration::from_secs(30)).await;
+    (router, http)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,10 +216,7 @@ async fn a_response_stored_through_one_router_is_continued_through_another() {
     let url = etcd.client_url.clone();
     let (mut kvstore, kv_dir) = one_kvstore("responses", &url);
     let (mut worker, mut first, a, addr) = worker_and_router("responses", &model, &url).await;
-    let rargs = ["router", "--listen", "127.0.0.1:0", "--model", &model, "--etcd", &url];
-    let mut second = Proc::spawn_with(BIN.as_ref(), "responses-router-2", &rargs, die_with_parent).unwrap();
-    let b = Http::new(second.wait_line("pagoda router listening on ", Duration::from_secs(60)).unwrap());
-    wait_for(&b, &addr, Some(true), Duration::from_secs(30)).await;
+    let (mut second, b) = router_until_ready("responses-router-2", &model, &url, &addr).await;
 
     let ask = json!({"model": MODEL_ID, "input": "What is the capital city of France? Answer in one word.",
         "temperature": 0, "max_output_tokens": 16});

@@ -132,8 +132,8 @@ pub struct Tenant {
     pub weight: u32,
 }
 
-/// Largest `weight=` a key may have.
-pub const MAX_WEIGHT: u32 = 1000;
+/// Largest `weight=` a key may have: what a worker accepts as `GenerateRequest.tenant_weight`.
+pub const MAX_WEIGHT: u32 = pagoda_worker::service::MAX_TENANT_WEIGHT;
 
 fn digest(key: &[u8]) -> [u8; 32] {
     Sha256::digest(key).into()

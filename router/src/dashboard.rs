@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::access::admin_access;
 use crate::auth::{ADMIN_SESSION, MAX_KEY_BYTES};
 use crate::placer::DecisionRecord;
-use crate::server::AppState;
+use crate::server::{AppState, unix_now};
 use crate::timeline::TimelineSnapshot;
 use kvstore::{KvstoreNodes, KvstoreView};
 
@@ -123,10 +123,6 @@ pub fn routes() -> axum::Router<AppState> {
         .route("/dashboard/api/state", get(api_state))
         .route("/dashboard/dashboard.css", get(|| async { asset("text/css; charset=utf-8", STYLE_CSS) }))
         .route("/dashboard/dashboard.js", get(|| async { asset("text/javascript; charset=utf-8", SCRIPT_JS) }))
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// The value of the session cookie, if the request carries one.

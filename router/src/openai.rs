@@ -456,7 +456,8 @@ impl GenParams {
 /// fair schedulers cut at (so the salt does not make another tenant), then a digest of the salt (the salt itself
 /// never leaves the router). Requests share cached blocks only with requests of the same tenant and salt.
 pub fn salted_namespace(tenant: &str, cache_salt: &str) -> String {
-    format!("{tenant}\u{0}salt\u{0}{:032x}", xxhash_rust::xxh3::xxh3_128(cache_salt.as_bytes()))
+    let digest = format!("{:032x}", xxhash_rust::xxh3::xxh3_128(cache_salt.as_bytes()));
+    pagoda_worker::cache::salted_namespace(tenant, "salt", &digest)
 }
 
 /// Largest `truncate_prompt_tokens` (no context is longer).

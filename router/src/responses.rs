@@ -23,6 +23,7 @@ use std::time::Duration;
 use pagoda_registry::RegistryConfig;
 use pagoda_registry::documents::{DocumentStore, MAX_DOCUMENT_BYTES};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
@@ -216,7 +217,7 @@ impl ResponsesRequest {
             message_id: new_response_id("msg"),
             call_id: new_response_id("call"),
             tool_call: None,
-            created_at: unix_now(),
+            created_at: crate::server::unix_now(),
             model: get("model"),
             store: self.store,
             conversation,
@@ -462,10 +463,6 @@ pub struct PendingResponse {
 }
 
 impl PendingResponse {
-    pub fn store(&self) -> bool {
-        self.store
-    }
-
     /// The answer calls `name` (the chat request's forced function call): its output is a `function_call` item.
     pub fn set_tool_call(&mut self, name: Option<String>) {
         self.tool_call = name;
@@ -504,15 +501,19 @@ impl PendingResponse {
         if finish_reason == "length" { "incomplete" } else { "completed" }
     }
 
-    /// The final response object and what the store keeps of it.
-    pub fn finish(&self, text: &str, finish_reason: &str, usage: &Usage) -> (Value, Stored) {
+    /// The final response object, and what the store keeps of it (`None` with `store: false`, built only when
+    /// kept).
+    pub fn finish(&self, text: &str, finish_reason: &str, usage: &Usage) -> (Value, Option<Stored>) {
         let response = self.object(Self::status_of(finish_reason), Some((text, finish_reason)), Some(usage));
+        if !self.store {
+            return (response, None);
+        }
         let mut conversation = self.conversation.clone();
         conversation.push(match &self.tool_call {
             Some(name) => function_call_message(&self.call_id, name, text),
             None => json!({"role": "assistant", "content": text}),
         });
-        (response.clone(), Stored::new(conversation, response))
+        (response.clone(), Some(Stored { conversation, response }))
     }
 
     /// The answer's output item: a `function_call` when the answer calls a function, else a `message`.
@@ -568,6 +569,11 @@ impl ResponseEvents {
         ResponseEvents { pending, text: String::new(), sequence: 0 }
     }
 
+    /// The response's id.
+    pub fn id(&self) -> &str {
+        &self.pending.id
+    }
+
     fn event(&mut self, name: &'static str, mut body: Value) -> NamedEvent {
         if let Value::Object(map) = &mut body {
             map.insert("type".into(), json!(name));
@@ -608,23 +614,21 @@ impl ResponseEvents {
             return Vec::new();
         }
         self.text.push_str(text);
-        let item_id = self.pending.message_id.clone();
-        if self.pending.tool_call.is_some() {
-            return vec![self.event(
-                "response.function_call_arguments.delta",
-                json!({"item_id": item_id, "output_index": 0, "delta": text}),
-            )];
-        }
-        vec![self.event(
-            "response.output_text.delta",
-            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []}),
-        )]
+        let item_id = &self.pending.message_id;
+        let (name, body) = if self.pending.tool_call.is_some() {
+            ("response.function_call_arguments.delta", json!({"item_id": item_id, "output_index": 0, "delta": text}))
+        } else {
+            let body =
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []});
+            ("response.output_text.delta", body)
+        };
+        vec![self.event(name, body)]
     }
 
     /// The generation ended: the text and part (or the call's arguments) and the item close, then
     /// `response.completed` (or `response.incomplete` when it ran out of `max_output_tokens`). Returns the events
     /// and what the store keeps.
-    pub fn done(&mut self, finish_reason: &str, usage: &Usage) -> (Vec<NamedEvent>, Stored) {
+    pub fn done(&mut self, finish_reason: &str, usage: &Usage) -> (Vec<NamedEvent>, Option<Stored>) {
         let text = std::mem::take(&mut self.text);
         let (response, stored) = self.pending.finish(&text, finish_reason, usage);
         let item = self.pending.output_item(&text, "completed");
@@ -667,31 +671,87 @@ impl ResponseEvents {
 }
 
 /// A stored response: its conversation (for `previous_response_id`) and its object (for `GET`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Stored {
     conversation: Vec<Value>,
     response: Value,
-    bytes: usize,
+}
+
+/// [`Stored`] borrowed, to encode without copying it.
+#[derive(Serialize)]
+struct StoredRef<'a> {
+    conversation: &'a [Value],
+    response: &'a Value,
 }
 
 impl Stored {
-    fn new(conversation: Vec<Value>, response: Value) -> Stored {
-        let bytes = conversation.iter().map(|m| m.to_string().len()).sum::<usize>() + response.to_string().len();
-        Stored { conversation, response, bytes }
+    fn as_ref(&self) -> StoredRef<'_> {
+        StoredRef { conversation: &self.conversation, response: &self.response }
     }
 
     fn to_bytes(&self) -> Vec<u8> {
-        json!({"conversation": self.conversation, "response": self.response}).to_string().into_bytes()
+        serde_json::to_vec(&self.as_ref()).unwrap_or_default()
     }
 
     fn from_bytes(bytes: &[u8]) -> Option<Stored> {
-        let mut v: Value = serde_json::from_slice(bytes).ok()?;
-        let conversation = match v.get_mut("conversation")?.take() {
-            Value::Array(items) => items,
-            _ => return None,
-        };
-        let response = v.get_mut("response")?.take();
-        Some(Stored::new(conversation, response))
+        serde_json::from_slice(bytes).ok()
+    }
+
+    /// Its size as JSON, what the stores' byte bounds count, measured without building the text.
+    fn size(&self) -> usize {
+        struct Count(usize);
+        impl std::io::Write for Count {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0 += buf.len();
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut count = Count(0);
+        let _ = serde_json::to_writer(&mut count, &self.as_ref());
+        count.0
+    }
+}
+
+/// Keys in the order they were kept, with their sizes, bounded in count and bytes: keeping one past either bound
+/// gives back the oldest to drop. The local store and the shared store's record of what this router wrote both
+/// bound themselves with it.
+#[derive(Debug)]
+struct OldestFirst {
+    keys: VecDeque<(String, usize)>,
+    bytes: usize,
+    max_keys: usize,
+    max_bytes: usize,
+}
+
+impl OldestFirst {
+    fn new(max_keys: usize, max_bytes: usize) -> OldestFirst {
+        OldestFirst { keys: VecDeque::new(), bytes: 0, max_keys, max_bytes }
+    }
+
+    /// Keeps `key` of `size` bytes and returns the oldest keys to drop so that both bounds hold; `None` (nothing
+    /// kept) for one that could never fit.
+    fn keep(&mut self, key: String, size: usize) -> Option<Vec<String>> {
+        if size > self.max_bytes || self.max_keys == 0 {
+            return None;
+        }
+        self.keys.push_back((key, size));
+        self.bytes += size;
+        let mut dropped = Vec::new();
+        while self.keys.len() > self.max_keys || self.bytes > self.max_bytes {
+            let Some((old, n)) = self.keys.pop_front() else { break };
+            self.bytes -= n;
+            dropped.push(old);
+        }
+        Some(dropped)
+    }
+
+    fn forget(&mut self, key: &str) {
+        if let Some((_, n)) = self.keys.iter().position(|(k, _)| k == key).and_then(|at| self.keys.remove(at)) {
+            self.bytes -= n;
+        }
     }
 }
 
@@ -782,16 +842,20 @@ impl ResponseBackend {
 /// deletes its oldest, so the registry's etcd never fills with conversations.
 pub struct SharedResponses {
     docs: DocumentStore,
-    /// Keys this router wrote and their sizes, oldest first, with their total (locked only between awaits).
-    written: Mutex<(VecDeque<(String, usize)>, usize)>,
+    /// Keys this router wrote, oldest first (locked only between awaits).
+    written: Mutex<OldestFirst>,
 }
 
 impl SharedResponses {
     fn new(cfg: RegistryConfig) -> SharedResponses {
         SharedResponses {
             docs: DocumentStore::new(cfg, "responses", SHARED_RESPONSE_TTL),
-            written: Mutex::new((VecDeque::new(), 0)),
+            written: Mutex::new(OldestFirst::new(MAX_STORED_RESPONSES, MAX_STORED_BYTES)),
         }
+    }
+
+    fn written(&self) -> std::sync::MutexGuard<'_, OldestFirst> {
+        self.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn unavailable(e: pagoda_registry::RegistryError) -> ApiError {
@@ -810,19 +874,7 @@ impl SharedResponses {
             tracing::warn!(id, error = %e, "storing the response in etcd failed");
             return;
         }
-        let evicted: Vec<String> = {
-            let mut w = self.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (keys, total) = &mut *w;
-            keys.push_back((key, size));
-            *total += size;
-            let mut out = Vec::new();
-            while keys.len() > MAX_STORED_RESPONSES || *total > MAX_STORED_BYTES {
-                let Some((old, n)) = keys.pop_front() else { break };
-                *total -= n;
-                out.push(old);
-            }
-            out
-        };
+        let evicted = self.written().keep(key, size).unwrap_or_default();
         for old in evicted {
             if let Err(e) = self.docs.delete(&old).await {
                 tracing::warn!(key = old, error = %e, "deleting an old shared response failed; its lease expires it");
@@ -844,12 +896,7 @@ impl SharedResponses {
         }
         let key = format!("{tenant}/{id}");
         let deleted = self.docs.delete(&key).await.map_err(Self::unavailable)?;
-        let mut w = self.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (keys, total) = &mut *w;
-        if let Some(at) = keys.iter().position(|(k, _)| *k == key) {
-            let (_, n) = keys.remove(at).unwrap_or_default();
-            *total -= n;
-        }
+        self.written().forget(&key);
         Ok(deleted)
     }
 }
@@ -858,11 +905,7 @@ impl SharedResponses {
 #[derive(Debug)]
 pub struct ResponseStore {
     entries: HashMap<String, (Arc<str>, Stored)>,
-    /// Ids, oldest first.
-    order: VecDeque<String>,
-    bytes: usize,
-    max_entries: usize,
-    max_bytes: usize,
+    oldest: OldestFirst,
 }
 
 impl Default for ResponseStore {
@@ -873,23 +916,16 @@ impl Default for ResponseStore {
 
 impl ResponseStore {
     pub fn new(max_entries: usize, max_bytes: usize) -> ResponseStore {
-        ResponseStore { entries: HashMap::new(), order: VecDeque::new(), bytes: 0, max_entries, max_bytes }
+        ResponseStore { entries: HashMap::new(), oldest: OldestFirst::new(max_entries, max_bytes) }
     }
 
     /// Keeps `stored` under `id` for `tenant`, evicting the oldest as needed. One larger than the whole store is
     /// not kept (a later `previous_response_id` naming it is then not found).
     pub fn insert(&mut self, tenant: Arc<str>, id: String, stored: Stored) {
-        if stored.bytes > self.max_bytes || self.max_entries == 0 {
-            return;
+        let Some(evicted) = self.oldest.keep(id.clone(), stored.size()) else { return };
+        for old in evicted {
+            self.entries.remove(&old);
         }
-        while self.entries.len() >= self.max_entries || self.bytes + stored.bytes > self.max_bytes {
-            let Some(oldest) = self.order.pop_front() else { break };
-            if let Some((_, s)) = self.entries.remove(&oldest) {
-                self.bytes -= s.bytes;
-            }
-        }
-        self.bytes += stored.bytes;
-        self.order.push_back(id.clone());
         self.entries.insert(id, (tenant, stored));
     }
 
@@ -912,10 +948,8 @@ impl ResponseStore {
         if self.get(tenant, id).is_none() {
             return Err(not_found(id));
         }
-        if let Some((_, s)) = self.entries.remove(id) {
-            self.bytes -= s.bytes;
-        }
-        self.order.retain(|o| o != id);
+        self.entries.remove(id);
+        self.oldest.forget(id);
         Ok(json!({"id": id, "object": "response", "deleted": true}))
     }
 
@@ -940,10 +974,6 @@ fn not_found(id: &str) -> ApiError {
 
 fn new_response_id(prefix: &str) -> String {
     format!("{prefix}_{:032x}", rand::random::<u128>())
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -991,12 +1021,15 @@ mod tests {
         assert_eq!(chat["messages"][3], json!({"role": "user", "content": "ab"}));
         let usage = Usage::new(10, 2, 4);
         let (response, stored) = pending.finish("z", "stop", &usage);
+        let stored = stored.expect("stored by default");
         assert_eq!(response["status"], "completed");
         assert_eq!(response["output"][0]["content"][0]["text"], "z");
         assert_eq!(response["usage"]["input_tokens_details"]["cached_tokens"], 4);
         assert_eq!(stored.conversation.len(), 5, "earlier turns, this input, the answer");
         assert_eq!(stored.conversation[4], json!({"role": "assistant", "content": "z"}));
         let (cut, _) = pending.finish("z", "length", &usage);
+        let unstored = parse(json!({"model": "m", "input": "q", "store": false})).unwrap().into_chat(Vec::new()).1;
+        assert!(unstored.finish("z", "stop", &usage).1.is_none(), "store: false keeps nothing");
         assert_eq!(
             (cut["status"].clone(), cut["incomplete_details"]["reason"].clone()),
             (json!("incomplete"), json!("max_output_tokens"))
@@ -1082,7 +1115,7 @@ mod tests {
         }
         let (end, stored) = ev.done("stop", &usage);
         all.extend(end);
-        (all, stored)
+        (all, stored.expect("stored by default"))
     }
 
     #[test]
@@ -1182,11 +1215,14 @@ mod tests {
 
     #[test]
     fn a_stored_response_round_trips_through_its_shared_form_and_ids_are_checked() {
-        let stored = Stored::new(vec![json!({"role": "user", "content": "q"})], json!({"id": "resp_1", "output": []}));
+        let stored = Stored {
+            conversation: vec![json!({"role": "user", "content": "q"})],
+            response: json!({"id": "resp_1", "output": []}),
+        };
         let back = Stored::from_bytes(&stored.to_bytes()).unwrap();
         assert_eq!(
-            (back.conversation, back.response, back.bytes),
-            (stored.conversation, stored.response, stored.bytes)
+            (back.conversation.clone(), back.response.clone(), back.size()),
+            (stored.conversation.clone(), stored.response.clone(), stored.size())
         );
         assert!(Stored::from_bytes(b"{}").is_none() && Stored::from_bytes(b"not json").is_none());
         assert!(Stored::from_bytes(br#"{"conversation": 1, "response": {}}"#).is_none());
@@ -1198,7 +1234,10 @@ mod tests {
 
     #[test]
     fn the_store_is_bounded_per_tenant_and_forgets_the_oldest() {
-        let stored = |text: &str| Stored::new(vec![json!({"role": "user", "content": text})], json!({"id": text}));
+        let stored = |text: &str| Stored {
+            conversation: vec![json!({"role": "user", "content": text})],
+            response: json!({"id": text}),
+        };
         let mut s = ResponseStore::new(2, 1 << 20);
         let acme: Arc<str> = "acme".into();
         s.insert(acme.clone(), "a".into(), stored("a"));
@@ -1212,14 +1251,14 @@ mod tests {
         assert_eq!(s.conversation("acme", "b").unwrap().len(), 1);
         assert_eq!(s.delete("acme", "b").unwrap()["deleted"], true);
         assert!(s.delete("acme", "b").is_err());
-        assert_eq!((s.len(), s.order.len()), (1, 1));
+        assert_eq!((s.len(), s.oldest.keys.len()), (1, 1));
         // Bytes: an entry larger than the store is not kept; others make room by evicting.
-        let one = stored("x").bytes;
+        let one = stored("x").size();
         let mut s = ResponseStore::new(100, 2 * one);
         s.insert(acme.clone(), "x".into(), stored("x"));
         s.insert(acme.clone(), "y".into(), stored("y"));
         s.insert(acme.clone(), "z".into(), stored("z"));
-        assert_eq!((s.len(), s.bytes), (2, 2 * one));
+        assert_eq!((s.len(), s.oldest.bytes), (2, 2 * one));
         s.insert(acme.clone(), "big".into(), stored(&"w".repeat(4 * one)));
         assert!(s.response("acme", "big").is_err());
         assert!(!s.is_empty());

@@ -233,7 +233,8 @@ impl AppState {
     }
 }
 
-fn unix_now() -> u64 {
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -655,30 +656,28 @@ async fn create_response(
     let Some(choice) = choices.pop() else {
         return Err(ApiError::internal("no generation started"));
     };
-    let store = pending.store();
     if params.stream {
-        let mut events = ResponseEvents::new(pending.clone());
+        let mut events = ResponseEvents::new(pending);
         let opening = events.start();
-        let (st, tenant_name, id) = (st.clone(), tenant.name.clone(), pending.id.clone());
-        let body = futures::stream::unfold(Some((choice.rx, events)), move |state| {
-            let (st, tenant_name, id) = (st.clone(), tenant_name.clone(), id.clone());
-            async move {
-                let (mut rx, mut events) = state?;
-                let batch = match rx.recv().await {
-                    Some(Piece::Text { text, .. }) => return Some((events.delta(&text), Some((rx, events)))),
-                    Some(Piece::Echo { .. }) => return Some((Vec::new(), Some((rx, events)))),
-                    Some(Piece::Done { finish_reason, usage }) => {
-                        let (batch, stored) = events.done(finish_reason, &usage);
-                        if store {
-                            st.responses().insert(tenant_name, id, stored).await;
-                        }
-                        batch
+        // Everything the stream needs rides in its state: nothing is cloned per token.
+        let body = futures::stream::unfold(Some((choice.rx, events, st, tenant.name)), |state| async move {
+            let (mut rx, mut events, st, tenant_name) = state?;
+            let batch = match rx.recv().await {
+                Some(Piece::Text { text, .. }) => {
+                    return Some((events.delta(&text), Some((rx, events, st, tenant_name))));
+                }
+                Some(Piece::Echo { .. }) => return Some((Vec::new(), Some((rx, events, st, tenant_name)))),
+                Some(Piece::Done { finish_reason, usage }) => {
+                    let (batch, stored) = events.done(finish_reason, &usage);
+                    if let Some(stored) = stored {
+                        st.responses().insert(tenant_name, events.id().to_string(), stored).await;
                     }
-                    Some(Piece::Error(e)) => events.failed(&e),
-                    None => events.failed(&ApiError::internal("the generation ended without an answer")),
-                };
-                Some((batch, None))
-            }
+                    batch
+                }
+                Some(Piece::Error(e)) => events.failed(&e),
+                None => events.failed(&ApiError::internal("the generation ended without an answer")),
+            };
+            Some((batch, None))
         });
         let stream = futures::StreamExt::chain(
             futures::stream::iter(opening),
@@ -688,7 +687,7 @@ async fn create_response(
     }
     let c = collect(choice.rx).await?;
     let (response, stored) = pending.finish(&c.text, c.finish_reason, &c.usage);
-    if store {
+    if let Some(stored) = stored {
         st.responses().insert(tenant.name.clone(), pending.id.clone(), stored).await;
     }
     Ok(Json(response).into_response())

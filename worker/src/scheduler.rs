@@ -145,6 +145,9 @@ pub enum SchedulingPolicy {
 }
 
 impl SchedulingPolicy {
+    pub const ALL: [SchedulingPolicy; 4] =
+        [SchedulingPolicy::Fcfs, SchedulingPolicy::Priority, SchedulingPolicy::Fair, SchedulingPolicy::Vtc];
+
     /// Its `--scheduling-policy` name.
     pub fn name(self) -> &'static str {
         match self {
@@ -157,13 +160,7 @@ impl SchedulingPolicy {
 
     /// `fcfs`, `priority`, `fair` or `vtc`.
     pub fn from_name(name: &str) -> Option<SchedulingPolicy> {
-        match name {
-            "fcfs" => Some(SchedulingPolicy::Fcfs),
-            "priority" => Some(SchedulingPolicy::Priority),
-            "fair" => Some(SchedulingPolicy::Fair),
-            "vtc" => Some(SchedulingPolicy::Vtc),
-            _ => None,
-        }
+        SchedulingPolicy::ALL.into_iter().find(|p| p.name() == name)
     }
 }
 

@@ -67,7 +67,7 @@ pub struct AdmissionLimits {
 pub const DEFAULT_MAX_QUEUED_REQUESTS: usize = 256;
 /// Default `--max-queued-prompt-tokens`.
 pub const DEFAULT_MAX_QUEUED_PROMPT_TOKENS: u64 = 32_768;
-/// Largest `GenerateRequest.tenant_weight` (the router's keys file allows as much).
+/// Largest `GenerateRequest.tenant_weight` (the router's keys file takes its `weight=` bound from here).
 pub const MAX_TENANT_WEIGHT: u32 = 1000;
 /// The wait a worker suggests when every adapter slot is pinned or in use (a few decode steps' time).
 const LORA_BUSY_RETRY_AFTER_MS: &str = "500";

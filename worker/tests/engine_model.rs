@@ -669,30 +669,31 @@ fn try_collect(rx: &mut UnboundedReceiver<GenerateEvent>) -> Option<(Vec<u32>, F
     None
 }
 
+/// An engine that runs one sequence at a time under `scheduling`.
+fn one_slot(scheduling: SchedulingPolicy) -> EngineHandle {
+    Engine::start(EngineConfig { max_running: 1, scheduling, ..config(64, true, ReserveConfig::default()) })
+        .expect("engine starts")
+}
+
+/// A greedy request of `tenant` (its namespace) that generates exactly `max_tokens`.
+fn of_tenant(id: &str, prompt: &[u32], max_tokens: u32, tenant: &str) -> GenerateRequest {
+    GenerateRequest { ignore_eos: true, namespace: tenant.to_string(), ..greedy(id, prompt, max_tokens) }
+}
+
 /// Fair scheduling on the real engine, one sequence at a time: with tenant `a`'s burst queued first, tenant `b`'s
 /// request (namespace salted by an adapter id, the same tenant) runs right after the burst's first, not after all
 /// of it; a priority is refused as under FCFS.
 #[test]
 fn fair_scheduling_serves_the_tenant_running_the_fewest_next() {
-    let h = Engine::start(EngineConfig {
-        max_running: 1,
-        scheduling: SchedulingPolicy::Fair,
-        ..config(64, true, ReserveConfig::default())
-    })
-    .expect("engine starts");
+    let h = one_slot(SchedulingPolicy::Fair);
     let prompts = tokenize(&[DOC, "Count from one to ten:", "The capital of France is", "Write a haiku:"]);
-    let req = |id: &str, prompt: &[u32], max_tokens: u32, tenant: &str| GenerateRequest {
-        ignore_eos: true,
-        namespace: tenant.to_string(),
-        ..greedy(id, prompt, max_tokens)
-    };
-    assert!(h.submit(GenerateRequest { priority: 1, ..req("p", &prompts[1], 2, "a") }).is_err());
+    assert!(h.submit(GenerateRequest { priority: 1, ..of_tenant("p", &prompts[1], 2, "a") }).is_err());
     // Tenant a's blocker holds the only running slot until the queue is complete.
-    let mut blocker = h.submit(req("blocker", &prompts[0], 500, "a")).unwrap();
+    let mut blocker = h.submit(of_tenant("blocker", &prompts[0], 500, "a")).unwrap();
     assert!(matches!(blocker.blocking_recv(), Some(GenerateEvent::Token { .. })));
-    let a1 = h.submit(req("a1", &prompts[1], 4, "a")).unwrap();
-    let a2 = h.submit(req("a2", &prompts[2], 4, "a")).unwrap();
-    let b = h.submit(req("b", &prompts[3], 4, "b\u{0}lora\u{0}x@1")).unwrap();
+    let a1 = h.submit(of_tenant("a1", &prompts[1], 4, "a")).unwrap();
+    let a2 = h.submit(of_tenant("a2", &prompts[2], 4, "a")).unwrap();
+    let b = h.submit(of_tenant("b", &prompts[3], 4, "b\u{0}lora\u{0}x@1")).unwrap();
     h.cancel("blocker").unwrap();
     // With the blocker gone nobody runs: a1 (the earliest) goes first; then neither tenant runs anything, and b,
     // admitted less recently than a, goes before a2.
@@ -708,27 +709,17 @@ fn fair_scheduling_serves_the_tenant_running_the_fewest_next() {
 /// would alternate the tenants and run `a`'s second before `b`'s last two.
 #[test]
 fn vtc_scheduling_charges_a_long_prompt_to_its_tenant() {
-    let h = Engine::start(EngineConfig {
-        max_running: 1,
-        scheduling: SchedulingPolicy::Vtc,
-        ..config(64, true, ReserveConfig::default())
-    })
-    .expect("engine starts");
+    let h = one_slot(SchedulingPolicy::Vtc);
     let long = [DOC; 4].join(" ");
     let prompts = tokenize(&[&long, "Count from one to ten:", "The capital of France is", "Write a haiku:"]);
     assert!(prompts[0].len() > 4 * (prompts[1].len() + 2 * 4), "the long prompt outweighs three short requests");
-    let req = |id: &str, prompt: &[u32], max_tokens: u32, tenant: &str| GenerateRequest {
-        ignore_eos: true,
-        namespace: tenant.to_string(),
-        ..greedy(id, prompt, max_tokens)
-    };
-    assert!(h.submit(GenerateRequest { priority: 1, ..req("p", &prompts[1], 2, "a") }).is_err());
+    assert!(h.submit(GenerateRequest { priority: 1, ..of_tenant("p", &prompts[1], 2, "a") }).is_err());
     // A third tenant's blocker holds the only running slot until the queue is complete.
-    let mut blocker = h.submit(req("blocker", &prompts[1], 500, "c")).unwrap();
+    let mut blocker = h.submit(of_tenant("blocker", &prompts[1], 500, "c")).unwrap();
     assert!(matches!(blocker.blocking_recv(), Some(GenerateEvent::Token { .. })));
-    let a1 = h.submit(req("a1", &prompts[0], 4, "a")).unwrap();
-    let a2 = h.submit(req("a2", &prompts[1], 4, "a")).unwrap();
-    let b: Vec<_> = (0..3).map(|i| h.submit(req(&format!("b{i}"), &prompts[1 + i], 4, "b")).unwrap()).collect();
+    let a1 = h.submit(of_tenant("a1", &prompts[0], 4, "a")).unwrap();
+    let a2 = h.submit(of_tenant("a2", &prompts[1], 4, "a")).unwrap();
+    let b: Vec<_> = (0..3).map(|i| h.submit(of_tenant(&format!("b{i}"), &prompts[1 + i], 4, "b")).unwrap()).collect();
     h.cancel("blocker").unwrap();
     let (a1, a2) = (collect(a1), collect(a2));
     let b: Vec<_> = b.into_iter().map(collect).collect();
@@ -751,12 +742,7 @@ fn vtc_scheduling_charges_a_long_prompt_to_its_tenant() {
 /// arrived, the answers of those served before it are already in their receivers.
 #[test]
 fn priority_scheduling_serves_the_queue_by_priority_then_arrival() {
-    let h = Engine::start(EngineConfig {
-        max_running: 1,
-        scheduling: SchedulingPolicy::Priority,
-        ..config(64, true, ReserveConfig::default())
-    })
-    .expect("engine starts");
+    let h = one_slot(SchedulingPolicy::Priority);
     let prompts = tokenize(&[DOC, "Count from one to ten:", "The capital of France is", "Write a haiku:"]);
     let req = |id: &str, prompt: &[u32], max_tokens: u32, priority: i32| GenerateRequest {
         ignore_eos: true,

@@ -32,6 +32,14 @@ pub fn chain_hash(prev: u64, model_id: &str, namespace: &str, tokens: &[u32]) ->
     h.digest()
 }
 
+/// `namespace` salted by `kind` and `id` (a LoRA adapter's cache id, a request's `cache_salt` digest): blocks
+/// hashed under it never match blocks of `namespace` alone or of another salt. The separator (a NUL) appears in no
+/// tenant name, so the tenant is the namespace up to the first one ([`crate::scheduler::tenant_of`]); a salted
+/// namespace can be salted again.
+pub fn salted_namespace(namespace: &str, kind: &str, id: &str) -> String {
+    format!("{namespace}\u{0}{kind}\u{0}{id}")
+}
+
 /// Chain hashes of every full block of `tokens`.
 pub fn block_hashes(model_id: &str, namespace: &str, tokens: &[u32], block_size: usize) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));

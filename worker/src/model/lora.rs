@@ -166,7 +166,7 @@ pub fn check_lora_name(name: &str) -> Result<(), String> {
 /// adapter's KV differs from the base model's for the same tokens, so its chain must too. The separator (a NUL)
 /// appears in no tenant name and no adapter name, so no two pairs give the same string. Routers compute the same.
 pub fn cache_namespace(namespace: &str, cache_id: &str) -> String {
-    format!("{namespace}\u{0}lora\u{0}{cache_id}")
+    crate::cache::salted_namespace(namespace, "lora", cache_id)
 }
 
 impl LoraAdapter {
