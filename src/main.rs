@@ -129,9 +129,10 @@ struct CheckArgsArgs {
 struct EvalArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// With --codecs: run the model's matmuls on AMX bf16 tiles (the worker's --amx) instead of Q8_1.
-    #[arg(long)]
-    amx: bool,
+    /// With --codecs: run the model's matmuls in bf16 (the worker's --bf16-matmuls) instead of over Q8_1
+    /// activations, so that each lane's disagreement is its codec's and not the activation rounding's.
+    #[arg(long, alias = "amx")]
+    bf16_matmuls: bool,
     /// Policies to compare with the full cache (comma-separated; "all" = every eviction policy).
     #[arg(long, value_delimiter = ',', default_value = "all")]
     policies: Vec<String>,
@@ -184,7 +185,7 @@ struct EvalArgs {
     #[arg(long, value_delimiter = ',')]
     from_json: Vec<PathBuf>,
     /// Compare KV codecs with the full cache instead of eviction policies (comma-separated: f16, bf16, int8,
-    /// fp8_e4m3, int4_kivi, int2_kivi, or "all"): every filled block is encoded and decoded back in place, and
+    /// fp8_e4m3, fp8_e4m3_rotated, int4_kivi, int2_kivi, or "all"): every filled block is encoded and decoded back in place, and
     /// each codec's next-token argmax is compared with the full cache's on the synthetic items (greedy
     /// continuation of --codec-tokens) and the prose documents (forced continuation). Writes --json/--markdown.
     #[arg(long, value_delimiter = ',')]
@@ -259,10 +260,11 @@ struct EngineArgs {
     /// attention kernel as it loads).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
-    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once (+2
-    /// bytes per weight): faster prefill and batched decode, logits closer to float32, slower single-stream decode.
-    #[arg(long)]
-    amx: bool,
+    /// Run the quantised matmuls in bf16 over weights widened to bf16 once (+2 bytes per weight): on AMX tiles where
+    /// the CPU has them (faster prefill and batched decode), else with AVX-512 BF16 dot products; logits closer to
+    /// float32, slower single-stream decode. Refused on CPUs with neither. (`--amx` is the old name.)
+    #[arg(long, alias = "amx")]
+    bf16_matmuls: bool,
     /// Compute device: cpu, or cuda / cuda:N for the GPU runner (binaries built with `--features cuda`). On a GPU
     /// the KV cache is f16 in device memory; eviction policies, the host/disk tiers with LRU placement, and peer
     /// pulls (over NCCL links between GPU workers, else gRPC) run there too; EvicPress placement is CPU-only.
@@ -326,10 +328,10 @@ struct EngineArgs {
     /// `evicpress` (tier and codec per context by EvicPress's utility, quality profiled while idle).
     #[arg(long, default_value = "lru", value_parser = ["lru", "evicpress"])]
     tier_placement: String,
-    /// Codec of the groups LRU placement stores: native (the device dtype), bf16, int8, fp8_e4m3, int4_kivi or
-    /// int2_kivi.
+    /// Codec of the groups LRU placement stores: native (the device dtype), bf16, int8, fp8_e4m3, fp8_e4m3_rotated
+    /// (fp8 over Hadamard-rotated keys), int4_kivi or int2_kivi.
     #[arg(long, default_value = "native",
-          value_parser = ["native", "f16", "f32", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"])]
+          value_parser = ["native", "f16", "f32", "bf16", "int8", "fp8_e4m3", "fp8_e4m3_rotated", "int4_kivi", "int2_kivi"])]
     tier_codec: String,
     /// KIVI's full-precision residual for stored prompts, in tokens: the last groups of each prompt stored in
     /// int4_kivi or int2_kivi (by LRU or EvicPress) keep the device's format. KIVI's paper uses 128. 0: none.
@@ -983,9 +985,9 @@ struct BenchLoadArgs {
 struct BenchTiersArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them (zipf workload; every configuration alike).
-    #[arg(long)]
-    amx: bool,
+    /// Run the quantised matmuls in bf16 (the worker's --bf16-matmuls; zipf workload; every configuration alike).
+    #[arg(long, alias = "amx")]
+    bf16_matmuls: bool,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -1196,10 +1198,11 @@ struct BenchEngineArgs {
     /// Element type of the KV cache: f16 or f32.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
-    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once (+2
-    /// bytes per weight): faster prefill and batched decode, logits closer to float32, slower single-stream decode.
-    #[arg(long)]
-    amx: bool,
+    /// Run the quantised matmuls in bf16 over weights widened to bf16 once (+2 bytes per weight): on AMX tiles where
+    /// the CPU has them (faster prefill and batched decode), else with AVX-512 BF16 dot products; logits closer to
+    /// float32, slower single-stream decode. Refused on CPUs with neither. (`--amx` is the old name.)
+    #[arg(long, alias = "amx")]
+    bf16_matmuls: bool,
     /// SYNTHETIC WEIGHTS: bench a model of this llama shape filled with random weights; it replaces --model
     /// (throughput only; outputs are meaningless). A preset (smollm2-135m, llama-1b, llama-8b) or a list such as
     /// layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024.
@@ -1362,7 +1365,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         scheduling: SchedulingPolicy::from_name(&e.scheduling_policy).context("--scheduling-policy")?,
         tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
-        amx: e.amx,
+        bf16_matmuls: e.bf16_matmuls,
         synthetic: None,
         device: e.device,
         kivi_residual_tokens: e.kivi_residual_tokens,
@@ -1925,7 +1928,8 @@ fn eval_codecs(model: &Path, args: &EvalArgs) -> Result<()> {
         }
         Ok(items)
     };
-    let report = codecs::run(model, args.threads, args.amx, &list, &make_items).context("codec eval failed")?;
+    let report =
+        codecs::run(model, args.threads, args.bf16_matmuls, &list, &make_items).context("codec eval failed")?;
     eprintln!("codec eval took {:.1} s", report.seconds);
     let md = codecs::render_markdown(&report);
     println!("{md}");
@@ -2177,7 +2181,7 @@ fn bench_engine(args: BenchEngineArgs) -> Result<()> {
         decode_new_tokens: args.decode_new_tokens,
         concurrency: args.concurrency,
         kv_dtype: args.kv_dtype,
-        amx: args.amx,
+        bf16_matmuls: args.bf16_matmuls,
         synthetic,
         device: args.device,
         lora: args.lora,
@@ -2236,7 +2240,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         alphas: args.evicpress_alpha,
         keep_ratios: keep_ratios(&args.evicpress_keep_ratios),
         prose_dir: args.prose_dir.is_dir().then_some(args.prose_dir),
-        amx: args.amx,
+        bf16_matmuls: args.bf16_matmuls,
         offline_phase: args.offline_phase,
         seed_dir: args.offline_seed_dir,
         profile_scoring: args.evicpress_profile,

@@ -148,21 +148,21 @@ fn merging_pools_items_and_refuses_a_report_twice(model: &std::path::Path, first
     let _ = (std::fs::remove_file(&second), std::fs::remove_file(&merged), std::fs::remove_file(&plot));
 }
 
-/// `pagoda eval --codecs` with `--amx` through the real binary: an f32 lane (encode/decode as identity) batched with
-/// an f16 lane must reproduce the full cache exactly, which holds only if the tile matmuls give each row the same
-/// result whatever shares its call; the f16 lane must differ a little. Without AMX tiles on the CPU the flag
-/// falls back to the default matmuls, and the same must hold.
+/// `pagoda eval --codecs` with `--bf16-matmuls` through the real binary: an f32 lane (encode/decode as identity)
+/// batched with an f16 lane must reproduce the full cache exactly, which holds only if the bf16 matmuls (AMX tiles or
+/// AVX-512 BF16 dot products) give each row the same result whatever shares its call; the f16 lane must differ a
+/// little. On a CPU with neither, the flag is refused with an error naming it.
 #[test]
-fn codec_eval_on_amx_tiles_is_exact_for_the_identity_codec() {
+fn codec_eval_on_bf16_matmuls_is_exact_for_the_identity_codec() {
     let model = pagoda_e2e::require_model().unwrap();
     let out = std::env::temp_dir().join(format!("pagoda-eval-codecs-{}.json", std::process::id()));
-    let status = Command::new(BIN)
+    let run = Command::new(BIN)
         .args(["eval", "--model"])
         .arg(&model)
         .args([
             "--codecs",
             "f32,f16",
-            "--amx",
+            "--bf16-matmuls",
             "--tasks",
             "passkey",
             "--contexts",
@@ -178,8 +178,14 @@ fn codec_eval_on_amx_tiles_is_exact_for_the_identity_codec() {
             "--json",
         ])
         .arg(&out)
-        .status()
+        .output()
         .expect("pagoda eval --codecs runs");
+    let status = run.status;
+    if !pagoda_kernels::cpu::bf16_matmuls_available() {
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!status.success() && stderr.contains("--bf16-matmuls"), "{status}: {stderr}");
+        return;
+    }
     assert!(status.success(), "pagoda eval --codecs failed: {status}");
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);

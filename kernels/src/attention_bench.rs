@@ -52,7 +52,7 @@ pub enum KvFormat {
 
 impl KvFormat {
     /// Every format `pagoda bench kernels` measures ("all").
-    pub const ALL: [KvFormat; 9] = [
+    pub const ALL: [KvFormat; 10] = [
         KvFormat::Pool(KvDtype::F16),
         KvFormat::Pool(KvDtype::F32),
         KvFormat::Pool(KvDtype::Int8),
@@ -60,6 +60,7 @@ impl KvFormat {
         KvFormat::Encoded(Codec::Bf16),
         KvFormat::Encoded(Codec::Int8),
         KvFormat::Encoded(Codec::Fp8E4m3),
+        KvFormat::Encoded(Codec::Fp8E4m3Rotated),
         KvFormat::Encoded(Codec::Int4Kivi),
         KvFormat::Encoded(Codec::Int2Kivi),
     ];
@@ -302,7 +303,18 @@ mod tests {
 
     #[test]
     fn formats_and_shapes_parse_and_name_themselves() {
-        for name in ["f16", "f32", "pool:int8", "pool:fp8_e4m3", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"] {
+        for name in [
+            "f16",
+            "f32",
+            "pool:int8",
+            "pool:fp8_e4m3",
+            "bf16",
+            "int8",
+            "fp8_e4m3",
+            "fp8_e4m3_rotated",
+            "int4_kivi",
+            "int2_kivi",
+        ] {
             let f: KvFormat = name.parse().unwrap();
             assert_eq!(f.name(), name);
             assert!(KvFormat::ALL.contains(&f), "{name}");

@@ -21,6 +21,7 @@
 //! | `bf16` | `bf16[B][D]` | same | RNE: ≤ 2⁻⁸·\|x\| |
 //! | `int8` | `f32 scale[B]`, `i8[B][D]` | same | symmetric per slot: scale = absmax/127, ≤ scale/2 |
 //! | `fp8_e4m3` | `f32 scale`, `e4m3[B][D]` | same | per block (= per head): scale = absmax/448; ≤ 2⁻⁴·\|x\| for normals, ≤ 2⁻¹⁰·scale below |
+//! | `fp8_e4m3_rotated` | `fp8_e4m3`'s, of each key rotated by [`hadamard_rotate`] | `fp8_e4m3`'s | V as `fp8_e4m3`; K: the rotated key's bound, so ≤ 2⁻⁴·‖key‖₂ + √D·2⁻¹⁰·scale per element |
 //! | `int4_kivi` | `f16 scale[D]`, `f16 min[D]`, `u4[B][D]` | `f16 scale[B][G]`, `f16 min[B][G]`, `u4[B][D]` | asymmetric: ≤ scale/2 (+ f16 rounding of min) |
 //! | `int2_kivi` | as int4 with `u2` codes | as int4 with `u2` codes | as int4 with 3 levels instead of 15 |
 //!
@@ -31,6 +32,15 @@
 //! group would tie two blocks together. That is a finer grouping than the paper's (more scale bytes, lower error).
 //! The paper also keeps the most recent tokens in full precision; here the block being filled stays f32 and is only
 //! encoded once full, which plays the same role.
+//!
+//! `fp8_e4m3_rotated` stores each key rotated by the normalised Walsh–Hadamard transform (in chunks of the largest
+//! power of two dividing D: the whole of a 64- or 128-wide head). e4m3's error is relative to each element, so
+//! a q·k sum whose weight sits in a few channels (RoPE's low frequencies carry most of it) takes most of its error
+//! from those few; rotated, the same energy is spread over every channel and the errors average out
+//! (`docs/BENCHMARKS.md`: 3.8× lower KL than `fp8_e4m3` on the real model). The transform is orthonormal and its
+//! own inverse, so `q·k = (Hq)·(Hk)`: the attention kernel rotates the query once per head and reads the codes as
+//! `fp8_e4m3`'s, and the decoder rotates each key back. Values are not rotated: their error enters the output as
+//! a norm, which a rotation does not change.
 //!
 //! Packed codes: `u4` row byte `j` holds channel `j` in its low nibble and channel `j + D/2` in its high nibble;
 //! `u2` row byte `j` holds channel `j + t·D/4` in bits `2t..2t+2`. This keeps 8 consecutive channels in 8
@@ -107,6 +117,8 @@ pub enum Codec {
     Int8,
     /// FP8 E4M3 (fn: no infinities, max 448), one f32 scale per block.
     Fp8E4m3,
+    /// [`Codec::Fp8E4m3`] over keys rotated by [`hadamard_rotate`]; values as `fp8_e4m3`.
+    Fp8E4m3Rotated,
     /// KIVI 4-bit: keys per channel, values per token in groups of 32, fp16 scale and min.
     Int4Kivi,
     /// KIVI 2-bit, same layout as [`Codec::Int4Kivi`].
@@ -132,7 +144,9 @@ impl fmt::Display for Half {
 /// Errors of encoding, decoding and storing KV blocks.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum CodecError {
-    #[error("unknown codec {0:?} (expected one of f32, f16, bf16, int8, fp8_e4m3, int4_kivi, int2_kivi)")]
+    #[error(
+        "unknown codec {0:?} (expected one of f32, f16, bf16, int8, fp8_e4m3, fp8_e4m3_rotated, int4_kivi, int2_kivi)"
+    )]
     UnknownCodec(String),
     #[error("{codec} cannot encode blocks of {block_size} slots x head_dim {head_dim}: {reason}")]
     BadShape { codec: Codec, block_size: usize, head_dim: usize, reason: &'static str },
@@ -164,8 +178,16 @@ pub enum CodecError {
 
 impl Codec {
     /// Every codec, uncompressed first.
-    pub const ALL: [Codec; 7] =
-        [Codec::F32, Codec::F16, Codec::Bf16, Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
+    pub const ALL: [Codec; 8] = [
+        Codec::F32,
+        Codec::F16,
+        Codec::Bf16,
+        Codec::Int8,
+        Codec::Fp8E4m3,
+        Codec::Fp8E4m3Rotated,
+        Codec::Int4Kivi,
+        Codec::Int2Kivi,
+    ];
 
     /// The codec's name (what [`FromStr`] accepts).
     pub fn name(self) -> &'static str {
@@ -175,6 +197,7 @@ impl Codec {
             Codec::Bf16 => "bf16",
             Codec::Int8 => "int8",
             Codec::Fp8E4m3 => "fp8_e4m3",
+            Codec::Fp8E4m3Rotated => "fp8_e4m3_rotated",
             Codec::Int4Kivi => "int4_kivi",
             Codec::Int2Kivi => "int2_kivi",
         }
@@ -190,6 +213,7 @@ impl Codec {
             Codec::Fp8E4m3 => 4,
             Codec::Int4Kivi => 5,
             Codec::Int2Kivi => 6,
+            Codec::Fp8E4m3Rotated => 7,
         }
     }
 
@@ -226,7 +250,7 @@ impl Codec {
             (Codec::F32, _) => 4 * n,
             (Codec::F16 | Codec::Bf16, _) => 2 * n,
             (Codec::Int8, _) => 4 * bs + n,
-            (Codec::Fp8E4m3, _) => 4 + n,
+            (Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated, _) => 4 + n,
             (Codec::Int4Kivi, Half::K) => 4 * hd + n / 2,
             (Codec::Int4Kivi, Half::V) => 4 * bs * groups + n / 2,
             (Codec::Int2Kivi, Half::K) => 4 * hd + n / 4,
@@ -420,7 +444,7 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                     return corrupt("negative or non-finite scale");
                 }
             }
-            Codec::Fp8E4m3 => {
+            Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
                 if !valid_scale(f32_at(b, 0)) {
                     return corrupt("negative or non-finite scale");
                 }
@@ -596,15 +620,27 @@ fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &
                 scales[4 * i..4 * i + 4].copy_from_slice(&s.to_le_bytes());
             }
         }
-        Codec::Fp8E4m3 => {
-            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
+            let rotate = codec == Codec::Fp8E4m3Rotated && half == Half::K;
+            let mut buf = [0.0f32; MAX_HEAD_DIM];
+            let mut amax = 0.0f32;
+            for (i, r) in x.chunks_exact(hd).enumerate() {
+                let y = e4m3_input(r, rotate, &mut buf[..hd]);
+                amax = y.iter().fold(amax, |m, v| m.max(v.abs()));
+                if !amax.is_finite() {
+                    // Only a rotation of values near f32::MAX gets here (the input is finite).
+                    return Err(range(codec, i * hd, r.iter().fold(0.0f32, |m, v| m.max(v.abs()))));
+                }
+            }
             let s = amax / E4M3_MAX;
             out[..4].copy_from_slice(&s.to_le_bytes());
             let qs = &mut out[4..];
             qs.fill(0);
             if s > 0.0 {
-                for (q, &v) in qs.iter_mut().zip(x) {
-                    *q = e4m3_from_f32(v / s);
+                for (r, q) in x.chunks_exact(hd).zip(qs.chunks_exact_mut(hd)) {
+                    for (q, &v) in q.iter_mut().zip(e4m3_input(r, rotate, &mut buf[..hd])) {
+                        *q = e4m3_from_f32(v / s);
+                    }
                 }
             }
         }
@@ -669,6 +705,45 @@ fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &
     Ok(())
 }
 
+/// What the e4m3 codecs quantise of one row `r`: the row itself, or (`rotate`) its rotation, computed in `buf`.
+fn e4m3_input<'a>(r: &'a [f32], rotate: bool, buf: &'a mut [f32]) -> &'a [f32] {
+    if !rotate {
+        return r;
+    }
+    buf.copy_from_slice(r);
+    hadamard_rotate(buf);
+    buf
+}
+
+/// Rotates `x` in place by the normalised Walsh–Hadamard transform `H / √n`, applied to consecutive chunks of
+/// `n` = the largest power of two dividing `x.len()` (the whole row when its length is a power of two). The
+/// transform is orthonormal and symmetric, so it is its own inverse: applying it twice gives `x` back up to f32
+/// rounding. `fp8_e4m3_rotated` applies it to keys before quantising and after decoding, and the attention
+/// kernels to the query.
+pub fn hadamard_rotate(x: &mut [f32]) {
+    if x.is_empty() {
+        return;
+    }
+    let n = 1usize << x.len().trailing_zeros();
+    let norm = 1.0 / (n as f32).sqrt();
+    for c in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (c[j], c[j + h]);
+                    c[j] = a + b;
+                    c[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for v in c.iter_mut() {
+            *v *= norm;
+        }
+    }
+}
+
 /// Decodes slot `slot` of one half `b` (a validated block) into `out` (`head_dim` floats). Shared by
 /// [`decode_block`] and the scalar attention kernel, so both produce identical values.
 #[inline]
@@ -697,10 +772,13 @@ pub(crate) fn decode_row(codec: Codec, half: Half, bs: usize, hd: usize, b: &[u8
                 *o = f32::from(q as i8) * s;
             }
         }
-        Codec::Fp8E4m3 => {
+        Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
             let s = f32_at(b, 0);
             for (o, &q) in out.iter_mut().zip(&b[4 + slot * hd..4 + (slot + 1) * hd]) {
                 *o = e4m3_to_f32(q) * s;
+            }
+            if codec == Codec::Fp8E4m3Rotated && half == Half::K {
+                hadamard_rotate(out);
             }
         }
         Codec::Int4Kivi | Codec::Int2Kivi => {

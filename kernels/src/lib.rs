@@ -34,7 +34,7 @@ pub mod paged;
 pub mod quant;
 
 pub use backend::Backend;
-pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block};
+pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block, hadamard_rotate};
 pub use cpu::lora::LoraSegment;
 pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};

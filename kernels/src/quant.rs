@@ -97,9 +97,9 @@ pub struct QMatrix {
     /// by a kernel that reads that layout (the AVX-512 VNNI matmul), so CPUs and backends that never use it pay no
     /// memory for it.
     pub(crate) packed: OnceLock<Vec<u8>>,
-    /// Q4_1 / Q8_0 only, on CPUs with AMX: the weights widened to bf16 tiles (`cpu::amx`), built on the first
-    /// AMX matmul and kept, so no call widens them again.
-    pub(crate) amx_tiles: OnceLock<Vec<Align64>>,
+    /// Q4_1 / Q8_0 only: the weights widened to bf16 (`cpu::amx`'s tile layout), built on the first bf16 matmul
+    /// and kept, so no call widens them again.
+    pub(crate) bf16_widened: OnceLock<Vec<Align64>>,
 }
 
 /// 64 bytes, 64-aligned: the unit of buffers that tile loads read, so every tile row starts on a cache line.
@@ -139,7 +139,7 @@ impl QMatrix {
             WeightType::Q4_1 => QData::Q4_1(bytes.to_vec()),
             WeightType::Q8_0 => QData::Q8_0(bytes.to_vec()),
         };
-        Ok(QMatrix { ty, rows, cols, data, packed: OnceLock::new(), amx_tiles: OnceLock::new() })
+        Ok(QMatrix { ty, rows, cols, data, packed: OnceLock::new(), bf16_widened: OnceLock::new() })
     }
 
     /// Builds an F32 matrix from row-major values (`values.len() == rows * cols`).
@@ -160,7 +160,7 @@ impl QMatrix {
             cols,
             data: QData::F32(values.to_vec()),
             packed: OnceLock::new(),
-            amx_tiles: OnceLock::new(),
+            bf16_widened: OnceLock::new(),
         })
     }
 
@@ -241,17 +241,17 @@ impl QMatrix {
         }
     }
 
-    /// The weights as AMX bf16 tiles, widened from the 16-row packing on first use; `None` for float types.
-    /// Callers check [`crate::cpu::amx_available`] first.
+    /// The weights widened to bf16 in AMX's tile layout (which the AVX-512 BF16 kernel reads too), from the 16-row
+    /// packing on first use; `None` for float types. Callers check [`crate::cpu::bf16_matmuls_available`] first.
     #[cfg(target_arch = "x86_64")]
-    pub(crate) fn amx_tiles(&self) -> Option<&[Align64]> {
+    pub(crate) fn bf16_weights(&self) -> Option<&[Align64]> {
         let q8 = match &self.data {
             QData::Q4_1(_) => false,
             QData::Q8_0(_) => true,
             _ => return None,
         };
         let packed = self.x16_for(crate::cpu::Simd::Avx512)?;
-        Some(self.amx_tiles.get_or_init(|| crate::cpu::amx::widen_matrix(packed, self.rows, self.cols / QK, q8)))
+        Some(self.bf16_widened.get_or_init(|| crate::cpu::amx::widen_matrix(packed, self.rows, self.cols / QK, q8)))
     }
 
     /// Bytes of one row in its stored form.

@@ -2,6 +2,7 @@
 
 #![allow(clippy::needless_range_loop)]
 
+use pagoda_kernels::cpu::Bf16Kernel;
 use pagoda_kernels::{Backend, CpuBackend, KernelError, QMatrix, Simd, WeightType};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -104,9 +105,9 @@ fn matmul_matches_dequantised_reference() {
 fn fast_path_matches_scalar_path() {
     let mut rng = StdRng::seed_from_u64(2);
     let scalar = CpuBackend::with_simd(1, Simd::Scalar);
-    // The same Q8_1 arithmetic on the best instruction set; AMX rounds to bf16 instead and is held to the
-    // dequantised reference (amx_matches_dequantised_reference).
-    let fast = CpuBackend::new(2).with_amx(false);
+    // The same Q8_1 arithmetic on the best instruction set; the bf16 kernels round differently and are held to the
+    // dequantised reference (bf16_matmuls_match_dequantised_reference).
+    let fast = CpuBackend::new(2).with_bf16_matmuls(false);
     for ty in TYPES {
         for &(rows, cols, n) in &[(576, 576, 1), (203, 1536, 6), (96, 576, 33), (1000, 64, 64)] {
             let wv = rand_vec(&mut rng, rows * cols, 0.5);
@@ -314,16 +315,20 @@ fn avx512_vs_avx2_speed() {
     }
 }
 
-/// The AMX bf16 tile kernel against the f64 reference over dequantised weights, held to the same bound as the
-/// Q8_1 kernels (bf16 rounding of weights and activations stays inside it). Shapes leave partial 16-row weight
-/// groups, an odd group at the end of a task, single token tiles (up to 16 rows), partial tiles and pairs, and
-/// chunks split across 1 and 3 threads; one activation row spans a wide dynamic range and one block is all zeros.
+/// Both bf16 matmul kernels (AMX tiles, AVX-512 BF16 dot products), each where this CPU runs it, against the f64
+/// reference over dequantised weights, held to the same bound as the Q8_1 kernels (bf16 rounding of weights and
+/// activations stays inside it). Shapes leave partial 16-row weight groups, an odd group at the end of a task,
+/// single token tiles (up to 16 rows), partial tiles and pairs, passes of 1-4 tokens and 1-4 groups, and chunks
+/// split across 1 and 3 threads; one activation row spans a wide dynamic range and one block is all zeros.
 #[test]
-fn amx_matches_dequantised_reference() {
-    let tiles =
-        [CpuBackend::with_simd(1, Simd::Avx512).with_amx(true), CpuBackend::with_simd(3, Simd::Avx512).with_amx(true)];
-    if !tiles[0].amx() {
-        eprintln!("skipped: no AMX bf16 tiles on this CPU (or the kernel refused the tile state)");
+fn bf16_matmuls_match_dequantised_reference() {
+    let kernels: Vec<CpuBackend> = [Bf16Kernel::Tiles, Bf16Kernel::Dot]
+        .into_iter()
+        .flat_map(|k| [1, 3].map(|t| CpuBackend::with_simd(t, Simd::Avx512).with_bf16_kernel(Some(k))))
+        .filter(CpuBackend::bf16_matmuls)
+        .collect();
+    if kernels.is_empty() {
+        eprintln!("skipped: this CPU has neither AMX bf16 tiles nor AVX-512 BF16");
         return;
     }
     let mut rng = StdRng::seed_from_u64(6);
@@ -340,33 +345,40 @@ fn amx_matches_dequantised_reference() {
                 x[..32].fill(0.0);
             }
             let (want, tol) = reference(&w, &x, n);
-            for be in &tiles {
+            for be in &kernels {
                 assert_within_reference(be, &w, &x, n, &want, &tol);
             }
         }
     }
 }
 
-/// Side-by-side timing of the quantised matmul, AVX-512 VNNI vs AMX tiles, at SmolLM2-135M shapes, 2 threads,
-/// repetitions alternated; prints medians and the ratio, from one token (decode) to 512 (a prefill chunk).
-/// `cargo test --release -p pagoda-kernels --test matmul amx_vs_vnni_speed -- --ignored --nocapture`
+/// Side-by-side timing of the quantised matmul, AVX-512 VNNI vs each bf16 kernel this CPU runs (AMX tiles, AVX-512
+/// BF16 dot products), at SmolLM2-135M shapes, 2 threads, repetitions alternated; prints medians and the ratio, from
+/// one token (decode) to 512 (a prefill chunk).
+/// `cargo test --release -p pagoda-kernels --test matmul bf16_vs_vnni_speed -- --ignored --nocapture`
 #[test]
 #[ignore = "timing, not a check; run by hand"]
-fn amx_vs_vnni_speed() {
+fn bf16_vs_vnni_speed() {
     let old = CpuBackend::with_simd(2, Simd::Avx512);
-    let new = CpuBackend::with_simd(2, Simd::Avx512).with_amx(true);
-    if !new.amx() {
-        eprintln!("no AMX bf16 tiles here; nothing to compare");
-        return;
+    for kernel in [Bf16Kernel::Tiles, Bf16Kernel::Dot] {
+        let new = CpuBackend::with_simd(2, Simd::Avx512).with_bf16_kernel(Some(kernel));
+        if new.bf16_matmuls() {
+            compare_with_vnni(&old, &new, &format!("{kernel:?} us"));
+        } else {
+            eprintln!("no {kernel:?} bf16 kernel on this CPU");
+        }
     }
+}
+
+fn compare_with_vnni(old: &CpuBackend, new: &CpuBackend, label: &str) {
     let mut rng = StdRng::seed_from_u64(7);
-    println!("{:>17} {:>4} {:>11} {:>11} {:>7}", "shape", "n", "vnni us", "amx us", "ratio");
+    println!("{:>17} {:>4} {:>11} {:>11} {:>7}", "shape", "n", "vnni us", label, "ratio");
     for (rows, cols) in [(576, 576), (192, 576), (1536, 576), (576, 1536)] {
         let w = QMatrix::quantize(WeightType::Q4_1, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q");
         for n in [1usize, 8, 32, 128, 512] {
             let x = rand_vec(&mut rng, n * cols, 1.0);
             let reps = (2_000_000_000 / (rows * cols * n * 20).max(1)).clamp(1, 2000);
-            let (a, b) = time_side_by_side(&old, &new, &w, &x, n, reps, 11);
+            let (a, b) = time_side_by_side(old, new, &w, &x, n, reps, 11);
             println!("{:>17} {n:>4} {a:>11.1} {b:>11.1} {:>7.2}", format!("Q4_1 {rows}x{cols}"), a / b);
         }
     }

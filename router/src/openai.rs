@@ -1223,7 +1223,7 @@ pub struct ValidKv {
 }
 
 /// The codecs a request may name for its groups in the lower tiers, besides `native` (`kv.codec`).
-pub const KV_CODECS: [&str; 5] = ["bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"];
+pub const KV_CODECS: [&str; 6] = ["bf16", "int8", "fp8_e4m3", "fp8_e4m3_rotated", "int4_kivi", "int2_kivi"];
 
 /// The `kv` extension: a known eviction policy, a budget within bounds, a known codec, and at most
 /// [`MAX_PROFILE_QUESTIONS`](pagoda_worker::placement::MAX_PROFILE_QUESTIONS) non-empty training queries of at

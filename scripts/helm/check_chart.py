@@ -254,7 +254,7 @@ def check_default(objs):
                  "--advertise=$(POD_NAME).rel-pagoda-worker.pagoda.svc:50051"]:
         expect(flag in w["command"], f"default: worker lacks {flag}")
     expect("nvidia.com/gpu" not in w["resources"].get("limits", {}), "default: worker asks for a GPU")
-    expect("--amx" not in w["command"], "default: worker runs --amx although worker.amx is off")
+    expect("--bf16-matmuls" not in w["command"], "default: worker runs --bf16-matmuls although worker.bf16Matmuls is off")
     expect(not [a for a in w["command"] if a.startswith("--speculative-tokens")],
            "default: worker speculates although worker.speculativeTokens is 0")
     expect("--scheduling-policy=fcfs" in w["command"], "default: worker lacks --scheduling-policy=fcfs")
@@ -353,7 +353,7 @@ def check_minimal(objs):
     expect("--api-keys-file=/etc/pagoda/auth/api-keys" in r["command"], "minimal: router lacks --api-keys-file")
     expect(not any(a.startswith("--admin-key-file") for a in r["command"]), "minimal: --admin-key-file, admin is off")
     w, _ = container(objs, "StatefulSet", "worker", "worker")
-    expect("--amx" in w["command"], "minimal: worker lacks --amx although worker.amx is on")
+    expect("--bf16-matmuls" in w["command"], "minimal: worker lacks --bf16-matmuls although worker.bf16Matmuls is on")
     expect("--speculative-tokens=4" in w["command"], "minimal: worker lacks --speculative-tokens=4")
     expect("--scheduling-policy=priority" in w["command"], "minimal: worker lacks --scheduling-policy=priority")
     for flag in ["--tier-placement=evicpress", "--kivi-residual-tokens=128", "--evicpress-horizon=observed",

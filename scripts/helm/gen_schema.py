@@ -145,7 +145,7 @@ schema = obj({
         "threads": integer(0),
         # `pagoda worker --device`: cuda runs the GPU runner from the `-cuda` image (Dockerfile.cuda).
         "device": {"enum": ["cpu", "cuda"]},
-        "amx": BOOL,
+        "bf16Matmuls": BOOL,
         "speculativeTokens": {"type": "integer", "minimum": 0, "maximum": 16},
         # `pagoda worker --scheduling-policy`.
         "schedulingPolicy": {"enum": ["fcfs", "priority", "fair", "vtc"]},
@@ -219,11 +219,11 @@ schema = obj({
         "pdb": obj({"enabled": BOOL, "maxUnavailable": integer(1)}),
         **SCHEDULING,
     }, required=["replicas", "port", "kv", "tiers"],
-        # The GPU runner needs a GPU, keeps its KV in f16, has no AMX path and no EvicPress placement: refused here
+        # The GPU runner needs a GPU, keeps its KV in f16, has no bf16 CPU matmuls and no EvicPress placement: refused here
         # rather than in a crash loop (the worker refuses the same at start-up).
         allOf=[{"if": {"properties": {"device": {"const": "cuda"}}, "required": ["device"]},
                 "then": {"properties": {"gpu": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
-                                        "amx": {"const": False},
+                                        "bf16Matmuls": {"const": False},
                                         "kv": {"properties": {"dtype": {"const": "f16"}}},
                                         "tiers": {"properties": {"placement": {"const": "lru"}}},
                                         "lora": {"properties": {"adapters": {"maxItems": 0},

@@ -45,8 +45,8 @@ pub struct BenchOptions {
     /// Element type of the KV arena.
     #[serde(serialize_with = "serialize_dtype")]
     pub kv_dtype: KvDtype,
-    /// Matmuls on AMX tiles ([`EngineConfig::amx`]).
-    pub amx: bool,
+    /// Matmuls in bf16 ([`EngineConfig::bf16_matmuls`]).
+    pub bf16_matmuls: bool,
     /// Bench a synthetic-weights model of this shape instead of the GGUF ([`EngineConfig::synthetic`]).
     #[serde(skip)]
     pub synthetic: Option<SyntheticSpec>,
@@ -82,7 +82,7 @@ impl Default for BenchOptions {
             concurrency: vec![1, 8, 32],
             seed: 1234,
             kv_dtype: KvDtype::default(),
-            amx: false,
+            bf16_matmuls: false,
             synthetic: None,
             device: Device::Cpu,
             lora: Vec::new(),
@@ -237,7 +237,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
         kivi_residual_tokens: 0,
-        amx: opts.amx,
+        bf16_matmuls: opts.bf16_matmuls,
         synthetic: opts.synthetic.clone(),
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),

@@ -382,7 +382,7 @@ fn run_fresh(
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
         kivi_residual_tokens: 0,
-        amx: false,
+        bf16_matmuls: false,
         synthetic: None,
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),

@@ -115,8 +115,10 @@ pub struct ZipfBenchOptions {
     /// Prose for the contexts (`*.txt`); seeded random tokens when `None`.
     pub prose_dir: Option<PathBuf>,
     pub seed: u64,
-    /// Matmuls on AMX tiles ([`EngineConfig::amx`]), for every configuration alike.
-    pub amx: bool,
+    /// Matmuls in bf16 ([`EngineConfig::bf16_matmuls`]), for every configuration alike. Saved reports from before
+    /// the option's rename call it `amx`.
+    #[serde(alias = "amx")]
+    pub bf16_matmuls: bool,
     /// Ingest every context once, untimed, before the measured requests (the paper's offline phase).
     pub offline_phase: bool,
     /// Where the offline phase's shared prefill keeps the contexts' KV ([`Seeds`]): kept after the run, and reused
@@ -196,7 +198,7 @@ impl Default for ZipfBenchOptions {
             keep_ratios: crate::placement::DEFAULT_KEEP_RATIOS.to_vec(),
             prose_dir: None,
             seed: 11,
-            amx: false,
+            bf16_matmuls: false,
             offline_phase: false,
             seed_dir: None,
             profile_scoring: ProfileScoring::TeacherForced,
@@ -1202,8 +1204,13 @@ pub fn zipf_bench_with_progress(
     let device_tokens = opts.device_tokens.max(opts.max_tokens + longest_q + opts.answer_tokens + bs);
     let num_blocks = layout.blocks_for_tokens(device_tokens);
     let device_bytes = (num_blocks / layout.group_size() * bs) as u64 * token_bytes;
-    let base =
-        EngineConfig { num_blocks, threads: opts.threads, max_running: 1, amx: opts.amx, ..EngineConfig::new(model) };
+    let base = EngineConfig {
+        num_blocks,
+        threads: opts.threads,
+        max_running: 1,
+        bf16_matmuls: opts.bf16_matmuls,
+        ..EngineConfig::new(model)
+    };
     let run_dir = opts.data_dir.as_ref().map(|d| d.join(format!("bench-tiers-zipf-{}", std::process::id())));
     let tiers = |name: &str| TierConfig {
         data_dir: run_dir.as_ref().map(|d| d.join(name)),

@@ -74,10 +74,12 @@ pub struct EngineConfig {
     /// KIVI's full-precision residual for stored prompts, in tokens: the last groups of each prompt a placement
     /// stores in `int4_kivi` or `int2_kivi` keep the arena's format ([`crate::tiers::residual`]). 0: none.
     pub kivi_residual_tokens: usize,
-    /// Run the quantised matmuls on AMX bf16 tiles where the CPU has them, over weights widened to bf16 once and
-    /// kept (+2 bytes per weight). Faster prefill and batched decode and logits closer to float32, but single-stream
-    /// decode is slower (it streams 4× the weight bytes). Off by default.
-    pub amx: bool,
+    /// Run the quantised matmuls in bf16 over weights widened to bf16 once and kept (+2 bytes per weight): on AMX
+    /// tiles where the CPU has them, else with AVX-512 BF16 dot products ([`CpuBackend::with_bf16_matmuls`]).
+    /// Logits closer to float32, and on AMX faster prefill and batched decode, but single-stream decode is slower
+    /// (it streams 4× the weight bytes). Off by default; the engine refuses to start with it on a CPU that has
+    /// neither.
+    pub bf16_matmuls: bool,
     /// Serve a synthetic-weights model of this shape instead of loading `model_path` (throughput benchmarks of
     /// shapes whose weights are not on the machine; outputs are meaningless, see [`crate::model::synthetic`]).
     pub synthetic: Option<SyntheticSpec>,
@@ -173,7 +175,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::default(),
             placement: TierPlacement::default(),
             kivi_residual_tokens: 0,
-            amx: false,
+            bf16_matmuls: false,
             synthetic: None,
             device: Device::Cpu,
             speculative: NgramConfig::off(),
@@ -2124,18 +2126,30 @@ pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineE
     Ok((model, info))
 }
 
+/// The CPU backend on `threads` threads (0: every core), its matmuls in bf16 when asked; an error where the CPU
+/// cannot run them, rather than a flag that silently does nothing.
+pub fn cpu_backend(threads: usize, bf16_matmuls: bool) -> Result<CpuBackend, EngineError> {
+    let backend = CpuBackend::new(resolve_threads(threads)).with_bf16_matmuls(bf16_matmuls);
+    if bf16_matmuls && !backend.bf16_matmuls() {
+        return Err(EngineError::Config(
+            "--bf16-matmuls needs AMX bf16 tiles or AVX-512 BF16, and this CPU has neither".into(),
+        ));
+    }
+    Ok(backend)
+}
+
 impl LlamaRunner {
     /// Loads the model ([`load_model`]) and allocates its KV arena in host memory.
     pub fn load(cfg: &EngineConfig) -> Result<LlamaRunner, EngineError> {
         if cfg.device != Device::Cpu {
             return Err(EngineError::Config(format!("the CPU runner cannot serve --device {}", cfg.device)));
         }
+        let backend = cpu_backend(cfg.threads, cfg.bf16_matmuls)?;
         let (model, info) = load_model(cfg)?;
-        let threads = resolve_threads(cfg.threads);
         Ok(LlamaRunner {
             kv: KvStorage::with_dtype(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype),
             scratch: Scratch::new(),
-            backend: CpuBackend::new(threads).with_amx(cfg.amx),
+            backend,
             model,
             info,
             batch: Vec::new(),

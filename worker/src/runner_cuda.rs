@@ -14,7 +14,7 @@
 //! `window_scores`: the same metric, one more pass over the keys.
 //!
 //! What the GPU runner does not serve yet, each refused at start-up with a clear error rather than run
-//! differently: KV dtypes other than f16, AMX and EvicPress placement.
+//! differently: KV dtypes other than f16, bf16 CPU matmuls and EvicPress placement.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -64,8 +64,8 @@ fn unsupported(cfg: &EngineConfig) -> Option<String> {
     if cfg.kv_dtype != KvDtype::F16 {
         return Some(format!("the CUDA backend keeps its KV cache in f16; --kv-dtype {} is CPU-only", cfg.kv_dtype));
     }
-    if cfg.amx {
-        return Some("--amx is a CPU option".into());
+    if cfg.bf16_matmuls {
+        return Some("--bf16-matmuls is a CPU option".into());
     }
     if matches!(cfg.placement, TierPlacement::EvicPress(_)) {
         return Some(
@@ -426,8 +426,8 @@ mod tests {
         assert_eq!(unsupported(&ok), None);
         let f32_kv = EngineConfig { kv_dtype: KvDtype::F32, ..ok.clone() };
         assert!(unsupported(&f32_kv).is_some_and(|w| w.contains("f32")));
-        let amx = EngineConfig { amx: true, ..ok.clone() };
-        assert!(unsupported(&amx).is_some_and(|w| w.contains("--amx")));
+        let bf16 = EngineConfig { bf16_matmuls: true, ..ok.clone() };
+        assert!(unsupported(&bf16).is_some_and(|w| w.contains("--bf16-matmuls")));
         let mut tiers = ok.clone();
         tiers.tiers.host_bytes = 1 << 20;
         assert_eq!(unsupported(&tiers), None);

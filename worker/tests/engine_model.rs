@@ -141,15 +141,15 @@ fn eight_concurrent_requests_match_solo_runs() {
     concurrent_matches_solo(engine(256, false));
 }
 
-/// The same with the matmuls on AMX tiles (`--amx`): every call, a lone decode token or a batched prefill, runs the
-/// same bf16 arithmetic per row, so batching still changes nothing.
+/// The same with the matmuls in bf16 (`--bf16-matmuls`, on AMX tiles or AVX-512 BF16 dot products): every call, a
+/// lone decode token or a batched prefill, runs the same bf16 arithmetic per row, so batching still changes nothing.
 #[test]
-fn eight_concurrent_requests_match_solo_runs_on_amx_tiles() {
-    if !pagoda_kernels::cpu::amx_available() {
-        eprintln!("skipped: no AMX bf16 tiles on this CPU");
+fn eight_concurrent_requests_match_solo_runs_on_bf16_matmuls() {
+    if !pagoda_kernels::cpu::bf16_matmuls_available() {
+        eprintln!("skipped: neither AMX bf16 tiles nor AVX-512 BF16 on this CPU");
         return;
     }
-    let cfg = EngineConfig { amx: true, ..config(256, false, ReserveConfig::default()) };
+    let cfg = EngineConfig { bf16_matmuls: true, ..config(256, false, ReserveConfig::default()) };
     concurrent_matches_solo(Engine::start(cfg).expect("engine starts"));
 }
 

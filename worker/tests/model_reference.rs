@@ -285,14 +285,15 @@ fn quantised_model_tracks_reference() {
     assert!(worst < QUANT_TOL, "first-step logits differ from the reference by {worst}");
 }
 
-/// The AMX path (`--amx`: every matmul in bf16 on tiles, not in Q8_1) against the same float32 reference and the
-/// same bounds as the default path. Its first-step logits must also sit at least as close to the reference as the
-/// Q8_1 path's: bf16 keeps each activation within 2⁻⁹ of its value, Q8_1 within 1/254 of its block's largest.
+/// The bf16 path (`--bf16-matmuls`: every matmul in bf16, on AMX tiles or AVX-512 BF16 dot products, not over Q8_1
+/// activations) against the same float32 reference and the same bounds as the default path. Its first-step logits
+/// must also sit at least as close to the reference as the Q8_1 path's: bf16 keeps each activation within 2⁻⁹ of
+/// its value, Q8_1 within 1/254 of its block's largest.
 #[test]
-fn amx_path_tracks_reference_at_least_as_closely() {
-    let be = backend().with_amx(true);
-    if !be.amx() {
-        eprintln!("skipped: no AMX bf16 tiles on this CPU");
+fn bf16_path_tracks_reference_at_least_as_closely() {
+    let be = backend().with_bf16_matmuls(true);
+    if !be.bf16_matmuls() {
+        eprintln!("skipped: neither AMX bf16 tiles nor AVX-512 BF16 on this CPU");
         return;
     }
     let s = setup();
@@ -304,7 +305,7 @@ fn amx_path_tracks_reference_at_least_as_closely() {
     for (pi, p) in prompts.iter().enumerate() {
         let agree = greedy_agreement(pi, &tiles[pi].1, p, QUANT_TOL);
         println!(
-            "prompt {pi} ({} tokens): first-step top-20 max |diff| AMX {:.4}, Q8_1 {:.4}; AMX greedy agrees for {agree}/{}",
+            "prompt {pi} ({} tokens): first-step top-20 max |diff| bf16 {:.4}, Q8_1 {:.4}; bf16 greedy agrees for {agree}/{}",
             p["prompt_ids"].as_array().unwrap().len(),
             tiles[pi].0,
             q8[pi].0,
@@ -313,10 +314,10 @@ fn amx_path_tracks_reference_at_least_as_closely() {
         worst_tiles = worst_tiles.max(tiles[pi].0);
         worst_q8 = worst_q8.max(q8[pi].0);
     }
-    assert!(worst_tiles < QUANT_TOL, "AMX first-step logits differ from the reference by {worst_tiles}");
+    assert!(worst_tiles < QUANT_TOL, "bf16 first-step logits differ from the reference by {worst_tiles}");
     assert!(
         worst_tiles <= worst_q8,
-        "AMX logits ({worst_tiles}) are further from the float32 reference than Q8_1's ({worst_q8})"
+        "bf16 logits ({worst_tiles}) are further from the float32 reference than Q8_1's ({worst_q8})"
     );
 }
 

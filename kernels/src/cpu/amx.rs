@@ -39,7 +39,7 @@ const TILE: usize = 16;
 const TOKEN_PAIR: usize = 2 * TILE;
 
 /// Bytes of one weight tile: 16 rows (column pairs) × 16 weight rows × 2 bf16.
-const W_TILE_BYTES: usize = 1024;
+pub(crate) const W_TILE_BYTES: usize = 1024;
 
 /// True when the CPU has AMX-TILE and AMX-BF16, AVX-512 BF16 and VBMI (to widen the weights), and the kernel
 /// granted this process the tile data state.
@@ -198,7 +198,7 @@ unsafe fn widen_group<const Q8: bool>(group: *const u8, nb: usize, tiles: *mut u
 /// The whole matrix (`rows` rows of `nb` blocks, in the 16-row packing of Q4_1 or, with `q8`, Q8_0) as bf16 tiles:
 /// group `g`'s tile for block `b` at unit offset `(g * nb + b) * 16`.
 pub(crate) fn widen_matrix(packed: &[u8], rows: usize, nb: usize, q8: bool) -> Vec<Align64> {
-    assert!(available(), "AMX tiles requested on a CPU without them");
+    assert!(super::bf16_dot::available(), "bf16 weights requested on a CPU without AVX-512 BF16");
     let groups = rows.div_ceil(Q4_1X16_ROWS);
     let bb = if q8 { Q8_0X16_BLOCK_BYTES } else { Q4_1X16_BLOCK_BYTES };
     assert!(packed.len() >= groups * nb * bb, "widen_matrix: packing too short");

@@ -3,7 +3,7 @@
 //! at a time into a stack buffer (scalar) as the kernel reaches it, so the memory traffic is the encoded size.
 
 use super::{CpuBackend, Simd, attention};
-use crate::codec::{Codec, EncodedKv, HEADER_LEN, Half, MAX_BLOCK_SIZE, MAX_HEAD_DIM, decode_row};
+use crate::codec::{Codec, EncodedKv, HEADER_LEN, Half, MAX_BLOCK_SIZE, MAX_HEAD_DIM, decode_row, hadamard_rotate};
 use crate::paged::AttnSeq;
 
 #[cfg(target_arch = "x86_64")]
@@ -63,6 +63,17 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
     let (arena, block_len) = kv.raw();
     let bs = kv.block_size();
     let ids = &table[..len.div_ceil(bs)];
+    // Rotated keys are scored against the rotated query ((Hq)·(Hk) = q·k); the blocks are then fp8_e4m3's.
+    let mut rotated = [0.0f32; MAX_HEAD_DIM];
+    let (codec, q) = match kv.codec() {
+        Codec::Fp8E4m3Rotated => {
+            let r = &mut rotated[..q.len()];
+            r.copy_from_slice(q);
+            hadamard_rotate(r);
+            (Codec::Fp8E4m3, &*r)
+        }
+        c => (c, q),
+    };
     #[cfg(target_arch = "x86_64")]
     if simd.has_avx2() {
         // SAFETY: block ids were checked against the arena by `filled` in the caller, every block in the arena
@@ -70,10 +81,10 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
         // CPU features were detected before Simd::Avx2 was selected.
         let r = unsafe {
             match q.len() {
-                32 => codecs_avx2::attend_one::<4>(kv.codec(), q, arena, block_len, bs, ids, len, scale, out),
-                64 => codecs_avx2::attend_one::<8>(kv.codec(), q, arena, block_len, bs, ids, len, scale, out),
-                96 => codecs_avx2::attend_one::<12>(kv.codec(), q, arena, block_len, bs, ids, len, scale, out),
-                128 => codecs_avx2::attend_one::<16>(kv.codec(), q, arena, block_len, bs, ids, len, scale, out),
+                32 => codecs_avx2::attend_one::<4>(codec, q, arena, block_len, bs, ids, len, scale, out),
+                64 => codecs_avx2::attend_one::<8>(codec, q, arena, block_len, bs, ids, len, scale, out),
+                96 => codecs_avx2::attend_one::<12>(codec, q, arena, block_len, bs, ids, len, scale, out),
+                128 => codecs_avx2::attend_one::<16>(codec, q, arena, block_len, bs, ids, len, scale, out),
                 _ => false,
             }
         };
@@ -82,7 +93,7 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
         }
     }
     let _ = simd;
-    attend_one_scalar(kv.codec(), q, arena, block_len, bs, ids, len, scale, out);
+    attend_one_scalar(codec, q, arena, block_len, bs, ids, len, scale, out);
 }
 
 /// The portable reference: each row is decoded by [`decode_row`] (exactly what `decode_block` produces) and

@@ -168,7 +168,8 @@ unsafe fn scores<const NV: usize>(codec: Codec, qv: &[__m256; NV], kb: *const u8
                 sc[i] = f32_at(kb, 4 * i) * dot_rows!(qv, NV, load_i8, qs.add(i * hd), 8);
             }
         }
-        Codec::Fp8E4m3 => {
+        // fp8_e4m3_rotated's keys are fp8_e4m3 codes of rotated keys, scored against a query its caller rotated.
+        Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
             let f = _mm256_set1_ps(f32_at(kb, 0) * E4M3_RESCALE);
             let mut w = [_mm256_setzero_ps(); NV];
             for j in 0..NV {
@@ -230,7 +231,7 @@ unsafe fn accumulate<const NV: usize>(codec: Codec, p: &[f32], vb: *const u8, bs
                 axpy!(pi * f32_at(vb, 4 * i), load_i8, qs.add(i * hd), 8);
             }
         }
-        Codec::Fp8E4m3 => {
+        Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
             let f = f32_at(vb, 0) * E4M3_RESCALE;
             for (i, &pi) in p.iter().enumerate() {
                 axpy!(pi * f, load_e4m3_unscaled, vb.add(4 + i * hd), 8);

@@ -1,10 +1,13 @@
 //! Matmul driver: quantises the activations once per call into Q8_1 (reusing a thread-local scratch), splits the
 //! output rows across the pool in large chunks, and runs the per-ISA row kernels (for Q4_1 and Q8_0 on AVX-512
-//! VNNI over the weights repacked into 16-row groups, and on AMX bf16 tiles when the backend asks for them).
+//! VNNI over the weights repacked into 16-row groups, and in bf16 when the backend asks for it: AMX tiles, or
+//! AVX-512 BF16 dot products).
 
+#[cfg(target_arch = "x86_64")]
+use super::Bf16Kernel;
 use super::{CpuBackend, Simd, SyncPtr, scalar};
 #[cfg(target_arch = "x86_64")]
-use super::{amx, avx2, avx512};
+use super::{amx, avx2, avx512, bf16_dot};
 use crate::quant::{BlockQ8_1x4, Q4_1X16_ROWS, QData, QK, QMatrix, q8_1x4_len, quantize_rows_q8_1x4};
 #[cfg(target_arch = "x86_64")]
 use avx512::Packed;
@@ -13,7 +16,7 @@ use std::cell::Cell;
 thread_local! {
     /// Quantised activations of the current call, kept between calls to avoid reallocating.
     static XQ: Cell<Vec<BlockQ8_1x4>> = const { Cell::new(Vec::new()) };
-    /// The same activations in AMX tiles, for calls that take the tile kernel.
+    /// The same activations in bf16, for backends that run the matmuls in bf16.
     #[cfg(target_arch = "x86_64")]
     static XT: Cell<Vec<amx::Align64>> = const { Cell::new(Vec::new()) };
 }
@@ -31,19 +34,21 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
     }
     let simd = be.simd();
     #[cfg(target_arch = "x86_64")]
-    if be.amx()
-        && let Some(tiles) = w.amx_tiles()
+    if let Some(kernel) = be.bf16_kernel()
+        && let Some(tiles) = w.bf16_weights()
     {
         let nb = cols / QK;
         let mut xt = XT.take();
         // No clear: pack_activations writes every unit, padding included, so only newly grown units need a value.
         xt.resize(amx::act_len(n, cols), amx::Align64::default());
-        // SAFETY: `be.amx()` implies AVX-512 F/BW, BF16 and F16C were detected; xt has act_len(n, cols) units.
+        // SAFETY: a bf16 kernel implies AVX-512 F/BW, BF16 and F16C were detected; xt has act_len(n, cols) units.
         unsafe { amx::pack_activations(x, n, cols, &mut xt) };
-        run_rows(be, rows, n * cols, Q4_1X16_ROWS, out, &|r0, r1, o| {
-            // SAFETY: `be.amx()` implies AMX was detected and the tile state granted; `tiles` is `w` widened;
-            // xt holds n rows of nb blocks; rows r0..r1 (r0 a multiple of 16) belong to this task.
-            unsafe { amx::quant_rows(tiles, nb, &xt, n, r0, r1, o, rows) }
+        run_rows(be, rows, n * cols, Q4_1X16_ROWS, out, &|r0, r1, o| match kernel {
+            // SAFETY: Tiles is only selected when AMX was detected and the tile state granted; `tiles` is `w`
+            // widened; xt holds n rows of nb blocks; rows r0..r1 (r0 a multiple of 16) belong to this task.
+            Bf16Kernel::Tiles => unsafe { amx::quant_rows(tiles, nb, &xt, n, r0, r1, o, rows) },
+            // SAFETY: Dot is only selected after bf16_dot::available(); the rest as above.
+            Bf16Kernel::Dot => unsafe { bf16_dot::quant_rows(tiles, nb, &xt, n, r0, r1, o, rows) },
         });
         XT.set(xt);
         return;

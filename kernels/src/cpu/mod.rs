@@ -11,6 +11,8 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_attention;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod bf16_dot;
 pub mod codecs;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod codecs_avx2;
@@ -72,8 +74,7 @@ pub fn avx512_available() -> bool {
     }
 }
 
-/// True if [`Simd::Avx512`] can run and the CPU's AMX bf16 tiles are usable by this process
-/// ([`CpuBackend::with_amx`]).
+/// True if [`Simd::Avx512`] can run and the CPU's AMX bf16 tiles are usable by this process.
 pub fn amx_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -83,6 +84,29 @@ pub fn amx_available() -> bool {
     {
         false
     }
+}
+
+/// True if this CPU can run the quantised matmuls in bf16 ([`CpuBackend::with_bf16_matmuls`]): on AMX tiles, or
+/// with AVX-512 BF16 dot products.
+pub fn bf16_matmuls_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        bf16_dot::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Which kernel runs the quantised matmuls in bf16 (weight-only quantisation, bf16 compute, f32 sums).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// AMX `tdpbf16ps` tiles (Sapphire Rapids and later).
+    Tiles,
+    /// AVX-512 BF16 `vdpbf16ps` over the same widened weights (Zen 4, Cooper Lake, and AMX CPUs told not to use
+    /// their tiles).
+    Dot,
 }
 
 /// True if AVX2, FMA and F16C are all available at run time.
@@ -114,8 +138,8 @@ pub struct CpuBackend {
     pool: Option<pool::PollingPool>,
     threads: usize,
     simd: Simd,
-    /// AMX tiles for the quantised matmul's prefill-sized calls (only with [`Simd::Avx512`]).
-    amx: bool,
+    /// The Q4_1/Q8_0 matmuls in bf16 rather than over Q8_1 activations (only with [`Simd::Avx512`]).
+    bf16: Option<Bf16Kernel>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -123,32 +147,53 @@ impl std::fmt::Debug for CpuBackend {
         f.debug_struct("CpuBackend")
             .field("threads", &self.threads)
             .field("simd", &self.simd)
-            .field("amx", &self.amx)
+            .field("bf16", &self.bf16)
             .finish()
     }
 }
 
 impl CpuBackend {
-    /// A backend with `threads` worker threads (0 = number of logical CPUs) and the best detected SIMD level,
-    /// without AMX tiles ([`CpuBackend::with_amx`]).
+    /// A backend with `threads` worker threads (0 = number of logical CPUs) and the best detected SIMD level, its
+    /// matmuls over Q8_1 activations ([`CpuBackend::with_bf16_matmuls`]).
     pub fn new(threads: usize) -> CpuBackend {
         CpuBackend::with_simd(threads, Simd::detect())
     }
 
-    /// This backend with its Q4_1/Q8_0 matmuls on AMX bf16 tiles (`true`, where the CPU has them) or not. Off by
-    /// default: each matrix then keeps a bf16 copy of its weights (2 bytes per weight), and single-sequence decode,
-    /// which streams every weight per token, reads 4× the bytes of Q4_1.
-    pub fn with_amx(mut self, amx: bool) -> CpuBackend {
-        self.amx = amx && self.simd == Simd::Avx512 && amx_available();
+    /// This backend with its Q4_1/Q8_0 matmuls in bf16 (`true`, where the CPU can: on AMX tiles if it has them,
+    /// else with AVX-512 BF16 dot products) or over Q8_1 activations. Off by default: each matrix then keeps a bf16
+    /// copy of its weights (2 bytes per weight), and single-sequence decode, which streams every weight per token,
+    /// reads 4× the bytes of Q4_1. On bf16 the activations keep 8 significant bits each, where Q8_1 keeps about
+    /// 7 below each 32-value block's largest: the arithmetic to measure a KV codec's own error with.
+    pub fn with_bf16_matmuls(self, on: bool) -> CpuBackend {
+        let kernel = if amx_available() { Bf16Kernel::Tiles } else { Bf16Kernel::Dot };
+        self.with_bf16_kernel(on.then_some(kernel))
+    }
+
+    /// This backend with the given bf16 matmul kernel (`None`: Q8_1 activations); a kernel the CPU cannot run gives
+    /// `None`. Tests and benches use it to run both kernels on an AMX CPU.
+    pub fn with_bf16_kernel(mut self, kernel: Option<Bf16Kernel>) -> CpuBackend {
+        let ok = |k: &Bf16Kernel| {
+            self.simd == Simd::Avx512
+                && match k {
+                    Bf16Kernel::Tiles => amx_available(),
+                    Bf16Kernel::Dot => bf16_matmuls_available(),
+                }
+        };
+        self.bf16 = kernel.filter(ok);
         self
     }
 
-    /// True if the quantised matmuls run on AMX tiles.
-    pub fn amx(&self) -> bool {
-        self.amx
+    /// The kernel running the quantised matmuls in bf16, if they do.
+    pub fn bf16_kernel(&self) -> Option<Bf16Kernel> {
+        self.bf16
     }
 
-    /// A backend forced to `simd` (without AMX: see [`CpuBackend::with_amx`]); a level the CPU lacks falls back to
+    /// True if the quantised matmuls run in bf16.
+    pub fn bf16_matmuls(&self) -> bool {
+        self.bf16.is_some()
+    }
+
+    /// A backend forced to `simd` (matmuls over Q8_1: see [`CpuBackend::with_bf16_matmuls`]); a level the CPU lacks falls back to
     /// [`Simd::Scalar`].
     pub fn with_simd(threads: usize, simd: Simd) -> CpuBackend {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
@@ -160,7 +205,7 @@ impl CpuBackend {
         let pool = (threads > 1).then(|| {
             pool::PollingPool::new(threads - 1).unwrap_or_else(|e| panic!("cannot start the kernel thread pool: {e}"))
         });
-        CpuBackend { pool, threads, simd, amx: false }
+        CpuBackend { pool, threads, simd, bf16: None }
     }
 
     /// Worker threads.
@@ -205,7 +250,8 @@ impl Backend for CpuBackend {
         match self.simd {
             Simd::Scalar => "cpu-scalar",
             Simd::Avx2 => "cpu-avx2",
-            Simd::Avx512 if self.amx => "cpu-avx512-amx",
+            Simd::Avx512 if self.bf16 == Some(Bf16Kernel::Tiles) => "cpu-avx512-amx",
+            Simd::Avx512 if self.bf16 == Some(Bf16Kernel::Dot) => "cpu-avx512-bf16",
             Simd::Avx512 => "cpu-avx512",
         }
     }

@@ -37,7 +37,7 @@ fn gpu_codec(op: &'static str, codec: Codec, kv: &CudaKv) -> Result<CodecArgs, C
     let encode_kernel = match codec {
         Codec::Int8 | Codec::Fp8E4m3 => "encode_blocks_q8",
         Codec::Int4Kivi | Codec::Int2Kivi => "encode_blocks_kivi",
-        Codec::F32 | Codec::F16 | Codec::Bf16 => {
+        Codec::F32 | Codec::F16 | Codec::Bf16 | Codec::Fp8E4m3Rotated => {
             return Err(CudaError::Unsupported(format!(
                 "{op}: codec {codec} on the GPU (int8, fp8_e4m3, int4_kivi and int2_kivi are)"
             )));

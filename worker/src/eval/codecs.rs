@@ -18,7 +18,7 @@ use std::time::Instant;
 use pagoda_kernels::{Codec, CpuBackend, KvStorage};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{EngineError, resolve_threads};
+use crate::engine::{EngineError, cpu_backend};
 use crate::model::{ChatTemplate, ForwardSeq, Gguf, LlamaModel, LogitsWanted, Scratch, Tokenizer};
 use crate::sampling::argmax;
 
@@ -88,8 +88,13 @@ pub struct CodecEvaluator {
 }
 
 impl CodecEvaluator {
-    /// The model on `threads` threads, with its matmuls on AMX tiles when `amx` ([`crate::engine::EngineConfig::amx`]).
-    pub fn load(model_path: &std::path::Path, threads: usize, amx: bool) -> Result<CodecEvaluator, EngineError> {
+    /// The model on `threads` threads, with its matmuls in bf16 when `bf16_matmuls`
+    /// ([`crate::engine::EngineConfig::bf16_matmuls`]).
+    pub fn load(
+        model_path: &std::path::Path,
+        threads: usize,
+        bf16_matmuls: bool,
+    ) -> Result<CodecEvaluator, EngineError> {
         let err = |e: crate::model::ModelError| EngineError::Model(e.to_string());
         let g = Gguf::open(model_path).map_err(err)?;
         let tokenizer = Tokenizer::from_gguf(&g).map_err(err)?;
@@ -98,7 +103,7 @@ impl CodecEvaluator {
         Ok(CodecEvaluator {
             eos: tokenizer.eos_token_ids().to_vec(),
             model,
-            backend: CpuBackend::new(resolve_threads(threads)).with_amx(amx),
+            backend: cpu_backend(threads, bf16_matmuls)?,
             tokenizer,
             template,
             scratch: Scratch::default(),
@@ -319,16 +324,16 @@ pub fn summarize(items: &[CodecResult], codecs: &[Codec]) -> Vec<CodecCell> {
         .collect()
 }
 
-/// Runs every item under every codec.
+/// Runs every item under every codec, the matmuls in bf16 when `bf16_matmuls`.
 pub fn run(
     model_path: &std::path::Path,
     threads: usize,
-    amx: bool,
+    bf16_matmuls: bool,
     codecs: &[Codec],
     make_items: &dyn Fn(&CodecEvaluator) -> Result<Vec<CodecItem>, EngineError>,
 ) -> Result<CodecReport, EngineError> {
     let t0 = Instant::now();
-    let mut ev = CodecEvaluator::load(model_path, threads, amx)?;
+    let mut ev = CodecEvaluator::load(model_path, threads, bf16_matmuls)?;
     let items = make_items(&ev)?;
     let mut results = Vec::new();
     for item in &items {

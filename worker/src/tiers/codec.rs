@@ -2,9 +2,9 @@
 //! into the bytes a tier stores, and back into device blocks. Two families share the [`EncodedGroup::codec`] name:
 //!
 //! - the [`native`](super::native) formats (`f16`, `f32`, legacy `native`): the device arena's elements, lossless;
-//! - the compressing KV codecs of the kernels crate (`bf16`, `int8`, `fp8_e4m3`, `int4_kivi`, `int2_kivi`): each
-//!   block encoded with [`Codec::encode_block`] (self-describing 16-byte header, validated on decode), the blocks
-//!   concatenated in group order. The kernels' `f16`/`f32` codecs are not offered here: their names belong to the
+//! - the compressing KV codecs of the kernels crate (`bf16`, `int8`, `fp8_e4m3`, `fp8_e4m3_rotated`, `int4_kivi`,
+//!   `int2_kivi`): each block encoded with [`Codec::encode_block`] (self-describing 16-byte header, validated on
+//!   decode), the blocks concatenated in group order. The kernels' `f16`/`f32` codecs are not offered here: their names belong to the
 //!   native formats, which are smaller (no header) and already lossless.
 //!
 //! Decoding dispatches on the stored name, so one tier holds groups of any mix of codecs, and a group written by
@@ -217,6 +217,7 @@ mod tests {
         let mut v: Vec<GroupCodec> = KvDtype::ALL.into_iter().map(GroupCodec::Native).collect();
         v.push(GroupCodec::Kv(Codec::Bf16));
         v.extend(GroupCodec::COMPRESSING.map(GroupCodec::Kv));
+        v.push(GroupCodec::Kv(Codec::Fp8E4m3Rotated));
         v
     }
 
