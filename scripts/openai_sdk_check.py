@@ -9,6 +9,7 @@ chat completions answer for the same messages.
 """
 
 import json
+import os
 import sys
 
 import openai
@@ -27,7 +28,7 @@ def main():
     url = sys.argv[1].rstrip("/")
     wait_ready(url, None)
     # The server is on loopback: no proxy from the environment may stand between.
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120,
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=os.environ["PAGODA_API_KEY"], max_retries=0, timeout=120,
                            http_client=openai.DefaultHttpxClient(trust_env=False))
     model = client.models.list().data[0].id
     check(model == client.models.retrieve(model).id, "models.retrieve")

@@ -3,10 +3,10 @@
 # it needs (protoc, pip, headless Chromium and chromedriver), fetches the model, then checks formatting and lints,
 # runs every test (unit, reference, end-to-end against the real binary, the dashboard in Chromium), compile-checks
 # the CUDA kernels through NVRTC (no GPU needed), checks the Helm chart and Dockerfile offline
-# (scripts/check-helm.sh), and runs the official OpenAI Python SDK against `pagoda up` (scripts/check-openai-sdk.sh).
+# (scripts/check-helm.sh), and runs the official OpenAI and Anthropic Python SDKs against `pagoda up` (scripts/check-sdks.sh).
 #
 # Python packages go into venvs under target/ (check-cuda.sh: NVRTC; check-helm.sh: the Helm SDK, Kubernetes
-# schemas, hadolint; check-openai-sdk.sh: openai); the model reference fixtures are committed (scripts/reference/*.py regenerate them and
+# schemas, hadolint; check-sdks.sh: openai, anthropic); the model reference fixtures are committed (scripts/reference/*.py regenerate them and
 # document their own requirements).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,4 +34,4 @@ bash scripts/check-cuda.sh
 # The binary `cargo test` just built (CARGO_BIN_EXE_pagoda): check-helm would otherwise build it again.
 PAGODA_BIN=target/debug/pagoda bash scripts/check-helm.sh
 # The official OpenAI Python SDK against `pagoda up` (chat, completions, the Responses API, errors).
-PAGODA_BIN=target/debug/pagoda bash scripts/check-openai-sdk.sh
+PAGODA_BIN=target/debug/pagoda bash scripts/check-sdks.sh

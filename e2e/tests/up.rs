@@ -1209,3 +1209,113 @@ async fn up_speculative_decoding_answers_as_without_it() {
     assert!(value > 0, "{accepted}");
     still_serves(&spec.http, "speculative decoding").await;
 }
+
+/// Anthropic's Messages API through `pagoda up` with a keys file, the key sent in `x-api-key` as Anthropic's clients
+/// send it: the answer is the chat path's for the same messages, streamed as Anthropic's events that add up to it,
+/// cut by a stop sequence the message names, counted by count_tokens; a forced tool call comes back as a `tool_use`
+/// block, and bad input is a 400 in Anthropic's error shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_messages_api_answers_streams_and_calls_tools_with_an_x_api_key() {
+    const KEY: &str = "sk-messages-0123456789";
+    let keys = std::env::temp_dir().join(format!("pagoda-e2e-messages-keys-{}", std::process::id()));
+    std::fs::write(&keys, format!("{KEY} anthropic\n")).unwrap();
+    let up = start_up("up-messages", &["--api-keys-file", keys.to_str().unwrap()]).await.unwrap();
+    let http = &up.http;
+    let post = |path: &'static str, body: Value, key: Option<&'static str>| async move {
+        let mut req = http.client.post(http.url(path)).header("anthropic-version", "2023-06-01").json(&body);
+        if let Some(key) = key {
+            req = req.header("x-api-key", key);
+        }
+        let resp = req.send().await.unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    };
+    let post_json = |path: &'static str, body: Value| async move {
+        let (s, text) = post(path, body, Some(KEY)).await;
+        (s, pagoda_e2e::serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+    };
+    let ask = json!({"model": MODEL_ID, "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": QUESTION}]});
+    assert_eq!(post("/v1/messages", ask.clone(), None).await.0, 401, "no key, no answer");
+
+    let (s, m) = post_json("/v1/messages", ask.clone()).await;
+    assert_eq!(s, 200, "{m}");
+    assert_eq!((m["type"].as_str(), m["role"].as_str()), (Some("message"), Some("assistant")), "{m}");
+    let answer = m["content"][0]["text"].as_str().unwrap().to_string();
+    let bearer = http.clone().with_api_key(KEY).unwrap();
+    let (s, c) = bearer
+        .post_json("/v1/chat/completions", &chat(QUESTION, json!({"temperature": 0, "max_tokens": 24})))
+        .await
+        .unwrap();
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(c["choices"][0]["message"]["content"], answer.as_str(), "the chat path's answer");
+    let prompt_tokens = c["usage"]["prompt_tokens"].as_u64().unwrap();
+    let usage = &m["usage"];
+    assert_eq!(
+        usage["input_tokens"].as_u64().unwrap() + usage["cache_read_input_tokens"].as_u64().unwrap(),
+        prompt_tokens
+    );
+    assert_eq!(usage["output_tokens"], c["usage"]["completion_tokens"]);
+    let end = if c["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { "end_turn" };
+    assert_eq!(m["stop_reason"], end, "{m}");
+
+    // Streamed: Anthropic's events, whose text deltas add up to the same answer.
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let (s, text) = post("/v1/messages", streamed, Some(KEY)).await;
+    assert_eq!(s, 200, "{text}");
+    let events = named_events(&text);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(&names[..3], ["message_start", "content_block_start", "ping"], "{names:?}");
+    assert_eq!(&names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"], "{names:?}");
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, v)| v["delta"]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, answer);
+    assert_eq!(events[names.len() - 2].1["delta"]["stop_reason"], end);
+
+    // A stop sequence cuts the text and is named.
+    let word = answer.split_whitespace().next().unwrap().trim_matches(|c: char| !c.is_alphanumeric()).to_string();
+    let mut stopped = ask.clone();
+    stopped["stop_sequences"] = json!([word, "never-generated"]);
+    let (s, m) = post_json("/v1/messages", stopped).await;
+    assert_eq!(s, 200, "{m}");
+    assert_eq!((m["stop_reason"].as_str(), m["stop_sequence"].as_str()), (Some("stop_sequence"), Some(word.as_str())));
+    assert!(!m["content"][0]["text"].as_str().unwrap().contains(&word), "{m}");
+
+    // count_tokens: the prompt a request would run.
+    let (s, counted) =
+        post_json("/v1/messages/count_tokens", json!({"model": MODEL_ID, "messages": ask["messages"]})).await;
+    assert_eq!((s, counted["input_tokens"].as_u64()), (200, Some(prompt_tokens)), "{counted}");
+
+    // A forced tool call.
+    let tool = json!({"name": "get_weather", "description": "The weather in a city.", "input_schema": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"], "additionalProperties": false}});
+    let call = json!({"model": MODEL_ID, "max_tokens": 32, "temperature": 0, "tools": [tool],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}]});
+    let (s, m) = post_json("/v1/messages", call).await;
+    assert_eq!(s, 200, "{m}");
+    assert_eq!(
+        (m["stop_reason"].as_str(), m["content"][0]["type"].as_str()),
+        (Some("tool_use"), Some("tool_use")),
+        "{m}"
+    );
+    assert!(m["content"][0]["input"]["city"].is_string(), "{m}");
+
+    // Bad input: Anthropic's error shape, naming the field.
+    let mut bad = ask.clone();
+    bad["max_tokens"] = json!(0);
+    let (s, e) = post_json("/v1/messages", bad).await;
+    assert_eq!(
+        (s, e["type"].as_str(), e["error"]["type"].as_str()),
+        (400, Some("error"), Some("invalid_request_error"))
+    );
+    assert!(e["error"]["message"].as_str().unwrap().contains("max_tokens"), "{e}");
+    let mut unknown = ask.clone();
+    unknown["model"] = json!("no-such-model");
+    let (s, e) = post_json("/v1/messages", unknown).await;
+    assert_eq!((s, e["error"]["type"].as_str()), (404, Some("not_found_error")), "{e}");
+    let _ = std::fs::remove_file(&keys);
+}

@@ -16,7 +16,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 
-use crate::auth::{Tenant, bearer};
+use crate::auth::{Tenant, bearer, presented_key};
 use crate::error::ApiError;
 use crate::limits::{Denied, Permit};
 use crate::server::AppState;
@@ -42,14 +42,14 @@ fn too_many(d: Denied, tenant: &str) -> Response {
     ApiError { retry_after_secs: Some(d.retry_after_secs()), ..ApiError::rate_limited(message) }.into_response()
 }
 
-/// Middleware of `/v1/*`: without a keys file every request is tenant [`DEFAULT_TENANT`]; with one, the bearer
-/// key must be listed (401 otherwise) and within its limits (429 with `Retry-After` otherwise).
+/// Middleware of `/v1/*`: without a keys file every request is tenant [`DEFAULT_TENANT`]; with one, the presented
+/// key (bearer, or `x-api-key`) must be listed (401 otherwise) and within its limits (429 with `Retry-After` otherwise).
 pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
     let Some(keys) = st.security().keys.as_ref() else {
         req.extensions_mut().insert(Tenant { name: DEFAULT_TENANT.into(), key: None, weight: 1 });
         return next.run(req).await;
     };
-    let presented = match bearer(req.headers().get(header::AUTHORIZATION)) {
+    let presented = match presented_key(req.headers()) {
         Ok(k) => k,
         Err(e) => return unauthorized(e),
     };

@@ -1,5 +1,5 @@
 //! API keys, tenants and the admin key: parsing the keys file and the admin key file, and checking a request's
-//! `Authorization: Bearer <key>` header against them.
+//! `Authorization: Bearer <key>` header (or Anthropic's `x-api-key: <key>`, [`presented_key`]) against them.
 //!
 //! Keys are never kept in memory as text: each is stored as its SHA-256 digest, and a presented key is hashed and
 //! compared with every digest in constant time, so neither the comparison nor the table order leaks how much of a
@@ -406,11 +406,29 @@ impl Security {
     }
 }
 
+/// The key a `/v1` request presents: its `Authorization: Bearer <key>` header, or, without one, its `x-api-key`
+/// header (how Anthropic's clients send it, for `/v1/messages`). `Err` says what is wrong, for the 401 message.
+pub fn presented_key(headers: &axum::http::HeaderMap) -> Result<&[u8], ApiError> {
+    if let Some(authorization) = headers.get(axum::http::header::AUTHORIZATION) {
+        return bearer(Some(authorization));
+    }
+    let Some(value) = headers.get("x-api-key") else {
+        return bearer(None);
+    };
+    let key = value.as_bytes().trim_ascii();
+    if key.is_empty() || key.len() > MAX_KEY_BYTES {
+        return Err(ApiError::invalid_api_key(format!(
+            "The x-api-key header must hold a key of 1 to {MAX_KEY_BYTES} bytes."
+        )));
+    }
+    Ok(key)
+}
+
 /// The key in an `Authorization: Bearer <key>` header. `Err` says what is wrong, for the 401 message.
 pub fn bearer(header: Option<&HeaderValue>) -> Result<&[u8], ApiError> {
     let Some(value) = header else {
         return Err(ApiError::invalid_api_key(
-            "You didn't provide an API key. Send it in the Authorization header as `Bearer <key>`.",
+            "You didn't provide an API key. Send it in the Authorization header as `Bearer <key>` (or in x-api-key).",
         ));
     };
     let bytes = value.as_bytes();
@@ -563,5 +581,24 @@ mod tests {
         }
         assert!(bearer(None).is_err());
         assert!(bearer(Some(&h(&format!("Bearer {}", "k".repeat(400))))).is_err());
+    }
+
+    #[test]
+    fn x_api_key_is_read_when_there_is_no_authorization_header() {
+        let headers = |pairs: &[(&'static str, &str)]| {
+            let mut m = axum::http::HeaderMap::new();
+            for (k, v) in pairs {
+                m.insert(*k, HeaderValue::from_str(v).unwrap());
+            }
+            m
+        };
+        assert_eq!(presented_key(&headers(&[("x-api-key", " abc ")])).unwrap(), b"abc");
+        let both = headers(&[("authorization", "Bearer first"), ("x-api-key", "second")]);
+        assert_eq!(presented_key(&both).unwrap(), b"first", "Authorization wins");
+        let bad_bearer = headers(&[("authorization", "Basic x"), ("x-api-key", "second")]);
+        assert!(presented_key(&bad_bearer).is_err(), "a bad Authorization header is not overridden");
+        for bad in [headers(&[]), headers(&[("x-api-key", "  ")]), headers(&[("x-api-key", &"k".repeat(300))])] {
+            assert_eq!(presented_key(&bad).unwrap_err().status, axum::http::StatusCode::UNAUTHORIZED);
+        }
     }
 }

@@ -78,6 +78,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    /// Index in `stops` of the stop string that matched.
+    matched: Option<usize>,
     /// vLLM's `include_stop_str_in_output`: the matched stop string ends the emitted text instead of being cut.
     include_stop: bool,
 }
@@ -86,13 +88,18 @@ impl StopMatcher {
     /// `stops` must not contain empty strings (validation rejects them).
     pub fn new(stops: Vec<String>) -> StopMatcher {
         let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
-        StopMatcher { stops, held: String::new(), stopped: false, include_stop: false }
+        StopMatcher { stops, held: String::new(), stopped: false, matched: None, include_stop: false }
     }
 
     /// Whether the matched stop string stays at the end of the text (vLLM's `include_stop_str_in_output`).
     pub fn keeping_stop(mut self, keep: bool) -> StopMatcher {
         self.include_stop = keep;
         self
+    }
+
+    /// The stop string that stopped the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// Feeds newly decoded text.
@@ -108,10 +115,12 @@ impl StopMatcher {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, std::cmp::Reverse(s.len()))))
+            .enumerate()
+            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|pos| (pos, std::cmp::Reverse(s.len()), i)))
             .min();
-        if let Some((pos, std::cmp::Reverse(len))) = first {
+        if let Some((pos, std::cmp::Reverse(len), i)) = first {
             self.stopped = true;
+            self.matched = Some(i);
             let end = if self.include_stop { pos + len } else { pos };
             let out = self.held[..end].to_string();
             self.held.clear();
@@ -197,9 +206,12 @@ mod tests {
     fn earliest_of_several_stops() {
         let mut m = StopMatcher::new(vec!["world".into(), "o w".into()]);
         assert_eq!(m.push("hello world"), StopOutcome::Stopped("hell".into()));
+        assert_eq!(m.matched(), Some("o w"), "the stop that matched is the one reported");
         let mut m = StopMatcher::new(vec!["\n\n".into(), "User:".into()]);
         assert_eq!(m.push("Paris.\n"), StopOutcome::Continue("Paris.".into()));
+        assert_eq!(m.matched(), None);
         assert_eq!(m.push("\nUser: hi"), StopOutcome::Stopped(String::new()));
+        assert_eq!(m.matched(), Some("\n\n"));
     }
 
     #[test]

@@ -59,6 +59,8 @@ pub enum Piece {
     Done {
         finish_reason: &'static str,
         usage: Usage,
+        /// The stop string that ended the text, when one did (vLLM's `stop_reason`; Anthropic's `stop_sequence`).
+        stop: Option<String>,
     },
     Error(ApiError),
 }
@@ -734,7 +736,8 @@ impl Generation {
                     return true;
                 }
                 let usage = Usage::new(self.job.prompt.len() as u32, self.generated.len() as u32, 0);
-                let _ = self.tx.send(Piece::Done { finish_reason: "stop", usage }).await;
+                let stop = self.stops.matched().map(str::to_owned);
+                let _ = self.tx.send(Piece::Done { finish_reason: "stop", usage, stop }).await;
                 true // drops the stream: cancels the rest of the generation
             }
         }
@@ -809,7 +812,8 @@ impl Generation {
         // After a migration the last worker's prompt included the earlier completion: cap what it calls cached.
         let usage = Usage::new(prompt_tokens, completion, cached_tokens.min(prompt_tokens));
         let finish_reason = if stopped { "stop" } else { reason };
-        let _ = self.tx.send(Piece::Done { finish_reason, usage }).await;
+        let stop = self.stops.matched().map(str::to_owned);
+        let _ = self.tx.send(Piece::Done { finish_reason, usage, stop }).await;
         AttemptEnd::Over
     }
 }

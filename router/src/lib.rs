@@ -37,6 +37,7 @@ pub mod gguf_codec;
 pub mod limits;
 pub mod lora_admin;
 pub mod membership;
+pub mod messages;
 pub mod metrics;
 pub mod openai;
 pub mod placement;

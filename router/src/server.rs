@@ -1,6 +1,6 @@
 //! The axum application: routes, shared state, request accounting, and the handlers of the OpenAI endpoints
-//! (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models`) plus `/healthz`, `/readyz` and
-//! `/metrics`.
+//! (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models`), Anthropic's (`/v1/messages`,
+//! `/v1/messages/count_tokens`) plus `/healthz`, `/readyz` and `/metrics`.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -250,12 +250,14 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(create_response))
+        .route("/v1/messages", post(create_message))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::shed_load));
     let v1 = axum::Router::new()
         .merge(generation)
         .route("/v1/models", get(models))
         .route("/v1/models/{*model}", get(model))
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
+        .route("/v1/messages/count_tokens", post(count_message_tokens))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), access::require_key));
@@ -667,7 +669,7 @@ async fn create_response(
                     return Some((events.delta(&text), Some((rx, events, st, tenant_name))));
                 }
                 Some(Piece::Echo { .. }) => return Some((Vec::new(), Some((rx, events, st, tenant_name)))),
-                Some(Piece::Done { finish_reason, usage }) => {
+                Some(Piece::Done { finish_reason, usage, .. }) => {
                     let (batch, stored) = events.done(finish_reason, &usage);
                     if let Some(stored) = stored {
                         st.responses().insert(tenant_name, events.id().to_string(), stored).await;
@@ -691,6 +693,79 @@ async fn create_response(
         st.responses().insert(tenant.name.clone(), pending.id.clone(), stored).await;
     }
     Ok(Json(response).into_response())
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API over the chat path ([`crate::messages`]); errors in Anthropic's
+/// shape.
+async fn create_message(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    body: Result<ApiJson<serde_json::Value>, ApiError>,
+) -> Response {
+    let arrived = Instant::now();
+    let answer = async {
+        use crate::messages::{MessageEvents, MessagesRequest, rename_param};
+        let ApiJson(body) = body?;
+        let (chat, mut pending) = MessagesRequest::parse(body, false)?.into_chat();
+        let chat: ChatCompletionRequest = serde_json::from_value(chat)
+            .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
+            .map_err(rename_param)?;
+        let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
+        pending.set_tool_call(params.tool_call.clone());
+        let lora = st.check_model(&params.model)?;
+        let mut prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
+        params.truncate_prompt(&mut prompt);
+        let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        let mut choices = start_choices(&st, &tenant, &pending.id, vec![prompt], &params, lora, arrived)
+            .await
+            .map_err(rename_param)?;
+        let Some(choice) = choices.pop() else {
+            return Err(ApiError::internal("no generation started"));
+        };
+        if !params.stream {
+            let c = collect(choice.rx).await?;
+            return Ok(Json(pending.message(&c.text, c.finish_reason, c.stop.as_deref(), &c.usage)).into_response());
+        }
+        let events = MessageEvents::new(pending);
+        let opening = events.start(prompt_tokens);
+        let body = futures::stream::unfold(Some((choice.rx, events)), |state| async move {
+            let (mut rx, mut events) = state?;
+            let batch = match rx.recv().await {
+                Some(Piece::Text { text, .. }) => return Some((events.delta(&text), Some((rx, events)))),
+                Some(Piece::Echo { .. }) => return Some((Vec::new(), Some((rx, events)))),
+                Some(Piece::Done { finish_reason, usage, stop }) => events.done(finish_reason, stop.as_deref(), &usage),
+                Some(Piece::Error(e)) => events.failed(&e),
+                None => events.failed(&ApiError::internal("the generation ended without an answer")),
+            };
+            Some((batch, None))
+        });
+        let stream = futures::StreamExt::chain(
+            futures::stream::iter(opening),
+            futures::StreamExt::flat_map(body, futures::stream::iter),
+        );
+        Ok(sse_named(stream).into_response())
+    };
+    answer.await.unwrap_or_else(crate::messages::error_response)
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt a Messages request would run, counted (`{"input_tokens": n}`).
+async fn count_message_tokens(
+    State(st): State<AppState>,
+    body: Result<ApiJson<serde_json::Value>, ApiError>,
+) -> Response {
+    let counted = async {
+        use crate::messages::{MessagesRequest, rename_param};
+        let ApiJson(body) = body?;
+        let (chat, _) = MessagesRequest::parse(body, true)?.into_chat();
+        let chat: ChatCompletionRequest = serde_json::from_value(chat)
+            .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
+            .map_err(rename_param)?;
+        let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
+        st.check_model(&params.model)?;
+        let prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
+        Ok::<_, ApiError>(Json(serde_json::json!({"input_tokens": prompt.len()})).into_response())
+    };
+    counted.await.unwrap_or_else(crate::messages::error_response)
 }
 
 /// `GET /v1/responses/{id}`: a stored response of the caller's tenant.
@@ -918,6 +993,8 @@ struct Collected {
     logprobs: Vec<TokenLogprob>,
     finish_reason: &'static str,
     usage: Usage,
+    /// The stop string that ended the text, if one did.
+    stop: Option<String>,
 }
 
 async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
@@ -929,8 +1006,8 @@ async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
                 text.push_str(&t);
                 logprobs.extend(l);
             }
-            Piece::Done { finish_reason, usage } => {
-                return Ok(Collected { echo, text, logprobs, finish_reason, usage });
+            Piece::Done { finish_reason, usage, stop } => {
+                return Ok(Collected { echo, text, logprobs, finish_reason, usage, stop });
             }
             Piece::Error(e) => return Err(e),
         }
@@ -1081,7 +1158,7 @@ fn chat_events(
                 };
                 vec![to_json(&chunk(i, delta, logprobs, None, usage))]
             }
-            Piece::Done { finish_reason, usage } => {
+            Piece::Done { finish_reason, usage, .. } => {
                 let usage = running.done(usage);
                 vec![to_json(&chunk(i, Delta::default(), None, Some(finish_reason), usage))]
             }
@@ -1142,7 +1219,7 @@ fn completion_events(
                 let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), offset));
                 vec![to_json(&chunk(i, text, logprobs, None, running.at(i, completion_tokens)))]
             }
-            Piece::Done { finish_reason, usage } => {
+            Piece::Done { finish_reason, usage, .. } => {
                 vec![to_json(&chunk(i, String::new(), None, Some(finish_reason), running.done(usage)))]
             }
             Piece::Error(e) => vec![e.body_json()],
