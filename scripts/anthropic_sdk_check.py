@@ -43,6 +43,10 @@ def main():
     client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120,
                                  http_client=anthropic.DefaultHttpxClient(trust_env=False))
     model = openai_call(url, key, "/v1/models")["data"][0]["id"]
+    models = client.models.list()
+    card = client.models.retrieve(model)
+    check([m.id for m in models.data][0] == model and models.has_more is False, f"models.list {models}")
+    check(card.type == "model" and card.display_name == model and card.created_at.year >= 2024, f"model {card}")
     messages = [{"role": "user", "content": QUESTION}]
 
     # A plain message: the chat path's answer, in the SDK's types, with Anthropic's usage accounting.

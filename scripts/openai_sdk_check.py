@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The official OpenAI Python SDK against a running Pagoda router (scripts/check-openai-sdk.sh starts one).
+"""The official OpenAI Python SDK against a running Pagoda router (scripts/check-sdks.sh starts one).
 
 Every call goes through the SDK's own request building, response parsing and error classes, so a field or shape
 the SDK cannot read fails here. Greedy answers are compared across endpoints: the Responses API must answer what

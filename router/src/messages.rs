@@ -76,10 +76,10 @@ impl MessagesRequest {
             None | Some(Value::Null) if count_only => {}
             _ => return Err(ApiError::invalid_param("max_tokens", "`max_tokens` is required: a positive integer.")),
         }
-        if let Some(thinking) = body.remove("thinking")
-            && thinking.get("type").and_then(Value::as_str) == Some("enabled")
+        if let Some(thinking) = body.remove("thinking").filter(|t| !t.is_null())
+            && thinking.get("type").and_then(Value::as_str) != Some("disabled")
         {
-            return Err(ApiError::invalid_param("thinking", "Extended thinking is not supported."));
+            return Err(ApiError::invalid_param("thinking", "Extended thinking is not supported: only `disabled`."));
         }
         match body.remove("stop_sequences") {
             None | Some(Value::Null) => {}
@@ -629,6 +629,8 @@ mod tests {
             param(with("thinking", json!({"type": "enabled", "budget_tokens": 1024}))).as_deref(),
             Some("thinking")
         );
+        assert_eq!(param(with("thinking", json!({"type": "adaptive"}))).as_deref(), Some("thinking"));
+        assert!(MessagesRequest::parse(with("thinking", json!({"type": "disabled"})), false).is_ok());
         assert_eq!(param(with("metadata", json!({"user_id": 7}))).as_deref(), Some("metadata.user_id"));
         assert_eq!(
             param(with("output_config", json!({"format": {"type": "text"}}))).as_deref(),

@@ -2000,12 +2000,61 @@ pub struct ModelCard {
     /// For a LoRA adapter: the base model it runs on (vLLM's model card field).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// Anthropic's model object beside OpenAI's, so either SDK's `models` calls read it: `type` ("model"),
+    /// `display_name` (the id) and `created_at` (`created` in RFC 3339).
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub display_name: String,
+    pub created_at: String,
 }
 
+impl ModelCard {
+    pub fn new(id: String, created: u64, max_model_len: usize, parent: Option<String>) -> ModelCard {
+        ModelCard {
+            display_name: id.clone(),
+            id,
+            object: "model",
+            created,
+            owned_by: "pagoda",
+            max_model_len,
+            parent,
+            kind: "model",
+            created_at: rfc3339_utc(created),
+        }
+    }
+}
+
+/// The model list, with Anthropic's paging fields beside OpenAI's `object` (one page: `has_more` false).
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelList {
     pub object: &'static str,
     pub data: Vec<ModelCard>,
+    pub has_more: bool,
+    pub first_id: Option<String>,
+    pub last_id: Option<String>,
+}
+
+impl ModelList {
+    pub fn new(data: Vec<ModelCard>) -> ModelList {
+        let (first_id, last_id) = (data.first().map(|m| m.id.clone()), data.last().map(|m| m.id.clone()));
+        ModelList { object: "list", data, has_more: false, first_id, last_id }
+    }
+}
+
+/// Seconds since the Unix epoch as an RFC 3339 UTC timestamp (`1970-01-01T00:00:00Z`), by the proleptic Gregorian
+/// calendar (Hinnant's days-to-civil).
+pub fn rfc3339_utc(secs: u64) -> String {
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 #[cfg(test)]
@@ -2016,6 +2065,14 @@ mod tests {
 
     fn chat(body: &str) -> Result<(Vec<Turn>, GenParams), ApiError> {
         parse_json::<ChatCompletionRequest>(body.as_bytes())?.validate(100)
+    }
+
+    #[test]
+    fn rfc3339_timestamps() {
+        assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339_utc(1_796_067_278), "2026-11-30T19:34:38Z");
+        assert_eq!(rfc3339_utc(4_102_444_799), "2099-12-31T23:59:59Z");
     }
 
     #[test]

@@ -501,7 +501,7 @@ async fn debug_keys(State(st): State<AppState>) -> Json<serde_json::Value> {
 async fn models(State(st): State<AppState>) -> Json<ModelList> {
     let mut data = vec![model_card(&st, None)];
     data.extend(st.pool().lora_adapters().into_iter().map(|(name, _)| model_card(&st, Some(name))));
-    Json(ModelList { object: "list", data })
+    Json(ModelList::new(data))
 }
 
 /// OpenAI's `GET /v1/models/{model}` (the SDKs' `models.retrieve`): the served model's card, or 404.
@@ -523,14 +523,7 @@ fn model_card(st: &AppState, lora: Option<String>) -> ModelCard {
         Some(name) => (name, Some(base)),
         None => (base, None),
     };
-    ModelCard {
-        id,
-        object: "model",
-        created: st.0.created,
-        owned_by: "pagoda",
-        max_model_len: st.0.codec.context_length(),
-        parent,
-    }
+    ModelCard::new(id, st.0.created, st.0.codec.context_length(), parent)
 }
 
 /// `POST /tokenize` (vLLM's endpoint): a prompt's token ids, or a chat's after the chat template, with the count
