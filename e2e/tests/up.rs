@@ -1319,3 +1319,31 @@ async fn up_messages_api_answers_streams_and_calls_tools_with_an_x_api_key() {
     assert_eq!((s, e["error"]["type"].as_str()), (404, Some("not_found_error")), "{e}");
     let _ = std::fs::remove_file(&keys);
 }
+
+/// vLLM's `stop_reason` through `pagoda up` on the real model: the worker reports the token it stopped on, and the
+/// router names the request's own stop token id (the answer's first token, found with `/tokenize`) or the stop
+/// string that matched; the model's end token and a length finish are `null`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_stop_reason_names_the_stop_token_or_string() {
+    let up = start_up("up-stop-reason", &[]).await.unwrap();
+    let http = &up.http;
+    let ask = |extra: Value| async move {
+        let (s, v) = http.post_json("/v1/chat/completions", &chat(QUESTION, extra)).await.unwrap();
+        assert_eq!(s, 200, "{v}");
+        v["choices"][0].clone()
+    };
+    let plain = ask(json!({"temperature": 0, "max_tokens": 48})).await;
+    let answer = plain["message"]["content"].as_str().unwrap().to_string();
+    assert_eq!(plain["stop_reason"], Value::Null, "the model's end token, or a length finish: {plain}");
+    let (s, t) = http.post_json("/tokenize", &json!({"prompt": answer, "add_special_tokens": false})).await.unwrap();
+    assert_eq!(s, 200, "{t}");
+    let first = t["tokens"][0].as_u64().unwrap();
+    let by_token = ask(json!({"temperature": 0, "max_tokens": 48, "stop_token_ids": [first]})).await;
+    assert_eq!((by_token["finish_reason"].as_str(), by_token["stop_reason"].as_u64()), (Some("stop"), Some(first)));
+    assert_eq!(by_token["message"]["content"], "", "the stop token is not sent");
+    let word = answer.split_whitespace().next().unwrap().trim_matches(|c: char| !c.is_alphanumeric()).to_string();
+    let by_string = ask(json!({"temperature": 0, "max_tokens": 48, "stop": ["never-generated", word]})).await;
+    assert_eq!(by_string["stop_reason"], word.as_str(), "{by_string}");
+    let cut = ask(json!({"temperature": 0, "max_tokens": 1, "ignore_eos": true})).await;
+    assert_eq!((cut["finish_reason"].as_str(), &cut["stop_reason"]), (Some("length"), &Value::Null));
+}

@@ -31,7 +31,7 @@ use crate::detok::{StopMatcher, StopOutcome, Utf8Decoder};
 use crate::disagg;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::openai::{GenParams, Usage};
+use crate::openai::{GenParams, StopReason, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
 use crate::spans;
@@ -59,8 +59,9 @@ pub enum Piece {
     Done {
         finish_reason: &'static str,
         usage: Usage,
-        /// The stop string that ended the text, when one did (vLLM's `stop_reason`; Anthropic's `stop_sequence`).
-        stop: Option<String>,
+        /// The stop string, or the request's own stop token, that ended the text (vLLM's `stop_reason`; a stop
+        /// string is Anthropic's `stop_sequence`).
+        stop: Option<StopReason>,
     },
     Error(ApiError),
 }
@@ -683,7 +684,7 @@ impl Generation {
                     call.record("completion_tokens", i64::from(this_attempt));
                     call.record("rpc.grpc.status_code", tonic::Code::Ok as i32);
                     let completion = before + this_attempt;
-                    return self.finish_with(reason, completion, u.cached_tokens).await;
+                    return self.finish_with(reason, completion, u.cached_tokens, fin.stop_token_id).await;
                 }
                 Ok(None) => {
                     return AttemptEnd::WorkerFailed(WorkerFailure {
@@ -736,7 +737,7 @@ impl Generation {
                     return true;
                 }
                 let usage = Usage::new(self.job.prompt.len() as u32, self.generated.len() as u32, 0);
-                let stop = self.stops.matched().map(str::to_owned);
+                let stop = self.stops.matched().map(|s| StopReason::Text(s.to_owned()));
                 let _ = self.tx.send(Piece::Done { finish_reason: "stop", usage, stop }).await;
                 true // drops the stream: cancels the rest of the generation
             }
@@ -790,11 +791,17 @@ impl Generation {
 
     async fn finish(&mut self, reason: &'static str, cached_tokens: u32) -> AttemptEnd {
         let completion = self.generated.len() as u32;
-        self.finish_with(reason, completion, cached_tokens).await
+        self.finish_with(reason, completion, cached_tokens, None).await
     }
 
-    /// Flushes the held-back text and sends `Done`.
-    async fn finish_with(&mut self, reason: &'static str, completion: u32, cached_tokens: u32) -> AttemptEnd {
+    /// Flushes the held-back text and sends `Done`. `stop_token`: the token the worker stopped on, when it did.
+    async fn finish_with(
+        &mut self,
+        reason: &'static str,
+        completion: u32,
+        cached_tokens: u32,
+        stop_token: Option<u32>,
+    ) -> AttemptEnd {
         self.started();
         let tail = self.decoder.finish();
         self.logprobs.decoded += tail.len();
@@ -812,7 +819,13 @@ impl Generation {
         // After a migration the last worker's prompt included the earlier completion: cap what it calls cached.
         let usage = Usage::new(prompt_tokens, completion, cached_tokens.min(prompt_tokens));
         let finish_reason = if stopped { "stop" } else { reason };
-        let stop = self.stops.matched().map(str::to_owned);
+        // vLLM reports the request's own stop ids, not the model's end tokens.
+        let stop = match self.stops.matched() {
+            Some(s) => Some(StopReason::Text(s.to_owned())),
+            None => stop_token
+                .filter(|t| finish_reason == "stop" && self.job.params.stop_token_ids.contains(t))
+                .map(StopReason::Token),
+        };
         let _ = self.tx.send(Piece::Done { finish_reason, usage, stop }).await;
         AttemptEnd::Over
     }

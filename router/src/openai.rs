@@ -1807,12 +1807,32 @@ pub struct FunctionDelta {
     pub arguments: String,
 }
 
+/// vLLM's `stop_reason` on a choice: the stop string, or the request's own stop token id, that ended it; `null`
+/// when it ended otherwise (the model's end token, its length).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+impl StopReason {
+    /// The stop string, when a stop string ended the choice.
+    pub fn text(&self) -> Option<&str> {
+        match self {
+            StopReason::Text(s) => Some(s),
+            StopReason::Token(_) => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: &'static str,
+    pub stop_reason: Option<StopReason>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1841,6 +1861,7 @@ pub struct ChunkChoice {
     pub delta: Delta,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReason>,
 }
 
 /// One `chat.completion.chunk`.
@@ -1862,6 +1883,7 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReason>,
 }
 
 /// A chat choice's `logprobs`: one entry per generated token.
@@ -2569,6 +2591,7 @@ mod tests {
                 delta: Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
                 logprobs: None,
                 finish_reason: None,
+                stop_reason: None,
             }],
             usage: Some(None),
         };
@@ -2576,7 +2599,8 @@ mod tests {
         assert_eq!(
             v,
             serde_json::json!({"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",
-                "choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],
+                "choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null,
+                    "stop_reason":null}],
                 "usage":null})
         );
         let c = ChatChunk { usage: None, ..c };

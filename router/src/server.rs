@@ -31,8 +31,8 @@ use crate::metrics::Metrics;
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChatCompletionRequest, ChatLogprobs, ChunkChoice,
     Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Delta, DetokenizeRequest, DetokenizeResponse,
-    FunctionDelta, GenParams, ModelCard, ModelList, PromptInput, TokenizeInput, TokenizeRequest, TokenizeResponse,
-    ToolCallDelta, Usage, check_lengths, check_min_tokens,
+    FunctionDelta, GenParams, ModelCard, ModelList, PromptInput, StopReason, TokenizeInput, TokenizeRequest,
+    TokenizeResponse, ToolCallDelta, Usage, check_lengths, check_min_tokens,
 };
 use crate::placer::PlacerConfig;
 use crate::responses::{NamedEvent, ResponseBackend, ResponseEvents, ResponsesRequest};
@@ -618,6 +618,7 @@ async fn chat_completions(
             logprobs: params.logprobs.map(|_| ChatLogprobs::render(&c.logprobs, codec)),
             message: AssistantMessage::new(c.text, params.tool_call.as_deref(), || new_id("call")),
             finish_reason: c.finish_reason,
+            stop_reason: c.stop,
         })
         .collect();
     Ok(Json(ChatCompletion { id, object: "chat.completion", created, model: params.model, choices, usage })
@@ -717,7 +718,8 @@ async fn create_message(
         };
         if !params.stream {
             let c = collect(choice.rx).await?;
-            return Ok(Json(pending.message(&c.text, c.finish_reason, c.stop.as_deref(), &c.usage)).into_response());
+            let stop = c.stop.as_ref().and_then(StopReason::text);
+            return Ok(Json(pending.message(&c.text, c.finish_reason, stop, &c.usage)).into_response());
         }
         let events = MessageEvents::new(pending);
         let opening = events.start(prompt_tokens);
@@ -726,7 +728,9 @@ async fn create_message(
             let batch = match rx.recv().await {
                 Some(Piece::Text { text, .. }) => return Some((events.delta(&text), Some((rx, events)))),
                 Some(Piece::Echo { .. }) => return Some((Vec::new(), Some((rx, events)))),
-                Some(Piece::Done { finish_reason, usage, stop }) => events.done(finish_reason, stop.as_deref(), &usage),
+                Some(Piece::Done { finish_reason, usage, stop }) => {
+                    events.done(finish_reason, stop.as_ref().and_then(StopReason::text), &usage)
+                }
                 Some(Piece::Error(e)) => events.failed(&e),
                 None => events.failed(&ApiError::internal("the generation ended without an answer")),
             };
@@ -817,7 +821,7 @@ async fn completions(
     let choices = collected
         .into_iter()
         .enumerate()
-        .map(|(index, Collected { echo, mut text, logprobs, finish_reason, .. })| {
+        .map(|(index, Collected { echo, mut text, logprobs, finish_reason, stop, .. })| {
             let logprobs = params.logprobs.map(|_| match &echo {
                 Some((prompt, first, scored)) => {
                     let mut all = CompletionLogprobs::echo(*first, scored, codec);
@@ -829,7 +833,13 @@ async fn completions(
             if let Some((prompt, ..)) = echo {
                 text.insert_str(0, &prompt);
             }
-            CompletionChoice { index: index as u32, text, logprobs, finish_reason: Some(finish_reason) }
+            CompletionChoice {
+                index: index as u32,
+                text,
+                logprobs,
+                finish_reason: Some(finish_reason),
+                stop_reason: stop,
+            }
         })
         .collect();
     Ok(Json(Completion {
@@ -986,8 +996,8 @@ struct Collected {
     logprobs: Vec<TokenLogprob>,
     finish_reason: &'static str,
     usage: Usage,
-    /// The stop string that ended the text, if one did.
-    stop: Option<String>,
+    /// The stop string or stop token that ended the text, if one did.
+    stop: Option<StopReason>,
 }
 
 async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
@@ -1096,18 +1106,20 @@ fn chat_events(
     let include_usage = params.include_usage;
     let running = RunningUsage::new(&params, &choices);
     let model = params.model;
+    // `finish`: the finish reason and stop reason of a choice's last chunk.
     let chunk = move |index: u32,
                       delta: Delta,
                       logprobs: Option<ChatLogprobs>,
-                      finish_reason: Option<&'static str>,
+                      finish: Option<(&'static str, Option<StopReason>)>,
                       usage: Option<Usage>|
           -> ChatChunk {
+        let (finish_reason, stop_reason) = finish.map_or((None, None), |(f, s)| (Some(f), s));
         ChatChunk {
             id: id.clone(),
             object: "chat.completion.chunk",
             created,
             model: model.clone(),
-            choices: vec![ChunkChoice { index, delta, logprobs, finish_reason }],
+            choices: vec![ChunkChoice { index, delta, logprobs, finish_reason, stop_reason }],
             usage: include_usage.then_some(usage),
         }
     };
@@ -1151,9 +1163,9 @@ fn chat_events(
                 };
                 vec![to_json(&chunk(i, delta, logprobs, None, usage))]
             }
-            Piece::Done { finish_reason, usage, .. } => {
+            Piece::Done { finish_reason, usage, stop } => {
                 let usage = running.done(usage);
-                vec![to_json(&chunk(i, Delta::default(), None, Some(finish_reason), usage))]
+                vec![to_json(&chunk(i, Delta::default(), None, Some((finish_reason, stop)), usage))]
             }
             Piece::Error(e) => vec![e.body_json()],
         },
@@ -1181,17 +1193,21 @@ fn completion_events(
     let include_usage = params.include_usage;
     let running = RunningUsage::new(&params, &choices);
     let model = params.model;
+    // `finish`: the finish reason and stop reason of a choice's last chunk.
     let chunk = move |index: u32,
                       text: String,
                       logprobs: Option<CompletionLogprobs>,
-                      finish_reason: Option<&'static str>,
-                      usage: Option<Usage>| Completion {
-        id: id.clone(),
-        object: "text_completion",
-        created,
-        model: model.clone(),
-        choices: vec![CompletionChoice { index, text, logprobs, finish_reason }],
-        usage: include_usage.then_some(usage),
+                      finish: Option<(&'static str, Option<StopReason>)>,
+                      usage: Option<Usage>| {
+        let (finish_reason, stop_reason) = finish.map_or((None, None), |(f, s)| (Some(f), s));
+        Completion {
+            id: id.clone(),
+            object: "text_completion",
+            created,
+            model: model.clone(),
+            choices: vec![CompletionChoice { index, text, logprobs, finish_reason, stop_reason }],
+            usage: include_usage.then_some(usage),
+        }
     };
     let wants_logprobs = params.logprobs.is_some();
     // Bytes of each choice's echoed prompt: its completion's offsets start after them.
@@ -1212,8 +1228,8 @@ fn completion_events(
                 let logprobs = wants_logprobs.then(|| CompletionLogprobs::render(&logprobs, codec.as_ref(), offset));
                 vec![to_json(&chunk(i, text, logprobs, None, running.at(i, completion_tokens)))]
             }
-            Piece::Done { finish_reason, usage, .. } => {
-                vec![to_json(&chunk(i, String::new(), None, Some(finish_reason), running.done(usage)))]
+            Piece::Done { finish_reason, usage, stop } => {
+                vec![to_json(&chunk(i, String::new(), None, Some((finish_reason, stop)), running.done(usage)))]
             }
             Piece::Error(e) => vec![e.body_json()],
         },

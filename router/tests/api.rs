@@ -146,6 +146,9 @@ impl Worker for Fake {
         let guard = OpenGuard(self.open.clone());
         let reply: Vec<u32> = REPLY.bytes().map(u32::from).collect();
         let top_n = req.logprobs.then_some(req.top_logprobs as usize);
+        // What a real worker reports at a stop: the token it stopped on (here the last of the stop ids it was sent:
+        // the request's own when it gave some, else the model's end token).
+        let stop_token = req.stop_token_ids.last().copied();
         let s = futures::stream::unfold((0usize, Some(guard)), move |(i, guard)| {
             let reply = reply[resumed..].to_vec();
             async move {
@@ -171,6 +174,7 @@ impl Worker for Fake {
                         usage: Some(Usage { prompt_tokens, completion_tokens: n as u32, cached_tokens: 0 }),
                         // What this stand-in's queue held it for: a quarter of a second.
                         queue_seconds: 0.25,
+                        stop_token_id: stop_token.filter(|_| reason == FinishReason::Stop),
                     }),
                     ..Default::default()
                 };
@@ -488,6 +492,7 @@ async fn chat_non_streaming() {
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], REPLY);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["stop_reason"], Value::Null, "the model's end token is no stop_reason (vLLM's rule)");
     let prompt_len = "user: Capital of France?\nassistant:".len() as u64;
     assert_eq!(v["usage"]["prompt_tokens"], prompt_len);
     assert_eq!(v["usage"]["completion_tokens"], REPLY.len() as u64);
@@ -512,6 +517,7 @@ async fn stop_string_truncates_and_cancels() {
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "Paris is the capital of France. ünïcødé 🦀 ");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["stop_reason"], "END", "the stop string that matched");
     // The worker stream was dropped at the stop string.
     assert!(streams_close(&c.open).await, "worker stream still open after a stop string");
 }
@@ -1961,6 +1967,43 @@ async fn forced_function_calls_come_back_as_tool_calls() {
     }
     assert_eq!(arguments, REPLY);
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
+
+/// vLLM's `stop_reason`: the request's own stop token id that ended a choice, on chat and completions, plain and
+/// streamed (the stream's finish chunk carries it); `null` for the model's end token and for a length finish.
+#[tokio::test]
+async fn stop_reason_names_the_requests_stop_token() {
+    let Cluster { http, client, .. } = cluster_of(Fake::default(), pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [65]});
+    let completion = json!({"model": MODEL, "prompt": "hi", "stop_token_ids": [65]});
+    for (path, body) in [("/v1/chat/completions", chat), ("/v1/completions", completion)] {
+        let v: Value = client.post(format!("{http}{path}")).json(&body).send().await.unwrap().json().await.unwrap();
+        assert_eq!(
+            (v["choices"][0]["finish_reason"].as_str(), v["choices"][0]["stop_reason"].as_u64()),
+            (Some("stop"), Some(65)),
+            "{path}: {v}"
+        );
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let text = client.post(format!("{http}{path}")).json(&streamed).send().await.unwrap().text().await.unwrap();
+        let chunks: Vec<Value> =
+            sse_payloads(&text).iter().filter(|p| *p != "[DONE]").map(|p| serde_json::from_str(p).unwrap()).collect();
+        let last = &chunks.last().unwrap()["choices"][0];
+        assert_eq!(
+            (last["finish_reason"].as_str(), last["stop_reason"].as_u64()),
+            (Some("stop"), Some(65)),
+            "{path}: {last}"
+        );
+        assert!(chunks[..chunks.len() - 1].iter().all(|c| c["choices"][0]["stop_reason"].is_null()), "{path}");
+        let mut short = body.clone();
+        short["max_tokens"] = json!(3);
+        let v: Value = client.post(format!("{http}{path}")).json(&short).send().await.unwrap().json().await.unwrap();
+        assert_eq!(
+            (v["choices"][0]["finish_reason"].as_str(), &v["choices"][0]["stop_reason"]),
+            (Some("length"), &Value::Null),
+            "{path}"
+        );
+    }
 }
 
 /// `ignore_eos` (vLLM's extension) reaches the worker, and the router then sends none of the model's stop ids;

@@ -257,6 +257,8 @@ pub enum GenerateEvent {
         evicted_blocks: u64,
         /// Seconds from the request's arrival at the engine to its first step (0 if it never ran).
         queue_seconds: f64,
+        /// With [`FinishReason::Stop`]: the stop token the answer ended on (not sent as a token).
+        stop_token: Option<u32>,
     },
     Failed(String),
 }
@@ -2027,9 +2029,11 @@ pub(crate) fn recycle_forward<'b>(mut v: Vec<ForwardSeq<'_>>) -> Vec<ForwardSeq<
 
 fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) -> GenerateEvent {
     let mut completion = seq.num_generated();
-    if reason == FinishReason::Stop {
+    let mut stop_token = None;
+    if reason == FinishReason::Stop && completion > 0 {
         // The stop token ended the stream and was not sent.
-        completion = completion.saturating_sub(1);
+        completion -= 1;
+        stop_token = seq.tokens().last().copied();
     }
     GenerateEvent::Finished {
         reason,
@@ -2039,6 +2043,7 @@ fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) ->
         evicted_slots: seq.evicted().slots,
         evicted_blocks: seq.evicted().blocks,
         queue_seconds: seq.payload.queue_seconds.unwrap_or(0.0),
+        stop_token,
     }
 }
 
@@ -2517,13 +2522,17 @@ mod tests {
                 evicted_slots: 0,
                 evicted_blocks: 0,
                 queue_seconds,
+                stop_token: None,
             }
         );
         // eos (31) stops: prompt [0, 28] → 2 + 28 = 30, 3 + 30 = 33 % 32 = 1, ...
         let (toks, fin) = collect(h.submit(req("b", vec![0, 29], 10)).unwrap());
         // 2 + 29 = 31 = eos straight away: no token streamed.
         assert!(toks.is_empty());
-        assert!(matches!(fin, GenerateEvent::Finished { reason: FinishReason::Stop, completion_tokens: 0, .. }));
+        assert!(matches!(
+            fin,
+            GenerateEvent::Finished { reason: FinishReason::Stop, completion_tokens: 0, stop_token: Some(31), .. }
+        ));
         let s = wait_for(&h, |s| s.running == 0);
         assert_eq!(s.blocks_used, 0);
         h.shutdown();
@@ -2546,7 +2555,10 @@ mod tests {
         r.stop_token_ids = vec![6];
         let (toks, fin) = collect(h.submit(r).unwrap());
         assert_eq!(toks, vec![31, 2]);
-        assert!(matches!(fin, GenerateEvent::Finished { reason: FinishReason::Stop, completion_tokens: 2, .. }));
+        assert!(matches!(
+            fin,
+            GenerateEvent::Finished { reason: FinishReason::Stop, completion_tokens: 2, stop_token: Some(6), .. }
+        ));
         let s = wait_for(&h, |s| s.running == 0);
         assert_eq!(s.peak_running, 1);
         assert!(s.peak_blocks_used > 0 && s.peak_blocks_used <= s.blocks_total);

@@ -554,6 +554,7 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
                 evicted_slots,
                 evicted_blocks,
                 queue_seconds,
+                stop_token,
             } => {
                 s.done = true;
                 s.on_finished(reason, completion_tokens, cached_tokens, (evicted_slots, evicted_blocks));
@@ -561,6 +562,7 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
                     reason: finish_reason(reason) as i32,
                     usage: Some(pb::Usage { prompt_tokens, completion_tokens, cached_tokens }),
                     queue_seconds,
+                    stop_token_id: stop_token,
                 });
             }
             GenerateEvent::Failed(m) if msg.token_ids.is_empty() => {
