@@ -2063,19 +2063,9 @@ impl ModelList {
     }
 }
 
-/// Seconds since the Unix epoch as an RFC 3339 UTC timestamp (`1970-01-01T00:00:00Z`), by the proleptic Gregorian
-/// calendar (Hinnant's days-to-civil).
+/// Seconds since the Unix epoch as an RFC 3339 UTC timestamp (`1970-01-01T00:00:00Z`).
 pub fn rfc3339_utc(secs: u64) -> String {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day, rem) = pagoda_worker::model::chat::civil_utc(i64::try_from(secs).unwrap_or(i64::MAX));
     format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 

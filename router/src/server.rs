@@ -625,6 +625,36 @@ async fn chat_completions(
         .into_response())
 }
 
+/// A chat request translated from another API (Responses, Messages), as the chat path takes it: validated, its
+/// model checked, its prompt rendered and truncated; errors name the other API's fields (`rename`).
+async fn translated_chat(
+    st: &AppState,
+    chat: serde_json::Value,
+    rename: fn(ApiError) -> ApiError,
+) -> Result<(GenParams, Option<String>, Vec<u32>), ApiError> {
+    let chat: ChatCompletionRequest =
+        serde_json::from_value(chat).map_err(|e| rename(ApiError::invalid(format!("Invalid request: {e}"))))?;
+    let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename)?;
+    let lora = st.check_model(&params.model)?;
+    let mut prompt = chat_prompt(st, turns, params.chat_render).await.map_err(rename)?;
+    params.truncate_prompt(&mut prompt);
+    Ok((params, lora, prompt))
+}
+
+/// Starts the one generation of a single-answer request (`/v1/responses`, `/v1/messages`).
+async fn start_one(
+    st: &AppState,
+    tenant: &Tenant,
+    id: &str,
+    prompt: Vec<u32>,
+    params: &GenParams,
+    lora: Option<String>,
+    arrived: Instant,
+) -> Result<Choice, ApiError> {
+    let mut choices = start_choices(st, tenant, id, vec![prompt], params, lora, arrived).await?;
+    choices.pop().ok_or_else(|| ApiError::internal("no generation started"))
+}
+
 /// `POST /v1/responses`: OpenAI's Responses API over the chat path ([`crate::responses`]).
 async fn create_response(
     State(st): State<AppState>,
@@ -639,19 +669,9 @@ async fn create_response(
         None => Vec::new(),
     };
     let (chat, mut pending) = request.into_chat(previous);
-    let chat: ChatCompletionRequest = serde_json::from_value(chat)
-        .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
-        .map_err(rename_param)?;
-    let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
+    let (params, lora, prompt) = translated_chat(&st, chat, rename_param).await?;
     pending.set_tool_call(params.tool_call.clone());
-    let lora = st.check_model(&params.model)?;
-    let mut prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
-    params.truncate_prompt(&mut prompt);
-    let mut choices =
-        start_choices(&st, &tenant, &pending.id, vec![prompt], &params, lora, arrived).await.map_err(rename_param)?;
-    let Some(choice) = choices.pop() else {
-        return Err(ApiError::internal("no generation started"));
-    };
+    let choice = start_one(&st, &tenant, &pending.id, prompt, &params, lora, arrived).await.map_err(rename_param)?;
     if params.stream {
         let mut events = ResponseEvents::new(pending);
         let opening = events.start();
@@ -675,11 +695,7 @@ async fn create_response(
             };
             Some((batch, None))
         });
-        let stream = futures::StreamExt::chain(
-            futures::stream::iter(opening),
-            futures::StreamExt::flat_map(body, futures::stream::iter),
-        );
-        return Ok(sse_named(stream).into_response());
+        return Ok(sse_batches(opening, body));
     }
     let c = collect(choice.rx).await?;
     let (response, stored) = pending.finish(&c.text, c.finish_reason, &c.usage);
@@ -701,21 +717,11 @@ async fn create_message(
         use crate::messages::{MessageEvents, MessagesRequest, rename_param};
         let ApiJson(body) = body?;
         let (chat, mut pending) = MessagesRequest::parse(body, false)?.into_chat();
-        let chat: ChatCompletionRequest = serde_json::from_value(chat)
-            .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
-            .map_err(rename_param)?;
-        let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
+        let (params, lora, prompt) = translated_chat(&st, chat, rename_param).await?;
         pending.set_tool_call(params.tool_call.clone());
-        let lora = st.check_model(&params.model)?;
-        let mut prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
-        params.truncate_prompt(&mut prompt);
         let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
-        let mut choices = start_choices(&st, &tenant, &pending.id, vec![prompt], &params, lora, arrived)
-            .await
-            .map_err(rename_param)?;
-        let Some(choice) = choices.pop() else {
-            return Err(ApiError::internal("no generation started"));
-        };
+        let choice =
+            start_one(&st, &tenant, &pending.id, prompt, &params, lora, arrived).await.map_err(rename_param)?;
         if !params.stream {
             let c = collect(choice.rx).await?;
             let stop = c.stop.as_ref().and_then(StopReason::text);
@@ -736,11 +742,7 @@ async fn create_message(
             };
             Some((batch, None))
         });
-        let stream = futures::StreamExt::chain(
-            futures::stream::iter(opening),
-            futures::StreamExt::flat_map(body, futures::stream::iter),
-        );
-        Ok(sse_named(stream).into_response())
+        Ok(sse_batches(opening, body))
     };
     answer.await.unwrap_or_else(crate::messages::error_response)
 }
@@ -754,12 +756,7 @@ async fn count_message_tokens(
         use crate::messages::{MessagesRequest, rename_param};
         let ApiJson(body) = body?;
         let (chat, _) = MessagesRequest::parse(body, true)?.into_chat();
-        let chat: ChatCompletionRequest = serde_json::from_value(chat)
-            .map_err(|e| ApiError::invalid(format!("Invalid request: {e}")))
-            .map_err(rename_param)?;
-        let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename_param)?;
-        st.check_model(&params.model)?;
-        let prompt = chat_prompt(&st, turns, params.chat_render).await.map_err(rename_param)?;
+        let (_, _, prompt) = translated_chat(&st, chat, rename_param).await?;
         Ok::<_, ApiError>(Json(serde_json::json!({"input_tokens": prompt.len()})).into_response())
     };
     counted.await.unwrap_or_else(crate::messages::error_response)
@@ -1024,6 +1021,15 @@ fn sse_named(
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     use futures::StreamExt;
     Sse::new(events.map(|(name, data)| Ok(Event::default().event(name).data(data))))
+}
+
+/// A named-event stream: the opening events, then every batch `body` yields.
+fn sse_batches(opening: Vec<NamedEvent>, body: impl Stream<Item = Vec<NamedEvent>> + Send + 'static) -> Response {
+    let stream = futures::StreamExt::chain(
+        futures::stream::iter(opening),
+        futures::StreamExt::flat_map(body, futures::stream::iter),
+    );
+    sse_named(stream).into_response()
 }
 
 fn sse(events: impl Stream<Item = String> + Send + 'static) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {

@@ -55,12 +55,10 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
 
-/// `strftime_now(fmt)` as HF provides it, in UTC, for the directives chat templates use
-/// (`%Y %y %m %d %e %B %b %H %M %S %%`).
-fn strftime_now(fmt: &str) -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+/// UTC calendar date and time of day of `secs` seconds since 1970-01-01: (year, month 1-12, day 1-31, seconds into
+/// the day), by the proleptic Gregorian calendar (Howard Hinnant's days-to-civil).
+pub fn civil_utc(secs: i64) -> (i64, i64, i64, i64) {
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -69,7 +67,14 @@ fn strftime_now(fmt: &str) -> String {
     let mp = (5 * doy + 2) / 153;
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    (yoe + era * 400 + i64::from(month <= 2), month, day, rem)
+}
+
+/// `strftime_now(fmt)` as HF provides it, in UTC, for the directives chat templates use
+/// (`%Y %y %m %d %e %B %b %H %M %S %%`).
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let (year, month, day, rem) = civil_utc(secs);
     const MONTHS: [&str; 12] = [
         "January",
         "February",
