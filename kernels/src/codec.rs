@@ -622,6 +622,8 @@ fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &
         }
         Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
             let rotate = codec == Codec::Fp8E4m3Rotated && half == Half::K;
+            // Rotated rows are computed twice (for the scale, then for the codes) rather than kept: a whole block
+            // of them would need a heap buffer, and encoding runs per block moved to a tier, not per token.
             let mut buf = [0.0f32; MAX_HEAD_DIM];
             let mut amax = 0.0f32;
             for (i, r) in x.chunks_exact(hd).enumerate() {

@@ -19,7 +19,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
 use crate::openai::Usage;
-use crate::responses::NamedEvent;
+use crate::responses::{NamedEvent, new_response_id};
 
 /// Most messages in a request.
 pub const MAX_MESSAGES: usize = 1024;
@@ -130,8 +130,8 @@ impl MessagesRequest {
     /// The chat request body, and the message under way.
     pub fn into_chat(self) -> (Value, PendingMessage) {
         let pending = PendingMessage {
-            id: new_id("msg"),
-            tool_use_id: new_id("toolu"),
+            id: new_response_id("msg"),
+            tool_use_id: new_response_id("toolu"),
             tool_call: None,
             model: self.chat.get("model").cloned().unwrap_or(Value::Null),
         };
@@ -401,7 +401,7 @@ impl PendingMessage {
 
 /// Anthropic's usage object: uncached prompt tokens, cache reads, generated tokens.
 fn usage_object(u: &Usage) -> Value {
-    let cached = u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens);
+    let cached = u.cached_tokens();
     json!({
         "input_tokens": u.prompt_tokens.saturating_sub(cached),
         "cache_creation_input_tokens": 0,
@@ -516,10 +516,6 @@ pub fn error_response(e: ApiError) -> Response {
     let mut resp = e.into_response();
     *resp.body_mut() = axum::body::Body::from(body);
     resp
-}
-
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{:024x}", rand::random::<u128>() >> 32)
 }
 
 #[cfg(test)]

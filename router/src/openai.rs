@@ -1735,6 +1735,11 @@ impl Usage {
         }
     }
 
+    /// Prompt tokens served from the prefix cache (0 where the count is absent).
+    pub fn cached_tokens(&self) -> u32 {
+        self.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens)
+    }
+
     /// The usage of a choice still generating (`continuous_usage_stats`): tokens so far, no cached count.
     pub fn running(prompt_tokens: u32, completion_tokens: u32) -> Usage {
         Usage {

@@ -543,7 +543,7 @@ impl PendingResponse {
 }
 
 fn usage_object(u: &Usage) -> Value {
-    let cached = u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens);
+    let cached = u.cached_tokens();
     json!({
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached},
@@ -972,7 +972,8 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-fn new_response_id(prefix: &str) -> String {
+/// A random id `<prefix>_<32 hex digits>` (responses, their items, Anthropic's messages and tool uses).
+pub(crate) fn new_response_id(prefix: &str) -> String {
     format!("{prefix}_{:032x}", rand::random::<u128>())
 }
 

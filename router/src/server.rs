@@ -1065,7 +1065,7 @@ impl UsageSum {
     fn add(&mut self, u: &Usage, counts_prompt: bool) {
         if counts_prompt {
             self.prompt = self.prompt.saturating_add(u.prompt_tokens);
-            self.cached = self.cached.saturating_add(u.prompt_tokens_details.as_ref().map_or(0, |d| d.cached_tokens));
+            self.cached = self.cached.saturating_add(u.cached_tokens());
         }
         self.completion = self.completion.saturating_add(u.completion_tokens);
     }
