@@ -27,8 +27,8 @@ pub struct BenchKernelsArgs {
     /// Attention shape: smollm2 (9 q / 3 kv heads of 64) or llama-8b (32 q / 8 kv heads of 128).
     #[arg(long, default_value = "smollm2", value_parser = parse_shape)]
     shape: AttnBenchShape,
-    /// KV formats, comma-separated: f16 and f32 (the pool's arenas), pool:int8 and pool:fp8_e4m3 (the pool's 8-bit
-    /// dtypes), and the encoded codecs bf16, int8, fp8_e4m3, fp8_e4m3_rotated, int4_kivi, int2_kivi ("all" for every
+    /// KV formats, comma-separated: f16 and f32 (the pool's arenas), pool:int8, pool:fp8_e4m3 and
+    /// pool:fp8_e4m3_rotated (the pool's 8-bit dtypes), and the encoded codecs bf16, int8, fp8_e4m3, fp8_e4m3_rotated, int4_kivi, int2_kivi ("all" for every
     /// one). The GPU measures f16 and the encoded int8, fp8_e4m3, int4_kivi and int2_kivi.
     #[arg(long, value_delimiter = ',', default_value = "f16,int8,fp8_e4m3,int4_kivi,int2_kivi")]
     kv_formats: Vec<String>,

@@ -256,8 +256,9 @@ struct EngineArgs {
     #[arg(long, default_value_t = 0)]
     disk_tier_mib: u64,
     /// Element type of the device KV cache: f16 (half the memory and bandwidth of f32), f32 (bit-exact with an f32
-    /// reference), int8 or fp8_e4m3 (one f32 scale per slot: 0.53x f16's bytes at head_dim 64, dequantised by the
-    /// attention kernel as it loads).
+    /// reference), int8, fp8_e4m3 or fp8_e4m3_rotated (one f32 scale per slot: 0.53x f16's bytes at head_dim 64,
+    /// dequantised by the attention kernel as it loads; the rotated fp8 stores keys rotated by a Walsh-Hadamard
+    /// transform, closer to f16 for the same bytes; CPU only).
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
     /// Run the quantised matmuls in bf16 over weights widened to bf16 once (+2 bytes per weight): on AMX tiles where
@@ -1153,8 +1154,8 @@ struct BenchEvictionArgs {
     /// Admission: `reserve` (the engine default) or `greedy`.
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
     admission: String,
-    /// Element type of the device KV cache (f16, f32, int8 or fp8_e4m3); the pool keeps the memory of --pool-seqs
-    /// f16 sequences, so the 8-bit dtypes hold more blocks in it.
+    /// Element type of the device KV cache (f16, f32, int8, fp8_e4m3, fp8_e4m3_rotated); the pool keeps the memory
+    /// of --pool-seqs f16 sequences, so the 8-bit dtypes hold more blocks in it.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
     /// Compute device: cpu, or cuda / cuda:N (binaries built with `--features cuda`; H2O and KV-Compress run on
@@ -1195,7 +1196,7 @@ struct BenchEngineArgs {
     /// Decode concurrencies, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     concurrency: Vec<usize>,
-    /// Element type of the KV cache: f16 or f32.
+    /// Element type of the KV cache: f16, f32, int8, fp8_e4m3 or fp8_e4m3_rotated.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     kv_dtype: KvDtype,
     /// Run the quantised matmuls in bf16 over weights widened to bf16 once (+2 bytes per weight): on AMX tiles where

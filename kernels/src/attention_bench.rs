@@ -52,11 +52,12 @@ pub enum KvFormat {
 
 impl KvFormat {
     /// Every format `pagoda bench kernels` measures ("all").
-    pub const ALL: [KvFormat; 10] = [
+    pub const ALL: [KvFormat; 11] = [
         KvFormat::Pool(KvDtype::F16),
         KvFormat::Pool(KvDtype::F32),
         KvFormat::Pool(KvDtype::Int8),
         KvFormat::Pool(KvDtype::Fp8),
+        KvFormat::Pool(KvDtype::Fp8Rotated),
         KvFormat::Encoded(Codec::Bf16),
         KvFormat::Encoded(Codec::Int8),
         KvFormat::Encoded(Codec::Fp8E4m3),
@@ -65,7 +66,8 @@ impl KvFormat {
         KvFormat::Encoded(Codec::Int2Kivi),
     ];
 
-    /// `f16`, `f32` and the pool's 8-bit dtypes as `pool:int8` / `pool:fp8_e4m3`; every codec by its name.
+    /// `f16`, `f32` and the pool's 8-bit dtypes as `pool:int8` / `pool:fp8_e4m3` / `pool:fp8_e4m3_rotated`; every
+    /// codec by its name.
     pub fn name(self) -> String {
         match self {
             KvFormat::Pool(d @ (KvDtype::F16 | KvDtype::F32)) => d.name().to_string(),
@@ -308,6 +310,7 @@ mod tests {
             "f32",
             "pool:int8",
             "pool:fp8_e4m3",
+            "pool:fp8_e4m3_rotated",
             "bf16",
             "int8",
             "fp8_e4m3",

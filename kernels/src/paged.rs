@@ -13,7 +13,11 @@
 //! byte as f16 at head_dim 64, and the attention kernel dequantises them as it loads (llama.cpp's `q8_0` cache type
 //! and vLLM's fp8 KV cache are the same trade). fp8 (`fp8_e4m3`) is the same with e4m3 codes: the `fp8_e4m3`
 //! codec's element format, with the scale per slot instead of per block because the pool writes a slot at a time
-//! (vLLM's `fp8_e4m3` cache scales per tensor; a finer scale only lowers the error).
+//! (vLLM's `fp8_e4m3` cache scales per tensor; a finer scale only lowers the error). `fp8_e4m3_rotated` is fp8
+//! with every key rotated by the normalised Walsh-Hadamard transform before it is quantised (the
+//! `fp8_e4m3_rotated` codec's idea in the pool): a few outlier channels no longer set every slot's scale, so the
+//! small channels keep their mantissa bits. Reads rotate keys back; the attention kernel instead rotates the query
+//! once per head (`q·k = Hq·Hk`), so blocks are read exactly as fp8's. Values are stored as plain fp8.
 
 use std::fmt;
 use std::str::FromStr;
@@ -33,24 +37,42 @@ pub enum KvDtype {
     Int8,
     /// e4m3 floats with one f32 scale per slot (scale = absmax / 448; relative error ≤ 2⁻⁴ for normals).
     Fp8,
+    /// [`KvDtype::Fp8`] over keys rotated by [`crate::codec::hadamard_rotate`] (values as fp8's). Every read
+    /// rotates keys back; only the attention kernels see the rotated codes (and rotate the query to match).
+    Fp8Rotated,
 }
 
 impl KvDtype {
     /// Every dtype, in decreasing size.
-    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8];
+    pub const ALL: [KvDtype; 5] = [KvDtype::F32, KvDtype::F16, KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated];
 
     /// Bytes per stored element (not counting the per-slot scale of the 8-bit dtypes: see [`KvDtype::slot_bytes`]).
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F16 => 2,
             KvDtype::F32 => 4,
-            KvDtype::Int8 | KvDtype::Fp8 => 1,
+            KvDtype::Int8 | KvDtype::Fp8 | KvDtype::Fp8Rotated => 1,
         }
     }
 
     /// Whether each slot carries its own f32 scale (the 8-bit dtypes).
     pub fn slot_scaled(self) -> bool {
-        matches!(self, KvDtype::Int8 | KvDtype::Fp8)
+        matches!(self, KvDtype::Int8 | KvDtype::Fp8 | KvDtype::Fp8Rotated)
+    }
+
+    /// Whether the codes are e4m3 floats (both fp8 dtypes).
+    pub fn is_e4m3(self) -> bool {
+        matches!(self, KvDtype::Fp8 | KvDtype::Fp8Rotated)
+    }
+
+    /// Whether keys are stored rotated by [`crate::codec::hadamard_rotate`] (values never are).
+    pub fn rotates_keys(self) -> bool {
+        self == KvDtype::Fp8Rotated
+    }
+
+    /// The element type of the V arena: the dtype itself, less the key rotation.
+    fn value_dtype(self) -> KvDtype {
+        if self.rotates_keys() { KvDtype::Fp8 } else { self }
     }
 
     /// Bytes of one slot of K (or of V) of `head_dim` elements, scale included.
@@ -65,6 +87,7 @@ impl KvDtype {
             KvDtype::F32 => "f32",
             KvDtype::Int8 => "int8",
             KvDtype::Fp8 => "fp8_e4m3",
+            KvDtype::Fp8Rotated => "fp8_e4m3_rotated",
         }
     }
 
@@ -73,7 +96,7 @@ impl KvDtype {
     #[inline]
     pub fn widen_code(self, c: u8) -> f32 {
         match self {
-            KvDtype::Fp8 => crate::codec::e4m3_to_f32(c),
+            KvDtype::Fp8 | KvDtype::Fp8Rotated => crate::codec::e4m3_to_f32(c),
             _ => f32::from(c as i8),
         }
     }
@@ -93,10 +116,16 @@ impl FromStr for KvDtype {
             "f32" => Ok(KvDtype::F32),
             "int8" => Ok(KvDtype::Int8),
             "fp8_e4m3" => Ok(KvDtype::Fp8),
-            other => Err(format!("unknown KV cache dtype `{other}` (expected f16, f32, int8 or fp8_e4m3)")),
+            "fp8_e4m3_rotated" => Ok(KvDtype::Fp8Rotated),
+            other => {
+                Err(format!("unknown KV cache dtype `{other}` (expected f16, f32, int8, fp8_e4m3 or fp8_e4m3_rotated)"))
+            }
         }
     }
 }
+
+/// Longest row [`Arena::write`] rotates on the stack.
+const ROTATE_STACK: usize = 512;
 
 /// One arena's elements. Offsets are in elements; a slot-scaled arena is only ever addressed by whole slots (`at`
 /// and lengths multiples of `head_dim`), which is how [`KvStorage`] addresses every arena.
@@ -106,7 +135,7 @@ enum Arena {
     /// f16 bit patterns.
     F16(Vec<u16>),
     /// Quantised elements (int8: two's-complement bytes; fp8: e4m3 bytes) and one scale per slot of `head_dim`
-    /// elements.
+    /// elements. A [`KvDtype::Fp8Rotated`] arena rotates each row before quantising it and after widening it.
     Scaled {
         q: Vec<u8>,
         scale: Vec<f32>,
@@ -120,7 +149,7 @@ impl Arena {
         match dtype {
             KvDtype::F32 => Arena::F32(vec![0.0; len]),
             KvDtype::F16 => Arena::F16(vec![0; len]),
-            KvDtype::Int8 | KvDtype::Fp8 => {
+            KvDtype::Int8 | KvDtype::Fp8 | KvDtype::Fp8Rotated => {
                 Arena::Scaled { q: vec![0; len], scale: vec![0.0; len / head_dim], head_dim, dtype }
             }
         }
@@ -150,14 +179,29 @@ impl Arena {
             Arena::Scaled { q, scale, head_dim, dtype } => {
                 let hd = *head_dim;
                 debug_assert!(at.is_multiple_of(hd) && x.len().is_multiple_of(hd), "scaled arena: unaligned write");
-                let quantize = if *dtype == KvDtype::Fp8 {
-                    crate::codec::quantize_row_e4m3
-                } else {
-                    crate::codec::quantize_row_i8
-                };
+                let quantize =
+                    if dtype.is_e4m3() { crate::codec::quantize_row_e4m3 } else { crate::codec::quantize_row_i8 };
                 let rows = q[at..at + x.len()].chunks_exact_mut(hd).zip(&mut scale[at / hd..(at + x.len()) / hd]);
+                if !dtype.rotates_keys() {
+                    for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
+                        *s = quantize(xr, qr);
+                    }
+                    return;
+                }
+                // Rows are rotated in a stack copy (a heap one only past ROTATE_STACK elements): writes run once
+                // per token per (layer, kv-head), so they must not allocate.
+                let mut stack = [0.0f32; ROTATE_STACK];
+                let mut heap = Vec::new();
+                let row: &mut [f32] = if hd <= ROTATE_STACK {
+                    &mut stack[..hd]
+                } else {
+                    heap.resize(hd, 0.0);
+                    &mut heap
+                };
                 for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
-                    *s = quantize(xr, qr);
+                    row.copy_from_slice(xr);
+                    crate::codec::hadamard_rotate(row);
+                    *s = quantize(row, qr);
                 }
             }
         }
@@ -178,6 +222,10 @@ impl Arena {
                     for (o, &c) in o.iter_mut().zip(qr) {
                         *o = dtype.widen_code(c) * s;
                     }
+                    // The normalised transform is its own inverse.
+                    if dtype.rotates_keys() {
+                        crate::codec::hadamard_rotate(o);
+                    }
                 }
             }
         }
@@ -197,7 +245,8 @@ pub enum KvArenas<'a> {
         v: &'a [u16],
     },
     /// Quantised elements of a slot-scaled `dtype` ([`KvDtype::Int8`]: two's-complement bytes, [`KvDtype::Fp8`]:
-    /// e4m3 bytes) and one scale per slot (`k_scale[b * block_size + s]` for slot `s` of block `b`).
+    /// e4m3 bytes; [`KvDtype::Fp8Rotated`]: e4m3 bytes of rotated keys, so a reader of `k` must rotate its query)
+    /// and one scale per slot (`k_scale[b * block_size + s]` for slot `s` of block `b`).
     Scaled {
         k: &'a [u8],
         v: &'a [u8],
@@ -237,7 +286,7 @@ impl KvStorage {
             head_dim,
             dtype,
             k: Arena::zeroed(dtype, len, head_dim),
-            v: Arena::zeroed(dtype, len, head_dim),
+            v: Arena::zeroed(dtype.value_dtype(), len, head_dim),
         }
     }
 

@@ -1,11 +1,12 @@
 //! Paged attention and KV-write tests against a plain dense causal attention on random data, with shuffled
-//! (non-contiguous) block tables, per-head cache lengths and mixed prefill/decode batches, over f32, f16, int8 and
-//! fp8 caches (the dense reference attends over the same rounded keys and values) and every instruction set.
+//! (non-contiguous) block tables, per-head cache lengths and mixed prefill/decode batches, over f32, f16, int8, fp8
+//! and rotated-key fp8 caches (the dense reference attends over the same rounded keys and values) and every
+//! instruction set.
 
 #![allow(clippy::needless_range_loop)]
 
 use pagoda_kernels::codec::{e4m3_from_f32, e4m3_to_f32};
-use pagoda_kernels::{AttnProbs, AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd};
+use pagoda_kernels::{AttnProbs, AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd, hadamard_rotate};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -27,28 +28,39 @@ fn stored(dtype: KvDtype, x: f32) -> f32 {
     match dtype {
         KvDtype::F32 => x,
         KvDtype::F16 => half::f16::from_f32(x).to_f32(),
-        KvDtype::Int8 | KvDtype::Fp8 => panic!("{dtype} rounds per slot: use stored_rows"),
+        KvDtype::Int8 | KvDtype::Fp8 | KvDtype::Fp8Rotated => panic!("{dtype} rounds per slot: use stored_rows"),
     }
 }
 
 /// What a cache of `dtype` stores for rows of `hd` values: per element for the float types; for the 8-bit types per
 /// slot, the arena's rule (int8: scale = absmax / 127, codes = round(x / scale); fp8: scale = absmax / 448, codes =
-/// e4m3(x / scale)).
+/// e4m3(x / scale); rotated fp8: fp8's rule on the row rotated, rotated back).
 fn stored_rows(dtype: KvDtype, x: Vec<f32>, hd: usize) -> Vec<f32> {
     if !dtype.slot_scaled() {
         return x.into_iter().map(|v| stored(dtype, v)).collect();
     }
-    let top = if dtype == KvDtype::Fp8 { 448.0 } else { 127.0 };
-    let code = move |y: f32| match dtype {
-        KvDtype::Fp8 => e4m3_to_f32(e4m3_from_f32(y)),
-        _ => y.round().clamp(-127.0, 127.0),
-    };
+    let top = if dtype.is_e4m3() { 448.0 } else { 127.0 };
+    let code =
+        move |y: f32| if dtype.is_e4m3() { e4m3_to_f32(e4m3_from_f32(y)) } else { y.round().clamp(-127.0, 127.0) };
     x.chunks_exact(hd)
         .flat_map(|row| {
+            let mut row = row.to_vec();
+            if dtype.rotates_keys() {
+                hadamard_rotate(&mut row);
+            }
             let s = row.iter().fold(0.0f32, |m, v| m.max(v.abs())) / top;
-            row.iter().map(move |&v| if s > 0.0 { code(v / s) * s } else { 0.0 })
+            let mut out: Vec<f32> = row.iter().map(|&v| if s > 0.0 { code(v / s) * s } else { 0.0 }).collect();
+            if dtype.rotates_keys() {
+                hadamard_rotate(&mut out);
+            }
+            out
         })
         .collect()
+}
+
+/// The dtype a cache of `dtype` stores its values in (rotated fp8 rotates keys only).
+fn value_dtype(dtype: KvDtype) -> KvDtype {
+    if dtype.rotates_keys() { KvDtype::Fp8 } else { dtype }
 }
 
 fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
@@ -134,7 +146,7 @@ fn build(
         for h in 0..sh.n_kv {
             let total = prior[h] + n_new;
             let k = stored_rows(dtype, rand_vec(rng, total * sh.hd, 1.0), sh.hd);
-            let v = stored_rows(dtype, rand_vec(rng, total * sh.hd, 1.0), sh.hd);
+            let v = stored_rows(value_dtype(dtype), rand_vec(rng, total * sh.hd, 1.0), sh.hd);
             // Capacity: enough blocks, sometimes one spare.
             let nb = total.div_ceil(sh.bs) + usize::from(rng.random_bool(0.5));
             let table: Vec<u32> = ids[next..next + nb].to_vec();
@@ -418,4 +430,107 @@ fn eight_bit_cache_quantises_each_slot_and_moves_scales_with_it(dtype: KvDtype) 
     kv.read_block(0, &mut k[..2 * hd], &mut v[..2 * hd]);
     assert!(k[..hd].iter().all(|&x| x == 0.0));
     assert!(k[hd..2 * hd].iter().all(|x| x.is_nan()) && v[hd..2 * hd].iter().all(|x| x.is_nan()));
+}
+
+/// The rotated fp8 cache stores `H k` by fp8's rule and reads `H` of that back (the normalised transform is its own
+/// inverse): exactly what an fp8 cache holding the rotated keys reads, rotated. Values are stored as fp8's. Moving
+/// and copying slots keeps that, and a row with a NaN still reads back as NaN.
+#[test]
+fn fp8_rotated_cache_reads_back_fp8_of_the_rotated_keys() {
+    let (bs, hd) = (16, 64);
+    let mut rng = StdRng::seed_from_u64(15);
+    let k = rand_vec(&mut rng, bs * hd, 2.0);
+    let v = rand_vec(&mut rng, bs * hd, 1.0);
+    let mut rotated = KvStorage::with_dtype(3, bs, hd, KvDtype::Fp8Rotated);
+    assert_eq!(rotated.block_bytes(), KvStorage::with_dtype(1, bs, hd, KvDtype::Fp8).block_bytes());
+    rotated.write_block(1, &k, &v);
+    let mut hk = k.clone();
+    hk.chunks_exact_mut(hd).for_each(hadamard_rotate);
+    let mut plain = KvStorage::with_dtype(1, bs, hd, KvDtype::Fp8);
+    plain.write_block(0, &hk, &v);
+    let (mut pk, mut pv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+    plain.read_block(0, &mut pk, &mut pv);
+    pk.chunks_exact_mut(hd).for_each(hadamard_rotate);
+    let (mut rk, mut rv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+    rotated.read_block(1, &mut rk, &mut rv);
+    assert_eq!(rk, pk, "keys: fp8 of the rotated rows, rotated back");
+    assert_eq!(rv, pv, "values: plain fp8");
+    let worst = rk.iter().zip(&k).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst < 2.0 * 8.0 / 16.0, "keys within fp8's relative error of the rotated row's absmax: {worst}");
+    let mut row = vec![0.0; hd];
+    rotated.read_block_k(1, &mut row);
+    assert_eq!(row, rk[..hd]);
+    let mut rv1 = vec![0.0; hd];
+    rotated.read_slot(1, 5, &mut row, &mut rv1);
+    assert_eq!(row, rk[5 * hd..6 * hd]);
+    rotated.move_slot(1, 5, 2, 0);
+    rotated.copy_block(1, 0);
+    rotated.read_slot(2, 0, &mut row, &mut rv1);
+    assert_eq!((&row[..], &rv1[..]), (&rk[5 * hd..6 * hd], &rv[5 * hd..6 * hd]));
+    let (mut ck, mut cv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+    rotated.read_block(0, &mut ck, &mut cv);
+    assert_eq!((&ck, &cv), (&rk, &rv));
+    let mut bad = vec![1.0f32; hd];
+    bad[3] = f32::NAN;
+    rotated.write_slot(0, 1, &bad, &bad);
+    rotated.read_slot(0, 1, &mut row, &mut rv1);
+    assert!(row.iter().all(|x| x.is_nan()), "a NaN key reads back as NaN, not as numbers");
+}
+
+/// Why the rotated pool exists: keys whose weight sits in a few channels and a query that reads those channels (as
+/// RoPE's low frequencies put them). Attention over the rotated cache scores every key closer to its exact score
+/// than over the plain fp8 cache, through the kernels the engine runs (every backend, rotated query or widened
+/// keys), so the weights and the output are closer (the reference holds fp8's values: only the keys differ).
+#[test]
+fn fp8_rotated_cache_attends_closer_than_fp8_on_outlier_channels() {
+    let (bs, hd, n) = (16, 64, 256);
+    let mut rng = StdRng::seed_from_u64(16);
+    let mut k = rand_vec(&mut rng, n * hd, 0.3);
+    for slot in 0..n {
+        k[slot * hd + 60] = rng.random_range(8.0..12.0);
+        k[slot * hd + 61] = rng.random_range(-10.0..-6.0);
+    }
+    let v = rand_vec(&mut rng, n * hd, 1.0);
+    let mut q = rand_vec(&mut rng, hd, 0.3);
+    q[60] = 0.6;
+    q[61] = -0.45;
+    let table: Vec<u32> = (0..(n / bs) as u32).collect();
+    let cache = |dtype: KvDtype| {
+        let mut kv = KvStorage::with_dtype(n / bs, bs, hd, dtype);
+        for (b, (kb, vb)) in k.chunks_exact(bs * hd).zip(v.chunks_exact(bs * hd)).enumerate() {
+            kv.write_block(b as u32, kb, vb);
+        }
+        kv
+    };
+    let (plain, rotated) = (cache(KvDtype::Fp8), cache(KvDtype::Fp8Rotated));
+    // The reference holds the exact keys beside the values both fp8 caches store, so that what differs is the keys.
+    let mut exact = KvStorage::with_dtype(n / bs, bs, hd, KvDtype::F32);
+    let (mut scratch_k, mut fp8_v) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+    for (b, kb) in k.chunks_exact(bs * hd).enumerate() {
+        plain.read_block(b as u32, &mut scratch_k, &mut fp8_v);
+        exact.write_block(b as u32, kb, &fp8_v);
+    }
+    let tables = [table];
+    let prior = [n - 1];
+    let views = [AttnSeq { q_row: 0, n_new: 1, tables: &tables, prior_lens: &prior }];
+    // The new token's own slot was written above, so attention sees all n slots; kv_write is not called.
+    let attend = |be: &CpuBackend, kv: &KvStorage| {
+        let (mut out, mut sums) = (vec![0.0; hd], vec![0.0; n]);
+        let mut sink = [AttnProbs { seq: 0, power: 1, stride: n, sums: &mut sums }];
+        be.paged_attention_with_probs(&q, kv, &views, 1, 1, 1.0 / 8.0, &mut out, &mut sink);
+        (out, sums)
+    };
+    let dist = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from((x - y).abs())).sum::<f64>();
+    for be in backends() {
+        let (want, want_p) = attend(&be, &exact);
+        let (got_plain, p_plain) = attend(&be, &plain);
+        let (got_rot, p_rot) = attend(&be, &rotated);
+        let (e_plain, e_rot) = (dist(&got_plain, &want), dist(&got_rot, &want));
+        let (w_plain, w_rot) = (dist(&p_plain, &want_p), dist(&p_rot, &want_p));
+        println!(
+            "{be:?}: output L1 error fp8 {e_plain:.5} rotated {e_rot:.5}; weights fp8 {w_plain:.5} rotated {w_rot:.5}"
+        );
+        assert!(w_rot * 1.4 < w_plain, "{be:?}: attention weights {w_rot} rotated against {w_plain}");
+        assert!(e_rot * 1.1 < e_plain, "{be:?}: output {e_rot} rotated against {e_plain}");
+    }
 }

@@ -154,14 +154,14 @@ schema = obj({
             "policy": {"enum": POLICIES},
             "budgetTokens": {"anyOf": [{"type": "null"}, integer(1)]},
             # `pagoda worker --kv-dtype` (pagoda_kernels::KvDtype).
-            "dtype": {"enum": ["f16", "f32", "int8", "fp8_e4m3"]},
+            "dtype": {"enum": ["f16", "f32", "int8", "fp8_e4m3", "fp8_e4m3_rotated"]},
         }, required=["policy"]),
         "tiers": obj({
             "hostMiB": integer(0),
             "diskMiB": integer(0),
             # `pagoda worker --tier-placement` / `--tier-codec` / `--evicpress-alpha` (worker/src/placement.rs).
             "placement": {"enum": ["lru", "evicpress"]},
-            "codec": {"enum": ["native", "bf16", "int8", "fp8_e4m3", "int4_kivi", "int2_kivi"]},
+            "codec": {"enum": ["native", "bf16", "int8", "fp8_e4m3", "fp8_e4m3_rotated", "int4_kivi", "int2_kivi"]},
             # `--kivi-residual-tokens` (tiers/residual.rs MAX_RESIDUAL_TOKENS).
             "kiviResidualTokens": integer(0, 4096),
             "evicpressAlpha": {"type": "number", "minimum": 0},

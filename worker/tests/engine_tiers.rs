@@ -331,8 +331,8 @@ fn a_request_names_the_codec_its_groups_are_stored_in() {
 }
 
 /// An 8-bit device cache through the real engine: it serves, its idle groups go to host and disk in their own
-/// format (codes and slot scales as stored, `native-int8` / `native-fp8_e4m3`), and they come back bit-exactly, so
-/// the warm greedy output equals the cold one and nothing onboarded is recomputed.
+/// format (codes and slot scales as stored, `native-int8` / `native-fp8_e4m3` / `native-fp8_e4m3_rotated`), and they
+/// come back bit-exactly, so the warm greedy output equals the cold one and nothing onboarded is recomputed.
 fn eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(dtype: KvDtype) {
     let p = prompt();
     let matched = (p.len() - 1) / BS * BS;
@@ -373,6 +373,11 @@ fn int8_device_cache_serves_and_round_trips_through_host_and_disk() {
 #[test]
 fn fp8_device_cache_serves_and_round_trips_through_host_and_disk() {
     eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(KvDtype::Fp8);
+}
+
+#[test]
+fn rotated_fp8_device_cache_serves_and_round_trips_through_host_and_disk() {
+    eight_bit_device_cache_serves_and_round_trips_through_host_and_disk(KvDtype::Fp8Rotated);
 }
 
 /// A 240-token prompt whose 14-group context fits a 4 MiB host tier only as EvicPress's pruned copy (half its

@@ -391,9 +391,19 @@ fn attend_one(
             KvArenas::F32 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F32),
             KvArenas::F16 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F16),
             KvArenas::Scaled { k, v, k_scale, v_scale, dtype } => {
-                let elem = if dtype == KvDtype::Fp8 { avx2::ELEM_FP8 } else { avx2::ELEM_I8 };
+                let elem = if dtype.is_e4m3() { avx2::ELEM_FP8 } else { avx2::ELEM_I8 };
                 (k.as_ptr(), v.as_ptr(), k_scale.as_ptr(), v_scale.as_ptr(), elem)
             }
+        };
+        // Keys stored rotated are scored against the query rotated the same way (the transform is orthonormal).
+        let mut rotated = [0.0f32; 128];
+        let q = if kv.dtype().rotates_keys() && q.len() <= rotated.len() {
+            let r = &mut rotated[..q.len()];
+            r.copy_from_slice(q);
+            crate::codec::hadamard_rotate(r);
+            &*r
+        } else {
+            q
         };
         // SAFETY (both macros): every block id read was checked against the arenas above, which hold `num_blocks`
         // blocks of the element type `elem` names (8-bit arenas with `num_blocks * bs` scales); the CPU features of

@@ -207,7 +207,7 @@ mod tests {
             GroupCodec::Native(KvDtype::F16) => 2e-3,
             GroupCodec::Native(KvDtype::F32) => 0.0,
             GroupCodec::Native(KvDtype::Int8) | GroupCodec::Kv(Codec::Int8) | GroupCodec::Kv(Codec::Bf16) => 2e-2,
-            GroupCodec::Native(KvDtype::Fp8) | GroupCodec::Kv(Codec::Fp8E4m3) => 0.13,
+            GroupCodec::Native(KvDtype::Fp8 | KvDtype::Fp8Rotated) | GroupCodec::Kv(Codec::Fp8E4m3) => 0.13,
             GroupCodec::Kv(Codec::Int4Kivi) => 0.2,
             GroupCodec::Kv(_) => 1.0,
         }

@@ -20,6 +20,7 @@ pub fn codec_name(dtype: KvDtype) -> &'static str {
         KvDtype::F16 => "f16",
         KvDtype::Int8 => "native-int8",
         KvDtype::Fp8 => "native-fp8_e4m3",
+        KvDtype::Fp8Rotated => "native-fp8_e4m3_rotated",
     }
 }
 
@@ -104,7 +105,7 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
             return Err(corrupt("negative or non-finite slot scale"));
         }
         // e4m3fn's only non-finite codes (S.1111.111) are NaN; the writer never produces them.
-        if dtype == KvDtype::Fp8 && group.bytes.chunks_exact(half).any(|h| h[..bl].iter().any(|&c| c & 0x7F == 0x7F)) {
+        if dtype.is_e4m3() && group.bytes.chunks_exact(half).any(|h| h[..bl].iter().any(|&c| c & 0x7F == 0x7F)) {
             return Err(corrupt("e4m3 NaN code"));
         }
     }
@@ -124,6 +125,10 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         }
         widen(dtype, hd, kb, &mut k);
         widen(dtype, hd, vb, &mut v);
+        if dtype.rotates_keys() {
+            // The normalised transform is its own inverse.
+            k.chunks_exact_mut(hd).for_each(pagoda_kernels::codec::hadamard_rotate);
+        }
         kv.write_block(b, &k, &v);
     }
     Ok(())
@@ -151,7 +156,7 @@ fn widen(dtype: KvDtype, head_dim: usize, src: &[u8], out: &mut [f32]) {
                 *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
             }
         }
-        KvDtype::Int8 | KvDtype::Fp8 => {
+        KvDtype::Int8 | KvDtype::Fp8 | KvDtype::Fp8Rotated => {
             let (codes, scales) = src.split_at(out.len());
             for ((o, c), s) in
                 out.chunks_exact_mut(head_dim).zip(codes.chunks_exact(head_dim)).zip(scales.chunks_exact(4))
@@ -204,7 +209,7 @@ mod tests {
 
     #[test]
     fn corrupt_scales_and_nan_codes_are_refused() {
-        for dtype in [KvDtype::Int8, KvDtype::Fp8] {
+        for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
             let kv = filled(dtype);
             let mut target = filled(dtype);
             let g = encode(&kv, &[1]);
@@ -216,7 +221,7 @@ mod tests {
             let mut nan = g.clone();
             nan.bytes[0] = 0x7F;
             let got = decode(&nan, &mut target, &[2]);
-            if dtype == KvDtype::Fp8 {
+            if dtype.is_e4m3() {
                 assert!(matches!(got, Err(TierError::Corrupt { .. })), "e4m3 NaN code refused");
             } else {
                 assert!(got.is_ok(), "0x7F is int8's 127");
@@ -237,5 +242,38 @@ mod tests {
         let mut back = filled(KvDtype::F32);
         decode(&encode(&f16_kv, &[4]), &mut back, &[0]).unwrap();
         assert_eq!(block(&back, 0), block(&f32_kv, 4));
+    }
+
+    #[test]
+    fn rotated_fp8_groups_decode_to_the_keys_the_cache_reads() {
+        // head_dim 8: the rotation mixes every element of a row (head_dim 3 above leaves it the identity).
+        let (bs, hd) = (4, 8);
+        let k: Vec<f32> =
+            (0..bs * hd).map(|i| ((i * 7 % 11) as f32 - 5.0) * if i % hd == 3 { 9.0 } else { 0.3 }).collect();
+        let v: Vec<f32> = k.iter().map(|x| x * 0.5 - 0.1).collect();
+        let mut rotated = KvStorage::with_dtype(2, bs, hd, KvDtype::Fp8Rotated);
+        rotated.write_block(1, &k, &v);
+        let (mut rk, mut rv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+        rotated.read_block(1, &mut rk, &mut rv);
+        let g = encode(&rotated, &[1]);
+        assert_eq!(g.codec, "native-fp8_e4m3_rotated");
+        // Into another dtype the keys come back un-rotated, equal to what the rotated cache itself reads.
+        let mut wide = KvStorage::with_dtype(1, bs, hd, KvDtype::F32);
+        decode(&g, &mut wide, &[0]).unwrap();
+        assert_eq!(wide.block_k(0), &rk[..]);
+        assert_eq!(wide.block_v(0), &rv[..]);
+        // Into a rotated cache the codes are copied: bit-exact.
+        let mut again = KvStorage::with_dtype(1, bs, hd, KvDtype::Fp8Rotated);
+        decode(&g, &mut again, &[0]).unwrap();
+        assert_eq!(encode(&again, &[0]).bytes, g.bytes);
+        // A plain fp8 group into a rotated cache is widened and re-rotated, not copied as rotated codes.
+        let mut plain = KvStorage::with_dtype(1, bs, hd, KvDtype::Fp8);
+        plain.write_block(0, &k, &v);
+        let mut from_plain = KvStorage::with_dtype(1, bs, hd, KvDtype::Fp8Rotated);
+        decode(&encode(&plain, &[0]), &mut from_plain, &[0]).unwrap();
+        let (mut pk, mut pv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+        from_plain.read_block(0, &mut pk, &mut pv);
+        let worst = pk.iter().zip(&k).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 3.0, "keys survive fp8 then rotated fp8: worst error {worst}");
     }
 }
