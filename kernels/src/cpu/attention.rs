@@ -83,7 +83,9 @@ pub fn paged_attention(
             |q: &[f32], q_stride: usize, out: RowsOut, rows_n: usize, table: &[u32], len0: usize, causal: bool| {
                 rows.run(q, q_stride, out, rows_n, kv, table, len0, causal, scale)
             };
-        return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(&many));
+        let decode_groups = rows.elem != avx2::ELEM_I8;
+        let rows = Rows { attend: &many, decode_groups };
+        return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(rows));
     }
     par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None);
 }
@@ -140,25 +142,47 @@ pub(crate) struct RowsOut {
 /// the first row, causal)`. Called once per task, so dynamic dispatch costs nothing measurable.
 pub(crate) type AttendRows<'a> = &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool) + Sync);
 
+/// A rows kernel and what [`par_queries`] hands it.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub(crate) attend: AttendRows<'a>,
+    /// Whether a one-token step hands it the query heads of a GQA group too, not only a prefill task's tokens.
+    /// Folding a group of 3 reads each block once instead of 3 times, which pays where widening a block costs more
+    /// than copying it through the kernel's buffer (f16, fp8), and not for int8, whose codes widen in two
+    /// instructions (`bench kernels`: int8 decode 0.79-0.96x through the rows kernel, fp8 1.4-1.9x).
+    pub(crate) decode_groups: bool,
+}
+
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
-/// and cache allow it: AVX-512 or AVX2 over an f16 arena, head_dim 32, 64 or 128 (AVX2 also 96), blocks of at most
-/// 64 slots that fit its stack buffer.
+/// and cache allow it: AVX-512 or AVX2 over an f16 arena, AVX2 over an 8-bit one (int8, fp8, rotated fp8: the
+/// kernel [`attend_one`] runs for them is AVX2's, and a row's result must not depend on which of the two computed
+/// it), head_dim 32, 64 or 128 (AVX2 also 96), blocks of at most 64 slots that fit its stack buffer.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct RowsKernel {
     avx512: bool,
     hd: usize,
+    /// The arena's element type, as `avx2`'s `ELEM_*`.
+    elem: u8,
+    /// Keys are stored rotated: the queries are rotated to match, as [`attend_one`] rotates its query.
+    rotate: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl RowsKernel {
     fn select(simd: Simd, kv: &KvStorage) -> Option<RowsKernel> {
         let (bs, hd) = (kv.block_size(), kv.head_dim());
-        let f16 = matches!(kv.arenas_any(), KvArenas::F16 { .. });
+        let elem = match kv.arenas_any() {
+            KvArenas::F16 { .. } => avx2::ELEM_F16,
+            KvArenas::Scaled { dtype, .. } if dtype.is_e4m3() => avx2::ELEM_FP8,
+            KvArenas::Scaled { .. } => avx2::ELEM_I8,
+            KvArenas::F32 { .. } => return None,
+        };
         let fits = bs <= 64 && bs * hd <= avx512_attention::MAX_BLOCK_ELEMS;
-        let avx512 = simd == Simd::Avx512 && hd != 96;
+        let avx512 = simd == Simd::Avx512 && hd != 96 && elem == avx2::ELEM_F16;
         let shape = matches!(hd, 32 | 64 | 96 | 128);
-        (simd.has_avx2() && f16 && fits && shape).then_some(RowsKernel { avx512, hd })
+        let rotate = kv.dtype().rotates_keys();
+        (simd.has_avx2() && fits && shape).then_some(RowsKernel { avx512, hd, elem, rotate })
     }
 
     /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`
@@ -183,29 +207,64 @@ impl RowsKernel {
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
-        let KvArenas::F16 { k, v } = kv.arenas_any() else { unreachable!("RowsKernel::select checked the arena") };
-        let (k, v) = (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>());
-        let (qp, op, os) = (q.as_ptr(), out.ptr.get(), out.stride);
+        let null = std::ptr::null::<f32>();
+        let (k, v, ks, vs) = match kv.arenas_any() {
+            KvArenas::F16 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null),
+            KvArenas::Scaled { k, v, k_scale, v_scale, .. } => {
+                (k.as_ptr(), v.as_ptr(), k_scale.as_ptr(), v_scale.as_ptr())
+            }
+            KvArenas::F32 { .. } => unreachable!("RowsKernel::select checked the arena"),
+        };
+        let (op, os) = (out.ptr.get(), out.stride);
         // SAFETY: the instruction set was detected (`select` takes Simd::Avx512 or Simd::Avx2); block ids were
-        // checked against the f16 arenas; rows and lengths are in the kernel's bounds (asserted above, and by
-        // `select` for the block); the query rows are inside `q`; the output rows belong to the calling task
+        // checked against the arenas, whose scale arrays (8-bit) hold block_size scales per block; rows and
+        // lengths are in the kernel's bounds (asserted above, and by `select` for the block); the query rows are
+        // inside `q` (or the rotated copy of them below); the output rows belong to the calling task
         // (`par_queries`), apart from each other.
-        unsafe {
-            macro_rules! run {
-                ($m:ident, $nv:literal) => {
-                    $m::attend_rows::<$nv>(qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale)
+        let go = |qp: *const f32, q_stride: usize| unsafe {
+            macro_rules! avx512 {
+                ($nv:literal) => {
+                    avx512_attention::attend_rows::<$nv>(
+                        qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale,
+                    )
+                };
+            }
+            macro_rules! avx2 {
+                ($nv:literal) => {
+                    match self.elem {
+                        avx2::ELEM_F16 => avx2::attend_rows::<$nv, { avx2::ELEM_F16 }>(
+                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
+                        ),
+                        avx2::ELEM_I8 => avx2::attend_rows::<$nv, { avx2::ELEM_I8 }>(
+                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
+                        ),
+                        _ => avx2::attend_rows::<$nv, { avx2::ELEM_FP8 }>(
+                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
+                        ),
+                    }
                 };
             }
             match (self.avx512, self.hd) {
-                (true, 32) => run!(avx512_attention, 2),
-                (true, 64) => run!(avx512_attention, 4),
-                (true, _) => run!(avx512_attention, 8),
-                (false, 32) => run!(avx2, 4),
-                (false, 64) => run!(avx2, 8),
-                (false, 96) => run!(avx2, 12),
-                (false, _) => run!(avx2, 16),
+                (true, 32) => avx512!(2),
+                (true, 64) => avx512!(4),
+                (true, _) => avx512!(8),
+                (false, 32) => avx2!(4),
+                (false, 64) => avx2!(8),
+                (false, 96) => avx2!(12),
+                (false, _) => avx2!(16),
             }
+        };
+        if !self.rotate {
+            return go(q.as_ptr(), q_stride);
         }
+        // Rotated keys: the rows' queries, rotated, on the stack (at most MAX_ROWS of 128 floats; only here, so
+        // that the other caches' tasks do not clear 16 KiB each).
+        let mut rotated = [0.0f32; avx512_attention::MAX_ROWS * 128];
+        for (r, dst) in rotated.chunks_exact_mut(hd).take(rows).enumerate() {
+            dst.copy_from_slice(&q[r * q_stride..r * q_stride + hd]);
+            crate::codec::hadamard_rotate(dst);
+        }
+        go(rotated.as_ptr(), hd);
     }
 }
 
@@ -252,7 +311,7 @@ thread_local! {
 /// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. For a
 /// sequence with a sink in `sinks` (indexed by sequence; empty for none) a task takes all its new tokens of one
 /// head, hands `attend` a probability row of exactly the visible length, and sums the rows into the head's row of
-/// the sink. With `attend_rows` ([`AttendRows`]), a task of several tokens without a sink hands them to it in one
+/// the sink. With `attend_rows` ([`Rows`]), a task of several tokens without a sink hands them to it in one
 /// call. The caller has
 /// checked the sequences (`check_seq`, `check_disjoint`) and the sinks (`prob_sinks`): each output slice and each
 /// sink row is then written by exactly one task.
@@ -267,7 +326,7 @@ pub(crate) fn par_queries<F>(
     out: &mut [f32],
     sinks: &[Option<ProbSink>],
     attend: &F,
-    attend_rows: Option<AttendRows<'_>>,
+    attend_rows: Option<Rows<'_>>,
 ) where
     F: Fn(&[f32], &[u32], usize, &mut [f32], Option<&mut [f32]>) + Sync,
 {
@@ -280,14 +339,17 @@ pub(crate) fn par_queries<F>(
     // A one-token step (decode) without a sink: one task per kv-head, whose GQA group of query heads the rows
     // kernel folds together, so each block is read from memory and widened once for the group, not once per head.
     let grouped = |si: usize, s: &AttnSeq<'_>| {
-        attend_rows.is_some() && (2..=MAX_GROUP_ROWS).contains(&group) && s.n_new == 1 && sink_of(si).is_none()
+        attend_rows.is_some_and(|r| r.decode_groups)
+            && (2..=MAX_GROUP_ROWS).contains(&group)
+            && s.n_new == 1
+            && sink_of(si).is_none()
     };
     let tasks_of = |si: usize, s: &AttnSeq<'_>| {
         if grouped(si, s) { n_kv_heads } else { s.n_new.div_ceil(chunk_of(si, s)) * n_heads }
     };
     let task = |si: usize, t: usize| {
         let s = &seqs[si];
-        if let (true, Some(rows)) = (grouped(si, s), attend_rows) {
+        if let (true, Some(Rows { attend: rows, .. })) = (grouped(si, s), attend_rows) {
             let (kvh, row) = (t, s.q_row);
             let h0 = row * w + kvh * group * hd;
             // SAFETY: row `row`'s heads kvh*group .. (kvh+1)*group belong to this task alone (one task per kv-head
@@ -313,7 +375,7 @@ pub(crate) fn par_queries<F>(
             (qv, len, acc)
         };
         let Some(k) = sink_of(si) else {
-            if let Some(rows) = attend_rows.filter(|_| j1 - j0 >= 2) {
+            if let Some(Rows { attend: rows, .. }) = attend_rows.filter(|_| j1 - j0 >= 2) {
                 let (r0, len0) = (s.q_row + j0, s.prior_lens[kvh] + j0 + 1);
                 let queries = &q[r0 * w + qh * hd..(s.q_row + j1 - 1) * w + (qh + 1) * hd];
                 // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
@@ -550,7 +612,8 @@ mod tests {
             par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
             t_one.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
-            par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(&many));
+            let rows = Rows { attend: &many, decode_groups: true };
+            par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(rows));
             t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
         }
         // The public entry point takes the grouped path and must agree as well.
@@ -631,7 +694,8 @@ mod tests {
                 par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
                 t_one.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = Instant::now();
-                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut tiled, &[], &one, Some(&many));
+                let rows = Rows { attend: &many, decode_groups: true };
+                par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut tiled, &[], &one, Some(rows));
                 t_rows.push(t.elapsed().as_secs_f64() * 1e3);
             }
             assert_eq!(per_query, tiled, "{simd:?}: the rows kernel must give the per-query kernel's values");

@@ -536,6 +536,9 @@ pub const ELEM_F16: u8 = 1;
 pub const ELEM_I8: u8 = 2;
 /// e4m3 codes with one f32 scale per slot.
 pub const ELEM_FP8: u8 = 3;
+/// f32 copies of 8-bit codes (`attend_rows`' widened block: the codes' values, fp8's rescaled as [`lde`] rescales
+/// them), with the per-slot scales still to apply as the 8-bit kernels apply them.
+const ELEM_F32_SCALED: u8 = 4;
 
 /// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (8-bit codes unscaled).
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -626,7 +629,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     logits: Option<&mut [f32]>,
 ) {
     let hd = NV * 8;
-    let scaled = E == ELEM_I8 || E == ELEM_FP8;
+    let scaled = E == ELEM_I8 || E == ELEM_FP8 || E == ELEM_F32_SCALED;
     let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) } else { 1.0 };
     let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) } else { 1.0 };
     // Scores, two slots at a time.
@@ -737,13 +740,18 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
 }
 
 /// The AVX2 form of [`super::avx512_attention::attend_rows`], same contract: `rows` consecutive queries of one head
-/// over an f16 table, each block widened to f32 once and folded into every row that sees it. `NV` = head_dim / 8.
+/// (or the query heads of one GQA group) over a table, each block widened to f32 once and folded into every row
+/// that sees it. `NV` = head_dim / 8. Besides f16 arenas (`E` = [`ELEM_F16`]) it reads the 8-bit ones
+/// ([`ELEM_I8`], [`ELEM_FP8`], with `k_scale` / `v_scale` as for [`attend_one`]): their codes are widened unscaled
+/// and each slot's scales applied to its dot product and its probability, exactly as [`attend_one`] applies them,
+/// so a row's result does not depend on which of the two kernels computed it.
 ///
 /// # Safety
-/// As [`super::avx512_attention::attend_rows`], with AVX2/FMA/F16C in place of AVX-512.
+/// As [`super::avx512_attention::attend_rows`], with AVX2/FMA/F16C in place of AVX-512; for the 8-bit types the
+/// scale arrays must hold every slot of every block read (indexed `block * bs + slot`).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_rows<const NV: usize>(
+pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     q: *const f32,
     q_stride: usize,
     out: *mut f32,
@@ -751,6 +759,8 @@ pub unsafe fn attend_rows<const NV: usize>(
     rows: usize,
     k: *const u8,
     v: *const u8,
+    k_scale: *const f32,
+    v_scale: *const f32,
     bs: usize,
     table: &[u32],
     len0: usize,
@@ -760,27 +770,45 @@ pub unsafe fn attend_rows<const NV: usize>(
     use super::avx512_attention::{MAX_BLOCK_ELEMS, MAX_ROWS};
     let hd = NV * 8;
     debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
+    debug_assert!(matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
+    let scaled = E != ELEM_F16;
+    let elem = if scaled { 1 } else { 2 };
     let mut states: [Online<NV>; MAX_ROWS] = core::array::from_fn(|_| Online::new());
     let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
     let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
+    // The block's slot scales (8-bit arenas), copied beside its widened codes.
+    let (mut ksf, mut vsf) = ([0.0f32; 64], [0.0f32; 64]);
     let mut sc = [f32::NEG_INFINITY; 64];
-    let none = core::ptr::null::<f32>();
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
     let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
+    let (ksw, vsw) = (ksf.as_mut_ptr(), vsf.as_mut_ptr());
+    let (ksp, vsp) = (ksw.cast_const(), vsw.cast_const());
     let widen = |src: usize, elems: usize, next: Option<usize>| {
         if let Some(at) = next {
-            super::scores_avx2::prefetch_kv(k, v, 2 * at, 2 * bs * hd);
+            super::scores_avx2::prefetch_kv(k, v, elem * at, elem * bs * hd);
+        }
+        if scaled {
+            let slot0 = src / hd;
+            for s in 0..elems / hd {
+                *ksw.add(s) = *k_scale.add(slot0 + s);
+                *vsw.add(s) = *v_scale.add(slot0 + s);
+            }
         }
         let mut e = 0;
         while e < elems {
-            _mm256_storeu_ps(kw.add(e), lde::<ELEM_F16>(k, src + e));
-            _mm256_storeu_ps(vw.add(e), lde::<ELEM_F16>(v, src + e));
+            _mm256_storeu_ps(kw.add(e), lde::<E>(k, src + e));
+            _mm256_storeu_ps(vw.add(e), lde::<E>(v, src + e));
             e += 8;
         }
     };
     let fold = |r: usize, n_r: usize| {
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
-        fold_block::<NV, ELEM_F32>(&qv, kp, vp, none, none, 0, 0, n_r, &mut states[r], &mut sc, None);
+        let st = &mut states[r];
+        if scaled {
+            fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, None);
+        } else {
+            fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, None);
+        }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
