@@ -5,6 +5,9 @@
 
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+
+use common::{outlier_channel_keys, rand_vec};
 use pagoda_kernels::codec::{e4m3_from_f32, e4m3_to_f32};
 use pagoda_kernels::{AttnProbs, AttnSeq, Backend, CpuBackend, KvDtype, KvStorage, Simd, hadamard_rotate};
 use rand::rngs::StdRng;
@@ -61,10 +64,6 @@ fn stored_rows(dtype: KvDtype, x: Vec<f32>, hd: usize) -> Vec<f32> {
 /// The dtype a cache of `dtype` stores its values in (rotated fp8 rotates keys only).
 fn value_dtype(dtype: KvDtype) -> KvDtype {
     if dtype.rotates_keys() { KvDtype::Fp8 } else { dtype }
-}
-
-fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
 }
 
 /// One sequence of a test batch: dense K/V per kv-head (prior + new slots), its q rows and block tables.
@@ -485,11 +484,7 @@ fn fp8_rotated_cache_reads_back_fp8_of_the_rotated_keys() {
 fn fp8_rotated_cache_attends_closer_than_fp8_on_outlier_channels() {
     let (bs, hd, n) = (16, 64, 256);
     let mut rng = StdRng::seed_from_u64(16);
-    let mut k = rand_vec(&mut rng, n * hd, 0.3);
-    for slot in 0..n {
-        k[slot * hd + 60] = rng.random_range(8.0..12.0);
-        k[slot * hd + 61] = rng.random_range(-10.0..-6.0);
-    }
+    let k = outlier_channel_keys(&mut rng, n, hd);
     let v = rand_vec(&mut rng, n * hd, 1.0);
     let mut q = rand_vec(&mut rng, hd, 0.3);
     q[60] = 0.6;

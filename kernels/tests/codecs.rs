@@ -5,6 +5,9 @@
 
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+
+use common::{outlier_channel_keys, rand_vec};
 use half::{bf16, f16};
 use pagoda_kernels::codec::{HEADER_LEN, Half, e4m3_from_f32, e4m3_to_f32};
 use pagoda_kernels::{
@@ -16,10 +19,6 @@ use rand::{Rng, SeedableRng};
 
 const BS: usize = 16;
 const HD: usize = 64;
-
-fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
-}
 
 fn encode(codec: Codec, bs: usize, hd: usize, k: &[f32], v: &[f32]) -> Vec<u8> {
     let mut out = vec![0u8; codec.encoded_len(bs, hd).unwrap()];
@@ -286,11 +285,7 @@ fn rotated_fp8_keys_score_closer_than_plain_fp8_on_outlier_channels() {
     let mut rng = StdRng::seed_from_u64(10);
     let (mut plain, mut rotated) = (0.0f64, 0.0f64);
     for _ in 0..64 {
-        let mut k = rand_vec(&mut rng, BS * HD, 0.3);
-        for slot in 0..BS {
-            k[slot * HD + 60] = rng.random_range(8.0..12.0);
-            k[slot * HD + 61] = rng.random_range(-10.0..-6.0);
-        }
+        let k = outlier_channel_keys(&mut rng, BS, HD);
         let v = rand_vec(&mut rng, BS * HD, 1.0);
         let mut q = rand_vec(&mut rng, HD, 0.3);
         q[60] = 2.0;

@@ -2,16 +2,15 @@
 
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+
+use common::rand_vec;
 use pagoda_kernels::cpu::Bf16Kernel;
 use pagoda_kernels::{Backend, CpuBackend, KernelError, QMatrix, Simd, WeightType};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 const TYPES: [WeightType; 4] = [WeightType::F32, WeightType::F16, WeightType::Q4_1, WeightType::Q8_0];
-
-fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
-}
 
 fn backends() -> Vec<CpuBackend> {
     vec![

@@ -2,16 +2,15 @@
 
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+
+use common::rand_vec;
 use pagoda_kernels::{Backend, CpuBackend, Simd};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 
 fn backends() -> Vec<CpuBackend> {
     vec![CpuBackend::with_simd(1, Simd::Scalar), CpuBackend::with_simd(2, Simd::Avx2)]
-}
-
-fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
 }
 
 #[test]

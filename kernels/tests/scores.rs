@@ -4,6 +4,9 @@
 
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+
+use common::rand_vec;
 use pagoda_kernels::KvDtype;
 use pagoda_kernels::KvStorage;
 use pagoda_kernels::scores::{
@@ -83,10 +86,6 @@ impl Cache {
         let off = (i % bs) * hd;
         (self.kv.block_k(b)[off..off + hd].to_vec(), self.kv.block_v(b)[off..off + hd].to_vec())
     }
-}
-
-fn rand_vec(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
 }
 
 fn norm64(x: &[f32]) -> f64 {
