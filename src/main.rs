@@ -185,9 +185,11 @@ struct EvalArgs {
     #[arg(long, value_delimiter = ',')]
     from_json: Vec<PathBuf>,
     /// Compare KV codecs with the full cache instead of eviction policies (comma-separated: f16, bf16, int8,
-    /// fp8_e4m3, fp8_e4m3_rotated, int4_kivi, int2_kivi, or "all"): every filled block is encoded and decoded back in place, and
-    /// each codec's next-token argmax is compared with the full cache's on the synthetic items (greedy
-    /// continuation of --codec-tokens) and the prose documents (forced continuation). Writes --json/--markdown.
+    /// fp8_e4m3, fp8_e4m3_rotated, int4_kivi, int2_kivi, or "all"): every filled block is encoded and decoded back
+    /// in place, and each codec's next-token argmax is compared with the full cache's on the synthetic items
+    /// (greedy continuation of --codec-tokens) and the prose documents (forced continuation). `pool:DTYPE`
+    /// (pool:int8, pool:fp8_e4m3, pool:fp8_e4m3_rotated) is the device pool of that --kv-dtype instead: every slot
+    /// rounded as the pool stores it. Writes --json/--markdown.
     #[arg(long, value_delimiter = ',')]
     codecs: Vec<String>,
     /// Greedy tokens per synthetic item in the --codecs comparison.
@@ -1868,16 +1870,18 @@ fn eval(args: EvalArgs) -> Result<()> {
 /// `pagoda eval --codecs`: next-token agreement of each codec with the full cache.
 fn eval_codecs(model: &Path, args: &EvalArgs) -> Result<()> {
     use pagoda_kernels::Codec;
-    use pagoda_worker::eval::codecs::{self, CodecItem, Continuation};
+    use pagoda_worker::eval::codecs::{self, CodecItem, Continuation, LaneFormat};
     use pagoda_worker::eval::{TaskKind, generate};
     let mut list = Vec::new();
     for c in &args.codecs {
-        if c == "all" {
-            list.extend(Codec::ALL.into_iter().filter(|c| *c != Codec::F32));
+        let formats = if c == "all" {
+            Codec::ALL.into_iter().filter(|c| *c != Codec::F32).map(LaneFormat::Codec).collect()
         } else {
-            let c: Codec = c.parse().with_context(|| format!("bad --codecs entry {c:?}"))?;
-            if !list.contains(&c) {
-                list.push(c);
+            vec![c.parse::<LaneFormat>().map_err(|e| anyhow!("bad --codecs entry {c:?}: {e}"))?]
+        };
+        for f in formats {
+            if !list.contains(&f) {
+                list.push(f);
             }
         }
     }

@@ -149,9 +149,10 @@ fn merging_pools_items_and_refuses_a_report_twice(model: &std::path::Path, first
 }
 
 /// `pagoda eval --codecs` with `--bf16-matmuls` through the real binary: an f32 lane (encode/decode as identity)
-/// batched with an f16 lane must reproduce the full cache exactly, which holds only if the bf16 matmuls (AMX tiles or
-/// AVX-512 BF16 dot products) give each row the same result whatever shares its call; the f16 lane must differ a
-/// little. On a CPU with neither, the flag is refused with an error naming it.
+/// and an f32 pool lane, batched with an f16 and an int8 pool lane, must reproduce the full cache exactly, which
+/// holds only if the bf16 matmuls (AMX tiles or AVX-512 BF16 dot products) give each row the same result whatever
+/// shares its call; the f16 and int8 lanes must differ a little. On a CPU with neither, the flag is refused with an
+/// error naming it.
 #[test]
 fn codec_eval_on_bf16_matmuls_is_exact_for_the_identity_codec() {
     let model = pagoda_e2e::require_model().unwrap();
@@ -161,7 +162,7 @@ fn codec_eval_on_bf16_matmuls_is_exact_for_the_identity_codec() {
         .arg(&model)
         .args([
             "--codecs",
-            "f32,f16",
+            "f32,f16,pool:f32,pool:int8",
             "--bf16-matmuls",
             "--tasks",
             "passkey",
@@ -198,4 +199,10 @@ fn codec_eval_on_bf16_matmuls_is_exact_for_the_identity_codec() {
     assert_eq!(f32_lane["kl"], 0.0, "{f32_lane}");
     let kl = f16_lane["kl"].as_f64().unwrap();
     assert!(kl > 0.0 && kl < 0.05, "{f16_lane}");
+    // The device pools' lanes: an f32 pool is the identity too; an int8 pool rounds every slot.
+    let (f32_pool, int8_pool) = (cell("pool:f32"), cell("pool:int8"));
+    assert_eq!(f32_pool["agreement"], 1.0, "{f32_pool}");
+    assert_eq!(f32_pool["kl"], 0.0, "{f32_pool}");
+    let kl = int8_pool["kl"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 0.05, "{int8_pool}");
 }

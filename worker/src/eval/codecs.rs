@@ -4,7 +4,10 @@
 //! What it simulates: the device arena stays f32 in this step. Every time a block fills, it is encoded with the
 //! codec and decoded back in place (quantise → dequantise into the f32 arena), which is numerically what the
 //! dequantise-on-load kernel computes over the encoded block (`tests/codecs.rs` in the kernels crate checks that
-//! equivalence). The block being filled stays f32 until it is full, like KIVI's full-precision residual.
+//! equivalence). The block being filled stays f32 until it is full, like KIVI's full-precision residual. A
+//! `pool:DTYPE` lane ([`LaneFormat::Pool`]) is instead the device pool of that dtype (`--kv-dtype`): every slot,
+//! the block being filled included, is rounded by the pool's own rule as it is written (an 8-bit dtype's per-slot
+//! scale, the rotated fp8's rotation), by writing it into a one-block pool of the dtype and reading it back.
 //!
 //! Method, per item: the full cache prefills the prompt once and produces the reference continuation (the item's
 //! own forced tokens, or its greedy output) with its log-probabilities. Each codec lane then starts from a copy of
@@ -15,7 +18,7 @@
 
 use std::time::Instant;
 
-use pagoda_kernels::{Codec, CpuBackend, KvStorage};
+use pagoda_kernels::{Codec, CpuBackend, KvDtype, KvStorage};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineError, cpu_backend};
@@ -26,6 +29,45 @@ use crate::sampling::argmax;
 const BLOCK_SIZE: usize = 16;
 /// Most tokens of one item (prompt + continuation): bounds the KV arena this harness allocates per lane.
 pub const MAX_ITEM_TOKENS: usize = 8192;
+
+/// How one lane keeps its KV: a codec's blocks, or a device pool's slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneFormat {
+    /// Each full block encoded with the codec and decoded back.
+    Codec(Codec),
+    /// Each slot rounded as a device pool of this dtype stores it.
+    Pool(KvDtype),
+}
+
+impl LaneFormat {
+    /// The codec's name, or `pool:` and the dtype's.
+    pub fn name(self) -> String {
+        match self {
+            LaneFormat::Codec(c) => c.name().to_owned(),
+            LaneFormat::Pool(d) => format!("pool:{d}"),
+        }
+    }
+
+    /// Stored bits per K or V element in a block of `block_size` × `head_dim` (scales and headers included).
+    pub fn bits_per_element(self, block_size: usize, head_dim: usize) -> f64 {
+        match self {
+            LaneFormat::Codec(c) => c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN),
+            LaneFormat::Pool(d) => d.slot_bytes(head_dim) as f64 * 8.0 / head_dim as f64,
+        }
+    }
+}
+
+impl std::str::FromStr for LaneFormat {
+    type Err = String;
+
+    /// `pool:DTYPE` (`pool:int8`, `pool:fp8_e4m3`, `pool:fp8_e4m3_rotated`, ...) or a codec name.
+    fn from_str(s: &str) -> Result<LaneFormat, String> {
+        match s.strip_prefix("pool:") {
+            Some(d) => d.parse().map(LaneFormat::Pool),
+            None => s.parse::<Codec>().map(LaneFormat::Codec).map_err(|e| e.to_string()),
+        }
+    }
+}
 
 /// One item: a prompt and either the continuation to force or how many greedy tokens the full cache generates.
 #[derive(Debug, Clone)]
@@ -122,7 +164,7 @@ impl CodecEvaluator {
     }
 
     /// Runs one item under the full cache and every codec in `codecs`; one result per codec.
-    pub fn run_item(&mut self, item: &CodecItem, codecs: &[Codec]) -> Result<Vec<CodecResult>, EngineError> {
+    pub fn run_item(&mut self, item: &CodecItem, codecs: &[LaneFormat]) -> Result<Vec<CodecResult>, EngineError> {
         let c = self.model.config().clone();
         let vocab = c.vocab;
         let n_cont = match &item.continuation {
@@ -203,19 +245,46 @@ impl CodecEvaluator {
             }
         }
         let mut coded = vec![0usize; lanes];
+        // One-block pools that round a pool lane's slots, and one slot's rows.
+        let mut pools: Vec<Option<KvStorage>> = codecs
+            .iter()
+            .map(|f| match *f {
+                LaneFormat::Pool(d) => Some(KvStorage::with_dtype(1, BLOCK_SIZE, c.head_dim, d)),
+                LaneFormat::Codec(_) => None,
+            })
+            .collect();
+        let (mut sk, mut sv) = (vec![0.0f32; c.head_dim], vec![0.0f32; c.head_dim]);
         let mut agree = vec![0usize; codecs.len()];
         let mut kl = vec![0.0f64; codecs.len()];
         for j in 0..=scored {
             let len = item.prompt.len() + j;
-            // Encode and decode back every block that is full now (the prompt's, then one per BLOCK_SIZE steps).
-            for (li, &codec) in codecs.iter().enumerate() {
+            // Encode and decode back every block that is full now (the prompt's, then one per BLOCK_SIZE steps); a
+            // pool lane rounds every slot written since the last step.
+            for (li, &format) in codecs.iter().enumerate() {
                 let l = li + 1;
-                for table in &tables[l] {
-                    for &b in &table[coded[l]..len / BLOCK_SIZE] {
-                        round_trip(codec, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
+                match (format, pools[li].as_mut()) {
+                    (LaneFormat::Codec(codec), _) => {
+                        for table in &tables[l] {
+                            for &b in &table[coded[l]..len / BLOCK_SIZE] {
+                                round_trip(codec, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
+                            }
+                        }
+                        coded[l] = len / BLOCK_SIZE;
                     }
+                    (LaneFormat::Pool(_), Some(pool)) => {
+                        for table in &tables[l] {
+                            for slot in coded[l]..len {
+                                let (b, s) = (table[slot / BLOCK_SIZE], slot % BLOCK_SIZE);
+                                kv.read_slot(b, s, &mut sk, &mut sv);
+                                pool.write_slot(0, 0, &sk, &sv);
+                                pool.read_slot(0, 0, &mut sk, &mut sv);
+                                kv.write_slot(b, s, &sk, &sv);
+                            }
+                        }
+                        coded[l] = len;
+                    }
+                    (LaneFormat::Pool(_), None) => unreachable!("every pool lane has its pool"),
                 }
-                coded[l] = len / BLOCK_SIZE;
             }
             if j == scored {
                 break;
@@ -236,9 +305,9 @@ impl CodecEvaluator {
         Ok(codecs
             .iter()
             .enumerate()
-            .map(|(li, codec)| CodecResult {
+            .map(|(li, format)| CodecResult {
                 item: item.name.clone(),
-                codec: codec.name().to_owned(),
+                codec: format.name(),
                 positions: scored,
                 agree: agree[li],
                 kl: kl[li] / scored.max(1) as f64,
@@ -304,7 +373,7 @@ fn kl_div(logp: &[f32], logq: &[f32]) -> f64 {
 }
 
 /// Pools item results per codec (in the order of `codecs`).
-pub fn summarize(items: &[CodecResult], codecs: &[Codec]) -> Vec<CodecCell> {
+pub fn summarize(items: &[CodecResult], codecs: &[LaneFormat]) -> Vec<CodecCell> {
     codecs
         .iter()
         .map(|c| {
@@ -313,8 +382,8 @@ pub fn summarize(items: &[CodecResult], codecs: &[Codec]) -> Vec<CodecCell> {
             let agree: usize = rs.iter().map(|r| r.agree).sum();
             let kl = rs.iter().map(|r| r.kl * r.positions as f64).sum::<f64>() / positions.max(1) as f64;
             CodecCell {
-                codec: c.name().to_owned(),
-                bits_per_element: c.bits_per_element(BLOCK_SIZE, 64).unwrap_or(f64::NAN),
+                codec: c.name(),
+                bits_per_element: c.bits_per_element(BLOCK_SIZE, 64),
                 items: rs.len(),
                 positions,
                 agreement: agree as f64 / positions.max(1) as f64,
@@ -329,7 +398,7 @@ pub fn run(
     model_path: &std::path::Path,
     threads: usize,
     bf16_matmuls: bool,
-    codecs: &[Codec],
+    codecs: &[LaneFormat],
     make_items: &dyn Fn(&CodecEvaluator) -> Result<Vec<CodecItem>, EngineError>,
 ) -> Result<CodecReport, EngineError> {
     let t0 = Instant::now();
