@@ -712,9 +712,16 @@ fn e4m3_input<'a>(r: &'a [f32], rotate: bool, buf: &'a mut [f32]) -> &'a [f32] {
     if !rotate {
         return r;
     }
-    buf.copy_from_slice(r);
-    hadamard_rotate(buf);
-    buf
+    rotated_copy(r, buf)
+}
+
+/// `x` rotated by [`hadamard_rotate`] into the start of `buf` (at least as long), `x` left as it is: how the
+/// rotated-key formats rotate a query or a key they may not overwrite.
+pub(crate) fn rotated_copy<'a>(x: &[f32], buf: &'a mut [f32]) -> &'a [f32] {
+    let r = &mut buf[..x.len()];
+    r.copy_from_slice(x);
+    hadamard_rotate(r);
+    r
 }
 
 /// Rotates `x` in place by the normalised Walsh–Hadamard transform `H / √n`, applied to consecutive chunks of

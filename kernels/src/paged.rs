@@ -70,8 +70,8 @@ impl KvDtype {
         self == KvDtype::Fp8Rotated
     }
 
-    /// The element type of the V arena: the dtype itself, less the key rotation.
-    fn value_dtype(self) -> KvDtype {
+    /// The element type values are stored in: the dtype itself, less the key rotation.
+    pub fn value_dtype(self) -> KvDtype {
         if self.rotates_keys() { KvDtype::Fp8 } else { self }
     }
 
@@ -123,9 +123,6 @@ impl FromStr for KvDtype {
         }
     }
 }
-
-/// Longest row [`Arena::write`] rotates on the stack.
-const ROTATE_STACK: usize = 512;
 
 /// One arena's elements. Offsets are in elements; a slot-scaled arena is only ever addressed by whole slots (`at`
 /// and lengths multiples of `head_dim`), which is how [`KvStorage`] addresses every arena.
@@ -188,20 +185,11 @@ impl Arena {
                     }
                     return;
                 }
-                // Rows are rotated in a stack copy (a heap one only past ROTATE_STACK elements): writes run once
-                // per token per (layer, kv-head), so they must not allocate.
-                let mut stack = [0.0f32; ROTATE_STACK];
-                let mut heap = Vec::new();
-                let row: &mut [f32] = if hd <= ROTATE_STACK {
-                    &mut stack[..hd]
-                } else {
-                    heap.resize(hd, 0.0);
-                    &mut heap
-                };
+                // Rows are rotated in a stack copy (`with_dtype` bounds a rotated arena's head_dim): writes run
+                // once per token per (layer, kv-head), so they must not allocate.
+                let mut buf = [0.0f32; crate::codec::MAX_HEAD_DIM];
                 for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
-                    row.copy_from_slice(xr);
-                    crate::codec::hadamard_rotate(row);
-                    *s = quantize(row, qr);
+                    *s = quantize(crate::codec::rotated_copy(xr, &mut buf), qr);
                 }
             }
         }
@@ -273,9 +261,15 @@ impl KvStorage {
         KvStorage::with_dtype(num_blocks, block_size, head_dim, KvDtype::F32)
     }
 
-    /// Allocates zeroed K and V arenas of `dtype`. Panics if the size overflows or a dimension is zero.
+    /// Allocates zeroed K and V arenas of `dtype`. Panics if the size overflows, a dimension is zero, or a
+    /// rotated-key arena's head_dim exceeds [`crate::codec::MAX_HEAD_DIM`] (the codecs' bound too).
     pub fn with_dtype(num_blocks: usize, block_size: usize, head_dim: usize, dtype: KvDtype) -> KvStorage {
         assert!(block_size > 0 && head_dim > 0, "block_size and head_dim must be non-zero");
+        assert!(
+            !dtype.rotates_keys() || head_dim <= crate::codec::MAX_HEAD_DIM,
+            "{dtype} rotates keys of at most {} elements",
+            crate::codec::MAX_HEAD_DIM
+        );
         let len = num_blocks
             .checked_mul(block_size)
             .and_then(|x| x.checked_mul(head_dim))

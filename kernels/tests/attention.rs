@@ -61,11 +61,6 @@ fn stored_rows(dtype: KvDtype, x: Vec<f32>, hd: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The dtype a cache of `dtype` stores its values in (rotated fp8 rotates keys only).
-fn value_dtype(dtype: KvDtype) -> KvDtype {
-    if dtype.rotates_keys() { KvDtype::Fp8 } else { dtype }
-}
-
 /// One sequence of a test batch: dense K/V per kv-head (prior + new slots), its q rows and block tables.
 struct Seq {
     prior: Vec<usize>,
@@ -145,7 +140,7 @@ fn build(
         for h in 0..sh.n_kv {
             let total = prior[h] + n_new;
             let k = stored_rows(dtype, rand_vec(rng, total * sh.hd, 1.0), sh.hd);
-            let v = stored_rows(value_dtype(dtype), rand_vec(rng, total * sh.hd, 1.0), sh.hd);
+            let v = stored_rows(dtype.value_dtype(), rand_vec(rng, total * sh.hd, 1.0), sh.hd);
             // Capacity: enough blocks, sometimes one spare.
             let nb = total.div_ceil(sh.bs) + usize::from(rng.random_bool(0.5));
             let table: Vec<u32> = ids[next..next + nb].to_vec();

@@ -1015,21 +1015,12 @@ async fn collect(mut rx: mpsc::Receiver<Piece>) -> Result<Collected, ApiError> {
     Err(ApiError::internal("The generation ended unexpectedly."))
 }
 
-/// Server-sent events with names (`event:` then `data:`), as the Responses API streams them; no `[DONE]`.
-fn sse_named(
-    events: impl Stream<Item = NamedEvent> + Send + 'static,
-) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    use futures::StreamExt;
-    Sse::new(events.map(|(name, data)| Ok(Event::default().event(name).data(data))))
-}
-
-/// A named-event stream: the opening events, then every batch `body` yields.
+/// Server-sent events with names (`event:` then `data:`), as the Responses and Messages APIs stream them, no
+/// `[DONE]`: the opening events, then every batch `body` yields.
 fn sse_batches(opening: Vec<NamedEvent>, body: impl Stream<Item = Vec<NamedEvent>> + Send + 'static) -> Response {
-    let stream = futures::StreamExt::chain(
-        futures::stream::iter(opening),
-        futures::StreamExt::flat_map(body, futures::stream::iter),
-    );
-    sse_named(stream).into_response()
+    use futures::StreamExt;
+    let events = futures::stream::iter(opening).chain(body.flat_map(futures::stream::iter));
+    Sse::new(events.map(|(name, data)| Ok::<_, Infallible>(Event::default().event(name).data(data)))).into_response()
 }
 
 fn sse(events: impl Stream<Item = String> + Send + 'static) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {

@@ -149,7 +149,8 @@ pub(crate) struct Rows<'a> {
     /// Whether a one-token step hands it the query heads of a GQA group too, not only a prefill task's tokens.
     /// Folding a group of 3 reads each block once instead of 3 times, which pays where widening a block costs more
     /// than copying it through the kernel's buffer (f16, fp8), and not for int8, whose codes widen in two
-    /// instructions (`bench kernels`: int8 decode 0.79-0.96x through the rows kernel, fp8 1.4-1.9x).
+    /// instructions (int8 0.76-1.03x through the rows kernel at 1-8 sequences, fp8 1.36-2.14x:
+    /// `grouped_decode_vs_per_query`, the command in its doc).
     pub(crate) decode_groups: bool,
 }
 
@@ -261,8 +262,7 @@ impl RowsKernel {
         // that the other caches' tasks do not clear 16 KiB each).
         let mut rotated = [0.0f32; avx512_attention::MAX_ROWS * 128];
         for (r, dst) in rotated.chunks_exact_mut(hd).take(rows).enumerate() {
-            dst.copy_from_slice(&q[r * q_stride..r * q_stride + hd]);
-            crate::codec::hadamard_rotate(dst);
+            crate::codec::rotated_copy(&q[r * q_stride..r * q_stride + hd], dst);
         }
         go(rotated.as_ptr(), hd);
     }
@@ -457,13 +457,13 @@ fn attend_one(
                 (k.as_ptr(), v.as_ptr(), k_scale.as_ptr(), v_scale.as_ptr(), elem)
             }
         };
-        // Keys stored rotated are scored against the query rotated the same way (the transform is orthonormal).
-        let mut rotated = [0.0f32; 128];
-        let q = if kv.dtype().rotates_keys() && q.len() <= rotated.len() {
-            let r = &mut rotated[..q.len()];
-            r.copy_from_slice(q);
-            crate::codec::hadamard_rotate(r);
-            &*r
+        // Keys stored rotated are scored against the query rotated the same way (the transform is orthonormal);
+        // the buffer is cleared only then, since this runs per (query, head). Queries longer than 128 take the
+        // portable path below, which reads keys rotated back.
+        let mut rotated: [f32; 128];
+        let q = if kv.dtype().rotates_keys() && q.len() <= 128 {
+            rotated = [0.0; 128];
+            crate::codec::rotated_copy(q, &mut rotated)
         } else {
             q
         };
@@ -560,12 +560,18 @@ mod tests {
     use crate::Backend;
     use std::time::Instant;
 
-    /// A decode batch whose kv-heads' tables are scattered through an f16 arena: `(kv, tables, prior lengths)` per
-    /// sequence.
-    fn decode_cache(n_kv: usize, hd: usize, bs: usize, lens: &[usize]) -> (KvStorage, Vec<Vec<Vec<u32>>>) {
+    /// A decode batch whose kv-heads' tables are scattered through an arena of `dtype`: `(kv, tables, prior
+    /// lengths)` per sequence.
+    fn decode_cache(
+        dtype: KvDtype,
+        n_kv: usize,
+        hd: usize,
+        bs: usize,
+        lens: &[usize],
+    ) -> (KvStorage, Vec<Vec<Vec<u32>>>) {
         let per: Vec<usize> = lens.iter().map(|&l| (l + 1).div_ceil(bs)).collect();
         let total: usize = per.iter().sum::<usize>() * n_kv;
-        let mut kv = KvStorage::with_dtype(total, bs, hd, KvDtype::F16);
+        let mut kv = KvStorage::with_dtype(total, bs, hd, dtype);
         let val = |i: usize| ((i as f32 * 0.618).fract() - 0.5) * 2.0;
         for b in 0..total as u32 {
             let k: Vec<f32> = (0..bs * hd).map(|i| val(i + 7 * b as usize)).collect();
@@ -585,12 +591,13 @@ mod tests {
     /// kernel does not apply.
     #[allow(clippy::type_complexity)]
     fn decode_both_ways(
+        dtype: KvDtype,
         simd: Simd,
         (n_heads, n_kv, hd, bs): (usize, usize, usize, usize),
         lens: &[usize],
         reps: usize,
     ) -> Option<(Vec<f32>, Vec<f32>, f64, f64)> {
-        let (kv, tables) = decode_cache(n_kv, hd, bs, lens);
+        let (kv, tables) = decode_cache(dtype, n_kv, hd, bs, lens);
         let priors: Vec<Vec<usize>> = lens.iter().map(|&l| vec![l; n_kv]).collect();
         let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
             .map(|i| AttnSeq { q_row: i, n_new: 1, tables: &tables[i], prior_lens: &priors[i] })
@@ -616,10 +623,10 @@ mod tests {
             par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(rows));
             t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        // The public entry point takes the grouped path and must agree as well.
+        // The public entry point (grouped or not, as the dtype decides) must agree as well.
         let mut public = vec![2.0; q.len()];
         be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, scale, &mut public);
-        assert_eq!(grouped, public, "{simd:?}: Backend::paged_attention");
+        assert_eq!(grouped, public, "{simd:?} {dtype}: Backend::paged_attention");
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
@@ -629,29 +636,47 @@ mod tests {
 
     /// Decode with the GQA group folded per kv-head (one task per kv-head, each block widened once for the group)
     /// gives exactly the per-query kernel's values, for group sizes 2 to 8, context lengths on and off block
-    /// boundaries, and several sequences in one batch, on both instruction sets.
+    /// boundaries, and several sequences in one batch, on both instruction sets, over every dtype the rows kernel
+    /// reads.
     #[test]
     fn grouped_decode_matches_per_query_decode_bit_for_bit() {
         let lens = [0usize, 14, 15, 16, 31, 100, 257];
-        for (n_heads, n_kv) in [(4usize, 2usize), (9, 3), (32, 8), (16, 2)] {
-            for simd in [Simd::Avx2, Simd::Avx512] {
-                if let Some((per_query, grouped, _, _)) = decode_both_ways(simd, (n_heads, n_kv, 64, 16), &lens, 1) {
-                    assert_eq!(per_query, grouped, "{simd:?}, {n_heads}/{n_kv} heads");
+        for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
+            for (n_heads, n_kv) in [(4usize, 2usize), (9, 3), (32, 8), (16, 2)] {
+                for simd in [Simd::Avx2, Simd::Avx512] {
+                    let shape = (n_heads, n_kv, 64, 16);
+                    if let Some((per_query, grouped, _, _)) = decode_both_ways(dtype, simd, shape, &lens, 1) {
+                        assert_eq!(per_query, grouped, "{simd:?} {dtype}, {n_heads}/{n_kv} heads");
+                    }
                 }
             }
         }
     }
 
-    /// Timing of grouped against per-query decode: 32 sequences at 4,096 tokens (SmolLM2's 9/3 heads, f16), two
-    /// threads, interleaved 7 times; asserts equal values and prints the medians.
+    /// Timing of grouped against per-query decode (SmolLM2's 9/3 heads, two threads, interleaved 7 times): 32
+    /// sequences at 4,096 tokens over f16, then 1 and 8 sequences at 1,024 and 4,096 tokens over the 8-bit pools,
+    /// which is how `Rows::decode_groups` was chosen (grouping pays for fp8, not for int8). Asserts equal values
+    /// and prints the medians.
     /// `cargo test --release -p pagoda-kernels --lib grouped_decode_vs_per_query -- --ignored --nocapture`
     #[test]
     #[ignore = "timing; run by hand"]
     fn grouped_decode_vs_per_query() {
-        for simd in [Simd::Avx2, Simd::Avx512] {
-            if let Some((per_query, grouped, a, b)) = decode_both_ways(simd, (9, 3, 64, 16), &[4095; 32], 7) {
-                assert_eq!(per_query, grouped);
-                println!("{simd:?}: per-query {a:.2} ms, grouped {b:.2} ms, {:.2}x", a / b);
+        let mut cases = vec![(KvDtype::F16, 32, 4095)];
+        for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
+            for (batch, len) in [(1, 1023), (1, 4095), (8, 1023), (8, 4095)] {
+                cases.push((dtype, batch, len));
+            }
+        }
+        for (dtype, batch, len) in cases {
+            for simd in [Simd::Avx2, Simd::Avx512] {
+                let lens = vec![len; batch];
+                if let Some((per_query, grouped, a, b)) = decode_both_ways(dtype, simd, (9, 3, 64, 16), &lens, 7) {
+                    assert_eq!(per_query, grouped);
+                    println!(
+                        "{dtype} {simd:?}, {batch} x {len}: per-query {a:.3} ms, grouped {b:.3} ms, {:.2}x",
+                        a / b
+                    );
+                }
             }
         }
     }

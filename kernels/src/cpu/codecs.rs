@@ -3,7 +3,7 @@
 //! at a time into a stack buffer (scalar) as the kernel reaches it, so the memory traffic is the encoded size.
 
 use super::{CpuBackend, Simd, attention};
-use crate::codec::{Codec, EncodedKv, HEADER_LEN, Half, MAX_BLOCK_SIZE, MAX_HEAD_DIM, decode_row, hadamard_rotate};
+use crate::codec::{Codec, EncodedKv, HEADER_LEN, Half, MAX_BLOCK_SIZE, MAX_HEAD_DIM, decode_row, rotated_copy};
 use crate::paged::AttnSeq;
 
 #[cfg(target_arch = "x86_64")]
@@ -64,13 +64,12 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
     let bs = kv.block_size();
     let ids = &table[..len.div_ceil(bs)];
     // Rotated keys are scored against the rotated query ((Hq)·(Hk) = q·k); the blocks are then fp8_e4m3's.
-    let mut rotated = [0.0f32; MAX_HEAD_DIM];
+    // The buffer is cleared only for that codec: this runs per (query, head).
+    let mut rotated: [f32; MAX_HEAD_DIM];
     let (codec, q) = match kv.codec() {
         Codec::Fp8E4m3Rotated => {
-            let r = &mut rotated[..q.len()];
-            r.copy_from_slice(q);
-            hadamard_rotate(r);
-            (Codec::Fp8E4m3, &*r)
+            rotated = [0.0; MAX_HEAD_DIM];
+            (Codec::Fp8E4m3, rotated_copy(q, &mut rotated))
         }
         c => (c, q),
     };

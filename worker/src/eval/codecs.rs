@@ -245,12 +245,12 @@ impl CodecEvaluator {
             }
         }
         let mut coded = vec![0usize; lanes];
-        // One-block pools that round a pool lane's slots, and one slot's rows.
-        let mut pools: Vec<Option<KvStorage>> = codecs
+        // Each lane's rounding: its codec, or a one-block pool of its dtype that a slot is written into and read back.
+        let mut rounding: Vec<Rounding> = codecs
             .iter()
             .map(|f| match *f {
-                LaneFormat::Pool(d) => Some(KvStorage::with_dtype(1, BLOCK_SIZE, c.head_dim, d)),
-                LaneFormat::Codec(_) => None,
+                LaneFormat::Codec(codec) => Rounding::Codec(codec),
+                LaneFormat::Pool(d) => Rounding::Pool(KvStorage::with_dtype(1, BLOCK_SIZE, c.head_dim, d)),
             })
             .collect();
         let (mut sk, mut sv) = (vec![0.0f32; c.head_dim], vec![0.0f32; c.head_dim]);
@@ -260,10 +260,11 @@ impl CodecEvaluator {
             let len = item.prompt.len() + j;
             // Encode and decode back every block that is full now (the prompt's, then one per BLOCK_SIZE steps); a
             // pool lane rounds every slot written since the last step.
-            for (li, &format) in codecs.iter().enumerate() {
+            for (li, lane) in rounding.iter_mut().enumerate() {
                 let l = li + 1;
-                match (format, pools[li].as_mut()) {
-                    (LaneFormat::Codec(codec), _) => {
+                match lane {
+                    Rounding::Codec(codec) => {
+                        let codec = *codec;
                         for table in &tables[l] {
                             for &b in &table[coded[l]..len / BLOCK_SIZE] {
                                 round_trip(codec, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
@@ -271,7 +272,7 @@ impl CodecEvaluator {
                         }
                         coded[l] = len / BLOCK_SIZE;
                     }
-                    (LaneFormat::Pool(_), Some(pool)) => {
+                    Rounding::Pool(pool) => {
                         for table in &tables[l] {
                             for slot in coded[l]..len {
                                 let (b, s) = (table[slot / BLOCK_SIZE], slot % BLOCK_SIZE);
@@ -283,7 +284,6 @@ impl CodecEvaluator {
                         }
                         coded[l] = len;
                     }
-                    (LaneFormat::Pool(_), None) => unreachable!("every pool lane has its pool"),
                 }
             }
             if j == scored {
@@ -335,6 +335,12 @@ impl CodecEvaluator {
             .forward(&self.backend, kv, &seqs, &mut self.scratch, &mut self.logits)
             .map_err(|e| EngineError::Forward(e.to_string()))
     }
+}
+
+/// How a lane rounds its KV ([`LaneFormat`], with the pool a `Pool` lane rounds through).
+enum Rounding {
+    Codec(Codec),
+    Pool(KvStorage),
 }
 
 /// One lane of a step: tokens, RoPE position of the first, block tables, cache lengths before the step.
