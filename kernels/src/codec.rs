@@ -487,6 +487,9 @@ pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
 /// 2^120: moves an e4m3 exponent placed in an f32's exponent field to its true value (see [`e4m3_to_f32`]).
 pub(crate) const E4M3_RESCALE: f32 = f32::from_bits((120 + 127) << 23);
 
+/// 2^8: the same for an e4m3 code widened through an f16 (the vector kernels' form, exponent bias 15 against 7).
+pub(crate) const E4M3_F16_RESCALE: f32 = 256.0;
+
 /// Decodes one e4m3 byte. Placing the 7 magnitude bits at f32 bits 20..27 makes an f32 whose exponent is the e4m3
 /// exponent biased by 127 instead of 7 (subnormals included: both become f32 subnormals or normals consistently),
 /// so one multiplication by 2^120 gives the exact value. The AVX2 kernel does the same in registers.

@@ -83,8 +83,7 @@ pub fn paged_attention(
             |q: &[f32], q_stride: usize, out: RowsOut, rows_n: usize, table: &[u32], len0: usize, causal: bool| {
                 rows.run(q, q_stride, out, rows_n, kv, table, len0, causal, scale)
             };
-        let decode_groups = rows.elem != avx2::ELEM_I8;
-        let rows = Rows { attend: &many, decode_groups };
+        let rows: AttendRows<'_> = &many;
         return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(rows));
     }
     par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None);
@@ -139,20 +138,12 @@ pub(crate) struct RowsOut {
 }
 
 /// A rows kernel as [`par_queries`] calls it: `(queries, query stride, output rows, rows, table, visible length of
-/// the first row, causal)`. Called once per task, so dynamic dispatch costs nothing measurable.
+/// the first row, causal)`. Called once per task, so dynamic dispatch costs nothing measurable. [`par_queries`]
+/// hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a group of 3 reads
+/// each block once instead of 3 times, through the widened copy for f16, with the codes widened in registers for
+/// the 8-bit pools (`avx2::attend_group`; grouped against per-query at 1-8 sequences, 1K-4K tokens: int8
+/// 1.1-1.4x, fp8 1.4-1.7x, `grouped_decode_vs_per_query`, the command in its doc).
 pub(crate) type AttendRows<'a> = &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool) + Sync);
-
-/// A rows kernel and what [`par_queries`] hands it.
-#[derive(Clone, Copy)]
-pub(crate) struct Rows<'a> {
-    pub(crate) attend: AttendRows<'a>,
-    /// Whether a one-token step hands it the query heads of a GQA group too, not only a prefill task's tokens.
-    /// Folding a group of 3 reads each block once instead of 3 times, which pays where widening a block costs more
-    /// than copying it through the kernel's buffer (f16, fp8), and not for int8, whose codes widen in two
-    /// instructions (int8 0.76-1.03x through the rows kernel at 1-8 sequences, fp8 1.36-2.14x:
-    /// `grouped_decode_vs_per_query`, the command in its doc).
-    pub(crate) decode_groups: bool,
-}
 
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
 /// and cache allow it: AVX-512 or AVX2 over an f16 arena, AVX2 over an 8-bit one (int8, fp8, rotated fp8: the
@@ -233,6 +224,14 @@ impl RowsKernel {
             macro_rules! avx2 {
                 ($nv:literal) => {
                     match self.elem {
+                        // A decode group over an 8-bit arena: every row sees the same slots, and widening codes in
+                        // registers for the group beats copying them out widened (`avx2::attend_group`).
+                        avx2::ELEM_I8 if !causal => avx2::attend_group::<$nv, { avx2::ELEM_I8 }>(
+                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, scale,
+                        ),
+                        avx2::ELEM_FP8 if !causal => avx2::attend_group::<$nv, { avx2::ELEM_FP8 }>(
+                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, scale,
+                        ),
                         avx2::ELEM_F16 => avx2::attend_rows::<$nv, { avx2::ELEM_F16 }>(
                             qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
                         ),
@@ -311,7 +310,7 @@ thread_local! {
 /// new token) of the batch on the backend's pool, in tasks of up to [`TOKEN_CHUNK`] tokens of one head. For a
 /// sequence with a sink in `sinks` (indexed by sequence; empty for none) a task takes all its new tokens of one
 /// head, hands `attend` a probability row of exactly the visible length, and sums the rows into the head's row of
-/// the sink. With `attend_rows` ([`Rows`]), a task of several tokens without a sink hands them to it in one
+/// the sink. With `attend_rows` ([`AttendRows`]), a task of several tokens without a sink hands them to it in one
 /// call. The caller has
 /// checked the sequences (`check_seq`, `check_disjoint`) and the sinks (`prob_sinks`): each output slice and each
 /// sink row is then written by exactly one task.
@@ -326,7 +325,7 @@ pub(crate) fn par_queries<F>(
     out: &mut [f32],
     sinks: &[Option<ProbSink>],
     attend: &F,
-    attend_rows: Option<Rows<'_>>,
+    attend_rows: Option<AttendRows<'_>>,
 ) where
     F: Fn(&[f32], &[u32], usize, &mut [f32], Option<&mut [f32]>) + Sync,
 {
@@ -339,17 +338,14 @@ pub(crate) fn par_queries<F>(
     // A one-token step (decode) without a sink: one task per kv-head, whose GQA group of query heads the rows
     // kernel folds together, so each block is read from memory and widened once for the group, not once per head.
     let grouped = |si: usize, s: &AttnSeq<'_>| {
-        attend_rows.is_some_and(|r| r.decode_groups)
-            && (2..=MAX_GROUP_ROWS).contains(&group)
-            && s.n_new == 1
-            && sink_of(si).is_none()
+        attend_rows.is_some() && (2..=MAX_GROUP_ROWS).contains(&group) && s.n_new == 1 && sink_of(si).is_none()
     };
     let tasks_of = |si: usize, s: &AttnSeq<'_>| {
         if grouped(si, s) { n_kv_heads } else { s.n_new.div_ceil(chunk_of(si, s)) * n_heads }
     };
     let task = |si: usize, t: usize| {
         let s = &seqs[si];
-        if let (true, Some(Rows { attend: rows, .. })) = (grouped(si, s), attend_rows) {
+        if let (true, Some(rows)) = (grouped(si, s), attend_rows) {
             let (kvh, row) = (t, s.q_row);
             let h0 = row * w + kvh * group * hd;
             // SAFETY: row `row`'s heads kvh*group .. (kvh+1)*group belong to this task alone (one task per kv-head
@@ -375,7 +371,7 @@ pub(crate) fn par_queries<F>(
             (qv, len, acc)
         };
         let Some(k) = sink_of(si) else {
-            if let Some(Rows { attend: rows, .. }) = attend_rows.filter(|_| j1 - j0 >= 2) {
+            if let Some(rows) = attend_rows.filter(|_| j1 - j0 >= 2) {
                 let (r0, len0) = (s.q_row + j0, s.prior_lens[kvh] + j0 + 1);
                 let queries = &q[r0 * w + qh * hd..(s.q_row + j1 - 1) * w + (qh + 1) * hd];
                 // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
@@ -619,7 +615,7 @@ mod tests {
             par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
             t_one.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
-            let rows = Rows { attend: &many, decode_groups: true };
+            let rows: AttendRows<'_> = &many;
             par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(rows));
             t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
         }
@@ -635,18 +631,19 @@ mod tests {
     }
 
     /// Decode with the GQA group folded per kv-head (one task per kv-head, each block widened once for the group)
-    /// gives exactly the per-query kernel's values, for group sizes 2 to 8, context lengths on and off block
-    /// boundaries, and several sequences in one batch, on both instruction sets, over every dtype the rows kernel
+    /// gives exactly the per-query kernel's values, for group sizes 2 to 8 (the 8-bit kernel's passes of 4 with
+    /// every remainder), head_dim 32 to 128, context lengths on and off block boundaries, and several sequences in one batch, on both instruction sets, over every dtype the rows kernel
     /// reads.
     #[test]
     fn grouped_decode_matches_per_query_decode_bit_for_bit() {
         let lens = [0usize, 14, 15, 16, 31, 100, 257];
         for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
-            for (n_heads, n_kv) in [(4usize, 2usize), (9, 3), (32, 8), (16, 2)] {
+            let shapes = [(4usize, 2usize, 64usize), (9, 3, 64), (32, 8, 64), (16, 2, 64), (10, 2, 64), (28, 4, 32)];
+            for (n_heads, n_kv, hd) in shapes.into_iter().chain([(9, 3, 96), (12, 4, 128)]) {
                 for simd in [Simd::Avx2, Simd::Avx512] {
-                    let shape = (n_heads, n_kv, 64, 16);
+                    let shape = (n_heads, n_kv, hd, 16);
                     if let Some((per_query, grouped, _, _)) = decode_both_ways(dtype, simd, shape, &lens, 1) {
-                        assert_eq!(per_query, grouped, "{simd:?} {dtype}, {n_heads}/{n_kv} heads");
+                        assert_eq!(per_query, grouped, "{simd:?} {dtype}, {n_heads}/{n_kv} heads of {hd}");
                     }
                 }
             }
@@ -654,9 +651,8 @@ mod tests {
     }
 
     /// Timing of grouped against per-query decode (SmolLM2's 9/3 heads, two threads, interleaved 7 times): 32
-    /// sequences at 4,096 tokens over f16, then 1 and 8 sequences at 1,024 and 4,096 tokens over the 8-bit pools,
-    /// which is how `Rows::decode_groups` was chosen (grouping pays for fp8, not for int8). Asserts equal values
-    /// and prints the medians.
+    /// sequences at 4,096 tokens over f16, then 1 and 8 sequences at 1,024 and 4,096 tokens over the 8-bit pools
+    /// (their groups through `avx2::attend_group`). Asserts equal values and prints the medians.
     /// `cargo test --release -p pagoda-kernels --lib grouped_decode_vs_per_query -- --ignored --nocapture`
     #[test]
     #[ignore = "timing; run by hand"]
@@ -719,7 +715,7 @@ mod tests {
                 par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut per_query, &[], &one, None);
                 t_one.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = Instant::now();
-                let rows = Rows { attend: &many, decode_groups: true };
+                let rows: AttendRows<'_> = &many;
                 par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut tiled, &[], &one, Some(rows));
                 t_rows.push(t.elapsed().as_secs_f64() * 1e3);
             }

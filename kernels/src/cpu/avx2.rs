@@ -536,25 +536,31 @@ pub const ELEM_F16: u8 = 1;
 pub const ELEM_I8: u8 = 2;
 /// e4m3 codes with one f32 scale per slot.
 pub const ELEM_FP8: u8 = 3;
-/// f32 copies of 8-bit codes (`attend_rows`' widened block: the codes' values, fp8's rescaled as [`lde`] rescales
-/// them), with the per-slot scales still to apply as the 8-bit kernels apply them.
+/// f32 copies of 8-bit codes (`attend_rows`' widened block: the codes as [`lde`] widens them), with the per-slot
+/// scales (already times [`code_rescale`]) still to apply as the 8-bit kernels apply them.
 const ELEM_F32_SCALED: u8 = 4;
 
-/// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (8-bit codes unscaled).
+/// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (8-bit codes unscaled;
+/// e4m3 codes also still to be multiplied by [`code_rescale`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
     match E {
         ELEM_F16 => _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * i) as *const __m128i)),
         ELEM_I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(base.add(i) as *const __m128i))),
-        // The codec kernels' e4m3 widening, × 2^120 here rather than on the slot's scale so that no product of the
-        // dot product is subnormal.
-        ELEM_FP8 => _mm256_mul_ps(
-            super::codecs_avx2::load_e4m3_unscaled(base.add(i)),
-            _mm256_set1_ps(crate::codec::E4M3_RESCALE),
-        ),
+        ELEM_FP8 => super::codecs_avx2::load_e4m3_unscaled(base.add(i)),
         _ => _mm256_loadu_ps((base as *const f32).add(i)),
     }
+}
+
+/// What a slot's scale is multiplied by before it meets [`lde`]'s codes of element type `E`: 2^8 for e4m3 codes,
+/// whose widening leaves them at 2^-8 of their value (`codecs_avx2::load_e4m3_unscaled`). Both attention kernels
+/// fold it into the scales the same way, once per slot rather than once per 8 elements, so a row's result is the
+/// same whichever kernel computed it; a power of two, it changes no rounding (a finite scale is at most 2^-8 of
+/// f32's largest value, absmax / 448).
+#[inline]
+const fn code_rescale<const E: u8>() -> f32 {
+    if E == ELEM_FP8 { crate::codec::E4M3_F16_RESCALE } else { 1.0 }
 }
 
 /// One query's online-softmax state between blocks: running max, running sum and the unnormalised output. Shared
@@ -630,8 +636,8 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
 ) {
     let hd = NV * 8;
     let scaled = E == ELEM_I8 || E == ELEM_FP8 || E == ELEM_F32_SCALED;
-    let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) } else { 1.0 };
-    let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) } else { 1.0 };
+    let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
+    let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
     // Scores, two slots at a time.
     let mut bmax = st.m;
     let mut i = 0;
@@ -724,10 +730,13 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     };
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Fetch the next block while this one is folded (the 8-bit arenas' per-slot scales are a sixteenth of the
-        // bytes and are left to the hardware).
+        // Fetch the next block while this one is folded, and for the 8-bit arenas its slot scales (a line each,
+        // as scattered as the codes).
         if let Some(&nb) = blocks.get(bi + 1) {
             super::scores_avx2::prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
+            if elem == 1 {
+                prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
+            }
         }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
@@ -790,8 +799,8 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
         if scaled {
             let slot0 = src / hd;
             for s in 0..elems / hd {
-                *ksw.add(s) = *k_scale.add(slot0 + s);
-                *vsw.add(s) = *v_scale.add(slot0 + s);
+                *ksw.add(s) = *k_scale.add(slot0 + s) * code_rescale::<E>();
+                *vsw.add(s) = *v_scale.add(slot0 + s) * code_rescale::<E>();
             }
         }
         let mut e = 0;
@@ -813,6 +822,141 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
         st.finish(out.add(r * out_stride));
+    }
+}
+
+/// Prefetches the `n` slot scales from `slot0` of both scale arrays.
+///
+/// # Safety
+/// The slots are inside both arrays.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn prefetch_scales(k_scale: *const f32, v_scale: *const f32, slot0: usize, n: usize) {
+    let f = size_of::<f32>();
+    super::scores_avx2::prefetch_kv(k_scale.cast(), v_scale.cast(), slot0 * f, n * f);
+}
+
+/// The most query heads [`attend_group`] folds in one pass over a table (its accumulators stay in registers).
+pub const GROUP_PASS: usize = 4;
+
+/// Decode attention of the `rows` query heads of one GQA group (row `r` at `q + r * q_stride`, output at
+/// `out + r * out_stride`), each seeing the first `len` slots of `table`, over an 8-bit arena (`E` = [`ELEM_I8`],
+/// [`ELEM_FP8`]; scales as for [`attend_one`]). Where [`attend_rows`] widens a block into an f32 copy for its rows
+/// to read back, this widens each 8 codes in a register and hands them to up to [`GROUP_PASS`] heads at once, so a
+/// group of 3 widens and loads every code once instead of 3 times and nothing is written back. Each head's dot
+/// products, softmax and weighted sums run the operations of [`attend_one`] in its order (the value sums go chunk
+/// by chunk instead of slot by slot, each chunk's chain over the slots unchanged), so a head's output is
+/// bit-identical to [`attend_one`]'s. Groups larger than [`GROUP_PASS`] take several passes.
+///
+/// # Safety
+/// As [`attend_one`] for every row; `rows >= 1`; the output rows do not overlap the queries or each other.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_group<const NV: usize, const E: u8>(
+    q: *const f32,
+    q_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rows: usize,
+    k: *const u8,
+    v: *const u8,
+    k_scale: *const f32,
+    v_scale: *const f32,
+    bs: usize,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+) {
+    debug_assert!(matches!(E, ELEM_I8 | ELEM_FP8) && rows >= 1 && bs <= 64);
+    let mut r = 0;
+    while r < rows {
+        let (qr, or) = (q.add(r * q_stride), out.add(r * out_stride));
+        match rows - r {
+            1 => group_pass::<NV, E, 1>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
+            2 => group_pass::<NV, E, 2>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
+            3 => group_pass::<NV, E, 3>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
+            _ => group_pass::<NV, E, 4>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
+        }
+        r += GROUP_PASS;
+    }
+}
+
+/// One pass of [`attend_group`] over `G` heads.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
+    q: *const f32,
+    q_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    k: *const u8,
+    v: *const u8,
+    k_scale: *const f32,
+    v_scale: *const f32,
+    bs: usize,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+) {
+    let hd = NV * 8;
+    let qv: [[__m256; NV]; G] = core::array::from_fn(|g| scaled_query::<NV>(q.add(g * q_stride), scale));
+    let mut st: [Online<NV>; G] = core::array::from_fn(|_| Online::new());
+    let mut sc = [[f32::NEG_INFINITY; 64]; G];
+    // Each head's probability times each slot's value scale, as `fold_block` broadcasts it.
+    let mut pv = [[0.0f32; 64]; G];
+    let blocks = &table[..len.div_ceil(bs)];
+    for (bi, &b) in blocks.iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        if let Some(&nb) = blocks.get(bi + 1) {
+            super::scores_avx2::prefetch_kv(k, v, nb as usize * bs * hd, bs * hd);
+            prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
+        }
+        let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
+        let mut bmax = [0.0f32; G];
+        for g in 0..G {
+            bmax[g] = st[g].m;
+        }
+        for i in 0..n {
+            let kr = base + i * hd;
+            let k0 = lde::<E>(k, kr);
+            let mut a: [__m256; G] = core::array::from_fn(|g| _mm256_mul_ps(qv[g][0], k0));
+            for j in 1..NV {
+                let kj = lde::<E>(k, kr + j * 8);
+                for g in 0..G {
+                    a[g] = _mm256_fmadd_ps(qv[g][j], kj, a[g]);
+                }
+            }
+            let ks = *k_scale.add(slot0 + i) * code_rescale::<E>();
+            for g in 0..G {
+                sc[g][i] = hsum(a[g]) * ks;
+                bmax[g] = bmax[g].max(sc[g][i]);
+            }
+        }
+        for g in 0..G {
+            let corr = st[g].enter_block(&mut sc[g], n, bmax[g]);
+            let mut bl = 0.0f32;
+            for i in 0..n {
+                let p = sc[g][i];
+                bl += p;
+                pv[g][i] = p * (*v_scale.add(slot0 + i) * code_rescale::<E>());
+            }
+            st[g].l = st[g].l * corr + bl;
+        }
+        for j in 0..NV {
+            let mut acc: [__m256; G] = core::array::from_fn(|g| st[g].acc[j]);
+            for i in 0..n {
+                let vij = lde::<E>(v, base + i * hd + j * 8);
+                for g in 0..G {
+                    acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(pv[g][i]), vij, acc[g]);
+                }
+            }
+            for g in 0..G {
+                st[g].acc[j] = acc[g];
+            }
+        }
+    }
+    for (g, s) in st.iter().enumerate() {
+        s.finish(out.add(g * out_stride));
     }
 }
 
