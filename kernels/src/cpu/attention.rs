@@ -208,6 +208,7 @@ impl RowsKernel {
             KvArenas::F32 { .. } => unreachable!("RowsKernel::select checked the arena"),
         };
         let (op, os) = (out.ptr.get(), out.stride);
+        let arenas = avx2::Arenas { k, v, k_scale: ks, v_scale: vs, bs };
         // SAFETY: the instruction set was detected (`select` takes Simd::Avx512 or Simd::Avx2); block ids were
         // checked against the arenas, whose scale arrays (8-bit) hold block_size scales per block; rows and
         // lengths are in the kernel's bounds (asserted above, and by `select` for the block); the query rows are
@@ -227,19 +228,19 @@ impl RowsKernel {
                         // A decode group over an 8-bit arena: every row sees the same slots, and widening codes in
                         // registers for the group beats copying them out widened (`avx2::attend_group`).
                         avx2::ELEM_I8 if !causal => avx2::attend_group::<$nv, { avx2::ELEM_I8 }>(
-                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
                         ),
                         avx2::ELEM_FP8 if !causal => avx2::attend_group::<$nv, { avx2::ELEM_FP8 }>(
-                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
                         ),
                         avx2::ELEM_F16 => avx2::attend_rows::<$nv, { avx2::ELEM_F16 }>(
-                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale,
                         ),
                         avx2::ELEM_I8 => avx2::attend_rows::<$nv, { avx2::ELEM_I8 }>(
-                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale,
                         ),
                         _ => avx2::attend_rows::<$nv, { avx2::ELEM_FP8 }>(
-                            qp, q_stride, op, os, rows, k, v, ks, vs, bs, table, len0, causal, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale,
                         ),
                     }
                 };

@@ -748,6 +748,17 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     }
 }
 
+/// A pool's K and V arenas as the multi-row kernels read them: element pointers, the per-slot scales of the 8-bit
+/// types (unused for f16) and the block size.
+#[derive(Clone, Copy)]
+pub struct Arenas {
+    pub k: *const u8,
+    pub v: *const u8,
+    pub k_scale: *const f32,
+    pub v_scale: *const f32,
+    pub bs: usize,
+}
+
 /// The AVX2 form of [`super::avx512_attention::attend_rows`], same contract: `rows` consecutive queries of one head
 /// (or the query heads of one GQA group) over a table, each block widened to f32 once and folded into every row
 /// that sees it. `NV` = head_dim / 8. Besides f16 arenas (`E` = [`ELEM_F16`]) it reads the 8-bit ones
@@ -766,17 +777,14 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     out: *mut f32,
     out_stride: usize,
     rows: usize,
-    k: *const u8,
-    v: *const u8,
-    k_scale: *const f32,
-    v_scale: *const f32,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len0: usize,
     causal: bool,
     scale: f32,
 ) {
     use super::avx512_attention::{MAX_BLOCK_ELEMS, MAX_ROWS};
+    let Arenas { k, v, k_scale, v_scale, bs } = arenas;
     let hd = NV * 8;
     debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
     debug_assert!(matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
@@ -858,24 +866,20 @@ pub unsafe fn attend_group<const NV: usize, const E: u8>(
     out: *mut f32,
     out_stride: usize,
     rows: usize,
-    k: *const u8,
-    v: *const u8,
-    k_scale: *const f32,
-    v_scale: *const f32,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len: usize,
     scale: f32,
 ) {
-    debug_assert!(matches!(E, ELEM_I8 | ELEM_FP8) && rows >= 1 && bs <= 64);
+    debug_assert!(matches!(E, ELEM_I8 | ELEM_FP8) && rows >= 1 && arenas.bs <= 64);
     let mut r = 0;
     while r < rows {
         let (qr, or) = (q.add(r * q_stride), out.add(r * out_stride));
         match rows - r {
-            1 => group_pass::<NV, E, 1>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
-            2 => group_pass::<NV, E, 2>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
-            3 => group_pass::<NV, E, 3>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
-            _ => group_pass::<NV, E, 4>(qr, q_stride, or, out_stride, k, v, k_scale, v_scale, bs, table, len, scale),
+            1 => group_pass::<NV, E, 1>(qr, q_stride, or, out_stride, arenas, table, len, scale),
+            2 => group_pass::<NV, E, 2>(qr, q_stride, or, out_stride, arenas, table, len, scale),
+            3 => group_pass::<NV, E, 3>(qr, q_stride, or, out_stride, arenas, table, len, scale),
+            _ => group_pass::<NV, E, 4>(qr, q_stride, or, out_stride, arenas, table, len, scale),
         }
         r += GROUP_PASS;
     }
@@ -889,15 +893,12 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     q_stride: usize,
     out: *mut f32,
     out_stride: usize,
-    k: *const u8,
-    v: *const u8,
-    k_scale: *const f32,
-    v_scale: *const f32,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len: usize,
     scale: f32,
 ) {
+    let Arenas { k, v, k_scale, v_scale, bs } = arenas;
     let hd = NV * 8;
     let qv: [[__m256; NV]; G] = core::array::from_fn(|g| scaled_query::<NV>(q.add(g * q_stride), scale));
     let mut st: [Online<NV>; G] = core::array::from_fn(|_| Online::new());
