@@ -79,10 +79,16 @@ pub fn paged_attention(
     };
     #[cfg(target_arch = "x86_64")]
     if let Some(rows) = RowsKernel::select(simd, kv) {
-        let many =
-            |q: &[f32], q_stride: usize, out: RowsOut, rows_n: usize, table: &[u32], len0: usize, causal: bool| {
-                rows.run(q, q_stride, out, rows_n, kv, table, len0, causal, scale)
-            };
+        let many = |q: &[f32],
+                    q_stride: usize,
+                    out: RowsOut,
+                    rows_n: usize,
+                    table: &[u32],
+                    len0: usize,
+                    causal: bool,
+                    p: Option<&mut [f32]>| {
+            rows.run(q, q_stride, out, rows_n, kv, table, len0, causal, scale, p)
+        };
         let rows: AttendRows<'_> = &many;
         return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(rows));
     }
@@ -93,7 +99,8 @@ pub fn paged_attention(
 /// one kv-head's table, query `r` seeing the first `len0 + r` slots when `causal` (consecutive tokens of a prefill
 /// chunk) or `len0` slots otherwise (the query heads of one GQA group at one decode token). For each block that the
 /// last row sees, `widen(element offset of the block, elements the rows read, element offset of the next block the
-/// rows read)`, then `fold(r, n_r)` for every row `r` that sees `n_r > 0` of its slots. Inlined into each kernel, so
+/// rows read)`, then `fold(r, n_r, s0)` for every row `r` that sees `n_r > 0` of its slots, the block's first slot
+/// being slot `s0` of the table. Inlined into each kernel, so
 /// the closures compile with its instruction set.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -105,7 +112,7 @@ pub(crate) fn for_row_blocks(
     hd: usize,
     table: &[u32],
     mut widen: impl FnMut(usize, usize, Option<usize>),
-    mut fold: impl FnMut(usize, usize),
+    mut fold: impl FnMut(usize, usize, usize),
 ) {
     let step = usize::from(causal);
     let last = last_row_len(rows, len0, causal);
@@ -118,7 +125,7 @@ pub(crate) fn for_row_blocks(
         // Causal rows before `first` do not see this block yet: query r sees slots below len0 + r.
         let first = if causal { (s0 + 1).saturating_sub(len0) } else { 0 };
         for r in first..rows {
-            fold(r, (len0 + r * step - s0).min(n));
+            fold(r, (len0 + r * step - s0).min(n), s0);
         }
     }
 }
@@ -138,12 +145,13 @@ pub(crate) struct RowsOut {
 }
 
 /// A rows kernel as [`par_queries`] calls it: `(queries, query stride, output rows, rows, table, visible length of
-/// the first row, causal)`. Called once per task, so dynamic dispatch costs nothing measurable. [`par_queries`]
+/// the first row, causal, probability rows)`. Called once per task, so dynamic dispatch costs nothing measurable. [`par_queries`]
 /// hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a group of 3 reads
 /// each block once instead of 3 times, through the widened copy for f16, with the codes widened in registers for
 /// the 8-bit pools (`avx2::attend_group`; grouped against per-query at 1-8 sequences, 1K-4K tokens: int8
 /// 1.1-1.4x, fp8 1.4-1.7x, `grouped_decode_vs_per_query`, the command in its doc).
-pub(crate) type AttendRows<'a> = &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool) + Sync);
+pub(crate) type AttendRows<'a> =
+    &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool, Option<&mut [f32]>) + Sync);
 
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
 /// and cache allow it: AVX-512 or AVX2 over an f16 arena, AVX2 over an 8-bit one (int8, fp8, rotated fp8: the
@@ -178,7 +186,8 @@ impl RowsKernel {
     }
 
     /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`
-    /// when `causal`, else `len0`).
+    /// when `causal`, else `len0`). With `probs`, row `r`'s softmax probabilities go to
+    /// `probs[r * stride..][..slots it sees]`, `stride` being the slots the last row sees.
     #[allow(clippy::too_many_arguments)]
     fn run(
         self,
@@ -191,10 +200,21 @@ impl RowsKernel {
         len0: usize,
         causal: bool,
         scale: f32,
+        probs: Option<&mut [f32]>,
     ) {
         let (bs, hd) = (kv.block_size(), kv.head_dim());
         assert!((1..=avx512_attention::MAX_ROWS).contains(&rows) && len0 >= 1, "attend_rows: bad row count");
         assert!(q.len() >= (rows - 1) * q_stride + hd, "attend_rows: queries out of bounds");
+        // Row r's probabilities at probs[r * stride..], `stride` the slots the last row sees.
+        let stride = last_row_len(rows, len0, causal);
+        let logits = probs.map(|p| {
+            assert!(
+                p.len() >= rows * stride,
+                "attend_rows: {} floats for {rows} probability rows of {stride}",
+                p.len()
+            );
+            (p.as_mut_ptr(), stride)
+        });
         let ids = &table[..last_row_len(rows, len0, causal).div_ceil(bs)];
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
@@ -218,7 +238,7 @@ impl RowsKernel {
             macro_rules! avx512 {
                 ($nv:literal) => {
                     avx512_attention::attend_rows::<$nv>(
-                        qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale,
+                        qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale, logits,
                     )
                 };
             }
@@ -227,20 +247,20 @@ impl RowsKernel {
                     match self.elem {
                         // A decode group over an 8-bit arena: every row sees the same slots, and widening codes in
                         // registers for the group beats copying them out widened (`avx2::attend_group`).
-                        avx2::ELEM_I8 if !causal => avx2::attend_group::<$nv, { avx2::ELEM_I8 }>(
+                        avx2::ELEM_I8 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_I8 }>(
                             qp, q_stride, op, os, rows, arenas, table, len0, scale,
                         ),
-                        avx2::ELEM_FP8 if !causal => avx2::attend_group::<$nv, { avx2::ELEM_FP8 }>(
+                        avx2::ELEM_FP8 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_FP8 }>(
                             qp, q_stride, op, os, rows, arenas, table, len0, scale,
                         ),
                         avx2::ELEM_F16 => avx2::attend_rows::<$nv, { avx2::ELEM_F16 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
                         ),
                         avx2::ELEM_I8 => avx2::attend_rows::<$nv, { avx2::ELEM_I8 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
                         ),
                         _ => avx2::attend_rows::<$nv, { avx2::ELEM_FP8 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale,
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
                         ),
                     }
                 };
@@ -352,7 +372,7 @@ pub(crate) fn par_queries<F>(
             // SAFETY: row `row`'s heads kvh*group .. (kvh+1)*group belong to this task alone (one task per kv-head
             // of a one-token sequence; the caller checked that row ranges are disjoint and in bounds).
             let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(h0) }), stride: hd };
-            rows(&q[h0..h0 + group * hd], hd, out, group, &s.tables[kvh], s.prior_lens[kvh] + 1, false);
+            rows(&q[h0..h0 + group * hd], hd, out, group, &s.tables[kvh], s.prior_lens[kvh] + 1, false, None);
             return;
         }
         let chunk = chunk_of(si, s);
@@ -377,7 +397,7 @@ pub(crate) fn par_queries<F>(
                 let queries = &q[r0 * w + qh * hd..(s.q_row + j1 - 1) * w + (qh + 1) * hd];
                 // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
                 let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
-                rows(queries, w, out, j1 - j0, &s.tables[kvh], len0, true);
+                rows(queries, w, out, j1 - j0, &s.tables[kvh], len0, true, None);
                 return;
             }
             for j in j0..j1 {
@@ -392,6 +412,29 @@ pub(crate) fn par_queries<F>(
         let sums = unsafe { std::slice::from_raw_parts_mut(k.sums.get().add(qh * k.stride), visible) };
         sums.fill(0.0);
         PROB_ROW.with_borrow_mut(|row| {
+            // Several tokens: the rows kernel in chunks of its most rows, each row's probabilities in its own row
+            // of the buffer, summed in token order as the per-query loop below sums them (the same values: the
+            // kernels' arithmetic per row is the same).
+            if let Some(rows) = attend_rows.filter(|_| j1 - j0 >= 2) {
+                let mut c0 = j0;
+                while c0 < j1 {
+                    let n = (j1 - c0).min(avx512_attention::MAX_ROWS);
+                    let (r0, len0) = (s.q_row + c0, s.prior_lens[kvh] + c0 + 1);
+                    let stride = last_row_len(n, len0, true);
+                    row.resize(row.len().max(n * stride), 0.0);
+                    let queries = &q[r0 * w + qh * hd..(r0 + n - 1) * w + (qh + 1) * hd];
+                    // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
+                    let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
+                    rows(queries, w, out, n, &s.tables[kvh], len0, true, Some(&mut row[..n * stride]));
+                    for r in 0..n {
+                        let seen = len0 + r;
+                        let probs = &row[r * stride..r * stride + seen];
+                        super::scores::accumulate_probs(probs, k.power, &mut sums[..seen]);
+                    }
+                    c0 += n;
+                }
+                return;
+            }
             row.resize(row.len().max(visible), 0.0);
             for j in j0..j1 {
                 let (qv, len, acc) = query(j);
@@ -606,9 +649,15 @@ mod tests {
         let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
             attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
         };
-        let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
-            rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
-        };
+        let many =
+            |q: &[f32],
+             q_stride: usize,
+             out: RowsOut,
+             n: usize,
+             table: &[u32],
+             len0: usize,
+             c: bool,
+             p: Option<&mut [f32]>| { rows.run(q, q_stride, out, n, &kv, table, len0, c, scale, p) };
         let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![1.0; q.len()]);
         let (mut t_one, mut t_grouped) = (Vec::new(), Vec::new());
         for _ in 0..reps {
@@ -647,6 +696,64 @@ mod tests {
                         assert_eq!(per_query, grouped, "{simd:?} {dtype}, {n_heads}/{n_kv} heads of {hd}");
                     }
                 }
+            }
+        }
+    }
+
+    /// Prefill chunks of sequences that sum probabilities (H2O, KV-Compress) go through the rows kernel in chunks
+    /// of up to 32 rows, with each row's probabilities in a buffer: outputs and sums are the per-query kernel's bit
+    /// for bit, for every dtype the rows kernel reads, both instruction sets, chunks of 2 to 70 tokens (three
+    /// kernel calls) beside a sequence without a sink, and both powers.
+    #[test]
+    fn summing_prefill_through_the_rows_kernel_matches_per_query_bit_for_bit() {
+        let (n_heads, n_kv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+        let (priors, news) = ([0usize, 37, 5], [70usize, 2, 33]);
+        let lens: Vec<usize> = priors.iter().zip(&news).map(|(p, n)| p + n).collect();
+        for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
+            let (kv, tables) = decode_cache(dtype, n_kv, hd, bs, &lens);
+            let prior_lens: Vec<Vec<usize>> = priors.iter().map(|&p| vec![p; n_kv]).collect();
+            let mut q_row = 0;
+            let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
+                .map(|i| {
+                    let s = AttnSeq { q_row, n_new: news[i], tables: &tables[i], prior_lens: &prior_lens[i] };
+                    q_row += news[i];
+                    s
+                })
+                .collect();
+            let q: Vec<f32> = (0..q_row * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            for simd in [Simd::Avx2, Simd::Avx512] {
+                let be = CpuBackend::with_simd(2, simd);
+                let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
+                let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
+                    attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
+                };
+                let many = |q: &[f32],
+                            q_stride: usize,
+                            out: RowsOut,
+                            n: usize,
+                            table: &[u32],
+                            len0: usize,
+                            c: bool,
+                            p: Option<&mut [f32]>| {
+                    rows.run(q, q_stride, out, n, &kv, table, len0, c, scale, p)
+                };
+                let mut results = Vec::new();
+                for with_rows in [false, true] {
+                    let stride = lens[0] + 3;
+                    let (mut h2o, mut kvc) = (vec![-1.0; n_heads * stride], vec![-1.0; n_heads * (lens[2] + 1)]);
+                    let mut probs = [
+                        AttnProbs { seq: 0, power: 1, stride, sums: &mut h2o },
+                        AttnProbs { seq: 2, power: 2, stride: lens[2] + 1, sums: &mut kvc },
+                    ];
+                    let sinks = prob_sinks(&seqs, n_heads, n_kv, &mut probs);
+                    let mut out = vec![0.0; q.len()];
+                    let rows_kernel: Option<AttendRows<'_>> = with_rows.then_some(&many);
+                    par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut out, &sinks, &one, rows_kernel);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    results.push((bits(&out), bits(&h2o), bits(&kvc)));
+                }
+                assert!(results[0] == results[1], "{simd:?} {dtype}: rows kernel and per-query sums differ");
             }
         }
     }
@@ -706,8 +813,15 @@ mod tests {
             let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
                 attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
             };
-            let many = |q: &[f32], q_stride: usize, out: RowsOut, n: usize, table: &[u32], len0: usize, c: bool| {
-                rows.run(q, q_stride, out, n, &kv, table, len0, c, scale)
+            let many = |q: &[f32],
+                        q_stride: usize,
+                        out: RowsOut,
+                        n: usize,
+                        table: &[u32],
+                        len0: usize,
+                        c: bool,
+                        p: Option<&mut [f32]>| {
+                rows.run(q, q_stride, out, n, &kv, table, len0, c, scale, p)
             };
             let (mut per_query, mut tiled) = (vec![0.0; q.len()], vec![0.0; q.len()]);
             let (mut t_one, mut t_rows) = (Vec::new(), Vec::new());

@@ -809,7 +809,7 @@ pub struct Arenas {
 /// that sees it. `NV` = head_dim / 8. Besides f16 arenas (`E` = [`ELEM_F16`]) it reads the 8-bit ones
 /// ([`ELEM_I8`], [`ELEM_FP8`], with `k_scale` / `v_scale` as for [`attend_one`]): their codes are widened unscaled
 /// and each slot's scales applied to its dot product and its probability, exactly as [`attend_one`] applies them,
-/// so a row's result does not depend on which of the two kernels computed it.
+/// so a row's result does not depend on which of the two kernels computed it; `logits` as there.
 ///
 /// # Safety
 /// As [`super::avx512_attention::attend_rows`], with AVX2/FMA/F16C in place of AVX-512; for the 8-bit types the
@@ -827,6 +827,7 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     len0: usize,
     causal: bool,
     scale: f32,
+    logits: Option<(*mut f32, usize)>,
 ) {
     use super::avx512_attention::{MAX_BLOCK_ELEMS, MAX_ROWS};
     let Arenas { k, v, k_scale, v_scale, bs } = arenas;
@@ -863,18 +864,24 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
             e += 8;
         }
     };
-    let fold = |r: usize, n_r: usize| {
+    let fold = |r: usize, n_r: usize, s0: usize| {
+        // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
+        let lg = logits.map(|(p, stride)| core::slice::from_raw_parts_mut(p.add(r * stride + s0), n_r));
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         let st = &mut states[r];
         if scaled {
-            fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, None);
+            fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg);
         } else {
-            fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, None);
+            fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg);
         }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
-        st.finish(out.add(r * out_stride));
+        let inv_l = st.finish(out.add(r * out_stride));
+        if let Some((p, stride)) = logits {
+            let seen = super::attention::last_row_len(r + 1, len0, causal);
+            probs_from_logits(core::slice::from_raw_parts_mut(p.add(r * stride), seen), st.m, inv_l);
+        }
     }
 }
 

@@ -239,14 +239,16 @@ pub const MAX_BLOCK_ELEMS: usize = 4096;
 /// The prefill form of [`attend_one`]: each block is widened to f32 once and then read from L1 by every row that
 /// sees it, instead of being widened again for each query; each row keeps its own online-softmax state between
 /// blocks. Same arithmetic per row as [`attend_one`] over f32 blocks holding the widened values, so the results
-/// are those of `attend_one` (the widening is exact).
+/// are those of `attend_one` (the widening is exact). With `logits = Some((p, stride))`, row `r`'s softmax
+/// probabilities over the slots it sees go to `p + r * stride`, as [`attend_one`]'s `probs` (the same values).
 ///
 /// # Safety
 /// Requires AVX-512 F/VL, AVX2, FMA and F16C. `1 <= rows <= MAX_ROWS`, `len0 >= 1`, `bs <= 64`,
 /// `bs * NV * 16 <= MAX_BLOCK_ELEMS`; every block id the last row reads (`table[..(len0 + rows - 1).div_ceil(bs)]`
 /// when causal, `table[..len0.div_ceil(bs)]` otherwise) must be in range
 /// of both f16 arenas; the `rows` query and output rows must be in bounds, and no output row may overlap another
-/// row or a query.
+/// row or a query; with `logits`, its `rows` rows of `stride` floats (at least the slots the last row sees) are
+/// writable and overlap nothing else.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn attend_rows<const NV: usize>(
@@ -262,6 +264,7 @@ pub unsafe fn attend_rows<const NV: usize>(
     len0: usize,
     causal: bool,
     scale: f32,
+    logits: Option<(*mut f32, usize)>,
 ) {
     let hd = NV * 16;
     debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
@@ -283,12 +286,18 @@ pub unsafe fn attend_rows<const NV: usize>(
             e += 16;
         }
     };
-    let fold = |r: usize, n_r: usize| {
+    let fold = |r: usize, n_r: usize, s0: usize| {
+        // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
+        let lg = logits.map(|(p, stride)| core::slice::from_raw_parts_mut(p.add(r * stride + s0), n_r));
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
-        fold_block::<NV, false>(&qv, kp, vp, 0, n_r, &mut states[r], &mut sc, None);
+        fold_block::<NV, false>(&qv, kp, vp, 0, n_r, &mut states[r], &mut sc, lg);
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
-        st.finish(out.add(r * out_stride));
+        let inv_l = st.finish(out.add(r * out_stride));
+        if let Some((p, stride)) = logits {
+            let seen = super::attention::last_row_len(r + 1, len0, causal);
+            probs_from_logits(core::slice::from_raw_parts_mut(p.add(r * stride), seen), st.m, inv_l);
+        }
     }
 }
