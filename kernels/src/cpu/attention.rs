@@ -79,16 +79,7 @@ pub fn paged_attention(
     };
     #[cfg(target_arch = "x86_64")]
     if let Some(rows) = RowsKernel::select(simd, kv) {
-        let many = |q: &[f32],
-                    q_stride: usize,
-                    out: RowsOut,
-                    rows_n: usize,
-                    table: &[u32],
-                    len0: usize,
-                    causal: bool,
-                    p: Option<&mut [f32]>| {
-            rows.run(q, q_stride, out, rows_n, kv, table, len0, causal, scale, p)
-        };
+        let many = rows.bind(kv, scale);
         let rows: AttendRows<'_> = &many;
         return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(rows));
     }
@@ -150,8 +141,14 @@ pub(crate) struct RowsOut {
 /// each block once instead of 3 times, through the widened copy for f16, with the codes widened in registers for
 /// the 8-bit pools (`avx2::attend_group`; grouped against per-query at 1-8 sequences, 1K-4K tokens: int8
 /// 1.1-1.4x, fp8 1.4-1.7x, `grouped_decode_vs_per_query`, the command in its doc).
-pub(crate) type AttendRows<'a> =
-    &'a (dyn Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool, Option<&mut [f32]>) + Sync);
+pub(crate) type AttendRows<'a> = &'a dyn AttendRowsFn;
+
+/// The signature of [`AttendRows`].
+pub(crate) trait AttendRowsFn:
+    Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool, Option<&mut [f32]>) + Sync
+{
+}
+impl<F: Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool, Option<&mut [f32]>) + Sync> AttendRowsFn for F {}
 
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
 /// and cache allow it: AVX-512 or AVX2 over an f16 arena, AVX2 over an 8-bit one (int8, fp8, rotated fp8: the
@@ -183,6 +180,20 @@ impl RowsKernel {
         let shape = matches!(hd, 32 | 64 | 96 | 128);
         let rotate = kv.dtype().rotates_keys();
         (simd.has_avx2() && fits && shape).then_some(RowsKernel { avx512, hd, elem, rotate })
+    }
+
+    /// [`Self::run`] over `kv` with `scale`, as [`par_queries`] calls a rows kernel ([`AttendRows`]).
+    fn bind(self, kv: &KvStorage, scale: f32) -> impl AttendRowsFn + '_ {
+        move |q: &[f32],
+              q_stride: usize,
+              out: RowsOut,
+              rows: usize,
+              table: &[u32],
+              len0: usize,
+              causal: bool,
+              probs: Option<&mut [f32]>| {
+            self.run(q, q_stride, out, rows, kv, table, len0, causal, scale, probs)
+        }
     }
 
     /// Attention of `rows` queries (row `r` at `q[r * q_stride..][..head_dim]`, seeing `len0 + r` slots of `table`
@@ -602,6 +613,20 @@ mod tests {
 
     /// A decode batch whose kv-heads' tables are scattered through an arena of `dtype`: `(kv, tables, prior
     /// lengths)` per sequence.
+    /// The per-query kernel and the rows kernel over `kv`, as `par_queries` takes them.
+    #[allow(clippy::type_complexity)]
+    fn kernel_pair<'a>(
+        be: &'a CpuBackend,
+        kv: &'a KvStorage,
+        rows: RowsKernel,
+        scale: f32,
+    ) -> (impl Fn(&[f32], &[u32], usize, &mut [f32], Option<&mut [f32]>) + Sync + 'a, impl AttendRowsFn + 'a) {
+        let one = move |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
+            attend_one(be.simd(), qv, kv, table, len, scale, acc, p)
+        };
+        (one, rows.bind(kv, scale))
+    }
+
     fn decode_cache(
         dtype: KvDtype,
         n_kv: usize,
@@ -646,18 +671,7 @@ mod tests {
         let scale = 1.0 / (hd as f32).sqrt();
         let be = CpuBackend::with_simd(2, simd);
         let rows = RowsKernel::select(be.simd(), &kv)?;
-        let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
-            attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
-        };
-        let many =
-            |q: &[f32],
-             q_stride: usize,
-             out: RowsOut,
-             n: usize,
-             table: &[u32],
-             len0: usize,
-             c: bool,
-             p: Option<&mut [f32]>| { rows.run(q, q_stride, out, n, &kv, table, len0, c, scale, p) };
+        let (one, many) = kernel_pair(&be, &kv, rows, scale);
         let (mut per_query, mut grouped) = (vec![0.0; q.len()], vec![1.0; q.len()]);
         let (mut t_one, mut t_grouped) = (Vec::new(), Vec::new());
         for _ in 0..reps {
@@ -725,19 +739,7 @@ mod tests {
             for simd in [Simd::Avx2, Simd::Avx512] {
                 let be = CpuBackend::with_simd(2, simd);
                 let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
-                let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
-                    attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
-                };
-                let many = |q: &[f32],
-                            q_stride: usize,
-                            out: RowsOut,
-                            n: usize,
-                            table: &[u32],
-                            len0: usize,
-                            c: bool,
-                            p: Option<&mut [f32]>| {
-                    rows.run(q, q_stride, out, n, &kv, table, len0, c, scale, p)
-                };
+                let (one, many) = kernel_pair(&be, &kv, rows, scale);
                 let mut results = Vec::new();
                 for with_rows in [false, true] {
                     let stride = lens[0] + 3;
@@ -810,19 +812,7 @@ mod tests {
         for simd in [Simd::Avx2, Simd::Avx512] {
             let be = CpuBackend::with_simd(2, simd);
             let Some(rows) = RowsKernel::select(be.simd(), &kv) else { continue };
-            let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
-                attend_one(be.simd(), qv, &kv, table, len, scale, acc, p)
-            };
-            let many = |q: &[f32],
-                        q_stride: usize,
-                        out: RowsOut,
-                        n: usize,
-                        table: &[u32],
-                        len0: usize,
-                        c: bool,
-                        p: Option<&mut [f32]>| {
-                rows.run(q, q_stride, out, n, &kv, table, len0, c, scale, p)
-            };
+            let (one, many) = kernel_pair(&be, &kv, rows, scale);
             let (mut per_query, mut tiled) = (vec![0.0; q.len()], vec![0.0; q.len()]);
             let (mut t_one, mut t_rows) = (Vec::new(), Vec::new());
             for _ in 0..7 {
