@@ -130,20 +130,18 @@ impl FromStr for KvDtype {
 /// blocks. Called on freshly zeroed vectors, before their pages are touched, so the faults take huge pages; the
 /// advice only changes how memory is mapped, never its contents, and a refusal (THP off) leaves 4 KiB pages.
 fn huge_pages<T>(v: Vec<T>) -> Vec<T> {
-    const HUGE: usize = 2 << 20;
-    let bytes = std::mem::size_of_val(v.as_slice());
     #[cfg(target_os = "linux")]
-    if bytes >= HUGE {
+    {
+        const HUGE: usize = 2 << 20;
         let start = v.as_ptr() as usize;
-        let (lo, hi) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
+        // The whole huge pages inside the vector (none below 2 MiB).
+        let (lo, hi) = (start.next_multiple_of(HUGE), (start + std::mem::size_of_val(v.as_slice())) / HUGE * HUGE);
         if hi > lo {
             // SAFETY: [lo, hi) lies inside `v`'s allocation, which `v` owns; MADV_HUGEPAGE is advice about how
             // to map it and changes no byte of it.
             unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
         }
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = bytes;
     v
 }
 

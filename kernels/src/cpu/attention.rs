@@ -121,6 +121,21 @@ pub(crate) fn for_row_blocks(
     }
 }
 
+/// Slots `s0..s0 + n` of row `r` of a rows kernel's probability buffer (`logits`: its start and row stride), or
+/// `None` without one.
+///
+/// # Safety
+/// The buffer holds row `r` up to slot `s0 + n`, and nothing else refers to those slots while the slice lives.
+#[inline(always)]
+pub(crate) unsafe fn logits_row<'a>(
+    logits: Option<(*mut f32, usize)>,
+    r: usize,
+    s0: usize,
+    n: usize,
+) -> Option<&'a mut [f32]> {
+    logits.map(|(p, stride)| unsafe { std::slice::from_raw_parts_mut(p.add(r * stride + s0), n) })
+}
+
 /// Slots the last of `rows` rows sees (see [`for_row_blocks`]): the blocks a rows kernel reads end there.
 #[inline(always)]
 pub(crate) fn last_row_len(rows: usize, len0: usize, causal: bool) -> usize {
@@ -136,11 +151,11 @@ pub(crate) struct RowsOut {
 }
 
 /// A rows kernel as [`par_queries`] calls it: `(queries, query stride, output rows, rows, table, visible length of
-/// the first row, causal, probability rows)`. Called once per task, so dynamic dispatch costs nothing measurable. [`par_queries`]
-/// hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a group of 3 reads
-/// each block once instead of 3 times, through the widened copy for f16, with the codes widened in registers for
-/// the 8-bit pools (`avx2::attend_group`; grouped against per-query at 1-8 sequences, 1K-4K tokens: int8
-/// 1.1-1.4x, fp8 1.4-1.7x, `grouped_decode_vs_per_query`, the command in its doc).
+/// the first row, causal, probability rows)`. Called once per task, so dynamic dispatch costs nothing measurable.
+/// [`par_queries`] hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a
+/// group of 3 reads each block once instead of 3 times, through the widened copy for f16, with the codes widened
+/// in registers for the 8-bit pools (`avx2::attend_group`; against the per-query kernel at 1-8 sequences, 1K-4K
+/// tokens: int8 0.90-1.13x, fp8 1.19-1.44x, `grouped_decode_vs_per_query`, the command in its doc).
 pub(crate) type AttendRows<'a> = &'a dyn AttendRowsFn;
 
 /// The signature of [`AttendRows`].
@@ -226,8 +241,7 @@ impl RowsKernel {
             );
             (p.as_mut_ptr(), stride)
         });
-        let ids = &table[..last_row_len(rows, len0, causal).div_ceil(bs)];
-        for &b in ids {
+        for &b in &table[..stride.div_ceil(bs)] {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
         let null = std::ptr::null::<f32>();
@@ -402,13 +416,18 @@ pub(crate) fn par_queries<F>(
             let acc = unsafe { std::slice::from_raw_parts_mut(o.get().add(row * w + qh * hd), hd) };
             (qv, len, acc)
         };
+        // Tokens c0..c0 + n of head qh through the rows kernel: the first sees len0(c0) slots.
+        let len0 = |c0: usize| s.prior_lens[kvh] + c0 + 1;
+        let rows_call = |rows: AttendRows<'_>, c0: usize, n: usize, probs: Option<&mut [f32]>| {
+            let r0 = s.q_row + c0;
+            let queries = &q[r0 * w + qh * hd..(r0 + n - 1) * w + (qh + 1) * hd];
+            // SAFETY: as for `query` above: rows r0.. of head qh belong to this task alone.
+            let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
+            rows(queries, w, out, n, &s.tables[kvh], len0(c0), true, probs);
+        };
         let Some(k) = sink_of(si) else {
             if let Some(rows) = attend_rows.filter(|_| j1 - j0 >= 2) {
-                let (r0, len0) = (s.q_row + j0, s.prior_lens[kvh] + j0 + 1);
-                let queries = &q[r0 * w + qh * hd..(s.q_row + j1 - 1) * w + (qh + 1) * hd];
-                // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
-                let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
-                rows(queries, w, out, j1 - j0, &s.tables[kvh], len0, true, None);
+                rows_call(rows, j0, j1 - j0, None);
                 return;
             }
             for j in j0..j1 {
@@ -430,15 +449,11 @@ pub(crate) fn par_queries<F>(
                 let mut c0 = j0;
                 while c0 < j1 {
                     let n = (j1 - c0).min(avx512_attention::MAX_ROWS);
-                    let (r0, len0) = (s.q_row + c0, s.prior_lens[kvh] + c0 + 1);
-                    let stride = last_row_len(n, len0, true);
+                    let stride = last_row_len(n, len0(c0), true);
                     row.resize(row.len().max(n * stride), 0.0);
-                    let queries = &q[r0 * w + qh * hd..(r0 + n - 1) * w + (qh + 1) * hd];
-                    // SAFETY: as for `query` below: rows r0.. of head qh belong to this task alone.
-                    let out = RowsOut { ptr: SyncPtr(unsafe { o.get().add(r0 * w + qh * hd) }), stride: w };
-                    rows(queries, w, out, n, &s.tables[kvh], len0, true, Some(&mut row[..n * stride]));
+                    rows_call(rows, c0, n, Some(&mut row[..n * stride]));
                     for r in 0..n {
-                        let seen = len0 + r;
+                        let seen = len0(c0) + r;
                         let probs = &row[r * stride..r * stride + seen];
                         super::scores::accumulate_probs(probs, k.power, &mut sums[..seen]);
                     }
@@ -611,8 +626,6 @@ mod tests {
     use crate::Backend;
     use std::time::Instant;
 
-    /// A decode batch whose kv-heads' tables are scattered through an arena of `dtype`: `(kv, tables, prior
-    /// lengths)` per sequence.
     /// The per-query kernel and the rows kernel over `kv`, as `par_queries` takes them.
     #[allow(clippy::type_complexity)]
     fn kernel_pair<'a>(
@@ -627,6 +640,8 @@ mod tests {
         (one, rows.bind(kv, scale))
     }
 
+    /// A decode batch whose kv-heads' tables are scattered through an arena of `dtype`: the cache and each
+    /// sequence's tables.
     fn decode_cache(
         dtype: KvDtype,
         n_kv: usize,
@@ -683,7 +698,7 @@ mod tests {
             par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut grouped, &[], &one, Some(rows));
             t_grouped.push(t.elapsed().as_secs_f64() * 1e3);
         }
-        // The public entry point (grouped or not, as the dtype decides) must agree as well.
+        // The public entry point takes the grouped path and must agree as well.
         let mut public = vec![2.0; q.len()];
         be.paged_attention(&q, &kv, &seqs, n_heads, n_kv, scale, &mut public);
         assert_eq!(grouped, public, "{simd:?} {dtype}: Backend::paged_attention");
@@ -696,8 +711,8 @@ mod tests {
 
     /// Decode with the GQA group folded per kv-head (one task per kv-head, each block widened once for the group)
     /// gives exactly the per-query kernel's values, for group sizes 2 to 8 (the 8-bit kernel's passes of 4 with
-    /// every remainder), head_dim 32 to 128, context lengths on and off block boundaries, and several sequences in one batch, on both instruction sets, over every dtype the rows kernel
-    /// reads.
+    /// every remainder), head_dim 32 to 128, context lengths on and off block boundaries, and several sequences in
+    /// one batch, on both instruction sets, over every dtype the rows kernel reads.
     #[test]
     fn grouped_decode_matches_per_query_decode_bit_for_bit() {
         let lens = [0usize, 14, 15, 16, 31, 100, 257];

@@ -866,7 +866,7 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     };
     let fold = |r: usize, n_r: usize, s0: usize| {
         // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
-        let lg = logits.map(|(p, stride)| core::slice::from_raw_parts_mut(p.add(r * stride + s0), n_r));
+        let lg = super::attention::logits_row(logits, r, s0, n_r);
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         let st = &mut states[r];
         if scaled {
@@ -878,9 +878,9 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
         let inv_l = st.finish(out.add(r * out_stride));
-        if let Some((p, stride)) = logits {
-            let seen = super::attention::last_row_len(r + 1, len0, causal);
-            probs_from_logits(core::slice::from_raw_parts_mut(p.add(r * stride), seen), st.m, inv_l);
+        let seen = super::attention::last_row_len(r + 1, len0, causal);
+        if let Some(p) = super::attention::logits_row(logits, r, 0, seen) {
+            probs_from_logits(p, st.m, inv_l);
         }
     }
 }
@@ -965,10 +965,7 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
             prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
         }
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
-        let mut bmax = [0.0f32; G];
-        for g in 0..G {
-            bmax[g] = st[g].m;
-        }
+        let mut bmax: [f32; G] = core::array::from_fn(|g| st[g].m);
         for i in 0..n {
             let kr = base + i * hd;
             let k0 = lde::<E>(k, kr);

@@ -288,16 +288,16 @@ pub unsafe fn attend_rows<const NV: usize>(
     };
     let fold = |r: usize, n_r: usize, s0: usize| {
         // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
-        let lg = logits.map(|(p, stride)| core::slice::from_raw_parts_mut(p.add(r * stride + s0), n_r));
+        let lg = super::attention::logits_row(logits, r, s0, n_r);
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         fold_block::<NV, false>(&qv, kp, vp, 0, n_r, &mut states[r], &mut sc, lg);
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
         let inv_l = st.finish(out.add(r * out_stride));
-        if let Some((p, stride)) = logits {
-            let seen = super::attention::last_row_len(r + 1, len0, causal);
-            probs_from_logits(core::slice::from_raw_parts_mut(p.add(r * stride), seen), st.m, inv_l);
+        let seen = super::attention::last_row_len(r + 1, len0, causal);
+        if let Some(p) = super::attention::logits_row(logits, r, 0, seen) {
+            probs_from_logits(p, st.m, inv_l);
         }
     }
 }
