@@ -155,7 +155,7 @@ pub(crate) struct RowsOut {
 /// [`par_queries`] hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a
 /// group of 3 reads each block once instead of 3 times, through the widened copy for f16, with the codes widened
 /// in registers for the 8-bit pools (`avx2::attend_group`; against the per-query kernel at 1-8 sequences, 1K-4K
-/// tokens: int8 0.90-1.13x, fp8 1.19-1.44x, `grouped_decode_vs_per_query`, the command in its doc).
+/// tokens: int8 1.10-1.35x, fp8 1.46-1.79x, `grouped_decode_vs_per_query`, the command in its doc).
 pub(crate) type AttendRows<'a> = &'a dyn AttendRowsFn;
 
 /// The signature of [`AttendRows`].

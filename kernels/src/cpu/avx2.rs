@@ -966,7 +966,8 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
         }
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         let mut bmax: [f32; G] = core::array::from_fn(|g| st[g].m);
-        for i in 0..n {
+        // Every head's dot product with slot `i`'s key, the codes widened once for all of them.
+        let dots = |i: usize| -> [__m256; G] {
             let kr = base + i * hd;
             let k0 = lde::<E>(k, kr);
             let mut a: [__m256; G] = core::array::from_fn(|g| _mm256_mul_ps(qv[g][0], k0));
@@ -976,11 +977,42 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
                     a[g] = _mm256_fmadd_ps(qv[g][j], kj, a[g]);
                 }
             }
+            a
+        };
+        // Eight slots at a time, each head's eight chains reduced in one `hsum8` and scaled in a vector, as
+        // `fold_block` does for one head (the same values as one `hsum` per slot), then the rest one by one.
+        let mut i = 0;
+        if n >= 8 {
+            let rescale = _mm256_set1_ps(code_rescale::<E>());
+            let mut mv = [_mm256_set1_ps(f32::NEG_INFINITY); G];
+            let mut chains = [[_mm256_setzero_ps(); 8]; G];
+            while i + 8 <= n {
+                for t in 0..8 {
+                    let a = dots(i + t);
+                    for g in 0..G {
+                        chains[g][t] = a[g];
+                    }
+                }
+                let ks = _mm256_mul_ps(_mm256_loadu_ps(k_scale.add(slot0 + i)), rescale);
+                for g in 0..G {
+                    let s8 = _mm256_mul_ps(hsum8(&chains[g]), ks);
+                    _mm256_storeu_ps(sc[g].as_mut_ptr().add(i), s8);
+                    mv[g] = _mm256_max_ps(s8, mv[g]);
+                }
+                i += 8;
+            }
+            for g in 0..G {
+                bmax[g] = bmax[g].max(hmax(mv[g]));
+            }
+        }
+        while i < n {
+            let a = dots(i);
             let ks = *k_scale.add(slot0 + i) * code_rescale::<E>();
             for g in 0..G {
                 sc[g][i] = hsum(a[g]) * ks;
                 bmax[g] = bmax[g].max(sc[g][i]);
             }
+            i += 1;
         }
         for g in 0..G {
             let corr = st[g].enter_block(&mut sc[g], n, bmax[g]);
