@@ -508,6 +508,43 @@ struct CommonIn<'a> {
     cache_salt: Option<&'a Value>,
 }
 
+/// [`CommonIn`] borrowed from a request (chat or legacy completion) whose sampling fields carry the same names;
+/// only `max_tokens` (and the parameter it came from) differ between the two.
+macro_rules! common_in {
+    ($req:expr, $max_tokens:expr, $max_tokens_param:expr, $vocab_size:expr) => {
+        CommonIn {
+            model: &$req.model,
+            max_tokens: $max_tokens,
+            max_tokens_param: $max_tokens_param,
+            temperature: $req.temperature,
+            top_p: $req.top_p,
+            top_k: $req.top_k,
+            seed: $req.seed.as_ref(),
+            stop: $req.stop.as_ref(),
+            stream: $req.stream,
+            stream_options: $req.stream_options.as_ref(),
+            n: $req.n,
+            presence_penalty: $req.presence_penalty,
+            frequency_penalty: $req.frequency_penalty,
+            logit_bias: $req.logit_bias.as_ref(),
+            ignore_eos: $req.ignore_eos,
+            repetition_penalty: $req.repetition_penalty,
+            min_p: $req.min_p,
+            min_tokens: $req.min_tokens,
+            stop_token_ids: $req.stop_token_ids.as_ref(),
+            allowed_token_ids: $req.allowed_token_ids.as_ref(),
+            bad_words: $req.bad_words.as_ref(),
+            include_stop_str_in_output: $req.include_stop_str_in_output,
+            vocab_size: $vocab_size,
+            user: $req.user.as_deref(),
+            kv: $req.kv.as_ref(),
+            truncate_prompt_tokens: $req.truncate_prompt_tokens,
+            priority: $req.priority,
+            cache_salt: $req.cache_salt.as_ref(),
+        }
+    };
+}
+
 /// `model` is non-empty and bounded (whether it is served is the handler's question).
 fn check_model_field(model: &str) -> Result<(), ApiError> {
     if model.is_empty() {
@@ -746,6 +783,20 @@ impl Guide {
             Guide::Grammar(g) => params.grammar = Some(g),
         }
     }
+}
+
+/// [`GuideFields`] borrowed from a request whose guide fields carry the same names (chat, legacy completion).
+macro_rules! guide_fields {
+    ($req:expr) => {
+        GuideFields {
+            response_format: $req.response_format.as_ref(),
+            guided_json: $req.guided_json.as_ref(),
+            guided_regex: $req.guided_regex.as_ref(),
+            guided_choice: $req.guided_choice.as_ref(),
+            guided_grammar: $req.guided_grammar.as_ref(),
+            structured_outputs: $req.structured_outputs.as_ref(),
+        }
+    };
 }
 
 /// The request fields that may guide the answer: OpenAI's `response_format`, vLLM's `guided_json`,
@@ -1468,14 +1519,7 @@ impl ChatCompletionRequest {
             }
             _ => None,
         };
-        let guide = parse_guide(GuideFields {
-            response_format: self.response_format.as_ref(),
-            guided_json: self.guided_json.as_ref(),
-            guided_regex: self.guided_regex.as_ref(),
-            guided_choice: self.guided_choice.as_ref(),
-            guided_grammar: self.guided_grammar.as_ref(),
-            structured_outputs: self.structured_outputs.as_ref(),
-        })?;
+        let guide = parse_guide(guide_fields!(self))?;
         let tool_call = parse_tool_call(self.tools.as_deref(), self.tool_choice.as_ref())?;
         if tool_call.is_some() && guide != Guide::Text {
             return Err(ApiError::invalid_param(
@@ -1483,36 +1527,7 @@ impl ChatCompletionRequest {
                 "A forced function call is guided by the function's parameters; drop the other guide.",
             ));
         }
-        let mut params = validate_common(CommonIn {
-            model: &self.model,
-            max_tokens,
-            max_tokens_param,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            seed: self.seed.as_ref(),
-            stop: self.stop.as_ref(),
-            stream: self.stream,
-            stream_options: self.stream_options.as_ref(),
-            n: self.n,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            logit_bias: self.logit_bias.as_ref(),
-            ignore_eos: self.ignore_eos,
-            repetition_penalty: self.repetition_penalty,
-            min_p: self.min_p,
-            min_tokens: self.min_tokens,
-            stop_token_ids: self.stop_token_ids.as_ref(),
-            allowed_token_ids: self.allowed_token_ids.as_ref(),
-            bad_words: self.bad_words.as_ref(),
-            include_stop_str_in_output: self.include_stop_str_in_output,
-            vocab_size,
-            user: self.user.as_deref(),
-            kv: self.kv.as_ref(),
-            truncate_prompt_tokens: self.truncate_prompt_tokens,
-            priority: self.priority,
-            cache_salt: self.cache_salt.as_ref(),
-        })?;
+        let mut params = validate_common(common_in!(self, max_tokens, max_tokens_param, vocab_size))?;
         params.logprobs = logprobs;
         params.chat_render = ChatRender::parse(self.add_generation_prompt, self.continue_final_message, &turns)?;
         guide.apply(&mut params);
@@ -1604,47 +1619,10 @@ impl CompletionRequest {
             return Err(ApiError::invalid_param("suffix", "`suffix` is not supported."));
         }
         let logprobs = self.logprobs.map(|n| top_logprobs_count(n, "logprobs")).transpose()?;
-        let mut params = validate_common(CommonIn {
-            model: &self.model,
-            max_tokens: self.max_tokens,
-            max_tokens_param: "max_tokens",
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            seed: self.seed.as_ref(),
-            stop: self.stop.as_ref(),
-            stream: self.stream,
-            stream_options: self.stream_options.as_ref(),
-            n: self.n,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            logit_bias: self.logit_bias.as_ref(),
-            ignore_eos: self.ignore_eos,
-            repetition_penalty: self.repetition_penalty,
-            min_p: self.min_p,
-            min_tokens: self.min_tokens,
-            stop_token_ids: self.stop_token_ids.as_ref(),
-            allowed_token_ids: self.allowed_token_ids.as_ref(),
-            bad_words: self.bad_words.as_ref(),
-            include_stop_str_in_output: self.include_stop_str_in_output,
-            vocab_size,
-            user: self.user.as_deref(),
-            kv: self.kv.as_ref(),
-            truncate_prompt_tokens: self.truncate_prompt_tokens,
-            priority: self.priority,
-            cache_salt: self.cache_salt.as_ref(),
-        })?;
+        let mut params = validate_common(common_in!(self, self.max_tokens, "max_tokens", vocab_size))?;
         params.logprobs = logprobs;
         params.echo = self.echo.unwrap_or(false);
-        parse_guide(GuideFields {
-            response_format: self.response_format.as_ref(),
-            guided_json: self.guided_json.as_ref(),
-            guided_regex: self.guided_regex.as_ref(),
-            guided_choice: self.guided_choice.as_ref(),
-            guided_grammar: self.guided_grammar.as_ref(),
-            structured_outputs: self.structured_outputs.as_ref(),
-        })?
-        .apply(&mut params);
+        parse_guide(guide_fields!(self))?.apply(&mut params);
         check_regex_can_end(&params)?;
         if let Some(b) = self.best_of.filter(|&b| b != i64::from(params.n)) {
             return Err(ApiError::invalid_param(
