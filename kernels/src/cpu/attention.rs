@@ -153,9 +153,9 @@ pub(crate) struct RowsOut {
 /// A rows kernel as [`par_queries`] calls it: `(queries, query stride, output rows, rows, table, visible length of
 /// the first row, causal, probability rows)`. Called once per task, so dynamic dispatch costs nothing measurable.
 /// [`par_queries`] hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a
-/// group of 3 reads each block once instead of 3 times, through the widened copy for f16, with the codes widened
-/// in registers for the 8-bit pools (`avx2::attend_group`; against the per-query kernel at 1-8 sequences, 1K-4K
-/// tokens: int8 1.10-1.35x, fp8 1.46-1.79x, `grouped_decode_vs_per_query`, the command in its doc).
+/// group of 3 reads each block once instead of 3 times, widened in registers (`avx2::attend_group`,
+/// `avx512_attention::attend_group`; against the per-query kernel at 1-8 sequences, 1K-4K tokens: f16 on AVX-512
+/// 1.31-1.68x, int8 1.10-1.35x, fp8 1.46-1.79x, `grouped_decode_vs_per_query`, the command in its doc).
 pub(crate) type AttendRows<'a> = &'a dyn AttendRowsFn;
 
 /// The signature of [`AttendRows`].
@@ -262,16 +262,25 @@ impl RowsKernel {
         let go = |qp: *const f32, q_stride: usize| unsafe {
             macro_rules! avx512 {
                 ($nv:literal) => {
-                    avx512_attention::attend_rows::<$nv>(
-                        qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale, logits,
-                    )
+                    // A decode group: every row sees the same slots, and widening in registers for the group beats
+                    // copying the block out widened (`avx512_attention::attend_group`).
+                    if !causal && logits.is_none() {
+                        avx512_attention::attend_group::<$nv>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale)
+                    } else {
+                        avx512_attention::attend_rows::<$nv>(
+                            qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale, logits,
+                        )
+                    }
                 };
             }
             macro_rules! avx2 {
                 ($nv:literal) => {
                     match self.elem {
-                        // A decode group over an 8-bit arena: every row sees the same slots, and widening codes in
-                        // registers for the group beats copying them out widened (`avx2::attend_group`).
+                        // A decode group: every row sees the same slots, and widening in registers for the group
+                        // beats copying the block out widened (`avx2::attend_group`).
+                        avx2::ELEM_F16 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_F16 }>(
+                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
+                        ),
                         avx2::ELEM_I8 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_I8 }>(
                             qp, q_stride, op, os, rows, arenas, table, len0, scale,
                         ),
@@ -776,14 +785,14 @@ mod tests {
     }
 
     /// Timing of grouped against per-query decode (SmolLM2's 9/3 heads, two threads, interleaved 7 times): 32
-    /// sequences at 4,096 tokens over f16, then 1 and 8 sequences at 1,024 and 4,096 tokens over the 8-bit pools
-    /// (their groups through `avx2::attend_group`). Asserts equal values and prints the medians.
+    /// sequences at 4,096 tokens over f16, then 1 and 8 sequences at 1,024 and 4,096 tokens over f16 and the 8-bit
+    /// pools. Asserts equal values and prints the medians.
     /// `cargo test --release -p pagoda-kernels --lib grouped_decode_vs_per_query -- --ignored --nocapture`
     #[test]
     #[ignore = "timing; run by hand"]
     fn grouped_decode_vs_per_query() {
         let mut cases = vec![(KvDtype::F16, 32, 4095)];
-        for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
+        for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
             for (batch, len) in [(1, 1023), (1, 4095), (8, 1023), (8, 4095)] {
                 cases.push((dtype, batch, len));
             }

@@ -900,10 +900,11 @@ unsafe fn prefetch_scales(k_scale: *const f32, v_scale: *const f32, slot0: usize
 pub const GROUP_PASS: usize = 4;
 
 /// Decode attention of the `rows` query heads of one GQA group (row `r` at `q + r * q_stride`, output at
-/// `out + r * out_stride`), each seeing the first `len` slots of `table`, over an 8-bit arena (`E` = [`ELEM_I8`],
-/// [`ELEM_FP8`]; scales as for [`attend_one`]). Where [`attend_rows`] widens a block into an f32 copy for its rows
-/// to read back, this widens each 8 codes in a register and hands them to up to [`GROUP_PASS`] heads at once, so a
-/// group of 3 widens and loads every code once instead of 3 times and nothing is written back. Each head's dot
+/// `out + r * out_stride`), each seeing the first `len` slots of `table`, over an f16 or 8-bit arena (`E` =
+/// [`ELEM_F16`], [`ELEM_I8`], [`ELEM_FP8`]; scales as for [`attend_one`]). Where [`attend_rows`] widens a block into
+/// an f32 copy for its rows to read back, this widens each 8 elements in a register and hands them to up to
+/// [`GROUP_PASS`] heads at once, so a group of 3 widens and loads every element once instead of 3 times and
+/// nothing is written back. Each head's dot
 /// products, softmax and weighted sums run the operations of [`attend_one`] in its order (the value sums go chunk
 /// by chunk instead of slot by slot, each chunk's chain over the slots unchanged), so a head's output is
 /// bit-identical to [`attend_one`]'s. Groups larger than [`GROUP_PASS`] take several passes.
@@ -923,7 +924,7 @@ pub unsafe fn attend_group<const NV: usize, const E: u8>(
     len: usize,
     scale: f32,
 ) {
-    debug_assert!(matches!(E, ELEM_I8 | ELEM_FP8) && rows >= 1 && arenas.bs <= 64);
+    debug_assert!(matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8) && rows >= 1 && arenas.bs <= 64);
     let mut r = 0;
     while r < rows {
         let (qr, or) = (q.add(r * q_stride), out.add(r * out_stride));
@@ -952,6 +953,9 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
 ) {
     let Arenas { k, v, k_scale, v_scale, bs } = arenas;
     let hd = NV * 8;
+    // f16 blocks have no slot scales; the products with 1.0 that `fold_block` skips for them are skipped here too.
+    let scaled = E != ELEM_F16;
+    let elem = if scaled { 1 } else { 2 };
     let qv: [[__m256; NV]; G] = core::array::from_fn(|g| scaled_query::<NV>(q.add(g * q_stride), scale));
     let mut st: [Online<NV>; G] = core::array::from_fn(|_| Online::new());
     let mut sc = [[f32::NEG_INFINITY; 64]; G];
@@ -961,8 +965,10 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
         if let Some(&nb) = blocks.get(bi + 1) {
-            super::scores_avx2::prefetch_kv(k, v, nb as usize * bs * hd, bs * hd);
-            prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
+            super::scores_avx2::prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
+            if scaled {
+                prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
+            }
         }
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         let mut bmax: [f32; G] = core::array::from_fn(|g| st[g].m);
@@ -993,9 +999,12 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
                         chains[g][t] = a[g];
                     }
                 }
-                let ks = _mm256_mul_ps(_mm256_loadu_ps(k_scale.add(slot0 + i)), rescale);
+                let ks = if scaled { _mm256_mul_ps(_mm256_loadu_ps(k_scale.add(slot0 + i)), rescale) } else { rescale };
                 for g in 0..G {
-                    let s8 = _mm256_mul_ps(hsum8(&chains[g]), ks);
+                    let mut s8 = hsum8(&chains[g]);
+                    if scaled {
+                        s8 = _mm256_mul_ps(s8, ks);
+                    }
                     _mm256_storeu_ps(sc[g].as_mut_ptr().add(i), s8);
                     mv[g] = _mm256_max_ps(s8, mv[g]);
                 }
@@ -1007,7 +1016,7 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
         }
         while i < n {
             let a = dots(i);
-            let ks = *k_scale.add(slot0 + i) * code_rescale::<E>();
+            let ks = if scaled { *k_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
             for g in 0..G {
                 sc[g][i] = hsum(a[g]) * ks;
                 bmax[g] = bmax[g].max(sc[g][i]);
@@ -1020,7 +1029,7 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
             for i in 0..n {
                 let p = sc[g][i];
                 bl += p;
-                pv[g][i] = p * (*v_scale.add(slot0 + i) * code_rescale::<E>());
+                pv[g][i] = if scaled { p * (*v_scale.add(slot0 + i) * code_rescale::<E>()) } else { p };
             }
             st[g].l = st[g].l * corr + bl;
         }

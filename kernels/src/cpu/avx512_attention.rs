@@ -1,5 +1,7 @@
-//! AVX-512 paged attention of one query over a head-paged block table (online softmax): the
-//! [`super::Simd::Avx512`] form of [`super::avx2::attend_one`], with the same contract.
+//! AVX-512 paged attention over a head-paged block table (online softmax): the [`super::Simd::Avx512`] form of
+//! [`super::avx2::attend_one`] (one query, f16 or f32 blocks), with the same contract, and its two multi-row forms
+//! over f16 blocks with the same arithmetic per row: [`attend_rows`] (prefill tokens, through a widened copy of
+//! each block) and [`attend_group`] (a decode step's GQA group, widened in registers).
 //!
 //! Why a second form: at head_dim 64 the AVX2 kernel needs 8 ymm registers for the query and 8 for the
 //! accumulators, so the compiler spills accumulators inside the value loop and every FMA waits on a store-forward.
@@ -7,7 +9,7 @@
 //! independent score chains fit beside them, with half the instructions. Scores for eight slots are reduced by one
 //! transpose-add, not eight horizontal sums; the block's probabilities and their sum stay in vectors.
 
-#![allow(unsafe_op_in_unsafe_fn)]
+#![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
 
 use super::avx2::{exp256, hmax, hsum, probs_from_logits};
 use super::scores_avx2::prefetch_kv;
@@ -47,8 +49,14 @@ unsafe fn scores8<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8
             *acc = _mm512_fmadd_ps(*qj, ld16::<H>(k, at + t * hd + j * 16), *acc);
         }
     }
-    let f = a.map(|x| fold256(x));
-    // Lane t of the result is the sum of the 8 lanes of f[t].
+    sum8(&a.map(|x| fold256(x)))
+}
+
+/// Lane `t` of the result is the sum of the 8 lanes of `f[t]` (a transpose-add): the reduction of every score's
+/// folded chain, whether [`scores8`] or [`group_pass`] computed the chain.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn sum8(f: &[__m256; 8]) -> __m256 {
     let h01 = _mm256_hadd_ps(f[0], f[1]);
     let h23 = _mm256_hadd_ps(f[2], f[3]);
     let h45 = _mm256_hadd_ps(f[4], f[5]);
@@ -85,6 +93,33 @@ impl<const NV: usize> Online<NV> {
     #[inline]
     fn new() -> Online<NV> {
         Online { m: f32::NEG_INFINITY, l: 0.0, even: [_mm512_setzero_ps(); NV], odd: [_mm512_setzero_ps(); NV] }
+    }
+
+    /// Enters a block whose scores `sc[..n]` peak at `bmax` (at least the running max): turns them into
+    /// `exp(s - bmax)` in place, over whole 8-lane chunks (so `sc` must reach `n` rounded up to 8), rescales the
+    /// output sets and the running sum by `exp(m - bmax)`, adds the block's probabilities to the sum (lanes past `n`
+    /// masked out) and makes `bmax` the running max.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn enter_block(&mut self, sc: &mut [f32; 64], n: usize, bmax: f32) {
+        let mv = _mm256_set1_ps(bmax);
+        let mut lsum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
+            _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
+            let live = (n - i).min(8);
+            lsum = _mm256_add_ps(lsum, _mm256_maskz_mov_ps(((1u32 << live) - 1) as u8, e));
+            i += 8;
+        }
+        let corr = if self.m == f32::NEG_INFINITY { 0.0 } else { (self.m - bmax).exp() };
+        self.m = bmax;
+        let cv = _mm512_set1_ps(corr);
+        for (e, o) in self.even.iter_mut().zip(self.odd.iter_mut()) {
+            *e = _mm512_mul_ps(*e, cv);
+            *o = _mm512_mul_ps(*o, cv);
+        }
+        self.l = self.l * corr + hsum(lsum);
     }
 
     /// Writes `(even + odd) / l` into `out` (head_dim floats) and returns `1 / l` (0 when nothing was seen).
@@ -133,24 +168,7 @@ unsafe fn fold_block<const NV: usize, const H: bool>(
     if let Some(p) = logits {
         p.copy_from_slice(&sc[..n]);
     }
-    // Probabilities, and their sum over the block's `n` live slots (lanes past `n` are masked out).
-    let mv = _mm256_set1_ps(bmax);
-    let mut lsum = _mm256_setzero_ps();
-    let mut i = 0;
-    while i < n {
-        let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i)), mv));
-        _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
-        let live = (n - i).min(8);
-        lsum = _mm256_add_ps(lsum, _mm256_maskz_mov_ps(((1u32 << live) - 1) as u8, e));
-        i += 8;
-    }
-    let corr = if st.m == f32::NEG_INFINITY { 0.0 } else { (st.m - bmax).exp() };
-    st.m = bmax;
-    let cv = _mm512_set1_ps(corr);
-    for (e, o) in st.even.iter_mut().zip(st.odd.iter_mut()) {
-        *e = _mm512_mul_ps(*e, cv);
-        *o = _mm512_mul_ps(*o, cv);
-    }
+    st.enter_block(sc, n, bmax);
     let mut i = 0;
     while i + 2 <= n {
         let p0 = _mm512_set1_ps(sc[i]);
@@ -170,7 +188,6 @@ unsafe fn fold_block<const NV: usize, const H: bool>(
             *e = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), *e);
         }
     }
-    st.l = st.l * corr + hsum(lsum);
 }
 
 /// `q` (head_dim floats) times `scale`, as `NV` vectors.
@@ -299,5 +316,147 @@ pub unsafe fn attend_rows<const NV: usize>(
         if let Some(p) = super::attention::logits_row(logits, r, 0, seen) {
             probs_from_logits(p, st.m, inv_l);
         }
+    }
+}
+
+/// The most query heads [`attend_group`] folds in one pass over a table.
+pub const GROUP_PASS: usize = 4;
+
+/// Decode attention of the `rows` query heads of one GQA group over an f16 table (row `r` at `q + r * q_stride`,
+/// output at `out + r * out_stride`), each seeing the first `len` slots. Where [`attend_rows`] widens a block into
+/// an f32 copy for its rows to read back, this widens each 16 elements in a register and hands them to up to
+/// [`GROUP_PASS`] heads at once: nothing is written back, and a lone sequence's three tasks do not pay for a copy
+/// that only three rows read. Each head runs [`attend_one`]'s operations in its order (scores chain by chain and
+/// reduced eight at a time by [`sum8`], the block's softmax by [`Online::enter_block`], each output vector's even
+/// and odd chains over the slots unchanged), so a head's output is bit-identical to [`attend_one`]'s.
+///
+/// # Safety
+/// As [`attend_one`] (with `H`) for every row; `rows >= 1`; the output rows do not overlap the queries or each
+/// other.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_group<const NV: usize>(
+    q: *const f32,
+    q_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rows: usize,
+    k: *const u8,
+    v: *const u8,
+    bs: usize,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+) {
+    debug_assert!(rows >= 1 && bs <= 64);
+    let mut r = 0;
+    while r < rows {
+        let (qr, or) = (q.add(r * q_stride), out.add(r * out_stride));
+        match rows - r {
+            1 => group_pass::<NV, 1>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
+            2 => group_pass::<NV, 2>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
+            3 => group_pass::<NV, 3>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
+            _ => group_pass::<NV, 4>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
+        }
+        r += GROUP_PASS;
+    }
+}
+
+/// One pass of [`attend_group`] over `G` heads.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_pass<const NV: usize, const G: usize>(
+    q: *const f32,
+    q_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    k: *const u8,
+    v: *const u8,
+    bs: usize,
+    table: &[u32],
+    len: usize,
+    scale: f32,
+) {
+    let hd = NV * 16;
+    let qv: [[__m512; NV]; G] = core::array::from_fn(|g| scaled_query::<NV>(q.add(g * q_stride), scale));
+    let mut st: [Online<NV>; G] = core::array::from_fn(|_| Online::new());
+    let mut sc = [[f32::NEG_INFINITY; 64]; G];
+    let blocks = &table[..len.div_ceil(bs)];
+    for (bi, &b) in blocks.iter().enumerate() {
+        let n = (len - bi * bs).min(bs);
+        if let Some(&nb) = blocks.get(bi + 1) {
+            prefetch_kv(k, v, 2 * nb as usize * bs * hd, 2 * bs * hd);
+        }
+        let base = b as usize * bs * hd;
+        // Every head's score chain for slot `i`, folded to 8 lanes, the key widened once for all of them.
+        let chains = |i: usize| -> [__m256; G] {
+            let at = base + i * hd;
+            let k0 = ld16::<true>(k, at);
+            let mut a: [__m512; G] = core::array::from_fn(|g| _mm512_mul_ps(qv[g][0], k0));
+            for j in 1..NV {
+                let kj = ld16::<true>(k, at + j * 16);
+                for g in 0..G {
+                    a[g] = _mm512_fmadd_ps(qv[g][j], kj, a[g]);
+                }
+            }
+            a.map(|x| fold256(x))
+        };
+        let mut bmaxv: [__m256; G] = core::array::from_fn(|g| _mm256_set1_ps(st[g].m));
+        let mut i = 0;
+        while i + 8 <= n {
+            let mut f = [[_mm256_setzero_ps(); 8]; G];
+            for t in 0..8 {
+                let c = chains(i + t);
+                for g in 0..G {
+                    f[g][t] = c[g];
+                }
+            }
+            for g in 0..G {
+                let s8 = sum8(&f[g]);
+                _mm256_storeu_ps(sc[g].as_mut_ptr().add(i), s8);
+                bmaxv[g] = _mm256_max_ps(bmaxv[g], s8);
+            }
+            i += 8;
+        }
+        let mut bmax: [f32; G] = core::array::from_fn(|g| hmax(bmaxv[g]));
+        while i < n {
+            let c = chains(i);
+            for g in 0..G {
+                sc[g][i] = hsum(c[g]);
+                bmax[g] = bmax[g].max(sc[g][i]);
+            }
+            i += 1;
+        }
+        for g in 0..G {
+            st[g].enter_block(&mut sc[g], n, bmax[g]);
+        }
+        // Each output vector's even and odd chains over the slots, in `fold_block`'s order, for every head.
+        for j in 0..NV {
+            let mut even: [__m512; G] = core::array::from_fn(|g| st[g].even[j]);
+            let mut odd: [__m512; G] = core::array::from_fn(|g| st[g].odd[j]);
+            let mut i = 0;
+            while i + 2 <= n {
+                let v0 = ld16::<true>(v, base + i * hd + j * 16);
+                let v1 = ld16::<true>(v, base + (i + 1) * hd + j * 16);
+                for g in 0..G {
+                    even[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][i]), v0, even[g]);
+                    odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][i + 1]), v1, odd[g]);
+                }
+                i += 2;
+            }
+            if i < n {
+                let v0 = ld16::<true>(v, base + i * hd + j * 16);
+                for g in 0..G {
+                    even[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][i]), v0, even[g]);
+                }
+            }
+            for g in 0..G {
+                st[g].even[j] = even[g];
+                st[g].odd[j] = odd[g];
+            }
+        }
+    }
+    for (g, s) in st.iter().enumerate() {
+        s.finish(out.add(g * out_stride));
     }
 }
