@@ -166,8 +166,8 @@ pub(crate) trait AttendRowsFn:
 impl<F: Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool, Option<&mut [f32]>) + Sync> AttendRowsFn for F {}
 
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
-/// and cache allow it: AVX-512 or AVX2 over an f16 arena, AVX2 over an 8-bit one (int8, fp8, rotated fp8: the
-/// kernel [`attend_one`] runs for them is AVX2's, and a row's result must not depend on which of the two computed
+/// and cache allow it: AVX-512 or AVX2 over an f16 or 8-bit arena (int8, fp8, rotated fp8), on the instruction set
+/// [`attend_one`] runs for the same arena and head_dim (a row's result must not depend on which of the two computed
 /// it), head_dim 32, 64 or 128 (AVX2 also 96), blocks of at most 64 slots that fit its stack buffer.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -191,7 +191,7 @@ impl RowsKernel {
             KvArenas::F32 { .. } => return None,
         };
         let fits = bs <= 64 && bs * hd <= avx512_attention::MAX_BLOCK_ELEMS;
-        let avx512 = simd == Simd::Avx512 && hd != 96 && elem == avx2::ELEM_F16;
+        let avx512 = simd == Simd::Avx512 && hd != 96;
         let shape = matches!(hd, 32 | 64 | 96 | 128);
         let rotate = kv.dtype().rotates_keys();
         (simd.has_avx2() && fits && shape).then_some(RowsKernel { avx512, hd, elem, rotate })
@@ -260,16 +260,27 @@ impl RowsKernel {
         // inside `q` (or the rotated copy of them below); the output rows belong to the calling task
         // (`par_queries`), apart from each other.
         let go = |qp: *const f32, q_stride: usize| unsafe {
-            macro_rules! avx512 {
-                ($nv:literal) => {
+            macro_rules! avx512_elem {
+                ($nv:literal, $e:expr) => {
                     // A decode group: every row sees the same slots, and widening in registers for the group beats
                     // copying the block out widened (`avx512_attention::attend_group`).
                     if !causal && logits.is_none() {
-                        avx512_attention::attend_group::<$nv>(qp, q_stride, op, os, rows, k, v, bs, table, len0, scale)
-                    } else {
-                        avx512_attention::attend_rows::<$nv>(
-                            qp, q_stride, op, os, rows, k, v, bs, table, len0, causal, scale, logits,
+                        avx512_attention::attend_group::<$nv, { $e }>(
+                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
                         )
+                    } else {
+                        avx512_attention::attend_rows::<$nv, { $e }>(
+                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
+                        )
+                    }
+                };
+            }
+            macro_rules! avx512 {
+                ($nv:literal) => {
+                    match self.elem {
+                        avx2::ELEM_F16 => avx512_elem!($nv, avx2::ELEM_F16),
+                        avx2::ELEM_I8 => avx512_elem!($nv, avx2::ELEM_I8),
+                        _ => avx512_elem!($nv, avx2::ELEM_FP8),
                     }
                 };
             }
@@ -567,12 +578,27 @@ fn attend_one(
         }
         macro_rules! avx512 {
             ($nv:literal) => {
-                return unsafe { avx512_attention::attend_one::<$nv, true>(q, k, v, bs, table, len, scale, out, probs) }
+                return unsafe {
+                    let arenas = avx2::Arenas { k, v, k_scale: ks, v_scale: vs, bs };
+                    match elem {
+                        avx2::ELEM_F16 => avx512_attention::attend_one::<$nv, { avx2::ELEM_F16 }>(
+                            q, arenas, table, len, scale, out, probs,
+                        ),
+                        avx2::ELEM_I8 => avx512_attention::attend_one::<$nv, { avx2::ELEM_I8 }>(
+                            q, arenas, table, len, scale, out, probs,
+                        ),
+                        _ => avx512_attention::attend_one::<$nv, { avx2::ELEM_FP8 }>(
+                            q, arenas, table, len, scale, out, probs,
+                        ),
+                    }
+                }
             };
         }
-        // AVX-512 only for f16: over f32 blocks it was slower than the AVX2 kernel once memory-bound (batch 32; see
-        // docs/BENCHMARKS.md, measured at 0f1611d); over f16 it is as fast there and ~14% faster at 4K single-stream.
-        if simd == Simd::Avx512 && elem == avx2::ELEM_F16 {
+        // AVX-512 for f16 and the 8-bit pools, not f32: over f32 blocks it was slower than the AVX2 kernel once
+        // memory-bound (batch 32; see docs/BENCHMARKS.md, measured at 0f1611d); over f16 it is as fast there and
+        // ~14% faster at 4K single-stream. The rows kernel takes the same form (`RowsKernel::select`), so a row's
+        // result does not depend on which of the two computed it.
+        if simd == Simd::Avx512 && elem != avx2::ELEM_F32 {
             match q.len() {
                 32 => avx512!(2),
                 64 => avx512!(4),

@@ -558,7 +558,7 @@ pub const ELEM_I8: u8 = 2;
 pub const ELEM_FP8: u8 = 3;
 /// f32 copies of 8-bit codes (`attend_rows`' widened block: the codes as [`lde`] widens them), with the per-slot
 /// scales (already times [`code_rescale`]) still to apply as the 8-bit kernels apply them.
-const ELEM_F32_SCALED: u8 = 4;
+pub(crate) const ELEM_F32_SCALED: u8 = 4;
 
 /// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (8-bit codes unscaled;
 /// e4m3 codes also still to be multiplied by [`code_rescale`]).
@@ -579,7 +579,7 @@ unsafe fn lde<const E: u8>(base: *const u8, i: usize) -> __m256 {
 /// same whichever kernel computed it; a power of two, it changes no rounding (a finite scale is at most 2^-8 of
 /// f32's largest value, absmax / 448).
 #[inline]
-const fn code_rescale<const E: u8>() -> f32 {
+pub(crate) const fn code_rescale<const E: u8>() -> f32 {
     if E == ELEM_FP8 { crate::codec::E4M3_F16_RESCALE } else { 1.0 }
 }
 

@@ -1,7 +1,8 @@
 //! AVX-512 paged attention over a head-paged block table (online softmax): the [`super::Simd::Avx512`] form of
-//! [`super::avx2::attend_one`] (one query, f16 or f32 blocks), with the same contract, and its two multi-row forms
-//! over f16 blocks with the same arithmetic per row: [`attend_rows`] (prefill tokens, through a widened copy of
-//! each block) and [`attend_group`] (a decode step's GQA group, widened in registers).
+//! [`super::avx2::attend_one`] (one query over f16 or 8-bit blocks), with the same contract, and its two multi-row
+//! forms with the same arithmetic per row: [`attend_rows`] (prefill tokens, through a widened copy of each block)
+//! and [`attend_group`] (a decode step's GQA group, widened in registers). The 8-bit pools (int8, e4m3) apply
+//! each slot's scales as the AVX2 kernels do: a key's to its dot product, a value's to its probability.
 //!
 //! Why a second form: at head_dim 64 the AVX2 kernel needs 8 ymm registers for the query and 8 for the
 //! accumulators, so the compiler spills accumulators inside the value loop and every FMA waits on a store-forward.
@@ -11,9 +12,25 @@
 
 #![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
 
-use super::avx2::{exp256, hmax, hsum, probs_from_logits};
+use super::avx2::{
+    Arenas, ELEM_F16, ELEM_F32, ELEM_F32_SCALED, ELEM_FP8, ELEM_I8, code_rescale, exp256, hmax, hsum, probs_from_logits,
+};
 use super::scores_avx2::prefetch_kv;
 use core::arch::x86_64::*;
+
+/// Whether element type `E` carries per-slot scales (the 8-bit codes, and their widened f32 copy).
+const fn scaled<const E: u8>() -> bool {
+    matches!(E, ELEM_I8 | ELEM_FP8 | ELEM_F32_SCALED)
+}
+
+/// Bytes of one element of type `E` in an arena.
+const fn elem_bytes<const E: u8>() -> usize {
+    match E {
+        ELEM_F16 => 2,
+        ELEM_I8 | ELEM_FP8 => 1,
+        _ => 4,
+    }
+}
 
 /// Adds the two 256-bit halves of `a`.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
@@ -23,14 +40,20 @@ unsafe fn fold256(a: __m512) -> __m256 {
     _mm256_add_ps(_mm512_castps512_ps256(a), hi)
 }
 
-/// Sixteen elements of an arena at element index `i`, widened to f32: f16 bit patterns when `H`, f32 otherwise.
+/// Sixteen elements of an arena of element type `E` at element index `i`, widened to f32: f16 bit patterns,
+/// int8 codes, e4m3 codes (their value × 2^-8, as `codecs_avx2::load_e4m3_unscaled` widens eight), or f32.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
-unsafe fn ld16<const H: bool>(base: *const u8, i: usize) -> __m512 {
-    if H {
-        _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * i) as *const __m256i))
-    } else {
-        _mm512_loadu_ps((base as *const f32).add(i))
+unsafe fn ld16<const E: u8>(base: *const u8, i: usize) -> __m512 {
+    match E {
+        ELEM_F16 => _mm512_cvtph_ps(_mm256_loadu_si256(base.add(2 * i) as *const __m256i)),
+        ELEM_I8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(i) as *const __m128i))),
+        ELEM_FP8 => {
+            // Sign-extended, a negative code's bit 15 (after the shift) is its sign; bit 14 is cleared.
+            let x = _mm256_cvtepi8_epi16(_mm_loadu_si128(base.add(i) as *const __m128i));
+            _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0xBF80u16 as i16)))
+        }
+        _ => _mm512_loadu_ps((base as *const f32).add(i)),
     }
 }
 
@@ -38,15 +61,15 @@ unsafe fn ld16<const H: bool>(base: *const u8, i: usize) -> __m512 {
 /// stride `NV * 16`), as one vector of 8 scores: eight independent FMA chains, then a transpose-add.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
-unsafe fn scores8<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8, at: usize) -> __m256 {
+unsafe fn scores8<const NV: usize, const E: u8>(q: &[__m512; NV], k: *const u8, at: usize) -> __m256 {
     let hd = NV * 16;
     let mut a = [_mm512_setzero_ps(); 8];
     for (t, acc) in a.iter_mut().enumerate() {
-        *acc = _mm512_mul_ps(q[0], ld16::<H>(k, at + t * hd));
+        *acc = _mm512_mul_ps(q[0], ld16::<E>(k, at + t * hd));
     }
     for (j, qj) in q.iter().enumerate().skip(1) {
         for (t, acc) in a.iter_mut().enumerate() {
-            *acc = _mm512_fmadd_ps(*qj, ld16::<H>(k, at + t * hd + j * 16), *acc);
+            *acc = _mm512_fmadd_ps(*qj, ld16::<E>(k, at + t * hd + j * 16), *acc);
         }
     }
     sum8(&a.map(|x| fold256(x)))
@@ -71,10 +94,10 @@ unsafe fn sum8(f: &[__m256; 8]) -> __m256 {
 /// Dot product of `q` with the one key row from element `at` of the arena `k`.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
-unsafe fn score1<const NV: usize, const H: bool>(q: &[__m512; NV], k: *const u8, at: usize) -> f32 {
-    let mut a = _mm512_mul_ps(q[0], ld16::<H>(k, at));
+unsafe fn score1<const NV: usize, const E: u8>(q: &[__m512; NV], k: *const u8, at: usize) -> f32 {
+    let mut a = _mm512_mul_ps(q[0], ld16::<E>(k, at));
     for (j, qj) in q.iter().enumerate().skip(1) {
-        a = _mm512_fmadd_ps(*qj, ld16::<H>(k, at + j * 16), a);
+        a = _mm512_fmadd_ps(*qj, ld16::<E>(k, at + j * 16), a);
     }
     hsum(fold256(a))
 }
@@ -135,33 +158,43 @@ impl<const NV: usize> Online<NV> {
     }
 }
 
-/// Folds the `n` slots (`n <= 64`) starting at element `base` of the arenas `k`, `v` into `st`, for the scaled
-/// query `qv`. `sc` is scratch for the block's scores; with `logits`, the block's scaled logits are copied there.
+/// Folds the `n` slots (`n <= 64`) starting at element `base` of the arenas `a.k`, `a.v` (element type `E`; for the
+/// scaled types, slot scales from slot `slot0` of `a.k_scale`, `a.v_scale`) into `st`, for the scaled query `qv`.
+/// `sc` is scratch for the block's scores; with `logits`, the block's scaled logits are copied there. A key's
+/// scale (times [`code_rescale`]) multiplies its slot's score and a value's its probability, as in the AVX2 fold.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-unsafe fn fold_block<const NV: usize, const H: bool>(
+unsafe fn fold_block<const NV: usize, const E: u8>(
     qv: &[__m512; NV],
-    k: *const u8,
-    v: *const u8,
+    a: &Arenas,
     base: usize,
+    slot0: usize,
     n: usize,
     st: &mut Online<NV>,
     sc: &mut [f32; 64],
     logits: Option<&mut [f32]>,
 ) {
     let hd = NV * 16;
+    let (k, v) = (a.k, a.v);
+    let ks = |i: usize| *a.k_scale.add(slot0 + i) * code_rescale::<E>();
+    let vs = |i: usize| *a.v_scale.add(slot0 + i) * code_rescale::<E>();
+    let rescale = _mm256_set1_ps(code_rescale::<E>());
     let mut bmaxv = _mm256_set1_ps(st.m);
     let mut i = 0;
     while i + 8 <= n {
-        let s8 = scores8::<NV, H>(qv, k, base + i * hd);
+        let mut s8 = scores8::<NV, E>(qv, k, base + i * hd);
+        if scaled::<E>() {
+            s8 = _mm256_mul_ps(s8, _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(slot0 + i)), rescale));
+        }
         _mm256_storeu_ps(sc.as_mut_ptr().add(i), s8);
         bmaxv = _mm256_max_ps(bmaxv, s8);
         i += 8;
     }
     let mut bmax = hmax(bmaxv);
     while i < n {
-        sc[i] = score1::<NV, H>(qv, k, base + i * hd);
+        let s = score1::<NV, E>(qv, k, base + i * hd);
+        sc[i] = if scaled::<E>() { s * ks(i) } else { s };
         bmax = bmax.max(sc[i]);
         i += 1;
     }
@@ -169,24 +202,37 @@ unsafe fn fold_block<const NV: usize, const H: bool>(
         p.copy_from_slice(&sc[..n]);
     }
     st.enter_block(sc, n, bmax);
+    let p = |i: usize| _mm512_set1_ps(if scaled::<E>() { sc[i] * vs(i) } else { sc[i] });
     let mut i = 0;
     while i + 2 <= n {
-        let p0 = _mm512_set1_ps(sc[i]);
-        let p1 = _mm512_set1_ps(sc[i + 1]);
+        let (p0, p1) = (p(i), p(i + 1));
         let v0 = base + i * hd;
         let v1 = v0 + hd;
         for j in 0..NV {
-            st.even[j] = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), st.even[j]);
-            st.odd[j] = _mm512_fmadd_ps(p1, ld16::<H>(v, v1 + j * 16), st.odd[j]);
+            st.even[j] = _mm512_fmadd_ps(p0, ld16::<E>(v, v0 + j * 16), st.even[j]);
+            st.odd[j] = _mm512_fmadd_ps(p1, ld16::<E>(v, v1 + j * 16), st.odd[j]);
         }
         i += 2;
     }
     if i < n {
-        let p0 = _mm512_set1_ps(sc[i]);
+        let p0 = p(i);
         let v0 = base + i * hd;
         for (j, e) in st.even.iter_mut().enumerate() {
-            *e = _mm512_fmadd_ps(p0, ld16::<H>(v, v0 + j * 16), *e);
+            *e = _mm512_fmadd_ps(p0, ld16::<E>(v, v0 + j * 16), *e);
         }
+    }
+}
+
+/// Prefetches block `b` of the arenas (element type `E`), and for the 8-bit types its slot scales: the table's
+/// next block, fetched while this one is folded, since the pool hands out blocks in no order a prefetcher follows.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn prefetch_block<const E: u8>(a: &Arenas, hd: usize, b: usize) {
+    let bytes = elem_bytes::<E>() * a.bs * hd;
+    prefetch_kv(a.k, a.v, b * bytes, bytes);
+    if matches!(E, ELEM_I8 | ELEM_FP8) {
+        let f = size_of::<f32>();
+        prefetch_kv(a.k_scale.cast(), a.v_scale.cast(), b * a.bs * f, a.bs * f);
     }
 }
 
@@ -202,41 +248,37 @@ unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) -> [__m512; N
     qv
 }
 
-/// Attention of one query `q` (`head_dim = NV * 16`) over the first `len` slots of `table` in the arenas at `k`,
-/// `v` (blocks of `bs <= 64` slots × head_dim; f16 bit patterns when `H`, f32 otherwise); writes the result into
-/// `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
+/// Attention of one query `q` (`head_dim = NV * 16`) over the first `len` slots of `table` in `arenas` (blocks of
+/// `bs <= 64` slots × head_dim of element type `E`: [`ELEM_F16`], [`ELEM_I8`] or [`ELEM_FP8`], the 8-bit types
+/// with per-slot scales indexed `block * bs + slot`); writes the result into `out` and, with `probs` (`len`
+/// floats), the slots' softmax probabilities.
 ///
 /// # Safety
 /// Requires AVX-512 F/VL, AVX2, FMA and F16C. Every block id in `table[..len.div_ceil(bs)]` must be in range of
-/// both arenas, and `q`, `out` must hold head_dim floats.
+/// both arenas (and of the scale arrays), and `q`, `out` must hold head_dim floats.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_one<const NV: usize, const H: bool>(
+pub unsafe fn attend_one<const NV: usize, const E: u8>(
     q: &[f32],
-    k: *const u8,
-    v: *const u8,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len: usize,
     scale: f32,
     out: &mut [f32],
     mut probs: Option<&mut [f32]>,
 ) {
-    let hd = NV * 16;
-    debug_assert!(q.len() == hd && out.len() == hd && bs <= 64);
+    let (hd, bs) = (NV * 16, arenas.bs);
+    debug_assert!(q.len() == hd && out.len() == hd && bs <= 64 && matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
     let qv = scaled_query::<NV>(q.as_ptr(), scale);
     let mut st = Online::<NV>::new();
     let mut sc = [f32::NEG_INFINITY; 64];
     let blocks = &table[..len.div_ceil(bs)];
-    let elem = if H { 2 } else { 4 };
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Fetch the next block while this one is folded.
         if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
+            prefetch_block::<E>(&arenas, hd, nb as usize);
         }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
-        fold_block::<NV, H>(&qv, k, v, b as usize * bs * hd, n, &mut st, &mut sc, logits);
+        fold_block::<NV, E>(&qv, &arenas, b as usize * bs * hd, b as usize * bs, n, &mut st, &mut sc, logits);
     }
     let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
@@ -249,57 +291,72 @@ pub const MAX_ROWS: usize = 32;
 /// Largest block (slots × head_dim) [`attend_rows`] widens on its stack.
 pub const MAX_BLOCK_ELEMS: usize = 4096;
 
-/// Attention of `rows` queries over one f16 head-paged table: query `r` (at `q + r * q_stride`, head_dim floats)
-/// sees the first `len0 + r` slots when `causal` (consecutive tokens of one head) or `len0` slots otherwise (the
-/// query heads of one GQA group at one token), and writes its result at `out + r * out_stride`.
+/// Attention of `rows` queries over one head-paged table of element type `E` (as for [`attend_one`]): query `r`
+/// (at `q + r * q_stride`, head_dim floats) sees the first `len0 + r` slots when `causal` (consecutive tokens of
+/// one head) or `len0` slots otherwise, and writes its result at `out + r * out_stride`.
 ///
-/// The prefill form of [`attend_one`]: each block is widened to f32 once and then read from L1 by every row that
-/// sees it, instead of being widened again for each query; each row keeps its own online-softmax state between
-/// blocks. Same arithmetic per row as [`attend_one`] over f32 blocks holding the widened values, so the results
-/// are those of `attend_one` (the widening is exact). With `logits = Some((p, stride))`, row `r`'s softmax
-/// probabilities over the slots it sees go to `p + r * stride`, as [`attend_one`]'s `probs` (the same values).
+/// The prefill form of [`attend_one`]: each block is widened to f32 once (8-bit codes unscaled, their slot scales
+/// copied beside them with [`code_rescale`] applied) and then read from L1 by every row that sees it, instead of
+/// being widened again for each query; each row keeps its own online-softmax state between blocks. Same
+/// arithmetic per row as [`attend_one`] (the widening is exact and the scales meet the same products), so the
+/// results are `attend_one`'s. With `logits = Some((p, stride))`, row `r`'s softmax probabilities over the slots
+/// it sees go to `p + r * stride`, as [`attend_one`]'s `probs` (the same values).
 ///
 /// # Safety
 /// Requires AVX-512 F/VL, AVX2, FMA and F16C. `1 <= rows <= MAX_ROWS`, `len0 >= 1`, `bs <= 64`,
 /// `bs * NV * 16 <= MAX_BLOCK_ELEMS`; every block id the last row reads (`table[..(len0 + rows - 1).div_ceil(bs)]`
-/// when causal, `table[..len0.div_ceil(bs)]` otherwise) must be in range
-/// of both f16 arenas; the `rows` query and output rows must be in bounds, and no output row may overlap another
-/// row or a query; with `logits`, its `rows` rows of `stride` floats (at least the slots the last row sees) are
-/// writable and overlap nothing else.
+/// when causal, `table[..len0.div_ceil(bs)]` otherwise) must be in range of both arenas (and of the scale arrays);
+/// the `rows` query and output rows must be in bounds, and no output row may overlap another row or a query; with
+/// `logits`, its `rows` rows of `stride` floats (at least the slots the last row sees) are writable and overlap
+/// nothing else.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_rows<const NV: usize>(
+pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     q: *const f32,
     q_stride: usize,
     out: *mut f32,
     out_stride: usize,
     rows: usize,
-    k: *const u8,
-    v: *const u8,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len0: usize,
     causal: bool,
     scale: f32,
     logits: Option<(*mut f32, usize)>,
 ) {
-    let hd = NV * 16;
+    let (hd, bs) = (NV * 16, arenas.bs);
     debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
+    debug_assert!(matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
     let mut states: [Online<NV>; MAX_ROWS] = core::array::from_fn(|_| Online::new());
     let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
     let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
+    // The block's slot scales (8-bit arenas), copied beside its widened codes.
+    let (mut ksf, mut vsf) = ([0.0f32; 64], [0.0f32; 64]);
     let mut sc = [f32::NEG_INFINITY; 64];
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
-    let (kp, vp) = (kw.cast_const().cast::<u8>(), vw.cast_const().cast::<u8>());
+    let (ksw, vsw) = (ksf.as_mut_ptr(), vsf.as_mut_ptr());
+    let widened = Arenas {
+        k: kw.cast_const().cast::<u8>(),
+        v: vw.cast_const().cast::<u8>(),
+        k_scale: ksw.cast_const(),
+        v_scale: vsw.cast_const(),
+        bs,
+    };
     let widen = |src: usize, elems: usize, next: Option<usize>| {
-        // Fetch the next block while this one is widened and folded.
         if let Some(at) = next {
-            prefetch_kv(k, v, 2 * at, 2 * bs * hd);
+            prefetch_block::<E>(&arenas, hd, at / (bs * hd));
+        }
+        if scaled::<E>() {
+            let slot0 = src / hd;
+            for s in 0..elems / hd {
+                *ksw.add(s) = *arenas.k_scale.add(slot0 + s) * code_rescale::<E>();
+                *vsw.add(s) = *arenas.v_scale.add(slot0 + s) * code_rescale::<E>();
+            }
         }
         let mut e = 0;
         while e < elems {
-            _mm512_storeu_ps(kw.add(e), ld16::<true>(k, src + e));
-            _mm512_storeu_ps(vw.add(e), ld16::<true>(v, src + e));
+            _mm512_storeu_ps(kw.add(e), ld16::<E>(arenas.k, src + e));
+            _mm512_storeu_ps(vw.add(e), ld16::<E>(arenas.v, src + e));
             e += 16;
         }
     };
@@ -307,7 +364,12 @@ pub unsafe fn attend_rows<const NV: usize>(
         // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
         let lg = super::attention::logits_row(logits, r, s0, n_r);
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
-        fold_block::<NV, false>(&qv, kp, vp, 0, n_r, &mut states[r], &mut sc, lg);
+        let st = &mut states[r];
+        if scaled::<E>() {
+            fold_block::<NV, ELEM_F32_SCALED>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg);
+        } else {
+            fold_block::<NV, ELEM_F32>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg);
+        }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
     for (r, st) in states.iter().enumerate().take(rows) {
@@ -322,41 +384,39 @@ pub unsafe fn attend_rows<const NV: usize>(
 /// The most query heads [`attend_group`] folds in one pass over a table.
 pub const GROUP_PASS: usize = 4;
 
-/// Decode attention of the `rows` query heads of one GQA group over an f16 table (row `r` at `q + r * q_stride`,
-/// output at `out + r * out_stride`), each seeing the first `len` slots. Where [`attend_rows`] widens a block into
-/// an f32 copy for its rows to read back, this widens each 16 elements in a register and hands them to up to
-/// [`GROUP_PASS`] heads at once: nothing is written back, and a lone sequence's three tasks do not pay for a copy
-/// that only three rows read. Each head runs [`attend_one`]'s operations in its order (scores chain by chain and
-/// reduced eight at a time by [`sum8`], the block's softmax by [`Online::enter_block`], each output vector's even
-/// and odd chains over the slots unchanged), so a head's output is bit-identical to [`attend_one`]'s.
+/// Decode attention of the `rows` query heads of one GQA group over a table of element type `E` (as for
+/// [`attend_one`]; row `r` at `q + r * q_stride`, output at `out + r * out_stride`), each seeing the first `len`
+/// slots. Where [`attend_rows`] widens a block into an f32 copy for its rows to read back, this widens each 16
+/// elements in a register and hands them to up to [`GROUP_PASS`] heads at once: nothing is written back, and a
+/// lone sequence's three tasks do not pay for a copy that only three rows read. Each head runs [`attend_one`]'s
+/// operations in its order (scores chain by chain, reduced eight at a time by [`sum8`] and scaled as there, the
+/// block's softmax by [`Online::enter_block`], each output vector's even and odd chains over the slots unchanged),
+/// so a head's output is bit-identical to [`attend_one`]'s.
 ///
 /// # Safety
-/// As [`attend_one`] (with `H`) for every row; `rows >= 1`; the output rows do not overlap the queries or each
-/// other.
+/// As [`attend_one`] for every row; `rows >= 1`; the output rows do not overlap the queries or each other.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_group<const NV: usize>(
+pub unsafe fn attend_group<const NV: usize, const E: u8>(
     q: *const f32,
     q_stride: usize,
     out: *mut f32,
     out_stride: usize,
     rows: usize,
-    k: *const u8,
-    v: *const u8,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len: usize,
     scale: f32,
 ) {
-    debug_assert!(rows >= 1 && bs <= 64);
+    debug_assert!(rows >= 1 && arenas.bs <= 64 && matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
     let mut r = 0;
     while r < rows {
         let (qr, or) = (q.add(r * q_stride), out.add(r * out_stride));
         match rows - r {
-            1 => group_pass::<NV, 1>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
-            2 => group_pass::<NV, 2>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
-            3 => group_pass::<NV, 3>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
-            _ => group_pass::<NV, 4>(qr, q_stride, or, out_stride, k, v, bs, table, len, scale),
+            1 => group_pass::<NV, E, 1>(qr, q_stride, or, out_stride, &arenas, table, len, scale),
+            2 => group_pass::<NV, E, 2>(qr, q_stride, or, out_stride, &arenas, table, len, scale),
+            3 => group_pass::<NV, E, 3>(qr, q_stride, or, out_stride, &arenas, table, len, scale),
+            _ => group_pass::<NV, E, 4>(qr, q_stride, or, out_stride, &arenas, table, len, scale),
         }
         r += GROUP_PASS;
     }
@@ -365,41 +425,43 @@ pub unsafe fn attend_group<const NV: usize>(
 /// One pass of [`attend_group`] over `G` heads.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn group_pass<const NV: usize, const G: usize>(
+unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     q: *const f32,
     q_stride: usize,
     out: *mut f32,
     out_stride: usize,
-    k: *const u8,
-    v: *const u8,
-    bs: usize,
+    a: &Arenas,
     table: &[u32],
     len: usize,
     scale: f32,
 ) {
-    let hd = NV * 16;
+    let (hd, bs) = (NV * 16, a.bs);
+    let (k, v) = (a.k, a.v);
     let qv: [[__m512; NV]; G] = core::array::from_fn(|g| scaled_query::<NV>(q.add(g * q_stride), scale));
     let mut st: [Online<NV>; G] = core::array::from_fn(|_| Online::new());
     let mut sc = [[f32::NEG_INFINITY; 64]; G];
+    // Each head's probability times each slot's value scale, as `fold_block` broadcasts it.
+    let mut pv = [[0.0f32; 64]; G];
+    let rescale = _mm256_set1_ps(code_rescale::<E>());
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
         if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch_kv(k, v, 2 * nb as usize * bs * hd, 2 * bs * hd);
+            prefetch_block::<E>(a, hd, nb as usize);
         }
-        let base = b as usize * bs * hd;
+        let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         // Every head's score chain for slot `i`, folded to 8 lanes, the key widened once for all of them.
         let chains = |i: usize| -> [__m256; G] {
             let at = base + i * hd;
-            let k0 = ld16::<true>(k, at);
-            let mut a: [__m512; G] = core::array::from_fn(|g| _mm512_mul_ps(qv[g][0], k0));
+            let k0 = ld16::<E>(k, at);
+            let mut acc: [__m512; G] = core::array::from_fn(|g| _mm512_mul_ps(qv[g][0], k0));
             for j in 1..NV {
-                let kj = ld16::<true>(k, at + j * 16);
+                let kj = ld16::<E>(k, at + j * 16);
                 for g in 0..G {
-                    a[g] = _mm512_fmadd_ps(qv[g][j], kj, a[g]);
+                    acc[g] = _mm512_fmadd_ps(qv[g][j], kj, acc[g]);
                 }
             }
-            a.map(|x| fold256(x))
+            acc.map(|x| fold256(x))
         };
         let mut bmaxv: [__m256; G] = core::array::from_fn(|g| _mm256_set1_ps(st[g].m));
         let mut i = 0;
@@ -411,8 +473,13 @@ unsafe fn group_pass<const NV: usize, const G: usize>(
                     f[g][t] = c[g];
                 }
             }
+            let ks =
+                if scaled::<E>() { _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(slot0 + i)), rescale) } else { rescale };
             for g in 0..G {
-                let s8 = sum8(&f[g]);
+                let mut s8 = sum8(&f[g]);
+                if scaled::<E>() {
+                    s8 = _mm256_mul_ps(s8, ks);
+                }
                 _mm256_storeu_ps(sc[g].as_mut_ptr().add(i), s8);
                 bmaxv[g] = _mm256_max_ps(bmaxv[g], s8);
             }
@@ -421,14 +488,19 @@ unsafe fn group_pass<const NV: usize, const G: usize>(
         let mut bmax: [f32; G] = core::array::from_fn(|g| hmax(bmaxv[g]));
         while i < n {
             let c = chains(i);
+            let ks = if scaled::<E>() { *a.k_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
             for g in 0..G {
-                sc[g][i] = hsum(c[g]);
+                sc[g][i] = if scaled::<E>() { hsum(c[g]) * ks } else { hsum(c[g]) };
                 bmax[g] = bmax[g].max(sc[g][i]);
             }
             i += 1;
         }
         for g in 0..G {
             st[g].enter_block(&mut sc[g], n, bmax[g]);
+            for i in 0..n {
+                let p = sc[g][i];
+                pv[g][i] = if scaled::<E>() { p * (*a.v_scale.add(slot0 + i) * code_rescale::<E>()) } else { p };
+            }
         }
         // Each output vector's even and odd chains over the slots, in `fold_block`'s order, for every head.
         for j in 0..NV {
@@ -436,18 +508,18 @@ unsafe fn group_pass<const NV: usize, const G: usize>(
             let mut odd: [__m512; G] = core::array::from_fn(|g| st[g].odd[j]);
             let mut i = 0;
             while i + 2 <= n {
-                let v0 = ld16::<true>(v, base + i * hd + j * 16);
-                let v1 = ld16::<true>(v, base + (i + 1) * hd + j * 16);
+                let v0 = ld16::<E>(v, base + i * hd + j * 16);
+                let v1 = ld16::<E>(v, base + (i + 1) * hd + j * 16);
                 for g in 0..G {
-                    even[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][i]), v0, even[g]);
-                    odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][i + 1]), v1, odd[g]);
+                    even[g] = _mm512_fmadd_ps(_mm512_set1_ps(pv[g][i]), v0, even[g]);
+                    odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(pv[g][i + 1]), v1, odd[g]);
                 }
                 i += 2;
             }
             if i < n {
-                let v0 = ld16::<true>(v, base + i * hd + j * 16);
+                let v0 = ld16::<E>(v, base + i * hd + j * 16);
                 for g in 0..G {
-                    even[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][i]), v0, even[g]);
+                    even[g] = _mm512_fmadd_ps(_mm512_set1_ps(pv[g][i]), v0, even[g]);
                 }
             }
             for g in 0..G {

@@ -35,8 +35,8 @@ pub enum Simd {
     Scalar,
     /// AVX2 + FMA + F16C (x86-64, detected at run time).
     Avx2,
-    /// [`Simd::Avx2`] plus AVX-512 F/BW/VL/VNNI, used by the quantised matmul and paged attention; every other
-    /// kernel runs its AVX2 form.
+    /// [`Simd::Avx2`] plus AVX-512 F/BW/VL/VNNI, used by the quantised matmul and paged attention (f16 and 8-bit
+    /// caches; f32 caches and head_dim 96 take the AVX2 kernels); every other kernel runs its AVX2 form.
     Avx512,
 }
 
