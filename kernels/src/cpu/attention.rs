@@ -154,8 +154,9 @@ pub(crate) struct RowsOut {
 /// the first row, causal, probability rows)`. Called once per task, so dynamic dispatch costs nothing measurable.
 /// [`par_queries`] hands it a prefill task's tokens, and a one-token step's GQA group of query heads: folding a
 /// group of 3 reads each block once instead of 3 times, widened in registers (`avx2::attend_group`,
-/// `avx512_attention::attend_group`; against the per-query kernel at 1-8 sequences, 1K-4K tokens: f16 on AVX-512
-/// 1.31-1.68x, int8 1.10-1.35x, fp8 1.46-1.79x, `grouped_decode_vs_per_query`, the command in its doc).
+/// `avx512_attention::attend_group`; against the per-query kernel at 1-8 sequences, 1K-4K tokens, AVX-512: f16
+/// 1.22-1.80x, int8 1.13-1.48x, fp8 1.32-1.72x; AVX2: f16 0.95-1.33x, int8 1.10-1.35x, fp8 1.46-1.79x;
+/// `grouped_decode_vs_per_query`, the command in its doc).
 pub(crate) type AttendRows<'a> = &'a dyn AttendRowsFn;
 
 /// The signature of [`AttendRows`].
