@@ -166,6 +166,26 @@ pub(crate) trait AttendRowsFn:
 }
 impl<F: Fn(&[f32], usize, RowsOut, usize, &[u32], usize, bool, Option<&mut [f32]>) + Sync> AttendRowsFn for F {}
 
+/// The pool's arenas as the SIMD kernels read them (null scale pointers for the float types), and their element
+/// type (`avx2::ELEM_*`).
+#[cfg(target_arch = "x86_64")]
+fn simd_arenas(kv: &KvStorage) -> (avx2::Arenas, u8) {
+    let bs = kv.block_size();
+    let null = std::ptr::null::<f32>();
+    let float = |k: *const u8, v: *const u8, elem| (avx2::Arenas { k, v, k_scale: null, v_scale: null, bs }, elem);
+    match kv.arenas_any() {
+        KvArenas::F32 { k, v } => float(k.as_ptr().cast(), v.as_ptr().cast(), avx2::ELEM_F32),
+        KvArenas::F16 { k, v } => float(k.as_ptr().cast(), v.as_ptr().cast(), avx2::ELEM_F16),
+        KvArenas::Scaled { k, v, k_scale, v_scale, dtype } => {
+            let elem = if dtype.is_e4m3() { avx2::ELEM_FP8 } else { avx2::ELEM_I8 };
+            (
+                avx2::Arenas { k: k.as_ptr(), v: v.as_ptr(), k_scale: k_scale.as_ptr(), v_scale: v_scale.as_ptr(), bs },
+                elem,
+            )
+        }
+    }
+}
+
 /// The multi-query prefill kernel ([`avx512_attention::attend_rows`], [`avx2::attend_rows`]), when the backend
 /// and cache allow it: AVX-512 or AVX2 over an f16 or 8-bit arena (int8, fp8, rotated fp8), on the instruction set
 /// [`attend_one`] runs for the same arena and head_dim (a row's result must not depend on which of the two computed
@@ -185,12 +205,10 @@ struct RowsKernel {
 impl RowsKernel {
     fn select(simd: Simd, kv: &KvStorage) -> Option<RowsKernel> {
         let (bs, hd) = (kv.block_size(), kv.head_dim());
-        let elem = match kv.arenas_any() {
-            KvArenas::F16 { .. } => avx2::ELEM_F16,
-            KvArenas::Scaled { dtype, .. } if dtype.is_e4m3() => avx2::ELEM_FP8,
-            KvArenas::Scaled { .. } => avx2::ELEM_I8,
-            KvArenas::F32 { .. } => return None,
-        };
+        let (_, elem) = simd_arenas(kv);
+        if elem == avx2::ELEM_F32 {
+            return None;
+        }
         let fits = bs <= 64 && bs * hd <= avx512_attention::MAX_BLOCK_ELEMS;
         let avx512 = simd == Simd::Avx512 && hd != 96;
         let shape = matches!(hd, 32 | 64 | 96 | 128);
@@ -245,80 +263,45 @@ impl RowsKernel {
         for &b in &table[..stride.div_ceil(bs)] {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
-        let null = std::ptr::null::<f32>();
-        let (k, v, ks, vs) = match kv.arenas_any() {
-            KvArenas::F16 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null),
-            KvArenas::Scaled { k, v, k_scale, v_scale, .. } => {
-                (k.as_ptr(), v.as_ptr(), k_scale.as_ptr(), v_scale.as_ptr())
-            }
-            KvArenas::F32 { .. } => unreachable!("RowsKernel::select checked the arena"),
-        };
+        let (arenas, _) = simd_arenas(kv);
         let (op, os) = (out.ptr.get(), out.stride);
-        let arenas = avx2::Arenas { k, v, k_scale: ks, v_scale: vs, bs };
         // SAFETY: the instruction set was detected (`select` takes Simd::Avx512 or Simd::Avx2); block ids were
         // checked against the arenas, whose scale arrays (8-bit) hold block_size scales per block; rows and
         // lengths are in the kernel's bounds (asserted above, and by `select` for the block); the query rows are
         // inside `q` (or the rotated copy of them below); the output rows belong to the calling task
         // (`par_queries`), apart from each other.
         let go = |qp: *const f32, q_stride: usize| unsafe {
-            macro_rules! avx512_elem {
-                ($nv:literal, $e:expr) => {
+            // One kernel family per instruction set (`avx512_attention`, `avx2`), the same signatures in both.
+            macro_rules! family {
+                ($module:ident, $nv:literal, $e:expr) => {
                     // A decode group: every row sees the same slots, and widening in registers for the group beats
-                    // copying the block out widened (`avx512_attention::attend_group`).
+                    // copying the block out widened (`attend_group`).
                     if !causal && logits.is_none() {
-                        avx512_attention::attend_group::<$nv, { $e }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
-                        )
+                        $module::attend_group::<$nv, { $e }>(qp, q_stride, op, os, rows, arenas, table, len0, scale)
                     } else {
-                        avx512_attention::attend_rows::<$nv, { $e }>(
+                        $module::attend_rows::<$nv, { $e }>(
                             qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
                         )
                     }
                 };
             }
-            macro_rules! avx512 {
-                ($nv:literal) => {
+            macro_rules! by_elem {
+                ($module:ident, $nv:literal) => {
                     match self.elem {
-                        avx2::ELEM_F16 => avx512_elem!($nv, avx2::ELEM_F16),
-                        avx2::ELEM_I8 => avx512_elem!($nv, avx2::ELEM_I8),
-                        _ => avx512_elem!($nv, avx2::ELEM_FP8),
-                    }
-                };
-            }
-            macro_rules! avx2 {
-                ($nv:literal) => {
-                    match self.elem {
-                        // A decode group: every row sees the same slots, and widening in registers for the group
-                        // beats copying the block out widened (`avx2::attend_group`).
-                        avx2::ELEM_F16 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_F16 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
-                        ),
-                        avx2::ELEM_I8 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_I8 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
-                        ),
-                        avx2::ELEM_FP8 if !causal && logits.is_none() => avx2::attend_group::<$nv, { avx2::ELEM_FP8 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, scale,
-                        ),
-                        avx2::ELEM_F16 => avx2::attend_rows::<$nv, { avx2::ELEM_F16 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
-                        ),
-                        avx2::ELEM_I8 => avx2::attend_rows::<$nv, { avx2::ELEM_I8 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
-                        ),
-                        _ => avx2::attend_rows::<$nv, { avx2::ELEM_FP8 }>(
-                            qp, q_stride, op, os, rows, arenas, table, len0, causal, scale, logits,
-                        ),
+                        avx2::ELEM_F16 => family!($module, $nv, avx2::ELEM_F16),
+                        avx2::ELEM_I8 => family!($module, $nv, avx2::ELEM_I8),
+                        _ => family!($module, $nv, avx2::ELEM_FP8),
                     }
                 };
             }
             match (self.avx512, self.hd) {
-                (true, 32) => avx512!(2),
-                (true, 64) => avx512!(4),
-                (true, _) => avx512!(8),
-                (false, 32) => avx2!(4),
-                (false, 64) => avx2!(8),
-                (false, 96) => avx2!(12),
-                (false, _) => avx2!(16),
+                (true, 32) => by_elem!(avx512_attention, 2),
+                (true, 64) => by_elem!(avx512_attention, 4),
+                (true, _) => by_elem!(avx512_attention, 8),
+                (false, 32) => by_elem!(avx2, 4),
+                (false, 64) => by_elem!(avx2, 8),
+                (false, 96) => by_elem!(avx2, 12),
+                (false, _) => by_elem!(avx2, 16),
             }
         };
         if !self.rotate {
@@ -535,15 +518,7 @@ fn attend_one(
         for &b in ids {
             assert!((b as usize) < kv.num_blocks(), "block id {b} out of range");
         }
-        let null = std::ptr::null::<f32>();
-        let (k, v, ks, vs, elem) = match kv.arenas_any() {
-            KvArenas::F32 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F32),
-            KvArenas::F16 { k, v } => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), null, null, avx2::ELEM_F16),
-            KvArenas::Scaled { k, v, k_scale, v_scale, dtype } => {
-                let elem = if dtype.is_e4m3() { avx2::ELEM_FP8 } else { avx2::ELEM_I8 };
-                (k.as_ptr(), v.as_ptr(), k_scale.as_ptr(), v_scale.as_ptr(), elem)
-            }
-        };
+        let (arenas, elem) = simd_arenas(kv);
         // Keys stored rotated are scored against the query rotated the same way (the transform is orthonormal);
         // the buffer is cleared only then, since this runs per (query, head). Queries longer than 128 take the
         // portable path below, which reads keys rotated back.
@@ -557,41 +532,27 @@ fn attend_one(
         // SAFETY (both macros): every block id read was checked against the arenas above, which hold `num_blocks`
         // blocks of the element type `elem` names (8-bit arenas with `num_blocks * bs` scales); the CPU features of
         // `simd` were detected at run time.
+        macro_rules! one {
+            ($module:ident, $nv:literal, $e:expr) => {
+                return unsafe { $module::attend_one::<$nv, { $e }>(q, arenas, table, len, scale, out, probs) }
+            };
+        }
         macro_rules! avx2 {
             ($nv:literal) => {
-                return unsafe {
-                    match elem {
-                        avx2::ELEM_F16 => avx2::attend_one::<$nv, { avx2::ELEM_F16 }>(
-                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
-                        ),
-                        avx2::ELEM_I8 => avx2::attend_one::<$nv, { avx2::ELEM_I8 }>(
-                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
-                        ),
-                        avx2::ELEM_FP8 => avx2::attend_one::<$nv, { avx2::ELEM_FP8 }>(
-                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
-                        ),
-                        _ => avx2::attend_one::<$nv, { avx2::ELEM_F32 }>(
-                            q, k, v, ks, vs, bs, table, len, scale, out, probs,
-                        ),
-                    }
+                match elem {
+                    avx2::ELEM_F16 => one!(avx2, $nv, avx2::ELEM_F16),
+                    avx2::ELEM_I8 => one!(avx2, $nv, avx2::ELEM_I8),
+                    avx2::ELEM_FP8 => one!(avx2, $nv, avx2::ELEM_FP8),
+                    _ => one!(avx2, $nv, avx2::ELEM_F32),
                 }
             };
         }
         macro_rules! avx512 {
             ($nv:literal) => {
-                return unsafe {
-                    let arenas = avx2::Arenas { k, v, k_scale: ks, v_scale: vs, bs };
-                    match elem {
-                        avx2::ELEM_F16 => avx512_attention::attend_one::<$nv, { avx2::ELEM_F16 }>(
-                            q, arenas, table, len, scale, out, probs,
-                        ),
-                        avx2::ELEM_I8 => avx512_attention::attend_one::<$nv, { avx2::ELEM_I8 }>(
-                            q, arenas, table, len, scale, out, probs,
-                        ),
-                        _ => avx512_attention::attend_one::<$nv, { avx2::ELEM_FP8 }>(
-                            q, arenas, table, len, scale, out, probs,
-                        ),
-                    }
+                match elem {
+                    avx2::ELEM_F16 => one!(avx512_attention, $nv, avx2::ELEM_F16),
+                    avx2::ELEM_I8 => one!(avx512_attention, $nv, avx2::ELEM_I8),
+                    _ => one!(avx512_attention, $nv, avx2::ELEM_FP8),
                 }
             };
         }

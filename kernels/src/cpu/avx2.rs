@@ -560,6 +560,20 @@ pub const ELEM_FP8: u8 = 3;
 /// scales (already times [`code_rescale`]) still to apply as the 8-bit kernels apply them.
 pub(crate) const ELEM_F32_SCALED: u8 = 4;
 
+/// Whether element type `E` carries per-slot scales (the 8-bit codes, and their widened f32 copy).
+pub(crate) const fn scaled<const E: u8>() -> bool {
+    matches!(E, ELEM_I8 | ELEM_FP8 | ELEM_F32_SCALED)
+}
+
+/// Bytes of one element of type `E` in an arena.
+pub(crate) const fn elem_bytes<const E: u8>() -> usize {
+    match E {
+        ELEM_F16 => 2,
+        ELEM_I8 | ELEM_FP8 => 1,
+        _ => 4,
+    }
+}
+
 /// Eight elements of an arena of element type `E` at element index `i`, widened to f32 (8-bit codes unscaled;
 /// e4m3 codes also still to be multiplied by [`code_rescale`]).
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -657,7 +671,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     logits: Option<&mut [f32]>,
 ) {
     let hd = NV * 8;
-    let scaled = E == ELEM_I8 || E == ELEM_FP8 || E == ELEM_F32_SCALED;
+    let scaled = scaled::<E>();
     let ks = |i: usize| if scaled { *k_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
     let vs = |i: usize| if scaled { *v_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
     // Scores, eight slots at a time (eight independent chains, one transposed reduction, the scales and the
@@ -738,8 +752,8 @@ pub(crate) unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) ->
 }
 
 /// Attention of one query over the first `len` slots reachable through `table`, `NV` = head_dim / 8.
-/// `k`, `v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`],
-/// [`ELEM_FP8`]); for the 8-bit types, `k_scale`, `v_scale` point at the per-slot scales (indexed
+/// `arenas.k`, `arenas.v` point at the whole arenas, of element type `E` ([`ELEM_F32`], [`ELEM_F16`], [`ELEM_I8`],
+/// [`ELEM_FP8`]); for the 8-bit types, `arenas.k_scale`, `arenas.v_scale` point at the per-slot scales (indexed
 /// `block * bs + slot`) and are unused otherwise. A key's scale multiplies its dot product and a value's scale its
 /// probability, so the 8-bit types cost one multiply per slot over the float kernels. Writes the normalised result
 /// into `out` and, with `probs` (`len` floats), the slots' softmax probabilities.
@@ -747,41 +761,27 @@ pub(crate) unsafe fn scaled_query<const NV: usize>(q: *const f32, scale: f32) ->
 /// # Safety
 /// Every block id in `table[..len.div_ceil(bs)]` addresses a block inside the arenas (and, for the 8-bit types,
 /// inside the scale arrays); AVX2/FMA/F16C present.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn attend_one<const NV: usize, const E: u8>(
     q: &[f32],
-    k: *const u8,
-    v: *const u8,
-    k_scale: *const f32,
-    v_scale: *const f32,
-    bs: usize,
+    arenas: Arenas,
     table: &[u32],
     len: usize,
     scale: f32,
     out: &mut [f32],
     mut probs: Option<&mut [f32]>,
 ) {
+    let Arenas { k, v, k_scale, v_scale, bs } = arenas;
     let hd = NV * 8;
     debug_assert!(q.len() == hd && out.len() == hd && bs <= 64);
     let qv = scaled_query::<NV>(q.as_ptr(), scale);
     let mut st = Online::<NV>::new();
     let mut sc = [f32::NEG_INFINITY; 64];
     let blocks = &table[..len.div_ceil(bs)];
-    let elem = match E {
-        ELEM_F32 => 4,
-        ELEM_F16 => 2,
-        _ => 1,
-    };
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // Fetch the next block while this one is folded, and for the 8-bit arenas its slot scales (a line each,
-        // as scattered as the codes).
         if let Some(&nb) = blocks.get(bi + 1) {
-            super::scores_avx2::prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
-            if elem == 1 {
-                prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
-            }
+            prefetch_block::<E>(&arenas, hd, nb as usize);
         }
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
@@ -834,8 +834,7 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     let hd = NV * 8;
     debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
     debug_assert!(matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
-    let scaled = E != ELEM_F16;
-    let elem = if scaled { 1 } else { 2 };
+    let scaled = scaled::<E>();
     let mut states: [Online<NV>; MAX_ROWS] = core::array::from_fn(|_| Online::new());
     let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
     let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
@@ -848,7 +847,7 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     let (ksp, vsp) = (ksw.cast_const(), vsw.cast_const());
     let widen = |src: usize, elems: usize, next: Option<usize>| {
         if let Some(at) = next {
-            super::scores_avx2::prefetch_kv(k, v, elem * at, elem * bs * hd);
+            prefetch_block::<E>(&arenas, hd, at / (bs * hd));
         }
         if scaled {
             let slot0 = src / hd;
@@ -885,15 +884,22 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     }
 }
 
-/// Prefetches the `n` slot scales from `slot0` of both scale arrays.
+/// Prefetches block `b` of the arenas (element type `E`, head_dim `hd`), and for the 8-bit types its slot scales
+/// (a line each, as scattered as the codes): the table's next block, fetched while this one is folded, since the
+/// pool hands out blocks in no order a hardware prefetcher could follow. Every attention kernel calls it, the
+/// AVX-512 ones included.
 ///
 /// # Safety
-/// The slots are inside both arrays.
+/// Block `b` is inside the arenas (and, for the 8-bit types, the scale arrays).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn prefetch_scales(k_scale: *const f32, v_scale: *const f32, slot0: usize, n: usize) {
-    let f = size_of::<f32>();
-    super::scores_avx2::prefetch_kv(k_scale.cast(), v_scale.cast(), slot0 * f, n * f);
+pub(crate) unsafe fn prefetch_block<const E: u8>(a: &Arenas, hd: usize, b: usize) {
+    let bytes = elem_bytes::<E>() * a.bs * hd;
+    super::scores_avx2::prefetch_kv(a.k, a.v, b * bytes, bytes);
+    if matches!(E, ELEM_I8 | ELEM_FP8) {
+        let f = size_of::<f32>();
+        super::scores_avx2::prefetch_kv(a.k_scale.cast(), a.v_scale.cast(), b * a.bs * f, a.bs * f);
+    }
 }
 
 /// The most query heads [`attend_group`] folds in one pass over a table (its accumulators stay in registers).
@@ -954,8 +960,7 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     let Arenas { k, v, k_scale, v_scale, bs } = arenas;
     let hd = NV * 8;
     // f16 blocks have no slot scales; the products with 1.0 that `fold_block` skips for them are skipped here too.
-    let scaled = E != ELEM_F16;
-    let elem = if scaled { 1 } else { 2 };
+    let scaled = scaled::<E>();
     let qv: [[__m256; NV]; G] = core::array::from_fn(|g| scaled_query::<NV>(q.add(g * q_stride), scale));
     let mut st: [Online<NV>; G] = core::array::from_fn(|_| Online::new());
     let mut sc = [[f32::NEG_INFINITY; 64]; G];
@@ -965,10 +970,7 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
         if let Some(&nb) = blocks.get(bi + 1) {
-            super::scores_avx2::prefetch_kv(k, v, elem * nb as usize * bs * hd, elem * bs * hd);
-            if scaled {
-                prefetch_scales(k_scale, v_scale, nb as usize * bs, bs);
-            }
+            prefetch_block::<E>(&arenas, hd, nb as usize);
         }
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         let mut bmax: [f32; G] = core::array::from_fn(|g| st[g].m);
@@ -999,10 +1001,10 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
                         chains[g][t] = a[g];
                     }
                 }
-                let ks = if scaled { _mm256_mul_ps(_mm256_loadu_ps(k_scale.add(slot0 + i)), rescale) } else { rescale };
+                let ks = scaled.then(|| _mm256_mul_ps(_mm256_loadu_ps(k_scale.add(slot0 + i)), rescale));
                 for g in 0..G {
                     let mut s8 = hsum8(&chains[g]);
-                    if scaled {
+                    if let Some(ks) = ks {
                         s8 = _mm256_mul_ps(s8, ks);
                     }
                     _mm256_storeu_ps(sc[g].as_mut_ptr().add(i), s8);
@@ -1016,9 +1018,9 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
         }
         while i < n {
             let a = dots(i);
-            let ks = if scaled { *k_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
+            let ks = scaled.then(|| *k_scale.add(slot0 + i) * code_rescale::<E>());
             for g in 0..G {
-                sc[g][i] = hsum(a[g]) * ks;
+                sc[g][i] = ks.map_or(hsum(a[g]), |ks| hsum(a[g]) * ks);
                 bmax[g] = bmax[g].max(sc[g][i]);
             }
             i += 1;

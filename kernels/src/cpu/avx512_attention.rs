@@ -13,24 +13,10 @@
 #![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
 
 use super::avx2::{
-    Arenas, ELEM_F16, ELEM_F32, ELEM_F32_SCALED, ELEM_FP8, ELEM_I8, code_rescale, exp256, hmax, hsum, probs_from_logits,
+    Arenas, ELEM_F16, ELEM_F32, ELEM_F32_SCALED, ELEM_FP8, ELEM_I8, code_rescale, exp256, hmax, hsum, prefetch_block,
+    probs_from_logits, scaled,
 };
-use super::scores_avx2::prefetch_kv;
 use core::arch::x86_64::*;
-
-/// Whether element type `E` carries per-slot scales (the 8-bit codes, and their widened f32 copy).
-const fn scaled<const E: u8>() -> bool {
-    matches!(E, ELEM_I8 | ELEM_FP8 | ELEM_F32_SCALED)
-}
-
-/// Bytes of one element of type `E` in an arena.
-const fn elem_bytes<const E: u8>() -> usize {
-    match E {
-        ELEM_F16 => 2,
-        ELEM_I8 | ELEM_FP8 => 1,
-        _ => 4,
-    }
-}
 
 /// Adds the two 256-bit halves of `a`.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
@@ -220,19 +206,6 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         for (j, e) in st.even.iter_mut().enumerate() {
             *e = _mm512_fmadd_ps(p0, ld16::<E>(v, v0 + j * 16), *e);
         }
-    }
-}
-
-/// Prefetches block `b` of the arenas (element type `E`), and for the 8-bit types its slot scales: the table's
-/// next block, fetched while this one is folded, since the pool hands out blocks in no order a prefetcher follows.
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-#[inline]
-unsafe fn prefetch_block<const E: u8>(a: &Arenas, hd: usize, b: usize) {
-    let bytes = elem_bytes::<E>() * a.bs * hd;
-    prefetch_kv(a.k, a.v, b * bytes, bytes);
-    if matches!(E, ELEM_I8 | ELEM_FP8) {
-        let f = size_of::<f32>();
-        prefetch_kv(a.k_scale.cast(), a.v_scale.cast(), b * a.bs * f, a.bs * f);
     }
 }
 
@@ -473,11 +446,10 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
                     f[g][t] = c[g];
                 }
             }
-            let ks =
-                if scaled::<E>() { _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(slot0 + i)), rescale) } else { rescale };
+            let ks = scaled::<E>().then(|| _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(slot0 + i)), rescale));
             for g in 0..G {
                 let mut s8 = sum8(&f[g]);
-                if scaled::<E>() {
+                if let Some(ks) = ks {
                     s8 = _mm256_mul_ps(s8, ks);
                 }
                 _mm256_storeu_ps(sc[g].as_mut_ptr().add(i), s8);
@@ -488,9 +460,9 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
         let mut bmax: [f32; G] = core::array::from_fn(|g| hmax(bmaxv[g]));
         while i < n {
             let c = chains(i);
-            let ks = if scaled::<E>() { *a.k_scale.add(slot0 + i) * code_rescale::<E>() } else { 1.0 };
+            let ks = scaled::<E>().then(|| *a.k_scale.add(slot0 + i) * code_rescale::<E>());
             for g in 0..G {
-                sc[g][i] = if scaled::<E>() { hsum(c[g]) * ks } else { hsum(c[g]) };
+                sc[g][i] = ks.map_or(hsum(c[g]), |ks| hsum(c[g]) * ks);
                 bmax[g] = bmax[g].max(sc[g][i]);
             }
             i += 1;
