@@ -654,6 +654,8 @@ impl<const NV: usize> Online<NV> {
 /// scratch for the block's scores; with `logits`, the block's scaled logits are copied there. Each slot's score is
 /// its own chain of multiply-adds and one [`hsum`] tree whether it is reduced alone or with seven others
 /// ([`hsum8`]), so a score does not depend on where in a block its slot falls, nor on which kernel computed it.
+/// `ahead(i)` runs as slot `i` is scored: [`attend_one`] prefetches the next block's slot `i` there
+/// ([`prefetch_slot`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -669,6 +671,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     st: &mut Online<NV>,
     sc: &mut [f32; 64],
     logits: Option<&mut [f32]>,
+    ahead: impl Fn(usize),
 ) {
     let hd = NV * 8;
     let scaled = scaled::<E>();
@@ -683,7 +686,10 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
         while i + 8 <= n {
             let at = base + i * hd;
-            let mut a: [__m256; 8] = core::array::from_fn(|t| _mm256_mul_ps(qv[0], lde::<E>(k, at + t * hd)));
+            let mut a: [__m256; 8] = core::array::from_fn(|t| {
+                ahead(i + t);
+                _mm256_mul_ps(qv[0], lde::<E>(k, at + t * hd))
+            });
             for j in 1..NV {
                 for (t, acc) in a.iter_mut().enumerate() {
                     *acc = _mm256_fmadd_ps(qv[j], lde::<E>(k, at + t * hd + j * 8), *acc);
@@ -701,6 +707,8 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         bmax = bmax.max(hmax(mv));
     }
     while i + 2 <= n {
+        ahead(i);
+        ahead(i + 1);
         let k0 = base + i * hd;
         let k1 = base + (i + 1) * hd;
         let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
@@ -715,6 +723,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         i += 2;
     }
     if i < n {
+        ahead(i);
         let k0 = base + i * hd;
         let mut a0 = _mm256_mul_ps(qv[0], lde::<E>(k, k0));
         for j in 1..NV {
@@ -780,12 +789,18 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch_block::<E>(&arenas, hd, nb as usize);
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
+        if let Some(nb) = next {
+            prefetch_scales::<E>(&arenas, nb);
         }
+        let ahead = |i: usize| {
+            if let Some(nb) = next {
+                prefetch_slot::<E>(&arenas, hd, nb, i);
+            }
+        };
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
-        fold_block::<NV, E>(&qv, k, v, k_scale, v_scale, base, slot0, n, &mut st, &mut sc, logits);
+        fold_block::<NV, E>(&qv, k, v, k_scale, v_scale, base, slot0, n, &mut st, &mut sc, logits, ahead);
     }
     let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
@@ -869,9 +884,9 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         let st = &mut states[r];
         if scaled {
-            fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg);
+            fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg, |_| {});
         } else {
-            fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg);
+            fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg, |_| {});
         }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
@@ -886,8 +901,9 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
 
 /// Prefetches block `b` of the arenas (element type `E`, head_dim `hd`), and for the 8-bit types its slot scales
 /// (a line each, as scattered as the codes): the table's next block, fetched while this one is folded, since the
-/// pool hands out blocks in no order a hardware prefetcher could follow. Every attention kernel calls it, the
-/// AVX-512 ones included.
+/// pool hands out blocks in no order a hardware prefetcher could follow. The per-query and rows kernels call it,
+/// the AVX-512 ones included; the decode group kernels spread the same lines over the block they fold
+/// ([`prefetch_scales`], [`prefetch_slot`]).
 ///
 /// # Safety
 /// Block `b` is inside the arenas (and, for the 8-bit types, the scale arrays).
@@ -896,10 +912,34 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
 pub(crate) unsafe fn prefetch_block<const E: u8>(a: &Arenas, hd: usize, b: usize) {
     let bytes = elem_bytes::<E>() * a.bs * hd;
     super::scores_avx2::prefetch_kv(a.k, a.v, b * bytes, bytes);
+    prefetch_scales::<E>(a, b);
+}
+
+/// Prefetches block `b`'s slot scales, K's and V's (8-bit types; nothing for the float types).
+///
+/// # Safety
+/// As [`prefetch_block`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn prefetch_scales<const E: u8>(a: &Arenas, b: usize) {
     if matches!(E, ELEM_I8 | ELEM_FP8) {
         let f = size_of::<f32>();
         super::scores_avx2::prefetch_kv(a.k_scale.cast(), a.v_scale.cast(), b * a.bs * f, a.bs * f);
     }
+}
+
+/// Prefetches slot `s`'s K and V rows of block `b` (`hd` elements of type `E` each). A decode group kernel calls
+/// it for slot `s` of the next block as it scores slot `s` of this one: a block's worth of prefetches issued at
+/// once (`prefetch_block`, 64 lines for an f16 block) queue behind the core's few outstanding misses and stall
+/// the loads of the block being folded, where one slot's rows at a time keep the misses in flight without that.
+///
+/// # Safety
+/// Block `b` is inside the arenas and `s < bs`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn prefetch_slot<const E: u8>(a: &Arenas, hd: usize, b: usize, s: usize) {
+    let row = elem_bytes::<E>() * hd;
+    super::scores_avx2::prefetch_kv(a.k, a.v, (b * a.bs + s) * row, row);
 }
 
 /// The most query heads [`attend_group`] folds in one pass over a table (its accumulators stay in registers).
@@ -969,13 +1009,18 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch_block::<E>(&arenas, hd, nb as usize);
+        // The next block's lines go out slot by slot as this block's slots are scored (`prefetch_slot`).
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
+        if let Some(nb) = next {
+            prefetch_scales::<E>(&arenas, nb);
         }
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         let mut bmax: [f32; G] = core::array::from_fn(|g| st[g].m);
         // Every head's dot product with slot `i`'s key, the codes widened once for all of them.
         let dots = |i: usize| -> [__m256; G] {
+            if let Some(nb) = next {
+                prefetch_slot::<E>(&arenas, hd, nb, i);
+            }
             let kr = base + i * hd;
             let k0 = lde::<E>(k, kr);
             let mut a: [__m256; G] = core::array::from_fn(|g| _mm256_mul_ps(qv[g][0], k0));

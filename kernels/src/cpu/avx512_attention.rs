@@ -14,7 +14,7 @@
 
 use super::avx2::{
     Arenas, ELEM_F16, ELEM_F32, ELEM_F32_SCALED, ELEM_FP8, ELEM_I8, code_rescale, exp256, hmax, hsum, prefetch_block,
-    probs_from_logits, scaled,
+    prefetch_scales, prefetch_slot, probs_from_logits, scaled,
 };
 use core::arch::x86_64::*;
 
@@ -148,6 +148,8 @@ impl<const NV: usize> Online<NV> {
 /// scaled types, slot scales from slot `slot0` of `a.k_scale`, `a.v_scale`) into `st`, for the scaled query `qv`.
 /// `sc` is scratch for the block's scores; with `logits`, the block's scaled logits are copied there. A key's
 /// scale (times [`code_rescale`]) multiplies its slot's score and a value's its probability, as in the AVX2 fold.
+/// `ahead(i)` runs as slot `i` is scored: [`attend_one`] prefetches the next block's slot `i` there
+/// ([`prefetch_slot`]).
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -160,6 +162,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     st: &mut Online<NV>,
     sc: &mut [f32; 64],
     logits: Option<&mut [f32]>,
+    ahead: impl Fn(usize),
 ) {
     let hd = NV * 16;
     let (k, v) = (a.k, a.v);
@@ -169,6 +172,9 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     let mut bmaxv = _mm256_set1_ps(st.m);
     let mut i = 0;
     while i + 8 <= n {
+        for t in i..i + 8 {
+            ahead(t);
+        }
         let mut s8 = scores8::<NV, E>(qv, k, base + i * hd);
         if scaled::<E>() {
             s8 = _mm256_mul_ps(s8, _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(slot0 + i)), rescale));
@@ -179,6 +185,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     }
     let mut bmax = hmax(bmaxv);
     while i < n {
+        ahead(i);
         let s = score1::<NV, E>(qv, k, base + i * hd);
         sc[i] = if scaled::<E>() { s * ks(i) } else { s };
         bmax = bmax.max(sc[i]);
@@ -247,11 +254,18 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch_block::<E>(&arenas, hd, nb as usize);
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
+        if let Some(nb) = next {
+            prefetch_scales::<E>(&arenas, nb);
         }
+        let ahead = |i: usize| {
+            if let Some(nb) = next {
+                prefetch_slot::<E>(&arenas, hd, nb, i);
+            }
+        };
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
-        fold_block::<NV, E>(&qv, &arenas, b as usize * bs * hd, b as usize * bs, n, &mut st, &mut sc, logits);
+        let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
+        fold_block::<NV, E>(&qv, &arenas, base, slot0, n, &mut st, &mut sc, logits, ahead);
     }
     let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
@@ -339,9 +353,9 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
         let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
         let st = &mut states[r];
         if scaled::<E>() {
-            fold_block::<NV, ELEM_F32_SCALED>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg);
+            fold_block::<NV, ELEM_F32_SCALED>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg, |_| {});
         } else {
-            fold_block::<NV, ELEM_F32>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg);
+            fold_block::<NV, ELEM_F32>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg, |_| {});
         }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
@@ -419,12 +433,17 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        if let Some(&nb) = blocks.get(bi + 1) {
-            prefetch_block::<E>(a, hd, nb as usize);
+        // The next block's lines go out slot by slot as this block's slots are scored (`prefetch_slot`).
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
+        if let Some(nb) = next {
+            prefetch_scales::<E>(a, nb);
         }
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         // Every head's score chain for slot `i`, folded to 8 lanes, the key widened once for all of them.
         let chains = |i: usize| -> [__m256; G] {
+            if let Some(nb) = next {
+                prefetch_slot::<E>(a, hd, nb, i);
+            }
             let at = base + i * hd;
             let k0 = ld16::<E>(k, at);
             let mut acc: [__m512; G] = core::array::from_fn(|g| _mm512_mul_ps(qv[g][0], k0));

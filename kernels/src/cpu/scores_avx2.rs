@@ -140,15 +140,21 @@ pub(crate) unsafe fn prefetch_kv(k: *const u8, v: *const u8, offset: usize, byte
     prefetch(v, offset, bytes);
 }
 
-/// Prefetches `bytes` bytes from `base + offset` into the cache, one line at a time.
+/// Prefetches the `bytes` bytes from `base + offset` into the cache: every line the range touches, the first one
+/// from its start where the range does not begin on a line (the pool's arenas are line-aligned; encoded blocks
+/// need not be).
 ///
 /// # Safety
 /// The range is inside one allocation.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn prefetch(base: *const u8, offset: usize, bytes: usize) {
+    let first = base.add(offset);
+    let lead = first as usize % 64;
+    // A prefetch never faults, so the line start before `first` (same line) needs no allocation behind it.
+    let line0 = first.wrapping_sub(lead);
     let mut at = 0;
-    while at < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(base.add(offset + at).cast::<i8>());
+    while at < lead + bytes {
+        _mm_prefetch::<_MM_HINT_T0>(line0.wrapping_add(at).cast::<i8>());
         at += 64;
     }
 }
