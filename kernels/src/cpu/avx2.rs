@@ -655,7 +655,7 @@ impl<const NV: usize> Online<NV> {
 /// its own chain of multiply-adds and one [`hsum`] tree whether it is reduced alone or with seven others
 /// ([`hsum8`]), so a score does not depend on where in a block its slot falls, nor on which kernel computed it.
 /// `ahead(i)` runs as slot `i` is scored: [`attend_one`] prefetches the next block's slot `i` there
-/// ([`prefetch_slot`]).
+/// ([`Ahead::slot`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -789,18 +789,10 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
-        if let Some(nb) = next {
-            prefetch_scales::<E>(&arenas, nb);
-        }
-        let ahead = |i: usize| {
-            if let Some(nb) = next {
-                prefetch_slot::<E>(&arenas, hd, nb, i);
-            }
-        };
+        let ahead = Ahead::<E>::enter(&arenas, hd, blocks, bi);
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
-        fold_block::<NV, E>(&qv, k, v, k_scale, v_scale, base, slot0, n, &mut st, &mut sc, logits, ahead);
+        fold_block::<NV, E>(&qv, k, v, k_scale, v_scale, base, slot0, n, &mut st, &mut sc, logits, |i| ahead.slot(i));
     }
     let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
@@ -942,6 +934,43 @@ pub(crate) unsafe fn prefetch_slot<const E: u8>(a: &Arenas, hd: usize, b: usize,
     super::scores_avx2::prefetch_kv(a.k, a.v, (b * a.bs + s) * row, row);
 }
 
+/// The next block of a table, prefetched while a decode kernel folds the current one: its slot scales when the
+/// kernel enters the current block ([`Ahead::enter`]), and each slot's K and V rows as the kernel scores the same
+/// slot of the current block ([`Ahead::slot`]).
+pub(crate) struct Ahead<'a, const E: u8> {
+    arenas: &'a Arenas,
+    hd: usize,
+    next: Option<usize>,
+}
+
+impl<'a, const E: u8> Ahead<'a, E> {
+    /// Entering block `bi` of `blocks`: block `bi + 1`, if any, is the one to prefetch; its scales go out now.
+    ///
+    /// # Safety
+    /// Every block of `blocks` is inside the arenas (and, for the 8-bit types, the scale arrays).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(crate) unsafe fn enter(arenas: &'a Arenas, hd: usize, blocks: &[u32], bi: usize) -> Ahead<'a, E> {
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
+        if let Some(nb) = next {
+            prefetch_scales::<E>(arenas, nb);
+        }
+        Ahead { arenas, hd, next }
+    }
+
+    /// Prefetches slot `i` of the next block.
+    ///
+    /// # Safety
+    /// As [`Ahead::enter`]; `i` is below the block size.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(crate) unsafe fn slot(&self, i: usize) {
+        if let Some(nb) = self.next {
+            prefetch_slot::<E>(self.arenas, self.hd, nb, i);
+        }
+    }
+}
+
 /// The most query heads [`attend_group`] folds in one pass over a table (its accumulators stay in registers).
 pub const GROUP_PASS: usize = 4;
 
@@ -1009,18 +1038,13 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // The next block's lines go out slot by slot as this block's slots are scored (`prefetch_slot`).
-        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
-        if let Some(nb) = next {
-            prefetch_scales::<E>(&arenas, nb);
-        }
+        // The next block's lines go out slot by slot as this block's slots are scored.
+        let ahead = Ahead::<E>::enter(&arenas, hd, blocks, bi);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         let mut bmax: [f32; G] = core::array::from_fn(|g| st[g].m);
         // Every head's dot product with slot `i`'s key, the codes widened once for all of them.
         let dots = |i: usize| -> [__m256; G] {
-            if let Some(nb) = next {
-                prefetch_slot::<E>(&arenas, hd, nb, i);
-            }
+            ahead.slot(i);
             let kr = base + i * hd;
             let k0 = lde::<E>(k, kr);
             let mut a: [__m256; G] = core::array::from_fn(|g| _mm256_mul_ps(qv[g][0], k0));

@@ -13,8 +13,8 @@
 #![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop)]
 
 use super::avx2::{
-    Arenas, ELEM_F16, ELEM_F32, ELEM_F32_SCALED, ELEM_FP8, ELEM_I8, code_rescale, exp256, hmax, hsum, prefetch_block,
-    prefetch_scales, prefetch_slot, probs_from_logits, scaled,
+    Ahead, Arenas, ELEM_F16, ELEM_F32, ELEM_F32_SCALED, ELEM_FP8, ELEM_I8, code_rescale, exp256, hmax, hsum,
+    prefetch_block, probs_from_logits, scaled,
 };
 use core::arch::x86_64::*;
 
@@ -149,7 +149,7 @@ impl<const NV: usize> Online<NV> {
 /// `sc` is scratch for the block's scores; with `logits`, the block's scaled logits are copied there. A key's
 /// scale (times [`code_rescale`]) multiplies its slot's score and a value's its probability, as in the AVX2 fold.
 /// `ahead(i)` runs as slot `i` is scored: [`attend_one`] prefetches the next block's slot `i` there
-/// ([`prefetch_slot`]).
+/// ([`Ahead::slot`]).
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -254,18 +254,10 @@ pub unsafe fn attend_one<const NV: usize, const E: u8>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
-        if let Some(nb) = next {
-            prefetch_scales::<E>(&arenas, nb);
-        }
-        let ahead = |i: usize| {
-            if let Some(nb) = next {
-                prefetch_slot::<E>(&arenas, hd, nb, i);
-            }
-        };
+        let ahead = Ahead::<E>::enter(&arenas, hd, blocks, bi);
         let logits = probs.as_deref_mut().map(|p| &mut p[bi * bs..bi * bs + n]);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
-        fold_block::<NV, E>(&qv, &arenas, base, slot0, n, &mut st, &mut sc, logits, ahead);
+        fold_block::<NV, E>(&qv, &arenas, base, slot0, n, &mut st, &mut sc, logits, |i| ahead.slot(i));
     }
     let inv_l = st.finish(out.as_mut_ptr());
     if let Some(p) = probs {
@@ -433,17 +425,12 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     let blocks = &table[..len.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
         let n = (len - bi * bs).min(bs);
-        // The next block's lines go out slot by slot as this block's slots are scored (`prefetch_slot`).
-        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
-        if let Some(nb) = next {
-            prefetch_scales::<E>(a, nb);
-        }
+        // The next block's lines go out slot by slot as this block's slots are scored.
+        let ahead = Ahead::<E>::enter(a, hd, blocks, bi);
         let (base, slot0) = (b as usize * bs * hd, b as usize * bs);
         // Every head's score chain for slot `i`, folded to 8 lanes, the key widened once for all of them.
         let chains = |i: usize| -> [__m256; G] {
-            if let Some(nb) = next {
-                prefetch_slot::<E>(a, hd, nb, i);
-            }
+            ahead.slot(i);
             let at = base + i * hd;
             let k0 = ld16::<E>(k, at);
             let mut acc: [__m512; G] = core::array::from_fn(|g| _mm512_mul_ps(qv[g][0], k0));
