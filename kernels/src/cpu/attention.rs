@@ -89,8 +89,8 @@ pub fn paged_attention(
 /// The block walk of the rows kernels (`avx2::attend_rows`, `avx512_attention::attend_rows`): `rows` queries of
 /// one kv-head's table, query `r` seeing the first `len0 + r` slots when `causal` (consecutive tokens of a prefill
 /// chunk) or `len0` slots otherwise (the query heads of one GQA group at one decode token). For each block that the
-/// last row sees, `widen(element offset of the block, elements the rows read, element offset of the next block the
-/// rows read)`, then `fold(r, n_r, s0)` for every row `r` that sees `n_r > 0` of its slots, the block's first slot
+/// last row sees, `widen(element offset of the block, elements the rows read, id of the next block the rows
+/// read)`, then `fold(r, n_r, s0)` for every row `r` that sees `n_r > 0` of its slots, the block's first slot
 /// being slot `s0` of the table. Inlined into each kernel, so
 /// the closures compile with its instruction set.
 #[inline(always)]
@@ -111,7 +111,7 @@ pub(crate) fn for_row_blocks(
     for (bi, &b) in blocks.iter().enumerate() {
         let s0 = bi * bs;
         let n = (last - s0).min(bs);
-        let next = blocks.get(bi + 1).map(|&nb| nb as usize * bs * hd);
+        let next = blocks.get(bi + 1).map(|&nb| nb as usize);
         widen(b as usize * bs * hd, n * hd, next);
         // Causal rows before `first` do not see this block yet: query r sees slots below len0 + r.
         let first = if causal { (s0 + 1).saturating_sub(len0) } else { 0 };

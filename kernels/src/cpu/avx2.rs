@@ -853,8 +853,8 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     let (ksw, vsw) = (ksf.as_mut_ptr(), vsf.as_mut_ptr());
     let (ksp, vsp) = (ksw.cast_const(), vsw.cast_const());
     let widen = |src: usize, elems: usize, next: Option<usize>| {
-        if let Some(at) = next {
-            prefetch_block::<E>(&arenas, hd, at / (bs * hd));
+        if let Some(nb) = next {
+            prefetch_block::<E>(&arenas, hd, nb);
         }
         if scaled {
             let slot0 = src / hd;
@@ -893,9 +893,9 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
 
 /// Prefetches block `b` of the arenas (element type `E`, head_dim `hd`), and for the 8-bit types its slot scales
 /// (a line each, as scattered as the codes): the table's next block, fetched while this one is folded, since the
-/// pool hands out blocks in no order a hardware prefetcher could follow. The per-query and rows kernels call it,
-/// the AVX-512 ones included; the decode group kernels spread the same lines over the block they fold
-/// ([`prefetch_scales`], [`prefetch_slot`]).
+/// pool hands out blocks in no order a hardware prefetcher could follow. The rows kernels of both instruction
+/// sets call it (a block folds up to 32 rows, time enough for a burst to land); the decode kernels spread the same
+/// lines over the block they fold ([`Ahead`]).
 ///
 /// # Safety
 /// Block `b` is inside the arenas (and, for the 8-bit types, the scale arrays).
@@ -913,15 +913,15 @@ pub(crate) unsafe fn prefetch_block<const E: u8>(a: &Arenas, hd: usize, b: usize
 /// As [`prefetch_block`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn prefetch_scales<const E: u8>(a: &Arenas, b: usize) {
+unsafe fn prefetch_scales<const E: u8>(a: &Arenas, b: usize) {
     if matches!(E, ELEM_I8 | ELEM_FP8) {
         let f = size_of::<f32>();
         super::scores_avx2::prefetch_kv(a.k_scale.cast(), a.v_scale.cast(), b * a.bs * f, a.bs * f);
     }
 }
 
-/// Prefetches slot `s`'s K and V rows of block `b` (`hd` elements of type `E` each). A decode group kernel calls
-/// it for slot `s` of the next block as it scores slot `s` of this one: a block's worth of prefetches issued at
+/// Prefetches slot `s`'s K and V rows of block `b` (`hd` elements of type `E` each). A decode kernel calls it
+/// ([`Ahead::slot`]) for slot `s` of the next block as it scores slot `s` of this one: a block's worth of prefetches issued at
 /// once (`prefetch_block`, 64 lines for an f16 block) queue behind the core's few outstanding misses and stall
 /// the loads of the block being folded, where one slot's rows at a time keep the misses in flight without that.
 ///
@@ -929,7 +929,7 @@ pub(crate) unsafe fn prefetch_scales<const E: u8>(a: &Arenas, b: usize) {
 /// Block `b` is inside the arenas and `s < bs`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn prefetch_slot<const E: u8>(a: &Arenas, hd: usize, b: usize, s: usize) {
+unsafe fn prefetch_slot<const E: u8>(a: &Arenas, hd: usize, b: usize, s: usize) {
     let row = elem_bytes::<E>() * hd;
     super::scores_avx2::prefetch_kv(a.k, a.v, (b * a.bs + s) * row, row);
 }

@@ -322,8 +322,8 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
         bs,
     };
     let widen = |src: usize, elems: usize, next: Option<usize>| {
-        if let Some(at) = next {
-            prefetch_block::<E>(&arenas, hd, at / (bs * hd));
+        if let Some(nb) = next {
+            prefetch_block::<E>(&arenas, hd, nb);
         }
         if scaled::<E>() {
             let slot0 = src / hd;
