@@ -6,6 +6,7 @@ use super::{CpuBackend, Simd, SyncPtr, scalar};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512_attention};
 use crate::paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
+use std::ops::Range;
 
 /// New tokens per attention task during prefill.
 const TOKEN_CHUNK: usize = 32;
@@ -90,9 +91,10 @@ pub fn paged_attention(
 /// one kv-head's table, query `r` seeing the first `len0 + r` slots when `causal` (consecutive tokens of a prefill
 /// chunk) or `len0` slots otherwise (the query heads of one GQA group at one decode token). For each block that the
 /// last row sees, `widen(element offset of the block, elements the rows read, id of the next block the rows
-/// read)`, then `fold(r, n_r, s0)` for every row `r` that sees `n_r > 0` of its slots, the block's first slot
-/// being slot `s0` of the table. Inlined into each kernel, so
-/// the closures compile with its instruction set.
+/// read)`, then `fold(rs, n_r, s0)` for the rows `rs` that see `n_r > 0` of its slots, the block's first slot
+/// being slot `s0` of the table: one call for the rows that see all `n` slots the block holds for them (all rows
+/// but the causal diagonal's), and one call a row for the diagonal's, which each see a different part. Inlined
+/// into each kernel, so the closures compile with its instruction set.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn for_row_blocks(
@@ -103,9 +105,8 @@ pub(crate) fn for_row_blocks(
     hd: usize,
     table: &[u32],
     mut widen: impl FnMut(usize, usize, Option<usize>),
-    mut fold: impl FnMut(usize, usize, usize),
+    mut fold: impl FnMut(Range<usize>, usize, usize),
 ) {
-    let step = usize::from(causal);
     let last = last_row_len(rows, len0, causal);
     let blocks = &table[..last.div_ceil(bs)];
     for (bi, &b) in blocks.iter().enumerate() {
@@ -113,10 +114,19 @@ pub(crate) fn for_row_blocks(
         let n = (last - s0).min(bs);
         let next = blocks.get(bi + 1).map(|&nb| nb as usize);
         widen(b as usize * bs * hd, n * hd, next);
-        // Causal rows before `first` do not see this block yet: query r sees slots below len0 + r.
-        let first = if causal { (s0 + 1).saturating_sub(len0) } else { 0 };
-        for r in first..rows {
-            fold(r, (len0 + r * step - s0).min(n), s0);
+        // Causal query r sees the slots below len0 + r: rows before `first` see none of this block, rows from
+        // `whole` on see all n of its slots, and each row between sees len0 + r - s0 of them.
+        let (first, whole) = if causal {
+            let first = (s0 + 1).saturating_sub(len0);
+            (first, (s0 + n).saturating_sub(len0).clamp(first, rows))
+        } else {
+            (0, 0)
+        };
+        for r in first..whole {
+            fold(r..r + 1, len0 + r - s0, s0);
+        }
+        if whole < rows {
+            fold(whole..rows, n, s0);
         }
     }
 }
@@ -704,6 +714,59 @@ mod tests {
             v[v.len() / 2]
         };
         Some((per_query, grouped, median(&mut t_one), median(&mut t_grouped)))
+    }
+
+    /// The rows kernels' block walk hands every row exactly the slots of each block it sees (query r of a causal
+    /// walk sees the first len0 + r slots, of a plain walk len0), once, in block order, with the rows that see a
+    /// whole block in one run: checked against that rule over block sizes, first lengths and row counts.
+    #[test]
+    fn row_block_walk_hands_each_row_its_visible_slots_once() {
+        for bs in [1usize, 4, 16] {
+            for len0 in [1usize, 2, 15, 16, 17, 40] {
+                for rows in [1usize, 2, 3, 16, 31, 32] {
+                    for causal in [false, true] {
+                        let table: Vec<u32> = (0..(len0 + rows).div_ceil(bs) as u32).map(|b| 1000 + b).collect();
+                        let mut widened = Vec::new();
+                        let mut seen = vec![Vec::new(); rows];
+                        let current = std::cell::Cell::new(usize::MAX);
+                        for_row_blocks(
+                            rows,
+                            len0,
+                            causal,
+                            bs,
+                            1,
+                            &table,
+                            |src, _, _| {
+                                current.set(src);
+                                widened.push(src);
+                            },
+                            |rs, n, s0| {
+                                assert!(!rs.is_empty() && n > 0 && n <= bs);
+                                assert_eq!(
+                                    current.get(),
+                                    table[s0 / bs] as usize * bs,
+                                    "fold before its block's widen"
+                                );
+                                if rs.len() > 1 {
+                                    let whole = (last_row_len(rows, len0, causal) - s0).min(bs);
+                                    assert_eq!(n, whole, "a run of rows sees the whole block");
+                                }
+                                for r in rs {
+                                    seen[r].push((s0, n));
+                                }
+                            },
+                        );
+                        for (r, blocks) in seen.iter().enumerate() {
+                            let visible = if causal { len0 + r } else { len0 };
+                            let want: Vec<(usize, usize)> =
+                                (0..visible.div_ceil(bs)).map(|b| (b * bs, (visible - b * bs).min(bs))).collect();
+                            assert_eq!(blocks, &want, "bs {bs}, len0 {len0}, rows {rows}, causal {causal}, row {r}");
+                        }
+                        assert_eq!(widened.len(), last_row_len(rows, len0, causal).div_ceil(bs));
+                    }
+                }
+            }
+        }
     }
 
     /// Decode with the GQA group folded per kv-head (one task per kv-head, each block widened once for the group)

@@ -870,15 +870,17 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
             e += 8;
         }
     };
-    let fold = |r: usize, n_r: usize, s0: usize| {
-        // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
-        let lg = super::attention::logits_row(logits, r, s0, n_r);
-        let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
-        let st = &mut states[r];
-        if scaled {
-            fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg, |_| {});
-        } else {
-            fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg, |_| {});
+    let fold = |rs: core::ops::Range<usize>, n_r: usize, s0: usize| {
+        for r in rs {
+            // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
+            let lg = super::attention::logits_row(logits, r, s0, n_r);
+            let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
+            let st = &mut states[r];
+            if scaled {
+                fold_block::<NV, ELEM_F32_SCALED>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg, |_| {});
+            } else {
+                fold_block::<NV, ELEM_F32>(&qv, kp, vp, ksp, vsp, 0, 0, n_r, st, &mut sc, lg, |_| {});
+            }
         }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);

@@ -165,9 +165,6 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
     ahead: impl Fn(usize),
 ) {
     let hd = NV * 16;
-    let (k, v) = (a.k, a.v);
-    let ks = |i: usize| *a.k_scale.add(slot0 + i) * code_rescale::<E>();
-    let vs = |i: usize| *a.v_scale.add(slot0 + i) * code_rescale::<E>();
     let rescale = _mm256_set1_ps(code_rescale::<E>());
     let mut bmaxv = _mm256_set1_ps(st.m);
     let mut i = 0;
@@ -175,7 +172,7 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         for t in i..i + 8 {
             ahead(t);
         }
-        let mut s8 = scores8::<NV, E>(qv, k, base + i * hd);
+        let mut s8 = scores8::<NV, E>(qv, a.k, base + i * hd);
         if scaled::<E>() {
             s8 = _mm256_mul_ps(s8, _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(slot0 + i)), rescale));
         }
@@ -183,19 +180,9 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         bmaxv = _mm256_max_ps(bmaxv, s8);
         i += 8;
     }
-    let mut bmax = hmax(bmaxv);
-    while i < n {
-        ahead(i);
-        let s = score1::<NV, E>(qv, k, base + i * hd);
-        sc[i] = if scaled::<E>() { s * ks(i) } else { s };
-        bmax = bmax.max(sc[i]);
-        i += 1;
-    }
-    if let Some(p) = logits {
-        p.copy_from_slice(&sc[..n]);
-    }
-    st.enter_block(sc, n, bmax);
-    let p = |i: usize| _mm512_set1_ps(if scaled::<E>() { sc[i] * vs(i) } else { sc[i] });
+    enter_scores::<NV, E>(qv, a, base, slot0, (i, n), hmax(bmaxv), st, sc, logits, ahead);
+    let p = |i: usize| prob::<E>(a, slot0, sc, i);
+    let v = a.v;
     let mut i = 0;
     while i + 2 <= n {
         let (p0, p1) = (p(i), p(i + 1));
@@ -214,6 +201,128 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
             *e = _mm512_fmadd_ps(p0, ld16::<E>(v, v0 + j * 16), *e);
         }
     }
+}
+
+/// The end of a block's scoring in [`fold_block`]: slots `from..n` (past the whole groups of eight, which peak at
+/// `bmax`) scored one at a time, the logits copied out, and the block entered into `st`.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn enter_scores<const NV: usize, const E: u8>(
+    qv: &[__m512; NV],
+    a: &Arenas,
+    base: usize,
+    slot0: usize,
+    (from, n): (usize, usize),
+    mut bmax: f32,
+    st: &mut Online<NV>,
+    sc: &mut [f32; 64],
+    logits: Option<&mut [f32]>,
+    ahead: impl Fn(usize),
+) {
+    let hd = NV * 16;
+    for i in from..n {
+        ahead(i);
+        let s = score1::<NV, E>(qv, a.k, base + i * hd);
+        sc[i] = if scaled::<E>() { s * (*a.k_scale.add(slot0 + i) * code_rescale::<E>()) } else { s };
+        bmax = bmax.max(sc[i]);
+    }
+    if let Some(p) = logits {
+        p.copy_from_slice(&sc[..n]);
+    }
+    st.enter_block(sc, n, bmax);
+}
+
+/// Slot `i`'s probability in `sc` (after [`Online::enter_block`]) times its value scale, broadcast: what each
+/// value vector of the slot is multiplied by.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn prob<const E: u8>(a: &Arenas, slot0: usize, sc: &[f32; 64], i: usize) -> __m512 {
+    _mm512_set1_ps(if scaled::<E>() { sc[i] * (*a.v_scale.add(slot0 + i) * code_rescale::<E>()) } else { sc[i] })
+}
+
+/// [`scores8`] for two queries over the same 8 key rows: each key vector loaded once for both.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn scores8_pair<const NV: usize, const E: u8>(
+    q0: &[__m512; NV],
+    q1: &[__m512; NV],
+    k: *const u8,
+    at: usize,
+) -> (__m256, __m256) {
+    let hd = NV * 16;
+    let (mut a0, mut a1) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
+    for t in 0..8 {
+        let kv = ld16::<E>(k, at + t * hd);
+        a0[t] = _mm512_mul_ps(q0[0], kv);
+        a1[t] = _mm512_mul_ps(q1[0], kv);
+    }
+    for j in 1..NV {
+        for t in 0..8 {
+            let kv = ld16::<E>(k, at + t * hd + j * 16);
+            a0[t] = _mm512_fmadd_ps(q0[j], kv, a0[t]);
+            a1[t] = _mm512_fmadd_ps(q1[j], kv, a1[t]);
+        }
+    }
+    (sum8(&a0.map(|x| fold256(x))), sum8(&a1.map(|x| fold256(x))))
+}
+
+/// [`fold_block`] for two rows over the same `n` slots of a widened block ([`ELEM_F32`] or [`ELEM_F32_SCALED`],
+/// from slot 0, nothing to prefetch). One row's fold loads a key or value vector for every FMA, so it is bound by
+/// loads from L1 as much as by FMAs; here each vector loaded feeds both rows. Each row meets exactly
+/// [`fold_block`]'s operations in its order, so both states come out bit-identical to two calls of it.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn fold_block_pair<const NV: usize, const E: u8>(
+    (q0, q1): (&[__m512; NV], &[__m512; NV]),
+    a: &Arenas,
+    n: usize,
+    (st0, st1): (&mut Online<NV>, &mut Online<NV>),
+    (sc0, sc1): (&mut [f32; 64], &mut [f32; 64]),
+    (lg0, lg1): (Option<&mut [f32]>, Option<&mut [f32]>),
+) {
+    let hd = NV * 16;
+    let rescale = _mm256_set1_ps(code_rescale::<E>());
+    let (mut max0, mut max1) = (_mm256_set1_ps(st0.m), _mm256_set1_ps(st1.m));
+    let mut i = 0;
+    while i + 8 <= n {
+        let (mut s0, mut s1) = scores8_pair::<NV, E>(q0, q1, a.k, i * hd);
+        if scaled::<E>() {
+            let ks = _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(i)), rescale);
+            (s0, s1) = (_mm256_mul_ps(s0, ks), _mm256_mul_ps(s1, ks));
+        }
+        _mm256_storeu_ps(sc0.as_mut_ptr().add(i), s0);
+        _mm256_storeu_ps(sc1.as_mut_ptr().add(i), s1);
+        (max0, max1) = (_mm256_max_ps(max0, s0), _mm256_max_ps(max1, s1));
+        i += 8;
+    }
+    enter_scores::<NV, E>(q0, a, 0, 0, (i, n), hmax(max0), st0, sc0, lg0, |_| {});
+    enter_scores::<NV, E>(q1, a, 0, 0, (i, n), hmax(max1), st1, sc1, lg1, |_| {});
+    // The four accumulator sets in locals, so that they stay in registers across the loads of the values.
+    let (mut e0, mut o0, mut e1, mut o1) = (st0.even, st0.odd, st1.even, st1.odd);
+    let v = a.v;
+    let mut i = 0;
+    while i + 2 <= n {
+        let (p00, p01) = (prob::<E>(a, 0, sc0, i), prob::<E>(a, 0, sc0, i + 1));
+        let (p10, p11) = (prob::<E>(a, 0, sc1, i), prob::<E>(a, 0, sc1, i + 1));
+        for j in 0..NV {
+            let (x0, x1) = (ld16::<E>(v, i * hd + j * 16), ld16::<E>(v, (i + 1) * hd + j * 16));
+            e0[j] = _mm512_fmadd_ps(p00, x0, e0[j]);
+            o0[j] = _mm512_fmadd_ps(p01, x1, o0[j]);
+            e1[j] = _mm512_fmadd_ps(p10, x0, e1[j]);
+            o1[j] = _mm512_fmadd_ps(p11, x1, o1[j]);
+        }
+        i += 2;
+    }
+    if i < n {
+        let (p0, p1) = (prob::<E>(a, 0, sc0, i), prob::<E>(a, 0, sc1, i));
+        for j in 0..NV {
+            let x = ld16::<E>(v, i * hd + j * 16);
+            e0[j] = _mm512_fmadd_ps(p0, x, e0[j]);
+            e1[j] = _mm512_fmadd_ps(p1, x, e1[j]);
+        }
+    }
+    (st0.even, st0.odd, st1.even, st1.odd) = (e0, o0, e1, o1);
 }
 
 /// `q` (head_dim floats) times `scale`, as `NV` vectors.
@@ -311,7 +420,7 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
     // The block's slot scales (8-bit arenas), copied beside its widened codes.
     let (mut ksf, mut vsf) = ([0.0f32; 64], [0.0f32; 64]);
-    let mut sc = [f32::NEG_INFINITY; 64];
+    let (mut sc, mut sc_pair) = ([f32::NEG_INFINITY; 64], [f32::NEG_INFINITY; 64]);
     let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
     let (ksw, vsw) = (ksf.as_mut_ptr(), vsf.as_mut_ptr());
     let widened = Arenas {
@@ -339,15 +448,31 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
             e += 16;
         }
     };
-    let fold = |r: usize, n_r: usize, s0: usize| {
+    let fold = |rs: core::ops::Range<usize>, n_r: usize, s0: usize| {
         // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
-        let lg = super::attention::logits_row(logits, r, s0, n_r);
-        let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
-        let st = &mut states[r];
-        if scaled::<E>() {
-            fold_block::<NV, ELEM_F32_SCALED>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg, |_| {});
-        } else {
-            fold_block::<NV, ELEM_F32>(&qv, &widened, 0, 0, n_r, st, &mut sc, lg, |_| {});
+        let lg = |r: usize| super::attention::logits_row(logits, r, s0, n_r);
+        let qv = |r: usize| scaled_query::<NV>(q.add(r * q_stride), scale);
+        let mut r = rs.start;
+        // Rows in pairs where two queries fit in registers beside their accumulators (head_dim up to 64).
+        while NV <= 4 && r + 2 <= rs.end {
+            let (q0, q1) = (qv(r), qv(r + 1));
+            let (done, rest) = states.split_at_mut(r + 1);
+            let st = (&mut done[r], &mut rest[0]);
+            let (sc, lg) = ((&mut sc, &mut sc_pair), (lg(r), lg(r + 1)));
+            if scaled::<E>() {
+                fold_block_pair::<NV, ELEM_F32_SCALED>((&q0, &q1), &widened, n_r, st, sc, lg);
+            } else {
+                fold_block_pair::<NV, ELEM_F32>((&q0, &q1), &widened, n_r, st, sc, lg);
+            }
+            r += 2;
+        }
+        for r in r..rs.end {
+            let st = &mut states[r];
+            if scaled::<E>() {
+                fold_block::<NV, ELEM_F32_SCALED>(&qv(r), &widened, 0, 0, n_r, st, &mut sc, lg(r), |_| {});
+            } else {
+                fold_block::<NV, ELEM_F32>(&qv(r), &widened, 0, 0, n_r, st, &mut sc, lg(r), |_| {});
+            }
         }
     };
     super::attention::for_row_blocks(rows, len0, causal, bs, hd, table, widen, fold);
