@@ -863,15 +863,22 @@ mod tests {
     }
 
     /// The rows kernel against the per-query kernel it replaces in prefill, same instruction set, same data: a
-    /// 512-token chunk on top of 3,584 cached tokens (f16, SmolLM2's 9 heads over 3 kv-heads, head_dim 64), two
-    /// threads, the two paths interleaved. They must agree bit for bit (same arithmetic per row); the timing is
-    /// printed. `cargo test --release -p pagoda-kernels --lib rows_kernel_vs_per_query -- --ignored --nocapture`
+    /// 512-token chunk on top of 3,584 cached tokens (f16, then int8; SmolLM2's 9 heads over 3 kv-heads, head_dim
+    /// 64), two threads, the two paths interleaved. They must agree bit for bit (same arithmetic per row); the
+    /// timing is printed. `cargo test --release -p pagoda-kernels --lib rows_kernel_vs_per_query -- --ignored
+    /// --nocapture`
     #[test]
     #[ignore = "timing; run by hand"]
     fn rows_kernel_vs_per_query() {
+        for dtype in [KvDtype::F16, KvDtype::Int8] {
+            rows_kernel_vs_per_query_over(dtype);
+        }
+    }
+
+    fn rows_kernel_vs_per_query_over(dtype: KvDtype) {
         let (n_heads, n_kv, hd, bs, prior, n_new) = (9usize, 3usize, 64usize, 16usize, 3584usize, 512usize);
         let per_head = (prior + n_new).div_ceil(bs);
-        let mut kv = KvStorage::with_dtype(per_head * n_kv, bs, hd, KvDtype::F16);
+        let mut kv = KvStorage::with_dtype(per_head * n_kv, bs, hd, dtype);
         let val = |i: usize| ((i as f32 * 0.618).fract() - 0.5) * 2.0;
         for b in 0..(per_head * n_kv) as u32 {
             let k: Vec<f32> = (0..bs * hd).map(|i| val(i + 7 * b as usize)).collect();
@@ -905,7 +912,7 @@ mod tests {
                 v[v.len() / 2]
             };
             let (a, b) = (median(&mut t_one), median(&mut t_rows));
-            println!("{:?}: per-query {a:.2} ms, rows {b:.2} ms, {:.2}x", be.simd(), a / b);
+            println!("{dtype} {:?}: per-query {a:.2} ms, rows {b:.2} ms, {:.2}x", be.simd(), a / b);
         }
     }
 }
