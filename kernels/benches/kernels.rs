@@ -239,6 +239,8 @@ fn elementwise(c: &mut Criterion) {
         let mut out = vec![0.0; n * 576];
         let mut qx = rand_vec(&mut rng, n * 576);
         let pos: Vec<u32> = (0..n as u32).map(|p| p + 100).collect();
+        let mut table = pagoda_kernels::RopeTable::new();
+        table.fill(&pos, 64, 100000.0);
         let mut gate = rand_vec(&mut rng, n * 1536);
         let up = rand_vec(&mut rng, n * 1536);
         for (label, be) in &bes {
@@ -246,7 +248,7 @@ fn elementwise(c: &mut Criterion) {
                 b.iter(|| be.rmsnorm(black_box(&x), &wt, 1e-5, black_box(&mut out)))
             });
             g.bench_function(BenchmarkId::new("rope_9x64", label), |b| {
-                b.iter(|| be.rope(black_box(&mut qx), &pos, 9, 64, 100000.0))
+                b.iter(|| be.rope(black_box(&mut qx), &table, 9))
             });
             g.bench_function(BenchmarkId::new("silu_mul_1536", label), |b| {
                 b.iter(|| be.silu_mul(black_box(&mut gate), &up))

@@ -3,6 +3,7 @@
 use crate::cpu::lora::LoraSegment;
 use crate::paged::{AttnProbs, AttnSeq, KvStorage};
 use crate::quant::QMatrix;
+use crate::rope::RopeTable;
 
 /// Model math on one device. All methods take `&self`; implementations parallelise internally.
 pub trait Backend: Send + Sync {
@@ -14,8 +15,9 @@ pub trait Backend: Send + Sync {
     fn embedding(&self, table: &QMatrix, ids: &[u32], out: &mut [f32]);
     /// x, out: `[n][weight.len()]`
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
-    /// x: `[n][n_heads * head_dim]`; llama "normal" RoPE: rotates adjacent pairs (2i, 2i+1) with theta^(-2i/head_dim).
-    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, theta: f32);
+    /// x: `[table.len()][n_heads * table.head_dim()]`; llama "normal" RoPE: rotates each head's adjacent pairs
+    /// (2i, 2i+1) of row `r` by the angles of the table's position `r` ([`RopeTable`]).
+    fn rope(&self, x: &mut [f32], table: &RopeTable, n_heads: usize);
     /// `gate[i] = silu(gate[i]) * up[i]`
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
     /// Writes this step's K and V (rows `[q_row, q_row+n_new)` of k, v: `[rows][n_kv_heads*head_dim]`)

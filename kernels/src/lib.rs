@@ -6,6 +6,7 @@
 //!   row dequantisation, and the Q8_1 activation format used by the quantised matmul;
 //! - [`paged`]: the head-paged KV arenas ([`KvStorage`]) and the per-sequence attention view ([`AttnSeq`]);
 //! - [`backend`]: the [`Backend`] trait (matmul, embedding, RMSNorm, RoPE, SiLU·mul, KV write, paged attention);
+//! - [`rope`]: [`RopeTable`], a step's RoPE rotation, computed once per forward pass for every layer;
 //! - [`cpu`]: [`CpuBackend`], the always-available implementation, with AVX2/FMA/F16C kernels selected at run time
 //!   and portable scalar kernels that double as the test reference;
 //! - [`scores`]: the KV-cache eviction score kernels (key norms, PagedEviction's value/key ratio, KeyDiff, windowed
@@ -32,6 +33,7 @@ pub mod cuda;
 pub mod error;
 pub mod paged;
 pub mod quant;
+pub mod rope;
 
 pub use backend::Backend;
 pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block, hadamard_rotate};
@@ -44,3 +46,4 @@ pub use cudarc;
 pub use error::KernelError;
 pub use paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 pub use quant::{QMatrix, WeightType};
+pub use rope::RopeTable;

@@ -91,7 +91,9 @@ fn rope_matches_cpu() {
         let pos: Vec<u32> = (0..n).map(|i| if i == 0 { 0 } else { rng.random_range(0..131072) }).collect();
         let dpos = cx.upload(&pos).unwrap();
         let mut dx = cx.upload(&x).unwrap();
-        cpu.rope(&mut x, &pos, heads, hd, theta);
+        let mut table = pagoda_kernels::RopeTable::new();
+        table.fill(&pos, hd, theta);
+        cpu.rope(&mut x, &table, heads);
         cx.rope(&mut dx, &dpos, heads, hd, theta).unwrap();
         worst = worst.max(max_err(&cx.download(&dx).unwrap(), &x));
     }

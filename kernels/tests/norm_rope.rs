@@ -45,9 +45,11 @@ fn rope_matches_formula() {
     {
         let positions: Vec<u32> = vec![0, 1, 2, 7, 100, 1023, 4097, 8191];
         let x = rand_vec(&mut rng, positions.len() * n_heads * hd, 1.0);
+        let mut table = pagoda_kernels::RopeTable::new();
+        table.fill(&positions, hd, theta);
         for be in backends() {
             let mut y = x.clone();
-            be.rope(&mut y, &positions, n_heads, hd, theta);
+            be.rope(&mut y, &table, n_heads);
             for (r, &p) in positions.iter().enumerate() {
                 for h in 0..n_heads {
                     let base = (r * n_heads + h) * hd;

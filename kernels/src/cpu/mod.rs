@@ -27,6 +27,7 @@ pub(crate) mod scores_avx2;
 use crate::backend::Backend;
 use crate::paged::{AttnProbs, AttnSeq, KvStorage};
 use crate::quant::QMatrix;
+use crate::rope::RopeTable;
 
 /// Instruction set the CPU backend runs its kernels with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -289,43 +290,26 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, theta: f32) {
+    fn rope(&self, x: &mut [f32], table: &RopeTable, n_heads: usize) {
+        let head_dim = table.head_dim();
         let w = n_heads * head_dim;
-        assert!(head_dim.is_multiple_of(2), "rope: head_dim must be even");
-        assert_eq!(x.len(), positions.len() * w, "rope: x must be [positions.len()][n_heads*head_dim]");
-        let half = head_dim / 2;
-        let inv: Vec<f64> = (0..half).map(|i| f64::from(theta).powf(-2.0 * i as f64 / head_dim as f64)).collect();
-        let mut cos = vec![0.0f32; half];
-        let mut sin = vec![0.0f32; half];
+        assert_eq!(x.len(), table.len() * w, "rope: x must be [table.len()][n_heads*head_dim]");
         let wide = self.simd.has_avx2() && head_dim.is_multiple_of(8);
-        // Per-element tables for the AVX2 path: cc = [c0,c0,c1,c1,..], ss = [-s0,s0,-s1,s1,..].
-        let mut cc = vec![0.0f32; if wide { head_dim } else { 0 }];
-        let mut ss = vec![0.0f32; if wide { head_dim } else { 0 }];
-        for (row, &p) in x.chunks_exact_mut(w).zip(positions) {
-            for i in 0..half {
-                let (s, c) = (f64::from(p) * inv[i]).sin_cos();
-                cos[i] = c as f32;
-                sin[i] = s as f32;
-            }
+        for (r, row) in x.chunks_exact_mut(w).enumerate() {
+            let (cc, ss) = table.row(r);
             if wide {
-                for i in 0..half {
-                    cc[2 * i] = cos[i];
-                    cc[2 * i + 1] = cos[i];
-                    ss[2 * i] = -sin[i];
-                    ss[2 * i + 1] = sin[i];
-                }
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: CPU features detected; head_dim is a multiple of 8 and row is whole heads.
                 unsafe {
-                    avx2::rope_row(row, &cc, &ss)
+                    avx2::rope_row(row, cc, ss)
                 };
                 #[cfg(not(target_arch = "x86_64"))]
                 for h in row.chunks_exact_mut(head_dim) {
-                    scalar::rope_head(h, &cos, &sin);
+                    scalar::rope_head(h, cc, ss);
                 }
             } else {
                 for h in row.chunks_exact_mut(head_dim) {
-                    scalar::rope_head(h, &cos, &sin);
+                    scalar::rope_head(h, cc, ss);
                 }
             }
         }

@@ -96,12 +96,13 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Rotates adjacent pairs of one head vector given per-pair cos/sin.
-pub fn rope_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
-    for ((p, &c), &s) in x.chunks_exact_mut(2).zip(cos).zip(sin) {
+/// Rotates adjacent pairs of one head vector given the per-element tables of [`crate::RopeTable`]
+/// (`cc = [c0, c0, ..]`, `ss = [-s0, s0, ..]`): `(a, b) -> (a·c - b·s, a·s + b·c)`.
+pub fn rope_head(x: &mut [f32], cc: &[f32], ss: &[f32]) {
+    for ((p, c), s) in x.chunks_exact_mut(2).zip(cc.chunks_exact(2)).zip(ss.chunks_exact(2)) {
         let (a, b) = (p[0], p[1]);
-        p[0] = a * c - b * s;
-        p[1] = a * s + b * c;
+        p[0] = a * c[0] + b * s[0];
+        p[1] = a * s[1] + b * c[1];
     }
 }
 

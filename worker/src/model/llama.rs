@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use pagoda_kernels::{AttnProbs, AttnSeq, Backend, KvStorage, QMatrix, WeightType};
+use pagoda_kernels::{AttnProbs, AttnSeq, Backend, KvStorage, QMatrix, RopeTable, WeightType};
 
 use super::config::ModelConfig;
 use super::error::ModelError;
@@ -79,6 +79,8 @@ pub struct Scratch {
     up: Vec<f32>,
     ids: Vec<u32>,
     positions: Vec<u32>,
+    /// The step's RoPE rotation, filled once per forward pass for every layer's queries and keys.
+    rope: RopeTable,
     /// Rows (into the batch) whose logits are wanted, in output order.
     out_rows: Vec<usize>,
     head_in: Vec<f32>,
@@ -387,6 +389,7 @@ impl LlamaModel {
             up,
             ids,
             positions,
+            rope,
             out_rows,
             head_in,
             head_norm,
@@ -406,6 +409,7 @@ impl LlamaModel {
             }
         };
         backend.embedding(&self.embed, ids, x);
+        rope.fill(positions, c.head_dim, c.rope_theta);
 
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
@@ -419,8 +423,8 @@ impl LlamaModel {
             lora(li, LoraTarget::Q, xn, q);
             lora(li, LoraTarget::K, xn, k);
             lora(li, LoraTarget::V, xn, v);
-            backend.rope(q, positions, c.n_heads, c.head_dim, c.rope_theta);
-            backend.rope(k, positions, nkv, c.head_dim, c.rope_theta);
+            backend.rope(q, rope, c.n_heads);
+            backend.rope(k, rope, nkv);
             if captures {
                 captured
                     .copy_layer(seqs, li, |dst, src| {
