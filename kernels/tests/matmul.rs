@@ -124,6 +124,30 @@ fn fast_path_matches_scalar_path() {
     }
 }
 
+/// A prefill-sized call quantises its activations on the pool (in runs of whole 4-row groups) and a decode-sized
+/// one on the calling thread: the products are bit for bit those of one thread, at row counts on both sides of the
+/// cut and off the 4-row groups, on every instruction set.
+#[test]
+fn threads_do_not_change_the_product() {
+    let mut rng = StdRng::seed_from_u64(12);
+    for simd in [Simd::Scalar, Simd::Avx2, Simd::Avx512] {
+        let one = CpuBackend::with_simd(1, simd).with_bf16_matmuls(false);
+        let many = CpuBackend::with_simd(3, simd).with_bf16_matmuls(false);
+        for ty in TYPES {
+            for &(rows, cols, n) in &[(64, 576, 63), (48, 576, 64), (64, 96, 65), (32, 1536, 130), (16, 64, 517)] {
+                let wv = rand_vec(&mut rng, rows * cols, 0.5);
+                let w = QMatrix::quantize(ty, rows, cols, &wv).expect("quantize");
+                let x = rand_vec(&mut rng, n * cols, 3.0);
+                let (mut a, mut b) = (vec![0.0; n * rows], vec![1.0; n * rows]);
+                one.matmul(&w, &x, n, &mut a);
+                many.matmul(&w, &x, n, &mut b);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&a) == bits(&b), "{simd:?} {ty:?} {rows}x{cols} n={n}");
+            }
+        }
+    }
+}
+
 /// The AVX-512 VNNI Q4_1 and Q8_0 kernels (16-row groups, token tiles of up to 8, 4/2/1 groups per tile) against
 /// the scalar path, over row counts that leave partial 16-row groups and token counts hitting every tile width and
 /// remainder.

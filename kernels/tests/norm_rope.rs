@@ -94,3 +94,22 @@ fn silu_mul_matches_formula() {
         }
     }
 }
+
+/// A prefill-sized gate goes to the pool in spans of whole 8-lane vectors: bit for bit what one thread computes,
+/// at lengths on both sides of the cut and off the vector width.
+#[test]
+fn silu_mul_threads_do_not_change_the_result() {
+    let mut rng = StdRng::seed_from_u64(23);
+    for simd in [Simd::Scalar, Simd::Avx2] {
+        let (one, many) = (CpuBackend::with_simd(1, simd), CpuBackend::with_simd(3, simd));
+        for len in [65_535usize, 65_536, 65_541, 512 * 1536 + 3] {
+            let g = rand_vec(&mut rng, len, 12.0);
+            let u = rand_vec(&mut rng, len, 3.0);
+            let (mut a, mut b) = (g.clone(), g);
+            one.silu_mul(&mut a, &u);
+            many.silu_mul(&mut b, &u);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&a) == bits(&b), "{simd:?} len {len}");
+        }
+    }
+}

@@ -229,6 +229,10 @@ impl CpuBackend {
     }
 }
 
+/// Fewest elements an elementwise kernel ([`Backend::silu_mul`]) splits across the pool: a prefill chunk's
+/// activations, not a decode batch's.
+const PAR_MIN_ELEMENTWISE: usize = 1 << 16;
+
 /// A raw pointer that may cross threads; users guarantee disjoint writes.
 #[derive(Clone, Copy)]
 pub(crate) struct SyncPtr(*mut f32);
@@ -317,12 +321,27 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         assert_eq!(gate.len(), up.len(), "silu_mul: gate and up differ in length");
-        match self.simd {
+        let simd = self.simd;
+        let run = move |gate: &mut [f32], up: &[f32]| match simd {
             // SAFETY: CPU features detected before Simd::Avx2 / Avx512 is selected.
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 | Simd::Avx512 => unsafe { avx2::silu_mul(gate, up) },
             _ => scalar::silu_mul(gate, up),
+        };
+        // A prefill chunk's gate goes to the pool (on the calling thread alone it kept the helpers waiting), in
+        // spans of whole 8-lane vectors, so that every element takes the path it takes on one thread.
+        let (len, threads) = (gate.len(), self.threads());
+        if threads <= 1 || len < PAR_MIN_ELEMENTWISE {
+            return run(gate, up);
         }
+        let span = len.div_ceil(threads * 2).next_multiple_of(8);
+        let g = SyncPtr::new(gate);
+        self.par_for(len.div_ceil(span), &|t| {
+            let (a, b) = (t * span, ((t + 1) * span).min(len));
+            // SAFETY: elements a..b of gate belong to this task alone, and gate outlives the call.
+            let gate = unsafe { std::slice::from_raw_parts_mut(g.get().add(a), b - a) };
+            run(gate, &up[a..b]);
+        });
     }
 
     fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
