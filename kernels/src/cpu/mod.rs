@@ -298,6 +298,9 @@ impl Backend for CpuBackend {
         let head_dim = table.head_dim();
         let w = n_heads * head_dim;
         assert_eq!(x.len(), table.len() * w, "rope: x must be [table.len()][n_heads*head_dim]");
+        if x.is_empty() {
+            return;
+        }
         let wide = self.simd.has_avx2() && head_dim.is_multiple_of(8);
         for (r, row) in x.chunks_exact_mut(w).enumerate() {
             let (cc, ss) = table.row(r);
