@@ -113,3 +113,21 @@ fn silu_mul_threads_do_not_change_the_result() {
         }
     }
 }
+
+/// A prefill chunk's rows are normalised on the pool, whole rows to a task: bit for bit what one thread computes.
+#[test]
+fn rmsnorm_threads_do_not_change_the_result() {
+    let mut rng = StdRng::seed_from_u64(24);
+    for simd in [Simd::Scalar, Simd::Avx2] {
+        let (one, many) = (CpuBackend::with_simd(1, simd), CpuBackend::with_simd(3, simd));
+        for (n, d) in [(113usize, 576usize), (512, 576), (7, 10_000), (40, 1536)] {
+            let x = rand_vec(&mut rng, n * d, 4.0);
+            let w = rand_vec(&mut rng, d, 2.0);
+            let (mut a, mut b) = (vec![0.0; n * d], vec![1.0; n * d]);
+            one.rmsnorm(&x, &w, 1e-5, &mut a);
+            many.rmsnorm(&x, &w, 1e-5, &mut b);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&a) == bits(&b), "{simd:?} {n} x {d}");
+        }
+    }
+}

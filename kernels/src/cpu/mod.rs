@@ -229,8 +229,8 @@ impl CpuBackend {
     }
 }
 
-/// Fewest elements an elementwise kernel ([`Backend::silu_mul`]) splits across the pool: a prefill chunk's
-/// activations, not a decode batch's.
+/// Fewest elements an elementwise or row-wise kernel ([`Backend::silu_mul`], [`Backend::rmsnorm`]) splits across
+/// the pool: a prefill chunk's activations, not a decode batch's.
 const PAR_MIN_ELEMENTWISE: usize = 1 << 16;
 
 /// A raw pointer that may cross threads; users guarantee disjoint writes.
@@ -284,14 +284,30 @@ impl Backend for CpuBackend {
             d > 0 && x.len() == out.len() && x.len().is_multiple_of(d),
             "rmsnorm: x, out must be [n][weight.len()]"
         );
-        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            match self.simd {
-                // SAFETY: CPU features detected before Simd::Avx2 / Avx512 is selected.
-                #[cfg(target_arch = "x86_64")]
-                Simd::Avx2 | Simd::Avx512 => unsafe { avx2::rmsnorm_row(xr, weight, eps, or) },
-                _ => scalar::rmsnorm_row(xr, weight, eps, or),
+        let simd = self.simd;
+        let norm = move |x: &[f32], out: &mut [f32]| {
+            for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                match simd {
+                    // SAFETY: CPU features detected before Simd::Avx2 / Avx512 is selected.
+                    #[cfg(target_arch = "x86_64")]
+                    Simd::Avx2 | Simd::Avx512 => unsafe { avx2::rmsnorm_row(xr, weight, eps, or) },
+                    _ => scalar::rmsnorm_row(xr, weight, eps, or),
+                }
             }
+        };
+        // A prefill chunk's rows go to the pool, whole rows to a task (each row's result is its own).
+        let (n, threads) = (x.len() / d, self.threads());
+        if threads <= 1 || x.len() < PAR_MIN_ELEMENTWISE {
+            return norm(x, out);
         }
+        let per_task = n.div_ceil(threads * 2);
+        let o = SyncPtr::new(out);
+        self.par_for(n.div_ceil(per_task), &|t| {
+            let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(n));
+            // SAFETY: rows r0..r1 of out belong to this task alone, and out outlives the call.
+            let out = unsafe { std::slice::from_raw_parts_mut(o.get().add(r0 * d), (r1 - r0) * d) };
+            norm(&x[r0 * d..r1 * d], out);
+        });
     }
 
     fn rope(&self, x: &mut [f32], table: &RopeTable, n_heads: usize) {
