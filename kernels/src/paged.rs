@@ -219,6 +219,19 @@ enum Arena {
     },
 }
 
+/// One row (`head_dim` floats) as a scaled arena of `dtype` stores it: its codes into `codes` and its scale
+/// returned. int8 and e4m3 quantise with one scale per row. The rotated e4m3 dtype rotates the row first, in a
+/// stack copy, because writes run once per token per (layer, kv-head) and must not allocate (`with_dtype` bounds a
+/// rotated arena's head_dim).
+fn encode_scaled_row(dtype: KvDtype, x: &[f32], codes: &mut [u8]) -> f32 {
+    let quantize = if dtype.is_e4m3() { crate::codec::quantize_row_e4m3 } else { crate::codec::quantize_row_i8 };
+    if !dtype.rotates_keys() {
+        return quantize(x, codes);
+    }
+    let mut buf = [0.0f32; crate::codec::MAX_HEAD_DIM];
+    quantize(crate::codec::rotated_copy(x, &mut buf), codes)
+}
+
 impl Arena {
     fn zeroed(dtype: KvDtype, len: usize, head_dim: usize) -> Arena {
         match dtype {
@@ -254,22 +267,24 @@ impl Arena {
             Arena::Scaled { q, scale, head_dim, dtype } => {
                 let hd = *head_dim;
                 debug_assert!(at.is_multiple_of(hd) && x.len().is_multiple_of(hd), "scaled arena: unaligned write");
-                let quantize =
-                    if dtype.is_e4m3() { crate::codec::quantize_row_e4m3 } else { crate::codec::quantize_row_i8 };
                 let rows = q[at..at + x.len()].chunks_exact_mut(hd).zip(&mut scale[at / hd..(at + x.len()) / hd]);
-                if !dtype.rotates_keys() {
-                    for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
-                        *s = quantize(xr, qr);
-                    }
-                    return;
-                }
-                // Rows are rotated in a stack copy (`with_dtype` bounds a rotated arena's head_dim): writes run
-                // once per token per (layer, kv-head), so they must not allocate.
-                let mut buf = [0.0f32; crate::codec::MAX_HEAD_DIM];
                 for ((qr, s), xr) in rows.zip(x.chunks_exact(hd)) {
-                    *s = quantize(crate::codec::rotated_copy(xr, &mut buf), qr);
+                    *s = encode_scaled_row(*dtype, xr, qr);
                 }
             }
+        }
+    }
+
+    /// Stores rows that [`encode_scaled_row`] encoded for this (scaled) arena: codes from `at`, a scale per row.
+    fn write_encoded(&mut self, at: usize, codes: &[u8], scales: &[f32]) {
+        match self {
+            Arena::Scaled { q, scale, head_dim, .. } => {
+                let hd = *head_dim;
+                debug_assert!(at.is_multiple_of(hd) && codes.len() == scales.len() * hd, "scaled arena: bad rows");
+                q[at..at + codes.len()].copy_from_slice(codes);
+                scale[at / hd..at / hd + scales.len()].copy_from_slice(scales);
+            }
+            Arena::F32(_) | Arena::F16(_) => panic!("write_encoded: the arena holds floats, not codes"),
         }
     }
 
@@ -488,6 +503,42 @@ impl KvStorage {
         let at = self.range(b).start + slot * hd;
         self.k.read(at, k_out);
         self.v.read(at, v_out);
+    }
+
+    /// Whether this storage keeps codes and a scale per slot (int8, e4m3): then [`KvStorage::encode_slot`] encodes a
+    /// slot's rows apart from the storage, and [`KvStorage::write_encoded_slot`] stores them.
+    pub fn slot_scaled(&self) -> bool {
+        self.dtype.slot_scaled()
+    }
+
+    /// Encodes one slot's K and V rows (`head_dim` floats each) as [`KvStorage::write_slot`] would store them:
+    /// codes into `k_codes` and `v_codes` (`head_dim` bytes each), the two scales returned. It reads nothing
+    /// of the storage but its dtype, so a step's rows can be encoded in parallel before they are stored. Panics
+    /// unless [`KvStorage::slot_scaled`], or on a row of the wrong length.
+    pub fn encode_slot(&self, k: &[f32], v: &[f32], k_codes: &mut [u8], v_codes: &mut [u8]) -> (f32, f32) {
+        let hd = self.head_dim;
+        assert!(self.slot_scaled(), "encode_slot: a {} storage keeps no codes", self.dtype);
+        assert!(k.len() == hd && v.len() == hd && k_codes.len() == hd && v_codes.len() == hd, "encode_slot: bad row");
+        (encode_scaled_row(self.dtype, k, k_codes), encode_scaled_row(self.dtype.value_dtype(), v, v_codes))
+    }
+
+    /// Stores one slot that [`KvStorage::encode_slot`] encoded: bit for bit what [`KvStorage::write_slot`] of the
+    /// same rows stores.
+    pub fn write_encoded_slot(
+        &mut self,
+        b: u32,
+        slot: usize,
+        (k_codes, k_scale): (&[u8], f32),
+        (v_codes, v_scale): (&[u8], f32),
+    ) {
+        let hd = self.head_dim;
+        assert!(
+            slot < self.block_size && k_codes.len() == hd && v_codes.len() == hd,
+            "write_encoded_slot: bad slot or row length"
+        );
+        let at = self.range(b).start + slot * hd;
+        self.k.write_encoded(at, k_codes, &[k_scale]);
+        self.v.write_encoded(at, v_codes, &[v_scale]);
     }
 
     /// Writes one slot's K and V rows (`head_dim` each), rounding to the dtype.

@@ -6,6 +6,7 @@ use super::{CpuBackend, Simd, SyncPtr, scalar};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512_attention};
 use crate::paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
+use std::cell::Cell;
 use std::ops::Range;
 
 /// New tokens per attention task during prefill.
@@ -36,6 +37,75 @@ pub fn kv_write(kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], 
             }
         }
     }
+}
+
+thread_local! {
+    /// Codes and scales of a step's rows that [`kv_write_encoded`] encodes before it stores them, kept between
+    /// calls so that prefill steps do not allocate.
+    static ENCODED: Cell<(Vec<u8>, Vec<f32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
+
+/// [`kv_write`] into a pool that keeps codes and a scale per slot (int8, e4m3), with the rows encoded on the pool
+/// first: the quantisation is most of such a write, and on the calling thread alone it held up the helpers
+/// through a prefill. The slots are then stored on the calling thread, in [`kv_write`]'s order. The cache comes out
+/// bit for bit as [`kv_write`] writes it. Panics unless [`KvStorage::slot_scaled`].
+pub(crate) fn kv_write_encoded(
+    be: &CpuBackend,
+    kv: &mut KvStorage,
+    k: &[f32],
+    v: &[f32],
+    seqs: &[AttnSeq<'_>],
+    n_kv_heads: usize,
+) {
+    let hd = kv.head_dim();
+    let bs = kv.block_size();
+    let w = n_kv_heads * hd;
+    assert_eq!(k.len(), v.len(), "kv_write: k and v differ in length");
+    assert!(w > 0 && k.len().is_multiple_of(w), "kv_write: k must be [rows][n_kv_heads*head_dim]");
+    for s in seqs {
+        check_seq(s, n_kv_heads, k.len() / w);
+    }
+    // Row i of the encoded buffers is k's and v's i-th run of head_dim: token i / n_kv_heads, kv-head i % n_kv_heads.
+    let rows = k.len() / hd;
+    let (mut codes, mut scales) = ENCODED.take();
+    codes.resize(2 * rows * hd, 0);
+    scales.resize(2 * rows, 0.0);
+    {
+        /// The encoded buffers, written by the tasks at disjoint rows.
+        struct Out(*mut u8, *mut f32);
+        // SAFETY: each task writes only its own rows (below), and the buffers outlive the call.
+        unsafe impl Sync for Out {}
+        impl Out {
+            /// Row `i`'s codes (`hd` bytes) and scale.
+            #[allow(clippy::mut_from_ref)]
+            fn row(&self, i: usize, hd: usize) -> (&mut [u8], &mut f32) {
+                // SAFETY: callers pass a row of the buffers that no other task writes.
+                unsafe { (std::slice::from_raw_parts_mut(self.0.add(i * hd), hd), &mut *self.1.add(i)) }
+            }
+        }
+        let out = Out(codes.as_mut_ptr(), scales.as_mut_ptr());
+        let encoder: &KvStorage = kv;
+        let per_task = rows.div_ceil(be.threads() * 2);
+        be.par_for(rows.div_ceil(per_task), &|t| {
+            for i in t * per_task..((t + 1) * per_task).min(rows) {
+                let ((kc, ks), (vc, vs)) = (out.row(i, hd), out.row(rows + i, hd));
+                (*ks, *vs) = encoder.encode_slot(&k[i * hd..(i + 1) * hd], &v[i * hd..(i + 1) * hd], kc, vc);
+            }
+        });
+    }
+    for s in seqs {
+        for h in 0..n_kv_heads {
+            let table = &s.tables[h];
+            for j in 0..s.n_new {
+                let slot = s.prior_lens[h] + j;
+                let (ki, vi) = ((s.q_row + j) * n_kv_heads + h, rows + (s.q_row + j) * n_kv_heads + h);
+                let kr = (&codes[ki * hd..(ki + 1) * hd], scales[ki]);
+                let vr = (&codes[vi * hd..(vi + 1) * hd], scales[vi]);
+                kv.write_encoded_slot(table[slot / bs], slot % bs, kr, vr);
+            }
+        }
+    }
+    ENCODED.set((codes, scales));
 }
 
 pub(crate) fn check_seq(s: &AttnSeq<'_>, n_kv_heads: usize, rows: usize) {
@@ -714,6 +784,46 @@ mod tests {
             v[v.len() / 2]
         };
         Some((per_query, grouped, median(&mut t_one), median(&mut t_grouped)))
+    }
+
+    /// A prefill chunk's K and V rows encoded on the pool and then stored (`kv_write_encoded`) leave an 8-bit
+    /// cache bit for bit as the one-thread write does: codes and slot scales, every dtype, three sequences with
+    /// cached prefixes over interleaved tables, rows that hold a zero row and an outlier.
+    #[test]
+    fn encoded_kv_write_matches_the_plain_write_bit_for_bit() {
+        let (n_kv, hd, bs) = (3usize, 64usize, 16usize);
+        let (priors, news) = ([0usize, 37, 5], [70usize, 2, 33]);
+        let lens: Vec<usize> = priors.iter().zip(&news).map(|(p, n)| p + n).collect();
+        let rows: usize = news.iter().sum();
+        let val = |i: usize| ((i as f32 * 0.618).fract() - 0.5) * 4.0;
+        let mut k: Vec<f32> = (0..rows * n_kv * hd).map(val).collect();
+        let v: Vec<f32> = (0..rows * n_kv * hd).map(|i| val(3 * i + 1)).collect();
+        k[..hd].fill(0.0);
+        k[5 * hd + 3] = 900.0;
+        let be = CpuBackend::new(3);
+        for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
+            let (mut plain, tables) = decode_cache(dtype, n_kv, hd, bs, &lens);
+            let mut encoded = plain.clone();
+            let prior_lens: Vec<Vec<usize>> = priors.iter().map(|&p| vec![p; n_kv]).collect();
+            let mut q_row = 0;
+            let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
+                .map(|i| {
+                    let s = AttnSeq { q_row, n_new: news[i], tables: &tables[i], prior_lens: &prior_lens[i] };
+                    q_row += news[i];
+                    s
+                })
+                .collect();
+            kv_write(&mut plain, &k, &v, &seqs, n_kv);
+            kv_write_encoded(&be, &mut encoded, &k, &v, &seqs, n_kv);
+            let raw = |kv: &KvStorage| match kv.arenas_any() {
+                KvArenas::Scaled { k, v, k_scale, v_scale, .. } => {
+                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    (k.to_vec(), v.to_vec(), bits(k_scale), bits(v_scale))
+                }
+                _ => panic!("not a scaled cache"),
+            };
+            assert!(raw(&plain) == raw(&encoded), "{dtype}: the encoded write differs");
+        }
     }
 
     /// The rows kernels' block walk hands every row exactly the slots of each block it sees (query r of a causal

@@ -364,6 +364,10 @@ impl Backend for CpuBackend {
     }
 
     fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
+        // A prefill chunk's rows into an 8-bit pool are quantised on the pool; a decode batch's on this thread.
+        if kv.slot_scaled() && self.threads() > 1 && k.len() >= PAR_MIN_ELEMENTWISE {
+            return attention::kv_write_encoded(self, kv, k, v, seqs, n_kv_heads);
+        }
         attention::kv_write(kv, k, v, seqs, n_kv_heads);
     }
 
