@@ -22,18 +22,33 @@ const _: () = assert!(TOKEN_CHUNK <= avx512_attention::MAX_ROWS, "a task's token
 /// `prior_lens[h] ..` of each kv-head's table.
 pub fn kv_write(kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
     let hd = kv.head_dim();
-    let bs = kv.block_size();
+    for_each_new_slot((hd, kv.block_size()), (k.len(), v.len()), seqs, n_kv_heads, |b, slot, i| {
+        kv.write_slot(b, slot, &k[i * hd..(i + 1) * hd], &v[i * hd..(i + 1) * hd]);
+    });
+}
+
+/// The slot walk of the KV writes: checks `k` and `v` (of lengths `lens`, `[rows][n_kv_heads*head_dim]`) and
+/// `seqs` against each other, then calls `store(block, slot in block, i)` for each new slot in order, `i` being the
+/// index of its row among the runs of head_dim in `k` (token `i / n_kv_heads`, kv-head `i % n_kv_heads`).
+fn for_each_new_slot(
+    (hd, bs): (usize, usize),
+    lens: (usize, usize),
+    seqs: &[AttnSeq<'_>],
+    n_kv_heads: usize,
+    mut store: impl FnMut(u32, usize, usize),
+) {
     let w = n_kv_heads * hd;
-    assert_eq!(k.len(), v.len(), "kv_write: k and v differ in length");
-    assert!(w > 0 && k.len().is_multiple_of(w), "kv_write: k must be [rows][n_kv_heads*head_dim]");
+    assert_eq!(lens.0, lens.1, "kv_write: k and v differ in length");
+    assert!(w > 0 && lens.0.is_multiple_of(w), "kv_write: k must be [rows][n_kv_heads*head_dim]");
     for s in seqs {
-        check_seq(s, n_kv_heads, k.len() / w);
+        check_seq(s, n_kv_heads, lens.0 / w);
+    }
+    for s in seqs {
         for h in 0..n_kv_heads {
             let table = &s.tables[h];
             for j in 0..s.n_new {
                 let slot = s.prior_lens[h] + j;
-                let src = (s.q_row + j) * w + h * hd;
-                kv.write_slot(table[slot / bs], slot % bs, &k[src..src + hd], &v[src..src + hd]);
+                store(table[slot / bs], slot % bs, (s.q_row + j) * n_kv_heads + h);
             }
         }
     }
@@ -58,13 +73,7 @@ pub(crate) fn kv_write_encoded(
     n_kv_heads: usize,
 ) {
     let hd = kv.head_dim();
-    let bs = kv.block_size();
-    let w = n_kv_heads * hd;
     assert_eq!(k.len(), v.len(), "kv_write: k and v differ in length");
-    assert!(w > 0 && k.len().is_multiple_of(w), "kv_write: k must be [rows][n_kv_heads*head_dim]");
-    for s in seqs {
-        check_seq(s, n_kv_heads, k.len() / w);
-    }
     // Row i of the encoded buffers is k's and v's i-th run of head_dim: token i / n_kv_heads, kv-head i % n_kv_heads.
     let rows = k.len() / hd;
     let (mut codes, mut scales) = ENCODED.take();
@@ -93,18 +102,11 @@ pub(crate) fn kv_write_encoded(
             }
         });
     }
-    for s in seqs {
-        for h in 0..n_kv_heads {
-            let table = &s.tables[h];
-            for j in 0..s.n_new {
-                let slot = s.prior_lens[h] + j;
-                let (ki, vi) = ((s.q_row + j) * n_kv_heads + h, rows + (s.q_row + j) * n_kv_heads + h);
-                let kr = (&codes[ki * hd..(ki + 1) * hd], scales[ki]);
-                let vr = (&codes[vi * hd..(vi + 1) * hd], scales[vi]);
-                kv.write_encoded_slot(table[slot / bs], slot % bs, kr, vr);
-            }
-        }
-    }
+    for_each_new_slot((hd, kv.block_size()), (k.len(), v.len()), seqs, n_kv_heads, |b, slot, i| {
+        let kr = (&codes[i * hd..(i + 1) * hd], scales[i]);
+        let vr = (&codes[(rows + i) * hd..(rows + i + 1) * hd], scales[rows + i]);
+        kv.write_encoded_slot(b, slot, kr, vr);
+    });
     ENCODED.set((codes, scales));
 }
 
@@ -743,6 +745,18 @@ mod tests {
         (kv, tables)
     }
 
+    /// A prefill step's sequences over `tables`: sequence `i` computes `news[i]` tokens on top of `prior_lens[i]`,
+    /// its rows after the previous sequence's.
+    fn prefill_seqs<'a>(tables: &'a [Vec<Vec<u32>>], prior_lens: &'a [Vec<usize>], news: &[usize]) -> Vec<AttnSeq<'a>> {
+        let mut q_row = 0;
+        let mut seqs = Vec::new();
+        for (i, &n_new) in news.iter().enumerate() {
+            seqs.push(AttnSeq { q_row, n_new, tables: &tables[i], prior_lens: &prior_lens[i] });
+            q_row += n_new;
+        }
+        seqs
+    }
+
     /// One decode step (one token per sequence, `lens[i]` cached slots) over `decode_cache`, both ways on `simd`:
     /// `(per-query output, grouped output, per-query ms, grouped ms)`, medians over `reps`; `None` where the rows
     /// kernel does not apply.
@@ -805,14 +819,7 @@ mod tests {
             let (mut plain, tables) = decode_cache(dtype, n_kv, hd, bs, &lens);
             let mut encoded = plain.clone();
             let prior_lens: Vec<Vec<usize>> = priors.iter().map(|&p| vec![p; n_kv]).collect();
-            let mut q_row = 0;
-            let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
-                .map(|i| {
-                    let s = AttnSeq { q_row, n_new: news[i], tables: &tables[i], prior_lens: &prior_lens[i] };
-                    q_row += news[i];
-                    s
-                })
-                .collect();
+            let seqs = prefill_seqs(&tables, &prior_lens, &news);
             kv_write(&mut plain, &k, &v, &seqs, n_kv);
             kv_write_encoded(&be, &mut encoded, &k, &v, &seqs, n_kv);
             let raw = |kv: &KvStorage| match kv.arenas_any() {
@@ -911,15 +918,9 @@ mod tests {
         for dtype in [KvDtype::F16, KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
             let (kv, tables) = decode_cache(dtype, n_kv, hd, bs, &lens);
             let prior_lens: Vec<Vec<usize>> = priors.iter().map(|&p| vec![p; n_kv]).collect();
-            let mut q_row = 0;
-            let seqs: Vec<AttnSeq<'_>> = (0..lens.len())
-                .map(|i| {
-                    let s = AttnSeq { q_row, n_new: news[i], tables: &tables[i], prior_lens: &prior_lens[i] };
-                    q_row += news[i];
-                    s
-                })
-                .collect();
-            let q: Vec<f32> = (0..q_row * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
+            let seqs = prefill_seqs(&tables, &prior_lens, &news);
+            let rows: usize = news.iter().sum();
+            let q: Vec<f32> = (0..rows * n_heads * hd).map(|i| ((i as f32 * 0.377).fract() - 0.5) * 3.0).collect();
             let scale = 1.0 / (hd as f32).sqrt();
             for simd in [Simd::Avx2, Simd::Avx512] {
                 let be = CpuBackend::with_simd(2, simd);
