@@ -484,16 +484,9 @@ impl KvStorage {
         let bs = self.block_size;
         assert!(k.len() == r.len() && v.len() == r.len(), "write_block_scaled: codes must fill the block");
         assert!(k_scale.len() == bs && v_scale.len() == bs, "write_block_scaled: one scale per slot");
-        let slots = b as usize * bs..(b as usize + 1) * bs;
-        for (arena, codes, scales) in [(&mut self.k, k, k_scale), (&mut self.v, v, v_scale)] {
-            match arena {
-                Arena::Scaled { q, scale, .. } => {
-                    q[r.clone()].copy_from_slice(codes);
-                    scale[slots.clone()].copy_from_slice(scales);
-                }
-                _ => panic!("write_block_scaled on an {} KV cache", self.dtype),
-            }
-        }
+        assert!(self.slot_scaled(), "write_block_scaled on an {} KV cache", self.dtype);
+        self.k.write_encoded(r.start, k, k_scale);
+        self.v.write_encoded(r.start, v, v_scale);
     }
 
     /// Reads one slot's K and V rows (`head_dim` each) as f32, whatever the dtype.

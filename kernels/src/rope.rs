@@ -28,10 +28,11 @@ impl RopeTable {
         self.head_dim = head_dim;
         self.cc.resize(positions.len() * head_dim, 0.0);
         self.ss.resize(positions.len() * head_dim, 0.0);
-        let rows = self.cc.chunks_exact_mut(head_dim).zip(self.ss.chunks_exact_mut(head_dim));
-        for ((cc, ss), &p) in rows.zip(positions) {
-            for i in 0..half {
-                let inv = f64::from(theta).powf(-2.0 * i as f64 / head_dim as f64);
+        // Pair by pair, so that each pair's frequency is computed once for every position.
+        for i in 0..half {
+            let inv = f64::from(theta).powf(-2.0 * i as f64 / head_dim as f64);
+            let rows = self.cc.chunks_exact_mut(head_dim).zip(self.ss.chunks_exact_mut(head_dim));
+            for ((cc, ss), &p) in rows.zip(positions) {
                 let (s, c) = (f64::from(p) * inv).sin_cos();
                 let (s, c) = (s as f32, c as f32);
                 cc[2 * i] = c;

@@ -79,29 +79,17 @@ pub(crate) fn kv_write_encoded(
     let (mut codes, mut scales) = ENCODED.take();
     codes.resize(2 * rows * hd, 0);
     scales.resize(2 * rows, 0.0);
-    {
-        /// The encoded buffers, written by the tasks at disjoint rows.
-        struct Out(*mut u8, *mut f32);
-        // SAFETY: each task writes only its own rows (below), and the buffers outlive the call.
-        unsafe impl Sync for Out {}
-        impl Out {
-            /// Row `i`'s codes (`hd` bytes) and scale.
-            #[allow(clippy::mut_from_ref)]
-            fn row(&self, i: usize, hd: usize) -> (&mut [u8], &mut f32) {
-                // SAFETY: callers pass a row of the buffers that no other task writes.
-                unsafe { (std::slice::from_raw_parts_mut(self.0.add(i * hd), hd), &mut *self.1.add(i)) }
-            }
+    let (c, sc) = (SyncPtr::new(&mut codes), SyncPtr::new(&mut scales));
+    let encoder: &KvStorage = kv;
+    be.par_runs(rows, 1, &|rs| {
+        for i in rs {
+            // SAFETY: rows i and rows + i of the buffers belong to this task alone, and they outlive the call.
+            let (kc, vc) = unsafe { (c.slice(i * hd..(i + 1) * hd), c.slice((rows + i) * hd..(rows + i + 1) * hd)) };
+            let (ks, vs) = encoder.encode_slot(&k[i * hd..(i + 1) * hd], &v[i * hd..(i + 1) * hd], kc, vc);
+            // SAFETY: as above.
+            unsafe { (sc.slice(i..i + 1)[0], sc.slice(rows + i..rows + i + 1)[0]) = (ks, vs) };
         }
-        let out = Out(codes.as_mut_ptr(), scales.as_mut_ptr());
-        let encoder: &KvStorage = kv;
-        let per_task = rows.div_ceil(be.threads() * 2);
-        be.par_for(rows.div_ceil(per_task), &|t| {
-            for i in t * per_task..((t + 1) * per_task).min(rows) {
-                let ((kc, ks), (vc, vs)) = (out.row(i, hd), out.row(rows + i, hd));
-                (*ks, *vs) = encoder.encode_slot(&k[i * hd..(i + 1) * hd], &v[i * hd..(i + 1) * hd], kc, vc);
-            }
-        });
-    }
+    });
     for_each_new_slot((hd, kv.block_size()), (k.len(), v.len()), seqs, n_kv_heads, |b, slot, i| {
         let kr = (&codes[i * hd..(i + 1) * hd], scales[i]);
         let vr = (&codes[(rows + i) * hd..(rows + i + 1) * hd], scales[rows + i]);

@@ -133,25 +133,12 @@ fn quantize_rows_on_pool(be: &CpuBackend, x: &[f32], n: usize, cols: usize, xq: 
     if threads <= 1 || n < PAR_MIN_QUANT_ROWS {
         return quantize_rows(simd, x, n, cols, xq);
     }
-    /// The quantised blocks, written by the tasks at disjoint group ranges.
-    struct Blocks(*mut BlockQ8_1x4);
-    // SAFETY: each task writes only its own groups' blocks (below), and the call outlives every task.
-    unsafe impl Sync for Blocks {}
-    impl Blocks {
-        fn at(&self, i: usize) -> *mut BlockQ8_1x4 {
-            // SAFETY: callers pass an index inside the slice the pointer came from.
-            unsafe { self.0.add(i) }
-        }
-    }
     let nb = cols / QK;
-    let groups = n.div_ceil(4);
-    let per_task = groups.div_ceil(threads * 2);
-    let blocks = Blocks(xq.as_mut_ptr());
-    be.par_for(groups.div_ceil(per_task), &|t| {
-        let (g0, g1) = (t * per_task, ((t + 1) * per_task).min(groups));
-        let (r0, r1) = (4 * g0, (4 * g1).min(n));
-        // SAFETY: groups g0..g1 of xq (blocks g0 * nb .. g1 * nb) belong to this task alone.
-        let out = unsafe { std::slice::from_raw_parts_mut(blocks.at(g0 * nb), (g1 - g0) * nb) };
+    let blocks = SyncPtr::new(xq);
+    be.par_runs(n.div_ceil(4), 1, &|gs| {
+        let (r0, r1) = (4 * gs.start, (4 * gs.end).min(n));
+        // SAFETY: groups gs of xq (blocks gs.start * nb .. gs.end * nb) belong to this task alone.
+        let out = unsafe { blocks.slice(gs.start * nb..gs.end * nb) };
         quantize_rows(simd, &x[r0 * cols..r1 * cols], r1 - r0, cols, out);
     });
 }

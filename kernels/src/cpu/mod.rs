@@ -221,6 +221,17 @@ impl CpuBackend {
 
     /// Runs `f(t)` for every `t in 0..tasks` on the calling thread and up to `threads - 1` helpers, which pull
     /// task indices from a shared counter (so a descheduled core does not hold a fixed share of the work).
+    /// Runs `f` on the pool over about two runs of `0..n` a thread, every run but the last a multiple of `align`
+    /// long: for kernels split on whole units (4-row groups, 8-lane spans, rows), so that each unit is computed as
+    /// on one thread.
+    pub(crate) fn par_runs(&self, n: usize, align: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        if n == 0 {
+            return;
+        }
+        let run = n.div_ceil(self.threads * 2).next_multiple_of(align);
+        self.par_for(n.div_ceil(run), &|t| f(t * run..((t + 1) * run).min(n)));
+    }
+
     pub(crate) fn par_for(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         match &self.pool {
             Some(pool) => pool.run(tasks, f),
@@ -234,19 +245,33 @@ impl CpuBackend {
 const PAR_MIN_ELEMENTWISE: usize = 1 << 16;
 
 /// A raw pointer that may cross threads; users guarantee disjoint writes.
-#[derive(Clone, Copy)]
-pub(crate) struct SyncPtr(*mut f32);
+pub(crate) struct SyncPtr<T = f32>(*mut T);
 // SAFETY: only used to hand disjoint output ranges to pool workers while the owner is blocked in the call.
-unsafe impl Send for SyncPtr {}
+unsafe impl<T> Send for SyncPtr<T> {}
 // SAFETY: as above.
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
-    pub(crate) fn new(p: &mut [f32]) -> SyncPtr {
+unsafe impl<T> Sync for SyncPtr<T> {}
+impl<T> Clone for SyncPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SyncPtr<T> {}
+impl<T> SyncPtr<T> {
+    pub(crate) fn new(p: &mut [T]) -> SyncPtr<T> {
         SyncPtr(p.as_mut_ptr())
     }
     #[inline]
-    pub(crate) fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut T {
         self.0
+    }
+    /// Elements `r` of the slice the pointer came from.
+    ///
+    /// # Safety
+    /// `r` lies inside that slice, the slice outlives the borrow, and nothing else touches `r` meanwhile.
+    #[inline]
+    pub(crate) unsafe fn slice<'a>(self, r: std::ops::Range<usize>) -> &'a mut [T] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(r.start), r.len()) }
     }
 }
 
@@ -300,13 +325,11 @@ impl Backend for CpuBackend {
         if threads <= 1 || x.len() < PAR_MIN_ELEMENTWISE {
             return norm(x, out);
         }
-        let per_task = n.div_ceil(threads * 2);
         let o = SyncPtr::new(out);
-        self.par_for(n.div_ceil(per_task), &|t| {
-            let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(n));
-            // SAFETY: rows r0..r1 of out belong to this task alone, and out outlives the call.
-            let out = unsafe { std::slice::from_raw_parts_mut(o.get().add(r0 * d), (r1 - r0) * d) };
-            norm(&x[r0 * d..r1 * d], out);
+        self.par_runs(n, 1, &|rs| {
+            let span = rs.start * d..rs.end * d;
+            // SAFETY: rows rs of out belong to this task alone, and out outlives the call.
+            norm(&x[span.clone()], unsafe { o.slice(span) });
         });
     }
 
@@ -353,14 +376,9 @@ impl Backend for CpuBackend {
         if threads <= 1 || len < PAR_MIN_ELEMENTWISE {
             return run(gate, up);
         }
-        let span = len.div_ceil(threads * 2).next_multiple_of(8);
         let g = SyncPtr::new(gate);
-        self.par_for(len.div_ceil(span), &|t| {
-            let (a, b) = (t * span, ((t + 1) * span).min(len));
-            // SAFETY: elements a..b of gate belong to this task alone, and gate outlives the call.
-            let gate = unsafe { std::slice::from_raw_parts_mut(g.get().add(a), b - a) };
-            run(gate, &up[a..b]);
-        });
+        // SAFETY: each run of gate belongs to its task alone, and gate outlives the call.
+        self.par_runs(len, 8, &|r| run(unsafe { g.slice(r.clone()) }, &up[r]));
     }
 
     fn kv_write(&self, kv: &mut KvStorage, k: &[f32], v: &[f32], seqs: &[AttnSeq<'_>], n_kv_heads: usize) {
