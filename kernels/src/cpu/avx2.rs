@@ -627,6 +627,10 @@ impl<const NV: usize> Online<NV> {
             _mm256_storeu_ps(sc.as_mut_ptr().add(i), e);
             i += 8;
         }
+        // A block that does not raise the running max would rescale by exp(0) = 1: skipping that is exact.
+        if bmax == self.m {
+            return 1.0;
+        }
         let corr = if self.m == f32::NEG_INFINITY { 0.0 } else { (self.m - bmax).exp() };
         self.m = bmax;
         let cv = _mm256_set1_ps(corr);

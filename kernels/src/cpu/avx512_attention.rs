@@ -121,6 +121,13 @@ impl<const NV: usize> Online<NV> {
             lsum = _mm256_add_ps(lsum, _mm256_maskz_mov_ps(((1u32 << live) - 1) as u8, e));
             i += 8;
         }
+        // A block that does not raise the running max (after the first few, nearly every block, since the
+        // attention sink's score leads) would rescale by exp(0) = 1: skipping it is exact and saves an `expf` and
+        // 2·NV multiplies per block.
+        if bmax == self.m {
+            self.l += hsum(lsum);
+            return;
+        }
         let corr = if self.m == f32::NEG_INFINITY { 0.0 } else { (self.m - bmax).exp() };
         self.m = bmax;
         let cv = _mm512_set1_ps(corr);
