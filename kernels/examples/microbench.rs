@@ -28,6 +28,47 @@ fn min_time(budget: Duration, mut f: impl FnMut()) -> Duration {
     best
 }
 
+/// What one core sustains of 512-bit FMAs (12 independent chains, enough to cover their latency) and of 512-bit
+/// loads from L1 (a 16 KiB buffer summed into 8 chains, 2 loads per add), per second: the ceilings the attention
+/// and matmul kernels are measured against.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn peak_rates() -> (f64, f64) {
+    use std::arch::x86_64::*;
+    const FMA_ITERS: usize = 20_000_000;
+    let (b, c) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-4));
+    let mut acc = [_mm512_set1_ps(0.5); 12];
+    let t = Instant::now();
+    for _ in 0..FMA_ITERS {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    let fma_rate = (FMA_ITERS * 12) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    std::hint::black_box(acc);
+    const LOAD_PASSES: usize = 200_000;
+    let buf = vec![1.0f32; 4096];
+    let mut sum = [_mm512_setzero_ps(); 8];
+    let t = Instant::now();
+    for _ in 0..LOAD_PASSES {
+        let p = std::hint::black_box(buf.as_ptr());
+        for i in (0..4096).step_by(256) {
+            for (k, s) in sum.iter_mut().enumerate() {
+                // SAFETY: i + k * 32 + 32 <= 4096, the buffer's length.
+                let (x0, x1) = unsafe { (_mm512_loadu_ps(p.add(i + k * 32)), _mm512_loadu_ps(p.add(i + k * 32 + 16))) };
+                let x = _mm512_add_ps(x0, x1);
+                *s = _mm512_add_ps(*s, x);
+            }
+        }
+    }
+    let load_rate = (LOAD_PASSES * 256) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    std::hint::black_box(sum);
+    (fma_rate, load_rate)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
@@ -71,6 +112,12 @@ fn main() {
             }
             println!("{line}");
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if "peak".contains(&filter) && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512 F was detected just above.
+        let (fmas, loads) = unsafe { peak_rates() };
+        println!("one core: {fmas:.2} G 512-bit FMAs/s, {loads:.2} G 512-bit L1 loads/s");
     }
     if "bandwidth".contains(&filter) || filter == "bw" {
         let v: Vec<u64> = (0..(96usize << 20) / 8).map(|i| i as u64).collect();
