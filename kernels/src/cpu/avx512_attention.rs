@@ -77,6 +77,16 @@ unsafe fn sum8(f: &[__m256; 8]) -> __m256 {
     _mm256_add_ps(lo, hi)
 }
 
+/// The sum of the 8 lanes of `f` in [`sum8`]'s tree, `((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))`, so that a
+/// slot scored alone gets the score it would get in a group of eight (and from [`scores16_t`]).
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn tree8(f: __m256) -> f32 {
+    let h = _mm256_hadd_ps(f, f);
+    let h = _mm256_hadd_ps(h, h);
+    _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)))
+}
+
 /// Dot product of `q` with the one key row from element `at` of the arena `k`.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
@@ -85,7 +95,7 @@ unsafe fn score1<const NV: usize, const E: u8>(q: &[__m512; NV], k: *const u8, a
     for (j, qj) in q.iter().enumerate().skip(1) {
         a = _mm512_fmadd_ps(*qj, ld16::<E>(k, at + j * 16), a);
     }
-    hsum(fold256(a))
+    tree8(fold256(a))
 }
 
 /// One query's online-softmax state over the blocks seen so far: running max `m`, running sum `l`, and the output
@@ -248,63 +258,153 @@ unsafe fn prob<const E: u8>(a: &Arenas, slot0: usize, sc: &[f32; 64], i: usize) 
     _mm512_set1_ps(if scaled::<E>() { sc[i] * (*a.v_scale.add(slot0 + i) * code_rescale::<E>()) } else { sc[i] })
 }
 
-/// [`scores8`] for two queries over the same 8 key rows: each key vector loaded once for both.
+/// `r[i]` lane `j` becomes lane `i` of result `j`: a 16 × 16 transpose in three stages (pairs of lanes, pairs of
+/// pairs, then 128-bit quarters).
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
-unsafe fn scores8_pair<const NV: usize, const E: u8>(
-    q0: &[__m512; NV],
-    q1: &[__m512; NV],
-    k: *const u8,
-    at: usize,
-) -> (__m256, __m256) {
-    let hd = NV * 16;
-    let (mut a0, mut a1) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
-    for t in 0..8 {
-        let kv = ld16::<E>(k, at + t * hd);
-        a0[t] = _mm512_mul_ps(q0[0], kv);
-        a1[t] = _mm512_mul_ps(q1[0], kv);
+unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
+    let t: [__m512; 16] = core::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i & 1 == 0 { _mm512_unpacklo_ps(a, b) } else { _mm512_unpackhi_ps(a, b) }
+    });
+    // u[4g + k] holds, in each 128-bit quarter L, element 4L + k of rows 4g..4g + 4.
+    let pd = _mm512_castps_pd;
+    let u: [__m512; 16] = core::array::from_fn(|i| {
+        let (g, k) = (i / 4, i % 4);
+        let (a, b) = (pd(t[4 * g + (k >> 1)]), pd(t[4 * g + 2 + (k >> 1)]));
+        _mm512_castpd_ps(if k & 1 == 0 { _mm512_unpacklo_pd(a, b) } else { _mm512_unpackhi_pd(a, b) })
+    });
+    let mut out = [_mm512_setzero_ps(); 16];
+    for k in 0..4 {
+        let (g0, g1, g2, g3) = (u[k], u[4 + k], u[8 + k], u[12 + k]);
+        let v0 = _mm512_shuffle_f32x4(g0, g1, 0x44);
+        let v1 = _mm512_shuffle_f32x4(g0, g1, 0xEE);
+        let v2 = _mm512_shuffle_f32x4(g2, g3, 0x44);
+        let v3 = _mm512_shuffle_f32x4(g2, g3, 0xEE);
+        out[k] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        out[4 + k] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        out[8 + k] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        out[12 + k] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
     }
-    for j in 1..NV {
-        for t in 0..8 {
-            let kv = ld16::<E>(k, at + t * hd + j * 16);
-            a0[t] = _mm512_fmadd_ps(q0[j], kv, a0[t]);
-            a1[t] = _mm512_fmadd_ps(q1[j], kv, a1[t]);
-        }
-    }
-    (sum8(&a0.map(|x| fold256(x))), sum8(&a1.map(|x| fold256(x))))
+    out
 }
 
-/// [`fold_block`] for two rows over the same `n` slots of a widened block ([`ELEM_F32`] or [`ELEM_F32_SCALED`],
-/// from slot 0, nothing to prefetch). One row's fold loads a key or value vector for every FMA, so it is bound by
-/// loads from L1 as much as by FMAs; here each vector loaded feeds both rows. Each row meets exactly
-/// [`fold_block`]'s operations in its order, so both states come out bit-identical to two calls of it.
+/// Widens the keys of the `n` slots (`n <= 16`) of the arena `k` (element type `E`) from element `src` and stores
+/// them transposed at `kt`: vector `d` (16 floats at `kt + 16 d`) holds dimension `d` of the 16 slots, zeros for
+/// slots from `n`.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
-unsafe fn fold_block_pair<const NV: usize, const E: u8>(
-    (q0, q1): (&[__m512; NV], &[__m512; NV]),
+unsafe fn widen_keys_t<const NV: usize, const E: u8>(k: *const u8, src: usize, n: usize, kt: *mut f32) {
+    let hd = NV * 16;
+    for j in 0..NV {
+        let rows: [__m512; 16] =
+            core::array::from_fn(|i| if i < n { ld16::<E>(k, src + i * hd + j * 16) } else { _mm512_setzero_ps() });
+        for (d, v) in transpose16(&rows).iter().enumerate() {
+            _mm512_storeu_ps(kt.add((j * 16 + d) * 16), *v);
+        }
+    }
+}
+
+/// The scores of `R` scaled queries (`qs[r]`, head_dim floats) against 16 slots of transposed keys ([`widen_keys_t`]),
+/// lane `s` of result `r` for slot `s`. Each score is [`scores8`]'s, bit for bit: chain `c_l` runs over dimensions
+/// `l, l + 16, …` (a multiply, then multiply-adds), `a_l = c_l + c_(l+8)` is [`fold256`], and the `a_l` meet in
+/// [`sum8`]'s tree. Here the 16 slots are the lanes, so nothing is reduced across lanes: the 12 shuffles and the
+/// folds per eight scores that [`scores8`] needs become 15 vector adds per sixteen.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn scores16_t<const NV: usize, const R: usize>(qs: [*const f32; R], kt: *const f32) -> [__m512; R] {
+    let key = |d: usize| _mm512_loadu_ps(kt.add(d * 16));
+    let q = |r: usize, d: usize| _mm512_set1_ps(*qs[r].add(d));
+    let a = |l: usize| -> [__m512; R] {
+        let (k0, k8) = (key(l), key(l + 8));
+        let mut c0: [__m512; R] = core::array::from_fn(|r| _mm512_mul_ps(q(r, l), k0));
+        let mut c8: [__m512; R] = core::array::from_fn(|r| _mm512_mul_ps(q(r, l + 8), k8));
+        for j in 1..NV {
+            let (d0, d8) = (l + 16 * j, l + 8 + 16 * j);
+            let (k0, k8) = (key(d0), key(d8));
+            for r in 0..R {
+                c0[r] = _mm512_fmadd_ps(q(r, d0), k0, c0[r]);
+                c8[r] = _mm512_fmadd_ps(q(r, d8), k8, c8[r]);
+            }
+        }
+        core::array::from_fn(|r| _mm512_add_ps(c0[r], c8[r]))
+    };
+    let add = |x: [__m512; R], y: [__m512; R]| -> [__m512; R] { core::array::from_fn(|r| _mm512_add_ps(x[r], y[r])) };
+    let s0123 = add(add(a(0), a(1)), add(a(2), a(3)));
+    let s4567 = add(add(a(4), a(5)), add(a(6), a(7)));
+    add(s0123, s4567)
+}
+
+/// The running max after a block whose scores are `sc[..n]`: the larger of `m` and their max.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn block_max(m: f32, sc: &[f32; 64], n: usize) -> f32 {
+    let mut mv = _mm512_set1_ps(m);
+    let mut i = 0;
+    while i < n {
+        let live = ((1u32 << (n - i).min(16)) - 1) as u16;
+        mv = _mm512_mask_max_ps(mv, live, mv, _mm512_loadu_ps(sc.as_ptr().add(i)));
+        i += 16;
+    }
+    _mm512_reduce_max_ps(mv)
+}
+
+/// Enters a block whose scaled scores are `sc[..n]` into `st` (copying them to `logits` first) and folds the
+/// block's values, from slot 0 of the widened arenas `a` ([`ELEM_F32`] or [`ELEM_F32_SCALED`]): [`fold_block`]
+/// after its scoring.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn fold_scored<const NV: usize, const E: u8>(
+    a: &Arenas,
+    n: usize,
+    st: &mut Online<NV>,
+    sc: &mut [f32; 64],
+    logits: Option<&mut [f32]>,
+) {
+    if let Some(p) = logits {
+        p.copy_from_slice(&sc[..n]);
+    }
+    st.enter_block(sc, n, block_max(st.m, sc, n));
+    let hd = NV * 16;
+    let v = a.v;
+    let mut i = 0;
+    while i + 2 <= n {
+        let (p0, p1) = (prob::<E>(a, 0, sc, i), prob::<E>(a, 0, sc, i + 1));
+        for j in 0..NV {
+            st.even[j] = _mm512_fmadd_ps(p0, ld16::<E>(v, i * hd + j * 16), st.even[j]);
+            st.odd[j] = _mm512_fmadd_ps(p1, ld16::<E>(v, (i + 1) * hd + j * 16), st.odd[j]);
+        }
+        i += 2;
+    }
+    if i < n {
+        let p0 = prob::<E>(a, 0, sc, i);
+        for j in 0..NV {
+            st.even[j] = _mm512_fmadd_ps(p0, ld16::<E>(v, i * hd + j * 16), st.even[j]);
+        }
+    }
+}
+
+/// [`fold_scored`] for two rows over the same `n` slots: each value vector loaded feeds both rows' accumulators.
+/// Each row meets exactly [`fold_scored`]'s operations in its order, so both states come out bit-identical to two
+/// calls of it. (Entering the blocks of all rows first, then folding values, measured slower: the exponentials of
+/// one pair overlap the previous pair's multiply-adds only when they alternate.)
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn fold_scored_pair<const NV: usize, const E: u8>(
     a: &Arenas,
     n: usize,
     (st0, st1): (&mut Online<NV>, &mut Online<NV>),
     (sc0, sc1): (&mut [f32; 64], &mut [f32; 64]),
     (lg0, lg1): (Option<&mut [f32]>, Option<&mut [f32]>),
 ) {
-    let hd = NV * 16;
-    let rescale = _mm256_set1_ps(code_rescale::<E>());
-    let (mut max0, mut max1) = (_mm256_set1_ps(st0.m), _mm256_set1_ps(st1.m));
-    let mut i = 0;
-    while i + 8 <= n {
-        let (mut s0, mut s1) = scores8_pair::<NV, E>(q0, q1, a.k, i * hd);
-        if scaled::<E>() {
-            let ks = _mm256_mul_ps(_mm256_loadu_ps(a.k_scale.add(i)), rescale);
-            (s0, s1) = (_mm256_mul_ps(s0, ks), _mm256_mul_ps(s1, ks));
+    for (sc, lg) in [(&*sc0, lg0), (&*sc1, lg1)] {
+        if let Some(p) = lg {
+            p.copy_from_slice(&sc[..n]);
         }
-        _mm256_storeu_ps(sc0.as_mut_ptr().add(i), s0);
-        _mm256_storeu_ps(sc1.as_mut_ptr().add(i), s1);
-        (max0, max1) = (_mm256_max_ps(max0, s0), _mm256_max_ps(max1, s1));
-        i += 8;
     }
-    enter_scores::<NV, E>(q0, a, 0, 0, (i, n), hmax(max0), st0, sc0, lg0, |_| {});
-    enter_scores::<NV, E>(q1, a, 0, 0, (i, n), hmax(max1), st1, sc1, lg1, |_| {});
+    st0.enter_block(sc0, n, block_max(st0.m, sc0, n));
+    st1.enter_block(sc1, n, block_max(st1.m, sc1, n));
+    let hd = NV * 16;
     // The four accumulator sets in locals, so that they stay in registers across the loads of the values.
     let (mut e0, mut o0, mut e1, mut o1) = (st0.even, st0.odd, st1.even, st1.odd);
     let v = a.v;
@@ -386,6 +486,37 @@ pub const MAX_ROWS: usize = 32;
 /// Largest block (slots × head_dim) [`attend_rows`] widens on its stack.
 pub const MAX_BLOCK_ELEMS: usize = 4096;
 
+/// Floats of [`attend_rows`]'s transposed keys: a block of up to [`MAX_BLOCK_ELEMS`] elements, its slots rounded up
+/// to a whole chunk of 16.
+const KT_ELEMS: usize = MAX_BLOCK_ELEMS + 15 * 128;
+
+/// The scaled scores of the `R` rows from `r0` (scaled queries at `qs + r * hd`) for the `n` slots of a block whose
+/// keys `kt` holds transposed ([`widen_keys_t`]; for 8-bit arenas `ks` holds the slots' key scales, rescaled), into
+/// `sc[r][..n]` (whole chunks of 16 are written).
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_rows<const NV: usize, const E: u8, const R: usize>(
+    qs: *const f32,
+    hd: usize,
+    r0: usize,
+    kt: *const f32,
+    ks: *const f32,
+    n: usize,
+    sc: &mut [[f32; 64]; MAX_ROWS],
+) {
+    let rows: [*const f32; R] = core::array::from_fn(|i| qs.add((r0 + i) * hd));
+    for c in 0..n.div_ceil(16) {
+        let s = scores16_t::<NV, R>(rows, kt.add(c * 16 * hd));
+        // A key's scale multiplies its score, as in `fold_block` (the widened scales carry the e4m3 rescale).
+        let kscale = scaled::<E>().then(|| _mm512_loadu_ps(ks.add(c * 16)));
+        for (i, v) in s.into_iter().enumerate() {
+            let v = kscale.map_or(v, |k| _mm512_mul_ps(v, k));
+            _mm512_storeu_ps(sc[r0 + i].as_mut_ptr().add(c * 16), v);
+        }
+    }
+}
+
 /// Attention of `rows` queries over one head-paged table of element type `E` (as for [`attend_one`]): query `r`
 /// (at `q + r * q_stride`, head_dim floats) sees the first `len0 + r` slots when `causal` (consecutive tokens of
 /// one head) or `len0` slots otherwise, and writes its result at `out + r * out_stride`.
@@ -423,15 +554,24 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
     debug_assert!((1..=MAX_ROWS).contains(&rows) && len0 >= 1 && bs <= 64 && bs * hd <= MAX_BLOCK_ELEMS);
     debug_assert!(matches!(E, ELEM_F16 | ELEM_I8 | ELEM_FP8));
     let mut states: [Online<NV>; MAX_ROWS] = core::array::from_fn(|_| Online::new());
-    let mut kf = [0.0f32; MAX_BLOCK_ELEMS];
+    // The block's keys widened and transposed, 16 slots a chunk ([`widen_keys_t`]), and its values widened.
+    let mut kt = [0.0f32; KT_ELEMS];
     let mut vf = [0.0f32; MAX_BLOCK_ELEMS];
     // The block's slot scales (8-bit arenas), copied beside its widened codes.
     let (mut ksf, mut vsf) = ([0.0f32; 64], [0.0f32; 64]);
-    let (mut sc, mut sc_pair) = ([f32::NEG_INFINITY; 64], [f32::NEG_INFINITY; 64]);
-    let (kw, vw) = (kf.as_mut_ptr(), vf.as_mut_ptr());
+    // Each row's scaled query, and its scores for the block.
+    let mut qs = [0.0f32; MAX_ROWS * 128];
+    let mut sc = [[f32::NEG_INFINITY; 64]; MAX_ROWS];
+    for r in 0..rows {
+        let qv = scaled_query::<NV>(q.add(r * q_stride), scale);
+        for (j, v) in qv.iter().enumerate() {
+            _mm512_storeu_ps(qs.as_mut_ptr().add(r * hd + j * 16), *v);
+        }
+    }
+    let (ktw, vw) = (kt.as_mut_ptr(), vf.as_mut_ptr());
     let (ksw, vsw) = (ksf.as_mut_ptr(), vsf.as_mut_ptr());
     let widened = Arenas {
-        k: kw.cast_const().cast::<u8>(),
+        k: ktw.cast_const().cast::<u8>(),
         v: vw.cast_const().cast::<u8>(),
         k_scale: ksw.cast_const(),
         v_scale: vsw.cast_const(),
@@ -441,44 +581,58 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
         if let Some(nb) = next {
             prefetch_block::<E>(&arenas, hd, nb);
         }
+        let n = elems / hd;
         if scaled::<E>() {
             let slot0 = src / hd;
-            for s in 0..elems / hd {
+            for s in 0..n {
                 *ksw.add(s) = *arenas.k_scale.add(slot0 + s) * code_rescale::<E>();
                 *vsw.add(s) = *arenas.v_scale.add(slot0 + s) * code_rescale::<E>();
             }
         }
+        for c in 0..n.div_ceil(16) {
+            widen_keys_t::<NV, E>(arenas.k, src + c * 16 * hd, (n - c * 16).min(16), ktw.add(c * 16 * hd));
+        }
         let mut e = 0;
         while e < elems {
-            _mm512_storeu_ps(kw.add(e), ld16::<E>(arenas.k, src + e));
             _mm512_storeu_ps(vw.add(e), ld16::<E>(arenas.v, src + e));
             e += 16;
         }
     };
+    let qs = qs.as_ptr();
     let fold = |rs: core::ops::Range<usize>, n_r: usize, s0: usize| {
         // Row r's logits hold its visible slots (the caller's contract), slots s0..s0 + n_r among them.
         let lg = |r: usize| super::attention::logits_row(logits, r, s0, n_r);
-        let qv = |r: usize| scaled_query::<NV>(q.add(r * q_stride), scale);
+        // Every row's scores first, four rows to a pass over the transposed keys (each key vector loaded once
+        // for them), then each row's softmax and values.
         let mut r = rs.start;
-        // Rows in pairs where two queries fit in registers beside their accumulators (head_dim up to 64).
+        while r < rs.end {
+            match rs.end - r {
+                1 => score_rows::<NV, E, 1>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                2 => score_rows::<NV, E, 2>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                3 => score_rows::<NV, E, 3>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                _ => score_rows::<NV, E, 4>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
+            }
+            r += 4;
+        }
+        let mut r = rs.start;
+        // Rows in pairs where two rows' accumulators fit in registers (head_dim up to 64).
         while NV <= 4 && r + 2 <= rs.end {
-            let (q0, q1) = (qv(r), qv(r + 1));
             let (done, rest) = states.split_at_mut(r + 1);
             let st = (&mut done[r], &mut rest[0]);
-            let (sc, lg) = ((&mut sc, &mut sc_pair), (lg(r), lg(r + 1)));
+            let (sd, sr) = sc.split_at_mut(r + 1);
+            let pair = (&mut sd[r], &mut sr[0]);
             if scaled::<E>() {
-                fold_block_pair::<NV, ELEM_F32_SCALED>((&q0, &q1), &widened, n_r, st, sc, lg);
+                fold_scored_pair::<NV, ELEM_F32_SCALED>(&widened, n_r, st, pair, (lg(r), lg(r + 1)));
             } else {
-                fold_block_pair::<NV, ELEM_F32>((&q0, &q1), &widened, n_r, st, sc, lg);
+                fold_scored_pair::<NV, ELEM_F32>(&widened, n_r, st, pair, (lg(r), lg(r + 1)));
             }
             r += 2;
         }
         for r in r..rs.end {
-            let st = &mut states[r];
             if scaled::<E>() {
-                fold_block::<NV, ELEM_F32_SCALED>(&qv(r), &widened, 0, 0, n_r, st, &mut sc, lg(r), |_| {});
+                fold_scored::<NV, ELEM_F32_SCALED>(&widened, n_r, &mut states[r], &mut sc[r], lg(r));
             } else {
-                fold_block::<NV, ELEM_F32>(&qv(r), &widened, 0, 0, n_r, st, &mut sc, lg(r), |_| {});
+                fold_scored::<NV, ELEM_F32>(&widened, n_r, &mut states[r], &mut sc[r], lg(r));
             }
         }
     };
@@ -600,7 +754,7 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
             let c = chains(i);
             let ks = scaled::<E>().then(|| *a.k_scale.add(slot0 + i) * code_rescale::<E>());
             for g in 0..G {
-                sc[g][i] = ks.map_or(hsum(c[g]), |ks| hsum(c[g]) * ks);
+                sc[g][i] = ks.map_or(tree8(c[g]), |ks| tree8(c[g]) * ks);
                 bmax[g] = bmax[g].max(sc[g][i]);
             }
             i += 1;
@@ -640,5 +794,30 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
     }
     for (g, s) in st.iter().enumerate() {
         s.finish(out.add(g * out_stride));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_scored_alone_gets_its_score_in_a_group_of_eight() {
+        if !crate::cpu::avx512_available() {
+            return;
+        }
+        let f: [f32; 8] = [1.0e-3, 3.7, -2.25, 1.0e7, 0.1, -1.0e7, 7.5e-4, 2.0];
+        let mut group = [[0.0f32; 8]; 8];
+        group[5] = f;
+        // SAFETY: as above.
+        let (alone, grouped) = unsafe {
+            let vs: [__m256; 8] = core::array::from_fn(|t| _mm256_loadu_ps(group[t].as_ptr()));
+            let mut out = [0.0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), sum8(&vs));
+            let halves_first = hsum(_mm256_loadu_ps(f.as_ptr()));
+            assert_ne!(halves_first.to_bits(), out[5].to_bits(), "the values must tell the trees apart");
+            (tree8(_mm256_loadu_ps(f.as_ptr())), out[5])
+        };
+        assert_eq!(alone.to_bits(), grouped.to_bits());
     }
 }
