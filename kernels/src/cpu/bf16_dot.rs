@@ -1,4 +1,4 @@
-//! The bf16 matmul without AMX tiles: `vdpbf16ps` (AVX-512 BF16, e.g. AMD Zen 4, Intel Cooper Lake) over the same
+//! The bf16 matmul without AMX tiles: `vdpbf16ps` (AVX-512 BF16, e.g. AMD Zen 4 and 5, Intel Cooper Lake) over the same
 //! widened weights and bf16 activations as [`super::amx`], for CPUs that have the instruction but not the tiles.
 //!
 //! The AMX weight layout is already what a vector dot product wants: row `p` of a block's weight tile holds the

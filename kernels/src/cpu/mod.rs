@@ -105,7 +105,7 @@ pub fn bf16_matmuls_available() -> bool {
 pub enum Bf16Kernel {
     /// AMX `tdpbf16ps` tiles (Sapphire Rapids and later).
     Tiles,
-    /// AVX-512 BF16 `vdpbf16ps` over the same widened weights (Zen 4, Cooper Lake, and AMX CPUs told not to use
+    /// AVX-512 BF16 `vdpbf16ps` over the same widened weights (AMD Zen 4 and 5, Cooper Lake, and AMX CPUs told not to use
     /// their tiles).
     Dot,
 }
