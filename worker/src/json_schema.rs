@@ -22,7 +22,8 @@
 //!   which is written without escapes ([`ByteDfa::compile_json_string`]); both together through a `LengthTable`,
 //!   so that the string can always end on a match of an allowed length; arrays `minItems` and `maxItems`; integers
 //!   `minimum`, `maximum` and their exclusive forms, one end or both, as the pattern of the decimal numerals in
-//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`]); numbers the same bounds (of at most
+//!   the range (an open end stops at [`OPEN_INTEGER_BOUND`], and an integer without bounds is the range of two
+//!   open ends); numbers the same bounds (of at most
 //!   [`BOUND_FRACTION_DIGITS`] decimals), as the pattern of the plain decimals (no exponent, at most 15 fraction
 //!   digits) in the range.
 //! - Whitespace between tokens is allowed, [`MAX_WS_RUN`] bytes in a row at most, and numbers are at most
@@ -124,11 +125,10 @@ enum Node {
         pattern: Option<Arc<ByteDfa>>,
         lengths: Option<Arc<LengthTable>>,
     },
-    Number {
-        integer: bool,
-    },
+    /// A number without bounds (JSON's grammar, at most [`MAX_NUMBER_BYTES`] long).
+    Number,
     /// A value written bare (not quoted) that matches the pattern in full, ended by the byte after it: an
-    /// integer with bounds.
+    /// integer, or a number with bounds.
     Bare(Arc<ByteDfa>),
     /// Compact serialisations, sorted and distinct.
     Literals(Vec<Vec<u8>>),
@@ -578,7 +578,7 @@ impl Compiler<'_> {
             self.push(Node::Object { props: Vec::new(), sorted: Vec::new(), map: Some(any) }, path)?,
             self.push(Node::Array { items: any, min: 0, max: u32::MAX }, path)?,
             self.push(Node::Str { min: 0, max: u32::MAX, pattern: None, lengths: None }, path)?,
-            self.push(Node::Number { integer: false }, path)?,
+            self.push(Node::Number, path)?,
             self.push(Node::Literals(vec![b"false".to_vec(), b"null".to_vec(), b"true".to_vec()]), path)?,
         ];
         self.nodes[any as usize] = Node::Choice(alts);
@@ -831,7 +831,7 @@ impl Compiler<'_> {
                 self.push(Node::Str { min, max, pattern, lengths }, path)
             }
             "number" => match Self::number_bounds(obj, path)? {
-                None => self.push(Node::Number { integer: false }, path),
+                None => self.push(Node::Number, path),
                 Some((lo, hi)) => match number_range_pattern(&lo, &hi) {
                     Some(pattern) => {
                         let dfa = self.pattern(&pattern, false, path)?;
@@ -840,13 +840,13 @@ impl Compiler<'_> {
                     None => err(path, "the bounds leave no number"),
                 },
             },
-            "integer" => match Self::integer_range(obj, path)? {
-                None => self.push(Node::Number { integer: true }, path),
-                Some((lo, hi)) => {
-                    let dfa = self.pattern(&integer_range_pattern(lo, hi), false, path)?;
-                    self.push(Node::Bare(dfa), path)
-                }
-            },
+            "integer" => {
+                // Without bounds, the range an open end leaves: 15 digits, so that every client reads the value
+                // exactly (JavaScript's doubles hold integers to 2^53), as with one open end.
+                let (lo, hi) = Self::integer_range(obj, path)?.unwrap_or((-OPEN_INTEGER_BOUND, OPEN_INTEGER_BOUND));
+                let dfa = self.pattern(&integer_range_pattern(lo, hi), false, path)?;
+                self.push(Node::Bare(dfa), path)
+            }
             "boolean" => self.push(Node::Literals(vec![b"false".to_vec(), b"true".to_vec()]), path),
             "null" => self.push(Node::Literals(vec![b"null".to_vec()]), path),
             other => err(&format!("{path}/type"), format!("unknown type `{other}`")),
@@ -1022,7 +1022,7 @@ impl JsonSchema {
                     Node::Object { .. } => set_bit(&mut set, b'{'),
                     Node::Array { .. } => set_bit(&mut set, b'['),
                     Node::Str { .. } => set_bit(&mut set, b'"'),
-                    Node::Number { .. } => {
+                    Node::Number => {
                         for b in b"-0123456789" {
                             set_bit(&mut set, *b);
                         }
@@ -1246,7 +1246,7 @@ impl SchemaState {
                     None => false,
                 },
             },
-            (Phase::Start, Node::Number { .. }) => match Num::start(b) {
+            (Phase::Start, Node::Number) => match Num::start(b) {
                 Some(n) => self.set_if(true, Phase::Num { n, len: 1 }),
                 None => false,
             },
@@ -1349,7 +1349,7 @@ impl SchemaState {
                     StrByte::Reject => false,
                 }
             }
-            (Phase::Num { n, len }, Node::Number { integer }) => match n.next(b, *integer) {
+            (Phase::Num { n, len }, Node::Number) => match n.next(b, false) {
                 // The last byte the bound allows must leave a number that may end.
                 Some(n) => {
                     let len = len + 1;
@@ -1450,7 +1450,7 @@ mod tests {
         let s = person();
         for doc in [
             r#"{"name":"Ann","age":31,"ok":true}"#,
-            r#"{"name":"Ann","age":-0,"nick":null,"tags":["a",12],"ok":false}"#,
+            r#"{"name":"Ann","age":-999999999999999,"nick":null,"tags":["a",12],"ok":false}"#,
             r#"{ "name" : "Zoë" , "age" : 7 , "nick" : "z" , "tags" : [ 1 ] , "ok" : true }"#,
             r#"{"name":"a\"\u00e9","age":12,"tags":[12,1],"ok":true}"#,
             "{\n  \"name\": \"日本\",\n  \"age\": 100,\n  \"ok\": false\n}",
@@ -1774,10 +1774,13 @@ mod tests {
         let pad = " ".repeat(MAX_WS_RUN as usize);
         assert_eq!(run(&s, &format!("{pad}{{{pad}\"name\"")), Some(false));
         assert_eq!(run(&s, &format!("{pad} ")), None);
+        // An integer without bounds stops where an open end does: 15 digits; `-0` is not written.
         let at = |digits: &str| format!(r#"{{"name":"a","age":{digits}"#);
-        let longest = "9".repeat(MAX_NUMBER_BYTES as usize);
+        let longest = "9".repeat(15);
         assert_eq!(run(&s, &at(&longest)), Some(false));
         assert_eq!(run(&s, &at(&format!("{longest}9"))), None);
+        assert_eq!(run(&s, &at(&format!("-{longest}9"))), None);
+        assert_eq!(run(&s, &at("-0")), None);
         assert_eq!(run(&s, &format!("{},\"ok\":true}}", at(&longest))), Some(true));
         // A number cannot be left where it could only go on.
         let any = schema(json!({"type": "object", "additionalProperties": {"type": "number"}}));
