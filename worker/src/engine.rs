@@ -2211,6 +2211,31 @@ pub(crate) struct FakeRunner {
 }
 
 #[cfg(test)]
+impl FakeRunner {
+    /// A fake of 2 layers × 2 heads of 4 dimensions, blocks of 4 slots, a context of 64 tokens and `vocab` tokens
+    /// (the last one the end of sequence), with `num_blocks` blocks.
+    pub(crate) fn new(vocab: usize, num_blocks: usize, delay: Duration) -> FakeRunner {
+        let info = ModelInfo {
+            model_id: "fake".into(),
+            name: "fake".into(),
+            context_length: 64,
+            vocab_size: vocab,
+            eos_token_ids: vec![vocab as u32 - 1],
+            bos_token_id: None,
+            n_layers: 2,
+            n_heads: 2,
+            n_kv_heads: 2,
+            head_dim: 4,
+            block_size: 4,
+            num_blocks,
+            kv_dtype: pagoda_kernels::KvDtype::F32,
+            token_bytes: None,
+        };
+        FakeRunner { info, delay }
+    }
+}
+
+#[cfg(test)]
 impl ModelRunner for FakeRunner {
     fn info(&self) -> &ModelInfo {
         &self.info
@@ -2242,24 +2267,8 @@ mod tests {
     use super::*;
 
     fn fake(num_blocks: usize, delay_ms: u64) -> EngineHandle {
-        let info = ModelInfo {
-            model_id: "fake".into(),
-            name: "fake".into(),
-            context_length: 64,
-            vocab_size: 32,
-            eos_token_ids: vec![31],
-            bos_token_id: None,
-            n_layers: 2,
-            n_heads: 2,
-            n_kv_heads: 2,
-            head_dim: 4,
-            block_size: 4,
-            num_blocks,
-            kv_dtype: pagoda_kernels::KvDtype::F32,
-            token_bytes: None,
-        };
         let cfg = EngineConfig { block_size: 4, ..EngineConfig::default() };
-        Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) })).unwrap()
+        Engine::start_with(cfg, move |_| Ok(FakeRunner::new(32, num_blocks, Duration::from_millis(delay_ms)))).unwrap()
     }
 
     fn req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {

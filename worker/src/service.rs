@@ -859,28 +859,13 @@ mod tests {
     use pagoda_proto::worker::SamplingParams as PbSampling;
 
     use super::*;
-    use crate::engine::{Engine, EngineConfig, FakeRunner, ModelInfo};
+    use crate::engine::{Engine, EngineConfig, FakeRunner};
 
     fn service(num_blocks: usize, delay_ms: u64) -> WorkerService {
-        let info = ModelInfo {
-            model_id: "fake".into(),
-            name: "fake".into(),
-            context_length: 64,
-            vocab_size: 1000,
-            eos_token_ids: vec![999],
-            bos_token_id: None,
-            n_layers: 2,
-            n_heads: 2,
-            n_kv_heads: 2,
-            head_dim: 4,
-            block_size: 4,
-            num_blocks,
-            kv_dtype: pagoda_kernels::KvDtype::F32,
-            token_bytes: None,
-        };
         let cfg = EngineConfig { block_size: 4, num_blocks, ..EngineConfig::default() };
-        let engine = Engine::start_with(cfg, move |_| Ok(FakeRunner { info, delay: Duration::from_millis(delay_ms) }))
-            .expect("fake engine starts");
+        let engine =
+            Engine::start_with(cfg, move |_| Ok(FakeRunner::new(1000, num_blocks, Duration::from_millis(delay_ms))))
+                .expect("fake engine starts");
         WorkerService::new(engine)
     }
 
