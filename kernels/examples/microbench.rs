@@ -69,6 +69,28 @@ unsafe fn peak_rates() -> (f64, f64) {
     (fma_rate, load_rate)
 }
 
+/// What one core sustains of 512-bit `vpdpbusd` (12 independent chains), per second: the VNNI matmul's ceiling.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn peak_dpbusd_rate() -> f64 {
+    use std::arch::x86_64::*;
+    const ITERS: usize = 20_000_000;
+    let (a, b) = (_mm512_set1_epi8(3), _mm512_set1_epi8(5));
+    let mut acc = [_mm512_setzero_si512(); 12];
+    let t = Instant::now();
+    for _ in 0..ITERS {
+        for s in acc.iter_mut() {
+            *s = _mm512_dpbusd_epi32(*s, a, b);
+        }
+    }
+    let rate = (ITERS * 12) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    std::hint::black_box(acc);
+    rate
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1);
@@ -118,6 +140,11 @@ fn main() {
         // SAFETY: AVX-512 F was detected just above.
         let (fmas, loads) = unsafe { peak_rates() };
         println!("one core: {fmas:.2} G 512-bit FMAs/s, {loads:.2} G 512-bit L1 loads/s");
+        if std::arch::is_x86_feature_detected!("avx512vnni") {
+            // SAFETY: AVX-512 F and VNNI were detected.
+            let dots = unsafe { peak_dpbusd_rate() };
+            println!("one core: {dots:.2} G 512-bit vpdpbusd/s ({:.0} G int8 multiply-adds/s)", dots * 64.0);
+        }
     }
     if "bandwidth".contains(&filter) || filter == "bw" {
         let v: Vec<u64> = (0..(96usize << 20) / 8).map(|i| i as u64).collect();
