@@ -9,7 +9,7 @@
 //! codec (the dequantise-on-load kernel), one thread, AVX2, with throughput in KV bytes read per second.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use pagoda_kernels::scores::{window_attention_scores, window_attention_scores_portable};
+use pagoda_kernels::scores::{Window, window_attention_scores, window_attention_scores_portable};
 use pagoda_kernels::{AttnSeq, Backend, Codec, CpuBackend, EncodedKv, KvDtype, KvStorage, QMatrix, Simd, WeightType};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -196,12 +196,7 @@ fn window_scores(c: &mut Criterion) {
                     &kv,
                     &table,
                     len,
-                    black_box(&q),
-                    n_q,
-                    group,
-                    0.125,
-                    first,
-                    2,
+                    Window { q: black_box(&q), n_q, group, scale: 0.125, first_q_slot: first, power: 2 },
                     &mut probs,
                     &mut out,
                 )
@@ -213,12 +208,7 @@ fn window_scores(c: &mut Criterion) {
                     &kv,
                     &table,
                     len,
-                    black_box(&q),
-                    n_q,
-                    group,
-                    0.125,
-                    first,
-                    2,
+                    Window { q: black_box(&q), n_q, group, scale: 0.125, first_q_slot: first, power: 2 },
                     &mut probs,
                     &mut out,
                 )

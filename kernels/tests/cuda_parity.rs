@@ -699,12 +699,7 @@ fn window_scores_match_cpu() {
                     &kv,
                     e.table,
                     e.len,
-                    e.q,
-                    n_q,
-                    group,
-                    scale,
-                    e.first_q_slot,
-                    power,
+                    pagoda_kernels::scores::Window { q: e.q, n_q, group, scale, first_q_slot: e.first_q_slot, power },
                     &mut probs,
                     &mut want,
                 );

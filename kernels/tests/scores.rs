@@ -10,8 +10,8 @@ use common::rand_vec;
 use pagoda_kernels::KvDtype;
 use pagoda_kernels::KvStorage;
 use pagoda_kernels::scores::{
-    RATIO_EPS, add_unit_keys, block_means, key_norms, keydiff_cosine, keydiff_cosine_kept, max_pool1d, select_k,
-    select_one, value_key_ratio, window_attention_scores, window_attention_scores_portable,
+    RATIO_EPS, Window, add_unit_keys, block_means, key_norms, keydiff_cosine, keydiff_cosine_kept, max_pool1d,
+    select_k, select_one, value_key_ratio, window_attention_scores, window_attention_scores_portable,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -284,7 +284,12 @@ fn window_attention_scores_match_reference() {
                     let mut out = init.clone();
                     out.push(-3.0);
                     window_attention_scores(
-                        &c.kv, &c.table, len, &q, n_q, group, scale, first, power, &mut probs, &mut out,
+                        &c.kv,
+                        &c.table,
+                        len,
+                        Window { q: &q, n_q, group, scale, first_q_slot: first, power },
+                        &mut probs,
+                        &mut out,
                     );
                     let want: Vec<f64> = window_ref(&c.k, &q, n_q, group, hd, scale, first, power)
                         .iter()
@@ -301,12 +306,7 @@ fn window_attention_scores_match_reference() {
                         &c.kv,
                         &c.table,
                         len,
-                        &q,
-                        n_q,
-                        group,
-                        scale,
-                        first,
-                        power,
+                        Window { q: &q, n_q, group, scale, first_q_slot: first, power },
                         &mut probs,
                         &mut portable,
                     );
@@ -346,19 +346,21 @@ fn window_attention_scores_over_an_f16_cache_match_reference() {
                 let want = window_ref(&k, &q, n_q, group, hd, scale, first, power);
                 let what = format!("f16 window bs={bs} hd={hd} len={len} n_q={n_q} g={group} p={power}");
                 let mut out = vec![0.0; len];
-                window_attention_scores(&kv, &table, len, &q, n_q, group, scale, first, power, &mut probs, &mut out);
+                window_attention_scores(
+                    &kv,
+                    &table,
+                    len,
+                    Window { q: &q, n_q, group, scale, first_q_slot: first, power },
+                    &mut probs,
+                    &mut out,
+                );
                 assert_close(&out, &want, 1e-5, &what);
                 let mut portable = vec![0.0; len];
                 window_attention_scores_portable(
                     &kv,
                     &table,
                     len,
-                    &q,
-                    n_q,
-                    group,
-                    scale,
-                    first,
-                    power,
+                    Window { q: &q, n_q, group, scale, first_q_slot: first, power },
                     &mut probs,
                     &mut portable,
                 );
@@ -377,8 +379,22 @@ fn window_attention_scores_accumulate_across_calls() {
     let q2 = rand_vec(&mut rng, 2 * 64, 1.0);
     let mut probs = Vec::new();
     let mut both = vec![0.0f32; 37];
-    window_attention_scores(&c.kv, &c.table, 36, &q1, 1, 2, 0.125, 35, 1, &mut probs, &mut both);
-    window_attention_scores(&c.kv, &c.table, 37, &q2, 1, 2, 0.125, 36, 1, &mut probs, &mut both);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        36,
+        Window { q: &q1, n_q: 1, group: 2, scale: 0.125, first_q_slot: 35, power: 1 },
+        &mut probs,
+        &mut both,
+    );
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        37,
+        Window { q: &q2, n_q: 1, group: 2, scale: 0.125, first_q_slot: 36, power: 1 },
+        &mut probs,
+        &mut both,
+    );
     let mut want = window_ref(&c.k[..36], &q1, 1, 2, 64, 0.125, 35, 1);
     want.push(0.0);
     for (w, x) in want.iter_mut().zip(window_ref(&c.k, &q2, 1, 2, 64, 0.125, 36, 1)) {
@@ -598,12 +614,26 @@ fn window_scores_sum_to_query_count_when_all_visible() {
     let q = rand_vec(&mut rng, n_q * group * hd, 2.0);
     let mut probs = Vec::new();
     let mut out = vec![0.0; len];
-    window_attention_scores(&c.kv, &c.table, len, &q, n_q, group, 0.125, len - 1, 1, &mut probs, &mut out);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        len,
+        Window { q: &q, n_q, group, scale: 0.125, first_q_slot: len - 1, power: 1 },
+        &mut probs,
+        &mut out,
+    );
     let total: f32 = out.iter().sum();
     assert!((total - (n_q * group) as f32).abs() < 1e-4, "sum {total}");
     // Squared attention sums to less (probabilities below 1), but to at least (n_q*group)/len.
     let mut sq = vec![0.0; len];
-    window_attention_scores(&c.kv, &c.table, len, &q, n_q, group, 0.125, len - 1, 2, &mut probs, &mut sq);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        len,
+        Window { q: &q, n_q, group, scale: 0.125, first_q_slot: len - 1, power: 2 },
+        &mut probs,
+        &mut sq,
+    );
     let total_sq: f32 = sq.iter().sum();
     assert!(total_sq < total && total_sq >= (n_q * group) as f32 / len as f32 - 1e-5, "squared sum {total_sq}");
 }
@@ -622,24 +652,52 @@ fn window_scores_mask_future_slots() {
 
     // One query at slot 0 sees only slot 0: all of each head's weight lands there.
     let mut out = vec![0.0; len];
-    window_attention_scores(&c.kv, &c.table, len, &q[..group * hd], 1, group, 1.0, 0, 1, &mut probs, &mut out);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        len,
+        Window { q: &q[..group * hd], n_q: 1, group, scale: 1.0, first_q_slot: 0, power: 1 },
+        &mut probs,
+        &mut out,
+    );
     assert!((out[0] - group as f32).abs() < 1e-6, "{out:?}");
     assert!(out[1..].iter().all(|&x| x == 0.0), "{out:?}");
 
     // Queries at slots 3 and 4: slots 5.. (including the huge slot 7) get exactly nothing; slot 4 only from the
     // second query.
     let mut out = vec![0.0; len];
-    window_attention_scores(&c.kv, &c.table, len, &q, 2, group, 1.0, 3, 1, &mut probs, &mut out);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        len,
+        Window { q: &q, n_q: 2, group, scale: 1.0, first_q_slot: 3, power: 1 },
+        &mut probs,
+        &mut out,
+    );
     assert!(out[5..].iter().all(|&x| x == 0.0), "{out:?}");
     assert!((out.iter().sum::<f32>() - 2.0 * group as f32).abs() < 1e-5, "{out:?}");
     let mut first_only = vec![0.0; len];
-    window_attention_scores(&c.kv, &c.table, len, &q[..group * hd], 1, group, 1.0, 3, 1, &mut probs, &mut first_only);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        len,
+        Window { q: &q[..group * hd], n_q: 1, group, scale: 1.0, first_q_slot: 3, power: 1 },
+        &mut probs,
+        &mut first_only,
+    );
     assert_eq!(first_only[4], 0.0);
     assert!(out[4] > 0.0);
 
     // Once visible, slot 7 dominates.
     let mut out = vec![0.0; len];
-    window_attention_scores(&c.kv, &c.table, len, &q[..group * hd], 1, group, 1.0, 9, 1, &mut probs, &mut out);
+    window_attention_scores(
+        &c.kv,
+        &c.table,
+        len,
+        Window { q: &q[..group * hd], n_q: 1, group, scale: 1.0, first_q_slot: 9, power: 1 },
+        &mut probs,
+        &mut out,
+    );
     assert!(out[7] > 0.99 * group as f32, "{out:?}");
 }
 

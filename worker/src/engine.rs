@@ -2337,12 +2337,7 @@ mod tests {
                 &self,
                 _: &[u32],
                 _: usize,
-                _: &[f32],
-                _: usize,
-                _: usize,
-                _: f32,
-                _: usize,
-                _: u32,
+                _: pagoda_kernels::scores::Window<'_>,
                 _: &mut Vec<f32>,
                 _: &mut [f32],
             ) {

@@ -22,6 +22,7 @@ use std::ops::Range;
 use pagoda_kernels::codec::validate_block;
 use pagoda_kernels::cuda::codecs::GPU_CODECS;
 use pagoda_kernels::cuda::{CudaContext, CudaError, ScoreEntry, SlotRange, WindowEntry};
+use pagoda_kernels::scores::Window;
 use pagoda_kernels::{KvDtype, KvStorage, scores};
 
 use crate::cache::BlockId;
@@ -307,15 +308,11 @@ impl PolicyKv for DeviceKv {
         &self,
         table: &[u32],
         len: usize,
-        q: &[f32],
-        n_q: usize,
-        group: usize,
-        scale: f32,
-        first_q_slot: usize,
-        power: u32,
+        window: Window<'_>,
         _probs: &mut Vec<f32>,
         out: &mut [f32],
     ) {
+        let Window { q, n_q, group, scale, first_q_slot, power } = window;
         if len == 0 || n_q == 0 {
             return;
         }

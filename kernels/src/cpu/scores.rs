@@ -274,6 +274,21 @@ fn logits_in_place(
     true
 }
 
+/// The queries of an observation window, as [`window_attention_scores`] reads them.
+#[derive(Clone, Copy, Debug)]
+pub struct Window<'a> {
+    /// `[n_q][group][head_dim]`: the query heads sharing one kv-head for `n_q` consecutive tokens, RoPE'd.
+    pub q: &'a [f32],
+    pub n_q: usize,
+    pub group: usize,
+    /// Multiplies each logit `q·k`.
+    pub scale: f32,
+    /// The slot of the first query's token: query `i` sees slots `0..=first_q_slot + i`.
+    pub first_q_slot: usize,
+    /// Each probability is raised to it (2 for KV-Compress's squared attention, 0 counts the queries).
+    pub power: u32,
+}
+
 /// Attention of observation-window queries over slots `0..len`, accumulated per slot:
 /// `out[s] += Σ_{i<n_q} Σ_{g<group} p_{i,g}(s)^power`.
 ///
@@ -291,25 +306,19 @@ fn logits_in_place(
 /// plus one block of keys (kept by the caller, so repeated calls do not allocate).
 ///
 /// KVC-full's exclusion of the `v` queries nearest each key (Eq. 19) is not applied here.
-#[allow(clippy::too_many_arguments)]
 pub fn window_attention_scores(
     kv: &KvStorage,
     table: &[u32],
     len: usize,
-    q: &[f32],
-    n_q: usize,
-    group: usize,
-    scale: f32,
-    first_q_slot: usize,
-    power: u32,
+    window: Window<'_>,
     probs: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if kv.head_dim().is_multiple_of(8) && super::avx2_available() {
-        return window_attention_scores_avx2(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+        return window_attention_scores_avx2(kv, table, len, window, probs, out);
     }
-    window_attention_scores_portable(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+    window_attention_scores_portable(kv, table, len, window, probs, out);
 }
 
 /// Adds one row of attention probabilities, raised to `power`, to the per-slot metric: `out[s] += p[s]^power`
@@ -332,20 +341,15 @@ pub fn accumulate_probs(probs: &[f32], power: u32, out: &mut [f32]) {
 /// [`window_attention_scores`] with AVX2/FMA/F16C ([`super::scores_avx2`]): the same logits and softmax, keys read
 /// in place.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 fn window_attention_scores_avx2(
     kv: &KvStorage,
     table: &[u32],
     len: usize,
-    q: &[f32],
-    n_q: usize,
-    group: usize,
-    scale: f32,
-    first_q_slot: usize,
-    power: u32,
+    window: Window<'_>,
     probs: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    let Window { q, n_q, group, scale, first_q_slot, power } = window;
     use super::scores_avx2::softmax_accumulate;
     let hd = kv.head_dim();
     assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");
@@ -362,7 +366,7 @@ fn window_attention_scores_avx2(
     let limit = |first: usize, row: usize| visible(row / group).saturating_sub(first);
     if !logits_in_place(kv, table, seen, q, rows, limit, scale, &mut probs[..rows * len], len) {
         // 8-bit keys take the portable path (widened a block at a time by `read_block_k`).
-        return window_attention_scores_portable(kv, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+        return window_attention_scores_portable(kv, table, len, window, probs, out);
     }
     let logits = &mut probs[..rows * len];
     for i in 0..n_q {
@@ -378,20 +382,15 @@ fn window_attention_scores_avx2(
 /// [`window_attention_scores`] in portable Rust: each key block widened to f32 once for all rows. Public so that
 /// tests can hold the SIMD path to it on machines that take the SIMD path.
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
 pub fn window_attention_scores_portable(
     kv: &KvStorage,
     table: &[u32],
     len: usize,
-    q: &[f32],
-    n_q: usize,
-    group: usize,
-    scale: f32,
-    first_q_slot: usize,
-    power: u32,
+    window: Window<'_>,
     probs: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    let Window { q, n_q, group, scale, first_q_slot, power } = window;
     let hd = kv.head_dim();
     let bs = kv.block_size();
     debug_assert_eq!(q.len(), n_q * group * hd, "window_attention_scores: q must be [n_q][group][head_dim]");

@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 use pagoda_kernels::KvStorage;
-use pagoda_kernels::scores;
+use pagoda_kernels::scores::{self, Window};
 
 /// KV reads and moves for the eviction policies, over one (layer, kv-head) table at a time.
 pub trait PolicyKv {
@@ -43,19 +43,13 @@ pub trait PolicyKv {
         anchor: &mut Vec<f32>,
         out: &mut [f32],
     );
-    /// Observation-window attention (raised to `power`) of `n_q` queries, added to `out[..len]`
+    /// Observation-window attention (raised to its power) of the window's queries, added to `out[..len]`
     /// (`scores::window_attention_scores`).
-    #[allow(clippy::too_many_arguments)]
     fn window_attention_scores(
         &self,
         table: &[u32],
         len: usize,
-        q: &[f32],
-        n_q: usize,
-        group: usize,
-        scale: f32,
-        first_q_slot: usize,
-        power: u32,
+        window: Window<'_>,
         probs: &mut Vec<f32>,
         out: &mut [f32],
     );
@@ -101,16 +95,11 @@ impl PolicyKv for KvStorage {
         &self,
         table: &[u32],
         len: usize,
-        q: &[f32],
-        n_q: usize,
-        group: usize,
-        scale: f32,
-        first_q_slot: usize,
-        power: u32,
+        window: Window<'_>,
         probs: &mut Vec<f32>,
         out: &mut [f32],
     ) {
-        scores::window_attention_scores(self, table, len, q, n_q, group, scale, first_q_slot, power, probs, out);
+        scores::window_attention_scores(self, table, len, window, probs, out);
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) {

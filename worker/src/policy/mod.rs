@@ -18,7 +18,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::ops::Range;
 
-use pagoda_kernels::scores;
+use pagoda_kernels::scores::{self, Window};
 
 use crate::cache::{BlockPool, CacheError, SeqBlocks};
 pub use kv::PolicyKv;
@@ -338,18 +338,15 @@ impl PolicyState {
             let len = cache.blocks.lens()[t];
             Self::gather_queries(&mut self.scratch.q, captured, n_q, 0, l, h, 0..d.group(), d);
             let table = &cache.blocks.tables()[t];
-            cache.kv.window_attention_scores(
-                table,
-                len,
-                &self.scratch.q,
+            let window = Window {
+                q: &self.scratch.q,
                 n_q,
-                d.group(),
-                d.scale(),
-                len.saturating_sub(n_q),
+                group: d.group(),
+                scale: d.scale(),
+                first_q_slot: len.saturating_sub(n_q),
                 power,
-                &mut self.scratch.probs,
-                &mut self.metrics[t][..len],
-            );
+            };
+            cache.kv.window_attention_scores(table, len, window, &mut self.scratch.probs, &mut self.metrics[t][..len]);
         }
     }
 
@@ -741,18 +738,8 @@ impl PolicyState {
         Self::gather_queries(&mut sc.q, &self.obs, self.obs_tokens, self.obs_tokens - n_q, l, h, heads, d);
         sc.scores.clear();
         sc.scores.resize(len, 0.0);
-        cache.kv.window_attention_scores(
-            &cache.blocks.tables()[t],
-            len,
-            &sc.q,
-            n_q,
-            n_heads,
-            d.scale(),
-            len - n_q,
-            power,
-            &mut sc.probs,
-            &mut sc.scores,
-        );
+        let window = Window { q: &sc.q, n_q, group: n_heads, scale: d.scale(), first_q_slot: len - n_q, power };
+        cache.kv.window_attention_scores(&cache.blocks.tables()[t], len, window, &mut sc.probs, &mut sc.scores);
     }
 
     /// KeyDiff, once the prompt is in: the sum of every table's normalised keys, from the kept norms, which
