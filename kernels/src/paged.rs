@@ -291,10 +291,7 @@ impl Arena {
     fn read(&self, at: usize, out: &mut [f32]) {
         match self {
             Arena::F32(a) => out.copy_from_slice(&a[at..at + out.len()]),
-            Arena::F16(a) => {
-                let n = out.len();
-                a[at..at + n].reinterpret_cast::<f16>().convert_to_f32_slice(out)
-            }
+            Arena::F16(a) => crate::cpu::widen_f16(&a[at..at + out.len()], out),
             Arena::Scaled { q, scale, head_dim, dtype } => {
                 let hd = *head_dim;
                 debug_assert!(at.is_multiple_of(hd) && out.len().is_multiple_of(hd), "scaled arena: unaligned read");

@@ -397,6 +397,25 @@ pub unsafe fn rank_axpy_f16(low: &[f32], bt: &[u16], out: usize, y: &mut [f32]) 
     }
 }
 
+/// Widens `src` (f16 bit patterns) into `out[..src.len()]`, 16 at a time: exact, as every f16 is an f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen_f16(src: &[u16], out: &mut [f32]) {
+    let n = src.len().min(out.len());
+    let (ps, po) = (src.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let a = _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i) as *const __m128i));
+        let b = _mm256_cvtph_ps(_mm_loadu_si128(ps.add(i + 8) as *const __m128i));
+        _mm256_storeu_ps(po.add(i), a);
+        _mm256_storeu_ps(po.add(i + 8), b);
+        i += 16;
+    }
+    while i < n {
+        *po.add(i) = half::f16::from_bits(*ps.add(i)).to_f32();
+        i += 1;
+    }
+}
+
 /// f16 · f32 (any length).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {
