@@ -188,6 +188,12 @@ fn paged_eviction_keeps_high_value_key_ratio_then_evicts_whole_blocks() {
     }
     assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 20, 21, 22, 23]);
     c.check_blocks();
+    // The ratios the policy keeps per slot (scoring only new slots at a boundary) are the cache's own, slot for
+    // slot, after two evictions moved them.
+    let len = c.blocks.lens()[0];
+    let mut fresh = vec![0.0; len];
+    pagoda_kernels::scores::value_key_ratio(&c.kv, &c.blocks.tables()[0], len, &mut fresh);
+    assert_eq!(&c.policy.metrics(0)[..len], &fresh[..]);
 }
 
 #[test]

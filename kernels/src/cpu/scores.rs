@@ -104,8 +104,14 @@ pub fn key_norms(kv: &KvStorage, table: &[u32], slots: Range<usize>, out: &mut [
 /// The denominator is clamped to [`RATIO_EPS`] so that an all-zero key (never produced by a real projection, but
 /// possible in a zeroed slot) yields a large finite score rather than `inf`/`NaN`, which would poison block means.
 pub fn value_key_ratio(kv: &KvStorage, table: &[u32], len: usize, out: &mut [f32]) {
-    debug_assert!(out.len() >= len, "value_key_ratio: out has {} entries, len is {len}", out.len());
-    for_each_slot(kv, table, len, |i, k, v| {
+    value_key_ratio_in(kv, table, 0..len, out);
+}
+
+/// [`value_key_ratio`] of the slots in `slots` only, written to `out[slots]`: a slot's ratio never changes once
+/// written, so a caller that keeps the ratios per slot scores only the slots written since.
+pub fn value_key_ratio_in(kv: &KvStorage, table: &[u32], slots: Range<usize>, out: &mut [f32]) {
+    debug_assert!(out.len() >= slots.end, "value_key_ratio: out has {} entries, slots end at {}", out.len(), slots.end);
+    for_each_slot_in(kv, table, slots, |i, k, v| {
         out[i] = dot_f32(v, v).sqrt() / dot_f32(k, k).sqrt().max(RATIO_EPS);
     });
 }

@@ -27,6 +27,16 @@ pub trait PolicyKv {
             self.value_key_ratio(table, len, o);
         }
     }
+    /// [`PolicyKv::value_key_ratios`] of the slots `from..len` of each `(table, from..len)` entry, entry `i` into
+    /// `out[i]` (resized to `len - from`). By default each table is scored whole and the head dropped, so that a
+    /// device keeps its one call for all the tables.
+    fn value_key_ratios_from(&self, entries: &[(&[u32], Range<usize>)], out: &mut [Vec<f32>]) {
+        let whole: Vec<(&[u32], usize)> = entries.iter().map(|(table, slots)| (*table, slots.end)).collect();
+        self.value_key_ratios(&whole, out);
+        for ((_, slots), o) in entries.iter().zip(out) {
+            o.drain(..slots.start.min(o.len()));
+        }
+    }
     /// KeyDiff's cosine of each key with the anchor of normalised keys (`scores::keydiff_cosine`).
     fn keydiff_cosine(&self, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]);
     /// Adds `sign · k_i / ‖k_i‖` (norms from `norms`) of the slots `slots` to `unit_key_sum`
@@ -69,6 +79,15 @@ impl PolicyKv for KvStorage {
 
     fn value_key_ratio(&self, table: &[u32], len: usize, out: &mut [f32]) {
         scores::value_key_ratio(self, table, len, out);
+    }
+
+    fn value_key_ratios_from(&self, entries: &[(&[u32], Range<usize>)], out: &mut [Vec<f32>]) {
+        for ((table, slots), o) in entries.iter().zip(out) {
+            o.clear();
+            o.resize(slots.end, 0.0);
+            scores::value_key_ratio_in(self, table, slots.clone(), o);
+            o.drain(..slots.start);
+        }
     }
 
     fn keydiff_cosine(&self, table: &[u32], len: usize, anchor: &mut Vec<f32>, out: &mut [f32]) {

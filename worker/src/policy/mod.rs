@@ -120,10 +120,13 @@ pub struct PolicyState {
     block_size: usize,
     /// Token position of every slot, per table (slots move when the cache is compacted).
     positions: Vec<Vec<u32>>,
-    /// A number per slot, per table, that moves with its slot: accumulated attention (H2O, KV-Compress) or the
+    /// A number per slot, per table, that moves with its slot: accumulated attention (H2O, KV-Compress), the
     /// key's norm (knorm, KeyDiff: computed once when the slot is written instead of over the whole cache every
-    /// step).
+    /// step), or ‖V‖/‖K‖ (PagedEviction: its first `ratios_scored[t]` slots, scored at a block boundary).
     metrics: Vec<Vec<f32>>,
+    /// PagedEviction: how many leading slots of each table hold their ratio in `metrics` (the rest were written
+    /// since the last scoring).
+    ratios_scored: Vec<usize>,
     /// KeyDiff after prefill: per table, the sum of the cached keys' normalised vectors (its anchor times the
     /// length), kept as keys are written and evicted so a decode step reads each key once instead of twice. Empty
     /// until the prompt is in (prefill compacts whole tables and scores from scratch).
@@ -140,14 +143,21 @@ pub struct PolicyState {
 impl PolicyState {
     pub fn new(spec: PolicySpec, dims: AttnDims, block_size: usize) -> PolicyState {
         let tables = dims.n_layers * dims.n_kv_heads;
-        let tracks_metrics =
-            matches!(spec.kind, PolicyKind::H2o | PolicyKind::KvCompress | PolicyKind::Knorm | PolicyKind::Keydiff);
+        let tracks_metrics = matches!(
+            spec.kind,
+            PolicyKind::H2o
+                | PolicyKind::KvCompress
+                | PolicyKind::Knorm
+                | PolicyKind::Keydiff
+                | PolicyKind::PagedEviction
+        );
         PolicyState {
             spec,
             dims,
             block_size,
             positions: if spec.is_full() { Vec::new() } else { vec![Vec::new(); tables] },
             metrics: if tracks_metrics { vec![Vec::new(); tables] } else { Vec::new() },
+            ratios_scored: if spec.kind == PolicyKind::PagedEviction { vec![0; tables] } else { Vec::new() },
             unit_key_sums: Vec::new(),
             obs: Vec::new(),
             obs_tokens: 0,
@@ -169,6 +179,7 @@ impl PolicyState {
     pub fn reset(&mut self) {
         self.positions.iter_mut().for_each(Vec::clear);
         self.metrics.iter_mut().for_each(Vec::clear);
+        self.ratios_scored.iter_mut().for_each(|n| *n = 0);
         self.unit_key_sums.clear();
         self.obs.clear();
         self.obs_tokens = 0;
@@ -194,8 +205,8 @@ impl PolicyState {
         }
     }
 
-    /// The per-slot metric of table `t`: accumulated attention (H2O, KV-Compress), the key norm (knorm, KeyDiff);
-    /// empty for the others. For tests and diagnostics.
+    /// The per-slot metric of table `t`: accumulated attention (H2O, KV-Compress), the key norm (knorm, KeyDiff),
+    /// ‖V‖/‖K‖ as of the last block boundary (PagedEviction); empty for the others. For tests and diagnostics.
     pub fn metrics(&self, t: usize) -> &[f32] {
         self.metrics.get(t).map_or(&[], Vec::as_slice)
     }
@@ -445,26 +456,36 @@ impl PolicyState {
             let len = cache.blocks.lens()[t as usize];
             len > self.spec.budget_tokens && len.is_multiple_of(bs) && len >= 2 * bs
         }));
-        // Every table's scores in one call: on a GPU that is one launch and one copy for the whole sequence.
-        let entries: Vec<(&[u32], usize)> = sc
+        // A slot's ratio never changes once written, so only the slots written since a table's last scoring are
+        // scored, every table in one call: on a GPU that is one launch and one copy for the whole sequence.
+        let entries: Vec<(&[u32], Range<usize>)> = sc
             .idx
             .iter()
-            .map(|&t| (cache.blocks.tables()[t as usize].as_slice(), cache.blocks.lens()[t as usize]))
+            .map(|&t| {
+                let t = t as usize;
+                (cache.blocks.tables()[t].as_slice(), self.ratios_scored[t]..cache.blocks.lens()[t])
+            })
             .collect();
         sc.per_table.resize_with(entries.len(), Vec::new);
-        cache.kv.value_key_ratios(&entries, &mut sc.per_table);
+        cache.kv.value_key_ratios_from(&entries, &mut sc.per_table);
         drop(entries);
         for (i, &t) in sc.idx.iter().enumerate() {
             let t = t as usize;
             let len = cache.blocks.lens()[t];
+            let ratios = &mut self.metrics[t];
+            ratios.resize(len, 0.0);
+            ratios[self.ratios_scored[t]..len].copy_from_slice(&sc.per_table[i]);
+            self.ratios_scored[t] = len;
             let nb = len / bs;
             sc.pooled.resize(nb, 0.0);
-            scores::block_means(&sc.per_table[i], len, bs, &mut sc.pooled);
+            scores::block_means(ratios, len, bs, &mut sc.pooled);
             // The block that just filled is the "recent block" whose filling triggers the eviction (Figure 1);
             // the victim is chosen among the blocks before it, the first one excepted.
             let Some(j) = scores::select_one(&sc.pooled[..nb - 1], false, |j| j > 0 || nb == 2) else { continue };
             let removed = cache.blocks.remove_block(cache.pool, t, j)?;
             self.positions[t].drain(j * bs..j * bs + removed);
+            ratios.drain(j * bs..j * bs + removed);
+            self.ratios_scored[t] = len - removed;
             ev.add(Eviction { slots: removed as u64, blocks: 1 });
         }
         Ok(ev)
@@ -497,7 +518,12 @@ impl PolicyState {
             keep.iter_mut().for_each(|s| *s += first as u32);
             keep.splice(0..0, 0..first as u32);
             keep.extend((len - last) as u32..len as u32);
+            // The ratios just computed are kept for the decode steps' block evictions (`apply_keep` keeps them
+            // with their slots).
+            self.metrics[t].clear();
+            self.metrics[t].extend_from_slice(&self.scratch.scores[..len]);
             ev.add(self.apply_keep(cache, t)?);
+            self.ratios_scored[t] = self.metrics[t].len();
         }
         Ok(ev)
     }
