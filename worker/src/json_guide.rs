@@ -186,15 +186,15 @@ impl Num {
         }
     }
 
-    /// The number after `b`, or `None` when `b` does not continue it (an `integer` has no fraction or exponent).
-    pub(crate) fn next(self, b: u8, integer: bool) -> Option<Num> {
+    /// The number after `b`, or `None` when `b` does not continue it.
+    pub(crate) fn next(self, b: u8) -> Option<Num> {
         match (self, b) {
             (Num::Minus, b'0') => Some(Num::Zero),
             (Num::Minus, b'1'..=b'9') => Some(Num::Int),
             (Num::Int, b'0'..=b'9') => Some(Num::Int),
-            (Num::Zero | Num::Int, b'.') if !integer => Some(Num::Dot),
+            (Num::Zero | Num::Int, b'.') => Some(Num::Dot),
             (Num::Dot | Num::Frac, b'0'..=b'9') => Some(Num::Frac),
-            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Some(Num::Exp),
+            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Some(Num::Exp),
             (Num::Exp, b'+' | b'-') => Some(Num::ExpSign),
             (Num::Exp | Num::ExpSign | Num::ExpDigits, b'0'..=b'9') => Some(Num::ExpDigits),
             _ => None,
@@ -399,7 +399,7 @@ impl JsonState {
                 }
                 StrByte::Reject => false,
             },
-            Mode::Num(n) => match n.next(b, false) {
+            Mode::Num(n) => match n.next(b) {
                 Some(n) => {
                     self.mode = Mode::Num(n);
                     true

@@ -1349,7 +1349,7 @@ impl SchemaState {
                     StrByte::Reject => false,
                 }
             }
-            (Phase::Num { n, len }, Node::Number) => match n.next(b, false) {
+            (Phase::Num { n, len }, Node::Number) => match n.next(b) {
                 // The last byte the bound allows must leave a number that may end.
                 Some(n) => {
                     let len = len + 1;

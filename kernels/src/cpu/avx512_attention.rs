@@ -198,6 +198,22 @@ unsafe fn fold_block<const NV: usize, const E: u8>(
         i += 8;
     }
     enter_scores::<NV, E>(qv, a, base, slot0, (i, n), hmax(bmaxv), st, sc, logits, ahead);
+    fold_values::<NV, E>(a, base, slot0, n, st, sc);
+}
+
+/// The values of the `n` slots from element `base` of `a.v` (value scales from slot `slot0`), each weighted by its
+/// probability in `sc`, added to `st`'s even and odd chains: the end of [`fold_block`] and [`fold_scored`].
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn fold_values<const NV: usize, const E: u8>(
+    a: &Arenas,
+    base: usize,
+    slot0: usize,
+    n: usize,
+    st: &mut Online<NV>,
+    sc: &[f32; 64],
+) {
+    let hd = NV * 16;
     let p = |i: usize| prob::<E>(a, slot0, sc, i);
     let v = a.v;
     let mut i = 0;
@@ -361,27 +377,18 @@ unsafe fn fold_scored<const NV: usize, const E: u8>(
     sc: &mut [f32; 64],
     logits: Option<&mut [f32]>,
 ) {
+    enter_scored(st, sc, n, logits);
+    fold_values::<NV, E>(a, 0, 0, n, st, sc);
+}
+
+/// Enters a block whose scaled scores are `sc[..n]` into `st`, copying them to `logits` first.
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn enter_scored<const NV: usize>(st: &mut Online<NV>, sc: &mut [f32; 64], n: usize, logits: Option<&mut [f32]>) {
     if let Some(p) = logits {
         p.copy_from_slice(&sc[..n]);
     }
     st.enter_block(sc, n, block_max(st.m, sc, n));
-    let hd = NV * 16;
-    let v = a.v;
-    let mut i = 0;
-    while i + 2 <= n {
-        let (p0, p1) = (prob::<E>(a, 0, sc, i), prob::<E>(a, 0, sc, i + 1));
-        for j in 0..NV {
-            st.even[j] = _mm512_fmadd_ps(p0, ld16::<E>(v, i * hd + j * 16), st.even[j]);
-            st.odd[j] = _mm512_fmadd_ps(p1, ld16::<E>(v, (i + 1) * hd + j * 16), st.odd[j]);
-        }
-        i += 2;
-    }
-    if i < n {
-        let p0 = prob::<E>(a, 0, sc, i);
-        for j in 0..NV {
-            st.even[j] = _mm512_fmadd_ps(p0, ld16::<E>(v, i * hd + j * 16), st.even[j]);
-        }
-    }
 }
 
 /// [`fold_scored`] for two rows over the same `n` slots: each value vector loaded feeds both rows' accumulators.
@@ -397,13 +404,8 @@ unsafe fn fold_scored_pair<const NV: usize, const E: u8>(
     (sc0, sc1): (&mut [f32; 64], &mut [f32; 64]),
     (lg0, lg1): (Option<&mut [f32]>, Option<&mut [f32]>),
 ) {
-    for (sc, lg) in [(&*sc0, lg0), (&*sc1, lg1)] {
-        if let Some(p) = lg {
-            p.copy_from_slice(&sc[..n]);
-        }
-    }
-    st0.enter_block(sc0, n, block_max(st0.m, sc0, n));
-    st1.enter_block(sc1, n, block_max(st1.m, sc1, n));
+    enter_scored(st0, sc0, n, lg0);
+    enter_scored(st1, sc1, n, lg1);
     let hd = NV * 16;
     // The four accumulator sets in locals, so that they stay in registers across the loads of the values.
     let (mut e0, mut o0, mut e1, mut o1) = (st0.even, st0.odd, st1.even, st1.odd);
@@ -495,16 +497,15 @@ const KT_ELEMS: usize = MAX_BLOCK_ELEMS + 15 * 128;
 /// `sc[r][..n]` (whole chunks of 16 are written).
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
 unsafe fn score_rows<const NV: usize, const E: u8, const R: usize>(
     qs: *const f32,
-    hd: usize,
     r0: usize,
     kt: *const f32,
     ks: *const f32,
     n: usize,
     sc: &mut [[f32; 64]; MAX_ROWS],
 ) {
+    let hd = NV * 16;
     let rows: [*const f32; R] = core::array::from_fn(|i| qs.add((r0 + i) * hd));
     for c in 0..n.div_ceil(16) {
         let s = scores16_t::<NV, R>(rows, kt.add(c * 16 * hd));
@@ -607,10 +608,10 @@ pub unsafe fn attend_rows<const NV: usize, const E: u8>(
         let mut r = rs.start;
         while r < rs.end {
             match rs.end - r {
-                1 => score_rows::<NV, E, 1>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
-                2 => score_rows::<NV, E, 2>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
-                3 => score_rows::<NV, E, 3>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
-                _ => score_rows::<NV, E, 4>(qs, hd, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                1 => score_rows::<NV, E, 1>(qs, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                2 => score_rows::<NV, E, 2>(qs, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                3 => score_rows::<NV, E, 3>(qs, r, kt.as_ptr(), ksw, n_r, &mut sc),
+                _ => score_rows::<NV, E, 4>(qs, r, kt.as_ptr(), ksw, n_r, &mut sc),
             }
             r += 4;
         }
@@ -754,7 +755,8 @@ unsafe fn group_pass<const NV: usize, const E: u8, const G: usize>(
             let c = chains(i);
             let ks = scaled::<E>().then(|| *a.k_scale.add(slot0 + i) * code_rescale::<E>());
             for g in 0..G {
-                sc[g][i] = ks.map_or(tree8(c[g]), |ks| tree8(c[g]) * ks);
+                let s = tree8(c[g]);
+                sc[g][i] = ks.map_or(s, |ks| s * ks);
                 bmax[g] = bmax[g].max(sc[g][i]);
             }
             i += 1;

@@ -234,8 +234,6 @@ impl CpuBackend {
         self.simd
     }
 
-    /// Runs `f(t)` for every `t in 0..tasks` on the calling thread and up to `threads - 1` helpers, which pull
-    /// task indices from a shared counter (so a descheduled core does not hold a fixed share of the work).
     /// Runs `f` on the pool over about two runs of `0..n` a thread, every run but the last a multiple of `align`
     /// long: for kernels split on whole units (4-row groups, 8-lane spans, rows), so that each unit is computed as
     /// on one thread.
@@ -247,6 +245,8 @@ impl CpuBackend {
         self.par_for(n.div_ceil(run), &|t| f(t * run..((t + 1) * run).min(n)));
     }
 
+    /// Runs `f(t)` for every `t in 0..tasks` on the calling thread and up to `threads - 1` helpers, which pull
+    /// task indices from a shared counter (so a descheduled core does not hold a fixed share of the work).
     pub(crate) fn par_for(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         match &self.pool {
             Some(pool) => pool.run(tasks, f),

@@ -27,14 +27,15 @@ pub trait PolicyKv {
             self.value_key_ratio(table, len, o);
         }
     }
-    /// [`PolicyKv::value_key_ratios`] of the slots `from..len` of each `(table, from..len)` entry, entry `i` into
-    /// `out[i]` (resized to `len - from`). By default each table is scored whole and the head dropped, so that a
-    /// device keeps its one call for all the tables.
-    fn value_key_ratios_from(&self, entries: &[(&[u32], Range<usize>)], out: &mut [Vec<f32>]) {
+    /// [`PolicyKv::value_key_ratio`] of the slots `slots` of each `(table, slots)` entry, entry `i` into
+    /// `out[i][slots]` (a slice indexed by slot, as a per-slot metric is). By default the tables are scored whole
+    /// in one [`PolicyKv::value_key_ratios`] call (a device's one launch) and the slots asked for copied out.
+    fn value_key_ratios_in(&self, entries: &[(&[u32], Range<usize>)], out: &mut [&mut [f32]]) {
         let whole: Vec<(&[u32], usize)> = entries.iter().map(|(table, slots)| (*table, slots.end)).collect();
-        self.value_key_ratios(&whole, out);
-        for ((_, slots), o) in entries.iter().zip(out) {
-            o.drain(..slots.start.min(o.len()));
+        let mut scored = vec![Vec::new(); entries.len()];
+        self.value_key_ratios(&whole, &mut scored);
+        for (((_, slots), o), s) in entries.iter().zip(out).zip(&scored) {
+            o[slots.clone()].copy_from_slice(&s[slots.clone()]);
         }
     }
     /// KeyDiff's cosine of each key with the anchor of normalised keys (`scores::keydiff_cosine`).
@@ -81,12 +82,9 @@ impl PolicyKv for KvStorage {
         scores::value_key_ratio(self, table, len, out);
     }
 
-    fn value_key_ratios_from(&self, entries: &[(&[u32], Range<usize>)], out: &mut [Vec<f32>]) {
+    fn value_key_ratios_in(&self, entries: &[(&[u32], Range<usize>)], out: &mut [&mut [f32]]) {
         for ((table, slots), o) in entries.iter().zip(out) {
-            o.clear();
-            o.resize(slots.end, 0.0);
             scores::value_key_ratio_in(self, table, slots.clone(), o);
-            o.drain(..slots.start);
         }
     }
 

@@ -108,8 +108,6 @@ struct Scratch {
     picked: Vec<u32>,
     q: Vec<f32>,
     sorted: Vec<f32>,
-    /// One score vector per table of a batched score call.
-    per_table: Vec<Vec<f32>>,
 }
 
 /// One sequence's policy state.
@@ -457,24 +455,29 @@ impl PolicyState {
             len > self.spec.budget_tokens && len.is_multiple_of(bs) && len >= 2 * bs
         }));
         // A slot's ratio never changes once written, so only the slots written since a table's last scoring are
-        // scored, every table in one call: on a GPU that is one launch and one copy for the whole sequence.
+        // scored, straight into the kept ratios, every table in one call: on a GPU that is one launch and one copy
+        // for the whole sequence.
+        let lens = cache.blocks.lens();
         let entries: Vec<(&[u32], Range<usize>)> = sc
             .idx
             .iter()
-            .map(|&t| {
-                let t = t as usize;
-                (cache.blocks.tables()[t].as_slice(), self.ratios_scored[t]..cache.blocks.lens()[t])
-            })
+            .map(|&t| (cache.blocks.tables()[t as usize].as_slice(), self.ratios_scored[t as usize]..lens[t as usize]))
             .collect();
-        sc.per_table.resize_with(entries.len(), Vec::new);
-        cache.kv.value_key_ratios_from(&entries, &mut sc.per_table);
-        drop(entries);
-        for (i, &t) in sc.idx.iter().enumerate() {
+        // `idx` ascends, so the tables' ratios are picked out in its order.
+        let mut wanted = sc.idx.iter().peekable();
+        let mut out: Vec<&mut [f32]> = Vec::with_capacity(entries.len());
+        for (t, m) in self.metrics.iter_mut().enumerate() {
+            if wanted.next_if(|&&w| w as usize == t).is_some() {
+                m.resize(lens[t], 0.0);
+                out.push(m);
+            }
+        }
+        cache.kv.value_key_ratios_in(&entries, &mut out);
+        drop((entries, out));
+        for &t in &sc.idx {
             let t = t as usize;
             let len = cache.blocks.lens()[t];
             let ratios = &mut self.metrics[t];
-            ratios.resize(len, 0.0);
-            ratios[self.ratios_scored[t]..len].copy_from_slice(&sc.per_table[i]);
             self.ratios_scored[t] = len;
             let nb = len / bs;
             sc.pooled.resize(nb, 0.0);
