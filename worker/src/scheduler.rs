@@ -874,6 +874,10 @@ impl<P> Scheduler<P> {
             PolicyKind::Keydiff if prefilling => {
                 ((c + spec.max_prefill_chunk()).min(seq.prompt_len), grown.min(c + bs))
             }
+            // PagedEviction evicts a block before a token opens a new one past the budget (two blocks at least);
+            // the per-token policies write the token first and then evict, one slot past the budget.
+            PolicyKind::PagedEviction if prefilling => (seq.prompt_len, grown.min(c.max(2 * bs))),
+            PolicyKind::PagedEviction => (now + uncomputed, grown.min(c.max(2 * bs))),
             _ if prefilling => (seq.prompt_len, grown.min(c + bs)),
             _ => (now + uncomputed, grown.min(c + bs)),
         };

@@ -150,46 +150,49 @@ fn knorm_keeps_the_lowest_key_norms_and_frees_blocks() {
 
 #[test]
 fn paged_eviction_keeps_high_value_key_ratio_then_evicts_whole_blocks() {
-    let mut c = Cache::new(PolicyKind::PagedEviction, 12, 1, 1);
+    let mut c = Cache::new(PolicyKind::PagedEviction, 16, 1, 1);
     // ‖V‖/‖K‖ = ratio(p): the sink (position 0) and the prompt's last tokens have the lowest ratios, as a real
-    // sink's small value has; between them it is high at 5, 7, 8 and 10.
+    // sink's small value has; between them it is highest at 5, 7, 8 and 10, then at 12..16.
     let ratio = |p: usize| match p {
-        0 | 13..16 => 0.01,
+        0 | 21..24 => 0.01,
         5 | 7 | 8 | 10 => 5.0,
+        12..16 => 2.0,
         _ => 1.0,
     };
     let kv = move |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [ratio(p), 0.0, 0.0, 0.0]);
-    let ev = c.step(16, 16, kv, no_q);
-    assert_eq!(
-        c.kept(0),
-        vec![0, 1, 2, 3, 5, 7, 8, 10, 12, 13, 14, 15],
-        "the first and last blocks stay whole; between them the top ratios fill the budget"
-    );
-    assert_eq!((ev.slots, ev.blocks), (4, 1));
+    let ev = c.step(24, 24, kv, no_q);
+    // Prefill: the first and last blocks stay whole and the top ratios between them fill the budget, [0..4)
+    // [5 7 8 10] [12..16) [20..24). That ends on a full block at the budget, so the decode step's block eviction
+    // (Algorithm 3) runs before the next token opens a fifth block: of the blocks between the first and the
+    // recent one, the lower mean (12..16: 2.0) goes.
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 20, 21, 22, 23]);
+    assert_eq!((ev.slots, ev.blocks), (12, 3), "8 prompt slots, then one whole block");
     c.check_blocks();
-    // Decode: nothing until the last block fills; then the block with the lowest mean ratio goes, whole.
-    let low_from_16 =
-        |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [if p >= 16 { 0.001 } else { ratio(p) }, 0.0, 0.0, 0.0]);
+    // Decode: nothing until the last block fills at the budget; then the block with the lowest mean ratio goes,
+    // whole, and the cache never holds more than its budget.
+    let low_from_24 =
+        |_: usize, p: usize| ([1.0, 0.0, 0.0, 0.0], [if p >= 24 { 0.001 } else { ratio(p) }, 0.0, 0.0, 0.0]);
     for i in 0..3 {
-        let ev = c.step(1, 17 + i, low_from_16, no_q);
+        let ev = c.step(1, 25 + i, low_from_24, no_q);
         assert_eq!(ev.slots, 0);
     }
     let blocks_before = c.pool.num_used();
-    let ev = c.step(1, 20, low_from_16, no_q);
+    let ev = c.step(1, 28, low_from_24, no_q);
     assert_eq!((ev.slots, ev.blocks), (4, 1), "one whole block evicted when the last block fills");
-    // Blocks now hold [0..4) [5 7 8 10] [12..16) [16..20): the recent block (lowest of all) stays, the first block
-    // (mean 0.76) stays, and of the two between them the lower mean (12..16: 0.26) goes.
-    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 16, 17, 18, 19]);
+    // Blocks held [0..4) [5 7 8 10] [20..24) [24..28): the recent block (lowest of all) stays, the first block
+    // (mean 0.76) stays, and of the two between them the lower mean (20..24: 0.01) goes.
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 24, 25, 26, 27]);
     assert_eq!(c.pool.num_used(), blocks_before - 1);
     c.check_blocks();
-    // Four more: the blocks between the first and the recent one are [5 7 8 10] (5.0) and [16..20) (0.001).
+    // Four more: the blocks between the first and the recent one are [5 7 8 10] (5.0) and [24..28) (0.001).
     for i in 0..4 {
-        c.step(1, 21 + i, low_from_16, no_q);
+        c.step(1, 29 + i, low_from_24, no_q);
+        assert!(c.blocks.len() <= 16, "the cache holds at most its budget");
     }
-    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 20, 21, 22, 23]);
+    assert_eq!(c.kept(0), vec![0, 1, 2, 3, 5, 7, 8, 10, 28, 29, 30, 31]);
     c.check_blocks();
     // The ratios the policy keeps per slot (scoring only new slots at a boundary) are the cache's own, slot for
-    // slot, after two evictions moved them.
+    // slot, after three evictions moved them.
     let len = c.blocks.lens()[0];
     let mut fresh = vec![0.0; len];
     pagoda_kernels::scores::value_key_ratio(&c.kv, &c.blocks.tables()[0], len, &mut fresh);
@@ -207,7 +210,7 @@ fn paged_eviction_under_two_blocks_still_holds_its_budget() {
     c.check_blocks();
     for i in 0..12 {
         c.step(1, 11 + i, kv, no_q);
-        assert!(c.blocks.len() <= 4 + BS, "the cache stays within the budget and one block");
+        assert!(c.blocks.len() <= 2 * BS, "the cache stays within two blocks");
         c.check_blocks();
     }
 }

@@ -240,7 +240,13 @@ impl PolicyState {
                 return self.after_prefill_chunk(cache);
             }
             self.prefilled = true;
-            return self.after_prefill(cache);
+            let mut ev = self.after_prefill(cache)?;
+            // A prompt that ends on a full block at the budget has its first decode block evicted now, before the
+            // next token needs a new block (PagedEviction's Algorithm 3 checks at the top of each decode step).
+            if cache.blocks.len().is_multiple_of(self.block_size) {
+                ev.add(self.at_block_boundary(cache)?);
+            }
+            return Ok(ev);
         }
         let mut ev = self.after_decode_step(cache)?;
         if cache.blocks.len().is_multiple_of(self.block_size) {
@@ -439,9 +445,12 @@ impl PolicyState {
 
     /// When the last block of the cache has just filled: PagedEviction drops the whole block with the lowest
     /// mean ‖V‖/‖K‖, among the blocks between the first block and that recent one, from every table whose cache
-    /// exceeds the budget. The first block holds the attention sinks; the authors' code never evicts it (see
-    /// [`Self::paged_eviction_prefill`]). Only when no block lies between them (a budget under two blocks) may
-    /// the first block go, so that the cache stays bounded.
+    /// has reached the budget. Algorithm 3 evicts at the top of the decode step whose token would open a new
+    /// block (sequence length a multiple of the block size), so a cache never holds more than its budget: a table
+    /// of budget `C` (a multiple of the block size) holds `C - B + 1` to `C` slots, never `C + B`. The first block
+    /// holds the attention sinks; the authors' code never evicts it (see [`Self::paged_eviction_prefill`]). Only
+    /// when no block lies between them (a budget under two blocks) may the first block go, so that the cache
+    /// stays bounded (at two blocks).
     pub fn at_block_boundary(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
         if self.spec.kind != PolicyKind::PagedEviction {
             return Ok(Eviction::default());
@@ -452,7 +461,7 @@ impl PolicyState {
         sc.idx.clear();
         sc.idx.extend((0..self.positions.len() as u32).filter(|&t| {
             let len = cache.blocks.lens()[t as usize];
-            len > self.spec.budget_tokens && len.is_multiple_of(bs) && len >= 2 * bs
+            len >= self.spec.budget_tokens && len.is_multiple_of(bs) && len >= 2 * bs
         }));
         // A slot's ratio never changes once written, so only the slots written since a table's last scoring are
         // scored, straight into the kept ratios, every table in one call: on a GPU that is one launch and one copy
