@@ -16,7 +16,8 @@
 //! Admission keeps a growth reserve (SGLang's "new token ratio"): a waiting sequence is admitted only while the
 //! blocks the running sequences may still grow into fit next to it. Growth is what each sequence's policy lets it
 //! reach: prompt plus expected decode for full cache and SnapKV, at most budget + one block per table for the
-//! policies that hold their budget while decoding. Expected decode is the remaining `max_tokens` (clipped) times a
+//! policies that hold their budget while decoding (the budget itself for PagedEviction, which evicts before a token
+//! opens a block past it). Expected decode is the remaining `max_tokens` (clipped) times a
 //! ratio that starts at 0.7, decays each step towards 0.1, and rises again to the observed decode fraction when a
 //! step has to preempt: so pruned sequences stop being admitted into room they will need a few steps later, and
 //! recomputing their prompts (the cost of a preemption) becomes rare.
