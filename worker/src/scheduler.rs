@@ -865,6 +865,10 @@ impl<P> Scheduler<P> {
         let grown = now + uncomputed + expected_decode;
         let spec = seq.policy.spec();
         let c = spec.budget_tokens;
+        // The most a budget-holding policy's sequence holds while decoding: PagedEviction evicts a block before a
+        // token opens a new one past the budget (two blocks at least); the per-token policies write the token
+        // first and then evict, one slot past the budget.
+        let held_most = if spec.kind == PolicyKind::PagedEviction { c.max(2 * bs) } else { c + bs };
         let (transient, last) = match spec.kind {
             PolicyKind::Full => (now + uncomputed, grown),
             // SnapKV compresses the prompt once; decoded tokens then accumulate.
@@ -873,14 +877,10 @@ impl<P> Scheduler<P> {
             // The rest hold the budget while decoding (KV-Compress by compressing under pressure). Until the
             // prompt is in, KeyDiff holds budget + one prompt block and the one-shot policies the whole prompt.
             PolicyKind::Keydiff if prefilling => {
-                ((c + spec.max_prefill_chunk()).min(seq.prompt_len), grown.min(c + bs))
+                ((c + spec.max_prefill_chunk()).min(seq.prompt_len), grown.min(held_most))
             }
-            // PagedEviction evicts a block before a token opens a new one past the budget (two blocks at least);
-            // the per-token policies write the token first and then evict, one slot past the budget.
-            PolicyKind::PagedEviction if prefilling => (seq.prompt_len, grown.min(c.max(2 * bs))),
-            PolicyKind::PagedEviction => (now + uncomputed, grown.min(c.max(2 * bs))),
-            _ if prefilling => (seq.prompt_len, grown.min(c + bs)),
-            _ => (now + uncomputed, grown.min(c + bs)),
+            _ if prefilling => (seq.prompt_len, grown.min(held_most)),
+            _ => (now + uncomputed, grown.min(held_most)),
         };
         let last = layout.blocks_for_tokens(last);
         let near = if prefilling {

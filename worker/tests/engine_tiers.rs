@@ -572,11 +572,12 @@ fn evicpress_recomputes_a_hot_context_served_from_a_lossy_copy() {
     let context = (b.len() - 1) / BS * BS;
     let ep = EvicPressConfig {
         // What the 2-bit copy loses (α · (1 − q), 0.1 · 0.34 = 34 ms at the profiled q = 0.66) is worth more than
-        // the time to load the whole copy from host (a few ms) and less than recomputing the context instead (a
-        // 224-token prefill, 110-250 ms from release to debug builds): the new context is stored in 2 bits, and once
-        // it has been asked for several times more than the other, recomputing it pays. Each side has a margin of
-        // 3x or more, so the plan does not turn on how fast this machine prefills (α = 0.6 put the loss at 206 ms,
-        // inside that range: release builds dropped the context instead).
+        // the time to load the whole copy from host (5.2 MB at the GB/s of a RAM copy: a few ms) and less than
+        // recomputing the context instead (a 224-token prefill: 0.1-0.25 s at the 900-2,000 prompt tokens/s that
+        // `pagoda bench engine` measures on 2 cores): the new context is stored in 2 bits, and once it has been
+        // asked for several times more than the other, recomputing it pays. Each side has a margin of about 3x,
+        // so the plan does not turn on how fast the machine prefills (α = 0.6 put the loss at 206 ms, inside that
+        // range: release builds dropped the context instead).
         alpha: 0.1,
         codecs: vec![pagoda_kernels::Codec::Int2Kivi],
         keep_ratios: vec![],

@@ -235,20 +235,16 @@ impl PolicyState {
             return Ok(Eviction::default());
         }
         self.record_step(cache, &step);
-        if !self.prefilled {
-            if step.start + step.n < step.total {
-                return self.after_prefill_chunk(cache);
-            }
+        let mut ev = if self.prefilled {
+            self.after_decode_step(cache)?
+        } else if step.start + step.n < step.total {
+            return self.after_prefill_chunk(cache);
+        } else {
             self.prefilled = true;
-            let mut ev = self.after_prefill(cache)?;
-            // A prompt that ends on a full block at the budget has its first decode block evicted now, before the
-            // next token needs a new block (PagedEviction's Algorithm 3 checks at the top of each decode step).
-            if cache.blocks.len().is_multiple_of(self.block_size) {
-                ev.add(self.at_block_boundary(cache)?);
-            }
-            return Ok(ev);
-        }
-        let mut ev = self.after_decode_step(cache)?;
+            self.after_prefill(cache)?
+        };
+        // After the prompt too: a prompt that ends on a full block at the budget loses a block before the next
+        // token opens a new one (PagedEviction's Algorithm 3 checks at the top of each decode step).
         if cache.blocks.len().is_multiple_of(self.block_size) {
             ev.add(self.at_block_boundary(cache)?);
         }
@@ -477,7 +473,8 @@ impl PolicyState {
         let mut out: Vec<&mut [f32]> = Vec::with_capacity(entries.len());
         for (t, m) in self.metrics.iter_mut().enumerate() {
             if wanted.next_if(|&&w| w as usize == t).is_some() {
-                m.resize(lens[t], 0.0);
+                // `record_step` has already grown every metric to its table's length.
+                debug_assert_eq!(m.len(), lens[t]);
                 out.push(m);
             }
         }
