@@ -16,7 +16,7 @@
 //!
 //! Per configuration: generated tokens/s (all generated tokens over the wall time from the first submit to the
 //! last finish), the largest running batch and the peak pool usage (high-water marks kept by the engine itself,
-//! see [`EngineStats::peak_running`]), TTFT and TPOT medians and p99 (nearest rank), preemptions, tokens computed
+//! see [`EngineStats::peak_running`]), the mean batch over the run's steps, TTFT and TPOT medians and p99 (nearest rank), preemptions, tokens computed
 //! (recomputation after preemption shows here) and evicted blocks, plus tokens/s and largest batch relative to
 //! full cache. With `repeats > 1` every configuration runs that many times, round-robin, and the report keeps its
 //! median run: on a shared machine a single run can be off by a third.
@@ -149,6 +149,10 @@ pub struct ConfigResult {
     pub computed_tokens: u64,
     /// Largest running batch the engine scheduled.
     pub peak_running: u64,
+    /// Forward steps the engine ran for the requests, and the sequences a step computed on average: the batch
+    /// the tokens/s follows, where `peak_running` is only its high-water mark.
+    pub steps: u64,
+    pub mean_batch: f64,
     pub ttft_ms_p50: f64,
     pub ttft_ms_p99: f64,
     pub tpot_ms_p50: f64,
@@ -224,11 +228,11 @@ impl EvictionReport {
             ));
         }
         s.push_str(
-            "| policy | budget | tokens/s | tokens/s range | × full | largest batch | × full | TTFT p50 (s) | \
+            "| policy | budget | tokens/s | tokens/s range | × full | largest batch | × full | mean batch | TTFT p50 (s) | \
              TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | peak pool | preemptions | computed tokens | \
              evicted blocks | generated |\n",
         );
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         let range = |v: &[f64]| {
             let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
             let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -237,7 +241,7 @@ impl EvictionReport {
         let ratio = |r: Option<f64>| r.map_or_else(|| "—".to_owned(), |v| format!("{v:.2}"));
         for r in &self.results {
             s.push_str(&format!(
-                "| {} | {} | {:.1} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {} | {} | {} | {}/{} |\n",
+                "| {} | {} | {:.1} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0}% | {} | {} | {} | {}/{} |\n",
                 r.policy,
                 r.budget_tokens.map_or_else(|| "—".to_owned(), |b| b.to_string()),
                 r.tokens_per_s,
@@ -245,6 +249,7 @@ impl EvictionReport {
                 ratio(r.tokens_per_s_vs_full),
                 r.peak_running,
                 ratio(r.concurrency_vs_full),
+                r.mean_batch,
                 r.ttft_ms_p50 / 1e3,
                 r.ttft_ms_p99 / 1e3,
                 r.tpot_ms_p50,
@@ -514,6 +519,7 @@ fn run_config(
     let seconds = end.duration_since(start).as_secs_f64();
     // Counters are published after the step that sent the last Finished: wait for that snapshot.
     let stats = settled_stats(engine);
+    let steps = stats.steps_total.saturating_sub(before.steps_total);
 
     let generated: u64 = done.iter().map(|o| u64::from(o.tokens)).sum();
     let mut ttft: Vec<f64> =
@@ -540,6 +546,12 @@ fn run_config(
         tokens_per_s_runs: Vec::new(),
         computed_tokens: stats.computed_tokens_total.saturating_sub(before.computed_tokens_total),
         peak_running: stats.peak_running,
+        steps,
+        mean_batch: if steps > 0 {
+            stats.step_seqs_total.saturating_sub(before.step_seqs_total) as f64 / steps as f64
+        } else {
+            0.0
+        },
         ttft_ms_p50: percentile(&ttft, 50.0),
         ttft_ms_p99: percentile(&ttft, 99.0),
         tpot_ms_p50: percentile(&tpot, 50.0),
@@ -708,6 +720,8 @@ mod tests {
             tokens_per_s_runs: Vec::new(),
             computed_tokens: 1,
             peak_running: 1,
+            steps: 1,
+            mean_batch: 1.0,
             ttft_ms_p50: 1.0,
             ttft_ms_p99: 1.0,
             tpot_ms_p50: 1.0,
@@ -748,6 +762,8 @@ mod tests {
             tokens_per_s_runs: vec![tps],
             computed_tokens: 100,
             peak_running: peak,
+            steps: 16,
+            mean_batch: 2.5,
             ttft_ms_p50: 1500.0,
             ttft_ms_p99: 2500.0,
             tpot_ms_p50: 20.0,
@@ -781,7 +797,7 @@ mod tests {
         let md = r.to_markdown();
         assert!(
             md.contains(
-                "| full | — | 32.0 | 32.0–32.0 | 1.00 | 2 | 1.00 | 1.5 | 2.5 | 20.0 | 30.0 | 100% | 3 | 100 | 0 | 64/64 |"
+                "| full | — | 32.0 | 32.0–32.0 | 1.00 | 2 | 1.00 | 2.5 | 1.5 | 2.5 | 20.0 | 30.0 | 100% | 3 | 100 | 0 | 64/64 |"
             ),
             "{md}"
         );

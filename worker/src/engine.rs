@@ -275,6 +275,10 @@ pub struct EngineStats {
     pub preemptions_total: u64,
     /// The largest running batch since the engine started (the scheduler's count after admission).
     pub peak_running: u64,
+    /// Forward steps since the engine started, and the sequences they computed (summed over steps): their ratio
+    /// is the mean batch, which the peak alone does not tell.
+    pub steps_total: u64,
+    pub step_seqs_total: u64,
     /// The most KV blocks held at once since the engine started, as tracked by the pool on every allocation;
     /// it includes the transient peak inside a step that `blocks_used` snapshots miss.
     pub peak_blocks_used: u64,
@@ -1944,6 +1948,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             cached_tokens_total: s.cached_tokens_total,
             preemptions_total: s.preemptions_total,
             peak_running: s.peak_running as u64,
+            steps_total: s.steps_total,
+            step_seqs_total: s.step_seqs_total,
             peak_blocks_used: pool.peak_used() as u64,
             evicted_slots: s.evicted_slots,
             evicted_blocks: s.evicted_blocks,

@@ -420,6 +420,8 @@ pub struct SchedStats {
     pub cached_tokens_total: u64,
     pub preemptions_total: u64,
     pub steps_total: u64,
+    /// Sequences computed by those steps, summed: over `steps_total` it is the mean batch a step computed.
+    pub step_seqs_total: u64,
     /// The most sequences running at once since creation, counted after admission (the batch a step computes).
     pub peak_running: usize,
     /// Slots evicted, per policy ([`PolicyKind::index`]).
@@ -1120,6 +1122,7 @@ impl<P> Scheduler<P> {
     /// Records that the plan's tokens were computed: advances cache lengths and publishes newly full groups.
     pub fn complete_step(&mut self, plan: &StepPlan) {
         self.stats.steps_total += 1;
+        self.stats.step_seqs_total += plan.seqs.len() as u64;
         for s in &plan.seqs {
             let Some(seq) = self.seqs.get_mut(&s.seq) else { continue };
             if seq.num_computed != s.start {

@@ -47,6 +47,9 @@ fn evicting_policies_run_larger_batches_on_the_same_pool() {
         assert_eq!(r.blocks_total, report.kv_blocks as u64, "{label}");
         assert!(r.peak_blocks_used <= r.blocks_total, "{label}: pool overrun {r:?}");
         assert!(r.peak_blocks_used > 0 && r.peak_running >= 1, "{label}");
+        // A generated token comes out of a step that computed its sequence, so the steps' sequences cover them.
+        assert!(r.steps > 0 && (1.0..=r.peak_running as f64).contains(&r.mean_batch), "{label}: {r:?}");
+        assert!(r.mean_batch * r.steps as f64 + 0.5 >= r.generated_tokens as f64, "{label}: {r:?}");
         assert!(r.ttft_ms_p50 > 0.0 && r.ttft_ms_p50 <= r.ttft_ms_p99, "{label}");
         assert!(r.tpot_ms_p50 > 0.0 && r.tpot_ms_p50 <= r.tpot_ms_p99, "{label}");
         assert!(r.tokens_per_s_vs_full.is_some() && r.concurrency_vs_full.is_some(), "{label}");
@@ -60,6 +63,12 @@ fn evicting_policies_run_larger_batches_on_the_same_pool() {
             "{label}: largest batch {} is not above full cache's {}",
             r.peak_running,
             full.peak_running
+        );
+        assert!(
+            r.mean_batch > full.mean_batch,
+            "{label}: mean batch {} against full's {}",
+            r.mean_batch,
+            full.mean_batch
         );
     }
     assert!(full.peak_running <= 4, "full cache cannot run many 128-token prompts on a 2-sequence pool");
