@@ -207,6 +207,8 @@ mod tests {
             tokens_per_s_runs: vec![tps],
             computed_tokens: 1,
             peak_running: peak,
+            steps: 16,
+            mean_batch: 4.0,
             ttft_ms_p50: 1.0,
             ttft_ms_p99: 2.0,
             tpot_ms_p50: 1.0,

@@ -283,6 +283,10 @@ async fn dashboard_in_chromium_follows_live_traffic() {
         device_hits.contains("tok") && !device_hits.starts_with("0 tok"),
         "the shared system prompt should hit the device tier: {device_hits:?}"
     );
+    // The worker ran a step per request at least, each computing one sequence or more.
+    let workers = b.text("#workers").await.unwrap();
+    let batch = workers.split_once(" overall").and_then(|(t, _)| t.rsplit(char::is_whitespace).next());
+    assert!(batch.and_then(|b| b.parse::<f64>().ok()).is_some_and(|b| b >= 1.0), "the mean batch: {workers}");
     let placements_text = b.text("#placements").await.unwrap();
     assert!(placements_text.contains("lowest cost"), "{placements_text}");
     // Auth is off: every request is tenant `default`, whose prompt and completion tokens the tenants table counts.

@@ -648,6 +648,12 @@ async fn up_answers_chat_streaming_and_not() {
     ] {
         assert!(metrics.contains(name), "metrics lack {name}:\n{metrics}");
     }
+    // The requests above ran forward steps, each computing at least one sequence (the mean batch is the ratio).
+    let (steps, sequences) = (
+        http.metric_sum("pagoda_router_worker_steps").await,
+        http.metric_sum("pagoda_router_worker_step_sequences").await,
+    );
+    assert!(steps > 0.0 && sequences >= steps, "steps {steps}, sequences {sequences}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -278,6 +278,10 @@ struct WorkerStats {
     computed_tokens_total: u64,
     cached_tokens_total: u64,
     preemptions_total: u64,
+    /// Forward steps and the sequences they computed, since the worker started: the page shows their ratio, the
+    /// mean batch, overall and since its previous update.
+    steps_total: u64,
+    step_sequences_total: u64,
     offloaded_groups_total: u64,
     disk_corrupted_total: u64,
     /// Present when the worker places its tiers by EvicPress.
@@ -456,6 +460,8 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
                     computed_tokens_total: s.computed_tokens_total,
                     cached_tokens_total: s.cached_tokens_total,
                     preemptions_total: s.preemptions_total,
+                    steps_total: s.steps_total,
+                    step_sequences_total: s.step_sequences_total,
                     offloaded_groups_total: s.offloaded_groups_total,
                     disk_corrupted_total: s.disk_corrupted_total,
                     evicpress: s.evicpress.as_ref().map(EvicPressView::from),

@@ -135,6 +135,10 @@ pub struct Metrics {
     pub worker_evicted_tokens: Family<PolicyLabels, Gauge>,
     pub worker_evicted_blocks: Family<PolicyLabels, Gauge>,
     pub worker_preemptions: Family<WorkerLabels, Gauge>,
+    /// Forward steps per worker since it started, and the sequences they computed: the mean batch is the rise of
+    /// the second over the rise of the first.
+    pub worker_steps: Family<WorkerLabels, Gauge>,
+    pub worker_step_sequences: Family<WorkerLabels, Gauge>,
     /// Speculative decoding per worker: draft tokens computed and accepted since it started.
     pub worker_spec_draft_tokens: Family<WorkerLabels, Gauge>,
     pub worker_spec_accepted_tokens: Family<WorkerLabels, Gauge>,
@@ -312,6 +316,18 @@ impl Metrics {
             "Sequences the worker preempted (recompute) since it started",
             Unit::Other("sequences".into()),
             worker_preemptions.clone(),
+        );
+        let worker_steps = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_steps",
+            "Forward steps the worker's engine ran since it started",
+            worker_steps.clone(),
+        );
+        let worker_step_sequences = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_step_sequences",
+            "Sequences the worker's forward steps computed since it started, summed over steps (over worker_steps: the mean batch)",
+            worker_step_sequences.clone(),
         );
         let worker_lora_loads = Family::<WorkerLabels, Gauge>::default();
         registry.register(
@@ -645,6 +661,8 @@ impl Metrics {
             worker_evicted_tokens,
             worker_evicted_blocks,
             worker_preemptions,
+            worker_steps,
+            worker_step_sequences,
             worker_spec_draft_tokens,
             worker_spec_accepted_tokens,
             worker_spec_drafts,
@@ -771,6 +789,8 @@ impl Metrics {
                 &self.worker_running,
                 &self.worker_waiting,
                 &self.worker_preemptions,
+                &self.worker_steps,
+                &self.worker_step_sequences,
                 &self.worker_spec_draft_tokens,
                 &self.worker_spec_accepted_tokens,
                 &self.worker_spec_drafts,
@@ -796,6 +816,8 @@ impl Metrics {
                 self.worker_running.get_or_create(&l).set(s.running as i64);
                 self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
                 self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
+                self.worker_steps.get_or_create(&l).set(s.steps_total as i64);
+                self.worker_step_sequences.get_or_create(&l).set(s.step_sequences_total as i64);
                 self.worker_spec_draft_tokens.get_or_create(&l).set(s.spec_draft_tokens_total as i64);
                 self.worker_spec_accepted_tokens.get_or_create(&l).set(s.spec_accepted_tokens_total as i64);
                 self.worker_spec_drafts.get_or_create(&l).set(s.spec_drafts_total as i64);

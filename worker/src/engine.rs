@@ -2571,6 +2571,8 @@ mod tests {
         ));
         let s = wait_for(&h, |s| s.running == 0);
         assert_eq!(s.peak_running, 1);
+        // One sequence at a time: every step computed exactly one.
+        assert!(s.steps_total > 0 && s.step_seqs_total == s.steps_total, "{s:?}");
         assert!(s.peak_blocks_used > 0 && s.peak_blocks_used <= s.blocks_total);
         assert_eq!(s.blocks_used, 0);
     }

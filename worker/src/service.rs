@@ -722,6 +722,8 @@ impl Worker for WorkerService {
                 })
                 .collect(),
             preemptions_total: s.preemptions_total,
+            steps_total: s.steps_total,
+            step_sequences_total: s.step_seqs_total,
             spec_draft_tokens_total: s.draft_tokens_total,
             spec_accepted_tokens_total: s.accepted_draft_tokens_total,
             spec_drafts_total: s.drafts_total,

@@ -99,6 +99,20 @@ function renderCards(st) {
   $("uptime").textContent = fmtDuration(st.router.uptime_s);
 }
 
+// Each worker's steps and step sequences at the previous update, by address, for the batch since then.
+const lastSteps = new Map();
+
+// Sequences a forward step computed on average: since the previous update (when the worker stepped) and overall.
+function meanBatch(w) {
+  const s = w.stats;
+  if (!s || !s.steps_total) return "–";
+  const before = lastSteps.get(w.address);
+  lastSteps.set(w.address, [s.steps_total, s.step_sequences_total]);
+  const overall = `${(s.step_sequences_total / s.steps_total).toFixed(1)} overall`;
+  if (!before || s.steps_total <= before[0]) return overall;
+  return `${((s.step_sequences_total - before[1]) / (s.steps_total - before[0])).toFixed(1)} now · ${overall}`;
+}
+
 function renderWorkers(st) {
   const rows = st.workers.map((w) => {
     const health = el("td");
@@ -117,6 +131,7 @@ function renderWorkers(st) {
       numCell(s ? `${s.running} / ${s.waiting}` : "–"),
       numCell(`${fmtInt(w.queued_tokens)} tok · ${w.decoding} decoding`),
       numCell(s ? `${fmtInt(s.blocks_used)} / ${fmtInt(s.blocks_cached)} / ${fmtInt(s.blocks_total)}` : "no stats"),
+      numCell(meanBatch(w)),
       numCell(s ? fmtInt(s.preemptions_total) : "–"),
       numCell(s ? fmtInt(s.offloaded_groups_total) : "–"),
       numCell(s ? fmtInt(s.disk_corrupted_total) : "–"),
