@@ -11,6 +11,14 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// `out[n][w.rows()] = x[n][w.cols()] · wᵀ`
     fn matmul(&self, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]);
+    /// [`Backend::matmul`] of several weights over the same `x` (a layer's Q, K and V; its gate and up):
+    /// `outs[i][n][ws[i].rows()] = x · ws[i]ᵀ`. A backend may share the work the calls have in common.
+    fn matmul_shared_input(&self, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_shared_input: one output per weight");
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, n, out);
+        }
+    }
     /// `out[i] = table.row(ids[i])`; out: `[ids.len()][table.cols()]`.
     fn embedding(&self, table: &QMatrix, ids: &[u32], out: &mut [f32]);
     /// x, out: `[n][weight.len()]`

@@ -406,3 +406,51 @@ fn compare_with_vnni(old: &CpuBackend, new: &CpuBackend, label: &str) {
         }
     }
 }
+
+/// A layer's Q, K and V (and gate and up) in one call give bit for bit what one call per weight gives, on every
+/// backend (the VNNI path quantises the activations once and runs every weight's rows as one job), with weights of
+/// both quantised types, rows that are not a multiple of 16, batches from one row to a prefill chunk's, and on
+/// one thread and on a pool. Widths that differ, and the float types, take the per-weight path.
+#[test]
+fn shared_input_matmul_equals_one_call_per_weight() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let cols = 96;
+    let shapes: [&[(WeightType, usize)]; 3] = [
+        &[(WeightType::Q4_1, 64), (WeightType::Q4_1, 24), (WeightType::Q4_1, 24)],
+        &[(WeightType::Q8_0, 48), (WeightType::Q4_1, 160)],
+        &[(WeightType::F16, 40), (WeightType::Q4_1, 40)],
+    ];
+    for ws in shapes {
+        let mats: Vec<QMatrix> = ws
+            .iter()
+            .map(|&(ty, rows)| QMatrix::quantize(ty, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0)).expect("q"))
+            .collect();
+        let refs: Vec<&QMatrix> = mats.iter().collect();
+        for n in [1usize, 3, 8, 37, 200] {
+            let x = rand_vec(&mut rng, n * cols, 2.0);
+            for be in backends() {
+                let mut fused: Vec<Vec<f32>> = mats.iter().map(|w| vec![f32::NAN; n * w.rows()]).collect();
+                let mut outs: Vec<&mut [f32]> = fused.iter_mut().map(|o| &mut o[..]).collect();
+                be.matmul_shared_input(&refs, &x, n, &mut outs);
+                for (w, got) in mats.iter().zip(&fused) {
+                    let mut want = vec![0.0; n * w.rows()];
+                    be.matmul(w, &x, n, &mut want);
+                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{} {ws:?} n={n}: fused and per-weight results differ", be.name());
+                }
+            }
+        }
+    }
+    // A width that differs from the first weight's goes weight by weight too.
+    let (a, b) = (
+        QMatrix::quantize(WeightType::Q4_1, 32, 64, &rand_vec(&mut rng, 32 * 64, 1.0)).expect("q"),
+        QMatrix::quantize(WeightType::Q4_1, 32, 128, &rand_vec(&mut rng, 32 * 128, 1.0)).expect("q"),
+    );
+    let be = CpuBackend::with_simd(2, Simd::Avx512);
+    let x = rand_vec(&mut rng, 64, 1.0);
+    let (mut out_a, mut out_b) = ([0.0; 32], [0.0; 32]);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        be.matmul_shared_input(&[&a, &b], &x, 1, &mut [&mut out_a[..], &mut out_b[..]])
+    }));
+    assert!(r.is_err(), "a weight wider than x must be refused, as matmul refuses it");
+}

@@ -80,6 +80,98 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
     }
 }
 
+/// Most weights [`matmul_shared_input`] runs as one job (a layer's Q, K and V).
+const MAX_SHARED: usize = 4;
+
+/// `outs[i][n][ws[i].rows()] = x[n][cols] · ws[i]ᵀ` for weights that read the same activations. On the VNNI
+/// path the activations are quantised once and every weight's row chunks go to the pool as one job: separate
+/// calls would quantise `x` once per weight and wait for the pool's slowest task once per weight. Other paths,
+/// and weights of different widths, run [`matmul`] per weight (bit-identical either way: the same kernel sees the
+/// same quantised rows).
+pub fn matmul_shared_input(be: &CpuBackend, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "matmul_shared_input: one output per weight");
+    #[cfg(target_arch = "x86_64")]
+    {
+        let cols = ws.first().map_or(0, |w| w.cols());
+        let fused = be.simd() == Simd::Avx512
+            && be.bf16_kernel().is_none()
+            && (2..=MAX_SHARED).contains(&ws.len())
+            && n > 0
+            && ws.iter().all(|w| w.cols() == cols && w.rows() > 0 && w.x16_for(Simd::Avx512).is_some());
+        if fused {
+            return shared_vnni(be, ws, x, n, outs);
+        }
+    }
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        matmul(be, w, x, n, out);
+    }
+}
+
+/// One weight of a [`shared_vnni`] job: its repacked rows, its output, and its rows' chunk length and count.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct SharedPart<'a> {
+    w: &'a QMatrix,
+    packed: &'a [u8],
+    out: SyncPtr,
+    step: usize,
+    chunks: usize,
+}
+
+/// The fused VNNI path of [`matmul_shared_input`]: every weight is Q4_1 or Q8_0, repacked, `cols` wide.
+#[cfg(target_arch = "x86_64")]
+fn shared_vnni(be: &CpuBackend, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    let cols = ws[0].cols();
+    assert_eq!(x.len(), n * cols, "matmul: x must be [n][cols]");
+    let nb = cols / QK;
+    let mut xq = XQ.take();
+    xq.clear();
+    xq.resize(q8_1x4_len(n, cols), BlockQ8_1x4::default());
+    quantize_rows_on_pool(be, x, n, cols, &mut xq);
+    // Per weight: its packed rows, output, chunk length in rows and chunk count; task t runs chunk t of the
+    // concatenation. No allocation: at most MAX_SHARED weights.
+    let mut parts: [Option<SharedPart<'_>>; MAX_SHARED] = [None; MAX_SHARED];
+    let threads = be.threads();
+    let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
+    let parallel = threads > 1 && total_rows.saturating_mul(n * cols) >= PAR_MIN_WORK;
+    let mut tasks = 0;
+    for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        let rows = w.rows();
+        assert_eq!(out.len(), n * rows, "matmul: out must be [n][rows]");
+        let Some(packed) = w.x16_for(Simd::Avx512) else { unreachable!("checked by matmul_shared_input") };
+        // As run_rows splits one weight: a few chunks per thread, 16-row aligned, here in proportion to its rows.
+        let chunks =
+            if parallel { (threads * 4 * rows).div_ceil(total_rows).min(rows / Q4_1X16_ROWS).max(1) } else { 1 };
+        let step = rows.div_ceil(chunks).next_multiple_of(Q4_1X16_ROWS);
+        let chunks = rows.div_ceil(step);
+        parts[i] = Some(SharedPart { w, packed, out: SyncPtr::new(out), step, chunks });
+        tasks += chunks;
+    }
+    let xq_ref = &xq;
+    let run = |mut t: usize| {
+        for &SharedPart { w, packed, out, step, chunks } in parts.iter().flatten() {
+            if t >= chunks {
+                t -= chunks;
+                continue;
+            }
+            let rows = w.rows();
+            let (r0, r1) = (t * step, ((t + 1) * step).min(rows));
+            let kind = if matches!(w.data, QData::Q8_0(_)) { Packed::Q8_0 } else { Packed::Q4_1 };
+            // SAFETY: `packed` is `w` repacked for `kind`; xq holds n rows of nb blocks of `x`, which every weight
+            // reads (same cols); rows r0..r1 (r0 a multiple of 16) of this weight's output belong to this task;
+            // Simd::Avx512 is only selected after detection.
+            unsafe { avx512::quant_rows_x16(kind, packed, rows, nb, xq_ref, n, r0, r1, out.get(), rows) };
+            return;
+        }
+    };
+    if parallel {
+        be.par_for(tasks, &run);
+    } else {
+        (0..tasks).for_each(run);
+    }
+    XQ.set(xq);
+}
+
 /// Splits `0..rows` into large chunks starting at multiples of `align` and runs `f(r0, r1, out)` for each, on the
 /// pool when the work is big enough.
 fn run_rows(

@@ -305,6 +305,10 @@ impl Backend for CpuBackend {
         matmul::matmul(self, w, x, n, out);
     }
 
+    fn matmul_shared_input(&self, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+        matmul::matmul_shared_input(self, ws, x, n, outs);
+    }
+
     fn embedding(&self, table: &QMatrix, ids: &[u32], out: &mut [f32]) {
         let c = table.cols();
         assert_eq!(out.len(), ids.len() * c, "embedding: out must be [ids.len()][cols]");

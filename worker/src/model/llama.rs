@@ -417,9 +417,12 @@ impl LlamaModel {
         let mut spare_sinks: Vec<AttnProbs<'_>> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             backend.rmsnorm(x, &layer.attn_norm, c.rms_eps, xn);
-            backend.matmul(&layer.wq, xn, total, q);
-            backend.matmul(&layer.wk, xn, total, k);
-            backend.matmul(&layer.wv, xn, total, v);
+            backend.matmul_shared_input(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                xn,
+                total,
+                &mut [&mut q[..], &mut k[..], &mut v[..]],
+            );
             lora(li, LoraTarget::Q, xn, q);
             lora(li, LoraTarget::K, xn, k);
             lora(li, LoraTarget::V, xn, v);
@@ -455,8 +458,7 @@ impl LlamaModel {
             add_assign(x, proj);
 
             backend.rmsnorm(x, &layer.ffn_norm, c.rms_eps, xn);
-            backend.matmul(&layer.w_gate, xn, total, gate);
-            backend.matmul(&layer.w_up, xn, total, up);
+            backend.matmul_shared_input(&[&layer.w_gate, &layer.w_up], xn, total, &mut [&mut gate[..], &mut up[..]]);
             lora(li, LoraTarget::Gate, xn, gate);
             lora(li, LoraTarget::Up, xn, up);
             backend.silu_mul(gate, up);
