@@ -91,15 +91,15 @@ const MAX_SHARED: usize = 4;
 pub fn matmul_shared_input(be: &CpuBackend, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), outs.len(), "matmul_shared_input: one output per weight");
     #[cfg(target_arch = "x86_64")]
-    {
-        let cols = ws.first().map_or(0, |w| w.cols());
-        let fused = be.simd() == Simd::Avx512
-            && be.bf16_kernel().is_none()
-            && (2..=MAX_SHARED).contains(&ws.len())
-            && n > 0
-            && ws.iter().all(|w| w.cols() == cols && w.rows() > 0 && w.x16_for(Simd::Avx512).is_some());
-        if fused {
-            return shared_vnni(be, ws, x, n, outs);
+    if be.simd() == Simd::Avx512 && be.bf16_kernel().is_none() && (2..=MAX_SHARED).contains(&ws.len()) && n > 0 {
+        let cols = ws[0].cols();
+        let mut packed: [&[u8]; MAX_SHARED] = [&[]; MAX_SHARED];
+        let fusable = ws
+            .iter()
+            .zip(packed.iter_mut())
+            .all(|(w, p)| w.cols() == cols && w.rows() > 0 && w.x16_for(Simd::Avx512).map(|x16| *p = x16).is_some());
+        if fusable {
+            return shared_vnni(be, ws, &packed[..ws.len()], x, n, outs);
         }
     }
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -118,9 +118,10 @@ struct SharedPart<'a> {
     chunks: usize,
 }
 
-/// The fused VNNI path of [`matmul_shared_input`]: every weight is Q4_1 or Q8_0, repacked, `cols` wide.
+/// The fused VNNI path of [`matmul_shared_input`]: every weight is Q4_1 or Q8_0, `packed` its 16-row repacking,
+/// and all are as wide as the first.
 #[cfg(target_arch = "x86_64")]
-fn shared_vnni(be: &CpuBackend, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+fn shared_vnni(be: &CpuBackend, ws: &[&QMatrix], packed: &[&[u8]], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
     let cols = ws[0].cols();
     assert_eq!(x.len(), n * cols, "matmul: x must be [n][cols]");
     let nb = cols / QK;
@@ -135,10 +136,9 @@ fn shared_vnni(be: &CpuBackend, ws: &[&QMatrix], x: &[f32], n: usize, outs: &mut
     let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
     let parallel = threads > 1 && total_rows.saturating_mul(n * cols) >= PAR_MIN_WORK;
     let mut tasks = 0;
-    for (i, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+    for (i, ((w, &packed), out)) in ws.iter().zip(packed).zip(outs.iter_mut()).enumerate() {
         let rows = w.rows();
         assert_eq!(out.len(), n * rows, "matmul: out must be [n][rows]");
-        let Some(packed) = w.x16_for(Simd::Avx512) else { unreachable!("checked by matmul_shared_input") };
         // As run_rows splits one weight: a few chunks per thread, 16-row aligned, here in proportion to its rows.
         let chunks =
             if parallel { (threads * 4 * rows).div_ceil(total_rows).min(rows / Q4_1X16_ROWS).max(1) } else { 1 };
