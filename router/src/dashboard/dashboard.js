@@ -137,6 +137,9 @@ function renderWorkers(st) {
       numCell(s ? fmtInt(s.disk_corrupted_total) : "–"),
     ]);
   });
+  // Forget workers that left (a restarted pod comes back under a new address), so the map stays the fleet's size.
+  const listed = new Set(st.workers.map((w) => w.address));
+  for (const addr of lastSteps.keys()) if (!listed.has(addr)) lastSteps.delete(addr);
   replaceChildren($("workers").tBodies[0], rows);
 }
 
