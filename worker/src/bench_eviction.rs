@@ -16,9 +16,9 @@
 //!
 //! Per configuration: generated tokens/s (all generated tokens over the wall time from the first submit to the
 //! last finish), the largest running batch and the peak pool usage (high-water marks kept by the engine itself,
-//! see [`EngineStats::peak_running`]), the mean batch over the run's steps, TTFT and TPOT medians and p99 (nearest rank), preemptions, tokens computed
-//! (recomputation after preemption shows here) and evicted blocks, plus tokens/s and largest batch relative to
-//! full cache. With `repeats > 1` every configuration runs that many times, round-robin, and the report keeps its
+//! see [`EngineStats::peak_running`]), the mean batch over the run's steps, TTFT and TPOT medians and p99
+//! (nearest rank), preemptions, tokens computed (recomputation after preemption shows here) and evicted blocks,
+//! plus tokens/s and largest batch relative to full cache. With `repeats > 1` every configuration runs that many times, round-robin, and the report keeps its
 //! median run: on a shared machine a single run can be off by a third.
 
 use std::fmt::Write as _;

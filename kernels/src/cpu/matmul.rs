@@ -63,7 +63,7 @@ pub fn matmul(be: &CpuBackend, w: &QMatrix, x: &[f32], n: usize, out: &mut [f32]
                 #[cfg(target_arch = "x86_64")]
                 (Simd::Avx512, Some(packed)) => {
                     let nb = cols / QK;
-                    let kind = if matches!(w.data, QData::Q8_0(_)) { Packed::Q8_0 } else { Packed::Q4_1 };
+                    let kind = packed_kind(w);
                     run_rows(be, rows, n * cols, Q4_1X16_ROWS, out, &|r0, r1, o| {
                         // SAFETY: `packed` is `w` repacked for `kind`; xq holds n rows of nb blocks; rows r0..r1
                         // (r0 a multiple of 16) belong to this task; Simd::Avx512 is only selected after detection.
@@ -107,11 +107,19 @@ pub fn matmul_shared_input(be: &CpuBackend, ws: &[&QMatrix], x: &[f32], n: usize
     }
 }
 
-/// One weight of a [`shared_vnni`] job: its repacked rows, its output, and its rows' chunk length and count.
+/// Which repacked format the VNNI kernel reads for `w` (Q4_1 or Q8_0 weights).
+#[cfg(target_arch = "x86_64")]
+fn packed_kind(w: &QMatrix) -> Packed {
+    if matches!(w.data, QData::Q8_0(_)) { Packed::Q8_0 } else { Packed::Q4_1 }
+}
+
+/// One weight of a [`shared_vnni`] job: its repacked rows and their format, its output, and its rows' chunk
+/// length and count.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct SharedPart<'a> {
-    w: &'a QMatrix,
+    rows: usize,
+    kind: Packed,
     packed: &'a [u8],
     out: SyncPtr,
     step: usize,
@@ -144,19 +152,17 @@ fn shared_vnni(be: &CpuBackend, ws: &[&QMatrix], packed: &[&[u8]], x: &[f32], n:
             if parallel { (threads * 4 * rows).div_ceil(total_rows).min(rows / Q4_1X16_ROWS).max(1) } else { 1 };
         let step = rows.div_ceil(chunks).next_multiple_of(Q4_1X16_ROWS);
         let chunks = rows.div_ceil(step);
-        parts[i] = Some(SharedPart { w, packed, out: SyncPtr::new(out), step, chunks });
+        parts[i] = Some(SharedPart { rows, kind: packed_kind(w), packed, out: SyncPtr::new(out), step, chunks });
         tasks += chunks;
     }
     let xq_ref = &xq;
     let run = |mut t: usize| {
-        for &SharedPart { w, packed, out, step, chunks } in parts.iter().flatten() {
+        for &SharedPart { rows, kind, packed, out, step, chunks } in parts.iter().flatten() {
             if t >= chunks {
                 t -= chunks;
                 continue;
             }
-            let rows = w.rows();
             let (r0, r1) = (t * step, ((t + 1) * step).min(rows));
-            let kind = if matches!(w.data, QData::Q8_0(_)) { Packed::Q8_0 } else { Packed::Q4_1 };
             // SAFETY: `packed` is `w` repacked for `kind`; xq holds n rows of nb blocks of `x`, which every weight
             // reads (same cols); rows r0..r1 (r0 a multiple of 16) of this weight's output belong to this task;
             // Simd::Avx512 is only selected after detection.
