@@ -38,7 +38,9 @@
 //!   uses the cost model's measured load bandwidth per tier, refreshed before each plan.
 //! - **Lost copies.** A copy the stores did not keep whole (a refused write, a corrupt file) is found when the plan
 //!   is applied or when a request next passes through its context; it is released in the planner and the context
-//!   placed again, so the planner never counts bytes or load time for KV that no request can use.
+//!   placed again, so the planner never counts bytes or load time for KV that no request can use. A request that
+//!   went through only a context's first groups (a prefix two prompts share) places nothing for it: the device
+//!   holds only those groups.
 //! - **Pruned copies back.** [`EvicPress::pruned_copy`] tells the engine which copy continues a prompt; the engine
 //!   onboards it into the admitted sequence itself (`Scheduler::preload_front`).
 //! - **Bounds.** At most `max_contexts` contexts are remembered (the least recently used unplaced ones are
@@ -377,6 +379,9 @@ struct Pending {
     /// them, so EvicPress never stored them and the device copy is its own full-precision one, unless a tier holds
     /// a copy it could have been loaded from (left from before a restart): [`EvicPress::place_one`] checks that.
     cached_new: std::ops::Range<usize>,
+    /// The request went through the context's first groups only and then on to others (two prompts that share a
+    /// prefix: a system prompt, a task's instructions): the device holds just those groups.
+    partial: bool,
 }
 
 /// The measured qualities of one variant over every profiled context: count, sum and sum of squares; and the
@@ -814,6 +819,7 @@ impl EvicPress {
             } else {
                 (cached_tokens <= start * bs, 0..0)
             };
+            let partial = self.contexts.get(&context).is_some_and(|c| end - start < c.groups.len());
             start = end;
             let probe_end = (end * bs + self.cfg.probe_tokens).min(prompt.len());
             if self.pending.len() >= MAX_PENDING {
@@ -825,6 +831,7 @@ impl EvicPress {
                 probe: prompt[end * bs..probe_end].to_vec(),
                 fresh,
                 cached_new,
+                partial,
             });
         }
     }
@@ -869,7 +876,13 @@ impl EvicPress {
             }
             // The planner would go on counting bytes and load times for a copy that no request can use, and never
             // place the context again: release it, then place the context as the recomputed one it now is.
-            self.lose(p.context, stored, tiers);
+            self.lose(p.context, stored, tiers, "a group of it left the tiers");
+        }
+        if p.partial {
+            // The device holds only the groups this request shared with the context, so there is no whole context
+            // to profile or store; the next request that goes through all of it places it. (Storing it from here
+            // found the rest of its groups missing and lost the copy again, at every such request.)
+            return Ok(());
         }
         // Blocks the device decoded from a lossy copy are not the context's KV: stored as any variant they would
         // claim that variant's profiled quality. The context waits for a request that computes it.
@@ -1361,7 +1374,8 @@ impl EvicPress {
                 continue;
             }
             let groups = ctx.groups.clone();
-            let mut whole = true;
+            // Why the copy could not be stored whole, for the log; `None` while it can.
+            let mut broken: Option<&'static str> = None;
             match target {
                 None => self.remove_stored(c, stored, tiers),
                 Some(p) if self.variants[p.variant].pruned() => {
@@ -1369,7 +1383,7 @@ impl EvicPress {
                         // Whatever was stored is gone: the next request recomputes the context.
                         tracing::warn!(error = %e, "pruned copy not stored");
                         self.remove_stored(c, stored, tiers);
-                        whole = false;
+                        broken = Some("its pruned copy could not be made");
                     }
                 }
                 Some(p) => {
@@ -1390,7 +1404,7 @@ impl EvicPress {
                                 // Evicted from the device before it was stored: the rest of the chain is
                                 // unreachable anyway.
                                 None => {
-                                    whole = false;
+                                    broken = Some("a group left the device before it was stored");
                                     break;
                                 }
                             },
@@ -1400,26 +1414,27 @@ impl EvicPress {
                             Err(e) => {
                                 tracing::warn!(codec = codec.name(), error = %e, "KV group not stored");
                                 tiers.remove(h);
-                                whole = false;
+                                broken = Some("a group could not be encoded");
                                 break;
                             }
                         };
                         // One copy per group: whatever tier held it before gives it up.
                         tiers.remove(h);
                         if !tiers.place(tier, h, group) {
-                            whole = false;
+                            broken = Some("its tier refused a group");
                             break;
                         }
                     }
                 }
             }
-            if whole {
-                if let Some(ctx) = self.contexts.get_mut(&c) {
-                    ctx.stored = target;
+            match broken {
+                None => {
+                    if let Some(ctx) = self.contexts.get_mut(&c) {
+                        ctx.stored = target;
+                    }
                 }
-            } else {
                 // A partial copy would claim bytes and a load time for KV a request cannot use whole.
-                self.lose(c, target, tiers);
+                Some(why) => self.lose(c, target, tiers, why),
             }
         }
     }
@@ -1432,8 +1447,10 @@ impl EvicPress {
 
     /// Gives up `context`'s copy in `stored`: what is left of it leaves the tiers, and the planner releases its
     /// bytes.
-    fn lose(&mut self, context: u64, stored: Option<evicpress::Placement>, tiers: &mut TierStore) {
+    fn lose(&mut self, context: u64, stored: Option<evicpress::Placement>, tiers: &mut TierStore, why: &str) {
         self.stats.lost_copies += 1;
+        let variant = stored.map(|p| self.variants[p.variant].name());
+        tracing::debug!(context, ?variant, why, "EvicPress lost a copy");
         self.remove_stored(context, stored, tiers);
         self.planner.lose(context);
         if let Some(c) = self.contexts.get_mut(&context) {

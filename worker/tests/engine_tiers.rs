@@ -552,6 +552,69 @@ fn evicpress_places_a_context_again_after_the_stores_lose_its_copy() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Two prompts that share a prefix (a system prompt, a task's instructions) and then differ: a request for the
+/// second goes through the first's context only partly, and leaves only the shared groups on the device. When the
+/// first's copy turns out lost on that request, EvicPress releases it and places nothing from the groups at hand:
+/// one lost copy, not a second one from trying to store the context from groups that are not there. The next
+/// request for the first prompt computes it and stores it whole again.
+#[test]
+fn evicpress_places_nothing_from_a_request_that_went_only_partly_through_a_context() {
+    let a: Vec<u32> = std::iter::repeat_n(prompt(), 5).flatten().take(240).collect();
+    let shared = 10 * BS;
+    let b: Vec<u32> = a[..shared].iter().copied().chain(7000..7080).collect();
+    let context = (a.len() - 1) / BS * BS;
+    let dir = tmp("evicpress-partial");
+    let ep = EvicPressConfig {
+        codecs: vec![],
+        keep_ratios: vec![],
+        // The fillers (11 groups) and the second prompt's own groups (4) are not contexts.
+        min_context_groups: 12,
+        ..EvicPressConfig::default()
+    };
+    let cfg = EngineConfig {
+        num_blocks: 26 * GROUP,
+        threads: 2,
+        tiers: disk_only(&dir),
+        placement: TierPlacement::EvicPress(ep),
+        ..EngineConfig::new(model_path())
+    };
+    let h = Engine::start(cfg).expect("engine starts");
+    let placed_on_disk = |h: &EngineHandle, what: &str| {
+        wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[2] == 1))
+    };
+    let (cold, _, _) = run(&h, &a, 8);
+    placed_on_disk(&h, "the first prompt's context on disk");
+
+    // The copy's fourth group, inside the shared prefix, goes bad: the second prompt's request finds it.
+    let hashes = block_hashes(&h.model_info().model_id, "", &a, BS);
+    let fourth = dir.join("kv").join(format!("{:016x}.kv", hashes[3]));
+    let mut bytes = std::fs::read(&fourth).expect("the context's fourth group is on disk");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&fourth, &bytes).unwrap();
+    run_fillers(&h);
+    let (_, cached, s) = run(&h, &b, 8);
+    assert_eq!(cached as usize, 3 * BS, "the groups before the corrupt one are onboarded: {s:?}");
+    let s = wait_stats(&h, "the lost copy released", |s| {
+        s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.lost_copies > 0)
+    });
+    let e = s.evicpress.expect("EvicPress stats");
+    assert_eq!(e.lost_copies, 1, "nothing stored from a partial pass: {e:?}");
+    assert_eq!(e.placed, [0, 0, 0], "{e:?}");
+
+    run_fillers(&h);
+    let (warm, _, _) = run(&h, &a, 8);
+    assert_eq!(warm, cold);
+    placed_on_disk(&h, "the first prompt's context placed again");
+    run_fillers(&h);
+    let (warm, cached, s) = run(&h, &a, 8);
+    assert_eq!(warm, cold);
+    assert_eq!(cached as usize, context, "the copy placed again serves the whole context: {s:?}");
+    assert_eq!(s.evicpress.expect("EvicPress stats").lost_copies, 1);
+    h.shutdown();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// EvicPress recomputes a context it has been serving from a lossy copy once the utility says so
 /// (`EvicPressConfig::upgrade`): the host tier holds one of two contexts whole and the other in 2 bits. The context
 /// asked for more often ends up whole: the request that recomputes it answers exactly as the cold run did, the
