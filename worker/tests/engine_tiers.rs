@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 
 use pagoda_kernels::{Codec, KvDtype};
 use pagoda_worker::cache::block_hashes;
-use pagoda_worker::engine::{Engine, EngineConfig, EngineError, EngineHandle, ExportFrom, GenerateRequest};
+use pagoda_worker::engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportFrom, GenerateRequest,
+};
 use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
@@ -498,6 +500,35 @@ fn free_running_profile_scores_as_many_tokens_as_requests_generate() {
     free_running_profile_matches_a_request_from_the_copy(6, AnswerHorizon::Observed);
 }
 
+/// An engine of 26 groups whose one tier is a disk under `dir`, placed by EvicPress over whole native copies. Its
+/// contexts are at least 12 groups, so the fillers of [`run_fillers`] (11) are not contexts.
+fn evicpress_disk_engine(dir: &Path) -> EngineHandle {
+    let ep =
+        EvicPressConfig { codecs: vec![], keep_ratios: vec![], min_context_groups: 12, ..EvicPressConfig::default() };
+    let cfg = EngineConfig {
+        num_blocks: 26 * GROUP,
+        threads: 2,
+        tiers: disk_only(dir),
+        placement: TierPlacement::EvicPress(ep),
+        ..EngineConfig::new(model_path())
+    };
+    Engine::start(cfg).expect("engine starts")
+}
+
+/// Waits until EvicPress has placed everything pending and holds one context on disk.
+fn placed_on_disk(h: &EngineHandle, what: &str) -> EngineStats {
+    wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[2] == 1))
+}
+
+/// Flips one bit in the middle of the disk tier's file for group `hash`.
+fn corrupt_disk_group(dir: &Path, hash: u64) {
+    let file = dir.join("kv").join(format!("{hash:016x}.kv"));
+    let mut bytes = std::fs::read(&file).expect("the group is on disk");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&file, &bytes).unwrap();
+}
+
 /// The planner's view of the stores never outlives the stores: when a stored copy turns out incomplete (here a
 /// corrupt disk file, which the tier detects and deletes), the request that found it recomputes the context, and
 /// EvicPress releases the lost copy and places the context again, so the request after that is served whole from
@@ -508,33 +539,12 @@ fn evicpress_places_a_context_again_after_the_stores_lose_its_copy() {
     let p: Vec<u32> = std::iter::repeat_n(prompt(), 5).flatten().take(240).collect();
     let context = (p.len() - 1) / BS * BS;
     let dir = tmp("evicpress-lost");
-    let ep = EvicPressConfig {
-        codecs: vec![],
-        keep_ratios: vec![],
-        // The fillers (11 groups) are not contexts.
-        min_context_groups: 12,
-        ..EvicPressConfig::default()
-    };
-    let cfg = EngineConfig {
-        num_blocks: 26 * GROUP,
-        threads: 2,
-        tiers: disk_only(&dir),
-        placement: TierPlacement::EvicPress(ep),
-        ..EngineConfig::new(model_path())
-    };
-    let h = Engine::start(cfg).expect("engine starts");
-    let placed_on_disk = |h: &EngineHandle, what: &str| {
-        wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[2] == 1))
-    };
+    let h = evicpress_disk_engine(&dir);
     let (cold, _, _) = run(&h, &p, 8);
     placed_on_disk(&h, "the context on disk");
 
     let hashes = block_hashes(&h.model_info().model_id, "", &p, BS);
-    let second = dir.join("kv").join(format!("{:016x}.kv", hashes[1]));
-    let mut bytes = std::fs::read(&second).expect("the context's second group is on disk");
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0x10;
-    std::fs::write(&second, &bytes).unwrap();
+    corrupt_disk_group(&dir, hashes[1]);
     run_fillers(&h);
     let (warm, cached, s) = run(&h, &p, 8);
     assert_eq!(warm, cold, "a corrupt file is never used");
@@ -564,34 +574,14 @@ fn evicpress_places_nothing_from_a_request_that_went_only_partly_through_a_conte
     let b: Vec<u32> = a[..shared].iter().copied().chain(7000..7080).collect();
     let context = (a.len() - 1) / BS * BS;
     let dir = tmp("evicpress-partial");
-    let ep = EvicPressConfig {
-        codecs: vec![],
-        keep_ratios: vec![],
-        // The fillers (11 groups) and the second prompt's own groups (4) are not contexts.
-        min_context_groups: 12,
-        ..EvicPressConfig::default()
-    };
-    let cfg = EngineConfig {
-        num_blocks: 26 * GROUP,
-        threads: 2,
-        tiers: disk_only(&dir),
-        placement: TierPlacement::EvicPress(ep),
-        ..EngineConfig::new(model_path())
-    };
-    let h = Engine::start(cfg).expect("engine starts");
-    let placed_on_disk = |h: &EngineHandle, what: &str| {
-        wait_stats(h, what, |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[2] == 1))
-    };
+    // The second prompt's own groups (4) are too few to make a context.
+    let h = evicpress_disk_engine(&dir);
     let (cold, _, _) = run(&h, &a, 8);
     placed_on_disk(&h, "the first prompt's context on disk");
 
     // The copy's fourth group, inside the shared prefix, goes bad: the second prompt's request finds it.
     let hashes = block_hashes(&h.model_info().model_id, "", &a, BS);
-    let fourth = dir.join("kv").join(format!("{:016x}.kv", hashes[3]));
-    let mut bytes = std::fs::read(&fourth).expect("the context's fourth group is on disk");
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0x10;
-    std::fs::write(&fourth, &bytes).unwrap();
+    corrupt_disk_group(&dir, hashes[3]);
     run_fillers(&h);
     let (_, cached, s) = run(&h, &b, 8);
     assert_eq!(cached as usize, 3 * BS, "the groups before the corrupt one are onboarded: {s:?}");
