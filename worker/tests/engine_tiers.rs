@@ -529,6 +529,31 @@ fn corrupt_disk_group(dir: &Path, hash: u64) {
     std::fs::write(&file, &bytes).unwrap();
 }
 
+/// A 240-token prompt whose context (14 groups) `evicpress_disk_engine` has stored on disk, then the file of its
+/// group `bad` corrupted and the device emptied: the engine, its disk directory, the prompt and its cold answer.
+fn context_on_disk_then_corrupt(name: &str, bad: usize) -> (EngineHandle, PathBuf, Vec<u32>, Vec<u32>) {
+    let p: Vec<u32> = std::iter::repeat_n(prompt(), 5).flatten().take(240).collect();
+    let dir = tmp(name);
+    let h = evicpress_disk_engine(&dir);
+    let (cold, _, _) = run(&h, &p, 8);
+    placed_on_disk(&h, "the context on disk");
+    let hashes = block_hashes(&h.model_info().model_id, "", &p, BS);
+    corrupt_disk_group(&dir, hashes[bad]);
+    run_fillers(&h);
+    (h, dir, p, cold)
+}
+
+/// After the device forgets it, `p`'s context comes back whole from disk and gives the `cold` answer.
+fn served_whole_from_disk(h: &EngineHandle, p: &[u32], cold: &[u32]) -> EngineStats {
+    let context = (p.len() - 1) / BS * BS;
+    run_fillers(h);
+    let (warm, cached, s) = run(h, p, 8);
+    assert_eq!(warm, cold);
+    assert_eq!(cached as usize, context, "the copy placed again serves the whole context: {s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], context as u64, "{s:?}");
+    s
+}
+
 /// The planner's view of the stores never outlives the stores: when a stored copy turns out incomplete (here a
 /// corrupt disk file, which the tier detects and deletes), the request that found it recomputes the context, and
 /// EvicPress releases the lost copy and places the context again, so the request after that is served whole from
@@ -536,28 +561,14 @@ fn corrupt_disk_group(dir: &Path, hash: u64) {
 /// later request recomputed it.)
 #[test]
 fn evicpress_places_a_context_again_after_the_stores_lose_its_copy() {
-    let p: Vec<u32> = std::iter::repeat_n(prompt(), 5).flatten().take(240).collect();
-    let context = (p.len() - 1) / BS * BS;
-    let dir = tmp("evicpress-lost");
-    let h = evicpress_disk_engine(&dir);
-    let (cold, _, _) = run(&h, &p, 8);
-    placed_on_disk(&h, "the context on disk");
-
-    let hashes = block_hashes(&h.model_info().model_id, "", &p, BS);
-    corrupt_disk_group(&dir, hashes[1]);
-    run_fillers(&h);
+    let (h, dir, p, cold) = context_on_disk_then_corrupt("evicpress-lost", 1);
     let (warm, cached, s) = run(&h, &p, 8);
     assert_eq!(warm, cold, "a corrupt file is never used");
     assert_eq!(cached as usize, BS, "only the group before the corrupt one is onboarded: {s:?}");
     let s = placed_on_disk(&h, "the context placed again");
     let e = s.evicpress.expect("EvicPress stats");
     assert_eq!(e.lost_copies, 1, "{e:?}");
-
-    run_fillers(&h);
-    let (warm, cached, s) = run(&h, &p, 8);
-    assert_eq!(warm, cold);
-    assert_eq!(cached as usize, context, "the copy placed again serves the whole context: {s:?}");
-    assert_eq!(s.prefix_hit_tokens[Tier::Disk.index()], context as u64, "{s:?}");
+    served_whole_from_disk(&h, &p, &cold);
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -569,20 +580,10 @@ fn evicpress_places_a_context_again_after_the_stores_lose_its_copy() {
 /// request for the first prompt computes it and stores it whole again.
 #[test]
 fn evicpress_places_nothing_from_a_request_that_went_only_partly_through_a_context() {
-    let a: Vec<u32> = std::iter::repeat_n(prompt(), 5).flatten().take(240).collect();
-    let shared = 10 * BS;
-    let b: Vec<u32> = a[..shared].iter().copied().chain(7000..7080).collect();
-    let context = (a.len() - 1) / BS * BS;
-    let dir = tmp("evicpress-partial");
-    // The second prompt's own groups (4) are too few to make a context.
-    let h = evicpress_disk_engine(&dir);
-    let (cold, _, _) = run(&h, &a, 8);
-    placed_on_disk(&h, "the first prompt's context on disk");
-
     // The copy's fourth group, inside the shared prefix, goes bad: the second prompt's request finds it.
-    let hashes = block_hashes(&h.model_info().model_id, "", &a, BS);
-    corrupt_disk_group(&dir, hashes[3]);
-    run_fillers(&h);
+    let (h, dir, a, cold) = context_on_disk_then_corrupt("evicpress-partial", 3);
+    // The second prompt's own groups (4) are too few to make a context.
+    let b: Vec<u32> = a[..10 * BS].iter().copied().chain(7000..7080).collect();
     let (_, cached, s) = run(&h, &b, 8);
     assert_eq!(cached as usize, 3 * BS, "the groups before the corrupt one are onboarded: {s:?}");
     let s = wait_stats(&h, "the lost copy released", |s| {
@@ -596,10 +597,7 @@ fn evicpress_places_nothing_from_a_request_that_went_only_partly_through_a_conte
     let (warm, _, _) = run(&h, &a, 8);
     assert_eq!(warm, cold);
     placed_on_disk(&h, "the first prompt's context placed again");
-    run_fillers(&h);
-    let (warm, cached, s) = run(&h, &a, 8);
-    assert_eq!(warm, cold);
-    assert_eq!(cached as usize, context, "the copy placed again serves the whole context: {s:?}");
+    let s = served_whole_from_disk(&h, &a, &cold);
     assert_eq!(s.evicpress.expect("EvicPress stats").lost_copies, 1);
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
