@@ -189,7 +189,8 @@ struct EvalArgs {
     /// in place, and each codec's next-token argmax is compared with the full cache's on the synthetic items
     /// (greedy continuation of --codec-tokens) and the prose documents (forced continuation). `pool:DTYPE`
     /// (pool:int8, pool:fp8_e4m3, pool:fp8_e4m3_rotated) is the device pool of that --kv-dtype instead: every slot
-    /// rounded as the pool stores it. Writes --json/--markdown.
+    /// rounded as the pool stores it. `BASE+int8@L:L/N` (int2_kivi+int8@18/30) is a KIVI codec with the listed
+    /// layers of an N-layer model in int8, as `--kivi-int8-layers` stores groups. Writes --json/--markdown.
     #[arg(long, value_delimiter = ',')]
     codecs: Vec<String>,
     /// Greedy tokens per synthetic item in the --codecs comparison.
@@ -340,6 +341,12 @@ struct EngineArgs {
     /// int4_kivi or int2_kivi (by LRU or EvicPress) keep the device's format. KIVI's paper uses 128. 0: none.
     #[arg(long, default_value_t = 0)]
     kivi_residual_tokens: usize,
+    /// Layers (comma-separated, 0-based) whose blocks a KIVI codec (int4_kivi, int2_kivi) stores in int8 instead,
+    /// whichever placement chose it: the layers whose attention amplifies KIVI's key error most. For
+    /// SmolLM2-135M, 18 (docs/BENCHMARKS.md, "KIVI's sensitive layers"; find them for another model with
+    /// `pagoda eval --codecs int2_kivi+int8@L/N,...`). Default: none.
+    #[arg(long, value_delimiter = ',')]
+    kivi_int8_layers: Vec<usize>,
     /// EvicPress's α in U = (α·quality − load seconds)·frequency.
     #[arg(long, default_value_t = 1.0)]
     evicpress_alpha: f64,
@@ -1092,6 +1099,10 @@ struct BenchTiersArgs {
     /// int2_kivi baselines and EvicPress alike; comma-separated for one such configuration per value. 0: none.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     kivi_residual_tokens: Vec<usize>,
+    /// zipf: layers whose blocks the KIVI codecs store in int8 (`serve --kivi-int8-layers`), for the int4_kivi
+    /// and int2_kivi baselines and EvicPress's KIVI variants alike. Default: none.
+    #[arg(long, value_delimiter = ',')]
+    kivi_int8_layers: Vec<usize>,
     /// zipf: the baselines to run besides recompute, comma-separated (`lru`, `lru+CODEC` for a --codecs entry).
     /// Default: all of them.
     #[arg(long, value_delimiter = ',')]
@@ -1372,6 +1383,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         synthetic: None,
         device: e.device,
         kivi_residual_tokens: e.kivi_residual_tokens,
+        kivi_int8_layers: e.kivi_int8_layers.clone(),
         speculative: speculative_config(e)?,
         lora: e.lora.clone(),
         max_lora_rank: e.max_lora_rank,
@@ -2255,6 +2267,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         profile_questions: args.evicpress_profile_questions,
         upgrade: args.evicpress_upgrade,
         kivi_residual_tokens: args.kivi_residual_tokens,
+        kivi_int8_layers: args.kivi_int8_layers,
         baselines: args.baselines,
         task_share: args.task_share,
         ..Default::default()

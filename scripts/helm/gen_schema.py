@@ -164,6 +164,8 @@ schema = obj({
             "codec": {"enum": ["native", "bf16", "int8", "fp8_e4m3", "fp8_e4m3_rotated", "int4_kivi", "int2_kivi"]},
             # `--kivi-residual-tokens` (tiers/residual.rs MAX_RESIDUAL_TOKENS).
             "kiviResidualTokens": integer(0, 4096),
+            # `--kivi-int8-layers` (tiers/codec.rs Int8Layers: layers of a model of at most 64).
+            "kiviInt8Layers": {"type": "array", "maxItems": 64, "uniqueItems": True, "items": integer(0, 63)},
             "evicpressAlpha": {"type": "number", "minimum": 0},
             # `--evicpress-keep-ratios`: comma-separated ratios in (0, 1), or none (tiers/pruned.rs).
             "evicpressKeepRatios": {"type": "string", "pattern": r"^(none|0?\.[0-9]*[1-9][0-9]*(,0?\.[0-9]*[1-9][0-9]*){0,3})$"},

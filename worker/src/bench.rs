@@ -237,6 +237,7 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
         kivi_residual_tokens: 0,
+        kivi_int8_layers: Vec::new(),
         bf16_matmuls: opts.bf16_matmuls,
         synthetic: opts.synthetic.clone(),
         device: opts.device,

@@ -387,6 +387,7 @@ fn run_fresh(
         kv_dtype: opts.kv_dtype,
         placement: Default::default(),
         kivi_residual_tokens: 0,
+        kivi_int8_layers: Vec::new(),
         bf16_matmuls: false,
         synthetic: None,
         device: opts.device,

@@ -152,6 +152,10 @@ pub struct ZipfBenchOptions {
     /// and each EvicPress configuration runs once per value, named with ` r=R` where R is not 0.
     #[serde(default = "without_residual")]
     pub kivi_residual_tokens: Vec<usize>,
+    /// Layers whose blocks the KIVI codecs store in int8 ([`EngineConfig::kivi_int8_layers`]), in every
+    /// configuration. Empty: none.
+    #[serde(default)]
+    pub kivi_int8_layers: Vec<usize>,
     /// The baselines to run besides recompute (`lru`, `lru+CODEC`); None: all of them. Recompute always runs: its
     /// answers are every configuration's reference.
     #[serde(default)]
@@ -208,6 +212,7 @@ impl Default for ZipfBenchOptions {
             profile_questions: 0,
             upgrade: without_upgrades(),
             kivi_residual_tokens: without_residual(),
+            kivi_int8_layers: Vec::new(),
             baselines: None,
             task_share: 0.0,
         }
@@ -1210,6 +1215,7 @@ pub fn zipf_bench_with_progress(
         threads: opts.threads,
         max_running: 1,
         bf16_matmuls: opts.bf16_matmuls,
+        kivi_int8_layers: opts.kivi_int8_layers.clone(),
         ..EngineConfig::new(model)
     };
     let run_dir = opts.data_dir.as_ref().map(|d| d.join(format!("bench-tiers-zipf-{}", std::process::id())));

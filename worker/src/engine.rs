@@ -40,7 +40,7 @@ use crate::scheduler::{
 use crate::tiers::codec::GroupKv;
 use crate::tiers::pins::CodecPins;
 use crate::tiers::residual::{self, ResidualTails};
-use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig, TierStore, TierUsage, native};
+use crate::tiers::{EncodedGroup, GroupCodec, Int8Layers, Tier, TierConfig, TierStore, TierUsage, native};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -74,6 +74,10 @@ pub struct EngineConfig {
     /// KIVI's full-precision residual for stored prompts, in tokens: the last groups of each prompt a placement
     /// stores in `int4_kivi` or `int2_kivi` keep the arena's format ([`crate::tiers::residual`]). 0: none.
     pub kivi_residual_tokens: usize,
+    /// Layers whose blocks a KIVI codec (`int4_kivi`, `int2_kivi`) stores in int8 instead, whichever placement
+    /// chose the codec ([`crate::tiers::GroupCodec::Layered`]): the layers whose attention amplifies KIVI's key
+    /// error most, found with `pagoda eval --codecs` (docs/BENCHMARKS.md, "KIVI's sensitive layers"). Empty: none.
+    pub kivi_int8_layers: Vec<usize>,
     /// Run the quantised matmuls in bf16 over weights widened to bf16 once and kept (+2 bytes per weight): on AMX
     /// tiles where the CPU has them, else with AVX-512 BF16 dot products ([`CpuBackend::with_bf16_matmuls`]).
     /// Logits closer to float32, and on AMX faster prefill and batched decode, but single-stream decode is slower
@@ -175,6 +179,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::default(),
             placement: TierPlacement::default(),
             kivi_residual_tokens: 0,
+            kivi_int8_layers: Vec::new(),
             bf16_matmuls: false,
             synthetic: None,
             device: Device::Cpu,
@@ -999,7 +1004,14 @@ impl Engine {
                         return;
                     }
                 };
-                let evicpress = match open_placement(&thread_cfg, &info, tiers.as_ref()) {
+                let int8_layers = match kivi_int8_layers(&thread_cfg, &info) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let evicpress = match open_placement(&thread_cfg, &info, tiers.as_ref(), int8_layers) {
                     Ok(e) => e,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -1008,8 +1020,9 @@ impl Engine {
                 };
                 let mut core =
                     EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_cfg.default_policy, thread_stats);
+                core.kivi_int8_layers = int8_layers;
                 core.tier_codec = match thread_cfg.placement {
-                    TierPlacement::LruCodec(c) => GroupCodec::Kv(c),
+                    TierPlacement::LruCodec(c) => GroupCodec::stored(c, int8_layers),
                     _ => GroupCodec::Native(info.kv_dtype),
                 };
                 // A request may name a KIVI codec on a worker whose own is not.
@@ -1067,11 +1080,22 @@ fn open_tiers(cfg: &EngineConfig, info: &ModelInfo) -> Result<Option<TierStore>,
     TierStore::open(&cfg.tiers, group).map_err(|e| EngineError::Config(e.to_string()))
 }
 
+/// The checked `--kivi-int8-layers` of this model, if any.
+fn kivi_int8_layers(cfg: &EngineConfig, info: &ModelInfo) -> Result<Option<Int8Layers>, EngineError> {
+    if cfg.kivi_int8_layers.is_empty() {
+        return Ok(None);
+    }
+    Int8Layers::new(&cfg.kivi_int8_layers, info.n_layers)
+        .map(Some)
+        .map_err(|e| EngineError::Config(format!("--kivi-int8-layers: {e}")))
+}
+
 /// The EvicPress driver, when configured (it needs a lower tier to place into).
 fn open_placement(
     cfg: &EngineConfig,
     info: &ModelInfo,
     tiers: Option<&TierStore>,
+    kivi_int8_layers: Option<Int8Layers>,
 ) -> Result<Option<EvicPress>, EngineError> {
     residual::check_tokens(cfg.kivi_residual_tokens)
         .map_err(|e| EngineError::Config(format!("--kivi-residual-tokens: {e}")))?;
@@ -1087,7 +1111,7 @@ fn open_placement(
             let Some(tiers) = tiers else {
                 return Err(EngineError::Config("EvicPress placement needs a host or disk tier".into()));
             };
-            let ep = EvicPressConfig { residual_tokens: cfg.kivi_residual_tokens, ..ep.clone() };
+            let ep = EvicPressConfig { residual_tokens: cfg.kivi_residual_tokens, kivi_int8_layers, ..ep.clone() };
             EvicPress::new(ep, &info.model_id, info.layout(), info.head_dim, info.kv_dtype, tiers).map(Some)
         }
     }
@@ -1157,6 +1181,8 @@ struct EngineLoop<R> {
     tiers: Option<TierStore>,
     /// The codec of LRU offloads.
     tier_codec: GroupCodec,
+    /// `--kivi-int8-layers`, checked against the model.
+    kivi_int8_layers: Option<Int8Layers>,
     /// The tails of finished prompts that LRU offloads keep native under a KIVI codec.
     residual: ResidualTails,
     /// The codecs requests named for their groups ([`GenerateRequest::tier_codec`]).
@@ -1208,6 +1234,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             stats,
             tiers: None,
             tier_codec: GroupCodec::Native(kv_dtype),
+            kivi_int8_layers: None,
             residual: ResidualTails::default(),
             pins: CodecPins::default(),
             evicpress: None,
@@ -1588,7 +1615,11 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let Some(kv) = self.runner.group_kv() else { return };
         for &h in &self.hashes {
-            let chosen = self.pins.codec_for(h, self.tier_codec);
+            // A request's named KIVI codec is stored layered too.
+            let chosen = match self.pins.codec_for(h, self.tier_codec) {
+                GroupCodec::Kv(c) => GroupCodec::stored(c, self.kivi_int8_layers),
+                other => other,
+            };
             let codec = self.residual.codec_for(h, chosen, kv.native_codec());
             // A group stored before it ended a prompt (the middle of an earlier one, or seeded KV) takes the
             // residual's format once it does; otherwise the stored copy stands.

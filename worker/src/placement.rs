@@ -61,7 +61,7 @@ use crate::sampling::argmax;
 use crate::tiers::cost::Ewma;
 use crate::tiers::pruned::{self, Pruner, kept_tokens, packed_groups};
 use crate::tiers::residual;
-use crate::tiers::{EncodedGroup, GroupCodec, Tier, TierStore, codec, native};
+use crate::tiers::{EncodedGroup, GroupCodec, Int8Layers, Tier, TierStore, codec, native};
 
 /// Finished requests waiting for placement at most; older ones are dropped (their contexts are simply not placed).
 pub const MAX_PENDING: usize = 256;
@@ -120,6 +120,11 @@ impl TierPlacement {
         let fixed = match codec.parse::<GroupCodec>() {
             Ok(GroupCodec::Native(_)) => None,
             Ok(GroupCodec::Kv(c)) => Some(c),
+            Ok(layered @ GroupCodec::Layered { .. }) => {
+                return Err(format!(
+                    "--tier-codec: {layered} is a stored format; name the KIVI codec and its layers in --kivi-int8-layers"
+                ));
+            }
             Err(e) => return Err(format!("--tier-codec: {e}")),
         };
         match placement {
@@ -184,6 +189,8 @@ pub struct EvicPressConfig {
     pub alpha: f64,
     /// Compressing variants offered besides the lossless native one.
     pub codecs: Vec<Codec>,
+    /// The layers whose blocks the KIVI variants keep in int8 ([`crate::engine::EngineConfig::kivi_int8_layers`]).
+    pub kivi_int8_layers: Option<Int8Layers>,
     /// Token-dropping ratios (fraction of each table's slots KeyDiff keeps), each offered with the native format
     /// and every codec: the configuration's eviction-ratio dimension ([`pruned`]).
     pub keep_ratios: Vec<f64>,
@@ -230,6 +237,7 @@ impl Default for EvicPressConfig {
         EvicPressConfig {
             alpha: 1.0,
             codecs: GroupCodec::COMPRESSING.to_vec(),
+            kivi_int8_layers: None,
             keep_ratios: DEFAULT_KEEP_RATIOS.to_vec(),
             max_contexts: 4096,
             probe_tokens: 32,
@@ -542,7 +550,7 @@ impl EvicPress {
         residual::check_tokens(cfg.residual_tokens).map_err(bad)?;
         let mut codecs = vec![GroupCodec::Native(dtype)];
         for c in &cfg.codecs {
-            let v = GroupCodec::Kv(*c);
+            let v = GroupCodec::stored(*c, cfg.kivi_int8_layers);
             if matches!(c, Codec::F32 | Codec::F16) {
                 return Err(bad(format!("{c} is a native format, not a compressing variant")));
             }
@@ -969,7 +977,12 @@ impl EvicPress {
     fn allowed(&self, context: u64, v: usize) -> bool {
         match self.contexts.get(&context).and_then(|c| c.codec) {
             None => true,
-            Some(codec) => !self.variants[v].pruned() && self.variants[v].codec == codec,
+            // A request names the codec (`int4_kivi`); the worker may store it layered (`--kivi-int8-layers`).
+            Some(codec) => {
+                let stored = self.variants[v].codec;
+                !self.variants[v].pruned()
+                    && (stored == codec || stored.chosen().is_some_and(|c| Some(c) == codec.chosen()))
+            }
         }
     }
 

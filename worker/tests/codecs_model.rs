@@ -278,3 +278,38 @@ fn compressed_kv_keeps_greedy_tokens_close_to_the_full_cache() {
     assert!(get("pool:fp8_e4m3_rotated").agreement >= 0.9 && get("pool:fp8_e4m3_rotated").kl < 0.02);
     assert!(get("pool:int8").kl < get("pool:fp8_e4m3").kl);
 }
+
+/// The layered KIVI lanes of `pagoda eval --codecs` (`BASE+int8@L:L/N`, how `--kivi-int8-layers` stores groups) on
+/// a real prompt: every layer listed is exactly the int8 lane (the lane maps each block table to its layer as the
+/// tiers do); layer 18 in int8 takes int2_kivi's KL down (0.42× on the suite in docs/BENCHMARKS.md with bf16
+/// matmuls; 0.89× on this one prompt under Q8_1 matmuls, whose rounding adds its own disagreement to every lane);
+/// a layer count that is not the model's is refused.
+#[test]
+fn layered_kivi_lanes_round_each_layer_through_its_own_codec() {
+    use pagoda_worker::eval::codecs::{CodecEvaluator, CodecItem, Continuation, LaneFormat, summarize};
+    let mut ev = CodecEvaluator::load(&model_path(), 2, false).expect("load");
+    let every: Vec<String> = (0..30).map(|l| l.to_string()).collect();
+    let names = [
+        "int8".to_owned(),
+        "int2_kivi".into(),
+        "int2_kivi+int8@18/30".into(),
+        format!("int2_kivi+int8@{}/30", every.join(":")),
+    ];
+    let lanes: Vec<LaneFormat> = names.iter().map(|n| n.parse().expect("lane")).collect();
+    let item = CodecItem {
+        name: "story".into(),
+        prompt: ev.chat_tokens(&format!("{TEXT}\n\nWrite a short story about a lighthouse keeper.")).expect("prompt"),
+        continuation: Continuation::Greedy(33),
+    };
+    let results = ev.run_item(&item, &lanes).expect("run");
+    let cells = summarize(&results, &lanes);
+    let get = |name: &str| cells.iter().find(|c| c.codec == name).expect("cell");
+    let (int8, int2, layer18, all) = (get(&names[0]), get(&names[1]), get(&names[2]), get(&names[3]));
+    println!("int2_kivi KL {:.5}, layer 18 in int8 {:.5}", int2.kl, layer18.kl);
+    assert_eq!((all.agreement, all.kl), (int8.agreement, int8.kl), "every layer in int8 is the int8 lane");
+    assert!(layer18.kl < 0.95 * int2.kl, "layer 18 in int8: KL {} against int2_kivi's {}", layer18.kl, int2.kl);
+    assert!(layer18.bits_per_element > int2.bits_per_element && layer18.bits_per_element < 3.8);
+    let other_model: LaneFormat = "int2_kivi+int8@18/32".parse().expect("a well-formed name");
+    assert!(ev.run_item(&item, &[other_model]).is_err(), "a 32-layer name on a 30-layer model");
+    assert!("int2_kivi+int8@18".parse::<LaneFormat>().is_err());
+}

@@ -214,7 +214,7 @@ fn gpu_tier_groups_are_the_cpu_codecs_bytes() {
     for codec in [GroupCodec::Kv(Codec::Int8), f16_native] {
         let mut bad = src.encode_group(&ids, codec).unwrap();
         match codec {
-            GroupCodec::Kv(_) => bad.bytes[0] ^= 0xff,
+            GroupCodec::Kv(_) | GroupCodec::Layered { .. } => bad.bytes[0] ^= 0xff,
             GroupCodec::Native(_) => {
                 bad.bytes.pop();
             }

@@ -332,6 +332,82 @@ fn a_request_names_the_codec_its_groups_are_stored_in() {
     h.shutdown();
 }
 
+/// `--kivi-int8-layers` through the real engine: a KIVI group goes down with the listed layer's blocks in int8,
+/// byte for byte the blocks an int8 worker stores for that layer, and every other block byte for byte the plain
+/// KIVI worker's. It serves a warm request from host; a request naming a KIVI codec and EvicPress's KIVI variants
+/// are stored layered too; a layer the model does not have stops the engine from starting.
+#[test]
+fn kivi_int8_layers_keep_the_listed_layers_in_int8() {
+    let p = prompt();
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let host = TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 };
+    let cfg = |placement: TierPlacement, layers: Vec<usize>| EngineConfig {
+        num_blocks: 8 * GROUP,
+        threads: 2,
+        tiers: host.clone(),
+        placement,
+        kivi_int8_layers: layers,
+        ..EngineConfig::new(model_path())
+    };
+    let start = |placement: TierPlacement, layers: Vec<usize>| Engine::start(cfg(placement, layers)).expect("starts");
+    let groups = (p.len() - 1) / BS;
+    let stored = |h: &EngineHandle, req: GenerateRequest| {
+        run_request(h, req);
+        let hashes = block_hashes(&h.model_info().model_id, "", &p, BS);
+        let got = rt.block_on(h.export_groups(hashes[..groups].to_vec(), u64::MAX, ExportFrom::Tiers)).unwrap();
+        assert_eq!(got.len(), groups, "the prompt's groups went to host");
+        got.into_iter().map(|(_, g)| g).collect::<Vec<_>>()
+    };
+    let plain = |codec: Codec| {
+        let h = start(TierPlacement::LruCodec(codec), vec![]);
+        let g = stored(&h, greedy(&p, 8));
+        h.shutdown();
+        g
+    };
+    let (int4, int8) = (plain(Codec::Int4Kivi), plain(Codec::Int8));
+    let h = start(TierPlacement::LruCodec(Codec::Int4Kivi), vec![18]);
+    let layered = stored(&h, greedy(&p, 8));
+    let (len4, len8) = (Codec::Int4Kivi.encoded_len(BS, 64).unwrap(), Codec::Int8.encoded_len(BS, 64).unwrap());
+    // Blocks are in `layer * 3 + head` order: layer 18 is blocks 54..57.
+    let (before, int8_part) = (54 * len4, 3 * len8);
+    for (i, g) in layered.iter().enumerate() {
+        assert_eq!(g.codec, "int4_kivi+int8@18/30");
+        assert_eq!(g.bytes.len(), 87 * len4 + 3 * len8, "group {i}");
+        assert_eq!(g.bytes[..before], int4[i].bytes[..before], "layers 0..18 as int4_kivi stores them");
+        assert_eq!(g.bytes[before..before + int8_part], int8[i].bytes[54 * len8..57 * len8], "layer 18 in int8");
+        assert_eq!(g.bytes[before + int8_part..], int4[i].bytes[57 * len4..], "layers 19..30 as int4_kivi");
+    }
+    push_out(&h);
+    let (_, cached, s) = run(&h, &p, 8);
+    assert_eq!(cached as usize, groups * BS, "the prefix comes back from the layered copy");
+    assert!(s.prefix_hit_tokens[Tier::Host.index()] > 0, "{s:?}");
+    h.shutdown();
+
+    // A request naming int2_kivi on a native worker: layered as well.
+    let h = start(TierPlacement::Lru, vec![17, 18]);
+    let named = stored(&h, GenerateRequest { tier_codec: Some(GroupCodec::Kv(Codec::Int2Kivi)), ..greedy(&p, 8) });
+    assert!(named.iter().all(|g| g.codec == "int2_kivi+int8@17:18/30"), "{:?}", named[0].codec);
+    h.shutdown();
+
+    // EvicPress offers its KIVI variants layered: a context whose request names int4_kivi is stored in it.
+    let ep = EvicPressConfig { codecs: vec![Codec::Int8, Codec::Int4Kivi], ..EvicPressConfig::default() };
+    let h = start(TierPlacement::EvicPress(ep), vec![18]);
+    let long: Vec<u32> = p.iter().chain(&p).copied().take(100).collect();
+    run_request(&h, GenerateRequest { tier_codec: Some(GroupCodec::Kv(Codec::Int4Kivi)), ..greedy(&long, 8) });
+    wait_stats(&h, "placed", |s| s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1));
+    let context = (long.len() - 1) / BS;
+    let hashes = block_hashes(&h.model_info().model_id, "", &long, BS);
+    let got = rt.block_on(h.export_groups(hashes[..context].to_vec(), u64::MAX, ExportFrom::Tiers)).unwrap();
+    assert_eq!(got.len(), context);
+    assert!(got.iter().all(|(_, g)| g.codec == "int4_kivi+int8@18/30"), "{:?}", got[0].1.codec);
+    h.shutdown();
+
+    match Engine::start(cfg(TierPlacement::LruCodec(Codec::Int4Kivi), vec![30])) {
+        Err(EngineError::Config(m)) => assert!(m.contains("--kivi-int8-layers") && m.contains("30"), "{m}"),
+        other => panic!("layer 30 of a 30-layer model: {:?}", other.map(|_| ())),
+    }
+}
+
 /// An 8-bit device cache through the real engine: it serves, its idle groups go to host and disk in their own
 /// format (codes and slot scales as stored, `native-int8` / `native-fp8_e4m3` / `native-fp8_e4m3_rotated`), and they
 /// come back bit-exactly, so the warm greedy output equals the cold one and nothing onboarded is recomputed.

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{EngineError, cpu_backend};
 use crate::model::{ChatTemplate, ForwardSeq, Gguf, LlamaModel, LogitsWanted, Scratch, Tokenizer};
 use crate::sampling::argmax;
+use crate::tiers::GroupCodec;
 
 /// Slots per block, as the engine's default.
 const BLOCK_SIZE: usize = 16;
@@ -37,6 +38,9 @@ pub enum LaneFormat {
     Codec(Codec),
     /// Each slot rounded as a device pool of this dtype stores it.
     Pool(KvDtype),
+    /// Each full block through its layer's codec of a layered KIVI format ([`GroupCodec::Layered`],
+    /// `int2_kivi+int8@18/30`): how `--kivi-int8-layers` stores groups.
+    Layered(GroupCodec),
 }
 
 impl LaneFormat {
@@ -45,6 +49,7 @@ impl LaneFormat {
         match self {
             LaneFormat::Codec(c) => c.name().to_owned(),
             LaneFormat::Pool(d) => format!("pool:{d}"),
+            LaneFormat::Layered(g) => g.name(),
         }
     }
 
@@ -53,6 +58,16 @@ impl LaneFormat {
         match self {
             LaneFormat::Codec(c) => c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN),
             LaneFormat::Pool(d) => d.slot_bytes(head_dim) as f64 * 8.0 / head_dim as f64,
+            LaneFormat::Layered(g) => {
+                // One block per layer: the mean over layers is the mean over any whole number of heads.
+                let layers = match g {
+                    GroupCodec::Layered { int8, .. } => int8.n_layers(),
+                    _ => 1,
+                };
+                let bits: Option<f64> =
+                    (0..layers).map(|l| g.block_codec(l, layers)?.bits_per_element(block_size, head_dim).ok()).sum();
+                bits.map_or(f64::NAN, |b| b / layers as f64)
+            }
         }
     }
 }
@@ -60,8 +75,15 @@ impl LaneFormat {
 impl std::str::FromStr for LaneFormat {
     type Err = String;
 
-    /// `pool:DTYPE` (`pool:int8`, `pool:fp8_e4m3`, `pool:fp8_e4m3_rotated`, ...) or a codec name.
+    /// `pool:DTYPE` (`pool:int8`, `pool:fp8_e4m3`, `pool:fp8_e4m3_rotated`, ...), a layered KIVI format
+    /// (`int2_kivi+int8@18/30`) or a codec name.
     fn from_str(s: &str) -> Result<LaneFormat, String> {
+        if s.contains('+') {
+            return match s.parse::<GroupCodec>() {
+                Ok(g @ GroupCodec::Layered { .. }) => Ok(LaneFormat::Layered(g)),
+                _ => Err(format!("{s:?} is not a layered KIVI format (BASE+int8@L:L/N)")),
+            };
+        }
         match s.strip_prefix("pool:") {
             Some(d) => d.parse().map(LaneFormat::Pool),
             None => s.parse::<Codec>().map(LaneFormat::Codec).map_err(|e| e.to_string()),
@@ -181,6 +203,15 @@ impl CodecEvaluator {
                 n_cont
             )));
         }
+        if let Some(bad) = codecs.iter().find_map(|f| match f {
+            LaneFormat::Layered(GroupCodec::Layered { int8, .. }) if int8.n_layers() != c.n_layers => Some(f.name()),
+            _ => None,
+        }) {
+            return Err(EngineError::InvalidRequest(format!(
+                "{bad} is for another model: this one has {} layers",
+                c.n_layers
+            )));
+        }
         let n_tables = c.n_layers * c.n_kv_heads;
         let per_table = total.div_ceil(BLOCK_SIZE);
         let lane_blocks = n_tables * per_table;
@@ -249,7 +280,8 @@ impl CodecEvaluator {
         let mut rounding: Vec<Rounding> = codecs
             .iter()
             .map(|f| match *f {
-                LaneFormat::Codec(codec) => Rounding::Codec(codec),
+                LaneFormat::Codec(codec) => Rounding::Codec(GroupCodec::Kv(codec)),
+                LaneFormat::Layered(g) => Rounding::Codec(g),
                 LaneFormat::Pool(d) => Rounding::Pool(KvStorage::with_dtype(1, BLOCK_SIZE, c.head_dim, d)),
             })
             .collect();
@@ -263,9 +295,11 @@ impl CodecEvaluator {
             for (li, lane) in rounding.iter_mut().enumerate() {
                 let l = li + 1;
                 match lane {
-                    Rounding::Codec(codec) => {
-                        let codec = *codec;
-                        for table in &tables[l] {
+                    Rounding::Codec(group) => {
+                        for (t, table) in tables[l].iter().enumerate() {
+                            let codec = group.block_codec(t, n_tables).ok_or_else(|| {
+                                EngineError::InvalidRequest(format!("{group} does not fit this model's layers"))
+                            })?;
                             for &b in &table[coded[l]..len / BLOCK_SIZE] {
                                 round_trip(codec, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
                             }
@@ -339,7 +373,8 @@ impl CodecEvaluator {
 
 /// How a lane rounds its KV ([`LaneFormat`], with the pool a `Pool` lane rounds through).
 enum Rounding {
-    Codec(Codec),
+    /// Each table's blocks through the group codec's codec for that table (`layer * n_kv_heads + head`).
+    Codec(GroupCodec),
     Pool(KvStorage),
 }
 

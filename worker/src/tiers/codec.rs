@@ -26,48 +26,167 @@ pub enum GroupCodec {
     Native(KvDtype),
     /// A kernels codec other than `f32`/`f16`, one encoded block per (layer, kv-head).
     Kv(Codec),
+    /// A KIVI codec (`base`) with the blocks of the layers in `int8` stored in `int8` instead
+    /// (`--kivi-int8-layers`; name `int4_kivi+int8@17:18/30`: base, layers, the model's layer count).
+    Layered { base: Codec, int8: Int8Layers },
+}
+
+/// The layers whose blocks a [`GroupCodec::Layered`] group keeps in `int8`, and the model's layer count (so that
+/// a group's blocks, in `layer * n_kv_heads + head` order, map to layers without the model at hand).
+///
+/// Why: KIVI's error reaches the output through the attention scores, and a few layers amplify it far more than
+/// the rest. On SmolLM2-135M, layer 18 alone holds 58% of `int2_kivi`'s KL and half of `int4_kivi`'s, almost all
+/// of it in its keys, though their relative error is the other layers' (docs/BENCHMARKS.md, "KIVI's sensitive
+/// layers").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Int8Layers {
+    mask: u64,
+    n_layers: u8,
+}
+
+impl Int8Layers {
+    /// Most layers a model may have for the set (the mask's width).
+    pub const MAX_LAYERS: usize = 64;
+
+    /// The set `layers` of a model of `n_layers` layers: non-empty, each below `n_layers`, no repeats.
+    pub fn new(layers: &[usize], n_layers: usize) -> Result<Int8Layers, String> {
+        if n_layers == 0 || n_layers > Self::MAX_LAYERS {
+            return Err(format!("a model of 1 to {} layers, got {n_layers}", Self::MAX_LAYERS));
+        }
+        if layers.is_empty() {
+            return Err("at least one layer".into());
+        }
+        let mut mask = 0u64;
+        for &l in layers {
+            if l >= n_layers {
+                return Err(format!("layer {l} is not below the model's {n_layers}"));
+            }
+            if mask >> l & 1 == 1 {
+                return Err(format!("layer {l} is listed twice"));
+            }
+            mask |= 1 << l;
+        }
+        Ok(Int8Layers { mask, n_layers: n_layers as u8 })
+    }
+
+    /// Whether layer `layer` is kept in int8.
+    pub fn contains(self, layer: usize) -> bool {
+        layer < 64 && self.mask >> layer & 1 == 1
+    }
+
+    /// The model's layer count.
+    pub fn n_layers(self) -> usize {
+        usize::from(self.n_layers)
+    }
+
+    /// The layers, ascending.
+    pub fn layers(self) -> impl Iterator<Item = usize> {
+        (0..self.n_layers()).filter(move |&l| self.contains(l))
+    }
 }
 
 impl GroupCodec {
     /// The compressing codecs, in decreasing size.
     pub const COMPRESSING: [Codec; 4] = [Codec::Int8, Codec::Fp8E4m3, Codec::Int4Kivi, Codec::Int2Kivi];
 
-    /// The name stored with each group.
-    pub fn name(self) -> &'static str {
+    /// `codec`, with the KIVI codecs layered by `int8` when a set is given: how a worker stores the codec its
+    /// placement chose.
+    pub fn stored(codec: Codec, int8: Option<Int8Layers>) -> GroupCodec {
+        match int8 {
+            Some(int8) if matches!(codec, Codec::Int4Kivi | Codec::Int2Kivi) => {
+                GroupCodec::Layered { base: codec, int8 }
+            }
+            _ => GroupCodec::Kv(codec),
+        }
+    }
+
+    /// The codec the placement chose: the base of a layered codec.
+    pub fn chosen(self) -> Option<Codec> {
         match self {
-            GroupCodec::Native(d) => native::codec_name(d),
-            GroupCodec::Kv(c) => c.name(),
+            GroupCodec::Native(_) => None,
+            GroupCodec::Kv(c) | GroupCodec::Layered { base: c, .. } => Some(c),
+        }
+    }
+
+    /// The name stored with each group.
+    pub fn name(self) -> String {
+        match self {
+            GroupCodec::Native(d) => native::codec_name(d).to_owned(),
+            GroupCodec::Kv(c) => c.name().to_owned(),
+            GroupCodec::Layered { base, int8 } => {
+                let layers: Vec<String> = int8.layers().map(|l| l.to_string()).collect();
+                format!("{base}+int8@{}/{}", layers.join(":"), int8.n_layers())
+            }
+        }
+    }
+
+    /// The kernels codec of block `index` of a group of `n_blocks` blocks (`None` for the native formats, and for a
+    /// layered codec when `n_blocks` is not a whole number of blocks per layer).
+    pub fn block_codec(self, index: usize, n_blocks: usize) -> Option<Codec> {
+        match self {
+            GroupCodec::Native(_) => None,
+            GroupCodec::Kv(c) => Some(c),
+            GroupCodec::Layered { base, int8 } => {
+                let n = int8.n_layers();
+                if n_blocks == 0 || !n_blocks.is_multiple_of(n) || index >= n_blocks {
+                    return None;
+                }
+                Some(if int8.contains(index / (n_blocks / n)) { Codec::Int8 } else { base })
+            }
         }
     }
 
     /// Encoded bytes of a group of `n_blocks` blocks of `block_size` × `head_dim`.
     pub fn group_bytes(self, n_blocks: usize, block_size: usize, head_dim: usize) -> Result<usize, TierError> {
-        match self {
-            GroupCodec::Native(d) => Ok(native::group_bytes(n_blocks, block_size, head_dim, d)),
-            GroupCodec::Kv(c) => c
-                .encoded_len(block_size, head_dim)
-                .map(|n| n * n_blocks)
-                .map_err(|e| TierError::Config(format!("codec {c}: {e}"))),
+        if let GroupCodec::Native(d) = self {
+            return Ok(native::group_bytes(n_blocks, block_size, head_dim, d));
         }
+        (0..n_blocks).try_fold(0, |sum, i| Ok(sum + self.block_len(i, n_blocks, block_size, head_dim)?))
+    }
+
+    /// Encoded bytes of block `index` of a group of `n_blocks` (a kernels codec's group).
+    fn block_len(self, index: usize, n_blocks: usize, bs: usize, hd: usize) -> Result<usize, TierError> {
+        self.block_format(index, n_blocks, bs, hd).map(|(_, len)| len)
+    }
+
+    /// The kernels codec of block `index` of a group of `n_blocks`, and its encoded bytes.
+    fn block_format(self, index: usize, n_blocks: usize, bs: usize, hd: usize) -> Result<(Codec, usize), TierError> {
+        let c = self.block_codec(index, n_blocks).ok_or_else(|| {
+            TierError::Config(format!("{self} cannot store a group of {n_blocks} blocks (not whole layers)"))
+        })?;
+        let len = c.encoded_len(bs, hd).map_err(|e| TierError::Config(format!("codec {c}: {e}")))?;
+        Ok((c, len))
     }
 }
 
 impl fmt::Display for GroupCodec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.write_str(&self.name())
     }
 }
 
 impl FromStr for GroupCodec {
     type Err = TierError;
 
-    /// `native`, `f32`, `f16`, `native-int8` and `native-fp8_e4m3` are the native formats; the other kernels codecs
-    /// by name.
+    /// `native`, `f32`, `f16`, `native-int8` and `native-fp8_e4m3` are the native formats; `BASE+int8@L:L/N` a
+    /// layered KIVI codec; the other kernels codecs by name.
     fn from_str(s: &str) -> Result<GroupCodec, TierError> {
         if let Some(d) = native::dtype_of(s) {
             return Ok(GroupCodec::Native(d));
         }
-        s.parse::<Codec>().map(GroupCodec::Kv).map_err(|_| TierError::UnknownCodec(s.chars().take(64).collect()))
+        let unknown = || TierError::UnknownCodec(s.chars().take(64).collect());
+        if let Some((base, rest)) = s.split_once("+int8@") {
+            let base = base.parse::<Codec>().map_err(|_| unknown())?;
+            let (list, n) = rest.split_once('/').ok_or_else(unknown)?;
+            let n: usize = n.parse().map_err(|_| unknown())?;
+            let layers = list.split(':').map(|l| l.parse::<usize>()).collect::<Result<Vec<_>, _>>();
+            let int8 = Int8Layers::new(&layers.map_err(|_| unknown())?, n).map_err(|_| unknown())?;
+            return match GroupCodec::stored(base, Some(int8)) {
+                layered @ GroupCodec::Layered { .. } => Ok(layered),
+                _ => Err(unknown()),
+            };
+        }
+        s.parse::<Codec>().map(GroupCodec::Kv).map_err(|_| unknown())
     }
 }
 
@@ -123,17 +242,21 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
             }
             return Ok(out);
         }
-        GroupCodec::Kv(c) => c,
+        GroupCodec::Kv(_) | GroupCodec::Layered { .. } => codec,
     };
-    let (bs, hd) = (kv.block_size(), kv.head_dim());
-    let block = c.encoded_len(bs, hd).map_err(|e| TierError::Config(format!("codec {c}: {e}")))?;
-    let mut bytes = vec![0u8; block * blocks.len()];
+    let (bs, hd, n) = (kv.block_size(), kv.head_dim(), blocks.len());
+    let mut bytes = vec![0u8; c.group_bytes(n, bs, hd)?];
     let (mut k, mut v) = (vec![0.0f32; kv.block_len()], vec![0.0f32; kv.block_len()]);
-    for (&b, out) in blocks.iter().zip(bytes.chunks_exact_mut(block)) {
+    let mut at = 0;
+    for (i, &b) in blocks.iter().enumerate() {
+        let (codec, len) = c.block_format(i, n, bs, hd)?;
         kv.read_block(b, &mut k, &mut v);
-        c.encode_block(bs, hd, &k, &v, out).map_err(|e| TierError::Config(format!("encoding with {c}: {e}")))?;
+        codec
+            .encode_block(bs, hd, &k, &v, &mut bytes[at..at + len])
+            .map_err(|e| TierError::Config(format!("encoding with {codec}: {e}")))?;
+        at += len;
     }
-    Ok(EncodedGroup { codec: c.name().to_owned(), bytes })
+    Ok(EncodedGroup { codec: c.name(), bytes })
 }
 
 /// Decodes `group` (any codec) into blocks `blocks` of `kv`, checking the codec, the exact length and, for the
@@ -141,11 +264,10 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
 pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> Result<(), TierError> {
     let c = match group.codec.parse::<GroupCodec>()? {
         GroupCodec::Native(_) => return native::decode(group, kv, blocks),
-        GroupCodec::Kv(c) => c,
+        c => c,
     };
-    let (bs, hd) = (kv.block_size(), kv.head_dim());
-    let block = c.encoded_len(bs, hd).map_err(|e| TierError::Config(format!("codec {c}: {e}")))?;
-    let expected = block * blocks.len();
+    let (bs, hd, count) = (kv.block_size(), kv.head_dim(), blocks.len());
+    let expected = c.group_bytes(count, bs, hd)?;
     if group.bytes.len() != expected {
         return Err(TierError::BadLength { codec: group.codec.clone(), expected, got: group.bytes.len() });
     }
@@ -154,15 +276,19 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
     }
     // Decode everything first: a bad block in the middle must not leave the group half-written.
     let n = kv.block_len();
-    let mut decoded = vec![0.0f32; 2 * n * blocks.len()];
-    for (bytes, out) in group.bytes.chunks_exact(block).zip(decoded.chunks_exact_mut(2 * n)) {
+    let mut decoded = vec![0.0f32; 2 * n * count];
+    let mut at = 0;
+    for (i, out) in decoded.chunks_exact_mut(2 * n).enumerate() {
+        let len = c.block_len(i, count, bs, hd)?;
+        let bytes = &group.bytes[at..at + len];
+        at += len;
         let (k, v) = out.split_at_mut(n);
         let h = decode_block(bytes, k, v).map_err(|e| TierError::Corrupt {
             path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
             reason: e.to_string(),
         })?;
-        if h.codec != c || h.block_size != bs || h.head_dim != hd {
-            return Err(TierError::BadLength { codec: group.codec.clone(), expected: block, got: bytes.len() });
+        if Some(h.codec) != c.block_codec(i, count) || h.block_size != bs || h.head_dim != hd {
+            return Err(TierError::BadLength { codec: group.codec.clone(), expected: len, got: bytes.len() });
         }
     }
     for (&b, out) in blocks.iter().zip(decoded.chunks_exact(2 * n)) {
@@ -208,8 +334,8 @@ mod tests {
             GroupCodec::Native(KvDtype::F32) => 0.0,
             GroupCodec::Native(KvDtype::Int8) | GroupCodec::Kv(Codec::Int8) | GroupCodec::Kv(Codec::Bf16) => 2e-2,
             GroupCodec::Native(KvDtype::Fp8 | KvDtype::Fp8Rotated) | GroupCodec::Kv(Codec::Fp8E4m3) => 0.13,
-            GroupCodec::Kv(Codec::Int4Kivi) => 0.2,
-            GroupCodec::Kv(_) => 1.0,
+            GroupCodec::Kv(Codec::Int4Kivi) | GroupCodec::Layered { base: Codec::Int4Kivi, .. } => 0.2,
+            GroupCodec::Kv(_) | GroupCodec::Layered { .. } => 1.0,
         }
     }
 
@@ -218,7 +344,71 @@ mod tests {
         v.push(GroupCodec::Kv(Codec::Bf16));
         v.extend(GroupCodec::COMPRESSING.map(GroupCodec::Kv));
         v.push(GroupCodec::Kv(Codec::Fp8E4m3Rotated));
+        // Two-block test groups are one block per layer of a two-layer model.
+        v.push(GroupCodec::stored(Codec::Int4Kivi, Some(Int8Layers::new(&[1], 2).unwrap())));
         v
+    }
+
+    #[test]
+    fn layered_names_parse_back_and_malformed_ones_are_refused() {
+        let g = "int2_kivi+int8@17:18/30".parse::<GroupCodec>().unwrap();
+        let GroupCodec::Layered { base, int8 } = g else { panic!("{g:?}") };
+        assert_eq!((base, int8.layers().collect::<Vec<_>>(), int8.n_layers()), (Codec::Int2Kivi, vec![17, 18], 30));
+        assert_eq!(g.name(), "int2_kivi+int8@17:18/30");
+        assert_eq!(g.chosen(), Some(Codec::Int2Kivi));
+        // 90 blocks: 3 per layer, layers 17 and 18 are blocks 51..57.
+        let codecs: Vec<Codec> = (0..90).map(|i| g.block_codec(i, 90).unwrap()).collect();
+        assert!(codecs[51..57].iter().all(|&c| c == Codec::Int8));
+        assert!(codecs[..51].iter().chain(&codecs[57..]).all(|&c| c == Codec::Int2Kivi));
+        let (l2, l8) = (Codec::Int2Kivi.encoded_len(16, 64).unwrap(), Codec::Int8.encoded_len(16, 64).unwrap());
+        assert_eq!(g.group_bytes(90, 16, 64).unwrap(), 84 * l2 + 6 * l8);
+        assert!(g.group_bytes(91, 16, 64).is_err(), "not whole layers");
+        assert_eq!(g.block_codec(90, 90), None);
+        for bad in [
+            "int4_kivi+int8@30/30",
+            "int4_kivi+int8@/30",
+            "int4_kivi+int8@1:1/30",
+            "int4_kivi+int8@1/0",
+            "int4_kivi+int8@1/65",
+            "int4_kivi+int8@1",
+            "int8+int8@1/30",
+            "fp8_e4m3+int8@1/30",
+            "zstd+int8@1/30",
+            "int4_kivi+int8@-1/30",
+        ] {
+            assert!(matches!(bad.parse::<GroupCodec>(), Err(TierError::UnknownCodec(_))), "{bad}");
+        }
+        assert!(Int8Layers::new(&[], 30).is_err());
+        // A set only layers KIVI: the other codecs are stored as named.
+        let set = Some(Int8Layers::new(&[18], 30).unwrap());
+        assert_eq!(GroupCodec::stored(Codec::Int8, set), GroupCodec::Kv(Codec::Int8));
+        assert_eq!(GroupCodec::stored(Codec::Int4Kivi, None), GroupCodec::Kv(Codec::Int4Kivi));
+    }
+
+    #[test]
+    fn a_layered_group_is_its_codecs_blocks_and_is_refused_when_they_disagree() {
+        let src = filled(KvDtype::F32);
+        let blocks = [0, 1, 2, 3];
+        let layered = GroupCodec::stored(Codec::Int2Kivi, Some(Int8Layers::new(&[1], 2).unwrap()));
+        let g = encode(&src, &blocks, layered).unwrap();
+        // Two blocks per layer: blocks 0 and 1 as int2_kivi encodes them, 2 and 3 as int8 does.
+        let [int2, int8] =
+            [Codec::Int2Kivi, Codec::Int8].map(|c| encode(&src, &blocks, GroupCodec::Kv(c)).unwrap().bytes);
+        let (l2, l8) = (Codec::Int2Kivi.encoded_len(16, 64).unwrap(), Codec::Int8.encoded_len(16, 64).unwrap());
+        assert_eq!(g.bytes, [&int2[..2 * l2], &int8[2 * l8..]].concat());
+        let mut dst = KvStorage::with_dtype(12, 16, 64, KvDtype::F32);
+        decode(&g, &mut dst, &[4, 5, 6, 7]).unwrap();
+        let mut alone = KvStorage::with_dtype(1, 16, 64, KvDtype::F32);
+        decode(&encode(&src, &[2], GroupCodec::Kv(Codec::Int8)).unwrap(), &mut alone, &[0]).unwrap();
+        assert_eq!(block(&dst, 6), block(&alone, 0), "a layer-1 block decodes as int8 alone");
+        // The same bytes under a name that puts int8 on the other layer: the lengths agree, the headers do not.
+        let before = block(&dst, 4);
+        let swapped = EncodedGroup { codec: "int2_kivi+int8@0/2".into(), bytes: g.bytes.clone() };
+        assert!(swapped.bytes.len() == g.bytes.len() && decode(&swapped, &mut dst, &[4, 5, 6, 7]).is_err());
+        assert_eq!(block(&dst, 4), before, "nothing written");
+        // Three blocks are not whole layers of a two-layer model.
+        assert!(encode(&src, &[0, 1, 2], layered).is_err());
+        assert!(decode(&g, &mut dst, &[4, 5, 6]).is_err());
     }
 
     #[test]

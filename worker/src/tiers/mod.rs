@@ -23,7 +23,7 @@ pub mod pruned;
 pub mod residual;
 pub mod store;
 
-pub use codec::GroupCodec;
+pub use codec::{GroupCodec, Int8Layers};
 pub use cost::CostModel;
 pub use disk::DiskStore;
 pub use host::HostStore;

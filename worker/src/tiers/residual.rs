@@ -35,7 +35,7 @@ pub fn check_tokens(tokens: usize) -> Result<(), String> {
 
 /// Whether `codec` is one of KIVI's, the codecs with a full-precision residual.
 pub fn has_residual(codec: GroupCodec) -> bool {
-    matches!(codec, GroupCodec::Kv(Codec::Int4Kivi | Codec::Int2Kivi))
+    matches!(codec.chosen(), Some(Codec::Int4Kivi | Codec::Int2Kivi))
 }
 
 /// Groups of the residual: `residual_tokens` rounded up to whole groups of `block_size`.
