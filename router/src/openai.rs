@@ -2188,7 +2188,8 @@ mod tests {
         {
             assert_eq!(codec(name).unwrap(), canonical, "{name}");
         }
-        for bad in ["int4", "f32x", "", "zstd"] {
+        // A layered KIVI format is how a worker stores a codec (`--kivi-int8-layers`), not a codec to name.
+        for bad in ["int4", "f32x", "", "zstd", "int4_kivi+int8@18/30"] {
             let e = codec(bad).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("kv.codec"), "{bad}");
             assert!(e.message.contains("int2_kivi"), "{bad}: {}", e.message);

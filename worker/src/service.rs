@@ -383,7 +383,16 @@ impl WorkerService {
         };
         let tier_codec = match req.kv_codec.as_str() {
             "" => None,
-            name => Some(name.parse::<GroupCodec>().map_err(|e| Status::invalid_argument(format!("kv_codec: {e}")))?),
+            name => match name.parse::<GroupCodec>() {
+                // The worker layers a KIVI codec itself (`--kivi-int8-layers`); a request names the codec.
+                Ok(GroupCodec::Layered { base, .. }) => {
+                    return Err(Status::invalid_argument(format!(
+                        "kv_codec: {name} is a stored format; name {base} (this worker's --kivi-int8-layers layers it)"
+                    )));
+                }
+                Ok(codec) => Some(codec),
+                Err(e) => return Err(Status::invalid_argument(format!("kv_codec: {e}"))),
+            },
         };
         if req.tenant_weight > MAX_TENANT_WEIGHT {
             return Err(Status::invalid_argument(format!(
