@@ -59,14 +59,13 @@ impl LaneFormat {
             LaneFormat::Codec(c) => c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN),
             LaneFormat::Pool(d) => d.slot_bytes(head_dim) as f64 * 8.0 / head_dim as f64,
             LaneFormat::Layered(g) => {
-                // One block per layer: the mean over layers is the mean over any whole number of heads.
+                // A group of one block per layer: the mean over layers is the mean over any whole number of heads.
                 let layers = match g {
                     GroupCodec::Layered { int8, .. } => int8.n_layers(),
                     _ => 1,
                 };
-                let bits: Option<f64> =
-                    (0..layers).map(|l| g.block_codec(l, layers)?.bits_per_element(block_size, head_dim).ok()).sum();
-                bits.map_or(f64::NAN, |b| b / layers as f64)
+                let bytes = g.group_bytes(layers, block_size, head_dim).map_or(f64::NAN, |b| b as f64);
+                bytes * 8.0 / (2 * layers * block_size * head_dim) as f64
             }
         }
     }
