@@ -1390,10 +1390,12 @@ impl<R: ModelRunner> EngineLoop<R> {
                     logprobs: req.logprobs,
                     prompt_logprobs: req.prompt_logprobs,
                     prompt_logprobs_next: 1,
-                    // A native codec is this arena's own format, whatever its element type.
+                    // A native codec is this arena's own format, whatever its element type; a KIVI codec is stored
+                    // layered when the worker is (`--kivi-int8-layers`).
                     tier_codec: req.tier_codec.map(|c| match c {
                         GroupCodec::Native(_) => GroupCodec::Native(self.runner.info().kv_dtype),
-                        kv => kv,
+                        GroupCodec::Kv(c) => GroupCodec::stored(c, self.kivi_int8_layers),
+                        layered => layered,
                     }),
                     pinned_groups: 0,
                     arrived: Instant::now(),
@@ -1615,11 +1617,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let Some(kv) = self.runner.group_kv() else { return };
         for &h in &self.hashes {
-            // A request's named KIVI codec is stored layered too.
-            let chosen = match self.pins.codec_for(h, self.tier_codec) {
-                GroupCodec::Kv(c) => GroupCodec::stored(c, self.kivi_int8_layers),
-                other => other,
-            };
+            let chosen = self.pins.codec_for(h, self.tier_codec);
             let codec = self.residual.codec_for(h, chosen, kv.native_codec());
             // A group stored before it ended a prompt (the middle of an earlier one, or seeded KV) takes the
             // residual's format once it does; otherwise the stored copy stands.

@@ -167,7 +167,11 @@ impl StoredVariant {
 
     /// The codec's name, with `@ratio` for a pruned copy.
     fn name(self) -> String {
-        if self.pruned() { format!("{}@{}", self.codec.name(), self.keep_ratio) } else { self.codec.name().to_owned() }
+        if self.pruned() {
+            format!("{}@{}", self.codec.name(), self.keep_ratio)
+        } else {
+            self.codec.name().into_owned()
+        }
     }
 }
 
@@ -977,12 +981,8 @@ impl EvicPress {
     fn allowed(&self, context: u64, v: usize) -> bool {
         match self.contexts.get(&context).and_then(|c| c.codec) {
             None => true,
-            // A request names the codec (`int4_kivi`); the worker may store it layered (`--kivi-int8-layers`).
-            Some(codec) => {
-                let stored = self.variants[v].codec;
-                !self.variants[v].pruned()
-                    && (stored == codec || stored.chosen().is_some_and(|c| Some(c) == codec.chosen()))
-            }
+            // The engine layered a named KIVI codec as the variants are (`--kivi-int8-layers`).
+            Some(codec) => !self.variants[v].pruned() && self.variants[v].codec == codec,
         }
     }
 
@@ -1425,7 +1425,7 @@ impl EvicPress {
                         let group = match group {
                             Ok(g) => g,
                             Err(e) => {
-                                tracing::warn!(codec = codec.name(), error = %e, "KV group not stored");
+                                tracing::warn!(codec = %codec, error = %e, "KV group not stored");
                                 tiers.remove(h);
                                 broken = Some("a group could not be encoded");
                                 break;

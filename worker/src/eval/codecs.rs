@@ -49,7 +49,7 @@ impl LaneFormat {
         match self {
             LaneFormat::Codec(c) => c.name().to_owned(),
             LaneFormat::Pool(d) => format!("pool:{d}"),
-            LaneFormat::Layered(g) => g.name(),
+            LaneFormat::Layered(g) => g.name().into_owned(),
         }
     }
 

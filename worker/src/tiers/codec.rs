@@ -11,6 +11,7 @@
 //! EvicPress in `int4_kivi` onboards exactly like a native one. Every length and header is checked first, so a
 //! group of another model shape (or corrupt bytes that passed a checksum) is refused instead of half-written.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
@@ -108,14 +109,14 @@ impl GroupCodec {
         }
     }
 
-    /// The name stored with each group.
-    pub fn name(self) -> String {
+    /// The name stored with each group: borrowed for every format but a layered one, whose name carries its layers.
+    pub fn name(self) -> Cow<'static, str> {
         match self {
-            GroupCodec::Native(d) => native::codec_name(d).to_owned(),
-            GroupCodec::Kv(c) => c.name().to_owned(),
+            GroupCodec::Native(d) => Cow::Borrowed(native::codec_name(d)),
+            GroupCodec::Kv(c) => Cow::Borrowed(c.name()),
             GroupCodec::Layered { base, int8 } => {
                 let layers: Vec<String> = int8.layers().map(|l| l.to_string()).collect();
-                format!("{base}+int8@{}/{}", layers.join(":"), int8.n_layers())
+                Cow::Owned(format!("{base}+int8@{}/{}", layers.join(":"), int8.n_layers()))
             }
         }
     }
@@ -141,12 +142,7 @@ impl GroupCodec {
         if let GroupCodec::Native(d) = self {
             return Ok(native::group_bytes(n_blocks, block_size, head_dim, d));
         }
-        (0..n_blocks).try_fold(0, |sum, i| Ok(sum + self.block_len(i, n_blocks, block_size, head_dim)?))
-    }
-
-    /// Encoded bytes of block `index` of a group of `n_blocks` (a kernels codec's group).
-    fn block_len(self, index: usize, n_blocks: usize, bs: usize, hd: usize) -> Result<usize, TierError> {
-        self.block_format(index, n_blocks, bs, hd).map(|(_, len)| len)
+        (0..n_blocks).try_fold(0, |sum, i| Ok(sum + self.block_format(i, n_blocks, block_size, head_dim)?.1))
     }
 
     /// The kernels codec of block `index` of a group of `n_blocks`, and its encoded bytes.
@@ -256,7 +252,7 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
             .map_err(|e| TierError::Config(format!("encoding with {codec}: {e}")))?;
         at += len;
     }
-    Ok(EncodedGroup { codec: c.name(), bytes })
+    Ok(EncodedGroup { codec: c.name().into_owned(), bytes })
 }
 
 /// Decodes `group` (any codec) into blocks `blocks` of `kv`, checking the codec, the exact length and, for the
@@ -279,7 +275,7 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
     let mut decoded = vec![0.0f32; 2 * n * count];
     let mut at = 0;
     for (i, out) in decoded.chunks_exact_mut(2 * n).enumerate() {
-        let len = c.block_len(i, count, bs, hd)?;
+        let (codec, len) = c.block_format(i, count, bs, hd)?;
         let bytes = &group.bytes[at..at + len];
         at += len;
         let (k, v) = out.split_at_mut(n);
@@ -287,7 +283,7 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
             path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
             reason: e.to_string(),
         })?;
-        if Some(h.codec) != c.block_codec(i, count) || h.block_size != bs || h.head_dim != hd {
+        if h.codec != codec || h.block_size != bs || h.head_dim != hd {
             return Err(TierError::BadLength { codec: group.codec.clone(), expected: len, got: bytes.len() });
         }
     }
