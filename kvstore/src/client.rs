@@ -1,9 +1,11 @@
 //! A kvstore client for a cluster: it sends writes to the leader, following the redirect a follower answers with
 //! (UNAVAILABLE + [`crate::service::LEADER_ADDR`]), tries the next node when one is down, and retries while the
-//! cluster elects a leader, up to a deadline. Every write is idempotent, so a retry after a lost answer is safe.
+//! cluster elects a leader, up to a deadline that bounds every attempt too, pausing with a capped, jittered exponential
+//! backoff between nodes that do not answer. Every write is idempotent, so a retry after a lost answer is safe.
 //! A client made with [`Client::following`] takes up a new node list (from the etcd registry) between attempts.
 
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pagoda_proto::kvstore as pb;
 use pb::kv_store_client::KvStoreClient;
@@ -16,7 +18,37 @@ use crate::service::LEADER_ADDR;
 
 /// How long one call keeps retrying before giving up.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(20);
+/// The first pause before trying the next node; it doubles with every failure up to [`MAX_RETRY_PAUSE`].
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// Capped exponential backoff with jitter: clients that failed together (a leader loss) do not retry in lockstep.
+struct Backoff {
+    step: Duration,
+    rng: u64,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        // Jitter only has to differ between clients, not be unpredictable: the clock and a process-wide counter do.
+        static CLIENTS: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let seed = nanos ^ CLIENTS.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+        Self { step: RETRY_PAUSE, rng: seed | 1 }
+    }
+
+    /// The next pause: between half and all of the current step, which then doubles.
+    fn pause(&mut self) -> Duration {
+        // xorshift64: enough spread for jitter without a random-number crate.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let half = self.step / 2;
+        let spread = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
+        self.step = (self.step * 2).min(MAX_RETRY_PAUSE);
+        half + Duration::from_nanos(self.rng % spread)
+    }
+}
 
 pub struct Client {
     endpoints: Vec<String>,
@@ -90,23 +122,30 @@ impl Client {
         self.channels[i].clone().ok_or_else(|| Status::internal("no channel"))
     }
 
-    /// Runs `call` against the leader, following redirects and retrying retryable failures until the deadline.
+    /// Runs `call` against the leader, following redirects and retrying retryable failures until the deadline; no
+    /// attempt or pause runs past it.
     pub async fn call<T, F, Fut>(&mut self, mut call: F) -> Result<T, Status>
     where
         F: FnMut(KvStoreClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let start = Instant::now();
+        let mut backoff = Backoff::new();
         loop {
             self.take_update();
             let client = self.client(self.current)?;
-            let err = match call(client).await {
-                Ok(r) => return Ok(r.into_inner()),
-                Err(e) => e,
+            let left = self.deadline.saturating_sub(start.elapsed());
+            let err = match tokio::time::timeout(left, call(client)).await {
+                Ok(Ok(r)) => return Ok(r.into_inner()),
+                Ok(Err(e)) => e,
+                Err(_) => Status::deadline_exceeded(format!(
+                    "no answer from the kvstore at {} within the {:?} deadline",
+                    self.endpoints[self.current], self.deadline
+                )),
             };
             let retryable =
                 matches!(err.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled);
-            if !retryable || start.elapsed() > self.deadline {
+            if !retryable || start.elapsed() >= self.deadline {
                 return Err(err);
             }
             let redirect = err.metadata().get(LEADER_ADDR).and_then(|v| v.to_str().ok()).map(str::to_string);
@@ -125,7 +164,12 @@ impl Client {
                 None => {
                     // The node is down or knows no leader yet: try the next one after a pause.
                     self.current = (self.current + 1) % self.endpoints.len();
-                    tokio::time::sleep(RETRY_PAUSE).await;
+                    let pause = backoff.pause();
+                    if start.elapsed() + pause >= self.deadline {
+                        // No attempt would fit after the pause.
+                        return Err(err);
+                    }
+                    tokio::time::sleep(pause).await;
                 }
             }
         }
@@ -206,6 +250,48 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap_with_jitter() {
+        let mut backoff = Backoff::new();
+        let mut step = RETRY_PAUSE;
+        for _ in 0..12 {
+            let pause = backoff.pause();
+            assert!(pause >= step / 2 && pause <= step, "{pause:?} outside [{:?}, {step:?}]", step / 2);
+            step = (step * 2).min(MAX_RETRY_PAUSE);
+        }
+        assert_eq!(backoff.step, MAX_RETRY_PAUSE);
+        let pauses: Vec<Duration> = (0..8).map(|_| backoff.pause()).collect();
+        assert!(pauses.windows(2).any(|w| w[0] != w[1]), "no jitter: {pauses:?}");
+    }
+
+    #[tokio::test]
+    async fn a_call_to_a_node_that_never_answers_ends_at_the_deadline() {
+        // Connections complete in the kernel's backlog, but nothing ever answers on them.
+        let blackhole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = blackhole.local_addr().unwrap().to_string();
+        let deadline = Duration::from_millis(800);
+        let mut c = Client::new(vec![addr]).unwrap().with_deadline(deadline);
+        let t0 = Instant::now();
+        let err = c.read(pb::ReadRequest::default()).await.unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+        assert!(took >= deadline && took < deadline + Duration::from_millis(700), "took {took:?}");
+        drop(blackhole);
+    }
+
+    #[tokio::test]
+    async fn retries_against_refusing_nodes_stop_at_the_deadline() {
+        // A port nothing listens on any more: every attempt fails at once, so only the pauses take time.
+        let refused = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
+        let deadline = Duration::from_millis(600);
+        let mut c = Client::new(vec![refused]).unwrap().with_deadline(deadline);
+        let t0 = Instant::now();
+        let err = c.read(pb::ReadRequest::default()).await.unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        assert!(took < deadline + Duration::from_millis(500), "took {took:?}");
+    }
 
     #[tokio::test]
     async fn a_following_client_takes_up_a_new_node_list_and_keeps_its_leader() {

@@ -170,17 +170,19 @@ impl WorkerTable {
         if batch.first_seq == 0 {
             return Err(DirectoryError::ZeroSequence(batch.worker.clone()));
         }
-        let expected = record.applied_seq + 1;
+        // A snapshot may have put the worker at the last sequence number; what follows it cannot be numbered.
+        let exhausted = || DirectoryError::SequenceExhausted(batch.worker.clone());
+        let expected = record.applied_seq.checked_add(1).ok_or_else(exhausted)?;
         if batch.first_seq > expected {
             return Ok(Admitted {
                 outcome: ApplyOutcome::Gap { expected, got: batch.first_seq },
                 skipped: batch.events.len(),
             });
         }
-        let already = (expected - batch.first_seq) as usize;
-        let skipped = already.min(batch.events.len());
+        let skipped = usize::try_from(expected - batch.first_seq)
+            .map_or(batch.events.len(), |already| already.min(batch.events.len()));
         let applied = batch.events.len() - skipped;
-        record.applied_seq += applied as u64;
+        record.applied_seq = record.applied_seq.checked_add(applied as u64).ok_or_else(exhausted)?;
         // The batch is at the worker's frontier when it brings new events, or is a heartbeat at the next number;
         // a batch of replays only is an old send retried.
         let at_frontier = applied > 0 || (batch.events.is_empty() && batch.first_seq == expected);
@@ -259,6 +261,27 @@ pub enum DirectoryError {
     StaleEpoch { worker: WorkerId, got: u64, current: u64 },
     #[error("sequence numbers start at 1; got first_seq 0 from worker {0:?}")]
     ZeroSequence(WorkerId),
+    #[error("worker {0:?} has used up the sequence numbers of its epoch; it must register a new epoch")]
+    SequenceExhausted(WorkerId),
+}
+
+/// What a run of events amounts to: a `Cleared` wipes every earlier event of the worker, so only the events after
+/// the last one matter, applied to a cleared worker. Applying this instead of each event costs a batch at most one
+/// scan of the directory, however many `Cleared` it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollapsedEvents<'a> {
+    /// The worker's blocks are cleared before `events` apply.
+    pub clears: bool,
+    /// The events after the last `Cleared`; none of them is a `Cleared`.
+    pub events: &'a [BlockEvent],
+}
+
+/// Collapses the `Cleared` events of `events` into at most one (see [`CollapsedEvents`]).
+pub fn collapse_clears(events: &[BlockEvent]) -> CollapsedEvents<'_> {
+    match events.iter().rposition(|e| matches!(e, BlockEvent::Cleared)) {
+        Some(last) => CollapsedEvents { clears: true, events: &events[last + 1..] },
+        None => CollapsedEvents { clears: false, events },
+    }
 }
 
 /// Hash → residencies, plus the worker table.
@@ -292,7 +315,11 @@ impl BlockDirectory {
     /// Applies a batch idempotently: replayed sequence numbers are skipped, a gap applies nothing.
     pub fn apply(&mut self, batch: &EventBatch) -> Result<ApplyOutcome, DirectoryError> {
         let admitted = self.workers.admit(batch)?;
-        for event in &batch.events[admitted.skipped..] {
+        let fresh = collapse_clears(&batch.events[admitted.skipped..]);
+        if fresh.clears {
+            self.drop_worker_residency(&batch.worker);
+        }
+        for event in fresh.events {
             self.apply_one(&batch.worker, event);
         }
         Ok(admitted.outcome)
@@ -574,5 +601,106 @@ mod tests {
         .unwrap();
         assert_eq!(dir.worker("a").unwrap().blocks, 2);
         assert_eq!(dir.residency(1).len(), 2);
+    }
+
+    fn removed(hash: BlockHash, tier: Tier) -> BlockEvent {
+        BlockEvent::Removed { hash, tier, codec: "f32".into() }
+    }
+
+    #[test]
+    fn collapsing_keeps_only_what_follows_the_last_clear() {
+        let events = vec![
+            stored(1, Tier::Device),
+            BlockEvent::Cleared,
+            stored(2, Tier::Device),
+            BlockEvent::Cleared,
+            BlockEvent::Cleared,
+            stored(3, Tier::Host),
+            removed(3, Tier::Host),
+            stored(4, Tier::Disk),
+        ];
+        let collapsed = collapse_clears(&events);
+        assert!(collapsed.clears);
+        assert_eq!(collapsed.events, &events[5..]);
+        assert_eq!(collapse_clears(&events[..2]), CollapsedEvents { clears: true, events: &[] });
+        assert_eq!(collapse_clears(&events[5..]), CollapsedEvents { clears: false, events: &events[5..] });
+        assert_eq!(collapse_clears(&[]), CollapsedEvents { clears: false, events: &[] });
+        // However many clears a batch holds, what is left to apply after the one clear holds none.
+        let many: Vec<BlockEvent> =
+            (0..65_536).map(|i| if i % 2 == 0 { BlockEvent::Cleared } else { stored(i, Tier::Device) }).collect();
+        let collapsed = collapse_clears(&many);
+        assert!(collapsed.clears);
+        assert_eq!(collapsed.events, &many[many.len() - 1..]);
+        assert!(!collapsed.events.iter().any(|e| matches!(e, BlockEvent::Cleared)));
+    }
+
+    #[test]
+    fn a_batch_with_clears_applies_like_its_events_one_at_a_time() {
+        let events = vec![
+            stored(1, Tier::Device),
+            stored(2, Tier::Host),
+            BlockEvent::Cleared,
+            stored(3, Tier::Device),
+            removed(3, Tier::Device),
+            stored(4, Tier::Device),
+            BlockEvent::Cleared,
+            BlockEvent::Cleared,
+            stored(5, Tier::Disk),
+            stored(1, Tier::Host),
+            removed(9, Tier::Host),
+            stored(5, Tier::Disk),
+        ];
+        for split in 0..=events.len() {
+            let mut batched = BlockDirectory::new();
+            let mut one_by_one = BlockDirectory::new();
+            for dir in [&mut batched, &mut one_by_one] {
+                dir.register_worker("w", "w", 1).unwrap();
+                dir.register_worker("other", "o", 1).unwrap();
+                dir.apply(&batch("other", 1, 1, vec![stored(1, Tier::Device), stored(4, Tier::Host)])).unwrap();
+            }
+            // Two batches that meet at `split`, the second overlapping the first by one replayed event.
+            batched.apply(&batch("w", 1, 1, events[..split].to_vec())).unwrap();
+            let from = split.saturating_sub(1);
+            let outcome = batched.apply(&batch("w", 1, from as u64 + 1, events[from..].to_vec())).unwrap();
+            assert_eq!(outcome, ApplyOutcome::Applied { applied: events.len() - split, skipped: split - from });
+            for (i, event) in events.iter().enumerate() {
+                one_by_one.apply(&batch("w", 1, i as u64 + 1, vec![event.clone()])).unwrap();
+            }
+            for hash in 0..10 {
+                assert_eq!(batched.residency(hash), one_by_one.residency(hash), "hash {hash}, split {split}");
+            }
+            assert_eq!(batched.worker("w"), one_by_one.worker("w"), "split {split}");
+            assert_eq!(batched.worker("other"), one_by_one.worker("other"));
+            assert_eq!(batched.block_count(), one_by_one.block_count());
+        }
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w", "w", 1).unwrap();
+        dir.apply(&batch("w", 1, 1, events)).unwrap();
+        let held: Vec<BlockHash> = (0..10).filter(|h| !dir.residency(*h).is_empty()).collect();
+        assert_eq!(held, [1, 5]);
+        assert_eq!(dir.worker("w").unwrap().blocks, 2);
+    }
+
+    #[test]
+    fn a_worker_at_the_last_sequence_number_is_refused_not_overflowed() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w", "w", 1).unwrap();
+        dir.apply_snapshot("w", 1, u64::MAX, &[(7, Tier::Device, "f32".into(), 1)], None).unwrap();
+        let next = batch("w", 1, 1, vec![stored(8, Tier::Device)]);
+        assert_eq!(dir.apply(&next), Err(DirectoryError::SequenceExhausted("w".into())));
+        assert_eq!(dir.worker("w").unwrap().applied_seq, u64::MAX);
+        assert!(dir.residency(8).is_empty());
+        // A batch that runs past the last number is refused whole, even when not built by validation.
+        dir.apply_snapshot("w", 1, u64::MAX - 1, &[], None).unwrap();
+        let past_the_end = batch("w", 1, u64::MAX, vec![stored(8, Tier::Device), stored(9, Tier::Device)]);
+        assert_eq!(dir.apply(&past_the_end), Err(DirectoryError::SequenceExhausted("w".into())));
+        assert_eq!(dir.worker("w").unwrap().applied_seq, u64::MAX - 1);
+        assert!(dir.residency(8).is_empty());
+        // A new epoch starts the numbering over.
+        dir.register_worker("w", "w", 2).unwrap();
+        assert_eq!(
+            dir.apply(&batch("w", 2, 1, vec![stored(8, Tier::Device)])).unwrap(),
+            ApplyOutcome::Applied { applied: 1, skipped: 0 }
+        );
     }
 }

@@ -24,8 +24,8 @@ pub mod transport;
 
 pub use client::Client;
 pub use directory::{
-    Admitted, ApplyOutcome, BlockDirectory, BlockEvent, BlockHash, DirectoryError, EventBatch, Registration, Residency,
-    Tier, TierOccupancy, WorkerLoad, WorkerRecord, WorkerTable,
+    Admitted, ApplyOutcome, BlockDirectory, BlockEvent, BlockHash, CollapsedEvents, DirectoryError, EventBatch,
+    Registration, Residency, Tier, TierOccupancy, WorkerLoad, WorkerRecord, WorkerTable, collapse_clears,
 };
 pub use endpoints::{Endpoints, EndpointsSource};
 pub use pagoda_proto::kvstore as proto;

@@ -159,6 +159,9 @@ pub fn validate(cmd: &pb::Command) -> Result<(), String> {
         Some(Op::RemoveWorker(r)) => check_name("worker", &r.worker, MAX_NAME_LEN),
         Some(Op::WorkerSnapshot(s)) => {
             check_name("worker", &s.worker, MAX_NAME_LEN)?;
+            if s.seq == u64::MAX {
+                return Err(format!("snapshot seq {} leaves no sequence number for the next event", s.seq));
+            }
             if s.blocks.len() > MAX_SNAPSHOT_BLOCKS {
                 return Err(format!("{} blocks in one snapshot (at most {MAX_SNAPSHOT_BLOCKS})", s.blocks.len()));
             }
@@ -331,6 +334,15 @@ mod tests {
             op: Some(Op::RemoveWorker(pb::RemoveWorkerRequest { worker: "x".repeat(MAX_NAME_LEN + 1) })),
         };
         assert!(validate(&long).is_err());
+        let last_seq = pb::Command {
+            op: Some(Op::WorkerSnapshot(pb::WorkerSnapshotRequest {
+                worker: "w".into(),
+                epoch: 1,
+                seq: u64::MAX,
+                ..Default::default()
+            })),
+        };
+        assert!(validate(&last_seq).unwrap_err().contains("no sequence number"));
         let unknown = pb::Command {
             op: Some(Op::Publish(pb::PublishRequest {
                 worker: "nobody".into(),

@@ -14,14 +14,14 @@ use pagoda_proto::kvstore as pb;
 use prost::Message as _;
 use protobuf::Message as _;
 use raft::eraftpb::{ConfChange, ConfChangeType, Entry, EntryType, Message, Snapshot};
-use raft::{RawNode, StateRole};
+use raft::{RawNode, SnapshotStatus, StateRole};
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::directory::BlockDirectory;
 use crate::machine::{self, Outcome};
 use crate::storage::{RaftStore, StoreError};
-use crate::transport::Transport;
+use crate::transport::{SendFailure, Transport};
 
 /// Requests waiting for the actor before callers wait for room.
 const REQUEST_QUEUE: usize = 8192;
@@ -188,6 +188,8 @@ pub struct Node {
     dir: BlockDirectory,
     members: BTreeMap<u64, String>,
     transport: Transport,
+    /// Raft messages the peer tasks could not deliver.
+    send_failures: mpsc::Receiver<SendFailure>,
     applied: u64,
     snapshot_every: u64,
     tick: Duration,
@@ -277,7 +279,7 @@ impl Node {
             // A one-voter cluster (the embedded mode) need not wait an election timeout.
             raw.campaign()?;
         }
-        let mut transport = Transport::new(cfg.id);
+        let (mut transport, send_failures) = Transport::new(cfg.id);
         for (id, addr) in &members {
             transport.set_peer(*id, addr);
         }
@@ -287,6 +289,7 @@ impl Node {
             dir,
             members,
             transport,
+            send_failures,
             applied,
             snapshot_every: cfg.snapshot_every.max(1),
             tick: cfg.tick,
@@ -329,13 +332,36 @@ impl Node {
                         }
                     }
                 }
+                Some(failure) = self.send_failures.recv() => self.report_send_failure(failure),
             }
+            self.report_send_failures();
             if let Err(e) = self.on_ready() {
                 tracing::error!(node = self.id, "kvstore node stops: {e}");
                 return Err(e);
             }
         }
         Ok(())
+    }
+
+    /// Tells raft about every lost send since the last round, so that it retries them.
+    fn report_send_failures(&mut self) {
+        for failure in self.transport.take_dropped() {
+            self.report_send_failure(failure);
+        }
+        while let Ok(failure) = self.send_failures.try_recv() {
+            self.report_send_failure(failure);
+        }
+    }
+
+    fn report_send_failure(&mut self, failure: SendFailure) {
+        match failure {
+            // Without this the leader keeps the peer in its Snapshot state and never sends it anything again.
+            SendFailure::Snapshot(to) => {
+                tracing::debug!(node = self.id, peer = to, "raft snapshot send failed; raft will resend it");
+                self.raw.report_snapshot(to, SnapshotStatus::Failure);
+            }
+            SendFailure::Unreachable(to) => self.raw.report_unreachable(to),
+        }
     }
 
     fn not_leader(&self) -> NodeError {

@@ -148,7 +148,7 @@ pub async fn start_on(mut cfg: NodeConfig, listener: TcpListener) -> Result<Runn
     let kv = KvStoreServer::new(KvStoreService::new(handle.clone()))
         .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
-    let raft = RaftServer::new(RaftService::new(handle.clone()))
+    let raft = RaftServer::new(RaftService::new(cfg.id, handle.clone()))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);

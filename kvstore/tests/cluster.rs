@@ -1,16 +1,18 @@
 //! An in-process kvstore cluster on loopback (real tonic transport, real redb files): leader election, replicated
 //! Publish, linearizable reads on followers, Watch, losing the leader, restarting a node from its data dir,
-//! membership change, gaps and bad input.
+//! membership change, gaps and bad input, misaddressed raft traffic, and a snapshot lost on its way to a new node.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pagoda_kvstore::proto as pb;
 use pagoda_kvstore::server::start_on;
 use pagoda_kvstore::{Client, NodeConfig, RunningNode};
 use tokio::net::TcpListener;
-use tonic::Code;
+use tonic::{Code, Status};
 
 fn stored(hash: u64) -> pb::BlockEvent {
     pb::BlockEvent {
@@ -286,4 +288,122 @@ async fn embedded_single_voter_commits_alone_and_restarts_from_disk() {
     assert_eq!(held(&r), (0..100).collect::<Vec<_>>());
     assert_eq!(r.workers[0].applied_seq, 100);
     node.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misaddressed_raft_message_is_refused_and_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = node.addr.to_string();
+    wait_leader(std::slice::from_ref(&addr)).await;
+    let mut c = Client::new(vec![addr.clone()]).unwrap();
+    c.register("w", "x:1", 1).await.unwrap();
+    let before = Client::status_of(&addr).await.unwrap();
+
+    // What node 1's address would get from a leader that still believes node 7 lives there: a newer term and a
+    // commit index far beyond node 1's log, which raft would take as corruption and panic on.
+    let heartbeat = |to: u64, from: u64| {
+        let mut m = raft::eraftpb::Message::default();
+        m.set_msg_type(raft::eraftpb::MessageType::MsgHeartbeat);
+        m.to = to;
+        m.from = from;
+        m.term = before.term + 5;
+        m.commit = 1_000_000;
+        protobuf::Message::write_to_bytes(&m).unwrap()
+    };
+    let mut raft = pb::raft_client::RaftClient::connect(format!("http://{addr}")).await.unwrap();
+    let err = raft.send(pb::RaftBatch { from: 2, messages: vec![heartbeat(7, 2)] }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("for node 7"), "{err:?}");
+    // A message whose sender is not the batch's is refused the same way.
+    let err = raft.send(pb::RaftBatch { from: 3, messages: vec![heartbeat(1, 2)] }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    let after = Client::status_of(&addr).await.unwrap();
+    assert_eq!((after.term, after.leader_id, after.commit_index), (before.term, 1, before.commit_index), "{after:?}");
+    let r = c
+        .publish(pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq: 1, events: vec![stored(1)], load: None })
+        .await
+        .unwrap();
+    assert_eq!(r.applied, 1);
+    node.stop().await.unwrap();
+}
+
+/// A raft hop in front of a node that loses the first batch carrying a snapshot, as a network would.
+struct SnapshotLosingHop {
+    target: pb::raft_client::RaftClient<tonic::transport::Channel>,
+    snapshots: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl pb::raft_server::Raft for SnapshotLosingHop {
+    async fn send(&self, request: tonic::Request<pb::RaftBatch>) -> Result<tonic::Response<pb::RaftAck>, Status> {
+        let batch = request.into_inner();
+        let carries_snapshot = batch.messages.iter().any(|b| {
+            let mut m = raft::eraftpb::Message::default();
+            protobuf::Message::merge_from_bytes(&mut m, b).is_ok()
+                && m.get_msg_type() == raft::eraftpb::MessageType::MsgSnapshot
+        });
+        if carries_snapshot && self.snapshots.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(Status::unavailable("snapshot lost on the way"));
+        }
+        self.target.clone().send(batch).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_joining_node_catches_up_after_its_first_snapshot_is_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut listeners = Vec::new();
+    for _ in 0..3 {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let peers: BTreeMap<u64, String> = (1..=3).map(|i| (i, addrs[i as usize - 1].to_string())).collect();
+    let endpoints: Vec<String> = peers.values().cloned().collect();
+    let mut nodes = Vec::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let id = i as u64 + 1;
+        nodes.push(start_on(config(id, addrs[i], &peers, tmp.path()), l).await.unwrap());
+    }
+    wait_leader(&endpoints).await;
+    let mut client = Client::new(endpoints.clone()).unwrap();
+    client.register("w1", "10.0.0.1:7000", 1).await.unwrap();
+    let mut p = Publisher { client, seq: 1, next_hash: 1, acked: Vec::new() };
+    p.publish(10, 10).await;
+
+    // Node 4 listens on its own port; the cluster reaches it only through the hop, which loses the first snapshot.
+    let l4 = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a4 = l4.local_addr().unwrap().to_string();
+    let hop_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hop_addr = hop_listener.local_addr().unwrap();
+    let snapshots = Arc::new(AtomicUsize::new(0));
+    let hop = SnapshotLosingHop {
+        target: pb::raft_client::RaftClient::new(
+            tonic::transport::Endpoint::from_shared(format!("http://{a4}")).unwrap().connect_lazy(),
+        ),
+        snapshots: snapshots.clone(),
+    };
+    let hop_server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::raft_server::RaftServer::new(hop))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(hop_listener)),
+    );
+    let mut cfg4 = config(4, l4.local_addr().unwrap(), &peers, tmp.path());
+    cfg4.join = true;
+    cfg4.advertise = hop_addr.to_string();
+    let n4 = start_on(cfg4, l4).await.unwrap();
+    p.client.add_node(4, &hop_addr.to_string()).await.unwrap();
+    let index = p.publish(2, 10).await;
+
+    // Without the lost snapshot reported to raft, the leader would wait for it forever and node 4 would stay empty.
+    wait_applied(&a4, index).await;
+    assert_eq!(held(&read_at(&a4, &p.acked).await), p.acked);
+    assert!(snapshots.load(Ordering::SeqCst) >= 2, "the first snapshot was lost, a later one went through");
+
+    n4.stop().await.unwrap();
+    hop_server.abort();
+    for n in nodes {
+        n.stop().await.unwrap();
+    }
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use pagoda_kvstore::machine::{batch_from, load_from, worker_record_from};
 use pagoda_kvstore::proto as pb;
-use pagoda_kvstore::{BlockEvent, Client, Endpoints, Registration, Tier, WorkerLoad, WorkerTable};
+use pagoda_kvstore::{BlockEvent, Client, Endpoints, Registration, Tier, WorkerLoad, WorkerTable, collapse_clears};
 use pb::command::Op;
 use serde::Serialize;
 
@@ -275,13 +275,17 @@ impl Feed {
                 let Ok(batch) = batch_from(p) else { return };
                 let Ok(admitted) = self.table.admit(&batch) else { return };
                 self.heard_from(&batch.worker);
-                let fresh = &batch.events[admitted.skipped..];
-                if fresh.is_empty() {
+                // As the directory does: one scan for however many `Cleared` a batch holds.
+                let fresh = collapse_clears(&batch.events[admitted.skipped..]);
+                if !fresh.clears && fresh.events.is_empty() {
                     return;
                 }
                 let Some(worker) = self.slot(&batch.worker) else { return };
                 self.pool.with_index(|idx| {
-                    for e in fresh {
+                    if fresh.clears {
+                        idx.remove_reported(worker);
+                    }
+                    for e in fresh.events {
                         match e {
                             BlockEvent::Stored { hash, tier, .. } => {
                                 idx.apply(ResidencyDelta::Stored { hash: *hash, worker, tier: hit_tier(*tier) })
@@ -378,5 +382,62 @@ impl Feed {
         self.status.workers = workers;
         self.status.index_blocks = self.pool.index_blocks();
         self.pool.set_feed_status(self.status.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::block_event::Kind;
+
+    fn feed(pool: Arc<WorkerPool>) -> Feed {
+        Feed {
+            id_generation: pool.id_generation(),
+            pool,
+            cfg: FeedConfig::new(Endpoints::fixed(vec!["127.0.0.1:1".into()])),
+            table: WorkerTable::new(),
+            seen: BTreeMap::new(),
+            next_index: 0,
+            status: FeedStatus::default(),
+        }
+    }
+
+    fn stored(hash: u64) -> pb::BlockEvent {
+        let s = pb::Stored { hash, tier: pb::Tier::Host as i32, codec: "f32".into(), bytes: 64 };
+        pb::BlockEvent { kind: Some(Kind::Stored(s)) }
+    }
+
+    fn cleared() -> pb::BlockEvent {
+        pb::BlockEvent { kind: Some(Kind::Cleared(pb::Cleared {})) }
+    }
+
+    /// Host blocks of `hash` the index holds for the one worker.
+    fn held(pool: &WorkerPool, hash: u64) -> u32 {
+        let mut out = Vec::new();
+        pool.with_index(|idx| idx.match_prefix(&[hash], 1, Instant::now(), &mut out));
+        out.first().map_or(0, |h| h.get(HitTier::Host))
+    }
+
+    // The pool's lazy channels need a runtime.
+    #[tokio::test]
+    async fn a_batch_of_clears_leaves_what_follows_the_last_one() {
+        let pool = Arc::new(WorkerPool::new(&["127.0.0.1:1".into()]).unwrap());
+        let mut feed = feed(pool.clone());
+        let register = pb::RegisterRequest { worker: "w".into(), address: "127.0.0.1:1".into(), epoch: 1 };
+        feed.apply_command(&pb::Command { op: Some(Op::Register(register)) });
+        let events = vec![stored(1), cleared(), stored(2), cleared(), cleared(), stored(3), stored(4)];
+        let publish = pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq: 1, events, load: None };
+        feed.apply_command(&pb::Command { op: Some(Op::Publish(publish)) });
+        assert_eq!([1, 2, 3, 4].map(|h| held(&pool, h)), [0, 0, 1, 1]);
+        // A batch that is all clears empties the worker's reported blocks.
+        let publish = pb::PublishRequest {
+            worker: "w".into(),
+            epoch: 1,
+            first_seq: 8,
+            events: vec![cleared(); 1000],
+            load: None,
+        };
+        feed.apply_command(&pb::Command { op: Some(Op::Publish(publish)) });
+        assert_eq!([3, 4].map(|h| held(&pool, h)), [0, 0]);
     }
 }
