@@ -4,10 +4,13 @@
 //!
 //! A `/v1` request's [`Permit`] travels inside the response body ([`ReleaseOnEnd`]), so its concurrency slot is
 //! held for exactly as long as the response: until the last byte of a stream has been produced, or until the
-//! server drops the body because the client disconnected.
+//! server drops the body because the client disconnected. The router's in-flight slot is also given up when the
+//! client stops reading ([`SlotBody`]), so that stalled connections cannot hold every slot.
 
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -75,7 +78,8 @@ pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Nex
 
 /// Middleware of the generation endpoints: at most the router's in-flight cap of them run at once; past it a
 /// request is refused at once with 503 and `Retry-After` (load shedding), so that a burst cannot grow the router's
-/// memory or every request's latency without bound. The slot is held until the response body ends.
+/// memory or every request's latency without bound. The slot is held until the response body ends, or until the
+/// client stops taking it ([`SlotBody`]).
 pub async fn shed_load(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let Ok(slot) = st.inflight().clone().try_acquire_owned() else {
         st.metrics().count_shed("router_inflight");
@@ -85,7 +89,8 @@ pub async fn shed_load(State(st): State<AppState>, req: Request, next: Next) -> 
         )
         .into_response();
     };
-    next.run(req).await.map(|body| Body::new(ReleaseOnEnd::new(body, slot)))
+    let timeout = st.client_timeout();
+    next.run(req).await.map(|body| Body::new(SlotBody::new(body, slot, timeout)))
 }
 
 /// Middleware of the admin endpoints: the admin key opens them (see [`admin_access`]).
@@ -152,6 +157,81 @@ where
             Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.permit = None,
             Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.permit = None,
             _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A generation's response body holding its slot of the router's in-flight cap: like [`ReleaseOnEnd`], and also
+/// given up when the client stops reading. The server pulls the next frame only once it could write the last one,
+/// so a frame handed over and not followed by a pull within the client timeout means the client's connection has
+/// stopped draining; the server keeps the body (and would keep the slot) for as long as that connection stays
+/// open, so a watchdog task frees the slot instead.
+pub struct SlotBody<B> {
+    inner: B,
+    state: Arc<Mutex<SlotState>>,
+}
+
+struct SlotState {
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// When the last frame was handed to the server, while it has not asked for the next one.
+    handed_at: Option<Instant>,
+}
+
+impl<B> SlotBody<B> {
+    /// Needs a tokio runtime (it spawns the watchdog).
+    pub fn new(inner: B, permit: tokio::sync::OwnedSemaphorePermit, timeout: Duration) -> Self {
+        let state = Arc::new(Mutex::new(SlotState { permit: Some(permit), handed_at: None }));
+        let watched = Arc::downgrade(&state);
+        // Weak: the body's end (or drop) ends the watchdog at its next tick.
+        let tick = (timeout / 4).max(Duration::from_millis(1));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(tick).await;
+                let Some(state) = watched.upgrade() else { return };
+                let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+                if s.permit.is_none() {
+                    return;
+                }
+                if s.handed_at.is_some_and(|t| t.elapsed() >= timeout) {
+                    s.permit = None;
+                    tracing::warn!(
+                        timeout_ms = timeout.as_millis() as u64,
+                        "the client stopped reading its response; its in-flight slot is freed"
+                    );
+                    return;
+                }
+            }
+        });
+        SlotBody { inner, state }
+    }
+}
+
+impl<B> http_body::Body for SlotBody<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let mut s = this.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => s.permit = None,
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => s.permit = None,
+            Poll::Ready(Some(Ok(_))) => s.handed_at = Some(Instant::now()),
+            // The server is asking: the client is keeping up, and the wait is the generation's.
+            Poll::Pending => s.handed_at = None,
         }
         polled
     }

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
+use axum::extract::rejection::FormRejection;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::access::admin_access;
 use crate::auth::{ADMIN_SESSION, MAX_KEY_BYTES};
+use crate::error::ApiError;
 use crate::placer::DecisionRecord;
 use crate::server::{AppState, unix_now};
 use crate::timeline::TimelineSnapshot;
@@ -223,7 +225,24 @@ struct LoginForm {
     key: String,
 }
 
-async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): Form<LoginForm>) -> Response {
+async fn login(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    form: Result<Form<LoginForm>, FormRejection>,
+) -> Response {
+    // The page's own form cannot get here; whatever else does gets the router's JSON errors, not axum's text.
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(rejection) => {
+            let status = rejection.status();
+            let text = rejection.body_text();
+            return ApiError {
+                status,
+                ..ApiError::invalid_param("key", format!("Expected a form with the admin key `key`: {text}"))
+            }
+            .into_response();
+        }
+    };
     let sec = st.security();
     let Some(admin) = sec.admin.as_ref() else {
         if sec.keys.is_none() {

@@ -97,6 +97,18 @@ impl ApiError {
         }
     }
 
+    /// 408 for a client that did not send its whole body within `timeout`.
+    pub fn request_timeout(timeout: std::time::Duration) -> ApiError {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!("The request body did not arrive within {} ms.", timeout.as_millis()),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+            retry_after_secs: None,
+        }
+    }
+
     /// 503 when no worker can take the request. Always transient: a worker coming back, or another one
     /// taking over, makes the next attempt succeed.
     pub fn unavailable(message: impl Into<String>) -> ApiError {
@@ -228,7 +240,7 @@ impl IntoResponse for ApiError {
         if let Some(secs) = self.retry_after_secs {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+        if matches!(self.status, StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT) {
             // The rest of the body is not read: tell the client not to reuse this connection.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }

@@ -19,7 +19,11 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         let limit = state.body_limit();
-        let bytes = match Bytes::from_request(req, state).await {
+        // A client that stops sending would otherwise hold its in-flight slot (taken before the body is read)
+        // for as long as it keeps the connection open.
+        let timeout = state.client_timeout();
+        let read = tokio::time::timeout(timeout, Bytes::from_request(req, state)).await;
+        let bytes = match read.map_err(|_| ApiError::request_timeout(timeout))? {
             Ok(b) => b,
             Err(rejection) => {
                 return Err(if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {

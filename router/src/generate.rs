@@ -164,6 +164,8 @@ pub struct GenerateContext {
     pub codec: Arc<dyn TextCodec>,
     pub metrics: Arc<Metrics>,
     pub migration: MigrationConfig,
+    /// Longest wait for the client to take a piece when its buffer is full ([`crate::RouterConfig::client_timeout`]).
+    pub client_timeout: Duration,
 }
 
 /// Runs `job` and returns its pieces. Errors before the first token (invalid, exhausted, no worker, every attempt
@@ -328,7 +330,25 @@ impl Generation {
                 let _ = first.send(Err(e));
             }
             None => {
-                let _ = self.tx.send(Piece::Error(e)).await;
+                self.deliver(Piece::Error(e)).await;
+            }
+        }
+    }
+
+    /// Hands `piece` to the HTTP layer; false when the client is gone or has stopped reading. A streaming client
+    /// that stops reading (but keeps its connection) fills the channel, and an unbounded wait here would keep the
+    /// worker generating for nobody; past the client timeout the request counts as abandoned instead, and the
+    /// caller drops the worker's stream, which cancels it there.
+    async fn deliver(&self, piece: Piece) -> bool {
+        match tokio::time::timeout(self.ctx.client_timeout, self.tx.send(piece)).await {
+            Ok(sent) => sent.is_ok(),
+            Err(_) => {
+                tracing::warn!(
+                    request_id = %self.job.request_id,
+                    timeout_ms = self.ctx.client_timeout.as_millis() as u64,
+                    "the client stopped reading the stream; cancelling the generation"
+                );
+                false
             }
         }
     }
@@ -738,7 +758,7 @@ impl Generation {
                 }
                 let usage = Usage::new(self.job.prompt.len() as u32, self.generated.len() as u32, 0);
                 let stop = self.stops.matched().map(|s| StopReason::Text(s.to_owned()));
-                let _ = self.tx.send(Piece::Done { finish_reason: "stop", usage, stop }).await;
+                self.deliver(Piece::Done { finish_reason: "stop", usage, stop }).await;
                 true // drops the stream: cancels the rest of the generation
             }
         }
@@ -769,7 +789,7 @@ impl Generation {
             .collect();
         let text = String::from_utf8_lossy(&bytes).into_owned();
         let first_token = self.job.prompt.first().copied().unwrap_or_default();
-        self.tx.send(Piece::Echo { text, first_token, logprobs }).await.is_err()
+        !self.deliver(Piece::Echo { text, first_token, logprobs }).await
     }
 
     /// Sends released text with the log-probabilities it releases (at the `end` of a stream that stopped at no
@@ -786,7 +806,7 @@ impl Generation {
             return false;
         }
         let completion_tokens = self.generated.len() as u32;
-        self.tx.send(Piece::Text { text, logprobs, completion_tokens }).await.is_err()
+        !self.deliver(Piece::Text { text, logprobs, completion_tokens }).await
     }
 
     async fn finish(&mut self, reason: &'static str, cached_tokens: u32) -> AttemptEnd {
@@ -826,7 +846,7 @@ impl Generation {
                 .filter(|t| finish_reason == "stop" && self.job.params.stop_token_ids.contains(t))
                 .map(StopReason::Token),
         };
-        let _ = self.tx.send(Piece::Done { finish_reason, usage, stop }).await;
+        self.deliver(Piece::Done { finish_reason, usage, stop }).await;
         AttemptEnd::Over
     }
 }

@@ -54,4 +54,6 @@ pub use codec::TextCodec;
 pub use error::ApiError;
 pub use generate::MigrationConfig;
 pub use gguf_codec::{GgufCodec, model_id_for};
-pub use server::{AppState, DEFAULT_BODY_LIMIT, DEFAULT_MAX_INFLIGHT, RouterConfig, app, serve};
+pub use server::{
+    AppState, DEFAULT_BODY_LIMIT, DEFAULT_CLIENT_TIMEOUT, DEFAULT_MAX_INFLIGHT, RouterConfig, app, serve,
+};

@@ -602,8 +602,12 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         ));
     }
     let top_p = c.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid_param("top_p", format!("`top_p` must be in (0, 1], got {top_p}.")));
+    // Checked as the worker gets it: a tiny `top_p` rounds to 0 in f32, which the worker reads as "off".
+    if !(top_p as f32 > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid_param(
+            "top_p",
+            format!("`top_p` must be in (0, 1] and at least {:e}, got {top_p}.", f32::from_bits(1)),
+        ));
     }
     let top_k = match c.top_k {
         None | Some(-1) | Some(0) => 0,
@@ -645,10 +649,13 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
     }
     let [presence_penalty, frequency_penalty] = penalties;
     let repetition_penalty = c.repetition_penalty.unwrap_or(1.0);
-    if !(repetition_penalty > 0.0 && repetition_penalty <= f64::from(MAX_REPETITION_PENALTY)) {
+    if !(f64::from(MIN_REPETITION_PENALTY)..=f64::from(MAX_REPETITION_PENALTY)).contains(&repetition_penalty) {
         return Err(ApiError::invalid_param(
             "repetition_penalty",
-            format!("`repetition_penalty` must be in (0, {MAX_REPETITION_PENALTY}], got {repetition_penalty}."),
+            format!(
+                "`repetition_penalty` must be between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}, got \
+                 {repetition_penalty}."
+            ),
         ));
     }
     let min_p = c.min_p.unwrap_or(0.0);
@@ -727,6 +734,11 @@ fn validate_common(c: CommonIn<'_>) -> Result<GenParams, ApiError> {
         chat_render: ChatRender::default(),
     })
 }
+
+/// Smallest `repetition_penalty`. The worker divides the logits of repeated tokens by it, so one near 0 makes them
+/// infinite and the softmax NaN; at 0.01 a logit grows at most 100-fold, which stays finite. (Below 1 the penalty
+/// favours repeats; values that low are never useful, but vLLM takes anything above 0.)
+pub const MIN_REPETITION_PENALTY: f32 = 0.01;
 
 /// Longest `cache_salt`, in bytes.
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
@@ -812,26 +824,39 @@ struct GuideFields<'a> {
     structured_outputs: Option<&'a Value>,
 }
 
+/// A guide field as given, before anything is compiled.
+enum GivenGuide<'a> {
+    /// `response_format` other than `text` (it compiles its own schema).
+    ResponseFormat(&'a Value),
+    JsonObject,
+    Schema(&'a Value),
+    Regex(&'a Value),
+    Choice(&'a Value),
+    Grammar(&'a Value),
+}
+
 /// The guide of a request; at most one field may give one. Schemas and patterns are compiled here, so one the
-/// worker's guide cannot follow is a 400 that says why.
-fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
-    let mut found: Vec<(String, Guide)> = Vec::new();
-    match parse_response_format(f.response_format)? {
-        Guide::Text => {}
-        g => found.push(("response_format".into(), g)),
+/// worker's guide cannot follow is a 400 that says why. Compiling costs up to a tenth of a second, so the fields
+/// are counted first: a request with two guides is refused without compiling either.
+fn parse_guide<'a>(f: GuideFields<'a>) -> Result<Guide, ApiError> {
+    let mut found: Vec<(String, GivenGuide<'a>)> = Vec::new();
+    if let Some(rf) = f.response_format.filter(|v| !v.is_null())
+        && rf.get("type").and_then(Value::as_str) != Some("text")
+    {
+        found.push(("response_format".into(), GivenGuide::ResponseFormat(rf)));
     }
-    let given = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
+    let given = |v: Option<&'a Value>| v.filter(|v| !v.is_null());
     if let Some(v) = given(f.guided_json) {
-        found.push(("guided_json".into(), Guide::Schema(schema_value(&v, "guided_json")?)));
+        found.push(("guided_json".into(), GivenGuide::Schema(v)));
     }
     if let Some(v) = given(f.guided_regex) {
-        found.push(("guided_regex".into(), Guide::Regex(regex_value(&v, "guided_regex")?)));
+        found.push(("guided_regex".into(), GivenGuide::Regex(v)));
     }
     if let Some(v) = given(f.guided_choice) {
-        found.push(("guided_choice".into(), Guide::Regex(choice_value(&v, "guided_choice")?)));
+        found.push(("guided_choice".into(), GivenGuide::Choice(v)));
     }
     if let Some(v) = given(f.guided_grammar) {
-        found.push(("guided_grammar".into(), Guide::Grammar(grammar_value(&v, "guided_grammar")?)));
+        found.push(("guided_grammar".into(), GivenGuide::Grammar(v)));
     }
     if let Some(v) = given(f.structured_outputs) {
         let Some(fields) = v.as_object() else {
@@ -840,12 +865,12 @@ fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
         for (key, v) in fields.iter().filter(|(_, v)| !v.is_null()) {
             let param = format!("structured_outputs.{key}");
             let guide = match key.as_str() {
-                "json" => Guide::Schema(schema_value(v, &param)?),
-                "regex" => Guide::Regex(regex_value(v, &param)?),
-                "choice" => Guide::Regex(choice_value(v, &param)?),
-                "grammar" => Guide::Grammar(grammar_value(v, &param)?),
+                "json" => GivenGuide::Schema(v),
+                "regex" => GivenGuide::Regex(v),
+                "choice" => GivenGuide::Choice(v),
+                "grammar" => GivenGuide::Grammar(v),
                 "json_object" => match v {
-                    Value::Bool(true) => Guide::JsonObject,
+                    Value::Bool(true) => GivenGuide::JsonObject,
                     Value::Bool(false) => continue,
                     _ => return Err(ApiError::invalid_param(param, "`json_object` must be a boolean.")),
                 },
@@ -863,14 +888,21 @@ fn parse_guide(f: GuideFields<'_>) -> Result<Guide, ApiError> {
             found.push((param, guide));
         }
     }
-    match found.len() {
-        0 => Ok(Guide::Text),
-        1 => Ok(found.remove(0).1),
-        _ => Err(ApiError::invalid_param(
+    if found.len() > 1 {
+        return Err(ApiError::invalid_param(
             found[1].0.clone(),
             format!("Give only one of `{}` and `{}`: each guides the whole answer.", found[0].0, found[1].0),
-        )),
+        ));
     }
+    let Some((param, given)) = found.pop() else { return Ok(Guide::Text) };
+    Ok(match given {
+        GivenGuide::ResponseFormat(rf) => parse_response_format(Some(rf))?,
+        GivenGuide::JsonObject => Guide::JsonObject,
+        GivenGuide::Schema(v) => Guide::Schema(schema_value(v, &param)?),
+        GivenGuide::Regex(v) => Guide::Regex(regex_value(v, &param)?),
+        GivenGuide::Choice(v) => Guide::Regex(choice_value(v, &param)?),
+        GivenGuide::Grammar(v) => Guide::Grammar(grammar_value(v, &param)?),
+    })
 }
 
 /// A regex- or grammar-guided answer ends on a stop token once it matches, so it needs one: `ignore_eos` drops
@@ -2452,6 +2484,10 @@ mod tests {
         for (extra, param) in [
             (r#","repetition_penalty":0"#, "repetition_penalty"),
             (r#","repetition_penalty":11"#, "repetition_penalty"),
+            // Positive as f64, but 0 or infinite logits once the worker has it as f32.
+            (r#","repetition_penalty":1e-38"#, "repetition_penalty"),
+            (r#","repetition_penalty":0.0099"#, "repetition_penalty"),
+            (r#","top_p":1e-46"#, "top_p"),
             (r#","min_p":1.5"#, "min_p"),
             (r#","min_p":-0.1"#, "min_p"),
             (r#","min_tokens":-1"#, "min_tokens"),

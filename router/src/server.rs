@@ -42,6 +42,9 @@ use crate::workers::WorkerPool;
 pub const DEFAULT_BODY_LIMIT: usize = 4 << 20;
 /// Default cap on generation requests in flight through one router (beyond it: 503 + `Retry-After`).
 pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
+/// Default [`RouterConfig::client_timeout`]: long enough for a large body over a slow link or a reader that pauses,
+/// short enough that clients which stop cannot hold the in-flight slots for long.
+pub const DEFAULT_CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Router settings.
 #[derive(Debug, Clone)]
@@ -66,6 +69,10 @@ pub struct RouterConfig {
     pub migration: MigrationConfig,
     /// Most generation requests in flight at once; more are shed with 503 + `Retry-After`.
     pub max_inflight: usize,
+    /// How long the router waits on a client: for the rest of its request body (then 408), and for it to take
+    /// the next piece of a streamed answer (then the generation is cancelled and the in-flight slot freed).
+    /// Without it, clients that stop sending or reading would hold the in-flight slots forever.
+    pub client_timeout: Duration,
     /// The etcd registry: with it the worker list follows the registered workers (`workers` stay pinned) and the
     /// router registers itself.
     pub etcd: Option<pagoda_registry::RegistryConfig>,
@@ -83,6 +90,7 @@ impl Default for RouterConfig {
             migration: MigrationConfig::default(),
             stale_reports_after: Duration::from_secs(3),
             max_inflight: DEFAULT_MAX_INFLIGHT,
+            client_timeout: DEFAULT_CLIENT_TIMEOUT,
             etcd: None,
         }
     }
@@ -103,6 +111,8 @@ struct Inner {
     /// One permit per generation request in flight (see [`access::shed_load`]).
     inflight: Arc<tokio::sync::Semaphore>,
     max_inflight: usize,
+    /// See [`RouterConfig::client_timeout`].
+    client_timeout: Duration,
     /// Stored responses of `/v1/responses`: this router's memory, or etcd with the registry.
     responses: ResponseBackend,
 }
@@ -159,6 +169,7 @@ impl AppState {
             migration,
             inflight: Arc::new(tokio::sync::Semaphore::new(max_inflight)),
             max_inflight,
+            client_timeout: DEFAULT_CLIENT_TIMEOUT,
             responses: ResponseBackend::default(),
         }))
     }
@@ -179,6 +190,21 @@ impl AppState {
             None => tracing::error!("the response store can only be set before the router state is shared"),
         }
         self
+    }
+
+    /// This state with [`RouterConfig::client_timeout`] `timeout`. Called while building the state, before it is
+    /// shared (as [`AppState::with_responses`]).
+    pub fn with_client_timeout(mut self, timeout: Duration) -> AppState {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => inner.client_timeout = timeout.max(Duration::from_millis(1)),
+            None => tracing::error!("the client timeout can only be set before the router state is shared"),
+        }
+        self
+    }
+
+    /// See [`RouterConfig::client_timeout`].
+    pub fn client_timeout(&self) -> Duration {
+        self.0.client_timeout
     }
 
     /// When this state (the router) was created.
@@ -331,6 +357,7 @@ pub async fn serve(
         config.migration,
         config.max_inflight,
     );
+    state = state.with_client_timeout(config.client_timeout);
     if let Some(cfg) = &config.etcd {
         state = state.with_responses(ResponseBackend::shared(cfg.clone()));
     }
@@ -450,7 +477,8 @@ async fn debug_place(
     RawQuery(query): RawQuery,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Json<crate::placer::DecisionRecord>, ApiError> {
-    let (turns, params) = req.validate(st.0.codec.vocab_size())?;
+    let vocab_size = st.0.codec.vocab_size();
+    let (turns, params) = blocking(move || req.validate(vocab_size)).await?;
     let lora = st.check_model(&params.model)?;
     let tenant = query.as_deref().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("tenant="));
     let namespace = tenant.unwrap_or(DEFAULT_TENANT).to_string();
@@ -559,9 +587,10 @@ async fn detokenize(
     Ok(Json(DetokenizeResponse { prompt: String::from_utf8_lossy(&bytes).into_owned() }))
 }
 
-/// Runs CPU-bound tokenizer work off the async threads.
+/// Runs CPU-bound work off the async threads: tokenizing, and validating a generation request, which compiles
+/// its guide (a JSON schema, pattern or grammar takes up to a tenth of a second).
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))?
 }
 
 /// A text prompt's tokens, with the model's BOS/EOS where it asks for them when `add_special` (off the async
@@ -598,7 +627,8 @@ async fn chat_completions(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let (turns, params) = req.validate(st.0.codec.vocab_size())?;
+    let vocab_size = st.0.codec.vocab_size();
+    let (turns, params) = blocking(move || req.validate(vocab_size)).await?;
     let lora = st.check_model(&params.model)?;
     let mut prompt = chat_prompt(&st, turns, params.chat_render).await?;
     params.truncate_prompt(&mut prompt);
@@ -634,7 +664,8 @@ async fn translated_chat(
 ) -> Result<(GenParams, Option<String>, Vec<u32>), ApiError> {
     let chat: ChatCompletionRequest =
         serde_json::from_value(chat).map_err(|e| rename(ApiError::invalid(format!("Invalid request: {e}"))))?;
-    let (turns, params) = chat.validate(st.0.codec.vocab_size()).map_err(rename)?;
+    let vocab_size = st.0.codec.vocab_size();
+    let (turns, params) = blocking(move || chat.validate(vocab_size)).await.map_err(rename)?;
     let lora = st.check_model(&params.model)?;
     let mut prompt = chat_prompt(st, turns, params.chat_render).await.map_err(rename)?;
     params.truncate_prompt(&mut prompt);
@@ -791,7 +822,8 @@ async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let (prompts, params) = req.validate(st.0.codec.vocab_size())?;
+    let vocab_size = st.0.codec.vocab_size();
+    let (prompts, params) = blocking(move || req.validate(vocab_size)).await?;
     let lora = st.check_model(&params.model)?;
     let mut tokenized = Vec::with_capacity(prompts.len());
     for prompt in prompts {
@@ -933,6 +965,7 @@ async fn start_job(
         codec: st.0.codec.clone(),
         metrics: st.metrics().clone(),
         migration: st.0.migration,
+        client_timeout: st.0.client_timeout,
     };
     generate::start(ctx, job).await
 }
@@ -1244,7 +1277,9 @@ fn completion_events(
 
 /// Maps each choice's pieces to payloads as they arrive (choices interleave), then, once every choice is done,
 /// appends `last` of the request's usage and `[DONE]`. An error ends the stream at once, with `[DONE]` (the other
-/// choices are dropped, which cancels them); a stream whose choice just stopped (the client left) ends without.
+/// choices are dropped, which cancels them). A choice whose generation ended without `Done` or `Error` (it gave
+/// up on a client that stopped reading, or failed) counts as an error, so a client still there is told rather
+/// than left with a stream that just stops.
 fn choices_to_events<R, L>(choices: Vec<Choice>, render: R, last: L) -> impl Stream<Item = String> + Send + 'static
 where
     R: FnMut(u32, Piece) -> Vec<String> + Send + 'static,
@@ -1256,7 +1291,10 @@ where
     let merged = futures::stream::select_all(choices.into_iter().enumerate().map(|(i, c)| {
         futures::stream::unfold(Some(c.rx), |rx| async move {
             let mut rx = rx?;
-            let piece = rx.recv().await?;
+            let piece = rx
+                .recv()
+                .await
+                .unwrap_or_else(|| Piece::Error(ApiError::internal("The generation ended without finishing.")));
             let terminal = matches!(piece, Piece::Done { .. } | Piece::Error(_));
             Some((piece, (!terminal).then_some(rx)))
         })

@@ -122,6 +122,13 @@ impl Worker for Fake {
         if prompt.contains("overload") {
             return Err(Status::resource_exhausted("the request needs more KV blocks than the pool has"));
         }
+        // "enormous": more KV blocks than the pool has at all, refused as a real worker refuses it.
+        if prompt.contains("enormous") {
+            use pagoda_worker::engine::EngineError;
+            use pagoda_worker::scheduler::SchedError;
+            let too_large = EngineError::Rejected(SchedError::TooLargeForPool { needed: 40, capacity: 8 });
+            return Err(pagoda_worker::service::status_from_engine(&too_large));
+        }
         if self.busy {
             let mut st = Status::resource_exhausted("worker busy: 8 requests wait for their first token");
             st.metadata_mut().insert(pagoda_proto::BUSY_RETRY_AFTER_MS, "2500".parse().unwrap());
@@ -129,6 +136,8 @@ impl Worker for Fake {
         }
         // "forever" in the prompt: an endless slow stream, for the disconnect test.
         let forever = prompt.contains("forever");
+        // "flood" in the prompt: an endless stream of 256-token messages, as fast as the router takes them.
+        let flood = prompt.contains("flood");
         // "fail" in the prompt: the stream breaks after three tokens.
         let fail = prompt.contains("fail");
         let prompt_tokens = req.prompt_token_ids.len() as u32;
@@ -158,6 +167,11 @@ impl Worker for Fake {
                 }
                 if stall_after == Some(i) {
                     std::future::pending::<()>().await;
+                }
+                if flood {
+                    tokio::task::yield_now().await;
+                    let message = GenerateResponse { token_ids: vec![u32::from(b'a'); 256], ..Default::default() };
+                    return Some((Ok(message), (i + 1, Some(guard))));
                 }
                 if forever {
                     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -2191,4 +2205,216 @@ async fn router_in_flight_cap_sheds_with_retry_after_and_frees_on_end() {
     }
     let r = client.post(format!("{http}/v1/chat/completions")).json(&hi).send().await.unwrap();
     assert_eq!(r.status(), 200, "the slot came back when the stream's client left");
+}
+
+/// A router over one fake worker with an in-flight cap of 1 and a short client timeout; its address and the
+/// fake's open-stream count.
+async fn capped_router(client_timeout: Duration) -> (String, Arc<AtomicUsize>) {
+    let fake = Fake::default();
+    let open = fake.open.clone();
+    let waddr = spawn_worker(fake).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = RouterConfig {
+        workers: vec![waddr.to_string()],
+        health_interval: Duration::from_millis(100),
+        max_inflight: 1,
+        client_timeout,
+        ..RouterConfig::default()
+    };
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    let http = format!("http://{addr}");
+    wait_ready(&reqwest::Client::new(), &http).await;
+    (http, open)
+}
+
+/// A raw HTTP/1.1 connection to `http` (so that the test decides when the body is sent and when the answer is
+/// read), with a small receive buffer so that a client that stops reading fills its connection quickly.
+async fn raw_connection(http: &str) -> tokio::net::TcpStream {
+    let addr: SocketAddr = http.trim_start_matches("http://").parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+/// Reads from `conn` until `needle` has arrived (or the connection ends), for at most `within`.
+async fn read_until(conn: &mut tokio::net::TcpStream, got: &mut Vec<u8>, needle: &str, within: Duration) {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + within;
+    let mut buf = [0u8; 8192];
+    while !String::from_utf8_lossy(got).contains(needle) {
+        match tokio::time::timeout_at(deadline, conn.read(&mut buf)).await {
+            Ok(Ok(0)) => return,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Ok(Err(e)) => panic!("read failed: {e}"),
+            Err(_) => panic!("no {needle:?} within {within:?}; got: {}", String::from_utf8_lossy(got)),
+        }
+    }
+}
+
+async fn chat_status(http: &str) -> u16 {
+    let hi = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let r = reqwest::Client::new().post(format!("{http}/v1/chat/completions")).json(&hi).send().await.unwrap();
+    r.status().as_u16()
+}
+
+/// A client that sends its headers and then stops sending its body holds an in-flight slot only until the client
+/// timeout: then it gets a JSON 408, and the slot is free again for the next request.
+#[tokio::test]
+async fn a_body_that_never_arrives_gets_408_and_frees_its_slot() {
+    use tokio::io::AsyncWriteExt;
+    let (http, _) = capped_router(Duration::from_millis(500)).await;
+    let mut conn = raw_connection(&http).await;
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(br#"{"model": "#).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(chat_status(&http).await, 503, "the stalled body holds the only slot meanwhile");
+    let mut got = Vec::new();
+    read_until(&mut conn, &mut got, "request_timeout", Duration::from_secs(10)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.to_ascii_lowercase().contains("content-type: application/json"), "{text}");
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    assert_error(408, body, 408);
+    // The stalled connection stays open on the client's side; the slot must not wait for it.
+    assert_eq!(chat_status(&http).await, 200, "the slot came back with the 408");
+    drop(conn);
+}
+
+/// A streaming client that stops reading (but keeps its connection) fills the router's buffers: past the client
+/// timeout the generation is cancelled on the worker and the in-flight slot is freed; when the client reads on,
+/// its stream ends with an error event and `[DONE]` instead of just stopping.
+#[tokio::test]
+async fn a_stream_whose_client_stops_reading_is_cancelled_and_frees_its_slot() {
+    use tokio::io::AsyncWriteExt;
+    let (http, open) = capped_router(Duration::from_millis(300)).await;
+    let mut conn = raw_connection(&http).await;
+    let body = json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "flood"}]}).to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    read_until(&mut conn, &mut got, "data: ", Duration::from_secs(10)).await;
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
+    assert_eq!(open.load(Ordering::SeqCst), 1);
+    // Stop reading: the fake worker streams on until the router gives up on this client.
+    let mut cancelled = false;
+    for _ in 0..600 {
+        if open.load(Ordering::SeqCst) == 0 {
+            cancelled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cancelled, "the worker still generates for a client that stopped reading");
+    let mut freed = false;
+    for _ in 0..100 {
+        if chat_status(&http).await == 200 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(freed, "the slot of a client that stopped reading was not freed");
+    read_until(&mut conn, &mut got, "data: [DONE]", Duration::from_secs(30)).await;
+    let text = String::from_utf8_lossy(&got);
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let err: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert!(err["error"]["message"].as_str().is_some_and(|m| m.contains("ended without finishing")), "{err}");
+}
+
+/// `top_p` and `repetition_penalty` are checked as the worker gets them (f32): values that are positive as
+/// f64 but 0 in f32 (nucleus sampling silently off) or so small that the logits become infinite are a 400, and
+/// nothing reaches the worker.
+#[tokio::test]
+async fn sampling_values_that_vanish_in_f32_are_refused() {
+    let c = cluster().await;
+    let mut cases = Vec::new();
+    for (extra, param) in [
+        (json!({"top_p": 1e-46}), "top_p"),
+        (json!({"repetition_penalty": 1e-38}), "repetition_penalty"),
+        (json!({"repetition_penalty": 0.001}), "repetition_penalty"),
+    ] {
+        cases.push(("/v1/chat/completions", chat_saying_hi(extra.clone()), param, param));
+        cases.push(("/v1/completions", completion_of_hi(extra), param, param));
+    }
+    assert_refused(&c, &cases).await;
+    assert_eq!(c.started.load(Ordering::SeqCst), 0, "nothing reached the worker");
+    // The smallest documented penalty is taken.
+    let (s, v) = c.chat(chat_saying_hi(json!({"repetition_penalty": 0.01}))).await;
+    assert_eq!(s, 200, "{v}");
+}
+
+/// Two guide fields are refused as such before either is compiled: even when both are invalid, the answer is
+/// the "only one" error, not a compile error of the first.
+#[tokio::test]
+async fn two_guides_are_refused_before_either_is_compiled() {
+    let c = cluster().await;
+    assert_refused(
+        &c,
+        &[
+            (
+                "/v1/chat/completions",
+                chat_saying_hi(json!({"guided_regex": "(unclosed", "guided_grammar": "not a grammar ::= ("})),
+                "guided_grammar",
+                "only one of `guided_regex` and `guided_grammar`",
+            ),
+            (
+                "/v1/completions",
+                completion_of_hi(json!({"guided_json": {"type": 5}, "guided_choice": "not a list"})),
+                "guided_choice",
+                "only one of `guided_json` and `guided_choice`",
+            ),
+            (
+                "/v1/chat/completions",
+                chat_saying_hi(json!({"guided_grammar": "(", "structured_outputs": {"regex": "("}})),
+                "structured_outputs.regex",
+                "only one of `guided_grammar` and `structured_outputs.regex`",
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(c.started.load(Ordering::SeqCst), 0);
+}
+
+/// A request that needs more KV blocks than the worker's pool has can never run: the worker refuses it as an
+/// invalid argument, and the client gets a 400 (not a 429 that SDKs would retry forever).
+#[tokio::test]
+async fn a_request_too_large_for_the_pool_is_a_400() {
+    let c = cluster().await;
+    for stream in [false, true] {
+        let body = json!({"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": "enormous"}]});
+        let (s, text) = c.post("/v1/chat/completions", body.to_string()).await;
+        let v = assert_error(s, &text, 400);
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("KV blocks") && m.contains("max_tokens"), "{v}");
+    }
+    c.still_serves().await;
+}
+
+/// The dashboard login answers what is not its form with the router's JSON errors, not axum's plain text.
+#[tokio::test]
+async fn dashboard_login_rejects_bad_forms_with_json_errors() {
+    let c = cluster().await;
+    let url = format!("{}/dashboard/login", c.http);
+    let r = c.client.post(&url).body("key=x").send().await.unwrap();
+    let s = r.status().as_u16();
+    let v = assert_error(s, &r.text().await.unwrap(), 415);
+    assert_eq!(v["error"]["param"], "key", "{v}");
+    let r = c
+        .client
+        .post(&url)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("other=1")
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    assert_error(s, &r.text().await.unwrap(), 422);
 }

@@ -431,6 +431,11 @@ pub fn status_from_engine(e: &EngineError) -> Status {
             | SchedError::ZeroMaxTokens
             | SchedError::PriorityNotEnabled(_),
         ) => Status::invalid_argument(e.to_string()),
+        // Permanent: no amount of waiting frees more blocks than the pool has, so this is the request's fault,
+        // not a load condition a client should retry.
+        EngineError::Rejected(SchedError::TooLargeForPool { .. }) => {
+            Status::invalid_argument(format!("{e}: lower `max_tokens` or shorten the prompt"))
+        }
         EngineError::Rejected(_) => Status::resource_exhausted(e.to_string()),
         EngineError::Stopped => Status::unavailable(e.to_string()),
         EngineError::Lora(a) => match a {
