@@ -440,13 +440,18 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                 }
             }
             Codec::Int8 => {
-                if (0..bs).any(|i| !valid_scale(f32_at(b, 4 * i))) {
-                    return corrupt("negative or non-finite scale");
+                if (0..bs).any(|i| !valid_scale(f32_at(b, 4 * i), I8_MAX_CODE)) {
+                    return corrupt("negative or non-finite scale, or one that overflows a code");
+                }
+                // The encoder clamps to ±127; -128 is only ever a corrupt byte.
+                if b[4 * bs..].contains(&I8_NEVER_WRITTEN) {
+                    return corrupt("int8 code -128");
                 }
             }
             Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
-                if !valid_scale(f32_at(b, 0)) {
-                    return corrupt("negative or non-finite scale");
+                let top = max_e4m3_magnitude(codec == Codec::Fp8E4m3Rotated && half == Half::K, hd);
+                if !valid_scale(f32_at(b, 0), top) {
+                    return corrupt("negative or non-finite scale, or one that overflows a code");
                 }
                 if b[4..].iter().any(|&q| q & 0x7F == 0x7F) {
                     return corrupt("e4m3 NaN code");
@@ -458,6 +463,8 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                     Half::V => 2 * bs * hd.div_ceil(KIVI_GROUP),
                 };
                 let scales = params / 2;
+                // No overflow bound here: scale and min are f16 (at most 65504), so min + 15 × scale stays far
+                // inside f32.
                 for i in 0..params {
                     let x = f16_at(b, 2 * i);
                     if !x.is_finite() || (i < scales && x < 0.0) {
@@ -470,8 +477,22 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
     Ok(())
 }
 
-fn valid_scale(s: f32) -> bool {
-    s.is_finite() && s >= 0.0
+/// Largest magnitude of an int8 code the encoders write.
+pub const I8_MAX_CODE: f32 = 127.0;
+/// The int8 code (-128) no encoder writes: quantisation is symmetric, clamped to ±127.
+pub const I8_NEVER_WRITTEN: u8 = 0x80;
+
+/// Whether `s` is a scale under which every code of magnitude up to `top` decodes to a finite value. A finite
+/// scale is not enough: 3e38 × 127 is infinite, and one infinite key turns a softmax into NaN.
+pub fn valid_scale(s: f32, top: f32) -> bool {
+    s >= 0.0 && (s * top).is_finite()
+}
+
+/// Bound on what an e4m3 half decodes to before scaling, counting the growth of the inverse rotation for rotated
+/// keys: its unnormalised butterflies sum up to `head_dim` values (a chunk is at most the row) before the
+/// `1/sqrt(n)`, so the scale must keep that sum finite too. The factor 2 covers the rounding of those sums.
+pub fn max_e4m3_magnitude(rotated: bool, head_dim: usize) -> f32 {
+    if rotated { E4M3_MAX * (2 * head_dim.max(1)) as f32 } else { E4M3_MAX }
 }
 
 #[inline]

@@ -451,6 +451,70 @@ fn corrupt_bytes_are_rejected_on_decode() {
     }
 }
 
+/// A finite scale is not enough: 3e38 × a code is infinite, and one infinite key turns a softmax into NaN. Scales
+/// must keep every code (and, for rotated keys, the inverse rotation's sums) finite; int8's -128, which the encoder
+/// never writes, is refused; KIVI's f16 scale and min cannot overflow f32, and the largest decode finite.
+#[test]
+fn scales_that_overflow_a_code_are_rejected_and_accepted_blocks_decode_finite() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let x = rand_vec(&mut rng, BS * HD, 1.0);
+    let (mut k, mut v) = (vec![0.0; BS * HD], vec![0.0; BS * HD]);
+    let mut dec = |b: &[u8]| decode_block(b, &mut k, &mut v).map(|_| (k.clone(), v.clone()));
+    let finite = |kv: &(Vec<f32>, Vec<f32>)| kv.0.iter().chain(&kv.1).all(|x| x.is_finite());
+
+    // int8: the first K slot's scale, then its codes.
+    let int8 = encode(Codec::Int8, BS, HD, &x, &x);
+    let codes = HEADER_LEN + 4 * BS;
+    let mut b = int8.clone();
+    b[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&3e38f32.to_le_bytes());
+    b[codes] = 0x7F;
+    assert!(matches!(dec(&b), Err(CodecError::Corrupt { half: Half::K, .. })), "{:?}", dec(&b).map(|_| ()));
+    b[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(f32::MAX / 127.0 / 2.0).to_le_bytes());
+    assert!(finite(&dec(&b).unwrap()), "the largest scale that keeps 127 finite");
+    let mut b = int8.clone();
+    b[codes + 3] = 0x80;
+    assert!(matches!(dec(&b), Err(CodecError::Corrupt { half: Half::K, .. })), "int8 code -128");
+
+    // fp8: one scale per half, right after the header; 0x7E is 448.
+    for codec in [Codec::Fp8E4m3, Codec::Fp8E4m3Rotated] {
+        let fp8 = encode(codec, BS, HD, &x, &x);
+        let mut b = fp8.clone();
+        b[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&3e38f32.to_le_bytes());
+        b[HEADER_LEN + 4] = 0x7E;
+        assert!(matches!(dec(&b), Err(CodecError::Corrupt { half: Half::K, .. })), "{codec}");
+        // Just small enough for one code, but every code at 448: rotated keys sum 64 of them.
+        let mut b = fp8.clone();
+        b[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(f32::MAX / 448.0 / 2.0).to_le_bytes());
+        b[HEADER_LEN + 4..HEADER_LEN + 4 + BS * HD].fill(0x7E);
+        match codec {
+            Codec::Fp8E4m3 => assert!(finite(&dec(&b).unwrap())),
+            _ => assert!(matches!(dec(&b), Err(CodecError::Corrupt { half: Half::K, .. })), "{codec}"),
+        }
+        // The V half of the rotated codec is not rotated: the same scale decodes there.
+        if codec == Codec::Fp8E4m3Rotated {
+            let mut b = fp8.clone();
+            let vh = b.len() - (4 + BS * HD);
+            b[vh..vh + 4].copy_from_slice(&(f32::MAX / 448.0 / 2.0).to_le_bytes());
+            b[vh + 4..].fill(0x7E);
+            assert!(finite(&dec(&b).unwrap()));
+        }
+    }
+
+    // KIVI: the largest f16 scale and min with every code at its top decode finite.
+    for codec in [Codec::Int4Kivi, Codec::Int2Kivi] {
+        let mut b = encode(codec, BS, HD, &x, &x);
+        let k_params = 4 * HD;
+        let big = f16::MAX.to_le_bytes();
+        for p in b[HEADER_LEN..HEADER_LEN + k_params].chunks_exact_mut(2) {
+            p.copy_from_slice(&big);
+        }
+        let rows = HEADER_LEN + k_params;
+        let row_bytes = if codec == Codec::Int4Kivi { HD / 2 } else { HD / 4 };
+        b[rows..rows + BS * row_bytes].fill(0xFF);
+        assert!(finite(&dec(&b).unwrap()), "{codec}");
+    }
+}
+
 #[test]
 fn encoded_arena_stores_loads_and_validates() {
     let mut rng = StdRng::seed_from_u64(5);

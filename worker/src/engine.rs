@@ -40,7 +40,8 @@ use crate::scheduler::{
 use crate::tiers::codec::GroupKv;
 use crate::tiers::pins::CodecPins;
 use crate::tiers::residual::{self, ResidualTails};
-use crate::tiers::{EncodedGroup, GroupCodec, Int8Layers, Tier, TierConfig, TierStore, TierUsage, native};
+use crate::tiers::store::GroupShape;
+use crate::tiers::{EncodedGroup, GroupCodec, Int8Layers, Tier, TierConfig, TierError, TierStore, TierUsage, native};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -304,6 +305,10 @@ pub struct EngineStats {
     pub disk_errors: u64,
     /// Disk-tier writes that found the file system full (the tier then shrinks to what it holds), since start.
     pub disk_full: u64,
+    /// Peer groups the host tier refused on import (unknown codec, wrong length), since start.
+    pub refused_imports: u64,
+    /// Tier groups dropped because they failed to decode when onboarded, since start.
+    pub undecodable_groups: u64,
     /// EvicPress's contexts, profiles and occupancy, when it places the tiers.
     pub evicpress: Option<EvicPressStats>,
     /// Speculative drafts computed, their tokens, and the tokens the sampler accepted, since start.
@@ -1453,10 +1458,16 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             Command::Import { groups, reply } => {
                 let mut stored = 0;
+                let info = self.runner.info();
+                let shape = GroupShape {
+                    n_blocks: info.layout().group_size(),
+                    block_size: info.block_size,
+                    head_dim: info.head_dim,
+                };
                 if let Some(t) = &mut self.tiers {
                     for (hash, group) in groups {
                         // A group that arrived here meanwhile (computed or pulled by another request) is kept as is.
-                        if t.touch(hash) || t.import(hash, group) {
+                        if t.touch(hash) || t.import(hash, group, shape) {
                             stored += 1;
                         }
                     }
@@ -1707,6 +1718,12 @@ impl<R: ModelRunner> EngineLoop<R> {
                     Some((Ok(()), exact)) => pool.register(h, &self.blocks) && (exact || pool.mark_inexact(h)),
                     Some((Err(e), _)) => {
                         tracing::warn!(tier = tier.name(), error = %e, "KV group cannot be onboarded; recomputing");
+                        // Left in place it would stay most recently used, be skipped by offloads (already held),
+                        // count as local to peers and the kvstore, and fail every later onboard the same way.
+                        // A device error is the arena's, not the group's: that group stays.
+                        if !matches!(e, TierError::Device(_)) {
+                            tiers.drop_undecodable(h);
+                        }
                         false
                     }
                     None => false,
@@ -1960,10 +1977,13 @@ impl<R: ModelRunner> EngineLoop<R> {
         prefix_hit_tokens[Tier::Device.index()] =
             s.cached_tokens_total.saturating_sub(self.onboarded_tokens.iter().sum::<u64>());
         let (mut offloaded_groups, mut disk_corrupted, mut disk_errors, mut disk_full) = (0, 0, 0, 0);
+        let (mut refused_imports, mut undecodable_groups) = (0, 0);
         if let Some(t) = &self.tiers {
             tier_usage.extend(t.usage());
             offloaded_groups = t.counters().offloaded_groups;
             disk_errors = t.counters().disk_errors;
+            refused_imports = t.counters().refused_imports;
+            undecodable_groups = t.counters().undecodable_groups;
             disk_corrupted = t.disk_corrupted();
             disk_full = t.disk_full_events();
         }
@@ -1988,6 +2008,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             disk_corrupted,
             disk_errors,
             disk_full,
+            refused_imports,
+            undecodable_groups,
             evicpress: self.evicpress.as_ref().map(EvicPress::stats),
             drafts_total: s.drafts_total,
             draft_tokens_total: s.draft_tokens_total,

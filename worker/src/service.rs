@@ -771,6 +771,8 @@ impl Worker for WorkerService {
             report_snapshots_total: r.snapshots,
             disk_errors_total: s.disk_errors,
             disk_full_total: s.disk_full,
+            refused_imports_total: s.refused_imports,
+            undecodable_groups_total: s.undecodable_groups,
             evicpress: s.evicpress.as_ref().map(evicpress_stats),
             lora_loads_total: lora.loads,
             lora_on_demand_loads_total: lora.on_demand_loads,

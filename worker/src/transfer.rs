@@ -40,7 +40,7 @@ use crate::peer_link::{
     SharedPeerLinks, TakeLink, attach_payloads, linked_payload_bytes, split_payloads,
 };
 use crate::tiers::cost::Ewma;
-use crate::tiers::{EncodedGroup, native};
+use crate::tiers::{EncodedGroup, GroupCodec, native};
 
 /// Most hashes one `Fetch` may name (4096 blocks: 64K tokens at 16 per block).
 pub const MAX_FETCH_HASHES: usize = 4096;
@@ -58,6 +58,10 @@ const EXPORT_CHUNK_BYTES: u64 = 32 * 1024 * 1024;
 const BATCHES_IN_FLIGHT: usize = 2;
 /// Concurrent `Fetch` streams one worker serves; more get RESOURCE_EXHAUSTED.
 const MAX_CONCURRENT_SERVES: usize = 4;
+/// Longest a serve waits for the caller to take one batch. A caller that stops reading (but keeps the connection)
+/// would otherwise hold one of the [`MAX_CONCURRENT_SERVES`] slots forever. Well past a puller's own deadline
+/// ([`PeerFetchConfig::timeout`], 3 s by default), so a live puller on a slow link never meets it.
+pub const SERVE_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// A peer's bandwidth until the first pull is measured: loopback or a LAN does better, so pulls start only where
 /// they clearly pay, and the measurements take over.
 const PRIOR_PEER_BYTES_PER_S: f64 = 100e6;
@@ -173,6 +177,11 @@ pub fn verify_batch(
         }
         if b.codec.is_empty() || b.codec.len() > MAX_CODEC_BYTES {
             return bad(format!("block {want:#x} has a codec name of {} bytes", b.codec.len()));
+        }
+        // The checksum only proves the bytes arrived as the peer sent them; a codec no tier can decode is refused
+        // here, and the length against the model's shape where the group is stored (`TierStore::import`).
+        if b.codec.parse::<GroupCodec>().is_err() {
+            return bad(format!("block {want:#x} has an unknown codec {:?}", b.codec));
         }
         if block_checksum(b.hash, &b.bytes) != b.checksum {
             return bad(format!("block {want:#x} fails its checksum"));
@@ -498,16 +507,15 @@ impl PeerFetcher {
         let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
         let started = Instant::now();
         let link = self.take_link(&hint.address);
-        let lent = link.is_some();
+        let loan = link.is_some().then(|| PullLoan::new(self.peer_links.clone(), &hint.address));
         let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span, link)
             .instrument(span.clone())
             .await;
-        if lent {
+        if let Some(mut loan) = loan {
             if !outcome.groups.is_empty() {
                 self.counters.linked_fetches.fetch_add(1, Ordering::Relaxed);
             }
-            let back = outcome.link.take();
-            self.peer_links.lock().unwrap_or_else(|p| p.into_inner()).give_back(&hint.address, back, Instant::now());
+            loan.back = outcome.link.take();
         }
         if outcome.error.is_none() && outcome.groups.len() < missing.len() {
             // The router's view was stale, or the peer evicted the rest meanwhile.
@@ -548,6 +556,31 @@ impl PeerFetcher {
     }
 }
 
+/// A pull's loan of its device link to one peer, which the link table marks lent. Dropping the loan ends it on
+/// every path out of the pull, including a pull future dropped mid-await (the client went away): otherwise the
+/// peer's link would stay lent forever, and no later pull to it could use one. Without `back` (the pull did not
+/// finish in step with the peer, or never finished) the link counts as broken: its end, dropped with the pull,
+/// aborted the communicator, and a fresh one is opened after the back-off.
+struct PullLoan {
+    links: SharedPeerLinks,
+    addr: String,
+    /// The link, when the pull left it in step with the peer.
+    back: Option<(u64, Box<dyn LinkEnd>)>,
+}
+
+impl PullLoan {
+    fn new(links: SharedPeerLinks, addr: &str) -> PullLoan {
+        PullLoan { links, addr: addr.to_owned(), back: None }
+    }
+}
+
+impl Drop for PullLoan {
+    fn drop(&mut self) {
+        let back = self.back.take();
+        self.links.lock().unwrap_or_else(|p| p.into_inner()).give_back(&self.addr, back, Instant::now());
+    }
+}
+
 /// The serving side of `Transfer` (see the module docs). Cheap to clone.
 #[derive(Clone)]
 pub struct TransferService {
@@ -557,6 +590,24 @@ pub struct TransferService {
     /// How this worker joins device links, or why it cannot.
     device_links: Result<Arc<dyn LinkFactory>, String>,
     served_links: Arc<Mutex<ServedLinks>>,
+    /// [`SERVE_SEND_TIMEOUT`], shorter in tests.
+    send_timeout: Duration,
+}
+
+/// Sends `item` to the caller's stream within `timeout`. False when the caller went away or stopped reading: the
+/// serve then ends, freeing its slot.
+async fn send_within(
+    tx: &mpsc::Sender<Result<BlockBatch, Status>>,
+    item: Result<BlockBatch, Status>,
+    timeout: Duration,
+) -> bool {
+    match tokio::time::timeout(timeout, tx.send(item)).await {
+        Ok(sent) => sent.is_ok(),
+        Err(_) => {
+            tracing::warn!(?timeout, "the peer stopped reading a fetch; ending it");
+            false
+        }
+    }
 }
 
 /// A served link lent to one fetch. Dropping the loan returns the link to the table if it still holds the end
@@ -606,7 +657,14 @@ impl TransferService {
             serving: Arc::new(Semaphore::new(MAX_CONCURRENT_SERVES)),
             device_links: Err("this worker runs on the CPU".into()),
             served_links: Arc::default(),
+            send_timeout: SERVE_SEND_TIMEOUT,
         }
+    }
+
+    /// How long a serve waits for the caller to take a batch before it ends (default [`SERVE_SEND_TIMEOUT`]).
+    pub fn with_send_timeout(mut self, timeout: Duration) -> TransferService {
+        self.send_timeout = timeout;
+        self
     }
 
     /// How this worker joins device links (NCCL) that peers open, or why it cannot (answered to `OpenLink` as
@@ -715,7 +773,7 @@ impl Transfer for TransferService {
             },
         };
         let (tx, rx) = mpsc::channel::<Result<BlockBatch, Status>>(BATCHES_IN_FLIGHT);
-        let (engine, counters) = (self.engine.clone(), self.counters.clone());
+        let (engine, counters, send_timeout) = (self.engine.clone(), self.counters.clone(), self.send_timeout);
         let task_span = span.clone();
         tokio::spawn(
             async move {
@@ -733,7 +791,7 @@ impl Transfer for TransferService {
                             Ok(c) if !c.is_empty() => c,
                             Ok(_) => break,
                             Err(e) => {
-                                let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                                send_within(&tx, Err(Status::unavailable(e.to_string())), send_timeout).await;
                                 return false;
                             }
                         };
@@ -742,7 +800,7 @@ impl Transfer for TransferService {
                             Ok(b) => b,
                             Err(st) => {
                                 task_span.record("otel.status_code", "ERROR");
-                                let _ = tx.send(Err(st)).await;
+                                send_within(&tx, Err(st), send_timeout).await;
                                 return false;
                             }
                         };
@@ -756,14 +814,15 @@ impl Transfer for TransferService {
                                 }
                                 None => (b, None),
                             };
-                            if tx.send(Ok(b)).await.is_err() {
+                            if !send_within(&tx, Ok(b), send_timeout).await {
                                 return false;
                             }
                             if let (Some(l), Some(payload)) = (&mut loan, payload)
                                 && let Err(e) = l.send(payload).await
                             {
                                 task_span.record("otel.status_code", "ERROR");
-                                let _ = tx.send(Err(Status::aborted(format!("device link: {e}")))).await;
+                                let st = Status::aborted(format!("device link: {e}"));
+                                send_within(&tx, Err(st), send_timeout).await;
                                 return false;
                             }
                             sent_bytes += bytes;
@@ -895,6 +954,16 @@ mod tests {
                 1 << 20,
                 100,
             ),
+            (
+                "unknown codec, checksum right",
+                {
+                    let mut b = good.clone();
+                    b.blocks[1].codec = "zstd".into();
+                    b
+                },
+                1 << 20,
+                100,
+            ),
         ];
         for (name, batch, max_batch, max_group) in cases {
             assert!(
@@ -992,6 +1061,116 @@ mod tests {
             Some(FetchError::Status(st)) => assert_eq!(st.code(), tonic::Code::InvalidArgument),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A caller that opens fetches and never reads them: each serve fills its queue, waits at most the send
+    /// timeout, then ends and frees its slot, so later fetches are served again. What it had queued reaches the
+    /// caller, then its stream ends short.
+    #[tokio::test]
+    async fn a_caller_that_stops_reading_frees_its_serve_slot() {
+        use crate::engine::{Engine, EngineConfig, FakeRunner};
+        use crate::tiers::TierConfig;
+        use futures::StreamExt;
+
+        let tiers = TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 };
+        let cfg = EngineConfig { block_size: 4, tiers, ..EngineConfig::default() };
+        let engine = Engine::start_with(cfg, |_| Ok(FakeRunner::new(32, 64, Duration::ZERO))).unwrap();
+        let info = engine.model_info().clone();
+        let bytes = native::group_bytes(info.layout().group_size(), info.block_size, info.head_dim, info.kv_dtype);
+        let per_batch = MIN_BATCH_BYTES as usize / bytes;
+        // More batches than the queue holds, so a serve whose caller does not read blocks.
+        let n = (BATCHES_IN_FLIGHT + 2) * per_batch;
+        let codec = native::codec_name(info.kv_dtype);
+        let groups: Vec<(u64, EncodedGroup)> =
+            (1..=n as u64).map(|h| (h, EncodedGroup { codec: codec.into(), bytes: vec![0; bytes] })).collect();
+        assert_eq!(engine.import_groups(groups).await.unwrap(), n);
+
+        let timeout = Duration::from_millis(500);
+        let svc = TransferService::new(engine.clone(), Arc::default()).with_send_timeout(timeout);
+        let req = || {
+            Request::new(FetchRequest {
+                hashes: (1..=n as u64).collect(),
+                max_batch_bytes: MIN_BATCH_BYTES,
+                nccl_link: 0,
+            })
+        };
+        let mut unread = Vec::new();
+        for _ in 0..MAX_CONCURRENT_SERVES {
+            unread.push(svc.fetch(req()).await.unwrap().into_inner());
+        }
+        let started = Instant::now();
+        assert_eq!(svc.fetch(req()).await.err().map(|st| st.code()), Some(tonic::Code::ResourceExhausted));
+        let served = loop {
+            match svc.fetch(req()).await {
+                Ok(r) => break r.into_inner(),
+                Err(st) => assert_eq!(st.code(), tonic::Code::ResourceExhausted),
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "no serve slot freed after the send timeout");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(started.elapsed() >= timeout / 2, "the slots were held until the timeout");
+        // The stalled serve ended: its stream gives what it queued, then ends without the rest.
+        let stalled: Vec<_> = unread.remove(0).collect().await;
+        assert!(stalled.iter().all(Result::is_ok));
+        let got: usize = stalled.iter().flatten().map(|b| b.blocks.len()).sum();
+        assert!(got < n, "a stalled serve does not finish: {got} of {n}");
+        // A caller that reads gets everything.
+        let all: Vec<_> = served.collect().await;
+        assert_eq!(all.iter().flatten().map(|b| b.blocks.len()).sum::<usize>(), n);
+        engine.shutdown();
+    }
+
+    /// A link end that is never used: the loan tests only move ownership.
+    #[derive(Debug)]
+    struct Unused;
+    impl LinkEnd for Unused {
+        fn transfer(
+            &mut self,
+            _: Option<&[u8]>,
+            _: Option<(usize, &mut Vec<u8>)>,
+            _: Duration,
+        ) -> Result<(), LinkError> {
+            Err(LinkError::Failed("unused".into()))
+        }
+    }
+
+    /// A pull dropped mid-await (its client went away) still ends its link loan: the link leaves the lent state,
+    /// so the peer gets a fresh link after the back-off instead of none ever again. A pull that finished in step
+    /// hands its link back for the next pull.
+    #[tokio::test]
+    async fn a_dropped_pull_gives_its_link_back() {
+        let links = SharedPeerLinks::default();
+        let addr = "peer:1";
+        let later = || Instant::now() + Duration::from_secs(3600);
+        let lend = |links: &SharedPeerLinks| match links.lock().unwrap().take(addr, Instant::now()) {
+            TakeLink::Use(id, end) => (id, end),
+            _ => panic!("the idle link is lent"),
+        };
+        links.lock().unwrap().opened(addr, Ok((7, Box::new(Unused))), Instant::now());
+        let (id, end) = lend(&links);
+        let pull = {
+            let loan = PullLoan::new(links.clone(), addr);
+            async move {
+                let _loan = loan;
+                let _end = (id, end);
+                futures::future::pending::<()>().await;
+            }
+        };
+        let task = tokio::spawn(pull);
+        tokio::task::yield_now().await;
+        task.abort();
+        let _ = task.await;
+        assert!(
+            matches!(links.lock().unwrap().take(addr, later()), TakeLink::Open),
+            "not left lent: a fresh link is opened once the back-off is over"
+        );
+
+        links.lock().unwrap().opened(addr, Ok((8, Box::new(Unused))), Instant::now());
+        let (id, end) = lend(&links);
+        let mut loan = PullLoan::new(links.clone(), addr);
+        loan.back = Some((id, end));
+        drop(loan);
+        assert!(matches!(lend(&links), (8, _)), "a link back in step is lent to the next pull");
     }
 
     #[test]

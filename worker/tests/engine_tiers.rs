@@ -13,9 +13,10 @@ use pagoda_worker::cache::block_hashes;
 use pagoda_worker::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportFrom, GenerateRequest,
 };
+use pagoda_worker::events::BlockChange;
 use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
-use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
+use pagoda_worker::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig};
 
 /// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
 const GROUP: usize = 90;
@@ -141,6 +142,56 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     assert_eq!(s.computed_tokens_total, (p.len() - BS + warm.len() - 1) as u64);
     h.shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A peer group that has a known codec and the exact length but does not decode (an `int8` group of zeros: no block
+/// header) is taken into host, and fails when onboarded. It is then dropped from the tier, and the drop reported,
+/// so the prefix is recomputed and the group computed in its place is stored, and serves the next request. A
+/// group of the wrong length is refused on import.
+#[test]
+fn a_tier_group_that_does_not_decode_is_dropped_after_the_failed_onboard() {
+    let p = prompt();
+    let matched = (p.len() - 1) / BS * BS;
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let h = engine(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 });
+    let mut events = h.report_events(1 << 16).unwrap();
+    let info = h.model_info().clone();
+    let hashes = block_hashes(&info.model_id, "", &p[..matched], BS);
+    let len = GroupCodec::Kv(Codec::Int8).group_bytes(GROUP, BS, info.head_dim).unwrap();
+    let group = |n: usize| EncodedGroup { codec: "int8".into(), bytes: vec![0; n] };
+    assert_eq!(rt.block_on(h.import_groups(vec![(hashes[0], group(len - 1))])).unwrap(), 0, "wrong length");
+    let unknown = EncodedGroup { codec: "zstd".into(), bytes: vec![0; len] };
+    assert_eq!(rt.block_on(h.import_groups(vec![(hashes[0], unknown)])).unwrap(), 0, "unknown codec");
+    assert_eq!(rt.block_on(h.import_groups(vec![(hashes[0], group(len))])).unwrap(), 1);
+    assert_eq!(rt.block_on(h.probe_prefix(hashes.clone())).unwrap().local_blocks, 1);
+
+    let (cold, cached, s) = run(&h, &p, 8);
+    assert_eq!(cached, 0, "the bad group is not onboarded: {s:?}");
+    let native = GroupCodec::Native(info.kv_dtype).name().into_owned();
+    let snapshot = rt.block_on(h.residency_snapshot()).unwrap();
+    let held: Vec<&str> = snapshot
+        .blocks
+        .iter()
+        .filter_map(|c| match c {
+            BlockChange::Stored { hash, tier: Tier::Host, codec, .. } if *hash == hashes[0] => Some(codec.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(held, vec![native.as_str()], "the computed group replaced the bad one");
+    let mut changes = Vec::new();
+    while let Ok(batch) = events.try_recv() {
+        changes.extend(batch.changes);
+    }
+    let removed = BlockChange::Removed { hash: hashes[0], tier: Tier::Host, codec: "int8".into() };
+    assert!(changes.contains(&removed), "the drop is reported: {changes:?}");
+
+    push_out(&h);
+    let (warm, cached, s) = run(&h, &p, 8);
+    assert_eq!(warm, cold);
+    assert_eq!(cached as usize, matched, "served from the recomputed groups: {s:?}");
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64);
+    assert_eq!((s.refused_imports, s.undecodable_groups), (2, 1), "both are counted in the worker's stats");
+    h.shutdown();
 }
 
 /// The bench's shared offline prefill: groups one engine computed, exported from its host tier in the native format

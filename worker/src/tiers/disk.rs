@@ -149,6 +149,14 @@ impl DiskStore {
             }
             let Some(stem) = name.strip_suffix(".kv") else { continue };
             let Ok(hash) = u64::from_str_radix(stem, 16) else { continue };
+            if name != file_name(hash) {
+                // `from_str_radix` also takes upper case, a '+' and other widths: such a name aliases the hash of
+                // a canonical file, and indexing both would count its bytes twice and orphan an LRU entry. This
+                // store never writes such names, so the file is dropped like a corrupt one (it is in our own
+                // directory under our extension, and left alone it would hold disk space forever, unaccounted).
+                store.discard(&path, "not a canonical file name");
+                continue;
+            }
             match store.check_file(&path, hash) {
                 Ok((file_bytes, codec)) => {
                     let mtime = entry.metadata().and_then(|m| m.modified()).ok();
@@ -196,6 +204,8 @@ impl DiskStore {
     }
 
     fn insert(&mut self, hash: u64, file_bytes: u64, codec: String) {
+        // One entry per hash: a second insert must not leave the first one's bytes and LRU tick behind.
+        self.forget(hash);
         self.tick += 1;
         self.lru.insert(self.tick, hash);
         self.used += file_bytes;
@@ -234,8 +244,11 @@ impl DiskStore {
     /// Deletes least recently used files until `extra` more bytes fit.
     fn evict_until(&mut self, extra: u64) -> Result<(), TierError> {
         while self.used + extra > self.capacity {
-            let Some((_, victim)) = self.lru.first_key_value().map(|(t, h)| (*t, *h)) else { break };
-            self.forget(victim);
+            // Popped, not peeked: an LRU entry whose index entry is gone must not be picked again forever.
+            let Some((_, victim)) = self.lru.pop_first() else { break };
+            if self.forget(victim).is_none() {
+                continue;
+            }
             let path = self.path(victim);
             match fs::remove_file(&path) {
                 Ok(()) => {}
@@ -530,6 +543,64 @@ mod tests {
         drop(d);
         let d = DiskStore::open(&dir, file_size(64), 1 << 20).unwrap();
         assert_eq!(d.len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Names `from_str_radix` reads as a stored hash but this store never writes (upper case, a '+', another
+    /// width) are dropped on open: indexed next to the canonical file they double-counted its bytes and orphaned
+    /// an LRU tick, on which eviction spun forever once the tier filled.
+    #[test]
+    fn aliased_file_names_are_dropped_and_a_full_tier_still_evicts() {
+        let dir = tmpdir("aliases");
+        let cap = file_size(100) * 3;
+        {
+            let mut d = DiskStore::open(&dir, cap, 1 << 20).unwrap();
+            assert!(d.put(0xabc, &g(100, 1)).unwrap());
+        }
+        let canonical = dir.join(file_name(0xabc));
+        let aliases = ["0000000000000ABC.kv", "+000000000000abc.kv", "abc.kv", "00000000000000000abc.kv"];
+        for a in aliases {
+            fs::copy(&canonical, dir.join(a)).unwrap();
+        }
+        // On a thread: before the fix, opening (whose eviction pass saw the doubled bytes) or filling spun forever.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let at = dir.clone();
+        std::thread::spawn(move || {
+            let mut d = DiskStore::open(&at, cap, 1 << 20).unwrap();
+            let opened = (d.len(), d.used_bytes(), d.corrupted(), d.get(0xabc).unwrap());
+            for h in 1..=10u64 {
+                d.put(h, &g(100, h as u8)).unwrap();
+            }
+            let _ = tx.send((opened, d));
+        });
+        let (opened, d) = rx.recv_timeout(Duration::from_secs(20)).expect("opening and filling the tier terminate");
+        assert_eq!(opened, (1, file_size(100), aliases.len() as u64, Some(g(100, 1))), "the canonical file, once");
+        assert!(aliases.iter().all(|a| !dir.join(a).exists()));
+        assert_eq!(d.len(), 3);
+        assert_eq!(d.used_bytes(), cap);
+        assert!(d.contains(10) && d.contains(9) && d.contains(8) && !d.contains(0xabc));
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 3);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Eviction pops LRU entries, so one left behind by a lost index entry is skipped rather than picked forever.
+    #[test]
+    fn eviction_skips_an_orphaned_lru_entry() {
+        let dir = tmpdir("orphan");
+        let mut d = DiskStore::open(&dir, file_size(100) * 2, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap());
+        // Tick 0 is never handed out, so it is the oldest entry.
+        d.lru.insert(0, 77);
+        assert!(d.put(2, &g(100, 2)).unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = d.put(3, &g(100, 3)).unwrap();
+            let _ = tx.send((d, r));
+        });
+        let (d, stored) = rx.recv_timeout(Duration::from_secs(20)).expect("eviction terminates");
+        assert!(stored);
+        assert!(!d.contains(1) && d.contains(2) && d.contains(3));
+        assert_eq!(d.lru.len(), 2);
         fs::remove_dir_all(&dir).unwrap();
     }
 

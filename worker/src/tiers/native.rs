@@ -4,7 +4,7 @@
 //! `native` is the name groups written before f16 caches existed carry (f32). A group is decoded into a cache of
 //! either dtype, so a disk tier survives a restart with another `--kv-dtype`.
 
-use pagoda_kernels::{KvArenas, KvDtype, KvStorage};
+use pagoda_kernels::{KvArenas, KvDtype, KvStorage, codec};
 
 use super::{EncodedGroup, TierError};
 use crate::cache::BlockId;
@@ -95,18 +95,27 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
             path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
             reason: reason.into(),
         };
-        let bad_scale = group.bytes.chunks_exact(half).any(|h| {
-            h[bl..].chunks_exact(4).any(|c| {
-                let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                !(x.is_finite() && x >= 0.0)
-            })
+        // Halves alternate K, V; only keys are rotated, and their inverse rotation grows what a code decodes to.
+        let top = |i: usize| {
+            if dtype.is_e4m3() {
+                codec::max_e4m3_magnitude(dtype.rotates_keys() && i.is_multiple_of(2), hd)
+            } else {
+                codec::I8_MAX_CODE
+            }
+        };
+        let bad_scale = group.bytes.chunks_exact(half).enumerate().any(|(i, h)| {
+            h[bl..].chunks_exact(4).any(|c| !codec::valid_scale(f32::from_le_bytes([c[0], c[1], c[2], c[3]]), top(i)))
         });
         if bad_scale {
-            return Err(corrupt("negative or non-finite slot scale"));
+            return Err(corrupt("negative or non-finite slot scale, or one that overflows a code"));
         }
         // e4m3fn's only non-finite codes (S.1111.111) are NaN; the writer never produces them.
         if dtype.is_e4m3() && group.bytes.chunks_exact(half).any(|h| h[..bl].iter().any(|&c| c & 0x7F == 0x7F)) {
             return Err(corrupt("e4m3 NaN code"));
+        }
+        // Int8 slots are quantised symmetrically, clamped to ±127: a -128 code is a corrupt byte.
+        if !dtype.is_e4m3() && group.bytes.chunks_exact(half).any(|h| h[..bl].contains(&codec::I8_NEVER_WRITTEN)) {
+            return Err(corrupt("int8 code -128"));
         }
     }
     let (mut k, mut v) = (vec![0.0f32; bl], vec![0.0f32; bl]);
@@ -227,6 +236,40 @@ mod tests {
                 assert!(got.is_ok(), "0x7F is int8's 127");
             }
         }
+    }
+
+    /// A finite scale so large that a code decodes to infinity (3e38 × 127), and int8's -128 that no writer
+    /// produces, are refused; the largest scale that keeps every code finite decodes.
+    #[test]
+    fn scales_that_overflow_a_code_and_int8_minus_128_are_refused() {
+        for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
+            let kv = filled(dtype);
+            let g = encode(&kv, &[1]);
+            let half = half_bytes(4, 3, dtype);
+            let bl = 12;
+            // Block 1's K then V half: codes, then 4 slot scales each.
+            for h in [0, half] {
+                let mut huge = g.clone();
+                huge.bytes[h] = 0x7E;
+                huge.bytes[h + bl..h + bl + 4].copy_from_slice(&3e38f32.to_le_bytes());
+                let mut target = filled(dtype);
+                let before = block(&target, 2);
+                let got = decode(&huge, &mut target, &[2]);
+                assert!(matches!(got, Err(TierError::Corrupt { .. })), "{dtype} half at {h}: {got:?}");
+                assert_eq!(block(&target, 2), before, "nothing written");
+            }
+            let mut target = filled(dtype);
+            let mut largest = g.clone();
+            let top = if dtype.is_e4m3() { codec::max_e4m3_magnitude(dtype.rotates_keys(), 3) } else { 127.0 };
+            largest.bytes[bl..bl + 4].copy_from_slice(&(f32::MAX / top / 2.0).to_le_bytes());
+            decode(&largest, &mut target, &[2]).unwrap();
+            let (k, v) = block(&target, 2);
+            assert!(k.iter().chain(&v).all(|x| x.is_finite()), "{dtype}");
+        }
+        let mut minus_128 = encode(&filled(KvDtype::Int8), &[1]);
+        minus_128.bytes[5] = 0x80;
+        let got = decode(&minus_128, &mut filled(KvDtype::Int8), &[2]);
+        assert!(matches!(got, Err(TierError::Corrupt { .. })), "{got:?}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use super::{CostModel, DiskStore, EncodedGroup, HostStore, Tier, TierError, TierUsage};
+use super::{CostModel, DiskStore, EncodedGroup, GroupCodec, HostStore, Tier, TierError, TierUsage};
 use crate::events::BlockChange;
 
 /// Which lower tiers to run. A capacity of 0 disables that tier.
@@ -32,6 +32,33 @@ pub struct TierCounters {
     pub onboarded_groups: [u64; 3],
     /// Disk writes or reads that failed with an I/O error (the group is then simply not kept).
     pub disk_errors: u64,
+    /// Groups from peers refused on import: an unknown codec, or a length no group of this model has.
+    pub refused_imports: u64,
+    /// Groups dropped from the tiers because they failed to decode when onboarded.
+    pub undecodable_groups: u64,
+}
+
+/// The shape every group of this model has: what an imported group's length is checked against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupShape {
+    /// Blocks per group (every (layer, kv-head) of one token block).
+    pub n_blocks: usize,
+    pub block_size: usize,
+    pub head_dim: usize,
+}
+
+impl GroupShape {
+    /// Parses `group`'s codec and checks that its length is exactly what that codec gives a group of this shape.
+    /// Cheap (no decoding), so it runs on every import; what it cannot see (a corrupt header or scale inside a
+    /// well-sized payload) is caught when the group is onboarded, which then drops it.
+    pub fn check(&self, group: &EncodedGroup) -> Result<GroupCodec, TierError> {
+        let codec: GroupCodec = group.codec.parse()?;
+        let expected = codec.group_bytes(self.n_blocks, self.block_size, self.head_dim)?;
+        if group.bytes.len() != expected {
+            return Err(TierError::BadLength { codec: group.codec.clone(), expected, got: group.bytes.len() });
+        }
+        Ok(codec)
+    }
 }
 
 #[derive(Debug)]
@@ -164,9 +191,16 @@ impl TierStore {
     }
 
     /// Stores a group that arrived from another worker into the host tier (its LRU victims go to disk). Returns
-    /// whether a lower tier holds it afterwards; without a host tier nothing is stored.
-    pub fn import(&mut self, hash: u64, group: EncodedGroup) -> bool {
+    /// whether a lower tier holds it afterwards; without a host tier nothing is stored. A group that does not fit
+    /// `shape` (unknown codec, wrong length) is refused and counted: the peer's checksum only proves the bytes
+    /// arrived as sent, and a group kept here is onboarded, served to other peers and reported to the kvstore.
+    pub fn import(&mut self, hash: u64, group: EncodedGroup, shape: GroupShape) -> bool {
         let Some(h) = &mut self.host else { return false };
+        if let Err(e) = shape.check(&group) {
+            self.counters.refused_imports += 1;
+            tracing::warn!(hash, error = %e, "refusing a KV group from a peer");
+            return false;
+        }
         for (h, g) in h.put(hash, group) {
             self.demote(h, &g);
         }
@@ -235,6 +269,14 @@ impl TierStore {
                 }
             }
         }
+    }
+
+    /// Drops the group under `hash` after it failed to decode when onboarded (corrupt bytes that passed the
+    /// checks on the way in), so that it is recomputed and rewritten instead of being onboarded, served to peers
+    /// and reported again. Counted; the removal is reported like any other.
+    pub fn drop_undecodable(&mut self, hash: u64) {
+        self.counters.undecodable_groups += 1;
+        self.remove(hash);
     }
 
     /// Removes `hash` from every lower tier.
@@ -323,27 +365,88 @@ impl TierStore {
 mod tests {
     use super::*;
 
+    /// Groups of 2 blocks of 4 slots × 3 elements: 192 bytes native f32, 96 bytes f16.
+    const SHAPE: GroupShape = GroupShape { n_blocks: 2, block_size: 4, head_dim: 3 };
+
     #[test]
     fn imported_groups_land_in_host_and_are_reported() {
         let cfg = TierConfig { data_dir: None, host_bytes: 250, disk_bytes: 0 };
         let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
         t.track_changes();
-        assert!(t.import(7, g(100, 7)));
-        assert_eq!(t.locate(7), Some((Tier::Host, 100)));
+        assert!(t.import(7, g(192, 7), SHAPE));
+        assert_eq!(t.locate(7), Some((Tier::Host, 192)));
         assert_eq!(t.counters().offloaded_groups, 0, "a pulled group is not an offload");
         let mut changes = Vec::new();
         t.take_changes(&mut changes);
         assert!(changes.iter().any(|c| matches!(c, BlockChange::Stored { hash: 7, tier: Tier::Host, .. })));
         // Larger than the whole host tier, with no disk below: not kept.
-        assert!(!t.import(8, g(300, 8)));
+        let big = GroupShape { n_blocks: 4, ..SHAPE };
+        assert!(!t.import(8, g(384, 8), big));
+        assert_eq!(t.counters().refused_imports, 0, "a valid group that does not fit is no refusal");
         // Without a host tier nothing is imported.
         let dir = std::env::temp_dir().join(format!("pagoda-tierstore-import-{}", std::process::id()));
         let disk_only = TierConfig { data_dir: Some(dir.clone()), host_bytes: 0, disk_bytes: 1 << 20 };
         let mut t = TierStore::open(&disk_only, 1 << 20).unwrap().unwrap();
-        assert!(!t.import(7, g(100, 7)));
+        assert!(!t.import(7, g(192, 7), SHAPE));
         assert_eq!(t.locate(7), None);
         drop(t);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn imports_of_unknown_codecs_or_wrong_lengths_are_refused() {
+        let cfg = TierConfig { data_dir: None, host_bytes: 1 << 20, disk_bytes: 0 };
+        let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        t.track_changes();
+        let bad = [
+            ("zstd", 192),
+            ("", 192),
+            ("native", 100),
+            ("native", 191),
+            ("f16", 192),
+            ("f32", 0),
+            ("native-int8", 192),
+            ("int4_kivi+int8@1/2", 192),
+        ];
+        for (i, (codec, n)) in bad.into_iter().enumerate() {
+            let hash = 100 + i as u64;
+            let group = EncodedGroup { codec: codec.into(), bytes: vec![1; n] };
+            assert!(!t.import(hash, group, SHAPE), "{codec} of {n} bytes accepted");
+            assert_eq!(t.locate(hash), None);
+        }
+        assert_eq!(t.counters().refused_imports, bad.len() as u64);
+        let mut changes = Vec::new();
+        t.take_changes(&mut changes);
+        assert!(changes.is_empty(), "nothing refused is reported: {changes:?}");
+        // The exact length of each native width is accepted.
+        assert!(t.import(1, EncodedGroup { codec: "f16".into(), bytes: vec![0; 96] }, SHAPE));
+        assert!(t.import(2, EncodedGroup { codec: "f32".into(), bytes: vec![0; 192] }, SHAPE));
+        assert_eq!(t.counters().refused_imports, bad.len() as u64);
+    }
+
+    #[test]
+    fn an_undecodable_group_is_dropped_from_every_tier_and_reported() {
+        let dir = std::env::temp_dir().join(format!("pagoda-tierstore-undecodable-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = TierConfig { data_dir: Some(dir.clone()), host_bytes: 1 << 20, disk_bytes: 1 << 20 };
+        let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        t.track_changes();
+        assert!(t.import(5, g(192, 5), SHAPE));
+        t.spill_host();
+        assert!(t.import(5, g(192, 5), SHAPE));
+        let mut changes = Vec::new();
+        t.take_changes(&mut changes);
+        t.drop_undecodable(5);
+        assert_eq!(t.locate(5), None);
+        assert_eq!(t.counters().undecodable_groups, 1);
+        changes.clear();
+        t.take_changes(&mut changes);
+        for tier in [Tier::Host, Tier::Disk] {
+            let removed = BlockChange::Removed { hash: 5, tier, codec: "native".into() };
+            assert!(changes.contains(&removed), "{tier:?}: {changes:?}");
+        }
+        drop(t);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn g(n: usize, seed: u8) -> EncodedGroup {
