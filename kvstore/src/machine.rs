@@ -15,9 +15,10 @@ use crate::directory::{
 pub const MAX_EVENTS_PER_BATCH: usize = 65_536;
 /// Most block copies in one PublishSnapshot.
 pub const MAX_SNAPSHOT_BLOCKS: usize = 1 << 20;
-/// Longest worker id, address and codec name.
+/// Longest worker id and address.
 pub const MAX_NAME_LEN: usize = 256;
-pub const MAX_CODEC_LEN: usize = 32;
+/// Longest codec name of a block copy: the bound the workers' disk tier and peer transfers share.
+pub const MAX_CODEC_LEN: usize = pagoda_proto::MAX_CODEC_NAME_BYTES;
 /// Most hashes (or prefix-chain entries) one Read may ask about.
 pub const MAX_READ_HASHES: usize = 65_536;
 

@@ -14,6 +14,12 @@ pub mod trace_context;
 /// another worker and sheds load with 503 + `Retry-After` when all of them are full.
 pub const BUSY_RETRY_AFTER_MS: &str = "pagoda-busy-retry-after-ms";
 
+/// Longest codec name a KV block group may carry, in bytes: the kvstore directory's copies, the `Transfer`
+/// service's blocks and the disk tier's file header all bound it by this one constant, so that a name a worker
+/// stores is one its peers, its disk and the directory accept. The longest name made is a layered KIVI codec's
+/// (`int4_kivi+int8@17:18/30`), whose list of layers the worker bounds to fit.
+pub const MAX_CODEC_NAME_BYTES: usize = 64;
+
 /// `pagoda.worker.v1`: token ids in, token ids out.
 pub mod worker {
     #![allow(clippy::all, missing_docs)]

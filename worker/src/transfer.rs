@@ -49,8 +49,8 @@ pub const MIN_BATCH_BYTES: u64 = 64 * 1024;
 pub const MAX_BATCH_BYTES: u64 = 16 * 1024 * 1024;
 /// The batch size a fetcher asks for.
 pub const DEFAULT_BATCH_BYTES: u64 = 4 * 1024 * 1024;
-/// Longest accepted codec name in a received block.
-const MAX_CODEC_BYTES: usize = 32;
+/// Longest accepted codec name in a received block: the one bound every store of a group shares.
+const MAX_CODEC_BYTES: usize = pagoda_proto::MAX_CODEC_NAME_BYTES;
 /// Bytes the server copies out of the engine per round trip: a few batches, so that a long prefix costs few
 /// round trips (each waits for the end of an engine step) while the copy held in memory stays bounded.
 const EXPORT_CHUNK_BYTES: u64 = 32 * 1024 * 1024;

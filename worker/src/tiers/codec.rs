@@ -48,14 +48,19 @@ pub struct Int8Layers {
 impl Int8Layers {
     /// Most layers a model may have for the set (the mask's width).
     pub const MAX_LAYERS: usize = 64;
+    /// Most layers a set may list. The set is spelled out in every stored group's codec name, and that name must fit
+    /// [`pagoda_proto::MAX_CODEC_NAME_BYTES`] wherever the group goes (disk, peers, the kvstore directory): 15
+    /// two-digit layers is the longest list that always fits (`int4_kivi+int8@` + 44 + `/64`).
+    pub const MAX_LISTED: usize = 15;
 
-    /// The set `layers` of a model of `n_layers` layers: non-empty, each below `n_layers`, no repeats.
+    /// The set `layers` of a model of `n_layers` layers: 1 to [`Self::MAX_LISTED`] layers, each below `n_layers`,
+    /// no repeats.
     pub fn new(layers: &[usize], n_layers: usize) -> Result<Int8Layers, String> {
         if n_layers == 0 || n_layers > Self::MAX_LAYERS {
             return Err(format!("a model of 1 to {} layers, got {n_layers}", Self::MAX_LAYERS));
         }
-        if layers.is_empty() {
-            return Err("at least one layer".into());
+        if layers.is_empty() || layers.len() > Self::MAX_LISTED {
+            return Err(format!("list 1 to {} layers, got {}", Self::MAX_LISTED, layers.len()));
         }
         let mut mask = 0u64;
         for &l in layers {
@@ -375,6 +380,14 @@ mod tests {
             assert!(matches!(bad.parse::<GroupCodec>(), Err(TierError::UnknownCodec(_))), "{bad}");
         }
         assert!(Int8Layers::new(&[], 30).is_err());
+        // The longest list there may be, of the longest layers, names a group every store and peer accepts; one
+        // more layer is refused when the set is made, not when a group fails to travel.
+        let longest: Vec<usize> = (49..64).collect();
+        assert_eq!(longest.len(), Int8Layers::MAX_LISTED);
+        let g = GroupCodec::stored(Codec::Int4Kivi, Some(Int8Layers::new(&longest, 64).unwrap()));
+        assert!(g.name().len() <= pagoda_proto::MAX_CODEC_NAME_BYTES, "{} is too long", g.name());
+        assert_eq!(g.name().parse::<GroupCodec>().unwrap(), g);
+        assert!(Int8Layers::new(&(48..64).collect::<Vec<_>>(), 64).is_err());
         // A set only layers KIVI: the other codecs are stored as named.
         let set = Some(Int8Layers::new(&[18], 30).unwrap());
         assert_eq!(GroupCodec::stored(Codec::Int8, set), GroupCodec::Kv(Codec::Int8));

@@ -29,8 +29,9 @@ use crate::journal::Journal;
 
 const MAGIC: &[u8; 4] = b"PGKV";
 const VERSION: u32 = 1;
-/// Codec names are short identifiers; anything longer is a corrupt header.
-const MAX_CODEC_LEN: usize = 64;
+/// Codec names are short identifiers; anything longer is a corrupt header. The one bound every store of a group
+/// shares (a file's header must hold any name a peer or the directory accepts).
+const MAX_CODEC_LEN: usize = pagoda_proto::MAX_CODEC_NAME_BYTES;
 const FIXED_HEADER: usize = 4 + 4 + 8 + 2;
 /// How long a tier that found its file system full keeps to the capacity it shrank to.
 pub const FULL_RETRY: Duration = Duration::from_secs(60);
