@@ -1067,11 +1067,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn request_larger_than_pool_is_resource_exhausted() {
-        // 8 blocks of 4 slots over 2 layers x 2 kv-heads: room for 8 tokens in all.
+    async fn request_larger_than_pool_is_invalid_argument() {
+        // 8 blocks of 4 slots over 2 layers x 2 kv-heads: room for 8 tokens in all. No wait frees more than the
+        // pool holds, so this is the request's fault, not a load condition to retry (and carries no busy hint).
         let svc = service(8, 0);
         let err = svc.generate(Request::new(request(vec![1; 10], 10))).await.err().expect("rejected");
-        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(busy_hint(&err).is_none());
+        assert!(err.message().contains("max_tokens"), "{err:?}");
     }
 
     #[tokio::test]
