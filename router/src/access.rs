@@ -27,13 +27,24 @@ use crate::server::AppState;
 /// The namespace of every request when auth is off (the embedded dev mode).
 pub const DEFAULT_TENANT: &str = "default";
 
-fn unauthorized(e: ApiError) -> Response {
-    let mut resp = e.into_response();
+/// Whether `path` is Anthropic's API (`/v1/messages` and `/v1/messages/count_tokens`), whose clients read errors
+/// only in Anthropic's shape: the middlewares refuse those requests before the handler could shape the error.
+fn is_anthropic(path: &str) -> bool {
+    path == "/v1/messages" || path.starts_with("/v1/messages/")
+}
+
+/// `e` in the shape the caller's API uses.
+fn refusal(e: ApiError, anthropic: bool) -> Response {
+    if anthropic { crate::messages::error_response(e) } else { e.into_response() }
+}
+
+fn unauthorized(e: ApiError, anthropic: bool) -> Response {
+    let mut resp = refusal(e, anthropic);
     resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     resp
 }
 
-fn too_many(d: Denied, tenant: &str) -> Response {
+fn too_many(d: Denied, tenant: &str, anthropic: bool) -> Response {
     let message = match d {
         Denied::Rate { .. } => {
             format!("Rate limit reached for this API key (tenant `{tenant}`): too many requests per second.")
@@ -42,7 +53,7 @@ fn too_many(d: Denied, tenant: &str) -> Response {
             format!("Rate limit reached for this API key (tenant `{tenant}`): {limit} requests already in flight.")
         }
     };
-    ApiError { retry_after_secs: Some(d.retry_after_secs()), ..ApiError::rate_limited(message) }.into_response()
+    refusal(ApiError { retry_after_secs: Some(d.retry_after_secs()), ..ApiError::rate_limited(message) }, anthropic)
 }
 
 /// Middleware of `/v1/*`: without a keys file every request is tenant [`DEFAULT_TENANT`]; with one, the presented
@@ -52,19 +63,20 @@ pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Nex
         req.extensions_mut().insert(Tenant { name: DEFAULT_TENANT.into(), key: None, weight: 1 });
         return next.run(req).await;
     };
+    let anthropic = is_anthropic(req.uri().path());
     let presented = match presented_key(req.headers()) {
         Ok(k) => k,
-        Err(e) => return unauthorized(e),
+        Err(e) => return unauthorized(e, anthropic),
     };
     let Some(entry) = keys.find(presented) else {
-        return unauthorized(ApiError::invalid_api_key("Incorrect API key provided."));
+        return unauthorized(ApiError::invalid_api_key("Incorrect API key provided."), anthropic);
     };
     let tenant = Tenant { name: entry.tenant.clone(), key: Some(entry.index), weight: entry.weight };
     let permit = match st.limiter().map(|l| l.acquire(entry.index)) {
         Some(Ok(p)) => Some(p),
         Some(Err(d)) => {
             st.metrics().count_rate_limited(&entry.tenant, d);
-            return too_many(d, &entry.tenant);
+            return too_many(d, &entry.tenant, anthropic);
         }
         None => None,
     };
@@ -83,11 +95,11 @@ pub async fn require_key(State(st): State<AppState>, mut req: Request, next: Nex
 pub async fn shed_load(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let Ok(slot) = st.inflight().clone().try_acquire_owned() else {
         st.metrics().count_shed("router_inflight");
-        return ApiError::saturated(
+        let e = ApiError::saturated(
             format!("The router is at its limit of {} requests in flight; retry shortly.", st.max_inflight()),
             1,
-        )
-        .into_response();
+        );
+        return refusal(e, is_anthropic(req.uri().path()));
     };
     let timeout = st.client_timeout();
     next.run(req).await.map(|body| Body::new(SlotBody::new(body, slot, timeout)))
@@ -117,7 +129,7 @@ pub fn admin_access(st: &AppState, authorization: Option<&HeaderValue>) -> Resul
             .into_response(),
         ));
     };
-    let presented = bearer(authorization).map_err(|e| Box::new(unauthorized(e)))?;
+    let presented = bearer(authorization).map_err(|e| Box::new(unauthorized(e, false)))?;
     if admin.matches(presented) {
         return Ok(());
     }
@@ -126,7 +138,7 @@ pub fn admin_access(st: &AppState, authorization: Option<&HeaderValue>) -> Resul
             ApiError::permission_denied("This endpoint needs the admin key; an API key is not enough.").into_response(),
         ));
     }
-    Err(Box::new(unauthorized(ApiError::invalid_api_key("Incorrect admin key provided."))))
+    Err(Box::new(unauthorized(ApiError::invalid_api_key("Incorrect admin key provided."), false)))
 }
 
 /// A response body that drops its permit (a key's [`Permit`], a slot of the router's in-flight cap) as soon as

@@ -27,9 +27,15 @@
 //! ## Dashboard sessions
 //!
 //! A browser cannot send a bearer header when it navigates, so the dashboard's login trades the admin key for a
-//! session cookie: `<expiry unix seconds>.<HMAC-SHA256(admin key digest, expiry) in hex>`. The cookie never holds
-//! the key, any router replica with the same admin key accepts it, it expires after [`ADMIN_SESSION`], and
-//! changing the admin key ends every session.
+//! session cookie: `<expiry unix seconds>.<HMAC-SHA256(session secret, expiry) in hex>`. It never holds the key
+//! and expires after [`ADMIN_SESSION`].
+//!
+//! The session secret must not be computable from what the admin key file may show: the `sha256:` form puts the
+//! key's digest there, and a secret derived from the digest would let anyone who reads the file forge sessions.
+//! So with the key itself in the file, the secret is a domain-separated hash of the key: every router replica
+//! with the same key accepts the cookie, and changing the key ends every session. With only the digest in the
+//! file, no such secret exists, and each router process draws a random one: a session then opens that process
+//! only, and ends when it restarts ([`AdminKey::sessions_per_process`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -56,6 +62,9 @@ pub const MAX_LIMIT: f64 = 1e6;
 pub const ADMIN_SESSION: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 /// Label of the MAC input, so a session token is no MAC of anything else.
 const SESSION_LABEL: &[u8] = b"pagoda-dashboard-session:";
+/// Prefix of the hash that turns the admin key into the session secret, so that the secret is neither the key's
+/// digest (which a `sha256:` key file shows) nor any other hash of the key used elsewhere.
+const SESSION_SECRET_LABEL: &[u8] = b"pagoda-dashboard-session-secret\0";
 
 /// Why a keys file or admin key file was rejected.
 #[derive(Debug, thiserror::Error)]
@@ -306,6 +315,10 @@ impl KeyTable {
 #[derive(Clone)]
 pub struct AdminKey {
     digest: [u8; 32],
+    /// What dashboard session tokens are MACed with (see the module docs).
+    session_secret: [u8; 32],
+    /// The file held only the key's digest, so `session_secret` is this process's own random one.
+    sessions_per_process: bool,
 }
 
 impl fmt::Debug for AdminKey {
@@ -327,22 +340,35 @@ impl AdminKey {
             .enumerate()
             .find(|(_, l)| !is_skipped(l))
             .ok_or_else(|| KeysFileError::Empty { path: path.to_path_buf() })?;
-        let digest = parse_key(line.trim()).map_err(|message| KeysFileError::Line {
+        let field = line.trim();
+        let digest = parse_key(field).map_err(|message| KeysFileError::Line {
             path: path.to_path_buf(),
             line: i + 1,
             message,
         })?;
-        Ok(AdminKey { digest })
+        let sessions_per_process = field.starts_with("sha256:");
+        let session_secret: [u8; 32] = if sessions_per_process {
+            rand::random()
+        } else {
+            Sha256::new().chain_update(SESSION_SECRET_LABEL).chain_update(field.as_bytes()).finalize().into()
+        };
+        Ok(AdminKey { digest, session_secret, sessions_per_process })
     }
 
     pub fn matches(&self, presented: &[u8]) -> bool {
         ct_eq(&self.digest, &digest(presented))
     }
 
+    /// Whether dashboard sessions open only this router process (the admin key file held the key's digest, not
+    /// the key): another replica, or this one after a restart, asks for the key again.
+    pub fn sessions_per_process(&self) -> bool {
+        self.sessions_per_process
+    }
+
     fn session_mac(&self, expires_unix: u64) -> [u8; 32] {
         let mut msg = SESSION_LABEL.to_vec();
         msg.extend_from_slice(expires_unix.to_string().as_bytes());
-        hmac_sha256(&self.digest, &msg)
+        hmac_sha256(&self.session_secret, &msg)
     }
 
     /// A dashboard session token that expires at `expires_unix` (see the module docs).
@@ -567,6 +593,38 @@ mod tests {
         {
             assert!(!a.session_valid(bad, now), "{bad:?}");
         }
+    }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    /// The token an attacker who read a `sha256:` admin key file could make if sessions were keyed by the digest.
+    fn forged_from_digest(key: &str, expires_unix: u64) -> String {
+        let mut msg = SESSION_LABEL.to_vec();
+        msg.extend_from_slice(expires_unix.to_string().as_bytes());
+        format!("{expires_unix}.{}", hex(&hmac_sha256(&digest(key.as_bytes()), &msg)))
+    }
+
+    #[test]
+    fn session_tokens_cannot_be_made_from_the_key_digest() {
+        const KEY: &str = "sk-admin-0123456789abcdef";
+        let now = 1_800_000_000;
+        let plain = AdminKey::parse(KEY, Path::new("a")).unwrap();
+        let hashed = AdminKey::parse(&format!("sha256:{}", hex(&digest(KEY.as_bytes()))), Path::new("a")).unwrap();
+        assert!(hashed.matches(KEY.as_bytes()));
+        for (form, a) in [("plain", &plain), ("sha256", &hashed)] {
+            assert!(!a.session_valid(&forged_from_digest(KEY, now + 60), now), "{form}");
+            assert!(a.session_valid(&a.session_token(now + 60), now), "{form}");
+        }
+        assert!(!plain.sessions_per_process());
+        assert!(hashed.sessions_per_process());
+        // The plain form's secret comes from the key alone, so another replica with the key accepts the token.
+        let replica = AdminKey::parse(&format!("# replica\n{KEY}\n"), Path::new("b")).unwrap();
+        assert!(replica.session_valid(&plain.session_token(now + 60), now));
+        // The digest form's is random: another process with the same file refuses it.
+        let other = AdminKey::parse(&format!("sha256:{}", hex(&digest(KEY.as_bytes()))), Path::new("b")).unwrap();
+        assert!(!other.session_valid(&hashed.session_token(now + 60), now));
     }
 
     #[test]

@@ -61,8 +61,9 @@ pub struct Dashboard {
 /// What the workers and the kvstore said at one moment.
 pub struct Fleet {
     fetched: Instant,
-    /// Per worker of the pool, in its order: its `Stats`, or `None` when it did not answer.
-    stats: Vec<Option<StatsResponse>>,
+    /// Per worker of the pool then, by address (the pool may have changed since): its `Stats`, or `None` when it
+    /// did not answer.
+    stats: BTreeMap<String, Option<StatsResponse>>,
     kvstore: KvstoreView,
 }
 
@@ -108,6 +109,7 @@ impl Dashboard {
         let workers = pool.workers();
         let (stats, kvstore) =
             futures::join!(futures::future::join_all(workers.iter().map(|w| w.stats())), self.kvstore.poll());
+        let stats = workers.iter().map(|w| w.addr.clone()).zip(stats).collect();
         let fleet = Arc::new(Fleet { fetched: Instant::now(), stats, kvstore });
         if let Ok(mut l) = self.latest.lock() {
             *l = Some(fleet.clone());
@@ -407,11 +409,13 @@ fn tier_rank(tier: &str) -> usize {
     ["device", "host", "disk", "peer"].iter().position(|t| *t == tier).unwrap_or(usize::MAX)
 }
 
-fn fleet_totals(stats: &[Option<StatsResponse>]) -> (Vec<TierView>, Vec<PrefixHitView>, Vec<EvictionView>) {
+fn fleet_totals<'a>(
+    stats: impl IntoIterator<Item = &'a StatsResponse>,
+) -> (Vec<TierView>, Vec<PrefixHitView>, Vec<EvictionView>) {
     let mut tiers: BTreeMap<(usize, String), TierView> = BTreeMap::new();
     let mut hits: BTreeMap<(usize, String), u64> = BTreeMap::new();
     let mut evictions: BTreeMap<String, EvictionView> = BTreeMap::new();
-    for s in stats.iter().flatten() {
+    for s in stats {
         // A worker repeats a tier's capacity on each of its codec rows.
         let mut capacity: BTreeMap<&str, u64> = BTreeMap::new();
         for t in &s.tiers {
@@ -446,6 +450,11 @@ fn fleet_totals(stats: &[Option<StatsResponse>]) -> (Vec<TierView>, Vec<PrefixHi
     )
 }
 
+/// The worker at `addr`'s `Stats` in `fleet`, if it was in the pool then and answered.
+fn fleet_stats<'a>(fleet: Option<&'a Fleet>, addr: &str) -> Option<&'a StatsResponse> {
+    fleet?.stats.get(addr)?.as_ref()
+}
+
 async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(refused) = dashboard_access(&st, &headers) {
         return *refused;
@@ -453,12 +462,11 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
     let fleet = st.dashboard().fleet(&st).await;
     let now = Instant::now();
     let pool = st.pool();
-    let stats: &[Option<StatsResponse>] = fleet.as_ref().map_or(&[], |f| &f.stats);
-    let workers = pool
-        .workers()
+    let pool_workers = pool.workers();
+    let stats_of = |w: &Arc<crate::workers::Worker>| fleet_stats(fleet.as_deref(), &w.addr);
+    let workers = pool_workers
         .iter()
-        .enumerate()
-        .map(|(i, w)| {
+        .map(|w| {
             let status = w.status();
             WorkerView {
                 address: w.addr.clone(),
@@ -470,7 +478,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
                 error: status.last_error,
                 queued_tokens: w.load().queued_tokens(),
                 decoding: w.load().decoding(),
-                stats: stats.get(i).and_then(Option::as_ref).map(|s| WorkerStats {
+                stats: stats_of(w).map(|s| WorkerStats {
                     blocks_total: s.blocks_total,
                     blocks_used: s.blocks_used,
                     blocks_cached: s.blocks_cached,
@@ -488,7 +496,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
             }
         })
         .collect();
-    let (tiers, prefix_hits, evictions) = fleet_totals(stats);
+    let (tiers, prefix_hits, evictions) = fleet_totals(pool_workers.iter().filter_map(stats_of));
     let decisions = pool.recent_decisions();
     let metrics = st.metrics();
     let body = StateView {
@@ -551,7 +559,7 @@ mod tests {
             evictions: vec![PolicyEvictions { policy: "snapkv".into(), evicted_slots: 6, freed_blocks: 2 }],
             ..Default::default()
         };
-        let (tiers, hits, ev) = fleet_totals(&[Some(a), None, Some(b)]);
+        let (tiers, hits, ev) = fleet_totals([&a, &b]);
         let names: Vec<&str> = tiers.iter().map(|t| t.tier.as_str()).collect();
         assert_eq!(names, ["device", "host", "disk"]);
         assert_eq!((tiers[0].used_bytes, tiers[0].capacity_bytes), (6, 100));

@@ -62,11 +62,13 @@ pub fn queue_full(queued_tokens: u64, max_queued_tokens: u64) -> bool {
 
 /// The request a prefill worker runs: the prompt, one greedy token (its logits are the last prompt position's
 /// and the answer is dropped), in the request's namespace and with its adapter (so the blocks hash as the decode
-/// worker's will, and hold the adapter's KV), and with its tier codec and priority.
+/// worker's will, and hold the adapter's KV), and with its tier codec, priority and tenant weight (so that fair
+/// scheduling on the prefill worker shares it out as the decode worker does).
 pub fn prefill_request(
     request_id: &str,
     prompt: &[u32],
     namespace: &str,
+    tenant_weight: u32,
     lora: Option<&str>,
     kv_codec: &str,
     priority: i32,
@@ -78,6 +80,7 @@ pub fn prefill_request(
         sampling: Some(SamplingParams { temperature: 0.0, top_p: 1.0, ..Default::default() }),
         ignore_eos: true,
         namespace: namespace.to_string(),
+        tenant_weight,
         lora: lora.unwrap_or_default().to_string(),
         kv_codec: kv_codec.to_string(),
         priority,
@@ -181,11 +184,11 @@ mod tests {
 
     #[test]
     fn the_prefill_request_is_one_greedy_token_in_the_request_namespace() {
-        let r = prefill_request("chatcmpl-1", &[5, 6, 7], "tenant-a", Some("sql"), "int8", -1);
+        let r = prefill_request("chatcmpl-1", &[5, 6, 7], "tenant-a", 3, Some("sql"), "int8", -1);
         assert_eq!(r.request_id, "chatcmpl-1-prefill");
         assert_eq!((r.prompt_token_ids.as_slice(), r.max_tokens, r.ignore_eos), ([5, 6, 7].as_slice(), 1, true));
         assert_eq!((r.namespace.as_str(), r.kv_codec.as_str(), r.priority), ("tenant-a", "int8", -1));
-        assert_eq!(r.lora, "sql");
+        assert_eq!((r.lora.as_str(), r.tenant_weight), ("sql", 3));
         let s = r.sampling.unwrap();
         assert_eq!((s.temperature, s.top_p), (0.0, 1.0));
         assert!(r.peer_hint.is_none() && !r.logprobs && !r.prompt_logprobs);

@@ -444,6 +444,7 @@ impl Generation {
             &self.job.request_id,
             prompt,
             &self.job.namespace,
+            self.job.tenant_weight,
             self.job.lora.as_deref(),
             &params.kv_codec,
             params.priority,

@@ -75,20 +75,53 @@ pub async fn load(
     }
     let (name, path, inplace) = (body.lora_name, body.lora_path, body.load_inplace);
     let shown = name.clone();
-    fan_out(&st, &shown, "lora_adapter.load", move |mut client| {
+    // A load names a path, so a worker's NotFound is about the path, not about the adapter the client named.
+    let not_found = |s: &tonic::Status| ApiError::invalid_param("lora_path", s.message().to_string());
+    fan_out(&st, &shown, "lora_adapter.load", not_found, move |client| {
         let (name, path) = (name.clone(), path.clone());
-        async move {
-            if inplace {
-                match client.unload_lora(UnloadLoraRequest { name: name.clone() }).await {
-                    Ok(_) => {}
-                    Err(s) if s.code() == Code::NotFound => {}
-                    Err(s) => return Err(s),
-                }
-            }
-            client.load_lora(LoadLoraRequest { name, path }).await.map(|_| ())
-        }
+        async move { if inplace { replace(client, name, path).await } else { load_on(client, name, path).await } }
     })
     .await
+}
+
+type Client = pagoda_proto::worker::worker_client::WorkerClient<tonic::transport::Channel>;
+
+async fn load_on(mut client: Client, name: String, path: String) -> Result<(), tonic::Status> {
+    client.load_lora(LoadLoraRequest { name, path }).await.map(|_| ())
+}
+
+/// `load_inplace` on one worker. A worker refuses to load a name it holds, so the old adapter has to go before the
+/// new one comes in; unloading it first and then failing the load (a wrong path, a bad file) would leave the
+/// worker without it. So the new adapter is first loaded under a throwaway name, which runs every check the real
+/// load runs, and the old one is unloaded only once that worked.
+async fn replace(mut client: Client, name: String, path: String) -> Result<(), tonic::Status> {
+    match client.load_lora(LoadLoraRequest { name: name.clone(), path: path.clone() }).await {
+        Ok(_) => return Ok(()),
+        Err(s) if s.code() == Code::AlreadyExists => {}
+        Err(s) => return Err(s),
+    }
+    let trial = format!("pagoda-replace-check-{:016x}", rand::random::<u64>());
+    match client.load_lora(LoadLoraRequest { name: trial.clone(), path: path.clone() }).await {
+        Ok(_) => {
+            if let Err(s) = client.unload_lora(UnloadLoraRequest { name: trial.clone() }).await {
+                tracing::warn!(adapter = %trial, error = s.message(), "cannot unload the trial copy of a LoRA adapter");
+            }
+        }
+        Err(s) if s.code() == Code::ResourceExhausted => {
+            return Err(tonic::Status::resource_exhausted(format!(
+                "cannot replace LoRA adapter {name:?}: the new adapter is checked in a free adapter slot before the \
+                 old one is unloaded, and this worker has none ({}); unload another adapter first",
+                s.message()
+            )));
+        }
+        Err(s) => return Err(s),
+    }
+    match client.unload_lora(UnloadLoraRequest { name: name.clone() }).await {
+        Ok(_) => {}
+        Err(s) if s.code() == Code::NotFound => {}
+        Err(s) => return Err(s),
+    }
+    load_on(client, name, path).await
 }
 
 /// `POST /v1/unload_lora_adapter`.
@@ -99,7 +132,8 @@ pub async fn unload(
     check_name(&body.lora_name)?;
     let _ = body.lora_int_id;
     let (name, shown) = (body.lora_name.clone(), body.lora_name);
-    fan_out(&st, &shown, "lora_adapter.unload", move |mut client| {
+    let not_found = |_: &tonic::Status| ApiError::model_not_found(&shown);
+    fan_out(&st, &shown, "lora_adapter.unload", not_found, move |mut client| {
         let name = name.clone();
         async move { client.unload_lora(UnloadLoraRequest { name }).await.map(|_| ()) }
     })
@@ -107,10 +141,17 @@ pub async fn unload(
 }
 
 /// Runs `call` on every ready worker at once, then probes them again. Succeeds when at least one worker did;
-/// otherwise the first worker's refusal is the answer (503 when no worker is ready).
-async fn fan_out<F, Fut>(st: &AppState, name: &str, object: &'static str, call: F) -> Result<Json<LoraUpdate>, ApiError>
+/// otherwise the first worker's refusal is the answer (503 when no worker is ready), a NotFound as `not_found`
+/// says.
+async fn fan_out<F, Fut>(
+    st: &AppState,
+    name: &str,
+    object: &'static str,
+    not_found: impl Fn(&tonic::Status) -> ApiError,
+    call: F,
+) -> Result<Json<LoraUpdate>, ApiError>
 where
-    F: Fn(pagoda_proto::worker::worker_client::WorkerClient<tonic::transport::Channel>) -> Fut,
+    F: Fn(Client) -> Fut,
     Fut: std::future::Future<Output = Result<(), tonic::Status>>,
 {
     let workers: Vec<_> = st.pool().workers().into_iter().filter(|w| w.status().ready).collect();
@@ -145,7 +186,7 @@ where
     }
     let first = results.into_iter().find_map(Result::err).unwrap_or_else(|| tonic::Status::unknown("no worker"));
     Err(match first.code() {
-        Code::NotFound => ApiError::model_not_found(name),
+        Code::NotFound => not_found(&first),
         Code::InvalidArgument | Code::AlreadyExists | Code::FailedPrecondition | Code::ResourceExhausted => {
             ApiError::invalid(first.message().to_string())
         }

@@ -6,14 +6,15 @@
 //! the old address of an id that moved); a `Left` (the worker's lease expired or was revoked) removes it, and with
 //! it everything the residency index held for it, so it leaves placement at once. A worker that registers again
 //! rejoins, probed at once, and the directory feed re-reads its blocks. Workers given with `--worker` are pinned:
-//! the registry never removes them.
+//! the registry never removes them. Addresses are compared as the pool compares them (with or without
+//! `http://`), and an address stays while any registered id still names it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use pagoda_registry::{MembershipEvent, RegistryConfig, Role};
 
-use crate::workers::{RegistryStatus, WorkerPool};
+use crate::workers::{RegistryStatus, WorkerPool, strip_scheme};
 
 struct Membership {
     pool: Arc<WorkerPool>,
@@ -82,7 +83,10 @@ impl Membership {
 
     fn leave(&mut self, id: &str) {
         let Some(address) = self.registered.remove(id) else { return };
-        if self.pinned.contains(&address) {
+        // The pool holds one worker per address however it is spelt, so a pinned or still-registered spelling of
+        // this address is the same worker, and it stays.
+        let same = |a: &String| strip_scheme(a) == strip_scheme(&address);
+        if self.pinned.iter().any(same) || self.registered.values().any(same) {
             return;
         }
         if self.pool.remove(&address) {
@@ -94,5 +98,51 @@ impl Membership {
     fn publish(&mut self) {
         self.status.workers = self.registered.iter().map(|(id, a)| (id.clone(), a.clone())).collect();
         self.pool.set_registry_status(self.status.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placer::PlacerConfig;
+    use pagoda_registry::Member;
+
+    fn membership(pinned: &[&str]) -> Membership {
+        let pinned: Vec<String> = pinned.iter().map(|a| a.to_string()).collect();
+        Membership {
+            pool: Arc::new(WorkerPool::dynamic(&pinned, PlacerConfig::default()).unwrap()),
+            pinned: pinned.into_iter().collect(),
+            registered: BTreeMap::new(),
+            status: RegistryStatus::default(),
+        }
+    }
+
+    fn member(id: &str, address: &str) -> MembershipEvent {
+        MembershipEvent::Joined(Member { id: id.into(), address: address.into(), epoch: 1, node_id: None })
+    }
+
+    fn addresses(m: &Membership) -> Vec<String> {
+        m.pool.workers().iter().map(|w| w.addr.clone()).collect()
+    }
+
+    // Port 1 on loopback refuses at once, so the join's probe does not wait.
+    #[tokio::test]
+    async fn a_pinned_worker_stays_when_it_registered_under_another_spelling() {
+        let mut m = membership(&["127.0.0.1:1"]);
+        m.apply(member("w1", "http://127.0.0.1:1")).await;
+        assert_eq!(addresses(&m), ["127.0.0.1:1"], "one worker, however it is spelt");
+        m.apply(MembershipEvent::Left("w1".into())).await;
+        assert_eq!(addresses(&m), ["127.0.0.1:1"], "pinned with --worker");
+    }
+
+    #[tokio::test]
+    async fn an_address_stays_while_another_registered_id_names_it() {
+        let mut m = membership(&[]);
+        m.apply(member("old", "127.0.0.1:1")).await;
+        m.apply(member("new", "http://127.0.0.1:1")).await;
+        m.apply(MembershipEvent::Left("old".into())).await;
+        assert_eq!(addresses(&m), ["127.0.0.1:1"], "`new` still registers it");
+        m.apply(MembershipEvent::Left("new".into())).await;
+        assert!(addresses(&m).is_empty());
     }
 }

@@ -3,7 +3,7 @@
 //! occupancy scraped from each worker's `Stats` at scrape time. The `/v1` requests and latencies also feed the
 //! dashboard's [`Timeline`] of recent windows.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -14,6 +14,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
+
+use pagoda_proto::worker::StatsResponse;
 
 use crate::timeline::Timeline;
 use crate::workers::WorkerPool;
@@ -116,6 +118,20 @@ pub struct VariantLabels {
 }
 
 type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// The label sets a worker's gauges were given beyond its address (tiers, policies, variants: whatever its `Stats`
+/// named), so that all of them can be removed when it leaves: a family cannot be searched by one label.
+#[derive(Default)]
+struct WorkerSeries {
+    tiers: HashSet<TierLabels>,
+    prefix_hits: HashSet<TierHitLabels>,
+    evictions: HashSet<PolicyLabels>,
+    evicpress_placed: HashSet<TierHitLabels>,
+    evicpress_variants: HashSet<VariantLabels>,
+}
+
+const PEER_DIRECTIONS: [&str; 2] = ["fetched", "served"];
+const EVICPRESS_CHANGES: [&str; 4] = ["compress", "move_down", "drop", "upgrade"];
 
 /// All router metrics and their registry.
 pub struct Metrics {
@@ -221,8 +237,11 @@ pub struct Metrics {
     /// Workers that joined and left placement through the registry.
     pub registry_joined: Gauge,
     pub registry_left: Gauge,
-    /// The worker addresses scraped last time, so that a worker that left the pool loses its gauges.
-    scraped: std::sync::Mutex<Vec<String>>,
+    /// The workers scraped so far that are still in the pool, with their gauges' label sets, so that a worker
+    /// that left the pool loses every gauge.
+    scraped: Mutex<BTreeMap<String, WorkerSeries>>,
+    /// The registered workers the directory feed reported last time, so that one that left loses its gauges.
+    reported: Mutex<Vec<String>>,
 }
 
 impl Default for Metrics {
@@ -618,7 +637,8 @@ impl Metrics {
             registry_workers,
             registry_joined,
             registry_left,
-            scraped: std::sync::Mutex::new(Vec::new()),
+            scraped: Mutex::new(BTreeMap::new()),
+            reported: Mutex::new(Vec::new()),
             registry,
             placements,
             placement_decision,
@@ -778,89 +798,141 @@ impl Metrics {
     pub async fn scrape_workers(&self, pool: &WorkerPool) {
         let workers = pool.workers();
         let stats = futures::future::join_all(workers.iter().map(|w| w.stats())).await;
-        let now: Vec<String> = workers.iter().map(|w| w.addr.clone()).collect();
-        let before = self.scraped.lock().map(|mut s| std::mem::replace(&mut *s, now.clone())).unwrap_or_default();
-        for gone in before.iter().filter(|a| !now.contains(a)) {
-            let l = WorkerLabels { worker: gone.clone() };
-            for family in [
-                &self.worker_ready,
-                &self.worker_used_blocks,
-                &self.worker_capacity_blocks,
-                &self.worker_running,
-                &self.worker_waiting,
-                &self.worker_preemptions,
-                &self.worker_steps,
-                &self.worker_step_sequences,
-                &self.worker_spec_draft_tokens,
-                &self.worker_spec_accepted_tokens,
-                &self.worker_spec_drafts,
-                &self.worker_lora_loads,
-                &self.worker_lora_on_demand_loads,
-                &self.worker_lora_evictions,
-                &self.worker_evicpress_contexts,
-                &self.worker_evicpress_profiles,
-                &self.worker_evicpress_reprofiles,
-                &self.worker_evicpress_profiles_on_own_queries,
-            ] {
-                family.remove(&l);
+        let scraped: Vec<(&str, bool, Option<&StatsResponse>)> =
+            workers.iter().zip(&stats).map(|(w, s)| (w.addr.as_str(), w.status().ready, s.as_ref())).collect();
+        self.record_workers(&scraped);
+    }
+
+    /// Sets the worker gauges from one scrape: each worker's address, readiness and `Stats` (`None`: it did not
+    /// answer). Workers scraped before and absent now lose every gauge.
+    fn record_workers(&self, scraped: &[(&str, bool, Option<&StatsResponse>)]) {
+        let mut known = self.scraped.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let gone: Vec<String> =
+            known.keys().filter(|a| !scraped.iter().any(|(s, ..)| *s == a.as_str())).cloned().collect();
+        for addr in gone {
+            if let Some(series) = known.remove(&addr) {
+                self.forget_worker(&addr, &series);
             }
-            self.worker_evicpress_profile_seconds.remove(&l);
-            self.worker_lora_load_seconds.remove(&l);
         }
-        for (w, s) in workers.iter().zip(stats) {
-            let l = WorkerLabels { worker: w.addr.clone() };
-            self.worker_ready.get_or_create(&l).set(i64::from(w.status().ready));
-            if let Some(s) = s {
-                self.worker_used_blocks.get_or_create(&l).set(s.blocks_used as i64);
-                self.worker_capacity_blocks.get_or_create(&l).set(s.blocks_total as i64);
-                self.worker_running.get_or_create(&l).set(s.running as i64);
-                self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
-                self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
-                self.worker_steps.get_or_create(&l).set(s.steps_total as i64);
-                self.worker_step_sequences.get_or_create(&l).set(s.step_sequences_total as i64);
-                self.worker_spec_draft_tokens.get_or_create(&l).set(s.spec_draft_tokens_total as i64);
-                self.worker_spec_accepted_tokens.get_or_create(&l).set(s.spec_accepted_tokens_total as i64);
-                self.worker_spec_drafts.get_or_create(&l).set(s.spec_drafts_total as i64);
-                self.worker_lora_loads.get_or_create(&l).set(s.lora_loads_total as i64);
-                self.worker_lora_on_demand_loads.get_or_create(&l).set(s.lora_on_demand_loads_total as i64);
-                self.worker_lora_evictions.get_or_create(&l).set(s.lora_evictions_total as i64);
-                self.worker_lora_load_seconds.get_or_create(&l).set(s.lora_load_seconds_total);
-                for t in &s.tiers {
-                    let tl = TierLabels { worker: w.addr.clone(), tier: t.tier.clone(), codec: t.codec.clone() };
-                    self.worker_tier_used_bytes.get_or_create(&tl).set(t.used_bytes as i64);
-                    self.worker_tier_capacity_bytes.get_or_create(&tl).set(t.capacity_bytes as i64);
-                }
-                for h in &s.prefix_hits {
-                    let hl = TierHitLabels { worker: w.addr.clone(), tier: h.tier.clone() };
-                    self.worker_prefix_hit_tokens.get_or_create(&hl).set(h.tokens as i64);
-                }
-                for (direction, blocks, bytes) in [
-                    ("fetched", s.peer_fetched_blocks_total, s.peer_fetched_bytes_total),
-                    ("served", s.peer_served_blocks_total, s.peer_served_bytes_total),
-                ] {
-                    let pl = PeerLabels { worker: w.addr.clone(), direction };
-                    self.worker_peer_blocks.get_or_create(&pl).set(blocks as i64);
-                    self.worker_peer_bytes.get_or_create(&pl).set(bytes as i64);
-                }
-                self.worker_peer_fetch_failures.get_or_create(&l).set(s.peer_fetch_failures_total as i64);
-                self.worker_peer_fetches.get_or_create(&l).set(s.peer_fetches_total as i64);
-                self.worker_peer_linked_fetches.get_or_create(&l).set(s.peer_linked_fetches_total as i64);
-                self.worker_peer_link_refusals.get_or_create(&l).set(s.peer_link_refusals_total as i64);
-                self.worker_peer_fetch_seconds.get_or_create(&l).set(s.peer_fetch_seconds_total);
-                for e in &s.evictions {
-                    let pl = PolicyLabels { worker: w.addr.clone(), policy: e.policy.clone() };
-                    self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
-                    self.worker_evicted_blocks.get_or_create(&pl).set(e.freed_blocks as i64);
-                }
-                if let Some(e) = &s.evicpress {
-                    self.record_evicpress(&w.addr, e);
-                }
+        for &(addr, ready, stats) in scraped {
+            let series = known.entry(addr.to_string()).or_default();
+            let l = WorkerLabels { worker: addr.to_string() };
+            self.worker_ready.get_or_create(&l).set(i64::from(ready));
+            let Some(s) = stats else { continue };
+            self.worker_used_blocks.get_or_create(&l).set(s.blocks_used as i64);
+            self.worker_capacity_blocks.get_or_create(&l).set(s.blocks_total as i64);
+            self.worker_running.get_or_create(&l).set(s.running as i64);
+            self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
+            self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
+            self.worker_steps.get_or_create(&l).set(s.steps_total as i64);
+            self.worker_step_sequences.get_or_create(&l).set(s.step_sequences_total as i64);
+            self.worker_spec_draft_tokens.get_or_create(&l).set(s.spec_draft_tokens_total as i64);
+            self.worker_spec_accepted_tokens.get_or_create(&l).set(s.spec_accepted_tokens_total as i64);
+            self.worker_spec_drafts.get_or_create(&l).set(s.spec_drafts_total as i64);
+            self.worker_lora_loads.get_or_create(&l).set(s.lora_loads_total as i64);
+            self.worker_lora_on_demand_loads.get_or_create(&l).set(s.lora_on_demand_loads_total as i64);
+            self.worker_lora_evictions.get_or_create(&l).set(s.lora_evictions_total as i64);
+            self.worker_lora_load_seconds.get_or_create(&l).set(s.lora_load_seconds_total);
+            for t in &s.tiers {
+                let tl = TierLabels { worker: addr.to_string(), tier: t.tier.clone(), codec: t.codec.clone() };
+                self.worker_tier_used_bytes.get_or_create(&tl).set(t.used_bytes as i64);
+                self.worker_tier_capacity_bytes.get_or_create(&tl).set(t.capacity_bytes as i64);
+                series.tiers.insert(tl);
+            }
+            for h in &s.prefix_hits {
+                let hl = TierHitLabels { worker: addr.to_string(), tier: h.tier.clone() };
+                self.worker_prefix_hit_tokens.get_or_create(&hl).set(h.tokens as i64);
+                series.prefix_hits.insert(hl);
+            }
+            for (direction, blocks, bytes) in [
+                (PEER_DIRECTIONS[0], s.peer_fetched_blocks_total, s.peer_fetched_bytes_total),
+                (PEER_DIRECTIONS[1], s.peer_served_blocks_total, s.peer_served_bytes_total),
+            ] {
+                let pl = PeerLabels { worker: addr.to_string(), direction };
+                self.worker_peer_blocks.get_or_create(&pl).set(blocks as i64);
+                self.worker_peer_bytes.get_or_create(&pl).set(bytes as i64);
+            }
+            self.worker_peer_fetch_failures.get_or_create(&l).set(s.peer_fetch_failures_total as i64);
+            self.worker_peer_fetches.get_or_create(&l).set(s.peer_fetches_total as i64);
+            self.worker_peer_linked_fetches.get_or_create(&l).set(s.peer_linked_fetches_total as i64);
+            self.worker_peer_link_refusals.get_or_create(&l).set(s.peer_link_refusals_total as i64);
+            self.worker_peer_fetch_seconds.get_or_create(&l).set(s.peer_fetch_seconds_total);
+            for e in &s.evictions {
+                let pl = PolicyLabels { worker: addr.to_string(), policy: e.policy.clone() };
+                self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
+                self.worker_evicted_blocks.get_or_create(&pl).set(e.freed_blocks as i64);
+                series.evictions.insert(pl);
+            }
+            if let Some(e) = &s.evicpress {
+                self.record_evicpress(addr, e, series);
             }
         }
     }
 
+    /// Removes every gauge of the worker at `addr`, which left the pool.
+    fn forget_worker(&self, addr: &str, series: &WorkerSeries) {
+        let l = WorkerLabels { worker: addr.to_string() };
+        for family in [
+            &self.worker_ready,
+            &self.worker_used_blocks,
+            &self.worker_capacity_blocks,
+            &self.worker_running,
+            &self.worker_waiting,
+            &self.worker_preemptions,
+            &self.worker_steps,
+            &self.worker_step_sequences,
+            &self.worker_spec_draft_tokens,
+            &self.worker_spec_accepted_tokens,
+            &self.worker_spec_drafts,
+            &self.worker_lora_loads,
+            &self.worker_lora_on_demand_loads,
+            &self.worker_lora_evictions,
+            &self.worker_peer_fetch_failures,
+            &self.worker_peer_fetches,
+            &self.worker_peer_linked_fetches,
+            &self.worker_peer_link_refusals,
+            &self.worker_evicpress_contexts,
+            &self.worker_evicpress_profiles,
+            &self.worker_evicpress_reprofiles,
+            &self.worker_evicpress_profiles_on_own_queries,
+        ] {
+            family.remove(&l);
+        }
+        for family in
+            [&self.worker_lora_load_seconds, &self.worker_peer_fetch_seconds, &self.worker_evicpress_profile_seconds]
+        {
+            family.remove(&l);
+        }
+        for direction in PEER_DIRECTIONS {
+            let pl = PeerLabels { worker: addr.to_string(), direction };
+            self.worker_peer_blocks.remove(&pl);
+            self.worker_peer_bytes.remove(&pl);
+        }
+        for change in EVICPRESS_CHANGES {
+            self.worker_evicpress_changes.remove(&EvicPressChangeLabels { worker: addr.to_string(), change });
+        }
+        for tl in &series.tiers {
+            self.worker_tier_used_bytes.remove(tl);
+            self.worker_tier_capacity_bytes.remove(tl);
+        }
+        for hl in &series.prefix_hits {
+            self.worker_prefix_hit_tokens.remove(hl);
+        }
+        for pl in &series.evictions {
+            self.worker_evicted_tokens.remove(pl);
+            self.worker_evicted_blocks.remove(pl);
+        }
+        for tl in &series.evicpress_placed {
+            self.worker_evicpress_placed_contexts.remove(tl);
+        }
+        for vl in &series.evicpress_variants {
+            self.worker_evicpress_variant_quality.remove(vl);
+            self.worker_evicpress_variant_embedding_similarity.remove(vl);
+        }
+    }
+
     /// Mirrors one worker's EvicPress planner state into the `worker_evicpress_*` gauges.
-    fn record_evicpress(&self, worker: &str, e: &pagoda_proto::worker::EvicPressStats) {
+    fn record_evicpress(&self, worker: &str, e: &pagoda_proto::worker::EvicPressStats, series: &mut WorkerSeries) {
         let l = WorkerLabels { worker: worker.to_owned() };
         self.worker_evicpress_contexts.get_or_create(&l).set(e.contexts as i64);
         self.worker_evicpress_profiles.get_or_create(&l).set(e.profiles_total as i64);
@@ -870,13 +942,14 @@ impl Metrics {
         for p in &e.placed {
             let tl = TierHitLabels { worker: worker.to_owned(), tier: p.tier.clone() };
             self.worker_evicpress_placed_contexts.get_or_create(&tl).set(p.contexts as i64);
+            series.evicpress_placed.insert(tl);
         }
-        for (change, n) in [
-            ("compress", e.compressed_total),
-            ("move_down", e.moved_down_total),
-            ("drop", e.dropped_total),
-            ("upgrade", e.upgrades_total),
-        ] {
+        for (change, n) in EVICPRESS_CHANGES.into_iter().zip([
+            e.compressed_total,
+            e.moved_down_total,
+            e.dropped_total,
+            e.upgrades_total,
+        ]) {
             let cl = EvicPressChangeLabels { worker: worker.to_owned(), change };
             self.worker_evicpress_changes.get_or_create(&cl).set(n as i64);
         }
@@ -886,6 +959,7 @@ impl Metrics {
             if let Some(s) = v.mean_embedding_similarity {
                 self.worker_evicpress_variant_embedding_similarity.get_or_create(&vl).set(s);
             }
+            series.evicpress_variants.insert(vl);
         }
     }
 
@@ -907,6 +981,17 @@ impl Metrics {
         self.kvstore_watch_connected.set(i64::from(feed.connected));
         self.kvstore_applied_index.set(i64::try_from(feed.applied_index).unwrap_or(i64::MAX));
         self.residency_index_blocks.set(i64::try_from(feed.index_blocks).unwrap_or(i64::MAX));
+        let now: Vec<String> = feed.workers.iter().map(|w| w.worker.clone()).collect();
+        let before = std::mem::replace(
+            &mut *self.reported.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            now.clone(),
+        );
+        // A worker that left would otherwise keep its last values, a stale alarm of 1 among them, for good.
+        for gone in before.iter().filter(|w| !now.contains(w)) {
+            let l = WorkerLabels { worker: gone.clone() };
+            self.worker_reports_stale.remove(&l);
+            self.worker_report_age.remove(&l);
+        }
         for w in &feed.workers {
             let l = WorkerLabels { worker: w.worker.clone() };
             self.worker_reports_stale.get_or_create(&l).set(i64::from(w.stale));
@@ -971,6 +1056,7 @@ mod tests {
                 }],
                 ..Default::default()
             },
+            &mut WorkerSeries::default(),
         );
         let text = m.encode();
         for name in [
@@ -1005,5 +1091,73 @@ mod tests {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    /// A `Stats` that names every kind of per-worker series: tiers, prefix hits, evictions, peers, EvicPress.
+    fn full_stats() -> StatsResponse {
+        use pagoda_proto::worker::{
+            EvicPressStats, PolicyEvictions, TierContexts, TierHits, TierUsage, VariantQuality,
+        };
+        StatsResponse {
+            blocks_total: 10,
+            tiers: vec![TierUsage { tier: "host".into(), codec: "int8".into(), used_bytes: 1, capacity_bytes: 2 }],
+            prefix_hits: vec![TierHits { tier: "disk".into(), tokens: 3 }],
+            evictions: vec![PolicyEvictions { policy: "snapkv".into(), evicted_slots: 4, freed_blocks: 5 }],
+            peer_fetches_total: 6,
+            evicpress: Some(EvicPressStats {
+                contexts: 1,
+                placed: vec![TierContexts { tier: "disk".into(), contexts: 1 }],
+                variants: vec![VariantQuality {
+                    variant: "int4".into(),
+                    mean_quality: 0.5,
+                    mean_embedding_similarity: Some(0.5),
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_worker_that_leaves_loses_every_gauge() {
+        let m = Metrics::new();
+        let stats = full_stats();
+        m.record_workers(&[("gone:1", true, Some(&stats)), ("kept:1", true, Some(&stats))]);
+        let text = m.encode();
+        let series = |worker: &str| text.lines().filter(|l| l.contains(&format!("worker=\"{worker}\""))).count();
+        assert!(series("gone:1") >= 30, "{text}");
+        m.record_workers(&[("kept:1", false, None)]);
+        let text = m.encode();
+        let left: Vec<&str> = text.lines().filter(|l| l.contains("worker=\"gone:1\"")).collect();
+        assert!(left.is_empty(), "{left:#?}");
+        assert!(
+            text.contains("pagoda_router_worker_tier_used_bytes{worker=\"kept:1\",tier=\"host\",codec=\"int8\"} 1")
+        );
+        assert!(text.contains("pagoda_router_worker_ready{worker=\"kept:1\"} 0"));
+    }
+
+    #[test]
+    fn a_registered_worker_that_leaves_loses_its_stale_alarm() {
+        use crate::feed::{FeedStatus, ReportedWorker};
+        let reported = |worker: &str| ReportedWorker {
+            worker: worker.into(),
+            address: format!("{worker}:1"),
+            epoch: 1,
+            applied_seq: 0,
+            report_age_s: 9.0,
+            stale: true,
+            router_worker: None,
+            running: None,
+            waiting: None,
+            free_blocks: None,
+        };
+        let m = Metrics::new();
+        let feed = |workers| FeedStatus { enabled: true, workers, ..FeedStatus::default() };
+        m.scrape_directory(&feed(vec![reported("w1"), reported("w2")]));
+        assert!(m.encode().contains("pagoda_router_worker_reports_stale{worker=\"w1\"} 1"));
+        m.scrape_directory(&feed(vec![reported("w2")]));
+        let text = m.encode();
+        assert!(!text.contains("worker=\"w1\""), "{text}");
+        assert!(text.contains("pagoda_router_worker_reports_stale{worker=\"w2\"} 1"));
     }
 }

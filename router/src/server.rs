@@ -383,7 +383,15 @@ fn log_security(sec: &Security) {
         Some(k) => tracing::info!(keys = k.entries().len(), tenants = k.tenant_count(), "API keys on"),
     }
     match (&sec.admin, &sec.keys) {
-        (Some(_), _) => tracing::info!("admin endpoints (/debug/*, /dashboard) need the admin key"),
+        (Some(admin), _) => {
+            tracing::info!("admin endpoints (/debug/*, /dashboard) need the admin key");
+            if admin.sessions_per_process() {
+                tracing::warn!(
+                    "the admin key file holds only the key's sha256 digest: dashboard sessions open this router \
+                     process only (another replica, or this one after a restart, asks for the key again)"
+                );
+            }
+        }
         (None, None) => {
             tracing::warn!("admin endpoints (/debug/*, /dashboard) are open: no --admin-key-file and no API keys")
         }

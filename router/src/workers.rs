@@ -467,7 +467,7 @@ pub struct WorkerPool {
     id_generation: AtomicU64,
 }
 
-fn strip_scheme(a: &str) -> &str {
+pub(crate) fn strip_scheme(a: &str) -> &str {
     a.strip_prefix("http://").or_else(|| a.strip_prefix("https://")).unwrap_or(a)
 }
 

@@ -86,7 +86,21 @@ struct Fake {
     requests_seen: Arc<std::sync::Mutex<Vec<GenerateRequest>>>,
     /// Every stream that scores its prompt breaks after this many messages of scores.
     scores_die_after: Option<usize>,
+    /// The role its health announces (`prefill`, `decode`; empty: both).
+    role: &'static str,
+    /// `Stats.blocks_total` (default 100).
+    blocks_total: Option<u64>,
+    /// `Stats` also names tiers, prefix hits, evictions and EvicPress state, as a tiered worker's does.
+    rich_stats: bool,
+    /// Takes run-time LoRA loads, as a worker with `--lora-dir` and `--max-loras 3` does: a `lora_path` starting
+    /// with `missing` is refused as a path that does not open, one starting with `vanished` with NotFound.
+    lora_dir: bool,
+    /// Loaded adapters: name → path.
+    loras: Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
 }
+
+/// Most adapters the fake holds at once.
+const FAKE_MAX_LORAS: usize = 3;
 
 /// The fake's log-probabilities for the reply's token at `position` (when `top_n` asks for them), as a greedy
 /// model's: the token at `-position / 100` is the most likely, then `'0'`, `'1'`, ... each 1 less likely.
@@ -230,16 +244,40 @@ impl Worker for Fake {
 
     async fn load_lora(
         &self,
-        _: Request<pagoda_proto::worker::LoadLoraRequest>,
+        req: Request<pagoda_proto::worker::LoadLoraRequest>,
     ) -> Result<Response<pagoda_proto::worker::LoadLoraResponse>, Status> {
-        Err(Status::failed_precondition("run-time LoRA loading is off on this worker: start it with --lora-dir"))
+        if !self.lora_dir {
+            return Err(Status::failed_precondition(
+                "run-time LoRA loading is off on this worker: start it with --lora-dir",
+            ));
+        }
+        let pagoda_proto::worker::LoadLoraRequest { name, path } = req.into_inner();
+        let mut loras = self.loras.lock().unwrap();
+        if loras.contains_key(&name) {
+            return Err(Status::already_exists(format!("LoRA adapter {name:?} is already loaded")));
+        }
+        if loras.len() >= FAKE_MAX_LORAS {
+            return Err(Status::resource_exhausted(format!("{FAKE_MAX_LORAS} LoRA adapters are loaded already")));
+        }
+        if path.starts_with("missing") {
+            return Err(Status::invalid_argument(format!("lora_path {path:?}: cannot open it")));
+        }
+        if path.starts_with("vanished") {
+            return Err(Status::not_found(format!("no adapter directory {path:?}")));
+        }
+        loras.insert(name.clone(), path.clone());
+        let adapter = pagoda_proto::worker::LoraAdapterInfo { name, cache_id: path, rank: 8, on_demand: false };
+        Ok(Response::new(pagoda_proto::worker::LoadLoraResponse { adapter: Some(adapter) }))
     }
 
     async fn unload_lora(
         &self,
-        _: Request<pagoda_proto::worker::UnloadLoraRequest>,
+        req: Request<pagoda_proto::worker::UnloadLoraRequest>,
     ) -> Result<Response<pagoda_proto::worker::UnloadLoraResponse>, Status> {
-        Err(Status::not_found("not loaded"))
+        match self.loras.lock().unwrap().remove(&req.into_inner().name) {
+            Some(_) => Ok(Response::new(pagoda_proto::worker::UnloadLoraResponse {})),
+            None => Err(Status::not_found("not loaded")),
+        }
     }
 
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
@@ -250,21 +288,42 @@ impl Worker for Fake {
             block_size: 16,
             kv_group_size: 2,
             worker_id: String::new(),
-            role: String::new(),
+            role: self.role.into(),
             ..HealthResponse::default()
         }))
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
         self.stats_calls.fetch_add(1, Ordering::SeqCst);
+        use pagoda_proto::worker::{
+            EvicPressStats, PolicyEvictions, TierContexts, TierHits, TierUsage, VariantQuality,
+        };
         let open = self.open.load(Ordering::SeqCst) as u64;
-        Ok(Response::new(StatsResponse {
-            blocks_total: 100,
+        let blocks_total = self.blocks_total.unwrap_or(100);
+        let mut stats = StatsResponse {
+            blocks_total,
             blocks_used: open * 3,
-            blocks_free: 100 - open * 3,
+            blocks_free: blocks_total - open * 3,
             running: open,
             ..Default::default()
-        }))
+        };
+        if self.rich_stats {
+            stats.tiers =
+                vec![TierUsage { tier: "host".into(), codec: "int8".into(), used_bytes: 1, capacity_bytes: 2 }];
+            stats.prefix_hits = vec![TierHits { tier: "host".into(), tokens: 3 }];
+            stats.evictions = vec![PolicyEvictions { policy: "snapkv".into(), evicted_slots: 4, freed_blocks: 5 }];
+            stats.evicpress = Some(EvicPressStats {
+                contexts: 1,
+                placed: vec![TierContexts { tier: "host".into(), contexts: 1 }],
+                variants: vec![VariantQuality {
+                    variant: "int4".into(),
+                    mean_quality: 0.5,
+                    mean_embedding_similarity: Some(0.5),
+                }],
+                ..Default::default()
+            });
+        }
+        Ok(Response::new(stats))
     }
 
     /// The fake computes no KV, so it holds none.
@@ -2417,4 +2476,229 @@ async fn dashboard_login_rejects_bad_forms_with_json_errors() {
         .unwrap();
     let s = r.status().as_u16();
     assert_error(s, &r.text().await.unwrap(), 422);
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// HMAC-SHA256 (RFC 2104) with a key of at most one block.
+fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut block = [0u8; 64];
+    block[..key.len()].copy_from_slice(key);
+    let pad = |byte: u8| block.map(|k| k ^ byte);
+    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(msg).finalize();
+    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().to_vec()
+}
+
+/// A dashboard session cookie is no HMAC under the admin key's SHA-256, which a `sha256:` admin key file shows:
+/// one forged from that digest is refused, whichever form the file takes, and a real login's cookie works.
+#[tokio::test]
+async fn dashboard_sessions_cannot_be_forged_from_the_admin_key_digest() {
+    use sha2::{Digest, Sha256};
+    let waddr = spawn_worker(Fake::default()).await;
+    let no_redirects = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let digest = Sha256::digest(ADMIN.as_bytes());
+    let expires = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 3600;
+    let mac = hmac_sha256(&digest, format!("pagoda-dashboard-session:{expires}").as_bytes());
+    let forged = format!("pagoda_dashboard={expires}.{}", hex(&mac));
+    for file in [ADMIN.to_string(), format!("sha256:{}", hex(&digest))] {
+        let admin = AdminKey::parse(&file, std::path::Path::new("admin")).unwrap();
+        let security = Security { keys: None, admin: Some(admin) };
+        let http =
+            spawn_router_with(vec![waddr.to_string()], pagoda_router::DEFAULT_BODY_LIMIT, security, Strategy::Kv).await;
+        wait_ready(&no_redirects, &http).await;
+        let state =
+            |cookie: String| no_redirects.get(format!("{http}/dashboard/api/state")).header("cookie", cookie).send();
+        assert_eq!(state(forged.clone()).await.unwrap().status(), 401, "{file}");
+        let r = no_redirects.post(format!("{http}/dashboard/login")).form(&[("key", ADMIN)]).send().await.unwrap();
+        assert_eq!(r.status(), 303, "{file}");
+        let cookie = r.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_string();
+        assert_ne!(cookie, forged);
+        assert_eq!(state(cookie).await.unwrap().status(), 200, "{file}");
+    }
+}
+
+/// `load_inplace` with a path that does not load leaves the adapter it was to replace loaded; one that loads
+/// replaces it; with no free slot to check the new one in, the old one stays. A load's NotFound is about its
+/// `lora_path`, not a missing model.
+#[tokio::test]
+async fn lora_load_inplace_keeps_the_old_adapter_when_the_new_one_fails() {
+    let fake = Fake { lora_dir: true, ..Fake::default() };
+    let loras = fake.loras.clone();
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let load = |name: &str, path: &str, inplace: bool| {
+        c.post(
+            "/v1/load_lora_adapter",
+            json!({"lora_name": name, "lora_path": path, "load_inplace": inplace}).to_string(),
+        )
+    };
+    let loaded = || loras.lock().unwrap().clone().into_iter().collect::<Vec<_>>();
+    let pair = |n: &str, p: &str| (n.to_string(), p.to_string());
+
+    let (s, body) = load("sql", "sql-v1", false).await;
+    assert_eq!(s, 200, "{body}");
+    let (s, body) = load("sql", "missing/sql-v2", true).await;
+    assert_error(s, &body, 400);
+    assert_eq!(loaded(), [pair("sql", "sql-v1")], "a failed replacement keeps the adapter");
+    let (s, body) = load("sql", "sql-v2", true).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(loaded(), [pair("sql", "sql-v2")], "replaced, and the trial copy is gone");
+
+    let (s, body) = load("other", "vanished/x", false).await;
+    let v = assert_error(s, &body, 400);
+    assert_eq!(v["error"]["param"], "lora_path", "{v}");
+
+    for name in ["a1", "a2"] {
+        assert_eq!(load(name, name, false).await.0, 200);
+    }
+    let (s, body) = load("sql", "sql-v3", true).await;
+    let v = assert_error(s, &body, 400);
+    assert!(v["error"]["message"].as_str().unwrap().contains("free adapter slot"), "{v}");
+    assert!(loaded().contains(&pair("sql", "sql-v2")), "no slot to check it in: the old one stays");
+
+    let (s, body) = c.post("/v1/unload_lora_adapter", json!({"lora_name": "nope"}).to_string()).await;
+    assert_error(s, &body, 404);
+}
+
+/// A remote prefill runs with the tenant's weight, as the decode request does, so fair scheduling on the prefill
+/// worker shares it out by the same weights.
+#[tokio::test]
+async fn remote_prefill_carries_the_tenant_weight() {
+    let prefill = Fake { role: "prefill", ..Fake::default() };
+    let decode = Fake { role: "decode", ..Fake::default() };
+    let (prefill_seen, decode_seen) = (prefill.requests_seen.clone(), decode.requests_seen.clone());
+    let workers = vec![spawn_worker(prefill).await.to_string(), spawn_worker(decode).await.to_string()];
+    let keys = KeyTable::parse(&format!("{KEY_A} acme weight=3\n"), std::path::Path::new("keys")).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = RouterConfig {
+        workers,
+        health_interval: Duration::from_millis(100),
+        placement: PlacerConfig { remote_prefill_min_tokens: 1, ..PlacerConfig::default() },
+        security: Security { keys: Some(Arc::new(keys)), admin: None },
+        ..RouterConfig::default()
+    };
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    let http = format!("http://{addr}");
+    let client = reqwest::Client::new();
+    wait_all_ready(&client, &http).await;
+    let hi = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
+    let r = client.post(format!("{http}/v1/chat/completions")).bearer_auth(KEY_A).json(&hi).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let weights = |seen: &std::sync::Mutex<Vec<GenerateRequest>>| {
+        seen.lock().unwrap().iter().map(|r| (r.max_tokens, r.tenant_weight)).collect::<Vec<_>>()
+    };
+    assert_eq!(weights(&prefill_seen), [(1, 3)], "the prefill request");
+    assert_eq!(weights(&decode_seen), [(4, 3)], "the decode request");
+}
+
+/// Waits until the router sees every worker ready.
+async fn wait_all_ready(client: &reqwest::Client, http: &str) {
+    for _ in 0..100 {
+        if let Ok(r) = client.get(format!("{http}/readyz")).send().await
+            && let Ok(v) = r.json::<Value>().await
+            && v["workers"].as_array().is_some_and(|ws| !ws.is_empty() && ws.iter().all(|w| w["ready"] == true))
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("router never saw every worker ready");
+}
+
+/// A worker that leaves the pool leaves the dashboard's rows (the others keep their own stats, not the rows
+/// above them) and every per-worker metric.
+#[tokio::test]
+async fn a_departed_worker_leaves_the_dashboard_and_the_metrics() {
+    use pagoda_router::workers::WorkerPool;
+    let gone = spawn_worker(Fake { blocks_total: Some(111), rich_stats: true, ..Fake::default() }).await.to_string();
+    let kept = spawn_worker(Fake { blocks_total: Some(222), rich_stats: true, ..Fake::default() }).await.to_string();
+    let pool = Arc::new(WorkerPool::dynamic(&[gone.clone(), kept.clone()], PlacerConfig::default()).unwrap());
+    let state = pagoda_router::AppState::new(Arc::new(ByteCodec), pool.clone(), pagoda_router::DEFAULT_BODY_LIMIT);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, pagoda_router::app(state)).await });
+    let client = reqwest::Client::new();
+    let rows = || async {
+        let v: Value = client.get(format!("{http}/dashboard/api/state")).send().await.unwrap().json().await.unwrap();
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| (w["address"].as_str().unwrap().to_string(), w["stats"]["blocks_total"].as_u64()))
+            .collect::<Vec<_>>()
+    };
+    let metric_lines = |worker: String| {
+        let client = client.clone();
+        let url = format!("{http}/metrics");
+        async move {
+            let text = client.get(url).send().await.unwrap().text().await.unwrap();
+            text.lines().filter(|l| l.contains(&format!("worker=\"{worker}\""))).map(String::from).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(rows().await, [(gone.clone(), Some(111)), (kept.clone(), Some(222))]);
+    assert!(metric_lines(gone.clone()).await.len() >= 30);
+    assert!(pool.remove(&gone));
+    // Within the dashboard's cache age, so the rows are read against the two-worker fetch.
+    assert_eq!(rows().await, [(kept.clone(), Some(222))]);
+    assert_eq!(metric_lines(gone).await, Vec::<String>::new());
+    assert!(metric_lines(kept).await.iter().any(|l| l.starts_with("pagoda_router_worker_tier_used_bytes")));
+}
+
+/// Anthropic's API gets Anthropic's error shape from the admission middlewares too: a missing or wrong key,
+/// a key past its rate, and the router's in-flight cap. The OpenAI endpoints keep theirs.
+#[tokio::test]
+async fn admission_refusals_on_v1_messages_are_anthropic_errors() {
+    let keys =
+        KeyTable::parse(&format!("{KEY_A} acme\n{KEY_B} globex rps=0.01 burst=1\n"), std::path::Path::new("keys"))
+            .unwrap();
+    let waddr = spawn_worker(Fake::default()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = RouterConfig {
+        workers: vec![waddr.to_string()],
+        health_interval: Duration::from_millis(100),
+        security: Security { keys: Some(Arc::new(keys)), admin: None },
+        max_inflight: 1,
+        ..RouterConfig::default()
+    };
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    let http = format!("http://{addr}");
+    let client = reqwest::Client::new();
+    wait_ready(&client, &http).await;
+    let ask = json!({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]});
+    let post = |path: &str, key: Option<&str>, body: &Value| {
+        let mut r = client.post(format!("{http}{path}")).json(body);
+        if let Some(k) = key {
+            r = r.header("x-api-key", k);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let anthropic = |(status, v): (u16, Value), want: u16, kind: &str| {
+        assert_eq!(status, want, "{v}");
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], kind, "{v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    };
+    anthropic(post("/v1/messages", None, &ask).await, 401, "authentication_error");
+    anthropic(post("/v1/messages", Some("sk-wrong-key-0123456789"), &ask).await, 401, "authentication_error");
+    anthropic(post("/v1/messages/count_tokens", None, &ask).await, 401, "authentication_error");
+    let (s, v) = post("/v1/chat/completions", None, &ask).await;
+    assert_eq!((s, v["error"]["code"].as_str()), (401, Some("invalid_api_key")), "{v}");
+
+    assert_eq!(post("/v1/messages", Some(KEY_B), &ask).await.0, 200);
+    anthropic(post("/v1/messages", Some(KEY_B), &ask).await, 429, "rate_limit_error");
+
+    let forever = json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "forever"}]});
+    let running =
+        client.post(format!("{http}/v1/chat/completions")).bearer_auth(KEY_A).json(&forever).send().await.unwrap();
+    assert_eq!(running.status(), 200);
+    anthropic(post("/v1/messages", Some(KEY_A), &ask).await, 503, "overloaded_error");
+    drop(running);
 }
