@@ -75,6 +75,8 @@ pub struct AdapterCounters {
     pub evictions: u64,
     /// Time spent reading and checking the adapters loaded at run time.
     pub load_seconds: f64,
+    /// Adapter directories read at run time (admin and on demand), whether the load then succeeded or not.
+    pub reads: u64,
 }
 
 /// The adapters loaded now, and what bounds loading more.
@@ -93,8 +95,8 @@ pub struct AdapterRegistry {
     loaded: RwLock<HashMap<String, Loaded>>,
     /// Ticks on every use; orders [`Loaded::last_used`].
     clock: AtomicU64,
-    /// One on-demand load at a time: requests for the same missing adapter wait for the first one's load rather
-    /// than each reading the files.
+    /// One run-time load (admin or on demand) at a time: loads of the same missing adapter wait for the first
+    /// one's rather than each reading the files (up to 2 GiB), and a full map is not raced for.
     loading: Mutex<()>,
     counters: Mutex<AdapterCounters>,
     /// The last scan of `runtime_dir` ([`AdapterRegistry::available`]) and when it was taken.
@@ -210,8 +212,7 @@ impl AdapterRegistry {
             return Err(AdapterError::AllInUse(self.max_loaded, name.to_string()));
         }
         let started = Instant::now();
-        let adapter =
-            LoraAdapter::load(name, &dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))?;
+        let adapter = self.read_adapter(name, &dir, shape)?;
         let adapter = self.insert(name, adapter, Origin::OnDemand, started.elapsed())?;
         log_loaded(&adapter, &dir, "on demand");
         Ok(adapter)
@@ -231,7 +232,8 @@ impl AdapterRegistry {
     }
 
     /// Loads the PEFT adapter at `path` (relative to `--lora-dir`) under `name`, to stay until unloaded. Reads and
-    /// checks the files before taking the map's lock (they may be large); a name loaded meanwhile still wins. With
+    /// checks the files before taking the map's lock (they may be large), but after the one-load-at-a-time lock, so
+    /// that concurrent loads of one name read it once and the rest are refused as existing. With
     /// `--lora-on-demand`, an idle on-demand adapter gives up its slot when the map is full.
     pub fn load(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
         let Some(root) = &self.runtime_dir else { return Err(AdapterError::RuntimeOff) };
@@ -240,6 +242,7 @@ impl AdapterRegistry {
         if name == self.base_model {
             return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
         }
+        let _one_load = self.loading.lock().unwrap_or_else(|p| p.into_inner());
         if self.read().contains_key(name) {
             return Err(AdapterError::Exists(name.to_string()));
         }
@@ -248,8 +251,7 @@ impl AdapterRegistry {
         }
         let dir = resolve_under(root, path)?;
         let started = Instant::now();
-        let adapter =
-            LoraAdapter::load(name, &dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))?;
+        let adapter = self.read_adapter(name, &dir, shape)?;
         let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed())?;
         log_loaded(&adapter, &dir, "run time");
         Ok(adapter)
@@ -350,6 +352,12 @@ impl AdapterRegistry {
             tracing::info!(adapter = victim, for_adapter = name, "LoRA adapter evicted (least recently used)");
         }
         Ok(adapter)
+    }
+
+    /// Reads and checks the adapter in `dir`, counting the read.
+    fn read_adapter(&self, name: &str, dir: &Path, shape: &ModelConfig) -> Result<LoraAdapter, AdapterError> {
+        self.counters.lock().unwrap_or_else(|p| p.into_inner()).reads += 1;
+        LoraAdapter::load(name, dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Loaded>> {

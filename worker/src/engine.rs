@@ -378,6 +378,9 @@ impl ModelInfo {
     }
 }
 
+/// Why a guided request is refused by a model without a token table.
+pub const GUIDE_NEEDS_TOKENIZER: &str = "guided sampling needs the model's tokenizer, which this worker's model lacks";
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EngineError {
     #[error("model: {0}")]
@@ -860,6 +863,9 @@ impl EngineHandle {
 
     fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
         let info = &self.inner.info;
+        // Here, not only in the gRPC service: whoever submits, a namespace spelling an adapter's salt would write
+        // the base model's KV under that adapter's hashes.
+        crate::cache::check_namespace(&req.namespace).map_err(EngineError::InvalidRequest)?;
         if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
             return Err(EngineError::InvalidRequest(format!(
                 "prompt token id {bad} is outside the vocabulary ({})",
@@ -880,9 +886,7 @@ impl EngineHandle {
         crate::sampling::check_bad_words(&s.bad_words, info.vocab_size).map_err(EngineError::InvalidRequest)?;
         s.check_penalties(req.prompt.len()).map_err(EngineError::InvalidRequest)?;
         if s.guided() && info.token_bytes.is_none() {
-            return Err(EngineError::InvalidRequest(
-                "guided sampling needs the model's tokenizer, which this worker's model lacks".into(),
-            ));
+            return Err(EngineError::InvalidRequest(GUIDE_NEEDS_TOKENIZER.into()));
         }
         if s.ends_on_stop() && req.ignore_eos && req.stop_token_ids.is_empty() {
             let guide = if s.regex.is_some() { "regex" } else { "grammar" };
@@ -2643,6 +2647,20 @@ mod tests {
             assert!(matches!(h.submit(r), Err(EngineError::InvalidRequest(m)) if m.contains("profile quer")));
         }
         assert!(h.submit(req("ok", vec![1; 10], 6)).is_ok());
+    }
+
+    #[test]
+    fn a_namespace_spelling_an_adapters_salt_is_refused() {
+        let h = fake(64, 0);
+        let with = |namespace: String| GenerateRequest { namespace, ..req("n", vec![1, 2, 3, 4, 5], 2) };
+        for bad in [cache_namespace("acme", "sql@00ff"), "acme\n".into(), "acme\0".into()] {
+            let err = h.submit(with(bad.clone())).unwrap_err();
+            assert!(matches!(&err, EngineError::InvalidRequest(m) if m.contains("namespace")), "{bad:?}: {err}");
+        }
+        // The router's cache_salt namespace still runs.
+        let salted = crate::cache::salted_namespace("acme", crate::cache::CLIENT_SALT_KIND, "0f");
+        let (tokens, fin) = collect(h.submit(with(salted)).unwrap());
+        assert_eq!(tokens.len(), 2, "{fin:?}");
     }
 
     #[test]

@@ -28,7 +28,9 @@ use tonic::{Request, Response, Status};
 use tracing::Span;
 
 use crate::adapters::{AdapterError, Origin};
-use crate::engine::{EngineError, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams};
+use crate::engine::{
+    EngineError, EngineHandle, FinishReason, GUIDE_NEEDS_TOKENIZER, GenerateEvent, GenerateRequest, SamplingParams,
+};
 use crate::events::BlockChange;
 use crate::grammar_guide::Grammar;
 use crate::json_schema::JsonSchema;
@@ -51,6 +53,11 @@ pub const MAX_STOP_TOKEN_IDS: usize = 64;
 pub const MAX_TEMPERATURE: f32 = 100.0;
 /// Most tokens sent in one stream message (tokens already waiting are coalesced).
 const MAX_TOKENS_PER_MESSAGE: usize = 64;
+/// Most groups one `Residency` answer lists (tens of MiB encoded); a worker holding more refuses the call rather
+/// than build a message few clients could take.
+pub const MAX_RESIDENCY_GROUPS: usize = 1 << 20;
+/// The wait a worker suggests when a `Residency` snapshot is being taken already.
+const RESIDENCY_BUSY_RETRY_AFTER_MS: &str = "1000";
 
 /// How much work a worker takes before it refuses new requests as busy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,6 +163,11 @@ pub struct WorkerService {
     peer_counters: Arc<PeerCounters>,
     /// Where block-event reporting stands, for `Stats` (zeros without a kvstore).
     report_progress: Arc<ReportProgress>,
+    /// One `Residency` snapshot at a time: each walks every group of every tier on the engine thread, between
+    /// steps, so a burst of them would stall generation.
+    residency_walk: Arc<tokio::sync::Semaphore>,
+    /// [`MAX_RESIDENCY_GROUPS`], lowered by tests.
+    residency_limit: usize,
 }
 
 impl WorkerService {
@@ -169,6 +181,8 @@ impl WorkerService {
             peer: None,
             peer_counters: Arc::default(),
             report_progress: Arc::default(),
+            residency_walk: Arc::new(tokio::sync::Semaphore::new(1)),
+            residency_limit: MAX_RESIDENCY_GROUPS,
         }
     }
 
@@ -255,9 +269,18 @@ impl WorkerService {
         WorkerServer::new(self)
     }
 
-    /// Checks a request against the model and the bounds, and converts it to the engine's type. The engine's
-    /// request id is made unique (`<client id>#<n>`) so that cancelling it cannot touch another client's request.
+    /// Checks a request against the model and the bounds, and converts it to the engine's type, its guide compiled.
+    /// The engine's request id is made unique (`<client id>#<n>`) so that cancelling it cannot touch another
+    /// client's request.
     pub fn to_engine_request(&self, req: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+        let (mut req, guide) = self.check_request(req)?;
+        guide.compile_into(&mut req.sampling)?;
+        Ok(req)
+    }
+
+    /// [`WorkerService::to_engine_request`] but for the guide, which is returned as text: compiling one costs up
+    /// to ~0.1 s of CPU, which `generate` spends only on an admitted request, on a blocking thread.
+    fn check_request(&self, req: pb::GenerateRequest) -> Result<(GenerateRequest, GuideText), Status> {
         let info = self.engine.model_info();
         if req.request_id.len() > MAX_ID_BYTES {
             return Err(Status::invalid_argument(format!("request_id is longer than {MAX_ID_BYTES} bytes")));
@@ -265,6 +288,8 @@ impl WorkerService {
         if req.namespace.len() > MAX_ID_BYTES {
             return Err(Status::invalid_argument(format!("namespace is longer than {MAX_ID_BYTES} bytes")));
         }
+        // Before a peer pull hashes the prompt in it, not only where the engine takes the request.
+        crate::cache::check_namespace(&req.namespace).map_err(Status::invalid_argument)?;
         if req.prompt_token_ids.is_empty() {
             return Err(Status::invalid_argument("prompt_token_ids is empty"));
         }
@@ -306,6 +331,7 @@ impl WorkerService {
             info.context_length,
         )
         .map_err(|e| Status::invalid_argument(format!("kv_profile_queries: {e}")))?;
+        let mut guide = GuideText::default();
         let sampling = match req.sampling {
             None => SamplingParams::greedy(),
             Some(s) => {
@@ -334,7 +360,7 @@ impl WorkerService {
                         "at most one of json_object, json_schema, regex and grammar may guide a request",
                     ));
                 }
-                SamplingParams {
+                let params = SamplingParams {
                     temperature: s.temperature,
                     top_p,
                     top_k: s.top_k,
@@ -350,25 +376,12 @@ impl WorkerService {
                     min_p: s.min_p,
                     min_tokens: s.min_tokens,
                     json_object: s.json_object,
-                    json_schema: match s.json_schema.as_str() {
-                        "" => None,
-                        text => Some(Arc::new(
-                            JsonSchema::parse(text).map_err(|e| Status::invalid_argument(e.to_string()))?,
-                        )),
-                    },
-                    regex: match s.regex.as_str() {
-                        "" => None,
-                        pattern => Some(Arc::new(
-                            ByteDfa::compile(pattern).map_err(|e| Status::invalid_argument(format!("regex: {e}")))?,
-                        )),
-                    },
-                    grammar: match s.grammar.as_str() {
-                        "" => None,
-                        text => Some(Arc::new(
-                            Grammar::compile(text).map_err(|e| Status::invalid_argument(format!("grammar: {e}")))?,
-                        )),
-                    },
-                }
+                    json_schema: None,
+                    regex: None,
+                    grammar: None,
+                };
+                guide = GuideText { json_schema: s.json_schema, regex: s.regex, grammar: s.grammar };
+                params
             }
         };
         let policy = if req.kv_policy.is_empty() && req.kv_budget_tokens == 0 {
@@ -401,7 +414,7 @@ impl WorkerService {
             )));
         }
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        Ok(GenerateRequest {
+        let req = GenerateRequest {
             request_id: format!("{}#{n}", req.request_id),
             prompt: req.prompt_token_ids,
             max_tokens: req.max_tokens,
@@ -417,7 +430,40 @@ impl WorkerService {
             tenant_weight: req.tenant_weight.max(1),
             tier_codec,
             lora: (!req.lora.is_empty()).then_some(req.lora),
-        })
+        };
+        Ok((req, guide))
+    }
+}
+
+/// A request's guide as it came (at most one of them is set; empty: none).
+#[derive(Debug, Default)]
+struct GuideText {
+    json_schema: String,
+    regex: String,
+    grammar: String,
+}
+
+impl GuideText {
+    fn is_empty(&self) -> bool {
+        self.json_schema.is_empty() && self.regex.is_empty() && self.grammar.is_empty()
+    }
+
+    /// Compiles the guide into `sampling`. CPU-bound: on the async runtime, call it from a blocking thread.
+    fn compile_into(self, sampling: &mut SamplingParams) -> Result<(), Status> {
+        if !self.json_schema.is_empty() {
+            let schema = JsonSchema::parse(&self.json_schema).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            sampling.json_schema = Some(Arc::new(schema));
+        }
+        if !self.regex.is_empty() {
+            let dfa = ByteDfa::compile(&self.regex).map_err(|e| Status::invalid_argument(format!("regex: {e}")))?;
+            sampling.regex = Some(Arc::new(dfa));
+        }
+        if !self.grammar.is_empty() {
+            let grammar =
+                Grammar::compile(&self.grammar).map_err(|e| Status::invalid_argument(format!("grammar: {e}")))?;
+            sampling.grammar = Some(Arc::new(grammar));
+        }
+        Ok(())
     }
 }
 
@@ -632,7 +678,7 @@ impl Worker for WorkerService {
                 "peer_hint.address is longer than {MAX_ID_BYTES} bytes"
             ))));
         }
-        let req = self.to_engine_request(inner).map_err(refused)?;
+        let (mut req, guide) = self.check_request(inner).map_err(refused)?;
         let request_id = req.request_id.clone();
         let policy = req.policy.unwrap_or_else(|| self.engine.default_policy());
         span.record("request_id", request_id.as_str());
@@ -640,8 +686,20 @@ impl Worker for WorkerService {
         span.record("max_tokens", i64::from(req.max_tokens));
         span.record("policy", policy.kind.name());
         span.record("budget_tokens", policy.budget_tokens as i64);
-        // Refused as busy before any pull: a pull for a request that cannot run would be wasted.
+        // Refused as busy before any pull or guide compile: work for a request that cannot run would be wasted,
+        // and a burst of refused guided requests would otherwise keep the runtime's threads busy compiling.
         let queue_slot = self.admission.enter(req.prompt.len() as u64).map_err(refused)?;
+        if !guide.is_empty() {
+            // The engine would refuse it too (`EngineHandle::validate`), but only after the compile.
+            if self.engine.model_info().token_bytes.is_none() {
+                return Err(refused(Status::invalid_argument(GUIDE_NEEDS_TOKENIZER)));
+            }
+            let mut sampling = std::mem::replace(&mut req.sampling, SamplingParams::greedy());
+            req.sampling = tokio::task::spawn_blocking(move || guide.compile_into(&mut sampling).map(|()| sampling))
+                .await
+                .map_err(|e| refused(Status::internal(format!("compiling the guide panicked: {e}"))))?
+                .map_err(refused)?;
+        }
         let adapter = match &req.lora {
             Some(name) => Some(self.adapter(name, &span).await.map_err(refused)?),
             None => None,
@@ -785,7 +843,21 @@ impl Worker for WorkerService {
         &self,
         _request: Request<pb::ResidencyRequest>,
     ) -> Result<Response<pb::ResidencyResponse>, Status> {
+        let Ok(_walk) = self.residency_walk.try_acquire() else {
+            let mut status = Status::resource_exhausted("a Residency snapshot is being taken already");
+            status
+                .metadata_mut()
+                .insert(pagoda_proto::BUSY_RETRY_AFTER_MS, MetadataValue::from_static(RESIDENCY_BUSY_RETRY_AFTER_MS));
+            return Err(status);
+        };
         let snap = self.engine.residency_snapshot().await.map_err(|e| Status::unavailable(e.to_string()))?;
+        if snap.blocks.len() > self.residency_limit {
+            return Err(Status::resource_exhausted(format!(
+                "this worker holds {} block groups, more than one Residency answer lists ({})",
+                snap.blocks.len(),
+                self.residency_limit
+            )));
+        }
         let groups = snap
             .blocks
             .into_iter()
@@ -972,6 +1044,12 @@ mod tests {
             r.sampling = Some(PbSampling { regex: regex.into(), grammar: grammar.into(), ..Default::default() });
             r
         };
+        let namespaced = |namespace: String| {
+            let mut r = request(vec![1], 1);
+            r.namespace = namespace;
+            r
+        };
+        let client_salted = |ns: &str, id: &str| crate::cache::salted_namespace(ns, crate::cache::CLIENT_SALT_KIND, id);
         for (name, req) in [
             ("empty prompt", request(vec![], 4)),
             ("prompt at context", request(too_long, 1)),
@@ -1002,6 +1080,11 @@ mod tests {
             ("tenant weight above 1000", heavy_weight),
             ("grammar without a root rule", guided("", "start ::= \"a\"")),
             ("grammar and regex at once", guided("a", "root ::= \"a\"")),
+            // Adapter `sql`'s namespace for tenant ns: the base model's KV would land in that adapter's cache.
+            ("namespace spelling an adapter's salt", namespaced(cache_namespace("ns", "sql@00ff"))),
+            ("adapter salt after a client salt", namespaced(cache_namespace(&client_salted("ns", "0f"), "sql@00ff"))),
+            ("namespace salted twice", namespaced(client_salted(&client_salted("ns", "0f"), "1e"))),
+            ("namespace with a control character", namespaced("ns\n".into())),
         ] {
             let err = svc.generate(Request::new(req)).await.err().unwrap_or_else(|| panic!("{name} accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{name}: {err:?}");
@@ -1010,6 +1093,59 @@ mod tests {
         let mut with_queries = request(vec![1, 2, 3], 2);
         with_queries.kv_profile_queries = vec![query(vec![4, 5]), query(vec![6; 8])];
         assert!(svc.generate(Request::new(with_queries)).await.is_ok());
+        // The router's cache_salt namespace is the one salted form a request may bring.
+        assert!(svc.generate(Request::new(namespaced(client_salted("ns", "0f")))).await.is_ok());
+    }
+
+    /// A guide compiles only once the request is admitted: a refused request costs no compile (up to ~0.1 s of a
+    /// runtime thread each), so even a broken guide is refused as busy first.
+    #[tokio::test]
+    async fn a_guided_request_is_admitted_before_its_guide_compiles() {
+        let svc = service(256, 20).with_admission(AdmissionLimits { max_requests: 1, max_queued_prompt_tokens: 1000 });
+        let held = svc.generate(Request::new(request(vec![1, 2], 3))).await.unwrap().into_inner();
+        let mut broken = request(vec![1], 1);
+        broken.sampling = Some(PbSampling { grammar: "start ::= \"a\"".into(), ..Default::default() });
+        let err = svc.generate(Request::new(broken.clone())).await.err().expect("refused while full");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert!(busy_hint(&err).is_some(), "{err:?}");
+        drop(held);
+        let err = svc.generate(Request::new(broken)).await.err().expect("refused once admitted");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn one_residency_snapshot_at_a_time_and_bounded() {
+        // Steps of 100 ms: the engine answers a snapshot only between them.
+        let svc = service(256, 100);
+        let mut done =
+            svc.generate(Request::new(request(vec![1, 2, 3, 4, 5, 6, 7, 8, 9], 1))).await.unwrap().into_inner();
+        while let Some(m) = done.next().await {
+            m.unwrap();
+        }
+        let mut running = svc.generate(Request::new(request(vec![9, 8, 7], 40))).await.unwrap().into_inner();
+        assert!(!running.next().await.unwrap().unwrap().token_ids.is_empty());
+        let first = tokio::spawn({
+            let svc = svc.clone();
+            async move { svc.residency(Request::new(pb::ResidencyRequest {})).await }
+        });
+        for _ in 0..10_000 {
+            if svc.residency_walk.available_permits() == 0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let err = svc.residency(Request::new(pb::ResidencyRequest {})).await.expect_err("a second walk at once");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert!(busy_hint(&err).is_some(), "{err:?}");
+        let snap = first.await.unwrap().expect("the first walk answers").into_inner();
+        assert!(!snap.groups.is_empty(), "the first request's prompt is cached");
+        // Done, it lets the next one through; past the bound, the answer is refused rather than built.
+        assert!(svc.residency(Request::new(pb::ResidencyRequest {})).await.is_ok());
+        let small = WorkerService { residency_limit: snap.groups.len() - 1, ..svc.clone() };
+        let err = small.residency(Request::new(pb::ResidencyRequest {})).await.expect_err("over the bound");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert!(busy_hint(&err).is_none(), "{err:?}");
+        drop(running);
     }
 
     fn busy_hint(err: &Status) -> Option<u64> {

@@ -770,3 +770,47 @@ fn priority_scheduling_serves_the_queue_by_priority_then_arrival() {
     assert!(blocked.tokens.len() < 499, "the blocker was cancelled early");
     wait_stats(&h, "the engine to go idle", |s| s.running == 0 && s.waiting == 0 && s.blocks_used == 0);
 }
+
+/// Through the gRPC service on the real model, a guide compiles once the request is admitted (on a blocking
+/// thread, off the runtime's) and guides the answer; a broken one is still refused as invalid.
+#[test]
+fn the_service_compiles_a_guide_after_admission_and_follows_it() {
+    use futures::StreamExt;
+    use pagoda_proto::worker::worker_server::Worker;
+    use pagoda_proto::worker::{self as pb, FinishReason as PbFinish};
+    use pagoda_worker::service::WorkerService;
+    use tonic::{Code, Request};
+
+    let svc = WorkerService::new(engine(32, false));
+    let prompt = chat("Pick a number between 10 and 99.");
+    let guided = |grammar: &str| pb::GenerateRequest {
+        request_id: "g".into(),
+        prompt_token_ids: prompt.clone(),
+        max_tokens: 24,
+        sampling: Some(pb::SamplingParams { grammar: grammar.into(), ..Default::default() }),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (tokens, finished) = rt.block_on(async {
+        let mut stream = svc
+            .generate(Request::new(guided(r#"root ::= "Number: " [1-9] [0-9] ".""#)))
+            .await
+            .expect("admitted")
+            .into_inner();
+        let (mut tokens, mut finished) = (Vec::new(), None);
+        while let Some(m) = stream.next().await {
+            let m = m.expect("a stream message");
+            tokens.extend(m.token_ids);
+            finished = m.finished.or(finished);
+        }
+        (tokens, finished.expect("a finish message"))
+    });
+    assert_eq!(finished.reason, PbFinish::Stop as i32);
+    let g = Gguf::open(model_path()).expect("gguf");
+    let text = Tokenizer::from_gguf(&g).expect("tokenizer").decode(&tokens, true);
+    let digits = text.strip_prefix("Number: ").and_then(|t| t.strip_suffix('.')).unwrap_or_default();
+    assert!(digits.len() == 2 && digits.bytes().all(|b| b.is_ascii_digit()), "{text:?}");
+    let err = rt.block_on(svc.generate(Request::new(guided(r#"start ::= "a""#)))).err().expect("refused");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("grammar"), "{err:?}");
+}

@@ -11,7 +11,7 @@ use pagoda_worker::adapters::AdapterError;
 use pagoda_worker::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, GenerateRequest, LoraSpec, TierPlacement,
 };
-use pagoda_worker::model::lora::write_synthetic_peft;
+use pagoda_worker::model::lora::{cache_namespace, write_synthetic_peft};
 use pagoda_worker::model::{
     ForwardSeq, Gguf, LlamaModel, LogitsWanted, LoraAdapter, LoraTarget, Scratch, SyntheticLora,
 };
@@ -174,6 +174,16 @@ fn the_engine_serves_adapters_with_their_own_cache_and_refuses_unknown_ones() {
     let (sql_again, cached, _) = common::run_request(&h, with(Some("sql")));
     assert_eq!(sql_again, sql);
     assert!(cached >= 64, "the adapter's own prefix was not reused: {cached}");
+    // A base-model request cannot name the adapter's salted namespace (its cache id is public in Health) to write
+    // the base model's KV under the adapter's hashes.
+    let sql_id = h.lora_registry().get("sql").unwrap().cache_id().to_string();
+    let spoof = GenerateRequest { namespace: cache_namespace("", &sql_id), ..with(None) };
+    match h.submit(spoof) {
+        Err(EngineError::InvalidRequest(m)) => assert!(m.contains("namespace"), "{m}"),
+        other => panic!("a namespace spelling the adapter's salt was not refused: {other:?}"),
+    }
+    let (sql_still, _, _) = common::run_request(&h, with(Some("sql")));
+    assert_eq!(sql_still, sql);
     // Another adapter shares neither.
     let (chat, chat_cached, _) = common::run_request(&h, with(Some("chat")));
     assert_eq!(chat_cached, 0);
@@ -289,6 +299,46 @@ fn adapters_load_and_unload_at_run_time_only_from_under_the_lora_dir() {
     for d in [&root, &outside] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+/// Admin loads of one name at once read its files once: the rest wait for that load and are refused as existing,
+/// instead of each reading up to 2 GiB only to lose the race for the map.
+#[test]
+fn concurrent_admin_loads_of_one_name_read_it_once() {
+    let model = load_model();
+    let root = std::env::temp_dir().join(format!("pagoda-lora-concurrent-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let spec = SyntheticLora { rank: 8, b_std: 0.3, ..Default::default() };
+    write_synthetic_peft(&root.join("sql"), model.config(), &spec).unwrap();
+    let h = Engine::start(EngineConfig {
+        kv_cache_tokens: 2048,
+        threads: 2,
+        lora_dir: Some(root.clone()),
+        max_loras: 4,
+        ..EngineConfig::new(model_path())
+    })
+    .unwrap();
+    const LOADERS: usize = 8;
+    let start = std::sync::Barrier::new(LOADERS);
+    let (start, engine) = (&start, &h);
+    let results: Vec<Result<_, EngineError>> = std::thread::scope(|s| {
+        let loaders: Vec<_> = (0..LOADERS)
+            .map(move |_| {
+                s.spawn(move || {
+                    start.wait();
+                    engine.load_lora("sql", "sql")
+                })
+            })
+            .collect();
+        loaders.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let loaded = results.iter().filter(|r| r.is_ok()).count();
+    let existing = results.iter().filter(|r| matches!(r, Err(EngineError::Lora(AdapterError::Exists(_))))).count();
+    assert_eq!((loaded, existing), (1, LOADERS - 1), "{results:?}");
+    let c = h.lora_registry().counters();
+    assert_eq!((c.reads, c.loads), (1, 1), "{c:?}");
+    h.shutdown();
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]

@@ -13,7 +13,9 @@ pub mod prefix;
 pub mod sequence;
 
 pub use block_pool::{BlockPool, IndexChange};
-pub use prefix::{PrefixIndex, block_hashes, chain_hash, extend_block_hashes, salted_namespace};
+pub use prefix::{
+    CLIENT_SALT_KIND, PrefixIndex, block_hashes, chain_hash, check_namespace, extend_block_hashes, salted_namespace,
+};
 pub use sequence::SeqBlocks;
 
 /// Index of a block in the KV arena (K and V share it).

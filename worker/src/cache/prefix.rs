@@ -34,10 +34,35 @@ pub fn chain_hash(prev: u64, model_id: &str, namespace: &str, tokens: &[u32]) ->
 
 /// `namespace` salted by `kind` and `id` (a LoRA adapter's cache id, a request's `cache_salt` digest): blocks
 /// hashed under it never match blocks of `namespace` alone or of another salt. The separator (a NUL) appears in no
-/// tenant name, so the tenant is the namespace up to the first one ([`crate::scheduler::tenant_of`]); a salted
-/// namespace can be salted again.
+/// tenant name ([`check_namespace`] keeps it so), so the tenant is the namespace up to the first one
+/// ([`crate::scheduler::tenant_of`]); a salted namespace can be salted again.
 pub fn salted_namespace(namespace: &str, kind: &str, id: &str) -> String {
     format!("{namespace}\u{0}{kind}\u{0}{id}")
+}
+
+/// The one salt kind a request's namespace may carry already: the router's `cache_salt`
+/// (`tenant\0salt\0<digest>`). Every other kind, a LoRA adapter's above all, only the worker adds.
+pub const CLIENT_SALT_KIND: &str = "salt";
+
+/// Checks the namespace a request arrives with: a tenant name without control characters, salted at most once and
+/// only as [`CLIENT_SALT_KIND`] with an id free of them too. Anything else could spell a salt the worker adds: a
+/// base-model request in `acme\0lora\0sql@<id>` (the cache id is public in `Health`) would hash exactly as adapter
+/// `sql`'s requests for `acme` do, and poison that adapter's cache with the base model's KV.
+pub fn check_namespace(namespace: &str) -> Result<(), String> {
+    let clean = |s: &str| !s.chars().any(char::is_control);
+    let mut parts = namespace.split('\u{0}');
+    let tenant = parts.next().unwrap_or_default();
+    if !clean(tenant) {
+        return Err("namespace: a tenant name may not hold control characters".into());
+    }
+    match (parts.next(), parts.next(), parts.next()) {
+        (None, _, _) => Ok(()),
+        (Some(CLIENT_SALT_KIND), Some(id), None) if !id.is_empty() && clean(id) => Ok(()),
+        _ => Err(format!(
+            "namespace: a NUL may only start a client salt, once (tenant\\0{CLIENT_SALT_KIND}\\0<id>, the id \
+             without control characters)"
+        )),
+    }
 }
 
 /// Chain hashes of every full block of `tokens`.
@@ -194,5 +219,27 @@ mod tests {
         let b = block_hashes("m", "b", &tokens, 16);
         let c = block_hashes("m2", "a", &tokens, 16);
         assert!(a.iter().all(|h| !b.contains(h) && !c.contains(h)));
+    }
+
+    #[test]
+    fn a_namespace_cannot_spell_a_salt_the_worker_adds() {
+        for ok in ["", "acme", "ünïcode tenant", "acme\0salt\0ab12", "\0salt\0x"] {
+            assert_eq!(check_namespace(ok), Ok(()), "{ok:?}");
+        }
+        // The router's cache_salt form is the one salt a request may bring.
+        assert_eq!(check_namespace(&salted_namespace("acme", CLIENT_SALT_KIND, "0f")), Ok(()));
+        for bad in [
+            salted_namespace("acme", "lora", "sql@00ff"),
+            salted_namespace(&salted_namespace("acme", CLIENT_SALT_KIND, "0f"), "lora", "sql@00ff"),
+            salted_namespace(&salted_namespace("acme", CLIENT_SALT_KIND, "0f"), CLIENT_SALT_KIND, "1e"),
+            salted_namespace("acme", CLIENT_SALT_KIND, ""),
+            salted_namespace("acme", CLIENT_SALT_KIND, "a\tb"),
+            "acme\0".into(),
+            "acme\n".into(),
+            "ac\u{7f}me".into(),
+            "ac\u{85}me".into(),
+        ] {
+            assert!(check_namespace(&bad).is_err(), "{bad:?} accepted");
+        }
     }
 }
