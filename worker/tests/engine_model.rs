@@ -681,7 +681,7 @@ fn of_tenant(id: &str, prompt: &[u32], max_tokens: u32, tenant: &str) -> Generat
 }
 
 /// Fair scheduling on the real engine, one sequence at a time: with tenant `a`'s burst queued first, tenant `b`'s
-/// request (namespace salted by an adapter id, the same tenant) runs right after the burst's first, not after all
+/// request (namespace salted by a client's cache salt, the same tenant) runs right after the burst's first, not after all
 /// of it; a priority is refused as under FCFS.
 #[test]
 fn fair_scheduling_serves_the_tenant_running_the_fewest_next() {
@@ -693,7 +693,7 @@ fn fair_scheduling_serves_the_tenant_running_the_fewest_next() {
     assert!(matches!(blocker.blocking_recv(), Some(GenerateEvent::Token { .. })));
     let a1 = h.submit(of_tenant("a1", &prompts[1], 4, "a")).unwrap();
     let a2 = h.submit(of_tenant("a2", &prompts[2], 4, "a")).unwrap();
-    let b = h.submit(of_tenant("b", &prompts[3], 4, "b\u{0}lora\u{0}x@1")).unwrap();
+    let b = h.submit(of_tenant("b", &prompts[3], 4, "b\u{0}salt\u{0}x1")).unwrap();
     h.cancel("blocker").unwrap();
     // With the blocker gone nobody runs: a1 (the earliest) goes first; then neither tenant runs anything, and b,
     // admitted less recently than a, goes before a2.
