@@ -357,6 +357,14 @@ async fn open_link(addr: &str, factory: Arc<dyn LinkFactory>) -> Result<(u64, Bo
     Ok((link, end))
 }
 
+/// The batch size a pull asks for: the configured one, raised to hold the largest group this model can have (a
+/// server refuses a group larger than the batch, so a model whose groups outgrow the default could never pull).
+/// `None` when even [`MAX_BATCH_BYTES`] cannot hold one: such a model prefills.
+pub fn pull_batch_bytes(configured: u64, max_group_bytes: u64) -> Option<u64> {
+    let batch = configured.clamp(MIN_BATCH_BYTES, MAX_BATCH_BYTES).max(max_group_bytes);
+    (batch <= MAX_BATCH_BYTES).then_some(batch)
+}
+
 /// Whether pulling `blocks` groups of about `group_bytes` each beats prefilling their tokens: the pull costs the
 /// transfer at the peer bandwidth plus decoding the groups from host into device blocks.
 pub fn pull_pays(
@@ -479,6 +487,11 @@ impl PeerFetcher {
         let missing = &hashes[probe.local_blocks.min(hashes.len())..];
         let gs = info.layout().group_size();
         let group_bytes = native::group_bytes(gs, bs, info.head_dim, info.kv_dtype) as u64;
+        let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
+        let Some(batch_bytes) = pull_batch_bytes(self.cfg.batch_bytes, max_group_bytes) else {
+            tracing::debug!(max_group_bytes, "a group cannot fit the largest Transfer batch; prefilling");
+            return 0;
+        };
         // A remote prefill computed these blocks for this request: prefilling them here is what disaggregation
         // avoids, so the cost model is not asked.
         let required = hint.remote_prefill;
@@ -504,11 +517,10 @@ impl PeerFetcher {
         let to = if into_device { "device" } else { "host" };
         let span =
             parent.in_scope(|| trace_context::transfer_span(TransferDirection::Peer, &hint.address, to, missing.len()));
-        let max_group_bytes = native::group_bytes(gs, bs, info.head_dim, pagoda_kernels::KvDtype::F32) as u64;
         let started = Instant::now();
         let link = self.take_link(&hint.address);
         let loan = link.is_some().then(|| PullLoan::new(self.peer_links.clone(), &hint.address));
-        let mut outcome = fetch(&hint.address, missing, self.cfg.batch_bytes, max_group_bytes, deadline, &span, link)
+        let mut outcome = fetch(&hint.address, missing, batch_bytes, max_group_bytes, deadline, &span, link)
             .instrument(span.clone())
             .await;
         if let Some(mut loan) = loan {
@@ -886,6 +898,24 @@ mod tests {
 
     fn group(seed: u8, n: usize) -> EncodedGroup {
         EncodedGroup { codec: "f16".into(), bytes: (0..n).map(|i| seed.wrapping_add(i as u8)).collect() }
+    }
+
+    /// A model whose f32 groups outgrow the default batch (80 layers × 8 kv-heads × 128 dims × 16 slots: 10 MiB)
+    /// asks for a batch that holds one, which a server then serves; one past the largest batch prefills.
+    #[test]
+    fn a_pull_asks_for_a_batch_that_holds_the_models_largest_group() {
+        let big = native::group_bytes(80 * 8, 16, 128, pagoda_kernels::KvDtype::F32) as u64;
+        assert!(big > DEFAULT_BATCH_BYTES);
+        let small = native::group_bytes(30 * 3, 16, 64, pagoda_kernels::KvDtype::F32) as u64;
+        assert_eq!(pull_batch_bytes(DEFAULT_BATCH_BYTES, small), Some(DEFAULT_BATCH_BYTES));
+        assert_eq!(pull_batch_bytes(1, small), Some(MIN_BATCH_BYTES.max(small)));
+        let batch = pull_batch_bytes(DEFAULT_BATCH_BYTES, big).expect("fits the largest batch");
+        assert_eq!(batch, big);
+        let g = vec![(7u64, group(1, big as usize))];
+        assert!(into_batches(g.clone(), DEFAULT_BATCH_BYTES).is_err(), "the default batch refuses the group");
+        let batches = into_batches(g, batch).unwrap();
+        assert_eq!(verify_batch(batches[0].clone(), &[7], batch, big).unwrap().len(), 1);
+        assert_eq!(pull_batch_bytes(DEFAULT_BATCH_BYTES, MAX_BATCH_BYTES + 1), None);
     }
 
     #[test]
