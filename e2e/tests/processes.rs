@@ -432,6 +432,18 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     assert_eq!(s, 200, "{body}");
     assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0, "the same weights");
     assert!(worker_stats(&without).await.unwrap().computed_tokens_total > before, "served by worker 1");
+    // Replacing it in place from a path that holds no adapter fails and leaves it serving; a good path replaces it.
+    let replace = |path: &str| json!({"lora_name": "live", "lora_path": path, "load_inplace": true});
+    let (s, body) = http.post_json("/v1/load_lora_adapter", &replace("missing")).await.unwrap();
+    assert_eq!(s, 400, "{body}");
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("live", question)).await.unwrap();
+    assert_eq!(s, 200, "the failed replacement left the adapter loaded: {body}");
+    assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0);
+    let (s, body) = http.post_json("/v1/load_lora_adapter", &replace("sql")).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("live", question)).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0);
     let (s, body) = http.post_json("/v1/unload_lora_adapter", &json!({"lora_name": "live"})).await.unwrap();
     assert_eq!(s, 200, "{body}");
     let (s, body) = http.post_json("/v1/chat/completions", &ask("live", question)).await.unwrap();
