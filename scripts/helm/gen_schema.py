@@ -165,7 +165,9 @@ schema = obj({
             # `--kivi-residual-tokens` (tiers/residual.rs MAX_RESIDUAL_TOKENS).
             "kiviResidualTokens": integer(0, 4096),
             # `--kivi-int8-layers` (tiers/codec.rs Int8Layers: layers of a model of at most 64).
-            "kiviInt8Layers": {"type": "array", "maxItems": 64, "uniqueItems": True, "items": integer(0, 63)},
+            # `--kivi-int8-layers`: at most Int8Layers::MAX_LISTED (tiers/codec.rs), so the stored codec name fits
+            # pagoda_proto::MAX_CODEC_NAME_BYTES.
+            "kiviInt8Layers": {"type": "array", "maxItems": 15, "uniqueItems": True, "items": integer(0, 63)},
             "evicpressAlpha": {"type": "number", "minimum": 0},
             # `--evicpress-keep-ratios`: comma-separated ratios in (0, 1), or none (tiers/pruned.rs).
             "evicpressKeepRatios": {"type": "string", "pattern": r"^(none|0?\.[0-9]*[1-9][0-9]*(,0?\.[0-9]*[1-9][0-9]*){0,3})$"},
