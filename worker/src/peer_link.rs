@@ -268,7 +268,7 @@ impl PeerLinks {
 pub type SharedPeerLinks = Arc<Mutex<PeerLinks>>;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use pagoda_proto::transfer::Block;
 
@@ -301,9 +301,10 @@ mod tests {
         assert!(linked_payload_bytes(&batch, 1 << 20, 4096).is_err(), "inline payloads on a linked fetch");
     }
 
-    /// A link end that has never been joined: these tests only move ownership, never call it.
+    /// A link end that has never been joined: tests that only move link ends (here and in `transfer`) never call
+    /// it.
     #[derive(Debug)]
-    struct Unjoined;
+    pub(crate) struct Unjoined;
     impl LinkEnd for Unjoined {
         fn transfer(
             &mut self,

@@ -895,6 +895,7 @@ impl Transfer for TransferService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::peer_link::tests::Unjoined;
 
     fn group(seed: u8, n: usize) -> EncodedGroup {
         EncodedGroup { codec: "f16".into(), bytes: (0..n).map(|i| seed.wrapping_add(i as u8)).collect() }
@@ -1150,20 +1151,6 @@ mod tests {
         engine.shutdown();
     }
 
-    /// A link end that is never used: the loan tests only move ownership.
-    #[derive(Debug)]
-    struct Unused;
-    impl LinkEnd for Unused {
-        fn transfer(
-            &mut self,
-            _: Option<&[u8]>,
-            _: Option<(usize, &mut Vec<u8>)>,
-            _: Duration,
-        ) -> Result<(), LinkError> {
-            Err(LinkError::Failed("unused".into()))
-        }
-    }
-
     /// A pull dropped mid-await (its client went away) still ends its link loan: the link leaves the lent state,
     /// so the peer gets a fresh link after the back-off instead of none ever again. A pull that finished in step
     /// hands its link back for the next pull.
@@ -1176,7 +1163,7 @@ mod tests {
             TakeLink::Use(id, end) => (id, end),
             _ => panic!("the idle link is lent"),
         };
-        links.lock().unwrap().opened(addr, Ok((7, Box::new(Unused))), Instant::now());
+        links.lock().unwrap().opened(addr, Ok((7, Box::new(Unjoined))), Instant::now());
         let (id, end) = lend(&links);
         let pull = {
             let loan = PullLoan::new(links.clone(), addr);
@@ -1195,7 +1182,7 @@ mod tests {
             "not left lent: a fresh link is opened once the back-off is over"
         );
 
-        links.lock().unwrap().opened(addr, Ok((8, Box::new(Unused))), Instant::now());
+        links.lock().unwrap().opened(addr, Ok((8, Box::new(Unjoined))), Instant::now());
         let (id, end) = lend(&links);
         let mut loan = PullLoan::new(links.clone(), addr);
         loan.back = Some((id, end));
