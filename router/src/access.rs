@@ -155,6 +155,19 @@ impl<B, P> ReleaseOnEnd<B, P> {
     }
 }
 
+/// What polling a body for its next frame gives.
+type PolledFrame<B> = Poll<Option<Result<Frame<<B as http_body::Body>::Data>, <B as http_body::Body>::Error>>>;
+
+/// Whether `polled`, a frame just polled from `inner`, ends the body: the end, an error, or the last frame. Both
+/// bodies that hold a slot give it up there.
+fn ends_body<B: http_body::Body>(polled: &PolledFrame<B>, inner: &B) -> bool {
+    match polled {
+        Poll::Ready(None) | Poll::Ready(Some(Err(_))) => true,
+        Poll::Ready(Some(Ok(_))) => inner.is_end_stream(),
+        Poll::Pending => false,
+    }
+}
+
 impl<B, P: Unpin> http_body::Body for ReleaseOnEnd<B, P>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
@@ -165,10 +178,8 @@ where
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.permit = None,
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.permit = None,
-            _ => {}
+        if ends_body(&polled, &this.inner) {
+            this.permit = None;
         }
         polled
     }
@@ -238,12 +249,13 @@ where
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         let mut s = this.state.lock().unwrap_or_else(PoisonError::into_inner);
-        match &polled {
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => s.permit = None,
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => s.permit = None,
-            Poll::Ready(Some(Ok(_))) => s.handed_at = Some(Instant::now()),
+        if ends_body(&polled, &this.inner) {
+            s.permit = None;
+        } else if polled.is_ready() {
+            s.handed_at = Some(Instant::now());
+        } else {
             // The server is asking: the client is keeping up, and the wait is the generation's.
-            Poll::Pending => s.handed_at = None,
+            s.handed_at = None;
         }
         polled
     }
