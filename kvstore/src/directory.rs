@@ -18,6 +18,17 @@ use thiserror::Error;
 /// A chain hash of one full block of tokens (DESIGN §2).
 pub type BlockHash = u64;
 
+/// Workers the table holds. Registration past it is refused, so a caller that registers under ever new names
+/// cannot grow every replica's table (and every snapshot) without bound.
+pub const MAX_WORKERS: usize = 1024;
+/// Block copies the directory keeps for one worker: as many as one worker snapshot may list. A `Stored` past it is
+/// counted as applied (the sequence moves on) but not kept: the directory is a placement hint, and a worker that
+/// claims more copies than it could ever snapshot is not one to route by.
+pub const MAX_COPIES_PER_WORKER: u64 = 1 << 20;
+/// Copies of one block on one worker (tier × codec). Three tiers under a few codecs each is what a worker holds;
+/// the bound keeps one block's copy list, which every `Stored` of that block searches, short.
+pub const MAX_COPIES_PER_BLOCK_PER_WORKER: usize = 16;
+
 /// A worker's identity in the directory.
 pub type WorkerId = String;
 
@@ -143,6 +154,8 @@ impl WorkerTable {
                 record.address = address.to_string();
                 return Ok(Registration::SameEpoch);
             }
+        } else if self.workers.len() >= MAX_WORKERS {
+            return Err(DirectoryError::TooManyWorkers { worker: worker.to_string(), max: MAX_WORKERS });
         }
         self.workers.insert(
             worker.to_string(),
@@ -263,6 +276,8 @@ pub enum DirectoryError {
     ZeroSequence(WorkerId),
     #[error("worker {0:?} has used up the sequence numbers of its epoch; it must register a new epoch")]
     SequenceExhausted(WorkerId),
+    #[error("cannot register worker {worker:?}: the directory holds {max} workers already")]
+    TooManyWorkers { worker: WorkerId, max: usize },
 }
 
 /// What a run of events amounts to: a `Cleared` wipes every earlier event of the worker, so only the events after
@@ -416,18 +431,25 @@ impl BlockDirectory {
     fn apply_one(&mut self, worker: &str, event: &BlockEvent) {
         match event {
             BlockEvent::Stored { hash, tier, codec, bytes } => {
-                let copies = self.blocks.entry(*hash).or_default();
-                let exists = copies.iter().any(|r| r.worker == worker && r.tier == *tier && &r.codec == codec);
-                if !exists {
-                    copies.push(Residency {
-                        worker: worker.to_string(),
-                        tier: *tier,
-                        codec: codec.clone(),
-                        bytes: *bytes,
-                    });
-                    copies.sort();
-                    self.adjust_block_count(worker, 1);
+                if self.workers.get(worker).is_some_and(|r| r.blocks >= MAX_COPIES_PER_WORKER) {
+                    return;
                 }
+                let copies = self.blocks.entry(*hash).or_default();
+                let mut own = 0;
+                for r in copies.iter().filter(|r| r.worker == worker) {
+                    if r.tier == *tier && &r.codec == codec {
+                        return;
+                    }
+                    own += 1;
+                }
+                if own >= MAX_COPIES_PER_BLOCK_PER_WORKER {
+                    return;
+                }
+                let copy = Residency { worker: worker.to_string(), tier: *tier, codec: codec.clone(), bytes: *bytes };
+                // Kept sorted: an insert at its place, where a push and a sort would sort the list every time.
+                let at = copies.partition_point(|r| *r < copy);
+                copies.insert(at, copy);
+                self.adjust_block_count(worker, 1);
             }
             BlockEvent::Removed { hash, tier, codec } => {
                 let mut removed = false;
@@ -702,5 +724,76 @@ mod tests {
             dir.apply(&batch("w", 2, 1, vec![stored(8, Tier::Device)])).unwrap(),
             ApplyOutcome::Applied { applied: 1, skipped: 0 }
         );
+    }
+
+    #[test]
+    fn registration_past_the_worker_cap_is_refused_and_known_workers_still_reregister() {
+        let mut dir = BlockDirectory::new();
+        for i in 0..MAX_WORKERS {
+            dir.register_worker(&format!("w{i}"), "a:1", 1).unwrap();
+        }
+        assert_eq!(
+            dir.register_worker("one-more", "a:1", 1),
+            Err(DirectoryError::TooManyWorkers { worker: "one-more".into(), max: MAX_WORKERS })
+        );
+        assert!(dir.worker("one-more").is_none());
+        // A known worker's new epoch, and a removal making room, still work at the cap.
+        dir.register_worker("w0", "a:2", 2).unwrap();
+        assert!(dir.remove_worker("w1"));
+        dir.register_worker("one-more", "a:1", 1).unwrap();
+        assert_eq!(dir.workers().count(), MAX_WORKERS);
+    }
+
+    #[test]
+    fn copies_past_the_per_block_cap_are_sequenced_but_not_kept() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w", "a:1", 1).unwrap();
+        dir.register_worker("other", "a:2", 1).unwrap();
+        let codecs: Vec<BlockEvent> = (0..MAX_COPIES_PER_BLOCK_PER_WORKER + 5)
+            .map(|i| BlockEvent::Stored { hash: 7, tier: Tier::Host, codec: format!("c{i:02}"), bytes: 1 })
+            .collect();
+        let applied = dir.apply(&batch("w", 1, 1, codecs.clone())).unwrap();
+        assert_eq!(applied, ApplyOutcome::Applied { applied: MAX_COPIES_PER_BLOCK_PER_WORKER + 5, skipped: 0 });
+        assert_eq!(dir.residency(7).len(), MAX_COPIES_PER_BLOCK_PER_WORKER);
+        assert_eq!(dir.worker("w").unwrap().blocks, MAX_COPIES_PER_BLOCK_PER_WORKER as u64);
+        assert_eq!(dir.worker("w").unwrap().applied_seq, codecs.len() as u64);
+        // The cap is per worker: another worker's copy of the block is kept, and the list stays sorted.
+        dir.apply(&batch("other", 1, 1, vec![stored(7, Tier::Device)])).unwrap();
+        let copies = dir.residency(7);
+        assert_eq!(copies.len(), MAX_COPIES_PER_BLOCK_PER_WORKER + 1);
+        assert!(copies.windows(2).all(|w| w[0] < w[1]), "{copies:?}");
+        // Removing a copy makes room for one more; removing one never kept changes nothing.
+        let mut seq = codecs.len() as u64 + 1;
+        let removed_dropped = BlockEvent::Removed { hash: 7, tier: Tier::Host, codec: "c20".into() };
+        dir.apply(&batch("w", 1, seq, vec![removed_dropped])).unwrap();
+        seq += 1;
+        assert_eq!(dir.worker("w").unwrap().blocks, MAX_COPIES_PER_BLOCK_PER_WORKER as u64);
+        let removed_kept = BlockEvent::Removed { hash: 7, tier: Tier::Host, codec: "c00".into() };
+        dir.apply(&batch("w", 1, seq, vec![removed_kept, codecs[20].clone()])).unwrap();
+        assert!(dir.residency(7).iter().any(|r| r.codec == "c20"));
+        assert!(!dir.residency(7).iter().any(|r| r.codec == "c00"));
+        assert_eq!(dir.worker("w").unwrap().blocks, MAX_COPIES_PER_BLOCK_PER_WORKER as u64);
+    }
+
+    #[test]
+    fn copies_past_the_per_worker_cap_are_not_kept() {
+        let mut dir = BlockDirectory::new();
+        dir.register_worker("w", "a:1", 1).unwrap();
+        let full: Vec<(BlockHash, Tier, String, u64)> =
+            (0..MAX_COPIES_PER_WORKER).map(|h| (h, Tier::Disk, "int4_kivi".to_string(), 1)).collect();
+        dir.apply_snapshot("w", 1, 1, &full, None).unwrap();
+        assert_eq!(dir.worker("w").unwrap().blocks, MAX_COPIES_PER_WORKER);
+        let past = dir.apply(&batch("w", 1, 2, vec![stored(u64::MAX, Tier::Device)])).unwrap();
+        assert_eq!(past, ApplyOutcome::Applied { applied: 1, skipped: 0 });
+        assert!(dir.residency(u64::MAX).is_empty());
+        assert_eq!(dir.block_count(), MAX_COPIES_PER_WORKER as usize);
+        // One removed, one stored.
+        let swap = vec![
+            BlockEvent::Removed { hash: 0, tier: Tier::Disk, codec: "int4_kivi".into() },
+            stored(u64::MAX, Tier::Device),
+        ];
+        dir.apply(&batch("w", 1, 3, swap)).unwrap();
+        assert_eq!(dir.residency(u64::MAX).len(), 1);
+        assert_eq!(dir.worker("w").unwrap().blocks, MAX_COPIES_PER_WORKER);
     }
 }

@@ -31,6 +31,9 @@ const DRAIN_PER_ROUND: usize = 4096;
 pub const WATCH_BUFFER: usize = 4096;
 /// A Watch further behind than this many log entries starts from a snapshot instead of replaying the log.
 const MAX_CATCHUP_ENTRIES: u64 = 4096;
+/// Nor does a Watch replay more log than this: 4,096 entries of full 16 MiB batches would be 64 GiB held for one
+/// watcher, where a snapshot is bounded by the directory's own caps.
+pub const MAX_CATCHUP_BYTES: u64 = 32 << 20;
 /// How long a caller waits for a commit or a read before giving up.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -199,6 +202,10 @@ pub struct Node {
     reads: HashMap<u64, (pb::ReadRequest, Reply<pb::ReadResponse>)>,
     ready_reads: Vec<(u64, pb::ReadRequest, Reply<pb::ReadResponse>)>,
     watchers: Vec<Watcher>,
+    /// The directory as a watch event at the applied index it was built at: watchers that start from a snapshot at
+    /// one index (a router's replicas reconnecting together) share one build instead of one each. Dropped once the
+    /// index moves on.
+    watch_snapshot: Option<(u64, Arc<pb::WatchEvent>)>,
     leader: u64,
     role: StateRole,
     /// Take a snapshot at the next chance even if `snapshot_every` entries have not passed.
@@ -299,6 +306,7 @@ impl Node {
             reads: HashMap::new(),
             ready_reads: Vec::new(),
             watchers: Vec::new(),
+            watch_snapshot: None,
             leader: 0,
             role: StateRole::Follower,
             force_snapshot: false,
@@ -460,37 +468,61 @@ impl Node {
     }
 
     fn watch(&mut self, from_index: u64) -> Result<WatchStart, NodeError> {
-        let store = self.raw.store();
-        let mut catch_up = Vec::new();
-        let replay = from_index > 0
-            && from_index >= store.first()
-            && self.applied.saturating_sub(from_index) < MAX_CATCHUP_ENTRIES;
-        if !replay {
-            catch_up.push(Arc::new(pb::WatchEvent {
-                index: self.applied,
-                body: Some(pb::watch_event::Body::Snapshot(machine::directory_to_proto(&self.dir))),
-            }));
-        } else if from_index <= self.applied {
-            let entries = store
-                .read_entries(from_index, self.applied + 1, None)
-                .map_err(|e| NodeError::Rejected(format!("log read: {e}")))?;
-            for e in entries {
-                if let Some(ev) = command_event(&e) {
-                    catch_up.push(Arc::new(ev));
-                }
-            }
-        }
+        let replay = if from_index > 0
+            && from_index >= self.raw.store().first()
+            && self.applied.saturating_sub(from_index) < MAX_CATCHUP_ENTRIES
+        {
+            self.replay_from(from_index)?
+        } else {
+            None
+        };
+        let (catch_up, from) = match replay {
+            Some(events) => (events, from_index.max(self.applied + 1)),
+            None => (vec![self.snapshot_event()], self.applied + 1),
+        };
         let (tx, live) = mpsc::channel(WATCH_BUFFER);
-        let from = if replay { from_index.max(self.applied + 1) } else { self.applied + 1 };
         self.watchers.push(Watcher { from, tx });
         Ok(WatchStart { catch_up, live })
     }
 
-    fn publish(&mut self, ev: pb::WatchEvent) {
-        if self.watchers.is_empty() {
-            return;
+    /// The log's commands from `from_index` to the applied index, or `None` when they exceed
+    /// [`MAX_CATCHUP_BYTES`] (the watcher then starts from a snapshot).
+    fn replay_from(&self, from_index: u64) -> Result<Option<Vec<Arc<pb::WatchEvent>>>, NodeError> {
+        if from_index > self.applied {
+            return Ok(Some(Vec::new()));
         }
-        let ev = Arc::new(ev);
+        let entries = self
+            .raw
+            .store()
+            .read_entries(from_index, self.applied + 1, Some(MAX_CATCHUP_BYTES))
+            .map_err(|e| NodeError::Rejected(format!("log read: {e}")))?;
+        if entries.last().map(|e| e.index) != Some(self.applied) {
+            return Ok(None);
+        }
+        Ok(Some(entries.iter().filter_map(command_event).map(Arc::new).collect()))
+    }
+
+    fn snapshot_event(&mut self) -> Arc<pb::WatchEvent> {
+        if let Some((index, ev)) = &self.watch_snapshot
+            && *index == self.applied
+        {
+            return ev.clone();
+        }
+        let ev = Arc::new(pb::WatchEvent {
+            index: self.applied,
+            body: Some(pb::watch_event::Body::Snapshot(machine::directory_to_proto(&self.dir))),
+        });
+        self.watch_snapshot = Some((self.applied, ev.clone()));
+        ev
+    }
+
+    fn publish(&mut self, ev: pb::WatchEvent) {
+        if !self.watchers.is_empty() {
+            self.publish_shared(Arc::new(ev));
+        }
+    }
+
+    fn publish_shared(&mut self, ev: Arc<pb::WatchEvent>) {
         self.watchers.retain(|w| {
             if ev.index < w.from {
                 return true;
@@ -608,11 +640,12 @@ impl Node {
         self.members = members;
         self.members.entry(self.id).or_default();
         self.applied = index;
+        self.watch_snapshot = None;
         tracing::info!(node = self.id, index, "installed a raft snapshot from the leader");
-        self.publish(pb::WatchEvent {
-            index,
-            body: Some(pb::watch_event::Body::Snapshot(machine::directory_to_proto(&self.dir))),
-        });
+        if !self.watchers.is_empty() {
+            let ev = self.snapshot_event();
+            self.publish_shared(ev);
+        }
         Ok(())
     }
 
@@ -622,6 +655,7 @@ impl Node {
                 continue;
             }
             self.applied = e.index;
+            self.watch_snapshot = None;
             match e.get_entry_type() {
                 EntryType::EntryNormal => self.apply_normal(&e),
                 EntryType::EntryConfChange => self.apply_conf_change(&e)?,

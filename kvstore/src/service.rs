@@ -146,13 +146,15 @@ fn watch_stream(
         let mut last = 0;
         for ev in catch_up {
             last = ev.index;
-            if tx.send(Ok((*ev).clone())).await.is_err() {
+            // A watcher that is the event's last holder takes it; a shared one (a snapshot, a live event other
+            // watchers also get) is copied.
+            if tx.send(Ok(Arc::unwrap_or_clone(ev))).await.is_err() {
                 return;
             }
         }
         while let Some(ev) = live.recv().await {
             last = ev.index;
-            if tx.send(Ok((*ev).clone())).await.is_err() {
+            if tx.send(Ok(Arc::unwrap_or_clone(ev))).await.is_err() {
                 return;
             }
         }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use pagoda_kvstore::proto as pb;
 use pagoda_kvstore::server::start_on;
 use pagoda_kvstore::{Client, NodeConfig, RunningNode};
+use prost::Message as _;
 use tokio::net::TcpListener;
 use tonic::{Code, Status};
 
@@ -406,4 +407,66 @@ async fn a_joining_node_catches_up_after_its_first_snapshot_is_lost() {
     for n in nodes {
         n.stop().await.unwrap();
     }
+}
+
+/// The first event of a Watch from `from_index`.
+async fn first_watch_event(addr: &str, from_index: u64) -> pb::WatchEvent {
+    let mut watch = Client::watch(addr, from_index).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), watch.message()).await.unwrap().unwrap().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_behind_by_more_log_bytes_than_the_bound_starts_from_a_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = node.addr.to_string();
+    let mut c = Client::new(vec![addr.clone()]).unwrap().with_deadline(Duration::from_secs(30));
+    c.register("w", "x:1", 1).await.unwrap();
+    let mut seq = 1;
+    let mut publish = async |c: &mut Client, events: Vec<pb::BlockEvent>| {
+        let n = events.len() as u64;
+        let r = c
+            .publish(pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq: seq, events, load: None })
+            .await
+            .unwrap();
+        seq += n;
+        r.index
+    };
+    // Few entries, many bytes: removals of blocks never stored, under the longest codec name, change nothing in the
+    // directory but fill the log.
+    let removal = pb::BlockEvent {
+        kind: Some(pb::block_event::Kind::Removed(pb::Removed {
+            hash: u64::MAX,
+            tier: pb::Tier::Disk as i32,
+            codec: "k".repeat(pagoda_kvstore::machine::MAX_CODEC_LEN),
+        })),
+    };
+    let per_batch = pagoda_kvstore::machine::MAX_EVENTS_PER_BATCH;
+    let batch_bytes = (removal.encoded_len() + 3) * per_batch;
+    let batches = pagoda_kvstore::node::MAX_CATCHUP_BYTES as usize / batch_bytes + 2;
+    let first_big = publish(&mut c, vec![removal.clone(); per_batch]).await;
+    for _ in 1..batches {
+        publish(&mut c, vec![removal.clone(); per_batch]).await;
+    }
+    let after_big = publish(&mut c, vec![stored(5)]).await;
+    assert!(after_big - first_big < 4096, "few entries: {first_big}..{after_big}");
+
+    // Behind by a few small entries: replayed.
+    let ev = first_watch_event(&addr, after_big).await;
+    assert_eq!(ev.index, after_big);
+    assert!(matches!(ev.body, Some(pb::watch_event::Body::Command(_))), "{ev:?}");
+    // Behind by more bytes than the bound, in few entries: a snapshot of the directory now.
+    let ev = first_watch_event(&addr, first_big).await;
+    assert_eq!(ev.index, after_big);
+    let Some(pb::watch_event::Body::Snapshot(snap)) = ev.body else { panic!("expected a snapshot: {ev:?}") };
+    let dir = pagoda_kvstore::machine::directory_from_proto(&snap).unwrap();
+    assert_eq!(dir.residency(5).len(), 1);
+    assert_eq!(dir.worker("w").unwrap().applied_seq, seq - 1);
+
+    // Watchers that start from a snapshot at one index share one build of it.
+    let a = node.handle.watch(0).await.unwrap();
+    let b = node.handle.watch(0).await.unwrap();
+    assert!(Arc::ptr_eq(&a.catch_up[0], &b.catch_up[0]));
+    drop((a, b));
+    node.stop().await.unwrap();
 }
