@@ -505,6 +505,18 @@ struct HttpArgs {
     #[arg(long, default_value_t = pagoda_router::DEFAULT_MAX_INFLIGHT,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     max_inflight: usize,
+    /// Seconds the router waits on a client: for the rest of a request body (then 408), and for it to read the
+    /// next piece of a streamed answer (then the generation is cancelled and its in-flight slot freed).
+    #[arg(long, default_value_t = pagoda_router::DEFAULT_CLIENT_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    client_timeout_secs: u64,
+}
+
+impl HttpArgs {
+    /// `--client-timeout-secs` as the router's [`pagoda_router::RouterConfig::client_timeout`].
+    fn client_timeout(&self) -> Duration {
+        Duration::from_secs(self.client_timeout_secs)
+    }
 }
 
 #[derive(Args)]
@@ -1619,6 +1631,7 @@ async fn up(args: UpArgs) -> Result<()> {
         workers: vec![worker_addr.to_string()],
         body_limit: args.http.body_limit,
         max_inflight: args.http.max_inflight,
+        client_timeout: args.http.client_timeout(),
         security,
         kvstore: Endpoints::fixed(vec![kv_addr.clone()]),
         ..RouterConfig::default()
@@ -1783,6 +1796,7 @@ async fn router(args: RouterArgs) -> Result<()> {
         etcd,
         body_limit: args.http.body_limit,
         max_inflight: args.http.max_inflight,
+        client_timeout: args.http.client_timeout(),
         placement,
         security,
         kvstore,
@@ -2485,7 +2499,11 @@ async fn bench_kvstore(args: BenchKvstoreArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_args, sweep_dead_temp_dirs};
+    use std::time::Duration;
+
+    use clap::Parser;
+
+    use super::{Cli, Command, check_args, sweep_dead_temp_dirs};
 
     #[test]
     fn sweep_removes_only_dead_runs_directories() {
@@ -2508,6 +2526,23 @@ mod tests {
 
     fn argv(s: &str) -> Vec<String> {
         s.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn client_timeout_is_a_bounded_flag_of_router_and_up() {
+        let timeout = |line: &str| match Cli::try_parse_from(argv(line)).map(|c| c.command) {
+            Ok(Command::Router(a)) => Ok(a.http.client_timeout()),
+            Ok(Command::Up(a)) => Ok(a.http.client_timeout()),
+            Ok(_) => panic!("{line}: another command"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(timeout("pagoda router --worker=w:1"), Ok(pagoda_router::DEFAULT_CLIENT_TIMEOUT));
+        assert_eq!(timeout("pagoda router --worker=w:1 --client-timeout-secs=5"), Ok(Duration::from_secs(5)));
+        assert_eq!(timeout("pagoda up --client-timeout-secs 3600"), Ok(Duration::from_secs(3600)));
+        for bad in ["0", "3601", "-1", "1.5"] {
+            let err = timeout(&format!("pagoda router --worker=w:1 --client-timeout-secs={bad}")).unwrap_err();
+            assert!(err.contains("invalid value"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! client stops reading ([`SlotBody`]), so that stalled connections cannot hold every slot.
 
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -200,41 +201,94 @@ where
 /// open, so a watchdog task frees the slot instead.
 pub struct SlotBody<B> {
     inner: B,
-    state: Arc<Mutex<SlotState>>,
+    slot: Arc<Slot>,
 }
 
-struct SlotState {
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-    /// When the last frame was handed to the server, while it has not asked for the next one.
-    handed_at: Option<Instant>,
+/// The in-flight slot that a [`SlotBody`] and its watchdog share. It is touched on every streamed frame, so it is
+/// atomics rather than a lock: whichever side gives the slot up first (the body's end or drop, or the watchdog)
+/// wins the `released` flag and hands the permit back to the semaphore; the other finds it already done.
+struct Slot {
+    semaphore: Arc<tokio::sync::Semaphore>,
+    permits: usize,
+    released: AtomicBool,
+    /// When the last frame was handed to the server, while it has not asked for the next one: nanoseconds since
+    /// `origin`, plus one so that 0 can mean "not waiting on the client".
+    handed_at: AtomicU64,
+    origin: Instant,
+}
+
+impl Slot {
+    /// Gives the slot back, once: whether this call did.
+    fn release(&self) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.semaphore.add_permits(self.permits);
+        true
+    }
+
+    fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    fn mark_handed(&self) {
+        let nanos = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.handed_at.store(nanos.saturating_add(1).max(1), Ordering::Release);
+    }
+
+    fn mark_asked(&self) {
+        self.handed_at.store(0, Ordering::Release);
+    }
+
+    /// How long the last frame handed over has waited for the server to ask for the next (`None`: it asked).
+    fn waiting_on_client(&self) -> Option<Duration> {
+        let at = self.handed_at.load(Ordering::Acquire).checked_sub(1)?;
+        Some(self.origin.elapsed().saturating_sub(Duration::from_nanos(at)))
+    }
+}
+
+impl Drop for Slot {
+    /// The body was dropped before its end (the client left): the slot goes back with it.
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 impl<B> SlotBody<B> {
     /// Needs a tokio runtime (it spawns the watchdog).
     pub fn new(inner: B, permit: tokio::sync::OwnedSemaphorePermit, timeout: Duration) -> Self {
-        let state = Arc::new(Mutex::new(SlotState { permit: Some(permit), handed_at: None }));
-        let watched = Arc::downgrade(&state);
+        let (semaphore, permits) = (permit.semaphore().clone(), permit.num_permits());
+        // The permit's count now lives in `Slot`, which adds it back exactly once.
+        permit.forget();
+        let slot = Arc::new(Slot {
+            semaphore,
+            permits,
+            released: AtomicBool::new(false),
+            handed_at: AtomicU64::new(0),
+            origin: Instant::now(),
+        });
+        let watched = Arc::downgrade(&slot);
         // Weak: the body's end (or drop) ends the watchdog at its next tick.
         let tick = (timeout / 4).max(Duration::from_millis(1));
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(tick).await;
-                let Some(state) = watched.upgrade() else { return };
-                let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
-                if s.permit.is_none() {
+                let Some(slot) = watched.upgrade() else { return };
+                if slot.is_released() {
                     return;
                 }
-                if s.handed_at.is_some_and(|t| t.elapsed() >= timeout) {
-                    s.permit = None;
-                    tracing::warn!(
-                        timeout_ms = timeout.as_millis() as u64,
-                        "the client stopped reading its response; its in-flight slot is freed"
-                    );
+                if slot.waiting_on_client().is_some_and(|waited| waited >= timeout) {
+                    if slot.release() {
+                        tracing::warn!(
+                            timeout_ms = timeout.as_millis() as u64,
+                            "the client stopped reading its response; its in-flight slot is freed"
+                        );
+                    }
                     return;
                 }
             }
         });
-        SlotBody { inner, state }
+        SlotBody { inner, slot }
     }
 }
 
@@ -248,14 +302,13 @@ where
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        let mut s = this.state.lock().unwrap_or_else(PoisonError::into_inner);
         if ends_body(&polled, &this.inner) {
-            s.permit = None;
+            this.slot.release();
         } else if polled.is_ready() {
-            s.handed_at = Some(Instant::now());
+            this.slot.mark_handed();
         } else {
             // The server is asking: the client is keeping up, and the wait is the generation's.
-            s.handed_at = None;
+            this.slot.mark_asked();
         }
         polled
     }
@@ -266,5 +319,76 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::Arc;
+
+    use tokio::sync::{Semaphore, mpsc};
+
+    use super::*;
+
+    type Chunks = mpsc::Sender<Result<Bytes, Infallible>>;
+
+    /// A slot body over a channel of chunks, holding the one permit of `slots`.
+    fn slot_body(slots: &Arc<Semaphore>, timeout: Duration) -> (SlotBody<Body>, Chunks) {
+        let (tx, rx) = mpsc::channel(4);
+        let permit = slots.clone().try_acquire_owned().unwrap();
+        let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+        (SlotBody::new(body, permit, timeout), tx)
+    }
+
+    /// Polls `body` once, as the server does when it asks for the next frame.
+    fn poll_once(body: &mut SlotBody<Body>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let waker = futures::task::noop_waker();
+        http_body::Body::poll_frame(Pin::new(body), &mut Context::from_waker(&waker))
+    }
+
+    const TIMEOUT: Duration = Duration::from_millis(40);
+    const PAST_TIMEOUT: Duration = Duration::from_millis(200);
+
+    #[tokio::test]
+    async fn a_slot_goes_back_once_whoever_gives_it_up() {
+        let slots = Arc::new(Semaphore::new(1));
+
+        // The client stops reading: a frame was handed over and the next is not asked for, so the watchdog frees
+        // the slot; the body's later end and drop give nothing more back.
+        let (mut body, tx) = slot_body(&slots, TIMEOUT);
+        tx.send(Ok(Bytes::from_static(b"a"))).await.unwrap();
+        assert!(matches!(poll_once(&mut body), Poll::Ready(Some(Ok(_)))));
+        assert_eq!(slots.available_permits(), 0);
+        tokio::time::sleep(PAST_TIMEOUT).await;
+        assert_eq!(slots.available_permits(), 1, "the watchdog frees a stalled client's slot");
+        drop(tx);
+        assert!(matches!(poll_once(&mut body), Poll::Ready(None)));
+        drop(body);
+        assert_eq!(slots.available_permits(), 1, "given back once");
+
+        // The server keeps asking while the generation is slow: that is no stalled client.
+        let (mut body, tx) = slot_body(&slots, TIMEOUT);
+        assert!(poll_once(&mut body).is_pending());
+        tokio::time::sleep(PAST_TIMEOUT).await;
+        assert_eq!(slots.available_permits(), 0, "a slow generation keeps its slot");
+        // Its end gives the slot back at once, and only once (the watchdog and the drop after it add nothing).
+        tx.send(Ok(Bytes::from_static(b"a"))).await.unwrap();
+        drop(tx);
+        assert!(matches!(poll_once(&mut body), Poll::Ready(Some(Ok(_)))));
+        assert!(matches!(poll_once(&mut body), Poll::Ready(None)));
+        assert_eq!(slots.available_permits(), 1);
+        tokio::time::sleep(PAST_TIMEOUT).await;
+        drop(body);
+        assert_eq!(slots.available_permits(), 1);
+
+        // A body dropped mid-stream (the client left) gives its slot back with it.
+        let (mut body, tx) = slot_body(&slots, TIMEOUT);
+        tx.send(Ok(Bytes::from_static(b"a"))).await.unwrap();
+        assert!(matches!(poll_once(&mut body), Poll::Ready(Some(Ok(_)))));
+        drop(body);
+        assert_eq!(slots.available_permits(), 1);
+        tokio::time::sleep(PAST_TIMEOUT).await;
+        assert_eq!(slots.available_permits(), 1);
     }
 }

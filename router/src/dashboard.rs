@@ -2,9 +2,10 @@
 //! polls `/dashboard/api/state` once a second, and the state behind it.
 //!
 //! This module owns the dashboard's routes, its login (the admin key traded once for an HttpOnly, SameSite=Strict
-//! session cookie, see [`crate::auth`]), and the cache of what it fetches from the fleet: every worker's `Stats`
-//! and the kvstore nodes' raft `Status`. The cache is refreshed at most once per [`FLEET_MAX_AGE`] and by one
-//! request at a time, so any number of open dashboards cost the workers one `Stats` call a second.
+//! session cookie, see [`crate::auth`]), and the cache of what it fetches from the fleet: the kvstore nodes' raft
+//! `Status`, with the workers' `Stats` from the snapshot `/metrics` shares ([`crate::stats_cache`]). The cache is
+//! refreshed at most once per [`FLEET_MAX_AGE`] and by one request at a time, so any number of open dashboards cost
+//! the workers one `Stats` call a second, scrapes included.
 //!
 //! Access follows the admin endpoints ([`crate::access::admin_access`]): the session cookie or `Authorization:
 //! Bearer <admin key>`; open in dev mode (no keys file, no admin key); 403 with a keys file but no admin key.
@@ -16,8 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::extract::State;
-use axum::extract::rejection::FormRejection;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,8 +28,10 @@ use serde::{Deserialize, Serialize};
 use crate::access::admin_access;
 use crate::auth::{ADMIN_SESSION, MAX_KEY_BYTES};
 use crate::error::ApiError;
+use crate::extract::within_client_timeout;
 use crate::placer::DecisionRecord;
 use crate::server::{AppState, unix_now};
+use crate::stats_cache::StatsSnapshot;
 use crate::timeline::TimelineSnapshot;
 use kvstore::{KvstoreNodes, KvstoreView};
 
@@ -61,10 +63,16 @@ pub struct Dashboard {
 /// What the workers and the kvstore said at one moment.
 pub struct Fleet {
     fetched: Instant,
-    /// Per worker of the pool then, by address (the pool may have changed since): its `Stats`, or `None` when it
-    /// did not answer.
-    stats: BTreeMap<String, Option<StatsResponse>>,
+    /// The workers' `Stats` (`None`: the first fetch failed).
+    stats: Option<Arc<StatsSnapshot>>,
     kvstore: KvstoreView,
+}
+
+impl Fleet {
+    /// When its oldest figures were fetched.
+    fn oldest(&self) -> Instant {
+        self.stats.as_ref().map_or(self.fetched, |s| s.fetched.min(self.fetched))
+    }
 }
 
 /// Clears the refresh flag when the refreshing request ends, even when its client went away mid-refresh.
@@ -98,18 +106,14 @@ impl Dashboard {
     /// previous view is returned (`None` before the first one exists).
     pub async fn fleet(&self, st: &AppState) -> Option<Arc<Fleet>> {
         let cached = self.cached();
-        if cached.as_ref().is_some_and(|f| f.fetched.elapsed() < FLEET_MAX_AGE) {
+        if cached.as_ref().is_some_and(|f| f.oldest().elapsed() < FLEET_MAX_AGE) {
             return cached;
         }
         if self.refreshing.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
             return cached;
         }
         let _guard = RefreshGuard(&self.refreshing);
-        let pool = st.pool();
-        let workers = pool.workers();
-        let (stats, kvstore) =
-            futures::join!(futures::future::join_all(workers.iter().map(|w| w.stats())), self.kvstore.poll());
-        let stats = workers.iter().map(|w| w.addr.clone()).zip(stats).collect();
+        let (stats, kvstore) = futures::join!(st.worker_stats(), self.kvstore.poll());
         let fleet = Arc::new(Fleet { fetched: Instant::now(), stats, kvstore });
         if let Ok(mut l) = self.latest.lock() {
             *l = Some(fleet.clone());
@@ -227,11 +231,11 @@ struct LoginForm {
     key: String,
 }
 
-async fn login(
-    State(st): State<AppState>,
-    headers: HeaderMap,
-    form: Result<Form<LoginForm>, FormRejection>,
-) -> Response {
+async fn login(State(st): State<AppState>, headers: HeaderMap, req: Request) -> Response {
+    let form = match within_client_timeout(&st, Form::<LoginForm>::from_request(req, &st)).await {
+        Ok(form) => form,
+        Err(timeout) => return timeout.into_response(),
+    };
     // The page's own form cannot get here; whatever else does gets the router's JSON errors, not axum's text.
     let form = match form {
         Ok(Form(form)) => form,
@@ -452,7 +456,7 @@ fn fleet_totals<'a>(
 
 /// The worker at `addr`'s `Stats` in `fleet`, if it was in the pool then and answered.
 fn fleet_stats<'a>(fleet: Option<&'a Fleet>, addr: &str) -> Option<&'a StatsResponse> {
-    fleet?.stats.get(addr)?.as_ref()
+    fleet?.stats.as_deref()?.get(addr)
 }
 
 async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
@@ -501,7 +505,7 @@ async fn api_state(State(st): State<AppState>, headers: HeaderMap) -> Response {
     let metrics = st.metrics();
     let body = StateView {
         generated_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
-        fleet_age_ms: fleet.as_ref().map(|f| now.saturating_duration_since(f.fetched).as_millis() as u64),
+        fleet_age_ms: fleet.as_ref().map(|f| now.saturating_duration_since(f.oldest()).as_millis() as u64),
         router: RouterView {
             strategy: pool.strategy_name(),
             uptime_s: st.started().elapsed().as_secs(),

@@ -1,5 +1,6 @@
 //! The request-body extractor: reads the body under the configured size limit and parses it as JSON, turning
-//! every failure (too large, invalid UTF-8, malformed JSON, wrong field types) into an OpenAI-style [`ApiError`].
+//! every failure (too large, invalid UTF-8, malformed JSON, wrong field types) into an OpenAI-style [`ApiError`];
+//! and the client timeout that bounds every body read ([`within_client_timeout`]).
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
@@ -19,11 +20,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         let limit = state.body_limit();
-        // A client that stops sending would otherwise hold its in-flight slot (taken before the body is read)
-        // for as long as it keeps the connection open.
-        let timeout = state.client_timeout();
-        let read = tokio::time::timeout(timeout, Bytes::from_request(req, state)).await;
-        let bytes = match read.map_err(|_| ApiError::request_timeout(timeout))? {
+        let bytes = match within_client_timeout(state, Bytes::from_request(req, state)).await? {
             Ok(b) => b,
             Err(rejection) => {
                 return Err(if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -41,6 +38,14 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
         }
         parse_json(&bytes).map(ApiJson)
     }
+}
+
+/// Runs `read`, a read of the request body, for at most the client timeout; past it the request is a JSON 408. A
+/// client that stops sending would otherwise hold the handler (and any slot taken before the body is read) for as
+/// long as it keeps the connection open. Every handler that reads a body reads it through this.
+pub async fn within_client_timeout<F: Future>(state: &AppState, read: F) -> Result<F::Output, ApiError> {
+    let timeout = state.client_timeout();
+    tokio::time::timeout(timeout, read).await.map_err(|_| ApiError::request_timeout(timeout))
 }
 
 /// Parses a request body: UTF-8 first, then JSON into `T`, reporting the offending field as `param`.

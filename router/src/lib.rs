@@ -16,6 +16,7 @@
 //! - [`residency`]: the bounded index of which worker holds which prefix block, reported and predicted.
 //! - [`feed`]: the kvstore `Watch` task that feeds the residency index and raises the stale-reports alarm.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`stats_cache`]: the workers' `Stats`, fetched at most once a second for `/metrics` and the dashboard.
 //! - [`auth`]: API keys file, tenants, admin key, bearer parsing and constant-time key lookup.
 //! - [`limits`]: per-key token bucket and in-flight cap ([`limits::Limiter`]).
 //! - [`access`]: the middlewares that apply [`auth`] and [`limits`] to `/v1/*` and the admin endpoints.
@@ -46,6 +47,7 @@ pub mod residency;
 pub mod responses;
 pub mod server;
 pub mod spans;
+pub mod stats_cache;
 pub mod timeline;
 pub mod workers;
 

@@ -1,7 +1,7 @@
 //! Router metrics in Prometheus/OpenMetrics text (prometheus-client), named `pagoda_router_<what>_<unit>`:
 //! requests by endpoint and status, TTFT and inter-token latency, prompt/completion tokens, placements, and worker
-//! occupancy scraped from each worker's `Stats` at scrape time. The `/v1` requests and latencies also feed the
-//! dashboard's [`Timeline`] of recent windows.
+//! occupancy from the workers' `Stats` (the [`crate::stats_cache`] snapshot the dashboard shares, at most a second
+//! old). The `/v1` requests and latencies also feed the dashboard's [`Timeline`] of recent windows.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
@@ -17,6 +17,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use pagoda_proto::worker::StatsResponse;
 
+use crate::stats_cache::StatsSnapshot;
 use crate::timeline::Timeline;
 use crate::workers::WorkerPool;
 
@@ -129,6 +130,43 @@ struct WorkerSeries {
     evicpress_placed: HashSet<TierHitLabels>,
     evicpress_variants: HashSet<VariantLabels>,
 }
+
+/// A per-worker gauge family and the figure of `S` (a worker's `Stats`, or a part of it) that it mirrors: counts
+/// (the worker's `u64`s, cast with `as`) and seconds.
+type CountGauge<S> = (fn(&Metrics) -> &Family<WorkerLabels, Gauge>, fn(&S) -> u64);
+type SecondsGauge<S> = (fn(&Metrics) -> &Family<WorkerLabels, FloatGauge>, fn(&S) -> f64);
+
+/// The gauges labelled by worker alone, set from each worker's `Stats` (and all removed when it leaves).
+const WORKER_GAUGES: [CountGauge<StatsResponse>; 17] = [
+    (|m| &m.worker_used_blocks, |s| s.blocks_used),
+    (|m| &m.worker_capacity_blocks, |s| s.blocks_total),
+    (|m| &m.worker_running, |s| s.running),
+    (|m| &m.worker_waiting, |s| s.waiting),
+    (|m| &m.worker_preemptions, |s| s.preemptions_total),
+    (|m| &m.worker_steps, |s| s.steps_total),
+    (|m| &m.worker_step_sequences, |s| s.step_sequences_total),
+    (|m| &m.worker_spec_draft_tokens, |s| s.spec_draft_tokens_total),
+    (|m| &m.worker_spec_accepted_tokens, |s| s.spec_accepted_tokens_total),
+    (|m| &m.worker_spec_drafts, |s| s.spec_drafts_total),
+    (|m| &m.worker_lora_loads, |s| s.lora_loads_total),
+    (|m| &m.worker_lora_on_demand_loads, |s| s.lora_on_demand_loads_total),
+    (|m| &m.worker_lora_evictions, |s| s.lora_evictions_total),
+    (|m| &m.worker_peer_fetch_failures, |s| s.peer_fetch_failures_total),
+    (|m| &m.worker_peer_fetches, |s| s.peer_fetches_total),
+    (|m| &m.worker_peer_linked_fetches, |s| s.peer_linked_fetches_total),
+    (|m| &m.worker_peer_link_refusals, |s| s.peer_link_refusals_total),
+];
+const WORKER_SECONDS_GAUGES: [SecondsGauge<StatsResponse>; 2] = [
+    (|m| &m.worker_lora_load_seconds, |s| s.lora_load_seconds_total),
+    (|m| &m.worker_peer_fetch_seconds, |s| s.peer_fetch_seconds_total),
+];
+/// The EvicPress gauges labelled by worker alone (`worker_evicpress_profile_seconds` is the one float beside them).
+const EVICPRESS_GAUGES: [CountGauge<pagoda_proto::worker::EvicPressStats>; 4] = [
+    (|m| &m.worker_evicpress_contexts, |e| e.contexts),
+    (|m| &m.worker_evicpress_profiles, |e| e.profiles_total),
+    (|m| &m.worker_evicpress_reprofiles, |e| e.reprofiles_total),
+    (|m| &m.worker_evicpress_profiles_on_own_queries, |e| e.profiles_on_own_queries_total),
+];
 
 const PEER_DIRECTIONS: [&str; 2] = ["fetched", "served"];
 const EVICPRESS_CHANGES: [&str; 4] = ["compress", "move_down", "drop", "upgrade"];
@@ -794,12 +832,14 @@ impl Metrics {
         self.rate_limited.get_or_create(&RateLimitLabels { tenant: tenant.to_string(), reason }).inc();
     }
 
-    /// Scrapes every worker's `Stats` and updates the worker gauges.
-    pub async fn scrape_workers(&self, pool: &WorkerPool) {
+    /// Updates the worker gauges for the workers in `pool` now, from `snapshot` (a worker it lacks, or that did
+    /// not answer, keeps its last figures; only its readiness, which the router knows, is set).
+    pub fn record_pool(&self, pool: &WorkerPool, snapshot: Option<&StatsSnapshot>) {
         let workers = pool.workers();
-        let stats = futures::future::join_all(workers.iter().map(|w| w.stats())).await;
-        let scraped: Vec<(&str, bool, Option<&StatsResponse>)> =
-            workers.iter().zip(&stats).map(|(w, s)| (w.addr.as_str(), w.status().ready, s.as_ref())).collect();
+        let scraped: Vec<(&str, bool, Option<&StatsResponse>)> = workers
+            .iter()
+            .map(|w| (w.addr.as_str(), w.status().ready, snapshot.and_then(|s| s.get(&w.addr))))
+            .collect();
         self.record_workers(&scraped);
     }
 
@@ -819,20 +859,12 @@ impl Metrics {
             let l = WorkerLabels { worker: addr.to_string() };
             self.worker_ready.get_or_create(&l).set(i64::from(ready));
             let Some(s) = stats else { continue };
-            self.worker_used_blocks.get_or_create(&l).set(s.blocks_used as i64);
-            self.worker_capacity_blocks.get_or_create(&l).set(s.blocks_total as i64);
-            self.worker_running.get_or_create(&l).set(s.running as i64);
-            self.worker_waiting.get_or_create(&l).set(s.waiting as i64);
-            self.worker_preemptions.get_or_create(&l).set(s.preemptions_total as i64);
-            self.worker_steps.get_or_create(&l).set(s.steps_total as i64);
-            self.worker_step_sequences.get_or_create(&l).set(s.step_sequences_total as i64);
-            self.worker_spec_draft_tokens.get_or_create(&l).set(s.spec_draft_tokens_total as i64);
-            self.worker_spec_accepted_tokens.get_or_create(&l).set(s.spec_accepted_tokens_total as i64);
-            self.worker_spec_drafts.get_or_create(&l).set(s.spec_drafts_total as i64);
-            self.worker_lora_loads.get_or_create(&l).set(s.lora_loads_total as i64);
-            self.worker_lora_on_demand_loads.get_or_create(&l).set(s.lora_on_demand_loads_total as i64);
-            self.worker_lora_evictions.get_or_create(&l).set(s.lora_evictions_total as i64);
-            self.worker_lora_load_seconds.get_or_create(&l).set(s.lora_load_seconds_total);
+            for (family, value) in WORKER_GAUGES {
+                family(self).get_or_create(&l).set(value(s) as i64);
+            }
+            for (family, value) in WORKER_SECONDS_GAUGES {
+                family(self).get_or_create(&l).set(value(s));
+            }
             for t in &s.tiers {
                 let tl = TierLabels { worker: addr.to_string(), tier: t.tier.clone(), codec: t.codec.clone() };
                 self.worker_tier_used_bytes.get_or_create(&tl).set(t.used_bytes as i64);
@@ -852,11 +884,6 @@ impl Metrics {
                 self.worker_peer_blocks.get_or_create(&pl).set(blocks as i64);
                 self.worker_peer_bytes.get_or_create(&pl).set(bytes as i64);
             }
-            self.worker_peer_fetch_failures.get_or_create(&l).set(s.peer_fetch_failures_total as i64);
-            self.worker_peer_fetches.get_or_create(&l).set(s.peer_fetches_total as i64);
-            self.worker_peer_linked_fetches.get_or_create(&l).set(s.peer_linked_fetches_total as i64);
-            self.worker_peer_link_refusals.get_or_create(&l).set(s.peer_link_refusals_total as i64);
-            self.worker_peer_fetch_seconds.get_or_create(&l).set(s.peer_fetch_seconds_total);
             for e in &s.evictions {
                 let pl = PolicyLabels { worker: addr.to_string(), policy: e.policy.clone() };
                 self.worker_evicted_tokens.get_or_create(&pl).set(e.evicted_slots as i64);
@@ -872,37 +899,17 @@ impl Metrics {
     /// Removes every gauge of the worker at `addr`, which left the pool.
     fn forget_worker(&self, addr: &str, series: &WorkerSeries) {
         let l = WorkerLabels { worker: addr.to_string() };
-        for family in [
-            &self.worker_ready,
-            &self.worker_used_blocks,
-            &self.worker_capacity_blocks,
-            &self.worker_running,
-            &self.worker_waiting,
-            &self.worker_preemptions,
-            &self.worker_steps,
-            &self.worker_step_sequences,
-            &self.worker_spec_draft_tokens,
-            &self.worker_spec_accepted_tokens,
-            &self.worker_spec_drafts,
-            &self.worker_lora_loads,
-            &self.worker_lora_on_demand_loads,
-            &self.worker_lora_evictions,
-            &self.worker_peer_fetch_failures,
-            &self.worker_peer_fetches,
-            &self.worker_peer_linked_fetches,
-            &self.worker_peer_link_refusals,
-            &self.worker_evicpress_contexts,
-            &self.worker_evicpress_profiles,
-            &self.worker_evicpress_reprofiles,
-            &self.worker_evicpress_profiles_on_own_queries,
-        ] {
-            family.remove(&l);
+        self.worker_ready.remove(&l);
+        for (family, _) in WORKER_GAUGES {
+            family(self).remove(&l);
         }
-        for family in
-            [&self.worker_lora_load_seconds, &self.worker_peer_fetch_seconds, &self.worker_evicpress_profile_seconds]
-        {
-            family.remove(&l);
+        for (family, _) in WORKER_SECONDS_GAUGES {
+            family(self).remove(&l);
         }
+        for (family, _) in EVICPRESS_GAUGES {
+            family(self).remove(&l);
+        }
+        self.worker_evicpress_profile_seconds.remove(&l);
         for direction in PEER_DIRECTIONS {
             let pl = PeerLabels { worker: addr.to_string(), direction };
             self.worker_peer_blocks.remove(&pl);
@@ -934,10 +941,9 @@ impl Metrics {
     /// Mirrors one worker's EvicPress planner state into the `worker_evicpress_*` gauges.
     fn record_evicpress(&self, worker: &str, e: &pagoda_proto::worker::EvicPressStats, series: &mut WorkerSeries) {
         let l = WorkerLabels { worker: worker.to_owned() };
-        self.worker_evicpress_contexts.get_or_create(&l).set(e.contexts as i64);
-        self.worker_evicpress_profiles.get_or_create(&l).set(e.profiles_total as i64);
-        self.worker_evicpress_reprofiles.get_or_create(&l).set(e.reprofiles_total as i64);
-        self.worker_evicpress_profiles_on_own_queries.get_or_create(&l).set(e.profiles_on_own_queries_total as i64);
+        for (family, value) in EVICPRESS_GAUGES {
+            family(self).get_or_create(&l).set(value(e) as i64);
+        }
         self.worker_evicpress_profile_seconds.get_or_create(&l).set(e.profile_seconds_total);
         for p in &e.placed {
             let tl = TierHitLabels { worker: worker.to_owned(), tier: p.tier.clone() };
@@ -1115,6 +1121,80 @@ mod tests {
                 ..Default::default()
             }),
             ..Default::default()
+        }
+    }
+
+    /// Every per-worker figure of `Stats` lands in its own gauge: each is given a different value, and each value
+    /// shows under the gauge's name.
+    #[test]
+    fn each_stats_figure_sets_its_own_gauge() {
+        let mut n = 0u64;
+        let mut next = || {
+            n += 1;
+            n
+        };
+        let stats = StatsResponse {
+            blocks_used: next(),
+            blocks_total: next(),
+            running: next(),
+            waiting: next(),
+            preemptions_total: next(),
+            steps_total: next(),
+            step_sequences_total: next(),
+            spec_draft_tokens_total: next(),
+            spec_accepted_tokens_total: next(),
+            spec_drafts_total: next(),
+            lora_loads_total: next(),
+            lora_on_demand_loads_total: next(),
+            lora_evictions_total: next(),
+            peer_fetch_failures_total: next(),
+            peer_fetches_total: next(),
+            peer_linked_fetches_total: next(),
+            peer_link_refusals_total: next(),
+            lora_load_seconds_total: 0.25,
+            peer_fetch_seconds_total: 0.5,
+            evicpress: Some(pagoda_proto::worker::EvicPressStats {
+                contexts: next(),
+                profiles_total: next(),
+                reprofiles_total: next(),
+                profiles_on_own_queries_total: next(),
+                profile_seconds_total: 0.75,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let m = Metrics::new();
+        m.record_workers(&[("w", true, Some(&stats))]);
+        let text = m.encode();
+        for (name, value) in [
+            ("worker_ready", "1"),
+            ("worker_used_blocks", "1"),
+            ("worker_capacity_blocks", "2"),
+            ("worker_running_sequences", "3"),
+            ("worker_waiting_sequences", "4"),
+            ("worker_preemptions_sequences", "5"),
+            ("worker_steps", "6"),
+            ("worker_step_sequences", "7"),
+            ("worker_spec_draft_tokens", "8"),
+            ("worker_spec_accepted_tokens", "9"),
+            ("worker_spec_drafts", "10"),
+            ("worker_lora_loads", "11"),
+            ("worker_lora_on_demand_loads", "12"),
+            ("worker_lora_evictions", "13"),
+            ("worker_peer_fetch_failures", "14"),
+            ("worker_peer_fetches", "15"),
+            ("worker_peer_linked_fetches", "16"),
+            ("worker_peer_link_refusals", "17"),
+            ("worker_lora_load_seconds", "0.25"),
+            ("worker_peer_fetch_seconds", "0.5"),
+            ("worker_evicpress_contexts", "18"),
+            ("worker_evicpress_profiles", "19"),
+            ("worker_evicpress_reprofiles", "20"),
+            ("worker_evicpress_profiles_on_own_queries", "21"),
+            ("worker_evicpress_profile_seconds", "0.75"),
+        ] {
+            let line = format!("pagoda_router_{name}{{worker=\"w\"}} {value}");
+            assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
         }
     }
 

@@ -1,7 +1,8 @@
 //! OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), served as vLLM serves it:
 //! over the chat-completions path. This module owns the translation of a Responses request into a chat request,
-//! the response object and its stream of named events, and the bounded in-memory store that `store` and
-//! `previous_response_id` use; the handlers in [`crate::server`] run the generation itself.
+//! the response object and its stream of named events (with the chat path's errors mapped back to the request's
+//! fields), and the bounded in-memory store, shared out between tenants, that `store` and `previous_response_id`
+//! use; the handlers in [`crate::server`] run the generation itself.
 //!
 //! Function tools map to the chat path's forced function calling: `tool_choice` naming a function (or `required`
 //! with one tool) guides the answer by the function's parameters, and the answer is a `function_call` output item;
@@ -16,7 +17,7 @@
 //! prompt therefore starts with the previous turn's tokens, which the router places where they are cached: the
 //! stored conversation costs no recompute of the earlier turns on a worker that still holds them.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,9 +30,10 @@ use serde_json::{Map, Value, json};
 use crate::error::ApiError;
 use crate::openai::Usage;
 
-/// Most responses the store keeps; beyond it the oldest goes.
+/// Most responses the store keeps, over all tenants; beyond it the oldest of the tenant holding the most goes.
 pub const MAX_STORED_RESPONSES: usize = 4096;
-/// Most bytes of stored conversations and response objects (as JSON); beyond it the oldest go.
+/// Most bytes of stored conversations and response objects (as JSON), over all tenants; beyond it the oldest of the
+/// tenant holding the most bytes go.
 pub const MAX_STORED_BYTES: usize = 64 << 20;
 /// Most items in a request's `input`.
 pub const MAX_INPUT_ITEMS: usize = 1024;
@@ -76,6 +78,8 @@ pub struct ResponsesRequest {
     instructions: Option<String>,
     /// This turn's input as chat messages.
     input: Vec<Value>,
+    /// `input` was a string (one user message) rather than a list of items.
+    input_is_text: bool,
     max_output_tokens: Option<i64>,
     store: bool,
     previous_response_id: Option<String>,
@@ -137,7 +141,9 @@ impl ResponsesRequest {
             Some(Value::String(s)) => Some(s),
             Some(_) => return Err(ApiError::invalid_param("instructions", "`instructions` must be a string.")),
         };
-        let input = input_messages(body.remove("input").unwrap_or(Value::Null))?;
+        let input = body.remove("input").unwrap_or(Value::Null);
+        let input_is_text = input.is_string();
+        let input = input_messages(input)?;
         let max_output_tokens = match body.remove("max_output_tokens") {
             None | Some(Value::Null) => None,
             Some(v) => Some(v.as_i64().filter(|&n| n >= 1).ok_or_else(|| {
@@ -165,6 +171,7 @@ impl ResponsesRequest {
             passed,
             instructions,
             input,
+            input_is_text,
             max_output_tokens,
             store,
             previous_response_id,
@@ -190,6 +197,11 @@ impl ResponsesRequest {
     /// The chat request body for this turn after `previous` (the earlier conversation, when there is one), and the
     /// response under way.
     pub fn into_chat(self, previous: Vec<Value>) -> (Value, PendingResponse) {
+        let origins = MessageOrigins {
+            instructions: self.instructions.is_some(),
+            previous: previous.len(),
+            input_is_text: self.input_is_text,
+        };
         let mut conversation = previous;
         conversation.extend(self.input);
         let mut messages = Vec::with_capacity(conversation.len() + 1);
@@ -221,6 +233,7 @@ impl ResponsesRequest {
             model: get("model"),
             store: self.store,
             conversation,
+            origins,
             echo: json!({
                 "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens,
@@ -238,6 +251,46 @@ impl ResponsesRequest {
             }),
         };
         (Value::Object(chat), pending)
+    }
+}
+
+/// Where the chat messages of a turn came from, in order: the `instructions` (as a system message), the earlier
+/// conversation (`previous_response_id`), then one message per item of this turn's `input`.
+#[derive(Debug, Clone, Copy)]
+struct MessageOrigins {
+    instructions: bool,
+    /// Messages of the earlier conversation.
+    previous: usize,
+    input_is_text: bool,
+}
+
+/// `messages[k]` and what follows it in a chat error's `param`.
+fn message_param(param: &str) -> Option<(usize, &str)> {
+    let rest = param.strip_prefix("messages[")?;
+    let (k, rest) = rest.split_once(']')?;
+    Some((k.parse().ok()?, rest))
+}
+
+impl MessageOrigins {
+    /// The client's field for the chat path's `messages[k]` + `rest`; `conversation` is the earlier conversation
+    /// followed by this turn's input, as chat messages.
+    fn client_param(&self, k: usize, rest: &str, conversation: &[Value]) -> String {
+        let Some(k) = k.checked_sub(usize::from(self.instructions)) else { return "instructions".into() };
+        let Some(j) = k.checked_sub(self.previous) else { return "previous_response_id".into() };
+        if self.input_is_text {
+            return "input".into();
+        }
+        let message = conversation.get(k);
+        let role = message.and_then(|m| m.get("role")).and_then(Value::as_str);
+        let field = match role {
+            // A `function_call_output` item: its `call_id` and `output` became the tool message's.
+            Some("tool") if rest == ".tool_call_id" => ".call_id",
+            Some("tool") if rest.starts_with(".content") => ".output",
+            // A `function_call` item became an assistant message whose one call carries its name and arguments.
+            Some("assistant") if message.is_some_and(|m| m.get("tool_calls").is_some()) => "",
+            _ => rest,
+        };
+        format!("input[{j}]{field}")
     }
 }
 
@@ -459,10 +512,23 @@ pub struct PendingResponse {
     store: bool,
     /// The conversation without `instructions`, up to this turn's input.
     conversation: Vec<Value>,
+    /// Where the chat request's messages came from, to name the client's field in its errors.
+    origins: MessageOrigins,
     echo: Value,
 }
 
 impl PendingResponse {
+    /// The chat path's error, as this request's fields name it: [`rename_param`], and a `messages[k]` of the
+    /// translated chat mapped back to the `input[j]` item (or the `instructions`, or the earlier conversation) it
+    /// came from, in `param` and in the message.
+    pub fn rename_param(&self, e: ApiError) -> ApiError {
+        let Some((k, rest)) = e.param.as_deref().and_then(message_param) else { return rename_param(e) };
+        let chat_param = format!("messages[{k}]{rest}");
+        let param = self.origins.client_param(k, rest, &self.conversation);
+        let message = e.message.replace(&chat_param, &param);
+        ApiError { param: Some(param), message, ..e }
+    }
+
     /// The answer calls `name` (the chat request's forced function call): its output is a `function_call` item.
     pub fn set_tool_call(&mut self, name: Option<String>) {
         self.tool_call = name;
@@ -715,43 +781,82 @@ impl Stored {
     }
 }
 
-/// Keys in the order they were kept, with their sizes, bounded in count and bytes: keeping one past either bound
-/// gives back the oldest to drop. The local store and the shared store's record of what this router wrote both
-/// bound themselves with it.
+/// Keys kept per tenant, each tenant's oldest first, with their sizes, bounded in count and bytes over all tenants.
+/// Past a bound, the tenant holding the most (responses for the count, bytes for the bytes) gives up its oldest, the
+/// tenant storing now losing ties: a tenant that stores a lot evicts its own responses before anyone else's, and
+/// every tenant keeps at least an equal share of the store whatever the others store. The local store and the
+/// shared store's record of what this router wrote both bound themselves with it.
 #[derive(Debug)]
-struct OldestFirst {
-    keys: VecDeque<(String, usize)>,
+struct TenantShares {
+    tenants: BTreeMap<Arc<str>, TenantKeys>,
+    count: usize,
     bytes: usize,
     max_keys: usize,
     max_bytes: usize,
 }
 
-impl OldestFirst {
-    fn new(max_keys: usize, max_bytes: usize) -> OldestFirst {
-        OldestFirst { keys: VecDeque::new(), bytes: 0, max_keys, max_bytes }
+/// One tenant's keys, oldest first, with their sizes.
+#[derive(Debug, Default)]
+struct TenantKeys {
+    keys: VecDeque<(String, usize)>,
+    bytes: usize,
+}
+
+impl TenantShares {
+    fn new(max_keys: usize, max_bytes: usize) -> TenantShares {
+        TenantShares { tenants: BTreeMap::new(), count: 0, bytes: 0, max_keys, max_bytes }
     }
 
-    /// Keeps `key` of `size` bytes and returns the oldest keys to drop so that both bounds hold; `None` (nothing
-    /// kept) for one that could never fit.
-    fn keep(&mut self, key: String, size: usize) -> Option<Vec<String>> {
+    /// Keeps `tenant`'s `key` of `size` bytes and returns the keys to drop so that both bounds hold (which may be
+    /// `key` itself, when `tenant` already holds the most); `None` (nothing kept) for one that could never fit.
+    fn keep(&mut self, tenant: &Arc<str>, key: String, size: usize) -> Option<Vec<String>> {
         if size > self.max_bytes || self.max_keys == 0 {
             return None;
         }
-        self.keys.push_back((key, size));
+        let own = self.tenants.entry(tenant.clone()).or_default();
+        own.keys.push_back((key, size));
+        own.bytes += size;
+        self.count += 1;
         self.bytes += size;
         let mut dropped = Vec::new();
-        while self.keys.len() > self.max_keys || self.bytes > self.max_bytes {
-            let Some((old, n)) = self.keys.pop_front() else { break };
+        while self.count > self.max_keys || self.bytes > self.max_bytes {
+            let by_bytes = self.count <= self.max_keys;
+            let Some(victim) = self.largest(tenant, by_bytes) else { break };
+            let Some(keys) = self.tenants.get_mut(&victim) else { break };
+            let Some((old, n)) = keys.keys.pop_front() else { break };
+            keys.bytes -= n;
+            if keys.keys.is_empty() {
+                self.tenants.remove(&victim);
+            }
+            self.count -= 1;
             self.bytes -= n;
             dropped.push(old);
         }
         Some(dropped)
     }
 
-    fn forget(&mut self, key: &str) {
-        if let Some((_, n)) = self.keys.iter().position(|(k, _)| k == key).and_then(|at| self.keys.remove(at)) {
+    /// The tenant holding the most bytes (`by_bytes`) or responses; `storing` on a tie.
+    fn largest(&self, storing: &str, by_bytes: bool) -> Option<Arc<str>> {
+        let held = |k: &TenantKeys| if by_bytes { k.bytes } else { k.keys.len() };
+        self.tenants.iter().max_by_key(|(t, k)| (held(k), &***t == storing)).map(|(t, _)| t.clone())
+    }
+
+    fn forget(&mut self, tenant: &str, key: &str) {
+        let Some(keys) = self.tenants.get_mut(tenant) else { return };
+        if let Some((_, n)) = keys.keys.iter().position(|(k, _)| k == key).and_then(|at| keys.keys.remove(at)) {
+            keys.bytes -= n;
+            self.count -= 1;
             self.bytes -= n;
         }
+        if keys.keys.is_empty() {
+            self.tenants.remove(tenant);
+        }
+    }
+
+    /// Responses held by `tenant`.
+    #[cfg(test)]
+    fn held(&self, tenant: &str) -> usize {
+        self.tenants.get(tenant).map_or(0, |k| k.keys.len())
     }
 }
 
@@ -838,23 +943,24 @@ impl ResponseBackend {
 }
 
 /// Responses in etcd, one document each under `<tenant>/<id>`, on leases of [`SHARED_RESPONSE_TTL`]. What this
-/// router wrote is bounded as the local store is ([`MAX_STORED_RESPONSES`], [`MAX_STORED_BYTES`]): beyond it, it
-/// deletes its oldest, so the registry's etcd never fills with conversations.
+/// router wrote is bounded as the local store is ([`MAX_STORED_RESPONSES`], [`MAX_STORED_BYTES`], shared out
+/// between tenants): beyond it, it deletes the oldest of the tenant holding the most, so the registry's etcd never
+/// fills with conversations and one tenant's traffic cannot push out another's.
 pub struct SharedResponses {
     docs: DocumentStore,
-    /// Keys this router wrote, oldest first (locked only between awaits).
-    written: Mutex<OldestFirst>,
+    /// Keys this router wrote, per tenant, oldest first (locked only between awaits).
+    written: Mutex<TenantShares>,
 }
 
 impl SharedResponses {
     fn new(cfg: RegistryConfig) -> SharedResponses {
         SharedResponses {
             docs: DocumentStore::new(cfg, "responses", SHARED_RESPONSE_TTL),
-            written: Mutex::new(OldestFirst::new(MAX_STORED_RESPONSES, MAX_STORED_BYTES)),
+            written: Mutex::new(TenantShares::new(MAX_STORED_RESPONSES, MAX_STORED_BYTES)),
         }
     }
 
-    fn written(&self) -> std::sync::MutexGuard<'_, OldestFirst> {
+    fn written(&self) -> std::sync::MutexGuard<'_, TenantShares> {
         self.written.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -862,7 +968,7 @@ impl SharedResponses {
         ApiError::unavailable(format!("The response store (etcd) is unavailable: {e}."))
     }
 
-    async fn insert(&self, tenant: &str, id: &str, stored: &Stored) {
+    async fn insert(&self, tenant: &Arc<str>, id: &str, stored: &Stored) {
         let bytes = stored.to_bytes();
         if bytes.len() > MAX_DOCUMENT_BYTES {
             tracing::warn!(id, bytes = bytes.len(), "response too large to share; not stored");
@@ -874,7 +980,7 @@ impl SharedResponses {
             tracing::warn!(id, error = %e, "storing the response in etcd failed");
             return;
         }
-        let evicted = self.written().keep(key, size).unwrap_or_default();
+        let evicted = self.written().keep(tenant, key, size).unwrap_or_default();
         for old in evicted {
             if let Err(e) = self.docs.delete(&old).await {
                 tracing::warn!(key = old, error = %e, "deleting an old shared response failed; its lease expires it");
@@ -896,16 +1002,17 @@ impl SharedResponses {
         }
         let key = format!("{tenant}/{id}");
         let deleted = self.docs.delete(&key).await.map_err(Self::unavailable)?;
-        self.written().forget(&key);
+        self.written().forget(tenant, &key);
         Ok(deleted)
     }
 }
 
-/// Stored responses, bounded in count and bytes; the oldest go first. Each is visible to its tenant only.
+/// Stored responses, bounded in count and bytes and shared out between tenants ([`TenantShares`]): past a bound,
+/// the oldest of the tenant holding the most goes. Each is visible to its tenant only.
 #[derive(Debug)]
 pub struct ResponseStore {
     entries: HashMap<String, (Arc<str>, Stored)>,
-    oldest: OldestFirst,
+    oldest: TenantShares,
 }
 
 impl Default for ResponseStore {
@@ -916,17 +1023,18 @@ impl Default for ResponseStore {
 
 impl ResponseStore {
     pub fn new(max_entries: usize, max_bytes: usize) -> ResponseStore {
-        ResponseStore { entries: HashMap::new(), oldest: OldestFirst::new(max_entries, max_bytes) }
+        ResponseStore { entries: HashMap::new(), oldest: TenantShares::new(max_entries, max_bytes) }
     }
 
-    /// Keeps `stored` under `id` for `tenant`, evicting the oldest as needed. One larger than the whole store is
-    /// not kept (a later `previous_response_id` naming it is then not found).
+    /// Keeps `stored` under `id` for `tenant`, evicting as needed: the oldest of whichever tenant holds the most.
+    /// One larger than the whole store is not kept (a later `previous_response_id` naming it is then not found).
     pub fn insert(&mut self, tenant: Arc<str>, id: String, stored: Stored) {
-        let Some(evicted) = self.oldest.keep(id.clone(), stored.size()) else { return };
+        let Some(evicted) = self.oldest.keep(&tenant, id.clone(), stored.size()) else { return };
+        // Inserted first: the eviction may be of this very entry (its tenant already holds the most bytes).
+        self.entries.insert(id, (tenant, stored));
         for old in evicted {
             self.entries.remove(&old);
         }
-        self.entries.insert(id, (tenant, stored));
     }
 
     fn get(&self, tenant: &str, id: &str) -> Option<&Stored> {
@@ -949,7 +1057,7 @@ impl ResponseStore {
             return Err(not_found(id));
         }
         self.entries.remove(id);
-        self.oldest.forget(id);
+        self.oldest.forget(tenant, id);
         Ok(json!({"id": id, "object": "response", "deleted": true}))
     }
 
@@ -1252,7 +1360,7 @@ mod tests {
         assert_eq!(s.conversation("acme", "b").unwrap().len(), 1);
         assert_eq!(s.delete("acme", "b").unwrap()["deleted"], true);
         assert!(s.delete("acme", "b").is_err());
-        assert_eq!((s.len(), s.oldest.keys.len()), (1, 1));
+        assert_eq!((s.len(), s.oldest.count, s.oldest.held("acme")), (1, 1, 1));
         // Bytes: an entry larger than the store is not kept; others make room by evicting.
         let one = stored("x").size();
         let mut s = ResponseStore::new(100, 2 * one);
@@ -1263,5 +1371,67 @@ mod tests {
         s.insert(acme.clone(), "big".into(), stored(&"w".repeat(4 * one)));
         assert!(s.response("acme", "big").is_err());
         assert!(!s.is_empty());
+    }
+
+    #[test]
+    fn chat_message_errors_name_the_field_they_came_from() {
+        let previous = vec![json!({"role": "user", "content": "a"}), json!({"role": "assistant", "content": "b"})];
+        let r = parse(json!({"model": "m", "instructions": "Be brief.", "input": [
+            {"role": "user", "content": "c"},
+            {"type": "function_call", "call_id": "x", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "x", "output": "y"},
+        ]}))
+        .unwrap();
+        let (_, pending) = r.into_chat(previous.clone());
+        let named = |param: &str| {
+            let e = pending.rename_param(ApiError::invalid_param(param, format!("`{param}` is bad.")));
+            (e.param.unwrap(), e.message)
+        };
+        assert_eq!(named("messages[0].content").0, "instructions");
+        assert_eq!(named("messages[2].content").0, "previous_response_id");
+        assert_eq!(named("messages[3].content"), ("input[0].content".into(), "`input[0].content` is bad.".into()));
+        assert_eq!(named("messages[4].tool_calls[0]").0, "input[1]");
+        assert_eq!(named("messages[5].tool_call_id").0, "input[2].call_id");
+        assert_eq!(named("messages[5].content").0, "input[2].output");
+        assert_eq!(named("messages").0, "input");
+        assert_eq!(named("max_tokens").0, "max_output_tokens");
+        let (_, pending) = parse(json!({"model": "m", "input": "hi"})).unwrap().into_chat(previous);
+        assert_eq!(pending.rename_param(ApiError::invalid_param("messages[2].content", "x")).param.unwrap(), "input");
+    }
+
+    #[test]
+    fn one_tenants_traffic_evicts_its_own_responses_not_anothers() {
+        let stored = |text: &str| Stored {
+            conversation: vec![json!({"role": "user", "content": text})],
+            response: json!({"id": text}),
+        };
+        let (acme, globex): (Arc<str>, Arc<str>) = ("acme".into(), "globex".into());
+        let mut s = ResponseStore::new(4, 1 << 20);
+        s.insert(globex.clone(), "g0".into(), stored("g0"));
+        for i in 0..20 {
+            s.insert(acme.clone(), format!("a{i:02}"), stored(&format!("a{i:02}")));
+        }
+        assert!(s.response("globex", "g0").is_ok(), "acme's traffic evicted globex's response");
+        assert_eq!((s.len(), s.oldest.held("acme")), (4, 3));
+        assert!(s.response("acme", "a16").is_err() && s.response("acme", "a17").is_ok(), "acme's oldest went");
+        // globex grows to an equal share at acme's expense, then past it only at its own.
+        s.insert(globex.clone(), "g1".into(), stored("g1"));
+        assert_eq!((s.oldest.held("acme"), s.oldest.held("globex")), (2, 2));
+        s.insert(globex.clone(), "g2".into(), stored("g2"));
+        assert_eq!((s.oldest.held("acme"), s.oldest.held("globex")), (2, 2));
+        assert!(s.response("globex", "g0").is_err() && s.response("globex", "g2").is_ok());
+        assert!(s.response("acme", "a18").is_ok() && s.response("acme", "a19").is_ok());
+
+        // Bytes: the tenant holding the most bytes gives up its oldest, even when that is what it stores now.
+        let one = stored("x0").size();
+        let mut s = ResponseStore::new(100, 3 * one);
+        s.insert(acme.clone(), "x0".into(), stored("x0"));
+        s.insert(acme.clone(), "x1".into(), stored("x1"));
+        let big = stored(&"w".repeat(one));
+        assert!(big.size() <= 3 * one && big.size() > 2 * one);
+        s.insert(globex.clone(), "big".into(), big);
+        assert!(s.response("globex", "big").is_err(), "globex's entry alone is over its share");
+        assert!(s.response("acme", "x0").is_ok() && s.response("acme", "x1").is_ok());
+        assert_eq!((s.len(), s.oldest.count, s.oldest.bytes), (2, 2, 2 * one));
     }
 }

@@ -36,6 +36,7 @@ use crate::openai::{
 };
 use crate::placer::PlacerConfig;
 use crate::responses::{NamedEvent, ResponseBackend, ResponseEvents, ResponsesRequest};
+use crate::stats_cache::{StatsCache, StatsSnapshot};
 use crate::workers::WorkerPool;
 
 /// Default request body limit: 4 MiB.
@@ -115,6 +116,8 @@ struct Inner {
     client_timeout: Duration,
     /// Stored responses of `/v1/responses`: this router's memory, or etcd with the registry.
     responses: ResponseBackend,
+    /// The workers' `Stats`, shared by `/metrics` and the dashboard.
+    stats: StatsCache,
 }
 
 /// Shared handler state.
@@ -171,6 +174,7 @@ impl AppState {
             max_inflight,
             client_timeout: DEFAULT_CLIENT_TIMEOUT,
             responses: ResponseBackend::default(),
+            stats: StatsCache::default(),
         }))
     }
 
@@ -238,6 +242,11 @@ impl AppState {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.0.metrics
+    }
+
+    /// Every worker's `Stats`, at most [`crate::stats_cache::STATS_MAX_AGE`] old.
+    pub async fn worker_stats(&self) -> Option<Arc<StatsSnapshot>> {
+        self.0.stats.snapshot(&self.0.pool).await
     }
 
     /// The base model's id (what `model` names when it names no adapter).
@@ -453,8 +462,11 @@ async fn version() -> Json<serde_json::Value> {
     Json(serde_json::json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
+/// `GET /metrics`: the worker gauges come from the shared `Stats` snapshot, so scrapes (however many, and the
+/// dashboard's polls) cost the workers one `Stats` call per snapshot age, not one per scrape.
 async fn metrics(State(st): State<AppState>) -> Response {
-    st.metrics().scrape_workers(st.pool()).await;
+    let snapshot = st.worker_stats().await;
+    st.metrics().record_pool(st.pool(), snapshot.as_deref());
     st.metrics().scrape_directory(&st.pool().feed_status());
     st.metrics().scrape_registry(&st.pool().registry_status());
     let mut resp = st.metrics().encode().into_response();
@@ -668,14 +680,14 @@ async fn chat_completions(
 async fn translated_chat(
     st: &AppState,
     chat: serde_json::Value,
-    rename: fn(ApiError) -> ApiError,
+    rename: impl Fn(ApiError) -> ApiError,
 ) -> Result<(GenParams, Option<String>, Vec<u32>), ApiError> {
     let chat: ChatCompletionRequest =
         serde_json::from_value(chat).map_err(|e| rename(ApiError::invalid(format!("Invalid request: {e}"))))?;
     let vocab_size = st.0.codec.vocab_size();
-    let (turns, params) = blocking(move || chat.validate(vocab_size)).await.map_err(rename)?;
+    let (turns, params) = blocking(move || chat.validate(vocab_size)).await.map_err(&rename)?;
     let lora = st.check_model(&params.model)?;
-    let mut prompt = chat_prompt(st, turns, params.chat_render).await.map_err(rename)?;
+    let mut prompt = chat_prompt(st, turns, params.chat_render).await.map_err(&rename)?;
     params.truncate_prompt(&mut prompt);
     Ok((params, lora, prompt))
 }
@@ -700,7 +712,6 @@ async fn create_response(
     Extension(tenant): Extension<Tenant>,
     ApiJson(body): ApiJson<serde_json::Value>,
 ) -> Result<Response, ApiError> {
-    use crate::responses::rename_param;
     let arrived = Instant::now();
     let request = ResponsesRequest::parse(body)?;
     let previous = match request.previous_response_id() {
@@ -708,9 +719,11 @@ async fn create_response(
         None => Vec::new(),
     };
     let (chat, mut pending) = request.into_chat(previous);
-    let (params, lora, prompt) = translated_chat(&st, chat, rename_param).await?;
+    let (params, lora, prompt) = translated_chat(&st, chat, |e| pending.rename_param(e)).await?;
     pending.set_tool_call(params.tool_call.clone());
-    let choice = start_one(&st, &tenant, &pending.id, prompt, &params, lora, arrived).await.map_err(rename_param)?;
+    let choice = start_one(&st, &tenant, &pending.id, prompt, &params, lora, arrived)
+        .await
+        .map_err(|e| pending.rename_param(e))?;
     if params.stream {
         let mut events = ResponseEvents::new(pending);
         let opening = events.start();

@@ -2702,3 +2702,246 @@ async fn admission_refusals_on_v1_messages_are_anthropic_errors() {
     anthropic(post("/v1/messages", Some(KEY_A), &ask).await, 503, "overloaded_error");
     drop(running);
 }
+
+/// Starts a router with `cfg` and waits until it is ready; its base URL.
+async fn serve_ready(cfg: RouterConfig) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    wait_ready(&reqwest::Client::new(), &http).await;
+    http
+}
+
+/// The value of the series `line_prefix` (its name and labels) in a metrics text.
+fn metric_value(text: &str, line_prefix: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(line_prefix)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// `/metrics` reads the worker gauges from the `Stats` snapshot it shares with the dashboard: a burst of scrapes
+/// (and a dashboard poll) within the snapshot's age costs the worker one `Stats` call, and once the snapshot has
+/// aged the next scrape fetches again and shows what changed.
+#[tokio::test]
+async fn metrics_scrapes_share_one_stats_fan_out_per_snapshot_age() {
+    let fake = Fake::default();
+    let stats_calls = fake.stats_calls.clone();
+    let waddr = spawn_worker(fake).await;
+    // The health probe that makes the worker ready asks for its Stats too; the next is an hour away.
+    let cfg = RouterConfig {
+        workers: vec![waddr.to_string()],
+        health_interval: Duration::from_secs(3600),
+        ..RouterConfig::default()
+    };
+    let http = serve_ready(cfg).await;
+    let client = reqwest::Client::new();
+    let used = format!("pagoda_router_worker_used_blocks{{worker=\"{waddr}\"}}");
+    let scrape = || async { client.get(format!("{http}/metrics")).send().await.unwrap().text().await.unwrap() };
+    let before = stats_calls.load(Ordering::SeqCst);
+    let t0 = std::time::Instant::now();
+    let burst = futures::future::join_all((0..16).map(|_| scrape())).await;
+    for text in &burst {
+        assert_eq!(metric_value(text, &used), Some(0.0), "{text}");
+    }
+    let r = client.get(format!("{http}/dashboard/api/state")).send().await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["workers"][0]["stats"]["blocks_used"], 0);
+    for _ in 0..4 {
+        scrape().await;
+    }
+    let calls = stats_calls.load(Ordering::SeqCst) - before;
+    // One snapshot age is far more than the scrapes take; a machine slow enough to exceed it gets one more per age.
+    let ages = (t0.elapsed().as_secs_f64() / pagoda_router::stats_cache::STATS_MAX_AGE.as_secs_f64()) as usize;
+    assert!((1..=1 + ages).contains(&calls), "{calls} Stats fan-outs for 20 scrapes and a dashboard poll");
+
+    // A stream open on the worker: its Stats now say 3 blocks used.
+    let forever = json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "forever"}]});
+    let mut stream = client.post(format!("{http}/v1/chat/completions")).json(&forever).send().await.unwrap();
+    assert_eq!(stream.status(), 200);
+    stream.chunk().await.unwrap().unwrap();
+    tokio::time::sleep(pagoda_router::stats_cache::STATS_MAX_AGE + Duration::from_millis(100)).await;
+    let aged = stats_calls.load(Ordering::SeqCst);
+    let text = scrape().await;
+    assert_eq!(metric_value(&text, &used), Some(3.0), "{text}");
+    assert_eq!(stats_calls.load(Ordering::SeqCst) - aged, 1, "one more fan-out once the snapshot aged");
+    drop(stream);
+}
+
+/// Two API keys of two tenants, and a router over one fake worker whose response store holds `max_entries`
+/// responses.
+async fn two_tenants_with_a_small_store(max_entries: usize) -> String {
+    use pagoda_router::responses::{ResponseBackend, ResponseStore};
+    use pagoda_router::workers::WorkerPool;
+    let keys = KeyTable::parse(&format!("{KEY_A} acme\n{KEY_B} globex\n"), std::path::Path::new("keys")).unwrap();
+    let waddr = spawn_worker(Fake::default()).await;
+    let pool = Arc::new(WorkerPool::new(&[waddr.to_string()]).unwrap());
+    let health = pool.spawn_health_loop(Duration::from_millis(100));
+    let security = Security { keys: Some(Arc::new(keys)), admin: None };
+    let state =
+        pagoda_router::AppState::with_security(Arc::new(ByteCodec), pool, pagoda_router::DEFAULT_BODY_LIMIT, security)
+            .with_responses(ResponseBackend::Local(std::sync::Mutex::new(ResponseStore::new(max_entries, 1 << 20))));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let served = axum::serve(listener, pagoda_router::app(state)).await;
+        health.abort();
+        served
+    });
+    wait_ready(&reqwest::Client::new(), &http).await;
+    http
+}
+
+/// Stored responses are shared out between tenants: one tenant storing many evicts its own oldest, never
+/// another tenant's response.
+#[tokio::test]
+async fn one_tenants_stored_responses_do_not_evict_anothers() {
+    let http = two_tenants_with_a_small_store(4).await;
+    let client = reqwest::Client::new();
+    let store = |key: &'static str| {
+        let r = client
+            .post(format!("{http}/v1/responses"))
+            .bearer_auth(key)
+            .json(&json!({"model": MODEL, "input": "hi", "max_output_tokens": 4}))
+            .send();
+        async move {
+            let r = r.await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string()
+        }
+    };
+    let get = |key: &'static str, id: &str| {
+        let r = client.get(format!("{http}/v1/responses/{id}")).bearer_auth(key).send();
+        async move { r.await.unwrap().status().as_u16() }
+    };
+    let globex = store(KEY_B).await;
+    let mut acme = Vec::new();
+    for _ in 0..10 {
+        acme.push(store(KEY_A).await);
+    }
+    assert_eq!(get(KEY_B, &globex).await, 200, "acme's traffic evicted globex's stored response");
+    assert_eq!(get(KEY_A, &acme[0]).await, 404, "the store stays bounded: acme's oldest went");
+    assert_eq!(get(KEY_A, &acme[9]).await, 200);
+    assert_eq!(get(KEY_A, &globex).await, 404, "a tenant sees only its own");
+}
+
+/// A Responses request whose input the chat path refuses gets an error naming the client's `input[j]` item (and
+/// its field), not the translated chat's `messages[k]`, whatever came before it: `instructions`, or an earlier
+/// conversation.
+#[tokio::test]
+async fn responses_errors_name_the_input_item_not_the_chat_message() {
+    let c = cluster().await;
+    let long_id = "c".repeat(pagoda_router::openai::MAX_NAME_BYTES + 1);
+    let items = json!([
+        {"role": "user", "content": "What is the weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": long_id, "output": "sunny"},
+    ]);
+    let body = json!({"model": MODEL, "instructions": "Be brief.", "input": items, "store": false});
+    let (s, text) = c.post("/v1/responses", body.to_string()).await;
+    let v = assert_error(s, &text, 400);
+    assert_eq!(v["error"]["param"], "input[2].call_id", "{v}");
+    assert!(!v["error"]["message"].as_str().unwrap().contains("messages["), "{v}");
+
+    // After a stored turn (its input and answer come first in the chat), without instructions.
+    let first = c.post_ok("/v1/responses", &json!({"model": MODEL, "input": "hi", "max_output_tokens": 4})).await;
+    let first: Value = serde_json::from_str(&first).unwrap();
+    let follow_up = json!({"model": MODEL, "previous_response_id": first["id"], "input": [
+        {"role": "user", "content": "And tomorrow?"},
+        {"type": "function_call_output", "call_id": long_id, "output": "rain"},
+    ]});
+    let (s, text) = c.post("/v1/responses", follow_up.to_string()).await;
+    let v = assert_error(s, &text, 400);
+    assert_eq!(v["error"]["param"], "input[1].call_id", "{v}");
+}
+
+/// Reads one HTTP/1.1 response from `conn` (a `content-length` or chunked body); its status and body.
+async fn read_response(conn: &mut tokio::net::TcpStream) -> (u16, String) {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    read_until(conn, &mut got, "\r\n\r\n", Duration::from_secs(10)).await;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let (head, _) = text.split_once("\r\n\r\n").unwrap();
+    let head_len = head.len() + 4;
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let lower = head.to_ascii_lowercase();
+    let length: Option<usize> =
+        lower.lines().find_map(|l| l.strip_prefix("content-length:")).map(|n| n.trim().parse().unwrap());
+    let mut buf = [0u8; 8192];
+    match length {
+        Some(n) => {
+            while got.len() < head_len + n {
+                let read = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf)).await.unwrap().unwrap();
+                assert!(read > 0, "the connection closed mid-body");
+                got.extend_from_slice(&buf[..read]);
+            }
+        }
+        None => {
+            assert!(lower.contains("transfer-encoding: chunked"), "{head}");
+            read_until(conn, &mut got, "\r\n0\r\n\r\n", Duration::from_secs(10)).await;
+        }
+    }
+    (status, String::from_utf8_lossy(&got[head_len..]).into_owned())
+}
+
+/// A key's concurrency permit is held for its response, not its connection: with a limit of 1, requests one after
+/// another on one keep-alive connection all pass, and so does a request on another connection while the first
+/// stays open between its requests (plain and streamed answers alike).
+#[tokio::test]
+async fn a_keys_concurrency_permit_ends_with_the_response_not_the_connection() {
+    use tokio::io::AsyncWriteExt;
+    let keys = KeyTable::parse(&format!("{KEY_A} acme concurrency=1\n"), std::path::Path::new("keys")).unwrap();
+    let waddr = spawn_worker(Fake::default()).await;
+    let http = serve_ready(RouterConfig {
+        workers: vec![waddr.to_string()],
+        health_interval: Duration::from_millis(100),
+        security: Security { keys: Some(Arc::new(keys)), admin: None },
+        ..RouterConfig::default()
+    })
+    .await;
+    let other_connection = || async {
+        // A fresh client: its own connection.
+        let hi = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+        let r = reqwest::Client::new().post(format!("{http}/v1/chat/completions")).bearer_auth(KEY_A).json(&hi);
+        r.send().await.unwrap().status().as_u16()
+    };
+    let mut conn = raw_connection(&http).await;
+    for stream in [false, true, false, true] {
+        let body = json!({"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": "hi"}]});
+        let body = body.to_string();
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_A}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        conn.write_all(request.as_bytes()).await.unwrap();
+        let (status, answer) = read_response(&mut conn).await;
+        assert_eq!(status, 200, "on the kept-alive connection (stream: {stream}): {answer}");
+        assert!(answer.contains(if stream { "[DONE]" } else { "chat.completion" }), "{answer}");
+        // The first connection is open and idle: its permit must be back already.
+        assert_eq!(other_connection().await, 200, "refused while the first connection idles (stream: {stream})");
+    }
+}
+
+/// The dashboard login's form is read under the client timeout like every other body: a client that sends its
+/// headers and part of the form, then stalls, gets a JSON 408 instead of holding the handler open.
+#[tokio::test]
+async fn a_stalled_dashboard_login_gets_408() {
+    use tokio::io::AsyncWriteExt;
+    let waddr = spawn_worker(Fake::default()).await;
+    let http = serve_ready(RouterConfig {
+        workers: vec![waddr.to_string()],
+        health_interval: Duration::from_millis(100),
+        client_timeout: Duration::from_millis(300),
+        ..RouterConfig::default()
+    })
+    .await;
+    let mut conn = raw_connection(&http).await;
+    let head = "POST /dashboard/login HTTP/1.1\r\nhost: x\r\ncontent-type: application/x-www-form-urlencoded\r\n\
+                content-length: 100\r\n\r\n";
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(b"key=sk-").await.unwrap();
+    let mut got = Vec::new();
+    read_until(&mut conn, &mut got, "request_timeout", Duration::from_secs(5)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.to_ascii_lowercase().contains("content-type: application/json"), "{text}");
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    assert_error(408, body, 408);
+}

@@ -98,6 +98,8 @@ schema = obj({
         "replicas": integer(1),
         "port": PORT,
         "bodyLimit": integer(0),
+        # `pagoda router --client-timeout-secs` (1 to 3600; 0: the binary's default).
+        "clientTimeoutSecs": integer(0, 3600),
         # `pagoda router --remote-prefill-min-tokens` (0: no remote prefill).
         "remotePrefillMinTokens": integer(0, 1 << 24),
         "extraArgs": EXTRA_ARGS,
