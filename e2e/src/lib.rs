@@ -363,10 +363,19 @@ pub async fn kvstore_leader(addrs: &[String], limit: Duration) -> Result<String>
     }
 }
 
-/// Every block group the worker holds now (its `Residency` over gRPC).
+/// Every block group the worker holds now (its `Residency` over gRPC, every page): `seq` is the last page's.
 pub async fn worker_residency(addr: &str) -> Result<ResidencyResponse> {
     let mut c = WorkerClient::connect(format!("http://{addr}")).await.with_context(|| format!("connect {addr}"))?;
-    Ok(c.residency(ResidencyRequest {}).await?.into_inner())
+    let mut all = ResidencyResponse::default();
+    loop {
+        let page = c.residency(ResidencyRequest { after: all.next.take(), limit: 0 }).await?.into_inner();
+        all.seq = page.seq;
+        all.groups.extend(page.groups);
+        all.next = page.next;
+        if all.next.is_none() {
+            return Ok(all);
+        }
+    }
 }
 
 /// The worker's `Stats` over gRPC.

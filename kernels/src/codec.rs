@@ -411,6 +411,49 @@ pub fn validate_block(bytes: &[u8]) -> Result<BlockHeader, CodecError> {
     Ok(h)
 }
 
+/// Validates a block as [`validate_block`] does and bounds what it decodes to: no element's magnitude exceeds the
+/// result. For consumers that decode into a narrower arena elsewhere (the GPU codecs into f16), which must refuse a
+/// block whose values that arena would round to infinity. Exact for the float codecs, `int8` and `fp8_e4m3`; for
+/// KIVI the top of each group's range; for rotated keys the codes' bound times √head_dim (the inverse rotation's
+/// largest growth).
+pub fn decoded_magnitude_bound(bytes: &[u8]) -> Result<f32, CodecError> {
+    let h = validate_block(bytes)?;
+    let (bs, hd, codec) = (h.block_size, h.head_dim, h.codec);
+    let (kb, vb) = halves(&h, bytes);
+    let mut bound = 0.0f32;
+    for (half, b) in [(Half::K, kb), (Half::V, vb)] {
+        let m = match codec {
+            Codec::F32 => b.chunks_exact(4).map(|c| f32_at(c, 0).abs()).fold(0.0, f32::max),
+            Codec::F16 => b.chunks_exact(2).map(|c| f16_at(c, 0).abs()).fold(0.0, f32::max),
+            Codec::Bf16 => {
+                b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32().abs()).fold(0.0, f32::max)
+            }
+            Codec::Int8 => (0..bs)
+                .map(|i| {
+                    let codes = &b[4 * bs + i * hd..4 * bs + (i + 1) * hd];
+                    f32::from(codes.iter().map(|&q| (q as i8).unsigned_abs()).max().unwrap_or(0)) * f32_at(b, 4 * i)
+                })
+                .fold(0.0, f32::max),
+            Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
+                let m = b[4..].iter().map(|&q| e4m3_to_f32(q).abs()).fold(0.0, f32::max) * f32_at(b, 0);
+                if codec == Codec::Fp8E4m3Rotated && half == Half::K { m * (hd as f32).sqrt() } else { m }
+            }
+            Codec::Int4Kivi | Codec::Int2Kivi => {
+                let pairs = if half == Half::K { hd } else { bs * hd.div_ceil(KIVI_GROUP) };
+                let top = f32::from(kivi_levels(codec));
+                (0..pairs)
+                    .map(|j| {
+                        let (s, m) = (f16_at(b, 2 * j), f16_at(b, 2 * (pairs + j)));
+                        m.abs().max((m + top * s).abs())
+                    })
+                    .fold(0.0, f32::max)
+            }
+        };
+        bound = bound.max(m);
+    }
+    Ok(bound)
+}
+
 /// The K and V halves of a block whose header `h` was parsed from `bytes`.
 fn halves<'a>(h: &BlockHeader, bytes: &'a [u8]) -> (&'a [u8], &'a [u8]) {
     bytes[HEADER_LEN..].split_at(h.codec.half_len(Half::K, h.block_size, h.head_dim))
@@ -1003,5 +1046,34 @@ mod tests {
                 assert!(kd[filled * hd..].iter().chain(&vd[filled * hd..]).all(|&z| z == 0.0));
             }
         }
+    }
+
+    /// The bound holds every decoded element of every codec, is tight where it claims to be exact, and tells a
+    /// block past f16's range (an `int8` block of millions) from one inside it.
+    #[test]
+    fn the_decoded_magnitude_bound_covers_what_a_block_decodes_to() {
+        let (bs, hd) = (16usize, 64usize);
+        for scale in [3.0f32, 2e6] {
+            let x = |i: usize, salt: f32| ((i as f32 * 0.731 + salt).sin() * scale) + (i % 7) as f32 * 0.1;
+            let k: Vec<f32> = (0..bs * hd).map(|i| x(i, 0.3)).collect();
+            let v: Vec<f32> = (0..bs * hd).map(|i| x(i, 1.7) * 0.5).collect();
+            for codec in Codec::ALL {
+                let mut bytes = vec![0u8; codec.encoded_len(bs, hd).unwrap()];
+                if codec.encode_block(bs, hd, &k, &v, &mut bytes).is_err() {
+                    assert!(scale > 65504.0 && matches!(codec, Codec::F16 | Codec::Int4Kivi | Codec::Int2Kivi));
+                    continue;
+                }
+                let (mut kd, mut vd) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+                decode_block(&bytes, &mut kd, &mut vd).unwrap();
+                let got = kd.iter().chain(&vd).fold(0.0f32, |m, x| m.max(x.abs()));
+                let bound = decoded_magnitude_bound(&bytes).unwrap();
+                assert!(got <= bound, "{codec} x{scale}: {got} over the bound {bound}");
+                if !matches!(codec, Codec::Fp8E4m3Rotated | Codec::Int4Kivi | Codec::Int2Kivi) {
+                    assert_eq!(got, bound, "{codec} x{scale}: exact");
+                }
+                assert_eq!(bound < 65504.0, scale < 10.0, "{codec} x{scale}: {bound}");
+            }
+        }
+        assert!(decoded_magnitude_bound(&[0u8; 64]).is_err(), "validated first");
     }
 }

@@ -137,7 +137,7 @@ type CountGauge<S> = (fn(&Metrics) -> &Family<WorkerLabels, Gauge>, fn(&S) -> u6
 type SecondsGauge<S> = (fn(&Metrics) -> &Family<WorkerLabels, FloatGauge>, fn(&S) -> f64);
 
 /// The gauges labelled by worker alone, set from each worker's `Stats` (and all removed when it leaves).
-const WORKER_GAUGES: [CountGauge<StatsResponse>; 17] = [
+const WORKER_GAUGES: [CountGauge<StatsResponse>; 20] = [
     (|m| &m.worker_used_blocks, |s| s.blocks_used),
     (|m| &m.worker_capacity_blocks, |s| s.blocks_total),
     (|m| &m.worker_running, |s| s.running),
@@ -155,6 +155,9 @@ const WORKER_GAUGES: [CountGauge<StatsResponse>; 17] = [
     (|m| &m.worker_peer_fetches, |s| s.peer_fetches_total),
     (|m| &m.worker_peer_linked_fetches, |s| s.peer_linked_fetches_total),
     (|m| &m.worker_peer_link_refusals, |s| s.peer_link_refusals_total),
+    (|m| &m.worker_peer_refused_hints, |s| s.peer_refused_hints_total),
+    (|m| &m.worker_refused_imports, |s| s.refused_imports_total),
+    (|m| &m.worker_undecodable_groups, |s| s.undecodable_groups_total),
 ];
 const WORKER_SECONDS_GAUGES: [SecondsGauge<StatsResponse>; 2] = [
     (|m| &m.worker_lora_load_seconds, |s| s.lora_load_seconds_total),
@@ -226,6 +229,9 @@ pub struct Metrics {
     pub worker_peer_fetches: Family<WorkerLabels, Gauge>,
     pub worker_peer_linked_fetches: Family<WorkerLabels, Gauge>,
     pub worker_peer_link_refusals: Family<WorkerLabels, Gauge>,
+    pub worker_peer_refused_hints: Family<WorkerLabels, Gauge>,
+    pub worker_refused_imports: Family<WorkerLabels, Gauge>,
+    pub worker_undecodable_groups: Family<WorkerLabels, Gauge>,
     pub worker_peer_fetch_seconds: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// EvicPress placement on the worker (`--tier-placement evicpress`): contexts remembered and placed per tier,
     /// profiles and re-profiles since start with their wall time, Algorithm 1's changes since start, and each
@@ -513,6 +519,24 @@ impl Metrics {
             "NCCL link opens that failed or that the peer refused (pulls stayed on gRPC), since start",
             worker_peer_link_refusals.clone(),
         );
+        let worker_peer_refused_hints = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_peer_refused_hints",
+            "Peer hints naming an address the kvstore lists for no worker (the prompt was prefilled), since start",
+            worker_peer_refused_hints.clone(),
+        );
+        let worker_refused_imports = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_refused_imports",
+            "Groups a peer sent that did not fit the model's shape (refused, then recomputed), since start",
+            worker_refused_imports.clone(),
+        );
+        let worker_undecodable_groups = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_undecodable_groups",
+            "Tier groups dropped because they failed to decode when onboarded (then recomputed), since start",
+            worker_undecodable_groups.clone(),
+        );
         let worker_peer_fetch_seconds = Family::<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         registry.register_with_unit(
             "worker_peer_fetch",
@@ -695,6 +719,9 @@ impl Metrics {
             worker_peer_fetches,
             worker_peer_linked_fetches,
             worker_peer_link_refusals,
+            worker_peer_refused_hints,
+            worker_refused_imports,
+            worker_undecodable_groups,
             worker_peer_fetch_seconds,
             worker_evicpress_contexts,
             worker_evicpress_placed_contexts,
@@ -1151,6 +1178,9 @@ mod tests {
             peer_fetches_total: next(),
             peer_linked_fetches_total: next(),
             peer_link_refusals_total: next(),
+            peer_refused_hints_total: next(),
+            refused_imports_total: next(),
+            undecodable_groups_total: next(),
             lora_load_seconds_total: 0.25,
             peer_fetch_seconds_total: 0.5,
             evicpress: Some(pagoda_proto::worker::EvicPressStats {
@@ -1185,12 +1215,15 @@ mod tests {
             ("worker_peer_fetches", "15"),
             ("worker_peer_linked_fetches", "16"),
             ("worker_peer_link_refusals", "17"),
+            ("worker_peer_refused_hints", "18"),
+            ("worker_refused_imports", "19"),
+            ("worker_undecodable_groups", "20"),
             ("worker_lora_load_seconds", "0.25"),
             ("worker_peer_fetch_seconds", "0.5"),
-            ("worker_evicpress_contexts", "18"),
-            ("worker_evicpress_profiles", "19"),
-            ("worker_evicpress_reprofiles", "20"),
-            ("worker_evicpress_profiles_on_own_queries", "21"),
+            ("worker_evicpress_contexts", "21"),
+            ("worker_evicpress_profiles", "22"),
+            ("worker_evicpress_reprofiles", "23"),
+            ("worker_evicpress_profiles_on_own_queries", "24"),
             ("worker_evicpress_profile_seconds", "0.75"),
         ] {
             let line = format!("pagoda_router_{name}{{worker=\"w\"}} {value}");

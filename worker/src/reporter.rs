@@ -7,9 +7,13 @@
 //! whenever the numbering has a hole (the engine dropped changes because this task fell behind), the queue
 //! overflows, or the kvstore reports a gap. A kvstore that forgot the worker (or saw a newer epoch) gets a fresh
 //! registration and a snapshot. Nothing here can stall the engine: the engine only ever `try_send`s.
+//!
+//! It also reads the kvstore's worker table every `peers_every` (2 s) into [`KnownPeers`]: the addresses of the
+//! workers the directory lists, the only peers a request's hint may send this worker to pull from.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pagoda_kvstore::Client;
@@ -43,6 +47,8 @@ pub struct ReporterConfig {
     pub channel_batches: usize,
     /// How long one kvstore call may keep retrying.
     pub call_deadline: Duration,
+    /// How often the worker table is read into [`KnownPeers`].
+    pub peers_every: Duration,
 }
 
 impl ReporterConfig {
@@ -57,6 +63,7 @@ impl ReporterConfig {
             max_queued: 1 << 18,
             channel_batches: 4096,
             call_deadline: Duration::from_secs(2),
+            peers_every: Duration::from_secs(2),
         }
     }
 }
@@ -69,12 +76,49 @@ pub enum ReporterError {
     Engine(#[from] EngineError),
 }
 
-/// Where the reporter stands, for `Stats`: written by the reporter task only, read by anyone.
+/// What the reporter knows: where it stands (for `Stats`) and the peers the directory lists (for peer hints).
+/// Written by the reporter task only, read by anyone.
 #[derive(Debug, Default)]
 pub struct ReportProgress {
     epoch: AtomicU64,
     acked_seq: AtomicU64,
     snapshots: AtomicU64,
+    peers: KnownPeers,
+}
+
+/// The peers a request's `peer_hint` may name: the workers the kvstore's worker table lists, by the address they
+/// registered (the one routers reach them at, so the one a router hints). Without a reporter nothing is known
+/// and every hint is taken, as before there was a directory to ask; with one, a hint naming an address the
+/// directory does not list is not followed, so a caller of the Worker service cannot point this worker's pulls
+/// at a Transfer server of its choosing.
+#[derive(Debug, Default)]
+pub struct KnownPeers {
+    /// `None` while no directory is consulted; `Some` (empty until the first read) once a reporter runs.
+    addresses: RwLock<Option<HashSet<String>>>,
+}
+
+/// An address as peers are compared: routers may write a worker `http://host:port` or `host:port`.
+fn peer_key(address: &str) -> &str {
+    address.strip_prefix("http://").or_else(|| address.strip_prefix("https://")).unwrap_or(address)
+}
+
+impl KnownPeers {
+    /// Whether a hint naming `address` may be followed.
+    pub fn admits(&self, address: &str) -> bool {
+        let known = self.addresses.read().unwrap_or_else(|p| p.into_inner());
+        known.as_ref().is_none_or(|set| set.contains(peer_key(address)))
+    }
+
+    /// From now on only listed addresses are admitted: none until the first [`KnownPeers::set`].
+    fn consult(&self) {
+        self.addresses.write().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashSet::new);
+    }
+
+    /// Replaces the known addresses with those the directory lists now.
+    fn set<'a>(&self, addresses: impl IntoIterator<Item = &'a str>) {
+        let set = addresses.into_iter().filter(|a| !a.is_empty()).map(|a| peer_key(a).to_owned()).collect();
+        *self.addresses.write().unwrap_or_else(|p| p.into_inner()) = Some(set);
+    }
 }
 
 /// A copy of [`ReportProgress`] at one moment.
@@ -89,6 +133,11 @@ pub struct ReportProgressSnapshot {
 }
 
 impl ReportProgress {
+    /// The peers a request's hint may name.
+    pub fn peers(&self) -> &KnownPeers {
+        &self.peers
+    }
+
     pub fn snapshot(&self) -> ReportProgressSnapshot {
         ReportProgressSnapshot {
             epoch: self.epoch.load(Ordering::Relaxed),
@@ -117,6 +166,7 @@ pub fn spawn(engine: EngineHandle, cfg: ReporterConfig) -> Result<Reporter, Repo
         .with_deadline(cfg.call_deadline);
     let rx = engine.report_events(cfg.channel_batches)?;
     let progress = Arc::new(ReportProgress::default());
+    progress.peers.consult();
     let task = tokio::spawn(run(engine, cfg, client, rx, progress.clone()));
     Ok(Reporter { task, progress })
 }
@@ -197,6 +247,8 @@ struct Link {
     last_sent: Option<Instant>,
     complaints: Complaints,
     progress: Arc<ReportProgress>,
+    /// When the worker table was last read (or tried).
+    peers_read: Option<Instant>,
 }
 
 async fn run(
@@ -218,6 +270,7 @@ async fn run(
         last_sent: None,
         complaints: Complaints { last: None },
         progress,
+        peers_read: None,
     };
     loop {
         tick.tick().await;
@@ -231,6 +284,7 @@ async fn run(
         if let Err(EngineError::Stopped) = link.report().await {
             return;
         }
+        link.read_peers().await;
     }
 }
 
@@ -304,6 +358,20 @@ impl Link {
                 self.complaints.warn("register", &e);
                 false
             }
+        }
+    }
+
+    /// Reads the worker table into [`KnownPeers`] when `peers_every` has passed. A failed read keeps the last
+    /// table: a kvstore that is briefly away does not turn every hint down.
+    async fn read_peers(&mut self) {
+        if !self.registered || self.peers_read.is_some_and(|t| t.elapsed() < self.cfg.peers_every) {
+            return;
+        }
+        self.peers_read = Some(Instant::now());
+        let req = pb::ReadRequest { workers: true, ..Default::default() };
+        match self.client.read(req).await {
+            Ok(r) => self.progress.peers.set(r.workers.iter().map(|w| w.address.as_str())),
+            Err(e) => self.complaints.warn("worker table read", &e),
         }
     }
 

@@ -23,7 +23,7 @@ use pagoda_kernels::codec::validate_block;
 use pagoda_kernels::cuda::codecs::GPU_CODECS;
 use pagoda_kernels::cuda::{CudaContext, CudaError, ScoreEntry, SlotRange, WindowEntry};
 use pagoda_kernels::scores::Window;
-use pagoda_kernels::{KvDtype, KvStorage, scores};
+use pagoda_kernels::{KvDtype, KvStorage, decoded_magnitude_bound, scores};
 
 use crate::cache::BlockId;
 use crate::engine::{
@@ -35,7 +35,7 @@ use crate::model::cuda::CudaLlama;
 use crate::model::llama::CapturedQueries;
 use crate::policy::PolicyKv;
 use crate::tiers::codec::{self, GroupKv};
-use crate::tiers::{EncodedGroup, GroupCodec, TierError, native};
+use crate::tiers::{EncodedGroup, GroupCodec, TierError, fits_dtype, native};
 
 /// The model on a GPU, driven by the engine thread.
 pub struct CudaRunner {
@@ -393,12 +393,20 @@ impl GroupKv for DeviceKv {
         let (cx, kv) = self.model.kv_mut();
         let (bs, hd) = (kv.block_size(), kv.head_dim());
         match group.codec.parse::<GroupCodec>()? {
-            // decode_blocks validates every block (header, shape, scales, codes) before it launches.
+            // decode_blocks validates every block (header, shape, scales, codes) before it launches, but its
+            // kernel rounds into the f16 arena without looking: a block past f16's range is refused here, where
+            // the CPU decoder would refuse it (`codec::decode`).
             GroupCodec::Kv(c) if GPU_CODECS.contains(&c) => {
-                cx.decode_blocks(kv, c, &group.bytes, blocks).map_err(|e| TierError::Corrupt {
-                    path: format!("<{} group>", group.codec).into(),
-                    reason: e.to_string(),
-                })
+                let corrupt =
+                    |reason: String| TierError::Corrupt { path: format!("<{} group>", group.codec).into(), reason };
+                let len = c.encoded_len(bs, hd).map_err(|e| corrupt(e.to_string()))?;
+                for blk in group.bytes.chunks(len) {
+                    let bound = decoded_magnitude_bound(blk).map_err(|e| corrupt(e.to_string()))?;
+                    if !fits_dtype(KvDtype::F16, &[bound]) {
+                        return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: KvDtype::F16 });
+                    }
+                }
+                cx.decode_blocks(kv, c, &group.bytes, blocks).map_err(|e| corrupt(e.to_string()))
             }
             _ => {
                 // Every other format decodes on the host (checked whole there), then moves up as packed f16 blocks.

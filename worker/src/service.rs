@@ -4,7 +4,8 @@
 //! `worker.generate` span, continued from the caller's trace context in the request metadata, with span events at
 //! the request's milestones (`prefill`, `decode` first token and finish, `evict`), never per token. A request that
 //! carries a router's peer hint first pulls its missing prefix from that peer ([`crate::transfer`]), in a
-//! `transfer` child span.
+//! `transfer` child span; on a worker that reports to a kvstore, only from a peer its worker table lists
+//! ([`crate::reporter::KnownPeers`]).
 //!
 //! It also owns admission: [`AdmissionLimits`] bound the requests on the worker and the prompt tokens still
 //! waiting for prefill. Past them a request is refused with `resource_exhausted` carrying
@@ -53,9 +54,12 @@ pub const MAX_STOP_TOKEN_IDS: usize = 64;
 pub const MAX_TEMPERATURE: f32 = 100.0;
 /// Most tokens sent in one stream message (tokens already waiting are coalesced).
 const MAX_TOKENS_PER_MESSAGE: usize = 64;
-/// Most groups one `Residency` answer lists (tens of MiB encoded); a worker holding more refuses the call rather
-/// than build a message few clients could take.
-pub const MAX_RESIDENCY_GROUPS: usize = 1 << 20;
+/// Most groups one `Residency` page lists (about 1 MiB encoded with the codec names workers use): a worker holds up
+/// to millions, far more than one message a default gRPC client (4 MiB) takes, so the answer comes in pages.
+pub const MAX_RESIDENCY_PAGE_GROUPS: usize = 32 * 1024;
+/// Most bytes the groups of one `Residency` page encode to, whatever their codec names: half a default client's
+/// 4 MiB limit, leaving room for the rest of the message and its framing.
+pub const MAX_RESIDENCY_PAGE_BYTES: usize = 2 << 20;
 /// The wait a worker suggests when a `Residency` snapshot is being taken already.
 const RESIDENCY_BUSY_RETRY_AFTER_MS: &str = "1000";
 
@@ -166,8 +170,8 @@ pub struct WorkerService {
     /// One `Residency` snapshot at a time: each walks every group of every tier on the engine thread, between
     /// steps, so a burst of them would stall generation.
     residency_walk: Arc<tokio::sync::Semaphore>,
-    /// [`MAX_RESIDENCY_GROUPS`], lowered by tests.
-    residency_limit: usize,
+    /// [`MAX_RESIDENCY_PAGE_GROUPS`] and [`MAX_RESIDENCY_PAGE_BYTES`], lowered by tests.
+    residency_page: (usize, usize),
 }
 
 impl WorkerService {
@@ -182,7 +186,7 @@ impl WorkerService {
             peer_counters: Arc::default(),
             report_progress: Arc::default(),
             residency_walk: Arc::new(tokio::sync::Semaphore::new(1)),
-            residency_limit: MAX_RESIDENCY_GROUPS,
+            residency_page: (MAX_RESIDENCY_PAGE_GROUPS, MAX_RESIDENCY_PAGE_BYTES),
         }
     }
 
@@ -704,6 +708,21 @@ impl Worker for WorkerService {
             Some(name) => Some(self.adapter(name, &span).await.map_err(refused)?),
             None => None,
         };
+        // Only the directory's workers may be pulled from: a hint is the router's, but anyone reaching this service
+        // could send one naming any Transfer server.
+        let hint = hint.filter(|h| {
+            let known = self.report_progress.peers().admits(&h.address);
+            if !known && self.peer.is_some() {
+                // Every hint is refused alike when the router's names for workers are not the addresses they
+                // register: said once, loudly; the rest are counted in Stats.
+                if self.peer_counters.count_refused_hint() == 0 {
+                    tracing::warn!(peer = %h.address, "a peer hint names no worker the kvstore lists; prefilling");
+                } else {
+                    tracing::debug!(peer = %h.address, "a peer hint names no worker the kvstore lists; prefilling");
+                }
+            }
+            known
+        });
         if let (Some(peer), Some(hint)) = (&self.peer, &hint) {
             let namespace = match &adapter {
                 Some(a) => cache_namespace(&req.namespace, a.cache_id()),
@@ -824,6 +843,7 @@ impl Worker for WorkerService {
             peer_served_bytes_total: p.served_bytes,
             peer_linked_fetches_total: p.linked_fetches,
             peer_link_refusals_total: p.link_refusals,
+            peer_refused_hints_total: p.refused_hints,
             report_epoch: r.epoch,
             report_acked_seq: r.acked_seq,
             report_snapshots_total: r.snapshots,
@@ -841,8 +861,26 @@ impl Worker for WorkerService {
 
     async fn residency(
         &self,
-        _request: Request<pb::ResidencyRequest>,
+        request: Request<pb::ResidencyRequest>,
     ) -> Result<Response<pb::ResidencyResponse>, Status> {
+        let req = request.into_inner();
+        let after = match &req.after {
+            None => None,
+            Some(c) => {
+                let tier = Tier::ALL.into_iter().find(|t| t.name() == c.tier).ok_or_else(|| {
+                    Status::invalid_argument(format!(
+                        "after.tier must be device, host or disk, got {:?}",
+                        c.tier.chars().take(16).collect::<String>()
+                    ))
+                })?;
+                Some((c.hash, tier))
+            }
+        };
+        let (max_groups, max_bytes) = self.residency_page;
+        let limit = match usize::try_from(req.limit) {
+            Ok(0) | Err(_) => max_groups,
+            Ok(n) => n.min(max_groups),
+        };
         let Ok(_walk) = self.residency_walk.try_acquire() else {
             let mut status = Status::resource_exhausted("a Residency snapshot is being taken already");
             status
@@ -850,25 +888,11 @@ impl Worker for WorkerService {
                 .insert(pagoda_proto::BUSY_RETRY_AFTER_MS, MetadataValue::from_static(RESIDENCY_BUSY_RETRY_AFTER_MS));
             return Err(status);
         };
+        // Every page walks the whole engine (its tiers are hash maps, with no order to resume in): the pages
+        // cost that many walks, one at a time, instead of one message too large for the caller.
         let snap = self.engine.residency_snapshot().await.map_err(|e| Status::unavailable(e.to_string()))?;
-        if snap.blocks.len() > self.residency_limit {
-            return Err(Status::resource_exhausted(format!(
-                "this worker holds {} block groups, more than one Residency answer lists ({})",
-                snap.blocks.len(),
-                self.residency_limit
-            )));
-        }
-        let groups = snap
-            .blocks
-            .into_iter()
-            .filter_map(|c| match c {
-                BlockChange::Stored { hash, tier, codec, bytes } => {
-                    Some(pb::ResidentGroup { hash, tier: tier.name().to_owned(), codec, bytes })
-                }
-                BlockChange::Removed { .. } => None,
-            })
-            .collect();
-        Ok(Response::new(pb::ResidencyResponse { seq: snap.seq, groups }))
+        let (groups, next) = residency_page(snap.blocks, after, limit, max_bytes);
+        Ok(Response::new(pb::ResidencyResponse { seq: snap.seq, groups, next }))
     }
 
     async fn load_lora(&self, request: Request<pb::LoadLoraRequest>) -> Result<Response<pb::LoadLoraResponse>, Status> {
@@ -889,6 +913,51 @@ impl Worker for WorkerService {
         self.engine.unload_lora(&request.into_inner().name).map_err(|e| status_from_engine(&e))?;
         Ok(Response::new(pb::UnloadLoraResponse {}))
     }
+}
+
+/// One `Residency` page out of a snapshot's `blocks`: the stored groups after `after` in (hash, tier) order, at
+/// most `limit` of them (at least one) and, past the first, at most `max_bytes` of them encoded; with the cursor of
+/// its last group when more remain.
+fn residency_page(
+    blocks: Vec<BlockChange>,
+    after: Option<(u64, Tier)>,
+    limit: usize,
+    max_bytes: usize,
+) -> (Vec<pb::ResidentGroup>, Option<pb::ResidencyCursor>) {
+    let mut rest: Vec<(u64, Tier, String, u64)> = blocks
+        .into_iter()
+        .filter_map(|c| match c {
+            BlockChange::Stored { hash, tier, codec, bytes } if after.is_none_or(|a| (hash, tier) > a) => {
+                Some((hash, tier, codec, bytes))
+            }
+            _ => None,
+        })
+        .collect();
+    let limit = limit.max(1);
+    let mut more = rest.len() > limit;
+    if more {
+        // The page's groups only need sorting, not the whole walk's.
+        rest.select_nth_unstable_by_key(limit, |g| (g.0, g.1));
+        rest.truncate(limit);
+    }
+    rest.sort_unstable_by_key(|g| (g.0, g.1));
+    let mut groups = Vec::with_capacity(rest.len());
+    let mut encoded = 0;
+    for (hash, tier, codec, bytes) in rest {
+        let g = pb::ResidentGroup { hash, tier: tier.name().to_owned(), codec, bytes };
+        let len = prost::Message::encoded_len(&g);
+        // The field's tag, the length prefix, the message.
+        let framed = 1 + prost::length_delimiter_len(len) + len;
+        if encoded + framed > max_bytes && !groups.is_empty() {
+            more = true;
+            break;
+        }
+        encoded += framed;
+        groups.push(g);
+    }
+    let next =
+        if more { groups.last().map(|g| pb::ResidencyCursor { hash: g.hash, tier: g.tier.clone() }) } else { None };
+    (groups, next)
 }
 
 /// An adapter as `Health` and `LoadLora` describe it.
@@ -1114,7 +1183,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn one_residency_snapshot_at_a_time_and_bounded() {
+    async fn one_residency_snapshot_at_a_time() {
         // Steps of 100 ms: the engine answers a snapshot only between them.
         let svc = service(256, 100);
         let mut done =
@@ -1126,7 +1195,7 @@ mod tests {
         assert!(!running.next().await.unwrap().unwrap().token_ids.is_empty());
         let first = tokio::spawn({
             let svc = svc.clone();
-            async move { svc.residency(Request::new(pb::ResidencyRequest {})).await }
+            async move { svc.residency(Request::new(pb::ResidencyRequest::default())).await }
         });
         for _ in 0..10_000 {
             if svc.residency_walk.available_permits() == 0 {
@@ -1134,18 +1203,188 @@ mod tests {
             }
             tokio::task::yield_now().await;
         }
-        let err = svc.residency(Request::new(pb::ResidencyRequest {})).await.expect_err("a second walk at once");
+        let err =
+            svc.residency(Request::new(pb::ResidencyRequest::default())).await.expect_err("a second walk at once");
         assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
         assert!(busy_hint(&err).is_some(), "{err:?}");
         let snap = first.await.unwrap().expect("the first walk answers").into_inner();
         assert!(!snap.groups.is_empty(), "the first request's prompt is cached");
-        // Done, it lets the next one through; past the bound, the answer is refused rather than built.
-        assert!(svc.residency(Request::new(pb::ResidencyRequest {})).await.is_ok());
-        let small = WorkerService { residency_limit: snap.groups.len() - 1, ..svc.clone() };
-        let err = small.residency(Request::new(pb::ResidencyRequest {})).await.expect_err("over the bound");
-        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
-        assert!(busy_hint(&err).is_none(), "{err:?}");
+        // Done, it lets the next one through.
+        assert!(svc.residency(Request::new(pb::ResidencyRequest::default())).await.is_ok());
         drop(running);
+    }
+
+    /// A residency of more groups than one message a default gRPC client takes (4 MiB) comes back whole over a
+    /// real connection, page after page, in (hash, tier) order; each page stays under its byte bound, and a
+    /// lowered bound or a caller's `limit` only makes more pages.
+    #[tokio::test]
+    async fn a_residency_larger_than_a_message_comes_back_whole_in_pages() {
+        use crate::tiers::{EncodedGroup, TierConfig, native};
+        use pagoda_proto::worker::worker_client::WorkerClient;
+
+        let tiers = TierConfig { data_dir: None, host_bytes: 128 << 20, disk_bytes: 0 };
+        let cfg = EngineConfig { block_size: 4, num_blocks: 64, tiers, ..EngineConfig::default() };
+        let engine = Engine::start_with(cfg, |_| Ok(FakeRunner::new(32, 64, Duration::ZERO))).unwrap();
+        let info = engine.model_info().clone();
+        let bytes = native::group_bytes(info.layout().group_size(), info.block_size, info.head_dim, info.kv_dtype);
+        let codec = native::codec_name(info.kv_dtype);
+        // ~27 bytes each encoded (a full 64-bit hash): 160k groups are over 4 MiB in one message.
+        let n = 160_000u64;
+        let hash = |i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1 << 63;
+        for chunk in (0..n).collect::<Vec<_>>().chunks(20_000) {
+            let groups = chunk.iter().map(|&i| (hash(i), EncodedGroup { codec: codec.into(), bytes: vec![0; bytes] }));
+            assert_eq!(engine.import_groups(groups.collect()).await.unwrap(), chunk.len());
+        }
+        let mut want: Vec<(u64, String)> = (0..n).map(|i| (hash(i), "host".to_owned())).collect();
+        want.sort();
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let svc = WorkerService::new(engine.clone());
+        let small = WorkerService { residency_page: (1000, 8 << 10), ..svc.clone() };
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        tokio::spawn(tonic::transport::Server::builder().add_service(svc.into_server()).serve_with_incoming(incoming));
+        let mut client = WorkerClient::connect(format!("http://{addr}")).await.unwrap();
+        let mut got = Vec::new();
+        let mut after = None;
+        let mut pages = 0;
+        loop {
+            let page = client.residency(pb::ResidencyRequest { after, limit: 0 }).await.unwrap().into_inner();
+            pages += 1;
+            let size = prost::Message::encoded_len(&page);
+            assert!(size <= MAX_RESIDENCY_PAGE_BYTES + 64, "page {pages}: {size} bytes");
+            assert!(page.groups.len() <= MAX_RESIDENCY_PAGE_GROUPS);
+            got.extend(page.groups.into_iter().map(|g| (g.hash, g.tier)));
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert!(pages > 1, "one page held {} groups", got.len());
+        assert!(got == want, "the pages hold every group once, in order ({} of {n})", got.len());
+
+        // A lowered bound, by bytes before groups: each page under it.
+        let mut after = None;
+        let mut total = 0;
+        for _ in 0..3 {
+            let page = small.residency(Request::new(pb::ResidencyRequest { after, limit: 0 })).await.unwrap();
+            let page = page.into_inner();
+            assert!(prost::Message::encoded_len(&page) <= (8 << 10) + 64);
+            assert!(!page.groups.is_empty() && page.groups.len() < 1000, "{} groups", page.groups.len());
+            assert_eq!(page.groups[0].hash, want[total].0, "each page starts after the last");
+            total += page.groups.len();
+            after = page.next;
+        }
+        let three = small.residency(Request::new(pb::ResidencyRequest { after: None, limit: 3 })).await.unwrap();
+        assert_eq!(three.get_ref().groups.len(), 3);
+        let bad = pb::ResidencyRequest { after: Some(pb::ResidencyCursor { hash: 1, tier: "gpu".into() }), limit: 0 };
+        let err = small.residency(Request::new(bad)).await.expect_err("no such tier");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        engine.shutdown();
+    }
+
+    /// A page's order breaks ties between tiers: a group on the device and in host around a page boundary is
+    /// listed once per tier, and a byte bound smaller than one group still lists one per page.
+    #[test]
+    fn residency_pages_order_by_hash_then_tier() {
+        let stored = |hash, tier| BlockChange::Stored { hash, tier, codec: "f16".into(), bytes: 10 };
+        let blocks = || {
+            vec![
+                stored(9, Tier::Disk),
+                stored(5, Tier::Host),
+                BlockChange::Removed { hash: 1, tier: Tier::Host, codec: "f16".into() },
+                stored(5, Tier::Device),
+                stored(2, Tier::Host),
+            ]
+        };
+        let key = |g: &pb::ResidentGroup| (g.hash, g.tier.clone());
+        let (page, next) = residency_page(blocks(), None, 2, 1 << 20);
+        assert_eq!(page.iter().map(key).collect::<Vec<_>>(), [(2, "host".into()), (5, "device".into())]);
+        let next = next.expect("more to come");
+        assert_eq!((next.hash, next.tier.as_str()), (5, "device"));
+        let (page, next) = residency_page(blocks(), Some((5, Tier::Device)), 2, 1 << 20);
+        assert_eq!(page.iter().map(key).collect::<Vec<_>>(), [(5, "host".into()), (9, "disk".into())]);
+        assert!(next.is_none(), "the last page");
+        let (page, next) = residency_page(blocks(), None, 0, 1);
+        assert_eq!((page.len(), next.map(|c| c.hash)), (1, Some(2)), "one group at least, then a cursor");
+        let (page, next) = residency_page(blocks(), Some((9, Tier::Disk)), 10, 1 << 20);
+        assert!(page.is_empty() && next.is_none());
+    }
+
+    /// On a worker that reports to a kvstore, a peer hint is followed only when it names a worker the kvstore's
+    /// worker table lists: a hint naming another address is not pulled from but counted, and its request is
+    /// prefilled. A worker without a kvstore has no table to ask and follows every hint.
+    #[tokio::test]
+    async fn peer_hints_are_followed_only_to_workers_the_kvstore_lists() {
+        use crate::reporter::{self, ReporterConfig};
+        use crate::tiers::TierConfig;
+        use crate::transfer::{PeerFetchConfig, PeerFetcher};
+
+        let dir = std::env::temp_dir().join(format!("pagoda-worker-known-peers-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let kv = pagoda_kvstore::start_embedded(dir.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let kv_addr = kv.addr.to_string();
+        // A listed peer that has gone away: a pull from it is tried and fails at once.
+        let listed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
+        let unlisted = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
+        let mut kv_client = pagoda_kvstore::Client::new(vec![kv_addr.clone()]).unwrap();
+        let started = Instant::now();
+        while let Err(e) = kv_client.register("peer-a", &listed, 1).await {
+            assert!(started.elapsed() < Duration::from_secs(30), "the kvstore never took a registration: {e}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        let tiers = TierConfig { data_dir: None, host_bytes: 1 << 20, disk_bytes: 0 };
+        let cfg = EngineConfig { block_size: 4, num_blocks: 64, tiers, ..EngineConfig::default() };
+        let engine = Engine::start_with(cfg, |_| Ok(FakeRunner::new(32, 64, Duration::ZERO))).unwrap();
+        let service = || {
+            let counters = Arc::new(PeerCounters::default());
+            let fetcher = PeerFetcher::new(engine.clone(), counters.clone(), PeerFetchConfig::default());
+            WorkerService::new(engine.clone()).with_peer_counters(counters).with_peer_fetch(fetcher)
+        };
+        let mut rc = ReporterConfig::new(
+            "me".into(),
+            "127.0.0.1:1".into(),
+            pagoda_kvstore::Endpoints::fixed(vec![kv_addr.clone()]),
+        );
+        rc.peers_every = Duration::from_millis(50);
+        let reporter = reporter::spawn(engine.clone(), rc).unwrap();
+        assert!(!reporter.progress.peers().admits(&listed), "nothing is known before the table is read");
+        while !reporter.progress.peers().admits(&listed) {
+            assert!(started.elapsed() < Duration::from_secs(30), "the worker table was never read");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let svc = service().with_report_progress(reporter.progress.clone());
+        // Two full blocks of a prompt this worker does not hold, each request its own.
+        let hinted = |first: u32, address: &str| {
+            let mut r = request((first..first + 9).collect(), 2);
+            r.peer_hint = Some(pb::PeerHint { address: address.into(), blocks: 2, remote_prefill: true });
+            r
+        };
+        let finish = |svc: &WorkerService, req| {
+            let svc = svc.clone();
+            async move {
+                let mut stream = svc.generate(Request::new(req)).await.unwrap().into_inner();
+                let mut finished = false;
+                while let Some(m) = stream.next().await {
+                    finished |= m.unwrap().finished.is_some();
+                }
+                assert!(finished, "the request runs to its end");
+                svc.stats(Request::new(StatsRequest {})).await.unwrap().into_inner()
+            }
+        };
+        let s = finish(&svc, hinted(1, &unlisted)).await;
+        assert_eq!((s.peer_fetches_total, s.peer_refused_hints_total), (0, 1), "an unlisted peer is not pulled from");
+        let s = finish(&svc, hinted(11, &format!("http://{listed}"))).await;
+        assert_eq!((s.peer_fetches_total, s.peer_refused_hints_total), (1, 1), "a listed peer is");
+        assert_eq!(s.peer_fetch_failures_total, 1, "it has gone away: the request prefilled");
+
+        let s = finish(&service(), hinted(21, &unlisted)).await;
+        assert_eq!((s.peer_fetches_total, s.peer_refused_hints_total), (1, 0), "without a kvstore, every hint");
+        reporter.task.abort();
+        engine.shutdown();
+        kv.stop().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn busy_hint(err: &Status) -> Option<u64> {

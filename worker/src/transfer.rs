@@ -14,8 +14,9 @@
 //!   hit. A failed, late or corrupt pull costs nothing but the time it took: the request is prefilled as usual.
 //! - [`PeerCounters`] owns the peer tier's counters for `Stats`; the fetcher owns the peer bandwidth estimate.
 //! - Between GPU workers, both sides may carry the payloads over an NCCL link instead ([`crate::peer_link`]): the
-//!   service answers `OpenLink` by joining the caller's communicator, and a fetch that names a link sends each
-//!   batch's metadata on the stream and its payloads on the link. The checksums are verified the same way.
+//!   service answers `OpenLink` by joining the caller's communicator (a bounded number of joins at once: each holds
+//!   a thread until the caller's rank comes), and a fetch that names a link sends each batch's metadata on the
+//!   stream and its payloads on the link. The checksums are verified the same way.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use pagoda_proto::transfer::transfer_server::{Transfer, TransferServer};
 use pagoda_proto::transfer::{Block, BlockBatch, FetchRequest, OpenLinkReply, OpenLinkRequest};
 use pagoda_proto::worker as pb_worker;
 use tokio::sync::{Semaphore, mpsc};
+use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, Span};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -56,8 +58,15 @@ const MAX_CODEC_BYTES: usize = pagoda_proto::MAX_CODEC_NAME_BYTES;
 const EXPORT_CHUNK_BYTES: u64 = 32 * 1024 * 1024;
 /// Batches queued between the engine copy and the network.
 const BATCHES_IN_FLIGHT: usize = 2;
+/// The wait a worker suggests when its joins are at [`MAX_CONCURRENT_JOINS`]: the longest a join holds its slot.
+const JOIN_BUSY_RETRY_AFTER_MS: u64 = LINK_JOIN_TIMEOUT.as_millis() as u64;
 /// Concurrent `Fetch` streams one worker serves; more get RESOURCE_EXHAUSTED.
 const MAX_CONCURRENT_SERVES: usize = 4;
+/// Concurrent `OpenLink` joins one worker runs; more get RESOURCE_EXHAUSTED with a retry hint. Each holds a
+/// blocking thread (and a half-made communicator) until the caller's rank joins, up to [`LINK_JOIN_TIMEOUT`], and
+/// a peer opens one link at a time: a few cover the peers opening at once after a restart, without letting callers
+/// that never join pile up threads.
+const MAX_CONCURRENT_JOINS: usize = 2;
 /// Longest a serve waits for the caller to take one batch. A caller that stops reading (but keeps the connection)
 /// would otherwise hold one of the [`MAX_CONCURRENT_SERVES`] slots forever. Well past a puller's own deadline
 /// ([`PeerFetchConfig::timeout`], 3 s by default), so a live puller on a slow link never meets it.
@@ -84,6 +93,7 @@ pub struct PeerCounters {
     served_bytes: AtomicU64,
     linked_fetches: AtomicU64,
     link_refusals: AtomicU64,
+    refused_hints: AtomicU64,
 }
 
 /// A copy of [`PeerCounters`].
@@ -100,6 +110,8 @@ pub struct PeerStats {
     pub linked_fetches: u64,
     /// Link opens that failed or that the peer refused (it has no NCCL): pulls stayed on gRPC.
     pub link_refusals: u64,
+    /// Hints not followed because they named no worker the kvstore lists: those requests prefilled.
+    pub refused_hints: u64,
 }
 
 impl PeerCounters {
@@ -115,7 +127,13 @@ impl PeerCounters {
             served_bytes: r(&self.served_bytes),
             linked_fetches: r(&self.linked_fetches),
             link_refusals: r(&self.link_refusals),
+            refused_hints: r(&self.refused_hints),
         }
+    }
+
+    /// A request's hint named no known peer and was not followed. Returns the count before this one.
+    pub fn count_refused_hint(&self) -> u64 {
+        self.refused_hints.fetch_add(1, Ordering::Relaxed)
     }
 }
 
@@ -602,6 +620,8 @@ pub struct TransferService {
     /// How this worker joins device links, or why it cannot.
     device_links: Result<Arc<dyn LinkFactory>, String>,
     served_links: Arc<Mutex<ServedLinks>>,
+    /// [`MAX_CONCURRENT_JOINS`] permits, one held by each `OpenLink` join for as long as its thread runs.
+    joining: Arc<Semaphore>,
     /// [`SERVE_SEND_TIMEOUT`], shorter in tests.
     send_timeout: Duration,
 }
@@ -669,6 +689,7 @@ impl TransferService {
             serving: Arc::new(Semaphore::new(MAX_CONCURRENT_SERVES)),
             device_links: Err("this worker runs on the CPU".into()),
             served_links: Arc::default(),
+            joining: Arc::new(Semaphore::new(MAX_CONCURRENT_JOINS)),
             send_timeout: SERVE_SEND_TIMEOUT,
         }
     }
@@ -874,11 +895,25 @@ impl Transfer for TransferService {
         if !self.served_links.lock().unwrap_or_else(|p| p.into_inner()).has_room() {
             return Err(Status::resource_exhausted("every device link of this worker is serving a fetch"));
         }
-        // The join waits for the caller's rank, bounded; if the caller gives up, the join times out on its own.
+        let Ok(permit) = self.joining.clone().try_acquire_owned() else {
+            let mut status = Status::resource_exhausted(format!(
+                "this worker joins {MAX_CONCURRENT_JOINS} device links at once; retry later"
+            ));
+            status
+                .metadata_mut()
+                .insert(pagoda_proto::BUSY_RETRY_AFTER_MS, MetadataValue::from(JOIN_BUSY_RETRY_AFTER_MS));
+            return Err(status);
+        };
+        // The join waits for the caller's rank, bounded; if the caller gives up, the join times out on its own. The
+        // permit goes with the thread, not this handler: a caller that went away must not free a slot whose thread
+        // still waits.
         let never_cancelled = std::sync::atomic::AtomicBool::new(false);
-        let joined = tokio::task::spawn_blocking(move || factory.join(&id, 1, LINK_JOIN_TIMEOUT, &never_cancelled))
-            .await
-            .map_err(|e| Status::internal(format!("the joining thread failed: {e}")))?;
+        let joined = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            factory.join(&id, 1, LINK_JOIN_TIMEOUT, &never_cancelled)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the joining thread failed: {e}")))?;
         let end = joined.map_err(|e| match e {
             LinkError::Timeout => Status::deadline_exceeded("the caller's rank did not join in time"),
             LinkError::BadId(why) => Status::invalid_argument(why),
@@ -1148,6 +1183,105 @@ mod tests {
         // A caller that reads gets everything.
         let all: Vec<_> = served.collect().await;
         assert_eq!(all.iter().flatten().map(|b| b.blocks.len()).sum::<usize>(), n);
+        engine.shutdown();
+    }
+
+    /// A link factory whose joins wait for [`GatedJoins::release`] (or their timeout), as joins wait for a caller
+    /// whose rank never comes.
+    #[derive(Default)]
+    struct GatedJoins {
+        joining: std::sync::atomic::AtomicUsize,
+        released: Mutex<bool>,
+        wake: std::sync::Condvar,
+    }
+
+    impl GatedJoins {
+        fn release(&self) {
+            *self.released.lock().unwrap() = true;
+            self.wake.notify_all();
+        }
+    }
+
+    impl LinkFactory for GatedJoins {
+        fn new_id(&self) -> Result<Vec<u8>, LinkError> {
+            Ok(vec![1; LINK_ID_BYTES])
+        }
+
+        fn join(
+            &self,
+            _: &[u8],
+            _: usize,
+            timeout: Duration,
+            _: &std::sync::atomic::AtomicBool,
+        ) -> Result<Box<dyn LinkEnd>, LinkError> {
+            self.joining.fetch_add(1, Ordering::SeqCst);
+            let released = self.released.lock().unwrap();
+            let (released, _) = self.wake.wait_timeout_while(released, timeout, |r| !*r).unwrap();
+            let joined = *released;
+            drop(released);
+            self.joining.fetch_sub(1, Ordering::SeqCst);
+            if joined { Ok(Box::new(Unjoined)) } else { Err(LinkError::Timeout) }
+        }
+    }
+
+    /// `OpenLink` joins hold a thread each until the caller's rank comes (up to the join timeout): past
+    /// [`MAX_CONCURRENT_JOINS`] at once, more are refused as busy with a retry hint instead of taking another
+    /// thread. A caller that gives up does not free its slot while its join still runs; once the joins end, links
+    /// open again.
+    #[tokio::test]
+    async fn link_joins_are_bounded_and_extra_ones_refused_as_busy() {
+        use crate::engine::{Engine, EngineConfig, FakeRunner};
+
+        let engine =
+            Engine::start_with(EngineConfig::default(), |_| Ok(FakeRunner::new(32, 64, Duration::ZERO))).unwrap();
+        let gate = Arc::new(GatedJoins::default());
+        let factory: Arc<dyn LinkFactory> = gate.clone();
+        let svc = TransferService::new(engine.clone(), Arc::default()).with_device_links(Ok(factory));
+        let req = || Request::new(OpenLinkRequest { nccl_unique_id: vec![7; LINK_ID_BYTES] });
+        let mut joins: Vec<_> = (0..MAX_CONCURRENT_JOINS)
+            .map(|_| {
+                let svc = svc.clone();
+                tokio::spawn(async move { svc.open_link(req()).await })
+            })
+            .collect();
+        let started = Instant::now();
+        while gate.joining.load(Ordering::SeqCst) < MAX_CONCURRENT_JOINS {
+            assert!(started.elapsed() < Duration::from_secs(10), "the joins did not start");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let busy = |st: &Status| st.metadata().get(pagoda_proto::BUSY_RETRY_AFTER_MS).is_some();
+        let err = svc.open_link(req()).await.expect_err("one join too many");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert!(busy(&err), "a retry hint: {err:?}");
+        // The caller of the first join goes away: its join still holds a thread, so it still holds its slot.
+        let gone = joins.remove(0);
+        gone.abort();
+        let _ = gone.await;
+        let err = svc.open_link(req()).await.expect_err("the abandoned join still runs");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+        assert_eq!(gate.joining.load(Ordering::SeqCst), MAX_CONCURRENT_JOINS, "no join past the bound started");
+
+        gate.release();
+        for j in joins {
+            assert!(j.await.unwrap().is_ok(), "the admitted joins open their links");
+        }
+        while gate.joining.load(Ordering::SeqCst) > 0 {
+            assert!(started.elapsed() < Duration::from_secs(10), "the abandoned join did not end");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut opened = None;
+        while opened.is_none() {
+            match svc.open_link(req()).await {
+                Ok(r) => opened = Some(r.into_inner().link),
+                // The abandoned join's thread may still be handing its slot back.
+                Err(st) => {
+                    assert_eq!(st.code(), tonic::Code::ResourceExhausted, "{st:?}");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "no join slot came back");
+        }
+        assert_ne!(opened, Some(0));
         engine.shutdown();
     }
 

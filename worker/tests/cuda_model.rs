@@ -28,7 +28,7 @@ use pagoda_worker::policy::{PolicyKind, PolicySpec};
 use pagoda_worker::runner_cuda::CudaRunner;
 use pagoda_worker::sampling::argmax;
 use pagoda_worker::tiers::codec::GroupKv;
-use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig};
+use pagoda_worker::tiers::{GroupCodec, Tier, TierConfig, TierError};
 
 /// Greedy steps after the prefill.
 const STEPS: usize = 32;
@@ -230,6 +230,39 @@ fn gpu_tier_groups_are_the_cpu_codecs_bytes() {
     kv.decode_group(&one.encode_group(&local, f16_native).unwrap(), &dst).unwrap();
     assert!(kv.encode_group(&dst, GroupCodec::Kv(Codec::Int8)).is_err());
     assert_eq!(kv.encode_or_native(&dst, GroupCodec::Kv(Codec::Int8)).unwrap().codec, "f16");
+}
+
+/// A group whose values the f16 arena cannot hold (past 65504) is refused whichever side decodes it: the GPU
+/// codecs' kernel (which rounds without looking, so the runner bounds each block first) or the host for the other
+/// formats. The blocks stay as they were, where they would have held infinities.
+#[test]
+fn gpu_arena_refuses_groups_past_f16s_range() {
+    if !gpu("gpu_arena_refuses_groups_past_f16s_range") {
+        return;
+    }
+    let mut runner = CudaRunner::load(&synthetic_gpu(8)).expect("GPU runner");
+    let (bs, hd) = (BS, runner.info().head_dim);
+    let mut src = KvStorage::with_dtype(GROUP, bs, hd, KvDtype::F32);
+    let small: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+    let huge: Vec<f32> = (0..bs * hd).map(|i| 1e6 + i as f32).collect();
+    for b in 0..GROUP as u32 {
+        src.write_block(b, &small, if b == 3 { &huge } else { &small });
+    }
+    let all: Vec<u32> = (0..GROUP as u32).collect();
+    let dst: Vec<u32> = vec![40, 3, 17, 22, 9, 31];
+    let f16_native = GroupCodec::Native(KvDtype::F16);
+    let kv = runner.group_kv().expect("the GPU runner serves tiers");
+    let before = kv.encode_group(&dst, f16_native).unwrap();
+    for codec in [Codec::Int8, Codec::Fp8E4m3, Codec::Bf16]
+        .map(GroupCodec::Kv)
+        .into_iter()
+        .chain([GroupCodec::Native(KvDtype::F32)])
+    {
+        let group = src.encode_group(&all, codec).expect("CPU encode");
+        let got = kv.decode_group(&group, &dst);
+        assert!(matches!(got, Err(TierError::DoesNotFit { .. })), "{codec}: {got:?}");
+        assert_eq!(kv.encode_group(&dst, f16_native).unwrap().bytes, before.bytes, "{codec}: blocks untouched");
+    }
 }
 
 /// A prompt of 4 groups and 12 tokens, and fillers that push every idle group of a pool of 8 groups out.

@@ -8,7 +8,7 @@ mod common;
 use common::{greedy, run, run_request, wait_stats};
 use std::path::{Path, PathBuf};
 
-use pagoda_kernels::{Codec, KvDtype};
+use pagoda_kernels::{Codec, KvDtype, KvStorage};
 use pagoda_worker::cache::block_hashes;
 use pagoda_worker::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportFrom, GenerateRequest,
@@ -16,6 +16,7 @@ use pagoda_worker::engine::{
 use pagoda_worker::events::BlockChange;
 use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
+use pagoda_worker::tiers::codec as tiers_codec;
 use pagoda_worker::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig};
 
 /// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
@@ -192,6 +193,48 @@ fn a_tier_group_that_does_not_decode_is_dropped_after_the_failed_onboard() {
     assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], matched as u64);
     assert_eq!((s.refused_imports, s.undecodable_groups), (2, 1), "both are counted in the worker's stats");
     h.shutdown();
+}
+
+/// A well-formed group whose values an f16 pool cannot hold (past 65504: an `int8` group with a huge scale, and a
+/// native `f32` one) would onboard as infinities, and one infinite key turns attention into NaN. It is refused
+/// like an undecodable group instead: dropped from the host tier and reported, the prefix recomputed, and the
+/// output that of a cold run.
+#[test]
+fn a_tier_group_past_the_f16_pools_range_is_dropped_not_onboarded_as_infinity() {
+    let p = prompt();
+    let matched = (p.len() - 1) / BS * BS;
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let clean = engine_of(8, TierConfig::default(), KvDtype::F16);
+    let (reference, _, _) = run(&clean, &p, 8);
+    let info = clean.model_info().clone();
+    clean.shutdown();
+    let hashes = block_hashes(&info.model_id, "", &p[..matched], BS);
+    let n = BS * info.head_dim;
+    let mut huge = KvStorage::with_dtype(GROUP, BS, info.head_dim, KvDtype::F32);
+    for b in 0..GROUP as u32 {
+        let k: Vec<f32> = (0..n).map(|i| 1e6 + i as f32).collect();
+        let v: Vec<f32> = (0..n).map(|i| -(i as f32) * 50.0).collect();
+        huge.write_block(b, &k, &v);
+    }
+    let blocks: Vec<u32> = (0..GROUP as u32).collect();
+    for codec in [GroupCodec::Kv(Codec::Int8), GroupCodec::Native(KvDtype::F32)] {
+        let group = tiers_codec::encode(&huge, &blocks, codec).expect("f32 and int8 hold the values");
+        let h = engine_of(8, TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 }, KvDtype::F16);
+        let mut events = h.report_events(1 << 16).unwrap();
+        assert_eq!(rt.block_on(h.import_groups(vec![(hashes[0], group.clone())])).unwrap(), 1, "{codec}");
+        assert_eq!(rt.block_on(h.probe_prefix(hashes.clone())).unwrap().local_blocks, 1);
+        let (out, cached, s) = run(&h, &p, 8);
+        assert_eq!(cached, 0, "{codec}: the group is not onboarded: {s:?}");
+        assert_eq!(s.undecodable_groups, 1, "{codec}: counted as undecodable");
+        assert_eq!(out, reference, "{codec}: the prefix was recomputed");
+        let mut changes = Vec::new();
+        while let Ok(batch) = events.try_recv() {
+            changes.extend(batch.changes);
+        }
+        let removed = BlockChange::Removed { hash: hashes[0], tier: Tier::Host, codec: group.codec.clone() };
+        assert!(changes.contains(&removed), "{codec}: the drop is reported: {changes:?}");
+        h.shutdown();
+    }
 }
 
 /// The bench's shared offline prefill: groups one engine computed, exported from its host tier in the native format

@@ -17,7 +17,7 @@ use std::str::FromStr;
 
 use pagoda_kernels::{Codec, KvDtype, KvStorage, decode_block};
 
-use super::{EncodedGroup, TierError, native};
+use super::{EncodedGroup, TierError, fits_dtype, native};
 use crate::cache::BlockId;
 
 /// A lower-tier group format.
@@ -291,6 +291,9 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         if h.codec != codec || h.block_size != bs || h.head_dim != hd {
             return Err(TierError::BadLength { codec: group.codec.clone(), expected: len, got: bytes.len() });
         }
+        if !(fits_dtype(kv.dtype(), k) && fits_dtype(kv.dtype(), v)) {
+            return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: kv.dtype() });
+        }
     }
     for (&b, out) in blocks.iter().zip(decoded.chunks_exact(2 * n)) {
         let (k, v) = out.split_at(n);
@@ -457,6 +460,28 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A well-formed group of a compressing codec whose values an f16 cache cannot hold (int8 and bf16 blocks past
+    /// 65504) is refused whole rather than written as infinities; an f32 cache takes it.
+    #[test]
+    fn groups_past_f16s_range_are_refused_by_an_f16_cache_and_never_written() {
+        let (bs, hd) = (16, 64);
+        let mut src = KvStorage::with_dtype(2, bs, hd, KvDtype::F32);
+        let small: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let huge: Vec<f32> = (0..bs * hd).map(|i| 1e6 + i as f32).collect();
+        src.write_block(0, &small, &small);
+        src.write_block(1, &small, &huge);
+        for c in [GroupCodec::Kv(Codec::Int8), GroupCodec::Kv(Codec::Bf16), GroupCodec::Kv(Codec::Fp8E4m3)] {
+            let g = encode(&src, &[0, 1], c).unwrap();
+            let mut dst = filled(KvDtype::F16);
+            let before = (block(&dst, 7), block(&dst, 8));
+            let got = decode(&g, &mut dst, &[7, 8]);
+            assert!(matches!(got, Err(TierError::DoesNotFit { .. })), "{c}: {got:?}");
+            assert_eq!((block(&dst, 7), block(&dst, 8)), before, "{c}: nothing written");
+            decode(&g, &mut filled(KvDtype::F32), &[7, 8]).unwrap();
+            decode(&encode(&src, &[0], c).unwrap(), &mut dst, &[7]).expect("a block within range decodes");
+        }
     }
 
     #[test]

@@ -100,4 +100,18 @@ pub enum TierError {
     /// Moving a group between the device arenas and host memory failed (a GPU error).
     #[error("device KV: {0}")]
     Device(String),
+    /// A well-formed group decodes to values the arena's dtype cannot hold: an f16 arena would store them as
+    /// infinities, and one infinite key turns attention into NaN.
+    #[error("codec {codec}: the group's values do not fit a {dtype} KV cache")]
+    DoesNotFit { codec: String, dtype: pagoda_kernels::KvDtype },
+}
+
+/// The smallest magnitude an f16 arena rounds to infinity: halfway from f16's largest finite value (65504) to
+/// 65536, a tie that round-to-nearest-even settles upwards.
+pub const F16_OVERFLOW: f32 = 65520.0;
+
+/// Whether an arena of `dtype` stores every value of `values` finite. Only f16 can fail: f32 holds any f32, and the
+/// 8-bit dtypes scale each slot to its own largest value. NaN never fits.
+pub fn fits_dtype(dtype: pagoda_kernels::KvDtype, values: &[f32]) -> bool {
+    dtype != pagoda_kernels::KvDtype::F16 || values.iter().all(|x| x.abs() < F16_OVERFLOW)
 }

@@ -6,7 +6,7 @@
 
 use pagoda_kernels::{KvArenas, KvDtype, KvStorage, codec};
 
-use super::{EncodedGroup, TierError};
+use super::{EncodedGroup, TierError, fits_dtype};
 use crate::cache::BlockId;
 
 /// Codec name of groups written by f32 caches before the dtype was part of the name.
@@ -119,6 +119,17 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         }
     }
     let (mut k, mut v) = (vec![0.0f32; bl], vec![0.0f32; bl]);
+    // Narrowed into f16, values past its range would be stored as infinities: the whole group is checked before
+    // anything is written, at the price of widening it twice (only across dtypes; an f16 group is f16 already).
+    if kv.dtype() == KvDtype::F16 && dtype != KvDtype::F16 {
+        for block in group.bytes.chunks_exact(2 * half) {
+            let (kb, vb) = block.split_at(half);
+            widen_block(dtype, hd, kb, vb, &mut k, &mut v);
+            if !(fits_dtype(kv.dtype(), &k) && fits_dtype(kv.dtype(), &v)) {
+                return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: kv.dtype() });
+            }
+        }
+    }
     let raw = dtype.slot_scaled() && kv.dtype() == dtype;
     let (mut codes, mut scales) =
         if raw { (vec![0u8; 2 * bl], vec![0.0f32; 2 * bs]) } else { (Vec::new(), Vec::new()) };
@@ -132,15 +143,20 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
             kv.write_block_scaled(b, kc, ks, vc, vs);
             continue;
         }
-        widen(dtype, hd, kb, &mut k);
-        widen(dtype, hd, vb, &mut v);
-        if dtype.rotates_keys() {
-            // The normalised transform is its own inverse.
-            k.chunks_exact_mut(hd).for_each(pagoda_kernels::codec::hadamard_rotate);
-        }
+        widen_block(dtype, hd, kb, vb, &mut k, &mut v);
         kv.write_block(b, &k, &v);
     }
     Ok(())
+}
+
+/// One block of `dtype` (its K and V halves) as the f32 values the cache reads: keys rotated back.
+fn widen_block(dtype: KvDtype, head_dim: usize, kb: &[u8], vb: &[u8], k: &mut [f32], v: &mut [f32]) {
+    widen(dtype, head_dim, kb, k);
+    widen(dtype, head_dim, vb, v);
+    if dtype.rotates_keys() {
+        // The normalised transform is its own inverse.
+        k.chunks_exact_mut(head_dim).for_each(pagoda_kernels::codec::hadamard_rotate);
+    }
 }
 
 /// One 8-bit block half (codes, then little-endian slot scales) into its codes and scales.
@@ -270,6 +286,33 @@ mod tests {
         minus_128.bytes[5] = 0x80;
         let got = decode(&minus_128, &mut filled(KvDtype::Int8), &[2]);
         assert!(matches!(got, Err(TierError::Corrupt { .. })), "{got:?}");
+    }
+
+    /// Groups whose values an f16 cache cannot hold (an f32 group past 65504, an int8 one whose scale makes its
+    /// codes decode past it) are refused whole: nothing is written, where they would have landed as infinities.
+    /// Up to the edge of f16's range they decode.
+    #[test]
+    fn groups_past_f16s_range_are_refused_by_an_f16_cache() {
+        for dtype in [KvDtype::F32, KvDtype::Int8, KvDtype::Fp8] {
+            let mut src = KvStorage::with_dtype(2, 4, 3, dtype);
+            let k: Vec<f32> = (0..12).map(|i| i as f32 * 10.0).collect();
+            let huge: Vec<f32> = (0..12).map(|i| 7e4 + i as f32).collect();
+            src.write_block(0, &k, &k);
+            src.write_block(1, &k, &huge);
+            let g = encode(&src, &[0, 1]);
+            let mut target = filled(KvDtype::F16);
+            let before = (block(&target, 2), block(&target, 3));
+            let got = decode(&g, &mut target, &[2, 3]);
+            assert!(matches!(got, Err(TierError::DoesNotFit { .. })), "{dtype}: {got:?}");
+            assert_eq!((block(&target, 2), block(&target, 3)), before, "{dtype}: nothing written");
+            // An f32 cache holds them.
+            decode(&g, &mut filled(KvDtype::F32), &[2, 3]).unwrap();
+        }
+        let mut edge = KvStorage::with_dtype(1, 4, 3, KvDtype::F32);
+        edge.write_block(0, &[65504.0; 12], &[-65519.0; 12]);
+        let mut target = filled(KvDtype::F16);
+        decode(&encode(&edge, &[0]), &mut target, &[1]).unwrap();
+        assert_eq!(block(&target, 1), (vec![65504.0; 12], vec![-65504.0; 12]), "rounded to f16's largest");
     }
 
     #[test]
