@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, Parser, Subcommand};
+use pagoda_kernels::codec::MAX_BLOCK_SIZE;
 use pagoda_kernels::{KvDtype, WeightType};
 use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
@@ -215,8 +216,9 @@ struct EngineArgs {
     /// running tokens fit on the worker at once.
     #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1 << 24))]
     kv_cache_tokens: usize,
-    /// Token slots per KV block.
-    #[arg(long, default_value_t = 16)]
+    /// Token slots per KV block, 1 to 256 (the largest block the KV tier codecs encode).
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BLOCK_SIZE as u64))]
     block_size: usize,
     /// Token budget of one engine step (chunked prefill + decode).
     #[arg(long, default_value_t = 512)]
@@ -1166,8 +1168,9 @@ struct BenchEvictionArgs {
     /// Most sequences running at once.
     #[arg(long, default_value_t = 64)]
     max_running: usize,
-    /// Token slots per KV block.
-    #[arg(long, default_value_t = 16)]
+    /// Token slots per KV block, 1 to 256 (the largest block the KV tier codecs encode).
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BLOCK_SIZE as u64))]
     block_size: usize,
     /// Seed of the prompts.
     #[arg(long, default_value_t = 1234)]
@@ -1203,8 +1206,9 @@ struct BenchEngineArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Token slots per KV block.
-    #[arg(long, default_value_t = 16)]
+    /// Token slots per KV block, 1 to 256 (the largest block the KV tier codecs encode).
+    #[arg(long, default_value_t = 16,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BLOCK_SIZE as u64))]
     block_size: usize,
     /// Engine step budget for the prefill measurement.
     #[arg(long, default_value_t = 512)]
@@ -2551,6 +2555,7 @@ mod tests {
             "/app/pagoda worker --listen=0.0.0.0:50051 --model=/m.gguf --kv-policy=snapkv --kv-budget=256",
             "/app/pagoda router --listen=0.0.0.0:8080 --worker=w-0.w.ns.svc:50051 --worker=w-1.w.ns.svc:50051",
             "pagoda up --listen 127.0.0.1:0",
+            "pagoda worker --block-size=256",
             "pagoda worker --tier-placement=evicpress --evicpress-profile-question=Who? --evicpress-profile-question=Why?",
         ] {
             check_args(&argv(line)).unwrap_or_else(|e| panic!("{line}: {e:#}"));
@@ -2561,6 +2566,10 @@ mod tests {
     fn check_args_rejects_what_the_binary_would_reject() {
         for (line, why) in [
             ("pagoda worker --no-such-flag", "unexpected argument"),
+            ("pagoda worker --block-size=0", "invalid value"),
+            ("pagoda up --block-size=257", "invalid value"),
+            ("pagoda bench engine --block-size=257", "invalid value"),
+            ("pagoda bench eviction --block-size=1024", "invalid value"),
             ("pagoda worker --listen=worker-0:50051", "invalid value"),
             ("pagoda router --listen=0.0.0.0:8080", "--worker"),
             ("pagoda worker --kv-policy=lru", "unknown KV policy"),

@@ -133,18 +133,22 @@ pub fn paged_attention(
         }
     }
     check_disjoint(seqs);
-    let sinks = prob_sinks(seqs, n_heads, n_kv_heads, probs);
+    let mut sinks = SINKS.take();
+    prob_sinks(seqs, n_heads, n_kv_heads, probs, &mut sinks);
     let simd = be.simd();
     let one = |qv: &[f32], table: &[u32], len: usize, acc: &mut [f32], p: Option<&mut [f32]>| {
         attend_one(simd, qv, kv, table, len, scale, acc, p)
     };
     #[cfg(target_arch = "x86_64")]
-    if let Some(rows) = RowsKernel::select(simd, kv) {
-        let many = rows.bind(kv, scale);
-        let rows: AttendRows<'_> = &many;
-        return par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, Some(rows));
-    }
-    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, None);
+    let many = RowsKernel::select(simd, kv).map(|rows| rows.bind(kv, scale));
+    #[cfg(target_arch = "x86_64")]
+    let rows = many.as_ref().map(|m| m as AttendRows<'_>);
+    #[cfg(not(target_arch = "x86_64"))]
+    let rows = None;
+    par_queries(be, q, seqs, n_heads, n_kv_heads, hd, out, &sinks, &one, rows);
+    // Cleared so that the kept buffer holds no pointers into this call's sums.
+    sinks.clear();
+    SINKS.set(sinks);
 }
 
 /// The block walk of the rows kernels (`avx2::attend_rows`, `avx512_attention::attend_rows`): `rows` queries of
@@ -396,18 +400,32 @@ pub(crate) struct ProbSink {
     power: u32,
 }
 
-/// Checks `probs` against the batch and indexes it by sequence (empty when no sequence wants probabilities).
-/// Panics if a sequence index is out of range or repeated, a stride is shorter than a row, or rows are too short.
+// Scratch of the attention call, kept between calls because it runs per layer at every step. Each is taken for the
+// call and put back, so a nested call gets fresh ones instead of a panic.
+thread_local! {
+    /// [`prob_sinks`]' index of the batch's sinks.
+    static SINKS: Cell<Vec<Option<ProbSink>>> = const { Cell::new(Vec::new()) };
+    /// The row ranges [`check_disjoint`] sorts.
+    static RANGES: Cell<Vec<(usize, usize)>> = const { Cell::new(Vec::new()) };
+    /// [`par_queries`]' first task of each sequence.
+    static STARTS: Cell<Vec<usize>> = const { Cell::new(Vec::new()) };
+}
+
+/// Checks `probs` against the batch and indexes it by sequence into `sinks` (left empty when no sequence wants
+/// probabilities). Panics if a sequence index is out of range or repeated, a stride is shorter than a row, or rows
+/// are too short.
 fn prob_sinks(
     seqs: &[AttnSeq<'_>],
     n_heads: usize,
     n_kv_heads: usize,
     probs: &mut [AttnProbs<'_>],
-) -> Vec<Option<ProbSink>> {
+    sinks: &mut Vec<Option<ProbSink>>,
+) {
+    sinks.clear();
     if probs.is_empty() {
-        return Vec::new();
+        return;
     }
-    let mut sinks = vec![None; seqs.len()];
+    sinks.resize(seqs.len(), None);
     for p in probs.iter_mut() {
         let s = seqs.get(p.seq).unwrap_or_else(|| panic!("AttnProbs: sequence {} not in the batch", p.seq));
         let longest = s.prior_lens[..n_kv_heads].iter().map(|&l| l + s.n_new).max().unwrap_or(0);
@@ -417,7 +435,6 @@ fn prob_sinks(
         assert!(sinks[p.seq].is_none(), "AttnProbs: sequence {} given twice", p.seq);
         sinks[p.seq] = Some(ProbSink { sums: SyncPtr::new(p.sums), stride: p.stride, power: p.power });
     }
-    sinks
 }
 
 thread_local! {
@@ -544,7 +561,8 @@ pub(crate) fn par_queries<F>(
         });
     };
     // Flatten (sequence, head, token chunk) into task indices: starts[i] = first task of sequence i.
-    let mut starts = Vec::with_capacity(seqs.len() + 1);
+    let mut starts = STARTS.take();
+    starts.clear();
     let mut total = 0usize;
     for (si, s) in seqs.iter().enumerate() {
         starts.push(total);
@@ -555,17 +573,26 @@ pub(crate) fn par_queries<F>(
         let i = starts.partition_point(|&st| st <= t) - 1;
         task(i, t - starts[i]);
     });
+    STARTS.set(starts);
 }
 
 /// Panics unless the sequences' row ranges `[q_row, q_row + n_new)` are pairwise disjoint (each output row
 /// must be written by one task only).
 pub(crate) fn check_disjoint(seqs: &[AttnSeq<'_>]) {
-    let mut ranges: Vec<(usize, usize)> =
-        seqs.iter().filter(|s| s.n_new > 0).map(|s| (s.q_row, s.q_row + s.n_new)).collect();
+    let mut ranges = RANGES.take();
+    ranges.clear();
+    ranges.extend(seqs.iter().filter(|s| s.n_new > 0).map(|s| (s.q_row, s.q_row + s.n_new)));
     ranges.sort_unstable();
     for w in ranges.windows(2) {
         assert!(w[0].1 <= w[1].0, "AttnSeq row ranges overlap: {:?} and {:?}", w[0], w[1]);
     }
+    RANGES.set(ranges);
+}
+
+thread_local! {
+    /// One block of keys and one of values widened to f32 by the portable path of [`attend_one`], kept between
+    /// calls.
+    static WIDENED: Cell<(Vec<f32>, Vec<f32>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// Attention of one query vector over the first `len` slots of `table`; writes the result into `out` and, with
@@ -661,22 +688,19 @@ fn attend_one(
             scalar::attend_block(q, kv.block_k(b), kv.block_v(b), n_of(bi), scale, &mut st, logits!(bi));
         }
     } else {
-        // f16 blocks are widened a block at a time: on the stack up to 4096 floats, else into one buffer per call.
-        const STACK: usize = 4096;
-        let (mut ks, mut vs) = ([0.0f32; STACK], [0.0f32; STACK]);
-        let (mut kh, mut vh) = (Vec::new(), Vec::new());
-        let (kb, vb): (&mut [f32], &mut [f32]) = if kv.block_len() <= STACK {
-            (&mut ks, &mut vs)
-        } else {
-            kh.resize(kv.block_len(), 0.0);
-            vh.resize(kv.block_len(), 0.0);
-            (&mut kh, &mut vh)
-        };
+        // Blocks are widened a block at a time into this thread's buffers, which only grow: this runs per (query,
+        // head), where a stack buffer had to be cleared every call and larger blocks allocated.
+        let (mut kb, mut vb) = WIDENED.take();
+        if kb.len() < kv.block_len() {
+            kb.resize(kv.block_len(), 0.0);
+            vb.resize(kv.block_len(), 0.0);
+        }
         for (bi, &b) in ids.iter().enumerate() {
             let e = n_of(bi) * hd;
             kv.read_block(b, &mut kb[..e], &mut vb[..e]);
             scalar::attend_block(q, &kb[..e], &vb[..e], n_of(bi), scale, &mut st, logits!(bi));
         }
+        WIDENED.set((kb, vb));
     }
     let inv = if st.l > 0.0 { 1.0 / st.l } else { 0.0 };
     for a in st.acc.iter_mut() {
@@ -922,7 +946,8 @@ mod tests {
                         AttnProbs { seq: 0, power: 1, stride, sums: &mut h2o },
                         AttnProbs { seq: 2, power: 2, stride: lens[2] + 1, sums: &mut kvc },
                     ];
-                    let sinks = prob_sinks(&seqs, n_heads, n_kv, &mut probs);
+                    let mut sinks = Vec::new();
+                    prob_sinks(&seqs, n_heads, n_kv, &mut probs, &mut sinks);
                     let mut out = vec![0.0; q.len()];
                     let rows_kernel: Option<AttendRows<'_>> = with_rows.then_some(&many);
                     par_queries(&be, &q, &seqs, n_heads, n_kv, hd, &mut out, &sinks, &one, rows_kernel);

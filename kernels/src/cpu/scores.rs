@@ -21,10 +21,11 @@
 //! [`KvStorage::compact_table`].
 //!
 //! None of the kernels allocate per slot: scratch vectors are passed in and only grow, so a caller that keeps them
-//! across steps allocates once.
+//! across steps allocates once; blocks of non-f32 caches are widened into per-thread buffers that only grow as well.
 
 use super::scalar::dot_f32;
 use crate::paged::{KvDtype, KvStorage};
+use std::cell::Cell;
 use std::cmp::Ordering;
 use std::ops::Range;
 
@@ -38,6 +39,11 @@ pub const RATIO_EPS: f32 = 1e-6;
 /// when normalising keys for the anchor (so a zero key contributes a zero vector instead of NaN). The paper gives
 /// no value; 1e-8 is PyTorch's `cosine_similarity` default, which its reference implementation inherits.
 pub const COSINE_EPS: f32 = 1e-8;
+
+thread_local! {
+    /// One block of keys and one of values widened to f32 by [`for_each_slot_in`], kept between calls.
+    static WIDENED: Cell<(Vec<f32>, Vec<f32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
 
 /// Calls `f(i, k_i, v_i)` for slots `0..len` of one cache, walking the block table once.
 #[inline]
@@ -57,19 +63,16 @@ fn for_each_slot_in(kv: &KvStorage, table: &[u32], slots: Range<usize>, mut f: i
     let first_block = slots.start / bs;
     let blocks = len.div_ceil(bs);
     debug_assert!(table.len() >= blocks, "score kernels: table has {} blocks, len {len} needs {blocks}", table.len());
-    // f16 blocks are widened a block at a time: on the stack for blocks of up to 1,024 values (16 slots of 64), else
-    // into one buffer per call; these kernels run per (layer, kv-head) table at every decode step.
-    const STACK: usize = 1024;
     let f32_cache = kv.dtype() == KvDtype::F32;
-    let (mut ks, mut vs) = ([0.0f32; STACK], [0.0f32; STACK]);
-    let (mut kh, mut vh) = (Vec::new(), Vec::new());
-    let (kw, vw): (&mut [f32], &mut [f32]) = if f32_cache || kv.block_len() <= STACK {
-        (&mut ks, &mut vs)
-    } else {
-        kh.resize(kv.block_len(), 0.0);
-        vh.resize(kv.block_len(), 0.0);
-        (&mut kh, &mut vh)
-    };
+    // Other dtypes are widened a block at a time into this thread's buffers, which only grow: these kernels run per
+    // (layer, kv-head) table at every decode step, so a buffer per call (or a fixed stack one that large blocks
+    // outgrow) would allocate on the hot path. Taken rather than borrowed, so that an `f` that itself walks a table
+    // gets buffers of its own instead of a panic.
+    let (mut kw, mut vw) = WIDENED.take();
+    if !f32_cache && kw.len() < kv.block_len() {
+        kw.resize(kv.block_len(), 0.0);
+        vw.resize(kv.block_len(), 0.0);
+    }
     for (bi, &b) in table[..blocks].iter().enumerate().skip(first_block) {
         let n = (len - bi * bs).min(bs);
         let e = n * hd;
@@ -84,6 +87,7 @@ fn for_each_slot_in(kv: &KvStorage, table: &[u32], slots: Range<usize>, mut f: i
             f(bi * bs + s, k, v);
         }
     }
+    WIDENED.set((kw, vw));
 }
 
 /// ‖K_i‖₂ for the slots in `slots`, written to `out[slots]`. A key's norm never changes once written, so a caller
