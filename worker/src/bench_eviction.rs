@@ -436,6 +436,9 @@ fn validate(o: &EvictionBenchOptions) -> Result<(), EvictionBenchError> {
     if o.requests == 0 || o.prompt_tokens == 0 || o.new_tokens == 0 || o.pool_seqs == 0 || o.block_size == 0 {
         return bad("requests, prompt_tokens, new_tokens, pool_seqs and block_size must be at least 1");
     }
+    if o.block_size > pagoda_kernels::codec::MAX_BLOCK_SIZE {
+        return bad("block_size must be at most 256 (the tier codecs' bound)");
+    }
     if o.new_tokens > u32::MAX as usize {
         return bad("new_tokens does not fit a request's max_tokens");
     }

@@ -553,8 +553,10 @@ pub fn logits_wanted<P>(seq: &Sequence<P>, e: &ScheduledSeq) -> LogitsWanted {
 /// observe), runs it, records it in the scheduler and runs each sequence's eviction hooks. Logits rows of the
 /// `wants_logits` entries land in `logits` in plan order, or, with `greedy`, their argmax tokens land there
 /// ([`ModelRunner::forward_greedy`]; `logits` is then scratch). `batch` is a reused buffer. An eviction that cannot run
-/// (the pool cannot supply a copy-on-write block) is skipped with a warning: compaction is all or nothing, so the
-/// cache is unchanged and the sequence keeps more KV than its budget.
+/// (the pool cannot supply a copy-on-write block) is skipped with a warning. Compaction is all or nothing per
+/// (layer, kv-head) table, not per sequence: the tables compacted before the failure stay pruned, the rest keep
+/// more KV than the budget until a later step evicts again (a one-shot prefill selection is retried at the
+/// sequence's next step).
 pub fn forward_step<P, R: ModelRunner>(
     sched: &mut Scheduler<P>,
     runner: &mut R,
@@ -942,6 +944,18 @@ impl EngineHandle {
                 names.join(", ")
             )));
         }
+        // The scheduler would clamp the answer at the context, but a client asking for more than fits is told so
+        // (as the gRPC service does), and the sampler sizes its buffers by `max_tokens`. A prompt that is itself
+        // too long gets `check_fits`'s error.
+        let room = info.context_length.saturating_sub(req.prompt.len());
+        if room > 0 && req.max_tokens as usize > room {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({}) + max_tokens ({}) exceeds the model context length {}",
+                req.prompt.len(),
+                req.max_tokens,
+                info.context_length
+            )));
+        }
         check_fits(&self.inner.sched_cfg, info.layout(), info.num_blocks, req.prompt.len(), req.max_tokens as usize)?;
         Ok(())
     }
@@ -967,8 +981,9 @@ impl Engine {
         R: ModelRunner + 'static,
         F: FnOnce(&EngineConfig) -> Result<R, EngineError> + Send + 'static,
     {
-        if config.block_size == 0 {
-            return Err(EngineError::Config("block_size must be at least 1".into()));
+        let max_block = pagoda_kernels::codec::MAX_BLOCK_SIZE;
+        if config.block_size == 0 || config.block_size > max_block {
+            return Err(EngineError::Config(format!("block_size must be 1 to {max_block}")));
         }
         let (tx, rx) = mpsc::channel::<Command>();
         type Ready = (ModelInfo, Vec<PolicyKind>, AdapterRegistry);
@@ -1390,10 +1405,14 @@ impl<R: ModelRunner> EngineLoop<R> {
                         }
                     }
                 }
+                // What the context leaves, not `max_tokens` alone: the sampler reserves room for every token the
+                // request can emit.
+                let can_emit =
+                    (req.max_tokens as usize).min(self.runner.info().context_length.saturating_sub(req.prompt.len()));
                 let state = ReqState {
                     request_id: req.request_id,
                     events,
-                    sampler: Sampler::for_request(req.sampling, &req.prompt, req.max_tokens as usize, &stop)
+                    sampler: Sampler::for_request(req.sampling, &req.prompt, can_emit, &stop)
                         .with_guide(self.runner.info().token_bytes.as_ref(), &req.prompt),
                     profile_queries: req.profile_queries,
                     logprobs: req.logprobs,
@@ -2647,6 +2666,37 @@ mod tests {
             assert!(matches!(h.submit(r), Err(EngineError::InvalidRequest(m)) if m.contains("profile quer")));
         }
         assert!(h.submit(req("ok", vec![1; 10], 6)).is_ok());
+    }
+
+    /// Direct submitters get the gRPC service's rule: a `max_tokens` past what the context leaves after the prompt
+    /// is refused, not silently clamped (nor sized into the sampler's buffers).
+    #[test]
+    fn max_tokens_past_the_context_is_refused() {
+        // 64 blocks: the whole 64-token context fits, so only the context can refuse.
+        let h = fake(64, 0);
+        for max_tokens in [55, 1000, u32::MAX] {
+            let err = h.submit(req("x", vec![1; 10], max_tokens)).unwrap_err();
+            assert!(
+                matches!(&err, EngineError::InvalidRequest(m) if m.contains("context length 64")),
+                "{max_tokens}: {err}"
+            );
+        }
+        let (tokens, fin) = collect(h.submit(req("fits", vec![1; 10], 54)).unwrap());
+        assert!(matches!(fin, GenerateEvent::Finished { .. }), "{fin:?}");
+        assert!(tokens.len() <= 54);
+    }
+
+    #[test]
+    fn a_block_size_past_the_tier_codecs_bound_is_refused_at_start() {
+        let start = |block_size| {
+            let cfg = EngineConfig { block_size, ..EngineConfig::default() };
+            Engine::start_with(cfg, |_| Ok(FakeRunner::new(32, 64, Duration::ZERO)))
+        };
+        for bad in [0, pagoda_kernels::codec::MAX_BLOCK_SIZE + 1] {
+            let Err(err) = start(bad) else { panic!("block_size {bad} started") };
+            assert!(matches!(&err, EngineError::Config(m) if m.contains("1 to 256")), "{bad}: {err}");
+        }
+        assert!(start(pagoda_kernels::codec::MAX_BLOCK_SIZE).is_ok());
     }
 
     #[test]

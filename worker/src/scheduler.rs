@@ -459,6 +459,9 @@ pub struct Scheduler<P> {
     admissions: u64,
     /// Under VTC scheduling: the weighted tokens each tenant has received.
     vtc: VirtualTokenCounters,
+    /// The waiting sequence [`Scheduler::preload_front`] gave a pruned copy to, until the next scheduling either
+    /// admits it or takes the copy back.
+    preloaded_seq: Option<SeqId>,
 }
 
 /// Most tenants fair scheduling remembers the last admission of; beyond it the least recent is forgotten (and then
@@ -482,6 +485,7 @@ impl<P> Scheduler<P> {
             tenant_admitted: Vec::new(),
             admissions: 0,
             vtc: VirtualTokenCounters::default(),
+            preloaded_seq: None,
             cfg,
         }
     }
@@ -659,7 +663,8 @@ impl<P> Scheduler<P> {
                     }
                 }
                 let draft = if decode_pass { self.propose_draft(id, budget - n) } else { 0 };
-                if self.reserve_or_preempt(id, n + draft, plan, &mut budget) {
+                // Fair and VTC scheduling may preempt a sequence ahead of `id`: `i` follows `id` down the list.
+                if self.reserve_or_preempt(id, n + draft, plan, &mut budget, &mut i) {
                     if prompt_logits {
                         logits_budget -= n;
                     }
@@ -677,7 +682,7 @@ impl<P> Scheduler<P> {
                     });
                     budget -= n;
                 }
-                // Otherwise `id` preempted itself and left `running`; index i now names the next one.
+                // Otherwise `id` preempted itself and left `running`; index i now names the one after it.
             }
         }
 
@@ -712,7 +717,26 @@ impl<P> Scheduler<P> {
             });
             budget -= n;
         }
+        self.drop_unadmitted_preload();
         self.stats.peak_running = self.stats.peak_running.max(self.running.len());
+    }
+
+    /// Takes back a pruned copy [`Scheduler::preload_front`] gave a sequence this scheduling did not admit (a
+    /// preemption closed admission, the budget ran out, or another sequence went first): admission accounting
+    /// counts only running sequences' blocks, so private blocks held while waiting could leave the front of the
+    /// queue unable to fit and scheduling stuck. The engine onboards the copy again before a later admission.
+    fn drop_unadmitted_preload(&mut self) {
+        let Some(id) = self.preloaded_seq.take() else { return };
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        // Admission takes `preloaded`; a sequence still marked was not admitted and holds only the copy.
+        if seq.preloaded == 0 || seq.status != SeqStatus::Waiting {
+            return;
+        }
+        seq.preloaded = 0;
+        seq.num_computed = 0;
+        if let Err(e) = seq.blocks.free(&mut self.pool) {
+            tracing::error!(seq = id, error = %e, "releasing a preloaded copy failed");
+        }
     }
 
     /// Proposes a speculative draft for decoding sequence `id` into `draft_buf` and returns its length (0: none).
@@ -812,8 +836,15 @@ impl<P> Scheduler<P> {
 
     /// Reserves room for `n` tokens of running sequence `id`, preempting running sequences from the end of queue
     /// order (the youngest of the lowest priority) while blocks are short. Returns false when `id` itself had to be
-    /// preempted.
-    fn reserve_or_preempt(&mut self, id: SeqId, n: usize, plan: &mut StepPlan, budget: &mut usize) -> bool {
+    /// preempted. `at` is `id`'s index in `running` and stays so as victims ahead of it leave.
+    fn reserve_or_preempt(
+        &mut self,
+        id: SeqId,
+        n: usize,
+        plan: &mut StepPlan,
+        budget: &mut usize,
+        at: &mut usize,
+    ) -> bool {
         loop {
             let Some(seq) = self.seqs.get_mut(&id) else { return false };
             match seq.blocks.reserve(&mut self.pool, n) {
@@ -823,6 +854,9 @@ impl<P> Scheduler<P> {
                     if let Some(pos) = plan.seqs.iter().position(|s| s.seq == victim) {
                         *budget += plan.seqs[pos].n;
                         plan.seqs.remove(pos);
+                    }
+                    if self.running.iter().position(|&r| r == victim).is_some_and(|v| v < *at) {
+                        *at -= 1;
                     }
                     self.preempt(victim);
                     plan.preempted.push(victim);
@@ -1059,8 +1093,10 @@ impl<P> Scheduler<P> {
     /// (blocks the caller allocated and filled, group-major, `kept` slots per table) after them. Admission then
     /// starts it at `covered` over those slots: a pruned cache, never registered. Full-cache policy only (an
     /// eviction policy's state is built from the tokens it computed). Returns false, taking nothing, when the
-    /// sequence cannot take it; the caller then releases `packed`.
+    /// sequence cannot take it; the caller then releases `packed`. The copy lasts until the next scheduling: a
+    /// sequence it does not admit gives the blocks back.
     pub fn preload_front(&mut self, prefix: &[u64], packed: &[BlockId], kept: usize, covered: usize) -> bool {
+        self.drop_unadmitted_preload();
         let Some(&id) = self.waiting.front() else { return false };
         let Some(seq) = self.seqs.get_mut(&id) else { return false };
         if !seq.blocks.is_empty() || !seq.policy.is_full() || seq.prompt_logits || covered >= seq.tokens.len() {
@@ -1072,6 +1108,7 @@ impl<P> Scheduler<P> {
         }
         seq.blocks.append_pruned(packed, kept);
         seq.preloaded = covered;
+        self.preloaded_seq = Some(id);
         true
     }
 

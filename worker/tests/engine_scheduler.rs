@@ -570,6 +570,39 @@ fn vtc_preempts_the_tenant_that_has_received_the_most() {
     light_tenant_is_never_preempted(vtc(64, 8));
 }
 
+/// Fair and VTC scheduling may preempt a sequence ahead of the one that needs blocks: the step still reaches every
+/// sequence after it. Running [A1, A2, B, C] on a full pool, B's decode opens a block, A2 (of the tenant running
+/// the most, which has also received the most) is preempted, and C still decodes in that step.
+#[test]
+fn a_victim_ahead_of_the_sequence_needing_blocks_costs_no_later_sequence_its_step() {
+    for config in [fair(64, 4), vtc(64, 4)] {
+        let name = config.scheduling.name();
+        let reqs = [(prompt(0, 6), "a"), (prompt(1, 6), "a"), (prompt(2, 8), "b"), (prompt(3, 6), "c")];
+        let want = reference(&reqs.iter().map(|(p, _)| (p.clone(), 4)).collect::<Vec<_>>());
+        // Two blocks per table each: the first step fills the pool exactly, and B's 9th token needs a third.
+        let blocks = 8 * GS;
+        let mut s = Scheduler::new(SchedulerConfig { reserve: ReserveConfig::off(), ..config }, LAYOUT, blocks);
+        let mut m = FakeModel::new(blocks);
+        let mut out = Outcome::default();
+        let ids: Vec<SeqId> = reqs.iter().map(|(p, t)| s.add(of_tenant(p.clone(), 4, t)).unwrap()).collect();
+        assert_eq!(step(&mut s, &mut m, &mut out).seqs.len(), 4, "{name}: all four start together");
+        assert_eq!(s.pool().num_available(), 0, "{name}");
+        let plan = step(&mut s, &mut m, &mut out);
+        assert_eq!(plan.preempted, [ids[1]], "{name}");
+        let decoded: Vec<SeqId> = plan.seqs.iter().map(|e| e.seq).collect();
+        assert_eq!(decoded, [ids[0], ids[2], ids[3]], "{name}: C decodes after B's preemption of A2");
+        while s.has_work() {
+            assert!(out.steps < 1_000, "{name}: no progress");
+            step(&mut s, &mut m, &mut out);
+        }
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(out.tokens[id], want[i], "{name}: request {i}");
+        }
+        assert_eq!(s.pool().num_used(), 0, "{name}");
+        s.pool().check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn an_exact_growth_reserve_admits_only_what_can_finish_so_nothing_is_preempted() {
     let reqs: Vec<(Vec<u32>, usize)> = (0..6).map(|i| (prompt(i, 10 + 3 * i as usize), 30)).collect();
@@ -730,6 +763,41 @@ fn a_preloaded_pruned_copy_is_owned_admitted_past_the_context_and_freed() {
     assert_eq!(first, packed, "block t of the packed group leads table t");
     s.cancel(id);
     assert_eq!(s.pool().num_used(), 0, "the copy's blocks went back with the sequence");
+    s.pool().check_invariants().unwrap();
+}
+
+/// A pruned copy preloaded for the front of the queue lasts one scheduling: when that scheduling does not admit
+/// the sequence (here a running prefill takes the whole step budget), the copy's blocks go back to the pool at
+/// once, since admission counts only running sequences' blocks, and the sequence is later admitted and served
+/// from scratch like any other.
+#[test]
+fn a_preloaded_copy_the_step_does_not_admit_goes_back_to_the_pool() {
+    let reqs = [(prompt(6, 40), 3), (prompt(5, 30), 3)];
+    let want = reference(&reqs);
+    let mut s = Scheduler::new(cfg(8, 8), LAYOUT, 100 * GS);
+    let mut m = FakeModel::new(100 * GS);
+    let mut out = Outcome::default();
+    let long = s.add(req(reqs[0].0.clone(), reqs[0].1)).unwrap();
+    step(&mut s, &mut m, &mut out);
+    let late = s.add(req(reqs[1].0.clone(), reqs[1].1)).unwrap();
+    let mut packed = Vec::new();
+    s.pool_mut().allocate(GS, &mut packed).unwrap();
+    assert!(s.preload_front(&[], &packed, 3, 24));
+    let plan = step(&mut s, &mut m, &mut out);
+    let scheduled: Vec<SeqId> = plan.seqs.iter().map(|e| e.seq).collect();
+    assert_eq!(scheduled, [long], "the running prefill takes the budget");
+    assert!(s.get(late).unwrap().blocks().is_empty(), "the waiting sequence holds no blocks");
+    let held = s.get(long).unwrap().blocks().num_blocks();
+    assert_eq!(s.pool().num_used(), held, "the pool holds only the running sequence's blocks");
+    s.pool().check_invariants().unwrap();
+    while s.has_work() {
+        assert!(out.steps < 1_000, "no progress");
+        step(&mut s, &mut m, &mut out);
+    }
+    assert_eq!(out.tokens[&long], want[0]);
+    assert_eq!(out.tokens[&late], want[1], "served from a recomputed prompt");
+    assert_eq!(s.stats().cached_tokens_total, 0, "nothing was served from the dropped copy");
+    assert_eq!(s.pool().num_used(), 0);
     s.pool().check_invariants().unwrap();
 }
 

@@ -45,6 +45,17 @@ impl Cache {
         kv: impl Fn(usize, usize) -> ([f32; HD], [f32; HD]),
         q: impl Fn(usize) -> Vec<f32>,
     ) -> pagoda_worker::policy::Eviction {
+        self.try_step(n, total, kv, q).unwrap()
+    }
+
+    /// [`Cache::step`], returning what the hooks returned.
+    fn try_step(
+        &mut self,
+        n: usize,
+        total: usize,
+        kv: impl Fn(usize, usize) -> ([f32; HD], [f32; HD]),
+        q: impl Fn(usize) -> Vec<f32>,
+    ) -> Result<pagoda_worker::policy::Eviction, pagoda_worker::cache::CacheError> {
         self.blocks.reserve(&mut self.pool, n).unwrap();
         for t in 0..self.blocks.tables().len() {
             let len = self.blocks.lens()[t];
@@ -85,7 +96,7 @@ impl Cache {
         let start = self.pos;
         self.pos += n;
         let mut view = CacheView { blocks: &mut self.blocks, pool: &mut self.pool, kv: &mut self.kv };
-        self.policy.on_step(&mut view, StepView { start, n, total, captured_q: &captured, probs }).unwrap()
+        self.policy.on_step(&mut view, StepView { start, n, total, captured_q: &captured, probs })
     }
 
     fn kept(&self, t: usize) -> Vec<u32> {
@@ -318,6 +329,56 @@ fn snapkv_keeps_what_the_observation_window_attends_to() {
     // (p = 7), their neighbours within 3 slots.
     assert!((32..40).all(|p| kept.contains(&p)), "{kept:?}");
     assert!((2..15).all(|p| kept.contains(&p)), "{kept:?}");
+    c.check_blocks();
+    // Decode never reads the window again: no query is captured (nor kept) for it.
+    assert_eq!(c.policy.capture_for(40, 1, 41, true), 0);
+    assert_eq!(c.policy.capture_for(40, 1, 41, false), 0);
+    c.step(1, 41, kv, |_| panic!("a decode step captures no query"));
+    assert_eq!(c.kept(0).len(), 23, "decoded tokens accumulate");
+    c.check_blocks();
+}
+
+/// A one-shot prefill selection that runs out of copy-on-write blocks part way (the first table's shared blocks
+/// are copied and it is pruned, the second's cannot be) is not lost: the next step selects again, and every table
+/// ends at the budget.
+#[test]
+fn a_prefill_selection_the_pool_cannot_finish_is_retried_at_the_next_step() {
+    let mut c = Cache::new(PolicyKind::Snapkv, 8, 2, 2);
+    let kv = |t: usize, p: usize| (scaled(1.0 + (p + t) as f32), [1.0; HD]);
+    let q = |_: usize| vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0];
+    // Another sequence computed and registered the first 8 tokens (two groups); this one adopts them, so a
+    // compaction writes into them only through copies.
+    let layout = CacheLayout { n_layers: 1, n_kv_heads: 2, block_size: BS };
+    let hashes = block_hashes("m", "", &(0..9).collect::<Vec<u32>>(), BS);
+    let mut first = SeqBlocks::new(layout);
+    first.reserve(&mut c.pool, 8).unwrap();
+    for t in 0..2 {
+        for p in 0..8 {
+            let b = first.tables()[t][p / BS];
+            let (k, v) = kv(t, p);
+            c.kv.block_k_mut(b)[(p % BS) * HD..][..HD].copy_from_slice(&k);
+            c.kv.block_v_mut(b)[(p % BS) * HD..][..HD].copy_from_slice(&v);
+        }
+    }
+    first.advance(8);
+    first.finish(&mut c.pool, &hashes).unwrap();
+    assert_eq!(c.blocks.adopt(&mut c.pool, &hashes[..2]).unwrap(), 2);
+    c.blocks.mark_pruned();
+    c.pos = 8;
+    // The step's 4 tokens take a block per table; 2 blocks more copy one table's two kept blocks, not both.
+    let mut hog = Vec::new();
+    let spare = c.pool.num_available() - 4;
+    c.pool.allocate(spare, &mut hog).unwrap();
+    assert!(c.try_step(4, 12, kv, q).is_err(), "the second table's copies cannot be had");
+    assert_eq!(c.blocks.lens(), [8, 12], "the first table was pruned, the second was left whole");
+    c.pool.release(&hog).unwrap();
+    c.step(1, 13, kv, q);
+    assert_eq!(c.blocks.lens(), [8, 8], "the selection ran again over both tables");
+    // The window (the prompt's last 4 queries kept from the failed step, and the new token's) is kept whole.
+    for t in 0..2 {
+        let kept = c.kept(t);
+        assert!((8..13).all(|p| kept.contains(&p)), "table {t}: {kept:?}");
+    }
     c.check_blocks();
 }
 

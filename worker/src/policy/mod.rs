@@ -108,6 +108,12 @@ struct Scratch {
     picked: Vec<u32>,
     q: Vec<f32>,
     sorted: Vec<f32>,
+    /// The observation window being rebuilt ([`PolicyState::push_observation`]), swapped with the current one.
+    obs_next: Vec<f32>,
+    /// PagedEviction's scoring batch at a block boundary: the tables and slots to score, and where their ratios go.
+    /// Empty between uses (the borrows end with the call); kept for their allocations.
+    ratio_entries: Vec<(&'static [u32], Range<usize>)>,
+    ratio_out: Vec<&'static mut [f32]>,
 }
 
 /// One sequence's policy state.
@@ -219,7 +225,8 @@ impl PolicyState {
         let end = start + n;
         let prefill = !self.prefilled;
         match self.spec.kind {
-            PolicyKind::Snapkv | PolicyKind::KvCompress => {
+            // The window is read once, when the prompt is in (KV-Compress then reads attention sums).
+            PolicyKind::Snapkv | PolicyKind::KvCompress if prefill => {
                 let window_start = total.saturating_sub(defaults::WINDOW).max(start);
                 end.saturating_sub(window_start).min(n)
             }
@@ -241,7 +248,16 @@ impl PolicyState {
             return self.after_prefill_chunk(cache);
         } else {
             self.prefilled = true;
-            self.after_prefill(cache)?
+            match self.after_prefill(cache) {
+                Ok(ev) => ev,
+                Err(e) => {
+                    // A compaction the pool could not supply stopped the selection part way (a table is all or
+                    // nothing, the sequence is not): the next step selects again over what the tables hold, or a
+                    // one-shot policy would leave the rest over its budget for good.
+                    self.prefilled = false;
+                    return Err(e);
+                }
+            }
         };
         // After the prompt too: a prompt that ends on a full block at the budget loses a block before the next
         // token opens a new one (PagedEviction's Algorithm 3 checks at the top of each decode step).
@@ -300,7 +316,9 @@ impl PolicyState {
         let old = self.obs_tokens;
         let total = (old + n_q).min(w);
         let drop_old = (old + n_q).saturating_sub(w).min(old);
-        let mut next = vec![0.0f32; layers * total * qd];
+        let mut next = std::mem::take(&mut self.scratch.obs_next);
+        next.clear();
+        next.resize(layers * total * qd, 0.0);
         for l in 0..layers {
             let dst = &mut next[l * total * qd..(l + 1) * total * qd];
             let keep_old = old - drop_old;
@@ -312,7 +330,7 @@ impl PolicyState {
             let src = &captured[(l * n_q + n_q - take) * qd..(l * n_q + n_q) * qd];
             dst[keep_old * qd..].copy_from_slice(src);
         }
-        self.obs = next;
+        self.scratch.obs_next = std::mem::replace(&mut self.obs, next);
         self.obs_tokens = total;
     }
 
@@ -385,7 +403,8 @@ impl PolicyState {
         }
     }
 
-    /// Once, when the prompt is fully in the cache.
+    /// Once, when the prompt is fully in the cache; again at the next step when it fails ([`Self::on_step`]), so
+    /// the observation window stays until it succeeds.
     pub fn after_prefill(&mut self, cache: &mut CacheView<'_>) -> Result<Eviction, CacheError> {
         let c = self.spec.budget_tokens;
         let ev = match self.spec.kind {
@@ -395,10 +414,9 @@ impl PolicyState {
                 self.keep_sinks_and_recent(cache, defaults::SINK_TOKENS, c.saturating_sub(defaults::SINK_TOKENS))
             }
             PolicyKind::Knorm => self.keep_by_score(cache, Score::KeyNorm),
+            // The anchor sum starts from the pruned cache, so only once the selection went through.
             PolicyKind::Keydiff => {
-                let ev = self.keep_by_score(cache, Score::KeydiffCosine);
-                self.start_unit_key_sums(cache);
-                ev
+                self.keep_by_score(cache, Score::KeydiffCosine).inspect(|_| self.start_unit_key_sums(cache))
             }
             PolicyKind::PagedEviction => self.paged_eviction_prefill(cache),
             PolicyKind::Sage => self.sage_select(cache),
@@ -409,8 +427,12 @@ impl PolicyState {
                 self.compress_to(cache, self.budget_blocks(cache.blocks))
             }
         };
-        self.obs = Vec::new();
-        self.obs_tokens = 0;
+        if ev.is_ok() {
+            // Decode never reads the window: its memory goes.
+            self.obs = Vec::new();
+            self.scratch.obs_next = Vec::new();
+            self.obs_tokens = 0;
+        }
         ev
     }
 
@@ -463,14 +485,13 @@ impl PolicyState {
         // scored, straight into the kept ratios, every table in one call: on a GPU that is one launch and one copy
         // for the whole sequence.
         let lens = cache.blocks.lens();
-        let entries: Vec<(&[u32], Range<usize>)> = sc
-            .idx
-            .iter()
-            .map(|&t| (cache.blocks.tables()[t as usize].as_slice(), self.ratios_scored[t as usize]..lens[t as usize]))
-            .collect();
+        let mut entries = recycle_entries(std::mem::take(&mut sc.ratio_entries));
+        entries.extend(sc.idx.iter().map(|&t| {
+            (cache.blocks.tables()[t as usize].as_slice(), self.ratios_scored[t as usize]..lens[t as usize])
+        }));
         // `idx` ascends, so the tables' ratios are picked out in its order.
         let mut wanted = sc.idx.iter().peekable();
-        let mut out: Vec<&mut [f32]> = Vec::with_capacity(entries.len());
+        let mut out = recycle_out(std::mem::take(&mut sc.ratio_out));
         for (t, m) in self.metrics.iter_mut().enumerate() {
             if wanted.next_if(|&&w| w as usize == t).is_some() {
                 // `record_step` has already grown every metric to its table's length.
@@ -479,7 +500,8 @@ impl PolicyState {
             }
         }
         cache.kv.value_key_ratios_in(&entries, &mut out);
-        drop((entries, out));
+        sc.ratio_entries = recycle_entries(entries);
+        sc.ratio_out = recycle_out(out);
         for &t in &sc.idx {
             let t = t as usize;
             let len = cache.blocks.lens()[t];
@@ -902,6 +924,22 @@ fn static_scores<'a>(
     &out[..len]
 }
 
+/// Empties a vector of borrowed scoring entries and hands its allocation to a new lifetime: the in-place `collect`
+/// specialisation keeps the buffer because the element layout does not change, so a block boundary does not
+/// allocate.
+#[allow(clippy::unnecessary_filter_map)] // `filter` cannot change the element lifetime; `filter_map` can.
+fn recycle_entries<'b>(mut v: Vec<(&[u32], Range<usize>)>) -> Vec<(&'b [u32], Range<usize>)> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+/// [`recycle_entries`] for the slices the scores go to.
+#[allow(clippy::unnecessary_filter_map)]
+fn recycle_out<'b>(mut v: Vec<&mut [f32]>) -> Vec<&'b mut [f32]> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
 /// Keeps `v[keep[i]]` in order (keep ascending).
 fn retain_by_index<T: Copy>(v: &mut Vec<T>, keep: &[u32]) {
     for (i, &k) in keep.iter().enumerate() {
@@ -922,5 +960,28 @@ impl PartialOrd for OrdF32 {
 impl Ord for OrdF32 {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&o.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scoring batch keeps its allocation across lifetimes; were the in-place `collect` to stop applying,
+    /// every block boundary would allocate again.
+    #[test]
+    fn recycled_scoring_buffers_keep_their_allocation() {
+        let table = vec![1u32, 2];
+        let mut entries: Vec<(&[u32], Range<usize>)> = Vec::with_capacity(16);
+        entries.push((&table, 0..2));
+        let ptr = entries.as_ptr() as usize;
+        let entries = recycle_entries(entries);
+        assert!(entries.is_empty() && entries.capacity() >= 16 && entries.as_ptr() as usize == ptr);
+        let mut data = [0.0f32; 4];
+        let mut out: Vec<&mut [f32]> = Vec::with_capacity(16);
+        out.push(&mut data);
+        let ptr = out.as_ptr() as usize;
+        let out = recycle_out(out);
+        assert!(out.is_empty() && out.capacity() >= 16 && out.as_ptr() as usize == ptr);
     }
 }
