@@ -361,18 +361,15 @@ async fn spawn_router_placing(workers: Vec<String>, body_limit: usize, strategy:
 }
 
 async fn spawn_router_with(workers: Vec<String>, body_limit: usize, security: Security, strategy: Strategy) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig {
+    serve_router(RouterConfig {
         workers,
         body_limit,
         health_interval: Duration::from_millis(100),
         placement: PlacerConfig { strategy, ..PlacerConfig::default() },
         security,
         ..RouterConfig::default()
-    };
-    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
-    format!("http://{addr}")
+    })
+    .await
 }
 
 async fn cluster_with_limit(body_limit: usize) -> Cluster {
@@ -1294,17 +1291,14 @@ async fn migrating_cluster(fakes: Vec<Fake>, migration: MigrationConfig) -> Stri
     for f in fakes {
         addrs.push(spawn_worker(f).await.to_string());
     }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig {
+    let http = serve_router(RouterConfig {
         workers: addrs,
         health_interval: Duration::from_millis(100),
         placement: PlacerConfig { strategy: Strategy::RoundRobin, ..PlacerConfig::default() },
         migration,
         ..RouterConfig::default()
-    };
-    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
-    let http = format!("http://{addr}");
+    })
+    .await;
     let client = reqwest::Client::new();
     for _ in 0..100 {
         if let Ok(r) = client.get(format!("{http}/readyz")).send().await
@@ -2232,16 +2226,13 @@ async fn router_in_flight_cap_sheds_with_retry_after_and_frees_on_end() {
     let fake = Fake::default();
     let open = fake.open.clone();
     let waddr = spawn_worker(fake).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig {
+    let http = serve_router(RouterConfig {
         workers: vec![waddr.to_string()],
         health_interval: Duration::from_millis(100),
         max_inflight: 1,
         ..RouterConfig::default()
-    };
-    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
-    let http = format!("http://{addr}");
+    })
+    .await;
     let client = reqwest::Client::new();
     wait_ready(&client, &http).await;
     let forever = json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "forever"}]});
@@ -2272,18 +2263,14 @@ async fn capped_router(client_timeout: Duration) -> (String, Arc<AtomicUsize>) {
     let fake = Fake::default();
     let open = fake.open.clone();
     let waddr = spawn_worker(fake).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig {
+    let http = serve_ready(RouterConfig {
         workers: vec![waddr.to_string()],
         health_interval: Duration::from_millis(100),
         max_inflight: 1,
         client_timeout,
         ..RouterConfig::default()
-    };
-    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
-    let http = format!("http://{addr}");
-    wait_ready(&reqwest::Client::new(), &http).await;
+    })
+    .await;
     (http, open)
 }
 
@@ -2571,17 +2558,14 @@ async fn remote_prefill_carries_the_tenant_weight() {
     let (prefill_seen, decode_seen) = (prefill.requests_seen.clone(), decode.requests_seen.clone());
     let workers = vec![spawn_worker(prefill).await.to_string(), spawn_worker(decode).await.to_string()];
     let keys = KeyTable::parse(&format!("{KEY_A} acme weight=3\n"), std::path::Path::new("keys")).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig {
+    let http = serve_router(RouterConfig {
         workers,
         health_interval: Duration::from_millis(100),
         placement: PlacerConfig { remote_prefill_min_tokens: 1, ..PlacerConfig::default() },
         security: Security { keys: Some(Arc::new(keys)), admin: None },
         ..RouterConfig::default()
-    };
-    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
-    let http = format!("http://{addr}");
+    })
+    .await;
     let client = reqwest::Client::new();
     wait_all_ready(&client, &http).await;
     let hi = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
@@ -2655,17 +2639,14 @@ async fn admission_refusals_on_v1_messages_are_anthropic_errors() {
         KeyTable::parse(&format!("{KEY_A} acme\n{KEY_B} globex rps=0.01 burst=1\n"), std::path::Path::new("keys"))
             .unwrap();
     let waddr = spawn_worker(Fake::default()).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = RouterConfig {
+    let http = serve_router(RouterConfig {
         workers: vec![waddr.to_string()],
         health_interval: Duration::from_millis(100),
         security: Security { keys: Some(Arc::new(keys)), admin: None },
         max_inflight: 1,
         ..RouterConfig::default()
-    };
-    tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
-    let http = format!("http://{addr}");
+    })
+    .await;
     let client = reqwest::Client::new();
     wait_ready(&client, &http).await;
     let ask = json!({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]});
@@ -2703,11 +2684,17 @@ async fn admission_refusals_on_v1_messages_are_anthropic_errors() {
     drop(running);
 }
 
-/// Starts a router with `cfg` and waits until it is ready; its base URL.
-async fn serve_ready(cfg: RouterConfig) -> String {
+/// Starts a router with `cfg` on a free port; its base URL.
+async fn serve_router(cfg: RouterConfig) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(pagoda_router::serve(listener, Arc::new(ByteCodec), cfg, std::future::pending()));
+    http
+}
+
+/// Starts a router with `cfg` and waits until it is ready; its base URL.
+async fn serve_ready(cfg: RouterConfig) -> String {
+    let http = serve_router(cfg).await;
     wait_ready(&reqwest::Client::new(), &http).await;
     http
 }
