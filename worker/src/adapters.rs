@@ -212,7 +212,7 @@ impl AdapterRegistry {
             return Err(AdapterError::AllInUse(self.max_loaded, name.to_string()));
         }
         let started = Instant::now();
-        let adapter = self.read_adapter(name, &dir, shape)?;
+        let adapter = self.read_adapter(name, &dir, root, shape)?;
         let adapter = self.insert(name, adapter, Origin::OnDemand, started.elapsed())?;
         log_loaded(&adapter, &dir, "on demand");
         Ok(adapter)
@@ -251,7 +251,7 @@ impl AdapterRegistry {
         }
         let dir = resolve_under(root, path)?;
         let started = Instant::now();
-        let adapter = self.read_adapter(name, &dir, shape)?;
+        let adapter = self.read_adapter(name, &dir, root, shape)?;
         let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed())?;
         log_loaded(&adapter, &dir, "run time");
         Ok(adapter)
@@ -354,10 +354,18 @@ impl AdapterRegistry {
         Ok(adapter)
     }
 
-    /// Reads and checks the adapter in `dir`, counting the read.
-    fn read_adapter(&self, name: &str, dir: &Path, shape: &ModelConfig) -> Result<LoraAdapter, AdapterError> {
+    /// Reads and checks the adapter in `dir`, whose files must lie inside `root` too (checking the directory alone
+    /// would let a link inside it lead out), counting the read.
+    fn read_adapter(
+        &self,
+        name: &str,
+        dir: &Path,
+        root: &Path,
+        shape: &ModelConfig,
+    ) -> Result<LoraAdapter, AdapterError> {
         self.counters.lock().unwrap_or_else(|p| p.into_inner()).reads += 1;
-        LoraAdapter::load(name, dir, shape, self.max_rank).map_err(|e| AdapterError::Invalid(e.to_string()))
+        LoraAdapter::load_within(name, dir, Some(root), shape, self.max_rank)
+            .map_err(|e| AdapterError::Invalid(e.to_string()))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Loaded>> {
@@ -423,4 +431,57 @@ fn resolve_under(root: &Path, path: &str) -> Result<PathBuf, AdapterError> {
         return Err(invalid("is not a directory"));
     }
     Ok(full)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::tests::tiny as shape;
+    use crate::model::lora::{SyntheticLora, write_synthetic_peft};
+
+    /// Runs `f` on another thread, failing the test if it has not returned within 10 s (a blocking open would
+    /// otherwise hang the test rather than fail it).
+    fn promptly<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(10)).expect("the load did not return within 10 s")
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn run_time_loads_read_only_regular_files_inside_the_lora_dir() {
+        let base = std::env::temp_dir().join(format!("pagoda-adapters-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let (root, outside) = (base.join("loras"), base.join("outside"));
+        let spec = SyntheticLora { rank: 2, ..Default::default() };
+        for dir in [root.join("good"), root.join("escape"), root.join("fifo"), root.join("zero"), outside.clone()] {
+            write_synthetic_peft(&dir, &shape(), &spec).unwrap();
+        }
+        let link = |target: &Path, dir: &str| {
+            let weights = root.join(dir).join("adapter_model.safetensors");
+            std::fs::remove_file(&weights).unwrap();
+            std::os::unix::fs::symlink(target, &weights).unwrap();
+        };
+        link(&outside.join("adapter_model.safetensors"), "escape");
+        link(Path::new("/dev/zero"), "zero");
+        let fifo = root.join("fifo").join("adapter_model.safetensors");
+        std::fs::remove_file(&fifo).unwrap();
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+
+        let cfg = EngineConfig { lora_dir: Some(root.clone()), lora_on_demand: true, ..EngineConfig::default() };
+        let registry = Arc::new(AdapterRegistry::open(Some(shape()), "base", &cfg).unwrap());
+        let err = registry.load("escape", "escape").unwrap_err().to_string();
+        assert!(err.contains("outside"), "{err}");
+        for name in ["fifo", "zero"] {
+            let r = Arc::clone(&registry);
+            let err = promptly(move || r.resolve(name).map(|_| ())).unwrap_err();
+            assert!(matches!(err, AdapterError::Invalid(_)), "{name}: {err}");
+        }
+        // The one-load lock was not left held: later loads go through.
+        let r = Arc::clone(&registry);
+        assert!(promptly(move || r.load("good", "good").is_ok()));
+        let _ = std::fs::remove_dir_all(&base);
+    }
 }

@@ -11,6 +11,17 @@ use super::gguf::Gguf;
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one render may execute. The template comes from the model file and runs on every chat request, so a
+/// loop nested over the messages must end in an error, not hours of CPU. Real templates take tens to a few hundred
+/// instructions per message (SmolLM2's ~20); this allows thousands for each of 1,024 messages and stops a runaway
+/// template within a fraction of a second.
+pub const RENDER_FUEL: u64 = 5_000_000;
+/// Rendered bytes allowed beyond [`RENDER_BYTES_PER_INPUT_BYTE`] times the messages' own: the template's text.
+pub const RENDER_BASE_BYTES: usize = 1 << 20;
+/// A template writes each message once, with some markup; a rendering several times larger than its input is a
+/// template repeating it (1,024 messages of 1 MiB in a nested loop would be a terabyte), refused before it is built.
+pub const RENDER_BYTES_PER_INPUT_BYTE: usize = 4;
+
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -220,6 +231,29 @@ fn python_methods(_state: &State, value: &Value, method: &str, args: &[Value]) -
     Err(Error::from(ErrorKind::UnknownMethod))
 }
 
+/// The rendering's buffer, which fails the write that would take it past `limit` bytes, so that an oversized
+/// rendering stops there rather than being built and then refused.
+struct BoundedWriter {
+    bytes: Vec<u8>,
+    limit: usize,
+    exceeded: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > self.limit {
+            self.exceeded = true;
+            return Err(std::io::Error::other("rendered prompt too long"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Compiles a template with the given special-token texts.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, ModelError> {
@@ -229,6 +263,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", |fmt: String| -> Value { Value::from(strftime_now(&fmt)) });
         env.set_unknown_method_callback(python_methods);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(template_err)?;
         Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
@@ -252,7 +287,8 @@ impl ChatTemplate {
         ChatTemplate::new(source, &bos, &eos)
     }
 
-    /// Renders the conversation; `add_generation_prompt` appends the assistant turn header.
+    /// Renders the conversation; `add_generation_prompt` appends the assistant turn header. A template that runs
+    /// past [`RENDER_FUEL`] instructions or writes more than [`ChatTemplate::render_limit`] bytes is an error.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ModelError> {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(template_err)?;
         let ctx = minijinja::context! {
@@ -261,7 +297,29 @@ impl ChatTemplate {
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
         };
-        tmpl.render(ctx).map_err(template_err)
+        let limit = Self::render_limit(messages);
+        let mut out = BoundedWriter { bytes: Vec::new(), limit, exceeded: false };
+        if let Err(e) = tmpl.render_captured_to(ctx, &mut out) {
+            if out.exceeded {
+                return Err(ModelError::Template(format!(
+                    "the rendered prompt exceeds {limit} bytes (the template repeats its input)"
+                )));
+            }
+            if e.kind() == ErrorKind::OutOfFuel {
+                return Err(ModelError::Template(format!(
+                    "rendering took more than {RENDER_FUEL} template instructions"
+                )));
+            }
+            return Err(template_err(e));
+        }
+        String::from_utf8(out.bytes).map_err(|_| ModelError::Template("the rendered prompt is not UTF-8".into()))
+    }
+
+    /// Most bytes a rendering of `messages` may take: [`RENDER_BASE_BYTES`] plus [`RENDER_BYTES_PER_INPUT_BYTE`]
+    /// times their roles and contents.
+    pub fn render_limit(messages: &[ChatMessage]) -> usize {
+        let input: usize = messages.iter().map(|m| m.role.len().saturating_add(m.content.len())).sum();
+        input.saturating_mul(RENDER_BYTES_PER_INPUT_BYTE).saturating_add(RENDER_BASE_BYTES)
     }
 
     /// The `bos_token` text given to the template.
@@ -293,6 +351,52 @@ mod tests {
         assert_eq!(out, "<s>USER:hi</s>\nA:");
         let err = t.render(&[ChatMessage::new("bad", "x")], false).unwrap_err();
         assert!(err.to_string().contains("no bad"), "{err}");
+    }
+
+    fn smollm2() -> ChatTemplate {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let path = std::env::var_os("PAGODA_MODEL").map_or(path, Into::into);
+        ChatTemplate::from_gguf(&Gguf::open(&path).expect("open model (set PAGODA_MODEL)")).unwrap()
+    }
+
+    #[test]
+    fn a_template_repeating_its_input_is_stopped_at_the_output_limit() {
+        let t = ChatTemplate::new(
+            "{% for a in messages %}{% for b in messages %}{{ b.content }}{% endfor %}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        // 128 × 128 × 32 KiB would be 512 MiB, from 4 MiB of messages.
+        let messages = vec![ChatMessage::new("user", "x".repeat(32 << 10)); 128];
+        let started = std::time::Instant::now();
+        let err = t.render(&messages, false).unwrap_err().to_string();
+        assert!(err.contains("rendered prompt exceeds"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_template_looping_without_output_runs_out_of_fuel() {
+        let t = ChatTemplate::new(
+            "{% for a in messages %}{% for b in messages %}{% for c in messages %}{% endfor %}{% endfor %}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let messages = vec![ChatMessage::new("user", "x"); 256];
+        let err = t.render(&messages, false).unwrap_err().to_string();
+        assert!(err.contains("template instructions"), "{err}");
+    }
+
+    #[test]
+    fn the_real_template_renders_a_long_conversation_within_the_limits() {
+        let t = smollm2();
+        let messages: Vec<ChatMessage> = (0..1024)
+            .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, format!("turn {i} ").repeat(500)))
+            .collect();
+        let out = t.render(&messages, true).unwrap();
+        assert!(out.starts_with("<|im_start|>system\n") && out.ends_with("<|im_start|>assistant\n"));
+        assert!(out.contains("turn 1023 turn 1023"));
     }
 
     #[test]

@@ -19,6 +19,11 @@ const MAX_DIMS: u32 = 8;
 /// Pre-allocation cap for counts read from the file (they are still bounds-checked; this only stops a corrupt
 /// count from reserving gigabytes before the read fails).
 const MAX_PREALLOC: usize = 1 << 16;
+/// Most metadata array elements in one file, all arrays together. Each element becomes a 32-byte [`MetaValue`] (a
+/// u8 element is 32 times its size on disk), so the file's length alone does not bound the memory. Real tokenizers
+/// need well under a million (Llama 3: 128,256 tokens, 280,147 merges and 128,256 token types; Gemma 3: 262,144
+/// tokens with scores and types); this leaves ten times that and holds the arrays to 512 MiB.
+pub const MAX_METADATA_ARRAY_ELEMENTS: usize = 1 << 24;
 
 /// A metadata value of any GGUF type.
 #[derive(Debug, Clone, PartialEq)]
@@ -269,6 +274,8 @@ impl std::fmt::Debug for Gguf {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Metadata array elements read so far, against [`MAX_METADATA_ARRAY_ELEMENTS`].
+    array_elements: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -357,6 +364,12 @@ impl<'a> Reader<'a> {
                     _ => return Err(ModelError::corrupt(format!("{what}: unknown array element type {elem_ty}"))),
                 };
                 let n = self.count(what, min_elem)?;
+                self.array_elements = self.array_elements.saturating_add(n);
+                if self.array_elements > MAX_METADATA_ARRAY_ELEMENTS {
+                    return Err(ModelError::corrupt(format!(
+                        "{what}: metadata arrays hold more than {MAX_METADATA_ARRAY_ELEMENTS} elements in all"
+                    )));
+                }
                 let mut items = Vec::with_capacity(n.min(MAX_PREALLOC));
                 for _ in 0..n {
                     items.push(self.value(elem_ty, depth + 1, what)?);
@@ -390,7 +403,7 @@ impl Gguf {
 
     fn parse(storage: Storage) -> Result<Gguf, ModelError> {
         let buf = storage.bytes();
-        let mut r = Reader { buf, pos: 0 };
+        let mut r = Reader { buf, pos: 0, array_elements: 0 };
         let magic = r.take(4, "magic")?;
         if magic != GGUF_MAGIC {
             return Err(ModelError::corrupt(format!("bad magic {magic:02x?}, expected \"GGUF\"")));
@@ -781,6 +794,37 @@ mod tests {
         let mut b = tiny_gguf();
         b[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
         assert!(matches!(Gguf::from_bytes(b), Err(ModelError::Corrupt(_))));
+    }
+
+    /// A GGUF v3 file with no tensors and one metadata array per entry of `arrays` (u8 elements, all zero).
+    fn gguf_with_u8_arrays(arrays: &[usize]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes());
+        b.extend_from_slice(&(arrays.len() as u64).to_le_bytes());
+        for (i, &n) in arrays.iter().enumerate() {
+            let key = format!("x.a{i}");
+            b.extend_from_slice(&(key.len() as u64).to_le_bytes());
+            b.extend_from_slice(key.as_bytes());
+            b.extend_from_slice(&9u32.to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+            b.extend_from_slice(&(n as u64).to_le_bytes());
+            b.resize(b.len() + n, 0);
+        }
+        b
+    }
+
+    #[test]
+    fn metadata_arrays_are_bounded_in_elements_not_just_bytes() {
+        let err = Gguf::from_bytes(gguf_with_u8_arrays(&[MAX_METADATA_ARRAY_ELEMENTS + 1])).unwrap_err();
+        assert!(matches!(err, ModelError::Corrupt(_)) && err.to_string().contains("metadata arrays"), "{err}");
+        // The bound is on all arrays together.
+        let half = MAX_METADATA_ARRAY_ELEMENTS / 2;
+        let err = Gguf::from_bytes(gguf_with_u8_arrays(&[half, half + 1])).unwrap_err();
+        assert!(err.to_string().contains("`x.a1`"), "{err}");
+        let g = Gguf::from_bytes(gguf_with_u8_arrays(&[1000, 1000])).unwrap();
+        assert_eq!(g.get_array("x.a1").unwrap().len(), 1000);
     }
 
     #[test]

@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::io::Read;
 use std::path::Path;
 
 use pagoda_kernels::{Backend, LoraSegment};
@@ -105,6 +106,12 @@ impl LoraTarget {
     }
 }
 
+/// A tensor of the safetensors file, as read.
+struct Tensor {
+    shape: Vec<usize>,
+    values: Vec<f32>,
+}
+
 /// One projection's delta: `A` (`[rank][input]`) and `B` transposed (`[rank][output]`), scaled by α/r and with its
 /// output columns in the GGUF's row order, as f16 bits: the layout the backend's `lora_add` reads. (PEFT adapters
 /// are trained and shipped in 16-bit floats; f16 keeps α/r·B's small values to 11 significant bits.)
@@ -113,8 +120,18 @@ struct LoraPair {
     bt: Vec<u16>,
 }
 
-fn f16_bits(x: f32) -> u16 {
-    half::f16::from_f32(x).to_bits()
+/// `values` as f16 bits, or an error naming `tensor` when one is not finite in f16.
+fn f16_finite(tensor: &str, values: impl Iterator<Item = f32>) -> Result<Vec<u16>, String> {
+    values
+        .map(|v| {
+            let h = half::f16::from_f32(v);
+            if h.is_finite() {
+                Ok(h.to_bits())
+            } else {
+                Err(format!("{tensor}: value {v} is not finite in f16 once scaled by lora_alpha / r"))
+            }
+        })
+        .collect()
 }
 
 fn f16_value(bits: u16) -> f32 {
@@ -170,22 +187,34 @@ pub fn cache_namespace(namespace: &str, cache_id: &str) -> String {
 }
 
 impl LoraAdapter {
-    /// Loads the PEFT adapter in `dir` for a model of shape `cfg`, refusing ranks above `max_rank`.
+    /// Loads the PEFT adapter in `dir` for a model of shape `cfg`, refusing ranks above `max_rank`. The files may
+    /// lead anywhere (an operator's `--lora NAME=DIR`, e.g. a Hugging Face cache snapshot whose files link to its
+    /// blobs), but must be regular files.
     pub fn load(name: &str, dir: &Path, cfg: &ModelConfig, max_rank: usize) -> Result<LoraAdapter, ModelError> {
+        LoraAdapter::load_within(name, dir, None, cfg, max_rank)
+    }
+
+    /// [`LoraAdapter::load`], and with `root` (canonical) the files must also lie inside it once symlinks are
+    /// resolved: run-time loads name directories under `--lora-dir`, and a link inside one must not lead out.
+    pub fn load_within(
+        name: &str,
+        dir: &Path,
+        root: Option<&Path>,
+        cfg: &ModelConfig,
+        max_rank: usize,
+    ) -> Result<LoraAdapter, ModelError> {
         check_lora_name(name).map_err(lora_err)?;
-        let config_bytes = read_bounded(&dir.join("adapter_config.json"), MAX_CONFIG_BYTES)?;
+        let config_bytes = read_bounded(&dir.join("adapter_config.json"), root, MAX_CONFIG_BYTES)?;
         let config: Value = serde_json::from_slice(&config_bytes)
             .map_err(|e| lora_err(format!("{name}: adapter_config.json is not JSON: {e}")))?;
         let options = PeftOptions::parse(&config, max_rank).map_err(|e| lora_err(format!("{name}: {e}")))?;
-        let weights = read_bounded(&dir.join("adapter_model.safetensors"), MAX_WEIGHTS_BYTES)?;
+        let weights = read_bounded(&dir.join("adapter_model.safetensors"), root, MAX_WEIGHTS_BYTES)?;
         let tensors = safetensors::SafeTensors::deserialize(&weights)
             .map_err(|e| lora_err(format!("{name}: adapter_model.safetensors: {e}")))?;
-        let mut found: HashMap<String, Vec<f32>> = HashMap::new();
+        let mut found: HashMap<String, Tensor> = HashMap::new();
         for (tensor_name, view) in tensors.tensors() {
-            found.insert(
-                tensor_name.clone(),
-                tensor_values(&tensor_name, &view).map_err(|e| lora_err(format!("{name}: {e}")))?,
-            );
+            let values = tensor_values(&tensor_name, &view).map_err(|e| lora_err(format!("{name}: {e}")))?;
+            found.insert(tensor_name.clone(), Tensor { shape: view.shape().to_vec(), values });
         }
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         hasher.update(&weights);
@@ -199,7 +228,7 @@ impl LoraAdapter {
         cache_id: String,
         cfg: &ModelConfig,
         options: &PeftOptions,
-        mut found: HashMap<String, Vec<f32>>,
+        mut found: HashMap<String, Tensor>,
     ) -> Result<LoraAdapter, String> {
         let rank = options.rank;
         let mut layers: Vec<[Option<LoraPair>; 7]> = (0..cfg.n_layers).map(|_| Default::default()).collect();
@@ -213,25 +242,29 @@ impl LoraAdapter {
                     _ => return Err(format!("{a_name} and {b_name} must both be present")),
                 };
                 let (input, output) = target.dims(cfg);
-                if a.len() != rank * input {
-                    return Err(format!("{a_name}: {} values, expected [{rank}, {input}]", a.len()));
+                // The element counts alone would take a transposed matrix (`[in, r]` for `A`) and compute garbage.
+                if a.shape != [rank, input] {
+                    return Err(format!("{a_name}: shape {:?}, expected [{rank}, {input}] ([r, in])", a.shape));
                 }
-                if b.len() != output * rank {
-                    return Err(format!("{b_name}: {} values, expected [{output}, {rank}]", b.len()));
+                if b.shape != [output, rank] {
+                    return Err(format!("{b_name}: shape {:?}, expected [{output}, {rank}] ([out, r])", b.shape));
                 }
-                let mut b: Vec<f32> = b.into_iter().map(|x| x * options.scale).collect();
+                // Checked after scaling and in f16, the form the kernel reads: a value finite in the file can
+                // still overflow f16 (65504) once multiplied by α/r, and an infinity there makes every logit NaN.
+                let a = f16_finite(&a_name, a.values.into_iter())?;
+                let mut b: Vec<f32> = b.values.into_iter().map(|x| x * options.scale).collect();
                 match target {
                     LoraTarget::Q => b = permute_rope_rows(&b, cfg.n_heads, cfg.head_dim, rank),
                     LoraTarget::K => b = permute_rope_rows(&b, cfg.n_kv_heads, cfg.head_dim, rank),
                     _ => {}
                 }
+                let b = f16_finite(&b_name, b.into_iter())?;
                 let mut bt = vec![0u16; rank * output];
                 for (o, row) in b.chunks_exact(rank).enumerate() {
                     for (j, &v) in row.iter().enumerate() {
-                        bt[j * output + o] = f16_bits(v);
+                        bt[j * output + o] = v;
                     }
                 }
-                let a = a.into_iter().map(f16_bits).collect();
                 layer[target.index()] = Some(LoraPair { a, bt });
                 pairs += 1;
             }
@@ -318,13 +351,51 @@ fn permute_rope_rows(b: &[f32], heads: usize, head_dim: usize, rank: usize) -> V
     out
 }
 
-fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelError> {
+/// The bytes of the regular file `path`, which with `root` must lie inside it once symlinks are resolved, and at
+/// most `limit` of them. The type is checked before opening, since opening a FIFO blocks until a writer comes (with
+/// the registry's one-load lock held) and a device such as /dev/zero reports length 0 but never ends; the read is
+/// bounded too, for a file that grows or is swapped after the check.
+fn read_bounded(path: &Path, root: Option<&Path>, limit: u64) -> Result<Vec<u8>, ModelError> {
     let io = |source| ModelError::Io { path: path.display().to_string(), source };
-    let len = std::fs::metadata(path).map_err(io)?.len();
-    if len > limit {
-        return Err(lora_err(format!("{}: {len} bytes, more than the {limit} allowed", path.display())));
+    let canonical = path.canonicalize().map_err(io)?;
+    if let Some(root) = root
+        && !canonical.starts_with(root)
+    {
+        return Err(lora_err(format!("{}: leads outside the worker's --lora-dir", path.display())));
     }
-    std::fs::read(path).map_err(io)
+    let not_regular = || lora_err(format!("{}: not a regular file", path.display()));
+    let checked = std::fs::metadata(&canonical).map_err(io)?;
+    if !checked.is_file() {
+        return Err(not_regular());
+    }
+    let too_large = |len: u64| lora_err(format!("{}: {len} bytes, more than the {limit} allowed", path.display()));
+    if checked.len() > limit {
+        return Err(too_large(checked.len()));
+    }
+    let file = std::fs::File::open(&canonical).map_err(io)?;
+    // The file opened must be the one checked: a swap in between (by whoever can write the directory) could
+    // otherwise substitute another file.
+    let opened = file.metadata().map_err(io)?;
+    if !opened.is_file() || !same_file(&checked, &opened) {
+        return Err(not_regular());
+    }
+    let mut bytes = Vec::new();
+    file.take(limit + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+#[cfg(unix)]
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    (a.dev(), a.ino()) == (b.dev(), b.ino())
+}
+
+#[cfg(not(unix))]
+fn same_file(_: &std::fs::Metadata, _: &std::fs::Metadata) -> bool {
+    true
 }
 
 fn tensor_values(name: &str, view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String> {
@@ -538,10 +609,11 @@ pub fn write_synthetic_peft(dir: &Path, cfg: &ModelConfig, spec: &SyntheticLora)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny() -> ModelConfig {
+    /// The model shape of the adapter tests (also the registry's, `crate::adapters`).
+    pub(crate) fn tiny() -> ModelConfig {
         ModelConfig {
             arch: "llama".into(),
             n_layers: 2,
@@ -655,6 +727,130 @@ mod tests {
         std::fs::write(d.join("adapter_config.json"), b"{").unwrap();
         assert!(LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string().contains("not JSON"));
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Rewrites the adapter's safetensors with `edit` applied to each (name, shape, values).
+    fn rewrite_weights(d: &Path, edit: impl Fn(&str, &mut Vec<usize>, &mut Vec<f32>)) {
+        let bytes = std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, view) in st.tensors() {
+            let (mut shape, mut values) = (view.shape().to_vec(), tensor_values(&name, &view).unwrap());
+            edit(&name, &mut shape, &mut values);
+            tensors.push((name, shape, values.iter().flat_map(|x| x.to_le_bytes()).collect()));
+        }
+        let views: Vec<_> = tensors
+            .iter()
+            .map(|(n, shape, data)| {
+                (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap())
+            })
+            .collect();
+        safetensors::tensor::serialize_to_file(views, None, &d.join("adapter_model.safetensors")).unwrap();
+    }
+
+    #[test]
+    fn a_transposed_matrix_is_refused_by_shape() {
+        let (cfg, d) = (tiny(), dir("transposed"));
+        let spec = SyntheticLora { rank: 4, targets: vec![LoraTarget::Q], ..Default::default() };
+        write_synthetic_peft(&d, &cfg, &spec).unwrap();
+        // Same element count, [in, r] instead of [r, in].
+        rewrite_weights(&d, |name, shape, _| {
+            if name.ends_with("lora_A.weight") {
+                shape.reverse();
+            }
+        });
+        let err = LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string();
+        assert!(err.contains("shape [32, 4], expected [4, 32] ([r, in])"), "{err}");
+        write_synthetic_peft(&d, &cfg, &spec).unwrap();
+        rewrite_weights(&d, |name, shape, _| {
+            if name.ends_with("lora_B.weight") {
+                shape.reverse();
+            }
+        });
+        let err = LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string();
+        assert!(err.contains("expected [32, 4] ([out, r])"), "{err}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn values_that_overflow_f16_once_scaled_are_refused() {
+        let (cfg, d) = (tiny(), dir("overflow"));
+        write_synthetic_peft(&d, &cfg, &SyntheticLora { rank: 1, targets: vec![LoraTarget::V], ..Default::default() })
+            .unwrap();
+        rewrite_weights(&d, |name, _, values| {
+            if name.ends_with("lora_B.weight") {
+                values.fill(0.1);
+            }
+        });
+        // α/r = 1e6: B becomes 1e5, past f16's 65504.
+        let config = serde_json::json!({"peft_type": "LORA", "r": 1, "lora_alpha": 1e6, "target_modules": ["v_proj"]});
+        write_config(&d, config);
+        let err = LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string();
+        assert!(err.contains("lora_B.weight") && err.contains("not finite in f16"), "{err}");
+        // A is stored in f16 unscaled, so a finite f32 above 65504 is refused too.
+        write_config(
+            &d,
+            serde_json::json!({"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["v_proj"]}),
+        );
+        rewrite_weights(&d, |name, _, values| {
+            if name.ends_with("lora_A.weight") {
+                values[0] = 1e5;
+            }
+        });
+        let err = LoraAdapter::load("x", &d, &cfg, 4).unwrap_err().to_string();
+        assert!(err.contains("lora_A.weight") && err.contains("not finite in f16"), "{err}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Runs `load` on another thread and fails the test if it has not returned within a few seconds, so that a
+    /// regression to a blocking read fails rather than hangs.
+    fn load_promptly(d: &Path, root: Option<&Path>) -> String {
+        let (d, root) = (d.to_path_buf(), root.map(Path::to_path_buf));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(LoraAdapter::load_within("x", &d, root.as_deref(), &tiny(), 8).map(|_| ()));
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(10)) {
+            Ok(result) => result.unwrap_err().to_string(),
+            Err(_) => panic!("loading the adapter did not return within 10 s"),
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn only_regular_files_inside_the_root_are_read() {
+        let (cfg, d) = (tiny(), dir("files"));
+        write_synthetic_peft(&d, &cfg, &SyntheticLora { rank: 2, ..Default::default() }).unwrap();
+        let root = d.canonicalize().unwrap();
+        let weights = d.join("adapter_model.safetensors");
+        assert!(LoraAdapter::load_within("x", &d, Some(&root), &cfg, 8).is_ok());
+
+        // A device that reports length 0 and never ends.
+        std::fs::remove_file(&weights).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &weights).unwrap();
+        let err = load_promptly(&d, None);
+        assert!(err.contains("not a regular file"), "{err}");
+        let err = load_promptly(&d, Some(&root));
+        assert!(err.contains("outside"), "{err}");
+
+        // A FIFO without a writer: opening it would block.
+        std::fs::remove_file(&weights).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&weights).status().unwrap();
+        assert!(made.success());
+        let err = load_promptly(&d, Some(&root));
+        assert!(err.contains("not a regular file"), "{err}");
+
+        // A regular adapter file outside the root, through a link.
+        let outside = dir("files-outside");
+        write_synthetic_peft(&outside, &cfg, &SyntheticLora { rank: 2, ..Default::default() }).unwrap();
+        std::fs::remove_file(&weights).unwrap();
+        std::os::unix::fs::symlink(outside.join("adapter_model.safetensors"), &weights).unwrap();
+        let err = load_promptly(&d, Some(&root));
+        assert!(err.contains("outside the worker's --lora-dir"), "{err}");
+        // Without a root (an operator's --lora DIR) the link is followed.
+        assert!(LoraAdapter::load("x", &d, &cfg, 8).is_ok());
+        let _ = std::fs::remove_dir_all(&d);
+        let _ = std::fs::remove_dir_all(&outside);
     }
 
     #[test]
