@@ -121,6 +121,11 @@ pub fn machine_busy_seconds() -> Option<f64> {
     Some(busy / clock_ticks_per_second())
 }
 
+/// The user plus system CPU seconds `pid` has used so far (`None` once it is gone).
+pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    process_stat(pid).map(|(_, _, cpu)| cpu)
+}
+
 /// Of `/proc/<pid>/stat`: the parent pid, the start time (which tells a reused pid from the old one) and the user
 /// plus system CPU seconds.
 fn process_stat(pid: u32) -> Option<(u32, u64, f64)> {

@@ -13,7 +13,10 @@
 //! `Retry-After`, lose nothing it accepted, and keep every process's memory bounded.
 //!
 //! The full-size 15 s check is judged on generated tokens/s per CPU-second the machine left to the test (see
-//! `pagoda_e2e::cpu`), in the median of three runs, against a no-fault control held to the same check.
+//! `pagoda_e2e::cpu`), in the median of three runs, against a no-fault control held to the same check. The CI-size
+//! SIGSTOP test judges the stopped worker against the other workers of the same run (`Require::VictimBack`): on
+//! this shared machine the healthy load's tokens/s per CPU drifts by up to 30% within a run, and only a comparison
+//! within the run cancels that.
 //!
 //! CI runs the reduced versions; the full ones are `#[ignore]`d:
 //! `cargo test --release -p pagoda --test e2e_chaos -- --ignored --nocapture --test-threads 1`.
@@ -83,6 +86,15 @@ enum Require {
     /// SIGSTOP run once read 405 tokens/s per CPU before the fault and 350–379 after it with the cores all the
     /// test's, while the same test's next two runs read 380 and 357 before and 385 and 364 after.
     WindowByWindow,
+    /// The stopped worker is back in placement and doing its share, judged against the other workers of the same
+    /// run: from 5 s after it resumes to the end of the load, it runs at least one sequence on average and computes
+    /// at least half the tokens per second the others do on average ([`VICTIM_SHARE_FLOOR`]). A machine that slows
+    /// down slows every worker alike, so this does not move with it, while a worker left out of placement, or one
+    /// back but stuck, fails it. Throughput window by window did move with it: the no-fault control of this load
+    /// missed that check in 1 of 3 runs, its tokens/s per CPU drifting by 30% over 20 s with every process's CPU
+    /// unchanged (`no_fault_control_window_by_window`). The cluster as a whole is held to a floor instead
+    /// ([`CLUSTER_FLOOR`]): a cluster stuck after the fault reads far below it, the machine's own drift did not.
+    VictimBack,
     /// The issue's target read directly: from 15 s after the fault, over a span as long as the one from the warmup to
     /// the fault, the cluster generates at least 90% of its pre-fault tokens per second. Both rates are averages over 15 s or more, and tokens, unlike
     /// completions, do not come in waves: window by window, completions read the no-fault control as "recovered"
@@ -95,6 +107,16 @@ enum Require {
 /// The issue's recovery target.
 const RECOVERY_TARGET: Duration = Duration::from_secs(15);
 
+/// [`Require::VictimBack`]: the share of the other workers' mean tokens/s the resumed worker must compute. Recovered
+/// runs read 0.97 and 1.04; one earlier run had 2–5 sequences on the resumed worker against 8–11 on each other one
+/// for the rest of its load (the prompts it held were cached elsewhere while it was stopped, and the router follows
+/// the cache), and its computed tokens/s still read about 0.8 of theirs.
+const VICTIM_SHARE_FLOOR: f64 = 0.5;
+
+/// [`Require::VictimBack`]: tokens/s per available CPU from 15 s after the fault, against before. Healthy and
+/// recovered runs of the CI load read 0.73–1.31 on this machine.
+const CLUSTER_FLOOR: f64 = 0.6;
+
 /// The sum of `pagoda_router_migrations_total` over its reasons, with the per-reason lines.
 async fn migrations(http: &Http) -> (u64, Vec<String>) {
     let (_, text) = http.get("/metrics").await.unwrap_or_default();
@@ -102,47 +124,60 @@ async fn migrations(http: &Http) -> (u64, Vec<String>) {
     (samples.iter().map(|(_, v)| *v as u64).sum(), samples.iter().map(|(l, _)| l.to_string()).collect())
 }
 
-/// Samples the resident memory of a fixed set of processes every 200 ms (bounded: at most 10 min) until stopped.
+/// Samples the resident memory and the CPU time of a fixed set of processes every 200 ms (bounded: at most 10 min)
+/// until stopped. The CPU time shows where a slow stretch went: a process that burns CPU without producing tokens
+/// (a retry loop after a fault) reads differently from a machine that got slower for everyone.
 struct MemoryWatch {
     pids: Vec<(String, u32)>,
     before: Vec<u64>,
     over: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    sampler: tokio::task::JoinHandle<Vec<u64>>,
+    sampler: tokio::task::JoinHandle<(Vec<u64>, Vec<CpuByProcess>)>,
 }
+
+/// When, and each watched process's CPU seconds so far (the last value seen once a process is gone).
+type CpuByProcess = (Duration, Vec<f64>);
 
 /// How much any one process may grow while a test's load runs: the workers' KV pools and the router's request
 /// state are bounded, so growth past this is a leak or an unbounded queue.
 const MEMORY_GROWTH_BOUND: u64 = 512 << 20;
 
 impl MemoryWatch {
-    fn start(pids: Vec<(String, u32)>) -> MemoryWatch {
+    /// Watches `pids` and this test process itself (the load generator), with sample times measured from `t0`.
+    fn start(mut pids: Vec<(String, u32)>, t0: Instant) -> MemoryWatch {
+        pids.push(("test-process".to_owned(), std::process::id()));
         let before: Vec<u64> = pids.iter().map(|(_, p)| resident_bytes(*p).unwrap_or(0)).collect();
         let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sampler = {
             let (pids, over) = (pids.clone(), over.clone());
             tokio::spawn(async move {
                 let mut peak = vec![0u64; pids.len()];
+                let mut cpu_now = vec![0.0; pids.len()];
+                let mut cpu = Vec::new();
                 for _ in 0..3000 {
-                    if over.load(std::sync::atomic::Ordering::Relaxed) {
-                        break;
-                    }
                     for (i, (_, pid)) in pids.iter().enumerate() {
                         // A process killed by the test reads as 0 from then on.
                         peak[i] = peak[i].max(resident_bytes(*pid).unwrap_or(0));
+                        if let Some(secs) = pagoda_e2e::cpu::process_cpu_seconds(*pid) {
+                            cpu_now[i] = secs;
+                        }
+                    }
+                    cpu.push((t0.elapsed(), cpu_now.clone()));
+                    if over.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-                peak
+                (peak, cpu)
             })
         };
         MemoryWatch { pids, before, over, sampler }
     }
 
-    /// Stops sampling: each process's resident bytes before and at its peak.
+    /// Stops sampling: each process's resident bytes before and at its peak, and its CPU time.
     async fn stop(self) -> MemoryReport {
         self.over.store(true, std::sync::atomic::Ordering::Relaxed);
-        let peak = self.sampler.await.unwrap_or_default();
-        MemoryReport { pids: self.pids, before: self.before, peak }
+        let (peak, cpu) = self.sampler.await.unwrap_or_default();
+        MemoryReport { pids: self.pids, before: self.before, peak, cpu }
     }
 }
 
@@ -150,6 +185,7 @@ struct MemoryReport {
     pids: Vec<(String, u32)>,
     before: Vec<u64>,
     peak: Vec<u64>,
+    cpu: Vec<CpuByProcess>,
 }
 
 impl MemoryReport {
@@ -161,10 +197,22 @@ impl MemoryReport {
         })
     }
 
+    /// The CPU cores each process used on average in `[from, to)`, rounded to hundredths.
+    fn cpu_cores(&self, from: Duration, to: Duration) -> Vec<f64> {
+        let nearest = |at: Duration| self.cpu.iter().min_by_key(|(t, _)| t.abs_diff(at));
+        let (Some((t_from, a)), Some((t_to, b))) = (nearest(from), nearest(to)) else { return Vec::new() };
+        let secs = t_to.saturating_sub(*t_from).as_secs_f64();
+        if secs <= 0.0 {
+            return Vec::new();
+        }
+        a.iter().zip(b).map(|(a, b)| ((b - a).max(0.0) / secs * 100.0).round() / 100.0).collect()
+    }
+
     /// The first process that grew by [`MEMORY_GROWTH_BOUND`] or more, as a message.
     fn unbounded(&self) -> Option<String> {
         self.pids.iter().zip(self.before.iter().zip(&self.peak)).find_map(|((name, _), (&before, &peak))| {
-            (peak >= before + MEMORY_GROWTH_BOUND)
+            // The test's own records grow with the load; the bound is on the cluster's processes.
+            (name != "test-process" && peak >= before + MEMORY_GROWTH_BOUND)
                 .then(|| format!("{name} grew from {} MiB to {} MiB", before >> 20, peak >> 20))
         })
     }
@@ -210,10 +258,53 @@ impl WorkerWatch {
         WorkerWatch { over, sampler }
     }
 
-    /// Stops sampling: per worker, its running/waiting and computed tokens per second at each sample.
-    async fn stop(self) -> pagoda_e2e::serde_json::Value {
+    /// Stops sampling.
+    async fn stop(self) -> WorkerTimeline {
         self.over.store(true, std::sync::atomic::Ordering::Relaxed);
-        let samples = self.sampler.await.unwrap_or_default();
+        WorkerTimeline { samples: self.sampler.await.unwrap_or_default() }
+    }
+}
+
+/// Every worker's samples of one run.
+struct WorkerTimeline {
+    samples: Vec<WorkerSample>,
+}
+
+impl WorkerTimeline {
+    /// Worker `w`'s mean running sequences and its computed tokens per second in `[from, to]`, from the first and
+    /// last samples it answered there; `None` if it answered fewer than two.
+    fn work(&self, w: usize, from: Duration, to: Duration) -> Option<(f64, f64)> {
+        let answered: Vec<(Duration, u64, u64)> = self
+            .samples
+            .iter()
+            .filter(|(at, _)| *at >= from && *at <= to)
+            .filter_map(|(at, row)| {
+                row.get(w).copied().flatten().map(|(running, _, computed, _)| (*at, running, computed))
+            })
+            .collect();
+        let (first, last) = (answered.first()?, answered.last()?);
+        let secs = last.0.saturating_sub(first.0).as_secs_f64();
+        if answered.len() < 2 || secs <= 0.0 {
+            return None;
+        }
+        let running = answered.iter().map(|a| a.1 as f64).sum::<f64>() / answered.len() as f64;
+        Some((running, last.2.saturating_sub(first.2) as f64 / secs))
+    }
+
+    /// Worker `victim`'s mean running sequences in `[from, to]`, and its tokens per second there as a share of the
+    /// other workers' mean; `(0, 0)` if it was not answering.
+    fn victim_share(&self, victim: usize, from: Duration, to: Duration) -> (f64, f64) {
+        let workers = self.samples.first().map_or(0, |(_, r)| r.len());
+        let others: Vec<f64> =
+            (0..workers).filter(|&w| w != victim).filter_map(|w| self.work(w, from, to)).map(|(_, t)| t).collect();
+        let Some((running, tokens)) = self.work(victim, from, to) else { return (0.0, 0.0) };
+        let others_mean = others.iter().sum::<f64>() / others.len().max(1) as f64;
+        (running, if others_mean > 0.0 { tokens / others_mean } else { 0.0 })
+    }
+
+    /// Per worker, its running/waiting and computed tokens per second at each sample.
+    fn json(&self) -> pagoda_e2e::serde_json::Value {
+        let samples = &self.samples;
         let workers = samples.first().map_or(0, |(_, r)| r.len());
         let per_worker: Vec<_> = (0..workers)
             .map(|w| {
@@ -257,8 +348,10 @@ async fn wait_busy(cluster: &Cluster, i: usize) -> u64 {
     }
 }
 
+/// The worker a fault strikes.
+const VICTIM: usize = 1;
+
 async fn inject(cluster: &mut Cluster, fault: Fault, t0: Instant) -> (Duration, u64) {
-    const VICTIM: usize = 1;
     match fault {
         Fault::Nothing => (t0.elapsed(), 0),
         Fault::Neighbour(for_) => {
@@ -307,6 +400,9 @@ struct Recovery {
     /// When every 3 s window from then on reached 90% of the pre-fault rate (what [`Require::WindowByWindow`]
     /// judges, over several runs, in [`run_window_by_window`]); `None` if that never held.
     tokens_back_after: Option<Duration>,
+    /// The resumed worker's mean running sequences, and its tokens/s as a share of the other workers' mean, from 5 s
+    /// after it resumed to the end of the load (what [`Require::VictimBack`] judges); `None` without such a fault.
+    victim: Option<(f64, f64)>,
 }
 
 /// Runs one scenario and checks its invariants; returns how it recovered, which its caller judges.
@@ -326,9 +422,9 @@ async fn run(s: Scenario) -> Recovery {
         urgent: None,
     };
     let (before, _) = migrations(&http).await;
-    let memory = MemoryWatch::start(cluster.pids());
     let load_http = http.clone();
     let t0 = Instant::now();
+    let memory = MemoryWatch::start(cluster.pids(), t0);
     let cpu = CpuWatch::start(t0);
     let workers =
         WorkerWatch::start((0..cluster.worker_count()).map(|i| cluster.worker_addr(i).to_string()).collect(), t0);
@@ -382,11 +478,14 @@ async fn run(s: Scenario) -> Recovery {
         0.9 * tokens_before,
         per_available_cpu,
     );
+    // A stopped worker resumes when the fault is done; a worker killed and restarted is back by then too.
+    let victim = matches!(s.fault, Fault::Stop(_) | Fault::Kill { restart: true })
+        .then(|| workers.victim_share(VICTIM, fault_done + Duration::from_secs(5), s.duration));
     let after_target = load::throughput(&records, after_span.0, after_span.1);
     let after_target_vs_before = if rec.baseline > 0.0 { after_target / rec.baseline } else { 0.0 };
     let p99_during = load::p99_latency_between(&records, fault_at, settle);
     let p99_after = load::p99_latency_between(&records, settle, s.duration + s.deadline);
-    let summary = json!({
+    let mut summary = json!({
         "scenario": s.name,
         "fault": format!("{:?}", s.fault),
         "concurrency": s.concurrency,
@@ -429,6 +528,10 @@ async fn run(s: Scenario) -> Recovery {
             .map(|i| load::token_rate(&records, Duration::from_secs(3 * i), Duration::from_secs(3 * i + 3)).round())
             .collect::<Vec<_>>(),
         "memory": memory.json(),
+        // Per process (in `memory.processes` order): CPU cores used before the fault and in the span the 15 s check
+        // judges, to tell a process burning CPU after the fault from a machine that got slower for everyone.
+        "cpu_cores_by_process_before_fault": memory.cpu_cores(before_span.0, before_span.1),
+        "cpu_cores_by_process_from_15s_after_fault": memory.cpu_cores(after_span.0, after_span.1),
         // CPU cores this test's processes used, per 3 s window.
         "our_cpu_cores_by_3s": (0..(s.duration.as_secs() / 3))
             .map(|i| {
@@ -436,8 +539,11 @@ async fn run(s: Scenario) -> Recovery {
                 (cpu.ours_cpu_seconds(a, b) / 3.0 * 100.0).round() / 100.0
             })
             .collect::<Vec<_>>(),
-        "workers": workers,
+        "workers": workers.json(),
     });
+    // Past what one `json!` expands within the default recursion limit.
+    summary["victim_running_from_5s_after_resume"] = json!(victim.map(|v| v.0));
+    summary["victim_tokens_per_s_vs_others_from_5s_after_resume"] = json!(victim.map(|v| v.1));
     println!("CHAOS {summary}");
     let fail = |what: &str| -> ! {
         panic!("{what}\n{summary:#}\nlost: {:#?}\nmismatches: {:#?}", report.lost_examples, report.mismatches)
@@ -460,7 +566,7 @@ async fn run(s: Scenario) -> Recovery {
     if matches!(s.fault, Fault::Kill { .. } | Fault::Stop(_)) && running_at_fault > 0 && after == before {
         fail("the victim had streams running but nothing migrated");
     }
-    Recovery { tokens_after_vs_before, tokens_back_after }
+    Recovery { tokens_after_vs_before, tokens_back_after, victim }
 }
 
 /// How many times a full-size scenario runs; its recovery is the median of the runs. One minute of load on a shared
@@ -484,6 +590,36 @@ async fn run_repeated(scenario: impl Fn() -> Scenario) {
         median >= 0.9,
         "from 15 s after the fault on, the median run's tokens/s per available CPU is {median:.3} of its pre-fault \
          level (runs: {ratios:?}); the target is 0.9"
+    );
+}
+
+/// Runs `scenario()` until [`RUNS`] / 2 + 1 runs agree (at most [`RUNS`] runs, each on a fresh cluster with all
+/// its invariants checked), and requires that in the majority the stopped worker came back to placement and did its
+/// share, and the cluster held its floor ([`Require::VictimBack`]).
+async fn run_victim_back(scenario: impl Fn() -> Scenario) {
+    let majority = RUNS / 2 + 1;
+    let (mut back, mut not_back) = (Vec::new(), Vec::new());
+    while back.len() < majority && not_back.len() < majority {
+        let s = scenario();
+        assert_eq!(s.require, Require::VictimBack);
+        let r = run(s).await;
+        let (running, share) = r.victim.expect("a fault with a victim");
+        let cluster = r.tokens_after_vs_before;
+        let run = json!({ "victim_running": running, "victim_share": share, "cluster_after_vs_before": cluster });
+        if running >= 1.0 && share >= VICTIM_SHARE_FLOOR && cluster >= CLUSTER_FLOOR {
+            back.push(run);
+        } else {
+            not_back.push(run);
+        }
+    }
+    println!("CHAOS-VICTIM {}", json!({ "scenario": scenario().name, "back": back, "not_back": not_back }));
+    assert!(
+        back.len() >= majority,
+        "the stopped worker did not come back to at least {VICTIM_SHARE_FLOOR} of the others' tokens/s with a \
+         sequence running on average, or the cluster stayed under {CLUSTER_FLOOR} of its pre-fault tokens/s per \
+         available CPU, in {} of {} runs: {not_back:?}",
+        not_back.len(),
+        back.len() + not_back.len()
     );
 }
 
@@ -532,9 +668,24 @@ async fn sigkill_worker_mid_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_worker_longer_than_the_stall_timeout() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    run_window_by_window(|| Scenario {
-        name: "chaos-stop",
-        fault: Fault::Stop(Duration::from_secs(5)),
+    let stop = Fault::Stop(Duration::from_secs(5));
+    run_victim_back(|| Scenario { require: Require::VictimBack, ..ci_size("chaos-stop", stop) }).await;
+}
+
+/// The same load with no fault, held to the window-by-window check the test above used to be judged by: it shows
+/// how often the healthy load alone misses that check on this machine (1 run of 3 when measured).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement of the check's noise (3 runs of ~35 s); run with --ignored"]
+async fn no_fault_control_window_by_window() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    run_window_by_window(|| ci_size("chaos-control-windows", Fault::Nothing)).await;
+}
+
+/// The CI-size scenario: 24 streams on 3 workers, the fault 8 s in, judged window by window unless changed.
+fn ci_size(name: &'static str, fault: Fault) -> Scenario {
+    Scenario {
+        name,
+        fault,
         concurrency: 24,
         max_tokens: &[24],
         duration: Duration::from_secs(32),
@@ -542,8 +693,7 @@ async fn sigstop_worker_longer_than_the_stall_timeout() {
         fault_at: Duration::from_secs(8),
         require: Require::WindowByWindow,
         deadline: Duration::from_secs(60),
-    })
-    .await;
+    }
 }
 
 /// Varied answer lengths (mean 32), as real traffic has: with one length, a closed loop of 100 completes its
@@ -692,7 +842,7 @@ async fn burst_at_five_times_the_sustainable_rate_is_shed_with_retry_after() {
     let sustainable = steady_report.completed as f64 / steady_secs;
     assert!(sustainable > 0.0, "{steady_report:?}");
 
-    let memory = MemoryWatch::start(cluster.pids());
+    let memory = MemoryWatch::start(cluster.pids(), Instant::now());
     let busy_before = counter_sum(&http, "pagoda_router_worker_busy_total").await;
     let shed_before = counter_sum(&http, "pagoda_router_shed_total").await;
     let burst = LoadConfig {
