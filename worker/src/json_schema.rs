@@ -16,7 +16,9 @@
 //!   literals they name.
 //! - `anyOf`, `oneOf` and lists of types are choices among alternatives that must start with different characters
 //!   (a string or a number, an object or null), so that the first character picks one; others are refused.
-//! - `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME` may recurse; the nesting bound then ends it.
+//! - `$ref` to `#`, `#/$defs/NAME` or `#/definitions/NAME` may recurse; the nesting bound then ends it: a key,
+//!   item or alternative is offered only where its shallowest value still fits within [`MAX_FRAMES`], and a schema
+//!   whose documents cannot fit at all is refused.
 //! - Strings honour `minLength` and `maxLength` (in characters), and a `pattern` or one of the [`FORMATS`], which
 //!   the whole string must match (as vLLM's guides read a pattern; JSON Schema's own reading is a search) and
 //!   which is written without escapes ([`ByteDfa::compile_json_string`]); both together through a `LengthTable`,
@@ -51,6 +53,13 @@ pub const MAX_ENUM_VALUES: usize = 2048;
 pub const MAX_ALTERNATIVES: usize = 16;
 /// Longest serialised schema the API accepts.
 pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+/// Longest property name an object may declare, in bytes as JSON writes it.
+pub const MAX_PROPERTY_NAME_BYTES: usize = 4096;
+/// Largest `minItems` or `minLength`: a document that must be longer fits no answer's token budget.
+pub const MAX_MIN_COUNT: u32 = 65_536;
+/// Deepest nesting of subschemas (through properties, items, alternatives and `$ref`s) that is compiled, so that
+/// compiling, which recurses once per level, stays well within a thread's stack.
+pub const MAX_SCHEMA_NESTING: usize = 128;
 /// Longest run of whitespace the guide allows between two tokens of JSON.
 pub const MAX_WS_RUN: u8 = 32;
 /// Longest number the guide lets the model write, in bytes (so that a stream of digits ends).
@@ -144,6 +153,72 @@ pub struct JsonSchema {
     root: NodeId,
     /// The bytes each node's value may start with (a bitset), which make `anyOf` deterministic.
     first: Vec<[u64; 4]>,
+    /// The frames the shallowest value of each node opens, its own included ([`frames_needed`]).
+    need: Vec<u8>,
+}
+
+/// What [`frames_needed`] gives a node none of whose values ends within [`MAX_FRAMES`].
+const NEVER: u8 = u8::MAX;
+
+/// For each node, how many frames its shallowest value opens at once, its own included, or [`NEVER`] past
+/// [`MAX_FRAMES`]: an object needs one more than its deepest required property, an array with `minItems` one more
+/// than its items, a choice what its shallowest alternative needs, and anything else its own frame. The guide
+/// starts a value only where what it needs fits, so that an answer can always be finished.
+///
+/// Settled shallowest first (as Dijkstra's shortest paths are): a node is settled when its last required part is,
+/// so each edge is looked at once.
+fn frames_needed(nodes: &[Node]) -> Vec<u8> {
+    let mut need = vec![NEVER; nodes.len()];
+    // The nodes whose need waits on each node, and how many parts each object still waits on.
+    let mut parents: Vec<Vec<NodeId>> = vec![Vec::new(); nodes.len()];
+    let mut waiting = vec![0usize; nodes.len()];
+    let mut settle: Vec<Vec<NodeId>> = vec![Vec::new(); MAX_FRAMES + 1];
+    for (id, node) in nodes.iter().enumerate() {
+        let id = id as NodeId;
+        match node {
+            Node::Object { props, .. } => {
+                for p in props.iter().filter(|p| p.required) {
+                    parents[p.node as usize].push(id);
+                    waiting[id as usize] += 1;
+                }
+                if waiting[id as usize] == 0 {
+                    settle[1].push(id);
+                }
+            }
+            Node::Array { items, min, .. } if *min > 0 => parents[*items as usize].push(id),
+            Node::Choice(alts) => alts.iter().for_each(|&a| parents[a as usize].push(id)),
+            // Resolved away: nothing refers to it.
+            Node::Alias(_) => {}
+            _ => settle[1].push(id),
+        }
+    }
+    for frames in 1..=MAX_FRAMES {
+        // A choice settles at its alternative's depth, so this level may grow while it is worked through.
+        while let Some(id) = settle[frames].pop() {
+            if need[id as usize] != NEVER {
+                continue;
+            }
+            need[id as usize] = frames as u8;
+            for &p in &parents[id as usize] {
+                let up = match &nodes[p as usize] {
+                    Node::Choice(_) => frames,
+                    Node::Object { .. } => {
+                        waiting[p as usize] -= 1;
+                        if waiting[p as usize] > 0 {
+                            continue;
+                        }
+                        // Settled in order, so this last part is the deepest.
+                        frames + 1
+                    }
+                    _ => frames + 1,
+                };
+                if up <= MAX_FRAMES {
+                    settle[up].push(p);
+                }
+            }
+        }
+    }
+    need
 }
 
 const KEYWORDS_IGNORED: [&str; 9] =
@@ -187,6 +262,8 @@ struct Compiler<'a> {
     pattern_states: usize,
     /// What the length tables built so far cost ([`LengthTable::work`]).
     length_work: usize,
+    /// How many subschemas enclose the one being compiled.
+    nesting: usize,
 }
 
 fn set_bit(set: &mut [u64; 4], b: u8) {
@@ -265,8 +342,8 @@ fn digit_ranges(a: u64, b: u64) -> Vec<String> {
 /// Which (pattern state, characters so far) pairs of a pattern string with length bounds can still reach a match
 /// of an allowed length: the pattern's table times a character counter, walked backwards once at compile time, so
 /// that a string guided by both can always be closed. Without `maxLength` the counter stops at `minLength`, past
-/// which lengths no longer differ. A schema's tables are built only while their states × counts × byte classes
-/// stay under [`MAX_LENGTH_WORK`] in all.
+/// which lengths no longer differ. A schema's tables are built only while what they cost ([`LengthTable::work`])
+/// stays under [`MAX_LENGTH_WORK`] in all.
 #[derive(Debug, Clone, PartialEq)]
 struct LengthTable {
     min: u32,
@@ -281,43 +358,75 @@ struct LengthTable {
 const MAX_LENGTH_WORK: usize = 1 << 24;
 
 impl LengthTable {
-    /// States × counts × byte classes: what building the table for these bounds costs (`None` on overflow).
+    /// States × (counts + 1) × (byte classes + 1): a bound on the steps [`LengthTable::build`] takes, which visits
+    /// each (state, count) pair and each reversed move once per count, after one pass to reverse the moves
+    /// (`None` on overflow).
     fn work(dfa: &ByteDfa, min: u32, max: u32) -> Option<usize> {
         let cap = if max == u32::MAX { min } else { max };
-        dfa.states().checked_mul(cap as usize + 1)?.checked_mul(dfa.byte_classes())
+        dfa.states().checked_mul(cap as usize + 2)?.checked_mul(dfa.byte_classes() + 1)
     }
 
     fn new(dfa: &ByteDfa, min: u32, max: u32) -> LengthTable {
+        Self::build(dfa, min, max).0
+    }
+
+    /// The table, and the steps building it took (at most [`LengthTable::work`]).
+    fn build(dfa: &ByteDfa, min: u32, max: u32) -> (LengthTable, usize) {
         let cap = if max == u32::MAX { min } else { max };
         let width = cap as usize + 1;
         let states = dfa.states();
         let mut table = LengthTable { min, max, cap, live: vec![false; states * width] };
-        // From the highest count down; moves that add no character (UTF-8 continuations, or a counter at its
-        // cap) stay on a count, which is settled by repeating it until nothing changes.
+        let mut steps = 0;
+        // The moves reversed, split by whether they add a character, so that each count is settled by walking
+        // backwards from its live pairs: repeating sweeps until nothing changes would take a sweep per state on a
+        // chain such as `a{2000}`, far more than the budget charges.
+        let (back_char, back_stay) = {
+            let mut char_moves = Vec::new();
+            let mut stay_moves = Vec::new();
+            for s in 0..states as u32 {
+                for (starts, to) in dfa.moves(s) {
+                    steps += 1;
+                    let moves = if starts { &mut char_moves } else { &mut stay_moves };
+                    moves.push((to, s));
+                }
+            }
+            (Reversed::new(states, &char_moves), Reversed::new(states, &stay_moves))
+        };
+        let unbounded = max == u32::MAX;
+        let mut todo: Vec<u32> = Vec::new();
         for count in (0..=cap).rev() {
-            loop {
-                let mut changed = false;
-                for s in 0..states as u32 {
-                    let at = s as usize * width + count as usize;
-                    if table.live[at] {
-                        continue;
-                    }
-                    let live = (dfa.is_match(s) && table.allows(count))
-                        || dfa.moves(s).any(|(starts, to)| {
-                            let next = count + u32::from(starts);
-                            table.live(to, next)
-                        });
-                    if live {
-                        table.live[at] = true;
-                        changed = true;
+            let at = |s: u32| s as usize * width + count as usize;
+            for s in 0..states as u32 {
+                steps += 1;
+                if dfa.is_match(s) && table.allows(count) && !table.live[at(s)] {
+                    table.live[at(s)] = true;
+                    todo.push(s);
+                }
+                // A character from `from` leads to `s` one count up.
+                if count < cap && table.live[s as usize * width + count as usize + 1] {
+                    for &from in back_char.entering(s) {
+                        steps += 1;
+                        if !table.live[at(from)] {
+                            table.live[at(from)] = true;
+                            todo.push(from);
+                        }
                     }
                 }
-                if !changed {
-                    break;
+            }
+            // Without `maxLength` a character at the cap keeps the counter there, as a continuation byte does.
+            let top = unbounded && count == cap;
+            while let Some(s) = todo.pop() {
+                let char_moves = if top { back_char.entering(s) } else { &[] };
+                for &from in back_stay.entering(s).iter().chain(char_moves) {
+                    steps += 1;
+                    if !table.live[at(from)] {
+                        table.live[at(from)] = true;
+                        todo.push(from);
+                    }
                 }
             }
         }
-        table
+        (table, steps)
     }
 
     /// Whether a string of `len` characters is within the bounds.
@@ -329,6 +438,37 @@ impl LengthTable {
     fn live(&self, state: RegexState, len: u32) -> bool {
         let count = if self.max == u32::MAX { len.min(self.cap) } else { len };
         count <= self.cap && self.live.get(state as usize * (self.cap as usize + 1) + count as usize) == Some(&true)
+    }
+}
+
+/// A pattern's moves reversed: the states each state is entered from.
+struct Reversed {
+    /// `from[starts[s]..starts[s + 1]]`: the states with a move into `s`.
+    starts: Vec<usize>,
+    from: Vec<u32>,
+}
+
+impl Reversed {
+    /// From `(to, from)` moves, placed by a counting sort (linear, as the budget charges).
+    fn new(states: usize, moves: &[(u32, u32)]) -> Reversed {
+        let mut starts = vec![0; states + 1];
+        for &(to, _) in moves {
+            starts[to as usize + 1] += 1;
+        }
+        for s in 0..states {
+            starts[s + 1] += starts[s];
+        }
+        let mut next = starts.clone();
+        let mut from = vec![0; moves.len()];
+        for &(to, f) in moves {
+            from[next[to as usize]] = f;
+            next[to as usize] += 1;
+        }
+        Reversed { starts, from }
+    }
+
+    fn entering(&self, s: u32) -> &[u32] {
+        &self.from[self.starts[s as usize]..self.starts[s as usize + 1]]
     }
 }
 
@@ -616,6 +756,18 @@ impl Compiler<'_> {
     }
 
     fn compile(&mut self, v: &Value, path: &str) -> Result<NodeId, SchemaError> {
+        // Each level recurses through a few frames, and a chain of `$ref`s is bounded by nothing else but
+        // MAX_NODES, which allows some thousand levels: too deep for the stack of a blocking thread.
+        if self.nesting >= MAX_SCHEMA_NESTING {
+            return err(path, format!("subschemas nest more than {MAX_SCHEMA_NESTING} deep"));
+        }
+        self.nesting += 1;
+        let id = self.compile_nested(v, path);
+        self.nesting -= 1;
+        id
+    }
+
+    fn compile_nested(&mut self, v: &Value, path: &str) -> Result<NodeId, SchemaError> {
         let obj = match v {
             Value::Bool(true) => return self.any(path),
             Value::Bool(false) => return err(path, "the schema `false` accepts no value"),
@@ -720,6 +872,11 @@ impl Compiler<'_> {
         match obj.get(key) {
             None => Ok(None),
             Some(v) => match v.as_u64() {
+                // A lower bound past any answer's length would leave the model writing until its budget ends.
+                Some(n) if key.starts_with("min") && n > u64::from(MAX_MIN_COUNT) => {
+                    err(&format!("{path}/{key}"), format!("`{key}` is {n}, more than {MAX_MIN_COUNT}"))
+                }
+                // An upper bound past u32::MAX bounds nothing a guide can reach.
                 Some(n) => Ok(Some(n.min(u64::from(u32::MAX)) as u32)),
                 None => err(&format!("{path}/{key}"), format!("`{key}` must be a non-negative integer")),
             },
@@ -947,6 +1104,12 @@ impl Compiler<'_> {
                 Err(e) => return err(path, format!("a property name cannot be serialised: {e}")),
             };
             key.remove(0);
+            if key.len() > MAX_PROPERTY_NAME_BYTES {
+                return err(
+                    &format!("{path}/properties"),
+                    format!("a property name is {} bytes, more than {MAX_PROPERTY_NAME_BYTES}", key.len()),
+                );
+            }
             props.push(Prop { key, node, required: required.contains(&name.as_str()) });
         }
         let mut sorted: Vec<u8> = (0..props.len() as u8).collect();
@@ -978,6 +1141,7 @@ impl JsonSchema {
             patterns: HashMap::new(),
             pattern_states: 0,
             length_work: 0,
+            nesting: 0,
         };
         // The root is reachable as "#" too.
         let root = c.reference("#", "")?;
@@ -1068,7 +1232,17 @@ impl JsonSchema {
         if !matches!(nodes[root as usize], Node::Object { .. }) {
             return err("#", "the root schema must be an object (`\"type\": \"object\"`)");
         }
-        Ok(JsonSchema { nodes, root, first })
+        let need = frames_needed(&nodes);
+        if need[root as usize] == NEVER {
+            return err(
+                "#",
+                format!(
+                    "no document of the schema nests at most {MAX_FRAMES} deep: required properties or `minItems` \
+                     recur without end, or too deep"
+                ),
+            );
+        }
+        Ok(JsonSchema { nodes, root, first, need })
     }
 
     fn node(&self, id: NodeId) -> &Node {
@@ -1086,7 +1260,7 @@ enum Phase {
     /// After `,` in an object: a key.
     ObjComma { next: u8 },
     /// Inside a declared key, after its opening quote: the sorted keys `lo..hi` still match the first `pos` bytes.
-    ObjKey { next: u8, lo: u8, hi: u8, pos: u8 },
+    ObjKey { next: u8, lo: u8, hi: u8, pos: u16 },
     /// Inside a map's key.
     MapKey { esc: bool, hex: u8 },
     /// After a key: `:`. `prop` is the declared property, or [`MAP_PROP`].
@@ -1182,9 +1356,29 @@ impl SchemaState {
         self.ws <= MAX_WS_RUN
     }
 
+    /// Whether a value of `node` opened on a new frame now could still end within [`MAX_FRAMES`]: what the guide
+    /// offers must be finishable, or the model is left where no byte fits.
+    fn room_for(&self, schema: &JsonSchema, node: NodeId) -> bool {
+        self.depth as usize + schema.need[node as usize] as usize <= MAX_FRAMES
+    }
+
+    /// Whether a declared key may start after `next`: one that may come and whose value fits. A required one
+    /// always fits, since the object was opened only where its required values do.
+    fn key_ahead(&self, schema: &JsonSchema, props: &[Prop], next: u8) -> bool {
+        for p in &props[(next as usize).min(props.len())..] {
+            if self.room_for(schema, p.node) {
+                return true;
+            }
+            if p.required {
+                return false;
+            }
+        }
+        false
+    }
+
     /// Opens a child value of `node` and feeds it `b`.
     fn push(&mut self, schema: &JsonSchema, node: NodeId, b: Option<u8>) -> bool {
-        if self.depth as usize >= MAX_FRAMES {
+        if !self.room_for(schema, node) {
             return false;
         }
         self.frames[self.depth as usize] = Frame { node, phase: Phase::Start };
@@ -1221,11 +1415,12 @@ impl SchemaState {
         }
         match (phase, node) {
             (Phase::Start, Node::Choice(alts)) => match alts.iter().find(|&&a| has_bit(&schema.first[a as usize], b)) {
-                Some(&alt) => {
+                // This frame is open already: the alternative must fit in it and those above.
+                Some(&alt) if self.depth as usize - 1 + schema.need[alt as usize] as usize <= MAX_FRAMES => {
                     self.top().node = alt;
                     self.step(schema, b)
                 }
-                None => false,
+                _ => false,
             },
             (Phase::Start, Node::Object { .. }) => self.set_if(b == b'{', Phase::ObjOpen { next: 0 }),
             (Phase::Start, Node::Array { .. }) => self.set_if(b == b'[', Phase::ArrOpen),
@@ -1268,10 +1463,13 @@ impl SchemaState {
             (Phase::ObjOpen { next } | Phase::ObjComma { next }, Node::Object { props, sorted, map }) => {
                 let open = matches!(phase, Phase::ObjOpen { .. });
                 match b {
-                    b'"' if map.is_some() => self.set_if(true, Phase::MapKey { esc: false, hex: 0 }),
-                    b'"' if (next as usize) < props.len() => {
-                        self.set_if(true, Phase::ObjKey { next, lo: 0, hi: sorted.len() as u8, pos: 0 })
-                    }
+                    b'"' => match map {
+                        Some(m) => self.room_for(schema, *m) && self.set_if(true, Phase::MapKey { esc: false, hex: 0 }),
+                        None => {
+                            self.key_ahead(schema, props, next)
+                                && self.set_if(true, Phase::ObjKey { next, lo: 0, hi: sorted.len() as u8, pos: 0 })
+                        }
+                    },
                     b'}' if open && (map.is_some() || Self::may_close(props, next)) => self.pop(),
                     _ => false,
                 }
@@ -1290,7 +1488,11 @@ impl SchemaState {
                     e += 1;
                 }
                 z = e;
-                if !(a..z).any(|i| Self::allowed(props, next, sorted[i as usize])) {
+                let fits = |i: u8| {
+                    let prop = sorted[i as usize];
+                    Self::allowed(props, next, prop) && self.room_for(schema, props[prop as usize].node)
+                };
+                if !(a..z).any(fits) {
                     return false;
                 }
                 if z - a == 1 && key(a).len() == p + 1 {
@@ -1316,7 +1518,9 @@ impl SchemaState {
                 self.push(schema, child, None)
             }
             (Phase::ObjAfter { next }, Node::Object { props, map, .. }) => match b {
-                b',' if map.is_some() || (next as usize) < props.len() => self.set_if(true, Phase::ObjComma { next }),
+                b',' if map.map_or_else(|| self.key_ahead(schema, props, next), |m| self.room_for(schema, m)) => {
+                    self.set_if(true, Phase::ObjComma { next })
+                }
                 b'}' if map.is_some() || Self::may_close(props, next) => self.pop(),
                 _ => false,
             },
@@ -1324,7 +1528,7 @@ impl SchemaState {
                 if b == b']' {
                     return *min == 0 && self.pop();
                 }
-                if *max == 0 {
+                if *max == 0 || !self.room_for(schema, *items) {
                     return false;
                 }
                 self.top().phase = Phase::ArrAfter { count: 1 };
@@ -1334,8 +1538,8 @@ impl SchemaState {
                 self.top().phase = Phase::ArrAfter { count: count + 1 };
                 self.push(schema, *items, Some(b))
             }
-            (Phase::ArrAfter { count }, Node::Array { min, max, .. }) => match b {
-                b',' if count < *max => self.set_if(true, Phase::ArrComma { count }),
+            (Phase::ArrAfter { count }, Node::Array { items, min, max }) => match b {
+                b',' if count < *max && self.room_for(schema, *items) => self.set_if(true, Phase::ArrComma { count }),
                 b']' if count >= *min => self.pop(),
                 _ => false,
             },
@@ -1955,6 +2159,262 @@ mod tests {
             }
         }
         assert!(finished > 100, "{finished} walks finished");
+    }
+
+    /// The table by sweeping every state until nothing changes, as it was first built: slow on chains, but plainly
+    /// right.
+    fn swept_table(dfa: &ByteDfa, min: u32, max: u32) -> Vec<bool> {
+        let cap = if max == u32::MAX { min } else { max };
+        let width = cap as usize + 1;
+        let mut table = LengthTable { min, max, cap, live: vec![false; dfa.states() * width] };
+        for count in (0..=cap).rev() {
+            loop {
+                let mut changed = false;
+                for s in 0..dfa.states() as u32 {
+                    let at = s as usize * width + count as usize;
+                    if !table.live[at]
+                        && ((dfa.is_match(s) && table.allows(count))
+                            || dfa.moves(s).any(|(starts, to)| table.live(to, count + u32::from(starts))))
+                    {
+                        table.live[at] = true;
+                        changed = true;
+                    }
+                }
+                if !changed {
+                    break;
+                }
+            }
+        }
+        table.live
+    }
+
+    #[test]
+    fn length_tables_take_no_more_steps_than_the_budget_charges() {
+        // Chains settle one state per sweep when swept: a{2000} with `minLength` took some 2,001 sweeps of 2,001
+        // states, a hundred times what the budget charged.
+        let cases = [
+            ("a{2000}", 1, u32::MAX),
+            ("a{2000}", 2000, u32::MAX),
+            ("a{300}", 0, 300),
+            ("é{300}", 2, u32::MAX),
+            ("(ab)+", 3, 6),
+            ("[α-ω]+|x+", 0, 4),
+            ("[a-c]*", 5, u32::MAX),
+            ("[a-z ]+", 0, 4000),
+            ("x[0-9]{5,40}(é|y)*", 30, u32::MAX),
+            ("x[0-9]{5,40}(é|y)*", 12, 50),
+        ];
+        for (pattern, min, max) in cases {
+            let dfa = ByteDfa::compile_json_string(pattern).unwrap();
+            let (table, steps) = LengthTable::build(&dfa, min, max);
+            let work = LengthTable::work(&dfa, min, max).unwrap();
+            assert!(steps <= work, "{pattern} {min}..{max}: {steps} steps, {work} charged");
+            if dfa.states() < 500 {
+                assert_eq!(table.live, swept_table(&dfa, min, max), "{pattern} {min}..{max}");
+            }
+        }
+        // What the audit sent: many chains of 2,000 with `minLength`. The budget, now what the tables cost, ends it.
+        let objects: serde_json::Map<String, Value> = (0..7)
+            .map(|j| {
+                let props: serde_json::Map<String, Value> =
+                    (0..128).map(|i| (format!("p{i}"), json!({"pattern": "a{2000}", "minLength": 1}))).collect();
+                (format!("o{j}"), json!({"type": "object", "properties": props}))
+            })
+            .collect();
+        let e = JsonSchema::compile(&json!({"type": "object", "properties": objects})).unwrap_err();
+        assert!(e.message.contains("too large an automaton"), "{e}");
+    }
+
+    #[test]
+    fn schemas_whose_documents_cannot_end_within_the_frames_are_refused() {
+        for v in [
+            json!({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),
+            json!({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+                "required": ["a"]}),
+            json!({"$defs": {"n": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 2},
+                {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}]}},
+                "type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}),
+        ] {
+            let e = JsonSchema::compile(&v).expect_err(&v.to_string());
+            assert_eq!(e.path, "#", "{v}: {e}");
+            assert!(e.message.contains("nests at most 32 deep"), "{v}: {e}");
+        }
+        // Required objects nested exactly as deep as the frames go, and one more.
+        let nested = |levels: usize| {
+            (1..levels).fold(
+                json!({"type": "object"}),
+                |inner, _| json!({"type": "object", "properties": {"a": inner}, "required": ["a"]}),
+            )
+        };
+        let s = schema(nested(MAX_FRAMES));
+        let doc = format!("{}{}", r#"{"a":"#.repeat(MAX_FRAMES - 1), "{}") + &"}".repeat(MAX_FRAMES - 1);
+        assert_eq!(run(&s, &doc), Some(true));
+        assert!(JsonSchema::compile(&nested(MAX_FRAMES + 1)).is_err());
+        // An optional way down is fine: it is cut off where it could not end.
+        schema(json!({"type": "object", "properties": {"next": {"$ref": "#"}}}));
+    }
+
+    /// Walks that open whatever they may until `turn` bytes, then close what they can: some byte always fits, and the
+    /// walks end in JSON documents. Returns the documents and the most frames the walks held.
+    fn deep_walks(s: &JsonSchema, seed: u64, walks: usize, turn: usize) -> (Vec<Value>, usize) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut trial = SchemaState::new(s);
+        let mut deepest = 0;
+        let mut docs = Vec::new();
+        for _ in 0..walks {
+            let mut state = SchemaState::new(s);
+            let mut text = Vec::new();
+            while !state.is_done() {
+                assert!(text.len() < turn + 4000, "no end after {:?}", String::from_utf8_lossy(&text));
+                let ok: Vec<u8> = (0..=255u8).filter(|&b| state.fits(s, &[b], &mut trial)).collect();
+                // Whitespace only puts off being stuck.
+                assert!(ok.iter().any(|&b| !is_ws(b)), "stuck after {:?}", String::from_utf8_lossy(&text));
+                // Printable, without escapes, and without exponents where a literal does not need them (they may
+                // leave f64's range).
+                let printable: Vec<u8> =
+                    ok.iter().copied().filter(|&b| (0x21..0x7f).contains(&b) && b != b'\\').collect();
+                let plain: Vec<u8> = printable.iter().copied().filter(|b| !b"eE".contains(b)).collect();
+                let plain = if plain.is_empty() { printable } else { plain };
+                let pick = |from: &[u8], rng: &mut StdRng| from[rng.random_range(0..from.len())];
+                let b = if text.len() < turn {
+                    let openers: Vec<u8> = plain.iter().copied().filter(|b| b"{[\":".contains(b)).collect();
+                    if !openers.is_empty() && rng.random_bool(0.8) {
+                        pick(&openers, &mut rng)
+                    } else {
+                        pick(&plain, &mut rng)
+                    }
+                } else {
+                    let closers: Vec<u8> = plain.iter().copied().filter(|b| b"}]\"".contains(b)).collect();
+                    let calm: Vec<u8> = plain.iter().copied().filter(|b| !b"{[,".contains(b)).collect();
+                    if !closers.is_empty() && rng.random_bool(0.8) {
+                        pick(&closers, &mut rng)
+                    } else if !calm.is_empty() {
+                        pick(&calm, &mut rng)
+                    } else {
+                        pick(&plain, &mut rng)
+                    }
+                };
+                state = state.accepts(s, &[b]).unwrap();
+                deepest = deepest.max(state.depth as usize);
+                text.push(b);
+            }
+            docs.push(
+                serde_json::from_slice(&text).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&text))),
+            );
+        }
+        (docs, deepest)
+    }
+
+    #[test]
+    fn walks_to_the_nesting_limit_never_get_stuck_and_always_end() {
+        let tree = schema(json!({
+            "$defs": {"node": {"type": "object", "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+            }, "required": ["v", "kids"], "additionalProperties": false}},
+            "type": "object",
+            "properties": {"tree": {"$ref": "#/$defs/node"}},
+            "required": ["tree"],
+        }));
+        // A node takes two frames (itself, and its `kids`), so the deepest one opens a frame short of the limit.
+        let (docs, deepest) = deep_walks(&tree, 11, 40, 300);
+        assert_eq!(deepest, MAX_FRAMES - 1);
+        for doc in docs {
+            fn check(node: &Value) {
+                assert!(node["v"].is_i64(), "{node}");
+                node["kids"].as_array().unwrap().iter().for_each(check);
+            }
+            check(&doc["tree"]);
+        }
+        let (docs, deepest) = deep_walks(&schema(json!({"type": "object"})), 12, 40, 1500);
+        assert_eq!(deepest, MAX_FRAMES);
+        assert!(docs.iter().all(Value::is_object));
+    }
+
+    #[test]
+    fn maps_at_the_nesting_limit_offer_no_key_they_cannot_finish() {
+        let s = schema(json!({"type": "object"}));
+        let full = format!("{}{{", r#"{"k":"#.repeat(MAX_FRAMES - 1));
+        let state = SchemaState::new(&s).accepts(&s, full.as_bytes()).unwrap();
+        assert_eq!(state.depth as usize, MAX_FRAMES);
+        assert!(state.accepts(&s, b"\"").is_none(), "a key whose value has no frame left");
+        assert!(state.accepts(&s, b" }").is_some());
+        // One frame below: a key, and a value of one frame: a scalar, or an empty object or array.
+        let below = format!("{}{{", r#"{"k":"#.repeat(MAX_FRAMES - 2));
+        let state = SchemaState::new(&s).accepts(&s, below.as_bytes()).unwrap();
+        for ok in [r#""k":1"#, r#""k":"x""#, r#""k":{}"#, r#""k":[]"#, r#""k":{},"j":null}"#] {
+            assert!(state.accepts(&s, ok.as_bytes()).is_some(), "{ok}");
+        }
+        for bad in [r#""k":{""#, r#""k":[1"#, r#""k":[{"#] {
+            assert!(state.accepts(&s, bad.as_bytes()).is_none(), "{bad}");
+        }
+        // Declared optional properties the same: offered only while their values fit.
+        let s = schema(json!({"type": "object", "properties": {
+            "deep": {"type": "object", "properties": {"x": {"type": "object"}}, "required": ["x"]},
+            "flat": {"type": "integer"}}}));
+        let state = SchemaState::new(&s).accepts(&s, br#"{"#).unwrap();
+        assert!(state.accepts(&s, br#""deep":{"x":{}}}"#).is_some());
+        let mut shallow = state.clone();
+        shallow.depth = (MAX_FRAMES - 1) as u8;
+        shallow.frames[shallow.depth as usize - 1] = state.frames[0];
+        assert!(shallow.accepts(&s, br#""d"#).is_none());
+        assert!(shallow.accepts(&s, br#""flat":1}"#).is_some());
+    }
+
+    #[test]
+    fn property_names_longer_than_a_byte_counts_are_guided_to_their_end() {
+        let name: String = (0..300).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let s =
+            schema(json!({"type": "object", "properties": {name.clone(): {"type": "integer"}}, "required": [name]}));
+        assert_eq!(run(&s, &format!(r#"{{"{name}":1}}"#)), Some(true));
+        assert_eq!(run(&s, &format!(r#"{{"{name}x"#)), None);
+        let long = "k".repeat(MAX_PROPERTY_NAME_BYTES);
+        let e = JsonSchema::compile(&json!({"type": "object", "properties": {long: {}}})).unwrap_err();
+        assert_eq!(e.path, "#/properties");
+        assert!(e.message.contains("property name"), "{e}");
+    }
+
+    #[test]
+    fn lower_bounds_past_any_answer_are_refused() {
+        for (kind, key) in [("array", "minItems"), ("string", "minLength")] {
+            let v = json!({"type": "object", "properties": {"a": {"type": kind, key: 4_000_000_000u64}}});
+            let e = JsonSchema::compile(&v).unwrap_err();
+            assert_eq!(e.path, format!("#/properties/a/{key}"));
+            assert!(e.message.contains(key) && e.message.contains("more than"), "{e}");
+            schema(json!({"type": "object", "properties": {"a": {"type": kind, key: MAX_MIN_COUNT}}}));
+        }
+        // Upper bounds that large bound nothing, and are fine.
+        schema(json!({"type": "object", "properties": {"a": {"type": "array", "maxItems": 4_000_000_000u64}}}));
+    }
+
+    #[test]
+    fn deep_reference_chains_are_refused_within_a_small_stack() {
+        let links = 1000;
+        let defs: serde_json::Map<String, Value> = (0..links)
+            .map(|i| {
+                let def = if i + 1 == links {
+                    json!({"type": "integer"})
+                } else {
+                    json!({"type": "array", "items": {"$ref": format!("#/$defs/a{}", i + 1)}})
+                };
+                (format!("a{i}"), def)
+            })
+            .collect();
+        let v = json!({"$defs": defs, "type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}});
+        let compiled = std::thread::Builder::new()
+            .stack_size(512 * 1024)
+            .spawn(move || JsonSchema::compile(&v).map(|_| ()))
+            .unwrap()
+            .join()
+            .unwrap();
+        let e = compiled.unwrap_err();
+        assert!(e.message.contains("nest more than"), "{e}");
+        // A chain within the bound compiles.
+        let defs: serde_json::Map<String, Value> = (0..20)
+            .map(|i| (format!("a{i}"), json!({"type": "array", "items": {"$ref": format!("#/$defs/a{}", i + 1)}})))
+            .chain([("a20".to_string(), json!({"type": "integer"}))])
+            .collect();
+        schema(json!({"$defs": defs, "type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}}));
     }
 }
 
