@@ -154,6 +154,8 @@ impl Worker for Fake {
         let flood = prompt.contains("flood");
         // "fail" in the prompt: the stream breaks after three tokens.
         let fail = prompt.contains("fail");
+        // "deadend" in the prompt: after two tokens the guide leaves no token, as the real worker reports it.
+        let dead_end = prompt.contains("deadend");
         let prompt_tokens = req.prompt_token_ids.len() as u32;
         let max = req.max_tokens as usize;
         self.max_tokens_seen.lock().unwrap().push(req.max_tokens);
@@ -208,6 +210,10 @@ impl Worker for Fake {
                 };
                 if fail && i == 3 {
                     return Some((Err(Status::internal("forward step failed")), (i, None)));
+                }
+                if dead_end && i == 2 {
+                    let err = pagoda_worker::sampling::SampleError::NoTokenFits { guide: "regex-guided", generated: 2 };
+                    return Some((Err(Status::invalid_argument(err.to_string())), (i, None)));
                 }
                 if i == max {
                     return Some((Ok(finish(FinishReason::Length, i)), (i, None)));
@@ -1059,6 +1065,33 @@ async fn worker_errors_map_to_http_errors() {
     let err: Value = serde_json::from_str(&p[p.len() - 2]).unwrap();
     assert!(err["error"]["message"].as_str().unwrap().contains("forward step failed"), "{err}");
     c.still_serves().await;
+}
+
+/// A guided answer's dead end on the worker is the request's fault: a 400 (or, mid-stream, an error event) that
+/// says why, never a silent "stop", and no migration to another worker, which would only reach it again.
+#[tokio::test]
+async fn a_guide_dead_end_is_a_request_error_and_is_not_retried() {
+    let (a, b) = (Fake::default(), Fake::default());
+    let (sa, sb) = (a.started.clone(), b.started.clone());
+    let http = migrating_cluster(vec![a, b], migration(2000, 2)).await;
+    let client = reqwest::Client::new();
+    let body = |stream: bool| {
+        json!({"model": MODEL, "stream": stream, "guided_regex": "b+",
+            "messages": [{"role": "user", "content": "deadend"}]})
+    };
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&body(false)).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v = assert_error(status, &r.text().await.unwrap(), 400);
+    assert!(v["error"]["message"].as_str().unwrap().contains("dead end"), "{v}");
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&body(true)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let p = sse_payloads(&r.text().await.unwrap());
+    assert_eq!(p.last().unwrap(), "[DONE]");
+    let err: Value = serde_json::from_str(&p[p.len() - 2]).unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("dead end"), "{err}");
+    assert!(p.iter().all(|e| !e.contains("\"finish_reason\":\"stop\"")), "{p:?}");
+    assert_eq!(sa.load(Ordering::SeqCst) + sb.load(Ordering::SeqCst), 2, "one attempt per request");
+    assert_eq!(migrations_counted(&http, "worker_error").await, 0);
 }
 
 const KEY_A: &str = "sk-test-a-0123456789";

@@ -592,7 +592,7 @@ async fn collect(mut rx: UnboundedReceiver<GenerateEvent>, submitted: Instant) -
                 o.finished = Some(Instant::now());
                 return Ok(o);
             }
-            GenerateEvent::Failed(e) => return Err(e),
+            GenerateEvent::Failed(e) | GenerateEvent::Refused(e) => return Err(e),
         }
     }
     Err("the event stream closed without Finished".into())

@@ -110,7 +110,7 @@ fn timed(engine: &EngineHandle, prompt: Vec<u32>) -> Result<f64, EngineError> {
         match rx.blocking_recv() {
             Some(GenerateEvent::Token { .. } | GenerateEvent::PromptLogprobs(_)) => {}
             Some(GenerateEvent::Finished { .. }) => return Ok(t0.elapsed().as_secs_f64()),
-            Some(GenerateEvent::Failed(e)) => return Err(EngineError::Forward(e)),
+            Some(GenerateEvent::Failed(e) | GenerateEvent::Refused(e)) => return Err(EngineError::Forward(e)),
             None => return Err(EngineError::Stopped),
         }
     }

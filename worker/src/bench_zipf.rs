@@ -864,7 +864,7 @@ fn run_one(
             // These requests ask for no prompt log-probabilities.
             Some(GenerateEvent::PromptLogprobs(_)) => {}
             Some(GenerateEvent::Finished { .. }) => break,
-            Some(GenerateEvent::Failed(e)) => return Err(EngineError::Forward(e)),
+            Some(GenerateEvent::Failed(e) | GenerateEvent::Refused(e)) => return Err(EngineError::Forward(e)),
             None => return Err(EngineError::Stopped),
         }
     }

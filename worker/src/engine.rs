@@ -246,10 +246,7 @@ pub struct GenerateRequest {
 pub enum GenerateEvent {
     /// One generated token, with its log-probabilities when the request asked for them. Stop tokens (eos or a
     /// request stop id) end the stream and are not sent.
-    Token {
-        id: u32,
-        logprobs: Option<TokenLogprobs>,
-    },
+    Token { id: u32, logprobs: Option<TokenLogprobs> },
     /// The log-probabilities of the next prompt tokens ([`GenerateRequest::prompt_logprobs`]): all the events of
     /// a request together cover its prompt positions 1.. in order, and come before its first token.
     PromptLogprobs(Vec<TokenLogprobs>),
@@ -266,7 +263,11 @@ pub enum GenerateEvent {
         /// With [`FinishReason::Stop`]: the stop token the answer ended on (not sent as a token).
         stop_token: Option<u32>,
     },
+    /// The engine could not finish the request (a device error, shutdown): another worker may.
     Failed(String),
+    /// The request's own constraints left generation nowhere to go (a guide no allowed token continues): any
+    /// worker would end the same way, so it is the client's error, not retried.
+    Refused(String),
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -1351,7 +1352,7 @@ impl<R: ModelRunner> EngineLoop<R> {
         self.sched.pool_mut().take_index_changes(&mut self.index_changes);
         let device_codec = native::codec_name(self.runner.info().kv_dtype);
         for c in &self.index_changes {
-            let codec = device_codec.to_owned();
+            let codec = device_codec.into();
             self.changes.push(match *c {
                 IndexChange::Registered(hash) => {
                     BlockChange::Stored { hash, tier: Tier::Device, codec, bytes: group_bytes }
@@ -1383,7 +1384,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             .map(|(hash, _)| BlockChange::Stored {
                 hash,
                 tier: Tier::Device,
-                codec: native::codec_name(self.runner.info().kv_dtype).to_owned(),
+                codec: native::codec_name(self.runner.info().kv_dtype).into(),
                 bytes: group_bytes,
             })
             .collect();
@@ -1910,12 +1911,19 @@ impl<R: ModelRunner> EngineLoop<R> {
             let mut row = first_row + n_rows - 1 - e.draft.min(n_rows - 1);
             let mut accepted = 0;
             let mut gone = false;
+            let mut dead_end = None;
             let (token, logprobs) = loop {
                 let picked = if greedy {
                     (self.greedy_tokens[row], None)
                 } else {
                     let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
-                    let token = seq.payload.sampler.sample(logits, &mut self.sample_buf);
+                    let token = match seq.payload.sampler.sample(logits, &mut self.sample_buf) {
+                        Ok(t) => t,
+                        Err(err) => {
+                            dead_end = Some(err);
+                            break (0, None);
+                        }
+                    };
                     (token, seq.payload.logprobs.map(|n| token_logprobs(logits, token, n as usize)))
                 };
                 if accepted >= e.draft || seq.draft().get(accepted) != Some(&picked.0) || seq.stops_on(picked.0) {
@@ -1929,6 +1937,15 @@ impl<R: ModelRunner> EngineLoop<R> {
                 accepted += 1;
                 row += 1;
             };
+            if let Some(err) = dead_end {
+                // Any token now would break the answer the guide promised, and a stop would pass off a cut answer
+                // as whole: the request ends with the reason (the tokens sent so far stand).
+                tracing::debug!(request_id = %seq.payload.request_id, error = %err, "guided request failed");
+                if let Some(seq) = self.sched.finish(e.seq) {
+                    let _ = seq.payload.events.send(GenerateEvent::Refused(err.to_string()));
+                }
+                continue;
+            }
             if e.draft > 0 {
                 if self.sched.settle_draft(e.seq, accepted).is_err() {
                     continue;
@@ -1985,24 +2002,28 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
     }
 
+    /// Writes the stats over the last published ones, reusing their vectors: this runs every step.
     fn publish_stats(&self) {
+        let Ok(mut published) = self.stats.lock() else { return };
         let s = self.sched.stats();
         let pool = self.sched.pool();
         let info = self.runner.info();
         let block_bytes = (2 * info.block_size * info.kv_dtype.slot_bytes(info.head_dim)) as u64;
-        let mut tier_usage = vec![TierUsage {
+        let mut tier_usage = std::mem::take(&mut published.tier_usage);
+        tier_usage.clear();
+        tier_usage.push(TierUsage {
             tier: Tier::Device,
-            codec: native::codec_name(info.kv_dtype).to_owned(),
+            codec: native::codec_name(info.kv_dtype).into(),
             used_bytes: (pool.num_used() + pool.num_cached_free()) as u64 * block_bytes,
             capacity_bytes: pool.num_blocks() as u64 * block_bytes,
-        }];
+        });
         let mut prefix_hit_tokens = self.onboarded_tokens;
         prefix_hit_tokens[Tier::Device.index()] =
             s.cached_tokens_total.saturating_sub(self.onboarded_tokens.iter().sum::<u64>());
         let (mut offloaded_groups, mut disk_corrupted, mut disk_errors, mut disk_full) = (0, 0, 0, 0);
         let (mut refused_imports, mut undecodable_groups) = (0, 0);
         if let Some(t) = &self.tiers {
-            tier_usage.extend(t.usage());
+            t.usage_into(&mut tier_usage);
             offloaded_groups = t.counters().offloaded_groups;
             disk_errors = t.counters().disk_errors;
             refused_imports = t.counters().refused_imports;
@@ -2010,7 +2031,12 @@ impl<R: ModelRunner> EngineLoop<R> {
             disk_corrupted = t.disk_corrupted();
             disk_full = t.disk_full_events();
         }
-        let snapshot = EngineStats {
+        let evicpress = self.evicpress.as_ref().map(|ep| {
+            let mut kept = published.evicpress.take().unwrap_or_default();
+            ep.stats_into(&mut kept);
+            kept
+        });
+        *published = EngineStats {
             blocks_total: pool.num_blocks() as u64,
             blocks_used: pool.num_used() as u64,
             blocks_cached_free: pool.num_cached_free() as u64,
@@ -2033,14 +2059,11 @@ impl<R: ModelRunner> EngineLoop<R> {
             disk_full,
             refused_imports,
             undecodable_groups,
-            evicpress: self.evicpress.as_ref().map(EvicPress::stats),
+            evicpress,
             drafts_total: s.drafts_total,
             draft_tokens_total: s.draft_tokens_total,
             accepted_draft_tokens_total: s.accepted_draft_tokens_total,
         };
-        if let Ok(mut g) = self.stats.lock() {
-            *g = snapshot;
-        }
     }
 }
 /// Sends the log-probabilities of the prompt positions a step's `rows` (one per token of entry `e`) give that
@@ -2211,6 +2234,46 @@ pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineE
     Ok((model, info))
 }
 
+/// Refuses a host KV arena of `num_blocks` blocks that could not be allocated: one whose size overflows, or that
+/// is larger than the machine's memory (`memory_bytes`, when known). Without this, a model file declaring a huge
+/// context (the pool defaults to two contexts) or a mistyped `--num-blocks` aborts the process in the allocator,
+/// or succeeds under overcommit and is killed later, mid-request.
+fn check_host_arena(
+    num_blocks: usize,
+    block_size: usize,
+    head_dim: usize,
+    dtype: KvDtype,
+    memory_bytes: Option<u64>,
+) -> Result<(), EngineError> {
+    let bytes = num_blocks
+        .checked_mul(block_size)
+        .and_then(|slots| slots.checked_mul(2 * dtype.slot_bytes(head_dim)))
+        .map(|b| b as u64);
+    let too_big = |what: String| {
+        EngineError::Config(format!(
+            "a KV pool of {num_blocks} blocks of {block_size} tokens {what}; \
+             size it with --kv-cache-tokens or --num-blocks"
+        ))
+    };
+    match (bytes, memory_bytes) {
+        (None, _) => Err(too_big("overflows this machine's address space".into())),
+        (Some(b), Some(total)) if b > total => Err(too_big(format!(
+            "needs {:.1} GiB, more than this machine's {:.1} GiB of memory",
+            b as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The machine's physical memory (`MemTotal` of `/proc/meminfo`), where that can be read.
+fn host_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 =
+        info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// The CPU backend on `threads` threads (0: every core), its matmuls in bf16 when asked; an error where the CPU
 /// cannot run them, rather than a flag that silently does nothing.
 pub fn cpu_backend(threads: usize, bf16_matmuls: bool) -> Result<CpuBackend, EngineError> {
@@ -2231,6 +2294,7 @@ impl LlamaRunner {
         }
         let backend = cpu_backend(cfg.threads, cfg.bf16_matmuls)?;
         let (model, info) = load_model(cfg)?;
+        check_host_arena(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype, host_memory_bytes())?;
         Ok(LlamaRunner {
             kv: KvStorage::with_dtype(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype),
             scratch: Scratch::new(),
@@ -2697,6 +2761,30 @@ mod tests {
             assert!(matches!(&err, EngineError::Config(m) if m.contains("1 to 256")), "{bad}: {err}");
         }
         assert!(start(pagoda_kernels::codec::MAX_BLOCK_SIZE).is_ok());
+    }
+
+    /// A pool past the machine's memory, or past the address space, is a clear error at start, not an abort in
+    /// the allocator; the real model's pool on this machine starts.
+    #[test]
+    fn a_host_kv_pool_larger_than_memory_is_refused_at_start() {
+        let gib = 1u64 << 30;
+        // 1,024 blocks of 16 f32 slots of 64: 8 MiB.
+        assert!(check_host_arena(1024, 16, 64, KvDtype::F32, Some(gib)).is_ok());
+        let err = check_host_arena(1 << 20, 16, 64, KvDtype::F32, Some(gib)).unwrap_err();
+        assert!(
+            matches!(&err, EngineError::Config(m) if m.contains("8.0 GiB") && m.contains("--kv-cache-tokens")),
+            "{err}"
+        );
+        let err = check_host_arena(usize::MAX / 2, 16, 64, KvDtype::F32, None).unwrap_err();
+        assert!(matches!(&err, EngineError::Config(m) if m.contains("address space")), "{err}");
+        // Through the runner: a synthetic model asking for 2^40 blocks.
+        let cfg = EngineConfig {
+            synthetic: Some("layers=2,hidden=64,heads=2,kv_heads=1,ffn=128,vocab=64".parse().expect("spec")),
+            num_blocks: 1 << 40,
+            ..EngineConfig::default()
+        };
+        let Err(err) = LlamaRunner::load(&cfg) else { panic!("a 2^40-block pool loaded") };
+        assert!(matches!(&err, EngineError::Config(m) if m.contains("KV pool")), "{err}");
     }
 
     #[test]

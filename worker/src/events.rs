@@ -13,6 +13,7 @@
 //!   bound; a hole in the numbering or an overflow drops the queue and asks for a full snapshot instead, which the
 //!   engine takes at a sequence number `S` and which replaces everything up to `S`.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 
 use tokio::sync::mpsc::error::TrySendError;
@@ -20,11 +21,12 @@ use tokio::sync::mpsc::{self, Receiver, Sender};
 
 use crate::tiers::Tier;
 
-/// One block group entering or leaving one tier.
+/// One block group entering or leaving one tier. The codec name is borrowed for the device's fixed names (a change
+/// per block the engine registers or evicts, so the step does not allocate one each).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BlockChange {
-    Stored { hash: u64, tier: Tier, codec: String, bytes: u64 },
-    Removed { hash: u64, tier: Tier, codec: String },
+    Stored { hash: u64, tier: Tier, codec: Cow<'static, str>, bytes: u64 },
+    Removed { hash: u64, tier: Tier, codec: Cow<'static, str> },
 }
 
 /// Changes with consecutive sequence numbers `first_seq, first_seq + 1, ...` (never empty).

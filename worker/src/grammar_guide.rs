@@ -11,8 +11,9 @@
 //! [`GrammarState`] is an Earley recognizer (with Aycock and Horspool's rule for nullable symbols): one Earley set
 //! per byte of the answer, all kept in one flat vector that grows and shrinks like a stack. Trying a token
 //! ([`GrammarState::fits`]) pushes its bytes and pops them again, and allocates nothing once warm. Every rule must
-//! be able to finish (checked when compiling), so a byte the recognizer accepts always leaves a way to a complete
-//! answer: a guided answer cannot paint itself into a corner. [`GrammarState::token_mask`] tries the whole
+//! be able to finish (checked when compiling), so a byte the grammar accepts always leaves a way to a complete
+//! answer in the grammar; the work bounds below may still refuse every byte of that way (see Bounds).
+//! [`GrammarState::token_mask`] tries the whole
 //! vocabulary in byte order, sharing the sets of common prefixes and skipping every token under a prefix that
 //! failed. [`MaskCache`] keeps the masks of the last few states, keyed by everything a byte could read from them
 //! ([`GrammarState::signature`]): inside a string or a repeated character class the answer comes back to the same
@@ -23,9 +24,12 @@
 //! [`GrammarError`] that says where. An ambiguous grammar can make an Earley set's work grow with the answer, so
 //! the work is bounded too: a byte whose set would take more than [`MAX_WORK_PER_BYTE`] item steps is refused,
 //! as is any byte once the answer's sets hold [`MAX_CHART_ITEMS`] items, and a token mask stops trying tokens
-//! after [`MAX_MASK_WORK`] steps (the tokens left untried do not fit). Refusing only narrows what may be
-//! sampled; it never lets a byte through that the grammar refuses. A right-recursive rule (`chars ::= char chars
-//! | ""`) costs work per byte in proportion to how far it has run; `char*` does not.
+//! after [`MAX_MASK_WORK`] steps (the tokens left untried do not fit). Refusing never lets a byte through that
+//! the grammar refuses, but it can refuse every byte the grammar allows next, so an answer in a highly ambiguous
+//! grammar can paint itself into a corner (`s ::= s s | "a" | "b"` under `root ::= s "b"` does after a few hundred
+//! bytes): [`GrammarState::stalled_by_work_bound`] tells that dead end apart, and the sampler ends the request
+//! with an error there rather than cutting the answer short. A right-recursive rule (`chars ::= char chars | ""`)
+//! costs work per byte in proportion to how far it has run; `char*` does not.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -255,6 +259,23 @@ impl GrammarState {
         }
         self.items.truncate(write);
         self.committed = top;
+    }
+
+    /// Whether the grammar allows more bytes here but the work bounds ([`MAX_WORK_PER_BYTE`], [`MAX_CHART_ITEMS`])
+    /// refuse every one of them: a dead end of the recognizer, not of the grammar. The state is unchanged.
+    pub fn stalled_by_work_bound(&mut self, g: &Grammar) -> bool {
+        let next = self.top().next;
+        let depth = self.sets.len();
+        // Every byte in `next` is scanned by some item of the last set, so `push_byte` refuses one only for the
+        // bounds: a state that continues and takes none of them is stalled by work alone.
+        let mut allowed = (0..=255u8).filter(|&b| contains(&next, b)).peekable();
+        allowed.peek().is_some()
+            && allowed.all(|b| {
+                let mut budget = MAX_WORK_PER_BYTE;
+                let fed = self.push_byte(g, b, &mut budget);
+                self.truncate(depth);
+                !fed
+            })
     }
 
     /// How many Earley items the answer's sets hold (its memory, at 12 bytes each).
@@ -1620,5 +1641,41 @@ mod tests {
         }
         assert!(fed > 10 && fed < 100_000, "{fed}");
         assert!(s.may_end());
+    }
+
+    /// Following `a`s as far as the work bound lets an ambiguous `s` go: either another byte still fits, or the
+    /// state says the bound alone stalls it; never a silent dead end.
+    #[test]
+    fn a_work_bound_dead_end_is_reported_not_silent() {
+        // Bytes left here: `b` is scanned by `root` alone and costs nothing, so it fits after the `a`s stop.
+        let g = Grammar::compile(r#"root ::= s "a" "b"  s ::= s s | "a""#).unwrap();
+        // Committed as the sampler commits, so the chart holds what a real answer's does.
+        fn feed_as(g: &Grammar, s: &mut GrammarState) -> usize {
+            let mut fed = 0;
+            while fed < 400 && s.feed(g, b"a") {
+                s.commit(g);
+                fed += 1;
+            }
+            fed
+        }
+        let mut s = g.start();
+        let fed = feed_as(&g, &mut s);
+        assert!(fed > 10 && fed < 400, "{fed}");
+        assert!(!s.fits(&g, b"a") && s.fits(&g, b"b"));
+        assert!(!s.stalled_by_work_bound(&g));
+        // No byte left: `b` completes the ambiguous `s` too, so it costs what `a` does.
+        let g = Grammar::compile(r#"root ::= s "b"  s ::= s s | "a" | "b""#).unwrap();
+        let mut s = g.start();
+        let fed = feed_as(&g, &mut s);
+        assert!(fed > 10 && fed < 400, "{fed}");
+        assert!(s.continues() && !s.may_end());
+        assert!((0..=255u8).all(|b| !s.fits(&g, &[b])), "a byte still fits after {fed} bytes");
+        let len = s.len();
+        assert!(s.stalled_by_work_bound(&g));
+        assert_eq!(s.len(), len);
+        // A state the grammar itself ends is not stalled.
+        let g = Grammar::compile(r#"root ::= "a""#).unwrap();
+        let mut s = g.start();
+        assert!(s.feed(&g, b"a") && !s.stalled_by_work_bound(&g));
     }
 }

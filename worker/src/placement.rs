@@ -480,6 +480,8 @@ pub struct EvicPress {
     planner: Planner,
     /// Index 0 is the lossless native format of the device arena.
     variants: Vec<StoredVariant>,
+    /// Their names, made once (the stats carry them every step).
+    variant_names: Vec<String>,
     contexts: HashMap<u64, Context>,
     owner: HashMap<u64, u64>,
     pending: VecDeque<Pending>,
@@ -610,6 +612,7 @@ impl EvicPress {
             answer_lengths: Ewma::new(cfg.answer_tokens as f64),
             cfg,
             planner,
+            variant_names: variants.iter().map(|v| v.name()).collect(),
             variants,
             contexts: HashMap::new(),
             owner: HashMap::new(),
@@ -631,28 +634,40 @@ impl EvicPress {
     }
 
     pub fn stats(&self) -> EvicPressStats {
-        let mut s = self.stats.clone();
+        let mut s = EvicPressStats::default();
+        self.stats_into(&mut s);
+        s
+    }
+
+    /// [`EvicPress::stats`] into `s`, reusing its vectors and names: the engine publishes its stats every step.
+    pub fn stats_into(&self, s: &mut EvicPressStats) {
+        let mut variants = std::mem::take(&mut s.variants);
+        variants.clone_from(&self.variant_names);
+        let mut mean_quality = std::mem::take(&mut s.mean_quality);
+        let mut mean_embedding_similarity = std::mem::take(&mut s.mean_embedding_similarity);
+        // The counters' own vectors are always empty (filled only here), so this copies numbers.
+        s.clone_from(&self.stats);
         s.contexts = self.contexts.len() as u64;
         s.planned_bytes = self.planner.used();
         s.pending = self.pending.len() as u64;
         s.answer_horizon = self.horizon() as u64;
         s.profile_questions = self.cfg.profile_questions.len() as u64;
-        s.variants = self.variant_names();
-        s.mean_quality = self.prior_quality();
+        s.variants = variants;
+        mean_quality.clear();
+        mean_quality.extend(self.prior.iter().enumerate().map(|(v, p)| if v == 0 { Some(1.0) } else { p.mean() }));
+        s.mean_quality = mean_quality;
         let measured = self.similarity.iter().any(|v| v.n > 0);
-        s.mean_embedding_similarity = self
-            .similarity
-            .iter()
-            .enumerate()
-            .map(|(v, m)| if v == 0 && measured { Some(1.0) } else { m.mean() })
-            .collect();
+        mean_embedding_similarity.clear();
+        mean_embedding_similarity.extend(
+            self.similarity.iter().enumerate().map(|(v, m)| if v == 0 && measured { Some(1.0) } else { m.mean() }),
+        );
+        s.mean_embedding_similarity = mean_embedding_similarity;
         s.placed = [0; 3];
         for c in self.contexts.values() {
             if let Some(p) = c.stored {
                 s.placed[tier_of(p.tier).index()] += 1;
             }
         }
-        s
     }
 
     /// Counts an admission that started from a pruned copy (the engine onboards them).
@@ -662,7 +677,7 @@ impl EvicPress {
 
     /// Names of the variants, index 0 first (the planner's variant indices).
     pub fn variant_names(&self) -> Vec<String> {
-        self.variants.iter().map(|v| v.name()).collect()
+        self.variant_names.clone()
     }
 
     /// The pruned copy stored for the context that starts at `hashes[0]`, when the whole context lies within

@@ -5,9 +5,10 @@
 //! classes included) and copies the part reachable from its anchored start into a table over the DFA's byte
 //! classes. The whole answer must match, as vLLM's guides read a pattern: `\d{3}` is three digits, not text that
 //! contains them. States from which no match can be reached any more are dropped while copying, so a byte that
-//! [`ByteDfa::step`] accepts always leaves a way to a match, and a guided answer cannot paint itself into a
-//! corner. The sampler feeds each token's bytes through the table ([`crate::sampling`]); the table is a plain
-//! `Vec`, so feeding allocates nothing.
+//! [`ByteDfa::step`] accepts always leaves a way to a match in bytes. Whether a token spells it is another matter:
+//! the vocabulary, or the request's `allowed_token_ids` or `bad_words`, may leave none, and the sampler then ends
+//! the request with an error ([`crate::sampling::SampleError`]). The sampler feeds each token's bytes through the
+//! table ([`crate::sampling`]); the table is a plain `Vec`, so feeding allocates nothing.
 //!
 //! A pattern with `\b` or `\B` guides to ASCII text only: a DFA decides a Unicode word boundary only for ASCII
 //! bytes, so any other byte ends every match there.

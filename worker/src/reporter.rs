@@ -187,10 +187,10 @@ fn event(c: &BlockChange) -> pb::BlockEvent {
     use pb::block_event::Kind;
     let kind = match c {
         BlockChange::Stored { hash, tier, codec, bytes } => {
-            Kind::Stored(pb::Stored { hash: *hash, tier: tier_to(*tier), codec: codec.clone(), bytes: *bytes })
+            Kind::Stored(pb::Stored { hash: *hash, tier: tier_to(*tier), codec: codec.to_string(), bytes: *bytes })
         }
         BlockChange::Removed { hash, tier, codec } => {
-            Kind::Removed(pb::Removed { hash: *hash, tier: tier_to(*tier), codec: codec.clone() })
+            Kind::Removed(pb::Removed { hash: *hash, tier: tier_to(*tier), codec: codec.to_string() })
         }
     };
     pb::BlockEvent { kind: Some(kind) }
@@ -204,7 +204,7 @@ pub fn load_report(s: &EngineStats) -> pb::WorkerLoad {
             .iter()
             .map(|u| pb::TierOccupancy {
                 tier: tier_to(u.tier),
-                codec: u.codec.clone(),
+                codec: u.codec.to_string(),
                 used_bytes: u.used_bytes,
                 capacity_bytes: u.capacity_bytes,
             })
@@ -392,7 +392,7 @@ impl Link {
             .iter()
             .filter_map(|c| match c {
                 BlockChange::Stored { hash, tier, codec, bytes } => {
-                    Some(pb::BlockCopy { hash: *hash, tier: tier_to(*tier), codec: codec.clone(), bytes: *bytes })
+                    Some(pb::BlockCopy { hash: *hash, tier: tier_to(*tier), codec: codec.to_string(), bytes: *bytes })
                 }
                 BlockChange::Removed { .. } => None,
             })

@@ -39,6 +39,41 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// that underflows): OpenAI's `-9999.0`, since JSON has no `-inf`.
 pub const LOGPROB_FLOOR: f32 = -9999.0;
 
+/// The words every [`SampleError`] starts with. The engine ends such a request with
+/// [`crate::engine::GenerateEvent::Refused`] (an `invalid_argument` status on the wire): it is the request's own
+/// doing, and no other worker would get past it.
+pub const GUIDE_DEAD_END: &str = "guided decoding reached a dead end";
+
+/// Why a guided sampler cannot go on. The request must end with this error: any token it could still emit would
+/// break the answer the guide promised, and a stop token would pass off a cut answer as a whole one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SampleError {
+    /// No token the request allows (`allowed_token_ids`, `bad_words`, `min_tokens`, the vocabulary) continues the
+    /// answer, and it is not complete (or no stop token may end it).
+    NoTokenFits { guide: &'static str, generated: u32 },
+    /// The grammar allows more, but its work bounds refuse every byte of it ([`GrammarState::stalled_by_work_bound`]).
+    WorkBound { generated: u32 },
+}
+
+impl std::fmt::Display for SampleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SampleError::NoTokenFits { guide, generated } => write!(
+                f,
+                "{GUIDE_DEAD_END} after {generated} tokens: no token the request allows (allowed_token_ids, \
+                 bad_words, min_tokens, the model's vocabulary) continues the {guide} answer, and it cannot end here"
+            ),
+            SampleError::WorkBound { generated } => write!(
+                f,
+                "{GUIDE_DEAD_END} after {generated} tokens: the grammar is too ambiguous to follow further; every \
+                 byte it allows next exceeds the recognizer's work bound (make the grammar less ambiguous)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SampleError {}
+
 /// How one request samples. `top_k == 0` and `top_p >= 1` disable those filters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -359,6 +394,29 @@ impl Guide {
         !matches!(self, Guide::Regex { .. } | Guide::Grammar { .. })
     }
 
+    /// What the client asked for, as error messages name it.
+    fn name(&self) -> &'static str {
+        match self {
+            Guide::Object(_) => "json_object-guided",
+            Guide::Schema { .. } => "json_schema-guided",
+            Guide::Regex { .. } => "regex-guided",
+            Guide::Grammar { .. } => "grammar-guided",
+        }
+    }
+
+    /// Why nothing can follow here, once nothing does.
+    fn dead_end(&mut self, generated: u32) -> SampleError {
+        let stalled = match self {
+            Guide::Grammar { grammar, state } => state.stalled_by_work_bound(grammar),
+            _ => false,
+        };
+        if stalled {
+            SampleError::WorkBound { generated }
+        } else {
+            SampleError::NoTokenFits { guide: self.name(), generated }
+        }
+    }
+
     /// Moves past `bytes` if they fit; returns whether they did.
     fn advance(&mut self, bytes: &[u8]) -> bool {
         match self {
@@ -566,10 +624,24 @@ impl Sampler {
     }
 
     /// Picks the next token from one row of logits, and counts it under a penalty. Returns 0 for an empty row.
-    pub fn sample(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> u32 {
-        let token = self.pick(logits, buf);
+    ///
+    /// Fails where a guide leaves no token the request allows and the answer may not end: the request must then
+    /// end with the error ([`SampleError`]).
+    pub fn sample(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> Result<u32, SampleError> {
+        let token = self.pick(logits, buf)?;
         if logits.is_empty() {
-            return token;
+            return Ok(token);
+        }
+        // A stop token ends the answer and is no part of it (its bytes, if any, need not fit); whitespace after a
+        // complete JSON document pads it outside the guide.
+        if let Some((guide, tokens)) = &mut self.guide
+            && !self.stops.contains(&token)
+            && !(guide.pads() && guide.is_done())
+            && !guide.advance(tokens.bytes(token))
+        {
+            // A token the guide refuses got past its test (the NaN fallback in `pick` takes the raw row's argmax,
+            // or a guide's test and feed disagree): going on would part the answer from the guide for good.
+            return Err(guide.dead_end(self.generated));
         }
         if self.cfg.penalizes() {
             self.count(token);
@@ -579,9 +651,6 @@ impl Sampler {
         {
             self.seen.insert(i, token);
         }
-        if let Some((guide, tokens)) = &mut self.guide {
-            guide.advance(tokens.bytes(token));
-        }
         let keep = self.recent_window;
         if keep > 0 {
             if self.recent.len() == keep {
@@ -590,15 +659,25 @@ impl Sampler {
             self.recent.push(token);
         }
         self.generated = self.generated.saturating_add(1);
-        token
+        Ok(token)
     }
 
-    fn pick(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> u32 {
+    /// Where a guide leaves no token: a complete answer ends on the request's stop token even where `min_tokens`
+    /// or `allowed_token_ids` ban it (ending is the only way left that keeps the answer whole); anything else is a
+    /// dead end.
+    fn no_token_fits(stops: &[u32], guide: &mut Guide, generated: u32) -> Result<u32, SampleError> {
+        match stops.first() {
+            Some(&stop) if guide.may_end() => Ok(stop),
+            _ => Err(guide.dead_end(generated)),
+        }
+    }
+
+    fn pick(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> Result<u32, SampleError> {
         if logits.is_empty() {
-            return 0;
+            return Ok(0);
         }
         if self.cfg.picks_argmax() {
-            return argmax(logits);
+            return Ok(argmax(logits));
         }
         let inv_t = 1.0 / self.cfg.temperature;
         let top_k = self.cfg.top_k as usize;
@@ -700,24 +779,26 @@ impl Sampler {
                         best = (l, Some(t));
                     }
                 }
-                return best.1.or(self.stops.first().copied()).unwrap_or(0);
+                return match best.1 {
+                    Some(t) => Ok(t),
+                    None => Self::no_token_fits(stops, guide, self.generated),
+                };
             }
             for c in cand.iter_mut() {
                 if !fits(c.1) {
                     c.0 = f32::NEG_INFINITY;
                 }
             }
-            // Nothing fits (the nesting bound is reached, or `min_tokens` bans the end of a complete object): the
-            // end of generation where the request has one, as greedy picks it, rather than a token that breaks
-            // the answer.
+            // Nothing fits: the nesting bound is reached, the request's filters leave nothing the guide allows,
+            // or `min_tokens` bans the end of a complete answer.
             if !cand.iter().any(|c| c.0 > f32::NEG_INFINITY) {
-                return self.stops.first().copied().unwrap_or_else(|| argmax(logits));
+                return Self::no_token_fits(stops, guide, self.generated);
             }
         }
         if self.cfg.is_greedy() {
             // Biased or penalised greedy: the first maximum, as `argmax` picks it.
             let first_max = cand.iter().fold((f32::NEG_INFINITY, 0), |best, &c| if c.0 > best.0 { c } else { best });
-            return first_max.1;
+            return Ok(first_max.1);
         }
 
         // top-k: keep the k largest logits (unordered).
@@ -734,7 +815,7 @@ impl Sampler {
             sum += p as f64;
         }
         if sum.is_nan() || sum <= 0.0 {
-            return argmax(logits);
+            return Ok(argmax(logits));
         }
         // min-p: drop what is less likely than min_p times the most likely (whose weight is exp(0) = 1).
         if self.cfg.min_p > 0.0 {
@@ -764,11 +845,11 @@ impl Sampler {
         for c in cand.iter() {
             acc += c.0 as f64;
             if r < acc {
-                return c.1;
+                return Ok(c.1);
             }
         }
         // Rounding left r at the very top: the last candidate with non-zero mass.
-        cand.iter().rev().find(|c| c.0 > 0.0).map_or(cand[0].1, |c| c.1)
+        Ok(cand.iter().rev().find(|c| c.0 > 0.0).map_or(cand[0].1, |c| c.1))
     }
 }
 
@@ -873,7 +954,7 @@ mod tests {
         let mut buf = SampleBuffer::new();
         let mut h = vec![0usize; logits.len()];
         for _ in 0..n {
-            h[s.sample(logits, &mut buf) as usize] += 1;
+            h[s.sample(logits, &mut buf).unwrap() as usize] += 1;
         }
         h
     }
@@ -882,13 +963,13 @@ mod tests {
     fn greedy_picks_argmax_and_first_on_ties() {
         let mut s = Sampler::new(SamplingParams::greedy());
         let mut buf = SampleBuffer::new();
-        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0], &mut buf), 1);
-        assert_eq!(s.sample(&[f32::NAN, -5.0], &mut buf), 1);
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0], &mut buf).unwrap(), 1);
+        assert_eq!(s.sample(&[f32::NAN, -5.0], &mut buf).unwrap(), 1);
         assert_eq!(argmax(&[2.0, 2.0]), 0);
         // top_k == 1 is greedy whatever the temperature.
         let mut s = Sampler::new(cfg(1.5, 1.0, 1, 3));
         for _ in 0..50 {
-            assert_eq!(s.sample(&[0.0, 0.5, 0.4], &mut buf), 1);
+            assert_eq!(s.sample(&[0.0, 0.5, 0.4], &mut buf).unwrap(), 1);
         }
     }
 
@@ -934,7 +1015,7 @@ mod tests {
         let run = |seed| {
             let mut s = Sampler::new(cfg(1.0, 0.95, 50, seed));
             let mut buf = SampleBuffer::new();
-            (0..64).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>()
+            (0..64).map(|_| s.sample(&logits, &mut buf).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
@@ -1014,16 +1095,16 @@ mod tests {
         // Token 0 (logit 3) is in the prompt: 3 / 2 = 1.5 < 2, so token 1 wins; then token 1 is seen too.
         let logits = [3.0f32, 2.0, -1.0, -1.5];
         let mut s = Sampler::for_request(rep(2.0), &[0], 8, &[]);
-        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
         // Both seen: 1.5 and 1.0; token 0 is back on top.
-        assert_eq!(s.sample(&logits, &mut buf), 0);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 0);
         // A negative logit is multiplied: -1 x 2 = -2 < -1.5, so 3 beats 2 once 2 is seen.
         let negative = [-1.0f32, -1.5];
         let mut s = Sampler::for_request(rep(2.0), &[0], 8, &[]);
-        assert_eq!(s.sample(&negative, &mut buf), 1);
+        assert_eq!(s.sample(&negative, &mut buf).unwrap(), 1);
         // Below 1 it favours repeats.
         let mut s = Sampler::for_request(rep(0.5), &[1], 8, &[]);
-        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
         for bad in [0.0, -1.0, 10.5, f32::NAN] {
             assert!(rep(bad).check_penalties(0).is_err(), "{bad}");
         }
@@ -1038,13 +1119,13 @@ mod tests {
         let params = SamplingParams { min_tokens: 2, ..SamplingParams::greedy() };
         assert!(!params.picks_argmax());
         let mut s = Sampler::for_request(params.clone(), &[0], 8, &[2]);
-        assert_eq!(s.sample(&logits, &mut buf), 1);
-        assert_eq!(s.sample(&logits, &mut buf), 1);
-        assert_eq!(s.sample(&logits, &mut buf), 2);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 2);
         // Sampled too: the stop token never comes out early.
         let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, seed: Some(4), ..params }, &[0], 8, &[2]);
         for _ in 0..2 {
-            assert_ne!(s.sample(&logits, &mut buf), 2);
+            assert_ne!(s.sample(&logits, &mut buf).unwrap(), 2);
         }
     }
 
@@ -1108,7 +1189,7 @@ mod tests {
         for _ in 0..400 {
             let mut logits: Vec<f32> = (0..vocab.len()).map(|_| rng.random::<f32>() * 4.0).collect();
             logits[never] = 10.0;
-            let t = s.sample(&logits, &mut buf);
+            let t = s.sample(&logits, &mut buf).unwrap();
             if t == eos {
                 assert!(state.is_done(), "the end only after a complete answer: {text:?}");
                 break;
@@ -1153,24 +1234,28 @@ mod tests {
         let mut logits = [0.0f32; 13];
         logits[3] = 1.0;
         logits[0] = 2.0;
-        assert_eq!(s.sample(&logits, &mut buf), 3);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 3);
         // Once the object is closed only the end of generation may come, however unlikely.
         let mut s = guided(0.0);
         for t in [0u32, 1] {
             logits.fill(0.0);
             logits[t as usize] = 5.0;
-            assert_eq!(s.sample(&logits, &mut buf), t);
+            assert_eq!(s.sample(&logits, &mut buf).unwrap(), t);
         }
         logits.fill(3.0);
         logits[eos as usize] = -20.0;
-        assert_eq!(s.sample(&logits, &mut buf), eos);
-        // Where nothing fits, a sampled request ends too: `{` then `{` is no object, and "x" never is.
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), eos);
+        // Where nothing fits, a sampled request fails rather than passing `{` off as a whole answer: `{` then `{`
+        // is no object, and "x" never is.
         let small: [&[u8]; 3] = [b"{", b"x", b""];
         let small_table = Arc::new(TokenTable::new(small));
         let cfg = SamplingParams { json_object: true, temperature: 1.0, seed: Some(9), ..SamplingParams::greedy() };
         let mut s = Sampler::for_request(cfg, &[0], 8, &[2]).with_guide(Some(&small_table), &[0]);
-        assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf), 0);
-        assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf), 2);
+        assert_eq!(s.sample(&[0.0, 9.0, -9.0], &mut buf).unwrap(), 0);
+        assert_eq!(
+            s.sample(&[0.0, 9.0, -9.0], &mut buf),
+            Err(SampleError::NoTokenFits { guide: "json_object-guided", generated: 1 })
+        );
         // Without stop tokens (ignore_eos), whitespace pads a complete object.
         let cfg = SamplingParams { json_object: true, ..SamplingParams::greedy() };
         let mut s = Sampler::for_request(cfg, &[0], 8, &[]).with_guide(Some(&table), &[0]);
@@ -1178,7 +1263,7 @@ mod tests {
             logits.fill(0.0);
             logits[t as usize] = 1.0;
             logits[5] = 9.0;
-            assert_eq!(s.sample(&logits, &mut buf), t);
+            assert_eq!(s.sample(&logits, &mut buf).unwrap(), t);
         }
     }
 
@@ -1219,7 +1304,7 @@ mod tests {
         let mut logits = [0.0f32; 14];
         logits[1] = 3.0;
         logits[9] = 2.0;
-        assert_eq!(s.sample(&logits, &mut buf), 9);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 9);
     }
 
     /// Each guide's forced bytes, cut into the longest tokens that start them.
@@ -1320,7 +1405,7 @@ mod tests {
         let mut logits = [0.0f32; 10];
         logits[6] = 3.0; // "ok" right after "-" does not fit
         logits[0] = 1.0;
-        assert_eq!(s.sample(&logits, &mut SampleBuffer::new()), 0);
+        assert_eq!(s.sample(&logits, &mut SampleBuffer::new()).unwrap(), 0);
     }
 
     #[test]
@@ -1363,15 +1448,95 @@ mod tests {
         for t in [0u32, 2, 6] {
             logits.fill(0.0);
             logits[t as usize] = 1.0;
-            assert_eq!(s.sample(&logits, &mut buf), t);
+            assert_eq!(s.sample(&logits, &mut buf).unwrap(), t);
         }
         logits.fill(0.0);
         logits[7] = 2.0;
         logits[eos as usize] = 1.0;
-        assert_eq!(s.sample(&logits, &mut buf), 7);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 7);
         logits.fill(3.0);
         logits[eos as usize] = -20.0;
-        assert_eq!(s.sample(&logits, &mut buf), eos);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), eos);
+    }
+
+    /// `guided_regex: "b"` with `allowed_token_ids: [a]`: no allowed token starts a match, so the request fails
+    /// instead of ending on the stop token as if "" matched (greedy) or taking a token the guide refuses.
+    #[test]
+    fn a_guide_no_allowed_token_fits_fails_instead_of_stopping() {
+        let vocab: [&[u8]; 3] = [b"a", b"b", b""];
+        let table = Arc::new(TokenTable::new(vocab));
+        let eos = 2u32;
+        let dfa = Arc::new(ByteDfa::compile("b").unwrap());
+        let mut buf = SampleBuffer::new();
+        for temperature in [0.0, 1.0] {
+            let cfg = SamplingParams {
+                regex: Some(dfa.clone()),
+                allowed_token_ids: vec![0],
+                temperature,
+                seed: Some(1),
+                ..SamplingParams::greedy()
+            };
+            let mut s = Sampler::for_request(cfg, &[0], 8, &[eos]).with_guide(Some(&table), &[0]);
+            let err = s.sample(&[1.0, 0.0, 2.0], &mut buf).unwrap_err();
+            assert_eq!(err, SampleError::NoTokenFits { guide: "regex-guided", generated: 0 });
+            assert!(err.to_string().starts_with(GUIDE_DEAD_END), "{err}");
+        }
+        // A whole match whose stop token the request's filters ban still ends on it: nothing is cut.
+        let cfg =
+            SamplingParams { regex: Some(dfa.clone()), allowed_token_ids: vec![0, 1], ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[eos]).with_guide(Some(&table), &[0]);
+        assert_eq!(s.sample(&[1.0, 0.0, 2.0], &mut buf), Ok(1));
+        assert_eq!(s.sample(&[1.0, 0.0, -2.0], &mut buf), Ok(eos));
+        // A pick that slips past the guide (an infinite logit makes every weight NaN, and the fallback takes the
+        // row's argmax, "a") fails rather than leaving the guide behind the text.
+        let cfg = SamplingParams { regex: Some(dfa), temperature: 1.0, seed: Some(2), ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[0], 8, &[eos]).with_guide(Some(&table), &[0]);
+        assert_eq!(
+            s.sample(&[f32::INFINITY, f32::INFINITY, 0.0], &mut buf),
+            Err(SampleError::NoTokenFits { guide: "regex-guided", generated: 0 })
+        );
+    }
+
+    /// A grammar whose ambiguity outgrows the recognizer's work bound: favouring `a`, greedy follows it until the
+    /// bound refuses every byte (`b` completes the ambiguous rule too), and the request fails there with the
+    /// reason, rather than ending on the stop token short of the required `b`.
+    #[test]
+    fn a_grammar_stalled_by_its_work_bound_fails_with_the_reason() {
+        let vocab: [&[u8]; 3] = [b"a", b"b", b""];
+        let table = Arc::new(TokenTable::new(vocab));
+        let eos = 2u32;
+        let mut buf = SampleBuffer::new();
+        let stalled = Arc::new(Grammar::compile(r#"root ::= s "b"  s ::= s s | "a" | "b""#).unwrap());
+        let cfg = SamplingParams { grammar: Some(stalled), logit_bias: vec![(0, 100.0)], ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[0], 1000, &[eos]).with_guide(Some(&table), &[0]);
+        let logits = [0.0f32, 1.0, 2.0];
+        let mut emitted = 0u32;
+        let err = loop {
+            match s.sample(&logits, &mut buf) {
+                Ok(t) => {
+                    assert_eq!(t, 0, "after {emitted} tokens");
+                    emitted += 1;
+                    assert!(emitted < 1000);
+                }
+                Err(e) => break e,
+            }
+        };
+        assert!(emitted > 10, "{emitted}");
+        assert_eq!(err, SampleError::WorkBound { generated: emitted });
+        assert!(err.to_string().contains("ambiguous"), "{err}");
+        // The audit's grammar: once `a` is refused, `b` still fits, so the answer completes and ends on the stop.
+        let open = Arc::new(Grammar::compile(r#"root ::= s "a" "b"  s ::= s s | "a""#).unwrap());
+        let cfg = SamplingParams { grammar: Some(open), logit_bias: vec![(0, 100.0)], ..SamplingParams::greedy() };
+        let mut s = Sampler::for_request(cfg, &[0], 1000, &[eos]).with_guide(Some(&table), &[0]);
+        let mut out = Vec::new();
+        loop {
+            match s.sample(&logits, &mut buf).unwrap() {
+                t if t == eos => break,
+                t => out.push(t),
+            }
+            assert!(out.len() < 1000);
+        }
+        assert!(out.len() > 10 && out.ends_with(&[0, 1]), "{}", out.len());
     }
 
     #[test]
@@ -1382,14 +1547,14 @@ mod tests {
         // the lower index, as the unbiased argmax does.
         let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(1, -100.0)]));
         assert!(!s.config().picks_argmax());
-        assert_eq!(s.sample(&logits, &mut buf), 2);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 2);
         let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(0, 100.0)]));
-        assert_eq!(s.sample(&logits, &mut buf), 0);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 0);
         let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(2, 1.0)]));
-        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
         // NaN stays out of reach, whatever its bias.
         let mut s = Sampler::new(biased(SamplingParams::greedy(), &[(3, 100.0)]));
-        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
         // Sampled: a banned token never comes out, and the others keep their ratio (ln 3 on token 0 makes
         // tokens 0 and 1 equally likely).
         let probs = [0.25f32, 0.75, 0.0001];
@@ -1414,10 +1579,10 @@ mod tests {
         // Greedy: the best allowed token, not the argmax; the runner's argmax path is off.
         let mut s = Sampler::new(allowed(SamplingParams::greedy(), &[0, 2]));
         assert!(!s.config().picks_argmax());
-        assert_eq!(s.sample(&logits, &mut buf), 2);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 2);
         // A bias still ranks the allowed ones.
         let mut s = Sampler::new(biased(allowed(SamplingParams::greedy(), &[0, 2]), &[(0, 5.0)]));
-        assert_eq!(s.sample(&logits, &mut buf), 0);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 0);
         // Sampled: only allowed tokens come out, in their own ratio (0.25 : 0.25 of the whole).
         let probs = logits_from_probs(&[0.25, 0.5, 0.0, 0.25]);
         let h = histogram(&mut Sampler::new(allowed(cfg(1.0, 1.0, 0, 4), &[0, 3])), &probs, 20_000);
@@ -1442,20 +1607,20 @@ mod tests {
         // A one-token word is never sampled; the runner's argmax path is off.
         let mut s = Sampler::for_request(banning(&[&[0]], 0), &[7], 8, &[]);
         assert!(!s.config().picks_argmax());
-        assert_eq!((0..3).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>(), vec![1, 1, 1]);
+        assert_eq!((0..3).map(|_| s.sample(&logits, &mut buf).unwrap()).collect::<Vec<_>>(), vec![1, 1, 1]);
         // [0, 0]: the first 0 is free, a second one would complete the word, a third is free again after a 1.
         let mut s = Sampler::for_request(banning(&[&[0, 0]], 0), &[0], 8, &[]);
-        assert_eq!((0..4).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>(), vec![0, 1, 0, 1]);
+        assert_eq!((0..4).map(|_| s.sample(&logits, &mut buf).unwrap()).collect::<Vec<_>>(), vec![0, 1, 0, 1]);
         // The prompt is not output: its last 0 does not count, unless an earlier attempt generated it.
         let mut s = Sampler::for_request(banning(&[&[0, 0]], 1), &[0], 8, &[]);
-        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
         // Longer words look that far back; several words ban several tokens at once.
         let mut s = Sampler::for_request(banning(&[&[0, 0], &[0, 1, 0]], 0), &[], 8, &[]);
-        assert_eq!((0..6).map(|_| s.sample(&logits, &mut buf)).collect::<Vec<_>>(), vec![0, 1, 1, 0, 1, 1]);
+        assert_eq!((0..6).map(|_| s.sample(&logits, &mut buf).unwrap()).collect::<Vec<_>>(), vec![0, 1, 1, 0, 1, 1]);
         let mut s = Sampler::for_request(banning(&[&[1, 0], &[1, 1], &[1, 2]], 0), &[], 8, &[]);
         let biased_to_1 = [4.0f32, 5.0, 2.0, 1.0];
-        assert_eq!(s.sample(&biased_to_1, &mut buf), 1);
-        assert_eq!(s.sample(&logits, &mut buf), 3, "after 1, each of 0, 1 and 2 completes a word");
+        assert_eq!(s.sample(&biased_to_1, &mut buf).unwrap(), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 3, "after 1, each of 0, 1 and 2 completes a word");
         // Sampled: the banned token never comes out.
         let probs = logits_from_probs(&[0.5, 0.25, 0.25, 0.0]);
         let mut s = Sampler::for_request(
@@ -1464,7 +1629,7 @@ mod tests {
             4000,
             &[],
         );
-        let out: Vec<u32> = (0..4000).map(|_| s.sample(&probs, &mut buf)).collect();
+        let out: Vec<u32> = (0..4000).map(|_| s.sample(&probs, &mut buf).unwrap()).collect();
         assert!(out.windows(2).all(|w| w != [1, 1]), "a sampled [1, 1]");
         assert!(out.contains(&1) && out.contains(&2));
         // Bounds.
@@ -1492,24 +1657,24 @@ mod tests {
         // Frequency 0.4: each emission costs its token 0.4, so greedy goes 0, 0 (2.6 > 2.5), 1 (2.2 < 2.5), ...
         let mut s = Sampler::for_request(penalised(0.0, 0.4, 0), &[], 8, &[]);
         assert!(!s.config().picks_argmax());
-        let got: Vec<u32> = (0..6).map(|_| s.sample(&logits, &mut buf)).collect();
+        let got: Vec<u32> = (0..6).map(|_| s.sample(&logits, &mut buf).unwrap()).collect();
         assert_eq!(got, vec![0, 0, 1, 0, 1, 2]);
         // Presence 0.75: once each is used, each drops the same, so the order repeats.
         let mut s = Sampler::for_request(penalised(0.75, 0.0, 0), &[], 8, &[]);
-        let got: Vec<u32> = (0..5).map(|_| s.sample(&logits, &mut buf)).collect();
+        let got: Vec<u32> = (0..5).map(|_| s.sample(&logits, &mut buf).unwrap()).collect();
         assert_eq!(got, vec![0, 1, 0, 0, 0]);
         // A negative penalty rewards repetition.
         let mut s = Sampler::for_request(penalised(-1.0, -1.0, 0), &[], 8, &[]);
-        assert!((0..5).all(|_| s.sample(&[2.0, 3.0], &mut buf) == 1));
+        assert!((0..5).all(|_| s.sample(&[2.0, 3.0], &mut buf).unwrap() == 1));
         // A resumed stream counts the prompt's tail as output: token 0 twice, at 0.6 each, puts it below token 1.
         let mut s = Sampler::for_request(penalised(0.0, 0.6, 2), &[0, 0, 0], 4, &[]);
-        assert_eq!(s.sample(&logits, &mut buf), 1);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 1);
         let mut s = Sampler::for_request(penalised(0.0, 0.6, 0), &[0, 0, 0], 4, &[]);
-        assert_eq!(s.sample(&logits, &mut buf), 0);
+        assert_eq!(s.sample(&logits, &mut buf).unwrap(), 0);
         // Sampled: a large frequency penalty spreads the choice over all three (about 39 zeros in 40 without it).
         let mut s = Sampler::for_request(SamplingParams { temperature: 1.0, ..penalised(0.0, 2.0, 0) }, &[], 64, &[]);
         let probs = logits_from_probs(&[0.98, 0.01, 0.01]);
-        let got: Vec<u32> = (0..40).map(|_| s.sample(&probs, &mut buf)).collect();
+        let got: Vec<u32> = (0..40).map(|_| s.sample(&probs, &mut buf).unwrap()).collect();
         let zeros = got.iter().filter(|&&t| t == 0).count();
         assert!(zeros <= 20, "{got:?}");
         // Bounds.
@@ -1595,7 +1760,7 @@ mod tests {
         let cap = buf.cand.capacity();
         let mut s = Sampler::new(cfg(0.8, 0.9, 0, 1));
         for _ in 0..100 {
-            s.sample(&logits, &mut buf);
+            s.sample(&logits, &mut buf).unwrap();
         }
         assert_eq!(buf.cand.capacity(), cap);
     }

@@ -634,7 +634,12 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
                 s.on_failed(&m);
                 return Err(Status::internal(format!("generation failed: {m}")));
             }
-            failed @ GenerateEvent::Failed(_) => {
+            GenerateEvent::Refused(m) if msg.token_ids.is_empty() => {
+                s.done = true;
+                s.on_failed(&m);
+                return Err(Status::invalid_argument(m));
+            }
+            failed @ (GenerateEvent::Failed(_) | GenerateEvent::Refused(_)) => {
                 // Deliver the tokens first; the failure goes out as the next item.
                 s.pending = Some(failed);
             }
@@ -823,7 +828,7 @@ impl Worker for WorkerService {
                 .iter()
                 .map(|u| pb::TierUsage {
                     tier: u.tier.name().to_owned(),
-                    codec: u.codec.clone(),
+                    codec: u.codec.to_string(),
                     used_bytes: u.used_bytes,
                     capacity_bytes: u.capacity_bytes,
                 })
@@ -924,7 +929,7 @@ fn residency_page(
     limit: usize,
     max_bytes: usize,
 ) -> (Vec<pb::ResidentGroup>, Option<pb::ResidencyCursor>) {
-    let mut rest: Vec<(u64, Tier, String, u64)> = blocks
+    let mut rest: Vec<(u64, Tier, std::borrow::Cow<'static, str>, u64)> = blocks
         .into_iter()
         .filter_map(|c| match c {
             BlockChange::Stored { hash, tier, codec, bytes } if after.is_none_or(|a| (hash, tier) > a) => {
@@ -944,7 +949,7 @@ fn residency_page(
     let mut groups = Vec::with_capacity(rest.len());
     let mut encoded = 0;
     for (hash, tier, codec, bytes) in rest {
-        let g = pb::ResidentGroup { hash, tier: tier.name().to_owned(), codec, bytes };
+        let g = pb::ResidentGroup { hash, tier: tier.name().to_owned(), codec: codec.into_owned(), bytes };
         let len = prost::Message::encoded_len(&g);
         // The field's tag, the length prefix, the message.
         let framed = 1 + prost::length_delimiter_len(len) + len;

@@ -96,7 +96,7 @@ fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Done {
                 let (completion, cached) = (completion_tokens, cached_tokens);
                 return Done { tokens, sampled, reason, completion, cached, evicted, queue_seconds };
             }
-            GenerateEvent::Failed(e) => panic!("request failed: {e}"),
+            GenerateEvent::Failed(e) | GenerateEvent::Refused(e) => panic!("request failed: {e}"),
         }
     }
     panic!("stream ended without Finished");
@@ -564,6 +564,39 @@ fn guide_forced_drafts_change_no_answer_and_are_accepted() {
     let s = wait_stats(&spec, "idle", |s| s.running == 0 && s.waiting == 0);
     assert!(s.accepted_draft_tokens_total >= 10, "forced drafts are accepted: {s:?}");
     assert!(s.draft_tokens_total >= s.accepted_draft_tokens_total);
+    assert_eq!(s.blocks_used, 0);
+}
+
+/// `guided_regex: "b+"` with `allowed_token_ids: [id("a")]` on the real model: no allowed token starts a match,
+/// so the request fails with the reason, before any token, and frees its blocks; it does not end as a "stop" on
+/// an empty answer.
+#[test]
+fn a_guide_no_allowed_token_fits_fails_the_request() {
+    use pagoda_worker::regex_guide::ByteDfa;
+    use pagoda_worker::sampling::GUIDE_DEAD_END;
+    use std::sync::Arc;
+
+    let h = engine(16, false);
+    let a = tokenize(&["a"])[0].clone();
+    assert_eq!(a.len(), 1, "{a:?}");
+    let sampling = SamplingParams {
+        regex: Some(Arc::new(ByteDfa::compile("b+").unwrap())),
+        allowed_token_ids: a,
+        ..SamplingParams::greedy()
+    };
+    let request = GenerateRequest { sampling, ..greedy("dead-end", &chat("Say b."), 8) };
+    let mut rx = h.submit(request).unwrap();
+    let mut tokens = Vec::new();
+    let failed = loop {
+        match rx.blocking_recv().expect("the request ends with an event") {
+            GenerateEvent::Token { id, .. } => tokens.push(id),
+            GenerateEvent::Refused(e) => break e,
+            other => panic!("{other:?} after {tokens:?}"),
+        }
+    };
+    assert!(tokens.is_empty(), "{tokens:?}");
+    assert!(failed.contains(GUIDE_DEAD_END) && failed.contains("regex"), "{failed}");
+    let s = wait_stats(&h, "idle", |s| s.running == 0 && s.waiting == 0);
     assert_eq!(s.blocks_used, 0);
 }
 

@@ -174,7 +174,7 @@ fn a_tier_group_that_does_not_decode_is_dropped_after_the_failed_onboard() {
         .blocks
         .iter()
         .filter_map(|c| match c {
-            BlockChange::Stored { hash, tier: Tier::Host, codec, .. } if *hash == hashes[0] => Some(codec.as_str()),
+            BlockChange::Stored { hash, tier: Tier::Host, codec, .. } if *hash == hashes[0] => Some(codec.as_ref()),
             _ => None,
         })
         .collect();
@@ -231,7 +231,7 @@ fn a_tier_group_past_the_f16_pools_range_is_dropped_not_onboarded_as_infinity() 
         while let Ok(batch) = events.try_recv() {
             changes.extend(batch.changes);
         }
-        let removed = BlockChange::Removed { hash: hashes[0], tier: Tier::Host, codec: group.codec.clone() };
+        let removed = BlockChange::Removed { hash: hashes[0], tier: Tier::Host, codec: group.codec.clone().into() };
         assert!(changes.contains(&removed), "{codec}: the drop is reported: {changes:?}");
         h.shutdown();
     }

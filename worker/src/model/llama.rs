@@ -92,6 +92,11 @@ pub struct Scratch {
     /// Each batch sequence's row stride in `probs`, `None` when it captured none this step.
     probs_stride: Vec<Option<usize>>,
     head_norm: Vec<f32>,
+    /// The allocations of a step's per-layer attention views and probability sinks. Those borrow the step's block
+    /// tables and `probs`, so they are kept empty between steps and given each step's lifetime by
+    /// [`recycle_views`] and [`recycle_sinks`].
+    spare_views: Vec<AttnSeq<'static>>,
+    spare_sinks: Vec<AttnProbs<'static>>,
 }
 
 impl Scratch {
@@ -396,6 +401,8 @@ impl LlamaModel {
             captured,
             probs,
             probs_stride,
+            spare_views,
+            spare_sinks: kept_sinks,
         } = scratch;
         // Adds the step's adapters' deltas of one projection (nothing when no sequence has an adapter). The runs
         // of rows per adapter are found once; at most two allocations per step with adapters, none without.
@@ -412,9 +419,9 @@ impl LlamaModel {
         rope.fill(positions, c.head_dim, c.rope_theta);
 
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let mut attn_seqs: Vec<AttnSeq<'_>> = Vec::with_capacity(seqs.len());
-        // One allocation per step for every layer's probability sinks (each layer borrows its own rows of `probs`).
-        let mut spare_sinks: Vec<AttnProbs<'_>> = Vec::new();
+        let mut attn_seqs = recycle_views(std::mem::take(spare_views));
+        // Each layer's probability sinks borrow its own rows of `probs`; the layers share one allocation.
+        let mut spare_sinks = recycle_sinks(std::mem::take(kept_sinks));
         for (li, layer) in self.layers.iter().enumerate() {
             backend.rmsnorm(x, &layer.attn_norm, c.rms_eps, xn);
             backend.matmul_shared_input(
@@ -466,6 +473,8 @@ impl LlamaModel {
             lora(li, LoraTarget::Down, gate, proj);
             add_assign(x, proj);
         }
+        *spare_views = recycle_views(attn_seqs);
+        *kept_sinks = recycle_sinks(spare_sinks);
         debug_assert_eq!(x.len(), total * hidden);
         debug_assert_eq!(q.len(), total * qd);
         debug_assert_eq!(k.len(), total * kvd);
@@ -643,6 +652,13 @@ fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }
+}
+
+/// Empties a vector of attention views and hands its allocation to a new lifetime, as [`recycle_sinks`] does.
+#[allow(clippy::unnecessary_filter_map)] // `filter` cannot change the element lifetime; `filter_map` can.
+fn recycle_views<'b>(mut v: Vec<AttnSeq<'_>>) -> Vec<AttnSeq<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
 }
 
 /// Empties a sink vector and hands its allocation to a new lifetime (the in-place `collect` keeps the buffer, as

@@ -213,7 +213,7 @@ impl DiskStore {
         self.changes.record_with(|| BlockChange::Stored {
             hash,
             tier: Tier::Disk,
-            codec: codec.clone(),
+            codec: codec.clone().into(),
             bytes: file_bytes,
         });
         self.index.insert(hash, Entry { file_bytes, codec, tick: self.tick });
@@ -223,7 +223,7 @@ impl DiskStore {
         let e = self.index.remove(&hash)?;
         self.lru.remove(&e.tick);
         self.used -= e.file_bytes;
-        self.changes.record_with(|| BlockChange::Removed { hash, tier: Tier::Disk, codec: e.codec.clone() });
+        self.changes.record_with(|| BlockChange::Removed { hash, tier: Tier::Disk, codec: e.codec.clone().into() });
         Some(e)
     }
 

@@ -129,7 +129,7 @@ impl HostStore {
         self.changes.record_with(|| BlockChange::Stored {
             hash,
             tier: Tier::Host,
-            codec: group.codec.clone(),
+            codec: group.codec.clone().into(),
             bytes: group.len(),
         });
         self.map.insert(hash, Entry { group, tick: self.tick });
@@ -156,7 +156,11 @@ impl HostStore {
         if let Some(c) = self.used_by_codec.get_mut(&e.group.codec) {
             *c -= e.group.len();
         }
-        self.changes.record_with(|| BlockChange::Removed { hash, tier: Tier::Host, codec: e.group.codec.clone() });
+        self.changes.record_with(|| BlockChange::Removed {
+            hash,
+            tier: Tier::Host,
+            codec: e.group.codec.clone().into(),
+        });
         Some(e.group)
     }
 }

@@ -71,11 +71,12 @@ impl EncodedGroup {
     }
 }
 
-/// Bytes held in one tier under one codec.
+/// Bytes held in one tier under one codec (borrowed for the device's fixed names: the engine publishes its stats
+/// every step).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TierUsage {
     pub tier: Tier,
-    pub codec: String,
+    pub codec: std::borrow::Cow<'static, str>,
     pub used_bytes: u64,
     pub capacity_bytes: u64,
 }

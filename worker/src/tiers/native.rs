@@ -90,11 +90,16 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         return Err(TierError::BadLength { codec: group.codec.clone(), expected: kv.num_blocks(), got: bad as usize });
     }
     let half = half_bytes(bs, hd, dtype);
+    let corrupt = |reason: &str| TierError::Corrupt {
+        path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
+        reason: reason.into(),
+    };
+    // A float group has no scale to validate, and its values go into the cache as they are: an infinity or a NaN
+    // (a peer's checksum proves only that the bytes arrived as sent) would poison every attention row reading it.
+    if !dtype.slot_scaled() && has_non_finite(dtype, &group.bytes) {
+        return Err(corrupt("non-finite element"));
+    }
     if dtype.slot_scaled() {
-        let corrupt = |reason: &str| TierError::Corrupt {
-            path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
-            reason: reason.into(),
-        };
         // Halves alternate K, V; only keys are rotated, and their inverse rotation grows what a code decodes to.
         let top = |i: usize| {
             if dtype.is_e4m3() {
@@ -147,6 +152,18 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         kv.write_block(b, &k, &v);
     }
     Ok(())
+}
+
+/// Whether a float group's bytes (`F32` or `F16`, little-endian) hold an infinity or a NaN: their exponent bits are
+/// all set. Read from the bits, so the check costs one pass over the bytes and no widening.
+fn has_non_finite(dtype: KvDtype, bytes: &[u8]) -> bool {
+    match dtype {
+        KvDtype::F32 => {
+            bytes.chunks_exact(4).any(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7F80_0000 == 0x7F80_0000)
+        }
+        KvDtype::F16 => bytes.chunks_exact(2).any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7C00 == 0x7C00),
+        KvDtype::Int8 | KvDtype::Fp8 | KvDtype::Fp8Rotated => false,
+    }
 }
 
 /// One block of `dtype` (its K and V halves) as the f32 values the cache reads: keys rotated back.
@@ -286,6 +303,44 @@ mod tests {
         minus_128.bytes[5] = 0x80;
         let got = decode(&minus_128, &mut filled(KvDtype::Int8), &[2]);
         assert!(matches!(got, Err(TierError::Corrupt { .. })), "{got:?}");
+    }
+
+    /// A float group holding an infinity or a NaN is refused by a cache of any dtype, and nothing is written; the
+    /// largest finite values decode.
+    #[test]
+    fn float_groups_holding_infinity_or_nan_are_refused() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let g = encode(&filled(dtype), &[1]);
+            let elem = if dtype == KvDtype::F32 { 4 } else { 2 };
+            let bits: [&[u8]; 3] = if dtype == KvDtype::F32 {
+                [&f32::INFINITY.to_le_bytes(), &f32::NEG_INFINITY.to_le_bytes(), &f32::NAN.to_le_bytes()]
+            } else {
+                [
+                    &half::f16::INFINITY.to_le_bytes(),
+                    &half::f16::NEG_INFINITY.to_le_bytes(),
+                    &half::f16::NAN.to_le_bytes(),
+                ]
+            };
+            // The first element of K, and the last of V.
+            for at in [0, g.bytes.len() - elem] {
+                for bad_value in bits {
+                    let mut bad = g.clone();
+                    bad.bytes[at..at + elem].copy_from_slice(bad_value);
+                    for arena in KvDtype::ALL {
+                        let mut target = filled(arena);
+                        let before = block(&target, 2);
+                        let got = decode(&bad, &mut target, &[2]);
+                        assert!(matches!(got, Err(TierError::Corrupt { .. })), "{dtype} into {arena} at {at}: {got:?}");
+                        assert_eq!(block(&target, 2), before, "nothing written");
+                    }
+                }
+            }
+            let mut largest = g.clone();
+            let max: &[u8] =
+                if dtype == KvDtype::F32 { &f32::MAX.to_le_bytes() } else { &half::f16::MAX.to_le_bytes() };
+            largest.bytes[..elem].copy_from_slice(max);
+            decode(&largest, &mut filled(KvDtype::F32), &[2]).unwrap();
+        }
     }
 
     /// Groups whose values an f16 cache cannot hold (an f32 group past 65504, an int8 one whose scale makes its

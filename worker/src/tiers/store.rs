@@ -141,7 +141,7 @@ impl TierStore {
         ];
         for (tier, groups) in tiers {
             for (hash, codec, bytes) in groups.into_iter().flatten() {
-                out.push(BlockChange::Stored { hash, tier, codec: codec.to_owned(), bytes });
+                out.push(BlockChange::Stored { hash, tier, codec: codec.to_owned().into(), bytes });
             }
         }
     }
@@ -324,12 +324,18 @@ impl TierStore {
     /// codec so its capacity is still visible.
     pub fn usage(&self) -> Vec<TierUsage> {
         let mut out = Vec::new();
+        self.usage_into(&mut out);
+        out
+    }
+
+    /// [`TierStore::usage`], appended to `out`.
+    pub fn usage_into(&self, out: &mut Vec<TierUsage>) {
         if let Some(h) = &self.host {
             let before = out.len();
             for (codec, used) in h.used_by_codec() {
                 out.push(TierUsage {
                     tier: Tier::Host,
-                    codec: codec.to_owned(),
+                    codec: codec.to_owned().into(),
                     used_bytes: used,
                     capacity_bytes: h.capacity_bytes(),
                 });
@@ -337,7 +343,7 @@ impl TierStore {
             if out.len() == before {
                 out.push(TierUsage {
                     tier: Tier::Host,
-                    codec: String::new(),
+                    codec: "".into(),
                     used_bytes: 0,
                     capacity_bytes: h.capacity_bytes(),
                 });
@@ -348,16 +354,20 @@ impl TierStore {
             if by.is_empty() {
                 out.push(TierUsage {
                     tier: Tier::Disk,
-                    codec: String::new(),
+                    codec: "".into(),
                     used_bytes: 0,
                     capacity_bytes: d.capacity_bytes(),
                 });
             }
             for (codec, used) in by {
-                out.push(TierUsage { tier: Tier::Disk, codec, used_bytes: used, capacity_bytes: d.capacity_bytes() });
+                out.push(TierUsage {
+                    tier: Tier::Disk,
+                    codec: codec.into(),
+                    used_bytes: used,
+                    capacity_bytes: d.capacity_bytes(),
+                });
             }
         }
-        out
     }
 }
 
