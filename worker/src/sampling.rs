@@ -672,6 +672,13 @@ impl Sampler {
         }
     }
 
+    /// The pick for a row where nothing the filters leave has any weight (every logit left is -inf or NaN: a
+    /// broken row, or filters that ban everything): the first allowed token when the request names them, so the
+    /// answer keeps to its vocabulary, else the raw row's argmax.
+    fn weightless_row(&self, logits: &[f32]) -> u32 {
+        self.cfg.allowed_token_ids.first().copied().unwrap_or_else(|| argmax(logits))
+    }
+
     fn pick(&mut self, logits: &[f32], buf: &mut SampleBuffer) -> Result<u32, SampleError> {
         if logits.is_empty() {
             return Ok(0);
@@ -797,8 +804,10 @@ impl Sampler {
         }
         if self.cfg.is_greedy() {
             // Biased or penalised greedy: the first maximum, as `argmax` picks it.
-            let first_max = cand.iter().fold((f32::NEG_INFINITY, 0), |best, &c| if c.0 > best.0 { c } else { best });
-            return Ok(first_max.1);
+            let first_max = cand
+                .iter()
+                .fold((f32::NEG_INFINITY, None), |best, &c| if c.0 > best.0 { (c.0, Some(c.1)) } else { best });
+            return Ok(first_max.1.unwrap_or_else(|| self.weightless_row(logits)));
         }
 
         // top-k: keep the k largest logits (unordered).
@@ -806,8 +815,15 @@ impl Sampler {
             cand.select_nth_unstable_by(top_k - 1, desc);
             cand.truncate(top_k);
         }
-        // softmax with temperature over the survivors.
+        // softmax with temperature over the survivors. An infinite logit outweighs every finite one (the softmax
+        // would be NaN): the first token holding one, among the survivors, so the request's filters still hold.
         let max = cand.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.0));
+        if max == f32::INFINITY {
+            return Ok(cand.iter().filter(|c| c.0 == max).map(|c| c.1).min().unwrap_or(0));
+        }
+        if max == f32::NEG_INFINITY {
+            return Ok(self.weightless_row(logits));
+        }
         let mut sum = 0.0f64;
         for c in cand.iter_mut() {
             let p = ((c.0 - max) * inv_t).exp();
@@ -1487,14 +1503,11 @@ mod tests {
         let mut s = Sampler::for_request(cfg, &[0], 8, &[eos]).with_guide(Some(&table), &[0]);
         assert_eq!(s.sample(&[1.0, 0.0, 2.0], &mut buf), Ok(1));
         assert_eq!(s.sample(&[1.0, 0.0, -2.0], &mut buf), Ok(eos));
-        // A pick that slips past the guide (an infinite logit makes every weight NaN, and the fallback takes the
-        // row's argmax, "a") fails rather than leaving the guide behind the text.
+        // Infinite logits (every softmax weight would be NaN) do not get past the guide: of the two, the one it
+        // allows ("b") is taken, where the row's raw argmax ("a") would have left the guide behind the text.
         let cfg = SamplingParams { regex: Some(dfa), temperature: 1.0, seed: Some(2), ..SamplingParams::greedy() };
         let mut s = Sampler::for_request(cfg, &[0], 8, &[eos]).with_guide(Some(&table), &[0]);
-        assert_eq!(
-            s.sample(&[f32::INFINITY, f32::INFINITY, 0.0], &mut buf),
-            Err(SampleError::NoTokenFits { guide: "regex-guided", generated: 0 })
-        );
+        assert_eq!(s.sample(&[f32::INFINITY, f32::INFINITY, 0.0], &mut buf), Ok(1));
     }
 
     /// A grammar whose ambiguity outgrows the recognizer's work bound: favouring `a`, greedy follows it until the
@@ -1588,6 +1601,18 @@ mod tests {
         let h = histogram(&mut Sampler::new(allowed(cfg(1.0, 1.0, 0, 4), &[0, 3])), &probs, 20_000);
         assert_eq!((h[1], h[2]), (0, 0), "{h:?}");
         assert!((h[0] as f32 / 20_000.0 - 0.5).abs() < 0.015, "{h:?}");
+        // An infinite logit outside the allowed set does not get past it, sampled or greedy; one inside it wins.
+        let infinite = [1.0f32, f32::INFINITY, 2.0, 0.5];
+        for params in [cfg(1.0, 1.0, 0, 4), biased(SamplingParams::greedy(), &[(3, 0.5)])] {
+            let mut s = Sampler::new(allowed(params.clone(), &[0, 2]));
+            assert_eq!(s.sample(&infinite, &mut buf).unwrap(), 2, "{params:?}");
+            let mut s = Sampler::new(allowed(params.clone(), &[0, 1]));
+            assert_eq!(s.sample(&infinite, &mut buf).unwrap(), 1, "{params:?}");
+            // A row with no weight left in the allowed set (NaN and -inf) still keeps to it.
+            let weightless = [f32::NAN, 5.0, f32::NEG_INFINITY, 1.0];
+            let mut s = Sampler::new(allowed(params.clone(), &[2, 0]));
+            assert_eq!(s.sample(&weightless, &mut buf).unwrap(), 2, "{params:?}");
+        }
         // Bounds.
         assert!(check_allowed_tokens(&[0, 3, 3], 4).is_ok());
         assert!(check_allowed_tokens(&[4], 4).unwrap_err().contains("outside the vocabulary"));
