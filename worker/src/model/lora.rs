@@ -372,9 +372,9 @@ fn read_bounded(path: &Path, root: Option<&Path>, limit: u64) -> Result<Vec<u8>,
     if checked.len() > limit {
         return Err(too_large(checked.len()));
     }
-    let file = std::fs::File::open(&canonical).map_err(io)?;
+    let file = open_nonblocking(&canonical).map_err(io)?;
     // The file opened must be the one checked: a swap in between (by whoever can write the directory) could
-    // otherwise substitute another file.
+    // otherwise substitute another file, and a FIFO swapped in would block a plain open until a writer came.
     let opened = file.metadata().map_err(io)?;
     if !opened.is_file() || !same_file(&checked, &opened) {
         return Err(not_regular());
@@ -385,6 +385,19 @@ fn read_bounded(path: &Path, root: Option<&Path>, limit: u64) -> Result<Vec<u8>,
         return Err(too_large(bytes.len() as u64));
     }
     Ok(bytes)
+}
+
+/// Opens `path` for reading without waiting on it: a FIFO opens at once instead of blocking until a writer comes
+/// (the caller then refuses it); a regular file reads as it would anyway.
+#[cfg(unix)]
+fn open_nonblocking(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)
+}
+
+#[cfg(not(unix))]
+fn open_nonblocking(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::File::open(path)
 }
 
 #[cfg(unix)]
@@ -839,6 +852,14 @@ pub(crate) mod tests {
         assert!(made.success());
         let err = load_promptly(&d, Some(&root));
         assert!(err.contains("not a regular file"), "{err}");
+        // A FIFO swapped in between the type check and the open: the open itself returns at once, and what it
+        // opened is then refused as not the file checked.
+        let (fifo, (tx, rx)) = (weights.clone(), std::sync::mpsc::channel());
+        std::thread::spawn(move || {
+            let _ = tx.send(open_nonblocking(&fifo).and_then(|f| f.metadata()).map(|m| m.is_file()));
+        });
+        let opened = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("opening a FIFO did not block");
+        assert!(!opened.unwrap(), "a FIFO is no regular file");
 
         // A regular adapter file outside the root, through a link.
         let outside = dir("files-outside");
