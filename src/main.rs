@@ -38,6 +38,7 @@ use pagoda_kernels::{KvDtype, WeightType};
 use pagoda_kvstore::{Endpoints, EndpointsSource};
 use pagoda_router::{GgufCodec, RouterConfig, Security, TextCodec};
 use pagoda_worker::engine::{Device, Engine, EngineConfig, EngineHandle, LoraSpec};
+use pagoda_worker::engine::{MAX_RUNNING, MAX_STEP_TOKENS, MAX_THREADS};
 use pagoda_worker::evicpress::GreedyRule;
 use pagoda_worker::model::SyntheticSpec;
 use pagoda_worker::peer_link::LinkFactory;
@@ -220,14 +221,18 @@ struct EngineArgs {
     #[arg(long, default_value_t = 16,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BLOCK_SIZE as u64))]
     block_size: usize,
-    /// Token budget of one engine step (chunked prefill + decode).
-    #[arg(long, default_value_t = 512)]
+    /// Token budget of one engine step (chunked prefill + decode), 1 to 65,536 (the step's activations are sized
+    /// for it at start).
+    #[arg(long, default_value_t = 512,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_STEP_TOKENS as u64))]
     max_step_tokens: usize,
-    /// Most sequences running at once.
-    #[arg(long, default_value_t = 64)]
+    /// Most sequences running at once, 1 to 4,096.
+    #[arg(long, default_value_t = 64,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_RUNNING as u64))]
     max_running: usize,
-    /// Compute threads (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    /// Compute threads (0 = all cores), at most 1,024.
+    #[arg(long, default_value_t = 0,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=MAX_THREADS as u64))]
     threads: usize,
     /// Turn the prefix cache off.
     #[arg(long)]
@@ -490,8 +495,9 @@ fn lora_synth(a: &LoraSynthArgs) -> Result<()> {
 
 #[derive(Args, Clone)]
 struct HttpArgs {
-    /// Largest accepted request body, in bytes.
-    #[arg(long, default_value_t = pagoda_router::DEFAULT_BODY_LIMIT)]
+    /// Largest accepted request body, in bytes: 1 KiB to 1 GiB.
+    #[arg(long, default_value_t = pagoda_router::DEFAULT_BODY_LIMIT,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=1 << 30))]
     body_limit: usize,
     /// Serve the model under this id instead of the GGUF file stem.
     #[arg(long)]
@@ -771,8 +777,8 @@ struct KvstoreArgs {
     /// --etcd the node asks the registered nodes to add it.
     #[arg(long)]
     join: bool,
-    /// Snapshot and compact the raft log every this many applied entries.
-    #[arg(long, default_value_t = 10_000)]
+    /// Snapshot and compact the raft log every this many applied entries (at least 1).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     snapshot_every: u64,
     /// With --etcd and no --peer: wait until this many kvstore nodes (this one included) are registered and
     /// bootstrap the cluster from their registered raft addresses.
@@ -2378,7 +2384,7 @@ async fn kvstore(args: KvstoreArgs) -> Result<()> {
         bail!("--advertise is required when this node is not among the --peer entries");
     }
     cfg.join = args.join;
-    cfg.snapshot_every = args.snapshot_every.max(1);
+    cfg.snapshot_every = args.snapshot_every;
     let etcd = args.etcd.config()?;
     let registration = match &etcd {
         Some(etcd) => Some(discover_peers(&mut cfg, etcd.clone(), args.expect_voters).await?),
@@ -2577,6 +2583,15 @@ mod tests {
             ("pagoda no-such-subcommand", "unrecognized subcommand"),
             ("pagoda check-args -- pagoda up", "does not check itself"),
             ("pagoda worker --evicpress-profile-question=Who?", "applies to --tier-placement evicpress"),
+            ("pagoda up --threads=18446744073709551615", "invalid value"),
+            ("pagoda worker --threads=1025", "invalid value"),
+            ("pagoda worker --max-running=0", "invalid value"),
+            ("pagoda worker --max-running=4097", "invalid value"),
+            ("pagoda up --max-step-tokens=0", "invalid value"),
+            ("pagoda worker --max-step-tokens=65537", "invalid value"),
+            ("pagoda router --worker=127.0.0.1:1 --body-limit=0", "invalid value"),
+            ("pagoda up --body-limit=1073741825", "invalid value"),
+            ("pagoda kvstore --node-id=1 --snapshot-every=0", "invalid value"),
             ("pagoda worker --tier-placement=evicpress --evicpress-profile-question=", "cannot be empty"),
         ] {
             let err = format!("{:#}", check_args(&argv(line)).expect_err(line));

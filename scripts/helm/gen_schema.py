@@ -97,7 +97,8 @@ schema = obj({
     "router": obj({
         "replicas": integer(1),
         "port": PORT,
-        "bodyLimit": integer(0),
+        # `pagoda router --body-limit` (1 KiB to 1 GiB; 0: the binary's default).
+        "bodyLimit": {"anyOf": [{"const": 0}, integer(1024, 1 << 30)]},
         # `pagoda router --client-timeout-secs` (1 to 3600; 0: the binary's default).
         "clientTimeoutSecs": integer(0, 3600),
         # `pagoda router --remote-prefill-min-tokens` (0: no remote prefill).
@@ -142,9 +143,10 @@ schema = obj({
         "prefillReplicas": integer(0, 256),
         "numBlocks": integer(0),
         "blockSize": {"enum": [8, 16, 32, 64]},
-        "maxStepTokens": integer(1),
-        "maxRunning": integer(1),
-        "threads": integer(0),
+        # The binary's ranges (`pagoda_worker::engine::{MAX_STEP_TOKENS, MAX_RUNNING, MAX_THREADS}`).
+        "maxStepTokens": integer(1, 65536),
+        "maxRunning": integer(1, 4096),
+        "threads": integer(0, 1024),
         # `pagoda worker --device`: cuda runs the GPU runner from the `-cuda` image (Dockerfile.cuda).
         "device": {"enum": ["cpu", "cuda"]},
         "bf16Matmuls": BOOL,

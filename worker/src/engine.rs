@@ -613,6 +613,13 @@ fn policy_list(kinds: &[PolicyKind]) -> String {
     kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
 }
 
+/// The largest token budget of one step: the step's activations and logits are sized for it at start.
+pub const MAX_STEP_TOKENS: usize = 65_536;
+/// The most sequences running at once.
+pub const MAX_RUNNING: usize = 4096;
+/// The most compute threads (each helper polls between calls; more than the machine's cores only costs).
+pub const MAX_THREADS: usize = 1024;
+
 /// Compute threads for a requested count: 0 means every core.
 pub fn resolve_threads(threads: usize) -> usize {
     if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads }
@@ -986,6 +993,17 @@ impl Engine {
         if config.block_size == 0 || config.block_size > max_block {
             return Err(EngineError::Config(format!("block_size must be 1 to {max_block}")));
         }
+        for (name, value, max) in [
+            ("max_step_tokens", config.max_step_tokens, MAX_STEP_TOKENS),
+            ("max_running", config.max_running, MAX_RUNNING),
+        ] {
+            if value == 0 || value > max {
+                return Err(EngineError::Config(format!("{name} must be 1 to {max}, not {value}")));
+            }
+        }
+        if config.threads > MAX_THREADS {
+            return Err(EngineError::Config(format!("threads must be 0 (every core) to {MAX_THREADS}")));
+        }
         let (tx, rx) = mpsc::channel::<Command>();
         type Ready = (ModelInfo, Vec<PolicyKind>, AdapterRegistry);
         let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<Ready, EngineError>>(1);
@@ -1144,8 +1162,8 @@ fn open_placement(
 
 fn sched_config(cfg: &EngineConfig, info: &ModelInfo) -> SchedulerConfig {
     SchedulerConfig {
-        max_step_tokens: cfg.max_step_tokens.max(1),
-        max_running: cfg.max_running.max(1),
+        max_step_tokens: cfg.max_step_tokens,
+        max_running: cfg.max_running,
         enable_prefix_cache: cfg.enable_prefix_cache,
         max_model_len: info.context_length,
         model_id: info.model_id.clone(),
@@ -2761,6 +2779,23 @@ mod tests {
             assert!(matches!(&err, EngineError::Config(m) if m.contains("1 to 256")), "{bad}: {err}");
         }
         assert!(start(pagoda_kernels::codec::MAX_BLOCK_SIZE).is_ok());
+    }
+
+    #[test]
+    fn step_budget_running_limit_and_threads_out_of_range_are_refused_at_start() {
+        let start = |cfg: EngineConfig| Engine::start_with(cfg, |_| Ok(FakeRunner::new(32, 64, Duration::ZERO)));
+        let base = EngineConfig::default;
+        for (bad, what) in [
+            (EngineConfig { max_step_tokens: 0, ..base() }, "max_step_tokens"),
+            (EngineConfig { max_step_tokens: MAX_STEP_TOKENS + 1, ..base() }, "max_step_tokens"),
+            (EngineConfig { max_running: 0, ..base() }, "max_running"),
+            (EngineConfig { max_running: usize::MAX, ..base() }, "max_running"),
+            (EngineConfig { threads: usize::MAX, ..base() }, "threads"),
+        ] {
+            let Err(err) = start(bad) else { panic!("{what} out of range started") };
+            assert!(matches!(&err, EngineError::Config(m) if m.contains(what)), "{what}: {err}");
+        }
+        assert!(start(EngineConfig { max_step_tokens: MAX_STEP_TOKENS, max_running: MAX_RUNNING, ..base() }).is_ok());
     }
 
     /// A pool past the machine's memory, or past the address space, is a clear error at start, not an abort in
