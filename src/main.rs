@@ -1519,6 +1519,58 @@ fn shutdown_signal() -> watch::Receiver<bool> {
     rx
 }
 
+/// A process's drain trigger: SIGINT/SIGTERM ([`shutdown_signal`]), the engine thread stopping by itself (a
+/// panic), or a caller's [`Shutdown::stop_because`] (another embedded part that stopped). A part that stopped by
+/// itself is kept as the reason, and the process exits non-zero with it: a supervisor then restarts it, where it
+/// would otherwise stay up failing every request.
+struct Shutdown {
+    tx: Arc<watch::Sender<bool>>,
+    rx: watch::Receiver<bool>,
+    reason: Arc<std::sync::OnceLock<String>>,
+}
+
+/// How often the engine thread is checked for having stopped.
+const ENGINE_WATCH: Duration = Duration::from_millis(500);
+
+impl Shutdown {
+    fn on_signal_or_engine_exit(engine: &EngineHandle) -> Shutdown {
+        let signal = shutdown_signal();
+        let (tx, rx) = watch::channel(false);
+        let shutdown = Shutdown { tx: Arc::new(tx), rx, reason: Arc::new(std::sync::OnceLock::new()) };
+        let (tx, reason, engine) = (shutdown.tx.clone(), shutdown.reason.clone(), engine.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = wait_for(signal) => {}
+                _ = async { while engine.is_running() { tokio::time::sleep(ENGINE_WATCH).await } } => {
+                    let _ = reason.set("the engine stopped by itself".to_owned());
+                }
+                // Another trigger fired: nothing left to watch.
+                _ = wait_for(tx.subscribe()) => {}
+            }
+            let _ = tx.send(true);
+        });
+        shutdown
+    }
+
+    fn rx(&self) -> watch::Receiver<bool> {
+        self.rx.clone()
+    }
+
+    fn stop_because(&self, why: String) {
+        tracing::error!("{why}: shutting down");
+        let _ = self.reason.set(why);
+        let _ = self.tx.send(true);
+    }
+
+    /// What stopped by itself, if anything did: the process's exit error.
+    fn failure(&self) -> Result<()> {
+        match self.reason.get() {
+            Some(why) => Err(anyhow::anyhow!("{why}")),
+            None => Ok(()),
+        }
+    }
+}
+
 async fn wait_for(mut rx: watch::Receiver<bool>) {
     while !*rx.borrow() {
         if rx.changed().await.is_err() {
@@ -1607,8 +1659,8 @@ async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener> {
 async fn up(args: UpArgs) -> Result<()> {
     let security = load_security(&args.http)?;
     let model = resolve_model(&args.model)?;
-    let shutdown = shutdown_signal();
     let engine = start_engine(&model, &args.engine).await?;
+    let shutdown = Shutdown::on_signal_or_engine_exit(&engine);
     let worker_listener = bind(args.worker_listen, "worker").await?;
     let worker_addr = worker_listener.local_addr().context("worker address")?;
     let router_listener = bind(args.listen, "router").await?;
@@ -1621,7 +1673,7 @@ async fn up(args: UpArgs) -> Result<()> {
             (std::env::temp_dir().join(format!("{TEMP_KVSTORE_PREFIX}{}", std::process::id())), true)
         }
     };
-    let kvstore = pagoda_kvstore::start_embedded(kv_dir.clone(), args.kvstore_listen)
+    let mut kvstore = pagoda_kvstore::start_embedded(kv_dir.clone(), args.kvstore_listen)
         .await
         .with_context(|| format!("cannot start the embedded kvstore in {}", kv_dir.display()))?;
     let kv_addr = kvstore.addr.to_string();
@@ -1662,11 +1714,25 @@ async fn up(args: UpArgs) -> Result<()> {
         peer_fetch: None,
         report_progress: Some(reporter.progress.clone()),
     };
-    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), serving, shutdown.clone()));
-    let router_shutdown = wait_for(shutdown.clone());
-    let router_fut = pagoda_router::serve(router_listener, codec, config, router_shutdown);
-    let res = until_drained(router_fut, shutdown.clone()).await;
-    let _ = until_drained(worker_task, shutdown).await;
+    let worker_task = tokio::spawn(serve_worker(worker_listener, engine.clone(), serving, shutdown.rx()));
+    let router_fut = pagoda_router::serve(router_listener, codec, config, wait_for(shutdown.rx()));
+    tokio::pin!(router_fut);
+    // The embedded kvstore stopping by itself (a fatal storage error) drains the rest, as a signal would.
+    let res = tokio::select! {
+        r = &mut router_fut => Some(r),
+        r = kvstore.wait() => {
+            shutdown.stop_because(match r {
+                Ok(()) => "the embedded kvstore stopped".to_owned(),
+                Err(e) => format!("the embedded kvstore stopped: {e}"),
+            });
+            None
+        }
+    };
+    let res = match res {
+        Some(r) => Some(r),
+        None => until_drained(router_fut, shutdown.rx()).await,
+    };
+    let _ = until_drained(worker_task, shutdown.rx()).await;
     tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
     reporter.task.abort();
     if let Err(e) = kvstore.stop().await {
@@ -1675,10 +1741,10 @@ async fn up(args: UpArgs) -> Result<()> {
     if kv_dir_is_temp {
         let _ = std::fs::remove_dir_all(&kv_dir);
     }
-    match res {
-        Some(r) => r.context("router failed"),
-        None => Ok(()),
+    if let Some(r) = res {
+        r.context("router failed")?;
     }
+    shutdown.failure()
 }
 
 /// Name prefix of the embedded kvstore's directory when `up` runs without `--data-dir`; the process id follows.
@@ -1721,8 +1787,8 @@ fn hostname() -> String {
 async fn worker(args: WorkerArgs) -> Result<()> {
     args.tls.install()?;
     let model = resolve_model(&args.model)?;
-    let shutdown = shutdown_signal();
     let engine = start_engine(&model, &args.engine).await?;
+    let shutdown = Shutdown::on_signal_or_engine_exit(&engine);
     let listener = bind(args.listen, "worker").await?;
     let addr = listener.local_addr().context("worker address")?;
     let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("{}:{}", hostname(), addr.port()));
@@ -1766,8 +1832,8 @@ async fn worker(args: WorkerArgs) -> Result<()> {
         peer_fetch,
         report_progress: reporter.as_ref().map(|r| r.progress.clone()),
     };
-    let served = serve_worker(listener, engine.clone(), serving, shutdown.clone());
-    let res = until_drained(served, shutdown).await;
+    let served = serve_worker(listener, engine.clone(), serving, shutdown.rx());
+    let res = until_drained(served, shutdown.rx()).await;
     if let Some(r) = registration {
         r.stop().await;
     }
@@ -1775,10 +1841,10 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     if let Some(r) = reporter {
         r.task.abort();
     }
-    match res {
-        Some(r) => r.context("worker gRPC server failed"),
-        None => Ok(()),
+    if let Some(r) = res {
+        r.context("worker gRPC server failed")?;
     }
+    shutdown.failure()
 }
 
 async fn router(args: RouterArgs) -> Result<()> {

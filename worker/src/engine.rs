@@ -857,6 +857,13 @@ impl EngineHandle {
         self.inner.stats.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// Whether the engine thread is still there to serve: false once it has stopped (shut down, or died of a
+    /// panic). What serves it reports this as its health, and a process embedding it exits, so that a supervisor
+    /// restarts it rather than leaving it up and failing every request.
+    pub fn is_running(&self) -> bool {
+        self.inner.thread.lock().ok().and_then(|t| t.as_ref().map(|h| !h.is_finished())).unwrap_or(false)
+    }
+
     /// Stops the engine thread: in-flight requests get `Failed`. Blocks until the thread has exited.
     pub fn shutdown(&self) {
         let _ = self.send(Command::Shutdown);
@@ -2558,6 +2565,37 @@ mod tests {
         let (tokens, _) = collect(h.submit(req("after", vec![1, 2], 3)).unwrap());
         assert_eq!(tokens.len(), 3, "the engine goes on serving");
         h.shutdown();
+    }
+
+    /// An engine thread that dies (a runner that panics mid-step) reads as not running, as a shut-down one does; a
+    /// serving one reads as running.
+    #[test]
+    fn an_engine_thread_that_died_is_not_running() {
+        struct PanickingRunner(FakeRunner);
+        impl ModelRunner for PanickingRunner {
+            fn info(&self) -> &ModelInfo {
+                self.0.info()
+            }
+            fn forward(&mut self, _: &[StepSeq<'_>], _: &mut Vec<f32>) -> Result<(), EngineError> {
+                panic!("a runner bug");
+            }
+        }
+        let info = fake(64, 0).model_info().clone();
+        let h = Engine::start_with(EngineConfig { block_size: 4, ..EngineConfig::default() }, move |_| {
+            Ok(PanickingRunner(FakeRunner { info, delay: Duration::ZERO }))
+        })
+        .unwrap();
+        assert!(h.is_running());
+        let _ = collect(h.submit(req("boom", vec![1, 2], 3)).unwrap());
+        let t0 = Instant::now();
+        while h.is_running() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!h.is_running(), "the engine thread died");
+        let serving = fake(64, 0);
+        assert!(serving.is_running());
+        serving.shutdown();
+        assert!(!serving.is_running());
     }
 
     fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> (Vec<u32>, GenerateEvent) {
