@@ -87,41 +87,23 @@ pub async fn load(
 type Client = pagoda_proto::worker::worker_client::WorkerClient<tonic::transport::Channel>;
 
 async fn load_on(mut client: Client, name: String, path: String) -> Result<(), tonic::Status> {
-    client.load_lora(LoadLoraRequest { name, path }).await.map(|_| ())
+    client.load_lora(LoadLoraRequest { name, path, replace: false }).await.map(|_| ())
 }
 
-/// `load_inplace` on one worker. A worker refuses to load a name it holds, so the old adapter has to go before the
-/// new one comes in; unloading it first and then failing the load (a wrong path, a bad file) would leave the
-/// worker without it. So the new adapter is first loaded under a throwaway name, which runs every check the real
-/// load runs, and the old one is unloaded only once that worked.
+/// `load_inplace` on one worker: one call, which the worker carries out as one swap (the new adapter is checked
+/// before it takes the old one's slot). Replacing through separate unload and load calls could be cut off between
+/// them and leave the worker with neither adapter.
 async fn replace(mut client: Client, name: String, path: String) -> Result<(), tonic::Status> {
-    match client.load_lora(LoadLoraRequest { name: name.clone(), path: path.clone() }).await {
-        Ok(_) => return Ok(()),
-        Err(s) if s.code() == Code::AlreadyExists => {}
-        Err(s) => return Err(s),
+    match client.load_lora(LoadLoraRequest { name: name.clone(), path, replace: true }).await {
+        Ok(_) => Ok(()),
+        // Only a worker that ignores `replace` refuses a loaded name here; falling back to unload-then-load on it
+        // would bring back the gap this call closes.
+        Err(s) if s.code() == Code::AlreadyExists => Err(tonic::Status::failed_precondition(format!(
+            "cannot replace LoRA adapter {name:?} in place: this worker does not support in-place replacement \
+             (upgrade it, or unload the adapter and load it again)"
+        ))),
+        Err(s) => Err(s),
     }
-    let trial = format!("pagoda-replace-check-{:016x}", rand::random::<u64>());
-    match client.load_lora(LoadLoraRequest { name: trial.clone(), path: path.clone() }).await {
-        Ok(_) => {
-            if let Err(s) = client.unload_lora(UnloadLoraRequest { name: trial.clone() }).await {
-                tracing::warn!(adapter = %trial, error = s.message(), "cannot unload the trial copy of a LoRA adapter");
-            }
-        }
-        Err(s) if s.code() == Code::ResourceExhausted => {
-            return Err(tonic::Status::resource_exhausted(format!(
-                "cannot replace LoRA adapter {name:?}: the new adapter is checked in a free adapter slot before the \
-                 old one is unloaded, and this worker has none ({}); unload another adapter first",
-                s.message()
-            )));
-        }
-        Err(s) => return Err(s),
-    }
-    match client.unload_lora(UnloadLoraRequest { name: name.clone() }).await {
-        Ok(_) => {}
-        Err(s) if s.code() == Code::NotFound => {}
-        Err(s) => return Err(s),
-    }
-    load_on(client, name, path).await
 }
 
 /// `POST /v1/unload_lora_adapter`.
@@ -151,24 +133,31 @@ async fn fan_out<F, Fut>(
     call: F,
 ) -> Result<Json<LoraUpdate>, ApiError>
 where
-    F: Fn(Client) -> Fut,
-    Fut: std::future::Future<Output = Result<(), tonic::Status>>,
+    F: Fn(Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send + 'static,
 {
     let workers: Vec<_> = st.pool().workers().into_iter().filter(|w| w.status().ready).collect();
     if workers.is_empty() {
         return Err(crate::generate::no_ready_worker());
     }
-    let results = futures::future::join_all(workers.iter().map(|w| {
-        let fut = call(w.client());
-        async move {
-            match tokio::time::timeout(LOAD_TIMEOUT, fut).await {
-                Ok(r) => r,
-                Err(_) => Err(tonic::Status::deadline_exceeded("the worker did not answer in time")),
+    // A task of its own, so that a client that hangs up does not cut the update off with some workers done and
+    // others not, nor skip the probe that makes `/v1/models` and placement see it.
+    let calls = workers.clone();
+    let task = tokio::spawn(async move {
+        let results = futures::future::join_all(calls.iter().map(|w| {
+            let fut = call(w.client());
+            async move {
+                match tokio::time::timeout(LOAD_TIMEOUT, fut).await {
+                    Ok(r) => r,
+                    Err(_) => Err(tonic::Status::deadline_exceeded("the worker did not answer in time")),
+                }
             }
-        }
-    }))
-    .await;
-    futures::future::join_all(workers.iter().map(|w| w.probe())).await;
+        }))
+        .await;
+        futures::future::join_all(calls.iter().map(|w| w.probe())).await;
+        results
+    });
+    let results = task.await.map_err(|e| ApiError::internal(format!("the LoRA update task failed: {e}")))?;
     let outcomes: Vec<WorkerOutcome> = workers
         .iter()
         .zip(&results)

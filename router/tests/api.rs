@@ -97,6 +97,10 @@ struct Fake {
     lora_dir: bool,
     /// Loaded adapters: name → path.
     loras: Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
+    /// Every LoadLora and UnloadLora call, in order: `load NAME`, `replace NAME` or `unload NAME`.
+    lora_calls: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Every LoadLora takes this long before it changes anything (as reading a large adapter does).
+    lora_load_delay: Option<Duration>,
 }
 
 /// Most adapters the fake holds at once.
@@ -257,12 +261,18 @@ impl Worker for Fake {
                 "run-time LoRA loading is off on this worker: start it with --lora-dir",
             ));
         }
-        let pagoda_proto::worker::LoadLoraRequest { name, path } = req.into_inner();
+        let pagoda_proto::worker::LoadLoraRequest { name, path, replace } = req.into_inner();
+        self.lora_calls.lock().unwrap().push(format!("{} {name}", if replace { "replace" } else { "load" }));
+        if let Some(delay) = self.lora_load_delay {
+            tokio::time::sleep(delay).await;
+        }
         let mut loras = self.loras.lock().unwrap();
-        if loras.contains_key(&name) {
+        let present = loras.contains_key(&name);
+        if present && !replace {
             return Err(Status::already_exists(format!("LoRA adapter {name:?} is already loaded")));
         }
-        if loras.len() >= FAKE_MAX_LORAS {
+        // A replace takes the old adapter's slot, as the worker's does.
+        if !present && loras.len() >= FAKE_MAX_LORAS {
             return Err(Status::resource_exhausted(format!("{FAKE_MAX_LORAS} LoRA adapters are loaded already")));
         }
         if path.starts_with("missing") {
@@ -280,7 +290,9 @@ impl Worker for Fake {
         &self,
         req: Request<pagoda_proto::worker::UnloadLoraRequest>,
     ) -> Result<Response<pagoda_proto::worker::UnloadLoraResponse>, Status> {
-        match self.loras.lock().unwrap().remove(&req.into_inner().name) {
+        let name = req.into_inner().name;
+        self.lora_calls.lock().unwrap().push(format!("unload {name}"));
+        match self.loras.lock().unwrap().remove(&name) {
             Some(_) => Ok(Response::new(pagoda_proto::worker::UnloadLoraResponse {})),
             None => Err(Status::not_found("not loaded")),
         }
@@ -2541,12 +2553,12 @@ async fn dashboard_sessions_cannot_be_forged_from_the_admin_key_digest() {
 }
 
 /// `load_inplace` with a path that does not load leaves the adapter it was to replace loaded; one that loads
-/// replaces it; with no free slot to check the new one in, the old one stays. A load's NotFound is about its
-/// `lora_path`, not a missing model.
+/// replaces it, in one call to the worker (no trial copy, no unload), even with every slot taken. A load's NotFound
+/// is about its `lora_path`, not a missing model.
 #[tokio::test]
 async fn lora_load_inplace_keeps_the_old_adapter_when_the_new_one_fails() {
     let fake = Fake { lora_dir: true, ..Fake::default() };
-    let loras = fake.loras.clone();
+    let (loras, calls) = (fake.loras.clone(), fake.lora_calls.clone());
     let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
     let load = |name: &str, path: &str, inplace: bool| {
         c.post(
@@ -2574,12 +2586,48 @@ async fn lora_load_inplace_keeps_the_old_adapter_when_the_new_one_fails() {
         assert_eq!(load(name, name, false).await.0, 200);
     }
     let (s, body) = load("sql", "sql-v3", true).await;
-    let v = assert_error(s, &body, 400);
-    assert!(v["error"]["message"].as_str().unwrap().contains("free adapter slot"), "{v}");
-    assert!(loaded().contains(&pair("sql", "sql-v2")), "no slot to check it in: the old one stays");
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(
+        loaded(),
+        [pair("a1", "a1"), pair("a2", "a2"), pair("sql", "sql-v3")],
+        "a full worker replaces in the old one's slot"
+    );
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(
+        calls,
+        ["load sql", "replace sql", "replace sql", "load other", "load a1", "load a2", "replace sql"],
+        "one call per replacement, and never an unload or a trial copy"
+    );
 
     let (s, body) = c.post("/v1/unload_lora_adapter", json!({"lora_name": "nope"}).to_string()).await;
     assert_error(s, &body, 404);
+}
+
+/// A client that hangs up while an in-place replace is under way does not cut it off: the worker still gets its
+/// one replace call through, and ends with the new adapter.
+#[tokio::test]
+async fn lora_load_inplace_completes_when_the_client_hangs_up() {
+    let fake = Fake { lora_dir: true, lora_load_delay: Some(Duration::from_millis(400)), ..Fake::default() };
+    let (loras, calls) = (fake.loras.clone(), fake.lora_calls.clone());
+    let c = cluster_of(fake, pagoda_router::DEFAULT_BODY_LIMIT).await;
+    let (s, body) = c.post("/v1/load_lora_adapter", json!({"lora_name": "sql", "lora_path": "v1"}).to_string()).await;
+    assert_eq!(s, 200, "{body}");
+    let replace = json!({"lora_name": "sql", "lora_path": "v2", "load_inplace": true});
+    let sent = c
+        .client
+        .post(format!("{}/v1/load_lora_adapter", c.http))
+        .header("content-type", "application/json")
+        .body(replace.to_string())
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(sent.is_err_and(|e| e.is_timeout()), "the client was to hang up before the worker answered");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while loras.lock().unwrap().get("sql").map(String::as_str) != Some("v2") {
+        assert!(tokio::time::Instant::now() < deadline, "the replace was cut off: {:?}", loras.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(*calls.lock().unwrap(), ["load sql", "replace sql"]);
 }
 
 /// A remote prefill runs with the tenant's weight, as the decode request does, so fair scheduling on the prefill

@@ -213,7 +213,7 @@ impl AdapterRegistry {
         }
         let started = Instant::now();
         let adapter = self.read_adapter(name, &dir, root, shape)?;
-        let adapter = self.insert(name, adapter, Origin::OnDemand, started.elapsed())?;
+        let adapter = self.insert(name, adapter, Origin::OnDemand, started.elapsed(), false)?;
         log_loaded(&adapter, &dir, "on demand");
         Ok(adapter)
     }
@@ -252,8 +252,34 @@ impl AdapterRegistry {
         let dir = resolve_under(root, path)?;
         let started = Instant::now();
         let adapter = self.read_adapter(name, &dir, root, shape)?;
-        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed())?;
+        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed(), false)?;
         log_loaded(&adapter, &dir, "run time");
+        Ok(adapter)
+    }
+
+    /// Loads the adapter at `path` under `name` in place of the one loaded under that name now (vLLM's
+    /// `load_inplace`), or as [`AdapterRegistry::load`] does when none is. The new files are read and checked
+    /// before the map is touched, and the swap is one write under the map's lock: a request sees the old adapter or
+    /// the new one, never neither, and a refused adapter leaves the old one serving. The swap reuses the old one's
+    /// slot, so a full map neither refuses it nor gives up an on-demand adapter for it. Requests already holding
+    /// the old `Arc` finish with it.
+    pub fn replace(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
+        let Some(root) = &self.runtime_dir else { return Err(AdapterError::RuntimeOff) };
+        let Some(shape) = &self.shape else { return Err(AdapterError::RuntimeOff) };
+        check_lora_name(name).map_err(AdapterError::Invalid)?;
+        if name == self.base_model {
+            return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
+        }
+        let _one_load = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        // Only a new name needs a slot; the room check is repeated under the write lock in `insert`.
+        if !self.read().contains_key(name) && !self.has_room() {
+            return Err(AdapterError::Full(self.read().len()));
+        }
+        let dir = resolve_under(root, path)?;
+        let started = Instant::now();
+        let adapter = self.read_adapter(name, &dir, root, shape)?;
+        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed(), true)?;
+        log_loaded(&adapter, &dir, "run time, in place");
         Ok(adapter)
     }
 
@@ -314,21 +340,25 @@ impl AdapterRegistry {
     }
 
     /// Puts `adapter` in the map under `name`, evicting the least recently used idle on-demand adapter when the map
-    /// is full, and counts the load of `took`.
+    /// is full, and counts the load of `took`. With `swap`, an adapter loaded under `name` is replaced in its slot
+    /// instead of refusing the name as existing.
     fn insert(
         &self,
         name: &str,
         adapter: LoraAdapter,
         origin: Origin,
         took: Duration,
+        swap: bool,
     ) -> Result<Arc<LoraAdapter>, AdapterError> {
         let adapter = Arc::new(adapter);
         let mut loaded = self.write();
-        if loaded.contains_key(name) {
+        let present = loaded.contains_key(name);
+        if present && !swap {
             return Err(AdapterError::Exists(name.to_string()));
         }
         let mut evicted = None;
-        if loaded.len() >= self.max_loaded {
+        // A swap keeps the count: only a new name may need a slot freed.
+        if !present && loaded.len() >= self.max_loaded {
             let victim = if self.on_demand { evictable(&loaded) } else { None };
             let Some(victim) = victim else {
                 return Err(match origin {
@@ -483,5 +513,68 @@ mod tests {
         let r = Arc::clone(&registry);
         assert!(promptly(move || r.load("good", "good").is_ok()));
         let _ = std::fs::remove_dir_all(&base);
+    }
+    /// A replace swaps the adapter in one step: a reader running throughout always finds one under the name (the
+    /// old one, then the new one). With every slot taken it still goes through and evicts nothing; a replacement
+    /// whose files do not load leaves the old adapter serving.
+    #[test]
+    fn replace_swaps_in_one_step_in_a_full_map_and_keeps_the_old_adapter_when_the_new_one_fails() {
+        let root = std::env::temp_dir().join(format!("pagoda-adapters-replace-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for (dir, seed) in [("v1", 1), ("v2", 2), ("idle", 3)] {
+            write_synthetic_peft(&root.join(dir), &shape(), &SyntheticLora { rank: 2, seed, ..Default::default() })
+                .unwrap();
+        }
+        std::fs::create_dir_all(root.join("broken")).unwrap();
+        std::fs::write(root.join("broken").join("adapter_config.json"), "{").unwrap();
+        let cfg = EngineConfig {
+            lora_dir: Some(root.clone()),
+            lora_on_demand: true,
+            max_loras: 2,
+            ..EngineConfig::default()
+        };
+        let registry = Arc::new(AdapterRegistry::open(Some(shape()), "base", &cfg).unwrap());
+        let old = registry.load("sql", "v1").unwrap();
+        // An idle on-demand adapter fills the map: a load that wanted a slot would evict it.
+        registry.resolve("idle").unwrap();
+        assert_eq!(registry.list().len(), 2);
+
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (registry, stop) = (Arc::clone(&registry), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut seen = HashSet::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let adapter = registry.get("sql").expect("the adapter was missing during the replace");
+                    seen.insert(adapter.cache_id().to_string());
+                }
+                seen
+            })
+        };
+        let new = registry.replace("sql", "v2").unwrap();
+        // Let the reader see the new one too before it stops.
+        std::thread::sleep(Duration::from_millis(20));
+        stop.store(true, Ordering::Relaxed);
+        let seen = reader.join().unwrap();
+        assert_ne!(old.cache_id(), new.cache_id());
+        assert!(seen.iter().all(|id| id == old.cache_id() || id == new.cache_id()), "{seen:?}");
+        assert_eq!(registry.get("sql").unwrap().cache_id(), new.cache_id());
+        let names: Vec<String> = registry.list().iter().map(|a| a.name().to_string()).collect();
+        assert_eq!(names, ["idle", "sql"], "nothing was evicted for the replace");
+        assert_eq!(registry.counters().evictions, 0);
+        // The request that held the old adapter still has it, intact.
+        assert_eq!(old.name(), "sql");
+
+        for path in ["broken", "missing", "../v1"] {
+            let err = registry.replace("sql", path).unwrap_err();
+            assert!(matches!(err, AdapterError::Invalid(_)), "{path}: {err}");
+            assert_eq!(registry.get("sql").unwrap().cache_id(), new.cache_id(), "{path}: the old one stays");
+        }
+        // A name not loaded yet needs a slot like any load; the idle on-demand one gives way for it.
+        registry.replace("fresh", "v1").unwrap();
+        let names: Vec<String> = registry.list().iter().map(|a| a.name().to_string()).collect();
+        assert_eq!(names, ["fresh", "sql"]);
+        assert!(matches!(registry.replace("more", "v1"), Err(AdapterError::Full(2))));
+        let _ = std::fs::remove_dir_all(&root);
     }
 }

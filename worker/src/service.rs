@@ -901,12 +901,19 @@ impl Worker for WorkerService {
     }
 
     async fn load_lora(&self, request: Request<pb::LoadLoraRequest>) -> Result<Response<pb::LoadLoraResponse>, Status> {
-        let pb::LoadLoraRequest { name, path } = request.into_inner();
+        let pb::LoadLoraRequest { name, path, replace } = request.into_inner();
         let engine = self.engine.clone();
-        // Reading an adapter's weights (up to 2 GiB) must not hold a runtime thread.
-        let loaded = tokio::task::spawn_blocking(move || engine.load_lora(&name, &path))
-            .await
-            .map_err(|e| Status::internal(format!("loading the adapter panicked: {e}")))?;
+        // Reading an adapter's weights (up to 2 GiB) must not hold a runtime thread. The blocking task runs to the
+        // end even when the caller goes away, so a replace is never left half done.
+        let loaded = tokio::task::spawn_blocking(move || {
+            if replace {
+                engine.lora_registry().replace(&name, &path).map_err(EngineError::Lora)
+            } else {
+                engine.load_lora(&name, &path)
+            }
+        })
+        .await
+        .map_err(|e| Status::internal(format!("loading the adapter panicked: {e}")))?;
         let adapter = loaded.map_err(|e| status_from_engine(&e))?;
         Ok(Response::new(pb::LoadLoraResponse { adapter: Some(lora_info(&adapter, Origin::Admin)) }))
     }
