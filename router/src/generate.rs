@@ -360,7 +360,6 @@ impl Generation {
         }
     }
 
-    /// The candidates for the next attempt, best first, without the workers that failed this request.
     /// The job's training queries for an attempt whose prompt is `prompt_len` tokens. A migrated attempt's prompt
     /// carries the tokens generated so far, and a query that fitted beside the original prompt may no longer fit
     /// beside it: the queries are then left out, since they only steer placement and must not fail the request.
@@ -381,7 +380,8 @@ impl Generation {
         queries.iter().map(|q| ProfileQuery { token_ids: q.clone() }).collect()
     }
 
-    /// The candidates for `prompt`, and its shape (its block hashes), which a remote prefill places again.
+    /// The candidates for `prompt`, best first, without the workers that failed this request, and its shape (its
+    /// block hashes), which a remote prefill places again.
     fn place(&self, prompt: &[u32], max_tokens: u32) -> Result<(Vec<Candidate>, RequestShape), ApiError> {
         let pool = &self.ctx.pool;
         let shape = RequestShape::of(
@@ -392,7 +392,8 @@ impl Generation {
             &self.job.params,
             max_tokens,
         )?;
-        let place = shape.request(&self.job.request_id);
+        let mut place = shape.request(&self.job.request_id);
+        place.exclude = &self.excluded;
         let span = spans::place_span(pool.strategy_name(), pool.workers().len());
         let started = Instant::now();
         let placed = pool.place(&place);
@@ -406,7 +407,7 @@ impl Generation {
             Err(e) => spans::placed(&span, "", &e.to_string()),
         }
         match placed {
-            Ok(c) => Ok((c.into_iter().filter(|c| !self.excluded.contains(&c.worker.addr)).collect(), shape)),
+            Ok(c) => Ok((c, shape)),
             Err(PlacementError::NoReadyWorker) => Err(no_ready_worker()),
             Err(e) => Err(ApiError::internal(format!("placement failed: {e}"))),
         }
@@ -432,10 +433,8 @@ impl Generation {
         // The prefill worker generates one token.
         let mut place = shape.request(&self.job.request_id);
         place.view.max_tokens = 1;
+        place.exclude = &self.excluded;
         let worker = pool.place_remote_prefill(&place)?;
-        if self.excluded.contains(&worker.addr) {
-            return None;
-        }
         if disagg::queue_full(worker.load().queued_tokens(), max_queued) {
             self.ctx.metrics.count_remote_prefill_skipped("queue_full");
             return None;
@@ -963,6 +962,7 @@ impl RequestShape {
             view: self.view,
             publishes_prefix: self.publishes_prefix,
             lora: self.lora.as_deref(),
+            exclude: &[],
         }
     }
 }

@@ -145,4 +145,19 @@ mod tests {
         m.apply(MembershipEvent::Left("new".into())).await;
         assert!(addresses(&m).is_empty());
     }
+
+    #[tokio::test]
+    async fn a_lease_blip_keeps_the_load_of_the_requests_still_running() {
+        let mut m = membership(&[]);
+        m.apply(member("w1", "127.0.0.1:1")).await;
+        let load = m.pool.find("127.0.0.1:1").unwrap().load().clone();
+        let mut running = crate::workers::InFlight::new(load, 10);
+        running.first_token();
+        m.apply(MembershipEvent::Left("w1".into())).await;
+        m.apply(member("w1", "127.0.0.1:1")).await;
+        let back = m.pool.find("127.0.0.1:1").unwrap();
+        assert_eq!(back.load().decoding(), 1);
+        drop(running);
+        assert_eq!(back.load().decoding(), 0);
+    }
 }

@@ -161,6 +161,10 @@ pub struct PlaceRequest<'a> {
     /// candidates (the pool leaves the others out of the snapshots, and charges a worker that must load it the
     /// load's time in [`WorkerSnapshot::adapter_load_s`]; the selectors never see the adapter).
     pub lora: Option<&'a str>,
+    /// Workers (by address) this request already failed on. They count as not ready, so that neither the decision
+    /// nor the residency prediction goes to a worker the request will not use: a worker that answered Busy stays
+    /// ready for everybody else, and would otherwise keep winning this request's prefix without serving it.
+    pub exclude: &'a [String],
 }
 
 const RECENT_DECISIONS: usize = 64;
@@ -412,6 +416,7 @@ mod tests {
             },
             publishes_prefix: true,
             lora: None,
+            exclude: &[],
         }
     }
 

@@ -9,7 +9,7 @@
 //! flight keep their `Arc<Worker>` and finish on it.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use pagoda_proto::worker::worker_client::WorkerClient;
@@ -454,10 +454,21 @@ pub struct Candidate {
     pub cached_tokens: u64,
 }
 
+/// Who is in the pool, and the load records removed workers left behind.
+#[derive(Default)]
+struct Table {
+    slots: Arc<Vec<Option<Arc<Worker>>>>,
+    /// The load records of removed workers, by address, for as long as something (a request in flight) holds
+    /// them: a worker that leaves and comes back at the same address (a lost registry lease) gets its record back,
+    /// or placement would take it for idle while the requests it still runs count down a record nobody reads.
+    departed: Vec<(String, Weak<WorkerLoad>)>,
+}
+
 /// The worker list.
 pub struct WorkerPool {
-    // std RwLock: only held to clone or replace the Arc, never across an await.
-    slots: std::sync::RwLock<Arc<Vec<Option<Arc<Worker>>>>>,
+    // std RwLock: only held to clone or replace the slot table, never across an await. Replaced only under the
+    // placer lock too, so that a placement sees the same workers from its snapshot to its residency prediction.
+    table: std::sync::RwLock<Table>,
     registry: Mutex<RegistryStatus>,
     next: AtomicUsize,
     // std Mutex: placement is synchronous and short (tens of microseconds); never held across an await.
@@ -495,7 +506,7 @@ impl WorkerPool {
             workers.push(Some(Arc::new(Worker::connect(a)?)));
         }
         Ok(WorkerPool {
-            slots: std::sync::RwLock::new(Arc::new(workers)),
+            table: std::sync::RwLock::new(Table { slots: Arc::new(workers), departed: Vec::new() }),
             registry: Mutex::new(RegistryStatus::default()),
             next: AtomicUsize::new(0),
             placer: Mutex::new(Placer::new(placement)),
@@ -520,7 +531,7 @@ impl WorkerPool {
 
     /// The slot table: index = the worker's slot in the residency index; `None` = a free slot.
     pub fn slots(&self) -> Arc<Vec<Option<Arc<Worker>>>> {
-        self.slots.read().map(|s| s.clone()).unwrap_or_default()
+        self.table.read().map(|t| t.slots.clone()).unwrap_or_default()
     }
 
     /// Each slot's worker address (empty for a free slot), for the feed's status.
@@ -531,28 +542,35 @@ impl WorkerPool {
     /// Adds the worker at `addr` unless it is in the pool; returns it when it is new. Its residency is learned
     /// from the next directory snapshot (the feed resynchronises on the id generation bump).
     pub fn add(&self, addr: &str) -> Result<Option<Arc<Worker>>, String> {
-        let worker = Arc::new(Worker::connect(addr)?);
-        let slot = {
-            let mut guard = self.slots.write().map_err(|_| "worker table poisoned".to_string())?;
-            if guard.iter().flatten().any(|w| strip_scheme(&w.addr) == strip_scheme(addr)) {
-                return Ok(None);
+        let mut worker = Worker::connect(addr)?;
+        let mut placer = self.placer.lock().map_err(|_| "placer poisoned".to_string())?;
+        let mut table = self.table.write().map_err(|_| "worker table poisoned".to_string())?;
+        let same = |a: &str| strip_scheme(a) == strip_scheme(addr);
+        if table.slots.iter().flatten().any(|w| same(&w.addr)) {
+            return Ok(None);
+        }
+        let mut next: Vec<Option<Arc<Worker>>> = table.slots.as_ref().clone();
+        let slot = match next.iter().position(Option::is_none) {
+            Some(free) => free,
+            None if next.len() < MAX_WORKER_SLOTS => {
+                next.push(None);
+                next.len() - 1
             }
-            let mut next: Vec<Option<Arc<Worker>>> = guard.as_ref().clone();
-            let slot = match next.iter().position(Option::is_none) {
-                Some(free) => free,
-                None if next.len() < MAX_WORKER_SLOTS => {
-                    next.push(None);
-                    next.len() - 1
-                }
-                None => return Err(format!("the pool is full ({MAX_WORKER_SLOTS} workers)")),
-            };
-            next[slot] = Some(worker.clone());
-            *guard = Arc::new(next);
-            slot
+            None => return Err(format!("the pool is full ({MAX_WORKER_SLOTS} workers)")),
         };
+        table.departed.retain(|(_, load)| load.strong_count() > 0);
+        if let Some(i) = table.departed.iter().position(|(a, _)| same(a)) {
+            let (_, load) = table.departed.swap_remove(i);
+            if let Some(load) = load.upgrade() {
+                worker.load = load;
+            }
+        }
+        let worker = Arc::new(worker);
+        next[slot] = Some(worker.clone());
+        table.slots = Arc::new(next);
         // A reused slot may still carry this router's predictions for its previous worker.
         if let Ok(idx) = WorkerIdx::try_from(slot) {
-            self.with_index(|i| i.remove_worker(idx));
+            placer.index_mut().remove_worker(idx);
         }
         self.id_generation.fetch_add(1, Ordering::Relaxed);
         Ok(Some(worker))
@@ -561,20 +579,21 @@ impl WorkerPool {
     /// Removes the worker at `addr` and everything the residency index holds for it; returns whether it was there.
     /// Requests already running on it go on (they hold the worker); no new one is placed there.
     pub fn remove(&self, addr: &str) -> bool {
-        let slot = {
-            let Ok(mut guard) = self.slots.write() else { return false };
-            let Some(slot) =
-                guard.iter().position(|w| w.as_ref().is_some_and(|w| strip_scheme(&w.addr) == strip_scheme(addr)))
-            else {
-                return false;
-            };
-            let mut next: Vec<Option<Arc<Worker>>> = guard.as_ref().clone();
-            next[slot] = None;
-            *guard = Arc::new(next);
-            slot
+        let Ok(mut placer) = self.placer.lock() else { return false };
+        let Ok(mut table) = self.table.write() else { return false };
+        let Some(slot) =
+            table.slots.iter().position(|w| w.as_ref().is_some_and(|w| strip_scheme(&w.addr) == strip_scheme(addr)))
+        else {
+            return false;
         };
+        let mut next: Vec<Option<Arc<Worker>>> = table.slots.as_ref().clone();
+        if let Some(gone) = next[slot].take() {
+            table.departed.retain(|(_, load)| load.strong_count() > 0);
+            table.departed.push((gone.addr.clone(), Arc::downgrade(&gone.load)));
+        }
+        table.slots = Arc::new(next);
         if let Ok(idx) = WorkerIdx::try_from(slot) {
-            self.with_index(|i| i.remove_worker(idx));
+            placer.index_mut().remove_worker(idx);
         }
         true
     }
@@ -638,15 +657,17 @@ impl WorkerPool {
     }
 
     fn place_for(&self, req: &PlaceRequest<'_>, purpose: Purpose) -> Result<Vec<Candidate>, PlacementError> {
+        // The table is read under the placer lock: a slot emptied and refilled between the read and the decision
+        // would hand the old worker's residency prediction to the new one.
+        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
-        let snaps = self.snapshots(&slots, &names, purpose, req.lora);
+        let snaps = self.snapshots(&slots, &names, purpose, req);
         if purpose == Purpose::RemotePrefill && !snaps.iter().any(|s| s.ready) {
             // Asked on every long prompt: without a prefill worker it must leave no decision (nor move the
             // round-robin cursor).
             return Err(PlacementError::NoReadyWorker);
         }
-        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let order = placer.order_for(req, &snaps, &names, purpose)?;
         Ok(order
             .into_iter()
@@ -662,22 +683,23 @@ impl WorkerPool {
 
     /// The decision [`WorkerPool::place`] would make for `req` now, without making it (see [`Placer::explain`]).
     pub fn explain(&self, req: &PlaceRequest<'_>) -> Result<DecisionRecord, PlacementError> {
+        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
         let slots = self.slots();
         let names: Vec<&str> = slots.iter().map(|w| w.as_ref().map_or("", |w| w.addr.as_str())).collect();
-        let snaps = self.snapshots(&slots, &names, Purpose::Whole, req.lora);
-        let mut placer = self.placer.lock().map_err(|_| PlacementError::NoReadyWorker)?;
+        let snaps = self.snapshots(&slots, &names, Purpose::Whole, req);
         placer.explain(req, &snaps, &names)
     }
 
-    /// What placement knows about each slot's worker now, for a placement of `purpose` of a request that runs with
-    /// the adapter `lora`: a worker whose role does not take it, or that lacks the adapter, counts as not ready.
+    /// What placement knows about each slot's worker now, for a placement of `purpose` of `req`: a worker whose
+    /// role does not take it, that lacks its adapter, or that it already failed on, counts as not ready.
     fn snapshots(
         &self,
         slots: &[Option<Arc<Worker>>],
         names: &[&str],
         purpose: Purpose,
-        lora: Option<&str>,
+        req: &PlaceRequest<'_>,
     ) -> Vec<WorkerSnapshot> {
+        let lora = req.lora;
         let statuses: Vec<Option<WorkerStatus>> = slots.iter().map(|w| w.as_ref().map(|w| w.status())).collect();
         // A worker that has not loaded an adapter yet is charged what loads took on the others: a guess of its own
         // would make it look cheaper or dearer than the measured ones for no reason.
@@ -697,7 +719,9 @@ impl WorkerPool {
                 let slot = lora.map(|name| st.lora_slot(name, &w.load));
                 *blocked = slot == Some(LoraSlot::Blocked);
                 let snap = WorkerSnapshot {
-                    ready: st.ready && lora.is_none_or(|name| st.can_serve_lora(name)),
+                    ready: st.ready
+                        && !req.exclude.contains(&w.addr)
+                        && lora.is_none_or(|name| st.can_serve_lora(name)),
                     adapter_load_s: slot.map_or(0.0, |slot| st.lora_load_cost(slot, unmeasured)),
                     queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
                     decoding: w.load.decoding.load(Ordering::Relaxed),
@@ -861,13 +885,20 @@ mod tests {
             hashes: &hashes[..8],
             view: view(130),
             publishes_prefix: true,
+            exclude: &[],
             lora: None,
         };
         let c = pool.place(&first).unwrap();
         assert_eq!(c[0].cached_tokens, 0, "nothing is cached yet");
         // The same conversation, longer: its first 8 blocks are predicted on the worker that took r1.
-        let next =
-            PlaceRequest { request_id: "r2", hashes: &hashes, view: view(200), publishes_prefix: true, lora: None };
+        let next = PlaceRequest {
+            request_id: "r2",
+            hashes: &hashes,
+            view: view(200),
+            publishes_prefix: true,
+            exclude: &[],
+            lora: None,
+        };
         let c2 = pool.place(&next).unwrap();
         assert_eq!(c2[0].worker.addr, c[0].worker.addr);
         assert_eq!(c2[0].cached_tokens, 8 * 16);
@@ -881,9 +912,64 @@ mod tests {
             hashes: &hashes[..8],
             view: view(128),
             publishes_prefix: true,
+            exclude: &[],
             lora: None,
         };
         assert_eq!(pool.place(&again).unwrap()[0].cached_tokens, 127);
+    }
+
+    #[tokio::test]
+    async fn a_retry_places_and_predicts_on_a_worker_it_has_not_failed_on() {
+        let addrs = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        for w in pool.workers() {
+            w.set_status(WorkerStatus { ready: true, free_blocks: 1 << 20, kv_group_size: 90, ..Default::default() });
+        }
+        // Worker 2 has a little queued, so a fresh prefix would go to worker 1 (the one that just failed).
+        let queued = InFlight::new(pool.workers()[1].load().clone(), 16);
+        let view = RequestView { prompt_tokens: 130, max_tokens: 16, block_size: 16, budget_tokens: None };
+        let hashes: Vec<u64> = (1..=8).collect();
+        let failed = [addrs[0].clone()];
+        let retry = PlaceRequest {
+            request_id: "r1",
+            hashes: &hashes,
+            view,
+            publishes_prefix: true,
+            lora: None,
+            exclude: &failed,
+        };
+        let c = pool.place(&retry).unwrap();
+        let tried: Vec<&str> = c.iter().map(|c| c.worker.addr.as_str()).collect();
+        assert_eq!(tried, [addrs[1].as_str()], "the failed worker is no candidate");
+        // The prediction went to the worker that served: the same prefix now goes there, and finds it cached.
+        let next = PlaceRequest { exclude: &[], request_id: "r2", ..retry };
+        let c = pool.place(&next).unwrap();
+        assert_eq!(c[0].worker.addr, addrs[1]);
+        assert_eq!(c[0].cached_tokens, 8 * 16);
+        let decision = &pool.recent_decisions()[0];
+        let hits = |addr: &str| decision.candidates.iter().find(|c| c.worker == addr).map(|c| c.hits_device);
+        assert_eq!((hits(&addrs[0]), hits(&addrs[1])), (Some(0), Some(8)), "nothing was predicted on the failed one");
+        drop(queued);
+    }
+
+    #[tokio::test]
+    async fn a_worker_back_after_a_lease_blip_keeps_counting_the_requests_it_still_runs() {
+        let pool = WorkerPool::dynamic(&[], PlacerConfig::default()).unwrap();
+        let first = pool.add("127.0.0.1:1").unwrap().unwrap();
+        let mut running = InFlight::new(first.load().clone(), 40);
+        running.first_token();
+        assert!(pool.remove("127.0.0.1:1"));
+        drop(first);
+        let back = pool.add("http://127.0.0.1:1").unwrap().unwrap();
+        assert_eq!((back.load().decoding(), back.load().queued_tokens()), (1, 0), "still decoding there");
+        drop(running);
+        assert_eq!((back.load().decoding(), back.load().queued_tokens()), (0, 0));
+        // Once nothing holds the old record, a worker coming back starts from it no more.
+        assert!(pool.remove("127.0.0.1:1"));
+        drop(back);
+        let fresh = pool.add("127.0.0.1:1").unwrap().unwrap();
+        assert!(pool.table.read().unwrap().departed.is_empty(), "dead records are dropped");
+        assert_eq!(fresh.load().decoding(), 0);
     }
 
     #[tokio::test]
@@ -912,7 +998,8 @@ mod tests {
         let view = RequestView { prompt_tokens: 40, max_tokens: 16, block_size: 16, budget_tokens: None };
         let hashes: Vec<u64> = (1..=2).collect();
         let addrs_for = |lora: Option<&str>| -> Vec<String> {
-            let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora };
+            let req =
+                PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, exclude: &[], lora };
             let mut a: Vec<String> = pool.place(&req).unwrap().into_iter().map(|c| c.worker.addr.clone()).collect();
             a.sort();
             a
@@ -924,7 +1011,14 @@ mod tests {
         pool.workers()[2].mark_down("gone".into());
         assert_eq!(pool.lora_cache_id("chat"), None);
         assert_eq!(addrs_for(Some("sql")), vec!["127.0.0.1:2"]);
-        let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora: Some("chat") };
+        let req = PlaceRequest {
+            request_id: "r",
+            hashes: &hashes,
+            view,
+            publishes_prefix: true,
+            exclude: &[],
+            lora: Some("chat"),
+        };
         assert!(pool.place(&req).is_err());
     }
 
@@ -963,7 +1057,14 @@ mod tests {
         let view = RequestView { prompt_tokens: 40, max_tokens: 16, block_size: 16, budget_tokens: None };
         let hashes: Vec<u64> = (1..=2).collect();
         let place = |lora: &str| -> Vec<String> {
-            let req = PlaceRequest { request_id: "r", hashes: &hashes, view, publishes_prefix: true, lora: Some(lora) };
+            let req = PlaceRequest {
+                request_id: "r",
+                hashes: &hashes,
+                view,
+                publishes_prefix: true,
+                exclude: &[],
+                lora: Some(lora),
+            };
             pool.place(&req).unwrap().into_iter().map(|c| c.worker.addr.clone()).collect()
         };
         assert_eq!(place("a"), vec![addrs[0].clone(), addrs[1].clone()], "loaded first, then loadable; 3 never");
@@ -1019,7 +1120,14 @@ mod tests {
         let hashes: Vec<u64> = (1..=18).collect();
         for i in 0..6 {
             let id = format!("r{i}");
-            let req = PlaceRequest { request_id: &id, hashes: &hashes, view, publishes_prefix: true, lora: None };
+            let req = PlaceRequest {
+                request_id: &id,
+                hashes: &hashes,
+                view,
+                publishes_prefix: true,
+                exclude: &[],
+                lora: None,
+            };
             let whole: Vec<String> = pool.place(&req).unwrap().iter().map(|c| c.worker.addr.clone()).collect();
             assert!(!whole.contains(&addrs[0]), "a prefill worker takes no whole request: {whole:?}");
             assert_eq!(whole.len(), 2);
@@ -1027,7 +1135,8 @@ mod tests {
         }
         // Without a ready prefill worker there is no remote prefill; with only prefill workers ready they serve.
         pool.workers()[0].mark_down("gone".into());
-        let req = PlaceRequest { request_id: "x", hashes: &hashes, view, publishes_prefix: true, lora: None };
+        let req =
+            PlaceRequest { request_id: "x", hashes: &hashes, view, publishes_prefix: true, exclude: &[], lora: None };
         assert!(pool.place_remote_prefill(&req).is_none());
         pool.workers()[0].set_status(WorkerStatus {
             ready: true,
