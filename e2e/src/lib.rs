@@ -133,6 +133,18 @@ impl Proc {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Waits up to `timeout` for the process to exit by itself; its exit status, or `None` if it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                _ => return None,
+            }
+        }
+    }
+
     /// Sends SIGTERM (a graceful shutdown) and waits up to `timeout` for the process to exit; returns whether it
     /// did.
     pub fn terminate(&mut self, timeout: Duration) -> Result<bool> {

@@ -1118,6 +1118,58 @@ impl Drop for SmallTmpfs {
     }
 }
 
+/// `pagoda up`'s embedded kvstore loses its disk (the data dir is a 4 MiB tmpfs, filled once `up` serves): the
+/// requests' block events make its raft log write, which fails, and the kvstore stops. `up` must stop with it,
+/// draining the rest and exiting non-zero with the reason, not panic, and not serve on without its directory: a
+/// supervisor restarts a process that exits, and cannot see one that stays up half broken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_exits_when_its_embedded_kvstore_stops() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    use pagoda_e2e::{Proc, cluster::die_with_parent, free_port, require_model};
+    let dir = std::env::temp_dir().join(format!("pagoda-chaos-up-disk-{}", std::process::id()));
+    let _disk = SmallTmpfs::mount(&dir, 4);
+    let model = require_model().unwrap().to_string_lossy().into_owned();
+    let (worker, kvstore) =
+        (format!("127.0.0.1:{}", free_port().unwrap()), format!("127.0.0.1:{}", free_port().unwrap()));
+    let data_dir = dir.to_string_lossy().into_owned();
+    let args = [
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker-listen",
+        &worker,
+        "--kvstore-listen",
+        &kvstore,
+        "--model",
+        &model,
+        "--threads",
+        "1",
+        "--data-dir",
+        &data_dir,
+    ];
+    let mut up = Proc::spawn_with(BIN.as_ref(), "chaos-up-disk", &args, die_with_parent).unwrap();
+    let http = Http::new(up.wait_line("pagoda router listening on ", Duration::from_secs(120)).unwrap());
+    // Nothing left for the raft log to grow into.
+    let mut filler = std::fs::File::create(dir.join("filler")).unwrap();
+    let chunk = vec![0u8; 64 << 10];
+    while std::io::Write::write_all(&mut filler, &chunk).is_ok() {}
+    drop(filler);
+    let t0 = Instant::now();
+    let mut sent = 0;
+    while up.alive() && t0.elapsed() < Duration::from_secs(60) && sent < 200 {
+        let body = json!({"model": pagoda_e2e::MODEL_ID, "max_tokens": 4,
+            "prompt": format!("Request {sent}: a story about the sea, the mountains and the rivers.")});
+        let _ = tokio::time::timeout(Duration::from_secs(30), http.post_json("/v1/completions", &body)).await;
+        sent += 1;
+    }
+    let status = up.wait_exit(Duration::from_secs(30));
+    let log = up.log_tail();
+    let status = status.unwrap_or_else(|| panic!("up still runs after {sent} requests on a full disk\n{log}"));
+    assert_eq!(status.code(), Some(1), "an error exit, not a panic (101) or success: {status}\n{log}");
+    assert!(log.contains("the embedded kvstore stopped") && log.contains("No space left"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
+
 /// The disk tier fills up under load: the worker's data dir is a 2 MiB tmpfs while its disk tier is configured for
 /// 64 MiB, and every idle prefix group (about 0.35 MiB each) is written there. Writes hit ENOSPC within the first
 /// requests. The tier must shrink to what it holds and keep turning over its own files; no request is lost, every

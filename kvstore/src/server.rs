@@ -77,6 +77,9 @@ pub struct RunningNode {
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     actor: JoinHandle<Result<(), FatalError>>,
+    /// Which of the two [`RunningNode::wait`] saw end (a finished task's handle must not be awaited again).
+    server_ended: bool,
+    actor_ended: bool,
 }
 
 impl RunningNode {
@@ -87,29 +90,42 @@ impl RunningNode {
         }
         // The actor goes first: that ends the watch streams, which graceful shutdown would otherwise wait for.
         drop(self.handle);
-        self.actor.abort();
-        let actor = match (&mut self.actor).await {
-            Ok(r) => r.map_err(ServerError::from),
-            Err(e) if e.is_cancelled() => Ok(()),
-            Err(e) => Err(ServerError::Join(e.to_string())),
+        // An actor that ended already (what `wait` reported) has closed its storage.
+        let actor = if self.actor_ended {
+            Ok(())
+        } else {
+            self.actor.abort();
+            match (&mut self.actor).await {
+                Ok(r) => r.map_err(ServerError::from),
+                Err(e) if e.is_cancelled() => Ok(()),
+                Err(e) => Err(ServerError::Join(e.to_string())),
+            }
         };
-        if tokio::time::timeout(Duration::from_secs(2), &mut self.server).await.is_err() {
+        if !self.server_ended && tokio::time::timeout(Duration::from_secs(2), &mut self.server).await.is_err() {
             self.server.abort();
         }
         actor
     }
 
     /// Waits until the node stops by itself (a fatal storage error) or the server fails.
+    /// The node is then to be stopped ([`RunningNode::stop`]), not waited on again.
     pub async fn wait(&mut self) -> Result<(), ServerError> {
         tokio::select! {
-            r = &mut self.actor => match r {
-                Ok(r) => r.map_err(ServerError::from),
-                Err(e) => Err(ServerError::Join(e.to_string())),
-            },
-            r = &mut self.server => match r {
-                Ok(r) => r.map_err(|e| ServerError::Config(e.to_string())),
-                Err(e) => Err(ServerError::Join(e.to_string())),
-            },
+            r = &mut self.actor, if !self.actor_ended => {
+                self.actor_ended = true;
+                match r {
+                    Ok(r) => r.map_err(ServerError::from),
+                    Err(e) => Err(ServerError::Join(e.to_string())),
+                }
+            }
+            r = &mut self.server, if !self.server_ended => {
+                self.server_ended = true;
+                match r {
+                    Ok(r) => r.map_err(|e| ServerError::Config(e.to_string())),
+                    Err(e) => Err(ServerError::Join(e.to_string())),
+                }
+            }
+            else => Ok(()),
         }
     }
 }
@@ -163,7 +179,16 @@ pub async fn start_on(mut cfg: NodeConfig, listener: TcpListener) -> Result<Runn
             }),
     );
     tracing::info!(node = cfg.id, %addr, advertise = cfg.advertise, "kvstore node listening");
-    Ok(RunningNode { id: cfg.id, addr, handle, shutdown: Some(shutdown), server, actor })
+    Ok(RunningNode {
+        id: cfg.id,
+        addr,
+        handle,
+        shutdown: Some(shutdown),
+        server,
+        actor,
+        server_ended: false,
+        actor_ended: false,
+    })
 }
 
 /// An embedded one-voter kvstore (node 1) for `pagoda up`: it elects itself at once and commits alone.
