@@ -778,7 +778,8 @@ impl Worker for WorkerService {
         let info = self.engine.model_info();
         let lora = self.engine.lora_registry();
         Ok(Response::new(HealthResponse {
-            ready: true,
+            // A worker whose engine died answers, but serves nothing: routers take it out of placement.
+            ready: self.engine.is_running(),
             model: info.model_id.clone(),
             context_length: u32::try_from(info.context_length).unwrap_or(u32::MAX),
             block_size: u32::try_from(info.block_size).unwrap_or(u32::MAX),
@@ -1493,5 +1494,8 @@ mod tests {
         assert_eq!(h.model, "fake");
         assert_eq!(h.context_length, 64);
         assert_eq!(h.block_size, 4);
+        svc.engine.shutdown();
+        let h = svc.health(Request::new(HealthRequest {})).await.unwrap().into_inner();
+        assert!(!h.ready, "an engine that stopped is not ready");
     }
 }
