@@ -1147,7 +1147,12 @@ async fn up_exits_when_its_embedded_kvstore_stops() {
         "--data-dir",
         &data_dir,
     ];
-    let mut up = Proc::spawn_with(BIN.as_ref(), "chaos-up-disk", &args, die_with_parent).unwrap();
+    // Without a backtrace, the error `up` exits with ends its log rather than a few KiB of frames before it.
+    let quiet = |cmd: &mut std::process::Command| {
+        die_with_parent(cmd);
+        cmd.env("RUST_BACKTRACE", "0");
+    };
+    let mut up = Proc::spawn_with(BIN.as_ref(), "chaos-up-disk", &args, quiet).unwrap();
     let http = Http::new(up.wait_line("pagoda router listening on ", Duration::from_secs(120)).unwrap());
     // Nothing left for the raft log to grow into.
     let mut filler = std::fs::File::create(dir.join("filler")).unwrap();
