@@ -110,7 +110,8 @@ const RECOVERY_TARGET: Duration = Duration::from_secs(15);
 /// [`Require::VictimBack`]: the share of the other workers' mean tokens/s the resumed worker must compute. Recovered
 /// runs read 0.97 and 1.04; one earlier run had 2–5 sequences on the resumed worker against 8–11 on each other one
 /// for the rest of its load (the prompts it held were cached elsewhere while it was stopped, and the router follows
-/// the cache), and its computed tokens/s still read about 0.8 of theirs.
+/// the cache), and its computed tokens/s still read roughly 0.8 of theirs (by eye, from the per-worker computed
+/// tokens/s its CHAOS line prints; that run predates the printed share).
 const VICTIM_SHARE_FLOOR: f64 = 0.5;
 
 /// [`Require::VictimBack`]: tokens/s per available CPU from 15 s after the fault, against before. Healthy and

@@ -236,25 +236,7 @@ impl AdapterRegistry {
     /// that concurrent loads of one name read it once and the rest are refused as existing. With
     /// `--lora-on-demand`, an idle on-demand adapter gives up its slot when the map is full.
     pub fn load(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
-        let Some(root) = &self.runtime_dir else { return Err(AdapterError::RuntimeOff) };
-        let Some(shape) = &self.shape else { return Err(AdapterError::RuntimeOff) };
-        check_lora_name(name).map_err(AdapterError::Invalid)?;
-        if name == self.base_model {
-            return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
-        }
-        let _one_load = self.loading.lock().unwrap_or_else(|p| p.into_inner());
-        if self.read().contains_key(name) {
-            return Err(AdapterError::Exists(name.to_string()));
-        }
-        if !self.has_room() {
-            return Err(AdapterError::Full(self.read().len()));
-        }
-        let dir = resolve_under(root, path)?;
-        let started = Instant::now();
-        let adapter = self.read_adapter(name, &dir, root, shape)?;
-        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed(), false)?;
-        log_loaded(&adapter, &dir, "run time");
-        Ok(adapter)
+        self.load_admin(name, path, false)
     }
 
     /// Loads the adapter at `path` under `name` in place of the one loaded under that name now (vLLM's
@@ -264,6 +246,11 @@ impl AdapterRegistry {
     /// slot, so a full map neither refuses it nor gives up an on-demand adapter for it. Requests already holding
     /// the old `Arc` finish with it.
     pub fn replace(&self, name: &str, path: &str) -> Result<Arc<LoraAdapter>, AdapterError> {
+        self.load_admin(name, path, true)
+    }
+
+    /// [`AdapterRegistry::load`], or with `replace` [`AdapterRegistry::replace`].
+    fn load_admin(&self, name: &str, path: &str, replace: bool) -> Result<Arc<LoraAdapter>, AdapterError> {
         let Some(root) = &self.runtime_dir else { return Err(AdapterError::RuntimeOff) };
         let Some(shape) = &self.shape else { return Err(AdapterError::RuntimeOff) };
         check_lora_name(name).map_err(AdapterError::Invalid)?;
@@ -271,15 +258,19 @@ impl AdapterRegistry {
             return Err(AdapterError::Invalid(format!("adapter name {name:?} is the base model's")));
         }
         let _one_load = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+        let loaded = self.read().contains_key(name);
+        if loaded && !replace {
+            return Err(AdapterError::Exists(name.to_string()));
+        }
         // Only a new name needs a slot; the room check is repeated under the write lock in `insert`.
-        if !self.read().contains_key(name) && !self.has_room() {
+        if !loaded && !self.has_room() {
             return Err(AdapterError::Full(self.read().len()));
         }
         let dir = resolve_under(root, path)?;
         let started = Instant::now();
         let adapter = self.read_adapter(name, &dir, root, shape)?;
-        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed(), true)?;
-        log_loaded(&adapter, &dir, "run time, in place");
+        let adapter = self.insert(name, adapter, Origin::Admin, started.elapsed(), replace)?;
+        log_loaded(&adapter, &dir, if replace { "run time, in place" } else { "run time" });
         Ok(adapter)
     }
 

@@ -320,15 +320,8 @@ impl TierStore {
         }
     }
 
-    /// Used and capacity bytes per lower tier and codec. A tier that holds nothing reports one row with an empty
-    /// codec so its capacity is still visible.
-    pub fn usage(&self) -> Vec<TierUsage> {
-        let mut out = Vec::new();
-        self.usage_into(&mut out);
-        out
-    }
-
-    /// [`TierStore::usage`], appended to `out`.
+    /// Appends the used and capacity bytes per lower tier and codec to `out` (the engine's stats, rebuilt every
+    /// step in place). A tier that holds nothing reports one row with an empty codec so its capacity is still visible.
     pub fn usage_into(&self, out: &mut Vec<TierUsage>) {
         if let Some(h) = &self.host {
             let before = out.len();
@@ -479,7 +472,8 @@ mod tests {
         assert_eq!(t.with_group(3, Tier::Host, |g| g.bytes[0]), Some(3));
         assert_eq!(t.with_group(3, Tier::Disk, |_| ()), None);
         assert_eq!(t.counters().demoted_groups, 1);
-        let usage = t.usage();
+        let mut usage = Vec::new();
+        t.usage_into(&mut usage);
         assert_eq!(usage.len(), 2);
         assert_eq!((usage[0].tier, usage[0].used_bytes, usage[0].capacity_bytes), (Tier::Host, 200, 250));
         assert_eq!(usage[1].tier, Tier::Disk);
