@@ -26,8 +26,10 @@ pub enum PrefillOutcome {
     Ok,
     /// Its admission queue was full.
     Busy,
-    /// It failed or could not be reached.
+    /// It answered with an error of its own, or ended the stream without finishing: it is alive.
     Failed,
+    /// It could not be reached, or the connection broke under the call.
+    Unreachable,
     /// It did not answer within the first-token timeout.
     Timeout,
     /// The client left while it ran.
@@ -40,6 +42,7 @@ impl PrefillOutcome {
             PrefillOutcome::Ok => "ok",
             PrefillOutcome::Busy => "busy",
             PrefillOutcome::Failed => "failed",
+            PrefillOutcome::Unreachable => "unreachable",
             PrefillOutcome::Timeout => "timeout",
             PrefillOutcome::Cancelled => "cancelled",
         }
@@ -103,6 +106,14 @@ pub fn decode_hint(prefill_addr: &str, prompt_tokens: usize, block_size: usize) 
     (hint, pulled as u64)
 }
 
+/// Whether `status` was made on this side from a transport error (connection refused or reset, the process
+/// died: such a status carries its source) or says the call never got an answer, rather than sent by the worker.
+pub fn is_transport_failure(status: &tonic::Status) -> bool {
+    use tonic::Code;
+    std::error::Error::source(status).is_some()
+        || matches!(status.code(), Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded)
+}
+
 /// Runs `req` on the prefill worker `worker` to its end, within `timeout`, counting `uncached_tokens` as queued
 /// prefill work on it meanwhile. Returns early with `Cancelled` when `client_gone` resolves first.
 pub async fn prefill_on(
@@ -140,7 +151,11 @@ pub async fn prefill_on(
         }
         Ok(Err(status)) => {
             spans::call_failed(&call, &status);
-            if status.code() == tonic::Code::ResourceExhausted { PrefillOutcome::Busy } else { PrefillOutcome::Failed }
+            match status.code() {
+                tonic::Code::ResourceExhausted => PrefillOutcome::Busy,
+                _ if is_transport_failure(&status) => PrefillOutcome::Unreachable,
+                _ => PrefillOutcome::Failed,
+            }
         }
         Err(_) => {
             call.record("otel.status_code", "ERROR");

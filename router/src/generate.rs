@@ -35,7 +35,7 @@ use crate::openai::{GenParams, StopReason, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
 use crate::spans;
-use crate::workers::{Candidate, InFlight, WorkerPool};
+use crate::workers::{Candidate, InFlight, Worker, WorkerPool};
 
 /// What the HTTP layer receives, in order: an `Echo` for a completion with `echo`, any number of `Text`, then
 /// exactly one `Done` or `Error`.
@@ -207,6 +207,9 @@ struct WorkerFailure {
     /// Transport-level failures take the worker out of placement until its health check passes again; a worker
     /// that answered with an error of its own is only skipped for this request.
     mark_down: bool,
+    /// The worker stayed silent past the request's bound: it is also ejected for a while
+    /// ([`crate::workers::Worker::eject_silent`]), which its health check does not clear.
+    silent: bool,
 }
 
 /// One request's progress across its attempts: the tokens produced so far and the text pipeline they feed.
@@ -297,10 +300,16 @@ impl Generation {
                     self.excluded.push(worker);
                 }
                 AttemptEnd::WorkerFailed(f) => {
-                    if f.mark_down
-                        && let Some(w) = self.ctx.pool.find(&f.worker)
-                    {
-                        w.mark_down(f.error.message.clone());
+                    if let Some(w) = self.ctx.pool.find(&f.worker) {
+                        if f.mark_down {
+                            w.mark_down(f.error.message.clone());
+                        }
+                        if f.silent
+                            && let Some(out_for) = w.eject_silent()
+                        {
+                            tracing::warn!(worker = %f.worker, reason = f.reason, out_for_ms = out_for.as_millis() as u64,
+                                "worker stayed silent: ejected from placement");
+                        }
                     }
                     self.excluded.push(f.worker.clone());
                     if retries >= self.ctx.migration.max_retries {
@@ -455,8 +464,19 @@ impl Generation {
         if outcome != disagg::PrefillOutcome::Ok {
             tracing::debug!(request_id = %self.job.request_id, worker = %worker.addr, outcome = outcome.name(),
                 "remote prefill did not finish; the decode worker prefills");
+            match outcome {
+                disagg::PrefillOutcome::Unreachable => worker.mark_down("remote prefill: unreachable".to_owned()),
+                disagg::PrefillOutcome::Timeout => {
+                    if let Some(out_for) = worker.eject_silent() {
+                        tracing::warn!(worker = %worker.addr, out_for_ms = out_for.as_millis() as u64,
+                            "prefill worker stayed silent: ejected from placement");
+                    }
+                }
+                _ => {}
+            }
             return None;
         }
+        worker.answered();
         Some(disagg::decode_hint(&worker.addr, prompt.len(), shape.view.block_size as usize))
     }
 
@@ -488,6 +508,9 @@ impl Generation {
         });
         let mut cached_tokens = *cached_tokens;
         drop(candidates);
+        // The decode worker is this request's from now on: while a prefill worker computes the prompt, placement
+        // must see the stream coming its way, or a burst of long prompts all pick the same idle decode worker.
+        let reserved = InFlight::reserved_decode(load.clone(), self.job.lora.as_deref());
         if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens).await {
             peer_hint = Some(hint);
             cached_tokens = cached_tokens.max(pulled);
@@ -497,6 +520,7 @@ impl Generation {
         }
         let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
         let in_flight = InFlight::with_adapter(load, uncached, self.job.lora.as_deref());
+        drop(reserved);
         if let Some(m) = self.pending_migration.take() {
             self.ctx.metrics.count_migration(m.reason);
             tracing::warn!(
@@ -588,6 +612,7 @@ impl Generation {
                         first_token_timeout.as_millis()
                     )),
                     mark_down: true,
+                    silent: true,
                 });
             }
         };
@@ -603,7 +628,7 @@ impl Generation {
             self.ctx.metrics.prompt_tokens.inc_by(prompt_tokens);
             self.tenant_tokens.0.inc_by(prompt_tokens);
         }
-        self.pump(stream, in_flight, call, addr, opened_at).await
+        self.pump(stream, in_flight, call, chosen, opened_at).await
     }
 
     async fn pump(
@@ -611,9 +636,10 @@ impl Generation {
         mut stream: Streaming<GenerateResponse>,
         mut in_flight: InFlight,
         call: Span,
-        addr: String,
+        worker: Arc<Worker>,
         opened_at: Instant,
     ) -> AttemptEnd {
+        let addr = worker.addr.clone();
         let before = self.generated.len() as u32;
         // A retried attempt scores the prompt from its start again: what arrived before is not taken twice.
         let mut scores_seen = 0usize;
@@ -649,6 +675,7 @@ impl Generation {
                         reason: stalled_reason,
                         error: ApiError::unavailable(format!("The worker sent nothing for {} ms.", silent.as_millis())),
                         mark_down: true,
+                        silent: true,
                     });
                 }
             };
@@ -666,6 +693,7 @@ impl Generation {
                                 resp.token_ids.len()
                             )),
                             mark_down: false,
+                            silent: false,
                         });
                     }
                     for score in resp.prompt_logprobs {
@@ -681,6 +709,7 @@ impl Generation {
                         if !got_token {
                             got_token = true;
                             in_flight.first_token();
+                            worker.answered();
                         }
                         if self.push_token(id, logprobs.next()).await {
                             return AttemptEnd::Over;
@@ -694,6 +723,7 @@ impl Generation {
                             reason: "cancelled",
                             error: ApiError::unavailable("The worker cancelled the request."),
                             mark_down: true,
+                            silent: false,
                         });
                     };
                     let u = fin.usage.unwrap_or_default();
@@ -712,6 +742,7 @@ impl Generation {
                         reason: "stream_ended",
                         error: ApiError::unavailable("The worker ended the stream without finishing."),
                         mark_down: true,
+                        silent: false,
                     });
                 }
                 Err(status) => {
@@ -854,16 +885,13 @@ impl Generation {
 /// Sorts a worker's gRPC error: the request's own fault ends it; anything else is the worker's and moves it on.
 fn classify_status(addr: &str, status: &tonic::Status, transport_reason: &'static str) -> AttemptEnd {
     use tonic::Code;
-    // A status with a source was made on this side from a transport error (connection refused or reset, the
-    // process died); one without was sent by the worker itself.
-    let transport = std::error::Error::source(status).is_some()
-        || matches!(status.code(), Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded);
-    if transport {
+    if disagg::is_transport_failure(status) {
         return AttemptEnd::WorkerFailed(WorkerFailure {
             worker: addr.to_string(),
             reason: transport_reason,
             error: ApiError::unavailable(format!("worker unavailable: {}", status.message())),
             mark_down: true,
+            silent: false,
         });
     }
     if status.code() == Code::ResourceExhausted
@@ -882,6 +910,7 @@ fn classify_status(addr: &str, status: &tonic::Status, transport_reason: &'stati
             reason: "worker_error",
             error: ApiError::from_status(status),
             mark_down: false,
+            silent: false,
         }),
     }
 }

@@ -438,6 +438,8 @@ async fn readyz(State(st): State<AppState>) -> Response {
                 "address": w.addr, "ready": s.ready, "role": s.role.name(), "model": s.model, "error": s.last_error,
                 "lora_adapters": s.lora_adapters.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
                 "lora_on_demand": s.lora_on_demand,
+                // Out of placement after staying silent, however its health check answers.
+                "ejected_for_ms": u64::try_from(w.ejected_for().as_millis()).unwrap_or(u64::MAX),
             })
         })
         .collect();

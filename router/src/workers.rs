@@ -25,6 +25,15 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(2);
 /// HTTP/2 ping interval on every worker channel: a connection whose pings go unanswered for [`RPC_TIMEOUT`] is
 /// dropped and the next call reconnects.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a worker that stayed silent past a request's bound is left out of placement the first time; each
+/// further strike without a first token in between doubles it, up to [`EJECTION_MAX`]. Its health check cannot
+/// clear it: a worker whose engine is stuck still answers `Health`, and every request placed on it would wait
+/// the whole first-token timeout. Short enough that a worker stopped for a few seconds (a GC-like pause, a
+/// SIGSTOP) is back soon after it resumes.
+pub const EJECTION_BASE: Duration = Duration::from_secs(5);
+/// The longest outlier ejection: a stuck worker is still tried every two minutes, and comes back on its own once
+/// it answers.
+pub const EJECTION_MAX: Duration = Duration::from_secs(120);
 
 /// What the last health probe said about a worker.
 #[derive(Debug, Clone, Default)]
@@ -251,6 +260,14 @@ impl InFlight {
         InFlight { load, prompt_tokens, decoding: false, adapter: adapter.map(str::to_owned) }
     }
 
+    /// A stream that will decode on this worker once its prompt is computed elsewhere (a remote prefill): counted
+    /// as decoding from the start, since it queues no prompt work here.
+    pub fn reserved_decode(load: Arc<WorkerLoad>, adapter: Option<&str>) -> InFlight {
+        let mut reserved = InFlight::with_adapter(load, 0, adapter);
+        reserved.first_token();
+        reserved
+    }
+
     /// The first token arrived: the prompt is no longer queued work.
     pub fn first_token(&mut self) {
         if !self.decoding {
@@ -274,6 +291,15 @@ impl Drop for InFlight {
     }
 }
 
+/// Outlier ejection, as Envoy's: a worker that let a request wait past its bound (no first token, a silent
+/// stream) is left out of placement for a time that doubles with each such strike, and a first token clears the
+/// strikes.
+#[derive(Debug, Default)]
+struct Ejection {
+    until: Option<std::time::Instant>,
+    strikes: u32,
+}
+
 /// One worker endpoint.
 pub struct Worker {
     pub addr: String,
@@ -285,6 +311,7 @@ pub struct Worker {
     id_changed: std::sync::atomic::AtomicBool,
     /// A probe [`Worker::probe_soon`] started is still running: a burst of requests asks for one probe, not one each.
     probe_pending: std::sync::atomic::AtomicBool,
+    ejection: Mutex<Ejection>,
 }
 
 impl Worker {
@@ -306,6 +333,7 @@ impl Worker {
             load: Arc::new(WorkerLoad::default()),
             id_changed: std::sync::atomic::AtomicBool::new(false),
             probe_pending: std::sync::atomic::AtomicBool::new(false),
+            ejection: Mutex::new(Ejection::default()),
         })
     }
 
@@ -333,6 +361,39 @@ impl Worker {
             s.ready = false;
             s.last_error = Some(why);
         }
+    }
+
+    /// Leaves the worker out of placement for a while after it stayed silent past a request's bound (see
+    /// [`EJECTION_BASE`]), and returns for how long; `None` when it is out already (the requests that were waiting
+    /// on it all fail together: one stall, one strike).
+    pub fn eject_silent(&self) -> Option<Duration> {
+        self.eject_silent_at(std::time::Instant::now())
+    }
+
+    fn eject_silent_at(&self, now: std::time::Instant) -> Option<Duration> {
+        let mut ejection = self.ejection.lock().unwrap_or_else(|p| p.into_inner());
+        if ejection.until.is_some_and(|until| now < until) {
+            return None;
+        }
+        ejection.strikes = ejection.strikes.saturating_add(1);
+        let doublings = (ejection.strikes - 1).min(16);
+        let out_for = EJECTION_BASE.saturating_mul(1 << doublings).min(EJECTION_MAX);
+        ejection.until = Some(now + out_for);
+        Some(out_for)
+    }
+
+    /// A request got its first token here: the worker is serving, and its strikes are cleared.
+    pub fn answered(&self) {
+        let mut ejection = self.ejection.lock().unwrap_or_else(|p| p.into_inner());
+        if ejection.strikes > 0 {
+            *ejection = Ejection::default();
+        }
+    }
+
+    /// How long the worker stays out of placement after staying silent (zero: it is in).
+    pub fn ejected_for(&self) -> Duration {
+        let ejection = self.ejection.lock().unwrap_or_else(|p| p.into_inner());
+        ejection.until.map_or(Duration::ZERO, |until| until.saturating_duration_since(std::time::Instant::now()))
     }
 
     /// Probes `Health` in the background now, unless such a probe is running already.
@@ -710,6 +771,7 @@ impl WorkerPool {
             measured.iter().sum::<f64>() / measured.len() as f64
         };
         let mut blocked = vec![false; slots.len()];
+        let ejected: Vec<bool> = slots.iter().map(|w| w.as_ref().is_some_and(|w| !w.ejected_for().is_zero())).collect();
         let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
             .zip(statuses)
@@ -732,6 +794,15 @@ impl WorkerPool {
             })
             .unzip();
         restrict_to_role(&mut snaps, &roles, purpose);
+        // A worker ejected for staying silent is left out while another can serve; a remote prefill has the decode
+        // worker to fall back on, so it never waits on one.
+        if purpose == Purpose::RemotePrefill {
+            for (s, &out) in snaps.iter_mut().zip(&ejected) {
+                s.ready &= !out;
+            }
+        } else {
+            leave_out_while_others_ready(&mut snaps, &ejected);
+        }
         // A worker whose adapter slots are all held would make the request wait: left out while another can take it.
         leave_out_while_others_ready(&mut snaps, &blocked);
         // A worker whose reports stopped is left out while a fresh one is ready: its residency cannot be trusted.
@@ -950,6 +1021,51 @@ mod tests {
         let hits = |addr: &str| decision.candidates.iter().find(|c| c.worker == addr).map(|c| c.hits_device);
         assert_eq!((hits(&addrs[0]), hits(&addrs[1])), (Some(0), Some(8)), "nothing was predicted on the failed one");
         drop(queued);
+    }
+
+    #[tokio::test]
+    async fn a_silent_worker_is_ejected_for_a_doubling_time_that_a_first_token_clears() {
+        let pool = WorkerPool::new(&["127.0.0.1:1".into()]).unwrap();
+        let w = &pool.workers()[0];
+        let t0 = std::time::Instant::now();
+        assert_eq!(w.eject_silent_at(t0), Some(EJECTION_BASE));
+        assert!(w.ejected_for() > Duration::ZERO);
+        assert_eq!(w.eject_silent_at(t0 + Duration::from_secs(1)), None, "the same stall: one strike");
+        assert_eq!(w.eject_silent_at(t0 + EJECTION_BASE), Some(2 * EJECTION_BASE), "a second strike doubles it");
+        let mut at = t0 + 3 * EJECTION_BASE;
+        for _ in 0..20 {
+            let out_for = w.eject_silent_at(at).unwrap();
+            assert!(out_for <= EJECTION_MAX);
+            at += out_for;
+        }
+        assert_eq!(w.eject_silent_at(at), Some(EJECTION_MAX));
+        w.answered();
+        assert_eq!(w.ejected_for(), Duration::ZERO, "a first token brings it back");
+        assert_eq!(w.eject_silent_at(at), Some(EJECTION_BASE), "and clears the strikes");
+    }
+
+    #[tokio::test]
+    async fn an_ejected_worker_is_placed_only_when_no_other_can_serve() {
+        let addrs = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        for w in pool.workers() {
+            w.set_status(WorkerStatus { ready: true, free_blocks: 1 << 20, kv_group_size: 90, ..Default::default() });
+        }
+        let hashes: Vec<u64> = (1..=4).collect();
+        let req = PlaceRequest {
+            request_id: "r1",
+            hashes: &hashes,
+            view: RequestView { prompt_tokens: 70, max_tokens: 16, block_size: 16, budget_tokens: None },
+            publishes_prefix: true,
+            exclude: &[],
+            lora: None,
+        };
+        let placed =
+            |pool: &WorkerPool| pool.place(&req).unwrap().iter().map(|c| c.worker.addr.clone()).collect::<Vec<_>>();
+        pool.workers()[0].eject_silent();
+        assert_eq!(placed(&pool), [addrs[1].as_str()], "the ejected worker is no candidate");
+        pool.workers()[1].eject_silent();
+        assert_eq!(placed(&pool).len(), 2, "with every worker ejected, serving beats refusing");
     }
 
     #[tokio::test]

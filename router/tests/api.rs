@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use pagoda_proto::worker::worker_server::{Worker, WorkerServer};
@@ -101,6 +101,8 @@ struct Fake {
     lora_calls: Arc<std::sync::Mutex<Vec<String>>>,
     /// Every LoadLora takes this long before it changes anything (as reading a large adapter does).
     lora_load_delay: Option<Duration>,
+    /// Every stream waits this long before its first message (as a long prefill does).
+    first_message_delay: Option<Duration>,
 }
 
 /// Most adapters the fake holds at once.
@@ -169,7 +171,7 @@ impl Worker for Fake {
         // migrated request carries the tokens produced so far).
         let answer = prompt.rsplit_once("assistant:").map_or("", |(_, a)| a);
         let resumed = if REPLY.as_bytes().starts_with(answer.as_bytes()) { answer.len() } else { 0 };
-        let (die_after, stall_after) = (self.die_after, self.stall_after);
+        let (die_after, stall_after, first_delay) = (self.die_after, self.stall_after, self.first_message_delay);
         self.open.fetch_add(1, Ordering::SeqCst);
         self.started.fetch_add(1, Ordering::SeqCst);
         let guard = OpenGuard(self.open.clone());
@@ -182,6 +184,9 @@ impl Worker for Fake {
             let reply = reply[resumed..].to_vec();
             async move {
                 let guard = guard?;
+                if let Some(delay) = first_delay.filter(|_| i == 0) {
+                    tokio::time::sleep(delay).await;
+                }
                 if die_after == Some(i) {
                     return Some((Err(Status::unavailable("connection reset")), (i, None)));
                 }
@@ -2657,6 +2662,84 @@ async fn remote_prefill_carries_the_tenant_weight() {
     };
     assert_eq!(weights(&prefill_seen), [(1, 3)], "the prefill request");
     assert_eq!(weights(&decode_seen), [(4, 3)], "the decode request");
+}
+
+/// A prefill worker that takes a long prompt and then stays silent (its engine stuck, its health check still
+/// answering) is ejected from placement: the request waits the first-token timeout once and its decode worker
+/// prefills, and the next long prompt goes straight to the decode worker instead of waiting on it again, though
+/// every health probe since said it was ready.
+#[tokio::test]
+async fn a_silent_prefill_worker_is_ejected_though_its_health_check_answers() {
+    let prefill = Fake { role: "prefill", stall_after: Some(0), ..Fake::default() };
+    let decode = Fake { role: "decode", ..Fake::default() };
+    let (prefill_seen, decode_seen) = (prefill.requests_seen.clone(), decode.requests_seen.clone());
+    let prefill_addr = spawn_worker(prefill).await.to_string();
+    let workers = vec![prefill_addr.clone(), spawn_worker(decode).await.to_string()];
+    let http = serve_router(RouterConfig {
+        workers,
+        health_interval: Duration::from_millis(50),
+        placement: PlacerConfig { remote_prefill_min_tokens: 1, ..PlacerConfig::default() },
+        // A 400 ms first-token timeout.
+        migration: migration(100, 2),
+        ..RouterConfig::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    wait_all_ready(&client, &http).await;
+    let ask =
+        |content: &str| json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]});
+    let started = Instant::now();
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&ask("first")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(started.elapsed() >= Duration::from_millis(400), "it waited on the prefill worker");
+    // Several health rounds pass: each finds the prefill worker ready.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ready: Value = client.get(format!("{http}/readyz")).send().await.unwrap().json().await.unwrap();
+    let entry = ready["workers"].as_array().unwrap().iter().find(|w| w["address"] == prefill_addr.as_str()).unwrap();
+    assert_eq!(entry["ready"], true, "{ready}");
+    assert!(entry["ejected_for_ms"].as_u64().unwrap() > 0, "{ready}");
+    let started = Instant::now();
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&ask("second")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(started.elapsed() < Duration::from_millis(400), "waited again: {:?}", started.elapsed());
+    assert_eq!(prefill_seen.lock().unwrap().len(), 1, "the second prompt skipped the silent prefill worker");
+    assert_eq!(decode_seen.lock().unwrap().len(), 2);
+    let metrics = client.get(format!("{http}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("pagoda_router_remote_prefills_total{outcome=\"timeout\"} 1"), "{metrics}");
+}
+
+/// While a prefill worker computes a long prompt, the decode worker chosen for it already counts the stream coming
+/// its way: a second long prompt arriving meanwhile goes to the other, idle, decode worker.
+#[tokio::test]
+async fn a_decode_worker_waiting_on_a_remote_prefill_counts_as_loaded() {
+    let prefill = Fake { role: "prefill", first_message_delay: Some(Duration::from_millis(800)), ..Fake::default() };
+    let decoders = [Fake { role: "decode", ..Fake::default() }, Fake { role: "decode", ..Fake::default() }];
+    let seen: Vec<_> = decoders.iter().map(|d| d.requests_seen.clone()).collect();
+    let mut workers = vec![spawn_worker(prefill).await.to_string()];
+    for d in decoders {
+        workers.push(spawn_worker(d).await.to_string());
+    }
+    let http = serve_router(RouterConfig {
+        workers,
+        health_interval: Duration::from_millis(100),
+        placement: PlacerConfig { remote_prefill_min_tokens: 1, ..PlacerConfig::default() },
+        ..RouterConfig::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    wait_all_ready(&client, &http).await;
+    let ask =
+        |content: &str| json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]});
+    let first = {
+        let (client, http, body) = (client.clone(), http.clone(), ask("the first long prompt"));
+        tokio::spawn(async move { client.post(format!("{http}/v1/chat/completions")).json(&body).send().await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = client.post(format!("{http}/v1/chat/completions")).json(&ask("another long prompt")).send();
+    assert_eq!(second.await.unwrap().status(), 200);
+    assert_eq!(first.await.unwrap().unwrap().status(), 200);
+    let decoded: Vec<usize> = seen.iter().map(|s| s.lock().unwrap().len()).collect();
+    assert_eq!(decoded, [1, 1], "one stream on each decode worker");
 }
 
 /// Waits until the router sees every worker ready.
