@@ -13,7 +13,8 @@ root=$(pwd)
 
 # 13.0.x matches the driver (580, CUDA 13.0) of the GPU machines: PTX from a newer NVRTC would not load there.
 NVRTC_VERSION=${NVRTC_VERSION:-13.0.88}
-venv="$root/target/cuda-ci-venv"
+# One venv per NVRTC version: a venv of another version would be reused as it is.
+venv="$root/target/cuda-ci-venv-$NVRTC_VERSION"
 
 if ! find "$venv" -name 'libnvrtc.so*' 2>/dev/null | grep -q .; then
   echo "check-cuda: installing nvidia-cuda-nvrtc==$NVRTC_VERSION into $venv"

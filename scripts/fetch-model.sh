@@ -7,7 +7,16 @@ dest="${1:-$root/models}"
 name="SmolLM2-135M-Instruct.Q4_1.gguf"
 sha="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 mkdir -p "$dest"
-if [ -f "$dest/$name" ] && echo "$sha  $dest/$name" | sha256sum -c --status; then
+present() { [ -f "$dest/$name" ] && echo "$sha  $dest/$name" | sha256sum -c --status; }
+if present; then
+  echo "model present: $dest/$name"
+  exit 0
+fi
+# One fetch at a time per destination (two test runs, or `up` started twice, may both find the model missing);
+# the second waits, then finds it present.
+exec 9>"$dest/.$name.lock"
+flock 9
+if present; then
   echo "model present: $dest/$name"
   exit 0
 fi

@@ -805,13 +805,13 @@ fn parse_peer(s: &str) -> Result<(u64, String), String> {
 #[derive(Args)]
 struct BenchKvstoreArgs {
     /// Seconds of sustained load.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     seconds: u64,
     /// Concurrent publishers (each one a worker with its own sequence numbers).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     publishers: usize,
     /// Block events per Publish (one raft entry).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     batch: usize,
     /// Where the nodes keep their data (default: a fresh directory under the system temp dir, removed after).
     #[arg(long)]
@@ -1022,16 +1022,16 @@ struct BenchTiersArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Compute threads (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1024))]
     threads: usize,
     /// Prompt length.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     context_tokens: usize,
     /// Repeats (fresh prompts); the report keeps medians.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100))]
     repeats: usize,
     /// Host tier size in MiB (also the disk tier's).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
     host_tier_mib: u64,
     /// Also measure the disk tier with files under this directory (removed afterwards). For `--workload zipf`:
     /// where each configuration's disk tier lives.
@@ -1059,10 +1059,10 @@ struct BenchTiersArgs {
     #[arg(long, default_value_t = 4)]
     answer_tokens: usize,
     /// zipf: device KV pool in tokens.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 8192, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 24))]
     device_tokens: usize,
     /// zipf: disk tier in MiB under --data-dir (the host tier is --host-tier-mib).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(0..=1 << 24))]
     disk_tier_mib: u64,
     /// zipf: codecs of the fixed-codec baselines and EvicPress's variants, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "int8,fp8_e4m3,int4_kivi,int2_kivi")]
@@ -1109,7 +1109,7 @@ struct BenchTiersArgs {
     evicpress_greedy: Vec<GreedyRule>,
     /// zipf: profiling questions EvicPress scores each context on besides the request's own (the paper's query
     /// set per context; 0..=4 of a fixed list no measured request asks).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=4))]
     evicpress_profile_questions: usize,
     /// zipf: EvicPress recomputes a context served from a lossy copy once that pays by its utility
     /// (`serve --evicpress-upgrade`); comma-separated for one EvicPress configuration per value.
@@ -1144,19 +1144,19 @@ struct BenchEvictionArgs {
     #[arg(long)]
     plot: Option<PathBuf>,
     /// Compute threads (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1024))]
     threads: usize,
     /// Requests submitted at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     requests: usize,
     /// Prompt length of every request.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prompt_tokens: usize,
     /// Tokens every request generates (EOS is ignored).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     new_tokens: usize,
     /// The KV pool holds exactly this many full-cache sequences of prompt + new tokens.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pool_seqs: usize,
     /// Policies, comma-separated; `full` is the baseline and runs once. Default: every policy.
     #[arg(
@@ -1166,13 +1166,13 @@ struct BenchEvictionArgs {
     )]
     policies: Vec<String>,
     /// KV budgets in tokens per (layer, kv-head), comma-separated; every non-full policy runs at each.
-    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     budgets: Vec<usize>,
     /// Token budget of one engine step.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65_536))]
     max_step_tokens: usize,
     /// Most sequences running at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
     max_running: usize,
     /// Token slots per KV block, 1 to 256 (the largest block the KV tier codecs encode).
     #[arg(long, default_value_t = 16,
@@ -1183,7 +1183,7 @@ struct BenchEvictionArgs {
     seed: u64,
     /// Runs of every configuration, round-robin; the report keeps each one's median run by tokens/s (more than one
     /// evens out a shared or noisy machine).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100))]
     repeats: usize,
     /// Admission: `reserve` (the engine default) or `greedy`.
     #[arg(long, default_value = "reserve", value_parser = ["reserve", "greedy"])]
@@ -1210,26 +1210,26 @@ struct BenchEngineArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Compute threads (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1024))]
     threads: usize,
     /// Token slots per KV block, 1 to 256 (the largest block the KV tier codecs encode).
     #[arg(long, default_value_t = 16,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BLOCK_SIZE as u64))]
     block_size: usize,
     /// Engine step budget for the prefill measurement.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65_536))]
     max_step_tokens: usize,
     /// Prompt length of the prefill measurement.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     prefill_tokens: usize,
     /// Prompt length of each decode sequence.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     decode_prompt_tokens: usize,
     /// New tokens per decode sequence.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 20))]
     decode_new_tokens: usize,
     /// Decode concurrencies, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
     concurrency: Vec<usize>,
     /// Element type of the KV cache: f16, f32, int8, fp8_e4m3 or fp8_e4m3_rotated.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
@@ -1323,11 +1323,13 @@ fn check_args(argv: &[String]) -> Result<()> {
 }
 
 fn run_async(fut: impl std::future::Future<Output = Result<()>>) -> Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")?
-        .block_on(fut)
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the tokio runtime")?;
+    let res = runtime.block_on(fut);
+    // Dropping the runtime would wait for every blocking task without end, an engine that did not stop in time
+    // ([`stop_engine`]) included; everything that had to finish has finished by now.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    res
 }
 
 /// Where the repository (scripts/, models/) is: the current directory when it has scripts/fetch-model.sh,
@@ -1488,35 +1490,63 @@ async fn load_codec(model: &Path, http: &HttpArgs) -> Result<Arc<dyn TextCodec>>
     Ok(Arc::new(codec))
 }
 
-/// A watch channel that flips to `true` on Ctrl-C or SIGTERM.
+/// A watch channel that flips to `true` on Ctrl-C or SIGTERM. A second one exits the process at once, without
+/// the rest of the drain: once the handler is installed the signal no longer kills the process by default, and
+/// an operator pressing Ctrl-C again (or a supervisor sending SIGTERM again) means not to wait.
 fn shutdown_signal() -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
-        #[cfg(unix)]
-        {
-            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("cannot listen for SIGTERM: {e}");
-                    let _ = ctrl_c.await;
-                    let _ = tx.send(true);
-                    return;
-                }
-            };
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = ctrl_c.await;
-        }
-        tracing::info!("shutting down");
+        let mut signals = StopSignals::new();
+        signals.next().await;
+        tracing::info!("shutting down; a second Ctrl-C or SIGTERM exits at once");
         let _ = tx.send(true);
+        let signo = signals.next().await;
+        eprintln!("a second stop signal: exiting now, without finishing the drain");
+        std::process::exit(128 + signo);
     });
     rx
+}
+
+/// SIGINT (Ctrl-C) and, on Unix, SIGTERM, as one sequence of stop requests.
+struct StopSignals {
+    #[cfg(unix)]
+    term: Option<tokio::signal::unix::Signal>,
+}
+
+impl StopSignals {
+    fn new() -> StopSignals {
+        #[cfg(unix)]
+        {
+            let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .inspect_err(|e| tracing::warn!("cannot listen for SIGTERM: {e}"))
+                .ok();
+            StopSignals { term }
+        }
+        #[cfg(not(unix))]
+        StopSignals {}
+    }
+
+    /// Waits for the next stop signal and returns its number.
+    async fn next(&mut self) -> i32 {
+        const SIGINT: i32 = 2;
+        const SIGTERM: i32 = 15;
+        let ctrl_c = async {
+            if let Err(e) = tokio::signal::ctrl_c().await {
+                // Not a stop request: only SIGTERM (or nothing) can stop the process then.
+                tracing::warn!("cannot listen for Ctrl-C: {e}");
+                std::future::pending::<()>().await;
+            }
+        };
+        #[cfg(unix)]
+        if let Some(term) = &mut self.term {
+            return tokio::select! {
+                _ = ctrl_c => SIGINT,
+                _ = term.recv() => SIGTERM,
+            };
+        }
+        ctrl_c.await;
+        SIGINT
+    }
 }
 
 /// A process's drain trigger: SIGINT/SIGTERM ([`shutdown_signal`]), the engine thread stopping by itself (a
@@ -1644,6 +1674,22 @@ fn device_links(device: Device) -> std::result::Result<Arc<dyn LinkFactory>, Str
     }
 }
 
+/// How long the engine gets to stop after the drain: it offloads idle KV and writes the host tier to disk.
+/// Within Kubernetes' default 30 s grace period, after the drain.
+const ENGINE_STOP: Duration = Duration::from_secs(20);
+
+/// Stops the engine thread, waiting at most [`ENGINE_STOP`]: past that the process exits and the thread with it.
+/// The disk tier loses nothing it already reported: each block file is written whole and then renamed.
+async fn stop_engine(engine: EngineHandle) {
+    let stopping = tokio::task::spawn_blocking(move || engine.shutdown());
+    if tokio::time::timeout(ENGINE_STOP, stopping).await.is_err() {
+        tracing::error!(
+            seconds = ENGINE_STOP.as_secs(),
+            "the engine did not stop in time; exiting without the rest of its host tier written to disk"
+        );
+    }
+}
+
 /// Runs `fut` until it ends, or until `DRAIN` after the shutdown signal (streams may keep a server busy).
 async fn until_drained<T>(fut: impl std::future::Future<Output = T>, shutdown: watch::Receiver<bool>) -> Option<T> {
     tokio::select! {
@@ -1733,7 +1779,7 @@ async fn up(args: UpArgs) -> Result<()> {
         None => until_drained(router_fut, shutdown.rx()).await,
     };
     let _ = until_drained(worker_task, shutdown.rx()).await;
-    tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    stop_engine(engine).await;
     reporter.task.abort();
     if let Err(e) = kvstore.stop().await {
         tracing::warn!(error = %e, "stopping the embedded kvstore");
@@ -1837,7 +1883,7 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     if let Some(r) = registration {
         r.stop().await;
     }
-    tokio::task::spawn_blocking(move || engine.shutdown()).await.ok();
+    stop_engine(engine).await;
     if let Some(r) = reporter {
         r.task.abort();
     }
@@ -2659,6 +2705,15 @@ mod tests {
             ("pagoda up --body-limit=1073741825", "invalid value"),
             ("pagoda kvstore --node-id=1 --snapshot-every=0", "invalid value"),
             ("pagoda worker --tier-placement=evicpress --evicpress-profile-question=", "cannot be empty"),
+            // Bench flags: a count or a size near 2^64 would wrap or overflow, or run for ever.
+            ("pagoda bench kvstore --seconds=18446744073709551615", "invalid value"),
+            ("pagoda bench kvstore --batch=0", "invalid value"),
+            ("pagoda bench eviction --requests=18446744073709551615", "invalid value"),
+            ("pagoda bench eviction --prompt-tokens=18446744073709551615", "invalid value"),
+            ("pagoda bench eviction --budgets=256,0", "invalid value"),
+            ("pagoda bench engine --concurrency=1,100000", "invalid value"),
+            ("pagoda bench tiers --host-tier-mib=18446744073709551615", "invalid value"),
+            ("pagoda bench tiers --repeats=0", "invalid value"),
         ] {
             let err = format!("{:#}", check_args(&argv(line)).expect_err(line));
             assert!(err.contains(why), "{line}: {err}");

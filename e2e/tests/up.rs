@@ -1353,3 +1353,36 @@ async fn up_stop_reason_names_the_stop_token_or_string() {
     let cut = ask(json!({"temperature": 0, "max_tokens": 1, "ignore_eos": true})).await;
     assert_eq!((cut["finish_reason"].as_str(), &cut["stop_reason"]), (Some("length"), &Value::Null));
 }
+
+/// Ctrl-C drains: `up` waits for the stream in flight. A second Ctrl-C means not to wait: the process exits at
+/// once, with 128 + SIGINT, as a shell reports a process that signal ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_exits_at_once_on_a_second_ctrl_c() {
+    let mut up = start_up("up-second-signal", &[]).await.unwrap();
+    let body = chat(QUESTION, json!({"temperature": 0, "max_tokens": 2000, "ignore_eos": true}));
+    let http = up.http.clone();
+    let long = tokio::spawn(async move { http.post_json("/v1/chat/completions", &body).await });
+    let t0 = Instant::now();
+    while worker_stats(&up.worker).await.map(|s| s.running).unwrap_or(0) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the long request never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let interrupt = |pid: u32| {
+        let status = std::process::Command::new("kill").args(["-INT", &pid.to_string()]).status().unwrap();
+        assert!(status.success());
+    };
+    interrupt(up.proc.pid());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(up.proc.alive(), "the first Ctrl-C drains the stream in flight\n{}", up.proc.log_tail());
+    interrupt(up.proc.pid());
+    let t1 = Instant::now();
+    let status = tokio::task::block_in_place(|| up.proc.wait_exit(Duration::from_secs(3)));
+    let status = status.unwrap_or_else(|| panic!("still running 3 s after the second Ctrl-C\n{}", up.proc.log_tail()));
+    assert_eq!(status.code(), Some(130), "{}", up.proc.log_tail());
+    assert!(t1.elapsed() < Duration::from_secs(2), "{:?}", t1.elapsed());
+    assert!(up.proc.log_tail().contains("a second stop signal"), "{}", up.proc.log_tail());
+    // The client of the cut stream gets an error, not a hang.
+    let cut = tokio::time::timeout(Duration::from_secs(10), long).await.expect("the client was left hanging");
+    let cut = cut.unwrap();
+    assert!(cut.is_err(), "the process is gone, yet the request answered: {cut:?}");
+}
