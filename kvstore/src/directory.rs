@@ -24,7 +24,7 @@ pub const MAX_WORKERS: usize = 1024;
 /// Block copies the directory keeps for one worker: as many as one worker snapshot may list. A `Stored` past it is
 /// counted as applied (the sequence moves on) but not kept: the directory is a placement hint, and a worker that
 /// claims more copies than it could ever snapshot is not one to route by.
-pub const MAX_COPIES_PER_WORKER: u64 = 1 << 20;
+pub const MAX_COPIES_PER_WORKER: u64 = crate::machine::MAX_SNAPSHOT_BLOCKS as u64;
 /// Copies of one block on one worker (tier × codec). Three tiers under a few codecs each is what a worker holds;
 /// the bound keeps one block's copy list, which every `Stored` of that block searches, short.
 pub const MAX_COPIES_PER_BLOCK_PER_WORKER: usize = 16;

@@ -13,12 +13,51 @@ use crate::directory::{
 
 /// Most events in one Publish (one raft entry).
 pub const MAX_EVENTS_PER_BATCH: usize = 65_536;
-/// Most block copies in one PublishSnapshot.
-pub const MAX_SNAPSHOT_BLOCKS: usize = 1 << 20;
 /// Longest worker id and address.
 pub const MAX_NAME_LEN: usize = 256;
 /// Longest codec name of a block copy: the bound the workers' disk tier and peer transfers share.
 pub const MAX_CODEC_LEN: usize = pagoda_proto::MAX_CODEC_NAME_BYTES;
+
+/// Bytes a protobuf varint of `v` takes.
+const fn varint_len(v: usize) -> usize {
+    let mut n = 1;
+    let mut v = v >> 7;
+    while v > 0 {
+        n += 1;
+        v >>= 7;
+    }
+    n
+}
+
+/// Bytes a length-delimited field (a string or a message) of `len` bytes takes with its 1-byte tag.
+const fn field_len(len: usize) -> usize {
+    1 + varint_len(len) + len
+}
+
+/// A u64 field at `u64::MAX` with its tag: ten 7-bit groups.
+const U64_FIELD: usize = 1 + 10;
+/// A known tier (enum value < 128) with its tag.
+const TIER_FIELD: usize = 1 + 1;
+/// The longest one `BlockCopy` encodes to inside a snapshot request: hash and bytes at `u64::MAX`, a codec of
+/// [`MAX_CODEC_LEN`].
+const MAX_COPY_BYTES: usize = field_len(U64_FIELD + TIER_FIELD + field_len(MAX_CODEC_LEN) + U64_FIELD);
+/// The longest everything but the copies of a snapshot request encodes to: a worker id of [`MAX_NAME_LEN`], epoch
+/// and seq, and a load report of [`MAX_OCCUPANCY_ROWS`] rows of longest codecs with every counter at its maximum.
+const MAX_SNAPSHOT_FIXED_BYTES: usize = field_len(MAX_NAME_LEN)
+    + 2 * U64_FIELD
+    + field_len(
+        MAX_OCCUPANCY_ROWS * field_len(TIER_FIELD + field_len(MAX_CODEC_LEN) + 2 * U64_FIELD)
+            + 2 * (1 + 5)
+            + 3 * U64_FIELD,
+    );
+/// Room left in a snapshot request under the message limit, so that a field added later does not push a worker at
+/// the cap over it.
+const SNAPSHOT_MARGIN_BYTES: usize = crate::server::MAX_CLIENT_MESSAGE_BYTES / 16;
+/// Most block copies in one PublishSnapshot: as many as fit in one client message in the worst case (see
+/// [`MAX_COPY_BYTES`]), less a margin. A larger cap would admit workers that can never publish their snapshot (the
+/// message limit refuses it) and so stay stuck on `snapshot_required`.
+pub const MAX_SNAPSHOT_BLOCKS: usize =
+    (crate::server::MAX_CLIENT_MESSAGE_BYTES - SNAPSHOT_MARGIN_BYTES - MAX_SNAPSHOT_FIXED_BYTES) / MAX_COPY_BYTES;
 /// Most hashes (or prefix-chain entries) one Read may ask about.
 pub const MAX_READ_HASHES: usize = 65_536;
 
@@ -280,6 +319,8 @@ pub fn directory_from_proto(snap: &pb::DirectorySnapshot) -> Result<BlockDirecto
 
 #[cfg(test)]
 mod tests {
+    use prost::Message as _;
+
     use super::*;
 
     fn stored(hash: u64) -> pb::BlockEvent {
@@ -354,5 +395,42 @@ mod tests {
             })),
         };
         assert!(matches!(apply_command(&mut BlockDirectory::new(), &unknown), Outcome::Rejected(_)));
+    }
+
+    #[test]
+    fn a_worst_case_snapshot_at_the_cap_fits_in_one_client_message() {
+        let codec = "c".repeat(MAX_CODEC_LEN);
+        let copy = pb::BlockCopy { hash: u64::MAX, tier: pb::Tier::Disk as i32, codec: codec.clone(), bytes: u64::MAX };
+        let row = pb::TierOccupancy {
+            tier: pb::Tier::Disk as i32,
+            codec: codec.clone(),
+            used_bytes: u64::MAX,
+            capacity_bytes: u64::MAX,
+        };
+        let req = pb::WorkerSnapshotRequest {
+            worker: "w".repeat(MAX_NAME_LEN),
+            epoch: u64::MAX,
+            seq: u64::MAX - 1,
+            blocks: vec![copy; MAX_SNAPSHOT_BLOCKS],
+            load: Some(pb::WorkerLoad {
+                occupancy: vec![row; MAX_OCCUPANCY_ROWS],
+                running: u32::MAX,
+                waiting: u32::MAX,
+                free_blocks: u64::MAX,
+                total_blocks: u64::MAX,
+                reported_at_ms: u64::MAX,
+            }),
+        };
+        let cmd = pb::Command { op: Some(Op::WorkerSnapshot(req)) };
+        assert_eq!(validate(&cmd), Ok(()), "the worst case at the cap is a valid request");
+        let Some(Op::WorkerSnapshot(req)) = &cmd.op else { unreachable!() };
+        let len = req.encoded_len();
+        assert!(
+            len + SNAPSHOT_MARGIN_BYTES <= crate::server::MAX_CLIENT_MESSAGE_BYTES,
+            "{len} bytes at the cap of {MAX_SNAPSHOT_BLOCKS} copies leave no margin under the client message limit"
+        );
+        // The derivation is tight: one copy more per margin's worth would not fit.
+        assert!(len + SNAPSHOT_MARGIN_BYTES + MAX_COPY_BYTES > crate::server::MAX_CLIENT_MESSAGE_BYTES, "{len}");
+        assert_eq!(crate::directory::MAX_COPIES_PER_WORKER, MAX_SNAPSHOT_BLOCKS as u64);
     }
 }

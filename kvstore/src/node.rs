@@ -34,8 +34,19 @@ const MAX_CATCHUP_ENTRIES: u64 = 4096;
 /// Nor does a Watch replay more log than this: 4,096 entries of full 16 MiB batches would be 64 GiB held for one
 /// watcher, where a snapshot is bounded by the directory's own caps.
 pub const MAX_CATCHUP_BYTES: u64 = 32 << 20;
+/// Raft's election timeout, in ticks.
+const ELECTION_TICK: usize = 10;
+/// Ticks after which a read still without its index asks again. raft-rs drops a ReadIndex silently at a leader that
+/// has not committed an entry in its term yet (one just elected), and a message can be lost on the way; nothing
+/// tells the asker. One election timeout gives a new leader time to commit its first entry and keeps retries rare.
+const READ_RETRY_TICKS: usize = ELECTION_TICK;
 /// How long a caller waits for a commit or a read before giving up.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most watchers one node serves at once; one more gets RESOURCE_EXHAUSTED. Each router replica holds one watch
+/// (spread over the cluster's nodes), so a deployment needs tens; the cap leaves ample room for that while bounding
+/// what a client that opens watches in a loop can pin: each new watcher may hold up to [`MAX_CATCHUP_BYTES`] of
+/// replayed log and a copy of the directory snapshot, and every applied entry is offered to every watcher.
+pub const MAX_WATCHERS: usize = 256;
 
 /// Errors a caller of the node sees.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -50,6 +61,8 @@ pub enum NodeError {
     Rejected(String),
     #[error("timed out waiting for the cluster")]
     Timeout,
+    #[error("too busy: {0}")]
+    Exhausted(String),
     #[error("node stopped")]
     Stopped,
 }
@@ -87,6 +100,7 @@ enum Request {
     Read { req: pb::ReadRequest, reply: Reply<pb::ReadResponse> },
     Watch { from_index: u64, reply: Reply<WatchStart> },
     Status { reply: Reply<pb::StatusResponse> },
+    Watchers { reply: Reply<usize> },
 }
 
 /// A cheap, cloneable way to talk to the node actor.
@@ -149,6 +163,11 @@ impl NodeHandle {
     pub async fn status(&self) -> Result<pb::StatusResponse, NodeError> {
         self.call(|reply| Request::Status { reply }).await
     }
+
+    /// How many watchers the node holds whose stream is still open (operators and tests check for leaks with it).
+    pub async fn watchers(&self) -> Result<usize, NodeError> {
+        self.call(|reply| Request::Watchers { reply }).await
+    }
 }
 
 struct Pending<T> {
@@ -159,6 +178,17 @@ struct Pending<T> {
 struct Watcher {
     from: u64,
     tx: mpsc::Sender<Arc<pb::WatchEvent>>,
+}
+
+/// A read waiting for its ReadIndex, with the leader and term it was asked under: raft-rs forgets a pending
+/// ReadIndex when the leader or term changes, so such a read would otherwise wait out [`REQUEST_TIMEOUT`].
+struct PendingRead {
+    req: pb::ReadRequest,
+    reply: Reply<pb::ReadResponse>,
+    leader: u64,
+    term: u64,
+    /// Ticks since the ReadIndex was last asked.
+    waited: usize,
 }
 
 /// Errors that stop the node.
@@ -199,7 +229,9 @@ pub struct Node {
     proposals: HashMap<u64, Pending<Committed>>,
     conf_changes: HashMap<u64, Pending<pb::MembershipResponse>>,
     next_read: u64,
-    reads: HashMap<u64, (pb::ReadRequest, Reply<pb::ReadResponse>)>,
+    reads: HashMap<u64, PendingRead>,
+    /// The (leader, term) the pending reads were last checked against.
+    read_view: (u64, u64),
     ready_reads: Vec<(u64, pb::ReadRequest, Reply<pb::ReadResponse>)>,
     watchers: Vec<Watcher>,
     /// The directory as a watch event at the applied index it was built at: watchers that start from a snapshot at
@@ -269,7 +301,7 @@ impl Node {
         let applied = store.snapshot_metadata().index;
         let config = raft::Config {
             id: cfg.id,
-            election_tick: 10,
+            election_tick: ELECTION_TICK,
             heartbeat_tick: 2,
             applied,
             max_size_per_msg: 4 << 20,
@@ -304,6 +336,7 @@ impl Node {
             conf_changes: HashMap::new(),
             next_read: 1,
             reads: HashMap::new(),
+            read_view: (0, 0),
             ready_reads: Vec::new(),
             watchers: Vec::new(),
             watch_snapshot: None,
@@ -327,8 +360,9 @@ impl Node {
             tokio::select! {
                 _ = ticker.tick() => {
                     self.raw.tick();
-                    self.reads.retain(|_, (_, reply)| !reply.is_closed());
+                    self.reads.retain(|_, r| !r.reply.is_closed());
                     self.watchers.retain(|w| !w.tx.is_closed());
+                    self.retry_reads();
                 }
                 req = rx.recv() => {
                     let Some(req) = req else { break };
@@ -426,16 +460,26 @@ impl Node {
                 }
             }
             Request::Read { req, reply } => {
+                let (leader, term) = (self.raw.raft.leader_id, self.raw.raft.term);
+                if leader == 0 {
+                    // raft-rs drops a ReadIndex without a leader (a follower after losing it, a candidate) silently.
+                    let _ = reply.send(Err(NodeError::Dropped("no raft leader known to confirm the read".into())));
+                    return Ok(());
+                }
                 let ctx = self.next_read;
                 self.next_read += 1;
                 self.raw.read_index(ctx.to_le_bytes().to_vec());
-                self.reads.insert(ctx, (req, reply));
+                self.reads.insert(ctx, PendingRead { req, reply, leader, term, waited: 0 });
             }
             Request::Watch { from_index, reply } => {
                 let _ = reply.send(self.watch(from_index));
             }
             Request::Status { reply } => {
                 let _ = reply.send(Ok(self.status()));
+            }
+            Request::Watchers { reply } => {
+                self.watchers.retain(|w| !w.tx.is_closed());
+                let _ = reply.send(Ok(self.watchers.len()));
             }
         }
         Ok(())
@@ -468,7 +512,15 @@ impl Node {
     }
 
     fn watch(&mut self, from_index: u64) -> Result<WatchStart, NodeError> {
+        self.watchers.retain(|w| !w.tx.is_closed());
+        if self.watchers.len() >= MAX_WATCHERS {
+            return Err(NodeError::Exhausted(format!("{MAX_WATCHERS} watchers on this node; watch another node")));
+        }
+        // A from_index past the next entry is a log this node has not got (a lagging follower, or a cluster rebuilt
+        // since the client last watched): the watcher starts from a snapshot, which a router applies as a full
+        // resync, rather than waiting silently for an index that may never come.
         let replay = if from_index > 0
+            && from_index <= self.applied + 1
             && from_index >= self.raw.store().first()
             && self.applied.saturating_sub(from_index) < MAX_CATCHUP_ENTRIES
         {
@@ -477,7 +529,7 @@ impl Node {
             None
         };
         let (catch_up, from) = match replay {
-            Some(events) => (events, from_index.max(self.applied + 1)),
+            Some(events) => (events, self.applied + 1),
             None => (vec![self.snapshot_event()], self.applied + 1),
         };
         let (tx, live) = mpsc::channel(WATCH_BUFFER);
@@ -550,9 +602,11 @@ impl Node {
             let (leader, role) = (ss.leader_id, ss.raft_state);
             self.on_role(leader, role);
         }
+        // Indexes confirmed in this round are good even if the leader changed after; only the rest are orphaned.
         for rs in ready.take_read_states() {
             self.on_read_state(&rs.request_ctx, rs.index);
         }
+        self.fail_orphaned_reads();
         let hs = ready.hs().cloned();
         self.raw.mut_store().append(ready.entries(), hs.as_ref())?;
         if !ready.persisted_messages().is_empty() {
@@ -588,10 +642,40 @@ impl Node {
         self.leader = leader;
     }
 
+    /// Fails the reads asked under another leader or term than now: raft-rs dropped their ReadIndex (a follower's
+    /// request went to a leader that is gone; a leader's pending ones are cleared when it steps down).
+    fn fail_orphaned_reads(&mut self) {
+        let now = (self.raw.raft.leader_id, self.raw.raft.term);
+        if now == self.read_view {
+            return;
+        }
+        self.read_view = now;
+        for (_, r) in self.reads.extract_if(|_, r| (r.leader, r.term) != now) {
+            let _ =
+                r.reply.send(Err(NodeError::Dropped("the raft leader changed before the read was confirmed".into())));
+        }
+    }
+
+    /// Asks again for the index of reads that waited [`READ_RETRY_TICKS`] under the leader they were asked under.
+    fn retry_reads(&mut self) {
+        let mut again = Vec::new();
+        for (ctx, r) in &mut self.reads {
+            r.waited += 1;
+            if r.waited >= READ_RETRY_TICKS {
+                r.waited = 0;
+                again.push(*ctx);
+            }
+        }
+        for ctx in again {
+            // A second answer for one ctx finds no pending read and is ignored.
+            self.raw.read_index(ctx.to_le_bytes().to_vec());
+        }
+    }
+
     fn on_read_state(&mut self, ctx: &[u8], index: u64) {
         let Ok(bytes) = <[u8; 8]>::try_from(ctx) else { return };
-        if let Some((req, reply)) = self.reads.remove(&u64::from_le_bytes(bytes)) {
-            self.ready_reads.push((index, req, reply));
+        if let Some(r) = self.reads.remove(&u64::from_le_bytes(bytes)) {
+            self.ready_reads.push((index, r.req, r.reply));
         }
     }
 
@@ -742,7 +826,8 @@ impl Node {
 
     fn maybe_compact(&mut self) -> Result<(), FatalError> {
         let store = self.raw.store();
-        let due = self.force_snapshot || self.applied >= store.snapshot_metadata().index + self.snapshot_every;
+        let due =
+            self.force_snapshot || self.applied >= store.snapshot_metadata().index.saturating_add(self.snapshot_every);
         if !due || self.applied > store.hard_state().commit {
             return Ok(());
         }
@@ -763,4 +848,31 @@ fn command_event(e: &Entry) -> Option<pb::WatchEvent> {
     }
     let cmd = pb::Command::decode(&e.data[..]).ok()?;
     Some(pb::WatchEvent { index: e.index, body: Some(pb::watch_event::Body::Command(cmd)) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_snapshot_interval_of_u64_max_never_overflows_nor_compacts() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RaftStore::open(&dir.path().join("raft.redb")).unwrap();
+        let cfg = RaftConfig {
+            id: 1,
+            advertise: "127.0.0.1:1".into(),
+            peers: BTreeMap::new(),
+            join: false,
+            tick: Duration::from_millis(10),
+            snapshot_every: u64::MAX,
+        };
+        // A sole voter campaigns at open; a few rounds make it leader and commit its first entry.
+        let mut node = Node::open(&cfg, store).unwrap();
+        for _ in 0..5 {
+            node.on_ready().unwrap();
+        }
+        let snapshot = node.raw.store().snapshot_metadata().index;
+        assert!(node.applied > snapshot, "applied {} is past the snapshot at {snapshot}", node.applied);
+        assert_eq!(snapshot, crate::storage::BOOTSTRAP_INDEX, "no snapshot is ever due");
+    }
 }

@@ -41,6 +41,7 @@ impl From<NodeError> for Status {
             }
             NodeError::Dropped(_) | NodeError::Stopped => Status::unavailable(msg),
             NodeError::Timeout => Status::deadline_exceeded(msg),
+            NodeError::Exhausted(_) => Status::resource_exhausted(msg),
             NodeError::Invalid(_) => Status::invalid_argument(msg),
             NodeError::Rejected(_) => Status::failed_precondition(msg),
         }
@@ -152,7 +153,14 @@ fn watch_stream(
                 return;
             }
         }
-        while let Some(ev) = live.recv().await {
+        loop {
+            // A client that went away must end the task even when no event comes (an idle cluster): otherwise it
+            // and its watcher in the node would live on until the next event.
+            let ev = tokio::select! {
+                ev = live.recv() => ev,
+                _ = tx.closed() => return,
+            };
+            let Some(ev) = ev else { break };
             last = ev.index;
             if tx.send(Ok(Arc::unwrap_or_clone(ev))).await.is_err() {
                 return;

@@ -100,7 +100,33 @@ impl RaftStore {
         drop(entries);
         drop(meta);
         drop(read);
-        Ok(Self { db, hard_state, conf_state, snapshot, last_index })
+        let store = Self { db, hard_state, conf_state, snapshot, last_index };
+        store.check()?;
+        Ok(store)
+    }
+
+    /// Refuses a damaged store: raft-rs panics on one (a commit index past the log at start, an entry it cannot read
+    /// once it applies it), where a node must fail to start with an error naming the damage.
+    fn check(&self) -> Result<(), StoreError> {
+        let (snapshot, commit, last) = (self.snapshot.index, self.hard_state.commit, self.last_index);
+        if commit < snapshot || commit > last {
+            return Err(StoreError::Invalid(format!(
+                "commit index {commit} outside the stored log (snapshot at {snapshot}, last entry {last})"
+            )));
+        }
+        let read = self.db.begin_read().map_err(dbe)?;
+        let table = read.open_table(ENTRIES).map_err(dbe)?;
+        for (expected, item) in (snapshot + 1..).zip(table.iter().map_err(dbe)?) {
+            let (k, v) = item.map_err(dbe)?;
+            if k.value() != expected {
+                return Err(StoreError::Invalid(format!("log entry {} where {expected} was expected", k.value())));
+            }
+            let e: Entry = decode("entry", v.value())?;
+            if e.index != expected {
+                return Err(StoreError::Invalid(format!("entry under key {expected} has index {}", e.index)));
+            }
+        }
+        Ok(())
     }
 
     /// Whether this store already belongs to a cluster (it has a membership or a snapshot).

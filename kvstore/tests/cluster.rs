@@ -1,6 +1,7 @@
 //! An in-process kvstore cluster on loopback (real tonic transport, real redb files): leader election, replicated
 //! Publish, linearizable reads on followers, Watch, losing the leader, restarting a node from its data dir,
-//! membership change, gaps and bad input, misaddressed raft traffic, and a snapshot lost on its way to a new node.
+//! membership change, gaps and bad input, misaddressed raft traffic, a snapshot lost on its way to a new node, watches
+//! from past the log, departed and too many watchers, reads while the leader goes away, and damaged stores.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -469,4 +470,163 @@ async fn a_watch_behind_by_more_log_bytes_than_the_bound_starts_from_a_snapshot(
     assert!(Arc::ptr_eq(&a.catch_up[0], &b.catch_up[0]));
     drop((a, b));
     node.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn watches_from_the_future_resync_departed_watchers_are_released_and_watchers_are_capped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let addr = node.addr.to_string();
+    wait_leader(std::slice::from_ref(&addr)).await;
+    let mut c = Client::new(vec![addr.clone()]).unwrap();
+    let index = c.register("w", "x:1", 1).await.unwrap().index;
+
+    // A from_index this node has not reached (a cluster rebuilt since the client last watched) starts from a
+    // snapshot at once instead of waiting silently for an index that may never come.
+    let mut streams = Vec::new();
+    for _ in 0..40 {
+        let mut watch = Client::watch(&addr, index + 1_000_000).await.unwrap();
+        let ev = tokio::time::timeout(Duration::from_secs(5), watch.message())
+            .await
+            .expect("a far-future watch got nothing")
+            .unwrap()
+            .unwrap();
+        assert_eq!(ev.index, index, "{ev:?}");
+        assert!(matches!(ev.body, Some(pb::watch_event::Body::Snapshot(_))), "{ev:?}");
+        streams.push(watch);
+    }
+    assert_eq!(node.handle.watchers().await.unwrap(), 40);
+
+    // Clients that go away on an idle cluster release their watchers (and stream tasks) without waiting for an event.
+    drop(streams);
+    let t0 = Instant::now();
+    loop {
+        let n = node.handle.watchers().await.unwrap();
+        if n == 0 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "{n} watchers of departed clients are still held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Past the cap a watch is refused with RESOURCE_EXHAUSTED; a freed slot is usable again.
+    let mut held = Vec::new();
+    for _ in 0..pagoda_kvstore::node::MAX_WATCHERS {
+        held.push(node.handle.watch(index + 1).await.unwrap());
+    }
+    let err = Client::watch(&addr, 0).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    held.pop();
+    first_watch_event(&addr, 0).await;
+    drop(held);
+    node.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_on_followers_fail_fast_when_the_leader_goes_away() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut listeners = Vec::new();
+    for _ in 0..3 {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let peers: BTreeMap<u64, String> = (1..=3).map(|i| (i, addrs[i as usize - 1].to_string())).collect();
+    let endpoints: Vec<String> = peers.values().cloned().collect();
+    let mut nodes: BTreeMap<u64, RunningNode> = BTreeMap::new();
+    for (i, l) in listeners.into_iter().enumerate() {
+        let id = i as u64 + 1;
+        nodes.insert(id, start_on(config(id, addrs[i], &peers, tmp.path()), l).await.unwrap());
+    }
+    let leader = wait_leader(&endpoints).await;
+    let mut client = Client::new(endpoints.clone()).unwrap();
+    client.register("w1", "10.0.0.1:7000", 1).await.unwrap();
+
+    // Kill the leader, then read on both followers at once and over the next moments: some reads go out while the
+    // followers still believe in the old leader (their ReadIndex is lost with it), later ones while no leader is
+    // known. Each must answer (an error, or a result once a new leader is elected) long before REQUEST_TIMEOUT.
+    let stopping = tokio::spawn(nodes.remove(&leader).unwrap().stop());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut reads = Vec::new();
+    for delay_ms in [0u64, 100, 200, 300, 400, 600] {
+        for f in (1..=3).filter(|i| *i != leader) {
+            let addr = peers[&f].clone();
+            reads.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                let mut raw = pb::kv_store_client::KvStoreClient::connect(format!("http://{addr}")).await.unwrap();
+                let t0 = Instant::now();
+                let r = raw.read(pb::ReadRequest { hashes: vec![], prefix_chain: vec![], workers: true }).await;
+                (addr, delay_ms, t0.elapsed(), r.map(|r| r.into_inner()))
+            }));
+        }
+    }
+    for r in reads {
+        let (addr, delay_ms, took, r) = r.await.unwrap();
+        assert!(took < Duration::from_secs(3), "a read at {addr} (+{delay_ms} ms) took {took:?}: {r:?}");
+        if let Err(e) = &r {
+            assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        }
+    }
+    stopping.await.unwrap().unwrap();
+    for (_, n) in nodes {
+        n.stop().await.unwrap();
+    }
+}
+
+/// Runs `damage` on a stopped embedded node's store, then starts the node again: it must refuse to start.
+async fn start_refuses_a_damaged_store(damage: impl FnOnce(&redb::Database)) -> pagoda_kvstore::ServerError {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let mut c = Client::new(vec![node.addr.to_string()]).unwrap();
+    c.register("w", "x:1", 1).await.unwrap();
+    c.publish(pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq: 1, events: vec![stored(1)], load: None })
+        .await
+        .unwrap();
+    node.stop().await.unwrap();
+    {
+        let db = redb::Database::open(tmp.path().join("raft.redb")).unwrap();
+        damage(&db);
+    }
+    match pagoda_kvstore::start_embedded(tmp.path().to_path_buf(), "127.0.0.1:0".parse().unwrap()).await {
+        Ok(node) => {
+            node.stop().await.ok();
+            panic!("a damaged store started");
+        }
+        Err(e) => e,
+    }
+}
+
+const ENTRIES: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("raft_entries");
+const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("raft_meta");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_with_a_commit_index_past_its_log_refuses_to_start() {
+    let err = start_refuses_a_damaged_store(|db| {
+        let txn = db.begin_write().unwrap();
+        {
+            let mut meta = txn.open_table(META).unwrap();
+            let mut hs = raft::eraftpb::HardState::default();
+            let stored = redb::ReadableTable::get(&meta, "hard_state").unwrap().unwrap().value().to_vec();
+            protobuf::Message::merge_from_bytes(&mut hs, &stored).unwrap();
+            hs.commit += 1000;
+            meta.insert("hard_state", protobuf::Message::write_to_bytes(&hs).unwrap().as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+    })
+    .await;
+    assert!(err.to_string().contains("commit index"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_with_an_undecodable_log_entry_refuses_to_start() {
+    let err = start_refuses_a_damaged_store(|db| {
+        let txn = db.begin_write().unwrap();
+        {
+            let mut entries = txn.open_table(ENTRIES).unwrap();
+            let last = redb::ReadableTable::last(&entries).unwrap().unwrap().0.value();
+            entries.insert(last, &[0xff, 0xff, 0xff][..]).unwrap();
+        }
+        txn.commit().unwrap();
+    })
+    .await;
+    assert!(err.to_string().contains("corrupt entry"), "{err}");
 }

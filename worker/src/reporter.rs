@@ -183,6 +183,29 @@ fn tier_to(t: Tier) -> i32 {
     }
 }
 
+/// The copies a residency snapshot lists, at most `cap` of them (the kvstore refuses a longer snapshot, and a
+/// worker refused its snapshot could never report again): the faster tiers first, since those are the copies
+/// placement gains most from. Also how many were left out.
+fn snapshot_copies(changes: &[BlockChange], cap: usize) -> (Vec<pb::BlockCopy>, usize) {
+    let mut copies: Vec<(Tier, pb::BlockCopy)> = changes
+        .iter()
+        .filter_map(|c| match c {
+            BlockChange::Stored { hash, tier, codec, bytes } => Some((
+                *tier,
+                pb::BlockCopy { hash: *hash, tier: tier_to(*tier), codec: codec.to_string(), bytes: *bytes },
+            )),
+            BlockChange::Removed { .. } => None,
+        })
+        .collect();
+    let left_out = copies.len().saturating_sub(cap);
+    if left_out > 0 {
+        // Stable: within a tier, the engine's order stands.
+        copies.sort_by_key(|(tier, _)| tier.index());
+        copies.truncate(cap);
+    }
+    (copies.into_iter().map(|(_, c)| c).collect(), left_out)
+}
+
 fn event(c: &BlockChange) -> pb::BlockEvent {
     use pb::block_event::Kind;
     let kind = match c {
@@ -387,16 +410,14 @@ impl Link {
     async fn snapshot(&mut self) -> Result<(), EngineError> {
         let snap = self.engine.residency_snapshot().await?;
         self.outbox.snapshot_taken(snap.seq);
-        let blocks = snap
-            .blocks
-            .iter()
-            .filter_map(|c| match c {
-                BlockChange::Stored { hash, tier, codec, bytes } => {
-                    Some(pb::BlockCopy { hash: *hash, tier: tier_to(*tier), codec: codec.to_string(), bytes: *bytes })
-                }
-                BlockChange::Removed { .. } => None,
-            })
-            .collect::<Vec<_>>();
+        let (blocks, left_out) = snapshot_copies(&snap.blocks, pagoda_kvstore::machine::MAX_SNAPSHOT_BLOCKS);
+        if left_out > 0 {
+            tracing::warn!(
+                left_out,
+                kept = blocks.len(),
+                "more block copies than one snapshot carries: the kvstore learns the device and host ones first"
+            );
+        }
         let n = blocks.len();
         let req = pb::WorkerSnapshotRequest {
             worker: self.cfg.worker_id.clone(),
@@ -431,5 +452,32 @@ impl Link {
         } else {
             self.complaints.warn(what, e);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hash: u64, tier: Tier) -> BlockChange {
+        BlockChange::Stored { hash, tier, codec: "f16".into(), bytes: 1 }
+    }
+
+    #[test]
+    fn a_snapshot_over_the_cap_keeps_the_faster_tiers() {
+        let changes = [
+            stored(1, Tier::Disk),
+            stored(2, Tier::Host),
+            BlockChange::Removed { hash: 9, tier: Tier::Host, codec: "f16".into() },
+            stored(3, Tier::Device),
+            stored(4, Tier::Disk),
+            stored(5, Tier::Device),
+        ];
+        let (all, left_out) = snapshot_copies(&changes, 8);
+        assert_eq!((all.iter().map(|c| c.hash).collect::<Vec<_>>(), left_out), (vec![1, 2, 3, 4, 5], 0));
+        let (kept, left_out) = snapshot_copies(&changes, 3);
+        assert_eq!(kept.iter().map(|c| c.hash).collect::<Vec<_>>(), [3, 5, 2]);
+        assert_eq!(left_out, 2);
+        assert!(snapshot_copies(&changes, 0).0.is_empty());
     }
 }
