@@ -25,6 +25,16 @@ pub const MAX_WORKERS: usize = 1024;
 /// counted as applied (the sequence moves on) but not kept: the directory is a placement hint, and a worker that
 /// claims more copies than it could ever snapshot is not one to route by.
 pub const MAX_COPIES_PER_WORKER: u64 = crate::machine::MAX_SNAPSHOT_BLOCKS as u64;
+/// Snapshot bytes the whole directory's copies may take, each charged [`copy_cost`]: what one directory snapshot
+/// can carry (see [`crate::machine::MAX_DIRECTORY_COPY_BUDGET_BYTES`]). Past it a `Stored` is counted as applied but
+/// not kept, as past [`MAX_COPIES_PER_WORKER`]; every replica applies the same log to the same sum, so all keep the
+/// same copies.
+pub const MAX_COPY_BYTES: u64 = crate::machine::MAX_DIRECTORY_COPY_BUDGET_BYTES as u64;
+
+/// What a copy held by `worker` in `codec` is charged against [`MAX_COPY_BYTES`].
+fn copy_cost(worker: &str, codec: &str) -> u64 {
+    crate::machine::directory_copy_bytes(worker.len(), codec.len()) as u64
+}
 /// Copies of one block on one worker (tier × codec). Three tiers under a few codecs each is what a worker holds;
 /// the bound keeps one block's copy list, which every `Stored` of that block searches, short.
 pub const MAX_COPIES_PER_BLOCK_PER_WORKER: usize = 16;
@@ -304,6 +314,10 @@ pub fn collapse_clears(events: &[BlockEvent]) -> CollapsedEvents<'_> {
 pub struct BlockDirectory {
     blocks: HashMap<BlockHash, Vec<Residency>>,
     workers: WorkerTable,
+    /// Copies in `blocks`, over all workers.
+    copies: u64,
+    /// Their [`copy_cost`]s (held against [`MAX_COPY_BYTES`]).
+    copy_bytes: u64,
 }
 
 impl BlockDirectory {
@@ -420,7 +434,9 @@ impl BlockDirectory {
                 map.entry(hash).or_default().extend(copies);
             }
         }
-        Self { blocks: map, workers }
+        let copies = map.values().map(|c| c.len() as u64).sum();
+        let copy_bytes = map.values().flatten().map(|r| copy_cost(&r.worker, &r.codec)).sum();
+        Self { blocks: map, workers, copies, copy_bytes }
     }
 
     /// Number of distinct block hashes with at least one copy.
@@ -428,10 +444,23 @@ impl BlockDirectory {
         self.blocks.len()
     }
 
+    /// Block copies over all workers.
+    pub fn copy_count(&self) -> u64 {
+        self.copies
+    }
+
+    /// Their charge against [`MAX_COPY_BYTES`] (at most that once built by events).
+    pub fn copy_bytes(&self) -> u64 {
+        self.copy_bytes
+    }
+
     fn apply_one(&mut self, worker: &str, event: &BlockEvent) {
         match event {
             BlockEvent::Stored { hash, tier, codec, bytes } => {
-                if self.workers.get(worker).is_some_and(|r| r.blocks >= MAX_COPIES_PER_WORKER) {
+                let cost = copy_cost(worker, codec);
+                if self.copy_bytes + cost > MAX_COPY_BYTES
+                    || self.workers.get(worker).is_some_and(|r| r.blocks >= MAX_COPIES_PER_WORKER)
+                {
                     return;
                 }
                 let copies = self.blocks.entry(*hash).or_default();
@@ -449,19 +478,23 @@ impl BlockDirectory {
                 // Kept sorted: an insert at its place, where a push and a sort would sort the list every time.
                 let at = copies.partition_point(|r| *r < copy);
                 copies.insert(at, copy);
+                self.copies += 1;
+                self.copy_bytes += cost;
                 self.adjust_block_count(worker, 1);
             }
             BlockEvent::Removed { hash, tier, codec } => {
-                let mut removed = false;
+                let mut removed = 0;
                 if let Some(copies) = self.blocks.get_mut(hash) {
                     let before = copies.len();
                     copies.retain(|r| !(r.worker == worker && r.tier == *tier && &r.codec == codec));
-                    removed = copies.len() != before;
+                    removed = before - copies.len();
                     if copies.is_empty() {
                         self.blocks.remove(hash);
                     }
                 }
-                if removed {
+                if removed > 0 {
+                    self.copies = self.copies.saturating_sub(removed as u64);
+                    self.copy_bytes = self.copy_bytes.saturating_sub(removed as u64 * copy_cost(worker, codec));
                     self.adjust_block_count(worker, -1);
                 }
             }
@@ -476,10 +509,20 @@ impl BlockDirectory {
     }
 
     fn drop_worker_residency(&mut self, worker: &str) {
+        let (mut dropped, mut dropped_bytes) = (0, 0);
         self.blocks.retain(|_, copies| {
-            copies.retain(|r| r.worker != worker);
+            copies.retain(|r| {
+                let keep = r.worker != worker;
+                if !keep {
+                    dropped += 1;
+                    dropped_bytes += copy_cost(&r.worker, &r.codec);
+                }
+                keep
+            });
             !copies.is_empty()
         });
+        self.copies = self.copies.saturating_sub(dropped);
+        self.copy_bytes = self.copy_bytes.saturating_sub(dropped_bytes);
         if let Some(record) = self.workers.get_mut(worker) {
             record.blocks = 0;
         }
@@ -795,5 +838,53 @@ mod tests {
         dir.apply(&batch("w", 1, 3, swap)).unwrap();
         assert_eq!(dir.residency(u64::MAX).len(), 1);
         assert_eq!(dir.worker("w").unwrap().blocks, MAX_COPIES_PER_WORKER);
+    }
+
+    #[test]
+    fn copies_past_the_directory_wide_byte_budget_are_not_kept() {
+        let mut dir = BlockDirectory::new();
+        // The longest names: the budget holds the fewest copies (about 640 thousand).
+        let name = |i: u64| format!("{i:0>width$}", width = crate::machine::MAX_NAME_LEN);
+        let codec = "c".repeat(crate::machine::MAX_CODEC_LEN);
+        let cost = copy_cost(&name(0), &codec);
+        let fit = MAX_COPY_BYTES / cost;
+        let mut workers = 0;
+        let mut next_hash = 0;
+        while dir.copy_count() < fit {
+            let worker = name(workers);
+            workers += 1;
+            dir.register_worker(&worker, "a:1", 1).unwrap();
+            let take = MAX_COPIES_PER_WORKER.min(fit - dir.copy_count());
+            let copies: Vec<(BlockHash, Tier, String, u64)> =
+                (next_hash..next_hash + take).map(|h| (h, Tier::Host, codec.clone(), 1)).collect();
+            next_hash += take;
+            dir.apply_snapshot(&worker, 1, 1, &copies, None).unwrap();
+        }
+        assert_eq!(dir.copy_bytes(), fit * cost);
+        let late = name(u64::from(u32::MAX));
+        dir.register_worker(&late, "a:2", 1).unwrap();
+        let stored_late = || BlockEvent::Stored { hash: u64::MAX, tier: Tier::Device, codec: codec.clone(), bytes: 1 };
+        // Counted as applied (the sequence moves on), not kept: the worker is far below its own cap.
+        let past = dir.apply(&batch(&late, 1, 1, vec![stored_late()])).unwrap();
+        assert_eq!(past, ApplyOutcome::Applied { applied: 1, skipped: 0 });
+        assert_eq!(dir.worker(&late).unwrap().applied_seq, 1);
+        assert!(dir.residency(u64::MAX).is_empty());
+        assert_eq!(dir.copy_count(), fit);
+        // A removal anywhere makes room again.
+        let removed = BlockEvent::Removed { hash: 0, tier: Tier::Host, codec: codec.clone() };
+        dir.apply(&batch(&name(0), 1, 2, vec![removed])).unwrap();
+        dir.apply(&batch(&late, 1, 2, vec![stored_late()])).unwrap();
+        assert_eq!(dir.residency(u64::MAX).len(), 1);
+        assert_eq!((dir.copy_count(), dir.copy_bytes()), (fit, fit * cost));
+        // Dropping a worker gives back all its copies.
+        let first = MAX_COPIES_PER_WORKER.min(fit);
+        assert!(dir.remove_worker(&name(0)));
+        assert_eq!(dir.copy_count(), fit - (first - 1));
+        assert_eq!(dir.copy_bytes(), (fit - (first - 1)) * cost);
+        let rebuilt = BlockDirectory::from_parts(
+            dir.workers().map(|(w, r)| (w.clone(), r.clone())),
+            dir.blocks().map(|(h, c)| (*h, c.to_vec())),
+        );
+        assert_eq!((rebuilt.copy_count(), rebuilt.copy_bytes()), (dir.copy_count(), dir.copy_bytes()));
     }
 }

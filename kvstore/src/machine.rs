@@ -41,15 +41,14 @@ const TIER_FIELD: usize = 1 + 1;
 /// The longest one `BlockCopy` encodes to inside a snapshot request: hash and bytes at `u64::MAX`, a codec of
 /// [`MAX_CODEC_LEN`].
 const MAX_COPY_BYTES: usize = field_len(U64_FIELD + TIER_FIELD + field_len(MAX_CODEC_LEN) + U64_FIELD);
+/// The longest a load report encodes to as a field: [`MAX_OCCUPANCY_ROWS`] rows of longest codecs with every counter
+/// at its maximum.
+const MAX_LOAD_BYTES: usize = field_len(
+    MAX_OCCUPANCY_ROWS * field_len(TIER_FIELD + field_len(MAX_CODEC_LEN) + 2 * U64_FIELD) + 2 * (1 + 5) + 3 * U64_FIELD,
+);
 /// The longest everything but the copies of a snapshot request encodes to: a worker id of [`MAX_NAME_LEN`], epoch
-/// and seq, and a load report of [`MAX_OCCUPANCY_ROWS`] rows of longest codecs with every counter at its maximum.
-const MAX_SNAPSHOT_FIXED_BYTES: usize = field_len(MAX_NAME_LEN)
-    + 2 * U64_FIELD
-    + field_len(
-        MAX_OCCUPANCY_ROWS * field_len(TIER_FIELD + field_len(MAX_CODEC_LEN) + 2 * U64_FIELD)
-            + 2 * (1 + 5)
-            + 3 * U64_FIELD,
-    );
+/// and seq, and the longest load report.
+const MAX_SNAPSHOT_FIXED_BYTES: usize = field_len(MAX_NAME_LEN) + 2 * U64_FIELD + MAX_LOAD_BYTES;
 /// Room left in a snapshot request under the message limit, so that a field added later does not push a worker at
 /// the cap over it.
 const SNAPSHOT_MARGIN_BYTES: usize = crate::server::MAX_CLIENT_MESSAGE_BYTES / 16;
@@ -58,6 +57,32 @@ const SNAPSHOT_MARGIN_BYTES: usize = crate::server::MAX_CLIENT_MESSAGE_BYTES / 1
 /// message limit refuses it) and so stay stuck on `snapshot_required`.
 pub const MAX_SNAPSHOT_BLOCKS: usize =
     (crate::server::MAX_CLIENT_MESSAGE_BYTES - SNAPSHOT_MARGIN_BYTES - MAX_SNAPSHOT_FIXED_BYTES) / MAX_COPY_BYTES;
+/// The longest one worker's record encodes to in a directory snapshot: id and address of [`MAX_NAME_LEN`], three
+/// counters at `u64::MAX`, the longest load report.
+const MAX_WORKER_INFO_BYTES: usize = field_len(2 * field_len(MAX_NAME_LEN) + 3 * U64_FIELD + MAX_LOAD_BYTES);
+/// The most one block copy of a worker id of `worker_len` bytes and a codec of `codec_len` bytes adds to a
+/// directory snapshot: hash and bytes at their longest varints, and the block entry and hash paid alone (a block
+/// with more copies shares them, so it costs less).
+pub const fn directory_copy_bytes(worker_len: usize, codec_len: usize) -> usize {
+    field_len(U64_FIELD + field_len(field_len(worker_len) + TIER_FIELD + field_len(codec_len) + U64_FIELD))
+}
+/// Room left under the raft message limit beside the directory: the raft `Message` and snapshot metadata around it,
+/// the membership list, the other messages of the same `RaftBatch` (heartbeats: raft sends a peer nothing else
+/// while its snapshot is out), the `WatchEvent` framing, and fields added later.
+const DIRECTORY_MARGIN_BYTES: usize = crate::transport::MAX_RAFT_MESSAGE_BYTES / 8;
+/// Snapshot bytes the whole directory's block copies may take, each counted at [`directory_copy_bytes`] (about
+/// 224 MiB: 640 thousand copies at the longest names, 5 to 6 million under names like `worker-12` and `f16`). The
+/// directory travels whole in one raft snapshot message and one Watch snapshot event, both capped at
+/// [`crate::transport::MAX_RAFT_MESSAGE_BYTES`]; a directory that outgrew it could never reach a new or lagging node
+/// nor a new watcher. So the budget is that message less [`crate::directory::MAX_WORKERS`] records of
+/// [`MAX_WORKER_INFO_BYTES`] and [`DIRECTORY_MARGIN_BYTES`]. It is counted in bytes, not copies: a count sized for
+/// the longest names would keep a seventh of what fits under real ones.
+pub const MAX_DIRECTORY_COPY_BUDGET_BYTES: usize = crate::transport::MAX_RAFT_MESSAGE_BYTES
+    - DIRECTORY_MARGIN_BYTES
+    - crate::directory::MAX_WORKERS * MAX_WORKER_INFO_BYTES
+    - DIRECTORY_FRAMING_BYTES;
+/// The directory message's own tags and length varints around its workers and blocks.
+const DIRECTORY_FRAMING_BYTES: usize = 64;
 /// Most hashes (or prefix-chain entries) one Read may ask about.
 pub const MAX_READ_HASHES: usize = 65_536;
 
@@ -432,5 +457,96 @@ mod tests {
         // The derivation is tight: one copy more per margin's worth would not fit.
         assert!(len + SNAPSHOT_MARGIN_BYTES + MAX_COPY_BYTES > crate::server::MAX_CLIENT_MESSAGE_BYTES, "{len}");
         assert_eq!(crate::directory::MAX_COPIES_PER_WORKER, MAX_SNAPSHOT_BLOCKS as u64);
+    }
+
+    /// The directory at its worker cap with every field at its longest, and `copies` copies, each its own block.
+    fn worst_case_directory(copies: u64) -> BlockDirectory {
+        let codec = "c".repeat(MAX_CODEC_LEN);
+        let load = WorkerLoad {
+            occupancy: vec![
+                TierOccupancy {
+                    tier: Tier::Disk,
+                    codec: codec.clone(),
+                    used_bytes: u64::MAX,
+                    capacity_bytes: u64::MAX
+                };
+                MAX_OCCUPANCY_ROWS
+            ],
+            running: u32::MAX,
+            waiting: u32::MAX,
+            free_blocks: u64::MAX,
+            total_blocks: u64::MAX,
+            reported_at_ms: u64::MAX,
+        };
+        let name = |i: usize| format!("{i:0>width$}", width = MAX_NAME_LEN);
+        let record = WorkerRecord {
+            address: "a".repeat(MAX_NAME_LEN),
+            epoch: u64::MAX,
+            applied_seq: u64::MAX,
+            blocks: u64::MAX,
+            load: Some(load),
+        };
+        let workers = (0..crate::directory::MAX_WORKERS).map(|i| (name(i), record.clone()));
+        // Hashes at the top of the range take the longest varint.
+        let blocks = (0..copies).map(|i| {
+            let copy = Residency { worker: name(0), tier: Tier::Disk, codec: codec.clone(), bytes: u64::MAX };
+            (u64::MAX - i, vec![copy])
+        });
+        BlockDirectory::from_parts(workers, blocks)
+    }
+
+    #[test]
+    fn a_worst_case_directory_at_the_copy_cap_fits_in_one_raft_message() {
+        let limit = crate::transport::MAX_RAFT_MESSAGE_BYTES;
+        // A scaled-down directory through the real encoders, then the per-copy cost scaled up to the cap: building
+        // the full 200+ MiB directory would make this test slow and memory hungry.
+        const SAMPLE: u64 = 2_000;
+        let empty = worst_case_directory(0);
+        let sample = worst_case_directory(SAMPLE);
+        assert_eq!(sample.copy_count(), SAMPLE);
+        let raft_len = |d: &BlockDirectory| {
+            pb::SnapshotData { directory: Some(directory_to_proto(d)), members: Vec::new() }.encoded_len()
+        };
+        let watch_len = |d: &BlockDirectory| {
+            pb::WatchEvent { index: u64::MAX, body: Some(pb::watch_event::Body::Snapshot(directory_to_proto(d))) }
+                .encoded_len()
+        };
+        for (what, len) in [("raft snapshot", &raft_len as &dyn Fn(&BlockDirectory) -> usize), ("watch", &watch_len)] {
+            let base = len(&empty);
+            let with_copies = len(&sample);
+            assert!(base <= crate::directory::MAX_WORKERS * MAX_WORKER_INFO_BYTES + 16, "{what}: {base}");
+            // The derived per-copy size is what the encoder spends (up to the outer length varints).
+            let per_copy = (with_copies - base) as f64 / SAMPLE as f64;
+            assert!(
+                (per_copy - directory_copy_bytes(MAX_NAME_LEN, MAX_CODEC_LEN) as f64).abs() < 0.01,
+                "{what}: {per_copy} per copy"
+            );
+            let at_cap = base + MAX_DIRECTORY_COPY_BUDGET_BYTES;
+            assert!(
+                at_cap + DIRECTORY_MARGIN_BYTES <= limit,
+                "{what}: {at_cap} bytes at the copy budget leave no margin under {limit}"
+            );
+        }
+        // Under short names each copy costs what `directory_copy_bytes` charges for them, or less (copies of one
+        // block share its entry).
+        let short = |copies_per_block: u64| {
+            let copy = |w: u64| Residency {
+                worker: format!("worker-{w}"),
+                tier: Tier::Host,
+                codec: "f16".into(),
+                bytes: 737_280,
+            };
+            let blocks = (0..SAMPLE).map(|i| (u64::MAX - i, (0..copies_per_block).map(|w| copy(10 + w)).collect()));
+            BlockDirectory::from_parts(std::iter::empty(), blocks)
+        };
+        for copies_per_block in [1, 3] {
+            let d = short(copies_per_block);
+            let per_copy = (raft_len(&d) - raft_len(&short(0))) as f64 / (SAMPLE * copies_per_block) as f64;
+            assert!(per_copy <= directory_copy_bytes("worker-10".len(), 3) as f64, "{per_copy} per copy");
+        }
+        let fits =
+            |worker_len, codec_len| MAX_DIRECTORY_COPY_BUDGET_BYTES / directory_copy_bytes(worker_len, codec_len);
+        assert!(fits(MAX_NAME_LEN, MAX_CODEC_LEN) > 600_000, "{}", fits(MAX_NAME_LEN, MAX_CODEC_LEN));
+        assert!(fits("worker-10".len(), 3) > 5_000_000, "{}", fits("worker-10".len(), 3));
     }
 }

@@ -27,6 +27,13 @@ use crate::transport::{SendFailure, Transport};
 const REQUEST_QUEUE: usize = 8192;
 /// Requests handled between two `Ready`s: many proposals land in one durable write.
 const DRAIN_PER_ROUND: usize = 4096;
+/// Raft payload (proposed commands, received entries and snapshots) taken in between two `Ready`s: 4,096 requests of
+/// up to 16 MiB each would put 64 GiB into one Ready and one redb transaction. A request that crosses the budget is
+/// still handled (it is already taken), so a round holds at most this plus one request.
+const DRAIN_BYTES_PER_ROUND: usize = 64 << 20;
+/// Bytes of proposed entries raft holds uncommitted (it refuses proposals past it, which callers see as a
+/// retryable drop) and of committed entries one Ready hands over: what a stalled quorum or a long catch-up holds.
+const MAX_RAFT_IN_FLIGHT_BYTES: u64 = 64 << 20;
 /// Events buffered for one watcher; a watcher further behind is dropped and must Watch again.
 pub const WATCH_BUFFER: usize = 4096;
 /// A Watch further behind than this many log entries starts from a snapshot instead of replaying the log.
@@ -261,6 +268,48 @@ fn restore(data: &[u8]) -> Result<(BlockDirectory, BTreeMap<u64, String>), Fatal
     Ok((dir, snap.members.into_iter().map(|m| (m.node_id, m.address)).collect()))
 }
 
+/// The raft payload a request brings into the next Ready (what [`DRAIN_BYTES_PER_ROUND`] counts); the other requests
+/// are small.
+fn request_bytes(req: &Request) -> usize {
+    match req {
+        Request::Propose { cmd, .. } => cmd.encoded_len(),
+        Request::Step(msgs) => msgs
+            .iter()
+            .map(|m| {
+                m.get_entries().iter().map(|e| e.get_data().len()).sum::<usize>() + m.get_snapshot().get_data().len()
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// Handles `first` and then what is queued behind it, up to `max_requests` more or until `max_bytes` of payload (as
+/// `size` counts it) were handled, whichever comes first.
+fn drain_round<T, E>(
+    first: T,
+    rx: &mut mpsc::Receiver<T>,
+    max_requests: usize,
+    max_bytes: usize,
+    size: impl Fn(&T) -> usize,
+    mut handle: impl FnMut(T) -> Result<(), E>,
+) -> Result<(), E> {
+    let mut bytes = size(&first);
+    handle(first)?;
+    for _ in 0..max_requests {
+        if bytes >= max_bytes {
+            break;
+        }
+        match rx.try_recv() {
+            Ok(req) => {
+                bytes = bytes.saturating_add(size(&req));
+                handle(req)?;
+            }
+            Err(_) => break,
+        }
+    }
+    Ok(())
+}
+
 /// Forwards raft-rs's slog records to `tracing`.
 struct TracingDrain;
 
@@ -306,6 +355,8 @@ impl Node {
             applied,
             max_size_per_msg: 4 << 20,
             max_inflight_msgs: 256,
+            max_uncommitted_size: MAX_RAFT_IN_FLIGHT_BYTES,
+            max_committed_size_per_ready: MAX_RAFT_IN_FLIGHT_BYTES,
             check_quorum: true,
             pre_vote: true,
             ..Default::default()
@@ -366,13 +417,7 @@ impl Node {
                 }
                 req = rx.recv() => {
                     let Some(req) = req else { break };
-                    self.handle(req)?;
-                    for _ in 0..DRAIN_PER_ROUND {
-                        match rx.try_recv() {
-                            Ok(req) => self.handle(req)?,
-                            Err(_) => break,
-                        }
-                    }
+                    drain_round(req, &mut rx, DRAIN_PER_ROUND, DRAIN_BYTES_PER_ROUND, request_bytes, |r| self.handle(r))?;
                 }
                 Some(failure) = self.send_failures.recv() => self.report_send_failure(failure),
             }
@@ -853,6 +898,89 @@ fn command_event(e: &Entry) -> Option<pb::WatchEvent> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_round_stops_at_its_byte_budget_as_well_as_its_count() {
+        const MIB: usize = 1 << 20;
+        let (tx, mut rx) = mpsc::channel::<usize>(64);
+        for _ in 0..10 {
+            tx.try_send(16 * MIB).unwrap();
+        }
+        let mut handled = Vec::new();
+        let first = rx.try_recv().unwrap();
+        drain_round(
+            first,
+            &mut rx,
+            DRAIN_PER_ROUND,
+            64 * MIB,
+            |n| *n,
+            |n| {
+                handled.push(n);
+                Ok::<_, ()>(())
+            },
+        )
+        .unwrap();
+        assert_eq!(handled.len(), 4, "64 MiB of 16 MiB requests");
+        assert_eq!(rx.len(), 6, "the rest waits for the next round");
+        // Small requests stop at the count.
+        let (tx, mut rx) = mpsc::channel::<usize>(64);
+        for _ in 0..10 {
+            tx.try_send(1).unwrap();
+        }
+        let mut n = 0;
+        drain_round(
+            0,
+            &mut rx,
+            3,
+            64 * MIB,
+            |n| *n,
+            |_| {
+                n += 1;
+                Ok::<_, ()>(())
+            },
+        )
+        .unwrap();
+        assert_eq!((n, rx.len()), (4, 7));
+        // The payload a proposal brings is its command.
+        let cmd = pb::Command {
+            op: Some(pb::command::Op::RemoveWorker(pb::RemoveWorkerRequest { worker: "w".repeat(100) })),
+        };
+        let (reply, _rx) = oneshot::channel();
+        assert_eq!(request_bytes(&Request::Propose { cmd: cmd.clone(), reply }), cmd.encoded_len());
+    }
+
+    #[tokio::test]
+    async fn proposals_past_the_uncommitted_budget_are_dropped_for_a_retry() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RaftStore::open(&dir.path().join("raft.redb")).unwrap();
+        let cfg = RaftConfig {
+            id: 1,
+            advertise: "127.0.0.1:1".into(),
+            peers: BTreeMap::new(),
+            join: false,
+            tick: Duration::from_millis(10),
+            snapshot_every: u64::MAX,
+        };
+        let mut node = Node::open(&cfg, store).unwrap();
+        for _ in 0..5 {
+            node.on_ready().unwrap();
+        }
+        assert_eq!(node.raw.raft.state, StateRole::Leader);
+        // Nothing commits while the Ready is not handled: the proposals pile up uncommitted, as behind a lost quorum.
+        let big = pb::Command {
+            op: Some(pb::command::Op::RemoveWorker(pb::RemoveWorkerRequest { worker: "w".repeat(4 << 20) })),
+        };
+        let mut replies = Vec::new();
+        for _ in 0..32 {
+            let (reply, rx) = oneshot::channel();
+            node.handle(Request::Propose { cmd: big.clone(), reply }).unwrap();
+            replies.push(rx);
+        }
+        let dropped =
+            replies.iter_mut().map(|rx| rx.try_recv()).filter(|r| matches!(r, Ok(Err(NodeError::Dropped(_))))).count();
+        assert!(dropped >= 32 - 16, "{dropped} of 32 proposals of 4 MiB dropped past a 64 MiB budget");
+        assert!(node.raw.raft.uncommitted_size() as u64 <= MAX_RAFT_IN_FLIGHT_BYTES);
+    }
 
     #[tokio::test]
     async fn a_snapshot_interval_of_u64_max_never_overflows_nor_compacts() {

@@ -8,7 +8,8 @@
 //! to the local node actor.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pagoda_proto::kvstore as pb;
@@ -61,6 +62,9 @@ struct Peer {
     addr: String,
     tx: mpsc::Sender<Message>,
     task: JoinHandle<()>,
+    /// Snapshots queued or in flight whose fate the task has not settled (sent, or reported lost): the task can be
+    /// aborted with one, and raft must then hear of its loss from whoever aborted it.
+    snapshots: Arc<AtomicUsize>,
 }
 
 /// Outgoing raft traffic of one node.
@@ -80,17 +84,26 @@ impl Transport {
         (Self { id, peers: HashMap::new(), failures, dropped: Vec::new() }, rx)
     }
 
-    /// Adds a peer, or points it at a new address.
+    /// Adds a peer, or points it at a new address. What was queued for the old address is lost, and reported as
+    /// lost (raft keeps the peer: a snapshot it never hears about again would stall that peer for good).
     pub fn set_peer(&mut self, id: u64, addr: &str) {
         if id == self.id || self.peers.get(&id).is_some_and(|p| p.addr == addr) {
             return;
         }
-        self.remove_peer(id);
+        if let Some(old) = self.peers.remove(&id) {
+            old.task.abort();
+            self.dropped.push(SendFailure::Unreachable(id));
+            if old.snapshots.load(Ordering::Acquire) > 0 {
+                self.dropped.push(SendFailure::Snapshot(id));
+            }
+        }
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
-        let task = tokio::spawn(run_peer(self.id, id, addr.to_string(), rx, self.failures.clone()));
-        self.peers.insert(id, Peer { addr: addr.to_string(), tx, task });
+        let snapshots = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(run_peer(self.id, id, addr.to_string(), rx, self.failures.clone(), snapshots.clone()));
+        self.peers.insert(id, Peer { addr: addr.to_string(), tx, task, snapshots });
     }
 
+    /// Drops a peer that left the cluster; raft forgot it, so nothing lost is reported.
     pub fn remove_peer(&mut self, id: u64) {
         if let Some(p) = self.peers.remove(&id) {
             p.task.abort();
@@ -101,10 +114,18 @@ impl Transport {
         for m in msgs {
             match self.peers.get(&m.to) {
                 Some(p) => {
+                    let snapshot = m.get_msg_type() == MessageType::MsgSnapshot;
+                    // Counted before the task can see it, so that it never settles one not yet counted.
+                    if snapshot {
+                        p.snapshots.fetch_add(1, Ordering::AcqRel);
+                    }
                     if let Err(e) = p.tx.try_send(m) {
                         let m = match e {
                             mpsc::error::TrySendError::Full(m) | mpsc::error::TrySendError::Closed(m) => m,
                         };
+                        if snapshot {
+                            p.snapshots.fetch_sub(1, Ordering::AcqRel);
+                        }
                         tracing::debug!(peer = p.addr, "raft queue full; message dropped");
                         self.dropped.extend(SendFailure::of_lost(m.to, [m.get_msg_type()]));
                     }
@@ -147,7 +168,15 @@ async fn run_peer(
     addr: String,
     mut rx: mpsc::Receiver<Message>,
     failures: mpsc::Sender<SendFailure>,
+    snapshots: Arc<AtomicUsize>,
 ) {
+    // Called once the snapshots among `settled` were sent or reported lost.
+    let settle = |settled: &[MessageType]| {
+        let n = settled.iter().filter(|t| **t == MessageType::MsgSnapshot).count();
+        if n > 0 {
+            snapshots.fetch_sub(n, Ordering::AcqRel);
+        }
+    };
     let endpoint = match pagoda_proto::tls::endpoint(&addr) {
         Ok(e) => e.connect_timeout(Duration::from_secs(1)).timeout(SEND_TIMEOUT).tcp_nodelay(true),
         Err(e) => {
@@ -155,6 +184,7 @@ async fn run_peer(
             // Nothing will ever reach this peer; raft must still hear of each loss.
             while let Some(m) = rx.recv().await {
                 report(&failures, SendFailure::of_lost(to, [m.get_msg_type()])).await;
+                settle(&[m.get_msg_type()]);
             }
             return;
         }
@@ -182,7 +212,8 @@ async fn run_peer(
             }
             next = if batch.len() < MAX_BATCH { rx.try_recv().ok() } else { None };
         }
-        report(&failures, SendFailure::of_lost(to, unencodable)).await;
+        report(&failures, SendFailure::of_lost(to, unencodable.iter().copied())).await;
+        settle(&unencodable);
         if batch.is_empty() {
             continue;
         }
@@ -193,8 +224,9 @@ async fn run_peer(
             while let Ok(m) = rx.try_recv() {
                 sent.push(m.get_msg_type());
             }
-            report(&failures, SendFailure::of_lost(to, sent)).await;
+            report(&failures, SendFailure::of_lost(to, sent.iter().copied())).await;
         }
+        settle(&sent);
     }
 }
 
@@ -319,5 +351,41 @@ mod tests {
         transport.send(msgs);
         assert_eq!(transport.take_dropped(), [SendFailure::Snapshot(2), SendFailure::Unreachable(2)]);
         assert!(transport.take_dropped().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_peer_moved_to_a_new_address_reports_what_its_old_queue_lost() {
+        let (mut transport, _failures) = Transport::new(1);
+        transport.set_peer(2, &refusing_addr().await);
+        // On this single-threaded runtime the old peer task has not taken the snapshot when it is aborted.
+        transport.send(vec![message(MessageType::MsgSnapshot, 2)]);
+        transport.set_peer(2, &refusing_addr().await);
+        assert_eq!(transport.take_dropped(), [SendFailure::Unreachable(2), SendFailure::Snapshot(2)]);
+        // Without a snapshot queued, only the other losses.
+        transport.send(vec![message(MessageType::MsgAppend, 2)]);
+        transport.set_peer(2, &refusing_addr().await);
+        assert_eq!(transport.take_dropped(), [SendFailure::Unreachable(2)]);
+        // The same address again changes nothing.
+        let addr = transport.peers[&2].addr.clone();
+        transport.set_peer(2, &addr);
+        assert!(transport.take_dropped().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_settled_snapshot_is_not_reported_again_when_the_peer_moves() {
+        let (mut transport, mut failures) = Transport::new(1);
+        transport.set_peer(2, &refusing_addr().await);
+        transport.send(vec![message(MessageType::MsgSnapshot, 2)]);
+        let reported = tokio::time::timeout(Duration::from_secs(10), failures.recv()).await.unwrap();
+        assert_eq!(reported, Some(SendFailure::Snapshot(2)));
+        // The task settles the snapshot right after reporting it.
+        for _ in 0..100 {
+            if transport.peers[&2].snapshots.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        transport.set_peer(2, &refusing_addr().await);
+        assert_eq!(transport.take_dropped(), [SendFailure::Unreachable(2)]);
     }
 }
