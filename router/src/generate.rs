@@ -619,7 +619,7 @@ impl Generation {
         // The worker took the request, so it holds the adapter now (a worker loads one on demand before it
         // answers): probe it at once rather than keep charging it the load until the next health round.
         if let Some(name) = &self.job.lora
-            && !chosen.status().serves_lora(name)
+            && !chosen.with_status(|s| s.serves_lora(name))
         {
             chosen.probe_soon();
         }

@@ -136,7 +136,7 @@ where
     F: Fn(Client) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send + 'static,
 {
-    let workers: Vec<_> = st.pool().workers().into_iter().filter(|w| w.status().ready).collect();
+    let workers: Vec<_> = st.pool().workers().into_iter().filter(|w| w.is_ready()).collect();
     if workers.is_empty() {
         return Err(crate::generate::no_ready_worker());
     }

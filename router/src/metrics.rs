@@ -863,10 +863,8 @@ impl Metrics {
     /// not answer, keeps its last figures; only its readiness, which the router knows, is set).
     pub fn record_pool(&self, pool: &WorkerPool, snapshot: Option<&StatsSnapshot>) {
         let workers = pool.workers();
-        let scraped: Vec<(&str, bool, Option<&StatsResponse>)> = workers
-            .iter()
-            .map(|w| (w.addr.as_str(), w.status().ready, snapshot.and_then(|s| s.get(&w.addr))))
-            .collect();
+        let scraped: Vec<(&str, bool, Option<&StatsResponse>)> =
+            workers.iter().map(|w| (w.addr.as_str(), w.is_ready(), snapshot.and_then(|s| s.get(&w.addr)))).collect();
         self.record_workers(&scraped);
     }
 

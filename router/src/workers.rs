@@ -345,8 +345,21 @@ impl Worker {
         &self.load
     }
 
+    /// A copy of what the last probe learned. It holds the adapter lists, so hot paths read it in place with
+    /// [`Worker::with_status`] instead.
     pub fn status(&self) -> WorkerStatus {
-        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+        self.with_status(WorkerStatus::clone)
+    }
+
+    /// `f` of what the last probe learned, read in place (under a std mutex: `f` must not block).
+    pub fn with_status<R>(&self, f: impl FnOnce(&WorkerStatus) -> R) -> R {
+        let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        f(&status)
+    }
+
+    /// Whether the last probe found the worker ready.
+    pub fn is_ready(&self) -> bool {
+        self.with_status(|s| s.ready)
     }
 
     fn set_status(&self, st: WorkerStatus) {
@@ -580,8 +593,9 @@ impl WorkerPool {
     /// id in `Health`, else the one configured at that address.
     pub fn resolve(&self, worker: &str, address: &str) -> Option<usize> {
         let slots = self.slots();
-        let by_id =
-            slots.iter().position(|w| w.as_ref().is_some_and(|w| !worker.is_empty() && w.status().worker_id == worker));
+        let by_id = slots
+            .iter()
+            .position(|w| w.as_ref().is_some_and(|w| !worker.is_empty() && w.with_status(|s| s.worker_id == worker)));
         by_id.or_else(|| {
             let address = strip_scheme(address);
             slots
@@ -761,36 +775,40 @@ impl WorkerPool {
         req: &PlaceRequest<'_>,
     ) -> Vec<WorkerSnapshot> {
         let lora = req.lora;
-        let statuses: Vec<Option<WorkerStatus>> = slots.iter().map(|w| w.as_ref().map(|w| w.status())).collect();
         // A worker that has not loaded an adapter yet is charged what loads took on the others: a guess of its own
         // would make it look cheaper or dearer than the measured ones for no reason.
-        let measured: Vec<f64> = statuses.iter().flatten().filter_map(WorkerStatus::measured_lora_load).collect();
-        let unmeasured = if measured.is_empty() {
+        let unmeasured = if lora.is_none() {
             DEFAULT_LORA_LOAD_SECONDS
         } else {
-            measured.iter().sum::<f64>() / measured.len() as f64
+            let (sum, n) = slots
+                .iter()
+                .flatten()
+                .filter_map(|w| w.with_status(WorkerStatus::measured_lora_load))
+                .fold((0.0, 0usize), |(sum, n), s| (sum + s, n + 1));
+            if n == 0 { DEFAULT_LORA_LOAD_SECONDS } else { sum / n as f64 }
         };
         let mut blocked = vec![false; slots.len()];
         let ejected: Vec<bool> = slots.iter().map(|w| w.as_ref().is_some_and(|w| !w.ejected_for().is_zero())).collect();
         let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
-            .zip(statuses)
             .zip(blocked.iter_mut())
-            .map(|((w, st), blocked)| {
-                let (Some(w), Some(st)) = (w, st) else { return (WorkerSnapshot::default(), WorkerRole::Both) };
-                let slot = lora.map(|name| st.lora_slot(name, &w.load));
-                *blocked = slot == Some(LoraSlot::Blocked);
-                let snap = WorkerSnapshot {
-                    ready: st.ready
-                        && !req.exclude.contains(&w.addr)
-                        && lora.is_none_or(|name| st.can_serve_lora(name)),
-                    adapter_load_s: slot.map_or(0.0, |slot| st.lora_load_cost(slot, unmeasured)),
-                    queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
-                    decoding: w.load.decoding.load(Ordering::Relaxed),
-                    free_blocks: st.free_blocks,
-                    group_size: st.kv_group_size,
-                };
-                (snap, st.role)
+            .map(|(w, blocked)| {
+                let Some(w) = w else { return (WorkerSnapshot::default(), WorkerRole::Both) };
+                w.with_status(|st| {
+                    let slot = lora.map(|name| st.lora_slot(name, &w.load));
+                    *blocked = slot == Some(LoraSlot::Blocked);
+                    let snap = WorkerSnapshot {
+                        ready: st.ready
+                            && !req.exclude.contains(&w.addr)
+                            && lora.is_none_or(|name| st.can_serve_lora(name)),
+                        adapter_load_s: slot.map_or(0.0, |slot| st.lora_load_cost(slot, unmeasured)),
+                        queued_tokens: w.load.prefill_tokens.load(Ordering::Relaxed),
+                        decoding: w.load.decoding.load(Ordering::Relaxed),
+                        free_blocks: st.free_blocks,
+                        group_size: st.kv_group_size,
+                    };
+                    (snap, st.role)
+                })
             })
             .unzip();
         restrict_to_role(&mut snaps, &roles, purpose);
@@ -832,7 +850,7 @@ impl WorkerPool {
 
     /// The block size and model id the ready workers hash prefixes with (the first ready worker's).
     pub fn hashing(&self) -> Option<(u32, String)> {
-        self.workers().iter().map(|w| w.status()).find(|s| s.ready).map(|s| (s.block_size, s.model))
+        self.slots().iter().flatten().find_map(|w| w.with_status(|s| s.ready.then(|| (s.block_size, s.model.clone()))))
     }
 
     /// The cache id a ready worker announces for the adapter `name` (what salts its block hashes): one that has
@@ -840,16 +858,22 @@ impl WorkerPool {
     /// that hold different weights under one name announce different ids; the first ready one's is used, and the
     /// others' blocks then simply do not match (they hash their own).
     pub fn lora_cache_id(&self, name: &str) -> Option<String> {
-        let ready: Vec<WorkerStatus> = self.workers().iter().map(|w| w.status()).filter(|s| s.ready).collect();
-        ready
-            .iter()
-            .find_map(|s| s.lora_adapters.iter().find(|a| a.name == name).map(|a| a.cache_id.clone()))
-            .or_else(|| ready.iter().find_map(|s| s.lora_cache_id(name).map(str::to_owned)))
+        let slots = self.slots();
+        let ready = || slots.iter().flatten();
+        ready()
+            .find_map(|w| {
+                w.with_status(|s| {
+                    s.ready.then(|| s.lora_adapters.iter().find(|a| a.name == name).map(|a| a.cache_id.clone()))?
+                })
+            })
+            .or_else(|| {
+                ready().find_map(|w| w.with_status(|s| s.ready.then(|| s.lora_cache_id(name).map(str::to_owned))?))
+            })
     }
 
     /// Whether some ready worker can serve the adapter `name`: has it loaded, or loads it on demand.
     pub fn lora_servable(&self, name: &str) -> bool {
-        self.workers().iter().map(|w| w.status()).any(|s| s.ready && s.can_serve_lora(name))
+        self.slots().iter().flatten().any(|w| w.with_status(|s| s.ready && s.can_serve_lora(name)))
     }
 
     /// The adapters some ready worker serves, by name, each with its rank: those loaded, then those only loadable
@@ -885,12 +909,12 @@ impl WorkerPool {
 
     /// True when at least one worker answered its last health probe as ready.
     pub fn any_ready(&self) -> bool {
-        self.workers().iter().any(|w| w.status().ready)
+        self.slots().iter().flatten().any(|w| w.is_ready())
     }
 
     /// Round-robin over ready workers: the candidates in the order to try them.
     pub fn candidates(&self) -> Vec<Arc<Worker>> {
-        let mut ready: Vec<Arc<Worker>> = self.workers().into_iter().filter(|w| w.status().ready).collect();
+        let mut ready: Vec<Arc<Worker>> = self.workers().into_iter().filter(|w| w.is_ready()).collect();
         if !ready.is_empty() {
             let start = self.next.fetch_add(1, Ordering::Relaxed) % ready.len();
             ready.rotate_left(start);
@@ -1021,6 +1045,65 @@ mod tests {
         let hits = |addr: &str| decision.candidates.iter().find(|c| c.worker == addr).map(|c| c.hits_device);
         assert_eq!((hits(&addrs[0]), hits(&addrs[1])), (Some(0), Some(8)), "nothing was predicted on the failed one");
         drop(queued);
+    }
+
+    /// What one whole-request placement costs the pool (statuses read, snapshots, the placer's decision) with many
+    /// workers that each announce adapters and remember evicted adapters' ids, as a LoRA fleet's do.
+    #[tokio::test]
+    #[ignore = "timing, not a check; run by hand"]
+    async fn pool_placement_latency_with_many_workers() {
+        const WORKERS: usize = 64;
+        let addrs: Vec<String> = (0..WORKERS).map(|i| format!("127.0.0.1:{}", 1000 + i)).collect();
+        let pool = WorkerPool::with_placement(&addrs, PlacerConfig::default()).unwrap();
+        let adapter = |i: usize| LoraAdapterInfo {
+            name: format!("adapter-{i}"),
+            cache_id: format!("adapter-{i}@{:016x}", i * 7919),
+            rank: 16,
+            on_demand: true,
+        };
+        for w in pool.workers() {
+            w.set_status(WorkerStatus {
+                ready: true,
+                model: "SmolLM2-135M-Instruct".into(),
+                block_size: 16,
+                free_blocks: 1 << 20,
+                kv_group_size: 90,
+                lora_adapters: (0..8).map(adapter).collect(),
+                lora_on_demand: true,
+                lora_available: (0..64).map(|i| format!("adapter-{i}")).collect(),
+                max_loras: 8,
+                lora_seen: (0..MAX_REMEMBERED_LORA_IDS)
+                    .map(|i| (format!("adapter-{i}"), adapter(i).cache_id))
+                    .collect(),
+                ..Default::default()
+            });
+        }
+        let hashes: Vec<u64> = (1..=256).collect();
+        for lora in [None, Some("adapter-3")] {
+            let mut times = Vec::with_capacity(2000);
+            for k in 0..2000 {
+                let id = format!("r{k}");
+                let req = PlaceRequest {
+                    request_id: &id,
+                    hashes: &hashes,
+                    view: RequestView { prompt_tokens: 4096, max_tokens: 64, block_size: 16, budget_tokens: None },
+                    publishes_prefix: false,
+                    exclude: &[],
+                    lora,
+                };
+                let t = std::time::Instant::now();
+                let _ = pool.hashing();
+                if let Some(name) = lora {
+                    assert!(pool.lora_cache_id(name).is_some());
+                }
+                let placed = pool.place(&req).unwrap();
+                times.push(t.elapsed());
+                assert!(!placed.is_empty());
+            }
+            times.sort();
+            let p = |q: f64| times[((times.len() - 1) as f64 * q) as usize];
+            println!("pool placement, {WORKERS} workers, lora {lora:?}: p50 {:?} p99 {:?}", p(0.5), p(0.99));
+        }
     }
 
     #[tokio::test]
