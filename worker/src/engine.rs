@@ -1687,6 +1687,13 @@ impl<R: ModelRunner> EngineLoop<R> {
             }
             let pool = self.sched.pool();
             let Some(g) = pool.index().get(h) else { continue };
+            // Blocks decoded from a lossy copy hold that codec's values: under a native name they would onboard
+            // as exact and go to peers as exact, and through a lossy codec again they would be quantised twice.
+            // The lossy copy stands where there is one; without one the group stays on the device alone and is
+            // recomputed once evicted.
+            if !g.is_exact() {
+                continue;
+            }
             if replace {
                 // One copy per group: the lossy one leaves first.
                 tiers.remove(h);

@@ -354,6 +354,18 @@ fn device_err(e: CudaError) -> TierError {
     TierError::Device(e.to_string())
 }
 
+/// A failed [`CudaContext::decode_blocks`] as a tier error. Only its argument checks (`Invalid`: the group's length,
+/// headers, scales or codes) are the group's fault, which the engine answers by dropping the group. A driver call,
+/// a launch, an allocation or a missing kernel failing is the device's: the group is sound and stays in its tier.
+fn decode_blocks_err(codec: &str, e: CudaError) -> TierError {
+    match e {
+        CudaError::Invalid { .. } => {
+            TierError::Corrupt { path: format!("<{codec} group>").into(), reason: e.to_string() }
+        }
+        e => device_err(e),
+    }
+}
+
 /// Packed f16 halves (the layout of [`CudaContext::read_blocks`]) as a native f16 group's bytes, and back.
 fn halves_to_bytes(halves: &[u16]) -> Vec<u8> {
     halves.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -406,7 +418,7 @@ impl GroupKv for DeviceKv {
                         return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: KvDtype::F16 });
                     }
                 }
-                cx.decode_blocks(kv, c, &group.bytes, blocks).map_err(|e| corrupt(e.to_string()))
+                cx.decode_blocks(kv, c, &group.bytes, blocks).map_err(|e| decode_blocks_err(&group.codec, e))
             }
             _ => {
                 // Every other format decodes on the host (checked whole there), then moves up as packed f16 blocks.
@@ -440,5 +452,23 @@ mod tests {
         assert!(unsupported(&evicpress).is_some_and(|w| w.contains("evicpress")));
         let cpu = EngineConfig::default();
         assert!(CudaRunner::load(&cpu).is_err_and(|e| e.to_string().contains("--device cpu")));
+    }
+
+    /// A group the kernels refuse is corrupt (dropped from its tier); any other failure of the decode is the
+    /// device's and leaves the group where it is. (A `CudaError::Driver` cannot be built into a message without
+    /// libcuda, so the device side is shown with the other variants a decode can return.)
+    #[test]
+    fn only_a_refused_group_is_corrupt_when_decoding_on_the_device() {
+        let invalid = CudaError::Invalid { op: "decode_blocks", why: "block 0: bad scale".into() };
+        let got = decode_blocks_err("int4_kivi", invalid);
+        assert!(matches!(&got, TierError::Corrupt { reason, .. } if reason.contains("bad scale")), "{got:?}");
+        for device in [
+            CudaError::Unsupported("head_dim 96".into()),
+            CudaError::NoDevice(Some(0)),
+            CudaError::Cache { path: "/tmp/ptx".into(), source: std::io::ErrorKind::OutOfMemory.into() },
+        ] {
+            let got = decode_blocks_err("int4_kivi", device);
+            assert!(matches!(got, TierError::Device(_)), "{got:?}");
+        }
     }
 }

@@ -346,6 +346,47 @@ fn lru_offloads_keep_a_prompts_last_groups_native_under_kivi() {
     h.shutdown();
 }
 
+/// A group onboarded from a lossy copy is never stored again under a lossless name. Prompt A's first groups go
+/// down in `int4_kivi`; prompt B, A's first four groups and one more token, onboards them from host, and its
+/// residual tail (B's last two groups) would take the native format once B finishes. Re-encoding the device
+/// blocks would store int4's values as `f16`, later onboarded as exact and served to peers as exact: the int4
+/// copy stays instead.
+#[test]
+fn a_group_onboarded_from_a_lossy_copy_is_not_stored_again_as_native() {
+    let p = prompt();
+    // Six full groups: four quantised, then the 32-token residual.
+    let a: Vec<u32> = p.iter().chain(&p).copied().take(100).collect();
+    let (a_groups, k) = (a.len() / BS, 4);
+    assert_eq!(a_groups, 6);
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let h = Engine::start(EngineConfig {
+        num_blocks: 8 * GROUP,
+        threads: 2,
+        tiers: TierConfig { data_dir: None, host_bytes: 64 << 20, disk_bytes: 0 },
+        placement: TierPlacement::LruCodec(Codec::Int4Kivi),
+        kivi_residual_tokens: 32,
+        ..EngineConfig::new(model_path())
+    })
+    .expect("engine starts");
+    run(&h, &a, 8);
+    let hashes = block_hashes(&h.model_info().model_id, "", &a, BS);
+    let codecs = |h: &EngineHandle| -> Vec<String> {
+        let got = rt.block_on(h.export_groups(hashes[..a_groups].to_vec(), u64::MAX, ExportFrom::Tiers)).unwrap();
+        assert_eq!(got.len(), a_groups, "every group of A is on host");
+        got.into_iter().map(|(_, g)| g.codec).collect()
+    };
+    let mut expected = vec!["int4_kivi"; a_groups];
+    expected[a_groups - 2..].fill("f16");
+    assert_eq!(codecs(&h), expected, "A's first four groups quantised, its residual native");
+    push_out(&h);
+    let b = &a[..k * BS + 1];
+    let (_, cached, s) = run(&h, b, 8);
+    assert_eq!(cached as usize, k * BS, "B's groups come back from host");
+    assert_eq!(s.prefix_hit_tokens[Tier::Host.index()], (k * BS) as u64, "onboarded from the int4 copies: {s:?}");
+    assert_eq!(codecs(&h), expected, "B's tail (A's groups 2 and 3) keeps its int4 copy, not an f16 relabelling");
+    h.shutdown();
+}
+
 /// The `kv.codec` request extension under LRU placement: a request's groups go down to host in the codec it named,
 /// the next request's in the worker's; a request can insist on the device's own format where the worker
 /// compresses; its prefix comes back from host and serves. Under EvicPress the named codec is the only one the

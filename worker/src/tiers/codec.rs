@@ -484,6 +484,27 @@ mod tests {
         }
     }
 
+    /// A well-formed int8 group whose scale is valid (127 × 2e36 is finite) but decodes a code to 2.5e38 is refused
+    /// by a cache of every dtype, nothing written: in an f32 arena q·k overflowed to infinity, and the rotated fp8
+    /// arena's butterfly turned it into NaN.
+    #[test]
+    fn groups_past_the_kv_magnitude_limit_are_refused_by_every_cache() {
+        let (bs, hd) = (16, 64);
+        let src = filled(KvDtype::F32);
+        let mut g = encode(&src, &[0], GroupCodec::Kv(Codec::Int8)).unwrap();
+        // After the 16-byte header, K's slot scales, then its codes: slot 0's scale and first code.
+        g.bytes[16..20].copy_from_slice(&2e36f32.to_le_bytes());
+        g.bytes[16 + 4 * bs] = 127;
+        assert!(pagoda_kernels::codec::validate_block(&g.bytes).is_ok(), "a well-formed block");
+        for arena in KvDtype::ALL {
+            let mut dst = KvStorage::with_dtype(2, bs, hd, arena);
+            let before = block(&dst, 1);
+            let got = decode(&g, &mut dst, &[1]);
+            assert!(matches!(got, Err(TierError::DoesNotFit { .. })), "into {arena}: {got:?}");
+            assert_eq!(block(&dst, 1), before, "into {arena}: nothing written");
+        }
+    }
+
     #[test]
     fn corrupt_or_mismatched_groups_are_refused_and_never_written() {
         let src = filled(KvDtype::F32);

@@ -4,12 +4,17 @@
 //! `"PGKV"` ‖ version u32 ‖ hash u64 ‖ codec length u16 ‖ codec UTF-8 ‖ payload length u64 ‖ payload ‖
 //! xxh3_64 of everything before it.
 //!
-//! Writes are atomic: a `.tmp` file is written, fsynced and renamed over the final name, so a crash leaves either
+//! Writes are atomic: a `.tmp` file is written, fsynced and renamed over the final name, and the directory is
+//! fsynced so that the rename, and with it a group reported stored, survives a power loss; a crash leaves either
 //! the old state or the complete new file (stray `.tmp` files are deleted on open). The index is rebuilt on open by
 //! reading every file's header: a bad header or a size that disagrees with it (truncation) is deleted and counted
 //! there. The checksum covers the payload too, so it is checked on every read; a mismatch deletes the file, counts
 //! it and reports a miss, and the caller recomputes the prefix. A plain struct with one owner
 //! ([`TierStore`](super::TierStore)).
+//!
+//! One store owns a directory: [`DiskStore::open`] takes an exclusive `flock` on its `.lock` file, held while the
+//! store lives, since two stores (two workers on one data dir) would evict and delete each other's files under
+//! their own accounting.
 //!
 //! A full file system (`ENOSPC`, or a quota's `EDQUOT`) is not an error of the group: the tier shrinks its
 //! capacity to what it holds, so that later writes make room by evicting its own oldest files instead of failing
@@ -18,6 +23,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -33,6 +39,8 @@ const VERSION: u32 = 1;
 /// shares (a file's header must hold any name a peer or the directory accepts).
 const MAX_CODEC_LEN: usize = pagoda_proto::MAX_CODEC_NAME_BYTES;
 const FIXED_HEADER: usize = 4 + 4 + 8 + 2;
+/// The file in the tier's directory that [`DiskStore::open`] locks (not a `.kv` name: the index scan ignores it).
+const LOCK_FILE: &str = ".lock";
 /// How long a tier that found its file system full keeps to the capacity it shrank to.
 pub const FULL_RETRY: Duration = Duration::from_secs(60);
 
@@ -62,6 +70,9 @@ pub struct DiskStore {
     corrupted: u64,
     /// Stores and removals since the last [`DiskStore::take_changes`], when tracking is on.
     changes: Journal<BlockChange>,
+    /// The open `.lock` file whose exclusive `flock` marks the directory ours; closing it (dropping the store)
+    /// releases the lock.
+    _lock: File,
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TierError + 'a {
@@ -70,6 +81,34 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
 
 fn is_out_of_space(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::StorageFull || e.kind() == std::io::ErrorKind::QuotaExceeded
+}
+
+/// Takes an exclusive, non-blocking `flock` on `<dir>/.lock` (created if missing). `flock` locks belong to the open
+/// file description, so a second store refuses the directory whether it is in this process or another, and the
+/// lock goes with the process if it dies.
+fn lock_dir(dir: &Path) -> Result<File, TierError> {
+    let path = dir.join(LOCK_FILE);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_err("open", &path))?;
+    // SAFETY: flock on a file descriptor this function owns, open for its whole call.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            return Err(TierError::Config(format!(
+                "the disk tier directory {} is in use by another store (another worker on the same data dir?); \
+                 its lock {} is held",
+                dir.display(),
+                path.display()
+            )));
+        }
+        return Err(TierError::Io { op: "lock", path, source: e });
+    }
+    Ok(f)
 }
 
 fn file_name(hash: u64) -> String {
@@ -123,6 +162,8 @@ impl DiskStore {
     pub fn open(dir: impl Into<PathBuf>, capacity_bytes: u64, max_payload: u64) -> Result<DiskStore, TierError> {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        // Before anything is read or deleted: the files may be another live store's.
+        let lock = lock_dir(&dir)?;
         let mut store = DiskStore {
             dir,
             capacity: capacity_bytes,
@@ -136,6 +177,7 @@ impl DiskStore {
             tick: 0,
             corrupted: 0,
             changes: Journal::default(),
+            _lock: lock,
         };
         let mut found = Vec::new();
         let entries = fs::read_dir(&store.dir).map_err(io_err("list", &store.dir))?;
@@ -247,16 +289,29 @@ impl DiskStore {
         while self.used + extra > self.capacity {
             // Popped, not peeked: an LRU entry whose index entry is gone must not be picked again forever.
             let Some((_, victim)) = self.lru.pop_first() else { break };
-            if self.forget(victim).is_none() {
+            if !self.index.contains_key(&victim) {
                 continue;
             }
-            let path = self.path(victim);
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(TierError::Io { op: "remove", path, source: e }),
+            if let Err(e) = self.delete(victim) {
+                // Still on disk, so still counted; the newest now, so that the next write evicts the files after
+                // it instead of failing on it again.
+                self.touch(victim);
+                return Err(e);
             }
         }
+        Ok(())
+    }
+
+    /// Deletes the file under `hash`, then forgets it. A file that cannot be deleted (other than one already gone)
+    /// stays indexed: its bytes are still on disk, and the tier's accounting must keep counting them.
+    fn delete(&mut self, hash: u64) -> Result<(), TierError> {
+        let path = self.path(hash);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(TierError::Io { op: "remove", path, source: e }),
+        }
+        self.forget(hash);
         Ok(())
     }
 
@@ -370,7 +425,16 @@ impl DiskStore {
             }
             return Err(TierError::Io { op: "write", path: tmp, source: e });
         }
-        fs::rename(&tmp, &path).map_err(io_err("rename", &path))?;
+        if let Err(e) = fs::rename(&tmp, &path) {
+            let _ = fs::remove_file(&tmp);
+            return Err(TierError::Io { op: "rename", path, source: e });
+        }
+        // The rename is durable only once the directory is: without this a power loss could lose a file the
+        // tier reported stored (to the kvstore and to peers). The file is complete and renamed either way, so a
+        // failure here (a file system that cannot sync directories) is logged, not a lost group.
+        if let Err(e) = File::open(&self.dir).and_then(|d| d.sync_all()) {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "syncing the disk tier's directory failed");
+        }
         self.insert(hash, size, group.codec.clone());
         Ok(true)
     }
@@ -396,7 +460,13 @@ impl DiskStore {
                 self.forget(hash);
                 return Ok(None);
             }
-            Err(e) => return Err(TierError::Io { op: "read", path, source: e }),
+            Err(e) => {
+                // An unreadable file (EIO, EACCES) stays unreadable: indexed, every admission would try it again.
+                // Forgotten and deleted like a corrupt one (bytes that cannot even be deleted are past our help).
+                self.forget(hash);
+                let _ = fs::remove_file(&path);
+                return Err(TierError::Io { op: "read", path, source: e });
+            }
         };
         match self.verify(&buf, hash) {
             Ok(group) => {
@@ -430,17 +500,13 @@ impl DiskStore {
         Ok(EncodedGroup { codec: h.codec, bytes: buf[h.header_len..end].to_vec() })
     }
 
-    /// Deletes the file under `hash`.
+    /// Deletes the file under `hash`. A file that cannot be deleted stays indexed and counted (`Err`).
     pub fn remove(&mut self, hash: u64) -> Result<bool, TierError> {
-        if self.forget(hash).is_none() {
+        if !self.contains(hash) {
             return Ok(false);
         }
-        let path = self.path(hash);
-        match fs::remove_file(&path) {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
-            Err(e) => Err(TierError::Io { op: "remove", path, source: e }),
-        }
+        self.delete(hash)?;
+        Ok(true)
     }
 }
 
@@ -465,6 +531,11 @@ mod tests {
         let d = std::env::temp_dir().join(format!("pagoda-disk-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
         d
+    }
+
+    /// Entries of `dir` other than the store's lock file.
+    fn kv_files(dir: &Path) -> usize {
+        fs::read_dir(dir).unwrap().filter(|e| e.as_ref().unwrap().file_name() != LOCK_FILE).count()
     }
 
     /// Size of the file `put` writes for `g(n, _)`.
@@ -580,7 +651,7 @@ mod tests {
         assert_eq!(d.len(), 3);
         assert_eq!(d.used_bytes(), cap);
         assert!(d.contains(10) && d.contains(9) && d.contains(8) && !d.contains(0xabc));
-        assert_eq!(fs::read_dir(&dir).unwrap().count(), 3);
+        assert_eq!(kv_files(&dir), 3);
         fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -602,6 +673,86 @@ mod tests {
         assert!(stored);
         assert!(!d.contains(1) && d.contains(2) && d.contains(3));
         assert_eq!(d.lru.len(), 2);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A read that fails for another reason than a vanished file (EIO, EACCES) forgets the entry and deletes the
+    /// file: left indexed it was retried by every admission. Tests may run as root, where `chmod 000` does not stop
+    /// a read, so the file is replaced by a symlink to a directory: opening it succeeds and reading fails (EISDIR),
+    /// and the removal takes the link.
+    #[test]
+    fn an_unreadable_file_is_forgotten_and_deleted() {
+        let dir = tmpdir("unreadable");
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap() && d.put(2, &g(100, 2)).unwrap());
+        let p1 = dir.join(file_name(1));
+        fs::remove_file(&p1).unwrap();
+        std::os::unix::fs::symlink(".", &p1).unwrap();
+        let got = d.get(1);
+        assert!(matches!(got, Err(TierError::Io { op: "read", .. })), "{got:?}");
+        assert!(!d.contains(1) && d.contains(2));
+        assert_eq!(d.used_bytes(), file_size(100));
+        assert!(fs::symlink_metadata(&p1).is_err(), "the unreadable file is deleted");
+        assert_eq!(d.get(1).unwrap(), None, "and never read again");
+        assert_eq!(d.get(2).unwrap(), Some(g(100, 2)));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A rename that fails (here onto a directory of the file's name) leaves no temporary file behind.
+    #[test]
+    fn a_failed_rename_removes_the_temporary_file() {
+        let dir = tmpdir("rename");
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        fs::create_dir(dir.join(file_name(3))).unwrap();
+        let got = d.put(3, &g(100, 3));
+        assert!(matches!(got, Err(TierError::Io { op: "rename", .. })), "{got:?}");
+        assert!(!dir.join(format!("{}.tmp", file_name(3))).exists(), "the temporary file is removed");
+        assert!(!d.contains(3) && d.used_bytes() == 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file that cannot be deleted (here a directory under its name: EISDIR) stays indexed and counted, by
+    /// `remove` and by eviction, so the tier's accounting never drops bytes still on disk; eviction moves it to
+    /// the newest end and the next write evicts the files after it.
+    #[test]
+    fn a_file_that_cannot_be_deleted_stays_counted() {
+        let dir = tmpdir("undeletable");
+        let mut d = DiskStore::open(&dir, file_size(100) * 2, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap() && d.put(2, &g(100, 2)).unwrap());
+        let p1 = dir.join(file_name(1));
+        fs::remove_file(&p1).unwrap();
+        fs::create_dir(&p1).unwrap();
+        assert!(matches!(d.remove(1), Err(TierError::Io { op: "remove", .. })));
+        assert!(d.contains(1) && d.used_bytes() == file_size(100) * 2);
+        // Making room for 3 must evict 1, which cannot go.
+        assert!(matches!(d.put(3, &g(100, 3)), Err(TierError::Io { op: "remove", .. })));
+        assert!(d.contains(1) && d.contains(2) && !d.contains(3));
+        assert_eq!(d.used_bytes(), file_size(100) * 2);
+        assert_eq!(d.lru.len(), d.len(), "every indexed file is on the LRU");
+        // The next write evicts 2, now the oldest.
+        assert!(d.put(3, &g(100, 3)).unwrap());
+        assert!(d.contains(1) && !d.contains(2) && d.contains(3));
+        assert_eq!(d.used_bytes(), file_size(100) * 2);
+        fs::remove_dir(&p1).unwrap();
+        assert!(d.remove(1).unwrap(), "gone meanwhile: forgotten");
+        assert_eq!(d.used_bytes(), file_size(100));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Two stores over one directory would evict and delete each other's files under their accounting: the
+    /// second open (another open file description, as another process's would be) is refused while the first
+    /// store lives, and succeeds once it is dropped.
+    #[test]
+    fn a_directory_held_by_another_store_is_refused() {
+        let dir = tmpdir("lock");
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap());
+        let err = DiskStore::open(&dir, 1 << 20, 1 << 20).expect_err("the directory is in use");
+        assert!(err.to_string().contains("in use by another"), "{err}");
+        assert_eq!(d.get(1).unwrap(), Some(g(100, 1)), "the first store is untouched");
+        drop(d);
+        let d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        assert!(d.contains(1));
         fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -643,7 +794,8 @@ mod tests {
         let d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
         assert_eq!(d.corrupted(), 4, "truncated 3, bad magic 4 and its copy 5, 6 names another hash");
         assert!(d.is_empty());
-        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        assert_eq!(kv_files(&dir), 0);
+        drop(d);
         // A corrupt length field cannot make a read allocate past the limit.
         let mut small = DiskStore::open(&dir, 1 << 20, 128).unwrap();
         assert!(!small.put(9, &g(256, 9)).unwrap());

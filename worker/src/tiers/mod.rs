@@ -102,7 +102,8 @@ pub enum TierError {
     #[error("device KV: {0}")]
     Device(String),
     /// A well-formed group decodes to values the arena's dtype cannot hold: an f16 arena would store them as
-    /// infinities, and one infinite key turns attention into NaN.
+    /// infinities, and one infinite key turns attention into NaN; in any dtype, values past
+    /// [`KV_MAGNITUDE_LIMIT`] overflow the arena's own arithmetic the same way.
     #[error("codec {codec}: the group's values do not fit a {dtype} KV cache")]
     DoesNotFit { codec: String, dtype: pagoda_kernels::KvDtype },
 }
@@ -111,8 +112,20 @@ pub enum TierError {
 /// 65536, a tie that round-to-nearest-even settles upwards.
 pub const F16_OVERFLOW: f32 = 65520.0;
 
-/// Whether an arena of `dtype` stores every value of `values` finite. Only f16 can fail: f32 holds any f32, and the
-/// 8-bit dtypes scale each slot to its own largest value. NaN never fits.
+/// The largest magnitude a decoded KV value may have in an arena of any dtype: 2^56 (about 7.2e16). Finite is not
+/// enough, because the arenas do arithmetic on what they hold: attention sums `head_dim` products q·k, and the
+/// rotated fp8 arena's Hadamard butterfly sums `head_dim` keys before it normalises (a group of 1e37 keys came out
+/// of it as infinities and a NaN scale). A key within the limit meets a query within it in a dot product of at most
+/// `head_dim` × 2^112, finite (under f32's 2^128) for any `head_dim` up to 2^15, which no model comes near. Real
+/// KV is within about 10^4 (every model serves from f16 arenas), so nothing a model computes is refused: only a
+/// corrupt or hostile group (a peer's checksum proves only that the bytes arrived as sent).
+pub const KV_MAGNITUDE_LIMIT: f32 = (1u64 << 56) as f32;
+
+/// Whether an arena of `dtype` stores every value of `values` and computes on them without overflowing: below
+/// [`F16_OVERFLOW`] for f16, whose larger values would be stored as infinities, and below [`KV_MAGNITUDE_LIMIT`]
+/// for every dtype (the 8-bit dtypes scale each slot to its own largest value, so their range is f32's). NaN never
+/// fits.
 pub fn fits_dtype(dtype: pagoda_kernels::KvDtype, values: &[f32]) -> bool {
-    dtype != pagoda_kernels::KvDtype::F16 || values.iter().all(|x| x.abs() < F16_OVERFLOW)
+    let limit = if dtype == pagoda_kernels::KvDtype::F16 { F16_OVERFLOW } else { KV_MAGNITUDE_LIMIT };
+    values.iter().all(|x| x.abs() < limit)
 }

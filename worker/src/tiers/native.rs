@@ -6,6 +6,8 @@
 
 use pagoda_kernels::{KvArenas, KvDtype, KvStorage, codec};
 
+#[cfg(test)]
+use super::KV_MAGNITUDE_LIMIT;
 use super::{EncodedGroup, TierError, fits_dtype};
 use crate::cache::BlockId;
 
@@ -77,8 +79,8 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId]) -> EncodedGroup {
 
 /// Decodes `group` into blocks `blocks` of `kv`, converting when the group's dtype is not the cache's (an 8-bit group
 /// into a cache of its dtype is copied as is, so a restore is bit-exact). Checks the codec, the exact length, every
-/// 8-bit scale and (fp8) every code first, so a group from a different model shape, corrupt scales or NaN codes are
-/// refused instead of half-written.
+/// 8-bit scale, (fp8) every code and every value's magnitude ([`fits_dtype`]) first, so a group from a different
+/// model shape, corrupt scales, NaN codes or values too large to compute on are refused instead of half-written.
 pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> Result<(), TierError> {
     let dtype = dtype_of(&group.codec).ok_or_else(|| TierError::UnknownCodec(group.codec.clone()))?;
     let (bs, hd, bl) = (kv.block_size(), kv.head_dim(), kv.block_len());
@@ -124,9 +126,10 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
         }
     }
     let (mut k, mut v) = (vec![0.0f32; bl], vec![0.0f32; bl]);
-    // Narrowed into f16, values past its range would be stored as infinities: the whole group is checked before
-    // anything is written, at the price of widening it twice (only across dtypes; an f16 group is f16 already).
-    if kv.dtype() == KvDtype::F16 && dtype != KvDtype::F16 {
+    // Values past what the arena holds (f16's range) or computes on (`KV_MAGNITUDE_LIMIT`) would come out as
+    // infinities or NaN: the whole group is checked before anything is written, at the price of widening it one
+    // more time. An f16 group is skipped: every finite f16 fits every arena.
+    if dtype != KvDtype::F16 {
         for block in group.bytes.chunks_exact(2 * half) {
             let (kb, vb) = block.split_at(half);
             widen_block(dtype, hd, kb, vb, &mut k, &mut v);
@@ -272,7 +275,7 @@ mod tests {
     }
 
     /// A finite scale so large that a code decodes to infinity (3e38 × 127), and int8's -128 that no writer
-    /// produces, are refused; the largest scale that keeps every code finite decodes.
+    /// produces, are refused; a scale that keeps every code within [`KV_MAGNITUDE_LIMIT`] decodes.
     #[test]
     fn scales_that_overflow_a_code_and_int8_minus_128_are_refused() {
         for dtype in [KvDtype::Int8, KvDtype::Fp8, KvDtype::Fp8Rotated] {
@@ -294,7 +297,7 @@ mod tests {
             let mut target = filled(dtype);
             let mut largest = g.clone();
             let top = if dtype.is_e4m3() { codec::max_e4m3_magnitude(dtype.rotates_keys(), 3) } else { 127.0 };
-            largest.bytes[bl..bl + 4].copy_from_slice(&(f32::MAX / top / 2.0).to_le_bytes());
+            largest.bytes[bl..bl + 4].copy_from_slice(&(KV_MAGNITUDE_LIMIT / top / 2.0).to_le_bytes());
             decode(&largest, &mut target, &[2]).unwrap();
             let (k, v) = block(&target, 2);
             assert!(k.iter().chain(&v).all(|x| x.is_finite()), "{dtype}");
@@ -306,7 +309,7 @@ mod tests {
     }
 
     /// A float group holding an infinity or a NaN is refused by a cache of any dtype, and nothing is written; the
-    /// largest finite values decode.
+    /// largest finite values do not fit (past [`KV_MAGNITUDE_LIMIT`]), values within it decode.
     #[test]
     fn float_groups_holding_infinity_or_nan_are_refused() {
         for dtype in [KvDtype::F32, KvDtype::F16] {
@@ -336,9 +339,19 @@ mod tests {
                 }
             }
             let mut largest = g.clone();
-            let max: &[u8] =
-                if dtype == KvDtype::F32 { &f32::MAX.to_le_bytes() } else { &half::f16::MAX.to_le_bytes() };
+            let (max, within): (&[u8], &[u8]) = if dtype == KvDtype::F32 {
+                (&f32::MAX.to_le_bytes(), &(KV_MAGNITUDE_LIMIT * 0.99).to_le_bytes())
+            } else {
+                (&half::f16::MAX.to_le_bytes(), &half::f16::MAX.to_le_bytes())
+            };
             largest.bytes[..elem].copy_from_slice(max);
+            let got = decode(&largest, &mut filled(KvDtype::F32), &[2]);
+            if dtype == KvDtype::F32 {
+                assert!(matches!(got, Err(TierError::DoesNotFit { .. })), "{got:?}");
+            } else {
+                got.unwrap();
+            }
+            largest.bytes[..elem].copy_from_slice(within);
             decode(&largest, &mut filled(KvDtype::F32), &[2]).unwrap();
         }
     }
@@ -368,6 +381,44 @@ mod tests {
         let mut target = filled(KvDtype::F16);
         decode(&encode(&edge, &[0]), &mut target, &[1]).unwrap();
         assert_eq!(block(&target, 1), (vec![65504.0; 12], vec![-65504.0; 12]), "rounded to f16's largest");
+    }
+
+    /// Finite values too large for the arithmetic an arena does on them are refused by a cache of every dtype,
+    /// nothing written: an f32 group of 1e37 (the rotated fp8 arena's butterfly overflowed it to infinity and
+    /// stored a NaN scale; an f32 arena's q·k overflowed), and an int8 group whose valid scale decodes a code to
+    /// 2.5e38. Values up to [`KV_MAGNITUDE_LIMIT`] decode, and read back finite.
+    #[test]
+    fn groups_past_the_kv_magnitude_limit_are_refused_by_every_cache() {
+        let (bs, hd) = (4, 64);
+        let small: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut f32_src = KvStorage::with_dtype(1, bs, hd, KvDtype::F32);
+        f32_src.write_block(0, &vec![1e37; bs * hd], &small);
+        let huge_f32 = encode(&f32_src, &[0]);
+        let mut int8_src = KvStorage::with_dtype(1, bs, hd, KvDtype::Int8);
+        int8_src.write_block(0, &small, &small);
+        let mut huge_int8 = encode(&int8_src, &[0]);
+        // K's first code at the top, and its slot's scale 2e36: 127 × 2e36 is finite, a valid scale.
+        huge_int8.bytes[0] = 127;
+        huge_int8.bytes[bs * hd..bs * hd + 4].copy_from_slice(&2e36f32.to_le_bytes());
+        for g in [&huge_f32, &huge_int8] {
+            for arena in KvDtype::ALL {
+                let mut target = KvStorage::with_dtype(2, bs, hd, arena);
+                target.write_block(1, &small, &small);
+                let before = block(&target, 1);
+                let got = decode(g, &mut target, &[1]);
+                assert!(matches!(got, Err(TierError::DoesNotFit { .. })), "{} into {arena}: {got:?}", g.codec);
+                assert_eq!(block(&target, 1), before, "{} into {arena}: nothing written", g.codec);
+            }
+        }
+        let mut edge = KvStorage::with_dtype(1, bs, hd, KvDtype::F32);
+        let below = KV_MAGNITUDE_LIMIT * 0.99;
+        edge.write_block(0, &vec![below; bs * hd], &vec![-below; bs * hd]);
+        for arena in KvDtype::ALL.into_iter().filter(|&d| d != KvDtype::F16) {
+            let mut target = KvStorage::with_dtype(1, bs, hd, arena);
+            decode(&encode(&edge, &[0]), &mut target, &[0]).unwrap();
+            let (k, v) = block(&target, 0);
+            assert!(k.iter().chain(&v).all(|x| x.is_finite()), "{arena}");
+        }
     }
 
     #[test]

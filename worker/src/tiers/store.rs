@@ -482,6 +482,8 @@ mod tests {
         drop(t);
         let t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
         assert!((1..=3).all(|h| t.locate(h).map(|l| l.0) == Some(Tier::Disk)));
+        // One store per directory: this one goes before the next opens.
+        drop(t);
         // Tracked changes: a store into host and the demotion of its victim to disk.
         let mut t = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
         t.track_changes();
