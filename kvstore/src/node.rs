@@ -949,10 +949,10 @@ mod tests {
         assert_eq!(request_bytes(&Request::Propose { cmd: cmd.clone(), reply }), cmd.encoded_len());
     }
 
-    #[tokio::test]
-    async fn proposals_past_the_uncommitted_budget_are_dropped_for_a_retry() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = RaftStore::open(&dir.path().join("raft.redb")).unwrap();
+    /// A single-voter node that never compacts, opened under `dir`: a sole voter campaigns at open, and a few
+    /// rounds make it leader and commit its first entry.
+    fn sole_voter_leader(dir: &std::path::Path) -> Node {
+        let store = RaftStore::open(&dir.join("raft.redb")).unwrap();
         let cfg = RaftConfig {
             id: 1,
             advertise: "127.0.0.1:1".into(),
@@ -965,6 +965,13 @@ mod tests {
         for _ in 0..5 {
             node.on_ready().unwrap();
         }
+        node
+    }
+
+    #[tokio::test]
+    async fn proposals_past_the_uncommitted_budget_are_dropped_for_a_retry() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut node = sole_voter_leader(dir.path());
         assert_eq!(node.raw.raft.state, StateRole::Leader);
         // Nothing commits while the Ready is not handled: the proposals pile up uncommitted, as behind a lost quorum.
         let big = pb::Command {
@@ -985,20 +992,7 @@ mod tests {
     #[tokio::test]
     async fn a_snapshot_interval_of_u64_max_never_overflows_nor_compacts() {
         let dir = tempfile::tempdir().unwrap();
-        let store = RaftStore::open(&dir.path().join("raft.redb")).unwrap();
-        let cfg = RaftConfig {
-            id: 1,
-            advertise: "127.0.0.1:1".into(),
-            peers: BTreeMap::new(),
-            join: false,
-            tick: Duration::from_millis(10),
-            snapshot_every: u64::MAX,
-        };
-        // A sole voter campaigns at open; a few rounds make it leader and commit its first entry.
-        let mut node = Node::open(&cfg, store).unwrap();
-        for _ in 0..5 {
-            node.on_ready().unwrap();
-        }
+        let node = sole_voter_leader(dir.path());
         let snapshot = node.raw.store().snapshot_metadata().index;
         assert!(node.applied > snapshot, "applied {} is past the snapshot at {snapshot}", node.applied);
         assert_eq!(snapshot, crate::storage::BOOTSTRAP_INDEX, "no snapshot is ever due");

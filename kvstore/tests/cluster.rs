@@ -124,13 +124,15 @@ fn held(resp: &pb::ReadResponse) -> Vec<u64> {
     resp.blocks.iter().filter(|b| !b.copies.is_empty()).map(|b| b.hash).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_nodes_replicate_fail_over_restart_and_change_membership() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    let tmp = tempfile::tempdir().unwrap();
+/// A 3-node cluster on loopback ports, its data under `dir`: what most tests here start from.
+struct ThreeNodes {
+    addrs: Vec<SocketAddr>,
+    peers: BTreeMap<u64, String>,
+    endpoints: Vec<String>,
+    nodes: BTreeMap<u64, RunningNode>,
+}
+
+async fn three_nodes(dir: &std::path::Path) -> ThreeNodes {
     let mut listeners = Vec::new();
     for _ in 0..3 {
         listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
@@ -141,8 +143,19 @@ async fn three_nodes_replicate_fail_over_restart_and_change_membership() {
     let mut nodes: BTreeMap<u64, RunningNode> = BTreeMap::new();
     for (i, l) in listeners.into_iter().enumerate() {
         let id = i as u64 + 1;
-        nodes.insert(id, start_on(config(id, addrs[i], &peers, tmp.path()), l).await.unwrap());
+        nodes.insert(id, start_on(config(id, addrs[i], &peers, dir), l).await.unwrap());
     }
+    ThreeNodes { addrs, peers, endpoints, nodes }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_replicate_fail_over_restart_and_change_membership() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let tmp = tempfile::tempdir().unwrap();
+    let ThreeNodes { addrs, peers, endpoints, mut nodes } = three_nodes(tmp.path()).await;
     let leader = wait_leader(&endpoints).await;
 
     // A write sent to a follower is redirected to the leader.
@@ -525,18 +538,7 @@ async fn watches_from_the_future_resync_departed_watchers_are_released_and_watch
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reads_on_followers_fail_fast_when_the_leader_goes_away() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut listeners = Vec::new();
-    for _ in 0..3 {
-        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
-    }
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let peers: BTreeMap<u64, String> = (1..=3).map(|i| (i, addrs[i as usize - 1].to_string())).collect();
-    let endpoints: Vec<String> = peers.values().cloned().collect();
-    let mut nodes: BTreeMap<u64, RunningNode> = BTreeMap::new();
-    for (i, l) in listeners.into_iter().enumerate() {
-        let id = i as u64 + 1;
-        nodes.insert(id, start_on(config(id, addrs[i], &peers, tmp.path()), l).await.unwrap());
-    }
+    let ThreeNodes { peers, endpoints, mut nodes, .. } = three_nodes(tmp.path()).await;
     let leader = wait_leader(&endpoints).await;
     let mut client = Client::new(endpoints.clone()).unwrap();
     client.register("w1", "10.0.0.1:7000", 1).await.unwrap();

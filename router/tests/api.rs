@@ -2664,6 +2664,11 @@ async fn remote_prefill_carries_the_tenant_weight() {
     assert_eq!(weights(&decode_seen), [(4, 3)], "the decode request");
 }
 
+/// A chat request for four tokens of an answer to `content`.
+fn ask_four_tokens(content: &str) -> Value {
+    json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
+}
+
 /// A prefill worker that takes a long prompt and then stays silent (its engine stuck, its health check still
 /// answering) is ejected from placement: the request waits the first-token timeout once and its decode worker
 /// prefills, and the next long prompt goes straight to the decode worker instead of waiting on it again, though
@@ -2686,10 +2691,8 @@ async fn a_silent_prefill_worker_is_ejected_though_its_health_check_answers() {
     .await;
     let client = reqwest::Client::new();
     wait_all_ready(&client, &http).await;
-    let ask =
-        |content: &str| json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]});
     let started = Instant::now();
-    let r = client.post(format!("{http}/v1/chat/completions")).json(&ask("first")).send().await.unwrap();
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&ask_four_tokens("first")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert!(started.elapsed() >= Duration::from_millis(400), "it waited on the prefill worker");
     // Several health rounds pass: each finds the prefill worker ready.
@@ -2699,7 +2702,7 @@ async fn a_silent_prefill_worker_is_ejected_though_its_health_check_answers() {
     assert_eq!(entry["ready"], true, "{ready}");
     assert!(entry["ejected_for_ms"].as_u64().unwrap() > 0, "{ready}");
     let started = Instant::now();
-    let r = client.post(format!("{http}/v1/chat/completions")).json(&ask("second")).send().await.unwrap();
+    let r = client.post(format!("{http}/v1/chat/completions")).json(&ask_four_tokens("second")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert!(started.elapsed() < Duration::from_millis(400), "waited again: {:?}", started.elapsed());
     assert_eq!(prefill_seen.lock().unwrap().len(), 1, "the second prompt skipped the silent prefill worker");
@@ -2728,14 +2731,13 @@ async fn a_decode_worker_waiting_on_a_remote_prefill_counts_as_loaded() {
     .await;
     let client = reqwest::Client::new();
     wait_all_ready(&client, &http).await;
-    let ask =
-        |content: &str| json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]});
     let first = {
-        let (client, http, body) = (client.clone(), http.clone(), ask("the first long prompt"));
+        let (client, http, body) = (client.clone(), http.clone(), ask_four_tokens("the first long prompt"));
         tokio::spawn(async move { client.post(format!("{http}/v1/chat/completions")).json(&body).send().await })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let second = client.post(format!("{http}/v1/chat/completions")).json(&ask("another long prompt")).send();
+    let second =
+        client.post(format!("{http}/v1/chat/completions")).json(&ask_four_tokens("another long prompt")).send();
     assert_eq!(second.await.unwrap().status(), 200);
     assert_eq!(first.await.unwrap().unwrap().status(), 200);
     let decoded: Vec<usize> = seen.iter().map(|s| s.lock().unwrap().len()).collect();
