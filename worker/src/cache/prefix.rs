@@ -1,7 +1,10 @@
 //! Prefix caching keys and index.
 //!
 //! The chain hash over full token blocks (DESIGN §2): with `h[-1] = 0`,
-//! `h[i] = xxh3_64(h[i-1] as u64 LE ‖ model_id UTF-8 ‖ namespace UTF-8 ‖ tokens[i*B..(i+1)*B] as u32 LE)`.
+//! `h[i] = xxh3_64(h[i-1] as u64 LE ‖ len(model_id) as u64 LE ‖ model_id UTF-8 ‖ len(namespace) as u64 LE ‖
+//! namespace UTF-8 ‖ tokens[i*B..(i+1)*B] as u32 LE)`. The lengths are ours (DESIGN writes the plain
+//! concatenation): without them model `llama-3` with tenant `.1acme` and model `llama-3.1` with tenant `acme` hash
+//! the same bytes.
 //! Only full blocks are hashed. Because `h[i]` covers every earlier block, equal hashes mean equal prefixes
 //! (up to xxh3 collisions), so a hash names a whole cached prefix. The namespace salts the chain: two tenants
 //! never produce the same hash for the same tokens, so they never share blocks.
@@ -20,7 +23,9 @@ use super::BlockId;
 pub fn chain_hash(prev: u64, model_id: &str, namespace: &str, tokens: &[u32]) -> u64 {
     let mut h = Xxh3Default::new();
     h.update(&prev.to_le_bytes());
+    h.update(&(model_id.len() as u64).to_le_bytes());
     h.update(model_id.as_bytes());
+    h.update(&(namespace.len() as u64).to_le_bytes());
     h.update(namespace.as_bytes());
     let mut chunk = [0u8; 64];
     for group in tokens.chunks(16) {
@@ -178,7 +183,9 @@ mod tests {
         let tokens: Vec<u32> = (100..116).collect();
         let mut bytes = Vec::new();
         bytes.extend_from_slice(&7u64.to_le_bytes());
+        bytes.extend_from_slice(&6u64.to_le_bytes());
         bytes.extend_from_slice(b"smollm");
+        bytes.extend_from_slice(&8u64.to_le_bytes());
         bytes.extend_from_slice(b"tenant-a");
         for t in &tokens {
             bytes.extend_from_slice(&t.to_le_bytes());
@@ -187,11 +194,20 @@ mod tests {
         // Also for a block size that is not a multiple of the internal chunk.
         let odd: Vec<u32> = (0..37).collect();
         let mut bytes = 0u64.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&1u64.to_le_bytes());
         bytes.extend_from_slice(b"m");
+        bytes.extend_from_slice(&0u64.to_le_bytes());
         for t in &odd {
             bytes.extend_from_slice(&t.to_le_bytes());
         }
         assert_eq!(chain_hash(0, "m", "", &odd), xxh3_64(&bytes));
+    }
+
+    #[test]
+    fn model_and_namespace_do_not_run_into_each_other() {
+        let tokens: Vec<u32> = (0..16).collect();
+        assert_ne!(chain_hash(0, "llama-3", ".1acme", &tokens), chain_hash(0, "llama-3.1", "acme", &tokens));
+        assert_ne!(chain_hash(0, "m", "", &tokens), chain_hash(0, "", "m", &tokens));
     }
 
     #[test]
