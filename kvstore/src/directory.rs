@@ -11,7 +11,7 @@
 //! the blocks (the router's residency index) runs the same table over the same commands, so it applies exactly the
 //! events the directory applied.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use thiserror::Error;
 
@@ -313,6 +313,18 @@ pub fn collapse_clears(events: &[BlockEvent]) -> CollapsedEvents<'_> {
 #[derive(Debug, Default)]
 pub struct BlockDirectory {
     blocks: HashMap<BlockHash, Vec<Residency>>,
+    /// Worker → the hashes of the blocks it holds at least one copy of in `blocks`: what lets a `Cleared`, a new
+    /// epoch, a worker snapshot or a removal drop one worker's copies at the cost of those copies, where a scan of
+    /// `blocks` would hold the raft actor for as long as the whole directory takes (a second at millions of copies).
+    ///
+    /// Derived from `blocks` (rebuilt by [`Self::from_parts`], never exported, so snapshots are unchanged) and kept
+    /// exactly in step with it: a worker is a key iff it holds a copy, and a hash is in its set iff one of the block's
+    /// copies is the worker's. Cost: one `u64` per (worker, block) pair, which is at most one per copy, in a hash set
+    /// of 8-byte slots plus a control byte at 7/16 to 7/8 load: about 10 to 21 bytes per pair (beside a copy's own 64
+    /// bytes of [`Residency`] and its two strings), and one map entry per worker holding copies. A worker's set is
+    /// freed whole when its residency is dropped; removals do not shrink it, so it stays at most the size of the
+    /// worker's largest holding ([`MAX_COPIES_PER_WORKER`] pairs).
+    held: HashMap<WorkerId, HashSet<BlockHash>>,
     workers: WorkerTable,
     /// Copies in `blocks`, over all workers.
     copies: u64,
@@ -436,7 +448,16 @@ impl BlockDirectory {
         }
         let copies = map.values().map(|c| c.len() as u64).sum();
         let copy_bytes = map.values().flatten().map(|r| copy_cost(&r.worker, &r.codec)).sum();
-        Self { blocks: map, workers, copies, copy_bytes }
+        let mut held: HashMap<WorkerId, HashSet<BlockHash>> = HashMap::new();
+        for (hash, copies) in &map {
+            // Sorted: a worker's copies of one block are adjacent.
+            for (i, r) in copies.iter().enumerate() {
+                if i == 0 || copies[i - 1].worker != r.worker {
+                    held.entry(r.worker.clone()).or_default().insert(*hash);
+                }
+            }
+        }
+        Self { blocks: map, held, workers, copies, copy_bytes }
     }
 
     /// Number of distinct block hashes with at least one copy.
@@ -478,18 +499,36 @@ impl BlockDirectory {
                 // Kept sorted: an insert at its place, where a push and a sort would sort the list every time.
                 let at = copies.partition_point(|r| *r < copy);
                 copies.insert(at, copy);
+                if own == 0 {
+                    match self.held.get_mut(worker) {
+                        Some(hashes) => {
+                            hashes.insert(*hash);
+                        }
+                        None => {
+                            self.held.insert(worker.to_string(), HashSet::from([*hash]));
+                        }
+                    }
+                }
                 self.copies += 1;
                 self.copy_bytes += cost;
                 self.adjust_block_count(worker, 1);
             }
             BlockEvent::Removed { hash, tier, codec } => {
                 let mut removed = 0;
+                let mut last_own = false;
                 if let Some(copies) = self.blocks.get_mut(hash) {
                     let before = copies.len();
                     copies.retain(|r| !(r.worker == worker && r.tier == *tier && &r.codec == codec));
                     removed = before - copies.len();
+                    last_own = removed > 0 && !copies.iter().any(|r| r.worker == worker);
                     if copies.is_empty() {
                         self.blocks.remove(hash);
+                    }
+                }
+                if last_own && let Some(hashes) = self.held.get_mut(worker) {
+                    hashes.remove(hash);
+                    if hashes.is_empty() {
+                        self.held.remove(worker);
                     }
                 }
                 if removed > 0 {
@@ -508,9 +547,13 @@ impl BlockDirectory {
         }
     }
 
+    /// Drops every copy `worker` holds: the blocks in its `held` set only, never a scan of the directory.
+    /// The order the set yields them in does not matter (each block's list is edited on its own), so every replica
+    /// reaches the same state.
     fn drop_worker_residency(&mut self, worker: &str) {
         let (mut dropped, mut dropped_bytes) = (0, 0);
-        self.blocks.retain(|_, copies| {
+        for hash in self.held.remove(worker).unwrap_or_default() {
+            let Some(copies) = self.blocks.get_mut(&hash) else { continue };
             copies.retain(|r| {
                 let keep = r.worker != worker;
                 if !keep {
@@ -519,8 +562,10 @@ impl BlockDirectory {
                 }
                 keep
             });
-            !copies.is_empty()
-        });
+            if copies.is_empty() {
+                self.blocks.remove(&hash);
+            }
+        }
         self.copies = self.copies.saturating_sub(dropped);
         self.copy_bytes = self.copy_bytes.saturating_sub(dropped_bytes);
         if let Some(record) = self.workers.get_mut(worker) {
@@ -886,5 +931,179 @@ mod tests {
             dir.blocks().map(|(h, c)| (*h, c.to_vec())),
         );
         assert_eq!((rebuilt.copy_count(), rebuilt.copy_bytes()), (dir.copy_count(), dir.copy_bytes()));
+    }
+
+    /// Recounts from `blocks` alone what the directory keeps beside it (the per-worker index, the copy and byte
+    /// counters, each worker's copy count) and checks each block's list is sorted, duplicate-free and non-empty.
+    fn assert_consistent(dir: &BlockDirectory) {
+        let mut held: HashMap<WorkerId, HashSet<BlockHash>> = HashMap::new();
+        let mut per_worker: BTreeMap<WorkerId, u64> = BTreeMap::new();
+        let (mut copies, mut bytes) = (0, 0);
+        for (hash, list) in &dir.blocks {
+            assert!(!list.is_empty(), "block {hash} kept with no copies");
+            assert!(list.windows(2).all(|w| w[0] < w[1]), "block {hash}: {list:?}");
+            for r in list {
+                held.entry(r.worker.clone()).or_default().insert(*hash);
+                *per_worker.entry(r.worker.clone()).or_default() += 1;
+                copies += 1;
+                bytes += copy_cost(&r.worker, &r.codec);
+                assert!(dir.workers.contains(&r.worker), "copy of unknown worker {r:?}");
+            }
+        }
+        assert_eq!(dir.held, held);
+        assert_eq!((dir.copies, dir.copy_bytes), (copies, bytes));
+        for (worker, record) in dir.workers() {
+            assert_eq!(record.blocks, per_worker.get(worker).copied().unwrap_or(0), "worker {worker}");
+        }
+    }
+
+    /// Every copy, sorted: what two directories must agree on to hold the same blocks.
+    fn all_copies(dir: &BlockDirectory) -> Vec<(BlockHash, Residency)> {
+        let mut all: Vec<_> = dir.blocks().flat_map(|(h, c)| c.iter().map(|r| (*h, r.clone()))).collect();
+        all.sort();
+        all
+    }
+
+    fn rebuilt(dir: &BlockDirectory) -> BlockDirectory {
+        BlockDirectory::from_parts(
+            dir.workers().map(|(w, r)| (w.clone(), r.clone())),
+            dir.blocks().map(|(h, c)| (*h, c.to_vec())),
+        )
+    }
+
+    fn both(dir: &mut BlockDirectory, replica: &mut BlockDirectory, mut f: impl FnMut(&mut BlockDirectory)) {
+        f(dir);
+        f(replica);
+    }
+
+    #[test]
+    fn the_worker_index_follows_the_blocks_through_random_operations() {
+        // xorshift64*: deterministic, no dependency.
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move |n: u64| {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            state.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+        };
+        let workers = ["a", "b", "c", "dd", "eee"];
+        let tiers = [Tier::Device, Tier::Host, Tier::Disk];
+        // Three tiers under six codecs: more copies of one block than the per-block cap lets one worker keep.
+        let codecs = ["f32", "f16", "int8", "fp8", "q4", "bf16"];
+        // `dir` goes through a snapshot round trip now and then, `replica` never: the same log must give both the
+        // same state.
+        let mut dir = BlockDirectory::new();
+        let mut replica = BlockDirectory::new();
+        let mut epochs: BTreeMap<&str, u64> = BTreeMap::new();
+        for step in 0..20_000 {
+            let worker = workers[next(workers.len() as u64) as usize];
+            let event = |next: &mut dyn FnMut(u64) -> u64| {
+                let hash = next(40);
+                let tier = tiers[next(3) as usize];
+                let codec = codecs[next(codecs.len() as u64) as usize].to_string();
+                match next(20) {
+                    0 => BlockEvent::Cleared,
+                    1..=7 => BlockEvent::Removed { hash, tier, codec },
+                    _ => BlockEvent::Stored { hash, tier, codec, bytes: next(1 << 20) },
+                }
+            };
+            match next(100) {
+                // Register: a new worker or a new epoch (drops its copies), or the same epoch again (keeps them).
+                0..=4 => {
+                    let epoch = epochs.entry(worker).or_insert(0);
+                    if next(2) == 0 || *epoch == 0 {
+                        *epoch += 1;
+                    }
+                    let epoch = *epoch;
+                    both(&mut dir, &mut replica, |d| d.register_worker(worker, "a:1", epoch).unwrap());
+                }
+                5..=6 => {
+                    epochs.remove(worker);
+                    both(&mut dir, &mut replica, |d| {
+                        d.remove_worker(worker);
+                    });
+                }
+                7..=10 => {
+                    let Some(&epoch) = epochs.get(worker) else { continue };
+                    let seq = dir.worker(worker).unwrap().applied_seq + 5;
+                    let residency: Vec<(BlockHash, Tier, String, u64)> = (0..next(30))
+                        .map(|_| (next(40), tiers[next(3) as usize], codecs[next(6) as usize].to_string(), 1))
+                        .collect();
+                    both(&mut dir, &mut replica, |d| d.apply_snapshot(worker, epoch, seq, &residency, None).unwrap());
+                }
+                11..=12 => dir = rebuilt(&dir),
+                _ => {
+                    let Some(&epoch) = epochs.get(worker) else { continue };
+                    let first_seq = dir.worker(worker).unwrap().applied_seq + 1;
+                    let events: Vec<BlockEvent> = (0..1 + next(8)).map(|_| event(&mut next)).collect();
+                    let b = batch(worker, epoch, first_seq, events);
+                    both(&mut dir, &mut replica, |d| {
+                        d.apply(&b).unwrap();
+                    });
+                }
+            }
+            assert_consistent(&dir);
+            if step % 64 == 0 {
+                assert_consistent(&replica);
+                assert_eq!(all_copies(&dir), all_copies(&replica), "step {step}");
+            }
+        }
+        assert_consistent(&replica);
+        assert_eq!(all_copies(&dir), all_copies(&replica));
+        assert!(dir.copy_count() > 0, "the mix should end with copies held");
+    }
+
+    /// A directory of `others` copies (each its own block, over 100 workers) plus a worker `victim` holding
+    /// `victim_copies` copies on blocks the others also hold.
+    fn crowded_directory(others: u64, victim_copies: u64) -> BlockDirectory {
+        let workers = 100;
+        let record = |epoch| WorkerRecord { address: "a:1".into(), epoch, applied_seq: 1, ..WorkerRecord::default() };
+        let names: Vec<String> = (0..workers).map(|w| format!("w{w}")).collect();
+        let mut table: Vec<(WorkerId, WorkerRecord)> = names.iter().map(|n| (n.clone(), record(1))).collect();
+        table.push(("victim".into(), record(1)));
+        let blocks = (0..others).map(|h| {
+            let worker = names[(h % workers) as usize].clone();
+            (h, vec![Residency { worker, tier: Tier::Host, codec: "f16".into(), bytes: 1 }])
+        });
+        let mut dir = BlockDirectory::from_parts(table, blocks);
+        let copies: Vec<(BlockHash, Tier, String, u64)> =
+            (0..victim_copies).map(|i| (i * (others / victim_copies), Tier::Device, "f16".into(), 1)).collect();
+        dir.apply_snapshot("victim", 1, 1, &copies, None).unwrap();
+        assert_eq!(dir.copy_count(), others + victim_copies);
+        dir
+    }
+
+    /// Run with `cargo test --release -p pagoda-kvstore --lib dropping_a_small_worker_from_a_large_directory_is_fast
+    /// -- --ignored --nocapture`: how long one `[Cleared]` of a worker with 1k copies holds the raft actor when the
+    /// directory holds 1M copies of other workers.
+    #[test]
+    #[ignore = "timing; run in release"]
+    fn dropping_a_small_worker_from_a_large_directory_is_fast() {
+        let (others, victim_copies) = (1_000_000, 1_000);
+        let mut dir = crowded_directory(others, victim_copies);
+        let mut times = Vec::new();
+        for round in 0..20u64 {
+            let seq = dir.worker("victim").unwrap().applied_seq + 1;
+            let start = std::time::Instant::now();
+            dir.apply(&batch("victim", 1, seq, vec![BlockEvent::Cleared])).unwrap();
+            times.push(start.elapsed());
+            assert_eq!(dir.copy_count(), others);
+            let copies: Vec<(BlockHash, Tier, String, u64)> = (0..victim_copies)
+                .map(|i| (i * (others / victim_copies) + round % 7, Tier::Device, "f16".into(), 1))
+                .collect();
+            dir.apply_snapshot("victim", 1, seq + 1, &copies, None).unwrap();
+        }
+        let start = std::time::Instant::now();
+        assert!(dir.remove_worker("victim"));
+        let removal = start.elapsed();
+        times.sort();
+        println!(
+            "drop of {victim_copies} copies beside {others}: Cleared median {:?} (min {:?}, max {:?}), RemoveWorker {:?}",
+            times[times.len() / 2],
+            times[0],
+            times[times.len() - 1],
+            removal
+        );
+        assert_eq!(dir.copy_count(), others);
     }
 }
