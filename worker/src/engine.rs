@@ -41,7 +41,9 @@ use crate::tiers::codec::GroupKv;
 use crate::tiers::pins::CodecPins;
 use crate::tiers::residual::{self, ResidualTails};
 use crate::tiers::store::GroupShape;
-use crate::tiers::{EncodedGroup, GroupCodec, Int8Layers, Tier, TierConfig, TierError, TierStore, TierUsage, native};
+use crate::tiers::{
+    EncodedGroup, GroupCodec, HostStore, Int8Layers, Tier, TierConfig, TierError, TierStore, TierUsage, native,
+};
 
 pub use crate::sampling::SamplingParams;
 pub use crate::scheduler::FinishReason;
@@ -338,6 +340,9 @@ pub struct PrefixProbe {
     pub prefill_tokens_per_s: f64,
     /// Measured host-tier load (decode into device blocks) bandwidth, bytes per second.
     pub host_load_bytes_per_s: f64,
+    /// Capacity of the host tier (0 without one): a pull larger than it would evict its own first groups on
+    /// import, and onboarding needs exactly those.
+    pub host_capacity_bytes: u64,
 }
 
 /// What the loaded model is, as clients need it.
@@ -1593,6 +1598,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             can_import: tiers.is_some_and(|t| t.host().is_some()),
             prefill_tokens_per_s: cost.prefill_tokens_per_s(),
             host_load_bytes_per_s: cost.load_bandwidth(Tier::Host),
+            host_capacity_bytes: tiers.and_then(TierStore::host).map_or(0, HostStore::capacity_bytes),
         }
     }
 

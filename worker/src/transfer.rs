@@ -383,6 +383,41 @@ pub fn pull_batch_bytes(configured: u64, max_group_bytes: u64) -> Option<u64> {
     (batch <= MAX_BATCH_BYTES).then_some(batch)
 }
 
+/// The most a pull into the host tier may bring, as a divisor of the tier's capacity. Pulled groups wait there
+/// until their request is admitted and onboards them; meanwhile they are the tier's least recently used, and
+/// what other requests offload evicts those first. The other half is that headroom, and it keeps one long
+/// prompt from flushing everything else the tier caches.
+const PULL_HOST_SHARE_DIVISOR: u64 = 2;
+
+/// Bytes one pull may import into a host tier of `host_capacity_bytes` (see [`PULL_HOST_SHARE_DIVISOR`]).
+pub fn pull_host_budget(host_capacity_bytes: u64) -> u64 {
+    host_capacity_bytes / PULL_HOST_SHARE_DIVISOR
+}
+
+/// How many groups of `group_bytes` fit in `budget_bytes`, at most `MAX_FETCH_HASHES`.
+pub fn groups_within(budget_bytes: u64, group_bytes: u64) -> usize {
+    usize::try_from(budget_bytes / group_bytes.max(1)).map_or(MAX_FETCH_HASHES, |n| n.min(MAX_FETCH_HASHES))
+}
+
+/// Keeps the leading `groups` whose sizes add up to at most `budget_bytes` and returns their bytes. The count cap
+/// assumes groups of this worker's own format; a peer may send larger ones (another KV dtype), and importing
+/// past the budget would evict the pull's own first groups.
+fn keep_within(groups: &mut Vec<(u64, EncodedGroup)>, budget_bytes: u64) -> u64 {
+    let mut kept = 0u64;
+    let n = groups
+        .iter()
+        .position(|(_, g)| match kept.checked_add(g.len()).filter(|&t| t <= budget_bytes) {
+            Some(t) => {
+                kept = t;
+                false
+            }
+            None => true,
+        })
+        .unwrap_or(groups.len());
+    groups.truncate(n);
+    kept
+}
+
 /// Whether pulling `blocks` groups of about `group_bytes` each beats prefilling their tokens: the pull costs the
 /// transfer at the peer bandwidth plus decoding the groups from host into device blocks.
 pub fn pull_pays(
@@ -480,7 +515,7 @@ impl PeerFetcher {
     }
 
     /// Pulls the part of `prompt`'s prefix that `hint` names and this worker lacks into the host tier, when that
-    /// pays. Returns the blocks stored. Runs inside `parent` (the request's `worker.generate`); the pull gets its
+    /// pays, and no more of it than half the host tier holds ([`pull_host_budget`]). Returns the blocks stored. Runs inside `parent` (the request's `worker.generate`); the pull gets its
     /// own `transfer` span, whose context travels to the peer.
     pub async fn pull_prefix(
         &self,
@@ -516,6 +551,14 @@ impl PeerFetcher {
         // Pulled groups land in the host tier. Without one, a remote prefill's groups (served in the device's own
         // format) are written straight into the device pool instead.
         let into_device = required && !probe.can_import;
+        // Imported groups go into the host tier in order, and its LRU makes room by evicting the least recently
+        // used: a pull larger than the tier evicts its own first groups, and onboarding adopts only a run that
+        // continues the device prefix, so the whole pull would be wasted (after flushing the tier). Only the
+        // leading groups that fit are pulled; the rest is prefilled. Seeding the device is bounded by its free
+        // blocks instead.
+        let host_budget = pull_host_budget(probe.host_capacity_bytes);
+        let missing =
+            if into_device { missing } else { &missing[..missing.len().min(groups_within(host_budget, group_bytes))] };
         if missing.is_empty()
             || !(probe.can_import || into_device)
             || (!required && !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe))
@@ -565,10 +608,17 @@ impl PeerFetcher {
             // Only complete pulls measure the link: a short one may have waited on a peer that had nothing.
             b.update(outcome.bytes as f64 / secs.max(1e-6));
         }
+        let mut bytes = outcome.bytes;
+        if !into_device && bytes > host_budget {
+            let got = outcome.groups.len();
+            bytes = keep_within(&mut outcome.groups, host_budget);
+            tracing::debug!(peer = %hint.address, got, kept = outcome.groups.len(), host_budget,
+                "the peer's groups are larger than this worker's; importing only those that fit");
+        }
         if outcome.groups.is_empty() {
             return 0;
         }
-        let (n, bytes) = (outcome.groups.len() as u64, outcome.bytes);
+        let n = outcome.groups.len() as u64;
         let stored = if into_device {
             self.engine.seed_device(outcome.groups).await
         } else {
@@ -1325,9 +1375,30 @@ mod tests {
     }
 
     #[test]
+    fn a_pull_is_bounded_by_half_the_host_tier() {
+        assert_eq!(pull_host_budget(64 << 20), 32 << 20);
+        assert_eq!(groups_within(pull_host_budget(10_000), 1_000), 5);
+        assert_eq!(groups_within(pull_host_budget(1_999), 1_000), 0, "not even one group fits: prefill");
+        assert_eq!(groups_within(u64::MAX, 1), MAX_FETCH_HASHES);
+        assert_eq!(groups_within(1_000, 0), MAX_FETCH_HASHES.min(1_000));
+
+        // Larger groups than expected: only the leading ones within the budget are kept.
+        let mut groups: Vec<(u64, EncodedGroup)> = (1..=4u64).map(|h| (h, group(h as u8, 300))).collect();
+        assert_eq!(keep_within(&mut groups, 1_000), 900);
+        assert_eq!(groups.iter().map(|g| g.0).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(keep_within(&mut groups, 299), 0);
+        assert!(groups.is_empty());
+    }
+
+    #[test]
     fn pulls_pay_only_when_faster_than_prefill() {
-        let probe =
-            PrefixProbe { local_blocks: 0, can_import: true, prefill_tokens_per_s: 1000.0, host_load_bytes_per_s: 1e9 };
+        let probe = PrefixProbe {
+            local_blocks: 0,
+            can_import: true,
+            prefill_tokens_per_s: 1000.0,
+            host_load_bytes_per_s: 1e9,
+            host_capacity_bytes: 64 << 20,
+        };
         // 10 groups of 1 MB over 100 MB/s: 100 ms + 10 ms decode, against 160 tokens at 1000 tok/s = 160 ms.
         assert!(pull_pays(10, 16, 1_000_000, 100e6, &probe));
         // Over 10 MB/s the pull takes a second.
