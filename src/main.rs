@@ -1507,45 +1507,60 @@ fn shutdown_signal() -> watch::Receiver<bool> {
     rx
 }
 
-/// SIGINT (Ctrl-C) and, on Unix, SIGTERM, as one sequence of stop requests.
+/// SIGINT (Ctrl-C) and, on Unix, SIGTERM, as one sequence of stop requests. On Unix both are listened to for the
+/// life of the process, so a signal arriving between two waits is not lost.
 struct StopSignals {
     #[cfg(unix)]
-    term: Option<tokio::signal::unix::Signal>,
+    interrupt: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    terminate: Option<tokio::signal::unix::Signal>,
 }
 
 impl StopSignals {
     fn new() -> StopSignals {
         #[cfg(unix)]
         {
-            let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .inspect_err(|e| tracing::warn!("cannot listen for SIGTERM: {e}"))
-                .ok();
-            StopSignals { term }
+            use tokio::signal::unix::{SignalKind, signal};
+            let listen = |kind: SignalKind, name: &str| {
+                signal(kind).inspect_err(|e| tracing::warn!("cannot listen for {name}: {e}")).ok()
+            };
+            StopSignals {
+                interrupt: listen(SignalKind::interrupt(), "Ctrl-C"),
+                terminate: listen(SignalKind::terminate(), "SIGTERM"),
+            }
         }
         #[cfg(not(unix))]
         StopSignals {}
     }
 
-    /// Waits for the next stop signal and returns its number.
+    /// Waits for the next stop signal and returns its number (never, if neither could be listened to).
     async fn next(&mut self) -> i32 {
-        const SIGINT: i32 = 2;
-        const SIGTERM: i32 = 15;
-        let ctrl_c = async {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = recv_or_never(&mut self.interrupt) => 2,
+                _ = recv_or_never(&mut self.terminate) => 15,
+            }
+        }
+        #[cfg(not(unix))]
+        {
             if let Err(e) = tokio::signal::ctrl_c().await {
-                // Not a stop request: only SIGTERM (or nothing) can stop the process then.
                 tracing::warn!("cannot listen for Ctrl-C: {e}");
                 std::future::pending::<()>().await;
             }
-        };
-        #[cfg(unix)]
-        if let Some(term) = &mut self.term {
-            return tokio::select! {
-                _ = ctrl_c => SIGINT,
-                _ = term.recv() => SIGTERM,
-            };
+            2
         }
-        ctrl_c.await;
-        SIGINT
+    }
+}
+
+/// The next delivery of `signal`; never when it could not be listened to.
+#[cfg(unix)]
+async fn recv_or_never(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending().await,
     }
 }
 

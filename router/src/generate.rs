@@ -35,7 +35,7 @@ use crate::openai::{GenParams, StopReason, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
 use crate::spans;
-use crate::workers::{Candidate, InFlight, Worker, WorkerPool};
+use crate::workers::{Candidate, InFlight, Worker, WorkerLoad, WorkerPool};
 
 /// What the HTTP layer receives, in order: an `Echo` for a completion with `echo`, any number of `Text`, then
 /// exactly one `Done` or `Error`.
@@ -204,12 +204,20 @@ struct WorkerFailure {
     reason: &'static str,
     /// What the client sees if no retry is left.
     error: ApiError,
-    /// Transport-level failures take the worker out of placement until its health check passes again; a worker
-    /// that answered with an error of its own is only skipped for this request.
-    mark_down: bool,
-    /// The worker stayed silent past the request's bound: it is also ejected for a while
-    /// ([`crate::workers::Worker::eject_silent`]), which its health check does not clear.
-    silent: bool,
+    /// What the failure costs the worker beyond this request.
+    penalty: Penalty,
+}
+
+/// What a worker's failure costs it beyond the request that saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Penalty {
+    /// It answered with an error of its own: it is alive, only this request moves.
+    None,
+    /// A transport-level failure: out of placement until its health check passes again.
+    MarkDown,
+    /// It stayed silent past the request's bound: marked down, and also ejected for a while
+    /// ([`Worker::eject_silent`]), which its health check does not clear.
+    Eject,
 }
 
 /// One request's progress across its attempts: the tokens produced so far and the text pipeline they feed.
@@ -301,14 +309,11 @@ impl Generation {
                 }
                 AttemptEnd::WorkerFailed(f) => {
                     if let Some(w) = self.ctx.pool.find(&f.worker) {
-                        if f.mark_down {
+                        if f.penalty != Penalty::None {
                             w.mark_down(f.error.message.clone());
                         }
-                        if f.silent
-                            && let Some(out_for) = w.eject_silent()
-                        {
-                            tracing::warn!(worker = %f.worker, reason = f.reason, out_for_ms = out_for.as_millis() as u64,
-                                "worker stayed silent: ejected from placement");
+                        if f.penalty == Penalty::Eject {
+                            w.eject_silent(f.reason);
                         }
                     }
                     self.excluded.push(f.worker.clone());
@@ -431,6 +436,7 @@ impl Generation {
         prompt: &[u32],
         shape: &RequestShape,
         cached_tokens: u64,
+        decode_load: &Arc<WorkerLoad>,
     ) -> Option<(PbPeerHint, u64)> {
         let pool = &self.ctx.pool;
         let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
@@ -457,6 +463,10 @@ impl Generation {
             &params.kv_codec,
             params.priority,
         );
+        // The decode worker is this request's from now on: while the prefill worker computes the prompt, placement
+        // must see the stream coming its way, or a burst of long prompts all pick the same idle decode worker. The
+        // caller counts the request there before anything else can place (no await in between).
+        let _reserved = InFlight::reserved_decode(Arc::clone(decode_load), self.job.lora.as_deref());
         let started = Instant::now();
         let timeout = self.ctx.migration.first_token_timeout;
         let outcome = disagg::prefill_on(&worker, req, uncached, timeout, self.tx.closed()).await;
@@ -466,12 +476,7 @@ impl Generation {
                 "remote prefill did not finish; the decode worker prefills");
             match outcome {
                 disagg::PrefillOutcome::Unreachable => worker.mark_down("remote prefill: unreachable".to_owned()),
-                disagg::PrefillOutcome::Timeout => {
-                    if let Some(out_for) = worker.eject_silent() {
-                        tracing::warn!(worker = %worker.addr, out_for_ms = out_for.as_millis() as u64,
-                            "prefill worker stayed silent: ejected from placement");
-                    }
-                }
+                disagg::PrefillOutcome::Timeout => worker.eject_silent("remote_prefill_timeout"),
                 _ => {}
             }
             return None;
@@ -508,10 +513,7 @@ impl Generation {
         });
         let mut cached_tokens = *cached_tokens;
         drop(candidates);
-        // The decode worker is this request's from now on: while a prefill worker computes the prompt, placement
-        // must see the stream coming its way, or a burst of long prompts all pick the same idle decode worker.
-        let reserved = InFlight::reserved_decode(load.clone(), self.job.lora.as_deref());
-        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens).await {
+        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens, &load).await {
             peer_hint = Some(hint);
             cached_tokens = cached_tokens.max(pulled);
         }
@@ -520,7 +522,6 @@ impl Generation {
         }
         let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
         let in_flight = InFlight::with_adapter(load, uncached, self.job.lora.as_deref());
-        drop(reserved);
         if let Some(m) = self.pending_migration.take() {
             self.ctx.metrics.count_migration(m.reason);
             tracing::warn!(
@@ -611,8 +612,7 @@ impl Generation {
                         "The worker did not answer within {} ms.",
                         first_token_timeout.as_millis()
                     )),
-                    mark_down: true,
-                    silent: true,
+                    penalty: Penalty::Eject,
                 });
             }
         };
@@ -674,8 +674,7 @@ impl Generation {
                         worker: addr,
                         reason: stalled_reason,
                         error: ApiError::unavailable(format!("The worker sent nothing for {} ms.", silent.as_millis())),
-                        mark_down: true,
-                        silent: true,
+                        penalty: Penalty::Eject,
                     });
                 }
             };
@@ -692,8 +691,7 @@ impl Generation {
                                 resp.logprobs.len(),
                                 resp.token_ids.len()
                             )),
-                            mark_down: false,
-                            silent: false,
+                            penalty: Penalty::None,
                         });
                     }
                     for score in resp.prompt_logprobs {
@@ -722,8 +720,7 @@ impl Generation {
                             worker: addr,
                             reason: "cancelled",
                             error: ApiError::unavailable("The worker cancelled the request."),
-                            mark_down: true,
-                            silent: false,
+                            penalty: Penalty::MarkDown,
                         });
                     };
                     let u = fin.usage.unwrap_or_default();
@@ -741,8 +738,7 @@ impl Generation {
                         worker: addr,
                         reason: "stream_ended",
                         error: ApiError::unavailable("The worker ended the stream without finishing."),
-                        mark_down: true,
-                        silent: false,
+                        penalty: Penalty::MarkDown,
                     });
                 }
                 Err(status) => {
@@ -890,8 +886,7 @@ fn classify_status(addr: &str, status: &tonic::Status, transport_reason: &'stati
             worker: addr.to_string(),
             reason: transport_reason,
             error: ApiError::unavailable(format!("worker unavailable: {}", status.message())),
-            mark_down: true,
-            silent: false,
+            penalty: Penalty::MarkDown,
         });
     }
     if status.code() == Code::ResourceExhausted
@@ -909,8 +904,7 @@ fn classify_status(addr: &str, status: &tonic::Status, transport_reason: &'stati
             worker: addr.to_string(),
             reason: "worker_error",
             error: ApiError::from_status(status),
-            mark_down: false,
-            silent: false,
+            penalty: Penalty::None,
         }),
     }
 }

@@ -377,12 +377,17 @@ impl Worker {
     }
 
     /// Leaves the worker out of placement for a while after it stayed silent past a request's bound (see
-    /// [`EJECTION_BASE`]), and returns for how long; `None` when it is out already (the requests that were waiting
-    /// on it all fail together: one stall, one strike).
-    pub fn eject_silent(&self) -> Option<Duration> {
-        self.eject_silent_at(std::time::Instant::now())
+    /// [`EJECTION_BASE`]; `why` names the bound, for the log). While it is out, further failures add no strike (the
+    /// requests waiting on it fail together); one that fails after the ejection ended (a request placed before it,
+    /// whose first-token timeout is longer) adds the next.
+    pub fn eject_silent(&self, why: &str) {
+        if let Some(out_for) = self.eject_silent_at(std::time::Instant::now()) {
+            tracing::warn!(worker = %self.addr, why, out_for_ms = out_for.as_millis() as u64,
+                "worker stayed silent: ejected from placement");
+        }
     }
 
+    /// [`Worker::eject_silent`] at `now`: for how long, or `None` when it is out already.
     fn eject_silent_at(&self, now: std::time::Instant) -> Option<Duration> {
         let mut ejection = self.ejection.lock().unwrap_or_else(|p| p.into_inner());
         if ejection.until.is_some_and(|until| now < until) {
@@ -405,8 +410,12 @@ impl Worker {
 
     /// How long the worker stays out of placement after staying silent (zero: it is in).
     pub fn ejected_for(&self) -> Duration {
+        self.ejected_for_at(std::time::Instant::now())
+    }
+
+    fn ejected_for_at(&self, now: std::time::Instant) -> Duration {
         let ejection = self.ejection.lock().unwrap_or_else(|p| p.into_inner());
-        ejection.until.map_or(Duration::ZERO, |until| until.saturating_duration_since(std::time::Instant::now()))
+        ejection.until.map_or(Duration::ZERO, |until| until.saturating_duration_since(now))
     }
 
     /// Probes `Health` in the background now, unless such a probe is running already.
@@ -788,12 +797,14 @@ impl WorkerPool {
             if n == 0 { DEFAULT_LORA_LOAD_SECONDS } else { sum / n as f64 }
         };
         let mut blocked = vec![false; slots.len()];
-        let ejected: Vec<bool> = slots.iter().map(|w| w.as_ref().is_some_and(|w| !w.ejected_for().is_zero())).collect();
+        let mut ejected = vec![false; slots.len()];
+        let now = std::time::Instant::now();
         let (mut snaps, roles): (Vec<WorkerSnapshot>, Vec<WorkerRole>) = slots
             .iter()
-            .zip(blocked.iter_mut())
-            .map(|(w, blocked)| {
+            .zip(blocked.iter_mut().zip(ejected.iter_mut()))
+            .map(|(w, (blocked, ejected))| {
                 let Some(w) = w else { return (WorkerSnapshot::default(), WorkerRole::Both) };
+                *ejected = !w.ejected_for_at(now).is_zero();
                 w.with_status(|st| {
                     let slot = lora.map(|name| st.lora_slot(name, &w.load));
                     *blocked = slot == Some(LoraSlot::Blocked);
@@ -1145,9 +1156,9 @@ mod tests {
         };
         let placed =
             |pool: &WorkerPool| pool.place(&req).unwrap().iter().map(|c| c.worker.addr.clone()).collect::<Vec<_>>();
-        pool.workers()[0].eject_silent();
+        pool.workers()[0].eject_silent("test");
         assert_eq!(placed(&pool), [addrs[1].as_str()], "the ejected worker is no candidate");
-        pool.workers()[1].eject_silent();
+        pool.workers()[1].eject_silent("test");
         assert_eq!(placed(&pool).len(), 2, "with every worker ejected, serving beats refusing");
     }
 

@@ -187,23 +187,23 @@ fn tier_to(t: Tier) -> i32 {
 /// worker refused its snapshot could never report again): the faster tiers first, since those are the copies
 /// placement gains most from. Also how many were left out.
 fn snapshot_copies(changes: &[BlockChange], cap: usize) -> (Vec<pb::BlockCopy>, usize) {
-    let mut copies: Vec<(Tier, pb::BlockCopy)> = changes
+    let mut copies: Vec<pb::BlockCopy> = changes
         .iter()
         .filter_map(|c| match c {
-            BlockChange::Stored { hash, tier, codec, bytes } => Some((
-                *tier,
-                pb::BlockCopy { hash: *hash, tier: tier_to(*tier), codec: codec.to_string(), bytes: *bytes },
-            )),
+            BlockChange::Stored { hash, tier, codec, bytes } => {
+                Some(pb::BlockCopy { hash: *hash, tier: tier_to(*tier), codec: codec.to_string(), bytes: *bytes })
+            }
             BlockChange::Removed { .. } => None,
         })
         .collect();
     let left_out = copies.len().saturating_sub(cap);
     if left_out > 0 {
-        // Stable: within a tier, the engine's order stands.
-        copies.sort_by_key(|(tier, _)| tier.index());
+        // The wire's tier numbers run device, host, disk; the sort is stable, so within a tier the engine's order
+        // stands.
+        copies.sort_by_key(|c| c.tier);
         copies.truncate(cap);
     }
-    (copies.into_iter().map(|(_, c)| c).collect(), left_out)
+    (copies, left_out)
 }
 
 fn event(c: &BlockChange) -> pb::BlockEvent {

@@ -403,17 +403,13 @@ pub fn groups_within(budget_bytes: u64, group_bytes: u64) -> usize {
 /// assumes groups of this worker's own format; a peer may send larger ones (another KV dtype), and importing
 /// past the budget would evict the pull's own first groups.
 fn keep_within(groups: &mut Vec<(u64, EncodedGroup)>, budget_bytes: u64) -> u64 {
-    let mut kept = 0u64;
-    let n = groups
-        .iter()
-        .position(|(_, g)| match kept.checked_add(g.len()).filter(|&t| t <= budget_bytes) {
-            Some(t) => {
-                kept = t;
-                false
-            }
-            None => true,
-        })
-        .unwrap_or(groups.len());
+    let (mut kept, mut n) = (0u64, 0);
+    for (_, g) in groups.iter() {
+        match kept.checked_add(g.len()) {
+            Some(total) if total <= budget_bytes => (kept, n) = (total, n + 1),
+            _ => break,
+        }
+    }
     groups.truncate(n);
     kept
 }
@@ -515,8 +511,9 @@ impl PeerFetcher {
     }
 
     /// Pulls the part of `prompt`'s prefix that `hint` names and this worker lacks into the host tier, when that
-    /// pays, and no more of it than half the host tier holds ([`pull_host_budget`]). Returns the blocks stored. Runs inside `parent` (the request's `worker.generate`); the pull gets its
-    /// own `transfer` span, whose context travels to the peer.
+    /// pays, and no more of it than half the host tier holds ([`pull_host_budget`]). Returns the blocks stored.
+    /// Runs inside `parent` (the request's `worker.generate`); the pull gets its own `transfer` span, whose context
+    /// travels to the peer.
     pub async fn pull_prefix(
         &self,
         prompt: &[u32],

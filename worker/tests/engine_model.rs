@@ -3,8 +3,7 @@
 
 mod common;
 
-use common::wait_stats;
-use std::path::PathBuf;
+use common::{GROUP, model_path, wait_stats};
 
 use pagoda_worker::engine::{
     Engine, EngineConfig, EngineHandle, FinishReason, GenerateEvent, GenerateRequest, SamplingParams,
@@ -14,17 +13,6 @@ use pagoda_worker::sampling::TokenLogprobs;
 use pagoda_worker::scheduler::{ReserveConfig, SchedulingPolicy};
 use pagoda_worker::speculative::NgramConfig;
 use tokio::sync::mpsc::UnboundedReceiver;
-
-fn model_path() -> PathBuf {
-    let p = std::env::var_os("PAGODA_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.exists(), "model not found at {} (run scripts/fetch-model or set PAGODA_MODEL)", p.display());
-    p
-}
-
-/// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
-const GROUP: usize = 90;
 
 fn engine(num_groups: usize, prefix_cache: bool) -> EngineHandle {
     engine_admitting(num_groups, prefix_cache, ReserveConfig::default())

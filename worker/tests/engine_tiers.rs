@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{greedy, run, run_request, wait_stats};
+use common::{BS, GROUP, greedy, model_path, run, run_request, wait_stats};
 use std::path::{Path, PathBuf};
 
 use pagoda_kernels::{Codec, KvDtype, KvStorage};
@@ -18,18 +18,6 @@ use pagoda_worker::model::{Gguf, Tokenizer};
 use pagoda_worker::placement::{AnswerHorizon, EvicPressConfig, ProfileScoring, TierPlacement};
 use pagoda_worker::tiers::codec as tiers_codec;
 use pagoda_worker::tiers::{EncodedGroup, GroupCodec, Tier, TierConfig};
-
-/// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
-const GROUP: usize = 90;
-const BS: usize = 16;
-
-fn model_path() -> PathBuf {
-    let p = std::env::var_os("PAGODA_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.exists(), "model not found at {} (run scripts/fetch-model or set PAGODA_MODEL)", p.display());
-    p
-}
 
 fn engine(num_groups: usize, tiers: TierConfig) -> EngineHandle {
     engine_of(num_groups, tiers, KvDtype::default())

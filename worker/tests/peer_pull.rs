@@ -3,8 +3,7 @@
 
 mod common;
 
-use common::run;
-use std::path::PathBuf;
+use common::{BS, GROUP, model_path, run};
 use std::sync::Arc;
 
 use pagoda_proto::worker::PeerHint;
@@ -14,18 +13,6 @@ use pagoda_worker::events::BlockChange;
 use pagoda_worker::tiers::{Tier, TierConfig, native};
 use pagoda_worker::transfer::{PeerFetchConfig, PeerFetcher, TransferService};
 use tracing::Span;
-
-/// Groups of 90 blocks (30 layers × 3 kv heads) hold 16 tokens.
-const GROUP: usize = 90;
-const BS: usize = 16;
-
-fn model_path() -> PathBuf {
-    let p = std::env::var_os("PAGODA_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.exists(), "model not found at {} (run scripts/fetch-model or set PAGODA_MODEL)", p.display());
-    p
-}
 
 fn engine(num_groups: usize, tiers: TierConfig) -> EngineHandle {
     let cfg = EngineConfig { num_blocks: num_groups * GROUP, threads: 2, tiers, ..EngineConfig::new(model_path()) };

@@ -1,9 +1,24 @@
 //! Helpers shared by the engine tests (`mod common;` in each); each test crate uses a part of them.
 #![allow(dead_code)]
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use pagoda_worker::engine::{EngineHandle, EngineStats, GenerateEvent, GenerateRequest, SamplingParams};
+
+/// The real model's KV block group: 90 blocks (30 layers × 3 kv heads).
+pub const GROUP: usize = 90;
+/// Tokens per block (and per group).
+pub const BS: usize = 16;
+
+/// The real model (SmolLM2-135M-Instruct Q4_1): `$PAGODA_MODEL`, else the one `scripts/fetch-model.sh` fetches.
+pub fn model_path() -> PathBuf {
+    let p = std::env::var_os("PAGODA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.exists(), "model not found at {} (run scripts/fetch-model or set PAGODA_MODEL)", p.display());
+    p
+}
 
 /// The engine's stats once `done` holds, polled for at most a minute.
 pub fn wait_stats(h: &EngineHandle, what: &str, done: impl Fn(&EngineStats) -> bool) -> EngineStats {
