@@ -486,6 +486,20 @@ impl KvStorage {
         self.v.write_encoded(r.start, v, v_scale);
     }
 
+    /// Overwrites block `b` of an f16 cache with little-endian f16 bit patterns (`2 × block_len` bytes per half) as
+    /// they are: how a stored f16 block comes back without a round trip through f32. Panics on another dtype or on
+    /// wrong lengths.
+    pub fn write_block_f16_le(&mut self, b: u32, k: &[u8], v: &[u8]) {
+        let r = self.range(b);
+        assert!(k.len() == 2 * r.len() && v.len() == 2 * r.len(), "write_block_f16_le: bytes must fill the block");
+        for (arena, bytes) in [(&mut self.k, k), (&mut self.v, v)] {
+            let Arena::F16(a) = arena else { panic!("write_block_f16_le on an {} KV cache", self.dtype) };
+            for (d, s) in a[r.clone()].iter_mut().zip(bytes.chunks_exact(2)) {
+                *d = u16::from_le_bytes([s[0], s[1]]);
+            }
+        }
+    }
+
     /// Reads one slot's K and V rows (`head_dim` each) as f32, whatever the dtype.
     pub fn read_slot(&self, b: u32, slot: usize, k_out: &mut [f32], v_out: &mut [f32]) {
         let hd = self.head_dim;
