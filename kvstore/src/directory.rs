@@ -8,8 +8,11 @@
 //! [`BlockDirectory::apply`].
 //!
 //! The [`WorkerTable`] alone decides which events of a batch are fresh. A watcher that keeps its own bounded view of
-//! the blocks (the router's residency index) runs the same table over the same commands, so it applies exactly the
-//! events the directory applied.
+//! the blocks (the router's residency index) runs the same table over the same commands, so it takes the same events
+//! as fresh. What it then keeps is its own: the directory's copy caps ([`MAX_COPIES_PER_WORKER`], [`MAX_COPY_BYTES`],
+//! [`MAX_COPIES_PER_BLOCK_PER_WORKER`]) bound the replicated state and its snapshots, and the router's index has its
+//! own bound by hashes, so a copy past a directory cap can still be a placement hint in a router until a snapshot
+//! replaces its view.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 

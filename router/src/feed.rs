@@ -1,8 +1,9 @@
 //! The directory feed: the task that keeps this router's residency index in step with the kvstore (DESIGN §6).
 //!
 //! It owns a `Watch(from_index)` stream on one kvstore node, the [`WorkerTable`] that decides which events of each
-//! replicated `Publish` are fresh (the same table the kvstore's directory runs, so the router applies exactly what
-//! the directory applied), and the time each registered worker last reported. Deltas go into the placer's bounded
+//! replicated `Publish` are fresh (the same table the kvstore's directory runs, so both take the same events as
+//! fresh; the directory's copy caps are not applied here, the index has its own bound), and the time each
+//! registered worker last reported. Deltas go into the placer's bounded
 //! [`crate::residency::ResidencyIndex`], mapped from the kvstore's worker id onto the router's worker list (by the id
 //! the worker announces in `Health`, else by its registered address); the router's own predictions stay. A full
 //! directory snapshot (a new watch from 0, or one that fell behind the compacted log) replaces every reported holder.

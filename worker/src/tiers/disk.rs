@@ -14,7 +14,8 @@
 //!
 //! One store owns a directory: [`DiskStore::open`] takes an exclusive `flock` on its `.lock` file, held while the
 //! store lives, since two stores (two workers on one data dir) would evict and delete each other's files under
-//! their own accounting.
+//! their own accounting. An open waits up to [`LOCK_WAIT`] for a store that is going away (an engine whose last
+//! handle was just dropped finishes its step before its thread lets go of the tier) before it refuses.
 //!
 //! A full file system (`ENOSPC`, or a quota's `EDQUOT`) is not an error of the group: the tier shrinks its
 //! capacity to what it holds, so that later writes make room by evicting its own oldest files instead of failing
@@ -83,10 +84,16 @@ fn is_out_of_space(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::StorageFull || e.kind() == std::io::ErrorKind::QuotaExceeded
 }
 
-/// Takes an exclusive, non-blocking `flock` on `<dir>/.lock` (created if missing). `flock` locks belong to the open
-/// file description, so a second store refuses the directory whether it is in this process or another, and the
-/// lock goes with the process if it dies.
-fn lock_dir(dir: &Path) -> Result<File, TierError> {
+/// How long [`DiskStore::open`] waits for another store to let go of the directory before it refuses it.
+pub const LOCK_WAIT: Duration = Duration::from_secs(2);
+/// How often the wait for the directory's lock tries again.
+const LOCK_RETRY: Duration = Duration::from_millis(20);
+
+/// Takes an exclusive `flock` on `<dir>/.lock` (created if missing), trying without blocking until `wait` has
+/// passed (a bounded wait: a store being dropped elsewhere lets go within a step, a live one never does). `flock`
+/// locks belong to the open file description, so a second store refuses the directory whether it is in this
+/// process or another, and the lock goes with the process if it dies.
+fn lock_dir(dir: &Path, wait: Duration) -> Result<File, TierError> {
     let path = dir.join(LOCK_FILE);
     let f = OpenOptions::new()
         .read(true)
@@ -95,20 +102,28 @@ fn lock_dir(dir: &Path) -> Result<File, TierError> {
         .truncate(false)
         .open(&path)
         .map_err(io_err("open", &path))?;
-    // SAFETY: flock on a file descriptor this function owns, open for its whole call.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    let deadline = Instant::now() + wait;
+    loop {
+        // SAFETY: flock on a file descriptor this function owns, open for its whole call.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(f);
+        }
         let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::WouldBlock {
+        if e.kind() != std::io::ErrorKind::WouldBlock {
+            return Err(TierError::Io { op: "lock", path, source: e });
+        }
+        let now = Instant::now();
+        if now >= deadline {
             return Err(TierError::Config(format!(
                 "the disk tier directory {} is in use by another store (another worker on the same data dir?); \
-                 its lock {} is held",
+                 its lock {} was still held after {:?}",
                 dir.display(),
-                path.display()
+                path.display(),
+                wait
             )));
         }
-        return Err(TierError::Io { op: "lock", path, source: e });
+        std::thread::sleep(LOCK_RETRY.min(deadline - now));
     }
-    Ok(f)
 }
 
 fn file_name(hash: u64) -> String {
@@ -163,7 +178,7 @@ impl DiskStore {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
         // Before anything is read or deleted: the files may be another live store's.
-        let lock = lock_dir(&dir)?;
+        let lock = lock_dir(&dir, LOCK_WAIT)?;
         let mut store = DiskStore {
             dir,
             capacity: capacity_bytes,
@@ -777,6 +792,34 @@ mod tests {
         drop(d);
         let d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
         assert!(d.contains(1));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A store that is going away (dropped by another thread a moment later) does not fail the next open: it waits
+    /// for the lock, within [`LOCK_WAIT`], and then finds the first store's files.
+    #[test]
+    fn an_open_waits_for_a_store_that_is_going_away() {
+        let dir = tmpdir("lock-wait");
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).unwrap();
+        assert!(d.put(1, &g(100, 1)).unwrap());
+        let dropper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            drop(d);
+        });
+        let t0 = Instant::now();
+        let mut d = DiskStore::open(&dir, 1 << 20, 1 << 20).expect("the first store lets go within the wait");
+        let waited = t0.elapsed();
+        dropper.join().unwrap();
+        assert!(waited >= Duration::from_millis(100) && waited < LOCK_WAIT, "waited {waited:?}");
+        assert_eq!(d.get(1).unwrap(), Some(g(100, 1)));
+        drop(d);
+        // A lock that is never let go is refused once the wait is over, not waited on for ever.
+        let held = lock_dir(&dir, Duration::ZERO).unwrap();
+        let t0 = Instant::now();
+        let err = lock_dir(&dir, Duration::from_millis(100)).expect_err("still held");
+        assert!(err.to_string().contains("still held after"), "{err}");
+        assert!(t0.elapsed() >= Duration::from_millis(100) && t0.elapsed() < LOCK_WAIT);
+        drop(held);
         fs::remove_dir_all(&dir).unwrap();
     }
 
