@@ -43,8 +43,9 @@ cargo test -p pagoda-kernels --features cuda --test cuda_nvrtc -- --nocapture
 echo "check-cuda: clippy of the GPU runner (pagoda, pagoda-worker, pagoda-kernels with --features cuda)"
 cargo clippy -p pagoda -p pagoda-worker -p pagoda-kernels --all-targets --features cuda -- -D warnings
 
-echo "check-cuda: the CUDA modules' own unit tests (host-side: argument checks, the NCCL id)"
+echo "check-cuda: the CUDA modules' own unit tests (host-side: argument checks, the NCCL id, the runner's error classes)"
 cargo test -p pagoda-kernels --features cuda --lib cuda::
+cargo test -p pagoda-worker --features cuda --lib runner_cuda::
 
 echo "check-cuda: parity tests (they skip without a CUDA device)"
 cargo test -p pagoda-kernels --features cuda --test cuda_parity -- --nocapture

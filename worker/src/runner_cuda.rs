@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use pagoda_kernels::codec::validate_block;
 use pagoda_kernels::cuda::codecs::GPU_CODECS;
-use pagoda_kernels::cuda::{CudaContext, CudaError, ScoreEntry, SlotRange, WindowEntry};
+use pagoda_kernels::cuda::{CudaContext, CudaError, CudaKv, ScoreEntry, SlotRange, WindowEntry};
 use pagoda_kernels::scores::Window;
 use pagoda_kernels::{KvDtype, KvStorage, decoded_magnitude_bound, scores};
 
@@ -356,7 +356,8 @@ fn device_err(e: CudaError) -> TierError {
 
 /// A failed [`CudaContext::decode_blocks`] as a tier error. Only its argument checks (`Invalid`: the group's length,
 /// headers, scales or codes) are the group's fault, which the engine answers by dropping the group. A driver call,
-/// a launch, an allocation or a missing kernel failing is the device's: the group is sound and stays in its tier.
+/// a launch or an allocation failing is the device's: the group is sound and stays in its tier. (A missing kernel
+/// never gets here: [`kernel_missing`] sends the group through the host decoder instead.)
 fn decode_blocks_err(codec: &str, e: CudaError) -> TierError {
     match e {
         CudaError::Invalid { .. } => {
@@ -364,6 +365,29 @@ fn decode_blocks_err(codec: &str, e: CudaError) -> TierError {
         }
         e => device_err(e),
     }
+}
+
+/// Whether a failed device decode says only that this device has no kernel for the codec (its module did not
+/// compile or load, or the shape has none), not that the group or the device is bad. Such a group decodes on the
+/// host like a format the kernels never had: dropping it would lose a sound copy, and keeping it for the kernels
+/// would fail every later onboard of it the same way.
+fn kernel_missing(e: &CudaError) -> bool {
+    matches!(e, CudaError::Unsupported(_) | CudaError::Compile { .. } | CudaError::Cache { .. })
+}
+
+/// Decodes `group` on the host (checked whole there) and moves it up as packed f16 blocks into `blocks`.
+fn decode_on_host(
+    cx: &CudaContext,
+    kv: &mut CudaKv,
+    group: &EncodedGroup,
+    blocks: &[BlockId],
+) -> Result<(), TierError> {
+    let mut host = KvStorage::with_dtype(blocks.len(), kv.block_size(), kv.head_dim(), KvDtype::F16);
+    let all: Vec<BlockId> = (0..blocks.len() as BlockId).collect();
+    codec::decode(group, &mut host, &all)?;
+    let packed = native::encode(&host, &all).bytes;
+    let halves: Vec<u16> = packed.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    cx.write_blocks(kv, blocks, &halves).map_err(device_err)
 }
 
 /// Packed f16 halves (the layout of [`CudaContext::read_blocks`]) as a native f16 group's bytes, and back.
@@ -418,17 +442,16 @@ impl GroupKv for DeviceKv {
                         return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: KvDtype::F16 });
                     }
                 }
-                cx.decode_blocks(kv, c, &group.bytes, blocks).map_err(|e| decode_blocks_err(&group.codec, e))
+                match cx.decode_blocks(kv, c, &group.bytes, blocks) {
+                    Err(e) if kernel_missing(&e) => {
+                        tracing::debug!(codec = %group.codec, error = %e, "no device kernel; decoding on the host");
+                        decode_on_host(cx, kv, group, blocks)
+                    }
+                    r => r.map_err(|e| decode_blocks_err(&group.codec, e)),
+                }
             }
-            _ => {
-                // Every other format decodes on the host (checked whole there), then moves up as packed f16 blocks.
-                let mut host = KvStorage::with_dtype(blocks.len(), bs, hd, KvDtype::F16);
-                let all: Vec<BlockId> = (0..blocks.len() as BlockId).collect();
-                codec::decode(group, &mut host, &all)?;
-                let packed = native::encode(&host, &all).bytes;
-                let halves: Vec<u16> = packed.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-                cx.write_blocks(kv, blocks, &halves).map_err(device_err)
-            }
+            // Every other format decodes on the host.
+            _ => decode_on_host(cx, kv, group, blocks),
         }
     }
 }
@@ -462,13 +485,31 @@ mod tests {
         let invalid = CudaError::Invalid { op: "decode_blocks", why: "block 0: bad scale".into() };
         let got = decode_blocks_err("int4_kivi", invalid);
         assert!(matches!(&got, TierError::Corrupt { reason, .. } if reason.contains("bad scale")), "{got:?}");
-        for device in [
-            CudaError::Unsupported("head_dim 96".into()),
-            CudaError::NoDevice(Some(0)),
-            CudaError::Cache { path: "/tmp/ptx".into(), source: std::io::ErrorKind::OutOfMemory.into() },
-        ] {
+        for device in [CudaError::NoDevice(Some(0)), CudaError::Nccl("unhandled".into())] {
+            assert!(!kernel_missing(&device), "{device}");
             let got = decode_blocks_err("int4_kivi", device);
             assert!(matches!(got, TierError::Device(_)), "{got:?}");
+        }
+    }
+
+    /// A device without the codec's kernel (not compiled, not loaded, no shape for it) decodes the group on the
+    /// host instead of failing it; a group the kernels refuse, or a device that fails, is not sent there.
+    #[test]
+    fn a_missing_kernel_sends_the_group_to_the_host_decoder() {
+        for missing in [
+            CudaError::Unsupported("kernel decode_int4_kivi is not loaded".into()),
+            CudaError::Compile { module: "codecs", arch: "sm_90".into(), log: "error".into() },
+            CudaError::Cache { path: "/tmp/ptx".into(), source: std::io::ErrorKind::PermissionDenied.into() },
+        ] {
+            assert!(kernel_missing(&missing), "{missing}");
+        }
+        for other in [
+            CudaError::Invalid { op: "decode_blocks", why: "bad scale".into() },
+            CudaError::NoDevice(None),
+            CudaError::DriverUnavailable,
+            CudaError::NcclTimeout { op: "recv" },
+        ] {
+            assert!(!kernel_missing(&other), "{other}");
         }
     }
 }
