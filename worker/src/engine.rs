@@ -1727,12 +1727,16 @@ impl<R: ModelRunner> EngineLoop<R> {
     /// pays for ([`EvicPress::upgrade_before_admission`]). Disk reads happen here, between
     /// steps. Room is left for one decode block per table of every running sequence plus one group. Where the
     /// groups end and EvicPress holds a pruned copy of the context that follows, that copy is onboarded too
-    /// ([`EngineLoop::onboard_pruned`]).
+    /// ([`EngineLoop::onboard_pruned`]). Nothing is loaded for a step that cannot admit (the running sequences take
+    /// its whole budget): groups loaded then would sit idle while that prefill's own blocks push them out again.
     fn onboard(&mut self) {
         if self.tiers.is_none() {
             return;
         }
         let Some(mut on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
+        if self.sched.admission_budget_left() == 0 {
+            return;
+        }
         if let (Some(ep), Some(tiers)) = (&mut self.evicpress, &mut self.tiers)
             && ep.upgrade_before_admission(&self.hashes, self.sched.pool_mut(), tiers) > 0
         {
@@ -1826,10 +1830,14 @@ impl<R: ModelRunner> EngineLoop<R> {
         if load >= cost.prefill_secs(frontier * bs, copy.groups * bs) {
             return;
         }
+        let covered = (frontier + copy.groups) * bs;
+        let Some(chunk_blocks) = self.sched.preload_chunk_blocks(covered) else { return };
         let Some(pinned) = pin_prefix(&mut self.sched, &self.hashes[..frontier]) else { return };
         let needed = copy.keys.len() * gs;
         self.blocks.clear();
-        if onboard_room(&self.sched) >= needed && self.sched.pool_mut().allocate(needed, &mut self.blocks).is_ok() {
+        if onboard_room(&self.sched) >= needed + chunk_blocks
+            && self.sched.pool_mut().allocate(needed, &mut self.blocks).is_ok()
+        {
             let t0 = Instant::now();
             let blocks = &self.blocks;
             let decoded = self.runner.group_kv().is_some_and(|kv| {
@@ -1845,7 +1853,6 @@ impl<R: ModelRunner> EngineLoop<R> {
                 })
             });
             let secs = t0.elapsed().as_secs_f64();
-            let covered = (frontier + copy.groups) * bs;
             if decoded && self.sched.preload_front(&self.hashes[..frontier], &self.blocks, copy.kept, covered) {
                 let tier = located.iter().map(|&(t, _)| t).max().unwrap_or(Tier::Host);
                 let bytes: u64 = located.iter().map(|&(_, b)| b).sum();

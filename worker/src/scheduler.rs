@@ -1088,6 +1088,45 @@ impl<P> Scheduler<P> {
         Some(self.pool.index().match_len(out))
     }
 
+    /// The step budget (tokens) the next scheduling leaves for admission once the running sequences have taken
+    /// their decodes and prefill chunks, as [`Scheduler::schedule_into`] plans them before drafts. An upper bound:
+    /// drafts and a step's prompt-logits cap can only leave less. Zero means the next scheduling admits nothing, so
+    /// work done for an admission now (decoding a pruned copy for the front of the queue) would be thrown away.
+    pub fn admission_budget_left(&self) -> usize {
+        let mut budget = self.cfg.max_step_tokens.max(1);
+        for decode_pass in [true, false] {
+            for seq in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+                let remaining = seq.tokens.len() - seq.num_computed;
+                if remaining == 0 || (remaining == 1) != decode_pass {
+                    continue;
+                }
+                budget -= remaining.min(budget).min(seq.policy.spec().max_prefill_chunk());
+                if budget == 0 {
+                    return 0;
+                }
+            }
+        }
+        budget
+    }
+
+    /// For a pruned copy of the next admission's prompt up to token `covered` ([`Scheduler::preload_front`]): the
+    /// fewest device blocks its first chunk needs beside the copy (the copy's last blocks may have room for a slot
+    /// per table), or `None` when the next scheduling cannot admit it at all (no step budget left, or nothing left
+    /// of the prompt to compute). The caller decodes a copy only where it can be admitted: one the step does not
+    /// admit goes back to the pool, and decoding it again every step while a long prefill holds the budget wastes
+    /// the tier's bandwidth.
+    pub fn preload_chunk_blocks(&self, covered: usize) -> Option<usize> {
+        let seq = self.seqs.get(self.waiting.front()?)?;
+        let chunk = seq
+            .tokens
+            .len()
+            .checked_sub(covered)
+            .filter(|&n| n > 0)?
+            .min(self.admission_budget_left())
+            .min(seq.policy.spec().max_prefill_chunk());
+        (chunk > 0).then(|| (chunk - 1) / self.layout.block_size * self.layout.group_size())
+    }
+
     /// Gives the waiting sequence next in line (the one [`Scheduler::next_admission_prefix`] named) a pruned copy
     /// of its prompt up to token `covered`: it adopts the device-resident groups `prefix`, then owns `packed`
     /// (blocks the caller allocated and filled, group-major, `kept` slots per table) after them. Admission then

@@ -5,13 +5,13 @@
 
 mod common;
 
-use common::{BS, GROUP, greedy, model_path, run, run_request, wait_stats};
+use common::{BS, GROUP, greedy, greedy_request, model_path, run, run_request, wait_stats};
 use std::path::{Path, PathBuf};
 
 use pagoda_kernels::{Codec, KvDtype, KvStorage};
 use pagoda_worker::cache::block_hashes;
 use pagoda_worker::engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportFrom, GenerateRequest,
+    Engine, EngineConfig, EngineError, EngineHandle, EngineStats, ExportFrom, GenerateEvent, GenerateRequest,
 };
 use pagoda_worker::events::BlockChange;
 use pagoda_worker::model::{Gguf, Tokenizer};
@@ -590,6 +590,16 @@ fn pruned_copy_engine(
     horizon: AnswerHorizon,
     paragraph: &[u32],
 ) -> (EngineHandle, Vec<u32>, usize) {
+    pruned_copy_engine_stepping(scoring, horizon, paragraph, EngineConfig::new(model_path()).max_step_tokens)
+}
+
+/// [`pruned_copy_engine`] with at most `max_step_tokens` tokens in a step.
+fn pruned_copy_engine_stepping(
+    scoring: ProfileScoring,
+    horizon: AnswerHorizon,
+    paragraph: &[u32],
+    max_step_tokens: usize,
+) -> (EngineHandle, Vec<u32>, usize) {
     let p: Vec<u32> = std::iter::repeat_n(paragraph, 5).flatten().copied().take(240).collect();
     assert_eq!(p.len(), 240, "paragraph of {} tokens", paragraph.len());
     let context = (p.len() - 1) / BS * BS;
@@ -611,6 +621,7 @@ fn pruned_copy_engine(
         // 4 MiB: 14 native groups take 5.2 MB, the 7 groups of half of them 2.6 MB.
         tiers: TierConfig { data_dir: None, host_bytes: 4 << 20, disk_bytes: 0 },
         placement: TierPlacement::EvicPress(ep),
+        max_step_tokens,
         ..EngineConfig::new(model_path())
     };
     (Engine::start(cfg).expect("engine starts"), p, context)
@@ -652,6 +663,42 @@ fn evicpress_serves_a_context_from_its_pruned_copy() {
         assert_eq!(s.evicpress.as_ref().map(|e| e.pruned_onboards), Some(round), "{s:?}");
         assert_eq!(s.blocks_used, 0, "round {round}: every block of the pruned sequence came back: {s:?}");
     }
+    h.shutdown();
+}
+
+/// A pruned copy is decoded only for a step that can admit it. While another request's prefill takes every step's
+/// budget, the request whose context has a pruned copy waits; decoding the copy for it in each of those steps
+/// would hand it back to the pool unadmitted every time. It is decoded once, when the long prefill is done, and the
+/// request still starts from it.
+#[test]
+fn a_pruned_copy_waits_for_a_step_that_can_admit_it() {
+    let (h, p, context) =
+        pruned_copy_engine_stepping(ProfileScoring::TeacherForced, AnswerHorizon::Fixed, &prompt(), 2 * BS);
+    let (cold, _, _) = run(&h, &p, 8);
+    wait_stats(&h, "the context's placement", |s| {
+        s.evicpress.as_ref().is_some_and(|e| e.pending == 0 && e.placed[1] == 1)
+    });
+    run_fillers(&h);
+    // Six steps of a 2-group budget: the first five are the long prompt's alone.
+    let long: Vec<u32> = (7000..7000 + 11 * BS as u32).collect();
+    let mut long_rx = h.submit(greedy_request("long", &long, 2, true)).expect("long request");
+    let mut rx = h.submit(greedy_request("from-copy", &p, 8, true)).expect("request from the copy");
+    let mut warm = Vec::new();
+    let cached = loop {
+        match rx.blocking_recv() {
+            Some(GenerateEvent::Token { id, .. }) => warm.push(id),
+            Some(GenerateEvent::Finished { cached_tokens, .. }) => break cached_tokens,
+            other => panic!("unexpected event {other:?}"),
+        }
+    };
+    while let Some(e) = long_rx.blocking_recv() {
+        assert!(!matches!(e, GenerateEvent::Failed(_)), "{e:?}");
+    }
+    let s = wait_stats(&h, "the engine to go idle", |s| s.running == 0 && s.waiting == 0);
+    assert_eq!(warm.len(), cold.len());
+    assert_eq!(cached as usize, context, "the request started from the pruned copy: {s:?}");
+    assert_eq!(s.evicpress.as_ref().map(|e| e.pruned_onboards), Some(1), "decoded once: {s:?}");
+    assert_eq!(s.blocks_used, 0, "{s:?}");
     h.shutdown();
 }
 
