@@ -163,7 +163,8 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
                 .is_some_and(|w| w.iter().any(|w| w["worker"] == b_id && w["router_worker"] == b.as_str()))
     })
     .await;
-    let hits_before = worker_stats(&b).await.unwrap().cached_tokens_total;
+    let b_before = worker_stats(&b).await.unwrap();
+    let hits_before = b_before.cached_tokens_total;
     let (s, v) = http.post_json("/v1/chat/completions", &shared_prefix_request("Where is shelf 7?")).await.unwrap();
     assert_eq!(s, 200, "{v}");
     let second = wait_placements(&http, "the second decision", Duration::from_secs(5), |v| {
@@ -175,6 +176,9 @@ async fn a_restarted_router_places_by_the_directory_and_silent_workers_raise_the
     let cand = d["candidates"].as_array().unwrap().iter().find(|c| c["worker"] == b.as_str()).unwrap();
     let hits = cand["hits_device"].as_u64().unwrap() + cand["hits_host"].as_u64().unwrap();
     assert!(hits >= prompt_blocks - 2, "b's reported hits: {second:#}");
+    // b prefilled the first request, and priced with the speed it measured then (nothing ran on it since).
+    assert!(b_before.prefill_tokens_per_s > 0.0, "{b_before:?}");
+    assert_eq!(cand["prefill_tokens_per_s"].as_f64(), Some(b_before.prefill_tokens_per_s), "{second:#}");
     let hits_after = worker_stats(&b).await.unwrap().cached_tokens_total;
     assert!(hits_after >= hits_before + 16 * (prompt_blocks - 2), "b served the prefix from cache: {hits_after}");
 

@@ -120,6 +120,55 @@ pub struct WorkerSnapshot {
     pub decoding: u32,
     pub free_blocks: u64,
     pub group_size: u32,
+    /// What the worker's `Stats` say its costs are ([`WorkerCosts`]).
+    pub costs: WorkerCosts,
+}
+
+/// A worker's own measured costs, as its `Stats` last reported them: what placement prices its prefill and its
+/// lower-tier loads with. A worker that does not say (an older one, or one that has not prefilled yet) is priced
+/// with [`PlacerConfig::prefill_tokens_per_s`], and its lower-tier hits load for free, as before workers reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WorkerCosts {
+    /// Prompt tokens per second over its recent prefill-dominated steps.
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Bytes of one block group in its device KV format (0: not reported).
+    pub group_bytes: u64,
+    /// Load bandwidth per tier in bytes/s, in [`HitTier`](crate::placement::HitTier) order (the device's unused).
+    pub load_bytes_per_s: [Option<f64>; 4],
+}
+
+/// Bandwidths placement assumes for a tier a reporting worker gave none for (a tier it does not have, so a hit
+/// there is unlikely), in [`HitTier`](crate::placement::HitTier) order: the worker's own priors for RAM and disk,
+/// and a gigabyte per second for a peer link.
+const PRIOR_LOAD_BYTES_PER_S: [f64; 4] = [0.0, 8e9, 3e8, 1e9];
+
+/// Largest prefill speed and bandwidth taken from a report; anything above is not a measurement.
+const MAX_REPORTED_RATE: f64 = 1e13;
+/// Largest block group taken from a report (a 1M-token-context model's group is far below).
+const MAX_REPORTED_GROUP_BYTES: u64 = 1 << 32;
+
+impl WorkerCosts {
+    /// The costs a worker's `Stats` report, each value kept only when it is a plausible measurement (positive,
+    /// finite, bounded): a report is input from another process.
+    pub fn from_stats(stats: &pagoda_proto::worker::StatsResponse) -> WorkerCosts {
+        let rate = |x: f64| (x.is_finite() && x > 0.0 && x <= MAX_REPORTED_RATE).then_some(x);
+        let mut load_bytes_per_s = [None; 4];
+        for b in &stats.load_bandwidth {
+            if let Some(t) = crate::placement::HitTier::ALL.iter().position(|t| t.name() == b.tier).filter(|&i| i > 0) {
+                load_bytes_per_s[t] = rate(b.bytes_per_s);
+            }
+        }
+        WorkerCosts {
+            prefill_tokens_per_s: rate(stats.prefill_tokens_per_s),
+            group_bytes: if stats.kv_group_bytes <= MAX_REPORTED_GROUP_BYTES { stats.kv_group_bytes } else { 0 },
+            load_bytes_per_s,
+        }
+    }
+
+    /// The per-tier bandwidths a [`WorkerView`] takes: reported ones, priors for the rest.
+    fn view_bandwidths(&self) -> [f64; 4] {
+        std::array::from_fn(|i| self.load_bytes_per_s[i].unwrap_or(PRIOR_LOAD_BYTES_PER_S[i]).max(1.0))
+    }
 }
 
 /// One candidate's part of a recorded decision.
@@ -130,6 +179,8 @@ pub struct CandidateRecord {
     pub hits_host: u32,
     pub hits_disk: u32,
     pub hits_peer: u32,
+    /// The prefill speed this worker was priced at: its own measurement, or the configured one while it reports none.
+    pub prefill_tokens_per_s: f64,
     pub prefill_s: f64,
     pub load_s: f64,
     pub queue_s: f64,
@@ -294,10 +345,10 @@ impl Placer {
                 tie_rank: tie_rank(names.get(i).copied().unwrap_or_default(), first_block),
                 ready: w.ready,
                 hits: *h,
-                prefill_tokens_per_s: self.cfg.prefill_tokens_per_s,
-                // Lower tiers are not reported yet; device hits cost nothing to load.
-                load_bytes_per_s: [0.0, 1.0, 1.0, 1.0],
-                group_bytes: 0,
+                prefill_tokens_per_s: w.costs.prefill_tokens_per_s.unwrap_or(self.cfg.prefill_tokens_per_s),
+                // Device hits cost nothing to load; a worker that reports no group size loads for free.
+                load_bytes_per_s: w.costs.view_bandwidths(),
+                group_bytes: w.costs.group_bytes,
                 queued_tokens: w.queued_tokens,
                 running: w.decoding,
                 step_s: self.cfg.decode_s_per_seq,
@@ -376,6 +427,7 @@ impl Placer {
                         hits_host: c.hits.get(HitTier::Host),
                         hits_disk: c.hits.get(HitTier::Disk),
                         hits_peer: c.hits.get(HitTier::Peer),
+                        prefill_tokens_per_s: self.views.get(i).map_or(0.0, |v| v.prefill_tokens_per_s),
                         prefill_s: c.prefill_s,
                         load_s: c.load_s,
                         queue_s: c.queue_s,
@@ -401,6 +453,7 @@ mod tests {
             free_blocks: 1_000_000,
             group_size: 90,
             adapter_load_s: 0.0,
+            costs: WorkerCosts::default(),
         }
     }
 
@@ -488,6 +541,84 @@ mod tests {
         let unrelated: Vec<u64> = (500..510).collect();
         p.order(&req("r4", &unrelated), &[snap(0), snap(0), snap(0)], &names).unwrap();
         assert!((0..3).all(|w| p.peer_hint(w, &names).is_none()));
+    }
+
+    fn reporting(prefill_tokens_per_s: f64, host: f64, disk: f64) -> WorkerCosts {
+        WorkerCosts {
+            prefill_tokens_per_s: Some(prefill_tokens_per_s),
+            group_bytes: 737_280,
+            load_bytes_per_s: [None, Some(host), Some(disk), None],
+        }
+    }
+
+    /// Each worker is priced with what it measured: a cold prompt goes to the worker that prefills faster, and of
+    /// two workers holding the same prefix in a lower tier, to the one that loads it sooner. A worker that reports
+    /// nothing keeps the configured speed and free lower-tier loads.
+    #[test]
+    fn workers_are_priced_with_their_reported_prefill_speed_and_tier_bandwidth() {
+        use crate::placement::HitTier;
+        use crate::residency::ResidencyDelta;
+        let mut p = Placer::new(PlacerConfig::default());
+        let names = ["slow", "fast"];
+        let (mut slow, mut fast) = (snap(0), snap(0));
+        slow.costs = reporting(400.0, 8e9, 3e8);
+        fast.costs = reporting(4000.0, 8e9, 3e8);
+        let cold: Vec<u64> = (0..64).collect();
+        assert_eq!(p.order(&req("cold", &cold), &[slow, fast], &names).unwrap()[0], 1);
+        let rec = p.recent().next().unwrap();
+        let prefill = |w: &str| rec.candidates.iter().find(|c| c.worker == w).unwrap().prefill_s;
+        assert!((prefill("slow") / prefill("fast") - 10.0).abs() < 1e-9, "{rec:?}");
+
+        // The same 64 groups on host at one and on disk at the other, both at the same prefill speed.
+        let mut p = Placer::new(PlacerConfig::default());
+        let warm: Vec<u64> = (1000..1064).collect();
+        for &hash in &warm {
+            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 0, tier: HitTier::Disk });
+            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 1, tier: HitTier::Host });
+        }
+        let (mut on_disk, mut on_host) = (snap(0), snap(0));
+        // A disk at 20 MB/s: 64 groups of 737 KB take 2.4 s to load from it, against 6 ms from host.
+        on_disk.costs = reporting(4000.0, 8e9, 2e7);
+        on_host.costs = reporting(4000.0, 8e9, 2e7);
+        assert_eq!(p.order(&req("warm", &warm), &[on_disk, on_host], &["d", "h"]).unwrap()[0], 1);
+        let rec = p.recent().next().unwrap();
+        let load = |w: &str| rec.candidates.iter().find(|c| c.worker == w).unwrap().load_s;
+        assert!((load("d") - 64.0 * 737_280.0 / 2e7).abs() < 1e-9, "{rec:?}");
+        assert!((load("h") - 64.0 * 737_280.0 / 8e9).abs() < 1e-9, "{rec:?}");
+
+        // Workers that report nothing: the configured speed, and lower-tier hits are free, as before reports.
+        let (quiet_disk, quiet_host) = (snap(0), snap(0));
+        p.order(&req("warm-again", &warm), &[quiet_disk, quiet_host], &["d", "h"]).unwrap();
+        let rec = p.recent().next().unwrap();
+        assert!(rec.candidates.iter().all(|c| c.load_s == 0.0), "{rec:?}");
+    }
+
+    /// A report is another process's input: implausible values are left out, not priced.
+    #[test]
+    fn reported_costs_keep_only_plausible_values() {
+        use pagoda_proto::worker::{StatsResponse, TierBandwidth};
+        let bw = |tier: &str, bytes_per_s: f64| TierBandwidth { tier: tier.into(), bytes_per_s };
+        let stats = StatsResponse {
+            prefill_tokens_per_s: f64::NAN,
+            kv_group_bytes: u64::MAX,
+            load_bandwidth: vec![
+                bw("host", 5e9),
+                bw("disk", -1.0),
+                bw("peer", f64::INFINITY),
+                bw("device", 1e9),
+                bw("tape", 1e6),
+            ],
+            ..Default::default()
+        };
+        let c = WorkerCosts::from_stats(&stats);
+        assert_eq!(
+            c,
+            WorkerCosts { prefill_tokens_per_s: None, group_bytes: 0, load_bytes_per_s: [None, Some(5e9), None, None] }
+        );
+        assert_eq!(c.view_bandwidths(), [1.0, 5e9, 3e8, 1e9], "priors where the report said nothing usable");
+        let stats = StatsResponse { prefill_tokens_per_s: 812.5, kv_group_bytes: 737_280, ..Default::default() };
+        let c = WorkerCosts::from_stats(&stats);
+        assert_eq!((c.prefill_tokens_per_s, c.group_bytes), (Some(812.5), 737_280));
     }
 
     #[test]

@@ -18,7 +18,9 @@ use tonic::transport::Channel;
 
 use crate::feed::FeedStatus;
 use crate::placement::PlacementError;
-use crate::placer::{DecisionRecord, PeerHint, PlaceRequest, Placer, PlacerConfig, Purpose, WorkerSnapshot};
+use crate::placer::{
+    DecisionRecord, PeerHint, PlaceRequest, Placer, PlacerConfig, Purpose, WorkerCosts, WorkerSnapshot,
+};
 use crate::residency::{ResidencyIndex, WorkerIdx};
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(2);
@@ -46,6 +48,8 @@ pub struct WorkerStatus {
     pub kv_group_size: u32,
     /// Free + reclaimable device blocks at the last probe.
     pub free_blocks: u64,
+    /// Its measured prefill speed and tier bandwidths at the last probe.
+    pub costs: WorkerCosts,
     /// The id the worker reports its blocks under in the kvstore (empty when it does not say).
     pub worker_id: String,
     pub role: WorkerRole,
@@ -444,6 +448,7 @@ impl Worker {
                     block_size: h.block_size,
                     kv_group_size: h.kv_group_size,
                     free_blocks: 0,
+                    costs: WorkerCosts::default(),
                     worker_id: h.worker_id,
                     role: WorkerRole::from_health(&h.role),
                     lora_adapters: h.lora_adapters,
@@ -464,6 +469,7 @@ impl Worker {
             && let Some(stats) = self.stats().await
         {
             st.free_blocks = stats.blocks_free + stats.blocks_cached;
+            st.costs = WorkerCosts::from_stats(&stats);
         }
         let ready = st.ready;
         // A probe that fails keeps the id learned before: it still names the worker's blocks in the directory.
@@ -817,6 +823,7 @@ impl WorkerPool {
                         decoding: w.load.decoding.load(Ordering::Relaxed),
                         free_blocks: st.free_blocks,
                         group_size: st.kv_group_size,
+                        costs: st.costs,
                     };
                     (snap, st.role)
                 })

@@ -318,6 +318,14 @@ pub struct EngineStats {
     pub drafts_total: u64,
     pub draft_tokens_total: u64,
     pub accepted_draft_tokens_total: u64,
+    /// Prompt tokens per second over recent prefill-dominated steps (0 before the first): what the router prices
+    /// this worker's prefill at.
+    pub prefill_tokens_per_s: f64,
+    /// Bytes of one block group (every layer and kv-head, one block of tokens) in the device's KV format.
+    pub kv_group_bytes: u64,
+    /// Load bandwidth of the host and disk tiers in bytes/s ([`Tier::index`]; the device's entry is unused):
+    /// measured, or the cost model's prior before the first load; 0 for a tier this engine does not have.
+    pub load_bytes_per_s: [f64; 3],
 }
 
 /// Where [`EngineHandle::export_groups`] copies groups from.
@@ -1249,6 +1257,9 @@ struct EngineLoop<R> {
     blocks: Vec<u32>,
     /// Prompt tokens onboarded from host and from disk ([`Tier::index`]).
     onboarded_tokens: [u64; 3],
+    /// Prompt tokens per second over recent prefill-dominated steps, for the stats (the tiers' cost model keeps
+    /// its own fit, and exists only with lower tiers).
+    prefill_speed: crate::tiers::cost::Ewma,
     /// Where block changes go once a reporter subscribed.
     events: Option<EventLog>,
     /// Reused buffers for block changes.
@@ -1296,6 +1307,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             hashes: Vec::new(),
             blocks: Vec::new(),
             onboarded_tokens: [0; 3],
+            prefill_speed: crate::tiers::cost::Ewma::new(0.0),
             events: None,
             index_changes: Vec::new(),
             changes: Vec::new(),
@@ -1890,14 +1902,17 @@ impl<R: ModelRunner> EngineLoop<R> {
         }
         let tokens = plan.num_tokens();
         // Steps dominated by prefill measure prefill speed; single-token decode steps would not.
-        if let Some(t) = &mut self.tiers
-            && result.is_ok()
-            && tokens >= 2 * plan.seqs.len().max(1) * self.sched.layout().block_size
-        {
-            // Positions, not live slots: a pruning policy attends fewer, and its steps then teach the fit a cheaper
-            // attention term, which is what its prefills do cost.
-            let pairs = plan.seqs.iter().map(|e| crate::tiers::cost::attended_pairs(e.start, e.n)).sum();
-            t.cost_mut().record_prefill(tokens, pairs, t0.elapsed().as_secs_f64());
+        if result.is_ok() && tokens >= 2 * plan.seqs.len().max(1) * self.sched.layout().block_size {
+            let secs = t0.elapsed().as_secs_f64();
+            if secs > 0.0 {
+                self.prefill_speed.update(tokens as f64 / secs);
+            }
+            if let Some(t) = &mut self.tiers {
+                // Positions, not live slots: a pruning policy attends fewer, and its steps then teach the fit a
+                // cheaper attention term, which is what its prefills do cost.
+                let pairs = plan.seqs.iter().map(|e| crate::tiers::cost::attended_pairs(e.start, e.n)).sum();
+                t.cost_mut().record_prefill(tokens, pairs, secs);
+            }
         }
         if let Err(e) = result {
             tracing::error!(error = %e, "forward step failed; failing the step's requests");
@@ -2067,8 +2082,14 @@ impl<R: ModelRunner> EngineLoop<R> {
             s.cached_tokens_total.saturating_sub(self.onboarded_tokens.iter().sum::<u64>());
         let (mut offloaded_groups, mut disk_corrupted, mut disk_errors, mut disk_full) = (0, 0, 0, 0);
         let (mut refused_imports, mut undecodable_groups) = (0, 0);
+        let mut load_bytes_per_s = [0.0; 3];
         if let Some(t) = &self.tiers {
             t.usage_into(&mut tier_usage);
+            for (tier, present) in [(Tier::Host, t.host().is_some()), (Tier::Disk, t.disk().is_some())] {
+                if present {
+                    load_bytes_per_s[tier.index()] = t.cost().load_bandwidth(tier);
+                }
+            }
             offloaded_groups = t.counters().offloaded_groups;
             disk_errors = t.counters().disk_errors;
             refused_imports = t.counters().refused_imports;
@@ -2108,6 +2129,9 @@ impl<R: ModelRunner> EngineLoop<R> {
             drafts_total: s.drafts_total,
             draft_tokens_total: s.draft_tokens_total,
             accepted_draft_tokens_total: s.accepted_draft_tokens_total,
+            prefill_tokens_per_s: if self.prefill_speed.samples() > 0 { self.prefill_speed.value() } else { 0.0 },
+            kv_group_bytes: block_bytes * self.sched.layout().group_size() as u64,
+            load_bytes_per_s,
         };
     }
 }

@@ -862,6 +862,19 @@ impl Worker for WorkerService {
             lora_on_demand_loads_total: lora.on_demand_loads,
             lora_evictions_total: lora.evictions,
             lora_load_seconds_total: lora.load_seconds,
+            prefill_tokens_per_s: s.prefill_tokens_per_s,
+            kv_group_bytes: s.kv_group_bytes,
+            load_bandwidth: [Tier::Host, Tier::Disk]
+                .into_iter()
+                .filter(|t| s.load_bytes_per_s[t.index()] > 0.0)
+                .map(|t| pb::TierBandwidth { tier: t.name().to_owned(), bytes_per_s: s.load_bytes_per_s[t.index()] })
+                // Only a worker that pulls from peers has a peer link to price.
+                .chain(
+                    self.peer
+                        .as_ref()
+                        .map(|f| pb::TierBandwidth { tier: "peer".to_owned(), bytes_per_s: f.peer_bytes_per_s() }),
+                )
+                .collect(),
         }))
     }
 

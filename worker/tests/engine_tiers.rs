@@ -79,6 +79,13 @@ fn prefix_comes_back_from_host_and_disk_with_identical_output() {
     let host = s.tier_usage.iter().find(|u| u.tier == Tier::Host).expect("host usage reported");
     assert!(host.used_bytes > 0 && host.capacity_bytes == 64 << 20 && host.codec == "f16", "{host:?}");
     assert!(s.offloaded_groups > 0);
+    // What the router prices this worker with: its measured prefill speed, its group size in f16, and the host
+    // tier's load bandwidth as measured by the onboard just now; it has no disk tier.
+    assert!(s.prefill_tokens_per_s > 0.0, "{s:?}");
+    let info = h.model_info();
+    assert_eq!(s.kv_group_bytes, (GROUP * BS * info.head_dim * 2 * 2) as u64, "{s:?}");
+    assert!(s.load_bytes_per_s[Tier::Host.index()] > 0.0 && s.load_bytes_per_s[Tier::Host.index()] != 8e9, "{s:?}");
+    assert_eq!(s.load_bytes_per_s[Tier::Disk.index()], 0.0, "{s:?}");
     // One filler only: the prompt's first group stays on the device, older in the LRU than the filler's groups.
     // Onboarding the rest must not evict it (it is pinned while onboarding allocates).
     let filler: Vec<u32> = (5000..5000 + 7 * BS as u32 - 4).collect();
