@@ -125,8 +125,9 @@ pub struct WorkerSnapshot {
 }
 
 /// A worker's own measured costs, as its `Stats` last reported them: what placement prices its prefill and its
-/// lower-tier loads with. A worker that does not say (an older one, or one that has not prefilled yet) is priced
-/// with [`PlacerConfig::prefill_tokens_per_s`], and its lower-tier hits load for free, as before workers reported.
+/// lower-tier loads with. A worker that does not say (an older one, or one that has not prefilled yet) is priced at
+/// the mean speed of those that do, or at [`PlacerConfig::prefill_tokens_per_s`] when none does, and its
+/// lower-tier hits load for free, as before workers reported.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct WorkerCosts {
     /// Prompt tokens per second over its recent prefill-dominated steps.
@@ -340,12 +341,17 @@ impl Placer {
         let first_block = req.hashes.first().copied().unwrap_or(0);
         self.index.match_prefix(req.hashes, workers.len(), t0, &mut self.hits);
         self.views.clear();
+        // A worker that has not measured its prefill yet is priced like the ones that have (a fleet is mostly one
+        // kind of machine): the configured speed would make it look slower or faster than its peers for no reason.
+        let measured = workers.iter().filter_map(|w| w.costs.prefill_tokens_per_s);
+        let (sum, n) = measured.fold((0.0, 0u32), |(s, n), x| (s + x, n + 1));
+        let unmeasured_speed = if n > 0 { sum / f64::from(n) } else { self.cfg.prefill_tokens_per_s };
         for (i, (w, h)) in workers.iter().zip(&self.hits).enumerate() {
             self.views.push(WorkerView {
                 tie_rank: tie_rank(names.get(i).copied().unwrap_or_default(), first_block),
                 ready: w.ready,
                 hits: *h,
-                prefill_tokens_per_s: w.costs.prefill_tokens_per_s.unwrap_or(self.cfg.prefill_tokens_per_s),
+                prefill_tokens_per_s: w.costs.prefill_tokens_per_s.unwrap_or(unmeasured_speed),
                 // Device hits cost nothing to load; a worker that reports no group size loads for free.
                 load_bytes_per_s: w.costs.view_bandwidths(),
                 group_bytes: w.costs.group_bytes,
@@ -591,6 +597,16 @@ mod tests {
         p.order(&req("warm-again", &warm), &[quiet_disk, quiet_host], &["d", "h"]).unwrap();
         let rec = p.recent().next().unwrap();
         assert!(rec.candidates.iter().all(|c| c.load_s == 0.0), "{rec:?}");
+        assert!(rec.candidates.iter().all(|c| c.prefill_tokens_per_s == 400.0), "{rec:?}");
+        // One that has not measured yet beside two that have: priced at their mean, not the configured speed.
+        let mut p = Placer::new(PlacerConfig::default());
+        let (mut a, mut b, fresh) = (snap(0), snap(0), snap(0));
+        a.costs.prefill_tokens_per_s = Some(1000.0);
+        b.costs.prefill_tokens_per_s = Some(2000.0);
+        p.order(&req("fresh", &cold), &[a, b, fresh], &["a", "b", "fresh"]).unwrap();
+        let rec = p.recent().next().unwrap();
+        let speeds: Vec<f64> = rec.candidates.iter().map(|c| c.prefill_tokens_per_s).collect();
+        assert_eq!(speeds, [1000.0, 2000.0, 1500.0], "{rec:?}");
     }
 
     /// A report is another process's input: implausible values are left out, not priced.
