@@ -91,13 +91,27 @@ pub fn prefill_request(
     }
 }
 
+/// The most blocks a decode worker pulls for one request, as it caps them itself
+/// ([`pagoda_worker::transfer::pull_host_budget`]): half its host tier, in groups of its device format, when it
+/// reports both (`host_capacity_bytes`, `group_bytes`); otherwise pulls go straight into its device pool and only
+/// one `Fetch`'s bound applies.
+pub fn pull_cap_blocks(host_capacity_bytes: u64, group_bytes: u64) -> usize {
+    use pagoda_worker::transfer::{MAX_FETCH_HASHES, groups_within, pull_host_budget};
+    if host_capacity_bytes > 0 && group_bytes > 0 {
+        groups_within(pull_host_budget(host_capacity_bytes), group_bytes)
+    } else {
+        MAX_FETCH_HASHES
+    }
+}
+
 /// The hint the decode worker gets after a remote prefill on `prefill_addr`: every full block of the prompt (the
 /// worker itself leaves out the one holding the last prompt token, which it computes), pulled without asking its
-/// cost model. Also the prompt tokens the decode worker is then expected not to compute.
-pub fn decode_hint(prefill_addr: &str, prompt_tokens: usize, block_size: usize) -> (PbPeerHint, u64) {
+/// cost model. Also the prompt tokens the decode worker is then expected not to compute: those of the blocks it
+/// pulls, at most `pull_cap` ([`pull_cap_blocks`]; it prefills the rest).
+pub fn decode_hint(prefill_addr: &str, prompt_tokens: usize, block_size: usize, pull_cap: usize) -> (PbPeerHint, u64) {
     let block_size = block_size.max(1);
     let blocks = prompt_tokens / block_size;
-    let pulled = prompt_tokens.saturating_sub(1) / block_size * block_size;
+    let pulled = (prompt_tokens.saturating_sub(1) / block_size).min(pull_cap) * block_size;
     let hint = PbPeerHint {
         address: prefill_addr.to_string(),
         blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
@@ -187,14 +201,36 @@ mod tests {
 
     #[test]
     fn the_decode_hint_names_every_full_block_and_leaves_the_last_token_to_compute() {
-        let (hint, pulled) = decode_hint("p:1", 40 * 16, 16);
+        let no_cap = pull_cap_blocks(0, 0);
+        let (hint, pulled) = decode_hint("p:1", 40 * 16, 16, no_cap);
         assert_eq!((hint.address.as_str(), hint.blocks, hint.remote_prefill), ("p:1", 40, true));
         // The last prompt token's block (here a full one) is computed by the decode worker.
         assert_eq!(pulled, 39 * 16);
-        let (hint, pulled) = decode_hint("p:1", 40 * 16 + 5, 16);
+        let (hint, pulled) = decode_hint("p:1", 40 * 16 + 5, 16, no_cap);
         assert_eq!((hint.blocks, pulled), (40, 40 * 16));
-        let (hint, pulled) = decode_hint("p:1", 3, 16);
+        let (hint, pulled) = decode_hint("p:1", 3, 16, no_cap);
         assert_eq!((hint.blocks, pulled), (0, 0));
+    }
+
+    /// A decode worker pulls at most half its host tier: the router expects it to prefill the rest, so counts
+    /// that as its queued work.
+    #[test]
+    fn the_decode_hint_expects_no_more_pulled_than_half_the_host_tier() {
+        // 10 groups of 737,280 bytes in a 20-group host tier.
+        let group = 737_280;
+        let cap = pull_cap_blocks(20 * group, group);
+        assert_eq!(cap, 10);
+        let (hint, pulled) = decode_hint("p:1", 40 * 16, 16, cap);
+        assert_eq!((hint.blocks, pulled), (40, 10 * 16), "the hint still names every block; 10 are expected");
+        let (_, pulled) = decode_hint("p:1", 5 * 16 + 1, 16, cap);
+        assert_eq!(pulled, 5 * 16, "a prompt within the cap is pulled whole");
+        assert_eq!(pull_cap_blocks(group, group), 0, "half a group's tier holds none: all prefilled");
+        assert_eq!(
+            pull_cap_blocks(0, group),
+            pagoda_worker::transfer::MAX_FETCH_HASHES,
+            "no host tier: into the device"
+        );
+        assert_eq!(pull_cap_blocks(20 * group, 0), pagoda_worker::transfer::MAX_FETCH_HASHES, "group size unknown");
     }
 
     #[test]

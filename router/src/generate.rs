@@ -437,6 +437,7 @@ impl Generation {
         shape: &RequestShape,
         cached_tokens: u64,
         decode_load: &Arc<WorkerLoad>,
+        pull_cap: usize,
     ) -> Option<(PbPeerHint, u64)> {
         let pool = &self.ctx.pool;
         let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
@@ -482,7 +483,7 @@ impl Generation {
             return None;
         }
         worker.answered();
-        Some(disagg::decode_hint(&worker.addr, prompt.len(), shape.view.block_size as usize))
+        Some(disagg::decode_hint(&worker.addr, prompt.len(), shape.view.block_size as usize, pull_cap))
     }
 
     /// One attempt: place prompt + what was generated so far, open the stream on the best candidate, and pump it
@@ -513,7 +514,8 @@ impl Generation {
         });
         let mut cached_tokens = *cached_tokens;
         drop(candidates);
-        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens, &load).await {
+        let pull_cap = chosen.with_status(|st| disagg::pull_cap_blocks(st.host_capacity_bytes, st.costs.group_bytes));
+        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens, &load, pull_cap).await {
             peer_hint = Some(hint);
             cached_tokens = cached_tokens.max(pulled);
         }
