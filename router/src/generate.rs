@@ -35,7 +35,7 @@ use crate::openai::{GenParams, StopReason, Usage};
 use crate::placement::{PlacementError, RequestView};
 use crate::placer::PlaceRequest;
 use crate::spans;
-use crate::workers::{Candidate, InFlight, Worker, WorkerLoad, WorkerPool};
+use crate::workers::{Candidate, InFlight, Worker, WorkerPool};
 
 /// What the HTTP layer receives, in order: an `Echo` for a completion with `echo`, any number of `Text`, then
 /// exactly one `Done` or `Error`.
@@ -436,8 +436,7 @@ impl Generation {
         prompt: &[u32],
         shape: &RequestShape,
         cached_tokens: u64,
-        decode_load: &Arc<WorkerLoad>,
-        pull_cap: usize,
+        decode: &Worker,
     ) -> Option<(PbPeerHint, u64)> {
         let pool = &self.ctx.pool;
         let uncached = (prompt.len() as u64).saturating_sub(cached_tokens);
@@ -467,7 +466,7 @@ impl Generation {
         // The decode worker is this request's from now on: while the prefill worker computes the prompt, placement
         // must see the stream coming its way, or a burst of long prompts all pick the same idle decode worker. The
         // caller counts the request there before anything else can place (no await in between).
-        let _reserved = InFlight::reserved_decode(Arc::clone(decode_load), self.job.lora.as_deref());
+        let _reserved = InFlight::reserved_decode(Arc::clone(decode.load()), self.job.lora.as_deref());
         let started = Instant::now();
         let timeout = self.ctx.migration.first_token_timeout;
         let outcome = disagg::prefill_on(&worker, req, uncached, timeout, self.tx.closed()).await;
@@ -483,6 +482,7 @@ impl Generation {
             return None;
         }
         worker.answered();
+        let pull_cap = decode.with_status(|st| disagg::pull_cap_blocks(st.host_capacity_bytes, st.costs.group_bytes));
         Some(disagg::decode_hint(&worker.addr, prompt.len(), shape.view.block_size as usize, pull_cap))
     }
 
@@ -514,8 +514,7 @@ impl Generation {
         });
         let mut cached_tokens = *cached_tokens;
         drop(candidates);
-        let pull_cap = chosen.with_status(|st| disagg::pull_cap_blocks(st.host_capacity_bytes, st.costs.group_bytes));
-        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens, &load, pull_cap).await {
+        if let Some((hint, pulled)) = self.remote_prefill(&prompt, &shape, cached_tokens, &chosen).await {
             peer_hint = Some(hint);
             cached_tokens = cached_tokens.max(pulled);
         }

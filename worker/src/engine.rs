@@ -1746,7 +1746,8 @@ impl<R: ModelRunner> EngineLoop<R> {
             return;
         }
         let Some(mut on_device) = self.sched.next_admission_prefix(&mut self.hashes) else { return };
-        if self.sched.admission_budget_left() == 0 {
+        let budget = self.sched.admission_budget_left();
+        if budget == 0 {
             return;
         }
         if let (Some(ep), Some(tiers)) = (&mut self.evicpress, &mut self.tiers)
@@ -1758,7 +1759,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             return;
         }
         let loaded = self.onboard_groups(on_device);
-        self.onboard_pruned(on_device + loaded);
+        self.onboard_pruned(on_device + loaded, budget);
     }
 
     /// The group part of [`EngineLoop::onboard`]: returns the groups loaded after the first `on_device`.
@@ -1827,7 +1828,7 @@ impl<R: ModelRunner> EngineLoop<R> {
     /// prefix is stored as a pruned copy, and loading it beats recomputing its tokens, decodes it into fresh
     /// device blocks and hands it to that sequence, which starts after the context over fewer slots
     /// ([`Scheduler::preload_front`]). A pruned cache is the sequence's alone (never in the prefix index).
-    fn onboard_pruned(&mut self, frontier: usize) {
+    fn onboard_pruned(&mut self, frontier: usize, budget: usize) {
         let Some(copy) = self.evicpress.as_ref().and_then(|ep| ep.pruned_copy(&self.hashes[frontier..])) else {
             return;
         };
@@ -1843,7 +1844,7 @@ impl<R: ModelRunner> EngineLoop<R> {
             return;
         }
         let covered = (frontier + copy.groups) * bs;
-        let Some(chunk_blocks) = self.sched.preload_chunk_blocks(covered) else { return };
+        let Some(chunk_blocks) = self.sched.preload_chunk_blocks(covered, budget) else { return };
         let Some(pinned) = pin_prefix(&mut self.sched, &self.hashes[..frontier]) else { return };
         let needed = copy.keys.len() * gs;
         self.blocks.clear();

@@ -337,6 +337,15 @@ impl<P> Sequence<P> {
     pub fn attention_sums(&self) -> Option<u32> {
         self.policy.attention_sums()
     }
+    /// The tokens this running sequence's next step entry takes out of `budget`, in the scheduling pass it belongs
+    /// to (`decode_pass`: one token left; otherwise a prefill chunk, at most the policy's chunk), before drafts and
+    /// the prompt-logits cap. `None` when it has nothing to compute or belongs to the other pass.
+    fn step_chunk(&self, decode_pass: bool, budget: usize) -> Option<usize> {
+        let remaining = self.tokens.len() - self.num_computed;
+        (remaining > 0 && (remaining == 1) == decode_pass)
+            .then(|| remaining.min(budget).min(self.policy.spec().max_prefill_chunk()))
+    }
+
     /// Whether a step starting at position `start` computes prompt positions whose logits are wanted (every
     /// position but the prompt's last, whose logits sample the first token as any sequence's do).
     pub fn prompt_logits_from(&self, start: usize) -> bool {
@@ -648,12 +657,12 @@ impl<P> Scheduler<P> {
                     self.running.remove(i);
                     continue;
                 };
-                let remaining = seq.tokens.len() - seq.num_computed;
-                if remaining == 0 || (remaining == 1) != decode_pass || plan.seqs.iter().any(|s| s.seq == id) {
+                let Some(mut n) =
+                    seq.step_chunk(decode_pass, budget).filter(|_| !plan.seqs.iter().any(|s| s.seq == id))
+                else {
                     i += 1;
                     continue;
-                }
-                let mut n = remaining.min(budget).min(seq.policy.spec().max_prefill_chunk());
+                };
                 let prompt_logits = seq.prompt_logits_from(seq.num_computed);
                 if prompt_logits {
                     n = n.min(logits_budget);
@@ -1096,11 +1105,7 @@ impl<P> Scheduler<P> {
         let mut budget = self.cfg.max_step_tokens.max(1);
         for decode_pass in [true, false] {
             for seq in self.running.iter().filter_map(|id| self.seqs.get(id)) {
-                let remaining = seq.tokens.len() - seq.num_computed;
-                if remaining == 0 || (remaining == 1) != decode_pass {
-                    continue;
-                }
-                budget -= remaining.min(budget).min(seq.policy.spec().max_prefill_chunk());
+                budget -= seq.step_chunk(decode_pass, budget).unwrap_or(0);
                 if budget == 0 {
                     return 0;
                 }
@@ -1109,20 +1114,20 @@ impl<P> Scheduler<P> {
         budget
     }
 
-    /// For a pruned copy of the next admission's prompt up to token `covered` ([`Scheduler::preload_front`]): the
-    /// fewest device blocks its first chunk needs beside the copy (the copy's last blocks may have room for a slot
-    /// per table), or `None` when the next scheduling cannot admit it at all (no step budget left, or nothing left
-    /// of the prompt to compute). The caller decodes a copy only where it can be admitted: one the step does not
-    /// admit goes back to the pool, and decoding it again every step while a long prefill holds the budget wastes
-    /// the tier's bandwidth.
-    pub fn preload_chunk_blocks(&self, covered: usize) -> Option<usize> {
+    /// For a pruned copy of the next admission's prompt up to token `covered` ([`Scheduler::preload_front`]), with
+    /// `budget` the step budget left for admission ([`Scheduler::admission_budget_left`]): the fewest device blocks
+    /// its first chunk needs beside the copy (the copy's last blocks may have room for a slot per table), or `None`
+    /// when the next scheduling cannot admit it at all (no budget, or nothing left of the prompt to compute). The
+    /// caller decodes a copy only where it can be admitted: one the step does not admit goes back to the pool, and
+    /// decoding it again every step while a long prefill holds the budget wastes the tier's bandwidth.
+    pub fn preload_chunk_blocks(&self, covered: usize, budget: usize) -> Option<usize> {
         let seq = self.seqs.get(self.waiting.front()?)?;
         let chunk = seq
             .tokens
             .len()
             .checked_sub(covered)
             .filter(|&n| n > 0)?
-            .min(self.admission_budget_left())
+            .min(budget)
             .min(seq.policy.spec().max_prefill_chunk());
         (chunk > 0).then(|| (chunk - 1) / self.layout.block_size * self.layout.group_size())
     }

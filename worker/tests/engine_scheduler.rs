@@ -748,14 +748,14 @@ fn prefix_hit_skips_matched_tokens() {
 fn a_preloaded_pruned_copy_is_owned_admitted_past_the_context_and_freed() {
     let mut s = Scheduler::new(cfg(512, 8), LAYOUT, 100 * GS);
     assert!(!s.preload_front(&[], &[], 1, 4), "nothing is waiting");
-    assert_eq!(s.preload_chunk_blocks(4), None, "nothing is waiting");
+    assert_eq!(s.preload_chunk_blocks(4, 512), None, "nothing is waiting");
     let id = s.add(req(prompt(5, 30), 3)).unwrap();
     assert_eq!(s.admission_budget_left(), 512, "nothing runs");
     // A copy up to token 24 leaves a 6-token chunk: at least one more block per table (the copy's last block may
     // take the first slots), none when one token is left.
-    assert_eq!(s.preload_chunk_blocks(24), Some(GS));
-    assert_eq!(s.preload_chunk_blocks(29), Some(0));
-    assert_eq!(s.preload_chunk_blocks(30), None, "nothing left to compute");
+    assert_eq!(s.preload_chunk_blocks(24, s.admission_budget_left()), Some(GS));
+    assert_eq!(s.preload_chunk_blocks(29, 512), Some(0));
+    assert_eq!(s.preload_chunk_blocks(30, 512), None, "nothing left to compute");
     // A pruned copy of the first 24 tokens (6 blocks of 4) keeping 3 slots per table: one packed group.
     let mut packed = Vec::new();
     s.pool_mut().allocate(GS, &mut packed).unwrap();
@@ -789,7 +789,7 @@ fn a_preloaded_copy_the_step_does_not_admit_goes_back_to_the_pool() {
     let late = s.add(req(reqs[1].0.clone(), reqs[1].1)).unwrap();
     // The running prefill has 32 tokens left and the step 8: the engine is told not to decode a copy now.
     assert_eq!(s.admission_budget_left(), 0);
-    assert_eq!(s.preload_chunk_blocks(24), None);
+    assert_eq!(s.preload_chunk_blocks(24, s.admission_budget_left()), None);
     let mut packed = Vec::new();
     s.pool_mut().allocate(GS, &mut packed).unwrap();
     assert!(s.preload_front(&[], &packed, 3, 24));
