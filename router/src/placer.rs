@@ -139,9 +139,11 @@ pub struct WorkerCosts {
 }
 
 /// Bandwidths placement assumes for a tier a reporting worker gave none for (a tier it does not have, so a hit
-/// there is unlikely), in [`HitTier`](crate::placement::HitTier) order: the worker's own priors for RAM and disk,
-/// and a gigabyte per second for a peer link.
-const PRIOR_LOAD_BYTES_PER_S: [f64; 4] = [0.0, 8e9, 3e8, 1e9];
+/// there is unlikely), in [`HitTier`](crate::placement::HitTier) order: the worker's own priors.
+const PRIOR_LOAD_BYTES_PER_S: [f64; 4] = {
+    use pagoda_worker::tiers::cost::PRIOR_LOAD_BYTES_PER_S as TIER_PRIORS;
+    [0.0, TIER_PRIORS[1], TIER_PRIORS[2], pagoda_worker::transfer::PRIOR_PEER_BYTES_PER_S]
+};
 
 /// Largest prefill speed and bandwidth taken from a report; anything above is not a measurement.
 const MAX_REPORTED_RATE: f64 = 1e13;
@@ -180,7 +182,7 @@ pub struct CandidateRecord {
     pub hits_host: u32,
     pub hits_disk: u32,
     pub hits_peer: u32,
-    /// The prefill speed this worker was priced at: its own measurement, or the configured one while it reports none.
+    /// The prefill speed this worker was priced at: its own measurement, else its peers' mean or the configured one.
     pub prefill_tokens_per_s: f64,
     pub prefill_s: f64,
     pub load_s: f64,
@@ -631,7 +633,9 @@ mod tests {
             c,
             WorkerCosts { prefill_tokens_per_s: None, group_bytes: 0, load_bytes_per_s: [None, Some(5e9), None, None] }
         );
-        assert_eq!(c.view_bandwidths(), [1.0, 5e9, 3e8, 1e9], "priors where the report said nothing usable");
+        let [_, _, disk, peer] = PRIOR_LOAD_BYTES_PER_S;
+        assert_eq!(c.view_bandwidths(), [1.0, 5e9, disk, peer], "priors where the report said nothing usable");
+        assert_eq!((disk, peer), (3e8, 1e8), "the worker's priors for disk and a peer link");
         let stats = StatsResponse { prefill_tokens_per_s: 812.5, kv_group_bytes: 737_280, ..Default::default() };
         let c = WorkerCosts::from_stats(&stats);
         assert_eq!((c.prefill_tokens_per_s, c.group_bytes), (Some(812.5), 737_280));

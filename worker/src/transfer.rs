@@ -73,7 +73,7 @@ const MAX_CONCURRENT_JOINS: usize = 2;
 pub const SERVE_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// A peer's bandwidth until the first pull is measured: loopback or a LAN does better, so pulls start only where
 /// they clearly pay, and the measurements take over.
-const PRIOR_PEER_BYTES_PER_S: f64 = 100e6;
+pub const PRIOR_PEER_BYTES_PER_S: f64 = 100e6;
 
 /// The checksum of one block: xxh3-64 of its bytes, seeded by its chain hash, so a payload cannot pass for
 /// another block's.

@@ -12,6 +12,10 @@
 
 use super::Tier;
 
+/// Load bandwidth per tier ([`Tier::index`]) until the first load from it is measured: RAM copies at a few GB/s, a
+/// local disk at a few hundred MB/s.
+pub const PRIOR_LOAD_BYTES_PER_S: [f64; 3] = [8e9, 2e9, 3e8];
+
 /// Weight of the newest sample.
 const ALPHA: f64 = 0.2;
 
@@ -151,7 +155,7 @@ impl Default for CostModel {
         // Priors until the first measurements: RAM copies at a few GB/s, a local disk at a few hundred MB/s, and a
         // CPU prefill of a small model at a few thousand tokens per second.
         CostModel {
-            load_bw: [Ewma::new(8e9), Ewma::new(2e9), Ewma::new(3e8)],
+            load_bw: PRIOR_LOAD_BYTES_PER_S.map(Ewma::new),
             prefill_tps: Ewma::new(2e3),
             prefill_fit: PrefillFit::default(),
         }
