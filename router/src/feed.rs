@@ -263,7 +263,8 @@ impl Feed {
             for b in &snap.blocks {
                 for c in &b.copies {
                     let (Some(Some(worker)), Some(tier)) = (slots.get(&c.worker), tier_of(c.tier)) else { continue };
-                    idx.apply(ResidencyDelta::Stored { hash: b.hash, worker: *worker, tier: hit_tier(tier) });
+                    let (hash, worker, tier, bytes) = (b.hash, *worker, hit_tier(tier), c.bytes);
+                    idx.apply(ResidencyDelta::Stored { hash, worker, tier, bytes });
                 }
             }
         });
@@ -288,9 +289,12 @@ impl Feed {
                     }
                     for e in fresh.events {
                         match e {
-                            BlockEvent::Stored { hash, tier, .. } => {
-                                idx.apply(ResidencyDelta::Stored { hash: *hash, worker, tier: hit_tier(*tier) })
-                            }
+                            BlockEvent::Stored { hash, tier, bytes, .. } => idx.apply(ResidencyDelta::Stored {
+                                hash: *hash,
+                                worker,
+                                tier: hit_tier(*tier),
+                                bytes: *bytes,
+                            }),
                             BlockEvent::Removed { hash, tier, .. } => {
                                 idx.apply(ResidencyDelta::Removed { hash: *hash, worker, tier: hit_tier(*tier) })
                             }
@@ -329,7 +333,12 @@ impl Feed {
                     idx.remove_reported(worker);
                     for b in &s.blocks {
                         if let Some(tier) = tier_of(b.tier) {
-                            idx.apply(ResidencyDelta::Stored { hash: b.hash, worker, tier: hit_tier(tier) });
+                            idx.apply(ResidencyDelta::Stored {
+                                hash: b.hash,
+                                worker,
+                                tier: hit_tier(tier),
+                                bytes: b.bytes,
+                            });
                         }
                     }
                 });
@@ -440,5 +449,40 @@ mod tests {
         };
         feed.apply_command(&pb::Command { op: Some(Op::Publish(publish)) });
         assert_eq!([3, 4].map(|h| held(&pool, h)), [0, 0]);
+    }
+
+    /// The size each copy was reported at reaches the index by all three paths (events, a worker's snapshot, the
+    /// directory's snapshot), so placement prices a compressed copy's load at its own bytes.
+    #[tokio::test]
+    async fn reported_copy_sizes_reach_the_index() {
+        let pool = Arc::new(WorkerPool::new(&["127.0.0.1:1".into()]).unwrap());
+        let mut feed = feed(pool.clone());
+        let register = pb::RegisterRequest { worker: "w".into(), address: "127.0.0.1:1".into(), epoch: 1 };
+        feed.apply_command(&pb::Command { op: Some(Op::Register(register)) });
+        let host_bytes = |hash: u64| {
+            let mut out = Vec::new();
+            pool.with_index(|idx| idx.match_prefix(&[hash], 1, Instant::now(), &mut out));
+            out.first().map_or(0.0, |h| h.load_bytes(HitTier::Host, 1_000_000))
+        };
+        let publish =
+            pb::PublishRequest { worker: "w".into(), epoch: 1, first_seq: 1, events: vec![stored(1)], load: None };
+        feed.apply_command(&pb::Command { op: Some(Op::Publish(publish)) });
+        assert_eq!(host_bytes(1), 64.0);
+
+        let copy = pb::BlockCopy { hash: 2, tier: pb::Tier::Host as i32, codec: "int2_kivi".into(), bytes: 300 };
+        let snapshot =
+            pb::WorkerSnapshotRequest { worker: "w".into(), epoch: 1, seq: 2, blocks: vec![copy], load: None };
+        feed.apply_command(&pb::Command { op: Some(Op::WorkerSnapshot(snapshot)) });
+        assert_eq!((host_bytes(1), host_bytes(2)), (0.0, 300.0));
+
+        let residency =
+            pb::Residency { worker: "w".into(), tier: pb::Tier::Host as i32, codec: "int8".into(), bytes: 500 };
+        let info = pb::WorkerInfo { worker: "w".into(), address: "127.0.0.1:1".into(), epoch: 1, ..Default::default() };
+        let snap = pb::DirectorySnapshot {
+            workers: vec![info],
+            blocks: vec![pb::BlockEntry { hash: 3, copies: vec![residency] }],
+        };
+        feed.apply_snapshot(&snap);
+        assert_eq!((host_bytes(2), host_bytes(3)), (0.0, 500.0));
     }
 }

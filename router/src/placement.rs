@@ -10,10 +10,13 @@
 //!
 //! ```text
 //! cost(w) = (P − B·(h_d + h_h + h_disk + h_peer)) / prefill_tokens_per_s(w)      prefill of the rest
-//!         + Σ_tier h_tier · block_group_bytes / bandwidth(w, tier)               onboarding the lower-tier hits
+//!         + Σ_tier bytes(h_tier) / bandwidth(w, tier)                           onboarding the lower-tier hits
 //!         + adapter_load_s(w)                                                   loading the request's LoRA adapter
 //!         + queued_tokens(w) / prefill_tokens_per_s(w) + running(w) · step_s(w)  queue and decode load
 //! ```
+//!
+//! `bytes(h_tier)` is what the holder reported each copy's encoded size to be (a compressed copy loads in fewer
+//! bytes than the device format's group), and `block_group_bytes` for a copy whose size was not reported.
 //!
 //! A worker is infeasible when the request's KV under its policy (the whole prompt + max tokens for full cache,
 //! at most budget + one block per table for a pruning policy, plus the prompt while it is prefilled) does not fit
@@ -52,21 +55,55 @@ impl HitTier {
     }
 }
 
-/// Matched prefix blocks of one request on one worker, per tier.
+/// Matched prefix blocks of one request on one worker, per tier, with the encoded size of the copies whose holder
+/// reported it: a lower tier may hold each context in a different codec (EvicPress chooses per context), so a
+/// hit's load is priced at its own bytes, not at the device format's group size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TierHits(pub [u32; 4]);
+pub struct TierHits {
+    blocks: [u32; 4],
+    /// Encoded bytes of the hits whose size was reported, per tier.
+    sized_bytes: [u64; 4],
+    /// How many of `blocks` those are, per tier.
+    sized_blocks: [u32; 4],
+}
 
 impl TierHits {
-    pub fn get(&self, t: HitTier) -> u32 {
-        self.0[t.index()]
+    /// Hits of unknown size: `blocks[t]` per tier.
+    pub fn from_blocks(blocks: [u32; 4]) -> TierHits {
+        TierHits { blocks, ..TierHits::default() }
     }
 
+    pub fn get(&self, t: HitTier) -> u32 {
+        self.blocks[t.index()]
+    }
+
+    /// Blocks per tier, in [`HitTier`] order.
+    pub fn blocks(&self) -> [u32; 4] {
+        self.blocks
+    }
+
+    /// `n` hits in `t` whose size is not known (priced at the worker's group size).
     pub fn add(&mut self, t: HitTier, n: u32) {
-        self.0[t.index()] += n;
+        self.blocks[t.index()] += n;
+    }
+
+    /// One hit in `t` whose copy is `bytes` long.
+    pub fn add_sized(&mut self, t: HitTier, bytes: u64) {
+        let i = t.index();
+        self.blocks[i] += 1;
+        self.sized_blocks[i] += 1;
+        self.sized_bytes[i] = self.sized_bytes[i].saturating_add(bytes);
     }
 
     pub fn total(&self) -> u32 {
-        self.0.iter().sum()
+        self.blocks.iter().sum()
+    }
+
+    /// Bytes to load for the hits in `t`: the reported sizes, and `group_bytes` for each hit of unknown size.
+    pub fn load_bytes(&self, t: HitTier, group_bytes: u64) -> f64 {
+        let i = t.index();
+        let unknown = self.blocks[i] - self.sized_blocks[i];
+        self.sized_bytes[i] as f64 + f64::from(unknown) * group_bytes as f64
     }
 }
 
@@ -81,7 +118,8 @@ pub struct WorkerView {
     pub prefill_tokens_per_s: f64,
     /// Measured load bandwidth per tier, bytes/s, in [`HitTier`] order (device is unused: device hits are free).
     pub load_bytes_per_s: [f64; 4],
-    /// Bytes of one block group (all layers × kv-heads for one block of tokens) in the tier's codec.
+    /// Bytes of one block group (all layers × kv-heads for one block of tokens) in the device format: what a
+    /// lower-tier hit whose holder did not report its size is priced at.
     pub group_bytes: u64,
     /// Prompt tokens queued ahead of this request (waiting prefill).
     pub queued_tokens: u64,
@@ -179,9 +217,8 @@ pub fn cost(req: &RequestView, w: &WorkerView) -> CostBreakdown {
     let prefill_s = req.compute_tokens(w.hits.total()) as f64 / w.prefill_tokens_per_s;
     let mut load_s = w.adapter_load_s;
     for t in [HitTier::Host, HitTier::Disk, HitTier::Peer] {
-        let n = w.hits.get(t);
-        if n > 0 {
-            load_s += n as f64 * w.group_bytes as f64 / w.load_bytes_per_s[t.index()];
+        if w.hits.get(t) > 0 {
+            load_s += w.hits.load_bytes(t, w.group_bytes) / w.load_bytes_per_s[t.index()];
         }
     }
     let queue_s = w.queued_tokens as f64 / w.prefill_tokens_per_s + w.running as f64 * w.step_s;
@@ -314,7 +351,7 @@ mod tests {
     fn worker(device: u32, host: u32) -> WorkerView {
         WorkerView {
             ready: true,
-            hits: TierHits([device, host, 0, 0]),
+            hits: TierHits::from_blocks([device, host, 0, 0]),
             prefill_tokens_per_s: 400.0,
             load_bytes_per_s: [0.0, 4e9, 1e9, 1e9],
             group_bytes: 16 * 90 * 64 * 4 * 2,

@@ -581,8 +581,9 @@ mod tests {
         let mut p = Placer::new(PlacerConfig::default());
         let warm: Vec<u64> = (1000..1064).collect();
         for &hash in &warm {
-            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 0, tier: HitTier::Disk });
-            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 1, tier: HitTier::Host });
+            // Sizes not reported: priced at the workers' group size.
+            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 0, tier: HitTier::Disk, bytes: 0 });
+            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 1, tier: HitTier::Host, bytes: 0 });
         }
         let (mut on_disk, mut on_host) = (snap(0), snap(0));
         // A disk at 20 MB/s: 64 groups of 737 KB take 2.4 s to load from it, against 6 ms from host.
@@ -609,6 +610,31 @@ mod tests {
         let rec = p.recent().next().unwrap();
         let speeds: Vec<f64> = rec.candidates.iter().map(|c| c.prefill_tokens_per_s).collect();
         assert_eq!(speeds, [1000.0, 2000.0, 1500.0], "{rec:?}");
+    }
+
+    /// Two workers hold the same context on disk, one as int2 KIVI (what EvicPress may keep a cold context in) and
+    /// one in the device format. The compressed copy loads in under a quarter of the bytes, so its holder wins
+    /// even with the slower disk, and each load is priced at the bytes its holder reported.
+    #[test]
+    fn a_compressed_copy_is_priced_at_its_own_size() {
+        use crate::placement::HitTier;
+        use crate::residency::ResidencyDelta;
+        const INT2_GROUP: u64 = 737_280 * 356 / 1600; // 3.56 bits per element against f16's 16
+        let mut p = Placer::new(PlacerConfig::default());
+        let context: Vec<u64> = (0..128).collect();
+        for &hash in &context {
+            let tier = HitTier::Disk;
+            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 0, tier, bytes: 737_280 });
+            p.index_mut().apply(ResidencyDelta::Stored { hash, worker: 1, tier, bytes: INT2_GROUP });
+        }
+        let (mut full, mut compressed) = (snap(0), snap(0));
+        full.costs = reporting(2000.0, 8e9, 3e8);
+        compressed.costs = reporting(2000.0, 8e9, 2e8);
+        assert_eq!(p.order(&req("c", &context), &[full, compressed], &["full", "int2"]).unwrap()[0], 1);
+        let rec = p.recent().next().unwrap();
+        let load = |w: &str| rec.candidates.iter().find(|c| c.worker == w).unwrap().load_s;
+        assert!((load("full") - 128.0 * 737_280.0 / 3e8).abs() < 1e-9, "{rec:?}");
+        assert!((load("int2") - 128.0 * INT2_GROUP as f64 / 2e8).abs() < 1e-9, "{rec:?}");
     }
 
     /// A report is another process's input: implausible values are left out, not priced.

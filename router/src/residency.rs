@@ -22,6 +22,8 @@ pub type WorkerIdx = u16;
 struct Holder {
     worker: WorkerIdx,
     tier: HitTier,
+    /// Encoded bytes of the copy, as its holder reported them (0: not reported, or a prediction).
+    bytes: u32,
     /// `Some(t)`: predicted by this router, valid until `t`; `None`: reported by the worker through the kvstore.
     predicted_until: Option<Instant>,
 }
@@ -35,8 +37,19 @@ struct Entry {
 /// One residency change from the kvstore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResidencyDelta {
-    Stored { hash: u64, worker: WorkerIdx, tier: HitTier },
-    Removed { hash: u64, worker: WorkerIdx, tier: HitTier },
+    /// `bytes`: the copy's encoded size as the worker reported it (0 when it did not; above `u32::MAX` is taken
+    /// as not reported, since no block group is that large).
+    Stored {
+        hash: u64,
+        worker: WorkerIdx,
+        tier: HitTier,
+        bytes: u64,
+    },
+    Removed {
+        hash: u64,
+        worker: WorkerIdx,
+        tier: HitTier,
+    },
 }
 
 /// See the module docs.
@@ -88,10 +101,11 @@ impl ResidencyIndex {
     /// Applies one delta from the kvstore. A reported holder replaces a prediction for the same (worker, tier).
     pub fn apply(&mut self, delta: ResidencyDelta) {
         match delta {
-            ResidencyDelta::Stored { hash, worker, tier } => {
+            ResidencyDelta::Stored { hash, worker, tier, bytes } => {
+                let bytes = u32::try_from(bytes).unwrap_or(0);
                 let e = self.touch(hash);
                 e.holders.retain(|h| !(h.worker == worker && h.tier == tier));
-                e.holders.push(Holder { worker, tier, predicted_until: None });
+                e.holders.push(Holder { worker, tier, bytes, predicted_until: None });
                 self.enforce_bound();
             }
             ResidencyDelta::Removed { hash, worker, tier } => {
@@ -135,14 +149,14 @@ impl ResidencyIndex {
         for &hash in hashes {
             let e = self.touch(hash);
             if !e.holders.iter().any(|h| h.worker == worker && h.tier == HitTier::Device) {
-                e.holders.push(Holder { worker, tier: HitTier::Device, predicted_until: Some(until) });
+                e.holders.push(Holder { worker, tier: HitTier::Device, bytes: 0, predicted_until: Some(until) });
             }
         }
         self.enforce_bound();
     }
 
     /// Matched prefix blocks of the chain `hashes` on each of `num_workers` workers, by the fastest tier each block
-    /// is held in; expired predictions are ignored.
+    /// is held in, with the reported size of each copy matched; expired predictions are ignored.
     pub fn match_prefix(&self, hashes: &[u64], num_workers: usize, now: Instant, out: &mut Vec<TierHits>) {
         out.clear();
         out.resize(num_workers, TierHits::default());
@@ -160,10 +174,10 @@ impl ResidencyIndex {
                 let best = holders
                     .iter()
                     .filter(|h| h.worker as usize == w && h.predicted_until.is_none_or(|t| t > now))
-                    .map(|h| h.tier)
-                    .min();
+                    .min_by_key(|h| h.tier);
                 match best {
-                    Some(tier) => out[w].add(tier, 1),
+                    Some(h) if h.bytes > 0 => out[w].add_sized(h.tier, u64::from(h.bytes)),
+                    Some(h) => out[w].add(h.tier, 1),
                     None => {
                         alive[w] = false;
                         remaining -= 1;
@@ -181,7 +195,7 @@ mod tests {
     use super::*;
 
     fn stored(hash: u64, worker: WorkerIdx, tier: HitTier) -> ResidencyDelta {
-        ResidencyDelta::Stored { hash, worker, tier }
+        ResidencyDelta::Stored { hash, worker, tier, bytes: 0 }
     }
 
     #[test]
@@ -197,12 +211,35 @@ mod tests {
         idx.apply(stored(4, 1, HitTier::Device));
         let mut out = Vec::new();
         idx.match_prefix(&[1, 2, 3, 4], 3, Instant::now(), &mut out);
-        assert_eq!(out[0], TierHits([3, 0, 0, 0]));
-        assert_eq!(out[1], TierHits([1, 1, 0, 0]));
+        assert_eq!(out[0].blocks(), [3, 0, 0, 0]);
+        assert_eq!(out[1].blocks(), [1, 1, 0, 0]);
         assert_eq!(out[2], TierHits::default());
         idx.apply(ResidencyDelta::Removed { hash: 1, worker: 0, tier: HitTier::Device });
         idx.match_prefix(&[1, 2, 3, 4], 3, Instant::now(), &mut out);
         assert_eq!(out[0].total(), 0, "a removed first block leaves no usable prefix");
+    }
+
+    /// Each matched copy counts at the size its holder reported; a copy of unknown size at the caller's group size.
+    #[test]
+    fn matched_copies_carry_their_reported_size() {
+        let mut idx = ResidencyIndex::new(100);
+        idx.apply(ResidencyDelta::Stored { hash: 1, worker: 0, tier: HitTier::Disk, bytes: 1_000 });
+        idx.apply(ResidencyDelta::Stored { hash: 2, worker: 0, tier: HitTier::Disk, bytes: 2_500 });
+        idx.apply(stored(3, 0, HitTier::Disk));
+        // Larger than any block group: not a size, so priced as unknown.
+        idx.apply(ResidencyDelta::Stored { hash: 4, worker: 0, tier: HitTier::Host, bytes: u64::MAX });
+        // Held on device too: the device copy is the one matched, and it loads for nothing.
+        idx.apply(ResidencyDelta::Stored { hash: 5, worker: 0, tier: HitTier::Disk, bytes: 9_000 });
+        idx.apply(stored(5, 0, HitTier::Device));
+        let mut out = Vec::new();
+        idx.match_prefix(&[1, 2, 3, 4, 5], 1, Instant::now(), &mut out);
+        assert_eq!(out[0].blocks(), [1, 1, 3, 0]);
+        assert_eq!(out[0].load_bytes(HitTier::Disk, 700), 1_000.0 + 2_500.0 + 700.0);
+        assert_eq!(out[0].load_bytes(HitTier::Host, 700), 700.0);
+        // A newer report of the same copy replaces its size.
+        idx.apply(ResidencyDelta::Stored { hash: 1, worker: 0, tier: HitTier::Disk, bytes: 400 });
+        idx.match_prefix(&[1, 2], 1, Instant::now(), &mut out);
+        assert_eq!(out[0].load_bytes(HitTier::Disk, 700), 400.0 + 2_500.0);
     }
 
     #[test]
@@ -276,7 +313,12 @@ mod latency {
         // 100k distinct blocks: 390 chains of 256, spread over the workers and tiers.
         for h in 0..100_000u64 {
             let tier = [HitTier::Device, HitTier::Host, HitTier::Disk][(h / CHAIN % 3) as usize];
-            idx.apply(ResidencyDelta::Stored { hash: h, worker: (h / CHAIN % WORKERS as u64) as WorkerIdx, tier });
+            idx.apply(ResidencyDelta::Stored {
+                hash: h,
+                worker: (h / CHAIN % WORKERS as u64) as WorkerIdx,
+                tier,
+                bytes: 737_280,
+            });
         }
         let view = WorkerView {
             ready: true,
