@@ -1257,8 +1257,8 @@ struct EngineLoop<R> {
     blocks: Vec<u32>,
     /// Prompt tokens onboarded from host and from disk ([`Tier::index`]).
     onboarded_tokens: [u64; 3],
-    /// Prompt tokens per second over recent prefill-dominated steps, for the stats (the tiers' cost model keeps
-    /// its own fit, and exists only with lower tiers).
+    /// Prompt tokens per second over recent prefill-dominated steps, for the stats, on an engine without lower
+    /// tiers; with them the tiers' cost model is the one owner of that average (and of its fit).
     prefill_speed: crate::tiers::cost::Ewma,
     /// Where block changes go once a reporter subscribed.
     events: Option<EventLog>,
@@ -1905,14 +1905,13 @@ impl<R: ModelRunner> EngineLoop<R> {
         // Steps dominated by prefill measure prefill speed; single-token decode steps would not.
         if result.is_ok() && tokens >= 2 * plan.seqs.len().max(1) * self.sched.layout().block_size {
             let secs = t0.elapsed().as_secs_f64();
-            if secs > 0.0 {
-                self.prefill_speed.update(tokens as f64 / secs);
-            }
             if let Some(t) = &mut self.tiers {
                 // Positions, not live slots: a pruning policy attends fewer, and its steps then teach the fit a
                 // cheaper attention term, which is what its prefills do cost.
                 let pairs = plan.seqs.iter().map(|e| crate::tiers::cost::attended_pairs(e.start, e.n)).sum();
                 t.cost_mut().record_prefill(tokens, pairs, secs);
+            } else if secs > 0.0 {
+                self.prefill_speed.update(tokens as f64 / secs);
             }
         }
         if let Err(e) = result {
@@ -2130,7 +2129,12 @@ impl<R: ModelRunner> EngineLoop<R> {
             drafts_total: s.drafts_total,
             draft_tokens_total: s.draft_tokens_total,
             accepted_draft_tokens_total: s.accepted_draft_tokens_total,
-            prefill_tokens_per_s: if self.prefill_speed.samples() > 0 { self.prefill_speed.value() } else { 0.0 },
+            prefill_tokens_per_s: match &self.tiers {
+                Some(t) => t.cost().measured_prefill_tokens_per_s(),
+                None if self.prefill_speed.samples() > 0 => Some(self.prefill_speed.value()),
+                None => None,
+            }
+            .unwrap_or(0.0),
             kv_group_bytes: block_bytes * self.sched.layout().group_size() as u64,
             load_bytes_per_s,
         };

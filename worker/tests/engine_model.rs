@@ -269,13 +269,16 @@ fn dropping_the_receiver_frees_blocks() {
     let h = engine(64, true);
     let base = h.stats();
     assert_eq!(base.blocks_used, 0);
+    assert_eq!(base.prefill_tokens_per_s, 0.0, "nothing measured yet");
     let p = &tokenize(&[DOC])[0];
     let mut rx = h.submit(greedy("gone", p, 500)).unwrap();
     // Wait for a couple of tokens, then walk away.
     for _ in 0..2 {
         assert!(matches!(rx.blocking_recv(), Some(GenerateEvent::Token { .. })));
     }
-    assert!(h.stats().blocks_used > 0);
+    // An engine without lower tiers measures its prefill speed itself (with them, the tiers' cost model does).
+    let s = h.stats();
+    assert!(s.blocks_used > 0 && s.prefill_tokens_per_s > 0.0, "{s:?}");
     drop(rx);
     let s = wait_stats(&h, "blocks back to baseline", |s| s.running == 0 && s.blocks_used == base.blocks_used);
     assert_eq!(s.waiting, 0);

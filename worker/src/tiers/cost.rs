@@ -186,6 +186,11 @@ impl CostModel {
         self.prefill_tps.value()
     }
 
+    /// The prefill speed once a step has measured it; `None` while it is still the prior.
+    pub fn measured_prefill_tokens_per_s(&self) -> Option<f64> {
+        (self.prefill_tps.samples() > 0).then(|| self.prefill_tps.value())
+    }
+
     /// Expected seconds to load `bytes` from `tier`.
     pub fn load_secs(&self, tier: Tier, bytes: u64) -> f64 {
         bytes as f64 / self.load_bandwidth(tier).max(1.0)
@@ -239,7 +244,9 @@ mod tests {
     fn plan_follows_measurements() {
         let mut c = CostModel::default();
         // Prefill 1000 tok/s: 16 tokens = 16 ms. Host 1 GB/s: a 1 MB group = 1 ms; disk 10 MB/s: 100 ms.
+        assert_eq!(c.measured_prefill_tokens_per_s(), None, "the prior is not a measurement");
         c.record_prefill(1000, 0.0, 1.0);
+        assert_eq!(c.measured_prefill_tokens_per_s(), Some(1000.0));
         c.record_load(Tier::Host, 1_000_000_000, 1.0);
         c.record_load(Tier::Disk, 10_000_000, 1.0);
         let host = (Tier::Host, 1_000_000);
