@@ -160,15 +160,15 @@ impl ResidencyIndex {
     pub fn match_prefix(&self, hashes: &[u64], num_workers: usize, now: Instant, out: &mut Vec<TierHits>) {
         out.clear();
         out.resize(num_workers, TierHits::default());
-        let mut alive = vec![true; num_workers];
         let mut remaining = num_workers;
-        for hash in hashes {
+        for (matched, hash) in hashes.iter().enumerate() {
             if remaining == 0 {
                 break;
             }
             let holders = self.entries.get(hash).map(|e| e.holders.as_slice()).unwrap_or(&[]);
-            for w in 0..num_workers {
-                if !alive[w] {
+            for (w, hits) in out.iter_mut().enumerate() {
+                // A worker's chain is still unbroken when it matched every block so far (no scratch to allocate).
+                if hits.total() as usize != matched {
                     continue;
                 }
                 let best = holders
@@ -176,12 +176,9 @@ impl ResidencyIndex {
                     .filter(|h| h.worker as usize == w && h.predicted_until.is_none_or(|t| t > now))
                     .min_by_key(|h| h.tier);
                 match best {
-                    Some(h) if h.bytes > 0 => out[w].add_sized(h.tier, u64::from(h.bytes)),
-                    Some(h) => out[w].add(h.tier, 1),
-                    None => {
-                        alive[w] = false;
-                        remaining -= 1;
-                    }
+                    Some(h) if h.bytes > 0 => hits.add_sized(h.tier, u64::from(h.bytes)),
+                    Some(h) => hits.add(h.tier, 1),
+                    None => remaining -= 1,
                 }
             }
         }
