@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use pagoda_proto::worker::worker_client::WorkerClient;
-use pagoda_proto::worker::{ResidencyRequest, StatsRequest};
+use pagoda_proto::worker::{HealthRequest, HealthResponse, ResidencyRequest, StatsRequest};
 pub use pagoda_proto::worker::{ResidencyResponse, StatsResponse};
 
 pub use futures;
@@ -388,6 +388,12 @@ pub async fn worker_residency(addr: &str) -> Result<ResidencyResponse> {
             return Ok(all);
         }
     }
+}
+
+/// The worker's `Health` over gRPC.
+pub async fn worker_health(addr: &str) -> Result<HealthResponse> {
+    let mut c = WorkerClient::connect(format!("http://{addr}")).await.with_context(|| format!("connect {addr}"))?;
+    Ok(c.health(HealthRequest {}).await?.into_inner())
 }
 
 /// The worker's `Stats` over gRPC.

@@ -343,7 +343,7 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     let dir = root.join("sql");
     synth_adapter(&dir, 1);
     let spec = format!("sql={}", dir.display());
-    let cluster = ClusterBuilder::new(BIN, "lora")
+    let mut cluster = ClusterBuilder::new(BIN, "lora")
         .workers(2)
         .worker_args_for(0, &["--lora", &spec])
         .worker_args_for(1, &["--lora-dir", root.to_str().unwrap()])
@@ -432,6 +432,27 @@ async fn lora_requests_go_to_the_workers_that_serve_the_adapter() {
     assert_eq!(s, 200, "{body}");
     assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0, "the same weights");
     assert!(worker_stats(&without).await.unwrap().computed_tokens_total > before, "served by worker 1");
+    // Worker 1 restarts and comes back without it; once the router finds it ready again, the router loads the
+    // adapters its admin API loaded, and `live` is served again without a second admin call.
+    // The router may not even see it down: a restart can be quicker than its probe interval (the new process's
+    // `Health.boot_id` tells it). Asked directly, the new process lists `live` only once the router loaded it.
+    let boot = pagoda_e2e::worker_health(&without).await.unwrap().boot_id;
+    cluster.restart_worker(1).unwrap();
+    let health = pagoda_e2e::worker_health(&without).await.unwrap();
+    assert_ne!(health.boot_id, boot, "a new process");
+    let t0 = Instant::now();
+    loop {
+        let health = pagoda_e2e::worker_health(&without).await.unwrap();
+        if health.lora_adapters.iter().any(|a| a.name == "live") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "live not loaded again: {health:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster.wait_router_sees(0, 1, true, Duration::from_secs(10)).await.unwrap();
+    let (s, body) = http.post_json("/v1/chat/completions", &ask("live", question)).await.unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"].as_str().unwrap(), answers[0].0, "the same weights");
     // Replacing it in place from a path that holds no adapter fails and leaves it serving; a good path replaces it.
     let replace = |path: &str| json!({"lora_name": "live", "lora_path": path, "load_inplace": true});
     let (s, body) = http.post_json("/v1/load_lora_adapter", &replace("missing")).await.unwrap();

@@ -70,6 +70,8 @@ pub struct WorkerStatus {
     /// Cache ids of adapters it had loaded at some probe, by name, newest kept ([`MAX_REMEMBERED_LORA_IDS`]):
     /// an adapter evicted on demand leaves its blocks cached under its salt, which placement should still match.
     pub lora_seen: Vec<(String, String)>,
+    /// The worker process's `Health.boot_id` (0: not reported).
+    pub boot_id: u64,
     pub last_error: Option<String>,
 }
 
@@ -315,6 +317,9 @@ pub struct Worker {
     load: Arc<WorkerLoad>,
     /// Set by a probe that learned a new worker id; the pool turns it into a new id generation.
     id_changed: std::sync::atomic::AtomicBool,
+    /// Set by a probe that found it ready after it was not (its first answer, or back from a restart); the pool's
+    /// health round then gives it the adapters loaded through the admin API while it was away.
+    became_ready: std::sync::atomic::AtomicBool,
     /// A probe [`Worker::probe_soon`] started is still running: a burst of requests asks for one probe, not one each.
     probe_pending: std::sync::atomic::AtomicBool,
     ejection: Mutex<Ejection>,
@@ -338,6 +343,7 @@ impl Worker {
             status: Mutex::new(WorkerStatus::default()),
             load: Arc::new(WorkerLoad::default()),
             id_changed: std::sync::atomic::AtomicBool::new(false),
+            became_ready: std::sync::atomic::AtomicBool::new(false),
             probe_pending: std::sync::atomic::AtomicBool::new(false),
             ejection: Mutex::new(Ejection::default()),
         })
@@ -461,6 +467,7 @@ impl Worker {
                     max_loras: h.max_loras,
                     scheduling_policy: h.scheduling_policy.chars().take(16).collect(),
                     lora_seen: Vec::new(),
+                    boot_id: h.boot_id,
                     last_error: None,
                 }
             }
@@ -484,6 +491,11 @@ impl Worker {
         }
         st.remember_lora_ids(&before);
         let new_id = st.worker_id != before.worker_id;
+        // Back from a restart this probe saw nothing of (it was quicker than the probe interval) counts too.
+        let restarted = st.boot_id != 0 && before.boot_id != 0 && st.boot_id != before.boot_id;
+        if ready && (!before.ready || restarted) {
+            self.became_ready.store(true, Ordering::Relaxed);
+        }
         self.set_status(st);
         if new_id {
             self.id_changed.store(true, Ordering::Relaxed);
@@ -570,6 +582,8 @@ pub struct WorkerPool {
     /// Written by the directory feed task only ([`crate::feed`]); read by placement, metrics and the debug page.
     feed: Mutex<FeedStatus>,
     id_generation: AtomicU64,
+    /// Written by the admin API's handlers only ([`crate::lora_admin`]); std Mutex, never held across an await.
+    lora_intents: Mutex<crate::lora_admin::LoraIntents>,
 }
 
 pub(crate) fn strip_scheme(a: &str) -> &str {
@@ -606,6 +620,7 @@ impl WorkerPool {
             placer: Mutex::new(Placer::new(placement)),
             feed: Mutex::new(FeedStatus::default()),
             id_generation: AtomicU64::new(0),
+            lora_intents: Mutex::new(crate::lora_admin::LoraIntents::default()),
         })
     }
 
@@ -945,13 +960,42 @@ impl WorkerPool {
         ready
     }
 
-    /// Probes every worker once.
+    /// Probes every worker once. A worker found ready after it was not is given, in the background, the adapters
+    /// the admin API loaded that it lacks ([`crate::lora_admin::replay`]).
     pub async fn refresh(&self) {
         let workers = self.workers();
         futures::future::join_all(workers.iter().map(|w| w.probe())).await;
         if workers.iter().any(|w| w.id_changed.swap(false, Ordering::Relaxed)) {
             self.id_generation.fetch_add(1, Ordering::Relaxed);
         }
+        let returned: Vec<Arc<Worker>> =
+            workers.into_iter().filter(|w| w.became_ready.swap(false, Ordering::Relaxed) && w.is_ready()).collect();
+        if returned.is_empty() {
+            return;
+        }
+        let intents = self.lora_intents();
+        if intents.is_empty() {
+            return;
+        }
+        for w in returned {
+            tokio::spawn(crate::lora_admin::replay(w, intents.clone()));
+        }
+    }
+
+    /// Records that the admin API loaded `name` from `path` (`Some`) or unloaded it (`None`), for workers that
+    /// become ready later. Returns what was recorded before, to put back when the call fails everywhere; refuses a
+    /// new name past [`crate::lora_admin::MAX_LORA_INTENTS`].
+    pub fn set_lora_intent(
+        &self,
+        name: &str,
+        path: Option<String>,
+    ) -> Result<Option<String>, crate::lora_admin::TooManyIntents> {
+        self.lora_intents.lock().unwrap_or_else(|p| p.into_inner()).set(name, path)
+    }
+
+    /// The adapters the admin API has loaded, by name, with their paths.
+    pub fn lora_intents(&self) -> Vec<(String, String)> {
+        self.lora_intents.lock().unwrap_or_else(|p| p.into_inner()).list()
     }
 
     /// Re-probes the workers every `interval` for as long as the pool lives.

@@ -172,6 +172,8 @@ pub struct WorkerService {
     residency_walk: Arc<tokio::sync::Semaphore>,
     /// [`MAX_RESIDENCY_PAGE_GROUPS`] and [`MAX_RESIDENCY_PAGE_BYTES`], lowered by tests.
     residency_page: (usize, usize),
+    /// This process's `Health.boot_id`.
+    boot_id: u64,
 }
 
 impl WorkerService {
@@ -187,6 +189,7 @@ impl WorkerService {
             report_progress: Arc::default(),
             residency_walk: Arc::new(tokio::sync::Semaphore::new(1)),
             residency_page: (MAX_RESIDENCY_PAGE_GROUPS, MAX_RESIDENCY_PAGE_BYTES),
+            boot_id: rand::random::<u64>() | 1,
         }
     }
 
@@ -792,6 +795,7 @@ impl Worker for WorkerService {
             max_loras: u32::try_from(lora.max_loaded()).unwrap_or(u32::MAX),
             lora_load_seconds: lora.mean_load_seconds(),
             scheduling_policy: self.engine.scheduling_policy().name().to_string(),
+            boot_id: self.boot_id,
         }))
     }
 
