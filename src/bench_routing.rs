@@ -88,6 +88,8 @@ pub struct StrategyResult {
     pub lora_evictions: u64,
     /// Mean wall time of one of those loads (0 without loads).
     pub lora_load_mean_s: f64,
+    /// Prompt blocks the workers pulled from each other (peer hints), read from their `Stats` at the end.
+    pub peer_pulled_blocks: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -363,6 +365,11 @@ async fn run_strategy(
     // Every run-time load in this deployment is an on-demand one.
     let lora_load_s = worker_gauge_sum(&metrics, "pagoda_router_worker_lora_load_seconds", &d.worker_addrs);
     let lora_load_mean_s = if lora_loads > 0 { lora_load_s / lora_loads as f64 } else { 0.0 };
+    let mut peer_pulled_blocks = 0;
+    for addr in &d.worker_addrs {
+        let stats = pagoda_e2e::worker_stats(addr).await.with_context(|| format!("stats of worker {addr}"))?;
+        peer_pulled_blocks += stats.peer_fetched_blocks_total;
+    }
     drop(d);
     let failed = results.iter().filter(|r| r.is_err()).count();
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
@@ -393,6 +400,7 @@ async fn run_strategy(
             lora_loads,
             lora_evictions,
             lora_load_mean_s,
+            peer_pulled_blocks,
         },
         prompt_lens,
     ))
@@ -440,17 +448,18 @@ impl RoutingReport {
         let lora = self.options.lora_adapters > 0;
         let mut s = String::from(
             "| strategy | requests | failed | mean TTFT (s) | p99 TTFT (s) | × round robin | × prefix overlap | \
-             prefix hit rate | req/s | tokens/s | decision mean (µs) | decision p99 ≤ (µs) | requests per worker |",
+             prefix hit rate | req/s | tokens/s | decision mean (µs) | decision p99 ≤ (µs) | requests per worker | \
+             blocks pulled from peers |",
         );
         s.push_str(if lora { " adapter loads | evictions | mean load (ms) |\n" } else { "\n" });
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|");
         s.push_str(if lora { "---:|---:|---:|\n" } else { "\n" });
         for r in &self.results {
             let ratio = |base: Option<f64>| {
                 base.filter(|_| r.mean_ttft_s > 0.0).map_or("—".to_string(), |b| format!("{:.2}", b / r.mean_ttft_s))
             };
             s.push_str(&format!(
-                "| {} | {} | {} | {:.3} | {:.3} | {} | {} | {:.1}% | {:.2} | {:.1} | {:.1} | {:.0} | {:?} |",
+                "| {} | {} | {} | {:.3} | {:.3} | {} | {} | {:.1}% | {:.2} | {:.1} | {:.1} | {:.0} | {:?} | {} |",
                 r.strategy,
                 r.requests,
                 r.failed,
@@ -463,7 +472,8 @@ impl RoutingReport {
                 r.completion_tokens_per_s,
                 r.decision_mean_us,
                 r.decision_p99_us,
-                r.per_worker
+                r.per_worker,
+                r.peer_pulled_blocks
             ));
             if lora {
                 s.push_str(&format!(" {} | {} | {:.1} |", r.lora_loads, r.lora_evictions, r.lora_load_mean_s * 1e3));

@@ -482,7 +482,7 @@ impl Generation {
             return None;
         }
         worker.answered();
-        let pull_cap = decode.with_status(|st| disagg::pull_cap_blocks(st.host_capacity_bytes, st.costs.group_bytes));
+        let pull_cap = decode.with_status(|st| st.costs.pull_cap_blocks());
         Some(disagg::decode_hint(&worker.addr, prompt.len(), shape.view.block_size as usize, pull_cap))
     }
 

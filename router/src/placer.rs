@@ -135,7 +135,10 @@ pub struct WorkerCosts {
     /// Bytes of one block group in its device KV format (0: not reported).
     pub group_bytes: u64,
     /// Load bandwidth per tier in bytes/s, in [`HitTier`](crate::placement::HitTier) order (the device's unused).
+    /// Only a worker that pulls from peers reports the peer link's.
     pub load_bytes_per_s: [Option<f64>; 4],
+    /// Its host tier's capacity (0: none, or not reported): a peer pull brings at most half of it.
+    pub host_capacity_bytes: u64,
 }
 
 /// Bandwidths placement assumes for a tier a reporting worker gave none for (a tier it does not have, so a hit
@@ -165,7 +168,19 @@ impl WorkerCosts {
             prefill_tokens_per_s: rate(stats.prefill_tokens_per_s),
             group_bytes: if stats.kv_group_bytes <= MAX_REPORTED_GROUP_BYTES { stats.kv_group_bytes } else { 0 },
             load_bytes_per_s,
+            host_capacity_bytes: stats
+                .tiers
+                .iter()
+                .filter(|t| t.tier == "host")
+                .map(|t| t.capacity_bytes)
+                .max()
+                .unwrap_or(0),
         }
+    }
+
+    /// The most blocks the worker pulls from a peer for one request ([`crate::disagg::pull_cap_blocks`]).
+    pub fn pull_cap_blocks(&self) -> usize {
+        crate::disagg::pull_cap_blocks(self.host_capacity_bytes, self.group_bytes)
     }
 
     /// The per-tier bandwidths a [`WorkerView`] takes: reported ones, priors for the rest.
@@ -281,8 +296,8 @@ impl Placer {
     /// After [`Placer::order`]: the ready worker other than `worker` holding the longest prefix of that request,
     /// when it is longer than what `worker` holds (ties go to the lower index). `names` are the workers' addresses.
     pub fn peer_hint(&self, worker: usize, names: &[&str]) -> Option<PeerHint> {
-        let local = self.hits.get(worker)?.total();
         let held = |i: usize| self.hits.get(i).map_or(0, |h| h.total() - h.get(HitTier::Peer));
+        let local = held(worker);
         let (best, blocks) = (0..self.views.len())
             .filter(|&i| i != worker && self.views[i].ready)
             .map(|i| (i, held(i)))
@@ -556,6 +571,7 @@ mod tests {
             prefill_tokens_per_s: Some(prefill_tokens_per_s),
             group_bytes: 737_280,
             load_bytes_per_s: [None, Some(host), Some(disk), None],
+            host_capacity_bytes: 1 << 30,
         }
     }
 
@@ -655,16 +671,30 @@ mod tests {
             ..Default::default()
         };
         let c = WorkerCosts::from_stats(&stats);
-        assert_eq!(
-            c,
-            WorkerCosts { prefill_tokens_per_s: None, group_bytes: 0, load_bytes_per_s: [None, Some(5e9), None, None] }
-        );
+        let expected = WorkerCosts {
+            prefill_tokens_per_s: None,
+            group_bytes: 0,
+            load_bytes_per_s: [None, Some(5e9), None, None],
+            host_capacity_bytes: 0,
+        };
+        assert_eq!(c, expected);
         let [_, _, disk, peer] = PRIOR_LOAD_BYTES_PER_S;
         assert_eq!(c.view_bandwidths(), [1.0, 5e9, disk, peer], "priors where the report said nothing usable");
         assert_eq!((disk, peer), (3e8, 1e8), "the worker's priors for disk and a peer link");
-        let stats = StatsResponse { prefill_tokens_per_s: 812.5, kv_group_bytes: 737_280, ..Default::default() };
+        let host = pagoda_proto::worker::TierUsage {
+            tier: "host".into(),
+            codec: String::new(),
+            used_bytes: 0,
+            capacity_bytes: 1 << 30,
+        };
+        let stats = StatsResponse {
+            prefill_tokens_per_s: 812.5,
+            kv_group_bytes: 737_280,
+            tiers: vec![host],
+            ..Default::default()
+        };
         let c = WorkerCosts::from_stats(&stats);
-        assert_eq!((c.prefill_tokens_per_s, c.group_bytes), (Some(812.5), 737_280));
+        assert_eq!((c.prefill_tokens_per_s, c.group_bytes, c.host_capacity_bytes), (Some(812.5), 737_280, 1 << 30));
     }
 
     #[test]

@@ -48,10 +48,8 @@ pub struct WorkerStatus {
     pub kv_group_size: u32,
     /// Free + reclaimable device blocks at the last probe.
     pub free_blocks: u64,
-    /// Its measured prefill speed and tier bandwidths at the last probe.
+    /// Its measured prefill speed, tier bandwidths and host tier capacity at the last probe.
     pub costs: WorkerCosts,
-    /// Its host tier's capacity at the last probe (0: none): a peer pull brings at most half of it.
-    pub host_capacity_bytes: u64,
     /// The id the worker reports its blocks under in the kvstore (empty when it does not say).
     pub worker_id: String,
     pub role: WorkerRole,
@@ -457,7 +455,6 @@ impl Worker {
                     kv_group_size: h.kv_group_size,
                     free_blocks: 0,
                     costs: WorkerCosts::default(),
-                    host_capacity_bytes: 0,
                     worker_id: h.worker_id,
                     role: WorkerRole::from_health(&h.role),
                     lora_adapters: h.lora_adapters,
@@ -480,8 +477,6 @@ impl Worker {
         {
             st.free_blocks = stats.blocks_free + stats.blocks_cached;
             st.costs = WorkerCosts::from_stats(&stats);
-            st.host_capacity_bytes =
-                stats.tiers.iter().filter(|t| t.tier == "host").map(|t| t.capacity_bytes).max().unwrap_or(0);
         }
         let ready = st.ready;
         // A probe that fails keeps the id learned before: it still names the worker's blocks in the directory.
