@@ -15,6 +15,8 @@
 //!         + queued_tokens(w) / prefill_tokens_per_s(w) + running(w) · step_s(w)  queue and decode load
 //! ```
 //!
+//! The placer leaves `h_peer` at 0: a worker that could pull a prefix from a peer is priced as computing it (the
+//! measured alternative is in docs/BENCHMARKS.md, "Pricing a peer pull in placement").
 //! `bytes(h_tier)` is what the holder reported each copy's encoded size to be (a compressed copy loads in fewer
 //! bytes than the device format's group), and `block_group_bytes` for a copy whose size was not reported.
 //!
