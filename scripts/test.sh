@@ -31,6 +31,9 @@ scripts/fetch-model.sh
 scripts/fetch-prose.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The crate and module docs stay linked: no broken intra-doc links or stray HTML (links to private items are fine,
+# the docs are built with them).
+RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" cargo doc --workspace --no-deps --document-private-items
 cargo test --workspace
 bash scripts/check-cuda.sh
 # The binary `cargo test` just built (CARGO_BIN_EXE_pagoda): check-helm would otherwise build it again.

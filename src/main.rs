@@ -256,7 +256,7 @@ struct EngineArgs {
     /// tokens (prompt 1, output 2, over the key's weight), so long prompts cost their tenant more turns.
     #[arg(long, default_value = "fcfs", value_parser = ["fcfs", "priority", "fair", "vtc"])]
     scheduling_policy: String,
-    /// Directory for the worker's persistent state; the disk KV tier lives in <data-dir>/kv/.
+    /// Directory for the worker's persistent state; the disk KV tier lives in DATA_DIR/kv/.
     #[arg(long, env = "PAGODA_DATA_DIR")]
     data_dir: Option<PathBuf>,
     /// Host-RAM KV tier size in MiB: idle prefix blocks evicted from the device pool are kept here (0 disables).
@@ -536,7 +536,7 @@ struct UpArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     worker_listen: SocketAddr,
     /// gRPC address of the embedded one-voter kvstore (port 0 = any free port). Its raft log lives under
-    /// <data-dir>/kvstore, or in a temporary directory removed at exit without --data-dir.
+    /// DATA_DIR/kvstore, or in a temporary directory removed at exit without --data-dir.
     #[arg(long, default_value = "127.0.0.1:0")]
     kvstore_listen: SocketAddr,
     #[command(flatten)]
@@ -556,11 +556,11 @@ struct WorkerArgs {
     /// a cluster. Without it the worker reports nothing.
     #[arg(long, value_delimiter = ',')]
     kvstore: Vec<String>,
-    /// This worker's id in the kvstore directory; keep it stable across restarts (default: <hostname>:<port>).
+    /// This worker's id in the kvstore directory; keep it stable across restarts (default: HOSTNAME:PORT).
     #[arg(long, env = "PAGODA_WORKER_ID")]
     worker_id: Option<String>,
     /// The gRPC address routers reach this worker at, registered in the kvstore (default: the bound --listen
-    /// address, or <hostname>:<port> when it listens on all interfaces).
+    /// address, or HOSTNAME:PORT when it listens on all interfaces).
     #[arg(long)]
     advertise: Option<String>,
     /// Never pull a prefix from the peer a router names (Transfer); recompute instead. The Transfer service still

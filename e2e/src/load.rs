@@ -5,7 +5,7 @@
 //!   request has a deadline; the number of requests and the time spent issuing them are bounded.
 //! - Each request leaves a [`Record`]: accepted or rejected, time to first token, the full streamed text, finish
 //!   reason, usage and error.
-//! - [`reference`] computes the greedy answer of every prompt at every output length on a healthy cluster;
+//! - [`reference()`] computes the greedy answer of every prompt at every output length on a healthy cluster;
 //!   [`Report::new`] checks every completed request against it (duplicates, gaps and any other divergence all show
 //!   as a mismatch), counts the lost ones (accepted but never completed, or no clean answer at all), and measures
 //!   throughput and the time to recover after a fault.

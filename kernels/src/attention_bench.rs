@@ -1,7 +1,7 @@
 //! Decode-attention bandwidth, the measurement behind `pagoda bench kernels`: bytes of K and V that one paged
 //! decode step reads per second, per KV format, over batch sizes and context lengths, next to a plain memory copy
 //! on the same machine as the ceiling. This module owns the shapes, the formats, the scattered block tables and the
-//! CPU measurement; the GPU one is [`crate::cuda::bench`] (feature `cuda`), over the same [`AttnBenchShape`]s.
+//! CPU measurement; the GPU one is `crate::cuda::bench` (feature `cuda`), over the same [`AttnBenchShape`]s.
 //!
 //! Each (format, batch, context) point runs a decode step of `batch` sequences, each at `context` cached slots per
 //! kv-head, over blocks scattered through an arena the size of the largest point (so nothing is served from a

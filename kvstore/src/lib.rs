@@ -9,7 +9,7 @@
 //! - [`transport`]: raft messages between nodes over tonic;
 //! - [`service`]: the `KvStore` gRPC service; [`server`]: starting a node; [`client`]: a leader-following client;
 //! - [`endpoints`]: the kvstore node list a client follows, fixed or kept current by the etcd registry;
-//! - [`bench`]: `pagoda bench kvstore`.
+//! - [`bench`](mod@bench): `pagoda bench kvstore`.
 
 pub mod bench;
 pub mod client;

@@ -1,5 +1,5 @@
 //! The replicated commands and their wire form: validation of client requests into directory types, applying a
-//! [`Command`] to a [`BlockDirectory`], and the directory's snapshot encoding.
+//! [`Command`](pagoda_proto::kvstore::Command) to a [`BlockDirectory`], and the directory's snapshot encoding.
 //!
 //! The node applies committed raft entries through [`apply_command`]; a watcher (the router's in-memory index) applies
 //! the same commands from `Watch` through the same function, so both sides stay identical by construction.

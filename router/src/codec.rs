@@ -1,5 +1,5 @@
 //! The router's view of the model's text side: chat template, tokenizer and the context length.
-//! [`TextCodec`] is what the HTTP layer needs; [`GgufCodec`] implements it over `pagoda_worker::model`.
+//! [`TextCodec`] is what the HTTP layer needs; [`GgufCodec`](crate::gguf_codec::GgufCodec) implements it over `pagoda_worker::model`.
 
 use std::borrow::Cow;
 

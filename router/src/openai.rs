@@ -1071,7 +1071,7 @@ fn parse_tool_call(tools: Option<&[Value]>, choice: Option<&Value>) -> Result<Op
     Ok(Some((name.to_string(), schema)))
 }
 
-/// The schema's compact JSON text, once it is known to compile and fit [`MAX_SCHEMA_BYTES`].
+/// The schema's compact JSON text, once it is known to compile and fit [`MAX_SCHEMA_BYTES`](pagoda_worker::json_schema::MAX_SCHEMA_BYTES).
 fn compile_schema(schema: &Value, param: &str) -> Result<String, ApiError> {
     let text = serde_json::to_string(schema)
         .map_err(|e| ApiError::invalid_param(param, format!("The schema cannot be serialised: {e}.")))?;

@@ -134,7 +134,7 @@ pub struct WorkerCosts {
     pub prefill_tokens_per_s: Option<f64>,
     /// Bytes of one block group in its device KV format (0: not reported).
     pub group_bytes: u64,
-    /// Load bandwidth per tier in bytes/s, in [`HitTier`](crate::placement::HitTier) order (the device's unused).
+    /// Load bandwidth per tier in bytes/s, in [`HitTier`] order (the device's unused).
     /// Only a worker that pulls from peers reports the peer link's.
     pub load_bytes_per_s: [Option<f64>; 4],
     /// Its host tier's capacity (0: none, or not reported): a peer pull brings at most half of it.
@@ -142,7 +142,7 @@ pub struct WorkerCosts {
 }
 
 /// Bandwidths placement assumes for a tier a reporting worker gave none for (a tier it does not have, so a hit
-/// there is unlikely), in [`HitTier`](crate::placement::HitTier) order: the worker's own priors.
+/// there is unlikely), in [`HitTier`] order: the worker's own priors.
 const PRIOR_LOAD_BYTES_PER_S: [f64; 4] = {
     use pagoda_worker::tiers::cost::PRIOR_LOAD_BYTES_PER_S as TIER_PRIORS;
     [0.0, TIER_PRIORS[1], TIER_PRIORS[2], pagoda_worker::transfer::PRIOR_PEER_BYTES_PER_S]

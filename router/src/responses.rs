@@ -1007,7 +1007,7 @@ impl SharedResponses {
     }
 }
 
-/// Stored responses, bounded in count and bytes and shared out between tenants ([`TenantShares`]): past a bound,
+/// Stored responses, bounded in count and bytes and shared out between tenants (`TenantShares`): past a bound,
 /// the oldest of the tenant holding the most goes. Each is visible to its tenant only.
 #[derive(Debug)]
 pub struct ResponseStore {

@@ -134,7 +134,7 @@ pub enum Device {
     /// The CPU backend (`pagoda_kernels::CpuBackend`), KV in host memory.
     #[default]
     Cpu,
-    /// CUDA device with this ordinal: weights, activations and KV on the GPU ([`crate::runner_cuda`]).
+    /// CUDA device with this ordinal: weights, activations and KV on the GPU (`crate::runner_cuda`, feature `cuda`).
     Cuda(usize),
 }
 
@@ -224,7 +224,7 @@ pub struct GenerateRequest {
     /// questions. Ignored under other placements and by requests that create no context.
     pub profile_queries: Vec<Vec<u32>>,
     /// Report each generated token's log-probability with this many most likely alternatives (at most
-    /// [`MAX_TOP_LOGPROBS`](crate::sampling::MAX_TOP_LOGPROBS)); `None` reports none.
+    /// [`MAX_TOP_LOGPROBS`]); `None` reports none.
     pub logprobs: Option<u32>,
     /// Report each prompt token's log-probability after the first (given the tokens before it), with this many
     /// alternatives, before the first generated token: what scoring a text needs (OpenAI's `echo` with

@@ -16,7 +16,7 @@
 //! - [`peer_link`]: device links between GPU workers that carry the peer tier's payloads (NCCL in
 //!   `peer_link_nccl`, feature `cuda`), with gRPC as the fallback.
 //! - [`reporter`]: the task that publishes block events, occupancy and heartbeats to the kvstore.
-//! - [`bench`], [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
+//! - [`bench`](mod@bench), [`bench_eviction`], [`bench_tiers`]: the engine micro-benchmark, throughput under KV memory
 //!   pressure, and onboarding a prefix from the host/disk tiers against recomputing it; [`bench_zipf`]: EvicPress
 //!   against LRU and fixed codecs on Zipf-reused contexts.
 

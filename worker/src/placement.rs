@@ -1,4 +1,4 @@
-//! EvicPress placement in the engine: the driver that feeds the pure [`Planner`](crate::evicpress::Planner) with
+//! EvicPress placement in the engine: the driver that feeds the pure [`Planner`] with
 //! contexts, profiles and measured bandwidths, and carries out its operations on the [`TierStore`]. Owned by the
 //! engine thread (one owner: the planner, the context table and the profiler's state live here and nowhere else).
 //!

@@ -4,7 +4,7 @@
 //! Run: `cargo run --release -p pagoda-kernels --features cuda --bin cuda-bench [-- --quick]`.
 //! Synthetic cache (zeros; values do not change the work), llama-8B attention shape by default
 //! (32 query heads, 8 kv-heads, head_dim 128, block 16); `--shape smollm2` uses 9/3 heads, head_dim 64.
-//! `pagoda bench kernels --device cuda` runs the same measurement ([`pagoda_kernels::cuda::bench`]).
+//! `pagoda bench kernels --device cuda` runs the same measurement (`pagoda_kernels::cuda::bench`, feature `cuda`).
 
 #[cfg(not(feature = "cuda"))]
 fn main() {

@@ -1,7 +1,7 @@
 //! Group codecs of the lower tiers: how one block group (every (layer, kv-head) block of a 16-token chunk) is turned
 //! into the bytes a tier stores, and back into device blocks. Two families share the [`EncodedGroup::codec`] name:
 //!
-//! - the [`native`](super::native) formats (`f16`, `f32`, legacy `native`): the device arena's elements, lossless;
+//! - the [`native`] formats (`f16`, `f32`, legacy `native`): the device arena's elements, lossless;
 //! - the compressing KV codecs of the kernels crate (`bf16`, `int8`, `fp8_e4m3`, `fp8_e4m3_rotated`, `int4_kivi`,
 //!   `int2_kivi`): each block encoded with [`Codec::encode_block`] (self-describing 16-byte header, validated on
 //!   decode), the blocks concatenated in group order. The kernels' `f16`/`f32` codecs are not offered here: their names belong to the
