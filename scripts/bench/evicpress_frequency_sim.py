@@ -19,10 +19,14 @@ Three ways to place, each on the same requests:
   drop priced as a recompute at quality 1, is solved exactly (dynamic programming in MiB), not greedily. A context
   can only go down in precision unless the request just recomputed it, as in the engine.
 - `future`: the same optimisation with every context's count over the measured requests known in advance.
+- `greedy`: Algorithm 1 as the engine runs it, on the learned frequencies: a stored or recomputed context goes in
+  at f16, and while the tiers are over capacity the single change (a cheaper codec, or a drop) with the smallest
+  utility drop (`--rule drop`) or drop per MiB freed (`--rule per-byte`) is applied. The offline phase's
+  question counts as one access, as in the engine.
 The learned placement is an upper bound on what Algorithm 1 can do with those frequencies: its profiles are exact
 and its knapsack optimal. The script needs numpy.
 
-    python3 scripts/bench/evicpress_frequency_sim.py --seeds 11,12,13 --warmup 300 --alpha 4,6,8,10,12,16
+    python3 scripts/bench/evicpress_frequency_sim.py --seeds 11,12,13 --warmup 0 [--rule drop]
 """
 import argparse
 from collections import OrderedDict
@@ -112,6 +116,57 @@ def place(tokens, frequency, allowed, alpha):
     return out
 
 
+def utility(frequency, tokens, variant, alpha):
+    if variant == "drop":
+        return frequency * (alpha - cold_ms(tokens) / 1000)
+    return frequency * (alpha * QUALITY[variant] - WARM_MS / 1000)
+
+
+def greedy_placement(tokens, requests, warmup, alpha, rule):
+    n = len(tokens)
+    frequency, placement, used = np.zeros(n), ["drop"] * n, 0
+
+    def relieve():
+        nonlocal used
+        while used > CAPACITY_MIB:
+            best = None
+            for c, held in enumerate(placement):
+                for v in VARIANTS:
+                    if held == "drop" or (v != "drop" and PRECISION[v] >= PRECISION[held]):
+                        continue
+                    freed = size_mib(tokens[c], held) - size_mib(tokens[c], v)
+                    if freed <= 0:
+                        continue
+                    loss = utility(frequency[c], tokens[c], held, alpha) - utility(frequency[c], tokens[c], v, alpha)
+                    key = loss / freed if rule == "per-byte" else loss
+                    if best is None or key < best[0]:
+                        best = (key, c, v, freed)
+            _, c, v, freed = best
+            placement[c] = v
+            used -= freed
+
+    def store(c):
+        nonlocal used
+        placement[c] = "f16"
+        used += size_mib(tokens[c], "f16")
+        relieve()
+
+    for c in range(n):
+        frequency[c] += 1
+        store(c)
+    ttft, quality = [], []
+    for k, c in enumerate(requests):
+        variant = placement[c]
+        t, q = (cold_ms(tokens[c]), 1.0) if variant == "drop" else (WARM_MS, QUALITY[variant])
+        frequency[c] += 1
+        if variant == "drop":
+            store(c)
+        if k >= warmup:
+            ttft.append(t)
+            quality.append(q)
+    return float(np.mean(ttft)), float(np.mean(quality))
+
+
 def utility_placement(tokens, requests, warmup, alpha, prior, future):
     n = len(tokens)
     anything = set(VARIANTS)
@@ -151,16 +206,20 @@ def main():
     ap.add_argument("--prior", type=float, default=0.5)
     ap.add_argument("--alpha", default="4,6,8,10,12,16")
     ap.add_argument("--baseline", default="int4_kivi")
+    ap.add_argument("--rule", choices=["drop", "per-byte"], default="per-byte")
     a = ap.parse_args()
     alphas = [float(x) for x in a.alpha.split(",")]
     for seed in [int(s) for s in a.seeds.split(",")]:
         tokens, requests = workload(seed, a.warmup, a.requests)
         base_ms, base_q = lru(tokens, requests, a.warmup, a.baseline)
         print(f"seed {seed}: lru+{a.baseline} {base_ms:.1f} ms at {base_q:.3f}")
-        for label, future in (("learned", False), ("future", True)):
+        for label in ("greedy", "learned", "future"):
             best = None
             for alpha in alphas:
-                ms, q = utility_placement(tokens, requests, a.warmup, alpha, a.prior, future)
+                if label == "greedy":
+                    ms, q = greedy_placement(tokens, requests, a.warmup, alpha, a.rule)
+                else:
+                    ms, q = utility_placement(tokens, requests, a.warmup, alpha, a.prior, label == "future")
                 print(f"  {label} alpha={alpha:g}: {ms:.1f} ms at {q:.3f}")
                 if q >= base_q and (best is None or ms < best[0]):
                     best = (ms, q, alpha)
