@@ -23,10 +23,13 @@ Three ways to place, each on the same requests:
   at f16, and while the tiers are over capacity the single change (a cheaper codec, or a drop) with the smallest
   utility drop (`--rule drop`) or drop per MiB freed (`--rule per-byte`) is applied. The offline phase's
   question counts as one access, as in the engine.
+With `--profile-noise SD` the `greedy` and `learned` placements plan on per-context profiles: each lossy codec's
+mean quality plus a normal error of that standard deviation, drawn once per context (clipped to [0, 1]), where the
+engine's profiles come from a few questions of a few tokens each. Requests still score the codec's mean.
 The learned placement is an upper bound on what Algorithm 1 can do with those frequencies: its profiles are exact
 and its knapsack optimal. The script needs numpy.
 
-    python3 scripts/bench/evicpress_frequency_sim.py --seeds 11,12,13 --warmup 0 [--rule drop]
+    python3 scripts/bench/evicpress_frequency_sim.py --seeds 11,12,13 --warmup 0 [--rule drop] [--profile-noise 0.1]
 """
 import argparse
 from collections import OrderedDict
@@ -86,7 +89,20 @@ def lru(tokens, requests, warmup, codec):
     return float(np.mean(ttft)), float(np.mean(quality))
 
 
-def place(tokens, frequency, allowed, alpha):
+def planning_quality(contexts, noise_sd, seed):
+    """What the planner believes each context's variants score: the codec's mean, plus profile noise."""
+    rng = np.random.default_rng(seed + 1000)
+    believed = []
+    for _ in range(contexts):
+        q = {v: QUALITY[v] for v in QUALITY}
+        for v in QUALITY:
+            if v != "f16" and noise_sd > 0:
+                q[v] = float(np.clip(q[v] + rng.normal(0, noise_sd), 0, 1))
+        believed.append(q)
+    return believed
+
+
+def place(tokens, frequency, allowed, alpha, believed):
     """The placement maximising the summed utility within the tiers' MiB: a multiple-choice knapsack, solved exactly."""
     none = -1e18
     best = np.full(CAPACITY_MIB + 1, none)
@@ -102,7 +118,7 @@ def place(tokens, frequency, allowed, alpha):
             if v == "drop":
                 value = frequency[c] * (alpha - cold_ms(length) / 1000)
             else:
-                value = frequency[c] * (alpha * QUALITY[v] - WARM_MS / 1000)
+                value = frequency[c] * (alpha * believed[c][v] - WARM_MS / 1000)
             candidate = np.full(CAPACITY_MIB + 1, none)
             candidate[size:] = best[: CAPACITY_MIB + 1 - size] + value
             better = candidate > nxt
@@ -116,13 +132,14 @@ def place(tokens, frequency, allowed, alpha):
     return out
 
 
-def utility(frequency, tokens, variant, alpha):
-    if variant == "drop":
+def utility(frequency, tokens, quality, alpha):
+    """The utility of one context: `quality` None for a drop (a recompute at quality 1)."""
+    if quality is None:
         return frequency * (alpha - cold_ms(tokens) / 1000)
-    return frequency * (alpha * QUALITY[variant] - WARM_MS / 1000)
+    return frequency * (alpha * quality - WARM_MS / 1000)
 
 
-def greedy_placement(tokens, requests, warmup, alpha, rule):
+def greedy_placement(tokens, requests, warmup, alpha, rule, believed):
     n = len(tokens)
     frequency, placement, used = np.zeros(n), ["drop"] * n, 0
 
@@ -137,7 +154,10 @@ def greedy_placement(tokens, requests, warmup, alpha, rule):
                     freed = size_mib(tokens[c], held) - size_mib(tokens[c], v)
                     if freed <= 0:
                         continue
-                    loss = utility(frequency[c], tokens[c], held, alpha) - utility(frequency[c], tokens[c], v, alpha)
+                    worth = [None if x == "drop" else believed[c][x] for x in (held, v)]
+                    loss = utility(frequency[c], tokens[c], worth[0], alpha) - utility(
+                        frequency[c], tokens[c], worth[1], alpha
+                    )
                     key = loss / freed if rule == "per-byte" else loss
                     if best is None or key < best[0]:
                         best = (key, c, v, freed)
@@ -167,14 +187,14 @@ def greedy_placement(tokens, requests, warmup, alpha, rule):
     return float(np.mean(ttft)), float(np.mean(quality))
 
 
-def utility_placement(tokens, requests, warmup, alpha, prior, future):
+def utility_placement(tokens, requests, warmup, alpha, prior, future, believed):
     n = len(tokens)
     anything = set(VARIANTS)
     if future:
         frequency = np.bincount(requests[warmup:], minlength=n).astype(float)
     else:
         frequency = np.full(n, prior)
-    placement = place(tokens, frequency, [anything] * n, alpha)
+    placement = place(tokens, frequency, [anything] * n, alpha, believed)
     ttft, quality = [], []
     for k, c in enumerate(requests):
         variant = placement[c]
@@ -194,7 +214,7 @@ def utility_placement(tokens, requests, warmup, alpha, prior, future):
                 allowed.append({"drop"})
             else:
                 allowed.append({"drop"} | {v for v in VARIANTS[1:] if v == held or PRECISION[v] < PRECISION[held]})
-        placement = place(tokens, frequency, allowed, alpha)
+        placement = place(tokens, frequency, allowed, alpha, believed)
     return float(np.mean(ttft)), float(np.mean(quality))
 
 
@@ -207,19 +227,23 @@ def main():
     ap.add_argument("--alpha", default="4,6,8,10,12,16")
     ap.add_argument("--baseline", default="int4_kivi")
     ap.add_argument("--rule", choices=["drop", "per-byte"], default="per-byte")
+    ap.add_argument("--profile-noise", type=float, default=0.0)
+    ap.add_argument("--placements", default="greedy,learned,future")
     a = ap.parse_args()
     alphas = [float(x) for x in a.alpha.split(",")]
     for seed in [int(s) for s in a.seeds.split(",")]:
         tokens, requests = workload(seed, a.warmup, a.requests)
+        believed = planning_quality(len(tokens), a.profile_noise, seed)
         base_ms, base_q = lru(tokens, requests, a.warmup, a.baseline)
         print(f"seed {seed}: lru+{a.baseline} {base_ms:.1f} ms at {base_q:.3f}")
-        for label in ("greedy", "learned", "future"):
+        for label in a.placements.split(","):
             best = None
             for alpha in alphas:
                 if label == "greedy":
-                    ms, q = greedy_placement(tokens, requests, a.warmup, alpha, a.rule)
+                    ms, q = greedy_placement(tokens, requests, a.warmup, alpha, a.rule, believed)
                 else:
-                    ms, q = utility_placement(tokens, requests, a.warmup, alpha, a.prior, label == "future")
+                    exact = planning_quality(len(tokens), 0.0, seed) if label == "future" else believed
+                    ms, q = utility_placement(tokens, requests, a.warmup, alpha, a.prior, label == "future", exact)
                 print(f"  {label} alpha={alpha:g}: {ms:.1f} ms at {q:.3f}")
                 if q >= base_q and (best is None or ms < best[0]):
                     best = (ms, q, alpha)
