@@ -373,6 +373,11 @@ struct EngineArgs {
     /// that a lucky profile over few answer positions does not pass for a lossless variant.
     #[arg(long)]
     evicpress_shrink: bool,
+    /// Plan every context on each variant's mean quality over all contexts profiled, not on its own profile (full
+    /// pooling; for contexts that lose about the same to each codec, where a few probes per context mostly add
+    /// noise).
+    #[arg(long)]
+    evicpress_pooled_profiles: bool,
     /// How EvicPress's greedy step ranks the changes that make room on a full tier: `drop` (the paper's
     /// Algorithm 1: the least utility drop) or `per-byte` (the least utility drop per byte freed).
     #[arg(long, default_value = "drop")]
@@ -1103,6 +1108,9 @@ struct BenchTiersArgs {
     /// zipf: shrink EvicPress's profiles toward each variant's mean (empirical Bayes).
     #[arg(long)]
     evicpress_shrink: bool,
+    /// zipf: plan every context on each variant's mean quality over all contexts profiled (full pooling).
+    #[arg(long)]
+    evicpress_pooled_profiles: bool,
     /// zipf: EvicPress's greedy rule, comma-separated for one EvicPress configuration per rule and α: `drop`
     /// (the paper's least utility drop) or `per-byte` (least utility drop per byte freed).
     #[arg(long, value_delimiter = ',', default_value = "drop")]
@@ -1423,6 +1431,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
                 scoring: e.evicpress_profile,
                 horizon: e.evicpress_horizon,
                 shrink: e.evicpress_shrink,
+                pooled: e.evicpress_pooled_profiles,
                 greedy: e.evicpress_greedy,
                 upgrade: e.evicpress_upgrade,
                 ..EvicPressConfig::default()
@@ -2414,6 +2423,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         profile_scoring: args.evicpress_profile,
         horizon: args.evicpress_horizon,
         shrink: args.evicpress_shrink,
+        pooled: args.evicpress_pooled_profiles,
         greedy: args.evicpress_greedy,
         profile_questions: args.evicpress_profile_questions,
         upgrade: args.evicpress_upgrade,

@@ -262,6 +262,7 @@ def check_default(objs):
     expect(find(objs, "StatefulSet", "rel-pagoda-prefill") is None, "default: prefill workers rendered")
     expect("--remote-prefill-min-tokens=256" in r["command"], "default: router lacks --remote-prefill-min-tokens=256")
     expect("--evicpress-shrink" not in w["command"], "default: worker shrinks profiles although it is off")
+    expect("--evicpress-pooled-profiles" not in w["command"], "default: worker pools profiles although it is off")
     expect("--evicpress-upgrade" not in w["command"], "default: worker recomputes lossy copies although it is off")
     expect("--kivi-residual-tokens=0" in w["command"], "default: worker keeps a KIVI residual although it is 0")
     expect("--device=cpu" in w["command"] and not w["image"].endswith("-cuda"), "default: worker is not the CPU build")
@@ -357,7 +358,7 @@ def check_minimal(objs):
     expect("--speculative-tokens=4" in w["command"], "minimal: worker lacks --speculative-tokens=4")
     expect("--scheduling-policy=priority" in w["command"], "minimal: worker lacks --scheduling-policy=priority")
     for flag in ["--tier-placement=evicpress", "--kivi-residual-tokens=128", "--evicpress-horizon=observed",
-                 "--evicpress-shrink", "--evicpress-upgrade",
+                 "--evicpress-shrink", "--evicpress-pooled-profiles", "--evicpress-upgrade",
                  "--evicpress-profile-question=Who is speaking in the passage above?",
                  "--evicpress-profile-question=How does the passage end?"]:
         expect(flag in w["command"], f"minimal: worker lacks {flag}")

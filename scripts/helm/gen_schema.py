@@ -181,6 +181,8 @@ schema = obj({
             "evicpressHorizon": {"enum": ["observed", "fixed"]},
             # `--evicpress-shrink` (placement.rs VariantQuality::shrunk).
             "evicpressShrink": BOOL,
+            # `--evicpress-pooled-profiles` (placement.rs EvicPressConfig::pooled).
+            "evicpressPooledProfiles": BOOL,
             # `--evicpress-greedy` (evicpress.rs GreedyRule).
             "evicpressGreedy": {"enum": ["drop", "per-byte"]},
             # `--evicpress-upgrade` (placement.rs EvicPressConfig::upgrade).

@@ -132,6 +132,9 @@ pub struct ZipfBenchOptions {
     pub horizon: AnswerHorizon,
     /// Shrink EvicPress's profiles toward each variant's mean.
     pub shrink: bool,
+    /// Plan EvicPress on each variant's mean over all contexts ([`EvicPressConfig::pooled`]).
+    #[serde(default)]
+    pub pooled: bool,
     /// EvicPress's greedy rules, one configuration per rule and α (named `… drop` / `… per-byte` unless the
     /// rule is the paper's alone). Reports written before the option read back as the paper's rule.
     #[serde(default = "papers_greedy_rule")]
@@ -208,6 +211,7 @@ impl Default for ZipfBenchOptions {
             profile_scoring: ProfileScoring::TeacherForced,
             horizon: AnswerHorizon::Fixed,
             shrink: false,
+            pooled: false,
             greedy: papers_greedy_rule(),
             profile_questions: 0,
             upgrade: without_upgrades(),
@@ -355,7 +359,13 @@ impl ZipfReport {
             } else {
                 String::new()
             },
-            if o.shrink { ", shrunk toward each variant's mean" } else { "" }
+            if o.pooled {
+                ", pooled: every context planned on each variant's mean"
+            } else if o.shrink {
+                ", shrunk toward each variant's mean"
+            } else {
+                ""
+            }
         );
         if o.kivi_residual_tokens.iter().any(|&r| r > 0) {
             s.insert_str(
@@ -1266,6 +1276,7 @@ pub fn zipf_bench_with_progress(
             // 1/answer_tokens; fixed, its default 16 positions.
             horizon: opts.horizon,
             shrink: opts.shrink,
+            pooled: opts.pooled,
             greedy,
             // Each context's own, given by its requests (`profile_queries`).
             profile_questions: Vec::new(),

@@ -350,6 +350,24 @@ impl Planner {
         Ok(())
     }
 
+    /// Sets `variant`'s quality to `quality` in every profile that measured it, leaving the rest of each profile
+    /// (and what requests were observed to get) as it was: profiles pooled over contexts, for a variant whose
+    /// contexts differ less than one context's few probes can tell.
+    pub fn set_variant_quality(&mut self, variant: usize, quality: f64) -> Result<(), PlanError> {
+        if variant >= self.cfg.variants.len() {
+            return Err(PlanError::Invalid("no such variant"));
+        }
+        if !(quality.is_finite() && (0.0..=1.0).contains(&quality)) {
+            return Err(PlanError::Invalid("quality must be in [0, 1]"));
+        }
+        for c in self.contexts.values_mut() {
+            if let Some(q) = c.quality.get_mut(variant).and_then(Option::as_mut) {
+                *q = quality;
+            }
+        }
+        Ok(())
+    }
+
     /// Counts one access of `context` (the utility's frequency term).
     pub fn record_access(&mut self, context: u64) -> Result<(), PlanError> {
         self.clock += 1;
@@ -583,6 +601,26 @@ mod tests {
         // An invalid cost is ignored like a bad bandwidth.
         p.set_costs([0.0; 3], PrefillCost { secs_per_token: 1e-3, secs_per_pair: f64::NAN });
         assert!((p.recompute_time(1000) - 2.5005).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_variants_quality_is_set_in_every_profile_that_measured_it() {
+        let mut p = planner([u64::MAX; 3], 1.0);
+        p.set_profile(1, 1000, vec![Some(1.0), Some(0.8), None]).unwrap();
+        p.set_profile(2, 500, vec![Some(1.0), Some(0.95), Some(0.7)]).unwrap();
+        p.record_access(2).unwrap();
+        let host_int8 = Some(Placement { tier: Tier::Host, variant: 1 });
+        let before = p.utility(2, host_int8).unwrap();
+        p.set_variant_quality(1, 0.9).unwrap();
+        assert_eq!(p.contexts[&1].quality, vec![Some(1.0), Some(0.9), None]);
+        assert_eq!(p.contexts[&2].quality, vec![Some(1.0), Some(0.9), Some(0.7)]);
+        // (α · q − load) · frequency with frequency 1: the utility moves by the quality's change.
+        assert!((p.utility(2, host_int8).unwrap() - (before - 0.05)).abs() < 1e-12);
+        assert_eq!(p.contexts[&2].frequency, 1.0, "accesses are kept");
+        assert!(p.set_variant_quality(3, 0.5).is_err());
+        assert!(p.set_variant_quality(1, 1.5).is_err());
+        assert!(p.set_variant_quality(1, f64::NAN).is_err());
+        assert_eq!(p.contexts[&1].quality[1], Some(0.9), "a refused call changes nothing");
     }
 
     #[test]

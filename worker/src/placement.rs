@@ -218,6 +218,11 @@ pub struct EvicPressConfig {
     /// measurement over its probes is against how much contexts really differ (empirical Bayes;
     /// [`VariantQuality::shrunk`]). Off: the raw measurement is the profile.
     pub shrink: bool,
+    /// Plan every context on each variant's mean over all contexts profiled so far, its own profile counting
+    /// toward the mean: full pooling, where `shrink` pools only as far as the profiles' noise says. For
+    /// workloads whose contexts lose about the same to each codec, where a context's few probes mostly add noise
+    /// (docs/BENCHMARKS.md, "What knowing the frequencies is worth at full size"). Off: each context's own profile.
+    pub pooled: bool,
     /// How Algorithm 1's greedy step ranks the changes that make room on a full tier.
     pub greedy: GreedyRule,
     /// Relative drop of observed quality below the profile that triggers a re-profile.
@@ -250,6 +255,7 @@ impl Default for EvicPressConfig {
             horizon: AnswerHorizon::Fixed,
             scoring: ProfileScoring::TeacherForced,
             shrink: false,
+            pooled: false,
             greedy: GreedyRule::Drop,
             drift_threshold: 0.1,
             profile_budget: Duration::from_secs(5),
@@ -983,8 +989,23 @@ impl EvicPress {
                 }
             }
         }
+        if self.cfg.pooled {
+            for (v, q) in q.iter_mut().enumerate().skip(1) {
+                if let (Some(q), Some(mean)) = (q.as_mut(), self.prior[v].mean()) {
+                    *q = mean;
+                }
+            }
+        }
         self.restrict(context, &mut q);
         self.planner.set_profile(context, tokens, q).map_err(plan_err)?;
+        if self.cfg.pooled {
+            // Every earlier profile moves to the new means too: the first contexts were pooled over few.
+            for v in 1..self.variants.len() {
+                if let Some(mean) = self.prior[v].mean() {
+                    self.planner.set_variant_quality(v, mean).map_err(plan_err)?;
+                }
+            }
+        }
         if let Some(c) = self.contexts.get_mut(&context) {
             c.profiled = true;
         }
@@ -1777,6 +1798,45 @@ mod tests {
         // A short prediction (a step that returned fewer rows) counts its missing positions as misses.
         assert_eq!(agreement(&reference[..8], &reference), 0.5);
         assert_eq!(agreement(&[], &[]), 1.0);
+    }
+
+    #[test]
+    fn pooled_profiles_plan_every_context_on_each_variants_mean() {
+        let dir = std::env::temp_dir().join(format!("pagoda-placement-pooled-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = TierConfig { data_dir: Some(dir.clone()), host_bytes: 1 << 20, disk_bytes: 4 << 20 };
+        let tiers = TierStore::open(&cfg, 1 << 20).unwrap().unwrap();
+        let layout = CacheLayout { n_layers: 2, n_kv_heads: 2, block_size: 16 };
+        let measured = |q: [f64; 5]| Profiled {
+            quality: q.iter().map(|&q| Some(q)).collect(),
+            probe_variance: vec![None; 5],
+            probes: 1,
+        };
+        let host = |variant| Some(crate::evicpress::Placement { tier: crate::evicpress::Tier::Host, variant });
+        for pooled in [false, true] {
+            let cfg = EvicPressConfig { keep_ratios: vec![], pooled, ..EvicPressConfig::default() };
+            let mut ep = EvicPress::new(cfg, "m", layout, 64, KvDtype::F16, &tiers).unwrap();
+            ep.set_measured(1, 64, measured([1.0, 0.9, 0.8, 0.6, 0.2])).unwrap();
+            ep.set_measured(2, 64, measured([1.0, 0.7, 1.0, 0.8, 0.4])).unwrap();
+            for c in [1, 2] {
+                ep.planner.record_access(c).unwrap();
+            }
+            for v in 0..5 {
+                let (one, two) = (ep.planner.utility(1, host(v)).unwrap(), ep.planner.utility(2, host(v)).unwrap());
+                // Same tokens, one access each: the utilities differ only by α · (q₁ − q₂).
+                let own = [[1.0, 0.9, 0.8, 0.6, 0.2], [1.0, 0.7, 1.0, 0.8, 0.4]];
+                let want = if pooled { 0.0 } else { own[0][v] - own[1][v] };
+                assert!((one - two - want).abs() < 1e-12, "pooled {pooled}, variant {v}: {one} {two}");
+            }
+            if pooled {
+                // Both sit at the mean of the two profiles (int8: 0.8), the lossless variant at 1.
+                let lossless = ep.planner.utility(1, host(0)).unwrap();
+                let int8 = ep.planner.utility(1, host(1)).unwrap();
+                let load_gap = int8 - lossless + 0.2; // α = 1: the quality gap is 0.2
+                assert!(load_gap > 0.0 && load_gap < 0.01, "int8 loads faster by a little: {load_gap}");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
