@@ -401,3 +401,21 @@ pub async fn worker_stats(addr: &str) -> Result<StatsResponse> {
     let mut c = WorkerClient::connect(format!("http://{addr}")).await.with_context(|| format!("connect {addr}"))?;
     Ok(c.stats(StatsRequest {}).await?.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    /// The e2e tests compare floats read back from the router's and workers' JSON with the ones the processes report
+    /// over gRPC, exactly. serde_json's default parser is fast but not correctly rounded (it lands an ulp off for a
+    /// good share of values); the workspace's `float_roundtrip` feature makes it exact, and this fails without it.
+    #[test]
+    fn json_floats_parse_back_to_the_value_printed() {
+        let mut bits = 250.052_818_757_733_06_f64.to_bits();
+        for _ in 0..20_000 {
+            let x = f64::from_bits(bits);
+            let text = serde_json::to_string(&x).unwrap();
+            let back: f64 = serde_json::from_str(&text).unwrap();
+            assert_eq!(back.to_bits(), bits, "{text} parsed back as {back:?}");
+            bits += 7919;
+        }
+    }
+}
