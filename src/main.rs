@@ -1042,6 +1042,10 @@ struct BenchTiersArgs {
     /// where each configuration's disk tier lives.
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// 2k: also onboard the prefix from host with every group stored in each of these codecs, comma-separated
+    /// (`--tier-codec`: int8, fp8_e4m3, fp8_e4m3_rotated, bf16, int4_kivi, int2_kivi).
+    #[arg(long, value_delimiter = ',')]
+    onboard_codecs: Vec<String>,
     /// `2k`: one long prefix from host/disk against recomputing it. `zipf`: EvicPress against recompute, LRU and
     /// each fixed codec + LRU on contexts reused with a Zipf distribution (the flags below).
     #[arg(long, default_value = "2k", value_parser = ["2k", "zipf"])]
@@ -2392,6 +2396,7 @@ fn bench_tiers(args: BenchTiersArgs) -> Result<()> {
         repeats: args.repeats,
         host_mib: args.host_tier_mib,
         data_dir: args.data_dir,
+        codecs: args.onboard_codecs.iter().map(|c| c.trim().to_owned()).collect(),
         ..Default::default()
     };
     let report = pagoda_worker::bench_tiers::tiers_bench(&model, &opts)

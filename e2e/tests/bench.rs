@@ -201,6 +201,49 @@ fn bench_tiers_zipf_reprints_a_saved_report() {
     assert!(!bad.status.success() && stderr.contains("is not a") && !stderr.contains("panicked"), "{stderr}");
 }
 
+/// `pagoda bench tiers` (the 2K workload, at 512 tokens): a prefix pushed out of the device pool comes back from
+/// host (native and in each `--onboard-codecs` codec) and from disk, is onboarded rather than recomputed, and
+/// beats recomputing it; a native or unknown codec is refused clearly.
+#[test]
+fn bench_tiers_onboards_a_prefix_from_every_tier_and_codec() {
+    let model = require_model().unwrap();
+    let out = std::env::temp_dir().join(format!("pagoda-bench-tiers-2k-{}.json", std::process::id()));
+    let data = out.with_extension("d");
+    let run = |codecs: &str| {
+        std::process::Command::new(BIN)
+            .args(["bench", "tiers", "--threads", "2", "--repeats", "1", "--context-tokens", "512"])
+            .args(["--host-tier-mib", "64", "--onboard-codecs", codecs, "--model"])
+            .arg(&model)
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--json")
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let output = run("int4_kivi,int8");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = (std::fs::remove_file(&out), std::fs::remove_dir_all(&data));
+    let runs = v["runs"].as_array().unwrap();
+    let rows: Vec<(&str, &str)> =
+        runs.iter().map(|r| (r["tier"].as_str().unwrap(), r["stored_as"].as_str().unwrap())).collect();
+    assert_eq!(rows, [("host", "f16"), ("host", "int4_kivi"), ("host", "int8"), ("disk", "f16")], "{v:#}");
+    for r in runs {
+        // The prefix's first group may stay on the device and its last partial one is computed: the rest is
+        // onboarded, and the request computes at most its last two groups.
+        assert!(r["onboarded_tokens"].as_u64().unwrap() >= 512 - 64, "{r:#}");
+        assert!(r["computed_tokens"].as_u64().unwrap() <= 32, "{r:#}");
+        assert!(r["seconds"].as_f64().unwrap() < r["recompute_seconds"].as_f64().unwrap(), "{r:#}");
+    }
+    for (codecs, want) in [("f16", "native format"), ("zstd", "zstd")] {
+        let bad = run(codecs);
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success() && stderr.contains(want) && !stderr.contains("panicked"), "{stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&data);
+}
+
 /// `pagoda bench kernels` through the real binary at a tiny grid: every (format, batch, context) point is
 /// reported with the bytes it read, and bad grids are refused.
 #[test]

@@ -55,6 +55,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use thiserror::Error;
 
@@ -377,6 +378,23 @@ impl BlockHeader {
 /// each exactly `block_size * head_dim` floats; slots past `filled` are set to zero. Validates everything (see the
 /// module docs), so it is safe on bytes from disk or the network.
 pub fn decode_block(bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) -> Result<BlockHeader, CodecError> {
+    let h = parse_for_outputs(bytes, k_out, v_out)?;
+    validate_payload(&h, bytes)?;
+    decode_payload(&h, bytes, k_out, v_out);
+    Ok(h)
+}
+
+/// Decodes a block that [`decoded_magnitude_bound`] or [`validate_block`] accepted, without checking its payload a
+/// second time: the header is parsed again (so lengths always agree with the bytes), the scales and codes are not.
+/// On bytes that were not validated the values may be non-finite, never out of bounds.
+pub fn decode_validated_block(bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) -> Result<BlockHeader, CodecError> {
+    let h = parse_for_outputs(bytes, k_out, v_out)?;
+    decode_payload(&h, bytes, k_out, v_out);
+    Ok(h)
+}
+
+/// The header of `bytes`, once the outputs are checked to hold `block_size * head_dim` floats each.
+fn parse_for_outputs(bytes: &[u8], k_out: &[f32], v_out: &[f32]) -> Result<BlockHeader, CodecError> {
     let h = BlockHeader::parse(bytes)?;
     let n = h.block_size * h.head_dim;
     for (what, got) in [("K output ([block_size][head_dim])", k_out.len()), ("V output", v_out.len())] {
@@ -384,8 +402,12 @@ pub fn decode_block(bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) -> Resul
             return Err(CodecError::BadInputLength { what, expected: n, got });
         }
     }
-    validate_payload(&h, bytes)?;
-    let (kb, vb) = halves(&h, bytes);
+    Ok(h)
+}
+
+/// Decodes the payload of `bytes`, whose header `h` parsed, into outputs of `block_size * head_dim` floats each.
+fn decode_payload(h: &BlockHeader, bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) {
+    let (kb, vb) = halves(h, bytes);
     let filled = h.filled * h.head_dim;
     if matches!(h.codec, Codec::Int4Kivi | Codec::Int2Kivi) {
         decode_kivi_keys(h.codec, h.head_dim, kb, h.filled, &mut k_out[..filled]);
@@ -399,7 +421,6 @@ pub fn decode_block(bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) -> Resul
     }
     k_out[filled..].fill(0.0);
     v_out[filled..].fill(0.0);
-    Ok(h)
 }
 
 /// Validates an encoded block completely (header, length, every scale and min, and payload elements where a bit
@@ -435,18 +456,23 @@ pub fn decoded_magnitude_bound(bytes: &[u8]) -> Result<f32, CodecError> {
                 })
                 .fold(0.0, f32::max),
             Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
-                let m = b[4..].iter().map(|&q| e4m3_to_f32(q).abs()).fold(0.0, f32::max) * f32_at(b, 0);
+                // e4m3 magnitudes order as their 7-bit codes do, so the largest code gives the largest value.
+                let m = e4m3_to_f32(b[4..].iter().fold(0, |top, &q| top.max(q & 0x7F))) * f32_at(b, 0);
                 if codec == Codec::Fp8E4m3Rotated && half == Half::K { m * (hd as f32).sqrt() } else { m }
             }
             Codec::Int4Kivi | Codec::Int2Kivi => {
                 let pairs = if half == Half::K { hd } else { bs * hd.div_ceil(KIVI_GROUP) };
                 let top = f32::from(kivi_levels(codec));
-                (0..pairs)
-                    .map(|j| {
-                        let (s, m) = (f16_at(b, 2 * j), f16_at(b, 2 * (pairs + j)));
-                        m.abs().max((m + top * s).abs())
-                    })
-                    .fold(0.0, f32::max)
+                let (mut scales, mut mins) = ([0.0f32; 64], [0.0f32; 64]);
+                let mut bound = 0.0f32;
+                for start in (0..pairs).step_by(64) {
+                    let n = 64.min(pairs - start);
+                    f16s_to_f32(&b[2 * start..2 * (start + n)], &mut scales[..n]);
+                    f16s_to_f32(&b[2 * (pairs + start)..2 * (pairs + start + n)], &mut mins[..n]);
+                    let chunk = scales[..n].iter().zip(&mins[..n]).map(|(&s, &m)| m.abs().max((m + top * s).abs()));
+                    bound = chunk.fold(bound, f32::max);
+                }
+                bound
             }
         };
         bound = bound.max(m);
@@ -496,7 +522,8 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                 if !valid_scale(f32_at(b, 0), top) {
                     return corrupt("negative or non-finite scale, or one that overflows a code");
                 }
-                if b[4..].iter().any(|&q| q & 0x7F == 0x7F) {
+                // A fold over every byte rather than `any`, which stops early and so does not vectorise.
+                if b[4..].iter().fold(false, |bad, &q| bad | (q & 0x7F == 0x7F)) {
                     return corrupt("e4m3 NaN code");
                 }
             }
@@ -507,12 +534,14 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                 };
                 let scales = params / 2;
                 // No overflow bound here: scale and min are f16 (at most 65504), so min + 15 × scale stays far
-                // inside f32.
-                for i in 0..params {
-                    let x = f16_at(b, 2 * i);
-                    if !x.is_finite() || (i < scales && x < 0.0) {
-                        return corrupt("negative or non-finite scale, or non-finite min");
-                    }
+                // inside f32. On the bits: exponent all ones is infinity or NaN; a scale may be +0 or -0, no
+                // other value with the sign bit.
+                let bad = b[..2 * params].chunks_exact(2).enumerate().fold(false, |bad, (i, c)| {
+                    let x = u16::from_le_bytes([c[0], c[1]]);
+                    bad | (x & 0x7C00 == 0x7C00) | (i < scales && x > 0x8000)
+                });
+                if bad {
+                    return corrupt("negative or non-finite scale, or non-finite min");
                 }
             }
         }
@@ -546,6 +575,20 @@ pub(crate) fn f32_at(b: &[u8], i: usize) -> f32 {
 #[inline]
 pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Widens the little-endian f16 values of `b` (`2 × out.len()` bytes) into `out`, a chunk at a time through the
+/// vectorised slice conversion, where [`f16_at`] converts (and checks the CPU for F16C) one value at a time.
+fn f16s_to_f32(b: &[u8], out: &mut [f32]) {
+    const CHUNK: usize = 64;
+    let mut bits = [f16::ZERO; CHUNK];
+    for (o, bc) in out.chunks_mut(CHUNK).zip(b.chunks(2 * CHUNK)) {
+        let bits = &mut bits[..o.len()];
+        for (h, c) in bits.iter_mut().zip(bc.chunks_exact(2)) {
+            *h = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+        }
+        bits.convert_to_f32_slice(o);
+    }
 }
 
 /// 2^120: moves an e4m3 exponent placed in an f32's exponent field to its true value (see [`e4m3_to_f32`]).
@@ -882,37 +925,58 @@ pub(crate) fn decode_row(codec: Codec, half: Half, bs: usize, hd: usize, b: &[u8
     }
 }
 
-/// The K half of a validated KIVI block, slots `0..filled` into `out` (`[filled][hd]`): [`decode_row`]'s values,
-/// with each channel's fp16 scale and min widened once per block instead of once per element.
-fn decode_kivi_keys(codec: Codec, hd: usize, b: &[u8], filled: usize, out: &mut [f32]) {
-    let mut scale = [0.0f32; MAX_HEAD_DIM];
-    let mut min = [0.0f32; MAX_HEAD_DIM];
-    for c in 0..hd {
-        scale[c] = f16_at(b, 2 * c);
-        min[c] = f16_at(b, 2 * (hd + c));
-    }
-    let rl = packed_row_len(codec, hd);
-    for (slot, o) in out.chunks_exact_mut(hd).take(filled).enumerate() {
-        let row = &b[4 * hd + slot * rl..4 * hd + (slot + 1) * rl];
-        for (c, x) in o.iter_mut().enumerate() {
-            *x = min[c] + f32::from(unpack(codec, row, hd, c)) * scale[c];
+/// The codes of one packed KIVI row, widened to f32 in channel order (`out[..hd]`). Each packing gets its own
+/// loop over whole bytes, which the compiler vectorises, where a per-channel [`unpack`] branches on every element.
+#[inline]
+fn unpack_row(codec: Codec, row: &[u8], hd: usize, out: &mut [f32; MAX_HEAD_DIM]) {
+    if codec == Codec::Int4Kivi {
+        let (lo, hi) = out[..hd].split_at_mut(hd / 2);
+        for ((l, h), &byte) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
+            *l = f32::from(byte & 0x0F);
+            *h = f32::from(byte >> 4);
+        }
+    } else {
+        let q = hd / 4;
+        for (shift, part) in out[..hd].chunks_exact_mut(q).enumerate() {
+            for (o, &byte) in part.iter_mut().zip(row) {
+                *o = f32::from((byte >> (2 * shift)) & 0x03);
+            }
         }
     }
 }
 
-/// The V half of a validated KIVI block, slots `0..filled` into `out`: [`decode_row`]'s values, with each group's
-/// fp16 scale and min widened once per group instead of once per element.
+/// The K half of a validated KIVI block, slots `0..filled` into `out` (`[filled][hd]`): [`decode_row`]'s values
+/// (the same `min + code × scale` in f32, so bit for bit), with each channel's fp16 scale and min widened once per
+/// block instead of once per element.
+fn decode_kivi_keys(codec: Codec, hd: usize, b: &[u8], filled: usize, out: &mut [f32]) {
+    let (mut scale, mut min) = ([0.0f32; MAX_HEAD_DIM], [0.0f32; MAX_HEAD_DIM]);
+    let (scale, min) = (&mut scale[..hd], &mut min[..hd]);
+    f16s_to_f32(&b[..2 * hd], scale);
+    f16s_to_f32(&b[2 * hd..4 * hd], min);
+    let rl = packed_row_len(codec, hd);
+    let mut codes = [0.0f32; MAX_HEAD_DIM];
+    for (o, row) in out.chunks_exact_mut(hd).take(filled).zip(b[4 * hd..].chunks_exact(rl)) {
+        unpack_row(codec, row, hd, &mut codes);
+        for (((x, &q), &s), &m) in o.iter_mut().zip(&codes[..hd]).zip(&*scale).zip(&*min) {
+            *x = m + q * s;
+        }
+    }
+}
+
+/// The V half of a validated KIVI block, slots `0..filled` into `out`: [`decode_row`]'s values, bit for bit, with
+/// each group's fp16 scale and min widened once per group instead of once per element.
 fn decode_kivi_values(codec: Codec, bs: usize, hd: usize, b: &[u8], filled: usize, out: &mut [f32]) {
     let groups = hd.div_ceil(KIVI_GROUP);
-    let params = 4 * bs * groups;
+    let pairs = bs * groups;
     let rl = packed_row_len(codec, hd);
-    for (slot, o) in out.chunks_exact_mut(hd).take(filled).enumerate() {
-        let row = &b[params + slot * rl..params + (slot + 1) * rl];
-        for (g, og) in o.chunks_mut(KIVI_GROUP).enumerate() {
+    let mut codes = [0.0f32; MAX_HEAD_DIM];
+    for (slot, (o, row)) in out.chunks_exact_mut(hd).take(filled).zip(b[4 * pairs..].chunks_exact(rl)).enumerate() {
+        unpack_row(codec, row, hd, &mut codes);
+        for (g, (og, qg)) in o.chunks_mut(KIVI_GROUP).zip(codes[..hd].chunks(KIVI_GROUP)).enumerate() {
             let p = 2 * (slot * groups + g);
-            let (s, m) = (f16_at(b, p), f16_at(b, 2 * bs * groups + p));
-            for (i, x) in og.iter_mut().enumerate() {
-                *x = m + f32::from(unpack(codec, row, hd, g * KIVI_GROUP + i)) * s;
+            let (s, m) = (f16_at(b, p), f16_at(b, 2 * pairs + p));
+            for (x, &q) in og.iter_mut().zip(qg) {
+                *x = m + q * s;
             }
         }
     }

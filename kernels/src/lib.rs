@@ -36,7 +36,10 @@ pub mod quant;
 pub mod rope;
 
 pub use backend::Backend;
-pub use codec::{BlockHeader, Codec, CodecError, EncodedKv, decode_block, decoded_magnitude_bound, hadamard_rotate};
+pub use codec::{
+    BlockHeader, Codec, CodecError, EncodedKv, decode_block, decode_validated_block, decoded_magnitude_bound,
+    hadamard_rotate,
+};
 pub use cpu::lora::LoraSegment;
 pub use cpu::scores;
 pub use cpu::{CpuBackend, Simd};

@@ -19,7 +19,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::engine::{Engine, EngineConfig, EngineError, EngineHandle, GenerateEvent, GenerateRequest, SamplingParams};
+use pagoda_kernels::Codec;
+
+use crate::engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, GenerateEvent, GenerateRequest, SamplingParams, TierPlacement,
+};
 use crate::policy::PolicySpec;
 use crate::tiers::{Tier, TierConfig};
 
@@ -31,18 +35,31 @@ pub struct TiersBenchOptions {
     pub host_mib: u64,
     /// Also measure the disk tier, with files under `<data_dir>/kv/`.
     pub data_dir: Option<PathBuf>,
+    /// Also measure the host tier with every group stored in each of these codecs (`--tier-codec`; the compressing
+    /// kernels codecs, not `f16`/`f32`).
+    pub codecs: Vec<String>,
     pub seed: u64,
 }
 
 impl Default for TiersBenchOptions {
     fn default() -> TiersBenchOptions {
-        TiersBenchOptions { threads: 0, context_tokens: 2048, repeats: 3, host_mib: 1024, data_dir: None, seed: 7 }
+        TiersBenchOptions {
+            threads: 0,
+            context_tokens: 2048,
+            repeats: 3,
+            host_mib: 1024,
+            data_dir: None,
+            codecs: Vec::new(),
+            seed: 7,
+        }
     }
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TierRun {
     pub tier: String,
+    /// How the tier stored the prefix's groups: the native format, or the codec every group was encoded with.
+    pub stored_as: String,
     /// Median whole-request seconds with the prefix served from this tier.
     pub seconds: f64,
     /// Median seconds of the same request recomputed from scratch (same engine, same repeat).
@@ -64,14 +81,14 @@ pub struct TiersReport {
 impl TiersReport {
     pub fn to_markdown(&self) -> String {
         let mut s = format!(
-            "Model {}, context {} tokens, {} repeats (medians)\n\n| prefix from | request s | recompute s | speedup | \
-             tokens onboarded | tokens computed |\n|---|---|---|---|---|---|\n",
+            "Model {}, context {} tokens, {} repeats (medians)\n\n| prefix from | stored as | request s | recompute s | \
+             speedup | tokens onboarded | tokens computed |\n|---|---|---|---|---|---|---|\n",
             self.model, self.options.context_tokens, self.options.repeats
         );
         for r in &self.runs {
             s += &format!(
-                "| {} | {:.3} | {:.3} | {:.1}x | {} | {} |\n",
-                r.tier, r.seconds, r.recompute_seconds, r.speedup, r.onboarded_tokens, r.computed_tokens
+                "| {} | {} | {:.3} | {:.3} | {:.1}x | {} | {} |\n",
+                r.tier, r.stored_as, r.seconds, r.recompute_seconds, r.speedup, r.onboarded_tokens, r.computed_tokens
             );
         }
         s
@@ -133,7 +150,13 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn run_tier(model: &Path, opts: &TiersBenchOptions, tier: Tier, tiers: TierConfig) -> Result<TierRun, EngineError> {
+fn run_tier(
+    model: &Path,
+    opts: &TiersBenchOptions,
+    tier: Tier,
+    tiers: TierConfig,
+    codec: Option<Codec>,
+) -> Result<TierRun, EngineError> {
     let probe = Engine::start(EngineConfig { num_blocks: 90, threads: 1, max_running: 1, ..EngineConfig::new(model) })?;
     let info = probe.model_info().clone();
     probe.shutdown();
@@ -149,6 +172,7 @@ fn run_tier(model: &Path, opts: &TiersBenchOptions, tier: Tier, tiers: TierConfi
         num_blocks: layout.blocks_for_tokens(opts.context_tokens + 1) + layout.group_size(),
         threads: opts.threads,
         tiers,
+        placement: codec.map_or(TierPlacement::Lru, TierPlacement::LruCodec),
         ..EngineConfig::new(model)
     };
     let engine = Engine::start(cfg)?;
@@ -171,6 +195,7 @@ fn run_tier(model: &Path, opts: &TiersBenchOptions, tier: Tier, tiers: TierConfi
     let (seconds, recompute_seconds) = (median(warm), median(cold));
     Ok(TierRun {
         tier: tier.name().to_owned(),
+        stored_as: codec.map_or_else(|| info.kv_dtype.to_string(), |c| c.to_string()),
         seconds,
         recompute_seconds,
         speedup: recompute_seconds / seconds.max(1e-9),
@@ -180,13 +205,24 @@ fn run_tier(model: &Path, opts: &TiersBenchOptions, tier: Tier, tiers: TierConfi
 }
 
 pub fn tiers_bench(model: &Path, opts: &TiersBenchOptions) -> Result<TiersReport, EngineError> {
+    let mut codecs = Vec::new();
+    for c in &opts.codecs {
+        let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
+        if matches!(codec, Codec::F32 | Codec::F16) {
+            return Err(EngineError::Config(format!("{c} is the native format, not a compressing codec")));
+        }
+        codecs.push(codec);
+    }
     let mut runs = Vec::new();
     let host = TierConfig { data_dir: None, host_bytes: opts.host_mib << 20, disk_bytes: 0 };
-    runs.push(run_tier(model, opts, Tier::Host, host)?);
+    runs.push(run_tier(model, opts, Tier::Host, host.clone(), None)?);
+    for c in codecs {
+        runs.push(run_tier(model, opts, Tier::Host, host.clone(), Some(c))?);
+    }
     if let Some(dir) = &opts.data_dir {
         let root = dir.join(format!("bench-tiers-{}", std::process::id()));
         let disk = TierConfig { data_dir: Some(root.clone()), host_bytes: 0, disk_bytes: opts.host_mib << 20 };
-        let r = run_tier(model, opts, Tier::Disk, disk);
+        let r = run_tier(model, opts, Tier::Disk, disk, None);
         let _ = std::fs::remove_dir_all(&root);
         runs.push(r?);
     }

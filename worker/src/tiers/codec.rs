@@ -15,9 +15,9 @@ use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
-use pagoda_kernels::{Codec, KvDtype, KvStorage, decode_block};
+use pagoda_kernels::{BlockHeader, Codec, KvDtype, KvStorage, decode_validated_block, decoded_magnitude_bound};
 
-use super::{EncodedGroup, TierError, fits_dtype, native};
+use super::{EncodedGroup, F16_OVERFLOW, KV_MAGNITUDE_LIMIT, TierError, fits_dtype, native};
 use crate::cache::BlockId;
 
 /// A lower-tier group format.
@@ -275,22 +275,46 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
     if let Some(&bad) = blocks.iter().find(|&&b| b as usize >= kv.num_blocks()) {
         return Err(TierError::BadLength { codec: group.codec.clone(), expected: kv.num_blocks(), got: bad as usize });
     }
-    // Decode everything first: a bad block in the middle must not leave the group half-written.
-    let n = kv.block_len();
-    let mut decoded = vec![0.0f32; 2 * n * count];
+    let corrupt = |e: pagoda_kernels::CodecError| TierError::Corrupt {
+        path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
+        reason: e.to_string(),
+    };
+    // Every block is validated and its values bounded before anything is written: a bad block in the middle must
+    // not leave the group half-written.
+    let limit = if kv.dtype() == KvDtype::F16 { F16_OVERFLOW } else { KV_MAGNITUDE_LIMIT };
+    let mut bounded = true;
     let mut at = 0;
-    for (i, out) in decoded.chunks_exact_mut(2 * n).enumerate() {
+    for i in 0..count {
         let (codec, len) = c.block_format(i, count, bs, hd)?;
         let bytes = &group.bytes[at..at + len];
         at += len;
-        let (k, v) = out.split_at_mut(n);
-        let h = decode_block(bytes, k, v).map_err(|e| TierError::Corrupt {
-            path: std::path::PathBuf::from(format!("<{} group>", group.codec)),
-            reason: e.to_string(),
-        })?;
+        let h = BlockHeader::parse(bytes).map_err(corrupt)?;
         if h.codec != codec || h.block_size != bs || h.head_dim != hd {
             return Err(TierError::BadLength { codec: group.codec.clone(), expected: len, got: bytes.len() });
         }
+        // The bound is exact or nearly so (rotated keys: the inverse rotation's largest growth); the margin covers
+        // the rounding of the decode itself. A block it does not settle is checked value by value below.
+        bounded &= decoded_magnitude_bound(bytes).map_err(corrupt)? * BOUND_MARGIN < limit;
+    }
+    let n = kv.block_len();
+    if bounded {
+        let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let mut at = 0;
+        for (i, &b) in blocks.iter().enumerate() {
+            let (_, len) = c.block_format(i, count, bs, hd)?;
+            decode_validated_block(&group.bytes[at..at + len], &mut k, &mut v).map_err(corrupt)?;
+            at += len;
+            kv.write_block(b, &k, &v);
+        }
+        return Ok(());
+    }
+    let mut decoded = vec![0.0f32; 2 * n * count];
+    let mut at = 0;
+    for (i, out) in decoded.chunks_exact_mut(2 * n).enumerate() {
+        let (_, len) = c.block_format(i, count, bs, hd)?;
+        let (k, v) = out.split_at_mut(n);
+        decode_validated_block(&group.bytes[at..at + len], k, v).map_err(corrupt)?;
+        at += len;
         if !(fits_dtype(kv.dtype(), k) && fits_dtype(kv.dtype(), v)) {
             return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: kv.dtype() });
         }
@@ -301,6 +325,9 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
     }
     Ok(())
 }
+
+/// How far a block's [`decoded_magnitude_bound`] must sit below the arena's limit for its values to go in unchecked.
+const BOUND_MARGIN: f32 = 1.001;
 
 #[cfg(test)]
 mod tests {
@@ -484,6 +511,27 @@ mod tests {
         }
     }
 
+    /// A group whose bound does not settle that it fits (an int8 slot at f16's largest value, 65504, inside the
+    /// bound's margin of the overflow) is checked value by value, and kept: it decodes into an f16 cache to what the
+    /// unchecked path writes into an f32 one, rounded to f16.
+    #[test]
+    fn groups_at_f16s_edge_are_checked_value_by_value_and_kept() {
+        let (bs, hd) = (16, 64);
+        let mut src = KvStorage::with_dtype(2, bs, hd, KvDtype::F32);
+        let edge: Vec<f32> = (0..bs * hd).map(|i| if i == 5 { 65504.0 } else { (i as f32 * 0.37).sin() }).collect();
+        src.write_block(0, &edge, &edge);
+        let g = encode(&src, &[0], GroupCodec::Kv(Codec::Int8)).unwrap();
+        let bound = decoded_magnitude_bound(&g.bytes).unwrap();
+        assert!(bound < F16_OVERFLOW && bound * BOUND_MARGIN >= F16_OVERFLOW, "{bound}");
+        let (mut narrow, mut wide) = (filled(KvDtype::F16), filled(KvDtype::F32));
+        decode(&g, &mut narrow, &[7]).expect("every value fits f16");
+        decode(&g, &mut wide, &[7]).unwrap();
+        let round = |x: &Vec<f32>| x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect::<Vec<_>>();
+        let ((nk, nv), (wk, wv)) = (block(&narrow, 7), block(&wide, 7));
+        assert_eq!((nk, nv), (round(&wk), round(&wv)));
+        assert_eq!(wk[5], bound, "the bound is the decoded value");
+    }
+
     /// A well-formed int8 group whose scale is valid (127 × 2e36 is finite) but decodes a code to 2.5e38 is refused
     /// by a cache of every dtype, nothing written: in an f32 arena q·k overflowed to infinity, and the rotated fp8
     /// arena's butterfly turned it into NaN.
@@ -539,5 +587,35 @@ mod tests {
         assert_eq!(disk.corrupted(), 1);
         assert!(!path.exists());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// One 16-token group of SmolLM2's shape (30 layers × 3 kv-heads: 90 blocks of 16 slots × 64) encoded with each
+    /// compressing codec and decoded into an f16 cache, as an onboarding does: medians of 41 decodes.
+    /// `cargo test --release -p pagoda-worker --lib codec_decode_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore = "timing, run by hand"]
+    fn codec_decode_speed() {
+        let (blocks, bs, hd) = (90u32, 16, 64);
+        let mut kv = KvStorage::with_dtype(blocks as usize * 2, bs, hd, KvDtype::F16);
+        for b in 0..blocks {
+            let k: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37 + b as f32).sin() * 2.0).collect();
+            let v: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.11 - b as f32).cos() * 0.5).collect();
+            kv.write_block(b, &k, &v);
+        }
+        let (from, to): (Vec<u32>, Vec<u32>) = ((0..blocks).collect(), (blocks..2 * blocks).collect());
+        let mut codecs = vec![GroupCodec::Native(KvDtype::F16)];
+        codecs.extend(GroupCodec::COMPRESSING.map(GroupCodec::Kv));
+        for c in codecs {
+            let g = encode(&kv, &from, c).unwrap();
+            let mut ms: Vec<f64> = (0..41)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    decode(&g, &mut kv, &to).unwrap();
+                    start.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            println!("{c}: {} bytes, median {:.3} ms", g.bytes.len(), ms[20]);
+        }
     }
 }
