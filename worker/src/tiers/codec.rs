@@ -607,15 +607,8 @@ mod tests {
         codecs.extend(GroupCodec::COMPRESSING.map(GroupCodec::Kv));
         for c in codecs {
             let g = encode(&kv, &from, c).unwrap();
-            let mut ms: Vec<f64> = (0..41)
-                .map(|_| {
-                    let start = std::time::Instant::now();
-                    decode(&g, &mut kv, &to).unwrap();
-                    start.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            ms.sort_by(f64::total_cmp);
-            println!("{c}: {} bytes, median {:.3} ms", g.bytes.len(), ms[20]);
+            let ms = crate::tiers::median_ms(41, || decode(&g, &mut kv, &to).unwrap());
+            println!("{c}: {} bytes, median {ms:.3} ms", g.bytes.len());
         }
     }
 }

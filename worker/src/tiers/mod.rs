@@ -129,3 +129,17 @@ pub fn fits_dtype(dtype: pagoda_kernels::KvDtype, values: &[f32]) -> bool {
     let limit = if dtype == pagoda_kernels::KvDtype::F16 { F16_OVERFLOW } else { KV_MAGNITUDE_LIMIT };
     values.iter().all(|x| x.abs() < limit)
 }
+
+/// The median over `runs` calls of `f`, in milliseconds: the timing tests' measure of one decode.
+#[cfg(test)]
+pub(crate) fn median_ms(runs: usize, mut f: impl FnMut()) -> f64 {
+    let mut ms: Vec<f64> = (0..runs)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            f();
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms[runs / 2]
+}

@@ -559,15 +559,8 @@ mod tests {
             }
             let (from, to): (Vec<u32>, Vec<u32>) = ((0..blocks).collect(), (blocks..2 * blocks).collect());
             let g = encode(&kv, &from);
-            let mut ms: Vec<f64> = (0..41)
-                .map(|_| {
-                    let start = std::time::Instant::now();
-                    decode(&g, &mut kv, &to).unwrap();
-                    start.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            ms.sort_by(f64::total_cmp);
-            println!("{dtype}: median {:.3} ms", ms[20]);
+            let ms = crate::tiers::median_ms(41, || decode(&g, &mut kv, &to).unwrap());
+            println!("{dtype}: median {ms:.3} ms");
         }
     }
 }
