@@ -55,7 +55,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use thiserror::Error;
 
@@ -463,13 +462,14 @@ pub fn decoded_magnitude_bound(bytes: &[u8]) -> Result<f32, CodecError> {
             Codec::Int4Kivi | Codec::Int2Kivi => {
                 let pairs = if half == Half::K { hd } else { bs * hd.div_ceil(KIVI_GROUP) };
                 let top = f32::from(kivi_levels(codec));
+                let (scale_bytes, min_bytes) = b[..4 * pairs].split_at(2 * pairs);
                 let (mut scales, mut mins) = ([0.0f32; 64], [0.0f32; 64]);
                 let mut bound = 0.0f32;
-                for start in (0..pairs).step_by(64) {
-                    let n = 64.min(pairs - start);
-                    f16s_to_f32(&b[2 * start..2 * (start + n)], &mut scales[..n]);
-                    f16s_to_f32(&b[2 * (pairs + start)..2 * (pairs + start + n)], &mut mins[..n]);
-                    let chunk = scales[..n].iter().zip(&mins[..n]).map(|(&s, &m)| m.abs().max((m + top * s).abs()));
+                for (sb, mb) in scale_bytes.chunks(2 * 64).zip(min_bytes.chunks(2 * 64)) {
+                    let (scales, mins) = (&mut scales[..sb.len() / 2], &mut mins[..mb.len() / 2]);
+                    f16s_to_f32(sb, scales);
+                    f16s_to_f32(mb, mins);
+                    let chunk = scales.iter().zip(&*mins).map(|(&s, &m)| m.abs().max((m + top * s).abs()));
                     bound = chunk.fold(bound, f32::max);
                 }
                 bound
@@ -577,17 +577,17 @@ pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
-/// Widens the little-endian f16 values of `b` (`2 × out.len()` bytes) into `out`, a chunk at a time through the
-/// vectorised slice conversion, where [`f16_at`] converts (and checks the CPU for F16C) one value at a time.
+/// Widens the little-endian f16 values of `b` (`2 × out.len()` bytes) into `out` through the F16C loop
+/// ([`crate::cpu::widen_f16`]) a chunk at a time, where [`f16_at`] converts (and checks the CPU) one value at a time.
 fn f16s_to_f32(b: &[u8], out: &mut [f32]) {
     const CHUNK: usize = 64;
-    let mut bits = [f16::ZERO; CHUNK];
+    let mut bits = [0u16; CHUNK];
     for (o, bc) in out.chunks_mut(CHUNK).zip(b.chunks(2 * CHUNK)) {
         let bits = &mut bits[..o.len()];
         for (h, c) in bits.iter_mut().zip(bc.chunks_exact(2)) {
-            *h = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+            *h = u16::from_le_bytes([c[0], c[1]]);
         }
-        bits.convert_to_f32_slice(o);
+        crate::cpu::widen_f16(bits, o);
     }
 }
 

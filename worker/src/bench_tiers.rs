@@ -204,15 +204,22 @@ fn run_tier(
     })
 }
 
+/// The kernels codecs named in `names`, for the benches' tiers: each must parse, and be a compressing one (`f16` and
+/// `f32` are the native formats, which every run measures anyway).
+pub(crate) fn compressing_codecs(names: &[String]) -> Result<Vec<Codec>, EngineError> {
+    names
+        .iter()
+        .map(|c| match c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))? {
+            Codec::F32 | Codec::F16 => {
+                Err(EngineError::Config(format!("{c} is the native format, not a compressing codec")))
+            }
+            codec => Ok(codec),
+        })
+        .collect()
+}
+
 pub fn tiers_bench(model: &Path, opts: &TiersBenchOptions) -> Result<TiersReport, EngineError> {
-    let mut codecs = Vec::new();
-    for c in &opts.codecs {
-        let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
-        if matches!(codec, Codec::F32 | Codec::F16) {
-            return Err(EngineError::Config(format!("{c} is the native format, not a compressing codec")));
-        }
-        codecs.push(codec);
-    }
+    let codecs = compressing_codecs(&opts.codecs)?;
     let mut runs = Vec::new();
     let host = TierConfig { data_dir: None, host_bytes: opts.host_mib << 20, disk_bytes: 0 };
     runs.push(run_tier(model, opts, Tier::Host, host.clone(), None)?);

@@ -35,7 +35,6 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pagoda_kernels::Codec;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -1163,14 +1162,7 @@ pub fn zipf_bench_with_progress(
     if !one_or_two(opts.upgrade.len(), opts.upgrade.first() != opts.upgrade.last()) {
         return bad("give EvicPress upgrades off, on, or both, each once".into());
     }
-    let mut codecs = Vec::new();
-    for c in &opts.codecs {
-        let codec = c.parse::<Codec>().map_err(|e| EngineError::Config(e.to_string()))?;
-        if matches!(codec, Codec::F32 | Codec::F16) {
-            return bad(format!("{c} is the native format, not a compressing codec"));
-        }
-        codecs.push(codec);
-    }
+    let codecs = crate::bench_tiers::compressing_codecs(&opts.codecs)?;
     let gguf = Gguf::open(model).map_err(|e| EngineError::Model(e.to_string()))?;
     let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| EngineError::Model(e.to_string()))?;
     drop(gguf);

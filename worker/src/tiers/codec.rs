@@ -283,47 +283,51 @@ pub fn decode(group: &EncodedGroup, kv: &mut KvStorage, blocks: &[BlockId]) -> R
     // not leave the group half-written.
     let limit = if kv.dtype() == KvDtype::F16 { F16_OVERFLOW } else { KV_MAGNITUDE_LIMIT };
     let mut bounded = true;
-    let mut at = 0;
-    for i in 0..count {
-        let (codec, len) = c.block_format(i, count, bs, hd)?;
-        let bytes = &group.bytes[at..at + len];
-        at += len;
+    for block in block_bytes(c, &group.bytes, count, bs, hd) {
+        let (codec, bytes) = block?;
         let h = BlockHeader::parse(bytes).map_err(corrupt)?;
         if h.codec != codec || h.block_size != bs || h.head_dim != hd {
-            return Err(TierError::BadLength { codec: group.codec.clone(), expected: len, got: bytes.len() });
+            return Err(TierError::BadLength { codec: group.codec.clone(), expected: bytes.len(), got: bytes.len() });
         }
         // The bound is exact or nearly so (rotated keys: the inverse rotation's largest growth); the margin covers
-        // the rounding of the decode itself. A block it does not settle is checked value by value below.
+        // the rounding of the decode itself.
         bounded &= decoded_magnitude_bound(bytes).map_err(corrupt)? * BOUND_MARGIN < limit;
     }
     let n = kv.block_len();
-    if bounded {
-        let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let mut at = 0;
-        for (i, &b) in blocks.iter().enumerate() {
-            let (_, len) = c.block_format(i, count, bs, hd)?;
-            decode_validated_block(&group.bytes[at..at + len], &mut k, &mut v).map_err(corrupt)?;
-            at += len;
-            kv.write_block(b, &k, &v);
-        }
-        return Ok(());
-    }
-    let mut decoded = vec![0.0f32; 2 * n * count];
-    let mut at = 0;
-    for (i, out) in decoded.chunks_exact_mut(2 * n).enumerate() {
-        let (_, len) = c.block_format(i, count, bs, hd)?;
-        let (k, v) = out.split_at_mut(n);
-        decode_validated_block(&group.bytes[at..at + len], k, v).map_err(corrupt)?;
-        at += len;
-        if !(fits_dtype(kv.dtype(), k) && fits_dtype(kv.dtype(), v)) {
-            return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: kv.dtype() });
+    let (mut k, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    if !bounded {
+        // Values within the margin of the limit (or a hostile group): decoded once and checked value by value
+        // before anything is written, then decoded again below to be written.
+        for block in block_bytes(c, &group.bytes, count, bs, hd) {
+            decode_validated_block(block?.1, &mut k, &mut v).map_err(corrupt)?;
+            if !(fits_dtype(kv.dtype(), &k) && fits_dtype(kv.dtype(), &v)) {
+                return Err(TierError::DoesNotFit { codec: group.codec.clone(), dtype: kv.dtype() });
+            }
         }
     }
-    for (&b, out) in blocks.iter().zip(decoded.chunks_exact(2 * n)) {
-        let (k, v) = out.split_at(n);
-        kv.write_block(b, k, v);
+    for (block, &b) in block_bytes(c, &group.bytes, count, bs, hd).zip(blocks) {
+        decode_validated_block(block?.1, &mut k, &mut v).map_err(corrupt)?;
+        kv.write_block(b, &k, &v);
     }
     Ok(())
+}
+
+/// Each of the `count` blocks of a group in `c` (whose length was checked against [`GroupCodec::group_bytes`]):
+/// its codec and its bytes, in order.
+fn block_bytes(
+    c: GroupCodec,
+    bytes: &[u8],
+    count: usize,
+    bs: usize,
+    hd: usize,
+) -> impl Iterator<Item = Result<(Codec, &[u8]), TierError>> {
+    let mut at = 0;
+    (0..count).map(move |i| {
+        let (codec, len) = c.block_format(i, count, bs, hd)?;
+        let block = &bytes[at..at + len];
+        at += len;
+        Ok((codec, block))
+    })
 }
 
 /// How far a block's [`decoded_magnitude_bound`] must sit below the arena's limit for its values to go in unchecked.
