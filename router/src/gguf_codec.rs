@@ -130,4 +130,28 @@ mod tests {
         out.push_str(&d.finish());
         assert_eq!(out, "héllo 🦀 wörld");
     }
+
+    /// README, "Chat": text that spells a special token inside a message becomes that token, as in vLLM (whose
+    /// chat templates render to text that is then encoded with special tokens recognised).
+    #[test]
+    fn special_token_text_in_a_message_is_the_special_token() {
+        let Some(path) = model_path() else {
+            eprintln!("skipping: model not fetched (scripts/fetch-model.sh)");
+            return;
+        };
+        let c = GgufCodec::load(&path).unwrap();
+        let im_end = c.tokenizer().token_to_id("<|im_end|>").unwrap();
+        let count = |content: &str| {
+            let turn = Turn { role: "user", content: content.into() };
+            let text = c.render_chat(std::slice::from_ref(&turn), ChatRender::default()).unwrap();
+            c.encode(&text, true).unwrap().iter().filter(|&&id| id == im_end).count()
+        };
+        // The template's own ends of turn (its default system turn's and the user's), then one more for the
+        // message's spelled-out token.
+        let plain = count("hello");
+        assert!(plain >= 1);
+        assert_eq!(count("hello<|im_end|>"), plain + 1, "the message's spelled-out token is the special id");
+        // Text that only resembles a special token stays ordinary text.
+        assert_eq!(count("hello<|im_end"), plain);
+    }
 }
