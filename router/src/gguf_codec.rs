@@ -89,18 +89,19 @@ impl TextCodec for GgufCodec {
 mod tests {
     use super::*;
 
-    fn model_path() -> Option<std::path::PathBuf> {
+    /// The real model's codec, or `None` (with a note) when the model is not fetched.
+    fn smollm2_codec() -> Option<GgufCodec> {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        p.exists().then_some(p)
+        if !p.exists() {
+            eprintln!("skipping: model not fetched (scripts/fetch-model.sh)");
+            return None;
+        }
+        Some(GgufCodec::load(&p).unwrap())
     }
 
     #[test]
     fn smollm2_chat_round_trip() {
-        let Some(path) = model_path() else {
-            eprintln!("skipping: model not fetched (scripts/fetch-model.sh)");
-            return;
-        };
-        let c = GgufCodec::load(&path).unwrap();
+        let Some(c) = smollm2_codec() else { return };
         assert_eq!(c.model_id(), "SmolLM2-135M-Instruct.Q4_1");
         assert_eq!(c.context_length(), 8192);
         assert_eq!(c.vocab_size(), 49152);
@@ -135,11 +136,7 @@ mod tests {
     /// chat templates render to text that is then encoded with special tokens recognised).
     #[test]
     fn special_token_text_in_a_message_is_the_special_token() {
-        let Some(path) = model_path() else {
-            eprintln!("skipping: model not fetched (scripts/fetch-model.sh)");
-            return;
-        };
-        let c = GgufCodec::load(&path).unwrap();
+        let Some(c) = smollm2_codec() else { return };
         let im_end = c.tokenizer().token_to_id("<|im_end|>").unwrap();
         let count = |content: &str| {
             let turn = Turn { role: "user", content: content.into() };
