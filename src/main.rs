@@ -48,7 +48,7 @@ use pagoda_worker::scheduler::{ReserveConfig, SchedulingPolicy};
 use pagoda_worker::service::{AdmissionLimits, WorkerService};
 use pagoda_worker::speculative::NgramConfig;
 use pagoda_worker::tiers::TierConfig;
-use pagoda_worker::transfer::{PeerCounters, PeerFetchConfig, PeerFetcher, TransferService};
+use pagoda_worker::transfer::{PeerCounters, PeerFetchConfig, PeerFetcher, PullPolicy, TransferService};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -575,6 +575,10 @@ struct WorkerArgs {
     /// Longest a peer pull may take before the request is prefilled without it, in milliseconds.
     #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
     peer_fetch_timeout_ms: u64,
+    /// When to pull a hinted prefix: `cost` only when the measured peer bandwidth and prefill speed say the pull
+    /// beats prefilling; `always` whenever the peer holds blocks this worker lacks.
+    #[arg(long, default_value = "cost", value_parser = ["cost", "always"])]
+    peer_fetch_policy: String,
     /// Disaggregated serving: `prefill` workers compute only the prompts of long requests, which `decode` workers
     /// then pull (Transfer) and decode; routers send a `decode` or `both` worker whole requests. Announced in
     /// `Health`, so routers need no configuration of their own.
@@ -1896,6 +1900,10 @@ async fn worker(args: WorkerArgs) -> Result<()> {
     tracing::info!(role = %args.role, "worker role");
     let peer_fetch = (!args.no_peer_fetch).then(|| PeerFetchConfig {
         timeout: Duration::from_millis(args.peer_fetch_timeout_ms),
+        policy: match args.peer_fetch_policy.as_str() {
+            "always" => PullPolicy::Always,
+            _ => PullPolicy::WhenItPays,
+        },
         ..PeerFetchConfig::default()
     });
     let serving = WorkerServing {

@@ -132,7 +132,10 @@ async fn worker_pulls_a_prefix_from_a_peer_and_falls_back_to_prefill() {
     let a_addr = format!("127.0.0.1:{}", free_port().unwrap());
     let b_addr = format!("127.0.0.1:{}", free_port().unwrap());
     let spawn = |name: &str, addr: &str| {
-        let args = ["worker", "--listen", addr, "--model", model.as_str(), "--threads", "1"];
+        // `always`: each hint below must be acted on. Under the cost model a pull happens only if the measured
+        // peer bandwidth beats the measured prefill speed, and a loaded CI machine can tip that either way.
+        let args =
+            ["worker", "--listen", addr, "--model", model.as_str(), "--threads", "1", "--peer-fetch-policy", "always"];
         Proc::spawn_with(BIN.as_ref(), name, &args, env).unwrap()
     };
     let mut a = spawn("transfer-a", &a_addr);

@@ -440,12 +440,30 @@ pub struct PeerFetchConfig {
     /// Pulls in flight at once; a request that finds none free is prefilled.
     pub max_concurrent: usize,
     pub batch_bytes: u64,
+    /// Whether a hinted pull asks the cost model first.
+    pub policy: PullPolicy,
 }
 
 impl Default for PeerFetchConfig {
     fn default() -> PeerFetchConfig {
-        PeerFetchConfig { timeout: Duration::from_secs(3), max_concurrent: 2, batch_bytes: DEFAULT_BATCH_BYTES }
+        PeerFetchConfig {
+            timeout: Duration::from_secs(3),
+            max_concurrent: 2,
+            batch_bytes: DEFAULT_BATCH_BYTES,
+            policy: PullPolicy::WhenItPays,
+        }
     }
+}
+
+/// When a worker pulls the prefix a router's hint names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullPolicy {
+    /// Only when [`pull_pays`] says the transfer and decode beat prefilling, from measured bandwidths and prefill
+    /// speed.
+    WhenItPays,
+    /// Whenever the peer holds blocks this worker lacks (LMCache's retrieve-always). For links the cost model
+    /// misjudges, and for tests that need a pull to happen whatever the machine's load makes of the measurements.
+    Always,
 }
 
 /// The pulling side (see the module docs). Owns the peer bandwidth estimate and its device links to peers.
@@ -545,6 +563,7 @@ impl PeerFetcher {
         // A remote prefill computed these blocks for this request: prefilling them here is what disaggregation
         // avoids, so the cost model is not asked.
         let required = hint.remote_prefill;
+        let ask_cost_model = !required && self.cfg.policy == PullPolicy::WhenItPays;
         // Pulled groups land in the host tier. Without one, a remote prefill's groups (served in the device's own
         // format) are written straight into the device pool instead.
         let into_device = required && !probe.can_import;
@@ -558,7 +577,7 @@ impl PeerFetcher {
             if into_device { missing } else { &missing[..missing.len().min(groups_within(host_budget, group_bytes))] };
         if missing.is_empty()
             || !(probe.can_import || into_device)
-            || (!required && !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe))
+            || (ask_cost_model && !pull_pays(missing.len(), bs, group_bytes, self.peer_bytes_per_s(), &probe))
         {
             return 0;
         }
