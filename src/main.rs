@@ -276,6 +276,11 @@ struct EngineArgs {
     /// float32, slower single-stream decode. Refused on CPUs with neither. (`--amx` is the old name.)
     #[arg(long, alias = "amx")]
     bf16_matmuls: bool,
+    /// How `fp8_e4m3_rotated` blocks round their keys when they are encoded for a tier: `queries` for the model's
+    /// queries (calibrated once at load on a fixed text; about a second on 2 cores), or `nearest` (each element to
+    /// its nearest code). The bytes and their decoding are the same either way.
+    #[arg(long, default_value = "queries", value_parser = ["queries", "nearest"])]
+    fp8_key_rounding: String,
     /// Compute device: cpu, or cuda / cuda:N for the GPU runner (binaries built with `--features cuda`). On a GPU
     /// the KV cache is f16 in device memory; eviction policies, the host/disk tiers with LRU placement, and peer
     /// pulls (over NCCL links between GPU workers, else gRPC) run there too; EvicPress placement is CPU-only.
@@ -1420,6 +1425,7 @@ fn engine_config(model: &Path, e: &EngineArgs) -> Result<EngineConfig> {
         tiers: tier_config(e)?,
         kv_dtype: e.kv_dtype,
         bf16_matmuls: e.bf16_matmuls,
+        fp8_keys_for_queries: e.fp8_key_rounding == "queries",
         synthetic: None,
         device: e.device,
         kivi_residual_tokens: e.kivi_residual_tokens,

@@ -7,6 +7,8 @@
 //!
 //! `attention_codec/*` runs decode attention over the same KV stored as f32 (the f32 kernel) and encoded with each
 //! codec (the dequantise-on-load kernel), one thread, AVX2, with throughput in KV bytes read per second.
+//!
+//! `encode_fp8_e4m3_rotated_16x64/*` is what query-aware key rounding adds to encoding a block for a tier.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use pagoda_kernels::scores::{Window, window_attention_scores, window_attention_scores_portable};
@@ -248,5 +250,28 @@ fn elementwise(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, matmul, attention, attention_codec, window_scores, elementwise);
+/// Encoding one 16 × 64 block as `fp8_e4m3_rotated`: keys rounded to the nearest code, and rounded for the queries
+/// (`key_rounding`, moments of queries whose energy falls off with the channel, as a RoPE'd model's do).
+fn encode_fp8_keys(c: &mut Criterion) {
+    use pagoda_kernels::{KeyRounding, QueryMoments};
+    let (bs, hd) = (16, 64);
+    let k: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+    let v: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.11).cos() * 0.5).collect();
+    let mut m = QueryMoments::new(hd);
+    let q: Vec<f32> = (0..256 * hd).map(|i| (i as f32 * 0.71).sin() * 0.8f32.powi((i % hd) as i32 / 2)).collect();
+    m.add(&q);
+    let rounding = KeyRounding::from_moments(&m).expect("moments");
+    let codec = Codec::Fp8E4m3Rotated;
+    let mut out = vec![0u8; codec.encoded_len(bs, hd).expect("shape")];
+    let mut g = c.benchmark_group("encode_fp8_e4m3_rotated_16x64");
+    g.throughput(Throughput::Elements((bs * hd) as u64));
+    for (name, keys) in [("nearest", None), ("for_queries", Some(&rounding))] {
+        g.bench_function(name, |b| {
+            b.iter(|| codec.encode_block_with(bs, hd, black_box(&k), black_box(&v), black_box(&mut out), keys))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, matmul, attention, attention_codec, window_scores, elementwise, encode_fp8_keys);
 criterion_main!(benches);

@@ -52,6 +52,7 @@
 //! ([`CodecError::OutOfRange`]). Decoding validates the header, the length, every scale and min, and (for the float
 //! formats and fp8) every payload element, so corrupt bytes from disk or a peer give an error, never NaN KV.
 
+use crate::key_rounding::KeyRounding;
 use std::fmt;
 use std::str::FromStr;
 
@@ -275,6 +276,33 @@ impl Codec {
         v: &[f32],
         out: &mut [u8],
     ) -> Result<BlockHeader, CodecError> {
+        self.encode_block_with(block_size, head_dim, k, v, out, None)
+    }
+
+    /// [`Codec::encode_block`], rounding `fp8_e4m3_rotated` keys for the queries of `keys` (query-aware rounding,
+    /// [`crate::key_rounding`]) instead of to the nearest code. Other codecs ignore `keys`. The bytes decode as any
+    /// other block of the codec.
+    pub fn encode_block_with(
+        self,
+        block_size: usize,
+        head_dim: usize,
+        k: &[f32],
+        v: &[f32],
+        out: &mut [u8],
+        keys: Option<&KeyRounding>,
+    ) -> Result<BlockHeader, CodecError> {
+        if let Some(r) = keys.filter(|r| r.head_dim() != head_dim) {
+            return Err(CodecError::BadShape {
+                codec: self,
+                block_size,
+                head_dim,
+                reason: if r.head_dim() < head_dim {
+                    "key rounding for a smaller head"
+                } else {
+                    "key rounding for a larger head"
+                },
+            });
+        }
         let expected = self.encoded_len(block_size, head_dim)?;
         if out.len() != expected {
             return Err(CodecError::BadOutputLength { expected, got: out.len() });
@@ -294,8 +322,8 @@ impl Codec {
         let header = BlockHeader { codec: self, block_size, head_dim, filled: k.len() / head_dim };
         header.write(&mut out[..HEADER_LEN]);
         let (kb, vb) = out[HEADER_LEN..].split_at_mut(self.half_len(Half::K, block_size, head_dim));
-        encode_half(self, Half::K, block_size, head_dim, k, kb)?;
-        encode_half(self, Half::V, block_size, head_dim, v, vb)?;
+        encode_half(self, Half::K, block_size, head_dim, k, kb, keys)?;
+        encode_half(self, Half::V, block_size, head_dim, v, vb, None)?;
         Ok(header)
     }
 
@@ -690,8 +718,17 @@ pub(crate) fn packed_row_len(codec: Codec, hd: usize) -> usize {
     if codec == Codec::Int4Kivi { hd / 2 } else { hd / 4 }
 }
 
-/// Encodes `x` (`[filled][hd]`, finite) into one half `out`; slots past `filled` become zeros.
-fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &mut [u8]) -> Result<(), CodecError> {
+/// Encodes `x` (`[filled][hd]`, finite) into one half `out`; slots past `filled` become zeros. `keys` rounds the
+/// rotated fp8 keys for the queries (see [`Codec::encode_block_with`]).
+fn encode_half(
+    codec: Codec,
+    half: Half,
+    bs: usize,
+    hd: usize,
+    x: &[f32],
+    out: &mut [u8],
+    keys: Option<&KeyRounding>,
+) -> Result<(), CodecError> {
     let filled = x.len() / hd;
     let range = |codec, index, value| CodecError::OutOfRange { codec, half, index, value };
     match codec {
@@ -750,8 +787,18 @@ fn encode_half(codec: Codec, half: Half, bs: usize, hd: usize, x: &[f32], out: &
             qs.fill(0);
             if s > 0.0 {
                 for (r, q) in x.chunks_exact(hd).zip(qs.chunks_exact_mut(hd)) {
-                    for (q, &v) in q.iter_mut().zip(e4m3_input(r, rotate, &mut buf[..hd])) {
-                        *q = e4m3_from_f32(v / s);
+                    match keys.filter(|_| rotate) {
+                        Some(rounding) => {
+                            let y = &mut buf[..hd];
+                            y.copy_from_slice(r);
+                            hadamard_rotate(y);
+                            rounding.round_row(y, s, q);
+                        }
+                        None => {
+                            for (q, &v) in q.iter_mut().zip(e4m3_input(r, rotate, &mut buf[..hd])) {
+                                *q = e4m3_from_f32(v / s);
+                            }
+                        }
                     }
                 }
             }

@@ -31,6 +31,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod key_rounding;
 pub mod paged;
 pub mod quant;
 pub mod rope;
@@ -47,6 +48,7 @@ pub use cpu::{CpuBackend, Simd};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use error::KernelError;
+pub use key_rounding::{KeyRounding, QueryMoments};
 pub use paged::{AttnProbs, AttnSeq, KvArenas, KvDtype, KvStorage};
 pub use quant::{QMatrix, WeightType};
 pub use rope::RopeTable;

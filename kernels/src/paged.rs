@@ -21,9 +21,12 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+use crate::key_rounding::KeyRounding;
 
 /// Element type of a [`KvStorage`]'s arenas.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -343,6 +346,9 @@ pub struct KvStorage {
     dtype: KvDtype,
     k: Arena,
     v: Arena,
+    /// How blocks of this arena encoded as `fp8_e4m3_rotated` round their keys, per table (`layer * n_kv_heads +
+    /// head`); `None`: to the nearest code.
+    key_rounding: Option<Arc<[KeyRounding]>>,
 }
 
 impl KvStorage {
@@ -371,7 +377,24 @@ impl KvStorage {
             dtype,
             k: Arena::zeroed(dtype, len, head_dim),
             v: Arena::zeroed(dtype.value_dtype(), len, head_dim),
+            key_rounding: None,
         }
+    }
+
+    /// Has blocks encoded as `fp8_e4m3_rotated` round their keys for the model's queries (one [`KeyRounding`] per
+    /// table, `layer * n_kv_heads + head`) rather than to the nearest code.
+    pub fn set_key_rounding(&mut self, rounding: Arc<[KeyRounding]>) {
+        self.key_rounding = Some(rounding);
+    }
+
+    /// Every table's key rounding ([`KvStorage::set_key_rounding`]), to give another arena the same.
+    pub fn key_roundings(&self) -> Option<Arc<[KeyRounding]>> {
+        self.key_rounding.clone()
+    }
+
+    /// The key rounding of table `table` ([`KvStorage::set_key_rounding`]), if any.
+    pub fn key_rounding(&self, table: usize) -> Option<&KeyRounding> {
+        self.key_rounding.as_deref().and_then(|r| r.get(table))
     }
 
     /// Element type of the arenas.

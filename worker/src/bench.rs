@@ -239,6 +239,8 @@ pub fn engine_bench(model_path: impl AsRef<std::path::Path>, opts: &BenchOptions
         kivi_residual_tokens: 0,
         kivi_int8_layers: Vec::new(),
         bf16_matmuls: opts.bf16_matmuls,
+        // No tier encodes here: the calibration would only lengthen each start.
+        fp8_keys_for_queries: false,
         synthetic: opts.synthetic.clone(),
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),

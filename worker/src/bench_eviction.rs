@@ -389,6 +389,8 @@ fn run_fresh(
         kivi_residual_tokens: 0,
         kivi_int8_layers: Vec::new(),
         bf16_matmuls: false,
+        // No tier encodes here: the calibration would only lengthen each start.
+        fp8_keys_for_queries: false,
         synthetic: None,
         device: opts.device,
         speculative: crate::speculative::NgramConfig::off(),

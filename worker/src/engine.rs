@@ -11,7 +11,7 @@
 //! The model sits behind [`ModelRunner`] so the thread, batching and streaming can be exercised with a stand-in;
 //! [`LlamaRunner`] is the real one (GGUF → `LlamaModel::forward` on a `CpuBackend` over a `KvStorage`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -19,12 +19,13 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use pagoda_kernels::{Codec, CpuBackend, KvDtype, KvStorage};
+use pagoda_kernels::{Backend, Codec, CpuBackend, KeyRounding, KvDtype, KvStorage};
 
 use crate::adapters::{AdapterError, AdapterRegistry};
 use crate::cache::{BlockId, CacheLayout, IndexChange};
 use crate::events::{BlockChange, EventLog, ResidencySnapshot, SeqBatch};
 use crate::json_guide::TokenTable;
+use crate::model::calibration;
 use crate::model::lora::cache_namespace;
 use crate::model::{
     ForwardSeq, Gguf, LlamaModel, LogitsWanted, LoraAdapter, ModelConfig, ModelError, Scratch, SyntheticSpec, Tokenizer,
@@ -87,6 +88,10 @@ pub struct EngineConfig {
     /// (it streams 4× the weight bytes). Off by default; the engine refuses to start with it on a CPU that has
     /// neither.
     pub bf16_matmuls: bool,
+    /// Round the keys of `fp8_e4m3_rotated` blocks for the model's queries (query-aware rounding,
+    /// [`pagoda_kernels::key_rounding`], calibrated once at load on [`crate::model::calibration`]'s text) instead of
+    /// to the nearest code. The bytes are the codec's either way. CPU runner, loaded models only.
+    pub fp8_keys_for_queries: bool,
     /// Serve a synthetic-weights model of this shape instead of loading `model_path` (throughput benchmarks of
     /// shapes whose weights are not on the machine; outputs are meaningless, see [`crate::model::synthetic`]).
     pub synthetic: Option<SyntheticSpec>,
@@ -184,6 +189,7 @@ impl Default for EngineConfig {
             kivi_residual_tokens: 0,
             kivi_int8_layers: Vec::new(),
             bf16_matmuls: false,
+            fp8_keys_for_queries: true,
             synthetic: None,
             device: Device::Cpu,
             speculative: NgramConfig::off(),
@@ -1074,13 +1080,17 @@ impl Engine {
                         return;
                     }
                 };
-                let evicpress = match open_placement(&thread_cfg, &info, tiers.as_ref(), int8_layers) {
+                let mut evicpress = match open_placement(&thread_cfg, &info, tiers.as_ref(), int8_layers) {
                     Ok(e) => e,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
+                // The profiler encodes the variants it scores as the tiers will store them.
+                if let (Some(ep), Some(r)) = (evicpress.as_mut(), runner.group_kv().and_then(|g| g.key_roundings())) {
+                    ep.set_key_rounding(r);
+                }
                 let mut core =
                     EngineLoop::new(runner, sched_config(&thread_cfg, &info), thread_cfg.default_policy, thread_stats);
                 core.kivi_int8_layers = int8_layers;
@@ -2348,6 +2358,21 @@ fn host_memory_bytes() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// The key rounding of every table ([`crate::model::calibration`]): the calibration text through the model.
+pub fn calibrate_fp8_keys(
+    model_path: &Path,
+    model: &LlamaModel,
+    backend: &dyn Backend,
+) -> Result<Vec<KeyRounding>, EngineError> {
+    let model_err = |e: ModelError| EngineError::Model(format!("calibrating fp8 key rounding: {e}"));
+    let started = Instant::now();
+    let tokenizer = Gguf::open(model_path).and_then(|g| Tokenizer::from_gguf(&g)).map_err(model_err)?;
+    let tokens = calibration::calibration_tokens(&tokenizer);
+    let rounding = calibration::key_rounding(model, backend, &tokens).map_err(model_err)?;
+    tracing::info!(tokens = tokens.len(), ms = started.elapsed().as_millis() as u64, "fp8 key rounding calibrated");
+    Ok(rounding)
+}
+
 /// The CPU backend on `threads` threads (0: every core), its matmuls in bf16 when asked; an error where the CPU
 /// cannot run them, rather than a flag that silently does nothing.
 pub fn cpu_backend(threads: usize, bf16_matmuls: bool) -> Result<CpuBackend, EngineError> {
@@ -2369,14 +2394,11 @@ impl LlamaRunner {
         let backend = cpu_backend(cfg.threads, cfg.bf16_matmuls)?;
         let (model, info) = load_model(cfg)?;
         check_host_arena(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype, host_memory_bytes())?;
-        Ok(LlamaRunner {
-            kv: KvStorage::with_dtype(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype),
-            scratch: Scratch::new(),
-            backend,
-            model,
-            info,
-            batch: Vec::new(),
-        })
+        let mut kv = KvStorage::with_dtype(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype);
+        if cfg.fp8_keys_for_queries && cfg.synthetic.is_none() {
+            kv.set_key_rounding(calibrate_fp8_keys(&cfg.model_path, &model, &backend)?.into());
+        }
+        Ok(LlamaRunner { kv, scratch: Scratch::new(), backend, model, info, batch: Vec::new() })
     }
 
     /// The same runner over f32 copies of its weights ([`LlamaModel::to_f32_weights`]): no activation

@@ -49,9 +49,10 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pagoda_kernels::{Codec, KvDtype, KvStorage};
+use pagoda_kernels::{Codec, KeyRounding, KvDtype, KvStorage};
 
 use crate::cache::{BlockId, BlockPool, CacheLayout, block_hashes};
 use crate::engine::{EngineError, ModelRunner, StepSeq};
@@ -525,6 +526,12 @@ impl std::fmt::Debug for EvicPress {
 }
 
 impl EvicPress {
+    /// Encodes rotated fp8 keys with the device arena's key rounding ([`KvStorage::set_key_rounding`]), so a
+    /// profiled variant is what the tiers will store.
+    pub fn set_key_rounding(&mut self, rounding: Arc<[KeyRounding]>) {
+        self.scratch.set_key_rounding(rounding);
+    }
+
     /// A driver for a model of `layout` × `head_dim` with device arena `dtype`, planning into the free space of
     /// `tiers` with its current bandwidth estimates.
     pub fn new(

@@ -18,7 +18,7 @@
 
 use std::time::Instant;
 
-use pagoda_kernels::{Codec, CpuBackend, KvDtype, KvStorage};
+use pagoda_kernels::{Codec, CpuBackend, KeyRounding, KvDtype, KvStorage};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineError, cpu_backend};
@@ -34,8 +34,11 @@ pub const MAX_ITEM_TOKENS: usize = 8192;
 /// How one lane keeps its KV: a codec's blocks, or a device pool's slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LaneFormat {
-    /// Each full block encoded with the codec and decoded back.
+    /// Each full block encoded with the codec and decoded back, rotated fp8 keys rounded for the model's queries
+    /// as a worker stores them ([`crate::model::calibration`]).
     Codec(Codec),
+    /// The same, every key rounded to its nearest code (`--fp8-key-rounding nearest`): `CODEC@nearest`.
+    NearestKeys(Codec),
     /// Each slot rounded as a device pool of this dtype stores it.
     Pool(KvDtype),
     /// Each full block through its layer's codec of a layered KIVI format ([`GroupCodec::Layered`],
@@ -48,6 +51,7 @@ impl LaneFormat {
     pub fn name(self) -> String {
         match self {
             LaneFormat::Codec(c) => c.name().to_owned(),
+            LaneFormat::NearestKeys(c) => format!("{c}@nearest"),
             LaneFormat::Pool(d) => format!("pool:{d}"),
             LaneFormat::Layered(g) => g.name().into_owned(),
         }
@@ -56,7 +60,9 @@ impl LaneFormat {
     /// Stored bits per K or V element in a block of `block_size` × `head_dim` (scales and headers included).
     pub fn bits_per_element(self, block_size: usize, head_dim: usize) -> f64 {
         match self {
-            LaneFormat::Codec(c) => c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN),
+            LaneFormat::Codec(c) | LaneFormat::NearestKeys(c) => {
+                c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN)
+            }
             LaneFormat::Pool(d) => d.slot_bytes(head_dim) as f64 * 8.0 / head_dim as f64,
             LaneFormat::Layered(g) => {
                 // A group of one block per layer: the mean over layers is the mean over any whole number of heads.
@@ -75,8 +81,14 @@ impl std::str::FromStr for LaneFormat {
     type Err = String;
 
     /// `pool:DTYPE` (`pool:int8`, `pool:fp8_e4m3`, `pool:fp8_e4m3_rotated`, ...), a layered KIVI format
-    /// (`int2_kivi+int8@18/30`) or a codec name.
+    /// (`int2_kivi+int8@18/30`), a codec name, or `fp8_e4m3_rotated@nearest`.
     fn from_str(s: &str) -> Result<LaneFormat, String> {
+        if let Some(c) = s.strip_suffix("@nearest") {
+            return match c.parse::<Codec>() {
+                Ok(Codec::Fp8E4m3Rotated) => Ok(LaneFormat::NearestKeys(Codec::Fp8E4m3Rotated)),
+                _ => Err(format!("{s:?}: only fp8_e4m3_rotated rounds its keys another way (@nearest)")),
+            };
+        }
         if s.contains('+') {
             return match s.parse::<GroupCodec>() {
                 Ok(g @ GroupCodec::Layered { .. }) => Ok(LaneFormat::Layered(g)),
@@ -141,6 +153,8 @@ pub struct CodecReport {
 /// The model on the CPU backend, driven directly (no scheduler: every lane owns fixed block tables).
 pub struct CodecEvaluator {
     model: LlamaModel,
+    /// Per table, how rotated fp8 keys are rounded (the engine's calibration).
+    key_rounding: Vec<KeyRounding>,
     backend: CpuBackend,
     tokenizer: Tokenizer,
     template: ChatTemplate,
@@ -163,10 +177,13 @@ impl CodecEvaluator {
         let tokenizer = Tokenizer::from_gguf(&g).map_err(err)?;
         let template = ChatTemplate::from_gguf(&g).map_err(err)?;
         let model = LlamaModel::load(&g).map_err(err)?;
+        let backend = cpu_backend(threads, bf16_matmuls)?;
+        let key_rounding = crate::engine::calibrate_fp8_keys(model_path, &model, &backend)?;
         Ok(CodecEvaluator {
             eos: tokenizer.eos_token_ids().to_vec(),
             model,
-            backend: cpu_backend(threads, bf16_matmuls)?,
+            key_rounding,
+            backend,
             tokenizer,
             template,
             scratch: Scratch::default(),
@@ -279,8 +296,9 @@ impl CodecEvaluator {
         let mut rounding: Vec<Rounding> = codecs
             .iter()
             .map(|f| match *f {
-                LaneFormat::Codec(codec) => Rounding::Codec(GroupCodec::Kv(codec)),
-                LaneFormat::Layered(g) => Rounding::Codec(g),
+                LaneFormat::Codec(codec) => Rounding::Codec(GroupCodec::Kv(codec), true),
+                LaneFormat::NearestKeys(codec) => Rounding::Codec(GroupCodec::Kv(codec), false),
+                LaneFormat::Layered(g) => Rounding::Codec(g, true),
                 LaneFormat::Pool(d) => Rounding::Pool(KvStorage::with_dtype(1, BLOCK_SIZE, c.head_dim, d)),
             })
             .collect();
@@ -294,13 +312,14 @@ impl CodecEvaluator {
             for (li, lane) in rounding.iter_mut().enumerate() {
                 let l = li + 1;
                 match lane {
-                    Rounding::Codec(group) => {
+                    Rounding::Codec(group, for_queries) => {
                         for (t, table) in tables[l].iter().enumerate() {
                             let codec = group.block_codec(t, n_tables).ok_or_else(|| {
                                 EngineError::InvalidRequest(format!("{group} does not fit this model's layers"))
                             })?;
+                            let keys = self.key_rounding.get(t).filter(|_| *for_queries);
                             for &b in &table[coded[l]..len / BLOCK_SIZE] {
-                                round_trip(codec, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
+                                round_trip(codec, keys, &mut kv, b, &mut bytes, &mut dk, &mut dv)?;
                             }
                         }
                         coded[l] = len / BLOCK_SIZE;
@@ -372,8 +391,9 @@ impl CodecEvaluator {
 
 /// How a lane rounds its KV ([`LaneFormat`], with the pool a `Pool` lane rounds through).
 enum Rounding {
-    /// Each table's blocks through the group codec's codec for that table (`layer * n_kv_heads + head`).
-    Codec(GroupCodec),
+    /// Each table's blocks through the group codec's codec for that table (`layer * n_kv_heads + head`); rotated
+    /// fp8 keys rounded for the queries when the flag is set.
+    Codec(GroupCodec, bool),
     Pool(KvStorage),
 }
 
@@ -383,6 +403,7 @@ type Lane<'a> = (&'a [u32], u32, &'a [Vec<u32>], &'a [usize]);
 /// Encodes block `b` with `codec` and decodes it back into the arena.
 fn round_trip(
     codec: Codec,
+    keys: Option<&KeyRounding>,
     kv: &mut KvStorage,
     b: u32,
     bytes: &mut Vec<u8>,
@@ -391,7 +412,7 @@ fn round_trip(
 ) -> Result<(), EngineError> {
     let fail = |e: pagoda_kernels::CodecError| EngineError::Forward(format!("{codec} on block {b}: {e}"));
     bytes.resize(codec.encoded_len(kv.block_size(), kv.head_dim()).map_err(fail)?, 0);
-    codec.encode_block(kv.block_size(), kv.head_dim(), kv.block_k(b), kv.block_v(b), bytes).map_err(fail)?;
+    codec.encode_block_with(kv.block_size(), kv.head_dim(), kv.block_k(b), kv.block_v(b), bytes, keys).map_err(fail)?;
     pagoda_kernels::decode_block(bytes, dk, dv).map_err(fail)?;
     kv.block_k_mut(b).copy_from_slice(dk);
     kv.block_v_mut(b).copy_from_slice(dv);

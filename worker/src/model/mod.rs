@@ -1,7 +1,9 @@
 //! The model layer: GGUF reader ([`gguf`]), tokenizer built from GGUF metadata ([`tokenizer`]), chat template
-//! rendering ([`chat`]), model hyper-parameters ([`config`]), the llama forward pass over head-paged KV blocks
+//! rendering ([`chat`]), model hyper-parameters ([`config`]), the query statistics fp8 keys are rounded for
+//! ([`calibration`]), the llama forward pass over head-paged KV blocks
 //! ([`llama`]) LoRA adapters ([`lora`]) and synthetic-weights models of any llama shape for throughput benchmarks ([`synthetic`]). All numeric work goes through `pagoda_kernels::Backend`.
 
+pub mod calibration;
 pub mod chat;
 pub mod config;
 #[cfg(feature = "cuda")]

@@ -14,8 +14,11 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
-use pagoda_kernels::{BlockHeader, Codec, KvDtype, KvStorage, decode_validated_block, decoded_magnitude_bound};
+use pagoda_kernels::{
+    BlockHeader, Codec, KeyRounding, KvDtype, KvStorage, decode_validated_block, decoded_magnitude_bound,
+};
 
 use super::{EncodedGroup, F16_OVERFLOW, KV_MAGNITUDE_LIMIT, TierError, fits_dtype, native};
 use crate::cache::BlockId;
@@ -201,6 +204,12 @@ pub trait GroupKv {
     /// Decodes `group` into blocks `blocks` ([`decode`]'s contract: checked whole before anything is written).
     fn decode_group(&mut self, group: &EncodedGroup, blocks: &[BlockId]) -> Result<(), TierError>;
 
+    /// How this arena's encoder rounds rotated fp8 keys, per table ([`KvStorage::set_key_rounding`]); `None`: to
+    /// the nearest code.
+    fn key_roundings(&self) -> Option<Arc<[KeyRounding]>> {
+        None
+    }
+
     /// Encodes with `codec`, or natively when the codec refuses the data (values outside its range).
     fn encode_or_native(&self, blocks: &[BlockId], codec: GroupCodec) -> Result<EncodedGroup, TierError> {
         self.encode_group(blocks, codec).or_else(|e| {
@@ -221,6 +230,10 @@ impl GroupKv for KvStorage {
 
     fn decode_group(&mut self, group: &EncodedGroup, blocks: &[BlockId]) -> Result<(), TierError> {
         decode(group, self, blocks)
+    }
+
+    fn key_roundings(&self) -> Option<Arc<[KeyRounding]>> {
+        KvStorage::key_roundings(self)
     }
 }
 
@@ -252,8 +265,9 @@ pub fn encode(kv: &KvStorage, blocks: &[BlockId], codec: GroupCodec) -> Result<E
     for (i, &b) in blocks.iter().enumerate() {
         let (codec, len) = c.block_format(i, n, bs, hd)?;
         kv.read_block(b, &mut k, &mut v);
+        // Block i of a group is table i (`layer * n_kv_heads + head`), whose queries its key rounding is for.
         codec
-            .encode_block(bs, hd, &k, &v, &mut bytes[at..at + len])
+            .encode_block_with(bs, hd, &k, &v, &mut bytes[at..at + len], kv.key_rounding(i))
             .map_err(|e| TierError::Config(format!("encoding with {codec}: {e}")))?;
         at += len;
     }
@@ -359,6 +373,47 @@ mod tests {
     fn max_err(a: &KvStorage, ab: u32, b: &KvStorage, bb: u32) -> f32 {
         let ((ka, va), (kb, vb)) = (block(a, ab), block(b, bb));
         ka.iter().chain(&va).zip(kb.iter().chain(&vb)).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// A group's block i is encoded with table i's key rounding when the arena has one (rotated fp8 only): the
+    /// bytes are what [`Codec::encode_block_with`] gives for that table, and not round-to-nearest's.
+    #[test]
+    fn a_group_rounds_each_tables_keys_for_its_own_queries() {
+        use pagoda_kernels::QueryMoments;
+        let mut kv = filled(KvDtype::F32);
+        let hd = kv.head_dim();
+        // Two tables whose queries point different ways: energy falling with the channel, and rising.
+        let roundings: Vec<KeyRounding> = [false, true]
+            .iter()
+            .map(|&rising| {
+                let mut m = QueryMoments::new(hd);
+                let q: Vec<f32> = (0..16 * hd)
+                    .map(|i| {
+                        let ch = if rising { hd - 1 - i % hd } else { i % hd };
+                        (i as f32 * 0.71).sin() * 0.8f32.powi(ch as i32 / 2)
+                    })
+                    .collect();
+                m.add(&q);
+                KeyRounding::from_moments(&m).expect("moments")
+            })
+            .collect();
+        kv.set_key_rounding(roundings.clone().into());
+        let codec = Codec::Fp8E4m3Rotated;
+        let group = encode(&kv, &[0, 1], GroupCodec::Kv(codec)).expect("encode");
+        let len = codec.encoded_len(kv.block_size(), hd).unwrap();
+        assert_eq!(group.bytes.len(), 2 * len);
+        for (i, r) in roundings.iter().enumerate() {
+            let (k, v) = block(&kv, i as u32);
+            let (mut aware, mut nearest) = (vec![0u8; len], vec![0u8; len]);
+            codec.encode_block_with(kv.block_size(), hd, &k, &v, &mut aware, Some(r)).unwrap();
+            codec.encode_block(kv.block_size(), hd, &k, &v, &mut nearest).unwrap();
+            assert_eq!(&group.bytes[i * len..(i + 1) * len], &aware[..], "block {i}");
+            assert_ne!(aware, nearest, "block {i}: the rounding changed some codes");
+        }
+        // Other codecs ignore it.
+        let plain = filled(KvDtype::F32);
+        let int8 = GroupCodec::Kv(Codec::Int8);
+        assert_eq!(encode(&kv, &[0, 1], int8).unwrap().bytes, encode(&plain, &[0, 1], int8).unwrap().bytes);
     }
 
     /// Every codec's worst absolute error on these blocks (|K| ≤ 2, |V| ≤ 0.5): generous bounds, the per-element
