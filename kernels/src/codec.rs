@@ -175,6 +175,8 @@ pub enum CodecError {
     BlockOutOfRange { block: usize, num_blocks: usize },
     #[error("arena of {num_blocks} blocks x {block_len} bytes is too large")]
     TooLarge { num_blocks: usize, block_len: usize },
+    #[error("key rounding for head_dim {head_dim}: {reason}")]
+    BadKeyRounding { head_dim: usize, reason: &'static str },
 }
 
 impl Codec {
@@ -292,16 +294,7 @@ impl Codec {
         keys: Option<&KeyRounding>,
     ) -> Result<BlockHeader, CodecError> {
         if let Some(r) = keys.filter(|r| r.head_dim() != head_dim) {
-            return Err(CodecError::BadShape {
-                codec: self,
-                block_size,
-                head_dim,
-                reason: if r.head_dim() < head_dim {
-                    "key rounding for a smaller head"
-                } else {
-                    "key rounding for a larger head"
-                },
-            });
+            return Err(CodecError::BadKeyRounding { head_dim: r.head_dim(), reason: "made for another head_dim" });
         }
         let expected = self.encoded_len(block_size, head_dim)?;
         if out.len() != expected {

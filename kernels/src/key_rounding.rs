@@ -93,8 +93,7 @@ impl KeyRounding {
     /// The factor for queries with moments `m`. Fails when `m` holds no query, or nothing finite.
     pub fn from_moments(m: &QueryMoments) -> Result<KeyRounding, CodecError> {
         let hd = m.head_dim;
-        let bad =
-            |reason| CodecError::BadShape { codec: crate::Codec::Fp8E4m3Rotated, block_size: 0, head_dim: hd, reason };
+        let bad = |reason| CodecError::BadKeyRounding { head_dim: hd, reason };
         if hd == 0 || hd > MAX_HEAD_DIM {
             return Err(bad("head_dim out of range"));
         }
@@ -305,5 +304,12 @@ mod tests {
         inf.add(&[f32::INFINITY; HD]);
         assert!(KeyRounding::from_moments(&inf).is_err());
         assert!(KeyRounding::from_moments(&QueryMoments::new(MAX_HEAD_DIM + 1)).is_err());
+        let mut m = QueryMoments::new(HD);
+        m.add(&queries(&mut Lcg(5), 8));
+        let r = KeyRounding::from_moments(&m).unwrap();
+        let (k, v) = (vec![0.5f32; BS * 32], vec![0.5f32; BS * 32]);
+        let mut out = vec![0u8; Codec::Fp8E4m3Rotated.encoded_len(BS, 32).unwrap()];
+        let err = Codec::Fp8E4m3Rotated.encode_block_with(BS, 32, &k, &v, &mut out, Some(&r)).unwrap_err();
+        assert_eq!(err, CodecError::BadKeyRounding { head_dim: HD, reason: "made for another head_dim" });
     }
 }
