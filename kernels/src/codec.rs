@@ -779,14 +779,10 @@ fn encode_half(
             let qs = &mut out[4..];
             qs.fill(0);
             if s > 0.0 {
+                let rounding = keys.filter(|_| rotate);
                 for (r, q) in x.chunks_exact(hd).zip(qs.chunks_exact_mut(hd)) {
-                    match keys.filter(|_| rotate) {
-                        Some(rounding) => {
-                            let y = &mut buf[..hd];
-                            y.copy_from_slice(r);
-                            hadamard_rotate(y);
-                            rounding.round_row(y, s, q);
-                        }
+                    match rounding {
+                        Some(rounding) => rounding.round_row(rotated_copy(r, &mut buf[..hd]), s, q),
                         None => {
                             for (q, &v) in q.iter_mut().zip(e4m3_input(r, rotate, &mut buf[..hd])) {
                                 *q = e4m3_from_f32(v / s);
@@ -867,7 +863,7 @@ fn e4m3_input<'a>(r: &'a [f32], rotate: bool, buf: &'a mut [f32]) -> &'a [f32] {
 
 /// `x` rotated by [`hadamard_rotate`] into the start of `buf` (at least as long), `x` left as it is: how the
 /// rotated-key formats rotate a query or a key they may not overwrite.
-pub(crate) fn rotated_copy<'a>(x: &[f32], buf: &'a mut [f32]) -> &'a [f32] {
+pub(crate) fn rotated_copy<'a>(x: &[f32], buf: &'a mut [f32]) -> &'a mut [f32] {
     let r = &mut buf[..x.len()];
     r.copy_from_slice(x);
     hadamard_rotate(r);

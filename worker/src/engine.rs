@@ -11,7 +11,7 @@
 //! The model sits behind [`ModelRunner`] so the thread, batching and streaming can be exercised with a stand-in;
 //! [`LlamaRunner`] is the real one (GGUF → `LlamaModel::forward` on a `CpuBackend` over a `KvStorage`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -2265,12 +2265,17 @@ pub fn no_cuda_build() -> EngineError {
 /// (`cfg.num_blocks` blocks, or `cfg.kv_cache_tokens` worth, or two full contexts when both are 0). Every runner
 /// starts here, so CPU and GPU workers report the same model the same way.
 pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineError> {
+    load_model_and_tokenizer(cfg).map(|(model, info, _)| (model, info))
+}
+
+/// [`load_model`], with the GGUF's tokenizer (`None` for a synthetic model), for a runner that needs it again.
+fn load_model_and_tokenizer(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo, Option<Tokenizer>), EngineError> {
     let model_err = |e: ModelError| EngineError::Model(e.to_string());
-    let (model, model_id, name, eos_token_ids, bos_token_id, token_bytes) = match &cfg.synthetic {
+    let (model, model_id, name, eos_token_ids, bos_token_id, token_bytes, tokenizer) = match &cfg.synthetic {
         Some(spec) => {
             tracing::warn!(model = %spec, "serving a SYNTHETIC-weights model: its outputs are meaningless");
             let model = LlamaModel::synthetic(spec).map_err(model_err)?;
-            (model, spec.model_name(), spec.model_name(), Vec::new(), None, None)
+            (model, spec.model_name(), spec.model_name(), Vec::new(), None, None, None)
         }
         None => {
             let gguf = Gguf::open(&cfg.model_path).map_err(model_err)?;
@@ -2283,7 +2288,8 @@ pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineE
                 TokenTable::new((0..tokenizer.vocab_size() as u32).map(|t| {
                     if tokenizer.is_special(t) { &[][..] } else { tokenizer.token_bytes(t).unwrap_or_default() }
                 }));
-            (model, file_stem, name, tokenizer.eos_token_ids().to_vec(), tokenizer.bos_id(), Some(Arc::new(table)))
+            let (eos, bos) = (tokenizer.eos_token_ids().to_vec(), tokenizer.bos_id());
+            (model, file_stem, name, eos, bos, Some(Arc::new(table)), Some(tokenizer))
         }
     };
     let mc = model.config().clone();
@@ -2315,7 +2321,7 @@ pub fn load_model(cfg: &EngineConfig) -> Result<(LlamaModel, ModelInfo), EngineE
         kv_dtype: cfg.kv_dtype,
         token_bytes,
     };
-    Ok((model, info))
+    Ok((model, info, tokenizer))
 }
 
 /// Refuses a host KV arena of `num_blocks` blocks that could not be allocated: one whose size overflows, or that
@@ -2360,14 +2366,13 @@ fn host_memory_bytes() -> Option<u64> {
 
 /// The key rounding of every table ([`crate::model::calibration`]): the calibration text through the model.
 pub fn calibrate_fp8_keys(
-    model_path: &Path,
+    tokenizer: &Tokenizer,
     model: &LlamaModel,
     backend: &dyn Backend,
 ) -> Result<Vec<KeyRounding>, EngineError> {
     let model_err = |e: ModelError| EngineError::Model(format!("calibrating fp8 key rounding: {e}"));
     let started = Instant::now();
-    let tokenizer = Gguf::open(model_path).and_then(|g| Tokenizer::from_gguf(&g)).map_err(model_err)?;
-    let tokens = calibration::calibration_tokens(&tokenizer);
+    let tokens = calibration::calibration_tokens(tokenizer);
     let rounding = calibration::key_rounding(model, backend, &tokens).map_err(model_err)?;
     tracing::info!(tokens = tokens.len(), ms = started.elapsed().as_millis() as u64, "fp8 key rounding calibrated");
     Ok(rounding)
@@ -2392,11 +2397,12 @@ impl LlamaRunner {
             return Err(EngineError::Config(format!("the CPU runner cannot serve --device {}", cfg.device)));
         }
         let backend = cpu_backend(cfg.threads, cfg.bf16_matmuls)?;
-        let (model, info) = load_model(cfg)?;
+        let (model, info, tokenizer) = load_model_and_tokenizer(cfg)?;
         check_host_arena(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype, host_memory_bytes())?;
         let mut kv = KvStorage::with_dtype(info.num_blocks, cfg.block_size, info.head_dim, cfg.kv_dtype);
-        if cfg.fp8_keys_for_queries && cfg.synthetic.is_none() {
-            kv.set_key_rounding(calibrate_fp8_keys(&cfg.model_path, &model, &backend)?.into());
+        // A synthetic model has no tokenizer, and no queries worth calibrating on.
+        if let Some(tokenizer) = tokenizer.filter(|_| cfg.fp8_keys_for_queries) {
+            kv.set_key_rounding(calibrate_fp8_keys(&tokenizer, &model, &backend)?.into());
         }
         Ok(LlamaRunner { kv, scratch: Scratch::new(), backend, model, info, batch: Vec::new() })
     }

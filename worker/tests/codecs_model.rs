@@ -88,7 +88,7 @@ fn prefill() -> Prefilled {
     model.forward(&be, &mut kv, &[seq], &mut scratch, &mut logits).expect("forward");
     let q_last = scratch.captured_q(0).to_vec();
     assert_eq!(q_last.len(), c.n_layers * c.q_dim());
-    let key_rounding = pagoda_worker::engine::calibrate_fp8_keys(&model_path(), &model, &be).expect("calibration");
+    let key_rounding = pagoda_worker::engine::calibrate_fp8_keys(&tok, &model, &be).expect("calibration");
     Prefilled {
         key_rounding,
         kv,

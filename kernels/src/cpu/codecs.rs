@@ -69,7 +69,7 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
     let (codec, q) = match kv.codec() {
         Codec::Fp8E4m3Rotated => {
             rotated = [0.0; MAX_HEAD_DIM];
-            (Codec::Fp8E4m3, rotated_copy(q, &mut rotated))
+            (Codec::Fp8E4m3, &*rotated_copy(q, &mut rotated))
         }
         c => (c, q),
     };

@@ -37,8 +37,9 @@ pub enum LaneFormat {
     /// Each full block encoded with the codec and decoded back, rotated fp8 keys rounded for the model's queries
     /// as a worker stores them ([`crate::model::calibration`]).
     Codec(Codec),
-    /// The same, every key rounded to its nearest code (`--fp8-key-rounding nearest`): `CODEC@nearest`.
-    NearestKeys(Codec),
+    /// `fp8_e4m3_rotated` with every key rounded to its nearest code (`--fp8-key-rounding nearest`):
+    /// `fp8_e4m3_rotated@nearest`.
+    NearestKeys,
     /// Each slot rounded as a device pool of this dtype stores it.
     Pool(KvDtype),
     /// Each full block through its layer's codec of a layered KIVI format ([`GroupCodec::Layered`],
@@ -51,7 +52,7 @@ impl LaneFormat {
     pub fn name(self) -> String {
         match self {
             LaneFormat::Codec(c) => c.name().to_owned(),
-            LaneFormat::NearestKeys(c) => format!("{c}@nearest"),
+            LaneFormat::NearestKeys => format!("{}@nearest", Codec::Fp8E4m3Rotated),
             LaneFormat::Pool(d) => format!("pool:{d}"),
             LaneFormat::Layered(g) => g.name().into_owned(),
         }
@@ -60,9 +61,8 @@ impl LaneFormat {
     /// Stored bits per K or V element in a block of `block_size` × `head_dim` (scales and headers included).
     pub fn bits_per_element(self, block_size: usize, head_dim: usize) -> f64 {
         match self {
-            LaneFormat::Codec(c) | LaneFormat::NearestKeys(c) => {
-                c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN)
-            }
+            LaneFormat::Codec(c) => c.bits_per_element(block_size, head_dim).unwrap_or(f64::NAN),
+            LaneFormat::NearestKeys => LaneFormat::Codec(Codec::Fp8E4m3Rotated).bits_per_element(block_size, head_dim),
             LaneFormat::Pool(d) => d.slot_bytes(head_dim) as f64 * 8.0 / head_dim as f64,
             LaneFormat::Layered(g) => {
                 // A group of one block per layer: the mean over layers is the mean over any whole number of heads.
@@ -85,7 +85,7 @@ impl std::str::FromStr for LaneFormat {
     fn from_str(s: &str) -> Result<LaneFormat, String> {
         if let Some(c) = s.strip_suffix("@nearest") {
             return match c.parse::<Codec>() {
-                Ok(Codec::Fp8E4m3Rotated) => Ok(LaneFormat::NearestKeys(Codec::Fp8E4m3Rotated)),
+                Ok(Codec::Fp8E4m3Rotated) => Ok(LaneFormat::NearestKeys),
                 _ => Err(format!("{s:?}: only fp8_e4m3_rotated rounds its keys another way (@nearest)")),
             };
         }
@@ -178,7 +178,7 @@ impl CodecEvaluator {
         let template = ChatTemplate::from_gguf(&g).map_err(err)?;
         let model = LlamaModel::load(&g).map_err(err)?;
         let backend = cpu_backend(threads, bf16_matmuls)?;
-        let key_rounding = crate::engine::calibrate_fp8_keys(model_path, &model, &backend)?;
+        let key_rounding = crate::engine::calibrate_fp8_keys(&tokenizer, &model, &backend)?;
         Ok(CodecEvaluator {
             eos: tokenizer.eos_token_ids().to_vec(),
             model,
@@ -297,7 +297,7 @@ impl CodecEvaluator {
             .iter()
             .map(|f| match *f {
                 LaneFormat::Codec(codec) => Rounding::Codec(GroupCodec::Kv(codec), true),
-                LaneFormat::NearestKeys(codec) => Rounding::Codec(GroupCodec::Kv(codec), false),
+                LaneFormat::NearestKeys => Rounding::Codec(GroupCodec::Kv(Codec::Fp8E4m3Rotated), false),
                 LaneFormat::Layered(g) => Rounding::Codec(g, true),
                 LaneFormat::Pool(d) => Rounding::Pool(KvStorage::with_dtype(1, BLOCK_SIZE, c.head_dim, d)),
             })
@@ -490,4 +490,20 @@ pub fn render_markdown(report: &CodecReport) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rounding_lanes_parse_for_rotated_fp8_only() {
+        let lane: LaneFormat = "fp8_e4m3_rotated@nearest".parse().unwrap();
+        assert_eq!(lane, LaneFormat::NearestKeys);
+        assert_eq!(lane.name(), "fp8_e4m3_rotated@nearest");
+        assert_eq!(lane.bits_per_element(16, 64), LaneFormat::Codec(Codec::Fp8E4m3Rotated).bits_per_element(16, 64));
+        for other in ["fp8_e4m3@nearest", "int8@nearest", "nope@nearest"] {
+            assert!(other.parse::<LaneFormat>().is_err(), "{other}");
+        }
+    }
 }
