@@ -21,7 +21,7 @@
 //! | `bf16` | `bf16[B][D]` | same | RNE: ≤ 2⁻⁸·\|x\| |
 //! | `int8` | `f32 scale[B]`, `i8[B][D]` | same | symmetric per slot: scale = absmax/127, ≤ scale/2 |
 //! | `fp8_e4m3` | `f32 scale`, `e4m3[B][D]` | same | per block (= per head): scale = absmax/448; ≤ 2⁻⁴·\|x\| for normals, ≤ 2⁻¹⁰·scale below |
-//! | `fp8_e4m3_rotated` | `fp8_e4m3`'s, of each key rotated by [`hadamard_rotate`] | `fp8_e4m3`'s | V as `fp8_e4m3`; K: the rotated key's bound, so ≤ 2⁻⁴·‖key‖₂ + √D·2⁻¹⁰·scale per element |
+//! | `fp8_e4m3_rotated` | `f32 scale`, `e4m3[B][D]` of each key rotated by [`hadamard_rotate`], less the mean where its slot's bit is set; `f32 mean scale`, `e4m3 mean[D]` (rotated), `u8 centred[⌈B/8⌉]` | `fp8_e4m3`'s | V as `fp8_e4m3`; K: the rotated key's bound, ≤ 2⁻⁴·‖key‖₂ + √D·2⁻¹⁰·scale per element (a centred row is never longer than its key) |
 //! | `int4_kivi` | `f16 scale[D]`, `f16 min[D]`, `u4[B][D]` | `f16 scale[B][G]`, `f16 min[B][G]`, `u4[B][D]` | asymmetric: ≤ scale/2 (+ f16 rounding of min) |
 //! | `int2_kivi` | as int4 with `u2` codes | as int4 with `u2` codes | as int4 with 3 levels instead of 15 |
 //!
@@ -41,6 +41,14 @@
 //! own inverse, so `q·k = (Hq)·(Hk)`: the attention kernel rotates the query once per head and reads the codes as
 //! `fp8_e4m3`'s, and the decoder rotates each key back. Values are not rotated: their error enters the output as
 //! a norm, which a rotation does not change.
+//!
+//! Its keys are also centred: a block's keys share a large per-channel offset (three quarters of their energy on
+//! SmolLM2), and e4m3 spends its relative precision on that shared part. Each rotated key is stored less the
+//! block's rotated channel mean (kept once, in e4m3 with its own scale), except keys the mean would move away from
+//! zero, the attention sink's above all, which are stored as they are; a bit per slot says which. Decoding adds the
+//! mean back where the bit is set, and the attention kernel adds `(Hq)·mean` to those slots' scores. 70 bytes more
+//! per 16 × 64 block (8.37 bits per element against 8.09; int8 takes 8.56); the KL at 2K falls by about half
+//! (`docs/BENCHMARKS.md`, "Centred keys").
 //!
 //! Packed codes: `u4` row byte `j` holds channel `j` in its low nibble and channel `j + D/2` in its high nibble;
 //! `u2` row byte `j` holds channel `j + t·D/4` in bits `2t..2t+2`. This keeps 8 consecutive channels in 8
@@ -216,7 +224,9 @@ impl Codec {
             Codec::Fp8E4m3 => 4,
             Codec::Int4Kivi => 5,
             Codec::Int2Kivi => 6,
-            Codec::Fp8E4m3Rotated => 7,
+            // 7 was fp8_e4m3_rotated before its keys were centred (no channel mean): retired, so such blocks are
+            // refused as an unknown codec rather than read with the wrong layout.
+            Codec::Fp8E4m3Rotated => 8,
         }
     }
 
@@ -253,6 +263,7 @@ impl Codec {
             (Codec::F32, _) => 4 * n,
             (Codec::F16 | Codec::Bf16, _) => 2 * n,
             (Codec::Int8, _) => 4 * bs + n,
+            (Codec::Fp8E4m3Rotated, Half::K) => 4 + n + KeyMean::len(bs, hd),
             (Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated, _) => 4 + n,
             (Codec::Int4Kivi, Half::K) => 4 * hd + n / 2,
             (Codec::Int4Kivi, Half::V) => 4 * bs * groups + n / 2,
@@ -477,8 +488,14 @@ pub fn decoded_magnitude_bound(bytes: &[u8]) -> Result<f32, CodecError> {
                 .fold(0.0, f32::max),
             Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
                 // e4m3 magnitudes order as their 7-bit codes do, so the largest code gives the largest value.
-                let m = e4m3_to_f32(b[4..].iter().fold(0, |top, &q| top.max(q & 0x7F))) * f32_at(b, 0);
-                if codec == Codec::Fp8E4m3Rotated && half == Half::K { m * (hd as f32).sqrt() } else { m }
+                let largest = |codes: &[u8]| e4m3_to_f32(codes.iter().fold(0, |top, &q| top.max(q & 0x7F)));
+                if codec == Codec::Fp8E4m3Rotated && half == Half::K {
+                    let mean = KeyMean::of(b, bs, hd);
+                    let m = largest(&b[4..4 + bs * hd]) * f32_at(b, 0) + largest(mean.codes) * mean.scale;
+                    m * (hd as f32).sqrt()
+                } else {
+                    largest(&b[4..]) * f32_at(b, 0)
+                }
             }
             Codec::Int4Kivi | Codec::Int2Kivi => {
                 let pairs = if half == Half::K { hd } else { bs * hd.div_ceil(KIVI_GROUP) };
@@ -538,13 +555,25 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                     return corrupt("int8 code -128");
                 }
             }
-            Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
-                let top = max_e4m3_magnitude(codec == Codec::Fp8E4m3Rotated && half == Half::K, hd);
-                if !valid_scale(f32_at(b, 0), top) {
+            Codec::Fp8E4m3Rotated if half == Half::K => {
+                let top = rotated_key_top(hd);
+                let mean = KeyMean::of(b, bs, hd);
+                if !valid_scale(f32_at(b, 0), top) || !valid_scale(mean.scale, top) {
                     return corrupt("negative or non-finite scale, or one that overflows a code");
                 }
-                // A fold over every byte rather than `any`, which stops early and so does not vectorise.
-                if b[4..].iter().fold(false, |bad, &q| bad | (q & 0x7F == 0x7F)) {
+                if has_e4m3_nan(&b[4..4 + bs * hd]) || has_e4m3_nan(mean.codes) {
+                    return corrupt("e4m3 NaN code");
+                }
+                // The encoder sets bits of filled slots only: any other is a flipped bit.
+                if (h.filled..8 * mean.centred.len()).any(|i| mean.is_centred(i)) {
+                    return corrupt("a slot past the filled ones is marked centred");
+                }
+            }
+            Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
+                if !valid_scale(f32_at(b, 0), E4M3_MAX) {
+                    return corrupt("negative or non-finite scale, or one that overflows a code");
+                }
+                if has_e4m3_nan(&b[4..]) {
                     return corrupt("e4m3 NaN code");
                 }
             }
@@ -568,6 +597,12 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
         }
     }
     Ok(())
+}
+
+/// Whether any of `codes` is an e4m3 NaN. A fold over every byte rather than `any`, which stops early and so does
+/// not vectorise.
+fn has_e4m3_nan(codes: &[u8]) -> bool {
+    codes.iter().fold(false, |bad, &q| bad | (q & 0x7F == 0x7F))
 }
 
 /// Largest magnitude of an int8 code the encoders write.
@@ -760,35 +795,16 @@ fn encode_half(
                 scales[4 * i..4 * i + 4].copy_from_slice(&s.to_le_bytes());
             }
         }
+        Codec::Fp8E4m3Rotated if half == Half::K => encode_rotated_keys(bs, hd, x, out, keys)?,
         Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
-            let rotate = codec == Codec::Fp8E4m3Rotated && half == Half::K;
-            // Rotated rows are computed twice (for the scale, then for the codes) rather than kept: a whole block
-            // of them would need a heap buffer, and encoding runs per block moved to a tier, not per token.
-            let mut buf = [0.0f32; MAX_HEAD_DIM];
-            let mut amax = 0.0f32;
-            for (i, r) in x.chunks_exact(hd).enumerate() {
-                let y = e4m3_input(r, rotate, &mut buf[..hd]);
-                amax = y.iter().fold(amax, |m, v| m.max(v.abs()));
-                if !amax.is_finite() {
-                    // Only a rotation of values near f32::MAX gets here (the input is finite).
-                    return Err(range(codec, i * hd, r.iter().fold(0.0f32, |m, v| m.max(v.abs()))));
-                }
-            }
+            let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let s = amax / E4M3_MAX;
             out[..4].copy_from_slice(&s.to_le_bytes());
             let qs = &mut out[4..];
             qs.fill(0);
             if s > 0.0 {
-                let rounding = keys.filter(|_| rotate);
-                for (r, q) in x.chunks_exact(hd).zip(qs.chunks_exact_mut(hd)) {
-                    match rounding {
-                        Some(rounding) => rounding.round_row(rotated_copy(r, &mut buf[..hd]), s, q),
-                        None => {
-                            for (q, &v) in q.iter_mut().zip(e4m3_input(r, rotate, &mut buf[..hd])) {
-                                *q = e4m3_from_f32(v / s);
-                            }
-                        }
-                    }
+                for (q, &v) in qs.iter_mut().zip(x) {
+                    *q = e4m3_from_f32(v / s);
                 }
             }
         }
@@ -853,12 +869,150 @@ fn encode_half(
     Ok(())
 }
 
-/// What the e4m3 codecs quantise of one row `r`: the row itself, or (`rotate`) its rotation, computed in `buf`.
-fn e4m3_input<'a>(r: &'a [f32], rotate: bool, buf: &'a mut [f32]) -> &'a [f32] {
-    if !rotate {
-        return r;
+/// Rounds of [`encode_rotated_keys`]' choice of rows to centre: each drops the rows the mean moved away from zero
+/// and takes the mean of the rest again. An attention sink (a key far from its block's others) leaves in the first.
+const KEY_MEAN_ROUNDS: usize = 3;
+
+/// The channel mean that closes an `fp8_e4m3_rotated` key half, after the codes (layout in the module docs).
+pub(crate) struct KeyMean<'a> {
+    /// Scale of the mean's e4m3 codes.
+    pub(crate) scale: f32,
+    /// The mean of the rotated keys, e4m3 codes `[D]`.
+    pub(crate) codes: &'a [u8],
+    /// Bit `i % 8` of byte `i / 8` set: slot `i` was stored less the mean.
+    pub(crate) centred: &'a [u8],
+}
+
+impl<'a> KeyMean<'a> {
+    /// Bytes after the codes: the mean's scale, its codes, one bit per slot.
+    pub(crate) fn len(bs: usize, hd: usize) -> usize {
+        4 + hd + bs.div_ceil(8)
     }
-    rotated_copy(r, buf)
+
+    /// The mean of the key half `b` of a `[bs][hd]` block.
+    pub(crate) fn of(b: &'a [u8], bs: usize, hd: usize) -> KeyMean<'a> {
+        let at = 4 + bs * hd;
+        KeyMean { scale: f32_at(b, at), codes: &b[at + 4..at + 4 + hd], centred: &b[at + 4 + hd..] }
+    }
+
+    pub(crate) fn is_centred(&self, slot: usize) -> bool {
+        self.centred[slot / 8] >> (slot % 8) & 1 == 1
+    }
+}
+
+/// Encodes the keys of an `fp8_e4m3_rotated` block into its K half `out`: each key rotated, less the block's
+/// channel mean where that brings it closer to zero, in e4m3 under one scale; then the mean (rotated, e4m3, its own
+/// scale) and which slots were centred.
+///
+/// Why a mean: a model's keys share a large per-channel offset (RoPE's slow pairs barely turn within a block), and
+/// e4m3's error is relative to what it rounds, so most of a key's rounding error is spent on the part every key of
+/// the block shares. Why per row: the attention sink's key is far from the others, and centring it would only
+/// enlarge it; it is stored as it is, and the mean is taken over the rows it helps.
+fn encode_rotated_keys(
+    bs: usize,
+    hd: usize,
+    x: &[f32],
+    out: &mut [u8],
+    keys: Option<&KeyRounding>,
+) -> Result<(), CodecError> {
+    let range = |index, value| CodecError::OutOfRange { codec: Codec::Fp8E4m3Rotated, half: Half::K, index, value };
+    let filled = x.len() / hd;
+    out.fill(0);
+    let mut centred = [true; MAX_BLOCK_SIZE];
+    let mut mean = [0.0f32; MAX_HEAD_DIM];
+    let mean = &mut mean[..hd];
+    for _ in 0..KEY_MEAN_ROUNDS {
+        mean.fill(0.0);
+        let mut n = 0usize;
+        for (r, _) in x.chunks_exact(hd).zip(&centred).filter(|(_, c)| **c) {
+            mean.iter_mut().zip(r).for_each(|(m, &v)| *m += v);
+            n += 1;
+        }
+        let inv = if n > 0 { 1.0 / n as f32 } else { 0.0 };
+        mean.iter_mut().for_each(|m| *m *= inv);
+        let mm = dot(mean, mean);
+        let mut changed = false;
+        for (r, c) in x.chunks_exact(hd).zip(centred.iter_mut()) {
+            // ‖r - m‖² < ‖r‖²
+            let closer = 2.0 * dot(r, mean) > mm;
+            changed |= closer != *c;
+            *c = closer;
+        }
+        if !changed {
+            break;
+        }
+    }
+    // The mean is stored rotated, in e4m3: decoding adds back exactly what is stored, so its rounding costs
+    // nothing but a slightly different centre.
+    hadamard_rotate(mean);
+    let mean_amax = mean.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if !mean_amax.is_finite() {
+        // Only a mean of values near f32::MAX gets here (the input is finite).
+        return Err(range(0, x.iter().fold(0.0f32, |m, v| m.max(v.abs()))));
+    }
+    let mean_scale = mean_amax / E4M3_MAX;
+    let (codes, tail) = out.split_at_mut(4 + bs * hd);
+    tail[..4].copy_from_slice(&mean_scale.to_le_bytes());
+    for (q, m) in tail[4..4 + hd].iter_mut().zip(mean.iter_mut()) {
+        *q = if mean_scale > 0.0 { e4m3_from_f32(*m / mean_scale) } else { 0 };
+        *m = e4m3_to_f32(*q) * mean_scale;
+    }
+    // The final choice is against the stored mean, so a centred row is never longer than the key it stands for
+    // (the error bound of the module docs holds as without the mean).
+    let mut unrotated = [0.0f32; MAX_HEAD_DIM];
+    let unrotated = rotated_copy(mean, &mut unrotated);
+    let mm = dot(mean, mean);
+    let mask = &mut tail[4 + hd..];
+    for (i, r) in x.chunks_exact(hd).enumerate() {
+        centred[i] = mm > 0.0 && 2.0 * dot(r, unrotated) > mm;
+        mask[i / 8] |= u8::from(centred[i]) << (i % 8);
+    }
+    // Residual rows are computed twice (for the scale, then for the codes) rather than kept: a whole block of them
+    // would need a heap buffer, and encoding runs per block moved to a tier, not per token.
+    let mut buf = [0.0f32; MAX_HEAD_DIM];
+    let residual = |i: usize, r: &[f32], buf: &mut [f32; MAX_HEAD_DIM]| {
+        let y = rotated_copy(r, &mut buf[..hd]);
+        if centred[i] {
+            y.iter_mut().zip(mean.iter()).for_each(|(v, m)| *v -= m);
+        }
+    };
+    let mut amax = 0.0f32;
+    for (i, r) in x.chunks_exact(hd).enumerate() {
+        residual(i, r, &mut buf);
+        amax = buf[..hd].iter().fold(amax, |m, v| m.max(v.abs()));
+        if !amax.is_finite() {
+            return Err(range(i * hd, r.iter().fold(0.0f32, |m, v| m.max(v.abs()))));
+        }
+    }
+    let s = amax / E4M3_MAX;
+    let top = rotated_key_top(hd);
+    if !valid_scale(s, top) || !valid_scale(mean_scale, top) {
+        return Err(range(0, x.iter().fold(0.0f32, |m, v| m.max(v.abs()))));
+    }
+    codes[..4].copy_from_slice(&s.to_le_bytes());
+    if s > 0.0 {
+        for (i, (r, q)) in x.chunks_exact(hd).zip(codes[4..].chunks_exact_mut(hd)).enumerate() {
+            residual(i, r, &mut buf);
+            match keys {
+                Some(rounding) => rounding.round_row(&mut buf[..hd], s, q),
+                None => q.iter_mut().zip(&buf[..hd]).for_each(|(q, &v)| *q = e4m3_from_f32(v / s)),
+            }
+        }
+    }
+    debug_assert!(filled <= bs);
+    Ok(())
+}
+
+/// `a · b` in f32.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The scale bound ([`valid_scale`]) of both scales of an `fp8_e4m3_rotated` key half: a decoded element is a
+/// code times the scale plus a mean code times its scale, summed over the inverse rotation, so each scale keeps
+/// twice [`max_e4m3_magnitude`]'s headroom.
+fn rotated_key_top(hd: usize) -> f32 {
+    2.0 * max_e4m3_magnitude(true, hd)
 }
 
 /// `x` rotated by [`hadamard_rotate`] into the start of `buf` (at least as long), `x` left as it is: how the
@@ -933,6 +1087,12 @@ pub(crate) fn decode_row(codec: Codec, half: Half, bs: usize, hd: usize, b: &[u8
                 *o = e4m3_to_f32(q) * s;
             }
             if codec == Codec::Fp8E4m3Rotated && half == Half::K {
+                let mean = KeyMean::of(b, bs, hd);
+                if mean.is_centred(slot) {
+                    for (o, &q) in out.iter_mut().zip(mean.codes) {
+                        *o += e4m3_to_f32(q) * mean.scale;
+                    }
+                }
                 hadamard_rotate(out);
             }
         }
@@ -1119,6 +1279,52 @@ impl EncodedKv {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys sharing a large channel offset are stored less their block's mean, which shrinks their rounding error
+    /// with the part they share; a sink key far from the rest is stored as it is and leaves the mean to the others.
+    #[test]
+    fn rotated_keys_are_centred_on_their_blocks_mean_except_a_sink() {
+        let (bs, hd) = (16usize, 64usize);
+        let noise = |i: usize| ((i as f32 * 0.618).sin() * 43758.547).rem_euclid(1.0) - 0.5;
+        let offset = |c: usize| if c % 16 < 4 { 6.0 } else { 0.3 };
+        let mut k: Vec<f32> = (0..bs * hd).map(|i| offset(i % hd) + noise(i)).collect();
+        // Slot 0 is the sink: large where the others are small, and the other way round.
+        for (c, v) in k[..hd].iter_mut().enumerate() {
+            *v = if c % 16 < 4 { -0.5 } else { 4.0 };
+        }
+        let v = k.clone();
+        let codec = Codec::Fp8E4m3Rotated;
+        let mut bytes = vec![0u8; codec.encoded_len(bs, hd).unwrap()];
+        codec.encode_block(bs, hd, &k, &v, &mut bytes).unwrap();
+        let kb = &bytes[HEADER_LEN..HEADER_LEN + codec.half_len(Half::K, bs, hd)];
+        let mean = KeyMean::of(kb, bs, hd);
+        assert!(!mean.is_centred(0), "the sink is stored as it is");
+        assert!((1..bs).all(|i| mean.is_centred(i)), "every other key is centred");
+        // The mean is the other keys', not pulled towards the sink: rotated back, its offset channels hold ~6.
+        let mut m: Vec<f32> = mean.codes.iter().map(|&q| e4m3_to_f32(q) * mean.scale).collect();
+        hadamard_rotate(&mut m);
+        assert!((m[0] - 6.0).abs() < 0.5 && (m[5] - 0.3).abs() < 0.2, "mean {:?}", &m[..6]);
+        // Centred, the keys' error is bounded by the noise they do not share, well under e4m3's 2^-4 of the key.
+        let (mut dk, mut dv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+        decode_block(&bytes, &mut dk, &mut dv).unwrap();
+        for slot in 1..bs {
+            let row = slot * hd..(slot + 1) * hd;
+            let err = dk[row.clone()].iter().zip(&k[row.clone()]).map(|(a, b)| (a - b) * (a - b)).sum::<f32>();
+            let norm = k[row].iter().map(|v| v * v).sum::<f32>();
+            assert!(
+                err.sqrt() < norm.sqrt() * 2f32.powi(-4) / 4.0,
+                "slot {slot}: error {} of {}",
+                err.sqrt(),
+                norm.sqrt()
+            );
+        }
+        // A block without a shared offset (zero-mean keys) centres few rows and still decodes within its bound;
+        // an empty block stores a zero mean and no centred slot.
+        codec.encode_block(bs, hd, &[], &[], &mut bytes).unwrap();
+        let kb = &bytes[HEADER_LEN..HEADER_LEN + codec.half_len(Half::K, bs, hd)];
+        let empty = KeyMean::of(kb, bs, hd);
+        assert!(empty.scale == 0.0 && empty.centred.iter().all(|&b| b == 0));
+    }
 
     /// The block decoder's KIVI fast path (parameters widened once per block or group) gives exactly the values of
     /// the per-slot decoder that the attention kernels use, for full and partly filled blocks, with a group that

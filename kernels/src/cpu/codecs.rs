@@ -63,18 +63,20 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
     let (arena, block_len) = kv.raw();
     let bs = kv.block_size();
     let ids = &table[..len.div_ceil(bs)];
-    // Rotated keys are scored against the rotated query ((Hq)·(Hk) = q·k); the blocks are then fp8_e4m3's.
-    // The buffer is cleared only for that codec: this runs per (query, head).
-    let mut rotated: [f32; MAX_HEAD_DIM];
-    let (codec, q) = match kv.codec() {
-        Codec::Fp8E4m3Rotated => {
-            rotated = [0.0; MAX_HEAD_DIM];
-            (Codec::Fp8E4m3, &*rotated_copy(q, &mut rotated))
-        }
-        c => (c, q),
-    };
+    let codec = kv.codec();
     #[cfg(target_arch = "x86_64")]
     if simd.has_avx2() {
+        // The vector kernel scores rotated keys against the rotated query ((Hq)·(Hk) = q·k), reading them as
+        // e4m3 codes plus the block's rotated channel mean. The buffer is cleared only for that codec: this runs
+        // per (query, head).
+        let mut rotated: [f32; MAX_HEAD_DIM];
+        let q = match codec {
+            Codec::Fp8E4m3Rotated => {
+                rotated = [0.0; MAX_HEAD_DIM];
+                &*rotated_copy(q, &mut rotated)
+            }
+            _ => q,
+        };
         // SAFETY: block ids were checked against the arena by `filled` in the caller, every block in the arena
         // was written by the encoder or validated on load, the shape passed `check_shape` (bs <= 256) and the
         // CPU features were detected before Simd::Avx2 was selected.
@@ -95,8 +97,8 @@ fn attend_one(simd: Simd, q: &[f32], kv: &EncodedKv, table: &[u32], len: usize, 
     attend_one_scalar(codec, q, arena, block_len, bs, ids, len, scale, out);
 }
 
-/// The portable reference: each row is decoded by [`decode_row`] (exactly what `decode_block` produces) and
-/// folded in with the same arithmetic as [`super::scalar::attend_block`].
+/// The portable reference: each row is decoded by [`decode_row`] (exactly what `decode_block` produces, rotated
+/// keys turned back) and folded in with the same arithmetic as [`super::scalar::attend_block`].
 #[allow(clippy::too_many_arguments)]
 fn attend_one_scalar(
     codec: Codec,

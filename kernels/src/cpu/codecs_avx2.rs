@@ -172,7 +172,6 @@ unsafe fn scores<const NV: usize>(codec: Codec, qv: &[__m256; NV], kb: *const u8
                 sc[i] = f32_at(kb, 4 * i) * dot_rows!(qv, NV, load_i8, qs.add(i * hd), 8);
             }
         }
-        // fp8_e4m3_rotated's keys are fp8_e4m3 codes of rotated keys, scored against a query its caller rotated.
         Codec::Fp8E4m3 | Codec::Fp8E4m3Rotated => {
             let f = _mm256_set1_ps(f32_at(kb, 0) * E4M3_F16_RESCALE);
             let mut w = [_mm256_setzero_ps(); NV];
@@ -181,6 +180,22 @@ unsafe fn scores<const NV: usize>(codec: Codec, qv: &[__m256; NV], kb: *const u8
             }
             for i in 0..n {
                 sc[i] = dot_rows!(w, NV, load_e4m3_unscaled, kb.add(4 + i * hd), 8);
+            }
+            // fp8_e4m3_rotated's keys are e4m3 codes of rotated keys, less the block's rotated channel mean where
+            // the slot's bit says so, scored against a query its caller rotated: q·k = q·codes + q·mean.
+            if codec == Codec::Fp8E4m3Rotated {
+                let at = 4 + bs * hd;
+                let f = _mm256_set1_ps(f32_at(kb, at) * E4M3_F16_RESCALE);
+                for j in 0..NV {
+                    w[j] = _mm256_mul_ps(qv[j], f);
+                }
+                let q_mean = dot_rows!(w, NV, load_e4m3_unscaled, kb.add(at + 4), 8);
+                let centred = kb.add(at + 4 + hd);
+                for i in 0..n {
+                    if *centred.add(i / 8) >> (i % 8) & 1 == 1 {
+                        sc[i] += q_mean;
+                    }
+                }
             }
         }
         Codec::Int4Kivi | Codec::Int2Kivi => {
