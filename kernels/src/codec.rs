@@ -916,7 +916,6 @@ fn encode_rotated_keys(
     keys: Option<&KeyRounding>,
 ) -> Result<(), CodecError> {
     let range = |index, value| CodecError::OutOfRange { codec: Codec::Fp8E4m3Rotated, half: Half::K, index, value };
-    let filled = x.len() / hd;
     out.fill(0);
     let mut centred = [true; MAX_BLOCK_SIZE];
     let mut mean = [0.0f32; MAX_HEAD_DIM];
@@ -999,7 +998,6 @@ fn encode_rotated_keys(
             }
         }
     }
-    debug_assert!(filled <= bs);
     Ok(())
 }
 
