@@ -60,6 +60,7 @@
 //! ([`CodecError::OutOfRange`]). Decoding validates the header, the length, every scale and min, and (for the float
 //! formats and fp8) every payload element, so corrupt bytes from disk or a peer give an error, never NaN KV.
 
+use crate::cpu::scalar::dot_f32;
 use crate::key_rounding::KeyRounding;
 use std::fmt;
 use std::str::FromStr;
@@ -446,8 +447,13 @@ fn decode_payload(h: &BlockHeader, bytes: &[u8], k_out: &mut [f32], v_out: &mut 
     } else {
         for slot in 0..h.filled {
             let r = slot * h.head_dim..(slot + 1) * h.head_dim;
-            decode_row(h.codec, Half::K, h.block_size, h.head_dim, kb, slot, &mut k_out[r.clone()]);
+            if h.codec != Codec::Fp8E4m3Rotated {
+                decode_row(h.codec, Half::K, h.block_size, h.head_dim, kb, slot, &mut k_out[r.clone()]);
+            }
             decode_row(h.codec, Half::V, h.block_size, h.head_dim, vb, slot, &mut v_out[r]);
+        }
+        if h.codec == Codec::Fp8E4m3Rotated {
+            decode_rotated_keys(h.block_size, h.head_dim, kb, h.filled, &mut k_out[..filled]);
         }
     }
     k_out[filled..].fill(0.0);
@@ -491,7 +497,7 @@ pub fn decoded_magnitude_bound(bytes: &[u8]) -> Result<f32, CodecError> {
                 let largest = |codes: &[u8]| e4m3_to_f32(codes.iter().fold(0, |top, &q| top.max(q & 0x7F)));
                 if codec == Codec::Fp8E4m3Rotated && half == Half::K {
                     let mean = KeyMean::of(b, bs, hd);
-                    let m = largest(&b[4..4 + bs * hd]) * f32_at(b, 0) + largest(mean.codes) * mean.scale;
+                    let m = largest(&b[4..KeyMean::offset(bs, hd)]) * f32_at(b, 0) + largest(mean.codes) * mean.scale;
                     m * (hd as f32).sqrt()
                 } else {
                     largest(&b[4..]) * f32_at(b, 0)
@@ -561,7 +567,7 @@ fn validate_payload(h: &BlockHeader, bytes: &[u8]) -> Result<(), CodecError> {
                 if !valid_scale(f32_at(b, 0), top) || !valid_scale(mean.scale, top) {
                     return corrupt("negative or non-finite scale, or one that overflows a code");
                 }
-                if has_e4m3_nan(&b[4..4 + bs * hd]) || has_e4m3_nan(mean.codes) {
+                if has_e4m3_nan(&b[4..KeyMean::offset(bs, hd)]) || has_e4m3_nan(mean.codes) {
                     return corrupt("e4m3 NaN code");
                 }
                 // The encoder sets bits of filled slots only: any other is a flipped bit.
@@ -889,9 +895,14 @@ impl<'a> KeyMean<'a> {
         4 + hd + bs.div_ceil(8)
     }
 
+    /// Where the mean starts in a key half: after the block's scale and codes.
+    pub(crate) fn offset(bs: usize, hd: usize) -> usize {
+        4 + bs * hd
+    }
+
     /// The mean of the key half `b` of a `[bs][hd]` block.
     pub(crate) fn of(b: &'a [u8], bs: usize, hd: usize) -> KeyMean<'a> {
-        let at = 4 + bs * hd;
+        let at = Self::offset(bs, hd);
         KeyMean { scale: f32_at(b, at), codes: &b[at + 4..at + 4 + hd], centred: &b[at + 4 + hd..] }
     }
 
@@ -929,11 +940,11 @@ fn encode_rotated_keys(
         }
         let inv = if n > 0 { 1.0 / n as f32 } else { 0.0 };
         mean.iter_mut().for_each(|m| *m *= inv);
-        let mm = dot(mean, mean);
+        let mm = dot_f32(mean, mean);
         let mut changed = false;
         for (r, c) in x.chunks_exact(hd).zip(centred.iter_mut()) {
             // ‖r - m‖² < ‖r‖²
-            let closer = 2.0 * dot(r, mean) > mm;
+            let closer = 2.0 * dot_f32(r, mean) > mm;
             changed |= closer != *c;
             *c = closer;
         }
@@ -950,7 +961,7 @@ fn encode_rotated_keys(
         return Err(range(0, x.iter().fold(0.0f32, |m, v| m.max(v.abs()))));
     }
     let mean_scale = mean_amax / E4M3_MAX;
-    let (codes, tail) = out.split_at_mut(4 + bs * hd);
+    let (codes, tail) = out.split_at_mut(KeyMean::offset(bs, hd));
     tail[..4].copy_from_slice(&mean_scale.to_le_bytes());
     for (q, m) in tail[4..4 + hd].iter_mut().zip(mean.iter_mut()) {
         *q = if mean_scale > 0.0 { e4m3_from_f32(*m / mean_scale) } else { 0 };
@@ -960,10 +971,10 @@ fn encode_rotated_keys(
     // (the error bound of the module docs holds as without the mean).
     let mut unrotated = [0.0f32; MAX_HEAD_DIM];
     let unrotated = rotated_copy(mean, &mut unrotated);
-    let mm = dot(mean, mean);
+    let mm = dot_f32(mean, mean);
     let mask = &mut tail[4 + hd..];
     for (i, r) in x.chunks_exact(hd).enumerate() {
-        centred[i] = mm > 0.0 && 2.0 * dot(r, unrotated) > mm;
+        centred[i] = mm > 0.0 && 2.0 * dot_f32(r, unrotated) > mm;
         mask[i / 8] |= u8::from(centred[i]) << (i % 8);
     }
     // Residual rows are computed twice (for the scale, then for the codes) rather than kept: a whole block of them
@@ -999,11 +1010,6 @@ fn encode_rotated_keys(
         }
     }
     Ok(())
-}
-
-/// `a · b` in f32.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// The scale bound ([`valid_scale`]) of both scales of an `fp8_e4m3_rotated` key half: a decoded element is a
@@ -1154,6 +1160,26 @@ fn decode_kivi_keys(codec: Codec, hd: usize, b: &[u8], filled: usize, out: &mut 
         for (((x, &q), &s), &m) in o.iter_mut().zip(&codes[..hd]).zip(&*scale).zip(&*min) {
             *x = m + q * s;
         }
+    }
+}
+
+/// The K half of a validated `fp8_e4m3_rotated` block, slots `0..filled` into `out` (`[filled][hd]`):
+/// [`decode_row`]'s values bit for bit, with the block's mean widened once per block instead of once per slot.
+fn decode_rotated_keys(bs: usize, hd: usize, b: &[u8], filled: usize, out: &mut [f32]) {
+    let mean = KeyMean::of(b, bs, hd);
+    let mut widened = [0.0f32; MAX_HEAD_DIM];
+    for (m, &q) in widened.iter_mut().zip(mean.codes) {
+        *m = e4m3_to_f32(q) * mean.scale;
+    }
+    let s = f32_at(b, 0);
+    for (slot, (o, row)) in out.chunks_exact_mut(hd).take(filled).zip(b[4..].chunks_exact(hd)).enumerate() {
+        for (o, &q) in o.iter_mut().zip(row) {
+            *o = e4m3_to_f32(q) * s;
+        }
+        if mean.is_centred(slot) {
+            o.iter_mut().zip(&widened[..hd]).for_each(|(o, m)| *o += m);
+        }
+        hadamard_rotate(o);
     }
 }
 
@@ -1322,6 +1348,33 @@ mod tests {
         let kb = &bytes[HEADER_LEN..HEADER_LEN + codec.half_len(Half::K, bs, hd)];
         let empty = KeyMean::of(kb, bs, hd);
         assert!(empty.scale == 0.0 && empty.centred.iter().all(|&b| b == 0));
+    }
+
+    /// The block decoder's rotated-key path (the mean widened once per block) gives exactly the per-slot decoder's
+    /// values, centred and uncentred slots alike, for full and partly filled blocks.
+    #[test]
+    fn rotated_key_block_decode_equals_the_per_slot_decoder() {
+        let codec = Codec::Fp8E4m3Rotated;
+        for (bs, hd, filled) in [(16usize, 64usize, 16usize), (16, 64, 5), (8, 48, 8), (4, 128, 3)] {
+            let x = |i: usize, salt: f32| {
+                ((i as f32 * 0.731 + salt).sin() * 3.0) + if i.is_multiple_of(5) { 4.0 } else { 0.0 }
+            };
+            let mut k: Vec<f32> = (0..filled * hd).map(|i| x(i, 0.3)).collect();
+            k[..hd].iter_mut().for_each(|v| *v = -*v * 2.0);
+            let v: Vec<f32> = (0..filled * hd).map(|i| x(i, 1.7) * 0.5).collect();
+            let mut bytes = vec![0u8; codec.encoded_len(bs, hd).unwrap()];
+            codec.encode_block(bs, hd, &k, &v, &mut bytes).unwrap();
+            let (mut dk, mut dv) = (vec![0.0; bs * hd], vec![0.0; bs * hd]);
+            decode_block(&bytes, &mut dk, &mut dv).unwrap();
+            let kb = &bytes[HEADER_LEN..HEADER_LEN + codec.half_len(Half::K, bs, hd)];
+            let mut row = vec![0.0f32; hd];
+            for slot in 0..filled {
+                decode_row(codec, Half::K, bs, hd, kb, slot, &mut row);
+                let got = &dk[slot * hd..(slot + 1) * hd];
+                assert!(got.iter().zip(&row).all(|(a, b)| a.to_bits() == b.to_bits()), "{bs}x{hd}, slot {slot}");
+            }
+            assert!(dk[filled * hd..].iter().all(|&v| v == 0.0));
+        }
     }
 
     /// The block decoder's KIVI fast path (parameters widened once per block or group) gives exactly the values of

@@ -13,7 +13,7 @@
 #![allow(unsafe_op_in_unsafe_fn, clippy::needless_range_loop, clippy::too_many_arguments)]
 
 use super::avx2::{Online, scaled_query};
-use crate::codec::{Codec, E4M3_F16_RESCALE, HEADER_LEN, Half, KIVI_GROUP, MAX_BLOCK_SIZE};
+use crate::codec::{Codec, E4M3_F16_RESCALE, HEADER_LEN, Half, KIVI_GROUP, KeyMean, MAX_BLOCK_SIZE};
 use core::arch::x86_64::*;
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -184,7 +184,7 @@ unsafe fn scores<const NV: usize>(codec: Codec, qv: &[__m256; NV], kb: *const u8
             // fp8_e4m3_rotated's keys are e4m3 codes of rotated keys, less the block's rotated channel mean where
             // the slot's bit says so, scored against a query its caller rotated: q·k = q·codes + q·mean.
             if codec == Codec::Fp8E4m3Rotated {
-                let at = 4 + bs * hd;
+                let at = KeyMean::offset(bs, hd);
                 let f = _mm256_set1_ps(f32_at(kb, at) * E4M3_F16_RESCALE);
                 for j in 0..NV {
                     w[j] = _mm256_mul_ps(qv[j], f);

@@ -657,13 +657,16 @@ mod tests {
         let (blocks, bs, hd) = (90u32, 16, 64);
         let mut kv = KvStorage::with_dtype(blocks as usize * 2, bs, hd, KvDtype::F16);
         for b in 0..blocks {
-            let k: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37 + b as f32).sin() * 2.0).collect();
+            // Keys share an offset in a few channels, as a model's do (rotated fp8 then centres them).
+            let offset = |i: usize| if i % hd < 8 { 3.0 } else { 0.0 };
+            let k: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.37 + b as f32).sin() * 2.0 + offset(i)).collect();
             let v: Vec<f32> = (0..bs * hd).map(|i| (i as f32 * 0.11 - b as f32).cos() * 0.5).collect();
             kv.write_block(b, &k, &v);
         }
         let (from, to): (Vec<u32>, Vec<u32>) = ((0..blocks).collect(), (blocks..2 * blocks).collect());
         let mut codecs = vec![GroupCodec::Native(KvDtype::F16)];
         codecs.extend(GroupCodec::COMPRESSING.map(GroupCodec::Kv));
+        codecs.push(GroupCodec::Kv(Codec::Fp8E4m3Rotated));
         for c in codecs {
             let g = encode(&kv, &from, c).unwrap();
             let ms = crate::tiers::median_ms(41, || decode(&g, &mut kv, &to).unwrap());
