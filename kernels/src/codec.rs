@@ -1039,6 +1039,18 @@ pub fn hadamard_rotate(x: &mut [f32]) {
     }
     let n = 1usize << x.len().trailing_zeros();
     let norm = 1.0 / (n as f32).sqrt();
+    #[cfg(target_arch = "x86_64")]
+    if n >= 8 && crate::cpu::avx2_available() {
+        // SAFETY: AVX2/FMA/F16C checked just above; `n` is a power of two of at least 8 dividing `x.len()`.
+        unsafe { crate::cpu::codecs_avx2::hadamard_rotate(x, n, norm) };
+        return;
+    }
+    hadamard_rotate_scalar(x, n, norm);
+}
+
+/// [`hadamard_rotate`] one butterfly at a time: the reference the AVX2 form equals bit for bit (the same sums and
+/// differences in the same order, then the same product by `norm`).
+pub(crate) fn hadamard_rotate_scalar(x: &mut [f32], n: usize, norm: f32) {
     for c in x.chunks_exact_mut(n) {
         let mut h = 1;
         while h < n {
