@@ -1152,6 +1152,11 @@ struct BenchTiersArgs {
     /// variable_tracking, common_words in turn), each asked its own question, instead of prose windows.
     #[arg(long, default_value_t = 0.0)]
     task_share: f64,
+    /// zipf: arrivals per second of the measured requests (a seeded Poisson process, the same for every
+    /// configuration); each request is submitted at its arrival and its TTFT counts from it, queueing included.
+    /// 0: one request at a time, no queueing.
+    #[arg(long, default_value_t = 0.0)]
+    arrival_rate: f64,
 }
 
 #[derive(Args)]
@@ -2450,6 +2455,7 @@ fn bench_tiers_zipf(model: &Path, args: BenchTiersArgs) -> Result<()> {
         kivi_int8_layers: args.kivi_int8_layers,
         baselines: args.baselines,
         task_share: args.task_share,
+        arrival_rate: args.arrival_rate,
         ..Default::default()
     };
     // The JSON and plot are rewritten after every configuration, so a run stopped part way keeps what finished.

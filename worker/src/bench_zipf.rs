@@ -21,6 +21,13 @@
 //! (and, for EvicPress, profiled) the finished request's context, so TTFT never includes profiling; the profiling
 //! time is reported on its own.
 //!
+//! With `arrival_rate` the measured requests instead arrive as a seeded Poisson process (the same arrival times for
+//! every configuration) and each is submitted at its arrival, whatever is still running: TTFT then counts from the
+//! arrival, so it includes the wait behind earlier requests, and EvicPress's idle-time profiling competes with
+//! them. The engine serves one sequence at a time either way (`max_running` 1), so requests queue in arrival order.
+//! Each request's tier hits come from the engine's own per-request count
+//! ([`GenerateEvent::Finished`]'s `onboarded_tokens`).
+//!
 //! With `offline_phase`, every configuration but recompute first ingests each context once, untimed, with a
 //! training question that none of the measured requests asks: the paper's initial offline phase (§4.1, §4.4), in
 //! which every context is computed and placed (and, for EvicPress, profiled) before online requests arrive. Without
@@ -82,6 +89,14 @@ pub const MAX_ALPHAS: usize = 8;
 pub const EVICPRESS: &str = "evicpress";
 /// How long one request may take before the run is abandoned.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// With arrivals ([`ZipfBenchOptions::arrival_rate`]), the measured requests must all have finished this long
+/// per request after the last arrival, besides [`REQUEST_TIMEOUT`]: a bound on the queue an overloaded
+/// configuration (recompute at full size runs several times slower than requests arrive) may build.
+const OPEN_LOOP_WORK_PER_REQUEST: Duration = Duration::from_secs(20);
+
+/// The largest arrival rate accepted (requests per second).
+const MAX_ARRIVAL_RATE: f64 = 1000.0;
 /// Without a data dir, the shared offline prefill keeps the workload's KV in RAM only up to this size; beyond it,
 /// each configuration computes its offline phase itself.
 const MAX_SEEDS_IN_RAM: u64 = 1 << 30;
@@ -167,6 +182,13 @@ pub struct ZipfBenchOptions {
     /// much a codec hurts them, as the paper's mix of LongBench datasets does. 0: prose only.
     #[serde(default)]
     pub task_share: f64,
+    /// Arrivals per second of the measured requests, a seeded Poisson process with the same arrival times for
+    /// every configuration: each request is submitted at its arrival whatever is still running, and its TTFT
+    /// counts from that arrival, so it includes the wait behind earlier requests (the paper's TTFT: "from the
+    /// arrival of a query"). EvicPress's idle-time profiling then competes with arrivals. 0: one request at a
+    /// time, each submitted once the engine has settled from the last (no queueing).
+    #[serde(default)]
+    pub arrival_rate: f64,
 }
 
 fn min_question_slack() -> u64 {
@@ -218,6 +240,7 @@ impl Default for ZipfBenchOptions {
             kivi_int8_layers: Vec::new(),
             baselines: None,
             task_share: 0.0,
+            arrival_rate: 0.0,
         }
     }
 }
@@ -366,6 +389,16 @@ impl ZipfReport {
                 ""
             }
         );
+        if o.arrival_rate > 0.0 {
+            s.insert_str(
+                s.find("\n\n").unwrap_or(s.len()),
+                &format!(
+                    " Requests arrive as a Poisson process of {} per second, each submitted at its arrival; TTFT \
+                     counts from the arrival, queueing included.",
+                    o.arrival_rate
+                ),
+            );
+        }
         if o.kivi_residual_tokens.iter().any(|&r| r > 0) {
             s.insert_str(
                 s.find("\n\n").unwrap_or(s.len()),
@@ -390,7 +423,7 @@ impl ZipfReport {
         }
         for (name, ep) in self.results.iter().filter_map(|r| Some((&r.name, r.evicpress.as_ref()?))) {
             s += &format!(
-                "\n{name}: {} contexts, {} profiles{} ({:.1} s in all, idle time, not in TTFT), {} drift spot checks \
+                "\n{name}: {} contexts, {} profiles{} ({:.1} s in all, idle time{}), {} drift spot checks \
                  ({} re-profiles), {} placed with the prior; {} compressions, {} moves down, {} drops, {} copies \
                  the stores lost, {} contexts recomputed from lossy copies; {} requests started from a pruned copy. \
                  Mean profiled quality: {}.{}{}\n",
@@ -402,6 +435,7 @@ impl ZipfReport {
                     n => format!(", {n} on the contexts' own training queries"),
                 },
                 ep.profile_ms as f64 / 1e3,
+                if o.arrival_rate > 0.0 { ", which arrivals may wait behind" } else { ", not in TTFT" },
                 ep.spot_checks,
                 ep.reprofiles,
                 ep.placed_with_prior,
@@ -896,6 +930,108 @@ fn settled(engine: &EngineHandle, computed_before: u64) -> Result<EngineStats, E
     }
 }
 
+/// Arrival offsets in seconds of `n` requests at `rate` per second: exponential gaps (a Poisson process) from a
+/// generator of their own, so that the workload's contexts and questions do not depend on the rate. The first
+/// arrives at 0.
+fn arrival_times(seed: u64, rate: f64, n: usize) -> Vec<f64> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xA7_7172_4A15);
+    let mut at = 0.0;
+    (0..n)
+        .map(|i| {
+            if i > 0 {
+                let u: f64 = rng.random_range(f64::EPSILON..1.0);
+                at += -u.ln() / rate;
+            }
+            at
+        })
+        .collect()
+}
+
+/// What one request submitted at its arrival came back with.
+struct Arrived {
+    /// Seconds from its arrival (not its submission) to its first token.
+    ttft: f64,
+    answer: Vec<u32>,
+    /// Prompt tokens it found cached, and of them those onboarded from each lower tier for it.
+    cached_tokens: u64,
+    onboarded_tokens: [u64; 3],
+}
+
+/// Reads one request's events to the end; `arrival` is when it was due.
+fn collect_arrived(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>,
+    arrival: Instant,
+) -> Result<Arrived, EngineError> {
+    let (mut ttft, mut answer) = (None, Vec::new());
+    loop {
+        match rx.blocking_recv() {
+            Some(GenerateEvent::Token { id, .. }) => {
+                ttft.get_or_insert_with(|| arrival.elapsed().as_secs_f64());
+                answer.push(id);
+            }
+            Some(GenerateEvent::PromptLogprobs(_)) => {}
+            Some(GenerateEvent::Finished { cached_tokens, onboarded_tokens, .. }) => {
+                let ttft = ttft.unwrap_or_else(|| arrival.elapsed().as_secs_f64());
+                return Ok(Arrived { ttft, answer, cached_tokens: u64::from(cached_tokens), onboarded_tokens });
+            }
+            Some(GenerateEvent::Failed(e) | GenerateEvent::Refused(e)) => return Err(EngineError::Forward(e)),
+            None => return Err(EngineError::Stopped),
+        }
+    }
+}
+
+/// The measured requests submitted at their `arrivals` (seconds from now), each read by a thread of its own;
+/// `sample` sees the engine's stats at every arrival and completion. Fails if a request fails or they have not
+/// all finished [`OPEN_LOOP_WORK_PER_REQUEST`] per request plus [`REQUEST_TIMEOUT`] after the last arrival.
+fn run_arrivals(
+    engine: &EngineHandle,
+    workload: &[Request],
+    arrivals: &[f64],
+    answer_tokens: usize,
+    offline: Offline<'_>,
+    mut sample: impl FnMut(&EngineStats),
+) -> Result<Vec<Arrived>, EngineError> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Result<Arrived, EngineError>)>();
+    let mut done: Vec<Option<Arrived>> = (0..workload.len()).map(|_| None).collect();
+    let mut keep = |(i, r): (usize, Result<Arrived, EngineError>), sample: &mut dyn FnMut(&EngineStats)| {
+        sample(&engine.stats());
+        done[i] = Some(r?);
+        Ok::<(), EngineError>(())
+    };
+    let start = Instant::now();
+    for (i, (r, &at)) in workload.iter().zip(arrivals).enumerate() {
+        let due = start + Duration::from_secs_f64(at);
+        while let Some(wait) = due.checked_duration_since(Instant::now()) {
+            match done_rx.recv_timeout(wait) {
+                Ok(finished) => keep(finished, &mut sample)?,
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let req = request(r.prompt.clone(), answer_tokens, offline.queries(r.context));
+        let rx = engine.submit(GenerateRequest { request_id: format!("zipf-{i}"), ..req })?;
+        let tx = done_tx.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((i, collect_arrived(rx, due)));
+        });
+        sample(&engine.stats());
+    }
+    drop(done_tx);
+    let slack = OPEN_LOOP_WORK_PER_REQUEST.saturating_mul(u32::try_from(workload.len()).unwrap_or(u32::MAX));
+    let deadline = Instant::now() + REQUEST_TIMEOUT + slack;
+    loop {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match done_rx.recv_timeout(wait) {
+            Ok(finished) => keep(finished, &mut sample)?,
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(EngineError::Forward("the arriving requests did not finish in time".into()));
+            }
+        }
+    }
+    done.into_iter().map(|d| d.ok_or(EngineError::Stopped)).collect()
+}
+
 /// One configuration over the whole request sequence.
 fn run_config(
     model: &Path,
@@ -932,7 +1068,51 @@ fn run_config(
     let mut per_request = Vec::with_capacity(workload.len());
     let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
     let mut last = engine.stats();
-    for (i, r) in workload.iter().enumerate() {
+    let mut sample_tiers = |s: &EngineStats| {
+        for tier in [Tier::Host, Tier::Disk] {
+            let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
+            peak_used[tier.index()] = peak_used[tier.index()].max(used);
+            if let Some(u) = s.tier_usage.iter().find(|u| u.tier == tier) {
+                capacity[tier.index()] = u.capacity_bytes;
+            }
+        }
+        if let Some(ep) = &s.evicpress {
+            for (peak, planned) in peak_planned.iter_mut().zip(ep.planned_bytes) {
+                *peak = (*peak).max(planned);
+            }
+        }
+    };
+    if opts.arrival_rate > 0.0 {
+        let arrivals = arrival_times(opts.seed, opts.arrival_rate, workload.len());
+        let arrived = run_arrivals(&engine, workload, &arrivals, opts.answer_tokens, offline, &mut sample_tiers)?;
+        last = settled(&engine, last.computed_tokens_total)?;
+        sample_tiers(&last);
+        for (i, (r, a)) in workload.iter().zip(arrived).enumerate() {
+            let onboarded: u64 = a.onboarded_tokens.iter().sum();
+            let mut hit_tokens = a.onboarded_tokens;
+            hit_tokens[Tier::Device.index()] = a.cached_tokens.saturating_sub(onboarded);
+            for (h, new) in hits.iter_mut().zip(hit_tokens) {
+                *h += new;
+            }
+            let computed_tokens = (r.prompt.len() as u64).saturating_sub(a.cached_tokens);
+            prompt_tokens += r.prompt.len() as u64;
+            computed += computed_tokens;
+            per_request.push(RequestRecord {
+                context: r.context,
+                prompt_tokens: r.prompt.len(),
+                ttft_ms: a.ttft * 1e3,
+                computed_tokens,
+                hit_tokens,
+                // A pruned copy's tokens count among the onboarded ones; which requests had one is not reported
+                // per request.
+                pruned: false,
+                quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| agreement(&a.answer, want)),
+            });
+            ttfts.push(a.ttft * 1e3);
+            answers.push(a.answer);
+        }
+    }
+    for (i, r) in workload.iter().enumerate().filter(|_| opts.arrival_rate <= 0.0) {
         let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens, offline.queries(r.context))?;
         let s = settled(&engine, last.computed_tokens_total)?;
         let hit_tokens: [u64; 3] =
@@ -954,18 +1134,7 @@ fn run_config(
             pruned: pruned_onboards(&s) > pruned_onboards(&last),
             quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| agreement(&answer, want)),
         });
-        for tier in [Tier::Host, Tier::Disk] {
-            let used: u64 = s.tier_usage.iter().filter(|u| u.tier == tier).map(|u| u.used_bytes).sum();
-            peak_used[tier.index()] = peak_used[tier.index()].max(used);
-            if let Some(u) = s.tier_usage.iter().find(|u| u.tier == tier) {
-                capacity[tier.index()] = u.capacity_bytes;
-            }
-        }
-        if let Some(ep) = &s.evicpress {
-            for (peak, planned) in peak_planned.iter_mut().zip(ep.planned_bytes) {
-                *peak = (*peak).max(planned);
-            }
-        }
+        sample_tiers(&s);
         ttfts.push(ttft * 1e3);
         answers.push(answer);
         last = s;
@@ -1132,6 +1301,11 @@ pub fn zipf_bench_with_progress(
     }
     if opts.disk_mib > 0 && opts.data_dir.is_none() {
         return bad("the disk tier needs a data dir".into());
+    }
+    if !(0.0..=MAX_ARRIVAL_RATE).contains(&opts.arrival_rate) {
+        return bad(format!(
+            "the arrival rate must be in 0..={MAX_ARRIVAL_RATE} requests per second (0: one at a time)"
+        ));
     }
     if opts.kivi_residual_tokens.is_empty() || opts.kivi_residual_tokens.len() > MAX_ALPHAS {
         return bad(format!("give 1..={MAX_ALPHAS} KIVI residuals"));
@@ -1511,6 +1685,22 @@ mod tests {
             "{}",
             unreached.comparison()
         );
+    }
+
+    #[test]
+    fn arrivals_are_a_seeded_poisson_process() {
+        let a = arrival_times(11, 2.0, 4000);
+        assert_eq!(a[0], 0.0);
+        assert!(a.windows(2).all(|w| w[0] < w[1]), "arrivals only move forward");
+        assert_eq!(a, arrival_times(11, 2.0, 4000), "the same arrivals for every configuration of a run");
+        assert_ne!(a, arrival_times(12, 2.0, 4000));
+        // Exponential gaps of mean 1/rate: the mean over 3,999 gaps is within a few percent of 0.5 s, and about
+        // 1 - e^-1 of them are shorter than the mean.
+        let gaps: Vec<f64> = a.windows(2).map(|w| w[1] - w[0]).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!((mean - 0.5).abs() < 0.05, "{mean}");
+        let short = gaps.iter().filter(|&&g| g < 0.5).count() as f64 / gaps.len() as f64;
+        assert!((short - (1.0 - (-1.0f64).exp())).abs() < 0.05, "{short}");
     }
 
     #[test]

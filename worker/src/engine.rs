@@ -263,6 +263,9 @@ pub enum GenerateEvent {
         prompt_tokens: u32,
         completion_tokens: u32,
         cached_tokens: u32,
+        /// Of `cached_tokens`, those loaded from each lower tier for this request before it was admitted, by
+        /// [`Tier::index`] (the device's entry is 0): the rest came from the device pool's own prefix cache.
+        onboarded_tokens: [u64; 3],
         /// KV slots the request's eviction policy dropped, and the blocks that returned to the pool.
         evicted_slots: u64,
         evicted_blocks: u64,
@@ -1827,6 +1830,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 tiers.cost_mut().record_load(tier, bytes, secs);
                 tiers.count_onboard(tier);
                 self.onboarded_tokens[tier.index()] += layout.block_size as u64;
+                self.sched.credit_front_onboarded(tier.index(), layout.block_size);
                 loaded += 1;
             }
         }
@@ -1884,6 +1888,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                     tiers.count_onboard(t);
                 }
                 self.onboarded_tokens[tier.index()] += (copy.groups * bs) as u64;
+                self.sched.credit_front_onboarded(tier.index(), copy.groups * bs);
                 if let Some(ep) = &mut self.evicpress {
                     ep.record_pruned_onboard();
                 }
@@ -2227,6 +2232,7 @@ fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) ->
         prompt_tokens: seq.prompt_len() as u32,
         completion_tokens: completion as u32,
         cached_tokens: seq.cached_tokens() as u32,
+        onboarded_tokens: seq.onboarded_tokens(),
         evicted_slots: seq.evicted().slots,
         evicted_blocks: seq.evicted().blocks,
         queue_seconds: seq.payload.queue_seconds.unwrap_or(0.0),
@@ -2800,6 +2806,7 @@ mod tests {
                 prompt_tokens: 3,
                 completion_tokens: 5,
                 cached_tokens: 0,
+                onboarded_tokens: [0; 3],
                 evicted_slots: 0,
                 evicted_blocks: 0,
                 queue_seconds,

@@ -255,6 +255,10 @@ pub struct Sequence<P> {
     /// Prompt tokens a pruned copy onboarded before admission stands for (0: none); see
     /// [`Scheduler::preload_front`].
     preloaded: usize,
+    /// Prompt tokens loaded into the device pool from each lower tier for this sequence while it waited to be
+    /// admitted, by tier index (the engine's onboarding; the device's entry stays 0): the part of
+    /// `cached_tokens` that came from the host and disk tiers.
+    onboarded_tokens: [u64; 3],
     admitted: bool,
     preemptions: u32,
     status: SeqStatus,
@@ -298,6 +302,10 @@ impl<P> Sequence<P> {
     }
     pub fn cached_tokens(&self) -> usize {
         self.cached_tokens
+    }
+    /// See the field: tokens onboarded from each lower tier for this sequence (by tier index).
+    pub fn onboarded_tokens(&self) -> [u64; 3] {
+        self.onboarded_tokens
     }
     /// Chain hashes of the sequence's full groups, as far as they were computed (complete once it finished).
     pub fn hashes(&self) -> &[u64] {
@@ -561,6 +569,7 @@ impl<P> Scheduler<P> {
             hashes: Vec::new(),
             cached_tokens: 0,
             preloaded: 0,
+            onboarded_tokens: [0; 3],
             admitted: false,
             preemptions: 0,
             status: SeqStatus::Waiting,
@@ -1095,6 +1104,16 @@ impl<P> Scheduler<P> {
         let max_groups = ((len - tail) / bs).min(seq.hashes.len());
         out.extend_from_slice(&seq.hashes[..max_groups]);
         Some(self.pool.index().match_len(out))
+    }
+
+    /// Credits `tokens` loaded from the lower tier of index `tier` to the sequence next in line for admission: the
+    /// one whose prefix [`Scheduler::next_admission_prefix`] named, which the loaded groups continue.
+    pub fn credit_front_onboarded(&mut self, tier: usize, tokens: usize) {
+        if let Some(seq) = self.waiting.front().and_then(|id| self.seqs.get_mut(id))
+            && let Some(t) = seq.onboarded_tokens.get_mut(tier)
+        {
+            *t += tokens as u64;
+        }
     }
 
     /// The step budget (tokens) the next scheduling leaves for admission once the running sequences have taken

@@ -618,6 +618,8 @@ fn next_message(s: &mut EventStream, first: GenerateEvent) -> Result<GenerateRes
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
+                // Which tier the cached tokens came from is the worker's metrics', not the client's.
+                onboarded_tokens: _,
                 evicted_slots,
                 evicted_blocks,
                 queue_seconds,

@@ -143,6 +143,70 @@ fn evicpress_and_baselines_on_a_small_zipf_workload() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Requests that arrive as a Poisson process (`--arrival-rate`): each is submitted at its arrival whatever is still
+/// running and its TTFT counts from that arrival, so a burst queues; each request's prompt tokens are split into
+/// computed, device hits and the tier hits onboarded for it, as the engine reports them per request.
+#[test]
+fn arrivals_queue_and_each_request_reports_where_its_prompt_came_from() {
+    let dir = tempfile::Builder::new().prefix("pagoda-bench-zipf-arrivals-").tempdir().expect("temp dir");
+    let prose = root().join("data/prose");
+    let opts = ZipfBenchOptions {
+        threads: 2,
+        contexts: 8,
+        min_tokens: 256,
+        max_tokens: 384,
+        requests: 16,
+        answer_tokens: 2,
+        device_tokens: 0,
+        host_mib: 4,
+        disk_mib: 16,
+        data_dir: Some(dir.path().to_path_buf()),
+        codecs: vec!["int4_kivi".into()],
+        keep_ratios: vec![],
+        baselines: Some(vec!["lru+int4_kivi".into()]),
+        prose_dir: prose.is_dir().then_some(prose),
+        // Sixteen requests in about a third of a second: every one after the first waits behind others.
+        arrival_rate: 50.0,
+        ..ZipfBenchOptions::default()
+    };
+    for bad in [-1.0, f64::NAN, f64::INFINITY, 1e9] {
+        let bad = ZipfBenchOptions { arrival_rate: bad, ..opts.clone() };
+        assert!(zipf_bench(&model_path(), &bad).is_err(), "{bad:?}");
+    }
+    let report = zipf_bench(&model_path(), &opts).expect("bench runs");
+    println!("{}", report.to_markdown());
+    assert!(report.to_markdown().contains("Poisson process of 50 per second"));
+    let read_back: ZipfReport = serde_json::from_str(&report.to_json_string()).expect("the report reads back");
+    assert_eq!(read_back.options.arrival_rate, 50.0);
+    let names: Vec<&str> = report.results.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["recompute", "lru+int4_kivi", "evicpress"]);
+    for r in &report.results {
+        let n = &r.name;
+        assert_eq!((r.requests, r.completed), (16, 16), "{n}: every request completes with its answer");
+        for q in &r.per_request {
+            let served = q.computed_tokens + q.hit_tokens.iter().sum::<u64>();
+            assert_eq!(served, q.prompt_tokens as u64, "{n}: each prompt token computed or served once: {q:?}");
+        }
+        let served: f64 = r.hit_rate.iter().sum::<f64>() + r.computed_rate;
+        assert!((served - 1.0).abs() < 1e-9, "{n}: {r:?}");
+    }
+    let by = |name: &str| report.results.iter().find(|r| r.name == name).expect("configuration ran");
+    let recompute = by("recompute");
+    assert_eq!(recompute.hit_rate, [0.0; 3], "no reuse without the prefix cache");
+    // Recomputing 16 prompts of 256-384 tokens takes seconds on 2 cores; they all arrived in well under one, so
+    // the last to be served waited behind the others, and its TTFT counts that wait.
+    let slowest = recompute.per_request.iter().map(|q| q.ttft_ms).fold(0.0, f64::max);
+    let fastest = recompute.per_request.iter().map(|q| q.ttft_ms).fold(f64::MAX, f64::min);
+    assert!(slowest > 4.0 * fastest && slowest > 1000.0, "queueing is in TTFT: {fastest} .. {slowest} ms");
+    for name in ["lru+int4_kivi", "evicpress"] {
+        let r = by(name);
+        assert!(
+            r.per_request.iter().any(|q| q.hit_tokens[1] + q.hit_tokens[2] > 0),
+            "{name}: some request's prompt was onboarded from host or disk: {r:?}"
+        );
+    }
+}
+
 /// The paper's offline phase: every context is ingested before the measured requests, so with tiers that hold the
 /// whole workload no measured request computes its context, while recompute (which keeps nothing) skips the phase.
 /// EvicPress runs with both greedy rules and profiles over two profiling questions besides the request's own.
