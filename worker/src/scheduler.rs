@@ -303,9 +303,16 @@ impl<P> Sequence<P> {
     pub fn cached_tokens(&self) -> usize {
         self.cached_tokens
     }
-    /// See the field: tokens onboarded from each lower tier for this sequence (by tier index).
+    /// See the field: tokens onboarded from each lower tier for this sequence (by tier index), at most its cached
+    /// tokens in all. Groups onboarded for it and evicted again before an admission that then failed for want of
+    /// room are loaded a second time for the next try, and count once.
     pub fn onboarded_tokens(&self) -> [u64; 3] {
-        self.onboarded_tokens
+        let mut left = self.cached_tokens as u64;
+        self.onboarded_tokens.map(|t| {
+            let t = t.min(left);
+            left -= t;
+            t
+        })
     }
     /// Chain hashes of the sequence's full groups, as far as they were computed (complete once it finished).
     pub fn hashes(&self) -> &[u64] {
