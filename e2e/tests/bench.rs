@@ -177,31 +177,25 @@ fn bench_engine_refuses_bad_shapes_and_devices_clearly() {
 fn bench_tiers_zipf_reprints_a_saved_report() {
     let saved = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench-tiers-zipf-full-offline.json");
     let plot = std::env::temp_dir().join(format!("pagoda-bench-tiers-replot-{}.png", std::process::id()));
-    let out = std::process::Command::new(BIN)
-        .args(["bench", "tiers", "--workload", "zipf", "--from-json"])
-        .arg(&saved)
-        .arg("--plot")
-        .arg(&plot)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let table = String::from_utf8_lossy(&out.stdout);
+    // Reprints a saved report and redraws its plot; returns the printed tables.
+    let replot = |saved: &std::path::Path| {
+        let out = std::process::Command::new(BIN)
+            .args(["bench", "tiers", "--workload", "zipf", "--from-json"])
+            .arg(saved)
+            .arg("--plot")
+            .arg(&plot)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(std::fs::read(&plot).unwrap().starts_with(b"\x89PNG"), "the redrawn plot is a PNG");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let table = replot(&saved);
     assert!(table.contains("| lru+fp8_e4m3 | 946.7 |") && table.contains("| evicpress | 84.1 |"), "{table}");
     assert!(table.contains("104, 51 ms, 17.8, 0.550"), "the pruned requests' breakdown: {table}");
-    assert!(std::fs::read(&plot).unwrap().starts_with(b"\x89PNG"), "the redrawn plot is a PNG");
     // A run under arrivals: its overloaded recompute puts the plot's TTFT axis on a log scale.
-    let arrivals = saved.with_file_name("bench-tiers-zipf-full-arrivals.json");
-    let out = std::process::Command::new(BIN)
-        .args(["bench", "tiers", "--workload", "zipf", "--from-json"])
-        .arg(&arrivals)
-        .arg("--plot")
-        .arg(&plot)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let table = String::from_utf8_lossy(&out.stdout);
+    let table = replot(&saved.with_file_name("bench-tiers-zipf-full-arrivals.json"));
     assert!(table.contains("Poisson process of 1 per second") && table.contains("is 2.83x lower"), "{table}");
-    assert!(std::fs::read(&plot).unwrap().starts_with(b"\x89PNG"), "the redrawn plot is a PNG");
     let garbage = plot.with_extension("json");
     std::fs::write(&garbage, b"{\"model\": 3}").unwrap();
     let bad = std::process::Command::new(BIN)
