@@ -4,12 +4,13 @@
 Usage: scripts/zipf-requests.py REPORT.json [BASELINE CONFIG [CONTEXT]]
 
 With the report alone, it prints for every configuration:
-- recompute's prefill speed by prompt length (prompt tokens / TTFT, requests grouped to the nearest 1K tokens),
+- recompute's prefill speed by prompt length (not under `--arrival-rate`, where its TTFT is mostly queueing) (prompt tokens / TTFT, requests grouped to the nearest 1K tokens),
   and the least-squares fit `TTFT = a * n + b * n(n+1)/2` over its requests (the cost model's prefill price,
   `worker/src/tiers/cost.rs`, fitted end to end), with the speed it predicts at 1K and 4K tokens;
 - for every other configuration, its requests split into first touches (a context's first request in the run)
   and repeats: how many were cold (more than half the prompt computed), their mean quality, and their share of
-  the mean TTFT; the cold first touches' mean prompt length; the warm first touches by the tier that served most
+  the mean TTFT; every cold request's prompt tokens (count, sum, mean, largest); the cold first touches' mean
+  prompt length; the warm first touches by the tier that served most
   of their prompt, with their quality;
 - for EvicPress, each variant's mean profiled quality and, per tier, the contexts placed at the end and their
   mean bytes, beside the workload's mean context in the device format.
@@ -72,6 +73,10 @@ def requests(name, rs):
 
     print(f"{name}:")
     print(f"  {part('first touches', first)}; {part('repeats', repeat)}")
+    cold_all = [r["prompt_tokens"] for r in rs if cold(r)]
+    if cold_all:
+        print(f"  cold requests: {len(cold_all)}, {sum(cold_all)} prompt tokens, "
+              f"{sum(cold_all) / len(cold_all):.0f} on average, at most {max(cold_all)}")
     cold_first = [r["prompt_tokens"] for r in first if cold(r)]
     if cold_first:
         print(f"  cold first touches: {sum(cold_first) / len(cold_first):.0f} prompt tokens on average")
@@ -102,7 +107,9 @@ def evicpress(ep, workload_bytes, contexts):
 
 def breakdown(report):
     for result in report["results"]:
-        if result["name"] == "recompute":
+        if result["name"] == "recompute" and report["options"].get("arrival_rate", 0) > 0:
+            print("recompute: TTFT counts queueing under arrivals, so no prefill fit")
+        elif result["name"] == "recompute":
             prefill(result["per_request"])
         else:
             requests(result["name"], result["per_request"])

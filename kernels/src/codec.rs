@@ -441,20 +441,22 @@ fn parse_for_outputs(bytes: &[u8], k_out: &[f32], v_out: &[f32]) -> Result<Block
 fn decode_payload(h: &BlockHeader, bytes: &[u8], k_out: &mut [f32], v_out: &mut [f32]) {
     let (kb, vb) = halves(h, bytes);
     let filled = h.filled * h.head_dim;
-    if matches!(h.codec, Codec::Int4Kivi | Codec::Int2Kivi) {
-        decode_kivi_keys(h.codec, h.head_dim, kb, h.filled, &mut k_out[..filled]);
-        decode_kivi_values(h.codec, h.block_size, h.head_dim, vb, h.filled, &mut v_out[..filled]);
-    } else {
-        for slot in 0..h.filled {
-            let r = slot * h.head_dim..(slot + 1) * h.head_dim;
-            if h.codec != Codec::Fp8E4m3Rotated {
-                decode_row(h.codec, Half::K, h.block_size, h.head_dim, kb, slot, &mut k_out[r.clone()]);
-            }
-            decode_row(h.codec, Half::V, h.block_size, h.head_dim, vb, slot, &mut v_out[r]);
+    // Formats with parameters shared by a block or a group widen them once per block; the others go row by row.
+    let rows = |half: Half, b: &[u8], out: &mut [f32]| {
+        for (slot, o) in out.chunks_exact_mut(h.head_dim).enumerate() {
+            decode_row(h.codec, half, h.block_size, h.head_dim, b, slot, o);
         }
-        if h.codec == Codec::Fp8E4m3Rotated {
-            decode_rotated_keys(h.block_size, h.head_dim, kb, h.filled, &mut k_out[..filled]);
+    };
+    match h.codec {
+        Codec::Int4Kivi | Codec::Int2Kivi => decode_kivi_keys(h.codec, h.head_dim, kb, h.filled, &mut k_out[..filled]),
+        Codec::Fp8E4m3Rotated => decode_rotated_keys(h.block_size, h.head_dim, kb, h.filled, &mut k_out[..filled]),
+        _ => rows(Half::K, kb, &mut k_out[..filled]),
+    }
+    match h.codec {
+        Codec::Int4Kivi | Codec::Int2Kivi => {
+            decode_kivi_values(h.codec, h.block_size, h.head_dim, vb, h.filled, &mut v_out[..filled])
         }
+        _ => rows(Half::V, vb, &mut v_out[..filled]),
     }
     k_out[filled..].fill(0.0);
     v_out[filled..].fill(0.0);

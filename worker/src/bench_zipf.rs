@@ -994,37 +994,33 @@ fn run_arrivals(
     use std::sync::mpsc::RecvTimeoutError;
     let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Result<Arrived, EngineError>)>();
     let mut done: Vec<Option<Arrived>> = (0..workload.len()).map(|_| None).collect();
-    let mut keep = |(i, r): (usize, Result<Arrived, EngineError>), sample: &mut dyn FnMut(&EngineStats)| {
-        sample(&engine.stats());
-        done[i] = Some(r?);
-        Ok::<(), EngineError>(())
-    };
     let start = Instant::now();
-    for (i, (r, &at)) in workload.iter().zip(arrivals).enumerate() {
-        let due = start + Duration::from_secs_f64(at);
-        while let Some(wait) = due.checked_duration_since(Instant::now()) {
-            match done_rx.recv_timeout(wait) {
-                Ok(finished) => keep(finished, &mut sample)?,
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        let req = request(r.prompt.clone(), answer_tokens, offline.queries(r.context));
-        let rx = engine.submit(GenerateRequest { request_id: format!("zipf-{i}"), ..req })?;
-        let tx = done_tx.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send((i, collect_arrived(rx, due)));
-        });
-        sample(&engine.stats());
-    }
-    drop(done_tx);
+    let due = |i: usize| start + Duration::from_secs_f64(arrivals[i]);
     let slack = OPEN_LOOP_WORK_PER_REQUEST.saturating_mul(u32::try_from(workload.len()).unwrap_or(u32::MAX));
-    let deadline = Instant::now() + REQUEST_TIMEOUT + slack;
-    loop {
-        let wait = deadline.saturating_duration_since(Instant::now());
-        match done_rx.recv_timeout(wait) {
-            Ok(finished) => keep(finished, &mut sample)?,
-            Err(RecvTimeoutError::Disconnected) => break,
-            Err(RecvTimeoutError::Timeout) => {
+    let deadline = due(workload.len().saturating_sub(1)) + REQUEST_TIMEOUT + slack;
+    let (mut submitted, mut finished) = (0, 0);
+    while finished < workload.len() {
+        // The next event: the next arrival, or else a completion before the deadline.
+        let until = if submitted < workload.len() { due(submitted) } else { deadline };
+        match done_rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            Ok((i, answer)) => {
+                sample(&engine.stats());
+                done[i] = Some(answer?);
+                finished += 1;
+            }
+            Err(RecvTimeoutError::Timeout) if submitted < workload.len() => {
+                let (i, r) = (submitted, &workload[submitted]);
+                let req = request(r.prompt.clone(), answer_tokens, offline.queries(r.context));
+                let rx = engine.submit(GenerateRequest { request_id: format!("zipf-{i}"), ..req })?;
+                let (tx, arrival) = (done_tx.clone(), due(i));
+                std::thread::spawn(move || {
+                    let _ = tx.send((i, collect_arrived(rx, arrival)));
+                });
+                sample(&engine.stats());
+                submitted += 1;
+            }
+            // `done_tx` is held here, so the channel never disconnects first.
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
                 return Err(EngineError::Forward("the arriving requests did not finish in time".into()));
             }
         }
@@ -1058,14 +1054,9 @@ fn run_config(
     }
     let offline_seconds = if offline.prompts.is_empty() { 0.0 } else { offline_t0.elapsed().as_secs_f64() };
     let offline_computed_tokens = engine.stats().computed_tokens_total;
-    let mut ttfts = Vec::with_capacity(workload.len());
-    let mut answers = Vec::with_capacity(workload.len());
-    let mut hits = [0u64; 3];
-    let (mut prompt_tokens, mut computed) = (0u64, 0u64);
     let mut peak_used = [0u64; 3];
     let mut capacity = [0u64; 3];
     let mut peak_planned = [0u64; 3];
-    let mut per_request = Vec::with_capacity(workload.len());
     let pruned_onboards = |st: &EngineStats| st.evicpress.as_ref().map_or(0, |e| e.pruned_onboards);
     let mut last = engine.stats();
     let mut sample_tiers = |s: &EngineStats| {
@@ -1082,6 +1073,11 @@ fn run_config(
             }
         }
     };
+    // Each request's record (quality filled in below) and its answer.
+    let quality_of =
+        |i: usize, answer: &[u32]| reference.and_then(|refs| refs.get(i)).map_or(1.0, |w| agreement(answer, w));
+    let mut per_request = Vec::with_capacity(workload.len());
+    let mut answers = Vec::with_capacity(workload.len());
     if opts.arrival_rate > 0.0 {
         let arrivals = arrival_times(opts.seed, opts.arrival_rate, workload.len());
         let arrived = run_arrivals(&engine, workload, &arrivals, opts.answer_tokens, offline, &mut sample_tiers)?;
@@ -1091,54 +1087,43 @@ fn run_config(
             let onboarded: u64 = a.onboarded_tokens.iter().sum();
             let mut hit_tokens = a.onboarded_tokens;
             hit_tokens[Tier::Device.index()] = a.cached_tokens.saturating_sub(onboarded);
-            for (h, new) in hits.iter_mut().zip(hit_tokens) {
-                *h += new;
-            }
-            let computed_tokens = (r.prompt.len() as u64).saturating_sub(a.cached_tokens);
-            prompt_tokens += r.prompt.len() as u64;
-            computed += computed_tokens;
             per_request.push(RequestRecord {
                 context: r.context,
                 prompt_tokens: r.prompt.len(),
                 ttft_ms: a.ttft * 1e3,
-                computed_tokens,
+                computed_tokens: (r.prompt.len() as u64).saturating_sub(a.cached_tokens),
                 hit_tokens,
                 // A pruned copy's tokens count among the onboarded ones; which requests had one is not reported
                 // per request.
                 pruned: false,
-                quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| agreement(&a.answer, want)),
+                quality: quality_of(i, &a.answer),
             });
-            ttfts.push(a.ttft * 1e3);
             answers.push(a.answer);
         }
-    }
-    for (i, r) in workload.iter().enumerate().filter(|_| opts.arrival_rate <= 0.0) {
-        let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens, offline.queries(r.context))?;
-        let s = settled(&engine, last.computed_tokens_total)?;
-        let hit_tokens: [u64; 3] =
-            std::array::from_fn(|t| s.prefix_hit_tokens[t].saturating_sub(last.prefix_hit_tokens[t]));
-        for (h, new) in hits.iter_mut().zip(hit_tokens) {
-            *h += new;
+    } else {
+        for (i, r) in workload.iter().enumerate() {
+            let (ttft, answer) = run_one(&engine, r.prompt.clone(), opts.answer_tokens, offline.queries(r.context))?;
+            let s = settled(&engine, last.computed_tokens_total)?;
+            per_request.push(RequestRecord {
+                context: r.context,
+                prompt_tokens: r.prompt.len(),
+                ttft_ms: ttft * 1e3,
+                // Prompt tokens computed = all computed minus the decode steps (every answer token but the last).
+                computed_tokens: (s.computed_tokens_total - last.computed_tokens_total)
+                    .saturating_sub(answer.len().saturating_sub(1) as u64),
+                hit_tokens: std::array::from_fn(|t| s.prefix_hit_tokens[t].saturating_sub(last.prefix_hit_tokens[t])),
+                pruned: pruned_onboards(&s) > pruned_onboards(&last),
+                quality: quality_of(i, &answer),
+            });
+            sample_tiers(&s);
+            answers.push(answer);
+            last = s;
         }
-        prompt_tokens += r.prompt.len() as u64;
-        // Prompt tokens computed = all computed minus the decode steps (every answer token but the last).
-        let computed_tokens = (s.computed_tokens_total - last.computed_tokens_total)
-            .saturating_sub(answer.len().saturating_sub(1) as u64);
-        computed += computed_tokens;
-        per_request.push(RequestRecord {
-            context: r.context,
-            prompt_tokens: r.prompt.len(),
-            ttft_ms: ttft * 1e3,
-            computed_tokens,
-            hit_tokens,
-            pruned: pruned_onboards(&s) > pruned_onboards(&last),
-            quality: reference.and_then(|refs| refs.get(i)).map_or(1.0, |want| agreement(&answer, want)),
-        });
-        sample_tiers(&s);
-        ttfts.push(ttft * 1e3);
-        answers.push(answer);
-        last = s;
     }
+    let ttfts: Vec<f64> = per_request.iter().map(|r| r.ttft_ms).collect();
+    let hits: [u64; 3] = std::array::from_fn(|t| per_request.iter().map(|r| r.hit_tokens[t]).sum());
+    let prompt_tokens: u64 = per_request.iter().map(|r| r.prompt_tokens as u64).sum();
+    let computed: u64 = per_request.iter().map(|r| r.computed_tokens).sum();
     engine.shutdown();
     let quality = mean_quality(per_request.iter());
     let reuse_quality =

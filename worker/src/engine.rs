@@ -1829,8 +1829,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 }
                 tiers.cost_mut().record_load(tier, bytes, secs);
                 tiers.count_onboard(tier);
-                self.onboarded_tokens[tier.index()] += layout.block_size as u64;
-                self.sched.credit_front_onboarded(tier.index(), layout.block_size);
+                count_onboarded(&mut self.onboarded_tokens, &mut self.sched, tier, layout.block_size);
                 loaded += 1;
             }
         }
@@ -1887,8 +1886,7 @@ impl<R: ModelRunner> EngineLoop<R> {
                 for &(t, _) in &located {
                     tiers.count_onboard(t);
                 }
-                self.onboarded_tokens[tier.index()] += (copy.groups * bs) as u64;
-                self.sched.credit_front_onboarded(tier.index(), copy.groups * bs);
+                count_onboarded(&mut self.onboarded_tokens, &mut self.sched, tier, copy.groups * bs);
                 if let Some(ep) = &mut self.evicpress {
                     ep.record_pruned_onboard();
                 }
@@ -2238,6 +2236,13 @@ fn finished(seq: &crate::scheduler::Sequence<ReqState>, reason: FinishReason) ->
         queue_seconds: seq.payload.queue_seconds.unwrap_or(0.0),
         stop_token,
     }
+}
+
+/// Counts `tokens` onboarded from `tier` in the engine's totals and for the request at the head of the queue, whose
+/// prefix they continue (its `Finished` event reports them), so that the two counts never part.
+fn count_onboarded<P>(totals: &mut [u64; 3], sched: &mut Scheduler<P>, tier: Tier, tokens: usize) {
+    totals[tier.index()] += tokens as u64;
+    sched.credit_front_onboarded(tier.index(), tokens);
 }
 
 /// The real model: a GGUF llama on the CPU backend, with the device-tier KV arena.
